@@ -1,0 +1,41 @@
+"""Hand-authored schedules, one module per (family, target). Each module provides:
+
+* a frozen knob dataclass (``*Knobs``) with ``to_dict``/``from_dict``;
+* ``preset(spec, target)`` — the per-target default knobs;
+* ``check(knobs, spec, target)`` — feasibility against named hardware limits (raises ``KnobError``);
+* ``workload(spec, knobs)`` — the PrimFunc from the workload registry these knobs schedule;
+* ``apply(sch, knobs, spec)`` — the schedule, finding blocks by name.
+"""
+from __future__ import annotations
+
+from types import ModuleType
+
+from . import cpu_flash, cpu_materialized
+
+#: schedule name -> target family -> module
+SCHEDULES: dict[str, dict[str, ModuleType]] = {
+    "fused": {"cpu": cpu_flash},
+    "materialized": {"cpu": cpu_materialized},
+}
+
+
+class UnknownScheduleError(ValueError):
+    pass
+
+
+def target_family(target) -> str:
+    kind = target.kind.name
+    return {"llvm": "cpu", "c": "cpu"}.get(kind, kind)
+
+
+def get_schedule(name: str, target) -> ModuleType:
+    """The schedule module for schedule ``name`` on ``target``."""
+    if name not in SCHEDULES:
+        raise UnknownScheduleError(f"unknown schedule {name!r}; known: {', '.join(SCHEDULES)}")
+    family = target_family(target)
+    by_target = SCHEDULES[name]
+    if family not in by_target:
+        raise UnknownScheduleError(
+            f"schedule {name!r} has no {family!r} implementation; available for: {', '.join(by_target)}"
+        )
+    return by_target[family]

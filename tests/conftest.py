@@ -1,0 +1,28 @@
+import functools
+
+import numpy as np
+import pytest
+
+from tvm_attention.build import build_kernel
+from tvm_attention.artifact import kernel_of
+from tvm_attention.threads import set_num_threads
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _threads():
+    set_num_threads()
+
+
+@functools.lru_cache(maxsize=None)
+def built(spec, schedule="fused", knobs=None):
+    """Build once per (spec, schedule, knobs) for the whole session."""
+    return build_kernel(spec, schedule=schedule, knobs=dict(knobs) if knobs else None)
+
+
+def run_kernel(spec, q, k, v, schedule="fused", knobs=None):
+    return kernel_of(built(spec, schedule, knobs))(q, k, v)
+
+
+def report(out, ref):
+    diff = np.abs(out.astype(np.float64) - ref)
+    return f"max abs err {diff.max():.3e}, mean abs err {diff.mean():.3e}"

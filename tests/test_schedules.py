@@ -1,0 +1,66 @@
+"""Hand-schedule knobs: presets, feasibility errors, and several knob sets that all stay right."""
+import numpy as np
+import pytest
+
+from schedules import UnknownScheduleError, cpu_flash, get_schedule
+from tvm_attention.build import build_kernel
+from tvm_attention.reference import random_inputs, reference_attention
+from tvm_attention.spec import AttentionSpec
+from tvm_attention.target import resolve_target
+
+from conftest import built, report, run_kernel
+
+TARGET = resolve_target("llvm")
+SPEC = AttentionSpec(batch=1, heads=2, seq_q=150, seq_kv=333, head_dim=64, causal=True)
+
+
+def test_presets_are_feasible():
+    for d in (32, 64, 128, 256):
+        spec = AttentionSpec(batch=1, heads=1, seq_q=64, head_dim=d)
+        cpu_flash.check(cpu_flash.preset(spec, TARGET), spec, TARGET)
+
+
+@pytest.mark.parametrize(
+    "knobs, message",
+    [
+        (dict(block_m=24), "multiple of vector_lanes"),
+        (dict(block_n=50, s_rows=4), "multiple of s_rows"),
+        (dict(pv_rows=3), "multiple of pv_rows"),
+        (dict(s_rows=16), "S_gemm register block needs"),
+        (dict(pv_rows=8), "PV_gemm register block needs"),
+        (dict(vector_lanes=32, block_m=64), "vector_lanes=32"),
+        (dict(block_m=32, block_n=4096, s_rows=4), "MAX_TILE_BYTES"),
+        (dict(block_n=0), "positive int"),
+    ],
+)
+def test_infeasible_knobs_are_rejected_by_name(knobs, message):
+    base = cpu_flash.preset(SPEC, TARGET).to_dict()
+    with pytest.raises(cpu_flash.KnobError, match=message):
+        build_kernel(SPEC, knobs={**base, **knobs})
+
+
+def test_unknown_knob_and_schedule():
+    with pytest.raises(cpu_flash.KnobError, match="bogus"):
+        build_kernel(SPEC, knobs={"bogus": 1})
+    with pytest.raises(UnknownScheduleError, match="known"):
+        get_schedule("nope", TARGET)
+
+
+KNOB_SETS = [
+    dict(block_m=16, block_n=32, s_rows=8, pv_rows=2),
+    dict(block_m=32, block_n=64, s_rows=4, pv_rows=4),
+    dict(block_m=32, block_n=128, s_rows=8, pv_rows=4),
+    dict(block_m=48, block_n=96, s_rows=6, pv_rows=3),
+    dict(block_m=64, block_n=64, s_rows=2, pv_rows=4),
+    dict(block_m=16, block_n=256, s_rows=16, pv_rows=1),
+]
+
+
+@pytest.mark.parametrize("knobs", KNOB_SETS, ids=lambda k: "m{block_m}_n{block_n}_s{s_rows}_p{pv_rows}".format(**k))
+def test_knob_sets_all_correct_and_fused(knobs):
+    key = tuple(sorted(knobs.items()))
+    q, k, v = random_inputs(SPEC, seed=21)
+    out = run_kernel(SPEC, q, k, v, knobs=key)
+    ref = reference_attention(SPEC, q, k, v)
+    assert np.allclose(out, ref, atol=1e-4, rtol=1e-4), report(out, ref)
+    assert built(SPEC, knobs=key).audit.fused

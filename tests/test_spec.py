@@ -1,0 +1,79 @@
+import math
+
+import numpy as np
+import pytest
+
+from tvm_attention.reference import causal_mask, reference_attention
+from tvm_attention.spec import AttentionSpec, SpecError
+
+
+def test_defaults():
+    s = AttentionSpec(batch=2, heads=8, seq_q=128, head_dim=64)
+    assert s.seq_kv == 128 and s.kv_heads == 8 and s.group_size == 1
+    assert s.scale == pytest.approx(1 / 8)
+    assert s.q_shape == (2, 8, 128, 64) and s.kv_shape == (2, 8, 128, 64)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(batch=0), "batch"),
+        (dict(heads=-1), "heads"),
+        (dict(seq_q=0), "seq_q"),
+        (dict(seq_kv=0), "seq_kv"),
+        (dict(head_dim=2.5), "head_dim"),
+        (dict(heads=8, kv_heads=3), "kv_heads"),
+        (dict(dtype="float16"), "float16"),
+        (dict(dtype="int8"), "int8"),
+        (dict(causal=1), "causal"),
+        (dict(scale=-1.0), "scale"),
+        (dict(scale=float("nan")), "scale"),
+    ],
+)
+def test_invalid_spec_names_the_field(kwargs, field):
+    base = dict(batch=1, heads=8, seq_q=16, head_dim=64)
+    base.update(kwargs)
+    with pytest.raises(SpecError, match=field):
+        AttentionSpec(**base)
+
+
+def test_flop_and_byte_models_by_hand():
+    s = AttentionSpec(batch=2, heads=4, seq_q=256, seq_kv=512, head_dim=64, kv_heads=2)
+    assert s.flops() == 4 * 2 * 4 * 256 * 512 * 64
+    c = AttentionSpec(batch=2, heads=4, seq_q=256, seq_kv=512, head_dim=64, kv_heads=2, causal=True)
+    assert c.flops() == 4 * 2 * 4 * 256 * 512 * 64 / 2
+    # q and o: 2·4·256·64 each; k and v: 2·2·512·64 each; 4 bytes
+    assert s.io_bytes() == 4 * (2 * (2 * 4 * 256 * 64) + 2 * (2 * 2 * 512 * 64))
+    assert s.score_elements() == 256 * 512
+
+
+def test_visible_pairs_bottom_right():
+    s = AttentionSpec(batch=1, heads=1, seq_q=5, seq_kv=2, head_dim=8, causal=True)
+    # rows 0..2 see nothing, row 3 sees key 0, row 4 sees keys 0 and 1
+    assert s.visible_pairs() == 3
+    assert causal_mask(5, 2).astype(int).tolist() == [[0, 0], [0, 0], [0, 0], [1, 0], [1, 1]]
+    assert causal_mask(2, 5).astype(int).tolist() == [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
+
+
+def test_roundtrip_dict():
+    s = AttentionSpec(batch=1, heads=4, kv_heads=1, seq_q=7, seq_kv=9, head_dim=32, causal=True, scale=0.3)
+    assert AttentionSpec.from_dict(s.to_dict()) == s
+    with pytest.raises(SpecError, match="bogus"):
+        AttentionSpec.from_dict({**s.to_dict(), "bogus": 1})
+
+
+def test_reference_matches_naive_softmax_and_zero_rows():
+    rng = np.random.default_rng(0)
+    s = AttentionSpec(batch=1, heads=2, kv_heads=1, seq_q=6, seq_kv=3, head_dim=4, causal=True)
+    q = rng.standard_normal(s.q_shape)
+    k = rng.standard_normal(s.kv_shape)
+    v = rng.standard_normal(s.kv_shape)
+    out = reference_attention(s, q, k, v)
+    assert np.all(out[:, :, :3] == 0)  # rows 0..2 see no key
+    for h in range(2):
+        for i in range(3, 6):
+            n = i - 3 + 1
+            logits = q[0, h, i] @ k[0, 0, :n].T * s.scale
+            p = np.exp(logits - logits.max())
+            p /= p.sum()
+            np.testing.assert_allclose(out[0, h, i], p @ v[0, 0, :n], rtol=1e-12)

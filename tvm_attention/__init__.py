@@ -1,0 +1,36 @@
+"""tvm-attention: fused attention kernels generated with Apache TVM.
+
+Public API::
+
+    AttentionSpec                       the workload (BHSD layout, GQA, bottom-right causal)
+    build_kernel(spec, schedule, ...)   PrimFunc → schedule → lowered IR → audit → module
+    load(dir) -> kernel(q, k, v) -> o   serving-side loader of an exported artifact
+    set_num_threads(n)                  size TVM's CPU thread pool (default: all cores)
+"""
+from .spec import AttentionSpec, SpecError
+
+__version__ = "0.1.0"
+
+
+def load(directory, num_threads=None):
+    """Load an artifact directory; see :func:`tvm_attention.loader.load`."""
+    from .loader import load as _load
+
+    return _load(directory, num_threads=num_threads)
+
+
+def build_kernel(spec, schedule="fused", target="llvm", knobs=None):
+    """Build a kernel; see :func:`tvm_attention.build.build_kernel`."""
+    from .build import build_kernel as _build
+
+    return _build(spec, schedule=schedule, target=target, knobs=knobs)
+
+
+def set_num_threads(n=None):
+    """Size TVM's thread pool; see :func:`tvm_attention.threads.set_num_threads`."""
+    from .threads import set_num_threads as _set
+
+    return _set(n)
+
+
+__all__ = ["AttentionSpec", "SpecError", "build_kernel", "load", "set_num_threads", "__version__"]

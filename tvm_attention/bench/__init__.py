@@ -1,0 +1,1 @@
+"""Benchmarks: every variant of a spec timed side by side in one process."""

@@ -1,0 +1,93 @@
+"""The one build path every room uses: spec → PrimFunc → schedule → lowering → audit → codegen."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import tvm
+from tvm import s_tir
+from tvm.target import Target
+
+from .audit import AuditReport, audit
+from .lowering import LoweredModule, codegen, lower_final
+from .spec import AttentionSpec
+from .target import resolve_target
+from .workloads.fused import ENTRY
+
+
+@dataclasses.dataclass
+class BuiltKernel:
+    """A compiled attention kernel with everything needed to audit, run and export it."""
+
+    spec: AttentionSpec
+    schedule: str  # "fused" | "materialized"
+    source: str  # "hand" (knobs) or "tuned" (a MetaSchedule trace)
+    knobs: Any  # the family's knob dataclass (hand) or None
+    target: Target
+    lowered: LoweredModule
+    module: tvm.runtime.Module
+    audit: AuditReport
+    entry: str = ENTRY
+    trace: str | None = None
+
+    def schedule_info(self) -> dict[str, Any]:
+        info: dict[str, Any] = {"name": self.schedule, "source": self.source}
+        if self.knobs is not None:
+            info["family"] = type(self.knobs).__name__
+            info["knobs"] = self.knobs.to_dict()
+        if self.trace is not None:
+            info["trace"] = self.trace
+        return info
+
+    @property
+    def function(self):
+        return self.module[self.entry]
+
+    def run(self, q, k, v, o) -> None:
+        """Call the kernel on TVM tensors (or 64-byte-aligned NumPy arrays): writes ``o``."""
+        self.function(q, k, v, o)
+
+
+def build_kernel(
+    spec: AttentionSpec,
+    schedule: str = "fused",
+    target: str | Target = "llvm",
+    knobs: Any = None,
+) -> BuiltKernel:
+    """Build ``spec`` with the hand schedule ``schedule`` (default knobs: the target preset).
+
+    Steps: PrimFunc from the workload registry → schedule by name → final lowering → audit →
+    codegen of that same lowered IR.
+    """
+    from schedules import get_schedule  # schedules/ sits beside this package
+
+    target = resolve_target(target)
+    family = get_schedule(schedule, target)
+    if knobs is None:
+        knobs = family.preset(spec, target)
+    elif isinstance(knobs, dict):
+        knobs = family.preset(spec, target).__class__.from_dict(
+            {**family.preset(spec, target).to_dict(), **knobs}
+        )
+    family.check(knobs, spec, target)
+    sch = s_tir.Schedule(family.workload(spec, knobs))
+    family.apply(sch, knobs, spec)
+    return build_from_module(spec, schedule, sch.mod, target, source="hand", knobs=knobs)
+
+
+def build_from_module(
+    spec: AttentionSpec,
+    schedule: str,
+    mod: tvm.IRModule,
+    target: Target,
+    source: str,
+    knobs: Any = None,
+    trace: str | None = None,
+) -> BuiltKernel:
+    """Lower, audit and compile an already scheduled module."""
+    from .workloads import WORKLOADS
+
+    lowered = lower_final(mod, target)
+    report = audit(lowered, spec, WORKLOADS[schedule][1])
+    module = codegen(lowered)
+    return BuiltKernel(spec, schedule, source, knobs, target, lowered, module, report, trace=trace)

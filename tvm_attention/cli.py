@@ -1,0 +1,160 @@
+"""``tvm-attention``: build, validate, inspect and run fused attention kernels.
+
+Thin: parses flags into an AttentionSpec and calls the rooms (build, artifact, loader, validate).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .spec import AttentionSpec, SpecError
+
+DEFAULT_SPEC = dict(batch=1, heads=8, seq_q=1024, head_dim=64, dtype="float32", causal=False)
+DEFAULT_OUT = "artifacts"
+
+
+def _add_spec_flags(p: argparse.ArgumentParser, defaults: dict | None = None) -> None:
+    d = defaults or {}
+    req = not d
+    p.add_argument("--batch", type=int, default=d.get("batch"), required=req, help="B")
+    p.add_argument("--heads", type=int, default=d.get("heads"), required=req, help="H (query heads)")
+    p.add_argument("--kv-heads", type=int, default=None, help="KH (default: heads); heads %% KH == 0")
+    p.add_argument("--seq-q", type=int, default=d.get("seq_q"), required=req, help="Sq")
+    p.add_argument("--seq-kv", type=int, default=None, help="Skv (default: seq-q)")
+    p.add_argument("--head-dim", type=int, default=d.get("head_dim"), required=req, help="D")
+    p.add_argument("--dtype", default=d.get("dtype", "float32"), help="float32 (float16/bfloat16: not yet)")
+    p.add_argument("--causal", action="store_true", default=d.get("causal", False),
+                   help="bottom-right causal mask: query i sees key j iff j <= i + Skv - Sq")
+    p.add_argument("--scale", type=float, default=None, help="softmax scale (default 1/sqrt(D))")
+
+
+def _spec_from_args(a: argparse.Namespace) -> AttentionSpec:
+    return AttentionSpec(
+        batch=a.batch, heads=a.heads, kv_heads=a.kv_heads, seq_q=a.seq_q, seq_kv=a.seq_kv,
+        head_dim=a.head_dim, dtype=a.dtype, causal=a.causal, scale=a.scale,
+    )
+
+
+def _add_build_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default="llvm", help="'llvm' (this CPU, default) or a JSON target")
+    p.add_argument("--schedule", default="fused", choices=["fused", "materialized"])
+    p.add_argument("--knobs", default=None,
+                   help='hand-schedule knob overrides as JSON, e.g. \'{"block_n": 128}\'')
+    p.add_argument("--threads", type=int, default=None, help="runtime threads (default: all cores)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the validation inputs")
+
+
+def _build_and_export(a: argparse.Namespace, spec: AttentionSpec, out: Path):
+    from .artifact import export, validate_built
+    from .build import build_kernel
+    from .threads import set_num_threads
+
+    set_num_threads(a.threads)
+    knobs = json.loads(a.knobs) if a.knobs else None
+    built = build_kernel(spec, schedule=a.schedule, target=a.target, knobs=knobs)
+    validation = validate_built(built, seed=a.seed)
+    manifest = export(built, out, validation)
+    return built, validation, manifest
+
+
+def cmd_build(a: argparse.Namespace) -> int:
+    spec = _spec_from_args(a)
+    out = Path(a.out)
+    built, validation, _ = _build_and_export(a, spec, out)
+    print(f"spec: {spec.short_name()}  schedule: {built.schedule} ({built.source})  target: {built.target}")
+    print(built.audit.format())
+    print(validation.format())
+    print(f"artifact: {out}")
+    return 0
+
+
+def cmd_run(a: argparse.Namespace) -> int:
+    from .timing import time_module
+
+    spec = _spec_from_args(a)
+    out = Path(a.out) if a.out else Path(DEFAULT_OUT) / f"{a.schedule}_{spec.short_name()}"
+    built, validation, _ = _build_and_export(a, spec, out)
+    t = time_module(built.module, built.entry, spec)
+    from .threads import num_threads
+
+    print(f"spec:       {spec.short_name()}  (B={spec.batch} H={spec.heads} KH={spec.kv_heads} "
+          f"Sq={spec.seq_q} Skv={spec.seq_kv} D={spec.head_dim} {spec.dtype} causal={spec.causal})")
+    print(f"schedule:   {built.schedule} ({built.source}) {built.schedule_info().get('knobs', '')}")
+    print(f"target:     {built.target}  threads: {num_threads()}")
+    print(built.audit.format())
+    print(validation.format())
+    print(f"time:       {t.median_s * 1e3:.3f} ms per call (median of {t.repeats}, std {t.std_s * 1e3:.3f} ms)")
+    print(f"throughput: {t.gflops(spec):.1f} GFLOP/s  (4·B·H·Sq·Skv·D{', halved for causal' if spec.causal else ''})")
+    print(f"artifact:   {out.resolve()}")
+    return 0 if built.audit.fused or a.schedule != "fused" else 1
+
+
+def cmd_validate(a: argparse.Namespace) -> int:
+    from .loader import load
+    from .validate import validate_callable
+
+    kernel = load(a.dir, num_threads=a.threads)
+    result = validate_callable(kernel.spec, kernel, seed=a.seed)
+    print(f"artifact: {a.dir}  spec: {kernel.spec.short_name()}")
+    print(result.format())
+    return 0 if result.passed else 1
+
+
+def cmd_inspect(a: argparse.Namespace) -> int:
+    from .loader import read_manifest
+
+    m = read_manifest(a.dir)
+    audit = m.get("audit", {})
+    print(f"artifact:   {a.dir}")
+    print(f"spec:       {AttentionSpec.from_dict(m['spec']).short_name()}")
+    print(f"entry:      {m['entry']} in {m['library']}  layout {m.get('layout')}")
+    print(f"args:       " + ", ".join(f"{x['name']}{tuple(x['shape'])}:{x['dtype']}" for x in m["args"]))
+    print(f"target:     {json.dumps(m.get('target'))}")
+    print(f"schedule:   {json.dumps(m.get('schedule'))}")
+    print(f"tvm:        {m.get('tvm_version')}")
+    print(f"audit:      {audit.get('verdict')}  largest allocation: {json.dumps(audit.get('largest_allocation'))}")
+    for r in audit.get("reasons", []):
+        print(f"            - {r}")
+    v = m.get("validation", {})
+    print(f"validation: {'PASS' if v.get('passed') else 'FAIL'} max abs err {v.get('max_abs_err')}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tvm-attention", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("build", help="build, audit, validate and export one kernel")
+    _add_spec_flags(p)
+    _add_build_flags(p)
+    p.add_argument("--out", required=True, help="artifact directory to write")
+    p.set_defaults(func=cmd_build)
+
+    p = sub.add_parser("run", help="the main job: build the default spec on this CPU, audit, validate, time, export")
+    _add_spec_flags(p, DEFAULT_SPEC)
+    _add_build_flags(p)
+    p.add_argument("--out", default=None, help=f"artifact directory (default: {DEFAULT_OUT}/<schedule>_<spec>)")
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("validate", help="rerun an artifact on fresh random inputs vs the NumPy reference")
+    p.add_argument("dir")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--threads", type=int, default=None)
+    p.set_defaults(func=cmd_validate)
+
+    p = sub.add_parser("inspect", help="print an artifact's manifest summary and audit")
+    p.add_argument("dir")
+    p.set_defaults(func=cmd_inspect)
+
+    a = parser.parse_args(argv)
+    try:
+        return a.func(a)
+    except (SpecError, ValueError, RuntimeError) as e:
+        print(f"tvm-attention {a.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""The float64 NumPy reference: the single definition of tvm-attention's semantics."""
+from __future__ import annotations
+
+import numpy as np
+
+from .spec import AttentionSpec
+
+
+def causal_mask(seq_q: int, seq_kv: int) -> np.ndarray:
+    """Boolean ``(seq_q, seq_kv)`` mask, True where query i may see key j (bottom-right)."""
+    i = np.arange(seq_q)[:, None]
+    j = np.arange(seq_kv)[None, :]
+    return j <= i + (seq_kv - seq_q)
+
+
+def reference_attention(
+    spec: AttentionSpec,
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    rows: np.ndarray | None = None,
+) -> np.ndarray:
+    """``softmax(q·kᵀ·scale + mask)·v`` in float64, BHSD layout, GQA by ``h // group_size``.
+
+    ``rows`` (optional) restricts the computation to those query rows; the result then has
+    shape ``(B, H, len(rows), D)``. Rows that see no key are zeros.
+    """
+    q = np.asarray(q, dtype=np.float64)
+    k = np.asarray(k, dtype=np.float64)
+    v = np.asarray(v, dtype=np.float64)
+    if rows is not None:
+        rows = np.asarray(rows)
+        q = q[:, :, rows, :]
+    # Expand kv heads to query heads: query head h reads kv head h // group_size.
+    k = np.repeat(k, spec.group_size, axis=1)
+    v = np.repeat(v, spec.group_size, axis=1)
+    s = np.einsum("bhid,bhjd->bhij", q, k) * spec.scale
+    if spec.causal:
+        mask = causal_mask(spec.seq_q, spec.seq_kv)
+        if rows is not None:
+            mask = mask[rows]
+        s = np.where(mask, s, -np.inf)
+    m = s.max(axis=-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0)
+    p = np.exp(s - m)
+    denom = p.sum(axis=-1, keepdims=True)
+    o = np.einsum("bhij,bhjd->bhid", p, v)
+    return np.divide(o, denom, out=np.zeros_like(o), where=denom > 0)
+
+
+def random_inputs(spec: AttentionSpec, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Seeded standard-normal q, k, v of ``spec``'s shapes and dtype."""
+    rng = np.random.default_rng(seed)
+    dt = np.dtype(spec.dtype)
+    q = rng.standard_normal(spec.q_shape).astype(dt)
+    k = rng.standard_normal(spec.kv_shape).astype(dt)
+    v = rng.standard_normal(spec.kv_shape).astype(dt)
+    return q, k, v

@@ -1,0 +1,170 @@
+"""The workload spec: one value type that every room of tvm-attention speaks.
+
+Layout is BHSD throughout:
+
+* ``q``: ``(batch, heads, seq_q, head_dim)``
+* ``k``, ``v``: ``(batch, kv_heads, seq_kv, head_dim)``
+* ``o``: ``(batch, heads, seq_q, head_dim)``
+
+Query head ``h`` reads kv head ``h // (heads // kv_heads)`` (GQA; ``kv_heads == 1`` is MQA).
+
+Causal masking is bottom-right aligned (FlashAttention >= 2.1): query ``i`` may see key ``j``
+iff ``j <= i + (seq_kv - seq_q)``. For ``seq_q=5, seq_kv=2``::
+
+    0 0
+    0 0
+    0 0
+    1 0
+    1 1
+
+A row that may see no key outputs zeros.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping
+
+SUPPORTED_DTYPES = ("float32",)
+#: dtypes we recognise but do not generate CPU kernels for yet (rejected with a clear message).
+KNOWN_DTYPES = ("float32", "float16", "bfloat16")
+
+
+class SpecError(ValueError):
+    """An invalid :class:`AttentionSpec`; the message names the offending field."""
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionSpec:
+    """One attention workload: ``O = softmax(Q·Kᵀ·scale + mask)·V`` in BHSD layout."""
+
+    batch: int
+    heads: int
+    seq_q: int
+    head_dim: int
+    seq_kv: int | None = None  # defaults to seq_q
+    kv_heads: int | None = None  # defaults to heads
+    dtype: str = "float32"
+    causal: bool = False
+    scale: float | None = None  # defaults to 1/sqrt(head_dim)
+
+    def __post_init__(self) -> None:
+        for name in ("batch", "heads", "seq_q", "head_dim"):
+            _check_positive_int(name, getattr(self, name))
+        if self.seq_kv is None:
+            object.__setattr__(self, "seq_kv", self.seq_q)
+        if self.kv_heads is None:
+            object.__setattr__(self, "kv_heads", self.heads)
+        _check_positive_int("seq_kv", self.seq_kv)
+        _check_positive_int("kv_heads", self.kv_heads)
+        if self.heads % self.kv_heads:
+            raise SpecError(
+                f"heads={self.heads} must be divisible by kv_heads={self.kv_heads} "
+                "(each kv head serves heads // kv_heads query heads)"
+            )
+        if not isinstance(self.causal, bool):
+            raise SpecError(f"causal must be a bool, got {self.causal!r}")
+        if self.dtype not in KNOWN_DTYPES:
+            raise SpecError(f"dtype={self.dtype!r} is not known; known dtypes: {', '.join(KNOWN_DTYPES)}")
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise SpecError(
+                f"dtype={self.dtype!r} is not supported yet; supported: {', '.join(SUPPORTED_DTYPES)}"
+            )
+        if self.scale is None:
+            object.__setattr__(self, "scale", 1.0 / math.sqrt(self.head_dim))
+        if isinstance(self.scale, bool) or not isinstance(self.scale, (int, float)):
+            raise SpecError(f"scale must be a number, got {self.scale!r}")
+        object.__setattr__(self, "scale", float(self.scale))
+        if not math.isfinite(self.scale) or self.scale <= 0:
+            raise SpecError(f"scale must be a finite positive number, got {self.scale!r}")
+
+    # -- shapes -------------------------------------------------------------------------------
+    @property
+    def group_size(self) -> int:
+        """Query heads per kv head."""
+        return self.heads // self.kv_heads
+
+    @property
+    def kv_offset(self) -> int:
+        """Bottom-right causal offset: query i sees key j iff j <= i + kv_offset."""
+        return self.seq_kv - self.seq_q
+
+    @property
+    def q_shape(self) -> tuple[int, int, int, int]:
+        return (self.batch, self.heads, self.seq_q, self.head_dim)
+
+    @property
+    def kv_shape(self) -> tuple[int, int, int, int]:
+        return (self.batch, self.kv_heads, self.seq_kv, self.head_dim)
+
+    @property
+    def o_shape(self) -> tuple[int, int, int, int]:
+        return self.q_shape
+
+    def arg_specs(self) -> list[dict[str, Any]]:
+        """The kernel's arguments in call order: q, k, v, then the output buffer o."""
+        return [
+            {"name": "q", "shape": list(self.q_shape), "dtype": self.dtype},
+            {"name": "k", "shape": list(self.kv_shape), "dtype": self.dtype},
+            {"name": "v", "shape": list(self.kv_shape), "dtype": self.dtype},
+            {"name": "o", "shape": list(self.o_shape), "dtype": self.dtype},
+        ]
+
+    # -- models ----------------------------------------------------------------------------------
+    def visible_pairs(self) -> int:
+        """Number of (query, key) pairs that are not masked, per (batch, head)."""
+        if not self.causal:
+            return self.seq_q * self.seq_kv
+        off = self.kv_offset
+        total = 0
+        # row i sees min(seq_kv, max(0, i + off + 1)) keys; sum in closed form over clamps.
+        for i in range(self.seq_q):
+            total += min(self.seq_kv, max(0, i + off + 1))
+        return total
+
+    def flops(self) -> float:
+        """Conventional attention FLOPs: 4·B·H·Sq·Skv·D, halved for causal (the usual benchmark
+        convention of FlashAttention and Triton, used for every GFLOP/s we print)."""
+        f = 4.0 * self.batch * self.heads * self.seq_q * self.seq_kv * self.head_dim
+        return f / 2 if self.causal else f
+
+    @property
+    def itemsize(self) -> int:
+        return {"float32": 4, "float16": 2, "bfloat16": 2}[self.dtype]
+
+    def io_bytes(self) -> int:
+        """Bytes of q, k, v and o: what a fused kernel must move at minimum."""
+        q = self.batch * self.heads * self.seq_q * self.head_dim
+        kv = 2 * self.batch * self.kv_heads * self.seq_kv * self.head_dim
+        return (2 * q + kv) * self.itemsize
+
+    def score_elements(self) -> int:
+        """Elements of one (batch, head) score matrix: seq_q × seq_kv."""
+        return self.seq_q * self.seq_kv
+
+    # -- (de)serialisation -----------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "AttentionSpec":
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - fields
+        if unknown:
+            raise SpecError(f"unknown spec field(s): {', '.join(sorted(unknown))}")
+        return cls(**dict(d))
+
+    def short_name(self) -> str:
+        """A filesystem-safe name, e.g. ``b1_h8_kv8_q1024_k1024_d64_float32_causal``."""
+        c = "causal" if self.causal else "full"
+        return (
+            f"b{self.batch}_h{self.heads}_kv{self.kv_heads}_q{self.seq_q}_k{self.seq_kv}"
+            f"_d{self.head_dim}_{self.dtype}_{c}"
+        )
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SpecError(f"{name} must be an int, got {value!r}")
+    if value <= 0:
+        raise SpecError(f"{name} must be positive, got {value}")

@@ -1,0 +1,99 @@
+"""Target resolution: from what a user types to a ``tvm.target.Target`` that emits good code.
+
+``"llvm"`` (or ``"cpu"``) means *this* CPU: TVM's bare ``{"kind": "llvm"}`` (and even
+``"mcpu": "native"``) emits SSE-only code, so we name the host CPU (e.g. ``znver4``) to get
+AVX-512, and record the core count so the parallel runtime is sized for it.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Mapping
+
+import tvm
+from tvm.target import Target
+
+
+class TargetError(ValueError):
+    """An unknown or malformed target; the message names what was wrong."""
+
+
+def host_cpu() -> str:
+    return tvm.target.codegen.llvm_get_system_cpu()
+
+
+def available_cores() -> int:
+    """Cores this process may run on (affinity-aware), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - non-Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def resolve_target(target: str | Mapping[str, Any] | Target = "llvm", num_cores: int | None = None) -> Target:
+    """Resolve ``target`` to a Target.
+
+    Accepted forms: ``"llvm"``/``"cpu"`` (the host CPU), a JSON object string or dict such as
+    ``{"kind": "llvm", "mcpu": "znver4"}``, or a ``Target``. LLVM targets without ``mcpu`` get
+    the host CPU; ``num-cores`` defaults to the cores available to this process.
+    """
+    if isinstance(target, Target):
+        return target
+    if isinstance(target, str):
+        text = target.strip()
+        if text in ("llvm", "cpu", "host"):
+            config: dict[str, Any] = {"kind": "llvm"}
+        elif text.startswith("{"):
+            try:
+                config = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise TargetError(f"target {text!r} is not valid JSON: {e}") from None
+        elif text in ("cuda", "nvptx", "rocm", "vulkan", "metal", "opencl"):
+            raise TargetError(
+                f"target {text!r} is recognised but not supported by this build of tvm-attention yet; "
+                "supported: llvm (the local CPU)"
+            )
+        else:
+            raise TargetError(
+                f"unknown target {text!r}; use 'llvm' (the local CPU) or a JSON target such as "
+                '\'{"kind": "llvm", "mcpu": "znver4"}\''
+            )
+    elif isinstance(target, Mapping):
+        config = dict(target)
+    else:
+        raise TargetError(f"target must be a string, dict or Target, got {type(target).__name__}")
+    if not isinstance(config, dict) or "kind" not in config:
+        raise TargetError(f"target {config!r} has no 'kind'")
+    if config["kind"] != "llvm":
+        raise TargetError(
+            f"target kind {config['kind']!r} is not supported yet; supported: llvm (the local CPU)"
+        )
+    config.setdefault("mcpu", host_cpu())
+    config.setdefault("num-cores", num_cores or available_cores())
+    try:
+        return Target(config)
+    except Exception as e:  # TVM raises ValueError/TVMError with the list of valid keys
+        raise TargetError(f"invalid target {config!r}: {e}") from None
+
+
+def vector_lanes(target: Target, dtype: str = "float32") -> int:
+    """SIMD lanes for ``dtype`` on an LLVM target: 16 with AVX-512, 8 with AVX2, else 4."""
+    bits = tvm.DataType(dtype).bits
+    features = target_features(target)
+    if "avx512f" in features:
+        width = 512
+    elif "avx2" in features or "avx" in features:
+        width = 256
+    else:
+        width = 128
+    return width // bits
+
+
+def target_features(target: Target) -> set[str]:
+    """The ISA features LLVM enables for ``target`` (e.g. {'avx512f', 'avx2', ...})."""
+    return {str(k) for k in tvm.target.codegen.llvm_get_cpu_features(target)}
+
+
+def target_to_json(target: Target) -> dict[str, Any]:
+    """A plain JSON-able dict of ``target`` (round-trips through ``Target(dict)``)."""
+    return json.loads(str(target))

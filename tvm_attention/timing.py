@@ -1,0 +1,64 @@
+"""Timing helpers shared by the CLI and the benchmarks (TVM's time_evaluator and a wall clock)."""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from typing import Callable
+
+import numpy as np
+import tvm
+
+from .loader import aligned_empty
+from .reference import random_inputs
+from .spec import AttentionSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    median_s: float
+    std_s: float
+    repeats: int
+
+    def gflops(self, spec: AttentionSpec) -> float:
+        return spec.flops() / self.median_s / 1e9
+
+
+def aligned_inputs(spec: AttentionSpec, seed: int = 0):
+    """Seeded q, k, v and an output buffer, all 64-byte aligned."""
+    arrays = []
+    for x in random_inputs(spec, seed):
+        a = aligned_empty(x.shape, x.dtype)
+        a[...] = x
+        arrays.append(a)
+    arrays.append(aligned_empty(spec.o_shape, spec.dtype))
+    return arrays
+
+
+def time_module(module: tvm.runtime.Module, entry: str, spec: AttentionSpec, repeat: int = 5,
+                min_repeat_ms: int = 200) -> Timing:
+    """Median ± std of ``repeat`` measurements, each running at least ``min_repeat_ms``
+    (after one warm-up call)."""
+    args = [tvm.runtime.tensor(a) for a in aligned_inputs(spec)]
+    module[entry](*args)  # warm-up: page in, build the thread pool
+    te = module.time_evaluator(entry, tvm.cpu(), number=1, repeat=repeat, min_repeat_ms=min_repeat_ms)
+    res = te(*args)
+    results = list(res.results)
+    return Timing(statistics.median(results), statistics.pstdev(results), len(results))
+
+
+def time_callable(fn: Callable[[], object], repeat: int = 5, min_repeat_ms: int = 200) -> Timing:
+    """Same protocol for a Python callable (NumPy, PyTorch)."""
+    fn()
+    results = []
+    for _ in range(repeat):
+        n = 0
+        t0 = time.perf_counter()
+        while True:
+            fn()
+            n += 1
+            el = time.perf_counter() - t0
+            if el * 1e3 >= min_repeat_ms:
+                break
+        results.append(el / n)
+    return Timing(statistics.median(results), statistics.pstdev(results), len(results))

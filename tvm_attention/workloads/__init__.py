@@ -1,0 +1,16 @@
+"""Compute layer: PrimFunc factories with named blocks, and the registry that maps names to them.
+
+Every room (CLI, tests, tuning, benchmarks) gets its PrimFuncs from here.
+"""
+from __future__ import annotations
+
+from .fused import fused_attention
+from .materialized import materialized_attention
+
+#: workload name -> (factory, names of the score buffers the audit checks, description)
+WORKLOADS = {
+    "fused": (fused_attention, ("S", "P"), "online-softmax flash attention; score tile in local scope"),
+    "materialized": (materialized_attention, ("S", "P"), "QKᵀ, softmax and PV through global S×S buffers"),
+}
+
+__all__ = ["WORKLOADS", "fused_attention", "materialized_attention"]

@@ -1,0 +1,93 @@
+"""The materialized baseline: every stage goes through global memory.
+
+``S = Q·Kᵀ`` is written to a global ``(B, H, Sq, Skv)`` score buffer, the softmax writes a
+global ``(B, H, Sq, Skv)`` probability buffer ``P``, and ``O = P·V`` reads it back. This is the
+honest baseline the fused kernel is compared with, and the negative control of the fusion audit.
+It uses the same masking, guard and fast ``exp2`` as the fused kernel so that comparisons
+measure data movement, not a different exponential.
+
+Named blocks: ``S_gemm``, ``row_max``, ``row_sum``, ``softmax``, ``PV_gemm``.
+"""
+from __future__ import annotations
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from ..spec import AttentionSpec
+from ._math import LOG2E, exp2_fast
+
+ENTRY = "attention"
+
+
+def materialized_attention(spec: AttentionSpec) -> tirx.PrimFunc:
+    """Arguments (call order): ``Q (B, H, Sq, D)``, ``K (B, KH, Skv, D)``, ``V (B, KH, Skv, D)``,
+    ``O (B, H, Sq, D)``, compact row-major ``spec.dtype``."""
+    B, H, KH = spec.batch, spec.heads, spec.kv_heads
+    SQ, SK, D = spec.seq_q, spec.seq_kv, spec.head_dim
+    G = spec.group_size
+    OFF = spec.kv_offset
+    causal = spec.causal
+    dtype = spec.dtype
+    qscale = float(spec.scale * LOG2E)
+    neg_inf = T.float32(float("-inf"))
+
+    def logit(S, vb, vh, vi, vj):
+        # Scaled score in log2 units, -inf right of the bottom-right causal diagonal.
+        x = S[vb, vh, vi, vj] * T.float32(qscale)
+        if causal:
+            return T.Select(vj <= vi + OFF, x, neg_inf)
+        return x
+
+    def guarded(mx):
+        return T.Select(mx == neg_inf, T.float32(0), mx)
+
+    @T.prim_func(s_tir=True)
+    def attention(
+        Q: T.Buffer((B, H, SQ, D), dtype),
+        K: T.Buffer((B, KH, SK, D), dtype),
+        V: T.Buffer((B, KH, SK, D), dtype),
+        O: T.Buffer((B, H, SQ, D), dtype),
+    ):
+        T.func_attr({"global_symbol": ENTRY, "tirx.noalias": True})
+        S = T.sblock_alloc_buffer((B, H, SQ, SK), "float32")  # scores: the S×S matrix, global
+        P = T.sblock_alloc_buffer((B, H, SQ, SK), "float32")  # probabilities, global
+        M = T.sblock_alloc_buffer((B, H, SQ), "float32")  # row max (log2 units)
+        L = T.sblock_alloc_buffer((B, H, SQ), "float32")  # row sum
+        for b, h, i, j, d in T.grid(B, H, SQ, SK, D):
+            with T.sblock("S_gemm"):
+                vb, vh, vi, vj, vd = T.axis.remap("SSSSR", [b, h, i, j, d])
+                with T.init():
+                    S[vb, vh, vi, vj] = T.float32(0)
+                S[vb, vh, vi, vj] = S[vb, vh, vi, vj] + Q[vb, vh, vi, vd] * K[vb, vh // G, vj, vd]
+        for b, h, i, j in T.grid(B, H, SQ, SK):
+            with T.sblock("row_max"):
+                vb, vh, vi, vj = T.axis.remap("SSSR", [b, h, i, j])
+                with T.init():
+                    # max's identity as TVM's reducer registry knows it (so rfactor applies);
+                    # a fully masked row keeps it, and exp2(-inf - it) is still 0.
+                    M[vb, vh, vi] = T.min_value("float32")
+                M[vb, vh, vi] = T.max(M[vb, vh, vi], logit(S, vb, vh, vi, vj))
+        for b, h, i, j in T.grid(B, H, SQ, SK):
+            with T.sblock("row_sum"):
+                vb, vh, vi, vj = T.axis.remap("SSSR", [b, h, i, j])
+                with T.init():
+                    L[vb, vh, vi] = T.float32(0)
+                L[vb, vh, vi] = L[vb, vh, vi] + exp2_fast(
+                    logit(S, vb, vh, vi, vj) - guarded(M[vb, vh, vi])
+                )
+        for b, h, i, j in T.grid(B, H, SQ, SK):
+            with T.sblock("softmax"):
+                vb, vh, vi, vj = T.axis.remap("SSSS", [b, h, i, j])
+                P[vb, vh, vi, vj] = T.Select(
+                    L[vb, vh, vi] > T.float32(0),
+                    exp2_fast(logit(S, vb, vh, vi, vj) - guarded(M[vb, vh, vi])) / L[vb, vh, vi],
+                    T.float32(0),
+                )
+        for b, h, i, d, j in T.grid(B, H, SQ, D, SK):
+            with T.sblock("PV_gemm"):
+                vb, vh, vi, vd, vj = T.axis.remap("SSSSR", [b, h, i, d, j])
+                with T.init():
+                    O[vb, vh, vi, vd] = T.float32(0)
+                O[vb, vh, vi, vd] = O[vb, vh, vi, vd] + P[vb, vh, vi, vj] * V[vb, vh // G, vj, vd]
+
+    return attention
