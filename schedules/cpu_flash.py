@@ -43,6 +43,9 @@ class FlashCPUKnobs:
     s_rows: int = 6  # keys per register block of S_gemm, unrolled (accumulators: s_rows·block_m/lanes)
     pv_rows: int = 4  # query rows per register block of PV_gemm, unrolled (pv_rows·head_dim/lanes)
     vector_lanes: int = 16  # float32 SIMD lanes: 16 = AVX-512, 8 = AVX2
+    d_unroll: int = 1  # S_gemm: head_dim steps unrolled per iteration (1 = leave to LLVM)
+    parallel_chunk: int = 1  # row tiles per parallel task (1 = finest load balance)
+    auto_unroll: int = 0  # pragma_auto_unroll_max_step on the key-tile loop (0 = off)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -61,24 +64,40 @@ VECTOR_REGISTERS = {16: 32, 8: 16, 4: 16}  # lanes -> architectural vector regis
 MAX_TILE_BYTES = 512 * 1024  # a tile's local buffers must fit well inside a 1 MiB L2
 
 
+# -- choices the design space samples (the hand knobs must be one of them) ---------------------
+D_UNROLL_MAX = 8  # sample_perfect_tile bound for the head_dim split of S_gemm
+PARALLEL_CHUNKS = (1, 2, 4)
+AUTO_UNROLL_STEPS = (0, 16, 64, 256)
+#: (block_m in vector widths, block_n) tile pairs the tuner searches across, one task each.
+TILE_CANDIDATES = ((1, 32), (1, 64), (2, 32), (2, 64), (2, 128), (4, 64))
+
+
+def max_s_rows(block_m: int, lanes: int) -> int:
+    """Largest S_gemm register block that fits: s_rows·q_vectors + q_vectors + 1 <= registers."""
+    q_vectors = block_m // lanes
+    return (VECTOR_REGISTERS.get(lanes, 16) - q_vectors - 1) // q_vectors
+
+
+def max_pv_rows(head_dim: int, lanes: int) -> int:
+    """Largest PV_gemm register block that fits: pv_rows·d_vectors + 2 <= registers."""
+    return (VECTOR_REGISTERS.get(lanes, 16) - 2) // math.ceil(head_dim / lanes)
+
+
 def preset(spec: AttentionSpec, target: Target) -> FlashCPUKnobs:
     """Per-target default knobs.
 
-    Why these values (measured on a 2-core znver4, B1 H8 S1024 D64): block_m=32 gives two
-    zmm vectors of query rows per key, so 6 keys make 12 accumulators + 2 q vectors; 64-key
-    tiles keep S and P (8 KiB each) in L1 with the q tile; larger key tiles lost L1 residency
-    and smaller ones paid the per-tile softmax overhead more often. pv_rows is the largest row
-    block whose accumulators (pv_rows·D/lanes) leave room for the V row: 4 at D=64, 2 at D=128.
+    Why these values (measured on a 2-core znver4, B1 H8 S2048 D64, 2 threads): block_m = two
+    vectors of query rows and block_n = 64 keys ran 202 GFLOP/s; (32, 128), (48, 64), (64, 128)
+    and (16, 64) ran 189-197, (32, 96) 177 and (32, 128, s_rows=8) 104 (its 16 accumulators +
+    L1 pressure). s_rows=4 beat 8 at (32, 64); pv_rows is the largest row block whose
+    accumulators (pv_rows·D/lanes) leave room for the V row: 4 at D=64, 2 at D=128.
     """
     lanes = vector_lanes(target, spec.dtype)
-    regs = VECTOR_REGISTERS.get(lanes, 16)
-    block_m = 2 * lanes
-    d_vectors = math.ceil(spec.head_dim / lanes)
-    pv_rows = max(1, min(4, (regs - 4) // d_vectors))
+    block_m, block_n = 2 * lanes, 64
+    pv_rows = max(1, min(4, max_pv_rows(spec.head_dim, lanes)))
     while block_m % pv_rows:
         pv_rows -= 1
-    s_rows = max(1, min(6, (regs - 4) // (block_m // lanes) - 1))
-    block_n = 64
+    s_rows = min(4, max_s_rows(block_m, lanes))
     while block_n % s_rows:
         s_rows -= 1
     return FlashCPUKnobs(block_m=block_m, block_n=block_n, s_rows=s_rows, pv_rows=pv_rows, vector_lanes=lanes)
@@ -87,7 +106,7 @@ def preset(spec: AttentionSpec, target: Target) -> FlashCPUKnobs:
 def check(knobs: FlashCPUKnobs, spec: AttentionSpec, target: Target) -> None:
     """Raise :class:`KnobError` if ``knobs`` cannot be built well for ``spec`` on ``target``."""
     lanes = knobs.vector_lanes
-    for name in ("block_m", "block_n", "s_rows", "pv_rows", "vector_lanes"):
+    for name in ("block_m", "block_n", "s_rows", "pv_rows", "vector_lanes", "d_unroll", "parallel_chunk"):
         v = getattr(knobs, name)
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
             raise KnobError(f"{name} must be a positive int, got {v!r}")
@@ -102,20 +121,27 @@ def check(knobs: FlashCPUKnobs, spec: AttentionSpec, target: Target) -> None:
         raise KnobError(f"block_n={knobs.block_n} must be a multiple of s_rows={knobs.s_rows}")
     if knobs.block_m % knobs.pv_rows:
         raise KnobError(f"block_m={knobs.block_m} must be a multiple of pv_rows={knobs.pv_rows}")
-    regs = VECTOR_REGISTERS.get(target_lanes, 16)
-    q_vectors = knobs.block_m // lanes
-    s_live = knobs.s_rows * q_vectors + q_vectors + 1
-    if s_live > regs:
+    if spec.head_dim % knobs.d_unroll or knobs.d_unroll > D_UNROLL_MAX:
         raise KnobError(
-            f"S_gemm register block needs {s_live} vector registers (s_rows={knobs.s_rows} × "
-            f"{q_vectors} accumulators + {q_vectors} q vectors + 1 broadcast) > {regs} available"
+            f"d_unroll={knobs.d_unroll} must divide head_dim={spec.head_dim} and be <= {D_UNROLL_MAX}"
         )
-    d_vectors = math.ceil(spec.head_dim / lanes)
-    pv_live = knobs.pv_rows * d_vectors + 2
-    if pv_live > regs:
+    if knobs.parallel_chunk not in PARALLEL_CHUNKS:
+        raise KnobError(f"parallel_chunk={knobs.parallel_chunk} not in {PARALLEL_CHUNKS}")
+    if knobs.auto_unroll not in AUTO_UNROLL_STEPS:
+        raise KnobError(f"auto_unroll={knobs.auto_unroll} not in {AUTO_UNROLL_STEPS}")
+    regs = VECTOR_REGISTERS.get(lanes, 16)
+    q_vectors = knobs.block_m // lanes
+    if knobs.s_rows > max_s_rows(knobs.block_m, lanes):
         raise KnobError(
-            f"PV_gemm register block needs {pv_live} vector registers (pv_rows={knobs.pv_rows} × "
-            f"{d_vectors} accumulators + V + broadcast) > {regs} available"
+            f"S_gemm register block needs {knobs.s_rows * q_vectors + q_vectors + 1} vector registers "
+            f"(s_rows={knobs.s_rows} × {q_vectors} accumulators + {q_vectors} q vectors + 1 broadcast) "
+            f"> {regs} available"
+        )
+    if knobs.pv_rows > max_pv_rows(spec.head_dim, lanes):
+        d_vectors = math.ceil(spec.head_dim / lanes)
+        raise KnobError(
+            f"PV_gemm register block needs {knobs.pv_rows * d_vectors + 2} vector registers "
+            f"(pv_rows={knobs.pv_rows} × {d_vectors} accumulators + V + broadcast) > {regs} available"
         )
     tile_bytes = 4 * (2 * spec.head_dim * knobs.block_m + 2 * knobs.block_n * knobs.block_m)
     if tile_bytes > MAX_TILE_BYTES:
@@ -130,6 +156,21 @@ def workload(spec: AttentionSpec, knobs: FlashCPUKnobs):
     return fused_attention(spec, knobs.block_m, knobs.block_n)
 
 
+def tile_candidates(spec: AttentionSpec, target: Target) -> list[tuple[int, int]]:
+    """(block_m, block_n) pairs the tuner searches, each a separate task; the preset's is first."""
+    lanes = vector_lanes(target, spec.dtype)
+    hand = preset(spec, target)
+    pairs = [(hand.block_m, hand.block_n)]
+    for m_vectors, n in TILE_CANDIDATES:
+        pair = (m_vectors * lanes, n)
+        if pair in pairs or max_s_rows(pair[0], lanes) < 1:
+            continue
+        if 4 * (2 * spec.head_dim * pair[0] + 2 * n * pair[0]) > MAX_TILE_BYTES:
+            continue
+        pairs.append(pair)
+    return pairs
+
+
 def _vectorize_rows(sch: s_tir.Schedule, loop, lanes: int) -> None:
     """Split ``loop`` into lanes-wide vectors, unroll the vector count, vectorize the lanes."""
     outer, inner = sch.split(loop, [None, lanes])
@@ -137,44 +178,117 @@ def _vectorize_rows(sch: s_tir.Schedule, loop, lanes: int) -> None:
     sch.vectorize(inner)
 
 
-def apply(sch: s_tir.Schedule, knobs: FlashCPUKnobs, spec: AttentionSpec | None = None) -> s_tir.Schedule:
-    """Schedule the fused PrimFunc in ``sch`` (built by :func:`workload` with the same knobs)."""
-    lanes = knobs.vector_lanes
-    # Step 1. One parallel task per (batch, head, row tile).
-    b, h, r = sch.get_loops(sch.get_sblock("row_tile"))
-    sch.parallel(sch.fuse(b, h, r))
+def _tile(sch, loop, extent: int, inner: int | None, max_inner: int):
+    """Perfect 2-way tile of ``loop``: pinned to ``inner`` when given (hand), else sampled."""
+    decision = None if inner is None else [extent // inner, inner]
+    return sch.sample_perfect_tile(loop, n=2, max_innermost_factor=max_inner, decision=decision)
 
-    # Step 2. S_gemm register block: keys (unrolled) × query-row vectors, d innermost-but-two.
+
+def _choice(sch, options: tuple[int, ...], value: int | None):
+    decision = None if value is None else options.index(value)
+    return sch.sample_categorical(list(options), [1.0 / len(options)] * len(options), decision=decision)
+
+
+def schedule(
+    sch: s_tir.Schedule, spec: AttentionSpec, lanes: int, knobs: FlashCPUKnobs | None = None
+) -> s_tir.Schedule:
+    """The one schedule of the fused kernel, for the hand path and the search alike.
+
+    With ``knobs`` every decision is pinned to them (the hand schedule); with ``knobs=None``
+    each is sampled (``sample_perfect_tile``/``sample_categorical``), which makes this the
+    MetaSchedule design space. The sampled values are recorded as ``attn.*`` annotations on
+    ``row_tile`` so a tuned trace can be read back as knobs (:func:`knobs_of`). Every sample
+    respects the register limits, so every point of the space keeps the score tile local and
+    passes ``check``.
+    """
+    row_tile = sch.get_sblock("row_tile")
+    block_m = int(sch.get(row_tile).alloc_buffers[0].shape[1])  # Qt is (D, block_m)
+    s_buf = [b for b in sch.get(row_tile).alloc_buffers if b.name == "S"][0]
+    block_n = int(s_buf.shape[0])
+    D = spec.head_dim
+    pin = knobs is not None
+
+    # Step 1. Parallel over (batch, head, row tile), parallel_chunk row tiles per task.
+    b, h, r = sch.get_loops(row_tile)
+    fused = sch.fuse(b, h, r)
+    chunk = _choice(sch, PARALLEL_CHUNKS, knobs.parallel_chunk if pin else None)
+    outer, _ = sch.split(fused, [None, chunk])
+    sch.parallel(outer)
+    sch.annotate(row_tile, "attn.parallel_chunk", chunk)
+
+    # Step 2. S_gemm register block: (jo, do, di, ji, io, ii) — s_rows keys (unrolled) × query
+    # vectors accumulate across the head_dim loop; di optionally unrolled.
     s_gemm = sch.get_sblock("S_gemm")
     *_, j, d, i = sch.get_loops(s_gemm)
-    jo, ji = sch.split(j, [None, knobs.s_rows])
+    s_rows = _tile(sch, j, block_n, knobs.s_rows if pin else None, max_s_rows(block_m, lanes))
+    jo, ji = sch.split(j, s_rows)
+    d_split = _tile(sch, d, D, knobs.d_unroll if pin else None, D_UNROLL_MAX)
+    do, di = sch.split(d, d_split)
     io, ii = sch.split(i, [None, lanes])
-    sch.reorder(jo, d, ji, io, ii)
+    sch.reorder(jo, do, di, ji, io, ii)
+    sch.unroll(di)
     sch.unroll(ji)
     sch.unroll(io)
     sch.vectorize(ii)
+    sch.annotate(row_tile, "attn.s_rows", s_rows[1])
+    sch.annotate(row_tile, "attn.d_unroll", d_split[1])
 
-    # Step 3. PV_gemm register block: query rows (unrolled) × head_dim vectors, keys outside.
+    # Step 3. PV_gemm register block: (io, j, ii, d) — pv_rows rows (unrolled) × head_dim vectors.
     pv = sch.get_sblock("PV_gemm")
     *_, i, j, d = sch.get_loops(pv)
-    io, ii = sch.split(i, [None, knobs.pv_rows])
+    pv_rows = _tile(sch, i, block_m, knobs.pv_rows if pin else None, max_pv_rows(D, lanes))
+    io, ii = sch.split(i, pv_rows)
     sch.reorder(io, j, ii, d)
     sch.unroll(ii)
     sch.vectorize(d)
+    sch.annotate(row_tile, "attn.pv_rows", pv_rows[1])
 
-    # Step 4. Softmax stages and loads/stores: vector across query rows (or head_dim).
-    for name in ("row_max", "P_exp", "row_sum", "Q_load"):
-        _vectorize_rows(sch, sch.get_loops(sch.get_sblock(name))[-1], lanes)
-    for name in ("state_init", "online_correction", "max_commit"):
+    # Step 4. Softmax stages and loads/stores: vectors across query rows (or head_dim).
+    for name in ("row_max", "P_exp", "row_sum", "Q_load", "state_init", "online_correction", "max_commit"):
         _vectorize_rows(sch, sch.get_loops(sch.get_sblock(name))[-1], lanes)
     for name in ("acc_init", "O_store"):
         sch.vectorize(sch.get_loops(sch.get_sblock(name))[-1])
 
-    # Step 5. Hoist reduction inits out of the loops that carry them.
-    sch.decompose_reduction(s_gemm, sch.get_loops(s_gemm)[-4])  # (…, jo, d, ji, io, ii): at d
+    # Step 5. Optional auto-unroll of what is left inside one key tile.
+    c_loop = sch.get_loops(sch.get_sblock("kv_tile"))[-1]
+    unroll = _choice(sch, AUTO_UNROLL_STEPS, knobs.auto_unroll if pin else None)
+    sch.annotate(c_loop, "pragma_auto_unroll_max_step", unroll)
+    sch.annotate(c_loop, "pragma_unroll_explicit", 1)
+    sch.annotate(row_tile, "attn.auto_unroll", unroll)
+
+    # Step 6. Hoist reduction inits (m_new = m, l·alpha, acc·alpha, S = 0) out of their loops.
+    sch.decompose_reduction(s_gemm, sch.get_loops(s_gemm)[-5])  # at do
     sch.decompose_reduction(pv, sch.get_loops(pv)[-3])  # before the key loop
     for name in ("row_max", "row_sum"):
         blk = sch.get_sblock(name)
         sch.decompose_reduction(blk, sch.get_loops(blk)[-3])  # before the key loop
     return sch
 
+
+def apply(sch: s_tir.Schedule, knobs: FlashCPUKnobs, spec: AttentionSpec) -> s_tir.Schedule:
+    """The hand schedule: :func:`schedule` with every decision pinned to ``knobs``."""
+    return schedule(sch, spec, knobs.vector_lanes, knobs)
+
+
+def design_space(spec: AttentionSpec, target: Target):
+    """The MetaSchedule space function for one (block_m, block_n) workload of ``spec``."""
+    lanes = vector_lanes(target, spec.dtype)
+
+    def space_fn(sch: s_tir.Schedule) -> s_tir.Schedule:
+        return schedule(sch, spec, lanes, None)
+
+    return space_fn
+
+
+KNOB_ANNOTATIONS = ("s_rows", "pv_rows", "d_unroll", "parallel_chunk", "auto_unroll")
+
+
+def knobs_of(sch: s_tir.Schedule, lanes: int) -> FlashCPUKnobs:
+    """Read the knobs a (tuned or hand) schedule chose back from its ``attn.*`` annotations."""
+    row_tile = sch.get(sch.get_sblock("row_tile"))
+    ann = row_tile.annotations
+    bufs = {b.name: b for b in row_tile.alloc_buffers}
+    values = {k: int(ann[f"attn.{k}"]) for k in KNOB_ANNOTATIONS}
+    return FlashCPUKnobs(
+        block_m=int(bufs["Qt"].shape[1]), block_n=int(bufs["S"].shape[0]), vector_lanes=lanes, **values
+    )

@@ -98,7 +98,8 @@ def fused_attention(spec: AttentionSpec, block_m: int, block_n: int) -> tirx.Pri
         V: T.Buffer((B, KH, SK, D), dtype),
         O: T.Buffer((B, H, SQ, D), dtype),
     ):
-        T.func_attr({"global_symbol": ENTRY, "tirx.noalias": True})
+        T.func_attr({"global_symbol": ENTRY, "tirx.noalias": True, "attn.workload": "fused",
+                     "attn.block_m": BM, "attn.block_n": BN})
         for b, h, r in T.grid(B, H, NR):
             with T.sblock("row_tile"):
                 vb, vh, vr = T.axis.remap("SSS", [b, h, r])

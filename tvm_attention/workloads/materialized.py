@@ -48,7 +48,7 @@ def materialized_attention(spec: AttentionSpec) -> tirx.PrimFunc:
         V: T.Buffer((B, KH, SK, D), dtype),
         O: T.Buffer((B, H, SQ, D), dtype),
     ):
-        T.func_attr({"global_symbol": ENTRY, "tirx.noalias": True})
+        T.func_attr({"global_symbol": ENTRY, "tirx.noalias": True, "attn.workload": "materialized"})
         S = T.sblock_alloc_buffer((B, H, SQ, SK), "float32")  # scores: the S×S matrix, global
         P = T.sblock_alloc_buffer((B, H, SQ, SK), "float32")  # probabilities, global
         M = T.sblock_alloc_buffer((B, H, SQ), "float32")  # row max (log2 units)
