@@ -208,15 +208,7 @@ def schedule(
     D = spec.head_dim
     pin = knobs is not None
 
-    # Step 1. Parallel over (batch, head, row tile), parallel_chunk row tiles per task.
-    b, h, r = sch.get_loops(row_tile)
-    fused = sch.fuse(b, h, r)
-    chunk = _choice(sch, PARALLEL_CHUNKS, knobs.parallel_chunk if pin else None)
-    outer, _ = sch.split(fused, [None, chunk])
-    sch.parallel(outer)
-    sch.annotate(row_tile, "attn.parallel_chunk", chunk)
-
-    # Step 2. S_gemm register block: (jo, do, di, ji, io, ii) — s_rows keys (unrolled) × query
+    # Step 1. S_gemm register block: (jo, do, di, ji, io, ii) — s_rows keys (unrolled) × query
     # vectors accumulate across the head_dim loop; di optionally unrolled.
     s_gemm = sch.get_sblock("S_gemm")
     *_, j, d, i = sch.get_loops(s_gemm)
@@ -233,7 +225,7 @@ def schedule(
     sch.annotate(row_tile, "attn.s_rows", s_rows[1])
     sch.annotate(row_tile, "attn.d_unroll", d_split[1])
 
-    # Step 3. PV_gemm register block: (io, j, ii, d) — pv_rows rows (unrolled) × head_dim vectors.
+    # Step 2. PV_gemm register block: (io, j, ii, d) — pv_rows rows (unrolled) × head_dim vectors.
     pv = sch.get_sblock("PV_gemm")
     *_, i, j, d = sch.get_loops(pv)
     pv_rows = _tile(sch, i, block_m, knobs.pv_rows if pin else None, max_pv_rows(D, lanes))
@@ -243,25 +235,35 @@ def schedule(
     sch.vectorize(d)
     sch.annotate(row_tile, "attn.pv_rows", pv_rows[1])
 
-    # Step 4. Softmax stages and loads/stores: vectors across query rows (or head_dim).
+    # Step 3. Softmax stages and loads/stores: vectors across query rows (or head_dim).
     for name in ("row_max", "P_exp", "row_sum", "Q_load", "state_init", "online_correction", "max_commit"):
         _vectorize_rows(sch, sch.get_loops(sch.get_sblock(name))[-1], lanes)
     for name in ("acc_init", "O_store"):
         sch.vectorize(sch.get_loops(sch.get_sblock(name))[-1])
 
-    # Step 5. Optional auto-unroll of what is left inside one key tile.
+    # Step 4. Optional auto-unroll of what is left inside one key tile.
     c_loop = sch.get_loops(sch.get_sblock("kv_tile"))[-1]
     unroll = _choice(sch, AUTO_UNROLL_STEPS, knobs.auto_unroll if pin else None)
     sch.annotate(c_loop, "pragma_auto_unroll_max_step", unroll)
     sch.annotate(c_loop, "pragma_unroll_explicit", 1)
     sch.annotate(row_tile, "attn.auto_unroll", unroll)
 
-    # Step 6. Hoist reduction inits (m_new = m, l·alpha, acc·alpha, S = 0) out of their loops.
+    # Step 5. Hoist reduction inits (m_new = m, l·alpha, acc·alpha, S = 0) out of their loops.
     sch.decompose_reduction(s_gemm, sch.get_loops(s_gemm)[-5])  # at do
     sch.decompose_reduction(pv, sch.get_loops(pv)[-3])  # before the key loop
     for name in ("row_max", "row_sum"):
         blk = sch.get_sblock(name)
         sch.decompose_reduction(blk, sch.get_loops(blk)[-3])  # before the key loop
+
+    # Step 6. Parallel over (batch, head, row tile), parallel_chunk row tiles per task. Last:
+    # get_loops of the nested blocks must not see the outer loops change under them (their
+    # count would differ between recording and replay of a trace).
+    b, h, r = sch.get_loops(row_tile)
+    fused = sch.fuse(b, h, r)
+    chunk = _choice(sch, PARALLEL_CHUNKS, knobs.parallel_chunk if pin else None)
+    outer, _ = sch.split(fused, [None, chunk])
+    sch.parallel(outer)
+    sch.annotate(row_tile, "attn.parallel_chunk", chunk)
     return sch
 
 

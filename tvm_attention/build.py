@@ -29,6 +29,9 @@ class BuiltKernel:
     audit: AuditReport
     entry: str = ENTRY
     trace: str | None = None
+    log_dir: str | None = None  # the tuning log a tuned build came from
+    record_secs: list[float] | None = None  # its measured run times there
+
 
     def schedule_info(self) -> dict[str, Any]:
         info: dict[str, Any] = {"name": self.schedule, "source": self.source}
@@ -37,6 +40,9 @@ class BuiltKernel:
             info["knobs"] = self.knobs.to_dict()
         if self.trace is not None:
             info["trace"] = self.trace
+        if self.log_dir is not None:
+            info["log_dir"] = self.log_dir
+            info["tuned_run_secs"] = self.record_secs
         return info
 
     @property
@@ -91,3 +97,21 @@ def build_from_module(
     report = audit(lowered, spec, WORKLOADS[schedule][1])
     module = codegen(lowered)
     return BuiltKernel(spec, schedule, source, knobs, target, lowered, module, report, trace=trace)
+
+
+def build_from_record(spec: AttentionSpec, schedule: str, target: str | Target, workload, record) -> BuiltKernel:
+    """Replay a tuning record's trace on its workload and build it (``source="tuned"``)."""
+    target = resolve_target(target)
+    sch = s_tir.Schedule(workload.mod)
+    record.trace.apply_to_schedule(sch, remove_postproc=False)
+    knobs = None
+    if schedule == "fused":
+        from schedules import cpu_flash
+
+        from .target import vector_lanes
+
+        knobs = cpu_flash.knobs_of(sch, vector_lanes(target, spec.dtype))
+    built = build_from_module(spec, schedule, sch.mod, target, source="tuned", knobs=knobs,
+                              trace=str(record.trace))
+    built.record_secs = [float(x) for x in record.run_secs]
+    return built

@@ -44,26 +44,46 @@ def _add_build_flags(p: argparse.ArgumentParser) -> None:
                    help='hand-schedule knob overrides as JSON, e.g. \'{"block_n": 128}\'')
     p.add_argument("--threads", type=int, default=None, help="runtime threads (default: all cores)")
     p.add_argument("--seed", type=int, default=0, help="seed of the validation inputs")
+    p.add_argument("--no-log", action="store_true",
+                   help="ignore tuning logs: always use the hand schedule")
+    p.add_argument("--from-log", default=None, metavar="DIR",
+                   help="use the best record of this tuning log (default: tuning_logs/<target>/<spec>/ if present)")
 
 
 def _build_and_export(a: argparse.Namespace, spec: AttentionSpec, out: Path):
-    from .artifact import export, validate_built
-    from .build import build_kernel
+    from .artifact import export
+    from .pipeline import build_best
     from .threads import set_num_threads
 
     set_num_threads(a.threads)
-    knobs = json.loads(a.knobs) if a.knobs else None
-    built = build_kernel(spec, schedule=a.schedule, target=a.target, knobs=knobs)
-    validation = validate_built(built, seed=a.seed)
+    try:
+        knobs = json.loads(a.knobs) if a.knobs else None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--knobs is not valid JSON: {e}") from None
+    built, validation = build_best(
+        spec, schedule=a.schedule, target=a.target, knobs=knobs, use_log=not a.no_log,
+        log_dir=a.from_log, seed=a.seed, say=lambda m: print(m, file=sys.stderr),
+    )
     manifest = export(built, out, validation)
     return built, validation, manifest
+
+
+def _schedule_line(built) -> str:
+    info = built.schedule_info()
+    line = f"{built.schedule} ({built.source})"
+    if info.get("knobs"):
+        line += " " + json.dumps(info["knobs"])
+    if built.log_dir:
+        line += f"  from {built.log_dir}"
+    return line
 
 
 def cmd_build(a: argparse.Namespace) -> int:
     spec = _spec_from_args(a)
     out = Path(a.out)
     built, validation, _ = _build_and_export(a, spec, out)
-    print(f"spec: {spec.short_name()}  schedule: {built.schedule} ({built.source})  target: {built.target}")
+    print(f"spec: {spec.short_name()}  target: {built.target}")
+    print(f"schedule: {_schedule_line(built)}")
     print(built.audit.format())
     print(validation.format())
     print(f"artifact: {out}")
@@ -81,7 +101,7 @@ def cmd_run(a: argparse.Namespace) -> int:
 
     print(f"spec:       {spec.short_name()}  (B={spec.batch} H={spec.heads} KH={spec.kv_heads} "
           f"Sq={spec.seq_q} Skv={spec.seq_kv} D={spec.head_dim} {spec.dtype} causal={spec.causal})")
-    print(f"schedule:   {built.schedule} ({built.source}) {built.schedule_info().get('knobs', '')}")
+    print(f"schedule:   {_schedule_line(built)}")
     print(f"target:     {built.target}  threads: {num_threads()}")
     print(built.audit.format())
     print(validation.format())
@@ -89,6 +109,20 @@ def cmd_run(a: argparse.Namespace) -> int:
     print(f"throughput: {t.gflops(spec):.1f} GFLOP/s  (4·B·H·Sq·Skv·D{', halved for causal' if spec.causal else ''})")
     print(f"artifact:   {out.resolve()}")
     return 0 if built.audit.fused or a.schedule != "fused" else 1
+
+
+def cmd_tune(a: argparse.Namespace) -> int:
+    from .tune.driver import knob_summary, tune
+
+    spec = _spec_from_args(a)
+    result = tune(spec, target=a.target, schedule=a.schedule, trials=a.trials, work_dir=a.work_dir,
+                  per_round=a.per_round, seed=a.seed, threads=a.threads,
+                  progress=lambda m: print(m, flush=True))
+    if result.best_task is not None and result.best_secs < 1e9:
+        print(f"best: {result.best_secs * 1e3:.3f} ms, {spec.flops() / result.best_secs / 1e9:.1f} GFLOP/s "
+              f"({result.best_task}) {knob_summary(result.best_knobs)}")
+    print(f"log: {result.work_dir}  ({result.trials_total} trials, {result.trials_new} new)")
+    return 130 if result.interrupted else 0
 
 
 def cmd_validate(a: argparse.Namespace) -> int:
@@ -137,6 +171,17 @@ def main(argv: list[str] | None = None) -> int:
     _add_build_flags(p)
     p.add_argument("--out", default=None, help=f"artifact directory (default: {DEFAULT_OUT}/<schedule>_<spec>)")
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("tune", help="MetaSchedule search (XGBoost cost model); resumable JSON database")
+    _add_spec_flags(p)
+    p.add_argument("--target", default="llvm", help="'llvm' (this CPU, default) or a JSON target")
+    p.add_argument("--schedule", default="fused", choices=["fused", "materialized"])
+    p.add_argument("--trials", type=int, default=64, help="total measured trials in the log (resume counts them)")
+    p.add_argument("--work-dir", default=None, help="tuning log folder (default: tuning_logs/<target>/<spec>/)")
+    p.add_argument("--per-round", type=int, default=8, help="candidates measured per round")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="runtime threads when measuring (default: all cores)")
+    p.set_defaults(func=cmd_tune)
 
     p = sub.add_parser("validate", help="rerun an artifact on fresh random inputs vs the NumPy reference")
     p.add_argument("dir")

@@ -1,0 +1,1 @@
+"""MetaSchedule search: design spaces, the tune driver, and the tuning-log (database) helpers."""

@@ -1,0 +1,290 @@
+"""The tune driver: MetaSchedule's search pieces, our loop.
+
+Per round: pick a task (tile pair), let its EvolutionarySearch (XGBoost cost model) propose
+candidates, skip those already in the database, build and run the rest with MetaSchedule's
+LocalBuilder/LocalRunner (or a given runner), and commit each record to the JSON database the
+moment it is measured. Owning the loop gives us what ``ms.tune_tir`` does not:
+
+* resume — records already in the log are replayed at start: their modules are marked measured
+  (never measured again), they warm-start the cost model and seed the evolution, and the trial
+  budget counts them;
+* durability — every measured record is on disk before the next build starts; Ctrl-C or
+  SIGKILL loses at most the batch in flight (an interrupted final line is repaired on resume);
+* progress — trials done, best time/GFLOP/s so far and with which knobs, elapsed and ETA.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import math
+import random
+import sys
+import time
+import types
+from pathlib import Path
+from typing import Any, Callable
+
+import tvm
+import tvm_ffi
+from tvm.target import Target
+
+from ..spec import AttentionSpec
+from ..target import resolve_target, vector_lanes
+from ..threads import set_num_threads
+from .logs import FAILED_RUN_SECS, default_work_dir, mean_secs, open_database, records_for
+from .tasks import TaskDef, make_tasks, workload_matches
+from .workers import lean_build
+
+
+@dataclasses.dataclass
+class TaskState:
+    defn: TaskDef
+    ctx: Any
+    best_secs: float = math.inf
+    measured: int = 0
+    exhausted: bool = False
+
+
+@dataclasses.dataclass
+class TuneResult:
+    work_dir: Path
+    trials_total: int  # records of this spec/schedule in the log after tuning
+    trials_new: int  # measured by this run
+    best_secs: float
+    best_task: str | None
+    best_knobs: dict[str, Any] | None
+    curve: list[tuple[int, float]]  # (trial number, best GFLOP/s so far)
+    interrupted: bool = False
+
+
+@contextlib.contextmanager
+def _skip_tensor_intrin_import():
+    """TuneContext() imports tvm.s_tir.tensor_intrin only to register tensorize intrinsics
+    (~30 s: it parses ~500 TVMScript functions). Our spaces tensorize nothing, so while the
+    contexts are created a placeholder stands in for it; it is removed afterwards, so a later
+    real import still works."""
+    name = "tvm.s_tir.tensor_intrin"
+    if name in sys.modules:
+        yield
+        return
+    sys.modules[name] = types.ModuleType(name)
+    try:
+        yield
+    finally:
+        sys.modules.pop(name, None)
+
+
+def _fmt_time(s: float) -> str:
+    if not math.isfinite(s):
+        return "?"
+    s = int(round(s))
+    return f"{s // 60}:{s % 60:02d}"
+
+
+def describe(task: TaskDef, sch, target: Target, spec: AttentionSpec) -> dict[str, Any] | None:
+    """Knobs of a fused candidate (from its attn.* annotations); None for other families."""
+    if not task.name.startswith("fused"):
+        return None
+    from schedules import cpu_flash
+
+    try:
+        return cpu_flash.knobs_of(sch, vector_lanes(target, spec.dtype)).to_dict()
+    except Exception:
+        return None
+
+
+def knob_summary(knobs: dict[str, Any] | None) -> str:
+    if not knobs:
+        return ""
+    return (f"m{knobs['block_m']}×n{knobs['block_n']} s{knobs['s_rows']} p{knobs['pv_rows']} "
+            f"d{knobs['d_unroll']} c{knobs['parallel_chunk']} u{knobs['auto_unroll']}")
+
+
+def tune(
+    spec: AttentionSpec,
+    target: str | Target = "llvm",
+    schedule: str = "fused",
+    trials: int = 64,
+    work_dir: str | Path | None = None,
+    per_round: int = 8,
+    seed: int = 0,
+    runner: Any = None,
+    threads: int | None = None,
+    progress: Callable[[str], None] = print,
+) -> TuneResult:
+    """Tune ``spec`` until the log holds ``trials`` measured records for it (resuming)."""
+    from tvm.s_tir import meta_schedule as ms
+
+    if isinstance(trials, bool) or not isinstance(trials, int) or trials < 1:
+        raise ValueError(f"trials must be a positive int, got {trials!r}")
+    if isinstance(per_round, bool) or not isinstance(per_round, int) or per_round < 1:
+        raise ValueError(f"per_round must be a positive int, got {per_round!r}")
+    target = resolve_target(target)
+    threads = set_num_threads(threads)
+    work = Path(work_dir) if work_dir else default_work_dir(spec, target)
+    db, parsed = open_database(work, repair=True)
+    for msg in parsed.repaired:
+        progress(f"warning: {msg}")
+    defs = make_tasks(spec, target, schedule)
+    rng = random.Random(seed)
+
+    # Step 1. Tasks: one TuneContext (space + evolutionary search) per workload.
+    t0 = time.time()
+    progress(f"tune {spec.short_name()} [{schedule}] on {target}: {len(defs)} task(s), log {work}")
+    states: list[TaskState] = []
+    for i, d in enumerate(defs):
+        with _skip_tensor_intrin_import():
+            ctx = ms.TuneContext(
+                mod=d.mod, target=target, space_generator=d.space,
+                search_strategy=ms.search_strategy.EvolutionarySearch(
+                    population_size=64, init_min_unmeasured=16, genetic_num_iters=3
+                ),
+                task_name=d.name, rand_state=seed * 1000 + i, num_threads=threads,
+            )
+        states.append(TaskState(d, ctx))
+
+    # Step 2. Replay the log: what is measured already, the best so far, the cost model's data.
+    cost_model = ms.cost_model.XGBModel(num_warmup_samples=16, num_tuning_cores=threads, verbose_eval=0)
+    measured: dict[int, list] = {}  # structural hash -> run_secs
+    best = (math.inf, None, None)  # secs, task name, knobs
+    existing = 0
+    by_hash = {tvm_ffi.structural_hash(s.defn.mod): s for s in states}
+    for wl, rec in records_for(parsed, schedule):
+        state = by_hash.get(tvm_ffi.structural_hash(wl.mod))
+        if state is None or not tvm_ffi.structural_equal(wl.mod, state.defn.mod):
+            continue
+        if not workload_matches(spec, wl.mod):
+            continue
+        sch = tvm.s_tir.Schedule(wl.mod)
+        rec.trace.apply_to_schedule(sch, remove_postproc=False)
+        measured[tvm_ffi.structural_hash(sch.mod)] = list(rec.run_secs)
+        existing += 1
+        state.measured += 1
+        secs = mean_secs(rec)
+        state.best_secs = min(state.best_secs, secs)
+        args = ms.arg_info.ArgInfo.from_prim_func(wl.mod["main"])
+        cost_model.update(state.ctx, [ms.MeasureCandidate(sch, args)],
+                          [ms.runner.RunnerResult(list(rec.run_secs), None)])
+        if secs < best[0]:
+            best = (secs, state.defn.name, describe(state.defn, sch, target, spec))
+    curve = [(existing, spec.flops() / best[0] / 1e9)] if existing and math.isfinite(best[0]) else []
+    if existing:
+        progress(f"resuming: {existing} record(s) in the log, best {best[0] * 1e3:.3f} ms "
+                 f"({spec.flops() / best[0] / 1e9:.1f} GFLOP/s) {knob_summary(best[2])}")
+    if existing >= trials:
+        progress(f"the log already holds {existing} >= {trials} trials; nothing to do")
+        return TuneResult(work, existing, 0, best[0], best[1], best[2], curve)
+
+    for s in states:
+        s.ctx.pre_tuning(max_trials=trials, num_trials_per_iter=per_round,
+                         design_spaces=s.ctx.generate_design_space(), database=db, cost_model=cost_model)
+
+    # Step 3. The loop.
+    builder = ms.builder.LocalBuilder(max_workers=threads, timeout_sec=120, f_build=lean_build)
+    if runner is None:
+        runner = ms.runner.LocalRunner(
+            timeout_sec=120,
+            evaluator_config=ms.runner.EvaluatorConfig(number=1, repeat=3, min_repeat_ms=100,
+                                                       enable_cpu_cache_flush=False),
+            initializer=functools.partial(set_num_threads, threads),
+        )
+    done, new = existing, 0
+    t_loop = time.time()
+    empty_rounds = 0
+    interrupted = False
+    try:
+        while done < trials:
+            live = [s for s in states if not s.exhausted]
+            if not live:
+                progress("every task's space is exhausted")
+                break
+            untried = [s for s in live if s.measured == 0]
+            if untried:
+                state = untried[0]
+            elif rng.random() < 0.7:
+                state = min(live, key=lambda s: s.best_secs)
+            else:
+                state = rng.choice(live)
+            t_gen = time.time()
+            cands = state.ctx.generate_measure_candidates()
+            t_gen = time.time() - t_gen
+            if not cands:
+                state.exhausted = True
+                continue
+            cands = list(cands)
+            results: list[Any] = [None] * len(cands)
+            todo = []
+            for i, c in enumerate(cands):
+                h = tvm_ffi.structural_hash(c.sch.mod)
+                if h in measured:
+                    results[i] = ms.runner.RunnerResult(measured[h], None)
+                elif len(todo) < trials - done:
+                    todo.append(i)
+                    measured[h] = [FAILED_RUN_SECS]  # also dedups within the batch
+                else:
+                    results[i] = ms.runner.RunnerResult([FAILED_RUN_SECS], "not measured: budget reached")
+            if not todo:
+                empty_rounds += 1
+                state.ctx.notify_runner_results(cands, results)
+                if empty_rounds >= 3 * len(states):
+                    progress("no unmeasured candidates left in the space")
+                    break
+                continue
+            empty_rounds = 0
+            t_build = time.time()
+            built = builder.build([ms.builder.BuilderInput(cands[i].sch.mod, target) for i in todo])
+            t_build = time.time() - t_build
+            t_run = time.time()
+            run_inputs, run_idx = [], []
+            for i, b in zip(todo, built):
+                if b.error_msg:
+                    results[i] = ms.runner.RunnerResult([FAILED_RUN_SECS], b.error_msg)
+                else:
+                    run_inputs.append(ms.runner.RunnerInput(b.artifact_path, "cpu", cands[i].args_info))
+                    run_idx.append(i)
+            futures = runner.run(run_inputs) if run_inputs else []
+            for i, fut in zip(run_idx, futures):
+                r = fut.result()
+                results[i] = r if not r.error_msg else ms.runner.RunnerResult([FAILED_RUN_SECS], r.error_msg)
+            t_run = time.time() - t_run
+            workload = db.commit_workload(state.defn.mod)
+            for i in todo:
+                r = results[i]
+                secs = [float(x) for x in r.run_secs]
+                db.commit_tuning_record(ms.database.TuningRecord(
+                    cands[i].sch.trace, workload, secs, target, cands[i].args_info))
+                measured[tvm_ffi.structural_hash(cands[i].sch.mod)] = secs
+                done += 1
+                new += 1
+                state.measured += 1
+                m = sum(secs) / len(secs)
+                if m < state.best_secs:
+                    state.best_secs = m
+                if m < best[0]:
+                    best = (m, state.defn.name, describe(state.defn, cands[i].sch, target, spec))
+                if math.isfinite(best[0]) and best[0] < FAILED_RUN_SECS:
+                    curve.append((done, spec.flops() / best[0] / 1e9))
+            for b in built:
+                if b.artifact_path:
+                    Path(b.artifact_path).unlink(missing_ok=True)
+            cost_model.update(state.ctx, [cands[i] for i in todo], [results[i] for i in todo])
+            state.ctx.notify_runner_results(cands, results)
+            failed = sum(1 for i in todo if results[i].run_secs[0] >= FAILED_RUN_SECS)
+            elapsed = time.time() - t0
+            eta = (time.time() - t_loop) / new * (trials - done) if new else math.inf
+            gf = spec.flops() / best[0] / 1e9 if best[0] < FAILED_RUN_SECS else 0.0
+            progress(f"[{done:>4}/{trials} trials] {state.defn.name:<16} +{len(todo)}"
+                     f"{f' ({failed} failed)' if failed else ''}  best {best[0] * 1e3:.3f} ms "
+                     f"{gf:.1f} GFLOP/s {knob_summary(best[2])}  elapsed {_fmt_time(elapsed)} "
+                     f"ETA {_fmt_time(eta)}  (search {t_gen:.0f}s build {t_build:.0f}s run {t_run:.0f}s)")
+    except KeyboardInterrupt:
+        interrupted = True
+        progress(f"interrupted: {done} record(s) are in {work}; rerun the same command to resume")
+    finally:
+        for s in states:
+            try:
+                s.ctx.post_tuning()
+            except Exception:
+                pass
+    return TuneResult(work, done, new, best[0], best[1], best[2], curve, interrupted)

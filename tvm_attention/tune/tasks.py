@@ -1,0 +1,96 @@
+"""Search tasks: one per workload PrimFunc, each with its own design space.
+
+* ``fused``: one task per (block_m, block_n) tile pair of ``schedules.cpu_flash.tile_candidates``
+  (the tile sizes shape the online-softmax compute, so each pair is its own workload); inside a
+  task the space is ``cpu_flash.schedule`` with its decisions sampled (register blocks, head_dim
+  unroll, parallel chunk, auto-unroll). The hand preset's tile pair is the first task and the
+  hand knobs are a point of its space.
+* ``materialized``: MetaSchedule's default LLVM space, minus the write-cache fusion of
+  MultiLevelTiling, which raises a ScheduleError on this graph (O's producer also reads L).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import tvm
+import tvm_ffi
+from tvm.target import Target
+
+from ..spec import AttentionSpec
+from ..workloads import fused_attention, materialized_attention
+
+TUNABLE = ("fused", "materialized")
+
+
+@dataclasses.dataclass
+class TaskDef:
+    name: str
+    mod: tvm.IRModule
+    space: Any  # a MetaSchedule SpaceGenerator
+
+
+def normalize(func) -> tvm.IRModule:
+    from tvm.s_tir.meta_schedule.tune_context import _normalize_mod
+
+    return _normalize_mod(func)
+
+
+def fused_space(spec: AttentionSpec, target: Target):
+    from tvm.s_tir import meta_schedule as ms
+
+    from schedules import cpu_flash
+
+    return ms.space_generator.ScheduleFn(
+        cpu_flash.design_space(spec, target),
+        sch_rules=[],
+        postprocs=[],  # the schedule vectorizes, unrolls and decomposes itself
+        mutator_probs={ms.mutator.MutateTileSize(): 1.0},
+    )
+
+
+def materialized_space():
+    from tvm.s_tir import meta_schedule as ms
+
+    rules = [
+        ms.schedule_rule.MultiLevelTiling(structure="SSRSRS", max_innermost_factor=64, reuse_write=None)
+        if isinstance(r, ms.schedule_rule.MultiLevelTiling)
+        else r
+        for r in ms.ScheduleRule.create("llvm")
+    ]
+    return ms.space_generator.PostOrderApply(
+        sch_rules=rules, postprocs="from-target", mutator_probs="from-target"
+    )
+
+
+def make_tasks(spec: AttentionSpec, target: Target, schedule: str) -> list[TaskDef]:
+    if schedule == "fused":
+        from schedules import cpu_flash
+
+        return [
+            TaskDef(f"fused_m{bm}_n{bn}", normalize(fused_attention(spec, bm, bn)), fused_space(spec, target))
+            for bm, bn in cpu_flash.tile_candidates(spec, target)
+        ]
+    if schedule == "materialized":
+        return [TaskDef("materialized", normalize(materialized_attention(spec)), materialized_space())]
+    raise ValueError(f"schedule {schedule!r} cannot be tuned; tunable: {', '.join(TUNABLE)}")
+
+
+def regenerate(spec: AttentionSpec, func) -> tvm.IRModule | None:
+    """The workload ``spec`` would produce for a stored function (by its ``attn.*`` attrs)."""
+    attrs = func.attrs if func.attrs is not None else {}
+    kind = str(attrs["attn.workload"]) if "attn.workload" in attrs else None
+    try:
+        if kind == "fused":
+            return normalize(fused_attention(spec, int(attrs["attn.block_m"]), int(attrs["attn.block_n"])))
+        if kind == "materialized":
+            return normalize(materialized_attention(spec))
+    except Exception:
+        return None
+    return None
+
+
+def workload_matches(spec: AttentionSpec, mod: tvm.IRModule) -> bool:
+    """True iff ``mod`` (from a log) is exactly the workload ``spec`` generates."""
+    mine = regenerate(spec, mod["main"])
+    return mine is not None and tvm_ffi.structural_equal(mine, mod)
