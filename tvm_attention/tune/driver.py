@@ -134,13 +134,13 @@ def tune(
     progress(f"tune {spec.short_name()} [{schedule}] on {target}: {len(defs)} task(s), log {work}")
     states: list[TaskState] = []
     for i, d in enumerate(defs):
-        with _skip_tensor_intrin_import():
+        with contextlib.nullcontext() if d.needs_tensor_intrin else _skip_tensor_intrin_import():
             ctx = ms.TuneContext(
                 mod=d.mod, target=target, space_generator=d.space,
                 search_strategy=ms.search_strategy.EvolutionarySearch(
                     population_size=64, init_min_unmeasured=16, genetic_num_iters=3
                 ),
-                task_name=d.name, rand_state=seed * 1000 + i, num_threads=threads,
+                task_name=d.name, rand_state=seed * 1000 + i + 1, num_threads=threads,
             )
         states.append(TaskState(d, ctx))
 

@@ -28,6 +28,8 @@ class TaskDef:
     name: str
     mod: tvm.IRModule
     space: Any  # a MetaSchedule SpaceGenerator
+    # MetaSchedule's default rules name tensorize intrinsics (e.g. VNNI) that must be registered
+    needs_tensor_intrin: bool = False
 
 
 def normalize(func) -> tvm.IRModule:
@@ -72,7 +74,8 @@ def make_tasks(spec: AttentionSpec, target: Target, schedule: str) -> list[TaskD
             for bm, bn in cpu_flash.tile_candidates(spec, target)
         ]
     if schedule == "materialized":
-        return [TaskDef("materialized", normalize(materialized_attention(spec)), materialized_space())]
+        return [TaskDef("materialized", normalize(materialized_attention(spec)), materialized_space(),
+                        needs_tensor_intrin=True)]
     raise ValueError(f"schedule {schedule!r} cannot be tuned; tunable: {', '.join(TUNABLE)}")
 
 

@@ -1,0 +1,183 @@
+"""MetaSchedule search: tiny tunes, the design space, resume after a kill, corrupt logs."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tvm
+import tvm_ffi
+
+from schedules import cpu_flash
+from tvm_attention.artifact import validate_built
+from tvm_attention.build import build_from_module
+from tvm_attention.pipeline import LogNotUsable, build_best
+from tvm_attention.spec import AttentionSpec
+from tvm_attention.target import resolve_target
+from tvm_attention.tune.driver import tune
+from tvm_attention.tune.logs import RECORD_FILE, WORKLOAD_FILE, LogError, parse_logs
+from tvm_attention.tune.tasks import make_tasks
+
+TARGET = resolve_target("llvm")
+SPEC = AttentionSpec(batch=1, heads=2, seq_q=160, seq_kv=224, head_dim=64, causal=True)
+
+
+def quiet(_msg):
+    pass
+
+
+@pytest.fixture(scope="module")
+def tuned_dir(tmp_path_factory):
+    work = tmp_path_factory.mktemp("tune")
+    result = tune(SPEC, trials=8, per_round=4, work_dir=work, progress=quiet)
+    assert result.trials_new == 8 and result.trials_total == 8
+    assert result.curve and result.best_knobs is not None
+    return work
+
+
+def test_tiny_tune_writes_metaschedule_database(tuned_dir):
+    assert (tuned_dir / WORKLOAD_FILE).is_file() and (tuned_dir / RECORD_FILE).is_file()
+    lines = (tuned_dir / RECORD_FILE).read_text().splitlines()
+    assert len(lines) == 8
+    # TVM's own JSONDatabase reads it in a fresh process.
+    code = textwrap.dedent(f"""
+        from tvm.s_tir import meta_schedule as ms
+        db = ms.database.JSONDatabase(work_dir={str(tuned_dir)!r}, allow_missing=False)
+        print(len(db.get_all_tuning_records()))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+    assert out.stdout.strip().splitlines()[-1] == "8"
+
+
+def test_tuned_build_validates_and_is_fused(tuned_dir):
+    built, validation = build_best(SPEC, log_dir=tuned_dir)
+    assert built.source == "tuned" and built.trace and built.log_dir == str(tuned_dir)
+    assert validation.passed, validation.format()
+    assert built.audit.fused
+    cpu_flash.check(built.knobs, SPEC, TARGET)
+    info = built.schedule_info()
+    assert info["source"] == "tuned" and "sample_perfect_tile" in info["trace"]
+
+
+def test_tuned_build_in_fresh_process_via_cli(tuned_dir, tmp_path):
+    out = tmp_path / "art"
+    cmd = [sys.executable, "-m", "tvm_attention.cli", "build", "--batch", "1", "--heads", "2",
+           "--seq-q", "160", "--seq-kv", "224", "--head-dim", "64", "--causal",
+           "--from-log", str(tuned_dir), "--out", str(out)]
+    subprocess.run(cmd, check=True, capture_output=True)
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["schedule"]["source"] == "tuned" and m["validation"]["passed"]
+    assert m["audit"]["verdict"] == "fused"
+    # --no-log forces the hand schedule even with a log
+    subprocess.run(cmd[:-2] + ["--no-log", "--out", str(tmp_path / "hand")], check=True, capture_output=True)
+    m = json.loads((tmp_path / "hand" / "manifest.json").read_text())
+    assert m["schedule"]["source"] == "hand"
+
+
+def test_from_log_without_matching_record_is_an_error(tuned_dir):
+    other = AttentionSpec(batch=1, heads=2, seq_q=160, seq_kv=224, head_dim=64, causal=False)
+    with pytest.raises(LogNotUsable, match="no successful fused record"):
+        build_best(other, log_dir=tuned_dir)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_sampled_points_of_the_space_are_correct_and_fused(seed):
+    tasks = make_tasks(SPEC, TARGET, "fused")
+    task = tasks[seed % len(tasks)]
+    sch = tvm.s_tir.Schedule(task.mod, seed=seed + 1)
+    cpu_flash.design_space(SPEC, TARGET)(sch)
+    knobs = cpu_flash.knobs_of(sch, 16)
+    cpu_flash.check(knobs, SPEC, TARGET)  # every point of the space is feasible
+    built = build_from_module(SPEC, "fused", sch.mod, TARGET, source="tuned", knobs=knobs)
+    assert built.audit.fused, built.audit.format()
+    v = validate_built(built, seed=seed)
+    assert v.passed, f"{knobs}: {v.format()}"
+
+
+def test_hand_knobs_are_a_point_of_the_space():
+    hand = cpu_flash.preset(SPEC, TARGET)
+    sch = cpu_flash.apply(tvm.s_tir.Schedule(cpu_flash.workload(SPEC, hand)), hand, SPEC)
+    assert cpu_flash.knobs_of(sch, hand.vector_lanes) == hand
+    # Its trace replays on a fresh workload and gives the same module: the hand schedule is
+    # the space with its decisions pinned.
+    fresh = tvm.s_tir.Schedule(cpu_flash.workload(SPEC, hand))
+    sch.trace.apply_to_schedule(fresh, remove_postproc=False)
+    assert tvm_ffi.structural_equal(fresh.mod, sch.mod)
+    assert (hand.block_m, hand.block_n) == cpu_flash.tile_candidates(SPEC, TARGET)[0]
+
+
+def _count_records(work: Path) -> int:
+    p = work / RECORD_FILE
+    return len(p.read_bytes().splitlines()) if p.exists() else 0
+
+
+def test_killed_tune_keeps_records_and_resume_does_not_remeasure(tmp_path):
+    work = tmp_path / "log"
+    cmd = [sys.executable, "-m", "tvm_attention.cli", "tune", "--batch", "1", "--heads", "2",
+           "--seq-q", "128", "--head-dim", "64", "--trials", "40", "--per-round", "2",
+           "--work-dir", str(work)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 240
+        while _count_records(work) < 4 and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    kept = _count_records(work)
+    assert kept >= 4, "the killed tune should have committed records"
+    # Simulate a write cut off by the kill: a partial final line.
+    with open(work / RECORD_FILE, "ab") as f:
+        f.write(b'[0, [[["GetSBlock", [], {"name": "row')
+    before = set((work / RECORD_FILE).read_text().splitlines()[:kept])
+    messages = []
+    spec = AttentionSpec(batch=1, heads=2, seq_q=128, head_dim=64)
+    result = tune(spec, trials=kept + 4, per_round=2, work_dir=work, progress=messages.append)
+    assert any("resuming" in m and f"{kept} record" in m for m in messages)
+    assert any("truncated last line" in m for m in messages)
+    assert (work / (RECORD_FILE + ".interrupted")).exists()
+    assert result.trials_new == 4 and _count_records(work) == kept + 4
+    # No candidate was measured twice: every record's scheduled module is distinct.
+    parsed = parse_logs(work)
+    hashes = []
+    for idx, rec in parsed.records:
+        sch = tvm.s_tir.Schedule(parsed.workloads[idx].mod)
+        rec.trace.apply_to_schedule(sch, remove_postproc=False)
+        hashes.append(tvm_ffi.structural_hash(sch.mod))
+    assert len(set(hashes)) == len(hashes)
+    assert set((work / RECORD_FILE).read_text().splitlines()[:kept]) == before  # old records kept
+    # Already at the budget: a rerun measures nothing.
+    again = tune(spec, trials=kept + 4, per_round=2, work_dir=work, progress=quiet)
+    assert again.trials_new == 0
+
+
+def test_corrupt_logs_give_file_and_line(tuned_dir, tmp_path):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / WORKLOAD_FILE).write_text((tuned_dir / WORKLOAD_FILE).read_text())
+    lines = (tuned_dir / RECORD_FILE).read_text().splitlines()
+    (bad / RECORD_FILE).write_text(lines[0] + "\n{oops\n" + lines[1] + "\n")
+    with pytest.raises(LogError, match=rf"{RECORD_FILE}:2: not valid JSON"):
+        tune(SPEC, trials=4, work_dir=bad, progress=quiet)
+    with pytest.raises(LogError, match=rf"{RECORD_FILE}:2"):
+        build_best(SPEC, log_dir=bad)
+    (bad / RECORD_FILE).write_text(lines[0] + "\n" + json.dumps([99, json.loads(lines[1])[1]]) + "\n")
+    with pytest.raises(LogError, match=r":2: refers to workload #99"):
+        parse_logs(bad)
+    (bad / WORKLOAD_FILE).write_text('["123", "not base64 at all"]\n')
+    with pytest.raises(LogError, match=rf"{WORKLOAD_FILE}:1: workload module cannot be decoded"):
+        parse_logs(bad)
+    # A truncated last line is reported to readers, repaired only by the tuner.
+    (bad / WORKLOAD_FILE).write_text((tuned_dir / WORKLOAD_FILE).read_text())
+    (bad / RECORD_FILE).write_text(lines[0] + "\n" + lines[1][: len(lines[1]) // 2])
+    with pytest.raises(LogError, match=r":2: truncated last line"):
+        build_best(SPEC, log_dir=bad)
+    rc = subprocess.run([sys.executable, "-m", "tvm_attention.cli", "build", "--batch", "1", "--heads", "2",
+                         "--seq-q", "160", "--seq-kv", "224", "--head-dim", "64", "--causal",
+                         "--from-log", str(bad), "--out", str(tmp_path / "x")], capture_output=True, text=True)
+    assert rc.returncode == 2 and "truncated last line" in rc.stderr
