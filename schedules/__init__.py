@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from . import cpu_flash, cpu_materialized
+from . import cpu_flash, cpu_materialized, cpu_rowcache
 
 #: schedule name -> target family -> module
 SCHEDULES: dict[str, dict[str, ModuleType]] = {
     "fused": {"cpu": cpu_flash},
     "materialized": {"cpu": cpu_materialized},
+    "rowcache": {"cpu": cpu_rowcache},
 }
 
 

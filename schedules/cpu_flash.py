@@ -29,15 +29,15 @@ from tvm_attention.spec import AttentionSpec
 from tvm_attention.target import vector_lanes
 from tvm_attention.workloads import fused_attention
 
+from ._knobs import KnobError, KnobsMixin
+
 NAME = "fused"
 
 
-class KnobError(ValueError):
-    """An infeasible knob set; the message names the knob and the limit it breaks."""
-
-
 @dataclasses.dataclass(frozen=True)
-class FlashCPUKnobs:
+class FlashCPUKnobs(KnobsMixin):
+    FAMILY = NAME
+
     block_m: int = 32  # BLOCK_M: query rows per row tile (row_tile); a multiple of vector_lanes
     block_n: int = 64  # BLOCK_N: keys per key tile (kv_tile)
     s_rows: int = 6  # keys per register block of S_gemm, unrolled (accumulators: s_rows·block_m/lanes)
@@ -47,16 +47,6 @@ class FlashCPUKnobs:
     parallel_chunk: int = 1  # row tiles per parallel task (1 = finest load balance)
     auto_unroll: int = 0  # pragma_auto_unroll_max_step on the key-tile loop (0 = off)
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "FlashCPUKnobs":
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(d) - fields
-        if unknown:
-            raise KnobError(f"unknown knob(s) for {NAME}: {', '.join(sorted(unknown))}")
-        return cls(**d)
 
 
 # -- hardware limits the feasibility check names -------------------------------------------------
@@ -189,8 +179,29 @@ def _choice(sch, options: tuple[int, ...], value: int | None):
     return sch.sample_categorical(list(options), [1.0 / len(options)] * len(options), decision=decision)
 
 
+@dataclasses.dataclass(frozen=True)
+class TileKernelLayout:
+    """Which named blocks a tile kernel has (the fused kernel and the row-cached family share
+    this schedule; the latter has no key-tile loop and no online-correction blocks)."""
+
+    row_vector_blocks: tuple[str, ...]  # innermost loop runs over query rows: vectorize across rows
+    d_vector_blocks: tuple[str, ...]  # innermost loop runs over head_dim
+    kv_tile: bool  # has the kv_tile loop (auto_unroll applies there)
+
+
+FLASH_LAYOUT = TileKernelLayout(
+    ("row_max", "P_exp", "row_sum", "Q_load", "state_init", "online_correction", "max_commit"),
+    ("acc_init", "O_store"),
+    kv_tile=True,
+)
+
+
 def schedule(
-    sch: s_tir.Schedule, spec: AttentionSpec, lanes: int, knobs: FlashCPUKnobs | None = None
+    sch: s_tir.Schedule,
+    spec: AttentionSpec,
+    lanes: int,
+    knobs: Any = None,
+    layout: TileKernelLayout = FLASH_LAYOUT,
 ) -> s_tir.Schedule:
     """The one schedule of the fused kernel, for the hand path and the search alike.
 
@@ -204,7 +215,7 @@ def schedule(
     row_tile = sch.get_sblock("row_tile")
     block_m = int(sch.get(row_tile).alloc_buffers[0].shape[1])  # Qt is (D, block_m)
     s_buf = [b for b in sch.get(row_tile).alloc_buffers if b.name == "S"][0]
-    block_n = int(s_buf.shape[0])
+    block_n = int(s_buf.shape[0])  # keys per S tile: block_n (fused) or seq_kv (row-cached)
     D = spec.head_dim
     pin = knobs is not None
 
@@ -236,17 +247,18 @@ def schedule(
     sch.annotate(row_tile, "attn.pv_rows", pv_rows[1])
 
     # Step 3. Softmax stages and loads/stores: vectors across query rows (or head_dim).
-    for name in ("row_max", "P_exp", "row_sum", "Q_load", "state_init", "online_correction", "max_commit"):
+    for name in layout.row_vector_blocks:
         _vectorize_rows(sch, sch.get_loops(sch.get_sblock(name))[-1], lanes)
-    for name in ("acc_init", "O_store"):
+    for name in layout.d_vector_blocks:
         sch.vectorize(sch.get_loops(sch.get_sblock(name))[-1])
 
     # Step 4. Optional auto-unroll of what is left inside one key tile.
-    c_loop = sch.get_loops(sch.get_sblock("kv_tile"))[-1]
-    unroll = _choice(sch, AUTO_UNROLL_STEPS, knobs.auto_unroll if pin else None)
-    sch.annotate(c_loop, "pragma_auto_unroll_max_step", unroll)
-    sch.annotate(c_loop, "pragma_unroll_explicit", 1)
-    sch.annotate(row_tile, "attn.auto_unroll", unroll)
+    if layout.kv_tile:
+        c_loop = sch.get_loops(sch.get_sblock("kv_tile"))[-1]
+        unroll = _choice(sch, AUTO_UNROLL_STEPS, knobs.auto_unroll if pin else None)
+        sch.annotate(c_loop, "pragma_auto_unroll_max_step", unroll)
+        sch.annotate(c_loop, "pragma_unroll_explicit", 1)
+        sch.annotate(row_tile, "attn.auto_unroll", unroll)
 
     # Step 5. Hoist reduction inits (m_new = m, l·alpha, acc·alpha, S = 0) out of their loops.
     sch.decompose_reduction(s_gemm, sch.get_loops(s_gemm)[-5])  # at do
@@ -285,12 +297,16 @@ def design_space(spec: AttentionSpec, target: Target):
 KNOB_ANNOTATIONS = ("s_rows", "pv_rows", "d_unroll", "parallel_chunk", "auto_unroll")
 
 
+def read_annotations(sch: s_tir.Schedule, names: tuple[str, ...]) -> tuple[dict[str, int], dict[str, Any]]:
+    """(knob values from ``attn.*`` annotations, local buffers by name) of ``row_tile``."""
+    row_tile = sch.get(sch.get_sblock("row_tile"))
+    values = {k: int(row_tile.annotations[f"attn.{k}"]) for k in names}
+    return values, {b.name: b for b in row_tile.alloc_buffers}
+
+
 def knobs_of(sch: s_tir.Schedule, lanes: int) -> FlashCPUKnobs:
     """Read the knobs a (tuned or hand) schedule chose back from its ``attn.*`` annotations."""
-    row_tile = sch.get(sch.get_sblock("row_tile"))
-    ann = row_tile.annotations
-    bufs = {b.name: b for b in row_tile.alloc_buffers}
-    values = {k: int(ann[f"attn.{k}"]) for k in KNOB_ANNOTATIONS}
+    values, bufs = read_annotations(sch, KNOB_ANNOTATIONS)
     return FlashCPUKnobs(
         block_m=int(bufs["Qt"].shape[1]), block_n=int(bufs["S"].shape[0]), vector_lanes=lanes, **values
     )

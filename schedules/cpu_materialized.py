@@ -24,29 +24,19 @@ from tvm_attention.spec import AttentionSpec
 from tvm_attention.target import vector_lanes
 from tvm_attention.workloads import materialized_attention
 
+from ._knobs import KnobError, KnobsMixin
+
 NAME = "materialized"
 
 
-class KnobError(ValueError):
-    """An infeasible knob set; the message names the knob and the limit it breaks."""
-
-
 @dataclasses.dataclass(frozen=True)
-class MaterializedCPUKnobs:
+class MaterializedCPUKnobs(KnobsMixin):
+    FAMILY = NAME
+
     gemm_rows: int = 4  # query rows per register block of both GEMMs (unrolled)
     key_vectors: int = 2  # S_gemm: key vectors per register block (gemm_rows × key_vectors accumulators)
     vector_lanes: int = 16  # float32 SIMD lanes: 16 = AVX-512, 8 = AVX2
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "MaterializedCPUKnobs":
-        fields = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(d) - fields
-        if unknown:
-            raise KnobError(f"unknown knob(s) for {NAME}: {', '.join(sorted(unknown))}")
-        return cls(**d)
 
 
 def preset(spec: AttentionSpec, target: Target) -> MaterializedCPUKnobs:

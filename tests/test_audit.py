@@ -52,3 +52,16 @@ def test_report_serializes():
     d = built(S4096).audit.to_dict()
     json.dumps(d)
     assert d["verdict"] == "fused" and d["largest_allocation"]["scope"] == "local"
+
+
+def test_rowcache_row_buffer_grows_with_seq_kv():
+    sizes = []
+    for s in (1024, 4096):
+        spec = AttentionSpec(batch=1, heads=1, seq_q=s, head_dim=64)
+        report = built(spec, "rowcache").audit
+        assert report.fused  # never S×S ...
+        sizes.append({a.name: a for a in report.allocations}["S"].elements)
+    assert sizes[1] == 4 * sizes[0]  # ... but its local row buffer grows with seq_kv
+    fused_sizes = [{a.name: a for a in built(AttentionSpec(batch=1, heads=1, seq_q=s, head_dim=64)).audit.allocations}["S"].elements
+                   for s in (1024, 4096)]
+    assert fused_sizes[0] == fused_sizes[1]  # the fused tile does not

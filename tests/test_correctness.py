@@ -73,3 +73,11 @@ def test_long_sequence_sampled_rows(causal):
     result = validate_callable(spec, kernel_of(built(spec)), seed=0)
     assert result.rows_checked != "all"  # sampled: the full reference would be 8192² doubles
     assert result.finite and result.passed, result.format()
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("seq_q, seq_kv", [(1, 517), (113, 203), (300, 45)])
+def test_rowcache_matches_reference(seq_q, seq_kv, causal):
+    spec = AttentionSpec(batch=1, heads=4, kv_heads=2, seq_q=seq_q, seq_kv=seq_kv, head_dim=64, causal=causal)
+    q, k, v = random_inputs(spec, seed=6)
+    check(spec, run_kernel(spec, q, k, v, schedule="rowcache"), reference_attention(spec, q, k, v))

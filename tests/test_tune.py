@@ -181,3 +181,22 @@ def test_corrupt_logs_give_file_and_line(tuned_dir, tmp_path):
                          "--seq-q", "160", "--seq-kv", "224", "--head-dim", "64", "--causal",
                          "--from-log", str(bad), "--out", str(tmp_path / "x")], capture_output=True, text=True)
     assert rc.returncode == 2 and "truncated last line" in rc.stderr
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_rowcache_space_points_are_correct(seed):
+    from schedules import cpu_rowcache
+
+    spec = AttentionSpec(batch=1, heads=2, seq_q=96, seq_kv=192, head_dim=64, causal=True)
+    tasks = make_tasks(spec, TARGET, "rowcache")
+    task = tasks[seed % len(tasks)]
+    sch = tvm.s_tir.Schedule(task.mod, seed=seed + 1)
+    cpu_rowcache.design_space(spec, TARGET)(sch)
+    knobs = cpu_rowcache.knobs_of(sch, 16)
+    cpu_rowcache.check(knobs, spec, TARGET)
+    built = build_from_module(spec, "rowcache", sch.mod, TARGET, source="tuned", knobs=knobs)
+    v = validate_built(built)
+    assert v.passed, f"{knobs}: {v.format()}"
+    # no S×S buffer, but the local row buffers span every key
+    s = {a.name: a for a in built.audit.allocations}["S"]
+    assert s.scope == "local" and s.elements == spec.seq_kv * knobs.block_m

@@ -104,13 +104,12 @@ def build_from_record(spec: AttentionSpec, schedule: str, target: str | Target, 
     target = resolve_target(target)
     sch = s_tir.Schedule(workload.mod)
     record.trace.apply_to_schedule(sch, remove_postproc=False)
-    knobs = None
-    if schedule == "fused":
-        from schedules import cpu_flash
+    from schedules import get_schedule
 
-        from .target import vector_lanes
+    from .target import vector_lanes
 
-        knobs = cpu_flash.knobs_of(sch, vector_lanes(target, spec.dtype))
+    family = get_schedule(schedule, target)
+    knobs = family.knobs_of(sch, vector_lanes(target, spec.dtype)) if hasattr(family, "knobs_of") else None
     built = build_from_module(spec, schedule, sch.mod, target, source="tuned", knobs=knobs,
                               trace=str(record.trace))
     built.record_secs = [float(x) for x in record.run_secs]

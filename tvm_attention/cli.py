@@ -39,7 +39,8 @@ def _spec_from_args(a: argparse.Namespace) -> AttentionSpec:
 
 def _add_build_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="llvm", help="'llvm' (this CPU, default) or a JSON target")
-    p.add_argument("--schedule", default="fused", choices=["fused", "materialized"])
+    p.add_argument("--schedule", default="fused", choices=["fused", "materialized", "rowcache"],
+                   help="fused (default), materialized (global S×S baseline) or rowcache (two-pass, row buffer)")
     p.add_argument("--knobs", default=None,
                    help='hand-schedule knob overrides as JSON, e.g. \'{"block_n": 128}\'')
     p.add_argument("--threads", type=int, default=None, help="runtime threads (default: all cores)")
@@ -175,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("tune", help="MetaSchedule search (XGBoost cost model); resumable JSON database")
     _add_spec_flags(p)
     p.add_argument("--target", default="llvm", help="'llvm' (this CPU, default) or a JSON target")
-    p.add_argument("--schedule", default="fused", choices=["fused", "materialized"])
+    p.add_argument("--schedule", default="fused", choices=["fused", "materialized", "rowcache"])
     p.add_argument("--trials", type=int, default=64, help="total measured trials in the log (resume counts them)")
     p.add_argument("--work-dir", default=None, help="tuning log folder (default: tuning_logs/<target>/<spec>/)")
     p.add_argument("--per-round", type=int, default=8, help="candidates measured per round")

@@ -1,4 +1,5 @@
-"""Side-by-side CPU benchmark: fused (hand), materialized (hand), NumPy, PyTorch SDPA.
+"""Side-by-side CPU benchmark: fused, materialized and rowcache (hand schedules; ``*-tuned``
+variants use the best validated record of the tuning log), NumPy, PyTorch SDPA.
 
 All variants run in one process at the same thread count, on the same inputs, so the ratios
 are fair on a noisy machine. GFLOP/s use 4·B·H·Sq·Skv·D, halved for causal.
@@ -92,8 +93,19 @@ def bench_spec(spec: AttentionSpec, threads: int, variants: list[str], repeat: i
     rows = []
     for variant in variants:
         try:
-            if variant in ("fused", "materialized"):
+            if variant in ("fused", "materialized", "rowcache"):
                 k = build_kernel(spec, schedule=variant)
+                t = time_module(k.module, k.entry, spec, repeat=repeat, min_repeat_ms=min_repeat_ms)
+            elif variant.endswith("-tuned"):
+                from ..pipeline import build_best
+
+                k, validation = build_best(spec, schedule=variant[: -len("-tuned")])
+                if k.source != "tuned":
+                    rows.append(Row(spec, variant, None, "no tuning log for this spec"))
+                    continue
+                if not validation.passed:
+                    rows.append(Row(spec, variant, None, "tuned build failed validation"))
+                    continue
                 t = time_module(k.module, k.entry, spec, repeat=repeat, min_repeat_ms=min_repeat_ms)
             elif variant == "numpy":
                 t = time_callable(numpy_attention(spec), repeat=repeat, min_repeat_ms=min_repeat_ms)

@@ -83,22 +83,26 @@ def _fmt_time(s: float) -> str:
 
 
 def describe(task: TaskDef, sch, target: Target, spec: AttentionSpec) -> dict[str, Any] | None:
-    """Knobs of a fused candidate (from its attn.* annotations); None for other families."""
-    if not task.name.startswith("fused"):
-        return None
-    from schedules import cpu_flash
+    """Knobs of a tile-kernel candidate (from its attn.* annotations); None for MetaSchedule's
+    own spaces (materialized), whose trace is the description."""
+    from schedules import get_schedule
 
-    try:
-        return cpu_flash.knobs_of(sch, vector_lanes(target, spec.dtype)).to_dict()
-    except Exception:
+    family = get_schedule(task.name.split("_")[0], target)
+    if not hasattr(family, "knobs_of"):
         return None
+    return family.knobs_of(sch, vector_lanes(target, spec.dtype)).to_dict()
 
 
 def knob_summary(knobs: dict[str, Any] | None) -> str:
     if not knobs:
         return ""
-    return (f"m{knobs['block_m']}×n{knobs['block_n']} s{knobs['s_rows']} p{knobs['pv_rows']} "
-            f"d{knobs['d_unroll']} c{knobs['parallel_chunk']} u{knobs['auto_unroll']}")
+    text = f"m{knobs['block_m']}"
+    if "block_n" in knobs:
+        text += f"×n{knobs['block_n']}"
+    text += f" s{knobs['s_rows']} p{knobs['pv_rows']} d{knobs['d_unroll']} c{knobs['parallel_chunk']}"
+    if "auto_unroll" in knobs:
+        text += f" u{knobs['auto_unroll']}"
+    return text
 
 
 def tune(

@@ -5,6 +5,7 @@
   task the space is ``cpu_flash.schedule`` with its decisions sampled (register blocks, head_dim
   unroll, parallel chunk, auto-unroll). The hand preset's tile pair is the first task and the
   hand knobs are a point of its space.
+* ``rowcache``: one task per row block ``block_m``; the same schedule function and sampled knobs.
 * ``materialized``: MetaSchedule's default LLVM space, minus the write-cache fusion of
   MultiLevelTiling, which raises a ScheduleError on this graph (O's producer also reads L).
 """
@@ -18,9 +19,9 @@ import tvm_ffi
 from tvm.target import Target
 
 from ..spec import AttentionSpec
-from ..workloads import fused_attention, materialized_attention
+from ..workloads import fused_attention, materialized_attention, rowcache_attention
 
-TUNABLE = ("fused", "materialized")
+TUNABLE = ("fused", "materialized", "rowcache")
 
 
 @dataclasses.dataclass
@@ -38,13 +39,12 @@ def normalize(func) -> tvm.IRModule:
     return _normalize_mod(func)
 
 
-def fused_space(spec: AttentionSpec, target: Target):
+def tile_space(space_fn):
+    """A ScheduleFn space for our tile kernels (fused, rowcache)."""
     from tvm.s_tir import meta_schedule as ms
 
-    from schedules import cpu_flash
-
     return ms.space_generator.ScheduleFn(
-        cpu_flash.design_space(spec, target),
+        space_fn,
         sch_rules=[],
         postprocs=[],  # the schedule vectorizes, unrolls and decomposes itself
         mutator_probs={ms.mutator.MutateTileSize(): 1.0},
@@ -69,9 +69,18 @@ def make_tasks(spec: AttentionSpec, target: Target, schedule: str) -> list[TaskD
     if schedule == "fused":
         from schedules import cpu_flash
 
+        space = tile_space(cpu_flash.design_space(spec, target))
         return [
-            TaskDef(f"fused_m{bm}_n{bn}", normalize(fused_attention(spec, bm, bn)), fused_space(spec, target))
+            TaskDef(f"fused_m{bm}_n{bn}", normalize(fused_attention(spec, bm, bn)), space)
             for bm, bn in cpu_flash.tile_candidates(spec, target)
+        ]
+    if schedule == "rowcache":
+        from schedules import cpu_rowcache
+
+        space = tile_space(cpu_rowcache.design_space(spec, target))
+        return [
+            TaskDef(f"rowcache_m{bm}", normalize(rowcache_attention(spec, bm)), space)
+            for bm in cpu_rowcache.block_m_candidates(spec, target)
         ]
     if schedule == "materialized":
         return [TaskDef("materialized", normalize(materialized_attention(spec)), materialized_space(),
@@ -88,6 +97,8 @@ def regenerate(spec: AttentionSpec, func) -> tvm.IRModule | None:
             return normalize(fused_attention(spec, int(attrs["attn.block_m"]), int(attrs["attn.block_n"])))
         if kind == "materialized":
             return normalize(materialized_attention(spec))
+        if kind == "rowcache":
+            return normalize(rowcache_attention(spec, int(attrs["attn.block_m"])))
     except Exception:
         return None
     return None

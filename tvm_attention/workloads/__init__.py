@@ -6,11 +6,13 @@ from __future__ import annotations
 
 from .fused import fused_attention
 from .materialized import materialized_attention
+from .rowcache import rowcache_attention
 
 #: workload name -> (factory, names of the score buffers the audit checks, description)
 WORKLOADS = {
     "fused": (fused_attention, ("S", "P"), "online-softmax flash attention; score tile in local scope"),
     "materialized": (materialized_attention, ("S", "P"), "QKᵀ, softmax and PV through global S×S buffers"),
+    "rowcache": (rowcache_attention, ("S", "P"), "per row block, whole score rows in local scope, two-pass softmax"),
 }
 
-__all__ = ["WORKLOADS", "fused_attention", "materialized_attention"]
+__all__ = ["WORKLOADS", "fused_attention", "materialized_attention", "rowcache_attention"]

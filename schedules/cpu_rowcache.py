@@ -1,0 +1,100 @@
+"""CPU schedule for the row-cached two-pass family (``workloads/rowcache.py``).
+
+The same register blocking and vectorization as the fused kernel (``cpu_flash.schedule`` with
+this family's block layout): only the tile differs — the score buffer spans every key, so there
+is no ``block_n`` and no key-tile loop to unroll. The design space samples the row block (one
+task per ``block_m``), ``s_rows``, ``pv_rows``, ``d_unroll`` and ``parallel_chunk``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from tvm import s_tir
+from tvm.target import Target
+
+from tvm_attention.spec import AttentionSpec
+from tvm_attention.target import vector_lanes
+from tvm_attention.workloads import rowcache_attention
+
+from . import cpu_flash
+from ._knobs import KnobError, KnobsMixin
+
+NAME = "rowcache"
+LAYOUT = cpu_flash.TileKernelLayout(
+    ("row_max", "P_exp", "row_sum", "Q_load"), ("O_store",), kv_tile=False
+)
+BLOCK_M_VECTORS = (1, 2, 4)  # row blocks the tuner tries, in vector widths
+#: The row buffers (S and P: 2·seq_kv·block_m floats) must fit this; past it the family is not
+#: built (the fused kernel has no such limit).
+MAX_ROW_BYTES = 64 * 1024 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class RowCacheCPUKnobs(KnobsMixin):
+    FAMILY = NAME
+
+    block_m: int = 32  # query rows per row block (multiple of vector_lanes)
+    s_rows: int = 4  # keys per register block of S_gemm (must divide seq_kv)
+    pv_rows: int = 4  # query rows per register block of PV_gemm
+    vector_lanes: int = 16
+    d_unroll: int = 1
+    parallel_chunk: int = 1
+
+
+
+def _largest_divisor(n: int, limit: int) -> int:
+    return max(f for f in range(1, limit + 1) if n % f == 0)
+
+
+def preset(spec: AttentionSpec, target: Target) -> RowCacheCPUKnobs:
+    flash = cpu_flash.preset(spec, target)
+    s_rows = _largest_divisor(spec.seq_kv, flash.s_rows)
+    return RowCacheCPUKnobs(block_m=flash.block_m, s_rows=s_rows, pv_rows=flash.pv_rows,
+                            vector_lanes=flash.vector_lanes)
+
+
+def check(knobs: RowCacheCPUKnobs, spec: AttentionSpec, target: Target) -> None:
+    if spec.seq_kv % knobs.s_rows:
+        raise KnobError(f"s_rows={knobs.s_rows} must divide seq_kv={spec.seq_kv}")
+    as_flash = cpu_flash.FlashCPUKnobs(
+        block_m=knobs.block_m, block_n=knobs.s_rows, s_rows=knobs.s_rows, pv_rows=knobs.pv_rows,
+        vector_lanes=knobs.vector_lanes, d_unroll=knobs.d_unroll, parallel_chunk=knobs.parallel_chunk,
+    )
+    cpu_flash.check(as_flash, spec, target)  # the same register limits
+    row_bytes = 2 * 4 * spec.seq_kv * knobs.block_m
+    if row_bytes > MAX_ROW_BYTES:
+        raise KnobError(
+            f"row buffers need {row_bytes} B per row block (2 × seq_kv={spec.seq_kv} × "
+            f"block_m={knobs.block_m} floats) > MAX_ROW_BYTES={MAX_ROW_BYTES}: the row-cached "
+            "family does not scale to this length (the fused kernel does)"
+        )
+
+
+def workload(spec: AttentionSpec, knobs: RowCacheCPUKnobs):
+    return rowcache_attention(spec, knobs.block_m)
+
+
+def apply(sch: s_tir.Schedule, knobs: RowCacheCPUKnobs, spec: AttentionSpec) -> s_tir.Schedule:
+    return cpu_flash.schedule(sch, spec, knobs.vector_lanes, knobs, LAYOUT)
+
+
+def design_space(spec: AttentionSpec, target: Target):
+    lanes = vector_lanes(target, spec.dtype)
+
+    def space_fn(sch: s_tir.Schedule) -> s_tir.Schedule:
+        return cpu_flash.schedule(sch, spec, lanes, None, LAYOUT)
+
+    return space_fn
+
+
+def block_m_candidates(spec: AttentionSpec, target: Target) -> list[int]:
+    lanes = vector_lanes(target, spec.dtype)
+    out = [preset(spec, target).block_m]
+    out += [v * lanes for v in BLOCK_M_VECTORS if v * lanes not in out]
+    return [m for m in out if 2 * 4 * spec.seq_kv * m <= MAX_ROW_BYTES and cpu_flash.max_s_rows(m, lanes) >= 1]
+
+
+def knobs_of(sch: s_tir.Schedule, lanes: int) -> RowCacheCPUKnobs:
+    values, bufs = cpu_flash.read_annotations(sch, ("s_rows", "pv_rows", "d_unroll", "parallel_chunk"))
+    return RowCacheCPUKnobs(block_m=int(bufs["Qt"].shape[1]), vector_lanes=lanes, **values)

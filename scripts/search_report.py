@@ -1,0 +1,89 @@
+#!/usr/bin/env python3
+"""Search as research: for each spec, the hand knobs and the best tuned record (knobs and its
+sampling decisions), timed side by side in one process with PyTorch SDPA, plus the tuning curve
+(best GFLOP/s vs trials) read from the log.
+
+Default: the committed specs (fp32, B=1, H=8, D=64, S in {1024, 4096}, causal and not).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from tvm_attention.artifact import validate_built
+from tvm_attention.bench.cpu import torch_sdpa
+from tvm_attention.bench.search import curve_milestones, readable_trace, time_built, tuning_curve
+from tvm_attention.build import build_from_record, build_kernel
+from tvm_attention.spec import AttentionSpec
+from tvm_attention.target import resolve_target
+from tvm_attention.threads import set_num_threads
+from tvm_attention.timing import time_callable
+from tvm_attention.tune.logs import best_records, default_work_dir
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seq", type=int, nargs="+", default=[1024, 4096])
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--causal", choices=["both", "yes", "no"], default="both")
+    p.add_argument("--schedule", default="fused", choices=["fused", "materialized", "rowcache"])
+    p.add_argument("--work-dir", default=None, help="log folder (default: the committed one per spec)")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--repeat", type=int, default=7)
+    a = p.parse_args()
+
+    threads = set_num_threads(a.threads)
+    target = resolve_target("llvm")
+    summary = []
+    for causal in {"both": [False, True], "yes": [True], "no": [False]}[a.causal]:
+        for s in a.seq:
+            spec = AttentionSpec(batch=1, heads=a.heads, seq_q=s, head_dim=a.head_dim, causal=causal)
+            work = a.work_dir or default_work_dir(spec, target)
+            print(f"\n## {spec.short_name()}  [{a.schedule}]  log {work}")
+            hand = build_kernel(spec, schedule=a.schedule, target=target)
+            print(f"hand knobs:  {hand.knobs.to_dict() if hand.knobs else '-'}")
+            recs = best_records(spec, target, a.schedule, work, k=1)
+            tuned = None
+            if recs:
+                tuned = build_from_record(spec, a.schedule, target, *recs[0])
+                v = validate_built(tuned)
+                print(f"tuned knobs: {tuned.knobs.to_dict() if tuned.knobs else '(MetaSchedule space)'}"
+                      f"  validation {'PASS' if v.passed else 'FAIL'} {v.max_abs_err:.1e}")
+                print("tuned sampling decisions:")
+                for line in readable_trace(recs[0][1].trace):
+                    print(f"    {line}")
+                curve = tuning_curve(spec, work, a.schedule)
+                print("tuning curve (trials: best GFLOP/s): " +
+                      ", ".join(f"{n}: {g:.1f}" for n, g in curve_milestones(curve)))
+            else:
+                print("no tuned record for this spec/target")
+            # Time side by side, interleaved twice to even out drift on a noisy machine.
+            th = time_built(hand, a.repeat)
+            tt = time_built(tuned, a.repeat) if tuned else None
+            fn = torch_sdpa(spec, threads)
+            tq = time_callable(fn, repeat=a.repeat) if fn else None
+            th2 = time_built(hand, a.repeat)
+            th = min(th, th2, key=lambda t: t.median_s)
+            line = f"hand {th.gflops(spec):.1f} GFLOP/s"
+            if tt:
+                line += f" | tuned {tt.gflops(spec):.1f} GFLOP/s | tuned/hand {th.median_s / tt.median_s:.3f}x"
+            if tq:
+                line += f" | torch {tq.gflops(spec):.1f} GFLOP/s | hand/torch {tq.median_s / th.median_s:.2f}x"
+                if tt:
+                    line += f" | tuned/torch {tq.median_s / tt.median_s:.2f}x"
+            print(line)
+            summary.append((spec, th, tt, tq))
+    print("\n| S | causal | hand GFLOP/s | tuned GFLOP/s | tuned/hand | torch GFLOP/s | tuned/torch |")
+    print("|---|---|---|---|---|---|---|")
+    for spec, th, tt, tq in summary:
+        print(f"| {spec.seq_q} | {'yes' if spec.causal else 'no'} | {th.gflops(spec):.1f} | "
+              f"{tt.gflops(spec) if tt else float('nan'):.1f} | "
+              f"{(th.median_s / tt.median_s) if tt else float('nan'):.3f} | "
+              f"{tq.gflops(spec) if tq else float('nan'):.1f} | "
+              f"{(tq.median_s / tt.median_s) if (tt and tq) else float('nan'):.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

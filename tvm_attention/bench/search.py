@@ -1,0 +1,76 @@
+"""Search as research: hand knobs vs the best tuned record, timed side by side, and the curve."""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from ..spec import AttentionSpec
+from ..timing import Timing, time_module
+from ..tune.logs import FAILED_RUN_SECS, mean_secs, parse_logs, records_for
+from ..tune.tasks import workload_matches
+
+
+def readable_trace(trace) -> list[str]:
+    """The sampling decisions of a trace, one line each (the rest is fixed by the space)."""
+    lines = []
+    for inst in trace.insts:
+        kind = inst.kind.name
+        if kind.startswith("Sample"):
+            decision = trace.decisions.get(inst) if hasattr(trace.decisions, "get") else None
+            attrs = {k: v for k, v in zip(("n", "max_innermost_factor"), inst.attrs)} if kind == "SamplePerfectTile" else {}
+            if kind == "SampleCategorical":
+                cands = [int(x) for x in inst.attrs[0]]
+                idx = int(decision) if decision is not None else None
+                lines.append(f"{kind}({cands}) -> {cands[idx] if idx is not None else '?'}")
+            else:
+                dec = [int(x) for x in decision] if decision is not None else "?"
+                lines.append(f"{kind}({', '.join(f'{k}={v}' for k, v in attrs.items())}) -> {dec}")
+        elif kind == "Annotate" and len(inst.attrs) and str(inst.attrs[0]).startswith("meta_schedule."):
+            lines.append(f"Annotate {inst.attrs[0]}")
+    return lines
+
+
+def tuning_curve(spec: AttentionSpec, work_dir: str | Path, schedule: str = "fused") -> list[tuple[int, float]]:
+    """(trial number, best GFLOP/s so far) over the log's records of ``spec``/``schedule``, in
+    the order they were measured."""
+    parsed = parse_logs(work_dir)
+    curve, best, n = [], float("inf"), 0
+    ok: dict[int, bool] = {}
+    for wl, rec in records_for(parsed, schedule):
+        if id(wl) not in ok:
+            ok[id(wl)] = workload_matches(spec, wl.mod)
+        if not ok[id(wl)]:
+            continue
+        n += 1
+        secs = mean_secs(rec)
+        if secs < FAILED_RUN_SECS:
+            best = min(best, secs)
+        if best < float("inf"):
+            curve.append((n, spec.flops() / best / 1e9))
+    return curve
+
+
+@dataclasses.dataclass
+class Side:
+    label: str
+    source: str
+    knobs: dict[str, Any] | None
+    timing: Timing | None
+    trace_lines: list[str]
+    error: str | None = None
+
+
+def time_built(built, repeat: int = 5) -> Timing:
+    return time_module(built.module, built.entry, built.spec, repeat=repeat)
+
+
+def curve_milestones(curve: list[tuple[int, float]], points=(8, 16, 32, 64, 128, 256)) -> list[tuple[int, float]]:
+    out = []
+    for p in points:
+        best = [g for n, g in curve if n <= p]
+        if best and p <= curve[-1][0]:
+            out.append((p, best[-1]))
+    if curve and (not out or out[-1][0] != curve[-1][0]):
+        out.append(curve[-1])
+    return out
