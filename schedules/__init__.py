@@ -4,18 +4,19 @@
 * ``preset(spec, target)`` — the per-target default knobs;
 * ``check(knobs, spec, target)`` — feasibility against named hardware limits (raises ``KnobError``);
 * ``workload(spec, knobs)`` — the PrimFunc from the workload registry these knobs schedule;
-* ``apply(sch, knobs, spec)`` — the schedule, finding blocks by name.
+* ``apply(sch, knobs, spec)`` — the schedule, finding blocks by name; it returns the Schedule to
+  build (usually ``sch`` itself; module-level rule sets such as dlight return a new one).
 """
 from __future__ import annotations
 
 from types import ModuleType
 
-from . import cpu_flash, cpu_materialized, cpu_rowcache
+from . import cpu_flash, cpu_materialized, cpu_rowcache, cuda_flash, cuda_materialized
 
 #: schedule name -> target family -> module
 SCHEDULES: dict[str, dict[str, ModuleType]] = {
-    "fused": {"cpu": cpu_flash},
-    "materialized": {"cpu": cpu_materialized},
+    "fused": {"cpu": cpu_flash, "cuda": cuda_flash},
+    "materialized": {"cpu": cpu_materialized, "cuda": cuda_materialized},
     "rowcache": {"cpu": cpu_rowcache},
 }
 

@@ -1,20 +1,22 @@
 """Hand-authored CPU (LLVM) schedule for the fused flash-attention PrimFunc.
 
-Step 0 picks the tile sizes (they shape the PrimFunc itself: the online softmax is written per
-tile). The schedule then, finding blocks by name:
+The tile sizes ``block_m``/``block_n`` shape the PrimFunc itself (the online softmax is written
+per tile). :func:`schedule` then, finding blocks by name:
 
-1. parallelizes over the fused (batch, head, row tile) loop;
-2. register-blocks ``S_gemm`` as ``for key block: for d: for s_rows keys (unrolled): for query
+1. register-blocks ``S_gemm`` as ``for key block: for d: for s_rows keys (unrolled): for query
    rows (vector)`` — one K element broadcast against ``block_m`` query rows, ``s_rows ×
    block_m / lanes`` accumulators held in vector registers across the ``d`` loop;
-3. register-blocks ``PV_gemm`` as ``for row block: for key: for pv_rows rows (unrolled): for d
+2. register-blocks ``PV_gemm`` as ``for row block: for key: for pv_rows rows (unrolled): for d
    (vector)`` — one V row reused by ``pv_rows`` query rows;
-4. vectorizes every softmax stage across query rows (the score tile is key-major, so row max and
+3. vectorizes every softmax stage across query rows (the score tile is key-major, so row max and
    row sum are element-wise vector ops);
-5. hoists reduction inits (``acc·alpha``, ``l·alpha``, ``m_new = m``) out of their loops.
+4. optionally auto-unrolls the key-tile body;
+5. hoists reduction inits (``acc·alpha``, ``l·alpha``, ``m_new = m``) out of their loops;
+6. parallelizes over the fused (batch, head, row tile) loop, ``parallel_chunk`` tiles per task.
 
-Knobs are a frozen dataclass; ``check`` rejects infeasible sets against named hardware limits
-before anything is built. ``preset`` gives the per-target default.
+The same function is the hand schedule (decisions pinned to the knobs) and the MetaSchedule
+design space (decisions sampled). Knobs are a frozen dataclass; ``check`` rejects infeasible sets
+against named hardware limits before anything is built; ``preset`` gives the per-target default.
 """
 from __future__ import annotations
 
@@ -40,13 +42,12 @@ class FlashCPUKnobs(KnobsMixin):
 
     block_m: int = 32  # BLOCK_M: query rows per row tile (row_tile); a multiple of vector_lanes
     block_n: int = 64  # BLOCK_N: keys per key tile (kv_tile)
-    s_rows: int = 6  # keys per register block of S_gemm, unrolled (accumulators: s_rows·block_m/lanes)
+    s_rows: int = 4  # keys per register block of S_gemm, unrolled (accumulators: s_rows·block_m/lanes)
     pv_rows: int = 4  # query rows per register block of PV_gemm, unrolled (pv_rows·head_dim/lanes)
     vector_lanes: int = 16  # float32 SIMD lanes: 16 = AVX-512, 8 = AVX2
     d_unroll: int = 1  # S_gemm: head_dim steps unrolled per iteration (1 = leave to LLVM)
     parallel_chunk: int = 1  # row tiles per parallel task (1 = finest load balance)
     auto_unroll: int = 0  # pragma_auto_unroll_max_step on the key-tile loop (0 = off)
-
 
 
 # -- hardware limits the feasibility check names -------------------------------------------------
@@ -95,6 +96,7 @@ def preset(spec: AttentionSpec, target: Target) -> FlashCPUKnobs:
 
 def check(knobs: FlashCPUKnobs, spec: AttentionSpec, target: Target) -> None:
     """Raise :class:`KnobError` if ``knobs`` cannot be built well for ``spec`` on ``target``."""
+    check_cpu_dtype(spec)
     lanes = knobs.vector_lanes
     for name in ("block_m", "block_n", "s_rows", "pv_rows", "vector_lanes", "d_unroll", "parallel_chunk"):
         v = getattr(knobs, name)
@@ -138,6 +140,13 @@ def check(knobs: FlashCPUKnobs, spec: AttentionSpec, target: Target) -> None:
         raise KnobError(
             f"tile working set {tile_bytes} B (block_m={knobs.block_m}, block_n={knobs.block_n}, "
             f"head_dim={spec.head_dim}) exceeds MAX_TILE_BYTES={MAX_TILE_BYTES}"
+        )
+
+
+def check_cpu_dtype(spec: AttentionSpec) -> None:
+    if spec.dtype != "float32":
+        raise KnobError(
+            f"dtype={spec.dtype} is not supported on CPU (llvm) targets yet: use float32, or a cuda target"
         )
 
 

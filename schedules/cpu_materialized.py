@@ -24,6 +24,7 @@ from tvm_attention.spec import AttentionSpec
 from tvm_attention.target import vector_lanes
 from tvm_attention.workloads import materialized_attention
 
+from . import cpu_flash
 from ._knobs import KnobError, KnobsMixin
 
 NAME = "materialized"
@@ -47,6 +48,7 @@ def preset(spec: AttentionSpec, target: Target) -> MaterializedCPUKnobs:
 
 
 def check(knobs: MaterializedCPUKnobs, spec: AttentionSpec, target: Target) -> None:
+    cpu_flash.check_cpu_dtype(spec)
     for name in ("gemm_rows", "key_vectors", "vector_lanes"):
         v = getattr(knobs, name)
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:

@@ -42,7 +42,9 @@ def test_run_main_job_small(tmp_path, capsys):
     "args, message",
     [
         (["--target", "foo"], "unknown target 'foo'"),
-        (["--target", "cuda"], "not supported"),
+        (["--target", "rocm"], "not supported"),
+        (["--target", "cuda", "--arch", "sm_70"], "unsupported CUDA arch"),
+        (["--arch", "sm_90"], "--arch applies to cuda targets only"),
         (["--kv-heads", "3"], "kv_heads"),
         (["--dtype", "float16"], "float16"),
         (["--knobs", '{"block_m": 24}'], "block_m=24"),

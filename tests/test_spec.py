@@ -23,7 +23,7 @@ def test_defaults():
         (dict(seq_kv=0), "seq_kv"),
         (dict(head_dim=2.5), "head_dim"),
         (dict(heads=8, kv_heads=3), "kv_heads"),
-        (dict(dtype="float16"), "float16"),
+        (dict(dtype="float64"), "float64"),
         (dict(dtype="int8"), "int8"),
         (dict(causal=1), "causal"),
         (dict(scale=-1.0), "scale"),

@@ -6,6 +6,9 @@ Manifest (``manifest_version`` 1; keys are only ever added, never repurposed)::
     entry             function name inside attention.so ("attention")
     library           "attention.so"
     lowered_ir        "lowered.tir" (the audited IR, TVMScript)
+    kernel_source     "kernel.cu" (CUDA builds: the generated CUDA C)
+    resources         (CUDA builds) ptxas report: registers, spill bytes, stack frame, shared
+                      memory, barriers, threads per block, occupancy estimate; or why it is absent
     layout            "BHSD"
     args              [{name, shape, dtype}] for q, k, v, o (o is the output buffer the caller passes)
     spec              AttentionSpec fields
@@ -13,7 +16,8 @@ Manifest (``manifest_version`` 1; keys are only ever added, never repurposed)::
     schedule          {name, source: "hand"|"tuned", family, knobs | trace}
     tvm_version       TVM that built it
     audit             {verdict, reasons, largest_allocation, bytes_by_scope, allocations, ...}
-    validation        {max_abs_err, max_rel_err, mean_abs_err, atol, rtol, passed, ...}
+    validation        {max_abs_err, max_rel_err, mean_abs_err, atol, rtol, passed, ran, reason, ...}
+                      (ran=false: not run, e.g. a CUDA build made on a machine with no GPU)
     created           UTC timestamp
 """
 from __future__ import annotations
@@ -28,12 +32,13 @@ import tvm
 
 from .build import BuiltKernel
 from .loader import MANIFEST, AttentionKernel
-from .target import target_to_json
+from .target import is_cuda, local_cuda_arch, target_to_json
 from .validate import ValidationResult, validate_callable
 
 MANIFEST_VERSION = 1
 LIBRARY = "attention.so"
 LOWERED = "lowered.tir"
+KERNEL_SOURCE = "kernel.cu"
 
 
 class ValidationFailed(RuntimeError):
@@ -41,15 +46,21 @@ class ValidationFailed(RuntimeError):
 
 
 def kernel_of(built: BuiltKernel) -> AttentionKernel:
-    return AttentionKernel(built.spec, built.function)
+    return AttentionKernel(built.spec, built.function, device="cuda" if is_cuda(built.target) else "cpu")
 
 
 def validate_built(built: BuiltKernel, seed: int = 0) -> ValidationResult:
+    """Run the build on seeded random inputs against the reference. A CUDA build on a machine
+    with no GPU is recorded as not run (``tvm-attention validate DIR`` on a GPU runs it)."""
+    if is_cuda(built.target) and local_cuda_arch() is None:
+        return ValidationResult.not_run(
+            built.spec, "no CUDA device on this machine; run `tvm-attention validate DIR` on a GPU", seed
+        )
     return validate_callable(built.spec, kernel_of(built), seed=seed)
 
 
 def make_manifest(built: BuiltKernel, validation: ValidationResult) -> dict[str, Any]:
-    return {
+    manifest = {
         "manifest_version": MANIFEST_VERSION,
         "entry": built.entry,
         "library": LIBRARY,
@@ -64,6 +75,10 @@ def make_manifest(built: BuiltKernel, validation: ValidationResult) -> dict[str,
         "validation": validation.to_dict(),
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
+    if is_cuda(built.target):
+        manifest["kernel_source"] = KERNEL_SOURCE
+        manifest["resources"] = built.resources
+    return manifest
 
 
 def _atomic_write_bytes(path: Path, write) -> None:
@@ -74,7 +89,7 @@ def _atomic_write_bytes(path: Path, write) -> None:
 
 def export(built: BuiltKernel, out_dir: str | os.PathLike, validation: ValidationResult) -> dict[str, Any]:
     """Write the artifact directory; refuses a build whose validation failed."""
-    if not validation.passed:
+    if validation.ran and not validation.passed:
         raise ValidationFailed(
             f"{built.spec.short_name()} [{built.schedule}/{built.source}] failed validation, not exported: "
             + validation.format()
@@ -84,6 +99,10 @@ def export(built: BuiltKernel, out_dir: str | os.PathLike, validation: Validatio
     manifest = make_manifest(built, validation)
     _atomic_write_bytes(out / LIBRARY, lambda p: built.module.export_library(str(p)))
     _atomic_write_bytes(out / LOWERED, lambda p: p.write_text(built.lowered.script()))
+    if is_cuda(built.target):
+        from .cuda_tools import kernel_source
+
+        _atomic_write_bytes(out / KERNEL_SOURCE, lambda p: p.write_text(kernel_source(built.module)))
     # The manifest goes last: a directory with a manifest is a complete artifact.
     _atomic_write_bytes(out / MANIFEST, lambda p: p.write_text(json.dumps(manifest, indent=2) + "\n"))
     return manifest

@@ -31,6 +31,7 @@ class BuiltKernel:
     trace: str | None = None
     log_dir: str | None = None  # the tuning log a tuned build came from
     record_secs: list[float] | None = None  # its measured run times there
+    resources: dict[str, Any] | None = None  # CUDA: ptxas report (see cuda_tools.ptxas_report)
 
 
     def schedule_info(self) -> dict[str, Any]:
@@ -67,7 +68,7 @@ def build_kernel(
     """
     from schedules import get_schedule  # schedules/ sits beside this package
 
-    target = resolve_target(target)
+    target = resolve_target(target) if not isinstance(target, Target) else target
     family = get_schedule(schedule, target)
     if knobs is None:
         knobs = family.preset(spec, target)
@@ -77,7 +78,8 @@ def build_kernel(
         )
     family.check(knobs, spec, target)
     sch = s_tir.Schedule(family.workload(spec, knobs))
-    family.apply(sch, knobs, spec)
+    with target:
+        sch = family.apply(sch, knobs, spec)
     return build_from_module(spec, schedule, sch.mod, target, source="hand", knobs=knobs)
 
 
@@ -93,10 +95,28 @@ def build_from_module(
     """Lower, audit and compile an already scheduled module."""
     from .workloads import WORKLOADS
 
+    func = mod["main"]
+    workload = str(func.attrs["attn.workload"]) if func.attrs is not None and "attn.workload" in func.attrs else schedule
     lowered = lower_final(mod, target)
-    report = audit(lowered, spec, WORKLOADS[schedule][1])
+    report = audit(lowered, spec, WORKLOADS[workload][1])
     module = codegen(lowered)
-    return BuiltKernel(spec, schedule, source, knobs, target, lowered, module, report, trace=trace)
+    built = BuiltKernel(spec, schedule, source, knobs, target, lowered, module, report, trace=trace)
+    if target.kind.name == "cuda":
+        built.resources = cuda_resources(built)
+    return built
+
+
+def cuda_resources(built: BuiltKernel) -> dict[str, Any]:
+    """ptxas's report for a CUDA build (or why there is none: no nvcc here)."""
+    from .cuda_tools import NvccNotFound, kernel_source, ptxas_report
+
+    threads = None
+    if built.knobs is not None and hasattr(built.knobs, "threads_per_row"):
+        threads = built.knobs.block_m * built.knobs.threads_per_row
+    try:
+        return ptxas_report(kernel_source(built.module), str(built.target.attrs["arch"]), threads)
+    except NvccNotFound as e:
+        return {"unavailable": str(e)}
 
 
 def build_from_record(spec: AttentionSpec, schedule: str, target: str | Target, workload, record) -> BuiltKernel:

@@ -38,7 +38,8 @@ def _spec_from_args(a: argparse.Namespace) -> AttentionSpec:
 
 
 def _add_build_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", default="llvm", help="'llvm' (this CPU, default) or a JSON target")
+    p.add_argument("--target", default="llvm", help="'llvm' (this CPU, default), 'cuda', or a JSON target")
+    p.add_argument("--arch", default=None, help="CUDA architecture for --target cuda: sm_80, sm_86, sm_89, sm_90")
     p.add_argument("--schedule", default="fused", choices=["fused", "materialized", "rowcache"],
                    help="fused (default), materialized (global S×S baseline) or rowcache (two-pass, row buffer)")
     p.add_argument("--knobs", default=None,
@@ -56,13 +57,16 @@ def _build_and_export(a: argparse.Namespace, spec: AttentionSpec, out: Path):
     from .pipeline import build_best
     from .threads import set_num_threads
 
+    from .target import resolve_target
+
     set_num_threads(a.threads)
     try:
         knobs = json.loads(a.knobs) if a.knobs else None
     except json.JSONDecodeError as e:
         raise ValueError(f"--knobs is not valid JSON: {e}") from None
+    target = resolve_target(a.target, arch=a.arch)
     built, validation = build_best(
-        spec, schedule=a.schedule, target=a.target, knobs=knobs, use_log=not a.no_log,
+        spec, schedule=a.schedule, target=target, knobs=knobs, use_log=not a.no_log,
         log_dir=a.from_log, seed=a.seed, say=lambda m: print(m, file=sys.stderr),
     )
     manifest = export(built, out, validation)
@@ -86,14 +90,30 @@ def cmd_build(a: argparse.Namespace) -> int:
     print(f"spec: {spec.short_name()}  target: {built.target}")
     print(f"schedule: {_schedule_line(built)}")
     print(built.audit.format())
+    if built.resources is not None:
+        print(format_resources(built.resources))
     print(validation.format())
     print(f"artifact: {out}")
     return 0
 
 
+def format_resources(r: dict) -> str:
+    if "unavailable" in r:
+        return f"resources: unavailable ({r['unavailable']})"
+    text = (f"resources ({r['arch']}, nvcc {r['nvcc']}): {r['registers']} registers/thread, "
+            f"spills {r['spill_store_bytes']} B stored / {r['spill_load_bytes']} B loaded, "
+            f"stack frame {r['stack_frame_bytes']} B, shared {r['shared_bytes']} B/block")
+    if "occupancy" in r:
+        text += (f", {r['threads_per_block']} threads/block, occupancy {r['occupancy']:.0%} "
+                 f"({r['blocks_per_sm']} blocks/SM, limited by {r['occupancy_limited_by']})")
+    return text
+
+
 def cmd_run(a: argparse.Namespace) -> int:
     from .timing import time_module
 
+    if a.target != "llvm" and a.target != "cpu":
+        raise ValueError("`run` times the kernel on this machine's CPU; use `build --target cuda` for GPUs")
     spec = _spec_from_args(a)
     out = Path(a.out) if a.out else Path(DEFAULT_OUT) / f"{a.schedule}_{spec.short_name()}"
     built, validation, _ = _build_and_export(a, spec, out)
@@ -115,9 +135,13 @@ def cmd_run(a: argparse.Namespace) -> int:
 def cmd_tune(a: argparse.Namespace) -> int:
     from .tune.driver import knob_summary, tune
 
+    from .target import resolve_target
+
     spec = _spec_from_args(a)
-    result = tune(spec, target=a.target, schedule=a.schedule, trials=a.trials, work_dir=a.work_dir,
+    target = resolve_target(a.target, arch=a.arch)
+    result = tune(spec, target=target, schedule=a.schedule, trials=a.trials, work_dir=a.work_dir,
                   per_round=a.per_round, seed=a.seed, threads=a.threads,
+                  rpc_tracker=a.rpc_tracker, rpc_key=a.rpc_key,
                   progress=lambda m: print(m, flush=True))
     if result.best_task is not None and result.best_secs < 1e9:
         print(f"best: {result.best_secs * 1e3:.3f} ms, {spec.flops() / result.best_secs / 1e9:.1f} GFLOP/s "
@@ -152,8 +176,13 @@ def cmd_inspect(a: argparse.Namespace) -> int:
     print(f"audit:      {audit.get('verdict')}  largest allocation: {json.dumps(audit.get('largest_allocation'))}")
     for r in audit.get("reasons", []):
         print(f"            - {r}")
+    if "resources" in m:
+        print(format_resources(m["resources"]))
     v = m.get("validation", {})
-    print(f"validation: {'PASS' if v.get('passed') else 'FAIL'} max abs err {v.get('max_abs_err')}")
+    if v.get("ran", True):
+        print(f"validation: {'PASS' if v.get('passed') else 'FAIL'} max abs err {v.get('max_abs_err')}")
+    else:
+        print(f"validation: NOT RUN ({v.get('reason')})")
     return 0
 
 
@@ -175,8 +204,12 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("tune", help="MetaSchedule search (XGBoost cost model); resumable JSON database")
     _add_spec_flags(p)
-    p.add_argument("--target", default="llvm", help="'llvm' (this CPU, default) or a JSON target")
+    p.add_argument("--target", default="llvm", help="'llvm' (this CPU, default), 'cuda', or a JSON target")
+    p.add_argument("--arch", default=None, help="CUDA architecture for --target cuda (default: the local GPU's)")
     p.add_argument("--schedule", default="fused", choices=["fused", "materialized", "rowcache"])
+    p.add_argument("--rpc-tracker", default=None, metavar="HOST:PORT",
+                   help="measure on the devices registered with this RPC tracker (builds stay local)")
+    p.add_argument("--rpc-key", default=None, help="device key registered with the tracker")
     p.add_argument("--trials", type=int, default=64, help="total measured trials in the log (resume counts them)")
     p.add_argument("--work-dir", default=None, help="tuning log folder (default: tuning_logs/<target>/<spec>/)")
     p.add_argument("--per-round", type=int, default=8, help="candidates measured per round")

@@ -16,12 +16,13 @@ from typing import Any
 import numpy as np
 import tvm
 
-from .spec import AttentionSpec
+from .spec import AttentionSpec, numpy_dtype
 
 ALIGNMENT = 64
 MANIFEST = "manifest.json"
 SUPPORTED_MANIFEST_VERSIONS = (1,)
 _DLPACK_CPU = 1
+_DLPACK_CUDA = 2
 
 
 class KernelArgumentError(ValueError):
@@ -32,7 +33,7 @@ class ArtifactError(RuntimeError):
     """An artifact directory is missing files or has an unreadable/unsupported manifest."""
 
 
-def _as_numpy(name: str, x: Any) -> tuple[np.ndarray, str | None]:
+def _as_numpy(name: str, x: Any, kernel_device: str = "cpu") -> tuple[np.ndarray, str | None]:
     """NumPy view of ``x`` (no copy) and the name of the framework to return results in."""
     if isinstance(x, np.ndarray):
         return x, None
@@ -42,7 +43,8 @@ def _as_numpy(name: str, x: Any) -> tuple[np.ndarray, str | None]:
             if int(dev_type) != _DLPACK_CPU:
                 raise KernelArgumentError(
                     f"{name}: tensor is on DLPack device type {int(dev_type)} (id {dev_id}); "
-                    "this kernel runs on the CPU, pass a CPU tensor"
+                    f"this kernel runs on {kernel_device}: pass a "
+                    f"{'CPU' if kernel_device == 'cpu' else 'CPU or cuda:0'} tensor"
                 )
         try:
             arr = np.from_dlpack(x)
@@ -65,7 +67,7 @@ def _from_framework(framework: str | None, arr: np.ndarray) -> Any:
 
 def aligned_empty(shape, dtype) -> np.ndarray:
     """A C-contiguous NumPy array whose data pointer is 64-byte aligned."""
-    dtype = np.dtype(dtype)
+    dtype = numpy_dtype(dtype) if isinstance(dtype, str) else np.dtype(dtype)
     nbytes = int(np.prod(shape)) * dtype.itemsize
     raw = np.empty(nbytes + ALIGNMENT, dtype=np.uint8)
     offset = (-raw.ctypes.data) % ALIGNMENT
@@ -83,16 +85,29 @@ class AttentionKernel:
     all ``spec.dtype``, C-contiguous, on the CPU. Pass ``out=`` to write into your own buffer.
     """
 
-    def __init__(self, spec: AttentionSpec, function: Any, manifest: dict[str, Any] | None = None):
+    def __init__(self, spec: AttentionSpec, function: Any, manifest: dict[str, Any] | None = None,
+                 device: str = "cpu"):
         self.spec = spec
         self.function = function
         self.manifest = manifest or {}
+        self.device = device  # "cpu" or "cuda"
         self._arg_specs = spec.arg_specs()
+
+    def _cuda_tensor(self, idx: int, x: Any):
+        """A CUDA DLPack tensor, wrapped without a copy (shape and dtype checked)."""
+        want = self._arg_specs[idx]
+        t = tvm.runtime.from_dlpack(x)
+        if tuple(t.shape) != tuple(want["shape"]) or str(t.dtype) != want["dtype"]:
+            raise KernelArgumentError(
+                f"{want['name']}: expected shape {tuple(want['shape'])} dtype {want['dtype']}, "
+                f"got {tuple(t.shape)} {t.dtype}"
+            )
+        return t, type(x).__module__.split(".")[0]
 
     def _check(self, idx: int, x: Any) -> tuple[np.ndarray, str | None]:
         want = self._arg_specs[idx]
         name = want["name"]
-        arr, framework = _as_numpy(name, x)
+        arr, framework = _as_numpy(name, x, self.device)
         shape = tuple(want["shape"])
         if arr.ndim != len(shape):
             raise KernelArgumentError(
@@ -100,7 +115,7 @@ class AttentionKernel:
             )
         if tuple(arr.shape) != shape:
             raise KernelArgumentError(f"{name}: expected shape {shape} (BHSD), got {tuple(arr.shape)}")
-        if arr.dtype != np.dtype(want["dtype"]):
+        if arr.dtype != numpy_dtype(want["dtype"]):
             raise KernelArgumentError(f"{name}: expected dtype {want['dtype']}, got {arr.dtype}")
         if not arr.flags.c_contiguous:
             raise KernelArgumentError(
@@ -115,6 +130,8 @@ class AttentionKernel:
         return arr, framework
 
     def __call__(self, q: Any, k: Any, v: Any, out: Any = None) -> Any:
+        if self.device == "cuda":
+            return self._call_cuda(q, k, v)
         qa, framework = self._check(0, q)
         ka, _ = self._check(1, k)
         va, _ = self._check(2, v)
@@ -123,7 +140,7 @@ class AttentionKernel:
             result = oa
         else:
             oa, _ = _as_numpy("out", out)
-            if tuple(oa.shape) != self.spec.o_shape or oa.dtype != np.dtype(self.spec.dtype):
+            if tuple(oa.shape) != self.spec.o_shape or oa.dtype != self.spec.np_dtype:
                 raise KernelArgumentError(
                     f"out: expected shape {self.spec.o_shape} dtype {self.spec.dtype}, "
                     f"got {tuple(oa.shape)} {oa.dtype}"
@@ -136,6 +153,27 @@ class AttentionKernel:
             result = out
         self.function(qa, ka, va, oa)
         return result if out is not None else _from_framework(framework, result)
+
+
+    def _call_cuda(self, q: Any, k: Any, v: Any) -> Any:
+        """CPU inputs are copied to GPU 0 and the result copied back; CUDA DLPack tensors are
+        used in place and the result stays on the GPU."""
+        dev = tvm.cuda(0)
+        args, framework, on_gpu = [], None, False
+        for i, x in enumerate((q, k, v)):
+            if hasattr(x, "__dlpack_device__") and int(x.__dlpack_device__()[0]) == _DLPACK_CUDA:
+                t, fw = self._cuda_tensor(i, x)
+                on_gpu = True
+            else:
+                arr, fw = self._check(i, x)
+                t = tvm.runtime.tensor(arr, dev)
+            framework = framework if i else fw
+            args.append(t)
+        o = tvm.runtime.empty(self.spec.o_shape, self.spec.dtype, dev)
+        self.function(*args, o)
+        if on_gpu:
+            return _from_framework(framework, o)
+        return _from_framework(framework, o.numpy())
 
 
 def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:
@@ -169,6 +207,15 @@ def load(directory: str | os.PathLike, num_threads: int | None = None) -> Attent
     if not lib.is_file():
         raise ArtifactError(f"{lib}: shared library missing")
     spec = AttentionSpec.from_dict(manifest["spec"])
+    device = "cuda" if manifest.get("target", {}).get("kind") == "cuda" else "cpu"
+    if device == "cuda":
+        from .target import local_cuda_arch
+
+        if local_cuda_arch() is None:
+            raise ArtifactError(
+                f"{directory}: a CUDA artifact ({manifest['target'].get('arch')}); this machine has no "
+                "CUDA device TVM can use"
+            )
     set_num_threads(num_threads)
     module = tvm.runtime.load_module(str(lib))
-    return AttentionKernel(spec, module[manifest["entry"]], manifest)
+    return AttentionKernel(spec, module[manifest["entry"]], manifest, device=device)

@@ -51,7 +51,7 @@ def reference_attention(
 def random_inputs(spec: AttentionSpec, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Seeded standard-normal q, k, v of ``spec``'s shapes and dtype."""
     rng = np.random.default_rng(seed)
-    dt = np.dtype(spec.dtype)
+    dt = spec.np_dtype
     q = rng.standard_normal(spec.q_shape).astype(dt)
     k = rng.standard_normal(spec.kv_shape).astype(dt)
     v = rng.standard_normal(spec.kv_shape).astype(dt)

@@ -25,9 +25,9 @@ import dataclasses
 import math
 from typing import Any, Mapping
 
-SUPPORTED_DTYPES = ("float32",)
-#: dtypes we recognise but do not generate CPU kernels for yet (rejected with a clear message).
-KNOWN_DTYPES = ("float32", "float16", "bfloat16")
+#: Input/output dtypes a spec may have. Accumulation is always float32. Which targets build which
+#: dtype is the schedule's business: the CPU schedules take float32 only and say so.
+SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
 
 
 class SpecError(ValueError):
@@ -64,11 +64,9 @@ class AttentionSpec:
             )
         if not isinstance(self.causal, bool):
             raise SpecError(f"causal must be a bool, got {self.causal!r}")
-        if self.dtype not in KNOWN_DTYPES:
-            raise SpecError(f"dtype={self.dtype!r} is not known; known dtypes: {', '.join(KNOWN_DTYPES)}")
         if self.dtype not in SUPPORTED_DTYPES:
             raise SpecError(
-                f"dtype={self.dtype!r} is not supported yet; supported: {', '.join(SUPPORTED_DTYPES)}"
+                f"dtype={self.dtype!r} is not supported; supported: {', '.join(SUPPORTED_DTYPES)}"
             )
         if self.scale is None:
             object.__setattr__(self, "scale", 1.0 / math.sqrt(self.head_dim))
@@ -129,6 +127,11 @@ class AttentionSpec:
         return f / 2 if self.causal else f
 
     @property
+    def np_dtype(self):
+        """The NumPy dtype of q, k, v and o (bfloat16 through ml_dtypes, which TVM installs)."""
+        return numpy_dtype(self.dtype)
+
+    @property
     def itemsize(self) -> int:
         return {"float32": 4, "float16": 2, "bfloat16": 2}[self.dtype]
 
@@ -168,3 +171,13 @@ def _check_positive_int(name: str, value: Any) -> None:
         raise SpecError(f"{name} must be an int, got {value!r}")
     if value <= 0:
         raise SpecError(f"{name} must be positive, got {value}")
+
+
+def numpy_dtype(name: str):
+    import numpy as np
+
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)

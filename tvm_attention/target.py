@@ -30,12 +30,42 @@ def available_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def resolve_target(target: str | Mapping[str, Any] | Target = "llvm", num_cores: int | None = None) -> Target:
+#: Per-architecture CUDA limits we put in the target (MetaSchedule and verify_gpu_code read them).
+#: max_shared_memory_per_block is the 48 KiB a kernel gets without opting in to more.
+CUDA_ARCHS = {
+    "sm_80": {"max_threads_per_block": 1024, "max_shared_memory_per_block": 49152,
+              "registers_per_block": 65536, "thread_warp_size": 32},
+    "sm_86": {"max_threads_per_block": 1024, "max_shared_memory_per_block": 49152,
+              "registers_per_block": 65536, "thread_warp_size": 32},
+    "sm_89": {"max_threads_per_block": 1024, "max_shared_memory_per_block": 49152,
+              "registers_per_block": 65536, "thread_warp_size": 32},
+    "sm_90": {"max_threads_per_block": 1024, "max_shared_memory_per_block": 49152,
+              "registers_per_block": 65536, "thread_warp_size": 32},
+}
+UNSUPPORTED_KINDS = ("nvptx", "rocm", "vulkan", "metal", "opencl", "webgpu")
+
+
+def local_cuda_arch() -> str | None:
+    """``sm_XY`` of GPU 0 when this machine has a CUDA device TVM can use, else None."""
+    try:
+        dev = tvm.cuda(0)
+        if not tvm.runtime.enabled("cuda") or not dev.exist:
+            return None
+        return "sm_" + str(dev.compute_version).replace(".", "")
+    except Exception:  # no CUDA runtime at all
+        return None
+
+
+def resolve_target(
+    target: str | Mapping[str, Any] | Target = "llvm", num_cores: int | None = None, arch: str | None = None
+) -> Target:
     """Resolve ``target`` to a Target.
 
-    Accepted forms: ``"llvm"``/``"cpu"`` (the host CPU), a JSON object string or dict such as
-    ``{"kind": "llvm", "mcpu": "znver4"}``, or a ``Target``. LLVM targets without ``mcpu`` get
-    the host CPU; ``num-cores`` defaults to the cores available to this process.
+    Accepted forms: ``"llvm"``/``"cpu"`` (the host CPU), ``"cuda"`` (with ``arch`` such as
+    ``"sm_90"``, or the local GPU's), a JSON object string or dict such as ``{"kind": "llvm",
+    "mcpu": "znver4"}`` or ``{"kind": "cuda", "arch": "sm_80"}``, or a ``Target``. LLVM targets
+    without ``mcpu`` get the host CPU; ``num-cores`` defaults to the cores available to this
+    process. CUDA targets get the architecture's limits and the host CPU as host.
     """
     if isinstance(target, Target):
         return target
@@ -43,20 +73,22 @@ def resolve_target(target: str | Mapping[str, Any] | Target = "llvm", num_cores:
         text = target.strip()
         if text in ("llvm", "cpu", "host"):
             config: dict[str, Any] = {"kind": "llvm"}
+        elif text == "cuda":
+            config = {"kind": "cuda"}
         elif text.startswith("{"):
             try:
                 config = json.loads(text)
             except json.JSONDecodeError as e:
                 raise TargetError(f"target {text!r} is not valid JSON: {e}") from None
-        elif text in ("cuda", "nvptx", "rocm", "vulkan", "metal", "opencl"):
+        elif text in UNSUPPORTED_KINDS:
             raise TargetError(
-                f"target {text!r} is recognised but not supported by this build of tvm-attention yet; "
-                "supported: llvm (the local CPU)"
+                f"target {text!r} is recognised but not supported by tvm-attention yet; "
+                "supported: llvm (the local CPU), cuda"
             )
         else:
             raise TargetError(
-                f"unknown target {text!r}; use 'llvm' (the local CPU) or a JSON target such as "
-                '\'{"kind": "llvm", "mcpu": "znver4"}\''
+                f"unknown target {text!r}; use 'llvm' (the local CPU), 'cuda' (with --arch), or a JSON "
+                'target such as \'{"kind": "llvm", "mcpu": "znver4"}\''
             )
     elif isinstance(target, Mapping):
         config = dict(target)
@@ -64,16 +96,40 @@ def resolve_target(target: str | Mapping[str, Any] | Target = "llvm", num_cores:
         raise TargetError(f"target must be a string, dict or Target, got {type(target).__name__}")
     if not isinstance(config, dict) or "kind" not in config:
         raise TargetError(f"target {config!r} has no 'kind'")
-    if config["kind"] != "llvm":
+    kind = config["kind"]
+    if kind == "cuda":
+        if arch is not None:
+            config["arch"] = arch
+        if "arch" not in config:
+            local = local_cuda_arch()
+            if local is None:
+                raise TargetError(
+                    "target cuda: no GPU on this machine to take the architecture from; name it "
+                    f"with --arch (one of {', '.join(CUDA_ARCHS)})"
+                )
+            config["arch"] = local
+        if config["arch"] not in CUDA_ARCHS:
+            raise TargetError(f"unsupported CUDA arch {config['arch']!r}; supported: {', '.join(CUDA_ARCHS)}")
+        for key, value in CUDA_ARCHS[config["arch"]].items():
+            config.setdefault(key, value)
+        config.setdefault("host", {"kind": "llvm", "mcpu": host_cpu(), "num-cores": num_cores or available_cores()})
+    elif kind == "llvm":
+        if arch is not None:
+            raise TargetError("--arch applies to cuda targets only")
+        config.setdefault("mcpu", host_cpu())
+        config.setdefault("num-cores", num_cores or available_cores())
+    else:
         raise TargetError(
-            f"target kind {config['kind']!r} is not supported yet; supported: llvm (the local CPU)"
+            f"target kind {kind!r} is not supported yet; supported: llvm (the local CPU), cuda"
         )
-    config.setdefault("mcpu", host_cpu())
-    config.setdefault("num-cores", num_cores or available_cores())
     try:
         return Target(config)
     except Exception as e:  # TVM raises ValueError/TVMError with the list of valid keys
         raise TargetError(f"invalid target {config!r}: {e}") from None
+
+
+def is_cuda(target: Target) -> bool:
+    return target.kind.name == "cuda"
 
 
 def vector_lanes(target: Target, dtype: str = "float32") -> int:

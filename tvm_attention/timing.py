@@ -36,12 +36,13 @@ def aligned_inputs(spec: AttentionSpec, seed: int = 0):
 
 
 def time_module(module: tvm.runtime.Module, entry: str, spec: AttentionSpec, repeat: int = 5,
-                min_repeat_ms: int = 200) -> Timing:
+                min_repeat_ms: int = 200, device=None) -> Timing:
     """Median ± std of ``repeat`` measurements, each running at least ``min_repeat_ms``
-    (after one warm-up call)."""
-    args = [tvm.runtime.tensor(a) for a in aligned_inputs(spec)]
-    module[entry](*args)  # warm-up: page in, build the thread pool
-    te = module.time_evaluator(entry, tvm.cpu(), number=1, repeat=repeat, min_repeat_ms=min_repeat_ms)
+    (after one warm-up call), on ``device`` (default: the CPU)."""
+    device = device or tvm.cpu()
+    args = [tvm.runtime.tensor(a, device) for a in aligned_inputs(spec)]
+    module[entry](*args)  # warm-up: page in, build the thread pool / load the CUDA module
+    te = module.time_evaluator(entry, device, number=1, repeat=repeat, min_repeat_ms=min_repeat_ms)
     res = te(*args)
     results = list(res.results)
     return Timing(statistics.median(results), statistics.pstdev(results), len(results))

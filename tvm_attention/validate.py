@@ -19,20 +19,29 @@ SAMPLED_ROWS = 64
 
 @dataclasses.dataclass(frozen=True)
 class ValidationResult:
-    max_abs_err: float
-    max_rel_err: float
-    mean_abs_err: float
+    max_abs_err: float | None  # None when not run
+    max_rel_err: float | None
+    mean_abs_err: float | None
     atol: float
     rtol: float
     passed: bool
     finite: bool
     rows_checked: str  # "all" or "N sampled"
     seed: int
+    ran: bool = True  # False: not run (e.g. a CUDA build on a machine without a GPU)
+    reason: str = ""
+
+    @classmethod
+    def not_run(cls, spec: AttentionSpec, reason: str, seed: int = 0) -> "ValidationResult":
+        atol, rtol = TOLERANCES[spec.dtype]
+        return cls(None, None, None, atol, rtol, False, False, "none", seed, ran=False, reason=reason)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     def format(self) -> str:
+        if not self.ran:
+            return f"validation: NOT RUN ({self.reason})"
         status = "PASS" if self.passed else "FAIL"
         return (
             f"validation: {status}  max abs err {self.max_abs_err:.3e}, max rel err "
@@ -76,7 +85,7 @@ def validate_callable(
 ) -> ValidationResult:
     """Run ``kernel(q, k, v) -> o`` on seeded random inputs and compare with the reference."""
     q, k, v = random_inputs(spec, seed)
-    out = np.asarray(kernel(q, k, v))
+    out = np.asarray(kernel(q, k, v)).astype(np.float32)
     rows = sample_rows(spec, seed)
     ref = reference_attention(spec, q, k, v, rows=rows)
     if rows is not None:

@@ -30,7 +30,7 @@ import tvm_ffi
 from tvm.target import Target
 
 from ..spec import AttentionSpec
-from ..target import resolve_target, vector_lanes
+from ..target import is_cuda, local_cuda_arch, resolve_target, vector_lanes
 from ..threads import set_num_threads
 from .logs import FAILED_RUN_SECS, default_work_dir, mean_secs, open_database, records_for
 from .tasks import TaskDef, make_tasks, workload_matches
@@ -93,9 +93,30 @@ def describe(task: TaskDef, sch, target: Target, spec: AttentionSpec) -> dict[st
     return family.knobs_of(sch, vector_lanes(target, spec.dtype)).to_dict()
 
 
+def make_rpc_runner(tracker: str, key: str | None):
+    """MetaSchedule's RPCRunner for ``HOST:PORT`` / ``key`` (bounded timeouts)."""
+    from tvm.s_tir import meta_schedule as ms
+
+    host, _, port = tracker.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"--rpc-tracker must be HOST:PORT, got {tracker!r}")
+    if not key:
+        raise ValueError("--rpc-key is required with --rpc-tracker")
+    config = ms.runner.RPCConfig(tracker_host=host, tracker_port=int(port), tracker_key=key,
+                                 session_timeout_sec=120)
+    return ms.runner.RPCRunner(
+        rpc_config=config,
+        evaluator_config=ms.runner.EvaluatorConfig(number=1, repeat=3, min_repeat_ms=100,
+                                                   enable_cpu_cache_flush=False),
+        max_workers=1,
+    )
+
+
 def knob_summary(knobs: dict[str, Any] | None) -> str:
     if not knobs:
         return ""
+    if "s_rows" not in knobs:
+        return " ".join(f"{k}={v}" for k, v in knobs.items())
     text = f"m{knobs['block_m']}"
     if "block_n" in knobs:
         text += f"×n{knobs['block_n']}"
@@ -115,9 +136,15 @@ def tune(
     seed: int = 0,
     runner: Any = None,
     threads: int | None = None,
+    rpc_tracker: str | None = None,
+    rpc_key: str | None = None,
     progress: Callable[[str], None] = print,
 ) -> TuneResult:
-    """Tune ``spec`` until the log holds ``trials`` measured records for it (resuming)."""
+    """Tune ``spec`` until the log holds ``trials`` measured records for it (resuming).
+
+    Candidates are measured locally, or on the devices registered with ``rpc_tracker``
+    (``HOST:PORT``) under ``rpc_key`` — the only way to tune for a GPU from a machine without one.
+    """
     from tvm.s_tir import meta_schedule as ms
 
     if isinstance(trials, bool) or not isinstance(trials, int) or trials < 1:
@@ -125,6 +152,14 @@ def tune(
     if isinstance(per_round, bool) or not isinstance(per_round, int) or per_round < 1:
         raise ValueError(f"per_round must be a positive int, got {per_round!r}")
     target = resolve_target(target)
+    device = "cuda" if is_cuda(target) else "cpu"
+    if runner is None and rpc_tracker is not None:
+        runner = make_rpc_runner(rpc_tracker, rpc_key)
+    elif runner is None and device == "cuda" and local_cuda_arch() is None:
+        raise RuntimeError(
+            "tune --target cuda: this machine has no CUDA GPU to measure candidates on; pass "
+            "--rpc-tracker HOST:PORT --rpc-key KEY to measure on GPUs registered with a TVM RPC tracker"
+        )
     threads = set_num_threads(threads)
     work = Path(work_dir) if work_dir else default_work_dir(spec, target)
     db, parsed = open_database(work, repair=True)
@@ -245,7 +280,7 @@ def tune(
                 if b.error_msg:
                     results[i] = ms.runner.RunnerResult([FAILED_RUN_SECS], b.error_msg)
                 else:
-                    run_inputs.append(ms.runner.RunnerInput(b.artifact_path, "cpu", cands[i].args_info))
+                    run_inputs.append(ms.runner.RunnerInput(b.artifact_path, device, cands[i].args_info))
                     run_idx.append(i)
             futures = runner.run(run_inputs) if run_inputs else []
             for i, fut in zip(run_idx, futures):

@@ -19,7 +19,7 @@ import tvm_ffi
 from tvm.target import Target
 
 from ..spec import AttentionSpec
-from ..workloads import fused_attention, materialized_attention, rowcache_attention
+from ..workloads import fused_attention, fused_attention_cuda, materialized_attention, rowcache_attention
 
 TUNABLE = ("fused", "materialized", "rowcache")
 
@@ -66,6 +66,8 @@ def materialized_space():
 
 
 def make_tasks(spec: AttentionSpec, target: Target, schedule: str) -> list[TaskDef]:
+    if target.kind.name == "cuda":
+        return _cuda_tasks(spec, target, schedule)
     if schedule == "fused":
         from schedules import cpu_flash
 
@@ -88,6 +90,23 @@ def make_tasks(spec: AttentionSpec, target: Target, schedule: str) -> list[TaskD
     raise ValueError(f"schedule {schedule!r} cannot be tuned; tunable: {', '.join(TUNABLE)}")
 
 
+def _cuda_tasks(spec: AttentionSpec, target: Target, schedule: str) -> list[TaskDef]:
+    from tvm.s_tir import meta_schedule as ms
+
+    from schedules import cuda_flash
+
+    if schedule != "fused":
+        raise ValueError(f"schedule {schedule!r} cannot be tuned for cuda yet; tunable: fused")
+    space = ms.space_generator.ScheduleFn(
+        cuda_flash.design_space(spec, target), sch_rules=[], postprocs=[], mutator_probs={}
+    )
+    return [
+        TaskDef(f"fused_m{k.block_m}_n{k.block_n}_t{k.threads_per_row}",
+                normalize(fused_attention_cuda(spec, k.block_m, k.block_n, k.threads_per_row)), space)
+        for k in cuda_flash.tile_candidates(spec, target)
+    ]
+
+
 def regenerate(spec: AttentionSpec, func) -> tvm.IRModule | None:
     """The workload ``spec`` would produce for a stored function (by its ``attn.*`` attrs)."""
     attrs = func.attrs if func.attrs is not None else {}
@@ -99,6 +118,9 @@ def regenerate(spec: AttentionSpec, func) -> tvm.IRModule | None:
             return normalize(materialized_attention(spec))
         if kind == "rowcache":
             return normalize(rowcache_attention(spec, int(attrs["attn.block_m"])))
+        if kind == "fused_cuda":
+            return normalize(fused_attention_cuda(spec, int(attrs["attn.block_m"]), int(attrs["attn.block_n"]),
+                                                  int(attrs["attn.threads_per_row"])))
     except Exception:
         return None
     return None

@@ -5,6 +5,7 @@ Every room (CLI, tests, tuning, benchmarks) gets its PrimFuncs from here.
 from __future__ import annotations
 
 from .fused import fused_attention
+from .fused_cuda import fused_attention_cuda
 from .materialized import materialized_attention
 from .rowcache import rowcache_attention
 
@@ -12,7 +13,8 @@ from .rowcache import rowcache_attention
 WORKLOADS = {
     "fused": (fused_attention, ("S", "P"), "online-softmax flash attention; score tile in local scope"),
     "materialized": (materialized_attention, ("S", "P"), "QKᵀ, softmax and PV through global S×S buffers"),
+    "fused_cuda": (fused_attention_cuda, ("S", "Ps"), "online-softmax flash attention for CUDA; scores in registers, P in shared"),
     "rowcache": (rowcache_attention, ("S", "P"), "per row block, whole score rows in local scope, two-pass softmax"),
 }
 
-__all__ = ["WORKLOADS", "fused_attention", "materialized_attention", "rowcache_attention"]
+__all__ = ["WORKLOADS", "fused_attention", "fused_attention_cuda", "materialized_attention", "rowcache_attention"]

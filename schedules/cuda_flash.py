@@ -1,0 +1,183 @@
+"""Hand-authored CUDA schedule for the fused kernel (``workloads/fused_cuda.py``).
+
+On the GPU the thread mapping *is* the algorithm (which lane owns which scores and which output
+columns, where the shuffles go), so it is written into the compute, instantiated from these
+knobs, the way TVM's own LLM prefill kernels are; ``apply`` adds what a schedule can still vary
+(unrolling of the key-tile loop). The design space for tuning is one task per feasible
+(block_m, block_n, threads_per_row) and a sampled unroll depth in each.
+
+Feasibility is checked against named limits before anything is built: threads per block, whole
+warps, 48 KiB of static shared memory, an estimate of registers per thread, divisibility for the
+16-byte vector loads.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from tvm import s_tir
+from tvm.target import Target
+
+from tvm_attention.spec import AttentionSpec
+from tvm_attention.workloads.fused_cuda import fused_attention_cuda, vector_elems
+
+from ._knobs import KnobError, KnobsMixin
+
+NAME = "fused"
+WARP = 32
+MAX_REGISTERS_PER_THREAD = 255
+#: registers a lane needs besides its scores and accumulator columns (indices, m, l, temporaries);
+#: measured: ptxas reported 140 at 4 + 32 per-lane values with D=64, fp32 (so ~100 overhead).
+REGISTER_OVERHEAD = 104
+UNROLL_STEPS = (0, 16, 64)
+
+
+@dataclasses.dataclass(frozen=True)
+class FlashCUDAKnobs(KnobsMixin):
+    FAMILY = "fused (cuda)"
+
+    block_m: int = 64  # BLOCK_M: query rows per thread block (threadIdx.y)
+    block_n: int = 64  # BLOCK_N: keys per K/V tile staged in shared memory
+    threads_per_row: int = 4  # lanes per query row (threadIdx.x): scores and D split across them
+    stages: int = 1  # K/V shared-memory pipeline depth (1: load, sync, compute)
+    unroll: int = 0  # pragma_auto_unroll_max_step on the key-tile loop (0 = off)
+
+
+#: Presets per (dtype class, head_dim), the same on sm_80 and sm_90 for now: sized by the 48 KiB
+#: static shared-memory limit and by ptxas (nvcc 13): fp32 D=64 at block_m=32 spilled 20 bytes on
+#: sm_90 (ptxas capped it at 128 registers for 128 threads); block_m=64 (256 threads) does not.
+#: Refine per arch once a GPU run has timed them.
+_PRESETS = {
+    ("fp32", 64): dict(block_m=64, block_n=32, threads_per_row=4),
+    ("fp32", 128): dict(block_m=32, block_n=16, threads_per_row=4),
+    ("half", 64): dict(block_m=64, block_n=64, threads_per_row=4),
+    ("half", 128): dict(block_m=64, block_n=32, threads_per_row=4),
+}
+
+
+def preset(spec: AttentionSpec, target: Target) -> FlashCUDAKnobs:
+    kind = "fp32" if spec.dtype == "float32" else "half"
+    d = 64 if spec.head_dim <= 64 else 128
+    knobs = FlashCUDAKnobs(**_PRESETS[(kind, d)])
+    # Odd head_dims: fewer lanes per row so that head_dim still splits evenly.
+    tpr = knobs.threads_per_row
+    while spec.head_dim % tpr and tpr > 1:
+        tpr //= 2
+    return dataclasses.replace(knobs, threads_per_row=tpr, block_m=max(knobs.block_m, WARP // tpr))
+
+
+def shared_bytes(knobs: FlashCUDAKnobs, spec: AttentionSpec) -> int:
+    """Upper bound of the static shared memory: Q, K, V tiles (padded rows) + the P tile."""
+    vec = vector_elems(spec.dtype)
+    stride = spec.head_dim + vec
+    itemsize = spec.itemsize
+    qkv = (knobs.block_m + 2 * knobs.block_n) * stride * itemsize
+    return qkv + knobs.block_m * (knobs.block_n + 4) * 4
+
+
+def registers_estimate(knobs: FlashCUDAKnobs, spec: AttentionSpec) -> int:
+    per_lane = knobs.block_n // knobs.threads_per_row + spec.head_dim // knobs.threads_per_row
+    return per_lane + REGISTER_OVERHEAD
+
+
+def check(knobs: FlashCUDAKnobs, spec: AttentionSpec, target: Target) -> None:
+    for name in ("block_m", "block_n", "threads_per_row", "stages"):
+        v = getattr(knobs, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise KnobError(f"{name} must be a positive int, got {v!r}")
+    tpr = knobs.threads_per_row
+    if tpr & (tpr - 1) or tpr > WARP:
+        raise KnobError(f"threads_per_row={tpr} must be a power of two <= {WARP} (a row's lanes share a warp)")
+    if knobs.block_n % tpr or spec.head_dim % tpr:
+        raise KnobError(
+            f"block_n={knobs.block_n} and head_dim={spec.head_dim} must be multiples of threads_per_row={tpr}"
+        )
+    vec = vector_elems(spec.dtype)
+    if spec.head_dim % vec:
+        raise KnobError(f"head_dim={spec.head_dim} must be a multiple of {vec} ({spec.dtype} 16-byte vectors)")
+    threads = knobs.block_m * tpr
+    max_threads = int(target.attrs["max_threads_per_block"])
+    if threads > max_threads:
+        raise KnobError(
+            f"block_m × threads_per_row = {threads} threads > max_threads_per_block={max_threads}"
+        )
+    if threads % WARP:
+        raise KnobError(f"block_m × threads_per_row = {threads} threads is not a whole number of warps")
+    smem = shared_bytes(knobs, spec)
+    max_smem = int(target.attrs["max_shared_memory_per_block"])
+    if smem > max_smem:
+        raise KnobError(
+            f"shared memory {smem} B (Q/K/V tiles of {knobs.block_m}/{knobs.block_n}/{knobs.block_n} rows "
+            f"+ P tile) > max_shared_memory_per_block={max_smem}"
+        )
+    regs = registers_estimate(knobs, spec)
+    if regs > MAX_REGISTERS_PER_THREAD:
+        raise KnobError(
+            f"about {regs} registers per thread (block_n/threads_per_row scores + head_dim/threads_per_row "
+            f"accumulators + {REGISTER_OVERHEAD}) > {MAX_REGISTERS_PER_THREAD}: it would spill"
+        )
+    regs_per_block = int(target.attrs["registers_per_block"])
+    if regs * threads > regs_per_block:
+        raise KnobError(f"{regs} registers × {threads} threads > registers_per_block={regs_per_block}")
+    if knobs.stages != 1:
+        raise KnobError(f"stages={knobs.stages}: only 1 (no software pipelining of K/V) is implemented")
+    if knobs.unroll not in UNROLL_STEPS:
+        raise KnobError(f"unroll={knobs.unroll} not in {UNROLL_STEPS}")
+
+
+def workload(spec: AttentionSpec, knobs: FlashCUDAKnobs):
+    return fused_attention_cuda(spec, knobs.block_m, knobs.block_n, knobs.threads_per_row)
+
+
+def _key_tile_loop(sch: s_tir.Schedule):
+    """The loop over key tiles: the serial loop just above the K/V loads' thread loops."""
+    loops = sch.get_loops(sch.get_sblock("KV_load"))
+    return loops[1]  # (blockIdx, c, ty, tx, it, v)
+
+
+def schedule(sch: s_tir.Schedule, knobs: FlashCUDAKnobs | None) -> s_tir.Schedule:
+    unroll = sch.sample_categorical(
+        list(UNROLL_STEPS), [1.0 / len(UNROLL_STEPS)] * len(UNROLL_STEPS),
+        decision=None if knobs is None else UNROLL_STEPS.index(knobs.unroll),
+    )
+    c = _key_tile_loop(sch)
+    sch.annotate(c, "pragma_auto_unroll_max_step", unroll)
+    sch.annotate(c, "pragma_unroll_explicit", 1)
+    sch.annotate(sch.get_sblock("row_tile"), "attn.unroll", unroll)
+    return sch
+
+
+def apply(sch: s_tir.Schedule, knobs: FlashCUDAKnobs, spec: AttentionSpec) -> s_tir.Schedule:
+    return schedule(sch, knobs)
+
+
+def design_space(spec: AttentionSpec, target: Target):
+    def space_fn(sch: s_tir.Schedule) -> s_tir.Schedule:
+        return schedule(sch, None)
+
+    return space_fn
+
+
+def tile_candidates(spec: AttentionSpec, target: Target) -> list[FlashCUDAKnobs]:
+    """Feasible (block_m, block_n, threads_per_row) for tuning, the preset first."""
+    hand = preset(spec, target)
+    out = [hand]
+    for bm in (32, 64, 128):
+        for bn in (16, 32, 64):
+            for tpr in (2, 4, 8):
+                k = FlashCUDAKnobs(block_m=bm, block_n=bn, threads_per_row=tpr)
+                if k in out:
+                    continue
+                try:
+                    check(k, spec, target)
+                except KnobError:
+                    continue
+                out.append(k)
+    return out
+
+
+def knobs_of(sch: s_tir.Schedule, lanes: int = 0) -> FlashCUDAKnobs:
+    func = sch.mod["main"]
+    unroll = int(sch.get(sch.get_sblock("row_tile")).annotations["attn.unroll"])
+    return FlashCUDAKnobs(block_m=int(func.attrs["attn.block_m"]), block_n=int(func.attrs["attn.block_n"]),
+                          threads_per_row=int(func.attrs["attn.threads_per_row"]), unroll=unroll)

@@ -1,0 +1,149 @@
+"""CUDA path, offline: builds for sm_80/sm_90, ptxas resources, audit, feasibility, and the
+algorithm of the CUDA compute checked on the CPU. GPU runs are marked and skip without a GPU."""
+import json
+
+import numpy as np
+import pytest
+import tvm
+
+from schedules import cuda_flash
+from schedules._knobs import KnobError
+from tvm_attention.artifact import export, validate_built
+from tvm_attention.build import build_kernel
+from tvm_attention.cli import main
+from tvm_attention.cuda_tools import find_nvcc, occupancy
+from tvm_attention.reference import random_inputs, reference_attention
+from tvm_attention.spec import AttentionSpec
+from tvm_attention.target import TargetError, local_cuda_arch, resolve_target
+from tvm_attention.validate import TOLERANCES
+from tvm_attention.workloads.fused_cuda import fused_attention_cuda
+
+needs_nvcc = pytest.mark.skipif(find_nvcc() is None, reason="nvcc not installed: no ptxas report")
+needs_gpu = pytest.mark.skipif(local_cuda_arch() is None, reason="no CUDA GPU on this machine")
+
+
+@needs_nvcc
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_presets_compile_offline_without_spills(arch, head_dim, dtype, causal):
+    spec = AttentionSpec(batch=1, heads=8, seq_q=2048, head_dim=head_dim, dtype=dtype, causal=causal)
+    built = build_kernel(spec, target=resolve_target("cuda", arch=arch))
+    r = built.resources
+    assert r["arch"] == arch and r["registers"] > 0
+    assert r["spills"] == 0 and r["stack_frame_bytes"] == 0, r
+    assert 0 < r["shared_bytes"] <= 48 * 1024
+    assert 0 < r["occupancy"] <= 1
+    assert built.audit.fused, built.audit.format()
+    scopes = {a.name: a.scope for a in built.audit.allocations}
+    assert scopes["S"] == "local" and scopes["acc"] == "local"
+    assert scopes.get("Ps", "shared") == "shared"  # may share another tile's memory after lowering
+    src = built.module.imports[0].inspect_source()
+    assert "__shfl_down_sync" in src  # row max / row sum are warp-shuffle reductions
+    vec = "float4" if dtype == "float32" else "uint4"
+    assert vec in src  # 16-byte K/V/Q loads
+
+
+def test_cuda_audit_can_fail():
+    spec = AttentionSpec(batch=1, heads=2, seq_q=4096, head_dim=64, dtype="float16")
+    built = build_kernel(spec, "materialized", target=resolve_target("cuda", arch="sm_90"))
+    assert not built.audit.fused
+
+
+@pytest.mark.parametrize(
+    "knobs, message",
+    [
+        (dict(block_m=128, block_n=64, threads_per_row=4), "shared memory"),
+        (dict(block_m=128, block_n=16, threads_per_row=16), "max_threads_per_block"),
+        (dict(block_m=4, block_n=16, threads_per_row=4), "whole number of warps"),
+        (dict(threads_per_row=3), "power of two"),
+        (dict(block_n=62), "multiples of threads_per_row"),
+        (dict(stages=2), "only 1"),
+    ],
+)
+def test_feasibility_rejects_with_named_limit(knobs, message):
+    spec = AttentionSpec(batch=1, heads=8, seq_q=1024, head_dim=128, dtype="float16")
+    target = resolve_target("cuda", arch="sm_90")
+    base = cuda_flash.preset(spec, target).to_dict()
+    with pytest.raises(KnobError, match=message):
+        build_kernel(spec, target=target, knobs={**base, **knobs})
+
+
+def test_occupancy_model_by_hand():
+    # 256 threads = 8 warps; 64 regs → 2048 regs/warp → 16384/block → 4 blocks by registers;
+    # 45040 B smem (+1 KiB reserved) on sm_90's 228 KiB → 5; warps: 64 / 8 = 8 → 4 blocks
+    occ = occupancy("sm_90", 64, 45040, 256)
+    assert occ["blocks_per_sm"] == 4 and occ["occupancy"] == 0.5
+    assert occ["occupancy_limited_by"] == "registers"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("seq_q, seq_kv", [(1, 1), (113, 203), (300, 45), (96, 128)])
+def test_cuda_algorithm_on_cpu(seq_q, seq_kv, causal, dtype):
+    """The CUDA compute with serial loops in place of threads, run by LLVM: checks the tiling,
+    lane mapping, masking and online correction (not races or the GPU schedule)."""
+    spec = AttentionSpec(batch=1, heads=4, kv_heads=2, seq_q=seq_q, seq_kv=seq_kv, head_dim=64,
+                         dtype=dtype, causal=causal)
+    target = resolve_target("cuda", arch="sm_90")
+    k = cuda_flash.preset(spec, target)
+    func = fused_attention_cuda(spec, k.block_m, k.block_n, k.threads_per_row, emulate=True)
+    ex = tvm.compile(func, target=resolve_target("llvm"))
+    q, kk, v = random_inputs(spec, seed=seq_q)
+    args = [tvm.runtime.tensor(x) for x in (q, kk, v)] + [tvm.runtime.empty(spec.o_shape, dtype)]
+    ex["attention"](*args)
+    out = args[3].numpy().astype(np.float64)
+    ref = reference_attention(spec, q, kk, v)
+    atol, rtol = TOLERANCES[dtype]
+    assert np.isfinite(out).all()
+    assert np.allclose(out, ref, atol=atol, rtol=rtol), np.abs(out - ref).max()
+
+
+def test_cuda_build_cli_and_inspect(tmp_path, capsys):
+    out = tmp_path / "cu"
+    rc = main(["build", "--batch", "1", "--heads", "4", "--seq-q", "512", "--head-dim", "64",
+               "--dtype", "float16", "--causal", "--target", "cuda", "--arch", "sm_90", "--out", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "audit: FUSED" in text
+    m = json.loads((out / "manifest.json").read_text())
+    assert (out / "kernel.cu").read_text().count("__global__") >= 1
+    assert m["target"]["kind"] == "cuda" and m["target"]["arch"] == "sm_90"
+    assert m["kernel_source"] == "kernel.cu"
+    if find_nvcc():
+        assert m["resources"]["spills"] == 0 and "registers" in m["resources"]
+        assert "registers/thread" in text
+    if local_cuda_arch() is None:
+        assert m["validation"]["ran"] is False and "no CUDA device" in m["validation"]["reason"]
+    assert main(["inspect", str(out)]) == 0
+    assert "audit:      fused" in capsys.readouterr().out
+
+
+def test_cuda_without_gpu_errors_are_clear(tmp_path, capsys):
+    if local_cuda_arch() is not None:
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(TargetError, match="--arch"):
+        resolve_target("cuda")
+    rc = main(["tune", "--batch", "1", "--heads", "2", "--seq-q", "256", "--head-dim", "64",
+               "--dtype", "float16", "--target", "cuda", "--arch", "sm_90", "--trials", "4",
+               "--work-dir", str(tmp_path / "log")])
+    assert rc == 2 and "--rpc-tracker" in capsys.readouterr().err
+    out = tmp_path / "cu"
+    main(["build", "--batch", "1", "--heads", "2", "--seq-q", "128", "--head-dim", "64",
+          "--dtype", "float16", "--target", "cuda", "--arch", "sm_80", "--out", str(out)])
+    capsys.readouterr()
+    assert main(["validate", str(out)]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_cuda_kernel_on_gpu(dtype, causal, tmp_path):
+    spec = AttentionSpec(batch=1, heads=4, seq_q=1000, seq_kv=1100, head_dim=64, dtype=dtype, causal=causal)
+    built = build_kernel(spec, target=resolve_target("cuda"))
+    v = validate_built(built)
+    assert v.ran and v.passed, v.format()
+    export(built, tmp_path / "a", v)

@@ -1,0 +1,116 @@
+"""Offline CUDA tooling: the generated source, ptxas's resource report, an occupancy estimate.
+
+``tvm.compile`` for CUDA stops at CUDA C source (it is compiled when the module is loaded on a
+GPU), so to know registers, spills and shared memory without a GPU we run ``nvcc --cubin`` on
+that source with ptxas in verbose mode, with the flags TVM itself uses at load time
+(``-O3 --use_fast_math``).
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from typing import Any
+
+#: Per-SM limits for the occupancy estimate (CUDA programming guide, compute capability table).
+SM_LIMITS = {
+    "sm_80": dict(max_warps=64, max_blocks=32, registers=65536, shared=167936),
+    "sm_86": dict(max_warps=48, max_blocks=16, registers=65536, shared=102400),
+    "sm_89": dict(max_warps=48, max_blocks=24, registers=65536, shared=102400),
+    "sm_90": dict(max_warps=64, max_blocks=32, registers=65536, shared=233472),
+}
+REGISTER_ALLOC_UNIT = 256  # registers are allocated per warp in units of 256
+SHARED_ALLOC_UNIT = 128
+SHARED_PER_BLOCK_RESERVED = 1024  # the runtime reserves 1 KiB of shared memory per block
+
+
+class NvccNotFound(RuntimeError):
+    pass
+
+
+def find_nvcc() -> str | None:
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    for root in (os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+        if root and os.path.isfile(os.path.join(root, "bin", "nvcc")):
+            return os.path.join(root, "bin", "nvcc")
+    return None
+
+
+def kernel_source(module) -> str:
+    """The CUDA C source of a built CUDA module (the device module imported by the host one)."""
+    for m in module.imports:
+        if m.kind == "cuda":
+            return m.inspect_source()
+    raise ValueError("module has no CUDA device code")
+
+
+_PATTERNS = {
+    "registers": r"Used (\d+) registers",
+    "stack_frame_bytes": r"(\d+) bytes stack frame",
+    "spill_store_bytes": r"(\d+) bytes spill stores",
+    "spill_load_bytes": r"(\d+) bytes spill loads",
+    "shared_bytes": r"(\d+) bytes smem",
+    "barriers": r"used (\d+) barriers",
+}
+
+
+def ptxas_report(source: str, arch: str, threads_per_block: int | None = None) -> dict[str, Any]:
+    """Compile ``source`` for ``arch`` with nvcc and return ptxas's numbers (and occupancy)."""
+    nvcc = find_nvcc()
+    if nvcc is None:
+        raise NvccNotFound("nvcc not found (PATH, $CUDA_HOME/bin, /usr/local/cuda/bin): no ptxas report")
+    with tempfile.TemporaryDirectory() as tmp:
+        cu = os.path.join(tmp, "kernel.cu")
+        with open(cu, "w") as f:
+            f.write(source)
+        cmd = [nvcc, "--cubin", f"-arch={arch}", "-O3", "--use_fast_math", "--ptxas-options=-v",
+               "-w", "-o", os.path.join(tmp, "kernel.cubin"), cu]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0:
+        raise RuntimeError(f"nvcc failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    text = proc.stderr + proc.stdout
+    report: dict[str, Any] = {"arch": arch, "nvcc": _nvcc_version(nvcc), "flags": "-O3 --use_fast_math"}
+    for key, pattern in _PATTERNS.items():
+        match = re.findall(pattern, text)
+        report[key] = max(int(x) for x in match) if match else 0
+    report["spills"] = report["spill_store_bytes"] + report["spill_load_bytes"]
+    if threads_per_block:
+        report["threads_per_block"] = threads_per_block
+        report.update(occupancy(arch, report["registers"], report["shared_bytes"], threads_per_block))
+    return report
+
+
+def occupancy(arch: str, registers: int, shared_bytes: int, threads: int) -> dict[str, Any]:
+    """Theoretical occupancy: resident blocks per SM limited by warps, registers, shared memory."""
+    lim = SM_LIMITS[arch]
+    warps = -(-threads // 32)
+    by_warps = lim["max_warps"] // warps
+    regs_per_warp = -(-max(registers, 1) * 32 // REGISTER_ALLOC_UNIT) * REGISTER_ALLOC_UNIT
+    by_regs = lim["registers"] // (regs_per_warp * warps)
+    smem = -(-(shared_bytes + SHARED_PER_BLOCK_RESERVED) // SHARED_ALLOC_UNIT) * SHARED_ALLOC_UNIT
+    by_smem = lim["shared"] // smem if shared_bytes else lim["max_blocks"]
+    blocks = max(0, min(by_warps, by_regs, by_smem, lim["max_blocks"]))
+    limiter = min((("warps", by_warps), ("registers", by_regs), ("shared memory", by_smem),
+                   ("blocks", lim["max_blocks"])), key=lambda x: x[1])[0]
+    return {
+        "blocks_per_sm": blocks,
+        "active_warps_per_sm": blocks * warps,
+        "occupancy": round(blocks * warps / lim["max_warps"], 3),
+        "occupancy_limited_by": limiter,
+    }
+
+
+def _nvcc_version(nvcc: str) -> str:
+    out = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
+    m = re.search(r"release ([\d.]+)", out)
+    return m.group(1) if m else "?"
+
+
+def cuda_device_available() -> bool:
+    from .target import local_cuda_arch
+
+    return local_cuda_arch() is not None
