@@ -11,13 +11,13 @@ import argparse
 import sys
 
 from tvm_attention.artifact import validate_built
-from tvm_attention.bench.cpu import torch_sdpa
+from tvm_attention.bench.cpu import torch_sdpa_fn
 from tvm_attention.bench.search import curve_milestones, readable_trace, time_built, tuning_curve
 from tvm_attention.build import build_from_record, build_kernel
 from tvm_attention.spec import AttentionSpec
 from tvm_attention.target import resolve_target
 from tvm_attention.threads import set_num_threads
-from tvm_attention.timing import time_callable
+from tvm_attention.timing import aligned_inputs, time_callable
 from tvm_attention.tune.logs import best_records, default_work_dir
 
 
@@ -61,8 +61,9 @@ def main() -> int:
             # Time side by side, interleaved twice to even out drift on a noisy machine.
             th = time_built(hand, a.repeat)
             tt = time_built(tuned, a.repeat) if tuned else None
-            fn = torch_sdpa(spec, threads)
-            tq = time_callable(fn, repeat=a.repeat) if fn else None
+            fn = torch_sdpa_fn(spec, threads)
+            q, k, v, _ = aligned_inputs(spec)
+            tq = time_callable(lambda: fn(q, k, v), repeat=a.repeat) if fn else None
             th2 = time_built(hand, a.repeat)
             th = min(th, th2, key=lambda t: t.median_s)
             line = f"hand {th.gflops(spec):.1f} GFLOP/s"

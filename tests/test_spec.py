@@ -77,3 +77,13 @@ def test_reference_matches_naive_softmax_and_zero_rows():
             p = np.exp(logits - logits.max())
             p /= p.sum()
             np.testing.assert_allclose(out[0, h, i], p @ v[0, 0, :n], rtol=1e-12)
+
+
+def test_materialized_byte_model_by_hand():
+    s = AttentionSpec(batch=1, heads=2, seq_q=1024, head_dim=64)
+    io = 4 * (2 * (2 * 1024 * 64) + 2 * (2 * 1024 * 64))  # q, o, k, v: 4 × 131072 floats
+    assert s.io_bytes() == io == 2097152
+    # + 6 passes over 2 × 1024² float32 scores = 50331648 bytes
+    assert s.materialized_bytes() == io + 6 * 4 * 2 * 1024 * 1024 == 52428800
+    c = AttentionSpec(batch=1, heads=2, seq_q=1024, head_dim=64, causal=True)
+    assert c.materialized_bytes() == s.materialized_bytes()  # materialized writes masked scores too

@@ -150,6 +150,83 @@ def cmd_tune(a: argparse.Namespace) -> int:
     return 130 if result.interrupted else 0
 
 
+def cmd_bench(a: argparse.Namespace) -> int:
+    import datetime
+
+    from .bench.cpu import copy_bandwidth, sgemm_ceiling
+    from .bench.sweep import points, run_sweep, write_outputs
+    from .target import host_cpu
+    from .threads import set_num_threads
+
+    threads = set_num_threads(a.threads)
+    if a.tiny:
+        seqs, dims, causals, variants, tokens = [256, 512], [64], [False], a.variants or ["fused", "materialized"], None
+        heads = 2
+    else:
+        seqs, dims, tokens, heads = a.seq, a.head_dim, (None if a.no_tokens else a.tokens), a.heads
+        causals = {"both": [False, True], "yes": [True], "no": [False]}[a.causal]
+        variants = a.variants or ["fused", "fused-tuned", "materialized", "numpy", "torch"]
+    meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "cpu": host_cpu(),
+            "threads": threads, "sgemm_gflops": sgemm_ceiling(), "copy_gbps": copy_bandwidth(),
+            "heads": heads, "variants": variants}
+    print(f"# {meta['date']} cpu={meta['cpu']} threads={threads} sgemm {meta['sgemm_gflops']:.1f} GFLOP/s, "
+          f"copy {meta['copy_gbps']:.1f} GB/s", flush=True)
+    pts = points(seqs, dims, causals, heads, 1, tokens)
+    results = run_sweep(pts, variants, threads, repeat=a.repeat, say=lambda m: print(m, flush=True),
+                        skip_materializing_above=a.max_materialized)
+    if a.memory_scaling:
+        results += memory_scaling(threads, a.repeat)
+    paths = write_outputs(results, a.out, meta)
+    print(paths["md"].read_text())
+    if not a.no_plots:
+        from .bench.plots import write_plots
+
+        for name, series in write_plots(results, meta, Path(a.out)).items():
+            print(f"plot: {Path(a.out) / name}  ({', '.join(series)})")
+    print(f"results: {', '.join(str(p) for p in paths.values())}")
+    return 0
+
+
+def memory_scaling(threads: int, repeat: int):
+    """Fused at S = 32768 and 65536 (B=1, H=1, D=64); materialized only where its S×S buffer
+    fits this machine's free memory (else recorded as skipped, with what it would need)."""
+    import psutil
+
+    from .bench.sweep import Result, run_sweep
+
+    out = []
+    for s in (32768, 65536):
+        spec = AttentionSpec(batch=1, heads=1, seq_q=s, head_dim=64)
+        out += run_sweep([("memory", spec)], ["fused"], threads, repeat=min(repeat, 2), say=print)
+        need = 4 * s * s  # the score buffer alone (P shares its memory after lowering)
+        free = psutil.virtual_memory().available
+        if need * 1.5 > free:
+            out.append(Result(spec, "memory", "materialized",
+                              error=f"skipped: S×S scores need {need / 2**30:.0f} GiB, {free / 2**30:.0f} GiB free"))
+        else:
+            out += run_sweep([("memory", spec)], ["materialized"], threads, repeat=1, say=print)
+    return out
+
+
+def cmd_compare(a: argparse.Namespace) -> int:
+    from .bench.compare import compare, compare_plot, format_compare
+    from .threads import set_num_threads
+
+    set_num_threads(a.threads)
+    spec = _spec_from_args(a)
+    entries = compare(spec, a.schedules, repeat=a.repeat)
+    print(format_compare(spec, entries))
+    for e in entries:
+        if e.trace_summary:
+            print(f"\n{e.label} trace (sampling decisions):")
+            for line in e.trace_summary:
+                print("   " + line.strip())
+    if a.plot:
+        labels = compare_plot(spec, entries, Path(a.plot))
+        print(f"plot: {a.plot} ({', '.join(labels)})")
+    return 0 if all(e.error is None for e in entries) else 1
+
+
 def cmd_validate(a: argparse.Namespace) -> int:
     from .loader import load
     from .validate import validate_callable
@@ -216,6 +293,35 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="runtime threads when measuring (default: all cores)")
     p.set_defaults(func=cmd_tune)
+
+    p = sub.add_parser("bench", help="sweep sequence length for every variant side by side; table, CSV/JSON, plots")
+    p.add_argument("--seq", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096, 8192, 16384])
+    p.add_argument("--head-dim", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--causal", choices=["both", "yes", "no"], default="both")
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--tokens", type=int, default=16384, help="constant-token mode: batch = TOKENS / S")
+    p.add_argument("--no-tokens", action="store_true", help="skip the constant-token mode")
+    p.add_argument("--variants", nargs="+", default=None,
+                   choices=["fused", "fused-tuned", "materialized", "rowcache", "numpy", "torch"])
+    p.add_argument("--max-materialized", type=int, default=None, metavar="S",
+                   help="skip materialized and NumPy past S×S (they allocate the score matrix)")
+    p.add_argument("--memory-scaling", action="store_true",
+                   help="also run the fused kernel at S=32768 and 65536 (H=1, D=64)")
+    p.add_argument("--tiny", action="store_true", help="two short lengths, fused vs materialized (CI)")
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--out", default="bench_out", help="output folder (default: bench_out)")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNGs (no matplotlib needed)")
+    p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("compare", help="several schedules of one spec side by side")
+    _add_spec_flags(p)
+    p.add_argument("schedules", nargs="+",
+                   help='fused, materialized, rowcache, fused-tuned, or NAME:{"knob": value}')
+    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--plot", default=None, help="write a bar chart PNG here")
+    p.set_defaults(func=cmd_compare)
 
     p = sub.add_parser("validate", help="rerun an artifact on fresh random inputs vs the NumPy reference")
     p.add_argument("dir")

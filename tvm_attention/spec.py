@@ -136,10 +136,20 @@ class AttentionSpec:
         return {"float32": 4, "float16": 2, "bfloat16": 2}[self.dtype]
 
     def io_bytes(self) -> int:
-        """Bytes of q, k, v and o: what a fused kernel must move at minimum."""
+        """Modeled DRAM bytes of a fused kernel: q, k, v read and o written once."""
         q = self.batch * self.heads * self.seq_q * self.head_dim
         kv = 2 * self.batch * self.kv_heads * self.seq_kv * self.head_dim
         return (2 * q + kv) * self.itemsize
+
+    #: Passes over the S×S matrix a materialized implementation makes through memory: write S,
+    #: read it for the row max, the row sum and the softmax, write P, read P for P·V.
+    MATERIALIZED_SCORE_PASSES = 6
+
+    def materialized_bytes(self) -> int:
+        """Modeled DRAM bytes of a materialized implementation: q, k, v, o plus
+        ``MATERIALIZED_SCORE_PASSES`` float32 passes over every (batch, head) score matrix."""
+        scores = self.batch * self.heads * self.seq_q * self.seq_kv
+        return self.io_bytes() + self.MATERIALIZED_SCORE_PASSES * 4 * scores
 
     def score_elements(self) -> int:
         """Elements of one (batch, head) score matrix: seq_q × seq_kv."""

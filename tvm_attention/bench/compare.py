@@ -1,0 +1,132 @@
+"""``tvm-attention compare``: several schedules of one spec, side by side.
+
+Each entry is a built kernel: a hand preset (``fused``, ``materialized``, ``rowcache``), a hand
+knob set (``fused:{"block_n": 128}``), or the best tuned record (``fused-tuned``). For each: knobs
+(or trace summary), audit verdict, on-chip bytes per tile (local/shared allocations of the final
+IR), time (median ± std), GFLOP/s and max abs error vs the float64 reference on sampled rows.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..reference import reference_attention
+from ..spec import AttentionSpec
+from ..timing import Timing, aligned_inputs, time_module
+
+
+@dataclasses.dataclass
+class Entry:
+    label: str
+    source: str = ""
+    knobs: dict[str, Any] | None = None
+    audit: str = ""
+    on_chip_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
+    global_bytes: int = 0
+    timing: Timing | None = None
+    max_abs_err: float | None = None
+    error: str | None = None
+    trace_summary: list[str] = dataclasses.field(default_factory=list)
+
+    def gflops(self, spec: AttentionSpec) -> float | None:
+        return self.timing.gflops(spec) if self.timing else None
+
+
+def parse_entry(text: str) -> tuple[str, str, dict | None]:
+    """``name`` or ``name:{json knobs}`` → (label, schedule, knobs)."""
+    name, _, knobs = text.partition(":")
+    if knobs:
+        try:
+            return text, name, json.loads(knobs)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"schedule {text!r}: knobs are not valid JSON ({e})") from None
+    return text, name, None
+
+
+def build_entry(spec: AttentionSpec, text: str):
+    from ..build import build_from_record, build_kernel
+    from ..target import resolve_target
+    from ..tune.logs import best_records, default_work_dir
+
+    label, name, knobs = parse_entry(text)
+    if name.endswith("-tuned"):
+        schedule = name[: -len("-tuned")]
+        target = resolve_target("llvm")
+        recs = best_records(spec, target, schedule, default_work_dir(spec, target), k=1)
+        if not recs:
+            raise LookupError(f"no tuning log for {spec.short_name()} ({schedule})")
+        return label, build_from_record(spec, schedule, target, *recs[0])
+    if name not in ("fused", "materialized", "rowcache"):
+        raise ValueError(f"unknown schedule {name!r}: use fused, materialized, rowcache, fused-tuned, "
+                         "or NAME:{knobs json}")
+    return label, build_kernel(spec, schedule=name, knobs=knobs)
+
+
+def compare(spec: AttentionSpec, entries: list[str], repeat: int = 5) -> list[Entry]:
+    import tvm
+
+    from .search import readable_trace
+
+    q, k, v, o = aligned_inputs(spec)
+    rows = np.unique(np.linspace(0, spec.seq_q - 1, num=min(32, spec.seq_q)).astype(int))
+    ref = reference_attention(spec, q, k, v, rows=rows)
+    out = []
+    for text in entries:
+        e = Entry(text)
+        try:
+            label, built = build_entry(spec, text)
+            e.source = built.source
+            e.knobs = built.knobs.to_dict() if built.knobs else None
+            e.audit = built.audit.verdict
+            by_scope = built.audit.bytes_by_scope()
+            e.on_chip_bytes = {s: b for s, b in by_scope.items() if s != "global"}
+            e.global_bytes = by_scope.get("global", 0)
+            if built.trace:
+                e.trace_summary = [line for line in built.trace.splitlines() if "sample_" in line][:8]
+            args = [tvm.runtime.tensor(x) for x in (q, k, v, o)]
+            built.function(*args)
+            e.max_abs_err = float(np.abs(args[3].numpy()[:, :, rows, :] - ref).max())
+            e.timing = time_module(built.module, built.entry, spec, repeat=repeat)
+        except Exception as ex:  # recorded, the comparison goes on
+            e.error = f"{type(ex).__name__}: {ex}"
+        out.append(e)
+    return out
+
+
+def format_compare(spec: AttentionSpec, entries: list[Entry]) -> str:
+    lines = [f"compare {spec.short_name()}",
+             "| schedule | source | knobs | audit | on-chip bytes (per tile) | global scratch | time ms | GFLOP/s | max abs err |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for e in entries:
+        if e.error:
+            lines.append(f"| {e.label} | - | - | - | - | - | - | - | {e.error} |")
+            continue
+        knobs = " ".join(f"{k}={v}" for k, v in (e.knobs or {}).items() if k != "vector_lanes") or "-"
+        chip = ", ".join(f"{s} {b}" for s, b in e.on_chip_bytes.items()) or "-"
+        t = f"{e.timing.median_s * 1e3:.3f} ± {e.timing.std_s * 1e3:.3f}"
+        lines.append(f"| {e.label} | {e.source} | {knobs} | {e.audit} | {chip} | {e.global_bytes} | {t} | "
+                     f"{e.gflops(spec):.1f} | {e.max_abs_err:.1e} |")
+    return "\n".join(lines)
+
+
+def compare_plot(spec: AttentionSpec, entries: list[Entry], path: Path) -> list[str]:
+    from .plots import _plt
+
+    plt = _plt()
+    ok = [e for e in entries if e.timing]
+    fig, ax = plt.subplots(figsize=(max(5, 1.4 * len(ok)), 4))
+    ax.bar(range(len(ok)), [e.gflops(spec) for e in ok],
+           yerr=[e.timing.std_s / e.timing.median_s * e.gflops(spec) for e in ok],
+           color=["C0" if e.audit == "fused" else "C3" for e in ok])
+    ax.set_xticks(range(len(ok)))
+    ax.set_xticklabels([e.label for e in ok], rotation=20, ha="right", fontsize=8)
+    ax.set_ylabel("GFLOP/s")
+    ax.set_title(spec.short_name(), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return [e.label for e in ok]

@@ -1,0 +1,230 @@
+"""``tvm-attention bench``: every variant of every point, side by side in one process.
+
+A point is a spec; a variant is one implementation of it:
+
+* ``fused`` (hand schedule), ``fused-tuned`` (best validated record of the tuning log, when there
+  is one), ``materialized`` (TVM, hand schedule), ``rowcache`` (two-pass row-cached family);
+* ``numpy`` (float32 matmuls) and ``torch`` (PyTorch SDPA, CPU) as peers — recorded as missing
+  when torch is not installed.
+
+Per (point, variant): median ± std time (TVM's ``time_evaluator`` for TVM builds, the same
+protocol in Python for peers), GFLOP/s (4·B·H·Sq·Skv·D, halved for causal), modeled DRAM bytes
+(fused: q, k, v, o once; materialized and NumPy: plus six float32 passes over the score
+matrices), operational intensity, measured peak extra memory (the first call's peak RSS above the inputs;
+TVM builds in a fresh process, as TVM's workspace pool keeps memory between calls), and max abs error
+against the float64 reference on sampled rows. A variant that fails or runs out of memory is
+recorded with its error and the sweep goes on.
+"""
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import numpy as np
+
+from ..reference import reference_attention
+from ..spec import AttentionSpec
+from ..timing import Timing, aligned_inputs, time_callable, time_module
+from .memory import peak_extra_bytes, tvm_first_call_peak
+
+TVM_VARIANTS = ("fused", "materialized", "rowcache")
+ALL_VARIANTS = ("fused", "fused-tuned", "materialized", "rowcache", "numpy", "torch")
+#: Variants whose score matrices go through memory (byte model).
+MATERIALIZING = ("materialized", "numpy")
+ERROR_ROWS = 32
+
+
+@dataclasses.dataclass
+class Result:
+    spec: AttentionSpec
+    mode: str  # "seq" (sweep over S at fixed batch) or "tokens" (batch = tokens / S)
+    variant: str
+    timing: Timing | None = None
+    peak_extra_bytes: int | None = None
+    max_abs_err: float | None = None
+    error: str | None = None
+    detail: str = ""  # knobs or source of the build
+
+    @property
+    def gflops(self) -> float | None:
+        return self.timing.gflops(self.spec) if self.timing else None
+
+    @property
+    def modeled_bytes(self) -> int:
+        return self.spec.materialized_bytes() if self.variant in MATERIALIZING else self.spec.io_bytes()
+
+    @property
+    def intensity(self) -> float:
+        return self.spec.flops() / self.modeled_bytes
+
+    def to_row(self) -> dict[str, Any]:
+        s = self.spec
+        return {
+            "mode": self.mode, "variant": self.variant, "batch": s.batch, "heads": s.heads,
+            "seq_q": s.seq_q, "seq_kv": s.seq_kv, "head_dim": s.head_dim, "dtype": s.dtype,
+            "causal": s.causal,
+            "median_ms": self.timing.median_s * 1e3 if self.timing else None,
+            "std_ms": self.timing.std_s * 1e3 if self.timing else None,
+            "gflops": self.gflops, "flops": s.flops(), "modeled_bytes": self.modeled_bytes,
+            "intensity_flop_per_byte": self.intensity, "peak_extra_bytes": self.peak_extra_bytes,
+            "max_abs_err": self.max_abs_err, "error": self.error, "detail": self.detail,
+        }
+
+
+class Skip(Exception):
+    """A variant that does not apply to this point (recorded, not a failure)."""
+
+
+def _error_rows(spec: AttentionSpec) -> np.ndarray:
+    rows = np.linspace(0, spec.seq_q - 1, num=min(ERROR_ROWS, spec.seq_q)).astype(int)
+    return np.unique(rows)
+
+
+def _tvm_runner(spec: AttentionSpec, variant: str) -> tuple[Any, str]:
+    from ..build import build_kernel
+    from ..pipeline import build_best
+
+    if variant == "fused-tuned":
+        built, validation = build_best(spec, schedule="fused")
+        if built.source != "tuned":
+            raise Skip("no tuning log for this spec")
+        if not validation.passed:
+            raise RuntimeError("tuned build failed validation")
+    else:
+        built = build_kernel(spec, schedule=variant)
+    detail = f"{built.source} {json.dumps(built.knobs.to_dict()) if built.knobs else ''}".strip()
+    return built, detail
+
+
+def _peer(spec: AttentionSpec, variant: str, threads: int) -> Callable[[np.ndarray, np.ndarray, np.ndarray], Any]:
+    from .cpu import numpy_attention_fn, torch_sdpa_fn
+
+    if variant == "numpy":
+        return numpy_attention_fn(spec)
+    fn = torch_sdpa_fn(spec, threads)
+    if fn is None:
+        raise Skip("torch not installed")
+    return fn
+
+
+def run_variant(spec: AttentionSpec, mode: str, variant: str, threads: int, repeat: int,
+                min_repeat_ms: int) -> Result:
+    res = Result(spec, mode, variant)
+    try:
+        q, k, v, o = aligned_inputs(spec, seed=0)
+        rows = _error_rows(spec)
+        if variant in TVM_VARIANTS or variant == "fused-tuned":
+            import tvm
+
+            built, res.detail = _tvm_runner(spec, variant)
+            args = [tvm.runtime.tensor(x) for x in (q, k, v, o)]
+            built.function(*args)
+            out = args[3].numpy()
+            res.peak_extra_bytes = tvm_first_call_peak(built.module, built.entry, spec, threads)
+            res.timing = time_module(built.module, built.entry, spec, repeat=repeat, min_repeat_ms=min_repeat_ms)
+        else:
+            fn = _peer(spec, variant, threads)
+            holder = {}
+            res.peak_extra_bytes = peak_extra_bytes(lambda: holder.setdefault("o", fn(q, k, v)))
+            out = np.asarray(holder["o"])
+            res.timing = time_callable(lambda: fn(q, k, v), repeat=repeat, min_repeat_ms=min_repeat_ms)
+        ref = reference_attention(spec, q, k, v, rows=rows)
+        res.max_abs_err = float(np.abs(out[:, :, rows, :].astype(np.float64) - ref).max())
+    except Skip as e:
+        res.error = f"skipped: {e}"
+    except MemoryError as e:
+        res.error = f"out of memory: {e}"
+    except Exception as e:  # recorded; the sweep goes on
+        res.error = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+    return res
+
+
+def points(seqs: Iterable[int], head_dims: Iterable[int], causals: Iterable[bool], heads: int,
+           batch: int, tokens: int | None) -> list[tuple[str, AttentionSpec]]:
+    out = []
+    for d in head_dims:
+        for c in causals:
+            for s in seqs:
+                out.append(("seq", AttentionSpec(batch=batch, heads=heads, seq_q=s, head_dim=d, causal=c)))
+            if tokens:
+                for s in seqs:
+                    if tokens % s == 0:
+                        out.append(("tokens", AttentionSpec(batch=tokens // s, heads=heads, seq_q=s,
+                                                            head_dim=d, causal=c)))
+    return out
+
+
+def run_sweep(pts: list[tuple[str, AttentionSpec]], variants: Iterable[str], threads: int, repeat: int = 3,
+              min_repeat_ms: int = 100, say: Callable[[str], None] = print,
+              skip_materializing_above: int | None = None) -> list[Result]:
+    results = []
+    for mode, spec in pts:
+        line = []
+        for variant in variants:
+            if (skip_materializing_above and variant in MATERIALIZING
+                    and spec.seq_q * spec.seq_kv > skip_materializing_above ** 2):
+                r = Result(spec, mode, variant, error=f"skipped: S×S past {skip_materializing_above}²")
+            else:
+                r = run_variant(spec, mode, variant, threads, repeat, min_repeat_ms)
+            results.append(r)
+            line.append(f"{variant}={r.gflops:.1f}" if r.timing else f"{variant}=({r.error})")
+        say(f"[{mode} B={spec.batch} S={spec.seq_q} D={spec.head_dim} causal={spec.causal}] " + "  ".join(line))
+    return results
+
+
+def write_outputs(results: list[Result], out_dir: str | os.PathLike, meta: dict[str, Any]) -> dict[str, Path]:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = [r.to_row() for r in results]
+    paths = {"json": out / "bench.json", "csv": out / "bench.csv", "md": out / "bench.md"}
+    paths["json"].write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    with open(paths["csv"], "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    paths["md"].write_text(markdown_table(results, meta) + "\n")
+    return paths
+
+
+def _fmt_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def markdown_table(results: list[Result], meta: dict[str, Any]) -> str:
+    variants = list(dict.fromkeys(r.variant for r in results))
+    lines = [f"Machine: {meta.get('cpu')} ({meta.get('threads')} threads), {meta.get('date')}; "
+             f"sgemm ceiling {meta.get('sgemm_gflops', 0):.0f} GFLOP/s, copy bandwidth "
+             f"{meta.get('copy_gbps', 0):.1f} GB/s", ""]
+    head = ["mode", "B", "S", "D", "causal"] + [f"{v} GFLOP/s" for v in variants]
+    head += ["fused/materialized", "fused/torch"] + [f"{v} peak mem" for v in variants]
+    lines.append("| " + " | ".join(head) + " |")
+    lines.append("|" + "---|" * len(head))
+    by_point: dict[tuple, dict[str, Result]] = {}
+    for r in results:
+        by_point.setdefault((r.mode, r.spec), {})[r.variant] = r
+    for (mode, spec), d in by_point.items():
+        cells = [mode, str(spec.batch), str(spec.seq_q), str(spec.head_dim), "yes" if spec.causal else "no"]
+        for v in variants:
+            r = d.get(v)
+            cells.append(f"{r.gflops:.1f}" if r and r.timing else ("skip" if r and r.error and r.error.startswith("skipped") else "fail"))
+
+        def ratio(a, b):
+            ra, rb = d.get(a), d.get(b)
+            if ra and rb and ra.timing and rb.timing:
+                return f"{rb.timing.median_s / ra.timing.median_s:.2f}x"
+            return "-"
+
+        cells += [ratio("fused", "materialized"), ratio("fused", "torch")]
+        cells += [_fmt_bytes(d[v].peak_extra_bytes) if v in d else "-" for v in variants]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
