@@ -32,6 +32,7 @@ class BuiltKernel:
     log_dir: str | None = None  # the tuning log a tuned build came from
     record_secs: list[float] | None = None  # its measured run times there
     resources: dict[str, Any] | None = None  # CUDA: ptxas report (see cuda_tools.ptxas_report)
+    selection: dict[str, Any] | None = None  # tuned vs hand timed side by side at build time
 
 
     def schedule_info(self) -> dict[str, Any]:
@@ -44,6 +45,8 @@ class BuiltKernel:
         if self.log_dir is not None:
             info["log_dir"] = self.log_dir
             info["tuned_run_secs"] = self.record_secs
+        if self.selection is not None:
+            info["selection"] = self.selection
         return info
 
     @property

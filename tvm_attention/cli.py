@@ -80,6 +80,10 @@ def _schedule_line(built) -> str:
         line += " " + json.dumps(info["knobs"])
     if built.log_dir:
         line += f"  from {built.log_dir}"
+    sel = built.selection
+    if sel:
+        line += (f"  [timed here: tuned {sel['tuned_s'] * 1e3:.3f} ms vs hand {sel['hand_s'] * 1e3:.3f} ms, "
+                 f"kept {sel['kept']}]")
     return line
 
 
@@ -141,7 +145,7 @@ def cmd_tune(a: argparse.Namespace) -> int:
     target = resolve_target(a.target, arch=a.arch)
     result = tune(spec, target=target, schedule=a.schedule, trials=a.trials, work_dir=a.work_dir,
                   per_round=a.per_round, seed=a.seed, threads=a.threads,
-                  rpc_tracker=a.rpc_tracker, rpc_key=a.rpc_key,
+                  rpc_tracker=a.rpc_tracker, rpc_key=a.rpc_key, rpc_workers=a.rpc_workers,
                   progress=lambda m: print(m, flush=True))
     if result.best_task is not None and result.best_secs < 1e9:
         print(f"best: {result.best_secs * 1e3:.3f} ms, {spec.flops() / result.best_secs / 1e9:.1f} GFLOP/s "
@@ -287,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rpc-tracker", default=None, metavar="HOST:PORT",
                    help="measure on the devices registered with this RPC tracker (builds stay local)")
     p.add_argument("--rpc-key", default=None, help="device key registered with the tracker")
+    p.add_argument("--rpc-workers", type=int, default=None,
+                   help="measurements in flight at once (default: one per registered server)")
     p.add_argument("--trials", type=int, default=64, help="total measured trials in the log (resume counts them)")
     p.add_argument("--work-dir", default=None, help="tuning log folder (default: tuning_logs/<target>/<spec>/)")
     p.add_argument("--per-round", type=int, default=8, help="candidates measured per round")

@@ -89,9 +89,13 @@ def _tvm_runner(spec: AttentionSpec, variant: str) -> tuple[Any, str]:
     from ..pipeline import build_best
 
     if variant == "fused-tuned":
-        built, validation = build_best(spec, schedule="fused")
-        if built.source != "tuned":
+        from ..target import resolve_target
+        from ..tune.logs import best_records, default_work_dir
+
+        work = default_work_dir(spec, resolve_target("llvm"))
+        if not best_records(spec, resolve_target("llvm"), "fused", work, k=1):
             raise Skip("no tuning log for this spec")
+        built, validation = build_best(spec, schedule="fused", log_dir=work)  # the log's record itself
         if not validation.passed:
             raise RuntimeError("tuned build failed validation")
     else:

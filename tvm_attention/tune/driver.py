@@ -33,6 +33,7 @@ from ..spec import AttentionSpec
 from ..target import is_cuda, local_cuda_arch, resolve_target, vector_lanes
 from ..threads import set_num_threads
 from .logs import FAILED_RUN_SECS, default_work_dir, mean_secs, open_database, records_for
+from .rpc import is_rpc_failure
 from .tasks import TaskDef, make_tasks, workload_matches
 from .workers import lean_build
 
@@ -56,6 +57,105 @@ class TuneResult:
     best_knobs: dict[str, Any] | None
     curve: list[tuple[int, float]]  # (trial number, best GFLOP/s so far)
     interrupted: bool = False
+
+
+class NoDevicesLeft(RuntimeError):
+    """Every device of the fleet is gone; the log holds everything measured so far."""
+
+
+def _run_with_retry(runner, run_inputs, run_idx, results, progress):
+    """Run, then measure again (once) the candidates whose device failed — a dead or hung RPC
+    server — so that a crash costs a retry, not a record. Kernel errors are not retried.
+
+    TVM's RPCRunner waits without limit for a free server (its worker blocks in the tracker's
+    queue), so on a fleet each result gets a deadline of the session timeout plus a margin; a
+    worker past it is killed with its pool and the runner replaced. Returns the runner to use."""
+    from tvm.s_tir import meta_schedule as ms
+
+    rpc = hasattr(runner, "tvm_attention_tracker")
+    pending = list(zip(run_idx, run_inputs))
+    for attempt in range(2):
+        if not pending:
+            return runner
+        futures = runner.run([inp for _, inp in pending])
+        deadline = time.time() + (runner.rpc_config.session_timeout_sec * 1.5 + 10 if rpc else 1e9)
+        retry, hung = [], False
+        for (i, inp), fut in zip(pending, futures):
+            if rpc:
+                while not fut.done() and time.time() < deadline:
+                    time.sleep(0.05)
+                if fut.done():
+                    r = fut.result()
+                else:
+                    hung = True
+                    r = ms.runner.RunnerResult(None, "RPC: no result before the deadline (server hung, or none free)")
+            else:
+                r = fut.result()
+            if r.error_msg and attempt == 0 and rpc and is_rpc_failure(r.error_msg):
+                retry.append((i, inp))
+                continue
+            results[i] = r if not r.error_msg else ms.runner.RunnerResult([FAILED_RUN_SECS], r.error_msg)
+        if hung:
+            runner = _reset_rpc_runner(runner)
+        if retry:
+            if _servers_left(runner) == 0:
+                for i, _ in retry:
+                    results[i] = ms.runner.RunnerResult([FAILED_RUN_SECS], "RPC: no server left")
+                return runner
+            progress(f"{len(retry)} measurement(s) lost with their RPC server; measuring them again")
+        pending = retry
+    return runner
+
+
+def _reset_rpc_runner(runner):
+    """Kill a runner's workers (stuck in the tracker queue or on a hung server) and make a new one."""
+    from tvm.s_tir import meta_schedule as ms
+
+    import psutil
+
+    # Kill the worker processes themselves: PopenWorker.kill() would close the pipe that the
+    # pool's thread is blocked reading, and deadlock. A killed worker's reader gets EOF instead.
+    for worker in list(getattr(runner.pool, "_worker_map", {}).values()):
+        proc = getattr(worker, "_proc", None)
+        if proc is None:
+            continue
+        try:
+            for child in psutil.Process(proc.pid).children(recursive=True):
+                child.kill()
+            proc.kill()
+        except (psutil.Error, OSError):
+            pass
+    # Never call the old pool's shutdown (nor let its __del__ do it): it would kill() the workers
+    # again through the blocked pipes. Its threads end on their own once the workers' pipes close.
+    runner.pool._shutdown = True
+    fresh = ms.runner.RPCRunner(rpc_config=runner.rpc_config, evaluator_config=runner.evaluator_config,
+                                max_workers=runner.tvm_attention_workers)
+    fresh.tvm_attention_tracker = runner.tvm_attention_tracker
+    fresh.tvm_attention_workers = runner.tvm_attention_workers
+    return fresh
+
+
+def _servers_left(runner) -> int:
+    from .rpc import tracker_status
+
+    host, port, key = runner.tvm_attention_tracker
+    try:
+        return tracker_status(host, port, key, timeout=10)["servers"]
+    except Exception:
+        return 0
+
+
+def _fleet_line(runner) -> str:
+    if not hasattr(runner, "tvm_attention_tracker"):
+        return ""
+    from .rpc import tracker_status
+
+    host, port, key = runner.tvm_attention_tracker
+    try:
+        st = tracker_status(host, port, key, timeout=10)
+    except Exception:
+        return "  [tracker unreachable]"
+    return f"  [rpc {key}: {st['servers']} server(s), {st['free']} free]"
 
 
 @contextlib.contextmanager
@@ -93,23 +193,36 @@ def describe(task: TaskDef, sch, target: Target, spec: AttentionSpec) -> dict[st
     return family.knobs_of(sch, vector_lanes(target, spec.dtype)).to_dict()
 
 
-def make_rpc_runner(tracker: str, key: str | None):
-    """MetaSchedule's RPCRunner for ``HOST:PORT`` / ``key`` (bounded timeouts)."""
+def make_rpc_runner(tracker: str, key: str | None, workers: int | None = None, timeout_s: int = 60):
+    """MetaSchedule's RPCRunner for ``HOST:PORT`` / ``key``: one measurement per worker at a
+    time (default: one worker per registered server), every session bounded by ``timeout_s``.
+    Fails at once when the tracker is unreachable or has no server under ``key``."""
     from tvm.s_tir import meta_schedule as ms
 
-    host, _, port = tracker.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"--rpc-tracker must be HOST:PORT, got {tracker!r}")
+    from .rpc import _port_open, parse_tracker, tracker_status
+
+    host, port = parse_tracker(tracker)
     if not key:
         raise ValueError("--rpc-key is required with --rpc-tracker")
-    config = ms.runner.RPCConfig(tracker_host=host, tracker_port=int(port), tracker_key=key,
-                                 session_timeout_sec=120)
-    return ms.runner.RPCRunner(
+    if not _port_open(host, port):
+        raise RuntimeError(f"cannot reach the RPC tracker at {tracker} (nothing listens there)")
+    try:
+        status = tracker_status(host, port, key, timeout=min(timeout_s, 10))
+    except Exception as e:
+        raise RuntimeError(f"cannot reach the RPC tracker at {tracker}: {e}") from None
+    if status["servers"] == 0:
+        raise RuntimeError(f"the RPC tracker at {tracker} has no server registered under key {key!r}")
+    config = ms.runner.RPCConfig(tracker_host=host, tracker_port=port, tracker_key=key,
+                                 session_timeout_sec=timeout_s)
+    runner = ms.runner.RPCRunner(
         rpc_config=config,
         evaluator_config=ms.runner.EvaluatorConfig(number=1, repeat=3, min_repeat_ms=100,
                                                    enable_cpu_cache_flush=False),
-        max_workers=1,
+        max_workers=workers or status["servers"],
     )
+    runner.tvm_attention_tracker = (host, port, key)  # for progress and the no-server check
+    runner.tvm_attention_workers = workers or status["servers"]
+    return runner
 
 
 def knob_summary(knobs: dict[str, Any] | None) -> str:
@@ -138,12 +251,17 @@ def tune(
     threads: int | None = None,
     rpc_tracker: str | None = None,
     rpc_key: str | None = None,
+    rpc_workers: int | None = None,
+    rpc_timeout_s: int = 60,
     progress: Callable[[str], None] = print,
 ) -> TuneResult:
     """Tune ``spec`` until the log holds ``trials`` measured records for it (resuming).
 
     Candidates are measured locally, or on the devices registered with ``rpc_tracker``
     (``HOST:PORT``) under ``rpc_key`` — the only way to tune for a GPU from a machine without one.
+    A candidate whose measurement fails because its server died or hung is measured again on
+    the remaining servers (once); when no server is left the tune stops with an error, and every
+    record measured so far is in the log (rerun to resume).
     """
     from tvm.s_tir import meta_schedule as ms
 
@@ -154,7 +272,7 @@ def tune(
     target = resolve_target(target)
     device = "cuda" if is_cuda(target) else "cpu"
     if runner is None and rpc_tracker is not None:
-        runner = make_rpc_runner(rpc_tracker, rpc_key)
+        runner = make_rpc_runner(rpc_tracker, rpc_key, rpc_workers, rpc_timeout_s)
     elif runner is None and device == "cuda" and local_cuda_arch() is None:
         raise RuntimeError(
             "tune --target cuda: this machine has no CUDA GPU to measure candidates on; pass "
@@ -282,13 +400,17 @@ def tune(
                 else:
                     run_inputs.append(ms.runner.RunnerInput(b.artifact_path, device, cands[i].args_info))
                     run_idx.append(i)
-            futures = runner.run(run_inputs) if run_inputs else []
-            for i, fut in zip(run_idx, futures):
-                r = fut.result()
-                results[i] = r if not r.error_msg else ms.runner.RunnerResult([FAILED_RUN_SECS], r.error_msg)
+            runner = _run_with_retry(runner, run_inputs, run_idx, results, progress)
+            # Measurements lost with their device were never made: not committed, not counted,
+            # and free to be measured again on resume.
+            rpc_lost = {i for i in run_idx if is_rpc_failure(results[i].error_msg)}
+            for i in rpc_lost:
+                measured.pop(tvm_ffi.structural_hash(cands[i].sch.mod), None)
             t_run = time.time() - t_run
             workload = db.commit_workload(state.defn.mod)
             for i in todo:
+                if i in rpc_lost:
+                    continue
                 r = results[i]
                 secs = [float(x) for x in r.run_secs]
                 db.commit_tuning_record(ms.database.TuningRecord(
@@ -307,16 +429,25 @@ def tune(
             for b in built:
                 if b.artifact_path:
                     Path(b.artifact_path).unlink(missing_ok=True)
-            cost_model.update(state.ctx, [cands[i] for i in todo], [results[i] for i in todo])
+            kept = [i for i in todo if i not in rpc_lost]
+            if kept:
+                cost_model.update(state.ctx, [cands[i] for i in kept], [results[i] for i in kept])
             state.ctx.notify_runner_results(cands, results)
-            failed = sum(1 for i in todo if results[i].run_secs[0] >= FAILED_RUN_SECS)
+            failed = sum(1 for i in kept if results[i].run_secs[0] >= FAILED_RUN_SECS)
+            fleet = _fleet_line(runner)
             elapsed = time.time() - t0
             eta = (time.time() - t_loop) / new * (trials - done) if new else math.inf
             gf = spec.flops() / best[0] / 1e9 if best[0] < FAILED_RUN_SECS else 0.0
-            progress(f"[{done:>4}/{trials} trials] {state.defn.name:<16} +{len(todo)}"
-                     f"{f' ({failed} failed)' if failed else ''}  best {best[0] * 1e3:.3f} ms "
+            progress(f"[{done:>4}/{trials} trials] {state.defn.name:<16} +{len(kept)}"
+                     f"{f' ({failed} failed)' if failed else ''}"
+                     f"{f' ({len(rpc_lost)} lost with their device)' if rpc_lost else ''}  best {best[0] * 1e3:.3f} ms "
                      f"{gf:.1f} GFLOP/s {knob_summary(best[2])}  elapsed {_fmt_time(elapsed)} "
-                     f"ETA {_fmt_time(eta)}  (search {t_gen:.0f}s build {t_build:.0f}s run {t_run:.0f}s)")
+                     f"ETA {_fmt_time(eta)}  (search {t_gen:.0f}s build {t_build:.0f}s run {t_run:.0f}s){fleet}")
+            if rpc_lost and _servers_left(runner) == 0:
+                raise NoDevicesLeft(
+                    f"no RPC server left under key {runner.tvm_attention_tracker[2]!r}: stopping; "
+                    f"{done} record(s) are in {work}, rerun the same command to resume"
+                )
     except KeyboardInterrupt:
         interrupted = True
         progress(f"interrupted: {done} record(s) are in {work}; rerun the same command to resume")

@@ -1,0 +1,105 @@
+"""Distributed tuning on TVM's RPC tracker (loopback only): two servers, a killed server, a
+fleet that dies, no server at all. Every process a test starts is stopped by PID."""
+import os
+import threading
+import time
+
+import pytest
+
+from tvm_attention.pipeline import build_best
+from tvm_attention.spec import AttentionSpec
+from tvm_attention.tune.driver import NoDevicesLeft, tune
+from tvm_attention.tune.logs import RECORD_FILE, parse_logs
+from tvm_attention.tune.rpc import LocalFleet, free_port
+
+pytest.importorskip("tornado", reason="TVM's RPC tracker needs tornado")
+
+SPEC = AttentionSpec(batch=1, heads=2, seq_q=128, head_dim=64)
+
+
+def alive(pid):
+    return os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().split()[2] != "Z"
+
+
+@pytest.fixture
+def fleet():
+    f = LocalFleet(servers=2, key="test-cpu").start()
+    pids = f.pids()
+    yield f
+    f.stop()
+    assert not any(alive(p) for p in pids), "a fleet process outlived the test"
+
+
+def records(work):
+    p = work / RECORD_FILE
+    return len(p.read_bytes().splitlines()) if p.exists() else 0
+
+
+def test_rpc_tune_on_two_servers_and_build(fleet, tmp_path):
+    msgs = []
+    r = tune(SPEC, trials=6, per_round=2, work_dir=tmp_path, rpc_tracker=fleet.address, rpc_key="test-cpu",
+             progress=msgs.append)
+    assert r.trials_new == 6 and records(tmp_path) == 6
+    assert any("[rpc test-cpu: 2 server(s)" in m for m in msgs)  # progress shows the fleet
+    parsed = parse_logs(tmp_path)
+    assert all(min(rec.run_secs) < 1.0 for _, rec in parsed.records)  # all measured, none failed
+    built, validation = build_best(SPEC, log_dir=tmp_path)
+    assert built.source == "tuned" and validation.passed and built.audit.fused
+
+
+def test_server_killed_mid_tune_finishes_on_the_other(fleet, tmp_path):
+    killed = threading.Event()
+
+    def killer():
+        while records(tmp_path) < 2:
+            time.sleep(0.05)
+        time.sleep(1.0)  # into the next round's builds/measurements
+        fleet.kill_server(0)
+        killed.set()
+
+    t = threading.Thread(target=killer, daemon=True)
+    t.start()
+    msgs = []
+    r = tune(SPEC, trials=8, per_round=2, work_dir=tmp_path, rpc_tracker=fleet.address, rpc_key="test-cpu",
+             rpc_timeout_s=30, progress=msgs.append)
+    t.join(timeout=60)
+    assert killed.is_set()
+    assert r.trials_total == 8 and records(tmp_path) == 8  # nothing lost, budget met on one server
+    parsed = parse_logs(tmp_path)
+    failed = [rec for _, rec in parsed.records if min(rec.run_secs) >= 1e9]
+    assert len(failed) <= 2  # at most the candidates the dead server held
+    assert any("1 server(s)" in m for m in msgs)
+
+
+def test_whole_fleet_gone_stops_with_clear_error_and_intact_log(fleet, tmp_path):
+    def killer():
+        while records(tmp_path) < 2:
+            time.sleep(0.05)
+        fleet.kill_server(0)
+        fleet.kill_server(1)
+
+    t = threading.Thread(target=killer, daemon=True)
+    t.start()
+    start = time.time()
+    with pytest.raises(NoDevicesLeft, match="no RPC server left"):
+        tune(SPEC, trials=40, per_round=2, work_dir=tmp_path, rpc_tracker=fleet.address,
+             rpc_key="test-cpu", rpc_timeout_s=20, progress=lambda m: None)
+    assert time.time() - start < 240
+    kept = records(tmp_path)
+    assert kept >= 2
+    parsed = parse_logs(tmp_path)  # the log is intact and parses
+    assert len(parsed.records) == kept
+
+
+def test_no_server_is_a_clear_error_without_hanging(tmp_path):
+    with LocalFleet(servers=0, key="nobody") as empty:
+        start = time.time()
+        with pytest.raises(RuntimeError, match="no server registered under key 'nobody'"):
+            tune(SPEC, trials=4, work_dir=tmp_path, rpc_tracker=empty.address, rpc_key="nobody",
+                 progress=lambda m: None)
+        assert time.time() - start < 30
+    port = free_port(9500, 9600)
+    with pytest.raises(RuntimeError, match="cannot reach the RPC tracker"):
+        tune(SPEC, trials=4, work_dir=tmp_path, rpc_tracker=f"127.0.0.1:{port}", rpc_key="x",
+             progress=lambda m: None)
+    assert records(tmp_path) == 0
