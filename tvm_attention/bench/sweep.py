@@ -220,7 +220,10 @@ def markdown_table(results: list[Result], meta: dict[str, Any]) -> str:
         cells = [mode, str(spec.batch), str(spec.seq_q), str(spec.head_dim), "yes" if spec.causal else "no"]
         for v in variants:
             r = d.get(v)
-            cells.append(f"{r.gflops:.1f}" if r and r.timing else ("skip" if r and r.error and r.error.startswith("skipped") else "fail"))
+            if r is None:
+                cells.append("-")
+            else:
+                cells.append(f"{r.gflops:.1f}" if r.timing else ("skip" if r.error and r.error.startswith("skipped") else "fail"))
 
         def ratio(a, b):
             ra, rb = d.get(a), d.get(b)
