@@ -15,7 +15,6 @@ Each stage is parallel over (batch, head, rows).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 from tvm import s_tir
 from tvm.target import Target

@@ -8,7 +8,6 @@ task per ``block_m``), ``s_rows``, ``pv_rows``, ``d_unroll`` and ``parallel_chun
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 from tvm import s_tir
 from tvm.target import Target

@@ -13,7 +13,6 @@ warps, 48 KiB of static shared memory, an estimate of registers per thread, divi
 from __future__ import annotations
 
 import dataclasses
-import math
 
 from tvm import s_tir
 from tvm.target import Target

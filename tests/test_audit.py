@@ -1,7 +1,7 @@
 """The fusion audit reads the final lowered IR, and it can fail."""
 import json
 
-from tvm_attention.audit import audit, list_allocations
+from tvm_attention.audit import list_allocations
 from tvm_attention.spec import AttentionSpec
 
 from conftest import built

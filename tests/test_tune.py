@@ -1,6 +1,5 @@
 """MetaSchedule search: tiny tunes, the design space, resume after a kill, corrupt logs."""
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -8,7 +7,6 @@ import textwrap
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 import tvm
 import tvm_ffi

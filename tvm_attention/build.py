@@ -73,12 +73,11 @@ def build_kernel(
 
     target = resolve_target(target) if not isinstance(target, Target) else target
     family = get_schedule(schedule, target)
+    preset = family.preset(spec, target)
     if knobs is None:
-        knobs = family.preset(spec, target)
-    elif isinstance(knobs, dict):
-        knobs = family.preset(spec, target).__class__.from_dict(
-            {**family.preset(spec, target).to_dict(), **knobs}
-        )
+        knobs = preset
+    elif isinstance(knobs, dict):  # overrides on top of the preset
+        knobs = type(preset).from_dict({**preset.to_dict(), **knobs})
     family.check(knobs, spec, target)
     sch = s_tir.Schedule(family.workload(spec, knobs))
     with target:

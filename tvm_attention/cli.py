@@ -250,7 +250,7 @@ def cmd_inspect(a: argparse.Namespace) -> int:
     print(f"artifact:   {a.dir}")
     print(f"spec:       {AttentionSpec.from_dict(m['spec']).short_name()}")
     print(f"entry:      {m['entry']} in {m['library']}  layout {m.get('layout')}")
-    print(f"args:       " + ", ".join(f"{x['name']}{tuple(x['shape'])}:{x['dtype']}" for x in m["args"]))
+    print("args:       " + ", ".join(f"{x['name']}{tuple(x['shape'])}:{x['dtype']}" for x in m["args"]))
     print(f"target:     {json.dumps(m.get('target'))}")
     print(f"schedule:   {json.dumps(m.get('schedule'))}")
     print(f"tvm:        {m.get('tvm_version')}")

@@ -6,7 +6,6 @@ import statistics
 import time
 from typing import Callable
 
-import numpy as np
 import tvm
 
 from .loader import aligned_empty

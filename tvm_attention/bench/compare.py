@@ -69,8 +69,6 @@ def build_entry(spec: AttentionSpec, text: str):
 def compare(spec: AttentionSpec, entries: list[str], repeat: int = 5) -> list[Entry]:
     import tvm
 
-    from .search import readable_trace
-
     q, k, v, o = aligned_inputs(spec)
     rows = np.unique(np.linspace(0, spec.seq_q - 1, num=min(32, spec.seq_q)).astype(int))
     ref = reference_attention(spec, q, k, v, rows=rows)

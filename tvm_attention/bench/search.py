@@ -1,9 +1,7 @@
 """Search as research: hand knobs vs the best tuned record, timed side by side, and the curve."""
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
-from typing import Any
 
 from ..spec import AttentionSpec
 from ..timing import Timing, time_module
@@ -49,16 +47,6 @@ def tuning_curve(spec: AttentionSpec, work_dir: str | Path, schedule: str = "fus
         if best < float("inf"):
             curve.append((n, spec.flops() / best / 1e9))
     return curve
-
-
-@dataclasses.dataclass
-class Side:
-    label: str
-    source: str
-    knobs: dict[str, Any] | None
-    timing: Timing | None
-    trace_lines: list[str]
-    error: str | None = None
 
 
 def time_built(built, repeat: int = 5) -> Timing:

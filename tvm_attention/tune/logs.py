@@ -17,7 +17,6 @@ import re
 from pathlib import Path
 from typing import Any, Iterator
 
-import tvm
 from tvm.target import Target
 
 from ..spec import AttentionSpec

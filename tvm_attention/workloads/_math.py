@@ -40,3 +40,11 @@ def exp2_fast(x: tirx.PrimExpr) -> tirx.PrimExpr:
     p = p * f + tirx.const(1.0, f32)
     bits = tirx.shift_left(tirx.Cast("int32", n) + tirx.const(127, "int32"), tirx.const(23, "int32"))
     return p * tirx.reinterpret(f32, bits)
+
+
+def guarded(mx: tirx.PrimExpr) -> tirx.PrimExpr:
+    """The reference max for a row's exponentials: ``mx``, or 0 while the row has seen no
+    visible key (``mx == -inf``), so ``exp2(-inf - ref)`` is 0 rather than ``exp2(-inf + inf)``
+    = NaN."""
+    neg_inf = tirx.const(float("-inf"), "float32")
+    return tirx.Select(mx == neg_inf, tirx.const(0.0, "float32"), mx)

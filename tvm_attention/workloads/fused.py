@@ -36,7 +36,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ..spec import AttentionSpec
-from ._math import LOG2E, exp2_fast
+from ._math import LOG2E, exp2_fast, guarded
 
 ENTRY = "attention"
 
@@ -86,10 +86,6 @@ def fused_attention(spec: AttentionSpec, block_m: int, block_n: int) -> tirx.Pri
             cond = T.And(cond, col <= vr * BM + vi + OFF)
         return T.Select(cond, S[vj, vi], neg_inf)
 
-    def guarded(mx):
-        # A row with no visible key so far has max -inf; use 0 as its reference so that
-        # exp2(-inf - ref) is 0 rather than exp2(-inf + inf) = NaN.
-        return T.Select(mx == neg_inf, T.float32(0), mx)
 
     @T.prim_func(s_tir=True)
     def attention(

@@ -32,7 +32,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ..spec import AttentionSpec
-from ._math import LOG2E, exp2_fast
+from ._math import LOG2E, exp2_fast, guarded
 
 ENTRY = "attention"
 VECTOR_BYTES = 16  # one 128-bit load/store per thread per step
@@ -96,8 +96,6 @@ def fused_attention_cuda(
             cond = T.And(cond, col <= r0 + vr + OFF)
         return T.Select(cond, s, neg_inf)
 
-    def guarded(mx):
-        return T.Select(mx == neg_inf, T.float32(0), mx)
 
     # (batch, head, first row) of the tile a thread block owns. Helpers, not assignments inside
     # the script: an assignment there becomes a 1-element local buffer per variable.
@@ -109,6 +107,11 @@ def fused_attention_cuda(
 
     def ri(vbx):
         return vbx % NR * BM
+
+    def flat(it, ty, tx, v):
+        # Element a thread loads in a cooperative tile copy: consecutive lanes take consecutive
+        # 16-byte vectors, so the loads coalesce; row = flat // D, column = flat % D.
+        return ((it * BM + ty) * TPR + tx) * VEC + v
 
     def f32(x):
         return x if dtype == "float32" else T.Cast("float32", x)
@@ -151,11 +154,11 @@ def fused_attention_cuda(
                                 with T.sblock("Q_load"):
                                     T.reads()
                                     T.writes()
-                                    if ((it * BM + ty) * TPR + tx) * VEC + v < BM * D:
-                                        Qs[(((it * BM + ty) * TPR + tx) * VEC + v) // D * QST
-                                           + (((it * BM + ty) * TPR + tx) * VEC + v) % D] = Q[
-                                            bi(vbx), hi(vbx), T.min(ri(vbx) + (((it * BM + ty) * TPR + tx) * VEC + v) // D, SQ - 1),
-                                            (((it * BM + ty) * TPR + tx) * VEC + v) % D]
+                                    if flat(it, ty, tx, v) < BM * D:
+                                        Qs[flat(it, ty, tx, v) // D * QST
+                                           + flat(it, ty, tx, v) % D] = Q[
+                                            bi(vbx), hi(vbx), T.min(ri(vbx) + flat(it, ty, tx, v) // D, SQ - 1),
+                                            flat(it, ty, tx, v) % D]
                 for ty in thread_y(BM):
                     for tx in thread_x(TPR):
                         with T.sblock("state_init"):
@@ -175,15 +178,15 @@ def fused_attention_cuda(
                                     with T.sblock("KV_load"):
                                         T.reads()
                                         T.writes()
-                                        if ((it * BM + ty) * TPR + tx) * VEC + v < BN * D:
-                                            Ks[(((it * BM + ty) * TPR + tx) * VEC + v) // D * QST
-                                               + (((it * BM + ty) * TPR + tx) * VEC + v) % D] = K[
-                                                bi(vbx), hi(vbx) // G, kv_row(c * BN + (((it * BM + ty) * TPR + tx) * VEC + v) // D),
-                                                (((it * BM + ty) * TPR + tx) * VEC + v) % D]
-                                            Vs[(((it * BM + ty) * TPR + tx) * VEC + v) // D * QST
-                                               + (((it * BM + ty) * TPR + tx) * VEC + v) % D] = V[
-                                                bi(vbx), hi(vbx) // G, kv_row(c * BN + (((it * BM + ty) * TPR + tx) * VEC + v) // D),
-                                                (((it * BM + ty) * TPR + tx) * VEC + v) % D]
+                                        if flat(it, ty, tx, v) < BN * D:
+                                            Ks[flat(it, ty, tx, v) // D * QST
+                                               + flat(it, ty, tx, v) % D] = K[
+                                                bi(vbx), hi(vbx) // G, kv_row(c * BN + flat(it, ty, tx, v) // D),
+                                                flat(it, ty, tx, v) % D]
+                                            Vs[flat(it, ty, tx, v) // D * QST
+                                               + flat(it, ty, tx, v) % D] = V[
+                                                bi(vbx), hi(vbx) // G, kv_row(c * BN + flat(it, ty, tx, v) // D),
+                                                flat(it, ty, tx, v) % D]
                     # -- scores in registers, per-lane partial max -----------------------------
                     for ty in thread_y(BM):
                         for tx in thread_x(TPR):

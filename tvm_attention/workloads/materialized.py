@@ -14,7 +14,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ..spec import AttentionSpec
-from ._math import LOG2E, exp2_fast
+from ._math import LOG2E, exp2_fast, guarded
 
 ENTRY = "attention"
 
@@ -38,8 +38,6 @@ def materialized_attention(spec: AttentionSpec) -> tirx.PrimFunc:
             return T.Select(vj <= vi + OFF, x, neg_inf)
         return x
 
-    def guarded(mx):
-        return T.Select(mx == neg_inf, T.float32(0), mx)
 
     @T.prim_func(s_tir=True)
     def attention(

@@ -20,7 +20,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ..spec import AttentionSpec
-from ._math import LOG2E, exp2_fast
+from ._math import LOG2E, exp2_fast, guarded
 
 ENTRY = "attention"
 
@@ -44,8 +44,6 @@ def rowcache_attention(spec: AttentionSpec, block_m: int) -> tirx.PrimFunc:
             return S[vj, vi]
         return T.Select(vj <= vr * BM + vi + OFF, S[vj, vi], neg_inf)
 
-    def guarded(mx):
-        return T.Select(mx == neg_inf, T.float32(0), mx)
 
     @T.prim_func(s_tir=True)
     def attention(
