@@ -23,7 +23,8 @@ def reference_attention(
     """``softmax(q·kᵀ·scale + mask)·v`` in float64, BHSD layout, GQA by ``h // group_size``.
 
     ``rows`` (optional) restricts the computation to those query rows; the result then has
-    shape ``(B, H, len(rows), D)``. Rows that see no key are zeros.
+    shape ``(B, H, len(rows), D)``. Rows the mask gives no key are zeros; NaN in q, k or v (or an
+    infinite score) gives NaN in the rows it reaches.
     """
     q = np.asarray(q, dtype=np.float64)
     k = np.asarray(k, dtype=np.float64)
@@ -35,17 +36,21 @@ def reference_attention(
     k = np.repeat(k, spec.group_size, axis=1)
     v = np.repeat(v, spec.group_size, axis=1)
     s = np.einsum("bhid,bhjd->bhij", q, k) * spec.scale
-    if spec.causal:
-        mask = causal_mask(spec.seq_q, spec.seq_kv)
-        if rows is not None:
-            mask = mask[rows]
-        s = np.where(mask, s, -np.inf)
-    m = s.max(axis=-1, keepdims=True)
-    m = np.where(np.isfinite(m), m, 0.0)
-    p = np.exp(s - m)
-    denom = p.sum(axis=-1, keepdims=True)
-    o = np.einsum("bhij,bhjd->bhid", p, v)
-    return np.divide(o, denom, out=np.zeros_like(o), where=denom > 0)
+    mask = causal_mask(spec.seq_q, spec.seq_kv) if spec.causal else np.ones((spec.seq_q, spec.seq_kv), bool)
+    if rows is not None:
+        mask = mask[rows]
+    s = np.where(mask, s, -np.inf)
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        m = s.max(axis=-1, keepdims=True)
+        # Only masking's -inf is guarded (a row that sees no key); NaN and +inf pass through, so
+        # NaN in q, k or v gives NaN out, as in torch.
+        m = np.where(m == -np.inf, 0.0, m)
+        p = np.exp(s - m)
+        denom = p.sum(axis=-1, keepdims=True)
+        o = np.einsum("bhij,bhjd->bhid", p, v) / denom
+    # A zero row means one thing: the mask gave that row no key.
+    sees_key = mask.any(axis=-1)[None, None, :, None]
+    return np.where(sees_key, o, 0.0)
 
 
 def random_inputs(spec: AttentionSpec, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

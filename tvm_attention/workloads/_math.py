@@ -29,9 +29,14 @@ def exp2_fast(x: tirx.PrimExpr) -> tirx.PrimExpr:
     Masking relies on its behaviour at the bottom: ``x`` is clamped to -127, where the
     exponent field ``n + 127`` is 0 and the result is exactly 0.0. So ``exp2_fast(-inf) == 0``
     with no NaN and no libm call. Inputs above 0 are not expected (softmax subtracts the max).
+
+    NaN passes through: the clamp is ``x < -127 ? -127 : x``, which is false for NaN, so a NaN
+    reaches the polynomial and the result is NaN (``max(x, -127)`` would compile to
+    ``x > -127 ? x : -127`` and turn NaN into 0, silently hiding a NaN in q or k).
     """
     f32 = "float32"
-    xc = tirx.max(x, tirx.const(-127.0, f32))
+    lo = tirx.const(-127.0, f32)
+    xc = tirx.Select(x < lo, lo, x)
     n = tirx.floor(xc + tirx.const(0.5, f32))
     f = xc - n
     p = tirx.const(_EXP2_POLY[0], f32)
@@ -48,3 +53,16 @@ def guarded(mx: tirx.PrimExpr) -> tirx.PrimExpr:
     = NaN."""
     neg_inf = tirx.const(float("-inf"), "float32")
     return tirx.Select(mx == neg_inf, tirx.const(0.0, "float32"), mx)
+
+
+def normalize(acc: tirx.PrimExpr, l: tirx.PrimExpr, row: tirx.PrimExpr, spec) -> tirx.PrimExpr:
+    """The output ``acc / l`` of query row ``row``, or 0 for a row that sees no key.
+
+    Whether a row sees a key is a fact of the mask (bottom-right causal: ``row + seq_kv - seq_q
+    >= 0``), not of ``l``: ``l`` is also 0 when every visible score overflowed to -inf, and NaN
+    when an input was NaN; those rows must come out NaN (``0/0``, ``x/NaN``), as in the float64
+    reference and torch, so that a zero row keeps meaning one thing: it saw no key.
+    """
+    if spec.causal and spec.kv_offset < 0:
+        return tirx.Select(row + spec.kv_offset >= 0, acc / l, tirx.const(0.0, "float32"))
+    return acc / l

@@ -19,7 +19,7 @@ Online softmax, per K/V tile (``m`` and scores in log2 units: q is pre-scaled by
     l = l·alpha + rowsum(P)                       # row_sum
     acc = acc·alpha + P·V                         # PV_gemm
 
-and finally ``O = acc / l`` (``0`` where ``l == 0``: a row that sees no key).
+and finally ``O = acc / l`` (``0`` for a row the mask gives no key; NaN in gives NaN out).
 
 Named blocks, found by name in ``schedules/``: ``row_tile`` (one per (b, h, row tile); holds the
 local buffers), ``Q_load``, ``state_init``, ``acc_init``, ``kv_tile`` (one per key tile), and in
@@ -36,7 +36,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ..spec import AttentionSpec
-from ._math import LOG2E, exp2_fast, guarded
+from ._math import LOG2E, exp2_fast, guarded, normalize
 
 ENTRY = "attention"
 
@@ -177,8 +177,6 @@ def fused_attention(spec: AttentionSpec, block_m: int, block_n: int) -> tirx.Pri
                     with T.sblock("O_store"):
                         vi, vd = T.axis.remap("SS", [i, d])
                         T.where(vr * BM + i < SQ)
-                        O[vb, vh, vr * BM + vi, vd] = T.Select(
-                            l[vi] > T.float32(0), acc[vi, vd] / l[vi], T.float32(0)
-                        )
+                        O[vb, vh, vr * BM + vi, vd] = normalize(acc[vi, vd], l[vi], vr * BM + vi, spec)
 
     return attention

@@ -32,7 +32,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ..spec import AttentionSpec
-from ._math import LOG2E, exp2_fast, guarded
+from ._math import LOG2E, exp2_fast, guarded, normalize
 
 ENTRY = "attention"
 VECTOR_BYTES = 16  # one 128-bit load/store per thread per step
@@ -253,7 +253,7 @@ def fused_attention_cuda(
                             T.writes()
                             if ri(vbx) + ty < SQ:
                                 for dd in T.serial(ND):
-                                    O[bi(vbx), hi(vbx), ri(vbx) + ty, dd * TPR + tx] = T.Cast(dtype, T.Select(
-                                        l[ty, tx] > T.float32(0), acc[ty, tx, dd] / l[ty, tx], T.float32(0)))
+                                    O[bi(vbx), hi(vbx), ri(vbx) + ty, dd * TPR + tx] = T.Cast(dtype, normalize(
+                                        acc[ty, tx, dd], l[ty, tx], ri(vbx) + ty, spec))
 
     return attention

@@ -14,7 +14,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ..spec import AttentionSpec
-from ._math import LOG2E, exp2_fast, guarded
+from ._math import LOG2E, exp2_fast, guarded, normalize
 
 ENTRY = "attention"
 
@@ -38,6 +38,11 @@ def materialized_attention(spec: AttentionSpec) -> tirx.PrimFunc:
             return T.Select(vj <= vi + OFF, x, neg_inf)
         return x
 
+    def pv(x, vi):
+        # A row that sees no key stays exactly 0 even where V holds NaN (0·NaN would be NaN).
+        if causal and OFF < 0:
+            return T.Select(vi + OFF >= 0, x, T.float32(0))
+        return x
 
     @T.prim_func(s_tir=True)
     def attention(
@@ -76,16 +81,14 @@ def materialized_attention(spec: AttentionSpec) -> tirx.PrimFunc:
         for b, h, i, j in T.grid(B, H, SQ, SK):
             with T.sblock("softmax"):
                 vb, vh, vi, vj = T.axis.remap("SSSS", [b, h, i, j])
-                P[vb, vh, vi, vj] = T.Select(
-                    L[vb, vh, vi] > T.float32(0),
-                    exp2_fast(logit(S, vb, vh, vi, vj) - guarded(M[vb, vh, vi])) / L[vb, vh, vi],
-                    T.float32(0),
+                P[vb, vh, vi, vj] = normalize(
+                    exp2_fast(logit(S, vb, vh, vi, vj) - guarded(M[vb, vh, vi])), L[vb, vh, vi], vi, spec
                 )
         for b, h, i, d, j in T.grid(B, H, SQ, D, SK):
             with T.sblock("PV_gemm"):
                 vb, vh, vi, vd, vj = T.axis.remap("SSSSR", [b, h, i, d, j])
                 with T.init():
                     O[vb, vh, vi, vd] = T.float32(0)
-                O[vb, vh, vi, vd] = O[vb, vh, vi, vd] + P[vb, vh, vi, vj] * V[vb, vh // G, vj, vd]
+                O[vb, vh, vi, vd] = O[vb, vh, vi, vd] + pv(P[vb, vh, vi, vj] * V[vb, vh // G, vj, vd], vi)
 
     return attention

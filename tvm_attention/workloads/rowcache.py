@@ -20,7 +20,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ..spec import AttentionSpec
-from ._math import LOG2E, exp2_fast, guarded
+from ._math import LOG2E, exp2_fast, guarded, normalize
 
 ENTRY = "attention"
 
@@ -104,8 +104,6 @@ def rowcache_attention(spec: AttentionSpec, block_m: int) -> tirx.PrimFunc:
                     with T.sblock("O_store"):
                         vi, vd = T.axis.remap("SS", [i, d])
                         T.where(vr * BM + i < SQ)
-                        O[vb, vh, vr * BM + vi, vd] = T.Select(
-                            l[vi] > T.float32(0), acc[vi, vd] / l[vi], T.float32(0)
-                        )
+                        O[vb, vh, vr * BM + vi, vd] = normalize(acc[vi, vd], l[vi], vr * BM + vi, spec)
 
     return attention

@@ -1,0 +1,86 @@
+"""NaN in gives NaN out; a zero row means only "saw no key" (kernels and the reference)."""
+import numpy as np
+import pytest
+
+from tvm_attention.reference import causal_mask, random_inputs, reference_attention
+from tvm_attention.spec import AttentionSpec
+
+from conftest import run_kernel
+
+# seq_q > seq_kv with causal: rows 0..(Sq-Skv-1) see no key; key tiles have a tail (Skv % 64).
+SPEC = AttentionSpec(batch=1, heads=2, seq_q=80, seq_kv=70, head_dim=64, causal=True)
+NO_KEY_ROWS = np.arange(SPEC.seq_q - SPEC.seq_kv)
+SCHEDULES = ["fused", "materialized", "rowcache"]
+
+
+def _sees(spec, j):
+    """Rows that see key j."""
+    return np.nonzero(causal_mask(spec.seq_q, spec.seq_kv)[:, j])[0]
+
+
+def _check(spec, out, ref, nan_rows):
+    """Rows in nan_rows (head 0) are all NaN in out and ref; every other row is finite and
+    matches; rows that see no key are exact zeros."""
+    for o in (out, ref):
+        got = np.nonzero(np.isnan(o[0, 0]).any(axis=-1))[0]
+        np.testing.assert_array_equal(got, np.sort(nan_rows))
+        assert np.isnan(o[0, 0, nan_rows]).any(axis=-1).all()  # V: only its column
+        assert not np.isnan(o[0, 1]).any()  # other heads untouched
+    fin = np.isfinite(ref)
+    np.testing.assert_allclose(out[fin], ref[fin], atol=1e-4, rtol=1e-4)
+    assert (out[0, :, NO_KEY_ROWS] == 0).all()
+    seen = np.setdiff1d(np.arange(spec.seq_q), NO_KEY_ROWS)
+    assert not (out[0, 0, np.setdiff1d(seen, nan_rows)] == 0).all(axis=-1).any()
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("where", ["q", "k", "v"])
+def test_nan_in_gives_nan_out(schedule, where):
+    q, k, v = random_inputs(SPEC, seed=3)
+    j = 41  # a key that rows 51.. see (a row of the second key tile for block_n=32, first for 64)
+    if where == "q":
+        q[0, 0, 60, 7] = np.nan
+        nan_rows = np.array([60])
+    elif where == "k":
+        k[0, 0, j, 5] = np.nan
+        nan_rows = _sees(SPEC, j)
+    else:
+        # Key 0, which every row with a key sees: a NaN in V at a key a row does not see may
+        # still reach it (masked probabilities are 0 and 0·NaN = NaN, in torch too).
+        v[0, 0, 0, 9] = np.nan
+        nan_rows = _sees(SPEC, 0)
+    ref = reference_attention(SPEC, q, k, v)
+    out = run_kernel(SPEC, q, k, v, schedule)
+    _check(SPEC, out, ref, nan_rows)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_infinite_score_gives_nan_not_zeros(schedule):
+    q, k, v = random_inputs(SPEC, seed=4)
+    q[0, 0, 70, 0] = np.inf  # score +inf (or -inf) against every key: softmax is NaN
+    ref = reference_attention(SPEC, q, k, v)
+    out = run_kernel(SPEC, q, k, v, schedule)
+    _check(SPEC, out, ref, np.array([70]))
+
+
+def test_overflowing_product_is_nan_not_zeros():
+    # Finite q, k near 3e19: their float32 product overflows to inf inside the kernel. The
+    # float64 reference computes the right (finite) value; the kernel cannot, and must say so
+    # with NaN rather than a row of zeros that reads as "saw no key".
+    spec = AttentionSpec(batch=1, heads=1, seq_q=16, seq_kv=16, head_dim=64)
+    q, k, v = random_inputs(spec, seed=5)
+    q[0, 0, 3, :] = 3e19
+    k[0, 0, :, :] = np.abs(k[0, 0]) * 3e19
+    out = run_kernel(spec, q, k, v)
+    assert np.isnan(out[0, 0, 3]).all()
+    assert np.isfinite(np.delete(out[0, 0], 3, axis=0)).all()
+    assert np.isfinite(reference_attention(spec, q, k, v)).all()
+
+
+def test_reference_zero_rows_only_for_rows_without_keys():
+    q, k, v = random_inputs(SPEC, seed=6)
+    q[0, 0, 75, 1] = np.nan
+    ref = reference_attention(SPEC, q, k, v)
+    assert np.isnan(ref[0, 0, 75]).all()  # was zeros: max/denominator guards ate the NaN
+    zero_rows = np.nonzero((ref[0, 0] == 0).all(axis=-1))[0]
+    np.testing.assert_array_equal(zero_rows, NO_KEY_ROWS)
