@@ -7,16 +7,22 @@ schedule. Two forms of allocation exist there:
 * on CPU after host finalization, ``DeclBuffer`` whose ``data`` is a call to
   ``TVMBackendAllocWorkspace(dev_type, dev_id, nbytes, dtype_code, bits)``.
 
-Verdict ``fused`` iff
+What fusion means: all three stages share one tile whose size is set by the tile sizes and
+head_dim, never by the sequence lengths. So the verdict is ``fused`` iff
 
-1. no allocation holds ``seq_q × seq_kv`` elements or more (one score matrix), and
-2. the score buffers the workload names (``S``, ``P``) are allocated in ``local`` scope
-   (``shared`` also counts on GPUs) — the score tile lives in registers/L1, never in global
-   memory. At least one must be present (lowering may fold ``P`` into ``S``'s memory).
+1. **no allocation grows with seq_q or seq_kv**: the build is lowered a second time, the same
+   schedule at other lengths (the *probe*, ``probe_spec``: both lengths doubled), and every
+   allocation is compared by name with its counterpart there. A buffer whose size changed holds
+   something per query row or per key (a score row, the score matrix) and fails the audit, however
+   small it is at this length and whatever its scope — on CPU every ``local`` buffer is a heap
+   workspace, so scope alone proves nothing;
+2. the score buffers the workload names (``S``, ``P``) are allocated on chip (``local``;
+   ``shared`` also counts on GPUs). At least one must be present (lowering may fold ``P`` into
+   ``S``'s memory).
 
-For tiny specs whose whole score matrix is no larger than ``SMALL_SCORE_MATRIX`` elements a
-single tile can be as big as the matrix, so rule 1 is not applied to local/shared buffers there;
-the report says so.
+Where no probe could be built (the schedule does not fit the other lengths), or for a buffer the
+probe does not have, the audit falls back to the size rule: no allocation may hold
+``seq_q × seq_kv`` elements or more (one score matrix); the report notes it.
 """
 from __future__ import annotations
 
@@ -29,9 +35,6 @@ import tvm_ffi
 from .lowering import LoweredModule
 from .spec import AttentionSpec
 
-#: Score matrices up to this many elements fit in one tile; the size rule then cannot tell a
-#: tile from the matrix for on-chip buffers.
-SMALL_SCORE_MATRIX = 16384
 ON_CHIP_SCOPES = ("local", "shared", "shared.dyn", "local.fragment", "wmma.accumulator")
 _WORKSPACE_OP = "tirx.TVMBackendAllocWorkspace"
 
@@ -44,6 +47,16 @@ class Allocation:
     elements: int
     bytes: int
     function: str
+    #: elements of the same buffer in the probe build at other lengths (None: no probe, or the
+    #: probe has no buffer of this name)
+    probe_elements: int | None = None
+
+    @property
+    def grows(self) -> bool | None:
+        """True if its size depends on seq_q/seq_kv; None if that is unknown (no probe)."""
+        if self.probe_elements is None:
+            return None
+        return self.probe_elements != self.elements
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -56,6 +69,7 @@ class AuditReport:
     allocations: tuple[Allocation, ...]
     score_elements: int
     notes: tuple[str, ...] = ()
+    probe: dict[str, Any] | None = None  # {"seq_q", "seq_kv"} of the probe build, or {"error"}
 
     @property
     def fused(self) -> bool:
@@ -80,14 +94,18 @@ class AuditReport:
             "score_matrix_elements": self.score_elements,
             "largest_allocation": largest.to_dict() if largest else None,
             "bytes_by_scope": self.bytes_by_scope(),
-            "allocations": [a.to_dict() for a in self.allocations],
+            "allocations": [dict(a.to_dict(), grows=a.grows) for a in self.allocations],
+            "probe": self.probe,
         }
 
     def format(self) -> str:
         lines = [f"audit: {self.verdict.upper()}  (score matrix = {self.score_elements} elements)"]
-        lines.append(f"  {'buffer':<12} {'scope':<8} {'dtype':<8} {'elements':>12} {'bytes':>12}")
+        grow_head = "grows with seq" if self.probe and "error" not in self.probe else ""
+        lines.append(f"  {'buffer':<12} {'scope':<8} {'dtype':<8} {'elements':>12} {'bytes':>12}  {grow_head}")
         for a in sorted(self.allocations, key=lambda a: -a.bytes):
-            lines.append(f"  {a.name:<12} {a.scope:<8} {a.dtype:<8} {a.elements:>12} {a.bytes:>12}")
+            grows = {True: f"YES ({a.probe_elements} at the probe)", False: "no", None: "?"}[a.grows]
+            lines.append(f"  {a.name:<12} {a.scope:<8} {a.dtype:<8} {a.elements:>12} {a.bytes:>12}  "
+                         f"{grows if grow_head else ''}".rstrip())
         for r in self.reasons:
             lines.append(f"  - {r}")
         for n in self.notes:
@@ -142,29 +160,64 @@ def list_allocations(lowered: LoweredModule) -> list[Allocation]:
     return found
 
 
+def probe_spec(spec: AttentionSpec) -> AttentionSpec:
+    """The spec the probe build uses: both lengths doubled (every divisibility a schedule relied
+    on still holds, and any buffer sized by a length changes)."""
+    return dataclasses.replace(spec, seq_q=2 * spec.seq_q, seq_kv=2 * spec.seq_kv)
+
+
+def _with_probe(allocs: Sequence[Allocation], probe: Sequence[Allocation]) -> list[Allocation]:
+    """Pair each allocation with the probe's buffer of the same name and scope (in order, when
+    a name occurs more than once)."""
+    pool: dict[tuple[str, str], list[int]] = {}
+    for p in probe:
+        pool.setdefault((p.name, p.scope), []).append(p.elements)
+    out = []
+    for a in allocs:
+        sizes = pool.get((a.name, a.scope))
+        out.append(dataclasses.replace(a, probe_elements=sizes.pop(0) if sizes else None))
+    return out
+
+
 def audit(
-    lowered: LoweredModule, spec: AttentionSpec, score_buffers: Sequence[str] = ("S", "P")
+    lowered: LoweredModule,
+    spec: AttentionSpec,
+    score_buffers: Sequence[str] = ("S", "P"),
+    probe: Sequence[Allocation] | str | None = None,
 ) -> AuditReport:
-    """Audit ``lowered`` (the IR codegen receives) for ``spec``; see the module docstring."""
-    allocs = tuple(list_allocations(lowered))
+    """Audit ``lowered`` (the IR codegen receives) for ``spec``; see the module docstring.
+
+    ``probe``: the allocations of the same schedule lowered at ``probe_spec(spec)``, or a string
+    saying why there is none (then, and for ``None``, the size rule decides alone).
+    """
+    allocs = list_allocations(lowered)
     threshold = spec.score_elements()
-    small = threshold <= SMALL_SCORE_MATRIX
     reasons: list[str] = []
     notes: list[str] = []
+    probe_info: dict[str, Any] | None = None
+    if isinstance(probe, str):
+        notes.append(f"no probe build at other lengths ({probe}): size rule only")
+        probe_info = {"error": probe}
+    elif probe is not None:
+        allocs = _with_probe(allocs, probe)
+        pspec = probe_spec(spec)
+        probe_info = {"seq_q": pspec.seq_q, "seq_kv": pspec.seq_kv}
     for a in allocs:
         if a.elements < 0:
             reasons.append(f"{a.name} ({a.scope}) has a size unknown at compile time")
-        elif a.elements >= threshold:
-            if small and a.scope in ON_CHIP_SCOPES:
-                continue
+        elif a.grows:
+            reasons.append(
+                f"{a.name} ({a.scope}, {a.bytes} B) grows with the sequence length: {a.elements} elements "
+                f"at seq_q={spec.seq_q}, seq_kv={spec.seq_kv}, {a.probe_elements} at "
+                f"seq_q={probe_info['seq_q']}, seq_kv={probe_info['seq_kv']}"
+            )
+        elif a.grows is None and a.elements >= threshold:
             reasons.append(
                 f"{a.name} ({a.scope}) holds {a.elements} elements >= seq_q*seq_kv = {threshold}"
             )
-    if small:
-        notes.append(
-            f"score matrix has only {threshold} elements (<= {SMALL_SCORE_MATRIX}): one on-chip "
-            "tile can be that large, so the size rule was applied to global buffers only"
-        )
+    unmatched = [a.name for a in allocs if a.grows is None]
+    if probe is not None and not isinstance(probe, str) and unmatched:
+        notes.append(f"not in the probe build, size rule only: {', '.join(unmatched)}")
     by_name = {a.name: a for a in allocs}
     present = [by_name[n] for n in score_buffers if n in by_name]
     missing = [n for n in score_buffers if n not in by_name]
@@ -177,4 +230,4 @@ def audit(
         if a.scope not in ON_CHIP_SCOPES:
             reasons.append(f"score buffer {a.name!r} is in {a.scope!r} scope, not on chip")
     verdict = "not fused" if reasons else "fused"
-    return AuditReport(verdict, tuple(reasons), allocs, threshold, tuple(notes))
+    return AuditReport(verdict, tuple(reasons), tuple(allocs), threshold, tuple(notes), probe_info)

@@ -8,7 +8,7 @@ import tvm
 from tvm import s_tir
 from tvm.target import Target
 
-from .audit import AuditReport, audit
+from .audit import AuditReport, audit, list_allocations, probe_spec
 from .lowering import LoweredModule, codegen, lower_final
 from .spec import AttentionSpec
 from .target import resolve_target
@@ -73,16 +73,47 @@ def build_kernel(
 
     target = resolve_target(target) if not isinstance(target, Target) else target
     family = get_schedule(schedule, target)
+    knobs = resolve_knobs(family, spec, target, knobs)
+    family.check(knobs, spec, target)
+    mod = _schedule_module(family, spec, knobs, target)
+    return build_from_module(spec, schedule, mod, target, source="hand", knobs=knobs,
+                             probe=lambda: _probe(family, spec, knobs, target))
+
+
+def resolve_knobs(family, spec: AttentionSpec, target: Target, knobs: Any):
+    """``knobs`` as the family's dataclass: None → the target preset; a dict → overrides on top
+    of the preset; anything else is an error naming what was passed."""
+    from schedules._knobs import KnobError
+
     preset = family.preset(spec, target)
     if knobs is None:
-        knobs = preset
-    elif isinstance(knobs, dict):  # overrides on top of the preset
-        knobs = type(preset).from_dict({**preset.to_dict(), **knobs})
-    family.check(knobs, spec, target)
+        return preset
+    if isinstance(knobs, dict):
+        return type(preset).from_dict({**preset.to_dict(), **knobs})
+    if isinstance(knobs, type(preset)):
+        return knobs
+    raise KnobError(
+        f"knobs must be a JSON object of knob overrides such as {{\"block_n\": 128}}, got "
+        f"{type(knobs).__name__} {knobs!r}"
+    )
+
+
+def _schedule_module(family, spec: AttentionSpec, knobs: Any, target: Target) -> tvm.IRModule:
     sch = s_tir.Schedule(family.workload(spec, knobs))
     with target:
         sch = family.apply(sch, knobs, spec)
-    return build_from_module(spec, schedule, sch.mod, target, source="hand", knobs=knobs)
+    return sch.mod
+
+
+def _probe(family, spec: AttentionSpec, knobs: Any, target: Target):
+    """Allocations of the same schedule lowered at ``probe_spec(spec)`` (the audit's growth
+    rule), or a string saying why there are none."""
+    pspec = probe_spec(spec)
+    try:
+        family.check(knobs, pspec, target)
+        return list_allocations(lower_final(_schedule_module(family, pspec, knobs, target), target))
+    except Exception as e:  # noqa: BLE001 - any failure only means "no probe"; the audit says so
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
 
 
 def build_from_module(
@@ -93,14 +124,20 @@ def build_from_module(
     source: str,
     knobs: Any = None,
     trace: str | None = None,
+    probe: Any = None,
 ) -> BuiltKernel:
-    """Lower, audit and compile an already scheduled module."""
+    """Lower, audit and compile an already scheduled module.
+
+    ``probe``: a callable returning the allocations of the same schedule at other lengths (see
+    ``audit``), or None when there is no way to rebuild the schedule there.
+    """
     from .workloads import WORKLOADS
 
     func = mod["main"]
     workload = str(func.attrs["attn.workload"]) if func.attrs is not None and "attn.workload" in func.attrs else schedule
     lowered = lower_final(mod, target)
-    report = audit(lowered, spec, WORKLOADS[workload][1])
+    probe_allocs = probe() if probe is not None else "the schedule has no knobs to rebuild it at other lengths"
+    report = audit(lowered, spec, WORKLOADS[workload][1], probe=probe_allocs)
     module = codegen(lowered)
     built = BuiltKernel(spec, schedule, source, knobs, target, lowered, module, report, trace=trace)
     if target.kind.name == "cuda":
@@ -132,7 +169,10 @@ def build_from_record(spec: AttentionSpec, schedule: str, target: str | Target, 
 
     family = get_schedule(schedule, target)
     knobs = family.knobs_of(sch, vector_lanes(target, spec.dtype)) if hasattr(family, "knobs_of") else None
+    # A tuned fused/rowcache trace is a point of the hand schedule's space: its knobs rebuild it
+    # at the probe's lengths. Other traces (MetaSchedule's own spaces) cannot be replayed there.
+    probe = (lambda: _probe(family, spec, knobs, target)) if knobs is not None else None
     built = build_from_module(spec, schedule, sch.mod, target, source="tuned", knobs=knobs,
-                              trace=str(record.trace))
+                              trace=str(record.trace), probe=probe)
     built.record_secs = [float(x) for x in record.run_secs]
     return built
