@@ -6,8 +6,10 @@ per tile). :func:`schedule` then, finding blocks by name:
 1. register-blocks ``S_gemm`` as ``for key block: for d: for s_rows keys (unrolled): for query
    rows (vector)`` — one K element broadcast against ``block_m`` query rows, ``s_rows ×
    block_m / lanes`` accumulators held in vector registers across the ``d`` loop;
-2. register-blocks ``PV_gemm`` as ``for row block: for key: for pv_rows rows (unrolled): for d
-   (vector)`` — one V row reused by ``pv_rows`` query rows;
+2. register-blocks ``PV_gemm`` as ``for row block: [for column block:] for key: for pv_rows rows
+   (unrolled): for pv_cols columns (vector)`` — one V row segment reused by ``pv_rows`` query
+   rows; head_dim is split into ``pv_cols`` column blocks only when one row of accumulators
+   over all of it would not fit the vector registers (D=128 on AVX2, D=512 on AVX-512);
 3. vectorizes every softmax stage across query rows (the score tile is key-major, so row max and
    row sum are element-wise vector ops);
 4. optionally auto-unrolls the key-tile body;
@@ -43,7 +45,8 @@ class FlashCPUKnobs(KnobsMixin):
     block_m: int = 32  # BLOCK_M: query rows per row tile (row_tile); a multiple of vector_lanes
     block_n: int = 64  # BLOCK_N: keys per key tile (kv_tile)
     s_rows: int = 4  # keys per register block of S_gemm, unrolled (accumulators: s_rows·block_m/lanes)
-    pv_rows: int = 4  # query rows per register block of PV_gemm, unrolled (pv_rows·head_dim/lanes)
+    pv_rows: int = 4  # query rows per register block of PV_gemm, unrolled (pv_rows·pv_cols/lanes)
+    pv_cols: int = 0  # head_dim columns per PV_gemm register block (0 = all of head_dim)
     vector_lanes: int = 16  # float32 SIMD lanes: 16 = AVX-512, 8 = AVX2
     d_unroll: int = 1  # S_gemm: head_dim steps unrolled per iteration (1 = leave to LLVM)
     parallel_chunk: int = 1  # row tiles per parallel task (1 = finest load balance)
@@ -69,9 +72,26 @@ def max_s_rows(block_m: int, lanes: int) -> int:
     return (VECTOR_REGISTERS.get(lanes, 16) - q_vectors - 1) // q_vectors
 
 
-def max_pv_rows(head_dim: int, lanes: int) -> int:
-    """Largest PV_gemm register block that fits: pv_rows·d_vectors + 2 <= registers."""
-    return (VECTOR_REGISTERS.get(lanes, 16) - 2) // math.ceil(head_dim / lanes)
+def max_pv_rows(pv_cols: int, lanes: int) -> int:
+    """Largest PV_gemm register block that fits: pv_rows·ceil(pv_cols/lanes) + 2 <= registers
+    (accumulators, the V segment and the P broadcast)."""
+    return (VECTOR_REGISTERS.get(lanes, 16) - 2) // math.ceil(pv_cols / lanes)
+
+
+def pv_columns(head_dim: int, lanes: int) -> int:
+    """Head_dim columns per PV_gemm register block: all of head_dim when a row of accumulators
+    over it fits (every preset measured so far), else the largest divisor of head_dim that
+    leaves room for two rows — so every head_dim builds on every x86 target, AVX2 and SSE too."""
+    if max_pv_rows(head_dim, lanes) >= 1:
+        return head_dim
+    regs = VECTOR_REGISTERS.get(lanes, 16)
+    return max(c for c in range(1, head_dim + 1)
+               if head_dim % c == 0 and 2 * math.ceil(c / lanes) + 2 <= regs)
+
+
+def pv_cols_of(knobs: Any, head_dim: int) -> int:
+    """The knobs' PV column block, ``pv_cols = 0`` meaning all of head_dim."""
+    return knobs.pv_cols or head_dim
 
 
 def preset(spec: AttentionSpec, target: Target) -> FlashCPUKnobs:
@@ -85,13 +105,15 @@ def preset(spec: AttentionSpec, target: Target) -> FlashCPUKnobs:
     """
     lanes = vector_lanes(target, spec.dtype)
     block_m, block_n = 2 * lanes, 64
-    pv_rows = max(1, min(4, max_pv_rows(spec.head_dim, lanes)))
+    pv_cols = pv_columns(spec.head_dim, lanes)
+    pv_rows = max(1, min(4, max_pv_rows(pv_cols, lanes)))
     while block_m % pv_rows:
         pv_rows -= 1
     s_rows = min(4, max_s_rows(block_m, lanes))
     while block_n % s_rows:
         s_rows -= 1
-    return FlashCPUKnobs(block_m=block_m, block_n=block_n, s_rows=s_rows, pv_rows=pv_rows, vector_lanes=lanes)
+    return FlashCPUKnobs(block_m=block_m, block_n=block_n, s_rows=s_rows, pv_rows=pv_rows,
+                         pv_cols=pv_cols if pv_cols < spec.head_dim else 0, vector_lanes=lanes)
 
 
 def check(knobs: FlashCPUKnobs, spec: AttentionSpec, target: Target) -> None:
@@ -102,6 +124,8 @@ def check(knobs: FlashCPUKnobs, spec: AttentionSpec, target: Target) -> None:
         v = getattr(knobs, name)
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
             raise KnobError(f"{name} must be a positive int, got {v!r}")
+    if knobs.pv_cols < 0 or (knobs.pv_cols and spec.head_dim % knobs.pv_cols):
+        raise KnobError(f"pv_cols={knobs.pv_cols} must divide head_dim={spec.head_dim} (0 = all of it)")
     target_lanes = vector_lanes(target, spec.dtype)
     if lanes > target_lanes or target_lanes % lanes:
         raise KnobError(
@@ -129,11 +153,13 @@ def check(knobs: FlashCPUKnobs, spec: AttentionSpec, target: Target) -> None:
             f"(s_rows={knobs.s_rows} × {q_vectors} accumulators + {q_vectors} q vectors + 1 broadcast) "
             f"> {regs} available"
         )
-    if knobs.pv_rows > max_pv_rows(spec.head_dim, lanes):
-        d_vectors = math.ceil(spec.head_dim / lanes)
+    pv_cols = pv_cols_of(knobs, spec.head_dim)
+    if knobs.pv_rows > max_pv_rows(pv_cols, lanes):
+        d_vectors = math.ceil(pv_cols / lanes)
         raise KnobError(
             f"PV_gemm register block needs {knobs.pv_rows * d_vectors + 2} vector registers "
-            f"(pv_rows={knobs.pv_rows} × {d_vectors} accumulators + V + broadcast) > {regs} available"
+            f"(pv_rows={knobs.pv_rows} × {d_vectors} accumulators over pv_cols={pv_cols} columns + V + "
+            f"broadcast) > {regs} available; lower pv_rows or split head_dim with a smaller pv_cols"
         )
     tile_bytes = 4 * (2 * spec.head_dim * knobs.block_m + 2 * knobs.block_n * knobs.block_m)
     if tile_bytes > MAX_TILE_BYTES:
@@ -245,15 +271,23 @@ def schedule(
     sch.annotate(row_tile, "attn.s_rows", s_rows[1])
     sch.annotate(row_tile, "attn.d_unroll", d_split[1])
 
-    # Step 2. PV_gemm register block: (io, j, ii, d) — pv_rows rows (unrolled) × head_dim vectors.
+    # Step 2. PV_gemm register block: (io, [do,] j, ii, di) — pv_rows rows (unrolled) × pv_cols
+    # columns of vectors. The column block is not sampled: it is all of head_dim unless the
+    # registers force a split (pv_columns), and a split only ever adds reloads of P.
     pv = sch.get_sblock("PV_gemm")
     *_, i, j, d = sch.get_loops(pv)
-    pv_rows = _tile(sch, i, block_m, knobs.pv_rows if pin else None, max_pv_rows(D, lanes))
+    pv_cols = pv_cols_of(knobs, D) if pin else pv_columns(D, lanes)
+    pv_rows = _tile(sch, i, block_m, knobs.pv_rows if pin else None, max_pv_rows(pv_cols, lanes))
     io, ii = sch.split(i, pv_rows)
-    sch.reorder(io, j, ii, d)
+    if pv_cols < D:
+        do, d = sch.split(d, [None, pv_cols])
+        sch.reorder(io, do, j, ii, d)
+    else:
+        sch.reorder(io, j, ii, d)
     sch.unroll(ii)
     sch.vectorize(d)
     sch.annotate(row_tile, "attn.pv_rows", pv_rows[1])
+    sch.annotate(row_tile, "attn.pv_cols", pv_cols if pv_cols < D else 0)
 
     # Step 3. Softmax stages and loads/stores: vectors across query rows (or head_dim).
     for name in layout.row_vector_blocks:
@@ -303,13 +337,15 @@ def design_space(spec: AttentionSpec, target: Target):
     return space_fn
 
 
-KNOB_ANNOTATIONS = ("s_rows", "pv_rows", "d_unroll", "parallel_chunk", "auto_unroll")
+KNOB_ANNOTATIONS = ("s_rows", "pv_rows", "pv_cols", "d_unroll", "parallel_chunk", "auto_unroll")
 
 
 def read_annotations(sch: s_tir.Schedule, names: tuple[str, ...]) -> tuple[dict[str, int], dict[str, Any]]:
-    """(knob values from ``attn.*`` annotations, local buffers by name) of ``row_tile``."""
+    """(knob values from ``attn.*`` annotations, local buffers by name) of ``row_tile``.
+    ``pv_cols`` is absent from traces recorded before it existed: they used all of head_dim."""
     row_tile = sch.get(sch.get_sblock("row_tile"))
-    values = {k: int(row_tile.annotations[f"attn.{k}"]) for k in names}
+    values = {k: int(row_tile.annotations.get(f"attn.{k}", 0)) if k == "pv_cols" else int(row_tile.annotations[f"attn.{k}"])
+              for k in names}
     return values, {b.name: b for b in row_tile.alloc_buffers}
 
 

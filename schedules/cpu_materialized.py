@@ -57,6 +57,19 @@ def check(knobs: MaterializedCPUKnobs, spec: AttentionSpec, target: Target) -> N
         raise KnobError(
             f"vector_lanes={knobs.vector_lanes} does not fit the target's {target_lanes}-lane vectors"
         )
+    check_score_matrix(spec)
+
+
+def check_score_matrix(spec: AttentionSpec) -> None:
+    """The materialized S and P hold batch·heads·seq_q·seq_kv elements, indexed with int32."""
+    from tvm_attention.spec import MAX_ELEMENTS
+
+    n = spec.batch * spec.heads * spec.seq_q * spec.seq_kv
+    if n > MAX_ELEMENTS:
+        raise KnobError(
+            f"the materialized score matrix has batch·heads·seq_q·seq_kv = {n} elements; kernels "
+            f"index with 32-bit ints (at most {MAX_ELEMENTS}): use the fused schedule"
+        )
 
 
 def workload(spec: AttentionSpec, knobs: MaterializedCPUKnobs):

@@ -36,6 +36,7 @@ class RowCacheCPUKnobs(KnobsMixin):
     block_m: int = 32  # query rows per row block (multiple of vector_lanes)
     s_rows: int = 4  # keys per register block of S_gemm (must divide seq_kv)
     pv_rows: int = 4  # query rows per register block of PV_gemm
+    pv_cols: int = 0  # head_dim columns per PV_gemm register block (0 = all; see cpu_flash.pv_columns)
     vector_lanes: int = 16
     d_unroll: int = 1
     parallel_chunk: int = 1
@@ -49,7 +50,7 @@ def _largest_divisor(n: int, limit: int) -> int:
 def preset(spec: AttentionSpec, target: Target) -> RowCacheCPUKnobs:
     flash = cpu_flash.preset(spec, target)
     s_rows = _largest_divisor(spec.seq_kv, flash.s_rows)
-    return RowCacheCPUKnobs(block_m=flash.block_m, s_rows=s_rows, pv_rows=flash.pv_rows,
+    return RowCacheCPUKnobs(block_m=flash.block_m, s_rows=s_rows, pv_rows=flash.pv_rows, pv_cols=flash.pv_cols,
                             vector_lanes=flash.vector_lanes)
 
 
@@ -57,7 +58,7 @@ def check(knobs: RowCacheCPUKnobs, spec: AttentionSpec, target: Target) -> None:
     if spec.seq_kv % knobs.s_rows:
         raise KnobError(f"s_rows={knobs.s_rows} must divide seq_kv={spec.seq_kv}")
     as_flash = cpu_flash.FlashCPUKnobs(
-        block_m=knobs.block_m, block_n=knobs.s_rows, s_rows=knobs.s_rows, pv_rows=knobs.pv_rows,
+        block_m=knobs.block_m, block_n=knobs.s_rows, s_rows=knobs.s_rows, pv_rows=knobs.pv_rows, pv_cols=knobs.pv_cols,
         vector_lanes=knobs.vector_lanes, d_unroll=knobs.d_unroll, parallel_chunk=knobs.parallel_chunk,
     )
     cpu_flash.check(as_flash, spec, target)  # the same register limits
@@ -95,5 +96,5 @@ def block_m_candidates(spec: AttentionSpec, target: Target) -> list[int]:
 
 
 def knobs_of(sch: s_tir.Schedule, lanes: int) -> RowCacheCPUKnobs:
-    values, bufs = cpu_flash.read_annotations(sch, ("s_rows", "pv_rows", "d_unroll", "parallel_chunk"))
+    values, bufs = cpu_flash.read_annotations(sch, ("s_rows", "pv_rows", "pv_cols", "d_unroll", "parallel_chunk"))
     return RowCacheCPUKnobs(block_m=int(bufs["Qt"].shape[1]), vector_lanes=lanes, **values)

@@ -30,6 +30,15 @@ from typing import Any, Mapping
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
 
 
+#: Bounds of ``scale``: kernels multiply q by the float32 constant ``scale·log2(e)``, which must be
+#: a finite normal float32 (3e38 would overflow it; TVM rejects the literal).
+MIN_SCALE, MAX_SCALE = 1e-30, 1e30
+#: Largest head_dim: every x86 schedule builds up to it (FlashAttention stops at 256).
+MAX_HEAD_DIM = 512
+#: Kernels index tensors with int32: no tensor may have 2**31 elements or more.
+MAX_ELEMENTS = 2**31 - 1
+
+
 class SpecError(ValueError):
     """An invalid :class:`AttentionSpec`; the message names the offending field."""
 
@@ -62,6 +71,14 @@ class AttentionSpec:
                 f"heads={self.heads} must be divisible by kv_heads={self.kv_heads} "
                 "(each kv head serves heads // kv_heads query heads)"
             )
+        if self.head_dim > MAX_HEAD_DIM:
+            raise SpecError(f"head_dim={self.head_dim} is larger than the supported {MAX_HEAD_DIM}")
+        for name, shape in (("q", self.q_shape), ("k", self.kv_shape)):
+            if math.prod(shape) > MAX_ELEMENTS:
+                raise SpecError(
+                    f"{name} {shape} has {math.prod(shape)} elements: kernels index with 32-bit ints, "
+                    f"so a tensor may hold at most {MAX_ELEMENTS}"
+                )
         if not isinstance(self.causal, bool):
             raise SpecError(f"causal must be a bool, got {self.causal!r}")
         if self.dtype not in SUPPORTED_DTYPES:
@@ -73,8 +90,11 @@ class AttentionSpec:
         if isinstance(self.scale, bool) or not isinstance(self.scale, (int, float)):
             raise SpecError(f"scale must be a number, got {self.scale!r}")
         object.__setattr__(self, "scale", float(self.scale))
-        if not math.isfinite(self.scale) or self.scale <= 0:
-            raise SpecError(f"scale must be a finite positive number, got {self.scale!r}")
+        if not math.isfinite(self.scale) or not MIN_SCALE <= self.scale <= MAX_SCALE:
+            raise SpecError(
+                f"scale must be a positive number in [{MIN_SCALE:g}, {MAX_SCALE:g}], got {self.scale!r} "
+                "(kernels fold scale·log2(e) into a float32 constant)"
+            )
 
     # -- shapes -------------------------------------------------------------------------------
     @property
