@@ -5,7 +5,8 @@ Public API::
     AttentionSpec                       the workload (BHSD layout, GQA, bottom-right causal)
     build_kernel(spec, schedule, ...)   PrimFunc → schedule → lowered IR → audit → module
     load(dir) -> kernel(q, k, v) -> o   serving-side loader of an exported artifact
-    set_num_threads(n)                  size TVM's CPU thread pool (default: all cores)
+    aligned_empty(shape, dtype)         a 64-byte-aligned array: an ``out=`` buffer used without a copy
+    set_num_threads(n)                  size TVM's CPU thread pool for the calling thread
 """
 from .spec import AttentionSpec, SpecError
 
@@ -17,6 +18,13 @@ def load(directory, num_threads=None):
     from .loader import load as _load
 
     return _load(directory, num_threads=num_threads)
+
+
+def aligned_empty(shape, dtype):
+    """A C-contiguous, 64-byte-aligned NumPy array; see :func:`tvm_attention.loader.aligned_empty`."""
+    from .loader import aligned_empty as _empty
+
+    return _empty(shape, dtype)
 
 
 def build_kernel(spec, schedule="fused", target="llvm", knobs=None):
@@ -33,4 +41,4 @@ def set_num_threads(n=None):
     return _set(n)
 
 
-__all__ = ["AttentionSpec", "SpecError", "build_kernel", "load", "set_num_threads", "__version__"]
+__all__ = ["AttentionSpec", "SpecError", "aligned_empty", "build_kernel", "load", "set_num_threads", "__version__"]

@@ -5,6 +5,7 @@ Manifest (``manifest_version`` 1; keys are only ever added, never repurposed)::
     manifest_version  1
     entry             function name inside attention.so ("attention")
     library           "attention.so"
+    library_sha256    SHA-256 of attention.so (checked by the loader, ``validate`` and ``inspect``)
     lowered_ir        "lowered.tir" (the audited IR, TVMScript)
     kernel_source     "kernel.cu" (CUDA builds: the generated CUDA C)
     resources         (CUDA builds) ptxas report: registers, spill bytes, stack frame, shared
@@ -25,13 +26,15 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import tvm
 
 from .build import BuiltKernel
-from .loader import MANIFEST, AttentionKernel
+from .loader import MANIFEST, AttentionKernel, library_digest
 from .target import is_cuda, local_cuda_arch, target_to_json
 from .validate import ValidationResult, validate_callable
 
@@ -39,6 +42,12 @@ MANIFEST_VERSION = 1
 LIBRARY = "attention.so"
 LOWERED = "lowered.tir"
 KERNEL_SOURCE = "kernel.cu"
+#: Every file an artifact directory may hold: export replaces a directory holding only these.
+ARTIFACT_FILES = (LIBRARY, LOWERED, KERNEL_SOURCE, MANIFEST)
+
+
+class ExportError(RuntimeError):
+    """The artifact cannot be written where asked; nothing was changed there."""
 
 
 class ValidationFailed(RuntimeError):
@@ -81,28 +90,60 @@ def make_manifest(built: BuiltKernel, validation: ValidationResult) -> dict[str,
     return manifest
 
 
-def _atomic_write_bytes(path: Path, write) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
-    os.replace(tmp, path)
-
-
 def export(built: BuiltKernel, out_dir: str | os.PathLike, validation: ValidationResult) -> dict[str, Any]:
-    """Write the artifact directory; refuses a build whose validation failed."""
+    """Write the artifact directory; refuses a build whose validation failed.
+
+    The files are written into a temporary directory beside ``out_dir``, which then takes its
+    place by rename: a crash leaves the old artifact or the new one, never a new library beside
+    an old manifest. An existing ``out_dir`` is replaced only if it holds nothing but artifact
+    files (it is never a place to lose other files).
+    """
     if validation.ran and not validation.passed:
         raise ValidationFailed(
             f"{built.spec.short_name()} [{built.schedule}/{built.source}] failed validation, not exported: "
             + validation.format()
         )
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    manifest = make_manifest(built, validation)
-    _atomic_write_bytes(out / LIBRARY, lambda p: built.module.export_library(str(p)))
-    _atomic_write_bytes(out / LOWERED, lambda p: p.write_text(built.lowered.script()))
-    if is_cuda(built.target):
-        from .cuda_tools import kernel_source
+    if out.exists():
+        if not out.is_dir():
+            raise ExportError(f"{out}: exists and is not a directory")
+        foreign = sorted(p.name for p in out.iterdir() if p.name not in ARTIFACT_FILES)
+        if foreign:
+            raise ExportError(
+                f"{out}: holds files that are not part of an artifact ({', '.join(foreign[:5])}"
+                f"{', ...' if len(foreign) > 5 else ''}); choose an empty or new --out directory"
+            )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        built.module.export_library(str(tmp / LIBRARY))
+        (tmp / LOWERED).write_text(built.lowered.script())
+        if is_cuda(built.target):
+            from .cuda_tools import kernel_source
 
-        _atomic_write_bytes(out / KERNEL_SOURCE, lambda p: p.write_text(kernel_source(built.module)))
-    # The manifest goes last: a directory with a manifest is a complete artifact.
-    _atomic_write_bytes(out / MANIFEST, lambda p: p.write_text(json.dumps(manifest, indent=2) + "\n"))
+            (tmp / KERNEL_SOURCE).write_text(kernel_source(built.module))
+        manifest = make_manifest(built, validation)
+        manifest["library_sha256"] = library_digest(tmp / LIBRARY)
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
+        _swap_into_place(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return manifest
+
+
+def _swap_into_place(new: Path, out: Path) -> None:
+    """Rename ``new`` to ``out``; an existing ``out`` is moved aside first and removed after."""
+    if not out.exists():
+        os.rename(new, out)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+    os.rmdir(old)
+    os.rename(out, old)
+    try:
+        os.rename(new, out)
+    except BaseException:
+        os.rename(old, out)  # put the old artifact back
+        raise
+    shutil.rmtree(old, ignore_errors=True)

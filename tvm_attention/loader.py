@@ -3,13 +3,22 @@
 The callable checks every input against the manifest (rank, shape, dtype, device, contiguity)
 and raises :class:`KernelArgumentError` naming the argument and the mismatch. TVM kernels assume
 64-byte-aligned data (vectorized loads/stores): an input that is not aligned is copied into
-aligned memory first, so a misaligned view can never crash the process.
+aligned memory first, so a misaligned view can never crash the process. An ``out=`` buffer may be
+any writeable C-contiguous array of the right shape and dtype (a misaligned one is computed into
+aligned memory and copied); one that shares memory with ``q``, ``k`` or ``v`` is rejected, since
+the kernel reads its inputs while it writes the output (its PrimFunc declares no aliasing).
+
+``load`` checks the artifact before anything runs: the library's SHA-256 against the manifest's
+``library_sha256`` (a library from another build next to this manifest would compute something
+else without a word) and the manifest's ``args`` against its spec.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +87,31 @@ def is_aligned(a: np.ndarray) -> bool:
     return a.ctypes.data % ALIGNMENT == 0
 
 
+def _byte_range(x: Any) -> tuple[int, int] | None:
+    """[start, end) of a device tensor's memory where the framework tells it (torch)."""
+    try:
+        start = int(x.data_ptr())
+        return start, start + int(x.numel()) * int(x.element_size())
+    except (AttributeError, TypeError):
+        return None
+
+
+def check_no_overlap(out: Any, inputs: dict[str, Any]) -> None:
+    """Raise if ``out`` may share memory with an input (NumPy arrays, or tensors exposing
+    ``data_ptr``): the kernel would read what it is overwriting."""
+    for name, x in inputs.items():
+        if isinstance(out, np.ndarray) and isinstance(x, np.ndarray):
+            shared = np.may_share_memory(out, x)
+        else:
+            a, b = _byte_range(out), _byte_range(x)
+            shared = a is not None and b is not None and a[0] < b[1] and b[0] < a[1]
+        if shared:
+            raise KernelArgumentError(
+                f"out: shares memory with {name}; the kernel reads {name} while it writes out, so the "
+                "result would be wrong. Pass a separate output buffer (or none: a new one is returned)"
+            )
+
+
 class AttentionKernel:
     """Callable wrapper around a compiled attention function: ``kernel(q, k, v) -> o``.
 
@@ -86,11 +120,17 @@ class AttentionKernel:
     """
 
     def __init__(self, spec: AttentionSpec, function: Any, manifest: dict[str, Any] | None = None,
-                 device: str = "cpu"):
+                 device: str = "cpu", num_threads: int | None = None):
+        from .threads import default_num_threads
+
         self.spec = spec
         self.function = function
         self.manifest = manifest or {}
         self.device = device  # "cpu" or "cuda"
+        #: CPU threads this kernel runs on, applied in the calling thread at each call.
+        self.num_threads = default_num_threads() if num_threads is None else num_threads
+        if isinstance(self.num_threads, bool) or not isinstance(self.num_threads, int) or self.num_threads < 1:
+            raise ValueError(f"num_threads must be a positive int, got {num_threads!r}")
         self._arg_specs = spec.arg_specs()
 
     def _cuda_tensor(self, idx: int, x: Any):
@@ -129,36 +169,56 @@ class AttentionKernel:
             arr = aligned
         return arr, framework
 
+    def _check_out(self, out: Any, inputs: dict[str, Any]) -> np.ndarray:
+        """``out`` as a NumPy view after the checks the kernel cannot make itself."""
+        oa, _ = _as_numpy("out", out, self.device)
+        if tuple(oa.shape) != self.spec.o_shape or oa.dtype != self.spec.np_dtype:
+            raise KernelArgumentError(
+                f"out: expected shape {self.spec.o_shape} dtype {self.spec.dtype}, "
+                f"got {tuple(oa.shape)} {oa.dtype}"
+            )
+        if not oa.flags.c_contiguous or not oa.flags.writeable:
+            raise KernelArgumentError(
+                f"out: must be a writeable C-contiguous array, got strides {oa.strides}"
+                f"{'' if oa.flags.writeable else ' (read-only)'}"
+            )
+        check_no_overlap(oa, {n: x if isinstance(x, np.ndarray) else _as_numpy(n, x, self.device)[0]
+                              for n, x in inputs.items()})
+        return oa
+
     def __call__(self, q: Any, k: Any, v: Any, out: Any = None) -> Any:
+        """``o = softmax(q·kᵀ·scale + mask)·v``: ``q (B, H, Sq, D)``, ``k``, ``v (B, KH, Skv, D)``
+        → ``o (B, H, Sq, D)``; with ``out=`` the result is written there and ``out`` returned."""
         if self.device == "cuda":
-            return self._call_cuda(q, k, v)
+            return self._call_cuda(q, k, v, out)
+        from .threads import use_threads
+
         qa, framework = self._check(0, q)
         ka, _ = self._check(1, k)
         va, _ = self._check(2, v)
         if out is None:
             oa = aligned_empty(self.spec.o_shape, self.spec.dtype)
-            result = oa
         else:
-            oa, _ = _as_numpy("out", out)
-            if tuple(oa.shape) != self.spec.o_shape or oa.dtype != self.spec.np_dtype:
-                raise KernelArgumentError(
-                    f"out: expected shape {self.spec.o_shape} dtype {self.spec.dtype}, "
-                    f"got {tuple(oa.shape)} {oa.dtype}"
-                )
-            if not oa.flags.c_contiguous or not is_aligned(oa) or not oa.flags.writeable:
-                raise KernelArgumentError(
-                    "out: must be writeable, C-contiguous and 64-byte aligned "
-                    "(see tvm_attention.loader.aligned_empty)"
-                )
-            result = out
+            user = self._check_out(out, {"q": q, "k": k, "v": v})
+            # Vectorized stores assume 64-byte alignment: compute into aligned memory and copy
+            # when the caller's buffer is not aligned (aligned_empty gives buffers that are).
+            oa = user if is_aligned(user) else aligned_empty(user.shape, user.dtype)
+        use_threads(self.num_threads)
         self.function(qa, ka, va, oa)
-        return result if out is not None else _from_framework(framework, result)
+        if out is None:
+            return _from_framework(framework, oa)
+        if oa is not user:
+            user[...] = oa
+        return out
 
+    def _cuda_device(self):
+        return tvm.cuda(0)
 
-    def _call_cuda(self, q: Any, k: Any, v: Any) -> Any:
+    def _call_cuda(self, q: Any, k: Any, v: Any, out: Any = None) -> Any:
         """CPU inputs are copied to GPU 0 and the result copied back; CUDA DLPack tensors are
-        used in place and the result stays on the GPU."""
-        dev = tvm.cuda(0)
+        used in place and the result stays on the GPU. ``out`` (a CUDA tensor, or a CPU array)
+        receives the result."""
+        dev = self._cuda_device()
         args, framework, on_gpu = [], None, False
         for i, x in enumerate((q, k, v)):
             if hasattr(x, "__dlpack_device__") and int(x.__dlpack_device__()[0]) == _DLPACK_CUDA:
@@ -169,8 +229,17 @@ class AttentionKernel:
                 t = tvm.runtime.tensor(arr, dev)
             framework = framework if i else fw
             args.append(t)
+        if out is not None and hasattr(out, "__dlpack_device__") and int(out.__dlpack_device__()[0]) == _DLPACK_CUDA:
+            check_no_overlap(out, {"q": q, "k": k, "v": v})
+            o, _ = self._cuda_tensor(3, out)
+            self.function(*args, o)
+            return out
+        user = self._check_out(out, {"q": q, "k": k, "v": v}) if out is not None else None
         o = tvm.runtime.empty(self.spec.o_shape, self.spec.dtype, dev)
         self.function(*args, o)
+        if user is not None:
+            user[...] = o.numpy()
+            return out
         if on_gpu:
             return _from_framework(framework, o)
         return _from_framework(framework, o.numpy())
@@ -195,17 +264,49 @@ def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:
     return manifest
 
 
+def library_digest(path: str | os.PathLike) -> str:
+    """SHA-256 of a file, hex."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def check_artifact(directory: str | os.PathLike, manifest: dict[str, Any]) -> Path:
+    """The library path, after checking it exists, matches the manifest's digest and that the
+    manifest's ``args`` are what its spec says. Raises :class:`ArtifactError`."""
+    lib = Path(directory) / manifest["library"]
+    if not lib.is_file():
+        raise ArtifactError(f"{lib}: shared library missing")
+    want = manifest.get("library_sha256")
+    if want is None:
+        warnings.warn(f"{directory}: manifest has no library_sha256 (built before tvm-attention recorded "
+                      "it): cannot check that the library belongs to this manifest", RuntimeWarning, stacklevel=3)
+    elif library_digest(lib) != want:
+        raise ArtifactError(
+            f"{lib}: SHA-256 does not match the manifest's library_sha256: the library and the manifest come "
+            "from different builds (rebuild the artifact)"
+        )
+    spec = AttentionSpec.from_dict(manifest["spec"])
+    if manifest["args"] != spec.arg_specs():
+        raise ArtifactError(
+            f"{Path(directory) / MANIFEST}: args {manifest['args']} disagree with its spec, which gives "
+            f"{spec.arg_specs()}"
+        )
+    return lib
+
+
 def load(directory: str | os.PathLike, num_threads: int | None = None) -> AttentionKernel:
     """Load an artifact directory written by ``tvm-attention build``.
 
-    ``num_threads``: TVM runtime threads (default: every core available to this process).
+    ``num_threads``: CPU threads the kernel runs on, applied in whichever thread calls it
+    (default: ``TVM_NUM_THREADS`` if set, else every core available to this process).
     """
     from .threads import set_num_threads
 
     manifest = read_manifest(directory)
-    lib = Path(directory) / manifest["library"]
-    if not lib.is_file():
-        raise ArtifactError(f"{lib}: shared library missing")
+    lib = check_artifact(directory, manifest)
     spec = AttentionSpec.from_dict(manifest["spec"])
     device = "cuda" if manifest.get("target", {}).get("kind") == "cuda" else "cpu"
     if device == "cuda":
@@ -216,6 +317,8 @@ def load(directory: str | os.PathLike, num_threads: int | None = None) -> Attent
                 f"{directory}: a CUDA artifact ({manifest['target'].get('arch')}); this machine has no "
                 "CUDA device TVM can use"
             )
-    set_num_threads(num_threads)
     module = tvm.runtime.load_module(str(lib))
-    return AttentionKernel(spec, module[manifest["entry"]], manifest, device=device)
+    kernel = AttentionKernel(spec, module[manifest["entry"]], manifest, device=device, num_threads=num_threads)
+    if device == "cpu":
+        set_num_threads(kernel.num_threads)  # warns now if the pool cannot have that many
+    return kernel
