@@ -1,46 +1,44 @@
-"""Measured peak extra memory of one call (Linux: peak RSS, reset through /proc)."""
+"""Measured peak extra memory of one call (Linux: peak RSS, reset through /proc).
+
+Every variant is measured in a fresh process: in the benchmark's own process the allocators
+(glibc's heap with its raised mmap threshold, TVM's workspace pool, PyTorch's caches) already hold
+memory freed by earlier points, so a call that needs S×S scores could read 0 B there. The child
+creates the inputs first and returns the heap's free pages to the OS (``malloc_trim``: making the
+inputs frees float64 temporaries, and an output placed in those still-resident pages would not
+count), then resets the peak (``clear_refs``), takes VmRSS as the baseline, makes one call and
+reports VmHWM − baseline — which includes the first touch of the output.
+"""
 from __future__ import annotations
 
-import gc
-from typing import Callable
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
+from ..spec import AttentionSpec
 
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
+#: The measurement itself, shared by every child: baseline after the inputs exist, one call.
+_MEASURE = r"""
+import gc, json
+def kib(field):
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+gc.collect()
+try:  # hand back what making the inputs freed: the call must not reuse resident free-list pages
+    import ctypes
+    ctypes.CDLL(None).malloc_trim(0)
+except (OSError, AttributeError):  # not glibc
+    pass
+open("/proc/self/clear_refs", "w").write("5")  # VmHWM := VmRSS
+base = kib("VmRSS")
+CALL
+print(json.dumps({"peak_extra_bytes": max(0, kib("VmHWM") - base) * 1024, "baseline_bytes": base * 1024}))
+"""
 
-
-def can_measure() -> bool:
-    try:
-        _status_kib("VmHWM")
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def peak_extra_bytes(fn: Callable[[], object]) -> int | None:
-    """Bytes by which the process's resident set peaked above its level before ``fn()``.
-
-    Writing 5 to /proc/self/clear_refs resets the peak (VmHWM) to the current RSS. Call it on a
-    function's *first* run: TVM's workspace pool keeps what it allocated for later calls.
-    """
-    if not can_measure():
-        return None
-    gc.collect()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    base = _status_kib("VmRSS")
-    fn()
-    peak = _status_kib("VmHWM")
-    return max(0, peak - base) * 1024
-
-
-_CHILD = r"""
+_TVM_CHILD = r"""
 import json, sys
 import numpy as np, tvm
 lib, entry, shapes, dtype = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
@@ -49,35 +47,65 @@ args = [tvm.runtime.empty(s, dtype) for s in shapes]
 rng = np.random.default_rng(0)
 for a in args[:3]:
     a.copyfrom(rng.standard_normal(tuple(a.shape)).astype(dtype))
-def kib(field):
-    for line in open("/proc/self/status"):
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-open("/proc/self/clear_refs", "w").write("5")
-base = kib("VmRSS")
-f(*args)
-print(json.dumps({"peak_extra_bytes": max(0, kib("VmHWM") - base) * 1024}))
-"""
+""" + _MEASURE.replace("CALL", "f(*args)")
+
+_PEER_CHILD = r"""
+import json, sys
+from tvm_attention.spec import AttentionSpec
+from tvm_attention.timing import aligned_inputs
+from tvm_attention.bench.cpu import numpy_attention_fn, torch_sdpa_fn
+spec, variant, threads = AttentionSpec.from_dict(json.loads(sys.argv[1])), sys.argv[2], int(sys.argv[3])
+fn = numpy_attention_fn(spec) if variant == "numpy" else torch_sdpa_fn(spec, threads)
+if fn is None:
+    sys.exit("torch not installed")
+q, k, v, _ = aligned_inputs(spec, seed=0)  # the output buffer is never touched by a peer
+""" + _MEASURE.replace("CALL", "out = fn(q, k, v)")
 
 
-def tvm_first_call_peak(module, entry: str, spec, threads: int) -> int | None:
-    """Peak extra memory of a TVM build's first call, measured in a fresh process (TVM's
-    workspace pool would otherwise reuse what earlier builds left in this one)."""
-    import json
-    import os
-    import subprocess
-    import sys
-    import tempfile
+def can_measure() -> bool:
+    try:
+        with open("/proc/self/status") as f:
+            if not any(line.startswith("VmHWM:") for line in f):
+                return False
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
 
+
+def _run_child(code: str, args: list[str], threads: int) -> int:
+    # Every pool sized like the timed run's; the package importable even from a source checkout.
+    root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ, TVM_NUM_THREADS=str(threads), TVM_BIND_THREADS="0",
+               OMP_NUM_THREADS=str(threads), OPENBLAS_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
+               PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+    proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env,
+                          timeout=1800)
+    if proc.returncode != 0:
+        last = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit code {proc.returncode}"
+        raise RuntimeError(f"memory probe failed: {last}")
+    return int(json.loads(proc.stdout.strip().splitlines()[-1])["peak_extra_bytes"])
+
+
+def tvm_first_call_peak(module, entry: str, spec: AttentionSpec, threads: int) -> int | None:
+    """Peak extra memory (bytes) of a TVM build's first call, in a fresh process (TVM's workspace
+    pool would otherwise reuse what earlier builds left in this one)."""
     if not can_measure():
         return None
     with tempfile.TemporaryDirectory() as tmp:
         lib = os.path.join(tmp, "k.so")
         module.export_library(lib)
         shapes = [list(spec.q_shape), list(spec.kv_shape), list(spec.kv_shape), list(spec.o_shape)]
-        env = dict(os.environ, TVM_NUM_THREADS=str(threads), TVM_BIND_THREADS="0")
-        proc = subprocess.run([sys.executable, "-c", _CHILD, lib, entry, json.dumps(shapes), spec.dtype],
-                              capture_output=True, text=True, env=env, timeout=1800)
-    if proc.returncode != 0:
-        raise RuntimeError(f"memory probe failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr else proc.returncode}")
-    return int(json.loads(proc.stdout.strip().splitlines()[-1])["peak_extra_bytes"])
+        return _run_child(_TVM_CHILD, [lib, entry, json.dumps(shapes), spec.dtype], threads)
+
+
+def peer_first_call_peak(spec: AttentionSpec, variant: str, threads: int) -> int | None:
+    """Peak extra memory (bytes) of one call of a CPU peer (``"numpy"`` or ``"torch"``) on seeded
+    inputs, in a fresh process. NumPy's is at least one (b, h)'s S×S float32 scores plus the output;
+    PyTorch's flash SDPA allocates little beyond its output."""
+    if variant not in ("numpy", "torch"):
+        raise ValueError(f"not a CPU peer: {variant!r}")
+    if not can_measure():
+        return None
+    return _run_child(_PEER_CHILD, [json.dumps(spec.to_dict()), variant, str(threads)], threads)

@@ -10,9 +10,11 @@ A point is a spec; a variant is one implementation of it:
 Per (point, variant): median ± std time (TVM's ``time_evaluator`` for TVM builds, the same
 protocol in Python for peers), GFLOP/s (4·B·H·Sq·Skv·D, halved for causal), modeled DRAM bytes
 (fused: q, k, v, o once; materialized and NumPy: plus six float32 passes over the score
-matrices), operational intensity, measured peak extra memory (the first call's peak RSS above the inputs;
-TVM builds in a fresh process, as TVM's workspace pool keeps memory between calls), and max abs error
-against the float64 reference on sampled rows. A variant that fails or runs out of memory is
+matrices), operational intensity, the fractions of the machine's roofs it attains (GFLOP/s of the
+FMA peak, modeled bytes per second of the streaming-read bandwidth; see ``cpu.measure_ceilings``),
+measured peak extra memory (the first call's peak RSS above the inputs, every variant in a fresh
+process: allocators in this one hold memory freed by earlier points — ``memory.py``), and max abs
+error against the float64 reference on sampled rows. A variant that fails or runs out of memory is
 recorded with its error and the sweep goes on.
 """
 from __future__ import annotations
@@ -29,7 +31,7 @@ import numpy as np
 from ..reference import reference_attention
 from ..spec import AttentionSpec
 from ..timing import Timing, aligned_inputs, time_callable, time_module
-from .memory import peak_extra_bytes, tvm_first_call_peak
+from .memory import peer_first_call_peak, tvm_first_call_peak
 
 TVM_VARIANTS = ("fused", "materialized", "rowcache")
 ALL_VARIANTS = ("fused", "fused-tuned", "materialized", "rowcache", "numpy", "torch")
@@ -61,8 +63,21 @@ class Result:
     def intensity(self) -> float:
         return self.spec.flops() / self.modeled_bytes
 
-    def to_row(self) -> dict[str, Any]:
+    @property
+    def modeled_gbps(self) -> float | None:
+        """Modeled DRAM bytes per second of the median call, in GB/s."""
+        return self.modeled_bytes / self.timing.median_s / 1e9 if self.timing else None
+
+    def roof_fractions(self, meta: dict[str, Any]) -> tuple[float | None, float | None]:
+        """(GFLOP/s ÷ FMA peak, modeled GB/s ÷ read bandwidth), with the roofs of ``meta``."""
+        peak, bw = meta.get("fma_peak_gflops"), meta.get("read_gbps")
+        if not self.timing:
+            return None, None
+        return (self.gflops / peak if peak else None, self.modeled_gbps / bw if bw else None)
+
+    def to_row(self, meta: dict[str, Any] | None = None) -> dict[str, Any]:
         s = self.spec
+        fma_frac, bw_frac = self.roof_fractions(meta or {})
         return {
             "mode": self.mode, "variant": self.variant, "batch": s.batch, "heads": s.heads,
             "seq_q": s.seq_q, "seq_kv": s.seq_kv, "head_dim": s.head_dim, "dtype": s.dtype,
@@ -70,7 +85,8 @@ class Result:
             "median_ms": self.timing.median_s * 1e3 if self.timing else None,
             "std_ms": self.timing.std_s * 1e3 if self.timing else None,
             "gflops": self.gflops, "flops": s.flops(), "modeled_bytes": self.modeled_bytes,
-            "intensity_flop_per_byte": self.intensity, "peak_extra_bytes": self.peak_extra_bytes,
+            "intensity_flop_per_byte": self.intensity, "modeled_gbps": self.modeled_gbps,
+            "fma_peak_frac": fma_frac, "read_bw_frac": bw_frac, "peak_extra_bytes": self.peak_extra_bytes,
             "max_abs_err": self.max_abs_err, "error": self.error, "detail": self.detail,
         }
 
@@ -132,9 +148,8 @@ def run_variant(spec: AttentionSpec, mode: str, variant: str, threads: int, repe
             res.timing = time_module(built.module, built.entry, spec, repeat=repeat, min_repeat_ms=min_repeat_ms)
         else:
             fn = _peer(spec, variant, threads)
-            holder = {}
-            res.peak_extra_bytes = peak_extra_bytes(lambda: holder.setdefault("o", fn(q, k, v)))
-            out = np.asarray(holder["o"])
+            res.peak_extra_bytes = peer_first_call_peak(spec, variant, threads)
+            out = np.asarray(fn(q, k, v))
             res.timing = time_callable(lambda: fn(q, k, v), repeat=repeat, min_repeat_ms=min_repeat_ms)
         ref = reference_attention(spec, q, k, v, rows=rows)
         res.max_abs_err = float(np.abs(out[:, :, rows, :].astype(np.float64) - ref).max())
@@ -183,7 +198,7 @@ def run_sweep(pts: list[tuple[str, AttentionSpec]], variants: Iterable[str], thr
 def write_outputs(results: list[Result], out_dir: str | os.PathLike, meta: dict[str, Any]) -> dict[str, Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    rows = [r.to_row() for r in results]
+    rows = [r.to_row(meta) for r in results]
     paths = {"json": out / "bench.json", "csv": out / "bench.csv", "md": out / "bench.md"}
     paths["json"].write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     with open(paths["csv"], "w", newline="") as f:
@@ -207,9 +222,11 @@ def _fmt_bytes(n: int | None) -> str:
 def markdown_table(results: list[Result], meta: dict[str, Any]) -> str:
     variants = list(dict.fromkeys(r.variant for r in results))
     lines = [f"Machine: {meta.get('cpu')} ({meta.get('threads')} threads), {meta.get('date')}; "
-             f"sgemm ceiling {meta.get('sgemm_gflops', 0):.0f} GFLOP/s, copy bandwidth "
-             f"{meta.get('copy_gbps', 0):.1f} GB/s", ""]
-    head = ["mode", "B", "S", "D", "causal"] + [f"{v} GFLOP/s" for v in variants]
+             f"roofs: FMA peak {meta.get('fma_peak_gflops', 0):.0f} GFLOP/s (TVM FMA loop), streaming-read "
+             f"bandwidth {meta.get('read_gbps', 0):.1f} GB/s (TVM parallel sum); NumPy sgemm "
+             f"{meta.get('sgemm_gflops', 0):.0f} GFLOP/s for comparison. Cells: GFLOP/s (% of FMA peak, "
+             "% of read BW: modeled bytes / time).", ""]
+    head = ["mode", "B", "S", "D", "causal"] + [f"{v} GFLOP/s (% of FMA peak, % of read BW)" for v in variants]
     head += ["fused/materialized", "fused/torch"] + [f"{v} peak mem" for v in variants]
     lines.append("| " + " | ".join(head) + " |")
     lines.append("|" + "---|" * len(head))
@@ -222,8 +239,12 @@ def markdown_table(results: list[Result], meta: dict[str, Any]) -> str:
             r = d.get(v)
             if r is None:
                 cells.append("-")
+            elif r.timing:
+                f, b = r.roof_fractions(meta)
+                pct = f" ({100 * f:.0f}%, {100 * b:.1f}%)" if f is not None and b is not None else ""
+                cells.append(f"{r.gflops:.1f}{pct}")
             else:
-                cells.append(f"{r.gflops:.1f}" if r.timing else ("skip" if r.error and r.error.startswith("skipped") else "fail"))
+                cells.append("skip" if r.error and r.error.startswith("skipped") else "fail")
 
         def ratio(a, b):
             ra, rb = d.get(a), d.get(b)
