@@ -1,7 +1,16 @@
+import atexit
 import functools
+import os
+import shutil
+import tempfile
 
 import numpy as np
 import pytest
+
+# Every test sees its own per-user cache (tuning logs): nothing reads or writes the real one.
+_CACHE = tempfile.mkdtemp(prefix="tvma-test-cache-")
+os.environ["TVM_ATTENTION_CACHE_DIR"] = _CACHE
+atexit.register(shutil.rmtree, _CACHE, True)
 
 from tvm_attention.build import build_kernel
 from tvm_attention.artifact import kernel_of

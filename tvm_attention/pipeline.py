@@ -2,7 +2,11 @@
 
 Order of preference: explicit knobs (hand) > the best tuned record of the tuning log (validated
 against NumPy before it is used; a record that computes wrong results is skipped, the next one
-tried) > the hand preset.
+tried) > the hand preset. Without ``--from-log`` the logs are the user's (``tune``'s default
+folder in the cache, ``tvm_attention.paths``) and then the committed one (``tuning_logs/`` of the
+checkout), the first with a record that validates winning; when neither has one, ``say`` names
+the folders looked in. A bad or cut line in a log is skipped with a warning through ``say``
+(``tune`` is the one that fails on it, naming file and line).
 
 With the default log (no ``--from-log``) on a CPU target, the tuned build is then timed side by
 side with the hand build and the faster one is kept: a log's best time is the minimum over noisy
@@ -41,26 +45,35 @@ def build_best(
 ) -> tuple[BuiltKernel, ValidationResult]:
     target = resolve_target(target)
     if knobs is None and use_log:
-        from .tune.logs import best_records, default_work_dir
+        from .tune.logs import best_records, search_dirs, target_key
 
         explicit = log_dir is not None
-        work = Path(log_dir) if explicit else default_work_dir(spec, target)
-        candidates = best_records(spec, target, schedule, work, k=TUNED_CANDIDATES) if work.exists() else []
-        if explicit and not candidates:
-            raise LogNotUsable(
-                f"{work}: no successful {schedule} record for {spec.short_name()} on this target"
-            )
-        for i, (wl, rec) in enumerate(candidates):
-            built = build_from_record(spec, schedule, target, wl, rec)
-            built.log_dir = str(work)
-            validation = validate_built(built, seed=seed)
-            if validation.passed:
-                if explicit or target.kind.name != "llvm":
-                    return built, validation
-                return _faster_of(built, validation, spec, schedule, target, seed, say)
-            say(f"tuned record #{i + 1} from {work} failed validation ({validation.format()}); trying the next")
-        if candidates:
-            say(f"no tuned record from {work} validated; using the hand schedule")
+        # Without --from-log: the user's own tuning log first, then the committed one; the first
+        # with a record that validates wins.
+        dirs = [Path(log_dir)] if explicit else search_dirs(spec, target)
+        tried = []
+        for work in dirs:
+            candidates = best_records(spec, target, schedule, work, k=TUNED_CANDIDATES, say=say) if work.exists() else []
+            if explicit and not candidates:
+                raise LogNotUsable(
+                    f"{work}: no successful {schedule} record for {spec.short_name()} on this target"
+                )
+            if candidates:
+                tried.append(str(work))
+            for i, (wl, rec) in enumerate(candidates):
+                built = build_from_record(spec, schedule, target, wl, rec)
+                built.log_dir = str(work)
+                validation = validate_built(built, seed=seed)
+                if validation.passed:
+                    if explicit or target.kind.name != "llvm":
+                        return built, validation
+                    return _faster_of(built, validation, spec, schedule, target, seed, say)
+                say(f"tuned record #{i + 1} from {work} failed validation ({validation.format()}); trying the next")
+        if tried:
+            say(f"no tuned record from {', '.join(tried)} validated; using the hand schedule")
+        else:
+            say(f"no tuning log for {spec.short_name()} [{schedule}] on {target_key(target)} "
+                f"(looked in {', '.join(str(d) for d in dirs)}); using the hand schedule")
     built = build_kernel(spec, schedule=schedule, target=target, knobs=knobs)
     return built, validate_built(built, seed=seed)
 

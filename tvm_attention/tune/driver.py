@@ -5,11 +5,15 @@ candidates, skip those already in the database, build and run the rest with Meta
 LocalBuilder/LocalRunner (or a given runner), and commit each record to the JSON database the
 moment it is measured. Owning the loop gives us what ``ms.tune_tir`` does not:
 
-* resume — records already in the log are replayed at start: their modules are marked measured
-  (never measured again), they warm-start the cost model and seed the evolution, and the trial
-  budget counts them;
+* resume — records already in the log for this target are replayed at start: their modules are
+  marked measured (never measured again), they warm-start the cost model and seed the evolution,
+  and the trial budget counts them; records measured on another target are not counted;
 * durability — every measured record is on disk before the next build starts; Ctrl-C or
   SIGKILL loses at most the batch in flight (an interrupted final line is repaired on resume);
+* one tune per log folder — the folder's lock is held for the whole tune, and a second tune of
+  the same folder fails at once naming it (``logs.tune_lock``);
+* Ctrl-C — ends the tune cleanly after the current phase with one line (what is saved, how to
+  resume) and exit code 130; a second Ctrl-C exits at once (``_CtrlC``);
 * progress — trials done, best time/GFLOP/s so far and with which knobs, elapsed and ETA.
 """
 from __future__ import annotations
@@ -18,8 +22,11 @@ import contextlib
 import dataclasses
 import functools
 import math
+import os
 import random
+import signal
 import sys
+import threading
 import time
 import types
 from pathlib import Path
@@ -32,10 +39,139 @@ from tvm.target import Target
 from ..spec import AttentionSpec
 from ..target import is_cuda, local_cuda_arch, resolve_target, vector_lanes
 from ..threads import set_num_threads
-from .logs import FAILED_RUN_SECS, default_work_dir, mean_secs, open_database, records_for
+from .logs import (FAILED_RUN_SECS, for_target, mean_secs, open_database, records_for, target_key, tune_lock,
+                   tune_work_dir)
 from .rpc import is_rpc_failure
 from .tasks import TaskDef, make_tasks, workload_matches
-from .workers import lean_build
+from .workers import ignore_sigint, lean_build, runner_init
+
+# Test hook: when set, tune() calls it as _phase_hook(name) at the start of each phase — "setup"
+# (log check, tasks, TuneContexts), "replay" (the log's records, design spaces, builder and runner
+# start-up), then per round "search", "build", "measure" — so a test can deliver a real SIGINT
+# inside a chosen phase.
+_phase_hook: Callable[[str], None] | None = None
+
+
+def _phase(name: str) -> None:
+    if _phase_hook is not None:
+        _phase_hook(name)
+
+
+def _note_sigint(_signum, _frame) -> None:
+    """The Python-level SIGINT handler while tuning: never raises (see _CtrlC)."""
+    if _CtrlC.current is not None:
+        _CtrlC.current.requested = True
+
+
+class _CtrlC:
+    """Ctrl-C for the duration of a tune.
+
+    Python's default handler raises KeyboardInterrupt in the main thread wherever it happens to
+    be: inside TVM's C++ search (a segfault), inside LocalRunner's start-up (a traceback), or in
+    a callback whose error TVM rewraps (an empty error message). Instead, while tuning:
+
+    * the handler only records the request (``requested``); the loop checks it between phases and
+      stops, without committing the batch in flight, and says what is saved and how to resume;
+    * the second Ctrl-C exits at once, printing the same line, with ``os._exit(130)``: records
+      are appended one by one, so the log loses at most the line being written, which the next
+      tune repairs. It is noticed by a watcher thread reading the signal wakeup fd (Python's C
+      handler writes the signal number there from whichever thread the kernel picked), so it
+      works even while the main thread is deep in C++ and cannot run a Python handler.
+
+    Inactive outside the main thread (signal handlers belong to it; the caller owns Ctrl-C then).
+    Everything is restored on exit."""
+
+    current: "_CtrlC | None" = None
+
+    def __init__(self, line: Callable[[], str], progress: Callable[[str], None]):
+        self.requested = False
+        self._line = line
+        self._progress = progress
+        self._active = False
+
+    def __enter__(self) -> "_CtrlC":
+        if threading.current_thread() is not threading.main_thread() or _CtrlC.current is not None:
+            return self
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._write, False)  # set_wakeup_fd requires it
+        _CtrlC.current = self
+        self._old_handler = signal.signal(signal.SIGINT, _note_sigint)
+        self._old_fd = signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
+        self._thread = threading.Thread(target=self._watch, name="tvm-attention-ctrl-c", daemon=True)
+        self._thread.start()
+        self._active = True
+        return self
+
+    def _watch(self) -> None:
+        presses = 0
+        while True:
+            try:
+                data = os.read(self._read, 64)
+            except OSError:
+                return
+            if not data:  # __exit__ closed the write end
+                return
+            for signum in data:
+                if signum != signal.SIGINT:
+                    continue
+                presses += 1
+                self.requested = True
+                if presses >= 2:
+                    try:
+                        self._progress(self._line())
+                        sys.stdout.flush()
+                        sys.stderr.flush()
+                        _kill_workers()
+                    finally:
+                        os._exit(130)
+
+    def __exit__(self, *exc) -> bool:
+        if not self._active:
+            return False
+        signal.set_wakeup_fd(self._old_fd)
+        old = self._old_handler
+        signal.signal(signal.SIGINT, old if old is not None else signal.default_int_handler)
+        _CtrlC.current = None
+        os.close(self._write)
+        self._thread.join(timeout=5)
+        os.close(self._read)
+        self._active = False
+        return False
+
+
+def _kill_workers() -> None:
+    """Kill this process's MetaSchedule workers (direct children running tvm.exec.popen_worker)
+    before a hard exit: they ignore SIGINT, and an orphaned one would finish its build and then
+    complain on the terminal about the closed pipe. Other children (an RPC fleet started from
+    this process) are left alone."""
+    try:
+        import psutil
+
+        for child in psutil.Process().children():
+            try:
+                if "tvm.exec.popen_worker" in child.cmdline():
+                    child.kill()
+            except psutil.Error:
+                pass
+    except Exception:
+        pass
+
+
+@contextlib.contextmanager
+def _workers_spawn():
+    """Block SIGINT in this thread while MetaSchedule's pools start their threads and worker
+    processes (builder and runner construction, ``build``, ``run``).
+
+    Threads inherit their creator's signal mask and processes keep it across exec, so the
+    workers start — and stay — deaf to the Ctrl-C that a terminal sends to the whole foreground
+    process group, even while they import TVM, before an initializer could ignore it. Meanwhile
+    the kernel hands a SIGINT to another thread of ours, or holds it until the mask is restored;
+    either way it reaches _CtrlC."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 @dataclasses.dataclass
@@ -129,7 +265,7 @@ def _reset_rpc_runner(runner):
     # again through the blocked pipes. Its threads end on their own once the workers' pipes close.
     runner.pool._shutdown = True
     fresh = ms.runner.RPCRunner(rpc_config=runner.rpc_config, evaluator_config=runner.evaluator_config,
-                                max_workers=runner.tvm_attention_workers)
+                                max_workers=runner.tvm_attention_workers, initializer=ignore_sigint)
     fresh.tvm_attention_tracker = runner.tvm_attention_tracker
     fresh.tvm_attention_workers = runner.tvm_attention_workers
     return fresh
@@ -219,6 +355,7 @@ def make_rpc_runner(tracker: str, key: str | None, workers: int | None = None, t
         evaluator_config=ms.runner.EvaluatorConfig(number=1, repeat=3, min_repeat_ms=100,
                                                    enable_cpu_cache_flush=False),
         max_workers=workers or status["servers"],
+        initializer=ignore_sigint,
     )
     runner.tvm_attention_tracker = (host, port, key)  # for progress and the no-server check
     runner.tvm_attention_workers = workers or status["servers"]
@@ -255,16 +392,21 @@ def tune(
     rpc_timeout_s: int = 60,
     progress: Callable[[str], None] = print,
 ) -> TuneResult:
-    """Tune ``spec`` until the log holds ``trials`` measured records for it (resuming).
+    """Tune ``spec`` until the log holds ``trials`` measured records for it on ``target``
+    (resuming). The log folder is ``work_dir``, by default ``logs.tune_work_dir`` (the user's
+    cache); the first progress line names it. Its lock is held throughout: a second tune of the
+    same folder raises ``logs.LogLocked`` at once.
 
     Candidates are measured locally, or on the devices registered with ``rpc_tracker``
     (``HOST:PORT``) under ``rpc_key`` — the only way to tune for a GPU from a machine without one.
     A candidate whose measurement fails because its server died or hung is measured again on
     the remaining servers (once); when no server is left the tune stops with an error, and every
     record measured so far is in the log (rerun to resume).
-    """
-    from tvm.s_tir import meta_schedule as ms
 
+    Ctrl-C (in the main thread) stops after the current phase without committing the batch in
+    flight, prints one line (records saved, where, how to resume) and returns with
+    ``interrupted=True``; a second Ctrl-C exits the process at once with status 130.
+    """
     if isinstance(trials, bool) or not isinstance(trials, int) or trials < 1:
         raise ValueError(f"trials must be a positive int, got {trials!r}")
     if isinstance(per_round, bool) or not isinstance(per_round, int) or per_round < 1:
@@ -272,85 +414,133 @@ def tune(
     target = resolve_target(target)
     device = "cuda" if is_cuda(target) else "cpu"
     if runner is None and rpc_tracker is not None:
-        runner = make_rpc_runner(rpc_tracker, rpc_key, rpc_workers, rpc_timeout_s)
+        with _workers_spawn():  # its pool's workers must not see Ctrl-C either
+            runner = make_rpc_runner(rpc_tracker, rpc_key, rpc_workers, rpc_timeout_s)
     elif runner is None and device == "cuda" and local_cuda_arch() is None:
         raise RuntimeError(
             "tune --target cuda: this machine has no CUDA GPU to measure candidates on; pass "
             "--rpc-tracker HOST:PORT --rpc-key KEY to measure on GPUs registered with a TVM RPC tracker"
         )
     threads = set_num_threads(threads)
-    work = Path(work_dir) if work_dir else default_work_dir(spec, target)
+    work = Path(work_dir) if work_dir else tune_work_dir(spec, target)
+    saved = [0]  # records of this spec and target in the log, for the interrupted line
+
+    def interrupted_line() -> str:
+        return (f"interrupted: {saved[0]} record(s) are saved in {work}; rerun the same command to resume "
+                "(the batch in flight was not saved)")
+
+    with tune_lock(work), _CtrlC(interrupted_line, progress) as ctrl_c:
+        try:
+            return _tune_locked(spec, target, device, schedule, trials, work, per_round, seed, runner,
+                                threads, progress, ctrl_c, saved, interrupted_line)
+        except KeyboardInterrupt:  # only when _CtrlC is inactive (tune() outside the main thread)
+            progress(interrupted_line())
+            return TuneResult(work, saved[0], 0, math.inf, None, None, [], interrupted=True)
+
+
+def _tune_locked(spec, target, device, schedule, trials, work, per_round, seed, runner, threads,
+                 progress, ctrl_c, saved, interrupted_line) -> TuneResult:
+    """tune()'s body, run with the folder's lock held and Ctrl-C handled by ``ctrl_c``."""
+    from tvm.s_tir import meta_schedule as ms
+
+    t0 = time.time()
+    want = target_key(target)
+    best = (math.inf, None, None)  # secs, task name, knobs
+    curve: list[tuple[int, float]] = []
+    new = 0
+
+    def stopped() -> TuneResult:
+        progress(interrupted_line())
+        return TuneResult(work, saved[0], new, best[0], best[1], best[2], curve, interrupted=True)
+
+    # Step 1. Tasks: one TuneContext (space + evolutionary search) per workload. The log is
+    # repaired (a cut last line moved aside, a missing newline added) only here, under the lock.
+    _phase("setup")
     db, parsed = open_database(work, repair=True)
-    for msg in parsed.repaired:
-        progress(f"warning: {msg}")
+    saved[0] = sum(1 for _, rec in records_for(parsed, schedule) if for_target(rec, want))
     defs = make_tasks(spec, target, schedule)
     rng = random.Random(seed)
-
-    # Step 1. Tasks: one TuneContext (space + evolutionary search) per workload.
-    t0 = time.time()
     progress(f"tune {spec.short_name()} [{schedule}] on {target}: {len(defs)} task(s), log {work}")
+    for msg in parsed.repaired:
+        progress(f"warning: {msg}")
     states: list[TaskState] = []
-    for i, d in enumerate(defs):
-        with contextlib.nullcontext() if d.needs_tensor_intrin else _skip_tensor_intrin_import():
-            ctx = ms.TuneContext(
-                mod=d.mod, target=target, space_generator=d.space,
-                search_strategy=ms.search_strategy.EvolutionarySearch(
-                    population_size=64, init_min_unmeasured=16, genetic_num_iters=3
-                ),
-                task_name=d.name, rand_state=seed * 1000 + i + 1, num_threads=threads,
-            )
-        states.append(TaskState(d, ctx))
-
-    # Step 2. Replay the log: what is measured already, the best so far, the cost model's data.
-    cost_model = ms.cost_model.XGBModel(num_warmup_samples=16, num_tuning_cores=threads, verbose_eval=0)
-    measured: dict[int, list] = {}  # structural hash -> run_secs
-    best = (math.inf, None, None)  # secs, task name, knobs
-    existing = 0
-    by_hash = {tvm_ffi.structural_hash(s.defn.mod): s for s in states}
-    for wl, rec in records_for(parsed, schedule):
-        state = by_hash.get(tvm_ffi.structural_hash(wl.mod))
-        if state is None or not tvm_ffi.structural_equal(wl.mod, state.defn.mod):
-            continue
-        if not workload_matches(spec, wl.mod):
-            continue
-        sch = tvm.s_tir.Schedule(wl.mod)
-        rec.trace.apply_to_schedule(sch, remove_postproc=False)
-        measured[tvm_ffi.structural_hash(sch.mod)] = list(rec.run_secs)
-        existing += 1
-        state.measured += 1
-        secs = mean_secs(rec)
-        state.best_secs = min(state.best_secs, secs)
-        args = ms.arg_info.ArgInfo.from_prim_func(wl.mod["main"])
-        cost_model.update(state.ctx, [ms.MeasureCandidate(sch, args)],
-                          [ms.runner.RunnerResult(list(rec.run_secs), None)])
-        if secs < best[0]:
-            best = (secs, state.defn.name, describe(state.defn, sch, target, spec))
-    curve = [(existing, spec.flops() / best[0] / 1e9)] if existing and math.isfinite(best[0]) else []
-    if existing:
-        progress(f"resuming: {existing} record(s) in the log, best {best[0] * 1e3:.3f} ms "
-                 f"({spec.flops() / best[0] / 1e9:.1f} GFLOP/s) {knob_summary(best[2])}")
-    if existing >= trials:
-        progress(f"the log already holds {existing} >= {trials} trials; nothing to do")
-        return TuneResult(work, existing, 0, best[0], best[1], best[2], curve)
-
-    for s in states:
-        s.ctx.pre_tuning(max_trials=trials, num_trials_per_iter=per_round,
-                         design_spaces=s.ctx.generate_design_space(), database=db, cost_model=cost_model)
-
-    # Step 3. The loop.
-    builder = ms.builder.LocalBuilder(max_workers=threads, timeout_sec=120, f_build=lean_build)
-    if runner is None:
-        runner = ms.runner.LocalRunner(
-            timeout_sec=120,
-            evaluator_config=ms.runner.EvaluatorConfig(number=1, repeat=3, min_repeat_ms=100,
-                                                       enable_cpu_cache_flush=False),
-            initializer=functools.partial(set_num_threads, threads),
-        )
-    done, new = existing, 0
-    t_loop = time.time()
-    empty_rounds = 0
-    interrupted = False
     try:
+        for i, d in enumerate(defs):
+            with contextlib.nullcontext() if d.needs_tensor_intrin else _skip_tensor_intrin_import():
+                ctx = ms.TuneContext(
+                    mod=d.mod, target=target, space_generator=d.space,
+                    search_strategy=ms.search_strategy.EvolutionarySearch(
+                        population_size=64, init_min_unmeasured=16, genetic_num_iters=3
+                    ),
+                    task_name=d.name, rand_state=seed * 1000 + i + 1, num_threads=threads,
+                )
+            states.append(TaskState(d, ctx))
+            if ctrl_c.requested:
+                return stopped()
+
+        # Step 2. Replay the log: what is measured already on this target, the best so far, the
+        # cost model's data. Records of another target (another CPU, core count or GPU) neither
+        # count towards the budget nor mark a candidate measured: `build` would not use them.
+        _phase("replay")
+        cost_model = ms.cost_model.XGBModel(num_warmup_samples=16, num_tuning_cores=threads, verbose_eval=0)
+        measured: dict[tuple[str, int], list] = {}  # (target key, structural hash) -> run_secs
+        existing = 0
+        by_hash = {tvm_ffi.structural_hash(s.defn.mod): s for s in states}
+        for wl, rec in records_for(parsed, schedule):
+            if not for_target(rec, want):
+                continue
+            state = by_hash.get(tvm_ffi.structural_hash(wl.mod))
+            if state is None or not tvm_ffi.structural_equal(wl.mod, state.defn.mod):
+                continue
+            if not workload_matches(spec, wl.mod):
+                continue
+            sch = tvm.s_tir.Schedule(wl.mod)
+            rec.trace.apply_to_schedule(sch, remove_postproc=False)
+            measured[(want, tvm_ffi.structural_hash(sch.mod))] = list(rec.run_secs)
+            existing += 1
+            state.measured += 1
+            secs = mean_secs(rec)
+            state.best_secs = min(state.best_secs, secs)
+            args = ms.arg_info.ArgInfo.from_prim_func(wl.mod["main"])
+            cost_model.update(state.ctx, [ms.MeasureCandidate(sch, args)],
+                              [ms.runner.RunnerResult(list(rec.run_secs), None)])
+            if secs < best[0]:
+                best = (secs, state.defn.name, describe(state.defn, sch, target, spec))
+        saved[0] = existing
+        if existing and math.isfinite(best[0]):
+            curve.append((existing, spec.flops() / best[0] / 1e9))
+        if existing:
+            progress(f"resuming: {existing} record(s) in the log, best {best[0] * 1e3:.3f} ms "
+                     f"({spec.flops() / best[0] / 1e9:.1f} GFLOP/s) {knob_summary(best[2])}")
+        if ctrl_c.requested:
+            return stopped()
+        if existing >= trials:
+            progress(f"the log already holds {existing} >= {trials} trials; nothing to do")
+            return TuneResult(work, existing, 0, best[0], best[1], best[2], curve)
+
+        for s in states:
+            s.ctx.pre_tuning(max_trials=trials, num_trials_per_iter=per_round,
+                             design_spaces=s.ctx.generate_design_space(), database=db, cost_model=cost_model)
+        if ctrl_c.requested:
+            return stopped()
+
+        # Step 3. The loop. Workers start with SIGINT blocked (_workers_spawn) and ignore it
+        # (their initializer): a Ctrl-C must not kill a build or a measurement half way.
+        with _workers_spawn():
+            builder = ms.builder.LocalBuilder(max_workers=threads, timeout_sec=120, f_build=lean_build,
+                                              initializer=ignore_sigint)
+            if runner is None:
+                runner = ms.runner.LocalRunner(
+                    timeout_sec=120,
+                    evaluator_config=ms.runner.EvaluatorConfig(number=1, repeat=3, min_repeat_ms=100,
+                                                               enable_cpu_cache_flush=False),
+                    initializer=functools.partial(runner_init, threads),
+                )
+        if ctrl_c.requested:
+            return stopped()
+        done = existing
+        t_loop = time.time()
+        empty_rounds = 0
         while done < trials:
             live = [s for s in states if not s.exhausted]
             if not live:
@@ -363,22 +553,25 @@ def tune(
                 state = min(live, key=lambda s: s.best_secs)
             else:
                 state = rng.choice(live)
+            _phase("search")
             t_gen = time.time()
             cands = state.ctx.generate_measure_candidates()
             t_gen = time.time() - t_gen
+            if ctrl_c.requested:
+                return stopped()
             if not cands:
                 state.exhausted = True
                 continue
             cands = list(cands)
+            keys = [(want, tvm_ffi.structural_hash(c.sch.mod)) for c in cands]
             results: list[Any] = [None] * len(cands)
             todo = []
-            for i, c in enumerate(cands):
-                h = tvm_ffi.structural_hash(c.sch.mod)
-                if h in measured:
-                    results[i] = ms.runner.RunnerResult(measured[h], None)
+            for i, key in enumerate(keys):
+                if key in measured:
+                    results[i] = ms.runner.RunnerResult(measured[key], None)
                 elif len(todo) < trials - done:
                     todo.append(i)
-                    measured[h] = [FAILED_RUN_SECS]  # also dedups within the batch
+                    measured[key] = [FAILED_RUN_SECS]  # also dedups within the batch
                 else:
                     results[i] = ms.runner.RunnerResult([FAILED_RUN_SECS], "not measured: budget reached")
             if not todo:
@@ -389,24 +582,39 @@ def tune(
                     break
                 continue
             empty_rounds = 0
+            _phase("build")
             t_build = time.time()
-            built = builder.build([ms.builder.BuilderInput(cands[i].sch.mod, target) for i in todo])
+            with _workers_spawn():
+                built = builder.build([ms.builder.BuilderInput(cands[i].sch.mod, target) for i in todo])
             t_build = time.time() - t_build
-            t_run = time.time()
-            run_inputs, run_idx = [], []
-            for i, b in zip(todo, built):
-                if b.error_msg:
-                    results[i] = ms.runner.RunnerResult([FAILED_RUN_SECS], b.error_msg)
-                else:
-                    run_inputs.append(ms.runner.RunnerInput(b.artifact_path, device, cands[i].args_info))
-                    run_idx.append(i)
-            runner = _run_with_retry(runner, run_inputs, run_idx, results, progress)
+            try:
+                if ctrl_c.requested:
+                    return stopped()
+                _phase("measure")
+                t_run = time.time()
+                run_inputs, run_idx = [], []
+                for i, b in zip(todo, built):
+                    if b.error_msg:
+                        results[i] = ms.runner.RunnerResult([FAILED_RUN_SECS], b.error_msg)
+                    else:
+                        run_inputs.append(ms.runner.RunnerInput(b.artifact_path, device, cands[i].args_info))
+                        run_idx.append(i)
+                with _workers_spawn():
+                    runner = _run_with_retry(runner, run_inputs, run_idx, results, progress)
+                t_run = time.time() - t_run
+                # The batch in flight when Ctrl-C came is not committed: its measurements may
+                # have been disturbed; a resumed tune measures it again.
+                if ctrl_c.requested:
+                    return stopped()
+            finally:
+                for b in built:
+                    if b.artifact_path:
+                        Path(b.artifact_path).unlink(missing_ok=True)
             # Measurements lost with their device were never made: not committed, not counted,
             # and free to be measured again on resume.
             rpc_lost = {i for i in run_idx if is_rpc_failure(results[i].error_msg)}
             for i in rpc_lost:
-                measured.pop(tvm_ffi.structural_hash(cands[i].sch.mod), None)
-            t_run = time.time() - t_run
+                measured.pop(keys[i], None)
             workload = db.commit_workload(state.defn.mod)
             for i in todo:
                 if i in rpc_lost:
@@ -415,9 +623,10 @@ def tune(
                 secs = [float(x) for x in r.run_secs]
                 db.commit_tuning_record(ms.database.TuningRecord(
                     cands[i].sch.trace, workload, secs, target, cands[i].args_info))
-                measured[tvm_ffi.structural_hash(cands[i].sch.mod)] = secs
+                measured[keys[i]] = secs
                 done += 1
                 new += 1
+                saved[0] = done
                 state.measured += 1
                 m = sum(secs) / len(secs)
                 if m < state.best_secs:
@@ -426,9 +635,6 @@ def tune(
                     best = (m, state.defn.name, describe(state.defn, cands[i].sch, target, spec))
                 if math.isfinite(best[0]) and best[0] < FAILED_RUN_SECS:
                     curve.append((done, spec.flops() / best[0] / 1e9))
-            for b in built:
-                if b.artifact_path:
-                    Path(b.artifact_path).unlink(missing_ok=True)
             kept = [i for i in todo if i not in rpc_lost]
             if kept:
                 cost_model.update(state.ctx, [cands[i] for i in kept], [results[i] for i in kept])
@@ -448,13 +654,12 @@ def tune(
                     f"no RPC server left under key {runner.tvm_attention_tracker[2]!r}: stopping; "
                     f"{done} record(s) are in {work}, rerun the same command to resume"
                 )
-    except KeyboardInterrupt:
-        interrupted = True
-        progress(f"interrupted: {done} record(s) are in {work}; rerun the same command to resume")
+            if ctrl_c.requested:  # came while committing: the batch is complete, stop here
+                return stopped()
+        return TuneResult(work, done, new, best[0], best[1], best[2], curve)
     finally:
         for s in states:
             try:
                 s.ctx.post_tuning()
             except Exception:
                 pass
-    return TuneResult(work, done, new, best[0], best[1], best[2], curve, interrupted)

@@ -1,28 +1,48 @@
 """Tuning logs: MetaSchedule's own JSON database, one folder per (target, spec).
 
-Layout: ``tuning_logs/<target key>/<spec short name>/database_workload.json`` and
-``database_tuning_record.json`` (TVM's ``JSONDatabase`` reads them as they are). Before TVM
-touches a log we parse every line ourselves, so a corrupt or truncated file is reported as
-``file:line: what is wrong`` instead of a crash deep in TVM.
+Layout: ``<root>/<target key>/<spec short name>/database_workload.json`` and
+``database_tuning_record.json`` (TVM's ``JSONDatabase`` reads them as they are). Two roots:
 
-A final line without its newline is what an interrupted append (Ctrl-C, SIGKILL) leaves; the
-tuner repairs that (the fragment is kept in a ``.interrupted`` file beside the log) and says so.
+* the user's cache, ``tvm_attention.paths.cache_dir() / "tuning_logs"`` — where ``tune`` writes
+  by default (``$TVM_ATTENTION_CACHE_DIR``, else ``$XDG_CACHE_HOME/tvm-attention``, else
+  ``~/.cache/tvm-attention``), so a tune never writes into the source tree;
+* the committed logs, ``tuning_logs/`` of the checkout (``scripts/tune_defaults.sh`` regenerates
+  them with an explicit ``--work-dir``).
+
+``build`` looks in the user's log first, then the committed one (``search_dirs``).
+
+Before TVM touches a log we parse every line ourselves. For ``tune`` (strict) a corrupt or
+truncated file is reported as ``file:line: what is wrong`` instead of a crash deep in TVM; readers
+that only want the best record (``best_records``: ``build``, ``run``) skip such a line with a
+warning instead, so one bad line never stops a build.
+
+A tune holds an exclusive lock on its folder (``tune_lock``): MetaSchedule's JSONDatabase numbers
+workloads by their line in ``database_workload.json`` as it appends them, so two tunes appending
+to one folder credit records to the wrong workload or interleave a line. A final line without its
+newline is what an interrupted append (Ctrl-C, SIGKILL) leaves; the tuner repairs that under the
+lock (a cut line is kept in a ``.interrupted`` file beside the log, a complete one gets its newline)
+and says so.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import json
 import os
 import re
+import warnings
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from tvm.target import Target
 
+from ..paths import cache_dir
 from ..spec import AttentionSpec
 
 WORKLOAD_FILE = "database_workload.json"
 RECORD_FILE = "database_tuning_record.json"
+LOCK_FILE = "tune.lock"
 FAILED_RUN_SECS = 1e10  # what a failed build/run is recorded as (MetaSchedule's convention)
 
 
@@ -30,10 +50,24 @@ class LogError(RuntimeError):
     """A tuning log that cannot be used; the message names the file and line."""
 
 
+class LogLocked(RuntimeError):
+    """Another tune holds the folder's lock; the message names the folder and the holder's pid."""
+
+
+class LogWarning(UserWarning):
+    """A log line a reader skipped (when no ``say`` callback was given)."""
+
+
 def repo_logs_root() -> Path:
-    """``tuning_logs/`` beside the package (the committed logs), else ``./tuning_logs``."""
+    """``tuning_logs/`` beside the package (the committed logs), else ``./tuning_logs``. Read by
+    ``build``; ``tune`` writes there only when given it as ``--work-dir``."""
     here = Path(__file__).resolve().parents[2] / "tuning_logs"
     return here if here.is_dir() else Path("tuning_logs")
+
+
+def user_logs_root() -> Path:
+    """``tuning_logs/`` in the user's cache folder (``tvm_attention.paths.cache_dir``)."""
+    return cache_dir() / "tuning_logs"
 
 
 def target_key(target: Target) -> str:
@@ -49,94 +83,232 @@ def target_key(target: Target) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", "-".join(parts))
 
 
+def log_folder(root: str | os.PathLike, spec: AttentionSpec, target: Target) -> Path:
+    """``root/<target key>/<spec short name>``."""
+    return Path(root) / target_key(target) / spec.short_name()
+
+
+def tune_work_dir(spec: AttentionSpec, target: Target) -> Path:
+    """Where ``tune`` writes by default: the user's cache, never the source tree."""
+    return log_folder(user_logs_root(), spec, target)
+
+
+def committed_work_dir(spec: AttentionSpec, target: Target) -> Path:
+    """The committed log of ``spec`` on ``target`` (``tuning_logs/`` of the checkout)."""
+    return log_folder(repo_logs_root(), spec, target)
+
+
+def search_dirs(spec: AttentionSpec, target: Target) -> list[Path]:
+    """The folders ``build`` looks in, in order: the user's tuning log, then the committed one."""
+    dirs = [tune_work_dir(spec, target), committed_work_dir(spec, target)]
+    return [d for i, d in enumerate(dirs) if d.absolute() not in [e.absolute() for e in dirs[:i]]]
+
+
 def default_work_dir(spec: AttentionSpec, target: Target, root: Path | None = None) -> Path:
-    return (root or repo_logs_root()) / target_key(target) / spec.short_name()
+    """The log folder of ``spec`` under ``root``; without ``root``, the log a reader should use:
+    the first of ``search_dirs`` that holds a record file, else the user's (``tune``'s default).
+
+    Kept for readers that take one folder (bench, compare, search_report); ``build`` goes through
+    ``search_dirs`` itself so that it can fall back per schedule."""
+    if root is not None:
+        return log_folder(root, spec, target)
+    dirs = search_dirs(spec, target)
+    return next((d for d in dirs if (d / RECORD_FILE).exists()), dirs[0])
+
+
+# Folders whose lock this process holds (resolved paths): repair is allowed only there.
+_held: set[str] = set()
+
+
+def _lock_key(work: Path) -> str:
+    return str(work.resolve())
+
+
+@contextlib.contextmanager
+def tune_lock(work_dir: str | os.PathLike):
+    """Hold the exclusive lock of a log folder (``flock`` on ``tune.lock`` inside it, created
+    with the folder when missing) for the ``with`` block; fail at once with ``LogLocked`` if
+    another tune (any process, or this one) holds it. The holder's pid is written into the lock
+    file for that message. The kernel drops the lock when the process ends, however it ends."""
+    work = Path(work_dir)
+    path = work / LOCK_FILE
+    try:
+        work.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by worker processes
+    except OSError as e:
+        raise LogError(f"{work}: cannot create the tuning log folder's lock {path.name} ({e.strerror}); "
+                       "give the tune a writable --work-dir") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        try:
+            holder = os.pread(fd, 64, 0).decode("ascii", "replace").strip()
+        except OSError:
+            holder = ""
+        os.close(fd)
+        who = f"another tune (pid {holder})" if holder.isdigit() else "another tune"
+        raise LogLocked(
+            f"{who} is using the tuning log {work} (lock: {path}); two tunes must not append to "
+            "one log. Wait for it to finish, or give this tune another --work-dir"
+        ) from None
+    except BaseException:
+        os.close(fd)
+        raise
+    key = _lock_key(work)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        _held.add(key)
+        yield path
+    finally:
+        _held.discard(key)
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, 0)
+        os.close(fd)  # releases the flock
 
 
 @dataclasses.dataclass
 class ParsedLog:
-    workloads: list[Any]  # ms.database.Workload, in file order
+    workloads: list[Any]  # ms.database.Workload in file order; None for a line a reader skipped
     records: list[tuple[int, Any]]  # (workload index, ms.database.TuningRecord)
-    repaired: list[str]
+    repaired: list[str]  # what repair=True changed, one message each
+    skipped: list[str] = dataclasses.field(default_factory=list)  # lines a lenient parse skipped
 
 
-def _split_lines(path: Path, repair: bool, repaired: list[str]) -> list[tuple[int, str]]:
+def _split_lines(path: Path, repair: bool, repaired: list[str],
+                 bad: Callable[[str], None] | None) -> list[tuple[int, str]]:
+    """The non-blank lines of ``path`` as ``(line number, text)``.
+
+    The last line may lack its newline: a cut, invalid line is what an interrupted append leaves;
+    a complete one would make the next append by MetaSchedule's JSONDatabase join two records on
+    one line. With ``repair`` (the tuner, under the folder's lock) the cut line is moved aside to
+    ``<file>.interrupted`` and a complete one gets its newline. Without it a cut line is an error
+    (strict, ``bad`` is None) or skipped through ``bad`` (a reader: a tune may be appending)."""
     data = path.read_bytes()
     if data and not data.endswith(b"\n"):
         cut = data.rfind(b"\n") + 1
         tail = data[cut:]
+        lineno = data[:cut].count(b"\n") + 1
         try:
             json.loads(tail)
             complete = True
         except (ValueError, UnicodeDecodeError):
             complete = False
-        if not complete:
-            lineno = data[:cut].count(b"\n") + 1
-            if not repair:
-                raise LogError(
-                    f"{path}:{lineno}: truncated last line (an interrupted write); rerun the same "
-                    "`tvm-attention tune` command to repair the log and resume"
-                )
+        if complete:
+            if repair:
+                with open(path, "ab") as f:
+                    f.write(b"\n")
+                repaired.append(f"{path}:{lineno}: added the missing newline at the end of the last line")
+        elif repair:
             with open(str(path) + ".interrupted", "ab") as f:
                 f.write(tail + b"\n")
             with open(path, "r+b") as f:
                 f.truncate(cut)
             repaired.append(f"{path}:{lineno}: dropped a truncated last line (kept in {path.name}.interrupted)")
             data = data[:cut]
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise LogError(f"{path}: not UTF-8 text ({e})") from None
-    return [(i, line) for i, line in enumerate(text.split("\n"), 1) if line.strip()]
+        elif bad is None:
+            raise LogError(
+                f"{path}:{lineno}: truncated last line (an interrupted write); rerun the same "
+                "`tvm-attention tune` command to repair the log and resume"
+            )
+        else:
+            bad(f"{path}:{lineno}: truncated last line (an interrupted write, or a tune still "
+                "appending); skipped")
+            data = data[:cut]
+    lines = []
+    for i, raw in enumerate(data.split(b"\n"), 1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            msg = f"{path}:{i}: not UTF-8 text ({e})"
+            if bad is None:
+                raise LogError(msg) from None
+            bad(msg)
+            continue
+        if line.strip():
+            lines.append((i, line))
+    return lines
 
 
-def parse_logs(work_dir: str | os.PathLike, repair: bool = False) -> ParsedLog:
-    """Parse and check both database files line by line (missing files = empty log)."""
+def parse_logs(work_dir: str | os.PathLike, repair: bool = False,
+               on_bad_line: Callable[[str], None] | None = None) -> ParsedLog:
+    """Parse and check both database files line by line (missing files = empty log).
+
+    Strict by default: the first bad line raises ``LogError("file:line: what is wrong")``. With
+    ``on_bad_line`` (readers), a bad line is reported to it and skipped instead; a skipped
+    workload keeps its index (as ``None``) so that the records after it still point at the right
+    workload, and records pointing at it are skipped too. ``repair`` (see ``_split_lines``)
+    requires this process to hold the folder's ``tune_lock``: another tune may be writing the
+    very line a repair would cut."""
     from tvm.s_tir import meta_schedule as ms
 
     work = Path(work_dir)
+    if repair and _lock_key(work) not in _held:
+        raise RuntimeError(f"{work}: a log is repaired only under its tune lock (logs.tune_lock)")
     repaired: list[str] = []
-    workloads = []
+    skipped: list[str] = []
+
+    def bad(msg: str) -> None:
+        if on_bad_line is None:
+            raise LogError(msg)
+        msg = msg if msg.endswith("; skipped") else msg + "; skipped"
+        skipped.append(msg)
+        on_bad_line(msg)
+
+    lenient = None if on_bad_line is None else bad  # what _split_lines reports a cut line to
+    workloads: list[Any] = []
     wpath = work / WORKLOAD_FILE
     if wpath.exists():
-        for lineno, line in _split_lines(wpath, repair, repaired):
+        for lineno, line in _split_lines(wpath, repair, repaired, lenient):
             where = f"{wpath}:{lineno}"
+            workloads.append(None)  # the index is the line's, even when the line is skipped
             try:
                 obj = json.loads(line)
             except ValueError as e:
-                raise LogError(f"{where}: not valid JSON ({e})") from None
+                bad(f"{where}: not valid JSON ({e})")
+                continue
             if not (isinstance(obj, list) and len(obj) == 2 and all(isinstance(x, str) for x in obj)):
-                raise LogError(f"{where}: expected [structural hash, module], got {line[:80]!r}")
+                bad(f"{where}: expected [structural hash, module], got {line[:80]!r}")
+                continue
             try:
-                workloads.append(ms.database.Workload.from_json(obj))
+                workloads[-1] = ms.database.Workload.from_json(obj)
             except Exception as e:  # TVM raises on a bad base64/JSON module
-                raise LogError(f"{where}: workload module cannot be decoded ({type(e).__name__})") from None
+                bad(f"{where}: workload module cannot be decoded ({type(e).__name__})")
     records = []
     rpath = work / RECORD_FILE
     if rpath.exists():
-        for lineno, line in _split_lines(rpath, repair, repaired):
+        for lineno, line in _split_lines(rpath, repair, repaired, lenient):
             where = f"{rpath}:{lineno}"
             try:
                 obj = json.loads(line)
             except ValueError as e:
-                raise LogError(f"{where}: not valid JSON ({e})") from None
+                bad(f"{where}: not valid JSON ({e})")
+                continue
             if not (isinstance(obj, list) and len(obj) == 2 and isinstance(obj[0], int) and isinstance(obj[1], list)):
-                raise LogError(f"{where}: expected [workload index, record], got {line[:80]!r}")
+                bad(f"{where}: expected [workload index, record], got {line[:80]!r}")
+                continue
             idx = obj[0]
             if not 0 <= idx < len(workloads):
-                raise LogError(f"{where}: refers to workload #{idx}, but {wpath.name} has {len(workloads)}")
+                bad(f"{where}: refers to workload #{idx}, but {wpath.name} has {len(workloads)}")
+                continue
+            if workloads[idx] is None:
+                bad(f"{where}: refers to workload #{idx}, whose line was skipped")
+                continue
             try:
-                records.append((idx, ms.database.TuningRecord.from_json(obj[1], workloads[idx])))
+                rec = ms.database.TuningRecord.from_json(obj[1], workloads[idx])
             except Exception as e:
-                raise LogError(f"{where}: tuning record cannot be decoded ({type(e).__name__}: {str(e)[:120]})") from None
-            rec = records[-1][1]
+                bad(f"{where}: tuning record cannot be decoded ({type(e).__name__}: {str(e)[:120]})")
+                continue
             if rec.run_secs is None or not len(rec.run_secs):
-                raise LogError(f"{where}: tuning record has no run times")
-    return ParsedLog(workloads, records, repaired)
+                bad(f"{where}: tuning record has no run times")
+                continue
+            records.append((idx, rec))
+    return ParsedLog(workloads, records, repaired, skipped)
 
 
 def open_database(work_dir: str | os.PathLike, repair: bool = False):
-    """Check the logs, then open them with TVM's JSONDatabase (created when missing)."""
+    """Check the logs (strictly), then open them with TVM's JSONDatabase (created when missing).
+    ``repair`` needs the folder's ``tune_lock``."""
     from tvm.s_tir import meta_schedule as ms
 
     work = Path(work_dir)
@@ -165,16 +337,28 @@ def records_for(parsed: ParsedLog, schedule: str) -> Iterator[tuple[Any, Any]]:
             yield wl, rec
 
 
+def for_target(rec, want: str) -> bool:
+    """True iff ``rec`` was measured on the target whose ``target_key`` is ``want``."""
+    return rec.target is not None and target_key(rec.target) == want
+
+
+def _warn(msg: str) -> None:
+    warnings.warn(msg, LogWarning, stacklevel=3)
+
+
 def best_records(spec: AttentionSpec, target: Target, schedule: str, work_dir: str | os.PathLike,
-                 k: int = 3) -> list[tuple[Any, Any]]:
+                 k: int = 3, say: Callable[[str], None] | None = None) -> list[tuple[Any, Any]]:
     """Up to ``k`` fastest successful (workload, record) pairs in ``work_dir`` for exactly this
-    spec, schedule and target (CPU name and core count), fastest first."""
+    spec, schedule and target (CPU name and core count), fastest first.
+
+    A reader: a bad or cut line (a corrupt log, or a tune appending right now) is skipped with a
+    warning through ``say`` (default: ``warnings.warn`` with ``LogWarning``), never an error."""
     from .tasks import workload_matches
 
     work = Path(work_dir)
     if not (work / RECORD_FILE).exists():
         return []
-    parsed = parse_logs(work, repair=False)
+    parsed = parse_logs(work, repair=False, on_bad_line=say or _warn)
     want = target_key(target)
     matched: dict[int, bool] = {}
     out = []
@@ -182,7 +366,7 @@ def best_records(spec: AttentionSpec, target: Target, schedule: str, work_dir: s
         key = id(wl)
         if key not in matched:
             matched[key] = workload_matches(spec, wl.mod)
-        if not matched[key] or rec.target is None or target_key(rec.target) != want:
+        if not matched[key] or not for_target(rec, want):
             continue
         secs = mean_secs(rec)
         if secs < FAILED_RUN_SECS:

@@ -4,8 +4,15 @@ MetaSchedule's ``default_build`` imports ``tvm.s_tir.tensor_intrin`` (parsing ~5
 functions, ~30 s here) in every fresh worker, and LocalBuilder restarts its workers on every
 batch: that was 35 s per 4 candidates. Our kernels use no tensor intrinsics, so this build skips
 that import and is otherwise the same.
+
+A terminal's Ctrl-C goes to the whole foreground process group, workers included. The tuner
+starts its workers with SIGINT blocked (they inherit the mask, see ``driver._workers_spawn``) and
+their initializer ignores it as well, so a Ctrl-C never kills a build or a measurement half way:
+the tuner alone decides what to keep.
 """
 from __future__ import annotations
+
+import signal
 
 
 def lean_build(mod, target, _params=None):
@@ -14,3 +21,16 @@ def lean_build(mod, target, _params=None):
 
     mod = RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod)
     return tvm_build(mod, target=target)
+
+
+def ignore_sigint() -> None:
+    """Worker initializer: SIGINT is the tuner's business, not the worker's."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def runner_init(threads: int) -> None:
+    """LocalRunner's initializer: ignore SIGINT and size TVM's thread pool for measuring."""
+    from ..threads import set_num_threads
+
+    ignore_sigint()
+    set_num_threads(threads)

@@ -1,0 +1,293 @@
+"""Tuning under stress: one tune per log folder, readers that skip bad lines, resume by target,
+the missing final newline, Ctrl-C in every phase, and the per-user default log folder."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import tvm
+from tvm.target import Target
+
+from schedules import cpu_flash
+from tvm_attention import cli, paths
+from tvm_attention.pipeline import build_best
+from tvm_attention.spec import AttentionSpec
+from tvm_attention.target import resolve_target
+from tvm_attention.tune import logs
+from tvm_attention.tune.driver import tune
+from tvm_attention.tune.logs import (LOCK_FILE, RECORD_FILE, WORKLOAD_FILE, LogError, LogLocked,
+                                     best_records, open_database, parse_logs, target_key, tune_lock)
+from tvm_attention.tune.tasks import make_tasks
+
+# Tuning logs go to the user cache by default: conftest points it at a temporary folder.
+
+TARGET = resolve_target("llvm")
+OTHER = Target({"kind": "llvm", "mcpu": "haswell", "num-cores": 2})  # another CPU: another target key
+SPEC = AttentionSpec(batch=1, heads=1, seq_q=64, head_dim=16)
+SPEC_ARGS = ["--batch", "1", "--heads", "1", "--seq-q", "64", "--head-dim", "16"]
+
+
+def fake_log(work: Path, n: int = 2, target: Target = TARGET, tasks: int = 1) -> Path:
+    """A log of ``n`` records per task for SPEC, written by TVM's JSONDatabase as a tune would:
+    sampled points of the fused space with made-up run times (no measuring: milliseconds)."""
+    from tvm.s_tir import meta_schedule as ms
+
+    work.mkdir(parents=True, exist_ok=True)
+    db = ms.database.JSONDatabase(path_workload=str(work / WORKLOAD_FILE),
+                                  path_tuning_record=str(work / RECORD_FILE), allow_missing=True)
+    for t, task in enumerate(make_tasks(SPEC, TARGET, "fused")[:tasks]):
+        wl = db.commit_workload(task.mod)
+        args = ms.arg_info.ArgInfo.from_prim_func(task.mod["main"])
+        for i in range(n):
+            sch = tvm.s_tir.Schedule(task.mod, seed=100 * t + i + 1)
+            cpu_flash.design_space(SPEC, TARGET)(sch)
+            db.commit_tuning_record(ms.database.TuningRecord(sch.trace, wl, [1e-3 * (i + 1)], target, args))
+    return work
+
+
+def log_used(built) -> str | None:
+    """The log a build took its record from (also when timing kept the hand build instead)."""
+    return built.log_dir or (built.selection or {}).get("tuned_log")
+
+
+def record_lines(work: Path) -> list[str]:
+    return (work / RECORD_FILE).read_text().splitlines()
+
+
+# ---- the per-user default folder (issue 17) --------------------------------------------------
+
+
+def test_cache_dir_precedence(monkeypatch, tmp_path):
+    monkeypatch.setenv("TVM_ATTENTION_CACHE_DIR", str(tmp_path / "explicit"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert paths.cache_dir() == tmp_path / "explicit"
+    monkeypatch.delenv("TVM_ATTENTION_CACHE_DIR")
+    assert paths.cache_dir() == tmp_path / "xdg" / "tvm-attention"
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/xdg")  # ignored, as the XDG spec says
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert paths.cache_dir() == tmp_path / "home" / ".cache" / "tvm-attention"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert paths.cache_dir() == tmp_path / "home" / ".cache" / "tvm-attention"
+
+
+def test_tune_writes_to_the_user_cache_by_default(monkeypatch, tmp_path):
+    monkeypatch.setenv("TVM_ATTENTION_CACHE_DIR", str(tmp_path / "cache"))
+    work = logs.tune_work_dir(SPEC, TARGET)
+    assert work == tmp_path / "cache" / "tuning_logs" / target_key(TARGET) / SPEC.short_name()
+    assert logs.repo_logs_root() not in work.parents
+    # The tune's folder is the one whose lock it takes: holding it makes tune() name it at once.
+    with tune_lock(work):
+        with pytest.raises(LogLocked, match=str(work)):
+            tune(SPEC, trials=1, progress=lambda m: None)
+
+
+def test_build_looks_in_the_user_log_then_the_committed_one(monkeypatch, tmp_path):
+    monkeypatch.setenv("TVM_ATTENTION_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(logs, "repo_logs_root", lambda: tmp_path / "repo")
+    user, repo = logs.search_dirs(SPEC, TARGET)
+    assert user == logs.tune_work_dir(SPEC, TARGET) and repo == tmp_path / "repo" / user.relative_to(
+        tmp_path / "cache" / "tuning_logs")
+    said = []
+    built, _ = build_best(SPEC, say=said.append)  # no log anywhere: the hand schedule, and why
+    assert built.source == "hand"
+    assert any("no tuning log for" in m and str(user) in m and str(repo) in m for m in said), said
+    fake_log(repo)  # only the committed log: it is used
+    built, v = build_best(SPEC, say=said.append)
+    assert v.passed and log_used(built) == str(repo)
+    fake_log(user, target=OTHER)  # a user log without a record for this target: still the committed one
+    built, _ = build_best(SPEC, say=said.append)
+    assert log_used(built) == str(repo)
+    shutil.rmtree(user)
+    fake_log(user)  # a usable user log wins
+    built, _ = build_best(SPEC, say=said.append)
+    assert log_used(built) == str(user)
+
+
+# ---- one tune per folder; readers skip bad lines (issue 4) -----------------------------------
+
+
+def test_second_tune_on_the_same_folder_fails_at_once(tmp_path, capsys):
+    work = tmp_path / "log"
+    work.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import fcntl, os, sys, time
+        fd = os.open({str(work / LOCK_FILE)!r}, os.O_RDWR | os.O_CREAT)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.write(fd, str(os.getpid()).encode())
+        print("locked", flush=True)
+        time.sleep(120)
+    """)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        t = time.time()
+        rc = cli.main(["tune", *SPEC_ARGS, "--trials", "2", "--work-dir", str(work)])
+        assert time.time() - t < 10  # at once: before any search
+    finally:
+        holder.kill()
+        holder.wait()
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.startswith("tvm-attention tune: error: ") and str(work) in err and f"pid {holder.pid}" in err
+    assert not (work / RECORD_FILE).exists()
+    # The lock dies with its holder: the folder is free again.
+    with tune_lock(work):
+        pass
+
+
+def test_repair_only_under_the_lock(tmp_path):
+    work = fake_log(tmp_path / "log")
+    with pytest.raises(RuntimeError, match="tune lock"):
+        parse_logs(work, repair=True)
+    with tune_lock(work):
+        assert len(parse_logs(work, repair=True).records) == 2
+        with pytest.raises(LogLocked, match=str(work)):  # one tune per folder, in-process too
+            with tune_lock(work):
+                pass
+
+
+def test_readers_skip_bad_lines_and_tune_still_refuses_them(tmp_path):
+    work = fake_log(tmp_path / "log", n=3)
+    good = record_lines(work)
+    undecodable = json.loads(good[1])
+    undecodable[1][0] = [["NoSuchInstruction", [], [], []], []]  # valid JSON, not a trace
+    (work / RECORD_FILE).write_text("\n".join([
+        good[0], "{oops", json.dumps(undecodable), json.dumps([7, json.loads(good[2])[1]]), good[2],
+        good[1][: len(good[1]) // 2],  # a cut last line: a tune still appending, or killed
+    ]))
+    said = []
+    recs = best_records(SPEC, TARGET, "fused", work, say=said.append)
+    assert len(recs) == 2  # lines 1 and 5
+    said.sort(key=lambda m: int(m.split(RECORD_FILE + ":")[1].split(":")[0]))
+    assert [m.split(RECORD_FILE + ":")[1].split(":")[0] for m in said] == ["2", "3", "4", "6"]
+    assert "not valid JSON" in said[0] and "cannot be decoded" in said[1] and "workload #7" in said[2]
+    assert "truncated last line" in said[3] and all(m.endswith("skipped") for m in said)
+    with pytest.warns(logs.LogWarning):  # without a say callback: warnings, still no error
+        assert len(best_records(SPEC, TARGET, "fused", work)) == 2
+    said.clear()
+    built, v = build_best(SPEC, log_dir=work, say=said.append)
+    assert built.source == "tuned" and v.passed and len(said) == 4
+    # tune is strict: it names the first bad line (after moving the cut last line aside).
+    before = record_lines(work)
+    with pytest.raises(LogError, match=rf"{RECORD_FILE}:2: not valid JSON"):
+        tune(SPEC, trials=4, work_dir=work, progress=lambda m: None)
+    assert record_lines(work) == before[:5]
+
+
+def test_a_skipped_workload_keeps_the_indices_of_the_others(tmp_path):
+    work = fake_log(tmp_path / "log", n=1, tasks=2)
+    w = (work / WORKLOAD_FILE).read_text().splitlines()
+    (work / WORKLOAD_FILE).write_text('["1", "not base64"]\n' + w[1] + "\n")
+    said = []
+    parsed = parse_logs(work, on_bad_line=said.append)
+    assert parsed.workloads[0] is None and parsed.workloads[1] is not None
+    assert [idx for idx, _ in parsed.records] == [1]  # still credited to workload #1
+    assert f"{WORKLOAD_FILE}:1: workload module cannot be decoded" in said[0]
+    assert "whose line was skipped" in said[1]
+
+
+# ---- a complete last line without its newline (issue 9) -------------------------------------
+
+
+def test_missing_final_newline_is_repaired_before_appending(tmp_path):
+    from tvm.s_tir import meta_schedule as ms
+
+    work = fake_log(tmp_path / "log")
+    data = (work / RECORD_FILE).read_bytes()
+    (work / RECORD_FILE).write_bytes(data.rstrip(b"\n"))
+    assert len(parse_logs(work).records) == 2  # readers accept the complete line as it is
+    with tune_lock(work):
+        db, parsed = open_database(work, repair=True)
+        assert any("added the missing newline" in m for m in parsed.repaired)
+        _, rec = parsed.records[0]
+        db.commit_tuning_record(ms.database.TuningRecord(rec.trace, db.commit_workload(rec.workload.mod),
+                                                         [5e-3], TARGET, rec.args_info))
+    assert (work / RECORD_FILE).read_bytes().startswith(data)
+    assert len(parse_logs(work).records) == 3  # the append got its own line
+
+
+# ---- resume counts only this target's records (issue 8) --------------------------------------
+
+
+def test_resume_ignores_records_of_another_target(tmp_path):
+    work = fake_log(tmp_path / "log", n=3, target=OTHER)
+    said = []
+    result = tune(SPEC, trials=1, per_round=1, work_dir=work, progress=said.append)
+    assert not any("nothing to do" in m or "resuming" in m for m in said), said
+    assert result.trials_new == 1 and result.trials_total == 1
+    parsed = parse_logs(work)
+    assert sorted(target_key(r.target) for _, r in parsed.records) == sorted(
+        [target_key(OTHER)] * 3 + [target_key(TARGET)])
+    assert len(best_records(SPEC, TARGET, "fused", work)) == 1
+
+
+# ---- Ctrl-C in every phase (issue 12) --------------------------------------------------------
+
+CTRL_C = textwrap.dedent("""
+    # Run `tvm-attention tune ARGS` and press Ctrl-C (a SIGINT to the whole process group, as a
+    # terminal does) DELAYS seconds after PHASE begins for the NTH time.
+    import os, signal, sys, threading, time
+    from tvm_attention import cli
+    from tvm_attention.tune import driver
+
+    phase, nth, delays, stamp = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    seen = {}
+
+    def hook(name):
+        seen[name] = seen.get(name, 0) + 1
+        if name == phase and seen[name] == nth:
+            with open(stamp, "w") as f:
+                f.write(repr(time.time()))
+            for d in delays.split(","):
+                t = threading.Timer(float(d), os.killpg, (0, signal.SIGINT))
+                t.daemon = True
+                t.start()
+
+    driver._phase_hook = hook
+    sys.exit(cli.main(sys.argv[5:]))
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("phase,nth,delays", [
+    ("setup", 1, "0.05"),
+    ("replay", 1, "0"),           # right after `resuming:`, while the builder and runner start
+    ("search", 1, "0.3"),         # inside TVM's C++ search (it used to segfault)
+    ("build", 1, "0.3"),          # while the builder's workers start (import TVM) and build
+    ("measure", 1, "0.1"),        # while the runner measures
+    ("build", 1, "0.3,0.6"),      # twice: exit at once, not after the build (5-10 s here)
+])
+def test_ctrl_c_ends_with_one_line_and_130(tmp_path, phase, nth, delays):
+    work = fake_log(tmp_path / "log")  # 2 records: the tune resumes
+    before = (work / RECORD_FILE).read_bytes()
+    script = tmp_path / "ctrl_c.py"
+    script.write_text(CTRL_C)
+    stamp = tmp_path / "stamp"
+    cmd = [sys.executable, str(script), phase, str(nth), delays, str(stamp),
+           "tune", *SPEC_ARGS, "--trials", "20", "--per-round", "2", "--work-dir", str(work)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # killpg(0) hits this tune and its workers only
+    try:
+        out, err = proc.communicate(timeout=150)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    ended = time.time()
+    text = out + err
+    assert proc.returncode == 130, text
+    assert "Traceback" not in text and "Segfault" not in text and "error" not in text, text
+    lines = [line for line in text.splitlines() if "interrupted" in line]
+    assert len(lines) == 1 and lines[0] == out.splitlines()[-1], text  # the last line, only once
+    assert f"2 record(s) are saved in {work}" in lines[0] and "rerun the same command" in lines[0]
+    if "," in delays:  # the second Ctrl-C exits at once (its workers killed), not after the phase
+        assert ended - float(stamp.read_text()) < 2, text
+    # The batch in flight was not committed; the log is intact and resumable.
+    assert (work / RECORD_FILE).read_bytes() == before
+    assert len(parse_logs(work).records) == 2
+    with tune_lock(work):  # the lock went with the process
+        pass
