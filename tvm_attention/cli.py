@@ -24,7 +24,7 @@ def _add_spec_flags(p: argparse.ArgumentParser, defaults: dict | None = None) ->
     p.add_argument("--seq-q", type=int, default=d.get("seq_q"), required=req, help="Sq")
     p.add_argument("--seq-kv", type=int, default=None, help="Skv (default: seq-q)")
     p.add_argument("--head-dim", type=int, default=d.get("head_dim"), required=req, help="D")
-    p.add_argument("--dtype", default=d.get("dtype", "float32"), help="float32 (float16/bfloat16: not yet)")
+    p.add_argument("--dtype", default=d.get("dtype", "float32"), help="float32 on CPU; float16, bfloat16 or float32 on cuda")
     p.add_argument("--causal", action="store_true", default=d.get("causal", False),
                    help="bottom-right causal mask: query i sees key j iff j <= i + Skv - Sq")
     p.add_argument("--scale", type=float, default=None, help="softmax scale (default 1/sqrt(D))")
@@ -48,8 +48,11 @@ def _add_build_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the validation inputs")
     p.add_argument("--no-log", action="store_true",
                    help="ignore tuning logs: always use the hand schedule")
+    p.add_argument("--allow-unfused", action="store_true",
+                   help="export a fused-schedule build even if it fails the fusion audit (default: error, nothing written)")
     p.add_argument("--from-log", default=None, metavar="DIR",
-                   help="use the best record of this tuning log (default: tuning_logs/<target>/<spec>/ if present)")
+                   help="use the best record of this tuning log (default: your tune's log in the user cache, then "
+                        "the committed tuning_logs/<target>/<spec>/, when either has a record)")
 
 
 def _build_and_export(a: argparse.Namespace, spec: AttentionSpec, out: Path):
@@ -64,13 +67,24 @@ def _build_and_export(a: argparse.Namespace, spec: AttentionSpec, out: Path):
         knobs = json.loads(a.knobs) if a.knobs else None
     except json.JSONDecodeError as e:
         raise ValueError(f"--knobs is not valid JSON: {e}") from None
+    if knobs is not None and not isinstance(knobs, dict):
+        raise ValueError(f"--knobs must be a JSON object such as '{{\"block_n\": 128}}', got {a.knobs}")
     target = resolve_target(a.target, arch=a.arch)
     built, validation = build_best(
         spec, schedule=a.schedule, target=target, knobs=knobs, use_log=not a.no_log,
         log_dir=a.from_log, seed=a.seed, say=lambda m: print(m, file=sys.stderr),
     )
+    if a.schedule == "fused" and not built.audit.fused and not a.allow_unfused:
+        raise AuditFailed(
+            f"the fused schedule failed the fusion audit; nothing exported (--allow-unfused exports it "
+            f"anyway)\n{built.audit.format()}"
+        )
     manifest = export(built, out, validation)
     return built, validation, manifest
+
+
+class AuditFailed(RuntimeError):
+    """A fused-schedule build whose lowered IR failed the fusion audit."""
 
 
 def _schedule_line(built) -> str:
@@ -133,20 +147,48 @@ def cmd_run(a: argparse.Namespace) -> int:
     print(f"time:       {t.median_s * 1e3:.3f} ms per call (median of {t.repeats}, std {t.std_s * 1e3:.3f} ms)")
     print(f"throughput: {t.gflops(spec):.1f} GFLOP/s  (4·B·H·Sq·Skv·D{', halved for causal' if spec.causal else ''})")
     print(f"artifact:   {out.resolve()}")
-    return 0 if built.audit.fused or a.schedule != "fused" else 1
+    return 0
 
 
 def cmd_tune(a: argparse.Namespace) -> int:
+    import os
+    import signal
+
+    printed: list[str] = []
+
+    def progress(m: str) -> None:
+        printed.append(m)
+        print(m, flush=True)
+
+    def ctrl_c(*_) -> None:
+        # Ctrl-C while tune() does not handle it (imports and set-up before, exit after): one
+        # line and 130, never a KeyboardInterrupt traceback. tune() handles it in between.
+        if not any(m.startswith("interrupted") for m in printed):  # os.write: print may be mid-line
+            os.write(1, b"interrupted: nothing new was saved; rerun the same command to resume\n")
+        os._exit(130)
+
+    try:
+        previous = signal.signal(signal.SIGINT, ctrl_c)
+        restore = lambda: signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)  # noqa: E731
+    except ValueError:  # not the main thread: Ctrl-C is the caller's business
+        restore = lambda: None  # noqa: E731
     from .tune.driver import knob_summary, tune
 
     from .target import resolve_target
 
     spec = _spec_from_args(a)
     target = resolve_target(a.target, arch=a.arch)
-    result = tune(spec, target=target, schedule=a.schedule, trials=a.trials, work_dir=a.work_dir,
-                  per_round=a.per_round, seed=a.seed, threads=a.threads,
-                  rpc_tracker=a.rpc_tracker, rpc_key=a.rpc_key, rpc_workers=a.rpc_workers,
-                  progress=lambda m: print(m, flush=True))
+    try:
+        result = tune(spec, target=target, schedule=a.schedule, trials=a.trials, work_dir=a.work_dir,
+                      per_round=a.per_round, seed=a.seed, threads=a.threads,
+                      rpc_tracker=a.rpc_tracker, rpc_key=a.rpc_key, rpc_workers=a.rpc_workers,
+                      progress=progress)
+    except BaseException:
+        restore()
+        raise
+    if result.interrupted:  # tune() printed the one line (what is saved, how to resume); the
+        return 130  # quiet handler stays until exit, for a second Ctrl-C racing the exit
+    restore()
     if result.best_task is not None and result.best_secs < 1e9:
         print(f"best: {result.best_secs * 1e3:.3f} ms, {spec.flops() / result.best_secs / 1e9:.1f} GFLOP/s "
               f"({result.best_task}) {knob_summary(result.best_knobs)}")
@@ -157,7 +199,7 @@ def cmd_tune(a: argparse.Namespace) -> int:
 def cmd_bench(a: argparse.Namespace) -> int:
     import datetime
 
-    from .bench.cpu import copy_bandwidth, sgemm_ceiling
+    from .bench.cpu import measure_ceilings
     from .bench.sweep import points, run_sweep, write_outputs
     from .target import host_cpu
     from .threads import set_num_threads
@@ -171,15 +213,15 @@ def cmd_bench(a: argparse.Namespace) -> int:
         causals = {"both": [False, True], "yes": [True], "no": [False]}[a.causal]
         variants = a.variants or ["fused", "fused-tuned", "materialized", "numpy", "torch"]
     meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "cpu": host_cpu(),
-            "threads": threads, "sgemm_gflops": sgemm_ceiling(), "copy_gbps": copy_bandwidth(),
-            "heads": heads, "variants": variants}
-    print(f"# {meta['date']} cpu={meta['cpu']} threads={threads} sgemm {meta['sgemm_gflops']:.1f} GFLOP/s, "
-          f"copy {meta['copy_gbps']:.1f} GB/s", flush=True)
+            "threads": threads, "heads": heads, "variants": variants}
+    print(f"# {meta['date']} cpu={meta['cpu']} threads={threads}", flush=True)
+    meta.update(measure_ceilings(threads, say=lambda m: print(m, flush=True)))
     pts = points(seqs, dims, causals, heads, 1, tokens)
     results = run_sweep(pts, variants, threads, repeat=a.repeat, say=lambda m: print(m, flush=True),
                         skip_materializing_above=a.max_materialized)
     if a.memory_scaling:
         results += memory_scaling(threads, a.repeat)
+    meta.update(measure_ceilings(threads, say=print, earlier=meta))  # the better of start and end
     paths = write_outputs(results, a.out, meta)
     print(paths["md"].read_text())
     if not a.no_plots:
@@ -243,9 +285,14 @@ def cmd_validate(a: argparse.Namespace) -> int:
 
 
 def cmd_inspect(a: argparse.Namespace) -> int:
-    from .loader import read_manifest
+    from .loader import ArtifactError, check_artifact, read_manifest
 
     m = read_manifest(a.dir)
+    try:
+        check_artifact(a.dir, m)
+        problem = None
+    except ArtifactError as e:
+        problem = str(e)
     audit = m.get("audit", {})
     print(f"artifact:   {a.dir}")
     print(f"spec:       {AttentionSpec.from_dict(m['spec']).short_name()}")
@@ -264,6 +311,9 @@ def cmd_inspect(a: argparse.Namespace) -> int:
         print(f"validation: {'PASS' if v.get('passed') else 'FAIL'} max abs err {v.get('max_abs_err')}")
     else:
         print(f"validation: NOT RUN ({v.get('reason')})")
+    if problem:
+        print(f"tvm-attention inspect: error: {problem}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -294,7 +344,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rpc-workers", type=int, default=None,
                    help="measurements in flight at once (default: one per registered server)")
     p.add_argument("--trials", type=int, default=64, help="total measured trials in the log (resume counts them)")
-    p.add_argument("--work-dir", default=None, help="tuning log folder (default: tuning_logs/<target>/<spec>/)")
+    p.add_argument("--work-dir", default=None,
+                   help="tuning log folder (default: <cache>/tuning_logs/<target>/<spec>/, where <cache> is "
+                        "$TVM_ATTENTION_CACHE_DIR, else $XDG_CACHE_HOME/tvm-attention, else ~/.cache/tvm-attention); "
+                        "one tune at a time per folder")
     p.add_argument("--per-round", type=int, default=8, help="candidates measured per round")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="runtime threads when measuring (default: all cores)")

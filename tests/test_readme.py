@@ -1,0 +1,29 @@
+"""Every Python block of the README runs as written, in order, after the README's main command
+(`tvm-attention run`, whose artifact the blocks load)."""
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from tvm_attention import cli
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+RUN_ARTIFACT = "artifacts/fused_b1_h8_kv8_q1024_k1024_d64_float32_full"
+
+
+def python_blocks() -> list[str]:
+    return re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+
+
+def test_readme_python_blocks_run(tmp_path, monkeypatch):
+    blocks = python_blocks()
+    assert len(blocks) >= 2
+    assert any(RUN_ARTIFACT in b for b in blocks)  # they load what `tvm-attention run` writes
+    monkeypatch.chdir(tmp_path)
+    # What `tvm-attention run` writes (without its timing): the default spec, hand schedule.
+    assert cli.main(["build", "--batch", "1", "--heads", "8", "--seq-q", "1024", "--head-dim", "64",
+                     "--no-log", "--out", RUN_ARTIFACT]) == 0
+    for i, block in enumerate(blocks):
+        proc = subprocess.run([sys.executable, "-c", block], cwd=tmp_path, capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 0, f"README python block {i + 1} failed:\n{block}\n{proc.stderr[-2000:]}"
