@@ -291,3 +291,21 @@ def test_ctrl_c_ends_with_one_line_and_130(tmp_path, phase, nth, delays):
     assert len(parse_logs(work).records) == 2
     with tune_lock(work):  # the lock went with the process
         pass
+
+
+def test_local_timeout_is_the_candidates_failure_not_a_lost_device():
+    # A LocalRunner measurement that timed out was taken for an RPC server lost with its
+    # candidate, and the no-server check then crashed on the local runner (AttributeError).
+    from tvm.s_tir import meta_schedule as ms
+
+    from tvm_attention.tune.driver import lost_with_device
+
+    results = [ms.runner.RunnerResult(None, "LocalRunner: Timeout, killed after 120 seconds"),
+               ms.runner.RunnerResult([1e-3], None)]
+    local = ms.runner.LocalRunner(timeout_sec=1)
+    assert lost_with_device(local, results, [0, 1]) == set()
+
+    class Fleet:
+        tvm_attention_tracker = ("127.0.0.1", 9190, "cpu-local")
+
+    assert lost_with_device(Fleet(), results, [0, 1]) == {0}

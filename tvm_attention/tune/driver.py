@@ -243,6 +243,15 @@ def _run_with_retry(runner, run_inputs, run_idx, results, progress):
     return runner
 
 
+def lost_with_device(runner, results, run_idx) -> set[int]:
+    """Indices of measurements lost with their RPC server (to be measured again, never
+    committed). Only an RPC fleet loses devices: a local runner's timeout or crash is the
+    candidate's own failure, recorded as such."""
+    if not hasattr(runner, "tvm_attention_tracker"):
+        return set()
+    return {i for i in run_idx if is_rpc_failure(results[i].error_msg)}
+
+
 def _reset_rpc_runner(runner):
     """Kill a runner's workers (stuck in the tracker queue or on a hung server) and make a new one."""
     from tvm.s_tir import meta_schedule as ms
@@ -612,7 +621,7 @@ def _tune_locked(spec, target, device, schedule, trials, work, per_round, seed, 
                         Path(b.artifact_path).unlink(missing_ok=True)
             # Measurements lost with their device were never made: not committed, not counted,
             # and free to be measured again on resume.
-            rpc_lost = {i for i in run_idx if is_rpc_failure(results[i].error_msg)}
+            rpc_lost = lost_with_device(runner, results, run_idx)
             for i in rpc_lost:
                 measured.pop(keys[i], None)
             workload = db.commit_workload(state.defn.mod)
