@@ -205,3 +205,21 @@ def test_rowcache_space_points_are_correct(seed):
     # no S×S buffer, but the local row buffers span every key
     s = {a.name: a for a in built.audit.allocations}["S"]
     assert s.scope == "local" and s.elements == spec.seq_kv * knobs.block_m
+
+
+def test_committed_logs_match_the_current_workloads():
+    # A change to a workload's compute makes every committed record stale, and build then falls
+    # back to the hand schedule without a word: regenerate them (scripts/tune_defaults.sh).
+    import re
+
+    from tvm_attention.tune.logs import best_records, repo_logs_root
+
+    folders = sorted(p for p in repo_logs_root().glob("*/*") if (p / RECORD_FILE).exists())
+    assert folders
+    for folder in folders:
+        b, h, kv, q, k, d, dtype, mask = re.fullmatch(
+            r"b(\d+)_h(\d+)_kv(\d+)_q(\d+)_k(\d+)_d(\d+)_(\w+?)_(full|causal)", folder.name).groups()
+        spec = AttentionSpec(batch=int(b), heads=int(h), kv_heads=int(kv), seq_q=int(q), seq_kv=int(k),
+                             head_dim=int(d), dtype=dtype, causal=mask == "causal")
+        target = parse_logs(folder).records[0][1].target
+        assert best_records(spec, target, "fused", folder, k=1), f"{folder}: no record matches the workload"
