@@ -28,7 +28,7 @@ def main() -> int:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--causal", choices=["both", "yes", "no"], default="both")
     p.add_argument("--schedule", default="fused", choices=["fused", "materialized", "rowcache"])
-    p.add_argument("--work-dir", default=None, help="log folder (default: the committed one per spec)")
+    p.add_argument("--work-dir", default=None, help="log folder (default per spec: your tune's log in the user cache if it has records, else the committed one)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--repeat", type=int, default=7)
     a = p.parse_args()
