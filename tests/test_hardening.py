@@ -264,3 +264,12 @@ def test_small_input_errors():
         AttentionSpec(batch=1, heads=64, seq_q=1 << 20, head_dim=64)
     with pytest.raises(SpecError, match="head_dim"):
         AttentionSpec(batch=1, heads=1, seq_q=8, head_dim=1024)
+
+
+def test_probe_is_not_refused_by_a_limit_on_the_growing_buffer():
+    # rowcache's own row-bytes limit refused the doubled length, the audit fell back to the size
+    # rule, and a row buffer of 300k keys (smaller than 64 × 300k scores) passed as fused.
+    spec = AttentionSpec(batch=1, heads=1, seq_q=64, seq_kv=300000, head_dim=16)
+    report = build_kernel(spec, schedule="rowcache", knobs={"block_m": 16}).audit
+    assert not report.fused and "error" not in report.probe, report.format()
+    assert {a.name: a for a in report.allocations}["S"].grows
