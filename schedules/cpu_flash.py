@@ -248,8 +248,9 @@ def schedule(
     passes ``check``.
     """
     row_tile = sch.get_sblock("row_tile")
-    block_m = int(sch.get(row_tile).alloc_buffers[0].shape[1])  # Qt is (D, block_m)
-    s_buf = [b for b in sch.get(row_tile).alloc_buffers if b.name == "S"][0]
+    bufs = {b.name: b for b in sch.get(row_tile).alloc_buffers}
+    block_m = int(bufs["Qt"].shape[1])  # Qt is (D, block_m)
+    s_buf = bufs["S"]
     block_n = int(s_buf.shape[0])  # keys per S tile: block_n (fused) or seq_kv (row-cached)
     D = spec.head_dim
     pin = knobs is not None
@@ -313,8 +314,7 @@ def schedule(
     # Step 6. Parallel over (batch, head, row tile), parallel_chunk row tiles per task. Last:
     # get_loops of the nested blocks must not see the outer loops change under them (their
     # count would differ between recording and replay of a trace).
-    b, h, r = sch.get_loops(row_tile)
-    fused = sch.fuse(b, h, r)
+    fused = sch.fuse(*sch.get_loops(row_tile))  # (batch, head, row tile), or varlen's (head, slot)
     chunk = _choice(sch, PARALLEL_CHUNKS, knobs.parallel_chunk if pin else None)
     outer, _ = sch.split(fused, [None, chunk])
     sch.parallel(outer)

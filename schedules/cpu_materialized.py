@@ -24,7 +24,7 @@ from tvm_attention.target import vector_lanes
 from tvm_attention.workloads import materialized_attention
 
 from . import cpu_flash
-from ._knobs import KnobError, KnobsMixin
+from ._knobs import KnobError, KnobsMixin, require_shapes
 
 NAME = "materialized"
 
@@ -47,6 +47,7 @@ def preset(spec: AttentionSpec, target: Target) -> MaterializedCPUKnobs:
 
 
 def check(knobs: MaterializedCPUKnobs, spec: AttentionSpec, target: Target) -> None:
+    require_shapes(spec, "materialized", ('bhsd',), symbolic=True)
     cpu_flash.check_cpu_dtype(spec)
     for name in ("gemm_rows", "key_vectors", "vector_lanes"):
         v = getattr(knobs, name)
@@ -85,7 +86,10 @@ def _split_exact(sch: s_tir.Schedule, loop, extent: int, factor: int):
 
 def apply(sch: s_tir.Schedule, knobs: MaterializedCPUKnobs, spec: AttentionSpec) -> s_tir.Schedule:
     lanes = knobs.vector_lanes
-    SQ, SK = spec.seq_q, spec.seq_kv
+    # Splits below are exact (no tail predicate), so only at known lengths: a symbolic length
+    # counts as 1 here, which leaves its loops whole (correct at every length, just slower).
+    SQ = 1 if "seq_q" in spec.dynamic else spec.seq_q
+    SK = 1 if "seq_kv" in spec.dynamic else spec.seq_kv
 
     # Step 1. S_gemm with a transposed copy of K per (batch, head).
     s_gemm = sch.get_sblock("S_gemm")

@@ -17,7 +17,7 @@ from tvm_attention.target import vector_lanes
 from tvm_attention.workloads import rowcache_attention
 
 from . import cpu_flash
-from ._knobs import KnobError, KnobsMixin
+from ._knobs import KnobError, KnobsMixin, require_shapes
 
 NAME = "rowcache"
 LAYOUT = cpu_flash.TileKernelLayout(
@@ -55,6 +55,7 @@ def preset(spec: AttentionSpec, target: Target) -> RowCacheCPUKnobs:
 
 
 def check(knobs: RowCacheCPUKnobs, spec: AttentionSpec, target: Target) -> None:
+    require_shapes(spec, "rowcache", ('bhsd',), symbolic=False)
     if spec.seq_kv % knobs.s_rows:
         raise KnobError(f"s_rows={knobs.s_rows} must divide seq_kv={spec.seq_kv}")
     as_flash = cpu_flash.FlashCPUKnobs(

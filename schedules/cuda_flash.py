@@ -20,7 +20,7 @@ from tvm.target import Target
 from tvm_attention.spec import AttentionSpec
 from tvm_attention.workloads.fused_cuda import fused_attention_cuda, vector_elems
 
-from ._knobs import KnobError, KnobsMixin
+from ._knobs import KnobError, KnobsMixin, require_shapes
 
 NAME = "fused"
 WARP = 32
@@ -80,6 +80,7 @@ def registers_estimate(knobs: FlashCUDAKnobs, spec: AttentionSpec) -> int:
 
 
 def check(knobs: FlashCUDAKnobs, spec: AttentionSpec, target: Target) -> None:
+    require_shapes(spec, "CUDA fused", ('bhsd',), symbolic=False)
     for name in ("block_m", "block_n", "threads_per_row", "stages"):
         v = getattr(knobs, name)
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:

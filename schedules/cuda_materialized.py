@@ -14,7 +14,7 @@ from tvm.target import Target
 from tvm_attention.spec import AttentionSpec
 from tvm_attention.workloads import materialized_attention
 
-from ._knobs import KnobsMixin
+from ._knobs import KnobsMixin, require_shapes
 
 NAME = "materialized"
 
@@ -31,7 +31,7 @@ def preset(spec: AttentionSpec, target: Target) -> MaterializedCUDAKnobs:
 
 
 def check(knobs: MaterializedCUDAKnobs, spec: AttentionSpec, target: Target) -> None:
-    return None
+    require_shapes(spec, "CUDA materialized", ('bhsd',), symbolic=False)
 
 
 def workload(spec: AttentionSpec, knobs: MaterializedCUDAKnobs):

@@ -10,9 +10,14 @@ Manifest (``manifest_version`` 1; keys are only ever added, never repurposed)::
     kernel_source     "kernel.cu" (CUDA builds: the generated CUDA C)
     resources         (CUDA builds) ptxas report: registers, spill bytes, stack frame, shared
                       memory, barriers, threads per block, occupancy estimate; or why it is absent
-    layout            "BHSD"
-    args              [{name, shape, dtype}] for q, k, v, o (o is the output buffer the caller passes)
-    spec              AttentionSpec fields
+    layout            "BHSD" | "varlen" (the entry of tvm_attention.layouts; the spec says which too)
+    args              [{name, shape, dtype}] in call order (bhsd: q, k, v, o; varlen: q, k, v,
+                      cu_seqlens_q, cu_seqlens_k, o; o is the output buffer the caller passes).
+                      A symbolic dim is written as its name: ["batch", 8, "seq_q", 64];
+                      ``"batch+1"`` is one more than batch (cu_seqlens)
+    symbolic_dims     names of the dims the kernel takes at call time ([] for a static build)
+    spec              AttentionSpec fields (with ``layout`` and ``dynamic``; a dynamic dim's
+                      integer is the representative value it was validated and timed at)
     target            the TVM target (JSON dict)
     schedule          {name, source: "hand"|"tuned", family, knobs | trace}
     tvm_version       TVM that built it
@@ -74,8 +79,9 @@ def make_manifest(built: BuiltKernel, validation: ValidationResult) -> dict[str,
         "entry": built.entry,
         "library": LIBRARY,
         "lowered_ir": LOWERED,
-        "layout": "BHSD",
+        "layout": built.spec.layout_info.manifest_name,
         "args": built.spec.arg_specs(),
+        "symbolic_dims": built.spec.layout_info.symbolic_dims(built.spec),
         "spec": built.spec.to_dict(),
         "target": target_to_json(built.target),
         "schedule": built.schedule_info(),

@@ -20,6 +20,11 @@ head_dim, never by the sequence lengths. So the verdict is ``fused`` iff
    ``shared`` also counts on GPUs). At least one must be present (lowering may fold ``P`` into
    ``S``'s memory).
 
+A **symbolic** build (``spec.dynamic``; the varlen layout) needs no probe: its IR says it. An
+allocation whose size expression holds a symbolic dim (``batch``, ``seq_q``, ``seq_kv``,
+``total_q``...) grows with it and fails the audit (the symbolic materialized S holds
+``batch·heads·seq_q·seq_kv`` elements); a constant size cannot grow.
+
 Where no probe could be built (the schedule does not fit the other lengths), or for a buffer the
 probe does not have, the audit falls back to the size rule: no allocation may hold
 ``seq_q × seq_kv`` elements or more (one score matrix); the report notes it.
@@ -50,10 +55,15 @@ class Allocation:
     #: elements of the same buffer in the probe build at other lengths (None: no probe, or the
     #: probe has no buffer of this name)
     probe_elements: int | None = None
+    #: symbolic dims its size depends on ((): a constant size), or None: not a symbolic build
+    depends_on: tuple[str, ...] | None = None
+    size_expr: str | None = None  # the size in elements when it is not a constant
 
     @property
     def grows(self) -> bool | None:
-        """True if its size depends on seq_q/seq_kv; None if that is unknown (no probe)."""
+        """True if its size depends on a length; None if that is unknown (no probe)."""
+        if self.depends_on is not None:
+            return bool(self.depends_on)
         if self.probe_elements is None:
             return None
         return self.probe_elements != self.elements
@@ -99,12 +109,20 @@ class AuditReport:
         }
 
     def format(self) -> str:
-        lines = [f"audit: {self.verdict.upper()}  (score matrix = {self.score_elements} elements)"]
+        symbolic = bool(self.probe and "symbolic" in self.probe)
+        matrix = (f"symbolic dims: {', '.join(self.probe['symbolic'])}" if symbolic
+                  else f"score matrix = {self.score_elements} elements")
+        lines = [f"audit: {self.verdict.upper()}  ({matrix})"]
         grow_head = "grows with seq" if self.probe and "error" not in self.probe else ""
         lines.append(f"  {'buffer':<12} {'scope':<8} {'dtype':<8} {'elements':>12} {'bytes':>12}  {grow_head}")
         for a in sorted(self.allocations, key=lambda a: -a.bytes):
-            grows = {True: f"YES ({a.probe_elements} at the probe)", False: "no", None: "?"}[a.grows]
-            lines.append(f"  {a.name:<12} {a.scope:<8} {a.dtype:<8} {a.elements:>12} {a.bytes:>12}  "
+            if symbolic:
+                grows = f"YES: {', '.join(a.depends_on or ())}" if a.grows else "no"
+            else:
+                grows = {True: f"YES ({a.probe_elements} at the probe)", False: "no", None: "?"}[a.grows]
+            elements = a.elements if a.elements >= 0 else "symbolic"
+            nbytes = a.bytes if a.bytes >= 0 else "symbolic"
+            lines.append(f"  {a.name:<12} {a.scope:<8} {a.dtype:<8} {elements:>12} {nbytes:>12}  "
                          f"{grows if grow_head else ''}".rstrip())
         for r in self.reasons:
             lines.append(f"  - {r}")
@@ -122,7 +140,39 @@ def _elements_from_shape(shape: Iterable[Any]) -> int | None:
     return n
 
 
-def _from_buffer(buf: Any, function: str, nbytes: int | None = None) -> Allocation:
+#: The symbolic dims' variable names in the workloads (the layouts' symbolic dims; varlen's
+#: ``batch`` enters as ``batch_plus_1``, the length of cu_seqlens).
+SYMBOLIC_VARS = frozenset({"batch", "seq_q", "seq_kv", "total_q", "total_k", "batch_plus_1"})
+
+
+def _vars_in(exprs: Iterable[Any], lets: dict[str, Any], _depth: int = 0) -> tuple[str, ...]:
+    """The symbolic dims (``SYMBOLIC_VARS``) a size expression depends on, sorted. Lowering
+    binds common subexpressions (``cse_v9 = batch * seq_q``) with lets: those are followed to
+    their values; anything else that varies at run time is named as it is."""
+    found: list[Any] = []
+    inner: set[str] = set()  # vars bound inside the expression (T.Let)
+
+    def on_let(n):
+        inner.add(n.var.name)
+
+    for e in exprs:
+        if isinstance(e, tvm.tirx.Var):
+            found.append(e)
+        elif isinstance(e, tvm.ir.expr.Expr):
+            tvm_ffi.structural_walk(e, [(tvm.tirx.Var, found.append), (tvm.tirx.Let, on_let)])
+    names: set[str] = set()
+    for v in found:
+        if v.name in SYMBOLIC_VARS or v.name in inner:
+            names.update({v.name} & SYMBOLIC_VARS)
+        elif v.name in lets and _depth < 32:
+            names.update(_vars_in([lets[v.name]], lets, _depth + 1))
+        else:
+            names.add(v.name)
+    return tuple(sorted(names))
+
+
+def _from_buffer(buf: Any, function: str, nbytes: int | None = None, size: Any = None,
+                 lets: dict[str, Any] | None = None) -> Allocation:
     dt = tvm.DataType(str(buf.dtype))
     scalar = str(dt).split("x")[0]
     bits = dt.bits
@@ -132,7 +182,15 @@ def _from_buffer(buf: Any, function: str, nbytes: int | None = None) -> Allocati
         elements = nbytes * 8 // bits
     else:
         nbytes = elements * bits // 8 if elements >= 0 else -1
-    return Allocation(buf.name, buf.scope(), scalar, elements, nbytes, function)
+    size_expr = None
+    if elements < 0:
+        exprs = [size] if size is not None else list(buf.shape)
+        depends = _vars_in(exprs, lets or {})
+        size_expr = f"grows with {' · '.join(depends)}"
+    else:
+        depends = ()
+    return Allocation(buf.name, buf.scope(), scalar, elements, nbytes, function,
+                      depends_on=depends, size_expr=size_expr)
 
 
 def list_allocations(lowered: LoweredModule) -> list[Allocation]:
@@ -143,16 +201,23 @@ def list_allocations(lowered: LoweredModule) -> list[Allocation]:
             if not isinstance(func, tvm.tirx.PrimFunc):
                 continue
             fname = gv.name_hint
+            lets: dict[str, Any] = {}
 
-            def on_alloc(node, fname=fname):
-                found.append(_from_buffer(node.buffer, fname))
+            def on_let(node, lets=lets):
+                lets.setdefault(node.var.name, node.value)
 
-            def on_decl(node, fname=fname):
+            tvm_ffi.structural_walk(func.body, [(tvm.tirx.LetStmt, on_let), (tvm.tirx.Bind, on_let)])
+
+            def on_alloc(node, fname=fname, lets=lets):
+                found.append(_from_buffer(node.buffer, fname, lets=lets))
+
+            def on_decl(node, fname=fname, lets=lets):
                 data = node.data
                 if isinstance(data, tvm.ir.Call) and getattr(data.op, "name", "") == _WORKSPACE_OP:
                     nbytes = data.args[2]
                     nb = int(nbytes) if isinstance(nbytes, tvm.tirx.IntImm) else None
-                    found.append(_from_buffer(node.buffer, fname, nb))
+                    found.append(_from_buffer(node.buffer, fname, nb, size=None if nb is not None else nbytes,
+                                              lets=lets))
 
             tvm_ffi.structural_walk(
                 func.body, [(tvm.tirx.AllocBuffer, on_alloc), (tvm.tirx.DeclBuffer, on_decl)]
@@ -195,6 +260,9 @@ def audit(
     reasons: list[str] = []
     notes: list[str] = []
     probe_info: dict[str, Any] | None = None
+    if spec.dynamic:
+        return _audit_symbolic(allocs, spec, score_buffers, threshold)
+    allocs = [dataclasses.replace(a, depends_on=None) for a in allocs]
     if isinstance(probe, str):
         notes.append(f"no probe build at other lengths ({probe}): size rule only")
         probe_info = {"error": probe}
@@ -204,7 +272,7 @@ def audit(
         probe_info = {"seq_q": pspec.seq_q, "seq_kv": pspec.seq_kv}
     for a in allocs:
         if a.elements < 0:
-            reasons.append(f"{a.name} ({a.scope}) has a size unknown at compile time")
+            reasons.append(f"{a.name} ({a.scope}) has a size unknown at compile time: {a.size_expr}")
         elif a.grows:
             reasons.append(
                 f"{a.name} ({a.scope}, {a.bytes} B) grows with the sequence length: {a.elements} elements "
@@ -218,6 +286,30 @@ def audit(
     unmatched = [a.name for a in allocs if a.grows is None]
     if probe is not None and not isinstance(probe, str) and unmatched:
         notes.append(f"not in the probe build, size rule only: {', '.join(unmatched)}")
+    _check_score_buffers(allocs, score_buffers, reasons, notes)
+    verdict = "not fused" if reasons else "fused"
+    return AuditReport(verdict, tuple(reasons), tuple(allocs), threshold, tuple(notes), probe_info)
+
+
+def _audit_symbolic(allocs: list[Allocation], spec: AttentionSpec, score_buffers: Sequence[str],
+                    threshold: int) -> AuditReport:
+    """The audit of a build with symbolic dims: fused iff no allocation's size depends on one
+    (and the score tile is on chip)."""
+    reasons: list[str] = []
+    notes = [f"symbolic build ({', '.join(spec.layout_info.symbolic_dims(spec))}): an allocation whose size "
+             "depends on a symbolic dim grows with it"]
+    for a in allocs:
+        if a.depends_on:
+            reasons.append(f"{a.name} ({a.scope}) has a size that depends on the symbolic "
+                           f"{', '.join(a.depends_on)}")
+    _check_score_buffers(allocs, score_buffers, reasons, notes)
+    verdict = "not fused" if reasons else "fused"
+    return AuditReport(verdict, tuple(reasons), tuple(allocs), threshold, tuple(notes),
+                       {"symbolic": spec.layout_info.symbolic_dims(spec)})
+
+
+def _check_score_buffers(allocs: Sequence[Allocation], score_buffers: Sequence[str], reasons: list[str],
+                         notes: list[str]) -> None:
     by_name = {a.name: a for a in allocs}
     present = [by_name[n] for n in score_buffers if n in by_name]
     missing = [n for n in score_buffers if n not in by_name]
@@ -229,5 +321,3 @@ def audit(
     for a in present:
         if a.scope not in ON_CHIP_SCOPES:
             reasons.append(f"score buffer {a.name!r} is in {a.scope!r} scope, not on chip")
-    verdict = "not fused" if reasons else "fused"
-    return AuditReport(verdict, tuple(reasons), tuple(allocs), threshold, tuple(notes), probe_info)

@@ -76,8 +76,9 @@ def build_kernel(
     knobs = resolve_knobs(family, spec, target, knobs)
     family.check(knobs, spec, target)
     mod = _schedule_module(family, spec, knobs, target)
-    return build_from_module(spec, schedule, mod, target, source="hand", knobs=knobs,
-                             probe=lambda: _probe(family, spec, knobs, target))
+    # A symbolic build's IR shows what grows with a length: no probe needed.
+    probe = None if spec.dynamic else (lambda: _probe(family, spec, knobs, target))
+    return build_from_module(spec, schedule, mod, target, source="hand", knobs=knobs, probe=probe)
 
 
 def resolve_knobs(family, spec: AttentionSpec, target: Target, knobs: Any):
@@ -161,7 +162,10 @@ def cuda_resources(built: BuiltKernel) -> dict[str, Any]:
 
 
 def build_from_record(spec: AttentionSpec, schedule: str, target: str | Target, workload, record) -> BuiltKernel:
-    """Replay a tuning record's trace on its workload and build it (``source="tuned"``)."""
+    """Replay a tuning record's trace on its workload and build it (``source="tuned"``).
+
+    A symbolic (or varlen) ``spec`` is tuned at its representative static shape: the trace is
+    replayed there, its knobs read back, and the symbolic kernel built with them."""
     target = resolve_target(target)
     sch = s_tir.Schedule(workload.mod)
     record.trace.apply_to_schedule(sch, remove_postproc=False)
@@ -171,6 +175,14 @@ def build_from_record(spec: AttentionSpec, schedule: str, target: str | Target, 
 
     family = get_schedule(schedule, target)
     knobs = family.knobs_of(sch, vector_lanes(target, spec.dtype)) if hasattr(family, "knobs_of") else None
+    if spec.dynamic:
+        if knobs is None:
+            raise ValueError(f"a tuned {schedule} trace cannot be replayed on a symbolic kernel (no knobs to read)")
+        family.check(knobs, spec, target)
+        built = build_from_module(spec, schedule, _schedule_module(family, spec, knobs, target), target,
+                                  source="tuned", knobs=knobs, trace=str(record.trace))
+        built.record_secs = [float(x) for x in record.run_secs]
+        return built
     # A tuned fused/rowcache trace is a point of the hand schedule's space: its knobs rebuild it
     # at the probe's lengths. Other traces (MetaSchedule's own spaces) cannot be replayed there.
     probe = (lambda: _probe(family, spec, knobs, target)) if knobs is not None else None

@@ -15,15 +15,37 @@ DEFAULT_SPEC = dict(batch=1, heads=8, seq_q=1024, head_dim=64, dtype="float32", 
 DEFAULT_OUT = "artifacts"
 
 
+#: Representative values of a dim given as plain ``dyn``: what the build validates, times and
+#: looks up tuning logs at (``dyn:N`` picks another).
+DYN_DEFAULTS = {"batch": 1, "seq_q": 1024, "seq_kv": None}
+
+
+def _dim(text: str):
+    """``--batch``/``--seq-q``/``--seq-kv``: an int, ``dyn`` or ``dyn:N`` (symbolic, representative N)."""
+    t = str(text).strip().lower()
+    if t == "dyn" or t.startswith("dyn:"):
+        rep = t[4:]
+        if rep and not rep.isdigit():
+            raise argparse.ArgumentTypeError(f"{text!r}: expected dyn or dyn:N with N a positive int")
+        return ("dyn", int(rep) if rep else None)
+    try:
+        return int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected an int, dyn, or dyn:N") from None
+
+
 def _add_spec_flags(p: argparse.ArgumentParser, defaults: dict | None = None) -> None:
     d = defaults or {}
-    req = not d
-    p.add_argument("--batch", type=int, default=d.get("batch"), required=req, help="B")
-    p.add_argument("--heads", type=int, default=d.get("heads"), required=req, help="H (query heads)")
+    dyn = " (or dyn / dyn:N: symbolic, any value at call time; N is the representative value)"
+    p.add_argument("--layout", default="bhsd", choices=["bhsd", "varlen"],
+                   help="bhsd: dense (B, H, S, D) (default); varlen: FlashAttention's packed (total, H, D) + "
+                        "cu_seqlens_q/k, batch and lengths symbolic")
+    p.add_argument("--batch", type=_dim, default=d.get("batch"), help="B" + dyn)
+    p.add_argument("--heads", type=int, default=d.get("heads"), required=not d, help="H (query heads)")
     p.add_argument("--kv-heads", type=int, default=None, help="KH (default: heads); heads %% KH == 0")
-    p.add_argument("--seq-q", type=int, default=d.get("seq_q"), required=req, help="Sq")
-    p.add_argument("--seq-kv", type=int, default=None, help="Skv (default: seq-q)")
-    p.add_argument("--head-dim", type=int, default=d.get("head_dim"), required=req, help="D")
+    p.add_argument("--seq-q", type=_dim, default=d.get("seq_q"), help="Sq" + dyn)
+    p.add_argument("--seq-kv", type=_dim, default=None, help="Skv (default: seq-q)" + dyn)
+    p.add_argument("--head-dim", type=int, default=d.get("head_dim"), required=not d, help="D")
     p.add_argument("--dtype", default=d.get("dtype", "float32"), help="float32 on CPU; float16, bfloat16 or float32 on cuda")
     p.add_argument("--causal", action="store_true", default=d.get("causal", False),
                    help="bottom-right causal mask: query i sees key j iff j <= i + Skv - Sq")
@@ -31,9 +53,28 @@ def _add_spec_flags(p: argparse.ArgumentParser, defaults: dict | None = None) ->
 
 
 def _spec_from_args(a: argparse.Namespace) -> AttentionSpec:
+    dims, dynamic = {}, []
+    for name, flag in (("batch", "--batch"), ("seq_q", "--seq-q"), ("seq_kv", "--seq-kv")):
+        v = getattr(a, name)
+        if name == "seq_kv" and v is None and a.layout != "varlen":
+            v = a.seq_q  # default: like seq_q (dyn too when seq_q is)
+        if a.layout == "varlen" and v is None:
+            v = ("dyn", None)  # varlen: batch and lengths are per call
+        if v is None and name != "seq_kv":
+            raise SpecError(f"{flag} is required (an int, dyn or dyn:N)")
+        if isinstance(v, tuple):
+            dynamic.append(name)
+            v = v[1] or DYN_DEFAULTS[name]
+            if v is None:  # seq_kv: dyn -> seq_q's representative
+                v = dims["seq_q"]
+        elif a.layout == "varlen" and v is not None:
+            raise SpecError(f"{flag}={v}: the varlen layout takes batch and lengths at call time "
+                            f"(give dyn:N for a representative value, or leave it out)")
+        dims[name] = v
     return AttentionSpec(
-        batch=a.batch, heads=a.heads, kv_heads=a.kv_heads, seq_q=a.seq_q, seq_kv=a.seq_kv,
-        head_dim=a.head_dim, dtype=a.dtype, causal=a.causal, scale=a.scale,
+        batch=dims["batch"], heads=a.heads, kv_heads=a.kv_heads, seq_q=dims["seq_q"], seq_kv=dims["seq_kv"],
+        head_dim=a.head_dim, dtype=a.dtype, causal=a.causal, scale=a.scale, layout=a.layout,
+        dynamic=tuple(dynamic),
     )
 
 
@@ -138,8 +179,12 @@ def cmd_run(a: argparse.Namespace) -> int:
     t = time_module(built.module, built.entry, spec)
     from .threads import num_threads
 
-    print(f"spec:       {spec.short_name()}  (B={spec.batch} H={spec.heads} KH={spec.kv_heads} "
-          f"Sq={spec.seq_q} Skv={spec.seq_kv} D={spec.head_dim} {spec.dtype} causal={spec.causal})")
+    def dim(n: str) -> str:
+        v = getattr(spec, n)
+        return f"dyn (timed at {v})" if n in spec.dynamic else str(v)
+
+    print(f"spec:       {spec.short_name()}  (layout {spec.layout} B={dim('batch')} H={spec.heads} KH={spec.kv_heads} "
+          f"Sq={dim('seq_q')} Skv={dim('seq_kv')} D={spec.head_dim} {spec.dtype} causal={spec.causal})")
     print(f"schedule:   {_schedule_line(built)}")
     print(f"target:     {built.target}  threads: {num_threads()}")
     print(built.audit.format())
@@ -177,6 +222,13 @@ def cmd_tune(a: argparse.Namespace) -> int:
     from .target import resolve_target
 
     spec = _spec_from_args(a)
+    if spec.dynamic:
+        # Symbolic kernels are tuned at their representative shape: the knobs are tile sizes and
+        # register blocks, the same at every length, and MetaSchedule measures concrete shapes.
+        rep = spec.representative()
+        progress(f"{spec.short_name()} is symbolic ({', '.join(spec.dynamic)}): tuning at the representative "
+                 f"shape {rep.short_name()}; dynamic builds of this configuration use that log")
+        spec = rep
     target = resolve_target(a.target, arch=a.arch)
     try:
         result = tune(spec, target=target, schedule=a.schedule, trials=a.trials, work_dir=a.work_dir,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import sys
 import warnings
@@ -25,17 +26,14 @@ from typing import Any
 import numpy as np
 import tvm
 
-from .spec import AttentionSpec, numpy_dtype
+from .layouts import KernelArgumentError, _bound_dim
+from .spec import MAX_ELEMENTS, AttentionSpec, numpy_dtype
 
 ALIGNMENT = 64
 MANIFEST = "manifest.json"
 SUPPORTED_MANIFEST_VERSIONS = (1,)
 _DLPACK_CPU = 1
 _DLPACK_CUDA = 2
-
-
-class KernelArgumentError(ValueError):
-    """A kernel argument does not match the artifact's manifest."""
 
 
 class ArtifactError(RuntimeError):
@@ -112,11 +110,20 @@ def check_no_overlap(out: Any, inputs: dict[str, Any]) -> None:
             )
 
 
-class AttentionKernel:
-    """Callable wrapper around a compiled attention function: ``kernel(q, k, v) -> o``.
+def _shape_text(shape) -> str:
+    return "(" + ", ".join(str(d) for d in shape) + ")"
 
-    ``q``: ``(B, H, Sq, D)``; ``k``, ``v``: ``(B, KH, Skv, D)``; result ``o``: ``(B, H, Sq, D)``,
-    all ``spec.dtype``, C-contiguous, on the CPU. Pass ``out=`` to write into your own buffer.
+
+class AttentionKernel:
+    """Callable wrapper around a compiled attention function.
+
+    bhsd: ``kernel(q, k, v) -> o`` with ``q (B, H, Sq, D)``, ``k``, ``v (B, KH, Skv, D)``, result
+    ``(B, H, Sq, D)``; varlen: ``kernel(q, k, v, cu_seqlens_q=..., cu_seqlens_k=...)`` with the
+    packed ``(total, heads, D)`` tensors (``tvm_attention.layouts``). All ``spec.dtype``,
+    C-contiguous, on the CPU. A symbolic dim (the manifest's ``symbolic_dims``) takes any size;
+    the others must match. Pass ``out=`` to write into your own buffer. FlashAttention's
+    ``causal``, ``softmax_scale`` (and for varlen ``max_seqlen_q``/``max_seqlen_k``) keywords are
+    accepted and checked against what the artifact was built with.
     """
 
     def __init__(self, spec: AttentionSpec, function: Any, manifest: dict[str, Any] | None = None,
@@ -131,35 +138,81 @@ class AttentionKernel:
         self.num_threads = default_num_threads() if num_threads is None else num_threads
         if isinstance(self.num_threads, bool) or not isinstance(self.num_threads, int) or self.num_threads < 1:
             raise ValueError(f"num_threads must be a positive int, got {num_threads!r}")
+        self.layout = spec.layout_info
         self._arg_specs = spec.arg_specs()
+        # (name, shape with ints and dim names, NumPy dtype) of each input, in call order
+        self._inputs = [(a["name"], tuple(a["shape"]), numpy_dtype(a["dtype"]))
+                        for a, arg in zip(self._arg_specs, self.layout.args) if not arg.output]
+        self._out_shape = tuple(next(a["shape"] for a, arg in zip(self._arg_specs, self.layout.args) if arg.output))
+        self._index_names = tuple(a.name for a in self.layout.index_args)
+        self._static = not any(isinstance(d, str) for _, shape, _ in self._inputs for d in shape)
 
-    def _cuda_tensor(self, idx: int, x: Any):
-        """A CUDA DLPack tensor, wrapped without a copy (shape and dtype checked)."""
-        want = self._arg_specs[idx]
-        t = tvm.runtime.from_dlpack(x)
-        if tuple(t.shape) != tuple(want["shape"]) or str(t.dtype) != want["dtype"]:
+    # -- argument handling ---------------------------------------------------------------------
+    def _gather(self, q, k, v, index, kw) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The inputs by name (index arrays positional or by keyword) and the option keywords."""
+        given: dict[str, Any] = {"q": q, "k": k, "v": v}
+        options: dict[str, Any] = {}
+        if len(index) > len(self._index_names):
             raise KernelArgumentError(
-                f"{want['name']}: expected shape {tuple(want['shape'])} dtype {want['dtype']}, "
-                f"got {tuple(t.shape)} {t.dtype}"
+                f"{len(index)} arguments after q, k, v; this {self.layout.name} kernel takes "
+                f"{len(self._index_names)}{': ' + ', '.join(self._index_names) if self._index_names else ''}"
             )
-        return t, type(x).__module__.split(".")[0]
+        given.update(zip(self._index_names, index))
+        for name, x in kw.items():
+            if name in self._index_names:
+                if name in given:
+                    raise KernelArgumentError(f"{name}: given both by position and by keyword")
+                given[name] = x
+            elif name in self.layout.options:
+                options[name] = x
+            else:
+                known = list(self._index_names) + list(self.layout.options) + ["out"]
+                raise KernelArgumentError(
+                    f"unexpected keyword argument {name!r} for a {self.layout.name} kernel; it takes {', '.join(known)}"
+                )
+        missing = [n for n in self._index_names if n not in given]
+        if missing:
+            raise KernelArgumentError(
+                f"missing {', '.join(missing)}: a {self.layout.name} kernel is called as "
+                f"kernel(q, k, v, {', '.join(f'{n}=...' for n in self._index_names)})"
+            )
+        return given, options
 
-    def _check(self, idx: int, x: Any) -> tuple[np.ndarray, str | None]:
-        want = self._arg_specs[idx]
-        name = want["name"]
-        arr, framework = _as_numpy(name, x, self.device)
-        shape = tuple(want["shape"])
+    def _check_array(self, name: str, shape: tuple, dtype: np.dtype, arr: np.ndarray, bound: dict[str, int],
+                     source: dict[str, str]) -> np.ndarray:
+        layout = self.layout.name.upper() if self.layout.name == "bhsd" else self.layout.name
         if arr.ndim != len(shape):
             raise KernelArgumentError(
-                f"{name}: expected rank {len(shape)} (BHSD {shape}), got rank {arr.ndim} with shape {arr.shape}"
+                f"{name}: expected rank {len(shape)} ({layout} {_shape_text(shape)}), got rank {arr.ndim} "
+                f"with shape {arr.shape}"
             )
-        if tuple(arr.shape) != shape:
-            raise KernelArgumentError(f"{name}: expected shape {shape} (BHSD), got {tuple(arr.shape)}")
-        if arr.dtype != numpy_dtype(want["dtype"]):
-            raise KernelArgumentError(f"{name}: expected dtype {want['dtype']}, got {arr.dtype}")
+        for i, want in enumerate(shape):
+            n = arr.shape[i]
+            if isinstance(want, int):
+                if n != want:
+                    raise KernelArgumentError(
+                        f"{name}: expected shape {_shape_text(shape)} ({layout}), got {tuple(arr.shape)}"
+                    )
+                continue
+            key, plus = _bound_dim(want)
+            value = n - plus
+            if key not in bound:
+                bound[key], source[key] = value, name
+            elif bound[key] != value:
+                raise KernelArgumentError(
+                    f"{name}: dim {i} ({want}) is {n}, but {source[key]} has {key}={bound[key]}; expected shape "
+                    f"{_shape_text(shape)} with {key}={bound[key]}"
+                )
+        if arr.size and arr.size > MAX_ELEMENTS:
+            raise KernelArgumentError(
+                f"{name}: {arr.size} elements {tuple(arr.shape)}; the kernel indexes with 32-bit ints, so a "
+                f"tensor may hold at most {MAX_ELEMENTS}: split the batch"
+            )
+        if arr.dtype != dtype:
+            raise KernelArgumentError(f"{name}: expected dtype {dtype}, got {arr.dtype}")
         if not arr.flags.c_contiguous:
             raise KernelArgumentError(
-                f"{name}: expected a C-contiguous (row-major BHSD) array, got strides {arr.strides}; "
+                f"{name}: expected a C-contiguous (row-major {layout}) array, got strides {arr.strides}; "
                 "use np.ascontiguousarray / .contiguous()"
             )
         if not is_aligned(arr):
@@ -167,15 +220,48 @@ class AttentionKernel:
             aligned = aligned_empty(arr.shape, arr.dtype)
             aligned[...] = arr
             arr = aligned
-        return arr, framework
+        return arr
 
-    def _check_out(self, out: Any, inputs: dict[str, Any]) -> np.ndarray:
+    def _prepare(self, given: dict[str, Any]) -> tuple[dict[str, np.ndarray], str | None, dict[str, int]]:
+        """NumPy views of the inputs after every check the kernel cannot make, the framework to
+        answer in, and the symbolic dims' values."""
+        arrays: dict[str, np.ndarray] = {}
+        bound: dict[str, int] = {}
+        source: dict[str, str] = {}
+        framework = None
+        for name, shape, dtype in self._inputs:
+            arr, fw = _as_numpy(name, given[name], self.device)
+            if name == "q":
+                framework = fw
+            arrays[name] = self._check_array(name, shape, dtype, arr, bound, source)
+        if self._index_names:
+            self.layout.check_indices(arrays, bound)
+        return arrays, framework, bound
+
+    def output_shape(self, bound: dict[str, int]) -> tuple[int, ...]:
+        """The output's shape once the symbolic dims are known."""
+        if self._static:
+            return self._out_shape
+        shape = []
+        for d in self._out_shape:
+            if isinstance(d, str):
+                key, plus = _bound_dim(d)
+                d = bound[key] + plus
+            shape.append(d)
+        out = tuple(shape)
+        if math.prod(out) > MAX_ELEMENTS:
+            raise KernelArgumentError(
+                f"o: the output {out} would have {math.prod(out)} elements; the kernel indexes with 32-bit "
+                f"ints, so a tensor may hold at most {MAX_ELEMENTS}: split the batch"
+            )
+        return out
+
+    def _check_out(self, out: Any, inputs: dict[str, Any], shape: tuple[int, ...]) -> np.ndarray:
         """``out`` as a NumPy view after the checks the kernel cannot make itself."""
         oa, _ = _as_numpy("out", out, self.device)
-        if tuple(oa.shape) != self.spec.o_shape or oa.dtype != self.spec.np_dtype:
+        if tuple(oa.shape) != shape or oa.dtype != self.spec.np_dtype:
             raise KernelArgumentError(
-                f"out: expected shape {self.spec.o_shape} dtype {self.spec.dtype}, "
-                f"got {tuple(oa.shape)} {oa.dtype}"
+                f"out: expected shape {shape} dtype {self.spec.dtype}, got {tuple(oa.shape)} {oa.dtype}"
             )
         if not oa.flags.c_contiguous or not oa.flags.writeable:
             raise KernelArgumentError(
@@ -186,25 +272,35 @@ class AttentionKernel:
                               for n, x in inputs.items()})
         return oa
 
-    def __call__(self, q: Any, k: Any, v: Any, out: Any = None) -> Any:
-        """``o = softmax(q·kᵀ·scale + mask)·v``: ``q (B, H, Sq, D)``, ``k``, ``v (B, KH, Skv, D)``
-        → ``o (B, H, Sq, D)``; with ``out=`` the result is written there and ``out`` returned."""
+    def _trivial(self, arrays: dict[str, np.ndarray]) -> bool:
+        """No work for the kernel: no query row, or no key at all (every row a zero row). A
+        zero-size tensor is answered here, never handed to the kernel."""
+        return arrays["q"].size == 0 or arrays["k"].size == 0
+
+    def __call__(self, q: Any, k: Any, v: Any, *index: Any, out: Any = None, **kw: Any) -> Any:
+        """``o = softmax(q·kᵀ·scale + mask)·v`` in the artifact's layout; with ``out=`` the result
+        is written there and ``out`` returned."""
+        given, options = self._gather(q, k, v, index, kw) if (index or kw or self._index_names) else ({"q": q, "k": k, "v": v}, None)
         if self.device == "cuda":
-            return self._call_cuda(q, k, v, out)
+            return self._call_cuda(given, out)
         from .threads import use_threads
 
-        qa, framework = self._check(0, q)
-        ka, _ = self._check(1, k)
-        va, _ = self._check(2, v)
+        arrays, framework, bound = self._prepare(given)
+        if options:
+            self.layout.check_options(self.spec, options, arrays)
+        oshape = self.output_shape(bound)
         if out is None:
-            oa = aligned_empty(self.spec.o_shape, self.spec.dtype)
+            oa = aligned_empty(oshape, self.spec.dtype)
         else:
-            user = self._check_out(out, {"q": q, "k": k, "v": v})
+            user = self._check_out(out, given, oshape)
             # Vectorized stores assume 64-byte alignment: compute into aligned memory and copy
             # when the caller's buffer is not aligned (aligned_empty gives buffers that are).
             oa = user if is_aligned(user) else aligned_empty(user.shape, user.dtype)
-        use_threads(self.num_threads)
-        self.function(qa, ka, va, oa)
+        if self._trivial(arrays):
+            oa[...] = 0
+        else:
+            use_threads(self.num_threads)
+            self.function(*arrays.values(), oa)
         if out is None:
             return _from_framework(framework, oa)
         if oa is not user:
@@ -214,28 +310,41 @@ class AttentionKernel:
     def _cuda_device(self):
         return tvm.cuda(0)
 
-    def _call_cuda(self, q: Any, k: Any, v: Any, out: Any = None) -> Any:
+    def _cuda_tensor(self, name: str, shape: tuple[int, ...], x: Any):
+        """A CUDA DLPack tensor, wrapped without a copy (shape and dtype checked)."""
+        t = tvm.runtime.from_dlpack(x)
+        if tuple(t.shape) != tuple(shape) or str(t.dtype) != self.spec.dtype:
+            raise KernelArgumentError(
+                f"{name}: expected shape {tuple(shape)} dtype {self.spec.dtype}, got {tuple(t.shape)} {t.dtype}"
+            )
+        return t, type(x).__module__.split(".")[0]
+
+    def _call_cuda(self, given: dict[str, Any], out: Any = None) -> Any:
         """CPU inputs are copied to GPU 0 and the result copied back; CUDA DLPack tensors are
         used in place and the result stays on the GPU. ``out`` (a CUDA tensor, or a CPU array)
-        receives the result."""
+        receives the result. (CUDA builds are static BHSD: every shape is known.)"""
         dev = self._cuda_device()
         args, framework, on_gpu = [], None, False
-        for i, x in enumerate((q, k, v)):
+        bound: dict[str, int] = {}
+        for i, (name, shape, dtype) in enumerate(self._inputs):
+            x = given[name]
             if hasattr(x, "__dlpack_device__") and int(x.__dlpack_device__()[0]) == _DLPACK_CUDA:
-                t, fw = self._cuda_tensor(i, x)
+                t, fw = self._cuda_tensor(name, shape, x)
                 on_gpu = True
             else:
-                arr, fw = self._check(i, x)
+                arr, fw = _as_numpy(name, x, self.device)
+                arr = self._check_array(name, shape, dtype, arr, bound, {})
                 t = tvm.runtime.tensor(arr, dev)
             framework = framework if i else fw
             args.append(t)
+        oshape = self._out_shape
         if out is not None and hasattr(out, "__dlpack_device__") and int(out.__dlpack_device__()[0]) == _DLPACK_CUDA:
-            check_no_overlap(out, {"q": q, "k": k, "v": v})
-            o, _ = self._cuda_tensor(3, out)
+            check_no_overlap(out, given)
+            o, _ = self._cuda_tensor("out", oshape, out)
             self.function(*args, o)
             return out
-        user = self._check_out(out, {"q": q, "k": k, "v": v}) if out is not None else None
-        o = tvm.runtime.empty(self.spec.o_shape, self.spec.dtype, dev)
+        user = self._check_out(out, given, oshape) if out is not None else None
+        o = tvm.runtime.empty(oshape, self.spec.dtype, dev)
         self.function(*args, o)
         if user is not None:
             user[...] = o.numpy()

@@ -48,15 +48,18 @@ def build_best(
         from .tune.logs import best_records, search_dirs, target_key
 
         explicit = log_dir is not None
+        # A symbolic (or varlen) build takes its knobs from the log of its representative static
+        # shape: that is where `tune` puts them (tile sizes do not depend on the length).
+        rep = spec.representative()
         # Without --from-log: the user's own tuning log first, then the committed one; the first
         # with a record that validates wins.
-        dirs = [Path(log_dir)] if explicit else search_dirs(spec, target)
+        dirs = [Path(log_dir)] if explicit else search_dirs(rep, target)
         tried = []
         for work in dirs:
-            candidates = best_records(spec, target, schedule, work, k=TUNED_CANDIDATES, say=say) if work.exists() else []
+            candidates = best_records(rep, target, schedule, work, k=TUNED_CANDIDATES, say=say) if work.exists() else []
             if explicit and not candidates:
                 raise LogNotUsable(
-                    f"{work}: no successful {schedule} record for {spec.short_name()} on this target"
+                    f"{work}: no successful {schedule} record for {rep.short_name()} on this target"
                 )
             if candidates:
                 tried.append(str(work))
@@ -72,7 +75,7 @@ def build_best(
         if tried:
             say(f"no tuned record from {', '.join(tried)} validated; using the hand schedule")
         else:
-            say(f"no tuning log for {spec.short_name()} [{schedule}] on {target_key(target)} "
+            say(f"no tuning log for {rep.short_name()} [{schedule}] on {target_key(target)} "
                 f"(looked in {', '.join(str(d) for d in dirs)}); using the hand schedule")
     built = build_kernel(spec, schedule=schedule, target=target, knobs=knobs)
     return built, validate_built(built, seed=seed)

@@ -22,6 +22,8 @@ def reference_attention(
 ) -> np.ndarray:
     """``softmax(q·kᵀ·scale + mask)·v`` in float64, BHSD layout, GQA by ``h // group_size``.
 
+    Lengths come from the arrays (``q (B, H, Sq, D)``, ``k``/``v (B, KH, Skv, D)``), so one spec
+    serves every shape of a dynamic kernel; ``spec`` gives scale, GQA and causality.
     ``rows`` (optional) restricts the computation to those query rows; the result then has
     shape ``(B, H, len(rows), D)``. Rows the mask gives no key are zeros; NaN in q, k or v (or an
     infinite score) gives NaN in the rows it reaches.
@@ -29,6 +31,9 @@ def reference_attention(
     q = np.asarray(q, dtype=np.float64)
     k = np.asarray(k, dtype=np.float64)
     v = np.asarray(v, dtype=np.float64)
+    seq_q, seq_kv = q.shape[2], k.shape[2]
+    if seq_kv == 0:  # no key at all: every row is a zero row
+        return np.zeros(q.shape if rows is None else q.shape[:2] + (len(rows), q.shape[3]))
     if rows is not None:
         rows = np.asarray(rows)
         q = q[:, :, rows, :]
@@ -36,7 +41,7 @@ def reference_attention(
     k = np.repeat(k, spec.group_size, axis=1)
     v = np.repeat(v, spec.group_size, axis=1)
     s = np.einsum("bhid,bhjd->bhij", q, k) * spec.scale
-    mask = causal_mask(spec.seq_q, spec.seq_kv) if spec.causal else np.ones((spec.seq_q, spec.seq_kv), bool)
+    mask = causal_mask(seq_q, seq_kv) if spec.causal else np.ones((seq_q, seq_kv), bool)
     if rows is not None:
         mask = mask[rows]
     s = np.where(mask, s, -np.inf)
@@ -54,7 +59,7 @@ def reference_attention(
 
 
 def random_inputs(spec: AttentionSpec, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Seeded standard-normal q, k, v of ``spec``'s shapes and dtype."""
+    """Seeded standard-normal q, k, v of ``spec``'s (representative) BHSD shapes and dtype."""
     rng = np.random.default_rng(seed)
     dt = spec.np_dtype
     q = rng.standard_normal(spec.q_shape).astype(dt)

@@ -18,6 +18,11 @@ iff ``j <= i + (seq_kv - seq_q)``. For ``seq_q=5, seq_kv=2``::
     1 1
 
 A row that may see no key outputs zeros.
+
+Other argument layouts (FlashAttention's packed ``varlen``) and symbolic dims are data:
+``layout`` names an entry of :mod:`tvm_attention.layouts`, and ``dynamic`` names the dims the
+built kernel takes at call time (``batch``, ``seq_q``, ``seq_kv``). A dynamic dim's integer is then
+only its *representative* value: the shape the build validates, times and tunes at.
 """
 from __future__ import annotations
 
@@ -39,6 +44,11 @@ MAX_HEAD_DIM = 512
 MAX_ELEMENTS = 2**31 - 1
 
 
+#: Dims a spec may leave symbolic (``dynamic``); heads, kv_heads, head_dim, dtype, causal and
+#: scale are always compiled in.
+DYNAMIC_DIMS = ("batch", "seq_q", "seq_kv")
+
+
 class SpecError(ValueError):
     """An invalid :class:`AttentionSpec`; the message names the offending field."""
 
@@ -56,6 +66,10 @@ class AttentionSpec:
     dtype: str = "float32"
     causal: bool = False
     scale: float | None = None  # defaults to 1/sqrt(head_dim)
+    layout: str = "bhsd"  # an entry of tvm_attention.layouts.LAYOUTS
+    #: dims taken at call time (symbolic in the PrimFunc): any of DYNAMIC_DIMS. Their integers
+    #: above are representative values (validation, timing, tuning). varlen: all of them.
+    dynamic: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("batch", "heads", "seq_q", "head_dim"):
@@ -66,6 +80,18 @@ class AttentionSpec:
             object.__setattr__(self, "kv_heads", self.heads)
         _check_positive_int("seq_kv", self.seq_kv)
         _check_positive_int("kv_heads", self.kv_heads)
+        from .layouts import get_layout
+
+        layout = get_layout(self.layout)  # SpecError naming the known layouts
+        object.__setattr__(self, "layout", layout.name)
+        dyn = self.dynamic
+        if isinstance(dyn, str) or not isinstance(dyn, (tuple, list)):
+            raise SpecError(f"dynamic must be a list of dim names, got {dyn!r}")
+        unknown = [d for d in dyn if d not in DYNAMIC_DIMS]
+        if unknown:
+            raise SpecError(f"dynamic: unknown dim(s) {unknown}; symbolic dims may be {', '.join(DYNAMIC_DIMS)}")
+        dyn = tuple(d for d in DYNAMIC_DIMS if d in dyn or d in layout.always_dynamic)
+        object.__setattr__(self, "dynamic", dyn)
         if self.heads % self.kv_heads:
             raise SpecError(
                 f"heads={self.heads} must be divisible by kv_heads={self.kv_heads} "
@@ -120,13 +146,25 @@ class AttentionSpec:
         return self.q_shape
 
     def arg_specs(self) -> list[dict[str, Any]]:
-        """The kernel's arguments in call order: q, k, v, then the output buffer o."""
-        return [
-            {"name": "q", "shape": list(self.q_shape), "dtype": self.dtype},
-            {"name": "k", "shape": list(self.kv_shape), "dtype": self.dtype},
-            {"name": "v", "shape": list(self.kv_shape), "dtype": self.dtype},
-            {"name": "o", "shape": list(self.o_shape), "dtype": self.dtype},
-        ]
+        """The kernel's arguments in call order (the layout's; bhsd: q, k, v, then the output
+        buffer o), each ``{name, shape, dtype}``; a symbolic dim is written as its name."""
+        return self.layout_info.arg_specs(self)
+
+    @property
+    def layout_info(self):
+        """The :class:`tvm_attention.layouts.Layout` entry of ``layout``."""
+        from .layouts import get_layout
+
+        return get_layout(self.layout)
+
+    @property
+    def is_dynamic(self) -> bool:
+        return bool(self.dynamic)
+
+    def representative(self) -> "AttentionSpec":
+        """The static BHSD spec of the representative shape: what a dynamic build validates,
+        times and is tuned at (its tuning log is that spec's)."""
+        return dataclasses.replace(self, layout="bhsd", dynamic=())
 
     # -- models ----------------------------------------------------------------------------------
     def visible_pairs(self) -> int:
@@ -177,7 +215,9 @@ class AttentionSpec:
 
     # -- (de)serialisation -----------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        d["dynamic"] = list(self.dynamic)
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "AttentionSpec":
@@ -185,15 +225,24 @@ class AttentionSpec:
         unknown = set(d) - fields
         if unknown:
             raise SpecError(f"unknown spec field(s): {', '.join(sorted(unknown))}")
-        return cls(**dict(d))
+        d = dict(d)
+        if isinstance(d.get("dynamic"), list):
+            d["dynamic"] = tuple(d["dynamic"])
+        return cls(**d)
 
     def short_name(self) -> str:
-        """A filesystem-safe name, e.g. ``b1_h8_kv8_q1024_k1024_d64_float32_causal``."""
+        """A filesystem-safe name, e.g. ``b1_h8_kv8_q1024_k1024_d64_float32_causal``; a symbolic
+        dim reads ``dyn`` (``bdyn_h8_kv2_qdyn_kdyn_d64_float32_causal``) and another layout
+        leads (``varlen_h8_kv2_d64_float32_causal``). Representative values are not part of it."""
         c = "causal" if self.causal else "full"
-        return (
-            f"b{self.batch}_h{self.heads}_kv{self.kv_heads}_q{self.seq_q}_k{self.seq_kv}"
-            f"_d{self.head_dim}_{self.dtype}_{c}"
-        )
+        tail = f"_d{self.head_dim}_{self.dtype}_{c}"
+        if self.layout != "bhsd":
+            return f"{self.layout}_h{self.heads}_kv{self.kv_heads}{tail}"
+
+        def dim(name: str) -> str:
+            return "dyn" if name in self.dynamic else str(getattr(self, name))
+
+        return f"b{dim('batch')}_h{self.heads}_kv{self.kv_heads}_q{dim('seq_q')}_k{dim('seq_kv')}{tail}"
 
 
 def _check_positive_int(name: str, value: Any) -> None:

@@ -9,7 +9,6 @@ from typing import Callable
 import tvm
 
 from .loader import aligned_empty
-from .reference import random_inputs
 from .spec import AttentionSpec
 
 
@@ -23,23 +22,27 @@ class Timing:
         return spec.flops() / self.median_s / 1e9
 
 
-def aligned_inputs(spec: AttentionSpec, seed: int = 0):
-    """Seeded q, k, v and an output buffer, all 64-byte aligned."""
+def aligned_inputs(spec: AttentionSpec, seed: int = 0, case: dict | None = None):
+    """Seeded inputs of the layout (bhsd: q, k, v) and an output buffer, all 64-byte aligned, at
+    ``case`` (default: the spec's representative shape, its layout's first validation case)."""
+    layout = spec.layout_info
+    case = layout.validation_cases(spec)[0] if case is None else case
     arrays = []
-    for x in random_inputs(spec, seed):
+    for x in layout.random_inputs(spec, case, seed).values():
         a = aligned_empty(x.shape, x.dtype)
         a[...] = x
         arrays.append(a)
-    arrays.append(aligned_empty(spec.o_shape, spec.dtype))
+    arrays.append(aligned_empty(arrays[0].shape, spec.dtype))  # o has q's shape in every layout
     return arrays
 
 
 def time_module(module: tvm.runtime.Module, entry: str, spec: AttentionSpec, repeat: int = 5,
-                min_repeat_ms: int = 200, device=None) -> Timing:
+                min_repeat_ms: int = 200, device=None, case: dict | None = None) -> Timing:
     """Median ± std of ``repeat`` measurements, each running at least ``min_repeat_ms``
-    (after one warm-up call), on ``device`` (default: the CPU)."""
+    (after one warm-up call), on ``device`` (default: the CPU), at ``case`` (see
+    :func:`aligned_inputs`)."""
     device = device or tvm.cpu()
-    args = [tvm.runtime.tensor(a, device) for a in aligned_inputs(spec)]
+    args = [tvm.runtime.tensor(a, device) for a in aligned_inputs(spec, case=case)]
     module[entry](*args)  # warm-up: page in, build the thread pool / load the CUDA module
     te = module.time_evaluator(entry, device, number=1, repeat=repeat, min_repeat_ms=min_repeat_ms)
     res = te(*args)

@@ -6,7 +6,6 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .reference import random_inputs, reference_attention
 from .spec import AttentionSpec
 
 #: dtype -> (atol, rtol): |out - ref| <= atol + rtol·|ref| elementwise. float32 kernels land
@@ -50,14 +49,15 @@ class ValidationResult:
         )
 
 
-def sample_rows(spec: AttentionSpec, seed: int) -> np.ndarray | None:
-    """None (check all rows) for small specs, else a seeded sample incl. the first/last rows."""
-    if spec.batch * spec.heads * spec.seq_q * spec.seq_kv <= FULL_CHECK_LIMIT:
+def sample_rows(spec: AttentionSpec, seed: int, case: dict | None = None) -> np.ndarray | None:
+    """None (check all rows) for small shapes, else a seeded sample incl. the first/last rows."""
+    b, sq, sk = (spec.batch, spec.seq_q, spec.seq_kv) if case is None else (case["batch"], case["seq_q"], case["seq_kv"])
+    if b * spec.heads * sq * sk <= FULL_CHECK_LIMIT:
         return None
     rng = np.random.default_rng(seed + 1)
-    n = min(SAMPLED_ROWS, spec.seq_q)
-    rows = rng.choice(spec.seq_q, size=n, replace=False)
-    return np.unique(np.concatenate([rows, [0, spec.seq_q - 1]]))
+    n = min(SAMPLED_ROWS, sq)
+    rows = rng.choice(sq, size=n, replace=False)
+    return np.unique(np.concatenate([rows, [0, sq - 1]]))
 
 
 def compare(spec: AttentionSpec, out: np.ndarray, ref: np.ndarray, seed: int, rows_label: str) -> ValidationResult:
@@ -80,17 +80,41 @@ def compare(spec: AttentionSpec, out: np.ndarray, ref: np.ndarray, seed: int, ro
     )
 
 
-def validate_callable(
-    spec: AttentionSpec, kernel: Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray], seed: int = 0
-) -> ValidationResult:
-    """Run ``kernel(q, k, v) -> o`` on seeded random inputs and compare with the reference."""
-    q, k, v = random_inputs(spec, seed)
-    out = np.asarray(kernel(q, k, v)).astype(np.float32)
-    rows = sample_rows(spec, seed)
-    ref = reference_attention(spec, q, k, v, rows=rows)
-    if rows is not None:
-        out = out[:, :, rows, :]
-        label = f"{len(rows)} sampled"
-    else:
-        label = "all"
-    return compare(spec, out, ref, seed, label)
+def _worst(results: list[ValidationResult], labels: list[str]) -> ValidationResult:
+    """One result for several shapes: the largest errors, passed only if every shape passed."""
+    first = results[0]
+    if len(results) == 1:
+        return first
+    return dataclasses.replace(
+        first,
+        max_abs_err=max(r.max_abs_err for r in results),
+        max_rel_err=max(r.max_rel_err for r in results),
+        mean_abs_err=max(r.mean_abs_err for r in results),
+        passed=all(r.passed for r in results),
+        finite=all(r.finite for r in results),
+        rows_checked="; ".join(f"{lab}: {r.rows_checked}" for lab, r in zip(labels, results)),
+    )
+
+
+def validate_callable(spec: AttentionSpec, kernel: Callable[..., np.ndarray], seed: int = 0) -> ValidationResult:
+    """Run ``kernel`` (called as the loader's kernel is: ``kernel(q, k, v, *index arrays)``) on
+    seeded random inputs of every validation shape of the layout (a dynamic kernel also at a shape
+    it was not built at) and compare with the reference; the worst shape decides."""
+    layout = spec.layout_info
+    results, labels = [], []
+    for case in layout.validation_cases(spec):
+        arrays = layout.random_inputs(spec, case, seed)
+        out = np.asarray(kernel(*arrays.values())).astype(np.float32)
+        rows = sample_rows(spec, seed, case) if layout.name == "bhsd" else None
+        if rows is not None:
+            from .reference import reference_attention
+
+            ref = reference_attention(spec, arrays["q"], arrays["k"], arrays["v"], rows=rows)
+            out = out[:, :, rows, :]
+            label = f"{len(rows)} sampled"
+        else:
+            ref = layout.reference(spec, arrays)
+            label = "all"
+        results.append(compare(spec, out, ref, seed, label))
+        labels.append(layout.describe_case(case))
+    return _worst(results, labels)

@@ -66,3 +66,9 @@ def normalize(acc: tirx.PrimExpr, l: tirx.PrimExpr, row: tirx.PrimExpr, spec) ->
     if spec.causal and spec.kv_offset < 0:
         return tirx.Select(row + spec.kv_offset >= 0, acc / l, tirx.const(0.0, "float32"))
     return acc / l
+
+
+def normalize_where(acc: tirx.PrimExpr, l: tirx.PrimExpr, sees_key: tirx.PrimExpr) -> tirx.PrimExpr:
+    """``acc / l`` where ``sees_key`` (a fact of the mask and the lengths, known only at run time
+    for symbolic lengths), else 0; NaN passes through as in :func:`normalize`."""
+    return tirx.Select(sees_key, acc / l, tirx.const(0.0, "float32"))

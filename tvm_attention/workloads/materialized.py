@@ -14,7 +14,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ..spec import AttentionSpec
-from ._math import LOG2E, exp2_fast, guarded, normalize
+from ._math import LOG2E, exp2_fast, guarded, normalize, normalize_where
 
 ENTRY = "attention"
 
@@ -22,10 +22,13 @@ ENTRY = "attention"
 def materialized_attention(spec: AttentionSpec) -> tirx.PrimFunc:
     """Arguments (call order): ``Q (B, H, Sq, D)``, ``K (B, KH, Skv, D)``, ``V (B, KH, Skv, D)``,
     ``O (B, H, Sq, D)``, compact row-major ``spec.dtype``."""
-    B, H, KH = spec.batch, spec.heads, spec.kv_heads
-    SQ, SK, D = spec.seq_q, spec.seq_kv, spec.head_dim
+    from .fused import _dim
+
+    B, H, KH = _dim(spec, "batch"), spec.heads, spec.kv_heads
+    SQ, SK, D = _dim(spec, "seq_q"), _dim(spec, "seq_kv"), spec.head_dim
     G = spec.group_size
-    OFF = spec.kv_offset
+    OFF = SK - SQ
+    dynamic_len = not (isinstance(SQ, int) and isinstance(SK, int))
     causal = spec.causal
     dtype = spec.dtype
     qscale = float(spec.scale * LOG2E)
@@ -40,9 +43,14 @@ def materialized_attention(spec: AttentionSpec) -> tirx.PrimFunc:
 
     def pv(x, vi):
         # A row that sees no key stays exactly 0 even where V holds NaN (0·NaN would be NaN).
-        if causal and OFF < 0:
+        if causal and (dynamic_len or OFF < 0):
             return T.Select(vi + OFF >= 0, x, T.float32(0))
         return x
+
+    def out(p, l, vi):
+        if not dynamic_len:
+            return normalize(p, l, vi, spec)
+        return normalize_where(p, l, vi + OFF >= 0 if causal else SK > 0)
 
     @T.prim_func(s_tir=True)
     def attention(
@@ -81,8 +89,8 @@ def materialized_attention(spec: AttentionSpec) -> tirx.PrimFunc:
         for b, h, i, j in T.grid(B, H, SQ, SK):
             with T.sblock("softmax"):
                 vb, vh, vi, vj = T.axis.remap("SSSS", [b, h, i, j])
-                P[vb, vh, vi, vj] = normalize(
-                    exp2_fast(logit(S, vb, vh, vi, vj) - guarded(M[vb, vh, vi])), L[vb, vh, vi], vi, spec
+                P[vb, vh, vi, vj] = out(
+                    exp2_fast(logit(S, vb, vh, vi, vj) - guarded(M[vb, vh, vi])), L[vb, vh, vi], vi
                 )
         for b, h, i, d, j in T.grid(B, H, SQ, D, SK):
             with T.sblock("PV_gemm"):

@@ -1,0 +1,316 @@
+"""Serving layouts as data: one description per way of passing attention's tensors.
+
+A :class:`Layout` entry says, for one argument layout:
+
+* ``args``: the kernel's arguments in call order, each with its dims and dtype. A dim name is
+  resolved against the spec (``heads``, ``kv_heads``, ``head_dim`` are always compiled in;
+  ``batch``, ``seq_q``, ``seq_kv`` are too unless the spec lists them in ``dynamic``) or bound at
+  call time (a symbolic dim, written in the manifest as its name; ``batch+1`` is one more than
+  ``batch``). The workloads (PrimFunc signature), the manifest (``args``, ``symbolic_dims``) and the
+  loader (shape checks, output shape) all read it;
+* ``options``: keywords the loader accepts for FlashAttention compatibility and checks;
+* ``check_indices``: what the kernel cannot check itself (``cu_seqlens``), so that through the
+  loader it never reads out of bounds;
+* ``reference``: its semantics, through the one BHSD float64 reference;
+* ``validation_cases``/``random_inputs``: concrete inputs for validation, timing and the tests.
+
+Adding a layout (the kvcache and paged ones of the next issue) is adding an entry here and its
+addressing in the workloads, not an if-chain through every module.
+
+Layouts:
+
+``bhsd`` (default)
+    ``q (batch, heads, seq_q, head_dim)``, ``k``/``v (batch, kv_heads, seq_kv, head_dim)``,
+    ``o (batch, heads, seq_q, head_dim)``. Any of batch, seq_q, seq_kv may be symbolic.
+``varlen`` (FlashAttention's ``flash_attn_varlen_func``)
+    ``q (total_q, heads, head_dim)``, ``k``/``v (total_k, kv_heads, head_dim)``,
+    ``cu_seqlens_q``/``cu_seqlens_k (batch+1,) int32``, ``o (total_q, heads, head_dim)``; batch,
+    total_q and total_k are symbolic. Sequence ``b`` is rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``
+    of q against rows ``cu_seqlens_k[b]:cu_seqlens_k[b+1]`` of k/v, causal bottom-right per
+    sequence; a sequence with no key outputs zeros; empty sequences are allowed.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import numpy as np
+
+
+class KernelArgumentError(ValueError):
+    """A kernel argument does not match the artifact's manifest (raised by the loader)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Arg:
+    """One kernel argument: name, dim names, dtype (``None``: the spec's), and whether the
+    kernel writes it (the output buffer the caller passes last)."""
+
+    name: str
+    dims: tuple[str, ...]
+    dtype: str | None = None
+    output: bool = False
+
+
+def _bound_dim(name: str) -> tuple[str, int]:
+    """``"batch+1"`` -> ("batch", 1); ``"seq_q"`` -> ("seq_q", 0)."""
+    if name.endswith("+1"):
+        return name[:-2], 1
+    return name, 0
+
+
+class Layout:
+    """Base of the layout entries; see the module docstring."""
+
+    name = "?"
+    manifest_name = "?"  # the manifest's "layout" value
+    title = ""
+    args: tuple[Arg, ...] = ()
+    #: symbolic whatever the spec says (varlen: the batch and every length are per call)
+    always_dynamic: tuple[str, ...] = ()
+    #: keyword -> what the loader does with it (documentation; checked in check_options)
+    options: Mapping[str, str] = {}
+
+    # -- the argument list ---------------------------------------------------------------------
+    @property
+    def inputs(self) -> tuple[Arg, ...]:
+        return tuple(a for a in self.args if not a.output)
+
+    @property
+    def index_args(self) -> tuple[Arg, ...]:
+        """Inputs after q, k, v (``cu_seqlens_q``, ...): passed positionally or by keyword."""
+        return self.inputs[3:]
+
+    @property
+    def output(self) -> Arg:
+        return next(a for a in self.args if a.output)
+
+    def dims(self, spec) -> dict[str, int | str]:
+        """Dim name -> its compiled-in value, or the name itself when symbolic."""
+        raise NotImplementedError
+
+    def arg_specs(self, spec) -> list[dict[str, Any]]:
+        dims = self.dims(spec)
+        return [{"name": a.name, "shape": [_resolve(dims, d) for d in a.dims], "dtype": a.dtype or spec.dtype}
+                for a in self.args]
+
+    def symbolic_dims(self, spec) -> list[str]:
+        """Names of the dims bound at call time, in order of first appearance."""
+        out: list[str] = []
+        for a in self.arg_specs(spec):
+            for d in a["shape"]:
+                if isinstance(d, str) and _bound_dim(d)[0] not in out:
+                    out.append(_bound_dim(d)[0])
+        return out
+
+    # -- loader hooks --------------------------------------------------------------------------
+    def check_indices(self, arrays: Mapping[str, np.ndarray], bound: Mapping[str, int]) -> None:
+        """Raise :class:`KernelArgumentError` for index arrays the kernel would misread."""
+
+    def check_options(self, spec, options: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> None:
+        """FlashAttention's ``causal``/``softmax_scale`` keywords, when passed, must be what the
+        artifact was built with (a kernel cannot change them at call time)."""
+        if "causal" in options and options["causal"] is not None and bool(options["causal"]) != spec.causal:
+            raise KernelArgumentError(
+                f"causal={options['causal']!r}: this artifact was built with causal={spec.causal}; build another"
+            )
+        s = options.get("softmax_scale")
+        if s is not None and not np.isclose(float(s), spec.scale, rtol=1e-6, atol=0.0):
+            raise KernelArgumentError(
+                f"softmax_scale={s!r}: this artifact was built with scale={spec.scale!r}; build another (--scale)"
+            )
+
+    # -- semantics and inputs ------------------------------------------------------------------
+    def reference(self, spec, arrays: Mapping[str, np.ndarray]) -> np.ndarray:
+        raise NotImplementedError
+
+    def validation_cases(self, spec) -> list[dict[str, Any]]:
+        raise NotImplementedError
+
+    def random_inputs(self, spec, case: Mapping[str, Any], seed: int = 0) -> dict[str, np.ndarray]:
+        raise NotImplementedError
+
+    def useful_flops(self, spec, case: Mapping[str, Any]) -> float:
+        """4·D·H per visible (query, key) pair: the work a kernel cannot avoid."""
+        raise NotImplementedError
+
+    def describe_case(self, case: Mapping[str, Any]) -> str:
+        return ", ".join(f"{k}={v}" for k, v in case.items())
+
+
+def _resolve(dims: Mapping[str, int | str], name: str) -> int | str:
+    base, plus = _bound_dim(name)
+    v = dims[base]
+    if isinstance(v, str):
+        return name
+    return v + plus
+
+
+def _rng_array(rng: np.random.Generator, shape, dtype) -> np.ndarray:
+    return rng.standard_normal(shape).astype(dtype)
+
+
+def _visible_pairs(causal: bool, seq_q: int, seq_kv: int) -> int:
+    if not causal:
+        return seq_q * seq_kv
+    off = seq_kv - seq_q
+    i = np.arange(seq_q)
+    return int(np.clip(i + off + 1, 0, seq_kv).sum())
+
+
+class BHSD(Layout):
+    name = "bhsd"
+    manifest_name = "BHSD"  # what manifests said before there were other layouts
+    title = "dense (batch, heads, seq, head_dim)"
+    args = (
+        Arg("q", ("batch", "heads", "seq_q", "head_dim")),
+        Arg("k", ("batch", "kv_heads", "seq_kv", "head_dim")),
+        Arg("v", ("batch", "kv_heads", "seq_kv", "head_dim")),
+        Arg("o", ("batch", "heads", "seq_q", "head_dim"), output=True),
+    )
+    options = {"causal": "must equal the artifact's", "softmax_scale": "must equal the artifact's"}
+
+    def dims(self, spec) -> dict[str, int | str]:
+        d: dict[str, int | str] = {n: getattr(spec, n) for n in ("batch", "heads", "kv_heads", "seq_q", "seq_kv", "head_dim")}
+        for n in spec.dynamic:
+            d[n] = n
+        return d
+
+    def reference(self, spec, arrays):
+        from .reference import reference_attention
+
+        return reference_attention(spec, arrays["q"], arrays["k"], arrays["v"])
+
+    def validation_cases(self, spec):
+        """The representative shape, plus, for a dynamic spec, a shape it was not built at:
+        lengths that are no multiple of any tile, and (causal) rows that see no key."""
+        rep = {"batch": spec.batch, "seq_q": spec.seq_q, "seq_kv": spec.seq_kv}
+        if not spec.dynamic:
+            return [rep]
+        odd = dict(rep)
+        odd.update({k: v for k, v in (("batch", 2), ("seq_q", 67), ("seq_kv", 45)) if k in spec.dynamic})
+        return [rep, odd] if odd != rep else [rep]
+
+    def random_inputs(self, spec, case, seed=0):
+        rng = np.random.default_rng(seed)
+        dt = spec.np_dtype
+        b, sq, sk = case["batch"], case["seq_q"], case["seq_kv"]
+        return {
+            "q": _rng_array(rng, (b, spec.heads, sq, spec.head_dim), dt),
+            "k": _rng_array(rng, (b, spec.kv_heads, sk, spec.head_dim), dt),
+            "v": _rng_array(rng, (b, spec.kv_heads, sk, spec.head_dim), dt),
+        }
+
+    def useful_flops(self, spec, case):
+        return 4.0 * spec.head_dim * spec.heads * case["batch"] * _visible_pairs(spec.causal, case["seq_q"], case["seq_kv"])
+
+
+class Varlen(Layout):
+    name = "varlen"
+    manifest_name = "varlen"
+    title = "FlashAttention varlen: packed (total, heads, head_dim) + cu_seqlens"
+    args = (
+        Arg("q", ("total_q", "heads", "head_dim")),
+        Arg("k", ("total_k", "kv_heads", "head_dim")),
+        Arg("v", ("total_k", "kv_heads", "head_dim")),
+        Arg("cu_seqlens_q", ("batch+1",), "int32"),
+        Arg("cu_seqlens_k", ("batch+1",), "int32"),
+        Arg("o", ("total_q", "heads", "head_dim"), output=True),
+    )
+    always_dynamic = ("batch", "seq_q", "seq_kv")
+    options = {"max_seqlen_q": "checked: must be >= the longest query sequence",
+               "max_seqlen_k": "checked: must be >= the longest key sequence",
+               "causal": "must equal the artifact's", "softmax_scale": "must equal the artifact's"}
+
+    def dims(self, spec) -> dict[str, int | str]:
+        return {"batch": "batch", "total_q": "total_q", "total_k": "total_k",
+                "heads": spec.heads, "kv_heads": spec.kv_heads, "head_dim": spec.head_dim}
+
+    def check_indices(self, arrays, bound):
+        for name, total in (("cu_seqlens_q", "total_q"), ("cu_seqlens_k", "total_k")):
+            cu = arrays[name]
+            if cu[0] != 0:
+                raise KernelArgumentError(f"{name}: must start at 0, got {int(cu[0])}")
+            steps = np.diff(cu)
+            if steps.size and steps.min() < 0:
+                b = int(np.argmin(steps))
+                raise KernelArgumentError(
+                    f"{name}: must be non-decreasing, but {name}[{b + 1}]={int(cu[b + 1])} < {name}[{b}]={int(cu[b])}"
+                )
+            if int(cu[-1]) != bound[total]:
+                raise KernelArgumentError(
+                    f"{name}: last entry {int(cu[-1])} must equal the number of rows of "
+                    f"{'q' if total == 'total_q' else 'k and v'} ({total}={bound[total]})"
+                )
+
+    def check_options(self, spec, options, arrays):
+        super().check_options(spec, options, arrays)
+        for opt, name in (("max_seqlen_q", "cu_seqlens_q"), ("max_seqlen_k", "cu_seqlens_k")):
+            if options.get(opt) is None:
+                continue
+            longest = int(np.diff(arrays[name]).max(initial=0))
+            if int(options[opt]) < longest:
+                raise KernelArgumentError(
+                    f"{opt}={options[opt]} is smaller than the longest sequence in {name} ({longest})"
+                )
+
+    def reference(self, spec, arrays):
+        from .reference import reference_attention
+
+        q, k, v = arrays["q"], arrays["k"], arrays["v"]
+        cq, ck = arrays["cu_seqlens_q"], arrays["cu_seqlens_k"]
+        o = np.zeros(q.shape, np.float64)
+        for b in range(len(cq) - 1):
+            rows = slice(int(cq[b]), int(cq[b + 1]))
+            keys = slice(int(ck[b]), int(ck[b + 1]))
+            if rows.stop == rows.start:
+                continue
+
+            def bhsd(x):
+                return np.ascontiguousarray(x.transpose(1, 0, 2))[None]
+
+            ob = reference_attention(spec, bhsd(q[rows]), bhsd(k[keys]), bhsd(v[keys]))
+            o[rows] = ob[0].transpose(1, 0, 2)
+        return o
+
+    def validation_cases(self, spec):
+        """The representative batch (``batch`` sequences of ``seq_q`` against ``seq_kv``) and a
+        mixed one: empty sequences, one row, seq_q > seq_kv, no keys, tails."""
+        rep = [(spec.seq_q, spec.seq_kv)] * spec.batch
+        mixed = [(0, 7), (1, 1), (70, 33), (33, 70), (5, 0), (129, 129), (0, 0), (3, 200)]
+        return [{"seqlens": rep}, {"seqlens": mixed}]
+
+    def random_inputs(self, spec, case, seed=0):
+        rng = np.random.default_rng(seed)
+        dt = spec.np_dtype
+        lens = np.asarray(case["seqlens"], dtype=np.int64).reshape(-1, 2)
+        cq = np.concatenate([[0], np.cumsum(lens[:, 0])]).astype(np.int32)
+        ck = np.concatenate([[0], np.cumsum(lens[:, 1])]).astype(np.int32)
+        return {
+            "q": _rng_array(rng, (int(cq[-1]), spec.heads, spec.head_dim), dt),
+            "k": _rng_array(rng, (int(ck[-1]), spec.kv_heads, spec.head_dim), dt),
+            "v": _rng_array(rng, (int(ck[-1]), spec.kv_heads, spec.head_dim), dt),
+            "cu_seqlens_q": cq,
+            "cu_seqlens_k": ck,
+        }
+
+    def useful_flops(self, spec, case):
+        pairs = sum(_visible_pairs(spec.causal, int(a), int(b)) for a, b in case["seqlens"])
+        return 4.0 * spec.head_dim * spec.heads * pairs
+
+    def describe_case(self, case):
+        lens = case["seqlens"]
+        return f"{len(lens)} sequences, lengths {lens[:6]}{' ...' if len(lens) > 6 else ''}"
+
+
+#: name -> entry. The CLI's --layout choices, the manifest's "layout" and the spec's ``layout``.
+LAYOUTS: dict[str, Layout] = {entry.name: entry for entry in (BHSD(), Varlen())}
+
+
+def get_layout(name: str) -> Layout:
+    from .spec import SpecError
+
+    key = name.lower() if isinstance(name, str) else name
+    if key not in LAYOUTS:
+        raise SpecError(f"unknown layout {name!r}; known layouts: {', '.join(LAYOUTS)}")
+    return LAYOUTS[key]
