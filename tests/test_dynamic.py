@@ -170,3 +170,20 @@ def test_families_without_symbolic_builds_say_so(schedule):
 
     with pytest.raises(KnobError, match="no symbolic-shape build"):
         built(dyn_spec(False), schedule)
+
+
+def test_symbolic_build_takes_tuned_knobs_from_the_representative_log():
+    # The committed log of the representative static shape (tuned on znver4, 2 cores) gives the
+    # knobs; the symbolic kernel is built with them and validated at two shapes.
+    from pathlib import Path
+
+    from tvm_attention.pipeline import build_best
+    from tvm_attention.target import resolve_target
+
+    spec = AttentionSpec(batch=1, heads=8, seq_q=1024, head_dim=64, causal=True, dynamic=ALL)
+    log = Path(__file__).parent.parent / "tuning_logs" / "llvm-znver4-2c" / spec.representative().short_name()
+    target = resolve_target({"kind": "llvm", "mcpu": "znver4", "num-cores": 2})
+    b, validation = build_best(spec, target=target, log_dir=log)
+    assert b.source == "tuned" and b.knobs is not None and b.spec.dynamic == ALL
+    assert b.audit.fused and validation.passed
+    assert "seq_q=67" in validation.rows_checked

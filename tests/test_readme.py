@@ -1,6 +1,7 @@
 """Every Python block of the README runs as written, in order, after the README's main command
-(`tvm-attention run`, whose artifact the blocks load)."""
+(`tvm-attention run`, whose artifact the blocks load) and its `tvm-attention build` commands."""
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,16 @@ def python_blocks() -> list[str]:
     return re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
 
 
+def build_commands() -> list[list[str]]:
+    """The one-line `tvm-attention build ... --out artifacts/...` commands of the README's bash
+    blocks (what its serving examples load; CUDA builds span lines and are tested elsewhere)."""
+    lines = []
+    for block in re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.S):
+        lines += [shlex.split(line)[1:] for line in block.splitlines()
+                  if line.startswith("tvm-attention build ") and "--out artifacts/" in line and not line.endswith("\\")]
+    return lines
+
+
 def test_readme_python_blocks_run(tmp_path, monkeypatch):
     blocks = python_blocks()
     assert len(blocks) >= 2
@@ -23,6 +34,10 @@ def test_readme_python_blocks_run(tmp_path, monkeypatch):
     # What `tvm-attention run` writes (without its timing): the default spec, hand schedule.
     assert cli.main(["build", "--batch", "1", "--heads", "8", "--seq-q", "1024", "--head-dim", "64",
                      "--no-log", "--out", RUN_ARTIFACT]) == 0
+    commands = build_commands()
+    assert len(commands) >= 2  # the symbolic and the varlen artifact the serving examples load
+    for argv in commands:
+        assert cli.main(argv + ["--no-log"]) == 0, argv
     for i, block in enumerate(blocks):
         proc = subprocess.run([sys.executable, "-c", block], cwd=tmp_path, capture_output=True, text=True,
                               timeout=300)
