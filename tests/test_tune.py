@@ -1,4 +1,5 @@
 """MetaSchedule search: tiny tunes, the design space, resume after a kill, corrupt logs."""
+import dataclasses
 import json
 import signal
 import subprocess
@@ -17,6 +18,7 @@ from tvm_attention.build import build_from_module
 from tvm_attention.pipeline import LogNotUsable, build_best
 from tvm_attention.spec import AttentionSpec
 from tvm_attention.target import resolve_target
+from tvm_attention import cli
 from tvm_attention.tune.driver import tune
 from tvm_attention.tune.logs import RECORD_FILE, WORKLOAD_FILE, LogError, parse_logs
 from tvm_attention.tune.tasks import make_tasks
@@ -77,6 +79,22 @@ def test_tuned_build_in_fresh_process_via_cli(tuned_dir, tmp_path):
     subprocess.run(cmd[:-2] + ["--no-log", "--out", str(tmp_path / "hand")], check=True, capture_output=True)
     m = json.loads((tmp_path / "hand" / "manifest.json").read_text())
     assert m["schedule"]["source"] == "hand"
+
+
+def test_symbolic_tune_and_build_use_the_representative_shape(tuned_dir, capsys):
+    # `tune` with dyn dims tunes the representative static shape: into the same log here, which
+    # already holds its 8 trials, so nothing new is measured.
+    dyn = ["--batch", "dyn:1", "--heads", "2", "--seq-q", "dyn:160", "--seq-kv", "dyn:224", "--head-dim", "64",
+           "--causal"]
+    assert cli.main(["tune", *dyn, "--trials", "8", "--work-dir", str(tuned_dir)]) == 0
+    out = capsys.readouterr().out
+    assert f"tuning at the representative shape {SPEC.short_name()}" in out and "0 new" in out
+    # a symbolic build takes the knobs of that log's best record
+    spec = dataclasses.replace(SPEC, dynamic=("batch", "seq_q", "seq_kv"))
+    built, validation = build_best(spec, log_dir=tuned_dir)
+    assert built.source == "tuned" and built.spec.dynamic and validation.passed and built.audit.fused
+    tuned, _ = build_best(SPEC, log_dir=tuned_dir)
+    assert built.knobs == tuned.knobs
 
 
 def test_from_log_without_matching_record_is_an_error(tuned_dir):
