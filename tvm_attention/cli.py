@@ -413,7 +413,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=16384, help="constant-token mode: batch = TOKENS / S")
     p.add_argument("--no-tokens", action="store_true", help="skip the constant-token mode")
     p.add_argument("--variants", nargs="+", default=None,
-                   choices=["fused", "fused-tuned", "materialized", "rowcache", "numpy", "torch"])
+                   choices=["fused", "fused-tuned", "fused-dyn", "materialized", "rowcache", "numpy", "torch"],
+                   help="fused-dyn: the fused hand schedule with batch, seq_q, seq_kv symbolic, timed at each point")
     p.add_argument("--max-materialized", type=int, default=None, metavar="S",
                    help="skip materialized and NumPy past S×S (they allocate the score matrix)")
     p.add_argument("--memory-scaling", action="store_true",
@@ -428,7 +429,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("compare", help="several schedules of one spec side by side")
     _add_spec_flags(p)
     p.add_argument("schedules", nargs="+",
-                   help='fused, materialized, rowcache, fused-tuned, or NAME:{"knob": value}')
+                   help='fused, materialized, rowcache, fused-tuned, fused-dyn (batch, seq_q, seq_kv symbolic; '
+                        'next to fused the ratio static/dynamic time is printed), or NAME:{"knob": value}')
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--plot", default=None, help="write a bar chart PNG here")

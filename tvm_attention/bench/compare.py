@@ -1,7 +1,9 @@
 """``tvm-attention compare``: several schedules of one spec, side by side.
 
 Each entry is a built kernel: a hand preset (``fused``, ``materialized``, ``rowcache``), a hand
-knob set (``fused:{"block_n": 128}``), or the best tuned record (``fused-tuned``). For each: knobs
+knob set (``fused:{"block_n": 128}``), the best tuned record (``fused-tuned``), or a build with
+batch, seq_q and seq_kv symbolic (``fused-dyn``, ``fused-dyn:{knobs}``; timed at the spec's shape,
+and next to its static twin the table is followed by the ratio static time / dynamic time). For each: knobs
 (or trace summary), audit verdict, on-chip bytes per tile (local/shared allocations of the final
 IR), time (median ± std), GFLOP/s and max abs error vs the float64 reference on sampled rows.
 """
@@ -17,6 +19,11 @@ import numpy as np
 from ..reference import reference_attention
 from ..spec import AttentionSpec
 from ..timing import Timing, aligned_inputs, time_module
+
+SCHEDULES = ("fused", "materialized", "rowcache")
+#: ``NAME-dyn``: the NAME schedule with every dim that may be symbolic left symbolic.
+DYN_SUFFIX = "-dyn"
+DYNAMIC_DIMS = ("batch", "seq_q", "seq_kv")
 
 
 @dataclasses.dataclass
@@ -60,9 +67,13 @@ def build_entry(spec: AttentionSpec, text: str):
         if not recs:
             raise LookupError(f"no tuning log for {spec.short_name()} ({schedule})")
         return label, build_from_record(spec, schedule, target, *recs[0])
-    if name not in ("fused", "materialized", "rowcache"):
+    if name.endswith(DYN_SUFFIX) and name[: -len(DYN_SUFFIX)] in SCHEDULES:
+        # representative = the spec's shape: same knobs, same inputs, only the signature differs
+        dyn = dataclasses.replace(spec, dynamic=DYNAMIC_DIMS)
+        return label, build_kernel(dyn, schedule=name[: -len(DYN_SUFFIX)], knobs=knobs)
+    if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}: use fused, materialized, rowcache, fused-tuned, "
-                         "or NAME:{knobs json}")
+                         "fused-dyn, or NAME:{knobs json}")
     return label, build_kernel(spec, schedule=name, knobs=knobs)
 
 
@@ -108,7 +119,30 @@ def format_compare(spec: AttentionSpec, entries: list[Entry]) -> str:
         t = f"{e.timing.median_s * 1e3:.3f} ± {e.timing.std_s * 1e3:.3f}"
         lines.append(f"| {e.label} | {e.source} | {knobs} | {e.audit} | {chip} | {e.global_bytes} | {t} | "
                      f"{e.gflops(spec):.1f} | {e.max_abs_err:.1e} |")
+    lines += dynamic_ratios(entries)
     return "\n".join(lines)
+
+
+def static_twin(label: str) -> str | None:
+    """``fused-dyn`` -> ``fused``, ``fused-dyn:{k}`` -> ``fused:{k}``; None for a static label."""
+    name, sep, knobs = label.partition(":")
+    if not name.endswith(DYN_SUFFIX):
+        return None
+    return name[: -len(DYN_SUFFIX)] + sep + knobs
+
+
+def dynamic_ratios(entries: list[Entry]) -> list[str]:
+    """One line per symbolic entry timed next to its static twin: static time / dynamic time
+    (≥ 1: the symbolic build is as fast)."""
+    by = {e.label: e for e in entries if e.timing}
+    out = []
+    for e in entries:
+        twin = by.get(static_twin(e.label) or "")
+        if e.timing and twin:
+            out.append(f"{twin.label}/{e.label} (static time / dynamic time): "
+                       f"{twin.timing.median_s * 1e3:.3f} ms / {e.timing.median_s * 1e3:.3f} ms = "
+                       f"{twin.timing.median_s / e.timing.median_s:.3f}")
+    return ([""] if out else []) + out
 
 
 def compare_plot(spec: AttentionSpec, entries: list[Entry], path: Path) -> list[str]:
