@@ -1,0 +1,270 @@
+"""The Hugging Face transformers backend (``tvm_attention.integrations.transformers``).
+
+A small random-weight Llama with GQA generates greedily through ``attn_implementation=
+"tvm_attention"`` exactly as with ``"sdpa"`` (batch 1 and 2), with one dynamic artifact built for
+the whole run, loaded from disk by a second model load and by a fresh process; a corrupt cached
+artifact is rebuilt with a warning; what the kernel cannot compute raises by name.
+"""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from tvm_attention.integrations import transformers as hf  # noqa: E402
+
+VOCAB = 128
+GEN = dict(max_new_tokens=32, min_new_tokens=32, do_sample=False, pad_token_id=0)  # no early eos
+
+
+def tiny_config(**overrides):
+    kw = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+              num_hidden_layers=2, vocab_size=VOCAB, max_position_embeddings=256)
+    kw.update(overrides)
+    return LlamaConfig(**kw)
+
+
+def tiny_llama(attn, cls=LlamaForCausalLM, **overrides):
+    torch.manual_seed(0)
+    model = cls(tiny_config(**overrides)).to(torch.float32).eval()
+    model.set_attn_implementation(attn)
+    return model
+
+
+def prompt(batch, length=12, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1, VOCAB, (batch, length), generator=g)
+
+
+@pytest.fixture(autouse=True)
+def _spin_env(monkeypatch):
+    """register() sets TVM_THREAD_POOL_SPIN_COUNT when unset: undo it after each test."""
+    monkeypatch.setenv(hf.SPIN_ENV, os.environ.get(hf.SPIN_ENV, "300000"))
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """A fresh artifact cache (TVM_ATTENTION_CACHE_DIR) and fresh counters; registered."""
+    monkeypatch.setenv("TVM_ATTENTION_CACHE_DIR", str(tmp_path))
+    hf.register()
+    hf.clear_kernels()
+    hf.reset_stats()
+    yield tmp_path
+    hf.clear_kernels()
+
+
+def only_artifact(root):
+    dirs = [p for p in (root / hf.ARTIFACTS).iterdir() if p.is_dir() and not p.name.startswith(".")]
+    assert len(dirs) == 1, dirs
+    return dirs[0]
+
+
+def test_generate_matches_sdpa_one_build_then_disk_cache(cache, tmp_path_factory):
+    sdpa = tiny_llama("sdpa")
+    tvm = tiny_llama("tvm_attention")
+    for batch in (1, 2):
+        ids = prompt(batch)
+        want = sdpa.generate(ids, **GEN)
+        got = tvm.generate(ids, **GEN)
+        assert got.shape == (batch, ids.shape[1] + 32)
+        assert torch.equal(got, want), f"batch {batch}: tokens differ from sdpa"
+    s = hf.stats()
+    # one configuration (4 heads, 2 kv heads, d16, causal, 1/4) for both layers, prefill and
+    # decode, batch 1 and 2: one dynamic artifact
+    assert s["builds"] == 1 and s["loads"] == 0, s
+    assert s["calls"] == 2 * 2 * 32, s  # 2 layers x (prefill + 31 decode steps) x 2 generations
+    art = only_artifact(cache)
+    assert art.name.startswith("h4_kv2_d16_float32_causal_llvm-")
+    manifest = json.loads((art / "manifest.json").read_text())
+    assert manifest["spec"]["scale"] == 0.25
+
+    # A second load (attn_implementation at from_pretrained), no kernels in memory: disk, no build.
+    saved = tmp_path_factory.mktemp("tiny_llama")
+    sdpa.save_pretrained(saved)
+    hf.clear_kernels()
+    hf.reset_stats()
+    again = LlamaForCausalLM.from_pretrained(saved, attn_implementation="tvm_attention", dtype=torch.float32).eval()
+    assert again.config._attn_implementation == "tvm_attention"
+    ids = prompt(2, seed=3)
+    assert torch.equal(again.generate(ids, **GEN), sdpa.generate(ids, **GEN))
+    assert hf.stats()["builds"] == 0 and hf.stats()["loads"] == 1, hf.stats()
+
+    # A fresh process finds it on disk too.
+    code = textwrap.dedent("""
+        import json
+        from tvm_attention.integrations import transformers as hf
+        hf.register()
+        hf.kernel_for(hf.LayerConfig(4, 2, 16, "float32", True, 0.25))
+        print(json.dumps(hf.stats()))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "TVM_ATTENTION_CACHE_DIR": str(cache)})
+    assert out.returncode == 0, out.stderr
+    child = json.loads(out.stdout.strip().splitlines()[-1])
+    assert child["builds"] == 0 and child["loads"] == 1, child
+
+    # A corrupt cached library is rebuilt, with a warning, and generation still matches.
+    # (a new file renamed over it: this process still maps the old library, which must not change)
+    lib = art / "attention.so"
+    bad = art.parent / "bad.so"
+    bad.write_bytes(lib.read_bytes() + b"corrupt")
+    os.replace(bad, lib)
+    hf.clear_kernels()
+    hf.reset_stats()
+    with pytest.warns(RuntimeWarning, match="unusable.*rebuilding"):
+        got = tvm.generate(prompt(1), **GEN)
+    assert torch.equal(got, sdpa.generate(prompt(1), **GEN))
+    assert hf.stats()["builds"] == 1 and hf.stats()["rebuilds"] == 1, hf.stats()
+    assert only_artifact(cache) == art
+
+
+def test_concurrent_processes_build_once(tmp_path):
+    """Two fresh processes asking for one configuration at once: one builds, the other waits
+    for the lock and loads what it exported."""
+    code = textwrap.dedent("""
+        import json
+        from tvm_attention.integrations import transformers as hf
+        hf.register()
+        hf.kernel_for(hf.LayerConfig(2, 1, 16, "float32", False, 0.3))
+        print(json.dumps(hf.stats()))
+    """)
+    env = {**os.environ, "TVM_ATTENTION_CACHE_DIR": str(tmp_path)}
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=env) for _ in range(2)]
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=180)
+        assert p.returncode == 0, err
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    assert sorted((r["builds"], r["loads"]) for r in results) == [(0, 1), (1, 0)], results
+    assert only_artifact(tmp_path).name.startswith("h2_kv1_d16_float32_full_")
+
+
+def test_chunked_prefill_against_a_cache_is_bottom_right_causal(cache):
+    """Sq > 1 against a non-empty DynamicCache (the second chunk of a prompt): the mask function
+    returns None and the kernel's bottom-right causal masking is exact."""
+    sdpa, tvm = tiny_llama("sdpa"), tiny_llama("tvm_attention")
+    ids = prompt(2, length=20)
+    outs = []
+    for model in (sdpa, tvm):
+        with torch.no_grad():
+            first = model(ids[:, :12], use_cache=True)
+            second = model(ids[:, 12:], cache=first.past_key_values, use_cache=True)
+        outs.append(second.logits)
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-4)
+    assert hf.stats()["builds"] == 1
+
+
+def test_mask_function_returns_none_only_for_plain_causal():
+    from transformers import masking_utils as mu
+
+    hf.register()
+    causal = dict(batch_size=2, mask_function=mu.causal_mask_function)
+    assert hf.attention_mask(q_length=5, kv_length=5, **causal) is None  # prefill, no cache
+    assert hf.attention_mask(q_length=1, kv_length=9, q_offset=8, **causal) is None  # decode
+    assert hf.attention_mask(q_length=4, kv_length=9, q_offset=5, **causal) is None  # chunk against a cache
+    ones = torch.ones(2, 9, dtype=torch.bool)
+    assert hf.attention_mask(q_length=1, kv_length=9, q_offset=8, attention_mask=ones, **causal) is None
+    padded = ones.clone()
+    padded[0, :3] = False
+    m = hf.attention_mask(q_length=1, kv_length=9, q_offset=8, attention_mask=padded, **causal)
+    assert m is not None and "padding" in getattr(m, hf._MASK_REASON)
+    m = hf.attention_mask(q_length=1, kv_length=16, q_offset=8, **causal)  # static cache
+    assert m is not None and "static" in getattr(m, hf._MASK_REASON)
+    m = hf.attention_mask(q_length=5, kv_length=5, local_size=3, batch_size=2,
+                          mask_function=mu.sliding_window_causal_mask_function(3))
+    assert m is not None and "sliding" in getattr(m, hf._MASK_REASON)
+    assert hf.attention_mask(q_length=3, kv_length=7, batch_size=2, mask_function=mu.bidirectional_mask_function) is None
+
+
+def test_padded_batch_generate_raises(cache):
+    tvm = tiny_llama("tvm_attention")
+    ids = prompt(2)
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0  # left padding
+    with pytest.raises(hf.UnsupportedAttention, match="padding"):
+        tvm.generate(ids, attention_mask=mask, **GEN)
+    # an all-ones mask is plain causal
+    assert hf.attention_mask(batch_size=2, q_length=12, kv_length=12, attention_mask=mask.bool().fill_(True)) is None
+
+
+def test_sliding_window_raises(cache):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    conf = MistralConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, num_hidden_layers=1, vocab_size=VOCAB, sliding_window=8)
+    model = MistralForCausalLM(conf).eval()
+    model.set_attn_implementation("tvm_attention")
+    with pytest.raises(hf.UnsupportedAttention, match="sliding-window attention"):
+        model.generate(prompt(1), **GEN)
+
+
+def test_dropout_in_training_raises(cache):
+    tvm = tiny_llama("tvm_attention", attention_dropout=0.1)
+    tvm.train()
+    with pytest.raises(hf.UnsupportedAttention, match="attention dropout"):
+        tvm(prompt(1))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(softcap=30.0), "softcapping"),
+    (dict(s_aux=torch.zeros(4)), "attention sinks"),
+    (dict(sliding_window=4), "sliding-window"),
+    (dict(position_bias=torch.zeros(1, 4, 3, 3)), "position bias"),
+    (dict(dtype=torch.bfloat16), "dtype bfloat16"),
+    (dict(attention_mask=torch.zeros(1, 1, 3, 3, dtype=torch.bool)), "custom 4-D attention mask"),
+])
+def test_unsupported_features_raise_by_name(kwargs, match):
+    dtype = kwargs.pop("dtype", torch.float32)
+    mask = kwargs.pop("attention_mask", None)
+    q = torch.zeros(1, 4, 3, 16, dtype=dtype)
+    kv = torch.zeros(1, 2, 3, 16, dtype=dtype)
+    module = torch.nn.Module()
+    module.is_causal = True
+    with pytest.raises(hf.UnsupportedAttention, match=match):
+        hf.attention_forward(module, q, kv, kv, mask, scaling=0.25, **kwargs)
+
+
+def test_register_names_and_cache_dir(tmp_path, monkeypatch):
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    monkeypatch.setenv("TVM_ATTENTION_CACHE_DIR", str(tmp_path / "env"))
+    try:
+        assert hf.register(cache_dir=tmp_path / "mine") == "tvm_attention"
+        assert ALL_ATTENTION_FUNCTIONS["tvm_attention"] is hf.attention_forward
+        assert ALL_MASK_ATTENTION_FUNCTIONS["tvm_attention"] is hf.attention_mask
+        assert hf.artifact_root() == tmp_path / "mine"
+        hf.register()
+        assert hf.artifact_root() == tmp_path / "env" / "artifacts"
+    finally:
+        hf.register()
+    a = hf.LayerConfig(8, 2, 64, "float32", True, 0.125)
+    b = hf.LayerConfig(8, 2, 64, "float32", True, 0.1250001)
+    t = hf.resolved_target()
+    assert a.key(t) != b.key(t) and a.key(t).startswith("h8_kv2_d64_float32_causal_")
+
+
+def test_register_sets_spin_count_only_when_unset(monkeypatch):
+    monkeypatch.delenv(hf.SPIN_ENV)
+    hf.register()
+    assert os.environ[hf.SPIN_ENV] == "0"
+    monkeypatch.setenv(hf.SPIN_ENV, "5")
+    hf.register()
+    assert os.environ[hf.SPIN_ENV] == "5"
+
+
+def test_forward_with_autograd_runs_but_backward_raises(cache):
+    tvm = tiny_llama("tvm_attention")
+    out = tvm(prompt(1)).logits
+    assert out.requires_grad
+    with pytest.raises(hf.UnsupportedAttention, match="backward"):
+        out.sum().backward()

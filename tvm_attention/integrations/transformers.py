@@ -1,0 +1,449 @@
+"""Hugging Face transformers attention backend: ``attn_implementation="tvm_attention"``.
+
+::
+
+    from tvm_attention.integrations.transformers import register
+
+    register()                      # once per process; register(cache_dir=...) to choose the cache
+    model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32,
+                                                 attn_implementation="tvm_attention")
+    # or, on a loaded model: model.set_attn_implementation("tvm_attention")
+    model.generate(input_ids, max_new_tokens=32, do_sample=False)
+
+Prefill and decode (a ``DynamicCache``: ``seq_q = 1`` against the grown cache) run through one
+*dynamic* tvm-attention artifact per layer configuration — ``(heads, kv_heads, head_dim, dtype,
+causal, scale, target)``; batch, ``seq_q`` and ``seq_kv`` are symbolic — built on first use and
+cached on disk in ``<cache>/artifacts/<key>/`` (``<cache>`` is ``register(cache_dir=...)``, else
+``tvm_attention.paths.cache_dir()``: ``$TVM_ATTENTION_CACHE_DIR``, ``$XDG_CACHE_HOME/tvm-attention``
+or ``~/.cache/tvm-attention``). The key names the configuration and target and ends in a hash of
+the scale, versions and representative shape. Each configuration is loaded once per process;
+another process loads the artifact from disk (``tvm_attention.load`` checks its SHA-256) and
+does not rebuild; a cached artifact that does not load is rebuilt, with a warning. Builders of
+one key take a file lock, so concurrent processes build it once.
+
+Semantics: ``softmax(q·kᵀ·scaling)·v`` with bottom-right causal masking when the module is causal
+(what transformers' decode against a cache means), GQA done by the kernel (key/value keep their
+``kv_heads``; nothing is repeated). What the kernel cannot compute raises
+:class:`UnsupportedAttention` naming the feature — never a silent fallback: an attention mask
+that is not plain causal/full (padding, packed sequences, a static cache, custom 4D masks),
+attention dropout > 0 (training mode), sliding windows, logit softcapping, attention sinks
+(``s_aux``), a position bias, a dtype other than float32 or a device other than the CPU. The
+kernel has no backward pass: a forward with autograd works, ``backward`` through it raises.
+
+Masks: transformers builds one mask per forward (not per layer) through the mask function
+registered under the implementation's name (``masking_utils.AttentionMaskInterface``). Ours
+returns ``None`` for the plain causal (or full) case — the kernel applies causality itself — and
+otherwise the boolean 4D mask ``sdpa_mask`` would build, tagged with the reason; the attention
+function then raises on any mask that is not ``None``. Without a registered mask function
+transformers would hand the attention ``None`` even for a padded batch
+(``masking_utils._preprocess_mask_arguments`` exits early for unknown names), so padding would go
+unnoticed: ``register`` registers both.
+
+Threads: kernels use every available core (or ``register(num_threads=...)``), like PyTorch.
+``register`` also sets ``TVM_THREAD_POOL_SPIN_COUNT=0`` unless it is set: TVM's workers would
+otherwise busy-wait after each kernel and slow PyTorch's ops between attention calls.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import threading
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+NAME = "tvm_attention"
+#: Subfolder of the tvm-attention cache holding the artifacts this backend builds.
+ARTIFACTS = "artifacts"
+#: Dimensions that are symbolic in every artifact built here.
+DYNAMIC = ("batch", "seq_q", "seq_kv")
+#: The representative shape a dynamic build is validated (and scheduled) at.
+REPRESENTATIVE_BATCH = 1
+REPRESENTATIVE_SEQ = 1024
+#: Bump when what an artifact under a given key means changes.
+KEY_FORMAT = 1
+_MASK_REASON = "_tvm_attention_reason"
+SPIN_ENV = "TVM_THREAD_POOL_SPIN_COUNT"
+
+
+class UnsupportedAttention(NotImplementedError):
+    """The attention call uses a feature the tvm_attention backend cannot compute."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerConfig:
+    """The static part of an attention layer: what one artifact serves."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+    causal: bool
+    scale: float
+
+    def spec(self):
+        """The dynamic :class:`~tvm_attention.spec.AttentionSpec` built for this configuration."""
+        from ..spec import AttentionSpec
+
+        return AttentionSpec(batch=REPRESENTATIVE_BATCH, heads=self.heads, kv_heads=self.kv_heads,
+                             seq_q=REPRESENTATIVE_SEQ, seq_kv=REPRESENTATIVE_SEQ, head_dim=self.head_dim,
+                             dtype=self.dtype, causal=self.causal, scale=self.scale, dynamic=DYNAMIC)
+
+    def key(self, target) -> str:
+        """Folder name of this configuration's artifact for ``target`` (a ``tvm.target.Target``):
+        ``h8_kv2_d64_float32_causal_<target key>_<hash>``; the hash covers the scale (exactly),
+        the target, the dynamic dims and representative shape, and the tvm-attention and TVM
+        versions."""
+        import tvm
+
+        from .. import __version__
+        from ..tune.logs import target_key
+
+        ident = {
+            "format": KEY_FORMAT, "scale": float(self.scale).hex(), "target": str(target),
+            "dynamic": list(DYNAMIC), "representative": [REPRESENTATIVE_BATCH, REPRESENTATIVE_SEQ],
+            "tvm_attention": __version__, "tvm": tvm.__version__,
+        }
+        digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:12]
+        kind = "causal" if self.causal else "full"
+        return (f"h{self.heads}_kv{self.kv_heads}_d{self.head_dim}_{self.dtype}_{kind}_"
+                f"{target_key(target)}_{digest}")
+
+
+@dataclasses.dataclass
+class _Settings:
+    cache_dir: Path | None = None
+    target: Any = "llvm"
+    num_threads: int | None = None
+    use_log: bool = False
+
+
+_settings = _Settings()
+_lock = threading.RLock()
+_kernels: dict[tuple, Any] = {}  # (artifact root, config tuple) -> loaded kernel
+_targets: dict[str, Any] = {}  # repr(settings.target) -> resolved Target
+_root_memo: list = [None, None]  # [(env values), root]
+_stats = {"builds": 0, "loads": 0, "rebuilds": 0, "calls": 0}
+_warned: set[str] = set()
+
+
+# -- public API ----------------------------------------------------------------------------------
+
+def register(cache_dir: str | os.PathLike | None = None, *, target: Any = "llvm",
+             num_threads: int | None = None, use_log: bool = False, spin_count: int | None = 0) -> str:
+    """Register ``"tvm_attention"`` with transformers' ``AttentionInterface`` and
+    ``AttentionMaskInterface``; returns the name.
+
+    ``cache_dir``: where artifacts live (default ``tvm_attention.paths.cache_dir() / "artifacts"``,
+    which honours ``$TVM_ATTENTION_CACHE_DIR``). ``target``: the CPU target (default ``"llvm"``,
+    this CPU). ``num_threads``: TVM threads per kernel call (default: every available core, or
+    ``TVM_NUM_THREADS``). ``use_log``: let builds use a tuning log record (off: the hand schedule,
+    a few seconds per configuration). Calling it again changes the settings; kernels already
+    loaded in this process are dropped (the disk cache stays).
+
+    ``spin_count``: sets ``TVM_THREAD_POOL_SPIN_COUNT`` unless the environment already does
+    (``None``: leave it alone). TVM's pool workers otherwise busy-wait about 0.1 s after every
+    kernel, taking cores from PyTorch's next ops (the projections and MLP between two attention
+    calls); 0 makes them sleep at once. TVM reads it when its pool first runs, so it only acts
+    if no TVM kernel has run in this process yet.
+    """
+    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.modeling_utils import AttentionInterface
+
+    if spin_count is not None:
+        os.environ.setdefault(SPIN_ENV, str(int(spin_count)))
+    new = _Settings(Path(cache_dir).expanduser() if cache_dir is not None else None, target, num_threads,
+                    bool(use_log))
+    with _lock:
+        if new != _settings:
+            _kernels.clear()
+            _settings.__dict__.update(new.__dict__)
+    AttentionInterface.register(NAME, attention_forward)
+    AttentionMaskInterface.register(NAME, attention_mask)
+    return NAME
+
+
+def artifact_root() -> Path:
+    """The folder holding this backend's artifacts (``register(cache_dir=...)``, else
+    ``tvm_attention.paths.cache_dir() / "artifacts"``)."""
+    if _settings.cache_dir is not None:
+        return _settings.cache_dir
+    env = (os.environ.get("TVM_ATTENTION_CACHE_DIR"), os.environ.get("XDG_CACHE_HOME"))
+    if _root_memo[0] != env:  # cheap on the hot path: two env reads and a compare
+        from ..paths import cache_dir
+
+        _root_memo[:] = [env, cache_dir() / ARTIFACTS]
+    return _root_memo[1]
+
+
+def stats() -> dict[str, int]:
+    """Counters since the last :func:`reset_stats`: ``builds`` (artifacts built and exported,
+    ``rebuilds`` of them replacing an unusable cached one), ``loads`` (artifacts loaded from the
+    disk cache without building) and ``calls`` (attention calls served)."""
+    return dict(_stats)
+
+
+def reset_stats() -> None:
+    for k in _stats:
+        _stats[k] = 0
+
+
+def clear_kernels() -> None:
+    """Forget the kernels loaded in this process (the next call loads them from disk again)."""
+    with _lock:
+        _kernels.clear()
+
+
+def resolved_target():
+    """The ``tvm.target.Target`` artifacts are built for (resolved once per setting)."""
+    from ..target import resolve_target
+
+    k = repr(_settings.target)
+    t = _targets.get(k)
+    if t is None:
+        t = _targets[k] = resolve_target(_settings.target)
+    return t
+
+
+def artifact_dir(config: LayerConfig) -> Path:
+    """Where ``config``'s artifact lives (or will)."""
+    return artifact_root() / config.key(resolved_target())
+
+
+def kernel_for(config: LayerConfig):
+    """The kernel serving ``config``: loaded from the disk cache, or built, exported there and
+    loaded. Callers go through the in-process cache (:func:`_get_kernel`) first."""
+    from .. import load
+    from ..spec import AttentionSpec
+
+    spec = config.spec()
+    target = resolved_target()
+    out = artifact_root() / config.key(target)
+    with _file_lock(out):
+        rebuild = False
+        if (out / "manifest.json").exists():
+            try:
+                kernel = load(out, num_threads=_settings.num_threads)
+                got = AttentionSpec.from_dict(kernel.manifest["spec"])
+                if got != spec:
+                    raise RuntimeError(f"its manifest's spec {got} is not {spec}")
+                _stats["loads"] += 1
+                return kernel
+            except Exception as e:  # corrupt or foreign: rebuild in place
+                warnings.warn(f"tvm_attention: cached artifact {out} is unusable ({type(e).__name__}: {e}); "
+                              "rebuilding it", RuntimeWarning, stacklevel=2)
+                rebuild = True
+        _build_into(spec, target, out)
+        kernel = load(out, num_threads=_settings.num_threads)
+        _stats["builds"] += 1
+        _stats["rebuilds"] += rebuild
+        return kernel
+
+
+#: The seam the attention function gets kernels through (tests substitute a fake one).
+_kernel_factory: Callable[[LayerConfig], Any] = kernel_for
+
+
+# -- transformers hooks --------------------------------------------------------------------------
+
+def attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function (the signature of ``sdpa_attention_forward``): query
+    ``(B, H, Sq, D)``, key/value ``(B, KH, Skv, D)`` → ``(attn_output (B, Sq, H, D), None)``."""
+    _check_supported(module, query, key, value, attention_mask, dropout, kwargs)
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    head_dim = query.shape[-1]
+    scale = float(scaling) if scaling is not None else head_dim ** -0.5
+    cfg = (query.shape[1], key.shape[1], head_dim, "float32", causal, scale)
+    kernel = _get_kernel(cfg)
+    q, k, v = query.contiguous(), key.contiguous(), value.contiguous()
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        out = _NoBackward.apply(kernel, q, k, v)
+    else:
+        out = kernel(q, k, v)
+    _stats["calls"] += 1
+    return out.transpose(1, 2).contiguous(), None
+
+
+def attention_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function: Callable | None = None,
+    attention_mask: torch.Tensor | None = None,
+    local_size: int | None = None,
+    **kwargs,
+) -> torch.Tensor | None:
+    """transformers mask function (``AttentionMaskInterface``; the signature of
+    ``masking_utils.sdpa_mask``). ``None`` when the kernel's own masking is exact: a plain
+    causal pattern whose keys end at the last query (bottom-right: a ``DynamicCache`` or no
+    cache), or a plain full pattern, and no padding in the keys' window of the 2D
+    ``attention_mask``. Otherwise the boolean 4D mask ``sdpa_mask`` builds, tagged with why, so
+    that the attention function refuses it by name."""
+    from transformers import masking_utils as mu
+
+    if mask_function is None:
+        mask_function = mu.causal_mask_function
+    reason = _mask_reason(q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, local_size)
+    if reason is None:
+        return None
+    kwargs.pop("allow_is_causal_skip", None)
+    kwargs.pop("allow_is_bidirectional_skip", None)
+    mask = mu.sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                        kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
+                        local_size=local_size, allow_is_causal_skip=False, allow_is_bidirectional_skip=False,
+                        **kwargs)
+    if mask is None:  # pragma: no cover - sdpa_mask materializes when no skip is allowed
+        mask = torch.zeros((batch_size, 1, q_length, kv_length), dtype=torch.bool)
+    with contextlib.suppress(AttributeError, TypeError):
+        setattr(mask, _MASK_REASON, reason)
+    return mask
+
+
+# -- internals -----------------------------------------------------------------------------------
+
+def _get_kernel(cfg: tuple):
+    """The in-process cache in front of :data:`_kernel_factory` (hot path: one dict lookup)."""
+    k = (artifact_root(), cfg)
+    kernel = _kernels.get(k)
+    if kernel is None:
+        with _lock:
+            kernel = _kernels.get(k)
+            if kernel is None:
+                kernel = _kernels[k] = _kernel_factory(LayerConfig(*cfg))
+    return kernel
+
+
+def _unsupported(feature: str, detail: str, hint: str) -> UnsupportedAttention:
+    return UnsupportedAttention(f"tvm_attention does not support {feature}: {detail}. {hint[:1].upper()}{hint[1:]}.")
+
+
+_OTHER = 'use attn_implementation="sdpa" (or "eager") for this model or call'
+
+
+def _check_supported(module, query, key, value, mask, dropout, kwargs) -> None:
+    """Raise :class:`UnsupportedAttention` naming the first feature the kernel cannot compute."""
+    if kwargs.get("sliding_window") is not None or getattr(module, "sliding_window", None) is not None:
+        w = kwargs.get("sliding_window")
+        w = getattr(module, "sliding_window", None) if w is None else w
+        raise _unsupported("sliding-window attention", f"sliding_window={w}", _OTHER)
+    if kwargs.get("softcap") is not None:
+        raise _unsupported("attention logit softcapping", f"softcap={kwargs['softcap']}", _OTHER)
+    if kwargs.get("s_aux") is not None:
+        raise _unsupported("attention sinks", "s_aux is set", _OTHER)
+    if kwargs.get("position_bias") is not None:
+        raise _unsupported("an additive position bias", "position_bias is set", _OTHER)
+    if any(kwargs.get(n) is not None for n in ("cu_seq_lens_q", "cu_seq_lens_k")):
+        raise _unsupported("packed sequences", "cu_seq_lens_q/cu_seq_lens_k are set",
+                           "pass one sequence per batch row, or " + _OTHER)
+    if dropout:
+        raise _unsupported("attention dropout", f"dropout={dropout} (the module is in training mode)",
+                           "call model.eval(), or set the config's attention_dropout to 0")
+    if mask is not None:
+        reason = getattr(mask, _MASK_REASON, None) or (
+            f"a custom {getattr(mask, 'ndim', '?')}-D attention mask of shape {tuple(getattr(mask, 'shape', ()))}"
+        )
+        raise _unsupported(
+            "attention masks other than plain causal", reason,
+            "The kernel applies bottom-right causal masking itself; batch only equal-length prompts "
+            "without padding (or generate them one at a time), or " + _OTHER)
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if t.device.type != "cpu":
+            raise _unsupported(f"{t.device.type} tensors", f"{name} is on {t.device}",
+                               "this backend runs on the CPU: move the model there")
+        if t.dtype != torch.float32:
+            raise _unsupported(f"dtype {str(t.dtype).removeprefix('torch.')} on CPU", f"{name} is {t.dtype}",
+                               "load the model in float32 (dtype=torch.float32)")
+        if t.dim() != 4:
+            raise _unsupported("this tensor layout", f"{name} has shape {tuple(t.shape)}, not (B, H, S, D)", _OTHER)
+    if key.shape != value.shape or key.shape[0] != query.shape[0] or key.shape[-1] != query.shape[-1]:
+        raise _unsupported("these shapes", f"query {tuple(query.shape)}, key {tuple(key.shape)}, value "
+                           f"{tuple(value.shape)} (key and value must match, with query's batch and head_dim)",
+                           _OTHER)
+    if query.shape[1] % key.shape[1]:
+        raise _unsupported("this head grouping", f"{query.shape[1]} query heads over {key.shape[1]} kv heads",
+                           _OTHER)
+    if kwargs.get("output_attentions") and "output_attentions" not in _warned:
+        _warned.add("output_attentions")
+        warnings.warn("tvm_attention does not return attention weights (output_attentions=True): they are None",
+                      UserWarning, stacklevel=3)
+
+
+def _mask_reason(q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, local_size) -> str | None:
+    """Why the kernel's own masking would not be exact, or None when it is."""
+    from transformers import masking_utils as mu
+
+    if mask_function is mu.causal_mask_function:
+        if isinstance(q_offset, torch.Tensor):
+            q_offset = int(q_offset)
+        if q_offset + q_length != kv_offset + kv_length:
+            return (f"the keys do not end at the last query (q_offset={q_offset}, q_length={q_length}, "
+                    f"kv_offset={kv_offset}, kv_length={kv_length}: a static or offset cache)")
+    elif mask_function is not mu.bidirectional_mask_function:
+        if local_size is not None:
+            return f"a sliding-window or chunked mask (window {local_size})"
+        return "a mask pattern other than causal (packed sequences, an overlay or a custom mask function)"
+    if attention_mask is not None:
+        if attention_mask.dim() != 2:
+            return f"a {attention_mask.dim()}-D attention mask"
+        window = attention_mask[:, kv_offset:kv_offset + kv_length]
+        if window.shape[-1] < kv_length:
+            return f"the 2-D attention_mask covers {window.shape[-1]} of {kv_length} keys"
+        if not bool(window.all()):
+            return "padding (the attention_mask has zeros)"
+    return None
+
+
+class _NoBackward(torch.autograd.Function):
+    """Runs the kernel under autograd; the kernel has no backward, so ``backward`` raises."""
+
+    @staticmethod
+    def forward(ctx, kernel, q, k, v):
+        return kernel(q.detach(), k.detach(), v.detach())
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise _unsupported("backward passes", "the tvm_attention kernel is forward-only",
+                           "train with attn_implementation=\"sdpa\"")
+
+
+@contextlib.contextmanager
+def _file_lock(out: Path):
+    """An exclusive ``flock`` on ``<out>.lock`` beside the artifact: one builder per key at a
+    time across processes (the kernel drops it however the process ends)."""
+    import fcntl
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(str(out.parent / f".{out.name}.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+def _build_into(spec, target, out: Path) -> None:
+    """Build ``spec`` for ``target`` (hand schedule unless ``use_log``), validate it against the
+    NumPy reference at the representative shape, and export it atomically to ``out``."""
+    from ..artifact import export
+    from ..pipeline import build_best
+
+    built, validation = build_best(spec, target=target, use_log=_settings.use_log, say=lambda m: None)
+    export(built, out, validation)
