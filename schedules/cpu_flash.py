@@ -32,6 +32,7 @@ from tvm.target import Target
 from tvm_attention.spec import AttentionSpec
 from tvm_attention.target import vector_lanes
 from tvm_attention.workloads import fused_attention
+from tvm_attention.workloads.fused import DECODE
 
 from ._knobs import KnobError, KnobsMixin
 
@@ -178,7 +179,7 @@ def check_cpu_dtype(spec: AttentionSpec) -> None:
 
 def workload(spec: AttentionSpec, knobs: FlashCPUKnobs):
     """The PrimFunc these knobs schedule (tile sizes are part of the compute)."""
-    return fused_attention(spec, knobs.block_m, knobs.block_n)
+    return fused_attention(spec, knobs.block_m, knobs.block_n, decode_rows=decode_rows(spec, knobs))
 
 
 def tile_candidates(spec: AttentionSpec, target: Target) -> list[tuple[int, int]]:
@@ -237,6 +238,7 @@ def schedule(
     lanes: int,
     knobs: Any = None,
     layout: TileKernelLayout = FLASH_LAYOUT,
+    suffix: str = "",
 ) -> s_tir.Schedule:
     """The one schedule of the fused kernel, for the hand path and the search alike.
 
@@ -245,9 +247,9 @@ def schedule(
     MetaSchedule design space. The sampled values are recorded as ``attn.*`` annotations on
     ``row_tile`` so a tuned trace can be read back as knobs (:func:`knobs_of`). Every sample
     respects the register limits, so every point of the space keeps the score tile local and
-    passes ``check``.
+    passes ``check``. ``suffix``: the nest whose blocks carry it (``_dec``: the decode nest).
     """
-    row_tile = sch.get_sblock("row_tile")
+    row_tile = sch.get_sblock("row_tile" + suffix)
     bufs = {b.name: b for b in sch.get(row_tile).alloc_buffers}
     block_m = int(bufs["Qt"].shape[1])  # Qt is (D, block_m)
     s_buf = bufs["S"]
@@ -257,7 +259,7 @@ def schedule(
 
     # Step 1. S_gemm register block: (jo, do, di, ji, io, ii) — s_rows keys (unrolled) × query
     # vectors accumulate across the head_dim loop; di optionally unrolled.
-    s_gemm = sch.get_sblock("S_gemm")
+    s_gemm = sch.get_sblock("S_gemm" + suffix)
     *_, j, d, i = sch.get_loops(s_gemm)
     s_rows = _tile(sch, j, block_n, knobs.s_rows if pin else None, max_s_rows(block_m, lanes))
     jo, ji = sch.split(j, s_rows)
@@ -275,7 +277,7 @@ def schedule(
     # Step 2. PV_gemm register block: (io, [do,] j, ii, di) — pv_rows rows (unrolled) × pv_cols
     # columns of vectors. The column block is not sampled: it is all of head_dim unless the
     # registers force a split (pv_columns), and a split only ever adds reloads of P.
-    pv = sch.get_sblock("PV_gemm")
+    pv = sch.get_sblock("PV_gemm" + suffix)
     *_, i, j, d = sch.get_loops(pv)
     pv_cols = pv_cols_of(knobs, D) if pin else pv_columns(D, lanes)
     pv_rows = _tile(sch, i, block_m, knobs.pv_rows if pin else None, max_pv_rows(pv_cols, lanes))
@@ -292,13 +294,13 @@ def schedule(
 
     # Step 3. Softmax stages and loads/stores: vectors across query rows (or head_dim).
     for name in layout.row_vector_blocks:
-        _vectorize_rows(sch, sch.get_loops(sch.get_sblock(name))[-1], lanes)
+        _vectorize_rows(sch, sch.get_loops(sch.get_sblock(name + suffix))[-1], lanes)
     for name in layout.d_vector_blocks:
-        sch.vectorize(sch.get_loops(sch.get_sblock(name))[-1])
+        sch.vectorize(sch.get_loops(sch.get_sblock(name + suffix))[-1])
 
     # Step 4. Optional auto-unroll of what is left inside one key tile.
     if layout.kv_tile:
-        c_loop = sch.get_loops(sch.get_sblock("kv_tile"))[-1]
+        c_loop = sch.get_loops(sch.get_sblock("kv_tile" + suffix))[-1]
         unroll = _choice(sch, AUTO_UNROLL_STEPS, knobs.auto_unroll if pin else None)
         sch.annotate(c_loop, "pragma_auto_unroll_max_step", unroll)
         sch.annotate(c_loop, "pragma_unroll_explicit", 1)
@@ -308,7 +310,7 @@ def schedule(
     sch.decompose_reduction(s_gemm, sch.get_loops(s_gemm)[-5])  # at do
     sch.decompose_reduction(pv, sch.get_loops(pv)[-3])  # before the key loop
     for name in ("row_max", "row_sum"):
-        blk = sch.get_sblock(name)
+        blk = sch.get_sblock(name + suffix)
         sch.decompose_reduction(blk, sch.get_loops(blk)[-3])  # before the key loop
 
     # Step 6. Parallel over (batch, head, row tile), parallel_chunk row tiles per task. Last:
@@ -323,8 +325,33 @@ def schedule(
 
 
 def apply(sch: s_tir.Schedule, knobs: FlashCPUKnobs, spec: AttentionSpec) -> s_tir.Schedule:
-    """The hand schedule: :func:`schedule` with every decision pinned to ``knobs``."""
-    return schedule(sch, spec, knobs.vector_lanes, knobs)
+    """The hand schedule: :func:`schedule` with every decision pinned to ``knobs`` (and the
+    decode nest, when the workload has one, with :func:`decode_knobs`)."""
+    schedule(sch, spec, knobs.vector_lanes, knobs)
+    if decode_rows(spec, knobs):
+        schedule(sch, spec, knobs.vector_lanes, decode_knobs(knobs), suffix=DECODE)
+    return sch
+
+
+def decode_rows(spec: AttentionSpec, knobs: FlashCPUKnobs) -> int:
+    """Rows of the GQA-packed decode nest (``workloads.fused._bhsd``): one vector of rows, for
+    a bhsd kernel whose seq_q is symbolic (a static one knows its shape); else 0 (no nest).
+    Why one vector: a decode step has ``group`` rows per kv head (4 for 8/2 heads), and every row
+    of the tile beyond them is computed and thrown away."""
+    return knobs.vector_lanes if spec.layout == "bhsd" and "seq_q" in spec.dynamic else 0
+
+
+def decode_knobs(knobs: FlashCPUKnobs) -> FlashCPUKnobs:
+    """The decode nest's knobs: ``block_m`` one vector of rows, the rest as the main nest's,
+    clamped to what a one-vector tile allows (register blocks that fit and divide)."""
+    lanes = knobs.vector_lanes
+    s_rows = min(knobs.s_rows, max_s_rows(lanes, lanes))
+    while knobs.block_n % s_rows:
+        s_rows -= 1
+    pv_rows = min(knobs.pv_rows, lanes)
+    while lanes % pv_rows:
+        pv_rows -= 1
+    return dataclasses.replace(knobs, block_m=lanes, s_rows=s_rows, pv_rows=pv_rows, parallel_chunk=1)
 
 
 def design_space(spec: AttentionSpec, target: Target):

@@ -187,3 +187,27 @@ def test_symbolic_build_takes_tuned_knobs_from_the_representative_log():
     assert b.source == "tuned" and b.knobs is not None and b.spec.dynamic == ALL
     assert b.audit.fused and validation.passed
     assert "seq_q=67" in validation.rows_checked
+
+
+# -- the GQA-packed decode nest of a symbolic-seq_q kernel ------------------------------------
+DECODE_SHAPES = [(1, 1, 1), (2, 1, 70), (2, 2, 1), (1, 3, 200), (3, 4, 64), (1, 5, 3), (2, 16, 33), (1, 8, 130)]
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(8, 2), (4, 4), (8, 1)])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_decode_nest_matches_the_reference(heads, kv_heads, causal):
+    # seq_q · group <= 16 takes the packed nest (one tile per kv head); the others the main one.
+    spec = dyn_spec(causal, heads=heads, kv_heads=kv_heads)
+    b = built(spec)
+    assert b.audit.fused and '"attn.decode_rows": 16' in b.lowered.script()
+    kernel = AttentionKernelOf(b)
+    for shape in DECODE_SHAPES:
+        x = inputs(spec, *shape, seed=sum(shape))
+        np.testing.assert_allclose(kernel(x["q"], x["k"], x["v"]), reference_attention(spec, x["q"], x["k"], x["v"]),
+                                   atol=1e-4, rtol=1e-4, err_msg=str(shape))
+
+
+def AttentionKernelOf(b):
+    from tvm_attention.artifact import kernel_of
+
+    return kernel_of(b)

@@ -41,13 +41,18 @@ from ._math import LOG2E, exp2_fast, guarded, normalize, normalize_where
 ENTRY = "attention"
 
 
-def fused_attention(spec: AttentionSpec, block_m: int, block_n: int) -> tirx.PrimFunc:
+def fused_attention(spec: AttentionSpec, block_m: int, block_n: int, decode_rows: int = 0) -> tirx.PrimFunc:
     """Build the fused PrimFunc for ``spec`` with row tile ``block_m`` and key tile ``block_n``.
 
     Arguments of the PrimFunc (call order) are the layout's (``tvm_attention.layouts``); bhsd:
     ``Q (B, H, Sq, D)``, ``K (B, KH, Skv, D)``, ``V (B, KH, Skv, D)``, ``O (B, H, Sq, D)``; all
     ``spec.dtype``, compact row-major. A dim in ``spec.dynamic`` is a symbolic ``T.int32`` var.
+
+    ``decode_rows`` (bhsd with a symbolic seq_q): also emit a GQA-packed decode nest for calls
+    with ``seq_q · group ≤ decode_rows`` (see :func:`_bhsd`); 0: none.
     """
+    if decode_rows and spec.layout == "bhsd" and "seq_q" in spec.dynamic:
+        return _bhsd(spec, block_m, block_n, decode_rows)
     return FRAMES[spec.layout](spec, block_m, block_n)
 
 
@@ -60,21 +65,30 @@ class _Tile:
     """Where one row tile finds its rows and keys: what a layout changes (the recurrence is the
     same for every layout). Index methods return index tuples into Q, K/V and O."""
 
-    def __init__(self, spec, BM, BN, row0, q_len, k_len, q_index, kv_index, o_index, always_masked, valid=None):
+    def __init__(self, spec, BM, BN, row0, q_len, k_len, q_index, kv_index, o_index, always_masked, valid=None,
+                 pos=None):
         self.spec, self.BM, self.BN = spec, BM, BN
+        # pos: tile row -> query position, when a tile row is not one position (GQA packing:
+        # row p is position p // group of head p % group); None: the identity
+        self.pos = pos
         self.row0, self.q_len, self.k_len = row0, q_len, k_len
         self._q, self._kv, self._o = q_index, kv_index, o_index
         static = isinstance(k_len, int) and isinstance(q_len, int)
         self.kv_tail = always_masked or not static or k_len % BN != 0
         self.masked = spec.causal or self.kv_tail
         self.valid = valid  # None, or an expr: this tile has rows (varlen's empty slots do not)
+        self.seq_q = q_len  # packed tiles set it to the number of positions
+
 
     def n_tiles(self, nc):
         # Causal: a row tile's last row (row0 + BM - 1) sees keys up to row0 + BM - 1 + off, so
         # later tiles are entirely masked and skipped, not computed and thrown away.
         BM, BN = self.BM, self.BN
         n = nc if isinstance(self.k_len, int) else T.floordiv(self.k_len + BN - 1, BN)
-        if self.spec.causal:
+        if self.spec.causal and self.pos is not None:
+            off = self.k_len - self.seq_q
+            n = T.max(0, T.min(n, T.floordiv(self.pos(self.row0 + BM - 1) + off + BN, BN)))
+        elif self.spec.causal:
             off = self.k_len - self.q_len
             n = T.max(0, T.min(n, T.floordiv(self.row0 + BM + off + BN - 1, BN)))
         if self.valid is not None:
@@ -104,7 +118,9 @@ class _Tile:
             return S[vj, vi]
         col = vc * self.BN + vj
         cond = col < self.k_len
-        if self.spec.causal:
+        if self.spec.causal and self.pos is not None:
+            cond = T.And(cond, col <= self.pos(self.row0 + vi) + (self.k_len - self.seq_q))
+        elif self.spec.causal:
             cond = T.And(cond, col <= self.row0 + vi + (self.k_len - self.q_len))
         return T.Select(cond, S[vj, vi], T.float32(float("-inf")))
 
@@ -114,14 +130,26 @@ class _Tile:
         static = isinstance(self.k_len, int) and isinstance(self.q_len, int)
         if static:
             return normalize(acc, l, row, self.spec)
+        if self.spec.causal and self.pos is not None:
+            return normalize_where(acc, l, self.pos(row) + (self.k_len - self.seq_q) >= 0)
         if self.spec.causal:
             return normalize_where(acc, l, row + (self.k_len - self.q_len) >= 0)
         return normalize_where(acc, l, self.k_len > 0)
 
 
-def _tile_macro(spec: AttentionSpec, BM: int, BN: int):
+#: Block names of the tile, found by name in schedules/ (a second nest of the same function
+#: carries a suffix: ``S_gemm_dec``).
+TILE_BLOCKS = ("Q_load", "state_init", "acc_init", "kv_tile", "S_gemm", "row_max", "online_correction",
+               "max_commit", "P_exp", "row_sum", "PV_gemm", "O_store")
+#: Suffix of the GQA-packed decode nest's blocks (``row_tile_dec``, ``S_gemm_dec``...).
+DECODE = "_dec"
+
+
+def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = ""):
     """The per-row-tile pipeline (Q load, online softmax over key tiles, store) as a TVMScript
-    macro: one piece of compute that every layout's frame calls with its own :class:`_Tile`."""
+    macro: one piece of compute that every layout's frame calls with its own :class:`_Tile`.
+    ``suffix`` is appended to every block name (a function may hold two nests of the tile)."""
+    N = {n: n + suffix for n in TILE_BLOCKS}
     D = spec.head_dim
     qscale = float(spec.scale * LOG2E)
     neg_inf = T.float32(float("-inf"))
@@ -138,70 +166,70 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int):
         acc = T.sblock_alloc_buffer((BM, D), "float32", scope="local")  # unnormalised output
 
         for d, i in T.grid(D, BM):
-            with T.sblock("Q_load"):
+            with T.sblock(N["Q_load"]):
                 vd, vi = T.axis.remap("SS", [d, i])
                 Qt[vd, vi] = Q[t.q_at(vi, vd)] * T.float32(qscale)
         for i in T.serial(BM):
-            with T.sblock("state_init"):
+            with T.sblock(N["state_init"]):
                 vi = T.axis.remap("S", [i])
                 m[vi] = neg_inf
                 l[vi] = T.float32(0)
         for i, d in T.grid(BM, D):
-            with T.sblock("acc_init"):
+            with T.sblock(N["acc_init"]):
                 vi, vd = T.axis.remap("SS", [i, d])
                 acc[vi, vd] = T.float32(0)
 
         for c in T.serial(t.n_tiles(nc)):
-            with T.sblock("kv_tile"):
+            with T.sblock(N["kv_tile"]):
                 # The key-tile loop carries m, l and acc from one tile to the next: a
                 # reduction over tiles. Inside it each buffer has exactly one writer
                 # block, so every stage is a proper (decomposable) reduction.
                 vc = T.axis.reduce(nc, c)
                 # -- S = Q·Kᵀ (scaled, log2 units) ---------------------------------------
                 for j, d, i in T.grid(BN, D, BM):
-                    with T.sblock("S_gemm"):
+                    with T.sblock(N["S_gemm"]):
                         vj, vd, vi = T.axis.remap("SRS", [j, d, i])
                         with T.init():
                             S[vj, vi] = T.float32(0)
                         S[vj, vi] = S[vj, vi] + K[t.kv_at(vc, vj, vd)] * Qt[vd, vi]
                 # -- running max over the visible keys ---------------------------------
                 for j, i in T.grid(BN, BM):
-                    with T.sblock("row_max"):
+                    with T.sblock(N["row_max"]):
                         vj, vi = T.axis.remap("RS", [j, i])
                         with T.init():
                             m_new[vi] = m[vi]
                         m_new[vi] = T.max(m_new[vi], t.score(S, vj, vi, vc))
                 # -- online correction factor; the guard keeps -inf - -inf out ----------
                 for i in T.serial(BM):
-                    with T.sblock("online_correction"):
+                    with T.sblock(N["online_correction"]):
                         vi = T.axis.remap("S", [i])
                         alpha[vi] = exp2_fast(m[vi] - guarded(m_new[vi]))
                 for i in T.serial(BM):
-                    with T.sblock("max_commit"):
+                    with T.sblock(N["max_commit"]):
                         vi = T.axis.remap("S", [i])
                         m[vi] = m_new[vi]
                 # -- P = exp2(S - m_new); masked entries are exactly 0 -------------------
                 for j, i in T.grid(BN, BM):
-                    with T.sblock("P_exp"):
+                    with T.sblock(N["P_exp"]):
                         vj, vi = T.axis.remap("SS", [j, i])
                         P[vj, vi] = exp2_fast(t.score(S, vj, vi, vc) - guarded(m_new[vi]))
                 # -- l = l·alpha + rowsum(P) -------------------------------------------
                 for j, i in T.grid(BN, BM):
-                    with T.sblock("row_sum"):
+                    with T.sblock(N["row_sum"]):
                         vj, vi = T.axis.remap("RS", [j, i])
                         with T.init():
                             l[vi] = l[vi] * alpha[vi]
                         l[vi] = l[vi] + P[vj, vi]
                 # -- acc = acc·alpha + P·V ---------------------------------------------
                 for i, j, d in T.grid(BM, BN, D):
-                    with T.sblock("PV_gemm"):
+                    with T.sblock(N["PV_gemm"]):
                         vi, vj, vd = T.axis.remap("SRS", [i, j, d])
                         with T.init():
                             acc[vi, vd] = acc[vi, vd] * alpha[vi]
                         acc[vi, vd] = acc[vi, vd] + P[vj, vi] * V[t.kv_at(vc, vj, vd)]
 
         for i, d in T.grid(BM, D):
-            with T.sblock("O_store"):
+            with T.sblock(N["O_store"]):
                 vi, vd = T.axis.remap("SS", [i, d])
                 T.where(t.keep(i))
                 O[t.o_at(vi, vd)] = t.out(acc[vi, vd], l[vi], vi)
@@ -209,8 +237,16 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int):
     return tile
 
 
-def _bhsd(spec: AttentionSpec, block_m: int, block_n: int) -> tirx.PrimFunc:
-    """Dense layout: one row tile per (batch, head, block of ``block_m`` query rows)."""
+def _bhsd(spec: AttentionSpec, block_m: int, block_n: int, decode_rows: int = 0) -> tirx.PrimFunc:
+    """Dense layout: one row tile per (batch, head, block of ``block_m`` query rows).
+
+    With ``decode_rows`` (symbolic seq_q only) the function holds a second nest, taken at run
+    time when ``seq_q · group ≤ decode_rows`` (decode: one or a few new tokens per sequence). Its
+    tile packs the ``group`` query heads that share a kv head (row ``p`` is position ``p //
+    group`` of head ``kv_head·group + p % group``), ``decode_rows`` rows per tile, one tile per
+    (batch, kv head): a decode step computes ``decode_rows`` rows per kv head instead of
+    ``block_m`` per query head, and reads each K/V tile once for the whole group.
+    """
     B, H, KH = _dim(spec, "batch"), spec.heads, spec.kv_heads
     SQ, SK, D = _dim(spec, "seq_q"), _dim(spec, "seq_kv"), spec.head_dim
     G = spec.group_size
@@ -229,23 +265,68 @@ def _bhsd(spec: AttentionSpec, block_m: int, block_n: int) -> tirx.PrimFunc:
             always_masked=False,
         )
 
+    if not decode_rows:
+        @T.prim_func(s_tir=True)
+        def attention(
+            Q: T.Buffer((B, H, SQ, D), dtype),
+            K: T.Buffer((B, KH, SK, D), dtype),
+            V: T.Buffer((B, KH, SK, D), dtype),
+            O: T.Buffer((B, H, SQ, D), dtype),
+        ):
+            T.func_attr({"global_symbol": ENTRY, "tirx.noalias": True, "attn.workload": "fused",
+                         "attn.block_m": BM, "attn.block_n": BN})
+            for b, h, r in T.grid(B, H, NR):
+                with T.sblock("row_tile"):
+                    vb, vh, vr = T.axis.remap("SSS", [b, h, r])
+                    T.reads(Q[vb, vh, 0:SQ, 0:D], K[vb, vh // G, 0:SK, 0:D], V[vb, vh // G, 0:SK, 0:D])
+                    T.writes(O[vb, vh, 0:SQ, 0:D])
+                    tile(Q, K, V, O, at(vb, vh, vr), NC)
+
+        return attention
+
+    BD = decode_rows
+    tile_dec = _tile_macro(spec, BD, BN, DECODE)
+
+    def packed(vb, vkh, vr):
+        # Tile row p (of SQ·G packed rows): position p // G of query head vkh·G + p % G.
+        return _Tile(
+            spec, BD, BN, vr * BD, SQ * G, SK,
+            q_index=lambda p, d: (vb, vkh * G + T.floormod(p, G), T.floordiv(p, G), d),
+            kv_index=lambda key, d: (vb, vkh, key, d),
+            o_index=lambda p, d: (vb, vkh * G + T.floormod(p, G), T.floordiv(p, G), d),
+            always_masked=True,
+            pos=lambda p: T.floordiv(p, G),
+        )
+
+    def seq_q_of(t):
+        t.seq_q = SQ
+        return t
+
     @T.prim_func(s_tir=True)
-    def attention(
+    def attention_with_decode(
         Q: T.Buffer((B, H, SQ, D), dtype),
         K: T.Buffer((B, KH, SK, D), dtype),
         V: T.Buffer((B, KH, SK, D), dtype),
         O: T.Buffer((B, H, SQ, D), dtype),
     ):
         T.func_attr({"global_symbol": ENTRY, "tirx.noalias": True, "attn.workload": "fused",
-                     "attn.block_m": BM, "attn.block_n": BN})
-        for b, h, r in T.grid(B, H, NR):
-            with T.sblock("row_tile"):
-                vb, vh, vr = T.axis.remap("SSS", [b, h, r])
-                T.reads(Q[vb, vh, 0:SQ, 0:D], K[vb, vh // G, 0:SK, 0:D], V[vb, vh // G, 0:SK, 0:D])
-                T.writes(O[vb, vh, 0:SQ, 0:D])
-                tile(Q, K, V, O, at(vb, vh, vr), NC)
+                     "attn.block_m": BM, "attn.block_n": BN, "attn.decode_rows": BD})
+        if SQ * G <= BD:
+            for b, kh in T.grid(B, KH):
+                with T.sblock("row_tile" + DECODE):
+                    vb, vkh = T.axis.remap("SS", [b, kh])
+                    T.reads(Q[vb, vkh * G:vkh * G + G, 0:SQ, 0:D], K[vb, vkh, 0:SK, 0:D], V[vb, vkh, 0:SK, 0:D])
+                    T.writes(O[vb, vkh * G:vkh * G + G, 0:SQ, 0:D])
+                    tile_dec(Q, K, V, O, seq_q_of(packed(vb, vkh, 0)), NC)
+        else:
+            for b, h, r in T.grid(B, H, NR):
+                with T.sblock("row_tile"):
+                    vb, vh, vr = T.axis.remap("SSS", [b, h, r])
+                    T.reads(Q[vb, vh, 0:SQ, 0:D], K[vb, vh // G, 0:SK, 0:D], V[vb, vh // G, 0:SK, 0:D])
+                    T.writes(O[vb, vh, 0:SQ, 0:D])
+                    tile(Q, K, V, O, at(vb, vh, vr), NC)
 
-    return attention
+    return attention_with_decode
 
 
 def _varlen(spec: AttentionSpec, block_m: int, block_n: int) -> tirx.PrimFunc:
