@@ -2,9 +2,12 @@
 
 Public API::
 
-    AttentionSpec                       the workload (BHSD layout, GQA, bottom-right causal)
+    AttentionSpec                       the workload (GQA, bottom-right causal; ``layout`` "bhsd" or
+                                        "varlen", ``dynamic`` dims symbolic at call time)
     build_kernel(spec, schedule, ...)   PrimFunc → schedule → lowered IR → audit → module
-    load(dir) -> kernel(q, k, v) -> o   serving-side loader of an exported artifact
+    load(dir) -> kernel(q, k, v) -> o   serving-side loader of an exported artifact (varlen:
+                                        kernel(q, k, v, cu_seqlens_q=..., cu_seqlens_k=...))
+    integrations.transformers.register()  attn_implementation="tvm_attention" for transformers
     aligned_empty(shape, dtype)         a 64-byte-aligned array: an ``out=`` buffer used without a copy
     set_num_threads(n)                  size TVM's CPU thread pool for the calling thread
 """

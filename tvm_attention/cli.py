@@ -67,9 +67,7 @@ def _spec_from_args(a: argparse.Namespace) -> AttentionSpec:
             v = v[1] or DYN_DEFAULTS[name]
             if v is None:  # seq_kv: dyn -> seq_q's representative
                 v = dims["seq_q"]
-        elif a.layout == "varlen" and v is not None:
-            raise SpecError(f"{flag}={v}: the varlen layout takes batch and lengths at call time "
-                            f"(give dyn:N for a representative value, or leave it out)")
+        # varlen: every one is symbolic (the spec says so); an int is its representative value
         dims[name] = v
     return AttentionSpec(
         batch=dims["batch"], heads=a.heads, kv_heads=a.kv_heads, seq_q=dims["seq_q"], seq_kv=dims["seq_kv"],
