@@ -66,7 +66,7 @@ class _Tile:
     same for every layout). Index methods return index tuples into Q, K/V and O."""
 
     def __init__(self, spec, BM, BN, row0, q_len, k_len, q_index, kv_index, o_index, always_masked, valid=None,
-                 pos=None):
+                 pos=None, seq_q=None):
         self.spec, self.BM, self.BN = spec, BM, BN
         # pos: tile row -> query position, when a tile row is not one position (GQA packing:
         # row p is position p // group of head p % group); None: the identity
@@ -77,7 +77,7 @@ class _Tile:
         self.kv_tail = always_masked or not static or k_len % BN != 0
         self.masked = spec.causal or self.kv_tail
         self.valid = valid  # None, or an expr: this tile has rows (varlen's empty slots do not)
-        self.seq_q = q_len  # packed tiles set it to the number of positions
+        self.seq_q = q_len if seq_q is None else seq_q  # query positions (packed rows: q_len / group)
 
 
     def n_tiles(self, nc):
@@ -265,6 +265,15 @@ def _bhsd(spec: AttentionSpec, block_m: int, block_n: int, decode_rows: int = 0)
             always_masked=False,
         )
 
+    @T.macro
+    def main_nest(Q, K, V, O):
+        for b, h, r in T.grid(B, H, NR):
+            with T.sblock("row_tile"):
+                vb, vh, vr = T.axis.remap("SSS", [b, h, r])
+                T.reads(Q[vb, vh, 0:SQ, 0:D], K[vb, vh // G, 0:SK, 0:D], V[vb, vh // G, 0:SK, 0:D])
+                T.writes(O[vb, vh, 0:SQ, 0:D])
+                tile(Q, K, V, O, at(vb, vh, vr), NC)
+
     if not decode_rows:
         @T.prim_func(s_tir=True)
         def attention(
@@ -275,32 +284,25 @@ def _bhsd(spec: AttentionSpec, block_m: int, block_n: int, decode_rows: int = 0)
         ):
             T.func_attr({"global_symbol": ENTRY, "tirx.noalias": True, "attn.workload": "fused",
                          "attn.block_m": BM, "attn.block_n": BN})
-            for b, h, r in T.grid(B, H, NR):
-                with T.sblock("row_tile"):
-                    vb, vh, vr = T.axis.remap("SSS", [b, h, r])
-                    T.reads(Q[vb, vh, 0:SQ, 0:D], K[vb, vh // G, 0:SK, 0:D], V[vb, vh // G, 0:SK, 0:D])
-                    T.writes(O[vb, vh, 0:SQ, 0:D])
-                    tile(Q, K, V, O, at(vb, vh, vr), NC)
+            main_nest(Q, K, V, O)
 
         return attention
 
     BD = decode_rows
     tile_dec = _tile_macro(spec, BD, BN, DECODE)
 
-    def packed(vb, vkh, vr):
-        # Tile row p (of SQ·G packed rows): position p // G of query head vkh·G + p % G.
+    def packed(vb, vkh):
+        # One tile per (batch, kv head) holds all SQ·G packed rows: row p is position p // G of
+        # query head vkh·G + p % G.
         return _Tile(
-            spec, BD, BN, vr * BD, SQ * G, SK,
+            spec, BD, BN, 0, SQ * G, SK,
             q_index=lambda p, d: (vb, vkh * G + T.floormod(p, G), T.floordiv(p, G), d),
             kv_index=lambda key, d: (vb, vkh, key, d),
             o_index=lambda p, d: (vb, vkh * G + T.floormod(p, G), T.floordiv(p, G), d),
             always_masked=True,
             pos=lambda p: T.floordiv(p, G),
+            seq_q=SQ,
         )
-
-    def seq_q_of(t):
-        t.seq_q = SQ
-        return t
 
     @T.prim_func(s_tir=True)
     def attention_with_decode(
@@ -317,14 +319,9 @@ def _bhsd(spec: AttentionSpec, block_m: int, block_n: int, decode_rows: int = 0)
                     vb, vkh = T.axis.remap("SS", [b, kh])
                     T.reads(Q[vb, vkh * G:vkh * G + G, 0:SQ, 0:D], K[vb, vkh, 0:SK, 0:D], V[vb, vkh, 0:SK, 0:D])
                     T.writes(O[vb, vkh * G:vkh * G + G, 0:SQ, 0:D])
-                    tile_dec(Q, K, V, O, seq_q_of(packed(vb, vkh, 0)), NC)
+                    tile_dec(Q, K, V, O, packed(vb, vkh), NC)
         else:
-            for b, h, r in T.grid(B, H, NR):
-                with T.sblock("row_tile"):
-                    vb, vh, vr = T.axis.remap("SSS", [b, h, r])
-                    T.reads(Q[vb, vh, 0:SQ, 0:D], K[vb, vh // G, 0:SK, 0:D], V[vb, vh // G, 0:SK, 0:D])
-                    T.writes(O[vb, vh, 0:SQ, 0:D])
-                    tile(Q, K, V, O, at(vb, vh, vr), NC)
+            main_nest(Q, K, V, O)
 
     return attention_with_decode
 
