@@ -1,7 +1,12 @@
-"""Serving-side loader: ``tvm_attention.load(DIR)`` → ``kernel(q, k, v) -> o``.
+"""Serving-side loader: ``tvm_attention.load(DIR)`` → ``kernel(q, k, v) -> o`` (varlen:
+``kernel(q, k, v, cu_seqlens_q=..., cu_seqlens_k=...)``; the layout entry says which).
 
-The callable checks every input against the manifest (rank, shape, dtype, device, contiguity)
-and raises :class:`KernelArgumentError` naming the argument and the mismatch. TVM kernels assume
+The callable checks every input against the manifest (rank, static dims, the agreement of each
+symbolic dim between arguments, dtype, device, contiguity, 32-bit indexing) and the layout's
+index arrays (``Layout.check_indices``: cu_seqlens), and raises :class:`KernelArgumentError`
+naming the argument and the mismatch, so that through the loader a kernel never reads out of
+bounds (the bare runtime function checks none of this). Zero-size inputs are answered here and
+never reach the kernel. TVM kernels assume
 64-byte-aligned data (vectorized loads/stores): an input that is not aligned is copied into
 aligned memory first, so a misaligned view can never crash the process. An ``out=`` buffer may be
 any writeable C-contiguous array of the right shape and dtype (a misaligned one is computed into
