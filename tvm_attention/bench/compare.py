@@ -17,13 +17,12 @@ from typing import Any
 import numpy as np
 
 from ..reference import reference_attention
-from ..spec import AttentionSpec
+from ..spec import DYNAMIC_DIMS, AttentionSpec
 from ..timing import Timing, aligned_inputs, time_module
 
 SCHEDULES = ("fused", "materialized", "rowcache")
 #: ``NAME-dyn``: the NAME schedule with every dim that may be symbolic left symbolic.
 DYN_SUFFIX = "-dyn"
-DYNAMIC_DIMS = ("batch", "seq_q", "seq_kv")
 
 
 @dataclasses.dataclass

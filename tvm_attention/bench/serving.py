@@ -33,10 +33,9 @@ from typing import Any, Callable
 import numpy as np
 
 from ..layouts import LAYOUTS
-from ..spec import AttentionSpec
+from ..spec import DYNAMIC_DIMS, AttentionSpec
 from ..timing import time_module
 
-DYNAMIC_DIMS = ("batch", "seq_q", "seq_kv")
 GOAL_DYNAMIC = 0.95
 GOAL_VARLEN = 0.75
 

@@ -31,14 +31,12 @@ from typing import Any, Callable, Iterable
 import numpy as np
 
 from ..reference import reference_attention
-from ..spec import AttentionSpec
+from ..spec import DYNAMIC_DIMS, AttentionSpec
 from ..timing import Timing, aligned_inputs, time_callable, time_module
 from .memory import peer_first_call_peak, tvm_first_call_peak
 
 TVM_VARIANTS = ("fused", "materialized", "rowcache")
 ALL_VARIANTS = ("fused", "fused-tuned", "fused-dyn", "materialized", "rowcache", "numpy", "torch")
-#: Dims ``fused-dyn`` leaves symbolic: all of them, the one artifact a server would ship.
-DYNAMIC_DIMS = ("batch", "seq_q", "seq_kv")
 #: Variants whose score matrices go through memory (byte model).
 MATERIALIZING = ("materialized", "numpy")
 ERROR_ROWS = 32

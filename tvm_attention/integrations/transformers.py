@@ -57,11 +57,13 @@ from typing import Any, Callable
 
 import torch
 
+from ..spec import DYNAMIC_DIMS
+
 NAME = "tvm_attention"
 #: Subfolder of the tvm-attention cache holding the artifacts this backend builds.
 ARTIFACTS = "artifacts"
-#: Dimensions that are symbolic in every artifact built here.
-DYNAMIC = ("batch", "seq_q", "seq_kv")
+#: Dimensions that are symbolic in every artifact built here: all of them.
+DYNAMIC = DYNAMIC_DIMS
 #: The representative shape a dynamic build is validated (and scheduled) at.
 REPRESENTATIVE_BATCH = 1
 REPRESENTATIVE_SEQ = 1024

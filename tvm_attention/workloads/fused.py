@@ -73,12 +73,11 @@ class _Tile:
         self.pos = pos
         self.row0, self.q_len, self.k_len = row0, q_len, k_len
         self._q, self._kv, self._o = q_index, kv_index, o_index
-        static = isinstance(k_len, int) and isinstance(q_len, int)
-        self.kv_tail = always_masked or not static or k_len % BN != 0
+        self.static = isinstance(k_len, int) and isinstance(q_len, int)  # lengths compiled in
+        self.kv_tail = always_masked or not self.static or k_len % BN != 0
         self.masked = spec.causal or self.kv_tail
         self.valid = valid  # None, or an expr: this tile has rows (varlen's empty slots do not)
         self.seq_q = q_len if seq_q is None else seq_q  # query positions (packed rows: q_len / group)
-
 
     def n_tiles(self, nc):
         # Causal: a row tile's last row (row0 + BM - 1) sees keys up to row0 + BM - 1 + off, so
@@ -127,8 +126,7 @@ class _Tile:
     def out(self, acc, l, vi):
         """``acc / l``, or 0 for a row the mask gives no key (see ``normalize``)."""
         row = self.row0 + vi
-        static = isinstance(self.k_len, int) and isinstance(self.q_len, int)
-        if static:
+        if self.static:
             return normalize(acc, l, row, self.spec)
         if self.spec.causal and self.pos is not None:
             return normalize_where(acc, l, self.pos(row) + (self.k_len - self.seq_q) >= 0)
