@@ -32,8 +32,9 @@ from tvm.target import Target
 from tvm_attention.spec import AttentionSpec
 from tvm_attention.target import vector_lanes
 from tvm_attention.workloads import fused_attention
-from tvm_attention.workloads.fused import DECODE
+from tvm_attention.workloads.fused import DECODE, MERGE, SPLIT
 
+from . import cpu_decode
 from ._knobs import KnobError, KnobsMixin
 
 NAME = "fused"
@@ -52,6 +53,9 @@ class FlashCPUKnobs(KnobsMixin):
     d_unroll: int = 1  # S_gemm: head_dim steps unrolled per iteration (1 = leave to LLVM)
     parallel_chunk: int = 1  # row tiles per parallel task (1 = finest load balance)
     auto_unroll: int = 0  # pragma_auto_unroll_max_step on the key-tile loop (0 = off)
+    # Decode steps (symbolic seq_q): when batch·kv_heads tiles are fewer than this, split each
+    # sequence's keys so that about this many tasks run (flash-decoding); 0 = never split.
+    split_tasks: int = 8
 
 
 # -- hardware limits the feasibility check names -------------------------------------------------
@@ -114,7 +118,21 @@ def preset(spec: AttentionSpec, target: Target) -> FlashCPUKnobs:
     while block_n % s_rows:
         s_rows -= 1
     return FlashCPUKnobs(block_m=block_m, block_n=block_n, s_rows=s_rows, pv_rows=pv_rows,
-                         pv_cols=pv_cols if pv_cols < spec.head_dim else 0, vector_lanes=lanes)
+                         pv_cols=pv_cols if pv_cols < spec.head_dim else 0, vector_lanes=lanes,
+                         split_tasks=split_tasks_for(target))
+
+
+#: Split-KV tasks per core a decode step aims at: 4 per core keeps both cores busy when one
+#: sequence's chunks differ in cost (causal tails, the last partial tile), and each chunk still
+#: streams at least MIN_SPLIT_KEYS keys.
+SPLIT_TASKS_PER_CORE = 4
+SPLIT_TASK_CHOICES = (0, 4, 8, 16, 32)
+
+
+def split_tasks_for(target: Target) -> int:
+    cores = int(target.attrs["num-cores"]) if "num-cores" in target.attrs else 2
+    want = SPLIT_TASKS_PER_CORE * cores
+    return min((c for c in SPLIT_TASK_CHOICES if c >= want), default=SPLIT_TASK_CHOICES[-1])
 
 
 def check(knobs: FlashCPUKnobs, spec: AttentionSpec, target: Target) -> None:
@@ -146,6 +164,8 @@ def check(knobs: FlashCPUKnobs, spec: AttentionSpec, target: Target) -> None:
         raise KnobError(f"parallel_chunk={knobs.parallel_chunk} not in {PARALLEL_CHUNKS}")
     if knobs.auto_unroll not in AUTO_UNROLL_STEPS:
         raise KnobError(f"auto_unroll={knobs.auto_unroll} not in {AUTO_UNROLL_STEPS}")
+    if knobs.split_tasks not in SPLIT_TASK_CHOICES:
+        raise KnobError(f"split_tasks={knobs.split_tasks} not in {SPLIT_TASK_CHOICES}")
     regs = VECTOR_REGISTERS.get(lanes, 16)
     q_vectors = knobs.block_m // lanes
     if knobs.s_rows > max_s_rows(knobs.block_m, lanes):
@@ -179,7 +199,9 @@ def check_cpu_dtype(spec: AttentionSpec) -> None:
 
 def workload(spec: AttentionSpec, knobs: FlashCPUKnobs):
     """The PrimFunc these knobs schedule (tile sizes are part of the compute)."""
-    return fused_attention(spec, knobs.block_m, knobs.block_n, decode_rows=decode_rows(spec, knobs))
+    # decode tiers narrower than a vector are dot-product scheduled (cpu_decode): they stage K
+    return fused_attention(spec, knobs.block_m, knobs.block_n, decode_rows=decode_rows(spec, knobs),
+                           split_tasks=knobs.split_tasks, stage_k_below=knobs.vector_lanes)
 
 
 def tile_candidates(spec: AttentionSpec, target: Target) -> list[tuple[int, int]]:
@@ -328,17 +350,50 @@ def apply(sch: s_tir.Schedule, knobs: FlashCPUKnobs, spec: AttentionSpec) -> s_t
     """The hand schedule: :func:`schedule` with every decision pinned to ``knobs`` (and the
     decode nest, when the workload has one, with :func:`decode_knobs`)."""
     schedule(sch, spec, knobs.vector_lanes, knobs)
-    if decode_rows(spec, knobs):
-        schedule(sch, spec, knobs.vector_lanes, decode_knobs(knobs), suffix=DECODE)
+    for rows in decode_rows(spec, knobs):
+        suffix = DECODE + str(rows)
+        for nest in (suffix, suffix + SPLIT):
+            if nest != suffix and not _has_block(sch, "row_tile" + nest):
+                continue  # no split form (a static batch that fills the cores)
+            if rows < knobs.vector_lanes:
+                cpu_decode.schedule(sch, spec, nest)
+            else:
+                schedule(sch, spec, knobs.vector_lanes, decode_knobs(knobs), suffix=nest)
+        if _has_block(sch, MERGE + suffix):
+            merge = sch.get_sblock(MERGE + suffix)
+            sch.parallel(sch.fuse(*sch.get_loops(merge)))
     return sch
 
 
-def decode_rows(spec: AttentionSpec, knobs: FlashCPUKnobs) -> int:
-    """Rows of the GQA-packed decode nest (``workloads.fused._bhsd``): one vector of rows, for
-    a bhsd kernel whose seq_q is symbolic (a static one knows its shape); else 0 (no nest).
-    Why one vector: a decode step has ``group`` rows per kv head (4 for 8/2 heads), and every row
-    of the tile beyond them is computed and thrown away."""
-    return knobs.vector_lanes if spec.layout == "bhsd" and "seq_q" in spec.dynamic else 0
+def _has_block(sch: s_tir.Schedule, name: str) -> bool:
+    try:
+        sch.get_sblock(name)
+    except Exception:  # noqa: BLE001 - ScheduleError: no such block
+        return False
+    return True
+
+
+def decode_rows(spec: AttentionSpec, knobs: FlashCPUKnobs) -> tuple[int, ...]:
+    """Rows of the GQA-packed decode nests (``workloads.fused._dense``) of a kernel whose seq_q
+    is symbolic (a static one knows its shape): () for none.
+
+    * ``group`` rounded up to a power of two (1 for MHA, 4 for 32:8 heads), scheduled as dot
+      products along head_dim (``cpu_decode``): one new token per sequence, the common decode
+      step, computes only its own rows;
+    * for the KV-cache layouts also one vector of rows (16 with AVX-512), vectorized across rows
+      as the main nest: a few draft tokens per sequence (``seq_q · group ≤ 16``) fill it.
+    Why not one nest: a one-vector tile at one token computes 16 rows for 4 (or 1), which bound
+    decode by the FMA units, not by the memory it must stream. bhsd (the transformers path, one
+    token per step) keeps one decode nest: every nest adds seconds of lowering to a build."""
+    if spec.layout == "varlen" or "seq_q" not in spec.dynamic:
+        return ()
+    lanes, group = knobs.vector_lanes, spec.group_size
+    if group > lanes:
+        return ()
+    few = 1 << (group - 1).bit_length()
+    if few < lanes and cpu_decode.supports(spec, few, lanes):
+        return (few, lanes) if spec.layout in ("kvcache", "paged") else (few,)
+    return (lanes,)
 
 
 def decode_knobs(knobs: FlashCPUKnobs) -> FlashCPUKnobs:

@@ -2,14 +2,20 @@
 
 Public API::
 
-    AttentionSpec                       the workload (GQA, bottom-right causal; ``layout`` "bhsd" or
-                                        "varlen", ``dynamic`` dims symbolic at call time)
+    AttentionSpec                       the workload (GQA, bottom-right causal; ``layout`` "bhsd",
+                                        "varlen", "kvcache" or "paged", ``dynamic`` dims symbolic
+                                        at call time, ``return_lse``)
     build_kernel(spec, schedule, ...)   PrimFunc → schedule → lowered IR → audit → module
     load(dir) -> kernel(q, k, v) -> o   serving-side loader of an exported artifact (varlen:
-                                        kernel(q, k, v, cu_seqlens_q=..., cu_seqlens_k=...))
+                                        kernel(q, k, v, cu_seqlens_q=..., cu_seqlens_k=...);
+                                        kvcache: kernel(q, k_cache, v_cache, cache_seqlens=...);
+                                        paged: kernel(q, k_pages, v_pages, block_table=...,
+                                        cache_seqlens=...); --return-lse: (o, lse))
     integrations.transformers.register()  attn_implementation="tvm_attention" for transformers
     aligned_empty(shape, dtype)         a 64-byte-aligned array: an ``out=`` buffer used without a copy
     set_num_threads(n)                  size TVM's CPU thread pool for the calling thread
+    merge_states(o_a, lse_a, o_b, lse_b)  attention over two disjoint key sets from each one's
+                                        (o, lse) (cascade / shared-prefix attention)
 """
 from .spec import AttentionSpec, SpecError
 
@@ -21,6 +27,13 @@ def load(directory, num_threads=None):
     from .loader import load as _load
 
     return _load(directory, num_threads=num_threads)
+
+
+def merge_states(o_a, lse_a, o_b, lse_b):
+    """Merge two attention states; see :func:`tvm_attention.merge.merge_states`."""
+    from .merge import merge_states as _merge
+
+    return _merge(o_a, lse_a, o_b, lse_b)
 
 
 def aligned_empty(shape, dtype):

@@ -21,9 +21,11 @@ head_dim, never by the sequence lengths. So the verdict is ``fused`` iff
    ``S``'s memory).
 
 A **symbolic** build (``spec.dynamic``; the varlen layout) needs no probe: its IR says it. An
-allocation whose size expression holds a symbolic dim (``batch``, ``seq_q``, ``seq_kv``,
-``total_q``...) grows with it and fails the audit (the symbolic materialized S holds
-``batch·heads·seq_q·seq_kv`` elements); a constant size cannot grow.
+allocation whose size expression holds a symbolic length (``seq_q``, ``seq_kv``, ``total_q``,
+``max_len``, ``num_pages``...) grows with it and fails the audit (the symbolic materialized S holds
+``batch·heads·seq_q·seq_kv`` elements); a constant size cannot grow. A size that depends on the
+``batch`` alone passes with a note: it holds a bounded number of tiles per sequence (split-KV
+decode's partial outputs), nothing per query or key.
 
 Where no probe could be built (the schedule does not fit the other lengths), or for a buffer the
 probe does not have, the audit falls back to the size rule: no allocation may hold
@@ -63,7 +65,7 @@ class Allocation:
     def grows(self) -> bool | None:
         """True if its size depends on a length; None if that is unknown (no probe)."""
         if self.depends_on is not None:
-            return bool(self.depends_on)
+            return bool(set(self.depends_on) - BATCH_VARS)
         if self.probe_elements is None:
             return None
         return self.probe_elements != self.elements
@@ -117,7 +119,8 @@ class AuditReport:
         lines.append(f"  {'buffer':<12} {'scope':<8} {'dtype':<8} {'elements':>12} {'bytes':>12}  {grow_head}")
         for a in sorted(self.allocations, key=lambda a: -a.bytes):
             if symbolic:
-                grows = f"YES: {', '.join(a.depends_on or ())}" if a.grows else "no"
+                grows = (f"YES: {', '.join(a.depends_on or ())}" if a.grows
+                         else "no (per sequence: batch)" if a.depends_on else "no")
             else:
                 grows = {True: f"YES ({a.probe_elements} at the probe)", False: "no", None: "?"}[a.grows]
             elements = a.elements if a.elements >= 0 else "symbolic"
@@ -142,7 +145,11 @@ def _elements_from_shape(shape: Iterable[Any]) -> int | None:
 
 #: The symbolic dims' variable names in the workloads (the layouts' symbolic dims; varlen's
 #: ``batch`` enters as ``batch_plus_1``, the length of cu_seqlens).
-SYMBOLIC_VARS = frozenset({"batch", "seq_q", "seq_kv", "total_q", "total_k", "batch_plus_1"})
+SYMBOLIC_VARS = frozenset({"batch", "seq_q", "seq_kv", "total_q", "total_k", "batch_plus_1", "max_len",
+                           "num_pages", "max_pages"})
+#: Of those, the ones that count sequences, not tokens: a buffer sized by them alone holds a
+#: bounded number of tiles per sequence (split-KV partials), never anything per query or key.
+BATCH_VARS = frozenset({"batch", "batch_plus_1"})
 
 
 def _vars_in(exprs: Iterable[Any], lets: dict[str, Any], _depth: int = 0) -> tuple[str, ...]:
@@ -293,13 +300,17 @@ def audit(
 
 def _audit_symbolic(allocs: list[Allocation], spec: AttentionSpec, score_buffers: Sequence[str],
                     threshold: int) -> AuditReport:
-    """The audit of a build with symbolic dims: fused iff no allocation's size depends on one
+    """The audit of a build with symbolic dims: fused iff no allocation's size depends on a
+    symbolic length (the batch alone is allowed, with a note)
     (and the score tile is on chip)."""
     reasons: list[str] = []
     notes = [f"symbolic build ({', '.join(spec.layout_info.symbolic_dims(spec))}): an allocation whose size "
-             "depends on a symbolic dim grows with it"]
+             "depends on a symbolic length grows with it"]
     for a in allocs:
-        if a.depends_on:
+        if a.depends_on and not a.grows:
+            notes.append(f"{a.name} ({a.scope}) is sized by the batch alone (a bounded number of tiles per "
+                         "sequence, e.g. split-KV partials), not by any length")
+        elif a.depends_on:
             reasons.append(f"{a.name} ({a.scope}) has a size that depends on the symbolic "
                            f"{', '.join(a.depends_on)}")
     _check_score_buffers(allocs, score_buffers, reasons, notes)

@@ -9,6 +9,7 @@ import json
 import sys
 from pathlib import Path
 
+from .layouts import LAYOUTS
 from .spec import AttentionSpec, SpecError
 
 DEFAULT_SPEC = dict(batch=1, heads=8, seq_q=1024, head_dim=64, dtype="float32", causal=False)
@@ -18,6 +19,10 @@ DEFAULT_OUT = "artifacts"
 #: Representative values of a dim given as plain ``dyn``: what the build validates, times and
 #: looks up tuning logs at (``dyn:N`` picks another).
 DYN_DEFAULTS = {"batch": 1, "seq_q": 1024, "seq_kv": None}
+#: The same for the KV-cache layouts, whose representative call is a decode step (one new token
+#: per sequence against a 1k cache).
+CACHE_DEFAULTS = {"batch": 4, "seq_q": 1, "seq_kv": 1024}
+CACHE_LAYOUTS = ("kvcache", "paged")
 
 
 def _dim(text: str):
@@ -37,9 +42,16 @@ def _dim(text: str):
 def _add_spec_flags(p: argparse.ArgumentParser, defaults: dict | None = None) -> None:
     d = defaults or {}
     dyn = " (or dyn / dyn:N: symbolic, any value at call time; N is the representative value)"
-    p.add_argument("--layout", default="bhsd", choices=["bhsd", "varlen"],
+    p.add_argument("--layout", default="bhsd", choices=list(LAYOUTS),
                    help="bhsd: dense (B, H, S, D) (default); varlen: FlashAttention's packed (total, H, D) + "
-                        "cu_seqlens_q/k, batch and lengths symbolic")
+                        "cu_seqlens_q/k; kvcache: q (B, H, Sq, D) against k/v_cache (B, KH, max_len, D) + "
+                        "cache_seqlens; paged: k/v_pages (pages, page_size, KH, D) + block_table + cache_seqlens. "
+                        "varlen, kvcache and paged take batch and lengths at call time (ints are representative)")
+    p.add_argument("--page-size", type=int, default=None,
+                   help="paged layout: keys per page (compiled in; default 16)")
+    p.add_argument("--return-lse", action="store_true", default=False,
+                   help="the kernel also returns lse: each row's natural log-sum-exp, float32 "
+                        "((B, H, Sq); varlen (H, total_q)); -inf for a row that sees no key")
     p.add_argument("--batch", type=_dim, default=d.get("batch"), help="B" + dyn)
     p.add_argument("--heads", type=int, default=d.get("heads"), required=not d, help="H (query heads)")
     p.add_argument("--kv-heads", type=int, default=None, help="KH (default: heads); heads %% KH == 0")
@@ -54,17 +66,19 @@ def _add_spec_flags(p: argparse.ArgumentParser, defaults: dict | None = None) ->
 
 def _spec_from_args(a: argparse.Namespace) -> AttentionSpec:
     dims, dynamic = {}, []
+    per_call = a.layout in ("varlen",) + CACHE_LAYOUTS  # batch and lengths are per call
+    defaults = CACHE_DEFAULTS if a.layout in CACHE_LAYOUTS else DYN_DEFAULTS
     for name, flag in (("batch", "--batch"), ("seq_q", "--seq-q"), ("seq_kv", "--seq-kv")):
         v = getattr(a, name)
-        if name == "seq_kv" and v is None and a.layout != "varlen":
+        if name == "seq_kv" and v is None and not per_call:
             v = a.seq_q  # default: like seq_q (dyn too when seq_q is)
-        if a.layout == "varlen" and v is None:
-            v = ("dyn", None)  # varlen: batch and lengths are per call
+        if per_call and v is None:
+            v = ("dyn", None)
         if v is None and name != "seq_kv":
             raise SpecError(f"{flag} is required (an int, dyn or dyn:N)")
         if isinstance(v, tuple):
             dynamic.append(name)
-            v = v[1] or DYN_DEFAULTS[name]
+            v = v[1] or defaults[name]
             if v is None:  # seq_kv: dyn -> seq_q's representative
                 v = dims["seq_q"]
         # varlen: every one is symbolic (the spec says so); an int is its representative value
@@ -72,7 +86,8 @@ def _spec_from_args(a: argparse.Namespace) -> AttentionSpec:
     return AttentionSpec(
         batch=dims["batch"], heads=a.heads, kv_heads=a.kv_heads, seq_q=dims["seq_q"], seq_kv=dims["seq_kv"],
         head_dim=a.head_dim, dtype=a.dtype, causal=a.causal, scale=a.scale, layout=a.layout,
-        dynamic=tuple(dynamic),
+        dynamic=tuple(dynamic), return_lse=a.return_lse,
+        page_size=a.page_size,
     )
 
 
@@ -255,6 +270,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
     from .threads import set_num_threads
 
     threads = set_num_threads(a.threads)
+    if a.decode:
+        return bench_decode(a, threads)
     if a.tiny:
         seqs, dims, causals, variants, tokens = [256, 512], [64], [False], a.variants or ["fused", "materialized"], None
         heads = 2
@@ -279,6 +296,23 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
         for name, series in write_plots(results, meta, Path(a.out)).items():
             print(f"plot: {Path(a.out) / name}  ({', '.join(series)})")
+    print(f"results: {', '.join(str(p) for p in paths.values())}")
+    return 0
+
+
+def bench_decode(a: argparse.Namespace, threads: int) -> int:
+    """``bench --decode``: decode points (kvcache and paged vs torch SDPA, against the measured
+    streaming-read roof); ``--tiny``: one small point per layout."""
+    import dataclasses
+
+    from .bench import decode
+
+    cfg = decode.quick_config() if a.tiny else decode.Config()
+    over = {"batches": a.decode_batch, "caches": a.decode_cache}
+    cfg = dataclasses.replace(cfg, **{k: tuple(v) for k, v in over.items() if v})
+    report = decode.run(cfg, threads, say=lambda m: print(m, flush=True))
+    paths = decode.write(report, a.out)
+    print(paths["md"].read_text())
     print(f"results: {', '.join(str(p) for p in paths.values())}")
     return 0
 
@@ -418,6 +452,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--memory-scaling", action="store_true",
                    help="also run the fused kernel at S=32768 and 65536 (H=1, D=64)")
     p.add_argument("--tiny", action="store_true", help="two short lengths, fused vs materialized (CI)")
+    p.add_argument("--decode", action="store_true",
+                   help="decode points instead: one new token per sequence against a KV cache (kvcache and paged "
+                        "layouts, GQA 32:8 and MHA, D 128/64), GB/s of K/V read, fraction of the streaming-read "
+                        "bandwidth measured in the same run, torch SDPA (enable_gqa) side by side")
+    p.add_argument("--decode-batch", type=int, nargs="+", default=None, help="--decode: batches (default 1 4 16)")
+    p.add_argument("--decode-cache", type=int, nargs="+", default=None,
+                   help="--decode: cache lengths (default 1024 4096 16384 32768)")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", default="bench_out", help="output folder (default: bench_out)")

@@ -70,11 +70,26 @@ class Layout:
     always_dynamic: tuple[str, ...] = ()
     #: keyword -> what the loader does with it (documentation; checked in check_options)
     options: Mapping[str, str] = {}
+    #: dims of the optional ``lse`` output (``spec.return_lse``), written after ``o``
+    lse_dims: tuple[str, ...] = ("batch", "heads", "seq_q")
+    #: K/V come from a pool of pages (``spec.page_size`` keys each)
+    paged = False
+    default_page_size = 16
 
     # -- the argument list ---------------------------------------------------------------------
     @property
     def inputs(self) -> tuple[Arg, ...]:
         return tuple(a for a in self.args if not a.output)
+
+    def all_args(self, spec) -> tuple[Arg, ...]:
+        """The arguments of ``spec``'s kernel in call order: ``args``, then ``lse`` when the spec
+        returns it."""
+        if getattr(spec, "return_lse", False):
+            return self.args + (Arg("lse", self.lse_dims, "float32", output=True),)
+        return self.args
+
+    def outputs(self, spec) -> tuple[Arg, ...]:
+        return tuple(a for a in self.all_args(spec) if a.output)
 
     @property
     def index_args(self) -> tuple[Arg, ...]:
@@ -92,7 +107,7 @@ class Layout:
     def arg_specs(self, spec) -> list[dict[str, Any]]:
         dims = self.dims(spec)
         return [{"name": a.name, "shape": [_resolve(dims, d) for d in a.dims], "dtype": a.dtype or spec.dtype}
-                for a in self.args]
+                for a in self.all_args(spec)]
 
     def symbolic_dims(self, spec) -> list[str]:
         """Names of the dims bound at call time, in order of first appearance."""
@@ -122,6 +137,16 @@ class Layout:
 
     # -- semantics and inputs ------------------------------------------------------------------
     def reference(self, spec, arrays: Mapping[str, np.ndarray]) -> np.ndarray:
+        """The float64 output ``o`` for ``arrays`` (the inputs by name)."""
+        return self.reference_outputs(spec, arrays)[0]
+
+    def reference_outputs(self, spec, arrays: Mapping[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        """Float64 ``(o, lse)``: the output and each row's log-sum-exp (``lse_dims``)."""
+        raise NotImplementedError
+
+    def kv_bytes(self, spec, case: Mapping[str, Any]) -> int:
+        """Bytes of K and V a kernel must read at ``case``: every visible key of every sequence
+        once per kv head (the decode roofline's numerator)."""
         raise NotImplementedError
 
     def validation_cases(self, spec) -> list[dict[str, Any]]:
@@ -176,10 +201,13 @@ class BHSD(Layout):
             d[n] = n
         return d
 
-    def reference(self, spec, arrays):
+    def reference_outputs(self, spec, arrays):
         from .reference import reference_attention
 
-        return reference_attention(spec, arrays["q"], arrays["k"], arrays["v"])
+        return reference_attention(spec, arrays["q"], arrays["k"], arrays["v"], return_lse=True)
+
+    def kv_bytes(self, spec, case):
+        return 2 * case["batch"] * spec.kv_heads * case["seq_kv"] * spec.head_dim * spec.itemsize
 
     def validation_cases(self, spec):
         """The representative shape, plus, for a dynamic spec, a shape it was not built at:
@@ -218,6 +246,7 @@ class Varlen(Layout):
         Arg("o", ("total_q", "heads", "head_dim"), output=True),
     )
     always_dynamic = ("batch", "seq_q", "seq_kv")
+    lse_dims = ("heads", "total_q")  # FlashAttention's varlen softmax_lse: (nheads, total_q)
     options = {"max_seqlen_q": "checked: must be >= the longest query sequence",
                "max_seqlen_k": "checked: must be >= the longest key sequence",
                "causal": "must equal the artifact's", "softmax_scale": "must equal the artifact's"}
@@ -254,12 +283,13 @@ class Varlen(Layout):
                     f"{opt}={options[opt]} is smaller than the longest sequence in {name} ({longest})"
                 )
 
-    def reference(self, spec, arrays):
+    def reference_outputs(self, spec, arrays):
         from .reference import reference_attention
 
         q, k, v = arrays["q"], arrays["k"], arrays["v"]
         cq, ck = arrays["cu_seqlens_q"], arrays["cu_seqlens_k"]
         o = np.zeros(q.shape, np.float64)
+        lse = np.full((spec.heads, q.shape[0]), -np.inf)
         for b in range(len(cq) - 1):
             rows = slice(int(cq[b]), int(cq[b + 1]))
             keys = slice(int(ck[b]), int(ck[b + 1]))
@@ -269,9 +299,14 @@ class Varlen(Layout):
             def bhsd(x):
                 return np.ascontiguousarray(x.transpose(1, 0, 2))[None]
 
-            ob = reference_attention(spec, bhsd(q[rows]), bhsd(k[keys]), bhsd(v[keys]))
+            ob, lb = reference_attention(spec, bhsd(q[rows]), bhsd(k[keys]), bhsd(v[keys]), return_lse=True)
             o[rows] = ob[0].transpose(1, 0, 2)
-        return o
+            lse[:, rows] = lb[0]
+        return o, lse
+
+    def kv_bytes(self, spec, case):
+        keys = sum(int(b) for _, b in case["seqlens"])
+        return 2 * keys * spec.kv_heads * spec.head_dim * spec.itemsize
 
     def validation_cases(self, spec):
         """The representative batch (``batch`` sequences of ``seq_q`` against ``seq_kv``) and a
@@ -303,8 +338,204 @@ class Varlen(Layout):
         return f"{len(lens)} sequences, lengths {lens[:6]}{' ...' if len(lens) > 6 else ''}"
 
 
+class KVCache(Layout):
+    """FlashAttention's ``flash_attn_with_kvcache``: sequence ``b`` attends to keys
+    ``[0, cache_seqlens[b])`` of its cache rows (the new tokens' keys already written there),
+    causal bottom-right inside that range; ``cache_seqlens[b] = 0`` gives zeros."""
+
+    name = "kvcache"
+    manifest_name = "kvcache"
+    title = "KV cache: q (batch, heads, seq_q, D) against k/v_cache (batch, kv_heads, max_len, D) + cache_seqlens"
+    args = (
+        Arg("q", ("batch", "heads", "seq_q", "head_dim")),
+        Arg("k_cache", ("batch", "kv_heads", "max_len", "head_dim")),
+        Arg("v_cache", ("batch", "kv_heads", "max_len", "head_dim")),
+        Arg("cache_seqlens", ("batch",), "int32"),
+        Arg("o", ("batch", "heads", "seq_q", "head_dim"), output=True),
+    )
+    always_dynamic = ("batch", "seq_q", "seq_kv")
+    options = {"causal": "must equal the artifact's", "softmax_scale": "must equal the artifact's"}
+
+    def dims(self, spec) -> dict[str, int | str]:
+        return {"batch": "batch", "seq_q": "seq_q", "max_len": "max_len",
+                "heads": spec.heads, "kv_heads": spec.kv_heads, "head_dim": spec.head_dim}
+
+    def key_capacity(self, arrays, bound) -> tuple[int, str]:
+        """(keys a sequence may have, what bounds it) for the cache_seqlens check."""
+        return bound["max_len"], f"max_len={bound['max_len']} (dim 2 of k_cache)"
+
+    def check_indices(self, arrays, bound):
+        lens = arrays["cache_seqlens"]
+        if lens.size and lens.min() < 0:
+            b = int(np.argmin(lens))
+            raise KernelArgumentError(f"cache_seqlens[{b}]={int(lens[b])} is negative")
+        cap, what = self.key_capacity(arrays, bound)
+        if lens.size and lens.max() > cap:
+            b = int(np.argmax(lens))
+            raise KernelArgumentError(f"cache_seqlens[{b}]={int(lens[b])} exceeds the cache: {what}")
+
+    def keys_of(self, spec, arrays, b: int, length: int) -> tuple[np.ndarray, np.ndarray]:
+        """Sequence ``b``'s first ``length`` keys and values as ``(1, KH, length, D)``."""
+        return arrays["k_cache"][b:b + 1, :, :length], arrays["v_cache"][b:b + 1, :, :length]
+
+    def reference_outputs(self, spec, arrays):
+        from .reference import reference_attention
+
+        q, lens = arrays["q"], arrays["cache_seqlens"]
+        o = np.zeros(q.shape, np.float64)
+        lse = np.full(q.shape[:3], -np.inf)
+        for b in range(q.shape[0]):
+            k, v = self.keys_of(spec, arrays, b, int(lens[b]))
+            o[b:b + 1], lse[b:b + 1] = reference_attention(spec, q[b:b + 1], k, v, return_lse=True)
+        return o, lse
+
+    def validation_cases(self, spec):
+        """The representative step (``batch`` sequences, ``seq_q`` new tokens, ``seq_kv`` keys
+        each) and mixed lengths: empty, one key, page and tile edges, no multiple of any tile,
+        a prefix shorter than the new tokens (causal rows that see no key), at 1 and 4 new
+        tokens and a prefill chunk of 37."""
+        mixed = [0, 1, 15, 16, 17, 63, 65, 200, 3]
+        return [
+            {"seq_q": spec.seq_q, "cache_seqlens": [spec.seq_kv] * spec.batch, "max_len": spec.seq_kv},
+            {"seq_q": 1, "cache_seqlens": mixed, "max_len": 211},
+            {"seq_q": 4, "cache_seqlens": mixed, "max_len": 211},
+            {"seq_q": 37, "cache_seqlens": [0, 37, 100, 20], "max_len": 130},
+        ]
+
+    def random_inputs(self, spec, case, seed=0):
+        rng = np.random.default_rng(seed)
+        dt = spec.np_dtype
+        lens = np.asarray(case["cache_seqlens"], dtype=np.int32)
+        b, sq, ml = len(lens), case["seq_q"], case["max_len"]
+        return {
+            "q": _rng_array(rng, (b, spec.heads, sq, spec.head_dim), dt),
+            "k_cache": _rng_array(rng, (b, spec.kv_heads, ml, spec.head_dim), dt),
+            "v_cache": _rng_array(rng, (b, spec.kv_heads, ml, spec.head_dim), dt),
+            "cache_seqlens": lens,
+        }
+
+    def useful_flops(self, spec, case):
+        pairs = sum(_visible_pairs(spec.causal, case["seq_q"], int(n)) for n in case["cache_seqlens"])
+        return 4.0 * spec.head_dim * spec.heads * pairs
+
+    def kv_bytes(self, spec, case):
+        return 2 * sum(int(n) for n in case["cache_seqlens"]) * spec.kv_heads * spec.head_dim * spec.itemsize
+
+    def describe_case(self, case):
+        lens = list(case["cache_seqlens"])
+        return f"seq_q={case['seq_q']}, cache_seqlens {lens[:6]}{' ...' if len(lens) > 6 else ''}"
+
+
+class Paged(KVCache):
+    """vLLM's / FlashAttention's paged KV cache: key ``j`` of sequence ``b`` lives in page
+    ``block_table[b, j // page_size]``, row ``j % page_size``. Pages may be in any order and
+    shared between sequences (prefix sharing); entries past a sequence's last page are never
+    read (vLLM pads them with anything)."""
+
+    name = "paged"
+    manifest_name = "paged"
+    title = "paged KV: k/v_pages (num_pages, page_size, kv_heads, D) + block_table + cache_seqlens"
+    args = (
+        Arg("q", ("batch", "heads", "seq_q", "head_dim")),
+        Arg("k_pages", ("num_pages", "page_size", "kv_heads", "head_dim")),
+        Arg("v_pages", ("num_pages", "page_size", "kv_heads", "head_dim")),
+        Arg("block_table", ("batch", "max_pages"), "int32"),
+        Arg("cache_seqlens", ("batch",), "int32"),
+        Arg("o", ("batch", "heads", "seq_q", "head_dim"), output=True),
+    )
+    paged = True
+
+    def dims(self, spec) -> dict[str, int | str]:
+        return {"batch": "batch", "seq_q": "seq_q", "num_pages": "num_pages", "max_pages": "max_pages",
+                "page_size": spec.page_size, "heads": spec.heads, "kv_heads": spec.kv_heads,
+                "head_dim": spec.head_dim}
+
+    def key_capacity(self, arrays, bound):
+        p = arrays["k_pages"].shape[1]
+        return bound["max_pages"] * p, (f"block_table holds max_pages={bound['max_pages']} pages of "
+                                        f"page_size={p} keys per sequence")
+
+    def check_indices(self, arrays, bound):
+        super().check_indices(arrays, bound)
+        lens, table = arrays["cache_seqlens"], arrays["block_table"]
+        p, n = arrays["k_pages"].shape[1], bound["num_pages"]
+        used = (np.arange(table.shape[1])[None, :] * p) < lens[:, None]  # entries a sequence reads
+        bad = used & ((table < 0) | (table >= n))
+        if bad.any():
+            b, i = (int(x) for x in np.argwhere(bad)[0])
+            raise KernelArgumentError(
+                f"block_table[{b}, {i}]={int(table[b, i])} is not a page: k_pages/v_pages hold num_pages={n} "
+                f"(sequence {b} has {int(lens[b])} keys, so it reads its first {-(-int(lens[b]) // p)} entries)"
+            )
+
+    def keys_of(self, spec, arrays, b, length):
+        p = spec.page_size
+        j = np.arange(length)
+        pages = arrays["block_table"][b, j // p]
+        k = arrays["k_pages"][pages, j % p]  # (length, KH, D)
+        v = arrays["v_pages"][pages, j % p]
+        return k.transpose(1, 0, 2)[None], v.transpose(1, 0, 2)[None]
+
+    def validation_cases(self, spec):
+        """As :class:`KVCache`'s, through shuffled pages, with prefix sharing in one case."""
+        cases = []
+        for c in super().validation_cases(spec):
+            c = {k: v for k, v in c.items() if k != "max_len"}
+            cases.append(c)
+        cases[1]["shared_prefix"] = True
+        return cases
+
+    def random_inputs(self, spec, case, seed=0):
+        """Pages in shuffled order from a pool with spare pages; unused block_table entries are
+        -1, which the kernel must never read. ``shared_prefix``: every sequence's first page is
+        the first sequence's (when both have one)."""
+        rng = np.random.default_rng(seed)
+        dt, p = spec.np_dtype, spec.page_size
+        lens = np.asarray(case["cache_seqlens"], dtype=np.int32)
+        b, sq = len(lens), case["seq_q"]
+        need = [-(-int(n) // p) for n in lens]
+        max_pages = max(need + [1])
+        num_pages = sum(need) + 3
+        order = rng.permutation(num_pages).astype(np.int32)
+        table = np.full((b, max_pages), -1, np.int32)
+        nxt = 0
+        for i, n in enumerate(need):
+            table[i, :n] = order[nxt:nxt + n]
+            nxt += n
+        if case.get("shared_prefix") and need and need[0]:
+            for i in range(1, b):
+                if need[i]:
+                    table[i, 0] = table[0, 0]
+        return {
+            "q": _rng_array(rng, (b, spec.heads, sq, spec.head_dim), dt),
+            "k_pages": _rng_array(rng, (num_pages, p, spec.kv_heads, spec.head_dim), dt),
+            "v_pages": _rng_array(rng, (num_pages, p, spec.kv_heads, spec.head_dim), dt),
+            "block_table": table,
+            "cache_seqlens": lens,
+        }
+
+    def describe_case(self, case):
+        return super().describe_case(case) + (", shared prefix page" if case.get("shared_prefix") else "")
+
+
+def paged_from_contiguous(k_cache: np.ndarray, page_size: int, rng: np.random.Generator | None = None):
+    """``(k_pages, block_table)`` holding the same keys as ``k_cache (B, KH, L, D)``, in shuffled
+    pages (benchmarks compare the paged kernel with the contiguous one on the same data)."""
+    b, kh, length, d = k_cache.shape
+    n = -(-length // page_size)
+    rng = rng or np.random.default_rng(0)
+    order = rng.permutation(b * n).astype(np.int32)
+    pages = np.zeros((b * n, page_size, kh, d), k_cache.dtype)
+    padded = np.zeros((b, kh, n * page_size, d), k_cache.dtype)
+    padded[:, :, :length] = k_cache
+    blocks = padded.reshape(b, kh, n, page_size, d).transpose(0, 2, 3, 1, 4)  # (B, n, P, KH, D)
+    table = order.reshape(b, n)
+    pages[table.reshape(-1)] = blocks.reshape(b * n, page_size, kh, d)
+    return pages, table
+
+
 #: name -> entry. The CLI's --layout choices, the manifest's "layout" and the spec's ``layout``.
-LAYOUTS: dict[str, Layout] = {entry.name: entry for entry in (BHSD(), Varlen())}
+LAYOUTS: dict[str, Layout] = {entry.name: entry for entry in (BHSD(), Varlen(), KVCache(), Paged())}
 
 
 def get_layout(name: str) -> Layout:

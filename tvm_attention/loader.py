@@ -160,18 +160,21 @@ class AttentionKernel:
         # (name, shape with ints and dim names, NumPy dtype) of each input, in call order
         self._inputs = [(a["name"], tuple(a["shape"]), numpy_dtype(a["dtype"]))
                         for a, arg in zip(self._arg_specs, self.layout.args) if not arg.output]
-        self._out_shape = tuple(next(a["shape"] for a, arg in zip(self._arg_specs, self.layout.args) if arg.output))
+        outs = [(tuple(a["shape"]), a["dtype"]) for a, arg in zip(self._arg_specs, self.layout.all_args(spec)) if arg.output]
+        self._out_shape = outs[0][0]  # o
+        self._extra_outs = outs[1:]  # lse, when the artifact returns it
+        self._qkv = tuple(name for name, _, _ in self._inputs[:3])  # q, k, v / q, k_cache, v_cache...
         self._index_names = tuple(a.name for a in self.layout.index_args)
         self._static = not any(isinstance(d, str) for _, shape, _ in self._inputs for d in shape)
 
     # -- argument handling ---------------------------------------------------------------------
     def _gather(self, q, k, v, index, kw) -> tuple[dict[str, Any], dict[str, Any]]:
         """The inputs by name (index arrays positional or by keyword) and the option keywords."""
-        given: dict[str, Any] = {"q": q, "k": k, "v": v}
+        given: dict[str, Any] = dict(zip(self._qkv, (q, k, v)))
         options: dict[str, Any] = {}
         if len(index) > len(self._index_names):
             raise KernelArgumentError(
-                f"{len(index)} arguments after q, k, v; this {self.layout.name} kernel takes "
+                f"{len(index)} arguments after {', '.join(self._qkv)}; this {self.layout.name} kernel takes "
                 f"{len(self._index_names)}{': ' + ', '.join(self._index_names) if self._index_names else ''}"
             )
         given.update(zip(self._index_names, index))
@@ -191,7 +194,7 @@ class AttentionKernel:
         if missing:
             raise KernelArgumentError(
                 f"missing {', '.join(missing)}: a {self.layout.name} kernel is called as "
-                f"kernel(q, k, v, {', '.join(f'{n}=...' for n in self._index_names)})"
+                f"kernel({', '.join(self._qkv)}, {', '.join(f'{n}=...' for n in self._index_names)})"
             )
         return given, options
 
@@ -255,12 +258,14 @@ class AttentionKernel:
             self.layout.check_indices(arrays, bound)
         return arrays, framework, bound
 
-    def output_shape(self, bound: dict[str, int]) -> tuple[int, ...]:
-        """The output's shape once the symbolic dims are known."""
+    def output_shape(self, bound: dict[str, int], dims: tuple | None = None) -> tuple[int, ...]:
+        """The output's shape (or that of ``dims``: another output's) once the symbolic dims are
+        known."""
+        dims = self._out_shape if dims is None else dims
         if self._static:
-            return self._out_shape
+            return dims
         shape = []
-        for d in self._out_shape:
+        for d in dims:
             if isinstance(d, str):
                 key, plus = _bound_dim(d)
                 d = bound[key] + plus
@@ -292,12 +297,13 @@ class AttentionKernel:
     def _trivial(self, arrays: dict[str, np.ndarray]) -> bool:
         """No work for the kernel: no query row, or no key at all (every row a zero row). A
         zero-size tensor is answered here, never handed to the kernel."""
-        return arrays["q"].size == 0 or arrays["k"].size == 0
+        return arrays[self._qkv[0]].size == 0 or arrays[self._qkv[1]].size == 0
 
     def __call__(self, q: Any, k: Any, v: Any, *index: Any, out: Any = None, **kw: Any) -> Any:
         """``o = softmax(q·kᵀ·scale + mask)·v`` in the artifact's layout; with ``out=`` the result
-        is written there and ``out`` returned."""
-        given, options = self._gather(q, k, v, index, kw) if (index or kw or self._index_names) else ({"q": q, "k": k, "v": v}, None)
+        is written there and ``out`` returned. An artifact built with ``return_lse`` returns
+        ``(o, lse)``."""
+        given, options = self._gather(q, k, v, index, kw) if (index or kw or self._index_names) else (dict(zip(self._qkv, (q, k, v))), None)
         if self.device == "cuda":
             return self._call_cuda(given, out)
         from .threads import use_threads
@@ -313,16 +319,23 @@ class AttentionKernel:
             # Vectorized stores assume 64-byte alignment: compute into aligned memory and copy
             # when the caller's buffer is not aligned (aligned_empty gives buffers that are).
             oa = user if is_aligned(user) else aligned_empty(user.shape, user.dtype)
+        extra = [aligned_empty(self.output_shape(bound, dims), dt) for dims, dt in self._extra_outs]
         if self._trivial(arrays):
             oa[...] = 0
+            for x in extra:
+                x[...] = -np.inf  # lse of a row that sees no key
         else:
             use_threads(self.num_threads)
-            self.function(*arrays.values(), oa)
+            self.function(*arrays.values(), oa, *extra)
         if out is None:
-            return _from_framework(framework, oa)
-        if oa is not user:
-            user[...] = oa
-        return out
+            result = _from_framework(framework, oa)
+        else:
+            if oa is not user:
+                user[...] = oa
+            result = out
+        if extra:
+            return (result, *(_from_framework(framework, x) for x in extra))
+        return result
 
     def _cuda_device(self):
         return tvm.cuda(0)

@@ -19,7 +19,8 @@ def reference_attention(
     k: np.ndarray,
     v: np.ndarray,
     rows: np.ndarray | None = None,
-) -> np.ndarray:
+    return_lse: bool = False,
+):
     """``softmax(q·kᵀ·scale + mask)·v`` in float64, BHSD layout, GQA by ``h // group_size``.
 
     Lengths come from the arrays (``q (B, H, Sq, D)``, ``k``/``v (B, KH, Skv, D)``), so one spec
@@ -27,13 +28,18 @@ def reference_attention(
     ``rows`` (optional) restricts the computation to those query rows; the result then has
     shape ``(B, H, len(rows), D)``. Rows the mask gives no key are zeros; NaN in q, k or v (or an
     infinite score) gives NaN in the rows it reaches.
+
+    ``return_lse``: also return ``lse (B, H, Sq)``, the natural log of each row's softmax
+    denominator ``log Σ_j exp(q·k_j·scale)`` over the keys it sees (``-inf`` for a row that sees
+    none): the value FlashAttention returns as ``softmax_lse``.
     """
     q = np.asarray(q, dtype=np.float64)
     k = np.asarray(k, dtype=np.float64)
     v = np.asarray(v, dtype=np.float64)
     seq_q, seq_kv = q.shape[2], k.shape[2]
     if seq_kv == 0:  # no key at all: every row is a zero row
-        return np.zeros(q.shape if rows is None else q.shape[:2] + (len(rows), q.shape[3]))
+        o = np.zeros(q.shape if rows is None else q.shape[:2] + (len(rows), q.shape[3]))
+        return (o, np.full(o.shape[:3], -np.inf)) if return_lse else o
     if rows is not None:
         rows = np.asarray(rows)
         q = q[:, :, rows, :]
@@ -55,7 +61,12 @@ def reference_attention(
         o = np.einsum("bhij,bhjd->bhid", p, v) / denom
     # A zero row means one thing: the mask gave that row no key.
     sees_key = mask.any(axis=-1)[None, None, :, None]
-    return np.where(sees_key, o, 0.0)
+    o = np.where(sees_key, o, 0.0)
+    if not return_lse:
+        return o
+    with np.errstate(divide="ignore", invalid="ignore"):
+        lse = m[..., 0] + np.log(denom[..., 0])  # m is 0 for a row with no key: log(0) = -inf
+    return o, lse
 
 
 def random_inputs(spec: AttentionSpec, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -70,6 +70,11 @@ class AttentionSpec:
     #: dims taken at call time (symbolic in the PrimFunc): any of DYNAMIC_DIMS. Their integers
     #: above are representative values (validation, timing, tuning). varlen: all of them.
     dynamic: tuple[str, ...] = ()
+    #: the kernel also writes ``lse`` (float32, natural log of each row's softmax denominator,
+    #: ``-inf`` for a row that sees no key): an output after ``o`` in the layout's call order
+    return_lse: bool = False
+    #: keys per page of the paged layout's K/V pools (compiled in; that layout's default 16)
+    page_size: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("batch", "heads", "seq_q", "head_dim"):
@@ -107,6 +112,14 @@ class AttentionSpec:
                 )
         if not isinstance(self.causal, bool):
             raise SpecError(f"causal must be a bool, got {self.causal!r}")
+        if not isinstance(self.return_lse, bool):
+            raise SpecError(f"return_lse must be a bool, got {self.return_lse!r}")
+        if layout.paged:
+            if self.page_size is None:
+                object.__setattr__(self, "page_size", layout.default_page_size)
+            _check_positive_int("page_size", self.page_size)
+        elif self.page_size is not None:
+            raise SpecError(f"page_size={self.page_size!r} applies to the paged layout only (layout={layout.name})")
         if self.dtype not in SUPPORTED_DTYPES:
             raise SpecError(
                 f"dtype={self.dtype!r} is not supported; supported: {', '.join(SUPPORTED_DTYPES)}"
@@ -164,7 +177,7 @@ class AttentionSpec:
     def representative(self) -> "AttentionSpec":
         """The static BHSD spec of the representative shape: what a dynamic build validates,
         times and is tuned at (its tuning log is that spec's)."""
-        return dataclasses.replace(self, layout="bhsd", dynamic=())
+        return dataclasses.replace(self, layout="bhsd", dynamic=(), return_lse=False, page_size=None)
 
     # -- models ----------------------------------------------------------------------------------
     def visible_pairs(self) -> int:
@@ -217,6 +230,11 @@ class AttentionSpec:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["dynamic"] = list(self.dynamic)
+        # keys added after manifests existed are written only when set, so that older
+        # manifests (and the tuning logs' spec files) still compare equal
+        for key, default in (("return_lse", False), ("page_size", None)):
+            if d[key] == default:
+                del d[key]
         return d
 
     @classmethod
@@ -235,9 +253,10 @@ class AttentionSpec:
         dim reads ``dyn`` (``bdyn_h8_kv2_qdyn_kdyn_d64_float32_causal``) and another layout
         leads (``varlen_h8_kv2_d64_float32_causal``). Representative values are not part of it."""
         c = "causal" if self.causal else "full"
-        tail = f"_d{self.head_dim}_{self.dtype}_{c}"
+        tail = f"_d{self.head_dim}_{self.dtype}_{c}{'_lse' if self.return_lse else ''}"
         if self.layout != "bhsd":
-            return f"{self.layout}_h{self.heads}_kv{self.kv_heads}{tail}"
+            page = f"_p{self.page_size}" if self.page_size is not None else ""
+            return f"{self.layout}{page}_h{self.heads}_kv{self.kv_heads}{tail}"
 
         def dim(name: str) -> str:
             return "dyn" if name in self.dynamic else str(getattr(self, name))

@@ -104,17 +104,41 @@ def validate_callable(spec: AttentionSpec, kernel: Callable[..., np.ndarray], se
     results, labels = [], []
     for case in layout.validation_cases(spec):
         arrays = layout.random_inputs(spec, case, seed)
-        out = np.asarray(kernel(*arrays.values())).astype(np.float32)
+        got = kernel(*arrays.values())
+        out, lse = (got[0], got[1]) if spec.return_lse else (got, None)
+        out = np.asarray(out).astype(np.float32)
         rows = sample_rows(spec, seed, case) if layout.name == "bhsd" else None
         if rows is not None:
             from .reference import reference_attention
 
-            ref = reference_attention(spec, arrays["q"], arrays["k"], arrays["v"], rows=rows)
+            ref, ref_lse = reference_attention(spec, arrays["q"], arrays["k"], arrays["v"], rows=rows, return_lse=True)
             out = out[:, :, rows, :]
+            lse = None if lse is None else np.asarray(lse)[:, :, rows]
             label = f"{len(rows)} sampled"
         else:
-            ref = layout.reference(spec, arrays)
+            ref, ref_lse = layout.reference_outputs(spec, arrays)
             label = "all"
         results.append(compare(spec, out, ref, seed, label))
         labels.append(layout.describe_case(case))
+        if lse is not None:
+            results.append(compare_lse(spec, np.asarray(lse), ref_lse, seed, label))
+            labels.append(layout.describe_case(case) + " (lse)")
     return _worst(results, labels)
+
+
+def compare_lse(spec: AttentionSpec, lse: np.ndarray, ref: np.ndarray, seed: int, rows_label: str) -> ValidationResult:
+    """``lse`` against the reference: ``-inf`` exactly where the row sees no key, elsewhere within
+    the float32 tolerances (log-sum-exp is accumulated in float32 whatever the dtype)."""
+    atol, rtol = TOLERANCES["float32"]
+    lse64 = lse.astype(np.float64)
+    none = np.isneginf(ref)
+    same_inf = bool((np.isneginf(lse64) == none).all())
+    diff = np.where(none, 0.0, np.abs(np.where(none, 0.0, lse64) - np.where(none, 0.0, ref)))
+    finite = bool(np.isfinite(lse64[~none]).all())
+    passed = same_inf and finite and bool((diff <= atol + rtol * np.abs(np.where(none, 0.0, ref))).all())
+    return ValidationResult(
+        max_abs_err=float(diff.max()) if diff.size else 0.0,
+        max_rel_err=float((diff / (np.abs(np.where(none, 0.0, ref)) + atol)).max()) if diff.size else 0.0,
+        mean_abs_err=float(diff.mean()) if diff.size else 0.0,
+        atol=atol, rtol=rtol, passed=passed, finite=finite, rows_checked=rows_label, seed=seed,
+    )

@@ -6,6 +6,7 @@ import math
 from tvm import tirx
 
 LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
 
 # Cephes exp2f minimax polynomial for 2**f - 1 = f·P(f) on f in [-0.5, 0.5]; max relative
 # error about 2 ulp in float32. Highest degree first.
@@ -72,3 +73,10 @@ def normalize_where(acc: tirx.PrimExpr, l: tirx.PrimExpr, sees_key: tirx.PrimExp
     """``acc / l`` where ``sees_key`` (a fact of the mask and the lengths, known only at run time
     for symbolic lengths), else 0; NaN passes through as in :func:`normalize`."""
     return tirx.Select(sees_key, acc / l, tirx.const(0.0, "float32"))
+
+
+def lse_of(m: tirx.PrimExpr, l: tirx.PrimExpr) -> tirx.PrimExpr:
+    """A row's natural log-sum-exp from the online state: ``m`` (running max, log2 units of the
+    scaled scores) and ``l`` (sum of ``2**(s - guarded(m))``): ``(guarded(m) + log2(l))·ln 2``.
+    A row that saw no key has ``l = 0``: ``-inf``; NaN passes through."""
+    return (guarded(m) + tirx.log2(l)) * tirx.const(LN2, "float32")

@@ -26,7 +26,12 @@ local buffers), ``Q_load``, ``state_init``, ``acc_init``, ``kv_tile`` (one per k
 it ``S_gemm``, ``row_max``, ``online_correction``, ``max_commit``, ``P_exp``, ``row_sum``, ``PV_gemm``; then
 ``O_store``. Inside ``kv_tile`` each buffer has a single writer, so ``S_gemm``, ``row_max``,
 ``row_sum`` and ``PV_gemm`` are reductions whose ``init`` holds the correction
-(``l·alpha``, ``acc·alpha``) and ``decompose_reduction`` can hoist it.
+(``l·alpha``, ``acc·alpha``) and ``decompose_reduction`` can hoist it. Optional: ``lse_store``
+(``return_lse``), ``state_store`` (split-KV partials) and ``K_load`` (a staged key tile).
+
+Frames (:data:`FRAMES`): ``_dense`` for the layouts whose queries are dense ``(B, H, Sq, D)``
+(``bhsd``, ``kvcache``, ``paged``; they differ only in where keys live, :class:`_KV`), with the
+GQA-packed decode nests and split-KV of a symbolic seq_q; ``_varlen`` for the packed layout.
 """
 from __future__ import annotations
 
@@ -36,12 +41,13 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ..spec import AttentionSpec
-from ._math import LOG2E, exp2_fast, guarded, normalize, normalize_where
+from ._math import LOG2E, exp2_fast, guarded, lse_of, normalize, normalize_where
 
 ENTRY = "attention"
 
 
-def fused_attention(spec: AttentionSpec, block_m: int, block_n: int, decode_rows: int = 0) -> tirx.PrimFunc:
+def fused_attention(spec: AttentionSpec, block_m: int, block_n: int, decode_rows: tuple[int, ...] = (),
+                    split_tasks: int = 0, stage_k_below: int = 0) -> tirx.PrimFunc:
     """Build the fused PrimFunc for ``spec`` with row tile ``block_m`` and key tile ``block_n``.
 
     Arguments of the PrimFunc (call order) are the layout's (``tvm_attention.layouts``); bhsd:
@@ -51,9 +57,11 @@ def fused_attention(spec: AttentionSpec, block_m: int, block_n: int, decode_rows
     ``decode_rows`` (bhsd with a symbolic seq_q): also emit a GQA-packed decode nest for calls
     with ``seq_q · group ≤ decode_rows`` (see :func:`_bhsd`); 0: none.
     """
-    if decode_rows and spec.layout == "bhsd" and "seq_q" in spec.dynamic:
-        return _bhsd(spec, block_m, block_n, decode_rows)
-    return FRAMES[spec.layout](spec, block_m, block_n)
+    if spec.layout == "varlen":
+        return _varlen(spec, block_m, block_n)
+    if "seq_q" not in spec.dynamic:
+        decode_rows = ()  # a static seq_q: the shape is known, one nest
+    return _dense(spec, block_m, block_n, tuple(decode_rows), split_tasks, stage_k_below)
 
 
 def _dim(spec: AttentionSpec, name: str):
@@ -66,7 +74,7 @@ class _Tile:
     same for every layout). Index methods return index tuples into Q, K/V and O."""
 
     def __init__(self, spec, BM, BN, row0, q_len, k_len, q_index, kv_index, o_index, always_masked, valid=None,
-                 pos=None, seq_q=None):
+                 pos=None, seq_q=None, causal_off=None, lse_index=None, state_index=None):
         self.spec, self.BM, self.BN = spec, BM, BN
         # pos: tile row -> query position, when a tile row is not one position (GQA packing:
         # row p is position p // group of head p % group); None: the identity
@@ -78,17 +86,22 @@ class _Tile:
         self.masked = spec.causal or self.kv_tail
         self.valid = valid  # None, or an expr: this tile has rows (varlen's empty slots do not)
         self.seq_q = q_len if seq_q is None else seq_q  # query positions (packed rows: q_len / group)
+        # causal: position i sees key j (this tile's key numbering) iff j <= i + off. Bottom-right
+        # over the tile's keys by default; a split of the key range (split-KV) starts later.
+        self.off = self.k_len - self.seq_q if causal_off is None else causal_off
+        self.lse_index = lse_index  # row -> index of its log-sum-exp output, or None
+        # split-KV partial: row -> (index of m, index of l); O gets the unnormalised acc
+        self.state_index = state_index
 
     def n_tiles(self, nc):
         # Causal: a row tile's last row (row0 + BM - 1) sees keys up to row0 + BM - 1 + off, so
         # later tiles are entirely masked and skipped, not computed and thrown away.
         BM, BN = self.BM, self.BN
         n = nc if isinstance(self.k_len, int) else T.floordiv(self.k_len + BN - 1, BN)
+        off = self.off
         if self.spec.causal and self.pos is not None:
-            off = self.k_len - self.seq_q
             n = T.max(0, T.min(n, T.floordiv(self.pos(self.row0 + BM - 1) + off + BN, BN)))
         elif self.spec.causal:
-            off = self.k_len - self.q_len
             n = T.max(0, T.min(n, T.floordiv(self.row0 + BM + off + BN - 1, BN)))
         if self.valid is not None:
             n = T.Select(self.valid, n, 0)
@@ -108,6 +121,10 @@ class _Tile:
         return self._o(self.row0 + vi, vd)
 
     def keep(self, vi):
+        if self.state_index is not None:
+            # a split-KV partial stores every row of its tile (rows past the packed ones are
+            # never merged): its workspace is then sized by the tile, not by seq_q
+            return T.bool(True)
         return self.row0 + vi < self.q_len
 
     def score(self, S, vj, vi, vc):
@@ -118,42 +135,60 @@ class _Tile:
         col = vc * self.BN + vj
         cond = col < self.k_len
         if self.spec.causal and self.pos is not None:
-            cond = T.And(cond, col <= self.pos(self.row0 + vi) + (self.k_len - self.seq_q))
+            cond = T.And(cond, col <= self.pos(self.row0 + vi) + self.off)
         elif self.spec.causal:
-            cond = T.And(cond, col <= self.row0 + vi + (self.k_len - self.q_len))
+            cond = T.And(cond, col <= self.row0 + vi + self.off)
         return T.Select(cond, S[vj, vi], T.float32(float("-inf")))
 
     def out(self, acc, l, vi):
-        """``acc / l``, or 0 for a row the mask gives no key (see ``normalize``)."""
+        """``acc / l``, or 0 for a row the mask gives no key (see ``normalize``); a split-KV
+        partial stores ``acc`` itself (the merge normalises)."""
         row = self.row0 + vi
+        if self.state_index is not None:
+            return acc
         if self.static:
             return normalize(acc, l, row, self.spec)
+        return normalize_where(acc, l, self.sees_key(row))
+
+    def sees_key(self, row):
+        """Whether tile row ``row`` sees any key (a fact of the mask and the lengths)."""
         if self.spec.causal and self.pos is not None:
-            return normalize_where(acc, l, self.pos(row) + (self.k_len - self.seq_q) >= 0)
+            return self.pos(row) + self.off >= 0
         if self.spec.causal:
-            return normalize_where(acc, l, row + (self.k_len - self.q_len) >= 0)
-        return normalize_where(acc, l, self.k_len > 0)
+            return row + self.off >= 0
+        return self.k_len > 0
 
 
 #: Block names of the tile, found by name in schedules/ (a second nest of the same function
 #: carries a suffix: ``S_gemm_dec``).
 TILE_BLOCKS = ("Q_load", "state_init", "acc_init", "kv_tile", "S_gemm", "row_max", "online_correction",
                "max_commit", "P_exp", "row_sum", "PV_gemm", "O_store")
-#: Suffix of the GQA-packed decode nest's blocks (``row_tile_dec``, ``S_gemm_dec``...).
+#: Suffix of a GQA-packed decode nest's blocks, followed by its rows (``row_tile_dec4``,
+#: ``S_gemm_dec16``...).
 DECODE = "_dec"
 
 
-def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = ""):
+def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: str | None = None,
+                stage_k: bool = False):
     """The per-row-tile pipeline (Q load, online softmax over key tiles, store) as a TVMScript
     macro: one piece of compute that every layout's frame calls with its own :class:`_Tile`.
-    ``suffix`` is appended to every block name (a function may hold two nests of the tile)."""
-    N = {n: n + suffix for n in TILE_BLOCKS}
+    ``suffix`` is appended to every block name (a function may hold two nests of the tile).
+
+    ``stats``: what the tile writes to the macro's buffer ``X`` besides ``O``: None (nothing),
+    ``"lse"`` (each row's log-sum-exp, block ``lse_store``) or ``"partial"`` (a split-KV
+    partial: ``m`` and ``l`` of each row, block ``state_store``; ``O`` gets the raw ``acc``).
+
+    ``stage_k``: copy each key tile into a local ``Kt (block_n, D)`` (block ``K_load``) that
+    ``S_gemm`` reads through plain indices. A schedule that computes QKᵀ as dot products with a
+    tensor intrinsic needs that: through a layout's own index (the tail clamp reading
+    ``cache_seqlens``, a block-table lookup) the K reads would name other buffers."""
+    N = {n: n + suffix for n in TILE_BLOCKS + ("lse_store", "state_store", "K_load")}
     D = spec.head_dim
     qscale = float(spec.scale * LOG2E)
     neg_inf = T.float32(float("-inf"))
 
     @T.macro
-    def tile(Q, K, V, O, t, nc):
+    def tile(Q, K, V, O, t, nc, X):
         Qt = T.sblock_alloc_buffer((D, BM), "float32", scope="local")  # q tile, transposed
         S = T.sblock_alloc_buffer((BN, BM), "float32", scope="local")  # scores, key-major
         P = T.sblock_alloc_buffer((BN, BM), "float32", scope="local")  # probabilities
@@ -162,6 +197,8 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = ""):
         l = T.sblock_alloc_buffer((BM,), "float32", scope="local")  # running sum
         alpha = T.sblock_alloc_buffer((BM,), "float32", scope="local")  # exp2(m_old - m_new)
         acc = T.sblock_alloc_buffer((BM, D), "float32", scope="local")  # unnormalised output
+        if stage_k:
+            Kt = T.sblock_alloc_buffer((BN, D), spec.dtype, scope="local")  # the key tile, (key, d)
 
         for d, i in T.grid(D, BM):
             with T.sblock(N["Q_load"]):
@@ -184,12 +221,24 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = ""):
                 # block, so every stage is a proper (decomposable) reduction.
                 vc = T.axis.reduce(nc, c)
                 # -- S = Q·Kᵀ (scaled, log2 units) ---------------------------------------
-                for j, d, i in T.grid(BN, D, BM):
-                    with T.sblock(N["S_gemm"]):
-                        vj, vd, vi = T.axis.remap("SRS", [j, d, i])
-                        with T.init():
-                            S[vj, vi] = T.float32(0)
-                        S[vj, vi] = S[vj, vi] + K[t.kv_at(vc, vj, vd)] * Qt[vd, vi]
+                if stage_k:
+                    for j, d in T.grid(BN, D):
+                        with T.sblock(N["K_load"]):
+                            vj, vd = T.axis.remap("SS", [j, d])
+                            Kt[vj, vd] = K[t.kv_at(vc, vj, vd)]
+                    for j, d, i in T.grid(BN, D, BM):
+                        with T.sblock(N["S_gemm"]):
+                            vj, vd, vi = T.axis.remap("SRS", [j, d, i])
+                            with T.init():
+                                S[vj, vi] = T.float32(0)
+                            S[vj, vi] = S[vj, vi] + Kt[vj, vd] * Qt[vd, vi]
+                else:
+                    for j, d, i in T.grid(BN, D, BM):
+                        with T.sblock(N["S_gemm"]):
+                            vj, vd, vi = T.axis.remap("SRS", [j, d, i])
+                            with T.init():
+                                S[vj, vi] = T.float32(0)
+                            S[vj, vi] = S[vj, vi] + K[t.kv_at(vc, vj, vd)] * Qt[vd, vi]
                 # -- running max over the visible keys ---------------------------------
                 for j, i in T.grid(BN, BM):
                     with T.sblock(N["row_max"]):
@@ -231,12 +280,84 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = ""):
                 vi, vd = T.axis.remap("SS", [i, d])
                 T.where(t.keep(i))
                 O[t.o_at(vi, vd)] = t.out(acc[vi, vd], l[vi], vi)
+        if stats == "lse":
+            for i in T.serial(BM):
+                with T.sblock(N["lse_store"]):
+                    vi = T.axis.remap("S", [i])
+                    T.where(t.keep(i))
+                    X[t.lse_index(t.row0 + vi)] = lse_of(m[vi], l[vi])
+        if stats == "partial":
+            for i in T.serial(BM):
+                with T.sblock(N["state_store"]):
+                    vi = T.axis.remap("S", [i])
+                    T.where(t.keep(i))
+                    X[t.state_index(t.row0 + vi, 0)] = m[vi]
+                    X[t.state_index(t.row0 + vi, 1)] = l[vi]
 
     return tile
 
 
-def _bhsd(spec: AttentionSpec, block_m: int, block_n: int, decode_rows: int = 0) -> tirx.PrimFunc:
-    """Dense layout: one row tile per (batch, head, block of ``block_m`` query rows).
+#: Suffix of the split-KV form of a decode nest (``row_tile_dec4_split``...); its partials are
+#: combined by the ``merge_dec4`` block.
+SPLIT = "_split"
+MERGE = "merge"
+#: Fewest keys one split-KV task takes: below this a task's fixed cost (its Q load, partial
+#: store and share of the merge) outweighs the parallelism it adds. 256 keys of D=128 fp32 K and
+#: V are 256 KiB of streaming reads.
+MIN_SPLIT_KEYS = 256
+
+
+class _KV:
+    """Where a dense-query layout (q and o ``(B, H, Sq, D)``) keeps sequence ``b``'s keys.
+
+    ``X`` is the tuple of the layout's index buffers (kvcache: ``(cache_seqlens,)``; paged:
+    ``(block_table, cache_seqlens)``; bhsd: none)."""
+
+    def __init__(self, spec: AttentionSpec, B, D: int):
+        self.layout, self.KH, self.D = spec.layout, spec.kv_heads, D
+        if spec.layout == "bhsd":
+            self.SK = _dim(spec, "seq_kv")
+            self.shape = (B, self.KH, self.SK, D)
+            self.bound = self.SK
+        elif spec.layout == "kvcache":
+            self.ML = tirx.Var("max_len", "int32")
+            self.shape = (B, self.KH, self.ML, D)
+            self.bound = self.ML
+        else:  # paged
+            self.P = spec.page_size
+            self.NP, self.MP = tirx.Var("num_pages", "int32"), tirx.Var("max_pages", "int32")
+            self.shape = (self.NP, self.P, self.KH, D)
+            self.bound = self.MP * self.P  # keys a block table row can address
+
+    def length(self, X, b):
+        """Keys of sequence ``b``."""
+        return self.SK if self.layout == "bhsd" else X[-1][b]
+
+    def reads(self, K, V, X, b, kh):
+        """The K/V (and index) regions sequence ``b``'s kv head ``kh`` reads (explicit: the
+        inferred ones would name the blocks' local buffers through the indirect indices)."""
+        if self.layout == "paged":
+            kv = [K[0:self.NP, 0:self.P, kh, 0:self.D], V[0:self.NP, 0:self.P, kh, 0:self.D]]
+        else:
+            kv = [K[b, kh, 0:self.bound, 0:self.D], V[b, kh, 0:self.bound, 0:self.D]]
+        if self.layout == "paged":
+            return kv + [X[0][b, 0:self.MP], X[1][b]]
+        return kv + [x[b] for x in X]
+
+    def index(self, X, b, kh, key, d):
+        if self.layout == "paged":
+            return (X[0][b, T.floordiv(key, self.P)], T.floormod(key, self.P), kh, d)
+        return (b, kh, key, d)
+
+
+def _dense(spec: AttentionSpec, block_m: int, block_n: int, decode_rows: tuple[int, ...] = (),
+           split_tasks: int = 0, stage_k_below: int = 0) -> tirx.PrimFunc:
+    """Layouts with dense queries, ``Q``/``O (B, H, Sq, D)``: ``bhsd`` (``K``/``V (B, KH, Skv,
+    D)``), ``kvcache`` (``K``/``V (B, KH, max_len, D)`` + ``cache_seqlens (B,)``) and ``paged``
+    (``K``/``V (num_pages, page_size, KH, D)`` + ``block_table (B, max_pages)`` +
+    ``cache_seqlens``); then ``O``, and ``LSE (B, H, Sq)`` float32 when ``spec.return_lse``.
+
+    Main nest: one row tile per (batch, head, block of ``block_m`` query rows).
 
     With ``decode_rows`` (symbolic seq_q only) the function holds a second nest, taken at run
     time when ``seq_q · group ≤ decode_rows`` (decode: one or a few new tokens per sequence). Its
@@ -244,84 +365,267 @@ def _bhsd(spec: AttentionSpec, block_m: int, block_n: int, decode_rows: int = 0)
     group`` of head ``kv_head·group + p % group``), ``decode_rows`` rows per tile, one tile per
     (batch, kv head): a decode step computes ``decode_rows`` rows per kv head instead of
     ``block_m`` per query head, and reads each K/V tile once for the whole group.
+
+    With ``split_tasks`` as well (flash-decoding): when ``batch · kv_heads`` tiles are fewer than
+    ``split_tasks``, each sequence's key range is split into ``NS = ceil(split_tasks / (batch ·
+    kv_heads))`` chunks (multiples of ``block_n``, at least ``MIN_SPLIT_KEYS`` keys). Each
+    (batch, kv head, chunk) task writes its unnormalised ``acc`` and its ``m``/``l`` to a
+    workspace of ``batch · kv_heads · NS`` tiles (no size depends on a length), and the
+    ``merge`` block combines them per row: ``M = max m_s``, ``O = Σ acc_s·2^(m_s-M) / Σ
+    l_s·2^(m_s-M)``.
     """
     B, H, KH = _dim(spec, "batch"), spec.heads, spec.kv_heads
-    SQ, SK, D = _dim(spec, "seq_q"), _dim(spec, "seq_kv"), spec.head_dim
+    SQ, D = _dim(spec, "seq_q"), spec.head_dim
     G = spec.group_size
     BM, BN = block_m, block_n
+    kv = _KV(spec, B, D)
     NR = T.floordiv(SQ + BM - 1, BM) if not isinstance(SQ, int) else math.ceil(SQ / BM)  # row tiles
-    NC = T.floordiv(SK + BN - 1, BN) if not isinstance(SK, int) else math.ceil(SK / BN)  # key tiles
+    bound = kv.bound
+    NC = T.floordiv(bound + BN - 1, BN) if not isinstance(bound, int) else math.ceil(bound / BN)  # key tiles
     dtype = spec.dtype
-    tile = _tile_macro(spec, BM, BN)
+    lse = bool(spec.return_lse)
+    tile = _tile_macro(spec, BM, BN, stats="lse" if lse else None)
+    layout = spec.layout
 
-    def at(vb, vh, vr):
+    def at(X, vb, vh, vr):
         return _Tile(
-            spec, BM, BN, vr * BM, SQ, SK,
+            spec, BM, BN, vr * BM, SQ, kv.length(X, vb),
             q_index=lambda row, d: (vb, vh, row, d),
-            kv_index=lambda key, d: (vb, vh // G, key, d),
+            kv_index=lambda key, d: kv.index(X, vb, vh // G, key, d),
             o_index=lambda row, d: (vb, vh, row, d),
             always_masked=False,
+            lse_index=lambda row: (vb, vh, row),
         )
 
     @T.macro
-    def main_nest(Q, K, V, O):
+    def main_nest(Q, K, V, O, LSE, X):
         for b, h, r in T.grid(B, H, NR):
             with T.sblock("row_tile"):
                 vb, vh, vr = T.axis.remap("SSS", [b, h, r])
-                T.reads(Q[vb, vh, 0:SQ, 0:D], K[vb, vh // G, 0:SK, 0:D], V[vb, vh // G, 0:SK, 0:D])
-                T.writes(O[vb, vh, 0:SQ, 0:D])
-                tile(Q, K, V, O, at(vb, vh, vr), NC)
+                T.reads([Q[vb, vh, 0:SQ, 0:D]] + kv.reads(K, V, X, vb, vh // G))
+                if lse:
+                    T.writes(O[vb, vh, 0:SQ, 0:D], LSE[vb, vh, 0:SQ])
+                else:
+                    T.writes(O[vb, vh, 0:SQ, 0:D])
+                tile(Q, K, V, O, at(X, vb, vh, vr), NC, LSE)
 
-    if not decode_rows:
+    tiers = tuple(sorted(decode_rows))
+    NS = _n_splits(split_tasks if tiers else 0, B, KH)  # key-range chunks per sequence
+    single = isinstance(NS, int) and NS == 1  # known at build time: no split nest
+    neg_inf = T.float32(float("-inf"))
+
+    def chunk(L):
+        # truncdiv: every operand is non-negative, and floordiv by a run-time divisor lowers to
+        # selects that nest exponentially
+        per = T.truncdiv(T.truncdiv(L + NS - 1, NS) + BN - 1, BN) * BN
+        return T.max(MIN_SPLIT_KEYS, per)
+
+    def merged_sees_key(X, vb, vi):
+        L = kv.length(X, vb)
+        return vi + (L - SQ) >= 0 if spec.causal else L > 0
+
+    def decode_tier(BD: int, suffix: str):
+        """The packed decode nest of ``BD`` rows (blocks ``*<suffix>``) and its split-KV form
+        (``*<suffix>_split``, merged by ``merge<suffix>``), as one macro. Tiers of fewer rows
+        than ``stage_k_below`` stage their key tiles (see ``_tile_macro``)."""
+        stage = BD < stage_k_below
+        tile_dec = _tile_macro(spec, BD, BN, suffix, stats="lse" if lse else None, stage_k=stage)
+        tile_split = _tile_macro(spec, BD, BN, suffix + SPLIT, stats="partial", stage_k=stage)
+
+        def packed(X, vb, vkh):
+            # One tile per (batch, kv head) holds all SQ·G packed rows: row p is position p // G of
+            # query head vkh·G + p % G.
+            return _Tile(
+                spec, BD, BN, 0, SQ * G, kv.length(X, vb),
+                q_index=lambda p, d: (vb, vkh * G + T.floormod(p, G), T.floordiv(p, G), d),
+                kv_index=lambda key, d: kv.index(X, vb, vkh, key, d),
+                o_index=lambda p, d: (vb, vkh * G + T.floormod(p, G), T.floordiv(p, G), d),
+                always_masked=True,
+                pos=lambda p: T.floordiv(p, G),
+                seq_q=SQ,
+                lse_index=lambda p: (vb, vkh * G + T.floormod(p, G), T.floordiv(p, G)),
+            )
+
+        def split_at(X, vb, vkh, vs, spl):
+            # spl[0]: the chunk's first key, spl[1]: its keys (computed once per task, split_locate)
+            L = kv.length(X, vb)
+            k0 = spl[0]
+            return _Tile(
+                spec, BD, BN, 0, SQ * G, spl[1],
+                q_index=lambda p, d: (vb, vkh * G + T.floormod(p, G), T.floordiv(p, G), d),
+                kv_index=lambda key, d: kv.index(X, vb, vkh, k0 + key, d),
+                o_index=lambda p, d: (vb, vkh, vs, p, d),
+                always_masked=True,
+                pos=lambda p: T.floordiv(p, G),
+                seq_q=SQ,
+                causal_off=L - k0 - SQ,
+                state_index=lambda p, j: (vb, vkh, vs, p, j),
+            )
+
+        @T.macro
+        def decode_nest(Q, K, V, O, LSE, X):
+            for b, kh in T.grid(B, KH):
+                with T.sblock("row_tile" + suffix):
+                    vb, vkh = T.axis.remap("SS", [b, kh])
+                    T.reads([Q[vb, vkh * G:vkh * G + G, 0:SQ, 0:D]] + kv.reads(K, V, X, vb, vkh))
+                    if lse:
+                        T.writes(O[vb, vkh * G:vkh * G + G, 0:SQ, 0:D], LSE[vb, vkh * G:vkh * G + G, 0:SQ])
+                    else:
+                        T.writes(O[vb, vkh * G:vkh * G + G, 0:SQ, 0:D])
+                    tile_dec(Q, K, V, O, packed(X, vb, vkh), NC, LSE)
+
+        @T.macro
+        def split_nest(Q, K, V, O, LSE, X):
+            with T.sblock("split_kv" + suffix):
+                T.reads([_whole(x) for x in (Q, K, V) + X])
+                if lse:
+                    T.writes(O[0:B, 0:H, 0:SQ, 0:D], LSE[0:B, 0:H, 0:SQ])
+                else:
+                    T.writes(O[0:B, 0:H, 0:SQ, 0:D])
+                Op = T.sblock_alloc_buffer((B, KH, NS, BD, D), "float32")  # unnormalised acc per chunk
+                St = T.sblock_alloc_buffer((B, KH, NS, BD, 2), "float32")  # m, l per chunk
+                for b, kh, sp in T.grid(B, KH, NS):
+                    with T.sblock("row_tile" + suffix + SPLIT):
+                        vb, vkh, vs = T.axis.remap("SSS", [b, kh, sp])
+                        T.reads([Q[vb, vkh * G:vkh * G + G, 0:SQ, 0:D]] + kv.reads(K, V, X, vb, vkh))
+                        T.writes(Op[vb, vkh, vs, 0:BD, 0:D], St[vb, vkh, vs, 0:BD, 0:2])
+                        spl = T.sblock_alloc_buffer((2,), "int32", scope="local")
+                        with T.sblock("split_locate" + suffix):
+                            spl[0] = vs * chunk(kv.length(X, vb))
+                            spl[1] = T.max(0, T.min(chunk(kv.length(X, vb)), kv.length(X, vb) - spl[0]))
+                        tile_split(Q, K, V, Op, split_at(X, vb, vkh, vs, spl), NC, St)
+                for b, h, i in T.grid(B, H, SQ):
+                    with T.sblock(MERGE + suffix):
+                        vb, vh, vi = T.axis.remap("SSS", [b, h, i])
+                        T.reads([Op[vb, vh // G, 0:NS, 0:BD, 0:D], St[vb, vh // G, 0:NS, 0:BD, 0:2]] + kv.reads(K, V, X, vb, 0)[2:])
+                        if lse:
+                            T.writes(O[vb, vh, vi, 0:D], LSE[vb, vh, vi])
+                        else:
+                            T.writes(O[vb, vh, vi, 0:D])
+                        mx = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                        ls = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                        w = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                        am = T.sblock_alloc_buffer((D,), "float32", scope="local")
+                        mx[0] = neg_inf
+                        for sp2 in T.serial(NS):
+                            mx[0] = T.max(mx[0], St[vb, vh // G, sp2, vi * G + T.floormod(vh, G), 0])
+                        ls[0] = T.float32(0)
+                        for d in T.vectorized(D):
+                            am[d] = T.float32(0)
+                        for sp2 in T.serial(NS):
+                            w[0] = exp2_fast(St[vb, vh // G, sp2, vi * G + T.floormod(vh, G), 0] - guarded(mx[0]))
+                            ls[0] = ls[0] + St[vb, vh // G, sp2, vi * G + T.floormod(vh, G), 1] * w[0]
+                            for d in T.vectorized(D):
+                                am[d] = am[d] + Op[vb, vh // G, sp2, vi * G + T.floormod(vh, G), d] * w[0]
+                        for d in T.vectorized(D):
+                            O[vb, vh, vi, d] = normalize_where(am[d], ls[0], merged_sees_key(X, vb, vi))
+                        if lse:
+                            LSE[vb, vh, vi] = lse_of(mx[0], ls[0])
+
+        @T.macro
+        def tier(Q, K, V, O, LSE, X):
+            if single:
+                decode_nest(Q, K, V, O, LSE, X)
+            elif NS == 1:
+                decode_nest(Q, K, V, O, LSE, X)
+            else:
+                split_nest(Q, K, V, O, LSE, X)
+
+        return tier
+
+    tier_macros = [decode_tier(r, DECODE + str(r)) for r in tiers]
+    t0 = tier_macros[0] if tiers else None
+    t1 = tier_macros[-1] if tiers else None
+    r0 = tiers[0] if tiers else 0
+    r1 = tiers[-1] if tiers else 0
+    n_tiers = len(tiers)
+    if n_tiers > 2:
+        raise ValueError(f"at most two decode tiers, got {tiers}")
+
+    @T.macro
+    def body(Q, K, V, O, LSE, X):
+        if n_tiers == 0:
+            main_nest(Q, K, V, O, LSE, X)
+        elif n_tiers == 1:
+            if SQ * G <= r0:
+                t0(Q, K, V, O, LSE, X)
+            else:
+                main_nest(Q, K, V, O, LSE, X)
+        else:
+            if SQ * G <= r0:
+                t0(Q, K, V, O, LSE, X)
+            elif SQ * G <= r1:
+                t1(Q, K, V, O, LSE, X)
+            else:
+                main_nest(Q, K, V, O, LSE, X)
+
+    attrs = {"global_symbol": ENTRY, "tirx.noalias": True, "attn.workload": "fused",
+             "attn.block_m": BM, "attn.block_n": BN}
+    if tiers:
+        attrs["attn.decode_rows"] = list(tiers)
+    if tiers and not single:
+        attrs["attn.split_tasks"] = split_tasks
+    KS = kv.shape
+
+    if layout == "bhsd":
         @T.prim_func(s_tir=True)
         def attention(
             Q: T.Buffer((B, H, SQ, D), dtype),
-            K: T.Buffer((B, KH, SK, D), dtype),
-            V: T.Buffer((B, KH, SK, D), dtype),
+            K: T.Buffer(KS, dtype),
+            V: T.Buffer(KS, dtype),
             O: T.Buffer((B, H, SQ, D), dtype),
+            LSE: T.Buffer((B, H, SQ), "float32"),
         ):
-            T.func_attr({"global_symbol": ENTRY, "tirx.noalias": True, "attn.workload": "fused",
-                         "attn.block_m": BM, "attn.block_n": BN})
-            main_nest(Q, K, V, O)
+            T.func_attr(attrs)
+            body(Q, K, V, O, LSE, ())
+    elif layout == "kvcache":
+        @T.prim_func(s_tir=True)
+        def attention(
+            Q: T.Buffer((B, H, SQ, D), dtype),
+            K: T.Buffer(KS, dtype),
+            V: T.Buffer(KS, dtype),
+            CL: T.Buffer((B,), "int32"),
+            O: T.Buffer((B, H, SQ, D), dtype),
+            LSE: T.Buffer((B, H, SQ), "float32"),
+        ):
+            T.func_attr(attrs)
+            body(Q, K, V, O, LSE, (CL,))
+    else:
+        @T.prim_func(s_tir=True)
+        def attention(
+            Q: T.Buffer((B, H, SQ, D), dtype),
+            K: T.Buffer(KS, dtype),
+            V: T.Buffer(KS, dtype),
+            BT: T.Buffer((B, kv.MP), "int32"),
+            CL: T.Buffer((B,), "int32"),
+            O: T.Buffer((B, H, SQ, D), dtype),
+            LSE: T.Buffer((B, H, SQ), "float32"),
+        ):
+            T.func_attr(attrs)
+            body(Q, K, V, O, LSE, (BT, CL))
 
-        return attention
+    return attention if lse else _drop_last_param(attention)
 
-    BD = decode_rows
-    tile_dec = _tile_macro(spec, BD, BN, DECODE)
 
-    def packed(vb, vkh):
-        # One tile per (batch, kv head) holds all SQ·G packed rows: row p is position p // G of
-        # query head vkh·G + p % G.
-        return _Tile(
-            spec, BD, BN, 0, SQ * G, SK,
-            q_index=lambda p, d: (vb, vkh * G + T.floormod(p, G), T.floordiv(p, G), d),
-            kv_index=lambda key, d: (vb, vkh, key, d),
-            o_index=lambda p, d: (vb, vkh * G + T.floormod(p, G), T.floordiv(p, G), d),
-            always_masked=True,
-            pos=lambda p: T.floordiv(p, G),
-            seq_q=SQ,
-        )
+def _whole(buf):
+    """The region of all of ``buf``."""
+    return buf[tuple(slice(0, n) for n in buf.shape)]
 
-    @T.prim_func(s_tir=True)
-    def attention_with_decode(
-        Q: T.Buffer((B, H, SQ, D), dtype),
-        K: T.Buffer((B, KH, SK, D), dtype),
-        V: T.Buffer((B, KH, SK, D), dtype),
-        O: T.Buffer((B, H, SQ, D), dtype),
-    ):
-        T.func_attr({"global_symbol": ENTRY, "tirx.noalias": True, "attn.workload": "fused",
-                     "attn.block_m": BM, "attn.block_n": BN, "attn.decode_rows": BD})
-        if SQ * G <= BD:
-            for b, kh in T.grid(B, KH):
-                with T.sblock("row_tile" + DECODE):
-                    vb, vkh = T.axis.remap("SS", [b, kh])
-                    T.reads(Q[vb, vkh * G:vkh * G + G, 0:SQ, 0:D], K[vb, vkh, 0:SK, 0:D], V[vb, vkh, 0:SK, 0:D])
-                    T.writes(O[vb, vkh * G:vkh * G + G, 0:SQ, 0:D])
-                    tile_dec(Q, K, V, O, packed(vb, vkh), NC)
-        else:
-            main_nest(Q, K, V, O)
 
-    return attention_with_decode
+def _n_splits(split_tasks: int, B, KH: int):
+    """Key-range chunks per sequence of a decode step: enough (batch, kv head, chunk) tasks to
+    reach ``split_tasks``; 1 (no split) when the batch alone has that many. An int when the
+    batch is static, else an expression of it."""
+    if not split_tasks:
+        return 1
+    if isinstance(B, int):
+        return max(1, -(-split_tasks // (B * KH)))
+    return T.max(1, T.truncdiv(split_tasks + B * KH - 1, B * KH))  # truncdiv: see chunk()
+
+
+def _drop_last_param(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    """``func`` without its last parameter (the optional ``LSE`` output, unused in its body)."""
+    return tirx.PrimFunc(list(func.params[:-1]), func.body, func.ret_type, func.attrs)
 
 
 def _varlen(spec: AttentionSpec, block_m: int, block_n: int) -> tirx.PrimFunc:
@@ -346,7 +650,8 @@ def _varlen(spec: AttentionSpec, block_m: int, block_n: int) -> tirx.PrimFunc:
     NT = T.floordiv(TQ, BM) + NB  # tile slots
     NC = T.floordiv(TK + BN - 1, BN)  # bound on any sequence's key tiles
     dtype = spec.dtype
-    tile = _tile_macro(spec, BM, BN)
+    lse = bool(spec.return_lse)
+    tile = _tile_macro(spec, BM, BN, stats="lse" if lse else None)
 
     def at(seq, CQ, CK, vh):
         b = seq[0]
@@ -359,6 +664,7 @@ def _varlen(spec: AttentionSpec, block_m: int, block_n: int) -> tirx.PrimFunc:
             o_index=lambda row, d: (q0 + row, vh, d),
             always_masked=True,
             valid=seq[1] < CQ[b + 1] - q0,
+            lse_index=lambda row: (vh, q0 + row),
         )
 
     @T.prim_func(s_tir=True)
@@ -369,6 +675,7 @@ def _varlen(spec: AttentionSpec, block_m: int, block_n: int) -> tirx.PrimFunc:
         CQ: T.Buffer((NB1,), "int32"),
         CK: T.Buffer((NB1,), "int32"),
         O: T.Buffer((TQ, H, D), dtype),
+        LSE: T.Buffer((H, TQ), "float32"),
     ):
         T.func_attr({"global_symbol": ENTRY, "tirx.noalias": True, "attn.workload": "fused",
                      "attn.block_m": BM, "attn.block_n": BN})
@@ -376,7 +683,10 @@ def _varlen(spec: AttentionSpec, block_m: int, block_n: int) -> tirx.PrimFunc:
             with T.sblock("row_tile"):
                 vh, vs = T.axis.remap("SS", [h, s])
                 T.reads(Q[0:TQ, vh, 0:D], K[0:TK, vh // G, 0:D], V[0:TK, vh // G, 0:D], CQ[0:NB1], CK[0:NB1])
-                T.writes(O[0:TQ, vh, 0:D])
+                if lse:
+                    T.writes(O[0:TQ, vh, 0:D], LSE[vh, 0:TQ])
+                else:
+                    T.writes(O[0:TQ, vh, 0:D])
                 # seq[0]: the sequence b of slot vs; seq[1]: the tile's first row within it.
                 # seq[2], seq[3]: binary-search bounds on b.
                 seq = T.sblock_alloc_buffer((4,), "int32", scope="local")
@@ -393,10 +703,10 @@ def _varlen(spec: AttentionSpec, block_m: int, block_n: int) -> tirx.PrimFunc:
                                 seq[3] = T.floordiv(seq[2] + seq[3] + 1, 2) - 1
                     seq[0] = seq[2]
                     seq[1] = (vs - T.floordiv(CQ[seq[2]], BM) - seq[2]) * BM
-                tile(Q, K, V, O, at(seq, CQ, CK, vh), NC)
+                tile(Q, K, V, O, at(seq, CQ, CK, vh), NC, LSE)
 
-    return attention
+    return attention if lse else _drop_last_param(attention)
 
 
 #: layout -> PrimFunc frame (the argument list and the loop over row tiles); the tile is shared.
-FRAMES = {"bhsd": _bhsd, "varlen": _varlen}
+FRAMES = {"bhsd": _dense, "kvcache": _dense, "paged": _dense, "varlen": _varlen}

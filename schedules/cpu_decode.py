@@ -1,0 +1,234 @@
+"""CPU schedule of the fused kernel's packed decode nests with few rows (one new token per
+sequence: ``group`` rows per kv head, 1 for MHA, 4 for 32:8 GQA).
+
+Why a schedule of its own: the main schedule vectorizes ``S_gemm`` across query rows (one K
+element broadcast against a vector of rows). With 4 rows that is a 4-lane vector per element of
+K, and with 1 row a scalar: QKᵀ costs ``block_n·head_dim`` narrow FMAs per tile, each reloading
+``Qt``, and a decode step that should stream K/V at memory speed is bound by those instead.
+Here QKᵀ is a dot product along head_dim: each K row is read as contiguous 16-lane vectors,
+multiplied into one accumulator per query row, and a shuffle-add tree turns the ``rows``
+accumulators into one ``rows``-lane vector of scores (``DOT`` intrinsic, tensorized per key).
+
+The compute is unchanged (the same blocks as every nest): only ``Qt`` is laid out row-major
+(``transform_layout``) so a query row is contiguous. ``rfactor`` cannot express the dot product
+here (the key-tile scope is not a stage pipeline: ``m`` is read, then written), hence the
+tensor intrinsic.
+
+Knobs (why these values; measured on a 2-core znver4, H32 KH8 D128, B4 with a 4k cache):
+``pv_rows = 4`` rows × ``pv_cols = 64`` columns of PV accumulators (16 zmm + 4 for the V
+segment; 4×128 spilled, 2×64 reloaded P more often), P_exp over the fused (key, row) loop in
+full 16-lane vectors.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from tvm import s_tir, tirx
+from tvm.s_tir import TensorIntrin
+from tvm.script import tirx as T
+
+from tvm_attention.spec import AttentionSpec
+
+F32 = "float32"
+DOT_LANES = 16  # float32 lanes of the dot product's vectors (AVX-512)
+
+
+@dataclasses.dataclass(frozen=True)
+class DotDecodeKnobs:
+    """Decisions of :func:`schedule` (derived from the main knobs by ``cpu_flash``)."""
+
+    pv_rows: int = 4  # PV_gemm rows per register block (unrolled)
+    pv_cols: int = 64  # head_dim columns per PV_gemm register block (0 = all)
+
+
+def supports(spec: AttentionSpec, rows: int, lanes: int) -> bool:
+    """Whether a ``rows``-row decode nest can take the dot-product schedule: AVX-512 lanes,
+    head_dim a multiple of them, and a power-of-two row count up to one vector (the shuffle
+    tree pairs accumulators)."""
+    return (lanes == DOT_LANES and spec.head_dim % DOT_LANES == 0 and 1 <= rows <= DOT_LANES
+            and rows & (rows - 1) == 0)
+
+
+def _lane(v: int) -> tirx.IntImm:
+    return tirx.IntImm("int32", v)
+
+
+def _shuffle_tree(vecs: list, width: int):
+    """One ``len(vecs)``-lane vector whose lane ``k`` is the sum of ``vecs[k]``'s ``width``
+    lanes. Pairs of vectors are folded by halves (lane segments halve at every level), so no
+    lane is idle until a single vector remains; then that vector is folded onto itself. Every
+    intermediate is let-bound so LLVM sees each shuffle once."""
+    lets = []
+
+    def bind(e, lanes):
+        v = tirx.Var(f"t{len(lets)}", f"float32x{lanes}" if lanes > 1 else F32)
+        lets.append((v, e))
+        return v
+
+    seg = width  # lanes each partial sum occupies inside a vector
+    cur = [bind(v, width) for v in vecs]
+    while len(cur) > 1 and seg > 1:
+        nxt = []
+        for x, y in zip(cur[0::2], cur[1::2]):
+            lo, hi = [], []
+            for src in (0, 1):
+                for part in range(width // seg):
+                    base = src * width + part * seg
+                    lo += range(base, base + seg // 2)
+                    hi += range(base + seg // 2, base + seg)
+            nxt.append(bind(tirx.Shuffle([x, y], [_lane(k) for k in lo])
+                            + tirx.Shuffle([x, y], [_lane(k) for k in hi]), width))
+        cur = nxt
+        seg //= 2
+    v, lanes = cur[0], width
+    while seg > 1:
+        lo, hi = [], []
+        for part in range(lanes // seg):
+            base = part * seg
+            lo += range(base, base + seg // 2)
+            hi += range(base + seg // 2, base + seg)
+        lanes //= 2
+        if lanes == 1:
+            e = tirx.Shuffle([v], [_lane(lo[0])]) + tirx.Shuffle([v], [_lane(hi[0])])
+        else:
+            e = tirx.Shuffle([v], [_lane(k) for k in lo]) + tirx.Shuffle([v], [_lane(k) for k in hi])
+        v = bind(e, lanes)
+        seg //= 2
+    body = v
+    for var, val in reversed(lets):
+        body = tirx.Let(var, val, body)
+    return body
+
+
+def _dot(K, Q, D: int, rows: int):
+    """``Σ_d K[d]·Q[i, d]`` for ``i < rows`` as one ``rows``-lane expression."""
+    vt = f"float32x{DOT_LANES}"
+    vecs = []
+    for i in range(rows):
+        acc = None
+        for c in range(D // DOT_LANES):
+            a = K.vload([c * DOT_LANES], vt)
+            b = Q.vload([i, c * DOT_LANES], vt)
+            acc = a * b if acc is None else tirx.call_llvm_pure_intrin(vt, "llvm.fmuladd", a, b, acc)
+        vecs.append(acc)
+    return _shuffle_tree(vecs, DOT_LANES)
+
+
+def dot_intrinsic(D: int, rows: int) -> str:
+    """Register (once) and name the tensor intrinsic ``S[0:rows] += K[0:D] · Q[0:rows, 0:D]``."""
+    name = f"attn_decode_dot_d{D}_r{rows}"
+    if name in _REGISTERED:
+        return name
+
+    @T.prim_func(s_tir=True)
+    def desc(a: T.handle, b: T.handle, c: T.handle):
+        K = T.match_buffer(a, (D,), F32, offset_factor=1, scope="local")
+        Q = T.match_buffer(b, (rows, D), F32, offset_factor=1, scope="local")
+        S = T.match_buffer(c, (rows,), F32, offset_factor=1, scope="local")
+        with T.sblock("root"):
+            T.reads(S[0:rows], K[0:D], Q[0:rows, 0:D])
+            T.writes(S[0:rows])
+            if rows > 1:
+                for d, i in T.grid(D, rows):
+                    with T.sblock("update"):
+                        vd, vi = T.axis.remap("RS", [d, i])
+                        S[vi] = S[vi] + K[vd] * Q[vi, vd]
+            else:  # a unit row loop binds no row iter var; tensorize matches bindings
+                for d, i in T.grid(D, 1):
+                    with T.sblock("update"):
+                        vd = T.axis.reduce(D, d)
+                        S[0] = S[0] + K[vd] * Q[0, vd]
+
+    @T.prim_func(s_tir=True)
+    def impl(a: T.handle, b: T.handle, c: T.handle):
+        K = T.match_buffer(a, (D,), F32, offset_factor=1, scope="local")
+        Q = T.match_buffer(b, (rows, D), F32, offset_factor=1, scope="local")
+        S = T.match_buffer(c, (rows,), F32, offset_factor=1, scope="local")
+        with T.sblock("root"):
+            T.reads(S[0:rows], K[0:D], Q[0:rows, 0:D])
+            T.writes(S[0:rows])
+            if rows > 1:
+                S[T.Ramp(0, 1, rows)] = S.vload([0], f"float32x{rows}") + _dot(K, Q, D, rows)
+            else:
+                S[0] = S[0] + _dot(K, Q, D, rows)
+
+    try:
+        TensorIntrin.register(name, desc, impl)
+    except Exception:  # noqa: BLE001 - registered earlier in this process (another module load)
+        pass
+    _REGISTERED.add(name)
+    return name
+
+
+_REGISTERED: set[str] = set()
+
+
+def _vectorize(sch: s_tir.Schedule, loop, extent: int, lanes: int = DOT_LANES) -> None:
+    if extent == 1:
+        return
+    if extent <= lanes:
+        sch.vectorize(loop)
+        return
+    outer, inner = sch.split(loop, [None, lanes])
+    sch.unroll(outer)
+    sch.vectorize(inner)
+
+
+def schedule(sch: s_tir.Schedule, spec: AttentionSpec, suffix: str, knobs: DotDecodeKnobs = DotDecodeKnobs()) -> None:
+    """Schedule the decode nest whose blocks carry ``suffix`` (``_dec4``, ``_dec4_split``)."""
+    D = spec.head_dim
+    row_tile = sch.get_sblock("row_tile" + suffix)
+    bufs = {b.name: b for b in sch.get(row_tile).alloc_buffers}
+    rows, block_n = int(bufs["Qt"].shape[1]), int(bufs["S"].shape[0])
+
+    def blk(name):
+        return sch.get_sblock(name + suffix)
+
+    pv_rows = max(r for r in range(1, min(knobs.pv_rows, rows) + 1) if rows % r == 0)
+    pv_cols = knobs.pv_cols if knobs.pv_cols and knobs.pv_cols < D and D % knobs.pv_cols == 0 else 0
+
+    # Q: Qt laid out (rows, D), so a query row is contiguous for the dot product
+    q_load = blk("Q_load")
+    sch.transform_layout(q_load, ("write", 0), lambda d, i: (i, d))
+    d, i = sch.get_loops(q_load)[-2:]
+    sch.reorder(i, d)
+    _vectorize(sch, d, D)
+
+    # K_load: the key tile copied in contiguous vectors (the workload stages it: stage_k)
+    _vectorize(sch, sch.get_loops(blk("K_load"))[-1], D)
+
+    # S_gemm: init hoisted, then each key's (d, row) nest is one dot-product intrinsic
+    s_gemm = blk("S_gemm")
+    _, d, _ = sch.get_loops(s_gemm)[-3:]
+    init = sch.decompose_reduction(s_gemm, d)
+    _vectorize(sch, sch.get_loops(init)[-1], rows)
+    sch.tensorize(d, dot_intrinsic(D, rows))
+
+    # softmax stages: vectors across rows; P_exp over the fused (key, row) loop, full vectors
+    for name in ("row_max", "row_sum"):
+        b = blk(name)
+        j, i = sch.get_loops(b)[-2:]
+        _vectorize(sch, i, rows)
+        sch.decompose_reduction(b, j)
+    for name in ("online_correction", "max_commit", "state_init"):
+        _vectorize(sch, sch.get_loops(blk(name))[-1], rows)
+    j, i = sch.get_loops(blk("P_exp"))[-2:]
+    _vectorize(sch, sch.fuse(j, i), block_n * rows)
+
+    # PV_gemm: (row block, [column block,] key, rows unrolled, columns vectorized)
+    pv = blk("PV_gemm")
+    i, j, d = sch.get_loops(pv)[-3:]
+    io, ii = sch.split(i, [None, pv_rows])
+    if pv_cols:
+        do, dd = sch.split(d, [None, pv_cols])
+        sch.reorder(io, do, j, ii, dd)
+        d = dd
+    else:
+        sch.reorder(io, j, ii, d)
+    sch.unroll(ii)
+    sch.vectorize(d)
+    sch.decompose_reduction(pv, sch.get_loops(pv)[-3])
+
+    for name in ("acc_init", "O_store"):
+        sch.vectorize(sch.get_loops(blk(name))[-1])
+    sch.parallel(sch.fuse(*sch.get_loops(row_tile)))

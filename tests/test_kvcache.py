@@ -1,0 +1,263 @@
+"""KV-cache decode (issue 10): the kvcache and paged layouts, GQA packing, split-KV with its
+merge, the LSE output and merge_states."""
+import json
+
+import numpy as np
+import pytest
+
+from tvm_attention import cli, merge_states
+from tvm_attention.artifact import export, kernel_of, validate_built
+from tvm_attention.layouts import LAYOUTS, paged_from_contiguous
+from tvm_attention.loader import KernelArgumentError, load
+from tvm_attention.reference import reference_attention
+from tvm_attention.spec import AttentionSpec, SpecError
+
+from conftest import built
+
+KVCACHE, PAGED = LAYOUTS["kvcache"], LAYOUTS["paged"]
+TOL = dict(atol=1e-4, rtol=1e-4)
+
+
+def spec_of(layout, heads=8, kv_heads=2, causal=True, lse=True, **kw):
+    return AttentionSpec(batch=2, heads=heads, kv_heads=kv_heads, seq_q=1, seq_kv=256, head_dim=64, causal=causal,
+                         layout=layout, return_lse=lse, **kw)
+
+
+# (layout, heads, kv_heads, causal, knobs): GQA and MQA, both layouts; split_tasks=0 never splits
+CONFIGS = {
+    "kvcache_gqa_causal": ("kvcache", 8, 2, True, None),
+    "paged_gqa_causal": ("paged", 8, 2, True, None),
+    "kvcache_mqa_full": ("kvcache", 4, 1, False, None),
+    "paged_mha_causal_nosplit": ("paged", 4, 4, True, (("split_tasks", 0),)),
+}
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def kernel(request):
+    layout, h, kh, causal, knobs = CONFIGS[request.param]
+    spec = spec_of(layout, h, kh, causal)
+    b = built(spec, knobs=knobs)
+    assert b.audit.fused, b.audit.reasons
+    return spec, kernel_of(b), knobs
+
+
+#: cache_seqlens mixes: empty, one key, page edges (16), tile edges (64), lengths that are no
+#: multiple of anything, a prefix shorter than the new tokens (causal rows with no key)
+LENGTHS = {
+    "mixed": [0, 1, 15, 16, 17, 63, 65, 129, 3],
+    "one_long": [1000],  # batch 1: few (batch, kv head) tiles, so the key range is split
+    "two": [333, 2],
+    "all_empty": [0, 0],
+}
+
+
+def call(spec, kernel, x):
+    names = [a.name for a in spec.layout_info.index_args]
+    return kernel(*(x[n] for n in ("q",) + tuple(a.name for a in spec.layout_info.inputs[1:3])),
+                  **{n: x[n] for n in names})
+
+
+@pytest.mark.parametrize("seq_q", [1, 4])
+@pytest.mark.parametrize("lengths", list(LENGTHS))
+def test_matches_the_reference(kernel, seq_q, lengths):
+    spec, k, _ = kernel
+    lens = LENGTHS[lengths]
+    case = {"seq_q": seq_q, "cache_seqlens": lens, "max_len": max(lens + [1]) + 5}
+    if spec.layout == "paged":
+        case = {"seq_q": seq_q, "cache_seqlens": lens, "shared_prefix": lengths == "mixed"}
+    x = spec.layout_info.random_inputs(spec, case, seed=len(lens) + seq_q)
+    o, lse = call(spec, k, x)
+    ref, ref_lse = spec.layout_info.reference_outputs(spec, x)
+    np.testing.assert_allclose(o, ref, **TOL)
+    # lse: -inf exactly for rows that see no key, else the reference's log-sum-exp
+    assert (np.isneginf(lse) == np.isneginf(ref_lse)).all()
+    seen = ~np.isneginf(ref_lse)
+    np.testing.assert_allclose(lse[seen], ref_lse[seen], **TOL)
+    for b, n in enumerate(lens):  # a sequence with an empty cache outputs exact zeros
+        if n == 0:
+            assert not o[b].any()
+
+
+def test_paged_equals_contiguous_on_the_same_keys():
+    spec_c, spec_p = spec_of("kvcache", lse=False), spec_of("paged", lse=False)
+    kc, kp = kernel_of(built(spec_c)), kernel_of(built(spec_p))
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((3, 8, 1, 64), dtype=np.float32)
+    k = rng.standard_normal((3, 2, 100, 64), dtype=np.float32)
+    v = rng.standard_normal((3, 2, 100, 64), dtype=np.float32)
+    lens = np.array([100, 37, 64], np.int32)
+    kpages, table = paged_from_contiguous(k, 16, np.random.default_rng(2))
+    vpages, vtable = paged_from_contiguous(v, 16, np.random.default_rng(2))  # same seed: same pages
+    np.testing.assert_array_equal(table, vtable)
+    a = kc(q, k, v, cache_seqlens=lens)
+    b = kp(q, kpages, vpages, block_table=table, cache_seqlens=lens)
+    np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-6)
+
+
+def test_split_and_unsplit_agree():
+    """One long sequence (batch 1): the split-KV path and the never-split build give the same
+    output and lse."""
+    spec = spec_of("kvcache", 4, 1)
+    split, whole = kernel_of(built(spec)), kernel_of(built(spec, knobs=(("split_tasks", 0),)))
+    assert "attn.split_tasks" in built(spec).lowered.script()
+    assert "attn.split_tasks" not in built(spec, knobs=(("split_tasks", 0),)).lowered.script()
+    x = KVCACHE.random_inputs(spec, {"seq_q": 1, "cache_seqlens": [3000], "max_len": 3000}, seed=5)
+    (o1, l1), (o2, l2) = call(spec, split, x), call(spec, whole, x)
+    np.testing.assert_allclose(o1, o2, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(l1, l2, atol=1e-5, rtol=1e-5)
+
+
+def test_merge_states_of_two_halves_of_a_key_range():
+    """Cascade attention: the kernel on keys [0, 700) and on [700, 1500) separately, merged,
+    equals the reference on all 1500."""
+    spec = spec_of("kvcache", 8, 2, causal=False)
+    k = kernel_of(built(spec))
+    x = KVCACHE.random_inputs(spec, {"seq_q": 4, "cache_seqlens": [1500, 1500], "max_len": 1500}, seed=7)
+    q, kc, vc = x["q"], x["k_cache"], x["v_cache"]
+    cut = 700
+    oa, la = k(q, np.ascontiguousarray(kc[:, :, :cut]), np.ascontiguousarray(vc[:, :, :cut]),
+               cache_seqlens=np.full(2, cut, np.int32))
+    ob, lb = k(q, np.ascontiguousarray(kc[:, :, cut:]), np.ascontiguousarray(vc[:, :, cut:]),
+               cache_seqlens=np.full(2, 1500 - cut, np.int32))
+    o, lse = merge_states(oa, la, ob, lb)
+    ref, ref_lse = reference_attention(spec, q, kc, vc, return_lse=True)
+    np.testing.assert_allclose(o, ref, **TOL)
+    np.testing.assert_allclose(lse, ref_lse, **TOL)
+    # an empty side contributes nothing; two empty sides give zeros and -inf; NaN stays NaN
+    empty = np.full_like(la, -np.inf)
+    o2, l2 = merge_states(oa, la, np.zeros_like(ob), empty)
+    np.testing.assert_array_equal(o2, oa)
+    o3, l3 = merge_states(np.zeros_like(oa), empty, np.zeros_like(ob), empty)
+    assert not o3.any() and np.isneginf(l3).all()
+    la[0, 0, 0] = np.nan
+    o4, l4 = merge_states(oa, la, ob, lb)
+    assert np.isnan(o4[0, 0, 0]).all() and np.isnan(l4[0, 0, 0]) and np.isfinite(o4[1]).all()
+    with pytest.raises(ValueError, match="lse_b: expected shape"):
+        merge_states(oa, la, ob, lb[..., :2])
+
+
+def test_lse_for_bhsd_and_varlen():
+    for spec in (AttentionSpec(batch=2, heads=4, kv_heads=2, seq_q=40, seq_kv=70, head_dim=64, causal=True,
+                               return_lse=True),
+                 AttentionSpec(batch=2, heads=4, kv_heads=2, seq_q=40, head_dim=64, causal=True, layout="varlen",
+                               return_lse=True)):
+        b = built(spec)
+        assert validate_built(b).passed
+        layout = spec.layout_info
+        case = layout.validation_cases(spec)[-1]
+        x = layout.random_inputs(spec, case, seed=2)
+        o, lse = kernel_of(b)(*x.values())
+        ref, ref_lse = layout.reference_outputs(spec, x)
+        assert lse.shape == ref_lse.shape and lse.dtype == np.float32
+        assert (np.isneginf(lse) == np.isneginf(ref_lse)).all()
+        np.testing.assert_allclose(lse[~np.isneginf(ref_lse)], ref_lse[~np.isneginf(ref_lse)], **TOL)
+        np.testing.assert_allclose(o, ref, **TOL)
+
+
+@pytest.fixture(scope="module")
+def paged_artifact(tmp_path_factory):
+    spec = spec_of("paged", lse=False)
+    b = built(spec)
+    out = tmp_path_factory.mktemp("paged")
+    export(b, out, validate_built(b))
+    return spec, out
+
+
+def test_manifest_and_loader_keywords(paged_artifact):
+    spec, out = paged_artifact
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["layout"] == "paged" and m["audit"]["verdict"] == "fused"
+    assert [a["name"] for a in m["args"]] == ["q", "k_pages", "v_pages", "block_table", "cache_seqlens", "o"]
+    assert m["args"][1]["shape"] == ["num_pages", 16, 2, 64]
+    kernel = load(out)
+    x = PAGED.random_inputs(spec, {"seq_q": 1, "cache_seqlens": [20, 5]}, seed=1)
+    ref = PAGED.reference(spec, x)
+    np.testing.assert_allclose(kernel(x["q"], x["k_pages"], x["v_pages"], block_table=x["block_table"],
+                                      cache_seqlens=x["cache_seqlens"]), ref, **TOL)
+    # positional index arrays, in the manifest's order, work too
+    np.testing.assert_allclose(kernel(x["q"], x["k_pages"], x["v_pages"], x["block_table"], x["cache_seqlens"]),
+                               ref, **TOL)
+
+
+def _bad(x, **change):
+    y = {k: v.copy() for k, v in x.items()}
+    y.update(change)
+    return y
+
+
+def test_bad_inputs_are_rejected(paged_artifact):
+    spec, out = paged_artifact
+    kernel = load(out)
+    x = PAGED.random_inputs(spec, {"seq_q": 1, "cache_seqlens": [20, 5]}, seed=1)
+
+    def run(y):
+        return kernel(y["q"], y["k_pages"], y["v_pages"], block_table=y["block_table"], cache_seqlens=y["cache_seqlens"])
+
+    table = x["block_table"].copy()
+    table[0, 1] = x["k_pages"].shape[0]  # one past the pool
+    with pytest.raises(KernelArgumentError, match=r"block_table\[0, 1\]=.* is not a page"):
+        run(_bad(x, block_table=table))
+    table[0, 1] = -1
+    with pytest.raises(KernelArgumentError, match=r"block_table\[0, 1\]=-1 is not a page"):
+        run(_bad(x, block_table=table))
+    with pytest.raises(KernelArgumentError, match=r"cache_seqlens\[1\]=33 exceeds the cache"):
+        run(_bad(x, cache_seqlens=np.array([20, 33], np.int32)))  # 2 pages of 16 per sequence
+    with pytest.raises(KernelArgumentError, match=r"cache_seqlens\[0\]=-1 is negative"):
+        run(_bad(x, cache_seqlens=np.array([-1, 5], np.int32)))
+    with pytest.raises(KernelArgumentError, match="cache_seqlens: expected dtype int32"):
+        run(_bad(x, cache_seqlens=x["cache_seqlens"].astype(np.int64)))
+    with pytest.raises(KernelArgumentError, match="k_pages: expected shape"):
+        run(_bad(x, k_pages=np.zeros((4, 8, 2, 64), np.float32)))  # page_size 8, built for 16
+    with pytest.raises(KernelArgumentError, match=r"cache_seqlens: dim 0 \(batch\) is 3"):
+        run(_bad(x, cache_seqlens=np.array([1, 1, 1], np.int32)))
+    with pytest.raises(KernelArgumentError, match="missing cache_seqlens"):
+        kernel(x["q"], x["k_pages"], x["v_pages"], block_table=x["block_table"])
+    # entries past a sequence's last page are never read, whatever they hold
+    table = x["block_table"].copy()
+    table[1, 1:] = 10**6
+    run(_bad(x, block_table=table))
+
+
+def test_kvcache_rejects_a_length_past_the_cache():
+    spec = spec_of("kvcache", lse=False)
+    k = kernel_of(built(spec))
+    x = KVCACHE.random_inputs(spec, {"seq_q": 1, "cache_seqlens": [10, 10], "max_len": 10}, seed=0)
+    with pytest.raises(KernelArgumentError, match=r"cache_seqlens\[1\]=11 exceeds the cache: max_len=10"):
+        k(x["q"], x["k_cache"], x["v_cache"], cache_seqlens=np.array([3, 11], np.int32))
+    with pytest.raises(KernelArgumentError, match="causal=False"):
+        k(x["q"], x["k_cache"], x["v_cache"], cache_seqlens=x["cache_seqlens"], causal=False)
+
+
+def test_spec_and_cli(tmp_path, capsys):
+    with pytest.raises(SpecError, match="page_size=8 applies to the paged layout only"):
+        AttentionSpec(batch=1, heads=4, seq_q=1, head_dim=64, page_size=8)
+    assert spec_of("paged").page_size == 16 and spec_of("paged").short_name() == "paged_p16_h8_kv2_d64_float32_causal_lse"
+    rc = cli.main(["build", "--layout", "kvcache", "--heads", "4", "--kv-heads", "1", "--head-dim", "64",
+                   "--causal", "--return-lse", "--out", str(tmp_path / "kv")])
+    text = capsys.readouterr().out
+    assert rc == 0 and "validation: PASS" in text
+    m = json.loads((tmp_path / "kv" / "manifest.json").read_text())
+    assert m["layout"] == "kvcache" and m["spec"]["return_lse"] is True
+    assert [a["name"] for a in m["args"]] == ["q", "k_cache", "v_cache", "cache_seqlens", "o", "lse"]
+    assert m["args"][-1] == {"name": "lse", "shape": ["batch", 4, "seq_q"], "dtype": "float32"}
+
+
+def test_decode_bench_smoke(tmp_path, capsys):
+    """``bench --decode --tiny``: both layouts and torch on one point, the roof measured."""
+    rc = cli.main(["bench", "--decode", "--tiny", "--threads", "2", "--out", str(tmp_path)])
+    assert rc == 0
+    report = json.loads((tmp_path / "decode.json").read_text())
+    row = report["rows"][0]
+    assert report["meta"]["roof_gbps"] > 0 and len(report["meta"]["stream_gbps"]) == 2
+    assert row["kvcache_gbps"] > 0 and row["paged_gbps"] > 0 and 0 < row["kvcache_roof"]
+    assert "paged_vs_contiguous" in row
+    assert "| H:KH |" in (tmp_path / "decode.md").read_text()
+
+
+def test_continuous_batching_simulation_smoke():
+    from tvm_attention.bench import sim
+
+    stats = sim.run(sim.tiny_config(), threads=2, say=lambda m: None)
+    assert stats["passed"] and stats["checked_steps"] >= 1 and stats["decode_tokens"] > 0
+    assert stats["prefill_tokens"] > 0 and 0 < stats["peak_kv_bytes"] <= stats["pool_bytes"]
+    assert stats["tokens_per_s"] > 0

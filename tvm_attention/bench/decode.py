@@ -1,0 +1,199 @@
+"""Decode benchmark: one new token per sequence against a KV cache, judged against memory.
+
+A decode step streams every K/V byte once (about 0.5 FLOP per byte), so its roof is the
+streaming-read bandwidth, not the FMA peak. For each point (batch, cache length, heads, head_dim,
+contiguous ``kvcache`` or ``paged`` layout) this reports the GB/s of K/V the kernel reads, that as
+a fraction of the machine's streaming-read bandwidth (``bench.bandwidth``, measured in the same
+run, before and after the points: the best is the roof), and torch SDPA (``enable_gqa``) on the
+same data side by side. Every variant is timed alternately, on the same threads.
+
+K/V bytes = 2 · batch · kv_heads · cache · head_dim · 4 (fp32): what any kernel must read.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from ..spec import AttentionSpec
+
+#: Speed goals of issue 10, checked in the report (never by a test): fraction of the streaming
+#: roof at (batch 4, 4k cache) and (batch 1, 16k cache), GQA 32:8, D=128; speed-up over torch.
+GOALS = {"roof_b4_4k": 0.80, "roof_b1_16k": 0.70, "vs_torch": 2.0, "paged_vs_contiguous": 0.90}
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    heads: tuple[tuple[int, int], ...] = ((32, 8), (32, 32))  # (H, KH): GQA 32:8 and MHA
+    head_dims: tuple[int, ...] = (128, 64)
+    batches: tuple[int, ...] = (1, 4, 16)
+    caches: tuple[int, ...] = (1024, 4096, 16384, 32768)
+    layouts: tuple[str, ...] = ("kvcache", "paged")
+    page_size: int = 16
+    max_kv_bytes: int = 3 << 30  # skip points whose K/V exceed this (memory of a 24 GiB VM)
+    rounds: int = 2
+    min_repeat_ms: int = 100
+    stream_bytes: int = 512 << 20
+
+
+def quick_config() -> Config:
+    """A smoke run for CI: one small point per layout."""
+    return Config(heads=((8, 2),), head_dims=(64,), batches=(2,), caches=(512,), rounds=1, min_repeat_ms=5,
+                  stream_bytes=256 << 20)  # past the L3: a smaller buffer measures the cache
+
+
+def kv_bytes(b: int, kh: int, cache: int, d: int) -> int:
+    return 2 * b * kh * cache * d * 4
+
+
+def _tvm_timer(built, args, min_repeat_ms: int) -> Callable[[], float]:
+    import tvm
+
+    te = built.module.time_evaluator(built.entry, tvm.cpu(), number=1, repeat=3, min_repeat_ms=min_repeat_ms)
+    built.module[built.entry](*args)  # warm-up
+    return lambda: float(np.median(te(*args).results))
+
+
+def _torch_timer(q, k, v, min_repeat_ms: int) -> Callable[[], float] | None:
+    try:
+        import torch
+    except ImportError:
+        return None
+    tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
+    gqa = tq.shape[1] != tk.shape[1]
+
+    def once():
+        return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, enable_gqa=gqa)
+
+    def timer():
+        from ..timing import time_callable
+
+        return time_callable(once, repeat=3, min_repeat_ms=min_repeat_ms).median_s
+
+    return timer
+
+
+def run(cfg: Config, threads: int | None = None, say: Callable[[str], None] = print) -> dict[str, Any]:
+    import tvm
+
+    from ..build import build_kernel
+    from ..layouts import paged_from_contiguous
+    from ..loader import aligned_empty
+    from ..target import host_cpu
+    from ..threads import set_num_threads
+    from .bandwidth import stream_read_gbps
+
+    threads = set_num_threads(threads)
+    try:
+        import torch
+
+        torch.set_num_threads(threads)
+        torch_version = torch.__version__
+    except ImportError:
+        torch_version = None
+    meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "cpu": host_cpu(), "threads": threads,
+            "torch": torch_version, "config": dataclasses.asdict(cfg), "goals": GOALS}
+    say(f"# {meta['date']} cpu={meta['cpu']} threads={threads} torch={torch_version}")
+    streams = [stream_read_gbps(cfg.stream_bytes)]
+    say(f"streaming read: {streams[0]:.1f} GB/s")
+
+    def tensor(x):
+        a = aligned_empty(x.shape, x.dtype)
+        a[...] = x
+        return tvm.runtime.tensor(a)
+
+    rows = []
+    for h, kh in cfg.heads:
+        for d in cfg.head_dims:
+            kernels = {}
+            for layout in cfg.layouts:
+                spec = AttentionSpec(batch=1, heads=h, kv_heads=kh, seq_q=1, seq_kv=1024, head_dim=d, layout=layout,
+                                     causal=True, page_size=cfg.page_size if layout == "paged" else None)
+                t0 = time.perf_counter()
+                kernels[layout] = build_kernel(spec)
+                say(f"built {spec.short_name()} in {time.perf_counter() - t0:.1f} s")
+            for b in cfg.batches:
+                for cache in cfg.caches:
+                    nbytes = kv_bytes(b, kh, cache, d)
+                    if nbytes > cfg.max_kv_bytes:
+                        say(f"[H{h}:KH{kh} D{d} B{b} cache {cache}] skipped: K/V {nbytes / 2**30:.1f} GiB")
+                        continue
+                    rng = np.random.default_rng(b * 7 + cache)
+                    q = rng.standard_normal((b, h, 1, d), dtype=np.float32)
+                    k = rng.standard_normal((b, kh, cache, d), dtype=np.float32)
+                    v = rng.standard_normal((b, kh, cache, d), dtype=np.float32)
+                    lens = np.full(b, cache, np.int32)
+                    o = np.empty((b, h, 1, d), np.float32)
+                    timers: dict[str, Callable[[], float]] = {}
+                    if "kvcache" in kernels:
+                        timers["kvcache"] = _tvm_timer(kernels["kvcache"], [tensor(x) for x in (q, k, v, lens, o)],
+                                                       cfg.min_repeat_ms)
+                    if "paged" in kernels:
+                        kp, table = paged_from_contiguous(k, cfg.page_size, np.random.default_rng(1))
+                        vp, _ = paged_from_contiguous(v, cfg.page_size, np.random.default_rng(1))
+                        timers["paged"] = _tvm_timer(kernels["paged"], [tensor(x) for x in (q, kp, vp, table, lens, o)],
+                                                     cfg.min_repeat_ms)
+                        del kp, vp
+                    torch_timer = _torch_timer(q, k, v, cfg.min_repeat_ms)
+                    if torch_timer is not None:
+                        timers["torch"] = torch_timer
+                    best = {name: float("inf") for name in timers}
+                    for r in range(cfg.rounds):
+                        for name in (list(timers) if r % 2 == 0 else list(reversed(timers))):
+                            best[name] = min(best[name], timers[name]())
+                    row = {"heads": h, "kv_heads": kh, "head_dim": d, "batch": b, "cache": cache, "kv_bytes": nbytes}
+                    for name, t in best.items():
+                        row[f"{name}_ms"] = t * 1e3
+                        row[f"{name}_gbps"] = nbytes / t / 1e9
+                    rows.append(row)
+                    say(f"[H{h}:KH{kh} D{d} B{b} cache {cache}] " + ", ".join(
+                        f"{name} {best[name] * 1e3:.3f} ms {nbytes / best[name] / 1e9:.1f} GB/s" for name in best))
+                    del timers
+    streams.append(stream_read_gbps(cfg.stream_bytes))
+    roof = max(streams)
+    say(f"streaming read again: {streams[-1]:.1f} GB/s; roof = {roof:.1f} GB/s")
+    for row in rows:
+        for name in cfg.layouts:
+            if f"{name}_gbps" in row:
+                row[f"{name}_roof"] = row[f"{name}_gbps"] / roof
+                if "torch_ms" in row:
+                    row[f"{name}_vs_torch"] = row["torch_ms"] / row[f"{name}_ms"]
+        if "paged_ms" in row and "kvcache_ms" in row:
+            row["paged_vs_contiguous"] = row["kvcache_ms"] / row["paged_ms"]
+    meta["stream_gbps"] = streams
+    meta["roof_gbps"] = roof
+    return {"meta": meta, "rows": rows}
+
+
+def markdown(report: dict[str, Any]) -> str:
+    m = report["meta"]
+    lines = [f"Machine: {m['cpu']}, {m['threads']} threads, {m['date']}; torch {m['torch']}. fp32, causal, one new "
+             f"token per sequence. Streaming read measured {', '.join(f'{g:.1f}' for g in m['stream_gbps'])} GB/s "
+             f"in this run: roof = {m['roof_gbps']:.1f} GB/s. Variants alternated; each time is the best round.", "",
+             "| H:KH | D | batch | cache | K/V MB | kvcache ms | GB/s | of roof | paged ms | of roof | "
+             "paged/contig. | torch ms | kvcache/torch |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def f(row, key, fmt):
+        return format(row[key], fmt) if key in row else "—"
+
+    for r in report["rows"]:
+        lines.append(
+            f"| {r['heads']}:{r['kv_heads']} | {r['head_dim']} | {r['batch']} | {r['cache']} | "
+            f"{r['kv_bytes'] / 1e6:.0f} | {f(r, 'kvcache_ms', '.3f')} | {f(r, 'kvcache_gbps', '.1f')} | "
+            f"{f(r, 'kvcache_roof', '.0%')} | {f(r, 'paged_ms', '.3f')} | {f(r, 'paged_roof', '.0%')} | "
+            f"{f(r, 'paged_vs_contiguous', '.2f')} | {f(r, 'torch_ms', '.3f')} | {f(r, 'kvcache_vs_torch', '.2f')}× |")
+    return "\n".join(lines)
+
+
+def write(report: dict[str, Any], out_dir: str | Path) -> dict[str, Path]:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "decode.json", "md": out / "decode.md"}
+    paths["json"].write_text(json.dumps(report, indent=2) + "\n")
+    paths["md"].write_text(markdown(report) + "\n")
+    return paths
