@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import json
 import math
 import statistics
 import tempfile
@@ -312,9 +311,6 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def write(report: dict[str, Any], out_dir: str | Path) -> dict[str, Path]:
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {"json": out / "serving.json", "md": out / "serving.md"}
-    paths["json"].write_text(json.dumps(report, indent=2) + "\n")
-    paths["md"].write_text(markdown(report) + "\n")
-    return paths
+    from . import write_report
+
+    return write_report(report, out_dir, "serving", markdown)
