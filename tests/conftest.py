@@ -22,9 +22,14 @@ def _threads():
     set_num_threads()
 
 
-@functools.lru_cache(maxsize=None)
 def built(spec, schedule="fused", knobs=None):
-    """Build once per (spec, schedule, knobs) for the whole session."""
+    """Build once per (spec, schedule, knobs) for the whole session, however they are passed
+    (lru_cache alone keys ``built(s)`` and ``built(s, knobs=None)`` apart)."""
+    return _built(spec, schedule, knobs)
+
+
+@functools.lru_cache(maxsize=None)
+def _built(spec, schedule, knobs):
     return build_kernel(spec, schedule=schedule, knobs=dict(knobs) if knobs else None)
 
 

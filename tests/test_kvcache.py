@@ -79,7 +79,7 @@ def test_matches_the_reference(kernel, seq_q, lengths):
 
 
 def test_paged_equals_contiguous_on_the_same_keys():
-    spec_c, spec_p = spec_of("kvcache", lse=False), spec_of("paged", lse=False)
+    spec_c, spec_p = spec_of("kvcache"), spec_of("paged")  # the fixture's builds
     kc, kp = kernel_of(built(spec_c)), kernel_of(built(spec_p))
     rng = np.random.default_rng(1)
     q = rng.standard_normal((3, 8, 1, 64), dtype=np.float32)
@@ -89,15 +89,16 @@ def test_paged_equals_contiguous_on_the_same_keys():
     kpages, table = paged_from_contiguous(k, 16, np.random.default_rng(2))
     vpages, vtable = paged_from_contiguous(v, 16, np.random.default_rng(2))  # same seed: same pages
     np.testing.assert_array_equal(table, vtable)
-    a = kc(q, k, v, cache_seqlens=lens)
-    b = kp(q, kpages, vpages, block_table=table, cache_seqlens=lens)
+    a, lse_a = kc(q, k, v, cache_seqlens=lens)
+    b, lse_b = kp(q, kpages, vpages, block_table=table, cache_seqlens=lens)
     np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-6)
+    np.testing.assert_allclose(lse_a, lse_b, atol=1e-6, rtol=1e-6)
 
 
 def test_split_and_unsplit_agree():
     """One long sequence (batch 1): the split-KV path and the never-split build give the same
     output and lse."""
-    spec = spec_of("kvcache", 4, 1)
+    spec = spec_of("kvcache", 4, 1, causal=False)  # the fixture's MQA build
     split, whole = kernel_of(built(spec)), kernel_of(built(spec, knobs=(("split_tasks", 0),)))
     assert "attn.split_tasks" in built(spec).lowered.script()
     assert "attn.split_tasks" not in built(spec, knobs=(("split_tasks", 0),)).lowered.script()
@@ -156,7 +157,7 @@ def test_lse_for_bhsd_and_varlen():
 
 @pytest.fixture(scope="module")
 def paged_artifact(tmp_path_factory):
-    spec = spec_of("paged", lse=False)
+    spec = spec_of("paged")
     b = built(spec)
     out = tmp_path_factory.mktemp("paged")
     export(b, out, validate_built(b))
@@ -167,15 +168,15 @@ def test_manifest_and_loader_keywords(paged_artifact):
     spec, out = paged_artifact
     m = json.loads((out / "manifest.json").read_text())
     assert m["layout"] == "paged" and m["audit"]["verdict"] == "fused"
-    assert [a["name"] for a in m["args"]] == ["q", "k_pages", "v_pages", "block_table", "cache_seqlens", "o"]
+    assert [a["name"] for a in m["args"]] == ["q", "k_pages", "v_pages", "block_table", "cache_seqlens", "o", "lse"]
     assert m["args"][1]["shape"] == ["num_pages", 16, 2, 64]
     kernel = load(out)
     x = PAGED.random_inputs(spec, {"seq_q": 1, "cache_seqlens": [20, 5]}, seed=1)
     ref = PAGED.reference(spec, x)
     np.testing.assert_allclose(kernel(x["q"], x["k_pages"], x["v_pages"], block_table=x["block_table"],
-                                      cache_seqlens=x["cache_seqlens"]), ref, **TOL)
+                                      cache_seqlens=x["cache_seqlens"])[0], ref, **TOL)
     # positional index arrays, in the manifest's order, work too
-    np.testing.assert_allclose(kernel(x["q"], x["k_pages"], x["v_pages"], x["block_table"], x["cache_seqlens"]),
+    np.testing.assert_allclose(kernel(x["q"], x["k_pages"], x["v_pages"], x["block_table"], x["cache_seqlens"])[0],
                                ref, **TOL)
 
 
@@ -219,7 +220,7 @@ def test_bad_inputs_are_rejected(paged_artifact):
 
 
 def test_kvcache_rejects_a_length_past_the_cache():
-    spec = spec_of("kvcache", lse=False)
+    spec = spec_of("kvcache")
     k = kernel_of(built(spec))
     x = KVCACHE.random_inputs(spec, {"seq_q": 1, "cache_seqlens": [10, 10], "max_len": 10}, seed=0)
     with pytest.raises(KernelArgumentError, match=r"cache_seqlens\[1\]=11 exceeds the cache: max_len=10"):
