@@ -229,6 +229,15 @@ def test_kvcache_rejects_a_length_past_the_cache():
         k(x["q"], x["k_cache"], x["v_cache"], cache_seqlens=x["cache_seqlens"], causal=False)
 
 
+def test_families_without_lse_say_so():
+    from schedules._knobs import KnobError
+
+    spec = AttentionSpec(batch=1, heads=4, seq_q=64, head_dim=64, return_lse=True)
+    for schedule in ("materialized", "rowcache"):
+        with pytest.raises(KnobError, match=f"the {schedule} schedule does not write lse"):
+            built(spec, schedule)
+
+
 def test_spec_and_cli(tmp_path, capsys):
     with pytest.raises(SpecError, match="page_size=8 applies to the paged layout only"):
         AttentionSpec(batch=1, heads=4, seq_q=1, head_dim=64, page_size=8)
