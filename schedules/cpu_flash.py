@@ -219,6 +219,42 @@ def tile_candidates(spec: AttentionSpec, target: Target) -> list[tuple[int, int]
     return pairs
 
 
+#: key tiles the tuner tries for a decode step (keys streamed per online-softmax update)
+DECODE_BLOCK_N = (32, 64, 128)
+
+
+def is_static_decode(spec: AttentionSpec, target: Target) -> bool:
+    """Whether ``spec`` (a static seq_q) builds as one packed decode nest and no main nest."""
+    if "seq_q" in spec.dynamic:
+        return False
+    rows = decode_rows(spec, preset(spec, target))
+    return any(spec.seq_q * spec.group_size <= r for r in rows)
+
+
+def decode_candidates(spec: AttentionSpec, target: Target) -> list[FlashCPUKnobs]:
+    """Knobs the tuner searches for a static decode shape (:func:`is_static_decode`), one task
+    each, the preset first: every ``DECODE_BLOCK_N`` key tile × every ``split_tasks`` choice that
+    gives a different split count at this batch (``batch · kv_heads`` tasks and up need none).
+    This is the split count's place in the search: a symbolic kernel tuned at a decode shape
+    takes ``split_tasks`` (and ``block_n``) from the winner."""
+    from tvm_attention.workloads.fused import n_splits
+
+    hand = preset(spec, target)
+    out, seen = [], set()
+    for knobs in [hand] + [dataclasses.replace(hand, block_n=bn, split_tasks=st)
+                           for bn in DECODE_BLOCK_N for st in SPLIT_TASK_CHOICES]:
+        key = (knobs.block_n, n_splits(knobs.split_tasks, spec.batch, spec.kv_heads))
+        if key in seen:
+            continue
+        try:
+            check(knobs, spec, target)
+        except KnobError:
+            continue
+        seen.add(key)
+        out.append(knobs)
+    return out
+
+
 def _vectorize_rows(sch: s_tir.Schedule, loop, lanes: int) -> None:
     """Split ``loop`` into lanes-wide vectors, unroll the vector count, vectorize the lanes."""
     outer, inner = sch.split(loop, [None, lanes])
@@ -348,13 +384,15 @@ def schedule(
 
 def apply(sch: s_tir.Schedule, knobs: FlashCPUKnobs, spec: AttentionSpec) -> s_tir.Schedule:
     """The hand schedule: :func:`schedule` with every decision pinned to ``knobs`` (and the
-    decode nest, when the workload has one, with :func:`decode_knobs`)."""
-    schedule(sch, spec, knobs.vector_lanes, knobs)
+    decode nest, when the workload has one, with :func:`decode_knobs`). A static decode shape
+    has only its decode nest (``workloads.fused_attention``)."""
+    if _has_block(sch, "row_tile"):
+        schedule(sch, spec, knobs.vector_lanes, knobs)
     for rows in decode_rows(spec, knobs):
         suffix = DECODE + str(rows)
         for nest in (suffix, suffix + SPLIT):
-            if nest != suffix and not _has_block(sch, "row_tile" + nest):
-                continue  # no split form (a static batch that fills the cores)
+            if not _has_block(sch, "row_tile" + nest):
+                continue  # a static seq_q keeps one tier; a static batch may need no split form
             if rows < knobs.vector_lanes:
                 cpu_decode.schedule(sch, spec, nest)
             else:
@@ -374,8 +412,8 @@ def _has_block(sch: s_tir.Schedule, name: str) -> bool:
 
 
 def decode_rows(spec: AttentionSpec, knobs: FlashCPUKnobs) -> tuple[int, ...]:
-    """Rows of the GQA-packed decode nests (``workloads.fused._dense``) of a kernel whose seq_q
-    is symbolic (a static one knows its shape): () for none.
+    """Rows of the GQA-packed decode nests (``workloads.fused._dense``): () for none. A kernel
+    with a static seq_q keeps the narrowest that holds its ``seq_q · group`` rows, if any.
 
     * ``group`` rounded up to a power of two (1 for MHA, 4 for 32:8 heads), scheduled as dot
       products along head_dim (``cpu_decode``): one new token per sequence, the common decode
@@ -385,7 +423,7 @@ def decode_rows(spec: AttentionSpec, knobs: FlashCPUKnobs) -> tuple[int, ...]:
     Why not one nest: a one-vector tile at one token computes 16 rows for 4 (or 1), which bound
     decode by the FMA units, not by the memory it must stream. bhsd (the transformers path, one
     token per step) keeps one decode nest: every nest adds seconds of lowering to a build."""
-    if spec.layout == "varlen" or "seq_q" not in spec.dynamic:
+    if spec.layout == "varlen":
         return ()
     lanes, group = knobs.vector_lanes, spec.group_size
     if group > lanes:
@@ -431,8 +469,17 @@ def read_annotations(sch: s_tir.Schedule, names: tuple[str, ...]) -> tuple[dict[
     return values, {b.name: b for b in row_tile.alloc_buffers}
 
 
-def knobs_of(sch: s_tir.Schedule, lanes: int) -> FlashCPUKnobs:
-    """Read the knobs a (tuned or hand) schedule chose back from its ``attn.*`` annotations."""
+def knobs_of(sch: s_tir.Schedule, lanes: int, base: FlashCPUKnobs | None = None) -> FlashCPUKnobs:
+    """Read the knobs a (tuned or hand) schedule chose back from its ``attn.*`` annotations.
+
+    A static decode kernel (no main nest, :func:`decode_candidates`) records only ``block_n`` and
+    ``split_tasks`` (function attrs); the other knobs are ``base``'s (the preset it was made from)."""
+    if not _has_block(sch, "row_tile"):
+        if base is None:
+            raise ValueError("a decode-only kernel's knobs are read on top of the preset it was made from (base)")
+        attrs = sch.mod["main"].attrs
+        return dataclasses.replace(base, block_n=int(attrs["attn.block_n"]),
+                                   split_tasks=int(attrs["attn.split_tasks"]))
     values, bufs = read_annotations(sch, KNOB_ANNOTATIONS)
     return FlashCPUKnobs(
         block_m=int(bufs["Qt"].shape[1]), block_n=int(bufs["S"].shape[0]), vector_lanes=lanes, **values

@@ -96,6 +96,6 @@ def block_m_candidates(spec: AttentionSpec, target: Target) -> list[int]:
     return [m for m in out if 2 * 4 * spec.seq_kv * m <= MAX_ROW_BYTES and cpu_flash.max_s_rows(m, lanes) >= 1]
 
 
-def knobs_of(sch: s_tir.Schedule, lanes: int) -> RowCacheCPUKnobs:
+def knobs_of(sch: s_tir.Schedule, lanes: int, base=None) -> RowCacheCPUKnobs:
     values, bufs = cpu_flash.read_annotations(sch, ("s_rows", "pv_rows", "pv_cols", "d_unroll", "parallel_chunk"))
     return RowCacheCPUKnobs(block_m=int(bufs["Qt"].shape[1]), vector_lanes=lanes, **values)

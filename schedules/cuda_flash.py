@@ -176,7 +176,7 @@ def tile_candidates(spec: AttentionSpec, target: Target) -> list[FlashCUDAKnobs]
     return out
 
 
-def knobs_of(sch: s_tir.Schedule, lanes: int = 0) -> FlashCUDAKnobs:
+def knobs_of(sch: s_tir.Schedule, lanes: int = 0, base=None) -> FlashCUDAKnobs:
     func = sch.mod["main"]
     unroll = int(sch.get(sch.get_sblock("row_tile")).annotations["attn.unroll"])
     return FlashCUDAKnobs(block_m=int(func.attrs["attn.block_m"]), block_n=int(func.attrs["attn.block_n"]),

@@ -271,3 +271,42 @@ def test_continuous_batching_simulation_smoke():
     assert stats["passed"] and stats["checked_steps"] >= 1 and stats["decode_tokens"] > 0
     assert stats["prefill_tokens"] > 0 and 0 < stats["peak_kv_bytes"] <= stats["pool_bytes"]
     assert stats["tokens_per_s"] > 0
+
+
+def test_static_decode_shape_builds_its_packed_nest_alone():
+    # A static seq_q whose seq_q·group rows fit a decode nest compiles that nest and no main nest;
+    # the audit probes it at a doubled seq_kv (a longer seq_q would be another kernel).
+    spec = AttentionSpec(batch=1, heads=8, kv_heads=2, seq_q=1, seq_kv=300, head_dim=64, causal=True)
+    b = built(spec)
+    assert b.audit.fused and b.audit.probe == {"seq_q": 1, "seq_kv": 600}, b.audit
+    from schedules import cpu_flash
+
+    script = cpu_flash.workload(spec, b.knobs).script()
+    assert 'sblock("row_tile_dec4' in script and 'sblock("row_tile")' not in script
+    assert validate_built(b).passed
+
+
+def test_split_count_is_in_the_tuners_space_and_reaches_symbolic_builds(tmp_path):
+    from tvm_attention.pipeline import build_best
+    from tvm_attention.target import resolve_target
+    from tvm_attention.tune.driver import tune
+    from tvm_attention.tune.logs import best_records
+    from tvm_attention.tune.tasks import make_tasks, workload_matches
+
+    # the representative step of a kvcache build: one sequence, 2 kv heads -> splits matter
+    kv = AttentionSpec(batch=1, heads=8, kv_heads=2, seq_q=1, seq_kv=1024, head_dim=64, causal=True, layout="kvcache")
+    rep, target = kv.representative(), resolve_target("llvm")
+    tasks = make_tasks(rep, target, "fused")
+    splits = {int(t.mod["main"].attrs["attn.split_tasks"]) for t in tasks}
+    tiles = {int(t.mod["main"].attrs["attn.block_n"]) for t in tasks}
+    assert {0, 4, 8, 16, 32} <= splits and {32, 64, 128} <= tiles, [t.name for t in tasks]
+    assert all(workload_matches(rep, t.mod) for t in tasks)  # a log's records map back to them
+
+    work = tmp_path / "log"
+    result = tune(rep, trials=2, per_round=2, work_dir=work, progress=lambda m: None)
+    assert result.trials_new == 2 and "split_tasks" in result.best_knobs
+    (wl, _), *_ = best_records(rep, target, "fused", work)
+    b, v = build_best(kv, log_dir=work)
+    assert b.source == "tuned" and v.passed and b.audit.fused
+    assert b.knobs.split_tasks == int(wl.mod["main"].attrs["attn.split_tasks"])
+    assert b.knobs.block_n == int(wl.mod["main"].attrs["attn.block_n"])

@@ -11,7 +11,8 @@ What fusion means: all three stages share one tile whose size is set by the tile
 head_dim, never by the sequence lengths. So the verdict is ``fused`` iff
 
 1. **no allocation grows with seq_q or seq_kv**: the build is lowered a second time, the same
-   schedule at other lengths (the *probe*, ``probe_spec``: both lengths doubled), and every
+   schedule at other lengths (the *probe*, ``probe_spec``: both lengths doubled; a decode
+   kernel, one packed tile of query rows, keeps its ``seq_q``), and every
    allocation is compared by name with its counterpart there. A buffer whose size changed holds
    something per query row or per key (a score row, the score matrix) and fails the audit, however
    small it is at this length and whatever its scope — on CPU every ``local`` buffer is a heap
@@ -232,10 +233,14 @@ def list_allocations(lowered: LoweredModule) -> list[Allocation]:
     return found
 
 
-def probe_spec(spec: AttentionSpec) -> AttentionSpec:
+def probe_spec(spec: AttentionSpec, keep_seq_q: bool = False) -> AttentionSpec:
     """The spec the probe build uses: both lengths doubled (every divisibility a schedule relied
-    on still holds, and any buffer sized by a length changes)."""
-    return dataclasses.replace(spec, seq_q=2 * spec.seq_q, seq_kv=2 * spec.seq_kv)
+    on still holds, and any buffer sized by a length changes).
+
+    ``keep_seq_q``: a decode kernel (one packed nest of ``seq_q · group`` rows, at most one tile)
+    is probed at a doubled ``seq_kv`` only: a longer ``seq_q`` is another kernel, with other
+    buffers, and this one's query rows are bounded by its tile."""
+    return dataclasses.replace(spec, seq_q=spec.seq_q if keep_seq_q else 2 * spec.seq_q, seq_kv=2 * spec.seq_kv)
 
 
 def _with_probe(allocs: Sequence[Allocation], probe: Sequence[Allocation]) -> list[Allocation]:
@@ -256,11 +261,13 @@ def audit(
     spec: AttentionSpec,
     score_buffers: Sequence[str] = ("S", "P"),
     probe: Sequence[Allocation] | str | None = None,
+    probe_at: AttentionSpec | None = None,
 ) -> AuditReport:
     """Audit ``lowered`` (the IR codegen receives) for ``spec``; see the module docstring.
 
-    ``probe``: the allocations of the same schedule lowered at ``probe_spec(spec)``, or a string
-    saying why there is none (then, and for ``None``, the size rule decides alone).
+    ``probe``: the allocations of the same schedule lowered at ``probe_at`` (default
+    ``probe_spec(spec)``), or a string saying why there is none (then, and for ``None``, the size
+    rule decides alone).
     """
     allocs = list_allocations(lowered)
     threshold = spec.score_elements()
@@ -275,7 +282,7 @@ def audit(
         probe_info = {"error": probe}
     elif probe is not None:
         allocs = _with_probe(allocs, probe)
-        pspec = probe_spec(spec)
+        pspec = probe_at or probe_spec(spec)
         probe_info = {"seq_q": pspec.seq_q, "seq_kv": pspec.seq_kv}
     for a in allocs:
         if a.elements < 0:

@@ -78,7 +78,8 @@ def build_kernel(
     mod = _schedule_module(family, spec, knobs, target)
     # A symbolic build's IR shows what grows with a length: no probe needed.
     probe = None if spec.dynamic else (lambda: _probe(family, spec, knobs, target))
-    return build_from_module(spec, schedule, mod, target, source="hand", knobs=knobs, probe=probe)
+    return build_from_module(spec, schedule, mod, target, source="hand", knobs=knobs, probe=probe,
+                             probe_at=_probe_at(family, spec, target))
 
 
 def resolve_knobs(family, spec: AttentionSpec, target: Target, knobs: Any):
@@ -106,13 +107,19 @@ def _schedule_module(family, spec: AttentionSpec, knobs: Any, target: Target) ->
     return sch.mod
 
 
+def _probe_at(family, spec: AttentionSpec, target: Target) -> AttentionSpec:
+    """Where the audit's probe lowers the schedule (a static decode kernel keeps its seq_q)."""
+    decode = getattr(family, "is_static_decode", None)
+    return probe_spec(spec, keep_seq_q=bool(decode is not None and not spec.dynamic and decode(spec, target)))
+
+
 def _probe(family, spec: AttentionSpec, knobs: Any, target: Target):
     """Allocations of the same schedule lowered at ``probe_spec(spec)`` (the audit's growth
     rule), or a string saying why there are none.
 
     No ``family.check`` here: the probe is only lowered, never run, and a limit that refuses the
     doubled length (rowcache's row bytes) is exactly the growth the probe must see."""
-    pspec = probe_spec(spec)
+    pspec = _probe_at(family, spec, target)
     try:
         return list_allocations(lower_final(_schedule_module(family, pspec, knobs, target), target))
     except Exception as e:  # noqa: BLE001 - any failure only means "no probe"; the audit says so
@@ -128,6 +135,7 @@ def build_from_module(
     knobs: Any = None,
     trace: str | None = None,
     probe: Any = None,
+    probe_at: AttentionSpec | None = None,
 ) -> BuiltKernel:
     """Lower, audit and compile an already scheduled module.
 
@@ -140,7 +148,7 @@ def build_from_module(
     workload = str(func.attrs["attn.workload"]) if func.attrs is not None and "attn.workload" in func.attrs else schedule
     lowered = lower_final(mod, target)
     probe_allocs = probe() if probe is not None else "the schedule has no knobs to rebuild it at other lengths"
-    report = audit(lowered, spec, WORKLOADS[workload][1], probe=probe_allocs)
+    report = audit(lowered, spec, WORKLOADS[workload][1], probe=probe_allocs, probe_at=probe_at)
     module = codegen(lowered)
     built = BuiltKernel(spec, schedule, source, knobs, target, lowered, module, report, trace=trace)
     if target.kind.name == "cuda":
@@ -161,6 +169,14 @@ def cuda_resources(built: BuiltKernel) -> dict[str, Any]:
         return {"unavailable": str(e)}
 
 
+def knobs_of(family, sch: s_tir.Schedule, spec: AttentionSpec, target: Target):
+    """The knobs a scheduled tile kernel of ``family`` chose (its ``attn.*`` annotations and
+    attrs); what a trace leaves out (a decode-only kernel's main-nest knobs) is the preset's."""
+    from .target import vector_lanes
+
+    return family.knobs_of(sch, vector_lanes(target, spec.dtype), family.preset(spec, target))
+
+
 def build_from_record(spec: AttentionSpec, schedule: str, target: str | Target, workload, record) -> BuiltKernel:
     """Replay a tuning record's trace on its workload and build it (``source="tuned"``).
 
@@ -171,10 +187,8 @@ def build_from_record(spec: AttentionSpec, schedule: str, target: str | Target, 
     record.trace.apply_to_schedule(sch, remove_postproc=False)
     from schedules import get_schedule
 
-    from .target import vector_lanes
-
     family = get_schedule(schedule, target)
-    knobs = family.knobs_of(sch, vector_lanes(target, spec.dtype)) if hasattr(family, "knobs_of") else None
+    knobs = knobs_of(family, sch, spec.representative(), target) if hasattr(family, "knobs_of") else None
     if spec.dynamic:
         if knobs is None:
             raise ValueError(f"a tuned {schedule} trace cannot be replayed on a symbolic kernel (no knobs to read)")
@@ -187,6 +201,6 @@ def build_from_record(spec: AttentionSpec, schedule: str, target: str | Target, 
     # at the probe's lengths. Other traces (MetaSchedule's own spaces) cannot be replayed there.
     probe = (lambda: _probe(family, spec, knobs, target)) if knobs is not None else None
     built = build_from_module(spec, schedule, sch.mod, target, source="tuned", knobs=knobs,
-                              trace=str(record.trace), probe=probe)
+                              trace=str(record.trace), probe=probe, probe_at=_probe_at(family, spec, target))
     built.record_secs = [float(x) for x in record.run_secs]
     return built

@@ -335,7 +335,9 @@ def describe(task: TaskDef, sch, target: Target, spec: AttentionSpec) -> dict[st
     family = get_schedule(task.name.split("_")[0], target)
     if not hasattr(family, "knobs_of"):
         return None
-    return family.knobs_of(sch, vector_lanes(target, spec.dtype)).to_dict()
+    from ..build import knobs_of
+
+    return knobs_of(family, sch, spec, target).to_dict()
 
 
 def make_rpc_runner(tracker: str, key: str | None, workers: int | None = None, timeout_s: int = 60):
@@ -382,6 +384,8 @@ def knob_summary(knobs: dict[str, Any] | None) -> str:
     text += f" s{knobs['s_rows']} p{knobs['pv_rows']} d{knobs['d_unroll']} c{knobs['parallel_chunk']}"
     if "auto_unroll" in knobs:
         text += f" u{knobs['auto_unroll']}"
+    if "split_tasks" in knobs:
+        text += f" split{knobs['split_tasks']}"
     return text
 
 

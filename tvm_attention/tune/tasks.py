@@ -5,6 +5,9 @@
   task the space is ``cpu_flash.schedule`` with its decisions sampled (register blocks, head_dim
   unroll, parallel chunk, auto-unroll). The hand preset's tile pair is the first task and the
   hand knobs are a point of its space.
+* a static decode shape (``seq_q · group`` rows fit a packed decode nest, e.g. the representative
+  step of a kvcache build): one task per (``block_n``, split count) of
+  ``cpu_flash.decode_candidates``, each space the hand schedule of its nest.
 * ``rowcache``: one task per row block ``block_m``; the same schedule function and sampled knobs.
 * ``materialized``: MetaSchedule's default LLVM space, minus the write-cache fusion of
   MultiLevelTiling, which raises a ScheduleError on this graph (O's producer also reads L).
@@ -51,6 +54,17 @@ def tile_space(space_fn):
     )
 
 
+def decode_space(spec: AttentionSpec, knobs):
+    """The space of one static decode task: its nest scheduled as the hand build does. The
+    task's workload carries its decisions (key tile, split count), so the space is one point."""
+    from schedules import cpu_flash
+
+    def space_fn(sch):
+        return cpu_flash.apply(sch, knobs, spec)
+
+    return tile_space(space_fn)
+
+
 def materialized_space():
     from tvm.s_tir import meta_schedule as ms
 
@@ -71,6 +85,12 @@ def make_tasks(spec: AttentionSpec, target: Target, schedule: str) -> list[TaskD
     if schedule == "fused":
         from schedules import cpu_flash
 
+        if cpu_flash.is_static_decode(spec, target):
+            return [
+                TaskDef(f"fused_dec_n{k.block_n}_s{k.split_tasks}", normalize(cpu_flash.workload(spec, k)),
+                        decode_space(spec, k))
+                for k in cpu_flash.decode_candidates(spec, target)
+            ]
         space = tile_space(cpu_flash.design_space(spec, target))
         return [
             TaskDef(f"fused_m{bm}_n{bn}", normalize(fused_attention(spec, bm, bn)), space)
@@ -113,7 +133,10 @@ def regenerate(spec: AttentionSpec, func) -> tvm.IRModule | None:
     kind = str(attrs["attn.workload"]) if "attn.workload" in attrs else None
     try:
         if kind == "fused":
-            return normalize(fused_attention(spec, int(attrs["attn.block_m"]), int(attrs["attn.block_n"])))
+            decode = {"decode_rows": tuple(int(r) for r in attrs["attn.decode_rows"]),
+                      "split_tasks": int(attrs["attn.split_tasks"]),
+                      "stage_k_below": int(attrs["attn.stage_k_below"])} if "attn.decode_rows" in attrs else {}
+            return normalize(fused_attention(spec, int(attrs["attn.block_m"]), int(attrs["attn.block_n"]), **decode))
         if kind == "materialized":
             return normalize(materialized_attention(spec))
         if kind == "rowcache":

@@ -54,13 +54,18 @@ def fused_attention(spec: AttentionSpec, block_m: int, block_n: int, decode_rows
     ``Q (B, H, Sq, D)``, ``K (B, KH, Skv, D)``, ``V (B, KH, Skv, D)``, ``O (B, H, Sq, D)``; all
     ``spec.dtype``, compact row-major. A dim in ``spec.dynamic`` is a symbolic ``T.int32`` var.
 
-    ``decode_rows`` (bhsd with a symbolic seq_q): also emit a GQA-packed decode nest for calls
-    with ``seq_q · group ≤ decode_rows`` (see :func:`_bhsd`); 0: none.
+    ``decode_rows``: row counts of GQA-packed decode nests (see :func:`_dense`). With a symbolic
+    seq_q each is emitted and taken at run time for calls with ``seq_q · group ≤ rows``; with a
+    static seq_q only the narrowest that holds ``seq_q · group`` rows is, and it is the whole
+    kernel (none fits: the main nest alone). ``split_tasks``: the decode nests' split-KV target.
     """
     if spec.layout == "varlen":
         return _varlen(spec, block_m, block_n)
     if "seq_q" not in spec.dynamic:
-        decode_rows = ()  # a static seq_q: the shape is known, one nest
+        # a static seq_q: the shape is known, one nest: the narrowest decode tier that holds
+        # the packed rows, else the main nest
+        fits = [r for r in sorted(decode_rows) if spec.seq_q * spec.group_size <= r]
+        decode_rows = tuple(fits[:1])
     return _dense(spec, block_m, block_n, tuple(decode_rows), split_tasks, stage_k_below)
 
 
@@ -410,7 +415,7 @@ def _dense(spec: AttentionSpec, block_m: int, block_n: int, decode_rows: tuple[i
                 tile(Q, K, V, O, at(X, vb, vh, vr), NC, LSE)
 
     tiers = tuple(sorted(decode_rows))
-    NS = _n_splits(split_tasks if tiers else 0, B, KH)  # key-range chunks per sequence
+    NS = n_splits(split_tasks if tiers else 0, B, KH)  # key-range chunks per sequence
     single = isinstance(NS, int) and NS == 1  # known at build time: no split nest
     neg_inf = T.float32(float("-inf"))
 
@@ -561,10 +566,10 @@ def _dense(spec: AttentionSpec, block_m: int, block_n: int, decode_rows: tuple[i
 
     attrs = {"global_symbol": ENTRY, "tirx.noalias": True, "attn.workload": "fused",
              "attn.block_m": BM, "attn.block_n": BN}
-    if tiers:
+    if tiers:  # what regenerates this workload from a tuning record (tune.tasks.regenerate)
         attrs["attn.decode_rows"] = list(tiers)
-    if tiers and not single:
         attrs["attn.split_tasks"] = split_tasks
+        attrs["attn.stage_k_below"] = stage_k_below
     KS = kv.shape
 
     if layout == "bhsd":
@@ -612,7 +617,7 @@ def _whole(buf):
     return buf[tuple(slice(0, n) for n in buf.shape)]
 
 
-def _n_splits(split_tasks: int, B, KH: int):
+def n_splits(split_tasks: int, B, KH: int):
     """Key-range chunks per sequence of a decode step: enough (batch, kv head, chunk) tasks to
     reach ``split_tasks``; 1 (no split) when the batch alone has that many. An int when the
     batch is static, else an expression of it."""
