@@ -100,8 +100,9 @@ def test_split_and_unsplit_agree():
     output and lse."""
     spec = spec_of("kvcache", 4, 1, causal=False)  # the fixture's MQA build
     split, whole = kernel_of(built(spec)), kernel_of(built(spec, knobs=(("split_tasks", 0),)))
-    assert "attn.split_tasks" in built(spec).lowered.script()
-    assert "attn.split_tasks" not in built(spec, knobs=(("split_tasks", 0),)).lowered.script()
+    assert built(spec).knobs.split_tasks > 0
+    assert f'"attn.split_tasks": {built(spec).knobs.split_tasks}' in built(spec).lowered.script()
+    assert '"attn.split_tasks": 0' in built(spec, knobs=(("split_tasks", 0),)).lowered.script()
     x = KVCACHE.random_inputs(spec, {"seq_q": 1, "cache_seqlens": [3000], "max_len": 3000}, seed=5)
     (o1, l1), (o2, l2) = call(spec, split, x), call(spec, whole, x)
     np.testing.assert_allclose(o1, o2, atol=1e-5, rtol=1e-5)
@@ -293,13 +294,16 @@ def test_split_count_is_in_the_tuners_space_and_reaches_symbolic_builds(tmp_path
     from tvm_attention.tune.logs import best_records
     from tvm_attention.tune.tasks import make_tasks, workload_matches
 
-    # the representative step of a kvcache build: one sequence, 2 kv heads -> splits matter
-    kv = AttentionSpec(batch=1, heads=8, kv_heads=2, seq_q=1, seq_kv=1024, head_dim=64, causal=True, layout="kvcache")
+    from tvm_attention.workloads.fused import n_splits
+
+    # the representative step of a kvcache build: one sequence, 8 kv heads -> split_tasks 0, 4
+    # and 8 give 1 chunk per sequence, 16 two, 32 four: three tasks per key tile
+    kv = AttentionSpec(batch=1, heads=16, kv_heads=8, seq_q=1, seq_kv=1024, head_dim=64, causal=True, layout="kvcache")
     rep, target = kv.representative(), resolve_target("llvm")
     tasks = make_tasks(rep, target, "fused")
-    splits = {int(t.mod["main"].attrs["attn.split_tasks"]) for t in tasks}
-    tiles = {int(t.mod["main"].attrs["attn.block_n"]) for t in tasks}
-    assert {0, 4, 8, 16, 32} <= splits and {32, 64, 128} <= tiles, [t.name for t in tasks]
+    points = sorted((int(t.mod["main"].attrs["attn.block_n"]), n_splits(int(t.mod["main"].attrs["attn.split_tasks"]), 1, 8))
+                    for t in tasks)
+    assert points == [(bn, ns) for bn in (32, 64, 128) for ns in (1, 2, 4)], [t.name for t in tasks]
     assert all(workload_matches(rep, t.mod) for t in tasks)  # a log's records map back to them
 
     work = tmp_path / "log"

@@ -83,7 +83,7 @@ def test_whole_fleet_gone_stops_with_clear_error_and_intact_log(fleet, tmp_path)
     start = time.time()
     with pytest.raises(NoDevicesLeft, match="no RPC server left"):
         tune(SPEC, trials=40, per_round=2, work_dir=tmp_path, rpc_tracker=fleet.address,
-             rpc_key="test-cpu", rpc_timeout_s=20, progress=lambda m: None)
+             rpc_key="test-cpu", rpc_timeout_s=10, progress=lambda m: None)
     assert time.time() - start < 240
     kept = records(tmp_path)
     assert kept >= 2

@@ -176,12 +176,36 @@ def test_mask_function_returns_none_only_for_plain_causal():
     padded[0, :3] = False
     m = hf.attention_mask(q_length=1, kv_length=9, q_offset=8, attention_mask=padded, **causal)
     assert m is not None and "padding" in getattr(m, hf._MASK_REASON)
-    m = hf.attention_mask(q_length=1, kv_length=16, q_offset=8, **causal)  # static cache
-    assert m is not None and "static" in getattr(m, hf._MASK_REASON)
+    # a static cache: the keys in use are a prefix of its slots -> their count, for the kvcache kernel
+    m = hf.attention_mask(q_length=1, kv_length=16, q_offset=8, **causal)
+    assert getattr(m, hf._CACHE_SEQLENS) and m.dtype == torch.int32 and m.reshape(-1).tolist() == [9, 9]
+    m = hf.attention_mask(q_length=1, kv_length=16, q_offset=8, attention_mask=padded, **causal)
+    assert "padding" in getattr(m, hf._MASK_REASON)
+    m = hf.attention_mask(q_length=1, kv_length=8, q_offset=8, kv_offset=4, **causal)  # an offset cache
+    assert m is not None and "offset" in getattr(m, hf._MASK_REASON)
     m = hf.attention_mask(q_length=5, kv_length=5, local_size=3, batch_size=2,
                           mask_function=mu.sliding_window_causal_mask_function(3))
     assert m is not None and "sliding" in getattr(m, hf._MASK_REASON)
     assert hf.attention_mask(q_length=3, kv_length=7, batch_size=2, mask_function=mu.bidirectional_mask_function) is None
+
+
+def test_static_cache_generate_runs_the_kvcache_kernel_in_place(cache):
+    """cache_implementation="static": keys and values are the whole preallocated cache; the
+    mask function hands over the keys in use and the kvcache artifact reads only those. One
+    artifact serves prefill, decode and the last step (the cache full)."""
+    sdpa, tvm = tiny_llama("sdpa"), tiny_llama("tvm_attention")
+    for batch in (1, 2):
+        ids = prompt(batch)
+        want = sdpa.generate(ids, cache_implementation="static", **GEN)
+        assert torch.equal(tvm.generate(ids, cache_implementation="static", **GEN), want), f"batch {batch}"
+    s = hf.stats()
+    assert s["builds"] == 1 and s["calls"] == 2 * 2 * 32, s
+    assert only_artifact(cache).name.startswith("kvcache_h4_kv2_d16_float32_causal_llvm-")
+    # a padded batch is refused by name here too
+    mask = torch.ones_like(prompt(2))
+    mask[0, :4] = 0
+    with pytest.raises(hf.UnsupportedAttention, match="padding"):
+        tvm.generate(prompt(2), attention_mask=mask, cache_implementation="static", **GEN)
 
 
 def test_padded_batch_generate_raises(cache):

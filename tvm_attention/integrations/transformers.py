@@ -12,7 +12,12 @@
 
 Prefill and decode (a ``DynamicCache``: ``seq_q = 1`` against the grown cache) run through one
 *dynamic* tvm-attention artifact per layer configuration — ``(heads, kv_heads, head_dim, dtype,
-causal, scale, target)``; batch, ``seq_q`` and ``seq_kv`` are symbolic — built on first use and
+causal, scale, target)``; batch, ``seq_q`` and ``seq_kv`` are symbolic. With a ``StaticCache``
+(``cache_implementation="static"``) the keys are a prefix of a preallocated cache: those calls
+run the *kvcache* artifact of the configuration, which reads the cache in place and only the
+keys in use (``cache_seqlens``) — where a bhsd kernel would need a mask and read every slot. A
+decode step (one new token per sequence) takes the kernels' GQA-packed decode nest either way.
+Artifacts are built on first use and
 cached on disk in ``<cache>/artifacts/<key>/`` (``<cache>`` is ``register(cache_dir=...)``, else
 ``tvm_attention.paths.cache_dir()``: ``$TVM_ATTENTION_CACHE_DIR``, ``$XDG_CACHE_HOME/tvm-attention``
 or ``~/.cache/tvm-attention``). The key names the configuration and target and ends in a hash of
@@ -25,7 +30,7 @@ Semantics: ``softmax(q·kᵀ·scaling)·v`` with bottom-right causal masking whe
 (what transformers' decode against a cache means), GQA done by the kernel (key/value keep their
 ``kv_heads``; nothing is repeated). What the kernel cannot compute raises
 :class:`UnsupportedAttention` naming the feature — never a silent fallback: an attention mask
-that is not plain causal/full (padding, packed sequences, a static cache, custom 4D masks),
+that is not plain causal/full (padding, packed sequences, an offset cache, custom 4D masks),
 attention dropout > 0 (training mode), sliding windows, logit softcapping, attention sinks
 (``s_aux``), a position bias, a dtype other than float32 or a device other than the CPU. The
 kernel has no backward pass: a forward with autograd works, ``backward`` through it raises.
@@ -70,6 +75,7 @@ REPRESENTATIVE_SEQ = 1024
 #: Bump when what an artifact under a given key means changes.
 KEY_FORMAT = 1
 _MASK_REASON = "_tvm_attention_reason"
+_CACHE_SEQLENS = "_tvm_attention_cache_seqlens"  # tags attention_mask's cache_seqlens tensor
 SPIN_ENV = "TVM_THREAD_POOL_SPIN_COUNT"
 
 
@@ -79,7 +85,10 @@ class UnsupportedAttention(NotImplementedError):
 
 @dataclasses.dataclass(frozen=True)
 class LayerConfig:
-    """The static part of an attention layer: what one artifact serves."""
+    """The static part of an attention layer: what one artifact serves. ``layout``: ``bhsd``
+    (the keys are exactly the given ones: no cache, a ``DynamicCache``) or ``kvcache`` (the
+    keys are a prefix of a preallocated cache, ``StaticCache``: the kernel reads only the
+    ``cache_seqlens`` keys in use)."""
 
     heads: int
     kv_heads: int
@@ -87,14 +96,18 @@ class LayerConfig:
     dtype: str
     causal: bool
     scale: float
+    layout: str = "bhsd"
 
     def spec(self):
-        """The dynamic :class:`~tvm_attention.spec.AttentionSpec` built for this configuration."""
+        """The dynamic :class:`~tvm_attention.spec.AttentionSpec` built for this configuration
+        (a kvcache one is represented by a decode step: one new token per sequence)."""
         from ..spec import AttentionSpec
 
+        seq_q = REPRESENTATIVE_SEQ if self.layout == "bhsd" else 1
         return AttentionSpec(batch=REPRESENTATIVE_BATCH, heads=self.heads, kv_heads=self.kv_heads,
-                             seq_q=REPRESENTATIVE_SEQ, seq_kv=REPRESENTATIVE_SEQ, head_dim=self.head_dim,
-                             dtype=self.dtype, causal=self.causal, scale=self.scale, dynamic=DYNAMIC)
+                             seq_q=seq_q, seq_kv=REPRESENTATIVE_SEQ, head_dim=self.head_dim,
+                             dtype=self.dtype, causal=self.causal, scale=self.scale, dynamic=DYNAMIC,
+                             layout=self.layout)
 
     def key(self, target) -> str:
         """Folder name of this configuration's artifact for ``target`` (a ``tvm.target.Target``):
@@ -111,9 +124,13 @@ class LayerConfig:
             "dynamic": list(DYNAMIC), "representative": [REPRESENTATIVE_BATCH, REPRESENTATIVE_SEQ],
             "tvm_attention": __version__, "tvm": tvm.__version__,
         }
+        prefix = ""
+        if self.layout != "bhsd":  # bhsd keys predate layouts: unchanged
+            ident["layout"] = self.layout
+            prefix = f"{self.layout}_"
         digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:12]
         kind = "causal" if self.causal else "full"
-        return (f"h{self.heads}_kv{self.kv_heads}_d{self.head_dim}_{self.dtype}_{kind}_"
+        return (f"{prefix}h{self.heads}_kv{self.kv_heads}_d{self.head_dim}_{self.dtype}_{kind}_"
                 f"{target_key(target)}_{digest}")
 
 
@@ -265,18 +282,29 @@ def attention_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention function (the signature of ``sdpa_attention_forward``): query
-    ``(B, H, Sq, D)``, key/value ``(B, KH, Skv, D)`` → ``(attn_output (B, Sq, H, D), None)``."""
-    _check_supported(module, query, key, value, attention_mask, dropout, kwargs)
+    ``(B, H, Sq, D)``, key/value ``(B, KH, Skv, D)`` → ``(attn_output (B, Sq, H, D), None)``.
+
+    With a ``StaticCache`` key/value are the whole preallocated cache ``(B, KH, max_cache_len,
+    D)`` and :func:`attention_mask` hands over the keys in use as ``cache_seqlens`` (a tagged
+    ``(B, 1, 1, 1)`` int32 tensor): the kvcache kernel reads only those, in place."""
+    cache_seqlens = attention_mask if getattr(attention_mask, _CACHE_SEQLENS, False) else None
+    _check_supported(module, query, key, value, None if cache_seqlens is not None else attention_mask,
+                     dropout, kwargs)
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     head_dim = query.shape[-1]
     scale = float(scaling) if scaling is not None else head_dim ** -0.5
     cfg = (query.shape[1], key.shape[1], head_dim, "float32", causal, scale)
-    kernel = _get_kernel(cfg)
+    if cache_seqlens is None and (artifact_root(), cfg + ("kvcache",)) in _kernels:
+        # every key is in use (a static cache that is full, e.g. generate's last step): the
+        # kvcache kernel already loaded computes the same, with no build of the bhsd one
+        cache_seqlens = torch.full((query.shape[0],), key.shape[2], dtype=torch.int32)
+    kernel = _get_kernel(cfg + ("bhsd" if cache_seqlens is None else "kvcache",))
     q, k, v = query.contiguous(), key.contiguous(), value.contiguous()
+    extra = () if cache_seqlens is None else (cache_seqlens.reshape(-1),)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        out = _NoBackward.apply(kernel, q, k, v)
+        out = _NoBackward.apply(kernel, q, k, v, *extra)
     else:
-        out = kernel(q, k, v)
+        out = kernel(q, k, v, *extra)
     _stats["calls"] += 1
     return out.transpose(1, 2).contiguous(), None
 
@@ -296,13 +324,22 @@ def attention_mask(
     ``masking_utils.sdpa_mask``). ``None`` when the kernel's own masking is exact: a plain
     causal pattern whose keys end at the last query (bottom-right: a ``DynamicCache`` or no
     cache), or a plain full pattern, and no padding in the keys' window of the 2D
-    ``attention_mask``. Otherwise the boolean 4D mask ``sdpa_mask`` builds, tagged with why, so
-    that the attention function refuses it by name."""
+    ``attention_mask``. A causal pattern over a prefix of the keys (a ``StaticCache``: keys
+    ``[0, q_offset + q_length)`` of ``kv_length`` slots are in use) gives those lengths as a
+    ``(batch, 1, 1, 1)`` int32 tensor tagged for the attention function, which then runs the
+    kvcache kernel. Otherwise the boolean 4D mask ``sdpa_mask`` builds, tagged with why, so that the
+    attention function refuses it by name."""
     from transformers import masking_utils as mu
 
     if mask_function is None:
         mask_function = mu.causal_mask_function
-    reason = _mask_reason(q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, local_size)
+    reason, in_use = _mask_plan(q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, local_size)
+    if reason is None and in_use is not None:
+        # 4-D, so that transformers passes it on untouched (generate prepares the masks of a
+        # static cache before the forward, which then treats any 4-D mask as ready)
+        lengths = torch.full((batch_size, 1, 1, 1), in_use, dtype=torch.int32)
+        setattr(lengths, _CACHE_SEQLENS, True)
+        return lengths
     if reason is None:
         return None
     kwargs.pop("allow_is_causal_skip", None)
@@ -387,37 +424,45 @@ def _check_supported(module, query, key, value, mask, dropout, kwargs) -> None:
                       UserWarning, stacklevel=3)
 
 
-def _mask_reason(q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, local_size) -> str | None:
-    """Why the kernel's own masking would not be exact, or None when it is."""
+def _mask_plan(q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
+               local_size) -> tuple[str | None, int | None]:
+    """``(why the kernel's own masking would not be exact or None, keys in use)``: keys in use
+    is None when all ``kv_length`` keys are (bhsd), else the length of the cache prefix the
+    queries see (a static cache: the kvcache kernel's ``cache_seqlens``)."""
     from transformers import masking_utils as mu
 
+    in_use = None
     if mask_function is mu.causal_mask_function:
         if isinstance(q_offset, torch.Tensor):
             q_offset = int(q_offset)
-        if q_offset + q_length != kv_offset + kv_length:
+        end = q_offset + q_length  # the last query's position + 1: the keys it may see
+        if kv_offset == 0 and q_offset >= 0 and end < kv_length:
+            in_use = end  # a static cache: slots past the last query are empty
+        elif end != kv_offset + kv_length:
             return (f"the keys do not end at the last query (q_offset={q_offset}, q_length={q_length}, "
-                    f"kv_offset={kv_offset}, kv_length={kv_length}: a static or offset cache)")
+                    f"kv_offset={kv_offset}, kv_length={kv_length}: an offset cache)"), None
     elif mask_function is not mu.bidirectional_mask_function:
         if local_size is not None:
-            return f"a sliding-window or chunked mask (window {local_size})"
-        return "a mask pattern other than causal (packed sequences, an overlay or a custom mask function)"
+            return f"a sliding-window or chunked mask (window {local_size})", None
+        return "a mask pattern other than causal (packed sequences, an overlay or a custom mask function)", None
     if attention_mask is not None:
         if attention_mask.dim() != 2:
-            return f"a {attention_mask.dim()}-D attention mask"
-        window = attention_mask[:, kv_offset:kv_offset + kv_length]
-        if window.shape[-1] < kv_length:
-            return f"the 2-D attention_mask covers {window.shape[-1]} of {kv_length} keys"
+            return f"a {attention_mask.dim()}-D attention mask", None
+        want = kv_length if in_use is None else in_use
+        window = attention_mask[:, kv_offset:kv_offset + want]
+        if window.shape[-1] < want:
+            return f"the 2-D attention_mask covers {window.shape[-1]} of {want} keys", None
         if not bool(window.all()):
-            return "padding (the attention_mask has zeros)"
-    return None
+            return "padding (the attention_mask has zeros)", None
+    return None, in_use
 
 
 class _NoBackward(torch.autograd.Function):
     """Runs the kernel under autograd; the kernel has no backward, so ``backward`` raises."""
 
     @staticmethod
-    def forward(ctx, kernel, q, k, v):
-        return kernel(q.detach(), k.detach(), v.detach())
+    def forward(ctx, kernel, q, k, v, *index):
+        return kernel(q.detach(), k.detach(), v.detach(), *index)
 
     @staticmethod
     def backward(ctx, grad):
