@@ -108,7 +108,7 @@ def preset(spec: AttentionSpec, target: Target) -> FlashCPUKnobs:
     L1 pressure). s_rows=4 beat 8 at (32, 64); pv_rows is the largest row block whose
     accumulators (pv_rows·D/lanes) leave room for the V row: 4 at D=64, 2 at D=128.
     """
-    lanes = vector_lanes(target, spec.dtype)
+    lanes = vector_lanes(target)
     block_m, block_n = 2 * lanes, 64
     pv_cols = pv_columns(spec.head_dim, lanes)
     pv_rows = max(1, min(4, max_pv_rows(pv_cols, lanes)))
@@ -145,7 +145,7 @@ def check(knobs: FlashCPUKnobs, spec: AttentionSpec, target: Target) -> None:
             raise KnobError(f"{name} must be a positive int, got {v!r}")
     if knobs.pv_cols < 0 or (knobs.pv_cols and spec.head_dim % knobs.pv_cols):
         raise KnobError(f"pv_cols={knobs.pv_cols} must divide head_dim={spec.head_dim} (0 = all of it)")
-    target_lanes = vector_lanes(target, spec.dtype)
+    target_lanes = vector_lanes(target)
     if lanes > target_lanes or target_lanes % lanes:
         raise KnobError(
             f"vector_lanes={lanes} does not fit the target's {target_lanes}-lane {spec.dtype} vectors"
@@ -190,10 +190,15 @@ def check(knobs: FlashCPUKnobs, spec: AttentionSpec, target: Target) -> None:
         )
 
 
-def check_cpu_dtype(spec: AttentionSpec) -> None:
-    if spec.dtype != "float32":
+#: dtypes the fused CPU kernel stores (inputs, caches, output); it computes in float32 always
+CPU_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def check_cpu_dtype(spec: AttentionSpec, family: str = NAME, allowed: tuple[str, ...] = CPU_DTYPES) -> None:
+    if spec.dtype not in allowed:
         raise KnobError(
-            f"dtype={spec.dtype} is not supported on CPU (llvm) targets yet: use float32, or a cuda target"
+            f"dtype={spec.dtype} is not supported by the {family} schedule on CPU (llvm) targets: use "
+            f"{' or '.join(allowed)}"
         )
 
 
@@ -206,7 +211,7 @@ def workload(spec: AttentionSpec, knobs: FlashCPUKnobs):
 
 def tile_candidates(spec: AttentionSpec, target: Target) -> list[tuple[int, int]]:
     """(block_m, block_n) pairs the tuner searches, each a separate task; the preset's is first."""
-    lanes = vector_lanes(target, spec.dtype)
+    lanes = vector_lanes(target)
     hand = preset(spec, target)
     pairs = [(hand.block_m, hand.block_n)]
     for m_vectors, n in TILE_CANDIDATES:
@@ -449,7 +454,7 @@ def decode_knobs(knobs: FlashCPUKnobs) -> FlashCPUKnobs:
 
 def design_space(spec: AttentionSpec, target: Target):
     """The MetaSchedule space function for one (block_m, block_n) workload of ``spec``."""
-    lanes = vector_lanes(target, spec.dtype)
+    lanes = vector_lanes(target)
 
     def space_fn(sch: s_tir.Schedule) -> s_tir.Schedule:
         return schedule(sch, spec, lanes, None)

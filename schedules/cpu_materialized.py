@@ -48,7 +48,7 @@ def preset(spec: AttentionSpec, target: Target) -> MaterializedCPUKnobs:
 
 def check(knobs: MaterializedCPUKnobs, spec: AttentionSpec, target: Target) -> None:
     require_shapes(spec, "materialized", ('bhsd',), symbolic=True)
-    cpu_flash.check_cpu_dtype(spec)
+    cpu_flash.check_cpu_dtype(spec, "materialized", ("float32",))
     for name in ("gemm_rows", "key_vectors", "vector_lanes"):
         v = getattr(knobs, name)
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:

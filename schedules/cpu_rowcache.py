@@ -56,6 +56,7 @@ def preset(spec: AttentionSpec, target: Target) -> RowCacheCPUKnobs:
 
 def check(knobs: RowCacheCPUKnobs, spec: AttentionSpec, target: Target) -> None:
     require_shapes(spec, "rowcache", ('bhsd',), symbolic=False)
+    cpu_flash.check_cpu_dtype(spec, "rowcache", ("float32",))
     if spec.seq_kv % knobs.s_rows:
         raise KnobError(f"s_rows={knobs.s_rows} must divide seq_kv={spec.seq_kv}")
     as_flash = cpu_flash.FlashCPUKnobs(

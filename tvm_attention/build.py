@@ -174,7 +174,7 @@ def knobs_of(family, sch: s_tir.Schedule, spec: AttentionSpec, target: Target):
     attrs); what a trace leaves out (a decode-only kernel's main-nest knobs) is the preset's."""
     from .target import vector_lanes
 
-    return family.knobs_of(sch, vector_lanes(target, spec.dtype), family.preset(spec, target))
+    return family.knobs_of(sch, vector_lanes(target), family.preset(spec, target))  # float32 lanes: CPU kernels compute in float32
 
 
 def build_from_record(spec: AttentionSpec, schedule: str, target: str | Target, workload, record) -> BuiltKernel:

@@ -58,7 +58,8 @@ def _add_spec_flags(p: argparse.ArgumentParser, defaults: dict | None = None) ->
     p.add_argument("--seq-q", type=_dim, default=d.get("seq_q"), help="Sq" + dyn)
     p.add_argument("--seq-kv", type=_dim, default=None, help="Skv (default: seq-q)" + dyn)
     p.add_argument("--head-dim", type=int, default=d.get("head_dim"), required=not d, help="D")
-    p.add_argument("--dtype", default=d.get("dtype", "float32"), help="float32 on CPU; float16, bfloat16 or float32 on cuda")
+    p.add_argument("--dtype", default=d.get("dtype", "float32"), help="float32, bfloat16 or float16 (inputs, caches and output; softmax and accumulation are "
+                        "float32; on CPU only the fused family takes the half dtypes)")
     p.add_argument("--causal", action="store_true", default=d.get("causal", False),
                    help="bottom-right causal mask: query i sees key j iff j <= i + Skv - Sq")
     p.add_argument("--scale", type=float, default=None, help="softmax scale (default 1/sqrt(D))")

@@ -56,6 +56,9 @@ def _as_numpy(name: str, x: Any, kernel_device: str = "cpu") -> tuple[np.ndarray
             return x.numpy(), "torch"
         except (RuntimeError, TypeError):
             pass
+        torch = sys.modules["torch"]
+        if x.dtype == torch.bfloat16 and not x.requires_grad:  # NumPy has no bfloat16: its bits
+            return x.view(torch.int16).numpy().view(numpy_dtype("bfloat16")), "torch"
     if hasattr(x, "__dlpack__"):
         if hasattr(x, "__dlpack_device__"):
             dev_type, dev_id = x.__dlpack_device__()
@@ -80,13 +83,20 @@ def _from_framework(framework: str | None, arr: np.ndarray) -> Any:
         return arr
     mod = sys.modules.get(framework)
     if framework == "torch" and mod is not None:
-        try:
-            return mod.from_numpy(arr)  # a view, cheaper than DLPack
-        except TypeError:  # a dtype torch.from_numpy does not know (ml_dtypes bfloat16)
-            pass
+        if arr.dtype == numpy_dtype("bfloat16"):  # ml_dtypes bfloat16: torch takes its bits
+            return mod.from_numpy(arr.view(np.int16)).view(mod.bfloat16)
+        return mod.from_numpy(arr)  # a view, cheaper than DLPack
     if mod is not None and hasattr(mod, "from_dlpack"):
         return mod.from_dlpack(arr)
     return arr
+
+
+def kernel_arg(a: np.ndarray) -> Any:
+    """What the kernel is called with for the NumPy array ``a``: ``a`` itself (DLPack, no
+    copy), or for bfloat16, which DLPack cannot export from NumPy, a TVM view of its bits."""
+    if a.dtype.name == "bfloat16":
+        return tvm.runtime.from_dlpack(a.view(np.uint16))._create_view(a.shape, "bfloat16")
+    return a
 
 
 def aligned_empty(shape, dtype) -> np.ndarray:
@@ -326,7 +336,7 @@ class AttentionKernel:
                 x[...] = -np.inf  # lse of a row that sees no key
         else:
             use_threads(self.num_threads)
-            self.function(*arrays.values(), oa, *extra)
+            self.function(*map(kernel_arg, arrays.values()), kernel_arg(oa), *map(kernel_arg, extra))
         if out is None:
             result = _from_framework(framework, oa)
         else:

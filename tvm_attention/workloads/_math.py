@@ -80,3 +80,15 @@ def lse_of(m: tirx.PrimExpr, l: tirx.PrimExpr) -> tirx.PrimExpr:
     scaled scores) and ``l`` (sum of ``2**(s - guarded(m))``): ``(guarded(m) + log2(l))·ln 2``.
     A row that saw no key has ``l = 0``: ``-inf``; NaN passes through."""
     return (guarded(m) + tirx.log2(l)) * tirx.const(LN2, "float32")
+
+
+def f32(x: tirx.PrimExpr) -> tirx.PrimExpr:
+    """``x`` as float32 (a load of a half-precision input; a float32 one unchanged, so float32
+    kernels are exactly what they were)."""
+    dtype = str(x.dtype if hasattr(x, "dtype") else x.ty)  # a buffer load in TVMScript: .ty
+    return x if dtype == "float32" else tirx.Cast("float32", x)
+
+
+def cast_to(buf, x: tirx.PrimExpr) -> tirx.PrimExpr:
+    """``x`` (float32) rounded to ``buf``'s dtype for a store (unchanged for float32)."""
+    return x if str(buf.dtype) == "float32" else tirx.Cast(str(buf.dtype), x)

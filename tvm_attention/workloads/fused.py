@@ -41,7 +41,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ..spec import AttentionSpec
-from ._math import LOG2E, exp2_fast, guarded, lse_of, normalize, normalize_where
+from ._math import LOG2E, cast_to, exp2_fast, f32, guarded, lse_of, normalize, normalize_where
 
 ENTRY = "attention"
 
@@ -183,7 +183,11 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
     ``"lse"`` (each row's log-sum-exp, block ``lse_store``) or ``"partial"`` (a split-KV
     partial: ``m`` and ``l`` of each row, block ``state_store``; ``O`` gets the raw ``acc``).
 
-    ``stage_k``: copy each key tile into a local ``Kt (block_n, D)`` (block ``K_load``) that
+    Half-precision inputs (``spec.dtype`` bfloat16/float16) are converted to float32 as they are
+    loaded (``Q_load``, ``K_load``/``S_gemm``, ``PV_gemm``) and the output rounded to the dtype as
+    it is stored: every tile buffer, the softmax state and the accumulators are float32.
+
+    ``stage_k``: copy each key tile into a local float32 ``Kt (block_n, D)`` (block ``K_load``) that
     ``S_gemm`` reads through plain indices. A schedule that computes QKᵀ as dot products with a
     tensor intrinsic needs that: through a layout's own index (the tail clamp reading
     ``cache_seqlens``, a block-table lookup) the K reads would name other buffers."""
@@ -203,12 +207,12 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
         alpha = T.sblock_alloc_buffer((BM,), "float32", scope="local")  # exp2(m_old - m_new)
         acc = T.sblock_alloc_buffer((BM, D), "float32", scope="local")  # unnormalised output
         if stage_k:
-            Kt = T.sblock_alloc_buffer((BN, D), spec.dtype, scope="local")  # the key tile, (key, d)
+            Kt = T.sblock_alloc_buffer((BN, D), "float32", scope="local")  # the key tile, (key, d)
 
         for d, i in T.grid(D, BM):
             with T.sblock(N["Q_load"]):
                 vd, vi = T.axis.remap("SS", [d, i])
-                Qt[vd, vi] = Q[t.q_at(vi, vd)] * T.float32(qscale)
+                Qt[vd, vi] = f32(Q[t.q_at(vi, vd)]) * T.float32(qscale)
         for i in T.serial(BM):
             with T.sblock(N["state_init"]):
                 vi = T.axis.remap("S", [i])
@@ -230,7 +234,7 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
                     for j, d in T.grid(BN, D):
                         with T.sblock(N["K_load"]):
                             vj, vd = T.axis.remap("SS", [j, d])
-                            Kt[vj, vd] = K[t.kv_at(vc, vj, vd)]
+                            Kt[vj, vd] = f32(K[t.kv_at(vc, vj, vd)])
                     for j, d, i in T.grid(BN, D, BM):
                         with T.sblock(N["S_gemm"]):
                             vj, vd, vi = T.axis.remap("SRS", [j, d, i])
@@ -243,7 +247,7 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
                             vj, vd, vi = T.axis.remap("SRS", [j, d, i])
                             with T.init():
                                 S[vj, vi] = T.float32(0)
-                            S[vj, vi] = S[vj, vi] + K[t.kv_at(vc, vj, vd)] * Qt[vd, vi]
+                            S[vj, vi] = S[vj, vi] + f32(K[t.kv_at(vc, vj, vd)]) * Qt[vd, vi]
                 # -- running max over the visible keys ---------------------------------
                 for j, i in T.grid(BN, BM):
                     with T.sblock(N["row_max"]):
@@ -278,13 +282,13 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
                         vi, vj, vd = T.axis.remap("SRS", [i, j, d])
                         with T.init():
                             acc[vi, vd] = acc[vi, vd] * alpha[vi]
-                        acc[vi, vd] = acc[vi, vd] + P[vj, vi] * V[t.kv_at(vc, vj, vd)]
+                        acc[vi, vd] = acc[vi, vd] + P[vj, vi] * f32(V[t.kv_at(vc, vj, vd)])
 
         for i, d in T.grid(BM, D):
             with T.sblock(N["O_store"]):
                 vi, vd = T.axis.remap("SS", [i, d])
                 T.where(t.keep(i))
-                O[t.o_at(vi, vd)] = t.out(acc[vi, vd], l[vi], vi)
+                O[t.o_at(vi, vd)] = cast_to(O, t.out(acc[vi, vd], l[vi], vi))
         if stats == "lse":
             for i in T.serial(BM):
                 with T.sblock(N["lse_store"]):
@@ -523,7 +527,7 @@ def _dense(spec: AttentionSpec, block_m: int, block_n: int, decode_rows: tuple[i
                             for d in T.vectorized(D):
                                 am[d] = am[d] + Op[vb, vh // G, sp2, vi * G + T.floormod(vh, G), d] * w[0]
                         for d in T.vectorized(D):
-                            O[vb, vh, vi, d] = normalize_where(am[d], ls[0], merged_sees_key(X, vb, vi))
+                            O[vb, vh, vi, d] = cast_to(O, normalize_where(am[d], ls[0], merged_sees_key(X, vb, vi)))
                         if lse:
                             LSE[vb, vh, vi] = lse_of(mx[0], ls[0])
 

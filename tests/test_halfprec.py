@@ -1,0 +1,101 @@
+"""Half precision on the CPU (issue 11): bfloat16 and float16 inputs, caches and outputs with
+float32 softmax and accumulation, for every layout, against the float64 reference of the
+rounded inputs."""
+import numpy as np
+import pytest
+
+from tvm_attention.artifact import kernel_of, validate_built
+from tvm_attention.layouts import KernelArgumentError
+from tvm_attention.reference import random_inputs, reference_attention
+from tvm_attention.spec import AttentionSpec, numpy_dtype
+from tvm_attention.validate import TOLERANCES
+
+from conftest import built, report
+
+HALF = ["bfloat16", "float16"]
+
+
+def check(spec, out, ref):
+    atol, rtol = TOLERANCES[spec.dtype]
+    out = np.asarray(out).astype(np.float64)
+    assert np.isfinite(out).all(), "non-finite output"
+    assert np.allclose(out, ref, atol=atol, rtol=rtol), report(out, ref)
+
+
+def rounded_inputs(spec, seed, logit_scale=1.0):
+    """q, k, v in the spec's dtype (the kernel's inputs) and their exact float64 values (the
+    reference's: it checks the kernel, not the rounding of its inputs)."""
+    q, k, v = random_inputs(spec, seed=seed)
+    if logit_scale != 1.0:
+        q = (q.astype(np.float32) * logit_scale).astype(q.dtype)
+    return (q, k, v), [x.astype(np.float64) for x in (q, k, v)]
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("seq_q, seq_kv, causal", [(1, 1, False), (1, 517, False), (113, 203, True), (300, 45, True)])
+def test_awkward_shapes_match_the_reference(dtype, seq_q, seq_kv, causal):
+    spec = AttentionSpec(batch=1, heads=4, kv_heads=2, seq_q=seq_q, seq_kv=seq_kv, head_dim=64, causal=causal,
+                         dtype=dtype)
+    b = built(spec)
+    assert b.audit.fused, b.audit.reasons  # the score tile stays local whatever the input dtype
+    (q, k, v), exact = rounded_inputs(spec, seed=seq_q + seq_kv)
+    assert q.dtype == numpy_dtype(dtype)
+    out = kernel_of(b)(q, k, v)
+    assert out.dtype == numpy_dtype(dtype)
+    check(spec, out, reference_attention(spec, *exact))
+    if causal and seq_q > seq_kv:
+        assert np.all(out.astype(np.float32)[:, :, : seq_q - seq_kv] == 0)  # rows with no key
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_large_logits_and_d128(dtype):
+    spec = AttentionSpec(batch=1, heads=2, seq_q=200, seq_kv=333, head_dim=128, causal=True, dtype=dtype)
+    (q, k, v), exact = rounded_inputs(spec, seed=7, logit_scale=30.0)
+    check(spec, kernel_of(built(spec))(q, k, v), reference_attention(spec, *exact))
+
+
+# one symbolic build per (layout, dtype): the validation runs the layout's own cases (mixed
+# lengths, empty sequences, shuffled pages) against the reference of the rounded inputs
+LAYOUT_SPECS = {
+    "bhsd-bf16": dict(layout="bhsd", dtype="bfloat16", dynamic=("batch", "seq_q", "seq_kv"), seq_q=128, seq_kv=128),
+    "bhsd-fp16": dict(layout="bhsd", dtype="float16", dynamic=("batch", "seq_q", "seq_kv"), seq_q=128, seq_kv=128),
+    "varlen-bf16": dict(layout="varlen", dtype="bfloat16", seq_q=128, seq_kv=128),
+    "kvcache-bf16": dict(layout="kvcache", dtype="bfloat16", seq_q=1, seq_kv=256, return_lse=True),
+    "kvcache-fp16": dict(layout="kvcache", dtype="float16", seq_q=1, seq_kv=256),
+    "paged-bf16": dict(layout="paged", dtype="bfloat16", seq_q=1, seq_kv=256),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUT_SPECS))
+def test_every_layout_validates(name):
+    spec = AttentionSpec(batch=2, heads=8, kv_heads=2, head_dim=64, causal=True, **LAYOUT_SPECS[name])
+    b = built(spec)
+    assert b.audit.fused, b.audit.reasons
+    result = validate_built(b, seed=3)
+    assert result.passed and result.rows_checked.count(":") >= 1, result.format()
+    assert (result.atol, result.rtol) == TOLERANCES[spec.dtype]
+
+
+def test_loader_names_a_wrong_dtype_and_takes_torch_half_tensors():
+    spec = AttentionSpec(batch=1, heads=4, kv_heads=2, seq_q=33, seq_kv=70, head_dim=64, causal=True, dtype="bfloat16")
+    kernel = kernel_of(built(spec))
+    (q, k, v), exact = rounded_inputs(spec, seed=1)
+    with pytest.raises(KernelArgumentError, match=r"^k: .*bfloat16"):
+        kernel(q, k.astype(np.float32), v)
+    torch = pytest.importorskip("torch")
+    tq, tk, tv = (torch.from_numpy(x.astype(np.float32)).to(torch.bfloat16) for x in (q, k, v))
+    out = kernel(tq, tk, tv)
+    assert isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16
+    check(spec, out.float().numpy(), reference_attention(spec, *exact))
+    with pytest.raises(KernelArgumentError, match=r"^q: "):
+        kernel(tq.half(), tk, tv)
+
+
+def test_families_that_compute_only_float32_say_so():
+    from schedules._knobs import KnobError
+    from tvm_attention.build import build_kernel
+
+    spec = AttentionSpec(batch=1, heads=2, seq_q=64, seq_kv=64, head_dim=64, dtype="bfloat16")
+    for family in ("materialized", "rowcache"):
+        with pytest.raises(KnobError, match=f"dtype=bfloat16 is not supported by the {family} schedule"):
+            build_kernel(spec, schedule=family)
