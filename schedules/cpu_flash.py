@@ -34,7 +34,7 @@ from tvm_attention.target import vector_lanes
 from tvm_attention.workloads import fused_attention
 from tvm_attention.workloads.fused import DECODE, MERGE, SPLIT
 
-from . import cpu_decode
+from . import cpu_bf16, cpu_decode
 from ._knobs import KnobError, KnobsMixin
 
 NAME = "fused"
@@ -56,6 +56,9 @@ class FlashCPUKnobs(KnobsMixin):
     # Decode steps (symbolic seq_q): when batch·kv_heads tiles are fewer than this, split each
     # sequence's keys so that about this many tasks run (flash-decoding); 0 = never split.
     split_tasks: int = 8
+    # bfloat16 specs: 1 = QKᵀ and PV of the main nest as AVX512-BF16 dot products (cpu_bf16),
+    # 0 = float32 products of the converted inputs. Needs avx512bf16 (Zen 4/5, Sapphire Rapids).
+    dot_bf16: int = 0
 
 
 # -- hardware limits the feasibility check names -------------------------------------------------
@@ -119,7 +122,14 @@ def preset(spec: AttentionSpec, target: Target) -> FlashCPUKnobs:
         s_rows -= 1
     return FlashCPUKnobs(block_m=block_m, block_n=block_n, s_rows=s_rows, pv_rows=pv_rows,
                          pv_cols=pv_cols if pv_cols < spec.head_dim else 0, vector_lanes=lanes,
-                         split_tasks=split_tasks_for(target))
+                         split_tasks=split_tasks_for(target), dot_bf16=int(bf16_dots(spec, target)))
+
+
+def bf16_dots(spec: AttentionSpec, target: Target) -> bool:
+    """Whether ``spec`` can take the bf16 dot-product form (:mod:`cpu_bf16`) on ``target``."""
+    from tvm_attention.target import target_features
+
+    return cpu_bf16.supports(spec, target_features(target))
 
 
 #: Split-KV tasks per core a decode step aims at: 4 per core keeps both cores busy when one
@@ -166,6 +176,14 @@ def check(knobs: FlashCPUKnobs, spec: AttentionSpec, target: Target) -> None:
         raise KnobError(f"auto_unroll={knobs.auto_unroll} not in {AUTO_UNROLL_STEPS}")
     if knobs.split_tasks not in SPLIT_TASK_CHOICES:
         raise KnobError(f"split_tasks={knobs.split_tasks} not in {SPLIT_TASK_CHOICES}")
+    if knobs.dot_bf16 not in (0, 1):
+        raise KnobError(f"dot_bf16={knobs.dot_bf16} must be 0 or 1")
+    if knobs.dot_bf16 and not bf16_dots(spec, target):
+        raise KnobError(
+            f"dot_bf16=1 needs bfloat16 inputs (dtype={spec.dtype}), a head_dim that is a multiple of "
+            f"{cpu_bf16.L} (head_dim={spec.head_dim}) and a CPU with {cpu_bf16.FEATURE} (target {target})")
+    if knobs.dot_bf16 and knobs.block_n % 2:
+        raise KnobError(f"dot_bf16=1 pairs keys: block_n={knobs.block_n} must be even")
     regs = VECTOR_REGISTERS.get(lanes, 16)
     q_vectors = knobs.block_m // lanes
     if knobs.s_rows > max_s_rows(knobs.block_m, lanes):
@@ -206,7 +224,8 @@ def workload(spec: AttentionSpec, knobs: FlashCPUKnobs):
     """The PrimFunc these knobs schedule (tile sizes are part of the compute)."""
     # decode tiers narrower than a vector are dot-product scheduled (cpu_decode): they stage K
     return fused_attention(spec, knobs.block_m, knobs.block_n, decode_rows=decode_rows(spec, knobs),
-                           split_tasks=knobs.split_tasks, stage_k_below=knobs.vector_lanes)
+                           split_tasks=knobs.split_tasks, stage_k_below=knobs.vector_lanes,
+                           dot_bf16=bool(knobs.dot_bf16))
 
 
 def tile_candidates(spec: AttentionSpec, target: Target) -> list[tuple[int, int]]:
@@ -314,7 +333,7 @@ def schedule(
     """
     row_tile = sch.get_sblock("row_tile" + suffix)
     bufs = {b.name: b for b in sch.get(row_tile).alloc_buffers}
-    block_m = int(bufs["Qt"].shape[1])  # Qt is (D, block_m)
+    block_m = int(bufs["S"].shape[1])  # S is (block_n, block_m)
     s_buf = bufs["S"]
     block_n = int(s_buf.shape[0])  # keys per S tile: block_n (fused) or seq_kv (row-cached)
     D = spec.head_dim
@@ -391,7 +410,9 @@ def apply(sch: s_tir.Schedule, knobs: FlashCPUKnobs, spec: AttentionSpec) -> s_t
     """The hand schedule: :func:`schedule` with every decision pinned to ``knobs`` (and the
     decode nest, when the workload has one, with :func:`decode_knobs`). A static decode shape
     has only its decode nest (``workloads.fused_attention``)."""
-    if _has_block(sch, "row_tile"):
+    if _has_block(sch, "row_tile") and knobs.dot_bf16:
+        cpu_bf16.schedule(sch, spec, knobs)
+    elif _has_block(sch, "row_tile"):
         schedule(sch, spec, knobs.vector_lanes, knobs)
     for rows in decode_rows(spec, knobs):
         suffix = DECODE + str(rows)
@@ -457,6 +478,8 @@ def design_space(spec: AttentionSpec, target: Target):
     lanes = vector_lanes(target)
 
     def space_fn(sch: s_tir.Schedule) -> s_tir.Schedule:
+        if _dot_bf16(sch):  # the workload says which form it is (a task each)
+            return cpu_bf16.schedule(sch, spec, None)
         return schedule(sch, spec, lanes, None)
 
     return space_fn
@@ -487,5 +510,11 @@ def knobs_of(sch: s_tir.Schedule, lanes: int, base: FlashCPUKnobs | None = None)
                                    split_tasks=int(attrs["attn.split_tasks"]))
     values, bufs = read_annotations(sch, KNOB_ANNOTATIONS)
     return FlashCPUKnobs(
-        block_m=int(bufs["Qt"].shape[1]), block_n=int(bufs["S"].shape[0]), vector_lanes=lanes, **values
+        block_m=int(bufs["S"].shape[1]), block_n=int(bufs["S"].shape[0]), vector_lanes=lanes,
+        dot_bf16=int(_dot_bf16(sch)), **values
     )
+
+
+def _dot_bf16(sch: s_tir.Schedule) -> bool:
+    attrs = sch.mod["main"].attrs
+    return attrs is not None and "attn.dot_bf16" in attrs and int(attrs["attn.dot_bf16"]) == 1

@@ -1,6 +1,8 @@
 """Half precision on the CPU (issue 11): bfloat16 and float16 inputs, caches and outputs with
 float32 softmax and accumulation, for every layout, against the float64 reference of the
 rounded inputs."""
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -99,3 +101,68 @@ def test_families_that_compute_only_float32_say_so():
     for family in ("materialized", "rowcache"):
         with pytest.raises(KnobError, match=f"dtype=bfloat16 is not supported by the {family} schedule"):
             build_kernel(spec, schedule=family)
+
+
+def _has_bf16_dots():
+    from tvm_attention.target import resolve_target, target_features
+
+    return "avx512bf16" in target_features(resolve_target("llvm"))
+
+
+needs_bf16_dots = pytest.mark.skipif(not _has_bf16_dots(), reason="this CPU has no AVX512-BF16 (vdpbf16ps)")
+
+
+@needs_bf16_dots
+@pytest.mark.parametrize("seq_q, seq_kv, causal", [(3, 517, False), (113, 203, True), (300, 45, True)])
+def test_bf16_dot_products_match_the_reference_and_emit_vdpbf16ps(seq_q, seq_kv, causal):
+    """dot_bf16=1 (the preset on an AVX512-BF16 CPU): QKᵀ and PV on vdpbf16ps, P rounded to bf16;
+    the fp32-product form of the same spec gives the same answer within the bf16 tolerance.
+    (seq_q 3: one row per head more than a packed decode nest takes, so the main nest runs.)"""
+    spec = AttentionSpec(batch=1, heads=4, kv_heads=2, seq_q=seq_q, seq_kv=seq_kv, head_dim=64, causal=causal,
+                         dtype="bfloat16")
+    dots, plain = built(spec, knobs=(("dot_bf16", 1),)), built(spec, knobs=(("dot_bf16", 0),))
+    assert dots.knobs == built(spec).knobs  # the preset here
+    assert dots.audit.fused, dots.audit.reasons
+    assert dots.module.inspect_source("asm").count("vdpbf16ps") >= 2  # QKᵀ and PV
+    assert "vdpbf16ps" not in plain.module.inspect_source("asm")
+    (q, k, v), exact = rounded_inputs(spec, seed=11, logit_scale=4.0)
+    ref = reference_attention(spec, *exact)
+    for b in (dots, plain):
+        check(spec, kernel_of(b)(q, k, v), ref)
+
+
+@needs_bf16_dots
+def test_bf16_dot_products_in_symbolic_and_varlen_kernels():
+    for kw in (dict(layout="bhsd", dynamic=("batch", "seq_q", "seq_kv")), dict(layout="varlen")):
+        spec = AttentionSpec(batch=2, heads=4, kv_heads=2, seq_q=128, seq_kv=128, head_dim=128, causal=True,
+                             dtype="bfloat16", **kw)
+        b = built(spec)
+        assert b.knobs.dot_bf16 == 1 and b.audit.fused, b.audit.reasons
+        assert "vdpbf16ps" in b.module.inspect_source("asm")
+        result = validate_built(b, seed=2)
+        assert result.passed, result.format()
+
+
+def test_bf16_dot_products_are_refused_where_they_cannot_run():
+    from schedules._knobs import KnobError
+    from tvm_attention.build import build_kernel
+
+    spec = AttentionSpec(batch=1, heads=2, seq_q=64, seq_kv=64, head_dim=64, dtype="bfloat16")
+    avx2 = {"kind": "llvm", "mcpu": "haswell", "num-cores": 2}
+    assert build_kernel(spec, target=avx2).knobs.dot_bf16 == 0  # the preset there: fp32 products
+    with pytest.raises(KnobError, match="dot_bf16=1 needs .*avx512bf16"):
+        build_kernel(spec, target=avx2, knobs={"dot_bf16": 1})
+    with pytest.raises(KnobError, match="dot_bf16=1 needs bfloat16 inputs"):
+        build_kernel(dataclasses.replace(spec, dtype="float16"), knobs={"dot_bf16": 1})
+
+
+@needs_bf16_dots
+def test_tuner_searches_both_forms_of_a_bf16_spec():
+    from tvm_attention.target import resolve_target
+    from tvm_attention.tune.tasks import make_tasks, workload_matches
+
+    spec = AttentionSpec(batch=1, heads=2, seq_q=256, seq_kv=256, head_dim=64, dtype="bfloat16")
+    tasks = make_tasks(spec, resolve_target("llvm"), "fused")
+    dots = [t for t in tasks if t.name.endswith("_bf16dot")]
+    assert tasks[0] is dots[0] and 0 < len(dots) == len(tasks) - len(dots)
+    assert all(workload_matches(spec, t.mod) for t in tasks)

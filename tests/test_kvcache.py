@@ -254,14 +254,17 @@ def test_spec_and_cli(tmp_path, capsys):
 
 
 def test_decode_bench_smoke(tmp_path, capsys):
-    """``bench --decode --tiny``: both layouts and torch on one point, the roof measured."""
-    rc = cli.main(["bench", "--decode", "--tiny", "--threads", "2", "--out", str(tmp_path)])
+    """``bench --decode --tiny``: both layouts and torch on one point, fp32 and bf16 caches, the
+    roof measured."""
+    rc = cli.main(["bench", "--decode", "--tiny", "--threads", "2", "--decode-dtype", "float32", "bfloat16",
+                   "--out", str(tmp_path)])
     assert rc == 0
     report = json.loads((tmp_path / "decode.json").read_text())
-    row = report["rows"][0]
+    row, half = report["rows"]
     assert report["meta"]["roof_gbps"] > 0 and len(report["meta"]["stream_gbps"]) == 2
     assert row["kvcache_gbps"] > 0 and row["paged_gbps"] > 0 and 0 < row["kvcache_roof"]
     assert "paged_vs_contiguous" in row
+    assert half["dtype"] == "bfloat16" and half["kv_bytes"] * 2 == row["kv_bytes"] and half["vs_fp32"] > 0
     assert "| H:KH |" in (tmp_path / "decode.md").read_text()
 
 

@@ -284,7 +284,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
             "threads": threads, "heads": heads, "variants": variants}
     print(f"# {meta['date']} cpu={meta['cpu']} threads={threads}", flush=True)
     meta.update(measure_ceilings(threads, say=lambda m: print(m, flush=True)))
-    pts = points(seqs, dims, causals, heads, 1, tokens)
+    pts = points(seqs, dims, causals, heads, 1, tokens, dtypes=a.dtype)
     results = run_sweep(pts, variants, threads, repeat=a.repeat, say=lambda m: print(m, flush=True),
                         skip_materializing_above=a.max_materialized)
     if a.memory_scaling:
@@ -309,7 +309,7 @@ def bench_decode(a: argparse.Namespace, threads: int) -> int:
     from .bench import decode
 
     cfg = decode.quick_config() if a.tiny else decode.Config()
-    over = {"batches": a.decode_batch, "caches": a.decode_cache}
+    over = {"batches": a.decode_batch, "caches": a.decode_cache, "dtypes": a.decode_dtype}
     cfg = dataclasses.replace(cfg, **{k: tuple(v) for k, v in over.items() if v})
     report = decode.run(cfg, threads, say=lambda m: print(m, flush=True))
     paths = decode.write(report, a.out)
@@ -441,6 +441,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("bench", help="sweep sequence length for every variant side by side; table, CSV/JSON, plots")
     p.add_argument("--seq", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096, 8192, 16384])
     p.add_argument("--head-dim", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--dtype", nargs="+", default=["float32"], choices=["float32", "bfloat16", "float16"],
+                   help="input/output dtypes of the sweep (torch SDPA runs in the same dtype; default float32)")
     p.add_argument("--causal", choices=["both", "yes", "no"], default="both")
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--tokens", type=int, default=16384, help="constant-token mode: batch = TOKENS / S")
@@ -458,6 +460,8 @@ def main(argv: list[str] | None = None) -> int:
                         "layouts, GQA 32:8 and MHA, D 128/64), GB/s of K/V read, fraction of the streaming-read "
                         "bandwidth measured in the same run, torch SDPA (enable_gqa) side by side")
     p.add_argument("--decode-batch", type=int, nargs="+", default=None, help="--decode: batches (default 1 4 16)")
+    p.add_argument("--decode-dtype", nargs="+", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="--decode: cache dtypes, each point measured in each (default float32)")
     p.add_argument("--decode-cache", type=int, nargs="+", default=None,
                    help="--decode: cache lengths (default 1024 4096 16384 32768)")
     p.add_argument("--repeat", type=int, default=3)

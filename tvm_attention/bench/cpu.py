@@ -29,6 +29,7 @@ def numpy_attention_fn(spec: AttentionSpec) -> Callable[[np.ndarray, np.ndarray,
         mask = j > i + spec.kv_offset
 
     def run(q, k, v):
+        q, k, v = (x.astype(np.float32, copy=False) for x in (q, k, v))  # half inputs: float32 math
         out = np.empty(spec.o_shape, np.float32)
         for b in range(spec.batch):
             for h in range(spec.heads):
@@ -59,8 +60,10 @@ def torch_sdpa_fn(spec: AttentionSpec, threads: int) -> Callable[..., Any] | Non
         j = torch.arange(spec.seq_kv)[None, :]
         mask = j <= i + spec.kv_offset
 
+    from ..loader import _from_framework
+
     def run(q, k, v):
-        qt, kt, vt = (torch.from_numpy(x) for x in (q, k, v))
+        qt, kt, vt = (_from_framework("torch", x) for x in (q, k, v))  # the spec's dtype, bf16 too
         if spec.group_size > 1:
             kt = kt.repeat_interleave(spec.group_size, dim=1)
             vt = vt.repeat_interleave(spec.group_size, dim=1)
@@ -68,7 +71,7 @@ def torch_sdpa_fn(spec: AttentionSpec, threads: int) -> Callable[..., Any] | Non
             o = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=spec.scale)
         else:
             o = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=spec.causal, scale=spec.scale)
-        return o.numpy()
+        return o.numpy() if o.dtype == torch.float32 else o.float().numpy()
 
     return run
 

@@ -7,7 +7,10 @@ a fraction of the machine's streaming-read bandwidth (``bench.bandwidth``, measu
 run, before and after the points: the best is the roof), and torch SDPA (``enable_gqa``) on the
 same data side by side. Every variant is timed alternately, on the same threads.
 
-K/V bytes = 2 · batch · kv_heads · cache · head_dim · 4 (fp32): what any kernel must read.
+K/V bytes = 2 · batch · kv_heads · cache · head_dim · itemsize: what any kernel must read. With
+several dtypes (``float32``, ``bfloat16``, ``float16``: caches and q stored in that dtype) each
+point is measured in each, and ``vs_fp32`` is the fp32 step time over this one (a half-precision
+cache read at the same fraction of the roof takes half the time).
 """
 from __future__ import annotations
 
@@ -38,6 +41,7 @@ class Config:
     rounds: int = 2
     min_repeat_ms: int = 100
     stream_bytes: int = 512 << 20
+    dtypes: tuple[str, ...] = ("float32",)
 
 
 def quick_config() -> Config:
@@ -46,8 +50,8 @@ def quick_config() -> Config:
                   stream_bytes=256 << 20)  # past the L3: a smaller buffer measures the cache
 
 
-def kv_bytes(b: int, kh: int, cache: int, d: int) -> int:
-    return 2 * b * kh * cache * d * 4
+def kv_bytes(b: int, kh: int, cache: int, d: int, itemsize: int = 4) -> int:
+    return 2 * b * kh * cache * d * itemsize
 
 
 def _tvm_timer(built, args, min_repeat_ms: int) -> Callable[[], float]:
@@ -63,7 +67,9 @@ def _torch_timer(q, k, v, min_repeat_ms: int) -> Callable[[], float] | None:
         import torch
     except ImportError:
         return None
-    tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
+    from ..loader import _from_framework
+
+    tq, tk, tv = (_from_framework("torch", x) for x in (q, k, v))  # bf16 too (NumPy has none)
     gqa = tq.shape[1] != tk.shape[1]
 
     def once():
@@ -80,9 +86,7 @@ def _torch_timer(q, k, v, min_repeat_ms: int) -> Callable[[], float] | None:
 def run(cfg: Config, threads: int | None = None, say: Callable[[str], None] = print) -> dict[str, Any]:
     import tvm
 
-    from ..build import build_kernel
-    from ..layouts import paged_from_contiguous
-    from ..loader import aligned_empty
+    from ..loader import aligned_empty, kernel_arg
     from ..target import host_cpu
     from ..threads import set_num_threads
     from .bandwidth import stream_read_gbps
@@ -104,59 +108,21 @@ def run(cfg: Config, threads: int | None = None, say: Callable[[str], None] = pr
     def tensor(x):
         a = aligned_empty(x.shape, x.dtype)
         a[...] = x
-        return tvm.runtime.tensor(a)
+        return tvm.runtime.tensor(a) if x.dtype.name != "bfloat16" else kernel_arg(a)
 
     rows = []
     for h, kh in cfg.heads:
         for d in cfg.head_dims:
-            kernels = {}
-            for layout in cfg.layouts:
-                spec = AttentionSpec(batch=1, heads=h, kv_heads=kh, seq_q=1, seq_kv=1024, head_dim=d, layout=layout,
-                                     causal=True, page_size=cfg.page_size if layout == "paged" else None)
-                t0 = time.perf_counter()
-                kernels[layout] = build_kernel(spec)
-                say(f"built {spec.short_name()} in {time.perf_counter() - t0:.1f} s")
-            for b in cfg.batches:
-                for cache in cfg.caches:
-                    nbytes = kv_bytes(b, kh, cache, d)
-                    if nbytes > cfg.max_kv_bytes:
-                        say(f"[H{h}:KH{kh} D{d} B{b} cache {cache}] skipped: K/V {nbytes / 2**30:.1f} GiB")
-                        continue
-                    rng = np.random.default_rng(b * 7 + cache)
-                    q = rng.standard_normal((b, h, 1, d), dtype=np.float32)
-                    k = rng.standard_normal((b, kh, cache, d), dtype=np.float32)
-                    v = rng.standard_normal((b, kh, cache, d), dtype=np.float32)
-                    lens = np.full(b, cache, np.int32)
-                    o = np.empty((b, h, 1, d), np.float32)
-                    timers: dict[str, Callable[[], float]] = {}
-                    if "kvcache" in kernels:
-                        timers["kvcache"] = _tvm_timer(kernels["kvcache"], [tensor(x) for x in (q, k, v, lens, o)],
-                                                       cfg.min_repeat_ms)
-                    if "paged" in kernels:
-                        kp, table = paged_from_contiguous(k, cfg.page_size, np.random.default_rng(1))
-                        vp, _ = paged_from_contiguous(v, cfg.page_size, np.random.default_rng(1))
-                        timers["paged"] = _tvm_timer(kernels["paged"], [tensor(x) for x in (q, kp, vp, table, lens, o)],
-                                                     cfg.min_repeat_ms)
-                        del kp, vp
-                    torch_timer = _torch_timer(q, k, v, cfg.min_repeat_ms)
-                    if torch_timer is not None:
-                        timers["torch"] = torch_timer
-                    best = {name: float("inf") for name in timers}
-                    for r in range(cfg.rounds):
-                        for name in (list(timers) if r % 2 == 0 else list(reversed(timers))):
-                            best[name] = min(best[name], timers[name]())
-                    row = {"heads": h, "kv_heads": kh, "head_dim": d, "batch": b, "cache": cache, "kv_bytes": nbytes}
-                    for name, t in best.items():
-                        row[f"{name}_ms"] = t * 1e3
-                        row[f"{name}_gbps"] = nbytes / t / 1e9
-                    rows.append(row)
-                    say(f"[H{h}:KH{kh} D{d} B{b} cache {cache}] " + ", ".join(
-                        f"{name} {best[name] * 1e3:.3f} ms {nbytes / best[name] / 1e9:.1f} GB/s" for name in best))
-                    del timers
+            for dtype in cfg.dtypes:
+                rows += _points(cfg, h, kh, d, dtype, tensor, say)
     streams.append(stream_read_gbps(cfg.stream_bytes))
     roof = max(streams)
     say(f"streaming read again: {streams[-1]:.1f} GB/s; roof = {roof:.1f} GB/s")
+    fp32 = {_key(r): r for r in rows if r["dtype"] == "float32"}
     for row in rows:
+        base = fp32.get(_key(row))
+        if base is not None and "kvcache_ms" in row and "kvcache_ms" in base:
+            row["vs_fp32"] = base["kvcache_ms"] / row["kvcache_ms"]
         for name in cfg.layouts:
             if f"{name}_gbps" in row:
                 row[f"{name}_roof"] = row[f"{name}_gbps"] / roof
@@ -169,22 +135,85 @@ def run(cfg: Config, threads: int | None = None, say: Callable[[str], None] = pr
     return {"meta": meta, "rows": rows}
 
 
+def _key(row: dict[str, Any]) -> tuple:
+    return row["heads"], row["kv_heads"], row["head_dim"], row["batch"], row["cache"]
+
+
+def _points(cfg: Config, h: int, kh: int, d: int, dtype: str, tensor, say) -> list[dict[str, Any]]:
+    """Every (batch, cache) point of one (heads, head_dim, dtype): the layouts' kernels built
+    once, each point's variants timed alternately."""
+    from ..build import build_kernel
+    from ..layouts import paged_from_contiguous
+    from ..spec import numpy_dtype
+
+    kernels, rows = {}, []
+    for layout in cfg.layouts:
+        spec = AttentionSpec(batch=1, heads=h, kv_heads=kh, seq_q=1, seq_kv=1024, head_dim=d, layout=layout,
+                             causal=True, dtype=dtype, page_size=cfg.page_size if layout == "paged" else None)
+        t0 = time.perf_counter()
+        kernels[layout] = build_kernel(spec)
+        say(f"built {spec.short_name()} in {time.perf_counter() - t0:.1f} s")
+    dt = numpy_dtype(dtype)
+    for b in cfg.batches:
+        for cache in cfg.caches:
+            nbytes = kv_bytes(b, kh, cache, d, dt.itemsize)
+            tag = f"[H{h}:KH{kh} D{d} {dtype} B{b} cache {cache}]"
+            if nbytes > cfg.max_kv_bytes:
+                say(f"{tag} skipped: K/V {nbytes / 2**30:.1f} GiB")
+                continue
+            rng = np.random.default_rng(b * 7 + cache)
+            q = rng.standard_normal((b, h, 1, d), dtype=np.float32).astype(dt)
+            k = rng.standard_normal((b, kh, cache, d), dtype=np.float32).astype(dt)
+            v = rng.standard_normal((b, kh, cache, d), dtype=np.float32).astype(dt)
+            lens = np.full(b, cache, np.int32)
+            o = np.empty((b, h, 1, d), dt)
+            timers: dict[str, Callable[[], float]] = {}
+            if "kvcache" in kernels:
+                timers["kvcache"] = _tvm_timer(kernels["kvcache"], [tensor(x) for x in (q, k, v, lens, o)],
+                                               cfg.min_repeat_ms)
+            if "paged" in kernels:
+                kp, table = paged_from_contiguous(k, cfg.page_size, np.random.default_rng(1))
+                vp, _ = paged_from_contiguous(v, cfg.page_size, np.random.default_rng(1))
+                timers["paged"] = _tvm_timer(kernels["paged"], [tensor(x) for x in (q, kp, vp, table, lens, o)],
+                                             cfg.min_repeat_ms)
+                del kp, vp
+            torch_timer = _torch_timer(q, k, v, cfg.min_repeat_ms)
+            if torch_timer is not None:
+                timers["torch"] = torch_timer
+            best = {name: float("inf") for name in timers}
+            for r in range(cfg.rounds):
+                for name in (list(timers) if r % 2 == 0 else list(reversed(timers))):
+                    best[name] = min(best[name], timers[name]())
+            row = {"heads": h, "kv_heads": kh, "head_dim": d, "dtype": dtype, "batch": b, "cache": cache,
+                   "kv_bytes": nbytes}
+            for name, t in best.items():
+                row[f"{name}_ms"] = t * 1e3
+                row[f"{name}_gbps"] = nbytes / t / 1e9
+            rows.append(row)
+            say(f"{tag} " + ", ".join(f"{name} {best[name] * 1e3:.3f} ms {nbytes / best[name] / 1e9:.1f} GB/s"
+                                      for name in best))
+            del timers
+    return rows
+
+
 def markdown(report: dict[str, Any]) -> str:
     m = report["meta"]
-    lines = [f"Machine: {m['cpu']}, {m['threads']} threads, {m['date']}; torch {m['torch']}. fp32, causal, one new "
+    lines = [f"Machine: {m['cpu']}, {m['threads']} threads, {m['date']}; torch {m['torch']}. Causal, one new "
              f"token per sequence. Streaming read measured {', '.join(f'{g:.1f}' for g in m['stream_gbps'])} GB/s "
-             f"in this run: roof = {m['roof_gbps']:.1f} GB/s. Variants alternated; each time is the best round.", "",
-             "| H:KH | D | batch | cache | K/V MB | kvcache ms | GB/s | of roof | paged ms | of roof | "
-             "paged/contig. | torch ms | kvcache/torch |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"in this run: roof = {m['roof_gbps']:.1f} GB/s. Variants alternated; each time is the best round; "
+             "torch SDPA runs in the same dtype; × fp32: the fp32 step time over this one.", "",
+             "| H:KH | D | dtype | batch | cache | K/V MB | kvcache ms | GB/s | of roof | × fp32 | paged ms | of roof | "
+             "paged/contig. | torch ms | kvcache/torch |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def f(row, key, fmt):
         return format(row[key], fmt) if key in row else "—"
 
     for r in report["rows"]:
         lines.append(
-            f"| {r['heads']}:{r['kv_heads']} | {r['head_dim']} | {r['batch']} | {r['cache']} | "
-            f"{r['kv_bytes'] / 1e6:.0f} | {f(r, 'kvcache_ms', '.3f')} | {f(r, 'kvcache_gbps', '.1f')} | "
-            f"{f(r, 'kvcache_roof', '.0%')} | {f(r, 'paged_ms', '.3f')} | {f(r, 'paged_roof', '.0%')} | "
+            f"| {r['heads']}:{r['kv_heads']} | {r['head_dim']} | {r.get('dtype', 'float32')} | {r['batch']} | "
+            f"{r['cache']} | {r['kv_bytes'] / 1e6:.0f} | {f(r, 'kvcache_ms', '.3f')} | {f(r, 'kvcache_gbps', '.1f')} | "
+            f"{f(r, 'kvcache_roof', '.0%')} | {f(r, 'vs_fp32', '.2f')} | {f(r, 'paged_ms', '.3f')} | "
+            f"{f(r, 'paged_roof', '.0%')} | "
             f"{f(r, 'paged_vs_contiguous', '.2f')} | {f(r, 'torch_ms', '.3f')} | {f(r, 'kvcache_vs_torch', '.2f')}× |")
     return "\n".join(lines)
 

@@ -169,17 +169,18 @@ def run_variant(spec: AttentionSpec, mode: str, variant: str, threads: int, repe
 
 
 def points(seqs: Iterable[int], head_dims: Iterable[int], causals: Iterable[bool], heads: int,
-           batch: int, tokens: int | None) -> list[tuple[str, AttentionSpec]]:
+           batch: int, tokens: int | None, dtypes: Iterable[str] = ("float32",)) -> list[tuple[str, AttentionSpec]]:
     out = []
-    for d in head_dims:
-        for c in causals:
-            for s in seqs:
-                out.append(("seq", AttentionSpec(batch=batch, heads=heads, seq_q=s, head_dim=d, causal=c)))
-            if tokens:
+    for dt in dtypes:
+        for d in head_dims:
+            for c in causals:
                 for s in seqs:
-                    if tokens % s == 0:
-                        out.append(("tokens", AttentionSpec(batch=tokens // s, heads=heads, seq_q=s,
-                                                            head_dim=d, causal=c)))
+                    out.append(("seq", AttentionSpec(batch=batch, heads=heads, seq_q=s, head_dim=d, causal=c, dtype=dt)))
+                if tokens:
+                    for s in seqs:
+                        if tokens % s == 0:
+                            out.append(("tokens", AttentionSpec(batch=tokens // s, heads=heads, seq_q=s,
+                                                                head_dim=d, causal=c, dtype=dt)))
     return out
 
 
@@ -197,7 +198,8 @@ def run_sweep(pts: list[tuple[str, AttentionSpec]], variants: Iterable[str], thr
                 r = run_variant(spec, mode, variant, threads, repeat, min_repeat_ms)
             results.append(r)
             line.append(f"{variant}={r.gflops:.1f}" if r.timing else f"{variant}=({r.error})")
-        say(f"[{mode} B={spec.batch} S={spec.seq_q} D={spec.head_dim} causal={spec.causal}] " + "  ".join(line))
+        say(f"[{mode} B={spec.batch} S={spec.seq_q} D={spec.head_dim} {spec.dtype} causal={spec.causal}] "
+            + "  ".join(line))
     return results
 
 
@@ -232,7 +234,7 @@ def markdown_table(results: list[Result], meta: dict[str, Any]) -> str:
              f"bandwidth {meta.get('read_gbps', 0):.1f} GB/s (TVM parallel sum); NumPy sgemm "
              f"{meta.get('sgemm_gflops', 0):.0f} GFLOP/s for comparison. Cells: GFLOP/s (% of FMA peak, "
              "% of read BW: modeled bytes / time).", ""]
-    head = ["mode", "B", "S", "D", "causal"] + [f"{v} GFLOP/s (% of FMA peak, % of read BW)" for v in variants]
+    head = ["mode", "B", "S", "D", "dtype", "causal"] + [f"{v} GFLOP/s (% of FMA peak, % of read BW)" for v in variants]
     # fused-dyn/fused = static time / dynamic time (the cost of symbolic shapes), only when asked for
     speedups = [("fused", "materialized"), ("fused", "torch")] + ([("fused-dyn", "fused")] if "fused-dyn" in variants else [])
     head += [f"{a}/{b}" for a, b in speedups] + [f"{v} peak mem" for v in variants]
@@ -242,7 +244,7 @@ def markdown_table(results: list[Result], meta: dict[str, Any]) -> str:
     for r in results:
         by_point.setdefault((r.mode, r.spec), {})[r.variant] = r
     for (mode, spec), d in by_point.items():
-        cells = [mode, str(spec.batch), str(spec.seq_q), str(spec.head_dim), "yes" if spec.causal else "no"]
+        cells = [mode, str(spec.batch), str(spec.seq_q), str(spec.head_dim), spec.dtype, "yes" if spec.causal else "no"]
         for v in variants:
             r = d.get(v)
             if r is None:

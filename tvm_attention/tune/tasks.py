@@ -92,9 +92,13 @@ def make_tasks(spec: AttentionSpec, target: Target, schedule: str) -> list[TaskD
                 for k in cpu_flash.decode_candidates(spec, target)
             ]
         space = tile_space(cpu_flash.design_space(spec, target))
+        # bfloat16 where the CPU has AVX512-BF16: each tile pair in both forms of its products
+        # (bf16 dot products first: the preset's), a task each, as the form is in the compute
+        forms = (True, False) if cpu_flash.bf16_dots(spec, target) else (False,)
         return [
-            TaskDef(f"fused_m{bm}_n{bn}", normalize(fused_attention(spec, bm, bn)), space)
-            for bm, bn in cpu_flash.tile_candidates(spec, target)
+            TaskDef(f"fused_m{bm}_n{bn}{'_bf16dot' if dot else ''}",
+                    normalize(fused_attention(spec, bm, bn, dot_bf16=dot)), space)
+            for bm, bn in cpu_flash.tile_candidates(spec, target) for dot in forms
         ]
     if schedule == "rowcache":
         from schedules import cpu_rowcache
@@ -136,6 +140,8 @@ def regenerate(spec: AttentionSpec, func) -> tvm.IRModule | None:
             decode = {"decode_rows": tuple(int(r) for r in attrs["attn.decode_rows"]),
                       "split_tasks": int(attrs["attn.split_tasks"]),
                       "stage_k_below": int(attrs["attn.stage_k_below"])} if "attn.decode_rows" in attrs else {}
+            if "attn.dot_bf16" in attrs:
+                decode["dot_bf16"] = bool(int(attrs["attn.dot_bf16"]))
             return normalize(fused_attention(spec, int(attrs["attn.block_m"]), int(attrs["attn.block_n"]), **decode))
         if kind == "materialized":
             return normalize(materialized_attention(spec))

@@ -92,3 +92,18 @@ def f32(x: tirx.PrimExpr) -> tirx.PrimExpr:
 def cast_to(buf, x: tirx.PrimExpr) -> tirx.PrimExpr:
     """``x`` (float32) rounded to ``buf``'s dtype for a store (unchanged for float32)."""
     return x if str(buf.dtype) == "float32" else tirx.Cast(str(buf.dtype), x)
+
+
+def bf16_value(bits: tirx.PrimExpr) -> tirx.PrimExpr:
+    """The float32 value of bfloat16 ``bits`` (uint16): the upper half of a float32. How the
+    bf16 dot-product blocks spell their operands (the tensor intrinsics' descriptions match it)."""
+    return tirx.reinterpret("float32", tirx.shift_left(tirx.Cast("uint32", bits), tirx.const(16, "uint32")))
+
+
+def bf16_bits(x: tirx.PrimExpr) -> tirx.PrimExpr:
+    """float32 ``x`` rounded to bfloat16 (to nearest, ties to even), as uint16 bits. A NaN stays
+    a NaN (its quiet bit survives the carry); softmax probabilities are never infinite."""
+    b = tirx.reinterpret("uint32", x)
+    u16 = tirx.const(16, "uint32")
+    rounded = b + tirx.const(0x7FFF, "uint32") + tirx.bitwise_and(tirx.shift_right(b, u16), tirx.const(1, "uint32"))
+    return tirx.Cast("uint16", tirx.shift_right(rounded, u16))

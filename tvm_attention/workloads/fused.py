@@ -41,13 +41,13 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ..spec import AttentionSpec
-from ._math import LOG2E, cast_to, exp2_fast, f32, guarded, lse_of, normalize, normalize_where
+from ._math import LOG2E, bf16_bits, bf16_value, cast_to, exp2_fast, f32, guarded, lse_of, normalize, normalize_where
 
 ENTRY = "attention"
 
 
 def fused_attention(spec: AttentionSpec, block_m: int, block_n: int, decode_rows: tuple[int, ...] = (),
-                    split_tasks: int = 0, stage_k_below: int = 0) -> tirx.PrimFunc:
+                    split_tasks: int = 0, stage_k_below: int = 0, dot_bf16: bool = False) -> tirx.PrimFunc:
     """Build the fused PrimFunc for ``spec`` with row tile ``block_m`` and key tile ``block_n``.
 
     Arguments of the PrimFunc (call order) are the layout's (``tvm_attention.layouts``); bhsd:
@@ -58,15 +58,17 @@ def fused_attention(spec: AttentionSpec, block_m: int, block_n: int, decode_rows
     seq_q each is emitted and taken at run time for calls with ``seq_q · group ≤ rows``; with a
     static seq_q only the narrowest that holds ``seq_q · group`` rows is, and it is the whole
     kernel (none fits: the main nest alone). ``split_tasks``: the decode nests' split-KV target.
+    ``dot_bf16``: the main nest's products as bf16 dot products (see ``_tile_macro``; bfloat16
+    specs only; decode nests, memory-bound, keep float32 products).
     """
     if spec.layout == "varlen":
-        return _varlen(spec, block_m, block_n)
+        return _varlen(spec, block_m, block_n, dot_bf16)
     if "seq_q" not in spec.dynamic:
         # a static seq_q: the shape is known, one nest: the narrowest decode tier that holds
         # the packed rows, else the main nest
         fits = [r for r in sorted(decode_rows) if spec.seq_q * spec.group_size <= r]
         decode_rows = tuple(fits[:1])
-    return _dense(spec, block_m, block_n, tuple(decode_rows), split_tasks, stage_k_below)
+    return _dense(spec, block_m, block_n, tuple(decode_rows), split_tasks, stage_k_below, dot_bf16)
 
 
 def _dim(spec: AttentionSpec, name: str):
@@ -174,7 +176,7 @@ DECODE = "_dec"
 
 
 def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: str | None = None,
-                stage_k: bool = False):
+                stage_k: bool = False, dot_bf16: bool = False):
     """The per-row-tile pipeline (Q load, online softmax over key tiles, store) as a TVMScript
     macro: one piece of compute that every layout's frame calls with its own :class:`_Tile`.
     ``suffix`` is appended to every block name (a function may hold two nests of the tile).
@@ -190,15 +192,35 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
     ``stage_k``: copy each key tile into a local float32 ``Kt (block_n, D)`` (block ``K_load``) that
     ``S_gemm`` reads through plain indices. A schedule that computes QKᵀ as dot products with a
     tensor intrinsic needs that: through a layout's own index (the tail clamp reading
-    ``cache_seqlens``, a block-table lookup) the K reads would name other buffers."""
-    N = {n: n + suffix for n in TILE_BLOCKS + ("lse_store", "state_store", "K_load")}
+    ``cache_seqlens``, a block-table lookup) the K reads would name other buffers.
+
+    ``dot_bf16`` (bfloat16 inputs): both products as bf16 dot products with float32 sums, in the
+    operand layouts of AVX512-BF16's ``vdpbf16ps`` (``acc[l] += a[2l]·b[2l] + a[2l+1]·b[2l+1]``:
+    pairs along the reduction), the bf16 values handled as their uint16 bits. ``Qp (D/2, BM, 2)``
+    holds Q unscaled (the scale multiplies the float32 scores instead: no extra rounding);
+    ``K_load``/``V_load`` copy the key tile's bits to ``Kb``/``Vb (BN, D)``; ``S_gemm`` sums over
+    (d pair, t); ``V_ilv`` interleaves pairs of V rows into ``Vt (BN/2, D, 2)``; ``P_round`` rounds
+    P to bf16 (nearest even) as FlashAttention does before PV and ``P_ilv`` pairs it the same way
+    (``Pb (BN/2, BM, 2)``); ``acc_rescale`` applies the online correction and ``PV_gemm`` sums
+    over (key pair, t). The row sum ``l`` adds the unrounded float32 P."""
+    N = {n: n + suffix for n in TILE_BLOCKS + ("lse_store", "state_store", "K_load", "V_load", "V_ilv",
+                                                "P_round", "P_ilv", "acc_rescale")}
+    if dot_bf16 and (spec.dtype != "bfloat16" or spec.head_dim % 2 or BN % 2):
+        raise ValueError(f"dot_bf16 needs bfloat16 inputs and an even head_dim and block_n, got {spec.dtype}, "
+                         f"D={spec.head_dim}, block_n={BN}")
     D = spec.head_dim
     qscale = float(spec.scale * LOG2E)
     neg_inf = T.float32(float("-inf"))
 
+    def score(t, S, vj, vi, vc):
+        # dot_bf16 sums unscaled products (Q keeps its exact bf16 values: no pre-scaled copy)
+        e = t.score(S, vj, vi, vc)
+        return e * T.float32(qscale) if dot_bf16 else e
+
     @T.macro
     def tile(Q, K, V, O, t, nc, X):
-        Qt = T.sblock_alloc_buffer((D, BM), "float32", scope="local")  # q tile, transposed
+        if not dot_bf16:
+            Qt = T.sblock_alloc_buffer((D, BM), "float32", scope="local")  # q tile, transposed
         S = T.sblock_alloc_buffer((BN, BM), "float32", scope="local")  # scores, key-major
         P = T.sblock_alloc_buffer((BN, BM), "float32", scope="local")  # probabilities
         m = T.sblock_alloc_buffer((BM,), "float32", scope="local")  # running max (log2 units)
@@ -208,11 +230,27 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
         acc = T.sblock_alloc_buffer((BM, D), "float32", scope="local")  # unnormalised output
         if stage_k:
             Kt = T.sblock_alloc_buffer((BN, D), "float32", scope="local")  # the key tile, (key, d)
+        if dot_bf16:
+            Qu = T.decl_buffer(Q.shape, "uint16", data=Q.data)  # bf16 inputs as their bits
+            Ku = T.decl_buffer(K.shape, "uint16", data=K.data)
+            Vu = T.decl_buffer(V.shape, "uint16", data=V.data)
+            Qp = T.sblock_alloc_buffer((D // 2, BM, 2), "uint16", scope="local")  # q pairs (d)
+            Kb = T.sblock_alloc_buffer((BN, D), "uint16", scope="local")  # the key tile
+            Vb = T.sblock_alloc_buffer((BN, D), "uint16", scope="local")  # the value tile
+            Vt = T.sblock_alloc_buffer((BN // 2, D, 2), "uint16", scope="local")  # v pairs (key)
+            Pr = T.sblock_alloc_buffer((BN, BM), "uint16", scope="local")  # P rounded, key-major
+            Pb = T.sblock_alloc_buffer((BN // 2, BM, 2), "uint16", scope="local")  # p pairs (key)
 
-        for d, i in T.grid(D, BM):
-            with T.sblock(N["Q_load"]):
-                vd, vi = T.axis.remap("SS", [d, i])
-                Qt[vd, vi] = f32(Q[t.q_at(vi, vd)]) * T.float32(qscale)
+        if dot_bf16:
+            for dp, i, tt in T.grid(D // 2, BM, 2):
+                with T.sblock(N["Q_load"]):
+                    vp, vi, vt = T.axis.remap("SSS", [dp, i, tt])
+                    Qp[vp, vi, vt] = Qu[t.q_at(vi, 2 * vp + vt)]
+        else:
+            for d, i in T.grid(D, BM):
+                with T.sblock(N["Q_load"]):
+                    vd, vi = T.axis.remap("SS", [d, i])
+                    Qt[vd, vi] = f32(Q[t.q_at(vi, vd)]) * T.float32(qscale)
         for i in T.serial(BM):
             with T.sblock(N["state_init"]):
                 vi = T.axis.remap("S", [i])
@@ -230,7 +268,18 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
                 # block, so every stage is a proper (decomposable) reduction.
                 vc = T.axis.reduce(nc, c)
                 # -- S = Q·Kᵀ (scaled, log2 units) ---------------------------------------
-                if stage_k:
+                if dot_bf16:
+                    for j, d in T.grid(BN, D):
+                        with T.sblock(N["K_load"]):
+                            vj, vd = T.axis.remap("SS", [j, d])
+                            Kb[vj, vd] = Ku[t.kv_at(vc, vj, vd)]
+                    for j, dp, i, tt in T.grid(BN, D // 2, BM, 2):
+                        with T.sblock(N["S_gemm"]):
+                            vj, vp, vi, vt = T.axis.remap("SRSR", [j, dp, i, tt])
+                            with T.init():
+                                S[vj, vi] = T.float32(0)
+                            S[vj, vi] = S[vj, vi] + bf16_value(Kb[vj, 2 * vp + vt]) * bf16_value(Qp[vp, vi, vt])
+                elif stage_k:
                     for j, d in T.grid(BN, D):
                         with T.sblock(N["K_load"]):
                             vj, vd = T.axis.remap("SS", [j, d])
@@ -254,7 +303,7 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
                         vj, vi = T.axis.remap("RS", [j, i])
                         with T.init():
                             m_new[vi] = m[vi]
-                        m_new[vi] = T.max(m_new[vi], t.score(S, vj, vi, vc))
+                        m_new[vi] = T.max(m_new[vi], score(t, S, vj, vi, vc))
                 # -- online correction factor; the guard keeps -inf - -inf out ----------
                 for i in T.serial(BM):
                     with T.sblock(N["online_correction"]):
@@ -268,7 +317,7 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
                 for j, i in T.grid(BN, BM):
                     with T.sblock(N["P_exp"]):
                         vj, vi = T.axis.remap("SS", [j, i])
-                        P[vj, vi] = exp2_fast(t.score(S, vj, vi, vc) - guarded(m_new[vi]))
+                        P[vj, vi] = exp2_fast(score(t, S, vj, vi, vc) - guarded(m_new[vi]))
                 # -- l = l·alpha + rowsum(P) -------------------------------------------
                 for j, i in T.grid(BN, BM):
                     with T.sblock(N["row_sum"]):
@@ -277,12 +326,40 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
                             l[vi] = l[vi] * alpha[vi]
                         l[vi] = l[vi] + P[vj, vi]
                 # -- acc = acc·alpha + P·V ---------------------------------------------
-                for i, j, d in T.grid(BM, BN, D):
-                    with T.sblock(N["PV_gemm"]):
-                        vi, vj, vd = T.axis.remap("SRS", [i, j, d])
-                        with T.init():
+                if dot_bf16:
+                    for j, i in T.grid(BN, BM):
+                        with T.sblock(N["P_round"]):
+                            vj, vi = T.axis.remap("SS", [j, i])
+                            Pr[vj, vi] = bf16_bits(P[vj, vi])
+                    for jp, i, tt in T.grid(BN // 2, BM, 2):
+                        with T.sblock(N["P_ilv"]):
+                            vp, vi, vt = T.axis.remap("SSS", [jp, i, tt])
+                            Pb[vp, vi, vt] = Pr[2 * vp + vt, vi]
+                    for j, d in T.grid(BN, D):
+                        with T.sblock(N["V_load"]):
+                            vj, vd = T.axis.remap("SS", [j, d])
+                            Vb[vj, vd] = Vu[t.kv_at(vc, vj, vd)]
+                    for jp, d, tt in T.grid(BN // 2, D, 2):
+                        with T.sblock(N["V_ilv"]):
+                            vp, vd, vt = T.axis.remap("SSS", [jp, d, tt])
+                            Vt[vp, vd, vt] = Vb[2 * vp + vt, vd]
+                    # the correction as a block of its own: the tensorized update reads only
+                    # what the intrinsic does (an init reading alpha would not match it)
+                    for i, d in T.grid(BM, D):
+                        with T.sblock(N["acc_rescale"]):
+                            vi, vd = T.axis.remap("SS", [i, d])
                             acc[vi, vd] = acc[vi, vd] * alpha[vi]
-                        acc[vi, vd] = acc[vi, vd] + P[vj, vi] * f32(V[t.kv_at(vc, vj, vd)])
+                    for i, jp, d, tt in T.grid(BM, BN // 2, D, 2):
+                        with T.sblock(N["PV_gemm"]):
+                            vi, vp, vd, vt = T.axis.remap("SRSR", [i, jp, d, tt])
+                            acc[vi, vd] = acc[vi, vd] + bf16_value(Pb[vp, vi, vt]) * bf16_value(Vt[vp, vd, vt])
+                else:
+                    for i, j, d in T.grid(BM, BN, D):
+                        with T.sblock(N["PV_gemm"]):
+                            vi, vj, vd = T.axis.remap("SRS", [i, j, d])
+                            with T.init():
+                                acc[vi, vd] = acc[vi, vd] * alpha[vi]
+                            acc[vi, vd] = acc[vi, vd] + P[vj, vi] * f32(V[t.kv_at(vc, vj, vd)])
 
         for i, d in T.grid(BM, D):
             with T.sblock(N["O_store"]):
@@ -360,7 +437,7 @@ class _KV:
 
 
 def _dense(spec: AttentionSpec, block_m: int, block_n: int, decode_rows: tuple[int, ...] = (),
-           split_tasks: int = 0, stage_k_below: int = 0) -> tirx.PrimFunc:
+           split_tasks: int = 0, stage_k_below: int = 0, dot_bf16: bool = False) -> tirx.PrimFunc:
     """Layouts with dense queries, ``Q``/``O (B, H, Sq, D)``: ``bhsd`` (``K``/``V (B, KH, Skv,
     D)``), ``kvcache`` (``K``/``V (B, KH, max_len, D)`` + ``cache_seqlens (B,)``) and ``paged``
     (``K``/``V (num_pages, page_size, KH, D)`` + ``block_table (B, max_pages)`` +
@@ -393,7 +470,7 @@ def _dense(spec: AttentionSpec, block_m: int, block_n: int, decode_rows: tuple[i
     NC = T.floordiv(bound + BN - 1, BN) if not isinstance(bound, int) else math.ceil(bound / BN)  # key tiles
     dtype = spec.dtype
     lse = bool(spec.return_lse)
-    tile = _tile_macro(spec, BM, BN, stats="lse" if lse else None)
+    tile = _tile_macro(spec, BM, BN, stats="lse" if lse else None, dot_bf16=dot_bf16)
     layout = spec.layout
 
     def at(X, vb, vh, vr):
@@ -570,6 +647,8 @@ def _dense(spec: AttentionSpec, block_m: int, block_n: int, decode_rows: tuple[i
 
     attrs = {"global_symbol": ENTRY, "tirx.noalias": True, "attn.workload": "fused",
              "attn.block_m": BM, "attn.block_n": BN}
+    if dot_bf16:
+        attrs["attn.dot_bf16"] = 1
     if tiers:  # what regenerates this workload from a tuning record (tune.tasks.regenerate)
         attrs["attn.decode_rows"] = list(tiers)
         attrs["attn.split_tasks"] = split_tasks
@@ -637,7 +716,7 @@ def _drop_last_param(func: tirx.PrimFunc) -> tirx.PrimFunc:
     return tirx.PrimFunc(list(func.params[:-1]), func.body, func.ret_type, func.attrs)
 
 
-def _varlen(spec: AttentionSpec, block_m: int, block_n: int) -> tirx.PrimFunc:
+def _varlen(spec: AttentionSpec, block_m: int, block_n: int, dot_bf16: bool = False) -> tirx.PrimFunc:
     """FlashAttention's packed varlen layout: ``Q (total_q, H, D)``, ``K``/``V (total_k, KH, D)``,
     ``cu_seqlens_q``/``cu_seqlens_k (batch+1,) int32``, ``O (total_q, H, D)``.
 
@@ -660,7 +739,11 @@ def _varlen(spec: AttentionSpec, block_m: int, block_n: int) -> tirx.PrimFunc:
     NC = T.floordiv(TK + BN - 1, BN)  # bound on any sequence's key tiles
     dtype = spec.dtype
     lse = bool(spec.return_lse)
-    tile = _tile_macro(spec, BM, BN, stats="lse" if lse else None)
+    tile = _tile_macro(spec, BM, BN, stats="lse" if lse else None, dot_bf16=dot_bf16)
+    attrs = {"global_symbol": ENTRY, "tirx.noalias": True, "attn.workload": "fused",
+             "attn.block_m": BM, "attn.block_n": BN}
+    if dot_bf16:
+        attrs["attn.dot_bf16"] = 1
 
     def at(seq, CQ, CK, vh):
         b = seq[0]
@@ -686,8 +769,7 @@ def _varlen(spec: AttentionSpec, block_m: int, block_n: int) -> tirx.PrimFunc:
         O: T.Buffer((TQ, H, D), dtype),
         LSE: T.Buffer((H, TQ), "float32"),
     ):
-        T.func_attr({"global_symbol": ENTRY, "tirx.noalias": True, "attn.workload": "fused",
-                     "attn.block_m": BM, "attn.block_n": BN})
+        T.func_attr(attrs)
         for h, s in T.grid(H, NT):
             with T.sblock("row_tile"):
                 vh, vs = T.axis.remap("SS", [h, s])

@@ -1,0 +1,233 @@
+"""CPU schedule of the fused kernel's bf16 dot-product form (``dot_bf16`` knob): QKᵀ and PV on
+AVX512-BF16's ``vdpbf16ps``.
+
+``vdpbf16ps acc, a, b`` adds ``a[2l]·b[2l] + a[2l+1]·b[2l+1]`` (bf16 products, float32 sums) to
+each of 16 float32 lanes ``l``: twice the multiply-adds of an fp32 FMA per instruction. The
+workload (``workloads.fused._tile_macro(dot_bf16=True)``) lays the operands out for it — pairs
+along the reduction dim — and spells the products on the uint16 bits of the bf16 values; this
+schedule register-blocks the two products like the fp32 schedule and tensorizes their inner
+(pair, 16 lanes) nests:
+
+* ``S_gemm`` ``(key block, d pair, keys unrolled, query vectors unrolled, [pair, 16 rows])``:
+  ``S[j, i:i+16] += dot(Qp[dp, i:i+16, 0:2], broadcast(K[j, 2dp:2dp+2]))`` (``DP_S``);
+* ``PV_gemm`` ``(row block, key pair, rows unrolled, column vectors unrolled, [pair, 16 cols])``:
+  ``acc[i, d:d+16] += dot(Vt[jp, d:d+16, 0:2], broadcast(P[i, 2jp:2jp+2]))`` (``DP_PV``);
+* ``V_ilv``/``P_ilv`` interleave two 16-element rows into 16 pairs (``ILV``, one shuffle).
+
+TVM's own lowering turns bf16 arithmetic into float32 (``BF16ComputeLegalize``) and cannot pass a
+``<32 x bfloat>`` to the LLVM intrinsic, so the intrinsics' implementations call a three-line
+LLVM IR function (``DPBF16_IR``: bitcast the two ``<16 x i32>`` operands to ``<32 x bfloat>``,
+call ``llvm.x86.avx512bf16.dpbf16ps.512``) imported with ``pragma_import_llvm``; LLVM inlines it
+into one instruction. Decisions are :mod:`cpu_flash`'s (``s_rows``, ``pv_rows``,
+``parallel_chunk``, ``auto_unroll``), pinned to the knobs or sampled, and recorded the same way.
+"""
+from __future__ import annotations
+
+from tvm import s_tir
+from tvm.s_tir import TensorIntrin
+from tvm.script import tirx as T
+
+from tvm_attention.spec import AttentionSpec
+from tvm_attention.workloads._math import bf16_value
+
+L = 16  # float32 lanes of one vdpbf16ps (a zmm register)
+U16, F32 = "uint16", "float32"
+FEATURE = "avx512bf16"
+
+#: ``acc + dpbf16(a, b)`` on <16 x i32> operands holding bf16 pairs; inlined by LLVM.
+DPBF16_IR = r"""
+define <16 x float> @tvma_dpbf16(<16 x float> %acc, <16 x i32> %a, <16 x i32> %b) #0 {
+  %x = bitcast <16 x i32> %a to <32 x bfloat>
+  %y = bitcast <16 x i32> %b to <32 x bfloat>
+  %r = call <16 x float> @llvm.x86.avx512bf16.dpbf16ps.512(<16 x float> %acc, <32 x bfloat> %x, <32 x bfloat> %y)
+  ret <16 x float> %r
+}
+declare <16 x float> @llvm.x86.avx512bf16.dpbf16ps.512(<16 x float>, <32 x bfloat>, <32 x bfloat>)
+attributes #0 = { alwaysinline nounwind readnone "target-features"="+avx512bf16,+avx512f" }
+"""
+
+DP_S, DP_PV, ILV = "attn_bf16_dp_s", "attn_bf16_dp_pv", "attn_bf16_ilv"
+_ILV_LANES = [x for d in range(L) for x in (d, d + L)]
+
+
+def _dp(acc, a, b):
+    return T.call_pure_extern("float32x16", "tvma_dpbf16", acc, a, b)
+
+
+def _pair32(buf, idx):
+    """The 32-bit word of bf16 ``buf[idx]`` and its neighbour (a little-endian pair)."""
+    return T.reinterpret("int32", buf.vload(idx, "uint16x2"))
+
+
+def _register() -> None:
+    @T.prim_func(s_tir=True)
+    def s_desc(a: T.handle, b: T.handle, c: T.handle):
+        K = T.match_buffer(a, (2,), U16, offset_factor=1, scope="local")
+        Q = T.match_buffer(b, (1, L, 2), U16, offset_factor=1, scope="local")
+        S = T.match_buffer(c, (L,), F32, offset_factor=1, scope="local")
+        with T.sblock("root"):
+            T.reads(S[0:L], K[0:2], Q[0, 0:L, 0:2])
+            T.writes(S[0:L])
+            for t, i in T.grid(2, L):  # loop order: the schedule's; iter order: the block's
+                with T.sblock("update"):
+                    vi, vt = T.axis.remap("SR", [i, t])
+                    S[vi] = S[vi] + bf16_value(K[vt]) * bf16_value(Q[0, vi, vt])
+
+    @T.prim_func(s_tir=True)
+    def s_impl(a: T.handle, b: T.handle, c: T.handle):
+        K = T.match_buffer(a, (2,), U16, offset_factor=1, scope="local")
+        Q = T.match_buffer(b, (1, L, 2), U16, offset_factor=1, scope="local")
+        S = T.match_buffer(c, (L,), F32, offset_factor=1, scope="local")
+        with T.sblock("root"):
+            T.reads(S[0:L], K[0:2], Q[0, 0:L, 0:2])
+            T.writes(S[0:L])
+            S[T.ramp(0, 1, L)] = _dp(S[T.ramp(0, 1, L)], T.reinterpret("int32x16", Q.vload([0, 0, 0], "uint16x32")),
+                                     T.Broadcast(_pair32(K, [0]), L))
+
+    @T.prim_func(s_tir=True)
+    def pv_desc(a: T.handle, b: T.handle, c: T.handle):
+        P = T.match_buffer(a, (2,), U16, offset_factor=1, scope="local")
+        V = T.match_buffer(b, (1, L, 2), U16, offset_factor=1, scope="local")
+        A = T.match_buffer(c, (L,), F32, offset_factor=1, scope="local")
+        with T.sblock("root"):
+            T.reads(A[0:L], P[0:2], V[0, 0:L, 0:2])
+            T.writes(A[0:L])
+            for t, d in T.grid(2, L):
+                with T.sblock("update"):
+                    vd, vt = T.axis.remap("SR", [d, t])
+                    A[vd] = A[vd] + bf16_value(P[vt]) * bf16_value(V[0, vd, vt])
+
+    @T.prim_func(s_tir=True)
+    def pv_impl(a: T.handle, b: T.handle, c: T.handle):
+        P = T.match_buffer(a, (2,), U16, offset_factor=1, scope="local")
+        V = T.match_buffer(b, (1, L, 2), U16, offset_factor=1, scope="local")
+        A = T.match_buffer(c, (L,), F32, offset_factor=1, scope="local")
+        with T.sblock("root"):
+            T.reads(A[0:L], P[0:2], V[0, 0:L, 0:2])
+            T.writes(A[0:L])
+            A[T.ramp(0, 1, L)] = _dp(A[T.ramp(0, 1, L)], T.reinterpret("int32x16", V.vload([0, 0, 0], "uint16x32")),
+                                     T.Broadcast(_pair32(P, [0]), L))
+
+    @T.prim_func(s_tir=True)
+    def ilv_desc(a: T.handle, b: T.handle):
+        X = T.match_buffer(a, (2, L), U16, offset_factor=1, scope="local")
+        Y = T.match_buffer(b, (1, L, 2), U16, offset_factor=1, scope="local")
+        with T.sblock("root"):
+            T.reads(X[0:2, 0:L])
+            T.writes(Y[0, 0:L, 0:2])
+            for t, d in T.grid(2, L):
+                with T.sblock("update"):
+                    vd, vt = T.axis.remap("SS", [d, t])
+                    Y[0, vd, vt] = X[vt, vd]
+
+    @T.prim_func(s_tir=True)
+    def ilv_impl(a: T.handle, b: T.handle):
+        X = T.match_buffer(a, (2, L), U16, offset_factor=1, scope="local")
+        Y = T.match_buffer(b, (1, L, 2), U16, offset_factor=1, scope="local")
+        with T.sblock("root"):
+            T.reads(X[0:2, 0:L])
+            T.writes(Y[0, 0:L, 0:2])
+            Y[0, 0, T.ramp(0, 1, 2 * L)] = T.Shuffle([X.vload([0, 0], "uint16x16"), X.vload([1, 0], "uint16x16")],
+                                                      _ILV_LANES)
+
+    for name, desc, impl in ((DP_S, s_desc, s_impl), (DP_PV, pv_desc, pv_impl), (ILV, ilv_desc, ilv_impl)):
+        try:
+            TensorIntrin.register(name, desc, impl)
+        except Exception:  # noqa: BLE001 - registered earlier in this process
+            pass
+
+
+_register()
+
+
+def supports(spec: AttentionSpec, features: set[str]) -> bool:
+    """Whether ``spec`` can take the bf16 dot-product form on a CPU with ``features``."""
+    return spec.dtype == "bfloat16" and FEATURE in features and "avx512f" in features and spec.head_dim % L == 0
+
+
+def schedule(sch: s_tir.Schedule, spec: AttentionSpec, knobs=None, suffix: str = "") -> s_tir.Schedule:
+    """Schedule the dot_bf16 main nest (blocks ``*<suffix>``): with ``knobs`` every decision is
+    pinned (the hand schedule), with None sampled (the design space), as ``cpu_flash.schedule``."""
+    from .cpu_flash import (AUTO_UNROLL_STEPS, PARALLEL_CHUNKS, _choice, _tile, _vectorize_rows, max_pv_rows,
+                            max_s_rows)
+
+    row_tile = sch.get_sblock("row_tile" + suffix)
+    bufs = {b.name: b for b in sch.get(row_tile).alloc_buffers}
+    block_n, block_m = (int(x) for x in bufs["S"].shape)
+    D = spec.head_dim
+    pin = knobs is not None
+
+    def blk(name):
+        return sch.get_sblock(name + suffix)
+
+    def vec(loop, extent, lanes):
+        if extent > lanes:
+            outer, loop = sch.split(loop, [None, lanes])
+            sch.unroll(outer)
+        sch.vectorize(loop)
+
+    # Copies: the key and value tiles' bits (contiguous rows); Q pairs once per row tile.
+    vec(sch.get_loops(blk("K_load"))[-1], D, 32)
+    vec(sch.get_loops(blk("V_load"))[-1], D, 32)
+    sch.unroll(sch.get_loops(blk("Q_load"))[-1])
+
+    # S_gemm (j, dp, i, t) -> (jo, dp, ji, io, [t, ii]): s_rows keys × query vectors of
+    # accumulators across the d-pair loop, one vdpbf16ps per (key, query vector, d pair).
+    s_gemm = blk("S_gemm")
+    j, dp, i, t = sch.get_loops(s_gemm)[-4:]
+    s_rows = _tile(sch, j, block_n, knobs.s_rows if pin else None, max_s_rows(block_m, L))
+    jo, ji = sch.split(j, s_rows)
+    io, ii = sch.split(i, [None, L])
+    sch.reorder(jo, dp, ji, io, t, ii)
+    init = sch.decompose_reduction(s_gemm, dp)
+    sch.vectorize(sch.get_loops(init)[-1])
+    sch.tensorize(t, DP_S)
+    sch.unroll(ji)
+    sch.unroll(io)
+
+    # Pairs of V rows and of P rows (keys 2jp, 2jp+1) interleaved, 16 columns per shuffle.
+    for name in ("V_ilv", "P_ilv"):
+        b = blk(name)
+        jp, x, t = sch.get_loops(b)[-3:]
+        xo, xi = sch.split(x, [None, L])
+        sch.reorder(jp, xo, t, xi)
+        sch.tensorize(t, ILV)
+    vec(sch.get_loops(blk("P_round"))[-1], block_m, L)
+
+    # PV_gemm (i, jp, d, t) -> (io, jp, ii, do, [t, di]): pv_rows rows × D/16 column vectors.
+    pv = blk("PV_gemm")
+    i, jp, d, t = sch.get_loops(pv)[-4:]
+    pv_rows = _tile(sch, i, block_m, knobs.pv_rows if pin else None, max_pv_rows(D, L))
+    io, ii = sch.split(i, pv_rows)
+    do, di = sch.split(d, [None, L])
+    sch.reorder(io, jp, ii, do, t, di)
+    sch.tensorize(t, DP_PV)
+    sch.unroll(ii)
+    sch.unroll(do)
+
+    # Softmax stages across query rows, as the fp32 schedule.
+    for name in ("row_max", "P_exp", "row_sum", "state_init", "online_correction", "max_commit"):
+        _vectorize_rows(sch, sch.get_loops(blk(name))[-1], L)
+    for name in ("acc_init", "O_store"):
+        sch.vectorize(sch.get_loops(blk(name))[-1])
+    # acc_rescale reads what it writes (not a complete block: vectorize refuses it); its loop is
+    # a plain contiguous scale that LLVM vectorizes itself
+    for name in ("row_max", "row_sum"):
+        b = blk(name)
+        sch.decompose_reduction(b, sch.get_loops(b)[-3])
+
+    c_loop = sch.get_loops(blk("kv_tile"))[-1]
+    unroll = _choice(sch, AUTO_UNROLL_STEPS, knobs.auto_unroll if pin else None)
+    sch.annotate(c_loop, "pragma_auto_unroll_max_step", unroll)
+    sch.annotate(c_loop, "pragma_unroll_explicit", 1)
+    sch.annotate(c_loop, "pragma_import_llvm", DPBF16_IR)
+
+    for key, value in (("s_rows", s_rows[1]), ("pv_rows", pv_rows[1]), ("pv_cols", 0), ("d_unroll", 1),
+                       ("auto_unroll", unroll)):
+        sch.annotate(row_tile, f"attn.{key}", value)
+    fused = sch.fuse(*sch.get_loops(row_tile))
+    chunk = _choice(sch, PARALLEL_CHUNKS, knobs.parallel_chunk if pin else None)
+    outer, _ = sch.split(fused, [None, chunk])
+    sch.parallel(outer)
+    sch.annotate(row_tile, "attn.parallel_chunk", chunk)
+    return sch
