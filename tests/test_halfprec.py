@@ -166,3 +166,21 @@ def test_tuner_searches_both_forms_of_a_bf16_spec():
     dots = [t for t in tasks if t.name.endswith("_bf16dot")]
     assert tasks[0] is dots[0] and 0 < len(dots) == len(tasks) - len(dots)
     assert all(workload_matches(spec, t.mod) for t in tasks)
+
+
+def test_halfprec_bench_smoke(tmp_path):
+    """``bench --halfprec --tiny``: every variant side by side with the two roofs of this run."""
+    import json
+
+    from tvm_attention import cli
+
+    assert cli.main(["bench", "--halfprec", "--tiny", "--threads", "2", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "halfprec.json").read_text())
+    (row,) = report["rows"]
+    assert report["meta"]["fma_peak_gflops"] > 0
+    for name in ("fp32", "bf16-fp32", "fp16"):
+        assert row[f"{name}_gflops"] > 0 and row[f"{name}_err"] < 2e-2, name
+    if report["meta"]["avx512bf16"]:
+        assert report["meta"]["bf16_dot_peak_gflops"] > 0 and 0 < row["bf16_of_dot_peak"]
+        assert row["bf16-dot_err"] < 2e-2 and row["bf16_vs_fp32"] > 0
+    assert "| D | fp32 | bf16-dot |" in (tmp_path / "halfprec.md").read_text()

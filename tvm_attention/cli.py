@@ -273,6 +273,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
     threads = set_num_threads(a.threads)
     if a.decode:
         return bench_decode(a, threads)
+    if a.halfprec:
+        return bench_halfprec(a, threads)
     if a.tiny:
         seqs, dims, causals, variants, tokens = [256, 512], [64], [False], a.variants or ["fused", "materialized"], None
         heads = 2
@@ -313,6 +315,19 @@ def bench_decode(a: argparse.Namespace, threads: int) -> int:
     cfg = dataclasses.replace(cfg, **{k: tuple(v) for k, v in over.items() if v})
     report = decode.run(cfg, threads, say=lambda m: print(m, flush=True))
     paths = decode.write(report, a.out)
+    print(paths["md"].read_text())
+    print(f"results: {', '.join(str(p) for p in paths.values())}")
+    return 0
+
+
+def bench_halfprec(a: argparse.Namespace, threads: int) -> int:
+    """``bench --halfprec``: bf16 prefill (AVX512-BF16 dot products) against our fp32 and torch
+    SDPA in both dtypes, with the FMA and bf16 dot-product peaks; ``--tiny``: one small point."""
+    from .bench import halfprec
+
+    cfg = halfprec.quick_config() if a.tiny else halfprec.Config()
+    report = halfprec.run(cfg, threads, say=lambda m: print(m, flush=True))
+    paths = halfprec.write(report, a.out)
     print(paths["md"].read_text())
     print(f"results: {', '.join(str(p) for p in paths.values())}")
     return 0
@@ -460,6 +475,10 @@ def main(argv: list[str] | None = None) -> int:
                         "layouts, GQA 32:8 and MHA, D 128/64), GB/s of K/V read, fraction of the streaming-read "
                         "bandwidth measured in the same run, torch SDPA (enable_gqa) side by side")
     p.add_argument("--decode-batch", type=int, nargs="+", default=None, help="--decode: batches (default 1 4 16)")
+    p.add_argument("--halfprec", action="store_true",
+                   help="half-precision prefill instead: bf16 (AVX512-BF16 dot products), bf16 with fp32 products, "
+                        "fp16 and fp32 against torch SDPA fp32/bf16 at S=4096, H=8, D 64/128, with the FMA and "
+                        "bf16 dot-product peaks of this CPU")
     p.add_argument("--decode-dtype", nargs="+", default=None, choices=["float32", "bfloat16", "float16"],
                    help="--decode: cache dtypes, each point measured in each (default float32)")
     p.add_argument("--decode-cache", type=int, nargs="+", default=None,

@@ -201,6 +201,57 @@ def fma_peak(threads: int | None = None, chains: int = 12, iters: int = 1 << 22,
                    seconds=time.perf_counter() - t0)
 
 
+def bf16_dot_peak(threads: int | None = None, chains: int = 12, iters: int = 1 << 21,
+                  repeat: int = 15) -> dict[str, Any] | None:
+    """The bf16 compute roof: GFLOP/s of a TVM loop of AVX512-BF16 ``vdpbf16ps`` on register
+    accumulators (64 FLOP per instruction: 16 lanes × 2 bf16 products, added), the instruction
+    the ``dot_bf16`` kernels run on (the same imported LLVM helper); None without avx512bf16.
+    12 independent chains cover the instruction's latency, as in :func:`fma_peak`."""
+    import tvm
+    from tvm.script import tirx as T
+
+    from schedules.cpu_bf16 import DPBF16_IR, FEATURE
+
+    from ..target import target_features
+
+    t0 = time.perf_counter()
+    threads, target, _ = _threads_and_target(threads)
+    if FEATURE not in target_features(target):
+        return None
+    lanes = 16
+    width = chains * lanes
+
+    @T.prim_func
+    def dp_loop(ab: T.Buffer((2, lanes), "int32"), out: T.Buffer((threads, width), "float32"), n: T.int32):
+        T.func_attr({"global_symbol": "dp_loop", "tirx.noalias": True})
+        for t in T.parallel(threads):
+            acc = T.alloc_buffer((width,), "float32", scope="local")
+            for c in T.unroll(chains):
+                acc[T.ramp(c * lanes, 1, lanes)] = T.Broadcast(T.float32(0), lanes)
+            for _ in T.serial(n, annotations={"pragma_import_llvm": DPBF16_IR}):
+                for c in T.unroll(chains):
+                    acc[T.ramp(c * lanes, 1, lanes)] = T.call_pure_extern(
+                        "float32x16", "tvma_dpbf16", acc[T.ramp(c * lanes, 1, lanes)],
+                        ab[0, T.ramp(0, 1, lanes)], ab[1, T.ramp(0, 1, lanes)])
+            for c in T.unroll(chains):
+                out[t, T.ramp(c * lanes, 1, lanes)] = acc[T.ramp(c * lanes, 1, lanes)]
+
+    ex = tvm.compile(tvm.IRModule({"dp_loop": dp_loop}), target=target)
+    n_dp = ex.mod.inspect_source("asm").count("vdpbf16ps")
+    # pairs of bf16 1.0 (0x3F80) and 2^-24 (0x3380): each step adds 2^-23, no overflow
+    ab = tvm.runtime.tensor(np.array([[0x3F803F80] * lanes, [0x33803380] * lanes], np.int32))
+    out = tvm.runtime.empty((threads, width), "float32")
+    ex.mod["dp_loop"](ab, out, 1000)
+    te = ex.mod.time_evaluator("dp_loop", tvm.cpu(), number=1, repeat=repeat)
+    secs = list(te(ab, out, iters).results)
+    flop = 64 * chains * iters * threads
+    return {"gflops": flop / min(secs) / 1e9, "median_gflops": flop / statistics.median(secs) / 1e9,
+            "threads": threads, "chains": chains, "iters": iters, "vdpbf16ps_instructions": n_dp,
+            "seconds": time.perf_counter() - t0,
+            "method": f"TVM loop over {threads} threads, each {iters} trips of {chains} independent vdpbf16ps "
+                      "chains on zmm accumulators (64 FLOP each); best of the repeats"}
+
+
 def read_bandwidth(mib: int = 256, threads: int | None = None, accumulators: int = 8,
                    repeat: int = 20) -> ReadBandwidth:
     """Measure streaming-read bandwidth with TVM's own code (about 1.5 s at 256 MiB).
