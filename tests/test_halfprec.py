@@ -184,3 +184,17 @@ def test_halfprec_bench_smoke(tmp_path):
         assert report["meta"]["bf16_dot_peak_gflops"] > 0 and 0 < row["bf16_of_dot_peak"]
         assert row["bf16-dot_err"] < 2e-2 and row["bf16_vs_fp32"] > 0
     assert "| D | fp32 | bf16-dot |" in (tmp_path / "halfprec.md").read_text()
+
+
+def test_bench_sweep_points_and_torch_peer_take_the_dtype():
+    from tvm_attention.bench.cpu import torch_sdpa_fn
+    from tvm_attention.bench.sweep import points
+
+    pts = points([256], [64], [True], heads=2, batch=1, tokens=None, dtypes=["float32", "bfloat16"])
+    assert [s.dtype for _, s in pts] == ["float32", "bfloat16"]
+    spec = pts[1][1]
+    fn = torch_sdpa_fn(spec, 1)
+    if fn is None:
+        pytest.skip("torch not installed")
+    (q, k, v), exact = rounded_inputs(spec, seed=4)
+    check(spec, fn(q, k, v), reference_attention(spec, *exact))  # SDPA in bf16 on the bf16 inputs

@@ -310,8 +310,10 @@ def measure_ceilings(threads: int | None = None, say: Callable[[str], None] | No
     bw = read_bandwidth(threads=threads)
     if earlier is None:
         sgemm = sgemm_ceiling()
+        dots = bf16_dot_peak(threads)  # None without AVX512-BF16
         meta = {
             "fma_peak_gflops": peak.gflops, "read_gbps": bw.gbps, "sgemm_gflops": sgemm,
+            "bf16_dot_peak_gflops": dots["gflops"] if dots else None,
             "ceilings": {
                 "fma_peak": {**peak.to_meta(), "measured_gflops": [peak.gflops]},
                 "read_bandwidth": {**bw.to_meta(), "measured_gbps": [bw.gbps]},
@@ -321,7 +323,7 @@ def measure_ceilings(threads: int | None = None, say: Callable[[str], None] | No
             },
         }
     else:
-        meta = {k: earlier[k] for k in ("fma_peak_gflops", "read_gbps", "sgemm_gflops")}
+        meta = {k: earlier.get(k) for k in ("fma_peak_gflops", "read_gbps", "sgemm_gflops", "bf16_dot_peak_gflops")}
         old = earlier["ceilings"]
         fp = old["fma_peak"] if old["fma_peak"]["gflops"] >= peak.gflops else peak.to_meta()
         rb = old["read_bandwidth"] if old["read_bandwidth"]["gbps"] >= bw.gbps else bw.to_meta()

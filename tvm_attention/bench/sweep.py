@@ -71,8 +71,11 @@ class Result:
         return self.modeled_bytes / self.timing.median_s / 1e9 if self.timing else None
 
     def roof_fractions(self, meta: dict[str, Any]) -> tuple[float | None, float | None]:
-        """(GFLOP/s ÷ FMA peak, modeled GB/s ÷ read bandwidth), with the roofs of ``meta``."""
+        """(GFLOP/s ÷ compute peak, modeled GB/s ÷ read bandwidth), with the roofs of ``meta``: the
+        compute peak is the FMA peak, for bfloat16 points the bf16 dot-product peak where measured."""
         peak, bw = meta.get("fma_peak_gflops"), meta.get("read_gbps")
+        if self.spec.dtype == "bfloat16" and meta.get("bf16_dot_peak_gflops"):
+            peak = meta["bf16_dot_peak_gflops"]
         if not self.timing:
             return None, None
         return (self.gflops / peak if peak else None, self.modeled_gbps / bw if bw else None)
@@ -233,7 +236,9 @@ def markdown_table(results: list[Result], meta: dict[str, Any]) -> str:
              f"roofs: FMA peak {meta.get('fma_peak_gflops', 0):.0f} GFLOP/s (TVM FMA loop), streaming-read "
              f"bandwidth {meta.get('read_gbps', 0):.1f} GB/s (TVM parallel sum); NumPy sgemm "
              f"{meta.get('sgemm_gflops', 0):.0f} GFLOP/s for comparison. Cells: GFLOP/s (% of FMA peak, "
-             "% of read BW: modeled bytes / time).", ""]
+             "% of read BW: modeled bytes / time)"
+             + (f"; bfloat16 rows: % of the bf16 dot-product peak, {meta['bf16_dot_peak_gflops']:.0f} GFLOP/s"
+                if meta.get("bf16_dot_peak_gflops") else "") + ".", ""]
     head = ["mode", "B", "S", "D", "dtype", "causal"] + [f"{v} GFLOP/s (% of FMA peak, % of read BW)" for v in variants]
     # fused-dyn/fused = static time / dynamic time (the cost of symbolic shapes), only when asked for
     speedups = [("fused", "materialized"), ("fused", "torch")] + ([("fused-dyn", "fused")] if "fused-dyn" in variants else [])
