@@ -56,14 +56,14 @@ def test_large_logits_and_d128(dtype):
     check(spec, kernel_of(built(spec))(q, k, v), reference_attention(spec, *exact))
 
 
-# one symbolic build per (layout, dtype): the validation runs the layout's own cases (mixed
-# lengths, empty sequences, shuffled pages) against the reference of the rounded inputs
+# one symbolic build per layout in bf16 (fp16 shares every line but the dtype: bhsd only): the
+# validation runs the layout's own cases (mixed lengths, empty sequences, shuffled pages)
+# against the reference of the rounded inputs
 LAYOUT_SPECS = {
     "bhsd-bf16": dict(layout="bhsd", dtype="bfloat16", dynamic=("batch", "seq_q", "seq_kv"), seq_q=128, seq_kv=128),
     "bhsd-fp16": dict(layout="bhsd", dtype="float16", dynamic=("batch", "seq_q", "seq_kv"), seq_q=128, seq_kv=128),
     "varlen-bf16": dict(layout="varlen", dtype="bfloat16", seq_q=128, seq_kv=128),
     "kvcache-bf16": dict(layout="kvcache", dtype="bfloat16", seq_q=1, seq_kv=256, return_lse=True),
-    "kvcache-fp16": dict(layout="kvcache", dtype="float16", seq_q=1, seq_kv=256),
     "paged-bf16": dict(layout="paged", dtype="bfloat16", seq_q=1, seq_kv=256),
 }
 
@@ -120,8 +120,8 @@ def test_bf16_dot_products_match_the_reference_and_emit_vdpbf16ps(seq_q, seq_kv,
     (seq_q 3: one row per head more than a packed decode nest takes, so the main nest runs.)"""
     spec = AttentionSpec(batch=1, heads=4, kv_heads=2, seq_q=seq_q, seq_kv=seq_kv, head_dim=64, causal=causal,
                          dtype="bfloat16")
-    dots, plain = built(spec, knobs=(("dot_bf16", 1),)), built(spec, knobs=(("dot_bf16", 0),))
-    assert dots.knobs == built(spec).knobs  # the preset here
+    dots, plain = built(spec), built(spec, knobs=(("dot_bf16", 0),))  # the preset here: dot products
+    assert dots.knobs.dot_bf16 == 1
     assert dots.audit.fused, dots.audit.reasons
     assert dots.module.inspect_source("asm").count("vdpbf16ps") >= 2  # QKᵀ and PV
     assert "vdpbf16ps" not in plain.module.inspect_source("asm")
@@ -198,3 +198,18 @@ def test_bench_sweep_points_and_torch_peer_take_the_dtype():
         pytest.skip("torch not installed")
     (q, k, v), exact = rounded_inputs(spec, seed=4)
     check(spec, fn(q, k, v), reference_attention(spec, *exact))  # SDPA in bf16 on the bf16 inputs
+
+
+@needs_bf16_dots
+def test_tuned_bf16_dot_trace_replays_and_builds(tmp_path):
+    """A tune of a bf16 spec measures the dot-product form first (its tensorized trace, with the
+    imported LLVM helper, goes through the log) and the tuned build replays it."""
+    from tvm_attention.pipeline import build_best
+    from tvm_attention.tune.driver import tune
+
+    spec = AttentionSpec(batch=1, heads=2, seq_q=128, seq_kv=128, head_dim=64, dtype="bfloat16")
+    result = tune(spec, trials=2, per_round=2, work_dir=tmp_path, progress=lambda m: None)
+    assert result.trials_new == 2 and result.best_knobs["dot_bf16"] == 1, result.best_task
+    b, v = build_best(spec, log_dir=tmp_path)
+    assert b.source == "tuned" and b.knobs.dot_bf16 == 1 and v.passed and b.audit.fused
+    assert "vdpbf16ps" in b.module.inspect_source("asm")

@@ -142,24 +142,24 @@ def test_killed_tune_keeps_records_and_resume_does_not_remeasure(tmp_path):
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + 240
-        while _count_records(work) < 4 and time.time() < deadline and proc.poll() is None:
+        while _count_records(work) < 2 and time.time() < deadline and proc.poll() is None:
             time.sleep(0.2)
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
     kept = _count_records(work)
-    assert kept >= 4, "the killed tune should have committed records"
+    assert kept >= 2, "the killed tune should have committed records"
     # Simulate a write cut off by the kill: a partial final line.
     with open(work / RECORD_FILE, "ab") as f:
         f.write(b'[0, [[["GetSBlock", [], {"name": "row')
     before = set((work / RECORD_FILE).read_text().splitlines()[:kept])
     messages = []
     spec = AttentionSpec(batch=1, heads=2, seq_q=128, head_dim=64)
-    result = tune(spec, trials=kept + 4, per_round=2, work_dir=work, progress=messages.append)
+    result = tune(spec, trials=kept + 2, per_round=2, work_dir=work, progress=messages.append)
     assert any("resuming" in m and f"{kept} record" in m for m in messages)
     assert any("truncated last line" in m for m in messages)
     assert (work / (RECORD_FILE + ".interrupted")).exists()
-    assert result.trials_new == 4 and _count_records(work) == kept + 4
+    assert result.trials_new == 2 and _count_records(work) == kept + 2
     # No candidate was measured twice: every record's scheduled module is distinct.
     parsed = parse_logs(work)
     hashes = []
@@ -170,7 +170,7 @@ def test_killed_tune_keeps_records_and_resume_does_not_remeasure(tmp_path):
     assert len(set(hashes)) == len(hashes)
     assert set((work / RECORD_FILE).read_text().splitlines()[:kept]) == before  # old records kept
     # Already at the budget: a rerun measures nothing.
-    again = tune(spec, trials=kept + 4, per_round=2, work_dir=work, progress=quiet)
+    again = tune(spec, trials=kept + 2, per_round=2, work_dir=work, progress=quiet)
     assert again.trials_new == 0
 
 

@@ -386,6 +386,8 @@ def knob_summary(knobs: dict[str, Any] | None) -> str:
         text += f" u{knobs['auto_unroll']}"
     if "split_tasks" in knobs:
         text += f" split{knobs['split_tasks']}"
+    if knobs.get("dot_bf16"):
+        text += " bf16dot"
     return text
 
 
