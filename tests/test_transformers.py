@@ -208,6 +208,29 @@ def test_static_cache_generate_runs_the_kvcache_kernel_in_place(cache):
         tvm.generate(prompt(2), attention_mask=mask, cache_implementation="static", **GEN)
 
 
+def test_bfloat16_model_matches_sdpa(cache):
+    """A bfloat16 model runs the bf16 kernels (dot products on AVX512-BF16 where the CPU has them):
+    prefill logits and a decode step through the cache agree with SDPA in bf16 to bf16 rounding
+    (greedy tokens of a random model can flip on near-ties, so logits are compared)."""
+    sdpa, tvm = (tiny_llama(impl).to(torch.bfloat16) for impl in ("sdpa", "tvm_attention"))
+    ids = prompt(2, length=40)
+    outs = []
+    for model in (sdpa, tvm):
+        with torch.no_grad():
+            first = model(ids[:, :39], use_cache=True)
+            step = model(ids[:, 39:], cache=first.past_key_values, use_cache=True)
+        outs.append((first.logits.float(), step.logits.float()))
+    for got, want in zip(outs[1], outs[0]):
+        torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
+    s = hf.stats()
+    assert s["builds"] == 1 and s["calls"] == 2 * 2, s
+    assert only_artifact(cache).name.startswith("h4_kv2_d16_bfloat16_causal_")
+    mixed = torch.zeros(1, 4, 3, 16, dtype=torch.bfloat16), torch.zeros(1, 2, 3, 16)
+    module = torch.nn.Module()
+    with pytest.raises(hf.UnsupportedAttention, match="one dtype"):
+        hf.attention_forward(module, mixed[0], mixed[1], mixed[1], None, scaling=0.25)
+
+
 def test_padded_batch_generate_raises(cache):
     tvm = tiny_llama("tvm_attention")
     ids = prompt(2)
@@ -243,7 +266,7 @@ def test_dropout_in_training_raises(cache):
     (dict(s_aux=torch.zeros(4)), "attention sinks"),
     (dict(sliding_window=4), "sliding-window"),
     (dict(position_bias=torch.zeros(1, 4, 3, 3)), "position bias"),
-    (dict(dtype=torch.bfloat16), "dtype bfloat16"),
+    (dict(dtype=torch.float64), "dtype float64"),
     (dict(attention_mask=torch.zeros(1, 1, 3, 3, dtype=torch.bool)), "custom 4-D attention mask"),
 ])
 def test_unsupported_features_raise_by_name(kwargs, match):

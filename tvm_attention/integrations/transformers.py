@@ -32,7 +32,9 @@ Semantics: ``softmax(q·kᵀ·scaling)·v`` with bottom-right causal masking whe
 :class:`UnsupportedAttention` naming the feature — never a silent fallback: an attention mask
 that is not plain causal/full (padding, packed sequences, an offset cache, custom 4D masks),
 attention dropout > 0 (training mode), sliding windows, logit softcapping, attention sinks
-(``s_aux``), a position bias, a dtype other than float32 or a device other than the CPU. The
+(``s_aux``), a position bias, a dtype other than float32/bfloat16/float16 or a device other than
+the CPU. A bfloat16 model runs the bf16 kernels (AVX512-BF16 dot products where the CPU has
+them). The
 kernel has no backward pass: a forward with autograd works, ``backward`` through it raises.
 
 Masks: transformers builds one mask per forward (not per layer) through the mask function
@@ -77,6 +79,10 @@ KEY_FORMAT = 1
 _MASK_REASON = "_tvm_attention_reason"
 _CACHE_SEQLENS = "_tvm_attention_cache_seqlens"  # tags attention_mask's cache_seqlens tensor
 SPIN_ENV = "TVM_THREAD_POOL_SPIN_COUNT"
+
+
+#: torch dtypes the kernels take (inputs, cache and output; softmax and sums in float32)
+_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 class UnsupportedAttention(NotImplementedError):
@@ -293,7 +299,7 @@ def attention_forward(
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     head_dim = query.shape[-1]
     scale = float(scaling) if scaling is not None else head_dim ** -0.5
-    cfg = (query.shape[1], key.shape[1], head_dim, "float32", causal, scale)
+    cfg = (query.shape[1], key.shape[1], head_dim, _DTYPES[query.dtype], causal, scale)
     if cache_seqlens is None and (artifact_root(), cfg + ("kvcache",)) in _kernels:
         # every key is in use (a static cache that is full, e.g. generate's last step): the
         # kvcache kernel already loaded computes the same, with no build of the bhsd one
@@ -406,9 +412,10 @@ def _check_supported(module, query, key, value, mask, dropout, kwargs) -> None:
         if t.device.type != "cpu":
             raise _unsupported(f"{t.device.type} tensors", f"{name} is on {t.device}",
                                "this backend runs on the CPU: move the model there")
-        if t.dtype != torch.float32:
-            raise _unsupported(f"dtype {str(t.dtype).removeprefix('torch.')} on CPU", f"{name} is {t.dtype}",
-                               "load the model in float32 (dtype=torch.float32)")
+        if t.dtype not in _DTYPES or t.dtype != query.dtype:
+            raise _unsupported(f"dtype {str(t.dtype).removeprefix('torch.')} on CPU",
+                               f"{name} is {t.dtype}, query {query.dtype}",
+                               "load the model in float32, bfloat16 or float16 (one dtype for all of it)")
         if t.dim() != 4:
             raise _unsupported("this tensor layout", f"{name} has shape {tuple(t.shape)}, not (B, H, S, D)", _OTHER)
     if key.shape != value.shape or key.shape[0] != query.shape[0] or key.shape[-1] != query.shape[-1]:
