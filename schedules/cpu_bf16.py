@@ -9,9 +9,9 @@ schedule register-blocks the two products like the fp32 schedule and tensorizes 
 (pair, 16 lanes) nests:
 
 * ``S_gemm`` ``(key block, d pair, keys unrolled, query vectors unrolled, [pair, 16 rows])``:
-  ``S[j, i:i+16] += dot(Qp[dp, i:i+16, 0:2], broadcast(K[j, 2dp:2dp+2]))`` (``DP_S``);
+  ``S[j, i:i+16] += dot(Qp[dp, i:i+16, 0:2], broadcast(K[j, 2dp:2dp+2]))`` (``DP``);
 * ``PV_gemm`` ``(row block, key pair, rows unrolled, column vectors unrolled, [pair, 16 cols])``:
-  ``acc[i, d:d+16] += dot(Vt[jp, d:d+16, 0:2], broadcast(P[i, 2jp:2jp+2]))`` (``DP_PV``);
+  ``acc[i, d:d+16] += dot(Vt[jp, d:d+16, 0:2], broadcast(P[i, 2jp:2jp+2]))`` (``DP``, the same);
 * ``V_ilv``/``P_ilv`` interleave two 16-element rows into 16 pairs (``ILV``, one shuffle).
 
 TVM's own lowering turns bf16 arithmetic into float32 (``BF16ComputeLegalize``) and cannot pass a
@@ -46,7 +46,7 @@ declare <16 x float> @llvm.x86.avx512bf16.dpbf16ps.512(<16 x float>, <32 x bfloa
 attributes #0 = { alwaysinline nounwind readnone "target-features"="+avx512bf16,+avx512f" }
 """
 
-DP_S, DP_PV, ILV = "attn_bf16_dp_s", "attn_bf16_dp_pv", "attn_bf16_ilv"
+DP, ILV = "attn_bf16_dp", "attn_bf16_ilv"
 _ILV_LANES = [x for d in range(L) for x in (d, d + L)]
 
 
@@ -60,53 +60,32 @@ def _pair32(buf, idx):
 
 
 def _register() -> None:
+    # One dot-product intrinsic serves both products: ``acc[0:16] += Σ_t x[t] · y[0, 0:16, t]``
+    # with the pair ``x`` broadcast (S_gemm: a K pair against 16 query rows of Qp; PV_gemm: a P
+    # pair against 16 columns of Vt).
     @T.prim_func(s_tir=True)
-    def s_desc(a: T.handle, b: T.handle, c: T.handle):
-        K = T.match_buffer(a, (2,), U16, offset_factor=1, scope="local")
-        Q = T.match_buffer(b, (1, L, 2), U16, offset_factor=1, scope="local")
-        S = T.match_buffer(c, (L,), F32, offset_factor=1, scope="local")
+    def dp_desc(a: T.handle, b: T.handle, c: T.handle):
+        X = T.match_buffer(a, (2,), U16, offset_factor=1, scope="local")
+        Y = T.match_buffer(b, (1, L, 2), U16, offset_factor=1, scope="local")
+        A = T.match_buffer(c, (L,), F32, offset_factor=1, scope="local")
         with T.sblock("root"):
-            T.reads(S[0:L], K[0:2], Q[0, 0:L, 0:2])
-            T.writes(S[0:L])
+            T.reads(A[0:L], X[0:2], Y[0, 0:L, 0:2])
+            T.writes(A[0:L])
             for t, i in T.grid(2, L):  # loop order: the schedule's; iter order: the block's
                 with T.sblock("update"):
                     vi, vt = T.axis.remap("SR", [i, t])
-                    S[vi] = S[vi] + bf16_value(K[vt]) * bf16_value(Q[0, vi, vt])
+                    A[vi] = A[vi] + bf16_value(X[vt]) * bf16_value(Y[0, vi, vt])
 
     @T.prim_func(s_tir=True)
-    def s_impl(a: T.handle, b: T.handle, c: T.handle):
-        K = T.match_buffer(a, (2,), U16, offset_factor=1, scope="local")
-        Q = T.match_buffer(b, (1, L, 2), U16, offset_factor=1, scope="local")
-        S = T.match_buffer(c, (L,), F32, offset_factor=1, scope="local")
-        with T.sblock("root"):
-            T.reads(S[0:L], K[0:2], Q[0, 0:L, 0:2])
-            T.writes(S[0:L])
-            S[T.ramp(0, 1, L)] = _dp(S[T.ramp(0, 1, L)], T.reinterpret("int32x16", Q.vload([0, 0, 0], "uint16x32")),
-                                     T.Broadcast(_pair32(K, [0]), L))
-
-    @T.prim_func(s_tir=True)
-    def pv_desc(a: T.handle, b: T.handle, c: T.handle):
-        P = T.match_buffer(a, (2,), U16, offset_factor=1, scope="local")
-        V = T.match_buffer(b, (1, L, 2), U16, offset_factor=1, scope="local")
+    def dp_impl(a: T.handle, b: T.handle, c: T.handle):
+        X = T.match_buffer(a, (2,), U16, offset_factor=1, scope="local")
+        Y = T.match_buffer(b, (1, L, 2), U16, offset_factor=1, scope="local")
         A = T.match_buffer(c, (L,), F32, offset_factor=1, scope="local")
         with T.sblock("root"):
-            T.reads(A[0:L], P[0:2], V[0, 0:L, 0:2])
+            T.reads(A[0:L], X[0:2], Y[0, 0:L, 0:2])
             T.writes(A[0:L])
-            for t, d in T.grid(2, L):
-                with T.sblock("update"):
-                    vd, vt = T.axis.remap("SR", [d, t])
-                    A[vd] = A[vd] + bf16_value(P[vt]) * bf16_value(V[0, vd, vt])
-
-    @T.prim_func(s_tir=True)
-    def pv_impl(a: T.handle, b: T.handle, c: T.handle):
-        P = T.match_buffer(a, (2,), U16, offset_factor=1, scope="local")
-        V = T.match_buffer(b, (1, L, 2), U16, offset_factor=1, scope="local")
-        A = T.match_buffer(c, (L,), F32, offset_factor=1, scope="local")
-        with T.sblock("root"):
-            T.reads(A[0:L], P[0:2], V[0, 0:L, 0:2])
-            T.writes(A[0:L])
-            A[T.ramp(0, 1, L)] = _dp(A[T.ramp(0, 1, L)], T.reinterpret("int32x16", V.vload([0, 0, 0], "uint16x32")),
-                                     T.Broadcast(_pair32(P, [0]), L))
+            A[T.ramp(0, 1, L)] = _dp(A[T.ramp(0, 1, L)], T.reinterpret("int32x16", Y.vload([0, 0, 0], "uint16x32")),
+                                     T.Broadcast(_pair32(X, [0]), L))
 
     @T.prim_func(s_tir=True)
     def ilv_desc(a: T.handle, b: T.handle):
@@ -130,7 +109,7 @@ def _register() -> None:
             Y[0, 0, T.ramp(0, 1, 2 * L)] = T.Shuffle([X.vload([0, 0], "uint16x16"), X.vload([1, 0], "uint16x16")],
                                                       _ILV_LANES)
 
-    for name, desc, impl in ((DP_S, s_desc, s_impl), (DP_PV, pv_desc, pv_impl), (ILV, ilv_desc, ilv_impl)):
+    for name, desc, impl in ((DP, dp_desc, dp_impl), (ILV, ilv_desc, ilv_impl)):
         try:
             TensorIntrin.register(name, desc, impl)
         except Exception:  # noqa: BLE001 - registered earlier in this process
@@ -181,7 +160,7 @@ def schedule(sch: s_tir.Schedule, spec: AttentionSpec, knobs=None, suffix: str =
     sch.reorder(jo, dp, ji, io, t, ii)
     init = sch.decompose_reduction(s_gemm, dp)
     sch.vectorize(sch.get_loops(init)[-1])
-    sch.tensorize(t, DP_S)
+    sch.tensorize(t, DP)
     sch.unroll(ji)
     sch.unroll(io)
 
@@ -201,7 +180,7 @@ def schedule(sch: s_tir.Schedule, spec: AttentionSpec, knobs=None, suffix: str =
     io, ii = sch.split(i, pv_rows)
     do, di = sch.split(d, [None, L])
     sch.reorder(io, jp, ii, do, t, di)
-    sch.tensorize(t, DP_PV)
+    sch.tensorize(t, DP)
     sch.unroll(ii)
     sch.unroll(do)
 
