@@ -46,7 +46,8 @@ def test_run_main_job_small(tmp_path, capsys):
         (["--target", "cuda", "--arch", "sm_70"], "unsupported CUDA arch"),
         (["--arch", "sm_90"], "--arch applies to cuda targets only"),
         (["--kv-heads", "3"], "kv_heads"),
-        (["--dtype", "float16"], "float16"),
+        (["--dtype", "float64"], "dtype='float64' is not supported"),
+        (["--schedule", "materialized", "--dtype", "bfloat16"], "not supported by the materialized schedule"),
         (["--knobs", '{"block_m": 24}'], "block_m=24"),
     ],
 )

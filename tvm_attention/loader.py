@@ -85,7 +85,10 @@ def _from_framework(framework: str | None, arr: np.ndarray) -> Any:
     if framework == "torch" and mod is not None:
         if arr.dtype == numpy_dtype("bfloat16"):  # ml_dtypes bfloat16: torch takes its bits
             return mod.from_numpy(arr.view(np.int16)).view(mod.bfloat16)
-        return mod.from_numpy(arr)  # a view, cheaper than DLPack
+        try:
+            return mod.from_numpy(arr)  # a view, cheaper than DLPack
+        except TypeError:  # a dtype torch.from_numpy does not know
+            pass
     if mod is not None and hasattr(mod, "from_dlpack"):
         return mod.from_dlpack(arr)
     return arr
