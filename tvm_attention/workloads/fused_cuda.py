@@ -221,8 +221,12 @@ def fused_attention_cuda(
                                 m[ty, tx] = m_new[ty]
                                 psum[ty, tx] = T.float32(0)
                                 for jj in T.unroll(NJ):
-                                    Ps[ty * PST + jj * TPR + tx] = exp2_fast(S[ty, tx, jj] - guarded(m_new[ty]))
-                                    psum[ty, tx] = psum[ty, tx] + Ps[ty * PST + jj * TPR + tx]
+                                    # the row sum adds the register value: reading it back from
+                                    # the shared tile made TVM fence every element with a
+                                    # __syncthreads (33 per key tile at fp16 D=64; now 3)
+                                    S[ty, tx, jj] = exp2_fast(S[ty, tx, jj] - guarded(m_new[ty]))
+                                    psum[ty, tx] = psum[ty, tx] + S[ty, tx, jj]
+                                    Ps[ty * PST + jj * TPR + tx] = S[ty, tx, jj]
                     for ty in thread_y(BM):
                         for tx in thread_x(TPR):
                             with T.sblock("row_sum"):
