@@ -273,3 +273,88 @@ def test_probe_is_not_refused_by_a_limit_on_the_growing_buffer():
     report = build_kernel(spec, schedule="rowcache", knobs={"block_m": 16}).audit
     assert not report.fused and "error" not in report.probe, report.format()
     assert {a.name: a for a in report.allocations}["S"].grows
+
+
+# -- CUDA tensors the way a torch caller hands them (the CUDA path run on the CPU device) -------
+class _FakeCudaTensor:
+    """A CPU array that says it lives on a CUDA device (DLPack device type 2), as a torch CUDA
+    tensor would; ``aligned=False`` makes TVM's from_dlpack refuse it, as it refuses a misaligned
+    CUDA view. ``contiguous``/``clone``/``copy_`` as torch's."""
+
+    __module__ = "torch"
+
+    def __init__(self, arr, aligned=True):
+        self.arr, self.aligned, self.copies = arr, aligned, 0
+
+    def __dlpack__(self, *args, **kwargs):
+        if not self.aligned:
+            raise ValueError("FromDLPack: Data is not aligned to 64 bytes.")
+        return self.arr.__dlpack__(*args, **kwargs)
+
+    def __dlpack_device__(self):
+        return (2, 0)
+
+    def contiguous(self):
+        return self
+
+    def clone(self):
+        self.copies += 1
+        from tvm_attention.loader import aligned_empty
+
+        a = aligned_empty(self.arr.shape, self.arr.dtype)
+        a[...] = self.arr
+        return _FakeCudaTensor(a)
+
+    def copy_(self, src):
+        self.arr[...] = np.asarray(src.numpy() if hasattr(src, "numpy") else src)
+        return self
+
+
+def test_cuda_path_copies_misaligned_tensors_and_uses_the_callers_stream(monkeypatch):
+    import contextlib
+
+    import tvm
+
+    torch = pytest.importorskip("torch")
+    b = built(SPEC)
+    entered = []
+
+    class OnCpu(AttentionKernel):
+        def _cuda_device(self):
+            return tvm.cpu(0)
+
+    @contextlib.contextmanager
+    def fake_stream():
+        entered.append("torch stream")
+        yield
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    import tvm_ffi
+
+    monkeypatch.setattr(tvm_ffi, "use_torch_stream", fake_stream)
+    kernel = OnCpu(SPEC, b.function, device="cuda")
+    q, k, v = random_inputs(SPEC, seed=5)
+    want = reference_attention(SPEC, q, k, v)
+    args = [_FakeCudaTensor(_aligned(x), aligned=(i != 1)) for i, x in enumerate((q, k, v))]
+    out = _FakeCudaTensor(np.zeros(SPEC.o_shape, np.float32), aligned=False)
+    assert kernel(*args, out=out) is out
+    np.testing.assert_allclose(out.arr, want, atol=1e-4, rtol=1e-4)
+    assert args[1].copies == 1 and out.copies == 1 and args[0].copies == 0  # only the misaligned ones
+    assert entered == ["torch stream"]  # the kernel ran inside the caller's stream context
+
+    class NoCopy:  # a DLPack CUDA tensor TVM refuses and that cannot be copied: named
+        __dlpack__ = _FakeCudaTensor(q, aligned=False).__dlpack__
+
+        def __dlpack_device__(self):
+            return (2, 0)
+
+    with pytest.raises(KernelArgumentError, match=r"^q: FromDLPack: Data is not aligned.*contiguous, 64-byte"):
+        kernel(NoCopy(), *args[1:])
+
+
+def _aligned(x):
+    from tvm_attention.loader import aligned_empty
+
+    a = aligned_empty(x.shape, x.dtype)
+    a[...] = x
+    return a

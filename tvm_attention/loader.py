@@ -13,12 +13,19 @@ any writeable C-contiguous array of the right shape and dtype (a misaligned one 
 aligned memory and copied); one that shares memory with ``q``, ``k`` or ``v`` is rejected, since
 the kernel reads its inputs while it writes the output (its PrimFunc declares no aliasing).
 
+CUDA artifacts take CUDA DLPack tensors in place (CPU inputs are copied over and back). A strided
+or misaligned CUDA tensor is copied into a compact one first (``contiguous()``/``clone()``),
+``out=`` included (computed aside, then copied in). The kernel runs on a torch caller's current
+CUDA stream (``tvm_ffi.use_torch_stream``), so work the caller queued on a side stream is
+ordered with it; other callers get TVM's default stream.
+
 ``load`` checks the artifact before anything runs: the library's SHA-256 against the manifest's
 ``library_sha256`` (a library from another build next to this manifest would compute something
 else without a word) and the manifest's ``args`` against its spec.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -92,6 +99,17 @@ def _from_framework(framework: str | None, arr: np.ndarray) -> Any:
     if mod is not None and hasattr(mod, "from_dlpack"):
         return mod.from_dlpack(arr)
     return arr
+
+
+def _compact_copy(x: Any) -> Any:
+    """A compact, freshly allocated copy of a device tensor that TVM would not wrap (strided, or
+    a view at a misaligned offset), or None when ``x`` offers no way to make one."""
+    contiguous = getattr(x, "contiguous", None)
+    y = contiguous() if callable(contiguous) else x
+    if y is x:  # already contiguous: a misaligned view; a clone gets a new allocation
+        clone = getattr(x, "clone", None)
+        return clone() if callable(clone) else None
+    return y
 
 
 def kernel_arg(a: np.ndarray) -> Any:
@@ -354,13 +372,34 @@ class AttentionKernel:
         return tvm.cuda(0)
 
     def _cuda_tensor(self, name: str, shape: tuple[int, ...], x: Any):
-        """A CUDA DLPack tensor, wrapped without a copy (shape and dtype checked)."""
-        t = tvm.runtime.from_dlpack(x)
+        """A CUDA DLPack tensor, wrapped without a copy when TVM takes it as it is (compact and
+        64-byte aligned), else a compact copy of it (``x.contiguous()``, or ``x.clone()`` for a
+        misaligned view); shape and dtype checked. Returns (tensor, framework, copied)."""
+        copied = False
+        try:
+            t = tvm.runtime.from_dlpack(x)
+        except (ValueError, RuntimeError, TypeError) as e:
+            y = _compact_copy(x)
+            if y is None:
+                raise KernelArgumentError(
+                    f"{name}: {str(e).splitlines()[0]}; pass a contiguous, 64-byte-aligned tensor (this "
+                    f"{type(x).__name__} has no contiguous()/clone() to copy it)") from None
+            t, copied = tvm.runtime.from_dlpack(y), True
         if tuple(t.shape) != tuple(shape) or str(t.dtype) != self.spec.dtype:
             raise KernelArgumentError(
                 f"{name}: expected shape {tuple(shape)} dtype {self.spec.dtype}, got {tuple(t.shape)} {t.dtype}"
             )
-        return t, type(x).__module__.split(".")[0]
+        return t, type(x).__module__.split(".")[0], copied
+
+    def _cuda_stream(self, framework: str | None):
+        """The stream the kernel runs on: a torch caller's current stream (its work on a side
+        stream is then ordered with the kernel, as torch's own ops are); TVM's default otherwise."""
+        torch = sys.modules.get("torch") if framework == "torch" else None
+        if torch is not None and torch.cuda.is_available():
+            import tvm_ffi
+
+            return tvm_ffi.use_torch_stream()
+        return contextlib.nullcontext()
 
     def _call_cuda(self, given: dict[str, Any], out: Any = None) -> Any:
         """CPU inputs are copied to GPU 0 and the result copied back; CUDA DLPack tensors are
@@ -372,7 +411,7 @@ class AttentionKernel:
         for i, (name, shape, dtype) in enumerate(self._inputs):
             x = given[name]
             if hasattr(x, "__dlpack_device__") and int(x.__dlpack_device__()[0]) == _DLPACK_CUDA:
-                t, fw = self._cuda_tensor(name, shape, x)
+                t, fw, _ = self._cuda_tensor(name, shape, x)
                 on_gpu = True
             else:
                 arr, fw = _as_numpy(name, x, self.device)
@@ -383,12 +422,16 @@ class AttentionKernel:
         oshape = self._out_shape
         if out is not None and hasattr(out, "__dlpack_device__") and int(out.__dlpack_device__()[0]) == _DLPACK_CUDA:
             check_no_overlap(out, given)
-            o, _ = self._cuda_tensor("out", oshape, out)
-            self.function(*args, o)
+            o, fw, copied = self._cuda_tensor("out", oshape, out)
+            with self._cuda_stream(fw):
+                self.function(*args, o)
+                if copied:  # a misaligned or strided out: computed aside, written back
+                    out.copy_(_from_framework(fw, o))
             return out
         user = self._check_out(out, given, oshape) if out is not None else None
         o = tvm.runtime.empty(oshape, self.spec.dtype, dev)
-        self.function(*args, o)
+        with self._cuda_stream(framework if on_gpu else None):
+            self.function(*args, o)
         if user is not None:
             user[...] = o.numpy()
             return out
