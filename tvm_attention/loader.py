@@ -90,7 +90,7 @@ def _from_framework(framework: str | None, arr: np.ndarray) -> Any:
         return arr
     mod = sys.modules.get(framework)
     if framework == "torch" and mod is not None:
-        if arr.dtype.name == "bfloat16":  # ml_dtypes bfloat16: torch takes its bits
+        if isinstance(arr, np.ndarray) and arr.dtype.name == "bfloat16":  # ml_dtypes: torch takes the bits
             return mod.from_numpy(arr.view(np.int16)).view(mod.bfloat16)
         try:
             return mod.from_numpy(arr)  # a view, cheaper than DLPack
