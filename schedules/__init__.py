@@ -11,11 +11,13 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from . import cpu_flash, cpu_materialized, cpu_rowcache, cuda_flash, cuda_materialized
+from . import cpu_flash, cpu_materialized, cpu_rowcache, cuda_flash, cuda_fused, cuda_materialized, cuda_mma
 
 #: schedule name -> target family -> module
 SCHEDULES: dict[str, dict[str, ModuleType]] = {
-    "fused": {"cpu": cpu_flash, "cuda": cuda_flash},
+    "fused": {"cpu": cpu_flash, "cuda": cuda_fused},  # CUDA: tensor cores where they apply
+    "fused_tc": {"cuda": cuda_mma},
+    "fused_simt": {"cuda": cuda_flash},
     "materialized": {"cpu": cpu_materialized, "cuda": cuda_materialized},
     "rowcache": {"cpu": cpu_rowcache},
 }

@@ -41,6 +41,10 @@ class FlashCUDAKnobs(KnobsMixin):
     stages: int = 1  # K/V shared-memory pipeline depth (1: load, sync, compute)
     unroll: int = 0  # pragma_auto_unroll_max_step on the key-tile loop (0 = off)
 
+    @property
+    def threads(self) -> int:
+        return self.block_m * self.threads_per_row
+
 
 #: Presets per (dtype class, head_dim), the same on sm_80 and sm_90 for now: sized by the 48 KiB
 #: static shared-memory limit and by ptxas (nvcc 13). fp32 D=64: 8 lanes per row (4 scores, 8

@@ -28,8 +28,9 @@ needs_gpu = pytest.mark.skipif(local_cuda_arch() is None, reason="no CUDA GPU on
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_presets_compile_offline_without_spills(arch, head_dim, dtype, causal):
+    """The SIMT (CUDA-core) kernel; for float16 ``fused`` now builds the tensor-core one."""
     spec = AttentionSpec(batch=1, heads=8, seq_q=2048, head_dim=head_dim, dtype=dtype, causal=causal)
-    built = build_kernel(spec, target=resolve_target("cuda", arch=arch))
+    built = build_kernel(spec, "fused_simt", target=resolve_target("cuda", arch=arch))
     r = built.resources
     assert r["arch"] == arch and r["registers"] > 0
     assert r["spills"] == 0 and r["stack_frame_bytes"] == 0, r
@@ -71,7 +72,7 @@ def test_feasibility_rejects_with_named_limit(knobs, message):
     target = resolve_target("cuda", arch="sm_90")
     base = cuda_flash.preset(spec, target).to_dict()
     with pytest.raises(KnobError, match=message):
-        build_kernel(spec, target=target, knobs={**base, **knobs})
+        build_kernel(spec, "fused_simt", target=target, knobs={**base, **knobs})
 
 
 def test_occupancy_model_by_hand():
@@ -143,11 +144,13 @@ def test_cuda_without_gpu_errors_are_clear(tmp_path, capsys):
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize("schedule, dtype", [("fused", "float16"), ("fused", "bfloat16"), ("fused", "float32"),
+                                             ("fused_simt", "float16")])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_cuda_kernel_on_gpu(dtype, causal, tmp_path):
-    spec = AttentionSpec(batch=1, heads=4, seq_q=1000, seq_kv=1100, head_dim=64, dtype=dtype, causal=causal)
-    built = build_kernel(spec, target=resolve_target("cuda"))
+def test_cuda_kernel_on_gpu(schedule, dtype, causal, tmp_path):
+    spec = AttentionSpec(batch=1, heads=4, kv_heads=2, seq_q=1000, seq_kv=1100, head_dim=64, dtype=dtype,
+                         causal=causal)
+    built = build_kernel(spec, schedule, target=resolve_target("cuda"))
     v = validate_built(built)
     assert v.ran and v.passed, v.format()
     export(built, tmp_path / "a", v)

@@ -160,9 +160,7 @@ def cuda_resources(built: BuiltKernel) -> dict[str, Any]:
     """ptxas's report for a CUDA build (or why there is none: no nvcc here)."""
     from .cuda_tools import NvccNotFound, kernel_source, ptxas_report
 
-    threads = None
-    if built.knobs is not None and hasattr(built.knobs, "threads_per_row"):
-        threads = built.knobs.block_m * built.knobs.threads_per_row
+    threads = getattr(built.knobs, "threads", None)
     try:
         return ptxas_report(kernel_source(built.module), str(built.target.attrs["arch"]), threads)
     except NvccNotFound as e:

@@ -95,8 +95,10 @@ def _spec_from_args(a: argparse.Namespace) -> AttentionSpec:
 def _add_build_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="llvm", help="'llvm' (this CPU, default), 'cuda', or a JSON target")
     p.add_argument("--arch", default=None, help="CUDA architecture for --target cuda: sm_80, sm_86, sm_89, sm_90")
-    p.add_argument("--schedule", default="fused", choices=["fused", "materialized", "rowcache"],
-                   help="fused (default), materialized (global S×S baseline) or rowcache (two-pass, row buffer)")
+    p.add_argument("--schedule", default="fused", choices=["fused", "materialized", "rowcache", "fused_tc", "fused_simt"],
+                   help="fused (default; on CUDA: tensor cores for fp16/bf16 on sm_80+, else CUDA cores), "
+                        "materialized (global S×S baseline), rowcache (two-pass, row buffer); CUDA only: "
+                        "fused_tc (tensor cores) or fused_simt (CUDA cores) explicitly")
     p.add_argument("--knobs", default=None,
                    help='hand-schedule knob overrides as JSON, e.g. \'{"block_n": 128}\'')
     p.add_argument("--threads", type=int, default=None, help="runtime threads (default: all cores)")
@@ -145,6 +147,9 @@ class AuditFailed(RuntimeError):
 def _schedule_line(built) -> str:
     info = built.schedule_info()
     line = f"{built.schedule} ({built.source})"
+    kernel = getattr(built.knobs, "FAMILY", None)
+    if kernel and built.target.kind.name == "cuda":
+        line += f" [{kernel}]"
     if info.get("knobs"):
         line += " " + json.dumps(info["knobs"])
     if built.log_dir:
@@ -179,6 +184,8 @@ def format_resources(r: dict) -> str:
     if "occupancy" in r:
         text += (f", {r['threads_per_block']} threads/block, occupancy {r['occupancy']:.0%} "
                  f"({r['blocks_per_sm']} blocks/SM, limited by {r['occupancy_limited_by']})")
+    if r.get("ptx_instructions"):
+        text += "\n  PTX: " + ", ".join(f"{k} {v}" for k, v in r["ptx_instructions"].items())
     return text
 
 

@@ -68,8 +68,13 @@ def ptxas_report(source: str, arch: str, threads_per_block: int | None = None) -
         with open(cu, "w") as f:
             f.write(source)
         cmd = [nvcc, "--cubin", f"-arch={arch}", "-O3", "--use_fast_math", "--ptxas-options=-v",
-               "-w", "-o", os.path.join(tmp, "kernel.cubin"), cu]
+               "-w", "--keep", "--keep-dir", tmp, "-o", os.path.join(tmp, "kernel.cubin"), cu]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        ptx = ""
+        for name in os.listdir(tmp):
+            if name.endswith(".ptx"):
+                with open(os.path.join(tmp, name)) as f:
+                    ptx += f.read()
     if proc.returncode != 0:
         raise RuntimeError(f"nvcc failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     text = proc.stderr + proc.stdout
@@ -78,10 +83,23 @@ def ptxas_report(source: str, arch: str, threads_per_block: int | None = None) -
         match = re.findall(pattern, text)
         report[key] = max(int(x) for x in match) if match else 0
     report["spills"] = report["spill_store_bytes"] + report["spill_load_bytes"]
+    report["ptx_instructions"] = ptx_instruction_counts(ptx)
     if threads_per_block:
         report["threads_per_block"] = threads_per_block
         report.update(occupancy(arch, report["registers"], report["shared_bytes"], threads_per_block))
     return report
+
+
+#: PTX instructions worth counting in a kernel (static occurrences in the PTX text)
+PTX_INSTRUCTIONS = ("mma.sync", "ldmatrix", "cp.async.cg", "cp.async.wait_group", "bar.sync", "shfl.sync",
+                    "ld.local", "st.local")
+
+
+def ptx_instruction_counts(ptx: str) -> dict[str, int]:
+    """Static count of each of :data:`PTX_INSTRUCTIONS` in ``ptx`` (tensor-core use, async copies,
+    barriers, shuffles, and local-memory traffic that would mean a fragment left registers)."""
+    lines = [ln.strip() for ln in ptx.splitlines()]
+    return {ins: sum(1 for ln in lines if ln.startswith(ins)) for ins in PTX_INSTRUCTIONS}
 
 
 def occupancy(arch: str, registers: int, shared_bytes: int, threads: int) -> dict[str, Any]:

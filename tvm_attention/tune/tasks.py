@@ -22,7 +22,8 @@ import tvm_ffi
 from tvm.target import Target
 
 from ..spec import AttentionSpec
-from ..workloads import fused_attention, fused_attention_cuda, materialized_attention, rowcache_attention
+from ..workloads import (fused_attention, fused_attention_cuda, fused_attention_mma, materialized_attention,
+                         rowcache_attention)
 
 TUNABLE = ("fused", "materialized", "rowcache")
 
@@ -117,10 +118,19 @@ def make_tasks(spec: AttentionSpec, target: Target, schedule: str) -> list[TaskD
 def _cuda_tasks(spec: AttentionSpec, target: Target, schedule: str) -> list[TaskDef]:
     from tvm.s_tir import meta_schedule as ms
 
-    from schedules import cuda_flash
+    from schedules import cuda_flash, cuda_mma
 
     if schedule != "fused":
         raise ValueError(f"schedule {schedule!r} cannot be tuned for cuda yet; tunable: fused")
+    if cuda_mma.supports(spec, target):
+        # tensor cores: one task per feasible (warps, block_n, stages), the preset first
+        space = ms.space_generator.ScheduleFn(
+            cuda_mma.design_space(spec, target), sch_rules=[], postprocs=[], mutator_probs={})
+        return [
+            TaskDef(f"fused_w{k.warps}_n{k.block_n}_s{k.stages}",
+                    normalize(fused_attention_mma(spec, k.warps, k.block_n, k.stages)), space)
+            for k in cuda_mma.tile_candidates(spec, target)
+        ]
     space = ms.space_generator.ScheduleFn(
         cuda_flash.design_space(spec, target), sch_rules=[], postprocs=[], mutator_probs={}
     )
@@ -147,6 +157,9 @@ def regenerate(spec: AttentionSpec, func) -> tvm.IRModule | None:
             return normalize(materialized_attention(spec))
         if kind == "rowcache":
             return normalize(rowcache_attention(spec, int(attrs["attn.block_m"])))
+        if kind == "fused_mma":
+            return normalize(fused_attention_mma(spec, int(attrs["attn.warps"]), int(attrs["attn.block_n"]),
+                                                 int(attrs["attn.stages"])))
         if kind == "fused_cuda":
             return normalize(fused_attention_cuda(spec, int(attrs["attn.block_m"]), int(attrs["attn.block_n"]),
                                                   int(attrs["attn.threads_per_row"])))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from .fused import fused_attention
 from .fused_cuda import fused_attention_cuda
+from .fused_mma import fused_attention_mma
 from .materialized import materialized_attention
 from .rowcache import rowcache_attention
 
@@ -14,7 +15,8 @@ WORKLOADS = {
     "fused": (fused_attention, ("S", "P"), "online-softmax flash attention; score tile in local scope"),
     "materialized": (materialized_attention, ("S", "P"), "QKᵀ, softmax and PV through global S×S buffers"),
     "fused_cuda": (fused_attention_cuda, ("S", "Ps"), "online-softmax flash attention for CUDA; scores in registers, P in shared"),
+    "fused_mma": (fused_attention_mma, ("S", "Pf"), "flash attention on CUDA tensor cores (mma.sync); scores and P in registers"),
     "rowcache": (rowcache_attention, ("S", "P"), "per row block, whole score rows in local scope, two-pass softmax"),
 }
 
-__all__ = ["WORKLOADS", "fused_attention", "fused_attention_cuda", "materialized_attention", "rowcache_attention"]
+__all__ = ["WORKLOADS", "fused_attention", "fused_attention_cuda", "fused_attention_mma", "materialized_attention", "rowcache_attention"]

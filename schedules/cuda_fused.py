@@ -1,0 +1,55 @@
+"""``--schedule fused`` on CUDA: the tensor-core kernel (``cuda_mma``) where it applies — float16
+or bfloat16 inputs on sm_80 or later, head_dim a multiple of 16 — and the SIMT kernel
+(``cuda_flash``) everywhere else (float32, older GPUs, odd head dims). ``fused_tc`` and
+``fused_simt`` name one kernel explicitly (for comparing them side by side).
+
+Every call is routed by what it is given: the spec and target, the knob dataclass, or the
+``attn.workload`` attribute of a scheduled function.
+"""
+from __future__ import annotations
+
+from tvm import s_tir
+from tvm.target import Target
+
+from tvm_attention.spec import AttentionSpec
+
+from . import cuda_flash, cuda_mma
+
+NAME = "fused"
+
+
+def _by_spec(spec: AttentionSpec, target: Target):
+    return cuda_mma if cuda_mma.supports(spec, target) else cuda_flash
+
+
+def _by_knobs(knobs):
+    return cuda_mma if isinstance(knobs, cuda_mma.MMAKnobs) else cuda_flash
+
+
+def preset(spec: AttentionSpec, target: Target):
+    return _by_spec(spec, target).preset(spec, target)
+
+
+def check(knobs, spec: AttentionSpec, target: Target) -> None:
+    _by_knobs(knobs).check(knobs, spec, target)
+
+
+def workload(spec: AttentionSpec, knobs):
+    return _by_knobs(knobs).workload(spec, knobs)
+
+
+def apply(sch: s_tir.Schedule, knobs, spec: AttentionSpec) -> s_tir.Schedule:
+    return _by_knobs(knobs).apply(sch, knobs, spec)
+
+
+def design_space(spec: AttentionSpec, target: Target):
+    return _by_spec(spec, target).design_space(spec, target)
+
+
+def tile_candidates(spec: AttentionSpec, target: Target):
+    return _by_spec(spec, target).tile_candidates(spec, target)
+
+
+def knobs_of(sch: s_tir.Schedule, lanes: int = 0, base=None):
+    kind = str(sch.mod["main"].attrs["attn.workload"])
+    return (cuda_mma if kind == "fused_mma" else cuda_flash).knobs_of(sch, lanes, base)

@@ -1,0 +1,173 @@
+"""Hand-authored CUDA tensor-core schedule for the fused kernel (``workloads/fused_mma.py``).
+
+As for the SIMT kernel, the thread mapping is the algorithm (which lane holds which fragment
+element, where the shuffles and barriers go), so it is written into the compute and
+instantiated from these knobs; ``apply`` has nothing left to vary. The design space for tuning
+is one task per feasible (warps, block_n, stages).
+
+Feasibility is checked against named limits before anything is built: fp16/bf16 inputs, an
+sm_80+ target (``mma.sync.m16n8k16`` with bf16, ``cp.async``, ldmatrix), head_dim a multiple
+of 16 (one mma k step), threads per block, 48 KiB of static shared memory for the K/V stages,
+and an estimate of registers per thread.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from tvm import s_tir
+from tvm.target import Target
+
+from tvm_attention.spec import AttentionSpec
+from tvm_attention.workloads.fused_mma import MMA_DTYPES, fused_attention_mma, smem_stride
+
+from ._knobs import KnobError, KnobsMixin, require_shapes
+
+NAME = "fused"
+WARP = 32
+MAX_REGISTERS_PER_THREAD = 255
+#: registers besides the fragments (addresses, loop state, m/l, temporaries). Measured with
+#: nvcc 13 (sm_80/sm_90): fragments of 96 registers (D=64, block_n=64) took 127 in all;
+#: 120 (D=128, block_n=32) took 129-165.
+REGISTER_OVERHEAD = 40
+MIN_ARCH = 80  # mma.sync m16n8k16 with bf16, cp.async and ldmatrix .trans: Ampere and later
+MAX_STAGES = 4  # cp.async.wait_group takes stages − 2 ≤ 2 in the kernel's helpers
+
+
+@dataclasses.dataclass(frozen=True)
+class MMAKnobs(KnobsMixin):
+    FAMILY = "fused (cuda tensor cores)"
+
+    warps: int = 4  # warps per thread block; each owns 16 query rows (block_m = 16·warps)
+    block_n: int = 64  # keys per K/V tile: the score tile of a warp is 16 × block_n, in registers
+    stages: int = 2  # K/V tiles in flight (cp.async pipeline depth; 1 = load, wait, compute)
+
+    @property
+    def block_m(self) -> int:
+        return 16 * self.warps
+
+    @property
+    def threads(self) -> int:
+        return WARP * self.warps
+
+
+#: Presets per head_dim, the same on sm_80 and sm_90 for now: four warps (64 query rows) as
+#: FlashAttention-2 uses, the widest key tile whose two stages of K and V fit 48 KiB of static
+#: shared memory (D=64: 64 keys, 36 KiB; D=128: 32 keys, 34 KiB); ptxas: 127-165 registers, no
+#: spill. Refine per arch once a GPU run has timed them.
+_PRESETS = {64: dict(warps=4, block_n=64, stages=2), 128: dict(warps=4, block_n=32, stages=2)}
+
+
+def arch_number(target: Target) -> int:
+    arch = str(target.attrs.get("arch", ""))
+    try:
+        return int(arch.split("_")[1])
+    except (IndexError, ValueError):
+        return 0
+
+
+def supports(spec: AttentionSpec, target: Target) -> bool:
+    """Whether the tensor-core kernel builds ``spec`` on ``target`` (else the SIMT kernel does)."""
+    return (spec.dtype in MMA_DTYPES and arch_number(target) >= MIN_ARCH and spec.head_dim % 16 == 0
+            and spec.layout == "bhsd" and not spec.dynamic and not getattr(spec, "return_lse", False))
+
+
+def shared_bytes(knobs: MMAKnobs, spec: AttentionSpec) -> int:
+    """Static shared memory: ``stages`` K and V tiles with 16-byte padded rows."""
+    return 2 * knobs.stages * knobs.block_n * smem_stride(spec.head_dim) * spec.itemsize
+
+
+def registers_estimate(knobs: MMAKnobs, spec: AttentionSpec) -> int:
+    """Fragment registers per lane (Q: D/4, scores: block_n/2, P: block_n/4, output: D/2) plus
+    :data:`REGISTER_OVERHEAD`."""
+    d, n = spec.head_dim, knobs.block_n
+    return d // 4 + n // 2 + n // 4 + d // 2 + REGISTER_OVERHEAD
+
+
+def preset(spec: AttentionSpec, target: Target) -> MMAKnobs:
+    if spec.head_dim in _PRESETS:
+        return MMAKnobs(**_PRESETS[spec.head_dim])
+    # other head dims: the widest key tile that fits (shared memory, registers)
+    for bn in (64, 32, 16):
+        k = MMAKnobs(warps=4, block_n=bn, stages=2)
+        if (shared_bytes(k, spec) <= int(target.attrs["max_shared_memory_per_block"])
+                and registers_estimate(k, spec) <= MAX_REGISTERS_PER_THREAD):
+            return k
+    return MMAKnobs(warps=4, block_n=16, stages=1)
+
+
+def check(knobs: MMAKnobs, spec: AttentionSpec, target: Target) -> None:
+    require_shapes(spec, "CUDA tensor-core fused", ("bhsd",), symbolic=False)
+    if spec.dtype not in MMA_DTYPES:
+        raise KnobError(f"the tensor-core kernel takes float16 or bfloat16 inputs, not {spec.dtype}")
+    arch = arch_number(target)
+    if arch < MIN_ARCH:
+        raise KnobError(
+            f"the tensor-core kernel needs sm_{MIN_ARCH} or later (mma.sync m16n8k16, cp.async), "
+            f"not {target.attrs.get('arch')}")
+    if spec.head_dim % 16:
+        raise KnobError(f"head_dim={spec.head_dim} must be a multiple of 16 (one mma k step)")
+    for name in ("warps", "block_n", "stages"):
+        v = getattr(knobs, name)
+        if v <= 0:
+            raise KnobError(f"{name} must be a positive int, got {v!r}")
+    if knobs.warps & (knobs.warps - 1):
+        raise KnobError(f"warps={knobs.warps} must be a power of two")
+    if knobs.block_n % 16:
+        raise KnobError(f"block_n={knobs.block_n} must be a multiple of 16 (ldmatrix loads 16 keys at a time)")
+    if knobs.stages > MAX_STAGES:
+        raise KnobError(f"stages={knobs.stages} > {MAX_STAGES} (cp.async groups in flight)")
+    max_threads = int(target.attrs["max_threads_per_block"])
+    if knobs.threads > max_threads:
+        raise KnobError(f"32 × warps = {knobs.threads} threads > max_threads_per_block={max_threads}")
+    smem = shared_bytes(knobs, spec)
+    max_smem = int(target.attrs["max_shared_memory_per_block"])
+    if smem > max_smem:
+        raise KnobError(
+            f"shared memory {smem} B ({knobs.stages} stage(s) of {knobs.block_n}-key K and V tiles) "
+            f"> max_shared_memory_per_block={max_smem}")
+    regs = registers_estimate(knobs, spec)
+    if regs > MAX_REGISTERS_PER_THREAD:
+        raise KnobError(
+            f"about {regs} registers per thread (fragments of Q, scores, P and output + {REGISTER_OVERHEAD}) "
+            f"> {MAX_REGISTERS_PER_THREAD}: it would spill")
+    regs_per_block = int(target.attrs["registers_per_block"])
+    if regs * knobs.threads > regs_per_block:
+        raise KnobError(f"{regs} registers × {knobs.threads} threads > registers_per_block={regs_per_block}")
+
+
+def workload(spec: AttentionSpec, knobs: MMAKnobs):
+    return fused_attention_mma(spec, knobs.warps, knobs.block_n, knobs.stages)
+
+
+def apply(sch: s_tir.Schedule, knobs: MMAKnobs, spec: AttentionSpec) -> s_tir.Schedule:
+    return sch
+
+
+def design_space(spec: AttentionSpec, target: Target):
+    def space_fn(sch: s_tir.Schedule) -> s_tir.Schedule:
+        return sch
+
+    return space_fn
+
+
+def tile_candidates(spec: AttentionSpec, target: Target) -> list[MMAKnobs]:
+    """Feasible (warps, block_n, stages) for tuning, the preset first."""
+    out = [preset(spec, target)]
+    for warps in (2, 4, 8):
+        for bn in (16, 32, 64, 128):
+            for stages in (1, 2, 3):
+                k = MMAKnobs(warps=warps, block_n=bn, stages=stages)
+                if k in out:
+                    continue
+                try:
+                    check(k, spec, target)
+                except KnobError:
+                    continue
+                out.append(k)
+    return out
+
+
+def knobs_of(sch: s_tir.Schedule, lanes: int = 0, base=None) -> MMAKnobs:
+    attrs = sch.mod["main"].attrs
+    return MMAKnobs(warps=int(attrs["attn.warps"]), block_n=int(attrs["attn.block_n"]),
+                    stages=int(attrs["attn.stages"]))

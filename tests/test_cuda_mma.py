@@ -1,0 +1,126 @@
+"""CUDA tensor-core kernel (``workloads/fused_mma.py``, ``schedules/cuda_mma.py``), offline:
+builds for sm_80/sm_90 in fp16 and bf16 whose PTX runs on tensor cores without spilling, the
+audit, feasibility, dispatch of ``--schedule fused``, and the algorithm on the CPU (each PTX
+instruction replaced by its definition). GPU runs live in test_cuda.py / scripts/gpu_check.sh."""
+import numpy as np
+import pytest
+import tvm
+
+from schedules import cuda_flash, cuda_mma
+from schedules._knobs import KnobError
+from tvm_attention.build import build_kernel
+from tvm_attention.cuda_tools import find_nvcc
+from tvm_attention.reference import random_inputs, reference_attention
+from tvm_attention.spec import AttentionSpec
+from tvm_attention.target import resolve_target
+from tvm_attention.validate import TOLERANCES
+from tvm_attention.workloads.fused_mma import fused_attention_mma
+
+needs_nvcc = pytest.mark.skipif(find_nvcc() is None, reason="nvcc not installed: no ptxas report")
+
+
+@needs_nvcc
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_tensor_core_builds_offline(arch, head_dim, dtype, causal):
+    spec = AttentionSpec(batch=1, heads=8, kv_heads=2, seq_q=2048, head_dim=head_dim, dtype=dtype, causal=causal)
+    built = build_kernel(spec, target=resolve_target("cuda", arch=arch))  # fused → tensor cores here
+    k = built.knobs
+    assert isinstance(k, cuda_mma.MMAKnobs)
+    r = built.resources
+    assert r["spills"] == 0 and r["stack_frame_bytes"] == 0, r
+    assert 0 < r["registers"] <= 255 and 0 < r["occupancy"] <= 1
+    assert r["shared_bytes"] == cuda_mma.shared_bytes(k, spec) <= 48 * 1024
+    ptx = r["ptx_instructions"]
+    # per key tile: Q·Kᵀ and P·V each (block_n/16)·(head_dim/16) ldmatrix.x4 and twice as many mma
+    per_tile = (k.block_n // 16) * (head_dim // 16)
+    assert ptx["mma.sync"] == 4 * per_tile and ptx["ldmatrix"] == 2 * per_tile, ptx
+    assert ptx["cp.async.cg"] > 0 and ptx["cp.async.wait_group"] >= 1
+    assert ptx["ld.local"] == 0 and ptx["st.local"] == 0  # fragments stay in registers
+    assert ptx["bar.sync"] <= 2  # one barrier per key tile (+ none elsewhere) with stages ≥ 2
+    assert built.audit.fused, built.audit.format()
+    scopes = {a.name: a.scope for a in built.audit.allocations}
+    assert scopes["S"] == "local" and scopes["acc"] == "local" and scopes["Pf"] == "local"
+    assert scopes["Ks"] == "shared" and scopes["Vs"] == "shared"
+    # the registers the check estimates are within reach of what ptxas used
+    assert r["registers"] <= cuda_mma.registers_estimate(k, spec) + 16
+
+
+def test_fused_picks_the_kernel_by_dtype_arch_and_head_dim():
+    sm80, sm90 = resolve_target("cuda", arch="sm_80"), resolve_target("cuda", arch="sm_90")
+    half = AttentionSpec(batch=1, heads=2, seq_q=256, head_dim=64, dtype="float16")
+    fp32 = AttentionSpec(batch=1, heads=2, seq_q=256, head_dim=64, dtype="float32")
+    odd = AttentionSpec(batch=1, heads=2, seq_q=256, head_dim=72, dtype="bfloat16")
+    assert isinstance(build_kernel(half, target=sm80).knobs, cuda_mma.MMAKnobs)
+    assert isinstance(build_kernel(fp32, target=sm90).knobs, cuda_flash.FlashCUDAKnobs)
+    assert isinstance(build_kernel(odd, target=sm90).knobs, cuda_flash.FlashCUDAKnobs)
+    assert isinstance(build_kernel(half, "fused_simt", target=sm90).knobs, cuda_flash.FlashCUDAKnobs)
+    with pytest.raises(KnobError, match="float16 or bfloat16"):
+        build_kernel(fp32, "fused_tc", target=sm90)
+    with pytest.raises(KnobError, match="multiple of 16"):
+        build_kernel(odd, "fused_tc", target=sm90)
+
+
+@pytest.mark.parametrize(
+    "knobs, message",
+    [
+        (dict(block_n=128, stages=2), "shared memory"),
+        (dict(warps=64), "max_threads_per_block"),
+        (dict(warps=3), "power of two"),
+        (dict(block_n=24), "multiple of 16"),
+        (dict(stages=5), "stages=5"),
+        (dict(block_n=0), "positive"),
+    ],
+)
+def test_tensor_core_feasibility_rejects_with_named_limit(knobs, message):
+    spec = AttentionSpec(batch=1, heads=8, seq_q=1024, head_dim=128, dtype="bfloat16")
+    target = resolve_target("cuda", arch="sm_90")
+    with pytest.raises(KnobError, match=message):
+        build_kernel(spec, target=target, knobs=knobs)
+
+
+def test_tensor_core_candidates_are_feasible_and_start_with_the_preset():
+    spec = AttentionSpec(batch=1, heads=8, seq_q=1024, head_dim=128, dtype="float16")
+    target = resolve_target("cuda", arch="sm_80")
+    cands = cuda_mma.tile_candidates(spec, target)
+    assert cands[0] == cuda_mma.preset(spec, target) and len(cands) == len(set(cands)) > 4
+    for k in cands:
+        cuda_mma.check(k, spec, target)
+
+
+@pytest.mark.parametrize(
+    "seq_q, seq_kv, causal, dtype, head_dim, warps, block_n, stages",
+    [
+        (113, 203, True, "float16", 64, 2, 32, 2),  # key tail, diagonal tiles, GQA, 2 stages
+        (300, 45, True, "bfloat16", 64, 1, 16, 3),  # seq_q > seq_kv: rows that see no key → 0
+        (96, 128, False, "bfloat16", 128, 2, 64, 1),  # D=128, unpipelined
+        (1, 1, True, "float16", 64, 1, 16, 2),
+    ],
+)
+def test_tensor_core_algorithm_on_cpu(seq_q, seq_kv, causal, dtype, head_dim, warps, block_n, stages):
+    """The tensor-core compute with serial loops in place of threads and each PTX instruction
+    (ldmatrix, mma.sync, shuffles, cp.async) replaced by its definition from the PTX ISA's
+    fragment layouts, run by LLVM against the float64 reference."""
+    spec = AttentionSpec(batch=2, heads=4, kv_heads=2, seq_q=seq_q, seq_kv=seq_kv, head_dim=head_dim,
+                         dtype=dtype, causal=causal)
+    func = fused_attention_mma(spec, warps, block_n, stages, emulate=True)
+    ex = tvm.compile(func, target=resolve_target("llvm"))
+    q, k, v = random_inputs(spec, seed=seq_q)
+    nan_row = seq_q // 2
+    q[1, 1, nan_row, 3] = np.nan  # NaN in gives NaN out, in its row only
+    args = [tvm.runtime.tensor(x) for x in (q, k, v)] + [tvm.runtime.empty(spec.o_shape, dtype)]
+    ex["attention"](*args)
+    out = args[3].numpy().astype(np.float64)
+    ref = reference_attention(spec, q, k, v)
+    sees_key = (not causal) or nan_row + seq_kv - seq_q >= 0
+    if sees_key:
+        assert np.isnan(out[1, 1, nan_row]).all()
+    else:
+        assert (out[1, 1, nan_row] == 0).all()
+    keep = np.ones(out.shape[:3], bool)
+    keep[1, 1, nan_row] = False
+    atol, rtol = TOLERANCES[dtype]
+    assert np.isfinite(out[keep]).all()
+    assert np.allclose(out[keep], ref[keep], atol=atol, rtol=rtol), np.abs(out[keep] - ref[keep]).max()

@@ -1,0 +1,548 @@
+"""The fused attention PrimFunc for CUDA tensor cores (sm_80+): ``mma.sync.m16n8k16``, ldmatrix
+and ``cp.async``, FlashAttention-2's work split.
+
+One thread block per (batch, head, row tile of ``block_m = 16·warps`` queries); ``threadIdx.y``
+is the warp, ``threadIdx.x`` the lane. Each warp owns 16 query rows and keeps everything about
+them in registers (PTX fragment layouts, ``g = lane / 4``, ``t = lane % 4``):
+
+* ``Qf``: the warp's Q rows as mma A fragments, loaded once from global memory
+  (``head_dim / 16`` fragments of 8 halves: rows ``g, g + 8``, columns ``2t, 2t + 1 (+8)``);
+* ``S``: the score tile as ``block_n / 8`` fp32 accumulators of 4 (rows ``g, g + 8``, keys
+  ``2t, 2t + 1`` of each 8-key slice), computed as ``Q·Kᵀ`` on tensor cores;
+* ``acc``: the output rows as ``head_dim / 8`` accumulators of 4, fed by ``P·V``;
+* ``m``, ``l``: the running max (log2 units) and the lane's part of the running sum for its
+  two rows.
+
+Per key tile of ``block_n`` keys:
+
+* K and V tiles travel global → shared with ``cp.async`` (16 bytes per copy), ``stages`` tiles
+  in flight: the copy of tile ``c + stages − 1`` is issued before tile ``c`` is computed, one
+  ``__syncthreads`` per tile; shared rows are padded by 16 bytes so that ldmatrix's eight row
+  addresses fall on distinct banks;
+* ``S = Q·Kᵀ``: ldmatrix (x4) gives the B fragments of two 8-key slices straight from the
+  row-major K tile (a row of K is a column of Kᵀ);
+* online softmax on the fragments: a row's max is the max over the lane's slots, then over the
+  four lanes holding the row (``__shfl_xor_sync`` 2 and 1); ``alpha = exp2(m − m_new)``
+  rescales ``acc`` and ``l``; a row with no visible key yet keeps its reference max at 0, so a
+  fully masked tile makes no NaN; masking (causal, key tail) runs only on tiles that need it;
+* ``P`` never leaves registers: the C fragment of two adjacent 8-key slices, rounded to 16
+  bits, *is* the A fragment of ``P·V`` (the layouts coincide), and ldmatrix ``.trans`` gives
+  V's B fragments from the row-major V tile;
+* under causal masking the key-tile loop stops at the block's diagonal, and the row tiles with
+  the most work are launched first.
+
+The row sum is reduced across a row's four lanes once, at the end. Inputs are float16 or
+bfloat16 (``mma ... f32.f16.f16.f32`` / ``.bf16``); products accumulate in fp32.
+
+``emulate=True`` gives the same PrimFunc with serial loops in place of thread bindings, global in
+place of shared/local memory, and each PTX instruction replaced by its definition in scalar TIR
+(the fragment layouts of the PTX ISA): run by LLVM on the CPU it checks the tiling, the
+fragment index math, the online softmax across lanes and the masking, not the GPU schedule.
+"""
+from __future__ import annotations
+
+import math
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from ..spec import AttentionSpec
+from ._math import LOG2E, guarded, normalize
+
+ENTRY = "attention"
+WARP = 32
+MMA_DTYPES = {"float16": "f16", "bfloat16": "bf16"}
+#: halves of padding per shared row: 16 bytes, so the 8 row addresses of one ldmatrix (row
+#: stride D + 8 halves) hit 8 different 16-byte bank groups
+SMEM_PAD = 8
+
+
+def smem_stride(head_dim: int) -> int:
+    return head_dim + SMEM_PAD
+
+
+def _cuda_sources(dtype: str) -> dict[str, str]:
+    """Device helpers by name, one source each: TVM emits a helper's source once per name."""
+    ab = MMA_DTYPES[dtype]
+    out = {
+        "attn_cp_async16": r"""
+__device__ __forceinline__ void attn_cp_async16(void* smem, const void* gmem) {
+  unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(s), "l"(gmem));
+}""",
+        "attn_cp_commit": r"""
+__device__ __forceinline__ void attn_cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }""",
+        "attn_mma": r"""
+__device__ __forceinline__ void attn_mma(void* c, const void* a, const void* b) {
+  float* C = (float*)c;
+  const unsigned* A = (const unsigned*)a;
+  const unsigned* B = (const unsigned*)b;
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.AB.AB.f32 "
+               "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+               : "+f"(C[0]), "+f"(C[1]), "+f"(C[2]), "+f"(C[3])
+               : "r"(A[0]), "r"(A[1]), "r"(A[2]), "r"(A[3]), "r"(B[0]), "r"(B[1]));
+}""".replace("AB", ab),
+    }
+    for n in range(3):
+        out[f"attn_cp_wait{n}"] = (
+            f"\n__device__ __forceinline__ void attn_cp_wait{n}() "
+            f"{{ asm volatile(\"cp.async.wait_group {n};\\n\" ::); }}")
+    for name, trans in (("attn_ldsm_x4", ""), ("attn_ldsm_x4_trans", ".trans")):
+        out[name] = r"""
+__device__ __forceinline__ void NAME(void* dst, const void* smem) {
+  unsigned* d = (unsigned*)dst;
+  unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4TRANS.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3]) : "r"(s));
+}""".replace("NAME", name).replace("TRANS", trans)
+    return out
+
+
+def fused_attention_mma(
+    spec: AttentionSpec, warps: int, block_n: int, stages: int, emulate: bool = False
+) -> tirx.PrimFunc:
+    """Arguments (call order): ``Q (B, H, Sq, D)``, ``K (B, KH, Skv, D)``, ``V (B, KH, Skv, D)``,
+    ``O (B, H, Sq, D)``, all ``spec.dtype`` (float16 or bfloat16), compact row-major, 16-byte
+    aligned rows (``head_dim`` a multiple of 16)."""
+    if spec.dtype not in MMA_DTYPES:
+        raise ValueError(f"tensor-core kernel takes float16 or bfloat16, not {spec.dtype}")
+    B, H, KH = spec.batch, spec.heads, spec.kv_heads
+    SQ, SK, D = spec.seq_q, spec.seq_kv, spec.head_dim
+    G = spec.group_size
+    W, BN, NS = warps, block_n, stages
+    BM = 16 * W
+    NT = BN // 8  # 8-key slices of the score tile (one m16n8 accumulator each)
+    NDC = D // 16  # 16-wide chunks of head_dim: the k steps of Q·Kᵀ
+    NO = D // 8  # 8-wide slices of head_dim: the output accumulators
+    NR, NC = math.ceil(SQ / BM), math.ceil(SK / BN)
+    OFF = spec.kv_offset
+    causal, kv_tail = spec.causal, SK % BN != 0
+    dtype = spec.dtype
+    ST = smem_stride(D)
+    TILE = BN * ST  # elements of one staged K (or V) tile
+    VPR = D // 8  # 16-byte vectors per K/V row
+    NTHR = W * WARP
+    LIT = math.ceil(BN * VPR / NTHR)  # cp.async copies per thread per tile (of K, and of V)
+    qscale = float(spec.scale * LOG2E)
+    neg_inf = T.float32(float("-inf"))
+    srcs = _cuda_sources(dtype)
+
+    def call(name, *args):
+        return T.cuda.func_call(name, *args, source_code=srcs[name])
+    EMU = emulate
+    smem = "global" if EMU else "shared"
+    fscope = "global" if EMU else "local"
+
+    def fshape(n):
+        # per-lane fragments: on the GPU one local array per thread; emulated, one per lane
+        return (W, WARP, n) if EMU else (n,)
+
+    def ix(ty, tx, k):
+        return (ty, tx, k) if EMU else (k,)
+
+    def thread_y(n):
+        return T.serial(n) if EMU else T.thread_binding(n, thread="threadIdx.y")
+
+    def thread_x(n):
+        return T.serial(n) if EMU else T.thread_binding(n, thread="threadIdx.x")
+
+    def block_x(n):
+        return T.serial(n) if EMU else T.thread_binding(n, thread="blockIdx.x")
+
+    # (batch, head, first row) of a thread block's tile; causal: longest tiles first
+    def bi(vbx):
+        return vbx // (H * NR)
+
+    def hi(vbx):
+        return vbx % (H * NR) // NR
+
+    def ri(vbx):
+        return (NR - 1 - vbx % NR) * BM if causal else vbx % NR * BM
+
+    def n_tiles(r0):
+        if causal:
+            return T.max(0, T.min(NC, T.floordiv(r0 + BM + OFF + BN - 1, BN)))
+        return NC
+
+    def needs_mask(c, r0):
+        # a key tile needs the mask if it holds the key tail or crosses the block's diagonal
+        cond = None
+        if kv_tail:
+            cond = c == NC - 1
+        if causal:
+            diag = c * BN + BN - 1 > r0 + OFF
+            cond = diag if cond is None else T.Or(cond, diag)
+        return cond
+
+    def kv_row(j):
+        return T.min(j, SK - 1) if kv_tail else j
+
+    def row_of(ty, tx, k):
+        # query row (within the block tile) of accumulator slot k (4 per m16n8 tile)
+        return ty * 16 + tx // 4 + 8 * (k % 4 // 2)
+
+    def col_of(tx, k):
+        # column (key, or head-dim index) of accumulator slot k, within its 8 × n block
+        return k // 4 * 8 + 2 * (tx % 4) + k % 2
+
+    def visible(r0, ty, tx, k, c):
+        col = c * BN + col_of(tx, k)
+        cond = col < SK
+        if causal:
+            cond = T.And(cond, col <= r0 + row_of(ty, tx, k) + OFF)
+        return cond
+
+    def kv_off(b, kh, row, col):
+        # flat element offset of K/V[b, kh, row, col] (compact row-major)
+        return ((b * KH + kh) * SK + row) * D + col
+
+    def k_addr(buf, np, dk, lane):
+        # row address lane ``lane`` gives ldmatrix for K: matrices (keys 0-7|8-15) × (d 0-7|8-15)
+        # in the order b0, b1 of slice 2np, then b0, b1 of slice 2np + 1
+        key = np * 16 + lane % 8 + 8 * (lane // 16)
+        return buf * TILE + key * ST + dk * 16 + 8 * (lane // 8 % 2)
+
+    def v_addr(buf, kk, dp, lane):
+        # ... for V (transposed load): b0, b1 of head-dim slice 2dp, then of 2dp + 1
+        key = kk * 16 + lane % 8 + 8 * (lane // 8 % 2)
+        return buf * TILE + key * ST + dp * 16 + 8 * (lane // 16)
+
+    # The PTX instructions' definitions, for the emulated (CPU) build.
+    def a_slot(row, k):
+        return 2 * (row // 8 + 2 * (k // 8)) + k % 2
+
+    def a_lane(row, k):
+        return row % 8 * 4 + k % 8 // 2
+
+    def b_slot(k):
+        return 2 * (k // 8) + k % 2
+
+    @T.prim_func(s_tir=True)
+    def attention(
+        Qp: T.Buffer((B, H, SQ, D), dtype),
+        K: T.Buffer((B, KH, SK, D), dtype),
+        V: T.Buffer((B, KH, SK, D), dtype),
+        O: T.Buffer((B, H, SQ, D), dtype),
+    ):
+        T.func_attr({"global_symbol": ENTRY, "tirx.noalias": True, "attn.workload": "fused_mma",
+                     "attn.warps": W, "attn.block_n": BN, "attn.stages": NS})
+        for bx in block_x(B * H * NR):
+            with T.sblock("row_tile"):
+                vbx = T.axis.spatial(B * H * NR, bx)
+                T.reads()
+                T.writes()
+                Ks = T.sblock_alloc_buffer((NS * TILE,), dtype, scope=smem)
+                Vs = T.sblock_alloc_buffer((NS * TILE,), dtype, scope=smem)
+                Qf = T.sblock_alloc_buffer(fshape(NDC * 8), dtype, scope=fscope)
+                Kf = T.sblock_alloc_buffer(fshape(8), dtype, scope=fscope)
+                Vf = T.sblock_alloc_buffer(fshape(8), dtype, scope=fscope)
+                S = T.sblock_alloc_buffer(fshape(NT * 4), "float32", scope=fscope)  # scores
+                Pf = T.sblock_alloc_buffer(fshape(NT * 4), dtype, scope=fscope)  # probabilities
+                acc = T.sblock_alloc_buffer(fshape(NO * 4), "float32", scope=fscope)
+                m = T.sblock_alloc_buffer(fshape(2), "float32", scope=fscope)  # rows g, g + 8
+                l = T.sblock_alloc_buffer(fshape(2), "float32", scope=fscope)  # lane's part
+                mt = T.sblock_alloc_buffer(fshape(2), "float32", scope=fscope)  # lane's tile max
+                mn = T.sblock_alloc_buffer(fshape(2), "float32", scope=fscope)  # row's new max
+                ls = T.sblock_alloc_buffer(fshape(2), "float32", scope=fscope)  # row sum
+
+                # -- Q fragments, straight from global memory (once per block) --------------
+                for ty in thread_y(W):
+                    for tx in thread_x(WARP):
+                        with T.sblock("Q_frag"):
+                            T.reads()
+                            T.writes()
+                            for s in T.unroll(NDC * 8):
+                                Qf[ix(ty, tx, s)] = Qp[bi(vbx), hi(vbx), T.min(
+                                    ri(vbx) + ty * 16 + tx // 4 + 8 * (s % 8 // 2 % 2), SQ - 1),
+                                    s // 8 * 16 + 8 * (s % 8 // 2 // 2) + 2 * (tx % 4) + s % 2]
+                            for h2 in T.unroll(2):
+                                m[ix(ty, tx, h2)] = neg_inf
+                                l[ix(ty, tx, h2)] = T.float32(0)
+                            for k in T.unroll(NO * 4):
+                                acc[ix(ty, tx, k)] = T.float32(0)
+
+                # -- prologue: the first stages − 1 K/V tiles in flight --------------------
+                for p in T.serial(NS - 1):
+                    for ty in thread_y(W):
+                        for tx in thread_x(WARP):
+                            with T.sblock("KV_prefetch"):
+                                T.reads()
+                                T.writes()
+                                if p < n_tiles(ri(vbx)):
+                                    for it in T.unroll(LIT):
+                                        if (it * NTHR + ty * WARP + tx) < BN * VPR:
+                                            if EMU:
+                                                for v in T.serial(8):
+                                                    Ks[p * TILE + (it * NTHR + ty * WARP + tx) // VPR * ST
+                                                       + (it * NTHR + ty * WARP + tx) % VPR * 8 + v] = K[
+                                                        bi(vbx), hi(vbx) // G,
+                                                        kv_row(p * BN + (it * NTHR + ty * WARP + tx) // VPR),
+                                                        (it * NTHR + ty * WARP + tx) % VPR * 8 + v]
+                                                    Vs[p * TILE + (it * NTHR + ty * WARP + tx) // VPR * ST
+                                                       + (it * NTHR + ty * WARP + tx) % VPR * 8 + v] = V[
+                                                        bi(vbx), hi(vbx) // G,
+                                                        kv_row(p * BN + (it * NTHR + ty * WARP + tx) // VPR),
+                                                        (it * NTHR + ty * WARP + tx) % VPR * 8 + v]
+                                            else:
+                                                T.evaluate(call("attn_cp_async16",
+                                                    Ks.access_ptr("w", offset=p * TILE + (it * NTHR + ty * WARP + tx) // VPR * ST
+                                                                  + (it * NTHR + ty * WARP + tx) % VPR * 8),
+                                                    K.access_ptr("r", offset=kv_off(
+                                                        bi(vbx), hi(vbx) // G,
+                                                        kv_row(p * BN + (it * NTHR + ty * WARP + tx) // VPR),
+                                                        (it * NTHR + ty * WARP + tx) % VPR * 8))))
+                                                T.evaluate(call("attn_cp_async16",
+                                                    Vs.access_ptr("w", offset=p * TILE + (it * NTHR + ty * WARP + tx) // VPR * ST
+                                                                  + (it * NTHR + ty * WARP + tx) % VPR * 8),
+                                                    V.access_ptr("r", offset=kv_off(
+                                                        bi(vbx), hi(vbx) // G,
+                                                        kv_row(p * BN + (it * NTHR + ty * WARP + tx) // VPR),
+                                                        (it * NTHR + ty * WARP + tx) % VPR * 8))))
+                                if not EMU:
+                                    T.evaluate(call("attn_cp_commit"))
+
+                for c in T.serial(n_tiles(ri(vbx))):
+                    # -- tile c landed (this thread's copies, then everyone's) ---------------
+                    for ty in thread_y(W):
+                        for tx in thread_x(WARP):
+                            with T.sblock("KV_wait"):
+                                T.reads()
+                                T.writes()
+                                if NS == 1:
+                                    for it in T.unroll(LIT):
+                                        if (it * NTHR + ty * WARP + tx) < BN * VPR:
+                                            if EMU:
+                                                for v in T.serial(8):
+                                                    Ks[(it * NTHR + ty * WARP + tx) // VPR * ST
+                                                       + (it * NTHR + ty * WARP + tx) % VPR * 8 + v] = K[
+                                                        bi(vbx), hi(vbx) // G,
+                                                        kv_row(c * BN + (it * NTHR + ty * WARP + tx) // VPR),
+                                                        (it * NTHR + ty * WARP + tx) % VPR * 8 + v]
+                                                    Vs[(it * NTHR + ty * WARP + tx) // VPR * ST
+                                                       + (it * NTHR + ty * WARP + tx) % VPR * 8 + v] = V[
+                                                        bi(vbx), hi(vbx) // G,
+                                                        kv_row(c * BN + (it * NTHR + ty * WARP + tx) // VPR),
+                                                        (it * NTHR + ty * WARP + tx) % VPR * 8 + v]
+                                            else:
+                                                T.evaluate(call("attn_cp_async16",
+                                                    Ks.access_ptr("w", offset=(it * NTHR + ty * WARP + tx) // VPR * ST
+                                                                  + (it * NTHR + ty * WARP + tx) % VPR * 8),
+                                                    K.access_ptr("r", offset=kv_off(
+                                                        bi(vbx), hi(vbx) // G,
+                                                        kv_row(c * BN + (it * NTHR + ty * WARP + tx) // VPR),
+                                                        (it * NTHR + ty * WARP + tx) % VPR * 8))))
+                                                T.evaluate(call("attn_cp_async16",
+                                                    Vs.access_ptr("w", offset=(it * NTHR + ty * WARP + tx) // VPR * ST
+                                                                  + (it * NTHR + ty * WARP + tx) % VPR * 8),
+                                                    V.access_ptr("r", offset=kv_off(
+                                                        bi(vbx), hi(vbx) // G,
+                                                        kv_row(c * BN + (it * NTHR + ty * WARP + tx) // VPR),
+                                                        (it * NTHR + ty * WARP + tx) % VPR * 8))))
+                                    if not EMU:
+                                        T.evaluate(call("attn_cp_commit"))
+                                if not EMU:
+                                    if NS <= 2:
+                                        T.evaluate(call("attn_cp_wait0"))
+                                    elif NS == 3:
+                                        T.evaluate(call("attn_cp_wait1"))
+                                    else:
+                                        T.evaluate(call("attn_cp_wait2"))
+                    if not EMU:
+                        T.tvm_storage_sync("shared")
+                    # -- prefetch tile c + stages − 1 into the buffer tile c − 1 used ---------
+                    if NS > 1:
+                        for ty in thread_y(W):
+                            for tx in thread_x(WARP):
+                                with T.sblock("KV_load"):
+                                    T.reads()
+                                    T.writes()
+                                    if c + NS - 1 < n_tiles(ri(vbx)):
+                                        for it in T.unroll(LIT):
+                                            if (it * NTHR + ty * WARP + tx) < BN * VPR:
+                                                if EMU:
+                                                    for v in T.serial(8):
+                                                        Ks[(c + NS - 1) % NS * TILE + (it * NTHR + ty * WARP + tx) // VPR * ST
+                                                           + (it * NTHR + ty * WARP + tx) % VPR * 8 + v] = K[
+                                                            bi(vbx), hi(vbx) // G,
+                                                            kv_row((c + NS - 1) * BN + (it * NTHR + ty * WARP + tx) // VPR),
+                                                            (it * NTHR + ty * WARP + tx) % VPR * 8 + v]
+                                                        Vs[(c + NS - 1) % NS * TILE + (it * NTHR + ty * WARP + tx) // VPR * ST
+                                                           + (it * NTHR + ty * WARP + tx) % VPR * 8 + v] = V[
+                                                            bi(vbx), hi(vbx) // G,
+                                                            kv_row((c + NS - 1) * BN + (it * NTHR + ty * WARP + tx) // VPR),
+                                                            (it * NTHR + ty * WARP + tx) % VPR * 8 + v]
+                                                else:
+                                                    T.evaluate(call("attn_cp_async16",
+                                                        Ks.access_ptr("w", offset=(c + NS - 1) % NS * TILE
+                                                                      + (it * NTHR + ty * WARP + tx) // VPR * ST
+                                                                      + (it * NTHR + ty * WARP + tx) % VPR * 8),
+                                                        K.access_ptr("r", offset=kv_off(
+                                                            bi(vbx), hi(vbx) // G,
+                                                            kv_row((c + NS - 1) * BN + (it * NTHR + ty * WARP + tx) // VPR),
+                                                            (it * NTHR + ty * WARP + tx) % VPR * 8))))
+                                                    T.evaluate(call("attn_cp_async16",
+                                                        Vs.access_ptr("w", offset=(c + NS - 1) % NS * TILE
+                                                                      + (it * NTHR + ty * WARP + tx) // VPR * ST
+                                                                      + (it * NTHR + ty * WARP + tx) % VPR * 8),
+                                                        V.access_ptr("r", offset=kv_off(
+                                                            bi(vbx), hi(vbx) // G,
+                                                            kv_row((c + NS - 1) * BN + (it * NTHR + ty * WARP + tx) // VPR),
+                                                            (it * NTHR + ty * WARP + tx) % VPR * 8))))
+                                    if not EMU:
+                                        T.evaluate(call("attn_cp_commit"))
+
+                    # -- S = Q·Kᵀ on tensor cores ------------------------------------------------
+                    for ty in thread_y(W):
+                        for tx in thread_x(WARP):
+                            with T.sblock("S_init"):
+                                T.reads()
+                                T.writes()
+                                for k in T.unroll(NT * 4):
+                                    S[ix(ty, tx, k)] = T.float32(0)
+                    for np in T.unroll(NT // 2):
+                        for dk in T.unroll(NDC):
+                            for ty in thread_y(W):
+                                for tx in thread_x(WARP):
+                                    with T.sblock("K_ldmatrix"):
+                                        T.reads()
+                                        T.writes()
+                                        if EMU:
+                                            for i in T.unroll(4):
+                                                for e in T.unroll(2):
+                                                    Kf[ty, tx, i * 2 + e] = Ks[
+                                                        k_addr(c % NS, np, dk, i * 8 + tx // 4) + 2 * (tx % 4) + e]
+                                        else:
+                                            T.evaluate(call("attn_ldsm_x4", Kf.access_ptr("w"),
+                                                Ks.access_ptr("r", offset=k_addr(c % NS, np, dk, tx))))
+                            for ty in thread_y(W):
+                                for tx in thread_x(WARP):
+                                    with T.sblock("QK_mma"):
+                                        T.reads()
+                                        T.writes()
+                                        if EMU:
+                                            for half in T.unroll(2):
+                                                for k in T.unroll(4):
+                                                    for kd in T.serial(16):
+                                                        S[ty, tx, (np * 2 + half) * 4 + k] = S[ty, tx, (np * 2 + half) * 4 + k] + T.Cast(
+                                                            "float32", Qf[ty, a_lane(tx // 4 + 8 * (k // 2), kd),
+                                                                          dk * 8 + a_slot(tx // 4 + 8 * (k // 2), kd)]) * T.Cast(
+                                                            "float32", Kf[ty, (2 * (tx % 4) + k % 2) * 4 + kd % 8 // 2,
+                                                                          half * 4 + b_slot(kd)])
+                                        else:
+                                            T.evaluate(call("attn_mma", S.access_ptr("rw", offset=np * 8),
+                                                Qf.access_ptr("r", offset=dk * 8), Kf.access_ptr("r", offset=0)))
+                                            T.evaluate(call("attn_mma", S.access_ptr("rw", offset=np * 8 + 4),
+                                                Qf.access_ptr("r", offset=dk * 8), Kf.access_ptr("r", offset=4)))
+
+                    # -- scale, mask (only tiles that need it), the lane's row maxima -----------
+                    for ty in thread_y(W):
+                        for tx in thread_x(WARP):
+                            with T.sblock("S_scale"):
+                                T.reads()
+                                T.writes()
+                                for k in T.unroll(NT * 4):
+                                    S[ix(ty, tx, k)] = S[ix(ty, tx, k)] * T.float32(qscale)
+                                if causal or kv_tail:
+                                    if needs_mask(c, ri(vbx)):
+                                        for k in T.unroll(NT * 4):
+                                            S[ix(ty, tx, k)] = T.Select(
+                                                visible(ri(vbx), ty, tx, k, c), S[ix(ty, tx, k)], neg_inf)
+                                for h2 in T.unroll(2):
+                                    mt[ix(ty, tx, h2)] = m[ix(ty, tx, h2)]
+                                for k in T.unroll(NT * 4):
+                                    mt[ix(ty, tx, k % 4 // 2)] = T.max(mt[ix(ty, tx, k % 4 // 2)], S[ix(ty, tx, k)])
+                    # -- row max across the row's four lanes -------------------------------------
+                    for ty in thread_y(W):
+                        for tx in thread_x(WARP):
+                            with T.sblock("row_max"):
+                                T.reads()
+                                T.writes()
+                                for h2 in T.unroll(2):
+                                    if EMU:
+                                        mn[ty, tx, h2] = T.max(
+                                            T.max(mt[ty, tx // 4 * 4, h2], mt[ty, tx // 4 * 4 + 1, h2]),
+                                            T.max(mt[ty, tx // 4 * 4 + 2, h2], mt[ty, tx // 4 * 4 + 3, h2]))
+                                    else:
+                                        mn[h2] = T.cuda.warp_max(mt[h2], 4)
+                    # -- P = exp2(S − m_new) in registers, online correction ----------------------
+                    for ty in thread_y(W):
+                        for tx in thread_x(WARP):
+                            with T.sblock("P_exp"):
+                                T.reads()
+                                T.writes()
+                                for h2 in T.unroll(2):
+                                    # alpha: exp2(m − m_new), reusing mt; a row with no visible key
+                                    # yet has m = m_new = −inf and its reference max guarded to 0
+                                    mt[ix(ty, tx, h2)] = T.exp2(m[ix(ty, tx, h2)] - guarded(mn[ix(ty, tx, h2)]))
+                                    m[ix(ty, tx, h2)] = mn[ix(ty, tx, h2)]
+                                    l[ix(ty, tx, h2)] = l[ix(ty, tx, h2)] * mt[ix(ty, tx, h2)]
+                                for k in T.unroll(NT * 4):
+                                    S[ix(ty, tx, k)] = T.exp2(S[ix(ty, tx, k)] - guarded(mn[ix(ty, tx, k % 4 // 2)]))
+                                    l[ix(ty, tx, k % 4 // 2)] = l[ix(ty, tx, k % 4 // 2)] + S[ix(ty, tx, k)]
+                                    Pf[ix(ty, tx, k)] = T.Cast(dtype, S[ix(ty, tx, k)])
+                                for k in T.unroll(NO * 4):
+                                    acc[ix(ty, tx, k)] = acc[ix(ty, tx, k)] * mt[ix(ty, tx, k % 4 // 2)]
+
+                    # -- acc += P·V on tensor cores ---------------------------------------------
+                    for kk in T.unroll(NT // 2):
+                        for dp in T.unroll(D // 16):
+                            for ty in thread_y(W):
+                                for tx in thread_x(WARP):
+                                    with T.sblock("V_ldmatrix"):
+                                        T.reads()
+                                        T.writes()
+                                        if EMU:
+                                            for i in T.unroll(4):
+                                                for e in T.unroll(2):
+                                                    Vf[ty, tx, i * 2 + e] = Vs[
+                                                        v_addr(c % NS, kk, dp, i * 8 + 2 * (tx % 4) + e) + tx // 4]
+                                        else:
+                                            T.evaluate(call("attn_ldsm_x4_trans", Vf.access_ptr("w"),
+                                                Vs.access_ptr("r", offset=v_addr(c % NS, kk, dp, tx))))
+                            for ty in thread_y(W):
+                                for tx in thread_x(WARP):
+                                    with T.sblock("PV_mma"):
+                                        T.reads()
+                                        T.writes()
+                                        if EMU:
+                                            for half in T.unroll(2):
+                                                for k in T.unroll(4):
+                                                    for kd in T.serial(16):
+                                                        acc[ty, tx, (dp * 2 + half) * 4 + k] = acc[ty, tx, (dp * 2 + half) * 4 + k] + T.Cast(
+                                                            "float32", Pf[ty, a_lane(tx // 4 + 8 * (k // 2), kd),
+                                                                          kk * 8 + a_slot(tx // 4 + 8 * (k // 2), kd)]) * T.Cast(
+                                                            "float32", Vf[ty, (2 * (tx % 4) + k % 2) * 4 + kd % 8 // 2,
+                                                                          half * 4 + b_slot(kd)])
+                                        else:
+                                            T.evaluate(call("attn_mma", acc.access_ptr("rw", offset=dp * 8),
+                                                Pf.access_ptr("r", offset=kk * 8), Vf.access_ptr("r", offset=0)))
+                                            T.evaluate(call("attn_mma", acc.access_ptr("rw", offset=dp * 8 + 4),
+                                                Pf.access_ptr("r", offset=kk * 8), Vf.access_ptr("r", offset=4)))
+                    if NS == 1:
+                        if not EMU:
+                            T.tvm_storage_sync("shared")  # the next tile overwrites the only buffer
+
+                # -- row sums across the row's lanes, O = acc / l (0 for a row with no key) ------
+                for ty in thread_y(W):
+                    for tx in thread_x(WARP):
+                        with T.sblock("row_sum"):
+                            T.reads()
+                            T.writes()
+                            for h2 in T.unroll(2):
+                                if EMU:
+                                    ls[ty, tx, h2] = (l[ty, tx // 4 * 4, h2] + l[ty, tx // 4 * 4 + 1, h2]) + (
+                                        l[ty, tx // 4 * 4 + 2, h2] + l[ty, tx // 4 * 4 + 3, h2])
+                                else:
+                                    ls[h2] = T.cuda.warp_sum(l[h2], 4)
+                for ty in thread_y(W):
+                    for tx in thread_x(WARP):
+                        with T.sblock("O_store"):
+                            T.reads()
+                            T.writes()
+                            for k in T.unroll(NO * 4):
+                                if ri(vbx) + row_of(ty, tx, k) < SQ:
+                                    O[bi(vbx), hi(vbx), ri(vbx) + row_of(ty, tx, k), col_of(tx, k)] = T.Cast(
+                                        dtype, normalize(acc[ix(ty, tx, k)], ls[ix(ty, tx, k % 4 // 2)],
+                                                         ri(vbx) + row_of(ty, tx, k), spec))
+
+    return attention
