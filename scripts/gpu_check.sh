@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One-shot GPU check for a machine with an NVIDIA GPU (a lent one or a user's).
 # Installs the project if needed, then builds, validates and benchmarks the CUDA kernels
-# (scripts/gpu_check.py). Usage: scripts/gpu_check.sh [OUT_DIR] [extra gpu_check.py flags]
+# (scripts/gpu_check.py): the tensor-core and the CUDA-core kernel, fp16/bf16, next to torch's
+# FlashAttention-2 backend. Usage: scripts/gpu_check.sh [OUT_DIR] [extra gpu_check.py flags]
+# Without a GPU: scripts/gpu_check.sh OUT --build-only --arch sm_90 builds every kernel offline.
 # Offline machines: put the apache-tvm / apache-tvm-ffi wheels in ./.whl first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,4 +20,4 @@ if ! python3 -c "import tvm, tvm_attention" 2>/dev/null; then
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv || true
-PYTHONUNBUFFERED=1 python3 scripts/gpu_check.py --json "$OUT/gpu_check.json" "$@" 2>&1 | tee "$OUT/gpu_check.log"
+PYTHONUNBUFFERED=1 python3 scripts/gpu_check.py --out "$OUT" "$@" 2>&1 | tee "$OUT/gpu_check.log"

@@ -124,3 +124,26 @@ def test_tensor_core_algorithm_on_cpu(seq_q, seq_kv, causal, dtype, head_dim, wa
     atol, rtol = TOLERANCES[dtype]
     assert np.isfinite(out[keep]).all()
     assert np.allclose(out[keep], ref[keep], atol=atol, rtol=rtol), np.abs(out[keep] - ref[keep]).max()
+
+
+@needs_nvcc
+def test_gpu_check_script_builds_both_kernels_offline(tmp_path):
+    """scripts/gpu_check.py's build pool, tiny: both kernels, fp16 and bf16, exported artifacts."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "gck"
+    proc = subprocess.run(
+        [sys.executable, str(root / "scripts" / "gpu_check.py"), "--build-only", "--arch", "sm_80", "--seq", "256",
+         "--head-dim", "64", "--dtype", "float16", "bfloat16", "--jobs", "2", "--out", str(out)],
+        capture_output=True, text=True, timeout=600, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("fused_")]
+    assert len(lines) == 2 * 2 * 2  # kernels × dtypes × causal
+    assert all("spills=0" in ln for ln in lines), lines
+    manifests = [json.loads(p.read_text()) for p in out.glob("*/manifest.json")]
+    assert len(manifests) == 8 and all(m["audit"]["verdict"] == "fused" for m in manifests)
+    assert {m["schedule"]["knobs"].get("warps") is not None for m in manifests} == {True, False}
