@@ -47,14 +47,17 @@ class FlashCUDAKnobs(KnobsMixin):
 
 
 #: Presets per (dtype class, head_dim), the same on sm_80 and sm_90 for now: sized by the 48 KiB
-#: static shared-memory limit and by ptxas (nvcc 13). fp32 D=64: 8 lanes per row (4 scores, 8
-#: accumulator columns each) take 48-58 registers and no spill on either arch; 4 lanes took
-#: 78-140 and, once the row sum stopped re-reading the shared P tile (no per-element barriers),
-#: ptxas capped the sm_90 causal build at 128 registers and spilled 20 bytes.
+#: static shared-memory limit and by ptxas (nvcc 13), which was seen to cap registers so that about three
+#: blocks fit an SM (40 at 512 threads, 80 at 256) and spills rather than exceed that.
+#: fp32 D=64: 32 rows × 8 lanes (4 scores, 8 accumulator columns per lane) take 48-58 registers
+#: and no spill on either arch at every length (64 rows spilled 12-20 bytes at the 40 cap).
+#: fp32 D=128: 32 rows × 8 lanes (2 scores, 16 columns) take 58-66; 4 lanes took 117 (sm_80)
+#: and, non-causal on sm_90, 223 (nvcc kept a whole Q row in registers while the score loop ran
+#: keys outside head_dim; the loops are now the other way round).
 #: Refine per arch once a GPU run has timed them.
 _PRESETS = {
-    ("fp32", 64): dict(block_m=64, block_n=32, threads_per_row=8),
-    ("fp32", 128): dict(block_m=32, block_n=16, threads_per_row=4),
+    ("fp32", 64): dict(block_m=32, block_n=32, threads_per_row=8),
+    ("fp32", 128): dict(block_m=32, block_n=16, threads_per_row=8),
     ("half", 64): dict(block_m=64, block_n=64, threads_per_row=4),
     ("half", 128): dict(block_m=64, block_n=32, threads_per_row=4),
 }

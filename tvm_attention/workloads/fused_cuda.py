@@ -196,8 +196,13 @@ def fused_attention_cuda(
                                 pmax[ty, tx] = m[ty, tx]
                                 for jj in T.unroll(NJ):
                                     S[ty, tx, jj] = T.float32(0)
-                                    for d in T.serial(D):
+                                # d outside the lane's keys: each Q element is read once and used
+                                # NJ times. With the keys outside, nvcc (sm_90) kept the whole Q row
+                                # in registers for the NJ passes: 223 registers at fp32 D=128.
+                                for d in T.serial(D):
+                                    for jj in T.unroll(NJ):
                                         S[ty, tx, jj] = S[ty, tx, jj] + f32(Qs[ty * QST + d]) * f32(Ks[(jj * TPR + tx) * QST + d])
+                                for jj in T.unroll(NJ):
                                     S[ty, tx, jj] = masked_score(
                                         S[ty, tx, jj] * T.float32(qscale), ri(vbx), ty, c * BN + jj * TPR + tx)
                                     pmax[ty, tx] = T.max(pmax[ty, tx], S[ty, tx, jj])
