@@ -10,7 +10,7 @@ them in registers (PTX fragment layouts, ``g = lane / 4``, ``t = lane % 4``):
 * ``S``: the score tile as ``block_n / 8`` fp32 accumulators of 4 (rows ``g, g + 8``, keys
   ``2t, 2t + 1`` of each 8-key slice), computed as ``Q·Kᵀ`` on tensor cores;
 * ``acc``: the output rows as ``head_dim / 8`` accumulators of 4, fed by ``P·V``;
-* ``m``, ``l``: the running max (log2 units) and the lane's part of the running sum for its
+* ``m``, ``l``: the running max (log2 units of the scaled scores) and the lane's part of the running sum for its
   two rows.
 
 Per key tile of ``block_n`` keys:
@@ -437,20 +437,22 @@ def fused_attention_mma(
                     # -- scale, mask (only tiles that need it), the lane's row maxima -----------
                     for ty in thread_y(W):
                         for tx in thread_x(WARP):
-                            with T.sblock("S_scale"):
+                            with T.sblock("S_max"):
                                 T.reads()
                                 T.writes()
-                                for k in T.unroll(NT * 4):
-                                    S[ix(ty, tx, k)] = S[ix(ty, tx, k)] * T.float32(qscale)
+                                # the max of the raw scores, scaled once: the scale is positive, so
+                                # max(s)·scale = max(s·scale), and the exponent below is one FFMA
                                 if causal or kv_tail:
                                     if needs_mask(c, ri(vbx)):
                                         for k in T.unroll(NT * 4):
                                             S[ix(ty, tx, k)] = T.Select(
                                                 visible(ri(vbx), ty, tx, k, c), S[ix(ty, tx, k)], neg_inf)
                                 for h2 in T.unroll(2):
-                                    mt[ix(ty, tx, h2)] = m[ix(ty, tx, h2)]
+                                    mt[ix(ty, tx, h2)] = neg_inf
                                 for k in T.unroll(NT * 4):
                                     mt[ix(ty, tx, k % 4 // 2)] = T.max(mt[ix(ty, tx, k % 4 // 2)], S[ix(ty, tx, k)])
+                                for h2 in T.unroll(2):
+                                    mt[ix(ty, tx, h2)] = T.max(m[ix(ty, tx, h2)], mt[ix(ty, tx, h2)] * T.float32(qscale))
                     # -- row max across the row's four lanes -------------------------------------
                     for ty in thread_y(W):
                         for tx in thread_x(WARP):
@@ -477,7 +479,8 @@ def fused_attention_mma(
                                     m[ix(ty, tx, h2)] = mn[ix(ty, tx, h2)]
                                     l[ix(ty, tx, h2)] = l[ix(ty, tx, h2)] * mt[ix(ty, tx, h2)]
                                 for k in T.unroll(NT * 4):
-                                    S[ix(ty, tx, k)] = T.exp2(S[ix(ty, tx, k)] - guarded(mn[ix(ty, tx, k % 4 // 2)]))
+                                    S[ix(ty, tx, k)] = T.exp2(S[ix(ty, tx, k)] * T.float32(qscale)
+                                                              - guarded(mn[ix(ty, tx, k % 4 // 2)]))
                                     l[ix(ty, tx, k % 4 // 2)] = l[ix(ty, tx, k % 4 // 2)] + S[ix(ty, tx, k)]
                                     Pf[ix(ty, tx, k)] = T.Cast(dtype, S[ix(ty, tx, k)])
                                 for k in T.unroll(NO * 4):
