@@ -39,7 +39,9 @@ def test_tensor_core_builds_offline(arch, head_dim, dtype, causal):
     assert ptx["mma.sync"] == 4 * per_tile and ptx["ldmatrix"] == 2 * per_tile, ptx
     assert ptx["cp.async.cg"] > 0 and ptx["cp.async.wait_group"] >= 1
     assert ptx["ld.local"] == 0 and ptx["st.local"] == 0  # fragments stay in registers
-    assert ptx["bar.sync"] <= 2  # one barrier per key tile (+ none elsewhere) with stages ≥ 2
+    # one barrier per key tile with stages ≥ 2 (TVM's own pass once added a second: it cannot
+    # tell the stage being filled from the stage being read)
+    assert k.stages >= 2 and ptx["bar.sync"] == 1, ptx
     assert built.audit.fused, built.audit.format()
     scopes = {a.name: a.scope for a in built.audit.allocations}
     assert scopes["S"] == "local" and scopes["acc"] == "local" and scopes["Pf"] == "local"

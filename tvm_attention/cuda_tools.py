@@ -58,6 +58,26 @@ _PATTERNS = {
 }
 
 
+def nvcc_flags() -> list[str]:
+    """The flags TVM's runtime compiles a CUDA module with (``tvm.support.nvcc``, the
+    ``TVM_CUDA_COMPILE_MODE=nvcc`` path), so that the report describes the code that runs:
+    ``-O3 --use_fast_math`` and ptxas's ``--register-usage-level=10`` (TVM's default; at nvcc's
+    own default ptxas capped registers lower and spilled where TVM's build does not)."""
+    try:
+        from tvm.support.nvcc import _ptxas_option_flags
+
+        ptxas = _ptxas_option_flags()
+    except ImportError:  # another TVM: its flags are unknown, keep ptxas verbose at least
+        ptxas = ["-v"]
+    if "-v" not in ptxas:
+        ptxas = ["-v", *ptxas]
+    fast = [] if os.environ.get("TVM_CUDA_NVCC_NO_FAST_MATH") else ["--use_fast_math"]
+    return ["-O3", *fast, "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
+            "-U__CUDA_NO_BFLOAT16_OPERATORS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
+            "-U__CUDA_NO_BFLOAT162_OPERATORS__", "-U__CUDA_NO_BFLOAT162_CONVERSIONS__",
+            "--expt-relaxed-constexpr", f"--ptxas-options={','.join(ptxas)}"]
+
+
 def ptxas_report(source: str, arch: str, threads_per_block: int | None = None) -> dict[str, Any]:
     """Compile ``source`` for ``arch`` with nvcc and return ptxas's numbers (and occupancy)."""
     nvcc = find_nvcc()
@@ -67,8 +87,8 @@ def ptxas_report(source: str, arch: str, threads_per_block: int | None = None) -
         cu = os.path.join(tmp, "kernel.cu")
         with open(cu, "w") as f:
             f.write(source)
-        cmd = [nvcc, "--cubin", f"-arch={arch}", "-O3", "--use_fast_math", "--ptxas-options=-v",
-               "-w", "--keep", "--keep-dir", tmp, "-o", os.path.join(tmp, "kernel.cubin"), cu]
+        cmd = [nvcc, "--cubin", f"-arch={arch}", *nvcc_flags(), "-w", "--keep", "--keep-dir", tmp,
+               "-o", os.path.join(tmp, "kernel.cubin"), cu]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         ptx = ""
         for name in os.listdir(tmp):
@@ -78,7 +98,7 @@ def ptxas_report(source: str, arch: str, threads_per_block: int | None = None) -
     if proc.returncode != 0:
         raise RuntimeError(f"nvcc failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     text = proc.stderr + proc.stdout
-    report: dict[str, Any] = {"arch": arch, "nvcc": _nvcc_version(nvcc), "flags": "-O3 --use_fast_math"}
+    report: dict[str, Any] = {"arch": arch, "nvcc": _nvcc_version(nvcc), "flags": " ".join(nvcc_flags())}
     for key, pattern in _PATTERNS.items():
         match = re.findall(pattern, text)
         report[key] = max(int(x) for x in match) if match else 0

@@ -57,6 +57,14 @@ MMA_DTYPES = {"float16": "f16", "bfloat16": "bf16"}
 SMEM_PAD = 8
 
 
+#: Access mask the cp.async destinations show TVM: "r". The kernel places its own barriers
+#: (one per key tile: after the wait, before the copy into the stage the previous tile read);
+#: TVM's barrier pass, seeing a write to the K/V buffer, cannot tell the stage being filled from
+#: the stage being read and added a second ``__syncthreads`` before every Q·Kᵀ. A CPU emulation
+#: of the generated kernel with a race checker found no race without it.
+CP_DST = "r"
+
+
 def smem_stride(head_dim: int) -> int:
     return head_dim + SMEM_PAD
 
@@ -74,9 +82,12 @@ __device__ __forceinline__ void attn_cp_async16(void* smem, const void* gmem) {
 __device__ __forceinline__ void attn_cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }""",
         "attn_mma": r"""
 __device__ __forceinline__ void attn_mma(void* c, const void* a, const void* b) {
+  // fragments are 16-bit arrays in TVM; memcpy reads them as 32-bit registers without the
+  // type punning that strict aliasing forbids (nvcc removes the copies)
   float* C = (float*)c;
-  const unsigned* A = (const unsigned*)a;
-  const unsigned* B = (const unsigned*)b;
+  unsigned A[4], B[2];
+  memcpy(A, a, 16);
+  memcpy(B, b, 8);
   asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.AB.AB.f32 "
                "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
                : "+f"(C[0]), "+f"(C[1]), "+f"(C[2]), "+f"(C[3])
@@ -90,10 +101,11 @@ __device__ __forceinline__ void attn_mma(void* c, const void* a, const void* b) 
     for name, trans in (("attn_ldsm_x4", ""), ("attn_ldsm_x4_trans", ".trans")):
         out[name] = r"""
 __device__ __forceinline__ void NAME(void* dst, const void* smem) {
-  unsigned* d = (unsigned*)dst;
+  unsigned d[4];
   unsigned s = (unsigned)__cvta_generic_to_shared(smem);
   asm volatile("ldmatrix.sync.aligned.m8n8.x4TRANS.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3]) : "r"(s));
+  memcpy(dst, d, 16);
 }""".replace("NAME", name).replace("TRANS", trans)
     return out
 
@@ -285,14 +297,14 @@ def fused_attention_mma(
                                                         (it * NTHR + ty * WARP + tx) % VPR * 8 + v]
                                             else:
                                                 T.evaluate(call("attn_cp_async16",
-                                                    Ks.access_ptr("w", offset=p * TILE + (it * NTHR + ty * WARP + tx) // VPR * ST
+                                                    Ks.access_ptr(CP_DST, offset=p * TILE + (it * NTHR + ty * WARP + tx) // VPR * ST
                                                                   + (it * NTHR + ty * WARP + tx) % VPR * 8),
                                                     K.access_ptr("r", offset=kv_off(
                                                         bi(vbx), hi(vbx) // G,
                                                         kv_row(p * BN + (it * NTHR + ty * WARP + tx) // VPR),
                                                         (it * NTHR + ty * WARP + tx) % VPR * 8))))
                                                 T.evaluate(call("attn_cp_async16",
-                                                    Vs.access_ptr("w", offset=p * TILE + (it * NTHR + ty * WARP + tx) // VPR * ST
+                                                    Vs.access_ptr(CP_DST, offset=p * TILE + (it * NTHR + ty * WARP + tx) // VPR * ST
                                                                   + (it * NTHR + ty * WARP + tx) % VPR * 8),
                                                     V.access_ptr("r", offset=kv_off(
                                                         bi(vbx), hi(vbx) // G,
@@ -325,14 +337,14 @@ def fused_attention_mma(
                                                         (it * NTHR + ty * WARP + tx) % VPR * 8 + v]
                                             else:
                                                 T.evaluate(call("attn_cp_async16",
-                                                    Ks.access_ptr("w", offset=(it * NTHR + ty * WARP + tx) // VPR * ST
+                                                    Ks.access_ptr(CP_DST, offset=(it * NTHR + ty * WARP + tx) // VPR * ST
                                                                   + (it * NTHR + ty * WARP + tx) % VPR * 8),
                                                     K.access_ptr("r", offset=kv_off(
                                                         bi(vbx), hi(vbx) // G,
                                                         kv_row(c * BN + (it * NTHR + ty * WARP + tx) // VPR),
                                                         (it * NTHR + ty * WARP + tx) % VPR * 8))))
                                                 T.evaluate(call("attn_cp_async16",
-                                                    Vs.access_ptr("w", offset=(it * NTHR + ty * WARP + tx) // VPR * ST
+                                                    Vs.access_ptr(CP_DST, offset=(it * NTHR + ty * WARP + tx) // VPR * ST
                                                                   + (it * NTHR + ty * WARP + tx) % VPR * 8),
                                                     V.access_ptr("r", offset=kv_off(
                                                         bi(vbx), hi(vbx) // G,
@@ -373,7 +385,7 @@ def fused_attention_mma(
                                                             (it * NTHR + ty * WARP + tx) % VPR * 8 + v]
                                                 else:
                                                     T.evaluate(call("attn_cp_async16",
-                                                        Ks.access_ptr("w", offset=(c + NS - 1) % NS * TILE
+                                                        Ks.access_ptr(CP_DST, offset=(c + NS - 1) % NS * TILE
                                                                       + (it * NTHR + ty * WARP + tx) // VPR * ST
                                                                       + (it * NTHR + ty * WARP + tx) % VPR * 8),
                                                         K.access_ptr("r", offset=kv_off(
@@ -381,7 +393,7 @@ def fused_attention_mma(
                                                             kv_row((c + NS - 1) * BN + (it * NTHR + ty * WARP + tx) // VPR),
                                                             (it * NTHR + ty * WARP + tx) % VPR * 8))))
                                                     T.evaluate(call("attn_cp_async16",
-                                                        Vs.access_ptr("w", offset=(c + NS - 1) % NS * TILE
+                                                        Vs.access_ptr(CP_DST, offset=(c + NS - 1) % NS * TILE
                                                                       + (it * NTHR + ty * WARP + tx) // VPR * ST
                                                                       + (it * NTHR + ty * WARP + tx) % VPR * 8),
                                                         V.access_ptr("r", offset=kv_off(
