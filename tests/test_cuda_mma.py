@@ -149,3 +149,18 @@ def test_gpu_check_script_builds_both_kernels_offline(tmp_path):
     manifests = [json.loads(p.read_text()) for p in out.glob("*/manifest.json")]
     assert len(manifests) == 8 and all(m["audit"]["verdict"] == "fused" for m in manifests)
     assert {m["schedule"]["knobs"].get("warps") is not None for m in manifests} == {True, False}
+
+
+def test_tuning_tasks_cover_the_tensor_core_space_and_regenerate():
+    """One task per feasible (warps, block_n, stages), the preset first; a stored function of any
+    task regenerates to the same workload (how build finds a tuned record for a spec)."""
+    from tvm_attention.tune.tasks import make_tasks, workload_matches
+
+    spec = AttentionSpec(batch=1, heads=8, kv_heads=2, seq_q=1024, head_dim=64, dtype="bfloat16", causal=True)
+    target = resolve_target("cuda", arch="sm_90")
+    tasks = make_tasks(spec, target, "fused")
+    cands = cuda_mma.tile_candidates(spec, target)
+    assert [t.name for t in tasks] == [f"fused_w{k.warps}_n{k.block_n}_s{k.stages}" for k in cands]
+    for t in (tasks[0], tasks[-1]):
+        assert workload_matches(spec, t.mod)
+        assert not workload_matches(AttentionSpec.from_dict({**spec.to_dict(), "causal": False}), t.mod)
