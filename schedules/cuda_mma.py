@@ -3,7 +3,7 @@
 As for the SIMT kernel, the thread mapping is the algorithm (which lane holds which fragment
 element, where the shuffles and barriers go), so it is written into the compute and
 instantiated from these knobs; ``apply`` has nothing left to vary. The design space for tuning
-is one task per feasible (warps, block_n, stages).
+is one task per feasible (warps, block_n, stages, m_tiles).
 
 Feasibility is checked against named limits before anything is built: fp16/bf16 inputs, an
 sm_80+ target (``mma.sync.m16n8k16`` with bf16, ``cp.async``, ldmatrix), head_dim a multiple
@@ -40,21 +40,28 @@ class MMAKnobs(KnobsMixin):
     warps: int = 4  # warps per thread block; each owns 16 query rows (block_m = 16·warps)
     block_n: int = 64  # keys per K/V tile: the score tile of a warp is 16 × block_n, in registers
     stages: int = 2  # K/V tiles in flight (cp.async pipeline depth; 1 = load, wait, compute)
+    m_tiles: int = 1  # 16-row groups per warp: each K/V fragment from shared memory feeds m_tiles
+    #                   mma pairs (2 halves ldmatrix traffic per mma, doubles the fragments)
 
     @property
     def block_m(self) -> int:
-        return 16 * self.warps
+        return 16 * self.m_tiles * self.warps
 
     @property
     def threads(self) -> int:
         return WARP * self.warps
 
 
-#: Presets per head_dim, the same on sm_80 and sm_90 for now: four warps (64 query rows) as
-#: FlashAttention-2 uses, the widest key tile whose two stages of K and V fit 48 KiB of static
-#: shared memory (D=64: 64 keys, 36 KiB; D=128: 32 keys, 34 KiB); ptxas: 127-165 registers, no
-#: spill. Refine per arch once a GPU run has timed them.
-_PRESETS = {64: dict(warps=4, block_n=64, stages=2), 128: dict(warps=4, block_n=32, stages=2)}
+#: Presets per head_dim, the same on sm_80 and sm_90 for now, not yet timed on a GPU. Four warps
+#: and the widest key tile whose two stages of K and V fit 48 KiB of static shared memory.
+#: D=64: FlashAttention-2's tile (128 query rows, 64 keys): two row groups per warp, so a K/V
+#: fragment read from shared memory feeds two mma pairs (at one, ldmatrix moves 16 B of shared
+#: memory per 512 tensor-core FLOPs, about what an SM's shared memory delivers per cycle);
+#: ptxas: 230-234 registers, no spill. D=128: one row group (64 rows) and 32 keys, 128-164
+#: registers; two row groups spill with Q kept in registers (FlashAttention-2 re-reads Q from
+#: shared memory instead). Refine per arch once a GPU run has timed them.
+_PRESETS = {64: dict(warps=4, block_n=64, stages=2, m_tiles=2),
+            128: dict(warps=4, block_n=32, stages=2, m_tiles=1)}
 
 
 def arch_number(target: Target) -> int:
@@ -77,10 +84,10 @@ def shared_bytes(knobs: MMAKnobs, spec: AttentionSpec) -> int:
 
 
 def registers_estimate(knobs: MMAKnobs, spec: AttentionSpec) -> int:
-    """Fragment registers per lane (Q: D/4, scores: block_n/2, P: block_n/4, output: D/2) plus
-    :data:`REGISTER_OVERHEAD`."""
+    """Fragment registers per lane (per row group: Q D/4, scores block_n/2, P block_n/4, output
+    D/2) plus :data:`REGISTER_OVERHEAD`."""
     d, n = spec.head_dim, knobs.block_n
-    return d // 4 + n // 2 + n // 4 + d // 2 + REGISTER_OVERHEAD
+    return knobs.m_tiles * (d // 4 + n // 2 + n // 4 + d // 2) + REGISTER_OVERHEAD
 
 
 def preset(spec: AttentionSpec, target: Target) -> MMAKnobs:
@@ -106,7 +113,7 @@ def check(knobs: MMAKnobs, spec: AttentionSpec, target: Target) -> None:
             f"not {target.attrs.get('arch')}")
     if spec.head_dim % 16:
         raise KnobError(f"head_dim={spec.head_dim} must be a multiple of 16 (one mma k step)")
-    for name in ("warps", "block_n", "stages"):
+    for name in ("warps", "block_n", "stages", "m_tiles"):
         v = getattr(knobs, name)
         if v <= 0:
             raise KnobError(f"{name} must be a positive int, got {v!r}")
@@ -114,6 +121,8 @@ def check(knobs: MMAKnobs, spec: AttentionSpec, target: Target) -> None:
         raise KnobError(f"warps={knobs.warps} must be a power of two")
     if knobs.block_n % 16:
         raise KnobError(f"block_n={knobs.block_n} must be a multiple of 16 (ldmatrix loads 16 keys at a time)")
+    if knobs.m_tiles > 2:
+        raise KnobError(f"m_tiles={knobs.m_tiles}: 1 or 2 row groups per warp (more cannot keep their fragments in registers)")
     if knobs.stages > MAX_STAGES:
         raise KnobError(f"stages={knobs.stages} > {MAX_STAGES} (cp.async groups in flight)")
     max_threads = int(target.attrs["max_threads_per_block"])
@@ -136,7 +145,7 @@ def check(knobs: MMAKnobs, spec: AttentionSpec, target: Target) -> None:
 
 
 def workload(spec: AttentionSpec, knobs: MMAKnobs):
-    return fused_attention_mma(spec, knobs.warps, knobs.block_n, knobs.stages)
+    return fused_attention_mma(spec, knobs.warps, knobs.block_n, knobs.stages, knobs.m_tiles)
 
 
 def apply(sch: s_tir.Schedule, knobs: MMAKnobs, spec: AttentionSpec) -> s_tir.Schedule:
@@ -151,23 +160,24 @@ def design_space(spec: AttentionSpec, target: Target):
 
 
 def tile_candidates(spec: AttentionSpec, target: Target) -> list[MMAKnobs]:
-    """Feasible (warps, block_n, stages) for tuning, the preset first."""
+    """Feasible (warps, block_n, stages, m_tiles) for tuning, the preset first."""
     out = [preset(spec, target)]
-    for warps in (2, 4, 8):
-        for bn in (16, 32, 64, 128):
-            for stages in (1, 2, 3):
-                k = MMAKnobs(warps=warps, block_n=bn, stages=stages)
-                if k in out:
-                    continue
-                try:
-                    check(k, spec, target)
-                except KnobError:
-                    continue
-                out.append(k)
+    for m_tiles in (1, 2):
+        for warps in (2, 4, 8):
+            for bn in (16, 32, 64, 128):
+                for stages in (1, 2, 3):
+                    k = MMAKnobs(warps=warps, block_n=bn, stages=stages, m_tiles=m_tiles)
+                    if k in out:
+                        continue
+                    try:
+                        check(k, spec, target)
+                    except KnobError:
+                        continue
+                    out.append(k)
     return out
 
 
 def knobs_of(sch: s_tir.Schedule, lanes: int = 0, base=None) -> MMAKnobs:
     attrs = sch.mod["main"].attrs
     return MMAKnobs(warps=int(attrs["attn.warps"]), block_n=int(attrs["attn.block_n"]),
-                    stages=int(attrs["attn.stages"]))
+                    stages=int(attrs["attn.stages"]), m_tiles=int(attrs["attn.m_tiles"]))

@@ -34,9 +34,10 @@ def test_tensor_core_builds_offline(arch, head_dim, dtype, causal):
     assert 0 < r["registers"] <= 255 and 0 < r["occupancy"] <= 1
     assert r["shared_bytes"] == cuda_mma.shared_bytes(k, spec) <= 48 * 1024
     ptx = r["ptx_instructions"]
-    # per key tile: Q·Kᵀ and P·V each (block_n/16)·(head_dim/16) ldmatrix.x4 and twice as many mma
+    # per key tile: Q·Kᵀ and P·V each (block_n/16)·(head_dim/16) ldmatrix.x4, each feeding an
+    # mma pair per row group of the warp
     per_tile = (k.block_n // 16) * (head_dim // 16)
-    assert ptx["mma.sync"] == 4 * per_tile and ptx["ldmatrix"] == 2 * per_tile, ptx
+    assert ptx["mma.sync"] == 4 * per_tile * k.m_tiles and ptx["ldmatrix"] == 2 * per_tile, ptx
     assert ptx["cp.async.cg"] > 0 and ptx["cp.async.wait_group"] >= 1
     assert ptx["ld.local"] == 0 and ptx["st.local"] == 0  # fragments stay in registers
     # one barrier per key tile with stages ≥ 2 (TVM's own pass once added a second: it cannot
@@ -74,6 +75,8 @@ def test_fused_picks_the_kernel_by_dtype_arch_and_head_dim():
         (dict(block_n=24), "multiple of 16"),
         (dict(stages=5), "stages=5"),
         (dict(block_n=0), "positive"),
+        (dict(m_tiles=3), "m_tiles=3"),
+        (dict(m_tiles=2), "registers"),  # D=128: two row groups' fragments do not fit
     ],
 )
 def test_tensor_core_feasibility_rejects_with_named_limit(knobs, message):
@@ -93,21 +96,21 @@ def test_tensor_core_candidates_are_feasible_and_start_with_the_preset():
 
 
 @pytest.mark.parametrize(
-    "seq_q, seq_kv, causal, dtype, head_dim, warps, block_n, stages",
+    "seq_q, seq_kv, causal, dtype, head_dim, warps, block_n, stages, m_tiles",
     [
-        (113, 203, True, "float16", 64, 2, 32, 2),  # key tail, diagonal tiles, GQA, 2 stages
-        (300, 45, True, "bfloat16", 64, 1, 16, 3),  # seq_q > seq_kv: rows that see no key → 0
-        (96, 128, False, "bfloat16", 128, 2, 64, 1),  # D=128, unpipelined
-        (1, 1, True, "float16", 64, 1, 16, 2),
+        (113, 203, True, "float16", 64, 2, 32, 2, 2),  # key tail, diagonal tiles, GQA, 2 row groups
+        (300, 45, True, "bfloat16", 64, 1, 16, 3, 1),  # seq_q > seq_kv: rows that see no key → 0
+        (96, 128, False, "bfloat16", 128, 2, 64, 1, 1),  # D=128, unpipelined
+        (1, 1, True, "float16", 64, 1, 16, 2, 2),
     ],
 )
-def test_tensor_core_algorithm_on_cpu(seq_q, seq_kv, causal, dtype, head_dim, warps, block_n, stages):
+def test_tensor_core_algorithm_on_cpu(seq_q, seq_kv, causal, dtype, head_dim, warps, block_n, stages, m_tiles):
     """The tensor-core compute with serial loops in place of threads and each PTX instruction
     (ldmatrix, mma.sync, shuffles, cp.async) replaced by its definition from the PTX ISA's
     fragment layouts, run by LLVM against the float64 reference."""
     spec = AttentionSpec(batch=2, heads=4, kv_heads=2, seq_q=seq_q, seq_kv=seq_kv, head_dim=head_dim,
                          dtype=dtype, causal=causal)
-    func = fused_attention_mma(spec, warps, block_n, stages, emulate=True)
+    func = fused_attention_mma(spec, warps, block_n, stages, m_tiles, emulate=True)
     ex = tvm.compile(func, target=resolve_target("llvm"))
     q, k, v = random_inputs(spec, seed=seq_q)
     nan_row = seq_q // 2
@@ -152,7 +155,7 @@ def test_gpu_check_script_builds_both_kernels_offline(tmp_path):
 
 
 def test_tuning_tasks_cover_the_tensor_core_space_and_regenerate():
-    """One task per feasible (warps, block_n, stages), the preset first; a stored function of any
+    """One task per feasible (warps, block_n, stages, m_tiles), the preset first; a stored function of any
     task regenerates to the same workload (how build finds a tuned record for a spec)."""
     from tvm_attention.tune.tasks import make_tasks, workload_matches
 
@@ -160,7 +163,7 @@ def test_tuning_tasks_cover_the_tensor_core_space_and_regenerate():
     target = resolve_target("cuda", arch="sm_90")
     tasks = make_tasks(spec, target, "fused")
     cands = cuda_mma.tile_candidates(spec, target)
-    assert [t.name for t in tasks] == [f"fused_w{k.warps}_n{k.block_n}_s{k.stages}" for k in cands]
+    assert [t.name for t in tasks] == [f"fused_w{k.warps}_n{k.block_n}_s{k.stages}_m{k.m_tiles}" for k in cands]
     for t in (tasks[0], tasks[-1]):
         assert workload_matches(spec, t.mod)
         assert not workload_matches(AttentionSpec.from_dict({**spec.to_dict(), "causal": False}), t.mod)

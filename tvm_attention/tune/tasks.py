@@ -123,12 +123,12 @@ def _cuda_tasks(spec: AttentionSpec, target: Target, schedule: str) -> list[Task
     if schedule != "fused":
         raise ValueError(f"schedule {schedule!r} cannot be tuned for cuda yet; tunable: fused")
     if cuda_mma.supports(spec, target):
-        # tensor cores: one task per feasible (warps, block_n, stages), the preset first
+        # tensor cores: one task per feasible (warps, block_n, stages, m_tiles), the preset first
         space = ms.space_generator.ScheduleFn(
             cuda_mma.design_space(spec, target), sch_rules=[], postprocs=[], mutator_probs={})
         return [
-            TaskDef(f"fused_w{k.warps}_n{k.block_n}_s{k.stages}",
-                    normalize(fused_attention_mma(spec, k.warps, k.block_n, k.stages)), space)
+            TaskDef(f"fused_w{k.warps}_n{k.block_n}_s{k.stages}_m{k.m_tiles}",
+                    normalize(fused_attention_mma(spec, k.warps, k.block_n, k.stages, k.m_tiles)), space)
             for k in cuda_mma.tile_candidates(spec, target)
         ]
     space = ms.space_generator.ScheduleFn(
@@ -159,7 +159,7 @@ def regenerate(spec: AttentionSpec, func) -> tvm.IRModule | None:
             return normalize(rowcache_attention(spec, int(attrs["attn.block_m"])))
         if kind == "fused_mma":
             return normalize(fused_attention_mma(spec, int(attrs["attn.warps"]), int(attrs["attn.block_n"]),
-                                                 int(attrs["attn.stages"])))
+                                                 int(attrs["attn.stages"]), int(attrs["attn.m_tiles"])))
         if kind == "fused_cuda":
             return normalize(fused_attention_cuda(spec, int(attrs["attn.block_m"]), int(attrs["attn.block_n"]),
                                                   int(attrs["attn.threads_per_row"])))

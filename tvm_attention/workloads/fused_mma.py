@@ -1,17 +1,19 @@
 """The fused attention PrimFunc for CUDA tensor cores (sm_80+): ``mma.sync.m16n8k16``, ldmatrix
 and ``cp.async``, FlashAttention-2's work split.
 
-One thread block per (batch, head, row tile of ``block_m = 16·warps`` queries); ``threadIdx.y``
-is the warp, ``threadIdx.x`` the lane. Each warp owns 16 query rows and keeps everything about
-them in registers (PTX fragment layouts, ``g = lane / 4``, ``t = lane % 4``):
+One thread block per (batch, head, row tile of ``block_m = 16·m_tiles·warps`` queries);
+``threadIdx.y`` is the warp, ``threadIdx.x`` the lane. Each warp owns ``m_tiles`` groups of 16
+query rows (each K/V fragment read from shared memory feeds one mma pair per group) and keeps
+everything about them in registers (PTX fragment layouts, ``g = lane / 4``, ``t = lane % 4``;
+per row group):
 
 * ``Qf``: the warp's Q rows as mma A fragments, loaded once from global memory
   (``head_dim / 16`` fragments of 8 halves: rows ``g, g + 8``, columns ``2t, 2t + 1 (+8)``);
 * ``S``: the score tile as ``block_n / 8`` fp32 accumulators of 4 (rows ``g, g + 8``, keys
   ``2t, 2t + 1`` of each 8-key slice), computed as ``Q·Kᵀ`` on tensor cores;
 * ``acc``: the output rows as ``head_dim / 8`` accumulators of 4, fed by ``P·V``;
-* ``m``, ``l``: the running max (log2 units of the scaled scores) and the lane's part of the running sum for its
-  two rows.
+* ``m``, ``l``: the running max (log2 units of the scaled scores) and the lane's part of the
+  running sum, for its two rows.
 
 Per key tile of ``block_n`` keys:
 
@@ -111,7 +113,7 @@ __device__ __forceinline__ void NAME(void* dst, const void* smem) {
 
 
 def fused_attention_mma(
-    spec: AttentionSpec, warps: int, block_n: int, stages: int, emulate: bool = False
+    spec: AttentionSpec, warps: int, block_n: int, stages: int, m_tiles: int = 1, emulate: bool = False
 ) -> tirx.PrimFunc:
     """Arguments (call order): ``Q (B, H, Sq, D)``, ``K (B, KH, Skv, D)``, ``V (B, KH, Skv, D)``,
     ``O (B, H, Sq, D)``, all ``spec.dtype`` (float16 or bfloat16), compact row-major, 16-byte
@@ -121,8 +123,8 @@ def fused_attention_mma(
     B, H, KH = spec.batch, spec.heads, spec.kv_heads
     SQ, SK, D = spec.seq_q, spec.seq_kv, spec.head_dim
     G = spec.group_size
-    W, BN, NS = warps, block_n, stages
-    BM = 16 * W
+    W, BN, NS, MT = warps, block_n, stages, m_tiles
+    BM = 16 * MT * W  # a warp owns MT groups of 16 rows: each K/V fragment feeds MT mma pairs
     NT = BN // 8  # 8-key slices of the score tile (one m16n8 accumulator each)
     NDC = D // 16  # 16-wide chunks of head_dim: the k steps of Q·Kᵀ
     NO = D // 8  # 8-wide slices of head_dim: the output accumulators
@@ -189,19 +191,28 @@ def fused_attention_mma(
     def kv_row(j):
         return T.min(j, SK - 1) if kv_tail else j
 
-    def row_of(ty, tx, k):
-        # query row (within the block tile) of accumulator slot k (4 per m16n8 tile)
-        return ty * 16 + tx // 4 + 8 * (k % 4 // 2)
+    # A lane's fragments are flat arrays of MT blocks, one per 16-row group: scores S and P
+    # (NT·4 slots a block), the output acc (NO·4), Q (NDC·8); the row state m, l (2 a block: rows
+    # g and g + 8). ``half`` is the state index of a slot: 2·(row group) + (slot % 4) // 2.
+    def s_half(k):
+        return k // (NT * 4) * 2 + k % 4 // 2
 
-    def col_of(tx, k):
-        # column (key, or head-dim index) of accumulator slot k, within its 8 × n block
-        return k // 4 * 8 + 2 * (tx % 4) + k % 2
+    def o_half(k):
+        return k // (NO * 4) * 2 + k % 4 // 2
+
+    def row_of(ty, tx, h):
+        # query row (within the block tile) of state index h
+        return ty * 16 * MT + h // 2 * 16 + tx // 4 + 8 * (h % 2)
+
+    def col_of(tx, k, n):
+        # column (key, or head-dim index) of accumulator slot k in a block of n slices of 8
+        return k % (n * 4) // 4 * 8 + 2 * (tx % 4) + k % 2
 
     def visible(r0, ty, tx, k, c):
-        col = c * BN + col_of(tx, k)
+        col = c * BN + col_of(tx, k, NT)
         cond = col < SK
         if causal:
-            cond = T.And(cond, col <= r0 + row_of(ty, tx, k) + OFF)
+            cond = T.And(cond, col <= r0 + row_of(ty, tx, s_half(k)) + OFF)
         return cond
 
     def kv_off(b, kh, row, col):
@@ -237,7 +248,7 @@ def fused_attention_mma(
         O: T.Buffer((B, H, SQ, D), dtype),
     ):
         T.func_attr({"global_symbol": ENTRY, "tirx.noalias": True, "attn.workload": "fused_mma",
-                     "attn.warps": W, "attn.block_n": BN, "attn.stages": NS})
+                     "attn.warps": W, "attn.block_n": BN, "attn.stages": NS, "attn.m_tiles": MT})
         for bx in block_x(B * H * NR):
             with T.sblock("row_tile"):
                 vbx = T.axis.spatial(B * H * NR, bx)
@@ -245,17 +256,17 @@ def fused_attention_mma(
                 T.writes()
                 Ks = T.sblock_alloc_buffer((NS * TILE,), dtype, scope=smem)
                 Vs = T.sblock_alloc_buffer((NS * TILE,), dtype, scope=smem)
-                Qf = T.sblock_alloc_buffer(fshape(NDC * 8), dtype, scope=fscope)
+                Qf = T.sblock_alloc_buffer(fshape(MT * NDC * 8), dtype, scope=fscope)
                 Kf = T.sblock_alloc_buffer(fshape(8), dtype, scope=fscope)
                 Vf = T.sblock_alloc_buffer(fshape(8), dtype, scope=fscope)
-                S = T.sblock_alloc_buffer(fshape(NT * 4), "float32", scope=fscope)  # scores
-                Pf = T.sblock_alloc_buffer(fshape(NT * 4), dtype, scope=fscope)  # probabilities
-                acc = T.sblock_alloc_buffer(fshape(NO * 4), "float32", scope=fscope)
-                m = T.sblock_alloc_buffer(fshape(2), "float32", scope=fscope)  # rows g, g + 8
-                l = T.sblock_alloc_buffer(fshape(2), "float32", scope=fscope)  # lane's part
-                mt = T.sblock_alloc_buffer(fshape(2), "float32", scope=fscope)  # lane's tile max
-                mn = T.sblock_alloc_buffer(fshape(2), "float32", scope=fscope)  # row's new max
-                ls = T.sblock_alloc_buffer(fshape(2), "float32", scope=fscope)  # row sum
+                S = T.sblock_alloc_buffer(fshape(MT * NT * 4), "float32", scope=fscope)  # scores
+                Pf = T.sblock_alloc_buffer(fshape(MT * NT * 4), dtype, scope=fscope)  # probabilities
+                acc = T.sblock_alloc_buffer(fshape(MT * NO * 4), "float32", scope=fscope)
+                m = T.sblock_alloc_buffer(fshape(MT * 2), "float32", scope=fscope)  # rows g, g + 8
+                l = T.sblock_alloc_buffer(fshape(MT * 2), "float32", scope=fscope)  # lane's part
+                mt = T.sblock_alloc_buffer(fshape(MT * 2), "float32", scope=fscope)  # lane's tile max
+                mn = T.sblock_alloc_buffer(fshape(MT * 2), "float32", scope=fscope)  # row's new max
+                ls = T.sblock_alloc_buffer(fshape(MT * 2), "float32", scope=fscope)  # row sum
 
                 # -- Q fragments, straight from global memory (once per block) --------------
                 for ty in thread_y(W):
@@ -263,14 +274,14 @@ def fused_attention_mma(
                         with T.sblock("Q_frag"):
                             T.reads()
                             T.writes()
-                            for s in T.unroll(NDC * 8):
+                            for s in T.unroll(MT * NDC * 8):
                                 Qf[ix(ty, tx, s)] = Qp[bi(vbx), hi(vbx), T.min(
-                                    ri(vbx) + ty * 16 + tx // 4 + 8 * (s % 8 // 2 % 2), SQ - 1),
-                                    s // 8 * 16 + 8 * (s % 8 // 2 // 2) + 2 * (tx % 4) + s % 2]
-                            for h2 in T.unroll(2):
+                                    ri(vbx) + row_of(ty, tx, s // (NDC * 8) * 2 + s % 8 // 2 % 2), SQ - 1),
+                                    s % (NDC * 8) // 8 * 16 + 8 * (s % 8 // 2 // 2) + 2 * (tx % 4) + s % 2]
+                            for h2 in T.unroll(MT * 2):
                                 m[ix(ty, tx, h2)] = neg_inf
                                 l[ix(ty, tx, h2)] = T.float32(0)
-                            for k in T.unroll(NO * 4):
+                            for k in T.unroll(MT * NO * 4):
                                 acc[ix(ty, tx, k)] = T.float32(0)
 
                 # -- prologue: the first stages − 1 K/V tiles in flight --------------------
@@ -409,7 +420,7 @@ def fused_attention_mma(
                             with T.sblock("S_init"):
                                 T.reads()
                                 T.writes()
-                                for k in T.unroll(NT * 4):
+                                for k in T.unroll(MT * NT * 4):
                                     S[ix(ty, tx, k)] = T.float32(0)
                     for np in T.unroll(NT // 2):
                         for dk in T.unroll(NDC):
@@ -431,20 +442,22 @@ def fused_attention_mma(
                                     with T.sblock("QK_mma"):
                                         T.reads()
                                         T.writes()
-                                        if EMU:
-                                            for half in T.unroll(2):
-                                                for k in T.unroll(4):
-                                                    for kd in T.serial(16):
-                                                        S[ty, tx, (np * 2 + half) * 4 + k] = S[ty, tx, (np * 2 + half) * 4 + k] + T.Cast(
-                                                            "float32", Qf[ty, a_lane(tx // 4 + 8 * (k // 2), kd),
-                                                                          dk * 8 + a_slot(tx // 4 + 8 * (k // 2), kd)]) * T.Cast(
-                                                            "float32", Kf[ty, (2 * (tx % 4) + k % 2) * 4 + kd % 8 // 2,
-                                                                          half * 4 + b_slot(kd)])
-                                        else:
-                                            T.evaluate(call("attn_mma", S.access_ptr("rw", offset=np * 8),
-                                                Qf.access_ptr("r", offset=dk * 8), Kf.access_ptr("r", offset=0)))
-                                            T.evaluate(call("attn_mma", S.access_ptr("rw", offset=np * 8 + 4),
-                                                Qf.access_ptr("r", offset=dk * 8), Kf.access_ptr("r", offset=4)))
+                                        for mi in T.unroll(MT):
+                                            if EMU:
+                                                for half in T.unroll(2):
+                                                    for k in T.unroll(4):
+                                                        for kd in T.serial(16):
+                                                            S[ty, tx, mi * NT * 4 + (np * 2 + half) * 4 + k] = S[
+                                                                ty, tx, mi * NT * 4 + (np * 2 + half) * 4 + k] + T.Cast(
+                                                                "float32", Qf[ty, a_lane(tx // 4 + 8 * (k // 2), kd),
+                                                                              mi * NDC * 8 + dk * 8 + a_slot(tx // 4 + 8 * (k // 2), kd)]) * T.Cast(
+                                                                "float32", Kf[ty, (2 * (tx % 4) + k % 2) * 4 + kd % 8 // 2,
+                                                                              half * 4 + b_slot(kd)])
+                                            else:
+                                                T.evaluate(call("attn_mma", S.access_ptr("rw", offset=mi * NT * 4 + np * 8),
+                                                    Qf.access_ptr("r", offset=mi * NDC * 8 + dk * 8), Kf.access_ptr("r", offset=0)))
+                                                T.evaluate(call("attn_mma", S.access_ptr("rw", offset=mi * NT * 4 + np * 8 + 4),
+                                                    Qf.access_ptr("r", offset=mi * NDC * 8 + dk * 8), Kf.access_ptr("r", offset=4)))
 
                     # -- scale, mask (only tiles that need it), the lane's row maxima -----------
                     for ty in thread_y(W):
@@ -456,14 +469,14 @@ def fused_attention_mma(
                                 # max(s)·scale = max(s·scale), and the exponent below is one FFMA
                                 if causal or kv_tail:
                                     if needs_mask(c, ri(vbx)):
-                                        for k in T.unroll(NT * 4):
+                                        for k in T.unroll(MT * NT * 4):
                                             S[ix(ty, tx, k)] = T.Select(
                                                 visible(ri(vbx), ty, tx, k, c), S[ix(ty, tx, k)], neg_inf)
-                                for h2 in T.unroll(2):
+                                for h2 in T.unroll(MT * 2):
                                     mt[ix(ty, tx, h2)] = neg_inf
-                                for k in T.unroll(NT * 4):
-                                    mt[ix(ty, tx, k % 4 // 2)] = T.max(mt[ix(ty, tx, k % 4 // 2)], S[ix(ty, tx, k)])
-                                for h2 in T.unroll(2):
+                                for k in T.unroll(MT * NT * 4):
+                                    mt[ix(ty, tx, s_half(k))] = T.max(mt[ix(ty, tx, s_half(k))], S[ix(ty, tx, k)])
+                                for h2 in T.unroll(MT * 2):
                                     mt[ix(ty, tx, h2)] = T.max(m[ix(ty, tx, h2)], mt[ix(ty, tx, h2)] * T.float32(qscale))
                     # -- row max across the row's four lanes -------------------------------------
                     for ty in thread_y(W):
@@ -471,7 +484,7 @@ def fused_attention_mma(
                             with T.sblock("row_max"):
                                 T.reads()
                                 T.writes()
-                                for h2 in T.unroll(2):
+                                for h2 in T.unroll(MT * 2):
                                     if EMU:
                                         mn[ty, tx, h2] = T.max(
                                             T.max(mt[ty, tx // 4 * 4, h2], mt[ty, tx // 4 * 4 + 1, h2]),
@@ -484,19 +497,19 @@ def fused_attention_mma(
                             with T.sblock("P_exp"):
                                 T.reads()
                                 T.writes()
-                                for h2 in T.unroll(2):
+                                for h2 in T.unroll(MT * 2):
                                     # alpha: exp2(m − m_new), reusing mt; a row with no visible key
                                     # yet has m = m_new = −inf and its reference max guarded to 0
                                     mt[ix(ty, tx, h2)] = T.exp2(m[ix(ty, tx, h2)] - guarded(mn[ix(ty, tx, h2)]))
                                     m[ix(ty, tx, h2)] = mn[ix(ty, tx, h2)]
                                     l[ix(ty, tx, h2)] = l[ix(ty, tx, h2)] * mt[ix(ty, tx, h2)]
-                                for k in T.unroll(NT * 4):
+                                for k in T.unroll(MT * NT * 4):
                                     S[ix(ty, tx, k)] = T.exp2(S[ix(ty, tx, k)] * T.float32(qscale)
-                                                              - guarded(mn[ix(ty, tx, k % 4 // 2)]))
-                                    l[ix(ty, tx, k % 4 // 2)] = l[ix(ty, tx, k % 4 // 2)] + S[ix(ty, tx, k)]
+                                                              - guarded(mn[ix(ty, tx, s_half(k))]))
+                                    l[ix(ty, tx, s_half(k))] = l[ix(ty, tx, s_half(k))] + S[ix(ty, tx, k)]
                                     Pf[ix(ty, tx, k)] = T.Cast(dtype, S[ix(ty, tx, k)])
-                                for k in T.unroll(NO * 4):
-                                    acc[ix(ty, tx, k)] = acc[ix(ty, tx, k)] * mt[ix(ty, tx, k % 4 // 2)]
+                                for k in T.unroll(MT * NO * 4):
+                                    acc[ix(ty, tx, k)] = acc[ix(ty, tx, k)] * mt[ix(ty, tx, o_half(k))]
 
                     # -- acc += P·V on tensor cores ---------------------------------------------
                     for kk in T.unroll(NT // 2):
@@ -519,20 +532,22 @@ def fused_attention_mma(
                                     with T.sblock("PV_mma"):
                                         T.reads()
                                         T.writes()
-                                        if EMU:
-                                            for half in T.unroll(2):
-                                                for k in T.unroll(4):
-                                                    for kd in T.serial(16):
-                                                        acc[ty, tx, (dp * 2 + half) * 4 + k] = acc[ty, tx, (dp * 2 + half) * 4 + k] + T.Cast(
-                                                            "float32", Pf[ty, a_lane(tx // 4 + 8 * (k // 2), kd),
-                                                                          kk * 8 + a_slot(tx // 4 + 8 * (k // 2), kd)]) * T.Cast(
-                                                            "float32", Vf[ty, (2 * (tx % 4) + k % 2) * 4 + kd % 8 // 2,
-                                                                          half * 4 + b_slot(kd)])
-                                        else:
-                                            T.evaluate(call("attn_mma", acc.access_ptr("rw", offset=dp * 8),
-                                                Pf.access_ptr("r", offset=kk * 8), Vf.access_ptr("r", offset=0)))
-                                            T.evaluate(call("attn_mma", acc.access_ptr("rw", offset=dp * 8 + 4),
-                                                Pf.access_ptr("r", offset=kk * 8), Vf.access_ptr("r", offset=4)))
+                                        for mi in T.unroll(MT):
+                                            if EMU:
+                                                for half in T.unroll(2):
+                                                    for k in T.unroll(4):
+                                                        for kd in T.serial(16):
+                                                            acc[ty, tx, mi * NO * 4 + (dp * 2 + half) * 4 + k] = acc[
+                                                                ty, tx, mi * NO * 4 + (dp * 2 + half) * 4 + k] + T.Cast(
+                                                                "float32", Pf[ty, a_lane(tx // 4 + 8 * (k // 2), kd),
+                                                                              mi * NT * 4 + kk * 8 + a_slot(tx // 4 + 8 * (k // 2), kd)]) * T.Cast(
+                                                                "float32", Vf[ty, (2 * (tx % 4) + k % 2) * 4 + kd % 8 // 2,
+                                                                              half * 4 + b_slot(kd)])
+                                            else:
+                                                T.evaluate(call("attn_mma", acc.access_ptr("rw", offset=mi * NO * 4 + dp * 8),
+                                                    Pf.access_ptr("r", offset=mi * NT * 4 + kk * 8), Vf.access_ptr("r", offset=0)))
+                                                T.evaluate(call("attn_mma", acc.access_ptr("rw", offset=mi * NO * 4 + dp * 8 + 4),
+                                                    Pf.access_ptr("r", offset=mi * NT * 4 + kk * 8), Vf.access_ptr("r", offset=4)))
                     if NS == 1:
                         if not EMU:
                             T.tvm_storage_sync("shared")  # the next tile overwrites the only buffer
@@ -543,7 +558,7 @@ def fused_attention_mma(
                         with T.sblock("row_sum"):
                             T.reads()
                             T.writes()
-                            for h2 in T.unroll(2):
+                            for h2 in T.unroll(MT * 2):
                                 if EMU:
                                     ls[ty, tx, h2] = (l[ty, tx // 4 * 4, h2] + l[ty, tx // 4 * 4 + 1, h2]) + (
                                         l[ty, tx // 4 * 4 + 2, h2] + l[ty, tx // 4 * 4 + 3, h2])
@@ -554,10 +569,10 @@ def fused_attention_mma(
                         with T.sblock("O_store"):
                             T.reads()
                             T.writes()
-                            for k in T.unroll(NO * 4):
-                                if ri(vbx) + row_of(ty, tx, k) < SQ:
-                                    O[bi(vbx), hi(vbx), ri(vbx) + row_of(ty, tx, k), col_of(tx, k)] = T.Cast(
-                                        dtype, normalize(acc[ix(ty, tx, k)], ls[ix(ty, tx, k % 4 // 2)],
-                                                         ri(vbx) + row_of(ty, tx, k), spec))
+                            for k in T.unroll(MT * NO * 4):
+                                if ri(vbx) + row_of(ty, tx, o_half(k)) < SQ:
+                                    O[bi(vbx), hi(vbx), ri(vbx) + row_of(ty, tx, o_half(k)), col_of(tx, k, NO)] = T.Cast(
+                                        dtype, normalize(acc[ix(ty, tx, k)], ls[ix(ty, tx, o_half(k))],
+                                                         ri(vbx) + row_of(ty, tx, o_half(k)), spec))
 
     return attention
