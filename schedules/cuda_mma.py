@@ -55,9 +55,10 @@ class MMAKnobs(KnobsMixin):
 #: Presets per head_dim, the same on sm_80 and sm_90 for now, not yet timed on a GPU. Four warps
 #: and the widest key tile whose two stages of K and V fit 48 KiB of static shared memory.
 #: D=64: FlashAttention-2's tile (128 query rows, 64 keys): two row groups per warp, so a K/V
-#: fragment read from shared memory feeds two mma pairs (at one, ldmatrix moves 16 B of shared
-#: memory per 512 tensor-core FLOPs, about what an SM's shared memory delivers per cycle);
-#: ptxas: 230-234 registers, no spill. D=128: one row group (64 rows) and 32 keys, 128-164
+#: fragment read from shared memory feeds two mma pairs (with one, ldmatrix moves a byte of
+#: shared memory per 16 tensor-core FLOPs, 512 B per warp for two m16n8k16, about the balance
+#: of an A100 SM: 2048 FLOPs and 128 B of shared memory per cycle); ptxas: 230-234 registers,
+#: no spill. D=128: one row group (64 rows) and 32 keys, 128-164
 #: registers; two row groups spill with Q kept in registers (FlashAttention-2 re-reads Q from
 #: shared memory instead). Refine per arch once a GPU run has timed them.
 _PRESETS = {64: dict(warps=4, block_n=64, stages=2, m_tiles=2),
