@@ -240,6 +240,37 @@ def fused_attention_mma(
     def b_slot(k):
         return 2 * (k // 8) + k % 2
 
+    def vec_row(it, ty, tx):
+        # K/V row (within the tile) and column of the 16-byte vector a thread copies in step
+        # ``it``: consecutive threads take consecutive vectors of a row, so the loads coalesce
+        return (it * NTHR + ty * WARP + tx) // VPR
+
+    def vec_col(it, ty, tx):
+        return (it * NTHR + ty * WARP + tx) % VPR * 8
+
+    @T.macro
+    def copy_kv(Ks, Vs, K, V, vbx, ty, tx, stage, tile):
+        # this thread's part of key tile ``tile`` of K and V into shared stage ``stage``
+        for it in T.unroll(LIT):
+            if (it * NTHR + ty * WARP + tx) < BN * VPR:
+                if EMU:
+                    for v in T.serial(8):
+                        Ks[stage * TILE + vec_row(it, ty, tx) * ST + vec_col(it, ty, tx) + v] = K[
+                            bi(vbx), hi(vbx) // G, kv_row(tile * BN + vec_row(it, ty, tx)), vec_col(it, ty, tx) + v]
+                        Vs[stage * TILE + vec_row(it, ty, tx) * ST + vec_col(it, ty, tx) + v] = V[
+                            bi(vbx), hi(vbx) // G, kv_row(tile * BN + vec_row(it, ty, tx)), vec_col(it, ty, tx) + v]
+                else:
+                    T.evaluate(call(
+                        "attn_cp_async16",
+                        Ks.access_ptr(CP_DST, offset=stage * TILE + vec_row(it, ty, tx) * ST + vec_col(it, ty, tx)),
+                        K.access_ptr("r", offset=kv_off(bi(vbx), hi(vbx) // G, kv_row(tile * BN + vec_row(it, ty, tx)),
+                                                        vec_col(it, ty, tx)))))
+                    T.evaluate(call(
+                        "attn_cp_async16",
+                        Vs.access_ptr(CP_DST, offset=stage * TILE + vec_row(it, ty, tx) * ST + vec_col(it, ty, tx)),
+                        V.access_ptr("r", offset=kv_off(bi(vbx), hi(vbx) // G, kv_row(tile * BN + vec_row(it, ty, tx)),
+                                                        vec_col(it, ty, tx)))))
+
     @T.prim_func(s_tir=True)
     def attention(
         Qp: T.Buffer((B, H, SQ, D), dtype),
@@ -292,35 +323,7 @@ def fused_attention_mma(
                                 T.reads()
                                 T.writes()
                                 if p < n_tiles(ri(vbx)):
-                                    for it in T.unroll(LIT):
-                                        if (it * NTHR + ty * WARP + tx) < BN * VPR:
-                                            if EMU:
-                                                for v in T.serial(8):
-                                                    Ks[p * TILE + (it * NTHR + ty * WARP + tx) // VPR * ST
-                                                       + (it * NTHR + ty * WARP + tx) % VPR * 8 + v] = K[
-                                                        bi(vbx), hi(vbx) // G,
-                                                        kv_row(p * BN + (it * NTHR + ty * WARP + tx) // VPR),
-                                                        (it * NTHR + ty * WARP + tx) % VPR * 8 + v]
-                                                    Vs[p * TILE + (it * NTHR + ty * WARP + tx) // VPR * ST
-                                                       + (it * NTHR + ty * WARP + tx) % VPR * 8 + v] = V[
-                                                        bi(vbx), hi(vbx) // G,
-                                                        kv_row(p * BN + (it * NTHR + ty * WARP + tx) // VPR),
-                                                        (it * NTHR + ty * WARP + tx) % VPR * 8 + v]
-                                            else:
-                                                T.evaluate(call("attn_cp_async16",
-                                                    Ks.access_ptr(CP_DST, offset=p * TILE + (it * NTHR + ty * WARP + tx) // VPR * ST
-                                                                  + (it * NTHR + ty * WARP + tx) % VPR * 8),
-                                                    K.access_ptr("r", offset=kv_off(
-                                                        bi(vbx), hi(vbx) // G,
-                                                        kv_row(p * BN + (it * NTHR + ty * WARP + tx) // VPR),
-                                                        (it * NTHR + ty * WARP + tx) % VPR * 8))))
-                                                T.evaluate(call("attn_cp_async16",
-                                                    Vs.access_ptr(CP_DST, offset=p * TILE + (it * NTHR + ty * WARP + tx) // VPR * ST
-                                                                  + (it * NTHR + ty * WARP + tx) % VPR * 8),
-                                                    V.access_ptr("r", offset=kv_off(
-                                                        bi(vbx), hi(vbx) // G,
-                                                        kv_row(p * BN + (it * NTHR + ty * WARP + tx) // VPR),
-                                                        (it * NTHR + ty * WARP + tx) % VPR * 8))))
+                                    copy_kv(Ks, Vs, K, V, vbx, ty, tx, p, p)
                                 if not EMU:
                                     T.evaluate(call("attn_cp_commit"))
 
@@ -332,35 +335,7 @@ def fused_attention_mma(
                                 T.reads()
                                 T.writes()
                                 if NS == 1:
-                                    for it in T.unroll(LIT):
-                                        if (it * NTHR + ty * WARP + tx) < BN * VPR:
-                                            if EMU:
-                                                for v in T.serial(8):
-                                                    Ks[(it * NTHR + ty * WARP + tx) // VPR * ST
-                                                       + (it * NTHR + ty * WARP + tx) % VPR * 8 + v] = K[
-                                                        bi(vbx), hi(vbx) // G,
-                                                        kv_row(c * BN + (it * NTHR + ty * WARP + tx) // VPR),
-                                                        (it * NTHR + ty * WARP + tx) % VPR * 8 + v]
-                                                    Vs[(it * NTHR + ty * WARP + tx) // VPR * ST
-                                                       + (it * NTHR + ty * WARP + tx) % VPR * 8 + v] = V[
-                                                        bi(vbx), hi(vbx) // G,
-                                                        kv_row(c * BN + (it * NTHR + ty * WARP + tx) // VPR),
-                                                        (it * NTHR + ty * WARP + tx) % VPR * 8 + v]
-                                            else:
-                                                T.evaluate(call("attn_cp_async16",
-                                                    Ks.access_ptr(CP_DST, offset=(it * NTHR + ty * WARP + tx) // VPR * ST
-                                                                  + (it * NTHR + ty * WARP + tx) % VPR * 8),
-                                                    K.access_ptr("r", offset=kv_off(
-                                                        bi(vbx), hi(vbx) // G,
-                                                        kv_row(c * BN + (it * NTHR + ty * WARP + tx) // VPR),
-                                                        (it * NTHR + ty * WARP + tx) % VPR * 8))))
-                                                T.evaluate(call("attn_cp_async16",
-                                                    Vs.access_ptr(CP_DST, offset=(it * NTHR + ty * WARP + tx) // VPR * ST
-                                                                  + (it * NTHR + ty * WARP + tx) % VPR * 8),
-                                                    V.access_ptr("r", offset=kv_off(
-                                                        bi(vbx), hi(vbx) // G,
-                                                        kv_row(c * BN + (it * NTHR + ty * WARP + tx) // VPR),
-                                                        (it * NTHR + ty * WARP + tx) % VPR * 8))))
+                                    copy_kv(Ks, Vs, K, V, vbx, ty, tx, 0, c)
                                     if not EMU:
                                         T.evaluate(call("attn_cp_commit"))
                                 if not EMU:
@@ -380,37 +355,7 @@ def fused_attention_mma(
                                     T.reads()
                                     T.writes()
                                     if c + NS - 1 < n_tiles(ri(vbx)):
-                                        for it in T.unroll(LIT):
-                                            if (it * NTHR + ty * WARP + tx) < BN * VPR:
-                                                if EMU:
-                                                    for v in T.serial(8):
-                                                        Ks[(c + NS - 1) % NS * TILE + (it * NTHR + ty * WARP + tx) // VPR * ST
-                                                           + (it * NTHR + ty * WARP + tx) % VPR * 8 + v] = K[
-                                                            bi(vbx), hi(vbx) // G,
-                                                            kv_row((c + NS - 1) * BN + (it * NTHR + ty * WARP + tx) // VPR),
-                                                            (it * NTHR + ty * WARP + tx) % VPR * 8 + v]
-                                                        Vs[(c + NS - 1) % NS * TILE + (it * NTHR + ty * WARP + tx) // VPR * ST
-                                                           + (it * NTHR + ty * WARP + tx) % VPR * 8 + v] = V[
-                                                            bi(vbx), hi(vbx) // G,
-                                                            kv_row((c + NS - 1) * BN + (it * NTHR + ty * WARP + tx) // VPR),
-                                                            (it * NTHR + ty * WARP + tx) % VPR * 8 + v]
-                                                else:
-                                                    T.evaluate(call("attn_cp_async16",
-                                                        Ks.access_ptr(CP_DST, offset=(c + NS - 1) % NS * TILE
-                                                                      + (it * NTHR + ty * WARP + tx) // VPR * ST
-                                                                      + (it * NTHR + ty * WARP + tx) % VPR * 8),
-                                                        K.access_ptr("r", offset=kv_off(
-                                                            bi(vbx), hi(vbx) // G,
-                                                            kv_row((c + NS - 1) * BN + (it * NTHR + ty * WARP + tx) // VPR),
-                                                            (it * NTHR + ty * WARP + tx) % VPR * 8))))
-                                                    T.evaluate(call("attn_cp_async16",
-                                                        Vs.access_ptr(CP_DST, offset=(c + NS - 1) % NS * TILE
-                                                                      + (it * NTHR + ty * WARP + tx) // VPR * ST
-                                                                      + (it * NTHR + ty * WARP + tx) % VPR * 8),
-                                                        V.access_ptr("r", offset=kv_off(
-                                                            bi(vbx), hi(vbx) // G,
-                                                            kv_row((c + NS - 1) * BN + (it * NTHR + ty * WARP + tx) // VPR),
-                                                            (it * NTHR + ty * WARP + tx) % VPR * 8))))
+                                        copy_kv(Ks, Vs, K, V, vbx, ty, tx, (c + NS - 1) % NS, c + NS - 1)
                                     if not EMU:
                                         T.evaluate(call("attn_cp_commit"))
 
