@@ -230,6 +230,22 @@ def _split_lines(path: Path, repair: bool, repaired: list[str],
     return lines
 
 
+#: Tensor intrinsics of our own that a record's trace may name. cpu_bf16's register when the
+#: schedules package is imported; a decode nest's dot intrinsic (one per head_dim and row count)
+#: only when a decode kernel is scheduled, so a fresh process reading a decode tune's log (a
+#: resumed tune, `build`) must register it before decoding the record.
+_DECODE_DOT = re.compile(r"attn_decode_dot_d(\d+)_r(\d+)")
+
+
+def _register_intrinsics(line: str) -> None:
+    if "attn_decode_dot_" not in line:
+        return
+    from schedules.cpu_decode import dot_intrinsic
+
+    for d, rows in set(_DECODE_DOT.findall(line)):
+        dot_intrinsic(int(d), int(rows))
+
+
 def parse_logs(work_dir: str | os.PathLike, repair: bool = False,
                on_bad_line: Callable[[str], None] | None = None) -> ParsedLog:
     """Parse and check both database files line by line (missing files = empty log).
@@ -295,6 +311,7 @@ def parse_logs(work_dir: str | os.PathLike, repair: bool = False,
                 bad(f"{where}: refers to workload #{idx}, whose line was skipped")
                 continue
             try:
+                _register_intrinsics(line)
                 rec = ms.database.TuningRecord.from_json(obj[1], workloads[idx])
             except Exception as e:
                 bad(f"{where}: tuning record cannot be decoded ({type(e).__name__}: {str(e)[:120]})")
