@@ -124,9 +124,17 @@ def preset(spec: AttentionSpec, target: Target) -> FlashCPUKnobs:
     s_rows = min(4, max_s_rows(block_m, lanes))
     while block_n % s_rows:
         s_rows -= 1
+    # A row of accumulators that is not a power-of-two number of vectors (head_dim 48, 80, 96,
+    # 112 on AVX-512) stays in memory unless TVM unrolls the key-tile loop's body: 8.6-17.7
+    # GFLOP/s without, 49-61 with auto_unroll=256 (1 thread, S=1024, znver4). At 4, 8 or 16
+    # vectors LLVM unrolls by itself and the extra unrolling costs 5-35 % (D=64/128/256).
+    # Found by the held-out evaluation (scripts/search_report.py --held-out): tuned/hand was 7.5x
+    # at head_dim 96.
+    d_vectors = math.ceil(pv_cols / lanes)
+    auto_unroll = 0 if d_vectors & (d_vectors - 1) == 0 else 256
     return FlashCPUKnobs(block_m=block_m, block_n=block_n, s_rows=s_rows, pv_rows=pv_rows,
                          pv_cols=pv_cols if pv_cols < spec.head_dim else 0, vector_lanes=lanes,
-                         split_tasks=split_tasks_for(target), dot_bf16=int(dot))
+                         auto_unroll=auto_unroll, split_tasks=split_tasks_for(target), dot_bf16=int(dot))
 
 
 def bf16_dots(spec: AttentionSpec, target: Target) -> bool:
