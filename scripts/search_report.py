@@ -4,6 +4,11 @@ sampling decisions), timed side by side in one process with PyTorch SDPA, plus t
 (best GFLOP/s vs trials) read from the log.
 
 Default: the committed specs (fp32, B=1, H=8, D=64, S in {1024, 4096}, causal and not).
+
+``--held-out``: the search where the hand presets were never tuned (an AVX2 target, head_dim 96
+and 256, GQA 4:1 and 8:1, decode at batch 1 and 8; ``tvm_attention.bench.heldout``): each case is
+tuned for ``--trials`` into ``--out``/<case> (resumable), then hand and tuned are timed side by
+side; prints the table and the geometric mean, and writes ``--out``/heldout.json.
 """
 from __future__ import annotations
 
@@ -31,7 +36,15 @@ def main() -> int:
     p.add_argument("--work-dir", default=None, help="log folder (default per spec: your tune's log in the user cache if it has records, else the committed one)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--repeat", type=int, default=7)
+    p.add_argument("--held-out", action="store_true", help="tune and time the held-out cases (see above)")
+    p.add_argument("--trials", type=int, default=64, help="--held-out: tuning budget per case")
+    p.add_argument("--out", default="heldout_logs", help="--held-out: log folders and heldout.json")
+    p.add_argument("--only", nargs="+", default=None, help="--held-out: these case names only")
+    p.add_argument("--tiny", action="store_true", help="--held-out: short lengths (a smoke run)")
+    p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
+    if a.held_out:
+        return held_out(a)
 
     threads = set_num_threads(a.threads)
     target = resolve_target("llvm")
@@ -83,6 +96,37 @@ def main() -> int:
               f"{(th.median_s / tt.median_s) if tt else float('nan'):.3f} | "
               f"{tq.gflops(spec) if tq else float('nan'):.1f} | "
               f"{(tq.median_s / tt.median_s) if (tt and tq) else float('nan'):.2f} |")
+    return 0
+
+
+def held_out(a) -> int:
+    import json
+    from pathlib import Path
+
+    from tvm_attention.bench.heldout import format_table, geomean, held_out_cases, run_case
+
+    threads = set_num_threads(a.threads)
+    cases = [c for c in held_out_cases(tiny=a.tiny, cores=threads) if a.only is None or c.name in a.only]
+    unknown = set(a.only or []) - {c.name for c in held_out_cases(tiny=a.tiny)}
+    if unknown:
+        print(f"unknown case(s): {', '.join(sorted(unknown))}", file=sys.stderr)
+        return 2
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = []
+    for c in cases:
+        print(f"## {c.name}: {c.why}  {c.spec.short_name()}", flush=True)
+        r = run_case(c, a.trials, out, seed=a.seed, repeat=a.repeat, threads=threads)
+        print(f"   hand {r.hand_s * 1e3:.3f} ms, tuned {r.tuned_s * 1e3 if r.tuned_s else float('nan'):.3f} ms: "
+              f"tuned/hand {r.ratio:.2f}x, kept {r.selected} ({r.ratio_selected:.2f}x), tune {r.tune_s:.0f} s",
+              flush=True)
+        results.append(r)
+        (out / "heldout.json").write_text(json.dumps({"threads": threads, "trials": a.trials,
+                                                      "results": [x.to_dict() for x in results]}, indent=2))
+    print()
+    print(format_table(results))
+    print(f"\ngeometric mean tuned/hand {geomean([r.ratio for r in results]):.3f}x, after build's selection "
+          f"{geomean([r.ratio_selected for r in results]):.3f}x over {len(results)} case(s)")
     return 0
 
 

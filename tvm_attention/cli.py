@@ -253,6 +253,7 @@ def cmd_tune(a: argparse.Namespace) -> int:
     target = resolve_target(a.target, arch=a.arch)
     try:
         result = tune(spec, target=target, schedule=a.schedule, trials=a.trials, work_dir=a.work_dir,
+                      search=a.search, warm_start=a.warm_start,
                       per_round=a.per_round, seed=a.seed, threads=a.threads,
                       rpc_tracker=a.rpc_tracker, rpc_key=a.rpc_key, rpc_workers=a.rpc_workers,
                       progress=progress)
@@ -456,6 +457,11 @@ def main(argv: list[str] | None = None) -> int:
                         "$TVM_ATTENTION_CACHE_DIR, else $XDG_CACHE_HOME/tvm-attention, else ~/.cache/tvm-attention); "
                         "one tune at a time per folder")
     p.add_argument("--per-round", type=int, default=8, help="candidates measured per round")
+    p.add_argument("--search", default="xgb", choices=["xgb", "random"],
+                   help="xgb: evolutionary search ranked by the XGBoost cost model (default); random: "
+                        "candidates sampled at random from the same spaces (the baseline)")
+    p.add_argument("--warm-start", default=None, metavar="DIR",
+                   help="train the cost model first on another spec's tuning log (same target)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="runtime threads when measuring (default: all cores)")
     p.set_defaults(func=cmd_tune)

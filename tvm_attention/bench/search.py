@@ -62,3 +62,35 @@ def curve_milestones(curve: list[tuple[int, float]], points=(8, 16, 32, 64, 128,
     if curve and (not out or out[-1][0] != curve[-1][0]):
         out.append(curve[-1])
     return out
+
+
+def trials_to_reach(curve: list[tuple[int, float]], target_gflops: float) -> int | None:
+    """The first trial whose best-so-far reaches ``target_gflops`` (None: never)."""
+    return next((n for n, g in curve if g >= target_gflops), None)
+
+
+def efficiency_plot(curves: dict[str, dict[str, list[tuple[int, float]]]], path: Path) -> list[str]:
+    """One panel per case: best GFLOP/s so far against trials, one line per search arm. Returns
+    the case names plotted (empty without matplotlib)."""
+    from .plots import _plt
+
+    if not curves:
+        return []
+    try:
+        plt = _plt()
+    except RuntimeError:  # matplotlib is optional
+        return []
+    fig, axes = plt.subplots(1, len(curves), figsize=(4.2 * len(curves), 3.4), squeeze=False)
+    for ax, (case, arms) in zip(axes[0], curves.items()):
+        for arm, curve in arms.items():
+            if curve:
+                ax.step([n for n, _ in curve], [g for _, g in curve], where="post", label=arm)
+        ax.set_title(case)
+        ax.set_xlabel("trials")
+        ax.set_ylabel("best GFLOP/s so far")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return list(curves)

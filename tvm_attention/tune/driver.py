@@ -39,8 +39,8 @@ from tvm.target import Target
 from ..spec import AttentionSpec
 from ..target import is_cuda, local_cuda_arch, resolve_target, vector_lanes
 from ..threads import set_num_threads
-from .logs import (FAILED_RUN_SECS, for_target, mean_secs, open_database, records_for, target_key, tune_lock,
-                   tune_work_dir)
+from .logs import (FAILED_RUN_SECS, RECORD_FILE, for_target, mean_secs, open_database, parse_logs, records_for,
+                   target_key, tune_lock, tune_work_dir)
 from .rpc import is_rpc_failure
 from .tasks import TaskDef, make_tasks, workload_matches
 from .workers import ignore_sigint, lean_build, runner_init
@@ -406,6 +406,8 @@ def tune(
     rpc_workers: int | None = None,
     rpc_timeout_s: int = 60,
     progress: Callable[[str], None] = print,
+    search: str = "xgb",
+    warm_start: str | Path | None = None,
 ) -> TuneResult:
     """Tune ``spec`` until the log holds ``trials`` measured records for it on ``target``
     (resuming). The log folder is ``work_dir``, by default ``logs.tune_work_dir`` (the user's
@@ -421,7 +423,19 @@ def tune(
     Ctrl-C (in the main thread) stops after the current phase without committing the batch in
     flight, prints one line (records saved, where, how to resume) and returns with
     ``interrupted=True``; a second Ctrl-C exits the process at once with status 130.
+
+    ``search``: ``"xgb"`` (default): MetaSchedule's evolutionary search ranked by an XGBoost cost
+    model; ``"random"``: candidates sampled at random from the same spaces (MetaSchedule's
+    ``ReplayTrace``), the baseline the cost model has to beat. ``warm_start``: another tuning log
+    folder (another spec's, same target) whose records train the cost model before the first
+    round, so that it ranks candidates from the start instead of after its warm-up samples.
     """
+    if search not in SEARCHES:
+        raise ValueError(f"search must be one of {', '.join(SEARCHES)}, got {search!r}")
+    if warm_start is not None and search != "xgb":
+        raise ValueError("warm_start trains the cost model: it needs search='xgb'")
+    if warm_start is not None and not (Path(warm_start) / RECORD_FILE).exists():
+        raise ValueError(f"--warm-start {warm_start}: no tuning log there ({RECORD_FILE} missing)")
     if isinstance(trials, bool) or not isinstance(trials, int) or trials < 1:
         raise ValueError(f"trials must be a positive int, got {trials!r}")
     if isinstance(per_round, bool) or not isinstance(per_round, int) or per_round < 1:
@@ -447,14 +461,45 @@ def tune(
     with tune_lock(work), _CtrlC(interrupted_line, progress) as ctrl_c:
         try:
             return _tune_locked(spec, target, device, schedule, trials, work, per_round, seed, runner,
-                                threads, progress, ctrl_c, saved, interrupted_line)
+                                threads, progress, ctrl_c, saved, interrupted_line, search, warm_start)
         except KeyboardInterrupt:  # only when _CtrlC is inactive (tune() outside the main thread)
             progress(interrupted_line())
             return TuneResult(work, saved[0], 0, math.inf, None, None, [], interrupted=True)
 
 
+SEARCHES = ("xgb", "random")
+
+
+def _warm_start(cost_model, warm_dir, schedule: str, target: Target, want: str, threads: int) -> int:
+    """Train ``cost_model`` on the successful records of ``warm_dir`` (any spec) measured on this
+    target; each workload gets a context of its own, so the model normalises its times per
+    workload as it does for the tasks being tuned. Returns the number of records used."""
+    from tvm.s_tir import meta_schedule as ms
+
+    parsed = parse_logs(warm_dir, repair=False, on_bad_line=lambda m: None)
+    by_wl: dict[int, tuple[Any, list, list]] = {}
+    for wl, rec in records_for(parsed, schedule):
+        if not for_target(rec, want) or mean_secs(rec) >= FAILED_RUN_SECS:
+            continue
+        sch = tvm.s_tir.Schedule(wl.mod)
+        try:
+            rec.trace.apply_to_schedule(sch, remove_postproc=False)
+        except Exception:  # noqa: BLE001 - a record of an older space: skip it
+            continue
+        entry = by_wl.setdefault(id(wl), (wl, [], []))
+        entry[1].append(ms.MeasureCandidate(sch, ms.arg_info.ArgInfo.from_prim_func(wl.mod["main"])))
+        entry[2].append(ms.runner.RunnerResult(list(rec.run_secs), None))
+    n = 0
+    for wl, cands, results in by_wl.values():
+        with _skip_tensor_intrin_import():
+            ctx = ms.TuneContext(mod=wl.mod, target=target, task_name="warm_start", num_threads=threads)
+        cost_model.update(ctx, cands, results)
+        n += len(cands)
+    return n
+
+
 def _tune_locked(spec, target, device, schedule, trials, work, per_round, seed, runner, threads,
-                 progress, ctrl_c, saved, interrupted_line) -> TuneResult:
+                 progress, ctrl_c, saved, interrupted_line, search="xgb", warm_start=None) -> TuneResult:
     """tune()'s body, run with the folder's lock held and Ctrl-C handled by ``ctrl_c``."""
     from tvm.s_tir import meta_schedule as ms
 
@@ -482,11 +527,12 @@ def _tune_locked(spec, target, device, schedule, trials, work, per_round, seed, 
     try:
         for i, d in enumerate(defs):
             with contextlib.nullcontext() if d.needs_tensor_intrin else _skip_tensor_intrin_import():
+                strategy = (ms.search_strategy.ReplayTrace() if search == "random" else
+                            ms.search_strategy.EvolutionarySearch(
+                                population_size=64, init_min_unmeasured=16, genetic_num_iters=3))
                 ctx = ms.TuneContext(
                     mod=d.mod, target=target, space_generator=d.space,
-                    search_strategy=ms.search_strategy.EvolutionarySearch(
-                        population_size=64, init_min_unmeasured=16, genetic_num_iters=3
-                    ),
+                    search_strategy=strategy,
                     task_name=d.name, rand_state=seed * 1000 + i + 1, num_threads=threads,
                 )
             states.append(TaskState(d, ctx))
@@ -497,7 +543,8 @@ def _tune_locked(spec, target, device, schedule, trials, work, per_round, seed, 
         # cost model's data. Records of another target (another CPU, core count or GPU) neither
         # count towards the budget nor mark a candidate measured: `build` would not use them.
         _phase("replay")
-        cost_model = ms.cost_model.XGBModel(num_warmup_samples=16, num_tuning_cores=threads, verbose_eval=0)
+        cost_model = (ms.cost_model.RandomModel(seed=seed) if search == "random" else
+                      ms.cost_model.XGBModel(num_warmup_samples=16, num_tuning_cores=threads, verbose_eval=0))
         measured: dict[tuple[str, int], list] = {}  # (target key, structural hash) -> run_secs
         existing = 0
         by_hash = {tvm_ffi.structural_hash(s.defn.mod): s for s in states}
@@ -527,6 +574,9 @@ def _tune_locked(spec, target, device, schedule, trials, work, per_round, seed, 
         if existing:
             progress(f"resuming: {existing} record(s) in the log, best {best[0] * 1e3:.3f} ms "
                      f"({spec.flops() / best[0] / 1e9:.1f} GFLOP/s) {knob_summary(best[2])}")
+        if warm_start is not None:
+            n_warm = _warm_start(cost_model, warm_start, schedule, target, want, threads)
+            progress(f"warm start: the cost model learned from {n_warm} record(s) of {warm_start}")
         if ctrl_c.requested:
             return stopped()
         if existing >= trials:

@@ -1,0 +1,96 @@
+"""Whether the search pays: random sampling and a warm-started cost model beside the default
+search, the held-out evaluation and the efficiency report in tiny mode."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tvm_attention import cli
+from tvm_attention.bench.heldout import held_out_cases
+from tvm_attention.bench.search import trials_to_reach, tuning_curve
+from tvm_attention.spec import AttentionSpec
+from tvm_attention.tune.driver import tune
+
+ROOT = Path(__file__).resolve().parents[1]
+A = AttentionSpec(batch=1, heads=2, seq_q=128, head_dim=64, causal=True)
+B = AttentionSpec(batch=1, heads=2, seq_q=128, head_dim=96, causal=True)
+
+
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("search")
+    tune(A, trials=4, per_round=4, work_dir=root / "a", progress=lambda m: None)
+    lines = []
+    tune(B, trials=4, per_round=4, work_dir=root / "random", search="random", progress=lambda m: None)
+    tune(B, trials=4, per_round=4, work_dir=root / "warm", warm_start=root / "a", progress=lines.append)
+    return root, lines
+
+
+def test_random_search_log_reloads_in_a_fresh_process_validates_and_is_fused(logs, tmp_path):
+    root, _ = logs
+    assert len(tuning_curve(B, root / "random")) == 4
+    out = tmp_path / "art"
+    cmd = [sys.executable, "-m", "tvm_attention.cli", "build", "--batch", "1", "--heads", "2", "--seq-q", "128",
+           "--head-dim", "96", "--causal", "--from-log", str(root / "random"), "--out", str(out)]
+    subprocess.run(cmd, check=True, capture_output=True, cwd=ROOT)
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["schedule"]["source"] == "tuned" and m["validation"]["passed"]
+    assert m["audit"]["verdict"] == "fused"
+
+
+def test_warm_start_reads_another_specs_log(logs):
+    root, lines = logs
+    assert any(ln.startswith("warm start: the cost model learned from 4 record(s)") for ln in lines), lines
+    assert len(tuning_curve(B, root / "warm")) == 4
+    # the other spec's records are not B's: B's log holds only its own
+    assert tuning_curve(A, root / "warm") == []
+
+
+def test_search_flags_refuse_what_cannot_work(tmp_path, capsys):
+    base = ["tune", "--batch", "1", "--heads", "2", "--seq-q", "128", "--head-dim", "64", "--trials", "2",
+            "--work-dir", str(tmp_path / "w")]
+    assert cli.main(base + ["--warm-start", str(tmp_path / "nothing")]) == 2
+    assert "no tuning log there" in capsys.readouterr().err
+    (tmp_path / "x").mkdir()
+    assert cli.main(base + ["--search", "random", "--warm-start", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert "needs search='xgb'" in err or "no tuning log there" in err
+
+
+def test_trials_to_reach():
+    curve = [(1, 10.0), (2, 10.0), (3, 19.0), (4, 20.0)]
+    assert trials_to_reach(curve, 19.0) == 3 and trials_to_reach(curve, 25.0) is None
+
+
+def test_held_out_cases_are_what_the_issue_names():
+    cases = {c.name: c for c in held_out_cases()}
+    assert cases["avx2"].target["mcpu"] == "haswell"
+    assert {cases["d96"].spec.head_dim, cases["d256"].spec.head_dim} == {96, 256}
+    assert cases["gqa4"].spec.group_size == 4 and cases["gqa8"].spec.group_size == 8
+    assert cases["decode_b1"].spec.seq_q == 1 and cases["decode_b1"].spec.batch == 1
+    assert cases["decode_b8"].spec.batch == 8
+
+
+def test_held_out_and_efficiency_reports_in_tiny_mode(logs, tmp_path):
+    out = tmp_path / "ho"
+    proc = subprocess.run(
+        [sys.executable, "scripts/search_report.py", "--held-out", "--tiny", "--trials", "2", "--only", "decode_b8",
+         "--repeat", "2", "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| decode_b8 |" in proc.stdout and "geometric mean" in proc.stdout
+    res = json.loads((out / "heldout.json").read_text())["results"]
+    assert len(res) == 1 and res[0]["selected"] in ("tuned", "hand") and res[0]["hand_s"] > 0
+    if res[0]["selected"] == "hand":
+        assert res[0]["ratio_selected"] == 1.0  # build keeps the hand kernel: no loss by construction
+    eff = tmp_path / "eff"
+    proc = subprocess.run(
+        [sys.executable, "scripts/search_efficiency.py", "--tiny", "--cases", "decode_b8", "--trials", "2",
+         "--xgb-from", str(out), "--arms", "xgb", "random", "--out", str(eff)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| decode_b8 | xgb |" in proc.stdout and "| decode_b8 | random |" in proc.stdout
+    rows = json.loads((eff / "efficiency.json").read_text())["rows"]
+    assert {r["arm"] for r in rows} == {"xgb", "random"} and all(r["best_gflops"] for r in rows)
+    assert (eff / "efficiency.png").stat().st_size > 1000
