@@ -271,6 +271,23 @@ def fused_attention_mma(
                         V.access_ptr("r", offset=kv_off(bi(vbx), hi(vbx) // G, kv_row(tile * BN + vec_row(it, ty, tx)),
                                                         vec_col(it, ty, tx)))))
 
+    @T.macro
+    def mma_pair(C, c_off, A, a_off, Bf, ty, tx):
+        # C[c_off : c_off + 8] (two m16n8 slices) += A fragment at a_off × the two B fragments
+        # of Bf (slots 0-3 and 4-7); emulated: each lane's slots from the ISA's fragment layouts
+        if EMU:
+            for half in T.unroll(2):
+                for k in T.unroll(4):
+                    for kd in T.serial(16):
+                        C[ty, tx, c_off + half * 4 + k] = C[ty, tx, c_off + half * 4 + k] + T.Cast(
+                            "float32", A[ty, a_lane(tx // 4 + 8 * (k // 2), kd), a_off + a_slot(tx // 4 + 8 * (k // 2), kd)]
+                        ) * T.Cast("float32", Bf[ty, (2 * (tx % 4) + k % 2) * 4 + kd % 8 // 2, half * 4 + b_slot(kd)])
+        else:
+            T.evaluate(call("attn_mma", C.access_ptr("rw", offset=c_off), A.access_ptr("r", offset=a_off),
+                            Bf.access_ptr("r", offset=0)))
+            T.evaluate(call("attn_mma", C.access_ptr("rw", offset=c_off + 4), A.access_ptr("r", offset=a_off),
+                            Bf.access_ptr("r", offset=4)))
+
     @T.prim_func(s_tir=True)
     def attention(
         Qp: T.Buffer((B, H, SQ, D), dtype),
@@ -388,21 +405,7 @@ def fused_attention_mma(
                                         T.reads()
                                         T.writes()
                                         for mi in T.unroll(MT):
-                                            if EMU:
-                                                for half in T.unroll(2):
-                                                    for k in T.unroll(4):
-                                                        for kd in T.serial(16):
-                                                            S[ty, tx, mi * NT * 4 + (np * 2 + half) * 4 + k] = S[
-                                                                ty, tx, mi * NT * 4 + (np * 2 + half) * 4 + k] + T.Cast(
-                                                                "float32", Qf[ty, a_lane(tx // 4 + 8 * (k // 2), kd),
-                                                                              mi * NDC * 8 + dk * 8 + a_slot(tx // 4 + 8 * (k // 2), kd)]) * T.Cast(
-                                                                "float32", Kf[ty, (2 * (tx % 4) + k % 2) * 4 + kd % 8 // 2,
-                                                                              half * 4 + b_slot(kd)])
-                                            else:
-                                                T.evaluate(call("attn_mma", S.access_ptr("rw", offset=mi * NT * 4 + np * 8),
-                                                    Qf.access_ptr("r", offset=mi * NDC * 8 + dk * 8), Kf.access_ptr("r", offset=0)))
-                                                T.evaluate(call("attn_mma", S.access_ptr("rw", offset=mi * NT * 4 + np * 8 + 4),
-                                                    Qf.access_ptr("r", offset=mi * NDC * 8 + dk * 8), Kf.access_ptr("r", offset=4)))
+                                            mma_pair(S, mi * NT * 4 + np * 8, Qf, mi * NDC * 8 + dk * 8, Kf, ty, tx)
 
                     # -- scale, mask (only tiles that need it), the lane's row maxima -----------
                     for ty in thread_y(W):
@@ -478,21 +481,7 @@ def fused_attention_mma(
                                         T.reads()
                                         T.writes()
                                         for mi in T.unroll(MT):
-                                            if EMU:
-                                                for half in T.unroll(2):
-                                                    for k in T.unroll(4):
-                                                        for kd in T.serial(16):
-                                                            acc[ty, tx, mi * NO * 4 + (dp * 2 + half) * 4 + k] = acc[
-                                                                ty, tx, mi * NO * 4 + (dp * 2 + half) * 4 + k] + T.Cast(
-                                                                "float32", Pf[ty, a_lane(tx // 4 + 8 * (k // 2), kd),
-                                                                              mi * NT * 4 + kk * 8 + a_slot(tx // 4 + 8 * (k // 2), kd)]) * T.Cast(
-                                                                "float32", Vf[ty, (2 * (tx % 4) + k % 2) * 4 + kd % 8 // 2,
-                                                                              half * 4 + b_slot(kd)])
-                                            else:
-                                                T.evaluate(call("attn_mma", acc.access_ptr("rw", offset=mi * NO * 4 + dp * 8),
-                                                    Pf.access_ptr("r", offset=mi * NT * 4 + kk * 8), Vf.access_ptr("r", offset=0)))
-                                                T.evaluate(call("attn_mma", acc.access_ptr("rw", offset=mi * NO * 4 + dp * 8 + 4),
-                                                    Pf.access_ptr("r", offset=mi * NT * 4 + kk * 8), Vf.access_ptr("r", offset=4)))
+                                            mma_pair(acc, mi * NO * 4 + dp * 8, Pf, mi * NT * 4 + kk * 8, Vf, ty, tx)
                     if NS == 1:
                         if not EMU:
                             T.tvm_storage_sync("shared")  # the next tile overwrites the only buffer
