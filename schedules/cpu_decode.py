@@ -163,6 +163,14 @@ def dot_intrinsic(D: int, rows: int) -> str:
 _REGISTERED: set[str] = set()
 
 
+def _has_block(sch: s_tir.Schedule, name: str) -> bool:
+    try:
+        sch.get_sblock(name)
+    except Exception:  # noqa: BLE001 - ScheduleError: no such block
+        return False
+    return True
+
+
 def _vectorize(sch: s_tir.Schedule, loop, extent: int, lanes: int = DOT_LANES) -> None:
     if extent == 1:
         return
@@ -180,11 +188,14 @@ def schedule(sch: s_tir.Schedule, spec: AttentionSpec, suffix: str, knobs: DotDe
     row_tile = sch.get_sblock("row_tile" + suffix)
     bufs = {b.name: b for b in sch.get(row_tile).alloc_buffers}
     rows, block_n = int(bufs["Qt"].shape[1]), int(bufs["S"].shape[0])
+    # a tile of several kv heads (the page order): Kt (heads, D), Vt (block_n, heads, D)
+    heads = int(bufs["Vt"].shape[1]) if "Vt" in bufs else 1
+    tile_rows, rows = rows, rows // heads  # rows: per head, what one dot product computes
 
     def blk(name):
         return sch.get_sblock(name + suffix)
 
-    pv_rows = max(r for r in range(1, min(knobs.pv_rows, rows) + 1) if rows % r == 0)
+    pv_rows = max(r for r in range(1, min(knobs.pv_rows, rows) + 1) if rows % r == 0)  # in one head
     pv_cols = knobs.pv_cols if knobs.pv_cols and knobs.pv_cols < D and D % knobs.pv_cols == 0 else 0
 
     # Q: Qt laid out (rows, D), so a query row is contiguous for the dot product
@@ -194,11 +205,21 @@ def schedule(sch: s_tir.Schedule, spec: AttentionSpec, suffix: str, knobs: DotDe
     sch.reorder(i, d)
     _vectorize(sch, d, D)
 
+    s_gemm = blk("S_gemm")
+    if heads > 1:
+        # S_gemm as (key, head, d, row): one dot product per (key, head), on the key's rows of
+        # every head that K_load staged just before (the workload nests it in the key loop)
+        _, d, i = sch.get_loops(s_gemm)[-3:]
+        h, _ = sch.split(i, [heads, rows])
+        sch.reorder(h, d)
+        _vectorize(sch, sch.get_loops(blk("V_load"))[-1], D)
+
     # K_load: the key tile copied in contiguous vectors (the workload stages it: stage_k)
     _vectorize(sch, sch.get_loops(blk("K_load"))[-1], D)
+    if _has_block(sch, "KV_prefetch" + suffix):  # one prefetch per cache line of a K/V row
+        sch.unroll(sch.get_loops(blk("KV_prefetch"))[-1])
 
     # S_gemm: init hoisted, then each key's (d, row) nest is one dot-product intrinsic
-    s_gemm = blk("S_gemm")
     _, d, _ = sch.get_loops(s_gemm)[-3:]
     init = sch.decompose_reduction(s_gemm, d)
     _vectorize(sch, sch.get_loops(init)[-1], rows)
@@ -208,12 +229,12 @@ def schedule(sch: s_tir.Schedule, spec: AttentionSpec, suffix: str, knobs: DotDe
     for name in ("row_max", "row_sum"):
         b = blk(name)
         j, i = sch.get_loops(b)[-2:]
-        _vectorize(sch, i, rows)
+        _vectorize(sch, i, tile_rows)
         sch.decompose_reduction(b, j)
     for name in ("online_correction", "max_commit", "state_init"):
-        _vectorize(sch, sch.get_loops(blk(name))[-1], rows)
+        _vectorize(sch, sch.get_loops(blk(name))[-1], tile_rows)
     j, i = sch.get_loops(blk("P_exp"))[-2:]
-    _vectorize(sch, sch.fuse(j, i), block_n * rows)
+    _vectorize(sch, sch.fuse(j, i), block_n * tile_rows)
 
     # PV_gemm: (row block, [column block,] key, rows unrolled, columns vectorized)
     pv = blk("PV_gemm")

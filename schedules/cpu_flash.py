@@ -59,6 +59,13 @@ class FlashCPUKnobs(KnobsMixin):
     # bfloat16 specs: 1 = QKᵀ and PV of the main nest as AVX512-BF16 dot products (cpu_bf16),
     # 0 = float32 products of the converted inputs. Needs avx512bf16 (Zen 4/5, Sapphire Rapids).
     dot_bf16: int = 0
+    # Decode nests (dot-product scheduled, cpu_decode): software prefetch of the K/V rows this
+    # many key tiles ahead (0 = leave it to the hardware prefetcher).
+    prefetch: int = 0
+    # Decode nests: kv heads per task (the page order). 1: one task per (sequence, kv head)
+    # streams that head's keys; more: a task takes a key tile for that many heads at once,
+    # which reads a paged cache's rows whole (its heads sit side by side in a page).
+    decode_heads: int = 1
 
 
 # -- hardware limits the feasibility check names -------------------------------------------------
@@ -134,7 +141,40 @@ def preset(spec: AttentionSpec, target: Target) -> FlashCPUKnobs:
     auto_unroll = 0 if d_vectors & (d_vectors - 1) == 0 else 256
     return FlashCPUKnobs(block_m=block_m, block_n=block_n, s_rows=s_rows, pv_rows=pv_rows,
                          pv_cols=pv_cols if pv_cols < spec.head_dim else 0, vector_lanes=lanes,
-                         auto_unroll=auto_unroll, split_tasks=split_tasks_for(target), dot_bf16=int(dot))
+                         auto_unroll=auto_unroll, split_tasks=split_tasks_for(target), dot_bf16=int(dot),
+                         decode_heads=page_order_heads(spec, block_n))
+
+
+#: Largest value tile (``block_n · decode_heads · D`` float32) a multi-head decode task stages:
+#: it is written and read back within one key tile, so it should stay in L2 (1 MiB here).
+MAX_DECODE_VT_BYTES = 256 * 1024
+
+
+def page_order_heads(spec: AttentionSpec, block_n: int) -> int:
+    """The preset's kv heads per decode task: all of them (as many as a ``MAX_DECODE_VT_BYTES``
+    value tile allows) for the paged layout, 1 otherwise.
+
+    Why (2-core znver4, H32 KH8 D128 fp32, 2 threads, page_size 16): one head per task reads a
+    paged cache in 512-byte pieces 4 KiB apart, 10-11 GB/s at batch 8 (4k keys) and batch 1 (16k
+    keys); all 8 heads per task read whole rows, 15-18 GB/s (1.5-1.7x). On the contiguous kvcache
+    layout the same change measured within this machine's noise (17-25 GB/s either way), so it
+    stays a point of the search there, not the preset. Found by the page-order sweep of the
+    decode space (``decode_candidates``)."""
+    if spec.layout != "paged":
+        return 1
+    return max(h for h in range(1, spec.kv_heads + 1)
+               if spec.kv_heads % h == 0 and block_n * h * spec.head_dim * 4 <= MAX_DECODE_VT_BYTES)
+
+
+def for_layout(knobs: FlashCPUKnobs, spec: AttentionSpec, target: Target) -> FlashCPUKnobs:
+    """Knobs read from a record tuned at ``spec.representative()`` (a contiguous bhsd shape),
+    made fit to build ``spec``: the decode nests' memory-order knobs (``decode_heads``,
+    ``prefetch``) measured on contiguous rows say nothing about a paged cache, whose preset
+    keeps its page order. Other layouts take the record's knobs whole."""
+    if spec.layout != "paged":
+        return knobs
+    hand = preset(spec, target)
+    return dataclasses.replace(knobs, decode_heads=hand.decode_heads, prefetch=hand.prefetch)
 
 
 def bf16_dots(spec: AttentionSpec, target: Target) -> bool:
@@ -149,6 +189,10 @@ def bf16_dots(spec: AttentionSpec, target: Target) -> bool:
 #: streams at least MIN_SPLIT_KEYS keys.
 SPLIT_TASKS_PER_CORE = 4
 SPLIT_TASK_CHOICES = (0, 4, 8, 16, 32)
+#: Decode prefetch distances (key tiles ahead) the tuner tries. 0 is the preset: on a 2-core
+#: znver4 prefetching 1-2 tiles ahead cost 15-20 % on the contiguous caches (the hardware
+#: prefetcher already streams them) and gained nothing on paged ones (page sizes 16-256).
+PREFETCH_CHOICES = (0, 1, 2)
 
 
 def split_tasks_for(target: Target) -> int:
@@ -188,6 +232,15 @@ def check(knobs: FlashCPUKnobs, spec: AttentionSpec, target: Target) -> None:
         raise KnobError(f"auto_unroll={knobs.auto_unroll} not in {AUTO_UNROLL_STEPS}")
     if knobs.split_tasks not in SPLIT_TASK_CHOICES:
         raise KnobError(f"split_tasks={knobs.split_tasks} not in {SPLIT_TASK_CHOICES}")
+    if knobs.prefetch not in PREFETCH_CHOICES:
+        raise KnobError(f"prefetch={knobs.prefetch} not in {PREFETCH_CHOICES}")
+    if knobs.decode_heads < 1 or spec.kv_heads % knobs.decode_heads:
+        raise KnobError(f"decode_heads={knobs.decode_heads} must divide kv_heads={spec.kv_heads}")
+    vt_bytes = 4 * knobs.block_n * knobs.decode_heads * spec.head_dim
+    if knobs.decode_heads > 1 and vt_bytes > MAX_TILE_BYTES:
+        raise KnobError(
+            f"decode value tile {vt_bytes} B (block_n={knobs.block_n} × decode_heads={knobs.decode_heads} × "
+            f"head_dim={spec.head_dim} float32) exceeds MAX_TILE_BYTES={MAX_TILE_BYTES}")
     if knobs.dot_bf16 not in (0, 1):
         raise KnobError(f"dot_bf16={knobs.dot_bf16} must be 0 or 1")
     if knobs.dot_bf16 and not bf16_dots(spec, target):
@@ -237,7 +290,7 @@ def workload(spec: AttentionSpec, knobs: FlashCPUKnobs):
     # decode tiers narrower than a vector are dot-product scheduled (cpu_decode): they stage K
     return fused_attention(spec, knobs.block_m, knobs.block_n, decode_rows=decode_rows(spec, knobs),
                            split_tasks=knobs.split_tasks, stage_k_below=knobs.vector_lanes,
-                           dot_bf16=bool(knobs.dot_bf16))
+                           dot_bf16=bool(knobs.dot_bf16), prefetch=knobs.prefetch, decode_heads=knobs.decode_heads)
 
 
 def tile_candidates(spec: AttentionSpec, target: Target) -> list[tuple[int, int]]:
@@ -269,17 +322,36 @@ def is_static_decode(spec: AttentionSpec, target: Target) -> bool:
 
 def decode_candidates(spec: AttentionSpec, target: Target) -> list[FlashCPUKnobs]:
     """Knobs the tuner searches for a static decode shape (:func:`is_static_decode`), one task
-    each, the preset first: every ``DECODE_BLOCK_N`` key tile × every ``split_tasks`` choice that
-    gives a different split count at this batch (``batch · kv_heads`` tasks and up need none).
-    This is the split count's place in the search: a symbolic kernel tuned at a decode shape
-    takes ``split_tasks`` (and ``block_n``) from the winner."""
+    each (each decision changes the workload), the preset first:
+
+    * every ``DECODE_BLOCK_N`` key tile × every ``split_tasks`` choice that gives a different
+      split count at this batch (``batch · kv_heads`` tasks and up need none), one kv head per
+      task;
+    * every key tile with 2 and with all kv heads per task (``decode_heads``: the page order;
+      staged decode tiles only), unsplit or split as the preset;
+    * the preset with each ``PREFETCH_CHOICES`` distance.
+
+    This is the decode step's place in the search: a symbolic kernel tuned at a decode shape
+    takes ``split_tasks``, ``block_n``, ``decode_heads`` and ``prefetch`` from the winner.
+    Tuning happens at ``spec.representative()``, a contiguous (bhsd) shape: a paged build keeps
+    its preset's ``decode_heads`` and ``prefetch`` (:func:`for_layout`)."""
     from tvm_attention.workloads.fused import n_splits
 
     hand = preset(spec, target)
+    staged = any(r < hand.vector_lanes for r in decode_rows(spec, hand))
+    # kv heads per task: 1, 2 and all (as many as the value tile allows); with more than one,
+    # never split or the preset's split only (each task is a build: the grid stays ~20 tasks)
+    heads = sorted({1, 2, page_order_heads(dataclasses.replace(spec, layout="paged"), min(DECODE_BLOCK_N))}
+                   & {h for h in range(1, spec.kv_heads + 1) if spec.kv_heads % h == 0}) if staged else [1]
+    grid = [dataclasses.replace(hand, block_n=bn, split_tasks=st, decode_heads=h)
+            for h in heads for bn in DECODE_BLOCK_N
+            for st in (SPLIT_TASK_CHOICES if h == 1 else (0, hand.split_tasks))]
+    if staged:
+        grid += [dataclasses.replace(hand, prefetch=pf) for pf in PREFETCH_CHOICES if pf]
     out, seen = [], set()
-    for knobs in [hand] + [dataclasses.replace(hand, block_n=bn, split_tasks=st)
-                           for bn in DECODE_BLOCK_N for st in SPLIT_TASK_CHOICES]:
-        key = (knobs.block_n, n_splits(knobs.split_tasks, spec.batch, spec.kv_heads))
+    for knobs in [hand] + grid:
+        key = (knobs.block_n, knobs.decode_heads, knobs.prefetch,
+               n_splits(knobs.split_tasks, spec.batch, spec.kv_heads // knobs.decode_heads))
         if key in seen:
             continue
         try:
@@ -512,18 +584,29 @@ def read_annotations(sch: s_tir.Schedule, names: tuple[str, ...]) -> tuple[dict[
 def knobs_of(sch: s_tir.Schedule, lanes: int, base: FlashCPUKnobs | None = None) -> FlashCPUKnobs:
     """Read the knobs a (tuned or hand) schedule chose back from its ``attn.*`` annotations.
 
-    A static decode kernel (no main nest, :func:`decode_candidates`) records only ``block_n`` and
-    ``split_tasks`` (function attrs); the other knobs are ``base``'s (the preset it was made from)."""
+    A static decode kernel (no main nest, :func:`decode_candidates`) records only ``block_n``,
+    ``split_tasks``, ``prefetch`` and ``decode_heads`` (function attrs); the other knobs are
+    ``base``'s (the preset it was made from)."""
     if not _has_block(sch, "row_tile"):
         if base is None:
             raise ValueError("a decode-only kernel's knobs are read on top of the preset it was made from (base)")
         attrs = sch.mod["main"].attrs
         return dataclasses.replace(base, block_n=int(attrs["attn.block_n"]),
-                                   split_tasks=int(attrs["attn.split_tasks"]))
+                                   split_tasks=int(attrs["attn.split_tasks"]),
+                                   prefetch=int(attrs["attn.prefetch"]) if "attn.prefetch" in attrs else 0,
+                                   decode_heads=int(attrs["attn.decode_heads"]) if "attn.decode_heads" in attrs else 1)
     values, bufs = read_annotations(sch, KNOB_ANNOTATIONS)
+    # the decode nests' workload knobs: from the function when it has decode nests, else the
+    # preset's (a prefill shape tuned for a symbolic kernel says nothing about its decode step)
+    attrs = sch.mod["main"].attrs
+    extra = {k: int(attrs[f"attn.{k}"]) if f"attn.{k}" in attrs else getattr(base or FlashCPUKnobs(), k)
+             for k in ("prefetch", "decode_heads")}
+    if "attn.decode_rows" in attrs:  # its decode nests were built with these (absent: 0 and 1)
+        extra = {"prefetch": int(attrs["attn.prefetch"]) if "attn.prefetch" in attrs else 0,
+                 "decode_heads": int(attrs["attn.decode_heads"]) if "attn.decode_heads" in attrs else 1}
     return FlashCPUKnobs(
         block_m=int(bufs["S"].shape[1]), block_n=int(bufs["S"].shape[0]), vector_lanes=lanes,
-        dot_bf16=int(_dot_bf16(sch)), **values
+        dot_bf16=int(_dot_bf16(sch)), **values, **extra
     )
 
 

@@ -100,7 +100,7 @@ def test_tensor_core_candidates_are_feasible_and_start_with_the_preset():
     [
         (113, 203, True, "float16", 64, 2, 32, 2, 2),  # key tail, diagonal tiles, GQA, 2 row groups
         (300, 45, True, "bfloat16", 64, 1, 16, 3, 1),  # seq_q > seq_kv: rows that see no key → 0
-        (96, 128, False, "bfloat16", 128, 2, 64, 1, 1),  # D=128, unpipelined
+        (96, 128, False, "bfloat16", 128, 1, 16, 1, 1),  # D=128, unpipelined
         (1, 1, True, "float16", 64, 1, 16, 2, 2),
     ],
 )

@@ -29,6 +29,10 @@ CONFIGS = {
     "paged_gqa_causal": ("paged", 8, 2, True, None),
     "kvcache_mqa_full": ("kvcache", 4, 1, False, None),
     "paged_mha_causal_nosplit": ("paged", 4, 4, True, (("split_tasks", 0),)),
+    # the paged preset takes every kv head per task (the page order, in the two paged configs
+    # above); one head per task, with a software prefetch two key tiles ahead, is the other end
+    # of the decode space
+    "paged_gqa_per_head_prefetch": ("paged", 8, 2, True, (("decode_heads", 1), ("prefetch", 2))),
 }
 
 
@@ -263,7 +267,7 @@ def test_decode_bench_smoke(tmp_path, capsys):
     row, half = report["rows"]
     assert report["meta"]["roof_gbps"] > 0 and len(report["meta"]["stream_gbps"]) == 2
     assert row["kvcache_gbps"] > 0 and row["paged_gbps"] > 0 and 0 < row["kvcache_roof"]
-    assert "paged_vs_contiguous" in row
+    assert "paged_vs_contiguous" in row and row["paged_per_head_gbps"] > 0 and row["page_order_gain"] > 0
     assert half["dtype"] == "bfloat16" and half["kv_bytes"] * 2 == row["kv_bytes"] and half["vs_fp32"] > 0
     assert "| H:KH |" in (tmp_path / "decode.md").read_text()
 
@@ -290,6 +294,51 @@ def test_static_decode_shape_builds_its_packed_nest_alone():
     assert validate_built(b).passed
 
 
+def test_page_order_and_prefetch_are_points_of_the_decode_space():
+    """kv heads per decode task (the page order) and the software prefetch change the workload:
+    the paged preset takes all heads, the tuner's tasks include both orders and the prefetch,
+    every point validates and passes the audit, the per-head workload is exactly the one earlier
+    logs recorded (no new attrs), and a paged build keeps its page order whatever a record tuned
+    at the contiguous representative chose."""
+    from schedules import cpu_flash
+    from tvm_attention.target import resolve_target
+    from tvm_attention.tune.tasks import make_tasks, workload_matches
+
+    target = resolve_target("llvm")
+    spec = AttentionSpec(batch=1, heads=8, kv_heads=4, seq_q=1, seq_kv=300, head_dim=64, layout="paged", page_size=16)
+    assert cpu_flash.preset(spec, target).decode_heads == 4
+    assert cpu_flash.preset(AttentionSpec(**{**spec.to_dict(), "layout": "kvcache", "page_size": None}), target).decode_heads == 1
+    rep = spec.representative()
+    names = [t.name for t in make_tasks(rep, target, "fused")]
+    assert names[0] == "fused_dec_n64_s8_h1" and "fused_dec_n64_s8_h2" in names, names
+    assert "fused_dec_n64_s8_h4" in names and "fused_dec_n32_s0_h2" in names, names
+    assert "fused_dec_n64_s8_h1_pf1" in names and "fused_dec_n64_s8_h1_pf2" in names, names
+    per_head = cpu_flash.preset(rep, target)
+    assert cpu_flash.for_layout(per_head, spec, target).decode_heads == 4
+    assert cpu_flash.for_layout(per_head, rep, target) == per_head
+    # 2 of 4 heads per task: two head blocks per sequence (the split path too: batch 1)
+    for knobs in ((("decode_heads", 1),), (("decode_heads", 2), ("prefetch", 1))):
+        b = built(spec, knobs=knobs)
+        assert b.audit.fused and validate_built(b).passed
+        x = PAGED.random_inputs(spec, {"seq_q": 1, "cache_seqlens": [0, 700, 17], "shared_prefix": False}, seed=3)
+        o = call(spec, kernel_of(b), x)
+        np.testing.assert_allclose(o, PAGED.reference_outputs(spec, x)[0], **TOL)
+        wl = cpu_flash.workload(rep, b.knobs)
+        assert workload_matches(rep, tvm_normalize(wl))
+        assert ("attn.decode_heads" in wl.attrs) == (b.knobs.decode_heads > 1)
+        assert ("attn.prefetch" in wl.attrs) == (b.knobs.prefetch > 0)
+    module = built(spec, knobs=(("decode_heads", 2), ("prefetch", 1))).module
+    assert "prefetcht0" in getattr(module, "mod", module).inspect_source("asm")
+    with pytest.raises(Exception, match="decode_heads=3 must divide kv_heads=4"):
+        built(spec, knobs=(("decode_heads", 3),))
+
+
+def tvm_normalize(func):
+    from tvm_attention.tune.tasks import normalize
+
+    return normalize(func)
+
+
 def test_split_count_is_in_the_tuners_space_and_reaches_symbolic_builds(tmp_path):
     from tvm_attention.pipeline import build_best
     from tvm_attention.target import resolve_target
@@ -299,15 +348,26 @@ def test_split_count_is_in_the_tuners_space_and_reaches_symbolic_builds(tmp_path
 
     from tvm_attention.workloads.fused import n_splits
 
-    # the representative step of a kvcache build: one sequence, 8 kv heads -> split_tasks 0, 4
-    # and 8 give 1 chunk per sequence, 16 two, 32 four: three tasks per key tile
+    # the representative step of a kvcache build: one sequence, 8 kv heads. One head per task:
+    # split_tasks 0, 4 and 8 give 1 chunk per sequence, 16 two, 32 four: three tasks per key
+    # tile. 2 or 8 heads per task (the page order): unsplit, or the preset's 8 tasks.
     kv = AttentionSpec(batch=1, heads=16, kv_heads=8, seq_q=1, seq_kv=1024, head_dim=64, causal=True, layout="kvcache")
     rep, target = kv.representative(), resolve_target("llvm")
     tasks = make_tasks(rep, target, "fused")
-    points = sorted((int(t.mod["main"].attrs["attn.block_n"]), n_splits(int(t.mod["main"].attrs["attn.split_tasks"]), 1, 8))
-                    for t in tasks)
-    assert points == [(bn, ns) for bn in (32, 64, 128) for ns in (1, 2, 4)], [t.name for t in tasks]
-    assert all(workload_matches(rep, t.mod) for t in tasks)  # a log's records map back to them
+
+    def point(t):
+        a = t.mod["main"].attrs
+        h = int(a["attn.decode_heads"]) if "attn.decode_heads" in a else 1
+        return int(a["attn.block_n"]), h, n_splits(int(a["attn.split_tasks"]), 1, 8 // h)
+
+    points = sorted(point(t) for t in tasks if "attn.prefetch" not in t.mod["main"].attrs)
+    assert [p for p in points if p[1] == 1] == [(bn, 1, ns) for bn in (32, 64, 128) for ns in (1, 2, 4)]
+    assert [p for p in points if p[1] == 8] == [(bn, 8, ns) for bn in (32, 64, 128) for ns in (1, 8)]
+    assert [p for p in points if p[1] == 2] == [(bn, 2, ns) for bn in (32, 64, 128) for ns in (1, 2)]
+    assert {p[1] for p in points} == {1, 2, 8}, [t.name for t in tasks]
+    assert sum("attn.prefetch" in t.mod["main"].attrs for t in tasks) == 2  # the preset's, 1 or 2 tiles ahead
+    # a log's records map back to them (the preset, and every kind of task)
+    assert all(workload_matches(rep, t.mod) for t in tasks[:1] + tasks[-5:])
 
     work = tmp_path / "log"
     result = tune(rep, trials=2, per_round=2, work_dir=work, progress=lambda m: None)
@@ -317,3 +377,4 @@ def test_split_count_is_in_the_tuners_space_and_reaches_symbolic_builds(tmp_path
     assert b.source == "tuned" and v.passed and b.audit.fused
     assert b.knobs.split_tasks == int(wl.mod["main"].attrs["attn.split_tasks"])
     assert b.knobs.block_n == int(wl.mod["main"].attrs["attn.block_n"])
+    assert b.knobs.decode_heads == point(wl)[1]

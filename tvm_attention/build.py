@@ -187,6 +187,8 @@ def build_from_record(spec: AttentionSpec, schedule: str, target: str | Target, 
 
     family = get_schedule(schedule, target)
     knobs = knobs_of(family, sch, spec.representative(), target) if hasattr(family, "knobs_of") else None
+    if knobs is not None and hasattr(family, "for_layout"):
+        knobs = family.for_layout(knobs, spec, target)
     if spec.dynamic:
         if knobs is None:
             raise ValueError(f"a tuned {schedule} trace cannot be replayed on a symbolic kernel (no knobs to read)")

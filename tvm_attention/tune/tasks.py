@@ -6,8 +6,8 @@
   unroll, parallel chunk, auto-unroll). The hand preset's tile pair is the first task and the
   hand knobs are a point of its space.
 * a static decode shape (``seq_q · group`` rows fit a packed decode nest, e.g. the representative
-  step of a kvcache build): one task per (``block_n``, split count) of
-  ``cpu_flash.decode_candidates``, each space the hand schedule of its nest.
+  step of a kvcache build): one task per (``block_n``, split count, kv heads per task, prefetch)
+  of ``cpu_flash.decode_candidates``, each space the hand schedule of its nest.
 * ``rowcache``: one task per row block ``block_m``; the same schedule function and sampled knobs.
 * ``materialized``: MetaSchedule's default LLVM space, minus the write-cache fusion of
   MultiLevelTiling, which raises a ScheduleError on this graph (O's producer also reads L).
@@ -88,7 +88,8 @@ def make_tasks(spec: AttentionSpec, target: Target, schedule: str) -> list[TaskD
 
         if cpu_flash.is_static_decode(spec, target):
             return [
-                TaskDef(f"fused_dec_n{k.block_n}_s{k.split_tasks}", normalize(cpu_flash.workload(spec, k)),
+                TaskDef(f"fused_dec_n{k.block_n}_s{k.split_tasks}_h{k.decode_heads}"
+                        f"{f'_pf{k.prefetch}' if k.prefetch else ''}", normalize(cpu_flash.workload(spec, k)),
                         decode_space(spec, k))
                 for k in cpu_flash.decode_candidates(spec, target)
             ]
@@ -150,6 +151,9 @@ def regenerate(spec: AttentionSpec, func) -> tvm.IRModule | None:
             decode = {"decode_rows": tuple(int(r) for r in attrs["attn.decode_rows"]),
                       "split_tasks": int(attrs["attn.split_tasks"]),
                       "stage_k_below": int(attrs["attn.stage_k_below"])} if "attn.decode_rows" in attrs else {}
+            for k in ("prefetch", "decode_heads"):
+                if f"attn.{k}" in attrs:
+                    decode[k] = int(attrs[f"attn.{k}"])
             if "attn.dot_bf16" in attrs:
                 decode["dot_bf16"] = bool(int(attrs["attn.dot_bf16"]))
             return normalize(fused_attention(spec, int(attrs["attn.block_m"]), int(attrs["attn.block_n"]), **decode))

@@ -44,10 +44,12 @@ from ..spec import AttentionSpec
 from ._math import LOG2E, bf16_bits, bf16_value, cast_to, exp2_fast, f32, guarded, lse_of, normalize, normalize_where
 
 ENTRY = "attention"
+CACHE_LINE = 64  # bytes (x86)
 
 
 def fused_attention(spec: AttentionSpec, block_m: int, block_n: int, decode_rows: tuple[int, ...] = (),
-                    split_tasks: int = 0, stage_k_below: int = 0, dot_bf16: bool = False) -> tirx.PrimFunc:
+                    split_tasks: int = 0, stage_k_below: int = 0, dot_bf16: bool = False,
+                    prefetch: int = 0, decode_heads: int = 1) -> tirx.PrimFunc:
     """Build the fused PrimFunc for ``spec`` with row tile ``block_m`` and key tile ``block_n``.
 
     Arguments of the PrimFunc (call order) are the layout's (``tvm_attention.layouts``); bhsd:
@@ -59,7 +61,10 @@ def fused_attention(spec: AttentionSpec, block_m: int, block_n: int, decode_rows
     static seq_q only the narrowest that holds ``seq_q · group`` rows is, and it is the whole
     kernel (none fits: the main nest alone). ``split_tasks``: the decode nests' split-KV target.
     ``dot_bf16``: the main nest's products as bf16 dot products (see ``_tile_macro``; bfloat16
-    specs only; decode nests, memory-bound, keep float32 products).
+    specs only; decode nests, memory-bound, keep float32 products). ``prefetch``: the staged
+    decode nests prefetch the K/V rows of the key tile this many tiles ahead (0 = none; see
+    ``_tile_macro``). ``decode_heads``: kv heads per task of the staged decode nests (the page
+    order, see :func:`_dense`).
     """
     if spec.layout == "varlen":
         return _varlen(spec, block_m, block_n, dot_bf16)
@@ -68,7 +73,8 @@ def fused_attention(spec: AttentionSpec, block_m: int, block_n: int, decode_rows
         # the packed rows, else the main nest
         fits = [r for r in sorted(decode_rows) if spec.seq_q * spec.group_size <= r]
         decode_rows = tuple(fits[:1])
-    return _dense(spec, block_m, block_n, tuple(decode_rows), split_tasks, stage_k_below, dot_bf16)
+    return _dense(spec, block_m, block_n, tuple(decode_rows), split_tasks, stage_k_below, dot_bf16, prefetch,
+                  decode_heads)
 
 
 def _dim(spec: AttentionSpec, name: str):
@@ -81,8 +87,11 @@ class _Tile:
     same for every layout). Index methods return index tuples into Q, K/V and O."""
 
     def __init__(self, spec, BM, BN, row0, q_len, k_len, q_index, kv_index, o_index, always_masked, valid=None,
-                 pos=None, seq_q=None, causal_off=None, lse_index=None, state_index=None):
+                 pos=None, seq_q=None, causal_off=None, lse_index=None, state_index=None, heads=1):
         self.spec, self.BM, self.BN = spec, BM, BN
+        # heads > 1: the tile's rows are ``heads`` blocks of BM // heads rows, one per kv head
+        # (kv_index then takes the head: (key, d, head)); q_len, pos and keep apply per block
+        self.heads, self.R = heads, BM // heads
         # pos: tile row -> query position, when a tile row is not one position (GQA packing:
         # row p is position p // group of head p % group); None: the identity
         self.pos = pos
@@ -115,14 +124,24 @@ class _Tile:
         return n
 
     def q_at(self, vi, vd):
+        if self.heads > 1:  # row0 is 0: clamp the row inside its head's block
+            return self._q(T.floordiv(vi, self.R) * self.R + T.min(T.floormod(vi, self.R), self.q_len - 1), vd)
         return self._q(T.min(self.row0 + vi, self.q_len - 1), vd)
 
-    def kv_at(self, c, vj, vd):
+    def _kv_of(self, key, vd, head):
+        return self._kv(key, vd) if head is None else self._kv(key, vd, head)
+
+    def kv_at(self, c, vj, vd, head=None):
         # Clamp the tail tile's key index into range: those scores are masked anyway, and the
         # clamp costs one scalar min per key instead of a branch per element.
         if self.kv_tail:
-            return self._kv(T.min(c * self.BN + vj, self.k_len - 1), vd)
-        return self._kv(c * self.BN + vj, vd)
+            return self._kv_of(T.min(c * self.BN + vj, self.k_len - 1), vd, head)
+        return self._kv_of(c * self.BN + vj, vd, head)
+
+    def kv_ahead(self, c, vj, vd, head=None):
+        """K/V index of key ``vj`` of tile ``c`` (which may lie past the last), clamped to the
+        last key: a prefetch address, always inside the sequence's rows (and its block table)."""
+        return self._kv_of(T.max(0, T.min(c * self.BN + vj, self.k_len - 1)), vd, head)
 
     def o_at(self, vi, vd):
         return self._o(self.row0 + vi, vd)
@@ -132,6 +151,8 @@ class _Tile:
             # a split-KV partial stores every row of its tile (rows past the packed ones are
             # never merged): its workspace is then sized by the tile, not by seq_q
             return T.bool(True)
+        if self.heads > 1:
+            return T.floormod(vi, self.R) < self.q_len
         return self.row0 + vi < self.q_len
 
     def score(self, S, vj, vi, vc):
@@ -176,7 +197,7 @@ DECODE = "_dec"
 
 
 def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: str | None = None,
-                stage_k: bool = False, dot_bf16: bool = False):
+                stage_k: bool = False, dot_bf16: bool = False, prefetch: int = 0, heads: int = 1):
     """The per-row-tile pipeline (Q load, online softmax over key tiles, store) as a TVMScript
     macro: one piece of compute that every layout's frame calls with its own :class:`_Tile`.
     ``suffix`` is appended to every block name (a function may hold two nests of the tile).
@@ -194,6 +215,20 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
     tensor intrinsic needs that: through a layout's own index (the tail clamp reading
     ``cache_seqlens``, a block-table lookup) the K reads would name other buffers.
 
+    ``prefetch`` (with ``stage_k``): block ``KV_prefetch`` issues a software prefetch
+    (``llvm.prefetch``, into L1) of every cache line of the K and V rows of key tile ``c +
+    prefetch`` while tile ``c`` computes (clamped to the last key). It is meant for streams the
+    hardware prefetcher follows poorly (a paged cache: rows ``kv_heads·D`` elements apart, pages
+    anywhere); on a 2-core znver4 it gained nothing there and cost 15-20 % on contiguous caches,
+    so it is a point of the search, off in the presets. Writes nothing: the compute is unchanged.
+
+    ``heads`` > 1 (with ``stage_k``; the decode nest's page order): the tile's ``block_m`` rows
+    are ``heads`` kv heads' blocks of packed rows, and keys are staged for all of them: ``Kt
+    (heads, D)`` one key at a time inside ``S_gemm``'s key loop, ``Vt (block_n, heads, D)`` per
+    tile (blocks ``K_load``/``V_load``). A paged cache ``(pages, page_size, kv_heads, D)`` is
+    then read along its rows, every head of a key at once, instead of ``D`` elements every
+    ``kv_heads·D``. Row ``i`` uses head ``i // (block_m / heads)`` of the staged tiles.
+
     ``dot_bf16`` (bfloat16 inputs): both products as bf16 dot products with float32 sums, in the
     operand layouts of AVX512-BF16's ``vdpbf16ps`` (``acc[l] += a[2l]·b[2l] + a[2l+1]·b[2l+1]``:
     pairs along the reduction), the bf16 values handled as their uint16 bits. ``Qp (D/2, BM, 2)``
@@ -204,13 +239,25 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
     (``Pb (BN/2, BM, 2)``); ``acc_rescale`` applies the online correction and ``PV_gemm`` sums
     over (key pair, t). The row sum ``l`` adds the unrounded float32 P."""
     N = {n: n + suffix for n in TILE_BLOCKS + ("lse_store", "state_store", "K_load", "V_load", "V_ilv",
-                                                "P_round", "P_ilv", "acc_rescale")}
+                                                "P_round", "P_ilv", "acc_rescale", "KV_prefetch")}
     if dot_bf16 and (spec.dtype != "bfloat16" or spec.head_dim % 2 or BN % 2):
         raise ValueError(f"dot_bf16 needs bfloat16 inputs and an even head_dim and block_n, got {spec.dtype}, "
                          f"D={spec.head_dim}, block_n={BN}")
     D = spec.head_dim
     qscale = float(spec.scale * LOG2E)
     neg_inf = T.float32(float("-inf"))
+    LINE_ELEMS = CACHE_LINE // spec.itemsize  # elements of one cache line of a K/V row
+    LINES = max(1, D // LINE_ELEMS)  # cache lines per K/V row (rows are line-aligned when D is)
+    if prefetch and not stage_k:
+        raise ValueError("prefetch is issued by the staged (stage_k) decode tiles only")
+    HT = heads
+    R = BM // HT  # rows per head block
+
+    def kvh(h):  # the head argument of a K/V index: none for a one-head tile
+        return h if HT > 1 else None
+    if HT > 1 and (not stage_k or dot_bf16 or BM % HT):
+        raise ValueError(f"a tile of {HT} heads needs stage_k, float32 products and block_m % heads == 0 "
+                         f"(block_m={BM})")
 
     def score(t, S, vj, vi, vc):
         # dot_bf16 sums unscaled products (Q keeps its exact bf16 values: no pre-scaled copy)
@@ -228,7 +275,10 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
         l = T.sblock_alloc_buffer((BM,), "float32", scope="local")  # running sum
         alpha = T.sblock_alloc_buffer((BM,), "float32", scope="local")  # exp2(m_old - m_new)
         acc = T.sblock_alloc_buffer((BM, D), "float32", scope="local")  # unnormalised output
-        if stage_k:
+        if stage_k and HT > 1:
+            Kt = T.sblock_alloc_buffer((HT, D), "float32", scope="local")  # one key of every head
+            Vt = T.sblock_alloc_buffer((BN, HT, D), "float32", scope="local")  # value tile (key, head, d)
+        elif stage_k:
             Kt = T.sblock_alloc_buffer((BN, D), "float32", scope="local")  # the key tile, (key, d)
         if dot_bf16:
             Qu = T.decl_buffer(Q.shape, "uint16", data=Q.data)  # bf16 inputs as their bits
@@ -279,24 +329,56 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
                             with T.init():
                                 S[vj, vi] = T.float32(0)
                             S[vj, vi] = S[vj, vi] + bf16_value(Kb[vj, 2 * vp + vt]) * bf16_value(Qp[vp, vi, vt])
-                elif stage_k:
-                    for j, d in T.grid(BN, D):
-                        with T.sblock(N["K_load"]):
-                            vj, vd = T.axis.remap("SS", [j, d])
-                            Kt[vj, vd] = f32(K[t.kv_at(vc, vj, vd)])
-                    for j, d, i in T.grid(BN, D, BM):
-                        with T.sblock(N["S_gemm"]):
-                            vj, vd, vi = T.axis.remap("SRS", [j, d, i])
-                            with T.init():
-                                S[vj, vi] = T.float32(0)
-                            S[vj, vi] = S[vj, vi] + Kt[vj, vd] * Qt[vd, vi]
                 else:
-                    for j, d, i in T.grid(BN, D, BM):
-                        with T.sblock(N["S_gemm"]):
-                            vj, vd, vi = T.axis.remap("SRS", [j, d, i])
-                            with T.init():
-                                S[vj, vi] = T.float32(0)
-                            S[vj, vi] = S[vj, vi] + f32(K[t.kv_at(vc, vj, vd)]) * Qt[vd, vi]
+                    if stage_k and prefetch > 0:
+                        for j, h, ln in T.grid(BN, HT, LINES):
+                            with T.sblock(N["KV_prefetch"]):
+                                vj, vh, vl = T.axis.remap("SSS", [j, h, ln])
+                                T.reads(K[t.kv_ahead(vc + prefetch, vj, vl * LINE_ELEMS, kvh(vh))],
+                                        V[t.kv_ahead(vc + prefetch, vj, vl * LINE_ELEMS, kvh(vh))])
+                                T.writes()
+                                # (address, 0 = read, 3 = keep in all levels, 1 = data cache)
+                                T.evaluate(T.call_llvm_intrin(
+                                    "void", "llvm.prefetch.p0",
+                                    T.address_of(K[t.kv_ahead(vc + prefetch, vj, vl * LINE_ELEMS, kvh(vh))]),
+                                    T.int32(0), T.int32(3), T.int32(1)))
+                                T.evaluate(T.call_llvm_intrin(
+                                    "void", "llvm.prefetch.p0",
+                                    T.address_of(V[t.kv_ahead(vc + prefetch, vj, vl * LINE_ELEMS, kvh(vh))]),
+                                    T.int32(0), T.int32(3), T.int32(1)))
+                    if stage_k and HT > 1:
+                        for j in T.serial(BN):
+                            # key j of every head: one contiguous read of a paged row, kept in L1
+                            for h, d in T.grid(HT, D):
+                                with T.sblock(N["K_load"]):
+                                    vj = T.axis.spatial(BN, j)
+                                    vh, vd = T.axis.remap("SS", [h, d])
+                                    Kt[vh, vd] = f32(K[t.kv_at(vc, vj, vd, vh)])
+                            for d, i in T.grid(D, BM):
+                                with T.sblock(N["S_gemm"]):
+                                    vj = T.axis.spatial(BN, j)
+                                    vd, vi = T.axis.remap("RS", [d, i])
+                                    with T.init():
+                                        S[vj, vi] = T.float32(0)
+                                    S[vj, vi] = S[vj, vi] + Kt[T.floordiv(vi, R), vd] * Qt[vd, vi]
+                    elif stage_k:
+                        for j, d in T.grid(BN, D):
+                            with T.sblock(N["K_load"]):
+                                vj, vd = T.axis.remap("SS", [j, d])
+                                Kt[vj, vd] = f32(K[t.kv_at(vc, vj, vd)])
+                        for j, d, i in T.grid(BN, D, BM):
+                            with T.sblock(N["S_gemm"]):
+                                vj, vd, vi = T.axis.remap("SRS", [j, d, i])
+                                with T.init():
+                                    S[vj, vi] = T.float32(0)
+                                S[vj, vi] = S[vj, vi] + Kt[vj, vd] * Qt[vd, vi]
+                    else:
+                        for j, d, i in T.grid(BN, D, BM):
+                            with T.sblock(N["S_gemm"]):
+                                vj, vd, vi = T.axis.remap("SRS", [j, d, i])
+                                with T.init():
+                                    S[vj, vi] = T.float32(0)
+                                S[vj, vi] = S[vj, vi] + f32(K[t.kv_at(vc, vj, vd)]) * Qt[vd, vi]
                 # -- running max over the visible keys ---------------------------------
                 for j, i in T.grid(BN, BM):
                     with T.sblock(N["row_max"]):
@@ -353,6 +435,17 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
                         with T.sblock(N["PV_gemm"]):
                             vi, vp, vd, vt = T.axis.remap("SRSR", [i, jp, d, tt])
                             acc[vi, vd] = acc[vi, vd] + bf16_value(Pb[vp, vi, vt]) * bf16_value(Vt[vp, vd, vt])
+                elif HT > 1:
+                    for j, h, d in T.grid(BN, HT, D):
+                        with T.sblock(N["V_load"]):
+                            vj, vh, vd = T.axis.remap("SSS", [j, h, d])
+                            Vt[vj, vh, vd] = f32(V[t.kv_at(vc, vj, vd, vh)])
+                    for i, j, d in T.grid(BM, BN, D):
+                        with T.sblock(N["PV_gemm"]):
+                            vi, vj, vd = T.axis.remap("SRS", [i, j, d])
+                            with T.init():
+                                acc[vi, vd] = acc[vi, vd] * alpha[vi]
+                            acc[vi, vd] = acc[vi, vd] + P[vj, vi] * Vt[vj, T.floordiv(vi, R), vd]
                 else:
                     for i, j, d in T.grid(BM, BN, D):
                         with T.sblock(N["PV_gemm"]):
@@ -419,13 +512,14 @@ class _KV:
         """Keys of sequence ``b``."""
         return self.SK if self.layout == "bhsd" else X[-1][b]
 
-    def reads(self, K, V, X, b, kh):
-        """The K/V (and index) regions sequence ``b``'s kv head ``kh`` reads (explicit: the
-        inferred ones would name the blocks' local buffers through the indirect indices)."""
+    def reads(self, K, V, X, b, kh, nh: int = 1):
+        """The K/V (and index) regions sequence ``b``'s kv heads ``kh .. kh + nh`` read (explicit:
+        the inferred ones would name the blocks' local buffers through the indirect indices)."""
+        h = kh if nh == 1 else slice(kh, kh + nh)
         if self.layout == "paged":
-            kv = [K[0:self.NP, 0:self.P, kh, 0:self.D], V[0:self.NP, 0:self.P, kh, 0:self.D]]
+            kv = [K[0:self.NP, 0:self.P, h, 0:self.D], V[0:self.NP, 0:self.P, h, 0:self.D]]
         else:
-            kv = [K[b, kh, 0:self.bound, 0:self.D], V[b, kh, 0:self.bound, 0:self.D]]
+            kv = [K[b, h, 0:self.bound, 0:self.D], V[b, h, 0:self.bound, 0:self.D]]
         if self.layout == "paged":
             return kv + [X[0][b, 0:self.MP], X[1][b]]
         return kv + [x[b] for x in X]
@@ -437,7 +531,8 @@ class _KV:
 
 
 def _dense(spec: AttentionSpec, block_m: int, block_n: int, decode_rows: tuple[int, ...] = (),
-           split_tasks: int = 0, stage_k_below: int = 0, dot_bf16: bool = False) -> tirx.PrimFunc:
+           split_tasks: int = 0, stage_k_below: int = 0, dot_bf16: bool = False, prefetch: int = 0,
+           decode_heads: int = 1) -> tirx.PrimFunc:
     """Layouts with dense queries, ``Q``/``O (B, H, Sq, D)``: ``bhsd`` (``K``/``V (B, KH, Skv,
     D)``), ``kvcache`` (``K``/``V (B, KH, max_len, D)`` + ``cache_seqlens (B,)``) and ``paged``
     (``K``/``V (num_pages, page_size, KH, D)`` + ``block_table (B, max_pages)`` +
@@ -459,6 +554,12 @@ def _dense(spec: AttentionSpec, block_m: int, block_n: int, decode_rows: tuple[i
     workspace of ``batch · kv_heads · NS`` tiles (no size depends on a length), and the
     ``merge`` block combines them per row: ``M = max m_s``, ``O = Σ acc_s·2^(m_s-M) / Σ
     l_s·2^(m_s-M)``.
+
+    ``decode_heads`` (the page order; staged decode tiers only): one task takes ``decode_heads``
+    kv heads at once, ``decode_heads · rows`` rows, and stages each key tile for all of them (see
+    ``_tile_macro``'s ``heads``). Tasks are (batch, head block[, chunk]). The paged cache keeps
+    a key's kv heads side by side, so one head's keys are ``kv_heads·D`` elements apart: per
+    head, a task reads ``D``-element pieces of every row; with all heads, whole rows.
     """
     B, H, KH = _dim(spec, "batch"), spec.heads, spec.kv_heads
     SQ, D = _dim(spec, "seq_q"), spec.head_dim
@@ -496,15 +597,11 @@ def _dense(spec: AttentionSpec, block_m: int, block_n: int, decode_rows: tuple[i
                 tile(Q, K, V, O, at(X, vb, vh, vr), NC, LSE)
 
     tiers = tuple(sorted(decode_rows))
-    NS = n_splits(split_tasks if tiers else 0, B, KH)  # key-range chunks per sequence
-    single = isinstance(NS, int) and NS == 1  # known at build time: no split nest
+    if decode_heads < 1 or KH % decode_heads:
+        raise ValueError(f"decode_heads={decode_heads} must divide kv_heads={KH}")
+    stage_tiers = [r for r in tiers if r < stage_k_below]
+    HT = decode_heads if stage_tiers else 1  # kv heads per decode task (staged tiers)
     neg_inf = T.float32(float("-inf"))
-
-    def chunk(L):
-        # truncdiv: every operand is non-negative, and floordiv by a run-time divisor lowers to
-        # selects that nest exponentially
-        per = T.truncdiv(T.truncdiv(L + NS - 1, NS) + BN - 1, BN) * BN
-        return T.max(MIN_SPLIT_KEYS, per)
 
     def merged_sees_key(X, vb, vi):
         L = kv.length(X, vb)
@@ -515,49 +612,85 @@ def _dense(spec: AttentionSpec, block_m: int, block_n: int, decode_rows: tuple[i
         (``*<suffix>_split``, merged by ``merge<suffix>``), as one macro. Tiers of fewer rows
         than ``stage_k_below`` stage their key tiles (see ``_tile_macro``)."""
         stage = BD < stage_k_below
-        tile_dec = _tile_macro(spec, BD, BN, suffix, stats="lse" if lse else None, stage_k=stage)
-        tile_split = _tile_macro(spec, BD, BN, suffix + SPLIT, stats="partial", stage_k=stage)
+        pf = prefetch if stage else 0
+        NH = HT if stage else 1  # kv heads per task
+        BT, KB = BD * NH, KH // NH  # tile rows, head blocks
+        NS = n_splits(split_tasks, B, KB)  # key-range chunks per sequence
+        single = isinstance(NS, int) and NS == 1  # known at build time: no split nest
 
-        def packed(X, vb, vkh):
-            # One tile per (batch, kv head) holds all SQ·G packed rows: row p is position p // G of
-            # query head vkh·G + p % G.
+        def chunk(L):
+            # truncdiv: every operand is non-negative, and floordiv by a run-time divisor lowers
+            # to selects that nest exponentially
+            per = T.truncdiv(T.truncdiv(L + NS - 1, NS) + BN - 1, BN) * BN
+            return T.max(MIN_SPLIT_KEYS, per)
+        tile_dec = _tile_macro(spec, BT, BN, suffix, stats="lse" if lse else None, stage_k=stage, prefetch=pf,
+                               heads=NH)
+        tile_split = _tile_macro(spec, BT, BN, suffix + SPLIT, stats="partial", stage_k=stage, prefetch=pf,
+                                 heads=NH)
+
+        # Tile row p of head block vkb: kv head head_of(vkb, p), packed row loc(p) of that head,
+        # which is position loc(p) // G of query head head_of·G + loc(p) % G. One head per task
+        # keeps the expressions of the per-head workload (tuning logs match it structurally).
+        def head_of(vkb, p):
+            return vkb if NH == 1 else vkb * NH + T.floordiv(p, BD)
+
+        def loc(p):
+            return p if NH == 1 else T.floormod(p, BD)
+
+        def q_of(vb, vkb, p):
+            return (vb, head_of(vkb, p) * G + T.floormod(loc(p), G), T.floordiv(loc(p), G))
+
+        def kv_of(X, vb, vkb, k0=None):
+            at = (lambda key: key) if k0 is None else (lambda key: k0 + key)
+            if NH == 1:
+                return lambda key, d: kv.index(X, vb, vkb, at(key), d)
+            return lambda key, d, h: kv.index(X, vb, vkb * NH + h, at(key), d)
+
+        def packed(X, vb, vkb):
+            # One tile per (batch, head block) holds all SQ·G packed rows of its heads
             return _Tile(
-                spec, BD, BN, 0, SQ * G, kv.length(X, vb),
-                q_index=lambda p, d: (vb, vkh * G + T.floormod(p, G), T.floordiv(p, G), d),
-                kv_index=lambda key, d: kv.index(X, vb, vkh, key, d),
-                o_index=lambda p, d: (vb, vkh * G + T.floormod(p, G), T.floordiv(p, G), d),
+                spec, BT, BN, 0, SQ * G, kv.length(X, vb),
+                q_index=lambda p, d: q_of(vb, vkb, p) + (d,),
+                kv_index=kv_of(X, vb, vkb),
+                o_index=lambda p, d: q_of(vb, vkb, p) + (d,),
                 always_masked=True,
-                pos=lambda p: T.floordiv(p, G),
+                pos=lambda p: T.floordiv(loc(p), G),
                 seq_q=SQ,
-                lse_index=lambda p: (vb, vkh * G + T.floormod(p, G), T.floordiv(p, G)),
+                lse_index=lambda p: q_of(vb, vkb, p),
+                heads=NH,
             )
 
-        def split_at(X, vb, vkh, vs, spl):
+        def split_at(X, vb, vkb, vs, spl):
             # spl[0]: the chunk's first key, spl[1]: its keys (computed once per task, split_locate)
             L = kv.length(X, vb)
             k0 = spl[0]
             return _Tile(
-                spec, BD, BN, 0, SQ * G, spl[1],
-                q_index=lambda p, d: (vb, vkh * G + T.floormod(p, G), T.floordiv(p, G), d),
-                kv_index=lambda key, d: kv.index(X, vb, vkh, k0 + key, d),
-                o_index=lambda p, d: (vb, vkh, vs, p, d),
+                spec, BT, BN, 0, SQ * G, spl[1],
+                q_index=lambda p, d: q_of(vb, vkb, p) + (d,),
+                kv_index=kv_of(X, vb, vkb, k0),
+                o_index=lambda p, d: (vb, head_of(vkb, p), vs, loc(p), d),
                 always_masked=True,
-                pos=lambda p: T.floordiv(p, G),
+                pos=lambda p: T.floordiv(loc(p), G),
                 seq_q=SQ,
                 causal_off=L - k0 - SQ,
-                state_index=lambda p, j: (vb, vkh, vs, p, j),
+                state_index=lambda p, j: (vb, head_of(vkb, p), vs, loc(p), j),
+                heads=NH,
             )
+
+        def h0(vkb):  # first kv head of head block vkb
+            return vkb if NH == 1 else vkb * NH
 
         @T.macro
         def decode_nest(Q, K, V, O, LSE, X):
-            for b, kh in T.grid(B, KH):
+            for b, kh in T.grid(B, KB):
                 with T.sblock("row_tile" + suffix):
                     vb, vkh = T.axis.remap("SS", [b, kh])
-                    T.reads([Q[vb, vkh * G:vkh * G + G, 0:SQ, 0:D]] + kv.reads(K, V, X, vb, vkh))
+                    T.reads([Q[vb, h0(vkh) * G:h0(vkh) * G + NH * G, 0:SQ, 0:D]] + kv.reads(K, V, X, vb, h0(vkh), NH))
                     if lse:
-                        T.writes(O[vb, vkh * G:vkh * G + G, 0:SQ, 0:D], LSE[vb, vkh * G:vkh * G + G, 0:SQ])
+                        T.writes(O[vb, h0(vkh) * G:h0(vkh) * G + NH * G, 0:SQ, 0:D],
+                                 LSE[vb, h0(vkh) * G:h0(vkh) * G + NH * G, 0:SQ])
                     else:
-                        T.writes(O[vb, vkh * G:vkh * G + G, 0:SQ, 0:D])
+                        T.writes(O[vb, h0(vkh) * G:h0(vkh) * G + NH * G, 0:SQ, 0:D])
                     tile_dec(Q, K, V, O, packed(X, vb, vkh), NC, LSE)
 
         @T.macro
@@ -570,11 +703,15 @@ def _dense(spec: AttentionSpec, block_m: int, block_n: int, decode_rows: tuple[i
                     T.writes(O[0:B, 0:H, 0:SQ, 0:D])
                 Op = T.sblock_alloc_buffer((B, KH, NS, BD, D), "float32")  # unnormalised acc per chunk
                 St = T.sblock_alloc_buffer((B, KH, NS, BD, 2), "float32")  # m, l per chunk
-                for b, kh, sp in T.grid(B, KH, NS):
+                for b, kh, sp in T.grid(B, KB, NS):
                     with T.sblock("row_tile" + suffix + SPLIT):
                         vb, vkh, vs = T.axis.remap("SSS", [b, kh, sp])
-                        T.reads([Q[vb, vkh * G:vkh * G + G, 0:SQ, 0:D]] + kv.reads(K, V, X, vb, vkh))
-                        T.writes(Op[vb, vkh, vs, 0:BD, 0:D], St[vb, vkh, vs, 0:BD, 0:2])
+                        T.reads([Q[vb, h0(vkh) * G:h0(vkh) * G + NH * G, 0:SQ, 0:D]] + kv.reads(K, V, X, vb, h0(vkh), NH))
+                        if NH == 1:
+                            T.writes(Op[vb, vkh, vs, 0:BD, 0:D], St[vb, vkh, vs, 0:BD, 0:2])
+                        else:
+                            T.writes(Op[vb, h0(vkh):h0(vkh) + NH, vs, 0:BD, 0:D],
+                                     St[vb, h0(vkh):h0(vkh) + NH, vs, 0:BD, 0:2])
                         spl = T.sblock_alloc_buffer((2,), "int32", scope="local")
                         with T.sblock("split_locate" + suffix):
                             spl[0] = vs * chunk(kv.length(X, vb))
@@ -653,6 +790,10 @@ def _dense(spec: AttentionSpec, block_m: int, block_n: int, decode_rows: tuple[i
         attrs["attn.decode_rows"] = list(tiers)
         attrs["attn.split_tasks"] = split_tasks
         attrs["attn.stage_k_below"] = stage_k_below
+        if prefetch:
+            attrs["attn.prefetch"] = prefetch
+        if HT > 1:
+            attrs["attn.decode_heads"] = HT
     KS = kv.shape
 
     if layout == "bhsd":
