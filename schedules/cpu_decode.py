@@ -234,7 +234,10 @@ def schedule(sch: s_tir.Schedule, spec: AttentionSpec, suffix: str, knobs: DotDe
     for name in ("online_correction", "max_commit", "state_init"):
         _vectorize(sch, sch.get_loops(blk(name))[-1], tile_rows)
     j, i = sch.get_loops(blk("P_exp"))[-2:]
-    _vectorize(sch, sch.fuse(j, i), block_n * tile_rows)
+    if heads > 1:  # a multi-head tile has full vectors of rows: keep the key loop a loop
+        _vectorize(sch, i, tile_rows)
+    else:
+        _vectorize(sch, sch.fuse(j, i), block_n * tile_rows)
 
     # PV_gemm: (row block, [column block,] key, rows unrolled, columns vectorized)
     pv = blk("PV_gemm")

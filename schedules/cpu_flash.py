@@ -145,9 +145,11 @@ def preset(spec: AttentionSpec, target: Target) -> FlashCPUKnobs:
                          decode_heads=page_order_heads(spec, block_n))
 
 
-#: Largest value tile (``block_n · decode_heads · D`` float32) a multi-head decode task stages:
-#: it is written and read back within one key tile, so it should stay in L2 (1 MiB here).
-MAX_DECODE_VT_BYTES = 256 * 1024
+#: Largest value tile (``block_n · decode_heads · D`` float32) the preset's multi-head decode
+#: task stages: it is written and read back within one key tile, so it stays in L2 (1 MiB here).
+#: MHA 32 heads, D=128, paged (2-core znver4, GB/s at B1 16k / B4 4k / B16 4k): 16 heads per task
+#: (512 KiB) 16.7 / 17.4 / 17.6, 8 heads 14.8 / 16.2 / 13.9, one head 13.7 / 17.4 / 13.9.
+MAX_DECODE_VT_BYTES = 512 * 1024
 
 
 def page_order_heads(spec: AttentionSpec, block_n: int) -> int:
@@ -155,11 +157,10 @@ def page_order_heads(spec: AttentionSpec, block_n: int) -> int:
     value tile allows) for the paged layout, 1 otherwise.
 
     Why (2-core znver4, H32 KH8 D128 fp32, 2 threads, page_size 16): one head per task reads a
-    paged cache in 512-byte pieces 4 KiB apart, 10-11 GB/s at batch 8 (4k keys) and batch 1 (16k
-    keys); all 8 heads per task read whole rows, 15-18 GB/s (1.5-1.7x). On the contiguous kvcache
-    layout the same change measured within this machine's noise (17-25 GB/s either way), so it
-    stays a point of the search there, not the preset. Found by the page-order sweep of the
-    decode space (``decode_candidates``)."""
+    paged cache in 512-byte pieces 4 KiB apart, 10-13 GB/s at batch 1-16 (4k-16k keys); all 8
+    heads per task read whole rows, 19-30 GB/s (1.5-1.9x), level with the contiguous cache. On
+    the contiguous layouts (bhsd, kvcache) 2 heads per task ran 9-23 % faster at batch 4 and 16
+    and 10 % slower at batch 1: a point for the search (``decode_candidates``), not the preset."""
     if spec.layout != "paged":
         return 1
     return max(h for h in range(1, spec.kv_heads + 1)
