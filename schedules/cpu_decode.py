@@ -163,7 +163,8 @@ def dot_intrinsic(D: int, rows: int) -> str:
 _REGISTERED: set[str] = set()
 
 
-def _has_block(sch: s_tir.Schedule, name: str) -> bool:
+def has_block(sch: s_tir.Schedule, name: str) -> bool:
+    """Whether ``sch`` has a block named ``name``."""
     try:
         sch.get_sblock(name)
     except Exception:  # noqa: BLE001 - ScheduleError: no such block
@@ -216,7 +217,7 @@ def schedule(sch: s_tir.Schedule, spec: AttentionSpec, suffix: str, knobs: DotDe
 
     # K_load: the key tile copied in contiguous vectors (the workload stages it: stage_k)
     _vectorize(sch, sch.get_loops(blk("K_load"))[-1], D)
-    if _has_block(sch, "KV_prefetch" + suffix):  # one prefetch per cache line of a K/V row
+    if has_block(sch, "KV_prefetch" + suffix):  # one prefetch per cache line of a K/V row
         sch.unroll(sch.get_loops(blk("KV_prefetch"))[-1])
 
     # S_gemm: init hoisted, then each key's (d, row) nest is one dot-product intrinsic

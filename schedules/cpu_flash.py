@@ -514,12 +514,7 @@ def apply(sch: s_tir.Schedule, knobs: FlashCPUKnobs, spec: AttentionSpec) -> s_t
     return sch
 
 
-def _has_block(sch: s_tir.Schedule, name: str) -> bool:
-    try:
-        sch.get_sblock(name)
-    except Exception:  # noqa: BLE001 - ScheduleError: no such block
-        return False
-    return True
+_has_block = cpu_decode.has_block
 
 
 def decode_rows(spec: AttentionSpec, knobs: FlashCPUKnobs) -> tuple[int, ...]:

@@ -366,6 +366,7 @@ def test_split_count_is_in_the_tuners_space_and_reaches_symbolic_builds(tmp_path
     assert [p for p in points if p[1] == 2] == [(bn, 2, ns) for bn in (32, 64, 128) for ns in (1, 2)]
     assert {p[1] for p in points} == {1, 2, 8}, [t.name for t in tasks]
     assert sum("attn.prefetch" in t.mod["main"].attrs for t in tasks) == 2  # the preset's, 1 or 2 tiles ahead
+    assert all(t.points == 1 for t in tasks)  # one point each: the driver stops once all are measured
     # a log's records map back to them (the preset, and every kind of task)
     assert all(workload_matches(rep, t.mod) for t in tasks[:1] + tasks[-5:])
 

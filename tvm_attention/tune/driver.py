@@ -388,6 +388,10 @@ def knob_summary(knobs: dict[str, Any] | None) -> str:
         text += f" split{knobs['split_tasks']}"
     if knobs.get("dot_bf16"):
         text += " bf16dot"
+    if knobs.get("decode_heads", 1) > 1:
+        text += f" heads{knobs['decode_heads']}"
+    if knobs.get("prefetch"):
+        text += f" prefetch{knobs['prefetch']}"
     return text
 
 
@@ -607,7 +611,8 @@ def _tune_locked(spec, target, device, schedule, trials, work, per_round, seed, 
         t_loop = time.time()
         empty_rounds = 0
         while done < trials:
-            live = [s for s in states if not s.exhausted]
+            # a space of known size (a decode task's: one point) is done once that many are measured
+            live = [s for s in states if not s.exhausted and not (s.defn.points and s.measured >= s.defn.points)]
             if not live:
                 progress("every task's space is exhausted")
                 break

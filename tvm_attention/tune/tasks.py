@@ -35,6 +35,9 @@ class TaskDef:
     space: Any  # a MetaSchedule SpaceGenerator
     # MetaSchedule's default rules name tensorize intrinsics (e.g. VNNI) that must be registered
     needs_tensor_intrin: bool = False
+    # distinct points of the space when known (None: sampled, unknown): the driver stops asking a
+    # task for candidates once it has measured that many, instead of idling through search rounds
+    points: int | None = None
 
 
 def normalize(func) -> tvm.IRModule:
@@ -90,7 +93,7 @@ def make_tasks(spec: AttentionSpec, target: Target, schedule: str) -> list[TaskD
             return [
                 TaskDef(f"fused_dec_n{k.block_n}_s{k.split_tasks}_h{k.decode_heads}"
                         f"{f'_pf{k.prefetch}' if k.prefetch else ''}", normalize(cpu_flash.workload(spec, k)),
-                        decode_space(spec, k))
+                        decode_space(spec, k), points=1)
                 for k in cpu_flash.decode_candidates(spec, target)
             ]
         space = tile_space(cpu_flash.design_space(spec, target))
