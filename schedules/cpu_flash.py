@@ -583,26 +583,23 @@ def knobs_of(sch: s_tir.Schedule, lanes: int, base: FlashCPUKnobs | None = None)
     A static decode kernel (no main nest, :func:`decode_candidates`) records only ``block_n``,
     ``split_tasks``, ``prefetch`` and ``decode_heads`` (function attrs); the other knobs are
     ``base``'s (the preset it was made from)."""
+    attrs = sch.mod["main"].attrs
+    # The decode nests' workload knobs: a function with decode nests records them (attrs absent
+    # at their defaults, 0 and 1); one without (a prefill shape tuned for a symbolic kernel) says
+    # nothing about its decode step, which keeps the preset's.
+    has_decode = "attn.decode_rows" in attrs
+    decode = {k: int(attrs[f"attn.{k}"]) if f"attn.{k}" in attrs else
+              (default if has_decode else getattr(base or FlashCPUKnobs(), k))
+              for k, default in (("prefetch", 0), ("decode_heads", 1))}
     if not _has_block(sch, "row_tile"):
         if base is None:
             raise ValueError("a decode-only kernel's knobs are read on top of the preset it was made from (base)")
-        attrs = sch.mod["main"].attrs
         return dataclasses.replace(base, block_n=int(attrs["attn.block_n"]),
-                                   split_tasks=int(attrs["attn.split_tasks"]),
-                                   prefetch=int(attrs["attn.prefetch"]) if "attn.prefetch" in attrs else 0,
-                                   decode_heads=int(attrs["attn.decode_heads"]) if "attn.decode_heads" in attrs else 1)
+                                   split_tasks=int(attrs["attn.split_tasks"]), **decode)
     values, bufs = read_annotations(sch, KNOB_ANNOTATIONS)
-    # the decode nests' workload knobs: from the function when it has decode nests, else the
-    # preset's (a prefill shape tuned for a symbolic kernel says nothing about its decode step)
-    attrs = sch.mod["main"].attrs
-    extra = {k: int(attrs[f"attn.{k}"]) if f"attn.{k}" in attrs else getattr(base or FlashCPUKnobs(), k)
-             for k in ("prefetch", "decode_heads")}
-    if "attn.decode_rows" in attrs:  # its decode nests were built with these (absent: 0 and 1)
-        extra = {"prefetch": int(attrs["attn.prefetch"]) if "attn.prefetch" in attrs else 0,
-                 "decode_heads": int(attrs["attn.decode_heads"]) if "attn.decode_heads" in attrs else 1}
     return FlashCPUKnobs(
         block_m=int(bufs["S"].shape[1]), block_n=int(bufs["S"].shape[0]), vector_lanes=lanes,
-        dot_bf16=int(_dot_bf16(sch)), **values, **extra
+        dot_bf16=int(_dot_bf16(sch)), **values, **decode
     )
 
 
