@@ -161,18 +161,26 @@ def page_order_heads(spec: AttentionSpec, block_n: int) -> int:
     heads per task read whole rows, 19-30 GB/s (1.5-1.9x), level with the contiguous cache. On
     the contiguous layouts (bhsd, kvcache) 2 heads per task ran 9-23 % faster at batch 4 and 16
     and 10 % slower at batch 1: a point for the search (``decode_candidates``), not the preset."""
-    if spec.layout != "paged":
-        return 1
+    return max_heads_per_task(spec, block_n) if spec.layout == "paged" else 1
+
+
+def max_heads_per_task(spec: AttentionSpec, block_n: int) -> int:
+    """The most kv heads one decode task can take: a divisor of ``kv_heads`` whose value tile
+    (``block_n × heads × head_dim`` float32) fits ``MAX_DECODE_VT_BYTES``."""
     return max(h for h in range(1, spec.kv_heads + 1)
                if spec.kv_heads % h == 0 and block_n * h * spec.head_dim * 4 <= MAX_DECODE_VT_BYTES)
 
 
-def for_layout(knobs: FlashCPUKnobs, spec: AttentionSpec, target: Target) -> FlashCPUKnobs:
-    """Knobs read from a record tuned at ``spec.representative()`` (a contiguous bhsd shape),
-    made fit to build ``spec``: the decode nests' memory-order knobs (``decode_heads``,
-    ``prefetch``) measured on contiguous rows say nothing about a paged cache, whose preset
-    keeps its page order. Other layouts take the record's knobs whole."""
-    if spec.layout != "paged":
+def for_layout(knobs: FlashCPUKnobs, spec: AttentionSpec, target: Target,
+               tuned_at: AttentionSpec | None = None) -> FlashCPUKnobs:
+    """Knobs read from a record tuned at ``tuned_at`` (default ``spec.representative()``, a
+    contiguous bhsd shape), made fit to build ``spec``: the decode nests' memory-order knobs
+    (``decode_heads``, ``prefetch``) measured on contiguous rows say nothing about a paged
+    cache, whose preset keeps its page order. A record tuned on the paged layout itself (a
+    paged decode step, ``tvm_attention.tune.paged``) and other layouts take the record's knobs
+    whole."""
+    tuned_layout = (tuned_at or spec.representative()).layout
+    if spec.layout != "paged" or tuned_layout == "paged":
         return knobs
     hand = preset(spec, target)
     return dataclasses.replace(knobs, decode_heads=hand.decode_heads, prefetch=hand.prefetch)
@@ -288,10 +296,15 @@ def check_cpu_dtype(spec: AttentionSpec, family: str = NAME, allowed: tuple[str,
 
 def workload(spec: AttentionSpec, knobs: FlashCPUKnobs):
     """The PrimFunc these knobs schedule (tile sizes are part of the compute)."""
+    return fused_attention(spec, **workload_args(spec, knobs))
+
+
+def workload_args(spec: AttentionSpec, knobs: FlashCPUKnobs) -> dict[str, Any]:
+    """``fused_attention``'s arguments (after ``spec``) for these knobs."""
     # decode tiers narrower than a vector are dot-product scheduled (cpu_decode): they stage K
-    return fused_attention(spec, knobs.block_m, knobs.block_n, decode_rows=decode_rows(spec, knobs),
-                           split_tasks=knobs.split_tasks, stage_k_below=knobs.vector_lanes,
-                           dot_bf16=bool(knobs.dot_bf16), prefetch=knobs.prefetch, decode_heads=knobs.decode_heads)
+    return dict(block_m=knobs.block_m, block_n=knobs.block_n, decode_rows=decode_rows(spec, knobs),
+                split_tasks=knobs.split_tasks, stage_k_below=knobs.vector_lanes, dot_bf16=bool(knobs.dot_bf16),
+                prefetch=knobs.prefetch, decode_heads=knobs.decode_heads)
 
 
 def tile_candidates(spec: AttentionSpec, target: Target) -> list[tuple[int, int]]:
@@ -313,16 +326,27 @@ def tile_candidates(spec: AttentionSpec, target: Target) -> list[tuple[int, int]
 DECODE_BLOCK_N = (32, 64, 128)
 
 
+def decode_step_rows(spec: AttentionSpec, target: Target) -> int | None:
+    """Rows of the packed decode nest a step of ``spec`` (its ``seq_q``, the representative
+    value when symbolic) runs: the narrowest that holds ``seq_q · group`` rows; None when the
+    step runs the main nest."""
+    fits = [r for r in decode_rows(spec, preset(spec, target)) if spec.seq_q * spec.group_size <= r]
+    return min(fits) if fits else None
+
+
+def is_decode_step(spec: AttentionSpec, target: Target) -> bool:
+    """Whether a step of ``spec`` (at its representative ``seq_q`` when symbolic) runs a packed
+    decode nest: what the tuner's decode tasks measure (:func:`decode_candidates`)."""
+    return decode_step_rows(spec, target) is not None
+
+
 def is_static_decode(spec: AttentionSpec, target: Target) -> bool:
     """Whether ``spec`` (a static seq_q) builds as one packed decode nest and no main nest."""
-    if "seq_q" in spec.dynamic:
-        return False
-    rows = decode_rows(spec, preset(spec, target))
-    return any(spec.seq_q * spec.group_size <= r for r in rows)
+    return "seq_q" not in spec.dynamic and is_decode_step(spec, target)
 
 
 def decode_candidates(spec: AttentionSpec, target: Target) -> list[FlashCPUKnobs]:
-    """Knobs the tuner searches for a static decode shape (:func:`is_static_decode`), one task
+    """Knobs the tuner searches for a decode step (:func:`is_decode_step`), one task
     each (each decision changes the workload), the preset first:
 
     * every ``DECODE_BLOCK_N`` key tile × every ``split_tasks`` choice that gives a different
@@ -334,15 +358,16 @@ def decode_candidates(spec: AttentionSpec, target: Target) -> list[FlashCPUKnobs
 
     This is the decode step's place in the search: a symbolic kernel tuned at a decode shape
     takes ``split_tasks``, ``block_n``, ``decode_heads`` and ``prefetch`` from the winner.
-    Tuning happens at ``spec.representative()``, a contiguous (bhsd) shape: a paged build keeps
-    its preset's ``decode_heads`` and ``prefetch`` (:func:`for_layout`)."""
+    A kvcache spec is tuned at ``spec.representative()`` (bhsd, the same memory order); a paged
+    spec on its own kernel specialized to its representative step
+    (``tvm_attention.tune.paged``), so its page order is measured in pages."""
     from tvm_attention.workloads.fused import n_splits
 
     hand = preset(spec, target)
-    staged = any(r < hand.vector_lanes for r in decode_rows(spec, hand))
+    staged = (decode_step_rows(spec, target) or hand.vector_lanes) < hand.vector_lanes
     # kv heads per task: 1, 2 and all (as many as the value tile allows); with more than one,
     # never split or the preset's split only (each task is a build: the grid stays ~20 tasks)
-    heads = sorted({1, 2, page_order_heads(dataclasses.replace(spec, layout="paged"), min(DECODE_BLOCK_N))}
+    heads = sorted({1, 2, max_heads_per_task(spec, min(DECODE_BLOCK_N))}
                    & {h for h in range(1, spec.kv_heads + 1) if spec.kv_heads % h == 0}) if staged else [1]
     grid = [dataclasses.replace(hand, block_n=bn, split_tasks=st, decode_heads=h)
             for h in heads for bn in DECODE_BLOCK_N

@@ -1,5 +1,6 @@
 """KV-cache decode (issue 10): the kvcache and paged layouts, GQA packing, split-KV with its
 merge, the LSE output and merge_states."""
+import dataclasses
 import json
 
 import numpy as np
@@ -339,11 +340,10 @@ def tvm_normalize(func):
     return normalize(func)
 
 
-def test_split_count_is_in_the_tuners_space_and_reaches_symbolic_builds(tmp_path):
-    from tvm_attention.pipeline import build_best
+def test_split_count_and_page_order_are_tasks_of_a_kvcache_step():
+    from schedules import cpu_flash
     from tvm_attention.target import resolve_target
-    from tvm_attention.tune.driver import tune
-    from tvm_attention.tune.logs import best_records
+    from tvm_attention.tune.paged import tuning_spec
     from tvm_attention.tune.tasks import make_tasks, workload_matches
 
     from tvm_attention.workloads.fused import n_splits
@@ -370,12 +370,67 @@ def test_split_count_is_in_the_tuners_space_and_reaches_symbolic_builds(tmp_path
     # a log's records map back to them (the preset, and every kind of task)
     assert all(workload_matches(rep, t.mod) for t in tasks[:1] + tasks[-5:])
 
+    # a kvcache build reads the log of that contiguous step (the paged one tunes in pages:
+    # test_paged_decode_is_tuned_in_pages tunes, and builds from the record in a fresh process)
+    assert tuning_spec(kv, target) == rep
+    assert cpu_flash.for_layout(cpu_flash.preset(rep, target), kv, target, rep) == cpu_flash.preset(rep, target)
+
+
+def test_paged_decode_is_tuned_in_pages(tmp_path):
+    """A paged decode step is tuned as itself: every task is the paged kernel specialized to the
+    representative step (shuffled pages, a valid block table), its log names that step, and a
+    fresh process builds the paged kernel with the record's page order, validated and fused."""
+    import subprocess
+    import sys
+
+    import tvm
+    import tvm_ffi
+    from tvm.s_tir import meta_schedule as ms
+
+    from tvm_attention.target import resolve_target
+    from tvm_attention.tune.driver import tune
+    from tvm_attention.tune.logs import best_records, tune_work_dir
+    from tvm_attention.tune.paged import AllocInputs, tuning_spec
+    from tvm_attention.tune.tasks import make_tasks, workload_matches
+
+    spec = AttentionSpec(batch=2, heads=8, kv_heads=4, seq_q=1, seq_kv=300, head_dim=64, causal=True,
+                         layout="paged", page_size=16)
+    target = resolve_target("llvm")
+    assert tuning_spec(spec, target) is spec  # not the contiguous representative
+    assert tuning_spec(dataclasses.replace(spec, seq_q=64), target).layout == "bhsd"  # a prefill step is
+    assert tune_work_dir(spec, target).name == "paged_p16_h8_kv4_d64_float32_causal_at_b2_q1_k300"
+    tasks = make_tasks(spec, target, "fused")
+    names = [t.name for t in tasks]
+    assert names[0] == "fused_dec_n64_s8_h4" and "fused_dec_n64_s0_h1" in names and "fused_dec_n32_s8_h2" in names
+    assert all(t.points == 1 for t in tasks)
+    # static shapes: 2 sequences of 300 keys in 19 pages each (+3 spare), block_table (2, 19)
+    infos = ms.arg_info.ArgInfo.from_prim_func(tasks[0].mod["main"])
+    assert [tuple(int(x) for x in i.shape) for i in infos] == [
+        (2, 8, 1, 64), (41, 16, 4, 64), (41, 16, 4, 64), (2, 19), (2,), (2, 8, 1, 64)]
+    # the candidates' inputs: the layout's own, a block table the kernel may follow
+    (q, kp, vp, table, lens, o), = AllocInputs(spec)(tvm.cpu(), [i.as_json() for i in infos], 1)
+    PAGED.check_indices({"block_table": table.numpy(), "cache_seqlens": lens.numpy(), "k_pages": kp.numpy()},
+                        {"num_pages": 41, "max_pages": 19})
+    assert sorted(table.numpy().ravel()) != list(range(38)) and set(lens.numpy()) == {300}
+    # generating a split task's space leaves its module as it was (it did not, unsimplified)
+    split = next(t for t in tasks if "_s16_" in t.name)
+    before = tvm_ffi.structural_hash(split.mod)
+    ms.TuneContext(mod=split.mod, target=target, space_generator=split.space, task_name=split.name,
+                   search_strategy=ms.search_strategy.ReplayTrace(), num_threads=1).generate_design_space()
+    assert tvm_ffi.structural_hash(split.mod) == before and workload_matches(spec, split.mod)
+
     work = tmp_path / "log"
-    result = tune(rep, trials=2, per_round=2, work_dir=work, progress=lambda m: None)
-    assert result.trials_new == 2 and "split_tasks" in result.best_knobs
-    (wl, _), *_ = best_records(rep, target, "fused", work)
-    b, v = build_best(kv, log_dir=work)
-    assert b.source == "tuned" and v.passed and b.audit.fused
-    assert b.knobs.split_tasks == int(wl.mod["main"].attrs["attn.split_tasks"])
-    assert b.knobs.block_n == int(wl.mod["main"].attrs["attn.block_n"])
-    assert b.knobs.decode_heads == point(wl)[1]
+    result = tune(spec, trials=3, per_round=3, work_dir=work, progress=lambda m: None)
+    assert result.trials_new == 3
+    (wl, rec), *_ = best_records(spec, target, "fused", work)
+    attrs = wl.mod["main"].attrs
+    heads = int(attrs["attn.decode_heads"]) if "attn.decode_heads" in attrs else 1
+    out = tmp_path / "art"
+    subprocess.run([sys.executable, "-m", "tvm_attention.cli", "build", "--layout", "paged", "--batch", "2",
+                    "--heads", "8", "--kv-heads", "4", "--seq-q", "1", "--seq-kv", "300", "--head-dim", "64",
+                    "--causal", "--from-log", str(work), "--out", str(out)], check=True, capture_output=True)
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["schedule"]["source"] == "tuned" and m["validation"]["passed"] and m["audit"]["verdict"] == "fused"
+    knobs = m["schedule"]["knobs"]
+    assert knobs["decode_heads"] == heads and knobs["block_n"] == int(attrs["attn.block_n"])
+    assert knobs["split_tasks"] == int(attrs["attn.split_tasks"])

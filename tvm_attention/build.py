@@ -178,17 +178,21 @@ def knobs_of(family, sch: s_tir.Schedule, spec: AttentionSpec, target: Target):
 def build_from_record(spec: AttentionSpec, schedule: str, target: str | Target, workload, record) -> BuiltKernel:
     """Replay a tuning record's trace on its workload and build it (``source="tuned"``).
 
-    A symbolic (or varlen) ``spec`` is tuned at its representative static shape: the trace is
-    replayed there, its knobs read back, and the symbolic kernel built with them."""
+    A symbolic (or varlen) ``spec`` is tuned at its representative static shape (a paged decode
+    step: its own kernel specialized there, ``tune.paged``): the trace is replayed there, its
+    knobs read back, and the symbolic kernel built with them."""
     target = resolve_target(target)
     sch = s_tir.Schedule(workload.mod)
     record.trace.apply_to_schedule(sch, remove_postproc=False)
     from schedules import get_schedule
 
+    from .tune.paged import tuning_spec
+
     family = get_schedule(schedule, target)
-    knobs = knobs_of(family, sch, spec.representative(), target) if hasattr(family, "knobs_of") else None
+    tuned_at = tuning_spec(spec, target, schedule)
+    knobs = knobs_of(family, sch, tuned_at, target) if hasattr(family, "knobs_of") else None
     if knobs is not None and hasattr(family, "for_layout"):
-        knobs = family.for_layout(knobs, spec, target)
+        knobs = family.for_layout(knobs, spec, target, tuned_at)
     if spec.dynamic:
         if knobs is None:
             raise ValueError(f"a tuned {schedule} trace cannot be replayed on a symbolic kernel (no knobs to read)")

@@ -243,14 +243,22 @@ def cmd_tune(a: argparse.Namespace) -> int:
     from .target import resolve_target
 
     spec = _spec_from_args(a)
+    target = resolve_target(a.target, arch=a.arch)
     if spec.dynamic:
         # Symbolic kernels are tuned at their representative shape: the knobs are tile sizes and
         # register blocks, the same at every length, and MetaSchedule measures concrete shapes.
-        rep = spec.representative()
-        progress(f"{spec.short_name()} is symbolic ({', '.join(spec.dynamic)}): tuning at the representative "
-                 f"shape {rep.short_name()}; dynamic builds of this configuration use that log")
+        # A paged decode step is tuned as itself (its page order is measured in pages).
+        from .tune.paged import tuning_spec
+
+        rep = tuning_spec(spec, target, a.schedule)
+        if rep is spec:
+            progress(f"{spec.short_name()} is symbolic ({', '.join(spec.dynamic)}): tuning its paged decode kernel "
+                     f"at the representative step (batch {spec.batch}, seq_q {spec.seq_q}, {spec.seq_kv} keys per "
+                     f"sequence in shuffled pages of {spec.page_size}); paged builds of this configuration use that log")
+        else:
+            progress(f"{spec.short_name()} is symbolic ({', '.join(spec.dynamic)}): tuning at the representative "
+                     f"shape {rep.short_name()}; dynamic builds of this configuration use that log")
         spec = rep
-    target = resolve_target(a.target, arch=a.arch)
     try:
         result = tune(spec, target=target, schedule=a.schedule, trials=a.trials, work_dir=a.work_dir,
                       search=a.search, warm_start=a.warm_start,

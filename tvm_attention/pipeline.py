@@ -49,8 +49,11 @@ def build_best(
 
         explicit = log_dir is not None
         # A symbolic (or varlen) build takes its knobs from the log of its representative static
-        # shape: that is where `tune` puts them (tile sizes do not depend on the length).
-        rep = spec.representative()
+        # shape: that is where `tune` puts them (tile sizes do not depend on the length). A paged
+        # decode step is tuned as itself, at its representative step (tune.paged).
+        from .tune.paged import tuning_spec
+
+        rep = tuning_spec(spec, target, schedule)
         # Without --from-log: the user's own tuning log first, then the committed one; the first
         # with a record that validates wins.
         dirs = [Path(log_dir)] if explicit else search_dirs(rep, target)

@@ -30,7 +30,8 @@ class HeldOutCase:
 
 def held_out_cases(tiny: bool = False, cores: int | None = None) -> list[HeldOutCase]:
     """The held-out set: an AVX2 target, head_dim 96 and 256, GQA 4:1 and 8:1, decode at batch 1
-    and 8. ``tiny``: the same kinds at lengths a test can afford."""
+    and 8 (contiguous, and paged). ``tiny``: the same kinds at lengths a test can afford, without
+    the paged ones (``tests/test_kvcache.py`` tunes a paged step)."""
     import os
 
     s = 256 if tiny else 2048
@@ -48,7 +49,11 @@ def held_out_cases(tiny: bool = False, cores: int | None = None) -> list[HeldOut
                                                head_dim=128), "llvm", "decode, batch 1 (GQA 4:1, D=128)"),
         HeldOutCase("decode_b8", AttentionSpec(batch=8, heads=32, kv_heads=8, seq_q=1, seq_kv=skv_decode[1],
                                                head_dim=128), "llvm", "decode, batch 8 (GQA 4:1, D=128)"),
-    ]
+    ] + ([] if tiny else [  # tuned in pages (tune.paged); the tests tune a tiny paged step themselves
+        HeldOutCase(f"paged_b{b}", AttentionSpec(batch=b, heads=32, kv_heads=8, seq_q=1, seq_kv=n, head_dim=128,
+                                                 layout="paged"), "llvm",
+                    f"paged decode, batch {b} (GQA 4:1, D=128, 16-key pages), tuned in pages")
+        for b, n in ((1, skv_decode[0]), (8, skv_decode[1]))])
 
 
 @dataclasses.dataclass

@@ -274,7 +274,8 @@ def _reset_rpc_runner(runner):
     # again through the blocked pipes. Its threads end on their own once the workers' pipes close.
     runner.pool._shutdown = True
     fresh = ms.runner.RPCRunner(rpc_config=runner.rpc_config, evaluator_config=runner.evaluator_config,
-                                max_workers=runner.tvm_attention_workers, initializer=ignore_sigint)
+                                max_workers=runner.tvm_attention_workers, initializer=ignore_sigint,
+                                f_alloc_argument=runner.f_alloc_argument)
     fresh.tvm_attention_tracker = runner.tvm_attention_tracker
     fresh.tvm_attention_workers = runner.tvm_attention_workers
     return fresh
@@ -340,10 +341,12 @@ def describe(task: TaskDef, sch, target: Target, spec: AttentionSpec) -> dict[st
     return knobs_of(family, sch, spec, target).to_dict()
 
 
-def make_rpc_runner(tracker: str, key: str | None, workers: int | None = None, timeout_s: int = 60):
+def make_rpc_runner(tracker: str, key: str | None, workers: int | None = None, timeout_s: int = 60,
+                    f_alloc_argument: Any = None):
     """MetaSchedule's RPCRunner for ``HOST:PORT`` / ``key``: one measurement per worker at a
     time (default: one worker per registered server), every session bounded by ``timeout_s``.
-    Fails at once when the tracker is unreachable or has no server under ``key``."""
+    Fails at once when the tracker is unreachable or has no server under ``key``.
+    ``f_alloc_argument``: the candidates' inputs (None: MetaSchedule's random fill)."""
     from tvm.s_tir import meta_schedule as ms
 
     from .rpc import _port_open, parse_tracker, tracker_status
@@ -367,6 +370,7 @@ def make_rpc_runner(tracker: str, key: str | None, workers: int | None = None, t
                                                    enable_cpu_cache_flush=False),
         max_workers=workers or status["servers"],
         initializer=ignore_sigint,
+        f_alloc_argument=f_alloc_argument,
     )
     runner.tvm_attention_tracker = (host, port, key)  # for progress and the no-server check
     runner.tvm_attention_workers = workers or status["servers"]
@@ -448,7 +452,7 @@ def tune(
     device = "cuda" if is_cuda(target) else "cpu"
     if runner is None and rpc_tracker is not None:
         with _workers_spawn():  # its pool's workers must not see Ctrl-C either
-            runner = make_rpc_runner(rpc_tracker, rpc_key, rpc_workers, rpc_timeout_s)
+            runner = make_rpc_runner(rpc_tracker, rpc_key, rpc_workers, rpc_timeout_s, _alloc_for(spec))
     elif runner is None and device == "cuda" and local_cuda_arch() is None:
         raise RuntimeError(
             "tune --target cuda: this machine has no CUDA GPU to measure candidates on; pass "
@@ -472,6 +476,17 @@ def tune(
 
 
 SEARCHES = ("xgb", "random")
+
+
+def _alloc_for(spec: AttentionSpec):
+    """The runner's ``f_alloc_argument`` for ``spec``'s tasks: a symbolic spec tuned as itself
+    (a paged decode step) is measured on its layout's representative inputs (a valid block
+    table); every other task on MetaSchedule's random fill (None)."""
+    if not spec.dynamic:
+        return None
+    from .paged import AllocInputs
+
+    return AllocInputs(spec)
 
 
 def _warm_start(cost_model, warm_dir, schedule: str, target: Target, want: str, threads: int) -> int:
@@ -531,7 +546,10 @@ def _tune_locked(spec, target, device, schedule, trials, work, per_round, seed, 
     try:
         for i, d in enumerate(defs):
             with contextlib.nullcontext() if d.needs_tensor_intrin else _skip_tensor_intrin_import():
-                strategy = (ms.search_strategy.ReplayTrace() if search == "random" else
+                # a one-point space (a decode task) needs no search: the evolutionary one would
+                # replay its trace for a population of 64 first (13-21 s a task), random sampling
+                # replays it once per candidate of the round
+                strategy = (ms.search_strategy.ReplayTrace() if search == "random" or d.points == 1 else
                             ms.search_strategy.EvolutionarySearch(
                                 population_size=64, init_min_unmeasured=16, genetic_num_iters=3))
                 ctx = ms.TuneContext(
@@ -601,6 +619,7 @@ def _tune_locked(spec, target, device, schedule, trials, work, per_round, seed, 
             if runner is None:
                 runner = ms.runner.LocalRunner(
                     timeout_sec=120,
+                    f_alloc_argument=_alloc_for(spec),
                     evaluator_config=ms.runner.EvaluatorConfig(number=1, repeat=3, min_repeat_ms=100,
                                                                enable_cpu_cache_flush=False),
                     initializer=functools.partial(runner_init, threads),

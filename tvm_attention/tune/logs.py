@@ -84,8 +84,13 @@ def target_key(target: Target) -> str:
 
 
 def log_folder(root: str | os.PathLike, spec: AttentionSpec, target: Target) -> Path:
-    """``root/<target key>/<spec short name>``."""
-    return Path(root) / target_key(target) / spec.short_name()
+    """``root/<target key>/<spec short name>``; a symbolic spec tuned as itself (a paged decode
+    step, :mod:`.paged`) adds the representative step it was measured at
+    (``paged_p16_h32_kv8_d128_float32_causal_at_b4_q1_k4096``)."""
+    name = spec.short_name()
+    if spec.dynamic:
+        name += f"_at_b{spec.batch}_q{spec.seq_q}_k{spec.seq_kv}"
+    return Path(root) / target_key(target) / name
 
 
 def tune_work_dir(spec: AttentionSpec, target: Target) -> Path:

@@ -7,7 +7,9 @@
   hand knobs are a point of its space.
 * a static decode shape (``seq_q · group`` rows fit a packed decode nest, e.g. the representative
   step of a kvcache build): one task per (``block_n``, split count, kv heads per task, prefetch)
-  of ``cpu_flash.decode_candidates``, each space the hand schedule of its nest.
+  of ``cpu_flash.decode_candidates``, each space the hand schedule of its nest. A paged decode
+  spec gets the same tasks on its own kernel, specialized to its representative step
+  (:mod:`.paged`).
 * ``rowcache``: one task per row block ``block_m``; the same schedule function and sampled knobs.
 * ``materialized``: MetaSchedule's default LLVM space, minus the write-cache fusion of
   MultiLevelTiling, which raises a ScheduleError on this graph (O's producer also reads L).
@@ -15,6 +17,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import tvm
@@ -44,6 +47,39 @@ def normalize(func) -> tvm.IRModule:
     from tvm.s_tir.meta_schedule.tune_context import _normalize_mod
 
     return _normalize_mod(func)
+
+
+@functools.lru_cache(maxsize=64)
+def _paged_task_mod(spec: AttentionSpec, args: tuple) -> tvm.IRModule:
+    """``task_mod`` of a paged step's fused workload, kept per process: the symbolic paged kernel
+    (every tier and the main nest) takes ~0.7 s to parse, and ``tune`` asks for each of its ~20
+    tasks twice (the tasks, then each log record's workload)."""
+    return task_mod(spec, fused_attention(spec, *args))
+
+
+def fused_task_mod(spec: AttentionSpec, block_m: int, block_n: int, decode_rows: tuple[int, ...] = (),
+                   split_tasks: int = 0, stage_k_below: int = 0, dot_bf16: bool = False, prefetch: int = 0,
+                   decode_heads: int = 1) -> tvm.IRModule:
+    """The task module of ``fused_attention(spec, ...)`` (same arguments)."""
+    args = (block_m, block_n, tuple(decode_rows), split_tasks, stage_k_below, bool(dot_bf16), prefetch, decode_heads)
+    if spec.dynamic:
+        return _paged_task_mod(spec, args)
+    return task_mod(spec, fused_attention(spec, *args))
+
+
+def task_mod(spec: AttentionSpec, func) -> tvm.IRModule:
+    """The module a task of ``spec`` measures: ``func`` itself, or, for a symbolic spec tuned as
+    itself (a paged decode step, :mod:`.paged`), ``func`` specialized to its representative step."""
+    if not spec.dynamic:
+        return normalize(func)
+    from .paged import specialize
+
+    # Simplify folds the branches the step does not take (other decode tiers, the main nest, the
+    # split or unsplit form) and drops them: the task is the step's own nest, a quarter of the
+    # text to search and build. Without it (TVM 0.27) generating the design space of a function
+    # that holds both the split and the unsplit nest changed the task's module in place, and
+    # every later candidate and replay of the task failed on the changed one.
+    return tvm.s_tir.transform.StmtSimplify()(normalize(specialize(func, spec)))
 
 
 def tile_space(space_fn):
@@ -84,18 +120,30 @@ def materialized_space():
 
 
 def make_tasks(spec: AttentionSpec, target: Target, schedule: str) -> list[TaskDef]:
+    """The tasks of ``spec``: a static spec, or a symbolic one that is tuned as itself (a paged
+    decode step, :func:`.paged.tunes_as_paged`; other symbolic specs are tuned at their
+    representative, which the caller passes)."""
+    if spec.dynamic:
+        from .paged import tunes_as_paged
+
+        if not tunes_as_paged(spec, target, schedule):
+            raise ValueError(f"{spec.short_name()} is symbolic: tune its representative shape "
+                             f"({spec.representative().short_name()}) instead")
     if target.kind.name == "cuda":
         return _cuda_tasks(spec, target, schedule)
     if schedule == "fused":
         from schedules import cpu_flash
 
-        if cpu_flash.is_static_decode(spec, target):
-            return [
-                TaskDef(f"fused_dec_n{k.block_n}_s{k.split_tasks}_h{k.decode_heads}"
-                        f"{f'_pf{k.prefetch}' if k.prefetch else ''}", normalize(cpu_flash.workload(spec, k)),
-                        decode_space(spec, k), points=1)
-                for k in cpu_flash.decode_candidates(spec, target)
-            ]
+        if cpu_flash.is_decode_step(spec, target):  # static, or a paged step (tunes_as_paged)
+            tasks = []
+            for k in cpu_flash.decode_candidates(spec, target):
+                args = cpu_flash.workload_args(spec, k)
+                if spec.dynamic:  # a paged step: only the tier it runs (a static seq_q keeps one too)
+                    args["decode_rows"] = (cpu_flash.decode_step_rows(spec, target),)
+                tasks.append(TaskDef(f"fused_dec_n{k.block_n}_s{k.split_tasks}_h{k.decode_heads}"
+                                     f"{f'_pf{k.prefetch}' if k.prefetch else ''}", fused_task_mod(spec, **args),
+                                     decode_space(spec, k), points=1))
+            return tasks
         space = tile_space(cpu_flash.design_space(spec, target))
         # bfloat16 where the CPU has AVX512-BF16: each tile pair in both forms of its products
         # (bf16 dot products first: the preset's), a task each, as the form is in the compute
@@ -159,7 +207,7 @@ def regenerate(spec: AttentionSpec, func) -> tvm.IRModule | None:
                     decode[k] = int(attrs[f"attn.{k}"])
             if "attn.dot_bf16" in attrs:
                 decode["dot_bf16"] = bool(int(attrs["attn.dot_bf16"]))
-            return normalize(fused_attention(spec, int(attrs["attn.block_m"]), int(attrs["attn.block_n"]), **decode))
+            return fused_task_mod(spec, block_m=int(attrs["attn.block_m"]), block_n=int(attrs["attn.block_n"]), **decode)
         if kind == "materialized":
             return normalize(materialized_attention(spec))
         if kind == "rowcache":

@@ -1,0 +1,123 @@
+"""Tuning the paged decode kernel in its own memory order.
+
+Symbolic kernels are tuned at a static representative shape (``AttentionSpec.representative``,
+a contiguous bhsd spec): their knobs are tile sizes and register blocks, the same at every length.
+A paged decode step is different: which kv heads a task takes, how far ahead it prefetches and how
+the key range is split decide how it walks the page pool (``block_table[b, j // page_size]``,
+``page_size · kv_heads · head_dim`` elements per page), and a contiguous cache says nothing about
+that. So a paged spec whose representative step is a decode step is tuned as itself:
+
+* each task's workload is the symbolic paged kernel **specialized** to the representative step's
+  shapes (``batch`` sequences of ``seq_q`` new tokens and ``seq_kv`` cached keys each, in
+  ``num_pages`` shuffled pages): MetaSchedule measures concrete shapes, and the specialized kernel
+  runs exactly the code path the symbolic one takes at that step (the tier and split branches
+  fold to constants);
+* its measurements run on the layout's own representative inputs (shuffled pages, every
+  ``cache_seqlens`` entry ``seq_kv``: :meth:`Paged.random_inputs`), not MetaSchedule's random
+  fill, which would make the block table point anywhere;
+* its log folder names the representative step, as a bhsd representative's name does
+  (``paged_p16_h32_kv8_d128_float32_causal_at_b4_q1_k4096``).
+
+A record tuned this way keeps its kv heads per task and prefetch when built
+(``cpu_flash.for_layout``); one tuned at the bhsd representative (a prefill-shaped paged spec)
+keeps the paged preset's.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from tvm import tirx
+from tvm.target import Target
+
+from ..spec import AttentionSpec
+
+
+def tuning_spec(spec: AttentionSpec, target: Target, schedule: str = "fused") -> AttentionSpec:
+    """The spec whose log ``tune`` writes and ``build`` reads for ``spec``: ``spec`` itself when
+    static or a paged decode step on a CPU (see the module docstring), else its static bhsd
+    representative."""
+    if not spec.dynamic:
+        return spec
+    if tunes_as_paged(spec, target, schedule):
+        return spec
+    return spec.representative()
+
+
+def tunes_as_paged(spec: AttentionSpec, target: Target, schedule: str = "fused") -> bool:
+    """A paged spec whose representative step is a decode step of the CPU fused kernel."""
+    if spec.layout != "paged" or schedule != "fused" or target.kind.name != "llvm":
+        return False
+    from schedules import cpu_flash
+
+    return cpu_flash.is_decode_step(spec, target)
+
+
+def tuning_inputs(spec: AttentionSpec, seed: int = 0) -> list[np.ndarray]:
+    """The representative step's arguments in call order (inputs from the layout's
+    ``random_inputs``, then zeroed outputs): what a candidate is measured on."""
+    layout = spec.layout_info
+    case = layout.validation_cases(spec)[0]
+    arrays = layout.random_inputs(spec, case, seed=seed)
+    out = []
+    dims = _dims_of(spec, arrays)
+    for a in layout.all_args(spec):
+        if a.output:
+            shape = [dims[d] if isinstance(d, str) else d for d in _shape(spec, a)]
+            out.append(np.zeros(shape, a.dtype or spec.np_dtype))
+        else:
+            out.append(arrays[a.name])
+    return out
+
+
+def _shape(spec: AttentionSpec, arg) -> list:
+    dims = spec.layout_info.dims(spec)
+    return [dims[d] for d in arg.dims]
+
+
+def _dims_of(spec: AttentionSpec, arrays: dict[str, np.ndarray]) -> dict[str, int]:
+    """Symbolic dim name -> its value in ``arrays`` (the layout's inputs)."""
+    out: dict[str, int] = {}
+    for a in spec.layout_info.inputs:
+        for d, n in zip(_shape(spec, a), arrays[a.name].shape):
+            if isinstance(d, str):
+                if out.setdefault(d, int(n)) != int(n):
+                    raise ValueError(f"{a.name}: dim {d} is {n} here, {out[d]} elsewhere")
+    return out
+
+
+def specialize(func: tirx.PrimFunc, spec: AttentionSpec) -> tirx.PrimFunc:
+    """``func`` (``spec``'s symbolic kernel) with every symbolic dim bound to the representative
+    step's value (:func:`tuning_inputs`' shapes)."""
+    args = tuning_inputs(spec)
+    if len(args) != len(func.params):
+        raise ValueError(f"{spec.short_name()}: the kernel takes {len(func.params)} arguments, the layout "
+                         f"names {len(args)}")
+    bufs = {p: tirx.decl_buffer(a.shape, str(a.dtype), arg.name)
+            for p, a, arg in zip(func.params, args, spec.layout_info.all_args(spec))}
+    return func.specialize(bufs)
+
+
+class AllocInputs:
+    """MetaSchedule's ``f_alloc_argument`` for a paged task: every repeat gets the representative
+    step's inputs (:func:`tuning_inputs`), copied to the device. Picklable (it is sent to the
+    runner's worker processes): it keeps the spec as a dict and makes the arrays there.
+
+    Called as ``(device, args_info, repeat)`` by ``LocalRunner`` and ``(session, device,
+    args_info, repeat)`` by ``RPCRunner``."""
+
+    def __init__(self, spec: AttentionSpec, seed: int = 0):
+        self.spec = spec.to_dict()
+        self.seed = seed
+
+    def __call__(self, *call: Any) -> list[list[Any]]:
+        import tvm
+
+        device, args_info, repeat = call[-3:]
+        spec = AttentionSpec.from_dict(self.spec)
+        arrays = tuning_inputs(spec, self.seed)
+        shapes = [tuple(int(x) for x in info[2]) for info in args_info]
+        if shapes != [a.shape for a in arrays]:
+            raise ValueError(f"{spec.short_name()}: the task's arguments {shapes} are not the representative "
+                             f"step's {[a.shape for a in arrays]}")
+        return [[tvm.runtime.tensor(a, device) for a in arrays] for _ in range(repeat)]
