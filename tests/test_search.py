@@ -71,6 +71,12 @@ def test_held_out_cases_are_what_the_issue_names():
     assert cases["gqa4"].spec.group_size == 4 and cases["gqa8"].spec.group_size == 8
     assert cases["decode_b1"].spec.seq_q == 1 and cases["decode_b1"].spec.batch == 1
     assert cases["decode_b8"].spec.batch == 8
+    # the paged decode steps, tuned in pages (too long for tiny mode: test_kvcache tunes one)
+    from tvm_attention.target import resolve_target
+    from tvm_attention.tune.paged import tunes_as_paged
+
+    assert all(tunes_as_paged(cases[f"paged_b{b}"].spec, resolve_target("llvm")) for b in (1, 8))
+    assert not any(c.spec.layout == "paged" for c in held_out_cases(tiny=True))
 
 
 def test_held_out_and_efficiency_reports_in_tiny_mode(logs, tmp_path):

@@ -7,11 +7,11 @@ the key range is split decide how it walks the page pool (``block_table[b, j // 
 ``page_size · kv_heads · head_dim`` elements per page), and a contiguous cache says nothing about
 that. So a paged spec whose representative step is a decode step is tuned as itself:
 
-* each task's workload is the symbolic paged kernel **specialized** to the representative step's
-  shapes (``batch`` sequences of ``seq_q`` new tokens and ``seq_kv`` cached keys each, in
-  ``num_pages`` shuffled pages): MetaSchedule measures concrete shapes, and the specialized kernel
-  runs exactly the code path the symbolic one takes at that step (the tier and split branches
-  fold to constants);
+* each task's workload is the symbolic paged kernel, with only the decode tier the step runs,
+  **specialized** to the representative step's shapes (``batch`` sequences of ``seq_q`` new
+  tokens and ``seq_kv`` cached keys each, in ``num_pages`` shuffled pages) and simplified:
+  MetaSchedule measures concrete shapes, and what is left is the nest the symbolic kernel runs
+  at that step (the tier and split branches fold to constants and the others are dropped);
 * its measurements run on the layout's own representative inputs (shuffled pages, every
   ``cache_seqlens`` entry ``seq_kv``: :meth:`Paged.random_inputs`), not MetaSchedule's random
   fill, which would make the block table point anywhere;

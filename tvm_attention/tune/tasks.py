@@ -52,8 +52,8 @@ def normalize(func) -> tvm.IRModule:
 @functools.lru_cache(maxsize=64)
 def _paged_task_mod(spec: AttentionSpec, args: tuple) -> tvm.IRModule:
     """``task_mod`` of a paged step's fused workload, kept per process: the symbolic paged kernel
-    (every tier and the main nest) takes ~0.7 s to parse, and ``tune`` asks for each of its ~20
-    tasks twice (the tasks, then each log record's workload)."""
+    (the step's tier and the main nest) takes ~0.4 s to parse, and ``tune`` asks for each of its
+    ~20 tasks twice (the tasks, then each log record's workload)."""
     return task_mod(spec, fused_attention(spec, *args))
 
 
@@ -74,9 +74,9 @@ def task_mod(spec: AttentionSpec, func) -> tvm.IRModule:
         return normalize(func)
     from .paged import specialize
 
-    # Simplify folds the branches the step does not take (other decode tiers, the main nest, the
-    # split or unsplit form) and drops them: the task is the step's own nest, a quarter of the
-    # text to search and build. Without it (TVM 0.27) generating the design space of a function
+    # Simplify folds the branches the step does not take (the main nest, the split or unsplit
+    # form) and drops them: the task is the step's own nest, a fraction of the text to search
+    # and build. Without it (TVM 0.27) generating the design space of a function
     # that holds both the split and the unsplit nest changed the task's module in place, and
     # every later candidate and replay of the task failed on the changed one.
     return tvm.s_tir.transform.StmtSimplify()(normalize(specialize(func, spec)))
