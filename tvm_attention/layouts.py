@@ -155,6 +155,11 @@ class Layout:
     def random_inputs(self, spec, case: Mapping[str, Any], seed: int = 0) -> dict[str, np.ndarray]:
         raise NotImplementedError
 
+    def case_dims(self, spec, case: Mapping[str, Any]) -> dict[str, int]:
+        """The symbolic dims' values at ``case`` (the shapes :meth:`random_inputs` makes, without
+        making them); the layouts a symbolic kernel is tuned in (paged) have it."""
+        raise NotImplementedError
+
     def useful_flops(self, spec, case: Mapping[str, Any]) -> float:
         """4·D·H per visible (query, key) pair: the work a kernel cannot avoid."""
         raise NotImplementedError
@@ -402,6 +407,10 @@ class KVCache(Layout):
             {"seq_q": 37, "cache_seqlens": [0, 37, 100, 20], "max_len": 130},
         ]
 
+    def case_dims(self, spec, case):
+        """The symbolic dims' values at ``case`` (those of :meth:`random_inputs`' arrays)."""
+        return {"batch": len(case["cache_seqlens"]), "seq_q": case["seq_q"], "max_len": case["max_len"]}
+
     def random_inputs(self, spec, case, seed=0):
         rng = np.random.default_rng(seed)
         dt = spec.np_dtype
@@ -485,6 +494,13 @@ class Paged(KVCache):
         cases[1]["shared_prefix"] = True
         return cases
 
+    def case_dims(self, spec, case):
+        """As :class:`KVCache`'s, with the pool :meth:`random_inputs` makes: ``max_pages`` the
+        longest sequence's pages, ``num_pages`` every sequence's plus 3 spare ones."""
+        need = [-(-int(n) // spec.page_size) for n in case["cache_seqlens"]]
+        return {"batch": len(need), "seq_q": case["seq_q"], "num_pages": sum(need) + 3,
+                "max_pages": max(need + [1])}
+
     def random_inputs(self, spec, case, seed=0):
         """Pages in shuffled order from a pool with spare pages; unused block_table entries are
         -1, which the kernel must never read. ``shared_prefix``: every sequence's first page is
@@ -494,8 +510,8 @@ class Paged(KVCache):
         lens = np.asarray(case["cache_seqlens"], dtype=np.int32)
         b, sq = len(lens), case["seq_q"]
         need = [-(-int(n) // p) for n in lens]
-        max_pages = max(need + [1])
-        num_pages = sum(need) + 3
+        dims = self.case_dims(spec, case)
+        max_pages, num_pages = dims["max_pages"], dims["num_pages"]
         order = rng.permutation(num_pages).astype(np.int32)
         table = np.full((b, max_pages), -1, np.int32)
         nxt = 0

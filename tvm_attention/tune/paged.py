@@ -53,48 +53,39 @@ def tunes_as_paged(spec: AttentionSpec, target: Target, schedule: str = "fused")
     return cpu_flash.is_decode_step(spec, target)
 
 
+def step_case(spec: AttentionSpec) -> dict[str, Any]:
+    """The representative step as a case of the layout (its first validation case: ``batch``
+    sequences of ``seq_q`` new tokens and ``seq_kv`` keys each)."""
+    return spec.layout_info.validation_cases(spec)[0]
+
+
+def arg_shapes(spec: AttentionSpec) -> list[tuple[int, ...]]:
+    """The shapes of the representative step's arguments, in call order."""
+    layout = spec.layout_info
+    values = layout.case_dims(spec, step_case(spec))
+    names = layout.dims(spec)
+    return [tuple(values[names[d]] if isinstance(names[d], str) else names[d] for d in a.dims)
+            for a in layout.all_args(spec)]
+
+
 def tuning_inputs(spec: AttentionSpec, seed: int = 0) -> list[np.ndarray]:
     """The representative step's arguments in call order (inputs from the layout's
     ``random_inputs``, then zeroed outputs): what a candidate is measured on."""
     layout = spec.layout_info
-    case = layout.validation_cases(spec)[0]
-    arrays = layout.random_inputs(spec, case, seed=seed)
-    out = []
-    dims = _dims_of(spec, arrays)
-    for a in layout.all_args(spec):
-        if a.output:
-            shape = [dims[d] if isinstance(d, str) else d for d in _shape(spec, a)]
-            out.append(np.zeros(shape, a.dtype or spec.np_dtype))
-        else:
-            out.append(arrays[a.name])
-    return out
-
-
-def _shape(spec: AttentionSpec, arg) -> list:
-    dims = spec.layout_info.dims(spec)
-    return [dims[d] for d in arg.dims]
-
-
-def _dims_of(spec: AttentionSpec, arrays: dict[str, np.ndarray]) -> dict[str, int]:
-    """Symbolic dim name -> its value in ``arrays`` (the layout's inputs)."""
-    out: dict[str, int] = {}
-    for a in spec.layout_info.inputs:
-        for d, n in zip(_shape(spec, a), arrays[a.name].shape):
-            if isinstance(d, str):
-                if out.setdefault(d, int(n)) != int(n):
-                    raise ValueError(f"{a.name}: dim {d} is {n} here, {out[d]} elsewhere")
-    return out
+    arrays = layout.random_inputs(spec, step_case(spec), seed=seed)
+    return [np.zeros(shape, a.dtype or spec.np_dtype) if a.output else arrays[a.name]
+            for a, shape in zip(layout.all_args(spec), arg_shapes(spec))]
 
 
 def specialize(func: tirx.PrimFunc, spec: AttentionSpec) -> tirx.PrimFunc:
     """``func`` (``spec``'s symbolic kernel) with every symbolic dim bound to the representative
-    step's value (:func:`tuning_inputs`' shapes)."""
-    args = tuning_inputs(spec)
+    step's value (:func:`arg_shapes`)."""
+    args = spec.layout_info.all_args(spec)
     if len(args) != len(func.params):
         raise ValueError(f"{spec.short_name()}: the kernel takes {len(func.params)} arguments, the layout "
                          f"names {len(args)}")
-    bufs = {p: tirx.decl_buffer(a.shape, str(a.dtype), arg.name)
-            for p, a, arg in zip(func.params, args, spec.layout_info.all_args(spec))}
+    bufs = {p: tirx.decl_buffer(shape, a.dtype or spec.dtype, a.name)
+            for p, a, shape in zip(func.params, args, arg_shapes(spec))}
     return func.specialize(bufs)
 
 
@@ -115,9 +106,9 @@ class AllocInputs:
 
         device, args_info, repeat = call[-3:]
         spec = AttentionSpec.from_dict(self.spec)
-        arrays = tuning_inputs(spec, self.seed)
         shapes = [tuple(int(x) for x in info[2]) for info in args_info]
-        if shapes != [a.shape for a in arrays]:
+        if shapes != arg_shapes(spec):
             raise ValueError(f"{spec.short_name()}: the task's arguments {shapes} are not the representative "
-                             f"step's {[a.shape for a in arrays]}")
+                             f"step's {arg_shapes(spec)}")
+        arrays = tuning_inputs(spec, self.seed)
         return [[tvm.runtime.tensor(a, device) for a in arrays] for _ in range(repeat)]
