@@ -45,7 +45,7 @@ def build_best(
 ) -> tuple[BuiltKernel, ValidationResult]:
     target = resolve_target(target)
     if knobs is None and use_log:
-        from .tune.logs import best_records, search_dirs, target_key
+        from .tune.logs import best_records, log_folder, search_dirs, target_key
 
         explicit = log_dir is not None
         # A symbolic (or varlen) build takes its knobs from the log of its representative static
@@ -78,7 +78,7 @@ def build_best(
         if tried:
             say(f"no tuned record from {', '.join(tried)} validated; using the hand schedule")
         else:
-            say(f"no tuning log for {rep.short_name()} [{schedule}] on {target_key(target)} "
+            say(f"no tuning log for {log_folder('', rep, target).name} [{schedule}] on {target_key(target)} "
                 f"(looked in {', '.join(str(d) for d in dirs)}); using the hand schedule")
     built = build_kernel(spec, schedule=schedule, target=target, knobs=knobs)
     return built, validate_built(built, seed=seed)
