@@ -24,6 +24,7 @@ keeps the paged preset's.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -110,5 +111,12 @@ class AllocInputs:
         if shapes != arg_shapes(spec):
             raise ValueError(f"{spec.short_name()}: the task's arguments {shapes} are not the representative "
                              f"step's {arg_shapes(spec)}")
-        arrays = tuning_inputs(spec, self.seed)
+        arrays = _inputs(spec, self.seed)
         return [[tvm.runtime.tensor(a, device) for a in arrays] for _ in range(repeat)]
+
+
+@functools.lru_cache(maxsize=1)
+def _inputs(spec: AttentionSpec, seed: int) -> list[np.ndarray]:
+    """:func:`tuning_inputs`, made once per runner worker (a worker measures every candidate of
+    a tune: 134-268 MB of random K/V at the held-out decode shapes took 1-2 s to make)."""
+    return tuning_inputs(spec, seed)
