@@ -139,10 +139,12 @@ def preset(spec: AttentionSpec, target: Target) -> FlashCPUKnobs:
     # at head_dim 96.
     d_vectors = math.ceil(pv_cols / lanes)
     auto_unroll = 0 if d_vectors & (d_vectors - 1) == 0 else 256
-    return FlashCPUKnobs(block_m=block_m, block_n=block_n, s_rows=s_rows, pv_rows=pv_rows,
-                         pv_cols=pv_cols if pv_cols < spec.head_dim else 0, vector_lanes=lanes,
-                         auto_unroll=auto_unroll, split_tasks=split_tasks_for(target), dot_bf16=int(dot),
-                         decode_heads=page_order_heads(spec, block_n))
+    knobs = FlashCPUKnobs(block_m=block_m, block_n=block_n, s_rows=s_rows, pv_rows=pv_rows,
+                          pv_cols=pv_cols if pv_cols < spec.head_dim else 0, vector_lanes=lanes,
+                          auto_unroll=auto_unroll, split_tasks=split_tasks_for(target), dot_bf16=int(dot))
+    if stages_decode(spec, knobs):  # the page order is a property of the staged decode nests
+        knobs = dataclasses.replace(knobs, decode_heads=page_order_heads(spec, block_n))
+    return knobs
 
 
 #: Largest value tile (``block_n · decode_heads · D`` float32) the preset's multi-head decode
@@ -150,6 +152,14 @@ def preset(spec: AttentionSpec, target: Target) -> FlashCPUKnobs:
 #: MHA 32 heads, D=128, paged (2-core znver4, GB/s at B1 16k / B4 4k / B16 4k): 16 heads per task
 #: (512 KiB) 16.7 / 17.4 / 17.6, 8 heads 14.8 / 16.2 / 13.9, one head 13.7 / 17.4 / 13.9.
 MAX_DECODE_VT_BYTES = 512 * 1024
+
+
+def stages_decode(spec: AttentionSpec, knobs: FlashCPUKnobs) -> bool:
+    """Whether ``spec`` has a decode nest narrower than a vector, which stages its K/V tiles and
+    is dot-product scheduled (``cpu_decode``: AVX-512, head_dim a multiple of 16): the only
+    nests ``decode_heads`` and ``prefetch`` change. On AVX2 the decode nest is one vector of
+    rows, scheduled as the main nest."""
+    return any(r < knobs.vector_lanes for r in decode_rows(spec, knobs))
 
 
 def page_order_heads(spec: AttentionSpec, block_n: int) -> int:
@@ -245,6 +255,11 @@ def check(knobs: FlashCPUKnobs, spec: AttentionSpec, target: Target) -> None:
         raise KnobError(f"prefetch={knobs.prefetch} not in {PREFETCH_CHOICES}")
     if knobs.decode_heads < 1 or spec.kv_heads % knobs.decode_heads:
         raise KnobError(f"decode_heads={knobs.decode_heads} must divide kv_heads={spec.kv_heads}")
+    if (knobs.decode_heads > 1 or knobs.prefetch) and not stages_decode(spec, knobs):
+        raise KnobError(
+            f"decode_heads={knobs.decode_heads} and prefetch={knobs.prefetch} apply to the staged decode nests "
+            f"(dot products on {cpu_decode.DOT_LANES}-lane vectors, head_dim a multiple of {cpu_decode.DOT_LANES}); "
+            f"with vector_lanes={lanes} and head_dim={spec.head_dim} this kernel has none: leave them at 1 and 0")
     vt_bytes = 4 * knobs.block_n * knobs.decode_heads * spec.head_dim
     if knobs.decode_heads > 1 and vt_bytes > MAX_TILE_BYTES:
         raise KnobError(

@@ -17,7 +17,8 @@ import sys
 
 from tvm_attention.artifact import validate_built
 from tvm_attention.bench.cpu import torch_sdpa_fn
-from tvm_attention.bench.search import curve_milestones, readable_trace, time_built, tuning_curve
+from tvm_attention.bench.search import curve_milestones, readable_trace, tuning_curve
+from tvm_attention.timing import time_built
 from tvm_attention.build import build_from_record, build_kernel
 from tvm_attention.spec import AttentionSpec
 from tvm_attention.target import resolve_target
@@ -72,12 +73,12 @@ def main() -> int:
             else:
                 print("no tuned record for this spec/target")
             # Time side by side, interleaved twice to even out drift on a noisy machine.
-            th = time_built(hand, a.repeat)
-            tt = time_built(tuned, a.repeat) if tuned else None
+            th = time_built(hand, repeat=a.repeat)
+            tt = time_built(tuned, repeat=a.repeat) if tuned else None
             fn = torch_sdpa_fn(spec, threads)
             q, k, v, _ = aligned_inputs(spec)
             tq = time_callable(lambda: fn(q, k, v), repeat=a.repeat) if fn else None
-            th2 = time_built(hand, a.repeat)
+            th2 = time_built(hand, repeat=a.repeat)
             th = min(th, th2, key=lambda t: t.median_s)
             line = f"hand {th.gflops(spec):.1f} GFLOP/s"
             if tt:

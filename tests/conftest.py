@@ -12,6 +12,8 @@ _CACHE = tempfile.mkdtemp(prefix="tvma-test-cache-")
 os.environ["TVM_ATTENTION_CACHE_DIR"] = _CACHE
 atexit.register(shutil.rmtree, _CACHE, True)
 
+from xdist_crash_once import pytest_xdist_make_scheduler  # noqa: F401 - a hook: a crash fails its test once
+
 from tvm_attention.build import build_kernel
 from tvm_attention.artifact import kernel_of
 from tvm_attention.threads import set_num_threads

@@ -181,15 +181,18 @@ def test_symbolic_build_takes_tuned_knobs_from_the_representative_log():
     from pathlib import Path
 
     from tvm_attention.pipeline import build_best
-    from tvm_attention.target import resolve_target
+    from tvm_attention.target import resolve_target, runnable_here
 
     spec = AttentionSpec(batch=1, heads=8, seq_q=1024, head_dim=64, causal=True, dynamic=ALL)
     log = Path(__file__).parent.parent / "tuning_logs" / "llvm-znver4-2c" / spec.representative().short_name()
     target = resolve_target({"kind": "llvm", "mcpu": "znver4", "num-cores": 2})
     b, validation = build_best(spec, target=target, log_dir=log)
     assert b.source == "tuned" and b.knobs is not None and b.spec.dynamic == ALL
-    assert b.audit.fused and validation.passed
-    assert "seq_q=67" in validation.rows_checked
+    assert b.audit.fused
+    if runnable_here(target):  # an AVX-512 host runs znver4 code: validated at two shapes
+        assert validation.passed and "seq_q=67" in validation.rows_checked
+    else:  # an AVX2 host cross-compiles it and never executes it (SIGILL)
+        assert not validation.ran and "avx512f" in validation.reason
 
 
 # -- the GQA-packed decode nest of a symbolic-seq_q kernel ------------------------------------

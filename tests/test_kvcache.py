@@ -39,8 +39,15 @@ CONFIGS = {
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def kernel(request):
+    from schedules import cpu_flash
+    from tvm_attention.target import resolve_target
+
     layout, h, kh, causal, knobs = CONFIGS[request.param]
     spec = spec_of(layout, h, kh, causal)
+    target = resolve_target("llvm")
+    if dict(knobs or ()).get("prefetch") and not cpu_flash.stages_decode(spec, cpu_flash.preset(spec, target)):
+        pytest.skip("the prefetch is a knob of the staged (dot-product) decode nest, which needs avx512f: "
+                    "this target's decode nest is one vector of rows")
     b = built(spec, knobs=knobs)
     assert b.audit.fused, b.audit.reasons
     return spec, kernel_of(b), knobs
@@ -290,8 +297,10 @@ def test_static_decode_shape_builds_its_packed_nest_alone():
     assert b.audit.fused and b.audit.probe == {"seq_q": 1, "seq_kv": 600}, b.audit
     from schedules import cpu_flash
 
+    # AVX-512: the 4-row dot-product nest (group 4); AVX2: one 8-lane vector of rows
+    rows = 4 if cpu_flash.stages_decode(spec, b.knobs) else b.knobs.vector_lanes
     script = cpu_flash.workload(spec, b.knobs).script()
-    assert 'sblock("row_tile_dec4' in script and 'sblock("row_tile")' not in script
+    assert f'sblock("row_tile_dec{rows}' in script and 'sblock("row_tile")' not in script
     assert validate_built(b).passed
 
 
@@ -307,6 +316,8 @@ def test_page_order_and_prefetch_are_points_of_the_decode_space():
 
     target = resolve_target("llvm")
     spec = AttentionSpec(batch=1, heads=8, kv_heads=4, seq_q=1, seq_kv=300, head_dim=64, layout="paged", page_size=16)
+    if not cpu_flash.stages_decode(spec, cpu_flash.preset(spec, target)):
+        return _no_staged_decode_nest_on_avx2(spec, target)
     assert cpu_flash.preset(spec, target).decode_heads == 4
     assert cpu_flash.preset(AttentionSpec(**{**spec.to_dict(), "layout": "kvcache", "page_size": None}), target).decode_heads == 1
     rep = spec.representative()
@@ -332,6 +343,26 @@ def test_page_order_and_prefetch_are_points_of_the_decode_space():
     assert "prefetcht0" in getattr(module, "mod", module).inspect_source("asm")
     with pytest.raises(Exception, match="decode_heads=3 must divide kv_heads=4"):
         built(spec, knobs=(("decode_heads", 3),))
+
+
+def _no_staged_decode_nest_on_avx2(spec, target):
+    """AVX2: the decode nest is one vector of rows (no dot-product nest stages K/V), so the page
+    order and the prefetch have nothing to change: the preset and the decode space hold neither,
+    a knob set asking for them is refused by name, and the preset is right on shuffled pages."""
+    from schedules import cpu_flash
+    from tvm_attention.tune.tasks import make_tasks
+
+    assert cpu_flash.preset(spec, target).decode_heads == 1
+    names = [t.name for t in make_tasks(spec.representative(), target, "fused")]
+    assert names and all(n.endswith("_h1") for n in names), names
+    with pytest.raises(Exception, match="apply to the staged decode nests"):
+        built(spec, knobs=(("decode_heads", 2),))
+    with pytest.raises(Exception, match="apply to the staged decode nests"):
+        built(spec, knobs=(("prefetch", 1),))
+    b = built(spec)
+    assert b.audit.fused and validate_built(b).passed
+    x = PAGED.random_inputs(spec, {"seq_q": 1, "cache_seqlens": [0, 700, 17], "shared_prefix": False}, seed=3)
+    np.testing.assert_allclose(call(spec, kernel_of(b), x), PAGED.reference_outputs(spec, x)[0], **TOL)
 
 
 def tvm_normalize(func):
@@ -362,6 +393,9 @@ def test_split_count_and_page_order_are_tasks_of_a_kvcache_step():
 
     points = sorted(point(t) for t in tasks if "attn.prefetch" not in t.mod["main"].attrs)
     assert [p for p in points if p[1] == 1] == [(bn, 1, ns) for bn in (32, 64, 128) for ns in (1, 2, 4)]
+    if not cpu_flash.stages_decode(rep, cpu_flash.preset(rep, target)):  # AVX2: one head per task
+        assert {p[1] for p in points} == {1} and len(points) == len(tasks) == 9
+        return
     assert [p for p in points if p[1] == 8] == [(bn, 8, ns) for bn in (32, 64, 128) for ns in (1, 8)]
     assert [p for p in points if p[1] == 2] == [(bn, 2, ns) for bn in (32, 64, 128) for ns in (1, 2)]
     assert {p[1] for p in points} == {1, 2, 8}, [t.name for t in tasks]
@@ -402,8 +436,14 @@ def test_paged_decode_is_tuned_in_pages(tmp_path):
     assert tune_work_dir(spec, target).name == "paged_p16_h8_kv4_d64_float32_causal_at_b8_q1_k300"
     tasks = make_tasks(spec, target, "fused")
     names = [t.name for t in tasks]
-    assert names[0] == "fused_dec_n64_s8_h4" and "fused_dec_n64_s0_h1" in names and "fused_dec_n32_s0_h2" in names
-    assert len(tasks) == 11 and all(t.points == 1 for t in tasks)
+    from schedules import cpu_flash
+
+    if cpu_flash.stages_decode(spec, cpu_flash.preset(spec, target)):  # AVX-512: the page order too
+        assert names[0] == "fused_dec_n64_s8_h4" and "fused_dec_n64_s0_h1" in names and "fused_dec_n32_s0_h2" in names
+        assert len(tasks) == 11
+    else:  # AVX2: one head per task; at 32 tasks no split count differs, so the key tile alone
+        assert names == ["fused_dec_n64_s8_h1", "fused_dec_n32_s0_h1", "fused_dec_n128_s0_h1"], names
+    assert all(t.points == 1 for t in tasks)
     # static shapes: 8 sequences of 300 keys in 19 pages each (+3 spare), block_table (8, 19)
     infos = ms.arg_info.ArgInfo.from_prim_func(tasks[0].mod["main"])
     assert [tuple(int(x) for x in i.shape) for i in infos] == [

@@ -6,7 +6,7 @@ from schedules import UnknownScheduleError, cpu_flash, get_schedule
 from tvm_attention.build import build_kernel
 from tvm_attention.reference import random_inputs, reference_attention
 from tvm_attention.spec import AttentionSpec
-from tvm_attention.target import resolve_target
+from tvm_attention.target import resolve_target, vector_lanes
 
 from conftest import built, report, run_kernel
 
@@ -20,9 +20,10 @@ def test_presets_are_feasible():
         cpu_flash.check(cpu_flash.preset(spec, TARGET), spec, TARGET)
 
 
-@pytest.mark.parametrize(
-    "knobs, message",
-    [
+LANES = vector_lanes(TARGET)  # 16 on AVX-512 (32 vector registers), 8 on AVX2 (16)
+#: (knobs, message) per ISA: each set breaks one rule on that ISA's registers and lanes.
+INFEASIBLE = {
+    16: [
         (dict(block_m=24), "multiple of vector_lanes"),
         (dict(block_n=50, s_rows=4), "multiple of s_rows"),
         (dict(pv_rows=3), "multiple of pv_rows"),
@@ -32,7 +33,23 @@ def test_presets_are_feasible():
         (dict(block_m=32, block_n=4096, s_rows=4), "MAX_TILE_BYTES"),
         (dict(block_n=0), "positive int"),
     ],
-)
+    # AVX2: 8 lanes, so 24 rows are whole vectors and 12 are not; 16 ymm registers, so a row
+    # of D=64 accumulators (8 vectors) leaves room for one PV row, and 32 rows (4 vectors) for
+    # s_rows=2
+    8: [
+        (dict(block_m=12), "multiple of vector_lanes"),
+        (dict(block_n=50, s_rows=4), "multiple of s_rows"),
+        (dict(block_m=8, pv_rows=3), "multiple of pv_rows"),
+        (dict(s_rows=8), "S_gemm register block needs"),
+        (dict(pv_rows=2), "PV_gemm register block needs"),
+        (dict(vector_lanes=16, block_m=32), "vector_lanes=16"),
+        (dict(block_m=32, block_n=4096, s_rows=2), "MAX_TILE_BYTES"),
+        (dict(block_n=0), "positive int"),
+    ],
+}
+
+
+@pytest.mark.parametrize("knobs, message", INFEASIBLE[LANES])
 def test_infeasible_knobs_are_rejected_by_name(knobs, message):
     base = cpu_flash.preset(SPEC, TARGET).to_dict()
     with pytest.raises(cpu_flash.KnobError, match=message):
@@ -46,17 +63,28 @@ def test_unknown_knob_and_schedule():
         get_schedule("nope", TARGET)
 
 
-KNOB_SETS = [
-    dict(block_m=16, block_n=32, s_rows=8, pv_rows=2),
-    dict(block_m=32, block_n=64, s_rows=4, pv_rows=4),
-    dict(block_m=32, block_n=128, s_rows=8, pv_rows=4),
-    dict(block_m=48, block_n=96, s_rows=6, pv_rows=3),
-    dict(block_m=64, block_n=64, s_rows=2, pv_rows=4),
-    dict(block_m=16, block_n=256, s_rows=16, pv_rows=1),
-]
+#: Knob sets that all fit their ISA (the preset is one more point), per float32 lane count.
+KNOB_SETS = {
+    16: [
+        dict(block_m=16, block_n=32, s_rows=8, pv_rows=2),
+        dict(block_m=32, block_n=64, s_rows=4, pv_rows=4),
+        dict(block_m=32, block_n=128, s_rows=8, pv_rows=4),
+        dict(block_m=48, block_n=96, s_rows=6, pv_rows=3),
+        dict(block_m=64, block_n=64, s_rows=2, pv_rows=4),
+        dict(block_m=16, block_n=256, s_rows=16, pv_rows=1),
+    ],
+    8: [  # AVX2: D=64 PV rows are one register row unless head_dim is split (pv_cols)
+        dict(block_m=8, block_n=32, s_rows=8, pv_rows=1),
+        dict(block_m=16, block_n=64, s_rows=4, pv_rows=1),
+        dict(block_m=16, block_n=128, s_rows=4, pv_rows=2, pv_cols=32),
+        dict(block_m=24, block_n=96, s_rows=3, pv_rows=1),
+        dict(block_m=32, block_n=64, s_rows=2, pv_rows=1),
+        dict(block_m=8, block_n=256, s_rows=8, pv_rows=2, pv_cols=32),
+    ],
+}
 
 
-@pytest.mark.parametrize("knobs", KNOB_SETS, ids=lambda k: "m{block_m}_n{block_n}_s{s_rows}_p{pv_rows}".format(**k))
+@pytest.mark.parametrize("knobs", KNOB_SETS[LANES], ids=lambda k: "m{block_m}_n{block_n}_s{s_rows}_p{pv_rows}".format(**k))
 def test_knob_sets_all_correct_and_fused(knobs):
     key = tuple(sorted(knobs.items()))
     q, k, v = random_inputs(SPEC, seed=21)

@@ -17,7 +17,7 @@ from tvm_attention.artifact import validate_built
 from tvm_attention.build import build_from_module
 from tvm_attention.pipeline import LogNotUsable, build_best
 from tvm_attention.spec import AttentionSpec
-from tvm_attention.target import resolve_target
+from tvm_attention.target import resolve_target, vector_lanes
 from tvm_attention import cli
 from tvm_attention.tune.driver import tune
 from tvm_attention.tune.logs import RECORD_FILE, WORKLOAD_FILE, LogError, parse_logs
@@ -109,7 +109,7 @@ def test_sampled_points_of_the_space_are_correct_and_fused(seed):
     task = tasks[seed % len(tasks)]
     sch = tvm.s_tir.Schedule(task.mod, seed=seed + 1)
     cpu_flash.design_space(SPEC, TARGET)(sch)
-    knobs = cpu_flash.knobs_of(sch, 16)
+    knobs = cpu_flash.knobs_of(sch, vector_lanes(TARGET))
     cpu_flash.check(knobs, SPEC, TARGET)  # every point of the space is feasible
     built = build_from_module(SPEC, "fused", sch.mod, TARGET, source="tuned", knobs=knobs)
     assert built.audit.fused, built.audit.format()
@@ -215,7 +215,7 @@ def test_rowcache_space_points_are_correct(seed):
     task = tasks[seed % len(tasks)]
     sch = tvm.s_tir.Schedule(task.mod, seed=seed + 1)
     cpu_rowcache.design_space(spec, TARGET)(sch)
-    knobs = cpu_rowcache.knobs_of(sch, 16)
+    knobs = cpu_rowcache.knobs_of(sch, vector_lanes(TARGET))
     cpu_rowcache.check(knobs, spec, TARGET)
     built = build_from_module(spec, "rowcache", sch.mod, TARGET, source="tuned", knobs=knobs)
     v = validate_built(built)

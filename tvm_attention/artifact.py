@@ -16,9 +16,15 @@ Manifest (``manifest_version`` 1; keys are only ever added, never repurposed)::
                       A symbolic dim is written as its name: ["batch", 8, "seq_q", 64];
                       ``"batch+1"`` is one more than batch (cu_seqlens)
     symbolic_dims     names of the dims the kernel takes at call time ([] for a static build)
+    spec_hash         ``AttentionSpec.fingerprint()`` of ``spec``; the library's own
+                      ``attention_spec_hash()`` returns it, and ``load``/``inspect`` refuse a
+                      manifest whose spec disagrees with the library
     spec              AttentionSpec fields (with ``layout`` and ``dynamic``; a dynamic dim's
                       integer is the representative value it was validated and timed at)
     target            the TVM target (JSON dict)
+    cpu_features      (CPU builds) the ISA features the library's code may use, LLVM names
+                      (``tvm_attention.hostcpu``): ``load`` refuses the artifact on a CPU that
+                      lacks one instead of dying with SIGILL
     schedule          {name, source: "hand"|"tuned", family, knobs | trace}
     tvm_version       TVM that built it
     audit             {verdict, reasons, largest_allocation, bytes_by_scope, allocations, ...}
@@ -40,6 +46,7 @@ import tvm
 
 from .build import BuiltKernel
 from .loader import MANIFEST, AttentionKernel, library_digest
+from .hostcpu import missing_features
 from .target import is_cuda, local_cuda_arch, target_to_json
 from .validate import ValidationResult, validate_callable
 
@@ -64,12 +71,19 @@ def kernel_of(built: BuiltKernel) -> AttentionKernel:
 
 
 def validate_built(built: BuiltKernel, seed: int = 0) -> ValidationResult:
-    """Run the build on seeded random inputs against the reference. A CUDA build on a machine
-    with no GPU is recorded as not run (``tvm-attention validate DIR`` on a GPU runs it)."""
+    """Run the build on seeded random inputs against the reference. A build this machine cannot
+    run is recorded as not run, with why: a CUDA build on a machine with no GPU, a CPU build for
+    features this CPU lacks (cross-compiled; ``tvm-attention validate DIR`` on a machine that
+    has them runs it)."""
     if is_cuda(built.target) and local_cuda_arch() is None:
         return ValidationResult.not_run(
             built.spec, "no CUDA device on this machine; run `tvm-attention validate DIR` on a GPU", seed
         )
+    missing = missing_features(built.cpu_features)
+    if missing:
+        return ValidationResult.not_run(
+            built.spec, f"cross-compiled: this CPU lacks {', '.join(missing)}; run `tvm-attention validate DIR` "
+            "on a CPU that has them", seed)
     return validate_callable(built.spec, kernel_of(built), seed=seed)
 
 
@@ -83,7 +97,9 @@ def make_manifest(built: BuiltKernel, validation: ValidationResult) -> dict[str,
         "args": built.spec.arg_specs(),
         "symbolic_dims": built.spec.layout_info.symbolic_dims(built.spec),
         "spec": built.spec.to_dict(),
+        "spec_hash": built.spec.fingerprint(),
         "target": target_to_json(built.target),
+        "cpu_features": built.cpu_features,
         "schedule": built.schedule_info(),
         "tvm_version": tvm.__version__,
         "audit": built.audit.to_dict(),

@@ -11,8 +11,9 @@ from tvm.target import Target
 from .audit import AuditReport, audit, list_allocations, probe_spec
 from .lowering import LoweredModule, codegen, lower_final
 from .spec import AttentionSpec
-from .target import resolve_target
+from .target import check_target_runnable, cpu_features, resolve_target
 from .workloads.fused import ENTRY
+from .workloads.index_checks import with_index_checks
 
 
 @dataclasses.dataclass
@@ -50,7 +51,20 @@ class BuiltKernel:
         return info
 
     @property
+    def cpu_features(self) -> list[str]:
+        """ISA features the generated CPU code may use (the manifest's ``cpu_features``)."""
+        return cpu_features(self.target)
+
+    def check_runnable(self) -> None:
+        """Raise :class:`~tvm_attention.hostcpu.HostCPUError` when this build's code cannot run
+        on this host (built for a CPU with features this one lacks): never SIGILL."""
+        check_target_runnable(self.target, f"{self.spec.short_name()} [{self.schedule}] built for "
+                                           f"mcpu={self.target.attrs.get('mcpu', 'generic')}")
+
+    @property
     def function(self):
+        """The entry function, ready to call on this host (checked: see ``check_runnable``)."""
+        self.check_runnable()
         return self.module[self.entry]
 
     def run(self, q, k, v, o) -> None:
@@ -146,7 +160,9 @@ def build_from_module(
 
     func = mod["main"]
     workload = str(func.attrs["attn.workload"]) if func.attrs is not None and "attn.workload" in func.attrs else schedule
-    lowered = lower_final(mod, target)
+    if target.kind.name == "llvm":  # device code cannot raise: CUDA index arrays stay trusted
+        mod = with_index_checks(mod, spec)
+    lowered = lower_final(_with_spec_function(mod, spec, target), target)
     probe_allocs = probe() if probe is not None else "the schedule has no knobs to rebuild it at other lengths"
     report = audit(lowered, spec, WORKLOADS[workload][1], probe=probe_allocs, probe_at=probe_at)
     module = codegen(lowered)
@@ -154,6 +170,20 @@ def build_from_module(
     if target.kind.name == "cuda":
         built.resources = cuda_resources(built)
     return built
+
+
+def _with_spec_function(mod: tvm.IRModule, spec: AttentionSpec, target: Target) -> tvm.IRModule:
+    """``mod`` plus ``attention_spec_hash() -> int64``, which returns ``spec.fingerprint()``: the
+    library describes itself, so a loader can refuse a manifest that says otherwise. It is host
+    code (a CUDA build's too), callable without a GPU's kernels."""
+    body = tvm.tirx.Return(tvm.tirx.IntImm("int64", spec.fingerprint()))
+    func = tvm.tirx.PrimFunc([], body, ret_type=tvm.ir.PrimType("int64"))
+    func = func.with_attr("global_symbol", spec.SPEC_FUNCTION)
+    if target.kind.name == "cuda":
+        func = func.with_attr("target", target.host)
+    out = tvm.IRModule(dict(mod.functions))
+    out[spec.SPEC_FUNCTION] = func
+    return out
 
 
 def cuda_resources(built: BuiltKernel) -> dict[str, Any]:

@@ -30,7 +30,7 @@ def _dim(text: str):
     t = str(text).strip().lower()
     if t == "dyn" or t.startswith("dyn:"):
         rep = t[4:]
-        if rep and not rep.isdigit():
+        if t.startswith("dyn:") and not (rep.isdigit() and int(rep) > 0):
             raise argparse.ArgumentTypeError(f"{text!r}: expected dyn or dyn:N with N a positive int")
         return ("dyn", int(rep) if rep else None)
     try:
@@ -190,14 +190,14 @@ def format_resources(r: dict) -> str:
 
 
 def cmd_run(a: argparse.Namespace) -> int:
-    from .timing import time_module
+    from .timing import time_built
 
     if a.target != "llvm" and a.target != "cpu":
         raise ValueError("`run` times the kernel on this machine's CPU; use `build --target cuda` for GPUs")
     spec = _spec_from_args(a)
     out = Path(a.out) if a.out else Path(DEFAULT_OUT) / f"{a.schedule}_{spec.short_name()}"
     built, validation, _ = _build_and_export(a, spec, out)
-    t = time_module(built.module, built.entry, spec)
+    t = time_built(built, spec)
     from .threads import num_threads
 
     def dim(n: str) -> str:
@@ -401,11 +401,13 @@ def cmd_validate(a: argparse.Namespace) -> int:
 
 
 def cmd_inspect(a: argparse.Namespace) -> int:
-    from .loader import ArtifactError, check_artifact, read_manifest
+    from .loader import ArtifactError, check_artifact, confirm_spec, read_manifest
 
     m = read_manifest(a.dir)
+    spec_status = "not checked (the library failed the checks below)"
     try:
-        check_artifact(a.dir, m)
+        lib = check_artifact(a.dir, m)
+        spec_status = confirm_spec(a.dir, m, lib)
         problem = None
     except ArtifactError as e:
         problem = str(e)
@@ -413,6 +415,7 @@ def cmd_inspect(a: argparse.Namespace) -> int:
     print(f"artifact:   {a.dir}")
     print(f"spec:       {AttentionSpec.from_dict(m['spec']).short_name()}")
     print(f"entry:      {m['entry']} in {m['library']}  layout {m.get('layout')}")
+    print(f"spec check: {spec_status}")
     print("args:       " + ", ".join(f"{x['name']}{tuple(x['shape'])}:{x['dtype']}" for x in m["args"]))
     print(f"target:     {json.dumps(m.get('target'))}")
     print(f"schedule:   {json.dumps(m.get('schedule'))}")

@@ -130,7 +130,12 @@ class Layout:
                 f"causal={options['causal']!r}: this artifact was built with causal={spec.causal}; build another"
             )
         s = options.get("softmax_scale")
-        if s is not None and not np.isclose(float(s), spec.scale, rtol=1e-6, atol=0.0):
+        if s is not None:
+            try:
+                s_value = float(s)
+            except (TypeError, ValueError):
+                raise KernelArgumentError(f"softmax_scale: expected a number, got {s!r}") from None
+        if s is not None and not np.isclose(s_value, spec.scale, rtol=1e-6, atol=0.0):
             raise KernelArgumentError(
                 f"softmax_scale={s!r}: this artifact was built with scale={spec.scale!r}; build another (--scale)"
             )
@@ -263,6 +268,9 @@ class Varlen(Layout):
     def check_indices(self, arrays, bound):
         for name, total in (("cu_seqlens_q", "total_q"), ("cu_seqlens_k", "total_k")):
             cu = arrays[name]
+            if cu.size == 0:
+                raise KernelArgumentError(
+                    f"{name}: empty; it holds batch+1 offsets, starting at 0 (a batch of no sequence is [0])")
             if cu[0] != 0:
                 raise KernelArgumentError(f"{name}: must start at 0, got {int(cu[0])}")
             steps = np.diff(cu)
@@ -283,7 +291,13 @@ class Varlen(Layout):
             if options.get(opt) is None:
                 continue
             longest = int(np.diff(arrays[name]).max(initial=0))
-            if int(options[opt]) < longest:
+            value = options[opt]
+            try:
+                if isinstance(value, (bool, float)) or int(value) != value:
+                    raise TypeError
+            except (TypeError, ValueError):
+                raise KernelArgumentError(f"{opt}: expected an int (the longest sequence), got {value!r}") from None
+            if int(value) < longest:
                 raise KernelArgumentError(
                     f"{opt}={options[opt]} is smaller than the longest sequence in {name} ({longest})"
                 )

@@ -326,9 +326,10 @@ class AttentionKernel:
         return oa
 
     def _trivial(self, arrays: dict[str, np.ndarray]) -> bool:
-        """No work for the kernel: no query row, or no key at all (every row a zero row). A
-        zero-size tensor is answered here, never handed to the kernel."""
-        return arrays[self._qkv[0]].size == 0 or arrays[self._qkv[1]].size == 0
+        """No work for the kernel: no query row, or no key at all (every row a zero row; a paged
+        ``block_table`` with no column, which the index checks passed, means every sequence is
+        empty). A zero-size tensor is answered here, never handed to the kernel."""
+        return any(a.size == 0 for a in arrays.values())
 
     def __call__(self, q: Any, k: Any, v: Any, *index: Any, out: Any = None, **kw: Any) -> Any:
         """``o = softmax(q·kᵀ·scale + mask)·v`` in the artifact's layout; with ``out=`` the result
@@ -471,7 +472,12 @@ def library_digest(path: str | os.PathLike) -> str:
 def check_artifact(directory: str | os.PathLike, manifest: dict[str, Any]) -> Path:
     """The library path, after checking it exists, matches the manifest's digest and that the
     manifest's ``args`` are what its spec says. Raises :class:`ArtifactError`."""
-    lib = Path(directory) / manifest["library"]
+    name = manifest["library"]
+    if not isinstance(name, str) or not name or Path(name).name != name or name in (".", ".."):
+        raise ArtifactError(
+            f"{Path(directory) / MANIFEST}: library {name!r} must be a file name inside the artifact directory "
+            "(an artifact never loads code from elsewhere)")
+    lib = Path(directory) / name
     if not lib.is_file():
         raise ArtifactError(f"{lib}: shared library missing")
     want = manifest.get("library_sha256")
@@ -490,6 +496,73 @@ def check_artifact(directory: str | os.PathLike, manifest: dict[str, Any]) -> Pa
             f"{spec.arg_specs()}"
         )
     return lib
+
+
+def check_library_spec(directory: str | os.PathLike, module: Any, manifest: dict[str, Any]) -> None:
+    """Raise :class:`ArtifactError` when the library's own ``attention_spec_hash()`` disagrees
+    with the manifest's spec (an edited manifest would describe a kernel that computes something
+    else: another scale, causal where it is not). A library from before the function existed
+    (no ``spec_hash`` in its manifest) is let through with a warning."""
+    spec = AttentionSpec.from_dict(manifest["spec"])
+    try:
+        function = module[spec.SPEC_FUNCTION]
+    except (AttributeError, KeyError, RuntimeError):
+        function = None
+    if function is None:
+        if "spec_hash" in manifest:
+            raise ArtifactError(f"{directory}: the library has no {spec.SPEC_FUNCTION}() to confirm its spec")
+        warnings.warn(f"{directory}: library built before tvm-attention libraries described themselves: cannot "
+                      "check that the manifest's spec is what it computes", RuntimeWarning, stacklevel=3)
+        return
+    have = int(function())
+    if have != spec.fingerprint():
+        raise ArtifactError(
+            f"{Path(directory) / MANIFEST}: its spec ({spec.short_name()}, scale {spec.scale!r}) is not the one "
+            f"the library was built from ({spec.SPEC_FUNCTION}() = {have}, this spec hashes to "
+            f"{spec.fingerprint()}): the manifest was edited or belongs to another build; rebuild the artifact"
+        )
+
+
+def confirm_spec(directory: str | os.PathLike, manifest: dict[str, Any], lib: Path) -> str:
+    """For ``inspect``: load the library where this machine can (a CPU artifact whose features
+    this CPU has; a CUDA one with a GPU) and check its spec (:func:`check_library_spec`, which
+    raises). Returns a line saying what was checked, or why nothing was."""
+    from .hostcpu import missing_features
+
+    if manifest.get("target", {}).get("kind") == "cuda":
+        from .target import local_cuda_arch
+
+        if local_cuda_arch() is None:
+            return "not checked (a CUDA library loads only on a machine with a GPU)"
+    else:
+        missing = missing_features(manifest.get("cpu_features") or [])
+        if missing:
+            return f"not checked (this CPU lacks {', '.join(missing)})"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        check_library_spec(directory, tvm.runtime.load_module(str(lib)), manifest)
+    if caught:
+        return f"not checked ({caught[0].message})"
+    return f"confirmed by the library's {AttentionSpec.SPEC_FUNCTION}()"
+
+
+def check_cpu_features(directory: str | os.PathLike, manifest: dict[str, Any]) -> None:
+    """Raise :class:`ArtifactError` naming the features a CPU artifact needs and this host lacks
+    (loading and calling it would SIGILL)."""
+    from .hostcpu import describe_host, missing_features
+
+    required = manifest.get("cpu_features")
+    if required is None:
+        warnings.warn(f"{directory}: manifest has no cpu_features (built before tvm-attention recorded them): "
+                      "cannot check that this CPU runs its code", RuntimeWarning, stacklevel=3)
+        return
+    missing = missing_features(required)
+    if missing:
+        mcpu = manifest.get("target", {}).get("mcpu", "?")
+        raise ArtifactError(
+            f"{directory}: built for mcpu={mcpu}, its code needs CPU features {', '.join(missing)}, which "
+            f"{describe_host()} lacks; rebuild it here (tvm-attention build ...) or run it on a CPU that has them"
+        )
 
 
 def load(directory: str | os.PathLike, num_threads: int | None = None) -> AttentionKernel:
@@ -512,8 +585,15 @@ def load(directory: str | os.PathLike, num_threads: int | None = None) -> Attent
                 f"{directory}: a CUDA artifact ({manifest['target'].get('arch')}); this machine has no "
                 "CUDA device TVM can use"
             )
+    else:
+        check_cpu_features(directory, manifest)
     module = tvm.runtime.load_module(str(lib))
-    kernel = AttentionKernel(spec, module[manifest["entry"]], manifest, device=device, num_threads=num_threads)
+    try:
+        function = module[manifest["entry"]]
+    except (AttributeError, KeyError, RuntimeError):
+        raise ArtifactError(f"{lib}: has no function {manifest['entry']!r} (the manifest's entry)") from None
+    check_library_spec(directory, module, manifest)
+    kernel = AttentionKernel(spec, function, manifest, device=device, num_threads=num_threads)
     if device == "cpu":
         set_num_threads(kernel.num_threads)  # warns now if the pool cannot have that many
     return kernel

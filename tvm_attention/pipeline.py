@@ -70,6 +70,11 @@ def build_best(
                 built = build_from_record(spec, schedule, target, wl, rec)
                 built.log_dir = str(work)
                 validation = validate_built(built, seed=seed)
+                if not validation.ran:
+                    # Cross-compiled (this host cannot run the target's code, or no GPU): the
+                    # record cannot be checked or timed here; it is used, recorded as not run.
+                    say(f"tuned record #{i + 1} from {work} not validated here ({validation.reason})")
+                    return built, validation
                 if validation.passed:
                     if explicit or target.kind.name != "llvm":
                         return built, validation
@@ -88,13 +93,13 @@ def _faster_of(tuned: BuiltKernel, tuned_validation: ValidationResult, spec: Att
                target, seed: int, say) -> tuple[BuiltKernel, ValidationResult]:
     """Time the tuned and the hand build side by side (alternating, best median of two rounds
     each) and keep the faster; the selection and both times are recorded on the winner."""
-    from .timing import time_module
+    from .timing import time_built
 
     hand = build_kernel(spec, schedule=schedule, target=target)
     times = {"tuned": [], "hand": []}
     for _ in range(2):
         for name, b in (("tuned", tuned), ("hand", hand)):
-            times[name].append(time_module(b.module, b.entry, spec, repeat=3, min_repeat_ms=50).median_s)
+            times[name].append(time_built(b, spec, repeat=3, min_repeat_ms=50).median_s)
     t_tuned, t_hand = min(times["tuned"]), min(times["hand"])
     selection = {"tuned_s": t_tuned, "hand_s": t_hand, "tuned_log": tuned.log_dir,
                  "kept": "tuned" if t_tuned <= t_hand else "hand"}

@@ -27,6 +27,8 @@ only its *representative* value: the shape the build validates, times and tunes 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import math
 from typing import Any, Mapping
 
@@ -236,6 +238,16 @@ class AttentionSpec:
             if d[key] == default:
                 del d[key]
         return d
+
+    #: The exported library's function that returns :meth:`fingerprint` of the spec it was built from.
+    SPEC_FUNCTION = "attention_spec_hash"
+
+    def fingerprint(self) -> int:
+        """A 63-bit hash of :meth:`to_dict` (canonical JSON, SHA-256): what an exported library
+        returns from ``attention_spec_hash()``, so that a manifest whose spec was edited is
+        refused instead of describing a kernel that computes something else."""
+        text = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") & ((1 << 63) - 1)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "AttentionSpec":

@@ -13,13 +13,23 @@ from typing import Any, Mapping
 import tvm
 from tvm.target import Target
 
+from .hostcpu import HostCPUError, _llvm_cpu_features, check_runnable, cpu_override, isa_subset, missing_features
+
 
 class TargetError(ValueError):
     """An unknown or malformed target; the message names what was wrong."""
 
 
 def host_cpu() -> str:
-    return tvm.target.codegen.llvm_get_system_cpu()
+    """The CPU the default target names: ``TVM_ATTENTION_HOST_CPU`` when set (the suite runs as
+    an AVX2 host would with ``znver3``), else LLVM's name for this host's CPU."""
+    return cpu_override() or tvm.target.codegen.llvm_get_system_cpu()
+
+
+def _hidden_features(mcpu: str) -> list[str]:
+    """ISA features LLVM gives ``mcpu`` that this host does not offer (a VM may report a CPU
+    model and hide its AVX-512): the default target turns them off rather than emit them."""
+    return missing_features(_llvm_cpu_features(mcpu))
 
 
 def available_cores() -> int:
@@ -116,7 +126,11 @@ def resolve_target(
     elif kind == "llvm":
         if arch is not None:
             raise TargetError("--arch applies to cuda targets only")
-        config.setdefault("mcpu", host_cpu())
+        if "mcpu" not in config:
+            config["mcpu"] = host_cpu()
+            hidden = _hidden_features(config["mcpu"])
+            if hidden:
+                config.setdefault("mattr", [f"-{f}" for f in hidden])
         config.setdefault("num-cores", num_cores or available_cores())
     else:
         raise TargetError(
@@ -148,6 +162,29 @@ def vector_lanes(target: Target, dtype: str = "float32") -> int:
 def target_features(target: Target) -> set[str]:
     """The ISA features LLVM enables for ``target`` (e.g. {'avx512f', 'avx2', ...})."""
     return {str(k) for k in tvm.target.codegen.llvm_get_cpu_features(target)}
+
+
+def cpu_features(target: Target) -> list[str]:
+    """The ISA features code built for an LLVM ``target`` may use (sorted; what the manifest's
+    ``cpu_features`` records and what the host must have to run it). [] for CUDA targets."""
+    if is_cuda(target):
+        return []
+    return isa_subset(target_features(target))
+
+
+def runnable_here(target: Target) -> bool:
+    """True when code built for ``target`` can run on this host (CUDA: a GPU is present)."""
+    if is_cuda(target):
+        return local_cuda_arch() is not None
+    return not missing_features(cpu_features(target))
+
+
+def check_target_runnable(target: Target, what: str = "") -> None:
+    """Raise :class:`HostCPUError` when LLVM ``target``'s code would need CPU features this host
+    lacks (SIGILL). ``what`` names the thing that would run."""
+    if not is_cuda(target):
+        mcpu = target.attrs["mcpu"] if "mcpu" in target.attrs else "generic"
+        check_runnable(cpu_features(target), what or f"code built for mcpu={mcpu}")
 
 
 def target_to_json(target: Target) -> dict[str, Any]:

@@ -50,6 +50,13 @@ def time_module(module: tvm.runtime.Module, entry: str, spec: AttentionSpec, rep
     return Timing(statistics.median(results), statistics.pstdev(results), len(results))
 
 
+def time_built(built, spec: AttentionSpec | None = None, **kw) -> Timing:
+    """:func:`time_module` of a :class:`~tvm_attention.build.BuiltKernel`, after checking that
+    this host can run its code (a cross-compiled build raises ``HostCPUError``, never SIGILL)."""
+    built.check_runnable()
+    return time_module(built.module, built.entry, built.spec if spec is None else spec, **kw)
+
+
 def time_callable(fn: Callable[[], object], repeat: int = 5, min_repeat_ms: int = 200) -> Timing:
     """Same protocol for a Python callable (NumPy, PyTorch)."""
     fn()

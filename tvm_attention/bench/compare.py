@@ -18,7 +18,7 @@ import numpy as np
 
 from ..reference import reference_attention
 from ..spec import DYNAMIC_DIMS, AttentionSpec
-from ..timing import Timing, aligned_inputs, time_module
+from ..timing import Timing, aligned_inputs, time_built
 
 SCHEDULES = ("fused", "materialized", "rowcache")
 #: ``NAME-dyn``: the NAME schedule with every dim that may be symbolic left symbolic.
@@ -98,7 +98,7 @@ def compare(spec: AttentionSpec, entries: list[str], repeat: int = 5) -> list[En
             args = [tvm.runtime.tensor(x) for x in (q, k, v, o)]
             built.function(*args)
             e.max_abs_err = float(np.abs(args[3].numpy()[:, :, rows, :] - ref).max())
-            e.timing = time_module(built.module, built.entry, spec, repeat=repeat)
+            e.timing = time_built(built, spec, repeat=repeat)
         except Exception as ex:  # recorded, the comparison goes on
             e.error = f"{type(ex).__name__}: {ex}"
         out.append(e)

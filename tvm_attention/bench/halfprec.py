@@ -46,7 +46,7 @@ def run(cfg: Config, threads: int | None = None, say: Callable[[str], None] = pr
     from ..reference import reference_attention
     from ..target import host_cpu, resolve_target, target_features
     from ..threads import set_num_threads
-    from ..timing import aligned_inputs, time_callable, time_module
+    from ..timing import aligned_inputs, time_callable, time_built
     from .cpu import bf16_dot_peak, fma_peak, torch_sdpa_fn
 
     threads = set_num_threads(threads)
@@ -66,7 +66,7 @@ def run(cfg: Config, threads: int | None = None, say: Callable[[str], None] = pr
                 continue
             spec = AttentionSpec(batch=1, heads=cfg.heads, seq_q=cfg.seq, head_dim=d, causal=cfg.causal, dtype=dtype)
             built = build_kernel(spec, knobs=knobs)
-            timers[name] = (spec, lambda b=built, s=spec: time_module(b.module, b.entry, s, repeat=3,
+            timers[name] = (spec, lambda b=built, s=spec: time_built(b, s, repeat=3,
                                                                       min_repeat_ms=cfg.min_repeat_ms).median_s)
             q, k, v, _ = aligned_inputs(spec)
             rows_ = np.arange(0, cfg.seq, max(1, cfg.seq // 16))

@@ -93,7 +93,7 @@ def run_case(case: HeldOutCase, trials: int, work_root: str | Path, seed: int = 
     from ..artifact import validate_built
     from ..build import build_from_record, build_kernel
     from ..target import resolve_target
-    from ..timing import time_module
+    from ..timing import time_built
     from ..tune.driver import tune
     from ..tune.logs import best_records
 
@@ -112,7 +112,7 @@ def run_case(case: HeldOutCase, trials: int, work_root: str | Path, seed: int = 
             break
 
     def t(b) -> float:
-        return time_module(b.module, b.entry, case.spec, repeat=repeat, min_repeat_ms=100).median_s
+        return time_built(b, case.spec, repeat=repeat, min_repeat_ms=100).median_s
 
     times: dict[str, list[float]] = {"hand": [], "tuned": []}
     for _ in range(2):  # interleaved: drift on a noisy machine hits both

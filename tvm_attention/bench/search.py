@@ -4,7 +4,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..spec import AttentionSpec
-from ..timing import Timing, time_module
 from ..tune.logs import FAILED_RUN_SECS, mean_secs, parse_logs, records_for
 from ..tune.tasks import workload_matches
 
@@ -47,10 +46,6 @@ def tuning_curve(spec: AttentionSpec, work_dir: str | Path, schedule: str = "fus
         if best < float("inf"):
             curve.append((n, spec.flops() / best / 1e9))
     return curve
-
-
-def time_built(built, repeat: int = 5) -> Timing:
-    return time_module(built.module, built.entry, built.spec, repeat=repeat)
 
 
 def curve_milestones(curve: list[tuple[int, float]], points=(8, 16, 32, 64, 128, 256)) -> list[tuple[int, float]]:

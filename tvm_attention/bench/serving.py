@@ -33,7 +33,7 @@ import numpy as np
 
 from ..layouts import LAYOUTS
 from ..spec import DYNAMIC_DIMS, AttentionSpec
-from ..timing import time_module
+from ..timing import time_built
 
 GOAL_DYNAMIC = 0.95
 GOAL_VARLEN = 0.75
@@ -92,8 +92,8 @@ def alternate(fns: dict[str, Callable[[], float]], rounds: int) -> dict[str, lis
 
 def _timer(built, spec: AttentionSpec, cfg: Config, case: dict | None = None) -> Callable[[], float]:
     """One round's median seconds per call of ``built`` at ``case`` (time_module warms up first)."""
-    return lambda: time_module(built.module, built.entry, spec, repeat=cfg.repeat,
-                               min_repeat_ms=cfg.min_repeat_ms, case=case).median_s
+    return lambda: time_built(built, spec, repeat=cfg.repeat,
+                              min_repeat_ms=cfg.min_repeat_ms, case=case).median_s
 
 
 def bench_dynamic(cfg: Config, say: Callable[[str], None] = print) -> list[dict[str, Any]]:

@@ -32,7 +32,7 @@ import numpy as np
 
 from ..reference import reference_attention
 from ..spec import DYNAMIC_DIMS, AttentionSpec
-from ..timing import Timing, aligned_inputs, time_callable, time_module
+from ..timing import Timing, aligned_inputs, time_callable, time_built
 from .memory import peer_first_call_peak, tvm_first_call_peak
 
 TVM_VARIANTS = ("fused", "materialized", "rowcache")
@@ -154,7 +154,7 @@ def run_variant(spec: AttentionSpec, mode: str, variant: str, threads: int, repe
             built.function(*args)
             out = args[3].numpy()
             res.peak_extra_bytes = tvm_first_call_peak(built.module, built.entry, spec, threads)
-            res.timing = time_module(built.module, built.entry, spec, repeat=repeat, min_repeat_ms=min_repeat_ms)
+            res.timing = time_built(built, spec, repeat=repeat, min_repeat_ms=min_repeat_ms)
         else:
             fn = _peer(spec, variant, threads)
             res.peak_extra_bytes = peer_first_call_peak(spec, variant, threads)

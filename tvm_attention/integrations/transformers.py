@@ -64,7 +64,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..spec import DYNAMIC_DIMS
+from ..spec import DYNAMIC_DIMS, SpecError
 
 NAME = "tvm_attention"
 #: Subfolder of the tvm-attention cache holding the artifacts this backend builds.
@@ -304,7 +304,10 @@ def attention_forward(
         # every key is in use (a static cache that is full, e.g. generate's last step): the
         # kvcache kernel already loaded computes the same, with no build of the bhsd one
         cache_seqlens = torch.full((query.shape[0],), key.shape[2], dtype=torch.int32)
-    kernel = _get_kernel(cfg + ("bhsd" if cache_seqlens is None else "kvcache",))
+    try:
+        kernel = _get_kernel(cfg + ("bhsd" if cache_seqlens is None else "kvcache",))
+    except SpecError as e:  # a shape or scale the kernels do not take (head_dim > 512...)
+        raise _unsupported("this attention configuration", str(e).rstrip("."), _OTHER) from None
     q, k, v = query.contiguous(), key.contiguous(), value.contiguous()
     extra = () if cache_seqlens is None else (cache_seqlens.reshape(-1),)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):

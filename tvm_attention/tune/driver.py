@@ -37,7 +37,7 @@ import tvm_ffi
 from tvm.target import Target
 
 from ..spec import AttentionSpec
-from ..target import is_cuda, local_cuda_arch, resolve_target, vector_lanes
+from ..target import check_target_runnable, is_cuda, local_cuda_arch, resolve_target, vector_lanes
 from ..threads import set_num_threads
 from .logs import (FAILED_RUN_SECS, RECORD_FILE, for_target, mean_secs, open_database, parse_logs, records_for,
                    target_key, tune_lock, tune_work_dir)
@@ -458,6 +458,9 @@ def tune(
             "tune --target cuda: this machine has no CUDA GPU to measure candidates on; pass "
             "--rpc-tracker HOST:PORT --rpc-key KEY to measure on GPUs registered with a TVM RPC tracker"
         )
+    elif runner is None and device == "cpu":
+        # Candidates run in local workers: code for a CPU this one is not would SIGILL them.
+        check_target_runnable(target, f"tuning for mcpu={target.attrs['mcpu']} (candidates measured here)")
     threads = set_num_threads(threads)
     work = Path(work_dir) if work_dir else tune_work_dir(spec, target)
     saved = [0]  # records of this spec and target in the log, for the interrupted line

@@ -1,0 +1,103 @@
+"""The exported function checks its own index arrays before it reads K or V.
+
+Serving engines call the library from C++, without our Python loader, so the generated
+function must refuse a ``block_table`` entry that is not a page, a ``cache_seqlens`` entry past
+the cache, or ``cu_seqlens`` that are not monotone or do not end at the row count — as TVM's
+generated argument checks refuse a wrong shape — instead of reading neighbouring memory or
+faulting. The checks are a serial prologue of the CPU function, ahead of every parallel loop:
+an assert inside a ``T.parallel`` loop compiles, but its failure is silently dropped there (the
+loop body is outlined into a worker lambda whose return value nobody reads). A failed check
+returns an error to the caller (a Python ``ValueError``, or a non-zero return code with the
+message in ``TVMFFIErrorMoveFromRaised`` for C callers) whose message names the argument. TVM's
+messages are constant strings, so they name the rule broken, not the index.
+
+They are the same rules ``Layout.check_indices`` applies in the loader (one definition of what
+is a valid call). CUDA kernels cannot raise from device code: there the index arrays stay
+trusted (CUDA builds take BHSD only today).
+
+Cost: one pass over ``cache_seqlens`` and the block-table entries in use (batch · pages per
+sequence int32 loads), against the K/V bytes a step reads: within noise of a decode step
+(``scripts/bench_index_checks.py``).
+"""
+from __future__ import annotations
+
+import tvm
+from tvm import tirx
+
+from ..spec import AttentionSpec
+
+_KIND = tvm.ir.StringImm("ValueError")
+
+
+def _assert(cond, message: str) -> tirx.AssertStmt:
+    # TVM 0.27's Python AssertStmt(kind, condition, ...) hands its first two arguments to the
+    # FFI constructor, which takes (condition, kind, ...): pass them in the FFI's order.
+    return tirx.AssertStmt(cond, _KIND, [tvm.ir.StringImm(message)])
+
+
+def _for(name: str, extent, body_of) -> tirx.For:
+    v = tirx.Var(name, "int32")
+    return tirx.For(v, tirx.IntImm("int32", 0), extent, tirx.ForKind.SERIAL, body_of(v))
+
+
+def _buffers(func: tirx.PrimFunc) -> dict[str, tirx.Buffer]:
+    """The function's argument buffers by name (in TVM 0.27 a parameter is its buffer)."""
+    return {p.name: p for p in func.params}
+
+
+def _kvcache(buf) -> list[tirx.Stmt]:
+    cl, k = buf["CL"], buf["K"]
+    max_len = k.shape[2]
+    return [_for("b", cl.shape[0], lambda b: _assert(
+        tirx.all(cl[b] >= 0, cl[b] <= max_len),
+        "cache_seqlens: an entry is negative or larger than max_len (dim 2 of k_cache); the kernel "
+        "would read outside the cache"))]
+
+
+def _paged(buf) -> list[tirx.Stmt]:
+    cl, bt, k = buf["CL"], buf["BT"], buf["K"]
+    num_pages, page_size = k.shape[0], k.shape[1]
+    max_pages = bt.shape[1]
+
+    def per_sequence(b):
+        pages = tirx.floordiv(cl[b] + page_size - 1, page_size)
+        return tirx.SeqStmt([
+            _assert(tirx.all(cl[b] >= 0, cl[b] <= max_pages * page_size),
+                    "cache_seqlens: an entry is negative or larger than max_pages * page_size (the keys "
+                    "block_table can hold for a sequence)"),
+            _for("j", pages, lambda j: _assert(
+                tirx.all(bt[b, j] >= 0, bt[b, j] < num_pages),
+                "block_table: an entry a sequence uses (j < ceil(cache_seqlens[b] / page_size)) is not a "
+                "page: it must be in [0, num_pages) (dim 0 of k_pages)")),
+        ])
+
+    return [_for("b", cl.shape[0], per_sequence)]
+
+
+def _varlen(buf) -> list[tirx.Stmt]:
+    cq, ck, q, k = buf["CQ"], buf["CK"], buf["Q"], buf["K"]
+    n1 = cq.shape[0]
+    stmts = [_assert(n1 >= 1, "cu_seqlens_q: empty; it holds batch+1 offsets, starting at 0")]
+    for cu, name, total, what in ((cq, "cu_seqlens_q", q.shape[0], "total_q (rows of q)"),
+                                  (ck, "cu_seqlens_k", k.shape[0], "total_k (rows of k and v)")):
+        stmts.append(_assert(cu[0] == 0, f"{name}: must start at 0"))
+        stmts.append(_for("b", n1 - 1, lambda b, cu=cu, name=name: _assert(
+            cu[b] <= cu[b + 1], f"{name}: must be non-decreasing")))
+        stmts.append(_assert(cu[n1 - 1] == total, f"{name}: last entry must equal {what}"))
+    return stmts
+
+
+_CHECKS = {"kvcache": _kvcache, "paged": _paged, "varlen": _varlen}
+
+
+def with_index_checks(mod: tvm.IRModule, spec: AttentionSpec) -> tvm.IRModule:
+    """``mod`` whose ``main`` first checks the layout's index arrays (no change for a layout
+    without any, or a CUDA function, whose device code cannot raise)."""
+    make = _CHECKS.get(spec.layout)
+    if make is None:
+        return mod
+    func = mod["main"]
+    stmts = make(_buffers(func))
+    out = tvm.IRModule(dict(mod.functions))
+    out["main"] = func.with_body(tirx.SeqStmt([*stmts, func.body]))
+    return out
