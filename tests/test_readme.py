@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import serving_env
 from tvm_attention import cli
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -27,6 +28,13 @@ def build_commands() -> list[list[str]]:
     return lines
 
 
+def serving_blocks(blocks: list[str]) -> list[str]:
+    """The blocks that serve through ``tvm_attention.load`` alone (no ``import tvm``, no
+    transformers): they must run where only the serving install is."""
+    return [b for b in blocks if "tvm_attention.load(" in b and not re.search(r"^import .*\btvm\b(?!_)", b, re.M)
+            and "transformers" not in b]
+
+
 def test_readme_python_blocks_run(tmp_path, monkeypatch):
     blocks = python_blocks()
     assert len(blocks) >= 2
@@ -45,3 +53,11 @@ def test_readme_python_blocks_run(tmp_path, monkeypatch):
         proc = subprocess.run([sys.executable, "-c", block], cwd=tmp_path, capture_output=True, text=True,
                               timeout=300)
         assert proc.returncode == 0, f"README python block {i + 1} failed:\n{block}\n{proc.stderr[-2000:]}"
+    # The loader's serving examples again, where only the serving install is (no tvm at all).
+    serving = serving_blocks(blocks)
+    assert len(serving) >= 2
+    python = serving_env.make(tmp_path / "venv")
+    for block in serving:
+        check = block + "\nimport sys\nassert not any(m == 'tvm' or m.startswith('tvm.') for m in sys.modules)\n"
+        proc = subprocess.run([str(python), "-c", check], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, f"README serving block failed without tvm:\n{block}\n{proc.stderr[-2000:]}"

@@ -7,6 +7,9 @@ Manifest (``manifest_version`` 1; keys are only ever added, never repurposed)::
     library           "attention.so"
     library_sha256    SHA-256 of attention.so (checked by the loader, ``validate`` and ``inspect``)
     lowered_ir        "lowered.tir" (the audited IR, TVMScript)
+    runtime_libraries [{file, sha256}]: the parts of TVM's runtime the library needs, copied
+                      beside it (libtvm_runtime.so; CUDA builds also libtvm_runtime_cuda.so), so
+                      that ``load`` runs it with tvm-ffi alone (``tvm_attention.runtime``)
     kernel_source     "kernel.cu" (CUDA builds: the generated CUDA C)
     resources         (CUDA builds) ptxas report: registers, spill bytes, stack frame, shared
                       memory, barriers, threads per block, occupancy estimate; or why it is absent
@@ -46,6 +49,7 @@ import tvm
 
 from .build import BuiltKernel
 from .loader import MANIFEST, AttentionKernel, library_digest
+from .runtime import RUNTIME_CPU, RUNTIME_CUDA, compiler_runtime_paths
 from .hostcpu import missing_features
 from .target import is_cuda, local_cuda_arch, target_to_json
 from .validate import ValidationResult, validate_callable
@@ -55,7 +59,7 @@ LIBRARY = "attention.so"
 LOWERED = "lowered.tir"
 KERNEL_SOURCE = "kernel.cu"
 #: Every file an artifact directory may hold: export replaces a directory holding only these.
-ARTIFACT_FILES = (LIBRARY, LOWERED, KERNEL_SOURCE, MANIFEST)
+ARTIFACT_FILES = (LIBRARY, LOWERED, KERNEL_SOURCE, MANIFEST, RUNTIME_CPU, RUNTIME_CUDA)
 
 
 class ExportError(RuntimeError):
@@ -139,6 +143,10 @@ def export(built: BuiltKernel, out_dir: str | os.PathLike, validation: Validatio
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         built.module.export_library(str(tmp / LIBRARY))
+        runtime = []
+        for path in compiler_runtime_paths(cuda=is_cuda(built.target)):
+            shutil.copy2(path, tmp / path.name)
+            runtime.append({"file": path.name, "sha256": library_digest(tmp / path.name)})
         (tmp / LOWERED).write_text(built.lowered.script())
         if is_cuda(built.target):
             from .cuda_tools import kernel_source
@@ -146,6 +154,7 @@ def export(built: BuiltKernel, out_dir: str | os.PathLike, validation: Validatio
             (tmp / KERNEL_SOURCE).write_text(kernel_source(built.module))
         manifest = make_manifest(built, validation)
         manifest["library_sha256"] = library_digest(tmp / LIBRARY)
+        manifest["runtime_libraries"] = runtime
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
         _swap_into_place(tmp, out)

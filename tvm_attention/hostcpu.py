@@ -60,6 +60,14 @@ def _cpuinfo_flags() -> frozenset[str] | None:
     return None
 
 
+def available_cores() -> int:
+    """Cores this process may run on (affinity-aware), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - non-Linux
+        return max(1, os.cpu_count() or 1)
+
+
 def cpu_override() -> str | None:
     """The CPU named by ``TVM_ATTENTION_HOST_CPU``, or None."""
     name = os.environ.get(HOST_CPU_ENV, "").strip()

@@ -21,7 +21,12 @@ ordered with it; other callers get TVM's default stream.
 
 ``load`` checks the artifact before anything runs: the library's SHA-256 against the manifest's
 ``library_sha256`` (a library from another build next to this manifest would compute something
-else without a word) and the manifest's ``args`` against its spec.
+else without a word), the manifest's ``args`` against its spec, the CPU features the code needs
+against this CPU's, and the spec against the one the library reports it was built from.
+
+Serving needs neither the compiler nor its import (seconds, hundreds of MB): this module imports
+``tvm_ffi`` and NumPy only, and loads the parts of TVM's runtime the artifact carries
+(``tvm_attention.runtime``).
 """
 from __future__ import annotations
 
@@ -36,8 +41,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import tvm
 
+from . import runtime
 from .layouts import KernelArgumentError, _bound_dim
 from .spec import MAX_ELEMENTS, AttentionSpec, numpy_dtype
 
@@ -46,6 +51,7 @@ MANIFEST = "manifest.json"
 SUPPORTED_MANIFEST_VERSIONS = (1,)
 _DLPACK_CPU = 1
 _DLPACK_CUDA = 2
+_SLOW = object()  # _fast_call's "take the checked path"
 
 
 class ArtifactError(RuntimeError):
@@ -114,18 +120,20 @@ def _compact_copy(x: Any) -> Any:
 
 def kernel_arg(a: np.ndarray) -> Any:
     """What the kernel is called with for the NumPy array ``a``: ``a`` itself (DLPack, no
-    copy), or for bfloat16, which DLPack cannot export from NumPy, a TVM view of its bits."""
-    if a.dtype.name == "bfloat16":
-        return tvm.runtime.from_dlpack(a.view(np.uint16))._create_view(a.shape, "bfloat16")
-    return a
+    copy), or for bfloat16, which DLPack cannot export from NumPy, a view of its bits."""
+    return runtime.cpu_view(a)
 
 
 def aligned_empty(shape, dtype) -> np.ndarray:
     """A C-contiguous NumPy array whose data pointer is 64-byte aligned."""
+    import tvm_ffi
+
     dtype = numpy_dtype(dtype) if isinstance(dtype, str) else np.dtype(dtype)
-    nbytes = int(np.prod(shape)) * dtype.itemsize
+    shape = tuple(int(d) for d in shape) if not isinstance(shape, int) else (shape,)
+    nbytes = math.prod(shape) * dtype.itemsize
     raw = np.empty(nbytes + ALIGNMENT, dtype=np.uint8)
-    offset = (-raw.ctypes.data) % ALIGNMENT
+    # the data pointer through DLPack: a third of the time of raw.ctypes.data, paid per call
+    offset = -tvm_ffi.from_dlpack(raw).data_ptr() % ALIGNMENT
     return raw[offset : offset + nbytes].view(dtype).reshape(shape)
 
 
@@ -197,6 +205,8 @@ class AttentionKernel:
         self._qkv = tuple(name for name, _, _ in self._inputs[:3])  # q, k, v / q, k_cache, v_cache...
         self._index_names = tuple(a.name for a in self.layout.index_args)
         self._static = not any(isinstance(d, str) for _, shape, _ in self._inputs for d in shape)
+        #: the fast path (``_fast_call``): CPU kernels returning o alone
+        self._fast = device == "cpu" and not self._extra_outs
 
     # -- argument handling ---------------------------------------------------------------------
     def _gather(self, q, k, v, index, kw) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -335,6 +345,16 @@ class AttentionKernel:
         """``o = softmax(q·kᵀ·scale + mask)·v`` in the artifact's layout; with ``out=`` the result
         is written there and ``out`` returned. An artifact built with ``return_lse`` returns
         ``(o, lse)``."""
+        if self._fast and out is None:
+            if not kw:
+                args = (q, k, v, *index)
+            elif not index and len(kw) == len(self._index_names):  # index arrays by keyword
+                args = (q, k, v, *(kw.get(n, _SLOW) for n in self._index_names))
+            else:
+                args = ()
+            result = self._fast_call(args) if args and not any(a is _SLOW for a in args) else _SLOW
+            if result is not _SLOW:
+                return result
         given, options = self._gather(q, k, v, index, kw) if (index or kw or self._index_names) else (dict(zip(self._qkv, (q, k, v))), None)
         if self.device == "cuda":
             return self._call_cuda(given, out)
@@ -358,7 +378,10 @@ class AttentionKernel:
                 x[...] = -np.inf  # lse of a row that sees no key
         else:
             use_threads(self.num_threads)
-            self.function(*map(kernel_arg, arrays.values()), kernel_arg(oa), *map(kernel_arg, extra))
+            try:
+                self.function(*map(kernel_arg, arrays.values()), kernel_arg(oa), *map(kernel_arg, extra))
+            except ValueError as e:  # the library's own argument and index checks
+                raise KernelArgumentError(str(e).strip()) from None
         if out is None:
             result = _from_framework(framework, oa)
         else:
@@ -369,23 +392,60 @@ class AttentionKernel:
             return (result, *(_from_framework(framework, x) for x in extra))
         return result
 
+    def _fast_call(self, args: tuple) -> Any:
+        """The common call, at a few µs: CPU tensors that are compact and 64-byte aligned (NumPy
+        arrays, torch tensors), no ``out=``, no keyword, no ``lse``. tvm-ffi's DLPack import checks
+        alignment, contiguity and the device; the library checks rank, shapes, dtypes, the
+        agreement of symbolic dims and every index it will read. Anything else — a misaligned or
+        strided input, NumPy bfloat16, an empty tensor, a bad argument of any kind — returns
+        ``_SLOW``, and the checked path copies what it must or raises the error that names it."""
+        import tvm_ffi
+
+        if len(args) != len(self._inputs):
+            return _SLOW
+        try:
+            tensors = [tvm_ffi.from_dlpack(x, require_alignment=ALIGNMENT, require_contiguous=True) for x in args]
+        except (RuntimeError, TypeError, ValueError, BufferError, AttributeError):
+            return _SLOW
+        for t in tensors:
+            n = t.numel()
+            if n == 0 or n > MAX_ELEMENTS or t.device.dlpack_device_type() != _DLPACK_CPU:
+                return _SLOW
+        q = args[0]
+        if isinstance(q, np.ndarray):
+            o = aligned_empty(tuple(tensors[0].shape), self.spec.np_dtype)
+        elif type(q).__module__ == "torch":
+            o = sys.modules["torch"].empty(tuple(q.shape), dtype=q.dtype)  # torch's CPU allocator aligns to 64
+        else:
+            return _SLOW
+        from .threads import use_threads
+
+        use_threads(self.num_threads)
+        try:
+            self.function(*tensors, o)
+        except (ValueError, TypeError, RuntimeError):  # a bad argument: the checked path names it
+            return _SLOW
+        return o
+
     def _cuda_device(self):
-        return tvm.cuda(0)
+        return runtime.cuda_device(0)
 
     def _cuda_tensor(self, name: str, shape: tuple[int, ...], x: Any):
         """A CUDA DLPack tensor, wrapped without a copy when TVM takes it as it is (compact and
         64-byte aligned), else a compact copy of it (``x.contiguous()``, or ``x.clone()`` for a
         misaligned view); shape and dtype checked. Returns (tensor, framework, copied)."""
+        import tvm_ffi
+
         copied = False
         try:
-            t = tvm.runtime.from_dlpack(x)
+            t = tvm_ffi.from_dlpack(x, require_alignment=ALIGNMENT, require_contiguous=True)
         except (ValueError, RuntimeError, TypeError) as e:
             y = _compact_copy(x)
             if y is None:
                 raise KernelArgumentError(
                     f"{name}: {str(e).splitlines()[0]}; pass a contiguous, 64-byte-aligned tensor (this "
                     f"{type(x).__name__} has no contiguous()/clone() to copy it)") from None
-            t, copied = tvm.runtime.from_dlpack(y), True
+            t, copied = tvm_ffi.from_dlpack(y, require_alignment=ALIGNMENT, require_contiguous=True), True
         if tuple(t.shape) != tuple(shape) or str(t.dtype) != self.spec.dtype:
             raise KernelArgumentError(
                 f"{name}: expected shape {tuple(shape)} dtype {self.spec.dtype}, got {tuple(t.shape)} {t.dtype}"
@@ -417,7 +477,7 @@ class AttentionKernel:
             else:
                 arr, fw = _as_numpy(name, x, self.device)
                 arr = self._check_array(name, shape, dtype, arr, bound, {})
-                t = tvm.runtime.tensor(arr, dev)
+                t = runtime.to_device(arr, dev)
             framework = framework if i else fw
             args.append(t)
         oshape = self._out_shape
@@ -430,15 +490,15 @@ class AttentionKernel:
                     out.copy_(_from_framework(fw, o))
             return out
         user = self._check_out(out, given, oshape) if out is not None else None
-        o = tvm.runtime.empty(oshape, self.spec.dtype, dev)
+        o = runtime.empty(oshape, self.spec.dtype, dev)
         with self._cuda_stream(framework if on_gpu else None):
             self.function(*args, o)
         if user is not None:
-            user[...] = o.numpy()
+            user[...] = runtime.to_numpy(o, self.spec.np_dtype)
             return out
         if on_gpu:
             return _from_framework(framework, o)
-        return _from_framework(framework, o.numpy())
+        return _from_framework(framework, runtime.to_numpy(o, self.spec.np_dtype))
 
 
 def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:
@@ -489,6 +549,13 @@ def check_artifact(directory: str | os.PathLike, manifest: dict[str, Any]) -> Pa
             f"{lib}: SHA-256 does not match the manifest's library_sha256: the library and the manifest come "
             "from different builds (rebuild the artifact)"
         )
+    for entry in manifest.get("runtime_libraries", []):
+        path = Path(directory) / entry["file"]
+        if Path(entry["file"]).name != entry["file"]:
+            raise ArtifactError(f"{Path(directory) / MANIFEST}: runtime library {entry['file']!r} must be a file name "
+                                "inside the artifact directory")
+        if path.is_file() and library_digest(path) != entry["sha256"]:
+            raise ArtifactError(f"{path}: SHA-256 does not match the manifest's runtime_libraries entry")
     spec = AttentionSpec.from_dict(manifest["spec"])
     if manifest["args"] != spec.arg_specs():
         raise ArtifactError(
@@ -530,7 +597,7 @@ def confirm_spec(directory: str | os.PathLike, manifest: dict[str, Any], lib: Pa
     from .hostcpu import missing_features
 
     if manifest.get("target", {}).get("kind") == "cuda":
-        from .target import local_cuda_arch
+        from .target import local_cuda_arch  # inspect: the compiler is installed
 
         if local_cuda_arch() is None:
             return "not checked (a CUDA library loads only on a machine with a GPU)"
@@ -540,7 +607,7 @@ def confirm_spec(directory: str | os.PathLike, manifest: dict[str, Any], lib: Pa
             return f"not checked (this CPU lacks {', '.join(missing)})"
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        check_library_spec(directory, tvm.runtime.load_module(str(lib)), manifest)
+        check_library_spec(directory, load_module(directory, manifest, lib), manifest)
     if caught:
         return f"not checked ({caught[0].message})"
     return f"confirmed by the library's {AttentionSpec.SPEC_FUNCTION}()"
@@ -565,8 +632,27 @@ def check_cpu_features(directory: str | os.PathLike, manifest: dict[str, Any]) -
         )
 
 
+def load_module(directory: str | os.PathLike, manifest: dict[str, Any], lib: Path) -> Any:
+    """The artifact's library as a tvm-ffi module, with TVM's runtime loaded first: the copy the
+    artifact carries (``runtime_libraries``), or the one this process already holds. An artifact
+    from before they were carried needs the installed ``apache-tvm``'s."""
+    names = [e["file"] for e in manifest.get("runtime_libraries", [])]
+    if not names:  # an older artifact: the compiler's runtime
+        try:
+            import tvm  # noqa: F401 - loads libtvm_runtime (and the CUDA runtime, where built with it)
+        except ImportError:
+            raise ArtifactError(f"{directory}: built before artifacts carried TVM's runtime; rebuild it, or install "
+                                "apache-tvm to load it") from None
+    try:
+        rt = runtime.ensure_runtime(directory, names or [runtime.RUNTIME_CPU])
+        return runtime.load_library(lib, rt)
+    except runtime.RuntimeLoadError as e:
+        raise ArtifactError(str(e)) from None
+
+
 def load(directory: str | os.PathLike, num_threads: int | None = None) -> AttentionKernel:
-    """Load an artifact directory written by ``tvm-attention build``.
+    """Load an artifact directory written by ``tvm-attention build``. Needs ``tvm_ffi`` and
+    NumPy, not ``tvm``: the artifact carries the parts of TVM's runtime its library calls.
 
     ``num_threads``: CPU threads the kernel runs on, applied in whichever thread calls it
     (default: ``TVM_NUM_THREADS`` if set, else every core available to this process).
@@ -577,17 +663,20 @@ def load(directory: str | os.PathLike, num_threads: int | None = None) -> Attent
     lib = check_artifact(directory, manifest)
     spec = AttentionSpec.from_dict(manifest["spec"])
     device = "cuda" if manifest.get("target", {}).get("kind") == "cuda" else "cpu"
-    if device == "cuda":
-        from .target import local_cuda_arch
-
-        if local_cuda_arch() is None:
-            raise ArtifactError(
-                f"{directory}: a CUDA artifact ({manifest['target'].get('arch')}); this machine has no "
-                "CUDA device TVM can use"
-            )
-    else:
+    if device == "cpu":
         check_cpu_features(directory, manifest)
-    module = tvm.runtime.load_module(str(lib))
+    try:
+        module = load_module(directory, manifest, lib)
+        problem = None if device == "cpu" or runtime.cuda_arch() is not None else "no device found"
+    except ArtifactError as e:
+        if device == "cpu":
+            raise
+        problem = str(e)  # no CUDA driver or runtime on this machine
+    if problem is not None:
+        raise ArtifactError(
+            f"{directory}: a CUDA artifact ({manifest['target'].get('arch')}); this machine has no "
+            f"CUDA device TVM can use ({problem})"
+        )
     try:
         function = module[manifest["entry"]]
     except (AttributeError, KeyError, RuntimeError):

@@ -7,13 +7,13 @@ AVX-512, and record the core count so the parallel runtime is sized for it.
 from __future__ import annotations
 
 import json
-import os
 from typing import Any, Mapping
 
 import tvm
 from tvm.target import Target
 
-from .hostcpu import HostCPUError, _llvm_cpu_features, check_runnable, cpu_override, isa_subset, missing_features
+from .hostcpu import (HostCPUError, _llvm_cpu_features, available_cores, check_runnable, cpu_override,  # noqa: F401
+                      isa_subset, missing_features)
 
 
 class TargetError(ValueError):
@@ -30,14 +30,6 @@ def _hidden_features(mcpu: str) -> list[str]:
     """ISA features LLVM gives ``mcpu`` that this host does not offer (a VM may report a CPU
     model and hide its AVX-512): the default target turns them off rather than emit them."""
     return missing_features(_llvm_cpu_features(mcpu))
-
-
-def available_cores() -> int:
-    """Cores this process may run on (affinity-aware), at least 1."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # pragma: no cover - non-Linux
-        return max(1, os.cpu_count() or 1)
 
 
 #: Per-architecture CUDA limits we put in the target (MetaSchedule and verify_gpu_code read them).

@@ -19,9 +19,8 @@ import os
 import threading
 import warnings
 
-import tvm
-
-from .target import available_cores
+from .hostcpu import available_cores
+from .runtime import global_func
 
 # threading::ThreadGroup::AffinityMode in TVM's threading_backend.h
 _SHARE_ALL_CORES = -3
@@ -67,7 +66,7 @@ def set_num_threads(n: int | None = None) -> int:
         raise ValueError(f"num_threads must be a positive int, got {n!r}")
     _make_room(n)
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    tvm.get_global_func("runtime.config_threadpool")(_SHARE_ALL_CORES, n, [str(c) for c in cpus])
+    global_func("runtime.config_threadpool")(_SHARE_ALL_CORES, n, [str(c) for c in cpus])
     _local.n = n
     actual = num_threads()
     if actual < n:
@@ -92,4 +91,4 @@ def use_threads(n: int) -> None:
 def num_threads() -> int:
     """Threads TVM's runtime uses now for kernels launched from the calling thread."""
     _make_room(default_num_threads())  # asking creates the pool: let it have room first
-    return int(tvm.get_global_func("runtime.NumThreads")())
+    return int(global_func("runtime.NumThreads")())

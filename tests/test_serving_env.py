@@ -1,0 +1,100 @@
+"""Serving without the compiler (issue 23, item 3): in an environment holding only tvm-ffi, NumPy,
+ml_dtypes and this project (``serving_env``), ``tvm_attention.load`` runs every CPU layout and
+dtype and gives what the loader gives in a process with TVM; nothing imports ``tvm``."""
+import json
+import subprocess
+import textwrap
+
+import numpy as np
+import pytest
+
+import serving_env
+from tvm_attention.artifact import export, validate_built
+from tvm_attention.loader import load
+from tvm_attention.spec import AttentionSpec
+
+from conftest import built
+
+#: every layout, every dtype, static and symbolic, with and without lse
+SPECS = {
+    "bhsd_f32": AttentionSpec(batch=1, heads=4, kv_heads=2, seq_q=100, seq_kv=160, head_dim=64, causal=True),
+    "bhsd_bf16_dyn": AttentionSpec(batch=1, heads=4, seq_q=64, head_dim=64, dtype="bfloat16",
+                                   dynamic=("batch", "seq_q", "seq_kv")),
+    "varlen_f16_lse": AttentionSpec(batch=2, heads=4, kv_heads=2, seq_q=64, head_dim=64, layout="varlen",
+                                    dtype="float16", causal=True, return_lse=True),
+    "kvcache_f32": AttentionSpec(batch=2, heads=8, kv_heads=2, seq_q=1, seq_kv=64, head_dim=64, causal=True,
+                                 layout="kvcache"),
+    "paged_bf16": AttentionSpec(batch=2, heads=8, kv_heads=2, seq_q=1, seq_kv=64, head_dim=64, causal=True,
+                                layout="paged", dtype="bfloat16"),
+}
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serving")
+    python = serving_env.make(root / "venv")
+    arts = {}
+    for name, spec in SPECS.items():
+        b = built(spec)
+        export(b, root / name, validate_built(b))
+        arts[name] = root / name
+    return python, root, arts
+
+
+def _inputs(spec, seed):
+    layout = spec.layout_info
+    case = layout.validation_cases(spec)[-1]
+    return layout.random_inputs(spec, case, seed)
+
+
+def test_every_cpu_artifact_runs_with_tvm_ffi_alone_and_matches(env):
+    python, root, arts = env
+    want = {}
+    for name, spec in SPECS.items():  # today's loader, in this process (TVM imported)
+        x = _inputs(spec, seed=7)
+        np.savez(root / f"{name}_in.npz", **{k: (v.view(np.uint16) if v.dtype.name == "bfloat16" else v)
+                                             for k, v in x.items()})
+        out = load(arts[name])(*x.values())
+        want[name] = out if isinstance(out, tuple) else (out,)
+    script = textwrap.dedent(f"""
+        import json, sys, time
+        t0 = time.perf_counter()
+        import numpy as np, ml_dtypes, tvm_attention
+        root = {str(root)!r}
+        for name in {list(SPECS)!r}:
+            k = tvm_attention.load(root + "/" + name)
+            x = dict(np.load(root + "/" + name + "_in.npz"))
+            if k.spec.dtype == "bfloat16":
+                x = {{n: (a.view(ml_dtypes.bfloat16) if a.dtype == np.uint16 else a) for n, a in x.items()}}
+            out = k(*x.values())
+            out = out if isinstance(out, tuple) else (out,)
+            np.savez(root + "/" + name + "_out.npz", *[o.view(np.uint16) if o.dtype.name == "bfloat16" else o
+                                                       for o in out])
+        print(json.dumps({{"tvm": [m for m in sys.modules if m == "tvm" or m.startswith("tvm.")],
+                          "seconds": time.perf_counter() - t0}}))
+    """)
+    r = subprocess.run([str(python), "-c", script], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads(r.stdout.strip().splitlines()[-1])
+    assert report["tvm"] == []  # nothing imported tvm
+    for name, outs in want.items():
+        got = np.load(root / f"{name}_out.npz")
+        for i, o in enumerate(outs):
+            g = got[f"arr_{i}"]
+            o = o.view(np.uint16) if o.dtype.name == "bfloat16" else o
+            np.testing.assert_array_equal(g, o, err_msg=name)  # bit for bit: the same library
+
+
+def test_the_serving_env_cannot_import_the_compiler(env):
+    python, _, _ = env
+    r = subprocess.run([str(python), "-c", "import tvm"], capture_output=True, text=True)
+    assert r.returncode != 0 and "No module named 'tvm'" in r.stderr
+    r = subprocess.run([str(python), "-c", "import xgboost"], capture_output=True, text=True)
+    assert r.returncode != 0
+
+
+def test_an_artifact_carries_its_runtime(env):
+    _, _, arts = env
+    m = json.loads((arts["bhsd_f32"] / "manifest.json").read_text())
+    assert [e["file"] for e in m["runtime_libraries"]] == ["libtvm_runtime.so"]
+    assert (arts["bhsd_f32"] / "libtvm_runtime.so").stat().st_size > 1 << 20

@@ -1,0 +1,182 @@
+"""TVM's runtime, reached through tvm-ffi alone: what serving needs without the compiler.
+
+``import tvm`` takes seconds and hundreds of MB (the compiler, LLVM); ``apache-tvm`` is 305 MB
+installed. An exported library needs only a little of it: the CPU parallel runtime and the
+workspace allocator (``libtvm_runtime.so``, 3.4 MB), and for CUDA the module loader
+(``libtvm_runtime_cuda.so``). ``export`` copies those into the artifact (the manifest lists them
+with their SHA-256 under ``runtime_libraries``), and this module loads them with ``ctypes`` next
+to ``tvm_ffi``:
+
+1. the runtime libraries, ``RTLD_GLOBAL`` (they register their functions — the thread pool's
+   ``runtime.config_threadpool``, tensor allocation and copies, the CUDA module loader — in
+   tvm-ffi's global registry). A process that already holds a TVM runtime (``import tvm``) keeps
+   it: a second copy would register every function twice;
+2. the kernel library, whose data slots ``__TVMBackendParallelLaunch``,
+   ``__TVMBackendAllocWorkspace`` and ``__TVMBackendFreeWorkspace`` are filled with the runtime's
+   functions — what TVM's own module loader does and tvm-ffi's does not (left empty, the first
+   parallel loop jumps to address 0);
+3. ``tvm_ffi.load_module`` of that library, which finds the same loaded copy.
+
+Nothing here imports ``tvm``.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+#: The runtime functions an exported library reaches through data slots it holds (``__`` + name).
+CONTEXT_FUNCTIONS = ("TVMBackendParallelLaunch", "TVMBackendAllocWorkspace", "TVMBackendFreeWorkspace")
+#: The runtime libraries an artifact carries: CPU artifacts the first, CUDA artifacts both.
+RUNTIME_CPU = "libtvm_runtime.so"
+RUNTIME_CUDA = "libtvm_runtime_cuda.so"
+
+_DL_CUDA = 2
+
+
+class RuntimeLoadError(RuntimeError):
+    """A runtime library or kernel library could not be loaded; the message names the file."""
+
+
+def _loaded(soname: str) -> ctypes.CDLL | None:
+    """The library of that soname if this process already holds one (``import tvm`` loads
+    TVM's), else None."""
+    try:
+        return ctypes.CDLL(soname, mode=os.RTLD_NOLOAD | ctypes.RTLD_GLOBAL)
+    except OSError:
+        return None
+
+
+def compiler_runtime_paths(cuda: bool = False) -> list[Path]:
+    """The runtime libraries of the installed ``apache-tvm`` (what ``export`` copies into an
+    artifact), without importing it."""
+    import importlib.util
+
+    found = importlib.util.find_spec("tvm")
+    if found is None or not found.submodule_search_locations:
+        raise RuntimeLoadError("apache-tvm is not installed: no runtime library to copy into the artifact")
+    lib = Path(next(iter(found.submodule_search_locations))) / "lib"
+    names = [RUNTIME_CPU] + ([RUNTIME_CUDA] if cuda else [])
+    paths = [lib / n for n in names]
+    for p in paths:
+        if not p.is_file():
+            raise RuntimeLoadError(f"{p}: TVM's runtime library is missing from the installed apache-tvm")
+    return paths
+
+
+def ensure_runtime(directory: str | os.PathLike | None, names: list[str]) -> ctypes.CDLL:
+    """Load the runtime libraries ``names`` (from ``directory``, the artifact) unless this
+    process already holds them; returns the CPU runtime's handle."""
+    import tvm_ffi  # noqa: F401 - loads libtvm_ffi.so, which the runtime libraries link against
+
+    handles = {}
+    for name in names:
+        have = _loaded(name)
+        if have is None:
+            if directory is None:
+                raise RuntimeLoadError(f"{name} is not loaded and no artifact directory holds it")
+            path = Path(directory) / name
+            if not path.is_file():
+                raise RuntimeLoadError(f"{path}: runtime library missing from the artifact")
+            try:
+                have = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+            except OSError as e:
+                raise RuntimeLoadError(f"{path}: cannot load ({e})") from None
+        handles[name] = have
+    return handles[RUNTIME_CPU] if RUNTIME_CPU in handles else _loaded(RUNTIME_CPU)
+
+
+def load_library(path: str | os.PathLike, runtime: ctypes.CDLL) -> Any:
+    """``tvm_ffi.load_module`` of an exported kernel library, its runtime slots filled first."""
+    import tvm_ffi
+
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        raise RuntimeLoadError(f"{path}: cannot load ({e})") from None
+    for name in CONTEXT_FUNCTIONS:
+        try:
+            slot = ctypes.c_void_p.in_dll(lib, "__" + name)
+        except ValueError:  # a library without parallel loops or workspaces has no such slot
+            continue
+        if not slot.value:
+            slot.value = ctypes.cast(getattr(runtime, name), ctypes.c_void_p).value
+    return tvm_ffi.load_module(str(path))
+
+
+def global_func(name: str):
+    """A function TVM's runtime registers with tvm-ffi. When no runtime is loaded yet and the
+    compiler is installed (a build, a benchmark), importing it loads TVM's runtime; serving
+    loads the artifact's copy first (:func:`ensure_runtime`) and never gets here without one."""
+    import tvm_ffi
+
+    f = tvm_ffi.get_global_func(name, allow_missing=True)
+    if f is None and _loaded(RUNTIME_CPU) is None:
+        try:
+            import tvm  # noqa: F401 - the compiler path: its import loads libtvm_runtime
+        except ImportError:
+            pass
+        f = tvm_ffi.get_global_func(name, allow_missing=True)
+    if f is None:
+        raise RuntimeLoadError(f"TVM runtime function {name!r} is not registered: load an artifact first "
+                               "(tvm_attention.load), which loads the TVM runtime it carries")
+    return f
+
+
+# -- tensors without tvm.runtime -------------------------------------------------------------
+def cpu_view(a: np.ndarray) -> Any:
+    """What a kernel is called with for NumPy array ``a``: ``a`` itself (DLPack, no copy), or
+    for bfloat16, which NumPy cannot export through DLPack, a view of its bits as bfloat16."""
+    if a.dtype.name == "bfloat16":
+        import tvm_ffi
+
+        bits = tvm_ffi.from_dlpack(a.view(np.uint16))
+        return global_func("runtime.TVMTensorCreateView")(bits, a.shape, "bfloat16", 0)
+    return a
+
+
+def cuda_device(index: int = 0):
+    import tvm_ffi
+
+    return tvm_ffi.device("cuda", index)
+
+
+def cuda_arch(index: int = 0) -> str | None:
+    """``sm_XY`` of CUDA device ``index`` when the CUDA runtime is loaded and the device exists."""
+    import tvm_ffi
+
+    attr = tvm_ffi.get_global_func("runtime.GetDeviceAttr", allow_missing=True)
+    if attr is None:
+        return None
+    try:
+        if not attr(_DL_CUDA, index, 0):  # kExist
+            return None
+        return "sm_" + str(attr(_DL_CUDA, index, 4)).replace(".", "")  # kComputeVersion
+    except Exception:  # noqa: BLE001 - no driver, no device
+        return None
+
+
+def empty(shape, dtype: str, device) -> Any:
+    """An uninitialized tensor on ``device`` (64-byte aligned, compact)."""
+    return global_func("runtime.TVMTensorAllocWithScope")(tuple(int(d) for d in shape), dtype, device, None)
+
+
+def to_device(a: np.ndarray, device) -> Any:
+    """A copy of C-contiguous ``a`` on ``device``."""
+    t = empty(a.shape, _dtype_name(a.dtype), device)
+    global_func("runtime.TVMTensorCopyFromBytes")(t, a.ctypes.data_as(ctypes.c_void_p), a.nbytes)
+    return t
+
+
+def to_numpy(t: Any, dtype: np.dtype) -> np.ndarray:
+    """A NumPy copy of tensor ``t`` (any device)."""
+    out = np.empty(tuple(t.shape), dtype=dtype)
+    global_func("runtime.TVMTensorCopyToBytes")(t, out.ctypes.data_as(ctypes.c_void_p), out.nbytes)
+    return out
+
+
+def _dtype_name(dtype: np.dtype) -> str:
+    return "bfloat16" if dtype.name == "bfloat16" else str(dtype)
