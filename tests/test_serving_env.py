@@ -98,3 +98,34 @@ def test_an_artifact_carries_its_runtime(env):
     m = json.loads((arts["bhsd_f32"] / "manifest.json").read_text())
     assert [e["file"] for e in m["runtime_libraries"]] == ["libtvm_runtime.so"]
     assert (arts["bhsd_f32"] / "libtvm_runtime.so").stat().st_size > 1 << 20
+
+
+def test_cpp_example_serves_a_kvcache_artifact(tmp_path):
+    """examples/cpp/serve_kvcache.cc: tvm-ffi's C API alone loads the artifact, reads its spec,
+    runs a decode step that matches its C++ reference, and gets the library's named error for a
+    cache_seqlens entry past the cache."""
+    import os
+    import shutil
+    from pathlib import Path
+
+    import tvm_ffi
+
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no C++ compiler here")
+    ffi = Path(tvm_ffi.__file__).parent
+    exe = tmp_path / "serve_kvcache"
+    src = Path(__file__).resolve().parents[1] / "examples" / "cpp" / "serve_kvcache.cc"
+    subprocess.run([cxx, "-O2", "-std=c++17", str(src), f"-I{ffi / 'include'}", f"-L{ffi / 'lib'}", "-ltvm_ffi", "-ldl",
+                    f"-Wl,-rpath,{ffi / 'lib'}", "-o", str(exe)], check=True, capture_output=True, timeout=300)
+    spec = SPECS["kvcache_f32"]
+    b = built(spec)
+    export(b, tmp_path / "art", validate_built(b))
+    r = subprocess.run([str(exe), str(tmp_path / "art"), "3", str(spec.heads), str(spec.kv_heads), "100",
+                        str(spec.head_dim)], capture_output=True, text=True, timeout=120,
+                       env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = dict(line.split(" ", 1) for line in r.stdout.strip().splitlines())
+    assert int(out["spec_hash"]) == spec.fingerprint()
+    assert float(out["max_abs_err"]) < 1e-4
+    assert out["error"].startswith("ValueError: cache_seqlens: an entry is negative or larger than max_len")

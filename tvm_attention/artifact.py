@@ -11,6 +11,9 @@ Manifest (``manifest_version`` 1; keys are only ever added, never repurposed)::
                       beside it (libtvm_runtime.so; CUDA builds also libtvm_runtime_cuda.so), so
                       that ``load`` runs it with tvm-ffi alone (``tvm_attention.runtime``)
     kernel_source     "kernel.cu" (CUDA builds: the generated CUDA C)
+    kernel_binary     (CUDA builds made where nvcc is) {file: "kernel.fatbin", sha256, arch, format,
+                      source_sha256}: the source compiled offline; ``load`` hands it to TVM's CUDA
+                      runtime in place of a JIT compile, so a GPU machine needs no compiler
     resources         (CUDA builds) ptxas report: registers, spill bytes, stack frame, shared
                       memory, barriers, threads per block, occupancy estimate; or why it is absent
     layout            "BHSD" | "varlen" (the entry of tvm_attention.layouts; the spec says which too)
@@ -58,8 +61,9 @@ MANIFEST_VERSION = 1
 LIBRARY = "attention.so"
 LOWERED = "lowered.tir"
 KERNEL_SOURCE = "kernel.cu"
+KERNEL_BINARY = "kernel.fatbin"
 #: Every file an artifact directory may hold: export replaces a directory holding only these.
-ARTIFACT_FILES = (LIBRARY, LOWERED, KERNEL_SOURCE, MANIFEST, RUNTIME_CPU, RUNTIME_CUDA)
+ARTIFACT_FILES = (LIBRARY, LOWERED, KERNEL_SOURCE, KERNEL_BINARY, MANIFEST, RUNTIME_CPU, RUNTIME_CUDA)
 
 
 class ExportError(RuntimeError):
@@ -148,11 +152,12 @@ def export(built: BuiltKernel, out_dir: str | os.PathLike, validation: Validatio
             shutil.copy2(path, tmp / path.name)
             runtime.append({"file": path.name, "sha256": library_digest(tmp / path.name)})
         (tmp / LOWERED).write_text(built.lowered.script())
+        binary = None
         if is_cuda(built.target):
-            from .cuda_tools import kernel_source
-
-            (tmp / KERNEL_SOURCE).write_text(kernel_source(built.module))
+            binary = _write_cuda_sources(built, tmp)
         manifest = make_manifest(built, validation)
+        if binary is not None:
+            manifest["kernel_binary"] = binary
         manifest["library_sha256"] = library_digest(tmp / LIBRARY)
         manifest["runtime_libraries"] = runtime
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
@@ -162,6 +167,27 @@ def export(built: BuiltKernel, out_dir: str | os.PathLike, validation: Validatio
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return manifest
+
+
+def _write_cuda_sources(built: BuiltKernel, tmp: Path) -> dict[str, Any] | None:
+    """``kernel.cu`` and, where nvcc is, ``kernel.fatbin``: the source compiled offline, so that a
+    GPU machine runs the artifact without a compiler (TVM's runtime would otherwise JIT the source
+    at load, through a callback only the compiler package provides). Returns the manifest's
+    ``kernel_binary`` entry, or None without nvcc."""
+    import hashlib
+
+    from .cuda_tools import NvccNotFound, compile_fatbin, kernel_source
+
+    source = kernel_source(built.module)
+    (tmp / KERNEL_SOURCE).write_text(source)
+    arch = str(built.target.attrs["arch"])
+    try:
+        data = compile_fatbin(source, arch)
+    except NvccNotFound:
+        return None
+    (tmp / KERNEL_BINARY).write_bytes(data)
+    return {"file": KERNEL_BINARY, "sha256": library_digest(tmp / KERNEL_BINARY), "arch": arch, "format": "fatbin",
+            "source_sha256": hashlib.sha256(source.encode()).hexdigest()}
 
 
 def _swap_into_place(new: Path, out: Path) -> None:

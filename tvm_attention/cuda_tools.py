@@ -110,6 +110,26 @@ def ptxas_report(source: str, arch: str, threads_per_block: int | None = None) -
     return report
 
 
+def compile_fatbin(source: str, arch: str) -> bytes:
+    """The CUDA source of a build compiled offline to a fatbin for ``arch`` (SASS and PTX), with
+    the flags TVM's runtime would JIT it with: what a CUDA artifact carries so that a GPU machine
+    loads it without a compiler (``tvm_attention.runtime.provide_cuda_binary``)."""
+    nvcc = find_nvcc()
+    if nvcc is None:
+        raise NvccNotFound("nvcc not found (PATH, $CUDA_HOME/bin, /usr/local/cuda/bin): no precompiled binary")
+    flags = [f for f in nvcc_flags() if not f.startswith("--ptxas-options")]
+    with tempfile.TemporaryDirectory() as tmp:
+        cu, out = os.path.join(tmp, "kernel.cu"), os.path.join(tmp, "kernel.fatbin")
+        with open(cu, "w") as f:
+            f.write(source)
+        proc = subprocess.run([nvcc, "--fatbin", f"-arch={arch}", *flags, "-w", "-o", out, cu],
+                              capture_output=True, text=True, timeout=300)
+        if proc.returncode != 0:
+            raise RuntimeError(f"nvcc failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+        with open(out, "rb") as f:
+            return f.read()
+
+
 #: PTX instructions worth counting in a kernel (static occurrences in the PTX text)
 PTX_INSTRUCTIONS = ("mma.sync", "ldmatrix", "cp.async.cg", "cp.async.wait_group", "bar.sync", "shfl.sync",
                     "ld.local", "st.local")

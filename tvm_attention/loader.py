@@ -645,6 +645,14 @@ def load_module(directory: str | os.PathLike, manifest: dict[str, Any], lib: Pat
                                 "apache-tvm to load it") from None
     try:
         rt = runtime.ensure_runtime(directory, names or [runtime.RUNTIME_CPU])
+        binary = manifest.get("kernel_binary")
+        if binary is not None:  # a CUDA kernel compiled offline: no JIT, no compiler needed
+            path = Path(directory) / binary["file"]
+            if Path(binary["file"]).name != binary["file"] or not path.is_file():
+                raise ArtifactError(f"{path}: the CUDA binary the manifest names is missing")
+            if library_digest(path) != binary["sha256"]:
+                raise ArtifactError(f"{path}: SHA-256 does not match the manifest's kernel_binary")
+            runtime.provide_cuda_binary(binary["source_sha256"], path.read_bytes())
         return runtime.load_library(lib, rt)
     except runtime.RuntimeLoadError as e:
         raise ArtifactError(str(e)) from None

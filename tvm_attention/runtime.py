@@ -73,6 +73,8 @@ def ensure_runtime(directory: str | os.PathLike | None, names: list[str]) -> cty
     import tvm_ffi  # noqa: F401 - loads libtvm_ffi.so, which the runtime libraries link against
 
     handles = {}
+    if RUNTIME_CUDA in names and _loaded(RUNTIME_CUDA) is None:
+        preload_cudart()
     for name in names:
         have = _loaded(name)
         if have is None:
@@ -87,6 +89,66 @@ def ensure_runtime(directory: str | os.PathLike | None, names: list[str]) -> cty
                 raise RuntimeLoadError(f"{path}: cannot load ({e})") from None
         handles[name] = have
     return handles[RUNTIME_CPU] if RUNTIME_CPU in handles else _loaded(RUNTIME_CPU)
+
+
+#: The CUDA runtime libtvm_runtime_cuda.so links against (TVM 0.27's wheel: CUDA 13).
+CUDART = "libcudart.so.13"
+
+
+def preload_cudart() -> None:
+    """Load ``libcudart.so.13`` where the dynamic linker would not find it by itself: PyTorch's
+    ``nvidia`` packages (a GPU machine with torch and no CUDA toolkit), ``$CUDA_HOME``. Does
+    nothing when it is loaded or on the linker's path already; a missing one is reported when the
+    CUDA runtime library fails to load."""
+    if _loaded(CUDART) is not None:
+        return
+    import sys
+
+    candidates = []
+    for entry in sys.path:
+        root = Path(entry) / "nvidia"
+        if root.is_dir():
+            candidates += sorted(root.glob(f"*/lib/{CUDART}"))
+    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if home:
+            candidates += [Path(home) / sub / CUDART for sub in ("lib64", "lib")]
+    for path in candidates:
+        if path.is_file():
+            try:
+                ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+                return
+            except OSError:
+                continue
+
+
+_CUDA_BINARIES: dict[str, bytes] = {}
+
+
+def provide_cuda_binary(source_sha256: str, data: bytes) -> None:
+    """Hand TVM's CUDA runtime the binary an artifact carries for its kernel source. TVM's CUDA
+    modules hold source and compile it when they load, through the global function
+    ``tvm_callback_cuda_compile``, which only the compiler package registers; this registers one
+    that returns the precompiled binary for a source it knows (SHA-256 of the source), and for any
+    other falls back to the compiler's when ``apache-tvm`` is installed."""
+    import tvm_ffi
+
+    if not _CUDA_BINARIES:
+        tvm_ffi.register_global_func("tvm_callback_cuda_compile", _compile_callback, override=True)
+    _CUDA_BINARIES[source_sha256] = bytes(data)
+
+
+def _compile_callback(code) -> bytes:
+    import hashlib
+
+    found = _CUDA_BINARIES.get(hashlib.sha256(str(code).encode()).hexdigest())
+    if found is not None:
+        return found
+    try:
+        from tvm.support.nvcc import tvm_callback_cuda_compile
+    except ImportError:
+        raise RuntimeError("a CUDA kernel source without its precompiled binary, and no compiler here (apache-tvm): "
+                           "rebuild the artifact where nvcc is, so that it carries kernel.fatbin") from None
+    return tvm_callback_cuda_compile(code)
 
 
 def load_library(path: str | os.PathLike, runtime: ctypes.CDLL) -> Any:

@@ -1,0 +1,245 @@
+#!/usr/bin/env python3
+"""The GPU check's device side: run a payload's prebuilt kernels on this GPU next to PyTorch.
+
+Runs where there is no ``apache-tvm`` (``scripts/gpu_payload.py`` builds the payload offline and
+its ``run.sh`` calls this): PyTorch, NumPy and tvm-ffi only; it imports the package's loader side
+(``tvm_attention.load``), never ``tvm`` or the build path. For each kernel of this GPU's arch:
+
+1. load the artifact (TVM's runtime from the payload, the kernel's precompiled fatbin: no JIT);
+2. validate it on seeded random inputs against a float64 torch reference of sampled query rows
+   (every row's keys; the tolerance of the dtype, ``tvm_attention.validate.TOLERANCES``);
+3. time it (CUDA events, the median of rounds of at least ``--min-ms``) next to torch SDPA's
+   flash and cuDNN backends and FlexAttention (``torch.compile``), on the same inputs, in this run.
+
+Prints and writes one table (``check.md``, ``check.json`` in ``--out``): TFLOP/s (4·B·H·Sq·Skv·D,
+halved when causal), the share of the GPU's dense fp16/bf16 peak, and ours/theirs ratios. Peers
+that fail or run past ``--budget`` seconds are recorded as such; the check itself never runs past
+the budget by more than one measurement.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+#: dense fp16/bf16 tensor-core peaks (TFLOP/s, SXM parts), by a substring of the device name
+PEAKS = {"H200": 989.5, "H100": 989.5, "A100": 312.0, "L40S": 362.1, "L4": 121.0}
+
+
+def flops(spec) -> float:
+    return spec.flops()
+
+
+def cuda_time(torch, fn, min_ms: float, rounds: int) -> float:
+    """Median seconds per call over ``rounds`` rounds of at least ``min_ms`` each (CUDA events)."""
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    n = max(1, int(min_ms / max(start.elapsed_time(end), 1e-3)))
+    times = []
+    for _ in range(rounds):
+        start.record()
+        for _ in range(n):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / n / 1e3)
+    return statistics.median(times)
+
+
+def reference_rows(torch, spec, q, k, v, rows):
+    """float64 attention of query rows ``rows`` against every key (bottom-right causal)."""
+    qs = q[:, :, rows].double()
+    kk, vv = k.double(), v.double()
+    if spec.kv_heads != spec.heads:
+        g = spec.heads // spec.kv_heads
+        kk, vv = kk.repeat_interleave(g, dim=1), vv.repeat_interleave(g, dim=1)
+    s = torch.matmul(qs, kk.transpose(-1, -2)) * spec.scale
+    if spec.causal:
+        r = torch.as_tensor(rows, device=q.device).view(-1, 1)
+        j = torch.arange(spec.seq_kv, device=q.device).view(1, -1)
+        s = s.masked_fill(j > r + (spec.seq_kv - spec.seq_q), float("-inf"))
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    return torch.matmul(p, vv)
+
+
+def validate(torch, spec, kernel, q, k, v, seed: int) -> dict:
+    from tvm_attention.validate import TOLERANCES
+
+    out = kernel(q, k, v)
+    gen = torch.Generator().manual_seed(seed)
+    n = min(spec.seq_q, 64)
+    rows = sorted(set(torch.randperm(spec.seq_q, generator=gen)[:n].tolist()) | {0, spec.seq_q - 1})
+    ref = reference_rows(torch, spec, q, k, v, rows)
+    got = out[:, :, rows].double()
+    atol, rtol = TOLERANCES[spec.dtype]
+    diff = (got - ref).abs()
+    ok = bool(torch.isfinite(got).all()) and bool((diff <= atol + rtol * ref.abs()).all())
+    return {"passed": ok, "max_abs_err": float(diff.max()), "rows_checked": len(rows), "atol": atol, "rtol": rtol}
+
+
+def peers(torch, spec, q, k, v):
+    """name -> callable of each torch peer on the same inputs (None when torch lacks it)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    F = torch.nn.functional
+    out = {}
+    for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", getattr(SDPBackend, "CUDNN_ATTENTION", None))):
+        if backend is None:
+            out[name] = None
+            continue
+
+        def run(backend=backend):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=spec.causal, scale=spec.scale)
+
+        out[name] = run
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        compiled = torch.compile(flex_attention)
+        mask = None
+        if spec.causal:
+            off = spec.seq_kv - spec.seq_q
+            mask = create_block_mask(lambda b, h, i, j: j <= i + off, None, None, spec.seq_q, spec.seq_kv,
+                                     device=q.device)
+        out["flex"] = lambda: compiled(q, k, v, block_mask=mask, scale=spec.scale)
+    except Exception:  # noqa: BLE001 - an older torch: recorded as missing
+        out["flex"] = None
+    return out
+
+
+def preload_runtime(payload: Path, manifests: list[dict]) -> None:
+    """TVM's runtime libraries from the payload (one copy for every kernel), after checking them
+    against the SHA-256 every manifest records."""
+    from tvm_attention import runtime
+
+    want = {e["file"]: e["sha256"] for m in manifests for e in m.get("runtime_libraries", [])}
+    for name, sha in want.items():
+        h = hashlib.sha256((payload / "runtime" / name).read_bytes()).hexdigest()
+        if h != sha:
+            raise RuntimeError(f"runtime/{name}: SHA-256 {h} is not the one the kernels were built with ({sha})")
+    runtime.ensure_runtime(payload / "runtime", [runtime.RUNTIME_CPU, runtime.RUNTIME_CUDA])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--payload", default=str(Path(__file__).resolve().parent))
+    p.add_argument("--out", default=os.environ.get("OUT", "gpu_check_out"))
+    p.add_argument("--budget", type=float, default=300.0, help="seconds for the whole check (peers past it are skipped)")
+    p.add_argument("--min-ms", type=float, default=30.0, help="per timing round")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--no-flex", action="store_true", help="skip FlexAttention (its compiles take the longest)")
+    a = p.parse_args(argv)
+    t_start = time.time()
+    import torch
+
+    import tvm_attention
+    import tvm_ffi
+
+    payload, out = Path(a.payload), Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    info = json.loads((payload / "payload.json").read_text())
+    if not torch.cuda.is_available():
+        print("gpu_device_check: torch sees no CUDA GPU", file=sys.stderr)
+        return 2
+    major, minor = torch.cuda.get_device_capability()
+    arch, name = f"sm_{major}{minor}", torch.cuda.get_device_name()
+    built = [k for k in info["kernels"] if k["arch"] == arch and "error" not in k]
+    if not built:
+        print(f"gpu_device_check: the payload has no kernels for {arch} ({name}); it has {info['archs']}",
+              file=sys.stderr)
+        return 2
+    peak = next((v for key, v in PEAKS.items() if key in name), None)
+    manifests = [json.loads((payload / k["dir"] / "manifest.json").read_text()) for k in built]
+    preload_runtime(payload, manifests)
+    print(f"# {name} ({arch}), torch {torch.__version__}, tvm-ffi {tvm_ffi.__version__}, {len(built)} kernels; "
+          f"dense fp16 peak {peak} TFLOP/s", flush=True)
+
+    from tvm_attention.spec import AttentionSpec
+
+    torch_dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+    rows: dict[str, dict] = {}  # one per shape
+    for i, k in enumerate(built):
+        spec = AttentionSpec.from_dict(k["spec"])
+        key = spec.short_name()
+        row = rows.setdefault(key, {"spec": k["spec"], "tflops": {}, "errors": {}})
+        gen = torch.Generator(device="cuda").manual_seed(i)
+        q = torch.randn(spec.q_shape, device="cuda", dtype=torch_dtype[spec.dtype], generator=gen)
+        kk = torch.randn(spec.kv_shape, device="cuda", dtype=torch_dtype[spec.dtype], generator=gen)
+        vv = torch.randn(spec.kv_shape, device="cuda", dtype=torch_dtype[spec.dtype], generator=gen)
+        try:
+            kernel = tvm_attention.load(payload / k["dir"])
+            row.setdefault("validation", {})[k["kernel"]] = validate(torch, spec, kernel, q, kk, vv, seed=i)
+            o = torch.empty_like(q)
+            args = [tvm_ffi.from_dlpack(x) for x in (q, kk, vv, o)]
+            fn = kernel.function
+            with tvm_ffi.use_torch_stream():
+                secs = cuda_time(torch, lambda: fn(*args), a.min_ms, a.rounds)
+            row["tflops"][k["kernel"]] = flops(spec) / secs / 1e12
+        except Exception as e:  # noqa: BLE001 - recorded in the row, the check goes on
+            row["errors"][k["kernel"]] = f"{type(e).__name__}: {e}"
+            traceback.print_exc()
+        if "peers_done" not in row:
+            row["peers_done"] = True
+            for peer, fn in peers(torch, spec, q, kk, vv).items():
+                if fn is None or (peer == "flex" and a.no_flex):
+                    row["errors"][peer] = "not available" if fn is None else "skipped (--no-flex)"
+                    continue
+                if time.time() - t_start > a.budget:
+                    row["errors"][peer] = f"skipped: past the {a.budget:.0f} s budget"
+                    continue
+                try:
+                    row["tflops"][peer] = flops(spec) / cuda_time(torch, fn, a.min_ms, a.rounds) / 1e12
+                except Exception as e:  # noqa: BLE001
+                    row["errors"][peer] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        v = row.get("validation", {}).get(k["kernel"], {})
+        print(f"{k['kernel']:10s} {key:40s} {row['tflops'].get(k['kernel'], float('nan')):7.1f} TFLOP/s "
+              f"valid={v.get('passed')} err={v.get('max_abs_err')}  peers: "
+              + ", ".join(f"{p_} {row['tflops'][p_]:.1f}" for p_ in ("flash", "cudnn", "flex") if p_ in row["tflops"]),
+              flush=True)
+
+    def f(x, spec="{:.1f}"):
+        return spec.format(x) if isinstance(x, float) else "-"
+
+    lines = [f"GPU check on {name} ({arch}), {time.strftime('%Y-%m-%d')}: TFLOP/s (4·B·H·Sq·Skv·D, halved causal); "
+             f"peak = dense fp16/bf16 tensor-core peak {peak} TFLOP/s", "",
+             "| dtype | D | causal | S | B×H | ours (tc) | ours (simt) | flash | cuDNN | flex | best ours % peak "
+             "| tc/flash | tc/cuDNN | tc/flex | valid |", "|" + "---|" * 15]
+    for key, row in rows.items():
+        sp = AttentionSpec.from_dict(row["spec"])
+        t = row["tflops"]
+        best = max([t[x] for x in ("fused_tc", "fused_simt") if x in t], default=None)
+        ratio = lambda peer: (t["fused_tc"] / t[peer]) if "fused_tc" in t and t.get(peer) else None  # noqa: E731
+        valid = all(v.get("passed") for v in row.get("validation", {}).values()) and bool(row.get("validation"))
+        lines.append(f"| {sp.dtype} | {sp.head_dim} | {sp.causal} | {sp.seq_q} | {sp.batch}×{sp.heads} | "
+                     f"{f(t.get('fused_tc'))} | {f(t.get('fused_simt'))} | {f(t.get('flash'))} | {f(t.get('cudnn'))} | "
+                     f"{f(t.get('flex'))} | {f(100 * best / peak if best and peak else None)} | "
+                     f"{f(ratio('flash'), '{:.2f}')} | {f(ratio('cudnn'), '{:.2f}')} | {f(ratio('flex'), '{:.2f}')} | "
+                     f"{valid} |")
+    table = "\n".join(lines)
+    imported = sorted(m for m in sys.modules if m == "tvm" or m.startswith("tvm.") or m.startswith("tvm_attention.build"))
+    report = {"device": name, "arch": arch, "peak_tflops": peak, "torch": torch.__version__, "rows": rows,
+              "seconds": round(time.time() - t_start, 1), "imported_tvm": imported}
+    (out / "check.json").write_text(json.dumps(report, indent=1) + "\n")
+    (out / "check.md").write_text(table + "\n")
+    print("\n" + table)
+    print(f"\ntotal {time.time() - t_start:.0f} s; tvm imported: {imported or 'no'}")
+    failed = [key for key, row in rows.items()
+              if any(not v.get("passed") for v in row.get("validation", {}).values())
+              or any(k in row["errors"] for k in ("fused_tc", "fused_simt"))]
+    return 1 if failed or imported else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

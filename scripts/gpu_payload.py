@@ -1,0 +1,193 @@
+#!/usr/bin/env python3
+"""Build the GPU check's payload offline: every CUDA kernel it runs, self-contained, in one folder
+that a bare GPU machine runs with what it has (Python, PyTorch, NumPy) plus tvm-ffi's wheel.
+
+The GPU machines lent to this project have no ``apache-tvm``, no package index, and take at most
+64 MiB of files per command; ``apache-tvm``'s wheel alone is 100 MB. So everything TVM does is done
+here: each kernel is built for each ``--arch``, its CUDA source compiled to a fatbin with nvcc, and
+exported as an artifact (``kernel_binary``: no JIT compile at load). The payload holds:
+
+    run.sh                      the device entry: installs the wheel(s) to /tmp, runs the check
+    gpu_device_check.py         loads, validates and times every kernel next to torch (no tvm)
+    tvm_attention/              the package (the device script imports only its loader side)
+    runtime/                    TVM's runtime libraries, once (each artifact lists them, SHA-256)
+    kernels/<arch>/<name>/      attention.so, kernel.fatbin, manifest.json per kernel
+    wheels/                     apache-tvm-ffi for cp312 (``--wheel``; the device has no index)
+    payload.json                what was built, with what
+
+Sizes: about 0.2 MB per kernel and 4 MB of runtime, so the default sweep (2 kernels × 24 shapes ×
+2 archs) stays far under the 40 MiB the check allows; the script refuses to write more.
+
+    python scripts/gpu_payload.py --out gpu_payload --wheel        # the full check, sm_90 and sm_80
+    python scripts/gpu_payload.py --out p --seq 1024 --head-dim 64 --dtype float16 --arch sm_90  # small
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import multiprocessing
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a source checkout
+
+REPO = Path(__file__).resolve().parents[1]
+KERNELS = ("fused_tc", "fused_simt")
+MAX_PAYLOAD_BYTES = 40 * 2**20
+#: files of an artifact the device needs (lowered.tir and kernel.cu stay here: 0.4 MB a kernel)
+DEVICE_FILES = ("attention.so", "kernel.fatbin", "manifest.json")
+TVM_FFI = "apache-tvm-ffi==0.1.14.post1"
+
+
+def shape_of(seq: int, head_dim: int, tokens: int, width: int) -> tuple[int, int]:
+    """FlashAttention's benchmark shapes: ``tokens`` per batch, a model width of ``width``."""
+    return max(1, tokens // seq), max(1, width // head_dim)
+
+
+def _build_one(job: dict) -> dict:
+    """In a pool worker: build and export one (spec, kernel, arch); no GPU is touched."""
+    import traceback
+
+    from tvm_attention.artifact import export
+    from tvm_attention.build import build_kernel
+    from tvm_attention.spec import AttentionSpec
+    from tvm_attention.target import resolve_target
+    from tvm_attention.validate import ValidationResult
+
+    t0 = time.time()
+    spec = AttentionSpec.from_dict(job["spec"])
+    try:
+        built = build_kernel(spec, job["kernel"], target=resolve_target("cuda", arch=job["arch"]))
+        m = export(built, job["dir"], ValidationResult.not_run(spec, "built offline for the GPU payload"))
+        if "kernel_binary" not in m:
+            raise RuntimeError("no nvcc here: the kernel would need a compiler on the GPU machine")
+        res = built.resources or {}
+        return {"knobs": built.knobs.to_dict(), "audit": built.audit.verdict, "build_s": round(time.time() - t0, 2),
+                "registers": res.get("registers"), "spills": res.get("spills"), "occupancy": res.get("occupancy")}
+    except Exception as e:  # noqa: BLE001 - recorded, the others go on
+        return {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc(limit=4)}
+
+
+def jobs_for(a: argparse.Namespace, kernels_dir: Path) -> list[dict]:
+    from tvm_attention.spec import AttentionSpec
+
+    jobs = []
+    for arch in a.arch:
+        for dtype in a.dtype:
+            for d in a.head_dim:
+                for causal in a.causal:
+                    for s in a.seq:
+                        b, h = shape_of(s, d, a.tokens, a.width)
+                        spec = AttentionSpec(batch=b, heads=h, seq_q=s, head_dim=d, dtype=dtype, causal=causal)
+                        for k in a.kernels:
+                            jobs.append({"spec": spec.to_dict(), "kernel": k, "arch": arch,
+                                         "dir": str(kernels_dir / arch / f"{k}_{spec.short_name()}")})
+    return jobs
+
+
+def copy_package(out: Path) -> None:
+    """The package's Python files (no caches): the device script imports its loader side only."""
+    src = REPO / "tvm_attention"
+    for path in src.rglob("*.py"):
+        dest = out / "tvm_attention" / path.relative_to(src)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(path, dest)
+
+
+def download_wheel(out: Path) -> list[str]:
+    """tvm-ffi's cp312 manylinux wheel (the GPU machines run Python 3.12 and have no index)."""
+    (out / "wheels").mkdir(exist_ok=True)
+    cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version", "3.12",
+           "--implementation", "cp", "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux_2_17_x86_64",
+           "--platform", "manylinux2014_x86_64", "-d", str(out / "wheels"), TVM_FFI]
+    subprocess.run(cmd, check=True)
+    return sorted(p.name for p in (out / "wheels").glob("*.whl"))
+
+
+RUN_SH = """#!/usr/bin/env bash
+# The GPU check's device entry: tvm-ffi from the carried wheel, then the check. No network, no tvm.
+set -euo pipefail
+HERE="$(cd "$(dirname "$0")" && pwd)"
+SITE=/tmp/tvm_attention_site
+if ls "$HERE"/wheels/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$HERE"/wheels/*.whl
+fi
+export PYTHONPATH="$HERE:$SITE${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv || true
+exec python3 "$HERE/gpu_device_check.py" --payload "$HERE" "$@"
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="gpu_payload", help="payload folder (replaced)")
+    p.add_argument("--arch", nargs="+", default=["sm_90", "sm_80"])
+    p.add_argument("--seq", type=int, nargs="+", default=[1024, 4096, 16384])
+    p.add_argument("--head-dim", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--dtype", nargs="+", default=["float16", "bfloat16"])
+    p.add_argument("--causal", nargs="+", type=lambda t: t.lower() in ("1", "true", "yes"), default=[False, True])
+    p.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=list(KERNELS))
+    p.add_argument("--tokens", type=int, default=16384, help="batch × seq_len (FlashAttention's benchmark)")
+    p.add_argument("--width", type=int, default=2048, help="heads × head_dim")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel builds")
+    p.add_argument("--wheel", action="store_true", help="download tvm-ffi's cp312 wheel into the payload")
+    a = p.parse_args(argv)
+
+    from tvm_attention.cuda_tools import find_nvcc
+    from tvm_attention.runtime import compiler_runtime_paths
+
+    if find_nvcc() is None:
+        print("gpu_payload: nvcc not found: the payload's kernels must be compiled here", file=sys.stderr)
+        return 2
+    out = Path(a.out)
+    if out.exists():
+        shutil.rmtree(out)
+    (out / "runtime").mkdir(parents=True)
+    t0 = time.time()
+    jobs = jobs_for(a, out / "kernels")
+    ctx = multiprocessing.get_context("spawn")  # workers start clean (TVM's thread pools, no fork)
+    with concurrent.futures.ProcessPoolExecutor(max_workers=max(1, a.jobs), mp_context=ctx) as pool:
+        builds = list(pool.map(_build_one, jobs))
+    runtime = {}
+    for path in compiler_runtime_paths(cuda=True):
+        shutil.copy2(path, out / "runtime" / path.name)
+        runtime[path.name] = path.stat().st_size
+    for job, b in zip(jobs, builds):
+        d = Path(job["dir"])
+        if "error" in b or not d.is_dir():
+            continue
+        for f in d.iterdir():
+            if f.name not in DEVICE_FILES:
+                f.unlink()  # runtime libraries live once in runtime/; lowered.tir, kernel.cu stay here
+    copy_package(out)
+    shutil.copy2(REPO / "scripts" / "gpu_device_check.py", out / "gpu_device_check.py")
+    (out / "run.sh").write_text(RUN_SH)
+    os.chmod(out / "run.sh", 0o755)
+    wheels = download_wheel(out) if a.wheel else []
+    failed = [(j, b) for j, b in zip(jobs, builds) if "error" in b]
+    info = {"created": time.strftime("%Y-%m-%dT%H:%M:%S"), "archs": a.arch, "tvm_ffi": TVM_FFI, "wheels": wheels,
+            "runtime": runtime, "build_s": round(time.time() - t0, 1),
+            "kernels": [{"kernel": j["kernel"], "arch": j["arch"], "spec": j["spec"],
+                         "dir": str(Path(j["dir"]).relative_to(out)), **b} for j, b in zip(jobs, builds)]}
+    (out / "payload.json").write_text(json.dumps(info, indent=1) + "\n")
+    size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    print(f"gpu_payload: {len(jobs) - len(failed)}/{len(jobs)} kernels for {', '.join(a.arch)} in "
+          f"{time.time() - t0:.0f} s; {size / 2**20:.1f} MiB in {out}")
+    for j, b in failed:
+        print(f"build failed: {j['kernel']} {j['arch']} {Path(j['dir']).name}: {b['error']}\n{b['trace']}",
+              file=sys.stderr)
+    if size > MAX_PAYLOAD_BYTES:
+        print(f"gpu_payload: {size / 2**20:.1f} MiB is over the {MAX_PAYLOAD_BYTES / 2**20:.0f} MiB a device "
+              "command may carry: build fewer kernels", file=sys.stderr)
+        return 2
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,114 @@
+"""The GPU check's payload (issue 23, item 7), built offline: its size, its self-contained CUDA
+artifacts (a precompiled fatbin, the runtime once), and a device script that imports neither
+``tvm`` nor the build path; the script's reference and validation checked on the CPU."""
+import ast
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tvm_attention.cuda_tools import find_nvcc
+
+REPO = Path(__file__).resolve().parents[1]
+#: modules the device side must never import: the compiler and everything that needs it
+BUILD_SIDE = ("tvm", "tvm_attention.build", "tvm_attention.artifact", "tvm_attention.pipeline",
+              "tvm_attention.target", "tvm_attention.lowering", "tvm_attention.audit", "tvm_attention.tune",
+              "tvm_attention.workloads", "schedules")
+
+def _build_side(name: str) -> bool:
+    return any(name == m or name.startswith(m + ".") for m in BUILD_SIDE)
+
+
+pytestmark = pytest.mark.skipif(find_nvcc() is None, reason="nvcc is needed to compile the payload's kernels")
+
+
+@pytest.fixture(scope="module")
+def payload(tmp_path_factory):
+    out = tmp_path_factory.mktemp("payload") / "p"
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_payload.py"), "--out", str(out), "--arch", "sm_90",
+                        "--seq", "256", "--head-dim", "64", "--dtype", "float16", "--causal", "true", "--jobs", "2"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return out
+
+
+def test_payload_is_small_and_self_contained(payload):
+    size = sum(f.stat().st_size for f in payload.rglob("*") if f.is_file())
+    assert size < 8 * 2**20  # two kernels and the runtime: the full sweep stays under 40 MiB
+    info = json.loads((payload / "payload.json").read_text())
+    assert [k["kernel"] for k in info["kernels"]] == ["fused_tc", "fused_simt"]
+    assert sorted(p.name for p in (payload / "runtime").iterdir()) == ["libtvm_runtime.so", "libtvm_runtime_cuda.so"]
+    for k in info["kernels"]:
+        d = payload / k["dir"]
+        assert "error" not in k and sorted(p.name for p in d.iterdir()) == ["attention.so", "kernel.fatbin", "manifest.json"]
+        m = json.loads((d / "manifest.json").read_text())
+        assert m["kernel_binary"]["arch"] == "sm_90" and m["kernel_binary"]["format"] == "fatbin"
+        # the fatbin is for exactly the source embedded in the library (what TVM's runtime would JIT)
+        src = m["kernel_binary"]["source_sha256"]
+        assert src and (d / "kernel.fatbin").read_bytes()[:4] == b"\x50\xed\x55\xba"  # fatbin magic
+        assert {e["file"] for e in m["runtime_libraries"]} == {"libtvm_runtime.so", "libtvm_runtime_cuda.so"}
+    assert (payload / "run.sh").stat().st_mode & 0o111 and "--no-index" in (payload / "run.sh").read_text()
+
+
+def test_device_script_imports_neither_tvm_nor_the_build_path(payload):
+    # statically: its imports, and the package modules they reach
+    tree = ast.parse((payload / "gpu_device_check.py").read_text())
+    names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert not [n for n in names if _build_side(n)], names
+    # dynamically: with tvm made unimportable, the script runs up to the GPU it does not find here,
+    # after importing tvm_attention and tvm_ffi, and then the loader side it uses
+    probe = f"""
+import runpy, sys
+sys.modules["tvm"] = None
+sys.argv = ["gpu_device_check.py", "--payload", {str(payload)!r}, "--out", {str(payload / "out")!r}]
+try:
+    runpy.run_path({str(payload / "gpu_device_check.py")!r}, run_name="__main__")
+except SystemExit as e:
+    code = e.code
+import tvm_attention.loader, tvm_attention.runtime, tvm_attention.spec, tvm_attention.validate
+bad = sorted(m for m in sys.modules if any(m == b or m.startswith(b + ".") for b in {BUILD_SIDE!r})
+             and sys.modules[m] is not None)
+print("exit", code, "bad", bad)
+"""
+    env = dict(os.environ, PYTHONPATH=str(payload))
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, env=env,
+                       cwd=payload)
+    assert "bad []" in r.stdout, r.stdout + r.stderr
+    assert "exit 2" in r.stdout and "torch sees no CUDA GPU" in r.stderr
+
+
+def test_device_reference_and_validation_on_the_cpu(tmp_path):
+    """The device script's float64 reference of sampled rows and its validation, run on CPU
+    tensors against a CPU artifact (a right kernel passes, a wrong one fails)."""
+    torch = pytest.importorskip("torch")
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import gpu_device_check as dc
+    finally:
+        sys.path.pop(0)
+    from tvm_attention.artifact import export, validate_built
+    from tvm_attention.loader import load
+    from tvm_attention.spec import AttentionSpec
+
+    from conftest import built
+
+    spec = AttentionSpec(batch=1, heads=4, kv_heads=2, seq_q=100, seq_kv=160, head_dim=64, causal=True)
+    b = built(spec)
+    export(b, tmp_path / "a", validate_built(b))
+    kernel = load(tmp_path / "a")
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(spec.q_shape, generator=g)
+    k, v = torch.randn(spec.kv_shape, generator=g), torch.randn(spec.kv_shape, generator=g)
+    assert dc.validate(torch, spec, kernel, q, k, v, seed=1)["passed"]
+    wrong = lambda q_, k_, v_: kernel(q_, k_, v_) * 1.01  # noqa: E731
+    assert not dc.validate(torch, spec, wrong, q, k, v, seed=1)["passed"]
+    from tvm_attention.reference import reference_attention
+
+    rows = [0, 7, 99]
+    want = reference_attention(spec, q.numpy(), k.numpy(), v.numpy())[:, :, rows]
+    np.testing.assert_allclose(dc.reference_rows(torch, spec, q, k, v, rows).numpy(), want, atol=1e-9)
