@@ -129,3 +129,22 @@ def test_cpp_example_serves_a_kvcache_artifact(tmp_path):
     assert int(out["spec_hash"]) == spec.fingerprint()
     assert float(out["max_abs_err"]) < 1e-4
     assert out["error"].startswith("ValueError: cache_seqlens: an entry is negative or larger than max_len")
+
+
+def test_importing_tvm_after_a_load_keeps_one_runtime(env):
+    """Where apache-tvm is installed, load() takes its runtime, not the artifact's copy: a later
+    ``import tvm`` then finds it loaded (a second copy would register every function twice and
+    abort the process)."""
+    import sys
+
+    _, _, arts = env
+    script = textwrap.dedent(f"""
+        import numpy as np, tvm_attention
+        k = tvm_attention.load({str(arts["bhsd_f32"])!r})
+        import tvm
+        from tvm_attention.validate import validate_callable
+        assert validate_callable(k.spec, k).passed
+        print(tvm.runtime.tensor(np.ones(3, np.float32)).numpy().sum())
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "3.0", r.stdout + r.stderr[-2000:]

@@ -530,7 +530,9 @@ def library_digest(path: str | os.PathLike) -> str:
 
 
 def check_artifact(directory: str | os.PathLike, manifest: dict[str, Any]) -> Path:
-    """The library path, after checking it exists, matches the manifest's digest and that the
+    """The library path, after checking it: a file name inside ``directory`` that exists and
+    matches the manifest's digest; the runtime libraries and CUDA binary it lists match theirs
+    (a runtime library may be absent when the process already holds it: ``runtime``); the
     manifest's ``args`` are what its spec says. Raises :class:`ArtifactError`."""
     name = manifest["library"]
     if not isinstance(name, str) or not name or Path(name).name != name or name in (".", ".."):
@@ -556,6 +558,13 @@ def check_artifact(directory: str | os.PathLike, manifest: dict[str, Any]) -> Pa
                                 "inside the artifact directory")
         if path.is_file() and library_digest(path) != entry["sha256"]:
             raise ArtifactError(f"{path}: SHA-256 does not match the manifest's runtime_libraries entry")
+    binary = manifest.get("kernel_binary")
+    if binary is not None:
+        path = Path(directory) / binary["file"]
+        if Path(binary["file"]).name != binary["file"] or not path.is_file():
+            raise ArtifactError(f"{path}: the CUDA binary the manifest names is missing")
+        if library_digest(path) != binary["sha256"]:
+            raise ArtifactError(f"{path}: SHA-256 does not match the manifest's kernel_binary")
     spec = AttentionSpec.from_dict(manifest["spec"])
     if manifest["args"] != spec.arg_specs():
         raise ArtifactError(
@@ -646,13 +655,8 @@ def load_module(directory: str | os.PathLike, manifest: dict[str, Any], lib: Pat
     try:
         rt = runtime.ensure_runtime(directory, names or [runtime.RUNTIME_CPU])
         binary = manifest.get("kernel_binary")
-        if binary is not None:  # a CUDA kernel compiled offline: no JIT, no compiler needed
-            path = Path(directory) / binary["file"]
-            if Path(binary["file"]).name != binary["file"] or not path.is_file():
-                raise ArtifactError(f"{path}: the CUDA binary the manifest names is missing")
-            if library_digest(path) != binary["sha256"]:
-                raise ArtifactError(f"{path}: SHA-256 does not match the manifest's kernel_binary")
-            runtime.provide_cuda_binary(binary["source_sha256"], path.read_bytes())
+        if binary is not None:  # a CUDA kernel compiled offline (checked by check_artifact): no JIT
+            runtime.provide_cuda_binary(binary["source_sha256"], (Path(directory) / binary["file"]).read_bytes())
         return runtime.load_library(lib, rt)
     except runtime.RuntimeLoadError as e:
         raise ArtifactError(str(e)) from None

@@ -10,7 +10,9 @@ to ``tvm_ffi``:
 1. the runtime libraries, ``RTLD_GLOBAL`` (they register their functions — the thread pool's
    ``runtime.config_threadpool``, tensor allocation and copies, the CUDA module loader — in
    tvm-ffi's global registry). A process that already holds a TVM runtime (``import tvm``) keeps
-   it: a second copy would register every function twice;
+   it, and where ``apache-tvm`` is installed its own copy is the one loaded, so that a later
+   ``import tvm`` finds it loaded: a second copy registers every function twice, which aborts
+   the process;
 2. the kernel library, whose data slots ``__TVMBackendParallelLaunch``,
    ``__TVMBackendAllocWorkspace`` and ``__TVMBackendFreeWorkspace`` are filled with the runtime's
    functions — what TVM's own module loader does and tvm-ffi's does not (left empty, the first
@@ -50,15 +52,25 @@ def _loaded(soname: str) -> ctypes.CDLL | None:
         return None
 
 
+def _installed_lib_dir() -> Path | None:
+    """``tvm/lib`` of an installed ``apache-tvm`` (found, not imported), or None."""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec("tvm")
+    except (ImportError, ValueError):  # e.g. sys.modules["tvm"] = None
+        return None
+    if found is None or not found.submodule_search_locations:
+        return None
+    return Path(next(iter(found.submodule_search_locations))) / "lib"
+
+
 def compiler_runtime_paths(cuda: bool = False) -> list[Path]:
     """The runtime libraries of the installed ``apache-tvm`` (what ``export`` copies into an
     artifact), without importing it."""
-    import importlib.util
-
-    found = importlib.util.find_spec("tvm")
-    if found is None or not found.submodule_search_locations:
+    lib = _installed_lib_dir()
+    if lib is None:
         raise RuntimeLoadError("apache-tvm is not installed: no runtime library to copy into the artifact")
-    lib = Path(next(iter(found.submodule_search_locations))) / "lib"
     names = [RUNTIME_CPU] + ([RUNTIME_CUDA] if cuda else [])
     paths = [lib / n for n in names]
     for p in paths:
@@ -75,12 +87,16 @@ def ensure_runtime(directory: str | os.PathLike | None, names: list[str]) -> cty
     handles = {}
     if RUNTIME_CUDA in names and _loaded(RUNTIME_CUDA) is None:
         preload_cudart()
+    installed = _installed_lib_dir()
     for name in names:
         have = _loaded(name)
         if have is None:
-            if directory is None:
+            if installed is not None and (installed / name).is_file():
+                path = installed / name  # the compiler's copy: `import tvm` later loads this same file
+            elif directory is None:
                 raise RuntimeLoadError(f"{name} is not loaded and no artifact directory holds it")
-            path = Path(directory) / name
+            else:
+                path = Path(directory) / name
             if not path.is_file():
                 raise RuntimeLoadError(f"{path}: runtime library missing from the artifact")
             try:
