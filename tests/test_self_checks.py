@@ -267,3 +267,11 @@ def test_a_crashing_test_fails_once_and_the_run_goes_on(tmp_path):
                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert "1 failed, 3 passed" in r.stdout, r.stdout[-2000:]
     assert "crashed while running 'test_crash.py::test_sigill'" in r.stdout
+
+
+def test_known_cpus_are_what_llvm_gives():
+    """The override's table (serving processes have no compiler to ask) is LLVM's answer."""
+    from tvm_attention.hostcpu import KNOWN_CPUS, _llvm_cpu_features, isa_subset
+
+    for cpu, features in KNOWN_CPUS.items():
+        assert sorted(features.split()) == isa_subset(_llvm_cpu_features(cpu)), cpu

@@ -39,6 +39,20 @@ ISA_FEATURES = {
 }
 
 
+#: The checked features of CPU models the override is used with, as LLVM 22 gives them (read
+#: with ``tvm.target.codegen.llvm_get_cpu_features``): a serving process, which has no compiler
+#: to ask, still behaves as that CPU. Other names need the compiler.
+KNOWN_CPUS = {
+    "haswell": "avx avx2 bmi bmi2 cx16 f16c fma lzcnt movbe pclmul popcnt sse sse2 sse3 sse4.1 sse4.2 ssse3",
+    "x86-64-v3": "avx avx2 bmi bmi2 cx16 f16c fma lzcnt movbe popcnt sse sse2 sse3 sse4.1 sse4.2 ssse3",
+    "znver3": "adx aes avx avx2 bmi bmi2 cx16 f16c fma lzcnt movbe pclmul popcnt sha sse sse2 sse3 sse4.1 sse4.2 "
+              "sse4a ssse3 vaes vpclmulqdq",
+    "znver4": "adx aes avx avx2 avx512bf16 avx512bitalg avx512bw avx512cd avx512dq avx512f avx512ifma avx512vbmi "
+              "avx512vbmi2 avx512vl avx512vnni avx512vpopcntdq bmi bmi2 cx16 f16c fma gfni lzcnt movbe pclmul popcnt "
+              "sha sse sse2 sse3 sse4.1 sse4.2 sse4a ssse3 vaes vpclmulqdq",
+}
+
+
 class HostCPUError(RuntimeError):
     """Code built for a CPU feature this host lacks would be executed; the message names it."""
 
@@ -77,8 +91,11 @@ def cpu_override() -> str | None:
 @functools.lru_cache(maxsize=8)
 def _llvm_cpu_features(cpu: str) -> frozenset[str]:
     """The ISA features LLVM gives ``mcpu=cpu`` (needs the compiler)."""
-    import tvm  # only for the override, which names a CPU model rather than features
-    from tvm.target import Target
+    try:
+        import tvm  # only for an override that names a CPU model KNOWN_CPUS lacks
+        from tvm.target import Target
+    except ImportError:
+        raise HostCPUError(f"{HOST_CPU_ENV}={cpu!r}: without apache-tvm only {', '.join(KNOWN_CPUS)} are known") from None
 
     known = {str(c) for c in tvm.target.codegen.llvm_get_cpu_archlist(Target({"kind": "llvm"}))}
     if cpu not in known:  # LLVM would fall back to "generic" with a warning
@@ -102,7 +119,8 @@ def host_features() -> frozenset[str]:
         real = _llvm_cpu_features(tvm.target.codegen.llvm_get_system_cpu())
     cpu = cpu_override()
     if cpu is not None:
-        real = real & _llvm_cpu_features(cpu)
+        model = frozenset(KNOWN_CPUS[cpu].split()) if cpu in KNOWN_CPUS else _llvm_cpu_features(cpu)
+        real = real & model
     return real
 
 
