@@ -25,30 +25,12 @@ import time
 import traceback
 from pathlib import Path
 
-KERNELS = ("fused_tc", "fused_simt")
-
-
-def shape_of(seq: int, head_dim: int, tokens: int, width: int) -> tuple[int, int]:
-    return max(1, tokens // seq), max(1, width // head_dim)
+from gpu_payload import KERNELS, build_job, shape_of  # noqa: E402 - beside this script
 
 
 def _build_one(job: dict) -> dict:
     """In a pool worker: build and export one (spec, kernel); no GPU is touched."""
-    from tvm_attention.artifact import export
-    from tvm_attention.build import build_kernel
-    from tvm_attention.spec import AttentionSpec
-    from tvm_attention.target import resolve_target
-    from tvm_attention.validate import ValidationResult
-
-    t0 = time.time()
-    spec = AttentionSpec.from_dict(job["spec"])
-    try:
-        built = build_kernel(spec, job["kernel"], target=resolve_target("cuda", arch=job["arch"]))
-        export(built, job["dir"], ValidationResult.not_run(spec, "exported by gpu_check's build pool"))
-        return {"knobs": built.knobs.to_dict(), "resources": built.resources, "audit": built.audit.verdict,
-                "build_s": round(time.time() - t0, 2)}
-    except Exception as e:  # noqa: BLE001 - recorded in the row, the sweep goes on
-        return {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc(limit=4)}
+    return build_job(job, require_binary=False)
 
 
 def torch_flash(spec):

@@ -49,8 +49,9 @@ def shape_of(seq: int, head_dim: int, tokens: int, width: int) -> tuple[int, int
     return max(1, tokens // seq), max(1, width // head_dim)
 
 
-def _build_one(job: dict) -> dict:
-    """In a pool worker: build and export one (spec, kernel, arch); no GPU is touched."""
+def build_job(job: dict, require_binary: bool = True) -> dict:
+    """In a pool worker: build and export one (spec, kernel, arch); no GPU is touched. Shared
+    with ``gpu_check.py``, whose machine has the compiler (no precompiled binary needed there)."""
     import traceback
 
     from tvm_attention.artifact import export
@@ -63,12 +64,13 @@ def _build_one(job: dict) -> dict:
     spec = AttentionSpec.from_dict(job["spec"])
     try:
         built = build_kernel(spec, job["kernel"], target=resolve_target("cuda", arch=job["arch"]))
-        m = export(built, job["dir"], ValidationResult.not_run(spec, "built offline for the GPU payload"))
-        if "kernel_binary" not in m:
+        m = export(built, job["dir"], ValidationResult.not_run(spec, "exported by a GPU check's build pool"))
+        if require_binary and "kernel_binary" not in m:
             raise RuntimeError("no nvcc here: the kernel would need a compiler on the GPU machine")
         res = built.resources or {}
         return {"knobs": built.knobs.to_dict(), "audit": built.audit.verdict, "build_s": round(time.time() - t0, 2),
-                "registers": res.get("registers"), "spills": res.get("spills"), "occupancy": res.get("occupancy")}
+                "resources": res, "registers": res.get("registers"), "spills": res.get("spills"),
+                "occupancy": res.get("occupancy")}
     except Exception as e:  # noqa: BLE001 - recorded, the others go on
         return {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc(limit=4)}
 
@@ -153,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     jobs = jobs_for(a, out / "kernels")
     ctx = multiprocessing.get_context("spawn")  # workers start clean (TVM's thread pools, no fork)
     with concurrent.futures.ProcessPoolExecutor(max_workers=max(1, a.jobs), mp_context=ctx) as pool:
-        builds = list(pool.map(_build_one, jobs))
+        builds = list(pool.map(build_job, jobs))
     runtime = {}
     for path in compiler_runtime_paths(cuda=True):
         shutil.copy2(path, out / "runtime" / path.name)
