@@ -581,7 +581,7 @@ def check_library_spec(directory: str | os.PathLike, module: Any, manifest: dict
     (no ``spec_hash`` in its manifest) is let through with a warning."""
     spec = AttentionSpec.from_dict(manifest["spec"])
     try:
-        function = module[spec.SPEC_FUNCTION]
+        function = module.get_function(spec.SPEC_FUNCTION, query_imports=True)
     except (AttributeError, KeyError, RuntimeError):
         function = None
     if function is None:
