@@ -13,6 +13,7 @@ arm found, as a table, a JSON file and a plot of the tuning curves (``--out``/ef
 from __future__ import annotations
 
 import argparse
+import os
 import json
 import sys
 from pathlib import Path
@@ -21,6 +22,8 @@ ARMS = ("xgb", "random", "warm")
 
 
 def main() -> int:
+    # many tunes in one process: keep the builder/runner workers between them (driver.keep_workers)
+    os.environ.setdefault("TVM_ATTENTION_KEEP_WORKERS", "1")
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cases", nargs="+", default=["d96", "gqa4"], help="held-out case names")
     p.add_argument("--trials", type=int, default=64)

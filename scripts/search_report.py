@@ -13,6 +13,7 @@ side; prints the table and the geometric mean, and writes ``--out``/heldout.json
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from tvm_attention.artifact import validate_built
@@ -28,6 +29,8 @@ from tvm_attention.tune.logs import best_records, default_work_dir
 
 
 def main() -> int:
+    # many tunes in one process: keep the builder/runner workers between them (driver.keep_workers)
+    os.environ.setdefault("TVM_ATTENTION_KEEP_WORKERS", "1")
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seq", type=int, nargs="+", default=[1024, 4096])
     p.add_argument("--heads", type=int, default=8)

@@ -11,6 +11,9 @@ import pytest
 _CACHE = tempfile.mkdtemp(prefix="tvma-test-cache-")
 os.environ["TVM_ATTENTION_CACHE_DIR"] = _CACHE
 atexit.register(shutil.rmtree, _CACHE, True)
+# Tests tune many times per process: keep the tuner's worker processes between tunes
+# (tvm_attention.tune.driver.keep_workers; test_tune checks both settings).
+os.environ["TVM_ATTENTION_KEEP_WORKERS"] = "1"
 
 from xdist_crash_once import pytest_xdist_make_scheduler  # noqa: F401 - a hook: a crash fails its test once
 
@@ -42,3 +45,15 @@ def run_kernel(spec, q, k, v, schedule="fused", knobs=None):
 def report(out, ref):
     diff = np.abs(out.astype(np.float64) - ref)
     return f"max abs err {diff.max():.3e}, mean abs err {diff.mean():.3e}"
+
+
+#: The files that take longest (seconds of one 2-core AVX2-mode run, 2026-12-01), started first:
+#: `--dist loadfile` hands files to workers in collection order, and a long file collected last
+#: ran alone for minutes at the end of the run while the other worker sat idle.
+LONG_FILES = ("test_tune.py", "test_tune_hardening.py", "test_cuda_mma.py", "test_cuda.py", "test_rpc.py",
+              "test_kvcache.py", "test_search.py", "test_bench.py", "test_hardening.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONG_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FILES)))  # stable: the rest keep their order

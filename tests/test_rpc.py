@@ -10,7 +10,7 @@ from tvm_attention.pipeline import build_best
 from tvm_attention.spec import AttentionSpec
 from tvm_attention.tune.driver import NoDevicesLeft, tune
 from tvm_attention.tune.logs import RECORD_FILE, parse_logs
-from tvm_attention.tune.rpc import LocalFleet, free_port
+from tvm_attention.tune.rpc import LocalFleet, free_port, tracker_status
 
 pytest.importorskip("tornado", reason="TVM's RPC tracker needs tornado")
 
@@ -21,13 +21,29 @@ def alive(pid):
     return os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().split()[2] != "Z"
 
 
-@pytest.fixture
-def fleet():
+@pytest.fixture(scope="module")
+def module_fleet():
+    """One tracker for the file: a fleet takes 15-20 s to start here (each process imports TVM)."""
     f = LocalFleet(servers=2, key="test-cpu").start()
-    pids = f.pids()
     yield f
+    pids = f.pids()
     f.stop()
-    assert not any(alive(p) for p in pids), "a fleet process outlived the test"
+    assert not any(alive(p) for p in pids), "a fleet process outlived the tests"
+
+
+@pytest.fixture
+def fleet(module_fleet):
+    """The module's fleet with exactly two live servers registered: servers a test killed are
+    replaced (a server starts in a few seconds)."""
+    f = module_fleet
+    for _ in range(2 - len(f.live())):
+        f.add_server()
+    deadline = time.time() + 60
+    while time.time() < deadline:  # the tracker forgets a killed server when its socket closes
+        if tracker_status(f.host, f.tracker_port, f.key, timeout=5)["servers"] == 2:
+            return f
+        time.sleep(0.5)
+    raise AssertionError("the fleet did not get back to two servers")
 
 
 def records(work):
@@ -37,9 +53,9 @@ def records(work):
 
 def test_rpc_tune_on_two_servers_and_build(fleet, tmp_path):
     msgs = []
-    r = tune(SPEC, trials=6, per_round=2, work_dir=tmp_path, rpc_tracker=fleet.address, rpc_key="test-cpu",
+    r = tune(SPEC, trials=4, per_round=2, work_dir=tmp_path, rpc_tracker=fleet.address, rpc_key="test-cpu",
              progress=msgs.append)
-    assert r.trials_new == 6 and records(tmp_path) == 6
+    assert r.trials_new == 4 and records(tmp_path) == 4
     assert any("[rpc test-cpu: 2 server(s)" in m for m in msgs)  # progress shows the fleet
     parsed = parse_logs(tmp_path)
     assert all(min(rec.run_secs) < 1.0 for _, rec in parsed.records)  # all measured, none failed
@@ -54,7 +70,7 @@ def test_server_killed_mid_tune_finishes_on_the_other(fleet, tmp_path):
         while records(tmp_path) < 2:
             time.sleep(0.05)
         time.sleep(1.0)  # into the next round's builds/measurements
-        fleet.kill_server(0)
+        fleet.kill_server(fleet.live()[0])
         killed.set()
 
     t = threading.Thread(target=killer, daemon=True)
@@ -75,8 +91,8 @@ def test_whole_fleet_gone_stops_with_clear_error_and_intact_log(fleet, tmp_path)
     def killer():
         while records(tmp_path) < 2:
             time.sleep(0.05)
-        fleet.kill_server(0)
-        fleet.kill_server(1)
+        for i in fleet.live():
+            fleet.kill_server(i)
 
     t = threading.Thread(target=killer, daemon=True)
     t.start()
@@ -91,13 +107,12 @@ def test_whole_fleet_gone_stops_with_clear_error_and_intact_log(fleet, tmp_path)
     assert len(parsed.records) == kept
 
 
-def test_no_server_is_a_clear_error_without_hanging(tmp_path):
-    with LocalFleet(servers=0, key="nobody") as empty:
-        start = time.time()
-        with pytest.raises(RuntimeError, match="no server registered under key 'nobody'"):
-            tune(SPEC, trials=4, work_dir=tmp_path, rpc_tracker=empty.address, rpc_key="nobody",
-                 progress=lambda m: None)
-        assert time.time() - start < 30
+def test_no_server_is_a_clear_error_without_hanging(module_fleet, tmp_path):
+    start = time.time()  # the tracker is up; no server has this key
+    with pytest.raises(RuntimeError, match="no server registered under key 'nobody'"):
+        tune(SPEC, trials=4, work_dir=tmp_path, rpc_tracker=module_fleet.address, rpc_key="nobody",
+             progress=lambda m: None)
+    assert time.time() - start < 30
     port = free_port(9500, 9600)
     with pytest.raises(RuntimeError, match="cannot reach the RPC tracker"):
         tune(SPEC, trials=4, work_dir=tmp_path, rpc_tracker=f"127.0.0.1:{port}", rpc_key="x",

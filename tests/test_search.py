@@ -1,6 +1,7 @@
 """Whether the search pays: random sampling and a warm-started cost model beside the default
 search, the held-out evaluation and the efficiency report in tiny mode."""
 import json
+import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -21,16 +22,16 @@ B = AttentionSpec(batch=1, heads=2, seq_q=128, head_dim=96, causal=True)
 @pytest.fixture(scope="module")
 def logs(tmp_path_factory):
     root = tmp_path_factory.mktemp("search")
-    tune(A, trials=4, per_round=4, work_dir=root / "a", progress=lambda m: None)
+    tune(A, trials=2, per_round=2, work_dir=root / "a", progress=lambda m: None)
     lines = []
-    tune(B, trials=4, per_round=4, work_dir=root / "random", search="random", progress=lambda m: None)
-    tune(B, trials=4, per_round=4, work_dir=root / "warm", warm_start=root / "a", progress=lines.append)
+    tune(B, trials=2, per_round=2, work_dir=root / "random", search="random", progress=lambda m: None)
+    tune(B, trials=2, per_round=2, work_dir=root / "warm", warm_start=root / "a", progress=lines.append)
     return root, lines
 
 
 def test_random_search_log_reloads_in_a_fresh_process_validates_and_is_fused(logs, tmp_path):
     root, _ = logs
-    assert len(tuning_curve(B, root / "random")) == 4
+    assert len(tuning_curve(B, root / "random")) == 2
     out = tmp_path / "art"
     cmd = [sys.executable, "-m", "tvm_attention.cli", "build", "--batch", "1", "--heads", "2", "--seq-q", "128",
            "--head-dim", "96", "--causal", "--from-log", str(root / "random"), "--out", str(out)]
@@ -42,8 +43,8 @@ def test_random_search_log_reloads_in_a_fresh_process_validates_and_is_fused(log
 
 def test_warm_start_reads_another_specs_log(logs):
     root, lines = logs
-    assert any(ln.startswith("warm start: the cost model learned from 4 record(s)") for ln in lines), lines
-    assert len(tuning_curve(B, root / "warm")) == 4
+    assert any(ln.startswith("warm start: the cost model learned from 2 record(s)") for ln in lines), lines
+    assert len(tuning_curve(B, root / "warm")) == 2
     # the other spec's records are not B's: B's log holds only its own
     assert tuning_curve(A, root / "warm") == []
 
@@ -79,24 +80,32 @@ def test_held_out_cases_are_what_the_issue_names():
     assert not any(c.spec.layout == "paged" for c in held_out_cases(tiny=True))
 
 
-def test_held_out_and_efficiency_reports_in_tiny_mode(logs, tmp_path):
+def run_script(name, args, monkeypatch, capsys):
+    """Run scripts/NAME's main() with ARGS in this process (a fresh process would import TVM and
+    start the tuner's workers again: 15-20 s here). Returns (exit code, stdout)."""
+    main = runpy.run_path(str(ROOT / "scripts" / name))["main"]  # defined, not run (not __main__)
+    monkeypatch.setattr(sys, "argv", [name, *args])
+    capsys.readouterr()
+    rc = main()
+    return rc, capsys.readouterr().out
+
+
+def test_held_out_and_efficiency_reports_in_tiny_mode(logs, tmp_path, monkeypatch, capsys):
     out = tmp_path / "ho"
-    proc = subprocess.run(
-        [sys.executable, "scripts/search_report.py", "--held-out", "--tiny", "--trials", "2", "--only", "decode_b8",
-         "--repeat", "2", "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "| decode_b8 |" in proc.stdout and "geometric mean" in proc.stdout
+    rc, stdout = run_script("search_report.py", ["--held-out", "--tiny", "--trials", "2", "--only", "decode_b8",
+                                                 "--repeat", "2", "--out", str(out)], monkeypatch, capsys)
+    assert rc == 0, stdout
+    assert "| decode_b8 |" in stdout and "geometric mean" in stdout
     res = json.loads((out / "heldout.json").read_text())["results"]
     assert len(res) == 1 and res[0]["selected"] in ("tuned", "hand") and res[0]["hand_s"] > 0
     if res[0]["selected"] == "hand":
         assert res[0]["ratio_selected"] == 1.0  # build keeps the hand kernel: no loss by construction
     eff = tmp_path / "eff"
-    proc = subprocess.run(
-        [sys.executable, "scripts/search_efficiency.py", "--tiny", "--cases", "decode_b8", "--trials", "2",
-         "--xgb-from", str(out), "--arms", "xgb", "random", "--out", str(eff)],
-        capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "| decode_b8 | xgb |" in proc.stdout and "| decode_b8 | random |" in proc.stdout
+    rc, stdout = run_script("search_efficiency.py", ["--tiny", "--cases", "decode_b8", "--trials", "2",
+                                                     "--xgb-from", str(out), "--arms", "xgb", "random",
+                                                     "--out", str(eff)], monkeypatch, capsys)
+    assert rc == 0, stdout
+    assert "| decode_b8 | xgb |" in stdout and "| decode_b8 | random |" in stdout
     rows = json.loads((eff / "efficiency.json").read_text())["rows"]
     assert {r["arm"] for r in rows} == {"xgb", "random"} and all(r["best_gflops"] for r in rows)
     assert (eff / "efficiency.png").stat().st_size > 1000

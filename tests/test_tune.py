@@ -137,7 +137,7 @@ def _count_records(work: Path) -> int:
 def test_killed_tune_keeps_records_and_resume_does_not_remeasure(tmp_path):
     work = tmp_path / "log"
     cmd = [sys.executable, "-m", "tvm_attention.cli", "tune", "--batch", "1", "--heads", "2",
-           "--seq-q", "128", "--head-dim", "64", "--trials", "40", "--per-round", "2",
+           "--seq-q", "128", "--head-dim", "64", "--trials", "40", "--per-round", "2", "--threads", "1",
            "--work-dir", str(work)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -241,3 +241,28 @@ def test_committed_logs_match_the_current_workloads():
                              head_dim=int(d), dtype=dtype, causal=mask == "causal")
         target = parse_logs(folder).records[0][1].target
         assert best_records(spec, target, "fused", folder, k=1), f"{folder}: no record matches the workload"
+
+
+def _popen_workers():
+    import psutil
+
+    return sorted(c.pid for c in psutil.Process().children() if "tvm.exec.popen_worker" in c.cmdline())
+
+
+def test_local_workers_are_kept_between_tunes_only_when_asked(monkeypatch, tmp_path):
+    from tvm_attention.tune import driver
+
+    monkeypatch.setenv("TVM_ATTENTION_KEEP_WORKERS", "1")
+    tune(SPEC, trials=1, per_round=1, work_dir=tmp_path, progress=quiet)
+    kept = _popen_workers()
+    assert len(kept) >= 2  # a builder and the runner (at least) wait for the next tune
+    # Off (the default): this tune takes the kept workers, then stops every worker it used.
+    monkeypatch.setenv("TVM_ATTENTION_KEEP_WORKERS", "0")
+    during = []
+    r = tune(SPEC, trials=2, per_round=1, work_dir=tmp_path, progress=lambda m: during.extend(_popen_workers()))
+    assert r.trials_new == 1 and set(kept) <= set(during)  # the same processes served it
+    assert not driver._KEPT
+    deadline = time.time() + 10
+    while _popen_workers() and time.time() < deadline:
+        time.sleep(0.1)
+    assert _popen_workers() == []

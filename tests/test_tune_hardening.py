@@ -269,7 +269,7 @@ def test_ctrl_c_ends_with_one_line_and_130(tmp_path, phase, nth, delays):
     script.write_text(CTRL_C)
     stamp = tmp_path / "stamp"
     cmd = [sys.executable, str(script), phase, str(nth), delays, str(stamp),
-           "tune", *SPEC_ARGS, "--trials", "20", "--per-round", "2", "--work-dir", str(work)]
+           "tune", *SPEC_ARGS, "--trials", "20", "--per-round", "2", "--threads", "1", "--work-dir", str(work)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)  # killpg(0) hits this tune and its workers only
     try:

@@ -216,15 +216,24 @@ def _run_with_retry(runner, run_inputs, run_idx, results, progress):
         futures = runner.run([inp for _, inp in pending])
         deadline = time.time() + (runner.rpc_config.session_timeout_sec * 1.5 + 10 if rpc else 1e9)
         retry, hung = [], False
+        gone = False
         for (i, inp), fut in zip(pending, futures):
             if rpc:
-                while not fut.done() and time.time() < deadline:
+                # A request waits in the tracker's queue as long as no server is free; when the
+                # whole fleet is gone it would wait out the deadline (25 s at a 10 s session
+                # timeout), so the tracker is asked every 2 s whether any server is left.
+                next_check = time.time() + 2
+                while not gone and not fut.done() and time.time() < deadline:
                     time.sleep(0.05)
+                    if time.time() >= next_check:
+                        gone = _servers_left(runner) == 0
+                        next_check = time.time() + 2
                 if fut.done():
                     r = fut.result()
                 else:
                     hung = True
-                    r = ms.runner.RunnerResult(None, "RPC: no result before the deadline (server hung, or none free)")
+                    r = ms.runner.RunnerResult(None, "RPC: no server left under the key" if gone else
+                                               "RPC: no result before the deadline (server hung, or none free)")
             else:
                 r = fut.result()
             if r.error_msg and attempt == 0 and rpc and is_rpc_failure(r.error_msg):
@@ -520,6 +529,99 @@ def _warm_start(cost_model, warm_dir, schedule: str, target: Target, want: str, 
     return n
 
 
+#: Local worker pools kept for the next tune() of this process (TVM_ATTENTION_KEEP_WORKERS=1).
+_KEPT: dict[tuple, Any] = {}
+
+
+def keep_workers() -> bool:
+    """Whether tune() leaves its local builder and runner workers running for the next tune()
+    of this process (``TVM_ATTENTION_KEEP_WORKERS=1``). Off by default: the workers hold a TVM
+    each (~400 MB) and a library user's process should not carry them after tuning. Processes
+    that tune many times (the test suite, the search reports) turn it on: each tune otherwise
+    starts three workers that import TVM again, 3-4 s of CPU each on 2 cores."""
+    return os.environ.get("TVM_ATTENTION_KEEP_WORKERS", "").strip() not in ("", "0")
+
+
+@functools.lru_cache(maxsize=1)
+def _lean_builder_class():
+    from tvm.s_tir import meta_schedule as ms
+    from tvm.s_tir.meta_schedule.builder.local_builder import _serialize_params, _worker_func
+    from tvm.support.popen_pool import PopenPoolExecutor, StatusKind
+
+    # the plain Python class under TVM's object wrapper: the loop calls build() from Python
+    class LeanBuilder(ms.builder.LocalBuilder._cls):
+        """MetaSchedule's LocalBuilder with ``lean_build``, with one pool for every round.
+
+        TVM's starts a fresh pool for every batch (its workers grew in memory over many uses)
+        and, at construction, another one only to look up ``f_build`` by name (ours is a
+        Python function: it looks up nothing). Each fresh worker imports TVM, 3-4 s of CPU on
+        2 cores. Here the pool lives as long as the builder, and each worker is replaced after
+        ``WORKER_USES`` builds instead."""
+
+        WORKER_USES = 64
+
+        def _sanity_check(self) -> None:
+            self._pool = None
+
+        def build(self, build_inputs):
+            if self._pool is None:
+                self._pool = PopenPoolExecutor(max_workers=self.max_workers, timeout=self.timeout_sec,
+                                               initializer=self.initializer,
+                                               maximum_process_uses=self.WORKER_USES)
+            results = []
+            jobs = [(self.f_build, self.f_export, b.mod, b.target, _serialize_params(b.params))
+                    for b in build_inputs]
+            for r in self._pool.map_with_error_catching(lambda x: _worker_func(*x), jobs):
+                if r.status == StatusKind.COMPLETE:
+                    results.append(ms.builder.BuilderResult(r.value, None))
+                elif r.status == StatusKind.TIMEOUT:
+                    results.append(ms.builder.BuilderResult(
+                        None, f"LocalBuilder: Timeout, killed after {self.timeout_sec} seconds"))
+                else:
+                    results.append(ms.builder.BuilderResult(None, "LocalBuilder: An exception occurred\n"
+                                                            + str(r.value)))
+            return results
+
+        def close(self) -> None:
+            if self._pool is not None:
+                self._pool.shutdown()
+                self._pool = None
+
+    return LeanBuilder
+
+
+def _local_workers(spec: AttentionSpec, threads: int):
+    """(builder, runner) for a local tune: new ones, or the ones kept from the last tune of this
+    process (``keep_workers()``). Call under ``_workers_spawn()``: the pools' threads and worker
+    processes inherit its SIGINT mask, however many tunes later they start."""
+    from tvm.s_tir import meta_schedule as ms
+
+    key = ("local", threads)
+    if key in _KEPT:
+        builder, runner = _KEPT.pop(key)
+    else:
+        builder = _lean_builder_class()(max_workers=threads, timeout_sec=120, f_build=lean_build,
+                                        initializer=ignore_sigint)
+        runner = ms.runner.LocalRunner._cls(
+            timeout_sec=120,
+            evaluator_config=ms.runner.EvaluatorConfig(number=1, repeat=3, min_repeat_ms=100,
+                                                       enable_cpu_cache_flush=False),
+            initializer=functools.partial(runner_init, threads),
+        )
+    runner.f_alloc_argument = _alloc_for(spec)  # passed to the worker with each measurement
+    return builder, runner
+
+
+def _release_local_workers(threads: int, builder, runner) -> None:
+    """Keep the local workers for the next tune, or stop them now."""
+    if keep_workers() and ("local", threads) not in _KEPT:
+        _KEPT[("local", threads)] = (builder, runner)
+        return
+    builder.close()
+    if runner is not None:
+        runner.pool.shutdown()
+
+
 def _tune_locked(spec, target, device, schedule, trials, work, per_round, seed, runner, threads,
                  progress, ctrl_c, saved, interrupted_line, search="xgb", warm_start=None) -> TuneResult:
     """tune()'s body, run with the folder's lock held and Ctrl-C handled by ``ctrl_c``."""
@@ -546,6 +648,7 @@ def _tune_locked(spec, target, device, schedule, trials, work, per_round, seed, 
     for msg in parsed.repaired:
         progress(f"warning: {msg}")
     states: list[TaskState] = []
+    local = None  # (builder, runner) started here: kept or stopped at the end
     try:
         for i, d in enumerate(defs):
             with contextlib.nullcontext() if d.needs_tensor_intrin else _skip_tensor_intrin_import():
@@ -617,16 +720,12 @@ def _tune_locked(spec, target, device, schedule, trials, work, per_round, seed, 
         # Step 3. The loop. Workers start with SIGINT blocked (_workers_spawn) and ignore it
         # (their initializer): a Ctrl-C must not kill a build or a measurement half way.
         with _workers_spawn():
-            builder = ms.builder.LocalBuilder(max_workers=threads, timeout_sec=120, f_build=lean_build,
-                                              initializer=ignore_sigint)
             if runner is None:
-                runner = ms.runner.LocalRunner(
-                    timeout_sec=120,
-                    f_alloc_argument=_alloc_for(spec),
-                    evaluator_config=ms.runner.EvaluatorConfig(number=1, repeat=3, min_repeat_ms=100,
-                                                               enable_cpu_cache_flush=False),
-                    initializer=functools.partial(runner_init, threads),
-                )
+                builder, runner = local = _local_workers(spec, threads)
+            else:
+                builder = _lean_builder_class()(max_workers=threads, timeout_sec=120, f_build=lean_build,
+                                                initializer=ignore_sigint)
+                local = (builder, None)
         if ctrl_c.requested:
             return stopped()
         done = existing
@@ -755,3 +854,5 @@ def _tune_locked(spec, target, device, schedule, trials, work, per_round, seed, 
                 s.ctx.post_tuning()
             except Exception:
                 pass
+        if local is not None:
+            _release_local_workers(threads, *local)

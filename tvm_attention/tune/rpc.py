@@ -69,6 +69,7 @@ class LocalFleet:
         self.state_file = Path(state_file) if state_file else None
         self.tracker: subprocess.Popen | None = None
         self.servers: list[subprocess.Popen] = []
+        self.killed: set[int] = set()  # indices of servers killed on purpose (kill_server)
 
     @property
     def address(self) -> str:
@@ -112,8 +113,9 @@ class LocalFleet:
         deadline = time.time() + wait_s
         while time.time() < deadline:
             self._check_alive(self.tracker, "the RPC tracker")
-            for proc in self.servers:
-                self._check_alive(proc, "an RPC server")
+            for i, proc in enumerate(self.servers):
+                if i not in self.killed:
+                    self._check_alive(proc, "an RPC server")
             if _port_open(self.host, self.tracker_port):
                 try:
                     if tracker_status(self.host, self.tracker_port, self.key, timeout=5)["servers"] >= servers:
@@ -125,8 +127,13 @@ class LocalFleet:
 
     def kill_server(self, index: int) -> None:
         """Kill one server (and its workers) with SIGKILL, as a crash would."""
+        self.killed.add(index)
         _kill_group(self.servers[index].pid, signal.SIGKILL)
         self.servers[index].wait(timeout=30)
+
+    def live(self) -> list[int]:
+        """Indices of the servers still running."""
+        return [i for i, p in enumerate(self.servers) if i not in self.killed and p.poll() is None]
 
     def pids(self) -> list[int]:
         return [p.pid for p in ([self.tracker] if self.tracker else []) + self.servers]
