@@ -22,6 +22,10 @@ from __future__ import annotations
 import inspect
 
 
+#: TVM's own methods, as they were before ``_install`` (a test parses with both and compares)
+ORIGINAL: dict = {}
+
+
 def _install() -> bool:
     try:
         from tvm.script.parser.core.parser import ScriptMacro
@@ -32,6 +36,7 @@ def _install() -> bool:
     if not all(callable(getattr(ScriptMacro, n, None)) for n in ("_find_parser_def", "get_macro_def")):
         return False  # pragma: no cover
     original_def = ScriptMacro.get_macro_def
+    ORIGINAL.update(_find_parser_def=ScriptMacro._find_parser_def, get_macro_def=original_def)
     name = ScriptMacro.parser_object_name
 
     def _find_parser_def(self):
