@@ -58,15 +58,3 @@ def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONG_FILES)}
     items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FILES)))  # stable: the rest keep their order
 
-
-def pytest_xdist_auto_num_workers(config):
-    """``-n auto``: one worker more than the cores this process may use (pyproject caps it at 4).
-    With one worker per core the 2 cores were busy 86% of the run (user+sys 20:12 of 23:24):
-    workers wait on subprocesses starting, RPC servers registering, Ctrl-C timers, the tail of
-    the last file. A third worker fills that: 9:41 against 10:25 in AVX2 mode on 2 Zen 4 cores.
-    ``PYTEST_XDIST_AUTO_NUM_WORKERS`` still decides."""
-    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
-        return None
-    from tvm_attention.hostcpu import available_cores
-
-    return available_cores() + 1
