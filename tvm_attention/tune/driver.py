@@ -590,6 +590,11 @@ def _lean_builder_class():
     return LeanBuilder
 
 
+def _new_builder(threads: int):
+    return _lean_builder_class()(max_workers=threads, timeout_sec=120, f_build=lean_build,
+                                 initializer=ignore_sigint)
+
+
 def _local_workers(spec: AttentionSpec, threads: int):
     """(builder, runner) for a local tune: new ones, or the ones kept from the last tune of this
     process (``keep_workers()``). Call under ``_workers_spawn()``: the pools' threads and worker
@@ -600,8 +605,7 @@ def _local_workers(spec: AttentionSpec, threads: int):
     if key in _KEPT:
         builder, runner = _KEPT.pop(key)
     else:
-        builder = _lean_builder_class()(max_workers=threads, timeout_sec=120, f_build=lean_build,
-                                        initializer=ignore_sigint)
+        builder = _new_builder(threads)
         runner = ms.runner.LocalRunner._cls(
             timeout_sec=120,
             evaluator_config=ms.runner.EvaluatorConfig(number=1, repeat=3, min_repeat_ms=100,
@@ -722,9 +726,8 @@ def _tune_locked(spec, target, device, schedule, trials, work, per_round, seed, 
         with _workers_spawn():
             if runner is None:
                 builder, runner = local = _local_workers(spec, threads)
-            else:
-                builder = _lean_builder_class()(max_workers=threads, timeout_sec=120, f_build=lean_build,
-                                                initializer=ignore_sigint)
+            else:  # a fleet's runner: the builds stay local
+                builder = _new_builder(threads)
                 local = (builder, None)
         if ctrl_c.requested:
             return stopped()
