@@ -30,22 +30,38 @@ from tvm.script import tirx as T
 from tvm_attention.spec import AttentionSpec
 
 F32 = "float32"
-DOT_LANES = 16  # float32 lanes of the dot product's vectors (AVX-512)
+#: float32 lanes of the dot product's vectors: 16 (a zmm, AVX-512) or 8 (a ymm, AVX2)
+DOT_LANES = (16, 8)
 
 
 @dataclasses.dataclass(frozen=True)
 class DotDecodeKnobs:
-    """Decisions of :func:`schedule` (derived from the main knobs by ``cpu_flash``)."""
+    """Decisions of :func:`schedule` (derived from the main knobs by ``cpu_flash``:
+    :func:`for_lanes`)."""
 
     pv_rows: int = 4  # PV_gemm rows per register block (unrolled)
     pv_cols: int = 64  # head_dim columns per PV_gemm register block (0 = all)
+    lanes: int = 16  # float32 lanes of every vector (DOT_LANES)
+
+
+def for_lanes(lanes: int) -> DotDecodeKnobs:
+    """The decode nest's PV register block for ``lanes``-wide vectors: accumulators in half the
+    vector registers — AVX-512 4 rows × 64 columns (16 of 32 zmm), AVX2 2 rows × 32 columns
+    (8 of 16 ymm; 4 × 32 would leave no register for V and P).
+
+    Why on AVX2 (``mcpu`` znver3 code on a 2-core znver4, H32 KH8 D128 fp32 kvcache, 2 threads,
+    ms at B1 4k / B1 16k / B4 4k, one run): before this nest took AVX2 (one 8-row vector,
+    scheduled as the main nest) 2.66 / 11.5 / 10.3 ms; dot products with 4 × 16 1.85 / 6.99 /
+    8.51, with 2 × 32 1.78 / 6.66 / 7.84, against the AVX-512 build's 1.52 / 6.26 / 7.59; a
+    one-row block over all of head_dim 2.09 / 9.37 / 13.0."""
+    return DotDecodeKnobs(pv_rows=4 if lanes == 16 else 2, pv_cols=64 if lanes == 16 else 4 * lanes, lanes=lanes)
 
 
 def supports(spec: AttentionSpec, rows: int, lanes: int) -> bool:
-    """Whether a ``rows``-row decode nest can take the dot-product schedule: AVX-512 lanes,
-    head_dim a multiple of them, and a power-of-two row count up to one vector (the shuffle
-    tree pairs accumulators)."""
-    return (lanes == DOT_LANES and spec.head_dim % DOT_LANES == 0 and 1 <= rows <= DOT_LANES
+    """Whether a ``rows``-row decode nest can take the dot-product schedule: AVX-512 or AVX2
+    lanes (:data:`DOT_LANES`), head_dim a multiple of them, and a power-of-two row count up to
+    one vector (the shuffle tree pairs accumulators)."""
+    return (lanes in DOT_LANES and spec.head_dim % lanes == 0 and 1 <= rows <= lanes
             and rows & (rows - 1) == 0)
 
 
@@ -100,23 +116,24 @@ def _shuffle_tree(vecs: list, width: int):
     return body
 
 
-def _dot(K, Q, D: int, rows: int):
+def _dot(K, Q, D: int, rows: int, lanes: int):
     """``Σ_d K[d]·Q[i, d]`` for ``i < rows`` as one ``rows``-lane expression."""
-    vt = f"float32x{DOT_LANES}"
+    vt = f"float32x{lanes}"
     vecs = []
     for i in range(rows):
         acc = None
-        for c in range(D // DOT_LANES):
-            a = K.vload([c * DOT_LANES], vt)
-            b = Q.vload([i, c * DOT_LANES], vt)
+        for c in range(D // lanes):
+            a = K.vload([c * lanes], vt)
+            b = Q.vload([i, c * lanes], vt)
             acc = a * b if acc is None else tirx.call_llvm_pure_intrin(vt, "llvm.fmuladd", a, b, acc)
         vecs.append(acc)
-    return _shuffle_tree(vecs, DOT_LANES)
+    return _shuffle_tree(vecs, lanes)
 
 
-def dot_intrinsic(D: int, rows: int) -> str:
-    """Register (once) and name the tensor intrinsic ``S[0:rows] += K[0:D] · Q[0:rows, 0:D]``."""
-    name = f"attn_decode_dot_d{D}_r{rows}"
+def dot_intrinsic(D: int, rows: int, lanes: int = 16) -> str:
+    """Register (once) and name the tensor intrinsic ``S[0:rows] += K[0:D] · Q[0:rows, 0:D]``
+    on ``lanes``-wide vectors."""
+    name = f"attn_decode_dot_d{D}_r{rows}" + ("" if lanes == 16 else f"_l{lanes}")
     if name in _REGISTERED:
         return name
 
@@ -148,9 +165,9 @@ def dot_intrinsic(D: int, rows: int) -> str:
             T.reads(S[0:rows], K[0:D], Q[0:rows, 0:D])
             T.writes(S[0:rows])
             if rows > 1:
-                S[T.Ramp(0, 1, rows)] = S.vload([0], f"float32x{rows}") + _dot(K, Q, D, rows)
+                S[T.Ramp(0, 1, rows)] = S.vload([0], f"float32x{rows}") + _dot(K, Q, D, rows, lanes)
             else:
-                S[0] = S[0] + _dot(K, Q, D, rows)
+                S[0] = S[0] + _dot(K, Q, D, rows, lanes)
 
     try:
         TensorIntrin.register(name, desc, impl)
@@ -172,7 +189,7 @@ def has_block(sch: s_tir.Schedule, name: str) -> bool:
     return True
 
 
-def _vectorize(sch: s_tir.Schedule, loop, extent: int, lanes: int = DOT_LANES) -> None:
+def _vectorize(sch: s_tir.Schedule, loop, extent: int, lanes: int) -> None:
     if extent == 1:
         return
     if extent <= lanes:
@@ -185,7 +202,7 @@ def _vectorize(sch: s_tir.Schedule, loop, extent: int, lanes: int = DOT_LANES) -
 
 def schedule(sch: s_tir.Schedule, spec: AttentionSpec, suffix: str, knobs: DotDecodeKnobs = DotDecodeKnobs()) -> None:
     """Schedule the decode nest whose blocks carry ``suffix`` (``_dec4``, ``_dec4_split``)."""
-    D = spec.head_dim
+    D, L = spec.head_dim, knobs.lanes
     row_tile = sch.get_sblock("row_tile" + suffix)
     bufs = {b.name: b for b in sch.get(row_tile).alloc_buffers}
     rows, block_n = int(bufs["Qt"].shape[1]), int(bufs["S"].shape[0])
@@ -204,7 +221,7 @@ def schedule(sch: s_tir.Schedule, spec: AttentionSpec, suffix: str, knobs: DotDe
     sch.transform_layout(q_load, ("write", 0), lambda d, i: (i, d))
     d, i = sch.get_loops(q_load)[-2:]
     sch.reorder(i, d)
-    _vectorize(sch, d, D)
+    _vectorize(sch, d, D, L)
 
     s_gemm = blk("S_gemm")
     if heads > 1:
@@ -213,32 +230,32 @@ def schedule(sch: s_tir.Schedule, spec: AttentionSpec, suffix: str, knobs: DotDe
         _, d, i = sch.get_loops(s_gemm)[-3:]
         h, _ = sch.split(i, [heads, rows])
         sch.reorder(h, d)
-        _vectorize(sch, sch.get_loops(blk("V_load"))[-1], D)
+        _vectorize(sch, sch.get_loops(blk("V_load"))[-1], D, L)
 
     # K_load: the key tile copied in contiguous vectors (the workload stages it: stage_k)
-    _vectorize(sch, sch.get_loops(blk("K_load"))[-1], D)
+    _vectorize(sch, sch.get_loops(blk("K_load"))[-1], D, L)
     if has_block(sch, "KV_prefetch" + suffix):  # one prefetch per cache line of a K/V row
         sch.unroll(sch.get_loops(blk("KV_prefetch"))[-1])
 
     # S_gemm: init hoisted, then each key's (d, row) nest is one dot-product intrinsic
     _, d, _ = sch.get_loops(s_gemm)[-3:]
     init = sch.decompose_reduction(s_gemm, d)
-    _vectorize(sch, sch.get_loops(init)[-1], rows)
-    sch.tensorize(d, dot_intrinsic(D, rows))
+    _vectorize(sch, sch.get_loops(init)[-1], rows, L)
+    sch.tensorize(d, dot_intrinsic(D, rows, L))
 
     # softmax stages: vectors across rows; P_exp over the fused (key, row) loop, full vectors
     for name in ("row_max", "row_sum"):
         b = blk(name)
         j, i = sch.get_loops(b)[-2:]
-        _vectorize(sch, i, tile_rows)
+        _vectorize(sch, i, tile_rows, L)
         sch.decompose_reduction(b, j)
     for name in ("online_correction", "max_commit", "state_init"):
-        _vectorize(sch, sch.get_loops(blk(name))[-1], tile_rows)
+        _vectorize(sch, sch.get_loops(blk(name))[-1], tile_rows, L)
     j, i = sch.get_loops(blk("P_exp"))[-2:]
     if heads > 1:  # a multi-head tile has full vectors of rows: keep the key loop a loop
-        _vectorize(sch, i, tile_rows)
+        _vectorize(sch, i, tile_rows, L)
     else:
-        _vectorize(sch, sch.fuse(j, i), block_n * tile_rows)
+        _vectorize(sch, sch.fuse(j, i), block_n * tile_rows, L)
 
     # PV_gemm: (row block, [column block,] key, rows unrolled, columns vectorized)
     pv = blk("PV_gemm")

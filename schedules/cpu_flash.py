@@ -93,15 +93,26 @@ def max_pv_rows(pv_cols: int, lanes: int) -> int:
     return (VECTOR_REGISTERS.get(lanes, 16) - 2) // math.ceil(pv_cols / lanes)
 
 
+#: Rows of a PV_gemm register block the presets aim at: each V vector loaded is reused by this
+#: many rows. A block of one row loads a V vector per FMA and is bound by the load ports: on a
+#: 2-core znver4, B1 S2048 fp32 (2 threads), head_dim 256 on AVX-512 ran 122 GFLOP/s with one
+#: row over all of head_dim and 194 with 4 rows × 64 columns; D=64 on AVX2 (mcpu znver3) 165
+#: with one row over 64 columns, 174 with 4 × 16 (same tile).
+PV_ROWS_GOAL = 4
+
+
 def pv_columns(head_dim: int, lanes: int) -> int:
-    """Head_dim columns per PV_gemm register block: all of head_dim when a row of accumulators
-    over it fits (every preset measured so far), else the largest divisor of head_dim that
-    leaves room for two rows — so every head_dim builds on every x86 target, AVX2 and SSE too."""
-    if max_pv_rows(head_dim, lanes) >= 1:
+    """Head_dim columns per PV_gemm register block: all of head_dim when a row block of at
+    least two rows fits the vector registers over it (AVX-512 up to D=128: every AVX-512
+    preset measured before AVX2), else the widest divisor of head_dim whose block takes
+    ``PV_ROWS_GOAL`` rows (AVX2 at D=64 and 128: 16 columns = 2 ymm; AVX-512 D=256: 64) — so
+    every head_dim builds on every x86 target, SSE too."""
+    if max_pv_rows(head_dim, lanes) >= 2:
         return head_dim
-    regs = VECTOR_REGISTERS.get(lanes, 16)
-    return max(c for c in range(1, head_dim + 1)
-               if head_dim % c == 0 and 2 * math.ceil(c / lanes) + 2 <= regs)
+    # whole vectors first (D=80 on AVX2: 16 columns, not 20 = 2½ ymm), then the widest
+    fits = [c for c in range(1, head_dim + 1) if head_dim % c == 0 and max_pv_rows(c, lanes) >= PV_ROWS_GOAL]
+    fits = fits or [c for c in range(1, head_dim + 1) if head_dim % c == 0 and max_pv_rows(c, lanes) >= 1]
+    return max(fits, key=lambda c: (c % lanes == 0, c))
 
 
 def pv_cols_of(knobs: Any, head_dim: int) -> int:
@@ -110,25 +121,38 @@ def pv_cols_of(knobs: Any, head_dim: int) -> int:
 
 
 def preset(spec: AttentionSpec, target: Target) -> FlashCPUKnobs:
-    """Per-target default knobs.
+    """Per-target default knobs, derived from the vector width and the register file.
 
-    Why these values (measured on a 2-core znver4, B1 H8 S2048 D64, 2 threads): block_m = two
-    vectors of query rows and block_n = 64 keys ran 202 GFLOP/s; (32, 128), (48, 64), (64, 128)
-    and (16, 64) ran 189-197, (32, 96) 177 and (32, 128, s_rows=8) 104 (its 16 accumulators +
-    L1 pressure). s_rows=4 beat 8 at (32, 64); pv_rows is the largest row block whose
-    accumulators (pv_rows·D/lanes) leave room for the V row: 4 at D=64, 2 at D=128.
+    * ``block_m`` = 32 query rows (fp32: 2 zmm vectors on AVX-512, 4 ymm on AVX2), 64 with
+      bf16 dot products; ``block_n`` = 64 keys.
+    * ``s_rows``: the S_gemm register block holds at most half the vector registers as
+      accumulators (``s_rows × block_m/lanes``; 16 of 32 zmm, 8 of 16 ymm), up to 4 keys.
+    * PV_gemm: up to 4 rows over all of head_dim when at least two rows fit, else
+      ``PV_ROWS_GOAL`` rows over a column block (:func:`pv_columns`).
+
+    Why (2-core znver4, B1 H8 S2048, 2 threads, GFLOP/s): AVX-512 D=64: (32, 64) s_rows 4 ran
+    202; (32, 128), (48, 64), (64, 128) and (16, 64) 189-197, (32, 96) 177, (32, 128, s_rows=8)
+    104 (16 accumulators + L1 pressure); pv_rows 4 at D=64, 2 at D=128 (a 4 × 64 split: level).
+    AVX2 (``mcpu`` znver3 code on the same host; FMA roof 217): D=64: the one-register-file
+    rule of before (16 rows, s_rows 4, one PV row over 64 columns) 165; 32 rows, s_rows 2
+    (8 accumulators + 4 q vectors + a broadcast = 13 of 16 ymm), 4 PV rows × 16 columns 182;
+    24 rows × s_rows 4 (16 ymm) 155; block_n 128 174. D=128: 172 before, 186 with the same rule.
     """
     lanes = vector_lanes(target)
+    regs = VECTOR_REGISTERS.get(lanes, 16)
     dot = bf16_dots(spec, target)
     # bf16 dot products halve the products' time, so the per-tile work around them (the K/V
     # staging, the softmax) weighs more: 64 rows amortize it (2 threads, S=4096, H=8, D=64/128:
-    # 319/344 GFLOP/s against 295/314 with 32 rows; block_n 128 no better)
-    block_m, block_n = (4 if dot else 2) * lanes, 64
-    pv_cols = pv_columns(spec.head_dim, lanes)
-    pv_rows = max(1, min(4, max_pv_rows(pv_cols, lanes)))
+    # 319/344 GFLOP/s against 295/314 with 32 rows; block_n 128 no better). A row tile is at
+    # most a quarter of the registers in query vectors (SSE: 4 of 16 xmm).
+    q_vectors = min((64 if dot else 32) // lanes, regs // 4)
+    block_m, block_n = q_vectors * lanes, 64
+    # the bf16 dot-product PV block always spans all of head_dim (cpu_bf16)
+    pv_cols = spec.head_dim if dot else pv_columns(spec.head_dim, lanes)
+    pv_rows = max(1, min(PV_ROWS_GOAL, max_pv_rows(pv_cols, lanes)))
     while block_m % pv_rows:
         pv_rows -= 1
-    s_rows = min(4, max_s_rows(block_m, lanes))
+    s_rows = max(1, min(4, (regs // 2) // q_vectors, max_s_rows(block_m, lanes)))
     while block_n % s_rows:
         s_rows -= 1
     # A row of accumulators that is not a power-of-two number of vectors (head_dim 48, 80, 96,
@@ -156,9 +180,9 @@ MAX_DECODE_VT_BYTES = 512 * 1024
 
 def stages_decode(spec: AttentionSpec, knobs: FlashCPUKnobs) -> bool:
     """Whether ``spec`` has a decode nest narrower than a vector, which stages its K/V tiles and
-    is dot-product scheduled (``cpu_decode``: AVX-512, head_dim a multiple of 16): the only
-    nests ``decode_heads`` and ``prefetch`` change. On AVX2 the decode nest is one vector of
-    rows, scheduled as the main nest."""
+    is dot-product scheduled (``cpu_decode``: AVX-512 or AVX2, head_dim a multiple of the
+    lanes): the only nests ``decode_heads`` and ``prefetch`` change. Elsewhere (SSE, or a
+    head_dim such as 72) the decode nest is one vector of rows, scheduled as the main nest."""
     return any(r < knobs.vector_lanes for r in decode_rows(spec, knobs))
 
 
@@ -258,7 +282,7 @@ def check(knobs: FlashCPUKnobs, spec: AttentionSpec, target: Target) -> None:
     if (knobs.decode_heads > 1 or knobs.prefetch) and not stages_decode(spec, knobs):
         raise KnobError(
             f"decode_heads={knobs.decode_heads} and prefetch={knobs.prefetch} apply to the staged decode nests "
-            f"(dot products on {cpu_decode.DOT_LANES}-lane vectors, head_dim a multiple of {cpu_decode.DOT_LANES}); "
+            f"(dot products on {' or '.join(map(str, cpu_decode.DOT_LANES))}-lane vectors, head_dim a multiple of them); "
             f"with vector_lanes={lanes} and head_dim={spec.head_dim} this kernel has none: leave them at 1 and 0")
     vt_bytes = 4 * knobs.block_n * knobs.decode_heads * spec.head_dim
     if knobs.decode_heads > 1 and vt_bytes > MAX_TILE_BYTES:
@@ -271,6 +295,8 @@ def check(knobs: FlashCPUKnobs, spec: AttentionSpec, target: Target) -> None:
         raise KnobError(
             f"dot_bf16=1 needs bfloat16 inputs (dtype={spec.dtype}), a head_dim that is a multiple of "
             f"{cpu_bf16.L} (head_dim={spec.head_dim}) and a CPU with {cpu_bf16.FEATURE} (target {target})")
+    if knobs.dot_bf16 and knobs.pv_cols:
+        raise KnobError(f"dot_bf16=1 computes PV over all of head_dim: pv_cols={knobs.pv_cols} must be 0")
     if knobs.dot_bf16 and knobs.block_n % 2:
         raise KnobError(f"dot_bf16=1 pairs keys: block_n={knobs.block_n} must be even")
     regs = VECTOR_REGISTERS.get(lanes, 16)
@@ -545,7 +571,7 @@ def apply(sch: s_tir.Schedule, knobs: FlashCPUKnobs, spec: AttentionSpec) -> s_t
             if not _has_block(sch, "row_tile" + nest):
                 continue  # a static seq_q keeps one tier; a static batch may need no split form
             if rows < knobs.vector_lanes:
-                cpu_decode.schedule(sch, spec, nest)
+                cpu_decode.schedule(sch, spec, nest, cpu_decode.for_lanes(knobs.vector_lanes))
             else:
                 schedule(sch, spec, knobs.vector_lanes, decode_knobs(knobs), suffix=nest)
         if _has_block(sch, MERGE + suffix):

@@ -297,7 +297,7 @@ def test_static_decode_shape_builds_its_packed_nest_alone():
     assert b.audit.fused and b.audit.probe == {"seq_q": 1, "seq_kv": 600}, b.audit
     from schedules import cpu_flash
 
-    # AVX-512: the 4-row dot-product nest (group 4); AVX2: one 8-lane vector of rows
+    # the 4-row dot-product nest (group 4; AVX-512 and AVX2); else one vector of rows
     rows = 4 if cpu_flash.stages_decode(spec, b.knobs) else b.knobs.vector_lanes
     script = cpu_flash.workload(spec, b.knobs).script()
     assert f'sblock("row_tile_dec{rows}' in script and 'sblock("row_tile")' not in script
@@ -317,7 +317,7 @@ def test_page_order_and_prefetch_are_points_of_the_decode_space():
     target = resolve_target("llvm")
     spec = AttentionSpec(batch=1, heads=8, kv_heads=4, seq_q=1, seq_kv=300, head_dim=64, layout="paged", page_size=16)
     if not cpu_flash.stages_decode(spec, cpu_flash.preset(spec, target)):
-        return _no_staged_decode_nest_on_avx2(spec, target)
+        return _no_staged_decode_nest(spec, target)
     assert cpu_flash.preset(spec, target).decode_heads == 4
     assert cpu_flash.preset(AttentionSpec(**{**spec.to_dict(), "layout": "kvcache", "page_size": None}), target).decode_heads == 1
     rep = spec.representative()
@@ -343,12 +343,14 @@ def test_page_order_and_prefetch_are_points_of_the_decode_space():
     assert "prefetcht0" in getattr(module, "mod", module).inspect_source("asm")
     with pytest.raises(Exception, match="decode_heads=3 must divide kv_heads=4"):
         built(spec, knobs=(("decode_heads", 3),))
+    _no_staged_decode_nest(dataclasses.replace(spec, head_dim=36), target)  # 36: 4½ ymm, 2¼ zmm
 
 
-def _no_staged_decode_nest_on_avx2(spec, target):
-    """AVX2: the decode nest is one vector of rows (no dot-product nest stages K/V), so the page
-    order and the prefetch have nothing to change: the preset and the decode space hold neither,
-    a knob set asking for them is refused by name, and the preset is right on shuffled pages."""
+def _no_staged_decode_nest(spec, target):
+    """No dot-product decode nest (a head_dim that is no multiple of the lanes, or SSE): the
+    decode nest is one vector of rows (nothing stages K/V), so the page order and the prefetch
+    have nothing to change: the preset and the decode space hold neither, a knob set asking for
+    them is refused by name, and the preset is right on shuffled pages."""
     from schedules import cpu_flash
     from tvm_attention.tune.tasks import make_tasks
 
@@ -393,7 +395,7 @@ def test_split_count_and_page_order_are_tasks_of_a_kvcache_step():
 
     points = sorted(point(t) for t in tasks if "attn.prefetch" not in t.mod["main"].attrs)
     assert [p for p in points if p[1] == 1] == [(bn, 1, ns) for bn in (32, 64, 128) for ns in (1, 2, 4)]
-    if not cpu_flash.stages_decode(rep, cpu_flash.preset(rep, target)):  # AVX2: one head per task
+    if not cpu_flash.stages_decode(rep, cpu_flash.preset(rep, target)):  # no staged nest: one head per task
         assert {p[1] for p in points} == {1} and len(points) == len(tasks) == 9
         return
     assert [p for p in points if p[1] == 8] == [(bn, 8, ns) for bn in (32, 64, 128) for ns in (1, 8)]
@@ -438,10 +440,10 @@ def test_paged_decode_is_tuned_in_pages(tmp_path):
     names = [t.name for t in tasks]
     from schedules import cpu_flash
 
-    if cpu_flash.stages_decode(spec, cpu_flash.preset(spec, target)):  # AVX-512: the page order too
+    if cpu_flash.stages_decode(spec, cpu_flash.preset(spec, target)):  # AVX-512, AVX2: the page order too
         assert names[0] == "fused_dec_n64_s8_h4" and "fused_dec_n64_s0_h1" in names and "fused_dec_n32_s0_h2" in names
         assert len(tasks) == 11
-    else:  # AVX2: one head per task; at 32 tasks no split count differs, so the key tile alone
+    else:  # no staged decode nest (SSE): one head per task; at 32 tasks no split count differs
         assert names == ["fused_dec_n64_s8_h1", "fused_dec_n32_s0_h1", "fused_dec_n128_s0_h1"], names
     assert all(t.points == 1 for t in tasks)
     # static shapes: 8 sequences of 300 keys in 19 pages each (+3 spare), block_table (8, 19)

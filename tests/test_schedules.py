@@ -34,14 +34,14 @@ INFEASIBLE = {
         (dict(block_n=0), "positive int"),
     ],
     # AVX2: 8 lanes, so 24 rows are whole vectors and 12 are not; 16 ymm registers, so a row
-    # of D=64 accumulators (8 vectors) leaves room for one PV row, and 32 rows (4 vectors) for
-    # s_rows=2
+    # of D=64 accumulators over all of head_dim (8 vectors) leaves room for one PV row, and 32
+    # rows (4 vectors) for s_rows=2
     8: [
         (dict(block_m=12), "multiple of vector_lanes"),
         (dict(block_n=50, s_rows=4), "multiple of s_rows"),
         (dict(block_m=8, pv_rows=3), "multiple of pv_rows"),
         (dict(s_rows=8), "S_gemm register block needs"),
-        (dict(pv_rows=2), "PV_gemm register block needs"),
+        (dict(pv_rows=2, pv_cols=0), "PV_gemm register block needs"),
         (dict(vector_lanes=16, block_m=32), "vector_lanes=16"),
         (dict(block_m=32, block_n=4096, s_rows=2), "MAX_TILE_BYTES"),
         (dict(block_n=0), "positive int"),

@@ -239,7 +239,7 @@ def _split_lines(path: Path, repair: bool, repaired: list[str],
 #: schedules package is imported; a decode nest's dot intrinsic (one per head_dim and row count)
 #: only when a decode kernel is scheduled, so a fresh process reading a decode tune's log (a
 #: resumed tune, `build`) must register it before decoding the record.
-_DECODE_DOT = re.compile(r"attn_decode_dot_d(\d+)_r(\d+)")
+_DECODE_DOT = re.compile(r"attn_decode_dot_d(\d+)_r(\d+)(?:_l(\d+))?")
 
 
 def _register_intrinsics(line: str) -> None:
@@ -247,8 +247,8 @@ def _register_intrinsics(line: str) -> None:
         return
     from schedules.cpu_decode import dot_intrinsic
 
-    for d, rows in set(_DECODE_DOT.findall(line)):
-        dot_intrinsic(int(d), int(rows))
+    for d, rows, lanes in set(_DECODE_DOT.findall(line)):  # no _l suffix: AVX-512's 16 lanes
+        dot_intrinsic(int(d), int(rows), int(lanes or 16))
 
 
 def parse_logs(work_dir: str | os.PathLike, repair: bool = False,
