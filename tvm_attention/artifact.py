@@ -31,6 +31,10 @@ Manifest (``manifest_version`` 1; keys are only ever added, never repurposed)::
     cpu_features      (CPU builds) the ISA features the library's code may use, LLVM names
                       (``tvm_attention.hostcpu``): ``load`` refuses the artifact on a CPU that
                       lacks one instead of dying with SIGILL
+    data_alignment    byte alignment the library needs of every argument's data pointer (16 for
+                      CPU builds: NumPy's own placement; 64 when absent, as before it was
+                      recorded, and for CUDA builds); the loader copies an input that is not,
+                      and C/C++ callers must pass data so aligned (docs/artifact_checks.md)
     schedule          {name, source: "hand"|"tuned", family, knobs | trace}
     tvm_version       TVM that built it
     audit             {verdict, reasons, largest_allocation, bytes_by_scope, allocations, ...}
@@ -75,7 +79,8 @@ class ValidationFailed(RuntimeError):
 
 
 def kernel_of(built: BuiltKernel) -> AttentionKernel:
-    return AttentionKernel(built.spec, built.function, device="cuda" if is_cuda(built.target) else "cpu")
+    return AttentionKernel(built.spec, built.function, {"data_alignment": built.data_alignment},
+                           device="cuda" if is_cuda(built.target) else "cpu")
 
 
 def validate_built(built: BuiltKernel, seed: int = 0) -> ValidationResult:
@@ -108,6 +113,7 @@ def make_manifest(built: BuiltKernel, validation: ValidationResult) -> dict[str,
         "spec_hash": built.spec.fingerprint(),
         "target": target_to_json(built.target),
         "cpu_features": built.cpu_features,
+        "data_alignment": built.data_alignment,
         "schedule": built.schedule_info(),
         "tvm_version": tvm.__version__,
         "audit": built.audit.to_dict(),

@@ -51,6 +51,16 @@ class BuiltKernel:
         return info
 
     @property
+    def data_alignment(self) -> int:
+        """Byte alignment the kernel needs of every argument's data: what its PrimFunc declared
+        (``attn.data_alignment``: 16 for the CPU kernels, ``spec.DATA_ALIGNMENT``), else TVM's
+        default of 64 (the CUDA kernels)."""
+        for fn in self.lowered.host.functions.values():
+            if fn.attrs is not None and "attn.data_alignment" in fn.attrs:
+                return int(fn.attrs["attn.data_alignment"])
+        return 64
+
+    @property
     def cpu_features(self) -> list[str]:
         """ISA features the generated CPU code may use (the manifest's ``cpu_features``)."""
         return cpu_features(self.target)

@@ -46,6 +46,8 @@ from . import runtime
 from .layouts import KernelArgumentError, _bound_dim
 from .spec import MAX_ELEMENTS, AttentionSpec, numpy_dtype
 
+#: What ``aligned_empty`` gives, and what an artifact whose manifest names no ``data_alignment``
+#: (built before it was recorded, or a CUDA build) needs of every argument's data pointer.
 ALIGNMENT = 64
 MANIFEST = "manifest.json"
 SUPPORTED_MANIFEST_VERSIONS = (1,)
@@ -137,8 +139,8 @@ def aligned_empty(shape, dtype) -> np.ndarray:
     return raw[offset : offset + nbytes].view(dtype).reshape(shape)
 
 
-def is_aligned(a: np.ndarray) -> bool:
-    return a.ctypes.data % ALIGNMENT == 0
+def is_aligned(a: np.ndarray, alignment: int = ALIGNMENT) -> bool:
+    return a.ctypes.data % alignment == 0
 
 
 def _byte_range(x: Any) -> tuple[int, int] | None:
@@ -190,6 +192,12 @@ class AttentionKernel:
         self.function = function
         self.manifest = manifest or {}
         self.device = device  # "cpu" or "cuda"
+        #: bytes every argument's data must be aligned to (the manifest's ``data_alignment``):
+        #: an input that is not is copied, never passed on (aligned moves would fault)
+        self.alignment = self.manifest.get("data_alignment", ALIGNMENT)
+        if isinstance(self.alignment, bool) or not isinstance(self.alignment, int) or self.alignment < 1 \
+                or self.alignment & (self.alignment - 1):
+            raise ArtifactError(f"manifest data_alignment must be a power of two, got {self.alignment!r}")
         #: CPU threads this kernel runs on, applied in the calling thread at each call.
         self.num_threads = default_num_threads() if num_threads is None else num_threads
         if isinstance(self.num_threads, bool) or not isinstance(self.num_threads, int) or self.num_threads < 1:
@@ -276,8 +284,8 @@ class AttentionKernel:
                 f"{name}: expected a C-contiguous (row-major {layout}) array, got strides {arr.strides}; "
                 "use np.ascontiguousarray / .contiguous()"
             )
-        if not is_aligned(arr):
-            # Vectorized kernels assume 64-byte alignment; copy rather than risk a crash.
+        if not is_aligned(arr, self.alignment):
+            # Vectorized kernels assume this alignment; copy rather than risk a crash.
             aligned = aligned_empty(arr.shape, arr.dtype)
             aligned[...] = arr
             arr = aligned
@@ -368,9 +376,9 @@ class AttentionKernel:
             oa = aligned_empty(oshape, self.spec.dtype)
         else:
             user = self._check_out(out, given, oshape)
-            # Vectorized stores assume 64-byte alignment: compute into aligned memory and copy
-            # when the caller's buffer is not aligned (aligned_empty gives buffers that are).
-            oa = user if is_aligned(user) else aligned_empty(user.shape, user.dtype)
+            # Vectorized stores assume the kernel's alignment: compute into aligned memory and
+            # copy when the caller's buffer is not aligned (aligned_empty gives buffers that are).
+            oa = user if is_aligned(user, self.alignment) else aligned_empty(user.shape, user.dtype)
         extra = [aligned_empty(self.output_shape(bound, dims), dt) for dims, dt in self._extra_outs]
         if self._trivial(arrays):
             oa[...] = 0
@@ -393,8 +401,8 @@ class AttentionKernel:
         return result
 
     def _fast_call(self, args: tuple) -> Any:
-        """The common call, at a few µs: CPU tensors that are compact and 64-byte aligned (NumPy
-        arrays, torch tensors), no ``out=``, no keyword, no ``lse``. tvm-ffi's DLPack import checks
+        """The common call, at a few µs: CPU tensors that are compact and aligned as the kernel
+        needs (``self.alignment``: 16 bytes for CPU builds, so NumPy arrays and torch tensors), no ``out=``, no keyword, no ``lse``. tvm-ffi's DLPack import checks
         alignment, contiguity and the device; the library checks rank, shapes, dtypes, the
         agreement of symbolic dims and every index it will read. Anything else — a misaligned or
         strided input, NumPy bfloat16, an empty tensor, a bad argument of any kind — returns
@@ -404,7 +412,7 @@ class AttentionKernel:
         if len(args) != len(self._inputs):
             return _SLOW
         try:
-            tensors = [tvm_ffi.from_dlpack(x, require_alignment=ALIGNMENT, require_contiguous=True) for x in args]
+            tensors = [tvm_ffi.from_dlpack(x, require_alignment=self.alignment, require_contiguous=True) for x in args]
         except (RuntimeError, TypeError, ValueError, BufferError, AttributeError):
             return _SLOW
         for t in tensors:
@@ -438,14 +446,14 @@ class AttentionKernel:
 
         copied = False
         try:
-            t = tvm_ffi.from_dlpack(x, require_alignment=ALIGNMENT, require_contiguous=True)
+            t = tvm_ffi.from_dlpack(x, require_alignment=self.alignment, require_contiguous=True)
         except (ValueError, RuntimeError, TypeError) as e:
             y = _compact_copy(x)
             if y is None:
                 raise KernelArgumentError(
                     f"{name}: {str(e).splitlines()[0]}; pass a contiguous, 64-byte-aligned tensor (this "
                     f"{type(x).__name__} has no contiguous()/clone() to copy it)") from None
-            t, copied = tvm_ffi.from_dlpack(y, require_alignment=ALIGNMENT, require_contiguous=True), True
+            t, copied = tvm_ffi.from_dlpack(y, require_alignment=self.alignment, require_contiguous=True), True
         if tuple(t.shape) != tuple(shape) or str(t.dtype) != self.spec.dtype:
             raise KernelArgumentError(
                 f"{name}: expected shape {tuple(shape)} dtype {self.spec.dtype}, got {tuple(t.shape)} {t.dtype}"

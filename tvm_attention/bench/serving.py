@@ -171,10 +171,10 @@ def _export_and_load(built, directory: Path, threads: int):
 
 
 def _misaligned_copy(x: np.ndarray) -> np.ndarray:
-    """``x`` copied to memory that is not 64-byte aligned (what ``np.random`` arrays often are):
-    the loader then copies it to aligned memory each call."""
+    """``x`` copied to memory that is not even 16-byte aligned (a view at an odd element
+    offset): the loader then copies it to aligned memory each call."""
     raw = np.empty(x.nbytes + 64, dtype=np.uint8)
-    off = next(o for o in range(x.itemsize, 64, x.itemsize) if (raw.ctypes.data + o) % 64)
+    off = next(o for o in range(x.itemsize, 64, x.itemsize) if (raw.ctypes.data + o) % 16)
     a = raw[off: off + x.nbytes].view(x.dtype).reshape(x.shape)
     a[...] = x
     return a

@@ -40,6 +40,7 @@ import math
 from tvm import tirx
 from tvm.script import tirx as T
 
+from ..spec import DATA_ALIGNMENT as A
 from ..spec import AttentionSpec
 from ._math import LOG2E, bf16_bits, bf16_value, cast_to, exp2_fast, f32, guarded, lse_of, normalize, normalize_where
 
@@ -783,7 +784,7 @@ def _dense(spec: AttentionSpec, block_m: int, block_n: int, decode_rows: tuple[i
                 main_nest(Q, K, V, O, LSE, X)
 
     attrs = {"global_symbol": ENTRY, "tirx.noalias": True, "attn.workload": "fused",
-             "attn.block_m": BM, "attn.block_n": BN}
+             "attn.block_m": BM, "attn.block_n": BN, "attn.data_alignment": A}
     if dot_bf16:
         attrs["attn.dot_bf16"] = 1
     if tiers:  # what regenerates this workload from a tuning record (tune.tasks.regenerate)
@@ -799,36 +800,36 @@ def _dense(spec: AttentionSpec, block_m: int, block_n: int, decode_rows: tuple[i
     if layout == "bhsd":
         @T.prim_func(s_tir=True)
         def attention(
-            Q: T.Buffer((B, H, SQ, D), dtype),
-            K: T.Buffer(KS, dtype),
-            V: T.Buffer(KS, dtype),
-            O: T.Buffer((B, H, SQ, D), dtype),
-            LSE: T.Buffer((B, H, SQ), "float32"),
+            Q: T.Buffer((B, H, SQ, D), dtype, align=A),
+            K: T.Buffer(KS, dtype, align=A),
+            V: T.Buffer(KS, dtype, align=A),
+            O: T.Buffer((B, H, SQ, D), dtype, align=A),
+            LSE: T.Buffer((B, H, SQ), "float32", align=A),
         ):
             T.func_attr(attrs)
             body(Q, K, V, O, LSE, ())
     elif layout == "kvcache":
         @T.prim_func(s_tir=True)
         def attention(
-            Q: T.Buffer((B, H, SQ, D), dtype),
-            K: T.Buffer(KS, dtype),
-            V: T.Buffer(KS, dtype),
-            CL: T.Buffer((B,), "int32"),
-            O: T.Buffer((B, H, SQ, D), dtype),
-            LSE: T.Buffer((B, H, SQ), "float32"),
+            Q: T.Buffer((B, H, SQ, D), dtype, align=A),
+            K: T.Buffer(KS, dtype, align=A),
+            V: T.Buffer(KS, dtype, align=A),
+            CL: T.Buffer((B,), "int32", align=A),
+            O: T.Buffer((B, H, SQ, D), dtype, align=A),
+            LSE: T.Buffer((B, H, SQ), "float32", align=A),
         ):
             T.func_attr(attrs)
             body(Q, K, V, O, LSE, (CL,))
     else:
         @T.prim_func(s_tir=True)
         def attention(
-            Q: T.Buffer((B, H, SQ, D), dtype),
-            K: T.Buffer(KS, dtype),
-            V: T.Buffer(KS, dtype),
-            BT: T.Buffer((B, kv.MP), "int32"),
-            CL: T.Buffer((B,), "int32"),
-            O: T.Buffer((B, H, SQ, D), dtype),
-            LSE: T.Buffer((B, H, SQ), "float32"),
+            Q: T.Buffer((B, H, SQ, D), dtype, align=A),
+            K: T.Buffer(KS, dtype, align=A),
+            V: T.Buffer(KS, dtype, align=A),
+            BT: T.Buffer((B, kv.MP), "int32", align=A),
+            CL: T.Buffer((B,), "int32", align=A),
+            O: T.Buffer((B, H, SQ, D), dtype, align=A),
+            LSE: T.Buffer((B, H, SQ), "float32", align=A),
         ):
             T.func_attr(attrs)
             body(Q, K, V, O, LSE, (BT, CL))
@@ -882,7 +883,7 @@ def _varlen(spec: AttentionSpec, block_m: int, block_n: int, dot_bf16: bool = Fa
     lse = bool(spec.return_lse)
     tile = _tile_macro(spec, BM, BN, stats="lse" if lse else None, dot_bf16=dot_bf16)
     attrs = {"global_symbol": ENTRY, "tirx.noalias": True, "attn.workload": "fused",
-             "attn.block_m": BM, "attn.block_n": BN}
+             "attn.block_m": BM, "attn.block_n": BN, "attn.data_alignment": A}
     if dot_bf16:
         attrs["attn.dot_bf16"] = 1
 
@@ -902,13 +903,13 @@ def _varlen(spec: AttentionSpec, block_m: int, block_n: int, dot_bf16: bool = Fa
 
     @T.prim_func(s_tir=True)
     def attention(
-        Q: T.Buffer((TQ, H, D), dtype),
-        K: T.Buffer((TK, KH, D), dtype),
-        V: T.Buffer((TK, KH, D), dtype),
-        CQ: T.Buffer((NB1,), "int32"),
-        CK: T.Buffer((NB1,), "int32"),
-        O: T.Buffer((TQ, H, D), dtype),
-        LSE: T.Buffer((H, TQ), "float32"),
+        Q: T.Buffer((TQ, H, D), dtype, align=A),
+        K: T.Buffer((TK, KH, D), dtype, align=A),
+        V: T.Buffer((TK, KH, D), dtype, align=A),
+        CQ: T.Buffer((NB1,), "int32", align=A),
+        CK: T.Buffer((NB1,), "int32", align=A),
+        O: T.Buffer((TQ, H, D), dtype, align=A),
+        LSE: T.Buffer((H, TQ), "float32", align=A),
     ):
         T.func_attr(attrs)
         for h, s in T.grid(H, NT):

@@ -13,6 +13,7 @@ from __future__ import annotations
 from tvm import tirx
 from tvm.script import tirx as T
 
+from ..spec import DATA_ALIGNMENT as A
 from ..spec import AttentionSpec
 from ._math import LOG2E, exp2_fast, guarded, normalize, normalize_where
 
@@ -54,12 +55,13 @@ def materialized_attention(spec: AttentionSpec) -> tirx.PrimFunc:
 
     @T.prim_func(s_tir=True)
     def attention(
-        Q: T.Buffer((B, H, SQ, D), dtype),
-        K: T.Buffer((B, KH, SK, D), dtype),
-        V: T.Buffer((B, KH, SK, D), dtype),
-        O: T.Buffer((B, H, SQ, D), dtype),
+        Q: T.Buffer((B, H, SQ, D), dtype, align=A),
+        K: T.Buffer((B, KH, SK, D), dtype, align=A),
+        V: T.Buffer((B, KH, SK, D), dtype, align=A),
+        O: T.Buffer((B, H, SQ, D), dtype, align=A),
     ):
-        T.func_attr({"global_symbol": ENTRY, "tirx.noalias": True, "attn.workload": "materialized"})
+        T.func_attr({"global_symbol": ENTRY, "tirx.noalias": True, "attn.workload": "materialized",
+                     "attn.data_alignment": A})
         S = T.sblock_alloc_buffer((B, H, SQ, SK), "float32")  # scores: the S×S matrix, global
         P = T.sblock_alloc_buffer((B, H, SQ, SK), "float32")  # probabilities, global
         M = T.sblock_alloc_buffer((B, H, SQ), "float32")  # row max (log2 units)

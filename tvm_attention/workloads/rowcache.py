@@ -19,6 +19,7 @@ import math
 from tvm import tirx
 from tvm.script import tirx as T
 
+from ..spec import DATA_ALIGNMENT as A
 from ..spec import AttentionSpec
 from ._math import LOG2E, exp2_fast, guarded, normalize
 
@@ -47,13 +48,13 @@ def rowcache_attention(spec: AttentionSpec, block_m: int) -> tirx.PrimFunc:
 
     @T.prim_func(s_tir=True)
     def attention(
-        Q: T.Buffer((B, H, SQ, D), dtype),
-        K: T.Buffer((B, KH, SK, D), dtype),
-        V: T.Buffer((B, KH, SK, D), dtype),
-        O: T.Buffer((B, H, SQ, D), dtype),
+        Q: T.Buffer((B, H, SQ, D), dtype, align=A),
+        K: T.Buffer((B, KH, SK, D), dtype, align=A),
+        V: T.Buffer((B, KH, SK, D), dtype, align=A),
+        O: T.Buffer((B, H, SQ, D), dtype, align=A),
     ):
         T.func_attr({"global_symbol": ENTRY, "tirx.noalias": True, "attn.workload": "rowcache",
-                     "attn.block_m": BM})
+                     "attn.block_m": BM, "attn.data_alignment": A})
         for b, h, r in T.grid(B, H, NR):
             with T.sblock("row_tile"):
                 vb, vh, vr = T.axis.remap("SSS", [b, h, r])
