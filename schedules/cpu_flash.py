@@ -525,7 +525,10 @@ def schedule(
     sch.annotate(row_tile, "attn.pv_rows", pv_rows[1])
     sch.annotate(row_tile, "attn.pv_cols", pv_cols if pv_cols < D else 0)
 
-    # Step 3. Softmax stages and loads/stores: vectors across query rows (or head_dim).
+    # Step 3. Softmax stages and loads/stores: vectors across query rows (or head_dim); a
+    # staged key tile (half-precision inputs) converted in head_dim vectors.
+    if _has_block(sch, "K_load" + suffix) and D % lanes == 0:  # else LLVM vectorizes what it can
+        _vectorize_rows(sch, sch.get_loops(sch.get_sblock("K_load" + suffix))[-1], lanes)
     for name in layout.row_vector_blocks:
         _vectorize_rows(sch, sch.get_loops(sch.get_sblock(name + suffix))[-1], lanes)
     for name in layout.d_vector_blocks:

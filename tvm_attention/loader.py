@@ -6,9 +6,10 @@ symbolic dim between arguments, dtype, device, contiguity, 32-bit indexing) and 
 index arrays (``Layout.check_indices``: cu_seqlens), and raises :class:`KernelArgumentError`
 naming the argument and the mismatch, so that through the loader a kernel never reads out of
 bounds (the bare runtime function checks none of this). Zero-size inputs are answered here and
-never reach the kernel. TVM kernels assume
-64-byte-aligned data (vectorized loads/stores): an input that is not aligned is copied into
-aligned memory first, so a misaligned view can never crash the process. An ``out=`` buffer may be
+never reach the kernel. A kernel assumes its arguments' data aligned as its manifest's
+``data_alignment`` says (16 bytes for CPU builds, where NumPy puts arrays; 64 for CUDA builds and
+artifacts that predate the key): an input that is not is copied into aligned memory first, so a
+misaligned view can never crash the process. An ``out=`` buffer may be
 any writeable C-contiguous array of the right shape and dtype (a misaligned one is computed into
 aligned memory and copied); one that shares memory with ``q``, ``k`` or ``v`` is rejected, since
 the kernel reads its inputs while it writes the output (its PrimFunc declares no aliasing).
