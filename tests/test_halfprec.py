@@ -177,6 +177,31 @@ def test_half_inputs_without_dot_products_convert_in_vectors_on_avx2():
         assert validate_built(b, seed=5).passed  # every host this project runs on has AVX2
 
 
+@pytest.mark.parametrize("dtype, knobs", [("bfloat16", None), ("bfloat16", {"dot_bf16": 0}), ("float16", None)])
+def test_half_inputs_at_numpy_alignment_run_in_place(dtype, knobs):
+    """Every half-precision form (the bf16 dot products read their inputs through uint16 aliases
+    of the arguments) runs on inputs 16, 32 and 48 bytes past a 64-byte boundary, which the loader
+    passes without a copy, with the output of 64-byte aligned inputs."""
+    from tvm_attention.build import build_kernel
+
+    spec = AttentionSpec(batch=1, heads=4, kv_heads=2, seq_q=77, seq_kv=133, head_dim=64, causal=True, dtype=dtype)
+    kernel = kernel_of(build_kernel(spec, knobs=knobs))
+    assert kernel.alignment == 16
+    inputs, _ = rounded_inputs(spec, seed=9)
+
+    def at(x, offset):
+        raw = np.empty(x.nbytes + 128, np.uint8)
+        start = -raw.ctypes.data % 64 + offset
+        y = raw[start: start + x.nbytes].view(x.dtype).reshape(x.shape)
+        y[...] = x
+        return y
+
+    want = np.asarray(kernel(*(at(x, 0) for x in inputs))).astype(np.float32)
+    for offset in (16, 32, 48):
+        got = np.asarray(kernel(*(at(x, offset) for x in inputs))).astype(np.float32)
+        np.testing.assert_array_equal(got, want)
+
+
 @needs_bf16_dots
 def test_tuner_searches_both_forms_of_a_bf16_spec():
     from tvm_attention.target import resolve_target

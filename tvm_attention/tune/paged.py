@@ -85,7 +85,10 @@ def specialize(func: tirx.PrimFunc, spec: AttentionSpec) -> tirx.PrimFunc:
     if len(args) != len(func.params):
         raise ValueError(f"{spec.short_name()}: the kernel takes {len(func.params)} arguments, the layout "
                          f"names {len(args)}")
-    bufs = {p: tirx.decl_buffer(shape, a.dtype or spec.dtype, a.name)
+    # the same alignment as the kernel's own buffers (specialize refuses a mismatch)
+    align = int(func.attrs["attn.data_alignment"]) if func.attrs is not None and "attn.data_alignment" in func.attrs \
+        else -1
+    bufs = {p: tirx.decl_buffer(shape, a.dtype or spec.dtype, a.name, data_alignment=align)
             for p, a, shape in zip(func.params, args, arg_shapes(spec))}
     return func.specialize(bufs)
 

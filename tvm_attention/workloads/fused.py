@@ -293,9 +293,9 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
         elif stage_k:
             Kt = T.sblock_alloc_buffer((BN, D), "float32", scope="local")  # the key tile, (key, d)
         if dot_bf16:
-            Qu = T.decl_buffer(Q.shape, "uint16", data=Q.data)  # bf16 inputs as their bits
-            Ku = T.decl_buffer(K.shape, "uint16", data=K.data)
-            Vu = T.decl_buffer(V.shape, "uint16", data=V.data)
+            Qu = T.decl_buffer(Q.shape, "uint16", data=Q.data, align=A)  # bf16 inputs as their bits
+            Ku = T.decl_buffer(K.shape, "uint16", data=K.data, align=A)
+            Vu = T.decl_buffer(V.shape, "uint16", data=V.data, align=A)
             Qp = T.sblock_alloc_buffer((D // 2, BM, 2), "uint16", scope="local")  # q pairs (d)
             Kb = T.sblock_alloc_buffer((BN, D), "uint16", scope="local")  # the key tile
             Vb = T.sblock_alloc_buffer((BN, D), "uint16", scope="local")  # the value tile
