@@ -182,7 +182,8 @@ def stages_decode(spec: AttentionSpec, knobs: FlashCPUKnobs) -> bool:
     """Whether ``spec`` has a decode nest narrower than a vector, which stages its K/V tiles and
     is dot-product scheduled (``cpu_decode``: AVX-512 or AVX2, head_dim a multiple of the
     lanes): the only nests ``decode_heads`` and ``prefetch`` change. Elsewhere (SSE, or a
-    head_dim such as 72) the decode nest is one vector of rows, scheduled as the main nest."""
+    head_dim that is no multiple of the lanes: 72 on AVX-512) the decode nest is one vector of
+    rows, scheduled as the main nest."""
     return any(r < knobs.vector_lanes for r in decode_rows(spec, knobs))
 
 
@@ -526,7 +527,8 @@ def schedule(
     sch.annotate(row_tile, "attn.pv_cols", pv_cols if pv_cols < D else 0)
 
     # Step 3. Softmax stages and loads/stores: vectors across query rows (or head_dim); a
-    # staged key tile (half-precision inputs) converted in head_dim vectors.
+    # staged key tile (float16 inputs: workloads.fused.stages_half_keys) converted in head_dim
+    # vectors.
     if _has_block(sch, "K_load" + suffix) and D % lanes == 0:  # else LLVM vectorizes what it can
         _vectorize_rows(sch, sch.get_loops(sch.get_sblock("K_load" + suffix))[-1], lanes)
     for name in layout.row_vector_blocks:
