@@ -42,6 +42,17 @@ def run_kernel(spec, q, k, v, schedule="fused", knobs=None):
     return kernel_of(built(spec, schedule, knobs))(q, k, v)
 
 
+def at_offset(x: np.ndarray, offset: int) -> np.ndarray:
+    """A C-contiguous copy of ``x`` whose data starts ``offset`` bytes past a 64-byte boundary
+    (NumPy's own arrays sit at 16 mod 64)."""
+    raw = np.empty(x.nbytes + 128, np.uint8)
+    start = -raw.ctypes.data % 64 + offset
+    out = raw[start : start + x.nbytes].view(x.dtype).reshape(x.shape)
+    out[...] = x
+    assert out.ctypes.data % 64 == offset
+    return out
+
+
 def report(out, ref):
     diff = np.abs(out.astype(np.float64) - ref)
     return f"max abs err {diff.max():.3e}, mean abs err {diff.mean():.3e}"

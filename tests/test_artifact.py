@@ -12,7 +12,7 @@ from tvm_attention.loader import KernelArgumentError, ArtifactError, load, read_
 from tvm_attention.reference import random_inputs, reference_attention
 from tvm_attention.spec import AttentionSpec
 
-from conftest import built
+from conftest import at_offset, built
 
 SPEC = AttentionSpec(batch=1, heads=4, kv_heads=2, seq_q=100, seq_kv=160, head_dim=64, causal=True)
 
@@ -95,16 +95,6 @@ def test_loader_copies_misaligned_inputs_instead_of_crashing(artifact):
         np.testing.assert_allclose(kernel(mis, k, v), ref, atol=1e-4, rtol=1e-4)
 
 
-def _at_offset(x: np.ndarray, offset: int) -> np.ndarray:
-    """A C-contiguous copy of ``x`` whose data starts ``offset`` bytes past a 64-byte boundary."""
-    raw = np.empty(x.nbytes + 128, np.uint8)
-    start = -raw.ctypes.data % 64 + offset
-    out = raw[start : start + x.nbytes].view(x.dtype).reshape(x.shape)
-    out[...] = x
-    assert out.ctypes.data % 64 == offset
-    return out
-
-
 def test_numpy_alignment_passes_without_a_copy(artifact, monkeypatch):
     """CPU kernels declare 16-byte aligned data (the manifest's data_alignment): arrays where NumPy
     puts them (16 mod 64 bytes) reach the library as they are, on the fast path and on the checked
@@ -117,26 +107,26 @@ def test_numpy_alignment_passes_without_a_copy(artifact, monkeypatch):
     assert DATA_ALIGNMENT == 16 and read_manifest(artifact)["data_alignment"] == 16
     kernel = load(artifact)
     q, k, v = random_inputs(SPEC, seed=6)
-    want = kernel(*(_at_offset(x, 0) for x in (q, k, v)))
+    want = kernel(*(at_offset(x, 0) for x in (q, k, v)))
     allocs = []
     real = loader.aligned_empty
     monkeypatch.setattr(loader, "aligned_empty", lambda shape, dtype: allocs.append(tuple(shape)) or real(shape, dtype))
     for offset in (16, 32, 48):
-        args = [_at_offset(x, offset) for x in (q, k, v)]
+        args = [at_offset(x, offset) for x in (q, k, v)]
         allocs.clear()
         np.testing.assert_array_equal(kernel(*args), want)  # fast path: o is the one allocation
         assert allocs == [SPEC.o_shape], allocs
         allocs.clear()
-        out = _at_offset(np.zeros(SPEC.o_shape, np.float32), offset)
+        out = at_offset(np.zeros(SPEC.o_shape, np.float32), offset)
         assert kernel(*args, out=out) is out and not allocs  # checked path (out=): no copy either
         np.testing.assert_array_equal(out, want)
     allocs.clear()
-    np.testing.assert_array_equal(kernel(_at_offset(q, 8), k, v), want)  # 8 bytes off: copied
+    np.testing.assert_array_equal(kernel(at_offset(q, 8), k, v), want)  # 8 bytes off: copied
     assert SPEC.q_shape in allocs
     old = AttentionKernel(SPEC, kernel.function, {k_: v_ for k_, v_ in kernel.manifest.items() if k_ != "data_alignment"})
     assert old.alignment == 64
     allocs.clear()
-    np.testing.assert_array_equal(old(*(_at_offset(x, 16) for x in (q, k, v))), want)
+    np.testing.assert_array_equal(old(*(at_offset(x, 16) for x in (q, k, v))), want)
     assert SPEC.q_shape in allocs  # copied to 64-byte aligned memory, as before
     with pytest.raises(ArtifactError, match="data_alignment must be a power of two, got 24"):
         AttentionKernel(SPEC, kernel.function, {"data_alignment": 24})

@@ -12,7 +12,7 @@ from tvm_attention.reference import random_inputs, reference_attention
 from tvm_attention.spec import AttentionSpec, numpy_dtype
 from tvm_attention.validate import TOLERANCES
 
-from conftest import built, report
+from conftest import at_offset, built, report
 
 HALF = ["bfloat16", "float16"]
 
@@ -188,17 +188,9 @@ def test_half_inputs_at_numpy_alignment_run_in_place(dtype, knobs):
     kernel = kernel_of(build_kernel(spec, knobs=knobs))
     assert kernel.alignment == 16
     inputs, _ = rounded_inputs(spec, seed=9)
-
-    def at(x, offset):
-        raw = np.empty(x.nbytes + 128, np.uint8)
-        start = -raw.ctypes.data % 64 + offset
-        y = raw[start: start + x.nbytes].view(x.dtype).reshape(x.shape)
-        y[...] = x
-        return y
-
-    want = np.asarray(kernel(*(at(x, 0) for x in inputs))).astype(np.float32)
+    want = np.asarray(kernel(*(at_offset(x, 0) for x in inputs))).astype(np.float32)
     for offset in (16, 32, 48):
-        got = np.asarray(kernel(*(at(x, offset) for x in inputs))).astype(np.float32)
+        got = np.asarray(kernel(*(at_offset(x, offset) for x in inputs))).astype(np.float32)
         np.testing.assert_array_equal(got, want)
 
 

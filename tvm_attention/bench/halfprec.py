@@ -6,7 +6,8 @@ kernel, float32 inputs), ``bf16-dot`` (bfloat16 inputs, QKᵀ and PV on ``vdpbf1
 where the CPU has it), ``bf16-fp32`` (bfloat16 inputs converted on load, float32 products),
 ``fp16`` (float16 inputs, float32 products), ``torch-fp32`` and ``torch-bf16`` (SDPA). Every
 variant is timed alternately over ``rounds`` rounds (best kept). The roofs are measured in the
-same run: the fp32 FMA peak and the bf16 dot-product peak (``bench.cpu.bf16_dot_peak``).
+same run: the fp32 FMA peak and the bf16 dot-product peak (``bench.cpu.bf16_dot_peak``). The
+bf16 ratios compare the form the preset builds: ``bf16-dot``, else (no AVX512-BF16) ``bf16-fp32``.
 """
 from __future__ import annotations
 
