@@ -1,5 +1,6 @@
-"""Every Python block of the README runs as written, in order, after the README's main command
-(`tvm-attention run`, whose artifact the blocks load) and its `tvm-attention build` commands."""
+"""Every Python block of the README and of every page under docs/ runs as written, in order (the
+README first, then docs/ by path), after the README's main command (`tvm-attention run`, whose
+artifact the blocks load) and the `tvm-attention build` commands those pages show."""
 import importlib.util
 import re
 import shlex
@@ -10,21 +11,34 @@ from pathlib import Path
 import serving_env
 from tvm_attention import cli
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
 RUN_ARTIFACT = "artifacts/fused_b1_h8_kv8_q1024_k1024_d64_float32_full"
 
 
-def python_blocks() -> list[str]:
-    return re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+def pages() -> list[Path]:
+    """The README, then every markdown page under docs/ (sorted by path)."""
+    return [README] + sorted((ROOT / "docs").rglob("*.md"))
+
+
+def blocks_of(kind: str, page: Path) -> list[str]:
+    return re.findall(rf"```{kind}\n(.*?)```", page.read_text(), flags=re.S)
+
+
+def python_blocks() -> list[tuple[str, str]]:
+    """(page, block) for every ```python block of every page."""
+    return [(str(p.relative_to(ROOT)), b) for p in pages() for b in blocks_of("python", p)]
 
 
 def build_commands() -> list[list[str]]:
-    """The one-line `tvm-attention build ... --out artifacts/...` commands of the README's bash
-    blocks (what its serving examples load; CUDA builds span lines and are tested elsewhere)."""
+    """The one-line `tvm-attention build ... --out artifacts/...` commands of the pages' bash
+    blocks (what their serving examples load; CUDA builds span lines and are tested elsewhere)."""
     lines = []
-    for block in re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.S):
-        lines += [shlex.split(line)[1:] for line in block.splitlines()
-                  if line.startswith("tvm-attention build ") and "--out artifacts/" in line and not line.endswith("\\")]
+    for page in pages():
+        for block in blocks_of("bash", page):
+            lines += [shlex.split(line)[1:] for line in block.splitlines()
+                      if line.startswith("tvm-attention build ") and "--out artifacts/" in line
+                      and not line.endswith("\\")]
     return lines
 
 
@@ -35,9 +49,11 @@ def serving_blocks(blocks: list[str]) -> list[str]:
             and "transformers" not in b]
 
 
-def test_readme_python_blocks_run(tmp_path, monkeypatch):
-    blocks = python_blocks()
-    assert len(blocks) >= 2
+def test_readme_and_docs_python_blocks_run(tmp_path, monkeypatch):
+    found = python_blocks()
+    blocks = [b for _, b in found]
+    assert any(p == "README.md" for p, _ in found)  # the README's own serving example
+    assert any(p.startswith("docs/") for p, _ in found)
     assert any(RUN_ARTIFACT in b for b in blocks)  # they load what `tvm-attention run` writes
     monkeypatch.chdir(tmp_path)
     # What `tvm-attention run` writes (without its timing): the default spec, hand schedule.
@@ -47,12 +63,12 @@ def test_readme_python_blocks_run(tmp_path, monkeypatch):
     assert len(commands) >= 2  # the symbolic and the varlen artifact the serving examples load
     for argv in commands:
         assert cli.main(argv + ["--no-log"]) == 0, argv
-    for i, block in enumerate(blocks):
+    for page, block in found:
         if "from transformers" in block and importlib.util.find_spec("transformers") is None:
             continue  # the [hf] extra is not installed here (CI installs it)
         proc = subprocess.run([sys.executable, "-c", block], cwd=tmp_path, capture_output=True, text=True,
                               timeout=300)
-        assert proc.returncode == 0, f"README python block {i + 1} failed:\n{block}\n{proc.stderr[-2000:]}"
+        assert proc.returncode == 0, f"a python block of {page} failed:\n{block}\n{proc.stderr[-2000:]}"
     # The loader's serving examples again, where only the serving install is (no tvm at all).
     serving = serving_blocks(blocks)
     assert len(serving) >= 2
@@ -60,4 +76,21 @@ def test_readme_python_blocks_run(tmp_path, monkeypatch):
     for block in serving:
         check = block + "\nimport sys\nassert not any(m == 'tvm' or m.startswith('tvm.') for m in sys.modules)\n"
         proc = subprocess.run([str(python), "-c", check], cwd=tmp_path, capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, f"README serving block failed without tvm:\n{block}\n{proc.stderr[-2000:]}"
+        assert proc.returncode == 0, f"a serving block failed without tvm:\n{block}\n{proc.stderr[-2000:]}"
+
+
+def test_readme_is_a_first_page_and_every_doc_link_resolves():
+    # The README serves a new user (what it is, the two commands, semantics, CLI, one serving
+    # example, results, a map of docs/); the details live in docs/.
+    lines = README.read_text().splitlines()
+    assert len(lines) <= 250, f"README.md has {len(lines)} lines; move details to docs/"
+    broken = []
+    for page in pages():
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)  # code is not a link
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+://", target) or target.startswith("#"):
+                continue
+            path = (page.parent / target.split("#")[0]).resolve()
+            if not path.exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target}")
+    assert not broken, "links to missing files:\n" + "\n".join(broken)

@@ -7,7 +7,7 @@ the case also reports the ratio *after* that selection, which is never below 1 b
 noise of one more round.
 
 The cases are one list (:func:`held_out_cases`), shared by ``scripts/search_report.py
---held-out``, its tiny mode in the tests, and the README's table.
+--held-out``, its tiny mode in the tests, and the table in docs/results/tuning.md.
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 ``LocalFleet`` starts a tracker and N servers as child processes (loopback by default), records
 their PIDs and stops them by PID (each in its own process group, so their popen workers go too).
 It backs ``scripts/rpc_fleet.py`` and the tests; on a real fleet the same two TVM commands run
-on the hosts (see the README).
+on the hosts (see docs/tuning.md).
 """
 from __future__ import annotations
 
