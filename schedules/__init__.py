@@ -1,20 +1,21 @@
-"""Hand-authored schedules, one module per (family, target). Each module provides:
+"""Hand-authored schedules, one module per (family, target), registered in :data:`SCHEDULES`.
 
-* a frozen knob dataclass (``*Knobs``) with ``to_dict``/``from_dict``;
-* ``preset(spec, target)`` — the per-target default knobs;
-* ``check(knobs, spec, target)`` — feasibility against named hardware limits (raises ``KnobError``);
-* ``workload(spec, knobs)`` — the PrimFunc from the workload registry these knobs schedule;
-* ``apply(sch, knobs, spec)`` — the schedule, finding blocks by name; it returns the Schedule to
-  build (usually ``sch`` itself; module-level rule sets such as dlight return a new one).
+Each module implements :class:`schedules.family.Family`: ``NAME``, ``CAPABILITIES`` (what it
+builds: target, layouts, dtypes, symbolic dims, lse), a frozen knob dataclass (``*Knobs``, with
+``to_dict``/``from_dict``), ``preset(spec, target)``, ``check(knobs, spec, target)`` (the knobs
+against named hardware limits; raises ``KnobError``), ``workload(spec, knobs)`` (the PrimFunc these
+knobs schedule), ``apply(sch, knobs, spec)`` (the schedule, finding blocks by name; it returns the
+Schedule to build), ``knobs_of`` (knobs read back from a scheduled module), ``for_layout`` and
+``is_static_decode``. :func:`check` is the one place a spec meets a family's capabilities.
 """
 from __future__ import annotations
 
-from types import ModuleType
 
 from . import cpu_flash, cpu_materialized, cpu_rowcache, cuda_flash, cuda_fused, cuda_materialized, cuda_mma
+from .family import Family
 
 #: schedule name -> target family -> module
-SCHEDULES: dict[str, dict[str, ModuleType]] = {
+SCHEDULES: dict[str, dict[str, Family]] = {
     "fused": {"cpu": cpu_flash, "cuda": cuda_fused},  # CUDA: tensor cores where they apply
     "fused_tc": {"cuda": cuda_mma},
     "fused_simt": {"cuda": cuda_flash},
@@ -32,7 +33,7 @@ def target_family(target) -> str:
     return {"llvm": "cpu", "c": "cpu"}.get(kind, kind)
 
 
-def get_schedule(name: str, target) -> ModuleType:
+def get_schedule(name: str, target) -> Family:
     """The schedule module for schedule ``name`` on ``target``."""
     if name not in SCHEDULES:
         raise UnknownScheduleError(f"unknown schedule {name!r}; known: {', '.join(SCHEDULES)}")
@@ -43,3 +44,10 @@ def get_schedule(name: str, target) -> ModuleType:
             f"schedule {name!r} has no {family!r} implementation; available for: {', '.join(by_target)}"
         )
     return by_target[family]
+
+
+def check(family: Family, knobs, spec, target) -> None:
+    """Whether ``family`` builds ``spec`` at all (its capabilities: one message format for every
+    family), then whether ``knobs`` fit ``target``'s limits; raises ``KnobError`` naming what fails."""
+    family.CAPABILITIES.require(spec)
+    family.check(knobs, spec, target)

@@ -34,22 +34,3 @@ class KnobsMixin:
         if unknown:
             raise KnobError(f"unknown knob(s) for {cls.FAMILY}: {', '.join(sorted(unknown))}")
         return cls(**d)
-
-
-def require_shapes(spec: Any, family: str, layouts: tuple[str, ...] = ("bhsd",), symbolic: bool = False) -> None:
-    """Raise :class:`KnobError` when ``family`` has no build for ``spec``'s layout, for its lse
-    output, or (when ``symbolic`` is False) for symbolic dims, naming what it does build."""
-    if getattr(spec, "return_lse", False):
-        raise KnobError(
-            f"the {family} schedule does not write lse (--return-lse): use --schedule fused on a CPU (llvm) target"
-        )
-    if spec.layout not in layouts:
-        raise KnobError(
-            f"the {family} schedule builds layout(s) {', '.join(layouts)}, not {spec.layout!r}: use --schedule fused "
-            "on a CPU (llvm) target"
-        )
-    if spec.dynamic and not symbolic:
-        raise KnobError(
-            f"the {family} schedule has no symbolic-shape build ({', '.join(spec.dynamic)} given as dyn): give "
-            "static lengths, or use --schedule fused on a CPU (llvm) target"
-        )

@@ -30,6 +30,9 @@ from tvm.script import tirx as T
 from tvm_attention.spec import AttentionSpec
 from tvm_attention.workloads._math import bf16_value
 
+from .cpu_space import (AUTO_UNROLL_STEPS, PARALLEL_CHUNKS, max_pv_rows, max_s_rows, sample_choice, sample_tile,
+                        vectorize_rows)
+
 L = 16  # float32 lanes of one vdpbf16ps (a zmm register)
 U16, F32 = "uint16", "float32"
 FEATURE = "avx512bf16"
@@ -127,9 +130,6 @@ def supports(spec: AttentionSpec, features: set[str]) -> bool:
 def schedule(sch: s_tir.Schedule, spec: AttentionSpec, knobs=None, suffix: str = "") -> s_tir.Schedule:
     """Schedule the dot_bf16 main nest (blocks ``*<suffix>``): with ``knobs`` every decision is
     pinned (the hand schedule), with None sampled (the design space), as ``cpu_flash.schedule``."""
-    from .cpu_flash import (AUTO_UNROLL_STEPS, PARALLEL_CHUNKS, _choice, _tile, _vectorize_rows, max_pv_rows,
-                            max_s_rows)
-
     row_tile = sch.get_sblock("row_tile" + suffix)
     bufs = {b.name: b for b in sch.get(row_tile).alloc_buffers}
     block_n, block_m = (int(x) for x in bufs["S"].shape)
@@ -154,7 +154,7 @@ def schedule(sch: s_tir.Schedule, spec: AttentionSpec, knobs=None, suffix: str =
     # accumulators across the d-pair loop, one vdpbf16ps per (key, query vector, d pair).
     s_gemm = blk("S_gemm")
     j, dp, i, t = sch.get_loops(s_gemm)[-4:]
-    s_rows = _tile(sch, j, block_n, knobs.s_rows if pin else None, max_s_rows(block_m, L))
+    s_rows = sample_tile(sch, j, block_n, knobs.s_rows if pin else None, max_s_rows(block_m, L))
     jo, ji = sch.split(j, s_rows)
     io, ii = sch.split(i, [None, L])
     sch.reorder(jo, dp, ji, io, t, ii)
@@ -176,7 +176,7 @@ def schedule(sch: s_tir.Schedule, spec: AttentionSpec, knobs=None, suffix: str =
     # PV_gemm (i, jp, d, t) -> (io, jp, ii, do, [t, di]): pv_rows rows × D/16 column vectors.
     pv = blk("PV_gemm")
     i, jp, d, t = sch.get_loops(pv)[-4:]
-    pv_rows = _tile(sch, i, block_m, knobs.pv_rows if pin else None, max_pv_rows(D, L))
+    pv_rows = sample_tile(sch, i, block_m, knobs.pv_rows if pin else None, max_pv_rows(D, L))
     io, ii = sch.split(i, pv_rows)
     do, di = sch.split(d, [None, L])
     sch.reorder(io, jp, ii, do, t, di)
@@ -186,7 +186,7 @@ def schedule(sch: s_tir.Schedule, spec: AttentionSpec, knobs=None, suffix: str =
 
     # Softmax stages across query rows, as the fp32 schedule.
     for name in ("row_max", "P_exp", "row_sum", "state_init", "online_correction", "max_commit"):
-        _vectorize_rows(sch, sch.get_loops(blk(name))[-1], L)
+        vectorize_rows(sch, sch.get_loops(blk(name))[-1], L)
     for name in ("acc_init", "O_store"):
         sch.vectorize(sch.get_loops(blk(name))[-1])
     # acc_rescale reads what it writes (not a complete block: vectorize refuses it); its loop is
@@ -196,7 +196,7 @@ def schedule(sch: s_tir.Schedule, spec: AttentionSpec, knobs=None, suffix: str =
         sch.decompose_reduction(b, sch.get_loops(b)[-3])
 
     c_loop = sch.get_loops(blk("kv_tile"))[-1]
-    unroll = _choice(sch, AUTO_UNROLL_STEPS, knobs.auto_unroll if pin else None)
+    unroll = sample_choice(sch, AUTO_UNROLL_STEPS, knobs.auto_unroll if pin else None)
     sch.annotate(c_loop, "pragma_auto_unroll_max_step", unroll)
     sch.annotate(c_loop, "pragma_unroll_explicit", 1)
     sch.annotate(c_loop, "pragma_import_llvm", DPBF16_IR)
@@ -205,7 +205,7 @@ def schedule(sch: s_tir.Schedule, spec: AttentionSpec, knobs=None, suffix: str =
                        ("auto_unroll", unroll)):
         sch.annotate(row_tile, f"attn.{key}", value)
     fused = sch.fuse(*sch.get_loops(row_tile))
-    chunk = _choice(sch, PARALLEL_CHUNKS, knobs.parallel_chunk if pin else None)
+    chunk = sample_choice(sch, PARALLEL_CHUNKS, knobs.parallel_chunk if pin else None)
     outer, _ = sch.split(fused, [None, chunk])
     sch.parallel(outer)
     sch.annotate(row_tile, "attn.parallel_chunk", chunk)

@@ -29,15 +29,22 @@ from typing import Any
 from tvm import s_tir
 from tvm.target import Target
 
-from tvm_attention.spec import AttentionSpec
+from tvm_attention.layouts import LAYOUTS
+from tvm_attention.spec import SUPPORTED_DTYPES, AttentionSpec
 from tvm_attention.target import vector_lanes
 from tvm_attention.workloads import fused_attention
 from tvm_attention.workloads.fused import DECODE, MERGE, SPLIT
 
 from . import cpu_bf16, cpu_decode
 from ._knobs import KnobError, KnobsMixin
+from .family import Capabilities
+from .cpu_space import (AUTO_UNROLL_STEPS, D_UNROLL_MAX, MAX_TILE_BYTES, PARALLEL_CHUNKS, VECTOR_REGISTERS,
+                        max_pv_rows, max_s_rows, sample_choice, sample_tile, vectorize_rows)
 
 NAME = "fused"
+#: every layout, dtype (stored; it computes in float32 always), symbolic dim and the lse output
+CAPABILITIES = Capabilities(label=NAME, target="cpu", layouts=tuple(LAYOUTS), dtypes=SUPPORTED_DTYPES,
+                            symbolic=True, lse=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,29 +75,8 @@ class FlashCPUKnobs(KnobsMixin):
     decode_heads: int = 1
 
 
-# -- hardware limits the feasibility check names -------------------------------------------------
-VECTOR_REGISTERS = {16: 32, 8: 16, 4: 16}  # lanes -> architectural vector registers (zmm/ymm/xmm)
-MAX_TILE_BYTES = 512 * 1024  # a tile's local buffers must fit well inside a 1 MiB L2
-
-
-# -- choices the design space samples (the hand knobs must be one of them) ---------------------
-D_UNROLL_MAX = 8  # sample_perfect_tile bound for the head_dim split of S_gemm
-PARALLEL_CHUNKS = (1, 2, 4)
-AUTO_UNROLL_STEPS = (0, 16, 64, 256)
 #: (block_m in vector widths, block_n) tile pairs the tuner searches across, one task each.
 TILE_CANDIDATES = ((1, 32), (1, 64), (2, 32), (2, 64), (2, 128), (4, 64))
-
-
-def max_s_rows(block_m: int, lanes: int) -> int:
-    """Largest S_gemm register block that fits: s_rows·q_vectors + q_vectors + 1 <= registers."""
-    q_vectors = block_m // lanes
-    return (VECTOR_REGISTERS.get(lanes, 16) - q_vectors - 1) // q_vectors
-
-
-def max_pv_rows(pv_cols: int, lanes: int) -> int:
-    """Largest PV_gemm register block that fits: pv_rows·ceil(pv_cols/lanes) + 2 <= registers
-    (accumulators, the V segment and the P broadcast)."""
-    return (VECTOR_REGISTERS.get(lanes, 16) - 2) // math.ceil(pv_cols / lanes)
 
 
 #: Rows of a PV_gemm register block the presets aim at: each V vector loaded is reused by this
@@ -247,7 +233,6 @@ def split_tasks_for(target: Target) -> int:
 
 def check(knobs: FlashCPUKnobs, spec: AttentionSpec, target: Target) -> None:
     """Raise :class:`KnobError` if ``knobs`` cannot be built well for ``spec`` on ``target``."""
-    check_cpu_dtype(spec)
     lanes = knobs.vector_lanes
     for name in ("block_m", "block_n", "s_rows", "pv_rows", "vector_lanes", "d_unroll", "parallel_chunk"):
         v = getattr(knobs, name)
@@ -321,18 +306,6 @@ def check(knobs: FlashCPUKnobs, spec: AttentionSpec, target: Target) -> None:
         raise KnobError(
             f"tile working set {tile_bytes} B (block_m={knobs.block_m}, block_n={knobs.block_n}, "
             f"head_dim={spec.head_dim}) exceeds MAX_TILE_BYTES={MAX_TILE_BYTES}"
-        )
-
-
-#: dtypes the fused CPU kernel stores (inputs, caches, output); it computes in float32 always
-CPU_DTYPES = ("float32", "bfloat16", "float16")
-
-
-def check_cpu_dtype(spec: AttentionSpec, family: str = NAME, allowed: tuple[str, ...] = CPU_DTYPES) -> None:
-    if spec.dtype not in allowed:
-        raise KnobError(
-            f"dtype={spec.dtype} is not supported by the {family} schedule on CPU (llvm) targets: use "
-            f"{' or '.join(allowed)}"
         )
 
 
@@ -431,24 +404,6 @@ def decode_candidates(spec: AttentionSpec, target: Target) -> list[FlashCPUKnobs
     return out
 
 
-def _vectorize_rows(sch: s_tir.Schedule, loop, lanes: int) -> None:
-    """Split ``loop`` into lanes-wide vectors, unroll the vector count, vectorize the lanes."""
-    outer, inner = sch.split(loop, [None, lanes])
-    sch.unroll(outer)
-    sch.vectorize(inner)
-
-
-def _tile(sch, loop, extent: int, inner: int | None, max_inner: int):
-    """Perfect 2-way tile of ``loop``: pinned to ``inner`` when given (hand), else sampled."""
-    decision = None if inner is None else [extent // inner, inner]
-    return sch.sample_perfect_tile(loop, n=2, max_innermost_factor=max_inner, decision=decision)
-
-
-def _choice(sch, options: tuple[int, ...], value: int | None):
-    decision = None if value is None else options.index(value)
-    return sch.sample_categorical(list(options), [1.0 / len(options)] * len(options), decision=decision)
-
-
 @dataclasses.dataclass(frozen=True)
 class TileKernelLayout:
     """Which named blocks a tile kernel has (the fused kernel and the row-cached family share
@@ -495,9 +450,9 @@ def schedule(
     # vectors accumulate across the head_dim loop; di optionally unrolled.
     s_gemm = sch.get_sblock("S_gemm" + suffix)
     *_, j, d, i = sch.get_loops(s_gemm)
-    s_rows = _tile(sch, j, block_n, knobs.s_rows if pin else None, max_s_rows(block_m, lanes))
+    s_rows = sample_tile(sch, j, block_n, knobs.s_rows if pin else None, max_s_rows(block_m, lanes))
     jo, ji = sch.split(j, s_rows)
-    d_split = _tile(sch, d, D, knobs.d_unroll if pin else None, D_UNROLL_MAX)
+    d_split = sample_tile(sch, d, D, knobs.d_unroll if pin else None, D_UNROLL_MAX)
     do, di = sch.split(d, d_split)
     io, ii = sch.split(i, [None, lanes])
     sch.reorder(jo, do, di, ji, io, ii)
@@ -514,7 +469,7 @@ def schedule(
     pv = sch.get_sblock("PV_gemm" + suffix)
     *_, i, j, d = sch.get_loops(pv)
     pv_cols = pv_cols_of(knobs, D) if pin else pv_columns(D, lanes)
-    pv_rows = _tile(sch, i, block_m, knobs.pv_rows if pin else None, max_pv_rows(pv_cols, lanes))
+    pv_rows = sample_tile(sch, i, block_m, knobs.pv_rows if pin else None, max_pv_rows(pv_cols, lanes))
     io, ii = sch.split(i, pv_rows)
     if pv_cols < D:
         do, d = sch.split(d, [None, pv_cols])
@@ -530,16 +485,16 @@ def schedule(
     # staged key tile (float16 inputs: workloads.fused.stages_half_keys) converted in head_dim
     # vectors.
     if _has_block(sch, "K_load" + suffix) and D % lanes == 0:  # else LLVM vectorizes what it can
-        _vectorize_rows(sch, sch.get_loops(sch.get_sblock("K_load" + suffix))[-1], lanes)
+        vectorize_rows(sch, sch.get_loops(sch.get_sblock("K_load" + suffix))[-1], lanes)
     for name in layout.row_vector_blocks:
-        _vectorize_rows(sch, sch.get_loops(sch.get_sblock(name + suffix))[-1], lanes)
+        vectorize_rows(sch, sch.get_loops(sch.get_sblock(name + suffix))[-1], lanes)
     for name in layout.d_vector_blocks:
         sch.vectorize(sch.get_loops(sch.get_sblock(name + suffix))[-1])
 
     # Step 4. Optional auto-unroll of what is left inside one key tile.
     if layout.kv_tile:
         c_loop = sch.get_loops(sch.get_sblock("kv_tile" + suffix))[-1]
-        unroll = _choice(sch, AUTO_UNROLL_STEPS, knobs.auto_unroll if pin else None)
+        unroll = sample_choice(sch, AUTO_UNROLL_STEPS, knobs.auto_unroll if pin else None)
         sch.annotate(c_loop, "pragma_auto_unroll_max_step", unroll)
         sch.annotate(c_loop, "pragma_unroll_explicit", 1)
         sch.annotate(row_tile, "attn.auto_unroll", unroll)
@@ -555,7 +510,7 @@ def schedule(
     # get_loops of the nested blocks must not see the outer loops change under them (their
     # count would differ between recording and replay of a trace).
     fused = sch.fuse(*sch.get_loops(row_tile))  # (batch, head, row tile), or varlen's (head, slot)
-    chunk = _choice(sch, PARALLEL_CHUNKS, knobs.parallel_chunk if pin else None)
+    chunk = sample_choice(sch, PARALLEL_CHUNKS, knobs.parallel_chunk if pin else None)
     outer, _ = sch.split(fused, [None, chunk])
     sch.parallel(outer)
     sch.annotate(row_tile, "attn.parallel_chunk", chunk)

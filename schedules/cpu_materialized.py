@@ -24,9 +24,12 @@ from tvm_attention.target import vector_lanes
 from tvm_attention.workloads import materialized_attention
 
 from . import cpu_flash
-from ._knobs import KnobError, KnobsMixin, require_shapes
+from ._knobs import KnobError, KnobsMixin
+from .family import Capabilities, never_static_decode, no_knobs_of, same_knobs
 
 NAME = "materialized"
+CAPABILITIES = Capabilities(label=NAME, target="cpu", layouts=("bhsd",), dtypes=("float32",), symbolic=True,
+                            lse=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,8 +50,6 @@ def preset(spec: AttentionSpec, target: Target) -> MaterializedCPUKnobs:
 
 
 def check(knobs: MaterializedCPUKnobs, spec: AttentionSpec, target: Target) -> None:
-    require_shapes(spec, "materialized", ('bhsd',), symbolic=True)
-    cpu_flash.check_cpu_dtype(spec, "materialized", ("float32",))
     for name in ("gemm_rows", "key_vectors", "vector_lanes"):
         v = getattr(knobs, name)
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -146,3 +147,9 @@ def apply(sch: s_tir.Schedule, knobs: MaterializedCPUKnobs, spec: AttentionSpec)
         sch.parallel(sch.fuse(b, h, i))
     sch.decompose_reduction(pv, j)
     return sch
+
+
+# MetaSchedule's default space tunes it: no knobs to read back from a trace
+knobs_of = no_knobs_of
+for_layout = same_knobs
+is_static_decode = never_static_decode

@@ -16,10 +16,13 @@ from tvm_attention.spec import AttentionSpec
 from tvm_attention.target import vector_lanes
 from tvm_attention.workloads import rowcache_attention
 
-from . import cpu_flash
-from ._knobs import KnobError, KnobsMixin, require_shapes
+from . import cpu_flash, cpu_space
+from ._knobs import KnobError, KnobsMixin
+from .family import Capabilities, never_static_decode, same_knobs
 
 NAME = "rowcache"
+CAPABILITIES = Capabilities(label=NAME, target="cpu", layouts=("bhsd",), dtypes=("float32",), symbolic=False,
+                            lse=False)
 LAYOUT = cpu_flash.TileKernelLayout(
     ("row_max", "P_exp", "row_sum", "Q_load"), ("O_store",), kv_tile=False
 )
@@ -55,8 +58,6 @@ def preset(spec: AttentionSpec, target: Target) -> RowCacheCPUKnobs:
 
 
 def check(knobs: RowCacheCPUKnobs, spec: AttentionSpec, target: Target) -> None:
-    require_shapes(spec, "rowcache", ('bhsd',), symbolic=False)
-    cpu_flash.check_cpu_dtype(spec, "rowcache", ("float32",))
     if spec.seq_kv % knobs.s_rows:
         raise KnobError(f"s_rows={knobs.s_rows} must divide seq_kv={spec.seq_kv}")
     as_flash = cpu_flash.FlashCPUKnobs(
@@ -94,9 +95,13 @@ def block_m_candidates(spec: AttentionSpec, target: Target) -> list[int]:
     lanes = vector_lanes(target, spec.dtype)
     out = [preset(spec, target).block_m]
     out += [v * lanes for v in BLOCK_M_VECTORS if v * lanes not in out]
-    return [m for m in out if 2 * 4 * spec.seq_kv * m <= MAX_ROW_BYTES and cpu_flash.max_s_rows(m, lanes) >= 1]
+    return [m for m in out if 2 * 4 * spec.seq_kv * m <= MAX_ROW_BYTES and cpu_space.max_s_rows(m, lanes) >= 1]
 
 
 def knobs_of(sch: s_tir.Schedule, lanes: int, base=None) -> RowCacheCPUKnobs:
     values, bufs = cpu_flash.read_annotations(sch, ("s_rows", "pv_rows", "pv_cols", "d_unroll", "parallel_chunk"))
     return RowCacheCPUKnobs(block_m=int(bufs["Qt"].shape[1]), vector_lanes=lanes, **values)
+
+
+for_layout = same_knobs
+is_static_decode = never_static_decode

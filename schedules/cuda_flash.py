@@ -17,12 +17,15 @@ import dataclasses
 from tvm import s_tir
 from tvm.target import Target
 
-from tvm_attention.spec import AttentionSpec
+from tvm_attention.spec import SUPPORTED_DTYPES, AttentionSpec
 from tvm_attention.workloads.fused_cuda import fused_attention_cuda, vector_elems
 
-from ._knobs import KnobError, KnobsMixin, require_shapes
+from ._knobs import KnobError, KnobsMixin
+from .family import Capabilities, never_static_decode, same_knobs
 
 NAME = "fused"
+CAPABILITIES = Capabilities(label="CUDA fused", target="cuda", layouts=("bhsd",), dtypes=SUPPORTED_DTYPES,
+                            symbolic=False, lse=False)
 WARP = 32
 MAX_REGISTERS_PER_THREAD = 255
 #: registers a lane needs besides its scores and accumulator columns (indices, m, l, temporaries);
@@ -89,7 +92,6 @@ def registers_estimate(knobs: FlashCUDAKnobs, spec: AttentionSpec) -> int:
 
 
 def check(knobs: FlashCUDAKnobs, spec: AttentionSpec, target: Target) -> None:
-    require_shapes(spec, "CUDA fused", ('bhsd',), symbolic=False)
     for name in ("block_m", "block_n", "threads_per_row", "stages"):
         v = getattr(knobs, name)
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -190,3 +192,7 @@ def knobs_of(sch: s_tir.Schedule, lanes: int = 0, base=None) -> FlashCUDAKnobs:
     unroll = int(sch.get(sch.get_sblock("row_tile")).annotations["attn.unroll"])
     return FlashCUDAKnobs(block_m=int(func.attrs["attn.block_m"]), block_n=int(func.attrs["attn.block_n"]),
                           threads_per_row=int(func.attrs["attn.threads_per_row"]), unroll=unroll)
+
+
+for_layout = same_knobs
+is_static_decode = never_static_decode

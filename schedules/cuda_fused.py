@@ -14,8 +14,11 @@ from tvm.target import Target
 from tvm_attention.spec import AttentionSpec
 
 from . import cuda_flash, cuda_mma
+from .family import never_static_decode, same_knobs
 
 NAME = "fused"
+#: the union of its two kernels' (the SIMT one builds every dtype)
+CAPABILITIES = cuda_flash.CAPABILITIES
 
 
 def _by_spec(spec: AttentionSpec, target: Target):
@@ -53,3 +56,7 @@ def tile_candidates(spec: AttentionSpec, target: Target):
 def knobs_of(sch: s_tir.Schedule, lanes: int = 0, base=None):
     kind = str(sch.mod["main"].attrs["attn.workload"])
     return (cuda_mma if kind == "fused_mma" else cuda_flash).knobs_of(sch, lanes, base)
+
+
+for_layout = same_knobs
+is_static_decode = never_static_decode

@@ -11,12 +11,15 @@ import dataclasses
 from tvm import s_tir
 from tvm.target import Target
 
-from tvm_attention.spec import AttentionSpec
+from tvm_attention.spec import SUPPORTED_DTYPES, AttentionSpec
 from tvm_attention.workloads import materialized_attention
 
-from ._knobs import KnobsMixin, require_shapes
+from ._knobs import KnobsMixin
+from .family import Capabilities, never_static_decode, no_knobs_of, same_knobs
 
 NAME = "materialized"
+CAPABILITIES = Capabilities(label="CUDA materialized", target="cuda", layouts=("bhsd",), dtypes=SUPPORTED_DTYPES,
+                            symbolic=False, lse=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +34,7 @@ def preset(spec: AttentionSpec, target: Target) -> MaterializedCUDAKnobs:
 
 
 def check(knobs: MaterializedCUDAKnobs, spec: AttentionSpec, target: Target) -> None:
-    require_shapes(spec, "CUDA materialized", ('bhsd',), symbolic=False)
+    """No knob to check: dlight picks its own tiles."""
 
 
 def workload(spec: AttentionSpec, knobs: MaterializedCUDAKnobs):
@@ -51,3 +54,9 @@ def apply(sch: s_tir.Schedule, knobs: MaterializedCUDAKnobs, spec: AttentionSpec
             dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback()
         )(sch.mod)
     return s_tir.Schedule(mod)
+
+
+# dlight schedules it: no knobs to read back
+knobs_of = no_knobs_of
+for_layout = same_knobs
+is_static_decode = never_static_decode

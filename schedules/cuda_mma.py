@@ -20,9 +20,12 @@ from tvm.target import Target
 from tvm_attention.spec import AttentionSpec
 from tvm_attention.workloads.fused_mma import MMA_DTYPES, fused_attention_mma, smem_stride
 
-from ._knobs import KnobError, KnobsMixin, require_shapes
+from ._knobs import KnobError, KnobsMixin
+from .family import USE_CPU_FUSED, Capabilities, never_static_decode, same_knobs
 
 NAME = "fused"
+CAPABILITIES = Capabilities(label="CUDA tensor-core fused", target="cuda", layouts=("bhsd",), dtypes=MMA_DTYPES,
+                            symbolic=False, lse=False, instead=f"use --schedule fused_simt, or {USE_CPU_FUSED}")
 WARP = 32
 MAX_REGISTERS_PER_THREAD = 255
 #: registers besides the fragments (addresses, loop state, m/l, temporaries). Measured with
@@ -104,9 +107,6 @@ def preset(spec: AttentionSpec, target: Target) -> MMAKnobs:
 
 
 def check(knobs: MMAKnobs, spec: AttentionSpec, target: Target) -> None:
-    require_shapes(spec, "CUDA tensor-core fused", ("bhsd",), symbolic=False)
-    if spec.dtype not in MMA_DTYPES:
-        raise KnobError(f"the tensor-core kernel takes float16 or bfloat16 inputs, not {spec.dtype}")
     arch = arch_number(target)
     if arch < MIN_ARCH:
         raise KnobError(
@@ -182,3 +182,7 @@ def knobs_of(sch: s_tir.Schedule, lanes: int = 0, base=None) -> MMAKnobs:
     attrs = sch.mod["main"].attrs
     return MMAKnobs(warps=int(attrs["attn.warps"]), block_n=int(attrs["attn.block_n"]),
                     stages=int(attrs["attn.stages"]), m_tiles=int(attrs["attn.m_tiles"]))
+
+
+for_layout = same_knobs
+is_static_decode = never_static_decode

@@ -42,7 +42,7 @@ def main() -> int:
     from tvm_attention.target import resolve_target
     from tvm_attention.threads import set_num_threads
     from tvm_attention.tune.driver import tune
-    from tvm_attention.tune.logs import committed_work_dir
+    from tvm_attention.logs import committed_work_dir
 
     threads = set_num_threads(a.threads)
     cases = {c.name: c for c in held_out_cases(tiny=a.tiny, cores=threads)}

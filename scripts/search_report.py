@@ -25,7 +25,7 @@ from tvm_attention.spec import AttentionSpec
 from tvm_attention.target import resolve_target
 from tvm_attention.threads import set_num_threads
 from tvm_attention.timing import aligned_inputs, time_callable
-from tvm_attention.tune.logs import best_records, default_work_dir
+from tvm_attention.logs import best_records, default_work_dir
 
 
 def main() -> int:

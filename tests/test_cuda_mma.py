@@ -60,7 +60,7 @@ def test_fused_picks_the_kernel_by_dtype_arch_and_head_dim():
     assert isinstance(build_kernel(fp32, target=sm90).knobs, cuda_flash.FlashCUDAKnobs)
     assert isinstance(build_kernel(odd, target=sm90).knobs, cuda_flash.FlashCUDAKnobs)
     assert isinstance(build_kernel(half, "fused_simt", target=sm90).knobs, cuda_flash.FlashCUDAKnobs)
-    with pytest.raises(KnobError, match="float16 or bfloat16"):
+    with pytest.raises(KnobError, match="builds dtype\\(s\\) float16, bfloat16, not 'float32': use --schedule fused_simt"):
         build_kernel(fp32, "fused_tc", target=sm90)
     with pytest.raises(KnobError, match="multiple of 16"):
         build_kernel(odd, "fused_tc", target=sm90)
@@ -157,7 +157,8 @@ def test_gpu_check_script_builds_both_kernels_offline(tmp_path):
 def test_tuning_tasks_cover_the_tensor_core_space_and_regenerate():
     """One task per feasible (warps, block_n, stages, m_tiles), the preset first; a stored function of any
     task regenerates to the same workload (how build finds a tuned record for a spec)."""
-    from tvm_attention.tune.tasks import make_tasks, workload_matches
+    from tvm_attention.task_mods import workload_matches
+    from tvm_attention.tune.tasks import make_tasks
 
     spec = AttentionSpec(batch=1, heads=8, kv_heads=2, seq_q=1024, head_dim=64, dtype="bfloat16", causal=True)
     target = resolve_target("cuda", arch="sm_90")

@@ -172,7 +172,7 @@ def test_audit_passes_a_fused_build_whose_tile_exceeds_the_score_matrix():
     # Qt and acc hold block_m × head_dim floats, more than the score matrix: a big tile, not a
     # matrix. AVX-512: 64 × 320 > 129 × 129; AVX2 (16 registers: 4 vectors of rows, s_rows 2):
     # 32 × 320 > 97 × 97.
-    from schedules.cpu_flash import max_s_rows
+    from schedules.cpu_space import max_s_rows
     from tvm_attention.target import resolve_target, vector_lanes
 
     lanes = vector_lanes(resolve_target("llvm"))

@@ -312,7 +312,8 @@ def test_page_order_and_prefetch_are_points_of_the_decode_space():
     at the contiguous representative chose."""
     from schedules import cpu_flash
     from tvm_attention.target import resolve_target
-    from tvm_attention.tune.tasks import make_tasks, workload_matches
+    from tvm_attention.task_mods import workload_matches
+    from tvm_attention.tune.tasks import make_tasks
 
     target = resolve_target("llvm")
     spec = AttentionSpec(batch=1, heads=8, kv_heads=4, seq_q=1, seq_kv=300, head_dim=64, layout="paged", page_size=16)
@@ -368,7 +369,7 @@ def _no_staged_decode_nest(spec, target):
 
 
 def tvm_normalize(func):
-    from tvm_attention.tune.tasks import normalize
+    from tvm_attention.task_mods import normalize
 
     return normalize(func)
 
@@ -376,8 +377,8 @@ def tvm_normalize(func):
 def test_split_count_and_page_order_are_tasks_of_a_kvcache_step():
     from schedules import cpu_flash
     from tvm_attention.target import resolve_target
-    from tvm_attention.tune.paged import tuning_spec
-    from tvm_attention.tune.tasks import make_tasks, workload_matches
+    from tvm_attention.task_mods import tuning_spec, workload_matches
+    from tvm_attention.tune.tasks import make_tasks
 
     from tvm_attention.workloads.fused import n_splits
 
@@ -425,9 +426,10 @@ def test_paged_decode_is_tuned_in_pages(tmp_path):
 
     from tvm_attention.target import resolve_target
     from tvm_attention.tune.driver import _skip_tensor_intrin_import, tune
-    from tvm_attention.tune.logs import best_records, tune_work_dir
-    from tvm_attention.tune.paged import AllocInputs, tuning_spec
-    from tvm_attention.tune.tasks import make_tasks, workload_matches
+    from tvm_attention.logs import best_records, tune_work_dir
+    from tvm_attention.tune.paged import AllocInputs
+    from tvm_attention.task_mods import tuning_spec, workload_matches
+    from tvm_attention.tune.tasks import make_tasks
 
     # batch 8 × 4 kv heads: 32 tasks at one head each, so no split count differs (11 tasks)
     spec = AttentionSpec(batch=8, heads=8, kv_heads=4, seq_q=1, seq_kv=300, head_dim=64, causal=True,

@@ -9,7 +9,7 @@ import pytest
 from tvm_attention.pipeline import build_best
 from tvm_attention.spec import AttentionSpec
 from tvm_attention.tune.driver import NoDevicesLeft, tune
-from tvm_attention.tune.logs import RECORD_FILE, parse_logs
+from tvm_attention.logs import RECORD_FILE, parse_logs
 from tvm_attention.tune.rpc import LocalFleet, free_port, tracker_status
 
 pytest.importorskip("tornado", reason="TVM's RPC tracker needs tornado")

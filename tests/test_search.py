@@ -74,7 +74,7 @@ def test_held_out_cases_are_what_the_issue_names():
     assert cases["decode_b8"].spec.batch == 8
     # the paged decode steps, tuned in pages (too long for tiny mode: test_kvcache tunes one)
     from tvm_attention.target import resolve_target
-    from tvm_attention.tune.paged import tunes_as_paged
+    from tvm_attention.task_mods import tunes_as_paged
 
     assert all(tunes_as_paged(cases[f"paged_b{b}"].spec, resolve_target("llvm")) for b in (1, 8))
     assert not any(c.spec.layout == "paged" for c in held_out_cases(tiny=True))

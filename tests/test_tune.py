@@ -20,7 +20,7 @@ from tvm_attention.spec import AttentionSpec
 from tvm_attention.target import resolve_target, vector_lanes
 from tvm_attention import cli
 from tvm_attention.tune.driver import tune
-from tvm_attention.tune.logs import RECORD_FILE, WORKLOAD_FILE, LogError, parse_logs
+from tvm_attention.logs import RECORD_FILE, WORKLOAD_FILE, LogError, parse_logs
 from tvm_attention.tune.tasks import make_tasks
 
 # Tuning logs go to the user cache by default: conftest points it at a temporary folder.
@@ -230,7 +230,7 @@ def test_committed_logs_match_the_current_workloads():
     # back to the hand schedule without a word: regenerate them (scripts/tune_defaults.sh).
     import re
 
-    from tvm_attention.tune.logs import best_records, repo_logs_root
+    from tvm_attention.logs import best_records, repo_logs_root
 
     folders = sorted(p for p in repo_logs_root().glob("*/*") if (p / RECORD_FILE).exists())
     assert folders

@@ -19,9 +19,9 @@ from tvm_attention import cli, paths
 from tvm_attention.pipeline import build_best
 from tvm_attention.spec import AttentionSpec
 from tvm_attention.target import resolve_target
-from tvm_attention.tune import logs
+from tvm_attention import logs
 from tvm_attention.tune.driver import tune
-from tvm_attention.tune.logs import (LOCK_FILE, RECORD_FILE, WORKLOAD_FILE, LogError, LogLocked,
+from tvm_attention.logs import (LOCK_FILE, RECORD_FILE, WORKLOAD_FILE, LogError, LogLocked,
                                      best_records, open_database, parse_logs, target_key, tune_lock)
 from tvm_attention.tune.tasks import make_tasks
 

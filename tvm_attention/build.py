@@ -8,10 +8,15 @@ import tvm
 from tvm import s_tir
 from tvm.target import Target
 
+from schedules import check, get_schedule  # schedules/ sits beside this package
+from schedules._knobs import KnobError
+
 from .audit import AuditReport, audit, list_allocations, probe_spec
 from .lowering import LoweredModule, codegen, lower_final
 from .spec import AttentionSpec
-from .target import check_target_runnable, cpu_features, resolve_target
+from .target import check_target_runnable, cpu_features, resolve_target, vector_lanes
+from .task_mods import tuning_spec
+from .workloads import WORKLOADS
 from .workloads.fused import ENTRY
 from .workloads.index_checks import with_index_checks
 
@@ -93,12 +98,10 @@ def build_kernel(
     Steps: PrimFunc from the workload registry → schedule by name → final lowering → audit →
     codegen of that same lowered IR.
     """
-    from schedules import get_schedule  # schedules/ sits beside this package
-
     target = resolve_target(target) if not isinstance(target, Target) else target
     family = get_schedule(schedule, target)
     knobs = resolve_knobs(family, spec, target, knobs)
-    family.check(knobs, spec, target)
+    check(family, knobs, spec, target)
     mod = _schedule_module(family, spec, knobs, target)
     # A symbolic build's IR shows what grows with a length: no probe needed.
     probe = None if spec.dynamic else (lambda: _probe(family, spec, knobs, target))
@@ -109,8 +112,6 @@ def build_kernel(
 def resolve_knobs(family, spec: AttentionSpec, target: Target, knobs: Any):
     """``knobs`` as the family's dataclass: None → the target preset; a dict → overrides on top
     of the preset; anything else is an error naming what was passed."""
-    from schedules._knobs import KnobError
-
     preset = family.preset(spec, target)
     if knobs is None:
         return preset
@@ -133,8 +134,7 @@ def _schedule_module(family, spec: AttentionSpec, knobs: Any, target: Target) ->
 
 def _probe_at(family, spec: AttentionSpec, target: Target) -> AttentionSpec:
     """Where the audit's probe lowers the schedule (a static decode kernel keeps its seq_q)."""
-    decode = getattr(family, "is_static_decode", None)
-    return probe_spec(spec, keep_seq_q=bool(decode is not None and not spec.dynamic and decode(spec, target)))
+    return probe_spec(spec, keep_seq_q=not spec.dynamic and family.is_static_decode(spec, target))
 
 
 def _probe(family, spec: AttentionSpec, knobs: Any, target: Target):
@@ -166,8 +166,6 @@ def build_from_module(
     ``probe``: a callable returning the allocations of the same schedule at other lengths (see
     ``audit``), or None when there is no way to rebuild the schedule there.
     """
-    from .workloads import WORKLOADS
-
     func = mod["main"]
     workload = str(func.attrs["attn.workload"]) if func.attrs is not None and "attn.workload" in func.attrs else schedule
     if target.kind.name == "llvm":  # device code cannot raise: CUDA index arrays stay trusted
@@ -210,8 +208,6 @@ def cuda_resources(built: BuiltKernel) -> dict[str, Any]:
 def knobs_of(family, sch: s_tir.Schedule, spec: AttentionSpec, target: Target):
     """The knobs a scheduled tile kernel of ``family`` chose (its ``attn.*`` annotations and
     attrs); what a trace leaves out (a decode-only kernel's main-nest knobs) is the preset's."""
-    from .target import vector_lanes
-
     return family.knobs_of(sch, vector_lanes(target), family.preset(spec, target))  # float32 lanes: CPU kernels compute in float32
 
 
@@ -224,19 +220,15 @@ def build_from_record(spec: AttentionSpec, schedule: str, target: str | Target, 
     target = resolve_target(target)
     sch = s_tir.Schedule(workload.mod)
     record.trace.apply_to_schedule(sch, remove_postproc=False)
-    from schedules import get_schedule
-
-    from .tune.paged import tuning_spec
-
     family = get_schedule(schedule, target)
     tuned_at = tuning_spec(spec, target, schedule)
-    knobs = knobs_of(family, sch, tuned_at, target) if hasattr(family, "knobs_of") else None
-    if knobs is not None and hasattr(family, "for_layout"):
+    knobs = knobs_of(family, sch, tuned_at, target)
+    if knobs is not None:
         knobs = family.for_layout(knobs, spec, target, tuned_at)
     if spec.dynamic:
         if knobs is None:
             raise ValueError(f"a tuned {schedule} trace cannot be replayed on a symbolic kernel (no knobs to read)")
-        family.check(knobs, spec, target)
+        check(family, knobs, spec, target)
         built = build_from_module(spec, schedule, _schedule_module(family, spec, knobs, target), target,
                                   source="tuned", knobs=knobs, trace=str(record.trace))
         built.record_secs = [float(x) for x in record.run_secs]

@@ -248,7 +248,7 @@ def cmd_tune(a: argparse.Namespace) -> int:
         # Symbolic kernels are tuned at their representative shape: the knobs are tile sizes and
         # register blocks, the same at every length, and MetaSchedule measures concrete shapes.
         # A paged decode step is tuned as itself (its page order is measured in pages).
-        from .tune.paged import tuning_spec
+        from .task_mods import tuning_spec
 
         rep = tuning_spec(spec, target, a.schedule)
         if rep is spec:

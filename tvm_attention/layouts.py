@@ -36,6 +36,9 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from .errors import SpecError
+from .reference import reference_attention
+
 
 class KernelArgumentError(ValueError):
     """A kernel argument does not match the artifact's manifest (raised by the loader)."""
@@ -212,8 +215,6 @@ class BHSD(Layout):
         return d
 
     def reference_outputs(self, spec, arrays):
-        from .reference import reference_attention
-
         return reference_attention(spec, arrays["q"], arrays["k"], arrays["v"], return_lse=True)
 
     def kv_bytes(self, spec, case):
@@ -303,8 +304,6 @@ class Varlen(Layout):
                 )
 
     def reference_outputs(self, spec, arrays):
-        from .reference import reference_attention
-
         q, k, v = arrays["q"], arrays["k"], arrays["v"]
         cq, ck = arrays["cu_seqlens_q"], arrays["cu_seqlens_k"]
         o = np.zeros(q.shape, np.float64)
@@ -398,8 +397,6 @@ class KVCache(Layout):
         return arrays["k_cache"][b:b + 1, :, :length], arrays["v_cache"][b:b + 1, :, :length]
 
     def reference_outputs(self, spec, arrays):
-        from .reference import reference_attention
-
         q, lens = arrays["q"], arrays["cache_seqlens"]
         o = np.zeros(q.shape, np.float64)
         lse = np.full(q.shape[:3], -np.inf)
@@ -569,8 +566,6 @@ LAYOUTS: dict[str, Layout] = {entry.name: entry for entry in (BHSD(), Varlen(), 
 
 
 def get_layout(name: str) -> Layout:
-    from .spec import SpecError
-
     key = name.lower() if isinstance(name, str) else name
     if key not in LAYOUTS:
         raise SpecError(f"unknown layout {name!r}; known layouts: {', '.join(LAYOUTS)}")

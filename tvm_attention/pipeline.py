@@ -45,13 +45,13 @@ def build_best(
 ) -> tuple[BuiltKernel, ValidationResult]:
     target = resolve_target(target)
     if knobs is None and use_log:
-        from .tune.logs import best_records, log_folder, search_dirs, target_key
+        from .logs import best_records, log_folder, search_dirs, target_key
 
         explicit = log_dir is not None
         # A symbolic (or varlen) build takes its knobs from the log of its representative static
         # shape: that is where `tune` puts them (tile sizes do not depend on the length). A paged
         # decode step is tuned as itself, at its representative step (tune.paged).
-        from .tune.paged import tuning_spec
+        from .task_mods import tuning_spec
 
         rep = tuning_spec(spec, target, schedule)
         # Without --from-log: the user's own tuning log first, then the committed one; the first

@@ -1,9 +1,12 @@
 """The float64 NumPy reference: the single definition of tvm-attention's semantics."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
-from .spec import AttentionSpec
+if TYPE_CHECKING:  # the spec builds on layouts, which build on this reference
+    from .spec import AttentionSpec
 
 
 def causal_mask(seq_q: int, seq_kv: int) -> np.ndarray:

@@ -32,6 +32,9 @@ import json
 import math
 from typing import Any, Mapping
 
+from .errors import SpecError
+from .layouts import get_layout
+
 #: Input/output dtypes a spec may have. Accumulation is always float32. Which targets build which
 #: dtype is the schedule's business: the CPU schedules take float32 only and say so.
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
@@ -58,10 +61,6 @@ DATA_ALIGNMENT = 16
 #: Dims a spec may leave symbolic (``dynamic``); heads, kv_heads, head_dim, dtype, causal and
 #: scale are always compiled in.
 DYNAMIC_DIMS = ("batch", "seq_q", "seq_kv")
-
-
-class SpecError(ValueError):
-    """An invalid :class:`AttentionSpec`; the message names the offending field."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,8 +95,6 @@ class AttentionSpec:
             object.__setattr__(self, "kv_heads", self.heads)
         _check_positive_int("seq_kv", self.seq_kv)
         _check_positive_int("kv_heads", self.kv_heads)
-        from .layouts import get_layout
-
         layout = get_layout(self.layout)  # SpecError naming the known layouts
         object.__setattr__(self, "layout", layout.name)
         dyn = self.dynamic
@@ -177,8 +174,6 @@ class AttentionSpec:
     @property
     def layout_info(self):
         """The :class:`tvm_attention.layouts.Layout` entry of ``layout``."""
-        from .layouts import get_layout
-
         return get_layout(self.layout)
 
     @property

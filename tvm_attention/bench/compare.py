@@ -56,7 +56,7 @@ def parse_entry(text: str) -> tuple[str, str, dict | None]:
 def build_entry(spec: AttentionSpec, text: str):
     from ..build import build_from_record, build_kernel
     from ..target import resolve_target
-    from ..tune.logs import best_records, default_work_dir
+    from ..logs import best_records, default_work_dir
 
     label, name, knobs = parse_entry(text)
     if name.endswith("-tuned"):

@@ -95,7 +95,7 @@ def run_case(case: HeldOutCase, trials: int, work_root: str | Path, seed: int = 
     from ..target import resolve_target
     from ..timing import time_built
     from ..tune.driver import tune
-    from ..tune.logs import best_records
+    from ..logs import best_records
 
     target = resolve_target(case.target)
     work = Path(work_root) / case.name

@@ -4,8 +4,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..spec import AttentionSpec
-from ..tune.logs import FAILED_RUN_SECS, mean_secs, parse_logs, records_for
-from ..tune.tasks import workload_matches
+from ..logs import FAILED_RUN_SECS, mean_secs, parse_logs, records_for
+from ..task_mods import workload_matches
 
 
 def readable_trace(trace) -> list[str]:

@@ -111,7 +111,7 @@ def _tvm_runner(spec: AttentionSpec, variant: str) -> tuple[Any, str]:
 
     if variant == "fused-tuned":
         from ..target import resolve_target
-        from ..tune.logs import best_records, default_work_dir
+        from ..logs import best_records, default_work_dir
 
         work = default_work_dir(spec, resolve_target("llvm"))
         if not best_records(spec, resolve_target("llvm"), "fused", work, k=1):

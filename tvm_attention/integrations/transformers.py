@@ -123,7 +123,7 @@ class LayerConfig:
         import tvm
 
         from .. import __version__
-        from ..tune.logs import target_key
+        from ..logs import target_key
 
         ident = {
             "format": KEY_FORMAT, "scale": float(self.scale).hex(), "target": str(target),

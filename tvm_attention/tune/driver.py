@@ -36,13 +36,17 @@ import tvm
 import tvm_ffi
 from tvm.target import Target
 
+from schedules import get_schedule
+
+from ..build import knobs_of
+from ..logs import (FAILED_RUN_SECS, RECORD_FILE, for_target, mean_secs, open_database, parse_logs, records_for,
+                    target_key, tune_lock, tune_work_dir)
 from ..spec import AttentionSpec
 from ..target import check_target_runnable, is_cuda, local_cuda_arch, resolve_target, vector_lanes
+from ..task_mods import workload_matches
 from ..threads import set_num_threads
-from .logs import (FAILED_RUN_SECS, RECORD_FILE, for_target, mean_secs, open_database, parse_logs, records_for,
-                   target_key, tune_lock, tune_work_dir)
 from .rpc import is_rpc_failure
-from .tasks import TaskDef, make_tasks, workload_matches
+from .tasks import TaskDef, make_tasks
 from .workers import ignore_sigint, lean_build, runner_init
 
 # Test hook: when set, tune() calls it as _phase_hook(name) at the start of each phase — "setup"
@@ -340,14 +344,8 @@ def _fmt_time(s: float) -> str:
 def describe(task: TaskDef, sch, target: Target, spec: AttentionSpec) -> dict[str, Any] | None:
     """Knobs of a tile-kernel candidate (from its attn.* annotations); None for MetaSchedule's
     own spaces (materialized), whose trace is the description."""
-    from schedules import get_schedule
-
-    family = get_schedule(task.name.split("_")[0], target)
-    if not hasattr(family, "knobs_of"):
-        return None
-    from ..build import knobs_of
-
-    return knobs_of(family, sch, spec, target).to_dict()
+    knobs = knobs_of(get_schedule(task.name.split("_")[0], target), sch, spec, target)
+    return None if knobs is None else knobs.to_dict()
 
 
 def make_rpc_runner(tracker: str, key: str | None, workers: int | None = None, timeout_s: int = 60,

@@ -28,45 +28,9 @@ import functools
 from typing import Any
 
 import numpy as np
-from tvm import tirx
-from tvm.target import Target
 
 from ..spec import AttentionSpec
-
-
-def tuning_spec(spec: AttentionSpec, target: Target, schedule: str = "fused") -> AttentionSpec:
-    """The spec whose log ``tune`` writes and ``build`` reads for ``spec``: ``spec`` itself when
-    static or a paged decode step on a CPU (see the module docstring), else its static bhsd
-    representative."""
-    if not spec.dynamic:
-        return spec
-    if tunes_as_paged(spec, target, schedule):
-        return spec
-    return spec.representative()
-
-
-def tunes_as_paged(spec: AttentionSpec, target: Target, schedule: str = "fused") -> bool:
-    """A paged spec whose representative step is a decode step of the CPU fused kernel."""
-    if spec.layout != "paged" or schedule != "fused" or target.kind.name != "llvm":
-        return False
-    from schedules import cpu_flash
-
-    return cpu_flash.is_decode_step(spec, target)
-
-
-def step_case(spec: AttentionSpec) -> dict[str, Any]:
-    """The representative step as a case of the layout (its first validation case: ``batch``
-    sequences of ``seq_q`` new tokens and ``seq_kv`` keys each)."""
-    return spec.layout_info.validation_cases(spec)[0]
-
-
-def arg_shapes(spec: AttentionSpec) -> list[tuple[int, ...]]:
-    """The shapes of the representative step's arguments, in call order."""
-    layout = spec.layout_info
-    values = layout.case_dims(spec, step_case(spec))
-    names = layout.dims(spec)
-    return [tuple(values[names[d]] if isinstance(names[d], str) else names[d] for d in a.dims)
-            for a in layout.all_args(spec)]
+from ..task_mods import arg_shapes, step_case
 
 
 def tuning_inputs(spec: AttentionSpec, seed: int = 0) -> list[np.ndarray]:
@@ -76,21 +40,6 @@ def tuning_inputs(spec: AttentionSpec, seed: int = 0) -> list[np.ndarray]:
     arrays = layout.random_inputs(spec, step_case(spec), seed=seed)
     return [np.zeros(shape, a.dtype or spec.np_dtype) if a.output else arrays[a.name]
             for a, shape in zip(layout.all_args(spec), arg_shapes(spec))]
-
-
-def specialize(func: tirx.PrimFunc, spec: AttentionSpec) -> tirx.PrimFunc:
-    """``func`` (``spec``'s symbolic kernel) with every symbolic dim bound to the representative
-    step's value (:func:`arg_shapes`)."""
-    args = spec.layout_info.all_args(spec)
-    if len(args) != len(func.params):
-        raise ValueError(f"{spec.short_name()}: the kernel takes {len(func.params)} arguments, the layout "
-                         f"names {len(args)}")
-    # the same alignment as the kernel's own buffers (specialize refuses a mismatch)
-    align = int(func.attrs["attn.data_alignment"]) if func.attrs is not None and "attn.data_alignment" in func.attrs \
-        else -1
-    bufs = {p: tirx.decl_buffer(shape, a.dtype or spec.dtype, a.name, data_alignment=align)
-            for p, a, shape in zip(func.params, args, arg_shapes(spec))}
-    return func.specialize(bufs)
 
 
 class AllocInputs:

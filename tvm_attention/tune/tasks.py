@@ -17,14 +17,13 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import tvm
-import tvm_ffi
 from tvm.target import Target
 
 from ..spec import AttentionSpec
+from ..task_mods import fused_task_mod, normalize, tunes_as_paged
 from ..workloads import (fused_attention, fused_attention_cuda, fused_attention_mma, materialized_attention,
                          rowcache_attention)
 
@@ -41,45 +40,6 @@ class TaskDef:
     # distinct points of the space when known (None: sampled, unknown): the driver stops asking a
     # task for candidates once it has measured that many, instead of idling through search rounds
     points: int | None = None
-
-
-def normalize(func) -> tvm.IRModule:
-    from tvm.s_tir.meta_schedule.tune_context import _normalize_mod
-
-    return _normalize_mod(func)
-
-
-@functools.lru_cache(maxsize=64)
-def _paged_task_mod(spec: AttentionSpec, args: tuple) -> tvm.IRModule:
-    """``task_mod`` of a paged step's fused workload, kept per process: the symbolic paged kernel
-    (the step's tier and the main nest) takes ~0.4 s to parse, and ``tune`` asks for each of its
-    ~20 tasks twice (the tasks, then each log record's workload)."""
-    return task_mod(spec, fused_attention(spec, *args))
-
-
-def fused_task_mod(spec: AttentionSpec, block_m: int, block_n: int, decode_rows: tuple[int, ...] = (),
-                   split_tasks: int = 0, stage_k_below: int = 0, dot_bf16: bool = False, prefetch: int = 0,
-                   decode_heads: int = 1) -> tvm.IRModule:
-    """The task module of ``fused_attention(spec, ...)`` (same arguments)."""
-    args = (block_m, block_n, tuple(decode_rows), split_tasks, stage_k_below, bool(dot_bf16), prefetch, decode_heads)
-    if spec.dynamic:
-        return _paged_task_mod(spec, args)
-    return task_mod(spec, fused_attention(spec, *args))
-
-
-def task_mod(spec: AttentionSpec, func) -> tvm.IRModule:
-    """The module a task of ``spec`` measures: ``func`` itself, or, for a symbolic spec tuned as
-    itself (a paged decode step, :mod:`.paged`), ``func`` specialized to its representative step."""
-    if not spec.dynamic:
-        return normalize(func)
-    from .paged import specialize
-
-    # Simplify folds the branches the step does not take (the main nest, the split or unsplit
-    # form) and drops them: the task is the step's own nest, a fraction of the text to search
-    # and build. Without it (TVM 0.27) generating the design space of a function
-    # that holds both the split and the unsplit nest changed the task's module in place, and
-    # every later candidate and replay of the task failed on the changed one.
-    return tvm.s_tir.transform.StmtSimplify()(normalize(specialize(func, spec)))
 
 
 def tile_space(space_fn):
@@ -121,11 +81,9 @@ def materialized_space():
 
 def make_tasks(spec: AttentionSpec, target: Target, schedule: str) -> list[TaskDef]:
     """The tasks of ``spec``: a static spec, or a symbolic one that is tuned as itself (a paged
-    decode step, :func:`.paged.tunes_as_paged`; other symbolic specs are tuned at their
+    decode step, :func:`tvm_attention.task_mods.tunes_as_paged`; other symbolic specs are tuned at their
     representative, which the caller passes)."""
     if spec.dynamic:
-        from .paged import tunes_as_paged
-
         if not tunes_as_paged(spec, target, schedule):
             raise ValueError(f"{spec.short_name()} is symbolic: tune its representative shape "
                              f"({spec.representative().short_name()}) instead")
@@ -193,37 +151,3 @@ def _cuda_tasks(spec: AttentionSpec, target: Target, schedule: str) -> list[Task
     ]
 
 
-def regenerate(spec: AttentionSpec, func) -> tvm.IRModule | None:
-    """The workload ``spec`` would produce for a stored function (by its ``attn.*`` attrs)."""
-    attrs = func.attrs if func.attrs is not None else {}
-    kind = str(attrs["attn.workload"]) if "attn.workload" in attrs else None
-    try:
-        if kind == "fused":
-            decode = {"decode_rows": tuple(int(r) for r in attrs["attn.decode_rows"]),
-                      "split_tasks": int(attrs["attn.split_tasks"]),
-                      "stage_k_below": int(attrs["attn.stage_k_below"])} if "attn.decode_rows" in attrs else {}
-            for k in ("prefetch", "decode_heads"):
-                if f"attn.{k}" in attrs:
-                    decode[k] = int(attrs[f"attn.{k}"])
-            if "attn.dot_bf16" in attrs:
-                decode["dot_bf16"] = bool(int(attrs["attn.dot_bf16"]))
-            return fused_task_mod(spec, block_m=int(attrs["attn.block_m"]), block_n=int(attrs["attn.block_n"]), **decode)
-        if kind == "materialized":
-            return normalize(materialized_attention(spec))
-        if kind == "rowcache":
-            return normalize(rowcache_attention(spec, int(attrs["attn.block_m"])))
-        if kind == "fused_mma":
-            return normalize(fused_attention_mma(spec, int(attrs["attn.warps"]), int(attrs["attn.block_n"]),
-                                                 int(attrs["attn.stages"]), int(attrs["attn.m_tiles"])))
-        if kind == "fused_cuda":
-            return normalize(fused_attention_cuda(spec, int(attrs["attn.block_m"]), int(attrs["attn.block_n"]),
-                                                  int(attrs["attn.threads_per_row"])))
-    except Exception:
-        return None
-    return None
-
-
-def workload_matches(spec: AttentionSpec, mod: tvm.IRModule) -> bool:
-    """True iff ``mod`` (from a log) is exactly the workload ``spec`` generates."""
-    mine = regenerate(spec, mod["main"])
-    return mine is not None and tvm_ffi.structural_equal(mine, mod)

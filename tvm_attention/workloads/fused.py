@@ -809,7 +809,7 @@ def _dense(spec: AttentionSpec, block_m: int, block_n: int, decode_rows: tuple[i
              "attn.block_m": BM, "attn.block_n": BN, "attn.data_alignment": A}
     if dot_bf16:
         attrs["attn.dot_bf16"] = 1
-    if tiers:  # what regenerates this workload from a tuning record (tune.tasks.regenerate)
+    if tiers:  # what regenerates this workload from a tuning record (task_mods.regenerate)
         attrs["attn.decode_rows"] = list(tiers)
         attrs["attn.split_tasks"] = split_tasks
         attrs["attn.stage_k_below"] = stage_k_below

@@ -37,8 +37,8 @@ from typing import Any, Callable, Iterator
 
 from tvm.target import Target
 
-from ..paths import cache_dir
-from ..spec import AttentionSpec
+from .paths import cache_dir
+from .spec import AttentionSpec
 
 WORKLOAD_FILE = "database_workload.json"
 RECORD_FILE = "database_tuning_record.json"
@@ -375,7 +375,7 @@ def best_records(spec: AttentionSpec, target: Target, schedule: str, work_dir: s
 
     A reader: a bad or cut line (a corrupt log, or a tune appending right now) is skipped with a
     warning through ``say`` (default: ``warnings.warn`` with ``LogWarning``), never an error."""
-    from .tasks import workload_matches
+    from .task_mods import workload_matches  # it builds workloads: TVM's parser, loaded on first use
 
     work = Path(work_dir)
     if not (work / RECORD_FILE).exists():

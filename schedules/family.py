@@ -1,0 +1,106 @@
+"""The protocol every schedule family implements, and the table of what each one builds.
+
+A family is a module of ``schedules/`` (``cpu_flash``, ``cuda_mma``, ...) registered in
+``schedules.SCHEDULES``. It provides every member of :class:`Family` (a family without a use for
+one gives the neutral answer: ``knobs_of`` None, ``for_layout`` the knobs unchanged,
+``is_static_decode`` False), so callers never probe with ``hasattr``. What a family builds at
+all — target, layouts, dtypes, symbolic dims, an lse output — is its :class:`Capabilities`,
+checked in one place (:meth:`Capabilities.require`, called by ``schedules.check``) with one
+message format; ``check`` itself judges only the knobs against the hardware's limits.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol, runtime_checkable
+
+from tvm import s_tir, tirx
+from tvm.target import Target
+
+from tvm_attention.spec import AttentionSpec
+
+from ._knobs import KnobError
+
+#: what a family that cannot build a spec suggests instead
+USE_CPU_FUSED = "use --schedule fused on a CPU (llvm) target"
+
+
+@dataclasses.dataclass(frozen=True)
+class Capabilities:
+    """What a family builds: any spec outside this table is refused by name before a knob is
+    looked at."""
+
+    label: str  # how messages name the family ("materialized", "CUDA tensor-core fused")
+    target: str  # "cpu" (llvm) or "cuda"
+    layouts: tuple[str, ...]
+    dtypes: tuple[str, ...]  # input/output dtypes (every family accumulates in float32)
+    symbolic: bool  # batch, seq_q, seq_kv may be symbolic
+    lse: bool  # writes the log-sum-exp output (--return-lse)
+    instead: str = USE_CPU_FUSED  # what to use for a spec it cannot build
+
+    def refusal(self, spec: AttentionSpec) -> str | None:
+        """Why this family cannot build ``spec`` (None: it can), in the one message format
+        ``the <family> schedule <what>: <what to use instead>``."""
+        if spec.return_lse and not self.lse:
+            what = "does not write lse (--return-lse)"
+        elif spec.layout not in self.layouts:
+            what = f"builds layout(s) {', '.join(self.layouts)}, not {spec.layout!r}"
+        elif spec.dtype not in self.dtypes:
+            what = f"builds dtype(s) {', '.join(self.dtypes)}, not {spec.dtype!r}"
+        elif spec.dynamic and not self.symbolic:
+            what = f"has no symbolic-shape build ({', '.join(spec.dynamic)} given as dyn): give static lengths, or"
+        else:
+            return None
+        sep = " " if what.endswith(", or") else ": "
+        return f"the {self.label} schedule {what}{sep}{self.instead}"
+
+    def require(self, spec: AttentionSpec) -> None:
+        """Raise :class:`KnobError` naming what this family does not build."""
+        why = self.refusal(spec)
+        if why is not None:
+            raise KnobError(why)
+
+
+@runtime_checkable
+class Family(Protocol):
+    """A schedule family (a module): knobs, presets, limits, the workload and its schedule."""
+
+    NAME: str  # the schedule name it implements ("fused", "materialized", "rowcache")
+    CAPABILITIES: Capabilities
+
+    def preset(self, spec: AttentionSpec, target: Target) -> Any:
+        """The default knobs (the family's frozen knob dataclass) for ``spec`` on ``target``."""
+
+    def check(self, knobs: Any, spec: AttentionSpec, target: Target) -> None:
+        """Raise :class:`KnobError` when ``knobs`` break a named hardware limit."""
+
+    def workload(self, spec: AttentionSpec, knobs: Any) -> tirx.PrimFunc:
+        """The PrimFunc (from the workload registry) these knobs schedule."""
+
+    def apply(self, sch: s_tir.Schedule, knobs: Any, spec: AttentionSpec) -> s_tir.Schedule:
+        """Schedule ``sch`` (blocks found by name); returns the Schedule to build."""
+
+    def knobs_of(self, sch: s_tir.Schedule, lanes: int, base: Any = None) -> Any:
+        """The knobs a (tuned or hand) schedule chose, read back from its annotations; None for
+        a family whose tuned traces are not points of its hand schedule (MetaSchedule's spaces)."""
+
+    def for_layout(self, knobs: Any, spec: AttentionSpec, target: Target, tuned_at: AttentionSpec | None = None) -> Any:
+        """Knobs read from a record tuned at ``tuned_at``, made fit to build ``spec``."""
+
+    def is_static_decode(self, spec: AttentionSpec, target: Target) -> bool:
+        """Whether ``spec`` builds as a decode nest alone (its audit probe keeps seq_q)."""
+
+
+# -- the neutral members, for a family that has no use for one ---------------------------------
+def no_knobs_of(sch: s_tir.Schedule, lanes: int, base: Any = None) -> None:
+    """``knobs_of`` of a family tuned in MetaSchedule's own space: its trace is the description."""
+    return None
+
+
+def same_knobs(knobs: Any, spec: AttentionSpec, target: Target, tuned_at: AttentionSpec | None = None) -> Any:
+    """``for_layout`` of a family whose knobs mean the same at every layout it builds."""
+    return knobs
+
+
+def never_static_decode(spec: AttentionSpec, target: Target) -> bool:
+    """``is_static_decode`` of a family without decode nests."""
+    return False

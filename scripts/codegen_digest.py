@@ -1,0 +1,123 @@
+#!/usr/bin/env python3
+"""Digest of the generated code of every preset: a refactor's proof that nothing it emits moved.
+
+For a matrix of specs (every layout, dtype, causal and not, static and symbolic, decode shapes,
+odd head dims) × targets (AVX-512 and AVX2 CPUs, CUDA sm_80/sm_90, both CUDA kernels) × families,
+the hand schedule's final lowered TIR (what codegen sees, and for CUDA also the generated CUDA C)
+is hashed. Run it before and after a change and diff the outputs:
+
+    python scripts/codegen_digest.py > before.txt      # on the old commit
+    python scripts/codegen_digest.py > after.txt
+    diff before.txt after.txt                          # empty: byte-identical
+
+``--dump DIR`` also writes each case's code, to see what differs. Cross-compiles only: nothing
+runs, so every target builds on any host (CUDA without a GPU or nvcc).
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a source checkout
+
+from tvm import s_tir  # noqa: E402
+
+from schedules import check, get_schedule  # noqa: E402
+from tvm_attention.build import resolve_knobs  # noqa: E402
+from tvm_attention.cuda_tools import kernel_source  # noqa: E402
+from tvm_attention.lowering import codegen, lower_final  # noqa: E402
+from tvm_attention.spec import AttentionSpec  # noqa: E402
+from tvm_attention.target import resolve_target  # noqa: E402
+
+CPUS = ("znver4", "znver3")  # AVX-512 with AVX512-BF16, and AVX2 (16 vector registers)
+DYN = ("batch", "seq_q", "seq_kv")
+
+
+def cpu_cases() -> list[tuple[str, AttentionSpec]]:
+    """(schedule, spec) pairs built for each CPU target."""
+    s = []
+    for causal in (False, True):
+        s.append(AttentionSpec(batch=1, heads=8, seq_q=1024, head_dim=64, causal=causal))
+        s.append(AttentionSpec(batch=1, heads=8, seq_q=1024, head_dim=64, causal=causal, dynamic=DYN))
+    s += [
+        AttentionSpec(batch=2, heads=8, kv_heads=2, seq_q=300, seq_kv=517, head_dim=128, causal=True),
+        AttentionSpec(batch=1, heads=4, seq_q=256, head_dim=96, causal=True),
+        AttentionSpec(batch=1, heads=2, seq_q=256, head_dim=256),
+        AttentionSpec(batch=1, heads=8, kv_heads=2, seq_q=1024, head_dim=64, causal=True, dtype="bfloat16", dynamic=DYN),
+        AttentionSpec(batch=1, heads=8, seq_q=1024, head_dim=128, dtype="float16"),
+        AttentionSpec(batch=2, heads=8, kv_heads=2, seq_q=512, head_dim=64, causal=True, layout="varlen",
+                      return_lse=True),
+        AttentionSpec(batch=4, heads=32, kv_heads=8, seq_q=1, seq_kv=4096, head_dim=128, causal=True,
+                      layout="kvcache", dynamic=DYN),
+        AttentionSpec(batch=4, heads=32, kv_heads=8, seq_q=1, seq_kv=4096, head_dim=128, causal=True,
+                      layout="kvcache"),
+        AttentionSpec(batch=4, heads=32, kv_heads=8, seq_q=1, seq_kv=4096, head_dim=128, causal=True,
+                      layout="paged", dynamic=DYN, return_lse=True, dtype="bfloat16"),
+        AttentionSpec(batch=1, heads=8, seq_q=1, seq_kv=2048, head_dim=64, causal=True, layout="paged"),
+    ]
+    cases = [("fused", x) for x in s]
+    cases += [("materialized", AttentionSpec(batch=1, heads=8, seq_q=512, head_dim=64, causal=True)),
+              ("rowcache", AttentionSpec(batch=1, heads=8, seq_q=512, head_dim=64, causal=True))]
+    return cases
+
+
+def cuda_cases() -> list[tuple[str, str, AttentionSpec]]:
+    """(arch, schedule, spec) for the CUDA kernels."""
+    out = []
+    for arch in ("sm_80", "sm_90"):
+        for d in (64, 128):
+            for dtype in ("float16", "bfloat16"):
+                out.append((arch, "fused_tc", AttentionSpec(batch=1, heads=8, seq_q=4096, head_dim=d,
+                                                            dtype=dtype, causal=True)))
+            out.append((arch, "fused_simt", AttentionSpec(batch=1, heads=8, seq_q=4096, head_dim=d, causal=True)))
+            out.append((arch, "fused_simt", AttentionSpec(batch=1, heads=8, seq_q=1000, head_dim=d,
+                                                          dtype="float16")))
+    out.append(("sm_90", "fused_tc", AttentionSpec(batch=2, heads=8, kv_heads=2, seq_q=300, seq_kv=517,
+                                                   head_dim=64, dtype="float16", causal=True)))
+    return out
+
+
+def lowered(schedule: str, spec: AttentionSpec, target):
+    family = get_schedule(schedule, target)
+    knobs = resolve_knobs(family, spec, target, None)
+    check(family, knobs, spec, target)
+    sch = s_tir.Schedule(family.workload(spec, knobs))
+    with target:
+        sch = family.apply(sch, knobs, spec)
+    return lower_final(sch.mod, target)
+
+
+def name_of(schedule: str, spec: AttentionSpec, where: str) -> str:
+    dyn = "dyn" if spec.dynamic else "static"
+    return (f"{where}/{schedule}/{spec.layout}_b{spec.batch}_h{spec.heads}_kv{spec.kv_heads}_q{spec.seq_q}"
+            f"_k{spec.seq_kv}_d{spec.head_dim}_{spec.dtype}_{'causal' if spec.causal else 'full'}_{dyn}"
+            f"{'_lse' if spec.return_lse else ''}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dump", help="also write each case's code into this folder")
+    p.add_argument("--no-cuda", action="store_true", help="CPU cases only")
+    a = p.parse_args(argv)
+    jobs = [(s, x, resolve_target({"kind": "llvm", "mcpu": cpu}), cpu) for cpu in CPUS for s, x in cpu_cases()]
+    if not a.no_cuda:
+        jobs += [(s, x, resolve_target("cuda", arch=arch), arch) for arch, s, x in cuda_cases()]
+    for schedule, spec, target, where in jobs:
+        name = name_of(schedule, spec, where)
+        low = lowered(schedule, spec, target)
+        parts = {"tir": low.script()}
+        if str(target.kind) == "cuda":
+            parts["cu"] = kernel_source(codegen(low))
+        for kind, text in parts.items():
+            print(f"{hashlib.sha256(text.encode()).hexdigest()[:16]}  {kind}  {name}", flush=True)
+            if a.dump:
+                path = Path(a.dump) / f"{name}.{kind}"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""What a spec's tuning is about, shared by ``tune`` (which writes the records) and ``build``
+(which reads them): the spec whose log it is (:func:`tuning_spec`; a paged decode step is tuned as
+itself, in pages: :mod:`tvm_attention.tune.paged`), the module each task measures
+(:func:`task_mod`), and whether a logged workload is one ``spec`` generates
+(:func:`workload_matches`)."""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import tvm
+import tvm_ffi
+from tvm import tirx
+from tvm.target import Target
+
+from schedules import cpu_flash
+
+from .spec import AttentionSpec
+from .workloads import (fused_attention, fused_attention_cuda, fused_attention_mma, materialized_attention,
+                        rowcache_attention)
+
+
+def tuning_spec(spec: AttentionSpec, target: Target, schedule: str = "fused") -> AttentionSpec:
+    """The spec whose log ``tune`` writes and ``build`` reads for ``spec``: ``spec`` itself when
+    static or a paged decode step on a CPU (tuned in pages: :mod:`tvm_attention.tune.paged`), else its static bhsd
+    representative."""
+    if not spec.dynamic:
+        return spec
+    if tunes_as_paged(spec, target, schedule):
+        return spec
+    return spec.representative()
+
+
+def tunes_as_paged(spec: AttentionSpec, target: Target, schedule: str = "fused") -> bool:
+    """A paged spec whose representative step is a decode step of the CPU fused kernel."""
+    if spec.layout != "paged" or schedule != "fused" or target.kind.name != "llvm":
+        return False
+    return cpu_flash.is_decode_step(spec, target)
+
+
+def step_case(spec: AttentionSpec) -> dict[str, Any]:
+    """The representative step as a case of the layout (its first validation case: ``batch``
+    sequences of ``seq_q`` new tokens and ``seq_kv`` keys each)."""
+    return spec.layout_info.validation_cases(spec)[0]
+
+
+def arg_shapes(spec: AttentionSpec) -> list[tuple[int, ...]]:
+    """The shapes of the representative step's arguments, in call order."""
+    layout = spec.layout_info
+    values = layout.case_dims(spec, step_case(spec))
+    names = layout.dims(spec)
+    return [tuple(values[names[d]] if isinstance(names[d], str) else names[d] for d in a.dims)
+            for a in layout.all_args(spec)]
+
+
+def specialize(func: tirx.PrimFunc, spec: AttentionSpec) -> tirx.PrimFunc:
+    """``func`` (``spec``'s symbolic kernel) with every symbolic dim bound to the representative
+    step's value (:func:`arg_shapes`)."""
+    args = spec.layout_info.all_args(spec)
+    if len(args) != len(func.params):
+        raise ValueError(f"{spec.short_name()}: the kernel takes {len(func.params)} arguments, the layout "
+                         f"names {len(args)}")
+    # the same alignment as the kernel's own buffers (specialize refuses a mismatch)
+    align = int(func.attrs["attn.data_alignment"]) if func.attrs is not None and "attn.data_alignment" in func.attrs \
+        else -1
+    bufs = {p: tirx.decl_buffer(shape, a.dtype or spec.dtype, a.name, data_alignment=align)
+            for p, a, shape in zip(func.params, args, arg_shapes(spec))}
+    return func.specialize(bufs)
+
+
+def normalize(func) -> tvm.IRModule:
+    """``func`` as MetaSchedule keys a workload (an IRModule with one ``main``)."""
+    # MetaSchedule loads on first use: a build without a tuning log never needs it
+    from tvm.s_tir.meta_schedule.tune_context import _normalize_mod
+
+    return _normalize_mod(func)
+
+
+@functools.lru_cache(maxsize=64)
+def _paged_task_mod(spec: AttentionSpec, args: tuple) -> tvm.IRModule:
+    """``task_mod`` of a paged step's fused workload, kept per process: the symbolic paged kernel
+    (the step's tier and the main nest) takes ~0.4 s to parse, and ``tune`` asks for each of its
+    ~20 tasks twice (the tasks, then each log record's workload)."""
+    return task_mod(spec, fused_attention(spec, *args))
+
+
+def fused_task_mod(spec: AttentionSpec, block_m: int, block_n: int, decode_rows: tuple[int, ...] = (),
+                   split_tasks: int = 0, stage_k_below: int = 0, dot_bf16: bool = False, prefetch: int = 0,
+                   decode_heads: int = 1) -> tvm.IRModule:
+    """The task module of ``fused_attention(spec, ...)`` (same arguments)."""
+    args = (block_m, block_n, tuple(decode_rows), split_tasks, stage_k_below, bool(dot_bf16), prefetch, decode_heads)
+    if spec.dynamic:
+        return _paged_task_mod(spec, args)
+    return task_mod(spec, fused_attention(spec, *args))
+
+
+def task_mod(spec: AttentionSpec, func) -> tvm.IRModule:
+    """The module a task of ``spec`` measures: ``func`` itself, or, for a symbolic spec tuned as
+    itself (a paged decode step, :mod:`tvm_attention.tune.paged`), ``func`` specialized to its representative step."""
+    if not spec.dynamic:
+        return normalize(func)
+    # Simplify folds the branches the step does not take (the main nest, the split or unsplit
+    # form) and drops them: the task is the step's own nest, a fraction of the text to search
+    # and build. Without it (TVM 0.27) generating the design space of a function
+    # that holds both the split and the unsplit nest changed the task's module in place, and
+    # every later candidate and replay of the task failed on the changed one.
+    return tvm.s_tir.transform.StmtSimplify()(normalize(specialize(func, spec)))
+
+
+def regenerate(spec: AttentionSpec, func) -> tvm.IRModule | None:
+    """The workload ``spec`` would produce for a stored function (by its ``attn.*`` attrs)."""
+    attrs = func.attrs if func.attrs is not None else {}
+    kind = str(attrs["attn.workload"]) if "attn.workload" in attrs else None
+    try:
+        if kind == "fused":
+            decode = {"decode_rows": tuple(int(r) for r in attrs["attn.decode_rows"]),
+                      "split_tasks": int(attrs["attn.split_tasks"]),
+                      "stage_k_below": int(attrs["attn.stage_k_below"])} if "attn.decode_rows" in attrs else {}
+            for k in ("prefetch", "decode_heads"):
+                if f"attn.{k}" in attrs:
+                    decode[k] = int(attrs[f"attn.{k}"])
+            if "attn.dot_bf16" in attrs:
+                decode["dot_bf16"] = bool(int(attrs["attn.dot_bf16"]))
+            return fused_task_mod(spec, block_m=int(attrs["attn.block_m"]), block_n=int(attrs["attn.block_n"]), **decode)
+        if kind == "materialized":
+            return normalize(materialized_attention(spec))
+        if kind == "rowcache":
+            return normalize(rowcache_attention(spec, int(attrs["attn.block_m"])))
+        if kind == "fused_mma":
+            return normalize(fused_attention_mma(spec, int(attrs["attn.warps"]), int(attrs["attn.block_n"]),
+                                                 int(attrs["attn.stages"]), int(attrs["attn.m_tiles"])))
+        if kind == "fused_cuda":
+            return normalize(fused_attention_cuda(spec, int(attrs["attn.block_m"]), int(attrs["attn.block_n"]),
+                                                  int(attrs["attn.threads_per_row"])))
+    except Exception:
+        return None
+    return None
+
+
+def workload_matches(spec: AttentionSpec, mod: tvm.IRModule) -> bool:
+    """True iff ``mod`` (from a log) is exactly the workload ``spec`` generates."""
+    mine = regenerate(spec, mod["main"])
+    return mine is not None and tvm_ffi.structural_equal(mine, mod)
