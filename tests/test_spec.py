@@ -4,6 +4,7 @@ import pytest
 
 from tvm_attention.reference import causal_mask, reference_attention
 from tvm_attention.spec import AttentionSpec, SpecError
+from tvm_attention.visibility import Visibility
 
 
 def test_defaults():
@@ -52,6 +53,43 @@ def test_visible_pairs_bottom_right():
     assert s.visible_pairs() == 3
     assert causal_mask(5, 2).astype(int).tolist() == [[0, 0], [0, 0], [0, 0], [1, 0], [1, 1]]
     assert causal_mask(2, 5).astype(int).tolist() == [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("seq_q, seq_kv", [(1, 1), (5, 2), (2, 5), (7, 7), (1, 9), (33, 17)])
+def test_one_definition_of_visibility(causal, seq_q, seq_kv):
+    """Visibility's mask, counts, "sees a key" and the key-tile bound agree with each other and
+    with the definition written out (row i sees key j iff j <= i + seq_kv - seq_q, causal)."""
+    vis = Visibility(causal=causal)
+    i, j = np.arange(seq_q)[:, None], np.arange(seq_kv)[None, :]
+    want = (j <= i + seq_kv - seq_q) if causal else np.ones((seq_q, seq_kv), bool)
+    mask = vis.mask(seq_q, seq_kv)
+    assert mask.shape == (seq_q, seq_kv) and (mask == want).all()
+    assert vis.pairs(seq_q, seq_kv) == want.sum()
+    assert (vis.keys_seen(seq_q, seq_kv) == want.sum(axis=1)).all()
+    off = vis.offset(seq_q, seq_kv)
+    assert [bool(vis.sees_a_key(vis.position(r, off), seq_kv)) for r in range(seq_q)] == want.any(axis=1).tolist()
+    for block_m, block_n in [(1, 1), (2, 4), (4, 3)]:
+        for r0 in range(0, seq_q, block_m):
+            end = vis.key_end(vis.position(min(r0 + block_m, seq_q), off))
+            seen = np.nonzero(want[r0:r0 + block_m].any(axis=0))[0]
+            if end is None:  # every key may be seen
+                assert not vis.hides_keys
+                continue
+            assert seen.size == 0 or seen.max() < end  # no seen key past the bound
+            tiles = vis.tiles_to(max(end, 0), block_n)
+            assert seen.size == 0 or seen.max() < tiles * block_n
+
+
+def test_visibility_builds_tir_expressions():
+    from tvm import tirx
+
+    vis = Visibility(causal=True)
+    key, row, sk, sq = (tirx.Var(n, "int32") for n in ("key", "row", "seq_kv", "seq_q"))
+    seen = vis.sees(key, vis.position(row, vis.offset(sq, sk)))
+    assert isinstance(seen, tirx.LE)
+    assert isinstance(vis.sees_a_key(vis.position(row, vis.offset(sq, sk)), sk), tirx.GE)
+    assert Visibility(causal=False).sees(key, row) is None  # no mask to emit
 
 
 def test_roundtrip_dict():

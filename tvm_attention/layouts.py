@@ -38,6 +38,7 @@ import numpy as np
 
 from .errors import SpecError
 from .reference import reference_attention
+from .visibility import Visibility
 
 
 class KernelArgumentError(ValueError):
@@ -188,14 +189,6 @@ def _rng_array(rng: np.random.Generator, shape, dtype) -> np.ndarray:
     return rng.standard_normal(shape).astype(dtype)
 
 
-def _visible_pairs(causal: bool, seq_q: int, seq_kv: int) -> int:
-    if not causal:
-        return seq_q * seq_kv
-    off = seq_kv - seq_q
-    i = np.arange(seq_q)
-    return int(np.clip(i + off + 1, 0, seq_kv).sum())
-
-
 class BHSD(Layout):
     name = "bhsd"
     manifest_name = "BHSD"  # what manifests said before there were other layouts
@@ -241,7 +234,7 @@ class BHSD(Layout):
         }
 
     def useful_flops(self, spec, case):
-        return 4.0 * spec.head_dim * spec.heads * case["batch"] * _visible_pairs(spec.causal, case["seq_q"], case["seq_kv"])
+        return 4.0 * spec.head_dim * spec.heads * case["batch"] * Visibility.of(spec).pairs(case["seq_q"], case["seq_kv"])
 
 
 class Varlen(Layout):
@@ -348,7 +341,7 @@ class Varlen(Layout):
         }
 
     def useful_flops(self, spec, case):
-        pairs = sum(_visible_pairs(spec.causal, int(a), int(b)) for a, b in case["seqlens"])
+        pairs = sum(Visibility.of(spec).pairs(int(a), int(b)) for a, b in case["seqlens"])
         return 4.0 * spec.head_dim * spec.heads * pairs
 
     def describe_case(self, case):
@@ -435,7 +428,7 @@ class KVCache(Layout):
         }
 
     def useful_flops(self, spec, case):
-        pairs = sum(_visible_pairs(spec.causal, case["seq_q"], int(n)) for n in case["cache_seqlens"])
+        pairs = sum(Visibility.of(spec).pairs(case["seq_q"], int(n)) for n in case["cache_seqlens"])
         return 4.0 * spec.head_dim * spec.heads * pairs
 
     def kv_bytes(self, spec, case):

@@ -5,15 +5,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .visibility import Visibility
+
 if TYPE_CHECKING:  # the spec builds on layouts, which build on this reference
     from .spec import AttentionSpec
 
 
 def causal_mask(seq_q: int, seq_kv: int) -> np.ndarray:
     """Boolean ``(seq_q, seq_kv)`` mask, True where query i may see key j (bottom-right)."""
-    i = np.arange(seq_q)[:, None]
-    j = np.arange(seq_kv)[None, :]
-    return j <= i + (seq_kv - seq_q)
+    return Visibility(causal=True).mask(seq_q, seq_kv)
 
 
 def reference_attention(
@@ -50,7 +50,7 @@ def reference_attention(
     k = np.repeat(k, spec.group_size, axis=1)
     v = np.repeat(v, spec.group_size, axis=1)
     s = np.einsum("bhid,bhjd->bhij", q, k) * spec.scale
-    mask = causal_mask(seq_q, seq_kv) if spec.causal else np.ones((seq_q, seq_kv), bool)
+    mask = Visibility.of(spec).mask(seq_q, seq_kv)
     if rows is not None:
         mask = mask[rows]
     s = np.where(mask, s, -np.inf)

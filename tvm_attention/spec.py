@@ -34,6 +34,7 @@ from typing import Any, Mapping
 
 from .errors import SpecError
 from .layouts import get_layout
+from .visibility import Visibility
 
 #: Input/output dtypes a spec may have. Accumulation is always float32. Which targets build which
 #: dtype is the schedule's business: the CPU schedules take float32 only and say so.
@@ -151,8 +152,8 @@ class AttentionSpec:
 
     @property
     def kv_offset(self) -> int:
-        """Bottom-right causal offset: query i sees key j iff j <= i + kv_offset."""
-        return self.seq_kv - self.seq_q
+        """Query row i sits at key position ``i + kv_offset`` (bottom-right; see visibility.py)."""
+        return Visibility.offset(self.seq_q, self.seq_kv)
 
     @property
     def q_shape(self) -> tuple[int, int, int, int]:
@@ -188,14 +189,7 @@ class AttentionSpec:
     # -- models ----------------------------------------------------------------------------------
     def visible_pairs(self) -> int:
         """Number of (query, key) pairs that are not masked, per (batch, head)."""
-        if not self.causal:
-            return self.seq_q * self.seq_kv
-        off = self.kv_offset
-        total = 0
-        # row i sees min(seq_kv, max(0, i + off + 1)) keys; sum in closed form over clamps.
-        for i in range(self.seq_q):
-            total += min(self.seq_kv, max(0, i + off + 1))
-        return total
+        return Visibility.of(self).pairs(self.seq_q, self.seq_kv)
 
     def flops(self) -> float:
         """Conventional attention FLOPs: 4·B·H·Sq·Skv·D, halved for causal (the usual benchmark

@@ -17,16 +17,14 @@ import numpy as np
 
 from ..spec import AttentionSpec
 from ..timing import time_callable
+from ..visibility import Visibility
 
 
 def numpy_attention_fn(spec: AttentionSpec) -> Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]:
     """Float32 NumPy attention (matmul-based, per (b, h)); a peer, not the reference."""
     g = spec.group_size
-    mask = None
-    if spec.causal:
-        i = np.arange(spec.seq_q)[:, None]
-        j = np.arange(spec.seq_kv)[None, :]
-        mask = j > i + spec.kv_offset
+    vis = Visibility.of(spec)
+    mask = ~vis.mask(spec.seq_q, spec.seq_kv) if vis.hides_keys else None  # True where hidden
 
     def run(q, k, v):
         q, k, v = (x.astype(np.float32, copy=False) for x in (q, k, v))  # half inputs: float32 math
@@ -56,9 +54,7 @@ def torch_sdpa_fn(spec: AttentionSpec, threads: int) -> Callable[..., Any] | Non
     mask = None
     if spec.causal and spec.seq_q != spec.seq_kv:
         # torch's is_causal is top-left aligned; pass the bottom-right mask explicitly.
-        i = torch.arange(spec.seq_q)[:, None]
-        j = torch.arange(spec.seq_kv)[None, :]
-        mask = j <= i + spec.kv_offset
+        mask = torch.from_numpy(Visibility.of(spec).mask(spec.seq_q, spec.seq_kv))
 
     from ..loader import _from_framework
 

@@ -5,6 +5,8 @@ import math
 
 from tvm import tirx
 
+from ..visibility import Visibility
+
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 
@@ -59,13 +61,14 @@ def guarded(mx: tirx.PrimExpr) -> tirx.PrimExpr:
 def normalize(acc: tirx.PrimExpr, l: tirx.PrimExpr, row: tirx.PrimExpr, spec) -> tirx.PrimExpr:
     """The output ``acc / l`` of query row ``row``, or 0 for a row that sees no key.
 
-    Whether a row sees a key is a fact of the mask (bottom-right causal: ``row + seq_kv - seq_q
-    >= 0``), not of ``l``: ``l`` is also 0 when every visible score overflowed to -inf, and NaN
+    Whether a row sees a key is a fact of the mask (``Visibility.sees_a_key``), not of ``l``: ``l`` is also 0 when every visible score overflowed to -inf, and NaN
     when an input was NaN; those rows must come out NaN (``0/0``, ``x/NaN``), as in the float64
     reference and torch, so that a zero row keeps meaning one thing: it saw no key.
     """
-    if spec.causal and spec.kv_offset < 0:
-        return tirx.Select(row + spec.kv_offset >= 0, acc / l, tirx.const(0.0, "float32"))
+    vis = Visibility.of(spec)
+    off = vis.offset(spec.seq_q, spec.seq_kv)
+    if vis.hides_keys and off < 0:  # static lengths: only then may a row see no key
+        return tirx.Select(vis.sees_a_key(vis.position(row, off), spec.seq_kv), acc / l, tirx.const(0.0, "float32"))
     return acc / l
 
 

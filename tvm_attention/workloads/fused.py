@@ -30,7 +30,7 @@ it ``S_gemm``, ``row_max``, ``online_correction``, ``max_commit``, ``P_exp``, ``
 (``return_lse``), ``state_store`` (split-KV partials) and ``K_load`` (a staged key tile).
 
 Frames (:data:`FRAMES`): ``_dense`` for the layouts whose queries are dense ``(B, H, Sq, D)``
-(``bhsd``, ``kvcache``, ``paged``; they differ only in where keys live, :class:`_KV`), with the
+(``bhsd``, ``kvcache``, ``paged``; they differ only in where keys live, :mod:`.kv`), with the
 GQA-packed decode nests and split-KV of a symbolic seq_q; ``_varlen`` for the packed layout.
 """
 from __future__ import annotations
@@ -42,6 +42,8 @@ from tvm.script import tirx as T
 
 from ..spec import DATA_ALIGNMENT as A
 from ..spec import AttentionSpec
+from ..visibility import Visibility
+from .kv import dim, kv_layout
 from ._math import LOG2E, bf16_bits, bf16_value, cast_to, exp2_fast, f32, guarded, lse_of, normalize, normalize_where
 
 ENTRY = "attention"
@@ -78,17 +80,12 @@ def fused_attention(spec: AttentionSpec, block_m: int, block_n: int, decode_rows
                   decode_heads)
 
 
-def _dim(spec: AttentionSpec, name: str):
-    """A spec dim: its int, or a symbolic int32 var of that name when ``spec.dynamic`` has it."""
-    return tirx.Var(name, "int32") if name in spec.dynamic else getattr(spec, name)
-
-
 class _Tile:
     """Where one row tile finds its rows and keys: what a layout changes (the recurrence is the
     same for every layout). Index methods return index tuples into Q, K/V and O."""
 
     def __init__(self, spec, BM, BN, row0, q_len, k_len, q_index, kv_index, o_index, always_masked, valid=None,
-                 pos=None, seq_q=None, causal_off=None, lse_index=None, state_index=None, heads=1):
+                 pos=None, seq_q=None, offset=None, lse_index=None, state_index=None, heads=1):
         self.spec, self.BM, self.BN = spec, BM, BN
         # heads > 1: the tile's rows are ``heads`` blocks of BM // heads rows, one per kv head
         # (kv_index then takes the head: (key, d, head)); q_len, pos and keep apply per block
@@ -100,36 +97,36 @@ class _Tile:
         self._q, self._kv, self._o = q_index, kv_index, o_index
         self.static = isinstance(k_len, int) and isinstance(q_len, int)  # lengths compiled in
         self.kv_tail = always_masked or not self.static or k_len % BN != 0
-        self.masked = spec.causal or self.kv_tail
+        self.vis = vis = Visibility.of(spec)
+        self.masked = vis.hides_keys or self.kv_tail
         self.valid = valid  # None, or an expr: this tile has rows (varlen's empty slots do not)
         self.seq_q = q_len if seq_q is None else seq_q  # query positions (packed rows: q_len / group)
-        # causal: position i sees key j (this tile's key numbering) iff j <= i + off. Bottom-right
-        # over the tile's keys by default; a split of the key range (split-KV) starts later.
-        self.off = self.k_len - self.seq_q if causal_off is None else causal_off
+        # query row i sits at key position i + off (in the tile's key numbering; visibility.py):
+        # bottom-right over the tile's keys by default; a split of the key range (split-KV) starts later.
+        self.off = vis.offset(self.seq_q, self.k_len) if offset is None else offset
         # Bottom-right causal over the tile's own keys bounds every stored row's keys by the
         # diagonal alone: row p < seq_q sees j <= p + k_len - seq_q <= k_len - 1. The tail
         # compare (j < k_len) is then redundant, and dropping it from every score took a
         # symbolic causal build from 0.88-0.91 of the static build's speed to 1.00 (AVX2 code,
-        # 16 vector registers, one thread, S=2048). Rows past seq_q (a tail row tile) may then reach past k_len, but
-        # they read clamped keys (kv_at) and are never stored. A split-KV range (causal_off
-        # given) ends before the diagonal and keeps the compare. Static lengths that divide
-        # block_n keep it too: there it folds away, and the workload keeps the structural hash
-        # the committed tuning logs were recorded with.
-        self.diagonal_bounds_keys = spec.causal and causal_off is None and self.kv_tail
+        # 16 vector registers, one thread, S=2048). Rows past seq_q (a tail row tile) may then
+        # reach past k_len, but they read clamped keys (kv_at) and are never stored. A split-KV
+        # range (offset given) ends before the diagonal and keeps the compare. Static lengths
+        # that divide block_n keep it too: there it folds away, and the workload keeps the
+        # structural hash the committed tuning logs were recorded with.
+        self.diagonal_bounds_keys = vis.causal and offset is None and self.kv_tail
         self.lse_index = lse_index  # row -> index of its log-sum-exp output, or None
         # split-KV partial: row -> (index of m, index of l); O gets the unnormalised acc
         self.state_index = state_index
 
     def n_tiles(self, nc):
-        # Causal: a row tile's last row (row0 + BM - 1) sees keys up to row0 + BM - 1 + off, so
-        # later tiles are entirely masked and skipped, not computed and thrown away.
+        # Key tiles past what the tile's last row sees are entirely masked: skipped, not
+        # computed and thrown away.
         BM, BN = self.BM, self.BN
         n = nc if isinstance(self.k_len, int) else T.floordiv(self.k_len + BN - 1, BN)
-        off = self.off
-        if self.spec.causal and self.pos is not None:
-            n = T.max(0, T.min(n, T.floordiv(self.pos(self.row0 + BM - 1) + off + BN, BN)))
-        elif self.spec.causal:
-            n = T.max(0, T.min(n, T.floordiv(self.row0 + BM + off + BN - 1, BN)))
+        end_row = self.row0 + BM if self.pos is None else self.pos(self.row0 + BM - 1) + 1  # past the last row
+        key_end = self.vis.key_end(self.vis.position(end_row, self.off))
+        if key_end is not None:
+            n = T.max(0, T.min(n, self.vis.tiles_to(key_end, BN)))
         if self.valid is not None:
             n = T.Select(self.valid, n, 0)
         return n
@@ -167,16 +164,16 @@ class _Tile:
         return self.row0 + vi < self.q_len
 
     def score(self, S, vj, vi, vc):
-        # S with masked entries at -inf: keys past the sequence (tail tile) and, when causal, keys
-        # right of the bottom-right diagonal. Unmasked specs read S unchanged.
+        # S with masked entries at -inf: keys past the sequence (tail tile) and keys the row does
+        # not see (visibility.py). Unmasked specs read S unchanged.
         if not self.masked:
             return S[vj, vi]
         col = vc * self.BN + vj
         cond = col < self.k_len
-        if self.spec.causal:
-            row = self.row0 + vi if self.pos is None else self.pos(self.row0 + vi)
-            diagonal = col <= row + self.off
-            cond = diagonal if self.diagonal_bounds_keys else T.And(cond, diagonal)
+        row = self.row0 + vi if self.pos is None else self.pos(self.row0 + vi)
+        seen = self.vis.sees(col, self.vis.position(row, self.off))
+        if seen is not None:
+            cond = seen if self.diagonal_bounds_keys else T.And(cond, seen)
         return T.Select(cond, S[vj, vi], T.float32(float("-inf")))
 
     def out(self, acc, l, vi):
@@ -191,11 +188,8 @@ class _Tile:
 
     def sees_key(self, row):
         """Whether tile row ``row`` sees any key (a fact of the mask and the lengths)."""
-        if self.spec.causal and self.pos is not None:
-            return self.pos(row) + self.off >= 0
-        if self.spec.causal:
-            return row + self.off >= 0
-        return self.k_len > 0
+        row = row if self.pos is None else self.pos(row)
+        return self.vis.sees_a_key(self.vis.position(row, self.off), self.k_len)
 
 
 #: Block names of the tile, found by name in schedules/ (a second nest of the same function
@@ -508,48 +502,238 @@ MERGE = "merge"
 MIN_SPLIT_KEYS = 256
 
 
-class _KV:
-    """Where a dense-query layout (q and o ``(B, H, Sq, D)``) keeps sequence ``b``'s keys.
+class _Dense:
+    """What every nest of a dense-query kernel shares: its dims (ints, or the symbolic vars of
+    ``spec.dynamic``), the layout's K/V addressing (:mod:`.kv`), the tile sizes, and the key
+    tiles a row tile may stream (``NC``)."""
 
-    ``X`` is the tuple of the layout's index buffers (kvcache: ``(cache_seqlens,)``; paged:
-    ``(block_table, cache_seqlens)``; bhsd: none)."""
+    def __init__(self, spec: AttentionSpec, block_m: int, block_n: int):
+        self.spec = spec
+        self.B, self.H, self.KH = dim(spec, "batch"), spec.heads, spec.kv_heads
+        self.SQ, self.D = dim(spec, "seq_q"), spec.head_dim
+        self.G = spec.group_size
+        self.BM, self.BN = block_m, block_n
+        self.kv = kv_layout(spec, self.B, self.D)
+        SQ, BM, BN, bound = self.SQ, block_m, block_n, self.kv.bound
+        self.NR = T.floordiv(SQ + BM - 1, BM) if not isinstance(SQ, int) else math.ceil(SQ / BM)  # row tiles
+        self.NC = T.floordiv(bound + BN - 1, BN) if not isinstance(bound, int) else math.ceil(bound / BN)  # key tiles
+        self.lse = bool(spec.return_lse)
 
-    def __init__(self, spec: AttentionSpec, B, D: int):
-        self.layout, self.KH, self.D = spec.layout, spec.kv_heads, D
-        if spec.layout == "bhsd":
-            self.SK = _dim(spec, "seq_kv")
-            self.shape = (B, self.KH, self.SK, D)
-            self.bound = self.SK
-        elif spec.layout == "kvcache":
-            self.ML = tirx.Var("max_len", "int32")
-            self.shape = (B, self.KH, self.ML, D)
-            self.bound = self.ML
-        else:  # paged
-            self.P = spec.page_size
-            self.NP, self.MP = tirx.Var("num_pages", "int32"), tirx.Var("max_pages", "int32")
-            self.shape = (self.NP, self.P, self.KH, D)
-            self.bound = self.MP * self.P  # keys a block table row can address
 
-    def length(self, X, b):
-        """Keys of sequence ``b``."""
-        return self.SK if self.layout == "bhsd" else X[-1][b]
+def _main_nest(f: _Dense, dot_bf16: bool):
+    """The main nest: one row tile per (batch, head, block of ``block_m`` query rows)."""
+    spec, B, H, SQ, D, G, BM, BN, kv, NC, lse = f.spec, f.B, f.H, f.SQ, f.D, f.G, f.BM, f.BN, f.kv, f.NC, f.lse
+    NR = f.NR
+    tile = _tile_macro(spec, BM, BN, stats="lse" if lse else None, dot_bf16=dot_bf16,
+                       stage_k=stages_half_keys(spec, dot_bf16))
 
-    def reads(self, K, V, X, b, kh, nh: int = 1):
-        """The K/V (and index) regions sequence ``b``'s kv heads ``kh .. kh + nh`` read (explicit:
-        the inferred ones would name the blocks' local buffers through the indirect indices)."""
-        h = kh if nh == 1 else slice(kh, kh + nh)
-        if self.layout == "paged":
-            kv = [K[0:self.NP, 0:self.P, h, 0:self.D], V[0:self.NP, 0:self.P, h, 0:self.D]]
+    def at(X, vb, vh, vr):
+        return _Tile(
+            spec, BM, BN, vr * BM, SQ, kv.length(X, vb),
+            q_index=lambda row, d: (vb, vh, row, d),
+            kv_index=lambda key, d: kv.index(X, vb, vh // G, key, d),
+            o_index=lambda row, d: (vb, vh, row, d),
+            always_masked=False,
+            lse_index=lambda row: (vb, vh, row),
+        )
+
+    @T.macro
+    def main_nest(Q, K, V, O, LSE, X):
+        for b, h, r in T.grid(B, H, NR):
+            with T.sblock("row_tile"):
+                vb, vh, vr = T.axis.remap("SSS", [b, h, r])
+                T.reads([Q[vb, vh, 0:SQ, 0:D]] + kv.reads(K, V, X, vb, vh // G))
+                if lse:
+                    T.writes(O[vb, vh, 0:SQ, 0:D], LSE[vb, vh, 0:SQ])
+                else:
+                    T.writes(O[vb, vh, 0:SQ, 0:D])
+                tile(Q, K, V, O, at(X, vb, vh, vr), NC, LSE)
+
+    return main_nest
+
+
+class _Packing:
+    """The GQA packing of a decode tier: tile row ``p`` of head block ``vkb`` is kv head
+    ``head_of(vkb, p)``, packed row ``loc(p)`` of that head, which is position ``loc(p) // G`` of
+    query head ``head_of·G + loc(p) % G``. ``NH`` kv heads per task, ``BD`` rows per head. One
+    head per task keeps the expressions of the per-head workload (tuning logs match it
+    structurally)."""
+
+    def __init__(self, f: _Dense, BD: int, NH: int):
+        self.f, self.BD, self.NH = f, BD, NH
+
+    def head_of(self, vkb, p):
+        return vkb if self.NH == 1 else vkb * self.NH + T.floordiv(p, self.BD)
+
+    def loc(self, p):
+        return p if self.NH == 1 else T.floormod(p, self.BD)
+
+    def q_of(self, vb, vkb, p):
+        G = self.f.G
+        return (vb, self.head_of(vkb, p) * G + T.floormod(self.loc(p), G), T.floordiv(self.loc(p), G))
+
+    def pos(self, p):
+        return T.floordiv(self.loc(p), self.f.G)
+
+    def kv_of(self, X, vb, vkb, k0=None):
+        kv, NH = self.f.kv, self.NH
+        at = (lambda key: key) if k0 is None else (lambda key: k0 + key)
+        if NH == 1:
+            return lambda key, d: kv.index(X, vb, vkb, at(key), d)
+        return lambda key, d, h: kv.index(X, vb, vkb * NH + h, at(key), d)
+
+    def h0(self, vkb):  # first kv head of head block vkb
+        return vkb if self.NH == 1 else vkb * self.NH
+
+
+def _merge_macro(f: _Dense, BD: int, NS, suffix: str):
+    """The ``merge<suffix>`` block of a split decode tier: per query row, ``M = max m_s``, ``O =
+    Σ acc_s·2^(m_s-M) / Σ l_s·2^(m_s-M)`` over the chunks' partials ``Op``/``St``."""
+    spec, B, H, SQ, D, G, kv, lse = f.spec, f.B, f.H, f.SQ, f.D, f.G, f.kv, f.lse
+    neg_inf = T.float32(float("-inf"))
+
+    def merged_sees_key(X, vb, vi):
+        L = kv.length(X, vb)
+        vis = Visibility.of(spec)
+        return vis.sees_a_key(vis.position(vi, vis.offset(SQ, L)), L)
+
+    @T.macro
+    def merge(Op, St, O, LSE, K, V, X):
+        for b, h, i in T.grid(B, H, SQ):
+            with T.sblock(MERGE + suffix):
+                vb, vh, vi = T.axis.remap("SSS", [b, h, i])
+                T.reads([Op[vb, vh // G, 0:NS, 0:BD, 0:D], St[vb, vh // G, 0:NS, 0:BD, 0:2]] + kv.reads(K, V, X, vb, 0)[2:])
+                if lse:
+                    T.writes(O[vb, vh, vi, 0:D], LSE[vb, vh, vi])
+                else:
+                    T.writes(O[vb, vh, vi, 0:D])
+                mx = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                ls = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                w = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                am = T.sblock_alloc_buffer((D,), "float32", scope="local")
+                mx[0] = neg_inf
+                for sp2 in T.serial(NS):
+                    mx[0] = T.max(mx[0], St[vb, vh // G, sp2, vi * G + T.floormod(vh, G), 0])
+                ls[0] = T.float32(0)
+                for d in T.vectorized(D):
+                    am[d] = T.float32(0)
+                for sp2 in T.serial(NS):
+                    w[0] = exp2_fast(St[vb, vh // G, sp2, vi * G + T.floormod(vh, G), 0] - guarded(mx[0]))
+                    ls[0] = ls[0] + St[vb, vh // G, sp2, vi * G + T.floormod(vh, G), 1] * w[0]
+                    for d in T.vectorized(D):
+                        am[d] = am[d] + Op[vb, vh // G, sp2, vi * G + T.floormod(vh, G), d] * w[0]
+                for d in T.vectorized(D):
+                    O[vb, vh, vi, d] = cast_to(O, normalize_where(am[d], ls[0], merged_sees_key(X, vb, vi)))
+                if lse:
+                    LSE[vb, vh, vi] = lse_of(mx[0], ls[0])
+
+    return merge
+
+
+def _decode_tier(f: _Dense, BD: int, suffix: str, split_tasks: int, stage: bool, prefetch: int, NH: int):
+    """The packed decode nest of ``BD`` rows per kv head (blocks ``*<suffix>``) and its split-KV
+    form (``*<suffix>_split``, merged by ``merge<suffix>``), as one macro that picks between them
+    at run time. ``stage``: the tier stages its key tiles (``_tile_macro``'s ``stage_k``), with a
+    software prefetch ``prefetch`` tiles ahead and ``NH`` kv heads per task."""
+    spec, B, H, KH, SQ, D, G, BN, kv, NC, lse = f.spec, f.B, f.H, f.KH, f.SQ, f.D, f.G, f.BN, f.kv, f.NC, f.lse
+    pf = prefetch if stage else 0
+    BT, KB = BD * NH, KH // NH  # tile rows, head blocks
+    NS = n_splits(split_tasks, B, KB)  # key-range chunks per sequence
+    single = isinstance(NS, int) and NS == 1  # known at build time: no split nest
+    pk = _Packing(f, BD, NH)
+    h0 = pk.h0
+
+    def chunk(L):
+        # truncdiv: every operand is non-negative, and floordiv by a run-time divisor lowers
+        # to selects that nest exponentially
+        per = T.truncdiv(T.truncdiv(L + NS - 1, NS) + BN - 1, BN) * BN
+        return T.max(MIN_SPLIT_KEYS, per)
+    tile_dec = _tile_macro(spec, BT, BN, suffix, stats="lse" if lse else None, stage_k=stage, prefetch=pf,
+                           heads=NH)
+    tile_split = _tile_macro(spec, BT, BN, suffix + SPLIT, stats="partial", stage_k=stage, prefetch=pf,
+                             heads=NH)
+    merge = _merge_macro(f, BD, NS, suffix)
+
+    def packed(X, vb, vkb):
+        # One tile per (batch, head block) holds all SQ·G packed rows of its heads
+        return _Tile(
+            spec, BT, BN, 0, SQ * G, kv.length(X, vb),
+            q_index=lambda p, d: pk.q_of(vb, vkb, p) + (d,),
+            kv_index=pk.kv_of(X, vb, vkb),
+            o_index=lambda p, d: pk.q_of(vb, vkb, p) + (d,),
+            always_masked=True,
+            pos=pk.pos,
+            seq_q=SQ,
+            lse_index=lambda p: pk.q_of(vb, vkb, p),
+            heads=NH,
+        )
+
+    def split_at(X, vb, vkb, vs, spl):
+        # spl[0]: the chunk's first key, spl[1]: its keys (computed once per task, split_locate)
+        L = kv.length(X, vb)
+        k0 = spl[0]
+        return _Tile(
+            spec, BT, BN, 0, SQ * G, spl[1],
+            q_index=lambda p, d: pk.q_of(vb, vkb, p) + (d,),
+            kv_index=pk.kv_of(X, vb, vkb, k0),
+            o_index=lambda p, d: (vb, pk.head_of(vkb, p), vs, pk.loc(p), d),
+            always_masked=True,
+            pos=pk.pos,
+            seq_q=SQ,
+            offset=Visibility.offset(SQ, L - k0),  # the chunk's keys start at k0
+            state_index=lambda p, j: (vb, pk.head_of(vkb, p), vs, pk.loc(p), j),
+            heads=NH,
+        )
+
+    @T.macro
+    def decode_nest(Q, K, V, O, LSE, X):
+        for b, kh in T.grid(B, KB):
+            with T.sblock("row_tile" + suffix):
+                vb, vkh = T.axis.remap("SS", [b, kh])
+                T.reads([Q[vb, h0(vkh) * G:h0(vkh) * G + NH * G, 0:SQ, 0:D]] + kv.reads(K, V, X, vb, h0(vkh), NH))
+                if lse:
+                    T.writes(O[vb, h0(vkh) * G:h0(vkh) * G + NH * G, 0:SQ, 0:D],
+                             LSE[vb, h0(vkh) * G:h0(vkh) * G + NH * G, 0:SQ])
+                else:
+                    T.writes(O[vb, h0(vkh) * G:h0(vkh) * G + NH * G, 0:SQ, 0:D])
+                tile_dec(Q, K, V, O, packed(X, vb, vkh), NC, LSE)
+
+    @T.macro
+    def split_nest(Q, K, V, O, LSE, X):
+        with T.sblock("split_kv" + suffix):
+            T.reads([_whole(x) for x in (Q, K, V) + X])
+            if lse:
+                T.writes(O[0:B, 0:H, 0:SQ, 0:D], LSE[0:B, 0:H, 0:SQ])
+            else:
+                T.writes(O[0:B, 0:H, 0:SQ, 0:D])
+            Op = T.sblock_alloc_buffer((B, KH, NS, BD, D), "float32")  # unnormalised acc per chunk
+            St = T.sblock_alloc_buffer((B, KH, NS, BD, 2), "float32")  # m, l per chunk
+            for b, kh, sp in T.grid(B, KB, NS):
+                with T.sblock("row_tile" + suffix + SPLIT):
+                    vb, vkh, vs = T.axis.remap("SSS", [b, kh, sp])
+                    T.reads([Q[vb, h0(vkh) * G:h0(vkh) * G + NH * G, 0:SQ, 0:D]] + kv.reads(K, V, X, vb, h0(vkh), NH))
+                    if NH == 1:
+                        T.writes(Op[vb, vkh, vs, 0:BD, 0:D], St[vb, vkh, vs, 0:BD, 0:2])
+                    else:
+                        T.writes(Op[vb, h0(vkh):h0(vkh) + NH, vs, 0:BD, 0:D],
+                                 St[vb, h0(vkh):h0(vkh) + NH, vs, 0:BD, 0:2])
+                    spl = T.sblock_alloc_buffer((2,), "int32", scope="local")
+                    with T.sblock("split_locate" + suffix):
+                        spl[0] = vs * chunk(kv.length(X, vb))
+                        spl[1] = T.max(0, T.min(chunk(kv.length(X, vb)), kv.length(X, vb) - spl[0]))
+                    tile_split(Q, K, V, Op, split_at(X, vb, vkh, vs, spl), NC, St)
+            merge(Op, St, O, LSE, K, V, X)
+
+    @T.macro
+    def tier(Q, K, V, O, LSE, X):
+        if single:
+            decode_nest(Q, K, V, O, LSE, X)
+        elif NS == 1:
+            decode_nest(Q, K, V, O, LSE, X)
         else:
-            kv = [K[b, h, 0:self.bound, 0:self.D], V[b, h, 0:self.bound, 0:self.D]]
-        if self.layout == "paged":
-            return kv + [X[0][b, 0:self.MP], X[1][b]]
-        return kv + [x[b] for x in X]
+            split_nest(Q, K, V, O, LSE, X)
 
-    def index(self, X, b, kh, key, d):
-        if self.layout == "paged":
-            return (X[0][b, T.floordiv(key, self.P)], T.floormod(key, self.P), kh, d)
-        return (b, kh, key, d)
+    return tier
 
 
 def _dense(spec: AttentionSpec, block_m: int, block_n: int, decode_rows: tuple[int, ...] = (),
@@ -583,210 +767,23 @@ def _dense(spec: AttentionSpec, block_m: int, block_n: int, decode_rows: tuple[i
     a key's kv heads side by side, so one head's keys are ``kv_heads·D`` elements apart: per
     head, a task reads ``D``-element pieces of every row; with all heads, whole rows.
     """
-    B, H, KH = _dim(spec, "batch"), spec.heads, spec.kv_heads
-    SQ, D = _dim(spec, "seq_q"), spec.head_dim
-    G = spec.group_size
-    BM, BN = block_m, block_n
-    kv = _KV(spec, B, D)
-    NR = T.floordiv(SQ + BM - 1, BM) if not isinstance(SQ, int) else math.ceil(SQ / BM)  # row tiles
-    bound = kv.bound
-    NC = T.floordiv(bound + BN - 1, BN) if not isinstance(bound, int) else math.ceil(bound / BN)  # key tiles
-    dtype = spec.dtype
-    lse = bool(spec.return_lse)
-    tile = _tile_macro(spec, BM, BN, stats="lse" if lse else None, dot_bf16=dot_bf16,
-                       stage_k=stages_half_keys(spec, dot_bf16))
-    layout = spec.layout
-
-    def at(X, vb, vh, vr):
-        return _Tile(
-            spec, BM, BN, vr * BM, SQ, kv.length(X, vb),
-            q_index=lambda row, d: (vb, vh, row, d),
-            kv_index=lambda key, d: kv.index(X, vb, vh // G, key, d),
-            o_index=lambda row, d: (vb, vh, row, d),
-            always_masked=False,
-            lse_index=lambda row: (vb, vh, row),
-        )
-
-    @T.macro
-    def main_nest(Q, K, V, O, LSE, X):
-        for b, h, r in T.grid(B, H, NR):
-            with T.sblock("row_tile"):
-                vb, vh, vr = T.axis.remap("SSS", [b, h, r])
-                T.reads([Q[vb, vh, 0:SQ, 0:D]] + kv.reads(K, V, X, vb, vh // G))
-                if lse:
-                    T.writes(O[vb, vh, 0:SQ, 0:D], LSE[vb, vh, 0:SQ])
-                else:
-                    T.writes(O[vb, vh, 0:SQ, 0:D])
-                tile(Q, K, V, O, at(X, vb, vh, vr), NC, LSE)
-
+    f = _Dense(spec, block_m, block_n)
+    SQ, G, KH = f.SQ, f.G, f.KH
+    main_nest = _main_nest(f, dot_bf16)
     tiers = tuple(sorted(decode_rows))
     if decode_heads < 1 or KH % decode_heads:
         raise ValueError(f"decode_heads={decode_heads} must divide kv_heads={KH}")
+    if len(tiers) > 2:
+        raise ValueError(f"at most two decode tiers, got {tiers}")
     stage_tiers = [r for r in tiers if r < stage_k_below]
     HT = decode_heads if stage_tiers else 1  # kv heads per decode task (staged tiers)
-    neg_inf = T.float32(float("-inf"))
-
-    def merged_sees_key(X, vb, vi):
-        L = kv.length(X, vb)
-        return vi + (L - SQ) >= 0 if spec.causal else L > 0
-
-    def decode_tier(BD: int, suffix: str):
-        """The packed decode nest of ``BD`` rows (blocks ``*<suffix>``) and its split-KV form
-        (``*<suffix>_split``, merged by ``merge<suffix>``), as one macro. Tiers of fewer rows
-        than ``stage_k_below`` stage their key tiles (see ``_tile_macro``)."""
-        stage = BD < stage_k_below
-        pf = prefetch if stage else 0
-        NH = HT if stage else 1  # kv heads per task
-        BT, KB = BD * NH, KH // NH  # tile rows, head blocks
-        NS = n_splits(split_tasks, B, KB)  # key-range chunks per sequence
-        single = isinstance(NS, int) and NS == 1  # known at build time: no split nest
-
-        def chunk(L):
-            # truncdiv: every operand is non-negative, and floordiv by a run-time divisor lowers
-            # to selects that nest exponentially
-            per = T.truncdiv(T.truncdiv(L + NS - 1, NS) + BN - 1, BN) * BN
-            return T.max(MIN_SPLIT_KEYS, per)
-        tile_dec = _tile_macro(spec, BT, BN, suffix, stats="lse" if lse else None, stage_k=stage, prefetch=pf,
-                               heads=NH)
-        tile_split = _tile_macro(spec, BT, BN, suffix + SPLIT, stats="partial", stage_k=stage, prefetch=pf,
-                                 heads=NH)
-
-        # Tile row p of head block vkb: kv head head_of(vkb, p), packed row loc(p) of that head,
-        # which is position loc(p) // G of query head head_of·G + loc(p) % G. One head per task
-        # keeps the expressions of the per-head workload (tuning logs match it structurally).
-        def head_of(vkb, p):
-            return vkb if NH == 1 else vkb * NH + T.floordiv(p, BD)
-
-        def loc(p):
-            return p if NH == 1 else T.floormod(p, BD)
-
-        def q_of(vb, vkb, p):
-            return (vb, head_of(vkb, p) * G + T.floormod(loc(p), G), T.floordiv(loc(p), G))
-
-        def kv_of(X, vb, vkb, k0=None):
-            at = (lambda key: key) if k0 is None else (lambda key: k0 + key)
-            if NH == 1:
-                return lambda key, d: kv.index(X, vb, vkb, at(key), d)
-            return lambda key, d, h: kv.index(X, vb, vkb * NH + h, at(key), d)
-
-        def packed(X, vb, vkb):
-            # One tile per (batch, head block) holds all SQ·G packed rows of its heads
-            return _Tile(
-                spec, BT, BN, 0, SQ * G, kv.length(X, vb),
-                q_index=lambda p, d: q_of(vb, vkb, p) + (d,),
-                kv_index=kv_of(X, vb, vkb),
-                o_index=lambda p, d: q_of(vb, vkb, p) + (d,),
-                always_masked=True,
-                pos=lambda p: T.floordiv(loc(p), G),
-                seq_q=SQ,
-                lse_index=lambda p: q_of(vb, vkb, p),
-                heads=NH,
-            )
-
-        def split_at(X, vb, vkb, vs, spl):
-            # spl[0]: the chunk's first key, spl[1]: its keys (computed once per task, split_locate)
-            L = kv.length(X, vb)
-            k0 = spl[0]
-            return _Tile(
-                spec, BT, BN, 0, SQ * G, spl[1],
-                q_index=lambda p, d: q_of(vb, vkb, p) + (d,),
-                kv_index=kv_of(X, vb, vkb, k0),
-                o_index=lambda p, d: (vb, head_of(vkb, p), vs, loc(p), d),
-                always_masked=True,
-                pos=lambda p: T.floordiv(loc(p), G),
-                seq_q=SQ,
-                causal_off=L - k0 - SQ,
-                state_index=lambda p, j: (vb, head_of(vkb, p), vs, loc(p), j),
-                heads=NH,
-            )
-
-        def h0(vkb):  # first kv head of head block vkb
-            return vkb if NH == 1 else vkb * NH
-
-        @T.macro
-        def decode_nest(Q, K, V, O, LSE, X):
-            for b, kh in T.grid(B, KB):
-                with T.sblock("row_tile" + suffix):
-                    vb, vkh = T.axis.remap("SS", [b, kh])
-                    T.reads([Q[vb, h0(vkh) * G:h0(vkh) * G + NH * G, 0:SQ, 0:D]] + kv.reads(K, V, X, vb, h0(vkh), NH))
-                    if lse:
-                        T.writes(O[vb, h0(vkh) * G:h0(vkh) * G + NH * G, 0:SQ, 0:D],
-                                 LSE[vb, h0(vkh) * G:h0(vkh) * G + NH * G, 0:SQ])
-                    else:
-                        T.writes(O[vb, h0(vkh) * G:h0(vkh) * G + NH * G, 0:SQ, 0:D])
-                    tile_dec(Q, K, V, O, packed(X, vb, vkh), NC, LSE)
-
-        @T.macro
-        def split_nest(Q, K, V, O, LSE, X):
-            with T.sblock("split_kv" + suffix):
-                T.reads([_whole(x) for x in (Q, K, V) + X])
-                if lse:
-                    T.writes(O[0:B, 0:H, 0:SQ, 0:D], LSE[0:B, 0:H, 0:SQ])
-                else:
-                    T.writes(O[0:B, 0:H, 0:SQ, 0:D])
-                Op = T.sblock_alloc_buffer((B, KH, NS, BD, D), "float32")  # unnormalised acc per chunk
-                St = T.sblock_alloc_buffer((B, KH, NS, BD, 2), "float32")  # m, l per chunk
-                for b, kh, sp in T.grid(B, KB, NS):
-                    with T.sblock("row_tile" + suffix + SPLIT):
-                        vb, vkh, vs = T.axis.remap("SSS", [b, kh, sp])
-                        T.reads([Q[vb, h0(vkh) * G:h0(vkh) * G + NH * G, 0:SQ, 0:D]] + kv.reads(K, V, X, vb, h0(vkh), NH))
-                        if NH == 1:
-                            T.writes(Op[vb, vkh, vs, 0:BD, 0:D], St[vb, vkh, vs, 0:BD, 0:2])
-                        else:
-                            T.writes(Op[vb, h0(vkh):h0(vkh) + NH, vs, 0:BD, 0:D],
-                                     St[vb, h0(vkh):h0(vkh) + NH, vs, 0:BD, 0:2])
-                        spl = T.sblock_alloc_buffer((2,), "int32", scope="local")
-                        with T.sblock("split_locate" + suffix):
-                            spl[0] = vs * chunk(kv.length(X, vb))
-                            spl[1] = T.max(0, T.min(chunk(kv.length(X, vb)), kv.length(X, vb) - spl[0]))
-                        tile_split(Q, K, V, Op, split_at(X, vb, vkh, vs, spl), NC, St)
-                for b, h, i in T.grid(B, H, SQ):
-                    with T.sblock(MERGE + suffix):
-                        vb, vh, vi = T.axis.remap("SSS", [b, h, i])
-                        T.reads([Op[vb, vh // G, 0:NS, 0:BD, 0:D], St[vb, vh // G, 0:NS, 0:BD, 0:2]] + kv.reads(K, V, X, vb, 0)[2:])
-                        if lse:
-                            T.writes(O[vb, vh, vi, 0:D], LSE[vb, vh, vi])
-                        else:
-                            T.writes(O[vb, vh, vi, 0:D])
-                        mx = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                        ls = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                        w = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                        am = T.sblock_alloc_buffer((D,), "float32", scope="local")
-                        mx[0] = neg_inf
-                        for sp2 in T.serial(NS):
-                            mx[0] = T.max(mx[0], St[vb, vh // G, sp2, vi * G + T.floormod(vh, G), 0])
-                        ls[0] = T.float32(0)
-                        for d in T.vectorized(D):
-                            am[d] = T.float32(0)
-                        for sp2 in T.serial(NS):
-                            w[0] = exp2_fast(St[vb, vh // G, sp2, vi * G + T.floormod(vh, G), 0] - guarded(mx[0]))
-                            ls[0] = ls[0] + St[vb, vh // G, sp2, vi * G + T.floormod(vh, G), 1] * w[0]
-                            for d in T.vectorized(D):
-                                am[d] = am[d] + Op[vb, vh // G, sp2, vi * G + T.floormod(vh, G), d] * w[0]
-                        for d in T.vectorized(D):
-                            O[vb, vh, vi, d] = cast_to(O, normalize_where(am[d], ls[0], merged_sees_key(X, vb, vi)))
-                        if lse:
-                            LSE[vb, vh, vi] = lse_of(mx[0], ls[0])
-
-        @T.macro
-        def tier(Q, K, V, O, LSE, X):
-            if single:
-                decode_nest(Q, K, V, O, LSE, X)
-            elif NS == 1:
-                decode_nest(Q, K, V, O, LSE, X)
-            else:
-                split_nest(Q, K, V, O, LSE, X)
-
-        return tier
-
-    tier_macros = [decode_tier(r, DECODE + str(r)) for r in tiers]
+    tier_macros = [_decode_tier(f, r, DECODE + str(r), split_tasks, r < stage_k_below, prefetch,
+                                HT if r < stage_k_below else 1) for r in tiers]
     t0 = tier_macros[0] if tiers else None
     t1 = tier_macros[-1] if tiers else None
     r0 = tiers[0] if tiers else 0
     r1 = tiers[-1] if tiers else 0
     n_tiers = len(tiers)
-    if n_tiers > 2:
-        raise ValueError(f"at most two decode tiers, got {tiers}")
 
     @T.macro
     def body(Q, K, V, O, LSE, X):
@@ -806,7 +803,7 @@ def _dense(spec: AttentionSpec, block_m: int, block_n: int, decode_rows: tuple[i
                 main_nest(Q, K, V, O, LSE, X)
 
     attrs = {"global_symbol": ENTRY, "tirx.noalias": True, "attn.workload": "fused",
-             "attn.block_m": BM, "attn.block_n": BN, "attn.data_alignment": A}
+             "attn.block_m": block_m, "attn.block_n": block_n, "attn.data_alignment": A}
     if dot_bf16:
         attrs["attn.dot_bf16"] = 1
     if tiers:  # what regenerates this workload from a tuning record (task_mods.regenerate)
@@ -817,8 +814,15 @@ def _dense(spec: AttentionSpec, block_m: int, block_n: int, decode_rows: tuple[i
             attrs["attn.prefetch"] = prefetch
         if HT > 1:
             attrs["attn.decode_heads"] = HT
-    KS = kv.shape
+    return _dense_function(f, attrs, body)
 
+
+def _dense_function(f: _Dense, attrs: dict, body) -> tirx.PrimFunc:
+    """The PrimFunc of a dense-query kernel: the layout's arguments in call order (Q, K, V, the
+    layout's index arrays, O, then LSE when ``return_lse``), its attrs, ``body``."""
+    B, H, SQ, D, kv, dtype = f.B, f.H, f.SQ, f.D, f.kv, f.spec.dtype
+    KS = kv.shape
+    layout = f.spec.layout
     if layout == "bhsd":
         @T.prim_func(s_tir=True)
         def attention(
@@ -856,7 +860,7 @@ def _dense(spec: AttentionSpec, block_m: int, block_n: int, decode_rows: tuple[i
             T.func_attr(attrs)
             body(Q, K, V, O, LSE, (BT, CL))
 
-    return attention if lse else _drop_last_param(attention)
+    return attention if f.lse else _drop_last_param(attention)
 
 
 def _whole(buf):

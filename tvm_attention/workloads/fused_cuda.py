@@ -32,6 +32,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ..spec import AttentionSpec
+from ..visibility import Visibility
 from ._math import LOG2E, exp2_fast, guarded, normalize
 
 ENTRY = "attention"
@@ -53,9 +54,10 @@ def fused_attention_cuda(
     BM, BN, TPR = block_m, block_n, threads_per_row
     NJ, ND = BN // TPR, D // TPR  # keys and head-dim columns per lane
     NR, NC = math.ceil(SQ / BM), math.ceil(SK / BN)
-    OFF = spec.kv_offset
-    causal, kv_tail = spec.causal, SK % BN != 0
-    masked = causal or kv_tail
+    vis = Visibility.of(spec)
+    OFF = vis.offset(SQ, SK)
+    kv_tail = SK % BN != 0
+    masked = vis.hides_keys or kv_tail
     dtype = spec.dtype
     VEC = vector_elems(dtype)
     PAD = VEC  # one vector of padding per shared row: keeps 16-byte alignment, spreads banks
@@ -81,8 +83,9 @@ def fused_attention_cuda(
         return T.serial(n) if emulate else T.vectorized(n)
 
     def n_tiles(r0):
-        if causal:
-            return T.max(0, T.min(NC, T.floordiv(r0 + BM + OFF + BN - 1, BN)))
+        key_end = vis.key_end(vis.position(r0 + BM, OFF))  # what the tile's rows may see
+        if key_end is not None:
+            return T.max(0, T.min(NC, vis.tiles_to(key_end, BN)))
         return NC
 
     def kv_row(j):
@@ -92,8 +95,9 @@ def fused_attention_cuda(
         if not masked:
             return s
         cond = col < SK
-        if causal:
-            cond = T.And(cond, col <= r0 + vr + OFF)
+        seen = vis.sees(col, vis.position(r0 + vr, OFF))
+        if seen is not None:
+            cond = T.And(cond, seen)
         return T.Select(cond, s, neg_inf)
 
 

@@ -49,6 +49,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ..spec import AttentionSpec
+from ..visibility import Visibility
 from ._math import LOG2E, guarded, normalize
 
 ENTRY = "attention"
@@ -129,8 +130,9 @@ def fused_attention_mma(
     NDC = D // 16  # 16-wide chunks of head_dim: the k steps of Q·Kᵀ
     NO = D // 8  # 8-wide slices of head_dim: the output accumulators
     NR, NC = math.ceil(SQ / BM), math.ceil(SK / BN)
-    OFF = spec.kv_offset
-    causal, kv_tail = spec.causal, SK % BN != 0
+    vis = Visibility.of(spec)
+    OFF = vis.offset(SQ, SK)
+    causal, kv_tail = vis.causal, SK % BN != 0
     dtype = spec.dtype
     ST = smem_stride(D)
     TILE = BN * ST  # elements of one staged K (or V) tile
@@ -174,18 +176,20 @@ def fused_attention_mma(
         return (NR - 1 - vbx % NR) * BM if causal else vbx % NR * BM
 
     def n_tiles(r0):
-        if causal:
-            return T.max(0, T.min(NC, T.floordiv(r0 + BM + OFF + BN - 1, BN)))
+        key_end = vis.key_end(vis.position(r0 + BM, OFF))  # what the tile's rows may see
+        if key_end is not None:
+            return T.max(0, T.min(NC, vis.tiles_to(key_end, BN)))
         return NC
 
     def needs_mask(c, r0):
-        # a key tile needs the mask if it holds the key tail or crosses the block's diagonal
+        # a key tile needs the mask if it holds the key tail or a key the block's first row
+        # does not see
         cond = None
         if kv_tail:
             cond = c == NC - 1
-        if causal:
-            diag = c * BN + BN - 1 > r0 + OFF
-            cond = diag if cond is None else T.Or(cond, diag)
+        hidden = vis.hides(c * BN + BN - 1, vis.position(r0, OFF))
+        if hidden is not None:
+            cond = hidden if cond is None else T.Or(cond, hidden)
         return cond
 
     def kv_row(j):
@@ -211,8 +215,9 @@ def fused_attention_mma(
     def visible(r0, ty, tx, k, c):
         col = c * BN + col_of(tx, k, NT)
         cond = col < SK
-        if causal:
-            cond = T.And(cond, col <= r0 + row_of(ty, tx, s_half(k)) + OFF)
+        seen = vis.sees(col, vis.position(r0 + row_of(ty, tx, s_half(k)), OFF))
+        if seen is not None:
+            cond = T.And(cond, seen)
         return cond
 
     def kv_off(b, kh, row, col):
@@ -415,7 +420,7 @@ def fused_attention_mma(
                                 T.writes()
                                 # the max of the raw scores, scaled once: the scale is positive, so
                                 # max(s)·scale = max(s·scale), and the exponent below is one FFMA
-                                if causal or kv_tail:
+                                if vis.hides_keys or kv_tail:
                                     if needs_mask(c, ri(vbx)):
                                         for k in T.unroll(MT * NT * 4):
                                             S[ix(ty, tx, k)] = T.Select(

@@ -15,6 +15,8 @@ from tvm.script import tirx as T
 
 from ..spec import DATA_ALIGNMENT as A
 from ..spec import AttentionSpec
+from ..visibility import Visibility
+from .kv import dim
 from ._math import LOG2E, exp2_fast, guarded, normalize, normalize_where
 
 ENTRY = "attention"
@@ -23,35 +25,32 @@ ENTRY = "attention"
 def materialized_attention(spec: AttentionSpec) -> tirx.PrimFunc:
     """Arguments (call order): ``Q (B, H, Sq, D)``, ``K (B, KH, Skv, D)``, ``V (B, KH, Skv, D)``,
     ``O (B, H, Sq, D)``, compact row-major ``spec.dtype``."""
-    from .fused import _dim
-
-    B, H, KH = _dim(spec, "batch"), spec.heads, spec.kv_heads
-    SQ, SK, D = _dim(spec, "seq_q"), _dim(spec, "seq_kv"), spec.head_dim
+    B, H, KH = dim(spec, "batch"), spec.heads, spec.kv_heads
+    SQ, SK, D = dim(spec, "seq_q"), dim(spec, "seq_kv"), spec.head_dim
     G = spec.group_size
-    OFF = SK - SQ
+    vis = Visibility.of(spec)
+    OFF = vis.offset(SQ, SK)
     dynamic_len = not (isinstance(SQ, int) and isinstance(SK, int))
-    causal = spec.causal
     dtype = spec.dtype
     qscale = float(spec.scale * LOG2E)
     neg_inf = T.float32(float("-inf"))
 
     def logit(S, vb, vh, vi, vj):
-        # Scaled score in log2 units, -inf right of the bottom-right causal diagonal.
+        # Scaled score in log2 units, -inf where the row does not see the key.
         x = S[vb, vh, vi, vj] * T.float32(qscale)
-        if causal:
-            return T.Select(vj <= vi + OFF, x, neg_inf)
-        return x
+        seen = vis.sees(vj, vis.position(vi, OFF))
+        return x if seen is None else T.Select(seen, x, neg_inf)
 
     def pv(x, vi):
         # A row that sees no key stays exactly 0 even where V holds NaN (0·NaN would be NaN).
-        if causal and (dynamic_len or OFF < 0):
-            return T.Select(vi + OFF >= 0, x, T.float32(0))
+        if vis.hides_keys and (dynamic_len or OFF < 0):
+            return T.Select(vis.sees_a_key(vis.position(vi, OFF), SK), x, T.float32(0))
         return x
 
     def out(p, l, vi):
         if not dynamic_len:
             return normalize(p, l, vi, spec)
-        return normalize_where(p, l, vi + OFF >= 0 if causal else SK > 0)
+        return normalize_where(p, l, vis.sees_a_key(vis.position(vi, OFF), SK))
 
     @T.prim_func(s_tir=True)
     def attention(

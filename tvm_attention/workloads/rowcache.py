@@ -21,6 +21,7 @@ from tvm.script import tirx as T
 
 from ..spec import DATA_ALIGNMENT as A
 from ..spec import AttentionSpec
+from ..visibility import Visibility
 from ._math import LOG2E, exp2_fast, guarded, normalize
 
 ENTRY = "attention"
@@ -34,16 +35,15 @@ def rowcache_attention(spec: AttentionSpec, block_m: int) -> tirx.PrimFunc:
     G = spec.group_size
     BM = block_m
     NR = math.ceil(SQ / BM)
-    OFF = spec.kv_offset
-    causal = spec.causal
+    vis = Visibility.of(spec)
+    OFF = vis.offset(SQ, SK)
     dtype = spec.dtype
     qscale = float(spec.scale * LOG2E)
     neg_inf = T.float32(float("-inf"))
 
     def masked_score(S, vj, vi, vr):
-        if not causal:
-            return S[vj, vi]
-        return T.Select(vj <= vr * BM + vi + OFF, S[vj, vi], neg_inf)
+        seen = vis.sees(vj, vis.position(vr * BM + vi, OFF))
+        return S[vj, vi] if seen is None else T.Select(seen, S[vj, vi], neg_inf)
 
 
     @T.prim_func(s_tir=True)

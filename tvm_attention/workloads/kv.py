@@ -1,0 +1,99 @@
+"""Where a dense-query layout (q and o ``(B, H, Sq, D)``) keeps sequence ``b``'s keys: one object
+per layout, so a kernel addresses K/V through it and never branches on the layout itself.
+
+``X`` is the tuple of the layout's index buffers, in call order (bhsd: none; kvcache:
+``(cache_seqlens,)``; paged: ``(block_table, cache_seqlens)``).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from ..spec import AttentionSpec
+
+
+def dim(spec: AttentionSpec, name: str):
+    """``spec``'s dim ``name`` (batch, seq_q, seq_kv): its int, or a symbolic int32 var."""
+    return tirx.Var(name, "int32") if name in spec.dynamic else getattr(spec, name)
+
+
+class KVLayout:
+    """K/V addressing of one layout. ``shape``: the K (and V) buffer's shape; ``bound``: the keys
+    one sequence's reads may span (the extent of its K/V regions)."""
+
+    shape: tuple
+    bound: Any
+
+    def __init__(self, spec: AttentionSpec, B, D: int):
+        self.KH, self.D = spec.kv_heads, D
+
+    def length(self, X, b):
+        """Keys of sequence ``b``."""
+        return X[-1][b]
+
+    def reads(self, K, V, X, b, kh, nh: int = 1) -> list:
+        """The K/V (and index) regions sequence ``b``'s kv heads ``kh .. kh + nh`` read (explicit:
+        the inferred ones would name the blocks' local buffers through the indirect indices)."""
+        h = self._heads(kh, nh)
+        return [K[b, h, 0:self.bound, 0:self.D], V[b, h, 0:self.bound, 0:self.D]] + [x[b] for x in X]
+
+    def index(self, X, b, kh, key, d) -> tuple:
+        """The K/V index of key ``key``, column ``d`` of sequence ``b``'s kv head ``kh``."""
+        return (b, kh, key, d)
+
+    @staticmethod
+    def _heads(kh, nh: int):
+        return kh if nh == 1 else slice(kh, kh + nh)
+
+
+class BHSD(KVLayout):
+    """``K``/``V (B, KH, Skv, D)``: every sequence holds ``seq_kv`` keys."""
+
+    def __init__(self, spec: AttentionSpec, B, D: int):
+        super().__init__(spec, B, D)
+        self.SK = dim(spec, "seq_kv")
+        self.shape = (B, self.KH, self.SK, D)
+        self.bound = self.SK
+
+    def length(self, X, b):
+        return self.SK
+
+
+class KVCache(KVLayout):
+    """``K``/``V (B, KH, max_len, D)``; sequence ``b`` holds ``cache_seqlens[b]`` keys."""
+
+    def __init__(self, spec: AttentionSpec, B, D: int):
+        super().__init__(spec, B, D)
+        self.ML = tirx.Var("max_len", "int32")
+        self.shape = (B, self.KH, self.ML, D)
+        self.bound = self.ML
+
+
+class Paged(KVLayout):
+    """``K``/``V (num_pages, page_size, KH, D)``: key ``j`` of sequence ``b`` is row
+    ``j % page_size`` of page ``block_table[b, j // page_size]``; ``cache_seqlens[b]`` keys."""
+
+    def __init__(self, spec: AttentionSpec, B, D: int):
+        super().__init__(spec, B, D)
+        self.P = spec.page_size
+        self.NP, self.MP = tirx.Var("num_pages", "int32"), tirx.Var("max_pages", "int32")
+        self.shape = (self.NP, self.P, self.KH, D)
+        self.bound = self.MP * self.P  # keys a block table row can address
+
+    def reads(self, K, V, X, b, kh, nh: int = 1) -> list:
+        h = self._heads(kh, nh)
+        return [K[0:self.NP, 0:self.P, h, 0:self.D], V[0:self.NP, 0:self.P, h, 0:self.D],
+                X[0][b, 0:self.MP], X[1][b]]
+
+    def index(self, X, b, kh, key, d) -> tuple:
+        return (X[0][b, T.floordiv(key, self.P)], T.floormod(key, self.P), kh, d)
+
+
+#: layout name -> its K/V addressing (the dense-query layouts; varlen packs sequences instead)
+KV_LAYOUTS = {"bhsd": BHSD, "kvcache": KVCache, "paged": Paged}
+
+
+def kv_layout(spec: AttentionSpec, B, D: int) -> KVLayout:
+    return KV_LAYOUTS[spec.layout](spec, B, D)
