@@ -35,16 +35,17 @@ GQA-packed decode nests and split-KV of a symbolic seq_q; ``_varlen`` for the pa
 """
 from __future__ import annotations
 
+import dataclasses
 import math
+import types
 
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ..spec import DATA_ALIGNMENT as A
-from ..spec import AttentionSpec
+from ..spec import DATA_ALIGNMENT as A, AttentionSpec
 from ..visibility import Visibility
-from .kv import dim, kv_layout
 from ._math import LOG2E, bf16_bits, bf16_value, cast_to, exp2_fast, f32, guarded, lse_of, normalize, normalize_where
+from .kv import dim, kv_layout
 
 ENTRY = "attention"
 CACHE_LINE = 64  # bytes (x86)
@@ -212,6 +213,266 @@ def stages_half_keys(spec: AttentionSpec, dot_bf16: bool) -> bool:
     return spec.dtype == "float16"
 
 
+@dataclasses.dataclass(frozen=True)
+class _TileShape:
+    """What the pieces of one tile macro share: its block names (``N``: name -> name + suffix),
+    rows ``BM``, keys ``BN``, head_dim ``D``, kv heads ``HT`` (``R = BM // HT`` rows each), the
+    scale in log2 units, the variant (``dot_bf16``, ``prefetch``, ``stats``) and the elements of
+    one cache line of a K/V row."""
+
+    N: dict
+    BM: int
+    BN: int
+    D: int
+    HT: int
+    qscale: float
+    dot_bf16: bool
+    prefetch: int
+    stats: str | None
+    line_elems: int
+
+    @property
+    def R(self) -> int:
+        return self.BM // self.HT
+
+
+def _s_gemm_macros(k: _TileShape):
+    """``S = Q·Kᵀ`` of one key tile (scaled, log2 units), one macro per form: ``dot`` (bf16 pairs
+    along head_dim, ``vdpbf16ps``'s operands; ``K_load`` copies the tile's bits to ``Kb``),
+    ``heads`` (each key staged for every kv head of the tile), ``staged`` (the key tile staged as
+    float32 by ``K_load``), ``plain`` (K read through the layout's index), and ``prefetch``
+    (block ``KV_prefetch``, before a staged form when asked).
+
+    ``prefetch``: a software prefetch (``llvm.prefetch``, into L1) of every cache line of the K
+    and V rows of key tile ``c + prefetch`` while tile ``c`` computes (clamped to the last key),
+    meant for streams the hardware prefetcher follows poorly (a paged cache: rows ``kv_heads·D``
+    elements apart, pages anywhere); on a 2-core znver4 it gained nothing there and cost 15-20 %
+    on contiguous caches, so it is a point of the search, off in the presets. It writes nothing.
+
+    ``dot``: the operand layouts of AVX512-BF16's ``vdpbf16ps`` (``acc[l] += a[2l]·b[2l] +
+    a[2l+1]·b[2l+1]``: pairs along the reduction), bf16 values handled as their uint16 bits.
+    ``Qp (D/2, BM, 2)`` holds Q unscaled (the scale multiplies the float32 scores instead: no
+    extra rounding); ``S_gemm`` sums over (d pair, t)."""
+    N, BM, BN, D, HT, R, prefetch = k.N, k.BM, k.BN, k.D, k.HT, k.R, k.prefetch
+    LINE_ELEMS = k.line_elems
+    LINES = max(1, D // LINE_ELEMS)  # cache lines per K/V row (rows are line-aligned when D is)
+
+    def kvh(h):  # the head argument of a K/V index: none for a one-head tile
+        return h if HT > 1 else None
+
+    @T.macro
+    def s_gemm_dot(Ku, Kb, Qp, S, t, vc):
+        # bf16 pairs along head_dim: vdpbf16ps operands
+        for j, d in T.grid(BN, D):
+            with T.sblock(N["K_load"]):
+                vj, vd = T.axis.remap("SS", [j, d])
+                Kb[vj, vd] = Ku[t.kv_at(vc, vj, vd)]
+        for j, dp, i, tt in T.grid(BN, D // 2, BM, 2):
+            with T.sblock(N["S_gemm"]):
+                vj, vp, vi, vt = T.axis.remap("SRSR", [j, dp, i, tt])
+                with T.init():
+                    S[vj, vi] = T.float32(0)
+                S[vj, vi] = S[vj, vi] + bf16_value(Kb[vj, 2 * vp + vt]) * bf16_value(Qp[vp, vi, vt])
+
+    @T.macro
+    def kv_prefetch(K, V, t, vc):
+        for j, h, ln in T.grid(BN, HT, LINES):
+            with T.sblock(N["KV_prefetch"]):
+                vj, vh, vl = T.axis.remap("SSS", [j, h, ln])
+                T.reads(K[t.kv_ahead(vc + prefetch, vj, vl * LINE_ELEMS, kvh(vh))],
+                        V[t.kv_ahead(vc + prefetch, vj, vl * LINE_ELEMS, kvh(vh))])
+                T.writes()
+                # (address, 0 = read, 3 = keep in all levels, 1 = data cache)
+                T.evaluate(T.call_llvm_intrin(
+                    "void", "llvm.prefetch.p0",
+                    T.address_of(K[t.kv_ahead(vc + prefetch, vj, vl * LINE_ELEMS, kvh(vh))]),
+                    T.int32(0), T.int32(3), T.int32(1)))
+                T.evaluate(T.call_llvm_intrin(
+                    "void", "llvm.prefetch.p0",
+                    T.address_of(V[t.kv_ahead(vc + prefetch, vj, vl * LINE_ELEMS, kvh(vh))]),
+                    T.int32(0), T.int32(3), T.int32(1)))
+
+    @T.macro
+    def s_gemm_heads(K, Kt, Qt, S, t, vc):
+        for j in T.serial(BN):
+            # key j of every head: one contiguous read of a paged row, kept in L1
+            for h, d in T.grid(HT, D):
+                with T.sblock(N["K_load"]):
+                    vj = T.axis.spatial(BN, j)
+                    vh, vd = T.axis.remap("SS", [h, d])
+                    Kt[vh, vd] = f32(K[t.kv_at(vc, vj, vd, vh)])
+            for d, i in T.grid(D, BM):
+                with T.sblock(N["S_gemm"]):
+                    vj = T.axis.spatial(BN, j)
+                    vd, vi = T.axis.remap("RS", [d, i])
+                    with T.init():
+                        S[vj, vi] = T.float32(0)
+                    S[vj, vi] = S[vj, vi] + Kt[T.floordiv(vi, R), vd] * Qt[vd, vi]
+
+    @T.macro
+    def s_gemm_staged(K, Kt, Qt, S, t, vc):
+        for j, d in T.grid(BN, D):
+            with T.sblock(N["K_load"]):
+                vj, vd = T.axis.remap("SS", [j, d])
+                Kt[vj, vd] = f32(K[t.kv_at(vc, vj, vd)])
+        for j, d, i in T.grid(BN, D, BM):
+            with T.sblock(N["S_gemm"]):
+                vj, vd, vi = T.axis.remap("SRS", [j, d, i])
+                with T.init():
+                    S[vj, vi] = T.float32(0)
+                S[vj, vi] = S[vj, vi] + Kt[vj, vd] * Qt[vd, vi]
+
+    @T.macro
+    def s_gemm(K, Qt, S, t, vc):
+        for j, d, i in T.grid(BN, D, BM):
+            with T.sblock(N["S_gemm"]):
+                vj, vd, vi = T.axis.remap("SRS", [j, d, i])
+                with T.init():
+                    S[vj, vi] = T.float32(0)
+                S[vj, vi] = S[vj, vi] + f32(K[t.kv_at(vc, vj, vd)]) * Qt[vd, vi]
+
+    return types.SimpleNamespace(dot=s_gemm_dot, prefetch=kv_prefetch, heads=s_gemm_heads,
+                                 staged=s_gemm_staged, plain=s_gemm)
+
+
+def _softmax_macro(k: _TileShape):
+    """The online softmax over one key tile: the running max over the visible keys, the
+    correction ``alpha = exp2(m_old - m_new)`` (guarded: no -inf - -inf), ``P = exp2(S - m_new)``
+    (masked entries exactly 0) and ``l = l·alpha + rowsum(P)``."""
+    N, BM, BN, qscale, dot_bf16 = k.N, k.BM, k.BN, k.qscale, k.dot_bf16
+
+    def score(t, S, vj, vi, vc):
+        # dot_bf16 sums unscaled products (Q keeps its exact bf16 values: no pre-scaled copy)
+        e = t.score(S, vj, vi, vc)
+        return e * T.float32(qscale) if dot_bf16 else e
+
+    @T.macro
+    def online_softmax(S, P, m, m_new, l, alpha, t, vc):
+        # -- running max over the visible keys ---------------------------------
+        for j, i in T.grid(BN, BM):
+            with T.sblock(N["row_max"]):
+                vj, vi = T.axis.remap("RS", [j, i])
+                with T.init():
+                    m_new[vi] = m[vi]
+                m_new[vi] = T.max(m_new[vi], score(t, S, vj, vi, vc))
+        # -- online correction factor; the guard keeps -inf - -inf out ----------
+        for i in T.serial(BM):
+            with T.sblock(N["online_correction"]):
+                vi = T.axis.remap("S", [i])
+                alpha[vi] = exp2_fast(m[vi] - guarded(m_new[vi]))
+        for i in T.serial(BM):
+            with T.sblock(N["max_commit"]):
+                vi = T.axis.remap("S", [i])
+                m[vi] = m_new[vi]
+        # -- P = exp2(S - m_new); masked entries are exactly 0 -------------------
+        for j, i in T.grid(BN, BM):
+            with T.sblock(N["P_exp"]):
+                vj, vi = T.axis.remap("SS", [j, i])
+                P[vj, vi] = exp2_fast(score(t, S, vj, vi, vc) - guarded(m_new[vi]))
+        # -- l = l·alpha + rowsum(P) -------------------------------------------
+        for j, i in T.grid(BN, BM):
+            with T.sblock(N["row_sum"]):
+                vj, vi = T.axis.remap("RS", [j, i])
+                with T.init():
+                    l[vi] = l[vi] * alpha[vi]
+                l[vi] = l[vi] + P[vj, vi]
+
+    return online_softmax
+
+
+def _pv_macros(k: _TileShape):
+    """``acc = acc·alpha + P·V`` of one key tile, one macro per form: ``dot`` (``P_round`` rounds P
+    to bf16, ``P_ilv``/``V_ilv`` pair P and V along the keys for ``vdpbf16ps``, ``acc_rescale``
+    applies the correction), ``heads`` (V staged for every kv head of the tile), ``plain``.
+
+    ``dot``: ``V_load`` copies the tile's bits to ``Vb (BN, D)``, ``V_ilv`` interleaves pairs of V
+    rows into ``Vt (BN/2, D, 2)``; ``P_round`` rounds P to bf16 (nearest even), as FlashAttention
+    does before PV, and ``P_ilv`` pairs it the same way (``Pb (BN/2, BM, 2)``); ``PV_gemm`` sums
+    over (key pair, t)."""
+    N, BM, BN, D, HT, R = k.N, k.BM, k.BN, k.D, k.HT, k.R
+
+    @T.macro
+    def pv_gemm_dot(Vu, P, Pr, Pb, Vb, Vt, acc, alpha, t, vc):
+        for j, i in T.grid(BN, BM):
+            with T.sblock(N["P_round"]):
+                vj, vi = T.axis.remap("SS", [j, i])
+                Pr[vj, vi] = bf16_bits(P[vj, vi])
+        for jp, i, tt in T.grid(BN // 2, BM, 2):
+            with T.sblock(N["P_ilv"]):
+                vp, vi, vt = T.axis.remap("SSS", [jp, i, tt])
+                Pb[vp, vi, vt] = Pr[2 * vp + vt, vi]
+        for j, d in T.grid(BN, D):
+            with T.sblock(N["V_load"]):
+                vj, vd = T.axis.remap("SS", [j, d])
+                Vb[vj, vd] = Vu[t.kv_at(vc, vj, vd)]
+        for jp, d, tt in T.grid(BN // 2, D, 2):
+            with T.sblock(N["V_ilv"]):
+                vp, vd, vt = T.axis.remap("SSS", [jp, d, tt])
+                Vt[vp, vd, vt] = Vb[2 * vp + vt, vd]
+        # the correction as a block of its own: the tensorized update reads only
+        # what the intrinsic does (an init reading alpha would not match it)
+        for i, d in T.grid(BM, D):
+            with T.sblock(N["acc_rescale"]):
+                vi, vd = T.axis.remap("SS", [i, d])
+                acc[vi, vd] = acc[vi, vd] * alpha[vi]
+        for i, jp, d, tt in T.grid(BM, BN // 2, D, 2):
+            with T.sblock(N["PV_gemm"]):
+                vi, vp, vd, vt = T.axis.remap("SRSR", [i, jp, d, tt])
+                acc[vi, vd] = acc[vi, vd] + bf16_value(Pb[vp, vi, vt]) * bf16_value(Vt[vp, vd, vt])
+
+    @T.macro
+    def pv_gemm_heads(V, P, Vt, acc, alpha, t, vc):
+        for j, h, d in T.grid(BN, HT, D):
+            with T.sblock(N["V_load"]):
+                vj, vh, vd = T.axis.remap("SSS", [j, h, d])
+                Vt[vj, vh, vd] = f32(V[t.kv_at(vc, vj, vd, vh)])
+        for i, j, d in T.grid(BM, BN, D):
+            with T.sblock(N["PV_gemm"]):
+                vi, vj, vd = T.axis.remap("SRS", [i, j, d])
+                with T.init():
+                    acc[vi, vd] = acc[vi, vd] * alpha[vi]
+                acc[vi, vd] = acc[vi, vd] + P[vj, vi] * Vt[vj, T.floordiv(vi, R), vd]
+
+    @T.macro
+    def pv_gemm(V, P, acc, alpha, t, vc):
+        for i, j, d in T.grid(BM, BN, D):
+            with T.sblock(N["PV_gemm"]):
+                vi, vj, vd = T.axis.remap("SRS", [i, j, d])
+                with T.init():
+                    acc[vi, vd] = acc[vi, vd] * alpha[vi]
+                acc[vi, vd] = acc[vi, vd] + P[vj, vi] * f32(V[t.kv_at(vc, vj, vd)])
+
+    return types.SimpleNamespace(dot=pv_gemm_dot, heads=pv_gemm_heads, plain=pv_gemm)
+
+
+def _store_macro(k: _TileShape):
+    """The tile's stores: ``O`` (normalised, rounded to the dtype), and ``stats`` to ``X``."""
+    N, BM, D, stats = k.N, k.BM, k.D, k.stats
+
+    @T.macro
+    def store(O, X, acc, m, l, t):
+        for i, d in T.grid(BM, D):
+            with T.sblock(N["O_store"]):
+                vi, vd = T.axis.remap("SS", [i, d])
+                T.where(t.keep(i))
+                O[t.o_at(vi, vd)] = cast_to(O, t.out(acc[vi, vd], l[vi], vi))
+        if stats == "lse":
+            for i in T.serial(BM):
+                with T.sblock(N["lse_store"]):
+                    vi = T.axis.remap("S", [i])
+                    T.where(t.keep(i))
+                    X[t.lse_index(t.row0 + vi)] = lse_of(m[vi], l[vi])
+        if stats == "partial":
+            for i in T.serial(BM):
+                with T.sblock(N["state_store"]):
+                    vi = T.axis.remap("S", [i])
+                    T.where(t.keep(i))
+                    X[t.state_index(t.row0 + vi, 0)] = m[vi]
+                    X[t.state_index(t.row0 + vi, 1)] = l[vi]
+
+    return store
+
+
 def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: str | None = None,
                 stage_k: bool = False, dot_bf16: bool = False, prefetch: int = 0, heads: int = 1):
     """The per-row-tile pipeline (Q load, online softmax over key tiles, store) as a TVMScript
@@ -231,12 +492,8 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
     tensor intrinsic needs that: through a layout's own index (the tail clamp reading
     ``cache_seqlens``, a block-table lookup) the K reads would name other buffers.
 
-    ``prefetch`` (with ``stage_k``): block ``KV_prefetch`` issues a software prefetch
-    (``llvm.prefetch``, into L1) of every cache line of the K and V rows of key tile ``c +
-    prefetch`` while tile ``c`` computes (clamped to the last key). It is meant for streams the
-    hardware prefetcher follows poorly (a paged cache: rows ``kv_heads·D`` elements apart, pages
-    anywhere); on a 2-core znver4 it gained nothing there and cost 15-20 % on contiguous caches,
-    so it is a point of the search, off in the presets. Writes nothing: the compute is unchanged.
+    ``prefetch`` (with ``stage_k``): a software prefetch ``prefetch`` key tiles ahead
+    (:func:`_s_gemm_macros`).
 
     ``heads`` > 1 (with ``stage_k``; the decode nest's page order): the tile's ``block_m`` rows
     are ``heads`` kv heads' blocks of packed rows, and keys are staged for all of them: ``Kt
@@ -245,40 +502,29 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
     then read along its rows, every head of a key at once, instead of ``D`` elements every
     ``kv_heads·D``. Row ``i`` uses head ``i // (block_m / heads)`` of the staged tiles.
 
-    ``dot_bf16`` (bfloat16 inputs): both products as bf16 dot products with float32 sums, in the
-    operand layouts of AVX512-BF16's ``vdpbf16ps`` (``acc[l] += a[2l]·b[2l] + a[2l+1]·b[2l+1]``:
-    pairs along the reduction), the bf16 values handled as their uint16 bits. ``Qp (D/2, BM, 2)``
-    holds Q unscaled (the scale multiplies the float32 scores instead: no extra rounding);
-    ``K_load``/``V_load`` copy the key tile's bits to ``Kb``/``Vb (BN, D)``; ``S_gemm`` sums over
-    (d pair, t); ``V_ilv`` interleaves pairs of V rows into ``Vt (BN/2, D, 2)``; ``P_round`` rounds
-    P to bf16 (nearest even) as FlashAttention does before PV and ``P_ilv`` pairs it the same way
-    (``Pb (BN/2, BM, 2)``); ``acc_rescale`` applies the online correction and ``PV_gemm`` sums
-    over (key pair, t). The row sum ``l`` adds the unrounded float32 P."""
+    ``dot_bf16`` (bfloat16 inputs): both products as bf16 dot products with float32 sums
+    (AVX512-BF16's ``vdpbf16ps``; :func:`_s_gemm_macros`, :func:`_pv_macros`). The row sum ``l``
+    adds the unrounded float32 P."""
     N = {n: n + suffix for n in TILE_BLOCKS + ("lse_store", "state_store", "K_load", "V_load", "V_ilv",
                                                 "P_round", "P_ilv", "acc_rescale", "KV_prefetch")}
     if dot_bf16 and (spec.dtype != "bfloat16" or spec.head_dim % 2 or BN % 2):
         raise ValueError(f"dot_bf16 needs bfloat16 inputs and an even head_dim and block_n, got {spec.dtype}, "
                          f"D={spec.head_dim}, block_n={BN}")
-    D = spec.head_dim
-    qscale = float(spec.scale * LOG2E)
-    neg_inf = T.float32(float("-inf"))
-    LINE_ELEMS = CACHE_LINE // spec.itemsize  # elements of one cache line of a K/V row
-    LINES = max(1, D // LINE_ELEMS)  # cache lines per K/V row (rows are line-aligned when D is)
     if prefetch and not stage_k:
         raise ValueError("prefetch is issued by the staged (stage_k) decode tiles only")
     HT = heads
-    R = BM // HT  # rows per head block
-
-    def kvh(h):  # the head argument of a K/V index: none for a one-head tile
-        return h if HT > 1 else None
     if HT > 1 and (not stage_k or dot_bf16 or BM % HT):
         raise ValueError(f"a tile of {HT} heads needs stage_k, float32 products and block_m % heads == 0 "
                          f"(block_m={BM})")
-
-    def score(t, S, vj, vi, vc):
-        # dot_bf16 sums unscaled products (Q keeps its exact bf16 values: no pre-scaled copy)
-        e = t.score(S, vj, vi, vc)
-        return e * T.float32(qscale) if dot_bf16 else e
+    D = spec.head_dim
+    qscale = float(spec.scale * LOG2E)
+    neg_inf = T.float32(float("-inf"))
+    k = _TileShape(N=N, BM=BM, BN=BN, D=D, HT=HT, qscale=qscale, dot_bf16=dot_bf16, prefetch=prefetch, stats=stats,
+                   line_elems=CACHE_LINE // spec.itemsize)
+    sg, pv = _s_gemm_macros(k), _pv_macros(k)
+    s_gemm_dot, kv_prefetch, s_gemm_heads, s_gemm_staged, s_gemm = sg.dot, sg.prefetch, sg.heads, sg.staged, sg.plain
+    pv_gemm_dot, pv_gemm_heads, pv_gemm = pv.dot, pv.heads, pv.plain
+    online_softmax, store = _softmax_macro(k), _store_macro(k)
 
     @T.macro
     def tile(Q, K, V, O, t, nc, X):
@@ -333,161 +579,25 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
                 # reduction over tiles. Inside it each buffer has exactly one writer
                 # block, so every stage is a proper (decomposable) reduction.
                 vc = T.axis.reduce(nc, c)
-                # -- S = Q·Kᵀ (scaled, log2 units) ---------------------------------------
                 if dot_bf16:
-                    for j, d in T.grid(BN, D):
-                        with T.sblock(N["K_load"]):
-                            vj, vd = T.axis.remap("SS", [j, d])
-                            Kb[vj, vd] = Ku[t.kv_at(vc, vj, vd)]
-                    for j, dp, i, tt in T.grid(BN, D // 2, BM, 2):
-                        with T.sblock(N["S_gemm"]):
-                            vj, vp, vi, vt = T.axis.remap("SRSR", [j, dp, i, tt])
-                            with T.init():
-                                S[vj, vi] = T.float32(0)
-                            S[vj, vi] = S[vj, vi] + bf16_value(Kb[vj, 2 * vp + vt]) * bf16_value(Qp[vp, vi, vt])
+                    s_gemm_dot(Ku, Kb, Qp, S, t, vc)
                 else:
                     if stage_k and prefetch > 0:
-                        for j, h, ln in T.grid(BN, HT, LINES):
-                            with T.sblock(N["KV_prefetch"]):
-                                vj, vh, vl = T.axis.remap("SSS", [j, h, ln])
-                                T.reads(K[t.kv_ahead(vc + prefetch, vj, vl * LINE_ELEMS, kvh(vh))],
-                                        V[t.kv_ahead(vc + prefetch, vj, vl * LINE_ELEMS, kvh(vh))])
-                                T.writes()
-                                # (address, 0 = read, 3 = keep in all levels, 1 = data cache)
-                                T.evaluate(T.call_llvm_intrin(
-                                    "void", "llvm.prefetch.p0",
-                                    T.address_of(K[t.kv_ahead(vc + prefetch, vj, vl * LINE_ELEMS, kvh(vh))]),
-                                    T.int32(0), T.int32(3), T.int32(1)))
-                                T.evaluate(T.call_llvm_intrin(
-                                    "void", "llvm.prefetch.p0",
-                                    T.address_of(V[t.kv_ahead(vc + prefetch, vj, vl * LINE_ELEMS, kvh(vh))]),
-                                    T.int32(0), T.int32(3), T.int32(1)))
+                        kv_prefetch(K, V, t, vc)
                     if stage_k and HT > 1:
-                        for j in T.serial(BN):
-                            # key j of every head: one contiguous read of a paged row, kept in L1
-                            for h, d in T.grid(HT, D):
-                                with T.sblock(N["K_load"]):
-                                    vj = T.axis.spatial(BN, j)
-                                    vh, vd = T.axis.remap("SS", [h, d])
-                                    Kt[vh, vd] = f32(K[t.kv_at(vc, vj, vd, vh)])
-                            for d, i in T.grid(D, BM):
-                                with T.sblock(N["S_gemm"]):
-                                    vj = T.axis.spatial(BN, j)
-                                    vd, vi = T.axis.remap("RS", [d, i])
-                                    with T.init():
-                                        S[vj, vi] = T.float32(0)
-                                    S[vj, vi] = S[vj, vi] + Kt[T.floordiv(vi, R), vd] * Qt[vd, vi]
+                        s_gemm_heads(K, Kt, Qt, S, t, vc)
                     elif stage_k:
-                        for j, d in T.grid(BN, D):
-                            with T.sblock(N["K_load"]):
-                                vj, vd = T.axis.remap("SS", [j, d])
-                                Kt[vj, vd] = f32(K[t.kv_at(vc, vj, vd)])
-                        for j, d, i in T.grid(BN, D, BM):
-                            with T.sblock(N["S_gemm"]):
-                                vj, vd, vi = T.axis.remap("SRS", [j, d, i])
-                                with T.init():
-                                    S[vj, vi] = T.float32(0)
-                                S[vj, vi] = S[vj, vi] + Kt[vj, vd] * Qt[vd, vi]
+                        s_gemm_staged(K, Kt, Qt, S, t, vc)
                     else:
-                        for j, d, i in T.grid(BN, D, BM):
-                            with T.sblock(N["S_gemm"]):
-                                vj, vd, vi = T.axis.remap("SRS", [j, d, i])
-                                with T.init():
-                                    S[vj, vi] = T.float32(0)
-                                S[vj, vi] = S[vj, vi] + f32(K[t.kv_at(vc, vj, vd)]) * Qt[vd, vi]
-                # -- running max over the visible keys ---------------------------------
-                for j, i in T.grid(BN, BM):
-                    with T.sblock(N["row_max"]):
-                        vj, vi = T.axis.remap("RS", [j, i])
-                        with T.init():
-                            m_new[vi] = m[vi]
-                        m_new[vi] = T.max(m_new[vi], score(t, S, vj, vi, vc))
-                # -- online correction factor; the guard keeps -inf - -inf out ----------
-                for i in T.serial(BM):
-                    with T.sblock(N["online_correction"]):
-                        vi = T.axis.remap("S", [i])
-                        alpha[vi] = exp2_fast(m[vi] - guarded(m_new[vi]))
-                for i in T.serial(BM):
-                    with T.sblock(N["max_commit"]):
-                        vi = T.axis.remap("S", [i])
-                        m[vi] = m_new[vi]
-                # -- P = exp2(S - m_new); masked entries are exactly 0 -------------------
-                for j, i in T.grid(BN, BM):
-                    with T.sblock(N["P_exp"]):
-                        vj, vi = T.axis.remap("SS", [j, i])
-                        P[vj, vi] = exp2_fast(score(t, S, vj, vi, vc) - guarded(m_new[vi]))
-                # -- l = l·alpha + rowsum(P) -------------------------------------------
-                for j, i in T.grid(BN, BM):
-                    with T.sblock(N["row_sum"]):
-                        vj, vi = T.axis.remap("RS", [j, i])
-                        with T.init():
-                            l[vi] = l[vi] * alpha[vi]
-                        l[vi] = l[vi] + P[vj, vi]
-                # -- acc = acc·alpha + P·V ---------------------------------------------
+                        s_gemm(K, Qt, S, t, vc)
+                online_softmax(S, P, m, m_new, l, alpha, t, vc)
                 if dot_bf16:
-                    for j, i in T.grid(BN, BM):
-                        with T.sblock(N["P_round"]):
-                            vj, vi = T.axis.remap("SS", [j, i])
-                            Pr[vj, vi] = bf16_bits(P[vj, vi])
-                    for jp, i, tt in T.grid(BN // 2, BM, 2):
-                        with T.sblock(N["P_ilv"]):
-                            vp, vi, vt = T.axis.remap("SSS", [jp, i, tt])
-                            Pb[vp, vi, vt] = Pr[2 * vp + vt, vi]
-                    for j, d in T.grid(BN, D):
-                        with T.sblock(N["V_load"]):
-                            vj, vd = T.axis.remap("SS", [j, d])
-                            Vb[vj, vd] = Vu[t.kv_at(vc, vj, vd)]
-                    for jp, d, tt in T.grid(BN // 2, D, 2):
-                        with T.sblock(N["V_ilv"]):
-                            vp, vd, vt = T.axis.remap("SSS", [jp, d, tt])
-                            Vt[vp, vd, vt] = Vb[2 * vp + vt, vd]
-                    # the correction as a block of its own: the tensorized update reads only
-                    # what the intrinsic does (an init reading alpha would not match it)
-                    for i, d in T.grid(BM, D):
-                        with T.sblock(N["acc_rescale"]):
-                            vi, vd = T.axis.remap("SS", [i, d])
-                            acc[vi, vd] = acc[vi, vd] * alpha[vi]
-                    for i, jp, d, tt in T.grid(BM, BN // 2, D, 2):
-                        with T.sblock(N["PV_gemm"]):
-                            vi, vp, vd, vt = T.axis.remap("SRSR", [i, jp, d, tt])
-                            acc[vi, vd] = acc[vi, vd] + bf16_value(Pb[vp, vi, vt]) * bf16_value(Vt[vp, vd, vt])
+                    pv_gemm_dot(Vu, P, Pr, Pb, Vb, Vt, acc, alpha, t, vc)
                 elif HT > 1:
-                    for j, h, d in T.grid(BN, HT, D):
-                        with T.sblock(N["V_load"]):
-                            vj, vh, vd = T.axis.remap("SSS", [j, h, d])
-                            Vt[vj, vh, vd] = f32(V[t.kv_at(vc, vj, vd, vh)])
-                    for i, j, d in T.grid(BM, BN, D):
-                        with T.sblock(N["PV_gemm"]):
-                            vi, vj, vd = T.axis.remap("SRS", [i, j, d])
-                            with T.init():
-                                acc[vi, vd] = acc[vi, vd] * alpha[vi]
-                            acc[vi, vd] = acc[vi, vd] + P[vj, vi] * Vt[vj, T.floordiv(vi, R), vd]
+                    pv_gemm_heads(V, P, Vt, acc, alpha, t, vc)
                 else:
-                    for i, j, d in T.grid(BM, BN, D):
-                        with T.sblock(N["PV_gemm"]):
-                            vi, vj, vd = T.axis.remap("SRS", [i, j, d])
-                            with T.init():
-                                acc[vi, vd] = acc[vi, vd] * alpha[vi]
-                            acc[vi, vd] = acc[vi, vd] + P[vj, vi] * f32(V[t.kv_at(vc, vj, vd)])
-
-        for i, d in T.grid(BM, D):
-            with T.sblock(N["O_store"]):
-                vi, vd = T.axis.remap("SS", [i, d])
-                T.where(t.keep(i))
-                O[t.o_at(vi, vd)] = cast_to(O, t.out(acc[vi, vd], l[vi], vi))
-        if stats == "lse":
-            for i in T.serial(BM):
-                with T.sblock(N["lse_store"]):
-                    vi = T.axis.remap("S", [i])
-                    T.where(t.keep(i))
-                    X[t.lse_index(t.row0 + vi)] = lse_of(m[vi], l[vi])
-        if stats == "partial":
-            for i in T.serial(BM):
-                with T.sblock(N["state_store"]):
-                    vi = T.axis.remap("S", [i])
-                    T.where(t.keep(i))
-                    X[t.state_index(t.row0 + vi, 0)] = m[vi]
-                    X[t.state_index(t.row0 + vi, 1)] = l[vi]
+                    pv_gemm(V, P, acc, alpha, t, vc)
+        store(O, X, acc, m, l, t)
 
     return tile
 
