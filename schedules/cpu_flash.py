@@ -31,15 +31,15 @@ from tvm.target import Target
 
 from tvm_attention.layouts import LAYOUTS
 from tvm_attention.spec import SUPPORTED_DTYPES, AttentionSpec
-from tvm_attention.target import vector_lanes
+from tvm_attention.target import target_features, vector_lanes
 from tvm_attention.workloads import fused_attention
-from tvm_attention.workloads.fused import DECODE, MERGE, SPLIT
+from tvm_attention.workloads.fused import DECODE, MERGE, SPLIT, n_splits
 
 from . import cpu_bf16, cpu_decode
 from ._knobs import KnobError, KnobsMixin
+from .cpu_space import (AUTO_UNROLL_STEPS, D_UNROLL_MAX, MAX_TILE_BYTES, PARALLEL_CHUNKS, VECTOR_REGISTERS, max_pv_rows,
+                        max_s_rows, sample_choice, sample_tile, vectorize_rows)
 from .family import Capabilities
-from .cpu_space import (AUTO_UNROLL_STEPS, D_UNROLL_MAX, MAX_TILE_BYTES, PARALLEL_CHUNKS, VECTOR_REGISTERS,
-                        max_pv_rows, max_s_rows, sample_choice, sample_tile, vectorize_rows)
 
 NAME = "fused"
 #: every layout, dtype (stored; it computes in float32 always), symbolic dim and the lse output
@@ -209,8 +209,6 @@ def for_layout(knobs: FlashCPUKnobs, spec: AttentionSpec, target: Target,
 
 def bf16_dots(spec: AttentionSpec, target: Target) -> bool:
     """Whether ``spec`` can take the bf16 dot-product form (:mod:`cpu_bf16`) on ``target``."""
-    from tvm_attention.target import target_features
-
     return cpu_bf16.supports(spec, target_features(target))
 
 
@@ -376,8 +374,6 @@ def decode_candidates(spec: AttentionSpec, target: Target) -> list[FlashCPUKnobs
     A kvcache spec is tuned at ``spec.representative()`` (bhsd, the same memory order); a paged
     spec on its own kernel specialized to its representative step
     (``tvm_attention.tune.paged``), so its page order is measured in pages."""
-    from tvm_attention.workloads.fused import n_splits
-
     hand = preset(spec, target)
     staged = (decode_step_rows(spec, target) or hand.vector_lanes) < hand.vector_lanes
     # kv heads per task: 1, 2 and all (as many as the value tile allows); with more than one,

@@ -19,7 +19,7 @@ import dataclasses
 from tvm import s_tir
 from tvm.target import Target
 
-from tvm_attention.spec import AttentionSpec
+from tvm_attention.spec import MAX_ELEMENTS, AttentionSpec
 from tvm_attention.target import vector_lanes
 from tvm_attention.workloads import materialized_attention
 
@@ -64,8 +64,6 @@ def check(knobs: MaterializedCPUKnobs, spec: AttentionSpec, target: Target) -> N
 
 def check_score_matrix(spec: AttentionSpec) -> None:
     """The materialized S and P hold batch·heads·seq_q·seq_kv elements, indexed with int32."""
-    from tvm_attention.spec import MAX_ELEMENTS
-
     n = spec.batch * spec.heads * spec.seq_q * spec.seq_kv
     if n > MAX_ELEMENTS:
         raise KnobError(

@@ -24,35 +24,35 @@ __version__ = "0.1.0"
 
 def load(directory, num_threads=None):
     """Load an artifact directory; see :func:`tvm_attention.loader.load`."""
-    from .loader import load as _load
+    from .loader import load as _load  # lazy: `import tvm_attention` loads no TVM
 
     return _load(directory, num_threads=num_threads)
 
 
 def merge_states(o_a, lse_a, o_b, lse_b):
     """Merge two attention states; see :func:`tvm_attention.merge.merge_states`."""
-    from .merge import merge_states as _merge
+    from .merge import merge_states as _merge  # lazy: `import tvm_attention` loads no TVM
 
     return _merge(o_a, lse_a, o_b, lse_b)
 
 
 def aligned_empty(shape, dtype):
     """A C-contiguous, 64-byte-aligned NumPy array; see :func:`tvm_attention.loader.aligned_empty`."""
-    from .loader import aligned_empty as _empty
+    from .loader import aligned_empty as _empty  # lazy: `import tvm_attention` loads no TVM
 
     return _empty(shape, dtype)
 
 
 def build_kernel(spec, schedule="fused", target="llvm", knobs=None):
     """Build a kernel; see :func:`tvm_attention.build.build_kernel`."""
-    from .build import build_kernel as _build
+    from .build import build_kernel as _build  # lazy: the compiler loads only to build
 
     return _build(spec, schedule=schedule, target=target, knobs=knobs)
 
 
 def set_num_threads(n=None):
     """Size TVM's thread pool; see :func:`tvm_attention.threads.set_num_threads`."""
-    from .threads import set_num_threads as _set
+    from .threads import set_num_threads as _set  # lazy: `import tvm_attention` loads no TVM
 
     return _set(n)
 

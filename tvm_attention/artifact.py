@@ -55,9 +55,10 @@ from typing import Any
 import tvm
 
 from .build import BuiltKernel
+from .cuda_tools import NvccNotFound, compile_fatbin, kernel_source
+from .hostcpu import missing_features
 from .loader import MANIFEST, AttentionKernel, library_digest
 from .runtime import RUNTIME_CPU, RUNTIME_CUDA, compiler_runtime_paths
-from .hostcpu import missing_features
 from .target import is_cuda, local_cuda_arch, target_to_json
 from .validate import ValidationResult, validate_callable
 
@@ -182,7 +183,6 @@ def _write_cuda_sources(built: BuiltKernel, tmp: Path) -> dict[str, Any] | None:
     ``kernel_binary`` entry, or None without nvcc."""
     import hashlib
 
-    from .cuda_tools import NvccNotFound, compile_fatbin, kernel_source
 
     source = kernel_source(built.module)
     (tmp / KERNEL_SOURCE).write_text(source)

@@ -12,6 +12,7 @@ from schedules import check, get_schedule  # schedules/ sits beside this package
 from schedules._knobs import KnobError
 
 from .audit import AuditReport, audit, list_allocations, probe_spec
+from .cuda_tools import NvccNotFound, kernel_source, ptxas_report
 from .lowering import LoweredModule, codegen, lower_final
 from .spec import AttentionSpec
 from .target import check_target_runnable, cpu_features, resolve_target, vector_lanes
@@ -196,8 +197,6 @@ def _spec_module(spec: AttentionSpec, target: Target) -> tvm.runtime.Module:
 
 def cuda_resources(built: BuiltKernel) -> dict[str, Any]:
     """ptxas's report for a CUDA build (or why there is none: no nvcc here)."""
-    from .cuda_tools import NvccNotFound, kernel_source, ptxas_report
-
     threads = getattr(built.knobs, "threads", None)
     try:
         return ptxas_report(kernel_source(built.module), str(built.target.attrs["arch"]), threads)

@@ -10,7 +10,10 @@ import sys
 from pathlib import Path
 
 from .layouts import LAYOUTS
+from .loader import ArtifactError, check_artifact, confirm_spec, load, read_manifest
 from .spec import AttentionSpec, SpecError
+from .threads import num_threads, set_num_threads
+from .validate import validate_callable
 
 DEFAULT_SPEC = dict(batch=1, heads=8, seq_q=1024, head_dim=64, dtype="float32", causal=False)
 DEFAULT_OUT = "artifacts"
@@ -113,11 +116,10 @@ def _add_build_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _build_and_export(a: argparse.Namespace, spec: AttentionSpec, out: Path):
-    from .artifact import export
-    from .pipeline import build_best
-    from .threads import set_num_threads
+    from .artifact import export  # TVM loads only for the commands that compile
+    from .pipeline import build_best  # TVM loads only for the commands that compile
 
-    from .target import resolve_target
+    from .target import resolve_target  # TVM loads only for the commands that compile
 
     set_num_threads(a.threads)
     try:
@@ -190,7 +192,7 @@ def format_resources(r: dict) -> str:
 
 
 def cmd_run(a: argparse.Namespace) -> int:
-    from .timing import time_built
+    from .timing import time_built  # TVM loads only for the commands that compile
 
     if a.target != "llvm" and a.target != "cpu":
         raise ValueError("`run` times the kernel on this machine's CPU; use `build --target cuda` for GPUs")
@@ -198,7 +200,6 @@ def cmd_run(a: argparse.Namespace) -> int:
     out = Path(a.out) if a.out else Path(DEFAULT_OUT) / f"{a.schedule}_{spec.short_name()}"
     built, validation, _ = _build_and_export(a, spec, out)
     t = time_built(built, spec)
-    from .threads import num_threads
 
     def dim(n: str) -> str:
         v = getattr(spec, n)
@@ -238,9 +239,9 @@ def cmd_tune(a: argparse.Namespace) -> int:
         restore = lambda: signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)  # noqa: E731
     except ValueError:  # not the main thread: Ctrl-C is the caller's business
         restore = lambda: None  # noqa: E731
-    from .tune.driver import knob_summary, tune
+    from .tune.driver import knob_summary, tune  # TVM loads only for the commands that compile
 
-    from .target import resolve_target
+    from .target import resolve_target  # TVM loads only for the commands that compile
 
     spec = _spec_from_args(a)
     target = resolve_target(a.target, arch=a.arch)
@@ -281,10 +282,9 @@ def cmd_tune(a: argparse.Namespace) -> int:
 def cmd_bench(a: argparse.Namespace) -> int:
     import datetime
 
-    from .bench.cpu import measure_ceilings
-    from .bench.sweep import points, run_sweep, write_outputs
-    from .target import host_cpu
-    from .threads import set_num_threads
+    from .bench.cpu import measure_ceilings  # TVM loads only for the commands that compile
+    from .bench.sweep import points, run_sweep, write_outputs  # TVM loads only for the commands that compile
+    from .target import host_cpu  # TVM loads only for the commands that compile
 
     threads = set_num_threads(a.threads)
     if a.decode:
@@ -311,7 +311,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
     paths = write_outputs(results, a.out, meta)
     print(paths["md"].read_text())
     if not a.no_plots:
-        from .bench.plots import write_plots
+        from .bench.plots import write_plots  # TVM loads only for the commands that compile
 
         for name, series in write_plots(results, meta, Path(a.out)).items():
             print(f"plot: {Path(a.out) / name}  ({', '.join(series)})")
@@ -324,7 +324,7 @@ def bench_decode(a: argparse.Namespace, threads: int) -> int:
     streaming-read roof); ``--tiny``: one small point per layout."""
     import dataclasses
 
-    from .bench import decode
+    from .bench import decode  # TVM loads only for the commands that compile
 
     cfg = decode.quick_config() if a.tiny else decode.Config()
     over = {"batches": a.decode_batch, "caches": a.decode_cache, "dtypes": a.decode_dtype}
@@ -339,7 +339,7 @@ def bench_decode(a: argparse.Namespace, threads: int) -> int:
 def bench_halfprec(a: argparse.Namespace, threads: int) -> int:
     """``bench --halfprec``: bf16 prefill (AVX512-BF16 dot products) against our fp32 and torch
     SDPA in both dtypes, with the FMA and bf16 dot-product peaks; ``--tiny``: one small point."""
-    from .bench import halfprec
+    from .bench import halfprec  # TVM loads only for the commands that compile
 
     cfg = halfprec.quick_config() if a.tiny else halfprec.Config()
     report = halfprec.run(cfg, threads, say=lambda m: print(m, flush=True))
@@ -354,7 +354,7 @@ def memory_scaling(threads: int, repeat: int):
     fits this machine's free memory (else recorded as skipped, with what it would need)."""
     import psutil
 
-    from .bench.sweep import Result, run_sweep
+    from .bench.sweep import Result, run_sweep  # TVM loads only for the commands that compile
 
     out = []
     for s in (32768, 65536):
@@ -371,8 +371,7 @@ def memory_scaling(threads: int, repeat: int):
 
 
 def cmd_compare(a: argparse.Namespace) -> int:
-    from .bench.compare import compare, compare_plot, format_compare
-    from .threads import set_num_threads
+    from .bench.compare import compare, compare_plot, format_compare  # TVM loads only for the commands that compile
 
     set_num_threads(a.threads)
     spec = _spec_from_args(a)
@@ -390,9 +389,6 @@ def cmd_compare(a: argparse.Namespace) -> int:
 
 
 def cmd_validate(a: argparse.Namespace) -> int:
-    from .loader import load
-    from .validate import validate_callable
-
     kernel = load(a.dir, num_threads=a.threads)
     result = validate_callable(kernel.spec, kernel, seed=a.seed)
     print(f"artifact: {a.dir}  spec: {kernel.spec.short_name()}")
@@ -401,8 +397,6 @@ def cmd_validate(a: argparse.Namespace) -> int:
 
 
 def cmd_inspect(a: argparse.Namespace) -> int:
-    from .loader import ArtifactError, check_artifact, confirm_spec, read_manifest
-
     m = read_manifest(a.dir)
     spec_status = "not checked (the library failed the checks below)"
     try:

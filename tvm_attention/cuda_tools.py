@@ -169,6 +169,6 @@ def _nvcc_version(nvcc: str) -> str:
 
 
 def cuda_device_available() -> bool:
-    from .target import local_cuda_arch
+    from .target import local_cuda_arch  # TVM loads only to ask for the local GPU
 
     return local_cuda_arch() is not None

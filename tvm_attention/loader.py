@@ -44,8 +44,10 @@ from typing import Any
 import numpy as np
 
 from . import runtime
+from .hostcpu import describe_host, missing_features
 from .layouts import KernelArgumentError, _bound_dim
 from .spec import MAX_ELEMENTS, AttentionSpec, numpy_dtype
+from .threads import default_num_threads, set_num_threads, use_threads
 
 #: What ``aligned_empty`` gives, and what an artifact whose manifest names no ``data_alignment``
 #: (built before it was recorded, or a CUDA build) needs of every argument's data pointer.
@@ -187,8 +189,6 @@ class AttentionKernel:
 
     def __init__(self, spec: AttentionSpec, function: Any, manifest: dict[str, Any] | None = None,
                  device: str = "cpu", num_threads: int | None = None):
-        from .threads import default_num_threads
-
         self.spec = spec
         self.function = function
         self.manifest = manifest or {}
@@ -367,7 +367,6 @@ class AttentionKernel:
         given, options = self._gather(q, k, v, index, kw) if (index or kw or self._index_names) else (dict(zip(self._qkv, (q, k, v))), None)
         if self.device == "cuda":
             return self._call_cuda(given, out)
-        from .threads import use_threads
 
         arrays, framework, bound = self._prepare(given)
         if options:
@@ -427,7 +426,6 @@ class AttentionKernel:
             o = sys.modules["torch"].empty(tuple(q.shape), dtype=q.dtype)  # torch's CPU allocator aligns to 64
         else:
             return _SLOW
-        from .threads import use_threads
 
         use_threads(self.num_threads)
         try:
@@ -612,8 +610,6 @@ def confirm_spec(directory: str | os.PathLike, manifest: dict[str, Any], lib: Pa
     """For ``inspect``: load the library where this machine can (a CPU artifact whose features
     this CPU has; a CUDA one with a GPU) and check its spec (:func:`check_library_spec`, which
     raises). Returns a line saying what was checked, or why nothing was."""
-    from .hostcpu import missing_features
-
     if manifest.get("target", {}).get("kind") == "cuda":
         from .target import local_cuda_arch  # inspect: the compiler is installed
 
@@ -634,8 +630,6 @@ def confirm_spec(directory: str | os.PathLike, manifest: dict[str, Any], lib: Pa
 def check_cpu_features(directory: str | os.PathLike, manifest: dict[str, Any]) -> None:
     """Raise :class:`ArtifactError` naming the features a CPU artifact needs and this host lacks
     (loading and calling it would SIGILL)."""
-    from .hostcpu import describe_host, missing_features
-
     required = manifest.get("cpu_features")
     if required is None:
         warnings.warn(f"{directory}: manifest has no cpu_features (built before tvm-attention recorded them): "
@@ -678,8 +672,6 @@ def load(directory: str | os.PathLike, num_threads: int | None = None) -> Attent
     ``num_threads``: CPU threads the kernel runs on, applied in whichever thread calls it
     (default: ``TVM_NUM_THREADS`` if set, else every core available to this process).
     """
-    from .threads import set_num_threads
-
     manifest = read_manifest(directory)
     lib = check_artifact(directory, manifest)
     spec = AttentionSpec.from_dict(manifest["spec"])

@@ -245,7 +245,7 @@ _DECODE_DOT = re.compile(r"attn_decode_dot_d(\d+)_r(\d+)(?:_l(\d+))?")
 def _register_intrinsics(line: str) -> None:
     if "attn_decode_dot_" not in line:
         return
-    from schedules.cpu_decode import dot_intrinsic
+    from schedules.cpu_decode import dot_intrinsic  # only for a log that names a decode intrinsic
 
     for d, rows, lanes in set(_DECODE_DOT.findall(line)):  # no _l suffix: AVX-512's 16 lanes
         dot_intrinsic(int(d), int(rows), int(lanes or 16))

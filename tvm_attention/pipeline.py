@@ -22,8 +22,11 @@ from typing import Any, Callable
 
 from .artifact import validate_built
 from .build import BuiltKernel, build_from_record, build_kernel
+from .logs import best_records, log_folder, search_dirs, target_key
 from .spec import AttentionSpec
 from .target import resolve_target
+from .task_mods import tuning_spec
+from .timing import time_built
 from .validate import ValidationResult
 
 TUNED_CANDIDATES = 3
@@ -45,13 +48,10 @@ def build_best(
 ) -> tuple[BuiltKernel, ValidationResult]:
     target = resolve_target(target)
     if knobs is None and use_log:
-        from .logs import best_records, log_folder, search_dirs, target_key
-
         explicit = log_dir is not None
         # A symbolic (or varlen) build takes its knobs from the log of its representative static
         # shape: that is where `tune` puts them (tile sizes do not depend on the length). A paged
         # decode step is tuned as itself, at its representative step (tune.paged).
-        from .task_mods import tuning_spec
 
         rep = tuning_spec(spec, target, schedule)
         # Without --from-log: the user's own tuning log first, then the committed one; the first
@@ -93,8 +93,6 @@ def _faster_of(tuned: BuiltKernel, tuned_validation: ValidationResult, spec: Att
                target, seed: int, say) -> tuple[BuiltKernel, ValidationResult]:
     """Time the tuned and the hand build side by side (alternating, best median of two rounds
     each) and keep the faster; the selection and both times are recorded on the winner."""
-    from .timing import time_built
-
     hand = build_kernel(spec, schedule=schedule, target=target)
     times = {"tuned": [], "hand": []}
     for _ in range(2):

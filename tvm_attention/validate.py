@@ -6,6 +6,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .reference import reference_attention
 from .spec import AttentionSpec
 
 #: dtype -> (atol, rtol): |out - ref| <= atol + rtol·|ref| elementwise. float32 kernels land
@@ -109,8 +110,6 @@ def validate_callable(spec: AttentionSpec, kernel: Callable[..., np.ndarray], se
         out = np.asarray(out).astype(np.float32)
         rows = sample_rows(spec, seed, case) if layout.name == "bhsd" else None
         if rows is not None:
-            from .reference import reference_attention
-
             ref, ref_lse = reference_attention(spec, arrays["q"], arrays["k"], arrays["v"], rows=rows, return_lse=True)
             out = out[:, :, rows, :]
             lse = None if lse is None else np.asarray(lse)[:, :, rows]

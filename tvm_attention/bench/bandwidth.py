@@ -17,6 +17,7 @@ import statistics
 import numpy as np
 import tvm
 from tvm.script import tirx as T
+from ..target import resolve_target
 
 LANES = 16  # float32 lanes of an AVX-512 vector
 ACC = 4  # independent vector accumulators per task
@@ -51,8 +52,6 @@ def stream_func(n: int):
 
 @functools.lru_cache(maxsize=None)
 def _built(n: int):
-    from ..target import resolve_target
-
     return tvm.compile(stream_func(n), target=resolve_target("llvm"))
 
 

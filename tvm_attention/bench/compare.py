@@ -16,9 +16,13 @@ from typing import Any
 
 import numpy as np
 
+from ..build import build_from_record, build_kernel
+from ..logs import best_records, default_work_dir
 from ..reference import reference_attention
 from ..spec import DYNAMIC_DIMS, AttentionSpec
+from ..target import resolve_target
 from ..timing import Timing, aligned_inputs, time_built
+from .plots import _plt
 
 SCHEDULES = ("fused", "materialized", "rowcache")
 #: ``NAME-dyn``: the NAME schedule with every dim that may be symbolic left symbolic.
@@ -54,10 +58,6 @@ def parse_entry(text: str) -> tuple[str, str, dict | None]:
 
 
 def build_entry(spec: AttentionSpec, text: str):
-    from ..build import build_from_record, build_kernel
-    from ..target import resolve_target
-    from ..logs import best_records, default_work_dir
-
     label, name, knobs = parse_entry(text)
     if name.endswith("-tuned"):
         schedule = name[: -len("-tuned")]
@@ -145,8 +145,6 @@ def dynamic_ratios(entries: list[Entry]) -> list[str]:
 
 
 def compare_plot(spec: AttentionSpec, entries: list[Entry], path: Path) -> list[str]:
-    from .plots import _plt
-
     plt = _plt()
     ok = [e for e in entries if e.timing]
     fig, ax = plt.subplots(figsize=(max(5, 1.4 * len(ok)), 4))

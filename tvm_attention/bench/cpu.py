@@ -15,7 +15,12 @@ from typing import Any, Callable
 
 import numpy as np
 
+from schedules.cpu_bf16 import DPBF16_IR, FEATURE
+
+from ..loader import _from_framework
 from ..spec import AttentionSpec
+from ..target import resolve_target, target_features, vector_lanes
+from ..threads import num_threads
 from ..timing import time_callable
 from ..visibility import Visibility
 
@@ -56,7 +61,6 @@ def torch_sdpa_fn(spec: AttentionSpec, threads: int) -> Callable[..., Any] | Non
         # torch's is_causal is top-left aligned; pass the bottom-right mask explicitly.
         mask = torch.from_numpy(Visibility.of(spec).mask(spec.seq_q, spec.seq_kv))
 
-    from ..loader import _from_framework
 
     def run(q, k, v):
         qt, kt, vt = (_from_framework("torch", x) for x in (q, k, v))  # the spec's dtype, bf16 too
@@ -140,9 +144,6 @@ class ReadBandwidth:
 
 
 def _threads_and_target(threads: int | None):
-    from ..target import resolve_target, vector_lanes
-    from ..threads import num_threads
-
     threads = threads or num_threads()
     target = resolve_target("llvm")
     return threads, target, vector_lanes(target)
@@ -206,9 +207,7 @@ def bf16_dot_peak(threads: int | None = None, chains: int = 12, iters: int = 1 <
     import tvm
     from tvm.script import tirx as T
 
-    from schedules.cpu_bf16 import DPBF16_IR, FEATURE
 
-    from ..target import target_features
 
     t0 = time.perf_counter()
     threads, target, _ = _threads_and_target(threads)

@@ -22,7 +22,15 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..spec import AttentionSpec
+from ..build import build_kernel
+from ..layouts import paged_from_contiguous
+from ..loader import _from_framework, aligned_empty, kernel_arg
+from ..spec import AttentionSpec, numpy_dtype
+from ..target import host_cpu
+from ..threads import set_num_threads
+from ..timing import time_callable
+from . import write_report
+from .bandwidth import stream_read_gbps
 
 #: Speed goals of issue 10, checked in the report (never by a test): fraction of the streaming
 #: roof at (batch 4, 4k cache) and (batch 1, 16k cache), GQA 32:8, D=128; speed-up over torch.
@@ -69,7 +77,6 @@ def _torch_timer(q, k, v, min_repeat_ms: int) -> Callable[[], float] | None:
         import torch
     except ImportError:
         return None
-    from ..loader import _from_framework
 
     tq, tk, tv = (_from_framework("torch", x) for x in (q, k, v))  # bf16 too (NumPy has none)
     gqa = tq.shape[1] != tk.shape[1]
@@ -78,8 +85,6 @@ def _torch_timer(q, k, v, min_repeat_ms: int) -> Callable[[], float] | None:
         return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, enable_gqa=gqa)
 
     def timer():
-        from ..timing import time_callable
-
         return time_callable(once, repeat=3, min_repeat_ms=min_repeat_ms).median_s
 
     return timer
@@ -87,11 +92,6 @@ def _torch_timer(q, k, v, min_repeat_ms: int) -> Callable[[], float] | None:
 
 def run(cfg: Config, threads: int | None = None, say: Callable[[str], None] = print) -> dict[str, Any]:
     import tvm
-
-    from ..loader import aligned_empty, kernel_arg
-    from ..target import host_cpu
-    from ..threads import set_num_threads
-    from .bandwidth import stream_read_gbps
 
     threads = set_num_threads(threads)
     try:
@@ -146,10 +146,6 @@ def _key(row: dict[str, Any]) -> tuple:
 def _points(cfg: Config, h: int, kh: int, d: int, dtype: str, tensor, say) -> list[dict[str, Any]]:
     """Every (batch, cache) point of one (heads, head_dim, dtype): the layouts' kernels built
     once, each point's variants timed alternately."""
-    from ..build import build_kernel
-    from ..layouts import paged_from_contiguous
-    from ..spec import numpy_dtype
-
     kernels, rows = {}, []
     for name in cfg.layouts:
         layout = "paged" if name.startswith("paged") else name
@@ -230,6 +226,4 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def write(report: dict[str, Any], out_dir: str | Path) -> dict[str, Path]:
-    from . import write_report
-
     return write_report(report, out_dir, "decode", markdown)

@@ -16,7 +16,15 @@ import datetime
 from pathlib import Path
 from typing import Any, Callable
 
+from ..artifact import kernel_of
+from ..build import build_kernel
+from ..reference import reference_attention
 from ..spec import AttentionSpec
+from ..target import host_cpu, resolve_target, target_features
+from ..threads import set_num_threads
+from ..timing import aligned_inputs, time_built, time_callable
+from . import write_report
+from .cpu import bf16_dot_peak, fma_peak, torch_sdpa_fn
 
 #: Speed goals of issue 11 (checked in the report, never by a test).
 GOALS = {"bf16_vs_fp32": 1.6, "bf16_vs_torch_bf16": 3.0}
@@ -43,13 +51,6 @@ def quick_config() -> Config:
 def run(cfg: Config, threads: int | None = None, say: Callable[[str], None] = print) -> dict[str, Any]:
     import numpy as np
 
-    from ..build import build_kernel
-    from ..reference import reference_attention
-    from ..target import host_cpu, resolve_target, target_features
-    from ..threads import set_num_threads
-    from ..timing import aligned_inputs, time_callable, time_built
-    from .cpu import bf16_dot_peak, fma_peak, torch_sdpa_fn
-
     threads = set_num_threads(threads)
     has_dots = "avx512bf16" in target_features(resolve_target("llvm"))
     meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "cpu": host_cpu(), "threads": threads,
@@ -71,7 +72,6 @@ def run(cfg: Config, threads: int | None = None, say: Callable[[str], None] = pr
                                                                       min_repeat_ms=cfg.min_repeat_ms).median_s)
             q, k, v, _ = aligned_inputs(spec)
             rows_ = np.arange(0, cfg.seq, max(1, cfg.seq // 16))
-            from ..artifact import kernel_of
 
             out = np.asarray(kernel_of(built)(q, k, v)).astype(np.float64)[:, :, rows_]
             ref = reference_attention(spec, *(x.astype(np.float64) for x in (q, k, v)), rows=rows_)
@@ -133,6 +133,4 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def write(report: dict[str, Any], out_dir: str | Path) -> dict[str, Path]:
-    from . import write_report
-
     return write_report(report, out_dir, "halfprec", markdown)

@@ -17,7 +17,13 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from ..artifact import validate_built
+from ..build import build_from_record, build_kernel
+from ..logs import best_records
 from ..spec import AttentionSpec
+from ..target import resolve_target
+from ..timing import time_built
+from ..tune.driver import tune
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,13 +96,6 @@ class HeldOutResult:
 def run_case(case: HeldOutCase, trials: int, work_root: str | Path, seed: int = 0, repeat: int = 5,
              threads: int | None = None, progress: Callable[[str], None] = print) -> HeldOutResult:
     """Tune ``case`` for ``trials`` into ``work_root/<name>`` (resumable), then time hand vs tuned."""
-    from ..artifact import validate_built
-    from ..build import build_from_record, build_kernel
-    from ..target import resolve_target
-    from ..timing import time_built
-    from ..tune.driver import tune
-    from ..logs import best_records
-
     target = resolve_target(case.target)
     work = Path(work_root) / case.name
     t0 = time.time()

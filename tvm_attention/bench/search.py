@@ -3,9 +3,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..spec import AttentionSpec
 from ..logs import FAILED_RUN_SECS, mean_secs, parse_logs, records_for
+from ..spec import AttentionSpec
 from ..task_mods import workload_matches
+from .plots import _plt
 
 
 def readable_trace(trace) -> list[str]:
@@ -67,8 +68,6 @@ def trials_to_reach(curve: list[tuple[int, float]], target_gflops: float) -> int
 def efficiency_plot(curves: dict[str, dict[str, list[tuple[int, float]]]], path: Path) -> list[str]:
     """One panel per case: best GFLOP/s so far against trials, one line per search arm. Returns
     the case names plotted (empty without matplotlib)."""
-    from .plots import _plt
-
     if not curves:
         return []
     try:

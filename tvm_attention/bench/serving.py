@@ -31,9 +31,15 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ..artifact import export, validate_built
+from ..build import build_kernel
 from ..layouts import LAYOUTS
+from ..loader import aligned_empty, load
 from ..spec import DYNAMIC_DIMS, AttentionSpec
+from ..target import host_cpu
+from ..threads import set_num_threads
 from ..timing import time_built
+from . import write_report
 
 GOAL_DYNAMIC = 0.95
 GOAL_VARLEN = 0.75
@@ -97,8 +103,6 @@ def _timer(built, spec: AttentionSpec, cfg: Config, case: dict | None = None) ->
 
 
 def bench_dynamic(cfg: Config, say: Callable[[str], None] = print) -> list[dict[str, Any]]:
-    from ..build import build_kernel
-
     rows = []
     for causal in cfg.causals:
         for s in cfg.dyn_seqs:
@@ -121,8 +125,6 @@ def bench_dynamic(cfg: Config, say: Callable[[str], None] = print) -> list[dict[
 
 
 def bench_varlen(cfg: Config, say: Callable[[str], None] = print) -> list[dict[str, Any]]:
-    from ..build import build_kernel
-
     rows = []
     s = cfg.dense_seq
     for causal in cfg.causals:
@@ -163,9 +165,6 @@ def per_call_us(fn: Callable[[], Any], calls: int) -> float:
 
 
 def _export_and_load(built, directory: Path, threads: int):
-    from ..artifact import export, validate_built
-    from ..loader import load
-
     export(built, directory, validate_built(built))
     return load(directory, num_threads=threads)
 
@@ -187,7 +186,6 @@ def _call_variants(kernel, inputs: dict[str, np.ndarray]) -> dict[str, Callable[
     sharing the aligned arrays' memory)."""
     import tvm
 
-    from ..loader import aligned_empty
 
     aligned = []
     for x in inputs.values():
@@ -213,8 +211,6 @@ def _call_variants(kernel, inputs: dict[str, np.ndarray]) -> dict[str, Callable[
 
 
 def bench_loader(cfg: Config, threads: int, say: Callable[[str], None] = print) -> list[dict[str, Any]]:
-    from ..build import build_kernel
-
     sq, skv = cfg.decode
     decode = AttentionSpec(batch=1, heads=cfg.heads, seq_q=sq, seq_kv=skv, head_dim=cfg.head_dim)
     small = [list(p) for p in cfg.varlen_small]
@@ -259,9 +255,6 @@ def bench_loader(cfg: Config, threads: int, say: Callable[[str], None] = print) 
 
 def run(cfg: Config, threads: int | None = None, quick: bool = False,
         say: Callable[[str], None] = print) -> dict[str, Any]:
-    from ..target import host_cpu
-    from ..threads import set_num_threads
-
     threads = set_num_threads(threads)
     meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "cpu": host_cpu(),
             "threads": threads, "quick": quick, "config": dataclasses.asdict(cfg),
@@ -311,6 +304,4 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def write(report: dict[str, Any], out_dir: str | Path) -> dict[str, Path]:
-    from . import write_report
-
     return write_report(report, out_dir, "serving", markdown)

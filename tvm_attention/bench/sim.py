@@ -24,7 +24,11 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ..artifact import kernel_of
+from ..build import build_kernel
+from ..layouts import LAYOUTS
 from ..spec import AttentionSpec
+from ..threads import set_num_threads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,11 +67,6 @@ class _Request:
 
 
 def run(cfg: SimConfig, threads: int | None = None, say: Callable[[str], None] = print) -> dict[str, Any]:
-    from ..build import build_kernel
-    from ..artifact import kernel_of
-    from ..layouts import LAYOUTS
-    from ..threads import set_num_threads
-
     threads = set_num_threads(threads)
     common = dict(batch=1, heads=cfg.heads, kv_heads=cfg.kv_heads, seq_q=64, head_dim=cfg.head_dim, causal=True)
     prefill_spec = AttentionSpec(layout="varlen", **common)

@@ -30,9 +30,14 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
+from ..build import build_kernel
+from ..logs import best_records, default_work_dir
+from ..pipeline import build_best
 from ..reference import reference_attention
 from ..spec import DYNAMIC_DIMS, AttentionSpec
-from ..timing import Timing, aligned_inputs, time_callable, time_built
+from ..target import resolve_target
+from ..timing import Timing, aligned_inputs, time_built, time_callable
+from .cpu import numpy_attention_fn, torch_sdpa_fn
 from .memory import peer_first_call_peak, tvm_first_call_peak
 
 TVM_VARIANTS = ("fused", "materialized", "rowcache")
@@ -106,13 +111,7 @@ def _error_rows(spec: AttentionSpec) -> np.ndarray:
 
 
 def _tvm_runner(spec: AttentionSpec, variant: str) -> tuple[Any, str]:
-    from ..build import build_kernel
-    from ..pipeline import build_best
-
     if variant == "fused-tuned":
-        from ..target import resolve_target
-        from ..logs import best_records, default_work_dir
-
         work = default_work_dir(spec, resolve_target("llvm"))
         if not best_records(spec, resolve_target("llvm"), "fused", work, k=1):
             raise Skip("no tuning log for this spec")
@@ -130,8 +129,6 @@ def _tvm_runner(spec: AttentionSpec, variant: str) -> tuple[Any, str]:
 
 
 def _peer(spec: AttentionSpec, variant: str, threads: int) -> Callable[[np.ndarray, np.ndarray, np.ndarray], Any]:
-    from .cpu import numpy_attention_fn, torch_sdpa_fn
-
     if variant == "numpy":
         return numpy_attention_fn(spec)
     fn = torch_sdpa_fn(spec, threads)

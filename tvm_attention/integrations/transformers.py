@@ -64,7 +64,9 @@ from typing import Any, Callable
 
 import torch
 
-from ..spec import DYNAMIC_DIMS, SpecError
+from .. import __version__, load
+from ..paths import cache_dir
+from ..spec import DYNAMIC_DIMS, AttentionSpec, SpecError
 
 NAME = "tvm_attention"
 #: Subfolder of the tvm-attention cache holding the artifacts this backend builds.
@@ -107,8 +109,6 @@ class LayerConfig:
     def spec(self):
         """The dynamic :class:`~tvm_attention.spec.AttentionSpec` built for this configuration
         (a kvcache one is represented by a decode step: one new token per sequence)."""
-        from ..spec import AttentionSpec
-
         seq_q = REPRESENTATIVE_SEQ if self.layout == "bhsd" else 1
         return AttentionSpec(batch=REPRESENTATIVE_BATCH, heads=self.heads, kv_heads=self.kv_heads,
                              seq_q=seq_q, seq_kv=REPRESENTATIVE_SEQ, head_dim=self.head_dim,
@@ -122,8 +122,7 @@ class LayerConfig:
         versions."""
         import tvm
 
-        from .. import __version__
-        from ..logs import target_key
+        from ..logs import target_key  # TVM loads only when a first artifact is built
 
         ident = {
             "format": KEY_FORMAT, "scale": float(self.scale).hex(), "target": str(target),
@@ -219,7 +218,6 @@ def artifact_root() -> Path:
         return _settings.cache_dir
     env = (os.environ.get("TVM_ATTENTION_CACHE_DIR"), os.environ.get("XDG_CACHE_HOME"))
     if _root_memo[0] != env:  # cheap on the hot path: two env reads and a compare
-        from ..paths import cache_dir
 
         _root_memo[:] = [env, cache_dir() / ARTIFACTS]
     return _root_memo[1]
@@ -245,7 +243,7 @@ def clear_kernels() -> None:
 
 def resolved_target():
     """The ``tvm.target.Target`` artifacts are built for (resolved once per setting)."""
-    from ..target import resolve_target
+    from ..target import resolve_target  # the compiler loads only when a first artifact is built
 
     k = repr(_settings.target)
     t = _targets.get(k)
@@ -262,9 +260,6 @@ def artifact_dir(config: LayerConfig) -> Path:
 def kernel_for(config: LayerConfig):
     """The kernel serving ``config``: loaded from the disk cache, or built, exported there and
     loaded. Callers go through the in-process cache (:func:`_get_kernel`) first."""
-    from .. import load
-    from ..spec import AttentionSpec
-
     spec = config.spec()
     target = resolved_target()
     out = artifact_root() / config.key(target)
@@ -520,8 +515,8 @@ def _file_lock(out: Path):
 def _build_into(spec, target, out: Path) -> None:
     """Build ``spec`` for ``target`` (hand schedule unless ``use_log``), validate it against the
     NumPy reference at the representative shape, and export it atomically to ``out``."""
-    from ..artifact import export
-    from ..pipeline import build_best
+    from ..artifact import export  # the compiler loads only when a first artifact is built
+    from ..pipeline import build_best  # the compiler loads only when a first artifact is built
 
     built, validation = build_best(spec, target=target, use_log=_settings.use_log, say=lambda m: None)
     export(built, out, validation)

@@ -45,7 +45,8 @@ from ..spec import AttentionSpec
 from ..target import check_target_runnable, is_cuda, local_cuda_arch, resolve_target, vector_lanes
 from ..task_mods import workload_matches
 from ..threads import set_num_threads
-from .rpc import is_rpc_failure
+from .paged import AllocInputs
+from .rpc import _port_open, is_rpc_failure, parse_tracker, tracker_status
 from .tasks import TaskDef, make_tasks
 from .workers import ignore_sigint, lean_build, runner_init
 
@@ -295,8 +296,6 @@ def _reset_rpc_runner(runner):
 
 
 def _servers_left(runner) -> int:
-    from .rpc import tracker_status
-
     host, port, key = runner.tvm_attention_tracker
     try:
         return tracker_status(host, port, key, timeout=10)["servers"]
@@ -307,7 +306,6 @@ def _servers_left(runner) -> int:
 def _fleet_line(runner) -> str:
     if not hasattr(runner, "tvm_attention_tracker"):
         return ""
-    from .rpc import tracker_status
 
     host, port, key = runner.tvm_attention_tracker
     try:
@@ -356,7 +354,6 @@ def make_rpc_runner(tracker: str, key: str | None, workers: int | None = None, t
     ``f_alloc_argument``: the candidates' inputs (None: MetaSchedule's random fill)."""
     from tvm.s_tir import meta_schedule as ms
 
-    from .rpc import _port_open, parse_tracker, tracker_status
 
     host, port = parse_tracker(tracker)
     if not key:
@@ -494,7 +491,6 @@ def _alloc_for(spec: AttentionSpec):
     table); every other task on MetaSchedule's random fill (None)."""
     if not spec.dynamic:
         return None
-    from .paged import AllocInputs
 
     return AllocInputs(spec)
 

@@ -22,6 +22,8 @@ from typing import Any
 import tvm
 from tvm.target import Target
 
+from schedules import cpu_flash, cpu_rowcache, cuda_flash, cuda_mma
+
 from ..spec import AttentionSpec
 from ..task_mods import fused_task_mod, normalize, tunes_as_paged
 from ..workloads import (fused_attention, fused_attention_cuda, fused_attention_mma, materialized_attention,
@@ -57,8 +59,6 @@ def tile_space(space_fn):
 def decode_space(spec: AttentionSpec, knobs):
     """The space of one static decode task: its nest scheduled as the hand build does. The
     task's workload carries its decisions (key tile, split count), so the space is one point."""
-    from schedules import cpu_flash
-
     def space_fn(sch):
         return cpu_flash.apply(sch, knobs, spec)
 
@@ -90,8 +90,6 @@ def make_tasks(spec: AttentionSpec, target: Target, schedule: str) -> list[TaskD
     if target.kind.name == "cuda":
         return _cuda_tasks(spec, target, schedule)
     if schedule == "fused":
-        from schedules import cpu_flash
-
         if cpu_flash.is_decode_step(spec, target):  # static, or a paged step (tunes_as_paged)
             tasks = []
             for k in cpu_flash.decode_candidates(spec, target):
@@ -112,8 +110,6 @@ def make_tasks(spec: AttentionSpec, target: Target, schedule: str) -> list[TaskD
             for bm, bn in cpu_flash.tile_candidates(spec, target) for dot in forms
         ]
     if schedule == "rowcache":
-        from schedules import cpu_rowcache
-
         space = tile_space(cpu_rowcache.design_space(spec, target))
         return [
             TaskDef(f"rowcache_m{bm}", normalize(rowcache_attention(spec, bm)), space)
@@ -128,7 +124,6 @@ def make_tasks(spec: AttentionSpec, target: Target, schedule: str) -> list[TaskD
 def _cuda_tasks(spec: AttentionSpec, target: Target, schedule: str) -> list[TaskDef]:
     from tvm.s_tir import meta_schedule as ms
 
-    from schedules import cuda_flash, cuda_mma
 
     if schedule != "fused":
         raise ValueError(f"schedule {schedule!r} cannot be tuned for cuda yet; tunable: fused")

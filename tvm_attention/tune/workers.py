@@ -13,6 +13,7 @@ the tuner alone decides what to keep.
 from __future__ import annotations
 
 import signal
+from ..threads import set_num_threads
 
 
 def lean_build(mod, target, _params=None):
@@ -30,7 +31,5 @@ def ignore_sigint() -> None:
 
 def runner_init(threads: int) -> None:
     """LocalRunner's initializer: ignore SIGINT and size TVM's thread pool for measuring."""
-    from ..threads import set_num_threads
-
     ignore_sigint()
     set_num_threads(threads)
