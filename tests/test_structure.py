@@ -1,5 +1,6 @@
 """The house rules the code keeps (scripts/check_structure.py measures them): no import cycle
-between project modules, counting the imports that function bodies hide; the build path reads
+between project modules, counting the imports that function bodies hide, and each of those
+imports says why; the build path reads
 tuning logs without the tuner."""
 import importlib.util
 import subprocess
@@ -16,6 +17,11 @@ _spec.loader.exec_module(check)
 
 def test_no_import_cycle_between_project_modules():
     assert check.cycles(check.imports()) == []
+
+
+def test_every_function_local_project_import_says_why():
+    bare = [f"{i.module}:{i.line} imports {i.target}" for i in check.imports() if i.local and not i.commented]
+    assert not bare, "function-local imports without a comment saying why:\n" + "\n".join(bare)
 
 
 def test_a_cycle_hidden_in_a_function_is_found(tmp_path):
