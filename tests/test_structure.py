@@ -1,7 +1,6 @@
 """The house rules the code keeps (scripts/check_structure.py measures them): no import cycle
 between project modules, counting the imports that function bodies hide, and each of those
-imports says why; the build path reads
-tuning logs without the tuner."""
+imports says why; the build path reads tuning logs without the tuner."""
 import importlib.util
 import subprocess
 import sys
