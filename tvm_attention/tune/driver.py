@@ -620,61 +620,93 @@ def _release_local_workers(threads: int, builder, runner) -> None:
         runner.pool.shutdown()
 
 
-def _tune_locked(spec, target, device, schedule, trials, work, per_round, seed, runner, threads,
-                 progress, ctrl_c, saved, interrupted_line, search="xgb", warm_start=None) -> TuneResult:
-    """tune()'s body, run with the folder's lock held and Ctrl-C handled by ``ctrl_c``."""
-    from tvm.s_tir import meta_schedule as ms
+class _Interrupted(Exception):
+    """Ctrl-C was requested: the tune stops at the end of the current phase."""
 
-    t0 = time.time()
-    want = target_key(target)
-    best = (math.inf, None, None)  # secs, task name, knobs
-    curve: list[tuple[int, float]] = []
-    new = 0
 
-    def stopped() -> TuneResult:
-        progress(interrupted_line())
-        return TuneResult(work, saved[0], new, best[0], best[1], best[2], curve, interrupted=True)
+class _Tune:
+    """One tune of one log folder, under its lock: its tasks, the log replayed, the search loop.
+
+    Phases (``_tune_locked`` runs them in order): :meth:`open_tasks` (a TuneContext per
+    workload; the log repaired), :meth:`replay` (what the log already holds on this target),
+    :meth:`prepare`, then :meth:`search` in rounds of :meth:`pick`, :meth:`measure` and
+    :meth:`commit`. Between phases :meth:`check` raises :class:`_Interrupted` when Ctrl-C came,
+    and ``_tune_locked`` answers with :meth:`stopped`."""
+
+    def __init__(self, spec, target, device, schedule, trials, work, per_round, seed, threads, progress, ctrl_c,
+                 saved, interrupted_line, search, warm_start):
+        self.spec, self.target, self.device, self.schedule = spec, target, device, schedule
+        self.trials, self.work, self.per_round, self.seed, self.threads = trials, work, per_round, seed, threads
+        self.progress, self.ctrl_c, self.saved, self.interrupted_line = progress, ctrl_c, saved, interrupted_line
+        self.search_kind, self.warm_start = search, warm_start
+        self.t0 = time.time()
+        self.want = target_key(target)
+        self.best = (math.inf, None, None)  # secs, task name, knobs
+        self.curve: list[tuple[int, float]] = []
+        self.new = 0  # records this run measured
+        self.done = 0  # records in the log (this target)
+        self.states: list[TaskState] = []
+        self.measured: dict[tuple[str, int], list] = {}  # (target key, structural hash) -> run_secs
+
+    def check(self) -> None:
+        if self.ctrl_c.requested:
+            raise _Interrupted
+
+    def stopped(self) -> TuneResult:
+        self.progress(self.interrupted_line())
+        return TuneResult(self.work, self.saved[0], self.new, self.best[0], self.best[1], self.best[2], self.curve,
+                          interrupted=True)
+
+    def result(self) -> TuneResult:
+        return TuneResult(self.work, self.done, self.new, self.best[0], self.best[1], self.best[2], self.curve)
+
+    def gflops(self, secs: float) -> float:
+        return self.spec.flops() / secs / 1e9
 
     # Step 1. Tasks: one TuneContext (space + evolutionary search) per workload. The log is
     # repaired (a cut last line moved aside, a missing newline added) only here, under the lock.
-    _phase("setup")
-    db, parsed = open_database(work, repair=True)
-    saved[0] = sum(1 for _, rec in records_for(parsed, schedule) if for_target(rec, want))
-    defs = make_tasks(spec, target, schedule)
-    rng = random.Random(seed)
-    progress(f"tune {spec.short_name()} [{schedule}] on {target}: {len(defs)} task(s), log {work}")
-    for msg in parsed.repaired:
-        progress(f"warning: {msg}")
-    states: list[TaskState] = []
-    local = None  # (builder, runner) started here: kept or stopped at the end
-    try:
+    def open_tasks(self) -> None:
+        from tvm.s_tir import meta_schedule as ms  # loads with the first tune, not with the CLI
+
+        _phase("setup")
+        self.db, self.parsed = open_database(self.work, repair=True)
+        self.saved[0] = sum(1 for _, rec in records_for(self.parsed, self.schedule) if for_target(rec, self.want))
+        defs = make_tasks(self.spec, self.target, self.schedule)
+        self.rng = random.Random(self.seed)
+        self.progress(f"tune {self.spec.short_name()} [{self.schedule}] on {self.target}: {len(defs)} task(s), "
+                      f"log {self.work}")
+        for msg in self.parsed.repaired:
+            self.progress(f"warning: {msg}")
         for i, d in enumerate(defs):
             with contextlib.nullcontext() if d.needs_tensor_intrin else _skip_tensor_intrin_import():
                 # a one-point space (a decode task) needs no search: the evolutionary one would
                 # replay its trace for a population of 64 first (13-21 s a task), random sampling
                 # replays it once per candidate of the round
-                strategy = (ms.search_strategy.ReplayTrace() if search == "random" or d.points == 1 else
+                strategy = (ms.search_strategy.ReplayTrace() if self.search_kind == "random" or d.points == 1 else
                             ms.search_strategy.EvolutionarySearch(
                                 population_size=64, init_min_unmeasured=16, genetic_num_iters=3))
                 ctx = ms.TuneContext(
-                    mod=d.mod, target=target, space_generator=d.space,
+                    mod=d.mod, target=self.target, space_generator=d.space,
                     search_strategy=strategy,
-                    task_name=d.name, rand_state=seed * 1000 + i + 1, num_threads=threads,
+                    task_name=d.name, rand_state=self.seed * 1000 + i + 1, num_threads=self.threads,
                 )
-            states.append(TaskState(d, ctx))
-            if ctrl_c.requested:
-                return stopped()
+            self.states.append(TaskState(d, ctx))
+            self.check()
 
-        # Step 2. Replay the log: what is measured already on this target, the best so far, the
-        # cost model's data. Records of another target (another CPU, core count or GPU) neither
-        # count towards the budget nor mark a candidate measured: `build` would not use them.
+    # Step 2. Replay the log: what is measured already on this target, the best so far, the
+    # cost model's data. Records of another target (another CPU, core count or GPU) neither
+    # count towards the budget nor mark a candidate measured: `build` would not use them.
+    def replay(self) -> int:
+        """The records the log holds for this spec and target (they count towards ``trials``)."""
+        from tvm.s_tir import meta_schedule as ms  # loads with the first tune, not with the CLI
+
         _phase("replay")
-        cost_model = (ms.cost_model.RandomModel(seed=seed) if search == "random" else
-                      ms.cost_model.XGBModel(num_warmup_samples=16, num_tuning_cores=threads, verbose_eval=0))
-        measured: dict[tuple[str, int], list] = {}  # (target key, structural hash) -> run_secs
+        spec, want = self.spec, self.want
+        self.cost_model = (ms.cost_model.RandomModel(seed=self.seed) if self.search_kind == "random" else
+                           ms.cost_model.XGBModel(num_warmup_samples=16, num_tuning_cores=self.threads, verbose_eval=0))
         existing = 0
-        by_hash = {tvm_ffi.structural_hash(s.defn.mod): s for s in states}
-        for wl, rec in records_for(parsed, schedule):
+        by_hash = {tvm_ffi.structural_hash(s.defn.mod): s for s in self.states}
+        for wl, rec in records_for(self.parsed, self.schedule):
             if not for_target(rec, want):
                 continue
             state = by_hash.get(tvm_ffi.structural_hash(wl.mod))
@@ -684,172 +716,219 @@ def _tune_locked(spec, target, device, schedule, trials, work, per_round, seed, 
                 continue
             sch = tvm.s_tir.Schedule(wl.mod)
             rec.trace.apply_to_schedule(sch, remove_postproc=False)
-            measured[(want, tvm_ffi.structural_hash(sch.mod))] = list(rec.run_secs)
+            self.measured[(want, tvm_ffi.structural_hash(sch.mod))] = list(rec.run_secs)
             existing += 1
             state.measured += 1
             secs = mean_secs(rec)
             state.best_secs = min(state.best_secs, secs)
             args = ms.arg_info.ArgInfo.from_prim_func(wl.mod["main"])
-            cost_model.update(state.ctx, [ms.MeasureCandidate(sch, args)],
-                              [ms.runner.RunnerResult(list(rec.run_secs), None)])
-            if secs < best[0]:
-                best = (secs, state.defn.name, describe(state.defn, sch, target, spec))
-        saved[0] = existing
-        if existing and math.isfinite(best[0]):
-            curve.append((existing, spec.flops() / best[0] / 1e9))
+            self.cost_model.update(state.ctx, [ms.MeasureCandidate(sch, args)],
+                                   [ms.runner.RunnerResult(list(rec.run_secs), None)])
+            if secs < self.best[0]:
+                self.best = (secs, state.defn.name, describe(state.defn, sch, self.target, spec))
+        self.saved[0] = self.done = existing
+        if existing and math.isfinite(self.best[0]):
+            self.curve.append((existing, self.gflops(self.best[0])))
         if existing:
-            progress(f"resuming: {existing} record(s) in the log, best {best[0] * 1e3:.3f} ms "
-                     f"({spec.flops() / best[0] / 1e9:.1f} GFLOP/s) {knob_summary(best[2])}")
-        if warm_start is not None:
-            n_warm = _warm_start(cost_model, warm_start, schedule, target, want, threads)
-            progress(f"warm start: the cost model learned from {n_warm} record(s) of {warm_start}")
-        if ctrl_c.requested:
-            return stopped()
+            self.progress(f"resuming: {existing} record(s) in the log, best {self.best[0] * 1e3:.3f} ms "
+                          f"({self.gflops(self.best[0]):.1f} GFLOP/s) {knob_summary(self.best[2])}")
+        if self.warm_start is not None:
+            n_warm = _warm_start(self.cost_model, self.warm_start, self.schedule, self.target, want, self.threads)
+            self.progress(f"warm start: the cost model learned from {n_warm} record(s) of {self.warm_start}")
+        return existing
+
+    def prepare(self) -> None:
+        for s in self.states:
+            s.ctx.pre_tuning(max_trials=self.trials, num_trials_per_iter=self.per_round,
+                             design_spaces=s.ctx.generate_design_space(), database=self.db, cost_model=self.cost_model)
+
+    # Step 3. The loop. Workers start with SIGINT blocked (_workers_spawn) and ignore it
+    # (their initializer): a Ctrl-C must not kill a build or a measurement half way.
+    def search(self, builder, runner) -> TuneResult:
+        t_loop = time.time()
+        empty_rounds = 0
+        while self.done < self.trials:
+            state = self.pick()
+            if state is None:
+                self.progress("every task's space is exhausted")
+                break
+            _phase("search")
+            t_gen = time.time()
+            cands = state.ctx.generate_measure_candidates()
+            t_gen = time.time() - t_gen
+            self.check()
+            if not cands:
+                state.exhausted = True
+                continue
+            cands = list(cands)
+            keys, results, todo = self.plan(cands)
+            if not todo:
+                empty_rounds += 1
+                state.ctx.notify_runner_results(cands, results)
+                if empty_rounds >= 3 * len(self.states):
+                    self.progress("no unmeasured candidates left in the space")
+                    break
+                continue
+            empty_rounds = 0
+            runner, run_idx, t_build, t_run = self.measure(builder, runner, cands, results, todo)
+            rpc_lost = self.commit(state, cands, keys, results, todo, runner, run_idx)
+            self.report(state, results, todo, rpc_lost, runner, t_loop, t_gen, t_build, t_run)
+            if rpc_lost and _servers_left(runner) == 0:
+                raise NoDevicesLeft(
+                    f"no RPC server left under key {runner.tvm_attention_tracker[2]!r}: stopping; "
+                    f"{self.done} record(s) are in {self.work}, rerun the same command to resume"
+                )
+            self.check()  # came while committing: the batch is complete, stop here
+        return self.result()
+
+    def pick(self) -> TaskState | None:
+        """The task of the next round: an untried one, else the fastest so far (70 %) or a
+        random one; None when every space is exhausted (a space of known size, a decode task's
+        single point, is done once that many are measured)."""
+        live = [s for s in self.states if not s.exhausted and not (s.defn.points and s.measured >= s.defn.points)]
+        if not live:
+            return None
+        untried = [s for s in live if s.measured == 0]
+        if untried:
+            return untried[0]
+        if self.rng.random() < 0.7:
+            return min(live, key=lambda s: s.best_secs)
+        return self.rng.choice(live)
+
+    def plan(self, cands) -> tuple[list, list, list[int]]:
+        """Each candidate's key, the results known already (measured before, or over the
+        budget), and the indices left to measure."""
+        from tvm.s_tir import meta_schedule as ms  # loads with the first tune, not with the CLI
+
+        keys = [(self.want, tvm_ffi.structural_hash(c.sch.mod)) for c in cands]
+        results: list[Any] = [None] * len(cands)
+        todo = []
+        for i, key in enumerate(keys):
+            if key in self.measured:
+                results[i] = ms.runner.RunnerResult(self.measured[key], None)
+            elif len(todo) < self.trials - self.done:
+                todo.append(i)
+                self.measured[key] = [FAILED_RUN_SECS]  # also dedups within the batch
+            else:
+                results[i] = ms.runner.RunnerResult([FAILED_RUN_SECS], "not measured: budget reached")
+        return keys, results, todo
+
+    def measure(self, builder, runner, cands, results, todo):
+        """Build and run the ``todo`` candidates, filling ``results``; the runner (a stuck one
+        is replaced), the indices run, and the build and run times."""
+        from tvm.s_tir import meta_schedule as ms  # loads with the first tune, not with the CLI
+
+        _phase("build")
+        t_build = time.time()
+        with _workers_spawn():
+            built = builder.build([ms.builder.BuilderInput(cands[i].sch.mod, self.target) for i in todo])
+        t_build = time.time() - t_build
+        try:
+            self.check()
+            _phase("measure")
+            t_run = time.time()
+            run_inputs, run_idx = [], []
+            for i, b in zip(todo, built):
+                if b.error_msg:
+                    results[i] = ms.runner.RunnerResult([FAILED_RUN_SECS], b.error_msg)
+                else:
+                    run_inputs.append(ms.runner.RunnerInput(b.artifact_path, self.device, cands[i].args_info))
+                    run_idx.append(i)
+            with _workers_spawn():
+                runner = _run_with_retry(runner, run_inputs, run_idx, results, self.progress)
+            t_run = time.time() - t_run
+            # The batch in flight when Ctrl-C came is not committed: its measurements may
+            # have been disturbed; a resumed tune measures it again.
+            self.check()
+        finally:
+            for b in built:
+                if b.artifact_path:
+                    Path(b.artifact_path).unlink(missing_ok=True)
+        return runner, run_idx, t_build, t_run
+
+    def commit(self, state, cands, keys, results, todo, runner, run_idx) -> set[int]:
+        """Append the round's records to the log and learn from them; the indices lost with
+        their device (never committed, free to be measured again on resume)."""
+        from tvm.s_tir import meta_schedule as ms  # loads with the first tune, not with the CLI
+
+        rpc_lost = lost_with_device(runner, results, run_idx)
+        for i in rpc_lost:
+            self.measured.pop(keys[i], None)
+        workload = self.db.commit_workload(state.defn.mod)
+        for i in todo:
+            if i in rpc_lost:
+                continue
+            r = results[i]
+            secs = [float(x) for x in r.run_secs]
+            self.db.commit_tuning_record(ms.database.TuningRecord(
+                cands[i].sch.trace, workload, secs, self.target, cands[i].args_info))
+            self.measured[keys[i]] = secs
+            self.done += 1
+            self.new += 1
+            self.saved[0] = self.done
+            state.measured += 1
+            m = sum(secs) / len(secs)
+            if m < state.best_secs:
+                state.best_secs = m
+            if m < self.best[0]:
+                self.best = (m, state.defn.name, describe(state.defn, cands[i].sch, self.target, self.spec))
+            if math.isfinite(self.best[0]) and self.best[0] < FAILED_RUN_SECS:
+                self.curve.append((self.done, self.gflops(self.best[0])))
+        kept = [i for i in todo if i not in rpc_lost]
+        if kept:
+            self.cost_model.update(state.ctx, [cands[i] for i in kept], [results[i] for i in kept])
+        state.ctx.notify_runner_results(cands, results)
+        return rpc_lost
+
+    def report(self, state, results, todo, rpc_lost, runner, t_loop, t_gen, t_build, t_run) -> None:
+        kept = [i for i in todo if i not in rpc_lost]
+        failed = sum(1 for i in kept if results[i].run_secs[0] >= FAILED_RUN_SECS)
+        elapsed = time.time() - self.t0
+        eta = (time.time() - t_loop) / self.new * (self.trials - self.done) if self.new else math.inf
+        best = self.best
+        gf = self.gflops(best[0]) if best[0] < FAILED_RUN_SECS else 0.0
+        self.progress(f"[{self.done:>4}/{self.trials} trials] {state.defn.name:<16} +{len(kept)}"
+                      f"{f' ({failed} failed)' if failed else ''}"
+                      f"{f' ({len(rpc_lost)} lost with their device)' if rpc_lost else ''}  best {best[0] * 1e3:.3f} ms "
+                      f"{gf:.1f} GFLOP/s {knob_summary(best[2])}  elapsed {_fmt_time(elapsed)} "
+                      f"ETA {_fmt_time(eta)}  (search {t_gen:.0f}s build {t_build:.0f}s run {t_run:.0f}s)"
+                      f"{_fleet_line(runner)}")
+
+    def close(self) -> None:
+        for s in self.states:
+            try:
+                s.ctx.post_tuning()
+            except Exception:
+                pass
+
+
+def _tune_locked(spec, target, device, schedule, trials, work, per_round, seed, runner, threads,
+                 progress, ctrl_c, saved, interrupted_line, search="xgb", warm_start=None) -> TuneResult:
+    """tune()'s body, run with the folder's lock held and Ctrl-C handled by ``ctrl_c``: the
+    phases of :class:`_Tune`, stopping at the end of the phase in which Ctrl-C came."""
+    t = _Tune(spec, target, device, schedule, trials, work, per_round, seed, threads, progress, ctrl_c, saved,
+              interrupted_line, search, warm_start)
+    local = None  # (builder, runner) started here: kept or stopped at the end
+    try:
+        t.open_tasks()
+        existing = t.replay()
+        t.check()
         if existing >= trials:
             progress(f"the log already holds {existing} >= {trials} trials; nothing to do")
-            return TuneResult(work, existing, 0, best[0], best[1], best[2], curve)
-
-        for s in states:
-            s.ctx.pre_tuning(max_trials=trials, num_trials_per_iter=per_round,
-                             design_spaces=s.ctx.generate_design_space(), database=db, cost_model=cost_model)
-        if ctrl_c.requested:
-            return stopped()
-
-        # Step 3. The loop. Workers start with SIGINT blocked (_workers_spawn) and ignore it
-        # (their initializer): a Ctrl-C must not kill a build or a measurement half way.
+            return t.result()
+        t.prepare()
+        t.check()
         with _workers_spawn():
             if runner is None:
                 builder, runner = local = _local_workers(spec, threads)
             else:  # a fleet's runner: the builds stay local
                 builder = _new_builder(threads)
                 local = (builder, None)
-        if ctrl_c.requested:
-            return stopped()
-        done = existing
-        t_loop = time.time()
-        empty_rounds = 0
-        while done < trials:
-            # a space of known size (a decode task's: one point) is done once that many are measured
-            live = [s for s in states if not s.exhausted and not (s.defn.points and s.measured >= s.defn.points)]
-            if not live:
-                progress("every task's space is exhausted")
-                break
-            untried = [s for s in live if s.measured == 0]
-            if untried:
-                state = untried[0]
-            elif rng.random() < 0.7:
-                state = min(live, key=lambda s: s.best_secs)
-            else:
-                state = rng.choice(live)
-            _phase("search")
-            t_gen = time.time()
-            cands = state.ctx.generate_measure_candidates()
-            t_gen = time.time() - t_gen
-            if ctrl_c.requested:
-                return stopped()
-            if not cands:
-                state.exhausted = True
-                continue
-            cands = list(cands)
-            keys = [(want, tvm_ffi.structural_hash(c.sch.mod)) for c in cands]
-            results: list[Any] = [None] * len(cands)
-            todo = []
-            for i, key in enumerate(keys):
-                if key in measured:
-                    results[i] = ms.runner.RunnerResult(measured[key], None)
-                elif len(todo) < trials - done:
-                    todo.append(i)
-                    measured[key] = [FAILED_RUN_SECS]  # also dedups within the batch
-                else:
-                    results[i] = ms.runner.RunnerResult([FAILED_RUN_SECS], "not measured: budget reached")
-            if not todo:
-                empty_rounds += 1
-                state.ctx.notify_runner_results(cands, results)
-                if empty_rounds >= 3 * len(states):
-                    progress("no unmeasured candidates left in the space")
-                    break
-                continue
-            empty_rounds = 0
-            _phase("build")
-            t_build = time.time()
-            with _workers_spawn():
-                built = builder.build([ms.builder.BuilderInput(cands[i].sch.mod, target) for i in todo])
-            t_build = time.time() - t_build
-            try:
-                if ctrl_c.requested:
-                    return stopped()
-                _phase("measure")
-                t_run = time.time()
-                run_inputs, run_idx = [], []
-                for i, b in zip(todo, built):
-                    if b.error_msg:
-                        results[i] = ms.runner.RunnerResult([FAILED_RUN_SECS], b.error_msg)
-                    else:
-                        run_inputs.append(ms.runner.RunnerInput(b.artifact_path, device, cands[i].args_info))
-                        run_idx.append(i)
-                with _workers_spawn():
-                    runner = _run_with_retry(runner, run_inputs, run_idx, results, progress)
-                t_run = time.time() - t_run
-                # The batch in flight when Ctrl-C came is not committed: its measurements may
-                # have been disturbed; a resumed tune measures it again.
-                if ctrl_c.requested:
-                    return stopped()
-            finally:
-                for b in built:
-                    if b.artifact_path:
-                        Path(b.artifact_path).unlink(missing_ok=True)
-            # Measurements lost with their device were never made: not committed, not counted,
-            # and free to be measured again on resume.
-            rpc_lost = lost_with_device(runner, results, run_idx)
-            for i in rpc_lost:
-                measured.pop(keys[i], None)
-            workload = db.commit_workload(state.defn.mod)
-            for i in todo:
-                if i in rpc_lost:
-                    continue
-                r = results[i]
-                secs = [float(x) for x in r.run_secs]
-                db.commit_tuning_record(ms.database.TuningRecord(
-                    cands[i].sch.trace, workload, secs, target, cands[i].args_info))
-                measured[keys[i]] = secs
-                done += 1
-                new += 1
-                saved[0] = done
-                state.measured += 1
-                m = sum(secs) / len(secs)
-                if m < state.best_secs:
-                    state.best_secs = m
-                if m < best[0]:
-                    best = (m, state.defn.name, describe(state.defn, cands[i].sch, target, spec))
-                if math.isfinite(best[0]) and best[0] < FAILED_RUN_SECS:
-                    curve.append((done, spec.flops() / best[0] / 1e9))
-            kept = [i for i in todo if i not in rpc_lost]
-            if kept:
-                cost_model.update(state.ctx, [cands[i] for i in kept], [results[i] for i in kept])
-            state.ctx.notify_runner_results(cands, results)
-            failed = sum(1 for i in kept if results[i].run_secs[0] >= FAILED_RUN_SECS)
-            fleet = _fleet_line(runner)
-            elapsed = time.time() - t0
-            eta = (time.time() - t_loop) / new * (trials - done) if new else math.inf
-            gf = spec.flops() / best[0] / 1e9 if best[0] < FAILED_RUN_SECS else 0.0
-            progress(f"[{done:>4}/{trials} trials] {state.defn.name:<16} +{len(kept)}"
-                     f"{f' ({failed} failed)' if failed else ''}"
-                     f"{f' ({len(rpc_lost)} lost with their device)' if rpc_lost else ''}  best {best[0] * 1e3:.3f} ms "
-                     f"{gf:.1f} GFLOP/s {knob_summary(best[2])}  elapsed {_fmt_time(elapsed)} "
-                     f"ETA {_fmt_time(eta)}  (search {t_gen:.0f}s build {t_build:.0f}s run {t_run:.0f}s){fleet}")
-            if rpc_lost and _servers_left(runner) == 0:
-                raise NoDevicesLeft(
-                    f"no RPC server left under key {runner.tvm_attention_tracker[2]!r}: stopping; "
-                    f"{done} record(s) are in {work}, rerun the same command to resume"
-                )
-            if ctrl_c.requested:  # came while committing: the batch is complete, stop here
-                return stopped()
-        return TuneResult(work, done, new, best[0], best[1], best[2], curve)
+        t.check()
+        return t.search(builder, runner)
+    except _Interrupted:
+        return t.stopped()
     finally:
-        for s in states:
-            try:
-                s.ctx.post_tuning()
-            except Exception:
-                pass
+        t.close()
         if local is not None:
             _release_local_workers(threads, *local)
