@@ -22,8 +22,8 @@ from .workloads import (fused_attention, fused_attention_cuda, fused_attention_m
 
 def tuning_spec(spec: AttentionSpec, target: Target, schedule: str = "fused") -> AttentionSpec:
     """The spec whose log ``tune`` writes and ``build`` reads for ``spec``: ``spec`` itself when
-    static or a paged decode step on a CPU (tuned in pages: :mod:`tvm_attention.tune.paged`), else its static bhsd
-    representative."""
+    static or a paged decode step on a CPU (tuned in pages: :mod:`tvm_attention.tune.paged`),
+    else its static bhsd representative."""
     if not spec.dynamic:
         return spec
     if tunes_as_paged(spec, target, schedule):
