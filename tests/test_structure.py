@@ -1,6 +1,6 @@
 """The house rules the code keeps (scripts/check_structure.py measures them): no import cycle
 between project modules, counting the imports that function bodies hide, and each of those
-imports says why; the build path reads tuning logs without the tuner."""
+imports says why; no function over 150 lines; the build path reads tuning logs without the tuner."""
 import importlib.util
 import subprocess
 import sys
@@ -16,6 +16,10 @@ _spec.loader.exec_module(check)
 
 def test_no_import_cycle_between_project_modules():
     assert check.cycles(check.imports()) == []
+
+
+def test_no_function_over_150_lines():
+    assert check.long_functions(150) == []
 
 
 def test_every_function_local_project_import_says_why():

@@ -44,6 +44,7 @@ fragment index math, the online softmax across lanes and the masking, not the GP
 from __future__ import annotations
 
 import math
+import types
 
 from tvm import tirx
 from tvm.script import tirx as T
@@ -113,12 +114,9 @@ __device__ __forceinline__ void NAME(void* dst, const void* smem) {
     return out
 
 
-def fused_attention_mma(
-    spec: AttentionSpec, warps: int, block_n: int, stages: int, m_tiles: int = 1, emulate: bool = False
-) -> tirx.PrimFunc:
-    """Arguments (call order): ``Q (B, H, Sq, D)``, ``K (B, KH, Skv, D)``, ``V (B, KH, Skv, D)``,
-    ``O (B, H, Sq, D)``, all ``spec.dtype`` (float16 or bfloat16), compact row-major, 16-byte
-    aligned rows (``head_dim`` a multiple of 16)."""
+def _mma_context(spec: AttentionSpec, warps: int, block_n: int, stages: int, m_tiles: int, emulate: bool):
+    """Every constant, index helper and device-call macro of one tensor-core kernel, by name (the
+    builders below unpack what each stage of the kernel uses)."""
     if spec.dtype not in MMA_DTYPES:
         raise ValueError(f"tensor-core kernel takes float16 or bfloat16, not {spec.dtype}")
     B, H, KH = spec.batch, spec.heads, spec.kv_heads
@@ -194,6 +192,16 @@ def fused_attention_mma(
 
     def kv_row(j):
         return T.min(j, SK - 1) if kv_tail else j
+    return types.SimpleNamespace(**locals())
+
+
+def _mma_fragments(x):
+    """``x`` (:func:`_mma_context`) with the fragment layouts of the PTX instructions added: which
+    slot of a lane holds which row and column, the shared-memory addresses ``ldmatrix`` reads, and
+    the ``copy_kv`` and ``mma_pair`` macros."""
+    (bi, BN, call, D, EMU, G, hi, KH, kv_row, LIT, MT, NO, NT, NTHR, OFF, SK, ST, TILE, vis, VPR) = \
+        (x.bi, x.BN, x.call, x.D, x.EMU, x.G, x.hi, x.KH, x.kv_row, x.LIT, x.MT, x.NO, x.NT, x.NTHR, x.OFF, x.SK,
+         x.ST, x.TILE, x.vis, x.VPR)
 
     # A lane's fragments are flat arrays of MT blocks, one per 16-row group: scores S and P
     # (NT·4 slots a block), the output acc (NO·4), Q (NDC·8); the row state m, l (2 a block: rows
@@ -292,6 +300,303 @@ def fused_attention_mma(
                             Bf.access_ptr("r", offset=0)))
             T.evaluate(call("attn_mma", C.access_ptr("rw", offset=c_off + 4), A.access_ptr("r", offset=a_off),
                             Bf.access_ptr("r", offset=4)))
+    return types.SimpleNamespace(**{**vars(x), **{k: v for k, v in locals().items() if k != 'x'}})
+
+
+def _mma_q_frag(x):
+    """Q fragments from global memory (once per block), and the row state's init."""
+    (bi, hi, ix, MT, NDC, neg_inf, NO, ri, row_of, SQ, thread_x, thread_y, W) = \
+        (x.bi, x.hi, x.ix, x.MT, x.NDC, x.neg_inf, x.NO, x.ri, x.row_of, x.SQ, x.thread_x, x.thread_y, x.W)
+
+    @T.macro
+    def q_frag(Qp, Qf, m, l, acc, vbx):
+        # -- Q fragments, straight from global memory (once per block) --------------
+        for ty in thread_y(W):
+            for tx in thread_x(WARP):
+                with T.sblock("Q_frag"):
+                    T.reads()
+                    T.writes()
+                    for s in T.unroll(MT * NDC * 8):
+                        Qf[ix(ty, tx, s)] = Qp[bi(vbx), hi(vbx), T.min(
+                            ri(vbx) + row_of(ty, tx, s // (NDC * 8) * 2 + s % 8 // 2 % 2), SQ - 1),
+                            s % (NDC * 8) // 8 * 16 + 8 * (s % 8 // 2 // 2) + 2 * (tx % 4) + s % 2]
+                    for h2 in T.unroll(MT * 2):
+                        m[ix(ty, tx, h2)] = neg_inf
+                        l[ix(ty, tx, h2)] = T.float32(0)
+                    for k in T.unroll(MT * NO * 4):
+                        acc[ix(ty, tx, k)] = T.float32(0)
+
+    return q_frag
+
+
+def _mma_prologue(x):
+    """The first ``stages − 1`` K/V tiles in flight."""
+    (call, copy_kv, EMU, n_tiles, NS, ri, thread_x, thread_y, W) = \
+        (x.call, x.copy_kv, x.EMU, x.n_tiles, x.NS, x.ri, x.thread_x, x.thread_y, x.W)
+
+    @T.macro
+    def prologue(Ks, Vs, K, V, vbx):
+        # -- prologue: the first stages − 1 K/V tiles in flight --------------------
+        for p in T.serial(NS - 1):
+            for ty in thread_y(W):
+                for tx in thread_x(WARP):
+                    with T.sblock("KV_prefetch"):
+                        T.reads()
+                        T.writes()
+                        if p < n_tiles(ri(vbx)):
+                            copy_kv(Ks, Vs, K, V, vbx, ty, tx, p, p)
+                        if not EMU:
+                            T.evaluate(call("attn_cp_commit"))
+
+    return prologue
+
+
+def _mma_kv_wait(x):
+    """Key tile ``c`` landed (this thread's copies, then everyone's)."""
+    call, copy_kv, EMU, NS, thread_x, thread_y, W = x.call, x.copy_kv, x.EMU, x.NS, x.thread_x, x.thread_y, x.W
+
+    @T.macro
+    def kv_wait(Ks, Vs, K, V, vbx, c):
+        # -- tile c landed (this thread's copies, then everyone's) ---------------
+        for ty in thread_y(W):
+            for tx in thread_x(WARP):
+                with T.sblock("KV_wait"):
+                    T.reads()
+                    T.writes()
+                    if NS == 1:
+                        copy_kv(Ks, Vs, K, V, vbx, ty, tx, 0, c)
+                        if not EMU:
+                            T.evaluate(call("attn_cp_commit"))
+                    if not EMU:
+                        if NS <= 2:
+                            T.evaluate(call("attn_cp_wait0"))
+                        elif NS == 3:
+                            T.evaluate(call("attn_cp_wait1"))
+                        else:
+                            T.evaluate(call("attn_cp_wait2"))
+        if not EMU:
+            T.tvm_storage_sync("shared")
+
+    return kv_wait
+
+
+def _mma_kv_prefetch(x):
+    """Tile ``c + stages − 1`` into the buffer tile ``c − 1`` used."""
+    (call, copy_kv, EMU, n_tiles, NS, ri, thread_x, thread_y, W) = \
+        (x.call, x.copy_kv, x.EMU, x.n_tiles, x.NS, x.ri, x.thread_x, x.thread_y, x.W)
+
+    @T.macro
+    def kv_prefetch(Ks, Vs, K, V, vbx, c):
+        # -- prefetch tile c + stages − 1 into the buffer tile c − 1 used ---------
+        if NS > 1:
+            for ty in thread_y(W):
+                for tx in thread_x(WARP):
+                    with T.sblock("KV_load"):
+                        T.reads()
+                        T.writes()
+                        if c + NS - 1 < n_tiles(ri(vbx)):
+                            copy_kv(Ks, Vs, K, V, vbx, ty, tx, (c + NS - 1) % NS, c + NS - 1)
+                        if not EMU:
+                            T.evaluate(call("attn_cp_commit"))
+
+    return kv_prefetch
+
+
+def _mma_qk_mma(x):
+    """``S = Q·Kᵀ`` of tile ``c`` on tensor cores."""
+    (call, EMU, ix, k_addr, mma_pair, MT, NDC, NS, NT, thread_x, thread_y, W) = \
+        (x.call, x.EMU, x.ix, x.k_addr, x.mma_pair, x.MT, x.NDC, x.NS, x.NT, x.thread_x, x.thread_y, x.W)
+
+    @T.macro
+    def qk_mma(S, Qf, Ks, Kf, c):
+        # -- S = Q·Kᵀ on tensor cores ------------------------------------------------
+        for ty in thread_y(W):
+            for tx in thread_x(WARP):
+                with T.sblock("S_init"):
+                    T.reads()
+                    T.writes()
+                    for k in T.unroll(MT * NT * 4):
+                        S[ix(ty, tx, k)] = T.float32(0)
+        for np in T.unroll(NT // 2):
+            for dk in T.unroll(NDC):
+                for ty in thread_y(W):
+                    for tx in thread_x(WARP):
+                        with T.sblock("K_ldmatrix"):
+                            T.reads()
+                            T.writes()
+                            if EMU:
+                                for i in T.unroll(4):
+                                    for e in T.unroll(2):
+                                        Kf[ty, tx, i * 2 + e] = Ks[
+                                            k_addr(c % NS, np, dk, i * 8 + tx // 4) + 2 * (tx % 4) + e]
+                            else:
+                                T.evaluate(call("attn_ldsm_x4", Kf.access_ptr("w"),
+                                    Ks.access_ptr("r", offset=k_addr(c % NS, np, dk, tx))))
+                for ty in thread_y(W):
+                    for tx in thread_x(WARP):
+                        with T.sblock("QK_mma"):
+                            T.reads()
+                            T.writes()
+                            for mi in T.unroll(MT):
+                                mma_pair(S, mi * NT * 4 + np * 8, Qf, mi * NDC * 8 + dk * 8, Kf, ty, tx)
+
+    return qk_mma
+
+
+def _mma_softmax(x):
+    """Tile ``c``'s scores scaled and masked, the rows' new max across their four lanes,
+    ``P = exp2(S − m_new)`` and the online correction."""
+    (dtype, EMU, ix, kv_tail, MT, needs_mask, neg_inf, NO, NT, o_half, qscale, ri, s_half, thread_x, thread_y, vis,
+     visible, W) = \
+        (x.dtype, x.EMU, x.ix, x.kv_tail, x.MT, x.needs_mask, x.neg_inf, x.NO, x.NT, x.o_half, x.qscale, x.ri,
+         x.s_half, x.thread_x, x.thread_y, x.vis, x.visible, x.W)
+
+    @T.macro
+    def softmax(S, Pf, acc, m, l, mt, mn, vbx, c):
+        # -- scale, mask (only tiles that need it), the lane's row maxima -----------
+        for ty in thread_y(W):
+            for tx in thread_x(WARP):
+                with T.sblock("S_max"):
+                    T.reads()
+                    T.writes()
+                    # the max of the raw scores, scaled once: the scale is positive, so
+                    # max(s)·scale = max(s·scale), and the exponent below is one FFMA
+                    if vis.hides_keys or kv_tail:
+                        if needs_mask(c, ri(vbx)):
+                            for k in T.unroll(MT * NT * 4):
+                                S[ix(ty, tx, k)] = T.Select(
+                                    visible(ri(vbx), ty, tx, k, c), S[ix(ty, tx, k)], neg_inf)
+                    for h2 in T.unroll(MT * 2):
+                        mt[ix(ty, tx, h2)] = neg_inf
+                    for k in T.unroll(MT * NT * 4):
+                        mt[ix(ty, tx, s_half(k))] = T.max(mt[ix(ty, tx, s_half(k))], S[ix(ty, tx, k)])
+                    for h2 in T.unroll(MT * 2):
+                        mt[ix(ty, tx, h2)] = T.max(m[ix(ty, tx, h2)], mt[ix(ty, tx, h2)] * T.float32(qscale))
+        # -- row max across the row's four lanes -------------------------------------
+        for ty in thread_y(W):
+            for tx in thread_x(WARP):
+                with T.sblock("row_max"):
+                    T.reads()
+                    T.writes()
+                    for h2 in T.unroll(MT * 2):
+                        if EMU:
+                            mn[ty, tx, h2] = T.max(
+                                T.max(mt[ty, tx // 4 * 4, h2], mt[ty, tx // 4 * 4 + 1, h2]),
+                                T.max(mt[ty, tx // 4 * 4 + 2, h2], mt[ty, tx // 4 * 4 + 3, h2]))
+                        else:
+                            mn[h2] = T.cuda.warp_max(mt[h2], 4)
+        # -- P = exp2(S − m_new) in registers, online correction ----------------------
+        for ty in thread_y(W):
+            for tx in thread_x(WARP):
+                with T.sblock("P_exp"):
+                    T.reads()
+                    T.writes()
+                    for h2 in T.unroll(MT * 2):
+                        # alpha: exp2(m − m_new), reusing mt; a row with no visible key
+                        # yet has m = m_new = −inf and its reference max guarded to 0
+                        mt[ix(ty, tx, h2)] = T.exp2(m[ix(ty, tx, h2)] - guarded(mn[ix(ty, tx, h2)]))
+                        m[ix(ty, tx, h2)] = mn[ix(ty, tx, h2)]
+                        l[ix(ty, tx, h2)] = l[ix(ty, tx, h2)] * mt[ix(ty, tx, h2)]
+                    for k in T.unroll(MT * NT * 4):
+                        S[ix(ty, tx, k)] = T.exp2(S[ix(ty, tx, k)] * T.float32(qscale)
+                                                  - guarded(mn[ix(ty, tx, s_half(k))]))
+                        l[ix(ty, tx, s_half(k))] = l[ix(ty, tx, s_half(k))] + S[ix(ty, tx, k)]
+                        Pf[ix(ty, tx, k)] = T.Cast(dtype, S[ix(ty, tx, k)])
+                    for k in T.unroll(MT * NO * 4):
+                        acc[ix(ty, tx, k)] = acc[ix(ty, tx, k)] * mt[ix(ty, tx, o_half(k))]
+
+    return softmax
+
+
+def _mma_pv_mma(x):
+    """``acc += P·V`` of tile ``c`` on tensor cores."""
+    (call, D, EMU, mma_pair, MT, NO, NS, NT, thread_x, thread_y, v_addr, W) = \
+        (x.call, x.D, x.EMU, x.mma_pair, x.MT, x.NO, x.NS, x.NT, x.thread_x, x.thread_y, x.v_addr, x.W)
+
+    @T.macro
+    def pv_mma(acc, Pf, Vs, Vf, c):
+        # -- acc += P·V on tensor cores ---------------------------------------------
+        for kk in T.unroll(NT // 2):
+            for dp in T.unroll(D // 16):
+                for ty in thread_y(W):
+                    for tx in thread_x(WARP):
+                        with T.sblock("V_ldmatrix"):
+                            T.reads()
+                            T.writes()
+                            if EMU:
+                                for i in T.unroll(4):
+                                    for e in T.unroll(2):
+                                        Vf[ty, tx, i * 2 + e] = Vs[
+                                            v_addr(c % NS, kk, dp, i * 8 + 2 * (tx % 4) + e) + tx // 4]
+                            else:
+                                T.evaluate(call("attn_ldsm_x4_trans", Vf.access_ptr("w"),
+                                    Vs.access_ptr("r", offset=v_addr(c % NS, kk, dp, tx))))
+                for ty in thread_y(W):
+                    for tx in thread_x(WARP):
+                        with T.sblock("PV_mma"):
+                            T.reads()
+                            T.writes()
+                            for mi in T.unroll(MT):
+                                mma_pair(acc, mi * NO * 4 + dp * 8, Pf, mi * NT * 4 + kk * 8, Vf, ty, tx)
+        if NS == 1:
+            if not EMU:
+                T.tvm_storage_sync("shared")  # the next tile overwrites the only buffer
+
+    return pv_mma
+
+
+def _mma_store(x):
+    """Row sums across the row's lanes, ``O = acc / l`` (0 for a row with no key)."""
+    (bi, col_of, dtype, EMU, hi, ix, MT, NO, o_half, ri, row_of, spec, SQ, thread_x, thread_y, W) = \
+        (x.bi, x.col_of, x.dtype, x.EMU, x.hi, x.ix, x.MT, x.NO, x.o_half, x.ri, x.row_of, x.spec, x.SQ,
+         x.thread_x, x.thread_y, x.W)
+
+    @T.macro
+    def store(O, acc, l, ls, vbx):
+        # -- row sums across the row's lanes, O = acc / l (0 for a row with no key) ------
+        for ty in thread_y(W):
+            for tx in thread_x(WARP):
+                with T.sblock("row_sum"):
+                    T.reads()
+                    T.writes()
+                    for h2 in T.unroll(MT * 2):
+                        if EMU:
+                            ls[ty, tx, h2] = (l[ty, tx // 4 * 4, h2] + l[ty, tx // 4 * 4 + 1, h2]) + (
+                                l[ty, tx // 4 * 4 + 2, h2] + l[ty, tx // 4 * 4 + 3, h2])
+                        else:
+                            ls[h2] = T.cuda.warp_sum(l[h2], 4)
+        for ty in thread_y(W):
+            for tx in thread_x(WARP):
+                with T.sblock("O_store"):
+                    T.reads()
+                    T.writes()
+                    for k in T.unroll(MT * NO * 4):
+                        if ri(vbx) + row_of(ty, tx, o_half(k)) < SQ:
+                            O[bi(vbx), hi(vbx), ri(vbx) + row_of(ty, tx, o_half(k)), col_of(tx, k, NO)] = T.Cast(
+                                dtype, normalize(acc[ix(ty, tx, k)], ls[ix(ty, tx, o_half(k))],
+                                                 ri(vbx) + row_of(ty, tx, o_half(k)), spec))
+
+    return store
+
+
+def fused_attention_mma(
+    spec: AttentionSpec, warps: int, block_n: int, stages: int, m_tiles: int = 1, emulate: bool = False
+) -> tirx.PrimFunc:
+    """Arguments (call order): ``Q (B, H, Sq, D)``, ``K (B, KH, Skv, D)``, ``V (B, KH, Skv, D)``,
+    ``O (B, H, Sq, D)``, all ``spec.dtype`` (float16 or bfloat16), compact row-major, 16-byte
+    aligned rows (``head_dim`` a multiple of 16)."""
+    x = _mma_fragments(_mma_context(spec, warps, block_n, stages, m_tiles, emulate))
+    (B, block_x, BN, D, dtype, fscope, fshape, H, KH, MT, n_tiles, NDC, NO, NR, NS, NT, ri, SK, smem, SQ, TILE, W) = \
+        (x.B, x.block_x, x.BN, x.D, x.dtype, x.fscope, x.fshape, x.H, x.KH, x.MT, x.n_tiles, x.NDC, x.NO, x.NR,
+         x.NS, x.NT, x.ri, x.SK, x.smem, x.SQ, x.TILE, x.W)
+    q_frag = _mma_q_frag(x)
+    prologue = _mma_prologue(x)
+    kv_wait = _mma_kv_wait(x)
+    kv_prefetch = _mma_kv_prefetch(x)
+    qk_mma = _mma_qk_mma(x)
+    softmax = _mma_softmax(x)
+    pv_mma = _mma_pv_mma(x)
+    store = _mma_store(x)
 
     @T.prim_func(s_tir=True)
     def attention(
@@ -321,197 +626,14 @@ def fused_attention_mma(
                 mn = T.sblock_alloc_buffer(fshape(MT * 2), "float32", scope=fscope)  # row's new max
                 ls = T.sblock_alloc_buffer(fshape(MT * 2), "float32", scope=fscope)  # row sum
 
-                # -- Q fragments, straight from global memory (once per block) --------------
-                for ty in thread_y(W):
-                    for tx in thread_x(WARP):
-                        with T.sblock("Q_frag"):
-                            T.reads()
-                            T.writes()
-                            for s in T.unroll(MT * NDC * 8):
-                                Qf[ix(ty, tx, s)] = Qp[bi(vbx), hi(vbx), T.min(
-                                    ri(vbx) + row_of(ty, tx, s // (NDC * 8) * 2 + s % 8 // 2 % 2), SQ - 1),
-                                    s % (NDC * 8) // 8 * 16 + 8 * (s % 8 // 2 // 2) + 2 * (tx % 4) + s % 2]
-                            for h2 in T.unroll(MT * 2):
-                                m[ix(ty, tx, h2)] = neg_inf
-                                l[ix(ty, tx, h2)] = T.float32(0)
-                            for k in T.unroll(MT * NO * 4):
-                                acc[ix(ty, tx, k)] = T.float32(0)
-
-                # -- prologue: the first stages − 1 K/V tiles in flight --------------------
-                for p in T.serial(NS - 1):
-                    for ty in thread_y(W):
-                        for tx in thread_x(WARP):
-                            with T.sblock("KV_prefetch"):
-                                T.reads()
-                                T.writes()
-                                if p < n_tiles(ri(vbx)):
-                                    copy_kv(Ks, Vs, K, V, vbx, ty, tx, p, p)
-                                if not EMU:
-                                    T.evaluate(call("attn_cp_commit"))
-
+                q_frag(Qp, Qf, m, l, acc, vbx)
+                prologue(Ks, Vs, K, V, vbx)
                 for c in T.serial(n_tiles(ri(vbx))):
-                    # -- tile c landed (this thread's copies, then everyone's) ---------------
-                    for ty in thread_y(W):
-                        for tx in thread_x(WARP):
-                            with T.sblock("KV_wait"):
-                                T.reads()
-                                T.writes()
-                                if NS == 1:
-                                    copy_kv(Ks, Vs, K, V, vbx, ty, tx, 0, c)
-                                    if not EMU:
-                                        T.evaluate(call("attn_cp_commit"))
-                                if not EMU:
-                                    if NS <= 2:
-                                        T.evaluate(call("attn_cp_wait0"))
-                                    elif NS == 3:
-                                        T.evaluate(call("attn_cp_wait1"))
-                                    else:
-                                        T.evaluate(call("attn_cp_wait2"))
-                    if not EMU:
-                        T.tvm_storage_sync("shared")
-                    # -- prefetch tile c + stages − 1 into the buffer tile c − 1 used ---------
-                    if NS > 1:
-                        for ty in thread_y(W):
-                            for tx in thread_x(WARP):
-                                with T.sblock("KV_load"):
-                                    T.reads()
-                                    T.writes()
-                                    if c + NS - 1 < n_tiles(ri(vbx)):
-                                        copy_kv(Ks, Vs, K, V, vbx, ty, tx, (c + NS - 1) % NS, c + NS - 1)
-                                    if not EMU:
-                                        T.evaluate(call("attn_cp_commit"))
-
-                    # -- S = Q·Kᵀ on tensor cores ------------------------------------------------
-                    for ty in thread_y(W):
-                        for tx in thread_x(WARP):
-                            with T.sblock("S_init"):
-                                T.reads()
-                                T.writes()
-                                for k in T.unroll(MT * NT * 4):
-                                    S[ix(ty, tx, k)] = T.float32(0)
-                    for np in T.unroll(NT // 2):
-                        for dk in T.unroll(NDC):
-                            for ty in thread_y(W):
-                                for tx in thread_x(WARP):
-                                    with T.sblock("K_ldmatrix"):
-                                        T.reads()
-                                        T.writes()
-                                        if EMU:
-                                            for i in T.unroll(4):
-                                                for e in T.unroll(2):
-                                                    Kf[ty, tx, i * 2 + e] = Ks[
-                                                        k_addr(c % NS, np, dk, i * 8 + tx // 4) + 2 * (tx % 4) + e]
-                                        else:
-                                            T.evaluate(call("attn_ldsm_x4", Kf.access_ptr("w"),
-                                                Ks.access_ptr("r", offset=k_addr(c % NS, np, dk, tx))))
-                            for ty in thread_y(W):
-                                for tx in thread_x(WARP):
-                                    with T.sblock("QK_mma"):
-                                        T.reads()
-                                        T.writes()
-                                        for mi in T.unroll(MT):
-                                            mma_pair(S, mi * NT * 4 + np * 8, Qf, mi * NDC * 8 + dk * 8, Kf, ty, tx)
-
-                    # -- scale, mask (only tiles that need it), the lane's row maxima -----------
-                    for ty in thread_y(W):
-                        for tx in thread_x(WARP):
-                            with T.sblock("S_max"):
-                                T.reads()
-                                T.writes()
-                                # the max of the raw scores, scaled once: the scale is positive, so
-                                # max(s)·scale = max(s·scale), and the exponent below is one FFMA
-                                if vis.hides_keys or kv_tail:
-                                    if needs_mask(c, ri(vbx)):
-                                        for k in T.unroll(MT * NT * 4):
-                                            S[ix(ty, tx, k)] = T.Select(
-                                                visible(ri(vbx), ty, tx, k, c), S[ix(ty, tx, k)], neg_inf)
-                                for h2 in T.unroll(MT * 2):
-                                    mt[ix(ty, tx, h2)] = neg_inf
-                                for k in T.unroll(MT * NT * 4):
-                                    mt[ix(ty, tx, s_half(k))] = T.max(mt[ix(ty, tx, s_half(k))], S[ix(ty, tx, k)])
-                                for h2 in T.unroll(MT * 2):
-                                    mt[ix(ty, tx, h2)] = T.max(m[ix(ty, tx, h2)], mt[ix(ty, tx, h2)] * T.float32(qscale))
-                    # -- row max across the row's four lanes -------------------------------------
-                    for ty in thread_y(W):
-                        for tx in thread_x(WARP):
-                            with T.sblock("row_max"):
-                                T.reads()
-                                T.writes()
-                                for h2 in T.unroll(MT * 2):
-                                    if EMU:
-                                        mn[ty, tx, h2] = T.max(
-                                            T.max(mt[ty, tx // 4 * 4, h2], mt[ty, tx // 4 * 4 + 1, h2]),
-                                            T.max(mt[ty, tx // 4 * 4 + 2, h2], mt[ty, tx // 4 * 4 + 3, h2]))
-                                    else:
-                                        mn[h2] = T.cuda.warp_max(mt[h2], 4)
-                    # -- P = exp2(S − m_new) in registers, online correction ----------------------
-                    for ty in thread_y(W):
-                        for tx in thread_x(WARP):
-                            with T.sblock("P_exp"):
-                                T.reads()
-                                T.writes()
-                                for h2 in T.unroll(MT * 2):
-                                    # alpha: exp2(m − m_new), reusing mt; a row with no visible key
-                                    # yet has m = m_new = −inf and its reference max guarded to 0
-                                    mt[ix(ty, tx, h2)] = T.exp2(m[ix(ty, tx, h2)] - guarded(mn[ix(ty, tx, h2)]))
-                                    m[ix(ty, tx, h2)] = mn[ix(ty, tx, h2)]
-                                    l[ix(ty, tx, h2)] = l[ix(ty, tx, h2)] * mt[ix(ty, tx, h2)]
-                                for k in T.unroll(MT * NT * 4):
-                                    S[ix(ty, tx, k)] = T.exp2(S[ix(ty, tx, k)] * T.float32(qscale)
-                                                              - guarded(mn[ix(ty, tx, s_half(k))]))
-                                    l[ix(ty, tx, s_half(k))] = l[ix(ty, tx, s_half(k))] + S[ix(ty, tx, k)]
-                                    Pf[ix(ty, tx, k)] = T.Cast(dtype, S[ix(ty, tx, k)])
-                                for k in T.unroll(MT * NO * 4):
-                                    acc[ix(ty, tx, k)] = acc[ix(ty, tx, k)] * mt[ix(ty, tx, o_half(k))]
-
-                    # -- acc += P·V on tensor cores ---------------------------------------------
-                    for kk in T.unroll(NT // 2):
-                        for dp in T.unroll(D // 16):
-                            for ty in thread_y(W):
-                                for tx in thread_x(WARP):
-                                    with T.sblock("V_ldmatrix"):
-                                        T.reads()
-                                        T.writes()
-                                        if EMU:
-                                            for i in T.unroll(4):
-                                                for e in T.unroll(2):
-                                                    Vf[ty, tx, i * 2 + e] = Vs[
-                                                        v_addr(c % NS, kk, dp, i * 8 + 2 * (tx % 4) + e) + tx // 4]
-                                        else:
-                                            T.evaluate(call("attn_ldsm_x4_trans", Vf.access_ptr("w"),
-                                                Vs.access_ptr("r", offset=v_addr(c % NS, kk, dp, tx))))
-                            for ty in thread_y(W):
-                                for tx in thread_x(WARP):
-                                    with T.sblock("PV_mma"):
-                                        T.reads()
-                                        T.writes()
-                                        for mi in T.unroll(MT):
-                                            mma_pair(acc, mi * NO * 4 + dp * 8, Pf, mi * NT * 4 + kk * 8, Vf, ty, tx)
-                    if NS == 1:
-                        if not EMU:
-                            T.tvm_storage_sync("shared")  # the next tile overwrites the only buffer
-
-                # -- row sums across the row's lanes, O = acc / l (0 for a row with no key) ------
-                for ty in thread_y(W):
-                    for tx in thread_x(WARP):
-                        with T.sblock("row_sum"):
-                            T.reads()
-                            T.writes()
-                            for h2 in T.unroll(MT * 2):
-                                if EMU:
-                                    ls[ty, tx, h2] = (l[ty, tx // 4 * 4, h2] + l[ty, tx // 4 * 4 + 1, h2]) + (
-                                        l[ty, tx // 4 * 4 + 2, h2] + l[ty, tx // 4 * 4 + 3, h2])
-                                else:
-                                    ls[h2] = T.cuda.warp_sum(l[h2], 4)
-                for ty in thread_y(W):
-                    for tx in thread_x(WARP):
-                        with T.sblock("O_store"):
-                            T.reads()
-                            T.writes()
-                            for k in T.unroll(MT * NO * 4):
-                                if ri(vbx) + row_of(ty, tx, o_half(k)) < SQ:
-                                    O[bi(vbx), hi(vbx), ri(vbx) + row_of(ty, tx, o_half(k)), col_of(tx, k, NO)] = T.Cast(
-                                        dtype, normalize(acc[ix(ty, tx, k)], ls[ix(ty, tx, o_half(k))],
-                                                         ri(vbx) + row_of(ty, tx, o_half(k)), spec))
+                    kv_wait(Ks, Vs, K, V, vbx, c)
+                    kv_prefetch(Ks, Vs, K, V, vbx, c)
+                    qk_mma(S, Qf, Ks, Kf, c)
+                    softmax(S, Pf, acc, m, l, mt, mn, vbx, c)
+                    pv_mma(acc, Pf, Vs, Vf, c)
+                store(O, acc, l, ls, vbx)
 
     return attention
