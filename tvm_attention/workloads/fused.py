@@ -927,50 +927,50 @@ def _dense(spec: AttentionSpec, block_m: int, block_n: int, decode_rows: tuple[i
     return _dense_function(f, attrs, body)
 
 
-def _dense_function(f: _Dense, attrs: dict, body) -> tirx.PrimFunc:
-    """The PrimFunc of a dense-query kernel: the layout's arguments in call order (Q, K, V, the
-    layout's index arrays, O, then LSE when ``return_lse``), its attrs, ``body``."""
-    B, H, SQ, D, kv, dtype = f.B, f.H, f.SQ, f.D, f.kv, f.spec.dtype
-    KS = kv.shape
-    layout = f.spec.layout
-    if layout == "bhsd":
-        @T.prim_func(s_tir=True)
-        def attention(
-            Q: T.Buffer((B, H, SQ, D), dtype, align=A),
-            K: T.Buffer(KS, dtype, align=A),
-            V: T.Buffer(KS, dtype, align=A),
-            O: T.Buffer((B, H, SQ, D), dtype, align=A),
-            LSE: T.Buffer((B, H, SQ), "float32", align=A),
-        ):
-            T.func_attr(attrs)
-            body(Q, K, V, O, LSE, ())
-    elif layout == "kvcache":
-        @T.prim_func(s_tir=True)
-        def attention(
-            Q: T.Buffer((B, H, SQ, D), dtype, align=A),
-            K: T.Buffer(KS, dtype, align=A),
-            V: T.Buffer(KS, dtype, align=A),
-            CL: T.Buffer((B,), "int32", align=A),
-            O: T.Buffer((B, H, SQ, D), dtype, align=A),
-            LSE: T.Buffer((B, H, SQ), "float32", align=A),
-        ):
-            T.func_attr(attrs)
-            body(Q, K, V, O, LSE, (CL,))
-    else:
-        @T.prim_func(s_tir=True)
-        def attention(
-            Q: T.Buffer((B, H, SQ, D), dtype, align=A),
-            K: T.Buffer(KS, dtype, align=A),
-            V: T.Buffer(KS, dtype, align=A),
-            BT: T.Buffer((B, kv.MP), "int32", align=A),
-            CL: T.Buffer((B,), "int32", align=A),
-            O: T.Buffer((B, H, SQ, D), dtype, align=A),
-            LSE: T.Buffer((B, H, SQ), "float32", align=A),
-        ):
-            T.func_attr(attrs)
-            body(Q, K, V, O, LSE, (BT, CL))
+#: The index arrays a dense-query layout may take, in call order (between ``v`` and ``o``): the
+#: signature template has a parameter for each, and a layout whose entry lacks one drops it.
+INDEX_PARAMS = ("block_table", "cache_seqlens")
 
-    return attention if f.lse else _drop_last_param(attention)
+
+def _dense_function(f: _Dense, attrs: dict, body) -> tirx.PrimFunc:
+    """The PrimFunc of a dense-query kernel, its signature read from the layout's entry
+    (``layouts.py``): its arguments in call order (q, k, v, the index arrays, o, then lse when
+    ``return_lse``), each argument's dims mapped to this kernel's values (ints, or its symbolic
+    vars), its attrs, ``body``."""
+    layout, dtype = f.spec.layout_info, f.spec.dtype
+    args = layout.all_args(f.spec)
+    names = [a.name for a in args]
+    index = [a.name for a in layout.index_args]
+    if [n for n in INDEX_PARAMS if n in index] != index:
+        raise ValueError(f"layout {layout.name}: index arrays {index} are not a subsequence of {INDEX_PARAMS}")
+    values = {"batch": f.B, "heads": f.H, "seq_q": f.SQ, "head_dim": f.D, **f.kv.dim_values()}
+
+    def shape(i):  # argument i's shape; a dropped index parameter's is a placeholder
+        return tuple(values[d] for d in args[i].dims) if i is not None else (1,)
+
+    def at(name):
+        return names.index(name) if name in names else None
+    QS, KS, VS, OS, LS = shape(0), shape(1), shape(2), shape(names.index(layout.output.name)), shape(at("lse"))
+    BTS, CLS = shape(at(INDEX_PARAMS[0])), shape(at(INDEX_PARAMS[1]))
+    present = [n in index for n in INDEX_PARAMS]
+
+    def index_buffers(*bufs):
+        return tuple(b for b, p in zip(bufs, present) if p)
+
+    @T.prim_func(s_tir=True)
+    def attention(
+        Q: T.Buffer(QS, dtype, align=A),
+        K: T.Buffer(KS, dtype, align=A),
+        V: T.Buffer(VS, dtype, align=A),
+        BT: T.Buffer(BTS, "int32", align=A),
+        CL: T.Buffer(CLS, "int32", align=A),
+        O: T.Buffer(OS, dtype, align=A),
+        LSE: T.Buffer(LS, "float32", align=A),
+    ):
+        T.func_attr(attrs)
+        body(Q, K, V, O, LSE, index_buffers(BT, CL))
+
+    return _keep_params(attention, [True, True, True, *present, True, f.lse])
 
 
 def _whole(buf):
@@ -991,7 +991,12 @@ def n_splits(split_tasks: int, B, KH: int):
 
 def _drop_last_param(func: tirx.PrimFunc) -> tirx.PrimFunc:
     """``func`` without its last parameter (the optional ``LSE`` output, unused in its body)."""
-    return tirx.PrimFunc(list(func.params[:-1]), func.body, func.ret_type, func.attrs)
+    return _keep_params(func, [True] * (len(func.params) - 1) + [False])
+
+
+def _keep_params(func: tirx.PrimFunc, keep: list[bool]) -> tirx.PrimFunc:
+    """``func`` with only the parameters ``keep`` marks (the others are unused in its body)."""
+    return tirx.PrimFunc([p for p, k in zip(func.params, keep) if k], func.body, func.ret_type, func.attrs)
 
 
 def _varlen(spec: AttentionSpec, block_m: int, block_n: int, dot_bf16: bool = False) -> tirx.PrimFunc:
@@ -1038,15 +1043,21 @@ def _varlen(spec: AttentionSpec, block_m: int, block_n: int, dot_bf16: bool = Fa
             lse_index=lambda row: (vh, q0 + row),
         )
 
+    # the signature from the layout entry: q, k, v, cu_seqlens_q, cu_seqlens_k, o, then lse
+    layout = spec.layout_info
+    values = {"total_q": TQ, "total_k": TK, "heads": H, "kv_heads": KH, "head_dim": D, "batch+1": NB1}
+    QS, KS, VS, CQS, CKS, OS = (tuple(values[d] for d in a.dims) for a in layout.args)
+    LS = tuple(values[d] for d in layout.lse_dims)
+
     @T.prim_func(s_tir=True)
     def attention(
-        Q: T.Buffer((TQ, H, D), dtype, align=A),
-        K: T.Buffer((TK, KH, D), dtype, align=A),
-        V: T.Buffer((TK, KH, D), dtype, align=A),
-        CQ: T.Buffer((NB1,), "int32", align=A),
-        CK: T.Buffer((NB1,), "int32", align=A),
-        O: T.Buffer((TQ, H, D), dtype, align=A),
-        LSE: T.Buffer((H, TQ), "float32", align=A),
+        Q: T.Buffer(QS, dtype, align=A),
+        K: T.Buffer(KS, dtype, align=A),
+        V: T.Buffer(VS, dtype, align=A),
+        CQ: T.Buffer(CQS, "int32", align=A),
+        CK: T.Buffer(CKS, "int32", align=A),
+        O: T.Buffer(OS, dtype, align=A),
+        LSE: T.Buffer(LS, "float32", align=A),
     ):
         T.func_attr(attrs)
         for h, s in T.grid(H, NT):

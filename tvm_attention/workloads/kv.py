@@ -29,6 +29,10 @@ class KVLayout:
     def __init__(self, spec: AttentionSpec, B, D: int):
         self.KH, self.D = spec.kv_heads, D
 
+    def dim_values(self) -> dict:
+        """The K/V dims of the layout entry (``layouts.py``) -> this kernel's values."""
+        return {"kv_heads": self.KH}
+
     def length(self, X, b):
         """Keys of sequence ``b``."""
         return X[-1][b]
@@ -57,6 +61,9 @@ class BHSD(KVLayout):
         self.shape = (B, self.KH, self.SK, D)
         self.bound = self.SK
 
+    def dim_values(self) -> dict:
+        return {"kv_heads": self.KH, "seq_kv": self.SK}
+
     def length(self, X, b):
         return self.SK
 
@@ -70,6 +77,9 @@ class KVCache(KVLayout):
         self.shape = (B, self.KH, self.ML, D)
         self.bound = self.ML
 
+    def dim_values(self) -> dict:
+        return {"kv_heads": self.KH, "max_len": self.ML}
+
 
 class Paged(KVLayout):
     """``K``/``V (num_pages, page_size, KH, D)``: key ``j`` of sequence ``b`` is row
@@ -81,6 +91,9 @@ class Paged(KVLayout):
         self.NP, self.MP = tirx.Var("num_pages", "int32"), tirx.Var("max_pages", "int32")
         self.shape = (self.NP, self.P, self.KH, D)
         self.bound = self.MP * self.P  # keys a block table row can address
+
+    def dim_values(self) -> dict:
+        return {"kv_heads": self.KH, "num_pages": self.NP, "page_size": self.P, "max_pages": self.MP}
 
     def reads(self, K, V, X, b, kh, nh: int = 1) -> list:
         h = self._heads(kh, nh)
