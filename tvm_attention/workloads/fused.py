@@ -243,6 +243,17 @@ def _s_gemm_macros(k: _TileShape):
     float32 by ``K_load``), ``plain`` (K read through the layout's index), and ``prefetch``
     (block ``KV_prefetch``, before a staged form when asked).
 
+    ``staged``: each key tile copied into a local float32 ``Kt (block_n, D)`` (block ``K_load``)
+    that ``S_gemm`` reads through plain indices. A schedule that computes QKᵀ as dot products with
+    a tensor intrinsic needs that: through a layout's own index (the tail clamp reading
+    ``cache_seqlens``, a block-table lookup) the K reads would name other buffers.
+
+    ``heads`` (the decode nest's page order): the tile's ``block_m`` rows are ``HT`` kv heads'
+    blocks of packed rows, and keys are staged for all of them: ``Kt (HT, D)`` one key at a time
+    inside ``S_gemm``'s key loop, ``Vt (block_n, HT, D)`` per tile (``_pv_macros``). A paged
+    cache ``(pages, page_size, kv_heads, D)`` is then read along its rows, every head of a key at
+    once, instead of ``D`` elements every ``kv_heads·D``. Row ``i`` uses head ``i // R``.
+
     ``prefetch``: a software prefetch (``llvm.prefetch``, into L1) of every cache line of the K
     and V rows of key tile ``c + prefetch`` while tile ``c`` computes (clamped to the last key),
     meant for streams the hardware prefetcher follows poorly (a paged cache: rows ``kv_heads·D``
@@ -487,20 +498,13 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
     loaded (``Q_load``, ``K_load``/``S_gemm``, ``PV_gemm``) and the output rounded to the dtype as
     it is stored: every tile buffer, the softmax state and the accumulators are float32.
 
-    ``stage_k``: copy each key tile into a local float32 ``Kt (block_n, D)`` (block ``K_load``) that
-    ``S_gemm`` reads through plain indices. A schedule that computes QKᵀ as dot products with a
-    tensor intrinsic needs that: through a layout's own index (the tail clamp reading
-    ``cache_seqlens``, a block-table lookup) the K reads would name other buffers.
+    ``stage_k``: stage each key tile as float32 (:func:`_s_gemm_macros`).
 
     ``prefetch`` (with ``stage_k``): a software prefetch ``prefetch`` key tiles ahead
     (:func:`_s_gemm_macros`).
 
-    ``heads`` > 1 (with ``stage_k``; the decode nest's page order): the tile's ``block_m`` rows
-    are ``heads`` kv heads' blocks of packed rows, and keys are staged for all of them: ``Kt
-    (heads, D)`` one key at a time inside ``S_gemm``'s key loop, ``Vt (block_n, heads, D)`` per
-    tile (blocks ``K_load``/``V_load``). A paged cache ``(pages, page_size, kv_heads, D)`` is
-    then read along its rows, every head of a key at once, instead of ``D`` elements every
-    ``kv_heads·D``. Row ``i`` uses head ``i // (block_m / heads)`` of the staged tiles.
+    ``heads`` > 1 (with ``stage_k``): ``heads`` kv heads' blocks of packed rows in one tile, keys
+    staged for all of them (the decode nest's page order; :func:`_s_gemm_macros`).
 
     ``dot_bf16`` (bfloat16 inputs): both products as bf16 dot products with float32 sums
     (AVX512-BF16's ``vdpbf16ps``; :func:`_s_gemm_macros`, :func:`_pv_macros`). The row sum ``l``
