@@ -30,7 +30,7 @@ from tvm.script import tirx as T
 from tvm_attention.spec import AttentionSpec
 from tvm_attention.workloads._math import bf16_value
 
-from .cpu_space import (AUTO_UNROLL_STEPS, PARALLEL_CHUNKS, max_pv_rows, max_s_rows, sample_choice, sample_tile,
+from .cpu_space import (AUTO_UNROLL_STEPS, PARALLEL_CHUNKS, has_block, max_pv_rows, max_s_rows, sample_choice, sample_tile,
                         vectorize_rows)
 
 L = 16  # float32 lanes of one vdpbf16ps (a zmm register)
@@ -185,8 +185,9 @@ def schedule(sch: s_tir.Schedule, spec: AttentionSpec, knobs=None, suffix: str =
     sch.unroll(do)
 
     # Softmax stages across query rows, as the fp32 schedule.
-    for name in ("row_max", "P_exp", "row_sum", "state_init", "online_correction", "max_commit"):
-        vectorize_rows(sch, sch.get_loops(blk(name))[-1], L)
+    for name in ("row_max", "P_exp", "row_sum", "state_init", "online_correction", "max_commit", "score_mod"):
+        if name != "score_mod" or has_block(sch, name):  # score_mod: a variant's (softcap, ALiBi)
+            vectorize_rows(sch, sch.get_loops(blk(name))[-1], L)
     for name in ("acc_init", "O_store"):
         sch.vectorize(sch.get_loops(blk(name))[-1])
     # acc_rescale reads what it writes (not a complete block: vectorize refuses it); its loop is

@@ -29,6 +29,8 @@ from tvm.script import tirx as T
 
 from tvm_attention.spec import AttentionSpec
 
+from .cpu_space import has_block
+
 F32 = "float32"
 #: float32 lanes of the dot product's vectors: 16 (a zmm, AVX-512) or 8 (a ymm, AVX2)
 DOT_LANES = (16, 8)
@@ -180,15 +182,6 @@ def dot_intrinsic(D: int, rows: int, lanes: int = 16) -> str:
 _REGISTERED: set[str] = set()
 
 
-def has_block(sch: s_tir.Schedule, name: str) -> bool:
-    """Whether ``sch`` has a block named ``name``."""
-    try:
-        sch.get_sblock(name)
-    except Exception:  # noqa: BLE001 - ScheduleError: no such block
-        return False
-    return True
-
-
 def _vectorize(sch: s_tir.Schedule, loop, extent: int, lanes: int) -> None:
     if extent == 1:
         return
@@ -251,11 +244,14 @@ def schedule(sch: s_tir.Schedule, spec: AttentionSpec, suffix: str, knobs: DotDe
         sch.decompose_reduction(b, j)
     for name in ("online_correction", "max_commit", "state_init"):
         _vectorize(sch, sch.get_loops(blk(name))[-1], tile_rows, L)
-    j, i = sch.get_loops(blk("P_exp"))[-2:]
-    if heads > 1:  # a multi-head tile has full vectors of rows: keep the key loop a loop
-        _vectorize(sch, i, tile_rows, L)
-    else:
-        _vectorize(sch, sch.fuse(j, i), block_n * tile_rows, L)
+    for name in ("score_mod", "P_exp"):  # score_mod: a variant's (softcap, ALiBi), when there
+        if not has_block(sch, name + suffix):
+            continue
+        j, i = sch.get_loops(blk(name))[-2:]
+        if heads > 1:  # a multi-head tile has full vectors of rows: keep the key loop a loop
+            _vectorize(sch, i, tile_rows, L)
+        else:
+            _vectorize(sch, sch.fuse(j, i), block_n * tile_rows, L)
 
     # PV_gemm: (row block, [column block,] key, rows unrolled, columns vectorized)
     pv = blk("PV_gemm")

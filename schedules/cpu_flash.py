@@ -30,7 +30,7 @@ from tvm import s_tir
 from tvm.target import Target
 
 from tvm_attention.layouts import LAYOUTS
-from tvm_attention.spec import SUPPORTED_DTYPES, AttentionSpec
+from tvm_attention.spec import SUPPORTED_DTYPES, VARIANTS, AttentionSpec
 from tvm_attention.target import target_features, vector_lanes
 from tvm_attention.workloads import fused_attention
 from tvm_attention.workloads.fused import DECODE, MERGE, SPLIT, n_splits
@@ -42,9 +42,10 @@ from .cpu_space import (AUTO_UNROLL_STEPS, D_UNROLL_MAX, MAX_TILE_BYTES, PARALLE
 from .family import Capabilities
 
 NAME = "fused"
-#: every layout, dtype (stored; it computes in float32 always), symbolic dim and the lse output
+#: every layout, dtype (stored; it computes in float32 always), symbolic dim, the lse output and
+#: every attention variant
 CAPABILITIES = Capabilities(label=NAME, target="cpu", layouts=tuple(LAYOUTS), dtypes=SUPPORTED_DTYPES,
-                            symbolic=True, lse=True)
+                            symbolic=True, lse=True, variants=VARIANTS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -410,6 +411,10 @@ class TileKernelLayout:
     kv_tile: bool  # has the kv_tile loop (auto_unroll applies there)
 
 
+#: Blocks a variant adds to the tile (``score_mod``: the softcap's tanh and ALiBi's bias), vectorized
+#: across query rows like the softmax stages where the workload has them.
+VARIANT_ROW_BLOCKS = ("score_mod",)
+
 FLASH_LAYOUT = TileKernelLayout(
     ("row_max", "P_exp", "row_sum", "Q_load", "state_init", "online_correction", "max_commit"),
     ("acc_init", "O_store"),
@@ -482,8 +487,9 @@ def schedule(
     # vectors.
     if _has_block(sch, "K_load" + suffix) and D % lanes == 0:  # else LLVM vectorizes what it can
         vectorize_rows(sch, sch.get_loops(sch.get_sblock("K_load" + suffix))[-1], lanes)
-    for name in layout.row_vector_blocks:
-        vectorize_rows(sch, sch.get_loops(sch.get_sblock(name + suffix))[-1], lanes)
+    for name in layout.row_vector_blocks + VARIANT_ROW_BLOCKS:
+        if name in layout.row_vector_blocks or _has_block(sch, name + suffix):
+            vectorize_rows(sch, sch.get_loops(sch.get_sblock(name + suffix))[-1], lanes)
     for name in layout.d_vector_blocks:
         sch.vectorize(sch.get_loops(sch.get_sblock(name + suffix))[-1])
 

@@ -48,3 +48,12 @@ def sample_choice(sch, options: tuple[int, ...], value: int | None):
     """One of ``options``: pinned to ``value`` when given (hand), else sampled uniformly."""
     decision = None if value is None else options.index(value)
     return sch.sample_categorical(list(options), [1.0 / len(options)] * len(options), decision=decision)
+
+
+def has_block(sch: s_tir.Schedule, name: str) -> bool:
+    """Whether ``sch`` has a block named ``name``."""
+    try:
+        sch.get_sblock(name)
+    except Exception:  # noqa: BLE001 - ScheduleError: no such block
+        return False
+    return True

@@ -36,6 +36,9 @@ class Capabilities:
     symbolic: bool  # batch, seq_q, seq_kv may be symbolic
     lse: bool  # writes the log-sum-exp output (--return-lse)
     instead: str = USE_CPU_FUSED  # what to use for a spec it cannot build
+    #: attention variants it builds (``AttentionSpec.variants``: window, softcap, alibi, sinks,
+    #: kv_start); the others are refused by name
+    variants: tuple[str, ...] = ()
 
     def refusal(self, spec: AttentionSpec) -> str | None:
         """Why this family cannot build ``spec`` (None: it can), in the one message format
@@ -46,6 +49,9 @@ class Capabilities:
             what = f"builds layout(s) {', '.join(self.layouts)}, not {spec.layout!r}"
         elif spec.dtype not in self.dtypes:
             what = f"builds dtype(s) {', '.join(self.dtypes)}, not {spec.dtype!r}"
+        elif [v for v in spec.variants if v not in self.variants]:
+            missing = [v for v in spec.variants if v not in self.variants]
+            what = f"does not build the attention variant(s) {', '.join(missing)} (yet)"
         elif spec.dynamic and not self.symbolic:
             what = f"has no symbolic-shape build ({', '.join(spec.dynamic)} given as dyn): give static lengths, or"
         else:

@@ -93,12 +93,13 @@ def bad_calls(x):
         ((q, k, v[:-1], cq, ck), {}, r"v: dim 0 \(total_k\) is 20, but k has total_k=21"),
         ((q, k[:, :1], v, cq, ck), {}, r"k: expected shape \(total_k, 2, 64\)"),
         ((q, k, v, cq, ck), {"max_seqlen_q": 4}, r"max_seqlen_q=4 is smaller than the longest sequence in cu_seqlens_q \(12\)"),
-        ((q, k, v, cq, ck), {"window_size": (-1, -1)}, "unexpected keyword argument 'window_size'"),
+        ((q, k, v, cq, ck), {"window_size": (4, 0)}, r"window_size=\(4, 0\): this artifact was built with window"),
+        ((q, k, v, cq, ck), {"dropout_p": 0.1}, "unexpected keyword argument 'dropout_p'"),
         ((q, k, v, cq, ck, ck), {}, "3 arguments after q, k, v"),
     ]
 
 
-@pytest.mark.parametrize("i", range(14))
+@pytest.mark.parametrize("i", range(15))
 def test_bad_input_is_rejected_naming_it(artifact, i):
     spec, out = artifact
     kernel = load(out)

@@ -66,6 +66,33 @@ def _add_spec_flags(p: argparse.ArgumentParser, defaults: dict | None = None) ->
     p.add_argument("--causal", action="store_true", default=d.get("causal", False),
                    help="bottom-right causal mask: query i sees key j iff j <= i + Skv - Sq")
     p.add_argument("--scale", type=float, default=None, help="softmax scale (default 1/sqrt(D))")
+    # the attention variants (docs/semantics.md); each is compiled in
+    p.add_argument("--window", type=_window, default=None, metavar="L[,R]",
+                   help="sliding window: a row at position p sees keys p-L .. p+R (-1: unbounded). L alone is "
+                        "(L, -1), or (L, 0) with --causal; FlashAttention's window_size. transformers' "
+                        "sliding_window=W is --window W-1 --causal")
+    p.add_argument("--softcap", type=float, default=None, metavar="C",
+                   help="logit softcap: the scaled score x becomes C*tanh(x/C) before masking (Gemma-2)")
+    p.add_argument("--alibi", action="store_true", default=False,
+                   help="ALiBi: the score gains -slope_h*|p - j|; the kernel takes alibi_slopes (H,) float32")
+    p.add_argument("--sinks", action="store_true", default=False,
+                   help="attention sinks: the kernel takes sinks (H,) float32 logits that join each row's softmax "
+                        "denominator (gpt-oss)")
+    p.add_argument("--kv-start", action="store_true", default=False,
+                   help="left padding: the kernel takes kv_start (B,) int32; keys before kv_start[b] are hidden "
+                        "(FlashAttention's cache_leftpad; bhsd, kvcache and paged)")
+
+
+def _window(text: str) -> tuple[int, int]:
+    """``--window L[,R]``: ``(L, None)`` for L alone (its right bound follows --causal)."""
+    parts = str(text).split(",")
+    try:
+        vals = [int(x) for x in parts]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected L or L,R (ints, -1 unbounded)") from None
+    if len(vals) not in (1, 2) or any(v < -1 for v in vals):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected L or L,R (ints >= -1; -1 unbounded)")
+    return (vals[0], vals[1] if len(vals) == 2 else None)
 
 
 def _spec_from_args(a: argparse.Namespace) -> AttentionSpec:
@@ -91,8 +118,20 @@ def _spec_from_args(a: argparse.Namespace) -> AttentionSpec:
         batch=dims["batch"], heads=a.heads, kv_heads=a.kv_heads, seq_q=dims["seq_q"], seq_kv=dims["seq_kv"],
         head_dim=a.head_dim, dtype=a.dtype, causal=a.causal, scale=a.scale, layout=a.layout,
         dynamic=tuple(dynamic), return_lse=a.return_lse,
-        page_size=a.page_size,
+        page_size=a.page_size, window=_window_of(a), softcap=a.softcap or None,
+        alibi=a.alibi, sinks=a.sinks, kv_start=a.kv_start,
     )
+
+
+def _window_of(a: argparse.Namespace) -> tuple[int, int] | None:
+    """``--window``'s (left, right): L alone means (L, 0) with --causal, else (L, -1); --causal
+    with R > 0 is an error (the spec names it)."""
+    if a.window is None:
+        return None
+    left, right = a.window
+    if right is None:
+        right = 0 if a.causal else -1
+    return (left, right)
 
 
 def _add_build_flags(p: argparse.ArgumentParser) -> None:

@@ -56,6 +56,52 @@ class Arg:
     output: bool = False
 
 
+#: The call arguments of the variants that take one (``spec.variants``), in call order: after the
+#: layout's own inputs, before the outputs. Per query head, or per sequence (``batch``).
+VARIANT_ARGS = (("alibi", Arg("alibi_slopes", ("heads",), "float32")),
+                ("sinks", Arg("sinks", ("heads",), "float32")),
+                ("kv_start", Arg("kv_start", ("batch",), "int32")))
+
+
+#: Keywords of the compiled-in variants the loader accepts and checks against the artifact
+#: (FlashAttention's names); ``cache_leftpad`` is FlashAttention's name of ``kv_start``.
+VARIANT_OPTIONS = {"window_size": "must equal the artifact's window ((-1, -1): none)",
+                   "softcap": "must equal the artifact's (0: none)"}
+#: keyword -> the argument it names (FlashAttention's spelling of ours)
+ARG_ALIASES = {"cache_leftpad": "kv_start"}
+
+
+def _check_variant_options(spec, options: Mapping[str, Any]) -> None:
+    w = options.get("window_size")
+    if w is not None:
+        try:
+            left, right = (int(x) for x in w)
+        except (TypeError, ValueError):
+            raise KernelArgumentError(f"window_size: expected (left, right), got {w!r}") from None
+        mine = spec.window or (-1, 0 if spec.causal else -1)
+        if spec.causal and right == -1:
+            right = 0
+        if (left, right) != tuple(mine):
+            raise KernelArgumentError(
+                f"window_size={tuple(w)!r}: this artifact was built with window={tuple(mine)!r} "
+                f"(causal={spec.causal}); build another (--window)")
+    c = options.get("softcap")
+    if c is not None:
+        try:
+            c = float(c)
+        except (TypeError, ValueError):
+            raise KernelArgumentError(f"softcap: expected a number, got {options['softcap']!r}") from None
+        mine = spec.softcap or 0.0
+        if not np.isclose(c, mine, rtol=1e-6, atol=0.0):
+            raise KernelArgumentError(f"softcap={options['softcap']!r}: this artifact was built with softcap={mine!r}; "
+                                      "build another (--softcap)")
+
+
+def variant_args(spec) -> tuple[Arg, ...]:
+    """The variant arguments ``spec``'s kernel takes, in call order."""
+    return tuple(a for flag, a in VARIANT_ARGS if getattr(spec, flag, False))
+
+
 def _bound_dim(name: str) -> tuple[str, int]:
     """``"batch+1"`` -> ("batch", 1); ``"seq_q"`` -> ("seq_q", 0)."""
     if name.endswith("+1"):
@@ -86,11 +132,20 @@ class Layout:
         return tuple(a for a in self.args if not a.output)
 
     def all_args(self, spec) -> tuple[Arg, ...]:
-        """The arguments of ``spec``'s kernel in call order: ``args``, then ``lse`` when the spec
-        returns it."""
-        if getattr(spec, "return_lse", False):
-            return self.args + (Arg("lse", self.lse_dims, "float32", output=True),)
-        return self.args
+        """The arguments of ``spec``'s kernel in call order: the inputs of ``args``, the variant
+        arguments (``alibi_slopes``, ``sinks``, ``kv_start``: :data:`VARIANT_ARGS`), the output
+        ``o``, then ``lse`` when the spec returns it."""
+        lse = (Arg("lse", self.lse_dims, "float32", output=True),) if getattr(spec, "return_lse", False) else ()
+        return self.inputs + variant_args(spec) + (self.output,) + lse
+
+    def inputs_of(self, spec) -> tuple[Arg, ...]:
+        """The inputs of ``spec``'s kernel in call order (the layout's, then the variants')."""
+        return self.inputs + variant_args(spec)
+
+    def index_names(self, spec) -> tuple[str, ...]:
+        """Inputs after q, k, v of ``spec``'s kernel (index arrays, then variant arguments):
+        passed positionally or by keyword."""
+        return tuple(a.name for a in self.inputs_of(spec)[3:])
 
     def outputs(self, spec) -> tuple[Arg, ...]:
         return tuple(a for a in self.all_args(spec) if a.output)
@@ -126,9 +181,15 @@ class Layout:
     def check_indices(self, arrays: Mapping[str, np.ndarray], bound: Mapping[str, int]) -> None:
         """Raise :class:`KernelArgumentError` for index arrays the kernel would misread."""
 
+    def all_options(self) -> dict[str, str]:
+        """``options`` and the variants' compiled-in keywords (FlashAttention's names)."""
+        return {**self.options, **VARIANT_OPTIONS}
+
     def check_options(self, spec, options: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> None:
-        """FlashAttention's ``causal``/``softmax_scale`` keywords, when passed, must be what the
-        artifact was built with (a kernel cannot change them at call time)."""
+        """FlashAttention's ``causal``/``softmax_scale``/``window_size``/``softcap`` keywords, when
+        passed, must be what the artifact was built with (a kernel cannot change them at call
+        time)."""
+        _check_variant_options(spec, options)
         if "causal" in options and options["causal"] is not None and bool(options["causal"]) != spec.causal:
             raise KernelArgumentError(
                 f"causal={options['causal']!r}: this artifact was built with causal={spec.causal}; build another"
@@ -189,6 +250,60 @@ def _rng_array(rng: np.random.Generator, shape, dtype) -> np.ndarray:
     return rng.standard_normal(shape).astype(dtype)
 
 
+def alibi_slopes(heads: int) -> np.ndarray:
+    """``(heads,)`` float32: the ALiBi paper's slopes (``2^(-8i/n)`` for ``i = 1..n``, n the
+    largest power of two ≤ heads, then every other slope of ``2n`` for the rest), as Bloom,
+    MPT and FlashAttention's tests make them."""
+    def powers(n):
+        return [2.0 ** (-8.0 * (i + 1) / n) for i in range(n)]
+    n = 1 << (heads.bit_length() - 1)
+    out = powers(n) + powers(2 * n)[0::2][:heads - n]
+    return np.asarray(out, np.float32)
+
+
+def variant_inputs(spec, key_counts, seed: int = 0) -> dict[str, np.ndarray]:
+    """The variant arguments ``spec``'s kernel takes, for sequences of ``key_counts`` keys:
+    ALiBi's standard slopes, random sink logits, and a ``kv_start`` per sequence in ``[0, keys]``
+    (the second sequence, when there is one, hides every key). Drawn from a generator of their
+    own, so that a plain spec's inputs stay what they were."""
+    rng = np.random.default_rng(seed + 7919)
+    out = {}
+    if getattr(spec, "alibi", False):
+        out["alibi_slopes"] = alibi_slopes(spec.heads)
+    if getattr(spec, "sinks", False):
+        out["sinks"] = (rng.standard_normal(spec.heads) * 2).astype(np.float32)
+    if getattr(spec, "kv_start", False):
+        n = [int(x) for x in key_counts]
+        start = [int(rng.integers(0, k + 1)) for k in n]
+        if len(n) > 1:
+            start[1] = n[1]
+        out["kv_start"] = np.asarray(start, np.int32)
+    return out
+
+
+def variant_kwargs(arrays: Mapping[str, np.ndarray], b: int | None = None) -> dict[str, np.ndarray]:
+    """The reference's keywords for the variant arguments among ``arrays`` (sequence ``b``'s
+    ``kv_start`` alone when ``b`` is given)."""
+    out = {n: arrays[n] for n in ("alibi_slopes", "sinks") if n in arrays}
+    if "kv_start" in arrays:
+        out["kv_start"] = arrays["kv_start"] if b is None else arrays["kv_start"][b:b + 1]
+    return out
+
+
+def check_kv_start(arrays: Mapping[str, np.ndarray], key_counts) -> None:
+    """``0 ≤ kv_start[b] ≤`` sequence ``b``'s keys, else :class:`KernelArgumentError`."""
+    if "kv_start" not in arrays:
+        return
+    start = arrays["kv_start"]
+    counts = np.broadcast_to(np.asarray(key_counts), start.shape)
+    bad = (start < 0) | (start > counts)
+    if bad.any():
+        b = int(np.argmax(bad))
+        raise KernelArgumentError(
+            f"kv_start[{b}]={int(start[b])} must be in [0, {int(counts[b])}] (the sequence's keys); it is the "
+            "first key the sequence's rows may see")
+
+
 class BHSD(Layout):
     name = "bhsd"
     manifest_name = "BHSD"  # what manifests said before there were other layouts
@@ -208,7 +323,11 @@ class BHSD(Layout):
         return d
 
     def reference_outputs(self, spec, arrays):
-        return reference_attention(spec, arrays["q"], arrays["k"], arrays["v"], return_lse=True)
+        return reference_attention(spec, arrays["q"], arrays["k"], arrays["v"], return_lse=True,
+                                   **variant_kwargs(arrays))
+
+    def check_indices(self, arrays, bound):
+        check_kv_start(arrays, arrays["k"].shape[2])
 
     def kv_bytes(self, spec, case):
         return 2 * case["batch"] * spec.kv_heads * case["seq_kv"] * spec.head_dim * spec.itemsize
@@ -231,6 +350,7 @@ class BHSD(Layout):
             "q": _rng_array(rng, (b, spec.heads, sq, spec.head_dim), dt),
             "k": _rng_array(rng, (b, spec.kv_heads, sk, spec.head_dim), dt),
             "v": _rng_array(rng, (b, spec.kv_heads, sk, spec.head_dim), dt),
+            **variant_inputs(spec, [sk] * b, seed),
         }
 
     def useful_flops(self, spec, case):
@@ -310,7 +430,8 @@ class Varlen(Layout):
             def bhsd(x):
                 return np.ascontiguousarray(x.transpose(1, 0, 2))[None]
 
-            ob, lb = reference_attention(spec, bhsd(q[rows]), bhsd(k[keys]), bhsd(v[keys]), return_lse=True)
+            ob, lb = reference_attention(spec, bhsd(q[rows]), bhsd(k[keys]), bhsd(v[keys]), return_lse=True,
+                                         **variant_kwargs(arrays))
             o[rows] = ob[0].transpose(1, 0, 2)
             lse[:, rows] = lb[0]
         return o, lse
@@ -338,6 +459,7 @@ class Varlen(Layout):
             "v": _rng_array(rng, (int(ck[-1]), spec.kv_heads, spec.head_dim), dt),
             "cu_seqlens_q": cq,
             "cu_seqlens_k": ck,
+            **variant_inputs(spec, lens[:, 1], seed),
         }
 
     def useful_flops(self, spec, case):
@@ -384,6 +506,7 @@ class KVCache(Layout):
         if lens.size and lens.max() > cap:
             b = int(np.argmax(lens))
             raise KernelArgumentError(f"cache_seqlens[{b}]={int(lens[b])} exceeds the cache: {what}")
+        check_kv_start(arrays, lens)
 
     def keys_of(self, spec, arrays, b: int, length: int) -> tuple[np.ndarray, np.ndarray]:
         """Sequence ``b``'s first ``length`` keys and values as ``(1, KH, length, D)``."""
@@ -395,7 +518,8 @@ class KVCache(Layout):
         lse = np.full(q.shape[:3], -np.inf)
         for b in range(q.shape[0]):
             k, v = self.keys_of(spec, arrays, b, int(lens[b]))
-            o[b:b + 1], lse[b:b + 1] = reference_attention(spec, q[b:b + 1], k, v, return_lse=True)
+            o[b:b + 1], lse[b:b + 1] = reference_attention(spec, q[b:b + 1], k, v, return_lse=True,
+                                                           **variant_kwargs(arrays, b))
         return o, lse
 
     def validation_cases(self, spec):
@@ -425,6 +549,7 @@ class KVCache(Layout):
             "k_cache": _rng_array(rng, (b, spec.kv_heads, ml, spec.head_dim), dt),
             "v_cache": _rng_array(rng, (b, spec.kv_heads, ml, spec.head_dim), dt),
             "cache_seqlens": lens,
+            **variant_inputs(spec, lens, seed),
         }
 
     def useful_flops(self, spec, case):
@@ -532,6 +657,7 @@ class Paged(KVCache):
             "v_pages": _rng_array(rng, (num_pages, p, spec.kv_heads, spec.head_dim), dt),
             "block_table": table,
             "cache_seqlens": lens,
+            **variant_inputs(spec, lens, seed),
         }
 
     def describe_case(self, case):

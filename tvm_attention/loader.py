@@ -45,7 +45,7 @@ import numpy as np
 
 from . import runtime
 from .hostcpu import describe_host, missing_features
-from .layouts import KernelArgumentError, _bound_dim
+from .layouts import ARG_ALIASES, VARIANT_ARGS, KernelArgumentError, _bound_dim
 from .spec import MAX_ELEMENTS, AttentionSpec, numpy_dtype
 from .threads import default_num_threads, set_num_threads, use_threads
 
@@ -175,6 +175,10 @@ def _shape_text(shape) -> str:
     return "(" + ", ".join(str(d) for d in shape) + ")"
 
 
+#: a variant argument's name -> the spec flag (and CLI option) that makes a kernel take it
+VARIANT_FLAGS = {a.name: flag for flag, a in VARIANT_ARGS}
+
+
 class AttentionKernel:
     """Callable wrapper around a compiled attention function.
 
@@ -207,12 +211,13 @@ class AttentionKernel:
         self._arg_specs = spec.arg_specs()
         # (name, shape with ints and dim names, NumPy dtype) of each input, in call order
         self._inputs = [(a["name"], tuple(a["shape"]), numpy_dtype(a["dtype"]))
-                        for a, arg in zip(self._arg_specs, self.layout.args) if not arg.output]
+                        for a, arg in zip(self._arg_specs, self.layout.all_args(spec)) if not arg.output]
         outs = [(tuple(a["shape"]), a["dtype"]) for a, arg in zip(self._arg_specs, self.layout.all_args(spec)) if arg.output]
         self._out_shape = outs[0][0]  # o
         self._extra_outs = outs[1:]  # lse, when the artifact returns it
         self._qkv = tuple(name for name, _, _ in self._inputs[:3])  # q, k, v / q, k_cache, v_cache...
-        self._index_names = tuple(a.name for a in self.layout.index_args)
+        self._index_names = self.layout.index_names(spec)  # index arrays, then variant arguments
+        self._options = self.layout.all_options()
         self._static = not any(isinstance(d, str) for _, shape, _ in self._inputs for d in shape)
         #: the fast path (``_fast_call``): CPU kernels returning o alone
         self._fast = device == "cpu" and not self._extra_outs
@@ -229,14 +234,21 @@ class AttentionKernel:
             )
         given.update(zip(self._index_names, index))
         for name, x in kw.items():
+            name = ARG_ALIASES.get(name, name) if ARG_ALIASES.get(name) in self._index_names else name
             if name in self._index_names:
                 if name in given:
                     raise KernelArgumentError(f"{name}: given both by position and by keyword")
                 given[name] = x
-            elif name in self.layout.options:
+            elif name in self._options:
                 options[name] = x
+            elif name in VARIANT_FLAGS or ARG_ALIASES.get(name) in VARIANT_FLAGS:
+                if x is not None:  # FlashAttention callers pass None for what they do not use
+                    flag = VARIANT_FLAGS[ARG_ALIASES.get(name, name)]
+                    raise KernelArgumentError(
+                        f"{name}: this artifact was built without {flag}; build one with --{flag.replace('_', '-')} "
+                        "to pass it")
             else:
-                known = list(self._index_names) + list(self.layout.options) + ["out"]
+                known = list(self._index_names) + list(self._options) + ["out"]
                 raise KernelArgumentError(
                     f"unexpected keyword argument {name!r} for a {self.layout.name} kernel; it takes {', '.join(known)}"
                 )

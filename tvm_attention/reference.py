@@ -23,18 +23,30 @@ def reference_attention(
     v: np.ndarray,
     rows: np.ndarray | None = None,
     return_lse: bool = False,
+    alibi_slopes: np.ndarray | None = None,
+    sinks: np.ndarray | None = None,
+    kv_start: np.ndarray | None = None,
 ):
     """``softmax(q·kᵀ·scale + mask)·v`` in float64, BHSD layout, GQA by ``h // group_size``.
 
     Lengths come from the arrays (``q (B, H, Sq, D)``, ``k``/``v (B, KH, Skv, D)``), so one spec
-    serves every shape of a dynamic kernel; ``spec`` gives scale, GQA and causality.
-    ``rows`` (optional) restricts the computation to those query rows; the result then has
-    shape ``(B, H, len(rows), D)``. Rows the mask gives no key are zeros; NaN in q, k or v (or an
-    infinite score) gives NaN in the rows it reaches.
+    serves every shape of a dynamic kernel; ``spec`` gives scale, GQA, the mask (causal, window)
+    and the variants. ``rows`` (optional) restricts the computation to those query rows; the
+    result then has shape ``(B, H, len(rows), D)``. Rows the mask gives no key are zeros; NaN in
+    q, k or v (or an infinite score) gives NaN in the rows it reaches.
+
+    The variants, in the order they act on the scaled score ``x = q·k·scale`` of row position
+    ``p`` and key ``j`` (docs/semantics.md):
+
+    * ``spec.softcap`` c: ``x ← c·tanh(x / c)``;
+    * ``spec.alibi``: ``x ← x − alibi_slopes[h]·|p − j|`` (``alibi_slopes (H,)``);
+    * the mask: causal, ``spec.window``, and ``kv_start (B,)`` (keys ``j < kv_start[b]`` hidden);
+    * ``spec.sinks``: ``sinks (H,)`` natural-log logits; each row's denominator gains
+      ``exp(sinks[h])``, with no value attached (a row that sees no key still outputs zeros).
 
     ``return_lse``: also return ``lse (B, H, Sq)``, the natural log of each row's softmax
-    denominator ``log Σ_j exp(q·k_j·scale)`` over the keys it sees (``-inf`` for a row that sees
-    none): the value FlashAttention returns as ``softmax_lse``.
+    denominator ``log Σ_j exp(x_j)`` over the keys it sees (``-inf`` for a row that sees none),
+    without the sink: the value FlashAttention returns as ``softmax_lse``.
     """
     q = np.asarray(q, dtype=np.float64)
     k = np.asarray(k, dtype=np.float64)
@@ -43,16 +55,28 @@ def reference_attention(
     if seq_kv == 0:  # no key at all: every row is a zero row
         o = np.zeros(q.shape if rows is None else q.shape[:2] + (len(rows), q.shape[3]))
         return (o, np.full(o.shape[:3], -np.inf)) if return_lse else o
+    vis = Visibility.of(spec)
+    pos = vis.position(np.arange(seq_q), vis.offset(seq_q, seq_kv))
     if rows is not None:
         rows = np.asarray(rows)
         q = q[:, :, rows, :]
+        pos = pos[rows]
     # Expand kv heads to query heads: query head h reads kv head h // group_size.
     k = np.repeat(k, spec.group_size, axis=1)
     v = np.repeat(v, spec.group_size, axis=1)
     s = np.einsum("bhid,bhjd->bhij", q, k) * spec.scale
-    mask = Visibility.of(spec).mask(seq_q, seq_kv)
-    if rows is not None:
-        mask = mask[rows]
+    keys = np.arange(seq_kv)
+    if spec.softcap is not None:
+        s = spec.softcap * np.tanh(s / spec.softcap)
+    if spec.alibi:
+        slopes = _per_head(spec, "alibi_slopes", alibi_slopes)
+        s = s - slopes[None, :, None, None] * np.abs(pos[:, None] - keys[None, :])[None, None]
+    if spec.kv_start:
+        start = np.asarray(_required(kv_start, "kv_start"), np.int64).reshape(-1, 1, 1, 1)
+    else:
+        start = None
+    seen = vis.sees(keys[None, None, None, :], pos[None, None, :, None], start)
+    mask = np.ones((1, 1, len(pos), seq_kv), bool) if seen is None else np.broadcast_to(seen, seen.shape)
     s = np.where(mask, s, -np.inf)
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         m = s.max(axis=-1, keepdims=True)
@@ -61,15 +85,35 @@ def reference_attention(
         m = np.where(m == -np.inf, 0.0, m)
         p = np.exp(s - m)
         denom = p.sum(axis=-1, keepdims=True)
-        o = np.einsum("bhij,bhjd->bhid", p, v) / denom
+        o = np.einsum("bhij,bhjd->bhid", p, v)
+        if spec.sinks:
+            # exp(sink) joins the denominator; the max taken over both keeps it finite
+            sink = _per_head(spec, "sinks", sinks)[None, :, None, None]
+            top = np.maximum(m, sink)
+            o = o * np.exp(m - top) / (denom * np.exp(m - top) + np.exp(sink - top))
+        else:
+            o = o / denom
     # A zero row means one thing: the mask gave that row no key.
-    sees_key = mask.any(axis=-1)[None, None, :, None]
+    sees_key = mask.any(axis=-1)[..., None]
     o = np.where(sees_key, o, 0.0)
     if not return_lse:
         return o
     with np.errstate(divide="ignore", invalid="ignore"):
         lse = m[..., 0] + np.log(denom[..., 0])  # m is 0 for a row with no key: log(0) = -inf
     return o, lse
+
+
+def _required(x, name: str):
+    if x is None:
+        raise ValueError(f"the spec takes {name}: pass it")
+    return x
+
+
+def _per_head(spec: AttentionSpec, name: str, x) -> np.ndarray:
+    x = np.asarray(_required(x, name), np.float64).reshape(-1)
+    if x.shape != (spec.heads,):
+        raise ValueError(f"{name}: expected ({spec.heads},) (one per query head), got {x.shape}")
+    return x
 
 
 def random_inputs(spec: AttentionSpec, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

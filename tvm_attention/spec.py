@@ -59,6 +59,10 @@ MAX_ELEMENTS = 2**31 - 1
 DATA_ALIGNMENT = 16
 
 
+#: The attention variants a spec may turn on (docs/semantics.md), in the order the call arguments
+#: of the three that take one (``alibi_slopes``, ``sinks``, ``kv_start``) follow.
+VARIANTS = ("window", "softcap", "alibi", "sinks", "kv_start")
+
 #: Dims a spec may leave symbolic (``dynamic``); heads, kv_heads, head_dim, dtype, causal and
 #: scale are always compiled in.
 DYNAMIC_DIMS = ("batch", "seq_q", "seq_kv")
@@ -86,6 +90,20 @@ class AttentionSpec:
     return_lse: bool = False
     #: keys per page of the paged layout's K/V pools (compiled in; that layout's default 16)
     page_size: int | None = None
+    # -- variants (docs/semantics.md; each compiled in, off by default) ---------------------------
+    #: sliding window ``(left, right)``: a row at position p sees keys p − left .. p + right (-1:
+    #: unbounded; FlashAttention's window_size). Causal is right = 0; stored canonical (None: none)
+    window: tuple[int, int] | None = None
+    #: logit softcap c > 0: the scaled score x becomes c·tanh(x / c) before masking (Gemma-2)
+    softcap: float | None = None
+    #: ALiBi: the (capped) score gains −slope_h·|p − j|; slopes ``alibi_slopes (heads,)`` float32
+    #: are a call argument
+    alibi: bool = False
+    #: attention sinks: ``sinks (heads,)`` float32 logits (natural log, not scaled), a call
+    #: argument; each row's softmax denominator gains exp(sink_h), with no value attached
+    sinks: bool = False
+    #: left padding: ``kv_start (batch,)`` int32, a call argument; keys j < kv_start[b] are hidden
+    kv_start: bool = False
 
     def __post_init__(self) -> None:
         for name in ("batch", "heads", "seq_q", "head_dim"):
@@ -129,6 +147,7 @@ class AttentionSpec:
             _check_positive_int("page_size", self.page_size)
         elif self.page_size is not None:
             raise SpecError(f"page_size={self.page_size!r} applies to the paged layout only (layout={layout.name})")
+        self._check_variants(layout)
         if self.dtype not in SUPPORTED_DTYPES:
             raise SpecError(
                 f"dtype={self.dtype!r} is not supported; supported: {', '.join(SUPPORTED_DTYPES)}"
@@ -143,6 +162,41 @@ class AttentionSpec:
                 f"scale must be a positive number in [{MIN_SCALE:g}, {MAX_SCALE:g}], got {self.scale!r} "
                 "(kernels fold scale·log2(e) into a float32 constant)"
             )
+
+    def _check_variants(self, layout) -> None:
+        """Validate the variant fields and store them canonically: a window as a ``(left, right)``
+        tuple that hides something (``right = 0`` is ``causal``), a softcap as a float."""
+        for name in ("alibi", "sinks", "kv_start"):
+            if not isinstance(getattr(self, name), bool):
+                raise SpecError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.kv_start and layout.name == "varlen":
+            raise SpecError("kv_start (left padding) applies to the bhsd, kvcache and paged layouts: varlen packs "
+                            "sequences without padding")
+        w = self.window
+        if w is not None:
+            if isinstance(w, str) or not isinstance(w, (tuple, list)) or len(w) != 2 or \
+                    any(isinstance(x, bool) or not isinstance(x, int) or x < -1 for x in w):
+                raise SpecError(f"window must be (left, right), two ints >= -1 (-1: unbounded), got {w!r}")
+            left, right = w
+            if self.causal and right > 0:
+                raise SpecError(f"window=({left}, {right}) with causal: causal means right = 0 (keys after the "
+                                "row's own are hidden); pass right 0 or -1, or drop causal")
+            if self.causal or right == 0:
+                object.__setattr__(self, "causal", True)
+                right = 0
+            w = None if left == -1 and right in (-1, 0) else (left, right)
+            object.__setattr__(self, "window", w)
+        c = self.softcap
+        if c is not None:
+            if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or c < 0:
+                raise SpecError(f"softcap must be a positive number (0 or None: off), got {c!r}")
+            object.__setattr__(self, "softcap", float(c) if c > 0 else None)
+
+    @property
+    def variants(self) -> tuple[str, ...]:
+        """The variants this spec turns on (``window``, ``softcap``, ``alibi``, ``sinks``,
+        ``kv_start``), in that order: what a family that builds none of them refuses by name."""
+        return tuple(n for n in VARIANTS if getattr(self, n) not in (None, False))
 
     # -- shapes -------------------------------------------------------------------------------
     @property
@@ -193,7 +247,10 @@ class AttentionSpec:
 
     def flops(self) -> float:
         """Conventional attention FLOPs: 4·B·H·Sq·Skv·D, halved for causal (the usual benchmark
-        convention of FlashAttention and Triton, used for every GFLOP/s we print)."""
+        convention of FlashAttention and Triton, used for every GFLOP/s we print); with a
+        sliding window 4·B·H·D per visible pair (the window's work, as FlashAttention counts it)."""
+        if self.window is not None:
+            return 4.0 * self.batch * self.heads * self.head_dim * self.visible_pairs()
         f = 4.0 * self.batch * self.heads * self.seq_q * self.seq_kv * self.head_dim
         return f / 2 if self.causal else f
 
@@ -232,9 +289,12 @@ class AttentionSpec:
         d["dynamic"] = list(self.dynamic)
         # keys added after manifests existed are written only when set, so that older
         # manifests (and the tuning logs' spec files) still compare equal
-        for key, default in (("return_lse", False), ("page_size", None)):
+        for key, default in (("return_lse", False), ("page_size", None), ("window", None), ("softcap", None),
+                             ("alibi", False), ("sinks", False), ("kv_start", False)):
             if d[key] == default:
                 del d[key]
+        if "window" in d:
+            d["window"] = list(d["window"])
         return d
 
     #: The exported library's function that returns :meth:`fingerprint` of the spec it was built from.
@@ -254,8 +314,9 @@ class AttentionSpec:
         if unknown:
             raise SpecError(f"unknown spec field(s): {', '.join(sorted(unknown))}")
         d = dict(d)
-        if isinstance(d.get("dynamic"), list):
-            d["dynamic"] = tuple(d["dynamic"])
+        for key in ("dynamic", "window"):
+            if isinstance(d.get(key), list):
+                d[key] = tuple(d[key])
         return cls(**d)
 
     def short_name(self) -> str:
@@ -263,7 +324,7 @@ class AttentionSpec:
         dim reads ``dyn`` (``bdyn_h8_kv2_qdyn_kdyn_d64_float32_causal``) and another layout
         leads (``varlen_h8_kv2_d64_float32_causal``). Representative values are not part of it."""
         c = "causal" if self.causal else "full"
-        tail = f"_d{self.head_dim}_{self.dtype}_{c}{'_lse' if self.return_lse else ''}"
+        tail = f"_d{self.head_dim}_{self.dtype}_{c}{self._variant_name()}{'_lse' if self.return_lse else ''}"
         if self.layout != "bhsd":
             page = f"_p{self.page_size}" if self.page_size is not None else ""
             return f"{self.layout}{page}_h{self.heads}_kv{self.kv_heads}{tail}"
@@ -272,6 +333,16 @@ class AttentionSpec:
             return "dyn" if name in self.dynamic else str(getattr(self, name))
 
         return f"b{dim('batch')}_h{self.heads}_kv{self.kv_heads}_q{dim('seq_q')}_k{dim('seq_kv')}{tail}"
+
+
+    def _variant_name(self) -> str:
+        """The variants' part of :meth:`short_name`: ``_w4095_0``, ``_cap30``, ``_alibi``..."""
+        out = ""
+        if self.window is not None:
+            out += "_w" + "_".join("n" if x < 0 else str(x) for x in self.window)
+        if self.softcap is not None:
+            out += "_cap" + f"{self.softcap:g}".replace(".", "p").replace("+", "")
+        return out + "".join(f"_{n.replace('_', '')}" for n in ("alibi", "sinks", "kv_start") if getattr(self, n))
 
 
 def _check_positive_int(name: str, value: Any) -> None:

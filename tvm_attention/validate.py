@@ -6,6 +6,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .layouts import variant_kwargs
 from .reference import reference_attention
 from .spec import AttentionSpec
 
@@ -110,7 +111,8 @@ def validate_callable(spec: AttentionSpec, kernel: Callable[..., np.ndarray], se
         out = np.asarray(out).astype(np.float32)
         rows = sample_rows(spec, seed, case) if layout.name == "bhsd" else None
         if rows is not None:
-            ref, ref_lse = reference_attention(spec, arrays["q"], arrays["k"], arrays["v"], rows=rows, return_lse=True)
+            ref, ref_lse = reference_attention(spec, arrays["q"], arrays["k"], arrays["v"], rows=rows, return_lse=True,
+                                               **variant_kwargs(arrays))
             out = out[:, :, rows, :]
             lse = None if lse is None else np.asarray(lse)[:, :, rows]
             label = f"{len(rows)} sampled"

@@ -50,6 +50,27 @@ def exp2_fast(x: tirx.PrimExpr) -> tirx.PrimExpr:
     return p * tirx.reinterpret(f32, bits)
 
 
+def tanh_fast(x: tirx.PrimExpr) -> tirx.PrimExpr:
+    """``tanh(x)`` for float32 ``x`` from :func:`exp2_fast` (vectorizable; LLVM would call libm per
+    lane): ``t = 2^(−2·log2(e)·|x|) ∈ [0, 1]``, ``tanh|x| = (1 − t) / (1 + t)``, the sign of ``x``
+    restored. Absolute error about 1e-7 (the softcapped logit ``c·tanh(x/c)`` then within
+    ``c``·1e-7); ±inf give ±1, NaN stays NaN (``|NaN|`` and the select keep it)."""
+    f32 = "float32"
+    t = exp2_fast(tirx.abs(x) * tirx.const(-2.0 * LOG2E, f32))
+    r = (tirx.const(1.0, f32) - t) / (tirx.const(1.0, f32) + t)
+    return tirx.Select(x < tirx.const(0.0, f32), -r, r)
+
+
+def with_sink(acc: tirx.PrimExpr, l: tirx.PrimExpr, m: tirx.PrimExpr, sink: tirx.PrimExpr):
+    """``(acc', l')`` whose ratio is the output of a row with an attention sink: its denominator
+    gains ``2^(sink − m)`` (``sink`` in the log2 units of the running max ``m``), both scaled by
+    ``2^(g − top)``, ``top = max(g, sink)``, ``g = guarded(m)``, so no exponent is positive."""
+    g = guarded(m)
+    top = tirx.max(g, sink)
+    w = exp2_fast(g - top)
+    return acc * w, l * w + exp2_fast(sink - top)
+
+
 def guarded(mx: tirx.PrimExpr) -> tirx.PrimExpr:
     """The reference max for a row's exponentials: ``mx``, or 0 while the row has seen no
     visible key (``mx == -inf``), so ``exp2(-inf - ref)`` is 0 rather than ``exp2(-inf + inf)``

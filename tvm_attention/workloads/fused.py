@@ -27,7 +27,10 @@ it ``S_gemm``, ``row_max``, ``online_correction``, ``max_commit``, ``P_exp``, ``
 ``O_store``. Inside ``kv_tile`` each buffer has a single writer, so ``S_gemm``, ``row_max``,
 ``row_sum`` and ``PV_gemm`` are reductions whose ``init`` holds the correction
 (``l·alpha``, ``acc·alpha``) and ``decompose_reduction`` can hoist it. Optional: ``lse_store``
-(``return_lse``), ``state_store`` (split-KV partials) and ``K_load`` (a staged key tile).
+(``return_lse``), ``state_store`` (split-KV partials), ``K_load`` (a staged key tile) and
+``score_mod`` (a softcap or ALiBi spec: the modified scores, written to a buffer ``Sm`` of their own
+that ``row_max`` and ``P_exp`` read; a window, sinks and ``kv_start`` need no block: they change
+the mask, the key-tile range and the store).
 
 Frames (:data:`FRAMES`): ``_dense`` for the layouts whose queries are dense ``(B, H, Sq, D)``
 (``bhsd``, ``kvcache``, ``paged``; they differ only in where keys live, :mod:`.kv`), with the
@@ -44,7 +47,8 @@ from tvm.script import tirx as T
 
 from ..spec import DATA_ALIGNMENT as A, AttentionSpec
 from ..visibility import Visibility
-from ._math import LOG2E, bf16_bits, bf16_value, cast_to, exp2_fast, f32, guarded, lse_of, normalize, normalize_where
+from ._math import (LOG2E, bf16_bits, bf16_value, cast_to, exp2_fast, f32, guarded, lse_of, normalize, normalize_where,
+                    tanh_fast, with_sink)
 from .kv import dim, kv_layout
 
 ENTRY = "attention"
@@ -81,12 +85,44 @@ def fused_attention(spec: AttentionSpec, block_m: int, block_n: int, decode_rows
                   decode_heads)
 
 
+class _Variants:
+    """The variants' call arguments of one kernel (``alibi_slopes``, ``sinks``, ``kv_start``: its
+    buffers, None where the spec takes none) and the expressions the tile builds from them."""
+
+    def __init__(self, spec, AL=None, SK=None, KS=None):
+        self.AL = AL if spec.alibi else None
+        self.SK = SK if spec.sinks else None
+        self.KS = KS if spec.kv_start else None
+
+    def start(self, b):
+        """Sequence ``b``'s first visible key (None: key 0)."""
+        return None if self.KS is None else self.KS[b]
+
+    def slope(self, h):
+        """ALiBi's slope of query head ``h`` in the log2 units of the scores (None: no ALiBi)."""
+        return None if self.AL is None else self.AL[h] * T.float32(LOG2E)
+
+    def sink(self, h):
+        """The sink logit of query head ``h`` in log2 units (None: no sinks)."""
+        return None if self.SK is None else self.SK[h] * T.float32(LOG2E)
+
+
+#: a kernel without variant arguments
+NO_VARIANTS = types.SimpleNamespace(start=lambda b: None, slope=lambda h: None, sink=lambda h: None)
+
+
 class _Tile:
     """Where one row tile finds its rows and keys: what a layout changes (the recurrence is the
-    same for every layout). Index methods return index tuples into Q, K/V and O."""
+    same for every layout). Index methods return index tuples into Q, K/V and O.
+
+    Variants: ``var`` (:class:`_Variants`), ``b`` the tile's sequence (its ``kv_start``),
+    ``head(row)`` the query head of a tile row (ALiBi's slope, the sink), ``key0`` the sequence's
+    key the tile numbers 0 (a split-KV chunk's first). With a left window or a start the key-tile
+    loop begins at tile ``c0`` (:meth:`tile` maps the loop's tile to the sequence's)."""
 
     def __init__(self, spec, BM, BN, row0, q_len, k_len, q_index, kv_index, o_index, always_masked, valid=None,
-                 pos=None, seq_q=None, offset=None, lse_index=None, state_index=None, heads=1):
+                 pos=None, seq_q=None, offset=None, lse_index=None, state_index=None, heads=1,
+                 var=NO_VARIANTS, b=None, head=None, key0=None):
         self.spec, self.BM, self.BN = spec, BM, BN
         # heads > 1: the tile's rows are ``heads`` blocks of BM // heads rows, one per kv head
         # (kv_index then takes the head: (key, d, head)); q_len, pos and keep apply per block
@@ -118,6 +154,28 @@ class _Tile:
         self.lse_index = lse_index  # row -> index of its log-sum-exp output, or None
         # split-KV partial: row -> (index of m, index of l); O gets the unnormalised acc
         self.state_index = state_index
+        self.var, self.head = var, head
+        start = var.start(b)
+        # the first visible key in the tile's numbering (a chunk's keys start at key0)
+        self.start = start if start is None or key0 is None else start - key0
+        first = row0 if pos is None else pos(row0)
+        begin = vis.key_begin(vis.position(first, self.off), self.start)
+        # key tiles wholly before what the tile's first row sees are skipped, not masked
+        self.c0 = None if begin is None else vis.tiles_before(begin, BN)
+
+    def tile(self, c):
+        """The sequence's key tile of loop iteration ``c``."""
+        return c if self.c0 is None else c + self.c0
+
+    def row_pos(self, row):
+        """The key position of tile row ``row``."""
+        return self.vis.position(row if self.pos is None else self.pos(row), self.off)
+
+    def alibi(self, vj, vi, vc):
+        """ALiBi's bias of tile row ``vi`` and key ``vj`` of tile ``vc``: ``slope·|p − j|``."""
+        row = self.row0 + vi
+        dist = self.row_pos(row) - (self.tile(vc) * self.BN + vj)
+        return self.var.slope(self.head(row)) * T.Cast("float32", T.abs(dist))
 
     def n_tiles(self, nc):
         # Key tiles past what the tile's last row sees are entirely masked: skipped, not
@@ -128,6 +186,8 @@ class _Tile:
         key_end = self.vis.key_end(self.vis.position(end_row, self.off))
         if key_end is not None:
             n = T.max(0, T.min(n, self.vis.tiles_to(key_end, BN)))
+        if self.c0 is not None:
+            n = T.max(0, n - self.c0)
         if self.valid is not None:
             n = T.Select(self.valid, n, 0)
         return n
@@ -144,13 +204,13 @@ class _Tile:
         # Clamp the tail tile's key index into range: those scores are masked anyway, and the
         # clamp costs one scalar min per key instead of a branch per element.
         if self.kv_tail:
-            return self._kv_of(T.min(c * self.BN + vj, self.k_len - 1), vd, head)
-        return self._kv_of(c * self.BN + vj, vd, head)
+            return self._kv_of(T.min(self.tile(c) * self.BN + vj, self.k_len - 1), vd, head)
+        return self._kv_of(self.tile(c) * self.BN + vj, vd, head)
 
     def kv_ahead(self, c, vj, vd, head=None):
         """K/V index of key ``vj`` of tile ``c`` (which may lie past the last), clamped to the
         last key: a prefetch address, always inside the sequence's rows (and its block table)."""
-        return self._kv_of(T.max(0, T.min(c * self.BN + vj, self.k_len - 1)), vd, head)
+        return self._kv_of(T.max(0, T.min(self.tile(c) * self.BN + vj, self.k_len - 1)), vd, head)
 
     def o_at(self, vi, vd):
         return self._o(self.row0 + vi, vd)
@@ -169,13 +229,17 @@ class _Tile:
         # not see (visibility.py). Unmasked specs read S unchanged.
         if not self.masked:
             return S[vj, vi]
-        col = vc * self.BN + vj
+        col = self.tile(vc) * self.BN + vj
         cond = col < self.k_len
         row = self.row0 + vi if self.pos is None else self.pos(self.row0 + vi)
-        seen = self.vis.sees(col, self.vis.position(row, self.off))
+        seen = self.vis.sees(col, self.vis.position(row, self.off), self.start)
         if seen is not None:
             cond = seen if self.diagonal_bounds_keys else T.And(cond, seen)
         return T.Select(cond, S[vj, vi], T.float32(float("-inf")))
+
+    def sink(self, vi):
+        """The sink logit of tile row ``vi`` (log2 units), None without sinks."""
+        return None if self.head is None else self.var.sink(self.head(self.row0 + vi))
 
     def out(self, acc, l, vi):
         """``acc / l``, or 0 for a row the mask gives no key (see ``normalize``); a split-KV
@@ -183,14 +247,13 @@ class _Tile:
         row = self.row0 + vi
         if self.state_index is not None:
             return acc
-        if self.static:
+        if self.static and self.start is None:
             return normalize(acc, l, row, self.spec)
         return normalize_where(acc, l, self.sees_key(row))
 
     def sees_key(self, row):
         """Whether tile row ``row`` sees any key (a fact of the mask and the lengths)."""
-        row = row if self.pos is None else self.pos(row)
-        return self.vis.sees_a_key(self.vis.position(row, self.off), self.k_len)
+        return self.vis.sees_a_key(self.row_pos(row), self.k_len, self.start)
 
 
 #: Block names of the tile, found by name in schedules/ (a second nest of the same function
@@ -230,6 +293,16 @@ class _TileShape:
     prefetch: int
     stats: str | None
     line_elems: int
+    softcap: float | None = None  # the logit softcap c (Q is then scaled by scale / c)
+    scale: float = 1.0  # the spec's scale
+    alibi: bool = False
+    sinks: bool = False
+
+    @property
+    def score_mod(self) -> bool:
+        """Whether the tile rewrites its scores in place (block ``score_mod``) before the softmax:
+        the softcap's tanh once per score, and ALiBi's bias."""
+        return self.softcap is not None or self.alibi
 
     @property
     def R(self) -> int:
@@ -351,21 +424,43 @@ def _softmax_macro(k: _TileShape):
     correction ``alpha = exp2(m_old - m_new)`` (guarded: no -inf - -inf), ``P = exp2(S - m_new)``
     (masked entries exactly 0) and ``l = l·alpha + rowsum(P)``."""
     N, BM, BN, qscale, dot_bf16 = k.N, k.BM, k.BN, k.qscale, k.dot_bf16
+    score_mod, cap, alibi = k.score_mod, k.softcap, k.alibi
 
-    def score(t, S, vj, vi, vc):
-        # dot_bf16 sums unscaled products (Q keeps its exact bf16 values: no pre-scaled copy)
+    def score(t, S, Sm, vj, vi, vc):
+        # dot_bf16 sums unscaled products (Q keeps its exact bf16 values: no pre-scaled copy);
+        # score_mod has already brought them to log2 units, in Sm
+        if score_mod:
+            return t.score(Sm, vj, vi, vc)
         e = t.score(S, vj, vi, vc)
         return e * T.float32(qscale) if dot_bf16 else e
 
+    def modified(t, x, vj, vi, vc):
+        # the score in log2 units: softcapped (x is scale·q·k / c, or q·k unscaled from bf16 dots),
+        # then ALiBi's bias
+        if cap is not None:
+            x = tanh_fast(x * T.float32(k.scale / cap) if dot_bf16 else x) * T.float32(cap * LOG2E)
+        elif dot_bf16:
+            x = x * T.float32(qscale)
+        if alibi:
+            x = x - t.alibi(vj, vi, vc)
+        return x
+
     @T.macro
-    def online_softmax(S, P, m, m_new, l, alpha, t, vc):
+    def online_softmax(S, Sm, P, m, m_new, l, alpha, t, vc):
+        if score_mod:
+            # the modified scores go to a buffer of their own: every buffer of the tile keeps
+            # one writer (S_gemm's S is a reduction the schedules decompose)
+            for j, i in T.grid(BN, BM):
+                with T.sblock(N["score_mod"]):
+                    vj, vi = T.axis.remap("SS", [j, i])
+                    Sm[vj, vi] = modified(t, S[vj, vi], vj, vi, vc)
         # -- running max over the visible keys ---------------------------------
         for j, i in T.grid(BN, BM):
             with T.sblock(N["row_max"]):
                 vj, vi = T.axis.remap("RS", [j, i])
                 with T.init():
                     m_new[vi] = m[vi]
-                m_new[vi] = T.max(m_new[vi], score(t, S, vj, vi, vc))
+                m_new[vi] = T.max(m_new[vi], score(t, S, Sm, vj, vi, vc))
         # -- online correction factor; the guard keeps -inf - -inf out ----------
         for i in T.serial(BM):
             with T.sblock(N["online_correction"]):
@@ -379,7 +474,7 @@ def _softmax_macro(k: _TileShape):
         for j, i in T.grid(BN, BM):
             with T.sblock(N["P_exp"]):
                 vj, vi = T.axis.remap("SS", [j, i])
-                P[vj, vi] = exp2_fast(score(t, S, vj, vi, vc) - guarded(m_new[vi]))
+                P[vj, vi] = exp2_fast(score(t, S, Sm, vj, vi, vc) - guarded(m_new[vi]))
         # -- l = l·alpha + rowsum(P) -------------------------------------------
         for j, i in T.grid(BN, BM):
             with T.sblock(N["row_sum"]):
@@ -458,7 +553,14 @@ def _pv_macros(k: _TileShape):
 
 def _store_macro(k: _TileShape):
     """The tile's stores: ``O`` (normalised, rounded to the dtype), and ``stats`` to ``X``."""
-    N, BM, D, stats = k.N, k.BM, k.D, k.stats
+    N, BM, D, stats, sinks = k.N, k.BM, k.D, k.stats, k.sinks and k.stats != "partial"
+
+    def out(t, acc, l, m, vi):
+        # with sinks each row's denominator gains its sink (with_sink; l stays the keys' sum
+        # for lse); per row, so the vectorized store computes it once per vector of columns
+        if sinks:
+            acc, l = with_sink(acc, l, m, t.sink(vi))
+        return t.out(acc, l, vi)
 
     @T.macro
     def store(O, X, acc, m, l, t):
@@ -466,7 +568,7 @@ def _store_macro(k: _TileShape):
             with T.sblock(N["O_store"]):
                 vi, vd = T.axis.remap("SS", [i, d])
                 T.where(t.keep(i))
-                O[t.o_at(vi, vd)] = cast_to(O, t.out(acc[vi, vd], l[vi], vi))
+                O[t.o_at(vi, vd)] = cast_to(O, out(t, acc[vi, vd], l[vi], m[vi], vi))
         if stats == "lse":
             for i in T.serial(BM):
                 with T.sblock(N["lse_store"]):
@@ -510,7 +612,7 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
     (AVX512-BF16's ``vdpbf16ps``; :func:`_s_gemm_macros`, :func:`_pv_macros`). The row sum ``l``
     adds the unrounded float32 P."""
     N = {n: n + suffix for n in TILE_BLOCKS + ("lse_store", "state_store", "K_load", "V_load", "V_ilv",
-                                                "P_round", "P_ilv", "acc_rescale", "KV_prefetch")}
+                                                "P_round", "P_ilv", "acc_rescale", "KV_prefetch", "score_mod")}
     if dot_bf16 and (spec.dtype != "bfloat16" or spec.head_dim % 2 or BN % 2):
         raise ValueError(f"dot_bf16 needs bfloat16 inputs and an even head_dim and block_n, got {spec.dtype}, "
                          f"D={spec.head_dim}, block_n={BN}")
@@ -521,10 +623,13 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
         raise ValueError(f"a tile of {HT} heads needs stage_k, float32 products and block_m % heads == 0 "
                          f"(block_m={BM})")
     D = spec.head_dim
-    qscale = float(spec.scale * LOG2E)
+    # Q is scaled to the log2 units of exp2 (scale·log2(e)); with a softcap to x / c, which
+    # score_mod's tanh takes
+    qscale = float(spec.scale * LOG2E) if spec.softcap is None else float(spec.scale / spec.softcap)
     neg_inf = T.float32(float("-inf"))
     k = _TileShape(N=N, BM=BM, BN=BN, D=D, HT=HT, qscale=qscale, dot_bf16=dot_bf16, prefetch=prefetch, stats=stats,
-                   line_elems=CACHE_LINE // spec.itemsize)
+                   line_elems=CACHE_LINE // spec.itemsize, softcap=spec.softcap, scale=spec.scale, alibi=spec.alibi,
+                   sinks=spec.sinks)
     sg, pv = _s_gemm_macros(k), _pv_macros(k)
     s_gemm_dot, kv_prefetch, s_gemm_heads, s_gemm_staged, s_gemm = sg.dot, sg.prefetch, sg.heads, sg.staged, sg.plain
     pv_gemm_dot, pv_gemm_heads, pv_gemm = pv.dot, pv.heads, pv.plain
@@ -535,6 +640,8 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
         if not dot_bf16:
             Qt = T.sblock_alloc_buffer((D, BM), "float32", scope="local")  # q tile, transposed
         S = T.sblock_alloc_buffer((BN, BM), "float32", scope="local")  # scores, key-major
+        if k.score_mod:
+            Sm = T.sblock_alloc_buffer((BN, BM), "float32", scope="local")  # softcapped / ALiBi scores
         P = T.sblock_alloc_buffer((BN, BM), "float32", scope="local")  # probabilities
         m = T.sblock_alloc_buffer((BM,), "float32", scope="local")  # running max (log2 units)
         m_new = T.sblock_alloc_buffer((BM,), "float32", scope="local")  # max after this tile
@@ -594,7 +701,10 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
                         s_gemm_staged(K, Kt, Qt, S, t, vc)
                     else:
                         s_gemm(K, Qt, S, t, vc)
-                online_softmax(S, P, m, m_new, l, alpha, t, vc)
+                if k.score_mod:
+                    online_softmax(S, Sm, P, m, m_new, l, alpha, t, vc)
+                else:
+                    online_softmax(S, S, P, m, m_new, l, alpha, t, vc)  # (no Sm: never read)
                 if dot_bf16:
                     pv_gemm_dot(Vu, P, Pr, Pb, Vb, Vt, acc, alpha, t, vc)
                 elif HT > 1:
@@ -641,7 +751,7 @@ def _main_nest(f: _Dense, dot_bf16: bool):
     tile = _tile_macro(spec, BM, BN, stats="lse" if lse else None, dot_bf16=dot_bf16,
                        stage_k=stages_half_keys(spec, dot_bf16))
 
-    def at(X, vb, vh, vr):
+    def at(X, W, vb, vh, vr):
         return _Tile(
             spec, BM, BN, vr * BM, SQ, kv.length(X, vb),
             q_index=lambda row, d: (vb, vh, row, d),
@@ -649,10 +759,11 @@ def _main_nest(f: _Dense, dot_bf16: bool):
             o_index=lambda row, d: (vb, vh, row, d),
             always_masked=False,
             lse_index=lambda row: (vb, vh, row),
+            var=W, b=vb, head=lambda row: vh,
         )
 
     @T.macro
-    def main_nest(Q, K, V, O, LSE, X):
+    def main_nest(Q, K, V, O, LSE, X, W):
         for b, h, r in T.grid(B, H, NR):
             with T.sblock("row_tile"):
                 vb, vh, vr = T.axis.remap("SSS", [b, h, r])
@@ -661,7 +772,7 @@ def _main_nest(f: _Dense, dot_bf16: bool):
                     T.writes(O[vb, vh, 0:SQ, 0:D], LSE[vb, vh, 0:SQ])
                 else:
                     T.writes(O[vb, vh, 0:SQ, 0:D])
-                tile(Q, K, V, O, at(X, vb, vh, vr), NC, LSE)
+                tile(Q, K, V, O, at(X, W, vb, vh, vr), NC, LSE)
 
     return main_nest
 
@@ -689,6 +800,10 @@ class _Packing:
     def pos(self, p):
         return T.floordiv(self.loc(p), self.f.G)
 
+    def head(self, vkb, p):
+        """The query head of packed row ``p``."""
+        return self.head_of(vkb, p) * self.f.G + T.floormod(self.loc(p), self.f.G)
+
     def kv_of(self, X, vb, vkb, k0=None):
         kv, NH = self.f.kv, self.NH
         at = (lambda key: key) if k0 is None else (lambda key: k0 + key)
@@ -706,13 +821,19 @@ def _merge_macro(f: _Dense, BD: int, NS, suffix: str):
     spec, B, H, SQ, D, G, kv, lse = f.spec, f.B, f.H, f.SQ, f.D, f.G, f.kv, f.lse
     neg_inf = T.float32(float("-inf"))
 
-    def merged_sees_key(X, vb, vi):
+    def merged_sees_key(X, W, vb, vi):
         L = kv.length(X, vb)
         vis = Visibility.of(spec)
-        return vis.sees_a_key(vis.position(vi, vis.offset(SQ, L)), L)
+        return vis.sees_a_key(vis.position(vi, vis.offset(SQ, L)), L, W.start(vb))
+
+    def out(X, W, vb, vh, vi, am, ls, mx):
+        sink = W.sink(vh)
+        if sink is not None:  # the sink joins the merged denominator once
+            am, ls = with_sink(am, ls, mx, sink)
+        return normalize_where(am, ls, merged_sees_key(X, W, vb, vi))
 
     @T.macro
-    def merge(Op, St, O, LSE, K, V, X):
+    def merge(Op, St, O, LSE, K, V, X, W):
         for b, h, i in T.grid(B, H, SQ):
             with T.sblock(MERGE + suffix):
                 vb, vh, vi = T.axis.remap("SSS", [b, h, i])
@@ -737,7 +858,7 @@ def _merge_macro(f: _Dense, BD: int, NS, suffix: str):
                     for d in T.vectorized(D):
                         am[d] = am[d] + Op[vb, vh // G, sp2, vi * G + T.floormod(vh, G), d] * w[0]
                 for d in T.vectorized(D):
-                    O[vb, vh, vi, d] = cast_to(O, normalize_where(am[d], ls[0], merged_sees_key(X, vb, vi)))
+                    O[vb, vh, vi, d] = cast_to(O, out(X, W, vb, vh, vi, am[d], ls[0], mx[0]))
                 if lse:
                     LSE[vb, vh, vi] = lse_of(mx[0], ls[0])
 
@@ -757,6 +878,16 @@ def _decode_tier(f: _Dense, BD: int, suffix: str, split_tasks: int, stage: bool,
     pk = _Packing(f, BD, NH)
     h0 = pk.h0
 
+    vis = Visibility.of(spec)
+    skips = vis.windowed  # keys before a window or a start: the chunks begin past them
+
+    def first(X, W, vb):
+        # the first key a step's rows may see, down to a tile edge: the chunks split the keys
+        # from there (a window or a start hides those before it; 0 otherwise)
+        L = kv.length(X, vb)
+        begin = vis.key_begin(vis.position(0, vis.offset(SQ, L)), W.start(vb))
+        return vis.tiles_before(begin, BN) * BN
+
     def chunk(L):
         # truncdiv: every operand is non-negative, and floordiv by a run-time divisor lowers
         # to selects that nest exponentially
@@ -768,7 +899,7 @@ def _decode_tier(f: _Dense, BD: int, suffix: str, split_tasks: int, stage: bool,
                              heads=NH)
     merge = _merge_macro(f, BD, NS, suffix)
 
-    def packed(X, vb, vkb):
+    def packed(X, W, vb, vkb):
         # One tile per (batch, head block) holds all SQ·G packed rows of its heads
         return _Tile(
             spec, BT, BN, 0, SQ * G, kv.length(X, vb),
@@ -780,9 +911,10 @@ def _decode_tier(f: _Dense, BD: int, suffix: str, split_tasks: int, stage: bool,
             seq_q=SQ,
             lse_index=lambda p: pk.q_of(vb, vkb, p),
             heads=NH,
+            var=W, b=vb, head=lambda p: pk.head(vkb, p),
         )
 
-    def split_at(X, vb, vkb, vs, spl):
+    def split_at(X, W, vb, vkb, vs, spl):
         # spl[0]: the chunk's first key, spl[1]: its keys (computed once per task, split_locate)
         L = kv.length(X, vb)
         k0 = spl[0]
@@ -797,10 +929,11 @@ def _decode_tier(f: _Dense, BD: int, suffix: str, split_tasks: int, stage: bool,
             offset=Visibility.offset(SQ, L - k0),  # the chunk's keys start at k0
             state_index=lambda p, j: (vb, pk.head_of(vkb, p), vs, pk.loc(p), j),
             heads=NH,
+            var=W, b=vb, head=lambda p: pk.head(vkb, p), key0=k0,
         )
 
     @T.macro
-    def decode_nest(Q, K, V, O, LSE, X):
+    def decode_nest(Q, K, V, O, LSE, X, W):
         for b, kh in T.grid(B, KB):
             with T.sblock("row_tile" + suffix):
                 vb, vkh = T.axis.remap("SS", [b, kh])
@@ -810,10 +943,10 @@ def _decode_tier(f: _Dense, BD: int, suffix: str, split_tasks: int, stage: bool,
                              LSE[vb, h0(vkh) * G:h0(vkh) * G + NH * G, 0:SQ])
                 else:
                     T.writes(O[vb, h0(vkh) * G:h0(vkh) * G + NH * G, 0:SQ, 0:D])
-                tile_dec(Q, K, V, O, packed(X, vb, vkh), NC, LSE)
+                tile_dec(Q, K, V, O, packed(X, W, vb, vkh), NC, LSE)
 
     @T.macro
-    def split_nest(Q, K, V, O, LSE, X):
+    def split_nest(Q, K, V, O, LSE, X, W):
         with T.sblock("split_kv" + suffix):
             T.reads([_whole(x) for x in (Q, K, V) + X])
             if lse:
@@ -833,19 +966,24 @@ def _decode_tier(f: _Dense, BD: int, suffix: str, split_tasks: int, stage: bool,
                                  St[vb, h0(vkh):h0(vkh) + NH, vs, 0:BD, 0:2])
                     spl = T.sblock_alloc_buffer((2,), "int32", scope="local")
                     with T.sblock("split_locate" + suffix):
-                        spl[0] = vs * chunk(kv.length(X, vb))
-                        spl[1] = T.max(0, T.min(chunk(kv.length(X, vb)), kv.length(X, vb) - spl[0]))
-                    tile_split(Q, K, V, Op, split_at(X, vb, vkh, vs, spl), NC, St)
-            merge(Op, St, O, LSE, K, V, X)
+                        if skips:
+                            spl[0] = first(X, W, vb) + vs * chunk(kv.length(X, vb) - first(X, W, vb))
+                            spl[1] = T.max(0, T.min(chunk(kv.length(X, vb) - first(X, W, vb)),
+                                                    kv.length(X, vb) - spl[0]))
+                        else:
+                            spl[0] = vs * chunk(kv.length(X, vb))
+                            spl[1] = T.max(0, T.min(chunk(kv.length(X, vb)), kv.length(X, vb) - spl[0]))
+                    tile_split(Q, K, V, Op, split_at(X, W, vb, vkh, vs, spl), NC, St)
+            merge(Op, St, O, LSE, K, V, X, W)
 
     @T.macro
-    def tier(Q, K, V, O, LSE, X):
+    def tier(Q, K, V, O, LSE, X, W):
         if single:
-            decode_nest(Q, K, V, O, LSE, X)
+            decode_nest(Q, K, V, O, LSE, X, W)
         elif NS == 1:
-            decode_nest(Q, K, V, O, LSE, X)
+            decode_nest(Q, K, V, O, LSE, X, W)
         else:
-            split_nest(Q, K, V, O, LSE, X)
+            split_nest(Q, K, V, O, LSE, X, W)
 
     return tier
 
@@ -900,21 +1038,21 @@ def _dense(spec: AttentionSpec, block_m: int, block_n: int, decode_rows: tuple[i
     n_tiers = len(tiers)
 
     @T.macro
-    def body(Q, K, V, O, LSE, X):
+    def body(Q, K, V, O, LSE, X, W):
         if n_tiers == 0:
-            main_nest(Q, K, V, O, LSE, X)
+            main_nest(Q, K, V, O, LSE, X, W)
         elif n_tiers == 1:
             if SQ * G <= r0:
-                t0(Q, K, V, O, LSE, X)
+                t0(Q, K, V, O, LSE, X, W)
             else:
-                main_nest(Q, K, V, O, LSE, X)
+                main_nest(Q, K, V, O, LSE, X, W)
         else:
             if SQ * G <= r0:
-                t0(Q, K, V, O, LSE, X)
+                t0(Q, K, V, O, LSE, X, W)
             elif SQ * G <= r1:
-                t1(Q, K, V, O, LSE, X)
+                t1(Q, K, V, O, LSE, X, W)
             else:
-                main_nest(Q, K, V, O, LSE, X)
+                main_nest(Q, K, V, O, LSE, X, W)
 
     attrs = {"global_symbol": ENTRY, "tirx.noalias": True, "attn.workload": "fused",
              "attn.block_m": block_m, "attn.block_n": block_n, "attn.data_alignment": A}
@@ -934,6 +1072,9 @@ def _dense(spec: AttentionSpec, block_m: int, block_n: int, decode_rows: tuple[i
 #: The index arrays a dense-query layout may take, in call order (between ``v`` and ``o``): the
 #: signature template has a parameter for each, and a layout whose entry lacks one drops it.
 INDEX_PARAMS = ("block_table", "cache_seqlens")
+#: The variants' arguments (``layouts.VARIANT_ARGS``), in call order after the index arrays; a
+#: signature template has a parameter for each and drops those the spec does not take.
+VARIANT_PARAMS = ("alibi_slopes", "sinks", "kv_start")
 
 
 def _dense_function(f: _Dense, attrs: dict, body) -> tirx.PrimFunc:
@@ -956,7 +1097,9 @@ def _dense_function(f: _Dense, attrs: dict, body) -> tirx.PrimFunc:
         return names.index(name) if name in names else None
     QS, KS, VS, OS, LS = shape(0), shape(1), shape(2), shape(names.index(layout.output.name)), shape(at("lse"))
     BTS, CLS = shape(at(INDEX_PARAMS[0])), shape(at(INDEX_PARAMS[1]))
+    ALS, SKS, KSS = (shape(at(n)) for n in VARIANT_PARAMS)
     present = [n in index for n in INDEX_PARAMS]
+    variants = [n in names for n in VARIANT_PARAMS]
 
     def index_buffers(*bufs):
         return tuple(b for b, p in zip(bufs, present) if p)
@@ -968,13 +1111,16 @@ def _dense_function(f: _Dense, attrs: dict, body) -> tirx.PrimFunc:
         V: T.Buffer(VS, dtype, align=A),
         BT: T.Buffer(BTS, "int32", align=A),
         CL: T.Buffer(CLS, "int32", align=A),
+        AL: T.Buffer(ALS, "float32", align=A),
+        SK: T.Buffer(SKS, "float32", align=A),
+        KST: T.Buffer(KSS, "int32", align=A),
         O: T.Buffer(OS, dtype, align=A),
         LSE: T.Buffer(LS, "float32", align=A),
     ):
         T.func_attr(attrs)
-        body(Q, K, V, O, LSE, index_buffers(BT, CL))
+        body(Q, K, V, O, LSE, index_buffers(BT, CL), _Variants(f.spec, AL, SK, KST))
 
-    return _keep_params(attention, [True, True, True, *present, True, f.lse])
+    return _keep_params(attention, [True, True, True, *present, *variants, True, f.lse])
 
 
 def _whole(buf):
@@ -991,11 +1137,6 @@ def n_splits(split_tasks: int, B, KH: int):
     if isinstance(B, int):
         return max(1, -(-split_tasks // (B * KH)))
     return T.max(1, T.truncdiv(split_tasks + B * KH - 1, B * KH))  # truncdiv: see chunk()
-
-
-def _drop_last_param(func: tirx.PrimFunc) -> tirx.PrimFunc:
-    """``func`` without its last parameter (the optional ``LSE`` output, unused in its body)."""
-    return _keep_params(func, [True] * (len(func.params) - 1) + [False])
 
 
 def _keep_params(func: tirx.PrimFunc, keep: list[bool]) -> tirx.PrimFunc:
@@ -1033,7 +1174,7 @@ def _varlen(spec: AttentionSpec, block_m: int, block_n: int, dot_bf16: bool = Fa
     if dot_bf16:
         attrs["attn.dot_bf16"] = 1
 
-    def at(seq, CQ, CK, vh):
+    def at(seq, CQ, CK, vh, W):
         b = seq[0]
         q0, k0 = CQ[b], CK[b]
         return _Tile(
@@ -1045,6 +1186,7 @@ def _varlen(spec: AttentionSpec, block_m: int, block_n: int, dot_bf16: bool = Fa
             always_masked=True,
             valid=seq[1] < CQ[b + 1] - q0,
             lse_index=lambda row: (vh, q0 + row),
+            var=W, head=lambda row: vh,
         )
 
     # the signature from the layout entry: q, k, v, cu_seqlens_q, cu_seqlens_k, o, then lse
@@ -1052,6 +1194,8 @@ def _varlen(spec: AttentionSpec, block_m: int, block_n: int, dot_bf16: bool = Fa
     values = {"total_q": TQ, "total_k": TK, "heads": H, "kv_heads": KH, "head_dim": D, "batch+1": NB1}
     QS, KS, VS, CQS, CKS, OS = (tuple(values[d] for d in a.dims) for a in layout.args)
     LS = tuple(values[d] for d in layout.lse_dims)
+    names = [a.name for a in layout.all_args(spec)]
+    variants = [n in names for n in VARIANT_PARAMS[:2]]  # varlen has no kv_start (no padding)
 
     @T.prim_func(s_tir=True)
     def attention(
@@ -1060,6 +1204,8 @@ def _varlen(spec: AttentionSpec, block_m: int, block_n: int, dot_bf16: bool = Fa
         V: T.Buffer(VS, dtype, align=A),
         CQ: T.Buffer(CQS, "int32", align=A),
         CK: T.Buffer(CKS, "int32", align=A),
+        AL: T.Buffer((H,), "float32", align=A),
+        SK: T.Buffer((H,), "float32", align=A),
         O: T.Buffer(OS, dtype, align=A),
         LSE: T.Buffer(LS, "float32", align=A),
     ):
@@ -1088,9 +1234,9 @@ def _varlen(spec: AttentionSpec, block_m: int, block_n: int, dot_bf16: bool = Fa
                                 seq[3] = T.floordiv(seq[2] + seq[3] + 1, 2) - 1
                     seq[0] = seq[2]
                     seq[1] = (vs - T.floordiv(CQ[seq[2]], BM) - seq[2]) * BM
-                tile(Q, K, V, O, at(seq, CQ, CK, vh), NC, LSE)
+                tile(Q, K, V, O, at(seq, CQ, CK, vh, _Variants(spec, AL, SK)), NC, LSE)
 
-    return attention if lse else _drop_last_param(attention)
+    return _keep_params(attention, [True] * 5 + variants + [True, lse])
 
 
 #: layout -> PrimFunc frame (the argument list and the loop over row tiles); the tile is shared.

@@ -11,7 +11,8 @@ returns an error to the caller (a Python ``ValueError``, or a non-zero return co
 message in ``TVMFFIErrorMoveFromRaised`` for C callers) whose message names the argument. TVM's
 messages are constant strings, so they name the rule broken, not the index.
 
-They are the same rules ``Layout.check_indices`` applies in the loader (one definition of what
+A kernel with left padding (``kv_start``) checks ``0 <= kv_start[b] <=`` the sequence's keys the
+same way, in every layout. They are the same rules ``Layout.check_indices`` applies in the loader (one definition of what
 is a valid call). CUDA kernels cannot raise from device code: there the index arrays stay
 trusted (CUDA builds take BHSD only today).
 
@@ -90,14 +91,27 @@ def _varlen(buf) -> list[tirx.Stmt]:
 _CHECKS = {"kvcache": _kvcache, "paged": _paged, "varlen": _varlen}
 
 
+def _kv_start(buf, spec: AttentionSpec) -> list[tirx.Stmt]:
+    """``0 <= kv_start[b] <=`` sequence ``b``'s keys (``seq_kv``, or ``cache_seqlens[b]``)."""
+    ks = buf["KST"]
+    keys = (lambda b: buf["CL"][b]) if "CL" in buf else (lambda b: buf["K"].shape[2])
+    what = "cache_seqlens[b]" if "CL" in buf else "seq_kv (dim 2 of k)"
+    return [_for("b", ks.shape[0], lambda b: _assert(
+        tirx.all(ks[b] >= 0, ks[b] <= keys(b)),
+        f"kv_start: an entry is negative or larger than the sequence's keys ({what})"))]
+
+
 def with_index_checks(mod: tvm.IRModule, spec: AttentionSpec) -> tvm.IRModule:
     """``mod`` whose ``main`` first checks the layout's index arrays (no change for a layout
     without any, or a CUDA function, whose device code cannot raise)."""
     make = _CHECKS.get(spec.layout)
-    if make is None:
+    if make is None and not spec.kv_start:
         return mod
     func = mod["main"]
-    stmts = make(_buffers(func))
+    buf = _buffers(func)
+    stmts = make(buf) if make is not None else []
+    if spec.kv_start:  # after the lengths it is checked against
+        stmts += _kv_start(buf, spec)
     out = tvm.IRModule(dict(mod.functions))
     out["main"] = func.with_body(tirx.SeqStmt([*stmts, func.body]))
     return out

@@ -1,0 +1,210 @@
+"""Attention variants (issue 26): sliding window, logit softcap, ALiBi, attention sinks and left
+padding (kv_start) — the reference against the formulas written out, the spec and CLI forms, the
+fused CPU kernel in every layout (its prefill nest, decode tiers and split-KV), and the loader's
+and the library's checks."""
+import argparse
+
+import numpy as np
+import pytest
+
+from tvm_attention import cli
+from tvm_attention.artifact import kernel_of, validate_built
+from tvm_attention.layouts import alibi_slopes
+from tvm_attention.loader import KernelArgumentError
+from tvm_attention.reference import reference_attention
+from tvm_attention.spec import AttentionSpec, SpecError
+from tvm_attention.visibility import Visibility
+
+from conftest import built
+
+ALL = dict(softcap=5.0, alibi=True, sinks=True, kv_start=True)
+
+
+# -- the reference, written out ----------------------------------------------------------------
+def naive(q, k, v, scale, left=-1, right=-1, softcap=None, slopes=None, sinks=None, start=None):
+    """One (batch, head) of every variant, a loop per row: the semantics of docs/semantics.md."""
+    sq, sk = q.shape[0], k.shape[0]
+    o = np.zeros((sq, v.shape[1]))
+    for i in range(sq):
+        p = i + sk - sq
+        js = [j for j in range(sk) if (right < 0 or j <= p + right) and (left < 0 or j >= p - left)
+              and (start is None or j >= start)]
+        if not js:
+            continue
+        x = np.array([q[i] @ k[j] * scale for j in js])
+        if softcap:
+            x = softcap * np.tanh(x / softcap)
+        if slopes is not None:
+            x = x - slopes * np.abs(p - np.array(js))
+        w = np.exp(x - x.max())
+        den = w.sum() + (np.exp(sinks - x.max()) if sinks is not None else 0.0)
+        o[i] = (w[:, None] * v[js]).sum(0) / den
+    return o
+
+
+@pytest.mark.parametrize("sq, sk", [(5, 9), (9, 5), (7, 7), (1, 12)])
+@pytest.mark.parametrize("window", [None, (0, 0), (2, 0), (3, 1), (-1, 2), (100, 0), (2, -1)])
+def test_reference_matches_the_formulas(sq, sk, window):
+    rng = np.random.default_rng(sq * 31 + sk)
+    causal = window is not None and window[1] == 0
+    spec = AttentionSpec(batch=2, heads=2, seq_q=sq, seq_kv=sk, head_dim=4, causal=causal, window=window, **ALL)
+    q, k, v = (rng.standard_normal(s) for s in ((2, 2, sq, 4), (2, 2, sk, 4), (2, 2, sk, 4)))
+    slopes, sinks, start = np.array([0.5, 0.25]), np.array([0.3, -2.0]), np.array([0, min(3, sk)])
+    o, lse = reference_attention(spec, q, k, v, return_lse=True, alibi_slopes=slopes, sinks=sinks, kv_start=start)
+    left, right = spec.window or (-1, 0 if causal else -1)
+    for b in range(2):
+        for h in range(2):
+            want = naive(q[b, h], k[b, h], v[b, h], spec.scale, left, right, 5.0, slopes[h], sinks[h], start[b])
+            np.testing.assert_allclose(o[b, h], want, atol=1e-12)
+    assert np.isneginf(lse[~np.isfinite(lse)]).all()  # rows with no key: -inf, never NaN
+
+
+def test_visibility_with_a_window_agrees_with_its_mask():
+    for left, right in [(0, 0), (3, 0), (2, 5), (-1, 1), (4, -1), (40, 0)]:
+        vis = Visibility(causal=right == 0, left=left, right=right, starts=True)
+        for sq, sk in [(1, 9), (6, 4), (9, 9), (13, 30)]:
+            for start in (None, 0, 2, sk):
+                mask = vis.mask(sq, sk, start)
+                off = vis.offset(sq, sk)
+                got = [bool(vis.sees_a_key(vis.position(i, off), sk, start)) for i in range(sq)]
+                assert got == mask.any(axis=1).tolist(), (left, right, sq, sk, start)
+                if start is None:
+                    assert (vis.keys_seen(sq, sk) == mask.sum(1)).all()
+                for r0 in range(sq):  # the key-tile range of rows r0.. covers every key they see
+                    seen = np.nonzero(mask[r0:].any(0))[0]
+                    begin = vis.key_begin(vis.position(r0, off), start)
+                    assert seen.size == 0 or begin is None or seen.min() >= begin
+
+
+def test_spec_forms_and_errors():
+    s = AttentionSpec(batch=1, heads=2, seq_q=4, head_dim=8, window=(3, 0))
+    assert s.causal and s.window == (3, 0) and "_w3_0" in s.short_name()
+    assert AttentionSpec(batch=1, heads=2, seq_q=4, head_dim=8, causal=True, window=(-1, -1)).window is None
+    assert AttentionSpec(batch=1, heads=2, seq_q=4, head_dim=8, causal=True, window=(5, -1)).window == (5, 0)
+    assert AttentionSpec.from_dict(AttentionSpec(batch=1, heads=2, seq_q=4, head_dim=8, window=(2, 1),
+                                                 **ALL).to_dict()).variants == ("window",) + tuple(ALL)
+    plain = AttentionSpec(batch=1, heads=2, seq_q=4, head_dim=8)
+    assert "window" not in plain.to_dict() and plain.variants == ()  # old manifests and logs compare equal
+    for kw, word in [(dict(causal=True, window=(3, 2)), "causal"), (dict(window=(3,)), "window"),
+                     (dict(window=(-2, 0)), "window"), (dict(softcap=-1.0), "softcap"),
+                     (dict(alibi=1), "alibi"), (dict(layout="varlen", kv_start=True), "varlen")]:
+        with pytest.raises(SpecError, match=word):
+            AttentionSpec(batch=1, heads=2, seq_q=4, head_dim=8, **kw)
+
+
+def test_cli_window_follows_causal():
+    p = argparse.ArgumentParser()
+    cli._add_spec_flags(p)
+    base = ["--batch", "1", "--heads", "2", "--seq-q", "8", "--head-dim", "8"]
+    assert cli._spec_from_args(p.parse_args(base + ["--window", "4"])).window == (4, -1)
+    assert cli._spec_from_args(p.parse_args(base + ["--window", "4", "--causal"])).window == (4, 0)
+    s = cli._spec_from_args(p.parse_args(base + ["--window", "4,2", "--softcap", "30", "--alibi", "--sinks",
+                                                 "--kv-start"]))
+    assert s.window == (4, 2) and s.softcap == 30.0 and s.alibi and s.sinks and s.kv_start
+    with pytest.raises(SpecError, match="causal"):
+        cli._spec_from_args(p.parse_args(base + ["--window", "4,2", "--causal"]))
+
+
+def test_alibi_slopes_are_the_papers():
+    assert np.allclose(alibi_slopes(8), [2 ** (-(i + 1)) for i in range(8)])
+    assert np.allclose(alibi_slopes(4), [2 ** (-2 * (i + 1)) for i in range(4)])
+    assert alibi_slopes(12).shape == (12,) and len(set(alibi_slopes(12).tolist())) == 12
+
+
+# -- the kernel ------------------------------------------------------------------------------------
+#: name -> spec: every layout; static and symbolic; the decode tiers and split-KV (kvcache, paged);
+#: rows that see no key (seq_q > seq_kv, a start past them); window 0 and one wider than the
+#: sequence; the dtypes (bf16: the dot-product form where the CPU has it)
+KERNELS = {
+    "bhsd_static_all": dict(batch=2, heads=4, kv_heads=2, seq_q=70, seq_kv=45, head_dim=32, causal=True,
+                            window=(20, 0), return_lse=True, **ALL),
+    "bhsd_dynamic_window_softcap": dict(batch=2, heads=4, kv_heads=2, seq_q=64, seq_kv=96, head_dim=32,
+                                        window=(7, 3), softcap=2.0, dynamic=("batch", "seq_q", "seq_kv")),
+    "bhsd_window0_alibi": dict(batch=1, heads=2, seq_q=33, head_dim=16, causal=True, window=(0, 0), alibi=True),
+    "bhsd_wide_window_sinks_fp16": dict(batch=1, heads=2, seq_q=40, seq_kv=50, head_dim=32, causal=True,
+                                        window=(500, 0), sinks=True, dtype="float16"),
+    "bhsd_bf16_dynamic_all": dict(batch=1, heads=4, kv_heads=1, seq_q=64, seq_kv=64, head_dim=64, causal=True,
+                                  window=(16, 0), dtype="bfloat16", dynamic=("seq_q", "seq_kv"), return_lse=True,
+                                  **ALL),
+    "kvcache_all": dict(layout="kvcache", batch=2, heads=8, kv_heads=2, seq_q=1, seq_kv=256, head_dim=64,
+                        causal=True, window=(40, 0), return_lse=True, **ALL),
+    "paged_all": dict(layout="paged", batch=2, heads=8, kv_heads=2, seq_q=1, seq_kv=256, head_dim=64,
+                      causal=True, window=(33, 0), return_lse=True, **ALL),
+    "varlen_all": dict(layout="varlen", batch=2, heads=4, kv_heads=2, seq_q=70, seq_kv=70, head_dim=32,
+                       causal=True, window=(9, 0), softcap=2.0, alibi=True, sinks=True, return_lse=True),
+}
+
+
+#: knobs of a build: kvcache without split-KV (three nests instead of five, half the build
+#: time); paged keeps it (its split nests are the test of split-KV with the variants)
+KNOBS = {"kvcache_all": (("split_tasks", 0),)}
+
+
+@pytest.mark.parametrize("name", list(KERNELS))
+def test_kernel_matches_the_reference(name):
+    """validate_built runs every validation case of the layout (mixed lengths, empty caches,
+    seq_q > seq_kv, several new tokens: the decode tiers, a long sequence: split-KV) with the
+    variant arguments, against the float64 reference, o and lse."""
+    b = built(AttentionSpec(**KERNELS[name]), knobs=KNOBS.get(name))
+    assert b.audit.fused, b.audit.reasons
+    r = validate_built(b)
+    assert r.passed, r.format()
+
+
+def test_split_kv_sees_only_the_window():
+    """A decode step against a long cache with a window: one sequence, so split-KV chunks the
+    window's keys (not the cache's); rows see exactly the reference's keys."""
+    spec = AttentionSpec(**KERNELS["paged_all"])
+    k = kernel_of(built(spec, knobs=KNOBS.get("paged_all")))
+    case = {"seq_q": 1, "cache_seqlens": [3000]}
+    x = spec.layout_info.random_inputs(spec, case, seed=3)
+    x["kv_start"] = np.array([1000], np.int32)
+    o, lse = k(*x.values())
+    ref, ref_lse = spec.layout_info.reference_outputs(spec, x)
+    np.testing.assert_allclose(o, ref, atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(lse, ref_lse, atol=1e-4, rtol=1e-4)
+
+
+def test_loader_keywords_and_checks():
+    spec = AttentionSpec(**KERNELS["bhsd_static_all"])
+    k = kernel_of(built(spec))
+    x = spec.layout_info.random_inputs(spec, {"batch": 2, "seq_q": 70, "seq_kv": 45})
+    q, kk, v = x["q"], x["k"], x["v"]
+    kw = dict(alibi_slopes=x["alibi_slopes"], sinks=x["sinks"])
+    o, _ = k(q, kk, v, cache_leftpad=x["kv_start"], window_size=(20, 0), softcap=5.0, causal=True, **kw)
+    np.testing.assert_allclose(o, spec.layout_info.reference(spec, x), atol=1e-4, rtol=1e-4)
+    for bad, word in [(dict(window_size=(10, 0)), "window"), (dict(softcap=3.0), "softcap"),
+                      (dict(kv_start=np.array([0, 46], np.int32)), "kv_start")]:
+        with pytest.raises(KernelArgumentError, match=word):
+            k(q, kk, v, **{"kv_start": x["kv_start"], **kw, **bad})
+    # the library checks kv_start itself (serving code calls it without our loader)
+    import tvm_ffi
+
+    args = [q, kk, v, x["alibi_slopes"], x["sinks"], np.array([0, 46], np.int32),
+            np.empty_like(q), np.empty((2, 4, 70), np.float32)]
+    with pytest.raises(ValueError, match="kv_start"):
+        k.function(*[tvm_ffi.from_dlpack(a) for a in args])
+
+
+def test_plain_kernel_names_a_variant_it_was_not_built_with():
+    spec = AttentionSpec(batch=1, heads=2, seq_q=8, head_dim=16)
+    k = kernel_of(built(spec))
+    q = np.zeros((1, 2, 8, 16), np.float32)
+    assert k(q, q, q, alibi_slopes=None, cache_leftpad=None).shape == q.shape  # FlashAttention's defaults
+    with pytest.raises(KernelArgumentError, match="alibi"):
+        k(q, q, q, alibi_slopes=np.ones(2, np.float32))
+
+
+def test_other_families_refuse_variants_by_name():
+    from schedules import check, get_schedule
+    from schedules._knobs import KnobError
+    from tvm_attention.target import resolve_target
+
+    spec = AttentionSpec(batch=1, heads=2, seq_q=64, head_dim=64, dtype="float16", causal=True, window=(8, 0),
+                         softcap=30.0)
+    for name, target in [("fused", "cuda"), ("materialized", "llvm")]:
+        t = resolve_target(target, arch="sm_80") if target == "cuda" else resolve_target(target)
+        fam = get_schedule(name, t)
+        s = spec if target == "cuda" else AttentionSpec(**{**spec.to_dict(), "dtype": "float32"})
+        with pytest.raises(KnobError, match="window, softcap"):
+            check(fam, fam.preset(s, t), s, t)
