@@ -208,3 +208,21 @@ def test_other_families_refuse_variants_by_name():
         s = spec if target == "cuda" else AttentionSpec(**{**spec.to_dict(), "dtype": "float32"})
         with pytest.raises(KnobError, match="window, softcap"):
             check(fam, fam.preset(s, t), s, t)
+
+
+def test_variants_bench_smoke(tmp_path):
+    """The speed-goal benchmark (scripts/bench_variants.py) at tiny shapes: every pair it runs
+    times both kernels side by side and reports a ratio against its goal; the report is written."""
+    import json
+
+    from tvm_attention.bench import variants
+
+    names = ("window_prefill", "softcap_prefill")
+    report = variants.run(variants.quick_config(), threads=1, only=names, say=lambda m: None)
+    assert [r["name"] for r in report["rows"]] == list(names)
+    for r in report["rows"]:
+        assert r["variant_ms"] > 0 and r["baseline_ms"] > 0 and r["ratio"] > 0 and r["goal"] == variants.GOALS[r["name"]][0]
+    assert "_w127_0" in report["rows"][0]["variant"] and "_cap" in report["rows"][1]["variant"]
+    paths = variants.write(report, tmp_path)
+    assert json.loads(paths["json"].read_text())["rows"][0]["name"] == "window_prefill"
+    assert "| window_prefill |" in paths["md"].read_text()

@@ -28,20 +28,26 @@ one key take a file lock, so concurrent processes build it once.
 
 Semantics: ``softmax(q·kᵀ·scaling)·v`` with bottom-right causal masking when the module is causal
 (what transformers' decode against a cache means), GQA done by the kernel (key/value keep their
-``kv_heads``; nothing is repeated). What the kernel cannot compute raises
+``kv_heads``; nothing is repeated). The variants the models use are compiled in
+(docs/transformers.md): a causal ``sliding_window = W`` (Mistral, Qwen2, Gemma-2, gpt-oss) is the
+window ``(W − 1, 0)``, ``softcap`` (Gemma-2) the logit softcap, ``s_aux`` (gpt-oss) the sinks,
+and a left-padded batch (zeros before each row's first token in the 2D ``attention_mask``) runs
+with ``kv_start``: the pad keys are hidden, and the pad query rows output zeros (eager gives them
+something; no real token reads them). What the kernel cannot compute raises
 :class:`UnsupportedAttention` naming the feature — never a silent fallback: an attention mask
-that is not plain causal/full (padding, packed sequences, an offset cache, custom 4D masks),
-attention dropout > 0 (training mode), sliding windows, logit softcapping, attention sinks
-(``s_aux``), a position bias, a dtype other than float32/bfloat16/float16 or a device other than
-the CPU. A bfloat16 model runs the bf16 kernels (AVX512-BF16 dot products where the CPU has
-them). The
-kernel has no backward pass: a forward with autograd works, ``backward`` through it raises.
+that is not causal, causal sliding-window or full with left padding (right padding, packed
+sequences, an offset cache, custom 4D masks, a sliding window over a static cache), attention
+dropout > 0 (training mode), a position bias, a dtype other than float32/bfloat16/float16 or a
+device other than the CPU. A bfloat16 model runs the bf16 kernels (AVX512-BF16 dot products where
+the CPU has them). The kernel has no backward pass: a forward with autograd works, ``backward``
+through it raises.
 
 Masks: transformers builds one mask per forward (not per layer) through the mask function
 registered under the implementation's name (``masking_utils.AttentionMaskInterface``). Ours
-returns ``None`` for the plain causal (or full) case — the kernel applies causality itself — and
-otherwise the boolean 4D mask ``sdpa_mask`` would build, tagged with the reason; the attention
-function then raises on any mask that is not ``None``. Without a registered mask function
+returns ``None`` for the plain causal (or full, or causal sliding-window) case — the kernel applies
+it itself —, a tagged ``(batch, 1, 1, 2)`` int32 plan for a static cache's keys in use and a left
+padding's ``kv_start``, and otherwise the boolean 4D mask ``sdpa_mask`` would build, tagged with
+the reason; the attention function then raises on any mask that is neither. Without a registered mask function
 transformers would hand the attention ``None`` even for a padded batch
 (``masking_utils._preprocess_mask_arguments`` exits early for unknown names), so padding would go
 unnoticed: ``register`` registers both.
@@ -79,7 +85,9 @@ REPRESENTATIVE_SEQ = 1024
 #: Bump when what an artifact under a given key means changes.
 KEY_FORMAT = 1
 _MASK_REASON = "_tvm_attention_reason"
-_CACHE_SEQLENS = "_tvm_attention_cache_seqlens"  # tags attention_mask's cache_seqlens tensor
+#: tags attention_mask's plan: a ``(batch, 1, 1, 2)`` int32 tensor of each sequence's keys in use
+#: (a static cache's prefix) and first visible key (left padding); the tag says which are given
+_PLAN = "_tvm_attention_plan"
 SPIN_ENV = "TVM_THREAD_POOL_SPIN_COUNT"
 
 
@@ -105,6 +113,12 @@ class LayerConfig:
     causal: bool
     scale: float
     layout: str = "bhsd"
+    #: the variants (docs/semantics.md): a causal sliding window's left bound (transformers'
+    #: ``sliding_window = W`` is ``W - 1``), the logit softcap, sinks (``s_aux``), left padding
+    window: int | None = None
+    softcap: float | None = None
+    sinks: bool = False
+    kv_start: bool = False
 
     def spec(self):
         """The dynamic :class:`~tvm_attention.spec.AttentionSpec` built for this configuration
@@ -113,7 +127,14 @@ class LayerConfig:
         return AttentionSpec(batch=REPRESENTATIVE_BATCH, heads=self.heads, kv_heads=self.kv_heads,
                              seq_q=seq_q, seq_kv=REPRESENTATIVE_SEQ, head_dim=self.head_dim,
                              dtype=self.dtype, causal=self.causal, scale=self.scale, dynamic=DYNAMIC,
-                             layout=self.layout)
+                             layout=self.layout, window=None if self.window is None else (self.window, 0),
+                             softcap=self.softcap, sinks=self.sinks, kv_start=self.kv_start)
+
+    @property
+    def variants(self) -> dict[str, Any]:
+        """The variants that are on, as the spec's fields (what a key records)."""
+        return {k: v for k, v in (("window", self.window), ("softcap", self.softcap), ("sinks", self.sinks),
+                                  ("kv_start", self.kv_start)) if v not in (None, False)}
 
     def key(self, target) -> str:
         """Folder name of this configuration's artifact for ``target`` (a ``tvm.target.Target``):
@@ -133,8 +154,11 @@ class LayerConfig:
         if self.layout != "bhsd":  # bhsd keys predate layouts: unchanged
             ident["layout"] = self.layout
             prefix = f"{self.layout}_"
+        if self.variants:  # keys of plain configurations predate the variants: unchanged
+            ident["variants"] = {k: float(v).hex() if k == "softcap" else v for k, v in self.variants.items()}
         digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:12]
         kind = "causal" if self.causal else "full"
+        kind += self.spec()._variant_name()
         return (f"{prefix}h{self.heads}_kv{self.kv_heads}_d{self.head_dim}_{self.dtype}_{kind}_"
                 f"{target_key(target)}_{digest}")
 
@@ -307,25 +331,29 @@ def attention_forward(
     With a ``StaticCache`` key/value are the whole preallocated cache ``(B, KH, max_cache_len,
     D)`` and :func:`attention_mask` hands over the keys in use as ``cache_seqlens`` (a tagged
     ``(B, 1, 1, 1)`` int32 tensor): the kvcache kernel reads only those, in place."""
-    cache_seqlens = attention_mask if getattr(attention_mask, _CACHE_SEQLENS, False) else None
-    _check_supported(module, query, key, value, None if cache_seqlens is not None else attention_mask,
-                     dropout, kwargs)
+    plan = getattr(attention_mask, _PLAN, None)
+    _check_supported(module, query, key, value, None if plan is not None else attention_mask, dropout, kwargs)
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     head_dim = query.shape[-1]
     scale = float(scaling) if scaling is not None else head_dim ** -0.5
+    cache_seqlens = attention_mask[:, 0, 0, 0] if plan is not None and plan["in_use"] else None
+    kv_start = attention_mask[:, 0, 0, 1] if plan is not None and plan["kv_start"] else None
+    window, softcap, sinks = _variants_of(module, causal, kwargs)
     cfg = (query.shape[1], key.shape[1], head_dim, _DTYPES[query.dtype], causal, scale)
-    if cache_seqlens is None and (artifact_root(), cfg + ("kvcache",)) in _kernels:
+    variants = (window, softcap, sinks is not None, kv_start is not None)
+    if cache_seqlens is None and (artifact_root(), cfg + ("kvcache",) + variants) in _kernels:
         # every key is in use (a static cache that is full, e.g. generate's last step): the
         # kvcache kernel already loaded computes the same, with no build of the bhsd one
         cache_seqlens = torch.full((query.shape[0],), key.shape[2], dtype=torch.int32)
     try:
-        kernel = _get_kernel(cfg + ("bhsd" if cache_seqlens is None else "kvcache",))
+        kernel = _get_kernel(cfg + ("bhsd" if cache_seqlens is None else "kvcache",) + variants)
     except SpecError as e:  # a shape or scale the kernels do not take (head_dim > 512...)
         raise _unsupported("this attention configuration", str(e).rstrip("."), _OTHER) from None
     q, k, v = query.contiguous(), key.contiguous(), value.contiguous()
     if 4 * q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] * q.shape[3] < SMALL_CALL_FLOPS:
         kernel = _one_thread(kernel)  # a decode step: runs in this thread, no pool to wake
-    extra = () if cache_seqlens is None else (cache_seqlens.reshape(-1),)
+    # the layout's index array, then the variants' arguments (sinks, kv_start), in call order
+    extra = tuple(x.contiguous() for x in (cache_seqlens, sinks, kv_start) if x is not None)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         out = _NoBackward.apply(kernel, q, k, v, *extra)
     else:
@@ -358,13 +386,17 @@ def attention_mask(
 
     if mask_function is None:
         mask_function = mu.causal_mask_function
-    reason, in_use = _mask_plan(q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, local_size)
-    if reason is None and in_use is not None:
+    reason, in_use, kv_start = _mask_plan(q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
+                                          local_size)
+    if reason is None and (in_use is not None or kv_start is not None):
         # 4-D, so that transformers passes it on untouched (generate prepares the masks of a
         # static cache before the forward, which then treats any 4-D mask as ready)
-        lengths = torch.full((batch_size, 1, 1, 1), in_use, dtype=torch.int32)
-        setattr(lengths, _CACHE_SEQLENS, True)
-        return lengths
+        plan = torch.zeros((batch_size, 1, 1, 2), dtype=torch.int32)
+        plan[:, 0, 0, 0] = kv_length if in_use is None else in_use
+        if kv_start is not None:
+            plan[:, 0, 0, 1] = kv_start
+        setattr(plan, _PLAN, {"in_use": in_use is not None, "kv_start": kv_start is not None})
+        return plan
     if reason is None:
         return None
     kwargs.pop("allow_is_causal_skip", None)
@@ -401,16 +433,33 @@ def _unsupported(feature: str, detail: str, hint: str) -> UnsupportedAttention:
 _OTHER = 'use attn_implementation="sdpa" (or "eager") for this model or call'
 
 
+def _variants_of(module, causal: bool, kwargs) -> tuple[int | None, float | None, torch.Tensor | None]:
+    """``(window left bound, softcap, sinks as float32 (H,))`` of the call: transformers'
+    ``sliding_window = W`` (keys ``j > p − W``) is the window ``(W − 1, 0)``; ``s_aux`` are
+    gpt-oss's sinks."""
+    w = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
+    window = None
+    if w is not None:
+        if isinstance(w, bool) or not isinstance(w, int) or w < 1:
+            raise _unsupported("this sliding window", f"sliding_window={w!r} (expected a positive int)", _OTHER)
+        if not causal:
+            raise _unsupported("bidirectional sliding-window attention", f"sliding_window={w} on a non-causal "
+                               "module", _OTHER)
+        window = w - 1
+    c = kwargs.get("softcap")
+    softcap = float(c) if c else None
+    sinks = kwargs.get("s_aux")
+    if sinks is not None:
+        sinks = sinks.detach().to(torch.float32).reshape(-1)
+    return window, softcap, sinks
+
+
 def _check_supported(module, query, key, value, mask, dropout, kwargs) -> None:
     """Raise :class:`UnsupportedAttention` naming the first feature the kernel cannot compute."""
-    if kwargs.get("sliding_window") is not None or getattr(module, "sliding_window", None) is not None:
-        w = kwargs.get("sliding_window")
-        w = getattr(module, "sliding_window", None) if w is None else w
-        raise _unsupported("sliding-window attention", f"sliding_window={w}", _OTHER)
-    if kwargs.get("softcap") is not None:
-        raise _unsupported("attention logit softcapping", f"softcap={kwargs['softcap']}", _OTHER)
-    if kwargs.get("s_aux") is not None:
-        raise _unsupported("attention sinks", "s_aux is set", _OTHER)
+    sinks = kwargs.get("s_aux")
+    if sinks is not None and tuple(sinks.shape) != (query.shape[1],):
+        raise _unsupported("these attention sinks", f"s_aux has shape {tuple(sinks.shape)}, not one per query "
+                           f"head ({query.shape[1]},)", _OTHER)
     if kwargs.get("position_bias") is not None:
         raise _unsupported("an additive position bias", "position_bias is set", _OTHER)
     if any(kwargs.get(n) is not None for n in ("cu_seq_lens_q", "cu_seq_lens_k")):
@@ -451,36 +500,73 @@ def _check_supported(module, query, key, value, mask, dropout, kwargs) -> None:
 
 
 def _mask_plan(q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
-               local_size) -> tuple[str | None, int | None]:
-    """``(why the kernel's own masking would not be exact or None, keys in use)``: keys in use
-    is None when all ``kv_length`` keys are (bhsd), else the length of the cache prefix the
-    queries see (a static cache: the kvcache kernel's ``cache_seqlens``)."""
+               local_size) -> tuple[str | None, int | None, torch.Tensor | None]:
+    """``(why the kernel's own masking would not be exact or None, keys in use, kv_start)``:
+    keys in use is None when all ``kv_length`` keys are (bhsd), else the length of the cache
+    prefix the queries see (a static cache: the kvcache kernel's ``cache_seqlens``); kv_start is
+    each row's count of leading zeros in the 2D ``attention_mask`` (left padding), None when it
+    has none. A causal sliding-window pattern (``local_size = W``: keys ``j > p − W``) is exact
+    too: the attention function takes the window from its ``sliding_window`` argument."""
     from transformers import masking_utils as mu
 
     in_use = None
-    if mask_function is mu.causal_mask_function:
+    sliding = mask_function is not mu.causal_mask_function and mask_function is not mu.bidirectional_mask_function \
+        and local_size is not None
+    if sliding:
+        why = _not_sliding_causal(mask_function, q_length, kv_length, q_offset, kv_offset, local_size)
+        if why is not None:
+            return why, None, None
+    if mask_function is mu.causal_mask_function or sliding:
         if isinstance(q_offset, torch.Tensor):
             q_offset = int(q_offset)
         end = q_offset + q_length  # the last query's position + 1: the keys it may see
         if kv_offset == 0 and q_offset >= 0 and end < kv_length:
+            if sliding:
+                return f"a sliding window (window {local_size}) over a static cache", None, None
             in_use = end  # a static cache: slots past the last query are empty
         elif end != kv_offset + kv_length:
             return (f"the keys do not end at the last query (q_offset={q_offset}, q_length={q_length}, "
-                    f"kv_offset={kv_offset}, kv_length={kv_length}: an offset cache)"), None
+                    f"kv_offset={kv_offset}, kv_length={kv_length}: an offset cache)"), None, None
     elif mask_function is not mu.bidirectional_mask_function:
-        if local_size is not None:
-            return f"a sliding-window or chunked mask (window {local_size})", None
-        return "a mask pattern other than causal (packed sequences, an overlay or a custom mask function)", None
-    if attention_mask is not None:
-        if attention_mask.dim() != 2:
-            return f"a {attention_mask.dim()}-D attention mask", None
-        want = kv_length if in_use is None else in_use
-        window = attention_mask[:, kv_offset:kv_offset + want]
-        if window.shape[-1] < want:
-            return f"the 2-D attention_mask covers {window.shape[-1]} of {want} keys", None
-        if not bool(window.all()):
-            return "padding (the attention_mask has zeros)", None
-    return None, in_use
+        return "a mask pattern other than causal (packed sequences, an overlay or a custom mask function)", None, None
+    if attention_mask is None:
+        return None, in_use, None
+    if attention_mask.dim() != 2:
+        return f"a {attention_mask.dim()}-D attention mask", None, None
+    want = kv_length if in_use is None else in_use
+    window = attention_mask[:, kv_offset:kv_offset + want].bool()
+    if window.shape[-1] < want:
+        return f"the 2-D attention_mask covers {window.shape[-1]} of {want} keys", None, None
+    if bool(window.all()):
+        return None, in_use, None
+    if mask_function is mu.bidirectional_mask_function:
+        return "padding (the attention_mask has zeros) in a non-causal model", None, None
+    # left padding: each row's zeros come before its first token, and are hidden by kv_start
+    lead = torch.where(window.any(dim=1), window.int().argmax(dim=1), torch.tensor(want))
+    if not bool((window == (torch.arange(want)[None, :] >= lead[:, None])).all()):
+        return "padding that is not left padding (a zero after a row's first token)", None, None
+    return None, in_use, lead.to(torch.int32)
+
+
+def _not_sliding_causal(mask_function, q_length, kv_length, q_offset, kv_offset, w) -> str | None:
+    """Why ``mask_function`` is not the causal sliding window ``kv > q − w``, ``kv ≤ q`` (None: it
+    is): evaluated on the call's positions (every query row, or 64 of them for a long call)."""
+    if isinstance(q_offset, torch.Tensor):
+        q_offset = int(q_offset)
+    rows = torch.arange(q_length)
+    if q_length * kv_length > 1 << 20:
+        rows = torch.unique(torch.linspace(0, q_length - 1, 64).long())
+    q = (q_offset + rows)[:, None]
+    kv = (kv_offset + torch.arange(kv_length))[None, :]
+    want = (kv <= q) & (kv > q - w)
+    try:
+        got = mask_function(torch.zeros((), dtype=torch.long), torch.zeros((), dtype=torch.long), q, kv)
+        got = torch.as_tensor(got).expand_as(want)
+    except Exception as e:  # noqa: BLE001 - a mask function that takes no tensors: not ours to read
+        return f"a mask with local_size={w} that cannot be read ({type(e).__name__})"
+    if not bool((got == want).all()):
+        return f"a sliding-window or chunked mask (window {w}) other than causal kv > q - {w}"
+    return None
 
 
 class _NoBackward(torch.autograd.Function):
