@@ -114,7 +114,8 @@ def test_alibi_slopes_are_the_papers():
 # -- the kernel ------------------------------------------------------------------------------------
 #: name -> spec: every layout; static and symbolic; the decode tiers and split-KV (kvcache, paged);
 #: rows that see no key (seq_q > seq_kv, a start past them); window 0 and one wider than the
-#: sequence; the dtypes (bf16: the dot-product form where the CPU has it)
+#: sequence; the dtypes (bf16: the dot-product form where the CPU has it; the decode tiers of a
+#: bf16 cache)
 KERNELS = {
     "bhsd_static_all": dict(batch=2, heads=4, kv_heads=2, seq_q=70, seq_kv=45, head_dim=32, causal=True,
                             window=(20, 0), return_lse=True, **ALL),
@@ -126,8 +127,8 @@ KERNELS = {
     "bhsd_bf16_dynamic_all": dict(batch=1, heads=4, kv_heads=1, seq_q=64, seq_kv=64, head_dim=64, causal=True,
                                   window=(16, 0), dtype="bfloat16", dynamic=("seq_q", "seq_kv"), return_lse=True,
                                   **ALL),
-    "kvcache_all": dict(layout="kvcache", batch=2, heads=8, kv_heads=2, seq_q=1, seq_kv=256, head_dim=64,
-                        causal=True, window=(40, 0), return_lse=True, **ALL),
+    "kvcache_all_bf16": dict(layout="kvcache", batch=2, heads=8, kv_heads=2, seq_q=1, seq_kv=256, head_dim=64,
+                             causal=True, window=(40, 0), return_lse=True, dtype="bfloat16", **ALL),
     "paged_all": dict(layout="paged", batch=2, heads=8, kv_heads=2, seq_q=1, seq_kv=256, head_dim=64,
                       causal=True, window=(33, 0), return_lse=True, **ALL),
     "varlen_all": dict(layout="varlen", batch=2, heads=4, kv_heads=2, seq_q=70, seq_kv=70, head_dim=32,
@@ -137,7 +138,7 @@ KERNELS = {
 
 #: knobs of a build: kvcache without split-KV (three nests instead of five, half the build
 #: time); paged keeps it (its split nests are the test of split-KV with the variants)
-KNOBS = {"kvcache_all": (("split_tasks", 0),)}
+KNOBS = {"kvcache_all_bf16": (("split_tasks", 0),)}
 
 
 @pytest.mark.parametrize("name", list(KERNELS))
@@ -226,3 +227,23 @@ def test_variants_bench_smoke(tmp_path):
     paths = variants.write(report, tmp_path)
     assert json.loads(paths["json"].read_text())["rows"][0]["name"] == "window_prefill"
     assert "| window_prefill |" in paths["md"].read_text()
+
+
+def test_merge_states_applies_sinks_once():
+    """Two key halves' states (computed without sinks) merged with sinks= equal attention with
+    sinks over all the keys; lse stays the keys'."""
+    from tvm_attention import merge_states
+
+    spec = AttentionSpec(batch=2, heads=3, seq_q=5, seq_kv=12, head_dim=8)
+    with_sinks = AttentionSpec(**{**spec.to_dict(), "sinks": True})
+    rng = np.random.default_rng(5)
+    q, k, v = (rng.standard_normal(s) for s in ((2, 3, 5, 8), (2, 3, 12, 8), (2, 3, 12, 8)))
+    sinks = np.array([0.5, -1.0, 3.0])
+    oa, la = reference_attention(spec, q, k[:, :, :7], v[:, :, :7], return_lse=True)
+    ob, lb = reference_attention(spec, q, k[:, :, 7:], v[:, :, 7:], return_lse=True)
+    o, lse = merge_states(oa, la, ob, lb, sinks=sinks.reshape(3, 1))
+    want, want_lse = reference_attention(with_sinks, q, k, v, return_lse=True, sinks=sinks)
+    np.testing.assert_allclose(o, want, atol=1e-6)
+    np.testing.assert_allclose(lse, want_lse, atol=1e-5)
+    with pytest.raises(ValueError, match="sinks"):
+        merge_states(oa, la, ob, lb, sinks=np.zeros(4))

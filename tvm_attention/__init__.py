@@ -29,11 +29,11 @@ def load(directory, num_threads=None):
     return _load(directory, num_threads=num_threads)
 
 
-def merge_states(o_a, lse_a, o_b, lse_b):
+def merge_states(o_a, lse_a, o_b, lse_b, sinks=None):
     """Merge two attention states; see :func:`tvm_attention.merge.merge_states`."""
     from .merge import merge_states as _merge  # lazy: `import tvm_attention` loads no TVM
 
-    return _merge(o_a, lse_a, o_b, lse_b)
+    return _merge(o_a, lse_a, o_b, lse_b, sinks=sinks)
 
 
 def aligned_empty(shape, dtype):

@@ -24,7 +24,7 @@ def _numpy(name: str, x: Any) -> tuple[np.ndarray, str | None]:
     return np.asarray(x), None
 
 
-def merge_states(o_a: Any, lse_a: Any, o_b: Any, lse_b: Any) -> tuple[Any, Any]:
+def merge_states(o_a: Any, lse_a: Any, o_b: Any, lse_b: Any, sinks: Any = None) -> tuple[Any, Any]:
     """``(o, lse)`` of attention over the union of two disjoint key sets, from each set's
     ``(o, lse)``.
 
@@ -33,6 +33,12 @@ def merge_states(o_a: Any, lse_a: Any, o_b: Any, lse_b: Any) -> tuple[Any, Any]:
     key in either set gives zeros and ``-inf``; NaN in either state gives NaN. NumPy arrays or
     torch tensors (answered in the same kind); ``o`` keeps ``o_a``'s dtype, ``lse`` is float32.
     For varlen's ``lse (H, total)`` pass ``lse.T`` with ``o (total, H, D)``.
+
+    ``sinks`` (attention sinks, natural-log logits): states computed *without* sinks are merged,
+    then each row's sink joins the merged denominator once: ``o · e^lse / (e^lse + e^sink)``;
+    ``lse`` stays the keys' (as a kernel built with ``--sinks`` returns it). ``sinks`` must
+    broadcast against ``lse``: ``(H, 1)`` for BHSD's ``lse (B, H, S)``, ``(H,)`` for varlen's
+    ``lse.T (total, H)``.
     """
     (oa, fw), (ob, _) = _numpy("o_a", o_a), _numpy("o_b", o_b)
     la, lb = _numpy("lse_a", lse_a)[0], _numpy("lse_b", lse_b)[0]
@@ -52,6 +58,15 @@ def merge_states(o_a: Any, lse_a: Any, o_b: Any, lse_b: Any) -> tuple[Any, Any]:
         o = (wa[..., None] * oa0 + wb[..., None] * ob0) / total[..., None]
         o = np.where((total == 0)[..., None], 0.0, o)
         lse = ref + np.log(total)
+        if sinks is not None:
+            sk = _numpy("sinks", sinks)[0].astype(np.float64)
+            try:
+                sk = np.broadcast_to(sk, lse.shape)
+            except ValueError:
+                raise ValueError(f"sinks: shape {sk.shape} does not broadcast against lse {lse.shape} "
+                                 "(BHSD: pass sinks.reshape(H, 1))") from None
+            # e^lse / (e^lse + e^sink), as 1 / (1 + e^(sink - lse)): 0 for a row that saw no key
+            o = o / (1.0 + np.exp(sk - lse))[..., None]
     o = o.astype(oa.dtype)
     lse = lse.astype(np.float32)
     if fw == "torch":

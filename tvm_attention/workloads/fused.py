@@ -300,8 +300,8 @@ class _TileShape:
 
     @property
     def score_mod(self) -> bool:
-        """Whether the tile rewrites its scores in place (block ``score_mod``) before the softmax:
-        the softcap's tanh once per score, and ALiBi's bias."""
+        """Whether the tile modifies its scores (block ``score_mod``, into ``Sm``) before the
+        softmax: the softcap's tanh once per score, and ALiBi's bias."""
         return self.softcap is not None or self.alibi
 
     @property
