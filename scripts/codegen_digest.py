@@ -65,6 +65,19 @@ def cpu_cases() -> list[tuple[str, AttentionSpec]]:
                       layout="paged", dynamic=DYN, return_lse=True, dtype="bfloat16"),
         AttentionSpec(batch=1, heads=8, seq_q=1, seq_kv=2048, head_dim=64, causal=True, layout="paged"),
     ]
+    # the attention variants (issue 26), after the plain specs: their names carry the variants
+    every = dict(softcap=30.0, alibi=True, sinks=True, kv_start=True)
+    s += [
+        AttentionSpec(batch=2, heads=8, kv_heads=2, seq_q=1024, head_dim=64, causal=True, window=(255, 0), **every),
+        AttentionSpec(batch=1, heads=8, kv_heads=2, seq_q=1024, head_dim=64, causal=True, window=(255, 0),
+                      softcap=30.0, dtype="bfloat16", dynamic=DYN),
+        AttentionSpec(batch=4, heads=32, kv_heads=8, seq_q=1, seq_kv=4096, head_dim=128, causal=True,
+                      layout="kvcache", window=(1023, 0), return_lse=True, **every),
+        AttentionSpec(batch=4, heads=32, kv_heads=8, seq_q=1, seq_kv=4096, head_dim=128, causal=True,
+                      layout="paged", window=(1023, 0), softcap=30.0, sinks=True),
+        AttentionSpec(batch=2, heads=8, kv_heads=2, seq_q=512, head_dim=64, causal=True, layout="varlen",
+                      window=(63, 0), softcap=30.0, alibi=True, sinks=True, return_lse=True),
+    ]
     cases = [("fused", x) for x in s]
     cases += [("materialized", AttentionSpec(batch=1, heads=8, seq_q=512, head_dim=64, causal=True)),
               ("rowcache", AttentionSpec(batch=1, heads=8, seq_q=512, head_dim=64, causal=True))]
@@ -101,7 +114,7 @@ def name_of(schedule: str, spec: AttentionSpec, where: str) -> str:
     dyn = "dyn-" + "-".join(spec.dynamic) if spec.dynamic else "static"
     return (f"{where}/{schedule}/{spec.layout}_b{spec.batch}_h{spec.heads}_kv{spec.kv_heads}_q{spec.seq_q}"
             f"_k{spec.seq_kv}_d{spec.head_dim}_{spec.dtype}_{'causal' if spec.causal else 'full'}_{dyn}"
-            f"{'_lse' if spec.return_lse else ''}")
+            f"{spec.variant_suffix()}{'_lse' if spec.return_lse else ''}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -58,11 +58,14 @@ def report(out, ref):
     return f"max abs err {diff.max():.3e}, mean abs err {diff.mean():.3e}"
 
 
-#: The files that take longest (seconds of one 2-core AVX2-mode run, 2026-12-01), started first:
+#: The files that take longest, longest first (seconds summed per file with --durations=0 in a
+#: 2-core znver4 run, 2026-12-02: kvcache 201, transformers 183, tune 139, tune_hardening 139,
+#: cuda_mma 125, search 110, halfprec 100, rpc 93, variants 85, cuda 79, bench 73), started first:
 #: `--dist loadfile` hands files to workers in collection order, and a long file collected last
 #: ran alone for minutes at the end of the run while the other worker sat idle.
-LONG_FILES = ("test_tune.py", "test_tune_hardening.py", "test_cuda_mma.py", "test_cuda.py", "test_rpc.py",
-              "test_kvcache.py", "test_search.py", "test_bench.py", "test_hardening.py")
+LONG_FILES = ("test_kvcache.py", "test_transformers.py", "test_tune.py", "test_tune_hardening.py", "test_cuda_mma.py",
+              "test_search.py", "test_halfprec.py", "test_rpc.py", "test_variants.py", "test_cuda.py", "test_bench.py",
+              "test_hardening.py")
 
 
 def pytest_collection_modifyitems(config, items):

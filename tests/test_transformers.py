@@ -289,19 +289,19 @@ def test_model_families_match_eager(cache, family):
     eager, tvm = tiny(cls, conf, **kw), tiny(cls, conf, **kw)
     eager.set_attn_implementation("eager")
     tvm.set_attn_implementation("tvm_attention")
-    for batch in (1, 2):
-        ids = prompt(batch)
-        assert torch.equal(tvm.generate(ids, **GEN), eager.generate(ids, **GEN)), f"{family}, batch {batch}"
+    ids = prompt(2)  # batch 2: the kernels' batch loop (batch 1 is the Llama test's)
+    assert torch.equal(tvm.generate(ids, **GEN), eager.generate(ids, **GEN)), family
     names = sorted(p.name for p in (cache / hf.ARTIFACTS).iterdir() if p.is_dir())
     assert len(names) == artifacts, names
     assert any("_w7_0" in n for n in names), names  # sliding_window 8 is the window (7, 0)
 
 
-@pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
-def test_model_families_in_bfloat16_match_eager_to_rounding(cache, family):
-    """bfloat16 models with the variants (Gemma-2: softcap and windows; gpt-oss: sinks and
-    windows): prefill logits past the window and a decode step agree with eager in bf16 to bf16
-    rounding (greedy tokens of a random model can flip on near-ties, so logits are compared)."""
+def test_gemma2_in_bfloat16_matches_eager_to_rounding(cache):
+    """A bfloat16 Gemma-2 (softcap on every layer, windows on alternate ones; gpt-oss's sinks are
+    the fp32 test's): prefill logits past the window and a decode step agree with eager in bf16
+    to bf16 rounding (greedy tokens of a random model can flip on near-ties, so logits are
+    compared)."""
+    family = "gemma2"
     cls, conf, kw, _ = FAMILIES[family]
     if not hasattr(transformers, cls):
         pytest.skip(f"this transformers has no {cls}")

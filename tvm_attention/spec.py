@@ -324,7 +324,7 @@ class AttentionSpec:
         dim reads ``dyn`` (``bdyn_h8_kv2_qdyn_kdyn_d64_float32_causal``) and another layout
         leads (``varlen_h8_kv2_d64_float32_causal``). Representative values are not part of it."""
         c = "causal" if self.causal else "full"
-        tail = f"_d{self.head_dim}_{self.dtype}_{c}{self._variant_name()}{'_lse' if self.return_lse else ''}"
+        tail = f"_d{self.head_dim}_{self.dtype}_{c}{self.variant_suffix()}{'_lse' if self.return_lse else ''}"
         if self.layout != "bhsd":
             page = f"_p{self.page_size}" if self.page_size is not None else ""
             return f"{self.layout}{page}_h{self.heads}_kv{self.kv_heads}{tail}"
@@ -335,7 +335,7 @@ class AttentionSpec:
         return f"b{dim('batch')}_h{self.heads}_kv{self.kv_heads}_q{dim('seq_q')}_k{dim('seq_kv')}{tail}"
 
 
-    def _variant_name(self) -> str:
+    def variant_suffix(self) -> str:
         """The variants' part of :meth:`short_name`: ``_w4095_0``, ``_cap30``, ``_alibi``..."""
         out = ""
         if self.window is not None:

@@ -158,7 +158,7 @@ class LayerConfig:
             ident["variants"] = {k: float(v).hex() if k == "softcap" else v for k, v in self.variants.items()}
         digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:12]
         kind = "causal" if self.causal else "full"
-        kind += self.spec()._variant_name()
+        kind += self.spec().variant_suffix()
         return (f"{prefix}h{self.heads}_kv{self.kv_heads}_d{self.head_dim}_{self.dtype}_{kind}_"
                 f"{target_key(target)}_{digest}")
 
