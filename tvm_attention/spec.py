@@ -334,7 +334,6 @@ class AttentionSpec:
 
         return f"b{dim('batch')}_h{self.heads}_kv{self.kv_heads}_q{dim('seq_q')}_k{dim('seq_kv')}{tail}"
 
-
     def variant_suffix(self) -> str:
         """The variants' part of :meth:`short_name`: ``_w4095_0``, ``_cap30``, ``_alibi``..."""
         out = ""
