@@ -215,20 +215,25 @@ def test_static_cache_generate_runs_the_kvcache_kernel_in_place(cache):
     assert only_artifact(cache).name.startswith("kvcache_h4_kv2_d16_float32_causal_llvm-")
 
 
+def assert_bf16_logits_close(model, peer, ids):
+    """The prefill logits of ``ids[:, :-1]`` and those of a decode step with the last token
+    through the cache agree between ``model`` and ``peer`` to bf16 rounding."""
+    outs = []
+    for m in (model, peer):
+        with torch.no_grad():
+            first = m(ids[:, :-1], use_cache=True)
+            step = m(ids[:, -1:], cache=first.past_key_values, use_cache=True)
+        outs.append((first.logits.float(), step.logits.float()))
+    for got, want in zip(*outs):
+        torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
+
+
 def test_bfloat16_model_matches_sdpa(cache):
     """A bfloat16 model runs the bf16 kernels (dot products on AVX512-BF16 where the CPU has them):
     prefill logits and a decode step through the cache agree with SDPA in bf16 to bf16 rounding
     (greedy tokens of a random model can flip on near-ties, so logits are compared)."""
     sdpa, tvm = (tiny_llama(impl).to(torch.bfloat16) for impl in ("sdpa", "tvm_attention"))
-    ids = prompt(2, length=40)
-    outs = []
-    for model in (sdpa, tvm):
-        with torch.no_grad():
-            first = model(ids[:, :39], use_cache=True)
-            step = model(ids[:, 39:], cache=first.past_key_values, use_cache=True)
-        outs.append((first.logits.float(), step.logits.float()))
-    for got, want in zip(outs[1], outs[0]):
-        torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
+    assert_bf16_logits_close(tvm, sdpa, prompt(2, length=40))
     s = hf.stats()
     assert s["builds"] == 1 and s["calls"] == 2 * 2, s
     assert only_artifact(cache).name.startswith("h4_kv2_d16_bfloat16_causal_")
@@ -305,17 +310,11 @@ def test_gemma2_in_bfloat16_matches_eager_to_rounding(cache):
     cls, conf, kw, _ = FAMILIES[family]
     if not hasattr(transformers, cls):
         pytest.skip(f"this transformers has no {cls}")
-    ids = prompt(2, length=20)
-    outs = []
-    for impl in ("eager", "tvm_attention"):
-        model = tiny(cls, conf, **kw).to(torch.bfloat16)
-        model.set_attn_implementation(impl)
-        with torch.no_grad():
-            first = model(ids[:, :19], use_cache=True)
-            step = model(ids[:, 19:], cache=first.past_key_values, use_cache=True)
-        outs.append((first.logits.float(), step.logits.float()))
-    for got, want in zip(outs[1], outs[0]):
-        torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
+    models = []
+    for impl in ("tvm_attention", "eager"):
+        models.append(tiny(cls, conf, **kw).to(torch.bfloat16))
+        models[-1].set_attn_implementation(impl)
+    assert_bf16_logits_close(*models, prompt(2, length=20))
 
 
 def test_dropout_in_training_raises(cache):

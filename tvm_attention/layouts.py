@@ -71,6 +71,17 @@ VARIANT_OPTIONS = {"window_size": "must equal the artifact's window ((-1, -1): n
 ARG_ALIASES = {"cache_leftpad": "kv_start"}
 
 
+def _number(options: Mapping[str, Any], key: str) -> float | None:
+    """Keyword ``key`` as a float (None when not passed), else a named error."""
+    x = options.get(key)
+    if x is None:
+        return None
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        raise KernelArgumentError(f"{key}: expected a number, got {x!r}") from None
+
+
 def _check_variant_options(spec, options: Mapping[str, Any]) -> None:
     w = options.get("window_size")
     if w is not None:
@@ -85,12 +96,8 @@ def _check_variant_options(spec, options: Mapping[str, Any]) -> None:
             raise KernelArgumentError(
                 f"window_size={tuple(w)!r}: this artifact was built with window={tuple(mine)!r} "
                 f"(causal={spec.causal}); build another (--window)")
-    c = options.get("softcap")
+    c = _number(options, "softcap")
     if c is not None:
-        try:
-            c = float(c)
-        except (TypeError, ValueError):
-            raise KernelArgumentError(f"softcap: expected a number, got {options['softcap']!r}") from None
         mine = spec.softcap or 0.0
         if not np.isclose(c, mine, rtol=1e-6, atol=0.0):
             raise KernelArgumentError(f"softcap={options['softcap']!r}: this artifact was built with softcap={mine!r}; "
@@ -195,12 +202,8 @@ class Layout:
                 f"causal={options['causal']!r}: this artifact was built with causal={spec.causal}; build another"
             )
         s = options.get("softmax_scale")
-        if s is not None:
-            try:
-                s_value = float(s)
-            except (TypeError, ValueError):
-                raise KernelArgumentError(f"softmax_scale: expected a number, got {s!r}") from None
-        if s is not None and not np.isclose(s_value, spec.scale, rtol=1e-6, atol=0.0):
+        s_value = _number(options, "softmax_scale")
+        if s_value is not None and not np.isclose(s_value, spec.scale, rtol=1e-6, atol=0.0):
             raise KernelArgumentError(
                 f"softmax_scale={s!r}: this artifact was built with scale={spec.scale!r}; build another (--scale)"
             )

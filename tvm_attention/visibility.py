@@ -175,20 +175,22 @@ class Visibility:
 
 
 def _all(conds: list) -> Any | None:
-    if not conds:
-        return None
-    out = conds[0]
-    for c in conds[1:]:
-        out = np.logical_and(out, c) if isinstance(out, _PLAIN) and isinstance(c, _PLAIN) else _tir().And(out, c)
-    return out
+    return _fold(conds, np.logical_and, "And")
 
 
 def _any(conds: list) -> Any | None:
+    return _fold(conds, np.logical_or, "Or")
+
+
+def _fold(conds: list, numpy_op, tir_op: str) -> Any | None:
+    """``conds`` joined by ``numpy_op`` (bools, arrays) or TIR's ``tir_op`` (expressions); None
+    for no condition."""
     if not conds:
         return None
     out = conds[0]
     for c in conds[1:]:
-        out = np.logical_or(out, c) if isinstance(out, _PLAIN) and isinstance(c, _PLAIN) else _tir().Or(out, c)
+        plain = isinstance(out, _PLAIN) and isinstance(c, _PLAIN)
+        out = numpy_op(out, c) if plain else getattr(_tir(), tir_op)(out, c)
     return out
 
 

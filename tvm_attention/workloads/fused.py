@@ -89,10 +89,11 @@ class _Variants:
     """The variants' call arguments of one kernel (``alibi_slopes``, ``sinks``, ``kv_start``: its
     buffers, None where the spec takes none) and the expressions the tile builds from them."""
 
-    def __init__(self, spec, AL=None, SK=None, KS=None):
-        self.AL = AL if spec.alibi else None
-        self.SK = SK if spec.sinks else None
-        self.KS = KS if spec.kv_start else None
+    def __init__(self, spec=None, AL=None, SK=None, KS=None):
+        # spec None: a kernel without variant arguments
+        self.AL = AL if spec is not None and spec.alibi else None
+        self.SK = SK if spec is not None and spec.sinks else None
+        self.KS = KS if spec is not None and spec.kv_start else None
 
     def start(self, b):
         """Sequence ``b``'s first visible key (None: key 0)."""
@@ -108,7 +109,7 @@ class _Variants:
 
 
 #: a kernel without variant arguments
-NO_VARIANTS = types.SimpleNamespace(start=lambda b: None, slope=lambda h: None, sink=lambda h: None)
+NO_VARIANTS = _Variants()
 
 
 class _Tile:
