@@ -78,6 +78,15 @@ def cpu_cases() -> list[tuple[str, AttentionSpec]]:
         AttentionSpec(batch=2, heads=8, kv_heads=2, seq_q=512, head_dim=64, causal=True, layout="varlen",
                       window=(63, 0), softcap=30.0, alibi=True, sinks=True, return_lse=True),
     ]
+    # user-written modifiers with key bounds: a document mask, a relative bias read from a tensor
+    mods = dict(mask_mod="lambda b, h, q, kv: doc[b, q] == doc[b, kv]",
+                score_mod="lambda s, b, h, q, kv: s - slope[h] * abs(q - kv)", key_bounds=True,
+                mod_tensors=(("doc", "int32", ("batch", "seq_kv")), ("slope", "float32", ("heads",))))
+    s += [
+        AttentionSpec(batch=1, heads=8, kv_heads=2, seq_q=1024, head_dim=64, causal=True, dynamic=DYN, **mods),
+        AttentionSpec(batch=4, heads=32, kv_heads=8, seq_q=1, seq_kv=4096, head_dim=128, causal=True,
+                      layout="paged", dynamic=DYN, return_lse=True, **mods),
+    ]
     cases = [("fused", x) for x in s]
     cases += [("materialized", AttentionSpec(batch=1, heads=8, seq_q=512, head_dim=64, causal=True)),
               ("rowcache", AttentionSpec(batch=1, heads=8, seq_q=512, head_dim=64, causal=True))]

@@ -81,6 +81,50 @@ def _add_spec_flags(p: argparse.ArgumentParser, defaults: dict | None = None) ->
     p.add_argument("--kv-start", action="store_true", default=False,
                    help="left padding: the kernel takes kv_start (B,) int32; keys before kv_start[b] are hidden "
                         "(FlashAttention's cache_leftpad; bhsd, kvcache and paged)")
+    # user-written modifiers (tvm_attention.modifiers; docs/semantics.md#user-written-modifiers)
+    p.add_argument("--score-mod", default=None, metavar="SRC",
+                   help="score modifier score_mod(score, b, h, q_idx, kv_idx): Python source (a lambda or a def), "
+                        "or FILE.py:NAME (the def NAME in FILE.py); compiled into the tile")
+    p.add_argument("--mask-mod", default=None, metavar="SRC",
+                   help="mask modifier mask_mod(b, h, q_idx, kv_idx) -> visible, joined with the spec's mask; as "
+                        "--score-mod")
+    p.add_argument("--mod-tensor", action="append", default=[], type=_mod_tensor, metavar="NAME:DTYPE:DIMS",
+                   help="an extra tensor the modifiers read by NAME (a call argument): DTYPE int32 or float32, "
+                        "DIMS comma-separated (ints or batch, heads, kv_heads, seq_q, seq_kv: the sizes of its "
+                        "validation inputs; every dim is taken at call time). Repeat for more")
+    p.add_argument("--key-bounds", action="store_true", default=False,
+                   help="the kernel takes key_lo, key_hi (B, positions) int32: a row at position p sees only keys "
+                        "key_lo[b,p] <= j < key_hi[b,p] (non-decreasing in p), and whole key tiles outside a row "
+                        "tile's bounds are skipped (a block mask given at call time)")
+
+
+def _mod_tensor(text: str) -> tuple[str, str, tuple]:
+    """``--mod-tensor NAME:DTYPE:DIM,DIM``."""
+    parts = str(text).split(":")
+    if len(parts) != 3 or not parts[2]:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME:DTYPE:DIMS (e.g. doc:int32:batch,seq_kv)")
+    dims = tuple(int(d) if d.strip().lstrip("-").isdigit() else d.strip() for d in parts[2].split(","))
+    return parts[0], parts[1], dims
+
+
+def _modifier_source(text: str | None, flag: str) -> str | None:
+    """``--score-mod``/``--mask-mod``: source text, or ``FILE.py:NAME`` (that function's source)."""
+    if text is None:
+        return None
+    head, _, name = text.rpartition(":")
+    if head.endswith(".py") and name.isidentifier():
+        import ast
+        from pathlib import Path
+
+        path = Path(head)
+        if not path.is_file():
+            raise SpecError(f"{flag} {text}: no file {head}")
+        src = path.read_text()
+        for node in ast.parse(src).body:
+            if isinstance(node, ast.FunctionDef) and node.name == name:
+                return ast.get_source_segment(src, node)
+        raise SpecError(f"{flag} {text}: {head} defines no function {name!r}")
+    return text
 
 
 def _window(text: str) -> tuple[int, int]:
@@ -120,6 +164,8 @@ def _spec_from_args(a: argparse.Namespace) -> AttentionSpec:
         dynamic=tuple(dynamic), return_lse=a.return_lse,
         page_size=a.page_size, window=_window_of(a), softcap=a.softcap or None,
         alibi=a.alibi, sinks=a.sinks, kv_start=a.kv_start,
+        score_mod=_modifier_source(a.score_mod, "--score-mod"), mask_mod=_modifier_source(a.mask_mod, "--mask-mod"),
+        mod_tensors=tuple(a.mod_tensor), key_bounds=a.key_bounds,
     )
 
 

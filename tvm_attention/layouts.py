@@ -37,6 +37,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from .errors import SpecError
+from .modifiers import tensor_dim_name
 from .reference import reference_attention
 from .visibility import Visibility
 
@@ -104,9 +105,22 @@ def _check_variant_options(spec, options: Mapping[str, Any]) -> None:
                                       "build another (--softcap)")
 
 
+#: The key bounds' arguments (``spec.key_bounds``), after ``kv_start``: row ``p`` of sequence
+#: ``b`` sees keys ``key_lo[b, p] <= j < key_hi[b, p]`` only (``p`` clamped into the columns).
+KEY_BOUND_ARGS = (Arg("key_lo", ("batch", "key_positions"), "int32"),
+                  Arg("key_hi", ("batch", "key_positions"), "int32"))
+
+
 def variant_args(spec) -> tuple[Arg, ...]:
-    """The variant arguments ``spec``'s kernel takes, in call order."""
-    return tuple(a for flag, a in VARIANT_ARGS if getattr(spec, flag, False))
+    """The variant arguments ``spec``'s kernel takes, in call order: ``alibi_slopes``, ``sinks``,
+    ``kv_start``, ``key_lo``, ``key_hi``, then the modifiers' tensors (``spec.mod_tensors``, each
+    dim taken at call time)."""
+    out = tuple(a for flag, a in VARIANT_ARGS if getattr(spec, flag, False))
+    if getattr(spec, "key_bounds", False):
+        out += KEY_BOUND_ARGS
+    for name, dtype, dims in getattr(spec, "mod_tensors", ()):
+        out += (Arg(name, tuple(tensor_dim_name(name, i) for i in range(len(dims))), dtype),)
+    return out
 
 
 def _bound_dim(name: str) -> tuple[str, int]:
@@ -185,8 +199,9 @@ class Layout:
         return out
 
     # -- loader hooks --------------------------------------------------------------------------
-    def check_indices(self, arrays: Mapping[str, np.ndarray], bound: Mapping[str, int]) -> None:
-        """Raise :class:`KernelArgumentError` for index arrays the kernel would misread."""
+    def check_indices(self, arrays: Mapping[str, np.ndarray], bound: Mapping[str, int], spec=None) -> None:
+        """Raise :class:`KernelArgumentError` for index arrays (and variant arguments of
+        ``spec``'s kernel) the kernel would misread."""
 
     def all_options(self) -> dict[str, str]:
         """``options`` and the variants' compiled-in keywords (FlashAttention's names)."""
@@ -243,6 +258,8 @@ class Layout:
 
 def _resolve(dims: Mapping[str, int | str], name: str) -> int | str:
     base, plus = _bound_dim(name)
+    if base not in dims:  # a variant argument's own dim (key_positions, a mod tensor's): symbolic
+        return name
     v = dims[base]
     if isinstance(v, str):
         return name
@@ -264,11 +281,12 @@ def alibi_slopes(heads: int) -> np.ndarray:
     return np.asarray(out, np.float32)
 
 
-def variant_inputs(spec, key_counts, seed: int = 0) -> dict[str, np.ndarray]:
+def variant_inputs(spec, key_counts, seed: int = 0, query_rows: int | None = None) -> dict[str, np.ndarray]:
     """The variant arguments ``spec``'s kernel takes, for sequences of ``key_counts`` keys:
-    ALiBi's standard slopes, random sink logits, and a ``kv_start`` per sequence in ``[0, keys]``
-    (the second sequence, when there is one, hides every key). Drawn from a generator of their
-    own, so that a plain spec's inputs stay what they were."""
+    ALiBi's standard slopes, random sink logits, a ``kv_start`` per sequence in ``[0, keys]``
+    (the second sequence, when there is one, hides every key), key bounds of random documents
+    (:func:`document_bounds`) and the modifiers' tensors (:func:`mod_tensor_inputs`). Drawn from
+    a generator of their own, so that a plain spec's inputs stay what they were."""
     rng = np.random.default_rng(seed + 7919)
     out = {}
     if getattr(spec, "alibi", False):
@@ -281,16 +299,83 @@ def variant_inputs(spec, key_counts, seed: int = 0) -> dict[str, np.ndarray]:
         if len(n) > 1:
             start[1] = n[1]
         out["kv_start"] = np.asarray(start, np.int32)
+    if getattr(spec, "key_bounds", False):
+        out["key_lo"], out["key_hi"] = document_bounds(key_counts, rng)
+    out.update(mod_tensor_inputs(spec, key_counts, rng, query_rows))
     return out
 
 
-def variant_kwargs(arrays: Mapping[str, np.ndarray], b: int | None = None) -> dict[str, np.ndarray]:
-    """The reference's keywords for the variant arguments among ``arrays`` (sequence ``b``'s
-    ``kv_start`` alone when ``b`` is given)."""
-    out = {n: arrays[n] for n in ("alibi_slopes", "sinks") if n in arrays}
+def document_bounds(key_counts, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """``(key_lo, key_hi) (batch, positions)`` int32 of random documents: each sequence's
+    positions cut into documents at random, a row sees its own document's keys; in the second
+    sequence (when there is one) the first document's rows see no key."""
+    n = [int(x) for x in key_counts]
+    width = max(n + [1])
+    lo = np.zeros((len(n), width), np.int32)
+    hi = np.zeros((len(n), width), np.int32)
+    for b in range(len(n)):
+        cuts = np.sort(rng.choice(np.arange(1, width), size=min(3, width - 1), replace=False)) if width > 1 else []
+        edges = [0, *[int(c) for c in cuts], width]
+        for i, (a, e) in enumerate(zip(edges[:-1], edges[1:])):
+            lo[b, a:e], hi[b, a:e] = a, e
+            if b == 1 and i == 0:
+                hi[b, a:e] = a
+    return lo, hi
+
+
+def mod_tensor_inputs(spec, key_counts, rng: np.random.Generator, query_rows: int | None = None) -> dict:
+    """Random values of the modifiers' tensors (``spec.mod_tensors``), their declared dims sized
+    by the case: ``batch`` the sequences, ``seq_kv`` the most keys, ``seq_q`` the query rows.
+    int32 tensors hold small non-decreasing ids along their last dim (document ids), float32
+    ones standard normals."""
+    n = [int(x) for x in key_counts]
+    size = {"batch": max(len(n), 1), "seq_kv": max(n + [1]), "seq_q": max(query_rows or 1, 1),
+            "heads": spec.heads, "kv_heads": spec.kv_heads}
+    out = {}
+    for name, dtype, dims in getattr(spec, "mod_tensors", ()):
+        shape = tuple(d if isinstance(d, int) else size[d] for d in dims)
+        if dtype == "int32":
+            out[name] = np.sort(rng.integers(0, 3, size=shape), axis=-1).astype(np.int32)
+        else:
+            out[name] = rng.standard_normal(shape).astype(np.float32)
+    return out
+
+
+def variant_kwargs(spec, arrays: Mapping[str, np.ndarray], b: int | None = None) -> dict[str, Any]:
+    """The reference's keywords for the variant arguments among ``arrays`` (for sequence ``b``
+    alone when ``b`` is given: its ``kv_start``, and ``seq_index=b``)."""
+    out: dict[str, Any] = {n: arrays[n] for n in ("alibi_slopes", "sinks", "key_lo", "key_hi") if n in arrays}
     if "kv_start" in arrays:
         out["kv_start"] = arrays["kv_start"] if b is None else arrays["kv_start"][b:b + 1]
+    if getattr(spec, "mod_tensors", ()):
+        out["mod_tensors"] = {n: arrays[n] for n, _, _ in spec.mod_tensors if n in arrays}
+    if b is not None and getattr(spec, "has_modifiers", False):
+        out["seq_index"] = b
     return out
+
+
+def check_variant_arrays(spec, arrays: Mapping[str, np.ndarray], key_counts, batch: int) -> None:
+    """The variant arguments the kernel cannot misread, else :class:`KernelArgumentError`:
+    ``kv_start`` (:func:`check_kv_start`), key bounds with one row per sequence, at least one
+    column, non-decreasing along the positions (a row tile's bounds are its first row's ``key_lo``
+    and its last row's ``key_hi``), and modifier tensors with no empty dim."""
+    check_kv_start(arrays, key_counts)
+    if getattr(spec, "key_bounds", False):
+        for name in ("key_lo", "key_hi"):
+            x = arrays[name]
+            if x.shape[0] != batch or x.shape[1] < 1:
+                raise KernelArgumentError(f"{name}: expected (batch={batch}, positions >= 1), got {x.shape}")
+            steps = np.diff(x.astype(np.int64), axis=1)
+            if steps.size and steps.min() < 0:
+                b, p = (int(i) for i in np.argwhere(steps < 0)[0])
+                raise KernelArgumentError(
+                    f"{name}: must be non-decreasing along the positions, but {name}[{b}, {p + 1}]={int(x[b, p + 1])} "
+                    f"< {name}[{b}, {p}]={int(x[b, p])} (the kernel skips key tiles by the bounds of a row tile's "
+                    "first and last rows)")
+    for name, _, _ in getattr(spec, "mod_tensors", ()):
+        if 0 in arrays[name].shape:
+            raise KernelArgumentError(f"{name}: has an empty dim {arrays[name].shape}; a modifier's tensor is read "
+                                      "with its indices clamped into it, which needs at least one element")
 
 
 def check_kv_start(arrays: Mapping[str, np.ndarray], key_counts) -> None:
@@ -327,10 +412,10 @@ class BHSD(Layout):
 
     def reference_outputs(self, spec, arrays):
         return reference_attention(spec, arrays["q"], arrays["k"], arrays["v"], return_lse=True,
-                                   **variant_kwargs(arrays))
+                                   **variant_kwargs(spec, arrays))
 
-    def check_indices(self, arrays, bound):
-        check_kv_start(arrays, arrays["k"].shape[2])
+    def check_indices(self, arrays, bound, spec=None):
+        check_variant_arrays(spec, arrays, arrays["k"].shape[2], arrays["q"].shape[0])
 
     def kv_bytes(self, spec, case):
         return 2 * case["batch"] * spec.kv_heads * case["seq_kv"] * spec.head_dim * spec.itemsize
@@ -353,7 +438,7 @@ class BHSD(Layout):
             "q": _rng_array(rng, (b, spec.heads, sq, spec.head_dim), dt),
             "k": _rng_array(rng, (b, spec.kv_heads, sk, spec.head_dim), dt),
             "v": _rng_array(rng, (b, spec.kv_heads, sk, spec.head_dim), dt),
-            **variant_inputs(spec, [sk] * b, seed),
+            **variant_inputs(spec, [sk] * b, seed, sq),
         }
 
     def useful_flops(self, spec, case):
@@ -382,7 +467,7 @@ class Varlen(Layout):
         return {"batch": "batch", "total_q": "total_q", "total_k": "total_k",
                 "heads": spec.heads, "kv_heads": spec.kv_heads, "head_dim": spec.head_dim}
 
-    def check_indices(self, arrays, bound):
+    def check_indices(self, arrays, bound, spec=None):
         for name, total in (("cu_seqlens_q", "total_q"), ("cu_seqlens_k", "total_k")):
             cu = arrays[name]
             if cu.size == 0:
@@ -401,6 +486,8 @@ class Varlen(Layout):
                     f"{name}: last entry {int(cu[-1])} must equal the number of rows of "
                     f"{'q' if total == 'total_q' else 'k and v'} ({total}={bound[total]})"
                 )
+        cq, ck = arrays["cu_seqlens_q"], arrays["cu_seqlens_k"]
+        check_variant_arrays(spec, arrays, np.diff(ck), len(cq) - 1)
 
     def check_options(self, spec, options, arrays):
         super().check_options(spec, options, arrays)
@@ -434,7 +521,7 @@ class Varlen(Layout):
                 return np.ascontiguousarray(x.transpose(1, 0, 2))[None]
 
             ob, lb = reference_attention(spec, bhsd(q[rows]), bhsd(k[keys]), bhsd(v[keys]), return_lse=True,
-                                         **variant_kwargs(arrays))
+                                         **variant_kwargs(spec, arrays, b))
             o[rows] = ob[0].transpose(1, 0, 2)
             lse[:, rows] = lb[0]
         return o, lse
@@ -462,7 +549,7 @@ class Varlen(Layout):
             "v": _rng_array(rng, (int(ck[-1]), spec.kv_heads, spec.head_dim), dt),
             "cu_seqlens_q": cq,
             "cu_seqlens_k": ck,
-            **variant_inputs(spec, lens[:, 1], seed),
+            **variant_inputs(spec, lens[:, 1], seed, int(lens[:, 0].max(initial=1))),
         }
 
     def useful_flops(self, spec, case):
@@ -500,7 +587,7 @@ class KVCache(Layout):
         """(keys a sequence may have, what bounds it) for the cache_seqlens check."""
         return bound["max_len"], f"max_len={bound['max_len']} (dim 2 of k_cache)"
 
-    def check_indices(self, arrays, bound):
+    def check_indices(self, arrays, bound, spec=None):
         lens = arrays["cache_seqlens"]
         if lens.size and lens.min() < 0:
             b = int(np.argmin(lens))
@@ -509,7 +596,7 @@ class KVCache(Layout):
         if lens.size and lens.max() > cap:
             b = int(np.argmax(lens))
             raise KernelArgumentError(f"cache_seqlens[{b}]={int(lens[b])} exceeds the cache: {what}")
-        check_kv_start(arrays, lens)
+        check_variant_arrays(spec, arrays, lens, len(lens))
 
     def keys_of(self, spec, arrays, b: int, length: int) -> tuple[np.ndarray, np.ndarray]:
         """Sequence ``b``'s first ``length`` keys and values as ``(1, KH, length, D)``."""
@@ -522,7 +609,7 @@ class KVCache(Layout):
         for b in range(q.shape[0]):
             k, v = self.keys_of(spec, arrays, b, int(lens[b]))
             o[b:b + 1], lse[b:b + 1] = reference_attention(spec, q[b:b + 1], k, v, return_lse=True,
-                                                           **variant_kwargs(arrays, b))
+                                                           **variant_kwargs(spec, arrays, b))
         return o, lse
 
     def validation_cases(self, spec):
@@ -552,7 +639,7 @@ class KVCache(Layout):
             "k_cache": _rng_array(rng, (b, spec.kv_heads, ml, spec.head_dim), dt),
             "v_cache": _rng_array(rng, (b, spec.kv_heads, ml, spec.head_dim), dt),
             "cache_seqlens": lens,
-            **variant_inputs(spec, lens, seed),
+            **variant_inputs(spec, lens, seed, sq),
         }
 
     def useful_flops(self, spec, case):
@@ -596,8 +683,8 @@ class Paged(KVCache):
         return bound["max_pages"] * p, (f"block_table holds max_pages={bound['max_pages']} pages of "
                                         f"page_size={p} keys per sequence")
 
-    def check_indices(self, arrays, bound):
-        super().check_indices(arrays, bound)
+    def check_indices(self, arrays, bound, spec=None):
+        super().check_indices(arrays, bound, spec)
         lens, table = arrays["cache_seqlens"], arrays["block_table"]
         p, n = arrays["k_pages"].shape[1], bound["num_pages"]
         used = (np.arange(table.shape[1])[None, :] * p) < lens[:, None]  # entries a sequence reads
@@ -660,7 +747,7 @@ class Paged(KVCache):
             "v_pages": _rng_array(rng, (num_pages, p, spec.kv_heads, spec.head_dim), dt),
             "block_table": table,
             "cache_seqlens": lens,
-            **variant_inputs(spec, lens, seed),
+            **variant_inputs(spec, lens, seed, sq),
         }
 
     def describe_case(self, case):

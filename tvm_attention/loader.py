@@ -317,7 +317,7 @@ class AttentionKernel:
                 framework = fw
             arrays[name] = self._check_array(name, shape, dtype, arr, bound, source)
         if self._index_names:
-            self.layout.check_indices(arrays, bound)
+            self.layout.check_indices(arrays, bound, self.spec)
         return arrays, framework, bound
 
     def output_shape(self, bound: dict[str, int], dims: tuple | None = None) -> tuple[int, ...]:

@@ -5,6 +5,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from .modifiers import instantiate
 from .visibility import Visibility
 
 if TYPE_CHECKING:  # the spec builds on layouts, which build on this reference
@@ -26,6 +27,10 @@ def reference_attention(
     alibi_slopes: np.ndarray | None = None,
     sinks: np.ndarray | None = None,
     kv_start: np.ndarray | None = None,
+    mod_tensors: dict | None = None,
+    key_lo: np.ndarray | None = None,
+    key_hi: np.ndarray | None = None,
+    seq_index: int | None = None,
 ):
     """``softmax(q·kᵀ·scale + mask)·v`` in float64, BHSD layout, GQA by ``h // group_size``.
 
@@ -40,9 +45,18 @@ def reference_attention(
 
     * ``spec.softcap`` c: ``x ← c·tanh(x / c)``;
     * ``spec.alibi``: ``x ← x − alibi_slopes[h]·|p − j|`` (``alibi_slopes (H,)``);
-    * the mask: causal, ``spec.window``, and ``kv_start (B,)`` (keys ``j < kv_start[b]`` hidden);
+    * ``spec.score_mod``: ``x ← score_mod(x, b, h, p, j)`` (tvm_attention.modifiers; its
+      tensors from ``mod_tensors``, name -> array);
+    * the mask: causal, ``spec.window``, ``kv_start (B,)`` (keys ``j < kv_start[b]`` hidden),
+      ``spec.key_bounds`` (``key_lo[b, p'] ≤ j < key_hi[b, p']``, ``p'`` the position clamped
+      into the bounds' columns) and ``spec.mask_mod(b, h, p, j)``; under a modifier a key whose
+      score is ``-inf`` is hidden too;
     * ``spec.sinks``: ``sinks (H,)`` natural-log logits; each row's denominator gains
       ``exp(sinks[h])``, with no value attached (a row that sees no key still outputs zeros).
+
+    ``b`` is the sequence's index in the batch: ``seq_index + i`` for the arrays' batch entry
+    ``i`` (a layout that calls this per sequence passes its index; the bounds and ``kv_start``
+    are then that sequence's rows).
 
     ``return_lse``: also return ``lse (B, H, Sq)``, the natural log of each row's softmax
     denominator ``log Σ_j exp(x_j)`` over the keys it sees (``-inf`` for a row that sees none),
@@ -71,12 +85,37 @@ def reference_attention(
     if spec.alibi:
         slopes = _per_head(spec, "alibi_slopes", alibi_slopes)
         s = s - slopes[None, :, None, None] * np.abs(pos[:, None] - keys[None, :])[None, None]
+    mods = spec.has_modifiers
+    if mods:  # the modifiers' arguments, broadcast against s (B, H, rows, keys)
+        first = 0 if seq_index is None else int(seq_index)
+        b_idx = (first + np.arange(q.shape[0])).reshape(-1, 1, 1, 1)
+        h_idx = np.arange(spec.heads).reshape(1, -1, 1, 1)
+        p_idx, j_idx = pos.reshape(1, 1, -1, 1), keys.reshape(1, 1, 1, -1)
+        tensors = _mod_tensors(spec, mod_tensors)
+    if spec.score_mod is not None:
+        fn = instantiate(spec.score_mod, "score_mod", tensors)
+        with np.errstate(all="ignore"):
+            s = np.broadcast_to(np.asarray(fn(s, b_idx, h_idx, p_idx, j_idx), np.float64), s.shape)
     if spec.kv_start:
         start = np.asarray(_required(kv_start, "kv_start"), np.int64).reshape(-1, 1, 1, 1)
     else:
         start = None
     seen = vis.sees(keys[None, None, None, :], pos[None, None, :, None], start)
     mask = np.ones((1, 1, len(pos), seq_kv), bool) if seen is None else np.broadcast_to(seen, seen.shape)
+    if spec.key_bounds:
+        lo = np.asarray(_required(key_lo, "key_lo"), np.int64)
+        hi = np.asarray(_required(key_hi, "key_hi"), np.int64)
+        first = 0 if seq_index is None else int(seq_index)
+        rows_b = lo[first:first + q.shape[0]]
+        col = np.clip(pos, 0, lo.shape[1] - 1)
+        lo_b = rows_b[:, col][:, None, :, None]
+        hi_b = hi[first:first + q.shape[0]][:, col][:, None, :, None]
+        mask = mask & (lo_b <= j_idx) & (j_idx < hi_b)
+    if spec.mask_mod is not None:
+        fn = instantiate(spec.mask_mod, "mask_mod", tensors)
+        mask = mask & np.asarray(fn(b_idx, h_idx, p_idx, j_idx), bool)
+    if mods:  # a score of -inf hides its key (FlexAttention's convention); NaN stays visible
+        mask = mask & (s != -np.inf)
     s = np.where(mask, s, -np.inf)
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         m = s.max(axis=-1, keepdims=True)
@@ -107,6 +146,14 @@ def _required(x, name: str):
     if x is None:
         raise ValueError(f"the spec takes {name}: pass it")
     return x
+
+
+def _mod_tensors(spec: AttentionSpec, arrays) -> dict:
+    arrays = arrays or {}
+    missing = [n for n, _, _ in spec.mod_tensors if n not in arrays]
+    if missing:
+        raise ValueError(f"the spec's modifiers read {', '.join(missing)}: pass them (mod_tensors)")
+    return {n: np.asarray(arrays[n]) for n, _, _ in spec.mod_tensors}
 
 
 def _per_head(spec: AttentionSpec, name: str, x) -> np.ndarray:

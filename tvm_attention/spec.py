@@ -32,6 +32,7 @@ import json
 import math
 from typing import Any, Mapping
 
+from . import modifiers
 from .errors import SpecError
 from .layouts import get_layout
 from .visibility import Visibility
@@ -61,7 +62,7 @@ DATA_ALIGNMENT = 16
 
 #: The attention variants a spec may turn on (docs/semantics.md), in the order the call arguments
 #: of the three that take one (``alibi_slopes``, ``sinks``, ``kv_start``) follow.
-VARIANTS = ("window", "softcap", "alibi", "sinks", "kv_start")
+VARIANTS = ("window", "softcap", "alibi", "sinks", "kv_start", "score_mod", "mask_mod", "key_bounds")
 
 #: Dims a spec may leave symbolic (``dynamic``); heads, kv_heads, head_dim, dtype, causal and
 #: scale are always compiled in.
@@ -104,6 +105,17 @@ class AttentionSpec:
     sinks: bool = False
     #: left padding: ``kv_start (batch,)`` int32, a call argument; keys j < kv_start[b] are hidden
     kv_start: bool = False
+    #: user-written modifiers (tvm_attention.modifiers): the source text of ``score_mod(score, b, h,
+    #: q_idx, kv_idx)`` and ``mask_mod(b, h, q_idx, kv_idx)`` (a function given here is stored as its
+    #: source), compiled into the tile; ``mod_tensors`` the extra tensors they read, each
+    #: ``(name, dtype, dims)``, call arguments in that order
+    score_mod: str | None = None
+    mask_mod: str | None = None
+    mod_tensors: tuple = ()
+    #: per-position key bounds: call arguments ``key_lo``, ``key_hi (batch, positions)`` int32; a
+    #: row at position p sees keys key_lo[b, p] <= j < key_hi[b, p] only (both non-decreasing in p),
+    #: and key tiles outside a row tile's bounds are skipped (a block mask given at call time)
+    key_bounds: bool = False
 
     def __post_init__(self) -> None:
         for name in ("batch", "heads", "seq_q", "head_dim"):
@@ -191,11 +203,41 @@ class AttentionSpec:
             if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or c < 0:
                 raise SpecError(f"softcap must be a positive number (0 or None: off), got {c!r}")
             object.__setattr__(self, "softcap", float(c) if c > 0 else None)
+        self._check_modifiers()
+
+    def _check_modifiers(self) -> None:
+        """Store the modifiers as checked source text and ``mod_tensors`` canonically."""
+        if not isinstance(self.key_bounds, bool):
+            raise SpecError(f"key_bounds must be a bool, got {self.key_bounds!r}")
+        tensors = modifiers.check_tensors(self.mod_tensors)
+        object.__setattr__(self, "mod_tensors", tensors)
+        # the call arguments' names, and the kernel's own buffer names (its checks find buffers by name)
+        taken = {"q", "k", "v", "o", "lse", "key_lo", "key_hi", "alibi_slopes", "sinks", "kv_start", "Q", "K", "V",
+                 "O", "LSE", "BT", "CL", "AL", "SK", "KST", "CQ", "CK"} | {a.name for a in self.layout_info.args}
+        clash = [t[0] for t in tensors if t[0] in taken]
+        if clash:
+            raise SpecError(f"mod_tensors: {clash[0]!r} is the name of another argument")
+        for kind in ("score_mod", "mask_mod"):
+            fn = getattr(self, kind)
+            if fn is None:
+                continue
+            text = modifiers.source_of(fn, kind)
+            modifiers.check_source(text, kind, tuple(t[0] for t in tensors))
+            object.__setattr__(self, kind, text)
+        if tensors and self.score_mod is None and self.mask_mod is None:
+            raise SpecError("mod_tensors: no score_mod or mask_mod reads them")
+
+    @property
+    def has_modifiers(self) -> bool:
+        """Whether user-written modifiers or key bounds decide visibility or scores: a row then
+        outputs zeros when no key is left with a score above -inf (modifiers.py)."""
+        return self.score_mod is not None or self.mask_mod is not None or self.key_bounds
 
     @property
     def variants(self) -> tuple[str, ...]:
         """The variants this spec turns on (``window``, ``softcap``, ``alibi``, ``sinks``,
-        ``kv_start``), in that order: what a family that builds none of them refuses by name."""
+        ``kv_start``, ``score_mod``, ``mask_mod``, ``key_bounds``), in that order: what a family
+        that builds none of them refuses by name."""
         return tuple(n for n in VARIANTS if getattr(self, n) not in (None, False))
 
     # -- shapes -------------------------------------------------------------------------------
@@ -290,11 +332,14 @@ class AttentionSpec:
         # keys added after manifests existed are written only when set, so that older
         # manifests (and the tuning logs' spec files) still compare equal
         for key, default in (("return_lse", False), ("page_size", None), ("window", None), ("softcap", None),
-                             ("alibi", False), ("sinks", False), ("kv_start", False)):
+                             ("alibi", False), ("sinks", False), ("kv_start", False), ("score_mod", None),
+                             ("mask_mod", None), ("mod_tensors", ()), ("key_bounds", False)):
             if d[key] == default:
                 del d[key]
         if "window" in d:
             d["window"] = list(d["window"])
+        if "mod_tensors" in d:
+            d["mod_tensors"] = [[n, t, list(dims)] for n, t, dims in self.mod_tensors]
         return d
 
     #: The exported library's function that returns :meth:`fingerprint` of the spec it was built from.
@@ -341,7 +386,10 @@ class AttentionSpec:
             out += "_w" + "_".join("n" if x < 0 else str(x) for x in self.window)
         if self.softcap is not None:
             out += "_cap" + f"{self.softcap:g}".replace(".", "p").replace("+", "")
-        return out + "".join(f"_{n.replace('_', '')}" for n in ("alibi", "sinks", "kv_start") if getattr(self, n))
+        out += "".join(f"_{n.replace('_', '')}" for n in ("alibi", "sinks", "kv_start") if getattr(self, n))
+        if self.score_mod is not None or self.mask_mod is not None:
+            out += "_mod" + modifiers.digest(self.score_mod, self.mask_mod, self.mod_tensors)
+        return out + ("_kb" if self.key_bounds else "")
 
 
 def _check_positive_int(name: str, value: Any) -> None:

@@ -112,7 +112,7 @@ def validate_callable(spec: AttentionSpec, kernel: Callable[..., np.ndarray], se
         rows = sample_rows(spec, seed, case) if layout.name == "bhsd" else None
         if rows is not None:
             ref, ref_lse = reference_attention(spec, arrays["q"], arrays["k"], arrays["v"], rows=rows, return_lse=True,
-                                               **variant_kwargs(arrays))
+                                               **variant_kwargs(spec, arrays))
             out = out[:, :, rows, :]
             lse = None if lse is None else np.asarray(lse)[:, :, rows]
             label = f"{len(rows)} sampled"

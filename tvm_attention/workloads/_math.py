@@ -99,6 +99,13 @@ def normalize_where(acc: tirx.PrimExpr, l: tirx.PrimExpr, sees_key: tirx.PrimExp
     return tirx.Select(sees_key, acc / l, tirx.const(0.0, "float32"))
 
 
+def normalize_seen(acc: tirx.PrimExpr, l: tirx.PrimExpr, keys_sum: tirx.PrimExpr) -> tirx.PrimExpr:
+    """``acc / l``, or 0 where the keys' sum ``keys_sum`` is 0: under user modifiers (a mask on
+    data, a score that may be -inf) a row saw no key when every score it met was -inf. The test
+    is ``== 0`` (ordered): a NaN sum is not 0, so NaN passes through to the output."""
+    return tirx.Select(keys_sum == tirx.const(0.0, "float32"), tirx.const(0.0, "float32"), acc / l)
+
+
 def lse_of(m: tirx.PrimExpr, l: tirx.PrimExpr) -> tirx.PrimExpr:
     """A row's natural log-sum-exp from the online state: ``m`` (running max, log2 units of the
     scaled scores) and ``l`` (sum of ``2**(s - guarded(m))``): ``(guarded(m) + log2(l))·ln 2``.

@@ -45,10 +45,11 @@ import types
 from tvm import tirx
 from tvm.script import tirx as T
 
+from ..modifiers import instantiate, tensor_dim_name
 from ..spec import DATA_ALIGNMENT as A, AttentionSpec
 from ..visibility import Visibility
-from ._math import (LOG2E, bf16_bits, bf16_value, cast_to, exp2_fast, f32, guarded, lse_of, normalize, normalize_where,
-                    tanh_fast, with_sink)
+from ._math import (LOG2E, bf16_bits, bf16_value, cast_to, exp2_fast, f32, guarded, lse_of, normalize, normalize_seen,
+                    normalize_where, tanh_fast, with_sink)
 from .kv import dim, kv_layout
 
 ENTRY = "attention"
@@ -86,14 +87,20 @@ def fused_attention(spec: AttentionSpec, block_m: int, block_n: int, decode_rows
 
 
 class _Variants:
-    """The variants' call arguments of one kernel (``alibi_slopes``, ``sinks``, ``kv_start``: its
-    buffers, None where the spec takes none) and the expressions the tile builds from them."""
+    """The variants' call arguments of one kernel (``alibi_slopes``, ``sinks``, ``kv_start``,
+    ``key_lo``/``key_hi`` and the modifiers' tensors: its buffers, None where the spec takes
+    none), the user's modifiers over them, and the expressions the tile builds from them."""
 
-    def __init__(self, spec=None, AL=None, SK=None, KS=None):
+    def __init__(self, spec=None, AL=None, SK=None, KS=None, LO=None, HI=None, tensors=None):
         # spec None: a kernel without variant arguments
         self.AL = AL if spec is not None and spec.alibi else None
         self.SK = SK if spec is not None and spec.sinks else None
         self.KS = KS if spec is not None and spec.kv_start else None
+        self.LO, self.HI = (LO, HI) if spec is not None and spec.key_bounds else (None, None)
+        self.mods = spec is not None and spec.has_modifiers
+        # the user's modifiers over the tensor buffers (TIR expressions in, TIR out)
+        self.score_fn = instantiate(spec.score_mod, "score_mod", tensors or {}) if self.mods and spec.score_mod else None
+        self.mask_fn = instantiate(spec.mask_mod, "mask_mod", tensors or {}) if self.mods and spec.mask_mod else None
 
     def start(self, b):
         """Sequence ``b``'s first visible key (None: key 0)."""
@@ -106,6 +113,33 @@ class _Variants:
     def sink(self, h):
         """The sink logit of query head ``h`` in log2 units (None: no sinks)."""
         return None if self.SK is None else self.SK[h] * T.float32(LOG2E)
+
+    def _col(self, pos):
+        return T.max(0, T.min(pos, self.LO.shape[1] - 1))
+
+    def key_lo(self, b, pos):
+        """The first key the row at (absolute) position ``pos`` of sequence ``b`` may see by the
+        key bounds (None: no bounds)."""
+        return None if self.LO is None else self.LO[b, self._col(pos)]
+
+    def key_hi(self, b, pos):
+        """One past the last key the row at ``pos`` may see by the key bounds (None: none)."""
+        return None if self.HI is None else self.HI[b, self._col(pos)]
+
+    def sees(self, b, h, pos, key):
+        """The key bounds and ``mask_mod`` at absolute ``pos`` and ``key`` (None: no condition)."""
+        conds = []
+        if self.LO is not None:
+            conds += [self.key_lo(b, pos) <= key, key < self.key_hi(b, pos)]
+        if self.mask_fn is not None:
+            m = self.mask_fn(b, h, pos, key)
+            if isinstance(m, (bool, int)):
+                m = T.bool(bool(m))
+            conds.append(m)
+        out = None
+        for c in conds:
+            out = c if out is None else T.And(out, c)
+        return out
 
 
 #: a kernel without variant arguments
@@ -155,14 +189,28 @@ class _Tile:
         self.lse_index = lse_index  # row -> index of its log-sum-exp output, or None
         # split-KV partial: row -> (index of m, index of l); O gets the unnormalised acc
         self.state_index = state_index
-        self.var, self.head = var, head
+        self.var, self.head, self.b, self.key0 = var, head, b, key0
+        self.masked = self.masked or var.LO is not None or var.mask_fn is not None
         start = var.start(b)
         # the first visible key in the tile's numbering (a chunk's keys start at key0)
         self.start = start if start is None or key0 is None else start - key0
         first = row0 if pos is None else pos(row0)
         begin = vis.key_begin(vis.position(first, self.off), self.start)
+        lo = var.key_lo(b, self.absolute(vis.position(first, self.off)))
+        if lo is not None:  # the key bounds of the tile's first row (non-decreasing: checked)
+            lo = self.relative(lo)
+            begin = lo if begin is None else T.max(begin, lo)
         # key tiles wholly before what the tile's first row sees are skipped, not masked
         self.c0 = None if begin is None else vis.tiles_before(begin, BN)
+
+    def absolute(self, key):
+        """A key (or position) of the tile's numbering in the sequence's (a split-KV chunk's
+        numbering starts at ``key0``)."""
+        return key if self.key0 is None else key + self.key0
+
+    def relative(self, key):
+        """A key of the sequence's numbering in the tile's."""
+        return key if self.key0 is None else key - self.key0
 
     def tile(self, c):
         """The sequence's key tile of loop iteration ``c``."""
@@ -185,6 +233,10 @@ class _Tile:
         n = nc if isinstance(self.k_len, int) else T.floordiv(self.k_len + BN - 1, BN)
         end_row = self.row0 + BM if self.pos is None else self.pos(self.row0 + BM - 1) + 1  # past the last row
         key_end = self.vis.key_end(self.vis.position(end_row, self.off))
+        hi = self.var.key_hi(self.b, self.absolute(self.vis.position(end_row - 1, self.off)))
+        if hi is not None:  # the key bounds of the tile's last row
+            hi = self.relative(hi)
+            key_end = hi if key_end is None else T.min(key_end, hi)
         if key_end is not None:
             n = T.max(0, T.min(n, self.vis.tiles_to(key_end, BN)))
         if self.c0 is not None:
@@ -228,26 +280,54 @@ class _Tile:
     def score(self, S, vj, vi, vc):
         # S with masked entries at -inf: keys past the sequence (tail tile) and keys the row does
         # not see (visibility.py). Unmasked specs read S unchanged.
+        return self.masked_value(S[vj, vi], vj, vi, vc)
+
+    def masked_value(self, x, vj, vi, vc):
+        """``x`` (the score of tile row ``vi`` and key ``vj`` of tile ``vc``), or -inf where the
+        key is hidden."""
         if not self.masked:
-            return S[vj, vi]
+            return x
         col = self.tile(vc) * self.BN + vj
         cond = col < self.k_len
         row = self.row0 + vi if self.pos is None else self.pos(self.row0 + vi)
         seen = self.vis.sees(col, self.vis.position(row, self.off), self.start)
         if seen is not None:
             cond = seen if self.diagonal_bounds_keys else T.And(cond, seen)
-        return T.Select(cond, S[vj, vi], T.float32(float("-inf")))
+        mod = self.var.sees(self.b, self.head_of(vi), self.absolute(self.vis.position(row, self.off)),
+                            self.absolute(col))
+        if mod is not None:
+            cond = T.And(cond, mod)
+        return T.Select(cond, x, T.float32(float("-inf")))
+
+    def head_of(self, vi):
+        """The query head of tile row ``vi`` (0 when the layout frame gives none)."""
+        return 0 if self.head is None else self.head(self.row0 + vi)
+
+    def user_score(self, x, vj, vi, vc):
+        """``score_mod`` of the score ``x`` (log2 units) of tile row ``vi`` and key ``vj`` of
+        tile ``vc``, back in log2 units (the modifier sees the natural-log units of the spec)."""
+        row = self.row0 + vi
+        pos = self.absolute(self.row_pos(row))
+        key = self.absolute(self.tile(vc) * self.BN + vj)
+        y = self.var.score_fn(x * T.float32(1.0 / LOG2E), self.b if self.b is not None else 0, self.head_of(vi),
+                              pos, key)
+        y = T.float32(float(y)) if isinstance(y, (int, float)) else y
+        return f32(y) * T.float32(LOG2E)
 
     def sink(self, vi):
         """The sink logit of tile row ``vi`` (log2 units), None without sinks."""
         return None if self.head is None else self.var.sink(self.head(self.row0 + vi))
 
-    def out(self, acc, l, vi):
+    def out(self, acc, l, vi, keys_sum=None):
         """``acc / l``, or 0 for a row the mask gives no key (see ``normalize``); a split-KV
-        partial stores ``acc`` itself (the merge normalises)."""
+        partial stores ``acc`` itself (the merge normalises). Under modifiers a row saw no key
+        when the keys' sum ``keys_sum`` (``l`` before a sink joins it) is 0: every score was
+        -inf (``normalize_seen``)."""
         row = self.row0 + vi
         if self.state_index is not None:
             return acc
+        if self.var.mods:
+            return normalize_seen(acc, l, l if keys_sum is None else keys_sum)
         if self.static and self.start is None:
             return normalize(acc, l, row, self.spec)
         return normalize_where(acc, l, self.sees_key(row))
@@ -298,12 +378,18 @@ class _TileShape:
     scale: float = 1.0  # the spec's scale
     alibi: bool = False
     sinks: bool = False
+    user_score: bool = False  # the spec's score_mod
+    #: a mask on data (mask_mod, key bounds): applied once per score in block ``score_mod``, which
+    #: then holds the masked scores (row_max and P_exp would each evaluate it, and exp2_fast
+    #: repeats its argument: a tree TVM's simplifier took 10x the build time over)
+    mask_mod: bool = False
 
     @property
     def score_mod(self) -> bool:
         """Whether the tile modifies its scores (block ``score_mod``, into ``Sm``) before the
-        softmax: the softcap's tanh once per score, and ALiBi's bias."""
-        return self.softcap is not None or self.alibi
+        softmax: the softcap's tanh once per score, ALiBi's bias, the user's score_mod, and a
+        mask on data (``mask_mod``)."""
+        return self.softcap is not None or self.alibi or self.user_score or self.mask_mod
 
     @property
     def R(self) -> int:
@@ -429,7 +515,9 @@ def _softmax_macro(k: _TileShape):
 
     def score(t, S, Sm, vj, vi, vc):
         # dot_bf16 sums unscaled products (Q keeps its exact bf16 values: no pre-scaled copy);
-        # score_mod has already brought them to log2 units, in Sm
+        # score_mod has already brought them to log2 units, in Sm (and masked them, k.mask_mod)
+        if k.mask_mod:
+            return Sm[vj, vi]
         if score_mod:
             return t.score(Sm, vj, vi, vc)
         e = t.score(S, vj, vi, vc)
@@ -444,6 +532,8 @@ def _softmax_macro(k: _TileShape):
             x = x * T.float32(qscale)
         if alibi:
             x = x - t.alibi(vj, vi, vc)
+        if k.user_score:
+            x = t.user_score(x, vj, vi, vc)
         return x
 
     @T.macro
@@ -454,7 +544,10 @@ def _softmax_macro(k: _TileShape):
             for j, i in T.grid(BN, BM):
                 with T.sblock(N["score_mod"]):
                     vj, vi = T.axis.remap("SS", [j, i])
-                    Sm[vj, vi] = modified(t, S[vj, vi], vj, vi, vc)
+                    if k.mask_mod:
+                        Sm[vj, vi] = t.masked_value(modified(t, S[vj, vi], vj, vi, vc), vj, vi, vc)
+                    else:
+                        Sm[vj, vi] = modified(t, S[vj, vi], vj, vi, vc)
         # -- running max over the visible keys ---------------------------------
         for j, i in T.grid(BN, BM):
             with T.sblock(N["row_max"]):
@@ -559,9 +652,10 @@ def _store_macro(k: _TileShape):
     def out(t, acc, l, m, vi):
         # with sinks each row's denominator gains its sink (with_sink; l stays the keys' sum
         # for lse); per row, so the vectorized store computes it once per vector of columns
+        keys_sum = l
         if sinks:
             acc, l = with_sink(acc, l, m, t.sink(vi))
-        return t.out(acc, l, vi)
+        return t.out(acc, l, vi, keys_sum)
 
     @T.macro
     def store(O, X, acc, m, l, t):
@@ -630,7 +724,8 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
     neg_inf = T.float32(float("-inf"))
     k = _TileShape(N=N, BM=BM, BN=BN, D=D, HT=HT, qscale=qscale, dot_bf16=dot_bf16, prefetch=prefetch, stats=stats,
                    line_elems=CACHE_LINE // spec.itemsize, softcap=spec.softcap, scale=spec.scale, alibi=spec.alibi,
-                   sinks=spec.sinks)
+                   sinks=spec.sinks, user_score=spec.score_mod is not None,
+                   mask_mod=spec.mask_mod is not None or spec.key_bounds)
     sg, pv = _s_gemm_macros(k), _pv_macros(k)
     s_gemm_dot, kv_prefetch, s_gemm_heads, s_gemm_staged, s_gemm = sg.dot, sg.prefetch, sg.heads, sg.staged, sg.plain
     pv_gemm_dot, pv_gemm_heads, pv_gemm = pv.dot, pv.heads, pv.plain
@@ -828,9 +923,12 @@ def _merge_macro(f: _Dense, BD: int, NS, suffix: str):
         return vis.sees_a_key(vis.position(vi, vis.offset(SQ, L)), L, W.start(vb))
 
     def out(X, W, vb, vh, vi, am, ls, mx):
+        keys_sum = ls
         sink = W.sink(vh)
         if sink is not None:  # the sink joins the merged denominator once
             am, ls = with_sink(am, ls, mx, sink)
+        if W.mods:
+            return normalize_seen(am, ls, keys_sum)
         return normalize_where(am, ls, merged_sees_key(X, W, vb, vi))
 
     @T.macro
@@ -1101,11 +1199,13 @@ def _dense_function(f: _Dense, attrs: dict, body) -> tirx.PrimFunc:
     ALS, SKS, KSS = (shape(at(n)) for n in VARIANT_PARAMS)
     present = [n in index for n in INDEX_PARAMS]
     variants = [n in names for n in VARIANT_PARAMS]
+    extra = _ExtraParams(f.spec, f.B)
 
     def index_buffers(*bufs):
         return tuple(b for b, p in zip(bufs, present) if p)
 
-    @T.prim_func(s_tir=True)
+    # the extra buffers become parameters after parsing (_keep_params): not well-formed before
+    @T.prim_func(s_tir=True, check_well_formed=not extra.params)
     def attention(
         Q: T.Buffer(QS, dtype, align=A),
         K: T.Buffer(KS, dtype, align=A),
@@ -1119,9 +1219,9 @@ def _dense_function(f: _Dense, attrs: dict, body) -> tirx.PrimFunc:
         LSE: T.Buffer(LS, "float32", align=A),
     ):
         T.func_attr(attrs)
-        body(Q, K, V, O, LSE, index_buffers(BT, CL), _Variants(f.spec, AL, SK, KST))
+        body(Q, K, V, O, LSE, index_buffers(BT, CL), _Variants(f.spec, AL, SK, KST, *extra.variant_args))
 
-    return _keep_params(attention, [True, True, True, *present, *variants, True, f.lse])
+    return _keep_params(attention, [True, True, True, *present, *variants, True, f.lse], extra.params, 1 + f.lse)
 
 
 def _whole(buf):
@@ -1140,9 +1240,38 @@ def n_splits(split_tasks: int, B, KH: int):
     return T.max(1, T.truncdiv(split_tasks + B * KH - 1, B * KH))  # truncdiv: see chunk()
 
 
-def _keep_params(func: tirx.PrimFunc, keep: list[bool]) -> tirx.PrimFunc:
-    """``func`` with only the parameters ``keep`` marks (the others are unused in its body)."""
-    return tirx.PrimFunc([p for p, k in zip(func.params, keep) if k], func.body, func.ret_type, func.attrs)
+def _keep_params(func: tirx.PrimFunc, keep: list[bool], extra=(), n_outputs: int = 1) -> tirx.PrimFunc:
+    """``func`` with only the parameters ``keep`` marks (the others are unused in its body), and
+    the buffers ``extra`` inserted before its last ``n_outputs`` parameters (the outputs)."""
+    params = [p for p, k in zip(func.params, keep) if k]
+    params = params[:len(params) - n_outputs] + list(extra) + params[len(params) - n_outputs:]
+    return tirx.PrimFunc(params, func.body, func.ret_type, func.attrs)
+
+
+class _ExtraParams:
+    """The variant arguments whose number or shape a signature template cannot fix: the key
+    bounds ``key_lo``/``key_hi (batch, key_positions)`` and the modifiers' tensors (every dim
+    taken at call time, :func:`tvm_attention.modifiers.tensor_dim_name`). Declared here, read by
+    the tile through :class:`_Variants`, inserted before the outputs (``_keep_params``)."""
+
+    def __init__(self, spec: AttentionSpec, batch):
+        self.params = []
+        self.LO = self.HI = None
+        if spec.key_bounds:
+            n = tirx.Var("key_positions", "int32")
+            self.LO = tirx.decl_buffer((batch, n), "int32", "key_lo", data_alignment=A)
+            self.HI = tirx.decl_buffer((batch, n), "int32", "key_hi", data_alignment=A)
+            self.params += [self.LO, self.HI]
+        self.tensors = {}
+        for name, dtype, dims in spec.mod_tensors:
+            shape = tuple(tirx.Var(tensor_dim_name(name, i), "int32") for i in range(len(dims)))
+            self.tensors[name] = tirx.decl_buffer(shape, dtype, name, data_alignment=A)
+            self.params.append(self.tensors[name])
+
+    @property
+    def variant_args(self):
+        """``_Variants``' LO, HI, tensors."""
+        return self.LO, self.HI, self.tensors
 
 
 def _varlen(spec: AttentionSpec, block_m: int, block_n: int, dot_bf16: bool = False) -> tirx.PrimFunc:
@@ -1187,7 +1316,7 @@ def _varlen(spec: AttentionSpec, block_m: int, block_n: int, dot_bf16: bool = Fa
             always_masked=True,
             valid=seq[1] < CQ[b + 1] - q0,
             lse_index=lambda row: (vh, q0 + row),
-            var=W, head=lambda row: vh,
+            var=W, b=b, head=lambda row: vh,
         )
 
     # the signature from the layout entry: q, k, v, cu_seqlens_q, cu_seqlens_k, o, then lse
@@ -1197,8 +1326,10 @@ def _varlen(spec: AttentionSpec, block_m: int, block_n: int, dot_bf16: bool = Fa
     LS = tuple(values[d] for d in layout.lse_dims)
     names = [a.name for a in layout.all_args(spec)]
     variants = [n in names for n in VARIANT_PARAMS[:2]]  # varlen has no kv_start (no padding)
+    NBK = tirx.Var("key_bound_rows", "int32")  # key_lo's rows: batch, checked (index_checks)
+    extra = _ExtraParams(spec, NBK)
 
-    @T.prim_func(s_tir=True)
+    @T.prim_func(s_tir=True, check_well_formed=not extra.params)
     def attention(
         Q: T.Buffer(QS, dtype, align=A),
         K: T.Buffer(KS, dtype, align=A),
@@ -1235,9 +1366,9 @@ def _varlen(spec: AttentionSpec, block_m: int, block_n: int, dot_bf16: bool = Fa
                                 seq[3] = T.floordiv(seq[2] + seq[3] + 1, 2) - 1
                     seq[0] = seq[2]
                     seq[1] = (vs - T.floordiv(CQ[seq[2]], BM) - seq[2]) * BM
-                tile(Q, K, V, O, at(seq, CQ, CK, vh, _Variants(spec, AL, SK)), NC, LSE)
+                tile(Q, K, V, O, at(seq, CQ, CK, vh, _Variants(spec, AL, SK, None, *extra.variant_args)), NC, LSE)
 
-    return _keep_params(attention, [True] * 5 + variants + [True, lse])
+    return _keep_params(attention, [True] * 5 + variants + [True, lse], extra.params, 1 + lse)
 
 
 #: layout -> PrimFunc frame (the argument list and the loop over row tiles); the tile is shared.

@@ -12,7 +12,9 @@ message in ``TVMFFIErrorMoveFromRaised`` for C callers) whose message names the 
 messages are constant strings, so they name the rule broken, not the index.
 
 A kernel with left padding (``kv_start``) checks ``0 <= kv_start[b] <=`` the sequence's keys the
-same way, in every layout. They are the same rules ``Layout.check_indices`` applies in the loader (one definition of what
+same way, in every layout; one with key bounds checks that ``key_lo``/``key_hi`` are non-decreasing
+along the positions (what its tile skipping relies on), and a modifier's tensors that no dim is
+empty. They are the same rules ``Layout.check_indices`` applies in the loader (one definition of what
 is a valid call). CUDA kernels cannot raise from device code: there the index arrays stay
 trusted (CUDA builds take BHSD only today).
 
@@ -101,17 +103,45 @@ def _kv_start(buf, spec: AttentionSpec) -> list[tirx.Stmt]:
         f"kv_start: an entry is negative or larger than the sequence's keys ({what})"))]
 
 
+def _key_bounds(buf, spec: AttentionSpec) -> list[tirx.Stmt]:
+    """``key_lo``/``key_hi``: one row per sequence, at least one column, non-decreasing along the
+    positions (a row tile skips key tiles by its first row's ``key_lo`` and last row's ``key_hi``:
+    bounds that fell would hide keys a middle row sees)."""
+    lo, hi = buf["key_lo"], buf["key_hi"]
+    rows, n = lo.shape[0], lo.shape[1]
+    stmts = [_assert(n >= 1, "key_lo: needs at least one column (positions)")]
+    if "CQ" in buf:  # varlen: rows are a var of their own
+        stmts.append(_assert(rows == buf["CQ"].shape[0] - 1, "key_lo: must have one row per sequence (batch)"))
+    for x, name in ((lo, "key_lo"), (hi, "key_hi")):
+        stmts.append(_for("b", rows, lambda b, x=x, name=name: _for("p", n - 1, lambda p: _assert(
+            x[b, p] <= x[b, p + 1], f"{name}: must be non-decreasing along the positions (dim 1)"))))
+    return stmts
+
+
+def _mod_tensors(buf, spec: AttentionSpec) -> list[tirx.Stmt]:
+    """Every dim of a modifier's tensor is at least 1 (its reads are clamped into it)."""
+    out = []
+    for name, _, dims in spec.mod_tensors:
+        t = buf[name]
+        out += [_assert(t.shape[i] >= 1, f"{name}: dim {i} is empty; a modifier's tensor needs an element")
+                for i in range(len(dims))]
+    return out
+
+
 def with_index_checks(mod: tvm.IRModule, spec: AttentionSpec) -> tvm.IRModule:
-    """``mod`` whose ``main`` first checks the layout's index arrays (no change for a layout
-    without any, or a CUDA function, whose device code cannot raise)."""
+    """``mod`` whose ``main`` first checks the layout's index arrays and the variant arguments
+    (no change for a kernel without any, or a CUDA function, whose device code cannot raise)."""
     make = _CHECKS.get(spec.layout)
-    if make is None and not spec.kv_start:
+    if make is None and not spec.kv_start and not spec.key_bounds and not spec.mod_tensors:
         return mod
     func = mod["main"]
     buf = _buffers(func)
     stmts = make(buf) if make is not None else []
     if spec.kv_start:  # after the lengths it is checked against
         stmts += _kv_start(buf, spec)
+    if spec.key_bounds:
+        stmts += _key_bounds(buf, spec)
+    stmts += _mod_tensors(buf, spec)
     out = tvm.IRModule(dict(mod.functions))
     out["main"] = func.with_body(tirx.SeqStmt([*stmts, func.body]))
     return out
