@@ -116,11 +116,21 @@ def variant_args(spec) -> tuple[Arg, ...]:
     ``kv_start``, ``key_lo``, ``key_hi``, then the modifiers' tensors (``spec.mod_tensors``, each
     dim taken at call time)."""
     out = tuple(a for flag, a in VARIANT_ARGS if getattr(spec, flag, False))
+    static = fully_static(spec)
     if getattr(spec, "key_bounds", False):
-        out += KEY_BOUND_ARGS
+        out += tuple(Arg(a.name, ("batch", "seq_kv"), a.dtype) for a in KEY_BOUND_ARGS) if static else KEY_BOUND_ARGS
     for name, dtype, dims in getattr(spec, "mod_tensors", ()):
-        out += (Arg(name, tuple(tensor_dim_name(name, i) for i in range(len(dims))), dtype),)
+        shape = tuple(dims) if static else tuple(tensor_dim_name(name, i) for i in range(len(dims)))
+        out += (Arg(name, shape, dtype),)
     return out
+
+
+def fully_static(spec) -> bool:
+    """Whether every shape of ``spec``'s kernel is compiled in (bhsd, no dynamic dim): its key
+    bounds are then ``(batch, seq_kv)`` and its modifiers' tensors have their declared dims;
+    otherwise every dim of theirs is taken at call time. (MetaSchedule tunes the static
+    representative, and takes static shapes only.)"""
+    return getattr(spec, "layout", "bhsd") == "bhsd" and not getattr(spec, "dynamic", ())
 
 
 def _bound_dim(name: str) -> tuple[str, int]:
@@ -256,7 +266,9 @@ class Layout:
         return ", ".join(f"{k}={v}" for k, v in case.items())
 
 
-def _resolve(dims: Mapping[str, int | str], name: str) -> int | str:
+def _resolve(dims: Mapping[str, int | str], name: str | int) -> int | str:
+    if isinstance(name, int):  # a modifier tensor's declared size
+        return name
     base, plus = _bound_dim(name)
     if base not in dims:  # a variant argument's own dim (key_positions, a mod tensor's): symbolic
         return name

@@ -488,8 +488,10 @@ SEARCHES = ("xgb", "random")
 def _alloc_for(spec: AttentionSpec):
     """The runner's ``f_alloc_argument`` for ``spec``'s tasks: a symbolic spec tuned as itself
     (a paged decode step) is measured on its layout's representative inputs (a valid block
-    table); every other task on MetaSchedule's random fill (None)."""
-    if not spec.dynamic:
+    table), and so is a static one whose variant arguments decide its work (key bounds,
+    ``kv_start``: random int32s would skip every tile; the modifiers' tensors); every other
+    task on MetaSchedule's random fill (None)."""
+    if not spec.dynamic and not (spec.key_bounds or spec.kv_start or spec.mod_tensors):
         return None
 
     return AllocInputs(spec)

@@ -45,6 +45,7 @@ import types
 from tvm import tirx
 from tvm.script import tirx as T
 
+from ..layouts import fully_static
 from ..modifiers import instantiate, tensor_dim_name
 from ..spec import DATA_ALIGNMENT as A, AttentionSpec
 from ..visibility import Visibility
@@ -1257,14 +1258,16 @@ class _ExtraParams:
     def __init__(self, spec: AttentionSpec, batch):
         self.params = []
         self.LO = self.HI = None
+        static = fully_static(spec)  # then every shape is compiled in (layouts.fully_static)
         if spec.key_bounds:
-            n = tirx.Var("key_positions", "int32")
+            n = spec.seq_kv if static else tirx.Var("key_positions", "int32")
             self.LO = tirx.decl_buffer((batch, n), "int32", "key_lo", data_alignment=A)
             self.HI = tirx.decl_buffer((batch, n), "int32", "key_hi", data_alignment=A)
             self.params += [self.LO, self.HI]
         self.tensors = {}
         for name, dtype, dims in spec.mod_tensors:
-            shape = tuple(tirx.Var(tensor_dim_name(name, i), "int32") for i in range(len(dims)))
+            shape = tuple(d if isinstance(d, int) else getattr(spec, d) for d in dims) if static else \
+                tuple(tirx.Var(tensor_dim_name(name, i), "int32") for i in range(len(dims)))
             self.tensors[name] = tirx.decl_buffer(shape, dtype, name, data_alignment=A)
             self.params.append(self.tensors[name])
 

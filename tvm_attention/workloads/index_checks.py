@@ -109,7 +109,7 @@ def _key_bounds(buf, spec: AttentionSpec) -> list[tirx.Stmt]:
     bounds that fell would hide keys a middle row sees)."""
     lo, hi = buf["key_lo"], buf["key_hi"]
     rows, n = lo.shape[0], lo.shape[1]
-    stmts = [_assert(n >= 1, "key_lo: needs at least one column (positions)")]
+    stmts = [] if isinstance(n, (int, tirx.IntImm)) else [_assert(n >= 1, "key_lo: needs at least one column (positions)")]
     if "CQ" in buf:  # varlen: rows are a var of their own
         stmts.append(_assert(rows == buf["CQ"].shape[0] - 1, "key_lo: must have one row per sequence (batch)"))
     for x, name in ((lo, "key_lo"), (hi, "key_hi")):
@@ -124,7 +124,7 @@ def _mod_tensors(buf, spec: AttentionSpec) -> list[tirx.Stmt]:
     for name, _, dims in spec.mod_tensors:
         t = buf[name]
         out += [_assert(t.shape[i] >= 1, f"{name}: dim {i} is empty; a modifier's tensor needs an element")
-                for i in range(len(dims))]
+                for i in range(len(dims)) if not isinstance(t.shape[i], (int, tirx.IntImm))]
     return out
 
 
@@ -142,6 +142,8 @@ def with_index_checks(mod: tvm.IRModule, spec: AttentionSpec) -> tvm.IRModule:
     if spec.key_bounds:
         stmts += _key_bounds(buf, spec)
     stmts += _mod_tensors(buf, spec)
+    if not stmts:  # a static kernel's tensors: their shapes are checked by TVM's own argument checks
+        return mod
     out = tvm.IRModule(dict(mod.functions))
     out["main"] = func.with_body(tirx.SeqStmt([*stmts, func.body]))
     return out
