@@ -113,8 +113,8 @@ KEY_BOUND_ARGS = (Arg("key_lo", ("batch", "key_positions"), "int32"),
 
 def variant_args(spec) -> tuple[Arg, ...]:
     """The variant arguments ``spec``'s kernel takes, in call order: ``alibi_slopes``, ``sinks``,
-    ``kv_start``, ``key_lo``, ``key_hi``, then the modifiers' tensors (``spec.mod_tensors``, each
-    dim taken at call time)."""
+    ``kv_start``, ``key_lo``, ``key_hi``, then the modifiers' tensors (``spec.mod_tensors``: their
+    declared dims in a fully static kernel, else each dim taken at call time)."""
     out = tuple(a for flag, a in VARIANT_ARGS if getattr(spec, flag, False))
     static = fully_static(spec)
     if getattr(spec, "key_bounds", False):

@@ -159,16 +159,14 @@ floor = _unary(np.floor, lambda x: _tir().floor(_float(x)))
 sigmoid = _unary(lambda x: 1.0 / (1.0 + np.exp(-x)), _tir_sigmoid)
 
 
-def minimum(a, b):
-    if _is_tir(a, b):
-        return _tir().min(*_promote(a, b))
-    return np.minimum(a, b)
-
-
-def maximum(a, b):
-    if _is_tir(a, b):
-        return _tir().max(*_promote(a, b))
-    return np.maximum(a, b)
+def _binary(numpy_fn, tir_name: str, operands=None):
+    """A two-argument word: NumPy's ``numpy_fn``, or TIR's ``tir_name`` over ``operands(a, b)``
+    (default: one dtype, :func:`_promote`)."""
+    def fn(a, b):
+        if _is_tir(a, b):
+            return getattr(_tir(), tir_name)(*(operands or _promote)(a, b))
+        return numpy_fn(a, b)
+    return fn
 
 
 def _bools(a, b):
@@ -180,16 +178,10 @@ def _bools(a, b):
     return one(a), one(b)
 
 
-def logical_and(a, b):
-    if _is_tir(a, b):
-        return _tir().And(*_bools(a, b))
-    return np.logical_and(a, b)
-
-
-def logical_or(a, b):
-    if _is_tir(a, b):
-        return _tir().Or(*_bools(a, b))
-    return np.logical_or(a, b)
+minimum = _binary(np.minimum, "min")
+maximum = _binary(np.maximum, "max")
+logical_and = _binary(np.logical_and, "And", _bools)
+logical_or = _binary(np.logical_or, "Or", _bools)
 
 
 def logical_not(a):

@@ -103,14 +103,11 @@ def reference_attention(
     seen = vis.sees(keys[None, None, None, :], pos[None, None, :, None], start)
     mask = np.ones((1, 1, len(pos), seq_kv), bool) if seen is None else np.broadcast_to(seen, seen.shape)
     if spec.key_bounds:
-        lo = np.asarray(_required(key_lo, "key_lo"), np.int64)
-        hi = np.asarray(_required(key_hi, "key_hi"), np.int64)
-        first = 0 if seq_index is None else int(seq_index)
-        rows_b = lo[first:first + q.shape[0]]
-        col = np.clip(pos, 0, lo.shape[1] - 1)
-        lo_b = rows_b[:, col][:, None, :, None]
-        hi_b = hi[first:first + q.shape[0]][:, col][:, None, :, None]
-        mask = mask & (lo_b <= j_idx) & (j_idx < hi_b)
+        # the arrays' sequences' rows, at each row's position clamped into the columns
+        col = np.clip(pos, 0, np.shape(_required(key_lo, "key_lo"))[1] - 1)
+        lo, hi = (np.asarray(_required(x, name), np.int64)[first:first + q.shape[0]][:, col][:, None, :, None]
+                  for x, name in ((key_lo, "key_lo"), (key_hi, "key_hi")))
+        mask = mask & (lo <= j_idx) & (j_idx < hi)
     if spec.mask_mod is not None:
         fn = instantiate(spec.mask_mod, "mask_mod", tensors)
         mask = mask & np.asarray(fn(b_idx, h_idx, p_idx, j_idx), bool)

@@ -61,7 +61,8 @@ DATA_ALIGNMENT = 16
 
 
 #: The attention variants a spec may turn on (docs/semantics.md), in the order the call arguments
-#: of the three that take one (``alibi_slopes``, ``sinks``, ``kv_start``) follow.
+#: of those that take one follow (``alibi_slopes``, ``sinks``, ``kv_start``, ``key_lo``/``key_hi``;
+#: then the modifiers' tensors, ``mod_tensors``).
 VARIANTS = ("window", "softcap", "alibi", "sinks", "kv_start", "score_mod", "mask_mod", "key_bounds")
 
 #: Dims a spec may leave symbolic (``dynamic``); heads, kv_heads, head_dim, dtype, causal and
