@@ -153,7 +153,7 @@ def export(built: BuiltKernel, out_dir: str | os.PathLike, validation: Validatio
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        built.module.export_library(str(tmp / LIBRARY))
+        built.export_library(str(tmp / LIBRARY))  # the very file validation ran, when it ran
         runtime = []
         for path in compiler_runtime_paths(cuda=is_cuda(built.target)):
             shutil.copy2(path, tmp / path.name)

@@ -54,7 +54,7 @@ def time_built(built, spec: AttentionSpec | None = None, **kw) -> Timing:
     """:func:`time_module` of a :class:`~tvm_attention.build.BuiltKernel`, after checking that
     this host can run its code (a cross-compiled build raises ``HostCPUError``, never SIGILL)."""
     built.check_runnable()
-    return time_module(built.module, built.entry, built.spec if spec is None else spec, **kw)
+    return time_module(built.runtime_module, built.entry, built.spec if spec is None else spec, **kw)
 
 
 def time_callable(fn: Callable[[], object], repeat: int = 5, min_repeat_ms: int = 200) -> Timing:

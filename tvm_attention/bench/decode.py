@@ -67,8 +67,8 @@ def kv_bytes(b: int, kh: int, cache: int, d: int, itemsize: int = 4) -> int:
 def _tvm_timer(built, args, min_repeat_ms: int) -> Callable[[], float]:
     import tvm
 
-    te = built.module.time_evaluator(built.entry, tvm.cpu(), number=1, repeat=3, min_repeat_ms=min_repeat_ms)
-    built.module[built.entry](*args)  # warm-up
+    te = built.runtime_module.time_evaluator(built.entry, tvm.cpu(), number=1, repeat=3, min_repeat_ms=min_repeat_ms)
+    built.function(*args)  # warm-up
     return lambda: float(np.median(te(*args).results))
 
 

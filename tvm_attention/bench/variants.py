@@ -141,8 +141,8 @@ def _timer(built, case: dict, min_repeat_ms: int) -> Callable[[], float]:
         a = aligned_empty(x.shape, x.dtype)
         a[...] = x
         args.append(kernel_arg(a))
-    te = built.module.time_evaluator(built.entry, tvm.cpu(), number=1, repeat=3, min_repeat_ms=min_repeat_ms)
-    built.module[built.entry](*args)  # warm-up
+    te = built.runtime_module.time_evaluator(built.entry, tvm.cpu(), number=1, repeat=3, min_repeat_ms=min_repeat_ms)
+    built.function(*args)  # warm-up
     return lambda: float(np.median(te(*args).results))
 
 
