@@ -147,6 +147,9 @@ KERNELS = {
     "bhsd_static_doc_score": (dict(batch=2, heads=4, kv_heads=2, seq_q=70, seq_kv=45, head_dim=32, causal=True,
                                    mask_mod=doc_mask, score_mod=SCORE, mod_tensors=[DOC, BIAS], return_lse=True,
                                    sinks=True), None),
+    "bhsd_vocabulary": (dict(batch=1, heads=2, seq_q=40, seq_kv=50, head_dim=16, causal=True,
+                             score_mod="lambda s, b, h, q, kv: log(1 + exp(2 * s)) - sigmoid(s) * 3 + sqrt(abs(s))"
+                                       " + (1 if (q - kv) % 4 == 0 and kv > 3 else 0)"), None),
     "bhsd_dynamic_bounds_fp16": (dict(batch=2, heads=4, seq_q=64, seq_kv=96, head_dim=32, key_bounds=True,
                                       softcap=20.0, mask_mod="lambda b, h, q, kv: kv % 5 != 1", dtype="float16",
                                       dynamic=("batch", "seq_q", "seq_kv")), None),

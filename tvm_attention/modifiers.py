@@ -74,8 +74,8 @@ def _const_like(x, other):
     tirx = _tir()
     if isinstance(x, (bool, int, float)) and not isinstance(x, np.ndarray):
         dtype = _dtype(other)
-        if isinstance(x, bool) or dtype == "bool":
-            return tirx.const(bool(x), "bool") if dtype == "bool" else tirx.const(x, dtype)
+        if dtype == "bool":
+            return tirx.const(bool(x), "bool")
         if isinstance(x, float) and not dtype.startswith("float"):
             return tirx.const(x, "float32")
         return tirx.const(x, dtype)
@@ -105,15 +105,19 @@ def _promote(a, b):
     return a, b
 
 
+def _cond(x):
+    """``x`` as a TIR boolean: a Python number or a non-bool expression is true when nonzero
+    (NumPy's rule for where and the logical words)."""
+    tirx = _tir()
+    x = _expr(x)
+    if isinstance(x, (bool, int, float, np.bool_, np.number)):
+        return tirx.const(bool(x), "bool")
+    return x if _dtype(x) == "bool" else tirx.NE(x, tirx.const(0, _dtype(x)))
+
+
 def where(cond, a, b):
     if _is_tir(cond, a, b):
-        a, b = _promote(a, b)
-        c = _tir().const(bool(cond), "bool") if isinstance(cond, (bool, np.bool_)) else _expr(cond)
-        if not isinstance(c, (int, float)) and _dtype(c) != "bool":  # an int or float: true when nonzero
-            c = _tir().NE(c, _tir().const(0, _dtype(c)))
-        elif isinstance(c, (int, float)):
-            c = _tir().const(bool(c), "bool")
-        return _tir().Select(c, a, b)
+        return _tir().Select(_cond(cond), *_promote(a, b))
     return np.where(cond, a, b)
 
 
@@ -133,10 +137,11 @@ def _float(x):
 def _tir_exp(x):
     from .workloads._math import LOG2E, exp2_fast  # TIR's math: the reference runs without TVM
     tirx = _tir()
-    # exp2_fast is exact at -inf (0) and vectorizes; above 0 it is evaluated past its range, so
-    # large positive arguments go to LLVM's exp
-    x = _float(x)
-    return tirx.Select(x <= tirx.const(0.0, "float32"), exp2_fast(x * tirx.const(LOG2E, "float32")), tirx.exp(x))
+    # exp2_fast vectorizes (LLVM's exp is a libm call per lane), is exact at -inf (0) and keeps
+    # NaN; its exponent field holds 2^127 at most, so past 127.49 (exp(x) > 2.4e38, a step from
+    # float32's overflow) the answer is +inf
+    t = _float(x) * tirx.const(LOG2E, "float32")
+    return tirx.Select(t > tirx.const(127.49, "float32"), tirx.const(float("inf"), "float32"), exp2_fast(t))
 
 
 def _tir_tanh(x):
@@ -170,12 +175,7 @@ def _binary(numpy_fn, tir_name: str, operands=None):
 
 
 def _bools(a, b):
-    tirx = _tir()
-
-    def one(x):
-        x = _expr(x)
-        return tirx.const(bool(x), "bool") if isinstance(x, (bool, np.bool_)) else x
-    return one(a), one(b)
+    return _cond(a), _cond(b)
 
 
 minimum = _binary(np.minimum, "min")
@@ -186,7 +186,7 @@ logical_or = _binary(np.logical_or, "Or", _bools)
 
 def logical_not(a):
     if _is_tir(a):
-        return _tir().Not(_expr(a))
+        return _tir().Not(_cond(a))
     return np.logical_not(a)
 
 

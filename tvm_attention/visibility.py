@@ -178,6 +178,11 @@ def _all(conds: list) -> Any | None:
     return _fold(conds, np.logical_and, "And")
 
 
+#: ``conds`` joined by "and" (bools, NumPy arrays or TIR expressions); None for none: the one fold
+#: the kernels' other masks (tvm_attention.workloads.fused: key bounds, mask_mod) join with too
+all_of = _all
+
+
 def _any(conds: list) -> Any | None:
     return _fold(conds, np.logical_or, "Or")
 

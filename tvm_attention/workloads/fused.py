@@ -48,7 +48,7 @@ from tvm.script import tirx as T
 from ..layouts import fully_static
 from ..modifiers import instantiate, tensor_dim_name
 from ..spec import DATA_ALIGNMENT as A, AttentionSpec
-from ..visibility import Visibility
+from ..visibility import Visibility, all_of
 from ._math import (LOG2E, bf16_bits, bf16_value, cast_to, exp2_fast, f32, guarded, lse_of, normalize, normalize_seen,
                     normalize_where, tanh_fast, with_sink)
 from .kv import dim, kv_layout
@@ -134,13 +134,8 @@ class _Variants:
             conds += [self.key_lo(b, pos) <= key, key < self.key_hi(b, pos)]
         if self.mask_fn is not None:
             m = self.mask_fn(b, h, pos, key)
-            if isinstance(m, (bool, int)):
-                m = T.bool(bool(m))
-            conds.append(m)
-        out = None
-        for c in conds:
-            out = c if out is None else T.And(out, c)
-        return out
+            conds.append(T.bool(bool(m)) if isinstance(m, (bool, int)) else m)
+        return all_of(conds)
 
 
 #: a kernel without variant arguments
@@ -310,8 +305,7 @@ class _Tile:
         row = self.row0 + vi
         pos = self.absolute(self.row_pos(row))
         key = self.absolute(self.tile(vc) * self.BN + vj)
-        y = self.var.score_fn(x * T.float32(1.0 / LOG2E), self.b if self.b is not None else 0, self.head_of(vi),
-                              pos, key)
+        y = self.var.score_fn(x * T.float32(1.0 / LOG2E), self.b, self.head_of(vi), pos, key)
         y = T.float32(float(y)) if isinstance(y, (int, float)) else y
         return f32(y) * T.float32(LOG2E)
 
