@@ -30,7 +30,7 @@ from tvm import s_tir
 from tvm.target import Target
 
 from tvm_attention.layouts import LAYOUTS
-from tvm_attention.spec import SUPPORTED_DTYPES, VARIANTS, AttentionSpec
+from tvm_attention.spec import KV_DTYPES, SUPPORTED_DTYPES, VARIANTS, AttentionSpec
 from tvm_attention.target import target_features, vector_lanes
 from tvm_attention.workloads import fused_attention
 from tvm_attention.workloads.fused import DECODE, MERGE, SPLIT, n_splits
@@ -45,7 +45,7 @@ NAME = "fused"
 #: every layout, dtype (stored; it computes in float32 always), symbolic dim, the lse output and
 #: every attention variant
 CAPABILITIES = Capabilities(label=NAME, target="cpu", layouts=tuple(LAYOUTS), dtypes=SUPPORTED_DTYPES,
-                            symbolic=True, lse=True, variants=VARIANTS)
+                            symbolic=True, lse=True, variants=VARIANTS, kv_dtypes=KV_DTYPES)
 
 
 @dataclasses.dataclass(frozen=True)

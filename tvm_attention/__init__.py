@@ -16,6 +16,8 @@ Public API::
     set_num_threads(n)                  size TVM's CPU thread pool for the calling thread
     merge_states(o_a, lse_a, o_b, lse_b)  attention over two disjoint key sets from each one's
                                         (o, lse) (cascade / shared-prefix attention)
+    quantize_kv(x, dtype)               (x_q, scale): K or V quantized to an 8-bit cache dtype
+                                        (float8_e4m3fn, float8_e5m2, int8), one scale per kv head
 """
 from .spec import AttentionSpec, SpecError
 
@@ -34,6 +36,13 @@ def merge_states(o_a, lse_a, o_b, lse_b, sinks=None):
     from .merge import merge_states as _merge  # lazy: `import tvm_attention` loads no TVM
 
     return _merge(o_a, lse_a, o_b, lse_b, sinks=sinks)
+
+
+def quantize_kv(x, dtype, head_axis=1, scale=None):
+    """K or V as an 8-bit cache and its per-kv-head scales; see :func:`tvm_attention.quant.quantize_kv`."""
+    from .quant import quantize_kv as _quantize  # lazy: NumPy only, but the package imports nothing eagerly
+
+    return _quantize(x, dtype, head_axis=head_axis, scale=scale)
 
 
 def aligned_empty(shape, dtype):

@@ -63,6 +63,10 @@ def _add_spec_flags(p: argparse.ArgumentParser, defaults: dict | None = None) ->
     p.add_argument("--head-dim", type=int, default=d.get("head_dim"), required=not d, help="D")
     p.add_argument("--dtype", default=d.get("dtype", "float32"), help="float32, bfloat16 or float16 (inputs, caches and output; softmax and accumulation are "
                         "float32; on CPU only the fused family takes the half dtypes)")
+    p.add_argument("--kv-dtype", default=d.get("kv_dtype"), metavar="DTYPE",
+                   help="an 8-bit K/V cache: float8_e4m3fn, float8_e5m2 or int8 (q and o keep --dtype); the kernel "
+                        "then takes k_scale, v_scale (kv_heads,) float32 after the variant arguments "
+                        "(tvm_attention.quantize_kv makes both)")
     p.add_argument("--causal", action="store_true", default=d.get("causal", False),
                    help="bottom-right causal mask: query i sees key j iff j <= i + Skv - Sq")
     p.add_argument("--scale", type=float, default=None, help="softmax scale (default 1/sqrt(D))")
@@ -165,7 +169,7 @@ def _spec_from_args(a: argparse.Namespace) -> AttentionSpec:
         page_size=a.page_size, window=_window_of(a), softcap=a.softcap or None,
         alibi=a.alibi, sinks=a.sinks, kv_start=a.kv_start,
         score_mod=_modifier_source(a.score_mod, "--score-mod"), mask_mod=_modifier_source(a.mask_mod, "--mask-mod"),
-        mod_tensors=tuple(a.mod_tensor), key_bounds=a.key_bounds,
+        mod_tensors=tuple(a.mod_tensor), key_bounds=a.key_bounds, kv_dtype=a.kv_dtype,
     )
 
 

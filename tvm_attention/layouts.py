@@ -38,6 +38,7 @@ import numpy as np
 
 from .errors import SpecError
 from .modifiers import tensor_dim_name
+from .quant import dequantize, quantize_kv
 from .reference import reference_attention
 from .visibility import Visibility
 
@@ -111,10 +112,16 @@ KEY_BOUND_ARGS = (Arg("key_lo", ("batch", "key_positions"), "int32"),
                   Arg("key_hi", ("batch", "key_positions"), "int32"))
 
 
+#: The scales of an 8-bit K/V cache (``spec.kv_dtype``), after the variant arguments: the value of
+#: a stored element of kv head ``h`` is ``scale[h] · stored``.
+KV_SCALE_ARGS = (Arg("k_scale", ("kv_heads",), "float32"), Arg("v_scale", ("kv_heads",), "float32"))
+
+
 def variant_args(spec) -> tuple[Arg, ...]:
     """The variant arguments ``spec``'s kernel takes, in call order: ``alibi_slopes``, ``sinks``,
-    ``kv_start``, ``key_lo``, ``key_hi``, then the modifiers' tensors (``spec.mod_tensors``: their
-    declared dims in a fully static kernel, else each dim taken at call time)."""
+    ``kv_start``, ``key_lo``, ``key_hi``, the modifiers' tensors (``spec.mod_tensors``: their
+    declared dims in a fully static kernel, else each dim taken at call time), then an 8-bit
+    cache's ``k_scale``, ``v_scale`` (:data:`KV_SCALE_ARGS`)."""
     out = tuple(a for flag, a in VARIANT_ARGS if getattr(spec, flag, False))
     static = fully_static(spec)
     if getattr(spec, "key_bounds", False):
@@ -122,6 +129,8 @@ def variant_args(spec) -> tuple[Arg, ...]:
     for name, dtype, dims in getattr(spec, "mod_tensors", ()):
         shape = tuple(dims) if static else tuple(tensor_dim_name(name, i) for i in range(len(dims)))
         out += (Arg(name, shape, dtype),)
+    if getattr(spec, "kv_dtype", None) is not None:
+        out += KV_SCALE_ARGS
     return out
 
 
@@ -156,6 +165,8 @@ class Layout:
     #: K/V come from a pool of pages (``spec.page_size`` keys each)
     paged = False
     default_page_size = 16
+    #: the kv-head axis of K and V (arguments 1 and 2): where an 8-bit cache's scales apply
+    kv_head_axis = 1
 
     # -- the argument list ---------------------------------------------------------------------
     @property
@@ -194,10 +205,42 @@ class Layout:
         """Dim name -> its compiled-in value, or the name itself when symbolic."""
         raise NotImplementedError
 
+    @property
+    def kv_names(self) -> tuple[str, str]:
+        """The names of the K and V arguments (the second and third)."""
+        return self.args[1].name, self.args[2].name
+
+    def arg_dtype(self, spec, arg: Arg) -> str:
+        """``arg``'s dtype in ``spec``'s kernel: its own, K/V's ``spec.kv_dtype_name`` (an 8-bit
+        cache), else the spec's."""
+        if arg.dtype is not None:
+            return arg.dtype
+        return getattr(spec, "kv_dtype_name", spec.dtype) if arg.name in self.kv_names else spec.dtype
+
     def arg_specs(self, spec) -> list[dict[str, Any]]:
         dims = self.dims(spec)
-        return [{"name": a.name, "shape": [_resolve(dims, d) for d in a.dims], "dtype": a.dtype or spec.dtype}
+        return [{"name": a.name, "shape": [_resolve(dims, d) for d in a.dims], "dtype": self.arg_dtype(spec, a)}
                 for a in self.all_args(spec)]
+
+    def quantized(self, spec, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """``arrays`` (random inputs, K/V in ``spec.dtype``) with K/V quantized to an 8-bit cache
+        of ``spec.kv_dtype`` and their scales ``k_scale``/``v_scale`` added; unchanged otherwise."""
+        if getattr(spec, "kv_dtype", None) is None:
+            return arrays
+        out = dict(arrays)
+        for name, scale in zip(self.kv_names, ("k_scale", "v_scale")):
+            out[name], out[scale] = quantize_kv(arrays[name].astype(np.float32), spec.kv_dtype, self.kv_head_axis)
+        return out
+
+    def dequantized(self, spec, arrays: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
+        """``arrays`` with an 8-bit cache's K/V read as float64 values (``scale · stored``): what
+        the reference attends to; unchanged for other specs."""
+        if getattr(spec, "kv_dtype", None) is None:
+            return arrays
+        out = dict(arrays)
+        for name, scale in zip(self.kv_names, ("k_scale", "v_scale")):
+            out[name] = dequantize(arrays[name], arrays[scale], self.kv_head_axis)
+        return out
 
     def symbolic_dims(self, spec) -> list[str]:
         """Names of the dims bound at call time, in order of first appearance."""
@@ -384,6 +427,13 @@ def check_variant_arrays(spec, arrays: Mapping[str, np.ndarray], key_counts, bat
                     f"{name}: must be non-decreasing along the positions, but {name}[{b}, {p + 1}]={int(x[b, p + 1])} "
                     f"< {name}[{b}, {p}]={int(x[b, p])} (the kernel skips key tiles by the bounds of a row tile's "
                     "first and last rows)")
+    if getattr(spec, "kv_dtype", None) is not None:
+        for name in ("k_scale", "v_scale"):
+            bad = ~(np.isfinite(arrays[name]) & (arrays[name] > 0))
+            if bad.any():
+                h = int(np.argmax(bad))
+                raise KernelArgumentError(f"{name}[{h}]={float(arrays[name][h])!r}: a scale must be a positive "
+                                          "finite number (the value of a stored element is scale · stored)")
     for name, _, _ in getattr(spec, "mod_tensors", ()):
         if 0 in arrays[name].shape:
             raise KernelArgumentError(f"{name}: has an empty dim {arrays[name].shape}; a modifier's tensor is read "
@@ -423,6 +473,7 @@ class BHSD(Layout):
         return d
 
     def reference_outputs(self, spec, arrays):
+        arrays = self.dequantized(spec, arrays)
         return reference_attention(spec, arrays["q"], arrays["k"], arrays["v"], return_lse=True,
                                    **variant_kwargs(spec, arrays))
 
@@ -430,7 +481,7 @@ class BHSD(Layout):
         check_variant_arrays(spec, arrays, arrays["k"].shape[2], arrays["q"].shape[0])
 
     def kv_bytes(self, spec, case):
-        return 2 * case["batch"] * spec.kv_heads * case["seq_kv"] * spec.head_dim * spec.itemsize
+        return 2 * case["batch"] * spec.kv_heads * case["seq_kv"] * spec.head_dim * spec.kv_itemsize
 
     def validation_cases(self, spec):
         """The representative shape, plus, for a dynamic spec, a shape it was not built at:
@@ -446,12 +497,12 @@ class BHSD(Layout):
         rng = np.random.default_rng(seed)
         dt = spec.np_dtype
         b, sq, sk = case["batch"], case["seq_q"], case["seq_kv"]
-        return {
+        return self.quantized(spec, {
             "q": _rng_array(rng, (b, spec.heads, sq, spec.head_dim), dt),
             "k": _rng_array(rng, (b, spec.kv_heads, sk, spec.head_dim), dt),
             "v": _rng_array(rng, (b, spec.kv_heads, sk, spec.head_dim), dt),
             **variant_inputs(spec, [sk] * b, seed, sq),
-        }
+        })
 
     def useful_flops(self, spec, case):
         return 4.0 * spec.head_dim * spec.heads * case["batch"] * Visibility.of(spec).pairs(case["seq_q"], case["seq_kv"])
@@ -519,6 +570,7 @@ class Varlen(Layout):
                 )
 
     def reference_outputs(self, spec, arrays):
+        arrays = self.dequantized(spec, arrays)
         q, k, v = arrays["q"], arrays["k"], arrays["v"]
         cq, ck = arrays["cu_seqlens_q"], arrays["cu_seqlens_k"]
         o = np.zeros(q.shape, np.float64)
@@ -540,7 +592,7 @@ class Varlen(Layout):
 
     def kv_bytes(self, spec, case):
         keys = sum(int(b) for _, b in case["seqlens"])
-        return 2 * keys * spec.kv_heads * spec.head_dim * spec.itemsize
+        return 2 * keys * spec.kv_heads * spec.head_dim * spec.kv_itemsize
 
     def validation_cases(self, spec):
         """The representative batch (``batch`` sequences of ``seq_q`` against ``seq_kv``) and a
@@ -555,14 +607,14 @@ class Varlen(Layout):
         lens = np.asarray(case["seqlens"], dtype=np.int64).reshape(-1, 2)
         cq = np.concatenate([[0], np.cumsum(lens[:, 0])]).astype(np.int32)
         ck = np.concatenate([[0], np.cumsum(lens[:, 1])]).astype(np.int32)
-        return {
+        return self.quantized(spec, {
             "q": _rng_array(rng, (int(cq[-1]), spec.heads, spec.head_dim), dt),
             "k": _rng_array(rng, (int(ck[-1]), spec.kv_heads, spec.head_dim), dt),
             "v": _rng_array(rng, (int(ck[-1]), spec.kv_heads, spec.head_dim), dt),
             "cu_seqlens_q": cq,
             "cu_seqlens_k": ck,
             **variant_inputs(spec, lens[:, 1], seed, int(lens[:, 0].max(initial=1))),
-        }
+        })
 
     def useful_flops(self, spec, case):
         pairs = sum(Visibility.of(spec).pairs(int(a), int(b)) for a, b in case["seqlens"])
@@ -615,6 +667,7 @@ class KVCache(Layout):
         return arrays["k_cache"][b:b + 1, :, :length], arrays["v_cache"][b:b + 1, :, :length]
 
     def reference_outputs(self, spec, arrays):
+        arrays = self.dequantized(spec, arrays)
         q, lens = arrays["q"], arrays["cache_seqlens"]
         o = np.zeros(q.shape, np.float64)
         lse = np.full(q.shape[:3], -np.inf)
@@ -646,20 +699,20 @@ class KVCache(Layout):
         dt = spec.np_dtype
         lens = np.asarray(case["cache_seqlens"], dtype=np.int32)
         b, sq, ml = len(lens), case["seq_q"], case["max_len"]
-        return {
+        return self.quantized(spec, {
             "q": _rng_array(rng, (b, spec.heads, sq, spec.head_dim), dt),
             "k_cache": _rng_array(rng, (b, spec.kv_heads, ml, spec.head_dim), dt),
             "v_cache": _rng_array(rng, (b, spec.kv_heads, ml, spec.head_dim), dt),
             "cache_seqlens": lens,
             **variant_inputs(spec, lens, seed, sq),
-        }
+        })
 
     def useful_flops(self, spec, case):
         pairs = sum(Visibility.of(spec).pairs(case["seq_q"], int(n)) for n in case["cache_seqlens"])
         return 4.0 * spec.head_dim * spec.heads * pairs
 
     def kv_bytes(self, spec, case):
-        return 2 * sum(int(n) for n in case["cache_seqlens"]) * spec.kv_heads * spec.head_dim * spec.itemsize
+        return 2 * sum(int(n) for n in case["cache_seqlens"]) * spec.kv_heads * spec.head_dim * spec.kv_itemsize
 
     def describe_case(self, case):
         lens = list(case["cache_seqlens"])
@@ -684,6 +737,7 @@ class Paged(KVCache):
         Arg("o", ("batch", "heads", "seq_q", "head_dim"), output=True),
     )
     paged = True
+    kv_head_axis = 2
 
     def dims(self, spec) -> dict[str, int | str]:
         return {"batch": "batch", "seq_q": "seq_q", "num_pages": "num_pages", "max_pages": "max_pages",
@@ -753,14 +807,14 @@ class Paged(KVCache):
             for i in range(1, b):
                 if need[i]:
                     table[i, 0] = table[0, 0]
-        return {
+        return self.quantized(spec, {
             "q": _rng_array(rng, (b, spec.heads, sq, spec.head_dim), dt),
             "k_pages": _rng_array(rng, (num_pages, p, spec.kv_heads, spec.head_dim), dt),
             "v_pages": _rng_array(rng, (num_pages, p, spec.kv_heads, spec.head_dim), dt),
             "block_table": table,
             "cache_seqlens": lens,
             **variant_inputs(spec, lens, seed, sq),
-        }
+        })
 
     def describe_case(self, case):
         return super().describe_case(case) + (", shared prefix page" if case.get("shared_prefix") else "")

@@ -77,6 +77,9 @@ def _as_numpy(name: str, x: Any, kernel_device: str = "cpu") -> tuple[np.ndarray
         torch = sys.modules["torch"]
         if x.dtype == torch.bfloat16 and not x.requires_grad:  # NumPy has no bfloat16: its bits
             return x.view(torch.int16).numpy().view(numpy_dtype("bfloat16")), "torch"
+        name = str(x.dtype).replace("torch.", "")
+        if name.startswith("float8") and not x.requires_grad:  # an 8-bit cache: ml_dtypes' float8 of its bits
+            return x.view(torch.uint8).numpy().view(numpy_dtype(name)), "torch"
     if hasattr(x, "__dlpack__"):
         if hasattr(x, "__dlpack_device__"):
             dev_type, dev_id = x.__dlpack_device__()

@@ -207,12 +207,14 @@ def global_func(name: str):
 # -- tensors without tvm.runtime -------------------------------------------------------------
 def cpu_view(a: np.ndarray) -> Any:
     """What a kernel is called with for NumPy array ``a``: ``a`` itself (DLPack, no copy), or
-    for bfloat16, which NumPy cannot export through DLPack, a view of its bits as bfloat16."""
-    if a.dtype.name == "bfloat16":
+    for bfloat16 and float8 (ml_dtypes), which NumPy cannot export through DLPack, a view of
+    their bits in that dtype."""
+    name = a.dtype.name
+    if name == "bfloat16" or name.startswith("float8"):
         import tvm_ffi
 
-        bits = tvm_ffi.from_dlpack(a.view(np.uint16))
-        return global_func("runtime.TVMTensorCreateView")(bits, a.shape, "bfloat16", 0)
+        bits = tvm_ffi.from_dlpack(a.view(np.uint16 if name == "bfloat16" else np.uint8))
+        return global_func("runtime.TVMTensorCreateView")(bits, a.shape, name, 0)
     return a
 
 
@@ -257,4 +259,4 @@ def to_numpy(t: Any, dtype: np.dtype) -> np.ndarray:
 
 
 def _dtype_name(dtype: np.dtype) -> str:
-    return "bfloat16" if dtype.name == "bfloat16" else str(dtype)
+    return dtype.name if dtype.name == "bfloat16" or dtype.name.startswith("float8") else str(dtype)

@@ -34,12 +34,16 @@ from typing import Any, Mapping
 
 from . import modifiers
 from .errors import SpecError
+from .quant import KV_DTYPES
 from .layouts import get_layout
 from .visibility import Visibility
 
 #: Input/output dtypes a spec may have. Accumulation is always float32. Which targets build which
 #: dtype is the schedule's business: the CPU schedules take float32 only and say so.
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
+#: 8-bit K/V cache dtypes (``kv_dtype``, :data:`tvm_attention.quant.KV_DTYPES`): the value of a
+#: stored element is ``scale[kv_head] · stored`` (``k_scale``/``v_scale`` call arguments); q and o
+#: keep ``dtype``.
 
 
 #: Bounds of ``scale``: kernels multiply q by the float32 constant ``scale·log2(e)``, which must be
@@ -63,6 +67,9 @@ DATA_ALIGNMENT = 16
 #: The attention variants a spec may turn on (docs/semantics.md), in the order the call arguments
 #: of those that take one follow (``alibi_slopes``, ``sinks``, ``kv_start``, ``key_lo``/``key_hi``;
 #: then the modifiers' tensors, ``mod_tensors``).
+#: kv_dtype -> its tag in short names (``..._float32_kve4m3_causal``)
+KV_TAGS = {"float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2", "int8": "i8"}
+
 VARIANTS = ("window", "softcap", "alibi", "sinks", "kv_start", "score_mod", "mask_mod", "key_bounds")
 
 #: Dims a spec may leave symbolic (``dynamic``); heads, kv_heads, head_dim, dtype, causal and
@@ -117,6 +124,9 @@ class AttentionSpec:
     #: row at position p sees keys key_lo[b, p] <= j < key_hi[b, p] only (both non-decreasing in p),
     #: and key tiles outside a row tile's bounds are skipped (a block mask given at call time)
     key_bounds: bool = False
+    # an 8-bit K/V dtype (KV_DTYPES; None: K/V in ``dtype``): the kernel then takes the scales
+    # ``k_scale``/``v_scale (kv_heads,)`` float32 after the variant arguments
+    kv_dtype: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("batch", "heads", "seq_q", "head_dim"):
@@ -165,6 +175,11 @@ class AttentionSpec:
             raise SpecError(
                 f"dtype={self.dtype!r} is not supported; supported: {', '.join(SUPPORTED_DTYPES)}"
             )
+        if self.kv_dtype == self.dtype:
+            object.__setattr__(self, "kv_dtype", None)
+        if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
+            raise SpecError(f"kv_dtype={self.kv_dtype!r} is not supported; 8-bit caches: {', '.join(KV_DTYPES)} "
+                            f"(or None: K/V in dtype={self.dtype})")
         if self.scale is None:
             object.__setattr__(self, "scale", 1.0 / math.sqrt(self.head_dim))
         if isinstance(self.scale, bool) or not isinstance(self.scale, (int, float)):
@@ -213,7 +228,8 @@ class AttentionSpec:
         tensors = modifiers.check_tensors(self.mod_tensors)
         object.__setattr__(self, "mod_tensors", tensors)
         # the call arguments' names, and the kernel's own buffer names (its checks find buffers by name)
-        taken = {"q", "k", "v", "o", "lse", "key_lo", "key_hi", "alibi_slopes", "sinks", "kv_start", "Q", "K", "V",
+        taken = {"q", "k", "v", "o", "lse", "key_lo", "key_hi", "alibi_slopes", "sinks", "kv_start", "k_scale",
+                 "v_scale", "Q", "K", "V",
                  "O", "LSE", "BT", "CL", "AL", "SK", "KST", "CQ", "CK"} | {a.name for a in self.layout_info.args}
         clash = [t[0] for t in tensors if t[0] in taken]
         if clash:
@@ -304,13 +320,34 @@ class AttentionSpec:
 
     @property
     def itemsize(self) -> int:
+        """Bytes of one element of q and o (and of K/V unless ``kv_dtype`` is 8-bit)."""
         return {"float32": 4, "float16": 2, "bfloat16": 2}[self.dtype]
+
+    @property
+    def kv_quantized(self) -> bool:
+        """Whether K/V are an 8-bit cache with per-kv-head scales (``kv_dtype``)."""
+        return self.kv_dtype is not None
+
+    @property
+    def kv_dtype_name(self) -> str:
+        """The dtype of K/V as stored: ``kv_dtype``, else ``dtype``."""
+        return self.kv_dtype or self.dtype
+
+    @property
+    def kv_np_dtype(self):
+        """The NumPy dtype of K/V (float8 through ml_dtypes)."""
+        return numpy_dtype(self.kv_dtype_name)
+
+    @property
+    def kv_itemsize(self) -> int:
+        """Bytes of one K/V element as stored."""
+        return 1 if self.kv_quantized else self.itemsize
 
     def io_bytes(self) -> int:
         """Modeled DRAM bytes of a fused kernel: q, k, v read and o written once."""
         q = self.batch * self.heads * self.seq_q * self.head_dim
         kv = 2 * self.batch * self.kv_heads * self.seq_kv * self.head_dim
-        return (2 * q + kv) * self.itemsize
+        return 2 * q * self.itemsize + kv * self.kv_itemsize
 
     #: Passes over the S×S matrix a materialized implementation makes through memory: write S,
     #: read it for the row max, the row sum and the softmax, write P, read P for P·V.
@@ -334,7 +371,7 @@ class AttentionSpec:
         # manifests (and the tuning logs' spec files) still compare equal
         for key, default in (("return_lse", False), ("page_size", None), ("window", None), ("softcap", None),
                              ("alibi", False), ("sinks", False), ("kv_start", False), ("score_mod", None),
-                             ("mask_mod", None), ("mod_tensors", ()), ("key_bounds", False)):
+                             ("mask_mod", None), ("mod_tensors", ()), ("key_bounds", False), ("kv_dtype", None)):
             if d[key] == default:
                 del d[key]
         if "window" in d:
@@ -370,7 +407,8 @@ class AttentionSpec:
         dim reads ``dyn`` (``bdyn_h8_kv2_qdyn_kdyn_d64_float32_causal``) and another layout
         leads (``varlen_h8_kv2_d64_float32_causal``). Representative values are not part of it."""
         c = "causal" if self.causal else "full"
-        tail = f"_d{self.head_dim}_{self.dtype}_{c}{self.variant_suffix()}{'_lse' if self.return_lse else ''}"
+        kv = f"_kv{KV_TAGS[self.kv_dtype]}" if self.kv_quantized else ""
+        tail = f"_d{self.head_dim}_{self.dtype}{kv}_{c}{self.variant_suffix()}{'_lse' if self.return_lse else ''}"
         if self.layout != "bhsd":
             page = f"_p{self.page_size}" if self.page_size is not None else ""
             return f"{self.layout}{page}_h{self.heads}_kv{self.kv_heads}{tail}"
@@ -403,8 +441,8 @@ def _check_positive_int(name: str, value: Any) -> None:
 def numpy_dtype(name: str):
     import numpy as np
 
-    if name == "bfloat16":
-        import ml_dtypes
+    if name == "bfloat16" or name.startswith("float8"):
+        import ml_dtypes  # NumPy has no bfloat16 or float8 of its own; TVM installs ml_dtypes
 
-        return np.dtype(ml_dtypes.bfloat16)
+        return np.dtype(getattr(ml_dtypes, name))
     return np.dtype(name)

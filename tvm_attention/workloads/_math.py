@@ -138,3 +138,36 @@ def bf16_bits(x: tirx.PrimExpr) -> tirx.PrimExpr:
     u16 = tirx.const(16, "uint32")
     rounded = b + tirx.const(0x7FFF, "uint32") + tirx.bitwise_and(tirx.shift_right(b, u16), tirx.const(1, "uint32"))
     return tirx.Cast("uint16", tirx.shift_right(rounded, u16))
+
+
+#: (exponent bias gap to float32's 127, mantissa bits, the all-ones magnitude: e4m3fn's NaN, e5m2's
+#: exponent field of inf/NaN) of the float8 formats read from a cache
+_FP8 = {"float8_e4m3fn": (127 - 7, 3), "float8_e5m2": (127 - 15, 2)}
+
+
+def kv_to_f32(x: tirx.PrimExpr, kv_dtype: str) -> tirx.PrimExpr:
+    """The float32 value of one stored 8-bit K/V element ``x`` (before its scale), from integer
+    bit operations that vectorize (no table, no libm):
+
+    * ``int8``: sign-extend and convert (``x`` is the int8 element);
+    * float8 (``x`` the element's bits as uint8): sign ``s``, magnitude ``em`` (exponent and
+      mantissa); a normal number moves ``em`` under float32's exponent field and rebiases it
+      (``em << (23 − mbits) + gap << 23``); a subnormal (exponent 0) is ``em · 2^(1 − bias −
+      mbits)``, exact in float32; e4m3fn's ``0x7F`` is NaN (it has no inf), e5m2's exponent 31
+      is inf (mantissa 0) or NaN, kept as float32's; the sign is or-ed back in."""
+    f32, u32 = "float32", "uint32"
+    if kv_dtype == "int8":
+        return tirx.Cast(f32, x)
+    gap, mbits = _FP8[kv_dtype]
+    u = tirx.Cast(u32, x)
+    em = tirx.bitwise_and(u, tirx.const(0x7F, u32))
+    sign = tirx.shift_left(tirx.bitwise_and(u, tirx.const(0x80, u32)), tirx.const(24, u32))
+    normal = tirx.shift_left(em, tirx.const(23 - mbits, u32)) + tirx.const(gap << 23, u32)
+    sub = tirx.reinterpret(u32, tirx.Cast(f32, tirx.Cast("int32", em)) * tirx.const(2.0 ** (1 - (127 - gap) - mbits), f32))
+    bits = tirx.Select(em < tirx.const(1 << mbits, u32), sub, normal)
+    if kv_dtype == "float8_e4m3fn":
+        bits = tirx.Select(em == tirx.const(0x7F, u32), tirx.const(0x7FC00000, u32), bits)
+    else:  # e5m2: exponent 31 -> float32's 255, mantissa kept (0: inf, else NaN)
+        special = tirx.bitwise_or(tirx.shift_left(em, tirx.const(21, u32)), tirx.const(0x7F800000, u32))
+        bits = tirx.Select(em >= tirx.const(0x7C, u32), special, bits)
+    return tirx.reinterpret(f32, tirx.bitwise_or(bits, sign))

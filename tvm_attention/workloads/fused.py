@@ -49,7 +49,8 @@ from ..layouts import fully_static
 from ..modifiers import instantiate, tensor_dim_name
 from ..spec import DATA_ALIGNMENT as A, AttentionSpec
 from ..visibility import Visibility, all_of
-from ._math import (LOG2E, bf16_bits, bf16_value, cast_to, exp2_fast, f32, guarded, lse_of, normalize, normalize_seen,
+from ._math import (LOG2E, bf16_bits, bf16_value, cast_to, exp2_fast, f32, guarded, kv_to_f32, lse_of, normalize,
+                    normalize_seen,
                     normalize_where, tanh_fast, with_sink)
 from .kv import dim, kv_layout
 
@@ -92,8 +93,10 @@ class _Variants:
     ``key_lo``/``key_hi`` and the modifiers' tensors: its buffers, None where the spec takes
     none), the user's modifiers over them, and the expressions the tile builds from them."""
 
-    def __init__(self, spec=None, AL=None, SK=None, KS=None, LO=None, HI=None, tensors=None):
+    def __init__(self, spec=None, AL=None, SK=None, KS=None, LO=None, HI=None, tensors=None, scales=(None, None)):
         # spec None: a kernel without variant arguments
+        self.KSC, self.VSC = scales if spec is not None and spec.kv_quantized else (None, None)
+        self.G = spec.group_size if spec is not None else 1
         self.AL = AL if spec is not None and spec.alibi else None
         self.SK = SK if spec is not None and spec.sinks else None
         self.KS = KS if spec is not None and spec.kv_start else None
@@ -114,6 +117,14 @@ class _Variants:
     def sink(self, h):
         """The sink logit of query head ``h`` in log2 units (None: no sinks)."""
         return None if self.SK is None else self.SK[h] * T.float32(LOG2E)
+
+    def k_scale(self, h):
+        """An 8-bit cache's key scale for query head ``h`` (its kv head's; None: no scales)."""
+        return None if self.KSC is None else self.KSC[T.floordiv(h, self.G)]
+
+    def v_scale(self, h):
+        """An 8-bit cache's value scale for query head ``h`` (None: no scales)."""
+        return None if self.VSC is None else self.VSC[T.floordiv(h, self.G)]
 
     def _col(self, pos):
         return T.max(0, T.min(pos, self.LO.shape[1] - 1))
@@ -309,6 +320,13 @@ class _Tile:
         y = T.float32(float(y)) if isinstance(y, (int, float)) else y
         return f32(y) * T.float32(LOG2E)
 
+    def q_scaled(self, x, vi):
+        """The query element ``x`` (already times the softmax scale) of tile row ``vi`` times its
+        kv head's key scale (an 8-bit cache: ``q·(s·k) = (s·q)·k``, one multiply per query
+        element instead of one per key element)."""
+        ks = None if self.head is None else self.var.k_scale(self.head(self.row0 + vi))
+        return x if ks is None else x * ks
+
     def sink(self, vi):
         """The sink logit of tile row ``vi`` (log2 units), None without sinks."""
         return None if self.head is None else self.var.sink(self.head(self.row0 + vi))
@@ -319,6 +337,9 @@ class _Tile:
         when the keys' sum ``keys_sum`` (``l`` before a sink joins it) is 0: every score was
         -inf (``normalize_seen``)."""
         row = self.row0 + vi
+        vs = None if self.head is None else self.var.v_scale(self.head(row))
+        if vs is not None:  # an 8-bit cache: P·V summed the stored values; the scale is linear
+            acc = acc * vs
         if self.state_index is not None:
             return acc
         if self.var.mods:
@@ -378,6 +399,13 @@ class _TileShape:
     #: then holds the masked scores (row_max and P_exp would each evaluate it, and exp2_fast
     #: repeats its argument: a tree TVM's simplifier took 10x the build time over)
     mask_mod: bool = False
+    #: an 8-bit cache's dtype (``spec.kv_dtype``): K/V elements are converted by ``kv_to_f32``
+    #: (float8 read through uint8 aliases of K and V, see ``_dense_function``)
+    kv_dtype: str | None = None
+
+    def kv(self, x):
+        """The float32 value of the K/V element ``x`` as loaded (before an 8-bit cache's scale)."""
+        return f32(x) if self.kv_dtype is None else kv_to_f32(x, self.kv_dtype)
 
     @property
     def score_mod(self) -> bool:
@@ -466,7 +494,7 @@ def _s_gemm_macros(k: _TileShape):
                 with T.sblock(N["K_load"]):
                     vj = T.axis.spatial(BN, j)
                     vh, vd = T.axis.remap("SS", [h, d])
-                    Kt[vh, vd] = f32(K[t.kv_at(vc, vj, vd, vh)])
+                    Kt[vh, vd] = k.kv(K[t.kv_at(vc, vj, vd, vh)])
             for d, i in T.grid(D, BM):
                 with T.sblock(N["S_gemm"]):
                     vj = T.axis.spatial(BN, j)
@@ -480,7 +508,7 @@ def _s_gemm_macros(k: _TileShape):
         for j, d in T.grid(BN, D):
             with T.sblock(N["K_load"]):
                 vj, vd = T.axis.remap("SS", [j, d])
-                Kt[vj, vd] = f32(K[t.kv_at(vc, vj, vd)])
+                Kt[vj, vd] = k.kv(K[t.kv_at(vc, vj, vd)])
         for j, d, i in T.grid(BN, D, BM):
             with T.sblock(N["S_gemm"]):
                 vj, vd, vi = T.axis.remap("SRS", [j, d, i])
@@ -495,7 +523,7 @@ def _s_gemm_macros(k: _TileShape):
                 vj, vd, vi = T.axis.remap("SRS", [j, d, i])
                 with T.init():
                     S[vj, vi] = T.float32(0)
-                S[vj, vi] = S[vj, vi] + f32(K[t.kv_at(vc, vj, vd)]) * Qt[vd, vi]
+                S[vj, vi] = S[vj, vi] + k.kv(K[t.kv_at(vc, vj, vd)]) * Qt[vd, vi]
 
     return types.SimpleNamespace(dot=s_gemm_dot, prefetch=kv_prefetch, heads=s_gemm_heads,
                                  staged=s_gemm_staged, plain=s_gemm)
@@ -620,7 +648,7 @@ def _pv_macros(k: _TileShape):
         for j, h, d in T.grid(BN, HT, D):
             with T.sblock(N["V_load"]):
                 vj, vh, vd = T.axis.remap("SSS", [j, h, d])
-                Vt[vj, vh, vd] = f32(V[t.kv_at(vc, vj, vd, vh)])
+                Vt[vj, vh, vd] = k.kv(V[t.kv_at(vc, vj, vd, vh)])
         for i, j, d in T.grid(BM, BN, D):
             with T.sblock(N["PV_gemm"]):
                 vi, vj, vd = T.axis.remap("SRS", [i, j, d])
@@ -635,7 +663,7 @@ def _pv_macros(k: _TileShape):
                 vi, vj, vd = T.axis.remap("SRS", [i, j, d])
                 with T.init():
                     acc[vi, vd] = acc[vi, vd] * alpha[vi]
-                acc[vi, vd] = acc[vi, vd] + P[vj, vi] * f32(V[t.kv_at(vc, vj, vd)])
+                acc[vi, vd] = acc[vi, vd] + P[vj, vi] * k.kv(V[t.kv_at(vc, vj, vd)])
 
     return types.SimpleNamespace(dot=pv_gemm_dot, heads=pv_gemm_heads, plain=pv_gemm)
 
@@ -703,7 +731,7 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
     adds the unrounded float32 P."""
     N = {n: n + suffix for n in TILE_BLOCKS + ("lse_store", "state_store", "K_load", "V_load", "V_ilv",
                                                 "P_round", "P_ilv", "acc_rescale", "KV_prefetch", "score_mod")}
-    if dot_bf16 and (spec.dtype != "bfloat16" or spec.head_dim % 2 or BN % 2):
+    if dot_bf16 and (spec.dtype != "bfloat16" or spec.kv_quantized or spec.head_dim % 2 or BN % 2):
         raise ValueError(f"dot_bf16 needs bfloat16 inputs and an even head_dim and block_n, got {spec.dtype}, "
                          f"D={spec.head_dim}, block_n={BN}")
     if prefetch and not stage_k:
@@ -718,9 +746,9 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
     qscale = float(spec.scale * LOG2E) if spec.softcap is None else float(spec.scale / spec.softcap)
     neg_inf = T.float32(float("-inf"))
     k = _TileShape(N=N, BM=BM, BN=BN, D=D, HT=HT, qscale=qscale, dot_bf16=dot_bf16, prefetch=prefetch, stats=stats,
-                   line_elems=CACHE_LINE // spec.itemsize, softcap=spec.softcap, scale=spec.scale, alibi=spec.alibi,
+                   line_elems=CACHE_LINE // spec.kv_itemsize, softcap=spec.softcap, scale=spec.scale, alibi=spec.alibi,
                    sinks=spec.sinks, user_score=spec.score_mod is not None,
-                   mask_mod=spec.mask_mod is not None or spec.key_bounds)
+                   mask_mod=spec.mask_mod is not None or spec.key_bounds, kv_dtype=spec.kv_dtype)
     sg, pv = _s_gemm_macros(k), _pv_macros(k)
     s_gemm_dot, kv_prefetch, s_gemm_heads, s_gemm_staged, s_gemm = sg.dot, sg.prefetch, sg.heads, sg.staged, sg.plain
     pv_gemm_dot, pv_gemm_heads, pv_gemm = pv.dot, pv.heads, pv.plain
@@ -764,7 +792,7 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
             for d, i in T.grid(D, BM):
                 with T.sblock(N["Q_load"]):
                     vd, vi = T.axis.remap("SS", [d, i])
-                    Qt[vd, vi] = f32(Q[t.q_at(vi, vd)]) * T.float32(qscale)
+                    Qt[vd, vi] = t.q_scaled(f32(Q[t.q_at(vi, vd)]) * T.float32(qscale), vi)
         for i in T.serial(BM):
             with T.sblock(N["state_init"]):
                 vi = T.axis.remap("S", [i])
@@ -1176,7 +1204,8 @@ def _dense_function(f: _Dense, attrs: dict, body) -> tirx.PrimFunc:
     (``layouts.py``): its arguments in call order (q, k, v, the index arrays, o, then lse when
     ``return_lse``), each argument's dims mapped to this kernel's values (ints, or its symbolic
     vars), its attrs, ``body``."""
-    layout, dtype = f.spec.layout_info, f.spec.dtype
+    layout, dtype, kv_dtype = f.spec.layout_info, f.spec.dtype, f.spec.kv_dtype_name
+    fp8 = kv_dtype.startswith("float8")  # read through uint8 aliases (kv_to_f32 takes the bits)
     args = layout.all_args(f.spec)
     names = [a.name for a in args]
     index = [a.name for a in layout.index_args]
@@ -1203,8 +1232,8 @@ def _dense_function(f: _Dense, attrs: dict, body) -> tirx.PrimFunc:
     @T.prim_func(s_tir=True, check_well_formed=not extra.params)
     def attention(
         Q: T.Buffer(QS, dtype, align=A),
-        K: T.Buffer(KS, dtype, align=A),
-        V: T.Buffer(VS, dtype, align=A),
+        K: T.Buffer(KS, kv_dtype, align=A),
+        V: T.Buffer(VS, kv_dtype, align=A),
         BT: T.Buffer(BTS, "int32", align=A),
         CL: T.Buffer(CLS, "int32", align=A),
         AL: T.Buffer(ALS, "float32", align=A),
@@ -1214,7 +1243,12 @@ def _dense_function(f: _Dense, attrs: dict, body) -> tirx.PrimFunc:
         LSE: T.Buffer(LS, "float32", align=A),
     ):
         T.func_attr(attrs)
-        body(Q, K, V, O, LSE, index_buffers(BT, CL), _Variants(f.spec, AL, SK, KST, *extra.variant_args))
+        if fp8:
+            K8 = T.decl_buffer(KS, "uint8", data=K.data, align=A)
+            V8 = T.decl_buffer(VS, "uint8", data=V.data, align=A)
+            body(Q, K8, V8, O, LSE, index_buffers(BT, CL), _Variants(f.spec, AL, SK, KST, *extra.variant_args))
+        else:
+            body(Q, K, V, O, LSE, index_buffers(BT, CL), _Variants(f.spec, AL, SK, KST, *extra.variant_args))
 
     return _keep_params(attention, [True, True, True, *present, *variants, True, f.lse], extra.params, 1 + f.lse)
 
@@ -1245,8 +1279,9 @@ def _keep_params(func: tirx.PrimFunc, keep: list[bool], extra=(), n_outputs: int
 
 class _ExtraParams:
     """The variant arguments whose number or shape a signature template cannot fix: the key
-    bounds ``key_lo``/``key_hi (batch, key_positions)`` and the modifiers' tensors (every dim
-    taken at call time, :func:`tvm_attention.modifiers.tensor_dim_name`). Declared here, read by
+    bounds ``key_lo``/``key_hi (batch, key_positions)``, the modifiers' tensors (every dim
+    taken at call time, :func:`tvm_attention.modifiers.tensor_dim_name`) and an 8-bit cache's
+    scales ``k_scale``/``v_scale (kv_heads,)``. Declared here, read by
     the tile through :class:`_Variants`, inserted before the outputs (``_keep_params``)."""
 
     def __init__(self, spec: AttentionSpec, batch):
@@ -1264,11 +1299,16 @@ class _ExtraParams:
                 tuple(tirx.Var(tensor_dim_name(name, i), "int32") for i in range(len(dims)))
             self.tensors[name] = tirx.decl_buffer(shape, dtype, name, data_alignment=A)
             self.params.append(self.tensors[name])
+        self.scales = (None, None)
+        if spec.kv_quantized:  # an 8-bit cache's k_scale, v_scale (kv_heads,), after the tensors
+            self.scales = tuple(tirx.decl_buffer((spec.kv_heads,), "float32", n, data_alignment=A)
+                                for n in ("k_scale", "v_scale"))
+            self.params += list(self.scales)
 
     @property
     def variant_args(self):
-        """``_Variants``' LO, HI, tensors."""
-        return self.LO, self.HI, self.tensors
+        """``_Variants``' LO, HI, tensors, scales."""
+        return self.LO, self.HI, self.tensors, self.scales
 
 
 def _varlen(spec: AttentionSpec, block_m: int, block_n: int, dot_bf16: bool = False) -> tirx.PrimFunc:
@@ -1292,7 +1332,8 @@ def _varlen(spec: AttentionSpec, block_m: int, block_n: int, dot_bf16: bool = Fa
     NB = NB1 - 1
     NT = T.floordiv(TQ, BM) + NB  # tile slots
     NC = T.floordiv(TK + BN - 1, BN)  # bound on any sequence's key tiles
-    dtype = spec.dtype
+    dtype, kv_dtype = spec.dtype, spec.kv_dtype_name
+    fp8 = kv_dtype.startswith("float8")  # read through uint8 aliases (kv_to_f32 takes the bits)
     lse = bool(spec.return_lse)
     tile = _tile_macro(spec, BM, BN, stats="lse" if lse else None, dot_bf16=dot_bf16,
                        stage_k=stages_half_keys(spec, dot_bf16))
@@ -1329,8 +1370,8 @@ def _varlen(spec: AttentionSpec, block_m: int, block_n: int, dot_bf16: bool = Fa
     @T.prim_func(s_tir=True, check_well_formed=not extra.params)
     def attention(
         Q: T.Buffer(QS, dtype, align=A),
-        K: T.Buffer(KS, dtype, align=A),
-        V: T.Buffer(VS, dtype, align=A),
+        K: T.Buffer(KS, kv_dtype, align=A),
+        V: T.Buffer(VS, kv_dtype, align=A),
         CQ: T.Buffer(CQS, "int32", align=A),
         CK: T.Buffer(CKS, "int32", align=A),
         AL: T.Buffer((H,), "float32", align=A),
@@ -1363,7 +1404,12 @@ def _varlen(spec: AttentionSpec, block_m: int, block_n: int, dot_bf16: bool = Fa
                                 seq[3] = T.floordiv(seq[2] + seq[3] + 1, 2) - 1
                     seq[0] = seq[2]
                     seq[1] = (vs - T.floordiv(CQ[seq[2]], BM) - seq[2]) * BM
-                tile(Q, K, V, O, at(seq, CQ, CK, vh, _Variants(spec, AL, SK, None, *extra.variant_args)), NC, LSE)
+                if fp8:
+                    K8 = T.decl_buffer(KS, "uint8", data=K.data, align=A)
+                    V8 = T.decl_buffer(VS, "uint8", data=V.data, align=A)
+                    tile(Q, K8, V8, O, at(seq, CQ, CK, vh, _Variants(spec, AL, SK, None, *extra.variant_args)), NC, LSE)
+                else:
+                    tile(Q, K, V, O, at(seq, CQ, CK, vh, _Variants(spec, AL, SK, None, *extra.variant_args)), NC, LSE)
 
     return _keep_params(attention, [True] * 5 + variants + [True, lse], extra.params, 1 + lse)
 

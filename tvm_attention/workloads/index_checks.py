@@ -15,7 +15,7 @@ A kernel with left padding (``kv_start``) checks ``0 <= kv_start[b] <=`` the seq
 same way, in every layout; one with key bounds checks that ``key_lo``/``key_hi`` are non-decreasing
 along the positions (what its tile skipping relies on), and a modifier's tensors that no dim is
 empty. They are the same rules ``Layout.check_indices`` applies in the loader (one definition of what
-is a valid call). CUDA kernels cannot raise from device code: there the index arrays stay
+is a valid call). An 8-bit cache's ``k_scale``/``v_scale`` must be positive and finite. CUDA kernels cannot raise from device code: there the index arrays stay
 trusted (CUDA builds take BHSD only today).
 
 Cost: one pass over ``cache_seqlens`` and the block-table entries in use (batch · pages per
@@ -128,11 +128,24 @@ def _mod_tensors(buf, spec: AttentionSpec) -> list[tirx.Stmt]:
     return out
 
 
+def _kv_scales(buf, spec: AttentionSpec) -> list[tirx.Stmt]:
+    """An 8-bit cache's ``k_scale``/``v_scale``: every entry positive and finite (an ordered
+    compare: NaN fails it)."""
+    out = []
+    for name in ("k_scale", "v_scale"):
+        x = buf[name]
+        out.append(_for("h", x.shape[0], lambda h, x=x, name=name: _assert(
+            tirx.all(x[h] > tirx.const(0.0, "float32"), x[h] <= tirx.const(3.4028234663852886e38, "float32")),
+            f"{name}: an entry is not a positive finite number (zero, negative, inf or NaN); the value of a "
+            "stored element is scale * stored")))
+    return out
+
+
 def with_index_checks(mod: tvm.IRModule, spec: AttentionSpec) -> tvm.IRModule:
     """``mod`` whose ``main`` first checks the layout's index arrays and the variant arguments
     (no change for a kernel without any, or a CUDA function, whose device code cannot raise)."""
     make = _CHECKS.get(spec.layout)
-    if make is None and not spec.kv_start and not spec.key_bounds and not spec.mod_tensors:
+    if make is None and not spec.kv_start and not spec.key_bounds and not spec.mod_tensors and not spec.kv_quantized:
         return mod
     func = mod["main"]
     buf = _buffers(func)
@@ -142,6 +155,8 @@ def with_index_checks(mod: tvm.IRModule, spec: AttentionSpec) -> tvm.IRModule:
     if spec.key_bounds:
         stmts += _key_bounds(buf, spec)
     stmts += _mod_tensors(buf, spec)
+    if spec.kv_quantized:
+        stmts += _kv_scales(buf, spec)
     if not stmts:  # a static kernel's tensors: their shapes are checked by TVM's own argument checks
         return mod
     out = tvm.IRModule(dict(mod.functions))

@@ -1,0 +1,204 @@
+"""8-bit K/V caches (float8_e4m3fn, float8_e5m2, int8) with per-kv-head scales: the element
+conversion against ml_dtypes for every bit pattern, ``quantize_kv`` (NumPy and torch), the kernel
+against the float64 reference of the dequantized cache in every layout and query dtype, the
+loader (ml_dtypes and torch float8 arrays) and the library's own scale checks, and the families
+that refuse them by name."""
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from tvm_attention import quantize_kv
+from tvm_attention.artifact import kernel_of, validate_built
+from tvm_attention.loader import KernelArgumentError
+from tvm_attention.quant import QMAX, dequantize
+from tvm_attention.spec import KV_DTYPES, AttentionSpec, SpecError
+
+from conftest import built
+
+FP8 = ("float8_e4m3fn", "float8_e5m2")
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_every_bit_pattern_converts_as_ml_dtypes_reads_it(kv_dtype):
+    """``kv_to_f32`` (integer bit operations, vectorized) gives ml_dtypes' float32 value of each
+    of the 256 bytes: zeros, subnormals, the largest normals, e4m3fn's NaN, e5m2's inf and NaN."""
+    import tvm
+    from tvm.script import tirx as T
+
+    from tvm_attention.loader import aligned_empty
+    from tvm_attention.runtime import cpu_view
+    from tvm_attention.target import resolve_target
+    from tvm_attention.workloads._math import kv_to_f32
+
+    fp8 = kv_dtype in FP8
+    read = "uint8" if fp8 else "int8"
+
+    @T.prim_func(s_tir=True, check_well_formed=False)
+    def convert(a: T.handle, b: T.handle):
+        T.func_attr({"global_symbol": "convert", "tirx.noalias": True})
+        X = T.match_buffer(a, (256,), kv_dtype, align=64)
+        Y = T.match_buffer(b, (256,), "float32", align=64)
+        Xb = T.decl_buffer((256,), read, data=X.data)
+        for i in T.vectorized(256):
+            with T.sblock("c"):
+                vi = T.axis.remap("S", [i])
+                Y[vi] = kv_to_f32(Xb[vi], kv_dtype)
+
+    mod = tvm.compile(convert, target=resolve_target("llvm"))
+    bits = np.arange(256, dtype=np.uint8)
+    x = aligned_empty((256,), np.dtype(getattr(ml_dtypes, kv_dtype)) if fp8 else np.int8)
+    x.view(np.uint8)[...] = bits
+    y = aligned_empty((256,), np.float32)
+    mod["convert"](cpu_view(x), y)
+    want = x.astype(np.float32)
+    np.testing.assert_array_equal(np.isnan(y), np.isnan(want))
+    ok = ~np.isnan(want)
+    np.testing.assert_array_equal(y[ok], want[ok])
+    assert (np.signbit(y[ok]) == np.signbit(want[ok])).all()  # -0 stays -0
+
+
+def test_quantize_kv_numpy_and_torch():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 3, 5, 8)).astype(np.float32) * np.array([1, 10, 0.01], np.float32)[None, :, None, None]
+    x[0, 1, 0, 0] = 1e30  # saturates, and does not set the scale? it does: finite
+    for name in KV_DTYPES:
+        q, s = quantize_kv(x, name)
+        assert q.dtype == (np.dtype(getattr(ml_dtypes, name)) if name in FP8 else np.int8) and s.shape == (3,)
+        assert s.dtype == np.float32 and (s > 0).all()
+        np.testing.assert_allclose(np.abs(q.astype(np.float32)).reshape(2, 3, -1).transpose(1, 0, 2).reshape(3, -1).max(1),
+                                   QMAX[name])  # each head's largest magnitude lands on QMAX
+        deq = dequantize(q, s)
+        small = np.abs(x) < 1e29
+        rel = {"float8_e4m3fn": 2 ** -4, "float8_e5m2": 2 ** -3, "int8": None}[name]
+        if rel is not None:  # float8: relative error of the mantissa, subnormals aside
+            err = np.abs(deq - x)[small] / np.maximum(np.abs(x[small]), s.max() * 2 ** -6)
+            assert err.max() <= rel
+        else:  # int8: half a step of the head's scale
+            assert (np.abs(deq - x) <= 0.5001 * s[None, :, None, None]).all()
+    # the caller's scale is used as given; a pool's kv heads on axis 2
+    q, s = quantize_kv(x[:, :, :2], "float8_e4m3fn", scale=np.full(3, 0.5, np.float32))
+    assert (s == 0.5).all() and q.astype(np.float32)[1, 0, 0, 0] == np.float32(ml_dtypes.float8_e4m3fn(x[1, 0, 0, 0] / 0.5))
+    q, s = quantize_kv(x.transpose(0, 2, 1, 3), "int8", head_axis=2)
+    assert s.shape == (3,)
+    # saturating, not wrapping (TVM's plain cast turns 500 into -0.0); NaN stays NaN in float8
+    big = np.array([[[[500.0, -1e6, np.nan, 1.0]]]], np.float32)
+    q, _ = quantize_kv(big, "float8_e4m3fn", scale=np.ones(1, np.float32))
+    np.testing.assert_array_equal(q.astype(np.float32)[0, 0, 0, :2], [448.0, -448.0])
+    assert np.isnan(q.astype(np.float32)[0, 0, 0, 2])
+    q, _ = quantize_kv(big[..., :2], "float8_e5m2", scale=np.ones(1, np.float32))
+    np.testing.assert_array_equal(q.astype(np.float32).ravel(), [512.0, -57344.0])
+    with pytest.raises(SpecError, match="int8 has no NaN"):
+        quantize_kv(big, "int8")
+    with pytest.raises(SpecError, match="not an 8-bit K/V dtype"):
+        quantize_kv(x, "float16")
+    with pytest.raises(SpecError, match=r"scale\[1\]"):
+        quantize_kv(x, "int8", scale=np.array([1.0, 0.0, 1.0], np.float32))
+    torch = pytest.importorskip("torch")
+    for name in KV_DTYPES:
+        tq, ts = quantize_kv(torch.from_numpy(x), name)
+        nq, ns = quantize_kv(x, name)
+        assert str(tq.dtype) == f"torch.{name}"
+        np.testing.assert_allclose(ts.numpy(), ns, rtol=1e-6)
+        np.testing.assert_array_equal(tq.to(torch.float32).numpy(), nq.astype(np.float32))
+
+
+def test_spec_fields():
+    s = AttentionSpec(batch=1, heads=4, kv_heads=2, seq_q=1, seq_kv=64, head_dim=32, layout="kvcache",
+                      kv_dtype="float8_e4m3fn")
+    assert s.kv_quantized and s.kv_itemsize == 1 and "_kve4m3_" in s.short_name()
+    assert [a["name"] for a in s.arg_specs()] == ["q", "k_cache", "v_cache", "cache_seqlens", "k_scale", "v_scale", "o"]
+    assert s.arg_specs()[1]["dtype"] == "float8_e4m3fn" and s.arg_specs()[0]["dtype"] == "float32"
+    assert AttentionSpec.from_dict(s.to_dict()) == s
+    plain = AttentionSpec(batch=1, heads=4, seq_q=8, head_dim=32, kv_dtype="float32")
+    assert plain.kv_dtype is None and "kv_dtype" not in plain.to_dict()  # K/V in dtype: no change
+    with pytest.raises(SpecError, match="kv_dtype='uint8'"):
+        AttentionSpec(batch=1, heads=4, seq_q=8, head_dim=32, kv_dtype="uint8")
+
+
+#: name -> spec fields: every layout (static bhsd, the tuner's representative), each kv dtype,
+#: each query dtype, GQA decode tiers and split-KV (kvcache/paged validation cases: seq_q 1, 4
+#: and 37, cache_seqlens 0, 1, page and tile edges), sinks and a window beside them
+KERNELS = {
+    "kvcache_e4m3_fp32": dict(batch=1, heads=8, kv_heads=2, seq_q=1, seq_kv=300, head_dim=64, layout="kvcache",
+                              causal=True, kv_dtype="float8_e4m3fn", return_lse=True),
+    "paged_e5m2_bf16": dict(batch=2, heads=8, kv_heads=2, seq_q=1, seq_kv=300, head_dim=64, layout="paged",
+                            causal=True, dtype="bfloat16", kv_dtype="float8_e5m2", sinks=True),
+    "paged_int8_fp16": dict(batch=1, heads=4, kv_heads=4, seq_q=1, seq_kv=200, head_dim=32, layout="paged",
+                            page_size=64, dtype="float16", kv_dtype="int8", window=(100, 0)),
+    "bhsd_e4m3_static": dict(batch=1, heads=2, seq_q=70, seq_kv=45, head_dim=64, kv_dtype="float8_e4m3fn",
+                             causal=True),
+    "varlen_int8": dict(batch=2, heads=4, kv_heads=2, seq_q=40, seq_kv=40, head_dim=32, layout="varlen",
+                        kv_dtype="int8"),
+}
+
+
+@pytest.mark.parametrize("name", list(KERNELS))
+def test_kernel_matches_the_reference(name):
+    spec = AttentionSpec(**KERNELS[name])
+    b = built(spec)
+    assert b.audit.fused, b.audit
+    r = validate_built(b)
+    assert r.passed and r.finite, r
+
+
+def test_loader_takes_ml_dtypes_and_torch_float8_and_checks_the_scales(tmp_path):
+    import tvm_ffi
+
+    from tvm_attention.artifact import export
+    from tvm_attention.loader import load
+
+    spec = AttentionSpec(**KERNELS["kvcache_e4m3_fp32"])
+    b = built(spec)
+    export(b, tmp_path, validate_built(b))
+    k = load(tmp_path)
+    lay = spec.layout_info
+    x = lay.random_inputs(spec, {"seq_q": 4, "cache_seqlens": [0, 17, 300], "max_len": 301}, seed=3)
+    ref, ref_lse = lay.reference_outputs(spec, x)
+    names = ("q", "k_cache", "v_cache", "cache_seqlens", "k_scale", "v_scale")
+    o, lse = k(*(x[n] for n in names))
+    np.testing.assert_allclose(o, ref, atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(lse, ref_lse, atol=1e-4, rtol=1e-4)
+    # NaN in the cache gives NaN rows (those that see the key), not a silent zero
+    xn = dict(x, k_cache=x["k_cache"].copy())
+    xn["k_cache"][2, 0, 5, 3] = np.nan
+    o, _ = k(*(xn[n] for n in names))
+    assert np.isnan(o[2, :spec.group_size]).all() and np.isfinite(o[2, spec.group_size:]).all()
+    for bad, word in [(np.array([1.0, np.nan], np.float32), r"k_scale\[1\]"),
+                      (np.array([0.0, 1.0], np.float32), r"k_scale\[0\]"),
+                      (np.array([-1.0, 1.0], np.float32), r"k_scale\[0\]"),
+                      (np.ones(3, np.float32), "k_scale")]:
+        with pytest.raises(KernelArgumentError, match=word):
+            k(*(x[n] for n in names[:4]), bad, x["v_scale"])
+    with pytest.raises(KernelArgumentError, match="k_cache: expected dtype float8_e4m3fn"):
+        k(x["q"], x["k_cache"].astype(np.float32), *(x[n] for n in names[2:]))
+    # the library checks the scales itself (C++ callers skip the loader)
+    o = np.empty_like(x["q"])
+    lse = np.empty(x["q"].shape[:3], np.float32)
+    from tvm_attention.runtime import cpu_view
+
+    args = [cpu_view(x[n]) if n in ("k_cache", "v_cache") else tvm_ffi.from_dlpack(x[n]) for n in names[:5]]
+    with pytest.raises(ValueError, match="v_scale: an entry is not a positive finite number"):
+        k.function(*args, tvm_ffi.from_dlpack(np.array([1.0, np.inf], np.float32)), tvm_ffi.from_dlpack(o),
+                   tvm_ffi.from_dlpack(lse))
+    torch = pytest.importorskip("torch")
+    t = {n: torch.from_numpy(np.ascontiguousarray(x[n].view(np.uint8))).view(torch.float8_e4m3fn)
+         if n in ("k_cache", "v_cache") else torch.from_numpy(x[n]) for n in names}
+    o, lse = k(*(t[n] for n in names))
+    assert isinstance(o, torch.Tensor)
+    np.testing.assert_allclose(o.numpy(), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_other_families_refuse_an_8bit_cache_by_name():
+    from schedules import check, get_schedule
+    from schedules._knobs import KnobError
+    from tvm_attention.target import resolve_target
+
+    spec = AttentionSpec(batch=1, heads=2, seq_q=64, head_dim=64, dtype="float16", kv_dtype="float8_e4m3fn")
+    for name, target in [("fused", "cuda"), ("materialized", "llvm")]:
+        t = resolve_target(target, arch="sm_90") if target == "cuda" else resolve_target(target)
+        fam = get_schedule(name, t)
+        s = spec if target == "cuda" else AttentionSpec(**{**spec.to_dict(), "dtype": "float32"})
+        with pytest.raises(KnobError, match="8-bit K/V caches"):
+            check(fam, fam.preset(s, t), s, t)
