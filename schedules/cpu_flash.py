@@ -45,7 +45,8 @@ NAME = "fused"
 #: every layout, dtype (stored; it computes in float32 always), symbolic dim, the lse output and
 #: every attention variant
 CAPABILITIES = Capabilities(label=NAME, target="cpu", layouts=tuple(LAYOUTS), dtypes=SUPPORTED_DTYPES,
-                            symbolic=True, lse=True, variants=VARIANTS, kv_dtypes=KV_DTYPES)
+                            symbolic=True, lse=True, variants=VARIANTS, kv_dtypes=KV_DTYPES,
+                            appends=True)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -41,6 +41,8 @@ class Capabilities:
     variants: tuple[str, ...] = ()
     #: 8-bit K/V cache dtypes it reads (``AttentionSpec.kv_dtype``); others are refused by name
     kv_dtypes: tuple[str, ...] = ()
+    #: writes the call's k_new/v_new into the cache before attending (``AttentionSpec.append``)
+    appends: bool = False
 
     def refusal(self, spec: AttentionSpec) -> str | None:
         """Why this family cannot build ``spec`` (None: it can), in the one message format
@@ -51,6 +53,8 @@ class Capabilities:
             what = f"builds layout(s) {', '.join(self.layouts)}, not {spec.layout!r}"
         elif spec.dtype not in self.dtypes:
             what = f"builds dtype(s) {', '.join(self.dtypes)}, not {spec.dtype!r}"
+        elif getattr(spec, "append", False) and not self.appends:
+            what = "does not append k_new/v_new to the cache (append) (yet)"
         elif getattr(spec, "kv_dtype", None) is not None and spec.kv_dtype not in self.kv_dtypes:
             what = f"does not read 8-bit K/V caches (kv_dtype={spec.kv_dtype!r}) (yet)"
         elif [v for v in spec.variants if v not in self.variants]:

@@ -202,3 +202,88 @@ def test_other_families_refuse_an_8bit_cache_by_name():
         s = spec if target == "cuda" else AttentionSpec(**{**spec.to_dict(), "dtype": "float32"})
         with pytest.raises(KnobError, match="8-bit K/V caches"):
             check(fam, fam.preset(s, t), s, t)
+
+
+#: appending kernels: every kv dtype, plain and 8-bit, both layouts; seq_q 4 over cache_seqlens
+#: 0, 1, 15 (an append that crosses a page of 16), 63, 200 in the validation cases
+APPEND = {
+    "kvcache_append_bf16": dict(batch=1, heads=8, kv_heads=2, seq_q=1, seq_kv=300, head_dim=64, layout="kvcache",
+                                causal=True, dtype="bfloat16", append=True),
+    "kvcache_append_int8": dict(batch=1, heads=8, kv_heads=2, seq_q=1, seq_kv=300, head_dim=64, layout="kvcache",
+                                causal=True, kv_dtype="int8", append=True, return_lse=True),
+    "paged_append_e4m3": dict(batch=1, heads=8, kv_heads=2, seq_q=1, seq_kv=300, head_dim=64, layout="paged",
+                              causal=True, kv_dtype="float8_e4m3fn", append=True),
+    "paged_append_e5m2_fp16": dict(batch=2, heads=4, kv_heads=4, seq_q=1, seq_kv=100, head_dim=32, layout="paged",
+                                   causal=True, dtype="float16", kv_dtype="float8_e5m2", append=True),
+}
+
+
+@pytest.mark.parametrize("name", list(APPEND))
+def test_append_writes_the_cache_and_attends_to_the_new_keys(name):
+    """The kernel validates (the reference appends the new keys, quantized by ``quantize_kv``
+    with the call's scales, then attends over cache_seqlens + seq_q), and after the call the
+    cache holds exactly that, bit for bit: the new keys at their positions (across a page
+    boundary, from an empty sequence), saturated and NaN kept for float8, nothing else touched."""
+    spec = AttentionSpec(**APPEND[name])
+    b = built(spec)
+    assert b.audit.fused, b.audit
+    r = validate_built(b)
+    assert r.passed and r.finite, r
+    lay, k = spec.layout_info, kernel_of(b)
+    case = {"seq_q": 4, "cache_seqlens": [0, 15, 63, 200][:3 if spec.layout == "paged" else 4]}
+    if spec.layout == "kvcache":
+        case["max_len"] = 205
+    x = lay.random_inputs(spec, case, seed=9)
+    x["k_new"][0, 0, 1, :3] = [6e4, -6e4, np.nan if spec.kv_dtype != "int8" else 0.0]  # saturate; NaN kept
+    want = lay.appended(spec, x)
+    before = {n: x[n].copy() for n in lay.kv_names}
+    out = k(*x.values())
+    o = out[0] if spec.return_lse else out
+    names = lay.kv_names
+    for n in names:  # the caches were written in place, exactly as the reference's copy
+        np.testing.assert_array_equal(x[n].view(np.uint8), want[n].view(np.uint8))
+    assert not np.array_equal(x[names[0]].view(np.uint8), before[names[0]].view(np.uint8))
+    ref = lay.reference(spec, dict(x, k_new=x["k_new"], cache_seqlens=x["cache_seqlens"]))
+    rows = np.isfinite(ref)
+    np.testing.assert_allclose(o[rows].astype(np.float64), ref[rows], atol=2e-2, rtol=2e-2)
+    assert np.isnan(o[~rows]).all() if spec.kv_dtype != "int8" else rows.all()
+
+
+def test_append_checks_its_room_and_never_copies_the_cache():
+    spec = AttentionSpec(**APPEND["kvcache_append_int8"])
+    k = kernel_of(built(spec))
+    lay = spec.layout_info
+    x = lay.random_inputs(spec, {"seq_q": 4, "cache_seqlens": [3, 17], "max_len": 21})
+    with pytest.raises(KernelArgumentError, match=r"cache_seqlens\[1\]=18 \+ seq_q=4 appended exceeds"):
+        k(*{**x, "cache_seqlens": np.array([3, 18], np.int32)}.values())
+    bad = x["k_new"].copy()
+    bad[1, 0, 0, 0] = np.nan
+    with pytest.raises(KernelArgumentError, match="k_new: holds NaN, which an int8 cache cannot store"):
+        k(*{**x, "k_new": bad}.values())
+    ro = x["v_cache"].copy()
+    ro.flags.writeable = False
+    with pytest.raises(KernelArgumentError, match="v_cache: read-only"):
+        k(*{**x, "v_cache": ro}.values())
+    from conftest import at_offset
+
+    with pytest.raises(KernelArgumentError, match="k_cache: data at 8 mod 64 bytes"):
+        k(*{**x, "k_cache": at_offset(x["k_cache"], 8)}.values())
+    # the library checks the room itself
+    import tvm_ffi
+
+    args = [tvm_ffi.from_dlpack(a) for a in (*x.values(), np.empty_like(x["q"]), np.empty(x["q"].shape[:3], np.float32))]
+    args[3] = tvm_ffi.from_dlpack(np.array([3, 18], np.int32))
+    with pytest.raises(ValueError, match=r"cache_seqlens: .*with append"):
+        k.function(*args)
+    args[3] = tvm_ffi.from_dlpack(x["cache_seqlens"])
+    args[6] = tvm_ffi.from_dlpack(bad)  # k_new
+    with pytest.raises(ValueError, match="k_new: holds NaN"):
+        k.function(*args)
+
+
+def test_append_is_refused_where_it_does_not_apply():
+    with pytest.raises(SpecError, match="append .* kvcache and paged layouts, not 'bhsd'"):
+        AttentionSpec(batch=1, heads=2, seq_q=4, head_dim=32, append=True)
+    s = AttentionSpec(**APPEND["paged_append_e4m3"])
+    assert "_append" in s.short_name() and not s.representative().append  # tuned without it
+    assert [a["name"] for a in s.arg_specs()][-3:] == ["k_new", "v_new", "o"]

@@ -63,6 +63,10 @@ def _add_spec_flags(p: argparse.ArgumentParser, defaults: dict | None = None) ->
     p.add_argument("--head-dim", type=int, default=d.get("head_dim"), required=not d, help="D")
     p.add_argument("--dtype", default=d.get("dtype", "float32"), help="float32, bfloat16 or float16 (inputs, caches and output; softmax and accumulation are "
                         "float32; on CPU only the fused family takes the half dtypes)")
+    p.add_argument("--append", action="store_true", default=d.get("append", False),
+                   help="kvcache/paged: the kernel takes k_new, v_new (batch, kv_heads, seq_q, D) last, writes them "
+                        "into the cache at cache_seqlens[b]... (quantized for an 8-bit cache) and attends to them "
+                        "in the same call; cache_seqlens is the length before the append")
     p.add_argument("--kv-dtype", default=d.get("kv_dtype"), metavar="DTYPE",
                    help="an 8-bit K/V cache: float8_e4m3fn, float8_e5m2 or int8 (q and o keep --dtype); the kernel "
                         "then takes k_scale, v_scale (kv_heads,) float32 after the variant arguments "
@@ -170,6 +174,7 @@ def _spec_from_args(a: argparse.Namespace) -> AttentionSpec:
         alibi=a.alibi, sinks=a.sinks, kv_start=a.kv_start,
         score_mod=_modifier_source(a.score_mod, "--score-mod"), mask_mod=_modifier_source(a.mask_mod, "--mask-mod"),
         mod_tensors=tuple(a.mod_tensor), key_bounds=a.key_bounds, kv_dtype=a.kv_dtype,
+        append=a.append,
     )
 
 
@@ -586,8 +591,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="half-precision prefill instead: bf16 (AVX512-BF16 dot products), bf16 with fp32 products, "
                         "fp16 and fp32 against torch SDPA fp32/bf16 at S=4096, H=8, D 64/128, with the FMA and "
                         "bf16 dot-product peaks of this CPU")
-    p.add_argument("--decode-dtype", nargs="+", default=None, choices=["float32", "bfloat16", "float16"],
-                   help="--decode: cache dtypes, each point measured in each (default float32)")
+    p.add_argument("--decode-dtype", nargs="+", default=None,
+                   choices=["float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2", "int8"],
+                   help="--decode: cache dtypes, each point measured in each (default float32); an 8-bit one "
+                        "with bfloat16 q and o")
     p.add_argument("--decode-cache", type=int, nargs="+", default=None,
                    help="--decode: cache lengths (default 1024 4096 16384 32768)")
     p.add_argument("--repeat", type=int, default=3)

@@ -115,6 +115,10 @@ KEY_BOUND_ARGS = (Arg("key_lo", ("batch", "key_positions"), "int32"),
 #: The scales of an 8-bit K/V cache (``spec.kv_dtype``), after the variant arguments: the value of
 #: a stored element of kv head ``h`` is ``scale[h] · stored``.
 KV_SCALE_ARGS = (Arg("k_scale", ("kv_heads",), "float32"), Arg("v_scale", ("kv_heads",), "float32"))
+#: The new tokens' keys and values of an appending kernel (``spec.append``), last of the inputs, in
+#: the query dtype: written into the cache at ``cache_seqlens[b] ..`` and attended to.
+KV_NEW_ARGS = (Arg("k_new", ("batch", "kv_heads", "seq_q", "head_dim")),
+               Arg("v_new", ("batch", "kv_heads", "seq_q", "head_dim")))
 
 
 def variant_args(spec) -> tuple[Arg, ...]:
@@ -131,6 +135,8 @@ def variant_args(spec) -> tuple[Arg, ...]:
         out += (Arg(name, shape, dtype),)
     if getattr(spec, "kv_dtype", None) is not None:
         out += KV_SCALE_ARGS
+    if getattr(spec, "append", False):
+        out += KV_NEW_ARGS
     return out
 
 
@@ -231,6 +237,30 @@ class Layout:
         for name, scale in zip(self.kv_names, ("k_scale", "v_scale")):
             out[name], out[scale] = quantize_kv(arrays[name].astype(np.float32), spec.kv_dtype, self.kv_head_axis)
         return out
+
+    def appended(self, spec, arrays: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
+        """``arrays`` of an appending kernel (``spec.append``) as they are once ``k_new``/``v_new``
+        are written into copies of the caches (quantized with the call's scales for an 8-bit
+        cache) and ``cache_seqlens`` counts them; unchanged for other specs."""
+        if not getattr(spec, "append", False):
+            return arrays
+        out = dict(arrays)
+        lens = arrays["cache_seqlens"]
+        sq = arrays["k_new"].shape[2]
+        for name, new, scale in zip(self.kv_names, ("k_new", "v_new"), ("k_scale", "v_scale")):
+            x = arrays[new]
+            if getattr(spec, "kv_dtype", None) is not None:
+                x = quantize_kv(x.astype(np.float32), spec.kv_dtype, 1, scale=arrays[scale])[0]
+            cache = arrays[name].copy()
+            for b in range(len(lens)):
+                self.write_keys(spec, arrays, cache, b, int(lens[b]), x[b])
+            out[name] = cache
+        out["cache_seqlens"] = (lens + sq).astype(np.int32)
+        return out
+
+    def write_keys(self, spec, arrays, cache: np.ndarray, b: int, start: int, x: np.ndarray) -> None:
+        """Write ``x (KH, n, D)`` into sequence ``b``'s keys ``start .. start + n - 1`` of ``cache``."""
+        cache[b, :, start:start + x.shape[1]] = x
 
     def dequantized(self, spec, arrays: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
         """``arrays`` with an 8-bit cache's K/V read as float64 values (``scale · stored``): what
@@ -657,17 +687,24 @@ class KVCache(Layout):
             b = int(np.argmin(lens))
             raise KernelArgumentError(f"cache_seqlens[{b}]={int(lens[b])} is negative")
         cap, what = self.key_capacity(arrays, bound)
-        if lens.size and lens.max() > cap:
+        new = bound["seq_q"] if getattr(spec, "append", False) else 0  # the appended keys
+        if lens.size and lens.max() + new > cap:
             b = int(np.argmax(lens))
-            raise KernelArgumentError(f"cache_seqlens[{b}]={int(lens[b])} exceeds the cache: {what}")
-        check_variant_arrays(spec, arrays, lens, len(lens))
+            plus = f" + seq_q={new} appended" if new else ""
+            raise KernelArgumentError(f"cache_seqlens[{b}]={int(lens[b])}{plus} exceeds the cache: {what}")
+        check_variant_arrays(spec, arrays, lens + new, len(lens))
+        if new and spec.kv_dtype == "int8":
+            for name in ("k_new", "v_new"):
+                if np.isnan(arrays[name]).any():
+                    raise KernelArgumentError(f"{name}: holds NaN, which an int8 cache cannot store (use a float8 "
+                                              "cache to keep it)")
 
     def keys_of(self, spec, arrays, b: int, length: int) -> tuple[np.ndarray, np.ndarray]:
         """Sequence ``b``'s first ``length`` keys and values as ``(1, KH, length, D)``."""
         return arrays["k_cache"][b:b + 1, :, :length], arrays["v_cache"][b:b + 1, :, :length]
 
     def reference_outputs(self, spec, arrays):
-        arrays = self.dequantized(spec, arrays)
+        arrays = self.dequantized(spec, self.appended(spec, arrays))
         q, lens = arrays["q"], arrays["cache_seqlens"]
         o = np.zeros(q.shape, np.float64)
         lse = np.full(q.shape[:3], -np.inf)
@@ -683,12 +720,16 @@ class KVCache(Layout):
         a prefix shorter than the new tokens (causal rows that see no key), at 1 and 4 new
         tokens and a prefill chunk of 37."""
         mixed = [0, 1, 15, 16, 17, 63, 65, 200, 3]
-        return [
+        cases = [
             {"seq_q": spec.seq_q, "cache_seqlens": [spec.seq_kv] * spec.batch, "max_len": spec.seq_kv},
             {"seq_q": 1, "cache_seqlens": mixed, "max_len": 211},
             {"seq_q": 4, "cache_seqlens": mixed, "max_len": 211},
             {"seq_q": 37, "cache_seqlens": [0, 37, 100, 20], "max_len": 130},
         ]
+        if getattr(spec, "append", False):  # room for the appended keys (15 + 4 crosses a page of 16)
+            for c in cases:
+                c["max_len"] = max(c["max_len"], max(c["cache_seqlens"]) + c["seq_q"])
+        return cases
 
     def case_dims(self, spec, case):
         """The symbolic dims' values at ``case`` (those of :meth:`random_inputs`' arrays)."""
@@ -699,20 +740,33 @@ class KVCache(Layout):
         dt = spec.np_dtype
         lens = np.asarray(case["cache_seqlens"], dtype=np.int32)
         b, sq, ml = len(lens), case["seq_q"], case["max_len"]
-        return self.quantized(spec, {
+        return self.with_new_keys(spec, self.quantized(spec, {
             "q": _rng_array(rng, (b, spec.heads, sq, spec.head_dim), dt),
             "k_cache": _rng_array(rng, (b, spec.kv_heads, ml, spec.head_dim), dt),
             "v_cache": _rng_array(rng, (b, spec.kv_heads, ml, spec.head_dim), dt),
             "cache_seqlens": lens,
-            **variant_inputs(spec, lens, seed, sq),
-        })
+            **variant_inputs(spec, lens + (sq if spec.append else 0), seed, sq),
+        }), seed)
+
+    def with_new_keys(self, spec, arrays: dict[str, np.ndarray], seed: int = 0) -> dict[str, np.ndarray]:
+        """``arrays`` with random ``k_new``/``v_new (batch, KH, seq_q, D)`` in the query dtype
+        (the last inputs) for an appending kernel (drawn apart: the others stay as they were)."""
+        if not spec.append:
+            return arrays
+        rng = np.random.default_rng(seed + 104729)
+        shape = (arrays["q"].shape[0], spec.kv_heads, arrays["q"].shape[2], spec.head_dim)
+        return {**arrays, "k_new": _rng_array(rng, shape, spec.np_dtype), "v_new": _rng_array(rng, shape, spec.np_dtype)}
+
+    def _keys(self, spec, case) -> list[int]:
+        """Keys each sequence attends to at ``case`` (the appended ones included)."""
+        return [int(n) + (case["seq_q"] if spec.append else 0) for n in case["cache_seqlens"]]
 
     def useful_flops(self, spec, case):
-        pairs = sum(Visibility.of(spec).pairs(case["seq_q"], int(n)) for n in case["cache_seqlens"])
+        pairs = sum(Visibility.of(spec).pairs(case["seq_q"], n) for n in self._keys(spec, case))
         return 4.0 * spec.head_dim * spec.heads * pairs
 
     def kv_bytes(self, spec, case):
-        return 2 * sum(int(n) for n in case["cache_seqlens"]) * spec.kv_heads * spec.head_dim * spec.kv_itemsize
+        return 2 * sum(self._keys(spec, case)) * spec.kv_heads * spec.head_dim * spec.kv_itemsize
 
     def describe_case(self, case):
         lens = list(case["cache_seqlens"])
@@ -753,6 +807,7 @@ class Paged(KVCache):
         super().check_indices(arrays, bound, spec)
         lens, table = arrays["cache_seqlens"], arrays["block_table"]
         p, n = arrays["k_pages"].shape[1], bound["num_pages"]
+        lens = lens + (bound["seq_q"] if getattr(spec, "append", False) else 0)  # with the appended keys
         used = (np.arange(table.shape[1])[None, :] * p) < lens[:, None]  # entries a sequence reads
         bad = used & ((table < 0) | (table >= n))
         if bad.any():
@@ -761,6 +816,11 @@ class Paged(KVCache):
                 f"block_table[{b}, {i}]={int(table[b, i])} is not a page: k_pages/v_pages hold num_pages={n} "
                 f"(sequence {b} has {int(lens[b])} keys, so it reads its first {-(-int(lens[b]) // p)} entries)"
             )
+
+    def write_keys(self, spec, arrays, cache, b, start, x):
+        p = spec.page_size
+        j = np.arange(start, start + x.shape[1])
+        cache[arrays["block_table"][b, j // p], j % p] = x.transpose(1, 0, 2)
 
     def keys_of(self, spec, arrays, b, length):
         p = spec.page_size
@@ -776,13 +836,15 @@ class Paged(KVCache):
         for c in super().validation_cases(spec):
             c = {k: v for k, v in c.items() if k != "max_len"}
             cases.append(c)
-        cases[1]["shared_prefix"] = True
+        if not getattr(spec, "append", False):  # appending into a shared page would overwrite the prefix
+            cases[1]["shared_prefix"] = True
         return cases
 
     def case_dims(self, spec, case):
         """As :class:`KVCache`'s, with the pool :meth:`random_inputs` makes: ``max_pages`` the
         longest sequence's pages, ``num_pages`` every sequence's plus 3 spare ones."""
-        need = [-(-int(n) // spec.page_size) for n in case["cache_seqlens"]]
+        new = case["seq_q"] if getattr(spec, "append", False) else 0  # pages for the appended keys too
+        need = [-(-(int(n) + new) // spec.page_size) for n in case["cache_seqlens"]]
         return {"batch": len(need), "seq_q": case["seq_q"], "num_pages": sum(need) + 3,
                 "max_pages": max(need + [1])}
 
@@ -794,7 +856,7 @@ class Paged(KVCache):
         dt, p = spec.np_dtype, spec.page_size
         lens = np.asarray(case["cache_seqlens"], dtype=np.int32)
         b, sq = len(lens), case["seq_q"]
-        need = [-(-int(n) // p) for n in lens]
+        need = [-(-(int(n) + (sq if spec.append else 0)) // p) for n in lens]
         dims = self.case_dims(spec, case)
         max_pages, num_pages = dims["max_pages"], dims["num_pages"]
         order = rng.permutation(num_pages).astype(np.int32)
@@ -807,14 +869,14 @@ class Paged(KVCache):
             for i in range(1, b):
                 if need[i]:
                     table[i, 0] = table[0, 0]
-        return self.quantized(spec, {
+        return self.with_new_keys(spec, self.quantized(spec, {
             "q": _rng_array(rng, (b, spec.heads, sq, spec.head_dim), dt),
             "k_pages": _rng_array(rng, (num_pages, p, spec.kv_heads, spec.head_dim), dt),
             "v_pages": _rng_array(rng, (num_pages, p, spec.kv_heads, spec.head_dim), dt),
             "block_table": table,
             "cache_seqlens": lens,
-            **variant_inputs(spec, lens, seed, sq),
-        })
+            **variant_inputs(spec, lens + (sq if spec.append else 0), seed, sq),
+        }), seed)
 
     def describe_case(self, case):
         return super().describe_case(case) + (", shared prefix page" if case.get("shared_prefix") else "")

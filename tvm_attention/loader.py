@@ -9,7 +9,9 @@ bounds (the bare runtime function checks none of this). Zero-size inputs are ans
 never reach the kernel. A kernel assumes its arguments' data aligned as its manifest's
 ``data_alignment`` says (16 bytes for CPU builds, where NumPy puts arrays; 64 for CUDA builds and
 artifacts that predate the key): an input that is not is copied into aligned memory first, so a
-misaligned view can never crash the process. An ``out=`` buffer may be
+misaligned view can never crash the process. A kernel that appends ``k_new``/``v_new`` to its
+caches (``spec.append``) writes them in place: a cache it would have to copy (misaligned) or
+cannot write (read-only) is refused instead. An ``out=`` buffer may be
 any writeable C-contiguous array of the right shape and dtype (a misaligned one is computed into
 aligned memory and copied); one that shares memory with ``q``, ``k`` or ``v`` is rejected, since
 the kernel reads its inputs while it writes the output (its PrimFunc declares no aliasing).
@@ -300,6 +302,15 @@ class AttentionKernel:
                 f"{name}: expected a C-contiguous (row-major {layout}) array, got strides {arr.strides}; "
                 "use np.ascontiguousarray / .contiguous()"
             )
+        if self.spec.append and name in self.layout.kv_names:
+            # the kernel writes k_new/v_new into this cache: a copy would lose them
+            if not arr.flags.writeable:
+                raise KernelArgumentError(f"{name}: read-only; this kernel appends k_new/v_new to the cache in place")
+            if not is_aligned(arr, self.alignment):
+                raise KernelArgumentError(
+                    f"{name}: data at {arr.ctypes.data % 64} mod 64 bytes, not {self.alignment}-byte aligned; this "
+                    "kernel appends to the cache in place and would have to copy it (allocate caches with "
+                    "tvm_attention.aligned_empty, or torch)")
         if not is_aligned(arr, self.alignment):
             # Vectorized kernels assume this alignment; copy rather than risk a crash.
             aligned = aligned_empty(arr.shape, arr.dtype)

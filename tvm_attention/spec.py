@@ -127,6 +127,10 @@ class AttentionSpec:
     # an 8-bit K/V dtype (KV_DTYPES; None: K/V in ``dtype``): the kernel then takes the scales
     # ``k_scale``/``v_scale (kv_heads,)`` float32 after the variant arguments
     kv_dtype: str | None = None
+    # kvcache/paged: the call's k_new/v_new (batch, kv_heads, seq_q, head_dim) are written into
+    # the cache at cache_seqlens[b] .. + seq_q - 1 (quantized with the scales for an 8-bit
+    # cache) and attended to in the same call; cache_seqlens is the length before the append
+    append: bool = False
 
     def __post_init__(self) -> None:
         for name in ("batch", "heads", "seq_q", "head_dim"):
@@ -180,6 +184,11 @@ class AttentionSpec:
         if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
             raise SpecError(f"kv_dtype={self.kv_dtype!r} is not supported; 8-bit caches: {', '.join(KV_DTYPES)} "
                             f"(or None: K/V in dtype={self.dtype})")
+        if not isinstance(self.append, bool):
+            raise SpecError(f"append must be a bool, got {self.append!r}")
+        if self.append and layout.name not in ("kvcache", "paged"):
+            raise SpecError(f"append (k_new/v_new written into the cache) applies to the kvcache and paged layouts, "
+                            f"not {layout.name!r}")
         if self.scale is None:
             object.__setattr__(self, "scale", 1.0 / math.sqrt(self.head_dim))
         if isinstance(self.scale, bool) or not isinstance(self.scale, (int, float)):
@@ -229,7 +238,7 @@ class AttentionSpec:
         object.__setattr__(self, "mod_tensors", tensors)
         # the call arguments' names, and the kernel's own buffer names (its checks find buffers by name)
         taken = {"q", "k", "v", "o", "lse", "key_lo", "key_hi", "alibi_slopes", "sinks", "kv_start", "k_scale",
-                 "v_scale", "Q", "K", "V",
+                 "v_scale", "k_new", "v_new", "Q", "K", "V",
                  "O", "LSE", "BT", "CL", "AL", "SK", "KST", "CQ", "CK"} | {a.name for a in self.layout_info.args}
         clash = [t[0] for t in tensors if t[0] in taken]
         if clash:
@@ -297,7 +306,7 @@ class AttentionSpec:
     def representative(self) -> "AttentionSpec":
         """The static BHSD spec of the representative shape: what a dynamic build validates,
         times and is tuned at (its tuning log is that spec's)."""
-        return dataclasses.replace(self, layout="bhsd", dynamic=(), return_lse=False, page_size=None)
+        return dataclasses.replace(self, layout="bhsd", dynamic=(), return_lse=False, page_size=None, append=False)
 
     # -- models ----------------------------------------------------------------------------------
     def visible_pairs(self) -> int:
@@ -371,7 +380,8 @@ class AttentionSpec:
         # manifests (and the tuning logs' spec files) still compare equal
         for key, default in (("return_lse", False), ("page_size", None), ("window", None), ("softcap", None),
                              ("alibi", False), ("sinks", False), ("kv_start", False), ("score_mod", None),
-                             ("mask_mod", None), ("mod_tensors", ()), ("key_bounds", False), ("kv_dtype", None)):
+                             ("mask_mod", None), ("mod_tensors", ()), ("key_bounds", False), ("kv_dtype", None),
+                             ("append", False)):
             if d[key] == default:
                 del d[key]
         if "window" in d:
@@ -408,7 +418,8 @@ class AttentionSpec:
         leads (``varlen_h8_kv2_d64_float32_causal``). Representative values are not part of it."""
         c = "causal" if self.causal else "full"
         kv = f"_kv{KV_TAGS[self.kv_dtype]}" if self.kv_quantized else ""
-        tail = f"_d{self.head_dim}_{self.dtype}{kv}_{c}{self.variant_suffix()}{'_lse' if self.return_lse else ''}"
+        tail = (f"_d{self.head_dim}_{self.dtype}{kv}_{c}{self.variant_suffix()}{'_lse' if self.return_lse else ''}"
+                f"{'_append' if self.append else ''}")
         if self.layout != "bhsd":
             page = f"_p{self.page_size}" if self.page_size is not None else ""
             return f"{self.layout}{page}_h{self.heads}_kv{self.kv_heads}{tail}"

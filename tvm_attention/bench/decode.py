@@ -11,6 +11,14 @@ K/V bytes = 2 · batch · kv_heads · cache · head_dim · itemsize: what any ke
 several dtypes (``float32``, ``bfloat16``, ``float16``: caches and q stored in that dtype) each
 point is measured in each, and ``vs_fp32`` is the fp32 step time over this one (a half-precision
 cache read at the same fraction of the roof takes half the time).
+
+8-bit caches (``float8_e4m3fn``, ``float8_e5m2``, ``int8`` among the dtypes): q and o in
+``Config.kv8_query_dtype`` (bfloat16, as a bf16 model serving an fp8 cache), K/V one byte per
+element with per-kv-head scales (``quantize_kv``); ``vs_bf16`` is the bf16 step time over this one
+(issue 27's goal: the 8-bit step ≤ 0.6× the bf16 one, i.e. ``vs_bf16`` ≥ 1.67), and the GB/s count
+the bytes actually read (one per element). torch has no 8-bit SDPA on the CPU: no torch column
+there. ``append_cost``: the same step through the ``--append`` kernel (one new key written into
+the cache and attended to in the call) over the plain step, minus 1 (goal ≤ 5%).
 """
 from __future__ import annotations
 
@@ -25,6 +33,7 @@ import numpy as np
 from ..build import build_kernel
 from ..layouts import paged_from_contiguous
 from ..loader import _from_framework, aligned_empty, kernel_arg
+from ..quant import KV_DTYPES, quantize_kv
 from ..spec import AttentionSpec, numpy_dtype
 from ..target import host_cpu
 from ..threads import set_num_threads
@@ -34,7 +43,9 @@ from .bandwidth import stream_read_gbps
 
 #: Speed goals of issue 10, checked in the report (never by a test): fraction of the streaming
 #: roof at (batch 4, 4k cache) and (batch 1, 16k cache), GQA 32:8, D=128; speed-up over torch.
-GOALS = {"roof_b4_4k": 0.80, "roof_b1_16k": 0.70, "vs_torch": 2.0, "paged_vs_contiguous": 0.90}
+GOALS = {"roof_b4_4k": 0.80, "roof_b1_16k": 0.70, "vs_torch": 2.0, "paged_vs_contiguous": 0.90,
+         # issue 27: an 8-bit step against the bf16 one (time ≤ 0.6×), its roof, append's cost
+         "kv8_vs_bf16": 1 / 0.6, "kv8_roof": 0.70, "append_cost": 0.05}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +63,8 @@ class Config:
     min_repeat_ms: int = 100
     stream_bytes: int = 512 << 20
     dtypes: tuple[str, ...] = ("float32",)
+    kv8_query_dtype: str = "bfloat16"  # q and o of the 8-bit cache rows
+    append: bool = True  # time the --append kernel of each kvcache point too (append_cost)
 
 
 def quick_config() -> Config:
@@ -110,7 +123,8 @@ def run(cfg: Config, threads: int | None = None, say: Callable[[str], None] = pr
     def tensor(x):
         a = aligned_empty(x.shape, x.dtype)
         a[...] = x
-        return tvm.runtime.tensor(a) if x.dtype.name != "bfloat16" else kernel_arg(a)
+        special = x.dtype.name == "bfloat16" or x.dtype.name.startswith("float8")  # NumPy lacks them
+        return kernel_arg(a) if special else tvm.runtime.tensor(a)
 
     rows = []
     for h, kh in cfg.heads:
@@ -121,10 +135,16 @@ def run(cfg: Config, threads: int | None = None, say: Callable[[str], None] = pr
     roof = max(streams)
     say(f"streaming read again: {streams[-1]:.1f} GB/s; roof = {roof:.1f} GB/s")
     fp32 = {_key(r): r for r in rows if r["dtype"] == "float32"}
+    bf16 = {_key(r): r for r in rows if r["dtype"] == "bfloat16"}
     for row in rows:
         base = fp32.get(_key(row))
         if base is not None and "kvcache_ms" in row and "kvcache_ms" in base:
             row["vs_fp32"] = base["kvcache_ms"] / row["kvcache_ms"]
+        half = bf16.get(_key(row))
+        if row["dtype"] in KV_DTYPES and half is not None and "kvcache_ms" in row and "kvcache_ms" in half:
+            row["vs_bf16"] = half["kvcache_ms"] / row["kvcache_ms"]
+        if "kvcache_append_ms" in row and "kvcache_ms" in row:
+            row["append_cost"] = row["kvcache_append_ms"] / row["kvcache_ms"] - 1
         for name in cfg.layouts:
             if f"{name}_gbps" in row:
                 row[f"{name}_roof"] = row[f"{name}_gbps"] / roof
@@ -147,15 +167,19 @@ def _points(cfg: Config, h: int, kh: int, d: int, dtype: str, tensor, say) -> li
     """Every (batch, cache) point of one (heads, head_dim, dtype): the layouts' kernels built
     once, each point's variants timed alternately."""
     kernels, rows = {}, []
-    for name in cfg.layouts:
-        layout = "paged" if name.startswith("paged") else name
+    kv8 = dtype in KV_DTYPES  # an 8-bit cache: q and o in kv8_query_dtype
+    qdtype = cfg.kv8_query_dtype if kv8 else dtype
+    names = list(cfg.layouts) + (["kvcache_append"] if cfg.append and "kvcache" in cfg.layouts else [])
+    for name in names:
+        layout = "paged" if name.startswith("paged") else "kvcache" if name.startswith("kvcache") else name
         spec = AttentionSpec(batch=1, heads=h, kv_heads=kh, seq_q=1, seq_kv=1024, head_dim=d, layout=layout,
-                             causal=True, dtype=dtype, page_size=cfg.page_size if layout == "paged" else None)
+                             causal=True, dtype=qdtype, page_size=cfg.page_size if layout == "paged" else None,
+                             kv_dtype=dtype if kv8 else None, append=name == "kvcache_append")
         t0 = time.perf_counter()
         kernels[name] = build_kernel(spec, knobs={"decode_heads": 1} if name == "paged_per_head" else None)
         say(f"built {spec.short_name()}{' (one kv head per task)' if name == 'paged_per_head' else ''} "
             f"in {time.perf_counter() - t0:.1f} s")
-    dt = numpy_dtype(dtype)
+    dt, qt = numpy_dtype(dtype), numpy_dtype(qdtype)
     for b in cfg.batches:
         for cache in cfg.caches:
             nbytes = kv_bytes(b, kh, cache, d, dt.itemsize)
@@ -164,24 +188,36 @@ def _points(cfg: Config, h: int, kh: int, d: int, dtype: str, tensor, say) -> li
                 say(f"{tag} skipped: K/V {nbytes / 2**30:.1f} GiB")
                 continue
             rng = np.random.default_rng(b * 7 + cache)
-            q = rng.standard_normal((b, h, 1, d), dtype=np.float32).astype(dt)
-            k = rng.standard_normal((b, kh, cache, d), dtype=np.float32).astype(dt)
-            v = rng.standard_normal((b, kh, cache, d), dtype=np.float32).astype(dt)
+            q = rng.standard_normal((b, h, 1, d), dtype=np.float32).astype(qt)
+            # one spare key per sequence: the appending kernel writes its new key there
+            k = rng.standard_normal((b, kh, cache + 1, d), dtype=np.float32)
+            v = rng.standard_normal((b, kh, cache + 1, d), dtype=np.float32)
+            scales = []
+            if kv8:
+                (k, ks), (v, vs) = quantize_kv(k, dtype), quantize_kv(v, dtype)
+                scales = [ks, vs]
+            else:
+                k, v = k.astype(dt), v.astype(dt)
             lens = np.full(b, cache, np.int32)
-            o = np.empty((b, h, 1, d), dt)
+            o = np.empty((b, h, 1, d), qt)
             timers: dict[str, Callable[[], float]] = {}
             if "kvcache" in kernels:
-                timers["kvcache"] = _tvm_timer(kernels["kvcache"], [tensor(x) for x in (q, k, v, lens, o)],
+                timers["kvcache"] = _tvm_timer(kernels["kvcache"], [tensor(x) for x in (q, k, v, lens, *scales, o)],
                                                cfg.min_repeat_ms)
+            if "kvcache_append" in kernels:
+                new = [rng.standard_normal((b, kh, 1, d), dtype=np.float32).astype(qt) for _ in range(2)]
+                timers["kvcache_append"] = _tvm_timer(
+                    kernels["kvcache_append"], [tensor(x) for x in (q, k, v, lens, *scales, *new, o)], cfg.min_repeat_ms)
             paged = [n for n in kernels if n.startswith("paged")]
             if paged:
-                kp, table = paged_from_contiguous(k, cfg.page_size, np.random.default_rng(1))
-                vp, _ = paged_from_contiguous(v, cfg.page_size, np.random.default_rng(1))
-                args = [tensor(x) for x in (q, kp, vp, table, lens, o)]
+                kp, table = paged_from_contiguous(k[:, :, :cache], cfg.page_size, np.random.default_rng(1))
+                vp, _ = paged_from_contiguous(v[:, :, :cache], cfg.page_size, np.random.default_rng(1))
+                args = [tensor(x) for x in (q, kp, vp, table, lens, *scales, o)]
                 for n in paged:
                     timers[n] = _tvm_timer(kernels[n], args, cfg.min_repeat_ms)
                 del kp, vp, args
-            torch_timer = _torch_timer(q, k, v, cfg.min_repeat_ms)
+            torch_timer = None if kv8 else _torch_timer(q, np.ascontiguousarray(k[:, :, :cache]),
+                                                         np.ascontiguousarray(v[:, :, :cache]), cfg.min_repeat_ms)
             if torch_timer is not None:
                 timers["torch"] = torch_timer
             best = {name: float("inf") for name in timers}
@@ -207,9 +243,12 @@ def markdown(report: dict[str, Any]) -> str:
              f"in this run: roof = {m['roof_gbps']:.1f} GB/s. Variants alternated; each time is the best round; "
              "torch SDPA runs in the same dtype; × fp32: the fp32 step time over this one.", "",
              "paged: all kv heads of a page per task (the preset); per head: one kv head per task.", "",
-             "| H:KH | D | dtype | batch | cache | K/V MB | kvcache ms | GB/s | of roof | × fp32 | paged ms | of roof | "
-             "paged/contig. | paged per head ms | page order gain | torch ms | kvcache/torch |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "8-bit caches (float8_e4m3fn, float8_e5m2, int8): q and o in bfloat16, one byte per K/V element read; "
+             "× bf16: the bf16 step time over this one (goal ≥ 1.67: ≤ 0.6× the time); append: the --append "
+             "kernel's step (one new key written and attended) over the plain one, minus 1 (goal ≤ 5%).", "",
+             "| H:KH | D | dtype | batch | cache | K/V MB | kvcache ms | GB/s | of roof | × fp32 | × bf16 | append | "
+             "paged ms | of roof | paged/contig. | paged per head ms | page order gain | torch ms | kvcache/torch |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def f(row, key, fmt):
         return format(row[key], fmt) if key in row else "—"
@@ -218,7 +257,8 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append(
             f"| {r['heads']}:{r['kv_heads']} | {r['head_dim']} | {r.get('dtype', 'float32')} | {r['batch']} | "
             f"{r['cache']} | {r['kv_bytes'] / 1e6:.0f} | {f(r, 'kvcache_ms', '.3f')} | {f(r, 'kvcache_gbps', '.1f')} | "
-            f"{f(r, 'kvcache_roof', '.0%')} | {f(r, 'vs_fp32', '.2f')} | {f(r, 'paged_ms', '.3f')} | "
+            f"{f(r, 'kvcache_roof', '.0%')} | {f(r, 'vs_fp32', '.2f')} | {f(r, 'vs_bf16', '.2f')} | "
+            f"{f(r, 'append_cost', '+.1%')} | {f(r, 'paged_ms', '.3f')} | "
             f"{f(r, 'paged_roof', '.0%')} | "
             f"{f(r, 'paged_vs_contiguous', '.2f')} | {f(r, 'paged_per_head_ms', '.3f')} | "
             f"{f(r, 'page_order_gain', '.2f')} | {f(r, 'torch_ms', '.3f')} | {f(r, 'kvcache_vs_torch', '.2f')}× |")

@@ -171,3 +171,43 @@ def kv_to_f32(x: tirx.PrimExpr, kv_dtype: str) -> tirx.PrimExpr:
         special = tirx.bitwise_or(tirx.shift_left(em, tirx.const(21, u32)), tirx.const(0x7F800000, u32))
         bits = tirx.Select(em >= tirx.const(0x7C, u32), special, bits)
     return tirx.reinterpret(f32, tirx.bitwise_or(bits, sign))
+
+
+#: (largest finite magnitude, smallest normal, rounding shift: the float32 mantissa bits dropped)
+#: of the 8-bit K/V dtypes a kernel writes (appended keys; tvm_attention.quant.QMAX)
+_FP8_WRITE = {"float8_e4m3fn": (448.0, 2.0 ** -6, 20), "float8_e5m2": (57344.0, 2.0 ** -14, 21)}
+
+
+def f32_to_kv(x: tirx.PrimExpr, kv_dtype: str) -> tirx.PrimExpr:
+    """``x`` (float32, already divided by its scale) as a stored 8-bit K/V element, rounded to
+    nearest even and saturated at the format's largest finite magnitude, exactly as
+    :func:`tvm_attention.quant.quantize_kv` (NumPy's ``clip`` then ml_dtypes' cast) does; TVM's
+    plain cast would wrap 500 to -0.0 in e4m3fn. float8 results are the element's bits (uint8):
+    a normal number rounds float32's mantissa by adding ``2^(shift-1) - 1`` plus its last kept bit
+    and rebiases the exponent; a subnormal is ``round(|x| / 2^(emin - mbits))``, rounded by adding
+    2^23 in float32 (its unit in the last place is then 1); NaN stays NaN (ml_dtypes' pattern,
+    or-ed with the sign). int8 (symmetric): ``round(clamp(x, ±127))`` by the 1.5·2^23 addition; an int8 cache
+    has no NaN (the library refuses one in ``k_new``/``v_new`` before this runs)."""
+    f32, u32 = "float32", "uint32"
+    if kv_dtype == "int8":
+        y = tirx.Select(x > tirx.const(127.0, f32), tirx.const(127.0, f32),
+                        tirx.Select(x < tirx.const(-127.0, f32), tirx.const(-127.0, f32), x))
+        return tirx.Cast("int8", tirx.Cast("int32", tirx.nearbyint(y)))  # ties to even (vroundps)
+    qmax, smallest, shift = _FP8_WRITE[kv_dtype]
+    mbits = 23 - shift
+    bias_gap = {"float8_e4m3fn": 127 - 7, "float8_e5m2": 127 - 15}[kv_dtype]
+    bits = tirx.reinterpret(u32, x)
+    sign = tirx.shift_right(tirx.bitwise_and(bits, tirx.const(0x80000000, u32)), tirx.const(24, u32))
+    a = tirx.reinterpret(f32, tirx.bitwise_and(bits, tirx.const(0x7FFFFFFF, u32)))
+    a = tirx.Select(a > tirx.const(qmax, f32), tirx.const(qmax, f32), a)  # NaN is kept (ordered compare)
+    u = tirx.reinterpret(u32, a)
+    rounded = u + tirx.const((1 << (shift - 1)) - 1, u32) + tirx.bitwise_and(
+        tirx.shift_right(u, tirx.const(shift, u32)), tirx.const(1, u32))
+    normal = tirx.shift_right(rounded, tirx.const(shift, u32)) - tirx.const(bias_gap << mbits, u32)
+    # |x| below the smallest normal: the count of the smallest subnormal, 2^(1 - bias - mbits)
+    scaled = a * tirx.const(2.0 ** (mbits - math.log2(smallest)), f32) + tirx.const(8388608.0, f32)
+    sub = tirx.bitwise_and(tirx.reinterpret(u32, scaled), tirx.const(0x7FFFFF, u32))
+    em = tirx.Select(a < tirx.const(smallest, f32), sub, normal)
+    nan = 0x7F if kv_dtype == "float8_e4m3fn" else 0x7E  # ml_dtypes' NaN of each format
+    em = tirx.Select(tirx.isnan(x), tirx.const(nan, u32), em)
+    return tirx.Cast("uint8", tirx.bitwise_or(em, sign))

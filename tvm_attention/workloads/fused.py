@@ -49,7 +49,8 @@ from ..layouts import fully_static
 from ..modifiers import instantiate, tensor_dim_name
 from ..spec import DATA_ALIGNMENT as A, AttentionSpec
 from ..visibility import Visibility, all_of
-from ._math import (LOG2E, bf16_bits, bf16_value, cast_to, exp2_fast, f32, guarded, kv_to_f32, lse_of, normalize,
+from ._math import (LOG2E, bf16_bits, bf16_value, cast_to, exp2_fast, f32, f32_to_kv, guarded, kv_to_f32, lse_of,
+                    normalize,
                     normalize_seen,
                     normalize_where, tanh_fast, with_sink)
 from .kv import dim, kv_layout
@@ -93,9 +94,11 @@ class _Variants:
     ``key_lo``/``key_hi`` and the modifiers' tensors: its buffers, None where the spec takes
     none), the user's modifiers over them, and the expressions the tile builds from them."""
 
-    def __init__(self, spec=None, AL=None, SK=None, KS=None, LO=None, HI=None, tensors=None, scales=(None, None)):
+    def __init__(self, spec=None, AL=None, SK=None, KS=None, LO=None, HI=None, tensors=None, scales=(None, None),
+                 new=(None, None)):
         # spec None: a kernel without variant arguments
         self.KSC, self.VSC = scales if spec is not None and spec.kv_quantized else (None, None)
+        self.KN, self.VN = new if spec is not None and spec.append else (None, None)  # appended keys, values
         self.G = spec.group_size if spec is not None else 1
         self.AL = AL if spec is not None and spec.alibi else None
         self.SK = SK if spec is not None and spec.sinks else None
@@ -857,6 +860,8 @@ class _Dense:
         self.G = spec.group_size
         self.BM, self.BN = block_m, block_n
         self.kv = kv_layout(spec, self.B, self.D)
+        if spec.append:  # the appended keys count in every sequence's length
+            self.kv.new = self.SQ
         SQ, BM, BN, bound = self.SQ, block_m, block_n, self.kv.bound
         self.NR = T.floordiv(SQ + BM - 1, BM) if not isinstance(SQ, int) else math.ceil(SQ / BM)  # row tiles
         self.NC = T.floordiv(bound + BN - 1, BN) if not isinstance(bound, int) else math.ceil(bound / BN)  # key tiles
@@ -1159,8 +1164,12 @@ def _dense(spec: AttentionSpec, block_m: int, block_n: int, decode_rows: tuple[i
     r1 = tiers[-1] if tiers else 0
     n_tiers = len(tiers)
 
+    append = _append_macro(f)
+
     @T.macro
     def body(Q, K, V, O, LSE, X, W):
+        if spec.append:  # the new keys first: every nest below attends to them
+            append(K, V, X, W)
         if n_tiers == 0:
             main_nest(Q, K, V, O, LSE, X, W)
         elif n_tiers == 1:
@@ -1189,6 +1198,36 @@ def _dense(spec: AttentionSpec, block_m: int, block_n: int, decode_rows: tuple[i
         if HT > 1:
             attrs["attn.decode_heads"] = HT
     return _dense_function(f, attrs, body)
+
+
+def _append_macro(f: _Dense):
+    """Block ``kv_append``: the call's ``k_new``/``v_new (B, KH, Sq, D)`` written into the cache at
+    each sequence's keys ``cache_seqlens[b] .. + Sq - 1`` (paged: through ``block_table``), in the
+    cache's dtype; an 8-bit cache stores ``x / scale[kv head]`` rounded to nearest even and
+    saturated (``f32_to_kv``: what ``quant.quantize_kv`` stores, bit for bit). One task per (batch,
+    kv head, new key), serial: ``B·KH·Sq`` rows of ``D`` elements, against the cache a step reads."""
+    spec, B, KH, SQ, D, kv = f.spec, f.B, f.KH, f.SQ, f.D, f.kv
+    kvd = spec.kv_dtype
+
+    def stored(buf, x, scale):
+        return cast_to(buf, f32(x)) if kvd is None else f32_to_kv(f32(x) / scale, kvd)
+
+    def scale_of(S, h):
+        return None if S is None else S[h]
+
+    @T.macro
+    def append(K, V, X, W):
+        for b, h, i in T.grid(B, KH, SQ):
+            with T.sblock("kv_append"):
+                vb, vh, vi = T.axis.remap("SSS", [b, h, i])
+                T.reads([W.KN[vb, vh, vi, 0:D], W.VN[vb, vh, vi, 0:D]] + kv.reads(K, V, X, vb, 0)[2:]
+                        + ([W.KSC[vh], W.VSC[vh]] if kvd is not None else []))
+                T.writes(_whole(K), _whole(V))
+                for d in T.vectorized(D):
+                    K[kv.index(X, vb, vh, X[-1][vb] + vi, d)] = stored(K, W.KN[vb, vh, vi, d], scale_of(W.KSC, vh))
+                    V[kv.index(X, vb, vh, X[-1][vb] + vi, d)] = stored(V, W.VN[vb, vh, vi, d], scale_of(W.VSC, vh))
+
+    return append
 
 
 #: The index arrays a dense-query layout may take, in call order (between ``v`` and ``o``): the
@@ -1223,7 +1262,7 @@ def _dense_function(f: _Dense, attrs: dict, body) -> tirx.PrimFunc:
     ALS, SKS, KSS = (shape(at(n)) for n in VARIANT_PARAMS)
     present = [n in index for n in INDEX_PARAMS]
     variants = [n in names for n in VARIANT_PARAMS]
-    extra = _ExtraParams(f.spec, f.B)
+    extra = _ExtraParams(f.spec, f.B, f.SQ)
 
     def index_buffers(*bufs):
         return tuple(b for b, p in zip(bufs, present) if p)
@@ -1284,7 +1323,7 @@ class _ExtraParams:
     scales ``k_scale``/``v_scale (kv_heads,)``. Declared here, read by
     the tile through :class:`_Variants`, inserted before the outputs (``_keep_params``)."""
 
-    def __init__(self, spec: AttentionSpec, batch):
+    def __init__(self, spec: AttentionSpec, batch, seq_q=None):
         self.params = []
         self.LO = self.HI = None
         static = fully_static(spec)  # then every shape is compiled in (layouts.fully_static)
@@ -1304,11 +1343,16 @@ class _ExtraParams:
             self.scales = tuple(tirx.decl_buffer((spec.kv_heads,), "float32", n, data_alignment=A)
                                 for n in ("k_scale", "v_scale"))
             self.params += list(self.scales)
+        self.new = (None, None)
+        if spec.append:  # k_new, v_new (batch, kv_heads, seq_q, head_dim) in the query dtype, last
+            shape = (batch, spec.kv_heads, seq_q, spec.head_dim)
+            self.new = tuple(tirx.decl_buffer(shape, spec.dtype, n, data_alignment=A) for n in ("k_new", "v_new"))
+            self.params += list(self.new)
 
     @property
     def variant_args(self):
-        """``_Variants``' LO, HI, tensors, scales."""
-        return self.LO, self.HI, self.tensors, self.scales
+        """``_Variants``' LO, HI, tensors, scales, new."""
+        return self.LO, self.HI, self.tensors, self.scales, self.new
 
 
 def _varlen(spec: AttentionSpec, block_m: int, block_n: int, dot_bf16: bool = False) -> tirx.PrimFunc:

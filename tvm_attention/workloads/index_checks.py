@@ -48,26 +48,34 @@ def _buffers(func: tirx.PrimFunc) -> dict[str, tirx.Buffer]:
     return {p.name: p for p in func.params}
 
 
+def _new(buf):
+    """Keys an appending kernel adds to each sequence (``k_new``'s seq_q), else 0."""
+    return buf["k_new"].shape[2] if "k_new" in buf else 0
+
+
+_APPENDED = " (with append: cache_seqlens[b] + seq_q, the keys after it)"
+
+
 def _kvcache(buf) -> list[tirx.Stmt]:
     cl, k = buf["CL"], buf["K"]
-    max_len = k.shape[2]
+    max_len, new = k.shape[2], _new(buf)
     return [_for("b", cl.shape[0], lambda b: _assert(
-        tirx.all(cl[b] >= 0, cl[b] <= max_len),
-        "cache_seqlens: an entry is negative or larger than max_len (dim 2 of k_cache); the kernel "
-        "would read outside the cache"))]
+        tirx.all(cl[b] >= 0, cl[b] + new <= max_len),
+        "cache_seqlens: an entry is negative or larger than max_len (dim 2 of k_cache)"
+        f"{_APPENDED if 'k_new' in buf else ''}; the kernel would reach outside the cache"))]
 
 
 def _paged(buf) -> list[tirx.Stmt]:
     cl, bt, k = buf["CL"], buf["BT"], buf["K"]
     num_pages, page_size = k.shape[0], k.shape[1]
-    max_pages = bt.shape[1]
+    max_pages, new = bt.shape[1], _new(buf)
 
     def per_sequence(b):
-        pages = tirx.floordiv(cl[b] + page_size - 1, page_size)
+        pages = tirx.floordiv(cl[b] + new + page_size - 1, page_size)
         return tirx.SeqStmt([
-            _assert(tirx.all(cl[b] >= 0, cl[b] <= max_pages * page_size),
+            _assert(tirx.all(cl[b] >= 0, cl[b] + new <= max_pages * page_size),
                     "cache_seqlens: an entry is negative or larger than max_pages * page_size (the keys "
-                    "block_table can hold for a sequence)"),
+                    f"block_table can hold for a sequence){_APPENDED if 'k_new' in buf else ''}"),
             _for("j", pages, lambda j: _assert(
                 tirx.all(bt[b, j] >= 0, bt[b, j] < num_pages),
                 "block_table: an entry a sequence uses (j < ceil(cache_seqlens[b] / page_size)) is not a "
@@ -141,6 +149,19 @@ def _kv_scales(buf, spec: AttentionSpec) -> list[tirx.Stmt]:
     return out
 
 
+def _int8_new(buf, spec: AttentionSpec) -> list[tirx.Stmt]:
+    """An int8 cache has no NaN: ``k_new``/``v_new`` must hold none (``isnan``: the simplifier
+    folds the self-compare ``x == x`` to true)."""
+    out = []
+    for name in ("k_new", "v_new"):
+        x = buf[name]
+        out.append(_for("b", x.shape[0], lambda b, x=x, name=name: _for("h", x.shape[1], lambda h: _for(
+            "i", x.shape[2], lambda i: _for("d", x.shape[3], lambda d: _assert(
+                tirx.Not(tirx.isnan(tirx.Cast("float32", x[b, h, i, d]))),  # isnan takes no bf16
+                f"{name}: holds NaN, which an int8 cache cannot store (use a float8 cache to keep it)"))))))
+    return out
+
+
 def with_index_checks(mod: tvm.IRModule, spec: AttentionSpec) -> tvm.IRModule:
     """``mod`` whose ``main`` first checks the layout's index arrays and the variant arguments
     (no change for a kernel without any, or a CUDA function, whose device code cannot raise)."""
@@ -157,6 +178,8 @@ def with_index_checks(mod: tvm.IRModule, spec: AttentionSpec) -> tvm.IRModule:
     stmts += _mod_tensors(buf, spec)
     if spec.kv_quantized:
         stmts += _kv_scales(buf, spec)
+    if spec.append and spec.kv_dtype == "int8":
+        stmts += _int8_new(buf, spec)
     if not stmts:  # a static kernel's tensors: their shapes are checked by TVM's own argument checks
         return mod
     out = tvm.IRModule(dict(mod.functions))

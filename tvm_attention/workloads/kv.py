@@ -28,14 +28,18 @@ class KVLayout:
 
     def __init__(self, spec: AttentionSpec, B, D: int):
         self.KH, self.D = spec.kv_heads, D
+        # keys a call appends to each sequence (spec.append: the kernel's seq_q, the rows of
+        # k_new, set by the kernel that owns that var), counted in its length: cache_seqlens is
+        # the length before the append
+        self.new = 0
 
     def dim_values(self) -> dict:
         """The K/V dims of the layout entry (``layouts.py``) -> this kernel's values."""
         return {"kv_heads": self.KH}
 
     def length(self, X, b):
-        """Keys of sequence ``b``."""
-        return X[-1][b]
+        """Keys of sequence ``b`` (an appending kernel's included)."""
+        return X[-1][b] if isinstance(self.new, int) and not self.new else X[-1][b] + self.new
 
     def reads(self, K, V, X, b, kh, nh: int = 1) -> list:
         """The K/V (and index) regions sequence ``b``'s kv heads ``kh .. kh + nh`` read (explicit:
