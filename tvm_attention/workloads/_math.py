@@ -140,37 +140,40 @@ def bf16_bits(x: tirx.PrimExpr) -> tirx.PrimExpr:
     return tirx.Cast("uint16", tirx.shift_right(rounded, u16))
 
 
-#: (exponent bias gap to float32's 127, mantissa bits, the all-ones magnitude: e4m3fn's NaN, e5m2's
-#: exponent field of inf/NaN) of the float8 formats read from a cache
-_FP8 = {"float8_e4m3fn": (127 - 7, 3), "float8_e5m2": (127 - 15, 2)}
+#: What :func:`kv_to_f32` with ``unit=False`` leaves out of an 8-bit dtype's value: a kernel folds
+#: it into the scales (once per query element and output) instead of once per cache element
+KV_UNIT = {"float8_e4m3fn": 256.0}
 
 
-def kv_to_f32(x: tirx.PrimExpr, kv_dtype: str) -> tirx.PrimExpr:
-    """The float32 value of one stored 8-bit K/V element ``x`` (before its scale), from integer
-    bit operations that vectorize (no table, no libm):
+def kv_to_f32(x: tirx.PrimExpr, kv_dtype: str, unit: bool = True) -> tirx.PrimExpr:
+    """The float32 value of one stored 8-bit K/V element ``x`` (before its scale), without a table
+    or a libm call, in a few vector instructions:
 
     * ``int8``: sign-extend and convert (``x`` is the int8 element);
-    * float8 (``x`` the element's bits as uint8): sign ``s``, magnitude ``em`` (exponent and
-      mantissa); a normal number moves ``em`` under float32's exponent field and rebiases it
-      (``em << (23 − mbits) + gap << 23``); a subnormal (exponent 0) is ``em · 2^(1 − bias −
-      mbits)``, exact in float32; e4m3fn's ``0x7F`` is NaN (it has no inf), e5m2's exponent 31
-      is inf (mantissa 0) or NaN, kept as float32's; the sign is or-ed back in."""
-    f32, u32 = "float32", "uint32"
+    * ``float8_e5m2`` (``x`` the element's bits as uint8): the upper byte of the float16 of the
+      same value (5 exponent bits, bias 15, its subnormals, inf and NaN alike), so ``x << 8``
+      read as float16 and widened (``vcvtph2ps``, F16C: every x86-64 CPU we target);
+    * ``float8_e4m3fn``: sign-extended to 16 bits and shifted left by 7, its magnitude bits lie
+      under float16's exponent field and a copy of its sign in bit 15 (``& 0xBF80`` clears the
+      rest): a float16 of the value times 2^-8 (exponent bias 15 against 7; subnormals map to
+      float16 subnormals), widened, then times 2^8 (``unit``: else left to the caller,
+      :data:`KV_UNIT`); ``0x7F``/``0xFF`` are NaN (e4m3fn has no inf), selected apart.
+
+    Measured (2-core znver4, one thread, GQA 32:8 D=128 decode step from L2, G elements/s):
+    the integer rebias these replaced (select, shift, add, convert, or per vector) ran e4m3fn at
+    4.8 and e5m2 at about the same, against int8's 7.4."""
+    f16, u16 = "float16", "uint16"
     if kv_dtype == "int8":
-        return tirx.Cast(f32, x)
-    gap, mbits = _FP8[kv_dtype]
-    u = tirx.Cast(u32, x)
-    em = tirx.bitwise_and(u, tirx.const(0x7F, u32))
-    sign = tirx.shift_left(tirx.bitwise_and(u, tirx.const(0x80, u32)), tirx.const(24, u32))
-    normal = tirx.shift_left(em, tirx.const(23 - mbits, u32)) + tirx.const(gap << 23, u32)
-    sub = tirx.reinterpret(u32, tirx.Cast(f32, tirx.Cast("int32", em)) * tirx.const(2.0 ** (1 - (127 - gap) - mbits), f32))
-    bits = tirx.Select(em < tirx.const(1 << mbits, u32), sub, normal)
-    if kv_dtype == "float8_e4m3fn":
-        bits = tirx.Select(em == tirx.const(0x7F, u32), tirx.const(0x7FC00000, u32), bits)
-    else:  # e5m2: exponent 31 -> float32's 255, mantissa kept (0: inf, else NaN)
-        special = tirx.bitwise_or(tirx.shift_left(em, tirx.const(21, u32)), tirx.const(0x7F800000, u32))
-        bits = tirx.Select(em >= tirx.const(0x7C, u32), special, bits)
-    return tirx.reinterpret(f32, tirx.bitwise_or(bits, sign))
+        return tirx.Cast("float32", x)
+    if kv_dtype == "float8_e5m2":
+        return tirx.Cast("float32", tirx.reinterpret(f16, tirx.shift_left(tirx.Cast(u16, x), tirx.const(8, u16))))
+    sx = tirx.reinterpret(u16, tirx.Cast("int16", tirx.reinterpret("int8", x)))  # sign-extended
+    h = tirx.bitwise_and(tirx.shift_left(sx, tirx.const(7, u16)), tirx.const(0xBF80, u16))
+    value = tirx.Cast("float32", tirx.reinterpret(f16, h))
+    if unit:
+        value = value * tirx.const(KV_UNIT[kv_dtype], "float32")
+    nan = tirx.bitwise_and(x, tirx.const(0x7F, "uint8")) == tirx.const(0x7F, "uint8")
+    return tirx.Select(nan, tirx.const(float("nan"), "float32"), value)
 
 
 #: (largest finite magnitude, smallest normal, rounding shift: the float32 mantissa bits dropped)

@@ -49,10 +49,8 @@ from ..layouts import fully_static
 from ..modifiers import instantiate, tensor_dim_name
 from ..spec import DATA_ALIGNMENT as A, AttentionSpec
 from ..visibility import Visibility, all_of
-from ._math import (LOG2E, bf16_bits, bf16_value, cast_to, exp2_fast, f32, f32_to_kv, guarded, kv_to_f32, lse_of,
-                    normalize,
-                    normalize_seen,
-                    normalize_where, tanh_fast, with_sink)
+from ._math import (KV_UNIT, LOG2E, bf16_bits, bf16_value, cast_to, exp2_fast, f32, f32_to_kv, guarded, kv_to_f32,
+                    lse_of, normalize, normalize_seen, normalize_where, tanh_fast, with_sink)
 from .kv import dim, kv_layout
 
 ENTRY = "attention"
@@ -100,6 +98,7 @@ class _Variants:
         self.KSC, self.VSC = scales if spec is not None and spec.kv_quantized else (None, None)
         self.KN, self.VN = new if spec is not None and spec.append else (None, None)  # appended keys, values
         self.G = spec.group_size if spec is not None else 1
+        self.unit = KV_UNIT.get(spec.kv_dtype, 1.0) if spec is not None else 1.0
         self.AL = AL if spec is not None and spec.alibi else None
         self.SK = SK if spec is not None and spec.sinks else None
         self.KS = KS if spec is not None and spec.kv_start else None
@@ -122,12 +121,17 @@ class _Variants:
         return None if self.SK is None else self.SK[h] * T.float32(LOG2E)
 
     def k_scale(self, h):
-        """An 8-bit cache's key scale for query head ``h`` (its kv head's; None: no scales)."""
-        return None if self.KSC is None else self.KSC[T.floordiv(h, self.G)]
+        """What multiplies a key element as the tile converts it (``kv_to_f32(unit=False)``) for
+        query head ``h``: its kv head's key scale times the dtype's :data:`KV_UNIT` (None: no
+        scales)."""
+        return None if self.KSC is None else self._unit(self.KSC[T.floordiv(h, self.G)])
 
     def v_scale(self, h):
-        """An 8-bit cache's value scale for query head ``h`` (None: no scales)."""
-        return None if self.VSC is None else self.VSC[T.floordiv(h, self.G)]
+        """The same for a value element (None: no scales)."""
+        return None if self.VSC is None else self._unit(self.VSC[T.floordiv(h, self.G)])
+
+    def _unit(self, scale):
+        return scale if self.unit == 1.0 else scale * T.float32(self.unit)
 
     def _col(self, pos):
         return T.max(0, T.min(pos, self.LO.shape[1] - 1))
@@ -407,8 +411,9 @@ class _TileShape:
     kv_dtype: str | None = None
 
     def kv(self, x):
-        """The float32 value of the K/V element ``x`` as loaded (before an 8-bit cache's scale)."""
-        return f32(x) if self.kv_dtype is None else kv_to_f32(x, self.kv_dtype)
+        """The float32 value of the K/V element ``x`` as loaded: an 8-bit cache's without its scale
+        and :data:`KV_UNIT` (both folded into q and the output, ``_Variants.k_scale``)."""
+        return f32(x) if self.kv_dtype is None else kv_to_f32(x, self.kv_dtype, unit=False)
 
     @property
     def score_mod(self) -> bool:
