@@ -489,9 +489,10 @@ def _alloc_for(spec: AttentionSpec):
     """The runner's ``f_alloc_argument`` for ``spec``'s tasks: a symbolic spec tuned as itself
     (a paged decode step) is measured on its layout's representative inputs (a valid block
     table), and so is a static one whose variant arguments decide its work (key bounds,
-    ``kv_start``: random int32s would skip every tile; the modifiers' tensors); every other
-    task on MetaSchedule's random fill (None)."""
-    if not spec.dynamic and not (spec.key_bounds or spec.kv_start or spec.mod_tensors):
+    ``kv_start``: random int32s would skip every tile; the modifiers' tensors; an 8-bit cache's
+    scales, which the library refuses unless positive and finite); every other task on
+    MetaSchedule's random fill (None)."""
+    if not spec.dynamic and not (spec.key_bounds or spec.kv_start or spec.mod_tensors or spec.kv_quantized):
         return None
 
     return AllocInputs(spec)
