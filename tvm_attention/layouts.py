@@ -38,7 +38,7 @@ import numpy as np
 
 from .errors import SpecError
 from .modifiers import tensor_dim_name
-from .quant import dequantize, quantize_kv
+from .quant import check_scale, dequantize, quantize_kv
 from .reference import reference_attention
 from .visibility import Visibility
 
@@ -124,8 +124,9 @@ KV_NEW_ARGS = (Arg("k_new", ("batch", "kv_heads", "seq_q", "head_dim")),
 def variant_args(spec) -> tuple[Arg, ...]:
     """The variant arguments ``spec``'s kernel takes, in call order: ``alibi_slopes``, ``sinks``,
     ``kv_start``, ``key_lo``, ``key_hi``, the modifiers' tensors (``spec.mod_tensors``: their
-    declared dims in a fully static kernel, else each dim taken at call time), then an 8-bit
-    cache's ``k_scale``, ``v_scale`` (:data:`KV_SCALE_ARGS`)."""
+    declared dims in a fully static kernel, else each dim taken at call time), an 8-bit cache's
+    ``k_scale``, ``v_scale`` (:data:`KV_SCALE_ARGS`), then an appending kernel's ``k_new``,
+    ``v_new`` (:data:`KV_NEW_ARGS`)."""
     out = tuple(a for flag, a in VARIANT_ARGS if getattr(spec, flag, False))
     static = fully_static(spec)
     if getattr(spec, "key_bounds", False):
@@ -443,7 +444,8 @@ def check_variant_arrays(spec, arrays: Mapping[str, np.ndarray], key_counts, bat
     """The variant arguments the kernel cannot misread, else :class:`KernelArgumentError`:
     ``kv_start`` (:func:`check_kv_start`), key bounds with one row per sequence, at least one
     column, non-decreasing along the positions (a row tile's bounds are its first row's ``key_lo``
-    and its last row's ``key_hi``), and modifier tensors with no empty dim."""
+    and its last row's ``key_hi``), an 8-bit cache's scales positive and finite, and modifier
+    tensors with no empty dim."""
     check_kv_start(arrays, key_counts)
     if getattr(spec, "key_bounds", False):
         for name in ("key_lo", "key_hi"):
@@ -458,12 +460,11 @@ def check_variant_arrays(spec, arrays: Mapping[str, np.ndarray], key_counts, bat
                     f"< {name}[{b}, {p}]={int(x[b, p])} (the kernel skips key tiles by the bounds of a row tile's "
                     "first and last rows)")
     if getattr(spec, "kv_dtype", None) is not None:
-        for name in ("k_scale", "v_scale"):
-            bad = ~(np.isfinite(arrays[name]) & (arrays[name] > 0))
-            if bad.any():
-                h = int(np.argmax(bad))
-                raise KernelArgumentError(f"{name}[{h}]={float(arrays[name][h])!r}: a scale must be a positive "
-                                          "finite number (the value of a stored element is scale · stored)")
+        for name in ("k_scale", "v_scale"):  # their shape (kv_heads,) is the loader's generic check
+            try:
+                check_scale(arrays[name], arrays[name].shape[0], name)
+            except SpecError as e:
+                raise KernelArgumentError(str(e)) from None
     for name, _, _ in getattr(spec, "mod_tensors", ()):
         if 0 in arrays[name].shape:
             raise KernelArgumentError(f"{name}: has an empty dim {arrays[name].shape}; a modifier's tensor is read "

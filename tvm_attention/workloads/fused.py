@@ -89,8 +89,9 @@ def fused_attention(spec: AttentionSpec, block_m: int, block_n: int, decode_rows
 
 class _Variants:
     """The variants' call arguments of one kernel (``alibi_slopes``, ``sinks``, ``kv_start``,
-    ``key_lo``/``key_hi`` and the modifiers' tensors: its buffers, None where the spec takes
-    none), the user's modifiers over them, and the expressions the tile builds from them."""
+    ``key_lo``/``key_hi``, the modifiers' tensors, an 8-bit cache's ``k_scale``/``v_scale`` and an
+    appending kernel's ``k_new``/``v_new``: its buffers, None where the spec takes none), the
+    user's modifiers over them, and the expressions the tile builds from them."""
 
     def __init__(self, spec=None, AL=None, SK=None, KS=None, LO=None, HI=None, tensors=None, scales=(None, None),
                  new=(None, None)):
