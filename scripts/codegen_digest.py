@@ -87,6 +87,13 @@ def cpu_cases() -> list[tuple[str, AttentionSpec]]:
         AttentionSpec(batch=4, heads=32, kv_heads=8, seq_q=1, seq_kv=4096, head_dim=128, causal=True,
                       layout="paged", dynamic=DYN, return_lse=True, **mods),
     ]
+    # 8-bit caches (issue 27): float8 read through float16, int8 appended in the same call
+    s += [
+        AttentionSpec(batch=4, heads=32, kv_heads=8, seq_q=1, seq_kv=4096, head_dim=128, causal=True,
+                      layout="paged", dtype="bfloat16", kv_dtype="float8_e4m3fn"),
+        AttentionSpec(batch=4, heads=32, kv_heads=8, seq_q=1, seq_kv=4096, head_dim=128, causal=True,
+                      layout="kvcache", kv_dtype="int8", append=True, return_lse=True),
+    ]
     cases = [("fused", x) for x in s]
     cases += [("materialized", AttentionSpec(batch=1, heads=8, seq_q=512, head_dim=64, causal=True)),
               ("rowcache", AttentionSpec(batch=1, heads=8, seq_q=512, head_dim=64, causal=True))]
