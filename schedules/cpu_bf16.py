@@ -124,7 +124,8 @@ _register()
 
 def supports(spec: AttentionSpec, features: set[str]) -> bool:
     """Whether ``spec`` can take the bf16 dot-product form on a CPU with ``features``."""
-    return spec.dtype == "bfloat16" and not spec.kv_quantized and FEATURE in features and "avx512f" in features and spec.head_dim % L == 0
+    return (spec.dtype == "bfloat16" and not spec.kv_quantized and FEATURE in features and "avx512f" in features
+            and spec.head_dim % L == 0)
 
 
 def schedule(sch: s_tir.Schedule, spec: AttentionSpec, knobs=None, suffix: str = "") -> s_tir.Schedule:

@@ -179,9 +179,10 @@ def test_loader_takes_ml_dtypes_and_torch_float8_and_checks_the_scales(tmp_path)
     from tvm_attention.runtime import cpu_view
 
     args = [cpu_view(x[n]) if n in ("k_cache", "v_cache") else tvm_ffi.from_dlpack(x[n]) for n in names[:5]]
-    with pytest.raises(ValueError, match="v_scale: an entry is not a positive finite number"):
-        k.function(*args, tvm_ffi.from_dlpack(np.array([1.0, np.inf], np.float32)), tvm_ffi.from_dlpack(o),
-                   tvm_ffi.from_dlpack(lse))
+    for bad in (np.inf, np.nan, 0.0):
+        with pytest.raises(ValueError, match="v_scale: an entry is not a positive finite number"):
+            k.function(*args, tvm_ffi.from_dlpack(np.array([1.0, bad], np.float32)), tvm_ffi.from_dlpack(o),
+                       tvm_ffi.from_dlpack(lse))
     torch = pytest.importorskip("torch")
     t = {n: torch.from_numpy(np.ascontiguousarray(x[n].view(np.uint8))).view(torch.float8_e4m3fn)
          if n in ("k_cache", "v_cache") else torch.from_numpy(x[n]) for n in names}

@@ -266,17 +266,18 @@ def test_spec_and_cli(tmp_path, capsys):
 
 
 def test_decode_bench_smoke(tmp_path, capsys):
-    """``bench --decode --tiny``: both layouts and torch on one point, fp32 and bf16 caches, the
-    roof measured."""
-    rc = cli.main(["bench", "--decode", "--tiny", "--threads", "2", "--decode-dtype", "float32", "bfloat16",
+    """``bench --decode --tiny``: both layouts and torch on one point, an fp32 and an 8-bit
+    (e4m3fn, bf16 queries) cache with its appending kernel, the roof measured."""
+    rc = cli.main(["bench", "--decode", "--tiny", "--threads", "2", "--decode-dtype", "float32", "float8_e4m3fn",
                    "--out", str(tmp_path)])
     assert rc == 0
     report = json.loads((tmp_path / "decode.json").read_text())
-    row, half = report["rows"]
+    row, kv8 = report["rows"]
     assert report["meta"]["roof_gbps"] > 0 and len(report["meta"]["stream_gbps"]) == 2
     assert row["kvcache_gbps"] > 0 and row["paged_gbps"] > 0 and 0 < row["kvcache_roof"]
     assert "paged_vs_contiguous" in row and row["paged_per_head_gbps"] > 0 and row["page_order_gain"] > 0
-    assert half["dtype"] == "bfloat16" and half["kv_bytes"] * 2 == row["kv_bytes"] and half["vs_fp32"] > 0
+    assert kv8["dtype"] == "float8_e4m3fn" and kv8["kv_bytes"] * 4 == row["kv_bytes"] and kv8["vs_fp32"] > 0
+    assert "append_cost" in kv8 and "append_cost" not in row and "torch_ms" not in kv8
     assert "| H:KH |" in (tmp_path / "decode.md").read_text()
 
 

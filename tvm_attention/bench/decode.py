@@ -17,8 +17,9 @@ cache read at the same fraction of the roof takes half the time).
 element with per-kv-head scales (``quantize_kv``); ``vs_bf16`` is the bf16 step time over this one
 (issue 27's goal: the 8-bit step ≤ 0.6× the bf16 one, i.e. ``vs_bf16`` ≥ 1.67), and the GB/s count
 the bytes actually read (one per element). torch has no 8-bit SDPA on the CPU: no torch column
-there. ``append_cost``: the same step through the ``--append`` kernel (one new key written into
-the cache and attended to in the call) over the plain step, minus 1 (goal ≤ 5%).
+there. ``append_cost`` (8-bit rows): the same step through the ``--append`` kernel (one new key
+written into the cache, quantized, and attended to in the call) over the plain step, minus 1
+(goal ≤ 5%).
 """
 from __future__ import annotations
 
@@ -64,7 +65,7 @@ class Config:
     stream_bytes: int = 512 << 20
     dtypes: tuple[str, ...] = ("float32",)
     kv8_query_dtype: str = "bfloat16"  # q and o of the 8-bit cache rows
-    append: bool = True  # time the --append kernel of each kvcache point too (append_cost)
+    append: bool = True  # time the --append kernel of each 8-bit kvcache point too (append_cost)
 
 
 def quick_config() -> Config:
@@ -169,7 +170,7 @@ def _points(cfg: Config, h: int, kh: int, d: int, dtype: str, tensor, say) -> li
     kernels, rows = {}, []
     kv8 = dtype in KV_DTYPES  # an 8-bit cache: q and o in kv8_query_dtype
     qdtype = cfg.kv8_query_dtype if kv8 else dtype
-    names = list(cfg.layouts) + (["kvcache_append"] if cfg.append and "kvcache" in cfg.layouts else [])
+    names = list(cfg.layouts) + (["kvcache_append"] if cfg.append and kv8 and "kvcache" in cfg.layouts else [])
     for name in names:
         layout = "paged" if name.startswith("paged") else "kvcache" if name.startswith("kvcache") else name
         spec = AttentionSpec(batch=1, heads=h, kv_heads=kh, seq_q=1, seq_kv=1024, head_dim=d, layout=layout,

@@ -14,9 +14,11 @@ messages are constant strings, so they name the rule broken, not the index.
 A kernel with left padding (``kv_start``) checks ``0 <= kv_start[b] <=`` the sequence's keys the
 same way, in every layout; one with key bounds checks that ``key_lo``/``key_hi`` are non-decreasing
 along the positions (what its tile skipping relies on), and a modifier's tensors that no dim is
-empty. They are the same rules ``Layout.check_indices`` applies in the loader (one definition of what
-is a valid call). An 8-bit cache's ``k_scale``/``v_scale`` must be positive and finite. CUDA kernels cannot raise from device code: there the index arrays stay
-trusted (CUDA builds take BHSD only today).
+empty; an 8-bit cache's ``k_scale``/``v_scale`` must be positive and finite, and an appending
+kernel's new keys must fit the cache (and an int8 cache's hold no NaN). They are the same rules
+``Layout.check_indices`` applies in the loader (one definition of what is a valid call). CUDA
+kernels cannot raise from device code: there the index arrays stay trusted (CUDA builds take BHSD
+only today).
 
 Cost: one pass over ``cache_seqlens`` and the block-table entries in use (batch · pages per
 sequence int32 loads), against the K/V bytes a step reads: within noise of a decode step
