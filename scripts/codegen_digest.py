@@ -130,7 +130,8 @@ def name_of(schedule: str, spec: AttentionSpec, where: str) -> str:
     dyn = "dyn-" + "-".join(spec.dynamic) if spec.dynamic else "static"
     return (f"{where}/{schedule}/{spec.layout}_b{spec.batch}_h{spec.heads}_kv{spec.kv_heads}_q{spec.seq_q}"
             f"_k{spec.seq_kv}_d{spec.head_dim}_{spec.dtype}_{'causal' if spec.causal else 'full'}_{dyn}"
-            f"{spec.variant_suffix()}{'_lse' if spec.return_lse else ''}")
+            f"{spec.variant_suffix()}{'_lse' if spec.return_lse else ''}"
+            f"{'_kv' + spec.kv_dtype if spec.kv_dtype else ''}{'_append' if spec.append else ''}")
 
 
 def main(argv: list[str] | None = None) -> int:
