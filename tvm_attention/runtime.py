@@ -205,12 +205,18 @@ def global_func(name: str):
 
 
 # -- tensors without tvm.runtime -------------------------------------------------------------
+def is_ml_dtype(dtype: np.dtype) -> bool:
+    """Whether ``dtype`` is one of ml_dtypes' (bfloat16, float8_*): NumPy cannot export it through
+    DLPack, so a kernel takes a view of its bits in that dtype (:func:`cpu_view`)."""
+    return dtype.name == "bfloat16" or dtype.name.startswith("float8")
+
+
 def cpu_view(a: np.ndarray) -> Any:
     """What a kernel is called with for NumPy array ``a``: ``a`` itself (DLPack, no copy), or
     for bfloat16 and float8 (ml_dtypes), which NumPy cannot export through DLPack, a view of
     their bits in that dtype."""
     name = a.dtype.name
-    if name == "bfloat16" or name.startswith("float8"):
+    if is_ml_dtype(a.dtype):
         import tvm_ffi
 
         bits = tvm_ffi.from_dlpack(a.view(np.uint16 if name == "bfloat16" else np.uint8))
@@ -259,4 +265,4 @@ def to_numpy(t: Any, dtype: np.dtype) -> np.ndarray:
 
 
 def _dtype_name(dtype: np.dtype) -> str:
-    return dtype.name if dtype.name == "bfloat16" or dtype.name.startswith("float8") else str(dtype)
+    return dtype.name if is_ml_dtype(dtype) else str(dtype)

@@ -35,6 +35,7 @@ from ..build import build_kernel
 from ..layouts import paged_from_contiguous
 from ..loader import _from_framework, aligned_empty, kernel_arg
 from ..quant import KV_DTYPES, quantize_kv
+from ..runtime import is_ml_dtype
 from ..spec import AttentionSpec, numpy_dtype
 from ..target import host_cpu
 from ..threads import set_num_threads
@@ -124,8 +125,7 @@ def run(cfg: Config, threads: int | None = None, say: Callable[[str], None] = pr
     def tensor(x):
         a = aligned_empty(x.shape, x.dtype)
         a[...] = x
-        special = x.dtype.name == "bfloat16" or x.dtype.name.startswith("float8")  # NumPy lacks them
-        return kernel_arg(a) if special else tvm.runtime.tensor(a)
+        return kernel_arg(a) if is_ml_dtype(x.dtype) else tvm.runtime.tensor(a)
 
     rows = []
     for h, kh in cfg.heads:
