@@ -20,6 +20,16 @@ the bytes actually read (one per element). torch has no 8-bit SDPA on the CPU: n
 there. ``append_cost`` (8-bit rows): the same step through the ``--append`` kernel (one new key
 written into the cache, quantized, and attended to in the call) over the plain step, minus 1
 (goal ≤ 5%).
+
+The compute floor, measured in the same run: a step is ``4 · batch · heads · cache · head_dim``
+FLOP (QKᵀ and PV, one multiply-add per query head and K or V element), all float32 FMAs in every
+cache dtype, so it takes at least ``fma_floor_ms`` at the FMA peak (``bench.cpu.fma_peak``, same
+threads). With GQA the FLOP per byte grow with the group (4 query heads per kv head: 2 FLOP per
+fp32 byte, 8 per 8-bit byte), and where the floor passes the stream time the roof is out of reach
+for any kernel: ``roof_cap`` is the highest fraction of the roof the FMA peak allows (stream time
+over ``max(stream time, FMA floor)``), and ``vs_bf16_cap`` the highest ``vs_bf16`` (the bf16
+step's ``max(stream, floor)`` over the 8-bit step's), both as if compute and memory overlapped
+perfectly.
 """
 from __future__ import annotations
 
@@ -42,6 +52,7 @@ from ..threads import set_num_threads
 from ..timing import time_callable
 from . import write_report
 from .bandwidth import stream_read_gbps
+from .cpu import fma_peak
 
 #: Speed goals of issue 10, checked in the report (never by a test): fraction of the streaming
 #: roof at (batch 4, 4k cache) and (batch 1, 16k cache), GQA 32:8, D=128; speed-up over torch.
@@ -121,6 +132,8 @@ def run(cfg: Config, threads: int | None = None, say: Callable[[str], None] = pr
     say(f"# {meta['date']} cpu={meta['cpu']} threads={threads} torch={torch_version}")
     streams = [stream_read_gbps(cfg.stream_bytes)]
     say(f"streaming read: {streams[0]:.1f} GB/s")
+    peak = fma_peak(threads).gflops
+    say(f"FMA peak: {peak:.0f} GFLOP/s")
 
     def tensor(x):
         a = aligned_empty(x.shape, x.dtype)
@@ -138,6 +151,7 @@ def run(cfg: Config, threads: int | None = None, say: Callable[[str], None] = pr
     fp32 = {_key(r): r for r in rows if r["dtype"] == "float32"}
     bf16 = {_key(r): r for r in rows if r["dtype"] == "bfloat16"}
     for row in rows:
+        _floors(row, roof, peak, half=bf16.get(_key(row)))
         base = fp32.get(_key(row))
         if base is not None and "kvcache_ms" in row and "kvcache_ms" in base:
             row["vs_fp32"] = base["kvcache_ms"] / row["kvcache_ms"]
@@ -157,7 +171,23 @@ def run(cfg: Config, threads: int | None = None, say: Callable[[str], None] = pr
             row["page_order_gain"] = row["paged_per_head_ms"] / row["paged_ms"]
     meta["stream_gbps"] = streams
     meta["roof_gbps"] = roof
+    meta["fma_gflops"] = peak
     return {"meta": meta, "rows": rows}
+
+
+def step_flop(b: int, h: int, cache: int, d: int) -> int:
+    """FLOP of one decode step: QKᵀ and PV, a multiply-add per (query head, key, d) each."""
+    return 4 * b * h * cache * d
+
+
+def _floors(row: dict[str, Any], roof_gbps: float, peak_gflops: float, half: dict[str, Any] | None) -> None:
+    """The point's compute floor and what it leaves of the roof (see the module docstring)."""
+    floor = step_flop(row["batch"], row["heads"], row["cache"], row["head_dim"]) / peak_gflops / 1e9
+    stream = row["kv_bytes"] / roof_gbps / 1e9
+    row["fma_floor_ms"] = floor * 1e3
+    row["roof_cap"] = min(1.0, stream / floor)
+    if half is not None and row["dtype"] in KV_DTYPES:
+        row["vs_bf16_cap"] = max(half["kv_bytes"] / roof_gbps / 1e9, floor) / max(stream, floor)
 
 
 def _key(row: dict[str, Any]) -> tuple:
@@ -241,15 +271,20 @@ def markdown(report: dict[str, Any]) -> str:
     m = report["meta"]
     lines = [f"Machine: {m['cpu']}, {m['threads']} threads, {m['date']}; torch {m['torch']}. Causal, one new "
              f"token per sequence. Streaming read measured {', '.join(f'{g:.1f}' for g in m['stream_gbps'])} GB/s "
-             f"in this run: roof = {m['roof_gbps']:.1f} GB/s. Variants alternated; each time is the best round; "
+             f"in this run: roof = {m['roof_gbps']:.1f} GB/s; FMA peak {m.get('fma_gflops', float('nan')):.0f} "
+             "GFLOP/s. Variants alternated; each time is the best round; "
              "torch SDPA runs in the same dtype; × fp32: the fp32 step time over this one.", "",
              "paged: all kv heads of a page per task (the preset); per head: one kv head per task.", "",
              "8-bit caches (float8_e4m3fn, float8_e5m2, int8): q and o in bfloat16, one byte per K/V element read; "
              "× bf16: the bf16 step time over this one (goal ≥ 1.67: ≤ 0.6× the time); append: the --append "
              "kernel's step (one new key written and attended) over the plain one, minus 1 (goal ≤ 5%).", "",
-             "| H:KH | D | dtype | batch | cache | K/V MB | kvcache ms | GB/s | of roof | × fp32 | × bf16 | append | "
+             "FMA floor: the step's FLOP (4·batch·heads·cache·D) at the FMA peak; roof cap: the highest "
+             "fraction of the roof that floor allows; × bf16 cap: the highest × bf16 it allows (both with "
+             "compute and memory fully overlapped).", "",
+             "| H:KH | D | dtype | batch | cache | K/V MB | kvcache ms | GB/s | of roof | FMA floor ms | roof cap | "
+             "× fp32 | × bf16 | × bf16 cap | append | "
              "paged ms | of roof | paged/contig. | paged per head ms | page order gain | torch ms | kvcache/torch |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def f(row, key, fmt):
         return format(row[key], fmt) if key in row else "—"
@@ -258,7 +293,8 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append(
             f"| {r['heads']}:{r['kv_heads']} | {r['head_dim']} | {r.get('dtype', 'float32')} | {r['batch']} | "
             f"{r['cache']} | {r['kv_bytes'] / 1e6:.0f} | {f(r, 'kvcache_ms', '.3f')} | {f(r, 'kvcache_gbps', '.1f')} | "
-            f"{f(r, 'kvcache_roof', '.0%')} | {f(r, 'vs_fp32', '.2f')} | {f(r, 'vs_bf16', '.2f')} | "
+            f"{f(r, 'kvcache_roof', '.0%')} | {f(r, 'fma_floor_ms', '.3f')} | {f(r, 'roof_cap', '.0%')} | "
+            f"{f(r, 'vs_fp32', '.2f')} | {f(r, 'vs_bf16', '.2f')} | {f(r, 'vs_bf16_cap', '.2f')} | "
             f"{f(r, 'append_cost', '+.1%')} | {f(r, 'paged_ms', '.3f')} | "
             f"{f(r, 'paged_roof', '.0%')} | "
             f"{f(r, 'paged_vs_contiguous', '.2f')} | {f(r, 'paged_per_head_ms', '.3f')} | "
