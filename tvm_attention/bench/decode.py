@@ -175,9 +175,12 @@ def run(cfg: Config, threads: int | None = None, say: Callable[[str], None] = pr
     return {"meta": meta, "rows": rows}
 
 
-def step_flop(b: int, h: int, cache: int, d: int) -> int:
-    """FLOP of one decode step: QKᵀ and PV, a multiply-add per (query head, key, d) each."""
-    return 4 * b * h * cache * d
+def step_flop(b: int, h: int, cache: int, d: int) -> float:
+    """FLOP of one causal decode step (one new token per sequence, ``cache`` keys each) of ``h``
+    query heads: the kvcache layout's useful FLOP (QKᵀ and PV, 4·D·H per visible pair)."""
+    spec = AttentionSpec(batch=b, heads=h, kv_heads=1, seq_q=1, seq_kv=cache, head_dim=d, layout="kvcache",
+                         causal=True)
+    return spec.layout_info.useful_flops(spec, {"seq_q": 1, "cache_seqlens": [cache] * b})
 
 
 def _floors(row: dict[str, Any], roof_gbps: float, peak_gflops: float, half: dict[str, Any] | None) -> None:
