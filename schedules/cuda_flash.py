@@ -6,6 +6,9 @@ knobs, the way TVM's own LLM prefill kernels are; ``apply`` adds what a schedule
 (unrolling of the key-tile loop). The design space for tuning is one task per feasible
 (block_m, block_n, threads_per_row) and a sampled unroll depth in each.
 
+Batch, seq_q and seq_kv may be symbolic (``--batch dyn`` ...): the kernel then takes its tile from
+a (row tile, head, batch) grid and masks the key tail at run time.
+
 Feasibility is checked against named limits before anything is built: threads per block, whole
 warps, 48 KiB of static shared memory, an estimate of registers per thread, divisibility for the
 16-byte vector loads.
@@ -24,8 +27,12 @@ from ._knobs import KnobError, KnobsMixin
 from .family import Capabilities, never_static_decode, same_knobs
 
 NAME = "fused"
+#: symbolic batch, seq_q and seq_kv: a (row tile, head, batch) grid on (x, y, z), so no index is
+#: divided by a run-time extent (a flat grid's ``// (H·NR)`` spilled on sm_90 with seq_q symbolic)
 CAPABILITIES = Capabilities(label="CUDA fused", target="cuda", layouts=("bhsd",), dtypes=SUPPORTED_DTYPES,
-                            symbolic=False, lse=False)
+                            symbolic=True, lse=False)
+#: gridDim.y's limit: a symbolic build's heads (the loader bounds the batch, on gridDim.z)
+MAX_GRID_Y = 65535
 WARP = 32
 MAX_REGISTERS_PER_THREAD = 255
 #: registers a lane needs besides its scores and accumulator columns (indices, m, l, temporaries);
@@ -134,6 +141,8 @@ def check(knobs: FlashCUDAKnobs, spec: AttentionSpec, target: Target) -> None:
         raise KnobError(f"stages={knobs.stages}: only 1 (no software pipelining of K/V) is implemented")
     if knobs.unroll not in UNROLL_STEPS:
         raise KnobError(f"unroll={knobs.unroll} not in {UNROLL_STEPS}")
+    if spec.dynamic and spec.heads > MAX_GRID_Y:
+        raise KnobError(f"heads={spec.heads} > {MAX_GRID_Y}: a symbolic build launches one grid row per head (gridDim.y)")
 
 
 def workload(spec: AttentionSpec, knobs: FlashCUDAKnobs):
@@ -143,7 +152,9 @@ def workload(spec: AttentionSpec, knobs: FlashCUDAKnobs):
 def _key_tile_loop(sch: s_tir.Schedule):
     """The loop over key tiles: the serial loop just above the K/V loads' thread loops."""
     loops = sch.get_loops(sch.get_sblock("KV_load"))
-    return loops[1]  # (blockIdx, c, ty, tx, it, v)
+    # (c, ty, tx, it, v): the grid loops are outside the row_tile block, so not among them (this
+    # took loops[1], threadIdx.y, until 2026-12-02: the unroll knob never reached the key loop)
+    return loops[0]
 
 
 def schedule(sch: s_tir.Schedule, knobs: FlashCUDAKnobs | None) -> s_tir.Schedule:

@@ -65,10 +65,10 @@ def reference_rows(torch, spec, q, k, v, rows):
         g = spec.heads // spec.kv_heads
         kk, vv = kk.repeat_interleave(g, dim=1), vv.repeat_interleave(g, dim=1)
     s = torch.matmul(qs, kk.transpose(-1, -2)) * spec.scale
-    if spec.causal:
+    if spec.causal:  # the lengths are the tensors' (a symbolic kernel's spec holds representatives)
         r = torch.as_tensor(rows, device=q.device).view(-1, 1)
-        j = torch.arange(spec.seq_kv, device=q.device).view(1, -1)
-        s = s.masked_fill(j > r + (spec.seq_kv - spec.seq_q), float("-inf"))
+        j = torch.arange(k.shape[2], device=q.device).view(1, -1)
+        s = s.masked_fill(j > r + (k.shape[2] - q.shape[2]), float("-inf"))
     p = torch.softmax(s, dim=-1).nan_to_num(0.0)
     return torch.matmul(p, vv)
 
@@ -78,8 +78,9 @@ def validate(torch, spec, kernel, q, k, v, seed: int) -> dict:
 
     out = kernel(q, k, v)
     gen = torch.Generator().manual_seed(seed)
-    n = min(spec.seq_q, 64)
-    rows = sorted(set(torch.randperm(spec.seq_q, generator=gen)[:n].tolist()) | {0, spec.seq_q - 1})
+    seq_q = q.shape[2]
+    n = min(seq_q, 64)
+    rows = sorted(set(torch.randperm(seq_q, generator=gen)[:n].tolist()) | {0, seq_q - 1})
     ref = reference_rows(torch, spec, q, k, v, rows)
     got = out[:, :, rows].double()
     atol, rtol = TOLERANCES[spec.dtype]
@@ -132,6 +133,40 @@ def preload_runtime(payload: Path, manifests: list[dict]) -> None:
     runtime.ensure_runtime(payload / "runtime", [runtime.RUNTIME_CPU, runtime.RUNTIME_CUDA])
 
 
+#: (batch, seq_q, seq_kv) every symbolic kernel is validated at: one key, key tails, Sq > Skv, a
+#: decode row over a long cache, no key (zero rows), a batch of 3 (the grid's z)
+AWKWARD = [(1, 1, 1), (3, 37, 45), (1, 113, 203), (3, 1, 517), (1, 300, 45), (2, 37, 1), (1, 5, 0),
+           (2, 1000, 4099)]
+
+
+def check_symbolic(torch, kernels: list[dict], payload: Path, torch_dtype: dict, device: str = "cuda") -> list[dict]:
+    """Each symbolic kernel through the loader at every ``AWKWARD`` shape against the reference
+    (``device``: where the inputs live; the tests run it on CPU artifacts)."""
+    import tvm_attention
+    from tvm_attention.spec import AttentionSpec
+
+    out = []
+    for i, k in enumerate(kernels):
+        spec = AttentionSpec.from_dict(k["spec"])
+        try:
+            kernel = tvm_attention.load(payload / k["dir"])
+        except Exception as e:  # noqa: BLE001 - recorded, the check goes on
+            out.append({"kernel": k["dir"], "shape": [], "passed": False, "error": f"{type(e).__name__}: {e}"})
+            continue
+        for b, sq, sk in AWKWARD:
+            gen = torch.Generator(device=device).manual_seed(i * 1000 + sq)
+            shapes = [(b, spec.heads, sq, spec.head_dim)] + [(b, spec.kv_heads, sk, spec.head_dim)] * 2
+            x = [torch.randn(shape, device=device, dtype=torch_dtype[spec.dtype], generator=gen) for shape in shapes]
+            try:
+                r = validate(torch, spec, kernel, *x, seed=sq)
+            except Exception as e:  # noqa: BLE001
+                r = {"passed": False, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+            out.append({"kernel": k["dir"], "shape": [b, sq, sk], **r})
+        print(f"symbolic {k['dir']}: {sum(c['passed'] for c in out if c['kernel'] == k['dir'])}/{len(AWKWARD)} "
+              "shapes valid", flush=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--payload", default=str(Path(__file__).resolve().parent))
@@ -155,21 +190,42 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     major, minor = torch.cuda.get_device_capability()
     arch, name = f"sm_{major}{minor}", torch.cuda.get_device_name()
-    built = [k for k in info["kernels"] if k["arch"] == arch and "error" not in k]
-    if not built:
+    ready = [k for k in info["kernels"] if k["arch"] == arch and "error" not in k]
+    built = [k for k in ready if not k["spec"].get("dynamic")]
+    symbolic = [k for k in ready if k["spec"].get("dynamic")]
+    if not ready:
         print(f"gpu_device_check: the payload has no kernels for {arch} ({name}); it has {info['archs']}",
               file=sys.stderr)
         return 2
     peak = next((v for key, v in PEAKS.items() if key in name), None)
-    manifests = [json.loads((payload / k["dir"] / "manifest.json").read_text()) for k in built]
+    manifests = [json.loads((payload / k["dir"] / "manifest.json").read_text()) for k in ready]
     preload_runtime(payload, manifests)
     print(f"# {name} ({arch}), torch {torch.__version__}, tvm-ffi {tvm_ffi.__version__}, {len(built)} kernels; "
           f"dense fp16 peak {peak} TFLOP/s", flush=True)
 
     from tvm_attention.spec import AttentionSpec
 
-    torch_dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+    torch_dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
     rows: dict[str, dict] = {}  # one per shape
+
+    def serves(k, spec):  # the symbolic kernel that serves a static shape
+        s = AttentionSpec.from_dict(k["spec"])
+        return (s.dtype, s.head_dim, s.causal, s.heads) == (spec.dtype, spec.head_dim, spec.causal, spec.heads)
+
+    def run(name, k, spec, row, q, kk, vv, seed):
+        try:
+            kernel = tvm_attention.load(payload / k["dir"])
+            row.setdefault("validation", {})[name] = validate(torch, spec, kernel, q, kk, vv, seed=seed)
+            o = torch.empty_like(q)
+            args = [tvm_ffi.from_dlpack(x) for x in (q, kk, vv, o)]
+            fn = kernel.function
+            with tvm_ffi.use_torch_stream():
+                secs = cuda_time(torch, lambda: fn(*args), a.min_ms, a.rounds)
+            row["tflops"][name] = flops(spec) / secs / 1e12
+        except Exception as e:  # noqa: BLE001 - recorded in the row, the check goes on
+            row["errors"][name] = f"{type(e).__name__}: {e}"
+            traceback.print_exc()
+
     for i, k in enumerate(built):
         spec = AttentionSpec.from_dict(k["spec"])
         key = spec.short_name()
@@ -178,18 +234,10 @@ def main(argv: list[str] | None = None) -> int:
         q = torch.randn(spec.q_shape, device="cuda", dtype=torch_dtype[spec.dtype], generator=gen)
         kk = torch.randn(spec.kv_shape, device="cuda", dtype=torch_dtype[spec.dtype], generator=gen)
         vv = torch.randn(spec.kv_shape, device="cuda", dtype=torch_dtype[spec.dtype], generator=gen)
-        try:
-            kernel = tvm_attention.load(payload / k["dir"])
-            row.setdefault("validation", {})[k["kernel"]] = validate(torch, spec, kernel, q, kk, vv, seed=i)
-            o = torch.empty_like(q)
-            args = [tvm_ffi.from_dlpack(x) for x in (q, kk, vv, o)]
-            fn = kernel.function
-            with tvm_ffi.use_torch_stream():
-                secs = cuda_time(torch, lambda: fn(*args), a.min_ms, a.rounds)
-            row["tflops"][k["kernel"]] = flops(spec) / secs / 1e12
-        except Exception as e:  # noqa: BLE001 - recorded in the row, the check goes on
-            row["errors"][k["kernel"]] = f"{type(e).__name__}: {e}"
-            traceback.print_exc()
+        run(k["kernel"], k, spec, row, q, kk, vv, seed=i)
+        dyn = next((s for s in symbolic if serves(s, spec)), None)
+        if dyn is not None and "simt_dyn" not in row["tflops"] and "simt_dyn" not in row["errors"]:
+            run("simt_dyn", dyn, spec, row, q, kk, vv, seed=i)  # the same shape through the symbolic kernel
         if "peers_done" not in row:
             row["peers_done"] = True
             for peer, fn in peers(torch, spec, q, kk, vv).items():
@@ -209,13 +257,15 @@ def main(argv: list[str] | None = None) -> int:
               + ", ".join(f"{p_} {row['tflops'][p_]:.1f}" for p_ in ("flash", "cudnn", "flex") if p_ in row["tflops"]),
               flush=True)
 
+    awkward = check_symbolic(torch, symbolic, payload, torch_dtype)
+
     def f(x, spec="{:.1f}"):
         return spec.format(x) if isinstance(x, float) else "-"
 
     lines = [f"GPU check on {name} ({arch}), {time.strftime('%Y-%m-%d')}: TFLOP/s (4·B·H·Sq·Skv·D, halved causal); "
              f"peak = dense fp16/bf16 tensor-core peak {peak} TFLOP/s", "",
-             "| dtype | D | causal | S | B×H | ours (tc) | ours (simt) | flash | cuDNN | flex | best ours % peak "
-             "| tc/flash | tc/cuDNN | tc/flex | valid |", "|" + "---|" * 15]
+             "| dtype | D | causal | S | B×H | ours (tc) | ours (simt) | simt, symbolic | flash | cuDNN | flex "
+             "| best ours % peak | tc/flash | tc/cuDNN | tc/flex | valid |", "|" + "---|" * 16]
     for key, row in rows.items():
         sp = AttentionSpec.from_dict(row["spec"])
         t = row["tflops"]
@@ -223,13 +273,19 @@ def main(argv: list[str] | None = None) -> int:
         ratio = lambda peer: (t["fused_tc"] / t[peer]) if "fused_tc" in t and t.get(peer) else None  # noqa: E731
         valid = all(v.get("passed") for v in row.get("validation", {}).values()) and bool(row.get("validation"))
         lines.append(f"| {sp.dtype} | {sp.head_dim} | {sp.causal} | {sp.seq_q} | {sp.batch}×{sp.heads} | "
-                     f"{f(t.get('fused_tc'))} | {f(t.get('fused_simt'))} | {f(t.get('flash'))} | {f(t.get('cudnn'))} | "
+                     f"{f(t.get('fused_tc'))} | {f(t.get('fused_simt'))} | {f(t.get('simt_dyn'))} | {f(t.get('flash'))} | "
+                     f"{f(t.get('cudnn'))} | "
                      f"{f(t.get('flex'))} | {f(100 * best / peak if best and peak else None)} | "
                      f"{f(ratio('flash'), '{:.2f}')} | {f(ratio('cudnn'), '{:.2f}')} | {f(ratio('flex'), '{:.2f}')} | "
                      f"{valid} |")
+    lines += ["", f"Symbolic kernels at awkward shapes (batch, seq_q, seq_kv): "
+              f"{sum(c['passed'] for c in awkward)}/{len(awkward)} valid"]
+    lines += [f"- {c['kernel']} {tuple(c['shape'])}: {c.get('error') or c.get('max_abs_err')}"
+              for c in awkward if not c["passed"]]
     table = "\n".join(lines)
     imported = sorted(m for m in sys.modules if m == "tvm" or m.startswith("tvm.") or m.startswith("tvm_attention.build"))
     report = {"device": name, "arch": arch, "peak_tflops": peak, "torch": torch.__version__, "rows": rows,
+              "symbolic": awkward,
               "seconds": round(time.time() - t_start, 1), "imported_tvm": imported}
     (out / "check.json").write_text(json.dumps(report, indent=1) + "\n")
     (out / "check.md").write_text(table + "\n")
@@ -237,8 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\ntotal {time.time() - t_start:.0f} s; tvm imported: {imported or 'no'}")
     failed = [key for key, row in rows.items()
               if any(not v.get("passed") for v in row.get("validation", {}).values())
-              or any(k in row["errors"] for k in ("fused_tc", "fused_simt"))]
-    return 1 if failed or imported else 0
+              or any(k in row["errors"] for k in ("fused_tc", "fused_simt", "simt_dyn"))]
+    return 1 if failed or imported or not all(c["passed"] for c in awkward) else 0
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ import json
 import numpy as np
 import pytest
 import tvm
+from conftest import built
 
 from schedules import cuda_flash
 from schedules._knobs import KnobError
@@ -12,6 +13,8 @@ from tvm_attention.artifact import export, validate_built
 from tvm_attention.build import build_kernel
 from tvm_attention.cli import main
 from tvm_attention.cuda_tools import find_nvcc, occupancy
+from tvm_attention.layouts import LAYOUTS, KernelArgumentError
+from tvm_attention.loader import MAX_GRID_YZ, AttentionKernel, check_cuda_grid
 from tvm_attention.reference import random_inputs, reference_attention
 from tvm_attention.spec import AttentionSpec
 from tvm_attention.target import TargetError, local_cuda_arch, resolve_target
@@ -107,6 +110,105 @@ def test_cuda_algorithm_on_cpu(seq_q, seq_kv, causal, dtype):
     atol, rtol = TOLERANCES[dtype]
     assert np.isfinite(out).all()
     assert np.allclose(out, ref, atol=atol, rtol=rtol), np.abs(out - ref).max()
+
+
+#: (batch, seq_q, seq_kv) a symbolic kernel meets: one key, a key tail, Sq > Skv, decode rows over
+#: a long cache, no key at all (zero rows)
+SYMBOLIC_SHAPES = [(1, 1, 1), (3, 37, 45), (1, 113, 203), (3, 1, 517), (1, 300, 45), (2, 37, 1), (1, 5, 0)]
+ALL_DYNAMIC = ("batch", "seq_q", "seq_kv")
+
+
+@pytest.mark.parametrize("dtype, causal", [("float32", False), ("float32", True), ("float16", True)])
+def test_cuda_symbolic_algorithm_on_cpu(dtype, causal):
+    """One symbolic SIMT kernel (batch, seq_q, seq_kv dyn; GQA 4:2), emulated, against the
+    reference at every shape of ``SYMBOLIC_SHAPES``: the (row tile, head, batch) grid, the key
+    tail masked at run time, bottom-right causal with Sq above and below Skv, zero rows for
+    seq_kv 0."""
+    from tvm_attention.layouts import LAYOUTS
+
+    spec = AttentionSpec(batch=1, heads=4, kv_heads=2, seq_q=256, head_dim=64, dtype=dtype, causal=causal,
+                         dynamic=ALL_DYNAMIC)
+    k = cuda_flash.preset(spec, resolve_target("cuda", arch="sm_90"))
+    ex = tvm.compile(fused_attention_cuda(spec, k.block_m, k.block_n, k.threads_per_row, emulate=True),
+                     target=resolve_target("llvm"))
+    atol, rtol = TOLERANCES[dtype]
+    for b, sq, sk in SYMBOLIC_SHAPES:
+        x = LAYOUTS["bhsd"].random_inputs(spec, {"batch": b, "seq_q": sq, "seq_kv": sk}, seed=sq * 7 + sk)
+        args = [tvm.runtime.tensor(x[n]) for n in ("q", "k", "v")] + [tvm.runtime.empty((b, 4, sq, 64), dtype)]
+        ex["attention"](*args)
+        out = args[3].numpy().astype(np.float64)
+        ref = reference_attention(spec, x["q"], x["k"], x["v"])
+        assert np.isfinite(out).all(), (b, sq, sk)
+        assert np.allclose(out, ref, atol=atol, rtol=rtol), ((b, sq, sk), np.abs(out - ref).max())
+        if sk == 0:
+            assert not out.any()  # no key: zero rows
+
+
+@needs_nvcc
+@pytest.mark.parametrize("arch, dtype, head_dim, causal, dynamic", [
+    ("sm_80", "float32", 64, False, ALL_DYNAMIC),
+    ("sm_90", "float32", 128, True, ALL_DYNAMIC),
+    ("sm_90", "float16", 128, True, ALL_DYNAMIC),
+    ("sm_80", "bfloat16", 64, True, ("seq_kv",)),
+])
+def test_symbolic_simt_builds_offline_without_spills(arch, dtype, head_dim, causal, dynamic):
+    """A symbolic SIMT build compiles as the static one does: no spill, under the register
+    estimate, the same shared tiles, fused by the symbolic audit, the lengths as kernel
+    arguments; ``fused`` routes a symbolic half-precision spec to it (the tensor-core kernel is
+    static) and ``fused_tc`` refuses it by name."""
+    spec = AttentionSpec(batch=2, heads=8, kv_heads=2, seq_q=1024, head_dim=head_dim, dtype=dtype, causal=causal,
+                         dynamic=dynamic)
+    target = resolve_target("cuda", arch=arch)
+    built = build_kernel(spec, "fused", target=target)
+    assert isinstance(built.knobs, cuda_flash.FlashCUDAKnobs)
+    r = built.resources
+    assert r["spills"] == 0 and r["stack_frame_bytes"] == 0, r
+    assert r["registers"] <= cuda_flash.registers_estimate(built.knobs, spec), r
+    assert 0 < r["shared_bytes"] <= cuda_flash.shared_bytes(built.knobs, spec) <= 48 * 1024
+    assert built.audit.fused and built.audit.probe == {"symbolic": list(dynamic)}, built.audit.format()
+    src = built.module.imports[0].inspect_source()
+    assert "__shfl_down_sync" in src and src.count("__syncthreads") <= 4
+    signature = src[src.index("__global__"):src.index("{", src.index("__global__"))]
+    assert all(f"int {d}" in signature for d in dynamic), signature
+    assert "blockIdx.z" in src and "blockIdx.y" in src  # the (row tile, head, batch) grid
+    if dtype != "float32":  # (float32 is refused for its dtype first)
+        with pytest.raises(KnobError, match="no symbolic-shape build.*fused_simt"):
+            build_kernel(spec, "fused_tc", target=target)
+
+
+def test_cuda_loader_binds_symbolic_dims_and_answers_empty_calls():
+    """The loader's CUDA path (run here on the CPU device with a CPU build of the same symbolic
+    spec): the output's shape from the bound dims, a mismatch named, a call with no work answered
+    without a launch (zeros; a grid of zero blocks is a launch error), a batch past gridDim.z
+    refused by name."""
+    spec = AttentionSpec(batch=1, heads=4, kv_heads=2, seq_q=64, head_dim=32, causal=True, dynamic=ALL_DYNAMIC)
+    b = built(spec)
+    launches = []
+
+    def function(*args):
+        launches.append([tuple(a.shape) for a in args])
+        b.function(*args)
+
+    class OnCpu(AttentionKernel):
+        def _cuda_device(self):
+            return tvm.cpu(0)
+
+    kernel = OnCpu(spec, function, device="cuda")
+    for shape in ((2, 37, 45), (1, 5, 0), (0, 3, 7), (2, 0, 7)):
+        x = LAYOUTS["bhsd"].random_inputs(spec, dict(zip(ALL_DYNAMIC, shape)), seed=1)
+        n = len(launches)
+        out = kernel(x["q"], x["k"], x["v"])
+        assert out.shape == (shape[0], 4, shape[1], 32)
+        np.testing.assert_allclose(out, reference_attention(spec, x["q"], x["k"], x["v"]), atol=1e-5, rtol=1e-5)
+        assert len(launches) == n + (0 not in shape)
+    assert launches == [[(2, 4, 37, 32), (2, 2, 45, 32), (2, 2, 45, 32), (2, 4, 37, 32)]]  # one launch only
+    x = LAYOUTS["bhsd"].random_inputs(spec, {"batch": 2, "seq_q": 3, "seq_kv": 5}, seed=2)
+    with pytest.raises(KernelArgumentError, match="k: dim 0 \\(batch\\) is 1, but q has batch=2"):
+        kernel(x["q"], x["k"][:1], x["v"][:1])
+    check_cuda_grid(spec, {"batch": MAX_GRID_YZ})
+    with pytest.raises(KernelArgumentError, match="batch=65536.*gridDim.z.*split the batch"):
+        check_cuda_grid(spec, {"batch": MAX_GRID_YZ + 1})
+    check_cuda_grid(AttentionSpec(batch=MAX_GRID_YZ + 1, heads=1, seq_q=1, head_dim=16), {})  # static: a flat grid
 
 
 def test_cuda_build_cli_and_inspect(tmp_path, capsys):

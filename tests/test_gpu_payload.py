@@ -38,9 +38,13 @@ def payload(tmp_path_factory):
 
 def test_payload_is_small_and_self_contained(payload):
     size = sum(f.stat().st_size for f in payload.rglob("*") if f.is_file())
-    assert size < 8 * 2**20  # two kernels and the runtime: the full sweep stays under 40 MiB
+    assert size < 8 * 2**20  # three kernels and the runtime: the full sweep stays under 40 MiB
     info = json.loads((payload / "payload.json").read_text())
-    assert [k["kernel"] for k in info["kernels"]] == ["fused_tc", "fused_simt"]
+    # the static kernels, then the symbolic SIMT kernel that serves every length of the same heads
+    assert [k["kernel"] for k in info["kernels"]] == ["fused_tc", "fused_simt", "fused_simt"]
+    assert [bool(k["spec"].get("dynamic")) for k in info["kernels"]] == [False, False, True]
+    assert json.loads((payload / info["kernels"][2]["dir"] / "manifest.json").read_text())["symbolic_dims"] == \
+        ["batch", "seq_q", "seq_kv"]
     assert sorted(p.name for p in (payload / "runtime").iterdir()) == ["libtvm_runtime.so", "libtvm_runtime_cuda.so"]
     for k in info["kernels"]:
         d = payload / k["dir"]
@@ -112,3 +116,46 @@ def test_device_reference_and_validation_on_the_cpu(tmp_path):
     rows = [0, 7, 99]
     want = reference_attention(spec, q.numpy(), k.numpy(), v.numpy())[:, :, rows]
     np.testing.assert_allclose(dc.reference_rows(torch, spec, q, k, v, rows).numpy(), want, atol=1e-9)
+
+
+def test_device_check_of_a_symbolic_kernel_on_the_cpu(tmp_path):
+    """The device script's check of a symbolic kernel at its awkward shapes, run on CPU tensors
+    against a CPU symbolic artifact: every shape passes; a kernel wrong at one length fails
+    there, and only there."""
+    torch = pytest.importorskip("torch")
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import gpu_device_check as dc
+    finally:
+        sys.path.pop(0)
+    from tvm_attention.artifact import export, validate_built
+    from tvm_attention.spec import AttentionSpec
+
+    from conftest import built
+
+    spec = AttentionSpec(batch=1, heads=4, kv_heads=2, seq_q=64, head_dim=32, causal=True,
+                         dynamic=("batch", "seq_q", "seq_kv"))
+    b = built(spec)
+    export(b, tmp_path / "a", validate_built(b))
+    entry = [{"spec": spec.to_dict(), "dir": "a"}]
+    checks = dc.check_symbolic(torch, entry, tmp_path, {"float32": torch.float32}, device="cpu")
+    assert [tuple(c["shape"]) for c in checks] == dc.AWKWARD
+    assert all(c["passed"] for c in checks), [c for c in checks if not c["passed"]]
+    import tvm_attention
+
+    real = tvm_attention.load
+
+    class WrongAt37:  # right everywhere but at seq_q 37
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __call__(self, q, k, v):
+            o = self.kernel(q, k, v)
+            return o * 1.01 if q.shape[2] == 37 else o
+
+    tvm_attention.load = lambda path: WrongAt37(real(path))
+    try:
+        checks = dc.check_symbolic(torch, entry, tmp_path, {"float32": torch.float32}, device="cpu")
+    finally:
+        tvm_attention.load = real
+    assert [tuple(c["shape"]) for c in checks if not c["passed"]] == [(3, 37, 45), (2, 37, 1)]

@@ -265,21 +265,22 @@ class AttentionKernel:
             )
         return given, options
 
-    def _check_array(self, name: str, shape: tuple, dtype: np.dtype, arr: np.ndarray, bound: dict[str, int],
-                     source: dict[str, str]) -> np.ndarray:
+    def _bind_dims(self, name: str, shape: tuple, actual: tuple[int, ...], bound: dict[str, int],
+                   source: dict[str, str]) -> str:
+        """Check ``actual`` against ``shape`` (ints and dim names), binding each symbolic dim at
+        its first sight (``source`` names the argument it came from); returns the layout's name
+        for messages."""
         layout = self.layout.name.upper() if self.layout.name == "bhsd" else self.layout.name
-        if arr.ndim != len(shape):
+        if len(actual) != len(shape):
             raise KernelArgumentError(
-                f"{name}: expected rank {len(shape)} ({layout} {_shape_text(shape)}), got rank {arr.ndim} "
-                f"with shape {arr.shape}"
+                f"{name}: expected rank {len(shape)} ({layout} {_shape_text(shape)}), got rank {len(actual)} "
+                f"with shape {actual}"
             )
         for i, want in enumerate(shape):
-            n = arr.shape[i]
+            n = actual[i]
             if isinstance(want, int):
                 if n != want:
-                    raise KernelArgumentError(
-                        f"{name}: expected shape {_shape_text(shape)} ({layout}), got {tuple(arr.shape)}"
-                    )
+                    raise KernelArgumentError(f"{name}: expected shape {_shape_text(shape)} ({layout}), got {actual}")
                 continue
             key, plus = _bound_dim(want)
             value = n - plus
@@ -290,6 +291,11 @@ class AttentionKernel:
                     f"{name}: dim {i} ({want}) is {n}, but {source[key]} has {key}={bound[key]}; expected shape "
                     f"{_shape_text(shape)} with {key}={bound[key]}"
                 )
+        return layout
+
+    def _check_array(self, name: str, shape: tuple, dtype: np.dtype, arr: np.ndarray, bound: dict[str, int],
+                     source: dict[str, str]) -> np.ndarray:
+        layout = self._bind_dims(name, shape, tuple(arr.shape), bound, source)
         if arr.size and arr.size > MAX_ELEMENTS:
             raise KernelArgumentError(
                 f"{name}: {arr.size} elements {tuple(arr.shape)}; the kernel indexes with 32-bit ints, so a "
@@ -463,10 +469,11 @@ class AttentionKernel:
     def _cuda_device(self):
         return runtime.cuda_device(0)
 
-    def _cuda_tensor(self, name: str, shape: tuple[int, ...], x: Any):
+    def _cuda_tensor(self, name: str, shape: tuple, x: Any, bound: dict[str, int], source: dict[str, str]):
         """A CUDA DLPack tensor, wrapped without a copy when TVM takes it as it is (compact and
         64-byte aligned), else a compact copy of it (``x.contiguous()``, or ``x.clone()`` for a
-        misaligned view); shape and dtype checked. Returns (tensor, framework, copied)."""
+        misaligned view); shape (binding its symbolic dims in ``bound``) and dtype checked.
+        Returns (tensor, framework, copied)."""
         import tvm_ffi
 
         copied = False
@@ -479,10 +486,9 @@ class AttentionKernel:
                     f"{name}: {str(e).splitlines()[0]}; pass a contiguous, 64-byte-aligned tensor (this "
                     f"{type(x).__name__} has no contiguous()/clone() to copy it)") from None
             t, copied = tvm_ffi.from_dlpack(y, require_alignment=self.alignment, require_contiguous=True), True
-        if tuple(t.shape) != tuple(shape) or str(t.dtype) != self.spec.dtype:
-            raise KernelArgumentError(
-                f"{name}: expected shape {tuple(shape)} dtype {self.spec.dtype}, got {tuple(t.shape)} {t.dtype}"
-            )
+        self._bind_dims(name, shape, tuple(t.shape), bound, source)
+        if str(t.dtype) != self.spec.dtype:
+            raise KernelArgumentError(f"{name}: expected dtype {self.spec.dtype}, got {t.dtype}")
         return t, type(x).__module__.split(".")[0], copied
 
     def _cuda_stream(self, framework: str | None):
@@ -498,40 +504,71 @@ class AttentionKernel:
     def _call_cuda(self, given: dict[str, Any], out: Any = None) -> Any:
         """CPU inputs are copied to GPU 0 and the result copied back; CUDA DLPack tensors are
         used in place and the result stays on the GPU. ``out`` (a CUDA tensor, or a CPU array)
-        receives the result. (CUDA builds are static BHSD: every shape is known.)"""
+        receives the result. CUDA builds are BHSD, static or with symbolic batch and lengths: the
+        dims are bound from the tensors, a call with no work (an empty tensor) is answered here
+        without a launch (a grid of zero blocks is a launch error), and a batch past the grid's
+        limit is refused by name."""
         dev = self._cuda_device()
         args, framework, on_gpu = [], None, False
         bound: dict[str, int] = {}
+        source: dict[str, str] = {}
         for i, (name, shape, dtype) in enumerate(self._inputs):
             x = given[name]
             if hasattr(x, "__dlpack_device__") and int(x.__dlpack_device__()[0]) == _DLPACK_CUDA:
-                t, fw, _ = self._cuda_tensor(name, shape, x)
+                t, fw, _ = self._cuda_tensor(name, shape, x, bound, source)
                 on_gpu = True
             else:
                 arr, fw = _as_numpy(name, x, self.device)
-                arr = self._check_array(name, shape, dtype, arr, bound, {})
+                arr = self._check_array(name, shape, dtype, arr, bound, source)
                 t = runtime.to_device(arr, dev)
             framework = framework if i else fw
             args.append(t)
-        oshape = self._out_shape
+        oshape = self.output_shape(bound)
+        check_cuda_grid(self.spec, bound)
+        # no query row, or no key (every row a zero row): nothing to launch
+        empty = math.prod(oshape) == 0 or math.prod(args[1].shape) == 0
         if out is not None and hasattr(out, "__dlpack_device__") and int(out.__dlpack_device__()[0]) == _DLPACK_CUDA:
             check_no_overlap(out, given)
-            o, fw, copied = self._cuda_tensor("out", oshape, out)
+            o, fw, copied = self._cuda_tensor("out", oshape, out, {}, {})
+            if empty:
+                if hasattr(out, "zero_"):
+                    out.zero_()
+                else:
+                    out[...] = 0
+                return out
             with self._cuda_stream(fw):
                 self.function(*args, o)
                 if copied:  # a misaligned or strided out: computed aside, written back
                     out.copy_(_from_framework(fw, o))
             return out
         user = self._check_out(out, given, oshape) if out is not None else None
-        o = runtime.empty(oshape, self.spec.dtype, dev)
-        with self._cuda_stream(framework if on_gpu else None):
-            self.function(*args, o)
+        if empty:
+            o = runtime.to_device(np.zeros(oshape, self.spec.np_dtype), dev)
+        else:
+            o = runtime.empty(oshape, self.spec.dtype, dev)
+            with self._cuda_stream(framework if on_gpu else None):
+                self.function(*args, o)
         if user is not None:
             user[...] = runtime.to_numpy(o, self.spec.np_dtype)
             return out
         if on_gpu:
             return _from_framework(framework, o)
         return _from_framework(framework, runtime.to_numpy(o, self.spec.np_dtype))
+
+
+#: gridDim.y and gridDim.z are at most 65535 blocks; a symbolic CUDA build's grid is (row tiles,
+#: heads, batch) on (x, y, z) (``workloads.fused_cuda``), so the batch is bounded there, and the
+#: build refuses more heads (``schedules.cuda_flash.check``)
+MAX_GRID_YZ = 65535
+
+
+def check_cuda_grid(spec: AttentionSpec, bound: dict[str, int]) -> None:
+    """Refuse by name a call whose grid CUDA cannot launch (a symbolic batch past gridDim.z),
+    instead of the driver's launch error."""
+    if spec.dynamic and bound.get("batch", 0) > MAX_GRID_YZ:
+        raise KernelArgumentError(
+            f"batch={bound['batch']}: a symbolic CUDA kernel launches one grid layer per sequence, at most "
+            f"{MAX_GRID_YZ} (gridDim.z); split the batch")
 
 
 def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:

@@ -1,6 +1,9 @@
 """The fused attention PrimFunc for CUDA GPUs, threads mapped in the compute itself.
 
-One thread block per (batch, head, row tile of ``block_m`` queries); ``block_m ×
+One thread block per (batch, head, row tile of ``block_m`` queries) — a flat grid for static
+lengths; with symbolic batch or lengths (``spec.dynamic``) the grid is (row tile, head, batch) on
+``blockIdx.x/y/z``, so no index divides by a run-time extent, and the key tail is masked at run
+time (seq_kv 0 gives zero rows: a row that sees no key); ``block_m ×
 threads_per_row`` threads: ``threadIdx.y`` is the query row of the tile and ``threadIdx.x``
 (``g``, fastest) the lane within that row's group, so a row's lanes are adjacent in one warp.
 
@@ -33,7 +36,8 @@ from tvm.script import tirx as T
 
 from ..spec import AttentionSpec
 from ..visibility import Visibility
-from ._math import LOG2E, exp2_fast, guarded, normalize
+from ._math import LOG2E, exp2_fast, guarded, normalize, normalize_where
+from .kv import dim
 
 ENTRY = "attention"
 VECTOR_BYTES = 16  # one 128-bit load/store per thread per step
@@ -53,15 +57,16 @@ class _Simt:
 
     def __init__(self, spec: AttentionSpec, block_m: int, block_n: int, threads_per_row: int, emulate: bool):
         self.spec, self.emulate = spec, emulate
-        B, H, KH = spec.batch, spec.heads, spec.kv_heads
-        SQ, SK, D = spec.seq_q, spec.seq_kv, spec.head_dim
+        B, H, KH = dim(spec, "batch"), spec.heads, spec.kv_heads
+        SQ, SK, D = dim(spec, "seq_q"), dim(spec, "seq_kv"), spec.head_dim
         G = spec.group_size
         BM, BN, TPR = block_m, block_n, threads_per_row
         NJ, ND = BN // TPR, D // TPR  # keys and head-dim columns per lane
-        NR, NC = math.ceil(SQ / BM), math.ceil(SK / BN)
+        NR = math.ceil(SQ / BM) if isinstance(SQ, int) else T.floordiv(SQ + BM - 1, BM)
+        NC = math.ceil(SK / BN) if isinstance(SK, int) else T.floordiv(SK + BN - 1, BN)
         vis = Visibility.of(spec)
         OFF = vis.offset(SQ, SK)
-        kv_tail = SK % BN != 0
+        kv_tail = not isinstance(SK, int) or SK % BN != 0
         masked = vis.hides_keys or kv_tail
         dtype = spec.dtype
         VEC = vector_elems(dtype)
@@ -89,8 +94,10 @@ class _Simt:
     def thread_x(self, n):
         return T.serial(n) if self.emulate else T.thread_binding(n, thread="threadIdx.x")
 
-    def block_x(self, n):
-        return T.serial(n) if self.emulate else T.thread_binding(n, thread="blockIdx.x")
+    def block(self, n, axis="x"):
+        return T.serial(n) if self.emulate else T.thread_binding(n, thread=f"blockIdx.{axis}")
+
+    block_x = block
 
     def vec(self, n):
         return T.serial(n) if self.emulate else T.vectorized(n)
@@ -117,14 +124,16 @@ class _Simt:
 
     # (batch, head, first row) of the tile a thread block owns. Helpers, not assignments inside
     # the script: an assignment there becomes a 1-element local buffer per variable.
+    # A symbolic build takes its tile from a 3-D grid, ``vbx = (batch, head, row tile)``
+    # (blockIdx.z, .y, .x, FlashAttention-2's order): no division by a run-time extent.
     def bi(self, vbx):
-        return vbx // (self.H * self.NR)
+        return vbx[0] if isinstance(vbx, tuple) else vbx // (self.H * self.NR)
 
     def hi(self, vbx):
-        return vbx % (self.H * self.NR) // self.NR
+        return vbx[1] if isinstance(vbx, tuple) else vbx % (self.H * self.NR) // self.NR
 
     def ri(self, vbx):
-        return vbx % self.NR * self.BM
+        return vbx[2] * self.BM if isinstance(vbx, tuple) else vbx % self.NR * self.BM
 
     def flat(self, it, ty, tx, v):
         # Element a thread loads in a cooperative tile copy: consecutive lanes take consecutive
@@ -265,6 +274,14 @@ def _simt_pv_store_macros(k: _Simt):
      smem) = k.dims
     thread_y, thread_x, block_x, vec, flat, bi, hi, ri, f32 = k.thread_y, k.thread_x, k.block_x, k.vec, k.flat, k.bi, k.hi, k.ri, k.f32
     spec = k.spec
+    static = not spec.dynamic
+
+    def out(acc, l, row):
+        # static lengths: normalize decides at build time whether a row may see no key;
+        # symbolic: the same fact of the mask, a run-time predicate of the lengths
+        if static:
+            return normalize(acc, l, row, spec)
+        return normalize_where(acc, l, k.vis.sees_a_key(k.vis.position(row, k.OFF), SK))
 
     @T.macro
     def pv(Ps, Vs, acc, l, l_tile, alpha):
@@ -291,8 +308,8 @@ def _simt_pv_store_macros(k: _Simt):
                     T.writes()
                     if ri(vbx) + ty < SQ:
                         for dd in T.serial(ND):
-                            O[bi(vbx), hi(vbx), ri(vbx) + ty, dd * TPR + tx] = T.Cast(dtype, normalize(
-                                acc[ty, tx, dd], l[ty, tx], ri(vbx) + ty, spec))
+                            O[bi(vbx), hi(vbx), ri(vbx) + ty, dd * TPR + tx] = T.Cast(dtype, out(
+                                acc[ty, tx, dd], l[ty, tx], ri(vbx) + ty))
 
     return pv, store
 
@@ -307,9 +324,36 @@ def fused_attention_cuda(
      smem) = k.dims
     thread_y, thread_x, block_x, vec, flat, bi, hi, ri, f32 = k.thread_y, k.thread_x, k.block_x, k.vec, k.flat, k.bi, k.hi, k.ri, k.f32
     n_tiles = k.n_tiles
+    block = k.block
+    static = not spec.dynamic
     q_load, kv_load = _simt_load_macros(k)
     softmax = _simt_softmax_macro(k)
     pv, store = _simt_pv_store_macros(k)
+
+    @T.macro
+    def tile(Q, K, V, O, vbx):
+        # Shared tiles are flat with padded row strides: a 2-D (rows, D + PAD) buffer would
+        # be compacted back to (rows, D), since nothing reads the padding.
+        Qs = T.sblock_alloc_buffer((BM * QST,), dtype, scope=smem)
+        Ks = T.sblock_alloc_buffer((BN * QST,), dtype, scope=smem)
+        Vs = T.sblock_alloc_buffer((BN * QST,), dtype, scope=smem)
+        Ps = T.sblock_alloc_buffer((BM * PST,), "float32", scope=smem)  # probabilities
+        S = T.sblock_alloc_buffer((BM, TPR, NJ), "float32", scope="local")  # scores (registers)
+        acc = T.sblock_alloc_buffer((BM, TPR, ND), "float32", scope="local")
+        m = T.sblock_alloc_buffer((BM, TPR), "float32", scope="local")  # running max, log2
+        l = T.sblock_alloc_buffer((BM, TPR), "float32", scope="local")  # running sum
+        pmax = T.sblock_alloc_buffer((BM, TPR), "float32", scope="local")  # lane partials
+        psum = T.sblock_alloc_buffer((BM, TPR), "float32", scope="local")
+        m_new = T.sblock_alloc_buffer((BM,), "float32", scope="local")  # shuffle results
+        l_tile = T.sblock_alloc_buffer((BM,), "float32", scope="local")
+        alpha = T.sblock_alloc_buffer((BM, TPR), "float32", scope="local")
+
+        q_load(Q, Qs, m, l, acc, vbx)
+        for c in T.serial(n_tiles(ri(vbx))):
+            kv_load(K, V, Ks, Vs, vbx, c)
+            softmax(Qs, Ks, Ps, S, m, pmax, psum, m_new, l_tile, alpha, vbx, c)
+            pv(Ps, Vs, acc, l, l_tile, alpha)
+        store(O, acc, l, vbx)
 
     @T.prim_func(s_tir=True)
     def attention(
@@ -320,32 +364,22 @@ def fused_attention_cuda(
     ):
         T.func_attr({"global_symbol": ENTRY, "tirx.noalias": True, "attn.workload": "fused_cuda",
                      "attn.block_m": BM, "attn.block_n": BN, "attn.threads_per_row": TPR})
-        for bx in block_x(B * H * NR):
-            with T.sblock("row_tile"):
-                vbx = T.axis.spatial(B * H * NR, bx)
-                T.reads()
-                T.writes()
-                # Shared tiles are flat with padded row strides: a 2-D (rows, D + PAD) buffer would
-                # be compacted back to (rows, D), since nothing reads the padding.
-                Qs = T.sblock_alloc_buffer((BM * QST,), dtype, scope=smem)
-                Ks = T.sblock_alloc_buffer((BN * QST,), dtype, scope=smem)
-                Vs = T.sblock_alloc_buffer((BN * QST,), dtype, scope=smem)
-                Ps = T.sblock_alloc_buffer((BM * PST,), "float32", scope=smem)  # probabilities
-                S = T.sblock_alloc_buffer((BM, TPR, NJ), "float32", scope="local")  # scores (registers)
-                acc = T.sblock_alloc_buffer((BM, TPR, ND), "float32", scope="local")
-                m = T.sblock_alloc_buffer((BM, TPR), "float32", scope="local")  # running max, log2
-                l = T.sblock_alloc_buffer((BM, TPR), "float32", scope="local")  # running sum
-                pmax = T.sblock_alloc_buffer((BM, TPR), "float32", scope="local")  # lane partials
-                psum = T.sblock_alloc_buffer((BM, TPR), "float32", scope="local")
-                m_new = T.sblock_alloc_buffer((BM,), "float32", scope="local")  # shuffle results
-                l_tile = T.sblock_alloc_buffer((BM,), "float32", scope="local")
-                alpha = T.sblock_alloc_buffer((BM, TPR), "float32", scope="local")
-
-                q_load(Q, Qs, m, l, acc, vbx)
-                for c in T.serial(n_tiles(ri(vbx))):
-                    kv_load(K, V, Ks, Vs, vbx, c)
-                    softmax(Qs, Ks, Ps, S, m, pmax, psum, m_new, l_tile, alpha, vbx, c)
-                    pv(Ps, Vs, acc, l, l_tile, alpha)
-                store(O, acc, l, vbx)
+        if static:
+            for bx in block_x(B * H * NR):
+                with T.sblock("row_tile"):
+                    vbx = T.axis.spatial(B * H * NR, bx)
+                    T.reads()
+                    T.writes()
+                    tile(Q, K, V, O, vbx)
+        else:  # no guard for batch or seq_q 0 (a zero grid, a launch error): TVM's sync insertion
+            # refuses a condition around the kernel; the loader answers empty calls itself
+            for bz in block(B, "z"):
+                for by in block(H, "y"):
+                    for bx in block(NR, "x"):
+                        with T.sblock("row_tile"):
+                            vb, vh, vr = T.axis.remap("SSS", [bz, by, bx])
+                            T.reads()
+                            T.writes()
+                            tile(Q, K, V, O, (vb, vh, vr))
 
     return attention
