@@ -1,6 +1,6 @@
 """``--schedule fused`` on CUDA: the tensor-core kernel (``cuda_mma``) where it applies — float16
-or bfloat16 inputs on sm_80 or later, head_dim a multiple of 16 — and the SIMT kernel
-(``cuda_flash``) everywhere else (float32, older GPUs, odd head dims, symbolic batch or lengths). ``fused_tc`` and
+or bfloat16 inputs on sm_80 or later, head_dim a multiple of 16, static or symbolic lengths — and
+the SIMT kernel (``cuda_flash``) everywhere else (float32, older GPUs, odd head dims). ``fused_tc`` and
 ``fused_simt`` name one kernel explicitly (for comparing them side by side).
 
 Every call is routed by what it is given: the spec and target, the knob dataclass, or the

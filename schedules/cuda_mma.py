@@ -9,6 +9,9 @@ Feasibility is checked against named limits before anything is built: fp16/bf16 
 sm_80+ target (``mma.sync.m16n8k16`` with bf16, ``cp.async``, ldmatrix), head_dim a multiple
 of 16 (one mma k step), threads per block, 48 KiB of static shared memory for the K/V stages,
 and an estimate of registers per thread.
+
+Batch, seq_q and seq_kv may be symbolic (``--batch dyn`` ...): the kernel then takes its tile from
+a (row tile, head, batch) grid, masks the key tail and skips causal key tiles at run time.
 """
 from __future__ import annotations
 
@@ -24,8 +27,11 @@ from ._knobs import KnobError, KnobsMixin
 from .family import USE_CPU_FUSED, Capabilities, never_static_decode, same_knobs
 
 NAME = "fused"
+#: symbolic batch, seq_q and seq_kv: a (row tile, head, batch) grid on (x, y, z), as the SIMT kernel's
 CAPABILITIES = Capabilities(label="CUDA tensor-core fused", target="cuda", layouts=("bhsd",), dtypes=MMA_DTYPES,
-                            symbolic=False, lse=False, instead=f"use --schedule fused_simt, or {USE_CPU_FUSED}")
+                            symbolic=True, lse=False, instead=f"use --schedule fused_simt, or {USE_CPU_FUSED}")
+#: gridDim.y's limit: a symbolic build's heads (the loader bounds the batch, on gridDim.z)
+MAX_GRID_Y = 65535
 WARP = 32
 MAX_REGISTERS_PER_THREAD = 255
 #: registers besides the fragments (addresses, loop state, m/l, temporaries). Measured with
@@ -79,7 +85,7 @@ def arch_number(target: Target) -> int:
 def supports(spec: AttentionSpec, target: Target) -> bool:
     """Whether the tensor-core kernel builds ``spec`` on ``target`` (else the SIMT kernel does)."""
     return (spec.dtype in MMA_DTYPES and arch_number(target) >= MIN_ARCH and spec.head_dim % 16 == 0
-            and spec.layout == "bhsd" and not spec.dynamic and not getattr(spec, "return_lse", False))
+            and spec.layout == "bhsd" and not getattr(spec, "return_lse", False))
 
 
 def shared_bytes(knobs: MMAKnobs, spec: AttentionSpec) -> int:
@@ -143,6 +149,9 @@ def check(knobs: MMAKnobs, spec: AttentionSpec, target: Target) -> None:
     regs_per_block = int(target.attrs["registers_per_block"])
     if regs * knobs.threads > regs_per_block:
         raise KnobError(f"{regs} registers × {knobs.threads} threads > registers_per_block={regs_per_block}")
+    if spec.dynamic and spec.heads > MAX_GRID_Y:
+        raise KnobError(
+            f"heads={spec.heads} > {MAX_GRID_Y}: a symbolic build launches one grid row per head (gridDim.y)")
 
 
 def workload(spec: AttentionSpec, knobs: MMAKnobs):

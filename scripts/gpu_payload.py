@@ -16,7 +16,7 @@ exported as an artifact (``kernel_binary``: no JIT compile at load). The payload
     payload.json                what was built, with what
 
 Sizes: about 0.2 MB per kernel and 4 MB of runtime, so the default sweep (2 kernels × 24 shapes ×
-2 archs, and a symbolic SIMT kernel per dtype, head_dim and causal: 16 more) stays far under the 40 MiB the check allows; the script refuses to write more.
+2 archs, and a symbolic one of each kernel per dtype, head_dim and causal: 32 more) stays far under the 40 MiB the check allows; the script refuses to write more.
 
     python scripts/gpu_payload.py --out gpu_payload --wheel        # the full check, sm_90 and sm_80
     python scripts/gpu_payload.py --out p --seq 1024 --head-dim 64 --dtype float16 --arch sm_90  # small
@@ -96,8 +96,9 @@ def jobs_for(a: argparse.Namespace, kernels_dir: Path) -> list[dict]:
                         _, h = shape_of(max(a.seq), d, a.tokens, a.width)
                         spec = AttentionSpec(batch=1, heads=h, seq_q=max(a.seq), head_dim=d, dtype=dtype,
                                              causal=causal, dynamic=SYMBOLIC)
-                        jobs.append({"spec": spec.to_dict(), "kernel": "fused_simt", "arch": arch,
-                                     "dir": str(kernels_dir / arch / f"fused_simt_{spec.short_name()}")})
+                        for k in a.kernels:
+                            jobs.append({"spec": spec.to_dict(), "kernel": k, "arch": arch,
+                                         "dir": str(kernels_dir / arch / f"{k}_{spec.short_name()}")})
     return jobs
 
 
@@ -145,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--causal", nargs="+", type=lambda t: t.lower() in ("1", "true", "yes"), default=[False, True])
     p.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=list(KERNELS))
     p.add_argument("--symbolic", action=argparse.BooleanOptionalAction, default=True,
-                   help="also a symbolic-shape SIMT kernel per (arch, dtype, head_dim, causal)")
+                   help="also a symbolic-shape build of each kernel per (arch, dtype, head_dim, causal)")
     p.add_argument("--tokens", type=int, default=16384, help="batch × seq_len (FlashAttention's benchmark)")
     p.add_argument("--width", type=int, default=2048, help="heads × head_dim")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel builds")

@@ -42,6 +42,33 @@ def run_kernel(spec, q, k, v, schedule="fused", knobs=None):
     return kernel_of(built(spec, schedule, knobs))(q, k, v)
 
 
+#: (batch, seq_q, seq_kv) a symbolic CUDA kernel meets: one key, a key tail, Sq > Skv, decode rows
+#: over a long cache, no key at all (zero rows)
+SYMBOLIC_SHAPES = [(1, 1, 1), (3, 37, 45), (1, 113, 203), (3, 1, 517), (1, 300, 45), (2, 37, 1), (1, 5, 0)]
+
+
+def check_emulated_symbolic(ex, spec) -> None:
+    """Run an emulated symbolic BHSD kernel ``ex`` (compiled for the CPU) at every shape of
+    ``SYMBOLIC_SHAPES`` against the reference; a row that sees no key must be exactly zero."""
+    import tvm
+
+    from tvm_attention.layouts import LAYOUTS
+    from tvm_attention.reference import reference_attention
+    from tvm_attention.validate import TOLERANCES
+
+    atol, rtol = TOLERANCES[spec.dtype]
+    for b, sq, sk in SYMBOLIC_SHAPES:
+        x = LAYOUTS["bhsd"].random_inputs(spec, {"batch": b, "seq_q": sq, "seq_kv": sk}, seed=sq * 7 + sk)
+        o = tvm.runtime.empty((b, spec.heads, sq, spec.head_dim), spec.dtype)
+        ex["attention"](*[tvm.runtime.tensor(x[n]) for n in ("q", "k", "v")], o)
+        out = o.numpy().astype(np.float64)
+        ref = reference_attention(spec, x["q"], x["k"], x["v"])
+        assert np.isfinite(out).all(), (b, sq, sk)
+        assert np.allclose(out, ref, atol=atol, rtol=rtol), ((b, sq, sk), np.abs(out - ref).max())
+        if sk == 0:
+            assert not out.any()  # no key: zero rows
+
+
 def at_offset(x: np.ndarray, offset: int) -> np.ndarray:
     """A C-contiguous copy of ``x`` whose data starts ``offset`` bytes past a 64-byte boundary
     (NumPy's own arrays sit at 16 mod 64)."""

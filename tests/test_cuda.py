@@ -5,9 +5,9 @@ import json
 import numpy as np
 import pytest
 import tvm
-from conftest import built
+from conftest import built, check_emulated_symbolic
 
-from schedules import cuda_flash
+from schedules import cuda_flash, cuda_fused, cuda_mma
 from schedules._knobs import KnobError
 from tvm_attention.artifact import export, validate_built
 from tvm_attention.build import build_kernel
@@ -112,36 +112,20 @@ def test_cuda_algorithm_on_cpu(seq_q, seq_kv, causal, dtype):
     assert np.allclose(out, ref, atol=atol, rtol=rtol), np.abs(out - ref).max()
 
 
-#: (batch, seq_q, seq_kv) a symbolic kernel meets: one key, a key tail, Sq > Skv, decode rows over
-#: a long cache, no key at all (zero rows)
-SYMBOLIC_SHAPES = [(1, 1, 1), (3, 37, 45), (1, 113, 203), (3, 1, 517), (1, 300, 45), (2, 37, 1), (1, 5, 0)]
 ALL_DYNAMIC = ("batch", "seq_q", "seq_kv")
 
 
 @pytest.mark.parametrize("dtype, causal", [("float32", False), ("float32", True), ("float16", True)])
 def test_cuda_symbolic_algorithm_on_cpu(dtype, causal):
     """One symbolic SIMT kernel (batch, seq_q, seq_kv dyn; GQA 4:2), emulated, against the
-    reference at every shape of ``SYMBOLIC_SHAPES``: the (row tile, head, batch) grid, the key
-    tail masked at run time, bottom-right causal with Sq above and below Skv, zero rows for
-    seq_kv 0."""
-    from tvm_attention.layouts import LAYOUTS
-
+    reference at every shape of ``conftest.SYMBOLIC_SHAPES``: the (row tile, head, batch) grid,
+    the key tail masked at run time, bottom-right causal with Sq above and below Skv, zero rows
+    for seq_kv 0."""
     spec = AttentionSpec(batch=1, heads=4, kv_heads=2, seq_q=256, head_dim=64, dtype=dtype, causal=causal,
                          dynamic=ALL_DYNAMIC)
     k = cuda_flash.preset(spec, resolve_target("cuda", arch="sm_90"))
-    ex = tvm.compile(fused_attention_cuda(spec, k.block_m, k.block_n, k.threads_per_row, emulate=True),
-                     target=resolve_target("llvm"))
-    atol, rtol = TOLERANCES[dtype]
-    for b, sq, sk in SYMBOLIC_SHAPES:
-        x = LAYOUTS["bhsd"].random_inputs(spec, {"batch": b, "seq_q": sq, "seq_kv": sk}, seed=sq * 7 + sk)
-        args = [tvm.runtime.tensor(x[n]) for n in ("q", "k", "v")] + [tvm.runtime.empty((b, 4, sq, 64), dtype)]
-        ex["attention"](*args)
-        out = args[3].numpy().astype(np.float64)
-        ref = reference_attention(spec, x["q"], x["k"], x["v"])
-        assert np.isfinite(out).all(), (b, sq, sk)
-        assert np.allclose(out, ref, atol=atol, rtol=rtol), ((b, sq, sk), np.abs(out - ref).max())
-        if sk == 0:
-            assert not out.any()  # no key: zero rows
+    check_emulated_symbolic(tvm.compile(fused_attention_cuda(spec, k.block_m, k.block_n, k.threads_per_row,
+                                                             emulate=True), target=resolve_target("llvm")), spec)
 
 
 @needs_nvcc
@@ -154,12 +138,12 @@ def test_cuda_symbolic_algorithm_on_cpu(dtype, causal):
 def test_symbolic_simt_builds_offline_without_spills(arch, dtype, head_dim, causal, dynamic):
     """A symbolic SIMT build compiles as the static one does: no spill, under the register
     estimate, the same shared tiles, fused by the symbolic audit, the lengths as kernel
-    arguments; ``fused`` routes a symbolic half-precision spec to it (the tensor-core kernel is
-    static) and ``fused_tc`` refuses it by name."""
+    arguments. ``fused`` builds float32 on it; a symbolic half-precision spec it routes to the
+    tensor-core kernel (test_cuda_mma.py), so that one is built here as ``fused_simt``."""
     spec = AttentionSpec(batch=2, heads=8, kv_heads=2, seq_q=1024, head_dim=head_dim, dtype=dtype, causal=causal,
                          dynamic=dynamic)
     target = resolve_target("cuda", arch=arch)
-    built = build_kernel(spec, "fused", target=target)
+    built = build_kernel(spec, "fused" if dtype == "float32" else "fused_simt", target=target)
     assert isinstance(built.knobs, cuda_flash.FlashCUDAKnobs)
     r = built.resources
     assert r["spills"] == 0 and r["stack_frame_bytes"] == 0, r
@@ -171,9 +155,8 @@ def test_symbolic_simt_builds_offline_without_spills(arch, dtype, head_dim, caus
     signature = src[src.index("__global__"):src.index("{", src.index("__global__"))]
     assert all(f"int {d}" in signature for d in dynamic), signature
     assert "blockIdx.z" in src and "blockIdx.y" in src  # the (row tile, head, batch) grid
-    if dtype != "float32":  # (float32 is refused for its dtype first)
-        with pytest.raises(KnobError, match="no symbolic-shape build.*fused_simt"):
-            build_kernel(spec, "fused_tc", target=target)
+    if dtype != "float32":  # ``fused`` would take tensor cores for it
+        assert cuda_mma.supports(spec, target) and isinstance(cuda_fused.preset(spec, target), cuda_mma.MMAKnobs)
 
 
 def test_cuda_loader_binds_symbolic_dims_and_answers_empty_calls():

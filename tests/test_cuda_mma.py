@@ -5,6 +5,7 @@ instruction replaced by its definition). GPU runs live in test_cuda.py / scripts
 import numpy as np
 import pytest
 import tvm
+from conftest import check_emulated_symbolic
 
 from schedules import cuda_flash, cuda_mma
 from schedules._knobs import KnobError
@@ -129,6 +130,65 @@ def test_tensor_core_algorithm_on_cpu(seq_q, seq_kv, causal, dtype, head_dim, wa
     atol, rtol = TOLERANCES[dtype]
     assert np.isfinite(out[keep]).all()
     assert np.allclose(out[keep], ref[keep], atol=atol, rtol=rtol), np.abs(out[keep] - ref[keep]).max()
+
+
+
+ALL_DYNAMIC = ("batch", "seq_q", "seq_kv")
+
+
+@pytest.mark.parametrize("dtype, causal, warps, block_n, stages", [
+    ("float16", False, 1, 16, 3),
+    ("float16", True, 2, 16, 2),
+    ("bfloat16", False, 1, 16, 1),
+    ("bfloat16", True, 1, 16, 3),
+])
+def test_tensor_core_symbolic_algorithm_on_cpu(dtype, causal, warps, block_n, stages):
+    """One symbolic tensor-core kernel (batch, seq_q, seq_kv dyn; GQA 4:2), emulated, against the
+    reference at every shape of ``conftest.SYMBOLIC_SHAPES``: the (row tile, head, batch) grid, the key
+    tail masked and causal key tiles skipped at run time, bottom-right causal with Sq above and
+    below Skv, zero rows for seq_kv 0. Small tiles (16 rows, 16 keys) keep the emulation quick
+    and give many row and key tiles; the presets pass the same shapes (checked 2026-12-02)."""
+    spec = AttentionSpec(batch=1, heads=4, kv_heads=2, seq_q=256, head_dim=64, dtype=dtype, causal=causal,
+                         dynamic=ALL_DYNAMIC)
+    ex = tvm.compile(fused_attention_mma(spec, warps, block_n, stages, 1, emulate=True), target=resolve_target("llvm"))
+    check_emulated_symbolic(ex, spec)
+
+
+@needs_nvcc
+@pytest.mark.parametrize("arch, dtype, head_dim, causal, dynamic", [
+    ("sm_80", "float16", 64, False, ALL_DYNAMIC),
+    ("sm_90", "bfloat16", 128, True, ALL_DYNAMIC),
+    ("sm_90", "float16", 64, True, ("seq_kv",)),
+])
+def test_symbolic_tensor_core_builds_offline_without_spills(arch, dtype, head_dim, causal, dynamic):
+    """``fused`` builds a symbolic fp16/bf16 spec on tensor cores as it builds a static one: no
+    spill, no local memory, the static build's shared memory, mma count and single barrier per
+    key tile, within the register estimate's margin (a symbolic build has the static one's
+    registers at lengths with a tail), fused by the symbolic audit, the lengths as kernel
+    arguments, the (row tile, head, batch) grid; heads past gridDim.y are refused by name."""
+    spec = AttentionSpec(batch=2, heads=8, kv_heads=2, seq_q=1024, head_dim=head_dim, dtype=dtype, causal=causal,
+                         dynamic=dynamic)
+    target = resolve_target("cuda", arch=arch)
+    built = build_kernel(spec, "fused", target=target)
+    k = built.knobs
+    assert isinstance(k, cuda_mma.MMAKnobs) and k == cuda_mma.preset(spec, target)
+    r = built.resources
+    assert r["spills"] == 0 and r["stack_frame_bytes"] == 0, r
+    assert r["registers"] <= cuda_mma.registers_estimate(k, spec) + 16, r
+    assert r["shared_bytes"] == cuda_mma.shared_bytes(k, spec) <= 48 * 1024
+    ptx = r["ptx_instructions"]
+    per_tile = (k.block_n // 16) * (head_dim // 16)
+    assert ptx["mma.sync"] == 4 * per_tile * k.m_tiles and ptx["ldmatrix"] == 2 * per_tile, ptx
+    assert ptx["bar.sync"] == 1 and ptx["ld.local"] == 0 and ptx["st.local"] == 0
+    assert built.audit.fused and built.audit.probe == {"symbolic": list(dynamic)}, built.audit.format()
+    src = built.module.imports[0].inspect_source()
+    signature = src[src.index("__global__"):src.index("{", src.index("__global__"))]
+    assert all(f"int {d}" in signature for d in dynamic), signature
+    assert "blockIdx.z" in src and "blockIdx.y" in src  # the (row tile, head, batch) grid
+    wide = dict(batch=1, heads=65536, kv_heads=1, seq_q=1, head_dim=head_dim, dtype=dtype)
+    with pytest.raises(KnobError, match="heads=65536 > 65535.*gridDim.y"):
+        cuda_mma.check(k, AttentionSpec(**wide, dynamic=dynamic), target)
+    cuda_mma.check(k, AttentionSpec(**wide), target)  # static: a flat grid
 
 
 @needs_nvcc

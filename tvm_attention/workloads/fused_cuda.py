@@ -97,8 +97,6 @@ class _Simt:
     def block(self, n, axis="x"):
         return T.serial(n) if self.emulate else T.thread_binding(n, thread=f"blockIdx.{axis}")
 
-    block_x = block
-
     def vec(self, n):
         return T.serial(n) if self.emulate else T.vectorized(n)
 
@@ -149,7 +147,7 @@ def _simt_load_macros(k: _Simt):
     memory with coalesced 16-byte loads."""
     (B, H, KH, SQ, SK, D, G, BM, BN, TPR, NJ, ND, NR, NC, dtype, VEC, QST, PST, QIT, KIT, qscale, neg_inf,
      smem) = k.dims
-    thread_y, thread_x, block_x, vec, flat, bi, hi, ri, f32 = k.thread_y, k.thread_x, k.block_x, k.vec, k.flat, k.bi, k.hi, k.ri, k.f32
+    thread_y, thread_x, vec, flat, bi, hi, ri, f32 = k.thread_y, k.thread_x, k.vec, k.flat, k.bi, k.hi, k.ri, k.f32
     G, kv_row = k.dims[6], k.kv_row
 
     @T.macro
@@ -205,7 +203,7 @@ def _simt_softmax_macro(k: _Simt):
     shuffles), and P = exp2(S - m_new) into the shared P tile."""
     (B, H, KH, SQ, SK, D, G, BM, BN, TPR, NJ, ND, NR, NC, dtype, VEC, QST, PST, QIT, KIT, qscale, neg_inf,
      smem) = k.dims
-    thread_y, thread_x, block_x, vec, flat, bi, hi, ri, f32 = k.thread_y, k.thread_x, k.block_x, k.vec, k.flat, k.bi, k.hi, k.ri, k.f32
+    thread_y, thread_x, vec, flat, bi, hi, ri, f32 = k.thread_y, k.thread_x, k.vec, k.flat, k.bi, k.hi, k.ri, k.f32
     masked_score = k.masked_score
 
     @T.macro
@@ -272,7 +270,7 @@ def _simt_pv_store_macros(k: _Simt):
     """The online correction with ``acc += P·V``, and the store ``O = acc / l``."""
     (B, H, KH, SQ, SK, D, G, BM, BN, TPR, NJ, ND, NR, NC, dtype, VEC, QST, PST, QIT, KIT, qscale, neg_inf,
      smem) = k.dims
-    thread_y, thread_x, block_x, vec, flat, bi, hi, ri, f32 = k.thread_y, k.thread_x, k.block_x, k.vec, k.flat, k.bi, k.hi, k.ri, k.f32
+    thread_y, thread_x, vec, flat, bi, hi, ri, f32 = k.thread_y, k.thread_x, k.vec, k.flat, k.bi, k.hi, k.ri, k.f32
     spec = k.spec
     static = not spec.dynamic
 
@@ -322,7 +320,7 @@ def fused_attention_cuda(
     k = _Simt(spec, block_m, block_n, threads_per_row, emulate)
     (B, H, KH, SQ, SK, D, G, BM, BN, TPR, NJ, ND, NR, NC, dtype, VEC, QST, PST, QIT, KIT, qscale, neg_inf,
      smem) = k.dims
-    thread_y, thread_x, block_x, vec, flat, bi, hi, ri, f32 = k.thread_y, k.thread_x, k.block_x, k.vec, k.flat, k.bi, k.hi, k.ri, k.f32
+    thread_y, thread_x, vec, flat, bi, hi, ri, f32 = k.thread_y, k.thread_x, k.vec, k.flat, k.bi, k.hi, k.ri, k.f32
     n_tiles = k.n_tiles
     block = k.block
     static = not spec.dynamic
@@ -355,6 +353,8 @@ def fused_attention_cuda(
             pv(Ps, Vs, acc, l, l_tile, alpha)
         store(O, acc, l, vbx)
 
+    grid = tile_grid(block, B, H, NR, static, tile)
+
     @T.prim_func(s_tir=True)
     def attention(
         Q: T.Buffer((B, H, SQ, D), dtype),
@@ -364,8 +364,22 @@ def fused_attention_cuda(
     ):
         T.func_attr({"global_symbol": ENTRY, "tirx.noalias": True, "attn.workload": "fused_cuda",
                      "attn.block_m": BM, "attn.block_n": BN, "attn.threads_per_row": TPR})
+        grid(Q, K, V, O)
+
+    return attention
+
+
+def tile_grid(block, B, H, NR, static: bool, tile):
+    """The thread blocks of a CUDA kernel (both: this one and ``fused_mma``), each running the
+    macro ``tile(Q, K, V, O, vbx)`` on its tile: a flat grid of ``B·H·NR`` blocks for static
+    lengths (``vbx`` the block index), a (row tile, head, batch) grid on ``blockIdx.x/y/z`` for
+    symbolic ones (``vbx = (batch, head, row tile)``: no index divides by a run-time extent).
+    ``block(n, axis)`` binds a grid loop (or a serial one, emulated)."""
+
+    @T.macro
+    def grid(Q, K, V, O):
         if static:
-            for bx in block_x(B * H * NR):
+            for bx in block(B * H * NR, "x"):
                 with T.sblock("row_tile"):
                     vbx = T.axis.spatial(B * H * NR, bx)
                     T.reads()
@@ -382,4 +396,4 @@ def fused_attention_cuda(
                             T.writes()
                             tile(Q, K, V, O, (vb, vh, vr))
 
-    return attention
+    return grid

@@ -1,11 +1,14 @@
 """The fused attention PrimFunc for CUDA tensor cores (sm_80+): ``mma.sync.m16n8k16``, ldmatrix
 and ``cp.async``, FlashAttention-2's work split.
 
-One thread block per (batch, head, row tile of ``block_m = 16·m_tiles·warps`` queries);
-``threadIdx.y`` is the warp, ``threadIdx.x`` the lane. Each warp owns ``m_tiles`` groups of 16
-query rows (each K/V fragment read from shared memory feeds one mma pair per group) and keeps
-everything about them in registers (PTX fragment layouts, ``g = lane / 4``, ``t = lane % 4``;
-per row group):
+One thread block per (batch, head, row tile of ``block_m = 16·m_tiles·warps`` queries) — a flat
+grid for static lengths; with symbolic batch or lengths (``spec.dynamic``) the grid is (row tile,
+head, batch) on ``blockIdx.x/y/z``, so no index divides by a run-time extent, and the key tail,
+the row tail, the causal tile range and the rows that see no key (zeros) are run-time
+conditions of the lengths. ``threadIdx.y`` is the warp, ``threadIdx.x`` the lane. Each warp
+owns ``m_tiles`` groups of 16 query rows (each K/V fragment read from shared memory feeds one
+mma pair per group) and keeps everything about them in registers (PTX fragment layouts,
+``g = lane / 4``, ``t = lane % 4``; per row group):
 
 * ``Qf``: the warp's Q rows as mma A fragments, loaded once from global memory
   (``head_dim / 16`` fragments of 8 halves: rows ``g, g + 8``, columns ``2t, 2t + 1 (+8)``);
@@ -51,7 +54,9 @@ from tvm.script import tirx as T
 
 from ..spec import AttentionSpec
 from ..visibility import Visibility
-from ._math import LOG2E, guarded, normalize
+from ._math import LOG2E, guarded, normalize, normalize_where
+from .fused_cuda import tile_grid
+from .kv import dim
 
 ENTRY = "attention"
 WARP = 32
@@ -119,18 +124,20 @@ def _mma_context(spec: AttentionSpec, warps: int, block_n: int, stages: int, m_t
     builders below unpack what each stage of the kernel uses)."""
     if spec.dtype not in MMA_DTYPES:
         raise ValueError(f"tensor-core kernel takes float16 or bfloat16, not {spec.dtype}")
-    B, H, KH = spec.batch, spec.heads, spec.kv_heads
-    SQ, SK, D = spec.seq_q, spec.seq_kv, spec.head_dim
+    B, H, KH = dim(spec, "batch"), spec.heads, spec.kv_heads
+    SQ, SK, D = dim(spec, "seq_q"), dim(spec, "seq_kv"), spec.head_dim
     G = spec.group_size
     W, BN, NS, MT = warps, block_n, stages, m_tiles
     BM = 16 * MT * W  # a warp owns MT groups of 16 rows: each K/V fragment feeds MT mma pairs
     NT = BN // 8  # 8-key slices of the score tile (one m16n8 accumulator each)
     NDC = D // 16  # 16-wide chunks of head_dim: the k steps of Q·Kᵀ
     NO = D // 8  # 8-wide slices of head_dim: the output accumulators
-    NR, NC = math.ceil(SQ / BM), math.ceil(SK / BN)
+    # symbolic lengths (tir Vars): tile counts by a constant divisor, the key tail at run time
+    NR = math.ceil(SQ / BM) if isinstance(SQ, int) else T.floordiv(SQ + BM - 1, BM)
+    NC = math.ceil(SK / BN) if isinstance(SK, int) else T.floordiv(SK + BN - 1, BN)
     vis = Visibility.of(spec)
     OFF = vis.offset(SQ, SK)
-    causal, kv_tail = vis.causal, SK % BN != 0
+    causal, kv_tail = vis.causal, not isinstance(SK, int) or SK % BN != 0
     dtype = spec.dtype
     ST = smem_stride(D)
     TILE = BN * ST  # elements of one staged K (or V) tile
@@ -160,18 +167,21 @@ def _mma_context(spec: AttentionSpec, warps: int, block_n: int, stages: int, m_t
     def thread_x(n):
         return T.serial(n) if EMU else T.thread_binding(n, thread="threadIdx.x")
 
-    def block_x(n):
-        return T.serial(n) if EMU else T.thread_binding(n, thread="blockIdx.x")
+    def block(n, axis="x"):
+        return T.serial(n) if EMU else T.thread_binding(n, thread=f"blockIdx.{axis}")
 
-    # (batch, head, first row) of a thread block's tile; causal: longest tiles first
+    # (batch, head, first row) of a thread block's tile; causal: longest tiles first. A static
+    # build's tile is a flat block index; a symbolic build's, ``vbx = (batch, head, row tile)``
+    # from a (row tile, head, batch) grid on blockIdx.x/y/z: no division by a run-time extent.
     def bi(vbx):
-        return vbx // (H * NR)
+        return vbx[0] if isinstance(vbx, tuple) else vbx // (H * NR)
 
     def hi(vbx):
-        return vbx % (H * NR) // NR
+        return vbx[1] if isinstance(vbx, tuple) else vbx % (H * NR) // NR
 
     def ri(vbx):
-        return (NR - 1 - vbx % NR) * BM if causal else vbx % NR * BM
+        r = vbx[2] if isinstance(vbx, tuple) else vbx % NR
+        return (NR - 1 - r) * BM if causal else r * BM
 
     def n_tiles(r0):
         key_end = vis.key_end(vis.position(r0 + BM, OFF))  # what the tile's rows may see
@@ -551,6 +561,13 @@ def _mma_store(x):
         (x.bi, x.col_of, x.dtype, x.EMU, x.hi, x.ix, x.MT, x.NO, x.o_half, x.ri, x.row_of, x.spec, x.SQ,
          x.thread_x, x.thread_y, x.W)
 
+    def out(acc, l, row):
+        # static lengths: normalize decides at build time whether a row may see no key;
+        # symbolic: the same fact of the mask, a run-time predicate of the lengths
+        if not spec.dynamic:
+            return normalize(acc, l, row, spec)
+        return normalize_where(acc, l, x.vis.sees_a_key(x.vis.position(row, x.OFF), x.SK))
+
     @T.macro
     def store(O, acc, l, ls, vbx):
         # -- row sums across the row's lanes, O = acc / l (0 for a row with no key) ------
@@ -573,8 +590,8 @@ def _mma_store(x):
                     for k in T.unroll(MT * NO * 4):
                         if ri(vbx) + row_of(ty, tx, o_half(k)) < SQ:
                             O[bi(vbx), hi(vbx), ri(vbx) + row_of(ty, tx, o_half(k)), col_of(tx, k, NO)] = T.Cast(
-                                dtype, normalize(acc[ix(ty, tx, k)], ls[ix(ty, tx, o_half(k))],
-                                                 ri(vbx) + row_of(ty, tx, o_half(k)), spec))
+                                dtype, out(acc[ix(ty, tx, k)], ls[ix(ty, tx, o_half(k))],
+                                           ri(vbx) + row_of(ty, tx, o_half(k))))
 
     return store
 
@@ -586,9 +603,10 @@ def fused_attention_mma(
     ``O (B, H, Sq, D)``, all ``spec.dtype`` (float16 or bfloat16), compact row-major, 16-byte
     aligned rows (``head_dim`` a multiple of 16)."""
     x = _mma_fragments(_mma_context(spec, warps, block_n, stages, m_tiles, emulate))
-    (B, block_x, BN, D, dtype, fscope, fshape, H, KH, MT, n_tiles, NDC, NO, NR, NS, NT, ri, SK, smem, SQ, TILE, W) = \
-        (x.B, x.block_x, x.BN, x.D, x.dtype, x.fscope, x.fshape, x.H, x.KH, x.MT, x.n_tiles, x.NDC, x.NO, x.NR,
-         x.NS, x.NT, x.ri, x.SK, x.smem, x.SQ, x.TILE, x.W)
+    (B, block, BN, D, dtype, fscope, fshape, H, KH, MT, n_tiles, NDC, NO, NR, NS, NT, ri, SK, smem, SQ, TILE, W) = \
+        (x.B, x.block, x.BN, x.D, x.dtype, x.fscope, x.fshape, x.H, x.KH, x.MT, x.n_tiles, x.NDC, x.NO, x.NR, x.NS,
+         x.NT, x.ri, x.SK, x.smem, x.SQ, x.TILE, x.W)
+    static = not spec.dynamic
     q_frag = _mma_q_frag(x)
     prologue = _mma_prologue(x)
     kv_wait = _mma_kv_wait(x)
@@ -597,6 +615,34 @@ def fused_attention_mma(
     softmax = _mma_softmax(x)
     pv_mma = _mma_pv_mma(x)
     store = _mma_store(x)
+
+    @T.macro
+    def tile(Qp, K, V, O, vbx):
+        Ks = T.sblock_alloc_buffer((NS * TILE,), dtype, scope=smem)
+        Vs = T.sblock_alloc_buffer((NS * TILE,), dtype, scope=smem)
+        Qf = T.sblock_alloc_buffer(fshape(MT * NDC * 8), dtype, scope=fscope)
+        Kf = T.sblock_alloc_buffer(fshape(8), dtype, scope=fscope)
+        Vf = T.sblock_alloc_buffer(fshape(8), dtype, scope=fscope)
+        S = T.sblock_alloc_buffer(fshape(MT * NT * 4), "float32", scope=fscope)  # scores
+        Pf = T.sblock_alloc_buffer(fshape(MT * NT * 4), dtype, scope=fscope)  # probabilities
+        acc = T.sblock_alloc_buffer(fshape(MT * NO * 4), "float32", scope=fscope)
+        m = T.sblock_alloc_buffer(fshape(MT * 2), "float32", scope=fscope)  # rows g, g + 8
+        l = T.sblock_alloc_buffer(fshape(MT * 2), "float32", scope=fscope)  # lane's part
+        mt = T.sblock_alloc_buffer(fshape(MT * 2), "float32", scope=fscope)  # lane's tile max
+        mn = T.sblock_alloc_buffer(fshape(MT * 2), "float32", scope=fscope)  # row's new max
+        ls = T.sblock_alloc_buffer(fshape(MT * 2), "float32", scope=fscope)  # row sum
+
+        q_frag(Qp, Qf, m, l, acc, vbx)
+        prologue(Ks, Vs, K, V, vbx)
+        for c in T.serial(n_tiles(ri(vbx))):
+            kv_wait(Ks, Vs, K, V, vbx, c)
+            kv_prefetch(Ks, Vs, K, V, vbx, c)
+            qk_mma(S, Qf, Ks, Kf, c)
+            softmax(S, Pf, acc, m, l, mt, mn, vbx, c)
+            pv_mma(acc, Pf, Vs, Vf, c)
+        store(O, acc, l, ls, vbx)
+
+    grid = tile_grid(block, B, H, NR, static, tile)
 
     @T.prim_func(s_tir=True)
     def attention(
@@ -607,33 +653,6 @@ def fused_attention_mma(
     ):
         T.func_attr({"global_symbol": ENTRY, "tirx.noalias": True, "attn.workload": "fused_mma",
                      "attn.warps": W, "attn.block_n": BN, "attn.stages": NS, "attn.m_tiles": MT})
-        for bx in block_x(B * H * NR):
-            with T.sblock("row_tile"):
-                vbx = T.axis.spatial(B * H * NR, bx)
-                T.reads()
-                T.writes()
-                Ks = T.sblock_alloc_buffer((NS * TILE,), dtype, scope=smem)
-                Vs = T.sblock_alloc_buffer((NS * TILE,), dtype, scope=smem)
-                Qf = T.sblock_alloc_buffer(fshape(MT * NDC * 8), dtype, scope=fscope)
-                Kf = T.sblock_alloc_buffer(fshape(8), dtype, scope=fscope)
-                Vf = T.sblock_alloc_buffer(fshape(8), dtype, scope=fscope)
-                S = T.sblock_alloc_buffer(fshape(MT * NT * 4), "float32", scope=fscope)  # scores
-                Pf = T.sblock_alloc_buffer(fshape(MT * NT * 4), dtype, scope=fscope)  # probabilities
-                acc = T.sblock_alloc_buffer(fshape(MT * NO * 4), "float32", scope=fscope)
-                m = T.sblock_alloc_buffer(fshape(MT * 2), "float32", scope=fscope)  # rows g, g + 8
-                l = T.sblock_alloc_buffer(fshape(MT * 2), "float32", scope=fscope)  # lane's part
-                mt = T.sblock_alloc_buffer(fshape(MT * 2), "float32", scope=fscope)  # lane's tile max
-                mn = T.sblock_alloc_buffer(fshape(MT * 2), "float32", scope=fscope)  # row's new max
-                ls = T.sblock_alloc_buffer(fshape(MT * 2), "float32", scope=fscope)  # row sum
-
-                q_frag(Qp, Qf, m, l, acc, vbx)
-                prologue(Ks, Vs, K, V, vbx)
-                for c in T.serial(n_tiles(ri(vbx))):
-                    kv_wait(Ks, Vs, K, V, vbx, c)
-                    kv_prefetch(Ks, Vs, K, V, vbx, c)
-                    qk_mma(S, Qf, Ks, Kf, c)
-                    softmax(S, Pf, acc, m, l, mt, mn, vbx, c)
-                    pv_mma(acc, Pf, Vs, Vf, c)
-                store(O, acc, l, ls, vbx)
+        grid(Qp, K, V, O)
 
     return attention
