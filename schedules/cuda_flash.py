@@ -21,7 +21,7 @@ from tvm import s_tir
 from tvm.target import Target
 
 from tvm_attention.spec import SUPPORTED_DTYPES, AttentionSpec
-from tvm_attention.workloads.fused_cuda import fused_attention_cuda, vector_elems
+from tvm_attention.workloads.fused_cuda import fused_attention_cuda, grid_refusal, vector_elems
 
 from ._knobs import KnobError, KnobsMixin
 from .family import Capabilities, never_static_decode, same_knobs
@@ -31,8 +31,6 @@ NAME = "fused"
 #: divided by a run-time extent (a flat grid's ``// (H·NR)`` spilled on sm_90 with seq_q symbolic)
 CAPABILITIES = Capabilities(label="CUDA fused", target="cuda", layouts=("bhsd",), dtypes=SUPPORTED_DTYPES,
                             symbolic=True, lse=False)
-#: gridDim.y's limit: a symbolic build's heads (the loader bounds the batch, on gridDim.z)
-MAX_GRID_Y = 65535
 WARP = 32
 MAX_REGISTERS_PER_THREAD = 255
 #: registers a lane needs besides its scores and accumulator columns (indices, m, l, temporaries);
@@ -141,8 +139,9 @@ def check(knobs: FlashCUDAKnobs, spec: AttentionSpec, target: Target) -> None:
         raise KnobError(f"stages={knobs.stages}: only 1 (no software pipelining of K/V) is implemented")
     if knobs.unroll not in UNROLL_STEPS:
         raise KnobError(f"unroll={knobs.unroll} not in {UNROLL_STEPS}")
-    if spec.dynamic and spec.heads > MAX_GRID_Y:
-        raise KnobError(f"heads={spec.heads} > {MAX_GRID_Y}: a symbolic build launches one grid row per head (gridDim.y)")
+    why = grid_refusal(spec)
+    if why is not None:
+        raise KnobError(why)
 
 
 def workload(spec: AttentionSpec, knobs: FlashCUDAKnobs):

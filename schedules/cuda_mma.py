@@ -21,6 +21,7 @@ from tvm import s_tir
 from tvm.target import Target
 
 from tvm_attention.spec import AttentionSpec
+from tvm_attention.workloads.fused_cuda import grid_refusal
 from tvm_attention.workloads.fused_mma import MMA_DTYPES, fused_attention_mma, smem_stride
 
 from ._knobs import KnobError, KnobsMixin
@@ -30,8 +31,6 @@ NAME = "fused"
 #: symbolic batch, seq_q and seq_kv: a (row tile, head, batch) grid on (x, y, z), as the SIMT kernel's
 CAPABILITIES = Capabilities(label="CUDA tensor-core fused", target="cuda", layouts=("bhsd",), dtypes=MMA_DTYPES,
                             symbolic=True, lse=False, instead=f"use --schedule fused_simt, or {USE_CPU_FUSED}")
-#: gridDim.y's limit: a symbolic build's heads (the loader bounds the batch, on gridDim.z)
-MAX_GRID_Y = 65535
 WARP = 32
 MAX_REGISTERS_PER_THREAD = 255
 #: registers besides the fragments (addresses, loop state, m/l, temporaries). Measured with
@@ -149,9 +148,9 @@ def check(knobs: MMAKnobs, spec: AttentionSpec, target: Target) -> None:
     regs_per_block = int(target.attrs["registers_per_block"])
     if regs * knobs.threads > regs_per_block:
         raise KnobError(f"{regs} registers × {knobs.threads} threads > registers_per_block={regs_per_block}")
-    if spec.dynamic and spec.heads > MAX_GRID_Y:
-        raise KnobError(
-            f"heads={spec.heads} > {MAX_GRID_Y}: a symbolic build launches one grid row per head (gridDim.y)")
+    why = grid_refusal(spec)
+    if why is not None:
+        raise KnobError(why)
 
 
 def workload(spec: AttentionSpec, knobs: MMAKnobs):

@@ -188,6 +188,9 @@ def test_cuda_loader_binds_symbolic_dims_and_answers_empty_calls():
     x = LAYOUTS["bhsd"].random_inputs(spec, {"batch": 2, "seq_q": 3, "seq_kv": 5}, seed=2)
     with pytest.raises(KernelArgumentError, match="k: dim 0 \\(batch\\) is 1, but q has batch=2"):
         kernel(x["q"], x["k"][:1], x["v"][:1])
+    from tvm_attention.workloads import fused_cuda
+
+    assert MAX_GRID_YZ == fused_cuda.MAX_GRID_YZ  # the loader's copy (it loads without TVM)
     check_cuda_grid(spec, {"batch": MAX_GRID_YZ})
     with pytest.raises(KernelArgumentError, match="batch=65536.*gridDim.z.*split the batch"):
         check_cuda_grid(spec, {"batch": MAX_GRID_YZ + 1})

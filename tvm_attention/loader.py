@@ -376,11 +376,11 @@ class AttentionKernel:
                               for n, x in inputs.items()})
         return oa
 
-    def _trivial(self, arrays: dict[str, np.ndarray]) -> bool:
+    def _trivial(self, arrays: dict[str, Any]) -> bool:
         """No work for the kernel: no query row, or no key at all (every row a zero row; a paged
         ``block_table`` with no column, which the index checks passed, means every sequence is
         empty). A zero-size tensor is answered here, never handed to the kernel."""
-        return any(a.size == 0 for a in arrays.values())
+        return any(math.prod(a.shape) == 0 for a in arrays.values())  # NumPy arrays or device tensors
 
     def __call__(self, q: Any, k: Any, v: Any, *index: Any, out: Any = None, **kw: Any) -> Any:
         """``o = softmax(q·kᵀ·scale + mask)·v`` in the artifact's layout; with ``out=`` the result
@@ -525,8 +525,8 @@ class AttentionKernel:
             args.append(t)
         oshape = self.output_shape(bound)
         check_cuda_grid(self.spec, bound)
-        # no query row, or no key (every row a zero row): nothing to launch
-        empty = math.prod(oshape) == 0 or math.prod(args[1].shape) == 0
+        # answered without a launch: a grid of zero blocks is a launch error
+        empty = self._trivial(dict(zip((n for n, _, _ in self._inputs), args)))
         if out is not None and hasattr(out, "__dlpack_device__") and int(out.__dlpack_device__()[0]) == _DLPACK_CUDA:
             check_no_overlap(out, given)
             o, fw, copied = self._cuda_tensor("out", oshape, out, {}, {})
@@ -556,9 +556,9 @@ class AttentionKernel:
         return _from_framework(framework, runtime.to_numpy(o, self.spec.np_dtype))
 
 
-#: gridDim.y and gridDim.z are at most 65535 blocks; a symbolic CUDA build's grid is (row tiles,
-#: heads, batch) on (x, y, z) (``workloads.fused_cuda``), so the batch is bounded there, and the
-#: build refuses more heads (``schedules.cuda_flash.check``)
+#: ``workloads.fused_cuda.MAX_GRID_YZ`` (this module loads without TVM): a symbolic CUDA build's
+#: grid is (row tiles, heads, batch) on (x, y, z), so the batch is bounded by gridDim.z here, and
+#: the build refuses more heads (``fused_cuda.grid_refusal``)
 MAX_GRID_YZ = 65535
 
 

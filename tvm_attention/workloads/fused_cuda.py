@@ -369,6 +369,19 @@ def fused_attention_cuda(
     return attention
 
 
+#: gridDim.y's and gridDim.z's limit: a symbolic build's heads (refused at build time, by
+#: ``grid_refusal``) and batch (refused per call by the loader, which cannot import this module)
+MAX_GRID_YZ = 65535
+
+
+def grid_refusal(spec: AttentionSpec) -> str | None:
+    """Why ``tile_grid`` cannot launch ``spec`` (None: it can): a symbolic build has one grid row
+    per head on ``blockIdx.y``."""
+    if spec.dynamic and spec.heads > MAX_GRID_YZ:
+        return f"heads={spec.heads} > {MAX_GRID_YZ}: a symbolic build launches one grid row per head (gridDim.y)"
+    return None
+
+
 def tile_grid(block, B, H, NR, static: bool, tile):
     """The thread blocks of a CUDA kernel (both: this one and ``fused_mma``), each running the
     macro ``tile(Q, K, V, O, vbx)`` on its tile: a flat grid of ``B·H·NR`` blocks for static
