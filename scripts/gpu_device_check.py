@@ -11,6 +11,10 @@ its ``run.sh`` calls this): PyTorch, NumPy and tvm-ffi only; it imports the pack
 3. time it (CUDA events, the median of rounds of at least ``--min-ms``) next to torch SDPA's
    flash and cuDNN backends and FlexAttention (``torch.compile``), on the same inputs, in this run.
 
+A symbolic kernel is validated at awkward shapes (``AWKWARD``) and a varlen one on ragged packed
+batches (``VARLEN_BATCHES``, every row); each is also timed at every static shape it serves (the
+varlen one with the batch packed, its output checked against the static kernel's).
+
 Prints and writes one table (``check.md``, ``check.json`` in ``--out``): TFLOP/s (4·B·H·Sq·Skv·D,
 halved when causal), the share of the GPU's dense fp16/bf16 peak, and ours/theirs ratios. Peers
 that fail or run past ``--budget`` seconds are recorded as such; the check itself never runs past
@@ -141,9 +145,10 @@ AWKWARD = [(1, 1, 1), (3, 37, 45), (1, 113, 203), (3, 1, 517), (1, 300, 45), (2,
            (2, 1000, 4099)]
 
 
-def check_symbolic(torch, kernels: list[dict], payload: Path, torch_dtype: dict, device: str = "cuda") -> list[dict]:
-    """Each symbolic kernel through the loader at every ``AWKWARD`` shape against the reference
-    (``device``: where the inputs live; the tests run it on CPU artifacts)."""
+def check_cases(kernels: list[dict], payload: Path, cases: list, key: str, run_case, what: str) -> list[dict]:
+    """Each kernel through the loader on every case: ``run_case(i, spec, kernel, case)`` returns
+    the validation of kernel ``i`` on ``case``; an error is recorded as a failed case and the
+    check goes on. Each result holds the kernel, the case (under ``key``) and the validation."""
     import tvm_attention
     from tvm_attention.spec import AttentionSpec
 
@@ -153,20 +158,90 @@ def check_symbolic(torch, kernels: list[dict], payload: Path, torch_dtype: dict,
         try:
             kernel = tvm_attention.load(payload / k["dir"])
         except Exception as e:  # noqa: BLE001 - recorded, the check goes on
-            out.append({"kernel": k["dir"], "shape": [], "passed": False, "error": f"{type(e).__name__}: {e}"})
+            out.append({"kernel": k["dir"], key: [], "passed": False, "error": f"{type(e).__name__}: {e}"})
             continue
-        for b, sq, sk in AWKWARD:
-            gen = torch.Generator(device=device).manual_seed(i * 1000 + sq)
-            shapes = [(b, spec.heads, sq, spec.head_dim)] + [(b, spec.kv_heads, sk, spec.head_dim)] * 2
-            x = [torch.randn(shape, device=device, dtype=torch_dtype[spec.dtype], generator=gen) for shape in shapes]
+        for case in cases:
             try:
-                r = validate(torch, spec, kernel, *x, seed=sq)
+                r = run_case(i, spec, kernel, case)
             except Exception as e:  # noqa: BLE001
                 r = {"passed": False, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
-            out.append({"kernel": k["dir"], "shape": [b, sq, sk], **r})
-        print(f"symbolic {k['dir']}: {sum(c['passed'] for c in out if c['kernel'] == k['dir'])}/{len(AWKWARD)} "
-              "shapes valid", flush=True)
+            out.append({"kernel": k["dir"], key: [list(c) if isinstance(c, tuple) else c for c in case], **r})
+        print(f"{what} {k['dir']}: {sum(c['passed'] for c in out if c['kernel'] == k['dir'])}/{len(cases)} "
+              "valid", flush=True)
     return out
+
+
+def check_symbolic(torch, kernels: list[dict], payload: Path, torch_dtype: dict, device: str = "cuda") -> list[dict]:
+    """Each symbolic kernel through the loader at every ``AWKWARD`` shape against the reference
+    (``device``: where the inputs live; the tests run it on CPU artifacts)."""
+
+    def run_case(i, spec, kernel, shape):
+        b, sq, sk = shape
+        gen = torch.Generator(device=device).manual_seed(i * 1000 + sq)
+        shapes = [(b, spec.heads, sq, spec.head_dim)] + [(b, spec.kv_heads, sk, spec.head_dim)] * 2
+        x = [torch.randn(s, device=device, dtype=torch_dtype[spec.dtype], generator=gen) for s in shapes]
+        return validate(torch, spec, kernel, *x, seed=sq)
+
+    return check_cases(kernels, payload, AWKWARD, "shape", run_case, "symbolic")
+
+
+#: a static shape's row names the varlen build of each kernel timed there (the batch packed)
+VARLEN_NAMES = {"fused_tc": "tc_varlen", "fused_simt": "simt_varlen"}
+#: packed batches ((seq_q, seq_kv) per sequence) every varlen kernel is validated on, every row:
+#: empty sequences, one row, Sq above and below Skv, no keys (zero rows), tails, long among short
+VARLEN_BATCHES = [[(0, 7), (1, 1), (70, 33), (33, 70), (5, 0), (129, 129), (0, 0), (3, 200)], [(37, 45)],
+                  [(1, 1)] * 3, [(1000, 4099), (300, 45), (1, 517)]]
+
+
+def packed_inputs(torch, spec, lens, dtype, device: str, gen):
+    """q ``(total_q, H, D)``, k, v ``(total_k, KH, D)`` and cu_seqlens_q/k (int32) on ``device``."""
+    cq = [0]
+    ck = [0]
+    for sq, sk in lens:
+        cq.append(cq[-1] + sq)
+        ck.append(ck[-1] + sk)
+    q = torch.randn((cq[-1], spec.heads, spec.head_dim), device=device, dtype=dtype, generator=gen)
+    k = torch.randn((ck[-1], spec.kv_heads, spec.head_dim), device=device, dtype=dtype, generator=gen)
+    v = torch.randn((ck[-1], spec.kv_heads, spec.head_dim), device=device, dtype=dtype, generator=gen)
+    as_index = lambda c: torch.tensor(c, dtype=torch.int32, device=device)  # noqa: E731
+    return q, k, v, as_index(cq), as_index(ck)
+
+
+def validate_varlen(torch, spec, kernel, q, k, v, cq, ck) -> dict:
+    """Every row of every sequence against the float64 reference of that sequence alone."""
+    from tvm_attention.validate import TOLERANCES
+
+    out = kernel(q, k, v, cu_seqlens_q=cq, cu_seqlens_k=ck)
+    atol, rtol = TOLERANCES[spec.dtype]
+    ok, worst = bool(torch.isfinite(out).all()), 0.0
+    bounds_q, bounds_k = cq.tolist(), ck.tolist()
+    for b in range(len(bounds_q) - 1):
+        q0, q1, k0, k1 = bounds_q[b], bounds_q[b + 1], bounds_k[b], bounds_k[b + 1]
+        if q1 == q0:
+            continue
+
+        def bhsd(x, lo, hi):
+            return x[lo:hi].transpose(0, 1).unsqueeze(0)
+
+        ref = reference_rows(torch, spec, bhsd(q, q0, q1), bhsd(k, k0, k1), bhsd(v, k0, k1), list(range(q1 - q0)))
+        diff = (bhsd(out, q0, q1).double() - ref).abs()
+        worst = max(worst, float(diff.max()))
+        ok = ok and bool((diff <= atol + rtol * ref.abs()).all())
+        if k1 == k0:
+            ok = ok and not bool(out[q0:q1].any())  # no key: exact zeros
+    return {"passed": ok, "max_abs_err": worst, "rows_checked": int(bounds_q[-1]), "atol": atol, "rtol": rtol}
+
+
+def check_varlen(torch, kernels: list[dict], payload: Path, torch_dtype: dict, device: str = "cuda") -> list[dict]:
+    """Each varlen kernel through the loader on every ``VARLEN_BATCHES`` batch against the
+    reference (``device``: where the inputs live; the tests run it on CPU artifacts)."""
+
+    def run_case(i, spec, kernel, lens):
+        gen = torch.Generator(device=device).manual_seed(i * 1000 + len(lens))
+        return validate_varlen(torch, spec, kernel, *packed_inputs(torch, spec, lens, torch_dtype[spec.dtype], device,
+                                                                  gen))
+
+    return check_cases(kernels, payload, VARLEN_BATCHES, "seqlens", run_case, "varlen")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -193,8 +268,9 @@ def main(argv: list[str] | None = None) -> int:
     major, minor = torch.cuda.get_device_capability()
     arch, name = f"sm_{major}{minor}", torch.cuda.get_device_name()
     ready = [k for k in info["kernels"] if k["arch"] == arch and "error" not in k]
-    built = [k for k in ready if not k["spec"].get("dynamic")]
-    symbolic = [k for k in ready if k["spec"].get("dynamic")]
+    varlen = [k for k in ready if k["spec"].get("layout", "bhsd") == "varlen"]
+    built = [k for k in ready if not k["spec"].get("dynamic") and k not in varlen]
+    symbolic = [k for k in ready if k["spec"].get("dynamic") and k not in varlen]
     if not ready:
         print(f"gpu_device_check: the payload has no kernels for {arch} ({name}); it has {info['archs']}",
               file=sys.stderr)
@@ -206,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
           f"dense fp16 peak {peak} TFLOP/s", flush=True)
 
     from tvm_attention.spec import AttentionSpec
+    from tvm_attention.validate import TOLERANCES
 
     torch_dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
     rows: dict[str, dict] = {}  # one per shape
@@ -216,14 +293,31 @@ def main(argv: list[str] | None = None) -> int:
             (spec.dtype, spec.head_dim, spec.causal, spec.heads)
 
     def run(name, k, spec, row, q, kk, vv, seed):
+        # validate and time build ``k`` as ``name`` on (q, kk, vv); a varlen build (a value of
+        # VARLEN_NAMES) takes the batch packed (B sequences of seq_q rows and seq_kv keys) and is
+        # checked against the static kernel's output of the same inputs
         try:
             kernel = tvm_attention.load(payload / k["dir"])
-            row.setdefault("validation", {})[name] = validate(torch, spec, kernel, q, kk, vv, seed=seed)
-            o = torch.empty_like(q)
-            args = [tvm_ffi.from_dlpack(x) for x in (q, kk, vv, o)]
+            if name in VARLEN_NAMES.values():
+                pack = lambda x: x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3]).contiguous()  # noqa: E731
+                cu = lambda s: torch.arange(0, spec.batch + 1, device="cuda", dtype=torch.int32) * s  # noqa: E731
+                args = [pack(q), pack(kk), pack(vv), cu(spec.seq_q), cu(spec.seq_kv)]
+                o = kernel(*args)
+                same = row.get("outputs", {}).get(k["kernel"])
+                if same is not None:
+                    err = float((o.view(spec.batch, spec.seq_q, spec.heads, -1).transpose(1, 2).double()
+                                 - same.double()).abs().max())
+                    row.setdefault("validation", {})[name] = {"passed": err <= TOLERANCES[spec.dtype][0],
+                                                              "max_abs_err": err, "against": k["kernel"]}
+            else:
+                row.setdefault("validation", {})[name] = validate(torch, spec, kernel, q, kk, vv, seed=seed)
+                if name in VARLEN_NAMES:  # the varlen build of the same shape is checked against it
+                    row.setdefault("outputs", {})[name] = kernel(q, kk, vv)
+                args, o = [q, kk, vv], torch.empty_like(q)
+            ffi = [tvm_ffi.from_dlpack(x) for x in (*args, o)]
             fn = kernel.function
             with tvm_ffi.use_torch_stream():
-                secs = cuda_time(torch, lambda: fn(*args), a.min_ms, a.rounds)
+                secs = cuda_time(torch, lambda: fn(*ffi), a.min_ms, a.rounds)
             row["tflops"][name] = flops(spec) / secs / 1e12
         except Exception as e:  # noqa: BLE001 - recorded in the row, the check goes on
             row["errors"][name] = f"{type(e).__name__}: {e}"
@@ -242,6 +336,11 @@ def main(argv: list[str] | None = None) -> int:
         name = DYN_NAMES.get(k["kernel"])
         if dyn is not None and name not in row["tflops"] and name not in row["errors"]:
             run(name, dyn, spec, row, q, kk, vv, seed=i)  # the same shape through the symbolic kernel
+        packed = next((s for s in varlen if serves(s, k["kernel"], spec)), None)
+        name = VARLEN_NAMES.get(k["kernel"])
+        if packed is not None and name not in row["tflops"] and name not in row["errors"]:
+            run(name, packed, spec, row, q, kk, vv, seed=i)
+        row.pop("outputs", None)
         if "peers_done" not in row:
             row["peers_done"] = True
             for peer, fn in peers(torch, spec, q, kk, vv).items():
@@ -262,14 +361,16 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
 
     awkward = check_symbolic(torch, symbolic, payload, torch_dtype)
+    ragged = check_varlen(torch, varlen, payload, torch_dtype)
 
     def f(x, spec="{:.1f}"):
         return spec.format(x) if isinstance(x, float) else "-"
 
     lines = [f"GPU check on {name} ({arch}), {time.strftime('%Y-%m-%d')}: TFLOP/s (4·B·H·Sq·Skv·D, halved causal); "
              f"peak = dense fp16/bf16 tensor-core peak {peak} TFLOP/s", "",
-             "| dtype | D | causal | S | B×H | ours (tc) | ours (simt) | tc, symbolic | simt, symbolic | flash | cuDNN "
-             "| flex | best ours % peak | tc/flash | tc/cuDNN | tc/flex | valid |", "|" + "---|" * 17]
+             "| dtype | D | causal | S | B×H | ours (tc) | ours (simt) | tc, symbolic | simt, symbolic | tc, varlen "
+             "| simt, varlen | flash | cuDNN | flex | best ours % peak | tc/flash | tc/cuDNN | tc/flex | valid |",
+             "|" + "---|" * 19]
     for key, row in rows.items():
         sp = AttentionSpec.from_dict(row["spec"])
         t = row["tflops"]
@@ -277,8 +378,9 @@ def main(argv: list[str] | None = None) -> int:
         ratio = lambda peer: (t["fused_tc"] / t[peer]) if "fused_tc" in t and t.get(peer) else None  # noqa: E731
         valid = all(v.get("passed") for v in row.get("validation", {}).values()) and bool(row.get("validation"))
         lines.append(f"| {sp.dtype} | {sp.head_dim} | {sp.causal} | {sp.seq_q} | {sp.batch}×{sp.heads} | "
-                     f"{f(t.get('fused_tc'))} | {f(t.get('fused_simt'))} | {f(t.get('tc_dyn'))} | {f(t.get('simt_dyn'))} | {f(t.get('flash'))} | "
-                     f"{f(t.get('cudnn'))} | "
+                     f"{f(t.get('fused_tc'))} | {f(t.get('fused_simt'))} | {f(t.get('tc_dyn'))} | "
+                     f"{f(t.get('simt_dyn'))} | {f(t.get('tc_varlen'))} | {f(t.get('simt_varlen'))} | "
+                     f"{f(t.get('flash'))} | {f(t.get('cudnn'))} | "
                      f"{f(t.get('flex'))} | {f(100 * best / peak if best and peak else None)} | "
                      f"{f(ratio('flash'), '{:.2f}')} | {f(ratio('cudnn'), '{:.2f}')} | {f(ratio('flex'), '{:.2f}')} | "
                      f"{valid} |")
@@ -286,10 +388,13 @@ def main(argv: list[str] | None = None) -> int:
               f"{sum(c['passed'] for c in awkward)}/{len(awkward)} valid"]
     lines += [f"- {c['kernel']} {tuple(c['shape'])}: {c.get('error') or c.get('max_abs_err')}"
               for c in awkward if not c["passed"]]
+    lines += ["", f"Varlen kernels on ragged batches: {sum(c['passed'] for c in ragged)}/{len(ragged)} valid"]
+    lines += [f"- {c['kernel']} {c['seqlens'][:4]}: {c.get('error') or c.get('max_abs_err')}"
+              for c in ragged if not c["passed"]]
     table = "\n".join(lines)
     imported = sorted(m for m in sys.modules if m == "tvm" or m.startswith("tvm.") or m.startswith("tvm_attention.build"))
     report = {"device": name, "arch": arch, "peak_tflops": peak, "torch": torch.__version__, "rows": rows,
-              "symbolic": awkward,
+              "symbolic": awkward, "varlen": ragged,
               "seconds": round(time.time() - t_start, 1), "imported_tvm": imported}
     (out / "check.json").write_text(json.dumps(report, indent=1) + "\n")
     (out / "check.md").write_text(table + "\n")
@@ -297,8 +402,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\ntotal {time.time() - t_start:.0f} s; tvm imported: {imported or 'no'}")
     failed = [key for key, row in rows.items()
               if any(not v.get("passed") for v in row.get("validation", {}).values())
-              or any(k in row["errors"] for k in ("fused_tc", "fused_simt", *DYN_NAMES.values()))]
-    return 1 if failed or imported or not all(c["passed"] for c in awkward) else 0
+              or any(k in row["errors"] for k in ("fused_tc", "fused_simt", *DYN_NAMES.values(),
+                                                  *VARLEN_NAMES.values()))]
+    return 1 if failed or imported or not all(c["passed"] for c in awkward + ragged) else 0
 
 
 if __name__ == "__main__":

@@ -16,7 +16,8 @@ exported as an artifact (``kernel_binary``: no JIT compile at load). The payload
     payload.json                what was built, with what
 
 Sizes: about 0.2 MB per kernel and 4 MB of runtime, so the default sweep (2 kernels × 24 shapes ×
-2 archs, and a symbolic one of each kernel per dtype, head_dim and causal: 32 more) stays far under the 40 MiB the check allows; the script refuses to write more.
+2 archs, and a symbolic and a varlen one of each kernel per dtype, head_dim and causal: 64 more)
+stays under the 40 MiB the check allows; the script refuses to write more.
 
     python scripts/gpu_payload.py --out gpu_payload --wheel        # the full check, sm_90 and sm_80
     python scripts/gpu_payload.py --out p --seq 1024 --head-dim 64 --dtype float16 --arch sm_90  # small
@@ -92,10 +93,14 @@ def jobs_for(a: argparse.Namespace, kernels_dir: Path) -> list[dict]:
                         for k in a.kernels:
                             jobs.append({"spec": spec.to_dict(), "kernel": k, "arch": arch,
                                          "dir": str(kernels_dir / arch / f"{k}_{spec.short_name()}")})
-                    if a.symbolic:  # one symbolic kernel serves every length of this (dtype, D, causal)
-                        _, h = shape_of(max(a.seq), d, a.tokens, a.width)
+                    # one symbolic kernel serves every length of this (dtype, D, causal); one varlen
+                    # kernel every packed batch
+                    _, h = shape_of(max(a.seq), d, a.tokens, a.width)
+                    for on, extra in ((a.symbolic, {"dynamic": SYMBOLIC}), (a.varlen, {"layout": "varlen"})):
+                        if not on:
+                            continue
                         spec = AttentionSpec(batch=1, heads=h, seq_q=max(a.seq), head_dim=d, dtype=dtype,
-                                             causal=causal, dynamic=SYMBOLIC)
+                                             causal=causal, **extra)
                         for k in a.kernels:
                             jobs.append({"spec": spec.to_dict(), "kernel": k, "arch": arch,
                                          "dir": str(kernels_dir / arch / f"{k}_{spec.short_name()}")})
@@ -147,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=list(KERNELS))
     p.add_argument("--symbolic", action=argparse.BooleanOptionalAction, default=True,
                    help="also a symbolic-shape build of each kernel per (arch, dtype, head_dim, causal)")
+    p.add_argument("--varlen", action=argparse.BooleanOptionalAction, default=True,
+                   help="also a varlen (packed, cu_seqlens) build of each kernel per (arch, dtype, head_dim, causal)")
     p.add_argument("--tokens", type=int, default=16384, help="batch × seq_len (FlashAttention's benchmark)")
     p.add_argument("--width", type=int, default=2048, help="heads × head_dim")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel builds")

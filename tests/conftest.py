@@ -69,6 +69,35 @@ def check_emulated_symbolic(ex, spec) -> None:
             assert not out.any()  # no key: zero rows
 
 
+#: varlen batches (seq_q, seq_kv per sequence) for the emulated CUDA kernels: empty sequences,
+#: one row, Sq above and below Skv, no keys, tails, a long one among short ones
+VARLEN_BATCHES = [[(0, 7), (1, 1), (70, 33), (33, 70), (5, 0), (129, 129), (0, 0), (3, 200)], [(37, 45)],
+                  [(1, 1)] * 3, [(300, 45), (5, 0)]]
+
+
+def check_emulated_varlen(ex, spec) -> None:
+    """Run an emulated varlen kernel ``ex`` (compiled for the CPU) on every batch of
+    ``VARLEN_BATCHES`` against the reference; a sequence that sees no key must be exactly zero."""
+    import tvm
+
+    from tvm_attention.layouts import LAYOUTS
+    from tvm_attention.validate import TOLERANCES
+
+    layout = LAYOUTS["varlen"]
+    atol, rtol = TOLERANCES[spec.dtype]
+    for lens in VARLEN_BATCHES:
+        x = layout.random_inputs(spec, {"seqlens": lens}, seed=len(lens))
+        o = tvm.runtime.empty(x["q"].shape, spec.dtype)
+        ex["attention"](*[tvm.runtime.tensor(x[n]) for n in ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k")], o)
+        out = o.numpy().astype(np.float64)
+        ref, _ = layout.reference_outputs(spec, x)
+        assert np.isfinite(out).all(), lens
+        assert np.allclose(out, ref, atol=atol, rtol=rtol), (lens, np.abs(out - ref).max())
+        for b, (sq, sk) in enumerate(lens):
+            if sk == 0:  # no key: zero rows
+                assert not out[x["cu_seqlens_q"][b]:x["cu_seqlens_q"][b + 1]].any(), lens
+
+
 def at_offset(x: np.ndarray, offset: int) -> np.ndarray:
     """A C-contiguous copy of ``x`` whose data starts ``offset`` bytes past a 64-byte boundary
     (NumPy's own arrays sit at 16 mod 64)."""

@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 import tvm
-from conftest import built, check_emulated_symbolic
+from conftest import built, check_emulated_symbolic, check_emulated_varlen
 
 from schedules import cuda_flash, cuda_fused, cuda_mma
 from schedules._knobs import KnobError
@@ -128,6 +128,42 @@ def test_cuda_symbolic_algorithm_on_cpu(dtype, causal):
                                                              emulate=True), target=resolve_target("llvm")), spec)
 
 
+@pytest.mark.parametrize("dtype, causal", [("float32", False), ("float32", True), ("float16", True)])
+def test_cuda_varlen_algorithm_on_cpu(dtype, causal):
+    """The SIMT kernel in FlashAttention's varlen layout (GQA 4:2), emulated, on the batches of
+    ``conftest.VARLEN_BATCHES``: each thread block's sequence found by the binary search on
+    cu_seqlens_q, spare slots computing nothing, per-sequence key tails and bottom-right causal,
+    zero rows for a sequence with no key. Small tiles give many slots."""
+    spec = AttentionSpec(batch=1, heads=4, kv_heads=2, seq_q=64, head_dim=64, dtype=dtype, causal=causal,
+                         layout="varlen")
+    check_emulated_varlen(tvm.compile(fused_attention_cuda(spec, 16, 16, 4, emulate=True),
+                                      target=resolve_target("llvm")), spec)
+
+
+@needs_nvcc
+@pytest.mark.parametrize("arch, dtype, head_dim, causal", [("sm_80", "float32", 64, True),
+                                                           ("sm_80", "float32", 128, False)])
+def test_varlen_simt_builds_offline_without_spills(arch, dtype, head_dim, causal):
+    """A varlen float32 build (``fused`` takes the SIMT kernel): no spill on sm_80, the static
+    build's shared tiles, fused by the symbolic audit, cu_seqlens and the lengths the grid needs
+    as arguments, a (slot, head) grid. (On sm_90 ptxas caps these presets' registers lower and spills 4-12
+    bytes: docs/cuda.md.)"""
+    spec = AttentionSpec(batch=2, heads=8, kv_heads=2, seq_q=1024, head_dim=head_dim, dtype=dtype, causal=causal,
+                         layout="varlen")
+    built = build_kernel(spec, "fused", target=resolve_target("cuda", arch=arch))
+    assert isinstance(built.knobs, cuda_flash.FlashCUDAKnobs)
+    r = built.resources
+    assert r["spills"] == 0 and r["stack_frame_bytes"] == 0, r
+    assert 0 < r["shared_bytes"] <= cuda_flash.shared_bytes(built.knobs, spec) <= 48 * 1024
+    assert built.audit.fused and built.audit.probe == {"symbolic": ["total_q", "total_k", "batch"]}
+    src = built.module.imports[0].inspect_source()
+    signature = src[src.index("__global__"):src.index("{", src.index("__global__"))]
+    # the index arrays and the dims the grid needs (total_k only sizes K and V)
+    assert all(p in signature for p in ("int* __restrict__ CQ", "int* __restrict__ CK", "int batch_plus_1",
+                                        "int total_q")), signature
+    assert "blockIdx.y" in src and "blockIdx.z" not in src  # (slot, head)
+
+
 @needs_nvcc
 @pytest.mark.parametrize("arch, dtype, head_dim, causal, dynamic", [
     ("sm_80", "float32", 64, False, ALL_DYNAMIC),
@@ -195,6 +231,46 @@ def test_cuda_loader_binds_symbolic_dims_and_answers_empty_calls():
     with pytest.raises(KernelArgumentError, match="batch=65536.*gridDim.z.*split the batch"):
         check_cuda_grid(spec, {"batch": MAX_GRID_YZ + 1})
     check_cuda_grid(AttentionSpec(batch=MAX_GRID_YZ + 1, heads=1, seq_q=1, head_dim=16), {})  # static: a flat grid
+
+
+def test_cuda_loader_checks_varlen_indices_and_options():
+    """The loader's CUDA path for varlen (run on the CPU device with a CPU varlen build): results
+    per sequence, cu_seqlens checked by the layout's rules before any launch (a CUDA kernel
+    cannot raise), FlashAttention's keywords checked as on the CPU path, an empty call answered
+    without a launch, and no gridDim.z limit on the batch (varlen's grid is (slot, head))."""
+    spec = AttentionSpec(batch=1, heads=4, kv_heads=2, seq_q=64, head_dim=32, causal=True, layout="varlen")
+    b = built(spec)
+    launches = []
+
+    def function(*args):
+        launches.append(len(args))
+        b.function(*args)
+
+    class OnCpu(AttentionKernel):
+        def _cuda_device(self):
+            return tvm.cpu(0)
+
+    kernel = OnCpu(spec, function, device="cuda")
+    layout = LAYOUTS["varlen"]
+    x = layout.random_inputs(spec, {"seqlens": [(3, 9), (0, 4), (17, 5)]}, seed=3)
+    out = kernel(x["q"], x["k"], x["v"], cu_seqlens_q=x["cu_seqlens_q"], cu_seqlens_k=x["cu_seqlens_k"],
+                 causal=True, max_seqlen_q=17)
+    np.testing.assert_allclose(out, layout.reference(spec, x), atol=1e-5, rtol=1e-5)
+    assert launches == [6]
+    bad = x["cu_seqlens_k"].copy()
+    bad[1], bad[2] = bad[2], bad[1]
+    with pytest.raises(KernelArgumentError, match="cu_seqlens_k: must be non-decreasing"):
+        kernel(x["q"], x["k"], x["v"], cu_seqlens_q=x["cu_seqlens_q"], cu_seqlens_k=bad)
+    with pytest.raises(KernelArgumentError, match="causal=False: this artifact was built with causal=True"):
+        kernel(x["q"], x["k"], x["v"], x["cu_seqlens_q"], x["cu_seqlens_k"], causal=False)
+    with pytest.raises(KernelArgumentError, match="max_seqlen_q=16 is smaller than the longest"):
+        kernel(x["q"], x["k"], x["v"], x["cu_seqlens_q"], x["cu_seqlens_k"], max_seqlen_q=16)
+    with pytest.raises(KernelArgumentError, match="cu_seqlens_q: expected dtype int32"):
+        kernel(x["q"], x["k"], x["v"], x["cu_seqlens_q"].astype(np.int64), x["cu_seqlens_k"])
+    empty = layout.random_inputs(spec, {"seqlens": [(0, 5), (0, 0)]}, seed=4)
+    assert kernel(empty["q"], empty["k"], empty["v"], empty["cu_seqlens_q"], empty["cu_seqlens_k"]).shape == (0, 4, 32)
+    assert launches == [6]  # the refused and the empty calls never launched
+    check_cuda_grid(spec, {"batch": MAX_GRID_YZ + 1, "total_q": 1, "total_k": 1})
 
 
 def test_cuda_build_cli_and_inspect(tmp_path, capsys):

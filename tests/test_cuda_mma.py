@@ -5,7 +5,7 @@ instruction replaced by its definition). GPU runs live in test_cuda.py / scripts
 import numpy as np
 import pytest
 import tvm
-from conftest import check_emulated_symbolic
+from conftest import check_emulated_symbolic, check_emulated_varlen
 
 from schedules import cuda_flash, cuda_mma
 from schedules._knobs import KnobError
@@ -154,6 +154,23 @@ def test_tensor_core_symbolic_algorithm_on_cpu(dtype, causal, warps, block_n, st
     check_emulated_symbolic(ex, spec)
 
 
+def assert_preset_code(built, spec, target) -> None:
+    """A tensor-core preset build (symbolic or varlen) compiles as a static one: no spill, no
+    local memory, the static build's shared memory, mma and ldmatrix counts and single barrier
+    per key tile, within the register estimate's margin (a symbolic build has the static one's
+    registers at lengths with a tail)."""
+    k = built.knobs
+    assert isinstance(k, cuda_mma.MMAKnobs) and k == cuda_mma.preset(spec, target)
+    r = built.resources
+    assert r["spills"] == 0 and r["stack_frame_bytes"] == 0, r
+    assert r["registers"] <= cuda_mma.registers_estimate(k, spec) + 16, r
+    assert r["shared_bytes"] == cuda_mma.shared_bytes(k, spec) <= 48 * 1024
+    ptx = r["ptx_instructions"]
+    per_tile = (k.block_n // 16) * (spec.head_dim // 16)
+    assert ptx["mma.sync"] == 4 * per_tile * k.m_tiles and ptx["ldmatrix"] == 2 * per_tile, ptx
+    assert ptx["bar.sync"] == 1 and ptx["ld.local"] == 0 and ptx["st.local"] == 0
+
+
 @needs_nvcc
 @pytest.mark.parametrize("arch, dtype, head_dim, causal, dynamic", [
     ("sm_80", "float16", 64, False, ALL_DYNAMIC),
@@ -171,15 +188,7 @@ def test_symbolic_tensor_core_builds_offline_without_spills(arch, dtype, head_di
     target = resolve_target("cuda", arch=arch)
     built = build_kernel(spec, "fused", target=target)
     k = built.knobs
-    assert isinstance(k, cuda_mma.MMAKnobs) and k == cuda_mma.preset(spec, target)
-    r = built.resources
-    assert r["spills"] == 0 and r["stack_frame_bytes"] == 0, r
-    assert r["registers"] <= cuda_mma.registers_estimate(k, spec) + 16, r
-    assert r["shared_bytes"] == cuda_mma.shared_bytes(k, spec) <= 48 * 1024
-    ptx = r["ptx_instructions"]
-    per_tile = (k.block_n // 16) * (head_dim // 16)
-    assert ptx["mma.sync"] == 4 * per_tile * k.m_tiles and ptx["ldmatrix"] == 2 * per_tile, ptx
-    assert ptx["bar.sync"] == 1 and ptx["ld.local"] == 0 and ptx["st.local"] == 0
+    assert_preset_code(built, spec, target)
     assert built.audit.fused and built.audit.probe == {"symbolic": list(dynamic)}, built.audit.format()
     src = built.module.imports[0].inspect_source()
     signature = src[src.index("__global__"):src.index("{", src.index("__global__"))]
@@ -189,6 +198,37 @@ def test_symbolic_tensor_core_builds_offline_without_spills(arch, dtype, head_di
     with pytest.raises(KnobError, match="heads=65536 > 65535.*gridDim.y"):
         cuda_mma.check(k, AttentionSpec(**wide, dynamic=dynamic), target)
     cuda_mma.check(k, AttentionSpec(**wide), target)  # static: a flat grid
+
+
+@pytest.mark.parametrize("dtype, causal, warps, stages", [("float16", True, 2, 2), ("bfloat16", False, 1, 3)])
+def test_tensor_core_varlen_algorithm_on_cpu(dtype, causal, warps, stages):
+    """The tensor-core kernel in FlashAttention's varlen layout (GQA 4:2), emulated, on the
+    batches of ``conftest.VARLEN_BATCHES``: the binary search from a slot to its sequence (causal:
+    slots launched last-first), spare slots computing nothing, per-sequence key tails, causal
+    tile skipping and masking at run time, zero rows for a sequence with no key."""
+    spec = AttentionSpec(batch=1, heads=4, kv_heads=2, seq_q=64, head_dim=64, dtype=dtype, causal=causal,
+                         layout="varlen")
+    ex = tvm.compile(fused_attention_mma(spec, warps, 16, stages, 1, emulate=True), target=resolve_target("llvm"))
+    check_emulated_varlen(ex, spec)
+
+
+@needs_nvcc
+@pytest.mark.parametrize("arch, dtype, head_dim, causal", [("sm_90", "float16", 128, True),
+                                                           ("sm_80", "bfloat16", 64, False)])
+def test_varlen_tensor_core_builds_offline_without_spills(arch, dtype, head_dim, causal):
+    """``fused`` builds a varlen fp16/bf16 spec on tensor cores as a static one
+    (:func:`assert_preset_code`), fused by the symbolic audit, cu_seqlens as arguments and a
+    (slot, head) grid."""
+    spec = AttentionSpec(batch=2, heads=8, kv_heads=2, seq_q=1024, head_dim=head_dim, dtype=dtype, causal=causal,
+                         layout="varlen")
+    target = resolve_target("cuda", arch=arch)
+    built = build_kernel(spec, "fused", target=target)
+    assert_preset_code(built, spec, target)
+    assert built.audit.fused and built.audit.probe == {"symbolic": ["total_q", "total_k", "batch"]}
+    src = built.module.imports[0].inspect_source()
+    signature = src[src.index("__global__"):src.index("{", src.index("__global__"))]
+    assert all(p in signature for p in ("int* __restrict__ CQ", "int* __restrict__ CK", "int batch_plus_1")), signature
+    assert "blockIdx.y" in src and "blockIdx.z" not in src  # (slot, head)
 
 
 @needs_nvcc

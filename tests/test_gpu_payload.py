@@ -38,14 +38,15 @@ def payload(tmp_path_factory):
 
 def test_payload_is_small_and_self_contained(payload):
     size = sum(f.stat().st_size for f in payload.rglob("*") if f.is_file())
-    assert size < 8 * 2**20  # four kernels and the runtime: the full sweep stays under 40 MiB
+    assert size < 8 * 2**20  # six kernels and the runtime: the full sweep stays under 40 MiB
     info = json.loads((payload / "payload.json").read_text())
-    # the static kernels, then the symbolic build of each that serves every length of the same heads
-    assert [k["kernel"] for k in info["kernels"]] == ["fused_tc", "fused_simt"] * 2
-    assert [bool(k["spec"].get("dynamic")) for k in info["kernels"]] == [False, False, True, True]
-    for k in info["kernels"][2:]:
-        assert json.loads((payload / k["dir"] / "manifest.json").read_text())["symbolic_dims"] == \
-            ["batch", "seq_q", "seq_kv"]
+    # the static kernels, then the symbolic build of each that serves every length of the same
+    # heads, then the varlen build of each that serves every packed batch
+    assert [k["kernel"] for k in info["kernels"]] == ["fused_tc", "fused_simt"] * 3
+    assert [k["spec"].get("layout", "bhsd") for k in info["kernels"]] == ["bhsd"] * 4 + ["varlen"] * 2
+    assert [bool(k["spec"].get("dynamic")) for k in info["kernels"][:4]] == [False, False, True, True]
+    for k, dims in zip(info["kernels"][2:], [["batch", "seq_q", "seq_kv"]] * 2 + [["total_q", "total_k", "batch"]] * 2):
+        assert json.loads((payload / k["dir"] / "manifest.json").read_text())["symbolic_dims"] == dims
     assert sorted(p.name for p in (payload / "runtime").iterdir()) == ["libtvm_runtime.so", "libtvm_runtime_cuda.so"]
     for k in info["kernels"]:
         d = payload / k["dir"]
@@ -160,3 +161,47 @@ def test_device_check_of_a_symbolic_kernel_on_the_cpu(tmp_path):
     finally:
         tvm_attention.load = real
     assert [tuple(c["shape"]) for c in checks if not c["passed"]] == [(3, 37, 45), (2, 37, 1)]
+
+
+def test_device_check_of_a_varlen_kernel_on_the_cpu(tmp_path):
+    """The device script's check of a varlen kernel on its ragged batches, run on CPU tensors
+    against a CPU varlen artifact: every batch passes (every row of every sequence, exact zeros
+    where a sequence has no key); a kernel wrong on one sequence length fails on the batches
+    holding it, and only there."""
+    torch = pytest.importorskip("torch")
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import gpu_device_check as dc
+    finally:
+        sys.path.pop(0)
+    from tvm_attention.artifact import export, validate_built
+    from tvm_attention.spec import AttentionSpec
+
+    from conftest import built
+
+    spec = AttentionSpec(batch=1, heads=4, kv_heads=2, seq_q=64, head_dim=32, causal=True, layout="varlen")
+    b = built(spec)
+    export(b, tmp_path / "a", validate_built(b))
+    entry = [{"spec": spec.to_dict(), "dir": "a"}]
+    checks = dc.check_varlen(torch, entry, tmp_path, {"float32": torch.float32}, device="cpu")
+    assert [c["seqlens"] for c in checks] == [[list(p) for p in lens] for lens in dc.VARLEN_BATCHES]
+    assert all(c["passed"] for c in checks), [c for c in checks if not c["passed"]]
+    import tvm_attention
+
+    real = tvm_attention.load
+
+    class WrongAt37:  # right everywhere but on a 37-row sequence
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __call__(self, q, k, v, cu_seqlens_q, cu_seqlens_k):
+            o = self.kernel(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+            lens = torch.diff(cu_seqlens_q).tolist()
+            return o * 1.01 if 37 in lens else o
+
+    tvm_attention.load = lambda path: WrongAt37(real(path))
+    try:
+        checks = dc.check_varlen(torch, entry, tmp_path, {"float32": torch.float32}, device="cpu")
+    finally:
+        tvm_attention.load = real
+    assert [c["seqlens"] for c in checks if not c["passed"]] == [[[37, 45]]]

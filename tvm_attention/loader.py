@@ -398,7 +398,7 @@ class AttentionKernel:
                 return result
         given, options = self._gather(q, k, v, index, kw) if (index or kw or self._index_names) else (dict(zip(self._qkv, (q, k, v))), None)
         if self.device == "cuda":
-            return self._call_cuda(given, out)
+            return self._call_cuda(given, out, options)
 
         arrays, framework, bound = self._prepare(given)
         if options:
@@ -469,11 +469,12 @@ class AttentionKernel:
     def _cuda_device(self):
         return runtime.cuda_device(0)
 
-    def _cuda_tensor(self, name: str, shape: tuple, x: Any, bound: dict[str, int], source: dict[str, str]):
+    def _cuda_tensor(self, name: str, shape: tuple, x: Any, bound: dict[str, int], source: dict[str, str],
+                     dtype: str | None = None):
         """A CUDA DLPack tensor, wrapped without a copy when TVM takes it as it is (compact and
         64-byte aligned), else a compact copy of it (``x.contiguous()``, or ``x.clone()`` for a
-        misaligned view); shape (binding its symbolic dims in ``bound``) and dtype checked.
-        Returns (tensor, framework, copied)."""
+        misaligned view); shape (binding its symbolic dims in ``bound``) and dtype (``dtype``,
+        default the spec's) checked. Returns (tensor, framework, copied)."""
         import tvm_ffi
 
         copied = False
@@ -487,8 +488,9 @@ class AttentionKernel:
                     f"{type(x).__name__} has no contiguous()/clone() to copy it)") from None
             t, copied = tvm_ffi.from_dlpack(y, require_alignment=self.alignment, require_contiguous=True), True
         self._bind_dims(name, shape, tuple(t.shape), bound, source)
-        if str(t.dtype) != self.spec.dtype:
-            raise KernelArgumentError(f"{name}: expected dtype {self.spec.dtype}, got {t.dtype}")
+        dtype = dtype or self.spec.dtype
+        if str(t.dtype) != dtype:
+            raise KernelArgumentError(f"{name}: expected dtype {dtype}, got {t.dtype}")
         return t, type(x).__module__.split(".")[0], copied
 
     def _cuda_stream(self, framework: str | None):
@@ -501,28 +503,39 @@ class AttentionKernel:
             return tvm_ffi.use_torch_stream()
         return contextlib.nullcontext()
 
-    def _call_cuda(self, given: dict[str, Any], out: Any = None) -> Any:
+    def _call_cuda(self, given: dict[str, Any], out: Any = None, options: dict[str, Any] | None = None) -> Any:
         """CPU inputs are copied to GPU 0 and the result copied back; CUDA DLPack tensors are
         used in place and the result stays on the GPU. ``out`` (a CUDA tensor, or a CPU array)
-        receives the result. CUDA builds are BHSD, static or with symbolic batch and lengths: the
-        dims are bound from the tensors, a call with no work (an empty tensor) is answered here
-        without a launch (a grid of zero blocks is a launch error), and a batch past the grid's
-        limit is refused by name."""
+        receives the result. CUDA builds are BHSD (static, or with symbolic batch and lengths)
+        and varlen: the dims are bound from the tensors; the index arrays (``cu_seqlens_q/k``),
+        which device code cannot check, are checked here by the layout's rules, read back from
+        the GPU when given there (a copy of ``batch + 1`` ints, and a wait for the stream); a
+        call with no work (an empty tensor) is answered without a launch (a grid of zero blocks
+        is a launch error), and a batch past the grid's limit is refused by name."""
         dev = self._cuda_device()
         args, framework, on_gpu = [], None, False
         bound: dict[str, int] = {}
         source: dict[str, str] = {}
+        host: dict[str, np.ndarray] = {}  # index arrays, for the checks
         for i, (name, shape, dtype) in enumerate(self._inputs):
             x = given[name]
             if hasattr(x, "__dlpack_device__") and int(x.__dlpack_device__()[0]) == _DLPACK_CUDA:
-                t, fw, _ = self._cuda_tensor(name, shape, x, bound, source)
+                t, fw, _ = self._cuda_tensor(name, shape, x, bound, source, dtype.name)
                 on_gpu = True
+                if name in self._index_names:
+                    host[name] = runtime.to_numpy(t, dtype)
             else:
                 arr, fw = _as_numpy(name, x, self.device)
                 arr = self._check_array(name, shape, dtype, arr, bound, source)
+                if name in self._index_names:
+                    host[name] = arr
                 t = runtime.to_device(arr, dev)
             framework = framework if i else fw
             args.append(t)
+        if self._index_names:
+            self.layout.check_indices(host, bound, self.spec)
+        if options:
+            self.layout.check_options(self.spec, options, host)
         oshape = self.output_shape(bound)
         check_cuda_grid(self.spec, bound)
         # answered without a launch: a grid of zero blocks is a launch error
@@ -556,16 +569,17 @@ class AttentionKernel:
         return _from_framework(framework, runtime.to_numpy(o, self.spec.np_dtype))
 
 
-#: ``workloads.fused_cuda.MAX_GRID_YZ`` (this module loads without TVM): a symbolic CUDA build's
-#: grid is (row tiles, heads, batch) on (x, y, z), so the batch is bounded by gridDim.z here, and
-#: the build refuses more heads (``fused_cuda.grid_refusal``)
+#: ``workloads.fused_cuda.MAX_GRID_YZ`` (this module loads without TVM): a symbolic BHSD CUDA
+#: build's grid is (row tiles, heads, batch) on (x, y, z), so the batch is bounded by gridDim.z
+#: here (varlen's grid is (tile slots, heads)), and the build refuses more heads
+#: (``fused_cuda.grid_refusal``)
 MAX_GRID_YZ = 65535
 
 
 def check_cuda_grid(spec: AttentionSpec, bound: dict[str, int]) -> None:
     """Refuse by name a call whose grid CUDA cannot launch (a symbolic batch past gridDim.z),
     instead of the driver's launch error."""
-    if spec.dynamic and bound.get("batch", 0) > MAX_GRID_YZ:
+    if spec.layout == "bhsd" and spec.dynamic and bound.get("batch", 0) > MAX_GRID_YZ:
         raise KernelArgumentError(
             f"batch={bound['batch']}: a symbolic CUDA kernel launches one grid layer per sequence, at most "
             f"{MAX_GRID_YZ} (gridDim.z); split the batch")

@@ -3,8 +3,10 @@
 One thread block per (batch, head, row tile of ``block_m`` queries) — a flat grid for static
 lengths; with symbolic batch or lengths (``spec.dynamic``) the grid is (row tile, head, batch) on
 ``blockIdx.x/y/z``, so no index divides by a run-time extent, and the key tail is masked at run
-time (seq_kv 0 gives zero rows: a row that sees no key); ``block_m ×
-threads_per_row`` threads: ``threadIdx.y`` is the query row of the tile and ``threadIdx.x``
+time (seq_kv 0 gives zero rows: a row that sees no key); in the varlen layout the grid is
+(tile slot, head) and a block finds its sequence from ``cu_seqlens_q`` (:func:`varlen_grid`).
+Where a block's rows, keys and output live is its :class:`Tile`, shared with ``fused_mma``.
+``block_m × threads_per_row`` threads: ``threadIdx.y`` is the query row of the tile and ``threadIdx.x``
 (``g``, fastest) the lane within that row's group, so a row's lanes are adjacent in one warp.
 
 Per key tile of ``block_n`` keys:
@@ -52,7 +54,7 @@ class _Simt:
     helpers its macros index with. ``dims`` lists the constants in the order the macro builders
     unpack them (``DIMS`` names them)."""
 
-    DIMS = ("B", "H", "KH", "SQ", "SK", "D", "G", "BM", "BN", "TPR", "NJ", "ND", "NR", "NC", "dtype", "VEC", "QST",
+    DIMS = ("B", "H", "KH", "SQ", "SK", "D", "G", "BM", "BN", "TPR", "NJ", "ND", "NR", "dtype", "VEC", "QST",
             "PST", "QIT", "KIT", "qscale", "neg_inf", "smem")
 
     def __init__(self, spec: AttentionSpec, block_m: int, block_n: int, threads_per_row: int, emulate: bool):
@@ -63,11 +65,6 @@ class _Simt:
         BM, BN, TPR = block_m, block_n, threads_per_row
         NJ, ND = BN // TPR, D // TPR  # keys and head-dim columns per lane
         NR = math.ceil(SQ / BM) if isinstance(SQ, int) else T.floordiv(SQ + BM - 1, BM)
-        NC = math.ceil(SK / BN) if isinstance(SK, int) else T.floordiv(SK + BN - 1, BN)
-        vis = Visibility.of(spec)
-        OFF = vis.offset(SQ, SK)
-        kv_tail = not isinstance(SK, int) or SK % BN != 0
-        masked = vis.hides_keys or kv_tail
         dtype = spec.dtype
         VEC = vector_elems(dtype)
         PAD = VEC  # one vector of padding per shared row: keeps 16-byte alignment, spreads banks
@@ -79,7 +76,6 @@ class _Simt:
         qscale = float(spec.scale * LOG2E)
         neg_inf = T.float32(float("-inf"))
         smem = "global" if emulate else "shared"
-        self.vis, self.OFF, self.kv_tail, self.masked = vis, OFF, kv_tail, masked
         values = locals()
         for name in self.DIMS:
             setattr(self, name, values[name])
@@ -100,38 +96,15 @@ class _Simt:
     def vec(self, n):
         return T.serial(n) if self.emulate else T.vectorized(n)
 
-    def n_tiles(self, r0):
-        vis = self.vis
-        key_end = vis.key_end(vis.position(r0 + self.BM, self.OFF))  # what the tile's rows may see
-        if key_end is not None:
-            return T.max(0, T.min(self.NC, vis.tiles_to(key_end, self.BN)))
-        return self.NC
-
-    def kv_row(self, j):
-        return T.min(j, self.SK - 1) if self.kv_tail else j
-
-    def masked_score(self, s, r0, vr, col):
-        if not self.masked:
-            return s
-        vis = self.vis
-        cond = col < self.SK
-        seen = vis.sees(col, vis.position(r0 + vr, self.OFF))
-        if seen is not None:
-            cond = T.And(cond, seen)
-        return T.Select(cond, s, self.neg_inf)
-
-    # (batch, head, first row) of the tile a thread block owns. Helpers, not assignments inside
-    # the script: an assignment there becomes a 1-element local buffer per variable.
-    # A symbolic build takes its tile from a 3-D grid, ``vbx = (batch, head, row tile)``
-    # (blockIdx.z, .y, .x, FlashAttention-2's order): no division by a run-time extent.
-    def bi(self, vbx):
-        return vbx[0] if isinstance(vbx, tuple) else vbx // (self.H * self.NR)
-
-    def hi(self, vbx):
-        return vbx[1] if isinstance(vbx, tuple) else vbx % (self.H * self.NR) // self.NR
-
-    def ri(self, vbx):
-        return vbx[2] * self.BM if isinstance(vbx, tuple) else vbx % self.NR * self.BM
+    def dense(self, vbx):
+        """The :class:`Tile` of thread block ``vbx`` (BHSD): a flat block index (static lengths),
+        or ``(batch, head, row tile)`` from a (row tile, head, batch) grid on blockIdx.x/y/z
+        (symbolic: FlashAttention-2's order, no division by a run-time extent)."""
+        if isinstance(vbx, tuple):
+            b, h, row0 = vbx[0], vbx[1], vbx[2] * self.BM
+        else:
+            b, h, row0 = vbx // (self.H * self.NR), vbx % (self.H * self.NR) // self.NR, vbx % self.NR * self.BM
+        return dense_tile(self.spec, self.BM, self.BN, b, h, row0, self.SQ, self.SK)
 
     def flat(self, it, ty, tx, v):
         # Element a thread loads in a cooperative tile copy: consecutive lanes take consecutive
@@ -145,13 +118,12 @@ class _Simt:
 def _simt_load_macros(k: _Simt):
     """The Q tile (staged once) with the state's init, and each key tile's K and V, into shared
     memory with coalesced 16-byte loads."""
-    (B, H, KH, SQ, SK, D, G, BM, BN, TPR, NJ, ND, NR, NC, dtype, VEC, QST, PST, QIT, KIT, qscale, neg_inf,
+    (B, H, KH, SQ, SK, D, G, BM, BN, TPR, NJ, ND, NR, dtype, VEC, QST, PST, QIT, KIT, qscale, neg_inf,
      smem) = k.dims
-    thread_y, thread_x, vec, flat, bi, hi, ri, f32 = k.thread_y, k.thread_x, k.vec, k.flat, k.bi, k.hi, k.ri, k.f32
-    G, kv_row = k.dims[6], k.kv_row
+    thread_y, thread_x, vec, flat = k.thread_y, k.thread_x, k.vec, k.flat
 
     @T.macro
-    def q_load(Q, Qs, m, l, acc, vbx):
+    def q_load(Q, Qs, m, l, acc, w):
         # -- stage the Q tile (coalesced 16-byte loads) ------------------------------
         for ty in thread_y(BM):
             for tx in thread_x(TPR):
@@ -163,8 +135,7 @@ def _simt_load_macros(k: _Simt):
                             if flat(it, ty, tx, v) < BM * D:
                                 Qs[flat(it, ty, tx, v) // D * QST
                                    + flat(it, ty, tx, v) % D] = Q[
-                                    bi(vbx), hi(vbx), T.min(ri(vbx) + flat(it, ty, tx, v) // D, SQ - 1),
-                                    flat(it, ty, tx, v) % D]
+                                    w.q_at(w.row0 + flat(it, ty, tx, v) // D, flat(it, ty, tx, v) % D)]
         for ty in thread_y(BM):
             for tx in thread_x(TPR):
                 with T.sblock("state_init"):
@@ -176,7 +147,7 @@ def _simt_load_macros(k: _Simt):
                         acc[ty, tx, dd] = T.float32(0)
 
     @T.macro
-    def kv_load(K, V, Ks, Vs, vbx, c):
+    def kv_load(K, V, Ks, Vs, w, c):
         # -- K and V tiles into shared memory ------------------------------------
         for ty in thread_y(BM):
             for tx in thread_x(TPR):
@@ -188,12 +159,10 @@ def _simt_load_macros(k: _Simt):
                             if flat(it, ty, tx, v) < BN * D:
                                 Ks[flat(it, ty, tx, v) // D * QST
                                    + flat(it, ty, tx, v) % D] = K[
-                                    bi(vbx), hi(vbx) // G, kv_row(c * BN + flat(it, ty, tx, v) // D),
-                                    flat(it, ty, tx, v) % D]
+                                    w.kv_at(c * BN + flat(it, ty, tx, v) // D, flat(it, ty, tx, v) % D)]
                                 Vs[flat(it, ty, tx, v) // D * QST
                                    + flat(it, ty, tx, v) % D] = V[
-                                    bi(vbx), hi(vbx) // G, kv_row(c * BN + flat(it, ty, tx, v) // D),
-                                    flat(it, ty, tx, v) % D]
+                                    w.kv_at(c * BN + flat(it, ty, tx, v) // D, flat(it, ty, tx, v) % D)]
 
     return q_load, kv_load
 
@@ -201,13 +170,12 @@ def _simt_load_macros(k: _Simt):
 def _simt_softmax_macro(k: _Simt):
     """One key tile's scores in registers, the row max and row sum across a row's lanes (warp
     shuffles), and P = exp2(S - m_new) into the shared P tile."""
-    (B, H, KH, SQ, SK, D, G, BM, BN, TPR, NJ, ND, NR, NC, dtype, VEC, QST, PST, QIT, KIT, qscale, neg_inf,
+    (B, H, KH, SQ, SK, D, G, BM, BN, TPR, NJ, ND, NR, dtype, VEC, QST, PST, QIT, KIT, qscale, neg_inf,
      smem) = k.dims
-    thread_y, thread_x, vec, flat, bi, hi, ri, f32 = k.thread_y, k.thread_x, k.vec, k.flat, k.bi, k.hi, k.ri, k.f32
-    masked_score = k.masked_score
+    thread_y, thread_x, f32 = k.thread_y, k.thread_x, k.f32
 
     @T.macro
-    def softmax(Qs, Ks, Ps, S, m, pmax, psum, m_new, l_tile, alpha, vbx, c):
+    def softmax(Qs, Ks, Ps, S, m, pmax, psum, m_new, l_tile, alpha, w, c):
         # -- scores in registers, per-lane partial max -----------------------------
         for ty in thread_y(BM):
             for tx in thread_x(TPR):
@@ -224,8 +192,8 @@ def _simt_softmax_macro(k: _Simt):
                         for jj in T.unroll(NJ):
                             S[ty, tx, jj] = S[ty, tx, jj] + f32(Qs[ty * QST + d]) * f32(Ks[(jj * TPR + tx) * QST + d])
                     for jj in T.unroll(NJ):
-                        S[ty, tx, jj] = masked_score(
-                            S[ty, tx, jj] * T.float32(qscale), ri(vbx), ty, c * BN + jj * TPR + tx)
+                        S[ty, tx, jj] = w.masked(
+                            S[ty, tx, jj] * T.float32(qscale), w.row0 + ty, c * BN + jj * TPR + tx)
                         pmax[ty, tx] = T.max(pmax[ty, tx], S[ty, tx, jj])
         # -- row max across the row's lanes (warp shuffle) -----------------------
         for ty in thread_y(BM):
@@ -268,18 +236,9 @@ def _simt_softmax_macro(k: _Simt):
 
 def _simt_pv_store_macros(k: _Simt):
     """The online correction with ``acc += P·V``, and the store ``O = acc / l``."""
-    (B, H, KH, SQ, SK, D, G, BM, BN, TPR, NJ, ND, NR, NC, dtype, VEC, QST, PST, QIT, KIT, qscale, neg_inf,
+    (B, H, KH, SQ, SK, D, G, BM, BN, TPR, NJ, ND, NR, dtype, VEC, QST, PST, QIT, KIT, qscale, neg_inf,
      smem) = k.dims
-    thread_y, thread_x, vec, flat, bi, hi, ri, f32 = k.thread_y, k.thread_x, k.vec, k.flat, k.bi, k.hi, k.ri, k.f32
-    spec = k.spec
-    static = not spec.dynamic
-
-    def out(acc, l, row):
-        # static lengths: normalize decides at build time whether a row may see no key;
-        # symbolic: the same fact of the mask, a run-time predicate of the lengths
-        if static:
-            return normalize(acc, l, row, spec)
-        return normalize_where(acc, l, k.vis.sees_a_key(k.vis.position(row, k.OFF), SK))
+    thread_y, thread_x, f32 = k.thread_y, k.thread_x, k.f32
 
     @T.macro
     def pv(Ps, Vs, acc, l, l_tile, alpha):
@@ -297,17 +256,17 @@ def _simt_pv_store_macros(k: _Simt):
                             acc[ty, tx, dd] = acc[ty, tx, dd] + Ps[ty * PST + j] * f32(Vs[j * QST + dd * TPR + tx])
 
     @T.macro
-    def store(O, acc, l, vbx):
+    def store(O, acc, l, w):
         # -- O = acc / l (0 for a row that saw no key) --------------------------------
         for ty in thread_y(BM):
             for tx in thread_x(TPR):
                 with T.sblock("O_store"):
                     T.reads()
                     T.writes()
-                    if ri(vbx) + ty < SQ:
+                    if w.row0 + ty < w.q_len:
                         for dd in T.serial(ND):
-                            O[bi(vbx), hi(vbx), ri(vbx) + ty, dd * TPR + tx] = T.Cast(dtype, out(
-                                acc[ty, tx, dd], l[ty, tx], ri(vbx) + ty))
+                            O[w.o_at(w.row0 + ty, dd * TPR + tx)] = T.Cast(dtype, w.out(
+                                acc[ty, tx, dd], l[ty, tx], w.row0 + ty))
 
     return pv, store
 
@@ -315,21 +274,19 @@ def _simt_pv_store_macros(k: _Simt):
 def fused_attention_cuda(
     spec: AttentionSpec, block_m: int, block_n: int, threads_per_row: int, emulate: bool = False
 ) -> tirx.PrimFunc:
-    """Arguments (call order): ``Q (B, H, Sq, D)``, ``K (B, KH, Skv, D)``, ``V (B, KH, Skv, D)``,
-    ``O (B, H, Sq, D)``, all ``spec.dtype``, compact row-major."""
+    """Arguments (call order), all ``spec.dtype``, compact row-major: bhsd ``Q (B, H, Sq, D)``,
+    ``K (B, KH, Skv, D)``, ``V (B, KH, Skv, D)``, ``O (B, H, Sq, D)``; varlen ``Q (total_q, H,
+    D)``, ``K``/``V (total_k, KH, D)``, ``cu_seqlens_q``/``cu_seqlens_k (batch+1,) int32``,
+    ``O (total_q, H, D)``."""
     k = _Simt(spec, block_m, block_n, threads_per_row, emulate)
-    (B, H, KH, SQ, SK, D, G, BM, BN, TPR, NJ, ND, NR, NC, dtype, VEC, QST, PST, QIT, KIT, qscale, neg_inf,
+    (B, H, KH, SQ, SK, D, G, BM, BN, TPR, NJ, ND, NR, dtype, VEC, QST, PST, QIT, KIT, qscale, neg_inf,
      smem) = k.dims
-    thread_y, thread_x, vec, flat, bi, hi, ri, f32 = k.thread_y, k.thread_x, k.vec, k.flat, k.bi, k.hi, k.ri, k.f32
-    n_tiles = k.n_tiles
-    block = k.block
-    static = not spec.dynamic
     q_load, kv_load = _simt_load_macros(k)
     softmax = _simt_softmax_macro(k)
     pv, store = _simt_pv_store_macros(k)
 
     @T.macro
-    def tile(Q, K, V, O, vbx):
+    def tile(Q, K, V, O, w):
         # Shared tiles are flat with padded row strides: a 2-D (rows, D + PAD) buffer would
         # be compacted back to (rows, D), since nothing reads the padding.
         Qs = T.sblock_alloc_buffer((BM * QST,), dtype, scope=smem)
@@ -346,27 +303,102 @@ def fused_attention_cuda(
         l_tile = T.sblock_alloc_buffer((BM,), "float32", scope="local")
         alpha = T.sblock_alloc_buffer((BM, TPR), "float32", scope="local")
 
-        q_load(Q, Qs, m, l, acc, vbx)
-        for c in T.serial(n_tiles(ri(vbx))):
-            kv_load(K, V, Ks, Vs, vbx, c)
-            softmax(Qs, Ks, Ps, S, m, pmax, psum, m_new, l_tile, alpha, vbx, c)
+        q_load(Q, Qs, m, l, acc, w)
+        for c in T.serial(w.n_tiles()):
+            kv_load(K, V, Ks, Vs, w, c)
+            softmax(Qs, Ks, Ps, S, m, pmax, psum, m_new, l_tile, alpha, w, c)
             pv(Ps, Vs, acc, l, l_tile, alpha)
-        store(O, acc, l, vbx)
+        store(O, acc, l, w)
 
-    grid = tile_grid(block, B, H, NR, static, tile)
+    attrs = {"global_symbol": ENTRY, "tirx.noalias": True, "attn.workload": "fused_cuda",
+             "attn.block_m": BM, "attn.block_n": BN, "attn.threads_per_row": TPR}
+    return kernel_func(spec, k.block, BM, BN, (B, NR, SQ, SK), tile, k.dense, attrs)
 
-    @T.prim_func(s_tir=True)
-    def attention(
-        Q: T.Buffer((B, H, SQ, D), dtype),
-        K: T.Buffer((B, KH, SK, D), dtype),
-        V: T.Buffer((B, KH, SK, D), dtype),
-        O: T.Buffer((B, H, SQ, D), dtype),
-    ):
-        T.func_attr({"global_symbol": ENTRY, "tirx.noalias": True, "attn.workload": "fused_cuda",
-                     "attn.block_m": BM, "attn.block_n": BN, "attn.threads_per_row": TPR})
-        grid(Q, K, V, O)
 
-    return attention
+class Tile:
+    """Where one thread block's tile of ``BM`` query rows lives, for both CUDA kernels: what a
+    layout changes (the recurrence is the kernel's). ``q``, ``kv``, ``o`` map (row of the
+    sequence, column) and (key, column) to index tuples into Q, K/V and O; ``row0`` is the
+    tile's first row, ``q_len``/``k_len`` its sequence's lengths: ints compiled in, symbolic
+    vars, or values read at run time (varlen); ``valid``: whether the tile has rows at all
+    (varlen's spare slots do not), None when it always has."""
+
+    def __init__(self, spec: AttentionSpec, BM: int, BN: int, row0, q_len, k_len, q, kv, o, valid=None):
+        self.spec, self.BM, self.BN = spec, BM, BN
+        self.row0, self.q_len, self.k_len = row0, q_len, k_len
+        self._q, self._kv, self._o = q, kv, o
+        self.valid = valid
+        self.static = isinstance(q_len, int) and isinstance(k_len, int)  # lengths compiled in
+        self.vis = vis = Visibility.of(spec)
+        # query row i sits at key position i + off: bottom-right causal over the sequence's keys
+        self.off = vis.offset(q_len, k_len)
+        self.nc = math.ceil(k_len / BN) if isinstance(k_len, int) else T.floordiv(k_len + BN - 1, BN)
+        self.kv_tail = not isinstance(k_len, int) or k_len % BN != 0  # the last key tile is partial
+        self.hides = vis.hides_keys or self.kv_tail  # some score of some tile is masked
+
+    def n_tiles(self):
+        """Key tiles the tile's rows see: past what its last row sees, tiles are skipped."""
+        vis = self.vis
+        key_end = vis.key_end(vis.position(self.row0 + self.BM, self.off))
+        n = self.nc if key_end is None else T.max(0, T.min(self.nc, vis.tiles_to(key_end, self.BN)))
+        return n if self.valid is None else T.Select(self.valid, n, 0)
+
+    def needs_mask(self, c):
+        """Whether key tile ``c`` holds the key tail or a key the tile's first row does not see
+        (None: no tile does)."""
+        cond = None
+        if self.kv_tail:
+            cond = c == self.nc - 1
+        hidden = self.vis.hides(c * self.BN + self.BN - 1, self.vis.position(self.row0, self.off))
+        if hidden is not None:
+            cond = hidden if cond is None else T.Or(cond, hidden)
+        return cond
+
+    def sees(self, row, col):
+        """Whether (sequence) row ``row`` sees key ``col``: inside the keys and the mask."""
+        cond = col < self.k_len
+        seen = self.vis.sees(col, self.vis.position(row, self.off))
+        return cond if seen is None else T.And(cond, seen)
+
+    def masked(self, s, row, col):
+        """Score ``s`` of (row, key col), −inf where the row does not see the key."""
+        return T.Select(self.sees(row, col), s, T.float32(float("-inf"))) if self.hides else s
+
+    def out(self, acc, l, row):
+        """``acc / l`` of row ``row``, 0 for a row that sees no key: static lengths decide at
+        build time whether a row may see none (``normalize``); otherwise the same fact of the
+        mask is a run-time predicate of the lengths."""
+        if self.static:
+            return normalize(acc, l, row, self.spec)
+        return normalize_where(acc, l, self.vis.sees_a_key(self.vis.position(row, self.off), self.k_len))
+
+    def q_at(self, row, d):
+        # rows past the sequence (a tail tile) read its last row: never stored
+        return self._q(T.min(row, self.q_len - 1), d)
+
+    def kv_at(self, key, d):
+        # the tail tile's keys past the last read the last key: those scores are masked
+        return self._kv(T.min(key, self.k_len - 1) if self.kv_tail else key, d)
+
+    def o_at(self, row, d):
+        return self._o(row, d)
+
+
+def dense_tile(spec: AttentionSpec, BM: int, BN: int, b, h, row0, SQ, SK) -> Tile:
+    """The BHSD tile of (batch ``b``, head ``h``) from row ``row0``: Q/O ``(B, H, SQ, D)``,
+    K/V ``(B, KH, SK, D)`` (``SQ``, ``SK``: the kernel's ints or vars), GQA mapping head ``h``
+    to KV head ``h // group``."""
+    G = spec.group_size
+    return Tile(spec, BM, BN, row0, SQ, SK,
+                q=lambda r, d: (b, h, r, d), kv=lambda j, d: (b, h // G, j, d), o=lambda r, d: (b, h, r, d))
+
+
+def flat_offset(buf, index) -> tirx.PrimExpr:
+    """Element offset of ``buf[index]`` in a compact row-major buffer (an ``access_ptr`` offset)."""
+    off = index[0]
+    for extent, i in zip(buf.shape[1:], index[1:]):
+        off = off * extent + i
+    return off
 
 
 #: gridDim.y's and gridDim.z's limit: a symbolic build's heads (refused at build time, by
@@ -382,12 +414,113 @@ def grid_refusal(spec: AttentionSpec) -> str | None:
     return None
 
 
-def tile_grid(block, B, H, NR, static: bool, tile):
+def kernel_func(spec: AttentionSpec, block, BM: int, BN: int, dims: tuple, tile, dense, attrs: dict,
+                reverse: bool = False) -> tirx.PrimFunc:
+    """A CUDA kernel's PrimFunc (both: this one and ``fused_mma``) in ``spec``'s layout: its
+    signature and its grid of thread blocks, each running the macro ``tile(Q, K, V, O, w)`` on
+    its :class:`Tile` ``w``. ``block(n, axis)`` binds a grid loop (or a serial one, emulated);
+    ``dense(vbx)`` is a BHSD block's tile, ``dims = (B, NR, SQ, SK)`` the kernel's batch, row
+    tiles a head and lengths (ints or the vars of its tiles); ``reverse``: varlen slots launch
+    last-first (causal: a sequence's longest row tiles first)."""
+    B, NR, SQ, SK = dims
+    H, KH, D = spec.heads, spec.kv_heads, spec.head_dim
+    dtype = spec.dtype
+    if spec.layout == "varlen":
+        grid, TQ, TK, NB1 = varlen_grid(spec, block, BM, BN, tile, reverse)
+
+        @T.prim_func(s_tir=True)
+        def attention_varlen(
+            Q: T.Buffer((TQ, H, D), dtype),
+            K: T.Buffer((TK, KH, D), dtype),
+            V: T.Buffer((TK, KH, D), dtype),
+            CQ: T.Buffer((NB1,), "int32"),
+            CK: T.Buffer((NB1,), "int32"),
+            O: T.Buffer((TQ, H, D), dtype),
+        ):
+            T.func_attr(attrs)
+            grid(Q, K, V, CQ, CK, O)
+
+        return attention_varlen
+    if spec.layout != "bhsd":
+        raise ValueError(f"the CUDA kernels take the bhsd and varlen layouts, not {spec.layout}")
+    grid = tile_grid(block, B, H, NR, not spec.dynamic, tile, dense)
+
+    @T.prim_func(s_tir=True)
+    def attention(
+        Q: T.Buffer((B, H, SQ, D), dtype),
+        K: T.Buffer((B, KH, SK, D), dtype),
+        V: T.Buffer((B, KH, SK, D), dtype),
+        O: T.Buffer((B, H, SQ, D), dtype),
+    ):
+        T.func_attr(attrs)
+        grid(Q, K, V, O)
+
+    return attention
+
+
+def varlen_grid(spec: AttentionSpec, block, BM: int, BN: int, tile, reverse: bool):
+    """FlashAttention's packed varlen layout on a (slot, head) grid on blockIdx.x/y: sequence
+    ``b``'s row tiles take the slots ``cu_seqlens_q[b] // BM + b + i`` (the CPU kernel's
+    numbering, ``fused._varlen``: at most ``total_q // BM + batch`` slots, strictly increasing in
+    ``b``), so a thread block finds its sequence by a binary search on ``cu_seqlens_q`` and
+    computes nothing in a spare slot. Returns the ``grid(Q, K, V, CQ, CK, O)`` macro and the
+    vars ``total_q``, ``total_k``, ``batch_plus_1`` of the buffers' shapes."""
+    H, G = spec.heads, spec.group_size
+    TQ, TK = tirx.Var("total_q", "int32"), tirx.Var("total_k", "int32")
+    NB1 = tirx.Var("batch_plus_1", "int32")  # a plain var: the runtime binds a shape's vars only
+    NT = T.floordiv(TQ, BM) + NB1 - 1  # tile slots
+
+    def at(seq, vh):
+        q0, k0 = seq[1], seq[3]
+        return Tile(spec, BM, BN, seq[0], seq[2], seq[4],
+                    # max(…, 0), min(…, total_q − 1): a spare slot's (unused) row stays in the buffer
+                    q=lambda r, d: (T.min(q0 + T.max(r, 0), TQ - 1), vh, d),
+                    kv=lambda j, d: (k0 + j, vh // G, d), o=lambda r, d: (q0 + r, vh, d),
+                    valid=seq[0] < seq[2])
+
+    def slot(vs):
+        return NT - 1 - vs if reverse else vs
+
+    @T.macro
+    def grid(Q, K, V, CQ, CK, O):
+        for by in block(H, "y"):
+            for bx in block(NT, "x"):
+                with T.sblock("row_tile"):
+                    vh, vs = T.axis.remap("SS", [by, bx])
+                    T.reads()
+                    T.writes()
+                    # the tile: seq = (first row, q0, q_len, k0, k_len) of its sequence, in
+                    # registers (every thread searches: the same few loads, cached)
+                    seq = T.sblock_alloc_buffer((5,), "int32", scope="local")
+                    with T.sblock("seq_locate"):
+                        T.reads()
+                        T.writes()
+                        # binary search for the last b whose first slot is <= the slot
+                        seq[0] = 0
+                        seq[1] = NB1 - 2
+                        for _ in T.serial(31):  # 31 halvings cover any int32 batch
+                            if seq[0] < seq[1]:
+                                if T.floordiv(CQ[T.floordiv(seq[0] + seq[1] + 1, 2)], BM) \
+                                        + T.floordiv(seq[0] + seq[1] + 1, 2) <= slot(vs):
+                                    seq[0] = T.floordiv(seq[0] + seq[1] + 1, 2)
+                                else:
+                                    seq[1] = T.floordiv(seq[0] + seq[1] + 1, 2) - 1
+                        seq[3] = CK[seq[0]]
+                        seq[4] = CK[seq[0] + 1] - seq[3]
+                        seq[1] = CQ[seq[0]]
+                        seq[2] = CQ[seq[0] + 1] - seq[1]
+                        seq[0] = (slot(vs) - T.floordiv(seq[1], BM) - seq[0]) * BM
+                    tile(Q, K, V, O, at(seq, vh))
+
+    return grid, TQ, TK, NB1
+
+
+def tile_grid(block, B, H, NR, static: bool, tile, dense):
     """The thread blocks of a CUDA kernel (both: this one and ``fused_mma``), each running the
-    macro ``tile(Q, K, V, O, vbx)`` on its tile: a flat grid of ``B·H·NR`` blocks for static
-    lengths (``vbx`` the block index), a (row tile, head, batch) grid on ``blockIdx.x/y/z`` for
-    symbolic ones (``vbx = (batch, head, row tile)``: no index divides by a run-time extent).
-    ``block(n, axis)`` binds a grid loop (or a serial one, emulated)."""
+    macro ``tile(Q, K, V, O, dense(vbx))`` on its tile: a flat grid of ``B·H·NR`` blocks for
+    static lengths (``vbx`` the block index), a (row tile, head, batch) grid on
+    ``blockIdx.x/y/z`` for symbolic ones (``vbx = (batch, head, row tile)``: no index divides by
+    a run-time extent). ``block(n, axis)`` binds a grid loop (or a serial one, emulated)."""
 
     @T.macro
     def grid(Q, K, V, O):
@@ -397,7 +530,7 @@ def tile_grid(block, B, H, NR, static: bool, tile):
                     vbx = T.axis.spatial(B * H * NR, bx)
                     T.reads()
                     T.writes()
-                    tile(Q, K, V, O, vbx)
+                    tile(Q, K, V, O, dense(vbx))
         else:  # no guard for batch or seq_q 0 (a zero grid, a launch error): TVM's sync insertion
             # refuses a condition around the kernel; the loader answers empty calls itself
             for bz in block(B, "z"):
@@ -407,6 +540,6 @@ def tile_grid(block, B, H, NR, static: bool, tile):
                             vb, vh, vr = T.axis.remap("SSS", [bz, by, bx])
                             T.reads()
                             T.writes()
-                            tile(Q, K, V, O, (vb, vh, vr))
+                            tile(Q, K, V, O, dense((vb, vh, vr)))
 
     return grid

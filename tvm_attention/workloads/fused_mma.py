@@ -5,10 +5,11 @@ One thread block per (batch, head, row tile of ``block_m = 16·m_tiles·warps`` 
 grid for static lengths; with symbolic batch or lengths (``spec.dynamic``) the grid is (row tile,
 head, batch) on ``blockIdx.x/y/z``, so no index divides by a run-time extent, and the key tail,
 the row tail, the causal tile range and the rows that see no key (zeros) are run-time
-conditions of the lengths. ``threadIdx.y`` is the warp, ``threadIdx.x`` the lane. Each warp
-owns ``m_tiles`` groups of 16 query rows (each K/V fragment read from shared memory feeds one
-mma pair per group) and keeps everything about them in registers (PTX fragment layouts,
-``g = lane / 4``, ``t = lane % 4``; per row group):
+conditions of the lengths; varlen: a (tile slot, head) grid, each block's sequence found from
+``cu_seqlens_q`` (``fused_cuda.varlen_grid``, ``fused_cuda.Tile``). ``threadIdx.y`` is the
+warp, ``threadIdx.x`` the lane. Each warp owns ``m_tiles`` groups of 16 query rows (each K/V
+fragment read from shared memory feeds one mma pair per group) and keeps everything about them
+in registers (PTX fragment layouts, ``g = lane / 4``, ``t = lane % 4``; per row group):
 
 * ``Qf``: the warp's Q rows as mma A fragments, loaded once from global memory
   (``head_dim / 16`` fragments of 8 halves: rows ``g, g + 8``, columns ``2t, 2t + 1 (+8)``);
@@ -54,8 +55,8 @@ from tvm.script import tirx as T
 
 from ..spec import AttentionSpec
 from ..visibility import Visibility
-from ._math import LOG2E, guarded, normalize, normalize_where
-from .fused_cuda import tile_grid
+from ._math import LOG2E, guarded
+from .fused_cuda import dense_tile, flat_offset, kernel_func
 from .kv import dim
 
 ENTRY = "attention"
@@ -134,10 +135,7 @@ def _mma_context(spec: AttentionSpec, warps: int, block_n: int, stages: int, m_t
     NO = D // 8  # 8-wide slices of head_dim: the output accumulators
     # symbolic lengths (tir Vars): tile counts by a constant divisor, the key tail at run time
     NR = math.ceil(SQ / BM) if isinstance(SQ, int) else T.floordiv(SQ + BM - 1, BM)
-    NC = math.ceil(SK / BN) if isinstance(SK, int) else T.floordiv(SK + BN - 1, BN)
-    vis = Visibility.of(spec)
-    OFF = vis.offset(SQ, SK)
-    causal, kv_tail = vis.causal, not isinstance(SK, int) or SK % BN != 0
+    causal = Visibility.of(spec).causal
     dtype = spec.dtype
     ST = smem_stride(D)
     TILE = BN * ST  # elements of one staged K (or V) tile
@@ -170,38 +168,15 @@ def _mma_context(spec: AttentionSpec, warps: int, block_n: int, stages: int, m_t
     def block(n, axis="x"):
         return T.serial(n) if EMU else T.thread_binding(n, thread=f"blockIdx.{axis}")
 
-    # (batch, head, first row) of a thread block's tile; causal: longest tiles first. A static
-    # build's tile is a flat block index; a symbolic build's, ``vbx = (batch, head, row tile)``
-    # from a (row tile, head, batch) grid on blockIdx.x/y/z: no division by a run-time extent.
-    def bi(vbx):
-        return vbx[0] if isinstance(vbx, tuple) else vbx // (H * NR)
-
-    def hi(vbx):
-        return vbx[1] if isinstance(vbx, tuple) else vbx % (H * NR) // NR
-
-    def ri(vbx):
-        r = vbx[2] if isinstance(vbx, tuple) else vbx % NR
-        return (NR - 1 - r) * BM if causal else r * BM
-
-    def n_tiles(r0):
-        key_end = vis.key_end(vis.position(r0 + BM, OFF))  # what the tile's rows may see
-        if key_end is not None:
-            return T.max(0, T.min(NC, vis.tiles_to(key_end, BN)))
-        return NC
-
-    def needs_mask(c, r0):
-        # a key tile needs the mask if it holds the key tail or a key the block's first row
-        # does not see
-        cond = None
-        if kv_tail:
-            cond = c == NC - 1
-        hidden = vis.hides(c * BN + BN - 1, vis.position(r0, OFF))
-        if hidden is not None:
-            cond = hidden if cond is None else T.Or(cond, hidden)
-        return cond
-
-    def kv_row(j):
-        return T.min(j, SK - 1) if kv_tail else j
+    def dense(vbx):
+        # the Tile of a BHSD thread block; causal: longest row tiles first. A static build's
+        # tile is a flat block index; a symbolic build's, ``vbx = (batch, head, row tile)`` from
+        # a (row tile, head, batch) grid on blockIdx.x/y/z: no division by a run-time extent.
+        if isinstance(vbx, tuple):
+            b, h, r = vbx
+        else:
+            b, h, r = vbx // (H * NR), vbx % (H * NR) // NR, vbx % NR
+        return dense_tile(spec, BM, BN, b, h, (NR - 1 - r) * BM if causal else r * BM, SQ, SK)
     return types.SimpleNamespace(**locals())
 
 
@@ -209,9 +184,8 @@ def _mma_fragments(x):
     """``x`` (:func:`_mma_context`) with the fragment layouts of the PTX instructions added: which
     slot of a lane holds which row and column, the shared-memory addresses ``ldmatrix`` reads, and
     the ``copy_kv`` and ``mma_pair`` macros."""
-    (bi, BN, call, D, EMU, G, hi, KH, kv_row, LIT, MT, NO, NT, NTHR, OFF, SK, ST, TILE, vis, VPR) = \
-        (x.bi, x.BN, x.call, x.D, x.EMU, x.G, x.hi, x.KH, x.kv_row, x.LIT, x.MT, x.NO, x.NT, x.NTHR, x.OFF, x.SK,
-         x.ST, x.TILE, x.vis, x.VPR)
+    (BN, call, EMU, LIT, MT, NO, NT, NTHR, ST, TILE, VPR) = \
+        (x.BN, x.call, x.EMU, x.LIT, x.MT, x.NO, x.NT, x.NTHR, x.ST, x.TILE, x.VPR)
 
     # A lane's fragments are flat arrays of MT blocks, one per 16-row group: scores S and P
     # (NT·4 slots a block), the output acc (NO·4), Q (NDC·8); the row state m, l (2 a block: rows
@@ -230,17 +204,9 @@ def _mma_fragments(x):
         # column (key, or head-dim index) of accumulator slot k in a block of n slices of 8
         return k % (n * 4) // 4 * 8 + 2 * (tx % 4) + k % 2
 
-    def visible(r0, ty, tx, k, c):
-        col = c * BN + col_of(tx, k, NT)
-        cond = col < SK
-        seen = vis.sees(col, vis.position(r0 + row_of(ty, tx, s_half(k)), OFF))
-        if seen is not None:
-            cond = T.And(cond, seen)
-        return cond
-
-    def kv_off(b, kh, row, col):
-        # flat element offset of K/V[b, kh, row, col] (compact row-major)
-        return ((b * KH + kh) * SK + row) * D + col
+    def visible(w, ty, tx, k, c):
+        # whether score slot k of the lane sees its key in tile c
+        return w.sees(w.row0 + row_of(ty, tx, s_half(k)), c * BN + col_of(tx, k, NT))
 
     def k_addr(buf, np, dk, lane):
         # row address lane ``lane`` gives ldmatrix for K: matrices (keys 0-7|8-15) × (d 0-7|8-15)
@@ -272,27 +238,27 @@ def _mma_fragments(x):
         return (it * NTHR + ty * WARP + tx) % VPR * 8
 
     @T.macro
-    def copy_kv(Ks, Vs, K, V, vbx, ty, tx, stage, tile):
+    def copy_kv(Ks, Vs, K, V, w, ty, tx, stage, tile):
         # this thread's part of key tile ``tile`` of K and V into shared stage ``stage``
         for it in T.unroll(LIT):
             if (it * NTHR + ty * WARP + tx) < BN * VPR:
                 if EMU:
                     for v in T.serial(8):
                         Ks[stage * TILE + vec_row(it, ty, tx) * ST + vec_col(it, ty, tx) + v] = K[
-                            bi(vbx), hi(vbx) // G, kv_row(tile * BN + vec_row(it, ty, tx)), vec_col(it, ty, tx) + v]
+                            w.kv_at(tile * BN + vec_row(it, ty, tx), vec_col(it, ty, tx) + v)]
                         Vs[stage * TILE + vec_row(it, ty, tx) * ST + vec_col(it, ty, tx) + v] = V[
-                            bi(vbx), hi(vbx) // G, kv_row(tile * BN + vec_row(it, ty, tx)), vec_col(it, ty, tx) + v]
+                            w.kv_at(tile * BN + vec_row(it, ty, tx), vec_col(it, ty, tx) + v)]
                 else:
                     T.evaluate(call(
                         "attn_cp_async16",
                         Ks.access_ptr(CP_DST, offset=stage * TILE + vec_row(it, ty, tx) * ST + vec_col(it, ty, tx)),
-                        K.access_ptr("r", offset=kv_off(bi(vbx), hi(vbx) // G, kv_row(tile * BN + vec_row(it, ty, tx)),
-                                                        vec_col(it, ty, tx)))))
+                        K.access_ptr("r", offset=flat_offset(K, w.kv_at(tile * BN + vec_row(it, ty, tx),
+                                                                          vec_col(it, ty, tx))))))
                     T.evaluate(call(
                         "attn_cp_async16",
                         Vs.access_ptr(CP_DST, offset=stage * TILE + vec_row(it, ty, tx) * ST + vec_col(it, ty, tx)),
-                        V.access_ptr("r", offset=kv_off(bi(vbx), hi(vbx) // G, kv_row(tile * BN + vec_row(it, ty, tx)),
-                                                        vec_col(it, ty, tx)))))
+                        V.access_ptr("r", offset=flat_offset(V, w.kv_at(tile * BN + vec_row(it, ty, tx),
+                                                                          vec_col(it, ty, tx))))))
 
     @T.macro
     def mma_pair(C, c_off, A, a_off, Bf, ty, tx):
@@ -315,11 +281,11 @@ def _mma_fragments(x):
 
 def _mma_q_frag(x):
     """Q fragments from global memory (once per block), and the row state's init."""
-    (bi, hi, ix, MT, NDC, neg_inf, NO, ri, row_of, SQ, thread_x, thread_y, W) = \
-        (x.bi, x.hi, x.ix, x.MT, x.NDC, x.neg_inf, x.NO, x.ri, x.row_of, x.SQ, x.thread_x, x.thread_y, x.W)
+    (ix, MT, NDC, neg_inf, NO, row_of, thread_x, thread_y, W) = \
+        (x.ix, x.MT, x.NDC, x.neg_inf, x.NO, x.row_of, x.thread_x, x.thread_y, x.W)
 
     @T.macro
-    def q_frag(Qp, Qf, m, l, acc, vbx):
+    def q_frag(Qp, Qf, m, l, acc, w):
         # -- Q fragments, straight from global memory (once per block) --------------
         for ty in thread_y(W):
             for tx in thread_x(WARP):
@@ -327,9 +293,9 @@ def _mma_q_frag(x):
                     T.reads()
                     T.writes()
                     for s in T.unroll(MT * NDC * 8):
-                        Qf[ix(ty, tx, s)] = Qp[bi(vbx), hi(vbx), T.min(
-                            ri(vbx) + row_of(ty, tx, s // (NDC * 8) * 2 + s % 8 // 2 % 2), SQ - 1),
-                            s % (NDC * 8) // 8 * 16 + 8 * (s % 8 // 2 // 2) + 2 * (tx % 4) + s % 2]
+                        Qf[ix(ty, tx, s)] = Qp[w.q_at(
+                            w.row0 + row_of(ty, tx, s // (NDC * 8) * 2 + s % 8 // 2 % 2),
+                            s % (NDC * 8) // 8 * 16 + 8 * (s % 8 // 2 // 2) + 2 * (tx % 4) + s % 2)]
                     for h2 in T.unroll(MT * 2):
                         m[ix(ty, tx, h2)] = neg_inf
                         l[ix(ty, tx, h2)] = T.float32(0)
@@ -341,11 +307,11 @@ def _mma_q_frag(x):
 
 def _mma_prologue(x):
     """The first ``stages − 1`` K/V tiles in flight."""
-    (call, copy_kv, EMU, n_tiles, NS, ri, thread_x, thread_y, W) = \
-        (x.call, x.copy_kv, x.EMU, x.n_tiles, x.NS, x.ri, x.thread_x, x.thread_y, x.W)
+    (call, copy_kv, EMU, NS, thread_x, thread_y, W) = \
+        (x.call, x.copy_kv, x.EMU, x.NS, x.thread_x, x.thread_y, x.W)
 
     @T.macro
-    def prologue(Ks, Vs, K, V, vbx):
+    def prologue(Ks, Vs, K, V, w):
         # -- prologue: the first stages − 1 K/V tiles in flight --------------------
         for p in T.serial(NS - 1):
             for ty in thread_y(W):
@@ -353,8 +319,8 @@ def _mma_prologue(x):
                     with T.sblock("KV_prefetch"):
                         T.reads()
                         T.writes()
-                        if p < n_tiles(ri(vbx)):
-                            copy_kv(Ks, Vs, K, V, vbx, ty, tx, p, p)
+                        if p < w.n_tiles():
+                            copy_kv(Ks, Vs, K, V, w, ty, tx, p, p)
                         if not EMU:
                             T.evaluate(call("attn_cp_commit"))
 
@@ -366,7 +332,7 @@ def _mma_kv_wait(x):
     call, copy_kv, EMU, NS, thread_x, thread_y, W = x.call, x.copy_kv, x.EMU, x.NS, x.thread_x, x.thread_y, x.W
 
     @T.macro
-    def kv_wait(Ks, Vs, K, V, vbx, c):
+    def kv_wait(Ks, Vs, K, V, w, c):
         # -- tile c landed (this thread's copies, then everyone's) ---------------
         for ty in thread_y(W):
             for tx in thread_x(WARP):
@@ -374,7 +340,7 @@ def _mma_kv_wait(x):
                     T.reads()
                     T.writes()
                     if NS == 1:
-                        copy_kv(Ks, Vs, K, V, vbx, ty, tx, 0, c)
+                        copy_kv(Ks, Vs, K, V, w, ty, tx, 0, c)
                         if not EMU:
                             T.evaluate(call("attn_cp_commit"))
                     if not EMU:
@@ -392,11 +358,11 @@ def _mma_kv_wait(x):
 
 def _mma_kv_prefetch(x):
     """Tile ``c + stages − 1`` into the buffer tile ``c − 1`` used."""
-    (call, copy_kv, EMU, n_tiles, NS, ri, thread_x, thread_y, W) = \
-        (x.call, x.copy_kv, x.EMU, x.n_tiles, x.NS, x.ri, x.thread_x, x.thread_y, x.W)
+    (call, copy_kv, EMU, NS, thread_x, thread_y, W) = \
+        (x.call, x.copy_kv, x.EMU, x.NS, x.thread_x, x.thread_y, x.W)
 
     @T.macro
-    def kv_prefetch(Ks, Vs, K, V, vbx, c):
+    def kv_prefetch(Ks, Vs, K, V, w, c):
         # -- prefetch tile c + stages − 1 into the buffer tile c − 1 used ---------
         if NS > 1:
             for ty in thread_y(W):
@@ -404,8 +370,8 @@ def _mma_kv_prefetch(x):
                     with T.sblock("KV_load"):
                         T.reads()
                         T.writes()
-                        if c + NS - 1 < n_tiles(ri(vbx)):
-                            copy_kv(Ks, Vs, K, V, vbx, ty, tx, (c + NS - 1) % NS, c + NS - 1)
+                        if c + NS - 1 < w.n_tiles():
+                            copy_kv(Ks, Vs, K, V, w, ty, tx, (c + NS - 1) % NS, c + NS - 1)
                         if not EMU:
                             T.evaluate(call("attn_cp_commit"))
 
@@ -456,13 +422,12 @@ def _mma_qk_mma(x):
 def _mma_softmax(x):
     """Tile ``c``'s scores scaled and masked, the rows' new max across their four lanes,
     ``P = exp2(S − m_new)`` and the online correction."""
-    (dtype, EMU, ix, kv_tail, MT, needs_mask, neg_inf, NO, NT, o_half, qscale, ri, s_half, thread_x, thread_y, vis,
-     visible, W) = \
-        (x.dtype, x.EMU, x.ix, x.kv_tail, x.MT, x.needs_mask, x.neg_inf, x.NO, x.NT, x.o_half, x.qscale, x.ri,
-         x.s_half, x.thread_x, x.thread_y, x.vis, x.visible, x.W)
+    (dtype, EMU, ix, MT, neg_inf, NO, NT, o_half, qscale, s_half, thread_x, thread_y, visible, W) = \
+        (x.dtype, x.EMU, x.ix, x.MT, x.neg_inf, x.NO, x.NT, x.o_half, x.qscale, x.s_half, x.thread_x, x.thread_y,
+         x.visible, x.W)
 
     @T.macro
-    def softmax(S, Pf, acc, m, l, mt, mn, vbx, c):
+    def softmax(S, Pf, acc, m, l, mt, mn, w, c):
         # -- scale, mask (only tiles that need it), the lane's row maxima -----------
         for ty in thread_y(W):
             for tx in thread_x(WARP):
@@ -471,11 +436,10 @@ def _mma_softmax(x):
                     T.writes()
                     # the max of the raw scores, scaled once: the scale is positive, so
                     # max(s)·scale = max(s·scale), and the exponent below is one FFMA
-                    if vis.hides_keys or kv_tail:
-                        if needs_mask(c, ri(vbx)):
+                    if w.hides:
+                        if w.needs_mask(c):
                             for k in T.unroll(MT * NT * 4):
-                                S[ix(ty, tx, k)] = T.Select(
-                                    visible(ri(vbx), ty, tx, k, c), S[ix(ty, tx, k)], neg_inf)
+                                S[ix(ty, tx, k)] = T.Select(visible(w, ty, tx, k, c), S[ix(ty, tx, k)], neg_inf)
                     for h2 in T.unroll(MT * 2):
                         mt[ix(ty, tx, h2)] = neg_inf
                     for k in T.unroll(MT * NT * 4):
@@ -557,19 +521,11 @@ def _mma_pv_mma(x):
 
 def _mma_store(x):
     """Row sums across the row's lanes, ``O = acc / l`` (0 for a row with no key)."""
-    (bi, col_of, dtype, EMU, hi, ix, MT, NO, o_half, ri, row_of, spec, SQ, thread_x, thread_y, W) = \
-        (x.bi, x.col_of, x.dtype, x.EMU, x.hi, x.ix, x.MT, x.NO, x.o_half, x.ri, x.row_of, x.spec, x.SQ,
-         x.thread_x, x.thread_y, x.W)
-
-    def out(acc, l, row):
-        # static lengths: normalize decides at build time whether a row may see no key;
-        # symbolic: the same fact of the mask, a run-time predicate of the lengths
-        if not spec.dynamic:
-            return normalize(acc, l, row, spec)
-        return normalize_where(acc, l, x.vis.sees_a_key(x.vis.position(row, x.OFF), x.SK))
+    (col_of, dtype, EMU, ix, MT, NO, o_half, row_of, thread_x, thread_y, W) = \
+        (x.col_of, x.dtype, x.EMU, x.ix, x.MT, x.NO, x.o_half, x.row_of, x.thread_x, x.thread_y, x.W)
 
     @T.macro
-    def store(O, acc, l, ls, vbx):
+    def store(O, acc, l, ls, w):
         # -- row sums across the row's lanes, O = acc / l (0 for a row with no key) ------
         for ty in thread_y(W):
             for tx in thread_x(WARP):
@@ -588,10 +544,10 @@ def _mma_store(x):
                     T.reads()
                     T.writes()
                     for k in T.unroll(MT * NO * 4):
-                        if ri(vbx) + row_of(ty, tx, o_half(k)) < SQ:
-                            O[bi(vbx), hi(vbx), ri(vbx) + row_of(ty, tx, o_half(k)), col_of(tx, k, NO)] = T.Cast(
-                                dtype, out(acc[ix(ty, tx, k)], ls[ix(ty, tx, o_half(k))],
-                                           ri(vbx) + row_of(ty, tx, o_half(k))))
+                        if w.row0 + row_of(ty, tx, o_half(k)) < w.q_len:
+                            O[w.o_at(w.row0 + row_of(ty, tx, o_half(k)), col_of(tx, k, NO))] = T.Cast(
+                                dtype, w.out(acc[ix(ty, tx, k)], ls[ix(ty, tx, o_half(k))],
+                                             w.row0 + row_of(ty, tx, o_half(k))))
 
     return store
 
@@ -599,14 +555,15 @@ def _mma_store(x):
 def fused_attention_mma(
     spec: AttentionSpec, warps: int, block_n: int, stages: int, m_tiles: int = 1, emulate: bool = False
 ) -> tirx.PrimFunc:
-    """Arguments (call order): ``Q (B, H, Sq, D)``, ``K (B, KH, Skv, D)``, ``V (B, KH, Skv, D)``,
-    ``O (B, H, Sq, D)``, all ``spec.dtype`` (float16 or bfloat16), compact row-major, 16-byte
-    aligned rows (``head_dim`` a multiple of 16)."""
+    """Arguments (call order), all ``spec.dtype`` (float16 or bfloat16), compact row-major,
+    16-byte aligned rows (``head_dim`` a multiple of 16): bhsd ``Q (B, H, Sq, D)``, ``K (B, KH,
+    Skv, D)``, ``V (B, KH, Skv, D)``, ``O (B, H, Sq, D)``; varlen ``Q (total_q, H, D)``,
+    ``K``/``V (total_k, KH, D)``, ``cu_seqlens_q``/``cu_seqlens_k (batch+1,) int32``,
+    ``O (total_q, H, D)``."""
     x = _mma_fragments(_mma_context(spec, warps, block_n, stages, m_tiles, emulate))
-    (B, block, BN, D, dtype, fscope, fshape, H, KH, MT, n_tiles, NDC, NO, NR, NS, NT, ri, SK, smem, SQ, TILE, W) = \
-        (x.B, x.block, x.BN, x.D, x.dtype, x.fscope, x.fshape, x.H, x.KH, x.MT, x.n_tiles, x.NDC, x.NO, x.NR, x.NS,
-         x.NT, x.ri, x.SK, x.smem, x.SQ, x.TILE, x.W)
-    static = not spec.dynamic
+    (B, block, BM, BN, dtype, fscope, fshape, MT, NDC, NO, NR, NS, NT, SK, smem, SQ, TILE, W) = \
+        (x.B, x.block, x.BM, x.BN, x.dtype, x.fscope, x.fshape, x.MT, x.NDC, x.NO, x.NR, x.NS, x.NT, x.SK, x.smem,
+         x.SQ, x.TILE, x.W)
     q_frag = _mma_q_frag(x)
     prologue = _mma_prologue(x)
     kv_wait = _mma_kv_wait(x)
@@ -617,7 +574,7 @@ def fused_attention_mma(
     store = _mma_store(x)
 
     @T.macro
-    def tile(Qp, K, V, O, vbx):
+    def tile(Q, K, V, O, w):
         Ks = T.sblock_alloc_buffer((NS * TILE,), dtype, scope=smem)
         Vs = T.sblock_alloc_buffer((NS * TILE,), dtype, scope=smem)
         Qf = T.sblock_alloc_buffer(fshape(MT * NDC * 8), dtype, scope=fscope)
@@ -632,27 +589,16 @@ def fused_attention_mma(
         mn = T.sblock_alloc_buffer(fshape(MT * 2), "float32", scope=fscope)  # row's new max
         ls = T.sblock_alloc_buffer(fshape(MT * 2), "float32", scope=fscope)  # row sum
 
-        q_frag(Qp, Qf, m, l, acc, vbx)
-        prologue(Ks, Vs, K, V, vbx)
-        for c in T.serial(n_tiles(ri(vbx))):
-            kv_wait(Ks, Vs, K, V, vbx, c)
-            kv_prefetch(Ks, Vs, K, V, vbx, c)
+        q_frag(Q, Qf, m, l, acc, w)
+        prologue(Ks, Vs, K, V, w)
+        for c in T.serial(w.n_tiles()):
+            kv_wait(Ks, Vs, K, V, w, c)
+            kv_prefetch(Ks, Vs, K, V, w, c)
             qk_mma(S, Qf, Ks, Kf, c)
-            softmax(S, Pf, acc, m, l, mt, mn, vbx, c)
+            softmax(S, Pf, acc, m, l, mt, mn, w, c)
             pv_mma(acc, Pf, Vs, Vf, c)
-        store(O, acc, l, ls, vbx)
+        store(O, acc, l, ls, w)
 
-    grid = tile_grid(block, B, H, NR, static, tile)
-
-    @T.prim_func(s_tir=True)
-    def attention(
-        Qp: T.Buffer((B, H, SQ, D), dtype),
-        K: T.Buffer((B, KH, SK, D), dtype),
-        V: T.Buffer((B, KH, SK, D), dtype),
-        O: T.Buffer((B, H, SQ, D), dtype),
-    ):
-        T.func_attr({"global_symbol": ENTRY, "tirx.noalias": True, "attn.workload": "fused_mma",
-                     "attn.warps": W, "attn.block_n": BN, "attn.stages": NS, "attn.m_tiles": MT})
-        grid(Qp, K, V, O)
-
-    return attention
+    attrs = {"global_symbol": ENTRY, "tirx.noalias": True, "attn.workload": "fused_mma",
+             "attn.warps": W, "attn.block_n": BN, "attn.stages": NS, "attn.m_tiles": MT}
+    return kernel_func(spec, block, BM, BN, (B, NR, SQ, SK), tile, x.dense, attrs, reverse=x.causal)
