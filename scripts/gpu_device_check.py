@@ -126,7 +126,8 @@ def peers(torch, spec, q, k, v):
 
 def preload_runtime(payload: Path, manifests: list[dict]) -> None:
     """TVM's runtime libraries from the payload (one copy for every kernel), after checking them
-    against the SHA-256 every manifest records."""
+    against the SHA-256 every manifest records; only those the manifests list (a CPU payload
+    carries no CUDA runtime)."""
     from tvm_attention import runtime
 
     want = {e["file"]: e["sha256"] for m in manifests for e in m.get("runtime_libraries", [])}
@@ -134,7 +135,7 @@ def preload_runtime(payload: Path, manifests: list[dict]) -> None:
         h = hashlib.sha256((payload / "runtime" / name).read_bytes()).hexdigest()
         if h != sha:
             raise RuntimeError(f"runtime/{name}: SHA-256 {h} is not the one the kernels were built with ({sha})")
-    runtime.ensure_runtime(payload / "runtime", [runtime.RUNTIME_CPU, runtime.RUNTIME_CUDA])
+    runtime.ensure_runtime(payload / "runtime", [n for n in (runtime.RUNTIME_CPU, runtime.RUNTIME_CUDA) if n in want])
 
 
 #: a static shape's row names the symbolic build of each kernel that is timed there too

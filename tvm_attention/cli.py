@@ -354,6 +354,11 @@ def cmd_tune(a: argparse.Namespace) -> int:
             progress(f"{spec.short_name()} is symbolic ({', '.join(spec.dynamic)}): tuning at the representative "
                      f"shape {rep.short_name()}; dynamic builds of this configuration use that log")
         spec = rep
+    if a.runner is not None or a.import_timings is not None:
+        try:
+            return _tune_by_files(a, spec, target, progress)
+        finally:
+            restore()
     try:
         result = tune(spec, target=target, schedule=a.schedule, trials=a.trials, work_dir=a.work_dir,
                       search=a.search, warm_start=a.warm_start,
@@ -371,6 +376,25 @@ def cmd_tune(a: argparse.Namespace) -> int:
               f"({result.best_task}) {knob_summary(result.best_knobs)}")
     print(f"log: {result.work_dir}  ({result.trials_total} trials, {result.trials_new} new)")
     return 130 if result.interrupted else 0
+
+
+def _tune_by_files(a: argparse.Namespace, spec: AttentionSpec, target, progress) -> int:
+    """``tune --runner dir:PATH`` (write the candidates into a payload for a device reachable only
+    by files) and ``tune --import-timings PATH`` (commit the timings it brought back)."""
+    from .tune import dirrunner  # TVM loads only for the commands that compile
+
+    if a.runner is not None and a.import_timings is not None:
+        raise ValueError("--runner dir:PATH writes a payload, --import-timings PATH reads one back: one at a time")
+    if a.rpc_tracker is not None:
+        raise ValueError("--rpc-tracker measures over the network; --runner dir: / --import-timings go by files")
+    if a.import_timings is not None:
+        dirrunner.import_timings(spec, target, a.import_timings, schedule=a.schedule, work_dir=a.work_dir,
+                                 progress=progress)
+        return 0
+    dirrunner.export_payload(spec, target, dirrunner.parse_runner(a.runner), schedule=a.schedule, trials=a.trials,
+                             work_dir=a.work_dir, per_round=a.per_round, seed=a.seed, threads=a.threads,
+                             search=a.search, warm_start=a.warm_start, wheel=a.wheel, progress=progress)
+    return 0
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
@@ -550,6 +574,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rpc-key", default=None, help="device key registered with the tracker")
     p.add_argument("--rpc-workers", type=int, default=None,
                    help="measurements in flight at once (default: one per registered server)")
+    p.add_argument("--runner", default=None, metavar="dir:PATH",
+                   help="measure on a device reachable only by files: build the next candidates (--trials minus "
+                        "the log's records) into the payload PATH and stop; run PATH/run.sh there, bring its "
+                        "timings.json back into PATH, then rerun with --import-timings PATH (docs/tuning.md)")
+    p.add_argument("--import-timings", default=None, metavar="PATH",
+                   help="commit the timings.json of the payload PATH (written by --runner dir:PATH) to the log")
+    p.add_argument("--wheel", action="store_true",
+                   help="--runner dir: also carry tvm-ffi's cp312 wheel (the device has no package index)")
     p.add_argument("--trials", type=int, default=64, help="total measured trials in the log (resume counts them)")
     p.add_argument("--work-dir", default=None,
                    help="tuning log folder (default: <cache>/tuning_logs/<target>/<spec>/, where <cache> is "

@@ -35,6 +35,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+import tvm
 from tvm.target import Target
 
 from .paths import cache_dir
@@ -357,6 +358,14 @@ def records_for(parsed: ParsedLog, schedule: str) -> Iterator[tuple[Any, Any]]:
         attrs = func.attrs if func.attrs is not None else {}
         if "attn.workload" in attrs and str(attrs["attn.workload"]) == schedule:
             yield wl, rec
+
+
+def replay_record(workload, record):
+    """The schedule ``record``'s trace gives on ``workload`` (postprocessing kept, as measured):
+    its ``.mod`` is what was measured, and its structural hash the key a tune dedups by."""
+    sch = tvm.s_tir.Schedule(workload.mod)
+    record.trace.apply_to_schedule(sch, remove_postproc=False)
+    return sch
 
 
 def for_target(rec, want: str) -> bool:

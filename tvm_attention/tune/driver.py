@@ -40,7 +40,7 @@ from schedules import get_schedule
 
 from ..build import knobs_of
 from ..logs import (FAILED_RUN_SECS, RECORD_FILE, for_target, mean_secs, open_database, parse_logs, records_for,
-                    target_key, tune_lock, tune_work_dir)
+                    replay_record, target_key, tune_lock, tune_work_dir)
 from ..spec import AttentionSpec
 from ..target import check_target_runnable, is_cuda, local_cuda_arch, resolve_target, vector_lanes
 from ..task_mods import workload_matches
@@ -509,9 +509,8 @@ def _warm_start(cost_model, warm_dir, schedule: str, target: Target, want: str, 
     for wl, rec in records_for(parsed, schedule):
         if not for_target(rec, want) or mean_secs(rec) >= FAILED_RUN_SECS:
             continue
-        sch = tvm.s_tir.Schedule(wl.mod)
         try:
-            rec.trace.apply_to_schedule(sch, remove_postproc=False)
+            sch = replay_record(wl, rec)
         except Exception:  # noqa: BLE001 - a record of an older space: skip it
             continue
         entry = by_wl.setdefault(id(wl), (wl, [], []))
@@ -717,8 +716,7 @@ class _Tune:
                 continue
             if not workload_matches(spec, wl.mod):
                 continue
-            sch = tvm.s_tir.Schedule(wl.mod)
-            rec.trace.apply_to_schedule(sch, remove_postproc=False)
+            sch = replay_record(wl, rec)
             self.measured[(want, tvm_ffi.structural_hash(sch.mod))] = list(rec.run_secs)
             existing += 1
             state.measured += 1

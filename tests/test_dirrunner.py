@@ -1,0 +1,173 @@
+"""Tuning by files (tvm_attention/tune/dirrunner.py): export a tune's candidates as a payload,
+time them with the device script (loader only, no ``tvm``), import the timings into the tuning
+log, and ``build`` picks the best; a crashing or broken candidate, foreign or corrupt timings, a
+CUDA payload built offline, and the same transport as a MetaSchedule runner."""
+import ast
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tvm.s_tir import meta_schedule as ms
+
+from tvm_attention import cli
+from tvm_attention.cuda_tools import find_nvcc
+from tvm_attention.logs import FAILED_RUN_SECS, RECORD_FILE, parse_logs
+from tvm_attention.pipeline import LogNotUsable, build_best
+from tvm_attention.spec import AttentionSpec
+from tvm_attention.tune.dirrunner import CANDIDATES, TIMINGS, DirRunner, PayloadError, export_payload, \
+    import_timings, read_payload, read_timings
+
+REPO = Path(__file__).resolve().parents[1]
+SPEC = AttentionSpec(batch=1, heads=2, seq_q=64, head_dim=32, causal=True)
+FLAGS = ["--batch", "1", "--heads", "2", "--seq-q", "64", "--head-dim", "32", "--causal"]
+
+
+def device_run(payload: Path, *args: str, blocker: Path) -> subprocess.CompletedProcess:
+    """The payload's device script as a bare machine runs it: its own package, ``tvm``
+    unimportable (``blocker`` holds a ``tvm`` that raises on import)."""
+    env = dict(os.environ, PYTHONPATH=str(blocker))
+    return subprocess.run([sys.executable, str(payload / "time_candidates.py"), "--rounds", "2", "--min-ms", "5", *args],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=payload)
+
+
+@pytest.fixture(scope="module")
+def blocker(tmp_path_factory):
+    d = tmp_path_factory.mktemp("blocker")
+    (d / "tvm").mkdir()
+    (d / "tvm" / "__init__.py").write_text("raise ImportError('tvm imported on the device')\n")
+    return d
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """A payload of two CPU candidates of SPEC, and the log it was drawn from (empty)."""
+    root = tmp_path_factory.mktemp("dir")
+    msgs = []
+    info = export_payload(SPEC, "llvm", root / "payload", trials=2, per_round=2, search="random",
+                          work_dir=root / "log", progress=msgs.append)
+    assert len(info["candidates"]) == 2 and "payload is full" not in "".join(msgs)
+    return root / "payload", root / "log"
+
+
+def test_export_time_import_and_build_picks_the_best(exported, blocker, tmp_path):
+    payload, _ = exported
+    log = tmp_path / "log"
+    info = read_payload(payload)
+    ids = sorted(info["candidates"])
+    for cid in ids:  # the artifact's device files; TVM's runtime once, beside them
+        assert sorted(p.name for p in (payload / "kernels" / cid).iterdir()) == ["attention.so", "manifest.json"]
+    assert [p.name for p in (payload / "runtime").iterdir()] == ["libtvm_runtime.so"]
+    assert "time_candidates.py" in (payload / "run.sh").read_text()
+    # the device script imports neither tvm nor the build path (statically; and it runs with tvm blocked)
+    tree = ast.parse((payload / "time_candidates.py").read_text())
+    names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert not [n for n in names if n.split(".")[0] == "tvm" or n.startswith(("tvm_attention.tune", "tvm_attention.build"))]
+    r = device_run(payload, "--out", str(tmp_path / "out"), blocker=blocker)
+    assert r.returncode == 0, r.stdout + r.stderr
+    shutil.copy(tmp_path / "out" / TIMINGS, payload / TIMINGS)  # brought back
+    timings = read_timings(payload, info)
+    assert sorted(timings) == ids and all(isinstance(v, list) and len(v) == 2 for v in timings.values()), timings
+
+    argv = ["tune", *FLAGS, "--work-dir", str(log), "--import-timings", str(payload)]
+    assert cli.main(argv) == 0
+    records = parse_logs(log).records
+    got = sorted(sum(float(x) for x in rec.run_secs) / 2 for _, rec in records)
+    assert got == pytest.approx(sorted(sum(v) / 2 for v in timings.values()), rel=1e-6)  # MetaSchedule keeps float32
+    assert cli.main(argv) == 0  # a second import adds nothing
+    assert len((log / RECORD_FILE).read_text().splitlines()) == 2
+
+    built, validation = build_best(SPEC, log_dir=log)
+    best = min(ids, key=lambda i: sum(timings[i]))
+    assert built.source == "tuned" and validation.passed
+    assert built.knobs.to_dict() == info["candidates"][best]["knobs"]
+    # the next export leaves out what the log measured
+    more = export_payload(SPEC, "llvm", tmp_path / "next", trials=3, per_round=2, search="random", work_dir=log,
+                          progress=lambda m: None)
+    done = {json.dumps(info["candidates"][i]["record"][0]) for i in ids}
+    assert len(more["candidates"]) == 1 and json.dumps(more["candidates"]["c0000"]["record"][0]) not in done
+
+
+def test_a_crashing_and_a_broken_candidate_are_failed_records(exported, blocker, tmp_path):
+    payload = tmp_path / "p"
+    shutil.copytree(exported[0], payload)
+    lib = payload / "kernels" / "c0001" / "attention.so"
+    data = lib.read_bytes()
+    lib.write_bytes(data[:-1] + bytes([data[-1] ^ 0xFF]))  # another library than its manifest's
+    r = device_run(payload, "--crash-on", "c0000", blocker=blocker)  # c0000 kills its process
+    assert r.returncode == 0, r.stdout + r.stderr
+    timings = json.loads((payload / TIMINGS).read_text())["timings"]
+    assert "killed its timing process" in timings["c0000"]
+    assert "SHA-256" in timings["c0001"]  # timed after the crash, in a fresh process
+    res = import_timings(SPEC, "llvm", payload, work_dir=tmp_path / "log", progress=lambda m: None)
+    assert (res.new, res.failed) == (2, 2)
+    assert all(rec.run_secs[0] >= FAILED_RUN_SECS for _, rec in parse_logs(tmp_path / "log").records)
+    with pytest.raises(LogNotUsable):
+        build_best(SPEC, log_dir=tmp_path / "log")
+
+
+def test_foreign_or_corrupt_timings_are_refused_by_name(exported, tmp_path, capsys):
+    payload = tmp_path / "p"
+    payload.mkdir()
+    shutil.copy(exported[0] / CANDIDATES, payload / CANDIDATES)
+    info = read_payload(payload)
+    good = {"payload_id": info["payload_id"], "target_key": info["target_key"], "device": {"kind": "cpu"},
+            "timings": {"c0000": [1e-3]}}
+    with pytest.raises(PayloadError, match="timings.json: missing"):
+        read_timings(payload, info)
+    for doc, problem in (({**good, "payload_id": "0123"}, "different exports"),
+                         ({**good, "target_key": "llvm-other-2c"}, "measured for target"),
+                         ({**good, "timings": {"c9999": [1e-3]}}, "c9999 are not in the payload"),
+                         ({**good, "timings": {"c0000": [-1]}}, "c0000: expected a list of positive seconds")):
+        (payload / TIMINGS).write_text(json.dumps(doc))
+        with pytest.raises(PayloadError, match=problem):
+            read_timings(payload, info)
+    with pytest.raises(PayloadError, match="holds timings that were not imported"):  # never lost by a new export
+        export_payload(SPEC, "llvm", payload, trials=2, work_dir=tmp_path / "log")
+    (payload / TIMINGS).write_text('{"payload_id": ')
+    assert cli.main(["tune", *FLAGS, "--work-dir", str(tmp_path / "log"), "--import-timings", str(payload)]) == 2
+    assert "timings.json: not valid JSON" in capsys.readouterr().err
+    # the payload of another spec: named, nothing imported
+    other = ["--batch", "1", "--heads", "2", "--seq-q", "64", "--head-dim", "32"]
+    assert cli.main(["tune", *other, "--work-dir", str(tmp_path / "log"), "--import-timings", str(payload)]) == 2
+    assert "a payload of spec b1_h2_kv2_q64_k64_d32_float32_causal" in capsys.readouterr().err
+    assert not (tmp_path / "log" / RECORD_FILE).exists()
+
+
+def test_dir_runner_is_the_same_transport(exported, blocker, tmp_path):
+    """MetaSchedule's runner interface: run() writes the artifacts as a payload, its futures
+    read the device's timings back."""
+    runner = DirRunner(tmp_path / "p", "llvm", poll_s=0.1, timeout_s=60)
+    inputs = [ms.runner.RunnerInput(str(exported[0] / "kernels" / c), "cpu", []) for c in ("c0000", "c0001")]
+    futures = runner.run(inputs)
+    assert not futures[0].done()
+    r = device_run(tmp_path / "p", blocker=blocker)
+    assert r.returncode == 0, r.stdout + r.stderr
+    results = [f.result() for f in futures]
+    assert all(x.error_msg is None and len(x.run_secs) == 2 for x in results)
+
+
+@pytest.mark.skipif(find_nvcc() is None, reason="nvcc compiles the CUDA candidates offline")
+def test_cuda_candidates_build_offline(tmp_path, capsys):
+    spec = ["--batch", "1", "--heads", "2", "--seq-q", "128", "--head-dim", "64", "--dtype", "float16", "--causal",
+            "--target", "cuda", "--arch", "sm_90"]
+    payload = tmp_path / "p"
+    assert cli.main(["tune", *spec, "--trials", "2", "--per-round", "2", "--search", "random",
+                     "--work-dir", str(tmp_path / "log"), "--runner", f"dir:{payload}"]) == 0
+    info = read_payload(payload)
+    assert len(info["candidates"]) == 2 and info["target_key"] == "cuda-sm_90"
+    for c in info["candidates"].values():
+        d = payload / c["dir"]
+        assert (d / "kernel.fatbin").read_bytes()[:4] == b"\x50\xed\x55\xba"  # fatbin magic: no JIT there
+        assert json.loads((d / "manifest.json").read_text())["kernel_binary"]["arch"] == "sm_90"
+    assert sorted(p.name for p in (payload / "runtime").iterdir()) == ["libtvm_runtime.so", "libtvm_runtime_cuda.so"]
+    # timings from another GPU are refused
+    (payload / TIMINGS).write_text(json.dumps({"payload_id": info["payload_id"], "target_key": "cuda-sm_90",
+                                               "device": {"kind": "cuda", "name": "A100", "arch": "sm_80"},
+                                               "timings": {"c0000": [1e-4]}}))
+    with pytest.raises(PayloadError, match=r"A100 \(sm_80\), but the kernels are built for sm_90"):
+        read_timings(payload, info)
