@@ -1,0 +1,230 @@
+"""The shared-memory race checker (``tvm_attention/cuda_race.py``, ``scripts/smem_race_check.py``),
+offline: the generated CUDA kernels (both, at small tiles and lengths) have no race in any block,
+and the checker can fail: a barrier, a cp.async wait or a stage's barrier removed from the
+lowered kernel is reported with the buffer, the two threads and the barrier interval. Small
+hand-written kernels pin down its semantics (cp.async groups, barriers, warp collectives)."""
+import functools
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import tvm
+import tvm_ffi
+from tvm.script import tirx as T
+
+from tvm_attention import cuda_race as cr
+from tvm_attention.workloads.fused_mma import _cuda_sources
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICK = cr.configs(quick=True)
+
+
+@functools.lru_cache(maxsize=None)
+def _built(name: str):
+    return _config(name).build()
+
+
+def _config(name: str) -> cr.RaceConfig:
+    return next(c for c in cr.CONFIGS if c.name == name)
+
+
+def _check(name: str, func=None) -> cr.RaceReport:
+    return cr.check_config(_config(name), _built(name), func=func)
+
+
+def _func(name: str):
+    return cr.device_function(_built(name))
+
+
+def test_the_quick_set_covers_both_kernels_dtypes_stages_row_groups_masks_and_symbolic_lengths():
+    simt = [c for c in QUICK if c.kernel == "fused_simt"]
+    tc = [c for c in QUICK if c.kernel == "fused_tc"]
+    assert {c.spec["dtype"] for c in simt} >= {"float32", "float16"}
+    assert {c.knobs["stages"] for c in tc} >= {1, 2} and {c.knobs["m_tiles"] for c in tc} == {1, 2}
+    for group in (simt, tc):
+        assert {c.spec["causal"] for c in group} == {False, True}
+        assert any(c.lengths for c in group) and any(not c.lengths for c in group)
+    assert all(c.spec["heads"] > c.spec["kv_heads"] for c in QUICK)  # GQA
+    assert any(c.spec["seq_q"] == 37 and c.spec["seq_kv"] == 45 for c in QUICK)  # tails
+
+
+@pytest.mark.parametrize("cfg", QUICK, ids=lambda c: c.name)
+def test_generated_kernels_have_no_shared_memory_race(cfg):
+    report = _check(cfg.name)
+    assert report.ok, report.format()
+    # every block of the grid, all its threads, several barrier intervals, real accesses
+    assert len(report.blocks) > 1 and report.threads >= 32 and report.intervals > 2 and report.accesses > 1000
+    # the premise: CUDA codegen adds no barrier and no shared memory the checked IR lacks
+    func = _func(cfg.name)
+    src = _built(cfg.name).module.imports[0].inspect_source()
+    shared = []
+    tvm_ffi.structural_walk(func.body, [(tvm.tirx.AllocBuffer, lambda a: shared.append(a.buffer.name)
+                                         if a.buffer.scope() == "shared" else None)])
+    assert sorted(re.findall(r"__shared__ [^;]* (\w+)_ptr\[", src)) == sorted(shared)
+    assert src.count("__syncthreads()") == cr.barrier_sites(func) and "__syncwarp" not in src
+
+
+def _race_between_threads(report: cr.RaceReport, buffer=None, kind=None) -> cr.Race:
+    assert not report.ok, "the fault was not reported"
+    for r in report.races:
+        if len(r.threads) == 2 and r.threads[0] != r.threads[1] and (buffer is None or r.buffer == buffer) \
+                and (kind is None or kind in r.kind):
+            assert r.interval >= 0 and r.interval_desc and r.byte >= 0, r.format()
+            text = r.format()
+            assert f"in {r.buffer} at byte" in text and "barrier interval" in text and "between thread" in text
+            return r
+    raise AssertionError("no race between two threads" + (f" in {buffer}" if buffer else "") + ":\n" + report.format())
+
+
+def test_each_barrier_of_the_simt_kernel_is_needed():
+    """fp32: P reuses the K tile's memory, so each of the four barriers of a key tile guards a
+    hazard; each removed alone is a race."""
+    name = "simt_f32_causal_37x45"
+    func = _func(name)
+    n = cr.barrier_sites(func)
+    assert n == 4
+    for k in range(n):
+        faulty = cr.drop_barrier(func, k)
+        assert cr.barrier_sites(faulty) == n - 1
+        _race_between_threads(_check(name, faulty))
+
+
+def test_simt_barrier_before_the_p_tile_is_read():
+    # fp16: P has its own shared tile; the barrier between its store and P·V's reads
+    name = "simt_f16_full_37x45"
+    r = _race_between_threads(_check(name, cr.drop_barrier(_func(name), 2)), buffer="Ps")
+    assert {s.what.split()[0] for s in r.sites} == {"write", "read"}
+
+
+def test_tensor_core_stage_overwritten_while_another_thread_reads_it():
+    """stages=1: the barrier at the end of a key tile keeps the next tile's cp.async off the
+    buffer ldmatrix still reads."""
+    name = "tc_f16_s1_m1_causal_37x45"
+    func = _func(name)
+    assert cr.barrier_sites(func) == 2
+    r = _race_between_threads(_check(name, cr.drop_barrier(func, 1)), kind="cp.async copy and another thread")
+    assert r.buffer in ("Ks", "Vs")
+    whats = sorted(s.what for s in r.sites)
+    assert whats[0].startswith("cp.async (attn_cp_async16)") and whats[1].startswith("ldmatrix (attn_ldsm_x4")
+    assert "after barrier __syncthreads #0" in r.interval_desc  # the one left
+
+
+@pytest.mark.parametrize("name", ["tc_f16_s2_m1_full_37x45", "tc_f16_s2_m2_causal_sym"])
+def test_tensor_core_read_before_the_copy_landed(name):
+    """Two stages: without cp.async.wait_group the next tile is read while in flight; without
+    the barrier after the wait, other threads' copies are read unordered."""
+    func = _func(name)
+    waited = _check(name, cr.drop_helper_calls(func, "attn_cp_wait0"))
+    r = _race_between_threads(waited, kind="still in flight")
+    assert r.buffer in ("Ks", "Vs") and any("ldmatrix" in s.what for s in r.sites)
+    assert any("never waited" in x.kind for x in waited.races)
+    assert cr.barrier_sites(func) == 1  # one barrier per key tile
+    r = _race_between_threads(_check(name, cr.drop_barrier(func, 0)), kind="cp.async")
+    assert r.interval == 0 and r.interval_desc == "kernel start, to kernel end"  # the only barrier gone
+
+
+def test_script_lists_each_configuration_and_fails_on_a_race(monkeypatch, capsys):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import smem_race_check
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    name = "tc_f16_s1_m1_causal_37x45"
+    monkeypatch.setattr(cr, "configs", lambda kernel, quick: [_config(name)])
+    monkeypatch.setattr(cr.RaceConfig, "build", lambda self: _built(self.name))
+    assert smem_race_check.main(["--kernel", "fused_tc", "--quick"]) == 0
+    line = capsys.readouterr().out.strip()
+    assert line.startswith(name) and "threads=64" in line and "intervals=7" in line and line.endswith("s)")
+    assert " ok " in line
+    faulty = cr.drop_barrier(_func(name), 1)
+    monkeypatch.setattr(cr, "device_function", lambda built: faulty)
+    real_check = cr.check_config
+    monkeypatch.setattr(cr, "check_config", lambda cfg, built, func=None: real_check(cfg, built, func=faulty))
+    assert smem_race_check.main([]) == 1
+    out = capsys.readouterr().out
+    assert "RACE" in out and "between thread" in out
+
+
+# -- the checker's semantics on small hand-written kernels ---------------------------------------
+SRC = _cuda_sources("float16")
+
+
+def _pipeline(wait: int, stage: int, sync: bool = True, own: bool = False):
+    """One warp copies two 512-byte stages with cp.async (a commit group each), waits for all
+    but ``wait`` groups, then each lane reads its neighbour's 16 bytes of ``stage`` (``own``:
+    its own, before the wait)."""
+
+    @T.prim_func
+    def pipeline(A_ptr: T.handle("float16", "global")):
+        A = T.decl_buffer((512,), "float16", data=A_ptr)
+        S = T.alloc_shared((512,), "float16")
+        R = T.alloc_local((8,), "float16")
+        tx = T.launch_thread("threadIdx.x", 32)
+        for s in range(2):
+            T.cuda.func_call("attn_cp_async16", T.address_of(S[s * 256 + tx * 8]),
+                             T.address_of(A[s * 256 + tx * 8]), source_code=SRC["attn_cp_async16"])
+            T.cuda.func_call("attn_cp_commit", source_code=SRC["attn_cp_commit"])
+        if own:
+            R[1] = S[stage * 256 + tx * 8]
+        T.cuda.func_call(f"attn_cp_wait{wait}", source_code=SRC[f"attn_cp_wait{wait}"])
+        if sync:
+            T.tvm_storage_sync("shared")
+        R[0] = S[stage * 256 + (tx + 1) % 32 * 8]
+    return pipeline
+
+
+@pytest.mark.parametrize("wait, stage, sync, own, kinds", [
+    (0, 1, True, False, set()),  # all groups waited, then a barrier: ordered
+    (1, 0, True, False, {"cp.async copy never waited for"}),  # the older group landed; the newer never waited for
+    (1, 1, True, False, {"still in flight", "never waited for"}),  # wait_group 1 leaves the newest group in flight
+    (0, 1, False, False, {"cp.async copy and another thread's access in one barrier interval"}),  # no barrier
+    (0, 0, True, True, {"access before this thread's cp.async.wait_group"}),  # own copy read before the wait
+])
+def test_cp_async_groups_waits_and_barriers(wait, stage, sync, own, kinds):
+    report = cr.check_function(_pipeline(wait, stage, sync, own))
+    found = {r.kind for r in report.races}
+    assert all(any(k in f for f in found) for k in kinds) and len(found) == len(kinds), report.format()
+
+
+def _shared_kernel(variant: str):
+    @T.prim_func
+    def kernel():
+        S = T.alloc_shared((64,), "float32")
+        S2 = T.alloc_shared((64,), "float32")
+        R = T.alloc_local((8,), "float16")
+        tx = T.launch_thread("threadIdx.x", 64)
+        S[tx] = T.float32(1)
+        if variant == "divergent_barrier":
+            if tx < 32:
+                T.tvm_storage_sync("shared")
+        elif variant != "no_barrier":
+            T.tvm_storage_sync("shared")
+        S2[tx] = S[(tx + 1) % 64]  # the neighbour's element: needs the barrier
+        if variant == "divergent_ldmatrix":
+            if tx % 32 < 16:
+                T.cuda.func_call("attn_ldsm_x4", T.address_of(R[0]), T.address_of(S[0]),
+                                 source_code=SRC["attn_ldsm_x4"])
+        if variant == "data_branch":
+            if S[tx] > T.float32(0):
+                S2[tx] = T.float32(0)
+    return kernel
+
+
+@pytest.mark.parametrize("variant, kind", [
+    ("barrier", None),
+    ("no_barrier", "read-write race"),
+    ("divergent_barrier", "barrier divergence"),
+    ("divergent_ldmatrix", "warp-collective divergence"),
+])
+def test_barriers_and_warp_collectives(variant, kind):
+    report = cr.check_function(_shared_kernel(variant))
+    if kind is None:
+        assert report.ok, report.format()
+    else:
+        assert any(kind in r.kind for r in report.races), report.format()
+
+
+def test_what_it_cannot_model_stops_the_check():
+    with pytest.raises(cr.NotModelled, match="branch depends on data"):
+        cr.check_function(_shared_kernel("data_branch"))
