@@ -29,7 +29,7 @@ from .family import Capabilities, never_static_decode, same_knobs
 NAME = "fused"
 #: symbolic batch, seq_q and seq_kv: a (row tile, head, batch) grid on (x, y, z), so no index is
 #: divided by a run-time extent (a flat grid's ``// (H·NR)`` spilled on sm_90 with seq_q symbolic)
-CAPABILITIES = Capabilities(label="CUDA fused", target="cuda", layouts=("bhsd", "varlen"), dtypes=SUPPORTED_DTYPES,
+CAPABILITIES = Capabilities(label="CUDA fused", target="cuda", layouts=("bhsd", "varlen", "kvcache", "paged"), dtypes=SUPPORTED_DTYPES,
                             symbolic=True, lse=False)
 WARP = 32
 MAX_REGISTERS_PER_THREAD = 255

@@ -29,7 +29,7 @@ from .family import USE_CPU_FUSED, Capabilities, never_static_decode, same_knobs
 
 NAME = "fused"
 #: symbolic batch, seq_q and seq_kv: a (row tile, head, batch) grid on (x, y, z), as the SIMT kernel's
-CAPABILITIES = Capabilities(label="CUDA tensor-core fused", target="cuda", layouts=("bhsd", "varlen"), dtypes=MMA_DTYPES,
+CAPABILITIES = Capabilities(label="CUDA tensor-core fused", target="cuda", layouts=("bhsd", "varlen", "kvcache", "paged"), dtypes=MMA_DTYPES,
                             symbolic=True, lse=False, instead=f"use --schedule fused_simt, or {USE_CPU_FUSED}")
 WARP = 32
 MAX_REGISTERS_PER_THREAD = 255
@@ -101,7 +101,13 @@ def registers_estimate(knobs: MMAKnobs, spec: AttentionSpec) -> int:
 
 def preset(spec: AttentionSpec, target: Target) -> MMAKnobs:
     if spec.head_dim in _PRESETS:
-        return MMAKnobs(**_PRESETS[spec.head_dim])
+        knobs = MMAKnobs(**_PRESETS[spec.head_dim])
+        if spec.layout in ("kvcache", "paged") and spec.seq_q * spec.group_size <= 16 * knobs.warps:
+            # a decode step packs its group's heads into the tile (seq_q · group rows, 4 at GQA
+            # 32:8): one row group a warp already holds them all, and a second would only add
+            # fragments (ptxas: 220-234 registers at D=64, 12 % occupancy, for empty rows)
+            knobs = dataclasses.replace(knobs, m_tiles=1)
+        return knobs
     # other head dims: the widest key tile that fits (shared memory, registers)
     for bn in (64, 32, 16):
         k = MMAKnobs(warps=4, block_n=bn, stages=2)

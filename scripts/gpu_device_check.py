@@ -245,6 +245,93 @@ def check_varlen(torch, kernels: list[dict], payload: Path, torch_dtype: dict, d
     return check_cases(kernels, payload, VARLEN_BATCHES, "seqlens", run_case, "varlen")
 
 
+#: (seq_q, cache_seqlens) every KV-cache kernel is validated at, every row: a decode step over
+#: mixed caches (empty, one key, tile and page edges), 4 new tokens, a prefill chunk of 37 over
+#: shorter caches (causal rows that see no key: zeros); the layouts' own validation cases
+CACHE_CASES = [(1, [0, 1, 15, 16, 17, 63, 65, 200, 3]), (4, [0, 1, 15, 16, 17, 63, 65, 200, 3]),
+               (37, [0, 37, 100, 20])]
+
+
+def cache_inputs(torch, spec, seq_q: int, lens: list[int], dtype, device: str, gen) -> list:
+    """A KV-cache kernel's inputs in call order on ``device``: q ``(B, H, seq_q, D)``; kvcache
+    ``k_cache``/``v_cache (B, KH, max_len, D)``; paged ``k_pages``/``v_pages (num_pages,
+    page_size, KH, D)`` in shuffled order with 3 spare pages and ``block_table (B, max_pages)``
+    padded with -1 (never read); then ``cache_seqlens (B,) int32``."""
+    b, kh, d = len(lens), spec.kv_heads, spec.head_dim
+    q = torch.randn((b, spec.heads, seq_q, d), device=device, dtype=dtype, generator=gen)
+    cs = torch.tensor(lens, dtype=torch.int32, device=device)
+    if spec.layout == "kvcache":
+        shape = (b, kh, max(lens + [1]), d)
+        return [q, torch.randn(shape, device=device, dtype=dtype, generator=gen),
+                torch.randn(shape, device=device, dtype=dtype, generator=gen), cs]
+    p = spec.page_size
+    need = [-(-n // p) for n in lens]
+    num = sum(need) + 3
+    order = torch.randperm(num, device=device, generator=gen).to(torch.int32)
+    table = torch.full((b, max(need + [1])), -1, dtype=torch.int32, device=device)
+    start = 0
+    for i, n in enumerate(need):
+        table[i, :n] = order[start:start + n]
+        start += n
+    shape = (num, p, kh, d)
+    return [q, torch.randn(shape, device=device, dtype=dtype, generator=gen),
+            torch.randn(shape, device=device, dtype=dtype, generator=gen), table, cs]
+
+
+def cache_keys(spec, x: list, b: int, n: int):
+    """Sequence ``b``'s first ``n`` keys and values of ``cache_inputs``' ``x``, as ``(1, KH, n, D)``."""
+    if spec.layout == "kvcache":
+        return x[1][b:b + 1, :, :n], x[2][b:b + 1, :, :n]
+    pages = x[3][b, :-(-n // spec.page_size)].long()
+
+    def gather(pool):
+        return pool[pages].reshape(-1, spec.kv_heads, spec.head_dim)[:n].transpose(0, 1).unsqueeze(0)
+
+    return gather(x[1]), gather(x[2])
+
+
+def validate_cache(torch, spec, kernel, x: list) -> dict:
+    """Every row of every sequence of a KV-cache call against the float64 reference of that
+    sequence's keys; a sequence with no key must give exact zeros."""
+    from tvm_attention.validate import TOLERANCES
+
+    out = kernel(*x)
+    atol, rtol = TOLERANCES[spec.dtype]
+    ok, worst = bool(torch.isfinite(out).all()), 0.0
+    seq_q = x[0].shape[2]
+    for b, n in enumerate(x[-1].tolist()):
+        kb, vb = cache_keys(spec, x, b, n)
+        ref = reference_rows(torch, spec, x[0][b:b + 1], kb, vb, list(range(seq_q)))
+        diff = (out[b:b + 1].double() - ref).abs()
+        worst = max(worst, float(diff.max()) if diff.numel() else 0.0)
+        ok = ok and bool((diff <= atol + rtol * ref.abs()).all())
+        if n == 0:
+            ok = ok and not bool(out[b].any())
+    return {"passed": ok, "max_abs_err": worst, "rows_checked": int(out.shape[0] * seq_q), "atol": atol,
+            "rtol": rtol}
+
+
+def check_cache(torch, kernels: list[dict], payload: Path, torch_dtype: dict, device: str = "cuda") -> list[dict]:
+    """Each KV-cache kernel (kvcache, paged) through the loader at every ``CACHE_CASES`` case
+    against the reference (``device``: where the inputs live; the tests run it on CPU artifacts)."""
+
+    def run_case(i, spec, kernel, case):
+        seq_q, lens = case
+        gen = torch.Generator(device=device).manual_seed(i * 1000 + seq_q)
+        return validate_cache(torch, spec, kernel, cache_inputs(torch, spec, seq_q, lens, torch_dtype[spec.dtype],
+                                                                device, gen))
+
+    return check_cases(kernels, payload, CACHE_CASES, "case", run_case, "cache")
+
+
+def stream_read(torch, min_ms: float, rounds: int) -> float:
+    """Bytes per second of a streaming read on this GPU (``sum`` over 2 GiB of fp16: each byte
+    read once), measured in this run: what a memory-bound decode step is judged against."""
+    buf = torch.ones(2**30, dtype=torch.float16, device="cuda")
+    secs = cuda_time(torch, lambda: buf.sum(), min_ms, rounds)
+    return buf.numel() * buf.element_size() / secs
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--payload", default=str(Path(__file__).resolve().parent))
@@ -270,8 +357,9 @@ def main(argv: list[str] | None = None) -> int:
     arch, name = f"sm_{major}{minor}", torch.cuda.get_device_name()
     ready = [k for k in info["kernels"] if k["arch"] == arch and "error" not in k]
     varlen = [k for k in ready if k["spec"].get("layout", "bhsd") == "varlen"]
-    built = [k for k in ready if not k["spec"].get("dynamic") and k not in varlen]
-    symbolic = [k for k in ready if k["spec"].get("dynamic") and k not in varlen]
+    cached = [k for k in ready if k["spec"].get("layout", "bhsd") in ("kvcache", "paged")]
+    built = [k for k in ready if not k["spec"].get("dynamic") and k not in varlen + cached]
+    symbolic = [k for k in ready if k["spec"].get("dynamic") and k not in varlen + cached]
     if not ready:
         print(f"gpu_device_check: the payload has no kernels for {arch} ({name}); it has {info['archs']}",
               file=sys.stderr)
@@ -363,6 +451,30 @@ def main(argv: list[str] | None = None) -> int:
 
     awkward = check_symbolic(torch, symbolic, payload, torch_dtype)
     ragged = check_varlen(torch, varlen, payload, torch_dtype)
+    caches = check_cache(torch, cached, payload, torch_dtype)
+    decode = []  # each KV-cache kernel at its representative decode step, next to a streaming read
+    stream = stream_read(torch, a.min_ms, a.rounds) if cached else None
+    for i, k in enumerate(cached):
+        spec = AttentionSpec.from_dict(k["spec"])
+        entry = {"kernel": k["kernel"], "dir": k["dir"], "spec": k["spec"]}
+        try:
+            kernel = tvm_attention.load(payload / k["dir"])
+            x = cache_inputs(torch, spec, spec.seq_q, [spec.seq_kv] * spec.batch, torch_dtype[spec.dtype], "cuda",
+                             torch.Generator(device="cuda").manual_seed(i))
+            entry["validation"] = validate_cache(torch, spec, kernel, x)
+            o = torch.empty_like(x[0])
+            ffi = [tvm_ffi.from_dlpack(t) for t in (*x, o)]
+            fn = kernel.function
+            with tvm_ffi.use_torch_stream():
+                secs = cuda_time(torch, lambda: fn(*ffi), a.min_ms, a.rounds)
+            read = 2 * spec.batch * spec.seq_kv * spec.kv_heads * spec.head_dim * spec.itemsize  # K and V once
+            entry.update(us=secs * 1e6, gbps=read / secs / 1e9, of_stream=read / secs / stream)
+        except Exception as e:  # noqa: BLE001 - recorded, the check goes on
+            entry["error"] = f"{type(e).__name__}: {e}"
+            traceback.print_exc()
+        decode.append(entry)
+        print(f"decode {k['dir']}: {entry.get('gbps', float('nan')):.0f} GB/s, "
+              f"{100 * entry.get('of_stream', float('nan')):.0f}% of a streaming read", flush=True)
 
     def f(x, spec="{:.1f}"):
         return spec.format(x) if isinstance(x, float) else "-"
@@ -392,10 +504,27 @@ def main(argv: list[str] | None = None) -> int:
     lines += ["", f"Varlen kernels on ragged batches: {sum(c['passed'] for c in ragged)}/{len(ragged)} valid"]
     lines += [f"- {c['kernel']} {c['seqlens'][:4]}: {c.get('error') or c.get('max_abs_err')}"
               for c in ragged if not c["passed"]]
+    lines += ["", f"KV-cache kernels on mixed caches: {sum(c['passed'] for c in caches)}/{len(caches)} valid"]
+    lines += [f"- {c['kernel']} {c['case']}: {c.get('error') or c.get('max_abs_err')}" for c in caches
+              if not c["passed"]]
+    if decode:
+        lines += ["", f"Decode steps (K and V bytes, each read once), against a streaming read of "
+                      f"{stream / 1e9:.0f} GB/s in this run:", "",
+                  "| kernel | layout | dtype | D | B × H:KH × keys | µs | GB/s | % of stream | valid |",
+                  "|" + "---|" * 9]
+        for e in decode:
+            sp = AttentionSpec.from_dict(e["spec"])
+            page = "" if sp.page_size is None else f" p{sp.page_size}"
+            share = 100 * e["of_stream"] if "of_stream" in e else None
+            lines.append(f"| {e['kernel']} | {sp.layout}{page} | {sp.dtype} | {sp.head_dim} | "
+                         f"{sp.batch} × {sp.heads}:{sp.kv_heads} × {sp.seq_kv} | {f(e.get('us'))} | "
+                         f"{f(e.get('gbps'))} | {f(share)} | {e.get('validation', {}).get('passed')}"
+                         f"{' ' + e['error'] if 'error' in e else ''} |")
     table = "\n".join(lines)
     imported = sorted(m for m in sys.modules if m == "tvm" or m.startswith("tvm.") or m.startswith("tvm_attention.build"))
     report = {"device": name, "arch": arch, "peak_tflops": peak, "torch": torch.__version__, "rows": rows,
-              "symbolic": awkward, "varlen": ragged,
+              "symbolic": awkward, "varlen": ragged, "cache": caches, "decode": decode,
+              "stream_read_bytes_per_s": stream,
               "seconds": round(time.time() - t_start, 1), "imported_tvm": imported}
     (out / "check.json").write_text(json.dumps(report, indent=1) + "\n")
     (out / "check.md").write_text(table + "\n")
@@ -405,7 +534,8 @@ def main(argv: list[str] | None = None) -> int:
               if any(not v.get("passed") for v in row.get("validation", {}).values())
               or any(k in row["errors"] for k in ("fused_tc", "fused_simt", *DYN_NAMES.values(),
                                                   *VARLEN_NAMES.values()))]
-    return 1 if failed or imported or not all(c["passed"] for c in awkward + ragged) else 0
+    bad_decode = [e for e in decode if "error" in e or not e.get("validation", {}).get("passed")]
+    return 1 if failed or imported or bad_decode or not all(c["passed"] for c in awkward + ragged + caches) else 0
 
 
 if __name__ == "__main__":

@@ -75,27 +75,37 @@ VARLEN_BATCHES = [[(0, 7), (1, 1), (70, 33), (33, 70), (5, 0), (129, 129), (0, 0
                   [(1, 1)] * 3, [(300, 45), (5, 0)]]
 
 
-def check_emulated_varlen(ex, spec) -> None:
-    """Run an emulated varlen kernel ``ex`` (compiled for the CPU) on every batch of
-    ``VARLEN_BATCHES`` against the reference; a sequence that sees no key must be exactly zero."""
+def check_emulated_layout(ex, spec) -> None:
+    """Run an emulated varlen, kvcache or paged kernel ``ex`` (compiled for the CPU) against the
+    reference: varlen on every batch of ``VARLEN_BATCHES``, the KV-cache layouts on their
+    ``validation_cases`` (a decode step, mixed cache lengths with empty ones and tile and page
+    edges, 4 new tokens, a prefill chunk of 37 over shorter caches; paged through shuffled
+    pages with a shared prefix page). A sequence that sees no key must give exact zeros."""
     import tvm
 
     from tvm_attention.layouts import LAYOUTS
     from tvm_attention.validate import TOLERANCES
 
-    layout = LAYOUTS["varlen"]
+    layout = LAYOUTS[spec.layout]
     atol, rtol = TOLERANCES[spec.dtype]
-    for lens in VARLEN_BATCHES:
-        x = layout.random_inputs(spec, {"seqlens": lens}, seed=len(lens))
+    names = [a.name for a in layout.all_args(spec) if not a.output]
+    varlen = spec.layout == "varlen"
+    cases = [{"seqlens": lens} for lens in VARLEN_BATCHES] if varlen else layout.validation_cases(spec)
+    for i, case in enumerate(cases):
+        x = layout.random_inputs(spec, case, seed=i)
         o = tvm.runtime.empty(x["q"].shape, spec.dtype)
-        ex["attention"](*[tvm.runtime.tensor(x[n]) for n in ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k")], o)
+        ex["attention"](*[tvm.runtime.tensor(x[n]) for n in names], o)
         out = o.numpy().astype(np.float64)
-        ref, _ = layout.reference_outputs(spec, x)
-        assert np.isfinite(out).all(), lens
-        assert np.allclose(out, ref, atol=atol, rtol=rtol), (lens, np.abs(out - ref).max())
-        for b, (sq, sk) in enumerate(lens):
-            if sk == 0:  # no key: zero rows
-                assert not out[x["cu_seqlens_q"][b]:x["cu_seqlens_q"][b + 1]].any(), lens
+        ref = layout.reference(spec, x)
+        assert np.isfinite(out).all(), case
+        assert np.allclose(out, ref, atol=atol, rtol=rtol), (case, np.abs(out - ref).max())
+        if varlen:
+            keyless = [slice(x["cu_seqlens_q"][b], x["cu_seqlens_q"][b + 1])
+                       for b, (_, sk) in enumerate(case["seqlens"]) if sk == 0]
+        else:
+            keyless = [b for b, n in enumerate(x["cache_seqlens"]) if n == 0]
+        for rows in keyless:  # no key: zero rows
+            assert not out[rows].any(), case
 
 
 def at_offset(x: np.ndarray, offset: int) -> np.ndarray:

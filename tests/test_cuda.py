@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 import tvm
-from conftest import built, check_emulated_symbolic, check_emulated_varlen
+from conftest import built, check_emulated_layout, check_emulated_symbolic
 
 from schedules import cuda_flash, cuda_fused, cuda_mma
 from schedules._knobs import KnobError
@@ -128,15 +128,19 @@ def test_cuda_symbolic_algorithm_on_cpu(dtype, causal):
                                                              emulate=True), target=resolve_target("llvm")), spec)
 
 
-@pytest.mark.parametrize("dtype, causal", [("float32", False), ("float32", True), ("float16", True)])
-def test_cuda_varlen_algorithm_on_cpu(dtype, causal):
-    """The SIMT kernel in FlashAttention's varlen layout (GQA 4:2), emulated, on the batches of
-    ``conftest.VARLEN_BATCHES``: each thread block's sequence found by the binary search on
-    cu_seqlens_q, spare slots computing nothing, per-sequence key tails and bottom-right causal,
-    zero rows for a sequence with no key. Small tiles give many slots."""
+@pytest.mark.parametrize("layout, page, dtype, causal", [
+    ("varlen", None, "float32", False), ("varlen", None, "float32", True), ("varlen", None, "float16", True),
+    ("kvcache", None, "float32", True), ("paged", 16, "float32", False), ("paged", 64, "float16", True),
+])
+def test_cuda_layouts_algorithm_on_cpu(layout, page, dtype, causal):
+    """The SIMT kernel in the serving layouts (GQA 4:2), emulated (``conftest.check_emulated_layout``):
+    varlen, each thread block's sequence found by the binary search on cu_seqlens_q and spare
+    slots computing nothing; kvcache and paged, the group's heads packed into one tile, each
+    sequence's cache_seqlens read once, pages through block_table; per-sequence key tails and
+    bottom-right causal, zero rows for a sequence with no key. Small tiles give many of them."""
     spec = AttentionSpec(batch=1, heads=4, kv_heads=2, seq_q=64, head_dim=64, dtype=dtype, causal=causal,
-                         layout="varlen")
-    check_emulated_varlen(tvm.compile(fused_attention_cuda(spec, 16, 16, 4, emulate=True),
+                         layout=layout, page_size=page)
+    check_emulated_layout(tvm.compile(fused_attention_cuda(spec, 16, 16, 4, emulate=True),
                                       target=resolve_target("llvm")), spec)
 
 
@@ -271,6 +275,59 @@ def test_cuda_loader_checks_varlen_indices_and_options():
     assert kernel(empty["q"], empty["k"], empty["v"], empty["cu_seqlens_q"], empty["cu_seqlens_k"]).shape == (0, 4, 32)
     assert launches == [6]  # the refused and the empty calls never launched
     check_cuda_grid(spec, {"batch": MAX_GRID_YZ + 1, "total_q": 1, "total_k": 1})
+
+
+@needs_nvcc
+@pytest.mark.parametrize("arch, layout, page", [("sm_90", "paged", 16), ("sm_80", "kvcache", None)])
+def test_cache_simt_builds_offline_without_spills(arch, layout, page):
+    """A float32 decode step (GQA 32:8, D=128; ``fused`` takes the SIMT kernel): no spill, fused,
+    the index arrays as arguments, a (row tile, KV head, batch) grid."""
+    spec = AttentionSpec(batch=64, heads=32, kv_heads=8, seq_q=1, seq_kv=4096, head_dim=128, causal=True,
+                         layout=layout, page_size=page)
+    built = build_kernel(spec, "fused", target=resolve_target("cuda", arch=arch))
+    assert isinstance(built.knobs, cuda_flash.FlashCUDAKnobs)
+    r = built.resources
+    assert r["spills"] == 0 and r["stack_frame_bytes"] == 0, r
+    assert built.audit.fused, built.audit.format()
+    src = built.module.imports[0].inspect_source()
+    signature = src[src.index("__global__"):src.index("{", src.index("__global__"))]
+    assert "int* __restrict__ CS" in signature and ("int* __restrict__ BT" in signature) == (layout == "paged")
+    assert "blockIdx.z" in src and "blockIdx.y" in src
+
+
+def test_cuda_loader_checks_cache_indices():
+    """The loader's CUDA path for the KV-cache layouts (run on the CPU device with CPU builds):
+    results through shuffled pages, and cache_seqlens past the cache, a block_table entry that
+    is no page, or the wrong index dtype refused by name before any launch."""
+
+    class OnCpu(AttentionKernel):
+        def _cuda_device(self):
+            return tvm.cpu(0)
+
+    for layout, page in (("kvcache", None), ("paged", 16)):
+        spec = AttentionSpec(batch=1, heads=4, kv_heads=2, seq_q=1, seq_kv=64, head_dim=32, causal=True,
+                             layout=layout, page_size=page)
+        b = built(spec)
+        launches = []
+        kernel = OnCpu(spec, lambda *a: (launches.append(1), b.function(*a)), device="cuda")
+        lay = LAYOUTS[layout]
+        names = [a.name for a in lay.all_args(spec) if not a.output]
+        case = lay.validation_cases(spec)[1]
+        x = lay.random_inputs(spec, case, seed=5)
+        out = kernel(*[x[n] for n in names])
+        np.testing.assert_allclose(out, lay.reference(spec, x), atol=1e-5, rtol=1e-5)
+        bad = dict(x, cache_seqlens=x["cache_seqlens"].copy())
+        bad["cache_seqlens"][2] = 10**6
+        with pytest.raises(KernelArgumentError, match="cache_seqlens\\[\\d\\]=1000000"):
+            kernel(*[bad[n] for n in names])
+        if layout == "paged":
+            bad = dict(x, block_table=x["block_table"].copy())
+            bad["block_table"][7, 0] = 10**6
+            with pytest.raises(KernelArgumentError, match="block_table"):
+                kernel(*[bad[n] for n in names])
+        with pytest.raises(KernelArgumentError, match="cache_seqlens: expected dtype int32"):
+            kernel(*[x[n].astype(np.int64) if n == "cache_seqlens" else x[n] for n in names])
+        assert launches == [1]
 
 
 def test_cuda_build_cli_and_inspect(tmp_path, capsys):

@@ -5,7 +5,7 @@ instruction replaced by its definition). GPU runs live in test_cuda.py / scripts
 import numpy as np
 import pytest
 import tvm
-from conftest import check_emulated_symbolic, check_emulated_varlen
+from conftest import check_emulated_layout, check_emulated_symbolic
 
 from schedules import cuda_flash, cuda_mma
 from schedules._knobs import KnobError
@@ -200,16 +200,22 @@ def test_symbolic_tensor_core_builds_offline_without_spills(arch, dtype, head_di
     cuda_mma.check(k, AttentionSpec(**wide), target)  # static: a flat grid
 
 
-@pytest.mark.parametrize("dtype, causal, warps, stages", [("float16", True, 2, 2), ("bfloat16", False, 1, 3)])
-def test_tensor_core_varlen_algorithm_on_cpu(dtype, causal, warps, stages):
-    """The tensor-core kernel in FlashAttention's varlen layout (GQA 4:2), emulated, on the
-    batches of ``conftest.VARLEN_BATCHES``: the binary search from a slot to its sequence (causal:
-    slots launched last-first), spare slots computing nothing, per-sequence key tails, causal
-    tile skipping and masking at run time, zero rows for a sequence with no key."""
+@pytest.mark.parametrize("layout, page, dtype, causal, warps, stages", [
+    ("varlen", None, "float16", True, 2, 2), ("varlen", None, "bfloat16", False, 1, 3),
+    ("kvcache", None, "float16", True, 1, 2), ("paged", 16, "float16", False, 2, 1),
+    ("paged", 64, "bfloat16", True, 1, 3),
+])
+def test_tensor_core_layouts_algorithm_on_cpu(layout, page, dtype, causal, warps, stages):
+    """The tensor-core kernel in the serving layouts (GQA 4:2), emulated
+    (``conftest.check_emulated_layout``): varlen's binary search from a slot to its sequence
+    (causal: slots launched last-first) and spare slots; kvcache and paged with the group's
+    heads packed into the warps' rows and cp.async rows through block_table (emulated as
+    copies); per-sequence key tails, causal tile skipping and masking at run time, zero rows
+    for a sequence with no key."""
     spec = AttentionSpec(batch=1, heads=4, kv_heads=2, seq_q=64, head_dim=64, dtype=dtype, causal=causal,
-                         layout="varlen")
+                         layout=layout, page_size=page)
     ex = tvm.compile(fused_attention_mma(spec, warps, 16, stages, 1, emulate=True), target=resolve_target("llvm"))
-    check_emulated_varlen(ex, spec)
+    check_emulated_layout(ex, spec)
 
 
 @needs_nvcc
@@ -229,6 +235,28 @@ def test_varlen_tensor_core_builds_offline_without_spills(arch, dtype, head_dim,
     signature = src[src.index("__global__"):src.index("{", src.index("__global__"))]
     assert all(p in signature for p in ("int* __restrict__ CQ", "int* __restrict__ CK", "int batch_plus_1")), signature
     assert "blockIdx.y" in src and "blockIdx.z" not in src  # (slot, head)
+
+
+@needs_nvcc
+@pytest.mark.parametrize("arch, dtype, head_dim, layout, page", [("sm_90", "float16", 128, "paged", 16),
+                                                                ("sm_80", "bfloat16", 64, "kvcache", None),
+                                                                ("sm_90", "bfloat16", 64, "paged", 64)])
+def test_cache_tensor_core_builds_offline_without_spills(arch, dtype, head_dim, layout, page):
+    """A decode step (GQA 32:8, batch 64, 4k keys: the decode goal's shape) on tensor cores
+    builds as a static kernel does (:func:`assert_preset_code`) with one row group a warp (the
+    group's 4 packed rows fill one), fused, block_table and cache_seqlens as arguments, a
+    (row tile, KV head, batch) grid."""
+    spec = AttentionSpec(batch=64, heads=32, kv_heads=8, seq_q=1, seq_kv=4096, head_dim=head_dim, dtype=dtype,
+                         causal=True, layout=layout, page_size=page)
+    target = resolve_target("cuda", arch=arch)
+    built = build_kernel(spec, "fused", target=target)
+    assert_preset_code(built, spec, target)
+    assert built.knobs.m_tiles == 1
+    assert built.audit.fused, built.audit.format()
+    src = built.module.imports[0].inspect_source()
+    signature = src[src.index("__global__"):src.index("{", src.index("__global__"))]
+    assert "int* __restrict__ CS" in signature and ("int* __restrict__ BT" in signature) == (layout == "paged")
+    assert "blockIdx.z" in src and "blockIdx.y" in src
 
 
 @needs_nvcc

@@ -506,29 +506,30 @@ class AttentionKernel:
     def _call_cuda(self, given: dict[str, Any], out: Any = None, options: dict[str, Any] | None = None) -> Any:
         """CPU inputs are copied to GPU 0 and the result copied back; CUDA DLPack tensors are
         used in place and the result stays on the GPU. ``out`` (a CUDA tensor, or a CPU array)
-        receives the result. CUDA builds are BHSD (static, or with symbolic batch and lengths)
-        and varlen: the dims are bound from the tensors; the index arrays (``cu_seqlens_q/k``),
-        which device code cannot check, are checked here by the layout's rules, read back from
-        the GPU when given there (a copy of ``batch + 1`` ints, and a wait for the stream); a
-        call with no work (an empty tensor) is answered without a launch (a grid of zero blocks
-        is a launch error), and a batch past the grid's limit is refused by name."""
+        receives the result. CUDA builds take BHSD (static, or with symbolic batch and lengths),
+        varlen, kvcache and paged: the dims are bound from the tensors; the index arrays
+        (``cu_seqlens_q/k``, ``cache_seqlens``, ``block_table``), which device code cannot
+        check, are checked here by the layout's rules, read back from the GPU when given there
+        (a copy of a few ints, which waits for the stream); a call with no work (an empty
+        tensor) is answered without a launch (a grid of zero blocks is a launch error), and a
+        batch past the grid's limit is refused by name."""
         dev = self._cuda_device()
         args, framework, on_gpu = [], None, False
         bound: dict[str, int] = {}
         source: dict[str, str] = {}
-        host: dict[str, np.ndarray] = {}  # index arrays, for the checks
+        host: dict[str, np.ndarray] = {}  # what the layout's checks read
         for i, (name, shape, dtype) in enumerate(self._inputs):
             x = given[name]
             if hasattr(x, "__dlpack_device__") and int(x.__dlpack_device__()[0]) == _DLPACK_CUDA:
                 t, fw, _ = self._cuda_tensor(name, shape, x, bound, source, dtype.name)
                 on_gpu = True
-                if name in self._index_names:
-                    host[name] = runtime.to_numpy(t, dtype)
+                # index arrays read back for the checks; the others by shape only (no copy)
+                host[name] = runtime.to_numpy(t, dtype) if name in self._index_names else \
+                    np.broadcast_to(np.zeros((), dtype), tuple(t.shape))
             else:
                 arr, fw = _as_numpy(name, x, self.device)
                 arr = self._check_array(name, shape, dtype, arr, bound, source)
-                if name in self._index_names:
-                    host[name] = arr
+                host[name] = arr
                 t = runtime.to_device(arr, dev)
             framework = framework if i else fw
             args.append(t)
@@ -579,7 +580,7 @@ MAX_GRID_YZ = 65535
 def check_cuda_grid(spec: AttentionSpec, bound: dict[str, int]) -> None:
     """Refuse by name a call whose grid CUDA cannot launch (a symbolic batch past gridDim.z),
     instead of the driver's launch error."""
-    if spec.layout == "bhsd" and spec.dynamic and bound.get("batch", 0) > MAX_GRID_YZ:
+    if spec.layout != "varlen" and spec.dynamic and bound.get("batch", 0) > MAX_GRID_YZ:
         raise KernelArgumentError(
             f"batch={bound['batch']}: a symbolic CUDA kernel launches one grid layer per sequence, at most "
             f"{MAX_GRID_YZ} (gridDim.z); split the batch")

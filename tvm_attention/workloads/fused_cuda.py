@@ -39,7 +39,7 @@ from tvm.script import tirx as T
 from ..spec import AttentionSpec
 from ..visibility import Visibility
 from ._math import LOG2E, exp2_fast, guarded, normalize, normalize_where
-from .kv import dim
+from .kv import dim, kv_layout
 
 ENTRY = "attention"
 VECTOR_BYTES = 16  # one 128-bit load/store per thread per step
@@ -54,7 +54,7 @@ class _Simt:
     helpers its macros index with. ``dims`` lists the constants in the order the macro builders
     unpack them (``DIMS`` names them)."""
 
-    DIMS = ("B", "H", "KH", "SQ", "SK", "D", "G", "BM", "BN", "TPR", "NJ", "ND", "NR", "dtype", "VEC", "QST",
+    DIMS = ("B", "H", "KH", "SQ", "SK", "D", "G", "BM", "BN", "TPR", "NJ", "ND", "dtype", "VEC", "QST",
             "PST", "QIT", "KIT", "qscale", "neg_inf", "smem")
 
     def __init__(self, spec: AttentionSpec, block_m: int, block_n: int, threads_per_row: int, emulate: bool):
@@ -64,7 +64,6 @@ class _Simt:
         G = spec.group_size
         BM, BN, TPR = block_m, block_n, threads_per_row
         NJ, ND = BN // TPR, D // TPR  # keys and head-dim columns per lane
-        NR = math.ceil(SQ / BM) if isinstance(SQ, int) else T.floordiv(SQ + BM - 1, BM)
         dtype = spec.dtype
         VEC = vector_elems(dtype)
         PAD = VEC  # one vector of padding per shared row: keeps 16-byte alignment, spreads banks
@@ -96,16 +95,6 @@ class _Simt:
     def vec(self, n):
         return T.serial(n) if self.emulate else T.vectorized(n)
 
-    def dense(self, vbx):
-        """The :class:`Tile` of thread block ``vbx`` (BHSD): a flat block index (static lengths),
-        or ``(batch, head, row tile)`` from a (row tile, head, batch) grid on blockIdx.x/y/z
-        (symbolic: FlashAttention-2's order, no division by a run-time extent)."""
-        if isinstance(vbx, tuple):
-            b, h, row0 = vbx[0], vbx[1], vbx[2] * self.BM
-        else:
-            b, h, row0 = vbx // (self.H * self.NR), vbx % (self.H * self.NR) // self.NR, vbx % self.NR * self.BM
-        return dense_tile(self.spec, self.BM, self.BN, b, h, row0, self.SQ, self.SK)
-
     def flat(self, it, ty, tx, v):
         # Element a thread loads in a cooperative tile copy: consecutive lanes take consecutive
         # 16-byte vectors, so the loads coalesce; row = flat // D, column = flat % D.
@@ -118,7 +107,7 @@ class _Simt:
 def _simt_load_macros(k: _Simt):
     """The Q tile (staged once) with the state's init, and each key tile's K and V, into shared
     memory with coalesced 16-byte loads."""
-    (B, H, KH, SQ, SK, D, G, BM, BN, TPR, NJ, ND, NR, dtype, VEC, QST, PST, QIT, KIT, qscale, neg_inf,
+    (B, H, KH, SQ, SK, D, G, BM, BN, TPR, NJ, ND, dtype, VEC, QST, PST, QIT, KIT, qscale, neg_inf,
      smem) = k.dims
     thread_y, thread_x, vec, flat = k.thread_y, k.thread_x, k.vec, k.flat
 
@@ -170,7 +159,7 @@ def _simt_load_macros(k: _Simt):
 def _simt_softmax_macro(k: _Simt):
     """One key tile's scores in registers, the row max and row sum across a row's lanes (warp
     shuffles), and P = exp2(S - m_new) into the shared P tile."""
-    (B, H, KH, SQ, SK, D, G, BM, BN, TPR, NJ, ND, NR, dtype, VEC, QST, PST, QIT, KIT, qscale, neg_inf,
+    (B, H, KH, SQ, SK, D, G, BM, BN, TPR, NJ, ND, dtype, VEC, QST, PST, QIT, KIT, qscale, neg_inf,
      smem) = k.dims
     thread_y, thread_x, f32 = k.thread_y, k.thread_x, k.f32
 
@@ -236,7 +225,7 @@ def _simt_softmax_macro(k: _Simt):
 
 def _simt_pv_store_macros(k: _Simt):
     """The online correction with ``acc += P·V``, and the store ``O = acc / l``."""
-    (B, H, KH, SQ, SK, D, G, BM, BN, TPR, NJ, ND, NR, dtype, VEC, QST, PST, QIT, KIT, qscale, neg_inf,
+    (B, H, KH, SQ, SK, D, G, BM, BN, TPR, NJ, ND, dtype, VEC, QST, PST, QIT, KIT, qscale, neg_inf,
      smem) = k.dims
     thread_y, thread_x, f32 = k.thread_y, k.thread_x, k.f32
 
@@ -263,7 +252,7 @@ def _simt_pv_store_macros(k: _Simt):
                 with T.sblock("O_store"):
                     T.reads()
                     T.writes()
-                    if w.row0 + ty < w.q_len:
+                    if w.row0 + ty < w.rows:
                         for dd in T.serial(ND):
                             O[w.o_at(w.row0 + ty, dd * TPR + tx)] = T.Cast(dtype, w.out(
                                 acc[ty, tx, dd], l[ty, tx], w.row0 + ty))
@@ -279,7 +268,7 @@ def fused_attention_cuda(
     D)``, ``K``/``V (total_k, KH, D)``, ``cu_seqlens_q``/``cu_seqlens_k (batch+1,) int32``,
     ``O (total_q, H, D)``."""
     k = _Simt(spec, block_m, block_n, threads_per_row, emulate)
-    (B, H, KH, SQ, SK, D, G, BM, BN, TPR, NJ, ND, NR, dtype, VEC, QST, PST, QIT, KIT, qscale, neg_inf,
+    (B, H, KH, SQ, SK, D, G, BM, BN, TPR, NJ, ND, dtype, VEC, QST, PST, QIT, KIT, qscale, neg_inf,
      smem) = k.dims
     q_load, kv_load = _simt_load_macros(k)
     softmax = _simt_softmax_macro(k)
@@ -312,22 +301,28 @@ def fused_attention_cuda(
 
     attrs = {"global_symbol": ENTRY, "tirx.noalias": True, "attn.workload": "fused_cuda",
              "attn.block_m": BM, "attn.block_n": BN, "attn.threads_per_row": TPR}
-    return kernel_func(spec, k.block, BM, BN, (B, NR, SQ, SK), tile, k.dense, attrs)
+    return kernel_func(spec, k.block, BM, BN, (B, SQ, SK), tile, attrs)
 
 
 class Tile:
     """Where one thread block's tile of ``BM`` query rows lives, for both CUDA kernels: what a
     layout changes (the recurrence is the kernel's). ``q``, ``kv``, ``o`` map (row of the
     sequence, column) and (key, column) to index tuples into Q, K/V and O; ``row0`` is the
-    tile's first row, ``q_len``/``k_len`` its sequence's lengths: ints compiled in, symbolic
-    vars, or values read at run time (varlen); ``valid``: whether the tile has rows at all
-    (varlen's spare slots do not), None when it always has."""
+    tile's first row, ``q_len``/``k_len`` its sequence's lengths (query positions, keys): ints
+    compiled in, symbolic vars, or values read at run time (varlen, the KV caches); ``valid``:
+    whether the tile has rows at all (varlen's spare slots do not), None when it always has.
+    ``group`` > 1 packs a KV head's query heads into the tile (GQA packing, the KV-cache
+    layouts): tile row ``r`` is head ``r % group`` of the group at position ``r // group``, so
+    the group shares each K/V tile, and a decode step's few positions still fill a tile."""
 
-    def __init__(self, spec: AttentionSpec, BM: int, BN: int, row0, q_len, k_len, q, kv, o, valid=None):
+    def __init__(self, spec: AttentionSpec, BM: int, BN: int, row0, q_len, k_len, q, kv, o, valid=None,
+                 group: int = 1):
         self.spec, self.BM, self.BN = spec, BM, BN
         self.row0, self.q_len, self.k_len = row0, q_len, k_len
         self._q, self._kv, self._o = q, kv, o
         self.valid = valid
+        self.group = group
+        self.rows = q_len if group == 1 else q_len * group  # the tile rows that hold a query
         self.static = isinstance(q_len, int) and isinstance(k_len, int)  # lengths compiled in
         self.vis = vis = Visibility.of(spec)
         # query row i sits at key position i + off: bottom-right causal over the sequence's keys
@@ -336,10 +331,15 @@ class Tile:
         self.kv_tail = not isinstance(k_len, int) or k_len % BN != 0  # the last key tile is partial
         self.hides = vis.hides_keys or self.kv_tail  # some score of some tile is masked
 
+    def pos(self, row):
+        """The query position of tile row ``row``."""
+        return row if self.group == 1 else T.floordiv(row, self.group)
+
     def n_tiles(self):
         """Key tiles the tile's rows see: past what its last row sees, tiles are skipped."""
         vis = self.vis
-        key_end = vis.key_end(vis.position(self.row0 + self.BM, self.off))
+        end = self.row0 + self.BM if self.group == 1 else self.pos(self.row0 + self.BM - 1) + 1
+        key_end = vis.key_end(vis.position(end, self.off))
         n = self.nc if key_end is None else T.max(0, T.min(self.nc, vis.tiles_to(key_end, self.BN)))
         return n if self.valid is None else T.Select(self.valid, n, 0)
 
@@ -349,15 +349,16 @@ class Tile:
         cond = None
         if self.kv_tail:
             cond = c == self.nc - 1
-        hidden = self.vis.hides(c * self.BN + self.BN - 1, self.vis.position(self.row0, self.off))
+        hidden = self.vis.hides(c * self.BN + self.BN - 1, self.vis.position(self.pos(self.row0), self.off))
         if hidden is not None:
             cond = hidden if cond is None else T.Or(cond, hidden)
         return cond
 
     def sees(self, row, col):
-        """Whether (sequence) row ``row`` sees key ``col``: inside the keys and the mask."""
+        """Whether tile row ``row`` (numbered from the sequence's first) sees key ``col``: inside
+        the keys and the mask."""
         cond = col < self.k_len
-        seen = self.vis.sees(col, self.vis.position(row, self.off))
+        seen = self.vis.sees(col, self.vis.position(self.pos(row), self.off))
         return cond if seen is None else T.And(cond, seen)
 
     def masked(self, s, row, col):
@@ -370,11 +371,11 @@ class Tile:
         mask is a run-time predicate of the lengths."""
         if self.static:
             return normalize(acc, l, row, self.spec)
-        return normalize_where(acc, l, self.vis.sees_a_key(self.vis.position(row, self.off), self.k_len))
+        return normalize_where(acc, l, self.vis.sees_a_key(self.vis.position(self.pos(row), self.off), self.k_len))
 
     def q_at(self, row, d):
         # rows past the sequence (a tail tile) read its last row: never stored
-        return self._q(T.min(row, self.q_len - 1), d)
+        return self._q(T.min(row, self.rows - 1), d)
 
     def kv_at(self, key, d):
         # the tail tile's keys past the last read the last key: those scores are masked
@@ -391,6 +392,19 @@ def dense_tile(spec: AttentionSpec, BM: int, BN: int, b, h, row0, SQ, SK) -> Til
     G = spec.group_size
     return Tile(spec, BM, BN, row0, SQ, SK,
                 q=lambda r, d: (b, h, r, d), kv=lambda j, d: (b, h // G, j, d), o=lambda r, d: (b, h, r, d))
+
+
+def cache_tile(spec: AttentionSpec, BM: int, BN: int, b, kh, row0, SQ, k_len, X) -> Tile:
+    """The KV-cache tile (kvcache, paged) of (batch ``b``, KV head ``kh``) from packed row
+    ``row0``: the group's query heads packed (``Tile.group``), Q/O ``(B, H, SQ, D)``, K/V
+    addressed through the layout (``kv.kv_layout``: the cache rows, or ``block_table``'s pages;
+    ``X`` its index buffers), ``k_len`` the sequence's ``cache_seqlens`` entry."""
+    G = spec.group_size
+    kvl = kv_layout(spec, None, spec.head_dim)
+    return Tile(spec, BM, BN, row0, SQ, k_len,
+                q=lambda r, d: (b, kh * G + T.floormod(r, G), T.floordiv(r, G), d),
+                kv=lambda j, d: kvl.index(X, b, kh, j, d),
+                o=lambda r, d: (b, kh * G + T.floormod(r, G), T.floordiv(r, G), d), group=G)
 
 
 def flat_offset(buf, index) -> tirx.PrimExpr:
@@ -414,15 +428,14 @@ def grid_refusal(spec: AttentionSpec) -> str | None:
     return None
 
 
-def kernel_func(spec: AttentionSpec, block, BM: int, BN: int, dims: tuple, tile, dense, attrs: dict,
+def kernel_func(spec: AttentionSpec, block, BM: int, BN: int, dims: tuple, tile, attrs: dict,
                 reverse: bool = False) -> tirx.PrimFunc:
     """A CUDA kernel's PrimFunc (both: this one and ``fused_mma``) in ``spec``'s layout: its
     signature and its grid of thread blocks, each running the macro ``tile(Q, K, V, O, w)`` on
     its :class:`Tile` ``w``. ``block(n, axis)`` binds a grid loop (or a serial one, emulated);
-    ``dense(vbx)`` is a BHSD block's tile, ``dims = (B, NR, SQ, SK)`` the kernel's batch, row
-    tiles a head and lengths (ints or the vars of its tiles); ``reverse``: varlen slots launch
-    last-first (causal: a sequence's longest row tiles first)."""
-    B, NR, SQ, SK = dims
+    ``dims = (B, SQ, SK)`` are the kernel's batch and lengths (ints or the vars of its tiles);
+    ``reverse``: the longest row tiles launch first (causal)."""
+    B, SQ, SK = dims
     H, KH, D = spec.heads, spec.kv_heads, spec.head_dim
     dtype = spec.dtype
     if spec.layout == "varlen":
@@ -441,21 +454,61 @@ def kernel_func(spec: AttentionSpec, block, BM: int, BN: int, dims: tuple, tile,
             grid(Q, K, V, CQ, CK, O)
 
         return attention_varlen
-    if spec.layout != "bhsd":
-        raise ValueError(f"the CUDA kernels take the bhsd and varlen layouts, not {spec.layout}")
-    grid = tile_grid(block, B, H, NR, not spec.dynamic, tile, dense)
+    if spec.layout not in ("bhsd", "kvcache", "paged"):
+        raise ValueError(f"the CUDA kernels take the bhsd, varlen, kvcache and paged layouts, not {spec.layout}")
+    cache = spec.layout != "bhsd"
+    # a KV-cache tile packs a KV head's group (rows = positions × group): one grid row per KV head
+    rows = SQ * spec.group_size if cache else SQ
+    NR = math.ceil(rows / BM) if isinstance(rows, int) else T.floordiv(rows + BM - 1, BM)
+
+    def at(b, h, r, k_len=None, X=()):
+        row0 = (NR - 1 - r) * BM if reverse else r * BM
+        if cache:
+            return cache_tile(spec, BM, BN, b, h, row0, SQ, k_len, X)
+        return dense_tile(spec, BM, BN, b, h, row0, SQ, SK)
+
+    grid = tile_grid(block, B, KH if cache else H, NR, not spec.dynamic, tile, at, cache)
+    if not cache:
+        @T.prim_func(s_tir=True)
+        def attention(
+            Q: T.Buffer((B, H, SQ, D), dtype),
+            K: T.Buffer((B, KH, SK, D), dtype),
+            V: T.Buffer((B, KH, SK, D), dtype),
+            O: T.Buffer((B, H, SQ, D), dtype),
+        ):
+            T.func_attr(attrs)
+            grid(Q, K, V, O, ())
+
+        return attention
+    KS = kv_layout(spec, B, D).shape
+    if spec.layout == "kvcache":
+        @T.prim_func(s_tir=True)
+        def attention_kvcache(
+            Q: T.Buffer((B, H, SQ, D), dtype),
+            K: T.Buffer(KS, dtype),
+            V: T.Buffer(KS, dtype),
+            CS: T.Buffer((B,), "int32"),
+            O: T.Buffer((B, H, SQ, D), dtype),
+        ):
+            T.func_attr(attrs)
+            grid(Q, K, V, O, (CS,))
+
+        return attention_kvcache
+    MP = tirx.Var("max_pages", "int32")
 
     @T.prim_func(s_tir=True)
-    def attention(
+    def attention_paged(
         Q: T.Buffer((B, H, SQ, D), dtype),
-        K: T.Buffer((B, KH, SK, D), dtype),
-        V: T.Buffer((B, KH, SK, D), dtype),
+        K: T.Buffer(KS, dtype),
+        V: T.Buffer(KS, dtype),
+        BT: T.Buffer((B, MP), "int32"),
+        CS: T.Buffer((B,), "int32"),
         O: T.Buffer((B, H, SQ, D), dtype),
     ):
         T.func_attr(attrs)
-        grid(Q, K, V, O)
+        grid(Q, K, V, O, (BT, CS))
 
-    return attention
+    return attention_paged
 
 
 def varlen_grid(spec: AttentionSpec, block, BM: int, BN: int, tile, reverse: bool):
@@ -515,22 +568,25 @@ def varlen_grid(spec: AttentionSpec, block, BM: int, BN: int, tile, reverse: boo
     return grid, TQ, TK, NB1
 
 
-def tile_grid(block, B, H, NR, static: bool, tile, dense):
-    """The thread blocks of a CUDA kernel (both: this one and ``fused_mma``), each running the
-    macro ``tile(Q, K, V, O, dense(vbx))`` on its tile: a flat grid of ``B·H·NR`` blocks for
-    static lengths (``vbx`` the block index), a (row tile, head, batch) grid on
-    ``blockIdx.x/y/z`` for symbolic ones (``vbx = (batch, head, row tile)``: no index divides by
-    a run-time extent). ``block(n, axis)`` binds a grid loop (or a serial one, emulated)."""
+def tile_grid(block, B, H, NR, static: bool, tile, at, cache: bool):
+    """The thread blocks of a dense-query kernel (bhsd, kvcache, paged), each running the macro
+    ``tile(Q, K, V, O, at(b, h, r, ...))`` on its tile: a flat grid of ``B·H·NR`` blocks for
+    static lengths, a (row tile, head, batch) grid on ``blockIdx.x/y/z`` for symbolic ones (no
+    index divides by a run-time extent). ``cache``: a KV-cache tile, ``H`` counts KV heads and
+    the sequence's length ``cache_seqlens[b]`` (``X[-1]``) is read once into a register."""
+
+    def seqlen(X, b):
+        return X[-1][b]
 
     @T.macro
-    def grid(Q, K, V, O):
+    def grid(Q, K, V, O, X):
         if static:
             for bx in block(B * H * NR, "x"):
                 with T.sblock("row_tile"):
                     vbx = T.axis.spatial(B * H * NR, bx)
                     T.reads()
                     T.writes()
-                    tile(Q, K, V, O, dense(vbx))
+                    tile(Q, K, V, O, at(vbx // (H * NR), vbx % (H * NR) // NR, vbx % NR))
         else:  # no guard for batch or seq_q 0 (a zero grid, a launch error): TVM's sync insertion
             # refuses a condition around the kernel; the loader answers empty calls itself
             for bz in block(B, "z"):
@@ -540,6 +596,14 @@ def tile_grid(block, B, H, NR, static: bool, tile, dense):
                             vb, vh, vr = T.axis.remap("SSS", [bz, by, bx])
                             T.reads()
                             T.writes()
-                            tile(Q, K, V, O, dense((vb, vh, vr)))
+                            if cache:
+                                k_len = T.sblock_alloc_buffer((1,), "int32", scope="local")
+                                with T.sblock("seq_len"):
+                                    T.reads()
+                                    T.writes()
+                                    k_len[0] = seqlen(X, vb)
+                                tile(Q, K, V, O, at(vb, vh, vr, k_len[0], X))
+                            else:
+                                tile(Q, K, V, O, at(vb, vh, vr))
 
     return grid

@@ -56,7 +56,7 @@ from tvm.script import tirx as T
 from ..spec import AttentionSpec
 from ..visibility import Visibility
 from ._math import LOG2E, guarded
-from .fused_cuda import dense_tile, flat_offset, kernel_func
+from .fused_cuda import flat_offset, kernel_func
 from .kv import dim
 
 ENTRY = "attention"
@@ -133,8 +133,6 @@ def _mma_context(spec: AttentionSpec, warps: int, block_n: int, stages: int, m_t
     NT = BN // 8  # 8-key slices of the score tile (one m16n8 accumulator each)
     NDC = D // 16  # 16-wide chunks of head_dim: the k steps of Q·Kᵀ
     NO = D // 8  # 8-wide slices of head_dim: the output accumulators
-    # symbolic lengths (tir Vars): tile counts by a constant divisor, the key tail at run time
-    NR = math.ceil(SQ / BM) if isinstance(SQ, int) else T.floordiv(SQ + BM - 1, BM)
     causal = Visibility.of(spec).causal
     dtype = spec.dtype
     ST = smem_stride(D)
@@ -168,15 +166,6 @@ def _mma_context(spec: AttentionSpec, warps: int, block_n: int, stages: int, m_t
     def block(n, axis="x"):
         return T.serial(n) if EMU else T.thread_binding(n, thread=f"blockIdx.{axis}")
 
-    def dense(vbx):
-        # the Tile of a BHSD thread block; causal: longest row tiles first. A static build's
-        # tile is a flat block index; a symbolic build's, ``vbx = (batch, head, row tile)`` from
-        # a (row tile, head, batch) grid on blockIdx.x/y/z: no division by a run-time extent.
-        if isinstance(vbx, tuple):
-            b, h, r = vbx
-        else:
-            b, h, r = vbx // (H * NR), vbx % (H * NR) // NR, vbx % NR
-        return dense_tile(spec, BM, BN, b, h, (NR - 1 - r) * BM if causal else r * BM, SQ, SK)
     return types.SimpleNamespace(**locals())
 
 
@@ -544,7 +533,7 @@ def _mma_store(x):
                     T.reads()
                     T.writes()
                     for k in T.unroll(MT * NO * 4):
-                        if w.row0 + row_of(ty, tx, o_half(k)) < w.q_len:
+                        if w.row0 + row_of(ty, tx, o_half(k)) < w.rows:
                             O[w.o_at(w.row0 + row_of(ty, tx, o_half(k)), col_of(tx, k, NO))] = T.Cast(
                                 dtype, w.out(acc[ix(ty, tx, k)], ls[ix(ty, tx, o_half(k))],
                                              w.row0 + row_of(ty, tx, o_half(k))))
@@ -561,8 +550,8 @@ def fused_attention_mma(
     ``K``/``V (total_k, KH, D)``, ``cu_seqlens_q``/``cu_seqlens_k (batch+1,) int32``,
     ``O (total_q, H, D)``."""
     x = _mma_fragments(_mma_context(spec, warps, block_n, stages, m_tiles, emulate))
-    (B, block, BM, BN, dtype, fscope, fshape, MT, NDC, NO, NR, NS, NT, SK, smem, SQ, TILE, W) = \
-        (x.B, x.block, x.BM, x.BN, x.dtype, x.fscope, x.fshape, x.MT, x.NDC, x.NO, x.NR, x.NS, x.NT, x.SK, x.smem,
+    (B, block, BM, BN, dtype, fscope, fshape, MT, NDC, NO, NS, NT, SK, smem, SQ, TILE, W) = \
+        (x.B, x.block, x.BM, x.BN, x.dtype, x.fscope, x.fshape, x.MT, x.NDC, x.NO, x.NS, x.NT, x.SK, x.smem,
          x.SQ, x.TILE, x.W)
     q_frag = _mma_q_frag(x)
     prologue = _mma_prologue(x)
@@ -601,4 +590,4 @@ def fused_attention_mma(
 
     attrs = {"global_symbol": ENTRY, "tirx.noalias": True, "attn.workload": "fused_mma",
              "attn.warps": W, "attn.block_n": BN, "attn.stages": NS, "attn.m_tiles": MT}
-    return kernel_func(spec, block, BM, BN, (B, NR, SQ, SK), tile, x.dense, attrs, reverse=x.causal)
+    return kernel_func(spec, block, BM, BN, (B, SQ, SK), tile, attrs, reverse=x.causal)
