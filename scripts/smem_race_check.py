@@ -6,9 +6,11 @@
     python scripts/smem_race_check.py --faults            # also: each barrier / cp.async wait removed
 
 Each configuration (``tvm_attention.cuda_race.CONFIGS``: small tiles and lengths, tails, GQA,
-causal or not, static and symbolic, tensor-core stages 1-4 and m_tiles 1-2) is built for sm_90
-as the build path builds it, and every thread block of its grid is run thread by thread from
-the final lowered device IR (``tvm_attention.cuda_race``: what is modelled and what is not).
+causal or not, static and symbolic, tensor-core stages 1-4 and m_tiles 1-2; the varlen, kvcache
+and paged layouts with given ``cu_seqlens``/``cache_seqlens``/``block_table`` contents: ragged
+and empty sequences, shuffled pages, decode steps and prefill chunks) is built for sm_90 as the
+build path builds it, and every thread block of its grid is run thread by thread from the final
+lowered device IR (``tvm_attention.cuda_race``: what is modelled and what is not).
 One line per configuration: its build, the threads per block, the most barrier intervals of a
 block, the shared accesses checked and the verdict; the findings follow a RACE line. Exit
 status 1 when any configuration has a race, 2 when the checker cannot model a kernel.
@@ -33,7 +35,17 @@ from tvm_attention import cuda_race  # noqa: E402
 def describe(cfg: cuda_race.RaceConfig) -> str:
     s = cfg.spec
     knobs = " ".join(f"{k}={v}" for k, v in cfg.knobs.items())
-    if cfg.lengths:
+    layout = s.get("layout", "bhsd")
+    if layout == "varlen":
+        cq, ck = cfg.data["CQ"], cfg.data["CK"]
+        seqs = " ".join(f"{cq[i + 1] - cq[i]}x{ck[i + 1] - ck[i]}" for i in range(len(cq) - 1))
+        shape = f"varlen seqs {seqs}"
+    elif layout in ("kvcache", "paged"):
+        n = cfg.lengths
+        shape = f"{layout} B{n['batch']} seq_q={n['seq_q']} cache_seqlens={','.join(map(str, cfg.data['CS']))}"
+        if layout == "paged":
+            shape += f" page={s['page_size']} pages={n['num_pages']} shuffled"
+    elif cfg.lengths:
         dims = {"batch": s["batch"], "seq_q": s["seq_q"], "seq_kv": s["seq_kv"], **cfg.lengths}
         shape = f"B{dims['batch']} {dims['seq_q']}x{dims['seq_kv']} (symbolic {','.join(s['dynamic'])})"
     else:
@@ -69,10 +81,10 @@ def main(argv: list[str] | None = None) -> int:
         try:
             report = cuda_race.check_config(cfg, built)
         except cuda_race.NotModelled as e:
-            print(f"{cfg.name:30s} {describe(cfg)} | NOT MODELLED: {e}", flush=True)
+            print(f"{cfg.name:36s} {describe(cfg)} | NOT MODELLED: {e}", flush=True)
             status = max(status, 2)
             continue
-        print(f"{cfg.name:30s} {describe(cfg)} | {report.summary()} ({time.time() - t0:.1f} s)", flush=True)
+        print(f"{cfg.name:36s} {describe(cfg)} | {report.summary()} ({time.time() - t0:.1f} s)", flush=True)
         for race in report.races[:args.max_findings]:
             print("    - " + race.format().replace("\n", "\n    "))
         if not report.ok:

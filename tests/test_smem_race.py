@@ -1,8 +1,10 @@
 """The shared-memory race checker (``tvm_attention/cuda_race.py``, ``scripts/smem_race_check.py``),
-offline: the generated CUDA kernels (both, at small tiles and lengths) have no race in any block,
+offline: the generated CUDA kernels (both, at small tiles and lengths, in the bhsd, varlen,
+kvcache and paged layouts: the last three run on given index arrays) have no race in any block,
 and the checker can fail: a barrier, a cp.async wait or a stage's barrier removed from the
 lowered kernel is reported with the buffer, the two threads and the barrier interval. Small
-hand-written kernels pin down its semantics (cp.async groups, barriers, warp collectives)."""
+hand-written kernels pin down its semantics (cp.async groups, barriers, warp collectives,
+values from index arguments)."""
 import functools
 import re
 import sys
@@ -47,6 +49,33 @@ def test_the_quick_set_covers_both_kernels_dtypes_stages_row_groups_masks_and_sy
         assert any(c.lengths for c in group) and any(not c.lengths for c in group)
     assert all(c.spec["heads"] > c.spec["kv_heads"] for c in QUICK)  # GQA
     assert any(c.spec["seq_q"] == 37 and c.spec["seq_kv"] == 45 for c in QUICK)  # tails
+
+
+def _layout(c: cr.RaceConfig) -> str:
+    return c.spec.get("layout", "bhsd")
+
+
+def test_the_quick_set_covers_the_serving_layouts():
+    """varlen with ragged sequences (no rows, no keys, more rows than a tile; causal and not),
+    kvcache and paged (shuffled pages, unused table entries -1, a sequence with no key, GQA
+    packing) at a decode step and a prefill chunk, for both kernels, tensor-core stages 1 and 2."""
+    for kernel in ("fused_simt", "fused_tc"):
+        assert {_layout(c) for c in QUICK if c.kernel == kernel} == {"bhsd", "varlen", "kvcache", "paged"}
+    varlen = [c for c in cr.configs() if _layout(c) == "varlen"]
+    assert {c.spec["causal"] for c in varlen} == {False, True}
+    for c in varlen:
+        cq, ck = c.data["CQ"], c.data["CK"]
+        rows = [b - a for a, b in zip(cq, cq[1:])]
+        keys = [b - a for a, b in zip(ck, ck[1:])]
+        assert 0 in rows and 0 in keys and max(rows) > 32 and max(keys) > 2 * c.knobs["block_n"]
+    cache = [c for c in QUICK if _layout(c) in ("kvcache", "paged")]
+    assert {c.lengths["seq_q"] for c in cache} == {1, 5}
+    assert {c.knobs["stages"] for c in cache + varlen if c.kernel == "fused_tc"} >= {1, 2}
+    for c in cache:
+        assert 0 in c.data["CS"] and c.spec["heads"] // c.spec["kv_heads"] >= 2
+        if _layout(c) == "paged":
+            pages = [p for row in c.data["BT"] for p in row if p >= 0]
+            assert pages != sorted(pages) and any(-1 in row for row in c.data["BT"])
 
 
 @pytest.mark.parametrize("cfg", QUICK, ids=lambda c: c.name)
@@ -122,6 +151,68 @@ def test_tensor_core_read_before_the_copy_landed(name):
     assert cr.barrier_sites(func) == 1  # one barrier per key tile
     r = _race_between_threads(_check(name, cr.drop_barrier(func, 0)), kind="cp.async")
     assert r.interval == 0 and r.interval_desc == "kernel start, to kernel end"  # the only barrier gone
+
+
+@pytest.mark.parametrize("name, fault, buffer", [
+    ("simt_f16_varlen_causal", 2, "Ps"),  # the barrier between P's store and P·V
+    ("simt_f16_paged_chunk5_causal", 1, "Ks"),  # the barrier between the K tile's store and S = Q·Kᵀ
+    ("tc_f16_s2_m1_varlen_causal", "attn_cp_wait0", None),
+    ("tc_f16_s2_m1_paged_chunk5_causal", 0, None),
+])
+def test_faults_in_the_serving_layouts_are_reported(name, fault, buffer):
+    """The kernels of the index-driven layouts fail the check as the bhsd ones do, in the blocks
+    and key tiles their index arrays give them."""
+    func = _func(name)
+    faulty = cr.drop_barrier(func, fault) if isinstance(fault, int) else cr.drop_helper_calls(func, fault)
+    report = _check(name, faulty)
+    kind = "still in flight" if isinstance(fault, str) else None
+    r = _race_between_threads(report, buffer=buffer, kind=kind)
+    assert r.buffer in ("Ks", "Vs", "Ps") and len(r.sites) == 2
+    if isinstance(fault, str) or _config(name).kernel == "fused_simt":  # a race inside the key loop
+        assert "[c=" in r.interval_desc, r.format()
+
+
+def _paged(name="tc_f16_s2_m1_paged_chunk5_causal"):
+    cfg = _config(name)
+    return cfg, _built(name), {k: [list(r) for r in v] if k == "BT" else list(v) for k, v in cfg.data.items()}
+
+
+def test_index_data_drives_the_paged_kernel_and_is_bounds_checked():
+    cfg, built, data = _paged()
+    with pytest.raises(cr.NotModelled, match="depends on data"):  # cache_seqlens unknown: the key loop's bound
+        cr.check_built(built, cfg.lengths)
+    assert cr.check_built(built, cfg.lengths, index_data=data).ok
+    # a page the sequence reads given as -1: its K/V reads go out of bounds
+    b = max(range(len(data["CS"])), key=lambda i: data["CS"][i])
+    bad = {**data, "BT": [row[:] for row in data["BT"]]}
+    bad["BT"][b][1] = -1
+    report = cr.check_built(built, cfg.lengths, index_data=bad)
+    assert report.races and {r.buffer for r in report.races} <= {"K", "V"}, report.format()
+    assert all(r.kind.startswith("out of bounds (global") and r.block[2] == b for r in report.races)
+    # more keys than the last sequence's table row holds: the block table read goes out of bounds
+    # (those threads stop there: what they would load is unknown)
+    cap = cfg.lengths["max_pages"] * cfg.spec["page_size"]
+    report = cr.check_built(built, cfg.lengths, index_data={**data, "CS": data["CS"][:-1] + [cap + 1]})
+    assert any(r.buffer == "BT" and r.kind.startswith("out of bounds") for r in report.races), report.format()
+    with pytest.raises(ValueError, match="BT: 12 elements, but the kernel's BT has 16"):
+        cr.check_built(built, cfg.lengths, index_data={**data, "BT": data["BT"][:3]})
+    with pytest.raises(ValueError, match="no such int argument"):
+        cr.check_built(built, cfg.lengths, index_data={**data, "CQ": [0, 1]})
+
+
+def test_script_lists_a_serving_layout_with_its_index_arrays_and_faults(monkeypatch, capsys):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import smem_race_check
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    cfg, _, _ = _paged()
+    monkeypatch.setattr(cr, "configs", lambda kernel, quick: [cfg])
+    monkeypatch.setattr(cr.RaceConfig, "build", lambda self: _built(self.name))
+    assert smem_race_check.main(["--faults"]) == 0
+    out = capsys.readouterr().out
+    assert "paged B4 seq_q=5 cache_seqlens=21,0,1,40 page=16 pages=8 shuffled H4/2" in out and " ok " in out
+    assert "fault: __syncthreads #0: caught" in out and "fault: attn_cp_wait0: caught" in out
 
 
 def test_script_lists_each_configuration_and_fails_on_a_race(monkeypatch, capsys):
@@ -223,6 +314,49 @@ def test_barriers_and_warp_collectives(variant, kind):
         assert report.ok, report.format()
     else:
         assert any(kind in r.kind for r in report.races), report.format()
+
+
+def _indexed_kernel():
+    """Values from an index argument ``I`` flow through integer registers into a loop bound, a
+    branch and a shared index: ``S[tx · I[1] · I[0]]``."""
+
+    @T.prim_func
+    def kernel(I_ptr: T.handle("int32", "global"), n: T.int32):
+        I = T.decl_buffer((n,), "int32", data=I_ptr)
+        S = T.alloc_shared((64,), "float32")
+        r = T.alloc_local((2,), "int32")
+        tx = T.launch_thread("threadIdx.x", 32)
+        r[0] = I[0]
+        r[1] = 0
+        for _ in range(r[0]):
+            r[1] = r[1] + I[1]
+        if r[0] > 0:
+            S[tx * r[1]] = T.float32(1)
+    return kernel
+
+
+@pytest.mark.parametrize("data, kind", [
+    ([1, 2], None),
+    ([2, 1], None),
+    ([1, 0], "write-write race"),  # every thread writes S[0]
+    ([0, 0], None),  # the branch is not taken
+    ([1, 3], "out of bounds (shared"),
+    ([1], "out of bounds (global"),  # I[1] past the argument: the threads stop there
+])
+def test_values_from_index_arguments(data, kind):
+    report = cr.check_function(_indexed_kernel(), {"n": len(data)}, index_data={"I": data})
+    if kind is None:
+        assert report.ok, report.format()
+    else:
+        assert report.races and all(kind in r.kind for r in report.races), report.format()
+
+
+def test_index_data_must_match_the_argument():
+    with pytest.raises(cr.NotModelled, match="loop bound depends on data"):
+        cr.check_function(_indexed_kernel(), {"n": 2})
+    with pytest.raises(ValueError, match="I: 3 elements, but the kernel's I has 2"):
+        cr.check_function(_indexed_kernel(), {"n": 2}, index_data={"I": [1, 2, 3]})
+    assert cr.check_function(_indexed_kernel(), index_data={"I_ptr": [1, 2]}).ok  # its size from the data
 
 
 def test_what_it_cannot_model_stops_the_check():

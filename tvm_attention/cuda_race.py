@@ -2,12 +2,13 @@
 
 It interprets the final lowered device function (the IR CUDA codegen receives: TVM's barriers
 are in it) for the threads of one thread block at a time, with concrete ``threadIdx``,
-``blockIdx`` and lengths, and records every shared-memory access as (allocation, byte, thread,
-barrier interval, read or write, IR site). A *barrier interval* is the code between two
-``__syncthreads`` (``tvm_storage_sync("shared")``): interval 0 runs from the kernel's start to
-the first barrier a thread passes, interval ``i`` from its ``i``-th barrier to the next. Threads
-run one after another (values are not simulated, so the order does not matter); the verdict
-compares what each interval's threads touched. Within one interval:
+``blockIdx``, lengths and index arrays, and records every shared-memory access as (allocation,
+byte, thread, barrier interval, read or write, IR site). A *barrier interval* is the code
+between two ``__syncthreads`` (``tvm_storage_sync("shared")``): interval 0 runs from the
+kernel's start to the first barrier a thread passes, interval ``i`` from its ``i``-th barrier to
+the next. Threads run one after another (no value passes between threads: shared memory's
+contents are not simulated, so the order does not matter); the verdict compares what each
+interval's threads touched. Within one interval:
 
 * a byte written by one thread and read or written by another thread is a race (threads of one
   warp too: nothing orders two lanes' shared accesses without a barrier);
@@ -28,28 +29,39 @@ Device helpers called through ``T.cuda.func_call`` are modelled from their inlin
 (``source_code``): ``cp.async.{ca,cg}.shared.global`` (dst, src), ``commit_group``,
 ``wait_group n``/``wait_all``, ``ldmatrix``, ``mma.sync``. A helper whose source touches shared
 memory otherwise, or an unknown call given a shared pointer, stops the check (``NotModelled``),
-as do ``__syncwarp`` and any branch, loop bound or shared index that depends on data (values
-are not simulated: every load yields "unknown"; masking here is by index, so nothing in our
-kernels depends on data). Also checked: every thread passes the same barriers in the same
-order; the lanes of a warp run the same warp-collective operations (ldmatrix, mma,
-shuffles); shared (and, where its size is known, global) accesses stay in bounds; cp.async
-addresses and ldmatrix rows are 16-byte aligned.
+as do ``__syncwarp`` and any branch, loop bound or shared index that depends on an unknown
+value. Values: the kernel's scalar arguments are the given lengths (a symbolic build's
+``batch``, ``seq_q``, ``seq_kv``; varlen's ``total_q``, ``batch_plus_1``; the caches'
+``max_len``, ``num_pages``, ``max_pages``), integer index arguments have the given contents
+(``index_data`` by buffer name: varlen's ``cu_seqlens_q/k`` are ``CQ``/``CK``, the caches'
+``cache_seqlens`` ``CS``, paged ``block_table`` ``BT``, row-major), and integer registers (local
+buffers: varlen's ``seq``, the caches' ``k_len``) keep what a thread stores in them, so a
+block's sequence, its key-tile count, its row guards and its page addresses are concrete. Every
+other load (the float data, shared memory, global memory but the index arguments) yields
+"unknown": masking in our kernels is by index and lengths, so nothing else depends on data. A
+read of an index argument out of its bounds is reported and stops that thread (what follows
+would depend on an unknown value). Also checked: every thread passes the same barriers in the
+same order; the lanes of a warp run the same warp-collective operations (ldmatrix, mma,
+shuffles); shared (and, where its size is known, global: K/V reads through ``block_table``
+included) accesses stay in bounds; cp.async addresses and ldmatrix rows are 16-byte aligned.
 
 Faults to show it can fail: ``drop_barrier(func, k)`` removes the ``k``-th ``__syncthreads``
 of the lowered function, ``drop_helper_calls(func, "attn_cp_wait0")`` its cp.async waits.
 ``CONFIGS`` are the builds ``scripts/smem_race_check.py`` and ``tests/test_smem_race.py`` check.
 
 Not modelled: global memory races (the grid's blocks write disjoint outputs; not checked),
-values, the memory model beyond barriers and cp.async groups (no ``__threadfence``, atomics or
-``bar.arrive``), other blocks than the ones checked and other shapes than the one given (a
-race that needs a longer sequence or another tile count is not seen), and what nvcc does with
-the code (the IR is checked, not the PTX).
+floating-point values, the memory model beyond barriers and cp.async groups (no
+``__threadfence``, atomics or ``bar.arrive``), other blocks than the ones checked and other
+shapes and index arrays than the ones given (a race that needs a longer sequence, another tile
+count or another page order is not seen), and what nvcc does with the code (the IR is checked,
+not the PTX).
 """
 from __future__ import annotations
 
 import dataclasses
 import itertools
 import math
+import random
 import re
 from typing import Any, Callable
 
@@ -69,6 +81,11 @@ MAX_RACES = 20  # distinct races kept per report (by kind, buffer, interval and 
 
 class NotModelled(Exception):
     """The kernel does something the checker does not model: its verdict would be unsound."""
+
+
+class _IndexOutOfBounds(Exception):
+    """A thread read an index argument out of bounds (reported in its block): what it would
+    compute from that value is unknown, so the thread stops there."""
 
 
 class _Unknown:
@@ -159,6 +176,7 @@ class _Root:
     name: str
     scope: str
     nbytes: Any = None  # int, a closure giving the size at run time, or None (unknown)
+    values: tuple | None = None  # an index argument's given contents (elements): loads read them
 
 
 @dataclasses.dataclass(eq=False)
@@ -349,7 +367,7 @@ class _Block:
 
 class _Thread:
     __slots__ = ("env", "tid", "warp", "coords", "block", "epoch", "barriers", "collectives", "loops",
-                 "uncommitted", "groups", "inflight")
+                 "uncommitted", "groups", "inflight", "locals")
 
     def __init__(self, nslots: int, tid: int, coords: dict, block: _Block):
         self.env = [U] * nslots
@@ -361,6 +379,7 @@ class _Thread:
         self.uncommitted: list = []
         self.groups: list = []
         self.inflight: dict = {}  # (id(root), byte) -> copy, this thread's copies not yet waited for
+        self.locals: dict = {}  # id(root) -> {byte: (value, element bytes)}: integer registers' values
 
 
 # the shadow entry of a byte in one interval: [writer, its site, 2nd writer, site, reader, site,
@@ -436,8 +455,10 @@ class _LandingSite:
 
 
 class _Compiler:
-    def __init__(self, func: tvm.tirx.PrimFunc, scalars: dict, global_bytes: dict):
+    def __init__(self, func: tvm.tirx.PrimFunc, scalars: dict, global_bytes: dict, index_data: dict | None = None):
         self.func = func
+        self.index_data = {k: _flat_ints(k, v) for k, v in (index_data or {}).items()}
+        self.index_roots: dict[str, tuple] = {}  # given name -> (the argument's root, its element bytes)
         self.slots: dict[int, int] = {}
         self.slot_names: list[str] = []
         self.bufs: dict[int, _Buf] = {}
@@ -454,6 +475,9 @@ class _Compiler:
             else:  # a global pointer argument: its buffer is declared below
                 self._slot(p)
         self.body = self.stmt(func.body)
+        unused = sorted(set(self.index_data) - set(self.index_roots))
+        if unused:
+            raise ValueError(f"index data for {unused}: the kernel has no such int argument")
 
     # -- helpers -------------------------------------------------------------------------
     def _slot(self, var) -> int:
@@ -486,7 +510,18 @@ class _Compiler:
             return
         if isinstance(data, tvm.ir.Var):  # a kernel argument (global pointer)
             known = self.global_bytes.get(buffer.name)
+            if known is not None and len(buffer.shape) == 1 and isinstance(buffer.shape[0], tvm.ir.Var):
+                # the flat argument's length var (a host-computed extent): the size given fixes it
+                s = self._slot(buffer.shape[0])
+                if self.param_values.get(s, U) is U:
+                    self.param_values[s] = known // elem
             root = _Root(buffer.name, "global", known if known is not None else self._size(buffer, elem))
+            given = [k for k in (buffer.name, data.name) if k in self.index_data]
+            if given:
+                if not str(buffer.dtype).startswith(("int", "uint")):
+                    raise ValueError(f"index data for {given[0]}: the argument is {buffer.dtype}, not an integer")
+                root.values = self.index_data[given[0]]
+                self.index_roots[given[0]] = (root, elem)
             self.bufs[buffer.id_] = _Buf(root, int(off.value) * elem, elem, buffer.name)
             return
         if isinstance(data, tvm.ir.Call) and data.op.name == "tirx.buffer_data":
@@ -662,14 +697,25 @@ class _Compiler:
     def _load(self, e):
         buf = self._buf(e.source)
         if buf.scope not in SHARED_SCOPES and buf.scope != "global":
-            return lambda th: U
+            if not _is_int_buffer(e.source):
+                return lambda th: U  # float registers: values are not simulated
+            fi = self._index(e.indices, f"load of {buf.name}")
+            return lambda th: _local_load(th, buf, fi(th))
         fi = self._index(e.indices, f"load of {buf.name}")
         site = self._site(f"read {buf.name} ({_text(e)}) in", self._cur_stmt)
         nb = _bytes_per_index(e, e.indices[0])
+        root = buf.root
 
         def load(th):
-            _access(th, buf, fi(th), nb, False, site)
-            return U
+            i = fi(th)
+            inside = _access(th, buf, i, nb, False, site)
+            values = root.values
+            if values is None or i is U:  # memory is unknown, but an index argument's contents are given
+                return U
+            if not inside:
+                raise _IndexOutOfBounds()
+            first = buf.base // buf.elem
+            return tuple(values[first + j] for j in i) if isinstance(i, tuple) else values[first + i]
         return load
 
     # -- calls -----------------------------------------------------------------------------
@@ -922,6 +968,10 @@ class _Compiler:
 
     def _s_BufferStore(self, s):
         buf = self._buf(s.buffer)
+        if buf.scope not in SHARED_SCOPES and buf.scope != "global" and _is_int_buffer(s.buffer):
+            # integer registers (varlen's seq, the caches' k_len ...): their values flow
+            fi, fv = self._index(s.indices, f"store to {buf.name}"), self.expr(s.value)
+            return lambda th: _local_store(th, buf, fi(th), fv(th))
         fval = self.effects(s.value)
         if buf.scope not in SHARED_SCOPES and buf.scope != "global":
             if fval is None:
@@ -962,9 +1012,9 @@ def _aligned(th: _Thread, ptrs, align: int, site) -> None:
                          p.buf.root.name, p.byte, (th.tid,), th.epoch, (site,))
 
 
-def _access(th: _Thread, buf: _Buf, index, nbytes: int, write: bool, site, byte: int | None = None) -> None:
+def _access(th: _Thread, buf: _Buf, index, nbytes: int, write: bool, site, byte: int | None = None) -> bool:
     """Record one access of ``buf`` at element ``index`` (an int or a tuple of lanes) or at
-    absolute ``byte``, ``nbytes`` per index."""
+    absolute ``byte``, ``nbytes`` per index. False: (some of) it out of bounds (reported)."""
     if byte is None:
         if index is U:
             what = "store to" if write else "load of"
@@ -973,15 +1023,65 @@ def _access(th: _Thread, buf: _Buf, index, nbytes: int, write: bool, site, byte:
             if all(b - a == 1 for a, b in zip(index, index[1:])):
                 byte, nbytes = buf.base + index[0] * buf.elem, nbytes * len(index)
             else:
-                for i in index:
-                    _access(th, buf, i, nbytes, write, site)
-                return
+                return all([_access(th, buf, i, nbytes, write, site) for i in index])
         else:
             byte = buf.base + index * buf.elem
     if not _bounds(th, buf, byte, nbytes, site):
-        return
+        return False
     if buf.root.scope in SHARED_SCOPES:
         _touch(th, buf.root, byte, nbytes, write, site)
+    return True
+
+
+def _is_int_buffer(buffer) -> bool:
+    return str(buffer.dtype).startswith(("int", "uint", "bool"))
+
+
+def _local_store(th: _Thread, buf: _Buf, index, value) -> None:
+    """An integer register buffer's element(s) take ``value`` (an index that depends on data
+    forgets the whole buffer: its values become unknown)."""
+    mem = th.locals.setdefault(id(buf.root), {})
+    if index is U or isinstance(index, _Ptr):
+        mem.clear()
+        return
+    if isinstance(index, tuple):
+        vals = value if isinstance(value, tuple) else (value,) * len(index)
+        for i, v in zip(index, vals):
+            mem[buf.base + i * buf.elem] = (v, buf.elem)
+        return
+    mem[buf.base + index * buf.elem] = (value, buf.elem)
+
+
+def _local_load(th: _Thread, buf: _Buf, index):
+    mem = th.locals.get(id(buf.root))
+    if mem is None or index is U or isinstance(index, _Ptr):
+        return U
+
+    def one(i):
+        v = mem.get(buf.base + i * buf.elem)
+        return v[0] if v is not None and v[1] == buf.elem else U
+    if isinstance(index, tuple):
+        vals = tuple(one(i) for i in index)
+        return U if any(v is U for v in vals) else vals
+    return one(index)
+
+
+def _flat_ints(name: str, values) -> tuple:
+    """Nested sequences of ints (an index argument's contents, row-major) as one flat tuple."""
+    out = []
+
+    def walk(v):
+        if hasattr(v, "tolist"):  # a NumPy array or scalar
+            v = v.tolist()
+        if isinstance(v, (list, tuple)):
+            for x in v:
+                walk(x)
+        elif isinstance(v, int):
+            out.append(int(v))
+        else:
+            raise ValueError(f"index data for {name}: {v!r} is not an integer")
+    walk(values)
+    return tuple(out)
 
 
 def _cp_async(th: _Thread, dst: _Ptr, nbytes: int, site) -> None:
@@ -1051,20 +1151,25 @@ def _run_block(compiled: _Compiler, coords: dict, threads: dict) -> tuple[_Block
     block = _Block(tuple(coords[t] for t in ("blockIdx.x", "blockIdx.y", "blockIdx.z")))
     dx, dy, dz = threads["threadIdx.x"], threads["threadIdx.y"], threads["threadIdx.z"]
     runs = []
+    stopped = False  # a thread read an index argument out of bounds and stopped (its finding is in block)
     for z, y, x in itertools.product(range(dz), range(dy), range(dx)):
         tid = x + dx * (y + dy * z)
         th = _Thread(len(compiled.slot_names), tid, {**coords, "threadIdx.x": x, "threadIdx.y": y,
                                                       "threadIdx.z": z}, block)
         for s, v in compiled.param_values.items():
             th.env[s] = v
-        compiled.body(th)
+        try:
+            compiled.body(th)
+        except _IndexOutOfBounds:
+            stopped = True
         pending = th.uncommitted + [c for g in th.groups for c in g]
         for copy in pending:
             block.add("cp.async copy never waited for (in flight when the thread exits)", copy[0].name, copy[1],
                       (tid,), copy[4], (copy[3],))
             _land(th, copy, th.epoch)
         runs.append(th)
-    _check_convergence(block, runs)
+    if not stopped:
+        _check_convergence(block, runs)
     intervals = max(th.epoch for th in runs) + 1
     for race in block.races.values():
         race.dims = (dx, dy, dz)
@@ -1091,16 +1196,32 @@ def _check_convergence(block: _Block, runs: list) -> None:
 
 
 def check_function(func: tvm.tirx.PrimFunc, scalars: dict | None = None, blocks: Any = "all",
-                   global_bytes: dict | None = None, max_blocks: int = 64) -> RaceReport:
+                   global_bytes: dict | None = None, max_blocks: int = 64,
+                   index_data: dict | None = None) -> RaceReport:
     """Check the device kernel ``func`` (final lowered IR) for shared-memory races.
 
     ``scalars``: values of its scalar arguments by name (a symbolic build's lengths, e.g.
-    ``{"batch": 2, "seq_q": 37, "seq_kv": 45}``; others stay unknown). ``blocks``: "all" (every
-    block of the grid, at most ``max_blocks``, else an error), or a list of
+    ``{"batch": 2, "seq_q": 37, "seq_kv": 45}``, varlen's ``total_q``/``batch_plus_1``, the
+    caches' ``max_len``/``num_pages``/``max_pages``; others stay unknown). ``blocks``: "all"
+    (every block of the grid, at most ``max_blocks``, else an error), or a list of
     ``(blockIdx.x, blockIdx.y, blockIdx.z)``. ``global_bytes``: sizes of global arguments by
-    buffer name, for bounds checks where the IR's own sizes are symbolic."""
-    compiled = _Compiler(func, scalars or {}, global_bytes or {})
+    buffer name, for bounds checks where the IR's own sizes are symbolic. ``index_data``: the
+    contents of integer arguments by buffer name in the lowered function (or its pointer
+    parameter's name), e.g. ``{"CQ": [0, 7, 44], "CK": [...]}``, ``{"BT": [[3, 0], [1, -1]],
+    "CS": [20, 9]}`` (nested: row-major): loads from them yield these values (bounds-checked
+    against the given length and the IR's shape), so what the kernel derives from them (its
+    sequence's offsets and lengths in registers, loop bounds, page addresses) is concrete."""
+    compiled = _Compiler(func, scalars or {}, global_bytes or {}, index_data)
     threads, grid = _grid(compiled)
+    probe = _Thread(len(compiled.slot_names), 0, {}, _Block(()))
+    for s, v in compiled.param_values.items():
+        probe.env[s] = v
+    for name, (root, elem) in compiled.index_roots.items():
+        size = root.nbytes(probe) if callable(root.nbytes) else root.nbytes
+        if isinstance(size, int) and size != len(root.values) * elem:
+            raise ValueError(f"index data for {name}: {len(root.values)} elements, but the kernel's {root.name} "
+                             f"has {size // elem} at these scalars")
+        root.nbytes = len(root.values) * elem  # where the IR's size is unknown, the data's bounds it
     if blocks == "all":
         n = grid["blockIdx.x"] * grid["blockIdx.y"] * grid["blockIdx.z"]
         if n > max_blocks:
@@ -1130,17 +1251,37 @@ def device_function(built) -> tvm.tirx.PrimFunc:
     return funcs[0]
 
 
-def check_built(built, lengths: dict | None = None, blocks: Any = "all", func=None, max_blocks: int = 64) -> RaceReport:
+def check_built(built, lengths: dict | None = None, blocks: Any = "all", func=None, max_blocks: int = 64,
+                index_data: dict | None = None) -> RaceReport:
     """Check a CUDA build of either attention kernel at the spec's lengths (a symbolic build:
     at ``lengths``, e.g. ``{"batch": 2, "seq_q": 37, "seq_kv": 45}``, default the spec's
-    nominal ones). ``func`` replaces the build's device function (a fault-injected copy)."""
+    nominal ones; varlen: ``total_q``, ``total_k``, ``batch_plus_1``; kvcache: ``batch``,
+    ``seq_q``, ``max_len``; paged: ``batch``, ``seq_q``, ``num_pages``, ``max_pages``) with
+    ``index_data`` the contents of its index arguments (``check_function``: varlen ``CQ``/``CK``,
+    kvcache ``CS``, paged ``BT``/``CS``). ``func`` replaces the build's device function (a
+    fault-injected copy)."""
     spec = built.spec
     dims = {"batch": spec.batch, "seq_q": spec.seq_q, "seq_kv": spec.seq_kv, **(lengths or {})}
+    return check_function(func if func is not None else device_function(built), dims, blocks,
+                          _argument_bytes(spec, dims), max_blocks, index_data)
+
+
+def _argument_bytes(spec: AttentionSpec, dims: dict) -> dict:
+    """Q, K, V and O's sizes in bytes in ``spec``'s layout at ``dims`` (those it determines)."""
     elem = _dtype_bytes(tvm.DataType(spec.dtype))
-    q_bytes = dims["batch"] * spec.heads * dims["seq_q"] * spec.head_dim * elem
-    kv_bytes = dims["batch"] * spec.kv_heads * dims["seq_kv"] * spec.head_dim * elem
-    sizes = {"Q": q_bytes, "Qp": q_bytes, "O": q_bytes, "K": kv_bytes, "V": kv_bytes}
-    return check_function(func if func is not None else device_function(built), dims, blocks, sizes, max_blocks)
+    H, KH, D = spec.heads, spec.kv_heads, spec.head_dim
+
+    def size(*names):
+        vals = [dims.get(n) if isinstance(n, str) else n for n in names]
+        return None if any(v is None for v in vals) else math.prod(vals) * elem
+    if spec.layout == "varlen":
+        q, kv = size("total_q", H, D), size("total_k", KH, D)
+    else:
+        q = size("batch", H, "seq_q", D)
+        kv = {"bhsd": lambda: size("batch", KH, "seq_kv", D), "kvcache": lambda: size("batch", KH, "max_len", D),
+              "paged": lambda: size("num_pages", spec.page_size, KH, D)}[spec.layout]()
+    out = {"Q": q, "Qp": q, "O": q, "K": kv, "V": kv}
+    return {k: v for k, v in out.items() if v is not None}
 
 
 def _is_sync(stmt) -> bool:
@@ -1197,7 +1338,9 @@ ALL_DYNAMIC = ("batch", "seq_q", "seq_kv")
 @dataclasses.dataclass(frozen=True)
 class RaceConfig:
     """One kernel build at a small concrete shape. ``spec``: AttentionSpec fields; ``lengths``:
-    where a symbolic build is run (its grid and loop bounds); ``quick``: in the test's set."""
+    where a symbolic build is run (its grid and loop bounds: the kernel's scalar arguments);
+    ``data``: the contents of its index arguments by name (varlen ``CQ``/``CK``, the caches'
+    ``CS``, paged ``BT``); ``quick``: in the test's set."""
 
     name: str
     kernel: str  # "fused_tc" | "fused_simt"
@@ -1205,6 +1348,7 @@ class RaceConfig:
     knobs: dict
     lengths: dict | None = None
     quick: bool = False
+    data: dict | None = None
 
     def attention_spec(self) -> AttentionSpec:
         return AttentionSpec(**self.spec)
@@ -1216,14 +1360,53 @@ class RaceConfig:
                             knobs=self.knobs)
 
 
-def _cfg(name, kernel, knobs, quick=False, *, lengths=None, **spec):
+def _cfg(name, kernel, knobs, quick=False, *, lengths=None, data=None, **spec):
     base = dict(batch=1, heads=2, kv_heads=1, head_dim=16, dtype="float16", causal=False)
-    return RaceConfig(name, kernel, {**base, **spec}, knobs, lengths, quick)
+    return RaceConfig(name, kernel, {**base, **spec}, knobs, lengths, quick, data)
+
+
+def varlen_case(seqlens) -> dict:
+    """``lengths`` and ``data`` of a varlen config: sequences of (query rows, keys)."""
+    cq, ck = [0], [0]
+    for sq, sk in seqlens:
+        cq.append(cq[-1] + sq)
+        ck.append(ck[-1] + sk)
+    return dict(lengths=dict(batch=len(seqlens), total_q=cq[-1], total_k=ck[-1], batch_plus_1=len(seqlens) + 1),
+                data=dict(CQ=tuple(cq), CK=tuple(ck)), layout="varlen")
+
+
+def cache_case(cache_seqlens, seq_q: int, page_size: int | None = None, seed: int = 0) -> dict:
+    """``lengths`` and ``data`` of a kvcache config (``max_len`` the longest sequence: a key read
+    past a sequence lands in the next one, or out of bounds for the last), or a paged one
+    (``page_size``): each sequence's pages taken in a shuffled order from a pool with 2 spare
+    pages, ``max_pages`` one more than the longest needs, unused ``block_table`` entries -1 (as
+    ``layouts.Paged.random_inputs`` makes them: a read through one is out of bounds)."""
+    b = len(cache_seqlens)
+    if page_size is None:
+        return dict(lengths=dict(batch=b, seq_q=seq_q, max_len=max(cache_seqlens)),
+                    data=dict(CS=tuple(cache_seqlens)), layout="kvcache")
+    need = [-(-n // page_size) for n in cache_seqlens]
+    max_pages, num_pages = max(need) + 1, sum(need) + 2
+    order = list(range(num_pages))
+    random.Random(seed).shuffle(order)
+    table, nxt = [], 0
+    for n in need:
+        table.append(tuple(order[nxt:nxt + n]) + (-1,) * (max_pages - n))
+        nxt += n
+    return dict(lengths=dict(batch=b, seq_q=seq_q, num_pages=num_pages, max_pages=max_pages),
+                data=dict(BT=tuple(table), CS=tuple(cache_seqlens)), layout="paged", page_size=page_size)
 
 
 _SIMT = "fused_simt"
 _TC = "fused_tc"
 _LEN = dict(batch=2, seq_q=37, seq_kv=45)  # symbolic builds run here: tails in both lengths
+#: varlen (query rows, keys): no rows, a sequence longer than a row tile, no keys, keys > rows
+_RAGGED = ((0, 7), (37, 45), (5, 0), (20, 70))
+#: cache_seqlens of a decode step and of a prefill chunk of 5 (no keys; tile and page edges; one
+#: key: under causal masking the chunk's first 4 positions see none, a whole row tile of them
+#: where the packed group's rows span two tiles)
+_DECODE = (37, 0, 16, 70)
+_CHUNK = (21, 0, 1, 40)
 #: GQA (2 query heads on 1 KV head) everywhere; tails (37 × 45, 45 × 17 ...) unless noted
 CONFIGS = [
     _cfg("simt_f32_causal_37x45", _SIMT, dict(block_m=8, block_n=16, threads_per_row=4), True,
@@ -1260,6 +1443,31 @@ CONFIGS = [
          seq_q=130, seq_kv=200, head_dim=64, causal=True),
     _cfg("tc_f16_preset_d128", _TC, dict(warps=4, block_n=32, stages=2, m_tiles=1),
          seq_q=64, seq_kv=100, head_dim=128),
+    # -- the serving layouts: the kernels' control flow follows their index arguments -----------
+    _cfg("simt_f16_varlen_causal", _SIMT, dict(block_m=16, block_n=16, threads_per_row=4), True,
+         seq_q=64, seq_kv=64, causal=True, **varlen_case(_RAGGED)),
+    _cfg("simt_f32_varlen_full", _SIMT, dict(block_m=8, block_n=16, threads_per_row=4),
+         seq_q=64, seq_kv=64, dtype="float32", **varlen_case(_RAGGED)),
+    _cfg("simt_f32_kvcache_decode_causal", _SIMT, dict(block_m=8, block_n=16, threads_per_row=4), True,
+         heads=4, seq_q=1, seq_kv=64, dtype="float32", causal=True, **cache_case(_DECODE, 1)),
+    _cfg("simt_f16_paged_chunk5_causal", _SIMT, dict(block_m=8, block_n=32, threads_per_row=4), True,
+         heads=4, kv_heads=2, seq_q=5, seq_kv=64, causal=True, **cache_case(_CHUNK, 5, 16)),
+    _cfg("simt_f16_paged_decode_full", _SIMT, dict(block_m=16, block_n=16, threads_per_row=2),
+         heads=4, seq_q=1, seq_kv=64, **cache_case(_DECODE, 1, 16, seed=1)),
+    _cfg("simt_f32_kvcache_chunk5_full", _SIMT, dict(block_m=16, block_n=16, threads_per_row=4),
+         heads=4, kv_heads=2, seq_q=5, seq_kv=64, dtype="float32", **cache_case(_CHUNK, 5)),
+    _cfg("tc_f16_s2_m1_varlen_causal", _TC, dict(warps=2, block_n=16, stages=2, m_tiles=1), True,
+         seq_q=64, seq_kv=64, causal=True, **varlen_case(_RAGGED)),
+    _cfg("tc_bf16_s1_m2_varlen_full", _TC, dict(warps=2, block_n=16, stages=1, m_tiles=2),
+         seq_q=64, seq_kv=64, dtype="bfloat16", **varlen_case(_RAGGED)),
+    _cfg("tc_f16_s1_m1_kvcache_decode_causal", _TC, dict(warps=2, block_n=16, stages=1, m_tiles=1), True,
+         heads=4, seq_q=1, seq_kv=64, causal=True, **cache_case(_DECODE, 1)),
+    _cfg("tc_f16_s2_m1_paged_chunk5_causal", _TC, dict(warps=2, block_n=32, stages=2, m_tiles=1), True,
+         heads=4, kv_heads=2, seq_q=5, seq_kv=64, causal=True, **cache_case(_CHUNK, 5, 16)),
+    _cfg("tc_bf16_s2_m2_paged_decode_full", _TC, dict(warps=2, block_n=16, stages=2, m_tiles=2),
+         heads=4, seq_q=1, seq_kv=64, dtype="bfloat16", **cache_case(_DECODE, 1, 16, seed=1)),
+    _cfg("tc_f16_s3_m1_kvcache_chunk5_causal", _TC, dict(warps=1, block_n=16, stages=3, m_tiles=1),
+         heads=8, kv_heads=2, seq_q=5, seq_kv=64, causal=True, **cache_case(_CHUNK, 5)),
 ]
 
 
@@ -1272,4 +1480,4 @@ def configs(kernel: str = "all", quick: bool = False) -> list[RaceConfig]:
 def check_config(cfg: RaceConfig, built=None, func=None) -> RaceReport:
     """Build ``cfg`` (unless ``built`` is given) and check every block of its grid."""
     built = built if built is not None else cfg.build()
-    return check_built(built, cfg.lengths, func=func)
+    return check_built(built, cfg.lengths, func=func, index_data=cfg.data)
