@@ -30,7 +30,7 @@ NAME = "fused"
 #: symbolic batch, seq_q and seq_kv: a (row tile, head, batch) grid on (x, y, z), so no index is
 #: divided by a run-time extent (a flat grid's ``// (H·NR)`` spilled on sm_90 with seq_q symbolic)
 CAPABILITIES = Capabilities(label="CUDA fused", target="cuda", layouts=("bhsd", "varlen", "kvcache", "paged"), dtypes=SUPPORTED_DTYPES,
-                            symbolic=True, lse=False)
+                            symbolic=True, lse=True)
 WARP = 32
 MAX_REGISTERS_PER_THREAD = 255
 #: registers a lane needs besides its scores and accumulator columns (indices, m, l, temporaries);

@@ -30,7 +30,7 @@ from .family import USE_CPU_FUSED, Capabilities, never_static_decode, same_knobs
 NAME = "fused"
 #: symbolic batch, seq_q and seq_kv: a (row tile, head, batch) grid on (x, y, z), as the SIMT kernel's
 CAPABILITIES = Capabilities(label="CUDA tensor-core fused", target="cuda", layouts=("bhsd", "varlen", "kvcache", "paged"), dtypes=MMA_DTYPES,
-                            symbolic=True, lse=False, instead=f"use --schedule fused_simt, or {USE_CPU_FUSED}")
+                            symbolic=True, lse=True, instead=f"use --schedule fused_simt, or {USE_CPU_FUSED}")
 WARP = 32
 MAX_REGISTERS_PER_THREAD = 255
 #: registers besides the fragments (addresses, loop state, m/l, temporaries). Measured with
@@ -84,7 +84,7 @@ def arch_number(target: Target) -> int:
 def supports(spec: AttentionSpec, target: Target) -> bool:
     """Whether the tensor-core kernel builds ``spec`` on ``target`` (else the SIMT kernel does)."""
     return (spec.dtype in MMA_DTYPES and arch_number(target) >= MIN_ARCH and spec.head_dim % 16 == 0
-            and spec.layout in CAPABILITIES.layouts and not getattr(spec, "return_lse", False))
+            and spec.layout in CAPABILITIES.layouts)
 
 
 def shared_bytes(knobs: MMAKnobs, spec: AttentionSpec) -> int:

@@ -60,9 +60,12 @@ def check_emulated_symbolic(ex, spec) -> None:
     for b, sq, sk in SYMBOLIC_SHAPES:
         x = LAYOUTS["bhsd"].random_inputs(spec, {"batch": b, "seq_q": sq, "seq_kv": sk}, seed=sq * 7 + sk)
         o = tvm.runtime.empty((b, spec.heads, sq, spec.head_dim), spec.dtype)
-        ex["attention"](*[tvm.runtime.tensor(x[n]) for n in ("q", "k", "v")], o)
+        lse = [tvm.runtime.empty((b, spec.heads, sq), "float32")] if spec.return_lse else []
+        ex["attention"](*[tvm.runtime.tensor(x[n]) for n in ("q", "k", "v")], o, *lse)
         out = o.numpy().astype(np.float64)
-        ref = reference_attention(spec, x["q"], x["k"], x["v"])
+        ref, ref_lse = reference_attention(spec, x["q"], x["k"], x["v"], return_lse=True)
+        if lse:
+            check_lse(lse[0].numpy(), ref_lse, (b, sq, sk))
         assert np.isfinite(out).all(), (b, sq, sk)
         assert np.allclose(out, ref, atol=atol, rtol=rtol), ((b, sq, sk), np.abs(out - ref).max())
         if sk == 0:
@@ -75,12 +78,20 @@ VARLEN_BATCHES = [[(0, 7), (1, 1), (70, 33), (33, 70), (5, 0), (129, 129), (0, 0
                   [(1, 1)] * 3, [(300, 45), (5, 0)]]
 
 
+def check_lse(got: np.ndarray, ref: np.ndarray, where) -> None:
+    """A kernel's log-sum-exp against the reference's: -inf exactly where a row sees no key."""
+    assert np.array_equal(np.isneginf(got), np.isneginf(ref)), where
+    seen = np.isfinite(ref)
+    assert np.allclose(got[seen], ref[seen], atol=2e-5, rtol=1e-5), (where, np.abs(got[seen] - ref[seen]).max())
+
+
 def check_emulated_layout(ex, spec) -> None:
     """Run an emulated varlen, kvcache or paged kernel ``ex`` (compiled for the CPU) against the
     reference: varlen on every batch of ``VARLEN_BATCHES``, the KV-cache layouts on their
     ``validation_cases`` (a decode step, mixed cache lengths with empty ones and tile and page
     edges, 4 new tokens, a prefill chunk of 37 over shorter caches; paged through shuffled
-    pages with a shared prefix page). A sequence that sees no key must give exact zeros."""
+    pages with a shared prefix page). A sequence that sees no key must give exact zeros (and a
+    log-sum-exp of -inf, with ``return_lse``)."""
     import tvm
 
     from tvm_attention.layouts import LAYOUTS
@@ -93,10 +104,13 @@ def check_emulated_layout(ex, spec) -> None:
     cases = [{"seqlens": lens} for lens in VARLEN_BATCHES] if varlen else layout.validation_cases(spec)
     for i, case in enumerate(cases):
         x = layout.random_inputs(spec, case, seed=i)
+        ref, ref_lse = layout.reference_outputs(spec, x)
         o = tvm.runtime.empty(x["q"].shape, spec.dtype)
-        ex["attention"](*[tvm.runtime.tensor(x[n]) for n in names], o)
+        lse = [tvm.runtime.empty(ref_lse.shape, "float32")] if spec.return_lse else []
+        ex["attention"](*[tvm.runtime.tensor(x[n]) for n in names], o, *lse)
         out = o.numpy().astype(np.float64)
-        ref = layout.reference(spec, x)
+        if lse:
+            check_lse(lse[0].numpy(), ref_lse, case)
         assert np.isfinite(out).all(), case
         assert np.allclose(out, ref, atol=atol, rtol=rtol), (case, np.abs(out - ref).max())
         if varlen:

@@ -115,31 +115,34 @@ def test_cuda_algorithm_on_cpu(seq_q, seq_kv, causal, dtype):
 ALL_DYNAMIC = ("batch", "seq_q", "seq_kv")
 
 
-@pytest.mark.parametrize("dtype, causal", [("float32", False), ("float32", True), ("float16", True)])
-def test_cuda_symbolic_algorithm_on_cpu(dtype, causal):
+@pytest.mark.parametrize("dtype, causal, lse", [("float32", False, False), ("float32", True, True),
+                                              ("float16", True, False)])
+def test_cuda_symbolic_algorithm_on_cpu(dtype, causal, lse):
     """One symbolic SIMT kernel (batch, seq_q, seq_kv dyn; GQA 4:2), emulated, against the
     reference at every shape of ``conftest.SYMBOLIC_SHAPES``: the (row tile, head, batch) grid,
     the key tail masked at run time, bottom-right causal with Sq above and below Skv, zero rows
     for seq_kv 0."""
     spec = AttentionSpec(batch=1, heads=4, kv_heads=2, seq_q=256, head_dim=64, dtype=dtype, causal=causal,
-                         dynamic=ALL_DYNAMIC)
+                         dynamic=ALL_DYNAMIC, return_lse=lse)
     k = cuda_flash.preset(spec, resolve_target("cuda", arch="sm_90"))
     check_emulated_symbolic(tvm.compile(fused_attention_cuda(spec, k.block_m, k.block_n, k.threads_per_row,
                                                              emulate=True), target=resolve_target("llvm")), spec)
 
 
-@pytest.mark.parametrize("layout, page, dtype, causal", [
-    ("varlen", None, "float32", False), ("varlen", None, "float32", True), ("varlen", None, "float16", True),
-    ("kvcache", None, "float32", True), ("paged", 16, "float32", False), ("paged", 64, "float16", True),
+@pytest.mark.parametrize("layout, page, dtype, causal, lse", [
+    ("varlen", None, "float32", False, False), ("varlen", None, "float32", True, True),
+    ("varlen", None, "float16", True, False), ("kvcache", None, "float32", True, True),
+    ("paged", 16, "float32", False, False), ("paged", 64, "float16", True, True),
 ])
-def test_cuda_layouts_algorithm_on_cpu(layout, page, dtype, causal):
+def test_cuda_layouts_algorithm_on_cpu(layout, page, dtype, causal, lse):
     """The SIMT kernel in the serving layouts (GQA 4:2), emulated (``conftest.check_emulated_layout``):
     varlen, each thread block's sequence found by the binary search on cu_seqlens_q and spare
     slots computing nothing; kvcache and paged, the group's heads packed into one tile, each
     sequence's cache_seqlens read once, pages through block_table; per-sequence key tails and
-    bottom-right causal, zero rows for a sequence with no key. Small tiles give many of them."""
+    bottom-right causal, zero rows for a sequence with no key, the log-sum-exp with ``lse``.
+    Small tiles give many of them."""
     spec = AttentionSpec(batch=1, heads=4, kv_heads=2, seq_q=64, head_dim=64, dtype=dtype, causal=causal,
-                         layout=layout, page_size=page)
+                         layout=layout, page_size=page, return_lse=lse)
     check_emulated_layout(tvm.compile(fused_attention_cuda(spec, 16, 16, 4, emulate=True),
                                       target=resolve_target("llvm")), spec)
 
@@ -328,6 +331,48 @@ def test_cuda_loader_checks_cache_indices():
         with pytest.raises(KernelArgumentError, match="cache_seqlens: expected dtype int32"):
             kernel(*[x[n].astype(np.int64) if n == "cache_seqlens" else x[n] for n in names])
         assert launches == [1]
+
+
+def test_cuda_loader_returns_lse():
+    """The loader's CUDA path with ``return_lse`` (on the CPU device, a CPU build of the same
+    spec): ``(o, lse)``, lse ``(batch, heads, seq_q)`` float32, -inf for rows that see no key;
+    an empty call answers without a launch, its lse all -inf."""
+
+    class OnCpu(AttentionKernel):
+        def _cuda_device(self):
+            return tvm.cpu(0)
+
+    spec = AttentionSpec(batch=1, heads=4, kv_heads=2, seq_q=64, head_dim=32, causal=True, dynamic=ALL_DYNAMIC,
+                         return_lse=True)
+    b = built(spec)
+    launches = []
+    kernel = OnCpu(spec, lambda *a: (launches.append(len(a)), b.function(*a)), device="cuda")
+    x = LAYOUTS["bhsd"].random_inputs(spec, {"batch": 2, "seq_q": 9, "seq_kv": 5}, seed=7)
+    o, lse = kernel(x["q"], x["k"], x["v"])
+    ref, ref_lse = reference_attention(spec, x["q"], x["k"], x["v"], return_lse=True)
+    np.testing.assert_allclose(o, ref, atol=1e-5, rtol=1e-5)
+    assert lse.shape == (2, 4, 9) and lse.dtype == np.float32 and np.isneginf(lse[:, :, :4]).all()
+    np.testing.assert_allclose(lse[:, :, 4:], ref_lse[:, :, 4:], atol=1e-5, rtol=1e-5)
+    x = LAYOUTS["bhsd"].random_inputs(spec, {"batch": 2, "seq_q": 3, "seq_kv": 0}, seed=7)
+    o, lse = kernel(x["q"], x["k"], x["v"])
+    assert not o.any() and np.isneginf(lse).all() and launches == [5]
+
+
+@needs_nvcc
+@pytest.mark.parametrize("arch, dtype, layout, page", [("sm_90", "bfloat16", "paged", 16),
+                                                       ("sm_80", "float32", "varlen", None)])
+def test_lse_builds_offline_without_spills(arch, dtype, layout, page):
+    """``--return-lse`` on CUDA (tensor cores for bf16, CUDA cores for fp32): the LSE output is
+    the last argument, no spill, fused. (fp32 varlen on sm_90 spills, as without lse: cuda.md.)"""
+    spec = AttentionSpec(batch=8, heads=32, kv_heads=8, seq_q=1 if layout == "paged" else 512, seq_kv=4096,
+                         head_dim=128, dtype=dtype, causal=True, layout=layout, page_size=page, return_lse=True)
+    built = build_kernel(spec, "fused", target=resolve_target("cuda", arch=arch))
+    r = built.resources
+    assert r["spills"] == 0 and r["stack_frame_bytes"] == 0, r
+    assert built.audit.fused, built.audit.format()
+    src = built.module.imports[0].inspect_source()
+    signature = src[src.index("__global__"):src.index("{", src.index("__global__"))]
+    assert "float* __restrict__ LSE" in signature, signature
 
 
 def test_cuda_build_cli_and_inspect(tmp_path, capsys):

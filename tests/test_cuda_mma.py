@@ -200,20 +200,20 @@ def test_symbolic_tensor_core_builds_offline_without_spills(arch, dtype, head_di
     cuda_mma.check(k, AttentionSpec(**wide), target)  # static: a flat grid
 
 
-@pytest.mark.parametrize("layout, page, dtype, causal, warps, stages", [
-    ("varlen", None, "float16", True, 2, 2), ("varlen", None, "bfloat16", False, 1, 3),
-    ("kvcache", None, "float16", True, 1, 2), ("paged", 16, "float16", False, 2, 1),
-    ("paged", 64, "bfloat16", True, 1, 3),
+@pytest.mark.parametrize("layout, page, dtype, causal, warps, stages, lse", [
+    ("varlen", None, "float16", True, 2, 2, True), ("varlen", None, "bfloat16", False, 1, 3, False),
+    ("kvcache", None, "float16", True, 1, 2, False), ("paged", 16, "float16", False, 2, 1, True),
+    ("paged", 64, "bfloat16", True, 1, 3, False),
 ])
-def test_tensor_core_layouts_algorithm_on_cpu(layout, page, dtype, causal, warps, stages):
+def test_tensor_core_layouts_algorithm_on_cpu(layout, page, dtype, causal, warps, stages, lse):
     """The tensor-core kernel in the serving layouts (GQA 4:2), emulated
     (``conftest.check_emulated_layout``): varlen's binary search from a slot to its sequence
     (causal: slots launched last-first) and spare slots; kvcache and paged with the group's
     heads packed into the warps' rows and cp.async rows through block_table (emulated as
     copies); per-sequence key tails, causal tile skipping and masking at run time, zero rows
-    for a sequence with no key."""
+    for a sequence with no key, the log-sum-exp (written by a row's first lane) with ``lse``."""
     spec = AttentionSpec(batch=1, heads=4, kv_heads=2, seq_q=64, head_dim=64, dtype=dtype, causal=causal,
-                         layout=layout, page_size=page)
+                         layout=layout, page_size=page, return_lse=lse)
     ex = tvm.compile(fused_attention_mma(spec, warps, 16, stages, 1, emulate=True), target=resolve_target("llvm"))
     check_emulated_layout(ex, spec)
 

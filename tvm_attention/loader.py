@@ -541,6 +541,9 @@ class AttentionKernel:
         check_cuda_grid(self.spec, bound)
         # answered without a launch: a grid of zero blocks is a launch error
         empty = self._trivial(dict(zip((n for n, _, _ in self._inputs), args)))
+        # the log-sum-exp (``return_lse``): -inf where a row sees no key, so for an empty call
+        extra = [runtime.to_device(np.full(self.output_shape(bound, dims), -np.inf, np.dtype(dt)), dev)
+                 for dims, dt in self._extra_outs]
         if out is not None and hasattr(out, "__dlpack_device__") and int(out.__dlpack_device__()[0]) == _DLPACK_CUDA:
             check_no_overlap(out, given)
             o, fw, copied = self._cuda_tensor("out", oshape, out, {}, {})
@@ -549,25 +552,32 @@ class AttentionKernel:
                     out.zero_()
                 else:
                     out[...] = 0
-                return out
-            with self._cuda_stream(fw):
-                self.function(*args, o)
-                if copied:  # a misaligned or strided out: computed aside, written back
-                    out.copy_(_from_framework(fw, o))
-            return out
+            else:
+                with self._cuda_stream(fw):
+                    self.function(*args, o, *extra)
+                    if copied:  # a misaligned or strided out: computed aside, written back
+                        out.copy_(_from_framework(fw, o))
+            return (out, *(_from_framework(fw, x) for x in extra)) if extra else out
         user = self._check_out(out, given, oshape) if out is not None else None
         if empty:
             o = runtime.to_device(np.zeros(oshape, self.spec.np_dtype), dev)
         else:
             o = runtime.empty(oshape, self.spec.dtype, dev)
             with self._cuda_stream(framework if on_gpu else None):
-                self.function(*args, o)
+                self.function(*args, o, *extra)
+        if on_gpu:
+            lse = [_from_framework(framework, x) for x in extra]
+        else:
+            lse = [_from_framework(framework, runtime.to_numpy(x, np.dtype(dt)))
+                   for x, (_, dt) in zip(extra, self._extra_outs)]
         if user is not None:
             user[...] = runtime.to_numpy(o, self.spec.np_dtype)
-            return out
-        if on_gpu:
-            return _from_framework(framework, o)
-        return _from_framework(framework, runtime.to_numpy(o, self.spec.np_dtype))
+            result = out
+        elif on_gpu:
+            result = _from_framework(framework, o)
+        else:
+            result = _from_framework(framework, runtime.to_numpy(o, self.spec.np_dtype))
+        return (result, *lse) if lse else result
 
 
 #: ``workloads.fused_cuda.MAX_GRID_YZ`` (this module loads without TVM): a symbolic BHSD CUDA

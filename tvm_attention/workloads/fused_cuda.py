@@ -38,7 +38,7 @@ from tvm.script import tirx as T
 
 from ..spec import AttentionSpec
 from ..visibility import Visibility
-from ._math import LOG2E, exp2_fast, guarded, normalize, normalize_where
+from ._math import LOG2E, exp2_fast, guarded, lse_of, normalize, normalize_where
 from .kv import dim, kv_layout
 
 ENTRY = "attention"
@@ -245,8 +245,8 @@ def _simt_pv_store_macros(k: _Simt):
                             acc[ty, tx, dd] = acc[ty, tx, dd] + Ps[ty * PST + j] * f32(Vs[j * QST + dd * TPR + tx])
 
     @T.macro
-    def store(O, acc, l, w):
-        # -- O = acc / l (0 for a row that saw no key) --------------------------------
+    def store(O, acc, l, m, w):
+        # -- O = acc / l (0 for a row that saw no key), the row's log-sum-exp -------------
         for ty in thread_y(BM):
             for tx in thread_x(TPR):
                 with T.sblock("O_store"):
@@ -256,6 +256,9 @@ def _simt_pv_store_macros(k: _Simt):
                         for dd in T.serial(ND):
                             O[w.o_at(w.row0 + ty, dd * TPR + tx)] = T.Cast(dtype, w.out(
                                 acc[ty, tx, dd], l[ty, tx], w.row0 + ty))
+                        if w.LSE is not None:
+                            if tx == 0:  # every lane of the row holds its m and l
+                                w.LSE[w.lse_at(w.row0 + ty)] = lse_of(m[ty, tx], l[ty, tx])
 
     return pv, store
 
@@ -297,7 +300,7 @@ def fused_attention_cuda(
             kv_load(K, V, Ks, Vs, w, c)
             softmax(Qs, Ks, Ps, S, m, pmax, psum, m_new, l_tile, alpha, w, c)
             pv(Ps, Vs, acc, l, l_tile, alpha)
-        store(O, acc, l, w)
+        store(O, acc, l, m, w)
 
     attrs = {"global_symbol": ENTRY, "tirx.noalias": True, "attn.workload": "fused_cuda",
              "attn.block_m": BM, "attn.block_n": BN, "attn.threads_per_row": TPR}
@@ -316,13 +319,15 @@ class Tile:
     the group shares each K/V tile, and a decode step's few positions still fill a tile."""
 
     def __init__(self, spec: AttentionSpec, BM: int, BN: int, row0, q_len, k_len, q, kv, o, valid=None,
-                 group: int = 1):
+                 group: int = 1, lse=None):
         self.spec, self.BM, self.BN = spec, BM, BN
         self.row0, self.q_len, self.k_len = row0, q_len, k_len
         self._q, self._kv, self._o = q, kv, o
         self.valid = valid
         self.group = group
         self.rows = q_len if group == 1 else q_len * group  # the tile rows that hold a query
+        self._lse = lse  # (LSE buffer, row -> its index), when the kernel returns the log-sum-exp
+        self.LSE = None if lse is None else lse[0]
         self.static = isinstance(q_len, int) and isinstance(k_len, int)  # lengths compiled in
         self.vis = vis = Visibility.of(spec)
         # query row i sits at key position i + off: bottom-right causal over the sequence's keys
@@ -384,17 +389,21 @@ class Tile:
     def o_at(self, row, d):
         return self._o(row, d)
 
+    def lse_at(self, row):
+        return self._lse[1](row)
 
-def dense_tile(spec: AttentionSpec, BM: int, BN: int, b, h, row0, SQ, SK) -> Tile:
+
+def dense_tile(spec: AttentionSpec, BM: int, BN: int, b, h, row0, SQ, SK, LSE=None) -> Tile:
     """The BHSD tile of (batch ``b``, head ``h``) from row ``row0``: Q/O ``(B, H, SQ, D)``,
     K/V ``(B, KH, SK, D)`` (``SQ``, ``SK``: the kernel's ints or vars), GQA mapping head ``h``
     to KV head ``h // group``."""
     G = spec.group_size
     return Tile(spec, BM, BN, row0, SQ, SK,
-                q=lambda r, d: (b, h, r, d), kv=lambda j, d: (b, h // G, j, d), o=lambda r, d: (b, h, r, d))
+                q=lambda r, d: (b, h, r, d), kv=lambda j, d: (b, h // G, j, d), o=lambda r, d: (b, h, r, d),
+                lse=None if LSE is None else (LSE, lambda r: (b, h, r)))
 
 
-def cache_tile(spec: AttentionSpec, BM: int, BN: int, b, kh, row0, SQ, k_len, X) -> Tile:
+def cache_tile(spec: AttentionSpec, BM: int, BN: int, b, kh, row0, SQ, k_len, X, LSE=None) -> Tile:
     """The KV-cache tile (kvcache, paged) of (batch ``b``, KV head ``kh``) from packed row
     ``row0``: the group's query heads packed (``Tile.group``), Q/O ``(B, H, SQ, D)``, K/V
     addressed through the layout (``kv.kv_layout``: the cache rows, or ``block_table``'s pages;
@@ -404,7 +413,8 @@ def cache_tile(spec: AttentionSpec, BM: int, BN: int, b, kh, row0, SQ, k_len, X)
     return Tile(spec, BM, BN, row0, SQ, k_len,
                 q=lambda r, d: (b, kh * G + T.floormod(r, G), T.floordiv(r, G), d),
                 kv=lambda j, d: kvl.index(X, b, kh, j, d),
-                o=lambda r, d: (b, kh * G + T.floormod(r, G), T.floordiv(r, G), d), group=G)
+                o=lambda r, d: (b, kh * G + T.floormod(r, G), T.floordiv(r, G), d), group=G,
+                lse=None if LSE is None else (LSE, lambda r: (b, kh * G + T.floormod(r, G), T.floordiv(r, G))))
 
 
 def flat_offset(buf, index) -> tirx.PrimExpr:
@@ -436,12 +446,33 @@ def kernel_func(spec: AttentionSpec, block, BM: int, BN: int, dims: tuple, tile,
     ``dims = (B, SQ, SK)`` are the kernel's batch and lengths (ints or the vars of its tiles);
     ``reverse``: the longest row tiles launch first (causal)."""
     B, SQ, SK = dims
+    func, LSE = _kernel_func(spec, block, BM, BN, B, SQ, SK, tile, attrs, reverse, bool(spec.return_lse))
+    if LSE is None:
+        return func
+    # the log-sum-exp output, declared outside the script: the last parameter
+    return tirx.PrimFunc(list(func.params) + [LSE], func.body, func.ret_type, func.attrs)
+
+
+def _lse_buffer(spec: AttentionSpec, B, SQ, TQ):
+    """The LSE output: ``(batch, heads, seq_q)``, or varlen's ``(heads, total_q)``."""
+    shape = (spec.heads, TQ) if spec.layout == "varlen" else (B, spec.heads, SQ)
+    return tirx.decl_buffer(shape, "float32", "LSE")
+
+
+def _kernel_func(spec, block, BM, BN, B, SQ, SK, tile, attrs, reverse, lse):
+    """``kernel_func``'s PrimFunc per layout and the LSE buffer its tiles write (None without
+    ``lse``), not yet among its parameters: a script that writes it is marked ``attn.lse`` and
+    not checked for well-formedness until then."""
     H, KH, D = spec.heads, spec.kv_heads, spec.head_dim
+    if lse:
+        attrs = {**attrs, "attn.lse": 1}
     dtype = spec.dtype
     if spec.layout == "varlen":
-        grid, TQ, TK, NB1 = varlen_grid(spec, block, BM, BN, tile, reverse)
+        TQ = tirx.Var("total_q", "int32")
+        LSE = _lse_buffer(spec, B, SQ, TQ) if lse else None
+        grid, TK, NB1 = varlen_grid(spec, block, BM, BN, tile, reverse, TQ, LSE)
 
-        @T.prim_func(s_tir=True)
+        @T.prim_func(s_tir=True, check_well_formed="attn.lse" not in attrs)
         def attention_varlen(
             Q: T.Buffer((TQ, H, D), dtype),
             K: T.Buffer((TK, KH, D), dtype),
@@ -453,23 +484,24 @@ def kernel_func(spec: AttentionSpec, block, BM: int, BN: int, dims: tuple, tile,
             T.func_attr(attrs)
             grid(Q, K, V, CQ, CK, O)
 
-        return attention_varlen
+        return attention_varlen, LSE
     if spec.layout not in ("bhsd", "kvcache", "paged"):
         raise ValueError(f"the CUDA kernels take the bhsd, varlen, kvcache and paged layouts, not {spec.layout}")
     cache = spec.layout != "bhsd"
     # a KV-cache tile packs a KV head's group (rows = positions × group): one grid row per KV head
     rows = SQ * spec.group_size if cache else SQ
     NR = math.ceil(rows / BM) if isinstance(rows, int) else T.floordiv(rows + BM - 1, BM)
+    LSE = _lse_buffer(spec, B, SQ, None) if lse else None
 
     def at(b, h, r, k_len=None, X=()):
         row0 = (NR - 1 - r) * BM if reverse else r * BM
         if cache:
-            return cache_tile(spec, BM, BN, b, h, row0, SQ, k_len, X)
-        return dense_tile(spec, BM, BN, b, h, row0, SQ, SK)
+            return cache_tile(spec, BM, BN, b, h, row0, SQ, k_len, X, LSE)
+        return dense_tile(spec, BM, BN, b, h, row0, SQ, SK, LSE)
 
     grid = tile_grid(block, B, KH if cache else H, NR, not spec.dynamic, tile, at, cache)
     if not cache:
-        @T.prim_func(s_tir=True)
+        @T.prim_func(s_tir=True, check_well_formed="attn.lse" not in attrs)
         def attention(
             Q: T.Buffer((B, H, SQ, D), dtype),
             K: T.Buffer((B, KH, SK, D), dtype),
@@ -479,10 +511,10 @@ def kernel_func(spec: AttentionSpec, block, BM: int, BN: int, dims: tuple, tile,
             T.func_attr(attrs)
             grid(Q, K, V, O, ())
 
-        return attention
+        return attention, LSE
     KS = kv_layout(spec, B, D).shape
     if spec.layout == "kvcache":
-        @T.prim_func(s_tir=True)
+        @T.prim_func(s_tir=True, check_well_formed="attn.lse" not in attrs)
         def attention_kvcache(
             Q: T.Buffer((B, H, SQ, D), dtype),
             K: T.Buffer(KS, dtype),
@@ -493,10 +525,10 @@ def kernel_func(spec: AttentionSpec, block, BM: int, BN: int, dims: tuple, tile,
             T.func_attr(attrs)
             grid(Q, K, V, O, (CS,))
 
-        return attention_kvcache
+        return attention_kvcache, LSE
     MP = tirx.Var("max_pages", "int32")
 
-    @T.prim_func(s_tir=True)
+    @T.prim_func(s_tir=True, check_well_formed="attn.lse" not in attrs)
     def attention_paged(
         Q: T.Buffer((B, H, SQ, D), dtype),
         K: T.Buffer(KS, dtype),
@@ -508,18 +540,21 @@ def kernel_func(spec: AttentionSpec, block, BM: int, BN: int, dims: tuple, tile,
         T.func_attr(attrs)
         grid(Q, K, V, O, (BT, CS))
 
-    return attention_paged
+    return attention_paged, LSE
 
 
-def varlen_grid(spec: AttentionSpec, block, BM: int, BN: int, tile, reverse: bool):
+
+
+def varlen_grid(spec: AttentionSpec, block, BM: int, BN: int, tile, reverse: bool, TQ, LSE=None):
     """FlashAttention's packed varlen layout on a (slot, head) grid on blockIdx.x/y: sequence
     ``b``'s row tiles take the slots ``cu_seqlens_q[b] // BM + b + i`` (the CPU kernel's
     numbering, ``fused._varlen``: at most ``total_q // BM + batch`` slots, strictly increasing in
     ``b``), so a thread block finds its sequence by a binary search on ``cu_seqlens_q`` and
     computes nothing in a spare slot. Returns the ``grid(Q, K, V, CQ, CK, O)`` macro and the
-    vars ``total_q``, ``total_k``, ``batch_plus_1`` of the buffers' shapes."""
+    vars ``total_k``, ``batch_plus_1`` of the buffers' shapes (``TQ``: ``total_q``'s, which the
+    caller made for the LSE output's shape; ``LSE``: ``(heads, total_q)``, or None)."""
     H, G = spec.heads, spec.group_size
-    TQ, TK = tirx.Var("total_q", "int32"), tirx.Var("total_k", "int32")
+    TK = tirx.Var("total_k", "int32")
     NB1 = tirx.Var("batch_plus_1", "int32")  # a plain var: the runtime binds a shape's vars only
     NT = T.floordiv(TQ, BM) + NB1 - 1  # tile slots
 
@@ -529,7 +564,7 @@ def varlen_grid(spec: AttentionSpec, block, BM: int, BN: int, tile, reverse: boo
                     # max(…, 0), min(…, total_q − 1): a spare slot's (unused) row stays in the buffer
                     q=lambda r, d: (T.min(q0 + T.max(r, 0), TQ - 1), vh, d),
                     kv=lambda j, d: (k0 + j, vh // G, d), o=lambda r, d: (q0 + r, vh, d),
-                    valid=seq[0] < seq[2])
+                    valid=seq[0] < seq[2], lse=None if LSE is None else (LSE, lambda r: (vh, q0 + r)))
 
     def slot(vs):
         return NT - 1 - vs if reverse else vs
@@ -565,7 +600,7 @@ def varlen_grid(spec: AttentionSpec, block, BM: int, BN: int, tile, reverse: boo
                         seq[0] = (slot(vs) - T.floordiv(seq[1], BM) - seq[0]) * BM
                     tile(Q, K, V, O, at(seq, vh))
 
-    return grid, TQ, TK, NB1
+    return grid, TK, NB1
 
 
 def tile_grid(block, B, H, NR, static: bool, tile, at, cache: bool):

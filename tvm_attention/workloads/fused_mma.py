@@ -55,7 +55,7 @@ from tvm.script import tirx as T
 
 from ..spec import AttentionSpec
 from ..visibility import Visibility
-from ._math import LOG2E, guarded
+from ._math import LOG2E, guarded, lse_of
 from .fused_cuda import flat_offset, kernel_func
 from .kv import dim
 
@@ -514,7 +514,7 @@ def _mma_store(x):
         (x.col_of, x.dtype, x.EMU, x.ix, x.MT, x.NO, x.o_half, x.row_of, x.thread_x, x.thread_y, x.W)
 
     @T.macro
-    def store(O, acc, l, ls, w):
+    def store(O, acc, l, ls, m, w):
         # -- row sums across the row's lanes, O = acc / l (0 for a row with no key) ------
         for ty in thread_y(W):
             for tx in thread_x(WARP):
@@ -537,6 +537,12 @@ def _mma_store(x):
                             O[w.o_at(w.row0 + row_of(ty, tx, o_half(k)), col_of(tx, k, NO))] = T.Cast(
                                 dtype, w.out(acc[ix(ty, tx, k)], ls[ix(ty, tx, o_half(k))],
                                              w.row0 + row_of(ty, tx, o_half(k))))
+                    if w.LSE is not None:
+                        if tx % 4 == 0:  # the row's four lanes hold the same m and sum
+                            for h2 in T.unroll(MT * 2):
+                                if w.row0 + row_of(ty, tx, h2) < w.rows:
+                                    w.LSE[w.lse_at(w.row0 + row_of(ty, tx, h2))] = lse_of(
+                                        m[ix(ty, tx, h2)], ls[ix(ty, tx, h2)])
 
     return store
 
@@ -586,7 +592,7 @@ def fused_attention_mma(
             qk_mma(S, Qf, Ks, Kf, c)
             softmax(S, Pf, acc, m, l, mt, mn, w, c)
             pv_mma(acc, Pf, Vs, Vf, c)
-        store(O, acc, l, ls, w)
+        store(O, acc, l, ls, m, w)
 
     attrs = {"global_symbol": ENTRY, "tirx.noalias": True, "attn.workload": "fused_mma",
              "attn.warps": W, "attn.block_n": BN, "attn.stages": NS, "attn.m_tiles": MT}
