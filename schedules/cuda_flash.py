@@ -24,13 +24,13 @@ from tvm_attention.spec import SUPPORTED_DTYPES, AttentionSpec
 from tvm_attention.workloads.fused_cuda import fused_attention_cuda, grid_refusal, vector_elems
 
 from ._knobs import KnobError, KnobsMixin
-from .family import Capabilities, never_static_decode, same_knobs
+from .family import CUDA_VARIANTS, Capabilities, never_static_decode, same_knobs
 
 NAME = "fused"
 #: symbolic batch, seq_q and seq_kv: a (row tile, head, batch) grid on (x, y, z), so no index is
 #: divided by a run-time extent (a flat grid's ``// (H·NR)`` spilled on sm_90 with seq_q symbolic)
 CAPABILITIES = Capabilities(label="CUDA fused", target="cuda", layouts=("bhsd", "varlen", "kvcache", "paged"), dtypes=SUPPORTED_DTYPES,
-                            symbolic=True, lse=True)
+                            symbolic=True, lse=True, variants=CUDA_VARIANTS)
 WARP = 32
 MAX_REGISTERS_PER_THREAD = 255
 #: registers a lane needs besides its scores and accumulator columns (indices, m, l, temporaries);

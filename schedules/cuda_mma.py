@@ -25,12 +25,12 @@ from tvm_attention.workloads.fused_cuda import grid_refusal
 from tvm_attention.workloads.fused_mma import MMA_DTYPES, fused_attention_mma, smem_stride
 
 from ._knobs import KnobError, KnobsMixin
-from .family import USE_CPU_FUSED, Capabilities, never_static_decode, same_knobs
+from .family import CUDA_VARIANTS, USE_CPU_FUSED, Capabilities, never_static_decode, same_knobs
 
 NAME = "fused"
 #: symbolic batch, seq_q and seq_kv: a (row tile, head, batch) grid on (x, y, z), as the SIMT kernel's
 CAPABILITIES = Capabilities(label="CUDA tensor-core fused", target="cuda", layouts=("bhsd", "varlen", "kvcache", "paged"), dtypes=MMA_DTYPES,
-                            symbolic=True, lse=True, instead=f"use --schedule fused_simt, or {USE_CPU_FUSED}")
+                            symbolic=True, lse=True, variants=CUDA_VARIANTS, instead=f"use --schedule fused_simt, or {USE_CPU_FUSED}")
 WARP = 32
 MAX_REGISTERS_PER_THREAD = 255
 #: registers besides the fragments (addresses, loop state, m/l, temporaries). Measured with

@@ -24,6 +24,11 @@ from ._knobs import KnobError
 USE_CPU_FUSED = "use --schedule fused on a CPU (llvm) target"
 
 
+#: the attention variants both CUDA kernels build (a sliding window, a logit softcap, ALiBi,
+#: sinks, a first visible key per sequence); the user's modifiers, key bounds and 8-bit caches not
+CUDA_VARIANTS = ("window", "softcap", "alibi", "sinks", "kv_start")
+
+
 @dataclasses.dataclass(frozen=True)
 class Capabilities:
     """What a family builds: any spec outside this table is refused by name before a knob is

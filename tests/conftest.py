@@ -78,6 +78,19 @@ VARLEN_BATCHES = [[(0, 7), (1, 1), (70, 33), (33, 70), (5, 0), (129, 129), (0, 0
                   [(1, 1)] * 3, [(300, 45), (5, 0)]]
 
 
+#: the attention variants on the CUDA kernels, one spread of them per case (emulated, GQA 4:2,
+#: 37 × 45): (layout, page size, dynamic dims, variants); each test picks the dtypes
+CUDA_VARIANT_SPREADS = [
+    ("bhsd", None, (), dict(window=(16, 0), causal=True)),
+    ("bhsd", None, ("batch", "seq_q", "seq_kv"), dict(window=(8, 3), softcap=30.0)),
+    ("bhsd", None, ("batch", "seq_q", "seq_kv"), dict(kv_start=True, alibi=True, causal=True)),
+    ("varlen", None, (), dict(alibi=True, sinks=True, causal=True)),
+    ("kvcache", None, (), dict(kv_start=True, window=(20, 0), causal=True, return_lse=True)),
+    ("paged", 16, (), dict(alibi=True, softcap=20.0, sinks=True, causal=True)),
+]
+CUDA_VARIANT_IDS = [f"{c[0]}-{'-'.join(c[3])}" for c in CUDA_VARIANT_SPREADS]
+
+
 def check_lse(got: np.ndarray, ref: np.ndarray, where) -> None:
     """A kernel's log-sum-exp against the reference's: -inf exactly where a row sees no key."""
     assert np.array_equal(np.isneginf(got), np.isneginf(ref)), where
@@ -86,9 +99,9 @@ def check_lse(got: np.ndarray, ref: np.ndarray, where) -> None:
 
 
 def check_emulated_layout(ex, spec) -> None:
-    """Run an emulated varlen, kvcache or paged kernel ``ex`` (compiled for the CPU) against the
-    reference: varlen on every batch of ``VARLEN_BATCHES``, the KV-cache layouts on their
-    ``validation_cases`` (a decode step, mixed cache lengths with empty ones and tile and page
+    """Run an emulated kernel ``ex`` (compiled for the CPU) against the reference with its
+    variants' arguments: varlen on every batch of ``VARLEN_BATCHES``, the other layouts on their
+    ``validation_cases`` (bhsd: the representative shape and awkward ones) (a decode step, mixed cache lengths with empty ones and tile and page
     edges, 4 new tokens, a prefill chunk of 37 over shorter caches; paged through shuffled
     pages with a shared prefix page). A sequence that sees no key must give exact zeros (and a
     log-sum-exp of -inf, with ``return_lse``)."""
@@ -116,8 +129,8 @@ def check_emulated_layout(ex, spec) -> None:
         if varlen:
             keyless = [slice(x["cu_seqlens_q"][b], x["cu_seqlens_q"][b + 1])
                        for b, (_, sk) in enumerate(case["seqlens"]) if sk == 0]
-        else:
-            keyless = [b for b, n in enumerate(x["cache_seqlens"]) if n == 0]
+        else:  # bhsd: the reference's zero rows are checked by the comparison
+            keyless = [b for b, n in enumerate(x.get("cache_seqlens", ())) if n == 0]
         for rows in keyless:  # no key: zero rows
             assert not out[rows].any(), case
 

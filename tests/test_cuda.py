@@ -5,7 +5,8 @@ import json
 import numpy as np
 import pytest
 import tvm
-from conftest import built, check_emulated_layout, check_emulated_symbolic
+from conftest import (CUDA_VARIANT_IDS, CUDA_VARIANT_SPREADS, built, check_emulated_layout,
+                      check_emulated_symbolic)
 
 from schedules import cuda_flash, cuda_fused, cuda_mma
 from schedules._knobs import KnobError
@@ -145,6 +146,46 @@ def test_cuda_layouts_algorithm_on_cpu(layout, page, dtype, causal, lse):
                          layout=layout, page_size=page, return_lse=lse)
     check_emulated_layout(tvm.compile(fused_attention_cuda(spec, 16, 16, 4, emulate=True),
                                       target=resolve_target("llvm")), spec)
+
+
+def spill_free_signature(built) -> str:
+    """A CUDA build's kernel signature, once it passed what every offline build here must: no
+    spill, no stack frame, the fused audit."""
+    r = built.resources
+    assert r["spills"] == 0 and r["stack_frame_bytes"] == 0, r
+    assert built.audit.fused, built.audit.format()
+    src = built.module.imports[0].inspect_source()
+    return src[src.index("__global__"):src.index("{", src.index("__global__"))]
+
+
+@pytest.mark.parametrize("case", range(len(CUDA_VARIANT_SPREADS)), ids=CUDA_VARIANT_IDS)
+def test_cuda_variants_algorithm_on_cpu(case):
+    """The SIMT kernel with the attention variants, emulated: a sliding window (its key tiles
+    before the window skipped, the rest masked), a logit softcap, ALiBi on each row's head
+    (packed rows: the group's heads), sinks in the denominator, a first visible key per
+    sequence; rows that see no key give zeros (``conftest.CUDA_VARIANT_SPREADS``; fp32, every
+    other case fp16)."""
+    layout, page, dynamic, variants = CUDA_VARIANT_SPREADS[case]
+    spec = AttentionSpec(batch=2, heads=4, kv_heads=2, seq_q=37, seq_kv=45, head_dim=64, layout=layout,
+                         dtype="float16" if case % 2 else "float32", page_size=page, dynamic=dynamic, **variants)
+    check_emulated_layout(tvm.compile(fused_attention_cuda(spec, 16, 16, 4, emulate=True),
+                                      target=resolve_target("llvm")), spec)
+
+
+@needs_nvcc
+@pytest.mark.parametrize("arch, dtype, layout, page, variants", [
+    ("sm_90", "float16", "paged", 16, dict(window=(4095, 0), softcap=30.0, sinks=True, alibi=True)),
+    ("sm_80", "float32", "kvcache", None, dict(kv_start=True, alibi=True)),
+])
+def test_variant_builds_offline_without_spills(arch, dtype, layout, page, variants):
+    """The variants on CUDA (tensor cores for fp16, CUDA cores for fp32) compile without a
+    spill; their arguments come before O in the layout's call order."""
+    spec = AttentionSpec(batch=8, heads=32, kv_heads=8, seq_q=1, seq_kv=4096, head_dim=128, dtype=dtype,
+                         causal=True, layout=layout, page_size=page, **variants)
+    built = build_kernel(spec, "fused", target=resolve_target("cuda", arch=arch))
+    signature = spill_free_signature(built)
+    for name, on in (("AL", "alibi"), ("SN", "sinks"), ("KS", "kv_start")):
+        assert (f"__restrict__ {name}" in signature) == (on in variants), signature
 
 
 @needs_nvcc
@@ -289,12 +330,9 @@ def test_cache_simt_builds_offline_without_spills(arch, layout, page):
                          layout=layout, page_size=page)
     built = build_kernel(spec, "fused", target=resolve_target("cuda", arch=arch))
     assert isinstance(built.knobs, cuda_flash.FlashCUDAKnobs)
-    r = built.resources
-    assert r["spills"] == 0 and r["stack_frame_bytes"] == 0, r
-    assert built.audit.fused, built.audit.format()
-    src = built.module.imports[0].inspect_source()
-    signature = src[src.index("__global__"):src.index("{", src.index("__global__"))]
+    signature = spill_free_signature(built)
     assert "int* __restrict__ CS" in signature and ("int* __restrict__ BT" in signature) == (layout == "paged")
+    src = built.module.imports[0].inspect_source()
     assert "blockIdx.z" in src and "blockIdx.y" in src
 
 
@@ -333,6 +371,32 @@ def test_cuda_loader_checks_cache_indices():
         assert launches == [1]
 
 
+def test_cuda_loader_passes_and_checks_variant_arguments():
+    """The loader's CUDA path with variant arguments (on the CPU device, a CPU build): ALiBi
+    slopes and a kv_start per sequence reach the kernel in the layout's order, and a kv_start
+    past its sequence's keys is refused by name before a launch."""
+
+    class OnCpu(AttentionKernel):
+        def _cuda_device(self):
+            return tvm.cpu(0)
+
+    spec = AttentionSpec(batch=1, heads=4, kv_heads=2, seq_q=1, seq_kv=64, head_dim=32, causal=True,
+                         layout="kvcache", alibi=True, kv_start=True)
+    b = built(spec)
+    launches = []
+    kernel = OnCpu(spec, lambda *a: (launches.append(len(a)), b.function(*a)), device="cuda")
+    lay = LAYOUTS["kvcache"]
+    names = [a.name for a in lay.all_args(spec) if not a.output]
+    assert names[-2:] == ["alibi_slopes", "kv_start"]
+    x = lay.random_inputs(spec, lay.validation_cases(spec)[1], seed=9)
+    np.testing.assert_allclose(kernel(*[x[n] for n in names]), lay.reference(spec, x), atol=1e-5, rtol=1e-5)
+    bad = dict(x, kv_start=x["kv_start"].copy())
+    bad["kv_start"][1] = x["cache_seqlens"][1] + 1
+    with pytest.raises(KernelArgumentError, match="kv_start"):
+        kernel(*[bad[n] for n in names])
+    assert launches == [len(names) + 1]
+
+
 def test_cuda_loader_returns_lse():
     """The loader's CUDA path with ``return_lse`` (on the CPU device, a CPU build of the same
     spec): ``(o, lse)``, lse ``(batch, heads, seq_q)`` float32, -inf for rows that see no key;
@@ -367,11 +431,7 @@ def test_lse_builds_offline_without_spills(arch, dtype, layout, page):
     spec = AttentionSpec(batch=8, heads=32, kv_heads=8, seq_q=1 if layout == "paged" else 512, seq_kv=4096,
                          head_dim=128, dtype=dtype, causal=True, layout=layout, page_size=page, return_lse=True)
     built = build_kernel(spec, "fused", target=resolve_target("cuda", arch=arch))
-    r = built.resources
-    assert r["spills"] == 0 and r["stack_frame_bytes"] == 0, r
-    assert built.audit.fused, built.audit.format()
-    src = built.module.imports[0].inspect_source()
-    signature = src[src.index("__global__"):src.index("{", src.index("__global__"))]
+    signature = spill_free_signature(built)
     assert "float* __restrict__ LSE" in signature, signature
 
 

@@ -5,7 +5,7 @@ instruction replaced by its definition). GPU runs live in test_cuda.py / scripts
 import numpy as np
 import pytest
 import tvm
-from conftest import check_emulated_layout, check_emulated_symbolic
+from conftest import CUDA_VARIANT_IDS, CUDA_VARIANT_SPREADS, check_emulated_layout, check_emulated_symbolic
 
 from schedules import cuda_flash, cuda_mma
 from schedules._knobs import KnobError
@@ -215,6 +215,19 @@ def test_tensor_core_layouts_algorithm_on_cpu(layout, page, dtype, causal, warps
     spec = AttentionSpec(batch=1, heads=4, kv_heads=2, seq_q=64, head_dim=64, dtype=dtype, causal=causal,
                          layout=layout, page_size=page, return_lse=lse)
     ex = tvm.compile(fused_attention_mma(spec, warps, 16, stages, 1, emulate=True), target=resolve_target("llvm"))
+    check_emulated_layout(ex, spec)
+
+
+@pytest.mark.parametrize("case", range(len(CUDA_VARIANT_SPREADS)), ids=CUDA_VARIANT_IDS)
+def test_tensor_core_variants_algorithm_on_cpu(case):
+    """The tensor-core kernel with the attention variants, emulated: the scores brought to log2
+    units in their fragments before the row max (softcap's tanh, ALiBi per slot's row and key),
+    windows and starts skipping key tiles and masking the rest, sinks at the store
+    (``conftest.CUDA_VARIANT_SPREADS``; fp16, every other case bf16)."""
+    layout, page, dynamic, variants = CUDA_VARIANT_SPREADS[case]
+    spec = AttentionSpec(batch=2, heads=4, kv_heads=2, seq_q=37, seq_kv=45, head_dim=64, layout=layout,
+                         dtype="bfloat16" if case % 2 else "float16", page_size=page, dynamic=dynamic, **variants)
+    ex = tvm.compile(fused_attention_mma(spec, 2, 16, 2, 1, emulate=True), target=resolve_target("llvm"))
     check_emulated_layout(ex, spec)
 
 

@@ -201,13 +201,16 @@ def test_other_families_refuse_variants_by_name():
     from schedules._knobs import KnobError
     from tvm_attention.target import resolve_target
 
-    spec = AttentionSpec(batch=1, heads=2, seq_q=64, head_dim=64, dtype="float16", causal=True, window=(8, 0),
-                         softcap=30.0)
-    for name, target in [("fused", "cuda"), ("materialized", "llvm")]:
+    base = dict(batch=1, heads=2, seq_q=64, head_dim=64, causal=True)
+    # CUDA builds the five variants (test_cuda.py) but not key bounds; the baselines none
+    for name, target, over, refused in [
+        ("fused", "cuda", dict(dtype="float16", window=(8, 0), key_bounds=True), "key_bounds"),
+        ("materialized", "llvm", dict(window=(8, 0), softcap=30.0), "window, softcap"),
+    ]:
         t = resolve_target(target, arch="sm_80") if target == "cuda" else resolve_target(target)
         fam = get_schedule(name, t)
-        s = spec if target == "cuda" else AttentionSpec(**{**spec.to_dict(), "dtype": "float32"})
-        with pytest.raises(KnobError, match="window, softcap"):
+        s = AttentionSpec(**base, **over)
+        with pytest.raises(KnobError, match=f"variant\\(s\\) {refused} "):
             check(fam, fam.preset(s, t), s, t)
 
 

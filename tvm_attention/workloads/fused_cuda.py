@@ -38,7 +38,7 @@ from tvm.script import tirx as T
 
 from ..spec import AttentionSpec
 from ..visibility import Visibility
-from ._math import LOG2E, exp2_fast, guarded, lse_of, normalize, normalize_where
+from ._math import LOG2E, exp2_fast, guarded, lse_of, normalize, normalize_where, tanh_fast, with_sink
 from .kv import dim, kv_layout
 
 ENTRY = "attention"
@@ -148,10 +148,10 @@ def _simt_load_macros(k: _Simt):
                             if flat(it, ty, tx, v) < BN * D:
                                 Ks[flat(it, ty, tx, v) // D * QST
                                    + flat(it, ty, tx, v) % D] = K[
-                                    w.kv_at(c * BN + flat(it, ty, tx, v) // D, flat(it, ty, tx, v) % D)]
+                                    w.kv_at(w.tile(c) * BN + flat(it, ty, tx, v) // D, flat(it, ty, tx, v) % D)]
                                 Vs[flat(it, ty, tx, v) // D * QST
                                    + flat(it, ty, tx, v) % D] = V[
-                                    w.kv_at(c * BN + flat(it, ty, tx, v) // D, flat(it, ty, tx, v) % D)]
+                                    w.kv_at(w.tile(c) * BN + flat(it, ty, tx, v) // D, flat(it, ty, tx, v) % D)]
 
     return q_load, kv_load
 
@@ -181,8 +181,8 @@ def _simt_softmax_macro(k: _Simt):
                         for jj in T.unroll(NJ):
                             S[ty, tx, jj] = S[ty, tx, jj] + f32(Qs[ty * QST + d]) * f32(Ks[(jj * TPR + tx) * QST + d])
                     for jj in T.unroll(NJ):
-                        S[ty, tx, jj] = w.masked(
-                            S[ty, tx, jj] * T.float32(qscale), w.row0 + ty, c * BN + jj * TPR + tx)
+                        S[ty, tx, jj] = w.masked(w.logit(S[ty, tx, jj], w.row0 + ty, w.tile(c) * BN + jj * TPR + tx),
+                                                 w.row0 + ty, w.tile(c) * BN + jj * TPR + tx)
                         pmax[ty, tx] = T.max(pmax[ty, tx], S[ty, tx, jj])
         # -- row max across the row's lanes (warp shuffle) -----------------------
         for ty in thread_y(BM):
@@ -255,7 +255,7 @@ def _simt_pv_store_macros(k: _Simt):
                     if w.row0 + ty < w.rows:
                         for dd in T.serial(ND):
                             O[w.o_at(w.row0 + ty, dd * TPR + tx)] = T.Cast(dtype, w.out(
-                                acc[ty, tx, dd], l[ty, tx], w.row0 + ty))
+                                acc[ty, tx, dd], l[ty, tx], w.row0 + ty, m[ty, tx]))
                         if w.LSE is not None:
                             if tx == 0:  # every lane of the row holds its m and l
                                 w.LSE[w.lse_at(w.row0 + ty)] = lse_of(m[ty, tx], l[ty, tx])
@@ -307,6 +307,22 @@ def fused_attention_cuda(
     return kernel_func(spec, k.block, BM, BN, (B, SQ, SK), tile, attrs)
 
 
+class Variants:
+    """The attention variants' call arguments of one CUDA kernel, declared outside its script
+    (each ``None`` where the spec takes none): ``AL`` ALiBi slopes ``(heads,)``, ``SN`` sinks
+    ``(heads,)`` (both float32, natural-log units), ``KS`` ``kv_start (batch,) int32``.
+    ``buffers`` lists them in call order (:data:`layouts.VARIANT_ARGS`)."""
+
+    def __init__(self, spec: AttentionSpec | None, B=None):
+        def buf(on, shape, dtype, name):
+            return tirx.decl_buffer(shape, dtype, name) if spec is not None and on else None
+
+        self.AL = buf(spec is not None and spec.alibi, (spec.heads,) if spec else (), "float32", "AL")
+        self.SN = buf(spec is not None and spec.sinks, (spec.heads,) if spec else (), "float32", "SN")
+        self.KS = buf(spec is not None and spec.kv_start, (B,), "int32", "KS")
+        self.buffers = [x for x in (self.AL, self.SN, self.KS) if x is not None]
+
+
 class Tile:
     """Where one thread block's tile of ``BM`` query rows lives, for both CUDA kernels: what a
     layout changes (the recurrence is the kernel's). ``q``, ``kv``, ``o`` map (row of the
@@ -316,10 +332,16 @@ class Tile:
     whether the tile has rows at all (varlen's spare slots do not), None when it always has.
     ``group`` > 1 packs a KV head's query heads into the tile (GQA packing, the KV-cache
     layouts): tile row ``r`` is head ``r % group`` of the group at position ``r // group``, so
-    the group shares each K/V tile, and a decode step's few positions still fill a tile."""
+    the group shares each K/V tile, and a decode step's few positions still fill a tile.
+
+    The attention variants: ``var`` (:class:`Variants`: the call's ``alibi_slopes``, ``sinks``,
+    ``kv_start`` buffers), ``b`` the tile's sequence (its ``kv_start``), ``head(row)`` the query
+    head of a tile row (its ALiBi slope and sink). A sliding window or a start skips the key
+    tiles before what the tile's first row sees: the loop's tile ``c`` is the sequence's
+    ``tile(c)``."""
 
     def __init__(self, spec: AttentionSpec, BM: int, BN: int, row0, q_len, k_len, q, kv, o, valid=None,
-                 group: int = 1, lse=None):
+                 group: int = 1, lse=None, var=None, b=None, head=None):
         self.spec, self.BM, self.BN = spec, BM, BN
         self.row0, self.q_len, self.k_len = row0, q_len, k_len
         self._q, self._kv, self._o = q, kv, o
@@ -335,26 +357,46 @@ class Tile:
         self.nc = math.ceil(k_len / BN) if isinstance(k_len, int) else T.floordiv(k_len + BN - 1, BN)
         self.kv_tail = not isinstance(k_len, int) or k_len % BN != 0  # the last key tile is partial
         self.hides = vis.hides_keys or self.kv_tail  # some score of some tile is masked
+        self.var = var if var is not None else Variants(None)
+        self.head = head
+        self.start = None if self.var.KS is None else self.var.KS[b]  # the sequence's first visible key
+        begin = vis.key_begin(vis.position(self.pos(row0), self.off), self.start)
+        self.c0 = None if begin is None else vis.tiles_before(begin, BN)  # tiles no row of it sees
+        # the scores leave the plain scale (scale·log2 e): softcap's tanh, ALiBi's bias
+        self.transforms = spec.softcap is not None or spec.alibi
 
     def pos(self, row):
         """The query position of tile row ``row``."""
         return row if self.group == 1 else T.floordiv(row, self.group)
 
+    def tile(self, c):
+        """The sequence's key tile of loop iteration ``c``."""
+        return c if self.c0 is None else c + self.c0
+
     def n_tiles(self):
-        """Key tiles the tile's rows see: past what its last row sees, tiles are skipped."""
+        """Key tiles the tile's rows see: past what its last row sees, and (a window, a start)
+        before what its first row sees, tiles are skipped."""
         vis = self.vis
         end = self.row0 + self.BM if self.group == 1 else self.pos(self.row0 + self.BM - 1) + 1
         key_end = vis.key_end(vis.position(end, self.off))
         n = self.nc if key_end is None else T.max(0, T.min(self.nc, vis.tiles_to(key_end, self.BN)))
+        if self.c0 is not None:
+            n = T.max(0, n - self.c0)
         return n if self.valid is None else T.Select(self.valid, n, 0)
 
     def needs_mask(self, c):
-        """Whether key tile ``c`` holds the key tail or a key the tile's first row does not see
-        (None: no tile does)."""
+        """Whether loop tile ``c`` holds the key tail, a key the tile's first row does not see
+        (past its diagonal or right window) or one its last row does not see (before its left
+        window, or the start); None: no tile does."""
+        t = self.tile(c)
         cond = None
         if self.kv_tail:
-            cond = c == self.nc - 1
-        hidden = self.vis.hides(c * self.BN + self.BN - 1, self.vis.position(self.pos(self.row0), self.off))
+            cond = t == self.nc - 1
+        hidden = self.vis.hides(t * self.BN + self.BN - 1, self.vis.position(self.pos(self.row0), self.off))
+        if self.vis.windowed:
+            last = self.vis.position(self.pos(self.row0 + self.BM - 1), self.off)
+            before = self.vis.hides(t * self.BN, last, self.start)
+            hidden = before if hidden is None else T.Or(hidden, before)
         if hidden is not None:
             cond = hidden if cond is None else T.Or(cond, hidden)
         return cond
@@ -363,20 +405,38 @@ class Tile:
         """Whether tile row ``row`` (numbered from the sequence's first) sees key ``col``: inside
         the keys and the mask."""
         cond = col < self.k_len
-        seen = self.vis.sees(col, self.vis.position(self.pos(row), self.off))
+        seen = self.vis.sees(col, self.vis.position(self.pos(row), self.off), self.start)
         return cond if seen is None else T.And(cond, seen)
+
+    def logit(self, s, row, col):
+        """Raw score ``s = q·k`` of (row, key ``col``) in the log2 units of the softmax:
+        ``s·scale·log2 e``; softcapped, ``c·tanh(s·scale / c)·log2 e``; less ALiBi's
+        ``slope·|position − key|·log2 e``."""
+        spec = self.spec
+        if spec.softcap is not None:
+            x = tanh_fast(s * T.float32(spec.scale / spec.softcap)) * T.float32(spec.softcap * LOG2E)
+        else:
+            x = s * T.float32(spec.scale * LOG2E)
+        if spec.alibi:
+            dist = self.vis.position(self.pos(row), self.off) - col
+            x = x - self.var.AL[self.head(row)] * T.float32(LOG2E) * T.Cast("float32", T.abs(dist))
+        return x
 
     def masked(self, s, row, col):
         """Score ``s`` of (row, key col), −inf where the row does not see the key."""
         return T.Select(self.sees(row, col), s, T.float32(float("-inf"))) if self.hides else s
 
-    def out(self, acc, l, row):
+    def out(self, acc, l, row, m=None):
         """``acc / l`` of row ``row``, 0 for a row that sees no key: static lengths decide at
         build time whether a row may see none (``normalize``); otherwise the same fact of the
-        mask is a run-time predicate of the lengths."""
-        if self.static:
+        mask is a run-time predicate of the lengths (and the start). With sinks the denominator
+        gains the row's head's sink (``with_sink``, from the row's running max ``m``)."""
+        if self.var.SN is not None:
+            acc, l = with_sink(acc, l, m, self.var.SN[self.head(row)] * T.float32(LOG2E))
+        if self.static and self.start is None:
             return normalize(acc, l, row, self.spec)
-        return normalize_where(acc, l, self.vis.sees_a_key(self.vis.position(self.pos(row), self.off), self.k_len))
+        pos = self.vis.position(self.pos(row), self.off)
+        return normalize_where(acc, l, self.vis.sees_a_key(pos, self.k_len, self.start))
 
     def q_at(self, row, d):
         # rows past the sequence (a tail tile) read its last row: never stored
@@ -393,17 +453,17 @@ class Tile:
         return self._lse[1](row)
 
 
-def dense_tile(spec: AttentionSpec, BM: int, BN: int, b, h, row0, SQ, SK, LSE=None) -> Tile:
+def dense_tile(spec: AttentionSpec, BM: int, BN: int, b, h, row0, SQ, SK, LSE=None, var=None) -> Tile:
     """The BHSD tile of (batch ``b``, head ``h``) from row ``row0``: Q/O ``(B, H, SQ, D)``,
     K/V ``(B, KH, SK, D)`` (``SQ``, ``SK``: the kernel's ints or vars), GQA mapping head ``h``
     to KV head ``h // group``."""
     G = spec.group_size
     return Tile(spec, BM, BN, row0, SQ, SK,
                 q=lambda r, d: (b, h, r, d), kv=lambda j, d: (b, h // G, j, d), o=lambda r, d: (b, h, r, d),
-                lse=None if LSE is None else (LSE, lambda r: (b, h, r)))
+                lse=None if LSE is None else (LSE, lambda r: (b, h, r)), var=var, b=b, head=lambda r: h)
 
 
-def cache_tile(spec: AttentionSpec, BM: int, BN: int, b, kh, row0, SQ, k_len, X, LSE=None) -> Tile:
+def cache_tile(spec: AttentionSpec, BM: int, BN: int, b, kh, row0, SQ, k_len, X, LSE=None, var=None) -> Tile:
     """The KV-cache tile (kvcache, paged) of (batch ``b``, KV head ``kh``) from packed row
     ``row0``: the group's query heads packed (``Tile.group``), Q/O ``(B, H, SQ, D)``, K/V
     addressed through the layout (``kv.kv_layout``: the cache rows, or ``block_table``'s pages;
@@ -414,7 +474,8 @@ def cache_tile(spec: AttentionSpec, BM: int, BN: int, b, kh, row0, SQ, k_len, X,
                 q=lambda r, d: (b, kh * G + T.floormod(r, G), T.floordiv(r, G), d),
                 kv=lambda j, d: kvl.index(X, b, kh, j, d),
                 o=lambda r, d: (b, kh * G + T.floormod(r, G), T.floordiv(r, G), d), group=G,
-                lse=None if LSE is None else (LSE, lambda r: (b, kh * G + T.floormod(r, G), T.floordiv(r, G))))
+                lse=None if LSE is None else (LSE, lambda r: (b, kh * G + T.floormod(r, G), T.floordiv(r, G))),
+                var=var, b=b, head=lambda r: kh * G + T.floormod(r, G))
 
 
 def flat_offset(buf, index) -> tirx.PrimExpr:
@@ -446,11 +507,15 @@ def kernel_func(spec: AttentionSpec, block, BM: int, BN: int, dims: tuple, tile,
     ``dims = (B, SQ, SK)`` are the kernel's batch and lengths (ints or the vars of its tiles);
     ``reverse``: the longest row tiles launch first (causal)."""
     B, SQ, SK = dims
-    func, LSE = _kernel_func(spec, block, BM, BN, B, SQ, SK, tile, attrs, reverse, bool(spec.return_lse))
-    if LSE is None:
+    var = Variants(spec, B)
+    func, LSE = _kernel_func(spec, block, BM, BN, B, SQ, SK, tile, attrs, reverse, bool(spec.return_lse), var)
+    if LSE is None and not var.buffers:
         return func
-    # the log-sum-exp output, declared outside the script: the last parameter
-    return tirx.PrimFunc(list(func.params) + [LSE], func.body, func.ret_type, func.attrs)
+    # buffers declared outside the script: the variants' arguments before O (the script's last
+    # parameter), the log-sum-exp output after it
+    params = list(func.params)
+    params = params[:-1] + var.buffers + params[-1:] + ([LSE] if LSE is not None else [])
+    return tirx.PrimFunc(params, func.body, func.ret_type, func.attrs)
 
 
 def _lse_buffer(spec: AttentionSpec, B, SQ, TQ):
@@ -459,20 +524,20 @@ def _lse_buffer(spec: AttentionSpec, B, SQ, TQ):
     return tirx.decl_buffer(shape, "float32", "LSE")
 
 
-def _kernel_func(spec, block, BM, BN, B, SQ, SK, tile, attrs, reverse, lse):
+def _kernel_func(spec, block, BM, BN, B, SQ, SK, tile, attrs, reverse, lse, var):
     """``kernel_func``'s PrimFunc per layout and the LSE buffer its tiles write (None without
-    ``lse``), not yet among its parameters: a script that writes it is marked ``attn.lse`` and
-    not checked for well-formedness until then."""
+    ``lse``), neither it nor the variants' buffers yet among its parameters: a script that uses
+    them is marked ``attn.extra_params`` and not checked for well-formedness until then."""
     H, KH, D = spec.heads, spec.kv_heads, spec.head_dim
-    if lse:
-        attrs = {**attrs, "attn.lse": 1}
+    if lse or var.buffers:
+        attrs = {**attrs, "attn.extra_params": 1}
     dtype = spec.dtype
     if spec.layout == "varlen":
         TQ = tirx.Var("total_q", "int32")
         LSE = _lse_buffer(spec, B, SQ, TQ) if lse else None
-        grid, TK, NB1 = varlen_grid(spec, block, BM, BN, tile, reverse, TQ, LSE)
+        grid, TK, NB1 = varlen_grid(spec, block, BM, BN, tile, reverse, TQ, LSE, var)
 
-        @T.prim_func(s_tir=True, check_well_formed="attn.lse" not in attrs)
+        @T.prim_func(s_tir=True, check_well_formed="attn.extra_params" not in attrs)
         def attention_varlen(
             Q: T.Buffer((TQ, H, D), dtype),
             K: T.Buffer((TK, KH, D), dtype),
@@ -496,12 +561,12 @@ def _kernel_func(spec, block, BM, BN, B, SQ, SK, tile, attrs, reverse, lse):
     def at(b, h, r, k_len=None, X=()):
         row0 = (NR - 1 - r) * BM if reverse else r * BM
         if cache:
-            return cache_tile(spec, BM, BN, b, h, row0, SQ, k_len, X, LSE)
-        return dense_tile(spec, BM, BN, b, h, row0, SQ, SK, LSE)
+            return cache_tile(spec, BM, BN, b, h, row0, SQ, k_len, X, LSE, var)
+        return dense_tile(spec, BM, BN, b, h, row0, SQ, SK, LSE, var)
 
     grid = tile_grid(block, B, KH if cache else H, NR, not spec.dynamic, tile, at, cache)
     if not cache:
-        @T.prim_func(s_tir=True, check_well_formed="attn.lse" not in attrs)
+        @T.prim_func(s_tir=True, check_well_formed="attn.extra_params" not in attrs)
         def attention(
             Q: T.Buffer((B, H, SQ, D), dtype),
             K: T.Buffer((B, KH, SK, D), dtype),
@@ -514,7 +579,7 @@ def _kernel_func(spec, block, BM, BN, B, SQ, SK, tile, attrs, reverse, lse):
         return attention, LSE
     KS = kv_layout(spec, B, D).shape
     if spec.layout == "kvcache":
-        @T.prim_func(s_tir=True, check_well_formed="attn.lse" not in attrs)
+        @T.prim_func(s_tir=True, check_well_formed="attn.extra_params" not in attrs)
         def attention_kvcache(
             Q: T.Buffer((B, H, SQ, D), dtype),
             K: T.Buffer(KS, dtype),
@@ -528,7 +593,7 @@ def _kernel_func(spec, block, BM, BN, B, SQ, SK, tile, attrs, reverse, lse):
         return attention_kvcache, LSE
     MP = tirx.Var("max_pages", "int32")
 
-    @T.prim_func(s_tir=True, check_well_formed="attn.lse" not in attrs)
+    @T.prim_func(s_tir=True, check_well_formed="attn.extra_params" not in attrs)
     def attention_paged(
         Q: T.Buffer((B, H, SQ, D), dtype),
         K: T.Buffer(KS, dtype),
@@ -545,7 +610,7 @@ def _kernel_func(spec, block, BM, BN, B, SQ, SK, tile, attrs, reverse, lse):
 
 
 
-def varlen_grid(spec: AttentionSpec, block, BM: int, BN: int, tile, reverse: bool, TQ, LSE=None):
+def varlen_grid(spec: AttentionSpec, block, BM: int, BN: int, tile, reverse: bool, TQ, LSE=None, var=None):
     """FlashAttention's packed varlen layout on a (slot, head) grid on blockIdx.x/y: sequence
     ``b``'s row tiles take the slots ``cu_seqlens_q[b] // BM + b + i`` (the CPU kernel's
     numbering, ``fused._varlen``: at most ``total_q // BM + batch`` slots, strictly increasing in
@@ -564,7 +629,8 @@ def varlen_grid(spec: AttentionSpec, block, BM: int, BN: int, tile, reverse: boo
                     # max(…, 0), min(…, total_q − 1): a spare slot's (unused) row stays in the buffer
                     q=lambda r, d: (T.min(q0 + T.max(r, 0), TQ - 1), vh, d),
                     kv=lambda j, d: (k0 + j, vh // G, d), o=lambda r, d: (q0 + r, vh, d),
-                    valid=seq[0] < seq[2], lse=None if LSE is None else (LSE, lambda r: (vh, q0 + r)))
+                    valid=seq[0] < seq[2], lse=None if LSE is None else (LSE, lambda r: (vh, q0 + r)),
+                    var=var, head=lambda r: vh)
 
     def slot(vs):
         return NT - 1 - vs if reverse else vs

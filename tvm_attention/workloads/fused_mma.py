@@ -194,8 +194,12 @@ def _mma_fragments(x):
         return k % (n * 4) // 4 * 8 + 2 * (tx % 4) + k % 2
 
     def visible(w, ty, tx, k, c):
-        # whether score slot k of the lane sees its key in tile c
-        return w.sees(w.row0 + row_of(ty, tx, s_half(k)), c * BN + col_of(tx, k, NT))
+        # whether score slot k of the lane sees its key in loop tile c
+        return w.sees(w.row0 + row_of(ty, tx, s_half(k)), w.tile(c) * BN + col_of(tx, k, NT))
+
+    def logit(w, S, ty, tx, k, c):
+        # score slot k in log2 units with the variants (softcap, ALiBi): Tile.logit
+        return w.logit(S, w.row0 + row_of(ty, tx, s_half(k)), w.tile(c) * BN + col_of(tx, k, NT))
 
     def k_addr(buf, np, dk, lane):
         # row address lane ``lane`` gives ldmatrix for K: matrices (keys 0-7|8-15) × (d 0-7|8-15)
@@ -234,19 +238,19 @@ def _mma_fragments(x):
                 if EMU:
                     for v in T.serial(8):
                         Ks[stage * TILE + vec_row(it, ty, tx) * ST + vec_col(it, ty, tx) + v] = K[
-                            w.kv_at(tile * BN + vec_row(it, ty, tx), vec_col(it, ty, tx) + v)]
+                            w.kv_at(w.tile(tile) * BN + vec_row(it, ty, tx), vec_col(it, ty, tx) + v)]
                         Vs[stage * TILE + vec_row(it, ty, tx) * ST + vec_col(it, ty, tx) + v] = V[
-                            w.kv_at(tile * BN + vec_row(it, ty, tx), vec_col(it, ty, tx) + v)]
+                            w.kv_at(w.tile(tile) * BN + vec_row(it, ty, tx), vec_col(it, ty, tx) + v)]
                 else:
                     T.evaluate(call(
                         "attn_cp_async16",
                         Ks.access_ptr(CP_DST, offset=stage * TILE + vec_row(it, ty, tx) * ST + vec_col(it, ty, tx)),
-                        K.access_ptr("r", offset=flat_offset(K, w.kv_at(tile * BN + vec_row(it, ty, tx),
+                        K.access_ptr("r", offset=flat_offset(K, w.kv_at(w.tile(tile) * BN + vec_row(it, ty, tx),
                                                                           vec_col(it, ty, tx))))))
                     T.evaluate(call(
                         "attn_cp_async16",
                         Vs.access_ptr(CP_DST, offset=stage * TILE + vec_row(it, ty, tx) * ST + vec_col(it, ty, tx)),
-                        V.access_ptr("r", offset=flat_offset(V, w.kv_at(tile * BN + vec_row(it, ty, tx),
+                        V.access_ptr("r", offset=flat_offset(V, w.kv_at(w.tile(tile) * BN + vec_row(it, ty, tx),
                                                                           vec_col(it, ty, tx))))))
 
     @T.macro
@@ -411,9 +415,14 @@ def _mma_qk_mma(x):
 def _mma_softmax(x):
     """Tile ``c``'s scores scaled and masked, the rows' new max across their four lanes,
     ``P = exp2(S − m_new)`` and the online correction."""
-    (dtype, EMU, ix, MT, neg_inf, NO, NT, o_half, qscale, s_half, thread_x, thread_y, visible, W) = \
-        (x.dtype, x.EMU, x.ix, x.MT, x.neg_inf, x.NO, x.NT, x.o_half, x.qscale, x.s_half, x.thread_x, x.thread_y,
+    (dtype, EMU, ix, logit, MT, neg_inf, NO, NT, o_half, s_half, thread_x, thread_y, visible, W) = \
+        (x.dtype, x.EMU, x.ix, x.logit, x.MT, x.neg_inf, x.NO, x.NT, x.o_half, x.s_half, x.thread_x, x.thread_y,
          x.visible, x.W)
+    spec = x.spec
+    transforms = spec.softcap is not None or spec.alibi
+    # the variants bring the scores to log2 units in place (logit) before the max; else the max
+    # of the raw scores is scaled once (the scale is positive) and the exponent is one FFMA
+    qscale = 1.0 if transforms else x.qscale
 
     @T.macro
     def softmax(S, Pf, acc, m, l, mt, mn, w, c):
@@ -425,6 +434,9 @@ def _mma_softmax(x):
                     T.writes()
                     # the max of the raw scores, scaled once: the scale is positive, so
                     # max(s)·scale = max(s·scale), and the exponent below is one FFMA
+                    if transforms:
+                        for k in T.unroll(MT * NT * 4):
+                            S[ix(ty, tx, k)] = logit(w, S[ix(ty, tx, k)], ty, tx, k, c)
                     if w.hides:
                         if w.needs_mask(c):
                             for k in T.unroll(MT * NT * 4):
@@ -536,7 +548,7 @@ def _mma_store(x):
                         if w.row0 + row_of(ty, tx, o_half(k)) < w.rows:
                             O[w.o_at(w.row0 + row_of(ty, tx, o_half(k)), col_of(tx, k, NO))] = T.Cast(
                                 dtype, w.out(acc[ix(ty, tx, k)], ls[ix(ty, tx, o_half(k))],
-                                             w.row0 + row_of(ty, tx, o_half(k))))
+                                             w.row0 + row_of(ty, tx, o_half(k)), m[ix(ty, tx, o_half(k))]))
                     if w.LSE is not None:
                         if tx % 4 == 0:  # the row's four lanes hold the same m and sum
                             for h2 in T.unroll(MT * 2):
