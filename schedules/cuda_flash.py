@@ -10,7 +10,8 @@ Batch, seq_q and seq_kv may be symbolic (``--batch dyn`` ...): the kernel then t
 a (row tile, head, batch) grid and masks the key tail at run time.
 
 Feasibility is checked against named limits before anything is built: threads per block, whole
-warps, 48 KiB of static shared memory, an estimate of registers per thread, divisibility for the
+warps, the shared memory a block may take (48 KiB static; past it dynamic, to the arch's
+opt-in limit), an estimate of registers per thread, divisibility for the
 16-byte vector loads.
 """
 from __future__ import annotations
@@ -20,6 +21,7 @@ import dataclasses
 from tvm import s_tir
 from tvm.target import Target
 
+from tvm_attention.cuda_tools import block_shared_limit
 from tvm_attention.spec import SUPPORTED_DTYPES, AttentionSpec
 from tvm_attention.workloads.fused_cuda import fused_attention_cuda, grid_refusal, vector_elems
 
@@ -120,11 +122,11 @@ def check(knobs: FlashCUDAKnobs, spec: AttentionSpec, target: Target) -> None:
     if threads % WARP:
         raise KnobError(f"block_m × threads_per_row = {threads} threads is not a whole number of warps")
     smem = shared_bytes(knobs, spec)
-    max_smem = int(target.attrs["max_shared_memory_per_block"])
+    max_smem = block_shared_limit(target)
     if smem > max_smem:
         raise KnobError(
             f"shared memory {smem} B (Q/K/V tiles of {knobs.block_m}/{knobs.block_n}/{knobs.block_n} rows "
-            f"+ P tile) > max_shared_memory_per_block={max_smem}"
+            f"+ P tile) > {max_smem} B, the most a block may take on {target.attrs.get('arch')}"
         )
     regs = registers_estimate(knobs, spec)
     if regs > MAX_REGISTERS_PER_THREAD:

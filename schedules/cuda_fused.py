@@ -37,6 +37,10 @@ def check(knobs, spec: AttentionSpec, target: Target) -> None:
     _by_knobs(knobs).check(knobs, spec, target)
 
 
+def shared_bytes(knobs, spec: AttentionSpec) -> int:
+    return _by_knobs(knobs).shared_bytes(knobs, spec)
+
+
 def workload(spec: AttentionSpec, knobs):
     return _by_knobs(knobs).workload(spec, knobs)
 

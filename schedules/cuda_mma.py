@@ -7,7 +7,8 @@ is one task per feasible (warps, block_n, stages, m_tiles).
 
 Feasibility is checked against named limits before anything is built: fp16/bf16 inputs, an
 sm_80+ target (``mma.sync.m16n8k16`` with bf16, ``cp.async``, ldmatrix), head_dim a multiple
-of 16 (one mma k step), threads per block, 48 KiB of static shared memory for the K/V stages,
+of 16 (one mma k step), threads per block, the shared memory of the K/V stages (past 48 KiB
+dynamic, to the arch's opt-in limit),
 and an estimate of registers per thread.
 
 Batch, seq_q and seq_kv may be symbolic (``--batch dyn`` ...): the kernel then takes its tile from
@@ -20,6 +21,7 @@ import dataclasses
 from tvm import s_tir
 from tvm.target import Target
 
+from tvm_attention.cuda_tools import block_shared_limit
 from tvm_attention.spec import AttentionSpec
 from tvm_attention.workloads.fused_cuda import grid_refusal
 from tvm_attention.workloads.fused_mma import MMA_DTYPES, fused_attention_mma, smem_stride
@@ -141,11 +143,11 @@ def check(knobs: MMAKnobs, spec: AttentionSpec, target: Target) -> None:
     if knobs.threads > max_threads:
         raise KnobError(f"32 × warps = {knobs.threads} threads > max_threads_per_block={max_threads}")
     smem = shared_bytes(knobs, spec)
-    max_smem = int(target.attrs["max_shared_memory_per_block"])
+    max_smem = block_shared_limit(target)
     if smem > max_smem:
         raise KnobError(
             f"shared memory {smem} B ({knobs.stages} stage(s) of {knobs.block_n}-key K and V tiles) "
-            f"> max_shared_memory_per_block={max_smem}")
+            f"> {max_smem} B, the most a block may take on {target.attrs.get('arch')}")
     regs = registers_estimate(knobs, spec)
     if regs > MAX_REGISTERS_PER_THREAD:
         raise KnobError(

@@ -70,7 +70,7 @@ def test_fused_picks_the_kernel_by_dtype_arch_and_head_dim():
 @pytest.mark.parametrize(
     "knobs, message",
     [
-        (dict(block_n=128, stages=2), "shared memory"),
+        (dict(block_n=128, stages=4), "shared memory .* 232448 B, the most a block may take on sm_90"),
         (dict(warps=64), "max_threads_per_block"),
         (dict(warps=3), "power of two"),
         (dict(block_n=24), "multiple of 16"),
@@ -270,6 +270,30 @@ def test_cache_tensor_core_builds_offline_without_spills(arch, dtype, head_dim, 
     signature = src[src.index("__global__"):src.index("{", src.index("__global__"))]
     assert "int* __restrict__ CS" in signature and ("int* __restrict__ BT" in signature) == (layout == "paged")
     assert "blockIdx.z" in src and "blockIdx.y" in src
+
+
+@needs_nvcc
+@pytest.mark.parametrize("arch, head_dim, knobs", [("sm_90", 128, dict(warps=4, block_n=64, stages=2, m_tiles=1)),
+                                                   ("sm_80", 64, dict(warps=4, block_n=64, stages=3, m_tiles=2))])
+def test_dynamic_shared_memory_past_48_kib(arch, head_dim, knobs):
+    """Tiles past 48 KiB of shared memory (D=128 with 64-key tiles: 68 KiB; D=64 with three
+    stages: 54 KiB) build as one dynamic allocation (TVM's runtime opts in at launch): no
+    spill, one barrier per key tile, the dynamic bytes in the report and its occupancy; they
+    are in the tuner's space, and an arch's own limit refuses what it cannot hold (sm_86: 99 KiB)."""
+    spec = AttentionSpec(batch=1, heads=16, seq_q=4096, head_dim=head_dim, dtype="float16", causal=True)
+    target = resolve_target("cuda", arch=arch)
+    k = cuda_mma.MMAKnobs(**knobs)
+    built = build_kernel(spec, "fused_tc", target=target, knobs=knobs)
+    r = built.resources
+    assert r["spills"] == 0 and r["stack_frame_bytes"] == 0, r
+    assert r["shared_bytes"] == 0 and r["dynamic_shared_bytes"] == cuda_mma.shared_bytes(k, spec) > 48 * 1024
+    assert r["ptx_instructions"]["bar.sync"] == 1 and built.audit.fused
+    assert "extern __shared__" in built.module.imports[0].inspect_source()
+    assert r["occupancy_limited_by"] in ("registers", "shared memory") and r["blocks_per_sm"] >= 1
+    assert k in cuda_mma.tile_candidates(spec, target)
+    wide = cuda_mma.MMAKnobs(warps=4, block_n=128, stages=3, m_tiles=1)  # 102 KiB at D=64, 204 KiB at D=128
+    with pytest.raises(KnobError, match="the most a block may take on sm_86"):
+        cuda_mma.check(wide, spec, resolve_target("cuda", arch="sm_86"))
 
 
 @needs_nvcc

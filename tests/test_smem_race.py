@@ -89,7 +89,7 @@ def test_generated_kernels_have_no_shared_memory_race(cfg):
     src = _built(cfg.name).module.imports[0].inspect_source()
     shared = []
     tvm_ffi.structural_walk(func.body, [(tvm.tirx.AllocBuffer, lambda a: shared.append(a.buffer.name)
-                                         if a.buffer.scope() == "shared" else None)])
+                                         if a.buffer.scope() in cr.SHARED_SCOPES else None)])
     assert sorted(re.findall(r"__shared__ [^;]* (\w+)_ptr\[", src)) == sorted(shared)
     assert src.count("__syncthreads()") == cr.barrier_sites(func) and "__syncwarp" not in src
 

@@ -235,8 +235,12 @@ def _spec_module(spec: AttentionSpec, target: Target) -> tvm.runtime.Module:
 def cuda_resources(built: BuiltKernel) -> dict[str, Any]:
     """ptxas's report for a CUDA build (or why there is none: no nvcc here)."""
     threads = getattr(built.knobs, "threads", None)
+    source = kernel_source(built.module)
+    # a dynamic shared allocation (buf_dyn_shmem) holds the family's shared tiles
+    family = get_schedule(built.schedule, built.target) if "buf_dyn_shmem" in source else None
+    dynamic = family.shared_bytes(built.knobs, built.spec) if family is not None else 0
     try:
-        return ptxas_report(kernel_source(built.module), str(built.target.attrs["arch"]), threads)
+        return ptxas_report(source, str(built.target.attrs["arch"]), threads, dynamic)
     except NvccNotFound as e:
         return {"unavailable": str(e)}
 

@@ -1443,6 +1443,12 @@ CONFIGS = [
          seq_q=130, seq_kv=200, head_dim=64, causal=True),
     _cfg("tc_f16_preset_d128", _TC, dict(warps=4, block_n=32, stages=2, m_tiles=1),
          seq_q=64, seq_kv=100, head_dim=128),
+    # past 48 KiB the stages are one dynamic shared allocation (buf_dyn_shmem): D=128 with 64-key
+    # tiles (68 KiB), D=64 with three stages (54 KiB)
+    _cfg("tc_f16_dyn_s2_n64_d128", _TC, dict(warps=1, block_n=64, stages=2, m_tiles=1), True,
+         seq_q=20, seq_kv=90, head_dim=128, causal=True),
+    _cfg("tc_f16_dyn_s3_m2_d64", _TC, dict(warps=4, block_n=64, stages=3, m_tiles=2),
+         seq_q=130, seq_kv=200, head_dim=64, causal=True),
     # -- the serving layouts: the kernels' control flow follows their index arguments -----------
     _cfg("simt_f16_varlen_causal", _SIMT, dict(block_m=16, block_n=16, threads_per_row=4), True,
          seq_q=64, seq_kv=64, causal=True, **varlen_case(_RAGGED)),

@@ -14,13 +14,33 @@ import subprocess
 import tempfile
 from typing import Any
 
-#: Per-SM limits for the occupancy estimate (CUDA programming guide, compute capability table).
+#: Per-SM limits for the occupancy estimate (CUDA programming guide, compute capability table);
+#: ``block_shared``: the most shared memory one block may take, dynamic shared memory opted in
+#: beyond the 48 KiB of static shared memory (``cudaFuncAttributeMaxDynamicSharedMemorySize``,
+#: which TVM's CUDA runtime sets at launch).
 SM_LIMITS = {
-    "sm_80": dict(max_warps=64, max_blocks=32, registers=65536, shared=167936),
-    "sm_86": dict(max_warps=48, max_blocks=16, registers=65536, shared=102400),
-    "sm_89": dict(max_warps=48, max_blocks=24, registers=65536, shared=102400),
-    "sm_90": dict(max_warps=64, max_blocks=32, registers=65536, shared=233472),
+    "sm_80": dict(max_warps=64, max_blocks=32, registers=65536, shared=167936, block_shared=166912),
+    "sm_86": dict(max_warps=48, max_blocks=16, registers=65536, shared=102400, block_shared=101376),
+    "sm_89": dict(max_warps=48, max_blocks=24, registers=65536, shared=102400, block_shared=101376),
+    "sm_90": dict(max_warps=64, max_blocks=32, registers=65536, shared=233472, block_shared=232448),
 }
+#: static shared memory per block: a kernel needing more declares it dynamic (``shared.dyn``)
+STATIC_SHARED_BYTES = 48 * 1024
+
+
+def block_shared_limit(target) -> int:
+    """The most shared memory a block may take on ``target`` (its arch's opt-in limit; the
+    target's static limit for an arch not in the table)."""
+    arch = str(target.attrs.get("arch", ""))
+    if arch in SM_LIMITS:
+        return SM_LIMITS[arch]["block_shared"]
+    return int(target.attrs["max_shared_memory_per_block"])
+
+
+def shared_scope(nbytes: int) -> str:
+    """The scope of a kernel's shared tiles: ``shared`` up to the static limit, ``shared.dyn``
+    (one dynamic allocation, sized at launch) beyond it."""
+    return "shared.dyn" if nbytes > STATIC_SHARED_BYTES else "shared"
 REGISTER_ALLOC_UNIT = 256  # registers are allocated per warp in units of 256
 SHARED_ALLOC_UNIT = 128
 SHARED_PER_BLOCK_RESERVED = 1024  # the runtime reserves 1 KiB of shared memory per block
@@ -78,8 +98,11 @@ def nvcc_flags() -> list[str]:
             "--expt-relaxed-constexpr", f"--ptxas-options={','.join(ptxas)}"]
 
 
-def ptxas_report(source: str, arch: str, threads_per_block: int | None = None) -> dict[str, Any]:
-    """Compile ``source`` for ``arch`` with nvcc and return ptxas's numbers (and occupancy)."""
+def ptxas_report(source: str, arch: str, threads_per_block: int | None = None,
+                 dynamic_shared: int = 0) -> dict[str, Any]:
+    """Compile ``source`` for ``arch`` with nvcc and return ptxas's numbers (and occupancy, with
+    ``dynamic_shared`` bytes of dynamic shared memory, which ptxas does not see, added to its
+    static ``shared_bytes``)."""
     nvcc = find_nvcc()
     if nvcc is None:
         raise NvccNotFound("nvcc not found (PATH, $CUDA_HOME/bin, /usr/local/cuda/bin): no ptxas report")
@@ -104,9 +127,11 @@ def ptxas_report(source: str, arch: str, threads_per_block: int | None = None) -
         report[key] = max(int(x) for x in match) if match else 0
     report["spills"] = report["spill_store_bytes"] + report["spill_load_bytes"]
     report["ptx_instructions"] = ptx_instruction_counts(ptx)
+    report["dynamic_shared_bytes"] = dynamic_shared
     if threads_per_block:
         report["threads_per_block"] = threads_per_block
-        report.update(occupancy(arch, report["registers"], report["shared_bytes"], threads_per_block))
+        report.update(occupancy(arch, report["registers"], report["shared_bytes"] + dynamic_shared,
+                                threads_per_block))
     return report
 
 

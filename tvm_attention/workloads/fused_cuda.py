@@ -36,6 +36,7 @@ import math
 from tvm import tirx
 from tvm.script import tirx as T
 
+from ..cuda_tools import shared_scope
 from ..spec import AttentionSpec
 from ..visibility import Visibility
 from ._math import LOG2E, exp2_fast, guarded, lse_of, normalize, normalize_where, tanh_fast, with_sink
@@ -74,7 +75,8 @@ class _Simt:
         KIT = math.ceil(BN * D // VEC / NT)  # ... and for each K/V tile
         qscale = float(spec.scale * LOG2E)
         neg_inf = T.float32(float("-inf"))
-        smem = "global" if emulate else "shared"
+        # past 48 KiB the tiles are one dynamic allocation (shared.dyn, opted in at launch)
+        smem = "global" if emulate else shared_scope(((BM + 2 * BN) * QST * spec.itemsize + BM * PST * 4))
         values = locals()
         for name in self.DIMS:
             setattr(self, name, values[name])

@@ -53,6 +53,7 @@ import types
 from tvm import tirx
 from tvm.script import tirx as T
 
+from ..cuda_tools import shared_scope
 from ..spec import AttentionSpec
 from ..visibility import Visibility
 from ._math import LOG2E, guarded, lse_of
@@ -147,7 +148,8 @@ def _mma_context(spec: AttentionSpec, warps: int, block_n: int, stages: int, m_t
     def call(name, *args):
         return T.cuda.func_call(name, *args, source_code=srcs[name])
     EMU = emulate
-    smem = "global" if EMU else "shared"
+    # past 48 KiB the stages are one dynamic allocation (shared.dyn, opted in at launch)
+    smem = "global" if EMU else shared_scope(2 * NS * TILE * spec.itemsize)
     fscope = "global" if EMU else "local"
 
     def fshape(n):
