@@ -316,12 +316,11 @@ class Variants:
     ``buffers`` lists them in call order (:data:`layouts.VARIANT_ARGS`)."""
 
     def __init__(self, spec: AttentionSpec | None, B=None):
-        def buf(on, shape, dtype, name):
-            return tirx.decl_buffer(shape, dtype, name) if spec is not None and on else None
-
-        self.AL = buf(spec is not None and spec.alibi, (spec.heads,) if spec else (), "float32", "AL")
-        self.SN = buf(spec is not None and spec.sinks, (spec.heads,) if spec else (), "float32", "SN")
-        self.KS = buf(spec is not None and spec.kv_start, (B,), "int32", "KS")
+        # spec None: a kernel without variant arguments
+        on = (spec.alibi, spec.sinks, spec.kv_start) if spec is not None else (False,) * 3
+        self.AL = tirx.decl_buffer((spec.heads,), "float32", "AL") if on[0] else None
+        self.SN = tirx.decl_buffer((spec.heads,), "float32", "SN") if on[1] else None
+        self.KS = tirx.decl_buffer((B,), "int32", "KS") if on[2] else None
         self.buffers = [x for x in (self.AL, self.SN, self.KS) if x is not None]
 
 
@@ -364,8 +363,6 @@ class Tile:
         self.start = None if self.var.KS is None else self.var.KS[b]  # the sequence's first visible key
         begin = vis.key_begin(vis.position(self.pos(row0), self.off), self.start)
         self.c0 = None if begin is None else vis.tiles_before(begin, BN)  # tiles no row of it sees
-        # the scores leave the plain scale (scale·log2 e): softcap's tanh, ALiBi's bias
-        self.transforms = spec.softcap is not None or spec.alibi
 
     def pos(self, row):
         """The query position of tile row ``row``."""
