@@ -146,10 +146,11 @@ AWKWARD = [(1, 1, 1), (3, 37, 45), (1, 113, 203), (3, 1, 517), (1, 300, 45), (2,
            (2, 1000, 4099)]
 
 
-def check_cases(kernels: list[dict], payload: Path, cases: list, key: str, run_case, what: str) -> list[dict]:
-    """Each kernel through the loader on every case: ``run_case(i, spec, kernel, case)`` returns
-    the validation of kernel ``i`` on ``case``; an error is recorded as a failed case and the
-    check goes on. Each result holds the kernel, the case (under ``key``) and the validation."""
+def check_cases(kernels: list[dict], payload: Path, cases, key: str, run_case, what: str) -> list[dict]:
+    """Each kernel through the loader on every case (``cases``: a list, or the spec's list from
+    ``cases(spec)``): ``run_case(i, spec, kernel, case)`` returns the validation of kernel ``i``
+    on ``case``; an error is recorded as a failed case and the check goes on. Each result holds
+    the kernel, the case (under ``key``) and the validation."""
     import tvm_attention
     from tvm_attention.spec import AttentionSpec
 
@@ -161,13 +162,15 @@ def check_cases(kernels: list[dict], payload: Path, cases: list, key: str, run_c
         except Exception as e:  # noqa: BLE001 - recorded, the check goes on
             out.append({"kernel": k["dir"], key: [], "passed": False, "error": f"{type(e).__name__}: {e}"})
             continue
-        for case in cases:
+        todo = cases(spec) if callable(cases) else cases
+        for case in todo:
             try:
                 r = run_case(i, spec, kernel, case)
             except Exception as e:  # noqa: BLE001
                 r = {"passed": False, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
-            out.append({"kernel": k["dir"], key: [list(c) if isinstance(c, tuple) else c for c in case], **r})
-        print(f"{what} {k['dir']}: {sum(c['passed'] for c in out if c['kernel'] == k['dir'])}/{len(cases)} "
+            shown = case if isinstance(case, dict) else [list(c) if isinstance(c, tuple) else c for c in case]
+            out.append({"kernel": k["dir"], key: shown, **r})
+        print(f"{what} {k['dir']}: {sum(c['passed'] for c in out if c['kernel'] == k['dir'])}/{len(todo)} "
               "valid", flush=True)
     return out
 
@@ -324,6 +327,37 @@ def check_cache(torch, kernels: list[dict], payload: Path, torch_dtype: dict, de
     return check_cases(kernels, payload, CACHE_CASES, "case", run_case, "cache")
 
 
+def check_variants(torch, kernels: list[dict], payload: Path, device: str = "cuda") -> list[dict]:
+    """Each build with attention variants (window, softcap, ALiBi, sinks, kv_start; float16 or
+    float32) through the loader on its layout's validation cases, against the package's float64
+    reference (``tvm_attention.layouts``: NumPy, no TVM), which knows the variants' semantics
+    (the torch reference here does not): inputs from ``random_inputs`` moved to ``device``, the
+    output (and the log-sum-exp, with ``return_lse``) compared on the host."""
+    import numpy as np
+
+    from tvm_attention.layouts import LAYOUTS
+    from tvm_attention.validate import TOLERANCES
+
+    def run_case(i, spec, kernel, case):
+        layout = LAYOUTS[spec.layout]
+        x = layout.random_inputs(spec, case, seed=i)
+        got = kernel(*[torch.from_numpy(np.ascontiguousarray(x[a.name])).to(device) for a in layout.inputs_of(spec)])
+        o, lse = (got[0], got[1]) if isinstance(got, tuple) else (got, None)
+        ref, ref_lse = layout.reference_outputs(spec, x)
+        out = o.double().cpu().numpy()
+        atol, rtol = TOLERANCES[spec.dtype]
+        ok = bool(np.isfinite(out).all() and np.allclose(out, ref, atol=atol, rtol=rtol))
+        if lse is not None:
+            lse = lse.cpu().numpy()
+            seen = np.isfinite(ref_lse)
+            ok = ok and bool(np.array_equal(np.isneginf(lse), np.isneginf(ref_lse))
+                             and np.allclose(lse[seen], ref_lse[seen], atol=1e-3, rtol=1e-4))
+        return {"passed": ok, "max_abs_err": float(np.abs(out - ref).max()) if out.size else 0.0}
+
+    return check_cases(kernels, payload, lambda spec: LAYOUTS[spec.layout].validation_cases(spec), "case", run_case,
+                       "variants")
+
+
 def stream_read(torch, min_ms: float, rounds: int) -> float:
     """Bytes per second of a streaming read on this GPU (``sum`` over 2 GiB of fp16: each byte
     read once), measured in this run: what a memory-bound decode step is judged against."""
@@ -355,7 +389,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     major, minor = torch.cuda.get_device_capability()
     arch, name = f"sm_{major}{minor}", torch.cuda.get_device_name()
-    ready = [k for k in info["kernels"] if k["arch"] == arch and "error" not in k]
+    from tvm_attention.spec import AttentionSpec
+    from tvm_attention.validate import TOLERANCES
+
+    every = [k for k in info["kernels"] if k["arch"] == arch and "error" not in k]
+    variant = [k for k in every if AttentionSpec.from_dict(k["spec"]).variants]  # checked on their own
+    ready = [k for k in every if k not in variant]
     varlen = [k for k in ready if k["spec"].get("layout", "bhsd") == "varlen"]
     cached = [k for k in ready if k["spec"].get("layout", "bhsd") in ("kvcache", "paged")]
     built = [k for k in ready if not k["spec"].get("dynamic") and k not in varlen + cached]
@@ -365,13 +404,10 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     peak = next((v for key, v in PEAKS.items() if key in name), None)
-    manifests = [json.loads((payload / k["dir"] / "manifest.json").read_text()) for k in ready]
+    manifests = [json.loads((payload / k["dir"] / "manifest.json").read_text()) for k in every]
     preload_runtime(payload, manifests)
     print(f"# {name} ({arch}), torch {torch.__version__}, tvm-ffi {tvm_ffi.__version__}, {len(built)} kernels; "
           f"dense fp16 peak {peak} TFLOP/s", flush=True)
-
-    from tvm_attention.spec import AttentionSpec
-    from tvm_attention.validate import TOLERANCES
 
     torch_dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
     rows: dict[str, dict] = {}  # one per shape
@@ -452,6 +488,7 @@ def main(argv: list[str] | None = None) -> int:
     awkward = check_symbolic(torch, symbolic, payload, torch_dtype)
     ragged = check_varlen(torch, varlen, payload, torch_dtype)
     caches = check_cache(torch, cached, payload, torch_dtype)
+    variants = check_variants(torch, variant, payload)
     decode = []  # each KV-cache kernel at its representative decode step, next to a streaming read
     stream = stream_read(torch, a.min_ms, a.rounds) if cached else None
     for i, k in enumerate(cached):
@@ -507,6 +544,10 @@ def main(argv: list[str] | None = None) -> int:
     lines += ["", f"KV-cache kernels on mixed caches: {sum(c['passed'] for c in caches)}/{len(caches)} valid"]
     lines += [f"- {c['kernel']} {c['case']}: {c.get('error') or c.get('max_abs_err')}" for c in caches
               if not c["passed"]]
+    lines += ["", f"Builds with attention variants on their layouts' cases: "
+                  f"{sum(c['passed'] for c in variants)}/{len(variants)} valid"]
+    lines += [f"- {c['kernel']} {c['case']}: {c.get('error') or c.get('max_abs_err')}" for c in variants
+              if not c["passed"]]
     if decode:
         lines += ["", f"Decode steps (K and V bytes, each read once), against a streaming read of "
                       f"{stream / 1e9:.0f} GB/s in this run:", "",
@@ -523,7 +564,7 @@ def main(argv: list[str] | None = None) -> int:
     table = "\n".join(lines)
     imported = sorted(m for m in sys.modules if m == "tvm" or m.startswith("tvm.") or m.startswith("tvm_attention.build"))
     report = {"device": name, "arch": arch, "peak_tflops": peak, "torch": torch.__version__, "rows": rows,
-              "symbolic": awkward, "varlen": ragged, "cache": caches, "decode": decode,
+              "symbolic": awkward, "varlen": ragged, "cache": caches, "decode": decode, "variants": variants,
               "stream_read_bytes_per_s": stream,
               "seconds": round(time.time() - t_start, 1), "imported_tvm": imported}
     (out / "check.json").write_text(json.dumps(report, indent=1) + "\n")
@@ -535,7 +576,7 @@ def main(argv: list[str] | None = None) -> int:
               or any(k in row["errors"] for k in ("fused_tc", "fused_simt", *DYN_NAMES.values(),
                                                   *VARLEN_NAMES.values()))]
     bad_decode = [e for e in decode if "error" in e or not e.get("validation", {}).get("passed")]
-    return 1 if failed or imported or bad_decode or not all(c["passed"] for c in awkward + ragged + caches) else 0
+    return 1 if failed or imported or bad_decode or not all(c["passed"] for c in awkward + ragged + caches + variants) else 0
 
 
 if __name__ == "__main__":

@@ -17,9 +17,10 @@ exported as an artifact (``kernel_binary``: no JIT compile at load). The payload
 
 Sizes: about 0.17 MB per kernel and 4.5 MB of runtime and package, so the default sweep (2 kernels
 × 24 shapes × 2 archs; a symbolic and a varlen one of each kernel per dtype, head_dim and causal:
-64 more; a kvcache and a paged decode build of each per dtype and head_dim: 32 more) stays under
-the 56 MiB the check allows (37.5 MiB measured 2026-12-02, 41 MiB with the wheel); the script
-refuses to write more.
+64 more; a kvcache and a paged decode build of each per dtype and head_dim: 32 more; two builds
+with the attention variants of each, float16 at the first head_dim: 8 more, up to 2.5 MB each)
+stays under the 56 MiB the check allows (200 kernels, 47.9 MiB with the wheel, measured
+2026-12-02); the script refuses to write more.
 
     python scripts/gpu_payload.py --out gpu_payload --wheel        # the full check, sm_90 and sm_80
     python scripts/gpu_payload.py --out p --seq 1024 --head-dim 64 --dtype float16 --arch sm_90  # small
@@ -48,6 +49,14 @@ SYMBOLIC = ("batch", "seq_q", "seq_kv")
 CACHE_LAYOUTS = (("kvcache", None), ("paged", 16))
 DECODE = dict(batch=64, heads=32, kv_heads=8, seq_q=1, seq_kv=4096)
 #: a device command carries at most 64 MiB of files; the rest is left for what travels with it
+#: the attention variants (``--variants``, float16 per head_dim): a paged decode step with a window,
+#: softcap, ALiBi, sinks and lse, and a symbolic prefill with a window and a first key per sequence
+VARIANT_SPECS = (
+    dict(batch=4, heads=8, kv_heads=2, seq_q=1, seq_kv=512, layout="paged", page_size=16, window=(255, 0),
+         softcap=30.0, alibi=True, sinks=True, return_lse=True),
+    dict(batch=2, heads=8, kv_heads=2, seq_q=512, seq_kv=512, dynamic=("batch", "seq_q", "seq_kv"), window=(127, 0),
+         kv_start=True),
+)
 MAX_PAYLOAD_BYTES = 56 * 2**20
 #: files of an artifact the device needs (lowered.tir and kernel.cu stay here: 0.4 MB a kernel)
 DEVICE_FILES = ("attention.so", "kernel.fatbin", "manifest.json")
@@ -89,34 +98,36 @@ def jobs_for(a: argparse.Namespace, kernels_dir: Path) -> list[dict]:
     from tvm_attention.spec import AttentionSpec
 
     jobs = []
+
+    def add(spec, arch):  # a build of each kernel
+        for k in a.kernels:
+            jobs.append({"spec": spec.to_dict(), "kernel": k, "arch": arch,
+                         "dir": str(kernels_dir / arch / f"{k}_{spec.short_name()}")})
+
     for arch in a.arch:
         for dtype in a.dtype:
             for d in a.head_dim:
                 for causal in a.causal:
                     for s in a.seq:
                         b, h = shape_of(s, d, a.tokens, a.width)
-                        spec = AttentionSpec(batch=b, heads=h, seq_q=s, head_dim=d, dtype=dtype, causal=causal)
-                        for k in a.kernels:
-                            jobs.append({"spec": spec.to_dict(), "kernel": k, "arch": arch,
-                                         "dir": str(kernels_dir / arch / f"{k}_{spec.short_name()}")})
+                        add(AttentionSpec(batch=b, heads=h, seq_q=s, head_dim=d, dtype=dtype, causal=causal), arch)
                     # one symbolic kernel serves every length of this (dtype, D, causal); one varlen
                     # kernel every packed batch
                     _, h = shape_of(max(a.seq), d, a.tokens, a.width)
                     for on, extra in ((a.symbolic, {"dynamic": SYMBOLIC}), (a.varlen, {"layout": "varlen"})):
-                        if not on:
-                            continue
-                        spec = AttentionSpec(batch=1, heads=h, seq_q=max(a.seq), head_dim=d, dtype=dtype,
-                                             causal=causal, **extra)
-                        for k in a.kernels:
-                            jobs.append({"spec": spec.to_dict(), "kernel": k, "arch": arch,
-                                         "dir": str(kernels_dir / arch / f"{k}_{spec.short_name()}")})
+                        if on:
+                            add(AttentionSpec(batch=1, heads=h, seq_q=max(a.seq), head_dim=d, dtype=dtype,
+                                              causal=causal, **extra), arch)
                 if a.cache:  # decode steps: causal (at one new token, the same as not)
                     for layout, page in CACHE_LAYOUTS:
-                        spec = AttentionSpec(**DECODE, head_dim=d, dtype=dtype, causal=True, layout=layout,
-                                             page_size=page)
-                        for k in a.kernels:
-                            jobs.append({"spec": spec.to_dict(), "kernel": k, "arch": arch,
-                                         "dir": str(kernels_dir / arch / f"{k}_{spec.short_name()}")})
+                        add(AttentionSpec(**DECODE, head_dim=d, dtype=dtype, causal=True, layout=layout,
+                                          page_size=page), arch)
+                # the variants, checked against the NumPy reference: float16 at the first head_dim
+                # (the paged one's library embeds 2.4 MB of CUDA source: softcap, ALiBi and the
+                # window unrolled over every score slot)
+                if a.variants and dtype == "float16" and d == a.head_dim[0]:
+                    for extra in VARIANT_SPECS:
+                        add(AttentionSpec(head_dim=d, dtype=dtype, causal=True, **extra), arch)
     return jobs
 
 
@@ -167,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="also a symbolic-shape build of each kernel per (arch, dtype, head_dim, causal)")
     p.add_argument("--cache", action=argparse.BooleanOptionalAction, default=True,
                    help="also kvcache and paged (page 16) decode builds of each kernel per (arch, dtype, head_dim)")
+    p.add_argument("--variants", action=argparse.BooleanOptionalAction, default=True,
+                   help="also builds with the attention variants, float16 at the first --head-dim, per arch")
     p.add_argument("--varlen", action=argparse.BooleanOptionalAction, default=True,
                    help="also a varlen (packed, cu_seqlens) build of each kernel per (arch, dtype, head_dim, causal)")
     p.add_argument("--tokens", type=int, default=16384, help="batch × seq_len (FlashAttention's benchmark)")

@@ -2,6 +2,7 @@
 artifacts (a precompiled fatbin, the runtime once), and a device script that imports neither
 ``tvm`` nor the build path; the script's reference and validation checked on the CPU."""
 import ast
+import importlib
 import json
 import os
 import subprocess
@@ -38,18 +39,19 @@ def payload(tmp_path_factory):
 
 def test_payload_is_small_and_self_contained(payload):
     size = sum(f.stat().st_size for f in payload.rglob("*") if f.is_file())
-    assert size < 8 * 2**20  # ten kernels and the runtime: the full sweep stays under 56 MiB
+    assert size < 12 * 2**20  # 14 kernels and the runtime: the full sweep stays under 56 MiB
     info = json.loads((payload / "payload.json").read_text())
     # the static kernels, then the symbolic build of each that serves every length of the same
     # heads, the varlen build of each that serves every packed batch, and the decode builds
-    assert [k["kernel"] for k in info["kernels"]] == ["fused_tc", "fused_simt"] * 5
+    assert [k["kernel"] for k in info["kernels"]] == ["fused_tc", "fused_simt"] * 7
     assert [k["spec"].get("layout", "bhsd") for k in info["kernels"]] == \
-        ["bhsd"] * 4 + ["varlen"] * 2 + ["kvcache"] * 2 + ["paged"] * 2
+        ["bhsd"] * 4 + ["varlen"] * 2 + ["kvcache"] * 2 + ["paged"] * 2 + ["paged"] * 2 + ["bhsd"] * 2
+    assert [bool(k["spec"].get("window")) for k in info["kernels"]] == [False] * 10 + [True] * 4
     assert [bool(k["spec"].get("dynamic")) for k in info["kernels"][:4]] == [False, False, True, True]
     dims = [["batch", "seq_q", "seq_kv"]] * 2 + [["total_q", "total_k", "batch"]] * 2
     for k, want in zip(info["kernels"][2:6], dims):
         assert json.loads((payload / k["dir"] / "manifest.json").read_text())["symbolic_dims"] == want
-    for k in info["kernels"][6:]:  # the decode goal's step: GQA 32:8, batch 64, 4096 keys
+    for k in info["kernels"][6:10]:  # the decode goal's step: GQA 32:8, batch 64, 4096 keys
         assert (k["spec"]["heads"], k["spec"]["kv_heads"], k["spec"]["batch"], k["spec"]["seq_kv"]) == (32, 8, 64, 4096)
     assert sorted(p.name for p in (payload / "runtime").iterdir()) == ["libtvm_runtime.so", "libtvm_runtime_cuda.so"]
     for k in info["kernels"]:
@@ -211,28 +213,37 @@ def test_device_check_of_a_varlen_kernel_on_the_cpu(tmp_path):
     assert [c["seqlens"] for c in checks if not c["passed"]] == [[[37, 45]]]
 
 
+def scripts_module(name: str):
+    """A script of scripts/ as a module (the device check's functions, run here on the CPU)."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.pop(0)
+
+
+def exported(tmp_path, name: str, spec) -> dict:
+    """A CPU build of ``spec`` exported to ``tmp_path / name``: a payload entry for the checks."""
+    from tvm_attention.artifact import export, validate_built
+
+    from conftest import built
+
+    b = built(spec)
+    export(b, tmp_path / name, validate_built(b))
+    return {"spec": spec.to_dict(), "dir": name}
+
+
 def test_device_check_of_cache_kernels_on_the_cpu(tmp_path):
     """The device script's check of KV-cache kernels (kvcache, paged) on its mixed cases, run on
     CPU tensors against CPU artifacts: every case passes; a kernel wrong for one cache length
     fails on the cases holding it, and only there."""
     torch = pytest.importorskip("torch")
-    sys.path.insert(0, str(REPO / "scripts"))
-    try:
-        import gpu_device_check as dc
-    finally:
-        sys.path.pop(0)
-    from tvm_attention.artifact import export, validate_built
+    dc = scripts_module("gpu_device_check")
     from tvm_attention.spec import AttentionSpec
 
-    from conftest import built
-
-    entries = []
-    for layout, page in (("kvcache", None), ("paged", 16)):
-        spec = AttentionSpec(batch=2, heads=4, kv_heads=2, seq_q=1, seq_kv=64, head_dim=32, causal=True,
-                             layout=layout, page_size=page)
-        b = built(spec)
-        export(b, tmp_path / layout, validate_built(b))
-        entries.append({"spec": spec.to_dict(), "dir": layout})
+    entries = [exported(tmp_path, layout, AttentionSpec(batch=2, heads=4, kv_heads=2, seq_q=1, seq_kv=64, head_dim=32,
+                                                        causal=True, layout=layout, page_size=page))
+               for layout, page in (("kvcache", None), ("paged", 16))]
     checks = dc.check_cache(torch, entries, tmp_path, {"float32": torch.float32}, device="cpu")
     assert len(checks) == 2 * len(dc.CACHE_CASES)
     assert all(c["passed"] for c in checks), [c for c in checks if not c["passed"]]
@@ -255,3 +266,36 @@ def test_device_check_of_cache_kernels_on_the_cpu(tmp_path):
     finally:
         tvm_attention.load = real
     assert [(c["kernel"], c["case"][0]) for c in checks if not c["passed"]] == [("kvcache", 37), ("paged", 37)]
+
+
+def test_device_check_of_variant_kernels_on_the_cpu(tmp_path):
+    """The device script's check of builds with attention variants, against the package's
+    NumPy reference on their layouts' cases, run on CPU tensors against CPU artifacts: the
+    payload's variant specs pass; a kernel 1 % off fails every case."""
+    torch = pytest.importorskip("torch")
+    dc = scripts_module("gpu_device_check")
+    from tvm_attention.spec import AttentionSpec
+
+    entries = [exported(tmp_path, f"v{i}", AttentionSpec(head_dim=32, dtype="float32", causal=True,
+                                                         **{**extra, "seq_kv": 64, "seq_q": min(extra["seq_q"], 64)}))
+               for i, extra in enumerate(scripts_module("gpu_payload").VARIANT_SPECS)]
+    checks = dc.check_variants(torch, entries, tmp_path, device="cpu")
+    assert len(checks) >= 3 and all(c["passed"] for c in checks), [c for c in checks if not c["passed"]]
+    import tvm_attention
+
+    real = tvm_attention.load
+
+    class Off:  # off by a little everywhere
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __call__(self, *args):
+            out = self.kernel(*args)
+            return (out[0] * 1.01, *out[1:]) if isinstance(out, tuple) else out * 1.01
+
+    tvm_attention.load = lambda path: Off(real(path))
+    try:
+        checks = dc.check_variants(torch, entries, tmp_path, device="cpu")
+    finally:
+        tvm_attention.load = real
+    assert not any(c["passed"] for c in checks)
