@@ -462,13 +462,14 @@ def dense_tile(spec: AttentionSpec, BM: int, BN: int, b, h, row0, SQ, SK, LSE=No
                 lse=None if LSE is None else (LSE, lambda r: (b, h, r)), var=var, b=b, head=lambda r: h)
 
 
-def cache_tile(spec: AttentionSpec, BM: int, BN: int, b, kh, row0, SQ, k_len, X, LSE=None, var=None) -> Tile:
+def cache_tile(spec: AttentionSpec, BM: int, BN: int, b, kh, row0, SQ, k_len, kvl, X, LSE=None,
+               var=None) -> Tile:
     """The KV-cache tile (kvcache, paged) of (batch ``b``, KV head ``kh``) from packed row
     ``row0``: the group's query heads packed (``Tile.group``), Q/O ``(B, H, SQ, D)``, K/V
-    addressed through the layout (``kv.kv_layout``: the cache rows, or ``block_table``'s pages;
-    ``X`` its index buffers), ``k_len`` the sequence's ``cache_seqlens`` entry."""
+    addressed through the kernel's layout ``kvl`` (``kv.kv_layout``: the cache rows, or
+    ``block_table``'s pages; ``X`` its index buffers), ``k_len`` the sequence's
+    ``cache_seqlens`` entry."""
     G = spec.group_size
-    kvl = kv_layout(spec, None, spec.head_dim)
     return Tile(spec, BM, BN, row0, SQ, k_len,
                 q=lambda r, d: (b, kh * G + T.floormod(r, G), T.floordiv(r, G), d),
                 kv=lambda j, d: kvl.index(X, b, kh, j, d),
@@ -556,11 +557,12 @@ def _kernel_func(spec, block, BM, BN, B, SQ, SK, tile, attrs, reverse, lse, var)
     rows = SQ * spec.group_size if cache else SQ
     NR = math.ceil(rows / BM) if isinstance(rows, int) else T.floordiv(rows + BM - 1, BM)
     LSE = _lse_buffer(spec, B, SQ, None) if lse else None
+    kvl = kv_layout(spec, B, D) if cache else None  # K/V's shape and addressing
 
     def at(b, h, r, k_len=None, X=()):
         row0 = (NR - 1 - r) * BM if reverse else r * BM
         if cache:
-            return cache_tile(spec, BM, BN, b, h, row0, SQ, k_len, X, LSE, var)
+            return cache_tile(spec, BM, BN, b, h, row0, SQ, k_len, kvl, X, LSE, var)
         return dense_tile(spec, BM, BN, b, h, row0, SQ, SK, LSE, var)
 
     grid = tile_grid(block, B, KH if cache else H, NR, not spec.dynamic, tile, at, cache)
@@ -576,7 +578,7 @@ def _kernel_func(spec, block, BM, BN, B, SQ, SK, tile, attrs, reverse, lse, var)
             grid(Q, K, V, O, ())
 
         return attention, LSE
-    KS = kv_layout(spec, B, D).shape
+    KS = kvl.shape
     if spec.layout == "kvcache":
         @T.prim_func(s_tir=True, check_well_formed="attn.extra_params" not in attrs)
         def attention_kvcache(
@@ -590,7 +592,7 @@ def _kernel_func(spec, block, BM, BN, B, SQ, SK, tile, attrs, reverse, lse, var)
             grid(Q, K, V, O, (CS,))
 
         return attention_kvcache, LSE
-    MP = tirx.Var("max_pages", "int32")
+    MP = kvl.MP  # block_table's columns
 
     @T.prim_func(s_tir=True, check_well_formed="attn.extra_params" not in attrs)
     def attention_paged(
@@ -605,8 +607,6 @@ def _kernel_func(spec, block, BM, BN, B, SQ, SK, tile, attrs, reverse, lse, var)
         grid(Q, K, V, O, (BT, CS))
 
     return attention_paged, LSE
-
-
 
 
 def varlen_grid(spec: AttentionSpec, block, BM: int, BN: int, tile, reverse: bool, TQ, LSE=None, var=None):
