@@ -26,13 +26,15 @@ from tvm_attention.spec import SUPPORTED_DTYPES, AttentionSpec
 from tvm_attention.workloads.fused_cuda import fused_attention_cuda, grid_refusal, vector_elems
 
 from ._knobs import KnobError, KnobsMixin
-from .family import CUDA_VARIANTS, Capabilities, never_static_decode, same_knobs
+from .family import (CUDA_KV_DTYPES, CUDA_VARIANTS, SPLIT_LAYOUTS, Capabilities, check_split_tasks, cuda_split_tasks,
+                     never_static_decode, same_knobs)
 
 NAME = "fused"
 #: symbolic batch, seq_q and seq_kv: a (row tile, head, batch) grid on (x, y, z), so no index is
 #: divided by a run-time extent (a flat grid's ``// (H·NR)`` spilled on sm_90 with seq_q symbolic)
 CAPABILITIES = Capabilities(label="CUDA fused", target="cuda", layouts=("bhsd", "varlen", "kvcache", "paged"), dtypes=SUPPORTED_DTYPES,
-                            symbolic=True, lse=True, variants=CUDA_VARIANTS)
+                            symbolic=True, lse=True, variants=CUDA_VARIANTS,
+                            kv_dtypes=CUDA_KV_DTYPES, kv_layouts=SPLIT_LAYOUTS)
 WARP = 32
 MAX_REGISTERS_PER_THREAD = 255
 #: registers a lane needs besides its scores and accumulator columns (indices, m, l, temporaries);
@@ -50,6 +52,9 @@ class FlashCUDAKnobs(KnobsMixin):
     threads_per_row: int = 4  # lanes per query row (threadIdx.x): scores and D split across them
     stages: int = 1  # K/V shared-memory pipeline depth (1: load, sync, compute)
     unroll: int = 0  # pragma_auto_unroll_max_step on the key-tile loop (0 = off)
+    #: KV-cache layouts: split each sequence's keys until the grid has this many thread blocks
+    #: (0 = never): a decode step at small batch has too few (batch · KV heads) to fill the GPU
+    split_tasks: int = 0
 
     @property
     def threads(self) -> int:
@@ -77,11 +82,17 @@ def preset(spec: AttentionSpec, target: Target) -> FlashCUDAKnobs:
     kind = "fp32" if spec.dtype == "float32" else "half"
     d = 64 if spec.head_dim <= 64 else 128
     knobs = FlashCUDAKnobs(**_PRESETS[(kind, d)])
+    if spec.layout in SPLIT_LAYOUTS and spec.seq_q * spec.group_size <= 16:
+        # a decode step packs seq_q · group rows (4 at GQA 32:8): 16 rows of 16 lanes keep 256
+        # threads with fewer idle rows. ptxas (sm_90, fp32 D=128, paged, split-KV): 40 registers,
+        # no spill, 75 % occupancy; 32 rows of 8 lanes took 48 and spilled 16 bytes
+        knobs = dataclasses.replace(knobs, block_m=16, threads_per_row=16)
     # Odd head_dims: fewer lanes per row so that head_dim still splits evenly.
     tpr = knobs.threads_per_row
     while spec.head_dim % tpr and tpr > 1:
         tpr //= 2
-    return dataclasses.replace(knobs, threads_per_row=tpr, block_m=max(knobs.block_m, WARP // tpr))
+    return dataclasses.replace(knobs, threads_per_row=tpr, block_m=max(knobs.block_m, WARP // tpr),
+                               split_tasks=cuda_split_tasks(spec, target))
 
 
 def shared_bytes(knobs: FlashCUDAKnobs, spec: AttentionSpec) -> int:
@@ -141,13 +152,15 @@ def check(knobs: FlashCUDAKnobs, spec: AttentionSpec, target: Target) -> None:
         raise KnobError(f"stages={knobs.stages}: only 1 (no software pipelining of K/V) is implemented")
     if knobs.unroll not in UNROLL_STEPS:
         raise KnobError(f"unroll={knobs.unroll} not in {UNROLL_STEPS}")
+    check_split_tasks(knobs, spec)
     why = grid_refusal(spec)
     if why is not None:
         raise KnobError(why)
 
 
 def workload(spec: AttentionSpec, knobs: FlashCUDAKnobs):
-    return fused_attention_cuda(spec, knobs.block_m, knobs.block_n, knobs.threads_per_row)
+    return fused_attention_cuda(spec, knobs.block_m, knobs.block_n, knobs.threads_per_row,
+                                split_tasks=knobs.split_tasks)
 
 
 def _key_tile_loop(sch: s_tir.Schedule):
@@ -188,7 +201,7 @@ def tile_candidates(spec: AttentionSpec, target: Target) -> list[FlashCUDAKnobs]
     for bm in (32, 64, 128):
         for bn in (16, 32, 64):
             for tpr in (2, 4, 8):
-                k = FlashCUDAKnobs(block_m=bm, block_n=bn, threads_per_row=tpr)
+                k = FlashCUDAKnobs(block_m=bm, block_n=bn, threads_per_row=tpr, split_tasks=hand.split_tasks)
                 if k in out:
                     continue
                 try:
@@ -203,7 +216,8 @@ def knobs_of(sch: s_tir.Schedule, lanes: int = 0, base=None) -> FlashCUDAKnobs:
     func = sch.mod["main"]
     unroll = int(sch.get(sch.get_sblock("row_tile")).annotations["attn.unroll"])
     return FlashCUDAKnobs(block_m=int(func.attrs["attn.block_m"]), block_n=int(func.attrs["attn.block_n"]),
-                          threads_per_row=int(func.attrs["attn.threads_per_row"]), unroll=unroll)
+                          threads_per_row=int(func.attrs["attn.threads_per_row"]), unroll=unroll,
+                          split_tasks=int(func.attrs.get("attn.split_tasks", 0)))
 
 
 for_layout = same_knobs

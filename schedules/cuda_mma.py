@@ -27,12 +27,14 @@ from tvm_attention.workloads.fused_cuda import grid_refusal
 from tvm_attention.workloads.fused_mma import MMA_DTYPES, fused_attention_mma, smem_stride
 
 from ._knobs import KnobError, KnobsMixin
-from .family import CUDA_VARIANTS, USE_CPU_FUSED, Capabilities, never_static_decode, same_knobs
+from .family import (CUDA_KV_DTYPES, CUDA_VARIANTS, SPLIT_LAYOUTS, USE_CPU_FUSED, Capabilities, check_split_tasks,
+                     cuda_split_tasks, never_static_decode, same_knobs)
 
 NAME = "fused"
 #: symbolic batch, seq_q and seq_kv: a (row tile, head, batch) grid on (x, y, z), as the SIMT kernel's
 CAPABILITIES = Capabilities(label="CUDA tensor-core fused", target="cuda", layouts=("bhsd", "varlen", "kvcache", "paged"), dtypes=MMA_DTYPES,
-                            symbolic=True, lse=True, variants=CUDA_VARIANTS, instead=f"use --schedule fused_simt, or {USE_CPU_FUSED}")
+                            symbolic=True, lse=True, variants=CUDA_VARIANTS,
+                            kv_dtypes=CUDA_KV_DTYPES, kv_layouts=SPLIT_LAYOUTS, instead=f"use --schedule fused_simt, or {USE_CPU_FUSED}")
 WARP = 32
 MAX_REGISTERS_PER_THREAD = 255
 #: registers besides the fragments (addresses, loop state, m/l, temporaries). Measured with
@@ -52,6 +54,9 @@ class MMAKnobs(KnobsMixin):
     stages: int = 2  # K/V tiles in flight (cp.async pipeline depth; 1 = load, wait, compute)
     m_tiles: int = 1  # 16-row groups per warp: each K/V fragment from shared memory feeds m_tiles
     #                   mma pairs (2 halves ldmatrix traffic per mma, doubles the fragments)
+    #: KV-cache layouts: split each sequence's keys until the grid has this many thread blocks
+    #: (0 = never): a decode step at small batch has too few (batch · KV heads) to fill the GPU
+    split_tasks: int = 0
 
     @property
     def block_m(self) -> int:
@@ -109,14 +114,14 @@ def preset(spec: AttentionSpec, target: Target) -> MMAKnobs:
             # 32:8): one row group a warp already holds them all, and a second would only add
             # fragments (ptxas: 220-234 registers at D=64, 12 % occupancy, for empty rows)
             knobs = dataclasses.replace(knobs, m_tiles=1)
-        return knobs
+        return dataclasses.replace(knobs, split_tasks=cuda_split_tasks(spec, target))
     # other head dims: the widest key tile that fits (shared memory, registers)
     for bn in (64, 32, 16):
         k = MMAKnobs(warps=4, block_n=bn, stages=2)
         if (shared_bytes(k, spec) <= int(target.attrs["max_shared_memory_per_block"])
                 and registers_estimate(k, spec) <= MAX_REGISTERS_PER_THREAD):
-            return k
-    return MMAKnobs(warps=4, block_n=16, stages=1)
+            return dataclasses.replace(k, split_tasks=cuda_split_tasks(spec, target))
+    return MMAKnobs(warps=4, block_n=16, stages=1, split_tasks=cuda_split_tasks(spec, target))
 
 
 def check(knobs: MMAKnobs, spec: AttentionSpec, target: Target) -> None:
@@ -156,13 +161,15 @@ def check(knobs: MMAKnobs, spec: AttentionSpec, target: Target) -> None:
     regs_per_block = int(target.attrs["registers_per_block"])
     if regs * knobs.threads > regs_per_block:
         raise KnobError(f"{regs} registers × {knobs.threads} threads > registers_per_block={regs_per_block}")
+    check_split_tasks(knobs, spec)
     why = grid_refusal(spec)
     if why is not None:
         raise KnobError(why)
 
 
 def workload(spec: AttentionSpec, knobs: MMAKnobs):
-    return fused_attention_mma(spec, knobs.warps, knobs.block_n, knobs.stages, knobs.m_tiles)
+    return fused_attention_mma(spec, knobs.warps, knobs.block_n, knobs.stages, knobs.m_tiles,
+                               split_tasks=knobs.split_tasks)
 
 
 def apply(sch: s_tir.Schedule, knobs: MMAKnobs, spec: AttentionSpec) -> s_tir.Schedule:
@@ -183,7 +190,8 @@ def tile_candidates(spec: AttentionSpec, target: Target) -> list[MMAKnobs]:
         for warps in (2, 4, 8):
             for bn in (16, 32, 64, 128):
                 for stages in (1, 2, 3):
-                    k = MMAKnobs(warps=warps, block_n=bn, stages=stages, m_tiles=m_tiles)
+                    k = MMAKnobs(warps=warps, block_n=bn, stages=stages, m_tiles=m_tiles,
+                                 split_tasks=out[0].split_tasks)
                     if k in out:
                         continue
                     try:
@@ -197,7 +205,8 @@ def tile_candidates(spec: AttentionSpec, target: Target) -> list[MMAKnobs]:
 def knobs_of(sch: s_tir.Schedule, lanes: int = 0, base=None) -> MMAKnobs:
     attrs = sch.mod["main"].attrs
     return MMAKnobs(warps=int(attrs["attn.warps"]), block_n=int(attrs["attn.block_n"]),
-                    stages=int(attrs["attn.stages"]), m_tiles=int(attrs["attn.m_tiles"]))
+                    stages=int(attrs["attn.stages"]), m_tiles=int(attrs["attn.m_tiles"]),
+                    split_tasks=int(attrs.get("attn.split_tasks", 0)))
 
 
 for_layout = same_knobs

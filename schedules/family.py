@@ -16,6 +16,8 @@ from typing import Any, Protocol, runtime_checkable
 from tvm import s_tir, tirx
 from tvm.target import Target
 
+from tvm_attention.cuda_tools import split_tasks_for
+from tvm_attention.quant import KV_DTYPES
 from tvm_attention.spec import AttentionSpec
 
 from ._knobs import KnobError
@@ -25,8 +27,32 @@ USE_CPU_FUSED = "use --schedule fused on a CPU (llvm) target"
 
 
 #: the attention variants both CUDA kernels build (a sliding window, a logit softcap, ALiBi,
-#: sinks, a first visible key per sequence); the user's modifiers, key bounds and 8-bit caches not
+#: sinks, a first visible key per sequence); the user's modifiers and key bounds not
 CUDA_VARIANTS = ("window", "softcap", "alibi", "sinks", "kv_start")
+#: the 8-bit K/V caches both CUDA kernels read, in the KV-cache layouts (the decode kernels)
+CUDA_KV_DTYPES = KV_DTYPES
+
+
+#: the layouts whose CUDA grid splits each sequence's keys when the batch is small (split-KV: a
+#: decode step has one thread block per (sequence, KV head) otherwise)
+SPLIT_LAYOUTS = ("kvcache", "paged")
+
+
+def cuda_split_tasks(spec: AttentionSpec, target: Target) -> int:
+    """The CUDA presets' ``split_tasks`` knob: the grid size split-KV aims for on ``target``
+    (``cuda_tools.split_tasks_for``) in the KV-cache layouts, 0 (no split) in the others."""
+    return split_tasks_for(target) if spec.layout in SPLIT_LAYOUTS else 0
+
+
+def check_split_tasks(knobs: Any, spec: AttentionSpec) -> None:
+    """Raise :class:`KnobError` for a ``split_tasks`` knob that is no count, or that asks a layout
+    without split-KV to split."""
+    v = knobs.split_tasks
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise KnobError(f"split_tasks must be a non-negative int (0: no split-KV), got {v!r}")
+    if v and spec.layout not in SPLIT_LAYOUTS:
+        raise KnobError(f"split_tasks={v}: split-KV splits the {' and '.join(SPLIT_LAYOUTS)} layouts, "
+                        f"not {spec.layout!r} (use 0)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +72,8 @@ class Capabilities:
     variants: tuple[str, ...] = ()
     #: 8-bit K/V cache dtypes it reads (``AttentionSpec.kv_dtype``); others are refused by name
     kv_dtypes: tuple[str, ...] = ()
+    #: the layouts it reads an 8-bit cache in (empty: all of its layouts)
+    kv_layouts: tuple[str, ...] = ()
     #: writes the call's k_new/v_new into the cache before attending (``AttentionSpec.append``)
     appends: bool = False
 
@@ -62,6 +90,9 @@ class Capabilities:
             what = "does not append k_new/v_new to the cache (append) (yet)"
         elif getattr(spec, "kv_dtype", None) is not None and spec.kv_dtype not in self.kv_dtypes:
             what = f"does not read 8-bit K/V caches (kv_dtype={spec.kv_dtype!r}) (yet)"
+        elif getattr(spec, "kv_dtype", None) is not None and self.kv_layouts and spec.layout not in self.kv_layouts:
+            what = (f"reads 8-bit K/V caches (kv_dtype={spec.kv_dtype!r}) in the {' and '.join(self.kv_layouts)} "
+                    f"layouts, not {spec.layout!r}")
         elif [v for v in spec.variants if v not in self.variants]:
             missing = [v for v in spec.variants if v not in self.variants]
             what = f"does not build the attention variant(s) {', '.join(missing)} (yet)"

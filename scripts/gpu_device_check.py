@@ -250,9 +250,15 @@ def check_varlen(torch, kernels: list[dict], payload: Path, torch_dtype: dict, d
 
 #: (seq_q, cache_seqlens) every KV-cache kernel is validated at, every row: a decode step over
 #: mixed caches (empty, one key, tile and page edges), 4 new tokens, a prefill chunk of 37 over
-#: shorter caches (causal rows that see no key: zeros); the layouts' own validation cases
+#: shorter caches (causal rows that see no key: zeros); the layouts' own validation cases; then
+#: small batches of long caches, which split-KV cuts into chunks (and a chunk past the keys)
 CACHE_CASES = [(1, [0, 1, 15, 16, 17, 63, 65, 200, 3]), (4, [0, 1, 15, 16, 17, 63, 65, 200, 3]),
-               (37, [0, 37, 100, 20])]
+               (37, [0, 37, 100, 20]), (1, [5000, 0, 1100]), (4, [4097, 300])]
+
+#: (batch, keys) a KV-cache kernel's decode step is timed at, each against the streaming read:
+#: the decode goal's batch 64 (no split: 512 thread blocks), then batches too small to fill the
+#: GPU alone, which split-KV spreads over the SMs
+DECODE_STEPS = [(None, None), (4, 16384), (1, 32768)]  # None: the build's own batch and keys
 
 
 def cache_inputs(torch, spec, seq_q: int, lens: list[int], dtype, device: str, gen) -> list:
@@ -265,8 +271,8 @@ def cache_inputs(torch, spec, seq_q: int, lens: list[int], dtype, device: str, g
     cs = torch.tensor(lens, dtype=torch.int32, device=device)
     if spec.layout == "kvcache":
         shape = (b, kh, max(lens + [1]), d)
-        return [q, torch.randn(shape, device=device, dtype=dtype, generator=gen),
-                torch.randn(shape, device=device, dtype=dtype, generator=gen), cs]
+        return quantized(torch, spec, [q, torch.randn(shape, device=device, dtype=dtype, generator=gen),
+                                       torch.randn(shape, device=device, dtype=dtype, generator=gen), cs])
     p = spec.page_size
     need = [-(-n // p) for n in lens]
     num = sum(need) + 3
@@ -277,20 +283,44 @@ def cache_inputs(torch, spec, seq_q: int, lens: list[int], dtype, device: str, g
         table[i, :n] = order[start:start + n]
         start += n
     shape = (num, p, kh, d)
-    return [q, torch.randn(shape, device=device, dtype=dtype, generator=gen),
-            torch.randn(shape, device=device, dtype=dtype, generator=gen), table, cs]
+    return quantized(torch, spec, [q, torch.randn(shape, device=device, dtype=dtype, generator=gen),
+                                   torch.randn(shape, device=device, dtype=dtype, generator=gen), table, cs])
+
+
+def quantized(torch, spec, x: list) -> list:
+    """``cache_inputs``' ``x`` with an 8-bit cache's K and V quantized per KV head
+    (``quant.quantize_kv``, on the CPU) and their scales ``k_scale``, ``v_scale`` appended (the
+    call order); ``x`` unchanged for a cache in the query dtype."""
+    if not spec.kv_quantized:
+        return x
+    from tvm_attention.quant import quantize_kv
+
+    axis = 1 if spec.layout == "kvcache" else 2
+    (kq, ks), (vq, vs) = (quantize_kv(t.cpu(), spec.kv_dtype, head_axis=axis) for t in (x[1], x[2]))
+    dev = x[0].device
+    return [x[0], kq.to(dev), vq.to(dev), *x[3:], ks.to(dev), vs.to(dev)]
+
+
+def cache_seqlens_of(spec, x: list):
+    """``cache_seqlens`` among ``cache_inputs``' ``x`` (after block_table in paged)."""
+    return x[3] if spec.layout == "kvcache" else x[4]
 
 
 def cache_keys(spec, x: list, b: int, n: int):
-    """Sequence ``b``'s first ``n`` keys and values of ``cache_inputs``' ``x``, as ``(1, KH, n, D)``."""
+    """Sequence ``b``'s first ``n`` keys and values of ``cache_inputs``' ``x``, as ``(1, KH, n, D)``
+    (an 8-bit cache's dequantized: ``scale[h] · stored``, float32)."""
+    k, v = x[1], x[2]
+    if spec.kv_quantized:
+        shape = (1, -1, 1, 1) if spec.layout == "kvcache" else (1, 1, -1, 1)
+        k, v = k.float() * x[-2].view(shape), v.float() * x[-1].view(shape)
     if spec.layout == "kvcache":
-        return x[1][b:b + 1, :, :n], x[2][b:b + 1, :, :n]
+        return k[b:b + 1, :, :n], v[b:b + 1, :, :n]
     pages = x[3][b, :-(-n // spec.page_size)].long()
 
     def gather(pool):
         return pool[pages].reshape(-1, spec.kv_heads, spec.head_dim)[:n].transpose(0, 1).unsqueeze(0)
 
-    return gather(x[1]), gather(x[2])
+    return gather(k), gather(v)
 
 
 def validate_cache(torch, spec, kernel, x: list) -> dict:
@@ -302,7 +332,7 @@ def validate_cache(torch, spec, kernel, x: list) -> dict:
     atol, rtol = TOLERANCES[spec.dtype]
     ok, worst = bool(torch.isfinite(out).all()), 0.0
     seq_q = x[0].shape[2]
-    for b, n in enumerate(x[-1].tolist()):
+    for b, n in enumerate(cache_seqlens_of(spec, x).tolist()):
         kb, vb = cache_keys(spec, x, b, n)
         ref = reference_rows(torch, spec, x[0][b:b + 1], kb, vb, list(range(seq_q)))
         diff = (out[b:b + 1].double() - ref).abs()
@@ -491,12 +521,13 @@ def main(argv: list[str] | None = None) -> int:
     variants = check_variants(torch, variant, payload)
     decode = []  # each KV-cache kernel at its representative decode step, next to a streaming read
     stream = stream_read(torch, a.min_ms, a.rounds) if cached else None
-    for i, k in enumerate(cached):
+    for i, (k, (batch, keys)) in enumerate((k, step) for k in cached for step in DECODE_STEPS):
         spec = AttentionSpec.from_dict(k["spec"])
-        entry = {"kernel": k["kernel"], "dir": k["dir"], "spec": k["spec"]}
+        batch, keys = batch or spec.batch, keys or spec.seq_kv
+        entry = {"kernel": k["kernel"], "dir": k["dir"], "spec": k["spec"], "batch": batch, "keys": keys}
         try:
             kernel = tvm_attention.load(payload / k["dir"])
-            x = cache_inputs(torch, spec, spec.seq_q, [spec.seq_kv] * spec.batch, torch_dtype[spec.dtype], "cuda",
+            x = cache_inputs(torch, spec, spec.seq_q, [keys] * batch, torch_dtype[spec.dtype], "cuda",
                              torch.Generator(device="cuda").manual_seed(i))
             entry["validation"] = validate_cache(torch, spec, kernel, x)
             o = torch.empty_like(x[0])
@@ -504,13 +535,13 @@ def main(argv: list[str] | None = None) -> int:
             fn = kernel.function
             with tvm_ffi.use_torch_stream():
                 secs = cuda_time(torch, lambda: fn(*ffi), a.min_ms, a.rounds)
-            read = 2 * spec.batch * spec.seq_kv * spec.kv_heads * spec.head_dim * spec.itemsize  # K and V once
+            read = 2 * batch * keys * spec.kv_heads * spec.head_dim * spec.kv_itemsize  # K and V once
             entry.update(us=secs * 1e6, gbps=read / secs / 1e9, of_stream=read / secs / stream)
         except Exception as e:  # noqa: BLE001 - recorded, the check goes on
             entry["error"] = f"{type(e).__name__}: {e}"
             traceback.print_exc()
         decode.append(entry)
-        print(f"decode {k['dir']}: {entry.get('gbps', float('nan')):.0f} GB/s, "
+        print(f"decode {k['dir']} B{batch} × {keys}: {entry.get('gbps', float('nan')):.0f} GB/s, "
               f"{100 * entry.get('of_stream', float('nan')):.0f}% of a streaming read", flush=True)
 
     def f(x, spec="{:.1f}"):
@@ -558,7 +589,7 @@ def main(argv: list[str] | None = None) -> int:
             page = "" if sp.page_size is None else f" p{sp.page_size}"
             share = 100 * e["of_stream"] if "of_stream" in e else None
             lines.append(f"| {e['kernel']} | {sp.layout}{page} | {sp.dtype} | {sp.head_dim} | "
-                         f"{sp.batch} × {sp.heads}:{sp.kv_heads} × {sp.seq_kv} | {f(e.get('us'))} | "
+                         f"{e['batch']} × {sp.heads}:{sp.kv_heads} × {e['keys']} | {f(e.get('us'))} | "
                          f"{f(e.get('gbps'))} | {f(share)} | {e.get('validation', {}).get('passed')}"
                          f"{' ' + e['error'] if 'error' in e else ''} |")
     table = "\n".join(lines)

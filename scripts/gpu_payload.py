@@ -48,6 +48,8 @@ SYMBOLIC = ("batch", "seq_q", "seq_kv")
 #: the KV-cache kernels (``--cache``), at the decode goal's step: GQA 32:8, batch 64, 4096 keys
 CACHE_LAYOUTS = (("kvcache", None), ("paged", 16))
 DECODE = dict(batch=64, heads=32, kv_heads=8, seq_q=1, seq_kv=4096)
+#: the 8-bit cache of the decode builds (one paged build per dtype, at the first head_dim)
+KV8 = "float8_e4m3fn"
 #: a device command carries at most 64 MiB of files; the rest is left for what travels with it
 #: the attention variants (``--variants``, float16 per head_dim): a paged decode step with a window,
 #: softcap, ALiBi, sinks and lse, and a symbolic prefill with a window and a first key per sequence
@@ -122,6 +124,9 @@ def jobs_for(a: argparse.Namespace, kernels_dir: Path) -> list[dict]:
                     for layout, page in CACHE_LAYOUTS:
                         add(AttentionSpec(**DECODE, head_dim=d, dtype=dtype, causal=True, layout=layout,
                                           page_size=page), arch)
+                    if d == a.head_dim[0]:  # a float8 e4m3 page pool at the first head_dim
+                        add(AttentionSpec(**DECODE, head_dim=d, dtype=dtype, causal=True, layout="paged",
+                                          page_size=16, kv_dtype=KV8), arch)
                 # the variants, checked against the NumPy reference: float16 at the first head_dim
                 # (the paged one's library embeds 2.4 MB of CUDA source: softcap, ALiBi and the
                 # window unrolled over every score slot)

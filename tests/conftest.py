@@ -90,6 +90,23 @@ CUDA_VARIANT_SPREADS = [
 ]
 CUDA_VARIANT_IDS = [f"{c[0]}-{'-'.join(c[3])}" for c in CUDA_VARIANT_SPREADS]
 
+#: KV-cache lengths that split-KV cuts (chunks of ``fused.MIN_SPLIT_KEYS`` = 256 keys at least):
+#: none, under one chunk, at and past a chunk's edge, several chunks; a tiny one beside them
+SPLIT_KV_LENGTHS = [0, 1, 255, 256, 257, 700, 1100, 3]
+
+
+def split_kv_cases(layout: str) -> list[dict]:
+    """Calls of a KV-cache layout (GQA 4:2) at which a split-KV build with ``split_tasks=64``
+    splits: a decode step of 8 sequences (4 chunks each), 4 new tokens, one long sequence alone
+    (32 chunks, most of them past its keys), and a 37-token prefill chunk whose packed rows
+    fill more than one row tile (no split: it stores its rows itself)."""
+    cases = [{"seq_q": 1, "cache_seqlens": SPLIT_KV_LENGTHS}, {"seq_q": 4, "cache_seqlens": SPLIT_KV_LENGTHS},
+             {"seq_q": 1, "cache_seqlens": [1100]}, {"seq_q": 37, "cache_seqlens": [0, 37, 600, 20]}]
+    if layout == "kvcache":
+        for c in cases:
+            c["max_len"] = max(c["cache_seqlens"]) + 11
+    return cases
+
 
 def check_lse(got: np.ndarray, ref: np.ndarray, where) -> None:
     """A kernel's log-sum-exp against the reference's: -inf exactly where a row sees no key."""
@@ -98,12 +115,12 @@ def check_lse(got: np.ndarray, ref: np.ndarray, where) -> None:
     assert np.allclose(got[seen], ref[seen], atol=2e-5, rtol=1e-5), (where, np.abs(got[seen] - ref[seen]).max())
 
 
-def check_emulated_layout(ex, spec) -> None:
+def check_emulated_layout(ex, spec, cases=None) -> None:
     """Run an emulated kernel ``ex`` (compiled for the CPU) against the reference with its
     variants' arguments: varlen on every batch of ``VARLEN_BATCHES``, the other layouts on their
     ``validation_cases`` (bhsd: the representative shape and awkward ones) (a decode step, mixed cache lengths with empty ones and tile and page
     edges, 4 new tokens, a prefill chunk of 37 over shorter caches; paged through shuffled
-    pages with a shared prefix page). A sequence that sees no key must give exact zeros (and a
+    pages with a shared prefix page), or on ``cases``. A sequence that sees no key must give exact zeros (and a
     log-sum-exp of -inf, with ``return_lse``)."""
     import tvm
 
@@ -114,7 +131,8 @@ def check_emulated_layout(ex, spec) -> None:
     atol, rtol = TOLERANCES[spec.dtype]
     names = [a.name for a in layout.all_args(spec) if not a.output]
     varlen = spec.layout == "varlen"
-    cases = [{"seqlens": lens} for lens in VARLEN_BATCHES] if varlen else layout.validation_cases(spec)
+    if cases is None:
+        cases = [{"seqlens": lens} for lens in VARLEN_BATCHES] if varlen else layout.validation_cases(spec)
     for i, case in enumerate(cases):
         x = layout.random_inputs(spec, case, seed=i)
         ref, ref_lse = layout.reference_outputs(spec, x)

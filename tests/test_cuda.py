@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import tvm
 from conftest import (CUDA_VARIANT_IDS, CUDA_VARIANT_SPREADS, built, check_emulated_layout,
-                      check_emulated_symbolic)
+                      check_emulated_symbolic, split_kv_cases)
 
 from schedules import cuda_flash, cuda_fused, cuda_mma
 from schedules._knobs import KnobError
@@ -147,6 +147,61 @@ def test_cuda_layouts_algorithm_on_cpu(layout, page, dtype, causal, lse):
                          layout=layout, page_size=page, return_lse=lse)
     check_emulated_layout(tvm.compile(fused_attention_cuda(spec, 16, 16, 4, emulate=True),
                                       target=resolve_target("llvm")), spec)
+
+
+@pytest.mark.parametrize("layout, page, dtype, variants", [
+    ("kvcache", None, "float32", dict(causal=True, return_lse=True)),
+    ("paged", 16, "float16", dict(window=(300, 0), sinks=True, alibi=True, softcap=20.0, return_lse=True)),
+])
+def test_cuda_split_kv_algorithm_on_cpu(layout, page, dtype, variants):
+    """Split-KV in the SIMT kernel, emulated (``conftest.split_kv_cases``): each sequence's key
+    tiles cut into chunks (a window's skipped tiles before the first), each chunk's state stored
+    unnormalised, the merge kernel combining them (the sink once in the merged denominator,
+    zeros and a log-sum-exp of -inf for a sequence with no key); a prefill chunk of several row
+    tiles unsplit."""
+    spec = AttentionSpec(batch=1, heads=4, kv_heads=2, seq_q=1, head_dim=64, dtype=dtype, layout=layout,
+                         page_size=page, **variants)
+    ex = tvm.compile(fused_attention_cuda(spec, 16, 16, 4, emulate=True, split_tasks=64),
+                     target=resolve_target("llvm"))
+    check_emulated_layout(ex, spec, split_kv_cases(layout))
+
+
+@pytest.mark.parametrize("layout, kv_dtype, dtype, split, variants", [
+    ("kvcache", "float8_e4m3fn", "float32", 0, {}),
+    ("paged", "int8", "float16", 64, dict(return_lse=True)),
+    ("kvcache", "float8_e5m2", "float32", 64, dict(sinks=True, window=(300, 0), return_lse=True)),
+])
+def test_cuda_8bit_cache_algorithm_on_cpu(layout, kv_dtype, dtype, split, variants):
+    """An 8-bit K/V cache in the SIMT kernel, emulated: each element converted on its way to
+    shared memory (``kv_to_f32``), the KV head's ``k_scale`` folded into the scores' scale and
+    ``v_scale`` into the output, once per row (after the merge, when split), against the
+    reference on the dequantized cache; the layout's cases and, split, the long caches."""
+    spec = AttentionSpec(batch=1, heads=4, kv_heads=2, seq_q=1, head_dim=64, dtype=dtype, causal=True, layout=layout,
+                         page_size=16 if layout == "paged" else None, kv_dtype=kv_dtype, **variants)
+    ex = tvm.compile(fused_attention_cuda(spec, 16, 16, 4, emulate=True, split_tasks=split),
+                     target=resolve_target("llvm"))
+    check_emulated_layout(ex, spec)
+    if split:
+        check_emulated_layout(ex, spec, split_kv_cases(layout))
+
+
+@needs_nvcc
+@pytest.mark.parametrize("arch, dtype, layout, page", [("sm_90", "float16", "paged", 16),
+                                                       ("sm_80", "float32", "kvcache", None)])
+def test_8bit_cache_builds_offline_without_spills(arch, dtype, layout, page):
+    """A float8 e4m3 cache on CUDA (tensor cores for fp16, CUDA cores for fp32), the decode
+    goal's step: no spill, fused, K/V read as bytes, the scales before O; a BHSD spec with an
+    8-bit cache is refused by name."""
+    spec = AttentionSpec(batch=64, heads=32, kv_heads=8, seq_q=1, seq_kv=4096, head_dim=128, dtype=dtype,
+                         causal=True, layout=layout, page_size=page, kv_dtype="float8_e4m3fn")
+    target = resolve_target("cuda", arch=arch)
+    built = build_kernel(spec, "fused", target=target)
+    signature = spill_free_signature(built)
+    assert "uchar* __restrict__ K8" in signature and "float* __restrict__ KSC" in signature, signature
+    assert_split_kv(built, spec)
+    bhsd = AttentionSpec(batch=1, heads=8, seq_q=64, head_dim=64, dtype=dtype, kv_dtype="float8_e4m3fn")
+    with pytest.raises(KnobError, match="8-bit K/V caches .* in the kvcache and paged layouts, not 'bhsd'"):
+        build_kernel(bhsd, "fused", target=target)
 
 
 def spill_free_signature(built) -> str:
@@ -335,6 +390,20 @@ def test_cache_simt_builds_offline_without_spills(arch, layout, page):
     assert "int* __restrict__ CS" in signature and ("int* __restrict__ BT" in signature) == (layout == "paged")
     src = built.module.imports[0].inspect_source()
     assert "blockIdx.z" in src and "blockIdx.y" in src
+    assert_split_kv(built, spec)
+
+
+def assert_split_kv(built, spec) -> None:
+    """A KV-cache build splits the keys of a small batch: its preset aims at two thread blocks
+    per SM, its source has the merge kernel, the partials live in a workspace (not among the
+    arguments) sized by the batch alone, so the symbolic audit passes."""
+    from tvm_attention.cuda_tools import split_tasks_for
+
+    assert built.knobs.split_tasks == split_tasks_for(built.target) > 0
+    src = built.module.imports[0].inspect_source()
+    assert "attention_kernel_1(" in src  # the merge
+    assert built.audit.fused, built.audit.format()
+    assert any("Op (global) is sized by the batch alone" in n for n in built.audit.notes), built.audit.notes
 
 
 def test_cuda_loader_checks_cache_indices():

@@ -5,7 +5,9 @@ instruction replaced by its definition). GPU runs live in test_cuda.py / scripts
 import numpy as np
 import pytest
 import tvm
-from conftest import CUDA_VARIANT_IDS, CUDA_VARIANT_SPREADS, check_emulated_layout, check_emulated_symbolic
+from conftest import (CUDA_VARIANT_IDS, CUDA_VARIANT_SPREADS, check_emulated_layout, check_emulated_symbolic,
+                      split_kv_cases)
+from test_cuda import assert_split_kv
 
 from schedules import cuda_flash, cuda_mma
 from schedules._knobs import KnobError
@@ -218,6 +220,39 @@ def test_tensor_core_layouts_algorithm_on_cpu(layout, page, dtype, causal, warps
     check_emulated_layout(ex, spec)
 
 
+@pytest.mark.parametrize("layout, page, dtype, variants", [
+    ("paged", 16, "float16", dict(causal=True, return_lse=True)),
+    ("kvcache", None, "bfloat16", dict(window=(500, 0), sinks=True, kv_start=True)),
+])
+def test_tensor_core_split_kv_algorithm_on_cpu(layout, page, dtype, variants):
+    """Split-KV in the tensor-core kernel, emulated (``conftest.split_kv_cases``): the chunks'
+    cp.async pipelines start at their own first tile, their states (the row sums reduced across
+    a row's lanes) go to the workspace unguarded, and the merge combines them."""
+    spec = AttentionSpec(batch=1, heads=4, kv_heads=2, seq_q=1, head_dim=64, dtype=dtype, layout=layout,
+                         page_size=page, **variants)
+    ex = tvm.compile(fused_attention_mma(spec, 2, 16, 2, 1, emulate=True, split_tasks=64),
+                     target=resolve_target("llvm"))
+    check_emulated_layout(ex, spec, split_kv_cases(layout))
+
+
+@pytest.mark.parametrize("layout, kv_dtype, dtype, split, variants", [
+    ("paged", "float8_e4m3fn", "float16", 64, dict(return_lse=True)),
+    ("kvcache", "int8", "bfloat16", 0, dict(window=(300, 0), alibi=True)),
+    ("paged", "float8_e5m2", "float16", 0, {}),
+])
+def test_tensor_core_8bit_cache_algorithm_on_cpu(layout, kv_dtype, dtype, split, variants):
+    """An 8-bit K/V cache on tensor cores, emulated: the tiles converted to float16/bfloat16 on
+    their way to shared memory (exact: every e4m3, e5m2 and int8 value is one), the key scale
+    in the scores' one scaling, the value scale at the store or after the merge."""
+    spec = AttentionSpec(batch=1, heads=4, kv_heads=2, seq_q=1, head_dim=64, dtype=dtype, causal=True, layout=layout,
+                         page_size=16 if layout == "paged" else None, kv_dtype=kv_dtype, **variants)
+    ex = tvm.compile(fused_attention_mma(spec, 2, 16, 2, 1, emulate=True, split_tasks=split),
+                     target=resolve_target("llvm"))
+    check_emulated_layout(ex, spec)
+    if split:
+        check_emulated_layout(ex, spec, split_kv_cases(layout))
+
+
 @pytest.mark.parametrize("case", range(len(CUDA_VARIANT_SPREADS)), ids=CUDA_VARIANT_IDS)
 def test_tensor_core_variants_algorithm_on_cpu(case):
     """The tensor-core kernel with the attention variants, emulated: the scores brought to log2
@@ -270,6 +305,7 @@ def test_cache_tensor_core_builds_offline_without_spills(arch, dtype, head_dim, 
     signature = src[src.index("__global__"):src.index("{", src.index("__global__"))]
     assert "int* __restrict__ CS" in signature and ("int* __restrict__ BT" in signature) == (layout == "paged")
     assert "blockIdx.z" in src and "blockIdx.y" in src
+    assert_split_kv(built, spec)
 
 
 @needs_nvcc

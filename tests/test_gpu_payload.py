@@ -268,6 +268,41 @@ def test_device_check_of_cache_kernels_on_the_cpu(tmp_path):
     assert [(c["kernel"], c["case"][0]) for c in checks if not c["passed"]] == [("kvcache", 37), ("paged", 37)]
 
 
+def test_device_check_of_an_8bit_cache_on_the_cpu(tmp_path):
+    """The device script's KV-cache check with a float8 e4m3 page pool (the payload's ``KV8``
+    builds), on CPU tensors against a CPU artifact: K and V quantized per KV head in torch, the
+    scales passed last, the reference on the dequantized pool; every case passes, and a kernel
+    that ignores the value scale fails them."""
+    torch = pytest.importorskip("torch")
+    dc = scripts_module("gpu_device_check")
+    payload = scripts_module("gpu_payload")
+    from tvm_attention.spec import AttentionSpec
+
+    spec = AttentionSpec(batch=2, heads=4, kv_heads=2, seq_q=1, seq_kv=64, head_dim=32, causal=True, layout="paged",
+                         page_size=16, kv_dtype=payload.KV8)
+    entries = [exported(tmp_path, "paged_e4m3", spec)]
+    checks = dc.check_cache(torch, entries, tmp_path, {"float32": torch.float32}, device="cpu")
+    assert len(checks) == len(dc.CACHE_CASES)
+    assert all(c["passed"] for c in checks), [c for c in checks if not c["passed"]]
+    import tvm_attention
+
+    real = tvm_attention.load
+
+    class UnitValueScale:  # reads the values as if their scale were 1
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __call__(self, *args):
+            return self.kernel(*args[:-1], torch.ones_like(args[-1]))
+
+    tvm_attention.load = lambda path: UnitValueScale(real(path))
+    try:
+        checks = dc.check_cache(torch, entries, tmp_path, {"float32": torch.float32}, device="cpu")
+    finally:
+        tvm_attention.load = real
+    assert not any(c["passed"] for c in checks if any(c["case"][1])), checks
+
+
 def test_device_check_of_variant_kernels_on_the_cpu(tmp_path):
     """The device script's check of builds with attention variants, against the package's
     NumPy reference on their layouts' cases, run on CPU tensors against CPU artifacts: the

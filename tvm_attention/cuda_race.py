@@ -1244,11 +1244,15 @@ def check_function(func: tvm.tirx.PrimFunc, scalars: dict | None = None, blocks:
 
 
 def device_function(built) -> tvm.tirx.PrimFunc:
-    """The one device kernel of a CUDA ``BuiltKernel`` (its final lowered IR)."""
+    """The attention kernel of a CUDA ``BuiltKernel`` (its final lowered IR): the device kernel
+    that reads K (a split-KV build's merge kernel reads only the workspace, through no shared
+    memory; a device-checked build's check kernel only the index arrays)."""
     funcs = [f for mod in built.lowered.devices.values() for f in mod.functions.values()]
-    if len(funcs) != 1:
-        raise ValueError(f"expected one device kernel, found {len(funcs)}")
-    return funcs[0]
+    attention = [f for f in funcs if any(p.name in ("K_ptr", "K8_ptr") for p in f.params)]
+    if len(attention) != 1:
+        raise ValueError(f"expected one attention kernel (reading K) among {len(funcs)} device kernel(s), "
+                         f"found {len(attention)}")
+    return attention[0]
 
 
 def check_built(built, lengths: dict | None = None, blocks: Any = "all", func=None, max_blocks: int = 64,
@@ -1262,8 +1266,38 @@ def check_built(built, lengths: dict | None = None, blocks: Any = "all", func=No
     fault-injected copy)."""
     spec = built.spec
     dims = {"batch": spec.batch, "seq_q": spec.seq_q, "seq_kv": spec.seq_kv, **(lengths or {})}
-    return check_function(func if func is not None else device_function(built), dims, blocks,
+    return check_function(func if func is not None else device_function(built), host_scalars(built, dims), blocks,
                           _argument_bytes(spec, dims), max_blocks, index_data)
+
+
+def host_scalars(built, dims: dict) -> dict:
+    """``dims`` with the scalars the host function computes from them and passes to its kernels:
+    TVM hoists common subexpressions of the launch into host lets (``cse_v18 = (seq_q + 15) >>
+    4``, a split-KV grid's chunk count), which the kernel takes as parameters. Those the host's
+    lets give as integers at ``dims`` (a let may use another's value)."""
+    vals = dict(dims)
+    lets: list = []
+    for f in built.lowered.host.functions.values():
+        if isinstance(f, tvm.tirx.PrimFunc):
+            tvm_ffi.structural_walk(f.body, [(tvm.tirx.LetStmt, lets.append), (tvm.tirx.Bind, lets.append)])
+    for _ in range(len(lets)):  # until no let gains a value (each pass binds at least one more)
+        analyzer, known = tvm.sym.Analyzer(), len(vals)
+        for let in lets:
+            free: list = []
+            tvm_ffi.structural_walk(let.value, [(tvm.tirx.Var, free.append)])
+            if let.var.name in vals or any(v.name not in vals for v in free):
+                continue
+            try:
+                for v in free:
+                    analyzer.bind(v, tvm.tirx.IntImm(str(v.ty.dtype), vals[v.name]))
+                value = analyzer.simplify(let.value)
+            except (TypeError, AttributeError):  # a call or a handle: not a scalar of dims
+                continue
+            if isinstance(value, tvm.tirx.IntImm):
+                vals[let.var.name] = int(value)
+        if len(vals) == known:
+            break
+    return vals
 
 
 def _argument_bytes(spec: AttentionSpec, dims: dict) -> dict:
@@ -1450,29 +1484,31 @@ CONFIGS = [
     _cfg("tc_f16_dyn_s3_m2_d64", _TC, dict(warps=4, block_n=64, stages=3, m_tiles=2),
          seq_q=130, seq_kv=200, head_dim=64, causal=True),
     # -- the serving layouts: the kernels' control flow follows their index arguments -----------
+    # (the KV-cache builds split-KV into 2 chunks at batch 4 with one KV head, 1 with two:
+    # split_tasks=8 keeps their grids small; a chunk past the keys runs its empty loop)
     _cfg("simt_f16_varlen_causal", _SIMT, dict(block_m=16, block_n=16, threads_per_row=4), True,
          seq_q=64, seq_kv=64, causal=True, **varlen_case(_RAGGED)),
     _cfg("simt_f32_varlen_full", _SIMT, dict(block_m=8, block_n=16, threads_per_row=4),
          seq_q=64, seq_kv=64, dtype="float32", **varlen_case(_RAGGED)),
-    _cfg("simt_f32_kvcache_decode_causal", _SIMT, dict(block_m=8, block_n=16, threads_per_row=4), True,
+    _cfg("simt_f32_kvcache_decode_causal", _SIMT, dict(block_m=8, block_n=16, threads_per_row=4, split_tasks=8), True,
          heads=4, seq_q=1, seq_kv=64, dtype="float32", causal=True, **cache_case(_DECODE, 1)),
-    _cfg("simt_f16_paged_chunk5_causal", _SIMT, dict(block_m=8, block_n=32, threads_per_row=4), True,
+    _cfg("simt_f16_paged_chunk5_causal", _SIMT, dict(block_m=8, block_n=32, threads_per_row=4, split_tasks=8), True,
          heads=4, kv_heads=2, seq_q=5, seq_kv=64, causal=True, **cache_case(_CHUNK, 5, 16)),
-    _cfg("simt_f16_paged_decode_full", _SIMT, dict(block_m=16, block_n=16, threads_per_row=2),
+    _cfg("simt_f16_paged_decode_full", _SIMT, dict(block_m=16, block_n=16, threads_per_row=2, split_tasks=8),
          heads=4, seq_q=1, seq_kv=64, **cache_case(_DECODE, 1, 16, seed=1)),
-    _cfg("simt_f32_kvcache_chunk5_full", _SIMT, dict(block_m=16, block_n=16, threads_per_row=4),
+    _cfg("simt_f32_kvcache_chunk5_full", _SIMT, dict(block_m=16, block_n=16, threads_per_row=4, split_tasks=8),
          heads=4, kv_heads=2, seq_q=5, seq_kv=64, dtype="float32", **cache_case(_CHUNK, 5)),
     _cfg("tc_f16_s2_m1_varlen_causal", _TC, dict(warps=2, block_n=16, stages=2, m_tiles=1), True,
          seq_q=64, seq_kv=64, causal=True, **varlen_case(_RAGGED)),
     _cfg("tc_bf16_s1_m2_varlen_full", _TC, dict(warps=2, block_n=16, stages=1, m_tiles=2),
          seq_q=64, seq_kv=64, dtype="bfloat16", **varlen_case(_RAGGED)),
-    _cfg("tc_f16_s1_m1_kvcache_decode_causal", _TC, dict(warps=2, block_n=16, stages=1, m_tiles=1), True,
+    _cfg("tc_f16_s1_m1_kvcache_decode_causal", _TC, dict(warps=2, block_n=16, stages=1, m_tiles=1, split_tasks=8), True,
          heads=4, seq_q=1, seq_kv=64, causal=True, **cache_case(_DECODE, 1)),
-    _cfg("tc_f16_s2_m1_paged_chunk5_causal", _TC, dict(warps=2, block_n=32, stages=2, m_tiles=1), True,
+    _cfg("tc_f16_s2_m1_paged_chunk5_causal", _TC, dict(warps=2, block_n=32, stages=2, m_tiles=1, split_tasks=8), True,
          heads=4, kv_heads=2, seq_q=5, seq_kv=64, causal=True, **cache_case(_CHUNK, 5, 16)),
-    _cfg("tc_bf16_s2_m2_paged_decode_full", _TC, dict(warps=2, block_n=16, stages=2, m_tiles=2),
+    _cfg("tc_bf16_s2_m2_paged_decode_full", _TC, dict(warps=2, block_n=16, stages=2, m_tiles=2, split_tasks=8),
          heads=4, seq_q=1, seq_kv=64, dtype="bfloat16", **cache_case(_DECODE, 1, 16, seed=1)),
-    _cfg("tc_f16_s3_m1_kvcache_chunk5_causal", _TC, dict(warps=1, block_n=16, stages=3, m_tiles=1),
+    _cfg("tc_f16_s3_m1_kvcache_chunk5_causal", _TC, dict(warps=1, block_n=16, stages=3, m_tiles=1, split_tasks=8),
          heads=8, kv_heads=2, seq_q=5, seq_kv=64, causal=True, **cache_case(_CHUNK, 5)),
 ]
 

@@ -19,11 +19,21 @@ from typing import Any
 #: beyond the 48 KiB of static shared memory (``cudaFuncAttributeMaxDynamicSharedMemorySize``,
 #: which TVM's CUDA runtime sets at launch).
 SM_LIMITS = {
-    "sm_80": dict(max_warps=64, max_blocks=32, registers=65536, shared=167936, block_shared=166912),
-    "sm_86": dict(max_warps=48, max_blocks=16, registers=65536, shared=102400, block_shared=101376),
-    "sm_89": dict(max_warps=48, max_blocks=24, registers=65536, shared=102400, block_shared=101376),
-    "sm_90": dict(max_warps=64, max_blocks=32, registers=65536, shared=233472, block_shared=232448),
+    "sm_80": dict(max_warps=64, max_blocks=32, registers=65536, shared=167936, block_shared=166912, sms=108),
+    "sm_86": dict(max_warps=48, max_blocks=16, registers=65536, shared=102400, block_shared=101376, sms=84),
+    "sm_89": dict(max_warps=48, max_blocks=24, registers=65536, shared=102400, block_shared=101376, sms=142),
+    "sm_90": dict(max_warps=64, max_blocks=32, registers=65536, shared=233472, block_shared=232448, sms=132),
 }
+#: ``sms``: streaming multiprocessors of the arch's largest data-center part (A100 108, A40 84,
+#: L40S 142, H100 SXM and H200 132): what split-KV sizes a decode grid by (:func:`split_tasks_for`)
+
+
+def split_tasks_for(target) -> int:
+    """Thread blocks a split-KV decode grid aims for on ``target``: two per SM, as
+    FlashAttention-2's ``num_splits_heuristic`` aims (``num_SMs * 2``); an arch not in the table
+    counts as an A100's 108 SMs."""
+    arch = str(target.attrs.get("arch", ""))
+    return 2 * SM_LIMITS.get(arch, SM_LIMITS["sm_80"])["sms"]
 #: static shared memory per block: a kernel needing more declares it dynamic (``shared.dyn``)
 STATIC_SHARED_BYTES = 48 * 1024
 

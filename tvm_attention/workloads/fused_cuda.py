@@ -39,7 +39,8 @@ from tvm.script import tirx as T
 from ..cuda_tools import shared_scope
 from ..spec import AttentionSpec
 from ..visibility import Visibility
-from ._math import LOG2E, exp2_fast, guarded, lse_of, normalize, normalize_where, tanh_fast, with_sink
+from ._math import KV_UNIT, LOG2E, exp2_fast, guarded, kv_to_f32, lse_of, normalize, normalize_where, tanh_fast, with_sink
+from .fused import MIN_SPLIT_KEYS, n_splits
 from .kv import dim, kv_layout
 
 ENTRY = "attention"
@@ -48,6 +49,16 @@ VECTOR_BYTES = 16  # one 128-bit load/store per thread per step
 
 def vector_elems(dtype: str) -> int:
     return VECTOR_BYTES // {"float32": 4, "float16": 2, "bfloat16": 2}[dtype]
+
+
+def kv_reader(spec: AttentionSpec):
+    """``x -> value`` of one K/V element for the kernels' shared tiles (``spec.dtype``): the
+    element itself, or an 8-bit cache's stored value converted (``kv_to_f32`` without
+    ``KV_UNIT``, and without the head's scale: :meth:`Tile.k_scaled` and :meth:`Tile.out`
+    apply both once per score and per output), exact in float16 and bfloat16."""
+    if not spec.kv_quantized:
+        return lambda x: x
+    return lambda x: T.Cast(spec.dtype, kv_to_f32(x, spec.kv_dtype, unit=False))
 
 
 class _Simt:
@@ -97,6 +108,11 @@ class _Simt:
     def vec(self, n):
         return T.serial(n) if self.emulate else T.vectorized(n)
 
+    def kv_vec(self, n):
+        # an 8-bit cache's elements are converted one by one (CUDA has no vector form of the
+        # bit operations of kv_to_f32)
+        return T.unroll(n) if self.spec.kv_quantized else self.vec(n)
+
     def flat(self, it, ty, tx, v):
         # Element a thread loads in a cooperative tile copy: consecutive lanes take consecutive
         # 16-byte vectors, so the loads coalesce; row = flat // D, column = flat % D.
@@ -111,7 +127,8 @@ def _simt_load_macros(k: _Simt):
     memory with coalesced 16-byte loads."""
     (B, H, KH, SQ, SK, D, G, BM, BN, TPR, NJ, ND, dtype, VEC, QST, PST, QIT, KIT, qscale, neg_inf,
      smem) = k.dims
-    thread_y, thread_x, vec, flat = k.thread_y, k.thread_x, k.vec, k.flat
+    thread_y, thread_x, vec, flat, kv_vec = k.thread_y, k.thread_x, k.vec, k.flat, k.kv_vec
+    kv_value = kv_reader(k.spec)
 
     @T.macro
     def q_load(Q, Qs, m, l, acc, w):
@@ -143,17 +160,17 @@ def _simt_load_macros(k: _Simt):
         for ty in thread_y(BM):
             for tx in thread_x(TPR):
                 for it in T.serial(KIT):
-                    for v in vec(VEC):
+                    for v in kv_vec(VEC):
                         with T.sblock("KV_load"):
                             T.reads()
                             T.writes()
                             if flat(it, ty, tx, v) < BN * D:
                                 Ks[flat(it, ty, tx, v) // D * QST
-                                   + flat(it, ty, tx, v) % D] = K[
-                                    w.kv_at(w.tile(c) * BN + flat(it, ty, tx, v) // D, flat(it, ty, tx, v) % D)]
+                                   + flat(it, ty, tx, v) % D] = kv_value(K[
+                                    w.kv_at(w.tile(c) * BN + flat(it, ty, tx, v) // D, flat(it, ty, tx, v) % D)])
                                 Vs[flat(it, ty, tx, v) // D * QST
-                                   + flat(it, ty, tx, v) % D] = V[
-                                    w.kv_at(w.tile(c) * BN + flat(it, ty, tx, v) // D, flat(it, ty, tx, v) % D)]
+                                   + flat(it, ty, tx, v) % D] = kv_value(V[
+                                    w.kv_at(w.tile(c) * BN + flat(it, ty, tx, v) // D, flat(it, ty, tx, v) % D)])
 
     return q_load, kv_load
 
@@ -255,23 +272,34 @@ def _simt_pv_store_macros(k: _Simt):
                     T.reads()
                     T.writes()
                     if w.row0 + ty < w.rows:
+                        if w.final:
+                            for dd in T.serial(ND):
+                                O[w.o_at(w.row0 + ty, dd * TPR + tx)] = T.Cast(dtype, w.out(
+                                    acc[ty, tx, dd], l[ty, tx], w.row0 + ty, m[ty, tx]))
+                            if w.LSE is not None:
+                                if tx == 0:  # every lane of the row holds its m and l
+                                    w.LSE[w.lse_at(w.row0 + ty)] = lse_of(m[ty, tx], l[ty, tx])
+                    if not w.final:  # a split-KV chunk's state for the merge kernel: every tile
+                        # row (those past the step's are never read), so the workspace keeps
+                        # its (batch-sized) shape: a guard would let TVM compact it to seq_q rows
                         for dd in T.serial(ND):
-                            O[w.o_at(w.row0 + ty, dd * TPR + tx)] = T.Cast(dtype, w.out(
-                                acc[ty, tx, dd], l[ty, tx], w.row0 + ty, m[ty, tx]))
-                        if w.LSE is not None:
-                            if tx == 0:  # every lane of the row holds its m and l
-                                w.LSE[w.lse_at(w.row0 + ty)] = lse_of(m[ty, tx], l[ty, tx])
+                            w.split.Op[w.part_at(ty, dd * TPR + tx)] = acc[ty, tx, dd]
+                        if tx == 0:
+                            w.split.St[w.part_at(ty, 0)] = m[ty, tx]
+                            w.split.St[w.part_at(ty, 1)] = l[ty, tx]
 
     return pv, store
 
 
 def fused_attention_cuda(
-    spec: AttentionSpec, block_m: int, block_n: int, threads_per_row: int, emulate: bool = False
+    spec: AttentionSpec, block_m: int, block_n: int, threads_per_row: int, emulate: bool = False,
+    split_tasks: int = 0,
 ) -> tirx.PrimFunc:
     """Arguments (call order), all ``spec.dtype``, compact row-major: bhsd ``Q (B, H, Sq, D)``,
     ``K (B, KH, Skv, D)``, ``V (B, KH, Skv, D)``, ``O (B, H, Sq, D)``; varlen ``Q (total_q, H,
     D)``, ``K``/``V (total_k, KH, D)``, ``cu_seqlens_q``/``cu_seqlens_k (batch+1,) int32``,
-    ``O (total_q, H, D)``."""
+    ``O (total_q, H, D)``; kvcache/paged as :data:`layouts.LAYOUTS` lists them. ``split_tasks``:
+    split-KV for the KV-cache layouts (:class:`Split`)."""
     k = _Simt(spec, block_m, block_n, threads_per_row, emulate)
     (B, H, KH, SQ, SK, D, G, BM, BN, TPR, NJ, ND, dtype, VEC, QST, PST, QIT, KIT, qscale, neg_inf,
      smem) = k.dims
@@ -306,22 +334,26 @@ def fused_attention_cuda(
 
     attrs = {"global_symbol": ENTRY, "tirx.noalias": True, "attn.workload": "fused_cuda",
              "attn.block_m": BM, "attn.block_n": BN, "attn.threads_per_row": TPR}
-    return kernel_func(spec, k.block, BM, BN, (B, SQ, SK), tile, attrs)
+    return kernel_func(spec, k.block, BM, BN, (B, SQ, SK), tile, attrs, split_tasks=split_tasks, lanes=k.thread_x)
 
 
 class Variants:
     """The attention variants' call arguments of one CUDA kernel, declared outside its script
     (each ``None`` where the spec takes none): ``AL`` ALiBi slopes ``(heads,)``, ``SN`` sinks
-    ``(heads,)`` (both float32, natural-log units), ``KS`` ``kv_start (batch,) int32``.
+    ``(heads,)`` (both float32, natural-log units), ``KS`` ``kv_start (batch,) int32``; an 8-bit
+    cache's scales ``KSC``/``VSC`` ``(kv_heads,)`` float32.
     ``buffers`` lists them in call order (:data:`layouts.VARIANT_ARGS`)."""
 
     def __init__(self, spec: AttentionSpec | None, B=None):
         # spec None: a kernel without variant arguments
-        on = (spec.alibi, spec.sinks, spec.kv_start) if spec is not None else (False,) * 3
+        on = (spec.alibi, spec.sinks, spec.kv_start, spec.kv_quantized) if spec is not None else (False,) * 4
         self.AL = tirx.decl_buffer((spec.heads,), "float32", "AL") if on[0] else None
         self.SN = tirx.decl_buffer((spec.heads,), "float32", "SN") if on[1] else None
         self.KS = tirx.decl_buffer((B,), "int32", "KS") if on[2] else None
-        self.buffers = [x for x in (self.AL, self.SN, self.KS) if x is not None]
+        # an 8-bit cache's k_scale, v_scale (kv_heads,) float32 (layouts.KV_SCALE_ARGS)
+        self.KSC = tirx.decl_buffer((spec.kv_heads,), "float32", "KSC") if on[3] else None
+        self.VSC = tirx.decl_buffer((spec.kv_heads,), "float32", "VSC") if on[3] else None
+        self.buffers = [x for x in (self.AL, self.SN, self.KS, self.KSC, self.VSC) if x is not None]
 
 
 class Tile:
@@ -339,10 +371,17 @@ class Tile:
     ``kv_start`` buffers), ``b`` the tile's sequence (its ``kv_start``), ``head(row)`` the query
     head of a tile row (its ALiBi slope and sink). A sliding window or a start skips the key
     tiles before what the tile's first row sees: the loop's tile ``c`` is the sequence's
-    ``tile(c)``."""
+    ``tile(c)``.
+
+    Split-KV (``split``, a :class:`Split`; the KV-cache layouts): the tile is chunk ``s`` of the
+    ``split.active`` chunks of its key tiles, ``span = (first, count)`` of them (registers the
+    grid computed once from :meth:`chunk_span`), and unless ``split.active`` is 1 (a run-time
+    fact: it depends on the batch) it stores its unnormalised state at ``part(row, j)`` of the
+    partials (``final`` False) for the merge kernel to combine."""
 
     def __init__(self, spec: AttentionSpec, BM: int, BN: int, row0, q_len, k_len, q, kv, o, valid=None,
-                 group: int = 1, lse=None, var=None, b=None, head=None):
+                 group: int = 1, lse=None, var=None, b=None, head=None, split=None, span=None, part=None,
+                 kv_head=None):
         self.spec, self.BM, self.BN = spec, BM, BN
         self.row0, self.q_len, self.k_len = row0, q_len, k_len
         self._q, self._kv, self._o = q, kv, o
@@ -363,6 +402,11 @@ class Tile:
         self.start = None if self.var.KS is None else self.var.KS[b]  # the sequence's first visible key
         begin = vis.key_begin(vis.position(self.pos(row0), self.off), self.start)
         self.c0 = None if begin is None else vis.tiles_before(begin, BN)  # tiles no row of it sees
+        self.split, self.span, self._part = split, span, part
+        self.kv_head = kv_head  # the tile's KV head (every row reads it): an 8-bit cache's scales
+        # whether the tile stores O (and LSE) itself: always without a split; with one, when
+        # the batch fills the GPU alone (one chunk)
+        self.final = True if split is None else split.active == 1
 
     def pos(self, row):
         """The query position of tile row ``row``."""
@@ -370,11 +414,24 @@ class Tile:
 
     def tile(self, c):
         """The sequence's key tile of loop iteration ``c``."""
-        return c if self.c0 is None else c + self.c0
+        t = c if self.c0 is None else c + self.c0
+        return t if self.split is None else t + self.span[0]
 
     def n_tiles(self):
         """Key tiles the tile's rows see: past what its last row sees, and (a window, a start)
-        before what its first row sees, tiles are skipped."""
+        before what its first row sees, tiles are skipped; split, those of its chunk."""
+        return self._seen_tiles() if self.split is None else self.span[1]
+
+    def chunk_span(self, s, ns):
+        """``(first, count)``: the key tiles (counted from the first the rows see) of chunk ``s``
+        of ``ns`` of this (unsplit) tile's: an equal share, at least :data:`fused.MIN_SPLIT_KEYS`
+        keys (truncdiv: both operands are non-negative, and floordiv by a run-time divisor lowers
+        to selects)."""
+        n = self._seen_tiles()
+        chunk = T.max(-(-MIN_SPLIT_KEYS // self.BN), T.truncdiv(n + ns - 1, ns))
+        return s * chunk, T.max(0, T.min(chunk, n - s * chunk))
+
+    def _seen_tiles(self):
         vis = self.vis
         end = self.row0 + self.BM if self.group == 1 else self.pos(self.row0 + self.BM - 1) + 1
         key_end = vis.key_end(vis.position(end, self.off))
@@ -413,13 +470,20 @@ class Tile:
         ``slope·|position − key|·log2 e``."""
         spec = self.spec
         if spec.softcap is not None:
-            x = tanh_fast(s * T.float32(spec.scale / spec.softcap)) * T.float32(spec.softcap * LOG2E)
+            x = tanh_fast(s * self.k_scaled(spec.scale / spec.softcap)) * T.float32(spec.softcap * LOG2E)
         else:
-            x = s * T.float32(spec.scale * LOG2E)
+            x = s * self.k_scaled(spec.scale * LOG2E)
         if spec.alibi:
             dist = self.vis.position(self.pos(row), self.off) - col
             x = x - self.var.AL[self.head(row)] * T.float32(LOG2E) * T.Cast("float32", T.abs(dist))
         return x
+
+    def k_scaled(self, factor: float):
+        """``factor`` (float32) times what turns a raw score of an 8-bit cache's converted keys
+        into ``q·k``: the tile's KV head's ``k_scale`` and the conversion's unit (``KV_UNIT``)."""
+        if not self.spec.kv_quantized:
+            return T.float32(factor)
+        return self.var.KSC[self.kv_head] * T.float32(factor * KV_UNIT.get(self.spec.kv_dtype, 1.0))
 
     def masked(self, s, row, col):
         """Score ``s`` of (row, key col), −inf where the row does not see the key."""
@@ -429,7 +493,10 @@ class Tile:
         """``acc / l`` of row ``row``, 0 for a row that sees no key: static lengths decide at
         build time whether a row may see none (``normalize``); otherwise the same fact of the
         mask is a run-time predicate of the lengths (and the start). With sinks the denominator
-        gains the row's head's sink (``with_sink``, from the row's running max ``m``)."""
+        gains the row's head's sink (``with_sink``, from the row's running max ``m``). An 8-bit
+        cache's values are scaled here, once per output (``v_scale``, ``KV_UNIT``)."""
+        if self.spec.kv_quantized:
+            acc = acc * (self.var.VSC[self.kv_head] * T.float32(KV_UNIT.get(self.spec.kv_dtype, 1.0)))
         if self.var.SN is not None:
             acc, l = with_sink(acc, l, m, self.var.SN[self.head(row)] * T.float32(LOG2E))
         if self.static and self.start is None:
@@ -451,6 +518,35 @@ class Tile:
     def lse_at(self, row):
         return self._lse[1](row)
 
+    def part_at(self, row, j):
+        """Index of split-KV partial ``j`` of tile row ``row`` (``Op``: column ``j``; ``St``: 0
+        the running max, 1 the row sum). A split tile is its step's only row tile (``row0`` 0):
+        tile rows are the packed rows."""
+        return self._part(row, j)
+
+
+class Split:
+    """Split-KV of a KV-cache grid: a decode step's (sequence, KV head) runs as ``active``
+    thread blocks, one per chunk of its key tiles, so a small batch still fills the GPU; a merge
+    kernel combines their partials. ``ns`` is :func:`fused.n_splits` of the batch (1 once
+    batch · KV heads reach ``split_tasks``): the chunks a decode step takes; ``active`` is
+    ``ns`` when the step's packed rows (seq_q · group) fit one row tile (``NR`` 1), else 1 (a
+    prefill chunk has row tiles enough). ``Op (ns, B, KH, BM, D)``: each chunk's unnormalised
+    accumulator; ``St (ns, B, KH, BM, 2)``: its running max (log2 units) and row sum. Both live
+    in a workspace the function allocates (TVM's device workspace), not among its arguments,
+    sized by the batch alone (no length: the fusion audit's rule)."""
+
+    def __init__(self, ns, NR, B, KH: int, BM: int, rows, D: int, Op=None, St=None):
+        self.ns, self.NR, self.B, self.KH, self.BM, self.rows, self.D = ns, NR, B, KH, BM, rows, D
+        self.active = T.Select(NR == 1, ns, 1)
+        self.part_shape = (ns, B, KH, BM, D)
+        self.state_shape = (ns, B, KH, BM, 2)
+        self.Op, self.St = Op, St
+
+    def bound(self, Op, St) -> "Split":
+        """This split with its partials' buffers (allocated inside the kernel's script)."""
+        return Split(self.ns, self.NR, self.B, self.KH, self.BM, self.rows, self.D, Op, St)
+
 
 def dense_tile(spec: AttentionSpec, BM: int, BN: int, b, h, row0, SQ, SK, LSE=None, var=None) -> Tile:
     """The BHSD tile of (batch ``b``, head ``h``) from row ``row0``: Q/O ``(B, H, SQ, D)``,
@@ -463,19 +559,21 @@ def dense_tile(spec: AttentionSpec, BM: int, BN: int, b, h, row0, SQ, SK, LSE=No
 
 
 def cache_tile(spec: AttentionSpec, BM: int, BN: int, b, kh, row0, SQ, k_len, kvl, X, LSE=None,
-               var=None) -> Tile:
+               var=None, split=None, s=None, span=None) -> Tile:
     """The KV-cache tile (kvcache, paged) of (batch ``b``, KV head ``kh``) from packed row
     ``row0``: the group's query heads packed (``Tile.group``), Q/O ``(B, H, SQ, D)``, K/V
     addressed through the kernel's layout ``kvl`` (``kv.kv_layout``: the cache rows, or
     ``block_table``'s pages; ``X`` its index buffers), ``k_len`` the sequence's
-    ``cache_seqlens`` entry."""
+    ``cache_seqlens`` entry. ``split``: chunk ``s`` (its key tiles ``span``) of a :class:`Split`
+    (the tile's partials at ``(s, b, kh, row, j)``)."""
     G = spec.group_size
     return Tile(spec, BM, BN, row0, SQ, k_len,
                 q=lambda r, d: (b, kh * G + T.floormod(r, G), T.floordiv(r, G), d),
                 kv=lambda j, d: kvl.index(X, b, kh, j, d),
                 o=lambda r, d: (b, kh * G + T.floormod(r, G), T.floordiv(r, G), d), group=G,
                 lse=None if LSE is None else (LSE, lambda r: (b, kh * G + T.floormod(r, G), T.floordiv(r, G))),
-                var=var, b=b, head=lambda r: kh * G + T.floormod(r, G))
+                var=var, b=b, head=lambda r: kh * G + T.floormod(r, G),
+                split=split, span=span, part=None if split is None else (lambda r, j: (s, b, kh, r, j)), kv_head=kh)
 
 
 def flat_offset(buf, index) -> tirx.PrimExpr:
@@ -500,15 +598,20 @@ def grid_refusal(spec: AttentionSpec) -> str | None:
 
 
 def kernel_func(spec: AttentionSpec, block, BM: int, BN: int, dims: tuple, tile, attrs: dict,
-                reverse: bool = False) -> tirx.PrimFunc:
+                reverse: bool = False, split_tasks: int = 0, lanes=None) -> tirx.PrimFunc:
     """A CUDA kernel's PrimFunc (both: this one and ``fused_mma``) in ``spec``'s layout: its
     signature and its grid of thread blocks, each running the macro ``tile(Q, K, V, O, w)`` on
     its :class:`Tile` ``w``. ``block(n, axis)`` binds a grid loop (or a serial one, emulated);
     ``dims = (B, SQ, SK)`` are the kernel's batch and lengths (ints or the vars of its tiles);
-    ``reverse``: the longest row tiles launch first (causal)."""
+    ``reverse``: the longest row tiles launch first (causal). ``split_tasks`` (the KV-cache
+    layouts; 0: none): split-KV until the grid has that many thread blocks (:class:`Split`),
+    the merge kernel's lanes bound by ``lanes(n)`` (threadIdx.x, or a serial loop)."""
     B, SQ, SK = dims
     var = Variants(spec, B)
-    func, LSE = _kernel_func(spec, block, BM, BN, B, SQ, SK, tile, attrs, reverse, bool(spec.return_lse), var)
+    if split_tasks:
+        attrs = {**attrs, "attn.split_tasks": split_tasks}
+    func, LSE = _kernel_func(spec, block, BM, BN, B, SQ, SK, tile, attrs, reverse, bool(spec.return_lse), var,
+                             split_tasks, lanes)
     if LSE is None and not var.buffers:
         return func
     # buffers declared outside the script: the variants' arguments before O (the script's last
@@ -524,7 +627,7 @@ def _lse_buffer(spec: AttentionSpec, B, SQ, TQ):
     return tirx.decl_buffer(shape, "float32", "LSE")
 
 
-def _kernel_func(spec, block, BM, BN, B, SQ, SK, tile, attrs, reverse, lse, var):
+def _kernel_func(spec, block, BM, BN, B, SQ, SK, tile, attrs, reverse, lse, var, split_tasks=0, lanes=None):
     """``kernel_func``'s PrimFunc per layout and the LSE buffer its tiles write (None without
     ``lse``), neither it nor the variants' buffers yet among its parameters: a script that uses
     them is marked ``attn.extra_params`` and not checked for well-formedness until then."""
@@ -558,14 +661,21 @@ def _kernel_func(spec, block, BM, BN, B, SQ, SK, tile, attrs, reverse, lse, var)
     NR = math.ceil(rows / BM) if isinstance(rows, int) else T.floordiv(rows + BM - 1, BM)
     LSE = _lse_buffer(spec, B, SQ, None) if lse else None
     kvl = kv_layout(spec, B, D) if cache else None  # K/V's shape and addressing
+    split = Split(n_splits(split_tasks, B, KH), NR, B, KH, BM, rows, D) if cache and split_tasks else None
 
-    def at(b, h, r, k_len=None, X=()):
+    def at(b, h, r, k_len=None, X=(), part=None):
+        # part: (chunk, Op, St, its span) of a split-KV grid
         row0 = (NR - 1 - r) * BM if reverse else r * BM
         if cache:
-            return cache_tile(spec, BM, BN, b, h, row0, SQ, k_len, kvl, X, LSE, var)
+            if part is None:
+                return cache_tile(spec, BM, BN, b, h, row0, SQ, k_len, kvl, X, LSE, var)
+            s, Op, St, span = part
+            return cache_tile(spec, BM, BN, b, h, row0, SQ, k_len, kvl, X, LSE, var, split.bound(Op, St), s,
+                              (span[0], span[1]))
         return dense_tile(spec, BM, BN, b, h, row0, SQ, SK, LSE, var)
 
-    grid = tile_grid(block, B, KH if cache else H, NR, not spec.dynamic, tile, at, cache)
+    merge = None if split is None else merge_grid(spec, block, lanes, split, at)
+    grid = tile_grid(block, B, KH if cache else H, NR, not spec.dynamic, tile, at, cache, split, merge)
     if not cache:
         @T.prim_func(s_tir=True, check_well_formed="attn.extra_params" not in attrs)
         def attention(
@@ -579,17 +689,24 @@ def _kernel_func(spec, block, BM, BN, B, SQ, SK, tile, attrs, reverse, lse, var)
 
         return attention, LSE
     KS = kvl.shape
+    kv_dtype = spec.kv_dtype_name  # an 8-bit cache's (kv_reader converts its elements)
+    fp8 = kv_dtype.startswith("float8")  # read through uint8 aliases (kv_to_f32 takes the bits)
     if spec.layout == "kvcache":
         @T.prim_func(s_tir=True, check_well_formed="attn.extra_params" not in attrs)
         def attention_kvcache(
             Q: T.Buffer((B, H, SQ, D), dtype),
-            K: T.Buffer(KS, dtype),
-            V: T.Buffer(KS, dtype),
+            K: T.Buffer(KS, kv_dtype),
+            V: T.Buffer(KS, kv_dtype),
             CS: T.Buffer((B,), "int32"),
             O: T.Buffer((B, H, SQ, D), dtype),
         ):
             T.func_attr(attrs)
-            grid(Q, K, V, O, (CS,))
+            if fp8:
+                K8 = T.decl_buffer(KS, "uint8", data=K.data)
+                V8 = T.decl_buffer(KS, "uint8", data=V.data)
+                grid(Q, K8, V8, O, (CS,))
+            else:
+                grid(Q, K, V, O, (CS,))
 
         return attention_kvcache, LSE
     MP = kvl.MP  # block_table's columns
@@ -597,14 +714,19 @@ def _kernel_func(spec, block, BM, BN, B, SQ, SK, tile, attrs, reverse, lse, var)
     @T.prim_func(s_tir=True, check_well_formed="attn.extra_params" not in attrs)
     def attention_paged(
         Q: T.Buffer((B, H, SQ, D), dtype),
-        K: T.Buffer(KS, dtype),
-        V: T.Buffer(KS, dtype),
+        K: T.Buffer(KS, kv_dtype),
+        V: T.Buffer(KS, kv_dtype),
         BT: T.Buffer((B, MP), "int32"),
         CS: T.Buffer((B,), "int32"),
         O: T.Buffer((B, H, SQ, D), dtype),
     ):
         T.func_attr(attrs)
-        grid(Q, K, V, O, (BT, CS))
+        if fp8:
+            K8 = T.decl_buffer(KS, "uint8", data=K.data)
+            V8 = T.decl_buffer(KS, "uint8", data=V.data)
+            grid(Q, K8, V8, O, (BT, CS))
+        else:
+            grid(Q, K, V, O, (BT, CS))
 
     return attention_paged, LSE
 
@@ -668,15 +790,43 @@ def varlen_grid(spec: AttentionSpec, block, BM: int, BN: int, tile, reverse: boo
     return grid, TK, NB1
 
 
-def tile_grid(block, B, H, NR, static: bool, tile, at, cache: bool):
+def tile_grid(block, B, H, NR, static: bool, tile, at, cache: bool, split: Split | None = None, merge=None):
     """The thread blocks of a dense-query kernel (bhsd, kvcache, paged), each running the macro
     ``tile(Q, K, V, O, at(b, h, r, ...))`` on its tile: a flat grid of ``B·H·NR`` blocks for
     static lengths, a (row tile, head, batch) grid on ``blockIdx.x/y/z`` for symbolic ones (no
     index divides by a run-time extent). ``cache``: a KV-cache tile, ``H`` counts KV heads and
-    the sequence's length ``cache_seqlens[b]`` (``X[-1]``) is read once into a register."""
+    the sequence's length ``cache_seqlens[b]`` (``X[-1]``) is read once into a register.
+    ``split``: split-KV (the KV-cache layouts, symbolic): blockIdx.z counts (sequence, chunk)
+    pairs, the partials live in a workspace, then the kernel ``merge(Op, St, O, X)`` runs."""
 
     def seqlen(X, b):
         return X[-1][b]
+
+    NS = split.active if split is not None else 1
+
+    @T.macro
+    def chunks(Q, K, V, O, X, Op, St):
+        # (batch, chunk) pairs on blockIdx.z: truncdiv/truncmod (non-negative operands)
+        for bz in block(B * NS, "z"):
+            for by in block(H, "y"):
+                for bx in block(NR, "x"):
+                    with T.sblock("row_tile"):
+                        vz, vh, vr = T.axis.remap("SSS", [bz, by, bx])
+                        T.reads()
+                        T.writes()
+                        k_len = T.sblock_alloc_buffer((1,), "int32", scope="local")
+                        # the sequence and chunk, the chunk's first tile and tile count: once, in
+                        # registers (recomputed from blockIdx.z, they spilled fp32 paged on sm_90)
+                        seq = T.sblock_alloc_buffer((4,), "int32", scope="local")
+                        with T.sblock("seq_len"):
+                            T.reads()
+                            T.writes()
+                            seq[0] = T.truncdiv(vz, NS)
+                            seq[1] = T.truncmod(vz, NS)
+                            k_len[0] = seqlen(X, seq[0])
+                            seq[2] = at(seq[0], vh, vr, k_len[0], X).chunk_span(seq[1], NS)[0]
+                            seq[3] = at(seq[0], vh, vr, k_len[0], X).chunk_span(seq[1], NS)[1]
+                        tile(Q, K, V, O, at(seq[0], vh, vr, k_len[0], X, (seq[1], Op, St, seq[2:4])))
 
     @T.macro
     def grid(Q, K, V, O, X):
@@ -687,6 +837,14 @@ def tile_grid(block, B, H, NR, static: bool, tile, at, cache: bool):
                     T.reads()
                     T.writes()
                     tile(Q, K, V, O, at(vbx // (H * NR), vbx % (H * NR) // NR, vbx % NR))
+        elif split is not None:
+            with T.sblock("split_kv"):
+                T.reads()
+                T.writes()
+                Op = T.sblock_alloc_buffer(split.part_shape, "float32")
+                St = T.sblock_alloc_buffer(split.state_shape, "float32")
+                chunks(Q, K, V, O, X, Op, St)
+                merge(Op, St, O, X)
         else:  # no guard for batch or seq_q 0 (a zero grid, a launch error): TVM's sync insertion
             # refuses a condition around the kernel; the loader answers empty calls itself
             for bz in block(B, "z"):
@@ -707,3 +865,65 @@ def tile_grid(block, B, H, NR, static: bool, tile, at, cache: bool):
                                 tile(Q, K, V, O, at(vb, vh, vr))
 
     return grid
+
+
+def merge_grid(spec: AttentionSpec, block, lanes, split: Split, at):
+    """The merge kernel of a split-KV grid: a thread block per (packed row, KV head, sequence),
+    a lane per head-dim column: ``M = max_s m_s``, ``O = Σ_s acc_s·2^(m_s − M) / Σ_s
+    l_s·2^(m_s − M)`` through the row's tile (``at(b, kh, 0, k_len, X)``: its output index, zeros
+    for a row that sees no key, the sink once in the merged denominator), and the row's
+    log-sum-exp. A chunk that saw no key has ``m = −inf``, ``l = 0``: weight 0. Nothing to do
+    when the batch needed no split (``ns`` 1: each chunk stored its rows itself)."""
+    NS, B, KH, rows, D = split.active, split.B, split.KH, split.rows, split.D
+    dtype = spec.dtype
+    neg_inf = T.float32(float("-inf"))
+
+    def row(b, kh, k_len, X):  # the rows' tile: where a row's output goes, how it normalises
+        return at(b, kh, 0, k_len, X)
+
+    LSE = row(0, 0, 0, ()).LSE  # the kernel's LSE output (None without --return-lse)
+
+    def part_row(r):
+        # r < rows <= BM whenever the merge runs; the min tells TVM's buffer compaction so (it
+        # would size the workspace by seq_q, and the fusion audit fail it, from r's extent)
+        return T.min(r, split.BM - 1)
+
+    @T.macro
+    def merge(Op, St, O, X):
+        for bz in block(B, "z"):
+            for by in block(KH, "y"):
+                for bx in block(T.Select(NS > 1, rows, 1), "x"):  # one idle block per head when unsplit
+                    with T.sblock("merge"):
+                        vb, vkh, vr = T.axis.remap("SSS", [bz, by, bx])
+                        T.reads()
+                        T.writes()
+                        k_len = T.sblock_alloc_buffer((1,), "int32", scope="local")
+                        mx = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                        ls = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                        am = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                        wt = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                        with T.sblock("merge_len"):
+                            T.reads()
+                            T.writes()
+                            k_len[0] = X[-1][vb]
+                        for d in lanes(D):
+                            with T.sblock("merge_row"):
+                                T.reads()
+                                T.writes()
+                                if NS > 1:
+                                    mx[0] = neg_inf
+                                    for sp in T.serial(NS):
+                                        mx[0] = T.max(mx[0], St[sp, vb, vkh, part_row(vr), 0])
+                                    ls[0] = T.float32(0)
+                                    am[0] = T.float32(0)
+                                    for sp in T.serial(NS):
+                                        wt[0] = exp2_fast(St[sp, vb, vkh, part_row(vr), 0] - guarded(mx[0]))
+                                        ls[0] = ls[0] + St[sp, vb, vkh, part_row(vr), 1] * wt[0]
+                                        am[0] = am[0] + Op[sp, vb, vkh, part_row(vr), d] * wt[0]
+                                    O[row(vb, vkh, k_len[0], X).o_at(vr, d)] = T.Cast(
+                                        dtype, row(vb, vkh, k_len[0], X).out(am[0], ls[0], vr, mx[0]))
+                                    if LSE is not None:
+                                        if d == 0:
+                                            LSE[row(vb, vkh, k_len[0], X).lse_at(vr)] = lse_of(mx[0], ls[0])
+
+    return merge

@@ -57,7 +57,7 @@ from ..cuda_tools import shared_scope
 from ..spec import AttentionSpec
 from ..visibility import Visibility
 from ._math import LOG2E, guarded, lse_of
-from .fused_cuda import flat_offset, kernel_func
+from .fused_cuda import flat_offset, kernel_func, kv_reader
 from .kv import dim
 
 ENTRY = "attention"
@@ -177,6 +177,11 @@ def _mma_fragments(x):
     the ``copy_kv`` and ``mma_pair`` macros."""
     (BN, call, EMU, LIT, MT, NO, NT, NTHR, ST, TILE, VPR) = \
         (x.BN, x.call, x.EMU, x.LIT, x.MT, x.NO, x.NT, x.NTHR, x.ST, x.TILE, x.VPR)
+    QKV = x.spec.kv_quantized  # an 8-bit cache: converted on the way to shared memory
+    kv_value = kv_reader(x.spec)
+
+    def elems(n):
+        return T.serial(n) if EMU else T.unroll(n)
 
     # A lane's fragments are flat arrays of MT blocks, one per 16-row group: scores S and P
     # (NT·4 slots a block), the output acc (NO·4), Q (NDC·8); the row state m, l (2 a block: rows
@@ -234,15 +239,17 @@ def _mma_fragments(x):
 
     @T.macro
     def copy_kv(Ks, Vs, K, V, w, ty, tx, stage, tile):
-        # this thread's part of key tile ``tile`` of K and V into shared stage ``stage``
+        # this thread's part of key tile ``tile`` of K and V into shared stage ``stage``; an
+        # 8-bit cache's 8 elements are loaded and converted (synchronous stores to the stage:
+        # the barrier that orders the copies orders them too)
         for it in T.unroll(LIT):
             if (it * NTHR + ty * WARP + tx) < BN * VPR:
-                if EMU:
-                    for v in T.serial(8):
-                        Ks[stage * TILE + vec_row(it, ty, tx) * ST + vec_col(it, ty, tx) + v] = K[
-                            w.kv_at(w.tile(tile) * BN + vec_row(it, ty, tx), vec_col(it, ty, tx) + v)]
-                        Vs[stage * TILE + vec_row(it, ty, tx) * ST + vec_col(it, ty, tx) + v] = V[
-                            w.kv_at(w.tile(tile) * BN + vec_row(it, ty, tx), vec_col(it, ty, tx) + v)]
+                if EMU or QKV:
+                    for v in elems(8):
+                        Ks[stage * TILE + vec_row(it, ty, tx) * ST + vec_col(it, ty, tx) + v] = kv_value(K[
+                            w.kv_at(w.tile(tile) * BN + vec_row(it, ty, tx), vec_col(it, ty, tx) + v)])
+                        Vs[stage * TILE + vec_row(it, ty, tx) * ST + vec_col(it, ty, tx) + v] = kv_value(V[
+                            w.kv_at(w.tile(tile) * BN + vec_row(it, ty, tx), vec_col(it, ty, tx) + v)])
                 else:
                     T.evaluate(call(
                         "attn_cp_async16",
@@ -426,6 +433,11 @@ def _mma_softmax(x):
     # of the raw scores is scaled once (the scale is positive) and the exponent is one FFMA
     qscale = 1.0 if transforms else x.qscale
 
+    def scaled(w):
+        # the scale of the raw scores: qscale, times an 8-bit cache's key scale (logit applies
+        # it with the transforms)
+        return T.float32(qscale) if transforms or not spec.kv_quantized else w.k_scaled(qscale)
+
     @T.macro
     def softmax(S, Pf, acc, m, l, mt, mn, w, c):
         # -- scale, mask (only tiles that need it), the lane's row maxima -----------
@@ -448,7 +460,7 @@ def _mma_softmax(x):
                     for k in T.unroll(MT * NT * 4):
                         mt[ix(ty, tx, s_half(k))] = T.max(mt[ix(ty, tx, s_half(k))], S[ix(ty, tx, k)])
                     for h2 in T.unroll(MT * 2):
-                        mt[ix(ty, tx, h2)] = T.max(m[ix(ty, tx, h2)], mt[ix(ty, tx, h2)] * T.float32(qscale))
+                        mt[ix(ty, tx, h2)] = T.max(m[ix(ty, tx, h2)], mt[ix(ty, tx, h2)] * scaled(w))
         # -- row max across the row's four lanes -------------------------------------
         for ty in thread_y(W):
             for tx in thread_x(WARP):
@@ -475,7 +487,7 @@ def _mma_softmax(x):
                         m[ix(ty, tx, h2)] = mn[ix(ty, tx, h2)]
                         l[ix(ty, tx, h2)] = l[ix(ty, tx, h2)] * mt[ix(ty, tx, h2)]
                     for k in T.unroll(MT * NT * 4):
-                        S[ix(ty, tx, k)] = T.exp2(S[ix(ty, tx, k)] * T.float32(qscale)
+                        S[ix(ty, tx, k)] = T.exp2(S[ix(ty, tx, k)] * scaled(w)
                                                   - guarded(mn[ix(ty, tx, s_half(k))]))
                         l[ix(ty, tx, s_half(k))] = l[ix(ty, tx, s_half(k))] + S[ix(ty, tx, k)]
                         Pf[ix(ty, tx, k)] = T.Cast(dtype, S[ix(ty, tx, k)])
@@ -546,29 +558,40 @@ def _mma_store(x):
                 with T.sblock("O_store"):
                     T.reads()
                     T.writes()
-                    for k in T.unroll(MT * NO * 4):
-                        if w.row0 + row_of(ty, tx, o_half(k)) < w.rows:
-                            O[w.o_at(w.row0 + row_of(ty, tx, o_half(k)), col_of(tx, k, NO))] = T.Cast(
-                                dtype, w.out(acc[ix(ty, tx, k)], ls[ix(ty, tx, o_half(k))],
-                                             w.row0 + row_of(ty, tx, o_half(k)), m[ix(ty, tx, o_half(k))]))
-                    if w.LSE is not None:
-                        if tx % 4 == 0:  # the row's four lanes hold the same m and sum
+                    if w.final:
+                        for k in T.unroll(MT * NO * 4):
+                            if w.row0 + row_of(ty, tx, o_half(k)) < w.rows:
+                                O[w.o_at(w.row0 + row_of(ty, tx, o_half(k)), col_of(tx, k, NO))] = T.Cast(
+                                    dtype, w.out(acc[ix(ty, tx, k)], ls[ix(ty, tx, o_half(k))],
+                                                 w.row0 + row_of(ty, tx, o_half(k)), m[ix(ty, tx, o_half(k))]))
+                        if w.LSE is not None:
+                            if tx % 4 == 0:  # the row's four lanes hold the same m and sum
+                                for h2 in T.unroll(MT * 2):
+                                    if w.row0 + row_of(ty, tx, h2) < w.rows:
+                                        w.LSE[w.lse_at(w.row0 + row_of(ty, tx, h2))] = lse_of(
+                                            m[ix(ty, tx, h2)], ls[ix(ty, tx, h2)])
+                    else:  # a split-KV chunk's state for the merge kernel: every tile row
+                        # (unguarded: a guard would let TVM compact the workspace to seq_q rows)
+                        for k in T.unroll(MT * NO * 4):
+                            w.split.Op[w.part_at(row_of(ty, tx, o_half(k)), col_of(tx, k, NO))] = acc[ix(ty, tx, k)]
+                        if tx % 4 == 0:
                             for h2 in T.unroll(MT * 2):
-                                if w.row0 + row_of(ty, tx, h2) < w.rows:
-                                    w.LSE[w.lse_at(w.row0 + row_of(ty, tx, h2))] = lse_of(
-                                        m[ix(ty, tx, h2)], ls[ix(ty, tx, h2)])
+                                w.split.St[w.part_at(row_of(ty, tx, h2), 0)] = m[ix(ty, tx, h2)]
+                                w.split.St[w.part_at(row_of(ty, tx, h2), 1)] = ls[ix(ty, tx, h2)]
 
     return store
 
 
 def fused_attention_mma(
-    spec: AttentionSpec, warps: int, block_n: int, stages: int, m_tiles: int = 1, emulate: bool = False
+    spec: AttentionSpec, warps: int, block_n: int, stages: int, m_tiles: int = 1, emulate: bool = False,
+    split_tasks: int = 0,
 ) -> tirx.PrimFunc:
     """Arguments (call order), all ``spec.dtype`` (float16 or bfloat16), compact row-major,
     16-byte aligned rows (``head_dim`` a multiple of 16): bhsd ``Q (B, H, Sq, D)``, ``K (B, KH,
     Skv, D)``, ``V (B, KH, Skv, D)``, ``O (B, H, Sq, D)``; varlen ``Q (total_q, H, D)``,
     ``K``/``V (total_k, KH, D)``, ``cu_seqlens_q``/``cu_seqlens_k (batch+1,) int32``,
-    ``O (total_q, H, D)``."""
+    ``O (total_q, H, D)``; kvcache/paged as :data:`layouts.LAYOUTS` lists them. ``split_tasks``:
+    split-KV for the KV-cache layouts (``fused_cuda.Split``)."""
     x = _mma_fragments(_mma_context(spec, warps, block_n, stages, m_tiles, emulate))
     (B, block, BM, BN, dtype, fscope, fshape, MT, NDC, NO, NS, NT, SK, smem, SQ, TILE, W) = \
         (x.B, x.block, x.BM, x.BN, x.dtype, x.fscope, x.fshape, x.MT, x.NDC, x.NO, x.NS, x.NT, x.SK, x.smem,
@@ -610,4 +633,5 @@ def fused_attention_mma(
 
     attrs = {"global_symbol": ENTRY, "tirx.noalias": True, "attn.workload": "fused_mma",
              "attn.warps": W, "attn.block_n": BN, "attn.stages": NS, "attn.m_tiles": MT}
-    return kernel_func(spec, block, BM, BN, (B, SQ, SK), tile, attrs, reverse=x.causal)
+    return kernel_func(spec, block, BM, BN, (B, SQ, SK), tile, attrs, reverse=x.causal, split_tasks=split_tasks,
+                       lanes=x.thread_x)
