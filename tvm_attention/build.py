@@ -23,7 +23,7 @@ from .target import check_target_runnable, cpu_features, is_cuda, resolve_target
 from .task_mods import tuning_spec
 from .workloads import WORKLOADS
 from .workloads.fused import ENTRY
-from .workloads.index_checks import with_index_checks
+from .workloads.index_checks import with_device_index_checks, with_index_checks
 
 
 @dataclasses.dataclass
@@ -137,6 +137,7 @@ def build_kernel(
     codegen of that same lowered IR.
     """
     target = resolve_target(target) if not isinstance(target, Target) else target
+    refuse_device_checks(spec, target)  # before the schedule: a named error, at once
     family = get_schedule(schedule, target)
     knobs = resolve_knobs(family, spec, target, knobs)
     check(family, knobs, spec, target)
@@ -183,7 +184,8 @@ def _probe(family, spec: AttentionSpec, knobs: Any, target: Target):
     doubled length (rowcache's row bytes) is exactly the growth the probe must see."""
     pspec = _probe_at(family, spec, target)
     try:
-        return list_allocations(lower_final(_schedule_module(family, pspec, knobs, target), target))
+        return list_allocations(lower_final(with_checks(_schedule_module(family, pspec, knobs, target), pspec, target),
+                                            target))
     except Exception as e:  # noqa: BLE001 - any failure only means "no probe"; the audit says so
         return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
 
@@ -206,8 +208,7 @@ def build_from_module(
     """
     func = mod["main"]
     workload = str(func.attrs["attn.workload"]) if func.attrs is not None and "attn.workload" in func.attrs else schedule
-    if target.kind.name == "llvm":  # device code cannot raise: CUDA index arrays stay trusted
-        mod = with_index_checks(mod, spec)
+    mod = with_checks(mod, spec, target)
     lowered = lower_final(mod, target)
     probe_allocs = probe() if probe is not None else "the schedule has no knobs to rebuild it at other lengths"
     report = audit(lowered, spec, WORKLOADS[workload][1], probe=probe_allocs, probe_at=probe_at)
@@ -217,6 +218,27 @@ def build_from_module(
     if target.kind.name == "cuda":
         built.resources = cuda_resources(built)
     return built
+
+
+def refuse_device_checks(spec: AttentionSpec, target: Target) -> None:
+    """``spec.device_checks`` is a CUDA build option: a ValueError naming it on any other target
+    (CPU kernels always check their index arrays on the host, and can raise)."""
+    if spec.device_checks and target.kind.name != "cuda":
+        raise ValueError(f"device_checks: {spec.short_name()} is built for {target.kind.name} (a CPU), whose kernels "
+                         "always check their index arrays on the host; the option is for CUDA builds (--target cuda)")
+
+
+def with_checks(mod: tvm.IRModule, spec: AttentionSpec, target: Target) -> tvm.IRModule:
+    """The index checks of ``spec``'s build on ``target``: host asserts on the CPU (always); on
+    CUDA, with ``spec.device_checks``, the device check kernel and its ``index_error`` output
+    (device code cannot raise: without the option CUDA index arrays are trusted, or checked by
+    the loader)."""
+    refuse_device_checks(spec, target)
+    if target.kind.name == "llvm":
+        return with_index_checks(mod, spec)
+    if spec.device_checks:
+        return with_device_index_checks(mod, spec)
+    return mod
 
 
 def _spec_module(spec: AttentionSpec, target: Target) -> tvm.runtime.Module:

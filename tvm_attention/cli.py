@@ -55,6 +55,10 @@ def _add_spec_flags(p: argparse.ArgumentParser, defaults: dict | None = None) ->
     p.add_argument("--return-lse", action="store_true", default=False,
                    help="the kernel also returns lse: each row's natural log-sum-exp, float32 "
                         "((B, H, Sq); varlen (H, total_q)); -inf for a row that sees no key")
+    p.add_argument("--device-checks", action="store_true", default=False,
+                   help="CUDA builds with index arrays (varlen, kvcache, paged, --kv-start): a check kernel validates "
+                        "them on the device and the call gains a last output index_error (1,) int32, 0 when valid "
+                        "(its bits: docs/cuda.md); CPU builds always check on the host and refuse it")
     p.add_argument("--batch", type=_dim, default=d.get("batch"), help="B" + dyn)
     p.add_argument("--heads", type=int, default=d.get("heads"), required=not d, help="H (query heads)")
     p.add_argument("--kv-heads", type=int, default=None, help="KH (default: heads); heads %% KH == 0")
@@ -174,7 +178,7 @@ def _spec_from_args(a: argparse.Namespace) -> AttentionSpec:
         alibi=a.alibi, sinks=a.sinks, kv_start=a.kv_start,
         score_mod=_modifier_source(a.score_mod, "--score-mod"), mask_mod=_modifier_source(a.mask_mod, "--mask-mod"),
         mod_tensors=tuple(a.mod_tensor), key_bounds=a.key_bounds, kv_dtype=a.kv_dtype,
-        append=a.append,
+        append=a.append, device_checks=a.device_checks,
     )
 
 

@@ -121,6 +121,44 @@ KV_NEW_ARGS = (Arg("k_new", ("batch", "kv_heads", "seq_q", "head_dim")),
                Arg("v_new", ("batch", "kv_heads", "seq_q", "head_dim")))
 
 
+#: The output of a CUDA build with device-side index checks (``spec.device_checks``), after ``o``
+#: and ``lse``: the call's violation bits (:data:`INDEX_ERROR_BITS`), 0 when every index array is
+#: valid; the kernel always writes it. The output is undefined when it is not 0.
+INDEX_ERROR_ARG = Arg("index_error", (1,), "int32", output=True)
+
+#: ``index_error``'s bits: bit -> (the argument, the rule it broke). The rules are
+#: ``Layout.check_indices``' (and ``workloads.index_checks``' host asserts): one definition of a
+#: valid call.
+INDEX_ERROR_BITS = {
+    1: ("cu_seqlens_q", "must start at 0, be non-decreasing and end at total_q (rows of q)"),
+    2: ("cu_seqlens_k", "must start at 0, be non-decreasing and end at total_k (rows of k and v)"),
+    4: ("cache_seqlens", "an entry is negative or, with the appended keys, past the cache (kvcache: max_len; "
+                         "paged: max_pages * page_size)"),
+    8: ("block_table", "an entry a sequence uses (j < ceil(keys / page_size)) is not in [0, num_pages)"),
+    16: ("kv_start", "an entry is negative or larger than its sequence's keys"),
+    32: ("k_scale", "an entry is not a positive finite number (an 8-bit cache's scale per KV head)"),
+    64: ("v_scale", "an entry is not a positive finite number (an 8-bit cache's scale per KV head)"),
+}
+
+
+def has_index_arrays(spec) -> bool:
+    """Whether ``spec``'s kernel takes index arrays a device check can validate (varlen's
+    cu_seqlens, the caches' cache_seqlens and block_table, ``kv_start``)."""
+    return (getattr(spec, "layout", "bhsd") != "bhsd" or bool(getattr(spec, "kv_start", False))
+            or getattr(spec, "kv_dtype", None) is not None)
+
+
+def describe_index_error(mask: int) -> str:
+    """The message of a non-zero ``index_error`` value: each broken rule, by argument name."""
+    mask = int(mask)
+    parts = [f"{name}: {rule}" for bit, (name, rule) in INDEX_ERROR_BITS.items() if mask & bit]
+    unknown = mask & ~sum(INDEX_ERROR_BITS)
+    if unknown:
+        parts.append(f"unknown bits {unknown:#x} (a library newer than this loader?)")
+    return (f"the kernel's device-side index checks refused the call (index_error={mask}); the output is "
+            "undefined. " + "; ".join(parts))
+
+
 def variant_args(spec) -> tuple[Arg, ...]:
     """The variant arguments ``spec``'s kernel takes, in call order: ``alibi_slopes``, ``sinks``,
     ``kv_start``, ``key_lo``, ``key_hi``, the modifiers' tensors (``spec.mod_tensors``: their
@@ -183,9 +221,11 @@ class Layout:
     def all_args(self, spec) -> tuple[Arg, ...]:
         """The arguments of ``spec``'s kernel in call order: the inputs of ``args``, the variant
         arguments (``alibi_slopes``, ``sinks``, ``kv_start``: :data:`VARIANT_ARGS`), the output
-        ``o``, then ``lse`` when the spec returns it."""
+        ``o``, then ``lse`` when the spec returns it, then ``index_error`` (:data:`INDEX_ERROR_ARG`)
+        with device-side index checks."""
         lse = (Arg("lse", self.lse_dims, "float32", output=True),) if getattr(spec, "return_lse", False) else ()
-        return self.inputs + variant_args(spec) + (self.output,) + lse
+        err = (INDEX_ERROR_ARG,) if getattr(spec, "device_checks", False) else ()
+        return self.inputs + variant_args(spec) + (self.output,) + lse + err
 
     def inputs_of(self, spec) -> tuple[Arg, ...]:
         """The inputs of ``spec``'s kernel in call order (the layout's, then the variants')."""

@@ -47,7 +47,8 @@ import numpy as np
 
 from . import runtime
 from .hostcpu import describe_host, missing_features
-from .layouts import ARG_ALIASES, VARIANT_ARGS, KernelArgumentError, _bound_dim
+from .layouts import (ARG_ALIASES, INDEX_ERROR_ARG, INDEX_ERROR_BITS, VARIANT_ARGS, KernelArgumentError, _bound_dim,
+                      describe_index_error)
 from .spec import MAX_ELEMENTS, AttentionSpec, numpy_dtype
 from .threads import default_num_threads, set_num_threads, use_threads
 
@@ -217,9 +218,13 @@ class AttentionKernel:
         # (name, shape with ints and dim names, NumPy dtype) of each input, in call order
         self._inputs = [(a["name"], tuple(a["shape"]), numpy_dtype(a["dtype"]))
                         for a, arg in zip(self._arg_specs, self.layout.all_args(spec)) if not arg.output]
-        outs = [(tuple(a["shape"]), a["dtype"]) for a, arg in zip(self._arg_specs, self.layout.all_args(spec)) if arg.output]
+        outs = [(tuple(a["shape"]), a["dtype"]) for a, arg in zip(self._arg_specs, self.layout.all_args(spec))
+                if arg.output and arg.name != INDEX_ERROR_ARG.name]
         self._out_shape = outs[0][0]  # o
         self._extra_outs = outs[1:]  # lse, when the artifact returns it
+        #: a CUDA build with device-side index checks: the call passes ``index_error`` last and
+        #: reads it back after the launch (``_check_index_error``)
+        self._device_checks = bool(getattr(spec, "device_checks", False))
         self._qkv = tuple(name for name, _, _ in self._inputs[:3])  # q, k, v / q, k_cache, v_cache...
         self._index_names = self.layout.index_names(spec)  # index arrays, then variant arguments
         self._options = self.layout.all_options()
@@ -503,6 +508,27 @@ class AttentionKernel:
             return tvm_ffi.use_torch_stream()
         return contextlib.nullcontext()
 
+    def _skips_host_reads(self, options: dict[str, Any] | None) -> bool:
+        """Whether a call may pass GPU-resident index arrays unread (no host check, no sync): the
+        library checks them on the device (``spec.device_checks``), every index argument is one
+        its check kernel covers (or one no rule reads: ALiBi slopes, sinks), and no keyword
+        needs them here (``max_seqlen_q``/``max_seqlen_k`` are checked against cu_seqlens)."""
+        if not self._device_checks:
+            return False
+        if any(options.get(k) is not None for k in ("max_seqlen_q", "max_seqlen_k")) if options else False:
+            return False
+        return all(n in _DEVICE_CHECKED for n in self._index_names)
+
+    def _check_index_error(self, err: Any, framework: str | None) -> None:
+        """Read the call's ``index_error`` (one 4-byte copy, after the kernels: it waits for the
+        stream) and raise :class:`KernelArgumentError` naming each broken rule's argument."""
+        torch = sys.modules.get("torch") if framework == "torch" else None
+        if torch is not None and torch.cuda.is_available():
+            torch.cuda.current_stream().synchronize()  # the kernels ran on the caller's stream
+        mask = int(runtime.to_numpy(err, np.dtype(np.int32))[0])
+        if mask:
+            raise KernelArgumentError(describe_index_error(mask))
+
     def _call_cuda(self, given: dict[str, Any], out: Any = None, options: dict[str, Any] | None = None) -> Any:
         """CPU inputs are copied to GPU 0 and the result copied back; CUDA DLPack tensors are
         used in place and the result stays on the GPU. ``out`` (a CUDA tensor, or a CPU array)
@@ -512,20 +538,26 @@ class AttentionKernel:
         check, are checked here by the layout's rules, read back from the GPU when given there
         (a copy of a few ints, which waits for the stream); a call with no work (an empty
         tensor) is answered without a launch (a grid of zero blocks is a launch error), and a
-        batch past the grid's limit is refused by name."""
+        batch past the grid's limit is refused by name. A library built with device-side index
+        checks (``spec.device_checks``) takes ``index_error`` last, read back after the launch
+        (:meth:`_check_index_error`); its GPU-resident index arrays are then not read here
+        (:meth:`_skips_host_reads`)."""
         dev = self._cuda_device()
         args, framework, on_gpu = [], None, False
         bound: dict[str, int] = {}
         source: dict[str, str] = {}
         host: dict[str, np.ndarray] = {}  # what the layout's checks read
+        unread: dict[str, tuple[Any, np.dtype]] = {}  # GPU-resident index arrays, read only if checked here
         for i, (name, shape, dtype) in enumerate(self._inputs):
             x = given[name]
             if hasattr(x, "__dlpack_device__") and int(x.__dlpack_device__()[0]) == _DLPACK_CUDA:
                 t, fw, _ = self._cuda_tensor(name, shape, x, bound, source, dtype.name)
                 on_gpu = True
                 # index arrays read back for the checks; the others by shape only (no copy)
-                host[name] = runtime.to_numpy(t, dtype) if name in self._index_names else \
-                    np.broadcast_to(np.zeros((), dtype), tuple(t.shape))
+                if name in self._index_names:
+                    unread[name] = (t, dtype)
+                else:
+                    host[name] = np.broadcast_to(np.zeros((), dtype), tuple(t.shape))
             else:
                 arr, fw = _as_numpy(name, x, self.device)
                 arr = self._check_array(name, shape, dtype, arr, bound, source)
@@ -533,17 +565,23 @@ class AttentionKernel:
                 t = runtime.to_device(arr, dev)
             framework = framework if i else fw
             args.append(t)
-        if self._index_names:
+        # answered without a launch: a grid of zero blocks is a launch error
+        empty = self._trivial(dict(zip((n for n, _, _ in self._inputs), args)))
+        # an empty call never reaches the device checks: its arrays are checked here
+        if not unread or empty or not self._skips_host_reads(options):
+            host.update({n: runtime.to_numpy(t, dt) for n, (t, dt) in unread.items()})
+            unread = {}
+        if self._index_names and not unread:
             self.layout.check_indices(host, bound, self.spec)
         if options:
             self.layout.check_options(self.spec, options, host)
         oshape = self.output_shape(bound)
         check_cuda_grid(self.spec, bound)
-        # answered without a launch: a grid of zero blocks is a launch error
-        empty = self._trivial(dict(zip((n for n, _, _ in self._inputs), args)))
         # the log-sum-exp (``return_lse``): -inf where a row sees no key, so for an empty call
         extra = [runtime.to_device(np.full(self.output_shape(bound, dims), -np.inf, np.dtype(dt)), dev)
                  for dims, dt in self._extra_outs]
+        # the device checks' flag: the kernel always writes it (no clearing needed)
+        flag = [runtime.empty((1,), "int32", dev)] if self._device_checks else []
         if out is not None and hasattr(out, "__dlpack_device__") and int(out.__dlpack_device__()[0]) == _DLPACK_CUDA:
             check_no_overlap(out, given)
             o, fw, copied = self._cuda_tensor("out", oshape, out, {}, {})
@@ -554,9 +592,11 @@ class AttentionKernel:
                     out[...] = 0
             else:
                 with self._cuda_stream(fw):
-                    self.function(*args, o, *extra)
+                    self.function(*args, o, *extra, *flag)
                     if copied:  # a misaligned or strided out: computed aside, written back
                         out.copy_(_from_framework(fw, o))
+                if flag:  # non-zero: out is undefined (the kernels did nothing)
+                    self._check_index_error(flag[0], fw)
             return (out, *(_from_framework(fw, x) for x in extra)) if extra else out
         user = self._check_out(out, given, oshape) if out is not None else None
         if empty:
@@ -564,7 +604,9 @@ class AttentionKernel:
         else:
             o = runtime.empty(oshape, self.spec.dtype, dev)
             with self._cuda_stream(framework if on_gpu else None):
-                self.function(*args, o, *extra)
+                self.function(*args, o, *extra, *flag)
+            if flag:
+                self._check_index_error(flag[0], framework if on_gpu else None)
         if on_gpu:
             lse = [_from_framework(framework, x) for x in extra]
         else:
@@ -578,6 +620,11 @@ class AttentionKernel:
         else:
             result = _from_framework(framework, runtime.to_numpy(o, self.spec.np_dtype))
         return (result, *lse) if lse else result
+
+
+#: index arguments a device-checked library validates itself (``layouts.INDEX_ERROR_BITS``), or
+#: that no rule reads (float per-head values)
+_DEVICE_CHECKED = frozenset(name for name, _ in INDEX_ERROR_BITS.values()) | {"alibi_slopes", "sinks"}
 
 
 #: ``workloads.fused_cuda.MAX_GRID_YZ`` (this module loads without TVM): a symbolic BHSD CUDA

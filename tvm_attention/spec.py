@@ -131,6 +131,12 @@ class AttentionSpec:
     # the cache at cache_seqlens[b] .. + seq_q - 1 (quantized with the scales for an 8-bit
     # cache) and attended to in the same call; cache_seqlens is the length before the append
     append: bool = False
+    #: CUDA builds: a check kernel validates the index arrays (cu_seqlens, cache_seqlens,
+    #: block_table, kv_start) on the device before the attention kernels, which then do nothing
+    #: when one is broken; the call gains a last output ``index_error (1,) int32`` (its bits:
+    #: ``layouts.INDEX_ERROR_BITS``; 0: valid). CPU builds always check on the host. A kernel
+    #: without index arrays (bhsd without kv_start) refuses it (docs/cuda.md)
+    device_checks: bool = False
 
     def __post_init__(self) -> None:
         for name in ("batch", "heads", "seq_q", "head_dim"):
@@ -186,6 +192,11 @@ class AttentionSpec:
                             f"(or None: K/V in dtype={self.dtype})")
         if not isinstance(self.append, bool):
             raise SpecError(f"append must be a bool, got {self.append!r}")
+        if not isinstance(self.device_checks, bool):
+            raise SpecError(f"device_checks must be a bool, got {self.device_checks!r}")
+        if self.device_checks and layout.name == "bhsd" and not self.kv_start:
+            raise SpecError("device_checks: a bhsd kernel without kv_start takes no index array to check on the "
+                            "device (its shapes are checked by the library's argument checks); drop --device-checks")
         if self.append and layout.name not in ("kvcache", "paged"):
             raise SpecError(f"append (k_new/v_new written into the cache) applies to the kvcache and paged layouts, "
                             f"not {layout.name!r}")
@@ -306,7 +317,8 @@ class AttentionSpec:
     def representative(self) -> "AttentionSpec":
         """The static BHSD spec of the representative shape: what a dynamic build validates,
         times and is tuned at (its tuning log is that spec's)."""
-        return dataclasses.replace(self, layout="bhsd", dynamic=(), return_lse=False, page_size=None, append=False)
+        return dataclasses.replace(self, layout="bhsd", dynamic=(), return_lse=False, page_size=None, append=False,
+                                   device_checks=False)
 
     # -- models ----------------------------------------------------------------------------------
     def visible_pairs(self) -> int:
@@ -381,7 +393,7 @@ class AttentionSpec:
         for key, default in (("return_lse", False), ("page_size", None), ("window", None), ("softcap", None),
                              ("alibi", False), ("sinks", False), ("kv_start", False), ("score_mod", None),
                              ("mask_mod", None), ("mod_tensors", ()), ("key_bounds", False), ("kv_dtype", None),
-                             ("append", False)):
+                             ("append", False), ("device_checks", False)):
             if d[key] == default:
                 del d[key]
         if "window" in d:
@@ -419,7 +431,7 @@ class AttentionSpec:
         c = "causal" if self.causal else "full"
         kv = f"_kv{KV_TAGS[self.kv_dtype]}" if self.kv_quantized else ""
         tail = (f"_d{self.head_dim}_{self.dtype}{kv}_{c}{self.variant_suffix()}{'_lse' if self.return_lse else ''}"
-                f"{'_append' if self.append else ''}")
+                f"{'_append' if self.append else ''}{'_devchk' if self.device_checks else ''}")
         if self.layout != "bhsd":
             page = f"_p{self.page_size}" if self.page_size is not None else ""
             return f"{self.layout}{page}_h{self.heads}_kv{self.kv_heads}{tail}"

@@ -5,6 +5,8 @@ itself, in pages: :mod:`tvm_attention.tune.paged`), the module each task measure
 (:func:`workload_matches`)."""
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 from typing import Any
 
@@ -23,7 +25,10 @@ from .workloads import (fused_attention, fused_attention_cuda, fused_attention_m
 def tuning_spec(spec: AttentionSpec, target: Target, schedule: str = "fused") -> AttentionSpec:
     """The spec whose log ``tune`` writes and ``build`` reads for ``spec``: ``spec`` itself when
     static or a paged decode step on a CPU (tuned in pages: :mod:`tvm_attention.tune.paged`),
-    else its static bhsd representative."""
+    else its static bhsd representative. Without ``device_checks``: a build option that adds a
+    check kernel, not another attention kernel to tune."""
+    if spec.device_checks:
+        spec = dataclasses.replace(spec, device_checks=False)
     if not spec.dynamic:
         return spec
     if tunes_as_paged(spec, target, schedule):

@@ -16,9 +16,14 @@ same way, in every layout; one with key bounds checks that ``key_lo``/``key_hi``
 along the positions (what its tile skipping relies on), and a modifier's tensors that no dim is
 empty; an 8-bit cache's ``k_scale``/``v_scale`` must be positive and finite, and an appending
 kernel's new keys must fit the cache (and an int8 cache's hold no NaN). They are the same rules
-``Layout.check_indices`` applies in the loader (one definition of what is a valid call). CUDA
-kernels cannot raise from device code: there the index arrays stay trusted (CUDA builds take BHSD
-only today).
+``Layout.check_indices`` applies in the loader (one definition of what is a valid call: the rule
+functions below serve both the host asserts and the device check).
+
+CUDA kernels cannot raise from device code: their index arrays are trusted unless the build
+sets ``spec.device_checks``; then :func:`with_device_index_checks` prepends a check kernel that
+applies the same rules and writes a bitmask (``layouts.INDEX_ERROR_BITS``) to a last output
+``index_error (1,) int32``, and guards every attention kernel with ``index_error[0] == 0``
+(docs/cuda.md#index-checks-on-the-device).
 
 Cost: one pass over ``cache_seqlens`` and the block-table entries in use (batch · pages per
 sequence int32 loads), against the K/V bytes a step reads: within noise of a decode step
@@ -27,8 +32,10 @@ sequence int32 loads), against the K/V bytes a step reads: within noise of a dec
 from __future__ import annotations
 
 import tvm
-from tvm import tirx
+from tvm import s_tir, tirx
+from tvm.script import tirx as T
 
+from ..layouts import INDEX_ERROR_ARG, INDEX_ERROR_BITS, has_index_arrays
 from ..spec import AttentionSpec
 
 _KIND = tvm.ir.StringImm("ValueError")
@@ -50,6 +57,37 @@ def _buffers(func: tirx.PrimFunc) -> dict[str, tirx.Buffer]:
     return {p.name: p for p in func.params}
 
 
+# -- the rules: one definition of a valid call, for the host asserts and the device check ------
+# Each returns a boolean PrimExpr that holds for a valid entry (``Layout.check_indices`` is the
+# same rules in NumPy, for the loader).
+
+def cache_len_ok(cl_b, new, capacity):
+    """``cache_seqlens[b]`` (``cl_b``): ``0 <= cl_b`` and ``cl_b + new <= capacity`` (the keys a
+    sequence may hold: kvcache ``max_len``, paged ``max_pages * page_size``; ``new``: the keys an
+    appending kernel adds)."""
+    return tirx.all(cl_b >= 0, cl_b + new <= capacity)
+
+
+def pages_in_use(cl_b, new, page_size):
+    """The ``block_table`` entries sequence ``b`` reads: ``ceil((cl_b + new) / page_size)``."""
+    return tirx.floordiv(cl_b + new + page_size - 1, page_size)
+
+
+def page_ok(page, num_pages):
+    """A ``block_table`` entry in use: a page, ``0 <= page < num_pages``."""
+    return tirx.all(page >= 0, page < num_pages)
+
+
+def cu_step_ok(cu, b):
+    """``cu_seqlens``: non-decreasing at ``b``."""
+    return cu[b] <= cu[b + 1]
+
+
+def kv_start_ok(ks_b, keys):
+    """``0 <= kv_start[b] <= keys`` (the sequence's keys)."""
+    return tirx.all(ks_b >= 0, ks_b <= keys)
+
+
 def _new(buf):
     """Keys an appending kernel adds to each sequence (``k_new``'s seq_q), else 0."""
     return buf["k_new"].shape[2] if "k_new" in buf else 0
@@ -62,7 +100,7 @@ def _kvcache(buf) -> list[tirx.Stmt]:
     cl, k = buf["CL"], buf["K"]
     max_len, new = k.shape[2], _new(buf)
     return [_for("b", cl.shape[0], lambda b: _assert(
-        tirx.all(cl[b] >= 0, cl[b] + new <= max_len),
+        cache_len_ok(cl[b], new, max_len),
         "cache_seqlens: an entry is negative or larger than max_len (dim 2 of k_cache)"
         f"{_APPENDED if 'k_new' in buf else ''}; the kernel would reach outside the cache"))]
 
@@ -73,13 +111,13 @@ def _paged(buf) -> list[tirx.Stmt]:
     max_pages, new = bt.shape[1], _new(buf)
 
     def per_sequence(b):
-        pages = tirx.floordiv(cl[b] + new + page_size - 1, page_size)
+        pages = pages_in_use(cl[b], new, page_size)
         return tirx.SeqStmt([
-            _assert(tirx.all(cl[b] >= 0, cl[b] + new <= max_pages * page_size),
+            _assert(cache_len_ok(cl[b], new, max_pages * page_size),
                     "cache_seqlens: an entry is negative or larger than max_pages * page_size (the keys "
                     f"block_table can hold for a sequence){_APPENDED if 'k_new' in buf else ''}"),
             _for("j", pages, lambda j: _assert(
-                tirx.all(bt[b, j] >= 0, bt[b, j] < num_pages),
+                page_ok(bt[b, j], num_pages),
                 "block_table: an entry a sequence uses (j < ceil(cache_seqlens[b] / page_size)) is not a "
                 "page: it must be in [0, num_pages) (dim 0 of k_pages)")),
         ])
@@ -95,7 +133,7 @@ def _varlen(buf) -> list[tirx.Stmt]:
                                   (ck, "cu_seqlens_k", k.shape[0], "total_k (rows of k and v)")):
         stmts.append(_assert(cu[0] == 0, f"{name}: must start at 0"))
         stmts.append(_for("b", n1 - 1, lambda b, cu=cu, name=name: _assert(
-            cu[b] <= cu[b + 1], f"{name}: must be non-decreasing")))
+            cu_step_ok(cu, b), f"{name}: must be non-decreasing")))
         stmts.append(_assert(cu[n1 - 1] == total, f"{name}: last entry must equal {what}"))
     return stmts
 
@@ -109,7 +147,7 @@ def _kv_start(buf, spec: AttentionSpec) -> list[tirx.Stmt]:
     keys = (lambda b: buf["CL"][b]) if "CL" in buf else (lambda b: buf["K"].shape[2])
     what = "cache_seqlens[b]" if "CL" in buf else "seq_kv (dim 2 of k)"
     return [_for("b", ks.shape[0], lambda b: _assert(
-        tirx.all(ks[b] >= 0, ks[b] <= keys(b)),
+        kv_start_ok(ks[b], keys(b)),
         f"kv_start: an entry is negative or larger than the sequence's keys ({what})"))]
 
 
@@ -138,14 +176,19 @@ def _mod_tensors(buf, spec: AttentionSpec) -> list[tirx.Stmt]:
     return out
 
 
+def scale_ok(x):
+    """An 8-bit cache's ``k_scale``/``v_scale`` entry: positive and finite (an ordered compare:
+    NaN fails it)."""
+    return tirx.all(x > tirx.const(0.0, "float32"), x <= tirx.const(3.4028234663852886e38, "float32"))
+
+
 def _kv_scales(buf, spec: AttentionSpec) -> list[tirx.Stmt]:
-    """An 8-bit cache's ``k_scale``/``v_scale``: every entry positive and finite (an ordered
-    compare: NaN fails it)."""
+    """An 8-bit cache's ``k_scale``/``v_scale``: every entry positive and finite (:func:`scale_ok`)."""
     out = []
     for name in ("k_scale", "v_scale"):
         x = buf[name]
         out.append(_for("h", x.shape[0], lambda h, x=x, name=name: _assert(
-            tirx.all(x[h] > tirx.const(0.0, "float32"), x[h] <= tirx.const(3.4028234663852886e38, "float32")),
+            scale_ok(x[h]),
             f"{name}: an entry is not a positive finite number (zero, negative, inf or NaN); the value of a "
             "stored element is scale * stored")))
     return out
@@ -186,4 +229,220 @@ def with_index_checks(mod: tvm.IRModule, spec: AttentionSpec) -> tvm.IRModule:
         return mod
     out = tvm.IRModule(dict(mod.functions))
     out["main"] = func.with_body(tirx.SeqStmt([*stmts, func.body]))
+    return out
+
+
+# -- device-side checks (CUDA builds, ``spec.device_checks``) ------------------------------------
+
+#: threads of the check kernel's one block: each takes every 256th sequence (block-table entry)
+CHECK_THREADS = 256
+#: ``index_error``'s bits by argument name (``layouts.INDEX_ERROR_BITS`` is the table)
+BITS = {name: bit for bit, (name, _) in INDEX_ERROR_BITS.items()}
+
+
+def _device_buffers(func: tirx.PrimFunc, spec: AttentionSpec) -> dict[str, tirx.Buffer]:
+    """The kernel's argument buffers by their call names (``q``, ``cache_seqlens``, ...): the
+    CUDA kernels name their buffers apart from the CPU ones (``CS``, ``KS``), so by position in
+    the layout's call order, ``index_error`` not yet among them."""
+    names = [a.name for a in spec.layout_info.all_args(spec) if a.name != INDEX_ERROR_ARG.name]
+    if len(names) != len(func.params):
+        raise ValueError(f"device index checks: the kernel takes {len(func.params)} arguments "
+                         f"({', '.join(p.name for p in func.params)}), its layout {len(names)} ({', '.join(names)})")
+    return dict(zip(names, func.params))
+
+
+def _check_kernel(spec: AttentionSpec, buf: dict, err, emulate: bool) -> tirx.Stmt:
+    """One thread block of ``CHECK_THREADS`` threads: thread ``tx`` ORs the bits of the rules
+    broken by the entries it takes (every ``CHECK_THREADS``-th sequence, cu_seqlens step or
+    block-table entry) into a register, a shared-memory tree ORs the block's, and thread 0
+    writes ``err[0]`` (always: 0 for a valid call, so callers need not clear it). Emulated:
+    serial loops, the shared array in global memory."""
+    NT = CHECK_THREADS
+    thread = (lambda n: T.serial(n)) if emulate else (lambda n: T.thread_binding(n, thread="threadIdx.x"))
+    block = (lambda n: T.serial(n)) if emulate else (lambda n: T.thread_binding(n, thread="blockIdx.x"))
+    red_scope = "global" if emulate else "shared"
+    varlen = spec.layout == "varlen"
+    cache = spec.layout in ("kvcache", "paged")
+    paged = spec.layout == "paged"
+    CQ, CK = buf.get("cu_seqlens_q"), buf.get("cu_seqlens_k")
+    CL, BT, KS = buf.get("cache_seqlens"), buf.get("block_table"), buf.get("kv_start")
+    KSC, VSC = buf.get("k_scale"), buf.get("v_scale")  # an 8-bit cache's scales (kv_heads,)
+    new = buf["k_new"].shape[2] if "k_new" in buf else 0
+    K = buf[spec.layout_info.kv_names[0]]
+    if varlen:
+        N1, TQ, TK = CQ.shape[0], buf["q"].shape[0], K.shape[0]
+    if cache:
+        B = CL.shape[0]
+        cap = K.shape[2] if not paged else BT.shape[1] * K.shape[1]  # max_len; max_pages * page_size
+    if paged:
+        MP, NP, PS = BT.shape[1], K.shape[0], K.shape[1]
+    if KS is not None:
+        NB = KS.shape[0]
+
+    def in_use(b, j):  # entry j of sequence b is read (its cache_seqlens valid, j < its pages)
+        return T.And(cache_len_ok(CL[b], new, cap), j < pages_in_use(CL[b], new, PS))
+
+    def judged(b):  # kv_start is checked against a valid length (else bit 4 alone, as on the host)
+        return cache_len_ok(CL[b], new, cap) if cache else T.bool(True)
+
+    def keys(b):  # the sequence's keys kv_start is checked against (the host rule's)
+        return CL[b] if cache else buf["k"].shape[2]
+
+    def bit(ok, name):
+        return T.Select(ok, T.int32(0), T.int32(BITS[name]))
+
+    def steps(n):  # iterations for a thread to take every NT-th of n items
+        return T.floordiv(n + NT - 1, NT)
+
+    @T.macro
+    def scan(reg, tx):
+        reg[tx] = 0
+        if varlen:
+            if tx == 0:
+                if N1 < 1:  # no offsets at all: nothing to read
+                    reg[tx] = BITS["cu_seqlens_q"] | BITS["cu_seqlens_k"]
+                else:
+                    reg[tx] = T.bitwise_or(T.bitwise_or(bit(CQ[0] == 0, "cu_seqlens_q"), bit(CK[0] == 0, "cu_seqlens_k")),
+                                           T.bitwise_or(bit(CQ[N1 - 1] == TQ, "cu_seqlens_q"),
+                                                        bit(CK[N1 - 1] == TK, "cu_seqlens_k")))
+            for i in T.serial(steps(N1 - 1)):
+                if i * NT + tx < N1 - 1:
+                    reg[tx] = T.bitwise_or(reg[tx], T.bitwise_or(bit(cu_step_ok(CQ, i * NT + tx), "cu_seqlens_q"),
+                                                                 bit(cu_step_ok(CK, i * NT + tx), "cu_seqlens_k")))
+        if cache:
+            for i in T.serial(steps(B)):
+                if i * NT + tx < B:
+                    reg[tx] = T.bitwise_or(reg[tx], bit(cache_len_ok(CL[i * NT + tx], new, cap), "cache_seqlens"))
+        if paged:
+            # flat over the (batch, max_pages) table: entry j of sequence b is read iff j < its pages
+            # (a sequence whose cache_seqlens is broken has bit 4 alone: its entries are not judged,
+            # as the host asserts stop at the first broken rule)
+            # (truncdiv: the flat index is non-negative, and C's / needs no floor fix-up)
+            for i in T.serial(steps(B * MP)):
+                if i * NT + tx < B * MP:
+                    reg[tx] = T.bitwise_or(reg[tx], bit(T.Or(T.Not(in_use(T.truncdiv(i * NT + tx, MP),
+                                                                          T.truncmod(i * NT + tx, MP))),
+                                                             page_ok(BT[T.truncdiv(i * NT + tx, MP),
+                                                                        T.truncmod(i * NT + tx, MP)], NP)),
+                                                        "block_table"))
+        if KSC is not None:
+            for i in T.serial(steps(spec.kv_heads)):
+                if i * NT + tx < spec.kv_heads:
+                    reg[tx] = T.bitwise_or(reg[tx], T.bitwise_or(bit(scale_ok(KSC[i * NT + tx]), "k_scale"),
+                                                                 bit(scale_ok(VSC[i * NT + tx]), "v_scale")))
+        if KS is not None:
+            for i in T.serial(steps(NB)):
+                if i * NT + tx < NB:
+                    reg[tx] = T.bitwise_or(reg[tx], bit(T.Or(T.Not(judged(i * NT + tx)),
+                                                             kv_start_ok(KS[i * NT + tx], keys(i * NT + tx))),
+                                                        "kv_start"))
+
+    @T.prim_func(s_tir=True, check_well_formed=False)
+    def check():
+        for bx in block(1):
+            with T.sblock("index_check"):
+                T.reads()
+                T.writes()
+                red = T.sblock_alloc_buffer((NT,), "int32", scope=red_scope)  # the block's bits
+                reg = T.sblock_alloc_buffer((NT,), "int32", scope="local")  # a register per thread
+                for tx in thread(NT):
+                    with T.sblock("index_scan"):
+                        T.reads()
+                        T.writes()
+                        scan(reg, tx)
+                        red[tx] = reg[tx]
+                for step in T.serial(8):  # log2(NT) halvings; TVM puts a barrier between them
+                    for tx in thread(NT):
+                        with T.sblock("index_or"):
+                            T.reads()
+                            T.writes()
+                            if tx < T.shift_right(NT // 2, step):
+                                red[tx] = T.bitwise_or(red[tx], red[tx + T.shift_right(NT // 2, step)])
+                for tx in thread(NT):
+                    with T.sblock("index_store"):
+                        T.reads()
+                        T.writes()
+                        if tx == 0:
+                            err[0] = red[0]
+
+    body = check.body
+    if isinstance(body, s_tir.SBlockRealize):  # the parser's implicit root block
+        body = body.block.body
+    return body
+
+
+def _grid_loop(stmt, emulate: bool) -> bool:
+    """Whether ``stmt`` is a loop of a kernel's grid: bound to ``blockIdx.*`` (emulated: any
+    loop, the grid being the serial loops a kernel's nest starts with)."""
+    if not isinstance(stmt, tirx.For):
+        return False
+    if emulate:
+        return True
+    tb = stmt.thread_binding
+    return tb is not None and str(tb.thread_tag).startswith("blockIdx.")
+
+
+def _guard(stmt, cond, emulate: bool, found: list) -> tirx.Stmt:
+    """``stmt`` with the body under each outermost grid-loop nest (one per kernel) run only when
+    ``cond`` holds: the condition is inside each kernel, around what every thread block does
+    (TVM's sync insertion refuses a condition around a launch)."""
+    if _grid_loop(stmt, emulate):
+        loops = [stmt]
+        while _grid_loop(loops[-1].body, emulate):
+            loops.append(loops[-1].body)
+        found.append(loops[0].loop_var.name)
+        inner = tirx.IfThenElse(cond, loops[-1].body, None)
+        for loop in reversed(loops):
+            inner = tirx.For(loop.loop_var, loop.min, loop.extent, loop.kind, inner, loop.thread_binding,
+                             loop.annotations)
+        return inner
+    if isinstance(stmt, tirx.SeqStmt):
+        return tirx.SeqStmt([_guard(s, cond, emulate, found) for s in stmt.seq])
+    if isinstance(stmt, s_tir.SBlockRealize):
+        blk = stmt.block
+        new = s_tir.SBlock(blk.iter_vars, blk.reads, blk.writes, blk.name_hint, _guard(blk.body, cond, emulate, found),
+                           blk.init, blk.alloc_buffers, blk.match_buffers, blk.annotations)
+        return s_tir.SBlockRealize(stmt.iter_values, stmt.predicate, new)
+    if isinstance(stmt, tirx.For):  # a loop around launches (none today): the kernels are inside
+        return tirx.For(stmt.loop_var, stmt.min, stmt.extent, stmt.kind, _guard(stmt.body, cond, emulate, found),
+                        stmt.thread_binding, stmt.annotations)
+    if isinstance(stmt, tirx.IfThenElse):
+        return tirx.IfThenElse(stmt.condition, _guard(stmt.then_case, cond, emulate, found),
+                               None if stmt.else_case is None else _guard(stmt.else_case, cond, emulate, found))
+    if isinstance(stmt, tirx.AttrStmt):
+        return tirx.AttrStmt(stmt.node, stmt.attr_key, stmt.value, _guard(stmt.body, cond, emulate, found))
+    return stmt
+
+
+def with_device_index_checks(mod: tvm.IRModule, spec: AttentionSpec, emulate: bool = False) -> tvm.IRModule:
+    """``mod`` (a CUDA kernel's module, scheduled, before lowering; or its ``emulate=True`` form,
+    which builds for the CPU) whose ``main`` takes one more argument, last: ``index_error (1,)
+    int32``, and first runs a check kernel (:func:`_check_kernel`: the host asserts' rules, each
+    broken one a bit of :data:`layouts.INDEX_ERROR_BITS`) that writes it; every following kernel
+    (any number: each outermost ``blockIdx`` loop nest) does nothing unless ``index_error[0]`` is
+    0. Kernels on one stream run in order, so they see the check kernel's write. ``spec``: one
+    whose kernel takes index arrays (:func:`layouts.has_index_arrays`)."""
+    if not has_index_arrays(spec):
+        raise ValueError(f"device index checks: {spec.short_name()} takes no index array (bhsd without kv_start)")
+    func = mod["main"]
+    buf = _device_buffers(func, spec)
+    err = tirx.decl_buffer((1,), "int32", INDEX_ERROR_ARG.name)
+    found: list = []
+    ok = tirx.EQ(tirx.BufferLoad(err, [tirx.IntImm("int32", 0)]), tirx.IntImm("int32", 0))
+    # the same value in every thread of a block: marked so, TVM's sync insertion places the
+    # kernels' barriers inside the condition (it refuses to under a thread-dependent one)
+    cond = ok if emulate else T.tvm_thread_invariant(ok)
+    body = _guard(func.body, cond, emulate, found)
+    if not found:
+        raise ValueError("device index checks: no kernel (blockIdx-bound loop nest) found in main to guard")
+    check = _check_kernel(spec, buf, err, emulate)
+    if isinstance(body, s_tir.SBlockRealize):  # the root block: the check kernel first in it
+        blk = body.block
+        blk = s_tir.SBlock(blk.iter_vars, blk.reads, blk.writes, blk.name_hint, tirx.SeqStmt([check, blk.body]),
+                           blk.init, blk.alloc_buffers, blk.match_buffers, blk.annotations)
+        body = s_tir.SBlockRealize(body.iter_values, body.predicate, blk)
+    else:
+        body = tirx.SeqStmt([check, body])
+    out = tvm.IRModule(dict(mod.functions))
+    out["main"] = tirx.PrimFunc([*func.params, err], body, func.ret_type, func.attrs).with_attr("attn.index_error", 1)
     return out
