@@ -63,10 +63,11 @@ def call(ex, spec, x):
 def test_bits_table_and_message():
     assert all(bit & (bit - 1) == 0 for bit in INDEX_ERROR_BITS)  # one bit per rule
     assert BITS == {"cu_seqlens_q": 1, "cu_seqlens_k": 2, "cache_seqlens": 4, "block_table": 8, "kv_start": 16,
-                    "k_scale": 32, "v_scale": 64}
+                    "k_scale": 32, "v_scale": 64, "alignment": 128}
     msg = describe_index_error(4 | 8)
     assert "index_error=12" in msg and "cache_seqlens:" in msg and "block_table:" in msg and "kv_start" not in msg
-    assert "unknown bits 0x80" in describe_index_error(128 | 1) and "cu_seqlens_q:" in describe_index_error(128 | 1)
+    assert "unknown bits 0x100" in describe_index_error(256 | 1) and "cu_seqlens_q:" in describe_index_error(256 | 1)
+    assert "16-byte boundary" in describe_index_error(128)
 
 
 def test_spec_records_the_option():
@@ -272,6 +273,9 @@ def test_cuda_builds_offline_with_the_check_kernel(arch, dtype, layout, variants
     src = built.module.imports[0].inspect_source()
     kernels = [s for s in src.split("extern \"C\" __global__")[1:] if "{" in s.split(";")[0]]
     assert "index_error_ptr[0] = red_ptr[0];" in kernels[0]  # the check kernel runs first
+    # ... and tests the low bits of q, k, v and o's pointers (bit 128), which the host cannot
+    names = [a.name for a in LAYOUTS[layout].all_args(spec)[:3]] + [LAYOUTS[layout].output.name]
+    assert kernels[0].count("attn_misaligned16(") == len(names) == 4 and "? 128 : 0" in kernels[0]
     assert all("(index_error_ptr[0] == 0)" in k for k in kernels[1:]) and len(kernels) >= 2
     assert "index_error" in built.lowered.host.script()  # the exported function takes it
 

@@ -138,6 +138,8 @@ INDEX_ERROR_BITS = {
     16: ("kv_start", "an entry is negative or larger than its sequence's keys"),
     32: ("k_scale", "an entry is not a positive finite number (an 8-bit cache's scale per KV head)"),
     64: ("v_scale", "an entry is not a positive finite number (an 8-bit cache's scale per KV head)"),
+    128: ("alignment", "q, k, v and o must start on a 16-byte boundary (cp.async and 16-byte vector loads "
+                       "read them; a view at an odd offset does not)"),
 }
 
 

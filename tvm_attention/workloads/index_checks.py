@@ -236,6 +236,12 @@ def with_index_checks(mod: tvm.IRModule, spec: AttentionSpec) -> tvm.IRModule:
 
 #: threads of the check kernel's one block: each takes every 256th sequence (block-table entry)
 CHECK_THREADS = 256
+#: A pointer's low bits, on the device: the host function cannot test them (TVM's host code
+#: assumes its buffers aligned, so LLVM folds such a test away), the kernel's raw pointers can
+_MISALIGNED16 = r"""
+__device__ __forceinline__ int attn_misaligned16(const void* p) {
+  return (int)(reinterpret_cast<unsigned long long>(p) & 15ull) != 0;
+}"""
 #: ``index_error``'s bits by argument name (``layouts.INDEX_ERROR_BITS`` is the table)
 BITS = {name: bit for bit, (name, _) in INDEX_ERROR_BITS.items()}
 
@@ -294,6 +300,16 @@ def _check_kernel(spec: AttentionSpec, buf: dict, err, emulate: bool) -> tirx.St
     def steps(n):  # iterations for a thread to take every NT-th of n items
         return T.floordiv(n + NT - 1, NT)
 
+    # the tensors read or written 16 bytes at a time (cp.async, vector loads): q, k, v, o
+    vectors = [buf[a.name] for a in spec.layout_info.all_args(spec)[:3]] + [buf[spec.layout_info.output.name]]
+
+    def alignment_bit():  # when one's data does not start on a 16-byte boundary (a pointer's bits)
+        mis = T.int32(0)
+        for x in vectors:
+            mis = T.bitwise_or(mis, T.cuda.func_call("attn_misaligned16", x.access_ptr("r"),
+                                                     source_code=_MISALIGNED16, return_type="int32"))
+        return T.Select(mis != 0, T.int32(BITS["alignment"]), T.int32(0))
+
     @T.macro
     def scan(reg, tx):
         reg[tx] = 0
@@ -336,6 +352,9 @@ def _check_kernel(spec: AttentionSpec, buf: dict, err, emulate: bool) -> tirx.St
                     reg[tx] = T.bitwise_or(reg[tx], bit(T.Or(T.Not(judged(i * NT + tx)),
                                                              kv_start_ok(KS[i * NT + tx], keys(i * NT + tx))),
                                                         "kv_start"))
+        if not emulate:  # (emulated, the pointers are the CPU's own)
+            if tx == 0:
+                reg[tx] = T.bitwise_or(reg[tx], alignment_bit())
 
     @T.prim_func(s_tir=True, check_well_formed=False)
     def check():
