@@ -39,14 +39,16 @@ def payload(tmp_path_factory):
 
 def test_payload_is_small_and_self_contained(payload):
     size = sum(f.stat().st_size for f in payload.rglob("*") if f.is_file())
-    assert size < 12 * 2**20  # 14 kernels and the runtime: the full sweep stays under 56 MiB
+    assert size < 12 * 2**20  # 16 kernels and the runtime: the full sweep stays under 56 MiB
     info = json.loads((payload / "payload.json").read_text())
     # the static kernels, then the symbolic build of each that serves every length of the same
-    # heads, the varlen build of each that serves every packed batch, and the decode builds
-    assert [k["kernel"] for k in info["kernels"]] == ["fused_tc", "fused_simt"] * 7
+    # heads, the varlen build of each that serves every packed batch, the decode builds (a
+    # float8 e4m3 page pool last), and the variants
+    assert [k["kernel"] for k in info["kernels"]] == ["fused_tc", "fused_simt"] * 8
     assert [k["spec"].get("layout", "bhsd") for k in info["kernels"]] == \
-        ["bhsd"] * 4 + ["varlen"] * 2 + ["kvcache"] * 2 + ["paged"] * 2 + ["paged"] * 2 + ["bhsd"] * 2
-    assert [bool(k["spec"].get("window")) for k in info["kernels"]] == [False] * 10 + [True] * 4
+        ["bhsd"] * 4 + ["varlen"] * 2 + ["kvcache"] * 2 + ["paged"] * 4 + ["paged"] * 2 + ["bhsd"] * 2
+    assert [k["spec"].get("kv_dtype") for k in info["kernels"]] == [None] * 10 + ["float8_e4m3fn"] * 2 + [None] * 4
+    assert [bool(k["spec"].get("window")) for k in info["kernels"]] == [False] * 12 + [True] * 4
     assert [bool(k["spec"].get("dynamic")) for k in info["kernels"][:4]] == [False, False, True, True]
     dims = [["batch", "seq_q", "seq_kv"]] * 2 + [["total_q", "total_k", "batch"]] * 2
     for k, want in zip(info["kernels"][2:6], dims):

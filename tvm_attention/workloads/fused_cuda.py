@@ -670,8 +670,7 @@ def _kernel_func(spec, block, BM, BN, B, SQ, SK, tile, attrs, reverse, lse, var,
             if part is None:
                 return cache_tile(spec, BM, BN, b, h, row0, SQ, k_len, kvl, X, LSE, var)
             s, Op, St, span = part
-            return cache_tile(spec, BM, BN, b, h, row0, SQ, k_len, kvl, X, LSE, var, split.bound(Op, St), s,
-                              (span[0], span[1]))
+            return cache_tile(spec, BM, BN, b, h, row0, SQ, k_len, kvl, X, LSE, var, split.bound(Op, St), s, span)
         return dense_tile(spec, BM, BN, b, h, row0, SQ, SK, LSE, var)
 
     merge = None if split is None else merge_grid(spec, block, lanes, split, at)
@@ -826,7 +825,7 @@ def tile_grid(block, B, H, NR, static: bool, tile, at, cache: bool, split: Split
                             k_len[0] = seqlen(X, seq[0])
                             seq[2] = at(seq[0], vh, vr, k_len[0], X).chunk_span(seq[1], NS)[0]
                             seq[3] = at(seq[0], vh, vr, k_len[0], X).chunk_span(seq[1], NS)[1]
-                        tile(Q, K, V, O, at(seq[0], vh, vr, k_len[0], X, (seq[1], Op, St, seq[2:4])))
+                        tile(Q, K, V, O, at(seq[0], vh, vr, k_len[0], X, (seq[1], Op, St, (seq[2], seq[3]))))
 
     @T.macro
     def grid(Q, K, V, O, X):
