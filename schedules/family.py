@@ -36,6 +36,10 @@ CUDA_KV_DTYPES = KV_DTYPES
 #: the layouts whose CUDA grid splits each sequence's keys when the batch is small (split-KV: a
 #: decode step has one thread block per (sequence, KV head) otherwise)
 SPLIT_LAYOUTS = ("kvcache", "paged")
+#: the most thread blocks split-KV may aim for: a grid then has at most 2 · 4096 (sequence, chunk)
+#: pairs on gridDim.z (batch · ceil(split_tasks / (batch · kv_heads)) < split_tasks + batch, and
+#: a split batch is below split_tasks)
+MAX_SPLIT_TASKS = 4096
 
 
 def cuda_split_tasks(spec: AttentionSpec, target: Target) -> int:
@@ -50,6 +54,9 @@ def check_split_tasks(knobs: Any, spec: AttentionSpec) -> None:
     v = knobs.split_tasks
     if isinstance(v, bool) or not isinstance(v, int) or v < 0:
         raise KnobError(f"split_tasks must be a non-negative int (0: no split-KV), got {v!r}")
+    if v > MAX_SPLIT_TASKS:
+        raise KnobError(f"split_tasks={v} > {MAX_SPLIT_TASKS}: gridDim.z counts (sequence, chunk) pairs, at most "
+                        f"2 · split_tasks of them, and gridDim.z stops at 65535")
     if v and spec.layout not in SPLIT_LAYOUTS:
         raise KnobError(f"split_tasks={v}: split-KV splits the {' and '.join(SPLIT_LAYOUTS)} layouts, "
                         f"not {spec.layout!r} (use 0)")

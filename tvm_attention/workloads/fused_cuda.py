@@ -534,13 +534,17 @@ class Split:
     prefill chunk has row tiles enough). ``Op (ns, B, KH, BM, D)``: each chunk's unnormalised
     accumulator; ``St (ns, B, KH, BM, 2)``: its running max (log2 units) and row sum. Both live
     in a workspace the function allocates (TVM's device workspace), not among its arguments,
-    sized by the batch alone (no length: the fusion audit's rule)."""
+    sized by the batch alone (no length: the fusion audit's rule), and to one KV head's tile
+    when ``ns`` is 1."""
 
     def __init__(self, ns, NR, B, KH: int, BM: int, rows, D: int, Op=None, St=None):
         self.ns, self.NR, self.B, self.KH, self.BM, self.rows, self.D = ns, NR, B, KH, BM, rows, D
         self.active = T.Select(NR == 1, ns, 1)
-        self.part_shape = (ns, B, KH, BM, D)
-        self.state_shape = (ns, B, KH, BM, 2)
+        # a batch that needs no split keeps a token workspace (batch 512 would hold 134 MB at
+        # D=128): no chunk stores a partial then
+        used = [T.Select(ns > 1, ns, 1), T.Select(ns > 1, B, 1)]
+        self.part_shape = (*used, KH, BM, D)
+        self.state_shape = (*used, KH, BM, 2)
         self.Op, self.St = Op, St
 
     def bound(self, Op, St) -> "Split":
