@@ -51,6 +51,15 @@ def vector_elems(dtype: str) -> int:
     return VECTOR_BYTES // {"float32": 4, "float16": 2, "bfloat16": 2}[dtype]
 
 
+def kv_byte(spec: AttentionSpec, vec, lanes: int, v):
+    """Element ``v`` of an 8-bit cache's ``vec``, a vector load of ``lanes`` (4 or 8) of its
+    bytes (one 32- or 64-bit load where as many byte loads were as many instructions), as the
+    cache's element type for :func:`kv_reader` (float8: its bits, uint8; int8)."""
+    word = T.reinterpret(f"uint{8 * lanes}", vec)
+    b = T.Cast("uint8", T.shift_right(word, T.Cast(f"uint{8 * lanes}", 8 * v)))
+    return T.reinterpret("int8", b) if spec.kv_dtype == "int8" else b
+
+
 def kv_reader(spec: AttentionSpec):
     """``x -> value`` of one K/V element for the kernels' shared tiles (``spec.dtype``): the
     element itself, or an 8-bit cache's stored value converted (``kv_to_f32`` without
@@ -129,6 +138,7 @@ def _simt_load_macros(k: _Simt):
      smem) = k.dims
     thread_y, thread_x, vec, flat, kv_vec = k.thread_y, k.thread_x, k.vec, k.flat, k.kv_vec
     kv_value = kv_reader(k.spec)
+    quantized = k.spec.kv_quantized
 
     @T.macro
     def q_load(Q, Qs, m, l, acc, w):
@@ -165,12 +175,20 @@ def _simt_load_macros(k: _Simt):
                             T.reads()
                             T.writes()
                             if flat(it, ty, tx, v) < BN * D:
-                                Ks[flat(it, ty, tx, v) // D * QST
-                                   + flat(it, ty, tx, v) % D] = kv_value(K[
-                                    w.kv_at(w.tile(c) * BN + flat(it, ty, tx, v) // D, flat(it, ty, tx, v) % D)])
-                                Vs[flat(it, ty, tx, v) // D * QST
-                                   + flat(it, ty, tx, v) % D] = kv_value(V[
-                                    w.kv_at(w.tile(c) * BN + flat(it, ty, tx, v) // D, flat(it, ty, tx, v) % D)])
+                                if quantized:  # the vector's bytes in one load, each converted
+                                    Ks[flat(it, ty, tx, v) // D * QST + flat(it, ty, tx, v) % D] = kv_value(
+                                        kv_byte(k.spec, K[w.kv_at(w.tile(c) * BN + flat(it, ty, tx, 0) // D,
+                                                                  T.Ramp(flat(it, ty, tx, 0) % D, 1, VEC))], VEC, v))
+                                    Vs[flat(it, ty, tx, v) // D * QST + flat(it, ty, tx, v) % D] = kv_value(
+                                        kv_byte(k.spec, V[w.kv_at(w.tile(c) * BN + flat(it, ty, tx, 0) // D,
+                                                                  T.Ramp(flat(it, ty, tx, 0) % D, 1, VEC))], VEC, v))
+                                else:
+                                    Ks[flat(it, ty, tx, v) // D * QST
+                                       + flat(it, ty, tx, v) % D] = K[
+                                        w.kv_at(w.tile(c) * BN + flat(it, ty, tx, v) // D, flat(it, ty, tx, v) % D)]
+                                    Vs[flat(it, ty, tx, v) // D * QST
+                                       + flat(it, ty, tx, v) % D] = V[
+                                        w.kv_at(w.tile(c) * BN + flat(it, ty, tx, v) // D, flat(it, ty, tx, v) % D)]
 
     return q_load, kv_load
 

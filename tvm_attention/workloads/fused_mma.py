@@ -57,7 +57,7 @@ from ..cuda_tools import shared_scope
 from ..spec import AttentionSpec
 from ..visibility import Visibility
 from ._math import LOG2E, guarded, lse_of
-from .fused_cuda import flat_offset, kernel_func, kv_reader
+from .fused_cuda import flat_offset, kernel_func, kv_byte, kv_reader
 from .kv import dim
 
 ENTRY = "attention"
@@ -180,8 +180,8 @@ def _mma_fragments(x):
     QKV = x.spec.kv_quantized  # an 8-bit cache: converted on the way to shared memory
     kv_value = kv_reader(x.spec)
 
-    def elems(n):
-        return T.serial(n) if EMU else T.unroll(n)
+    def byte(vec8, v):  # element v of 8 bytes loaded as one 64-bit word
+        return kv_byte(x.spec, vec8, 8, v)
 
     # A lane's fragments are flat arrays of MT blocks, one per 16-row group: scores S and P
     # (NT·4 slots a block), the output acc (NO·4), Q (NDC·8); the row state m, l (2 a block: rows
@@ -244,12 +244,18 @@ def _mma_fragments(x):
         # the barrier that orders the copies orders them too)
         for it in T.unroll(LIT):
             if (it * NTHR + ty * WARP + tx) < BN * VPR:
-                if EMU or QKV:
-                    for v in elems(8):
-                        Ks[stage * TILE + vec_row(it, ty, tx) * ST + vec_col(it, ty, tx) + v] = kv_value(K[
-                            w.kv_at(w.tile(tile) * BN + vec_row(it, ty, tx), vec_col(it, ty, tx) + v)])
-                        Vs[stage * TILE + vec_row(it, ty, tx) * ST + vec_col(it, ty, tx) + v] = kv_value(V[
-                            w.kv_at(w.tile(tile) * BN + vec_row(it, ty, tx), vec_col(it, ty, tx) + v)])
+                if QKV:
+                    for v in T.unroll(8):
+                        Ks[stage * TILE + vec_row(it, ty, tx) * ST + vec_col(it, ty, tx) + v] = kv_value(byte(K[
+                            w.kv_at(w.tile(tile) * BN + vec_row(it, ty, tx), T.Ramp(vec_col(it, ty, tx), 1, 8))], v))
+                        Vs[stage * TILE + vec_row(it, ty, tx) * ST + vec_col(it, ty, tx) + v] = kv_value(byte(V[
+                            w.kv_at(w.tile(tile) * BN + vec_row(it, ty, tx), T.Ramp(vec_col(it, ty, tx), 1, 8))], v))
+                elif EMU:
+                    for v in T.serial(8):
+                        Ks[stage * TILE + vec_row(it, ty, tx) * ST + vec_col(it, ty, tx) + v] = K[
+                            w.kv_at(w.tile(tile) * BN + vec_row(it, ty, tx), vec_col(it, ty, tx) + v)]
+                        Vs[stage * TILE + vec_row(it, ty, tx) * ST + vec_col(it, ty, tx) + v] = V[
+                            w.kv_at(w.tile(tile) * BN + vec_row(it, ty, tx), vec_col(it, ty, tx) + v)]
                 else:
                     T.evaluate(call(
                         "attn_cp_async16",
