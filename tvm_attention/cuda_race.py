@@ -1510,6 +1510,11 @@ CONFIGS = [
          heads=4, seq_q=1, seq_kv=64, dtype="bfloat16", **cache_case(_DECODE, 1, 16, seed=1)),
     _cfg("tc_f16_s3_m1_kvcache_chunk5_causal", _TC, dict(warps=1, block_n=16, stages=3, m_tiles=1, split_tasks=8),
          heads=8, kv_heads=2, seq_q=5, seq_kv=64, causal=True, **cache_case(_CHUNK, 5)),
+    # 8-bit caches: plain loads converted into the stages (no cp.async), TVM's barriers around them
+    _cfg("tc_f16_s2_m1_paged_e4m3_decode", _TC, dict(warps=2, block_n=16, stages=2, m_tiles=1, split_tasks=8), True,
+         heads=4, seq_q=1, seq_kv=64, causal=True, kv_dtype="float8_e4m3fn", **cache_case(_DECODE, 1, 16, seed=1)),
+    _cfg("simt_f32_kvcache_int8_decode", _SIMT, dict(block_m=8, block_n=16, threads_per_row=4, split_tasks=8),
+         heads=4, seq_q=1, seq_kv=64, dtype="float32", causal=True, kv_dtype="int8", **cache_case(_DECODE, 1)),
 ]
 
 
