@@ -36,9 +36,9 @@ CUDA_KV_DTYPES = KV_DTYPES
 #: the layouts whose CUDA grid splits each sequence's keys when the batch is small (split-KV: a
 #: decode step has one thread block per (sequence, KV head) otherwise)
 SPLIT_LAYOUTS = ("kvcache", "paged")
-#: the most thread blocks split-KV may aim for: a grid then has at most 2 · 4096 (sequence, chunk)
-#: pairs on gridDim.z (batch · ceil(split_tasks / (batch · kv_heads)) < split_tasks + batch, and
-#: a split batch is below split_tasks)
+#: the most thread blocks split-KV may aim for: a batch splits only while batch · kv_heads <
+#: split_tasks, and then its (sequence, chunk) pairs on gridDim.z, batch · ceil(split_tasks /
+#: (batch · kv_heads)), stay below 2 · split_tasks (gridDim.z stops at 65535)
 MAX_SPLIT_TASKS = 4096
 
 

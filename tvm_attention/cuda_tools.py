@@ -17,15 +17,17 @@ from typing import Any
 #: Per-SM limits for the occupancy estimate (CUDA programming guide, compute capability table);
 #: ``block_shared``: the most shared memory one block may take, dynamic shared memory opted in
 #: beyond the 48 KiB of static shared memory (``cudaFuncAttributeMaxDynamicSharedMemorySize``,
-#: which TVM's CUDA runtime sets at launch).
+#: which TVM's CUDA runtime sets at launch); ``sms``: streaming multiprocessors of the arch's
+#: largest data-center part (A100 108, A40 84, L40S 142, H100 SXM and H200 132), what split-KV
+#: sizes a decode grid by (:func:`split_tasks_for`).
 SM_LIMITS = {
     "sm_80": dict(max_warps=64, max_blocks=32, registers=65536, shared=167936, block_shared=166912, sms=108),
     "sm_86": dict(max_warps=48, max_blocks=16, registers=65536, shared=102400, block_shared=101376, sms=84),
     "sm_89": dict(max_warps=48, max_blocks=24, registers=65536, shared=102400, block_shared=101376, sms=142),
     "sm_90": dict(max_warps=64, max_blocks=32, registers=65536, shared=233472, block_shared=232448, sms=132),
 }
-#: ``sms``: streaming multiprocessors of the arch's largest data-center part (A100 108, A40 84,
-#: L40S 142, H100 SXM and H200 132): what split-KV sizes a decode grid by (:func:`split_tasks_for`)
+#: static shared memory per block: a kernel needing more declares it dynamic (``shared.dyn``)
+STATIC_SHARED_BYTES = 48 * 1024
 
 
 def split_tasks_for(target) -> int:
@@ -34,8 +36,6 @@ def split_tasks_for(target) -> int:
     counts as an A100's 108 SMs."""
     arch = str(target.attrs.get("arch", ""))
     return 2 * SM_LIMITS.get(arch, SM_LIMITS["sm_80"])["sms"]
-#: static shared memory per block: a kernel needing more declares it dynamic (``shared.dyn``)
-STATIC_SHARED_BYTES = 48 * 1024
 
 
 def block_shared_limit(target) -> int:
