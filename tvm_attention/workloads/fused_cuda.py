@@ -695,7 +695,7 @@ def _kernel_func(spec, block, BM, BN, B, SQ, SK, tile, attrs, reverse, lse, var,
             return cache_tile(spec, BM, BN, b, h, row0, SQ, k_len, kvl, X, LSE, var, split.bound(Op, St), s, span)
         return dense_tile(spec, BM, BN, b, h, row0, SQ, SK, LSE, var)
 
-    merge = None if split is None else merge_grid(spec, block, lanes, split, at)
+    merge = None if split is None else merge_grid(spec, block, lanes, split, at, LSE)
     grid = tile_grid(block, B, KH if cache else H, NR, not spec.dynamic, tile, at, cache, split, merge)
     if not cache:
         @T.prim_func(s_tir=True, check_well_formed="attn.extra_params" not in attrs)
@@ -888,13 +888,14 @@ def tile_grid(block, B, H, NR, static: bool, tile, at, cache: bool, split: Split
     return grid
 
 
-def merge_grid(spec: AttentionSpec, block, lanes, split: Split, at):
+def merge_grid(spec: AttentionSpec, block, lanes, split: Split, at, LSE=None):
     """The merge kernel of a split-KV grid: a thread block per (packed row, KV head, sequence),
     a lane per head-dim column: ``M = max_s m_s``, ``O = Σ_s acc_s·2^(m_s − M) / Σ_s
     l_s·2^(m_s − M)`` through the row's tile (``at(b, kh, 0, k_len, X)``: its output index, zeros
     for a row that sees no key, the sink once in the merged denominator), and the row's
-    log-sum-exp. A chunk that saw no key has ``m = −inf``, ``l = 0``: weight 0. Nothing to do
-    when the batch needed no split (``ns`` 1: each chunk stored its rows itself)."""
+    log-sum-exp (into ``LSE``, the kernel's, when it returns one). A chunk that saw no key has
+    ``m = −inf``, ``l = 0``: weight 0. Nothing to do when the batch needed no split (``ns`` 1:
+    each chunk stored its rows itself)."""
     NS, B, KH, rows, D = split.active, split.B, split.KH, split.rows, split.D
     dtype = spec.dtype
     neg_inf = T.float32(float("-inf"))
@@ -902,7 +903,6 @@ def merge_grid(spec: AttentionSpec, block, lanes, split: Split, at):
     def row(b, kh, k_len, X):  # the rows' tile: where a row's output goes, how it normalises
         return at(b, kh, 0, k_len, X)
 
-    LSE = row(0, 0, 0, ()).LSE  # the kernel's LSE output (None without --return-lse)
 
     def part_row(r):
         # r < rows <= BM whenever the merge runs; the min tells TVM's buffer compaction so (it
