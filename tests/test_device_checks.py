@@ -117,22 +117,33 @@ def _mutations(spec, x):
         edit(y)
         out.append((name, y))
 
+    sq = x["q"].shape[-2]
+    # values at the ends of int32 (docs/artifact_checks.md: no rule may add or multiply them in int32)
+    huge = (2**31 - 1, 2**31 - sq, -2**31)
     if spec.layout == "varlen":
         bad("cu_seqlens_q", lambda y: y["cu_seqlens_q"].__setitem__(0, 1))  # must start at 0
         bad("cu_seqlens_k", lambda y: y["cu_seqlens_k"].__setitem__(1, y["cu_seqlens_k"][2] + 1))  # decreasing
         bad("cu_seqlens_k", lambda y: y["cu_seqlens_k"].__setitem__(-1, y["cu_seqlens_k"][-1] - 1))  # != total_k
+        for v in huge:  # a step through ±2**31: its int32 difference would wrap to a small positive one
+            bad("cu_seqlens_k", lambda y, v=v: y["cu_seqlens_k"].__setitem__(2, v))
     if spec.layout in ("kvcache", "paged"):
         bad("cache_seqlens", lambda y: y["cache_seqlens"].__setitem__(1, 10**6))
         bad("cache_seqlens", lambda y: y["cache_seqlens"].__setitem__(0, -1))
+        for v in huge:
+            bad("cache_seqlens", lambda y, v=v: y["cache_seqlens"].__setitem__(1, v))
     if spec.layout == "paged":
         last = int(np.argmax(x["cache_seqlens"]))
         pages = -(-int(x["cache_seqlens"][last]) // spec.page_size)
         bad("block_table", lambda y: y["block_table"].__setitem__((last, pages - 1), y["k_pages"].shape[0]))
         bad("block_table", lambda y: y["block_table"].__setitem__((last, 0), -1))
+        for v in huge:  # a page index times page_size would pass 2**31
+            bad("block_table", lambda y, v=v: y["block_table"].__setitem__((last, pages - 1), v))
     if spec.kv_start:
         keys = x["cache_seqlens"] if "cache_seqlens" in x else [x["k"].shape[2]] * x["q"].shape[0]
         bad("kv_start", lambda y: y["kv_start"].__setitem__(0, int(keys[0]) + 1))
         bad("kv_start", lambda y: y["kv_start"].__setitem__(-1, -1))
+        for v in huge:
+            bad("kv_start", lambda y, v=v: y["kv_start"].__setitem__(0, v))
     return out
 
 

@@ -83,6 +83,45 @@ def test_out_accepts_plain_and_misaligned_arrays():
         kernel(q, k, v, out=ro)
 
 
+# -- issue 41: read-only inputs, out= on the fast path -----------------------------------------------
+def test_read_only_inputs_are_read_in_place(tmp_path, monkeypatch):
+    """A cache mapped read-only (``np.load(mmap_mode="r")``) or an array whose writeable flag is
+    off raised NumPy's ``BufferError: Cannot export readonly array`` naming nothing: the kernel
+    only reads them, so they are passed as they are, on the fast path and the checked one."""
+    kernel = kernel_of(built(SPEC))
+    q, k, v = random_inputs(SPEC, seed=4)
+    ref = reference_attention(SPEC, q, k, v)
+    np.save(tmp_path / "k.npy", k)
+    mapped = np.load(tmp_path / "k.npy", mmap_mode="r")
+    q.flags.writeable = False
+    np.testing.assert_allclose(kernel(q, mapped, v), ref, atol=1e-4, rtol=1e-4)
+    odd = np.empty(v.size + 1, np.float32)[1:].reshape(v.shape)  # misaligned: the checked path copies it
+    odd[...] = v
+    odd.flags.writeable = False
+    np.testing.assert_allclose(kernel(q, mapped, odd), ref, atol=1e-4, rtol=1e-4)
+    monkeypatch.setattr(kernel, "_prepare", lambda *a: pytest.fail("took the checked path"))
+    np.testing.assert_allclose(kernel(q, mapped, v), ref, atol=1e-4, rtol=1e-4)
+    assert not mapped.flags.writeable and not q.flags.writeable
+
+
+def test_out_takes_the_fast_path(monkeypatch):
+    """``out=`` took the checked path (159-217 µs a decode call against 73-97 without it):
+    an aligned compact buffer of the kind of q goes straight to the library, which checks its
+    shape and dtype; one that overlaps an input, or is misaligned, still goes the checked way."""
+    kernel = kernel_of(built(SPEC))
+    q, k, v = random_inputs(SPEC, seed=5)
+    ref = reference_attention(SPEC, q, k, v)
+    out = aligned_empty(SPEC.o_shape, "float32")
+    with monkeypatch.context() as m:
+        m.setattr(kernel, "_prepare", lambda *a: pytest.fail("took the checked path"))
+        assert kernel(q, k, v, out=out) is out
+    np.testing.assert_allclose(out, ref, atol=1e-4, rtol=1e-4)
+    with pytest.raises(KernelArgumentError, match="out: shares memory with k"):
+        kernel(q, k, v, out=k)
+    with pytest.raises(KernelArgumentError, match=r"out: expected shape \(1, 2, 64, 64\)"):
+        kernel(q, k, v, out=aligned_empty((1, 2, 32, 64), "float32"))
+
+
 # -- 5. CUDA out= is written (the CUDA path run on the CPU device) ---------------------------------
 def test_cuda_path_writes_out():
     import tvm

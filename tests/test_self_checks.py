@@ -145,11 +145,14 @@ def _edit(d, fn):
 
 def test_manifest_entry_and_library_must_be_the_artifacts_own(artifacts, tmp_path, capsys):
     d = _copy(artifacts["kvcache"], tmp_path / "entry")
-    _edit(d, lambda m: m.update(entry="nope"))
-    with pytest.raises(ArtifactError, match="has no function 'nope'"):
-        load(d)
-    assert cli.main(["validate", str(d)]) == 2  # not 1: 1 means "the kernel computes wrong results"
-    assert "has no function 'nope'" in capsys.readouterr().err
+    # another name, or the library's other function (it loaded, then every call failed with
+    # "Expected 0 arguments"): refused at load (issue 41)
+    for entry in ("nope", AttentionSpec.SPEC_FUNCTION):
+        _edit(d, lambda m: m.update(entry=entry))
+        with pytest.raises(ArtifactError, match=f"entry '{entry}' is not the attention function"):
+            load(d)
+        assert cli.main(["validate", str(d)]) == 2  # not 1: 1 means "the kernel computes wrong results"
+        assert f"entry '{entry}' is not the attention function" in capsys.readouterr().err
     outside = tmp_path / "elsewhere.so"
     shutil.copy(d / "attention.so", outside)
     d2 = _copy(artifacts["kvcache"], tmp_path / "lib")

@@ -17,12 +17,12 @@ from schedules._knobs import KnobError
 
 from .audit import AuditReport, audit, list_allocations, probe_spec
 from .cuda_tools import NvccNotFound, kernel_source, ptxas_report
-from .lowering import LoweredModule, codegen, lower_final
-from .spec import AttentionSpec
+from .lowering import ArgBounds, LoweredModule, codegen, lower_final
+from .layouts import SEQUENCE_DIMS
+from .spec import ENTRY, MAX_SEQ_LEN, AttentionSpec
 from .target import check_target_runnable, cpu_features, is_cuda, resolve_target, vector_lanes
 from .task_mods import tuning_spec
 from .workloads import WORKLOADS
-from .workloads.fused import ENTRY
 from .workloads.index_checks import with_device_index_checks, with_index_checks
 
 
@@ -209,7 +209,7 @@ def build_from_module(
     func = mod["main"]
     workload = str(func.attrs["attn.workload"]) if func.attrs is not None and "attn.workload" in func.attrs else schedule
     mod = with_checks(mod, spec, target)
-    lowered = lower_final(mod, target)
+    lowered = lower_final(mod, target, arg_bounds(spec))
     probe_allocs = probe() if probe is not None else "the schedule has no knobs to rebuild it at other lengths"
     report = audit(lowered, spec, WORKLOADS[workload][1], probe=probe_allocs, probe_at=probe_at)
     module = codegen(lowered)
@@ -218,6 +218,18 @@ def build_from_module(
     if target.kind.name == "cuda":
         built.resources = cuda_resources(built)
     return built
+
+
+def arg_bounds(spec: AttentionSpec) -> list[ArgBounds]:
+    """What the exported function checks of each argument's shape, as the caller passes it
+    (``lowering.with_shape_bounds``): its name in the layout's call order, every dim and the
+    element count within int32, a sequence's rows or keys (``layouts.SEQUENCE_DIMS``) at most
+    ``MAX_SEQ_LEN``, and each compiled-in dim its value."""
+    why = f"the longest sequence a kernel takes is {MAX_SEQ_LEN} rows or keys"
+    lay = spec.layout_info
+    return [ArgBounds(a.name, {i: MAX_SEQ_LEN for i, d in enumerate(a.dims) if d in SEQUENCE_DIMS}, why,
+                      tuple(info["shape"]))
+            for a, info in zip(lay.all_args(spec), lay.arg_specs(spec))]
 
 
 def refuse_device_checks(spec: AttentionSpec, target: Target) -> None:

@@ -37,6 +37,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from .errors import SpecError
+from .limits import MAX_SEQ_LEN
 from .modifiers import tensor_dim_name
 from .quant import check_scale, dequantize, quantize_kv
 from .reference import reference_attention
@@ -141,6 +142,11 @@ INDEX_ERROR_BITS = {
     128: ("alignment", "q, k, v and o must start on a 16-byte boundary (cp.async and 16-byte vector loads "
                        "read them; a view at an odd offset does not)"),
 }
+
+
+#: Dims that count a sequence's rows or keys (or every sequence's, packed): at most
+#: ``limits.MAX_SEQ_LEN`` each, checked by the library (``build.arg_bounds``) and the loader.
+SEQUENCE_DIMS = ("seq_q", "seq_kv", "max_len", "total_q", "total_k")
 
 
 def has_index_arrays(spec) -> bool:
@@ -517,8 +523,8 @@ def check_kv_start(arrays: Mapping[str, np.ndarray], key_counts) -> None:
     """``0 ≤ kv_start[b] ≤`` sequence ``b``'s keys, else :class:`KernelArgumentError`."""
     if "kv_start" not in arrays:
         return
-    start = arrays["kv_start"]
-    counts = np.broadcast_to(np.asarray(key_counts), start.shape)
+    start = arrays["kv_start"].astype(np.int64)
+    counts = np.broadcast_to(np.asarray(key_counts, np.int64), start.shape)
     bad = (start < 0) | (start > counts)
     if bad.any():
         b = int(np.argmax(bad))
@@ -611,7 +617,7 @@ class Varlen(Layout):
                     f"{name}: empty; it holds batch+1 offsets, starting at 0 (a batch of no sequence is [0])")
             if cu[0] != 0:
                 raise KernelArgumentError(f"{name}: must start at 0, got {int(cu[0])}")
-            steps = np.diff(cu)
+            steps = np.diff(cu.astype(np.int64))  # int64: int32 differences of ±2**31 entries wrap
             if steps.size and steps.min() < 0:
                 b = int(np.argmin(steps))
                 raise KernelArgumentError(
@@ -623,14 +629,14 @@ class Varlen(Layout):
                     f"{'q' if total == 'total_q' else 'k and v'} ({total}={bound[total]})"
                 )
         cq, ck = arrays["cu_seqlens_q"], arrays["cu_seqlens_k"]
-        check_variant_arrays(spec, arrays, np.diff(ck), len(cq) - 1)
+        check_variant_arrays(spec, arrays, np.diff(ck.astype(np.int64)), len(cq) - 1)
 
     def check_options(self, spec, options, arrays):
         super().check_options(spec, options, arrays)
         for opt, name in (("max_seqlen_q", "cu_seqlens_q"), ("max_seqlen_k", "cu_seqlens_k")):
             if options.get(opt) is None:
                 continue
-            longest = int(np.diff(arrays[name]).max(initial=0))
+            longest = int(np.diff(arrays[name].astype(np.int64)).max(initial=0))
             value = options[opt]
             try:
                 if isinstance(value, (bool, float)) or int(value) != value:
@@ -725,11 +731,14 @@ class KVCache(Layout):
         return bound["max_len"], f"max_len={bound['max_len']} (dim 2 of k_cache)"
 
     def check_indices(self, arrays, bound, spec=None):
-        lens = arrays["cache_seqlens"]
+        # int64: an entry may be 2**31 - 1, and entry + seq_q must not wrap (as it would in int32)
+        lens = arrays["cache_seqlens"].astype(np.int64)
         if lens.size and lens.min() < 0:
             b = int(np.argmin(lens))
             raise KernelArgumentError(f"cache_seqlens[{b}]={int(lens[b])} is negative")
         cap, what = self.key_capacity(arrays, bound)
+        if cap > MAX_SEQ_LEN:
+            cap, what = MAX_SEQ_LEN, f"{what}, and at most {MAX_SEQ_LEN} keys (2**30, the longest sequence a kernel takes)"
         new = bound["seq_q"] if getattr(spec, "append", False) else 0  # the appended keys
         if lens.size and lens.max() + new > cap:
             b = int(np.argmax(lens))
@@ -848,9 +857,9 @@ class Paged(KVCache):
 
     def check_indices(self, arrays, bound, spec=None):
         super().check_indices(arrays, bound, spec)
-        lens, table = arrays["cache_seqlens"], arrays["block_table"]
+        lens, table = arrays["cache_seqlens"].astype(np.int64), arrays["block_table"]
         p, n = arrays["k_pages"].shape[1], bound["num_pages"]
-        lens = lens + (bound["seq_q"] if getattr(spec, "append", False) else 0)  # with the appended keys
+        lens = lens + (bound["seq_q"] if getattr(spec, "append", False) else 0)  # with the appended keys (int64)
         used = (np.arange(table.shape[1])[None, :] * p) < lens[:, None]  # entries a sequence reads
         bad = used & ((table < 0) | (table >= n))
         if bad.any():

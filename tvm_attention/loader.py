@@ -47,9 +47,9 @@ import numpy as np
 
 from . import runtime
 from .hostcpu import describe_host, missing_features
-from .layouts import (ARG_ALIASES, INDEX_ERROR_ARG, INDEX_ERROR_BITS, VARIANT_ARGS, KernelArgumentError, _bound_dim,
-                      describe_index_error)
-from .spec import MAX_ELEMENTS, AttentionSpec, numpy_dtype
+from .layouts import (ARG_ALIASES, INDEX_ERROR_ARG, INDEX_ERROR_BITS, SEQUENCE_DIMS, VARIANT_ARGS, KernelArgumentError,
+                      _bound_dim, describe_index_error)
+from .spec import ENTRY, MAX_ELEMENTS, MAX_SEQ_LEN, AttentionSpec, numpy_dtype
 from .threads import default_num_threads, set_num_threads, use_threads
 
 #: What ``aligned_empty`` gives, and what an artifact whose manifest names no ``data_alignment``
@@ -148,6 +148,25 @@ def aligned_empty(shape, dtype) -> np.ndarray:
     return raw[offset : offset + nbytes].view(dtype).reshape(shape)
 
 
+class _Interface:
+    """An ``__array_interface__`` holder that keeps the array it describes alive."""
+
+    def __init__(self, interface: dict, base: np.ndarray):
+        self.__array_interface__ = interface
+        self.base = base
+
+
+def writeable_alias(a: np.ndarray) -> np.ndarray:
+    """The memory of read-only ``a`` (``np.memmap`` or ``np.load(mmap_mode="r")`` of a cache, an
+    array whose ``writeable`` flag is off) as a writeable view, no copy: NumPy refuses to export a
+    read-only array through DLPack (``BufferError: Cannot export readonly array``), which has no
+    read-only flag in the version tvm-ffi asks for. Only for inputs the kernel never writes."""
+    interface = dict(a.__array_interface__)
+    interface["data"] = (interface["data"][0], False)
+    out = np.asarray(_Interface(interface, a))
+    return out if out.dtype == a.dtype else out.view(a.dtype)  # ml_dtypes' types travel as raw bytes
+
+
 def is_aligned(a: np.ndarray, alignment: int = ALIGNMENT) -> bool:
     return a.ctypes.data % alignment == 0
 
@@ -231,6 +250,11 @@ class AttentionKernel:
         self._static = not any(isinstance(d, str) for _, shape, _ in self._inputs for d in shape)
         #: the fast path (``_fast_call``): CPU kernels returning o alone
         self._fast = device == "cpu" and not self._extra_outs
+        self._names = tuple(name for name, _, _ in self._inputs)
+        #: positions of the inputs the kernel writes (an appending kernel's caches): never aliased
+        #: when read-only, refused by name instead
+        self._written = frozenset(i for i, name in enumerate(self._names)
+                                  if getattr(spec, "append", False) and name in self.layout.kv_names)
 
     # -- argument handling ---------------------------------------------------------------------
     def _gather(self, q, k, v, index, kw) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -289,6 +313,10 @@ class AttentionKernel:
                 continue
             key, plus = _bound_dim(want)
             value = n - plus
+            if key in SEQUENCE_DIMS and value > MAX_SEQ_LEN:
+                raise KernelArgumentError(
+                    f"{name}: dim {i} ({want}) is {n}; the longest sequence a kernel takes is {MAX_SEQ_LEN} rows or "
+                    "keys (2**30: kernels form positions and tile bounds in int32)")
             if key not in bound:
                 bound[key], source[key] = value, name
             elif bound[key] != value:
@@ -327,6 +355,8 @@ class AttentionKernel:
             aligned = aligned_empty(arr.shape, arr.dtype)
             aligned[...] = arr
             arr = aligned
+        elif not arr.flags.writeable:  # the kernel only reads it (an appended cache was refused above)
+            arr = writeable_alias(arr)
         return arr
 
     def _prepare(self, given: dict[str, Any]) -> tuple[dict[str, np.ndarray], str | None, dict[str, int]]:
@@ -391,14 +421,14 @@ class AttentionKernel:
         """``o = softmax(q·kᵀ·scale + mask)·v`` in the artifact's layout; with ``out=`` the result
         is written there and ``out`` returned. An artifact built with ``return_lse`` returns
         ``(o, lse)``."""
-        if self._fast and out is None:
+        if self._fast:
             if not kw:
                 args = (q, k, v, *index)
             elif not index and len(kw) == len(self._index_names):  # index arrays by keyword
                 args = (q, k, v, *(kw.get(n, _SLOW) for n in self._index_names))
             else:
                 args = ()
-            result = self._fast_call(args) if args and not any(a is _SLOW for a in args) else _SLOW
+            result = self._fast_call(args, out) if args and not any(a is _SLOW for a in args) else _SLOW
             if result is not _SLOW:
                 return result
         given, options = self._gather(q, k, v, index, kw) if (index or kw or self._index_names) else (dict(zip(self._qkv, (q, k, v))), None)
@@ -437,30 +467,51 @@ class AttentionKernel:
             return (result, *(_from_framework(framework, x) for x in extra))
         return result
 
-    def _fast_call(self, args: tuple) -> Any:
+    def _fast_call(self, args: tuple, out: Any = None) -> Any:
         """The common call, at a few µs: CPU tensors that are compact and aligned as the kernel
-        needs (``self.alignment``: 16 bytes for CPU builds, so NumPy arrays and torch tensors), no ``out=``, no keyword, no ``lse``. tvm-ffi's DLPack import checks
-        alignment, contiguity and the device; the library checks rank, shapes, dtypes, the
-        agreement of symbolic dims and every index it will read. Anything else — a misaligned or
-        strided input, NumPy bfloat16, an empty tensor, a bad argument of any kind — returns
-        ``_SLOW``, and the checked path copies what it must or raises the error that names it."""
+        needs (``self.alignment``: 16 bytes for CPU builds, so NumPy arrays and torch tensors), no
+        keyword, no ``lse``, and no ``out=`` or one of the same kind (a NumPy array or torch
+        tensor) as compact and aligned, sharing no memory with an input. tvm-ffi's DLPack import
+        checks alignment, contiguity and the device; the library checks rank, shapes (``o``'s
+        against ``q``'s), dtypes, the agreement of symbolic dims and every index it will read.
+        Read-only NumPy inputs the kernel only reads are passed as writeable aliases
+        (:func:`writeable_alias`). Anything else — a misaligned or strided input, NumPy
+        bfloat16, an empty tensor, a bad argument of any kind — returns ``_SLOW``, and the
+        checked path copies what it must or raises the error that names it."""
         import tvm_ffi
 
         if len(args) != len(self._inputs):
             return _SLOW
         try:
             tensors = [tvm_ffi.from_dlpack(x, require_alignment=self.alignment, require_contiguous=True) for x in args]
-        except (RuntimeError, TypeError, ValueError, BufferError, AttributeError):
+        except BufferError:  # NumPy exports no read-only array: alias those the kernel only reads
+            args = tuple(writeable_alias(x) if isinstance(x, np.ndarray) and not x.flags.writeable and i not in
+                         self._written else x for i, x in enumerate(args))
+            try:
+                tensors = [tvm_ffi.from_dlpack(x, require_alignment=self.alignment, require_contiguous=True)
+                           for x in args]
+            except (RuntimeError, TypeError, ValueError, BufferError, AttributeError):
+                return _SLOW
+        except (RuntimeError, TypeError, ValueError, AttributeError):
             return _SLOW
         for t in tensors:
             n = t.numel()
             if n == 0 or n > MAX_ELEMENTS or t.device.dlpack_device_type() != _DLPACK_CPU:
                 return _SLOW
         q = args[0]
-        if isinstance(q, np.ndarray):
-            o = aligned_empty(tuple(tensors[0].shape), self.spec.np_dtype)
+        if out is not None:
+            if type(out) is not type(q):
+                return _SLOW
+            try:
+                o = tvm_ffi.from_dlpack(out, require_alignment=self.alignment, require_contiguous=True)
+                check_no_overlap(out, dict(zip(self._names, args)))
+            except (RuntimeError, TypeError, ValueError, BufferError, AttributeError):  # KernelArgumentError too
+                return _SLOW
+            result = out
+        elif isinstance(q, np.ndarray):
+            o = result = aligned_empty(tuple(tensors[0].shape), self.spec.np_dtype)
         elif type(q).__module__ == "torch":
-            o = sys.modules["torch"].empty(tuple(q.shape), dtype=q.dtype)  # torch's CPU allocator aligns to 64
+            o = result = sys.modules["torch"].empty(tuple(q.shape), dtype=q.dtype)  # torch's CPU allocator aligns to 64
         else:
             return _SLOW
 
@@ -469,7 +520,7 @@ class AttentionKernel:
             self.function(*tensors, o)
         except (ValueError, TypeError, RuntimeError):  # a bad argument: the checked path names it
             return _SLOW
-        return o
+        return result
 
     def _cuda_device(self):
         return runtime.cuda_device(0)
@@ -684,6 +735,11 @@ def check_artifact(directory: str | os.PathLike, manifest: dict[str, Any]) -> Pa
     lib = Path(directory) / name
     if not lib.is_file():
         raise ArtifactError(f"{lib}: shared library missing")
+    if manifest["entry"] != ENTRY:  # e.g. the library's other function: it loads, then every call fails
+        raise ArtifactError(
+            f"{Path(directory) / MANIFEST}: entry {manifest['entry']!r} is not the attention function: every "
+            f"tvm-attention library exports its kernel as {ENTRY!r} (its other function, "
+            f"{AttentionSpec.SPEC_FUNCTION}, takes no tensor)")
     want = manifest.get("library_sha256")
     if want is None:
         warnings.warn(f"{directory}: manifest has no library_sha256 (built before tvm-attention recorded "

@@ -34,6 +34,8 @@ from typing import Any, Mapping
 
 from . import modifiers
 from .errors import SpecError
+# tensor elements, sequence lengths and window sides a kernel takes (int32 indexing): limits.py
+from .limits import MAX_ELEMENTS, MAX_SEQ_LEN, MAX_WINDOW  # noqa: F401 - MAX_ELEMENTS re-exported
 from .quant import KV_DTYPES
 from .layouts import get_layout
 from .visibility import Visibility
@@ -51,8 +53,13 @@ SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
 MIN_SCALE, MAX_SCALE = 1e-30, 1e30
 #: Largest head_dim: every x86 schedule builds up to it (FlashAttention stops at 256).
 MAX_HEAD_DIM = 512
-#: Kernels index tensors with int32: no tensor may have 2**31 elements or more.
-MAX_ELEMENTS = 2**31 - 1
+#: Bounds of ``softcap``: kernels compute c·tanh(x / c) in float32 with c and 1/c folded into
+#: float32 constants, so both must be finite normal float32 values; no model caps outside
+#: [1, 100] (Gemma-2 30 and 50, Grok 30), so the range is generous and far from the edges.
+MIN_SOFTCAP, MAX_SOFTCAP = 1e-6, 1e6
+#: The exported attention function's name (every kernel's ``global_symbol``; the manifest's
+#: ``entry``). The library's other function is ``AttentionSpec.SPEC_FUNCTION``.
+ENTRY = "attention"
 #: Byte alignment the CPU kernels (fused, materialized, row-cached) declare for every argument's
 #: data: NumPy places arrays at 16 mod 64 bytes, and a kernel declaring 64 (TVM's default) may
 #: use aligned vector moves that fault on them, so the loader had to copy every NumPy input on
@@ -147,6 +154,10 @@ class AttentionSpec:
             object.__setattr__(self, "kv_heads", self.heads)
         _check_positive_int("seq_kv", self.seq_kv)
         _check_positive_int("kv_heads", self.kv_heads)
+        for name in ("seq_q", "seq_kv"):
+            if getattr(self, name) > MAX_SEQ_LEN:
+                raise SpecError(f"{name}={getattr(self, name)} is longer than the longest sequence a kernel takes, "
+                                f"{MAX_SEQ_LEN} (2**30; kernels form positions and tile bounds in int32)")
         layout = get_layout(self.layout)  # SpecError naming the known layouts
         object.__setattr__(self, "layout", layout.name)
         dyn = self.dynamic
@@ -178,6 +189,10 @@ class AttentionSpec:
             if self.page_size is None:
                 object.__setattr__(self, "page_size", layout.default_page_size)
             _check_positive_int("page_size", self.page_size)
+            if self.page_size * self.kv_heads * self.head_dim > MAX_ELEMENTS:
+                raise SpecError(f"page_size={self.page_size}: one page of kv_heads={self.kv_heads} x "
+                                f"head_dim={self.head_dim} would hold more than {MAX_ELEMENTS} elements (kernels "
+                                "index with 32-bit ints)")
         elif self.page_size is not None:
             raise SpecError(f"page_size={self.page_size!r} applies to the paged layout only (layout={layout.name})")
         self._check_variants(layout)
@@ -226,6 +241,11 @@ class AttentionSpec:
                     any(isinstance(x, bool) or not isinstance(x, int) or x < -1 for x in w):
                 raise SpecError(f"window must be (left, right), two ints >= -1 (-1: unbounded), got {w!r}")
             left, right = w
+            for side, x in (("left", left), ("right", right)):
+                if x > MAX_WINDOW:
+                    raise SpecError(
+                        f"window: {side}={x} is out of range; each side is -1 (unbounded) or in [0, {MAX_WINDOW}] "
+                        f"(2**29: kernels form p ± window in int32; for no bound pass -1)")
             if self.causal and right > 0:
                 raise SpecError(f"window=({left}, {right}) with causal: causal means right = 0 (keys after the "
                                 "row's own are hidden); pass right 0 or -1, or drop causal")
@@ -238,6 +258,9 @@ class AttentionSpec:
         if c is not None:
             if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or c < 0:
                 raise SpecError(f"softcap must be a positive number (0 or None: off), got {c!r}")
+            if c and not MIN_SOFTCAP <= c <= MAX_SOFTCAP:
+                raise SpecError(f"softcap={c!r} is out of range: a cap is in [{MIN_SOFTCAP:g}, {MAX_SOFTCAP:g}] (0 or "
+                                "None: off; kernels fold c and 1/c into float32 constants)")
             object.__setattr__(self, "softcap", float(c) if c > 0 else None)
         self._check_modifiers()
 

@@ -47,13 +47,12 @@ from tvm.script import tirx as T
 
 from ..layouts import fully_static
 from ..modifiers import instantiate, tensor_dim_name
-from ..spec import DATA_ALIGNMENT as A, AttentionSpec
+from ..spec import DATA_ALIGNMENT as A, ENTRY, MAX_SEQ_LEN, AttentionSpec
 from ..visibility import Visibility, all_of
 from ._math import (KV_UNIT, LOG2E, bf16_bits, bf16_value, cast_to, exp2_fast, f32, f32_to_kv, guarded, kv_to_f32,
                     lse_of, normalize, normalize_seen, normalize_where, tanh_fast, with_sink)
 from .kv import dim, kv_layout
 
-ENTRY = "attention"
 CACHE_LINE = 64  # bytes (x86)
 
 
@@ -161,6 +160,13 @@ class _Variants:
 NO_VARIANTS = _Variants()
 
 
+def _key_clamp(x):
+    """A key bound (a call-time int32, any value: ``key_hi`` 2**31 − 1 for "to the end") clamped
+    into ``[0, MAX_SEQ_LEN]`` before a tile range is computed from it (``x − key0``, ``x + block_n
+    − 1``): no key lies outside, so which keys it admits is unchanged, and no sum can overflow."""
+    return T.max(0, T.min(x, MAX_SEQ_LEN))
+
+
 class _Tile:
     """Where one row tile finds its rows and keys: what a layout changes (the recurrence is the
     same for every layout). Index methods return index tuples into Q, K/V and O.
@@ -213,7 +219,7 @@ class _Tile:
         begin = vis.key_begin(vis.position(first, self.off), self.start)
         lo = var.key_lo(b, self.absolute(vis.position(first, self.off)))
         if lo is not None:  # the key bounds of the tile's first row (non-decreasing: checked)
-            lo = self.relative(lo)
+            lo = self.relative(_key_clamp(lo))
             begin = lo if begin is None else T.max(begin, lo)
         # key tiles wholly before what the tile's first row sees are skipped, not masked
         self.c0 = None if begin is None else vis.tiles_before(begin, BN)
@@ -250,7 +256,7 @@ class _Tile:
         key_end = self.vis.key_end(self.vis.position(end_row, self.off))
         hi = self.var.key_hi(self.b, self.absolute(self.vis.position(end_row - 1, self.off)))
         if hi is not None:  # the key bounds of the tile's last row
-            hi = self.relative(hi)
+            hi = self.relative(_key_clamp(hi))
             key_end = hi if key_end is None else T.min(key_end, hi)
         if key_end is not None:
             n = T.max(0, T.min(n, self.vis.tiles_to(key_end, BN)))
@@ -1311,7 +1317,10 @@ def n_splits(split_tasks: int, B, KH: int):
         return 1
     if isinstance(B, int):
         return max(1, -(-split_tasks // (B * KH)))
-    return T.max(1, T.truncdiv(split_tasks + B * KH - 1, B * KH))  # truncdiv: see chunk()
+    # ceil(split_tasks / (B·KH)) written as (split_tasks − 1) // n + 1: no B·KH + split_tasks that
+    # could pass 2**31 (B·KH is at most q's element count), and a divisor of at least 1: a C++
+    # caller's batch of 0 must not divide by zero (SIGFPE); truncdiv: see chunk()
+    return T.max(1, T.truncdiv(split_tasks - 1, T.max(B * KH, 1)) + 1)
 
 
 def _keep_params(func: tirx.PrimFunc, keep: list[bool], extra=(), n_outputs: int = 1) -> tirx.PrimFunc:

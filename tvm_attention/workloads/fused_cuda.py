@@ -37,13 +37,12 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ..cuda_tools import shared_scope
-from ..spec import AttentionSpec
+from ..spec import ENTRY, AttentionSpec
 from ..visibility import Visibility
 from ._math import KV_UNIT, LOG2E, exp2_fast, guarded, kv_to_f32, lse_of, normalize, normalize_where, tanh_fast, with_sink
 from .fused import MIN_SPLIT_KEYS, n_splits
 from .kv import dim, kv_layout
 
-ENTRY = "attention"
 VECTOR_BYTES = 16  # one 128-bit load/store per thread per step
 
 

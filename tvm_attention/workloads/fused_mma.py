@@ -54,13 +54,12 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ..cuda_tools import shared_scope
-from ..spec import AttentionSpec
+from ..spec import ENTRY, AttentionSpec
 from ..visibility import Visibility
 from ._math import LOG2E, guarded, lse_of
 from .fused_cuda import flat_offset, kernel_func, kv_byte, kv_reader
 from .kv import dim
 
-ENTRY = "attention"
 WARP = 32
 MMA_DTYPES = {"float16": "f16", "bfloat16": "bf16"}
 #: halves of padding per shared row: 16 bytes, so the 8 row addresses of one ldmatrix (row

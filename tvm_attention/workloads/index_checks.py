@@ -36,7 +36,7 @@ from tvm import s_tir, tirx
 from tvm.script import tirx as T
 
 from ..layouts import INDEX_ERROR_ARG, INDEX_ERROR_BITS, has_index_arrays
-from ..spec import AttentionSpec
+from ..spec import MAX_SEQ_LEN, AttentionSpec
 
 _KIND = tvm.ir.StringImm("ValueError")
 
@@ -59,18 +59,37 @@ def _buffers(func: tirx.PrimFunc) -> dict[str, tirx.Buffer]:
 
 # -- the rules: one definition of a valid call, for the host asserts and the device check ------
 # Each returns a boolean PrimExpr that holds for a valid entry (``Layout.check_indices`` is the
-# same rules in NumPy, for the loader).
+# same rules in NumPy, for the loader). A call-time value is any int32, 2**31 - 1 and -2**31
+# included: a rule never adds or multiplies two of them in int32. Sums and products are taken in
+# int64, where two int32 terms (or an int32 times a compiled-in page size) cannot overflow
+# (docs/artifact_checks.md lists each expression).
+
+def _i64(x):
+    return x if isinstance(x, int) else tirx.Cast("int64", x)
+
+
+def key_capacity(max_keys):
+    """The keys a sequence may hold, int64: ``max_keys`` (kvcache ``max_len``; paged
+    ``int64(max_pages) * page_size``, which may pass 2**31), at most ``MAX_SEQ_LEN``."""
+    return tirx.min(_i64(max_keys), tirx.IntImm("int64", MAX_SEQ_LEN))
+
+
+def paged_capacity(max_pages, page_size: int):
+    """``max_pages * page_size`` in int64 (max_pages a call-time dim up to 2**31 - 1)."""
+    return _i64(max_pages) * tirx.IntImm("int64", page_size)
+
 
 def cache_len_ok(cl_b, new, capacity):
-    """``cache_seqlens[b]`` (``cl_b``): ``0 <= cl_b`` and ``cl_b + new <= capacity`` (the keys a
-    sequence may hold: kvcache ``max_len``, paged ``max_pages * page_size``; ``new``: the keys an
-    appending kernel adds)."""
-    return tirx.all(cl_b >= 0, cl_b + new <= capacity)
+    """``cache_seqlens[b]`` (``cl_b``): ``0 <= cl_b`` and ``cl_b + new <= key_capacity(capacity)``
+    (``new``: the keys an appending kernel adds, its ``seq_q``), the sum in int64."""
+    return tirx.all(cl_b >= 0, _i64(cl_b) + _i64(new) <= key_capacity(capacity))
 
 
 def pages_in_use(cl_b, new, page_size):
-    """The ``block_table`` entries sequence ``b`` reads: ``ceil((cl_b + new) / page_size)``."""
-    return tirx.floordiv(cl_b + new + page_size - 1, page_size)
+    """The ``block_table`` entries sequence ``b`` reads: ``ceil((cl_b + new) / page_size)``, in
+    int64 and then int32: read only where :func:`cache_len_ok` holds, which bounds it by
+    ``max_pages``."""
+    return tirx.Cast("int32", tirx.floordiv(_i64(cl_b) + _i64(new) + (page_size - 1), page_size))
 
 
 def page_ok(page, num_pages):
@@ -79,13 +98,13 @@ def page_ok(page, num_pages):
 
 
 def cu_step_ok(cu, b):
-    """``cu_seqlens``: non-decreasing at ``b``."""
+    """``cu_seqlens``: non-decreasing at ``b`` (a compare: no difference is formed)."""
     return cu[b] <= cu[b + 1]
 
 
 def kv_start_ok(ks_b, keys):
-    """``0 <= kv_start[b] <= keys`` (the sequence's keys)."""
-    return tirx.all(ks_b >= 0, ks_b <= keys)
+    """``0 <= kv_start[b] <= keys`` (the sequence's keys: an int64 expression, e.g. ``cl_b + new``)."""
+    return tirx.all(ks_b >= 0, _i64(ks_b) <= keys)
 
 
 def _new(buf):
@@ -94,6 +113,7 @@ def _new(buf):
 
 
 _APPENDED = " (with append: cache_seqlens[b] + seq_q, the keys after it)"
+_LONGEST = f", or than {MAX_SEQ_LEN} (2**30 keys, the longest sequence a kernel takes)"
 
 
 def _kvcache(buf) -> list[tirx.Stmt]:
@@ -109,17 +129,18 @@ def _paged(buf) -> list[tirx.Stmt]:
     cl, bt, k = buf["CL"], buf["BT"], buf["K"]
     num_pages, page_size = k.shape[0], k.shape[1]
     max_pages, new = bt.shape[1], _new(buf)
+    appended = " + seq_q" if "k_new" in buf else ""
 
     def per_sequence(b):
         pages = pages_in_use(cl[b], new, page_size)
         return tirx.SeqStmt([
-            _assert(cache_len_ok(cl[b], new, max_pages * page_size),
+            _assert(cache_len_ok(cl[b], new, paged_capacity(max_pages, int(page_size))),
                     "cache_seqlens: an entry is negative or larger than max_pages * page_size (the keys "
-                    f"block_table can hold for a sequence){_APPENDED if 'k_new' in buf else ''}"),
+                    f"block_table can hold for a sequence){_LONGEST}{_APPENDED if 'k_new' in buf else ''}"),
             _for("j", pages, lambda j: _assert(
                 page_ok(bt[b, j], num_pages),
-                "block_table: an entry a sequence uses (j < ceil(cache_seqlens[b] / page_size)) is not a "
-                "page: it must be in [0, num_pages) (dim 0 of k_pages)")),
+                f"block_table: an entry a sequence uses (j < ceil((cache_seqlens[b]{appended}) / page_size)) is "
+                "not a page: it must be in [0, num_pages) (dim 0 of k_pages)")),
         ])
 
     return [_for("b", cl.shape[0], per_sequence)]
@@ -142,10 +163,11 @@ _CHECKS = {"kvcache": _kvcache, "paged": _paged, "varlen": _varlen}
 
 
 def _kv_start(buf, spec: AttentionSpec) -> list[tirx.Stmt]:
-    """``0 <= kv_start[b] <=`` sequence ``b``'s keys (``seq_kv``, or ``cache_seqlens[b]``)."""
-    ks = buf["KST"]
-    keys = (lambda b: buf["CL"][b]) if "CL" in buf else (lambda b: buf["K"].shape[2])
-    what = "cache_seqlens[b]" if "CL" in buf else "seq_kv (dim 2 of k)"
+    """``0 <= kv_start[b] <=`` sequence ``b``'s keys (``seq_kv``, or ``cache_seqlens[b]`` plus an
+    appending kernel's new keys: the keys its rows attend to, as the loader counts them), in int64."""
+    ks, new = buf["KST"], _new(buf)
+    keys = (lambda b: _i64(buf["CL"][b]) + _i64(new)) if "CL" in buf else (lambda b: _i64(buf["K"].shape[2]))
+    what = ("cache_seqlens[b]" + (" + seq_q" if "k_new" in buf else "")) if "CL" in buf else "seq_kv (dim 2 of k)"
     return [_for("b", ks.shape[0], lambda b: _assert(
         kv_start_ok(ks[b], keys(b)),
         f"kv_start: an entry is negative or larger than the sequence's keys ({what})"))]
@@ -279,7 +301,7 @@ def _check_kernel(spec: AttentionSpec, buf: dict, err, emulate: bool) -> tirx.St
         N1, TQ, TK = CQ.shape[0], buf["q"].shape[0], K.shape[0]
     if cache:
         B = CL.shape[0]
-        cap = K.shape[2] if not paged else BT.shape[1] * K.shape[1]  # max_len; max_pages * page_size
+        cap = K.shape[2] if not paged else paged_capacity(BT.shape[1], int(K.shape[1]))  # max_len; max_pages * page_size
     if paged:
         MP, NP, PS = BT.shape[1], K.shape[0], K.shape[1]
     if KS is not None:
@@ -291,14 +313,17 @@ def _check_kernel(spec: AttentionSpec, buf: dict, err, emulate: bool) -> tirx.St
     def judged(b):  # kv_start is checked against a valid length (else bit 4 alone, as on the host)
         return cache_len_ok(CL[b], new, cap) if cache else T.bool(True)
 
-    def keys(b):  # the sequence's keys kv_start is checked against (the host rule's)
-        return CL[b] if cache else buf["k"].shape[2]
+    def keys(b):  # the sequence's keys kv_start is checked against (the host rule's), int64
+        return _i64(CL[b]) + _i64(new) if cache else _i64(buf["k"].shape[2])
 
     def bit(ok, name):
         return T.Select(ok, T.int32(0), T.int32(BITS[name]))
 
-    def steps(n):  # iterations for a thread to take every NT-th of n items
-        return T.floordiv(n + NT - 1, NT)
+    def steps(n):  # iterations for a thread to take every NT-th of n items (n up to 2**31 - 1: no n + NT)
+        return T.truncdiv(n, NT) + T.Select(T.truncmod(n, NT) > 0, 1, 0)
+
+    def mine(i, tx, n):  # item i * NT + tx exists (written n - i * NT: i * NT <= n - 1, nothing overflows)
+        return tx < n - i * NT
 
     # the tensors read or written 16 bytes at a time (cp.async, vector loads): q, k, v, o
     vectors = [buf[a.name] for a in spec.layout_info.all_args(spec)[:3]] + [buf[spec.layout_info.output.name]]
@@ -322,12 +347,12 @@ def _check_kernel(spec: AttentionSpec, buf: dict, err, emulate: bool) -> tirx.St
                                            T.bitwise_or(bit(CQ[N1 - 1] == TQ, "cu_seqlens_q"),
                                                         bit(CK[N1 - 1] == TK, "cu_seqlens_k")))
             for i in T.serial(steps(N1 - 1)):
-                if i * NT + tx < N1 - 1:
+                if mine(i, tx, N1 - 1):
                     reg[tx] = T.bitwise_or(reg[tx], T.bitwise_or(bit(cu_step_ok(CQ, i * NT + tx), "cu_seqlens_q"),
                                                                  bit(cu_step_ok(CK, i * NT + tx), "cu_seqlens_k")))
         if cache:
             for i in T.serial(steps(B)):
-                if i * NT + tx < B:
+                if mine(i, tx, B):
                     reg[tx] = T.bitwise_or(reg[tx], bit(cache_len_ok(CL[i * NT + tx], new, cap), "cache_seqlens"))
         if paged:
             # flat over the (batch, max_pages) table: entry j of sequence b is read iff j < its pages
@@ -335,7 +360,7 @@ def _check_kernel(spec: AttentionSpec, buf: dict, err, emulate: bool) -> tirx.St
             # as the host asserts stop at the first broken rule)
             # (truncdiv: the flat index is non-negative, and C's / needs no floor fix-up)
             for i in T.serial(steps(B * MP)):
-                if i * NT + tx < B * MP:
+                if mine(i, tx, B * MP):
                     reg[tx] = T.bitwise_or(reg[tx], bit(T.Or(T.Not(in_use(T.truncdiv(i * NT + tx, MP),
                                                                           T.truncmod(i * NT + tx, MP))),
                                                              page_ok(BT[T.truncdiv(i * NT + tx, MP),
@@ -343,12 +368,12 @@ def _check_kernel(spec: AttentionSpec, buf: dict, err, emulate: bool) -> tirx.St
                                                         "block_table"))
         if KSC is not None:
             for i in T.serial(steps(spec.kv_heads)):
-                if i * NT + tx < spec.kv_heads:
+                if mine(i, tx, spec.kv_heads):
                     reg[tx] = T.bitwise_or(reg[tx], T.bitwise_or(bit(scale_ok(KSC[i * NT + tx]), "k_scale"),
                                                                  bit(scale_ok(VSC[i * NT + tx]), "v_scale")))
         if KS is not None:
             for i in T.serial(steps(NB)):
-                if i * NT + tx < NB:
+                if mine(i, tx, NB):
                     reg[tx] = T.bitwise_or(reg[tx], bit(T.Or(T.Not(judged(i * NT + tx)),
                                                              kv_start_ok(KS[i * NT + tx], keys(i * NT + tx))),
                                                         "kv_start"))

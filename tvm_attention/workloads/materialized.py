@@ -14,12 +14,10 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ..spec import DATA_ALIGNMENT as A
-from ..spec import AttentionSpec
+from ..spec import ENTRY, AttentionSpec
 from ..visibility import Visibility
 from .kv import dim
 from ._math import LOG2E, exp2_fast, guarded, normalize, normalize_where
-
-ENTRY = "attention"
 
 
 def materialized_attention(spec: AttentionSpec) -> tirx.PrimFunc:

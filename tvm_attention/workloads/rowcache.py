@@ -20,11 +20,9 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from ..spec import DATA_ALIGNMENT as A
-from ..spec import AttentionSpec
+from ..spec import ENTRY, AttentionSpec
 from ..visibility import Visibility
 from ._math import LOG2E, exp2_fast, guarded, normalize
-
-ENTRY = "attention"
 
 
 def rowcache_attention(spec: AttentionSpec, block_m: int) -> tirx.PrimFunc:
