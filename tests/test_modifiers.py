@@ -124,6 +124,42 @@ def test_spec_records_the_source_and_refuses_what_it_cannot_compile():
             AttentionSpec(**base, **kw)
 
 
+@pytest.mark.parametrize("src, word", [
+    ("@functools.cache\ndef m(s, b, h, q, kv):\n    return s", "decorators are not allowed"),
+    ("def m(s: float, b, h, q, kv):\n    return s", "annotations are not allowed"),
+    ("def m(s, b, h, q, kv) -> 'x':\n    return s", "annotations are not allowed"),
+    ("def m(s, b, h, q, kv=__import__('os')):\n    return s", "no defaults"),
+    ("lambda s, b, h, q, kv=1: s", "no defaults"),
+    ("lambda s, b, h, q, kv: " + "-" * 100_000 + "s", "the source has 100024 characters; a modifier may have at most"),
+    ("lambda s, b, h, q, kv: " + "(" * 3000 + "s" + ")" * 3000, "nest"),
+    ("lambda s, b, h, q, kv: " + "-" * 100 + "s", r"nested \d+ levels deep; .* at most 64"),
+    ("lambda s, b, h, q, kv: s / 0", r"divides by a constant zero \(s / 0\)"),
+    ("lambda s, b, h, q, kv: s + kv // (1 - 1)", r"divides by a constant zero \(kv // \(1 - 1\)\)"),
+    ("lambda s, b, h, q, kv: s + kv % -0.0", "divides by a constant zero"),
+])
+def test_sources_are_refused_outside_the_vocabulary_and_past_the_limits(src, word):
+    """What the body check alone did not see (issue 41: decorators were only safe because
+    lines starting with @ were stripped, annotations because they stayed strings), sources too
+    large or deep to parse (MemoryError, RecursionError), and constant-zero divisors (TVM's
+    constant folding failed deep in the build): each a SpecError naming it."""
+    with pytest.raises(SpecError, match=word):
+        AttentionSpec(batch=1, heads=2, seq_q=8, head_dim=16, score_mod=src)
+
+
+def test_division_means_what_numpy_says_and_never_traps():
+    """``//`` and ``%`` on ints divide as NumPy does, also by 0 (0) and −1 (−2³¹ // −1 wraps):
+    x86's division traps there (SIGFPE from a call-time tensor value); on floats they are
+    floor(a / b) and a − floor(a / b)·b (TIR has no float floordiv: the build failed)."""
+    src = ("lambda s, b, h, q, kv: s + (kv // d[b, q]) * 0.01 + (kv % d[b, kv]) * 0.02 + s // 0.5 + s % 0.7"
+           " + (d[b, kv] // -1) * 1e-12 + (q // -1) * 0.001")
+    spec = AttentionSpec(batch=1, heads=2, seq_q=8, seq_kv=40, head_dim=16, score_mod=src,
+                         mod_tensors=[("d", "int32", ("batch", "seq_kv"))])
+    k = kernel_of(built(spec))
+    x = spec.layout_info.random_inputs(spec, {"batch": 1, "seq_q": 8, "seq_kv": 40})
+    x["d"] = np.array([[0, -1, -2**31, 3, 0, -1, 7] * 5 + [0] * 5], np.int32)  # rows 32-39 divide by 0, -1, -2³¹
+    np.testing.assert_allclose(k(*x.values()), spec.layout_info.reference(spec, x), atol=1e-4, rtol=1e-4)
+
+
 def test_the_vocabulary_builds_numpy_and_tir_alike():
     """Python's and/or/not, chained comparisons and x if c else y become the vocabulary's calls:
     the NumPy values agree with the TIR expressions evaluated by TVM's simplifier."""
@@ -211,6 +247,23 @@ def test_key_bounds_skip_whole_tiles():
     np.testing.assert_allclose(lse, ref_lse, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("lo, hi", [(-2**31, 2**31 - 1), (-2**31 + 1, 2**31 - 2)])
+def test_key_bounds_at_the_ends_of_int32_in_split_kv_chunks(lo, hi):
+    """Key bounds are any int32 ("from the start", "to the end"); a split-KV chunk numbers its
+    keys from its first, ``k0``, and took ``key_lo − k0`` in int32: −2³¹ − k0 wrapped to a large
+    bound, and every chunk past the first saw no key. Clamped into [0, 2³⁰] first (issue 41)."""
+    spec = AttentionSpec(**KERNELS["paged_doc_bounds_split"][0])
+    k = kernel_of(built(spec))
+    x = spec.layout_info.random_inputs(spec, {"seq_q": 1, "cache_seqlens": [3000]}, seed=4)
+    x["key_lo"] = np.full((1, 3000), lo, np.int32)
+    x["key_hi"] = np.full((1, 3000), hi, np.int32)
+    x["doc"] = np.zeros((1, 3000), np.int32)
+    o, lse = k(*x.values())
+    ref, ref_lse = spec.layout_info.reference_outputs(spec, x)
+    np.testing.assert_allclose(o, ref, atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(lse, ref_lse, atol=1e-4, rtol=1e-4)
+
+
 def test_loader_and_library_check_the_bounds_and_tensors():
     import tvm_ffi
 
@@ -236,6 +289,13 @@ def test_loader_and_library_check_the_bounds_and_tensors():
     x = spec.layout_info.random_inputs(spec, {"batch": 2, "seq_q": 70, "seq_kv": 45})
     with pytest.raises(KernelArgumentError, match="doc"):  # a static kernel: (batch, seq_kv) exactly
         k(*{**x, "doc": np.zeros((2, 0), np.int32)}.values())
+    # the library itself names the tensor and its shape (TVM's own check said "Mismatched
+    # doc.strides ... compact array": it compares strides first; issue 41)
+    import tvm_ffi
+
+    outs = [np.empty_like(x["q"]), np.empty(x["q"].shape[:3], np.float32)]
+    with pytest.raises(ValueError, match=r"doc: dim 1 must be 45: expected shape \(2, 45\)"):
+        k.function(*[tvm_ffi.from_dlpack(a) for a in (*{**x, "doc": np.zeros((2, 44), np.int32)}.values(), *outs)])
     o, lse = k(x["q"], x["k"], x["v"], sinks=x["sinks"], doc=x["doc"], bias=x["bias"])  # by keyword
     np.testing.assert_allclose(o, spec.layout_info.reference(spec, x), atol=1e-4, rtol=1e-4)
 

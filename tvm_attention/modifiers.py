@@ -217,11 +217,56 @@ def _invert(a):
     return _tir().bitwise_not(_expr(a)) if _is_tir(a) else np.invert(a)
 
 
+def _never_zero(b, kind: str = "a modifier") -> None:
+    """Refuse a divisor that is a constant zero once TVM simplifies it (``q - q``): TVM's
+    constant folding fails on it deep in the build (``Check failed: … Divide by zero``).
+    Literal zeros are refused when the spec is made (:func:`check_source`)."""
+    from tvm.sym.analyzer import Analyzer  # TVM 0.27's arith analyzer (the reference runs without TVM)
+
+    c = Analyzer().simplify(_expr(b))
+    if isinstance(c, (_tir().IntImm, _tir().FloatImm)) and float(c.value) == 0.0:
+        raise SpecError(f"{kind} divides by an expression that is always 0 ({b}); a divisor must not be "
+                        "constant zero")
+
+
 def _truediv(a, b):  # ``a / b``: true division, floats for ints too (NumPy's rule)
     if _is_tir(a, b):
         a, b = _promote(a, b)
+        _never_zero(b)
         return _float(a) / _float(b)
     return np.true_divide(a, b)
+
+
+def _int_division(a, b, floordiv: bool):
+    """TIR ``a // b`` (``floordiv``) or ``a % b`` of int32 ``a``, ``b`` as NumPy computes them
+    (``x // 0 == x % 0 == 0``), without the traps of x86's division: a divisor of 0, or
+    −2³¹ // −1, would raise SIGFPE in the kernel. A divisor of 0 or −1 is replaced by 1 and the
+    result chosen: 0, or ``−a`` (taken in int64 and cast back, so −(−2³¹) wraps as NumPy's
+    does). A compiled-in divisor folds every select away."""
+    tirx = _tir()
+    zero, minus_one = tirx.EQ(b, tirx.const(0, "int32")), tirx.EQ(b, tirx.const(-1, "int32"))
+    safe = tirx.Select(tirx.Or(zero, minus_one), tirx.const(1, "int32"), b)
+    if floordiv:
+        negated = tirx.Cast("int32", tirx.const(0, "int64") - tirx.Cast("int64", a))
+        return tirx.Select(zero, tirx.const(0, "int32"), tirx.Select(minus_one, negated, tirx.floordiv(a, safe)))
+    return tirx.Select(tirx.Or(zero, minus_one), tirx.const(0, "int32"), tirx.floormod(a, safe))
+
+
+def _division(numpy_fn, floordiv: bool):
+    """``a // b`` (``floordiv``) or ``a % b``: NumPy's floor division and modulo (the sign of the
+    divisor), for floats as ``floor(a / b)`` and ``a − floor(a / b)·b`` (TIR has no float
+    floordiv), for ints by :func:`_int_division`."""
+    def fn(a, b):
+        if _is_tir(a, b):
+            a, b = _promote(a, b)
+            if _dtype(a) == "float32":
+                _never_zero(b)
+                q = _tir().floor(a / b)
+                return q if floordiv else a - q * b
+            return _int_division(a, b, floordiv)
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            return numpy_fn(a, b)
+    return fn
 
 
 #: name -> function: what a modifier may call
@@ -231,7 +276,8 @@ VOCABULARY: dict[str, Callable] = {
     "logical_and": logical_and, "logical_or": logical_or, "logical_not": logical_not,
 }
 _HIDDEN = {"_and": _and, "_or": _or, "_invert": _invert, "_truediv": _truediv, "_land": logical_and,
-           "_lor": logical_or, "_lnot": logical_not, "_where": where}
+           "_lor": logical_or, "_lnot": logical_not, "_where": where,
+           "_floordiv": _division(np.floor_divide, True), "_modulo": _division(np.mod, False)}
 _CONSTANTS = {"True": True, "False": False, "inf": math.inf, "pi": math.pi}
 
 
@@ -250,7 +296,6 @@ def source_of(fn: Any, kind: str) -> str:
             text = _lambda_text(text, kind)
     else:
         raise SpecError(f"{kind}: expected a function or its source text, got {type(fn).__name__}")
-    text = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("@"))
     return text
 
 
@@ -272,11 +317,28 @@ def _lambda_text(line: str, kind: str) -> str:
     return lambdas[0]
 
 
+#: The largest modifier source (characters) and the deepest nesting of its expressions (syntax
+#: tree levels) a spec takes: a real modifier is a line or a few (a few hundred characters, under
+#: 10 levels); past these, parsing, compiling and building it recurse without bound (a source
+#: nested 100,000 deep raised MemoryError or RecursionError).
+MAX_SOURCE_CHARS = 10_000
+MAX_DEPTH = 64
+
+
 def _function_node(text: str, kind: str):
+    if len(text) > MAX_SOURCE_CHARS:
+        raise SpecError(f"{kind}: the source has {len(text)} characters; a modifier may have at most "
+                        f"{MAX_SOURCE_CHARS}")
     try:
         tree = ast.parse(text)
     except SyntaxError as e:
         raise SpecError(f"{kind}: not valid Python ({e.msg}, line {e.lineno}): {text!r}") from None
+    except (RecursionError, MemoryError):
+        raise SpecError(f"{kind}: nested too deeply to parse; a modifier's expressions may nest at most "
+                        f"{MAX_DEPTH} levels") from None
+    depth = _depth(tree)
+    if depth > MAX_DEPTH:
+        raise SpecError(f"{kind}: nested {depth} levels deep; a modifier's expressions may nest at most {MAX_DEPTH}")
     body = tree.body
     if len(body) == 1 and isinstance(body[0], ast.FunctionDef):
         return body[0]
@@ -285,14 +347,36 @@ def _function_node(text: str, kind: str):
     raise SpecError(f"{kind}: expected one function (a def or a lambda), got {text!r}")
 
 
+def _depth(tree: ast.AST) -> int:
+    """The syntax tree's levels, counted without recursion."""
+    deepest, stack = 0, [(tree, 1)]
+    while stack:
+        node, d = stack.pop()
+        deepest = max(deepest, d)
+        stack.extend((child, d + 1) for child in ast.iter_child_nodes(node))
+    return deepest
+
+
 def check_source(text: str, kind: str, tensors: tuple[str, ...]) -> None:
-    """Refuse, naming what is wrong, a modifier the kernel cannot compile: the wrong number of
-    parameters, a name that is neither a parameter, a local, a tensor nor in the vocabulary,
-    or a construct outside the vocabulary."""
+    """Refuse, naming what is wrong, a modifier the kernel cannot compile: a source past
+    ``MAX_SOURCE_CHARS`` or nested past ``MAX_DEPTH``, decorators, annotations, defaults, the
+    wrong number of parameters, a name that is neither a parameter, a local, a tensor nor in the
+    vocabulary, a construct outside the vocabulary, or a division by a constant zero."""
     node = _function_node(text, kind)
     args = node.args
-    if args.vararg or args.kwarg or args.kwonlyargs or args.defaults or args.posonlyargs:
-        raise SpecError(f"{kind}: parameters must be plain: {', '.join(PARAMS[kind])}")
+    if isinstance(node, ast.FunctionDef):  # what the body check below does not see
+        if node.decorator_list:
+            raise SpecError(f"{kind}: decorators are not allowed (line {node.decorator_list[0].lineno}); pass the "
+                            "plain function")
+        if node.returns is not None or any(a.annotation is not None for a in args.args + args.posonlyargs
+                                           + args.kwonlyargs):
+            raise SpecError(f"{kind}: annotations are not allowed; parameters must be plain: "
+                            f"{', '.join(PARAMS[kind])}")
+        if getattr(node, "type_params", None):
+            raise SpecError(f"{kind}: type parameters are not allowed")
+    if args.vararg or args.kwarg or args.kwonlyargs or args.defaults or args.kw_defaults or args.posonlyargs:
+        raise SpecError(f"{kind}: parameters must be plain (no defaults, *args, **kwargs or keyword-only): "
+                        f"{', '.join(PARAMS[kind])}")
     names = [a.arg for a in args.args]
     if len(names) != len(PARAMS[kind]):
         raise SpecError(f"{kind} takes {len(PARAMS[kind])} parameters ({', '.join(PARAMS[kind])}), "
@@ -339,6 +423,30 @@ def _check_expr(expr, kind: str, names: set[str]) -> None:
             raise SpecError(f"{kind}: constant {n.value!r}: only numbers and booleans")
         if isinstance(n, ast.Subscript) and not isinstance(n.value, ast.Name):
             raise SpecError(f"{kind}: only a declared tensor may be indexed")
+        if isinstance(n, ast.BinOp) and isinstance(n.op, (ast.Div, ast.FloorDiv, ast.Mod)) \
+                and _constant_value(n.right) == 0:
+            raise SpecError(f"{kind}: divides by a constant zero ({ast.unparse(n)}); a divisor must not be 0")
+
+
+_FOLDED = (ast.Add, ast.Sub, ast.Mult, ast.Div, ast.FloorDiv, ast.Mod, ast.UAdd, ast.USub)
+
+
+def _constant_value(expr) -> float | None:
+    """The value of an expression of numbers and ``+ − * / // %`` alone (``0``, ``1 - 1``,
+    ``-0.0``), else None (names, other operators, or arithmetic that fails)."""
+    for n in ast.walk(expr):
+        if isinstance(n, ast.Constant):
+            if isinstance(n.value, bool) or not isinstance(n.value, (int, float)):
+                return None
+        elif isinstance(n, (ast.BinOp, ast.UnaryOp)):
+            if not isinstance(n.op, _FOLDED):
+                return None
+        elif not isinstance(n, _FOLDED):
+            return None
+    try:
+        return eval(compile(ast.Expression(expr), "<divisor>", "eval"), {"__builtins__": {}})  # noqa: S307
+    except (ArithmeticError, MemoryError):
+        return None
 
 
 class _Rewrite(ast.NodeTransformer):
@@ -383,7 +491,8 @@ class _Rewrite(ast.NodeTransformer):
 
     def visit_BinOp(self, node):
         self.generic_visit(node)
-        op = {ast.BitAnd: "_and", ast.BitOr: "_or", ast.Div: "_truediv"}.get(type(node.op))
+        op = {ast.BitAnd: "_and", ast.BitOr: "_or", ast.Div: "_truediv", ast.FloorDiv: "_floordiv",
+              ast.Mod: "_modulo"}.get(type(node.op))
         return self._call(op, node.left, node.right) if op else node
 
 
