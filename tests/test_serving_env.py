@@ -148,3 +148,25 @@ def test_importing_tvm_after_a_load_keeps_one_runtime(env):
     """)
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip() == "3.0", r.stdout + r.stderr[-2000:]
+
+
+def test_an_installed_package_ships_the_committed_tuning_logs(env):
+    """``pip install .`` (not editable) installs the committed logs as package data of
+    ``tvm_attention.tuning_logs``, where ``logs.repo_logs_root`` finds them from any folder; before
+    (issue 41) they were not shipped, and the checkout's were looked for two folders above the
+    package, so a build run from elsewhere silently used the untuned schedule."""
+    from tvm_attention.logs import LOGS_PACKAGE, repo_logs_root
+
+    python, root, _ = env
+    script = textwrap.dedent(f"""
+        import importlib.util, json
+        from pathlib import Path
+        spec = importlib.util.find_spec({LOGS_PACKAGE!r})
+        base = Path(list(spec.submodule_search_locations)[0])
+        print(json.dumps(sorted(str(p.relative_to(base)) for p in base.rglob("*.json"))))
+    """)
+    out = subprocess.run([str(python), "-c", script], cwd=root, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    shipped = json.loads(out.stdout)
+    committed = sorted(str(p.relative_to(repo_logs_root())) for p in repo_logs_root().rglob("*.json"))
+    assert committed and shipped == committed

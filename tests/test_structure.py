@@ -49,6 +49,20 @@ def test_a_cycle_hidden_in_a_function_is_found(tmp_path):
     assert [(i.module, i.target, i.commented) for i in hidden] == [("tvm_attention.b", "tvm_attention.a", True)]
 
 
+def test_pyproject_lists_every_package_of_the_tree():
+    """pyproject.toml lists its packages (tuning_logs/ installs as ``tvm_attention.tuning_logs``,
+    which discovery cannot map): a new package folder must be added there, or an installed
+    package would miss it."""
+    import tomllib
+
+    conf = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    found = {".".join(p.parent.relative_to(ROOT).parts) for top in ("tvm_attention", "schedules")
+             for p in (ROOT / top).rglob("__init__.py")}
+    mapped = set(conf.get("package-dir", {}))
+    assert set(conf["packages"]) == found | mapped
+    assert mapped == {"tvm_attention.tuning_logs"} and conf["package-dir"]["tvm_attention.tuning_logs"] == "tuning_logs"
+
+
 def test_build_reads_a_tuning_log_without_importing_the_tuner():
     # build_best on a committed log in a fresh process: on the CPU it was tuned on, its best
     # record is replayed and timed against the hand build; elsewhere no record is for this

@@ -107,6 +107,25 @@ def test_build_looks_in_the_user_log_then_the_committed_one(monkeypatch, tmp_pat
     fake_log(user)  # a usable user log wins
     built, _ = build_best(SPEC, say=said.append)
     assert log_used(built) == str(user)
+    assert str(user) in cli.log_line(built.schedule_info())  # what build, run and inspect print
+
+
+def test_the_committed_logs_are_found_from_any_folder(monkeypatch, tmp_path):
+    """``repo_logs_root`` looked two folders above the package, then at ./tuning_logs: a build
+    run anywhere but the checkout's root silently used the hand schedule (issue 41). It is the
+    ``tvm_attention.tuning_logs`` package's folder now (the checkout's tuning_logs/ here)."""
+    repo = Path(__file__).resolve().parents[1] / "tuning_logs"
+    monkeypatch.chdir(tmp_path)
+    assert logs.repo_logs_root().resolve() == repo
+    assert logs.committed_work_dir(SPEC, TARGET).is_absolute()
+    said = []
+    built, _ = build_best(SPEC, use_log=True, say=said.append)
+    assert built.logs_searched == [str(d) for d in logs.search_dirs(SPEC, TARGET)]
+    line = cli.log_line(built.schedule_info())
+    assert line.startswith("none: no record for this spec and target in ") and str(repo) in line
+    assert any("tvm-attention tune" in m for m in said), said  # how to make one
+    assert cli.log_line({"source": "hand"}).startswith("none: the hand schedule was asked for")
+    assert "ran slower here" in cli.log_line({"source": "hand", "selection": {"tuned_log": "/x"}})
 
 
 # ---- one tune per folder; readers skip bad lines (issue 4) -----------------------------------

@@ -44,6 +44,8 @@ class BuiltKernel:
     record_secs: list[float] | None = None  # its measured run times there
     resources: dict[str, Any] | None = None  # CUDA: ptxas report (see cuda_tools.ptxas_report)
     selection: dict[str, Any] | None = None  # tuned vs hand timed side by side at build time
+    #: the tuning logs looked in when none had a usable record (the hand schedule was built)
+    logs_searched: list[str] | None = None
     _library: tuple[str, Any] | None = dataclasses.field(default=None, repr=False, compare=False)
 
 
@@ -59,6 +61,8 @@ class BuiltKernel:
             info["tuned_run_secs"] = self.record_secs
         if self.selection is not None:
             info["selection"] = self.selection
+        if self.logs_searched is not None:
+            info["logs_searched"] = self.logs_searched
         return info
 
     @property

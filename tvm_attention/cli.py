@@ -252,13 +252,25 @@ def _schedule_line(built) -> str:
         line += f" [{kernel}]"
     if info.get("knobs"):
         line += " " + json.dumps(info["knobs"])
-    if built.log_dir:
-        line += f"  from {built.log_dir}"
     sel = built.selection
     if sel:
         line += (f"  [timed here: tuned {sel['tuned_s'] * 1e3:.3f} ms vs hand {sel['hand_s'] * 1e3:.3f} ms, "
                  f"kept {sel['kept']}]")
     return line
+
+
+def log_line(schedule: dict) -> str:
+    """Which tuning log a build used (its manifest's ``schedule``), for ``build``, ``run`` and
+    ``inspect``: the folder of the record it replays, the log whose record lost to the hand
+    schedule when timed here, or the folders looked in when none had a record."""
+    if schedule.get("log_dir"):
+        return f"{schedule['log_dir']} (its best validated record)"
+    sel = schedule.get("selection") or {}
+    if sel.get("tuned_log"):
+        return f"{sel['tuned_log']}: its record ran slower here than the hand schedule, which was kept"
+    if schedule.get("logs_searched"):
+        return f"none: no record for this spec and target in {', '.join(schedule['logs_searched'])}"
+    return "none: the hand schedule was asked for (--no-log or --knobs)" if schedule.get("source") == "hand" else "?"
 
 
 def cmd_build(a: argparse.Namespace) -> int:
@@ -267,6 +279,7 @@ def cmd_build(a: argparse.Namespace) -> int:
     built, validation, _ = _build_and_export(a, spec, out)
     print(f"spec: {spec.short_name()}  target: {built.target}")
     print(f"schedule: {_schedule_line(built)}")
+    print(f"log: {log_line(built.schedule_info())}")
     print(built.audit.format())
     if built.resources is not None:
         print(format_resources(built.resources))
@@ -306,6 +319,7 @@ def cmd_run(a: argparse.Namespace) -> int:
     print(f"spec:       {spec.short_name()}  (layout {spec.layout} B={dim('batch')} H={spec.heads} KH={spec.kv_heads} "
           f"Sq={dim('seq_q')} Skv={dim('seq_kv')} D={spec.head_dim} {spec.dtype} causal={spec.causal})")
     print(f"schedule:   {_schedule_line(built)}")
+    print(f"log:        {log_line(built.schedule_info())}")
     print(f"target:     {built.target}  threads: {num_threads()}")
     print(built.audit.format())
     print(validation.format())
@@ -535,6 +549,7 @@ def cmd_inspect(a: argparse.Namespace) -> int:
     print("args:       " + ", ".join(f"{x['name']}{tuple(x['shape'])}:{x['dtype']}" for x in m["args"]))
     print(f"target:     {json.dumps(m.get('target'))}")
     print(f"schedule:   {json.dumps(m.get('schedule'))}")
+    print(f"log:        {log_line(m.get('schedule') or {})}")
     print(f"tvm:        {m.get('tvm_version')}")
     print(f"audit:      {audit.get('verdict')}  largest allocation: {json.dumps(audit.get('largest_allocation'))}")
     for r in audit.get("reasons", []):

@@ -7,7 +7,8 @@ Layout: ``<root>/<target key>/<spec short name>/database_workload.json`` and
   by default (``$TVM_ATTENTION_CACHE_DIR``, else ``$XDG_CACHE_HOME/tvm-attention``, else
   ``~/.cache/tvm-attention``), so a tune never writes into the source tree;
 * the committed logs, ``tuning_logs/`` of the checkout (``scripts/tune_defaults.sh`` regenerates
-  them with an explicit ``--work-dir``).
+  them with an explicit ``--work-dir``), installed with the package as ``tvm_attention.tuning_logs``
+  (``repo_logs_root``).
 
 ``build`` looks in the user's log first, then the committed one (``search_dirs``).
 
@@ -28,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
+import importlib.util
 import json
 import os
 import re
@@ -59,11 +61,27 @@ class LogWarning(UserWarning):
     """A log line a reader skipped (when no ``say`` callback was given)."""
 
 
+#: What to do when no log has a record: said wherever a log is missing (build, run, compare)
+TUNE_HINT = ("Make one: tvm-attention tune with the same spec flags (e.g. tvm-attention tune --seq-q 1024 "
+             "--causal --trials 64), then build again")
+#: The package the committed logs install as (pyproject.toml maps ``tuning_logs/`` of the
+#: checkout to it): an installed package finds them wherever it is run from.
+LOGS_PACKAGE = "tvm_attention.tuning_logs"
+
+
 def repo_logs_root() -> Path:
-    """``tuning_logs/`` beside the package (the committed logs), else ``./tuning_logs``. Read by
-    ``build``; ``tune`` writes there only when given it as ``--work-dir``."""
-    here = Path(__file__).resolve().parents[2] / "tuning_logs"
-    return here if here.is_dir() else Path("tuning_logs")
+    """The committed logs: the folder of :data:`LOGS_PACKAGE` (``tuning_logs/`` of the checkout
+    in an editable install, the package data of an installed one), or ``tuning_logs/`` beside
+    the package when it is imported from a checkout that was never installed. Never the current
+    folder: a build run elsewhere must find the same logs. Read by ``build``; ``tune`` writes
+    there only when given it as ``--work-dir``."""
+    try:
+        spec = importlib.util.find_spec(LOGS_PACKAGE)
+    except ModuleNotFoundError:
+        spec = None
+    if spec is not None and spec.submodule_search_locations:
+        return Path(list(spec.submodule_search_locations)[0])
+    return Path(__file__).resolve().parents[1] / "tuning_logs"
 
 
 def user_logs_root() -> Path:

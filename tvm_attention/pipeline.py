@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 from .artifact import validate_built
 from .build import BuiltKernel, build_from_record, build_kernel
-from .logs import best_records, log_folder, search_dirs, target_key
+from .logs import TUNE_HINT, best_records, log_folder, search_dirs, target_key
 from .spec import AttentionSpec
 from .target import resolve_target
 from .task_mods import tuning_spec
@@ -84,8 +84,10 @@ def build_best(
             say(f"no tuned record from {', '.join(tried)} validated; using the hand schedule")
         else:
             say(f"no tuning log for {log_folder('', rep, target).name} [{schedule}] on {target_key(target)} "
-                f"(looked in {', '.join(str(d) for d in dirs)}); using the hand schedule")
+                f"(looked in {', '.join(str(d) for d in dirs)}); using the hand schedule. {TUNE_HINT}")
     built = build_kernel(spec, schedule=schedule, target=target, knobs=knobs)
+    if knobs is None and use_log:
+        built.logs_searched = [str(d) for d in dirs]
     return built, validate_built(built, seed=seed)
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from ..build import build_from_record, build_kernel
-from ..logs import best_records, default_work_dir
+from ..logs import TUNE_HINT, best_records, default_work_dir, search_dirs
 from ..reference import reference_attention
 from ..spec import DYNAMIC_DIMS, AttentionSpec
 from ..target import resolve_target
@@ -64,7 +64,8 @@ def build_entry(spec: AttentionSpec, text: str):
         target = resolve_target("llvm")
         recs = best_records(spec, target, schedule, default_work_dir(spec, target), k=1)
         if not recs:
-            raise LookupError(f"no tuning log for {spec.short_name()} ({schedule})")
+            raise LookupError(f"no tuning log for {spec.short_name()} ({schedule}) on this target: looked in "
+                              f"{', '.join(str(d) for d in search_dirs(spec, target))}. {TUNE_HINT}")
         return label, build_from_record(spec, schedule, target, *recs[0])
     if name.endswith(DYN_SUFFIX) and name[: -len(DYN_SUFFIX)] in SCHEDULES:
         # representative = the spec's shape: same knobs, same inputs, only the signature differs
