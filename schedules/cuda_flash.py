@@ -212,12 +212,19 @@ def tile_candidates(spec: AttentionSpec, target: Target) -> list[FlashCUDAKnobs]
     return out
 
 
+def workload_knobs(func) -> FlashCUDAKnobs:
+    """The knobs :func:`workload` generated ``func`` with, read from its ``attn.*`` attrs (how a
+    tuning log's workload is regenerated: ``task_mods.regenerate``); ``unroll``, which only the
+    schedule sets, at its default. ``attn.split_tasks`` is only set when non-zero."""
+    attrs = func.attrs
+    return FlashCUDAKnobs(block_m=int(attrs["attn.block_m"]), block_n=int(attrs["attn.block_n"]),
+                          threads_per_row=int(attrs["attn.threads_per_row"]),
+                          split_tasks=int(attrs.get("attn.split_tasks", 0)))
+
+
 def knobs_of(sch: s_tir.Schedule, lanes: int = 0, base=None) -> FlashCUDAKnobs:
-    func = sch.mod["main"]
     unroll = int(sch.get(sch.get_sblock("row_tile")).annotations["attn.unroll"])
-    return FlashCUDAKnobs(block_m=int(func.attrs["attn.block_m"]), block_n=int(func.attrs["attn.block_n"]),
-                          threads_per_row=int(func.attrs["attn.threads_per_row"]), unroll=unroll,
-                          split_tasks=int(func.attrs.get("attn.split_tasks", 0)))
+    return dataclasses.replace(workload_knobs(sch.mod["main"]), unroll=unroll)
 
 
 for_layout = same_knobs

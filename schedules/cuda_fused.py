@@ -4,7 +4,7 @@ the SIMT kernel (``cuda_flash``) everywhere else (float32, older GPUs, odd head 
 ``fused_simt`` name one kernel explicitly (for comparing them side by side).
 
 Every call is routed by what it is given: the spec and target, the knob dataclass, or the
-``attn.workload`` attribute of a scheduled function.
+``attn.workload`` attribute of a function (scheduled, or a tuning log's workload).
 """
 from __future__ import annotations
 
@@ -57,9 +57,17 @@ def tile_candidates(spec: AttentionSpec, target: Target):
     return _by_spec(spec, target).tile_candidates(spec, target)
 
 
+def _by_workload(func):
+    return cuda_mma if str(func.attrs["attn.workload"]) == "fused_mma" else cuda_flash
+
+
 def knobs_of(sch: s_tir.Schedule, lanes: int = 0, base=None):
-    kind = str(sch.mod["main"].attrs["attn.workload"])
-    return (cuda_mma if kind == "fused_mma" else cuda_flash).knobs_of(sch, lanes, base)
+    return _by_workload(sch.mod["main"]).knobs_of(sch, lanes, base)
+
+
+def workload_knobs(func):
+    """The knobs ``func`` (a workload of either kernel) was generated with."""
+    return _by_workload(func).workload_knobs(func)
 
 
 for_layout = same_knobs

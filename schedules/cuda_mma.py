@@ -202,11 +202,18 @@ def tile_candidates(spec: AttentionSpec, target: Target) -> list[MMAKnobs]:
     return out
 
 
-def knobs_of(sch: s_tir.Schedule, lanes: int = 0, base=None) -> MMAKnobs:
-    attrs = sch.mod["main"].attrs
+def workload_knobs(func) -> MMAKnobs:
+    """The knobs :func:`workload` generated ``func`` with, read from its ``attn.*`` attrs (how a
+    tuning log's workload is regenerated: ``task_mods.regenerate``). ``attn.split_tasks`` is
+    only set when non-zero."""
+    attrs = func.attrs
     return MMAKnobs(warps=int(attrs["attn.warps"]), block_n=int(attrs["attn.block_n"]),
                     stages=int(attrs["attn.stages"]), m_tiles=int(attrs["attn.m_tiles"]),
                     split_tasks=int(attrs.get("attn.split_tasks", 0)))
+
+
+def knobs_of(sch: s_tir.Schedule, lanes: int = 0, base=None) -> MMAKnobs:
+    return workload_knobs(sch.mod["main"])  # the schedule varies nothing: the workload is the knobs
 
 
 for_layout = same_knobs

@@ -15,11 +15,10 @@ import tvm_ffi
 from tvm import tirx
 from tvm.target import Target
 
-from schedules import cpu_flash
+from schedules import cpu_flash, cuda_fused
 
 from .spec import AttentionSpec
-from .workloads import (fused_attention, fused_attention_cuda, fused_attention_mma, materialized_attention,
-                        rowcache_attention)
+from .workloads import fused_attention, materialized_attention, rowcache_attention
 
 
 def tuning_spec(spec: AttentionSpec, target: Target, schedule: str = "fused") -> AttentionSpec:
@@ -116,7 +115,11 @@ def task_mod(spec: AttentionSpec, func) -> tvm.IRModule:
 
 
 def regenerate(spec: AttentionSpec, func) -> tvm.IRModule | None:
-    """The workload ``spec`` would produce for a stored function (by its ``attn.*`` attrs)."""
+    """The workload ``spec`` would produce for a stored function (by its ``attn.*`` attrs).
+
+    The CUDA kernels' workloads come from their family's ``workload(spec, knobs)``, the function
+    ``build`` schedules and the tuner's tasks measure, with the knobs the stored function was
+    generated with (``workload_knobs``: ``split_tasks`` too)."""
     attrs = func.attrs if func.attrs is not None else {}
     kind = str(attrs["attn.workload"]) if "attn.workload" in attrs else None
     try:
@@ -134,12 +137,8 @@ def regenerate(spec: AttentionSpec, func) -> tvm.IRModule | None:
             return normalize(materialized_attention(spec))
         if kind == "rowcache":
             return normalize(rowcache_attention(spec, int(attrs["attn.block_m"])))
-        if kind == "fused_mma":
-            return normalize(fused_attention_mma(spec, int(attrs["attn.warps"]), int(attrs["attn.block_n"]),
-                                                 int(attrs["attn.stages"]), int(attrs["attn.m_tiles"])))
-        if kind == "fused_cuda":
-            return normalize(fused_attention_cuda(spec, int(attrs["attn.block_m"]), int(attrs["attn.block_n"]),
-                                                  int(attrs["attn.threads_per_row"])))
+        if kind in ("fused_mma", "fused_cuda"):
+            return normalize(cuda_fused.workload(spec, cuda_fused.workload_knobs(func)))
     except Exception:
         return None
     return None
