@@ -26,8 +26,8 @@ from tvm_attention.spec import SUPPORTED_DTYPES, AttentionSpec
 from tvm_attention.workloads.fused_cuda import fused_attention_cuda, grid_refusal, vector_elems
 
 from ._knobs import KnobError, KnobsMixin
-from .family import (CUDA_KV_DTYPES, CUDA_VARIANTS, SPLIT_LAYOUTS, Capabilities, check_split_tasks, cuda_split_tasks,
-                     never_static_decode, same_knobs)
+from .family import (CUDA_KV_DTYPES, CUDA_VARIANTS, SPLIT_LAYOUTS, Capabilities, check_split_tasks, cuda_for_layout,
+                     cuda_split_tasks, never_static_decode)
 
 NAME = "fused"
 #: symbolic batch, seq_q and seq_kv: a (row tile, head, batch) grid on (x, y, z), so no index is
@@ -227,5 +227,5 @@ def knobs_of(sch: s_tir.Schedule, lanes: int = 0, base=None) -> FlashCUDAKnobs:
     return dataclasses.replace(workload_knobs(sch.mod["main"]), unroll=unroll)
 
 
-for_layout = same_knobs
+for_layout = cuda_for_layout
 is_static_decode = never_static_decode

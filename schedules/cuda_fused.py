@@ -14,7 +14,7 @@ from tvm.target import Target
 from tvm_attention.spec import AttentionSpec
 
 from . import cuda_flash, cuda_mma
-from .family import never_static_decode, same_knobs
+from .family import never_static_decode
 
 NAME = "fused"
 #: the union of its two kernels' (the SIMT one builds every dtype)
@@ -70,5 +70,8 @@ def workload_knobs(func):
     return _by_workload(func).workload_knobs(func)
 
 
-for_layout = same_knobs
+def for_layout(knobs, spec: AttentionSpec, target: Target, tuned_at: AttentionSpec | None = None):
+    return _by_knobs(knobs).for_layout(knobs, spec, target, tuned_at)
+
+
 is_static_decode = never_static_decode
