@@ -26,8 +26,8 @@ from tvm_attention.spec import SUPPORTED_DTYPES, AttentionSpec
 from tvm_attention.workloads.fused_cuda import fused_attention_cuda, grid_refusal, vector_elems
 
 from ._knobs import KnobError, KnobsMixin
-from .family import (CUDA_KV_DTYPES, CUDA_VARIANTS, SPLIT_LAYOUTS, Capabilities, check_split_tasks, cuda_split_tasks,
-                     never_static_decode, same_knobs)
+from .family import (CUDA_KV_DTYPES, CUDA_VARIANTS, SPLIT_LAYOUTS, Capabilities, check_split_tasks, cuda_for_layout,
+                     cuda_split_tasks, never_static_decode)
 
 NAME = "fused"
 #: symbolic batch, seq_q and seq_kv: a (row tile, head, batch) grid on (x, y, z), so no index is
@@ -212,13 +212,20 @@ def tile_candidates(spec: AttentionSpec, target: Target) -> list[FlashCUDAKnobs]
     return out
 
 
+def workload_knobs(func) -> FlashCUDAKnobs:
+    """The knobs :func:`workload` generated ``func`` with, read from its ``attn.*`` attrs (how a
+    tuning log's workload is regenerated: ``task_mods.regenerate``); ``unroll``, which only the
+    schedule sets, at its default. ``attn.split_tasks`` is only set when non-zero."""
+    attrs = func.attrs
+    return FlashCUDAKnobs(block_m=int(attrs["attn.block_m"]), block_n=int(attrs["attn.block_n"]),
+                          threads_per_row=int(attrs["attn.threads_per_row"]),
+                          split_tasks=int(attrs.get("attn.split_tasks", 0)))
+
+
 def knobs_of(sch: s_tir.Schedule, lanes: int = 0, base=None) -> FlashCUDAKnobs:
-    func = sch.mod["main"]
     unroll = int(sch.get(sch.get_sblock("row_tile")).annotations["attn.unroll"])
-    return FlashCUDAKnobs(block_m=int(func.attrs["attn.block_m"]), block_n=int(func.attrs["attn.block_n"]),
-                          threads_per_row=int(func.attrs["attn.threads_per_row"]), unroll=unroll,
-                          split_tasks=int(func.attrs.get("attn.split_tasks", 0)))
+    return dataclasses.replace(workload_knobs(sch.mod["main"]), unroll=unroll)
 
 
-for_layout = same_knobs
+for_layout = cuda_for_layout
 is_static_decode = never_static_decode

@@ -4,7 +4,7 @@ the SIMT kernel (``cuda_flash``) everywhere else (float32, older GPUs, odd head 
 ``fused_simt`` name one kernel explicitly (for comparing them side by side).
 
 Every call is routed by what it is given: the spec and target, the knob dataclass, or the
-``attn.workload`` attribute of a scheduled function.
+``attn.workload`` attribute of a function (scheduled, or a tuning log's workload).
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from tvm.target import Target
 from tvm_attention.spec import AttentionSpec
 
 from . import cuda_flash, cuda_mma
-from .family import never_static_decode, same_knobs
+from .family import never_static_decode
 
 NAME = "fused"
 #: the union of its two kernels' (the SIMT one builds every dtype)
@@ -57,10 +57,21 @@ def tile_candidates(spec: AttentionSpec, target: Target):
     return _by_spec(spec, target).tile_candidates(spec, target)
 
 
+def _by_workload(func):
+    return cuda_mma if str(func.attrs["attn.workload"]) == "fused_mma" else cuda_flash
+
+
 def knobs_of(sch: s_tir.Schedule, lanes: int = 0, base=None):
-    kind = str(sch.mod["main"].attrs["attn.workload"])
-    return (cuda_mma if kind == "fused_mma" else cuda_flash).knobs_of(sch, lanes, base)
+    return _by_workload(sch.mod["main"]).knobs_of(sch, lanes, base)
 
 
-for_layout = same_knobs
+def workload_knobs(func):
+    """The knobs ``func`` (a workload of either kernel) was generated with."""
+    return _by_workload(func).workload_knobs(func)
+
+
+def for_layout(knobs, spec: AttentionSpec, target: Target, tuned_at: AttentionSpec | None = None):
+    return _by_knobs(knobs).for_layout(knobs, spec, target, tuned_at)
+
+
 is_static_decode = never_static_decode

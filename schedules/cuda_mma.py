@@ -28,7 +28,7 @@ from tvm_attention.workloads.fused_mma import MMA_DTYPES, fused_attention_mma, s
 
 from ._knobs import KnobError, KnobsMixin
 from .family import (CUDA_KV_DTYPES, CUDA_VARIANTS, SPLIT_LAYOUTS, USE_CPU_FUSED, Capabilities, check_split_tasks,
-                     cuda_split_tasks, never_static_decode, same_knobs)
+                     cuda_for_layout, cuda_split_tasks, never_static_decode)
 
 NAME = "fused"
 #: symbolic batch, seq_q and seq_kv: a (row tile, head, batch) grid on (x, y, z), as the SIMT kernel's
@@ -202,12 +202,19 @@ def tile_candidates(spec: AttentionSpec, target: Target) -> list[MMAKnobs]:
     return out
 
 
-def knobs_of(sch: s_tir.Schedule, lanes: int = 0, base=None) -> MMAKnobs:
-    attrs = sch.mod["main"].attrs
+def workload_knobs(func) -> MMAKnobs:
+    """The knobs :func:`workload` generated ``func`` with, read from its ``attn.*`` attrs (how a
+    tuning log's workload is regenerated: ``task_mods.regenerate``). ``attn.split_tasks`` is
+    only set when non-zero."""
+    attrs = func.attrs
     return MMAKnobs(warps=int(attrs["attn.warps"]), block_n=int(attrs["attn.block_n"]),
                     stages=int(attrs["attn.stages"]), m_tiles=int(attrs["attn.m_tiles"]),
                     split_tasks=int(attrs.get("attn.split_tasks", 0)))
 
 
-for_layout = same_knobs
+def knobs_of(sch: s_tir.Schedule, lanes: int = 0, base=None) -> MMAKnobs:
+    return workload_knobs(sch.mod["main"])  # the schedule varies nothing: the workload is the knobs
+
+
+for_layout = cuda_for_layout
 is_static_decode = never_static_decode

@@ -62,6 +62,20 @@ def check_split_tasks(knobs: Any, spec: AttentionSpec) -> None:
                         f"not {spec.layout!r} (use 0)")
 
 
+def cuda_for_layout(knobs: Any, spec: AttentionSpec, target: Target, tuned_at: AttentionSpec | None = None) -> Any:
+    """``for_layout`` of both CUDA kernels: knobs read from a record tuned at ``tuned_at``
+    (default ``spec.representative()``), made fit to build ``spec``. A KV-cache spec is tuned at
+    its bhsd representative (``task_mods.tuning_spec``), a layout without split-KV, so its
+    record's ``split_tasks`` is 0 whatever the kvcache or paged build needs: the build takes
+    ``spec``'s own, the preset's (:func:`cuda_split_tasks`, the target's grid size, which the
+    tuner never varies: every task carries its preset's). A record tuned on a layout that
+    splits keeps its own."""
+    tuned_layout = (tuned_at or spec.representative()).layout
+    if tuned_layout in SPLIT_LAYOUTS:
+        return knobs
+    return dataclasses.replace(knobs, split_tasks=cuda_split_tasks(spec, target))
+
+
 @dataclasses.dataclass(frozen=True)
 class Capabilities:
     """What a family builds: any spec outside this table is refused by name before a knob is

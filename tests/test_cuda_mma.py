@@ -2,6 +2,8 @@
 builds for sm_80/sm_90 in fp16 and bf16 whose PTX runs on tensor cores without spilling, the
 audit, feasibility, dispatch of ``--schedule fused``, and the algorithm on the CPU (each PTX
 instruction replaced by its definition). GPU runs live in test_cuda.py / scripts/gpu_check.sh."""
+import dataclasses
+
 import numpy as np
 import pytest
 import tvm
@@ -9,10 +11,10 @@ from conftest import (CUDA_VARIANT_IDS, CUDA_VARIANT_SPREADS, check_emulated_lay
                       split_kv_cases)
 from test_cuda import assert_split_kv
 
-from schedules import cuda_flash, cuda_mma
+from schedules import cuda_flash, cuda_fused, cuda_mma
 from schedules._knobs import KnobError
 from tvm_attention.build import build_kernel
-from tvm_attention.cuda_tools import find_nvcc
+from tvm_attention.cuda_tools import find_nvcc, split_tasks_for
 from tvm_attention.reference import random_inputs, reference_attention
 from tvm_attention.spec import AttentionSpec
 from tvm_attention.target import resolve_target
@@ -369,3 +371,39 @@ def test_tuning_tasks_cover_the_tensor_core_space_and_regenerate():
     for t in (tasks[0], tasks[-1]):
         assert workload_matches(spec, t.mod)
         assert not workload_matches(AttentionSpec.from_dict({**spec.to_dict(), "causal": False}), t.mod)
+
+
+def test_log_matching_regenerates_with_the_family_workload(monkeypatch):
+    """Log matching regenerates a CUDA record with its family's ``workload(spec, knobs)``, the
+    function ``build`` schedules, with the knobs read back from the stored function (a KV-cache
+    workload's ``split_tasks`` too); a record of another spec's kernel (float32: the tensor-core
+    generator refuses it) is no match, without being generated; an error in generating one of
+    spec's own is raised, not taken for "no match". Knobs tuned at a KV-cache spec's bhsd
+    representative build it with its preset's split-KV, a record tuned on a split layout with its own."""
+    from tvm_attention.task_mods import normalize, regenerate, tuning_spec, workload_matches
+
+    target = resolve_target("cuda", arch="sm_90")
+    spec = AttentionSpec(batch=1, heads=4, kv_heads=2, seq_q=1, seq_kv=256, head_dim=64, dtype="float16", causal=True)
+    knobs = cuda_mma.preset(spec, target)
+    mod = normalize(cuda_mma.workload(spec, knobs))
+    assert cuda_fused.workload_knobs(mod["main"]) == knobs and workload_matches(spec, mod)
+    assert regenerate(dataclasses.replace(spec, dtype="float32"), mod["main"]) is None
+    paged = AttentionSpec(batch=1, heads=4, kv_heads=2, seq_q=1, seq_kv=256, head_dim=32, causal=True, layout="paged")
+    split = cuda_flash.preset(paged, target)
+    assert split.split_tasks == split_tasks_for(target) > 0
+    assert cuda_fused.workload_knobs(cuda_flash.workload(paged, split)) == split
+
+    # for_layout: the bhsd record's knobs (no split) take the KV-cache spec's own split
+    for kv in (dataclasses.replace(spec, layout="kvcache"), paged):
+        tuned = cuda_fused.preset(tuning_spec(kv, target), target)
+        assert tuned.split_tasks == 0
+        got = cuda_fused.for_layout(tuned, kv, target, tuning_spec(kv, target))
+        assert got == dataclasses.replace(tuned, split_tasks=split_tasks_for(target))
+        assert cuda_fused.for_layout(dataclasses.replace(tuned, split_tasks=64), kv, target, kv).split_tasks == 64
+
+    def broken(spec, knobs):
+        raise RuntimeError("a bug in the workload")
+
+    monkeypatch.setattr(cuda_mma, "workload", broken)
+    with pytest.raises(RuntimeError, match="a bug in the workload"):
+        workload_matches(spec, mod)

@@ -1,8 +1,10 @@
 """Tuning by files (tvm_attention/tune/dirrunner.py): export a tune's candidates as a payload,
 time them with the device script (loader only, no ``tvm``), import the timings into the tuning
 log, and ``build`` picks the best; a crashing or broken candidate, foreign or corrupt timings, a
-CUDA payload built offline, and the same transport as a MetaSchedule runner."""
+CUDA payload built offline (a KV-cache decode step, whose tuned build keeps its split-KV), and the
+same transport as a MetaSchedule runner."""
 import ast
+import dataclasses
 import json
 import os
 import shutil
@@ -11,13 +13,19 @@ import sys
 from pathlib import Path
 
 import pytest
+import tvm_ffi
+from test_cuda import assert_split_kv
 from tvm.s_tir import meta_schedule as ms
 
+from schedules import cuda_fused, cuda_mma
 from tvm_attention import cli
+from tvm_attention.build import build_from_record
 from tvm_attention.cuda_tools import find_nvcc
 from tvm_attention.logs import FAILED_RUN_SECS, RECORD_FILE, parse_logs
 from tvm_attention.pipeline import LogNotUsable, build_best
 from tvm_attention.spec import AttentionSpec
+from tvm_attention.target import resolve_target
+from tvm_attention.task_mods import normalize, tuning_spec, workload_matches
 from tvm_attention.tune.dirrunner import CANDIDATES, TIMINGS, DirRunner, PayloadError, export_payload, \
     import_timings, read_payload, read_timings
 
@@ -151,13 +159,28 @@ def test_dir_runner_is_the_same_transport(exported, blocker, tmp_path):
     assert all(x.error_msg is None and len(x.run_secs) == 2 for x in results)
 
 
-@pytest.mark.skipif(find_nvcc() is None, reason="nvcc compiles the CUDA candidates offline")
-def test_cuda_candidates_build_offline(tmp_path, capsys):
-    spec = ["--batch", "1", "--heads", "2", "--seq-q", "128", "--head-dim", "64", "--dtype", "float16", "--causal",
-            "--target", "cuda", "--arch", "sm_90"]
-    payload = tmp_path / "p"
-    assert cli.main(["tune", *spec, "--trials", "2", "--per-round", "2", "--search", "random",
-                     "--work-dir", str(tmp_path / "log"), "--runner", f"dir:{payload}"]) == 0
+needs_nvcc = pytest.mark.skipif(find_nvcc() is None, reason="nvcc compiles the CUDA candidates offline")
+#: a KV-cache decode step on CUDA (tensor cores; symbolic, as every kvcache spec): `tune` takes it at its
+#: static bhsd representative (batch 1, seq_q 1, 256 keys)
+CUDA_DECODE = AttentionSpec(batch=1, heads=4, kv_heads=2, seq_q=1, seq_kv=256, head_dim=128, dtype="float16",
+                            causal=True, layout="kvcache")
+CUDA_DECODE_FLAGS = ["--batch", "1", "--heads", "4", "--kv-heads", "2", "--seq-q", "1", "--seq-kv", "256",
+                     "--head-dim", "128", "--dtype", "float16", "--causal", "--layout", "kvcache",
+                     "--target", "cuda", "--arch", "sm_90"]
+
+
+@pytest.fixture(scope="module")
+def cuda_payload(tmp_path_factory):
+    """Two candidates of a tune of ``CUDA_DECODE``, exported offline (built, not measured)."""
+    root = tmp_path_factory.mktemp("cuda")
+    assert cli.main(["tune", *CUDA_DECODE_FLAGS, "--trials", "2", "--per-round", "2", "--search", "random",
+                     "--work-dir", str(root / "log"), "--runner", f"dir:{root / 'p'}"]) == 0
+    return root / "p"
+
+
+@needs_nvcc
+def test_cuda_candidates_build_offline(cuda_payload):
+    payload = cuda_payload
     info = read_payload(payload)
     assert len(info["candidates"]) == 2 and info["target_key"] == "cuda-sm_90"
     for c in info["candidates"].values():
@@ -171,3 +194,28 @@ def test_cuda_candidates_build_offline(tmp_path, capsys):
                                                "timings": {"c0000": [1e-4]}}))
     with pytest.raises(PayloadError, match=r"A100 \(sm_80\), but the kernels are built for sm_90"):
         read_timings(payload, info)
+
+
+@needs_nvcc
+def test_tuned_cuda_decode_step_keeps_its_split(cuda_payload):
+    """A CUDA KV-cache spec is tuned at its bhsd representative, a kernel without split-KV (bhsd
+    refuses it): the kvcache kernel built from that tune's record, the way ``build`` builds a
+    tuned record, still splits a small batch's keys as its preset does (the knobs, the merge
+    kernel, the batch-sized workspace). The record's workload is the family's
+    ``workload(spec, knobs)`` of the knobs exported with it, which log matching regenerates."""
+    target = resolve_target("cuda", arch="sm_90")
+    rep = tuning_spec(CUDA_DECODE, target)
+    info = read_payload(cuda_payload)
+    assert info["spec"] == rep.to_dict() and rep.layout == "bhsd"
+    entry = info["candidates"]["c0000"]
+    knobs = cuda_mma.MMAKnobs.from_dict(entry["knobs"])
+    assert knobs.split_tasks == 0  # bhsd: no split-KV
+    workload = ms.database.Workload(normalize(cuda_fused.workload(rep, knobs)))
+    assert str(tvm_ffi.structural_hash(workload.mod)) == entry["workload_hash"]  # the task's module
+    assert workload_matches(rep, workload.mod)
+    record = ms.database.TuningRecord.from_json(entry["record"], workload)
+
+    built = build_from_record(CUDA_DECODE, "fused", target, workload, record)
+    # the record's tile, the preset's split (> 0); the merge kernel and the batch-sized workspace
+    assert built.source == "tuned" and built.knobs == dataclasses.replace(knobs, split_tasks=built.knobs.split_tasks)
+    assert_split_kv(built, CUDA_DECODE)

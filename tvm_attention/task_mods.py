@@ -15,11 +15,10 @@ import tvm_ffi
 from tvm import tirx
 from tvm.target import Target
 
-from schedules import cpu_flash
+from schedules import cpu_flash, cuda_fused
 
 from .spec import AttentionSpec
-from .workloads import (fused_attention, fused_attention_cuda, fused_attention_mma, materialized_attention,
-                        rowcache_attention)
+from .workloads import fused_attention, materialized_attention, rowcache_attention
 
 
 def tuning_spec(spec: AttentionSpec, target: Target, schedule: str = "fused") -> AttentionSpec:
@@ -116,33 +115,54 @@ def task_mod(spec: AttentionSpec, func) -> tvm.IRModule:
 
 
 def regenerate(spec: AttentionSpec, func) -> tvm.IRModule | None:
-    """The workload ``spec`` would produce for a stored function (by its ``attn.*`` attrs)."""
+    """The workload ``spec`` (a tuning spec: :func:`tuning_spec`) would produce for a stored
+    function (by its ``attn.*`` attrs); None when ``func`` is no workload of ``spec``'s kernel.
+
+    The CUDA kernels' workloads come from their family's ``workload(spec, knobs)``, the function
+    ``build`` schedules and the tuner's tasks measure, with the knobs the stored function was
+    generated with (``workload_knobs``: ``split_tasks`` too)."""
     attrs = func.attrs if func.attrs is not None else {}
     kind = str(attrs["attn.workload"]) if "attn.workload" in attrs else None
-    try:
-        if kind == "fused":
-            decode = {"decode_rows": tuple(int(r) for r in attrs["attn.decode_rows"]),
-                      "split_tasks": int(attrs["attn.split_tasks"]),
-                      "stage_k_below": int(attrs["attn.stage_k_below"])} if "attn.decode_rows" in attrs else {}
-            for k in ("prefetch", "decode_heads"):
-                if f"attn.{k}" in attrs:
-                    decode[k] = int(attrs[f"attn.{k}"])
-            if "attn.dot_bf16" in attrs:
-                decode["dot_bf16"] = bool(int(attrs["attn.dot_bf16"]))
-            return fused_task_mod(spec, block_m=int(attrs["attn.block_m"]), block_n=int(attrs["attn.block_n"]), **decode)
-        if kind == "materialized":
-            return normalize(materialized_attention(spec))
-        if kind == "rowcache":
-            return normalize(rowcache_attention(spec, int(attrs["attn.block_m"])))
-        if kind == "fused_mma":
-            return normalize(fused_attention_mma(spec, int(attrs["attn.warps"]), int(attrs["attn.block_n"]),
-                                                 int(attrs["attn.stages"]), int(attrs["attn.m_tiles"])))
-        if kind == "fused_cuda":
-            return normalize(fused_attention_cuda(spec, int(attrs["attn.block_m"]), int(attrs["attn.block_n"]),
-                                                  int(attrs["attn.threads_per_row"])))
-    except Exception:
+    if kind is None or not takes_spec_args(spec, func):
+        # No workload of ours, or a record of another spec's kernel (`build --from-log` of another
+        # configuration's log): its knobs were checked against that spec, not this one, and the
+        # generators refuse some (a tensor-core workload of float32, decode_heads not dividing
+        # kv_heads). It is not spec's workload whatever they do, so it is not generated; anything
+        # that fails in generating a record of spec's own kernel is a bug, and raises.
         return None
+    if kind == "fused":
+        decode = {"decode_rows": tuple(int(r) for r in attrs["attn.decode_rows"]),
+                  "split_tasks": int(attrs["attn.split_tasks"]),
+                  "stage_k_below": int(attrs["attn.stage_k_below"])} if "attn.decode_rows" in attrs else {}
+        for k in ("prefetch", "decode_heads"):
+            if f"attn.{k}" in attrs:
+                decode[k] = int(attrs[f"attn.{k}"])
+        if "attn.dot_bf16" in attrs:
+            decode["dot_bf16"] = bool(int(attrs["attn.dot_bf16"]))
+        return fused_task_mod(spec, block_m=int(attrs["attn.block_m"]), block_n=int(attrs["attn.block_n"]), **decode)
+    if kind == "materialized":
+        return normalize(materialized_attention(spec))
+    if kind == "rowcache":
+        return normalize(rowcache_attention(spec, int(attrs["attn.block_m"])))
+    if kind in ("fused_mma", "fused_cuda"):
+        return normalize(cuda_fused.workload(spec, cuda_fused.workload_knobs(func)))
     return None
+
+
+def takes_spec_args(spec: AttentionSpec, func) -> bool:
+    """Whether ``func`` takes the arguments of ``spec``'s kernel at its tuning step, in call
+    order: their dtypes and compiled-in shapes (:func:`arg_shapes`)."""
+    layout = spec.layout_info
+    args = layout.all_args(spec)
+    if len(args) != len(func.params):
+        return False
+    for p, a, shape in zip(func.params, args, arg_shapes(spec)):  # in TVM 0.27 a parameter is its buffer
+        dims = getattr(p, "shape", None)  # None: a scalar parameter, which no kernel of ours takes
+        if dims is None or str(p.dtype) != layout.arg_dtype(spec, a):
+            return False
+        if not all(isinstance(d, tirx.IntImm) for d in dims) or tuple(int(d) for d in dims) != shape:
+            return False
+    return True
 
 
 def workload_matches(spec: AttentionSpec, mod: tvm.IRModule) -> bool:

@@ -26,8 +26,7 @@ from schedules import cpu_flash, cpu_rowcache, cuda_flash, cuda_mma
 
 from ..spec import AttentionSpec
 from ..task_mods import fused_task_mod, normalize, tunes_as_paged
-from ..workloads import (fused_attention, fused_attention_cuda, fused_attention_mma, materialized_attention,
-                         rowcache_attention)
+from ..workloads import fused_attention, materialized_attention, rowcache_attention
 
 TUNABLE = ("fused", "materialized", "rowcache")
 
@@ -122,27 +121,21 @@ def make_tasks(spec: AttentionSpec, target: Target, schedule: str) -> list[TaskD
 
 
 def _cuda_tasks(spec: AttentionSpec, target: Target, schedule: str) -> list[TaskDef]:
+    """One task per knob set of the family's ``tile_candidates``, its module the family's
+    ``workload(spec, knobs)``: the function ``build`` schedules for those knobs and log matching
+    regenerates (``task_mods.regenerate``), every knob the workload takes included (``split_tasks``)."""
     from tvm.s_tir import meta_schedule as ms
-
 
     if schedule != "fused":
         raise ValueError(f"schedule {schedule!r} cannot be tuned for cuda yet; tunable: fused")
     if cuda_mma.supports(spec, target):
         # tensor cores: one task per feasible (warps, block_n, stages, m_tiles), the preset first
-        space = ms.space_generator.ScheduleFn(
-            cuda_mma.design_space(spec, target), sch_rules=[], postprocs=[], mutator_probs={})
-        return [
-            TaskDef(f"fused_w{k.warps}_n{k.block_n}_s{k.stages}_m{k.m_tiles}",
-                    normalize(fused_attention_mma(spec, k.warps, k.block_n, k.stages, k.m_tiles)), space)
-            for k in cuda_mma.tile_candidates(spec, target)
-        ]
-    space = ms.space_generator.ScheduleFn(
-        cuda_flash.design_space(spec, target), sch_rules=[], postprocs=[], mutator_probs={}
-    )
-    return [
-        TaskDef(f"fused_m{k.block_m}_n{k.block_n}_t{k.threads_per_row}",
-                normalize(fused_attention_cuda(spec, k.block_m, k.block_n, k.threads_per_row)), space)
-        for k in cuda_flash.tile_candidates(spec, target)
-    ]
+        family, name = cuda_mma, "fused_w{k.warps}_n{k.block_n}_s{k.stages}_m{k.m_tiles}"
+    else:
+        family, name = cuda_flash, "fused_m{k.block_m}_n{k.block_n}_t{k.threads_per_row}"
+    space = ms.space_generator.ScheduleFn(family.design_space(spec, target), sch_rules=[], postprocs=[],
+                                          mutator_probs={})
+    return [TaskDef(name.format(k=k), normalize(family.workload(spec, k)), space)
+            for k in family.tile_candidates(spec, target)]
 
 
