@@ -59,10 +59,14 @@ def test_reference_matches_the_formulas(sq, sk, window):
     assert np.isneginf(lse[~np.isfinite(lse)]).all()  # rows with no key: -inf, never NaN
 
 
-def test_visibility_with_a_window_agrees_with_its_mask():
-    for left, right in [(0, 0), (3, 0), (2, 5), (-1, 1), (4, -1), (40, 0)]:
-        vis = Visibility(causal=right == 0, left=left, right=right, starts=True)
-        for sq, sk in [(1, 9), (6, 4), (9, 9), (13, 30)]:
+@pytest.mark.parametrize("starts", [True, False], ids=["starts", "no-start"])
+def test_visibility_with_a_window_agrees_with_its_mask(starts):
+    """Every form of "does the row see a key" agrees with the mask: with a start (the general
+    form) and without (a window open on the left, ``(-1, R)``, takes the plain kernels' forms
+    unless R > 0: rows at p < −R see none; (30, 4) has such rows at R = 23)."""
+    for left, right in [(0, 0), (3, 0), (2, 5), (-1, 1), (-1, 23), (4, -1), (40, 0), (-1, 0), (-1, -1)]:
+        vis = Visibility(causal=right == 0, left=left, right=right, starts=starts)
+        for sq, sk in [(1, 9), (6, 4), (9, 9), (13, 30), (30, 4)]:
             for start in (None, 0, 2, sk):
                 mask = vis.mask(sq, sk, start)
                 off = vis.offset(sq, sk)
@@ -133,12 +137,27 @@ KERNELS = {
                       causal=True, window=(33, 0), return_lse=True, **ALL),
     "varlen_all": dict(layout="varlen", batch=2, heads=4, kv_heads=2, seq_q=70, seq_kv=70, head_dim=32,
                        causal=True, window=(9, 0), softcap=2.0, alibi=True, sinks=True, return_lse=True),
+    # a window open on the left and bounded on the right: rows at p < −R see no key (zeros, lse
+    # −inf; they gave NaN). Static: 40 rows over 9 keys, the first 8; the others through the rows
+    # their validation cases hold for it (the decode tiers: kvcache's 4 new tokens over 1 key)
+    "bhsd_static_right_window": dict(batch=1, heads=2, seq_q=40, seq_kv=9, head_dim=16, window=(-1, 23),
+                                     return_lse=True),
+    "bhsd_dynamic_right_window": dict(batch=1, heads=4, kv_heads=2, seq_q=64, head_dim=16, window=(-1, 23),
+                                      dynamic=("batch", "seq_q", "seq_kv"), return_lse=True),
+    "varlen_right_window": dict(layout="varlen", batch=2, heads=4, kv_heads=2, seq_q=32, head_dim=16,
+                                window=(-1, 40), return_lse=True),
+    "kvcache_right_window": dict(layout="kvcache", batch=2, heads=4, kv_heads=2, seq_q=1, seq_kv=64, head_dim=16,
+                                 window=(-1, 2), return_lse=True),
+    "paged_right_window": dict(layout="paged", batch=2, heads=4, kv_heads=2, seq_q=1, seq_kv=64, head_dim=16,
+                               window=(-1, 23), return_lse=True),
 }
 
 
 #: knobs of a build: kvcache without split-KV (three nests instead of five, half the build
-#: time); paged keeps it (its split nests are the test of split-KV with the variants)
-KNOBS = {"kvcache_all_bf16": (("split_tasks", 0),)}
+#: time); paged keeps it (its split nests are the test of split-KV with the variants). The right
+#: windows' rows without a key are in no split (a split needs 256 keys and more)
+KNOBS = {"kvcache_all_bf16": (("split_tasks", 0),), "kvcache_right_window": (("split_tasks", 0),),
+         "paged_right_window": (("split_tasks", 0),)}
 
 
 @pytest.mark.parametrize("name", list(KERNELS))
