@@ -171,6 +171,35 @@ def test_kernel_matches_the_reference(name):
     assert r.passed, r.format()
 
 
+@pytest.mark.parametrize("window", [(-1, 23), (-1, 50), (100, 40)])
+@pytest.mark.parametrize("layout, dynamic", [("bhsd", ("batch", "seq_q", "seq_kv")), ("bhsd", ("seq_kv",)),
+                                             ("varlen", ()), ("kvcache", ()), ("paged", ())])
+def test_validation_cases_hold_rows_a_right_window_leaves_without_a_key(layout, dynamic, window):
+    """A window bounded on the right (R > 0) is validated on a row it leaves without a key while
+    its sequence has keys (p < −R), in every layout whose lengths allow one (seq_q compiled in:
+    60 rows over 60 − R − 3 keys); other specs' cases are as they were (a (7, 3) window's cases
+    already hold such rows, but for seq_q compiled in)."""
+    def rows_without_a_key(spec, case):
+        vis = Visibility.of(spec)
+        if layout == "bhsd":
+            seqs = [(case["seq_q"], case["seq_kv"])]
+        elif layout == "varlen":
+            seqs = case["seqlens"]
+        else:
+            seqs = [(case["seq_q"], n) for n in case["cache_seqlens"]]
+        return any(sk > 0 and (vis.keys_seen(sq, sk) == 0).any() for sq, sk in seqs)
+
+    kw = dict(batch=1, heads=2, seq_q=60, head_dim=8, layout=layout, dynamic=dynamic)
+    spec = AttentionSpec(window=window, **kw)
+    assert any(rows_without_a_key(spec, c) for c in spec.layout_info.validation_cases(spec)), (layout, window)
+    others = [dict(causal=True), dict(window=(5, -1)), {}] + ([dict(window=(7, 3))] if "seq_q" in spec.dynamic else [])
+    for other in others:
+        s = AttentionSpec(**kw, **other)
+        assert s.layout_info.validation_cases(s) == AttentionSpec(**kw).layout_info.validation_cases(AttentionSpec(**kw))
+    appending = AttentionSpec(**{**kw, "layout": "kvcache", "dynamic": ()}, window=window, append=True)
+    assert len(appending.layout_info.validation_cases(appending)) == 4  # a row sees its own key: none to add
+
+
 def test_split_kv_sees_only_the_window():
     """A decode step against a long cache with a window: one sequence, so split-KV chunks the
     window's keys (not the cache's); rows see exactly the reference's keys."""
