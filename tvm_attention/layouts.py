@@ -396,6 +396,12 @@ class Layout:
     def describe_case(self, case: Mapping[str, Any]) -> str:
         return ", ".join(f"{k}={v}" for k, v in case.items())
 
+    def name_row(self, arrays: Mapping[str, np.ndarray], index: tuple[int, ...], lse: bool = False) -> str:
+        """Row ``index`` of ``o`` (its index without head_dim) or, ``lse``, of the log-sum-exp,
+        in words (what a failed validation names): ``batch 0 head 1 row 3``."""
+        b, h, i = index
+        return f"batch {b} head {h} row {i}"
+
 
 def _resolve(dims: Mapping[str, int | str], name: str | int) -> int | str:
     if isinstance(name, int):  # a modifier tensor's declared size
@@ -732,6 +738,14 @@ class Varlen(Layout):
     def describe_case(self, case):
         lens = case["seqlens"]
         return f"{len(lens)} sequences, lengths {lens[:6]}{' ...' if len(lens) > 6 else ''}"
+
+    def name_row(self, arrays, index, lse=False):
+        """``o (total_q, H, D)``'s row ``(t, h)`` or ``lse (H, total_q)``'s ``(h, t)``: the
+        sequence whose rows (cu_seqlens_q) hold packed row ``t``, and its row."""
+        h, t = index if lse else index[::-1]
+        cq = np.asarray(arrays["cu_seqlens_q"])
+        b = int(np.searchsorted(cq, t, side="right")) - 1  # the last sequence starting at or before t
+        return f"sequence {b} head {h} row {t - int(cq[b])} (packed row {t})"
 
 
 class KVCache(Layout):
