@@ -109,6 +109,24 @@ def test_cli_window_follows_causal():
         cli._spec_from_args(p.parse_args(base + ["--window", "4,2", "--causal"]))
 
 
+def test_cli_takes_a_window_open_on_the_left_without_equals():
+    """``--window -1,23`` as the docs write it: argparse takes a value that begins with "-" for an
+    option ("expected one argument") unless it is a plain number; every command that takes a spec
+    parses it, and ``-1`` alone, the ``=`` form and a window after ``--`` are as they were."""
+    base = ["--batch", "1", "--heads", "2", "--seq-q", "8", "--head-dim", "8"]
+    for argv in (["build", *base, "--window", "-1,23", "--out", "x"], ["run", "--window", "-1,23"],
+                 ["tune", *base, "--window", "-1,23"], ["compare", *base, "--window", "-1,23", "fused", "materialized"],
+                 ["build", *base, "--window=-1,23", "--out", "x"]):
+        a = cli.parse_args(argv)
+        assert cli._spec_from_args(a).window == (-1, 23), argv
+    a = cli.parse_args(["compare", *base, "--window", "-1,23", "fused", "materialized"])
+    assert a.schedules == ["fused", "materialized"]
+    assert cli._spec_from_args(cli.parse_args(["run", "--window", "-1", "--causal"])).window is None  # (-1, 0): causal
+    assert cli._join_negative_values(["--", "--window", "-1,2"]) == ["--", "--window", "-1,2"]
+    with pytest.raises(SystemExit):  # a bad value still gets _window's message
+        cli.parse_args(["run", "--window", "-1,2,3"])
+
+
 def test_alibi_slopes_are_the_papers():
     assert np.allclose(alibi_slopes(8), [2 ** (-(i + 1)) for i in range(8)])
     assert np.allclose(alibi_slopes(4), [2 ** (-2 * (i + 1)) for i in range(4)])
