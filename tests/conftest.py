@@ -90,6 +90,20 @@ CUDA_VARIANT_SPREADS = [
 ]
 CUDA_VARIANT_IDS = [f"{c[0]}-{'-'.join(c[3])}" for c in CUDA_VARIANT_SPREADS]
 
+#: a window open on the left and bounded on the right, ``(-1, 23)``, on the CUDA kernels (emulated,
+#: GQA 4:2, with lse): rows at positions p < -23 see no key and must give zeros and -inf, not NaN.
+#: (layout, seq_q, seq_kv): static bhsd, 40 rows over 9 keys (its first 8 rows: the build-time
+#: test); kvcache, symbolic (run time), whose validation cases hold 27 new tokens over 1 and 3 keys
+RIGHT_WINDOW_SHAPES = [("bhsd", 40, 9), ("kvcache", 1, 64)]
+
+
+def right_window_spec(layout: str, seq_q: int, seq_kv: int, dtype: str) -> "AttentionSpec":
+    """The spec of a ``RIGHT_WINDOW_SHAPES`` entry."""
+    from tvm_attention.spec import AttentionSpec
+
+    return AttentionSpec(batch=2, heads=4, kv_heads=2, seq_q=seq_q, seq_kv=seq_kv, head_dim=64, layout=layout,
+                         dtype=dtype, window=(-1, 23), return_lse=True)
+
 #: KV-cache lengths that split-KV cuts (chunks of ``fused.MIN_SPLIT_KEYS`` = 256 keys at least):
 #: none, under one chunk, at and past a chunk's edge, several chunks; a tiny one beside them
 SPLIT_KV_LENGTHS = [0, 1, 255, 256, 257, 700, 1100, 3]

@@ -75,6 +75,53 @@ def test_long_sequence_sampled_rows(causal):
     assert result.finite and result.passed, result.format()
 
 
+def reference_kernel(spec, spoil):
+    """A stand-in kernel (called as validation calls one): the reference's ``o`` (and ``lse``)
+    in float32, then ``spoil(o, lse, arrays)`` in place."""
+    layout = spec.layout_info
+    names = [a.name for a in layout.all_args(spec) if not a.output]
+
+    def kernel(*args):
+        arrays = dict(zip(names, args))
+        o, lse = (x.astype(np.float32) for x in layout.reference_outputs(spec, arrays))
+        spoil(o, lse, arrays)
+        return (o, lse) if spec.return_lse else o
+
+    return kernel
+
+
+def test_failed_validation_says_where_nan_is():
+    """NaN where the reference is finite fails validation saying so, naming the case and the rows
+    (the errors skip NaN: alone they read 0 and FAIL); varlen's rows by sequence, an lse finite
+    where the reference's is -inf too; a pass says nothing more and its manifest entry is as it was."""
+    spec = AttentionSpec(batch=1, heads=1, seq_q=25, seq_kv=1, head_dim=8, window=(-1, 23))
+
+    def row0(o, lse, arrays):
+        o[0, 0, 0, :] = np.nan
+
+    r = validate_callable(spec, reference_kernel(spec, row0))
+    assert not r.passed and r.problem == ("NaN in 1 row where the reference is finite: case batch=1, seq_q=25, "
+                                          "seq_kv=1, batch 0 head 0 row 0"), r.problem
+    assert r.format().startswith("validation: FAIL  NaN in 1 row where the reference is finite: case batch=1, "
+                                 "seq_q=25, seq_kv=1, batch 0 head 0 row 0; elsewhere max abs err 0.000e+00")
+
+    varlen = AttentionSpec(batch=2, heads=2, seq_q=6, head_dim=8, layout="varlen", causal=True, return_lse=True)
+
+    def packed(o, lse, arrays):
+        if len(arrays["cu_seqlens_q"]) == 9:  # the mixed case: sequence 2 (70 rows over 33 keys) starts at row 1
+            o[1:5, 1, 0] = np.inf
+            lse[0, 1] = 0.5  # row 0 of sequence 2 sees no key: its reference lse is -inf
+
+    r = validate_callable(varlen, reference_kernel(varlen, packed))
+    assert not r.passed
+    assert ("inf in 4 rows where the reference is finite: case 8 sequences, lengths [(0, 7), (1, 1), (70, 33), "
+            "(33, 70), (5, 0), (129, 129)] ..., sequence 2 head 1 row 0 (packed row 1), sequence 2 head 1 row 1 "
+            "(packed row 2), sequence 2 head 1 row 2 (packed row 3) and 1 more") in r.problem, r.problem
+    assert "lse: finite in 1 row where the reference is -inf (no key seen): case 8 sequences" in r.problem, r.problem
+    ok = validate_callable(varlen, reference_kernel(varlen, lambda *_: None))
+    assert ok.passed and ok.problem == "" and "problem" not in ok.to_dict() and "elsewhere" not in ok.format()
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("seq_q, seq_kv", [(1, 517), (113, 203), (300, 45)])
 def test_rowcache_matches_reference(seq_q, seq_kv, causal):

@@ -5,8 +5,8 @@ import json
 import numpy as np
 import pytest
 import tvm
-from conftest import (CUDA_VARIANT_IDS, CUDA_VARIANT_SPREADS, built, check_emulated_layout,
-                      check_emulated_symbolic, split_kv_cases)
+from conftest import (CUDA_VARIANT_IDS, CUDA_VARIANT_SPREADS, RIGHT_WINDOW_SHAPES, built, check_emulated_layout,
+                      check_emulated_symbolic, right_window_spec, split_kv_cases)
 
 from schedules import cuda_flash, cuda_fused, cuda_mma
 from schedules._knobs import KnobError
@@ -224,6 +224,16 @@ def test_cuda_variants_algorithm_on_cpu(case):
     layout, page, dynamic, variants = CUDA_VARIANT_SPREADS[case]
     spec = AttentionSpec(batch=2, heads=4, kv_heads=2, seq_q=37, seq_kv=45, head_dim=64, layout=layout,
                          dtype="float16" if case % 2 else "float32", page_size=page, dynamic=dynamic, **variants)
+    check_emulated_layout(tvm.compile(fused_attention_cuda(spec, 16, 16, 4, emulate=True),
+                                      target=resolve_target("llvm")), spec)
+
+
+@pytest.mark.parametrize("layout, seq_q, seq_kv", RIGHT_WINDOW_SHAPES, ids=[c[0] for c in RIGHT_WINDOW_SHAPES])
+def test_cuda_right_window_rows_without_a_key_on_cpu(layout, seq_q, seq_kv):
+    """A window open on the left and bounded on the right in the SIMT kernel, emulated: a row at
+    p < −R sees no key and gives zeros and an lse of −inf (it gave NaN: the row's "sees a key"
+    test ignored R), with the lengths compiled in and at run time."""
+    spec = right_window_spec(layout, seq_q, seq_kv, "float32")
     check_emulated_layout(tvm.compile(fused_attention_cuda(spec, 16, 16, 4, emulate=True),
                                       target=resolve_target("llvm")), spec)
 

@@ -7,8 +7,8 @@ import dataclasses
 import numpy as np
 import pytest
 import tvm
-from conftest import (CUDA_VARIANT_IDS, CUDA_VARIANT_SPREADS, check_emulated_layout, check_emulated_symbolic,
-                      split_kv_cases)
+from conftest import (CUDA_VARIANT_IDS, CUDA_VARIANT_SPREADS, RIGHT_WINDOW_SHAPES, check_emulated_layout,
+                      check_emulated_symbolic, right_window_spec, split_kv_cases)
 from test_cuda import assert_split_kv
 
 from schedules import cuda_flash, cuda_fused, cuda_mma
@@ -264,6 +264,15 @@ def test_tensor_core_variants_algorithm_on_cpu(case):
     layout, page, dynamic, variants = CUDA_VARIANT_SPREADS[case]
     spec = AttentionSpec(batch=2, heads=4, kv_heads=2, seq_q=37, seq_kv=45, head_dim=64, layout=layout,
                          dtype="bfloat16" if case % 2 else "float16", page_size=page, dynamic=dynamic, **variants)
+    ex = tvm.compile(fused_attention_mma(spec, 2, 16, 2, 1, emulate=True), target=resolve_target("llvm"))
+    check_emulated_layout(ex, spec)
+
+
+@pytest.mark.parametrize("layout, seq_q, seq_kv", RIGHT_WINDOW_SHAPES, ids=[c[0] for c in RIGHT_WINDOW_SHAPES])
+def test_tensor_core_right_window_rows_without_a_key_on_cpu(layout, seq_q, seq_kv):
+    """A window open on the left and bounded on the right in the tensor-core kernel, emulated:
+    a row at p < −R gives zeros and an lse of −inf, not NaN (``test_cuda``'s twin)."""
+    spec = right_window_spec(layout, seq_q, seq_kv, "float16")
     ex = tvm.compile(fused_attention_mma(spec, 2, 16, 2, 1, emulate=True), target=resolve_target("llvm"))
     check_emulated_layout(ex, spec)
 

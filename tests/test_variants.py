@@ -59,10 +59,14 @@ def test_reference_matches_the_formulas(sq, sk, window):
     assert np.isneginf(lse[~np.isfinite(lse)]).all()  # rows with no key: -inf, never NaN
 
 
-def test_visibility_with_a_window_agrees_with_its_mask():
-    for left, right in [(0, 0), (3, 0), (2, 5), (-1, 1), (4, -1), (40, 0)]:
-        vis = Visibility(causal=right == 0, left=left, right=right, starts=True)
-        for sq, sk in [(1, 9), (6, 4), (9, 9), (13, 30)]:
+@pytest.mark.parametrize("starts", [True, False], ids=["starts", "no-start"])
+def test_visibility_with_a_window_agrees_with_its_mask(starts):
+    """Every form of "does the row see a key" agrees with the mask: with a start (the general
+    form) and without (a window open on the left, ``(-1, R)``, takes the plain kernels' forms
+    unless R > 0: rows at p < −R see none; (30, 4) has such rows at R = 23)."""
+    for left, right in [(0, 0), (3, 0), (2, 5), (-1, 1), (-1, 23), (4, -1), (40, 0), (-1, 0), (-1, -1)]:
+        vis = Visibility(causal=right == 0, left=left, right=right, starts=starts)
+        for sq, sk in [(1, 9), (6, 4), (9, 9), (13, 30), (30, 4)]:
             for start in (None, 0, 2, sk):
                 mask = vis.mask(sq, sk, start)
                 off = vis.offset(sq, sk)
@@ -105,6 +109,24 @@ def test_cli_window_follows_causal():
         cli._spec_from_args(p.parse_args(base + ["--window", "4,2", "--causal"]))
 
 
+def test_cli_takes_a_window_open_on_the_left_without_equals():
+    """``--window -1,23`` as the docs write it: argparse takes a value that begins with "-" for an
+    option ("expected one argument") unless it is a plain number; every command that takes a spec
+    parses it, and ``-1`` alone, the ``=`` form and a window after ``--`` are as they were."""
+    base = ["--batch", "1", "--heads", "2", "--seq-q", "8", "--head-dim", "8"]
+    for argv in (["build", *base, "--window", "-1,23", "--out", "x"], ["run", "--window", "-1,23"],
+                 ["tune", *base, "--window", "-1,23"], ["compare", *base, "--window", "-1,23", "fused", "materialized"],
+                 ["build", *base, "--window=-1,23", "--out", "x"]):
+        a = cli.parse_args(argv)
+        assert cli._spec_from_args(a).window == (-1, 23), argv
+    a = cli.parse_args(["compare", *base, "--window", "-1,23", "fused", "materialized"])
+    assert a.schedules == ["fused", "materialized"]
+    assert cli._spec_from_args(cli.parse_args(["run", "--window", "-1", "--causal"])).window is None  # (-1, 0): causal
+    assert cli._join_negative_values(["--", "--window", "-1,2"]) == ["--", "--window", "-1,2"]
+    with pytest.raises(SystemExit):  # a bad value still gets _window's message
+        cli.parse_args(["run", "--window", "-1,2,3"])
+
+
 def test_alibi_slopes_are_the_papers():
     assert np.allclose(alibi_slopes(8), [2 ** (-(i + 1)) for i in range(8)])
     assert np.allclose(alibi_slopes(4), [2 ** (-2 * (i + 1)) for i in range(4)])
@@ -133,12 +155,27 @@ KERNELS = {
                       causal=True, window=(33, 0), return_lse=True, **ALL),
     "varlen_all": dict(layout="varlen", batch=2, heads=4, kv_heads=2, seq_q=70, seq_kv=70, head_dim=32,
                        causal=True, window=(9, 0), softcap=2.0, alibi=True, sinks=True, return_lse=True),
+    # a window open on the left and bounded on the right: rows at p < −R see no key (zeros, lse
+    # −inf; they gave NaN). Static: 40 rows over 9 keys, the first 8; the others through the rows
+    # their validation cases hold for it (the decode tiers: kvcache's 4 new tokens over 1 key)
+    "bhsd_static_right_window": dict(batch=1, heads=2, seq_q=40, seq_kv=9, head_dim=16, window=(-1, 23),
+                                     return_lse=True),
+    "bhsd_dynamic_right_window": dict(batch=1, heads=4, kv_heads=2, seq_q=64, head_dim=16, window=(-1, 23),
+                                      dynamic=("batch", "seq_q", "seq_kv"), return_lse=True),
+    "varlen_right_window": dict(layout="varlen", batch=2, heads=4, kv_heads=2, seq_q=32, head_dim=16,
+                                window=(-1, 40), return_lse=True),
+    "kvcache_right_window": dict(layout="kvcache", batch=2, heads=4, kv_heads=2, seq_q=1, seq_kv=64, head_dim=16,
+                                 window=(-1, 2), return_lse=True),
+    "paged_right_window": dict(layout="paged", batch=2, heads=4, kv_heads=2, seq_q=1, seq_kv=64, head_dim=16,
+                               window=(-1, 23), return_lse=True),
 }
 
 
 #: knobs of a build: kvcache without split-KV (three nests instead of five, half the build
-#: time); paged keeps it (its split nests are the test of split-KV with the variants)
-KNOBS = {"kvcache_all_bf16": (("split_tasks", 0),)}
+#: time); paged keeps it (its split nests are the test of split-KV with the variants). The right
+#: windows' rows without a key are in no split (a split needs 256 keys and more)
+KNOBS = {"kvcache_all_bf16": (("split_tasks", 0),), "kvcache_right_window": (("split_tasks", 0),),
+         "paged_right_window": (("split_tasks", 0),)}
 
 
 @pytest.mark.parametrize("name", list(KERNELS))
@@ -150,6 +187,35 @@ def test_kernel_matches_the_reference(name):
     assert b.audit.fused, b.audit.reasons
     r = validate_built(b)
     assert r.passed, r.format()
+
+
+@pytest.mark.parametrize("window", [(-1, 23), (-1, 50), (100, 40)])
+@pytest.mark.parametrize("layout, dynamic", [("bhsd", ("batch", "seq_q", "seq_kv")), ("bhsd", ("seq_kv",)),
+                                             ("varlen", ()), ("kvcache", ()), ("paged", ())])
+def test_validation_cases_hold_rows_a_right_window_leaves_without_a_key(layout, dynamic, window):
+    """A window bounded on the right (R > 0) is validated on a row it leaves without a key while
+    its sequence has keys (p < −R), in every layout whose lengths allow one (seq_q compiled in:
+    60 rows over 60 − R − 3 keys); other specs' cases are as they were (a (7, 3) window's cases
+    already hold such rows, but for seq_q compiled in)."""
+    def rows_without_a_key(spec, case):
+        vis = Visibility.of(spec)
+        if layout == "bhsd":
+            seqs = [(case["seq_q"], case["seq_kv"])]
+        elif layout == "varlen":
+            seqs = case["seqlens"]
+        else:
+            seqs = [(case["seq_q"], n) for n in case["cache_seqlens"]]
+        return any(sk > 0 and (vis.keys_seen(sq, sk) == 0).any() for sq, sk in seqs)
+
+    kw = dict(batch=1, heads=2, seq_q=60, head_dim=8, layout=layout, dynamic=dynamic)
+    spec = AttentionSpec(window=window, **kw)
+    assert any(rows_without_a_key(spec, c) for c in spec.layout_info.validation_cases(spec)), (layout, window)
+    others = [dict(causal=True), dict(window=(5, -1)), {}] + ([dict(window=(7, 3))] if "seq_q" in spec.dynamic else [])
+    for other in others:
+        s = AttentionSpec(**kw, **other)
+        assert s.layout_info.validation_cases(s) == AttentionSpec(**kw).layout_info.validation_cases(AttentionSpec(**kw))
+    appending = AttentionSpec(**{**kw, "layout": "kvcache", "dynamic": ()}, window=window, append=True)
+    assert len(appending.layout_info.validation_cases(appending)) == 4  # a row sees its own key: none to add
 
 
 def test_split_kv_sees_only_the_window():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -80,9 +81,9 @@ def _add_spec_flags(p: argparse.ArgumentParser, defaults: dict | None = None) ->
     p.add_argument("--scale", type=float, default=None, help="softmax scale (default 1/sqrt(D))")
     # the attention variants (docs/semantics.md); each is compiled in
     p.add_argument("--window", type=_window, default=None, metavar="L[,R]",
-                   help="sliding window: a row at position p sees keys p-L .. p+R (-1: unbounded). L alone is "
-                        "(L, -1), or (L, 0) with --causal; FlashAttention's window_size. transformers' "
-                        "sliding_window=W is --window W-1 --causal")
+                   help="sliding window: a row at position p sees keys p-L .. p+R (-1: unbounded; --window -1,R "
+                        "is taken as --window=-1,R). L alone is (L, -1), or (L, 0) with --causal; FlashAttention's "
+                        "window_size. transformers' sliding_window=W is --window W-1 --causal")
     p.add_argument("--softcap", type=float, default=None, metavar="C",
                    help="logit softcap: the scaled score x becomes C*tanh(x/C) before masking (Gemma-2)")
     p.add_argument("--alibi", action="store_true", default=False,
@@ -137,6 +138,29 @@ def _modifier_source(text: str | None, flag: str) -> str | None:
                 return ast.get_source_segment(src, node)
         raise SpecError(f"{flag} {text}: {head} defines no function {name!r}")
     return text
+
+
+#: Options whose value may begin with "-": ``--window -1,23`` (left unbounded).
+NEGATIVE_VALUE_OPTIONS = ("--window",)
+
+
+def _join_negative_values(argv: list[str]) -> list[str]:
+    """``--window -1,23`` as ``--window=-1,23``. argparse takes a token that begins with "-" for an
+    option unless it is a plain negative number (``-1`` parses, ``-1,23`` does not: "expected one
+    argument"), so without this only the ``=`` form of a window open on the left would parse. No
+    flag here is spelled "-" and a digit, so such a token after ``--window`` is its value; nothing
+    after a bare ``--`` is touched."""
+    args, out, i = list(argv), [], 0
+    while i < len(args):
+        if args[i] == "--":
+            return out + args[i:]
+        if args[i] in NEGATIVE_VALUE_OPTIONS and i + 1 < len(args) and re.match(r"-\d", args[i + 1]):
+            out.append(f"{args[i]}={args[i + 1]}")
+            i += 2
+        else:
+            out.append(args[i])
+            i += 1
+    return out
 
 
 def _window(text: str) -> tuple[int, int]:
@@ -568,6 +592,16 @@ def cmd_inspect(a: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    try:
+        return a.func(a)
+    except (SpecError, ValueError, RuntimeError) as e:
+        print(f"tvm-attention {a.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (``sys.argv[1:]`` by default) parsed: its command's function is ``func``."""
     parser = argparse.ArgumentParser(prog="tvm-attention", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -674,12 +708,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("dir")
     p.set_defaults(func=cmd_inspect)
 
-    a = parser.parse_args(argv)
-    try:
-        return a.func(a)
-    except (SpecError, ValueError, RuntimeError) as e:
-        print(f"tvm-attention {a.command}: error: {e}", file=sys.stderr)
-        return 2
+    return parser.parse_args(_join_negative_values(sys.argv[1:] if argv is None else argv))
 
 
 if __name__ == "__main__":

@@ -195,6 +195,21 @@ def fully_static(spec) -> bool:
     return getattr(spec, "layout", "bhsd") == "bhsd" and not getattr(spec, "dynamic", ())
 
 
+def right_bound(spec) -> int:
+    """``R`` of a window bounded on the right past the row's own key (``window=(L, R)``, ``R >
+    0``), else 0. A row at position ``p < −R`` then sees no key although its sequence has keys:
+    ``seq_q > seq_kv + R`` gives ``seq_q − seq_kv − R`` such rows (as causal does for ``R = 0``)."""
+    w = getattr(spec, "window", None)
+    return w[1] if w is not None and w[1] > 0 else 0
+
+
+def right_bound_hides_a_row(spec, seq_q: int, seq_kv: int) -> bool:
+    """Whether a sequence of ``seq_q`` rows and ``seq_kv`` keys (at least one) has a row that
+    :func:`right_bound` leaves without a key."""
+    r = right_bound(spec)
+    return r > 0 and seq_kv > 0 and seq_q > seq_kv + r
+
+
 def _bound_dim(name: str) -> tuple[str, int]:
     """``"batch+1"`` -> ("batch", 1); ``"seq_q"`` -> ("seq_q", 0)."""
     if name.endswith("+1"):
@@ -387,6 +402,12 @@ class Layout:
     def describe_case(self, case: Mapping[str, Any]) -> str:
         return ", ".join(f"{k}={v}" for k, v in case.items())
 
+    def name_row(self, arrays: Mapping[str, np.ndarray], index: tuple[int, ...], lse: bool = False) -> str:
+        """Row ``index`` of ``o`` (its index without head_dim) or, ``lse``, of the log-sum-exp,
+        in words (what a failed validation names): ``batch 0 head 1 row 3``."""
+        b, h, i = index
+        return f"batch {b} head {h} row {i}"
+
 
 def _resolve(dims: Mapping[str, int | str], name: str | int) -> int | str:
     if isinstance(name, int):  # a modifier tensor's declared size
@@ -564,13 +585,26 @@ class BHSD(Layout):
 
     def validation_cases(self, spec):
         """The representative shape, plus, for a dynamic spec, a shape it was not built at:
-        lengths that are no multiple of any tile, and (causal) rows that see no key."""
+        lengths that are no multiple of any tile, and (causal) rows that see no key. A window
+        bounded on the right (``R > 0``) whose cases have no row it leaves without a key gets
+        one where a symbolic length allows: ``seq_q = seq_kv + R + 3`` (3 such rows), or with
+        ``seq_q`` compiled in, ``seq_kv`` short enough."""
         rep = {"batch": spec.batch, "seq_q": spec.seq_q, "seq_kv": spec.seq_kv}
         if not spec.dynamic:
             return [rep]
         odd = dict(rep)
         odd.update({k: v for k, v in (("batch", 2), ("seq_q", 67), ("seq_kv", 45)) if k in spec.dynamic})
-        return [rep, odd] if odd != rep else [rep]
+        cases = [rep, odd] if odd != rep else [rep]
+        r = right_bound(spec)
+        if r and not any(right_bound_hides_a_row(spec, c["seq_q"], c["seq_kv"]) for c in cases):
+            hidden = dict(odd)
+            if "seq_q" in spec.dynamic:
+                hidden["seq_q"] = hidden["seq_kv"] + r + 3
+            elif "seq_kv" in spec.dynamic:
+                hidden["seq_kv"] = max(1, hidden["seq_q"] - r - 3)
+            if right_bound_hides_a_row(spec, hidden["seq_q"], hidden["seq_kv"]):
+                cases.append(hidden)
+        return cases
 
     def random_inputs(self, spec, case, seed=0):
         rng = np.random.default_rng(seed)
@@ -675,10 +709,18 @@ class Varlen(Layout):
 
     def validation_cases(self, spec):
         """The representative batch (``batch`` sequences of ``seq_q`` against ``seq_kv``) and a
-        mixed one: empty sequences, one row, seq_q > seq_kv, no keys, tails."""
+        mixed one: empty sequences, one row, seq_q > seq_kv, no keys, tails; for a window bounded
+        on the right (``R > 0``) that leaves no row of these without a key, a batch whose first
+        rows it does (``seq_q > seq_kv + R``)."""
         rep = [(spec.seq_q, spec.seq_kv)] * spec.batch
         mixed = [(0, 7), (1, 1), (70, 33), (33, 70), (5, 0), (129, 129), (0, 0), (3, 200)]
-        return [{"seqlens": rep}, {"seqlens": mixed}]
+        cases = [{"seqlens": rep}, {"seqlens": mixed}]
+        r = right_bound(spec)
+        if r and not any(right_bound_hides_a_row(spec, sq, sk) for c in cases for sq, sk in c["seqlens"]):
+            # a window bounded on the right: sequences whose first rows it leaves without a key
+            # (3 rows of 5 keys' sequence, 1 of 1 key's), beside one whose rows all see keys
+            cases.append({"seqlens": [(r + 8, 5), (2, 9), (r + 2, 1)]})
+        return cases
 
     def random_inputs(self, spec, case, seed=0):
         rng = np.random.default_rng(seed)
@@ -702,6 +744,14 @@ class Varlen(Layout):
     def describe_case(self, case):
         lens = case["seqlens"]
         return f"{len(lens)} sequences, lengths {lens[:6]}{' ...' if len(lens) > 6 else ''}"
+
+    def name_row(self, arrays, index, lse=False):
+        """``o (total_q, H, D)``'s row ``(t, h)`` or ``lse (H, total_q)``'s ``(h, t)``: the
+        sequence whose rows (cu_seqlens_q) hold packed row ``t``, and its row."""
+        h, t = index if lse else index[::-1]
+        cq = np.asarray(arrays["cu_seqlens_q"])
+        b = int(np.searchsorted(cq, t, side="right")) - 1  # the last sequence starting at or before t
+        return f"sequence {b} head {h} row {t - int(cq[b])} (packed row {t})"
 
 
 class KVCache(Layout):
@@ -770,7 +820,9 @@ class KVCache(Layout):
         """The representative step (``batch`` sequences, ``seq_q`` new tokens, ``seq_kv`` keys
         each) and mixed lengths: empty, one key, page and tile edges, no multiple of any tile,
         a prefix shorter than the new tokens (causal rows that see no key), at 1 and 4 new
-        tokens and a prefill chunk of 37."""
+        tokens and a prefill chunk of 37; for a window bounded on the right (``R > 0``) that
+        leaves no row of these without a key, ``R + 4`` new tokens over caches of 1 and 3 keys,
+        whose first rows it does (not when appending: a row then sees its own key)."""
         mixed = [0, 1, 15, 16, 17, 63, 65, 200, 3]
         cases = [
             {"seq_q": spec.seq_q, "cache_seqlens": [spec.seq_kv] * spec.batch, "max_len": spec.seq_kv},
@@ -781,6 +833,12 @@ class KVCache(Layout):
         if getattr(spec, "append", False):  # room for the appended keys (15 + 4 crosses a page of 16)
             for c in cases:
                 c["max_len"] = max(c["max_len"], max(c["cache_seqlens"]) + c["seq_q"])
+            return cases  # every row then sees its own key at least: no row without one to add
+        r = right_bound(spec)
+        if r and not any(right_bound_hides_a_row(spec, c["seq_q"], n) for c in cases for n in c["cache_seqlens"]):
+            # a window bounded on the right: R + 4 new tokens over caches of 1 and 3 keys leave the
+            # first 3 and 1 rows without a key; those over 17 keys all see some
+            cases.append({"seq_q": r + 4, "cache_seqlens": [1, 17, 3], "max_len": 17})
         return cases
 
     def case_dims(self, spec, case):

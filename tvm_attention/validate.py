@@ -31,6 +31,10 @@ class ValidationResult:
     seed: int
     ran: bool = True  # False: not run (e.g. a CUDA build on a machine without a GPU)
     reason: str = ""
+    #: what failed beyond the errors, in words: NaN or inf where the reference is finite (which the
+    #: errors above skip), a log-sum-exp finite where the reference's is -inf; each naming its
+    #: case and rows ('' when nothing)
+    problem: str = ""
 
     @classmethod
     def not_run(cls, spec: AttentionSpec, reason: str, seed: int = 0) -> "ValidationResult":
@@ -38,14 +42,19 @@ class ValidationResult:
         return cls(None, None, None, atol, rtol, False, False, "none", seed, ran=False, reason=reason)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        if not d["problem"]:  # added after manifests existed: written only when set
+            del d["problem"]
+        return d
 
     def format(self) -> str:
         if not self.ran:
             return f"validation: NOT RUN ({self.reason})"
         status = "PASS" if self.passed else "FAIL"
+        # the problem first: the errors skip NaN, so alone they may read small (or 0) on a FAIL
+        problem = f"{self.problem}; elsewhere " if self.problem else ""
         return (
-            f"validation: {status}  max abs err {self.max_abs_err:.3e}, max rel err "
+            f"validation: {status}  {problem}max abs err {self.max_abs_err:.3e}, max rel err "
             f"{self.max_rel_err:.3e}, mean abs err {self.mean_abs_err:.3e} "
             f"(atol {self.atol:g}, rtol {self.rtol:g}; rows: {self.rows_checked}; seed {self.seed})"
         )
@@ -62,7 +71,51 @@ def sample_rows(spec: AttentionSpec, seed: int, case: dict | None = None) -> np.
     return np.unique(np.concatenate([rows, [0, sq - 1]]))
 
 
-def compare(spec: AttentionSpec, out: np.ndarray, ref: np.ndarray, seed: int, rows_label: str) -> ValidationResult:
+#: Rows a problem names before it says how many more there are.
+NAMED_ROWS = 3
+
+
+def _row_names(name_row: Callable[[tuple], str] | None, index: np.ndarray) -> str:
+    """The first :data:`NAMED_ROWS` rows of ``index`` (``(n, ndim)``) in words."""
+    name = name_row or (lambda ix: "index " + ", ".join(str(i) for i in ix))
+    names = [name(tuple(int(i) for i in ix)) for ix in index[:NAMED_ROWS]]
+    more = len(index) - len(names)
+    return ", ".join(names) + (f" and {more} more" if more else "")
+
+
+def nonfinite_rows(out: np.ndarray, ref: np.ndarray, case: str = "", name_row: Callable[[tuple], str] | None = None,
+                   row_axis: bool = True) -> str:
+    """Where ``out`` holds NaN or ±inf that ``ref`` does not, in words ('' where nowhere): per kind,
+    how many rows, the case and the first rows (``NaN in 1 row where the reference is finite: case
+    batch=1, seq_q=25, seq_kv=1, batch 0 head 0 row 0``). The errors skip NaN, so without this a
+    NaN row reads as a small error and FAIL. ``row_axis``: ``out``'s last axis is head_dim (a row
+    is the rest of the index; else every element is one, as in lse); ``name_row(index)`` names a
+    row (default: its index)."""
+    with np.errstate(invalid="ignore"):
+        # what the reference has too is right: -inf (lse of a row that sees no key), NaN (NaN in)
+        bad = ~np.isfinite(out) & ~(out == ref) & ~(np.isnan(out) & np.isnan(ref))
+    if not bad.any():
+        return ""
+    kinds = {"NaN": np.isnan, "inf": np.isposinf, "-inf": np.isneginf}
+    parts = []
+    for kind, is_kind in kinds.items():
+        for ref_kind, is_ref_kind in (("finite", np.isfinite), *kinds.items()):
+            hit = bad & is_kind(out) & is_ref_kind(ref)
+            if not hit.any():
+                continue
+            rows = hit.any(axis=-1) if row_axis else hit
+            index = np.argwhere(rows)
+            n = len(index)
+            parts.append(f"{kind} in {n} row{'s' if n != 1 else ''} where the reference is {ref_kind}: "
+                         f"{'case ' + case + ', ' if case else ''}{_row_names(name_row, index)}")
+    return "; ".join(parts)
+
+
+def compare(spec: AttentionSpec, out: np.ndarray, ref: np.ndarray, seed: int, rows_label: str, case: str = "",
+            name_row: Callable[[tuple], str] | None = None) -> ValidationResult:
+    """``out`` against the reference ``ref`` within the dtype's tolerances. ``case`` (its
+    description) and ``name_row`` (a row's index in ``out`` without head_dim -> words) name what
+    is NaN or infinite where the reference is not (:func:`nonfinite_rows`)."""
     atol, rtol = TOLERANCES[spec.dtype]
     out64 = out.astype(np.float64)
     finite = bool(np.isfinite(out64).all())
@@ -70,16 +123,27 @@ def compare(spec: AttentionSpec, out: np.ndarray, ref: np.ndarray, seed: int, ro
     rel = diff / (np.abs(ref) + atol)
     passed = finite and bool((diff <= atol + rtol * np.abs(ref)).all())
     return ValidationResult(
-        max_abs_err=float(np.nanmax(diff)) if diff.size else 0.0,
-        max_rel_err=float(np.nanmax(rel)) if rel.size else 0.0,
-        mean_abs_err=float(np.nanmean(diff)) if diff.size else 0.0,
+        max_abs_err=_nan_skipping(np.nanmax, diff),
+        max_rel_err=_nan_skipping(np.nanmax, rel),
+        mean_abs_err=_nan_skipping(np.nanmean, diff),
         atol=atol,
         rtol=rtol,
         passed=passed,
         finite=finite,
         rows_checked=rows_label,
         seed=seed,
+        problem=nonfinite_rows(out64, ref, case, name_row),
     )
+
+
+def _nan_skipping(fn, x: np.ndarray) -> float:
+    """``fn`` (nanmax, nanmean) of ``x``: 0 for no element, NaN (without NumPy's warning) when
+    every one is NaN (the problem then says where)."""
+    if not x.size:
+        return 0.0
+    if np.isnan(x).all():
+        return float("nan")
+    return float(fn(x))
 
 
 def _worst(results: list[ValidationResult], labels: list[str]) -> ValidationResult:
@@ -95,6 +159,7 @@ def _worst(results: list[ValidationResult], labels: list[str]) -> ValidationResu
         passed=all(r.passed for r in results),
         finite=all(r.finite for r in results),
         rows_checked="; ".join(f"{lab}: {r.rows_checked}" for lab, r in zip(labels, results)),
+        problem="; ".join(r.problem for r in results if r.problem),
     )
 
 
@@ -119,17 +184,32 @@ def validate_callable(spec: AttentionSpec, kernel: Callable[..., np.ndarray], se
         else:
             ref, ref_lse = layout.reference_outputs(spec, arrays)
             label = "all"
-        results.append(compare(spec, out, ref, seed, label))
-        labels.append(layout.describe_case(case))
+        what = layout.describe_case(case)
+        results.append(compare(spec, out, ref, seed, label, what, _namer(layout, arrays, rows)))
+        labels.append(what)
         if lse is not None:
-            results.append(compare_lse(spec, np.asarray(lse), ref_lse, seed, label))
-            labels.append(layout.describe_case(case) + " (lse)")
+            results.append(compare_lse(spec, np.asarray(lse), ref_lse, seed, label, what,
+                                       _namer(layout, arrays, rows, lse=True)))
+            labels.append(what + " (lse)")
     return _worst(results, labels)
 
 
-def compare_lse(spec: AttentionSpec, lse: np.ndarray, ref: np.ndarray, seed: int, rows_label: str) -> ValidationResult:
+def _namer(layout, arrays: dict, rows: np.ndarray | None, lse: bool = False) -> Callable[[tuple], str]:
+    """A row's index in the compared ``o`` (or ``lse``) -> the layout's words for it; ``rows``:
+    the sampled rows the comparison kept (BHSD), mapped back to the kernel's."""
+    def name(index: tuple) -> str:
+        if rows is not None:
+            index = index[:2] + (int(rows[index[2]]),)
+        return layout.name_row(arrays, index, lse)
+
+    return name
+
+
+def compare_lse(spec: AttentionSpec, lse: np.ndarray, ref: np.ndarray, seed: int, rows_label: str, case: str = "",
+                name_row: Callable[[tuple], str] | None = None) -> ValidationResult:
     """``lse`` against the reference: ``-inf`` exactly where the row sees no key, elsewhere within
-    the float32 tolerances (log-sum-exp is accumulated in float32 whatever the dtype)."""
+    the float32 tolerances (log-sum-exp is accumulated in float32 whatever the dtype). ``case``
+    and ``name_row`` name the rows that are not (as :func:`compare`)."""
     atol, rtol = TOLERANCES["float32"]
     lse64 = lse.astype(np.float64)
     none = np.isneginf(ref)
@@ -137,9 +217,19 @@ def compare_lse(spec: AttentionSpec, lse: np.ndarray, ref: np.ndarray, seed: int
     diff = np.where(none, 0.0, np.abs(np.where(none, 0.0, lse64) - np.where(none, 0.0, ref)))
     finite = bool(np.isfinite(lse64[~none]).all())
     passed = same_inf and finite and bool((diff <= atol + rtol * np.abs(np.where(none, 0.0, ref))).all())
+    problems = []
+    nonfinite = nonfinite_rows(lse64, ref, case, name_row, row_axis=False)
+    if nonfinite:
+        problems.append("lse: " + nonfinite)
+    keyless = none & np.isfinite(lse64)  # rows that see no key, given a finite log-sum-exp
+    if keyless.any():
+        index = np.argwhere(keyless)
+        problems.append(f"lse: finite in {len(index)} row{'s' if len(index) != 1 else ''} where the reference is -inf "
+                        f"(no key seen): {'case ' + case + ', ' if case else ''}{_row_names(name_row, index)}")
     return ValidationResult(
-        max_abs_err=float(diff.max()) if diff.size else 0.0,
-        max_rel_err=float((diff / (np.abs(np.where(none, 0.0, ref)) + atol)).max()) if diff.size else 0.0,
-        mean_abs_err=float(diff.mean()) if diff.size else 0.0,
+        max_abs_err=_nan_skipping(np.nanmax, diff),
+        max_rel_err=_nan_skipping(np.nanmax, diff / (np.abs(np.where(none, 0.0, ref)) + atol)),
+        mean_abs_err=_nan_skipping(np.nanmean, diff),
         atol=atol, rtol=rtol, passed=passed, finite=finite, rows_checked=rows_label, seed=seed,
+        problem="; ".join(problems),
     )

@@ -13,7 +13,8 @@ position ``p`` sees key ``j`` (``0 ≤ j < seq_kv``) iff
   padding: FlashAttention's ``cache_leftpad``), a call argument the methods take as ``start``.
 
 Full attention is ``left = right = -1`` and no start. Rows at a negative position (``seq_q >
-seq_kv``, causal) see no key and output zeros, as does a row whose window holds no key.
+seq_kv``, causal) see no key and output zeros, as does a row whose window holds no key (a right
+bound ``R > 0``: rows at ``p < −R``, open on the left or not).
 
 The methods build their answer from ``+ − ≤ ≥ >`` and min/max alone, so one formula serves Python
 ints, NumPy arrays and TIR expressions (a kernel's predicate is the same expression tree it always
@@ -100,7 +101,9 @@ class Visibility:
     def sees_a_key(self, pos: Any, seq_kv: Any, start: Any = None) -> Any:
         """Whether a row at ``pos`` sees any of the sequence's ``seq_kv`` keys: the first key it
         may see (``max(0, p − left, start)``) is at most the last (``min(seq_kv − 1, p + right)``)."""
-        if not self.windowed:  # the forms of the plain kernels
+        if not self.windowed and self.right <= 0:
+            # the forms of the plain kernels (kept as they were: their code hashes do not move);
+            # a right bound R > 0 takes the general form below, where a row at p < −R sees no key
             return pos >= 0 if self.causal else seq_kv > 0
         conds = [seq_kv > 0]
         if self.right >= 0:
