@@ -24,6 +24,18 @@ SCHEDULES: dict[str, dict[str, Family]] = {
 }
 
 
+#: schedule name -> the workloads its families build (their functions' ``attn.workload``): what a
+#: tuning log's records are matched by (``logs.records_for``). ``fused`` on CUDA builds the
+#: tensor-core or the CUDA-core kernel, whichever applies.
+WORKLOAD_KINDS: dict[str, tuple[str, ...]] = {
+    "fused": ("fused", "fused_mma", "fused_cuda"),
+    "fused_tc": ("fused_mma",),
+    "fused_simt": ("fused_cuda",),
+    "materialized": ("materialized",),
+    "rowcache": ("rowcache",),
+}
+
+
 class UnknownScheduleError(ValueError):
     pass
 

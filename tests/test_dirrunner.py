@@ -179,6 +179,29 @@ def cuda_payload(tmp_path_factory):
 
 
 @needs_nvcc
+def test_cuda_timings_imported_are_what_build_uses(cuda_payload, tmp_path):
+    """The last step of tuning by files on CUDA: timings brought back from the device are
+    imported into the log, and ``build`` takes the fastest record, keeping the KV-cache build's
+    split. ``records_for`` matched records by the schedule's name (``fused``) while CUDA
+    workloads are ``fused_mma``/``fused_cuda``: every CUDA record was skipped (issue 41)."""
+    payload = tmp_path / "p"
+    shutil.copytree(cuda_payload, payload)
+    info = read_payload(payload)
+    ids = sorted(info["candidates"])
+    fast = ids[-1]
+    (payload / TIMINGS).write_text(json.dumps({
+        "payload_id": info["payload_id"], "target_key": "cuda-sm_90",
+        "device": {"kind": "cuda", "name": "H200", "arch": "sm_90"},
+        "timings": {i: [1e-5 if i == fast else 2e-5] * 2 for i in ids}}))
+    log = tmp_path / "log"
+    assert cli.main(["tune", *CUDA_DECODE_FLAGS, "--work-dir", str(log), "--import-timings", str(payload)]) == 0
+    built, validation = build_best(CUDA_DECODE, target=resolve_target("cuda", arch="sm_90"), log_dir=log)
+    assert built.source == "tuned" and not validation.ran  # no GPU here: recorded as not run
+    assert dataclasses.replace(built.knobs, split_tasks=0).to_dict() == info["candidates"][fast]["knobs"]
+    assert_split_kv(built, CUDA_DECODE)
+
+
+@needs_nvcc
 def test_cuda_candidates_build_offline(cuda_payload):
     payload = cuda_payload
     info = read_payload(payload)

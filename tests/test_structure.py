@@ -83,6 +83,23 @@ def test_build_reads_a_tuning_log_without_importing_the_tuner():
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
+def test_a_schedules_workload_kinds_are_what_its_families_build():
+    """``WORKLOAD_KINDS`` (how a tuning log's records are matched to a schedule) names the
+    ``attn.workload`` of every function each family builds, on every target it has."""
+    from schedules import SCHEDULES, WORKLOAD_KINDS
+    from tvm_attention.spec import AttentionSpec
+    from tvm_attention.target import resolve_target
+
+    assert set(WORKLOAD_KINDS) == set(SCHEDULES)
+    targets = {"cpu": resolve_target("llvm"), "cuda": resolve_target("cuda", arch="sm_90")}
+    for name, by_target in SCHEDULES.items():
+        for where, family in by_target.items():
+            dtype = "float16" if where == "cuda" else "float32"
+            spec = AttentionSpec(batch=1, heads=2, seq_q=64, head_dim=64, dtype=dtype)
+            func = family.workload(spec, family.preset(spec, targets[where]))
+            assert str(func.attrs["attn.workload"]) in WORKLOAD_KINDS[name], (name, where)
+
+
 def test_every_registered_family_implements_the_protocol():
     from schedules import SCHEDULES
     from schedules.family import Capabilities, Family

@@ -40,6 +40,7 @@ from typing import Any, Callable, Iterator
 import tvm
 from tvm.target import Target
 
+from schedules import WORKLOAD_KINDS  # schedules/ sits beside this package
 from .paths import cache_dir
 from .spec import AttentionSpec
 
@@ -369,12 +370,16 @@ def mean_secs(record) -> float:
 
 
 def records_for(parsed: ParsedLog, schedule: str) -> Iterator[tuple[Any, Any]]:
-    """(workload, record) pairs whose workload is ``schedule`` (by its ``attn.workload`` attr)."""
+    """(workload, record) pairs whose workload schedule ``schedule`` builds (its ``attn.workload``
+    attr, one of ``schedules.WORKLOAD_KINDS[schedule]``: ``fused`` on CUDA tunes and builds the
+    ``fused_mma`` and ``fused_cuda`` kernels, whose records were skipped when only the name
+    ``fused`` matched, so ``build`` never used a CUDA tuning log)."""
+    kinds = WORKLOAD_KINDS.get(schedule, (schedule,))
     for idx, rec in parsed.records:
         wl = parsed.workloads[idx]
         func = wl.mod["main"]
         attrs = func.attrs if func.attrs is not None else {}
-        if "attn.workload" in attrs and str(attrs["attn.workload"]) == schedule:
+        if "attn.workload" in attrs and str(attrs["attn.workload"]) in kinds:
             yield wl, rec
 
 
