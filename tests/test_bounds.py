@@ -167,7 +167,8 @@ def _huge(shape, dtype):
     ((2, 2, 2**32 + 24, 16), r"k_cache: dim 2 is negative or larger than 1073741824 \(the longest sequence"),
     ((2, 2, MAX_SEQ_LEN + 1, 16), r"k_cache: dim 2 is negative or larger than 1073741824"),
     ((2**31 + 2, 2, 24, 16), r"k_cache: dim 0 is negative or larger than 2147483647 \(kernels index with 32-bit"),
-    ((2, 2**20, 2**10, 16), r"k_cache: more than 2147483647 elements; kernels index with 32-bit ints"),
+    ((2**12, 2, 2**16, 16), r"k_cache: more than 2147483647 elements; kernels index with 32-bit ints"),
+    ((2, 3, 24, 16), r"k_cache: dim 1 must be 2: expected shape \(batch, 2, max_len, 16\)"),
 ])
 def test_the_library_checks_shapes_in_int64_before_any_index(dims, message):
     """TVM binds each int64 dim to an int32 var (``max_len = int32(shape[2])``): 2³²+24 became
