@@ -289,3 +289,18 @@ def test_append_is_refused_where_it_does_not_apply():
     s = AttentionSpec(**APPEND["paged_append_e4m3"])
     assert "_append" in s.short_name() and not s.representative().append  # tuned without it
     assert [a["name"] for a in s.arg_specs()][-3:] == ["k_new", "v_new", "o"]
+
+
+def test_tuning_a_cuda_8bit_cache_is_refused_by_name():
+    """A CUDA KV-cache spec is tuned at its bhsd representative, which has no 8-bit form on CUDA:
+    the workload generator failed deep in TVM's parser (``Reinterpret requires size match``);
+    now the family's capabilities name it before any workload is made (issue 41's review)."""
+    from tvm_attention.target import resolve_target
+    from tvm_attention.task_mods import tuning_spec
+    from tvm_attention.tune.tasks import make_tasks
+
+    target = resolve_target("cuda", arch="sm_90")
+    spec = AttentionSpec(batch=1, heads=4, kv_heads=2, seq_q=1, seq_kv=256, head_dim=128, dtype="float16",
+                         causal=True, layout="kvcache", kv_dtype="float8_e4m3fn")
+    with pytest.raises(ValueError, match=r"cannot tune .*_kve4m3_causal \[fused\] .* 8-bit K/V caches .* not 'bhsd'"):
+        make_tasks(tuning_spec(spec, target), target, "fused")

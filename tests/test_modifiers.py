@@ -370,6 +370,30 @@ def test_tune_and_build_from_the_log(tmp_path, capsys):
     assert _alloc_for(spec) is not None
 
 
+def test_a_paged_decode_step_with_key_bounds_and_tensors_specializes_for_tuning():
+    """A paged decode step is tuned as itself (symbolic, specialized at its representative step):
+    the key bounds' positions and a modifier tensor's dims are no layout dim, and specializing
+    raised ``KeyError: 'key_positions'`` (issue 41's review): they take the representative
+    inputs' shapes."""
+    from tvm_attention.task_mods import arg_shapes, specialize, tuning_spec
+    from tvm_attention.target import resolve_target
+
+    spec = AttentionSpec(batch=2, heads=8, kv_heads=2, seq_q=1, seq_kv=256, head_dim=64, causal=True, layout="paged",
+                         key_bounds=True, mask_mod=doc_mask, mod_tensors=[DOC])
+    rep = tuning_spec(spec, resolve_target("llvm"))
+    assert rep.layout == "paged" and rep.dynamic  # tuned as itself
+    shapes = dict(zip([a.name for a in rep.layout_info.all_args(rep)], arg_shapes(rep)))
+    x = rep.layout_info.random_inputs(rep, rep.layout_info.validation_cases(rep)[0])
+    for name in ("key_lo", "key_hi", "doc", "block_table", "q"):
+        assert shapes[name] == x[name].shape, name
+    from schedules import cpu_flash
+
+    func = cpu_flash.workload(rep, cpu_flash.preset(rep, resolve_target("llvm")))
+    from tvm import tirx
+
+    assert all(isinstance(d, tirx.IntImm) for p in specialize(func, rep).params for d in p.shape)
+
+
 def _parser():
     p = argparse.ArgumentParser()
     cli._add_spec_flags(p)

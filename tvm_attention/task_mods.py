@@ -54,10 +54,23 @@ def arg_shapes(spec: AttentionSpec) -> list[tuple[int, ...]]:
     if not any(isinstance(d, str) for shape in static for d in shape):  # every shape compiled in
         return static
     layout = spec.layout_info
-    values = layout.case_dims(spec, step_case(spec))
+    case = step_case(spec)
+    values = layout.case_dims(spec, case)
     names = layout.dims(spec)
-    return [tuple(values[names[d]] if isinstance(names[d], str) else names[d] for d in a.dims)
-            for a in layout.all_args(spec)]
+    args = layout.all_args(spec)
+    # a variant argument's own dims (key bounds' positions, a modifier tensor's) are no layout
+    # dim: they are what the representative inputs hold (made only for such a spec)
+    own = any(isinstance(d, str) and d not in names for a in args for d in a.dims)
+    inputs = layout.random_inputs(spec, case) if own else {}
+
+    def size(a, i, d):
+        if isinstance(d, int):
+            return d
+        if d in names:
+            return values[names[d]] if isinstance(names[d], str) else names[d]
+        return inputs[a.name].shape[i]
+
+    return [tuple(size(a, i, d) for i, d in enumerate(a.dims)) for a in args]
 
 
 def specialize(func: tirx.PrimFunc, spec: AttentionSpec) -> tirx.PrimFunc:

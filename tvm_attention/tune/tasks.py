@@ -22,7 +22,8 @@ from typing import Any
 import tvm
 from tvm.target import Target
 
-from schedules import cpu_flash, cpu_rowcache, cuda_flash, cuda_mma
+from schedules import SCHEDULES, UnknownScheduleError, cpu_flash, cpu_rowcache, cuda_flash, cuda_mma, get_schedule
+from schedules._knobs import KnobError
 
 from ..spec import AttentionSpec
 from ..task_mods import fused_task_mod, normalize, tunes_as_paged
@@ -86,6 +87,15 @@ def make_tasks(spec: AttentionSpec, target: Target, schedule: str) -> list[TaskD
         if not tunes_as_paged(spec, target, schedule):
             raise ValueError(f"{spec.short_name()} is symbolic: tune its representative shape "
                              f"({spec.representative().short_name()}) instead")
+    if schedule in SCHEDULES:
+        # what the family cannot build at all, named before any workload is made (a CUDA 8-bit
+        # KV cache is tuned at its bhsd representative, which has no 8-bit form there: the
+        # workload generator failed deep in TVM's parser instead)
+        try:
+            get_schedule(schedule, target).CAPABILITIES.require(spec)
+        except (KnobError, UnknownScheduleError) as e:
+            raise ValueError(f"cannot tune {spec.short_name()} [{schedule}] (the spec `tune` measures for yours): "
+                             f"{e}") from None
     if target.kind.name == "cuda":
         return _cuda_tasks(spec, target, schedule)
     if schedule == "fused":
