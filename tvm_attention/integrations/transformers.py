@@ -36,11 +36,13 @@ with ``kv_start``: the pad keys are hidden, and the pad query rows output zeros 
 something; no real token reads them). What the kernel cannot compute raises
 :class:`UnsupportedAttention` naming the feature — never a silent fallback: an attention mask
 that is not causal, causal sliding-window or full with left padding (right padding, packed
-sequences, an offset cache, custom 4D masks, a sliding window over a static cache), attention
-dropout > 0 (training mode), a position bias, a dtype other than float32/bfloat16/float16 or a
-device other than the CPU. A bfloat16 model runs the bf16 kernels (AVX512-BF16 dot products where
-the CPU has them). The kernel has no backward pass: a forward with autograd works, ``backward``
-through it raises.
+sequences, an offset cache, custom 4D masks, a sliding window over a static cache not full yet),
+attention dropout > 0 (training mode), a position bias, a dtype other than float32/bfloat16/float16
+or a device other than the CPU. A bfloat16 model runs the bf16 kernels (AVX512-BF16 dot products
+where the CPU has them). The kernel has no backward pass: a forward with autograd works,
+``backward`` through it raises. A sliding layer's cache past its window (a prompt longer than the
+window) hands over its last keys only, from ``kv_offset``: the keys still end at the last query,
+so bottom-right alignment and the window are exact there too.
 
 Masks: transformers builds one mask per forward (not per layer) through the mask function
 registered under the implementation's name (``masking_utils.AttentionMaskInterface``). Ours
@@ -505,8 +507,10 @@ def _mask_plan(q_length, kv_length, q_offset, kv_offset, mask_function, attentio
     keys in use is None when all ``kv_length`` keys are (bhsd), else the length of the cache
     prefix the queries see (a static cache: the kvcache kernel's ``cache_seqlens``); kv_start is
     each row's count of leading zeros in the 2D ``attention_mask`` (left padding), None when it
-    has none. A causal sliding-window pattern (``local_size = W``: keys ``j > p − W``) is exact
-    too: the attention function takes the window from its ``sliding_window`` argument."""
+    has none, counted from the first key handed over (``kv_offset``). A causal sliding-window
+    pattern (``local_size = W``: keys ``j > p − W``) is exact too: the attention function takes
+    the window from its ``sliding_window`` argument, also over the last keys a sliding cache
+    keeps (``kv_offset > 0``)."""
     from transformers import masking_utils as mu
 
     in_use = None
@@ -520,9 +524,17 @@ def _mask_plan(q_length, kv_length, q_offset, kv_offset, mask_function, attentio
         if isinstance(q_offset, torch.Tensor):
             q_offset = int(q_offset)
         end = q_offset + q_length  # the last query's position + 1: the keys it may see
+        # The keys must end at the last query but may start after position 0: a sliding layer's
+        # cache past its window (DynamicSlidingWindowLayer, a full StaticSlidingWindowLayer) hands
+        # over its last W − 1 keys and the new ones, key j at position kv_offset + j. Bottom-right
+        # alignment puts row i at i + (kv_length − q_length) in that index, its position minus
+        # kv_offset, so the kernel's window (W − 1, 0) sees exactly the keys p − W < j ≤ p, and
+        # kv_start counts the padding from kv_offset (below).
         if kv_offset == 0 and q_offset >= 0 and end < kv_length:
             if sliding:
-                return f"a sliding window (window {local_size}) over a static cache", None, None
+                return (f"a sliding window (window {local_size}) over a static cache that is not full yet "
+                        f"({end} of its {kv_length} slots in use: a prompt or first prefill chunk shorter "
+                        "than the window)"), None, None
             in_use = end  # a static cache: slots past the last query are empty
         elif end != kv_offset + kv_length:
             return (f"the keys do not end at the last query (q_offset={q_offset}, q_length={q_length}, "
