@@ -193,8 +193,20 @@ def test_mask_function_returns_none_only_for_plain_causal():
     sliding = dict(batch_size=2, local_size=3, mask_function=mu.sliding_window_causal_mask_function(3))
     assert hf.attention_mask(q_length=5, kv_length=5, **sliding) is None
     assert hf.attention_mask(q_length=1, kv_length=3, q_offset=9, kv_offset=7, **sliding) is None  # the layer's kept keys
+    # a sliding cache past its window hands over its last W - 1 keys and the new ones, from
+    # position kv_offset: kv_start counts the padding from there (row 0's 8 zeros: 1 of them in
+    # keys 7..9), and padding before kv_offset is out of the window (no plan at all)
+    long_pad = torch.ones(2, 10, dtype=torch.bool)
+    long_pad[0, :8] = False
+    m = hf.attention_mask(q_length=1, kv_length=3, q_offset=9, kv_offset=7, attention_mask=long_pad, **sliding)
+    assert getattr(m, hf._PLAN) == {"in_use": False, "kv_start": True} and m[:, 0, 0].tolist() == [[3, 1], [3, 0]]
+    long_pad[0, 7] = True
+    assert hf.attention_mask(q_length=1, kv_length=3, q_offset=9, kv_offset=7, attention_mask=long_pad, **sliding) is None
+    # a chunk of 4 against it (a continued prompt): W - 1 kept keys and the 4 new ones
+    m = hf.attention_mask(q_length=4, kv_length=6, q_offset=6, kv_offset=4, attention_mask=long_pad, **sliding)
+    assert m[:, 0, 0].tolist() == [[6, 3], [6, 0]]
     m = hf.attention_mask(q_length=1, kv_length=16, q_offset=8, **sliding)
-    assert "static cache" in getattr(m, hf._MASK_REASON)
+    assert "static cache that is not full yet" in getattr(m, hf._MASK_REASON)
     m = hf.attention_mask(q_length=5, kv_length=5, local_size=2, batch_size=2,
                           mask_function=mu.sliding_window_causal_mask_function(3))  # W disagrees
     assert "sliding-window or chunked" in getattr(m, hf._MASK_REASON)
