@@ -295,22 +295,72 @@ FAMILIES = {
 }
 
 
+def assert_generate_matches(model, peer, ids, gen, what):
+    """Greedy tokens of ``model.generate`` identical to ``peer``'s, and the logits of every step
+    equal to float32 rounding: a window one key too wide changes a random model's logits by
+    ~1e-1 (more than its greedy tokens: the decode steps of a sliding layer only get the W keys
+    its cache keeps), an exact one by ~1e-7."""
+    kw = dict(gen, return_dict_in_generate=True, output_logits=True)
+    got, want = model.generate(ids, **kw), peer.generate(ids, **kw)
+    assert torch.equal(got.sequences, want.sequences), f"{what}: tokens differ"
+    torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), rtol=1e-4, atol=1e-4,
+                               msg=lambda m: f"{what}: {m}")
+
+
+#: a prompt more than three windows of 8 long (the sliding layers' caches drop keys from the prefill on)
+LONG_PROMPT = 3 * 8 + 2
+#: the family whose long prompt also runs as a left-padded batch (every layer sliding: one
+#: kv_start artifact more, where the other families would build two each)
+PADDED_FAMILY = "mistral"
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_model_families_match_eager(cache, family):
-    """Sliding windows (Mistral, Qwen2, Gemma-2, gpt-oss: 12 prompt + 32 new tokens, past the
-    window of 8), Gemma-2's softcap on alternating sliding and global layers, gpt-oss's sinks:
-    greedy tokens identical to eager in float32."""
+    """Sliding windows (Mistral, Qwen2, Gemma-2, gpt-oss: a prompt of 12 and one of 26, more
+    than three windows of 8, each + 32 new tokens, four windows more), Gemma-2's softcap on
+    alternating sliding and global layers, gpt-oss's sinks: greedy tokens identical to eager in
+    float32, and logits equal to rounding. With the long prompt the sliding layers' caches
+    (``DynamicSlidingWindowLayer``) keep only the last W − 1 keys: a decode step gets W keys
+    that start at position ``kv_offset = p − W + 1``, a prefill all of them; both are the
+    window's bottom-right alignment, with the same artifacts. Mistral's long prompt also runs
+    left-padded (:func:`check_long_left_padded_batch`)."""
     cls, conf, kw, artifacts = FAMILIES[family]
     if not hasattr(transformers, cls):
         pytest.skip(f"this transformers has no {cls}")
     eager, tvm = tiny(cls, conf, **kw), tiny(cls, conf, **kw)
     eager.set_attn_implementation("eager")
     tvm.set_attn_implementation("tvm_attention")
-    ids = prompt(2)  # batch 2: the kernels' batch loop (batch 1 is the Llama test's)
-    assert torch.equal(tvm.generate(ids, **GEN), eager.generate(ids, **GEN)), family
+    for length in (12, LONG_PROMPT):
+        ids = prompt(2, length=length)  # batch 2: the kernels' batch loop (batch 1 is the Llama test's)
+        assert_generate_matches(tvm, eager, ids, GEN, f"{family}, prompt {length}")
     names = sorted(p.name for p in (cache / hf.ARTIFACTS).iterdir() if p.is_dir())
     assert len(names) == artifacts, names
     assert any("_w7_0" in n for n in names), names  # sliding_window 8 is the window (7, 0)
+    if family == PADDED_FAMILY:  # here, where the unpadded kernel it also runs is built already
+        check_long_left_padded_batch(tvm, eager, cache)
+
+
+def check_long_left_padded_batch(tvm, eager, cache):
+    """A left-padded batch with a prompt more than three windows long through the caches that
+    drop keys (Mistral: every layer sliding, window 8): rows padded by 0, 11 (more than a
+    window) and 22 (a prompt shorter than a window) tokens, 32 new ones, with a
+    ``DynamicCache`` and a static one (``StaticSlidingWindowLayer``, what ``cache_implementation=
+    "static"`` or ``"hybrid"`` gives sliding layers, Gemma-2's too). A decode step's keys start at
+    ``kv_offset`` = its position − W + 1 (19 for the first), and the mask function reads the 2D
+    mask from there: row 2's padding is in the window for the first steps (``kv_start`` 3, 2, 1,
+    in the window's own index), then no row's is (the plain windowed kernel). Tokens and logits
+    equal eager's; both caches run the same two bhsd artifacts (a static sliding layer that the
+    prompt has filled hands over only keys in use: no kvcache artifact)."""
+    ids = prompt(3, length=LONG_PROMPT)
+    mask = torch.ones_like(ids)
+    mask[1, :11] = 0
+    mask[2, :22] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    for cache_implementation in ("dynamic", "static"):
+        gen = dict(GEN, attention_mask=mask, cache_implementation=cache_implementation)
+        assert_generate_matches(tvm, eager, ids, gen, f"left-padded, {cache_implementation} cache")
+    names = sorted(p.name.split("_llvm")[0] for p in (cache / hf.ARTIFACTS).iterdir() if p.is_dir())
+    assert names == ["h4_kv2_d16_float32_causal_w7_0", "h4_kv2_d16_float32_causal_w7_0_kvstart"], names
 
 
 def test_gemma2_in_bfloat16_matches_eager_to_rounding(cache):
