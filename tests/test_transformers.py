@@ -363,6 +363,24 @@ def check_long_left_padded_batch(tvm, eager, cache):
     assert names == ["h4_kv2_d16_float32_causal_w7_0", "h4_kv2_d16_float32_causal_w7_0_kvstart"], names
 
 
+def test_pad_token_inside_a_prompt_is_refused_with_the_way_out(cache):
+    """generate() without an attention_mask makes one from pad_token_id when the prompt holds
+    that token (Gemma-2's config: 0; the tests' prompts draw from 1 up): a zero inside the
+    prompt, a hole that eager attends around and ``kv_start`` cannot express. A long prompt of
+    random tokens often holds one: refused by name, with the way out, before any build."""
+    cls, conf, kw, _ = FAMILIES["gemma2"]
+    if not hasattr(transformers, cls):
+        pytest.skip(f"this transformers has no {cls}")
+    tvm = tiny(cls, conf, **kw)
+    tvm.set_attn_implementation("tvm_attention")
+    assert tvm.generation_config.pad_token_id == 0
+    ids = prompt(1, length=LONG_PROMPT)
+    ids[0, 17] = 0
+    with pytest.raises(hf.UnsupportedAttention, match="not left padding.*pad token inside a prompt.*attention_mask"):
+        tvm.generate(ids, max_new_tokens=2, do_sample=False)
+    assert hf.stats()["builds"] == 0
+
+
 def test_gemma2_in_bfloat16_matches_eager_to_rounding(cache):
     """A bfloat16 Gemma-2 (softcap on every layer, windows on alternate ones; gpt-oss's sinks are
     the fp32 test's): prefill logits past the window and a decode step agree with eager in bf16

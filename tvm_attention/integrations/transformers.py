@@ -556,7 +556,13 @@ def _mask_plan(q_length, kv_length, q_offset, kv_offset, mask_function, attentio
     # left padding: each row's zeros come before its first token, and are hidden by kv_start
     lead = torch.where(window.any(dim=1), window.int().argmax(dim=1), torch.tensor(want))
     if not bool((window == (torch.arange(want)[None, :] >= lead[:, None])).all()):
-        return "padding that is not left padding (a zero after a row's first token)", None, None
+        # Often no padding at all: generate() without an attention_mask makes one from
+        # pad_token_id when the prompt holds that token (Gemma-2's is 0), so a prompt with the
+        # pad token inside gets a zero there — a hole, which eager attends around and kv_start
+        # (a prefix) cannot express. The longer the prompt, the likelier such a token.
+        return ("padding that is not left padding (a zero after a row's first token; without an attention_mask, "
+                "generate() makes one from pad_token_id, so a pad token inside a prompt is such a zero: pass "
+                "attention_mask=torch.ones_like(input_ids) if it is a real token)"), None, None
     return None, in_use, lead.to(torch.int32)
 
 
