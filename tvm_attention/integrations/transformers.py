@@ -87,6 +87,10 @@ REPRESENTATIVE_SEQ = 1024
 #: Bump when what an artifact under a given key means changes.
 KEY_FORMAT = 1
 _MASK_REASON = "_tvm_attention_reason"
+#: the key-mask variant's modifier (``LayerConfig(key_mask=True)``): key ``kv`` of sequence ``b``
+#: is visible where the 2D attention_mask's column for it is not 0 (joined with causal, the window)
+KEY_MASK_MOD = "lambda b, h, q, kv: keep[b, kv] != 0"
+KEY_MASK_TENSORS = (("keep", "int32", ("batch", "seq_kv")),)
 #: tags attention_mask's plan: a ``(batch, 1, 1, 2)`` int32 tensor of each sequence's keys in use
 #: (a static cache's prefix) and first visible key (left padding); the tag says which are given
 _PLAN = "_tvm_attention_plan"
@@ -121,6 +125,10 @@ class LayerConfig:
     softcap: float | None = None
     sinks: bool = False
     kv_start: bool = False
+    #: a padding mask with zeros anywhere (holes, right padding): the mask modifier
+    #: :data:`KEY_MASK_MOD` reads the 2D mask's columns of the keys handed over, ``keep (batch,
+    #: keys) int32``, a call argument (evaluated per score: no tile is skipped)
+    key_mask: bool = False
 
     def spec(self):
         """The dynamic :class:`~tvm_attention.spec.AttentionSpec` built for this configuration
@@ -130,13 +138,14 @@ class LayerConfig:
                              seq_q=seq_q, seq_kv=REPRESENTATIVE_SEQ, head_dim=self.head_dim,
                              dtype=self.dtype, causal=self.causal, scale=self.scale, dynamic=DYNAMIC,
                              layout=self.layout, window=None if self.window is None else (self.window, 0),
-                             softcap=self.softcap, sinks=self.sinks, kv_start=self.kv_start)
+                             softcap=self.softcap, sinks=self.sinks, kv_start=self.kv_start,
+                             **(dict(mask_mod=KEY_MASK_MOD, mod_tensors=KEY_MASK_TENSORS) if self.key_mask else {}))
 
     @property
     def variants(self) -> dict[str, Any]:
         """The variants that are on, as the spec's fields (what a key records)."""
         return {k: v for k, v in (("window", self.window), ("softcap", self.softcap), ("sinks", self.sinks),
-                                  ("kv_start", self.kv_start)) if v not in (None, False)}
+                                  ("kv_start", self.kv_start), ("key_mask", self.key_mask)) if v not in (None, False)}
 
     def key(self, target) -> str:
         """Folder name of this configuration's artifact for ``target`` (a ``tvm.target.Target``):
