@@ -428,6 +428,36 @@ def check_pad_tokens_inside_a_long_prompt(tvm, eager, cache):
                      f"h4_kv2_d16_float32_causal_w7_0_cap5{mod}"], names
 
 
+@pytest.mark.parametrize("cache_implementation", ["dynamic", "static"])
+def test_padding_with_holes_matches_eager(cache, cache_implementation):
+    """A batch whose 2D attention_mask has zeros after a row's first token, passed explicitly
+    through a plain causal Llama: right padding (row 0), a run of two inside (row 1), left
+    padding and a hole (row 2). kv_start cannot express them: the key-mask variant reads the
+    mask's columns per score, in the bhsd kernel (DynamicCache) and the kvcache one (StaticCache:
+    the columns of the keys in use). The logits of every real prompt position equal eager's, and
+    generate gives eager's tokens and step logits (row 0's first step reads a pad position that
+    sees keys: exact too)."""
+    eager, tvm = tiny_llama("eager"), tiny_llama("tvm_attention")
+    ids = prompt(3)
+    mask = torch.ones_like(ids)
+    mask[0, 9:] = 0
+    mask[1, 4:6] = 0
+    mask[2, :3] = 0
+    mask[2, 7] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+
+    def static(m):  # more slots than keys: the kvcache kernel reads the 12 in use
+        return transformers.StaticCache(config=m.config, max_cache_len=ids.shape[1] + 4)
+
+    assert_logits_match_where_kept(tvm, eager, ids, mask, f"holes, {cache_implementation} cache",
+                                   cache=static if cache_implementation == "static" else None)
+    gen = dict(GEN, attention_mask=mask, cache_implementation=cache_implementation)
+    assert_generate_matches(tvm, eager, ids, gen, f"holes, {cache_implementation} cache")
+    layout = "kvcache_" if cache_implementation == "static" else ""
+    mod = hf.LayerConfig(4, 2, 16, "float32", True, 0.25, key_mask=True).spec().variant_suffix()
+    assert only_artifact(cache).name.startswith(f"{layout}h4_kv2_d16_float32_causal{mod}_"), only_artifact(cache)
+
+
 def test_gemma2_in_bfloat16_matches_eager_to_rounding(cache):
     """A bfloat16 Gemma-2 (softcap on every layer, windows on alternate ones; gpt-oss's sinks are
     the fp32 test's): prefill logits past the window and a decode step agree with eager in bf16
@@ -457,6 +487,8 @@ def test_dropout_in_training_raises(cache):
     (dict(position_bias=torch.zeros(1, 4, 3, 3)), "position bias"),
     (dict(dtype=torch.float64), "dtype float64"),
     (dict(attention_mask=torch.zeros(1, 1, 3, 3, dtype=torch.bool)), "custom 4-D attention mask"),
+    # an additive float mask (neither 0 nor -inf: a bias) stays refused; only 2D padding is served
+    (dict(attention_mask=torch.full((1, 1, 3, 3), -1.0)), "custom 4-D attention mask"),
 ])
 def test_unsupported_features_raise_by_name(kwargs, match):
     dtype = kwargs.pop("dtype", torch.float32)
