@@ -176,29 +176,61 @@ def test_mask_function_returns_none_only_for_plain_causal():
     padded[0, :3] = False
     # left padding: a plan whose kv_start hides each row's leading zeros
     m = hf.attention_mask(q_length=1, kv_length=9, q_offset=8, attention_mask=padded, **causal)
-    assert getattr(m, hf._PLAN) == {"in_use": False, "kv_start": True} and m[:, 0, 0, 1].tolist() == [3, 0]
-    holed = ones.clone()
-    holed[1, 4] = False  # a zero after the first token: not left padding
+    assert getattr(m, hf._PLAN) == {"in_use": False, "kv_start": True, "keep": False}
+    assert m.shape == (2, 1, 1, 2) and m[:, 0, 0, 1].tolist() == [3, 0]
+    # a zero after a row's first token (a hole, right padding): not left padding, so the plan
+    # carries the mask's columns of the keys for the key-mask variant (after the first two)
+    holed = padded.clone()
+    holed[1, 4] = False
+    holed[1, 8] = False
     m = hf.attention_mask(q_length=1, kv_length=9, q_offset=8, attention_mask=holed, **causal)
-    assert "not left padding" in getattr(m, hf._MASK_REASON)
+    assert getattr(m, hf._PLAN) == {"in_use": False, "kv_start": False, "keep": True}
+    assert m.dtype == torch.int32 and m.shape == (2, 1, 1, 2 + 9) and torch.equal(m[:, 0, 0, 2:], holed.int())
     # a static cache: the keys in use are a prefix of its slots -> their count, for the kvcache kernel
     m = hf.attention_mask(q_length=1, kv_length=16, q_offset=8, **causal)
-    assert getattr(m, hf._PLAN) == {"in_use": True, "kv_start": False} and m.dtype == torch.int32
+    assert getattr(m, hf._PLAN) == {"in_use": True, "kv_start": False, "keep": False} and m.dtype == torch.int32
     assert m[:, 0, 0, 0].tolist() == [9, 9]
     m = hf.attention_mask(q_length=1, kv_length=16, q_offset=8, attention_mask=padded, **causal)
     assert m[:, 0, 0, 0].tolist() == [9, 9] and m[:, 0, 0, 1].tolist() == [3, 0]
+    # ... with a hole: the columns of the 9 keys in use, not of the 16 slots
+    m = hf.attention_mask(q_length=1, kv_length=16, q_offset=8, attention_mask=holed, **causal)
+    assert getattr(m, hf._PLAN) == {"in_use": True, "kv_start": False, "keep": True}
+    assert m[:, 0, 0, 0].tolist() == [9, 9] and torch.equal(m[:, 0, 0, 2:], holed.int())
     m = hf.attention_mask(q_length=1, kv_length=8, q_offset=8, kv_offset=4, **causal)  # an offset cache
     assert m is not None and "offset" in getattr(m, hf._MASK_REASON)
     # a causal sliding window is the kernel's own (the attention takes W from sliding_window)
     sliding = dict(batch_size=2, local_size=3, mask_function=mu.sliding_window_causal_mask_function(3))
     assert hf.attention_mask(q_length=5, kv_length=5, **sliding) is None
     assert hf.attention_mask(q_length=1, kv_length=3, q_offset=9, kv_offset=7, **sliding) is None  # the layer's kept keys
+    # a sliding cache past its window hands over its last W - 1 keys and the new ones, from
+    # position kv_offset: kv_start counts the padding from there (row 0's 8 zeros: 1 of them in
+    # keys 7..9), and padding before kv_offset is out of the window (no plan at all)
+    long_pad = torch.ones(2, 10, dtype=torch.bool)
+    long_pad[0, :8] = False
+    m = hf.attention_mask(q_length=1, kv_length=3, q_offset=9, kv_offset=7, attention_mask=long_pad, **sliding)
+    assert getattr(m, hf._PLAN) == {"in_use": False, "kv_start": True, "keep": False}
+    assert m[:, 0, 0].tolist() == [[3, 1], [3, 0]]
+    long_pad[0, 7] = True
+    assert hf.attention_mask(q_length=1, kv_length=3, q_offset=9, kv_offset=7, attention_mask=long_pad, **sliding) is None
+    # a chunk of 4 against it (a continued prompt): W - 1 kept keys and the 4 new ones
+    m = hf.attention_mask(q_length=4, kv_length=6, q_offset=6, kv_offset=4, attention_mask=long_pad, **sliding)
+    assert m[:, 0, 0].tolist() == [[6, 3], [6, 0]]
+    # a hole among the kept keys: the key mask's columns start at kv_offset too (row 1's zero at
+    # position 8 is key 1 of keys 7..9; row 0's zeros before 7 are out of the window)
+    long_pad[1, 8] = False
+    m = hf.attention_mask(q_length=1, kv_length=3, q_offset=9, kv_offset=7, attention_mask=long_pad, **sliding)
+    assert getattr(m, hf._PLAN) == {"in_use": False, "kv_start": False, "keep": True}
+    assert m[:, 0, 0, 2:].tolist() == [[1, 1, 1], [1, 0, 1]]
     m = hf.attention_mask(q_length=1, kv_length=16, q_offset=8, **sliding)
-    assert "static cache" in getattr(m, hf._MASK_REASON)
+    assert "static cache that is not full yet" in getattr(m, hf._MASK_REASON)
     m = hf.attention_mask(q_length=5, kv_length=5, local_size=2, batch_size=2,
                           mask_function=mu.sliding_window_causal_mask_function(3))  # W disagrees
     assert "sliding-window or chunked" in getattr(m, hf._MASK_REASON)
     assert hf.attention_mask(q_length=3, kv_length=7, batch_size=2, mask_function=mu.bidirectional_mask_function) is None
+    # padding in a non-causal model is still refused by name (no key-mask variant for it)
+    m = hf.attention_mask(q_length=9, kv_length=9, batch_size=2, mask_function=mu.bidirectional_mask_function,
+                          attention_mask=holed)
+    assert "non-causal" in getattr(m, hf._MASK_REASON)
 
 
 def test_static_cache_generate_runs_the_kvcache_kernel_in_place(cache):
@@ -283,22 +315,147 @@ FAMILIES = {
 }
 
 
+def assert_generate_matches(model, peer, ids, gen, what):
+    """Greedy tokens of ``model.generate`` identical to ``peer``'s, and the logits of every step
+    equal to float32 rounding: a window one key too wide changes a random model's logits by
+    ~1e-1 (more than its greedy tokens: the decode steps of a sliding layer only get the W keys
+    its cache keeps), an exact one by ~1e-7."""
+    kw = dict(gen, return_dict_in_generate=True, output_logits=True)
+    got, want = model.generate(ids, **kw), peer.generate(ids, **kw)
+    assert torch.equal(got.sequences, want.sequences), f"{what}: tokens differ"
+    torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), rtol=1e-4, atol=1e-4,
+                               msg=lambda m: f"{what}: {m}")
+
+
+#: a prompt more than three windows of 8 long (the sliding layers' caches drop keys from the prefill on)
+LONG_PROMPT = 3 * 8 + 2
+#: the family whose long prompt also runs as a left-padded batch (every layer sliding: one
+#: kv_start artifact more, where the other families would build two each)
+PADDED_FAMILY = "mistral"
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_model_families_match_eager(cache, family):
-    """Sliding windows (Mistral, Qwen2, Gemma-2, gpt-oss: 12 prompt + 32 new tokens, past the
-    window of 8), Gemma-2's softcap on alternating sliding and global layers, gpt-oss's sinks:
-    greedy tokens identical to eager in float32."""
+    """Sliding windows (Mistral, Qwen2, Gemma-2, gpt-oss: a prompt of 12 and one of 26, more
+    than three windows of 8, each + 32 new tokens, four windows more), Gemma-2's softcap on
+    alternating sliding and global layers, gpt-oss's sinks: greedy tokens identical to eager in
+    float32, and logits equal to rounding. With the long prompt the sliding layers' caches
+    (``DynamicSlidingWindowLayer``) keep only the last W − 1 keys: a decode step gets W keys
+    that start at position ``kv_offset = p − W + 1``, a prefill all of them; both are the
+    window's bottom-right alignment, with the same artifacts. Mistral's long prompt also runs
+    left-padded (:func:`check_long_left_padded_batch`), Gemma-2's with pad tokens inside and
+    no attention_mask (:func:`check_pad_tokens_inside_a_long_prompt`)."""
     cls, conf, kw, artifacts = FAMILIES[family]
     if not hasattr(transformers, cls):
         pytest.skip(f"this transformers has no {cls}")
     eager, tvm = tiny(cls, conf, **kw), tiny(cls, conf, **kw)
     eager.set_attn_implementation("eager")
     tvm.set_attn_implementation("tvm_attention")
-    ids = prompt(2)  # batch 2: the kernels' batch loop (batch 1 is the Llama test's)
-    assert torch.equal(tvm.generate(ids, **GEN), eager.generate(ids, **GEN)), family
+    for length in (12, LONG_PROMPT):
+        ids = prompt(2, length=length)  # batch 2: the kernels' batch loop (batch 1 is the Llama test's)
+        assert_generate_matches(tvm, eager, ids, GEN, f"{family}, prompt {length}")
     names = sorted(p.name for p in (cache / hf.ARTIFACTS).iterdir() if p.is_dir())
     assert len(names) == artifacts, names
     assert any("_w7_0" in n for n in names), names  # sliding_window 8 is the window (7, 0)
+    if family == PADDED_FAMILY:  # here, where the unpadded kernel it also runs is built already
+        check_long_left_padded_batch(tvm, eager, cache)
+    if family == "gemma2":  # likewise: its sliding decode steps past the holes run the plain kernel
+        check_pad_tokens_inside_a_long_prompt(tvm, eager, cache)
+
+
+def check_long_left_padded_batch(tvm, eager, cache):
+    """A left-padded batch with a prompt more than three windows long through the caches that
+    drop keys (Mistral: every layer sliding, window 8): rows padded by 0, 11 (more than a
+    window) and 22 (a prompt shorter than a window) tokens, 32 new ones, with a
+    ``DynamicCache`` and a static one (``StaticSlidingWindowLayer``, what ``cache_implementation=
+    "static"`` or ``"hybrid"`` gives sliding layers, Gemma-2's too). A decode step's keys start at
+    ``kv_offset`` = its position − W + 1 (19 for the first), and the mask function reads the 2D
+    mask from there: row 2's padding is in the window for the first steps (``kv_start`` 3, 2, 1,
+    in the window's own index), then no row's is (the plain windowed kernel). Tokens and logits
+    equal eager's; both caches run the same two bhsd artifacts (a static sliding layer that the
+    prompt has filled hands over only keys in use: no kvcache artifact)."""
+    ids = prompt(3, length=LONG_PROMPT)
+    mask = torch.ones_like(ids)
+    mask[1, :11] = 0
+    mask[2, :22] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    for cache_implementation in ("dynamic", "static"):
+        gen = dict(GEN, attention_mask=mask, cache_implementation=cache_implementation)
+        assert_generate_matches(tvm, eager, ids, gen, f"left-padded, {cache_implementation} cache")
+    names = sorted(p.name.split("_llvm")[0] for p in (cache / hf.ARTIFACTS).iterdir() if p.is_dir())
+    assert names == ["h4_kv2_d16_float32_causal_w7_0", "h4_kv2_d16_float32_causal_w7_0_kvstart"], names
+
+
+def assert_logits_match_where_kept(model, peer, ids, mask, what, cache=None):
+    """A forward of ``ids`` with the 2D ``mask``: the logits of every position the mask keeps
+    equal ``peer``'s to float32 rounding. Pad positions are left out: a pad query that sees no
+    key (a leading one, or a run of pads a window long) outputs zeros in the kernels, where
+    eager's softmax over keys all masked averages them; no kept position reads that output (its
+    key is masked for every row). ``cache(model)``: the cache to run it with (default: none given,
+    a DynamicCache)."""
+    outs = []
+    for m in (model, peer):
+        with torch.no_grad():
+            outs.append(m(ids, attention_mask=mask, **({} if cache is None else dict(cache=cache(m)))).logits)
+    kept = mask.bool()
+    torch.testing.assert_close(outs[0][kept], outs[1][kept], rtol=1e-4, atol=1e-4, msg=lambda m: f"{what}: {m}")
+
+
+def check_pad_tokens_inside_a_long_prompt(tvm, eager, cache):
+    """The issue: Gemma-2 ``generate()`` WITHOUT an attention_mask on a prompt more than three
+    windows long that holds the pad token (its config's pad_token_id, 0) inside: generate makes
+    the mask ``input_ids != 0``, zeros inside rows, which eager attends around. Served by the
+    key-mask variant, on both layers (sliding and global, softcap on both): row 0 holds pads at
+    9, 10 and 22, row 1 at 4, 17 and 24, so the sliding layers' first decode steps (kept keys
+    from ``kv_offset`` = p − 7) still meet a hole, then one whose kept keys start with the pad
+    (left padding in the window's own index: ``kv_start``, the fast path), then none (the plain
+    windowed kernel); 32 new tokens. Greedy tokens identical to eager in float32, the logits of
+    every step (the last prompt position is a real token) and of every real prompt position. (A
+    static cache adds one kvcache build for the global layers; the key mask's kvcache layout is
+    :func:`test_padding_with_holes_matches_eager`'s, a full static sliding layer's ``kv_offset``
+    :func:`check_long_left_padded_batch`'s.)"""
+    assert tvm.generation_config.pad_token_id == 0 and eager.generation_config.pad_token_id == 0
+    ids = prompt(2, length=LONG_PROMPT)
+    ids[0, [9, 10, 22]] = 0
+    ids[1, [4, 17, 24]] = 0
+    gen = {k: v for k, v in GEN.items() if k != "pad_token_id"}  # the model's own, as in the issue
+    assert_generate_matches(tvm, eager, ids, gen, "pad tokens inside a long prompt, no attention_mask")
+    assert_logits_match_where_kept(tvm, eager, ids, ids.ne(0).long(), "pad tokens inside a long prompt")
+    names = sorted(p.name.split("_llvm")[0] for p in (cache / hf.ARTIFACTS).iterdir() if p.is_dir())
+    mod = hf.LayerConfig(4, 2, 16, "float32", True, 0.25, key_mask=True).spec().variant_suffix()
+    assert names == ["h4_kv2_d16_float32_causal_cap5", f"h4_kv2_d16_float32_causal_cap5{mod}",
+                     "h4_kv2_d16_float32_causal_w7_0_cap5", "h4_kv2_d16_float32_causal_w7_0_cap5_kvstart",
+                     f"h4_kv2_d16_float32_causal_w7_0_cap5{mod}"], names
+
+
+@pytest.mark.parametrize("cache_implementation", ["dynamic", "static"])
+def test_padding_with_holes_matches_eager(cache, cache_implementation):
+    """A batch whose 2D attention_mask has zeros after a row's first token, passed explicitly
+    through a plain causal Llama: right padding (row 0), a run of two inside (row 1), left
+    padding and a hole (row 2). kv_start cannot express them: the key-mask variant reads the
+    mask's columns per score, in the bhsd kernel (DynamicCache) and the kvcache one (StaticCache:
+    the columns of the keys in use). The logits of every real prompt position equal eager's, and
+    generate gives eager's tokens and step logits (row 0's first step reads a pad position that
+    sees keys: exact too)."""
+    eager, tvm = tiny_llama("eager"), tiny_llama("tvm_attention")
+    ids = prompt(3)
+    mask = torch.ones_like(ids)
+    mask[0, 9:] = 0
+    mask[1, 4:6] = 0
+    mask[2, :3] = 0
+    mask[2, 7] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+
+    def static(m):  # more slots than keys: the kvcache kernel reads the 12 in use
+        return transformers.StaticCache(config=m.config, max_cache_len=ids.shape[1] + 4)
+
+    assert_logits_match_where_kept(tvm, eager, ids, mask, f"holes, {cache_implementation} cache",
+                                   cache=static if cache_implementation == "static" else None)
+    gen = dict(GEN, attention_mask=mask, cache_implementation=cache_implementation)
+    assert_generate_matches(tvm, eager, ids, gen, f"holes, {cache_implementation} cache")
+    layout = "kvcache_" if cache_implementation == "static" else ""
+    mod = hf.LayerConfig(4, 2, 16, "float32", True, 0.25, key_mask=True).spec().variant_suffix()
+    assert only_artifact(cache).name.startswith(f"{layout}h4_kv2_d16_float32_causal{mod}_"), only_artifact(cache)
 
 
 def test_gemma2_in_bfloat16_matches_eager_to_rounding(cache):
@@ -330,6 +487,8 @@ def test_dropout_in_training_raises(cache):
     (dict(position_bias=torch.zeros(1, 4, 3, 3)), "position bias"),
     (dict(dtype=torch.float64), "dtype float64"),
     (dict(attention_mask=torch.zeros(1, 1, 3, 3, dtype=torch.bool)), "custom 4-D attention mask"),
+    # an additive float mask (neither 0 nor -inf: a bias) stays refused; only 2D padding is served
+    (dict(attention_mask=torch.full((1, 1, 3, 3), -1.0)), "custom 4-D attention mask"),
 ])
 def test_unsupported_features_raise_by_name(kwargs, match):
     dtype = kwargs.pop("dtype", torch.float32)

@@ -33,21 +33,28 @@ Semantics: ``softmax(q·kᵀ·scaling)·v`` with bottom-right causal masking whe
 window ``(W − 1, 0)``, ``softcap`` (Gemma-2) the logit softcap, ``s_aux`` (gpt-oss) the sinks,
 and a left-padded batch (zeros before each row's first token in the 2D ``attention_mask``) runs
 with ``kv_start``: the pad keys are hidden, and the pad query rows output zeros (eager gives them
-something; no real token reads them). What the kernel cannot compute raises
+something; no real token reads them). Padding elsewhere (right padding, a hole: a zero after a
+row's first token, e.g. a pad token inside a prompt given to ``generate()`` without an
+attention_mask) runs the configuration's key-mask variant (``LayerConfig.key_mask``): a mask
+modifier reading the 2D mask's columns of the keys handed over (``keep``), evaluated per score,
+skipping no tile; only calls with such zeros take it. What the kernel cannot compute raises
 :class:`UnsupportedAttention` naming the feature — never a silent fallback: an attention mask
-that is not causal, causal sliding-window or full with left padding (right padding, packed
-sequences, an offset cache, custom 4D masks, a sliding window over a static cache), attention
-dropout > 0 (training mode), a position bias, a dtype other than float32/bfloat16/float16 or a
-device other than the CPU. A bfloat16 model runs the bf16 kernels (AVX512-BF16 dot products where
-the CPU has them). The kernel has no backward pass: a forward with autograd works, ``backward``
-through it raises.
+that is not causal, causal sliding-window or full with 2D padding (padding in a non-causal
+model, packed sequences, an offset cache, custom 4D masks, a sliding window over a static cache
+not full yet), attention dropout > 0 (training mode), a position bias, a dtype other than
+float32/bfloat16/float16 or a device other than the CPU. A bfloat16 model runs the bf16 kernels
+(AVX512-BF16 dot products where the CPU has them). The kernel has no backward pass: a forward
+with autograd works, ``backward`` through it raises. A sliding layer's cache past its window (a prompt longer than the
+window) hands over its last keys only, from ``kv_offset``: the keys still end at the last query,
+so bottom-right alignment and the window are exact there too.
 
 Masks: transformers builds one mask per forward (not per layer) through the mask function
 registered under the implementation's name (``masking_utils.AttentionMaskInterface``). Ours
 returns ``None`` for the plain causal (or full, or causal sliding-window) case — the kernel applies
 it itself —, a tagged ``(batch, 1, 1, 2)`` int32 plan for a static cache's keys in use and a left
-padding's ``kv_start``, and otherwise the boolean 4D mask ``sdpa_mask`` would build, tagged with
-the reason; the attention function then raises on any mask that is neither. Without a registered mask function
+padding's ``kv_start`` (``(batch, 1, 1, 2 + keys)`` with other padding: the key mask after them),
+and otherwise the boolean 4D mask ``sdpa_mask`` would build, tagged with the reason; the
+attention function then raises on any mask that is neither. Without a registered mask function
 transformers would hand the attention ``None`` even for a padded batch
 (``masking_utils._preprocess_mask_arguments`` exits early for unknown names), so padding would go
 unnoticed: ``register`` registers both.
@@ -85,8 +92,13 @@ REPRESENTATIVE_SEQ = 1024
 #: Bump when what an artifact under a given key means changes.
 KEY_FORMAT = 1
 _MASK_REASON = "_tvm_attention_reason"
+#: the key-mask variant's modifier (``LayerConfig(key_mask=True)``): key ``kv`` of sequence ``b``
+#: is visible where the 2D attention_mask's column for it is not 0 (joined with causal, the window)
+KEY_MASK_MOD = "lambda b, h, q, kv: keep[b, kv] != 0"
+KEY_MASK_TENSORS = (("keep", "int32", ("batch", "seq_kv")),)
 #: tags attention_mask's plan: a ``(batch, 1, 1, 2)`` int32 tensor of each sequence's keys in use
-#: (a static cache's prefix) and first visible key (left padding); the tag says which are given
+#: (a static cache's prefix) and first visible key (left padding), then, for padding that is not
+#: left padding, the 2D mask's columns of the keys (``keep``); the tag says which are given
 _PLAN = "_tvm_attention_plan"
 SPIN_ENV = "TVM_THREAD_POOL_SPIN_COUNT"
 
@@ -119,6 +131,10 @@ class LayerConfig:
     softcap: float | None = None
     sinks: bool = False
     kv_start: bool = False
+    #: a padding mask with zeros anywhere (holes, right padding): the mask modifier
+    #: :data:`KEY_MASK_MOD` reads the 2D mask's columns of the keys handed over, ``keep (batch,
+    #: keys) int32``, a call argument (evaluated per score: no tile is skipped)
+    key_mask: bool = False
 
     def spec(self):
         """The dynamic :class:`~tvm_attention.spec.AttentionSpec` built for this configuration
@@ -128,13 +144,14 @@ class LayerConfig:
                              seq_q=seq_q, seq_kv=REPRESENTATIVE_SEQ, head_dim=self.head_dim,
                              dtype=self.dtype, causal=self.causal, scale=self.scale, dynamic=DYNAMIC,
                              layout=self.layout, window=None if self.window is None else (self.window, 0),
-                             softcap=self.softcap, sinks=self.sinks, kv_start=self.kv_start)
+                             softcap=self.softcap, sinks=self.sinks, kv_start=self.kv_start,
+                             **(dict(mask_mod=KEY_MASK_MOD, mod_tensors=KEY_MASK_TENSORS) if self.key_mask else {}))
 
     @property
     def variants(self) -> dict[str, Any]:
         """The variants that are on, as the spec's fields (what a key records)."""
         return {k: v for k, v in (("window", self.window), ("softcap", self.softcap), ("sinks", self.sinks),
-                                  ("kv_start", self.kv_start)) if v not in (None, False)}
+                                  ("kv_start", self.kv_start), ("key_mask", self.key_mask)) if v not in (None, False)}
 
     def key(self, target) -> str:
         """Folder name of this configuration's artifact for ``target`` (a ``tvm.target.Target``):
@@ -338,9 +355,10 @@ def attention_forward(
     scale = float(scaling) if scaling is not None else head_dim ** -0.5
     cache_seqlens = attention_mask[:, 0, 0, 0] if plan is not None and plan["in_use"] else None
     kv_start = attention_mask[:, 0, 0, 1] if plan is not None and plan["kv_start"] else None
+    keep = attention_mask[:, 0, 0, 2:] if plan is not None and plan["keep"] else None
     window, softcap, sinks = _variants_of(module, causal, kwargs)
     cfg = (query.shape[1], key.shape[1], head_dim, _DTYPES[query.dtype], causal, scale)
-    variants = (window, softcap, sinks is not None, kv_start is not None)
+    variants = (window, softcap, sinks is not None, kv_start is not None, keep is not None)
     if cache_seqlens is None and (artifact_root(), cfg + ("kvcache",) + variants) in _kernels:
         # every key is in use (a static cache that is full, e.g. generate's last step): the
         # kvcache kernel already loaded computes the same, with no build of the bhsd one
@@ -352,8 +370,9 @@ def attention_forward(
     q, k, v = query.contiguous(), key.contiguous(), value.contiguous()
     if 4 * q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] * q.shape[3] < SMALL_CALL_FLOPS:
         kernel = _one_thread(kernel)  # a decode step: runs in this thread, no pool to wake
-    # the layout's index array, then the variants' arguments (sinks, kv_start), in call order
-    extra = tuple(x.contiguous() for x in (cache_seqlens, sinks, kv_start) if x is not None)
+    # the layout's index array, then the variants' arguments (sinks, kv_start), then the key
+    # mask's tensor (the modifier's), in call order
+    extra = tuple(x.contiguous() for x in (cache_seqlens, sinks, kv_start, keep) if x is not None)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         out = _NoBackward.apply(kernel, q, k, v, *extra)
     else:
@@ -380,22 +399,28 @@ def attention_mask(
     ``attention_mask``. A causal pattern over a prefix of the keys (a ``StaticCache``: keys
     ``[0, q_offset + q_length)`` of ``kv_length`` slots are in use) gives those lengths as a
     ``(batch, 1, 1, 1)`` int32 tensor tagged for the attention function, which then runs the
-    kvcache kernel. Otherwise the boolean 4D mask ``sdpa_mask`` builds, tagged with why, so that the
-    attention function refuses it by name."""
+    kvcache kernel. Left padding adds each row's ``kv_start``; other zeros in the 2D mask (right
+    padding, holes) add its columns of the keys for the key-mask variant. Otherwise the boolean
+    4D mask ``sdpa_mask`` builds, tagged with why, so that the attention function refuses it by
+    name."""
     from transformers import masking_utils as mu
 
     if mask_function is None:
         mask_function = mu.causal_mask_function
-    reason, in_use, kv_start = _mask_plan(q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
-                                          local_size)
-    if reason is None and (in_use is not None or kv_start is not None):
+    reason, in_use, kv_start, keep = _mask_plan(q_length, kv_length, q_offset, kv_offset, mask_function,
+                                                attention_mask, local_size)
+    if reason is None and (in_use is not None or kv_start is not None or keep is not None):
         # 4-D, so that transformers passes it on untouched (generate prepares the masks of a
-        # static cache before the forward, which then treats any 4-D mask as ready)
-        plan = torch.zeros((batch_size, 1, 1, 2), dtype=torch.int32)
+        # static cache before the forward, which then treats any 4-D mask as ready); a key mask
+        # rides in the columns after the first two
+        plan = torch.zeros((batch_size, 1, 1, 2 + (0 if keep is None else keep.shape[1])), dtype=torch.int32)
         plan[:, 0, 0, 0] = kv_length if in_use is None else in_use
         if kv_start is not None:
             plan[:, 0, 0, 1] = kv_start
-        setattr(plan, _PLAN, {"in_use": in_use is not None, "kv_start": kv_start is not None})
+        if keep is not None:
+            plan[:, 0, 0, 2:] = keep
+        setattr(plan, _PLAN, {"in_use": in_use is not None, "kv_start": kv_start is not None,
+                              "keep": keep is not None})
         return plan
     if reason is None:
         return None
@@ -500,13 +525,18 @@ def _check_supported(module, query, key, value, mask, dropout, kwargs) -> None:
 
 
 def _mask_plan(q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
-               local_size) -> tuple[str | None, int | None, torch.Tensor | None]:
-    """``(why the kernel's own masking would not be exact or None, keys in use, kv_start)``:
+               local_size) -> tuple[str | None, int | None, torch.Tensor | None, torch.Tensor | None]:
+    """``(why the kernel's own masking would not be exact or None, keys in use, kv_start, keep)``:
     keys in use is None when all ``kv_length`` keys are (bhsd), else the length of the cache
     prefix the queries see (a static cache: the kvcache kernel's ``cache_seqlens``); kv_start is
     each row's count of leading zeros in the 2D ``attention_mask`` (left padding), None when it
-    has none. A causal sliding-window pattern (``local_size = W``: keys ``j > p − W``) is exact
-    too: the attention function takes the window from its ``sliding_window`` argument."""
+    has none, counted from the first key handed over (``kv_offset``); keep, when the mask has a
+    zero after a row's first token (right padding, a hole: what kv_start cannot express), is the
+    mask's columns of the keys handed over (``(batch, keys in use)`` int32, from ``kv_offset``),
+    for the key-mask variant — then kv_start is None (keep hides leading zeros too). A causal
+    sliding-window pattern (``local_size = W``: keys ``j > p − W``) is exact too: the attention function takes
+    the window from its ``sliding_window`` argument, also over the last keys a sliding cache
+    keeps (``kv_offset > 0``)."""
     from transformers import masking_utils as mu
 
     in_use = None
@@ -515,37 +545,50 @@ def _mask_plan(q_length, kv_length, q_offset, kv_offset, mask_function, attentio
     if sliding:
         why = _not_sliding_causal(mask_function, q_length, kv_length, q_offset, kv_offset, local_size)
         if why is not None:
-            return why, None, None
+            return why, None, None, None
     if mask_function is mu.causal_mask_function or sliding:
         if isinstance(q_offset, torch.Tensor):
             q_offset = int(q_offset)
         end = q_offset + q_length  # the last query's position + 1: the keys it may see
+        # The keys must end at the last query but may start after position 0: a sliding layer's
+        # cache past its window (DynamicSlidingWindowLayer, a full StaticSlidingWindowLayer) hands
+        # over its last W − 1 keys and the new ones, key j at position kv_offset + j. Bottom-right
+        # alignment puts row i at i + (kv_length − q_length) in that index, its position minus
+        # kv_offset, so the kernel's window (W − 1, 0) sees exactly the keys p − W < j ≤ p, and
+        # kv_start counts the padding from kv_offset (below).
         if kv_offset == 0 and q_offset >= 0 and end < kv_length:
             if sliding:
-                return f"a sliding window (window {local_size}) over a static cache", None, None
+                return (f"a sliding window (window {local_size}) over a static cache that is not full yet "
+                        f"({end} of its {kv_length} slots in use: a prompt or first prefill chunk shorter "
+                        "than the window)"), None, None, None
             in_use = end  # a static cache: slots past the last query are empty
         elif end != kv_offset + kv_length:
             return (f"the keys do not end at the last query (q_offset={q_offset}, q_length={q_length}, "
-                    f"kv_offset={kv_offset}, kv_length={kv_length}: an offset cache)"), None, None
+                    f"kv_offset={kv_offset}, kv_length={kv_length}: an offset cache)"), None, None, None
     elif mask_function is not mu.bidirectional_mask_function:
-        return "a mask pattern other than causal (packed sequences, an overlay or a custom mask function)", None, None
+        return ("a mask pattern other than causal (packed sequences, an overlay or a custom mask function)",
+                None, None, None)
     if attention_mask is None:
-        return None, in_use, None
+        return None, in_use, None, None
     if attention_mask.dim() != 2:
-        return f"a {attention_mask.dim()}-D attention mask", None, None
+        return f"a {attention_mask.dim()}-D attention mask", None, None, None
     want = kv_length if in_use is None else in_use
     window = attention_mask[:, kv_offset:kv_offset + want].bool()
     if window.shape[-1] < want:
-        return f"the 2-D attention_mask covers {window.shape[-1]} of {want} keys", None, None
+        return f"the 2-D attention_mask covers {window.shape[-1]} of {want} keys", None, None, None
     if bool(window.all()):
-        return None, in_use, None
+        return None, in_use, None, None
     if mask_function is mu.bidirectional_mask_function:
-        return "padding (the attention_mask has zeros) in a non-causal model", None, None
+        return "padding (the attention_mask has zeros) in a non-causal model", None, None, None
     # left padding: each row's zeros come before its first token, and are hidden by kv_start
     lead = torch.where(window.any(dim=1), window.int().argmax(dim=1), torch.tensor(want))
     if not bool((window == (torch.arange(want)[None, :] >= lead[:, None])).all()):
-        return "padding that is not left padding (a zero after a row's first token)", None, None
-    return None, in_use, lead.to(torch.int32)
+        # Zeros after a row's first token: right padding, or a hole — often no padding at all:
+        # generate() without an attention_mask makes one from pad_token_id when the prompt holds
+        # that token (Gemma-2's is 0), and eager attends around it. kv_start (a prefix) cannot
+        # express it: the key-mask variant reads these columns per score instead.
+        return None, in_use, None, window.to(torch.int32).contiguous()
+    return None, in_use, lead.to(torch.int32), None
 
 
 def _not_sliding_causal(mask_function, q_length, kv_length, q_offset, kv_offset, w) -> str | None:
