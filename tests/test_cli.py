@@ -1,5 +1,6 @@
 """The CLI: build/inspect/validate round trip, the main job, and clear errors."""
 import json
+import re
 
 import pytest
 
@@ -36,6 +37,82 @@ def test_run_main_job_small(tmp_path, capsys):
     text = capsys.readouterr().out
     for needle in ("audit: FUSED", "validation: PASS", "GFLOP/s", "ms per call", "artifact:"):
         assert needle in text
+    # What a newcomer reads (README "What `run` prints"): which criterion passed, what was
+    # allocated beside what a score matrix would be, and the fraction of this CPU's FMA peak.
+    assert re.search(r"validation: PASS  every element within \|out - ref\| <= atol \+ rtol·\|ref\| "
+                     r"\(atol 0\.0001, rtol 0\.0001\), the worst at [\d.]+% of its bound; max abs err", text), text
+    assert re.search(r"audit: FUSED  \(largest buffer \w+ \d+ elements \(local\); one Sq×Skv score matrix would be "
+                     r"65536 elements\)", text), text
+    peak = re.search(r"peak: +(\d+)% of the FMA peak \((\d+) GFLOP/s on \d+ threads, measured just now\)", text)
+    assert peak and 0 < int(peak.group(1)) < 150 and int(peak.group(2)) > 0, text
+    m = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    assert 0 <= m["validation"]["tolerance_used"] <= 1
+    # The README shows this output line by line: the same lines, in the same order.
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    shown = re.search(r"### What `run` prints\n\n```\n(.*?)```", readme, re.S).group(1)
+
+    def labels(out: str) -> list[str]:
+        return [line.split(":")[0] for line in out.splitlines() if re.match(r"[a-z]+:", line)]
+
+    assert labels(shown) == labels(text), (labels(shown), labels(text))
+
+
+def test_validation_line_says_which_criterion_passed():
+    # A max rel err above rtol is no failure (the criterion is atol + rtol·|ref| per element):
+    # the line says the criterion held, and how close the worst element came to its bound.
+    import numpy as np
+
+    from tvm_attention import AttentionSpec
+    from tvm_attention.validate import compare
+
+    spec = AttentionSpec(batch=1, heads=1, seq_q=1, head_dim=2)
+    ref = np.array([[[[1.0, 1e-6]]]])
+    ok = compare(spec, ref + np.array([0.0, 5e-5]), ref, 0, "all")
+    assert ok.passed and ok.max_rel_err > ok.rtol
+    assert ok.format().startswith("validation: PASS  every element within |out - ref| <= atol + rtol·|ref| "
+                                  "(atol 0.0001, rtol 0.0001), the worst at 50.0% of its bound; max abs err")
+    bad = compare(spec, ref + np.array([0.0, 3e-4]), ref, 0, "all")
+    assert not bad.passed and bad.format().startswith("validation: FAIL  max abs err 3.000e-04")
+    assert "wanted every element within" in bad.format() and "the worst at 3× its bound" in bad.format()
+
+
+def test_run_takes_a_json_target_this_host_runs_and_keeps_knob_experiments_apart(tmp_path, capsys, monkeypatch):
+    # `run` takes every build flag, --target JSON included when this host can run the code; the
+    # default artifact folder of a --knobs run carries the knobs' digest (the default build's
+    # artifact stays), and a folder an earlier run left is replaced with a note.
+    monkeypatch.chdir(tmp_path)
+    haswell = '{"kind": "llvm", "mcpu": "haswell"}'  # AVX2 + FMA: every CPU we run on has them
+    small = ["--seq-q", "64", "--heads", "1", "--no-log", "--target", haswell]
+    assert main(["run", *small]) == 0
+    text = capsys.readouterr().out
+    default = tmp_path / "artifacts" / "fused_b1_h1_kv1_q64_k64_d64_float32_full"
+    assert f"artifact:   {default}\n" in text and '"mcpu":"haswell"' in text
+    assert json.loads((default / "manifest.json").read_text())["target"]["mcpu"] == "haswell"
+    before = (default / "manifest.json").read_text()
+    assert main(["run", *small, "--knobs", '{"block_n": 32}']) == 0
+    text = capsys.readouterr().out
+    knob_dirs = [d for d in (tmp_path / "artifacts").iterdir() if d.name.startswith("fused-knobs-")]
+    assert len(knob_dirs) == 1 and f"artifact:   {knob_dirs[0]}\n" in text
+    assert json.loads((knob_dirs[0] / "manifest.json").read_text())["schedule"]["knobs"]["block_n"] == 32
+    assert (default / "manifest.json").read_text() == before
+    assert main(["run", *small]) == 0
+    assert "(replaced the one an earlier run left there)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("target, message", [
+    ('{"kind": "llvm", "mcpu": "znver4"}', "avx512"),  # this "host" is AVX2 only (the override below)
+    ("cuda", "`run` times the kernel on this machine's CPU"),
+])
+def test_run_refuses_a_target_this_host_cannot_run(tmp_path, capsys, monkeypatch, target, message):
+    from tvm_attention.hostcpu import HOST_CPU_ENV
+
+    monkeypatch.setenv(HOST_CPU_ENV, "znver3")
+    arch = ["--arch", "sm_80"] if target == "cuda" else []
+    rc = main(["run", "--target", target, *arch, "--out", str(tmp_path / "x")])
+    assert rc == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
 
 
 @pytest.mark.parametrize(
@@ -62,3 +139,69 @@ def test_bad_input_clear_error(tmp_path, capsys, args, message):
 def test_validate_missing_artifact(tmp_path, capsys):
     assert main(["validate", str(tmp_path)]) == 2
     assert "no manifest" in capsys.readouterr().err
+
+
+def test_help_explains_every_flag_and_shows_defaults(capsys):
+    from tvm_attention.cli import build_parser
+
+    parser = build_parser()
+    bare = [f"{name} {'/'.join(a.option_strings) or a.dest}" for name, p in parser.commands.items()
+            for a in p._actions if not a.help and a.dest != "help"]
+    assert not bare, f"flags without help text: {bare}"
+    for argv, needles in [
+        (["--help"], ["Build, audit, validate, export and run fused attention", "tvm-attention run"]),
+        (["run", "--help"], ["The main job: build the default spec", "--seq-q SQ", "(default: 1024)",
+                             "query heads (default: 8)", "head dimension (default: 64)"]),
+        (["build", "--help"], ["--batch B --seq-q SQ", "required with --layout bhsd"]),
+        (["bench", "--help"], ["(default: 256 512 1024 2048 4096 8192 16384)", "(default: both)"]),
+        (["tune", "--help"], ["(default: 64)", "seed of the search"]),
+    ]:
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 0
+        text = " ".join(capsys.readouterr().out.split())  # help wraps lines
+        assert "``" not in text
+        for needle in needles:
+            assert needle in text, (argv, needle)
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and re.match(r"tvm-attention \d+\.\d+\.\d+ \(apache-tvm 0\.27", out), out
+
+
+@pytest.mark.parametrize("argv, hint, usage", [
+    (["run", "--seqq", "2048"], "did you mean --seq-q?", "usage: tvm-attention run"),
+    (["biuld"], "did you mean 'build'?", "usage: tvm-attention [-h]"),
+    (["run", "--layout", "pagd"], "did you mean 'paged'?", "usage: tvm-attention run"),
+    (["build", "--heads", "1", "--head-dim", "8", "--out", "x", "--shedule", "fused"], "did you mean --schedule?",
+     "usage: tvm-attention build"),
+])
+def test_a_mistyped_flag_gets_its_commands_usage_and_a_suggestion(capsys, argv, hint, usage):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and hint in err and err.startswith(usage), err
+
+
+def test_a_missing_batch_names_the_layout(tmp_path, capsys):
+    assert main(["build", "--heads", "1", "--seq-q", "32", "--head-dim", "64", "--out", str(tmp_path / "x")]) == 2
+    assert "--batch is required with --layout bhsd" in capsys.readouterr().err
+
+
+def test_run_in_the_runtime_only_install_says_it_needs_the_full_install(tmp_path):
+    # The serving install (tvm-ffi, NumPy, ml_dtypes; no compiler) loads artifacts; building is
+    # the full install's: one line that says so, not a ModuleNotFoundError traceback.
+    import subprocess
+
+    import serving_env
+
+    python = serving_env.make(tmp_path / "venv")
+    proc = subprocess.run([str(python), "-m", "tvm_attention.cli", "run"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("tvm-attention run: error: `run` compiles kernels, which needs the full install")
+    assert "'tvm'" in proc.stderr
+    version = subprocess.run([str(python), "-m", "tvm_attention.cli", "--version"], cwd=tmp_path, capture_output=True,
+                             text=True, timeout=60)
+    assert version.returncode == 0 and "apache-tvm not installed" in version.stdout

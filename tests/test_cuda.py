@@ -532,7 +532,7 @@ def test_cuda_build_cli_and_inspect(tmp_path, capsys):
     if local_cuda_arch() is None:
         assert m["validation"]["ran"] is False and "no CUDA device" in m["validation"]["reason"]
     assert main(["inspect", str(out)]) == 0
-    assert "audit:      fused" in capsys.readouterr().out
+    assert "audit:      FUSED" in capsys.readouterr().out
 
 
 def test_cuda_without_gpu_errors_are_clear(tmp_path, capsys):

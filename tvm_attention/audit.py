@@ -113,9 +113,14 @@ class AuditReport:
 
     def format(self) -> str:
         symbolic = bool(self.probe and "symbolic" in self.probe)
-        matrix = (f"symbolic dims: {', '.join(self.probe['symbolic'])}" if symbolic
-                  else f"score matrix = {self.score_elements} elements")
-        lines = [f"audit: {self.verdict.upper()}  ({matrix})"]
+        # Say what was allocated (the largest buffer) beside what a score matrix would be, so the
+        # matrix's size does not read as an allocation.
+        largest = self.largest
+        biggest = (f"largest buffer {largest.name} {largest.elements if largest.elements >= 0 else 'symbolic'} "
+                   f"elements ({largest.scope})" if largest else "no buffer")
+        said = (f"symbolic dims: {', '.join(self.probe['symbolic'])}; {biggest}" if symbolic
+                else f"{biggest}; one Sq×Skv score matrix would be {self.score_elements} elements")
+        lines = [f"audit: {self.verdict.upper()}  ({said})"]
         grow_head = "grows with seq" if self.probe and "error" not in self.probe else ""
         lines.append(f"  {'buffer':<12} {'scope':<8} {'dtype':<8} {'elements':>12} {'bytes':>12}  {grow_head}")
         for a in sorted(self.allocations, key=lambda a: -a.bytes):

@@ -44,68 +44,79 @@ def _dim(text: str):
 
 
 def _add_spec_flags(p: argparse.ArgumentParser, defaults: dict | None = None) -> None:
+    """The flags that make an AttentionSpec, in groups; ``defaults`` (``run``'s default spec) makes
+    every one optional, else --heads and --head-dim are required and --batch, --seq-q are required
+    with the bhsd layout (the other layouts take them at call time)."""
     d = defaults or {}
     dyn = " (or dyn / dyn:N: symbolic, any value at call time; N is the representative value)"
-    p.add_argument("--layout", default="bhsd", choices=list(LAYOUTS),
+    needed = "" if d else "; required with --layout bhsd (the other layouts take it at call time)"
+    g = p.add_argument_group("layout")
+    g.add_argument("--layout", default="bhsd", choices=list(LAYOUTS),
                    help="bhsd: dense (B, H, S, D) (default); varlen: FlashAttention's packed (total, H, D) + "
                         "cu_seqlens_q/k; kvcache: q (B, H, Sq, D) against k/v_cache (B, KH, max_len, D) + "
                         "cache_seqlens; paged: k/v_pages (pages, page_size, KH, D) + block_table + cache_seqlens. "
                         "varlen, kvcache and paged take batch and lengths at call time (ints are representative)")
-    p.add_argument("--page-size", type=int, default=None,
+    g.add_argument("--page-size", type=int, default=None,
                    help="paged layout: keys per page (compiled in; default 16)")
-    p.add_argument("--return-lse", action="store_true", default=False,
+    g.add_argument("--return-lse", action="store_true", default=False,
                    help="the kernel also returns lse: each row's natural log-sum-exp, float32 "
                         "((B, H, Sq); varlen (H, total_q)); -inf for a row that sees no key")
-    p.add_argument("--device-checks", action="store_true", default=False,
+    g.add_argument("--device-checks", action="store_true", default=False,
                    help="CUDA builds with index arrays (varlen, kvcache, paged, --kv-start): a check kernel validates "
                         "them on the device and the call gains a last output index_error (1,) int32, 0 when valid "
                         "(its bits: docs/cuda.md); CPU builds always check on the host and refuse it")
-    p.add_argument("--batch", type=_dim, default=d.get("batch"), help="B" + dyn)
-    p.add_argument("--heads", type=int, default=d.get("heads"), required=not d, help="H (query heads)")
-    p.add_argument("--kv-heads", type=int, default=None, help="KH (default: heads); heads %% KH == 0")
-    p.add_argument("--seq-q", type=_dim, default=d.get("seq_q"), help="Sq" + dyn)
-    p.add_argument("--seq-kv", type=_dim, default=None, help="Skv (default: seq-q)" + dyn)
-    p.add_argument("--head-dim", type=int, default=d.get("head_dim"), required=not d, help="D")
-    p.add_argument("--dtype", default=d.get("dtype", "float32"), help="float32, bfloat16 or float16 (inputs, caches and output; softmax and accumulation are "
-                        "float32; on CPU only the fused family takes the half dtypes)")
-    p.add_argument("--append", action="store_true", default=d.get("append", False),
-                   help="kvcache/paged: the kernel takes k_new, v_new (batch, kv_heads, seq_q, D) last, writes them "
-                        "into the cache at cache_seqlens[b]... (quantized for an 8-bit cache) and attends to them "
-                        "in the same call; cache_seqlens is the length before the append")
-    p.add_argument("--kv-dtype", default=d.get("kv_dtype"), metavar="DTYPE",
+    g = p.add_argument_group("shape" + ("" if d else " (--heads and --head-dim always required)"))
+    g.add_argument("--batch", type=_dim, default=d.get("batch"), metavar="B", help="batch" + dyn + needed)
+    g.add_argument("--heads", type=int, default=d.get("heads"), required=not d, metavar="H", help="query heads")
+    g.add_argument("--kv-heads", type=int, default=None, metavar="KH",
+                   help="K/V heads (default: --heads); heads %% KH == 0 (GQA/MQA)")
+    g.add_argument("--seq-q", type=_dim, default=d.get("seq_q"), metavar="SQ", help="query length" + dyn + needed)
+    g.add_argument("--seq-kv", type=_dim, default=None, metavar="SKV", help="key length (default: --seq-q)" + dyn)
+    g.add_argument("--head-dim", type=int, default=d.get("head_dim"), required=not d, metavar="D", help="head dimension")
+    g.add_argument("--dtype", default=d.get("dtype", "float32"),
+                   help="float32, bfloat16 or float16: inputs, caches and output (softmax and accumulation are float32; on CPU only the fused "
+                        "family takes the half dtypes)")
+    g = p.add_argument_group("KV cache (kvcache and paged layouts)")
+    g.add_argument("--append", action="store_true", default=d.get("append", False),
+                   help="the kernel takes k_new, v_new (batch, kv_heads, seq_q, D) last, writes them into the cache at "
+                        "cache_seqlens[b]... (quantized for an 8-bit cache) and attends to them in the same call; "
+                        "cache_seqlens is the length before the append")
+    g.add_argument("--kv-dtype", default=d.get("kv_dtype"), metavar="DTYPE",
                    help="an 8-bit K/V cache: float8_e4m3fn, float8_e5m2 or int8 (q and o keep --dtype); the kernel "
                         "then takes k_scale, v_scale (kv_heads,) float32 after the variant arguments "
                         "(tvm_attention.quantize_kv makes both)")
-    p.add_argument("--causal", action="store_true", default=d.get("causal", False),
-                   help="bottom-right causal mask: query i sees key j iff j <= i + Skv - Sq")
-    p.add_argument("--scale", type=float, default=None, help="softmax scale (default 1/sqrt(D))")
     # the attention variants (docs/semantics.md); each is compiled in
-    p.add_argument("--window", type=_window, default=None, metavar="L[,R]",
+    g = p.add_argument_group("mask and variants (each compiled in; docs/semantics.md)")
+    g.add_argument("--causal", action="store_true", default=d.get("causal", False),
+                   help="bottom-right causal mask: query i sees key j iff j <= i + Skv - Sq")
+    g.add_argument("--scale", type=float, default=None, help="softmax scale (default 1/sqrt(D))")
+    g.add_argument("--window", type=_window, default=None, metavar="L[,R]",
                    help="sliding window: a row at position p sees keys p-L .. p+R (-1: unbounded; --window -1,R "
                         "is taken as --window=-1,R). L alone is (L, -1), or (L, 0) with --causal; FlashAttention's "
                         "window_size. transformers' sliding_window=W is --window W-1 --causal")
-    p.add_argument("--softcap", type=float, default=None, metavar="C",
+    g.add_argument("--softcap", type=float, default=None, metavar="C",
                    help="logit softcap: the scaled score x becomes C*tanh(x/C) before masking (Gemma-2)")
-    p.add_argument("--alibi", action="store_true", default=False,
+    g.add_argument("--alibi", action="store_true", default=False,
                    help="ALiBi: the score gains -slope_h*|p - j|; the kernel takes alibi_slopes (H,) float32")
-    p.add_argument("--sinks", action="store_true", default=False,
+    g.add_argument("--sinks", action="store_true", default=False,
                    help="attention sinks: the kernel takes sinks (H,) float32 logits that join each row's softmax "
                         "denominator (gpt-oss)")
-    p.add_argument("--kv-start", action="store_true", default=False,
+    g.add_argument("--kv-start", action="store_true", default=False,
                    help="left padding: the kernel takes kv_start (B,) int32; keys before kv_start[b] are hidden "
                         "(FlashAttention's cache_leftpad; bhsd, kvcache and paged)")
     # user-written modifiers (tvm_attention.modifiers; docs/semantics.md#user-written-modifiers)
-    p.add_argument("--score-mod", default=None, metavar="SRC",
+    g = p.add_argument_group("user-written modifiers (docs/semantics.md#user-written-modifiers)")
+    g.add_argument("--score-mod", default=None, metavar="SRC",
                    help="score modifier score_mod(score, b, h, q_idx, kv_idx): Python source (a lambda or a def), "
                         "or FILE.py:NAME (the def NAME in FILE.py); compiled into the tile")
-    p.add_argument("--mask-mod", default=None, metavar="SRC",
+    g.add_argument("--mask-mod", default=None, metavar="SRC",
                    help="mask modifier mask_mod(b, h, q_idx, kv_idx) -> visible, joined with the spec's mask; as "
                         "--score-mod")
-    p.add_argument("--mod-tensor", action="append", default=[], type=_mod_tensor, metavar="NAME:DTYPE:DIMS",
+    g.add_argument("--mod-tensor", action="append", default=[], type=_mod_tensor, metavar="NAME:DTYPE:DIMS",
                    help="an extra tensor the modifiers read by NAME (a call argument): DTYPE int32 or float32, "
                         "DIMS comma-separated (ints or batch, heads, kv_heads, seq_q, seq_kv: the sizes of its "
                         "validation inputs; every dim is taken at call time). Repeat for more")
-    p.add_argument("--key-bounds", action="store_true", default=False,
+    g.add_argument("--key-bounds", action="store_true", default=False,
                    help="the kernel takes key_lo, key_hi (B, positions) int32: a row at position p sees only keys "
                         "key_lo[b,p] <= j < key_hi[b,p] (non-decreasing in p), and whole key tiles outside a row "
                         "tile's bounds are skipped (a block mask given at call time)")
@@ -186,7 +197,7 @@ def _spec_from_args(a: argparse.Namespace) -> AttentionSpec:
         if per_call and v is None:
             v = ("dyn", None)
         if v is None and name != "seq_kv":
-            raise SpecError(f"{flag} is required (an int, dyn or dyn:N)")
+            raise SpecError(f"{flag} is required with --layout {a.layout} (an int, dyn or dyn:N)")
         if isinstance(v, tuple):
             dynamic.append(name)
             v = v[1] or defaults[name]
@@ -218,23 +229,29 @@ def _window_of(a: argparse.Namespace) -> tuple[int, int] | None:
 
 
 def _add_build_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", default="llvm", help="'llvm' (this CPU, default), 'cuda', or a JSON target")
-    p.add_argument("--arch", default=None, help="CUDA architecture for --target cuda: sm_80, sm_86, sm_89, sm_90")
-    p.add_argument("--schedule", default="fused", choices=["fused", "materialized", "rowcache", "fused_tc", "fused_simt"],
+    g = p.add_argument_group("build")
+    g.add_argument("--target", default="llvm",
+                   help="'llvm' (this CPU, default), 'cuda', or a JSON target such as "
+                        "'{\"kind\": \"llvm\", \"mcpu\": \"haswell\"}'")
+    g.add_argument("--arch", default=None, help="CUDA architecture for --target cuda: sm_80, sm_86, sm_89, sm_90")
+    g.add_argument("--schedule", default="fused", choices=SCHEDULE_CHOICES,
                    help="fused (default; on CUDA: tensor cores for fp16/bf16 on sm_80+, else CUDA cores), "
                         "materialized (global S×S baseline), rowcache (two-pass, row buffer); CUDA only: "
                         "fused_tc (tensor cores) or fused_simt (CUDA cores) explicitly")
-    p.add_argument("--knobs", default=None,
-                   help='hand-schedule knob overrides as JSON, e.g. \'{"block_n": 128}\'')
-    p.add_argument("--threads", type=int, default=None, help="runtime threads (default: all cores)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the validation inputs")
-    p.add_argument("--no-log", action="store_true",
+    g.add_argument("--knobs", default=None,
+                   help='hand-schedule knob overrides as JSON, e.g. \'{"block_n": 128}\' (no tuning log is read)')
+    g.add_argument("--threads", type=int, default=None, help="runtime threads (default: all cores)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the validation inputs")
+    g.add_argument("--no-log", action="store_true",
                    help="ignore tuning logs: always use the hand schedule")
-    p.add_argument("--allow-unfused", action="store_true",
+    g.add_argument("--allow-unfused", action="store_true",
                    help="export a fused-schedule build even if it fails the fusion audit (default: error, nothing written)")
-    p.add_argument("--from-log", default=None, metavar="DIR",
+    g.add_argument("--from-log", default=None, metavar="DIR",
                    help="use the best record of this tuning log (default: your tune's log in the user cache, then "
                         "the committed tuning_logs/<target>/<spec>/, when either has a record)")
+
+
+SCHEDULE_CHOICES = ["fused", "materialized", "rowcache", "fused_tc", "fused_simt"]
 
 
 def _build_and_export(a: argparse.Namespace, spec: AttentionSpec, out: Path):
@@ -327,14 +344,20 @@ def format_resources(r: dict) -> str:
 
 
 def cmd_run(a: argparse.Namespace) -> int:
+    from .target import check_target_runnable, is_cuda, resolve_target  # TVM loads only for the commands that compile
     from .timing import time_built  # TVM loads only for the commands that compile
 
-    if a.target != "llvm" and a.target != "cpu":
-        raise ValueError("`run` times the kernel on this machine's CPU; use `build --target cuda` for GPUs")
+    target = resolve_target(a.target, arch=a.arch)
+    if is_cuda(target):
+        raise ValueError("`run` times the kernel on this machine's CPU; build for a GPU with `tvm-attention build "
+                         "--target cuda ...` (and run it where the GPU is: `validate`, or serving code)")
+    check_target_runnable(target, f"`run` with --target {a.target}")  # a JSON llvm target this host can run is fine
     spec = _spec_from_args(a)
-    out = Path(a.out) if a.out else Path(DEFAULT_OUT) / f"{a.schedule}_{spec.short_name()}"
+    out = Path(a.out) if a.out else default_out(a.schedule, spec, a.knobs)
+    replaced = out.exists()
     built, validation, _ = _build_and_export(a, spec, out)
     t = time_built(built, spec)
+    peaks = machine_peaks(built.target, spec)
 
     def dim(n: str) -> str:
         v = getattr(spec, n)
@@ -348,9 +371,43 @@ def cmd_run(a: argparse.Namespace) -> int:
     print(built.audit.format())
     print(validation.format())
     print(f"time:       {t.median_s * 1e3:.3f} ms per call (median of {t.repeats}, std {t.std_s * 1e3:.3f} ms)")
-    print(f"throughput: {t.gflops(spec):.1f} GFLOP/s  (4·B·H·Sq·Skv·D{', halved for causal' if spec.causal else ''})")
-    print(f"artifact:   {out.resolve()}")
+    gflops = t.gflops(spec)
+    print(f"throughput: {gflops:.1f} GFLOP/s  (4·B·H·Sq·Skv·D{', halved for causal' if spec.causal else ''})")
+    for name, peak in peaks:
+        print(f"peak:       {gflops / peak:.0%} of {name} ({peak:.0f} GFLOP/s on {num_threads()} threads, "
+              f"measured just now)")
+    print(f"artifact:   {out.resolve()}{'  (replaced the one an earlier run left there)' if replaced else ''}")
     return 0
+
+
+def default_out(schedule: str, spec: AttentionSpec, knobs: str | None) -> Path:
+    """``run``'s artifact folder: ``artifacts/<schedule>_<spec>``; with ``--knobs`` a digest of the
+    knobs joins the name, so a knob experiment never replaces the default build's artifact."""
+    name = f"{schedule}_{spec.short_name()}"
+    if knobs:
+        import hashlib
+
+        try:
+            canon = json.dumps(json.loads(knobs), sort_keys=True)
+        except json.JSONDecodeError:
+            canon = knobs  # _build_and_export names the JSON error
+        name = f"{schedule}-knobs-{hashlib.sha256(canon.encode()).hexdigest()[:8]}_{spec.short_name()}"
+    return Path(DEFAULT_OUT) / name
+
+
+def machine_peaks(target, spec: AttentionSpec) -> list[tuple[str, float]]:
+    """The compute roofs a ``run`` is judged against, measured now for ``target``'s ISA on the
+    runtime's threads: the FMA peak, and for bfloat16 the AVX512-BF16 dot-product peak where the
+    target has it (the bf16 kernels multiply with it). The README's results give the same
+    fraction, so the two compare."""
+    from .bench.cpu import bf16_dot_peak, fma_peak  # TVM loads only for the commands that compile
+
+    peaks = [("the FMA peak", fma_peak(target=target).gflops)]
+    if spec.dtype == "bfloat16":
+        dot = bf16_dot_peak(target=target)
+        if dot:
+            peaks.append(("the bf16 dot-product peak", dot["gflops"]))
+    return peaks
 
 
 def cmd_tune(a: argparse.Namespace) -> int:
@@ -575,14 +632,21 @@ def cmd_inspect(a: argparse.Namespace) -> int:
     print(f"schedule:   {json.dumps(m.get('schedule'))}")
     print(f"log:        {log_line(m.get('schedule') or {})}")
     print(f"tvm:        {m.get('tvm_version')}")
-    print(f"audit:      {audit.get('verdict')}  largest allocation: {json.dumps(audit.get('largest_allocation'))}")
+    big = audit.get("largest_allocation") or {}
+    biggest = (f"largest buffer {big.get('name')} {big.get('elements')} elements ({big.get('scope')})" if big
+               else "no buffer")
+    print(f"audit:      {str(audit.get('verdict')).upper()}  ({biggest}; one Sq×Skv score matrix would be "
+          f"{audit.get('score_matrix_elements')} elements)")
     for r in audit.get("reasons", []):
         print(f"            - {r}")
     if "resources" in m:
         print(format_resources(m["resources"]))
     v = m.get("validation", {})
     if v.get("ran", True):
-        print(f"validation: {'PASS' if v.get('passed') else 'FAIL'} max abs err {v.get('max_abs_err')}")
+        used = v.get("tolerance_used")
+        margin = f", the worst at {used:.1%} of its bound" if isinstance(used, float) and used == used else ""
+        print(f"validation: {'PASS' if v.get('passed') else 'FAIL'}  max abs err {v.get('max_abs_err')} (criterion: "
+              f"|out - ref| <= atol + rtol·|ref| per element, atol {v.get('atol')}, rtol {v.get('rtol')}{margin})")
     else:
         print(f"validation: NOT RUN ({v.get('reason')})")
     if problem:
@@ -595,73 +659,200 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     try:
         return a.func(a)
-    except (SpecError, ValueError, RuntimeError) as e:
+    except (SpecError, ValueError, RuntimeError, LookupError) as e:
         print(f"tvm-attention {a.command}: error: {e}", file=sys.stderr)
         return 2
+    except ModuleNotFoundError as e:
+        if not (e.name or "").split(".")[0] in COMPILER_MODULES:
+            raise
+        # The runtime-only install (tvm-ffi, NumPy, ml_dtypes: what serving needs) has no compiler.
+        print(f"tvm-attention {a.command}: error: `{a.command}` compiles kernels, which needs the full install "
+              f"(apache-tvm, the compiler: pip install tvm-attention); this environment lacks the module "
+              f"{e.name!r}, as the runtime-only install does. It loads and calls exported artifacts "
+              f"(tvm_attention.load), and `validate` and `inspect` work on them", file=sys.stderr)
+        return 2
+
+
+#: Modules of the full install that the runtime-only install lacks (the compiler and the tuner's).
+COMPILER_MODULES = ("tvm", "xgboost", "psutil", "cloudpickle", "tornado")
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Each option's default in its help (where it has one worth saying and its text does not
+    already say it); descriptions keep their line breaks."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        d = action.default
+        if (not action.option_strings or "default" in text or d is None or d is False or d == []
+                or d is argparse.SUPPRESS):
+            return text
+        shown = " ".join(str(x) for x in d) if isinstance(d, (list, tuple)) else str(d)
+        return f"{text} (default: {shown.replace('%', '%%')})"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with a "did you mean" for a mistyped flag, command or choice (what Python 3.14's
+    ``suggest_on_error`` does, for every Python we support) and the help formatter above."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        self.print_usage(sys.stderr)
+        self.exit(2, f"{self.prog}: error: {message}{self.suggestion(message)}\n")
+
+    def suggestion(self, message: str) -> str:
+        import difflib
+
+        m = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+        if m:
+            close = difflib.get_close_matches(m.group(1), re.findall(r"'([^']*)'", m.group(2)), n=1, cutoff=0.5)
+            return f"; did you mean {close[0]!r}?" if close else ""
+        m = re.search(r"unrecognized arguments: (.*)", message)
+        if not m:
+            return ""
+        flags = [o for action in self._actions for o in action.option_strings if o.startswith("--")]
+        hints = []
+        for token in m.group(1).split():
+            name = token.split("=")[0]
+            close = difflib.get_close_matches(name, flags, n=1, cutoff=0.6) if name.startswith("-") else []
+            if close:
+                hints.append((close[0], name))
+        if len(hints) == 1:
+            return f"; did you mean {hints[0][0]}?"
+        return "; did you mean " + ", ".join(f"{c} (for {n})" for c, n in hints) + "?" if hints else ""
+
+
+def version_line() -> str:
+    """``--version``: ours and the TVM pair it runs with (from the installed distributions, so it
+    works without the compiler)."""
+    from importlib import metadata
+
+    from . import __version__
+
+    def installed(name: str) -> str:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    return (f"tvm-attention {__version__} (apache-tvm {installed('apache-tvm')}, apache-tvm-ffi "
+            f"{installed('apache-tvm-ffi')}, Python {sys.version.split()[0]})")
+
+
+DESCRIPTION = """Build, audit, validate, export and run fused attention kernels, O = softmax(Q·Kᵀ·scale + mask)·V,
+generated with Apache TVM for this CPU (or offline for CUDA).
+
+Start with `tvm-attention run`: the main job on a default spec. Every command and flag: docs/cli.md."""
+
+RUN_DESCRIPTION = """The main job: build the default spec (float32, B=1, H=8, Sq=Skv=1024, D=64, not causal) for this
+CPU, or the spec the flags give; audit its lowered IR for fusion; validate it against the float64 NumPy
+reference; time it; and export it to artifacts/<schedule>_<spec>/ (--out to choose). Takes every `build`
+flag, each with a default (below). The target must be one this machine can run: llvm (the default, this
+CPU) or a JSON llvm target whose CPU features this host has."""
+
+BUILD_DESCRIPTION = """Build one kernel, audit it, validate it and export it to --out (a .so, its manifest and the
+lowered IR). --heads, --head-dim and --out are required, and with the default layout (bhsd) also --batch
+and --seq-q; varlen, kvcache and paged take batch and lengths at call time. A tuning log's best record is
+used when one exists for the spec and target (docs/cli.md)."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line (``sys.argv[1:]`` by default) parsed: its command's function is ``func``."""
-    parser = argparse.ArgumentParser(prog="tvm-attention", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = build_parser()
+    args = _join_negative_values(sys.argv[1:] if argv is None else argv)
+    a, extra = parser.parse_known_args(args)
+    if extra:  # name the command's flags (argparse would print the top-level usage)
+        parser.commands[a.command].error(f"unrecognized arguments: {' '.join(extra)}")
+    return a
 
-    p = sub.add_parser("build", help="build, audit, validate and export one kernel")
+
+def build_parser() -> "_Parser":
+    """The whole command line; ``.commands`` maps each command to its parser."""
+    parser = _Parser(prog="tvm-attention", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=version_line())
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("build", help="build, audit, validate and export one kernel", description=BUILD_DESCRIPTION,
+                       usage="%(prog)s [--layout L] --batch B --seq-q SQ --heads H --head-dim D --out DIR [options]\n"
+                             "       (varlen, kvcache and paged take batch and lengths at call time: there "
+                             "--batch and --seq-q are optional)")
     _add_spec_flags(p)
     _add_build_flags(p)
     p.add_argument("--out", required=True, help="artifact directory to write")
     p.set_defaults(func=cmd_build)
 
-    p = sub.add_parser("run", help="the main job: build the default spec on this CPU, audit, validate, time, export")
+    p = sub.add_parser("run", help="the main job: build the default spec on this CPU, audit, validate, time, export",
+                       description=RUN_DESCRIPTION,
+                       usage="%(prog)s [options]   (every flag optional: the default spec is float32, B=1, H=8, "
+                             "S=1024, D=64)")
     _add_spec_flags(p, DEFAULT_SPEC)
     _add_build_flags(p)
-    p.add_argument("--out", default=None, help=f"artifact directory (default: {DEFAULT_OUT}/<schedule>_<spec>)")
+    p.add_argument("--out", default=None,
+                   help=f"artifact directory (default: {DEFAULT_OUT}/<schedule>_<spec>, with a digest of --knobs "
+                        f"when given)")
     p.set_defaults(func=cmd_run)
 
-    p = sub.add_parser("tune", help="MetaSchedule search (XGBoost cost model); resumable JSON database")
+    p = sub.add_parser("tune", help="MetaSchedule search (XGBoost cost model); resumable JSON database",
+                       description="Search the schedule space of one spec with MetaSchedule and record every "
+                                   "measured trial in a resumable JSON log; `build` and `run` then use its best "
+                                   "record. Ctrl-C keeps what was measured (docs/tuning.md).")
     _add_spec_flags(p)
-    p.add_argument("--target", default="llvm", help="'llvm' (this CPU, default), 'cuda', or a JSON target")
-    p.add_argument("--arch", default=None, help="CUDA architecture for --target cuda (default: the local GPU's)")
-    p.add_argument("--schedule", default="fused", choices=["fused", "materialized", "rowcache"])
-    p.add_argument("--rpc-tracker", default=None, metavar="HOST:PORT",
-                   help="measure on the devices registered with this RPC tracker (builds stay local)")
-    p.add_argument("--rpc-key", default=None, help="device key registered with the tracker")
-    p.add_argument("--rpc-workers", type=int, default=None,
-                   help="measurements in flight at once (default: one per registered server)")
-    p.add_argument("--runner", default=None, metavar="dir:PATH",
-                   help="measure on a device reachable only by files: build the next candidates (--trials minus "
-                        "the log's records) into the payload PATH and stop; run PATH/run.sh there, bring its "
-                        "timings.json back into PATH, then rerun with --import-timings PATH (docs/tuning.md)")
-    p.add_argument("--import-timings", default=None, metavar="PATH",
-                   help="commit the timings.json of the payload PATH (written by --runner dir:PATH) to the log")
-    p.add_argument("--wheel", action="store_true",
-                   help="--runner dir: also carry tvm-ffi's cp312 wheel (the device has no package index)")
-    p.add_argument("--trials", type=int, default=64, help="total measured trials in the log (resume counts them)")
-    p.add_argument("--work-dir", default=None,
+    g = p.add_argument_group("search")
+    g.add_argument("--target", default="llvm", help="'llvm' (this CPU, default), 'cuda', or a JSON target")
+    g.add_argument("--arch", default=None, help="CUDA architecture for --target cuda (default: the local GPU's)")
+    g.add_argument("--schedule", default="fused", choices=["fused", "materialized", "rowcache"],
+                   help="the schedule family whose space is searched")
+    g.add_argument("--trials", type=int, default=64, help="total measured trials in the log (resume counts them)")
+    g.add_argument("--work-dir", default=None,
                    help="tuning log folder (default: <cache>/tuning_logs/<target>/<spec>/, where <cache> is "
                         "$TVM_ATTENTION_CACHE_DIR, else $XDG_CACHE_HOME/tvm-attention, else ~/.cache/tvm-attention); "
                         "one tune at a time per folder")
-    p.add_argument("--per-round", type=int, default=8, help="candidates measured per round")
-    p.add_argument("--search", default="xgb", choices=["xgb", "random"],
+    g.add_argument("--per-round", type=int, default=8, help="candidates measured per round")
+    g.add_argument("--search", default="xgb", choices=["xgb", "random"],
                    help="xgb: evolutionary search ranked by the XGBoost cost model (default); random: "
                         "candidates sampled at random from the same spaces (the baseline)")
-    p.add_argument("--warm-start", default=None, metavar="DIR",
+    g.add_argument("--warm-start", default=None, metavar="DIR",
                    help="train the cost model first on another spec's tuning log (same target)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None, help="runtime threads when measuring (default: all cores)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the search (and of the validation inputs)")
+    g.add_argument("--threads", type=int, default=None, help="runtime threads when measuring (default: all cores)")
+    g = p.add_argument_group("measuring elsewhere (docs/tuning.md)")
+    g.add_argument("--rpc-tracker", default=None, metavar="HOST:PORT",
+                   help="measure on the devices registered with this RPC tracker (builds stay local)")
+    g.add_argument("--rpc-key", default=None, help="device key registered with the tracker")
+    g.add_argument("--rpc-workers", type=int, default=None,
+                   help="measurements in flight at once (default: one per registered server)")
+    g.add_argument("--runner", default=None, metavar="dir:PATH",
+                   help="measure on a device reachable only by files: build the next candidates (--trials minus "
+                        "the log's records) into the payload PATH and stop; run PATH/run.sh there, bring its "
+                        "timings.json back into PATH, then rerun with --import-timings PATH (docs/tuning.md)")
+    g.add_argument("--import-timings", default=None, metavar="PATH",
+                   help="commit the timings.json of the payload PATH (written by --runner dir:PATH) to the log")
+    g.add_argument("--wheel", action="store_true",
+                   help="--runner dir: also carry tvm-ffi's cp312 wheel (the device has no package index)")
     p.set_defaults(func=cmd_tune)
 
-    p = sub.add_parser("bench", help="sweep sequence length for every variant side by side; table, CSV/JSON, plots")
-    p.add_argument("--seq", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096, 8192, 16384])
-    p.add_argument("--head-dim", type=int, nargs="+", default=[64, 128])
+    p = sub.add_parser("bench", help="sweep sequence length for every variant side by side; table, CSV/JSON, plots",
+                       description="Time every variant of every point side by side in one process, against the "
+                                   "FMA peak and streaming-read bandwidth measured in the same run; write a "
+                                   "Markdown table, CSV, JSON and plots to --out (docs/benchmarks.md). --decode "
+                                   "and --halfprec run other sweeps.")
+    p.add_argument("--seq", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096, 8192, 16384],
+                   help="sequence lengths (Sq = Skv) of the sweep")
+    p.add_argument("--head-dim", type=int, nargs="+", default=[64, 128], help="head dimensions of the sweep")
     p.add_argument("--dtype", nargs="+", default=["float32"], choices=["float32", "bfloat16", "float16"],
-                   help="input/output dtypes of the sweep (torch SDPA runs in the same dtype; default float32)")
-    p.add_argument("--causal", choices=["both", "yes", "no"], default="both")
-    p.add_argument("--heads", type=int, default=8)
+                   help="input/output dtypes of the sweep (torch SDPA runs in the same dtype)")
+    p.add_argument("--causal", choices=["both", "yes", "no"], default="both",
+                   help="causal points, non-causal points, or both")
+    p.add_argument("--heads", type=int, default=8, help="heads of every point (batch 1 in the length sweep)")
     p.add_argument("--tokens", type=int, default=16384, help="constant-token mode: batch = TOKENS / S")
     p.add_argument("--no-tokens", action="store_true", help="skip the constant-token mode")
     p.add_argument("--variants", nargs="+", default=None,
                    choices=["fused", "fused-tuned", "fused-dyn", "materialized", "rowcache", "numpy", "torch"],
-                   help="fused-dyn: the fused hand schedule with batch, seq_q, seq_kv symbolic, timed at each point")
+                   help="what to time at each point (default: fused fused-tuned materialized numpy torch); "
+                        "fused-dyn: the fused hand schedule with batch, seq_q, seq_kv symbolic, timed at each point")
     p.add_argument("--max-materialized", type=int, default=None, metavar="S",
                    help="skip materialized and NumPy past S×S (they allocate the score matrix)")
     p.add_argument("--memory-scaling", action="store_true",
@@ -682,33 +873,41 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "with bfloat16 q and o")
     p.add_argument("--decode-cache", type=int, nargs="+", default=None,
                    help="--decode: cache lengths (default 1024 4096 16384 32768)")
-    p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--out", default="bench_out", help="output folder (default: bench_out)")
+    p.add_argument("--repeat", type=int, default=3, help="timed repeats per point (the median is reported)")
+    p.add_argument("--threads", type=int, default=None, help="runtime threads (default: all cores)")
+    p.add_argument("--out", default="bench_out", help="output folder")
     p.add_argument("--no-plots", action="store_true", help="skip the PNGs (no matplotlib needed)")
     p.set_defaults(func=cmd_bench)
 
-    p = sub.add_parser("compare", help="several schedules of one spec side by side")
+    p = sub.add_parser("compare", help="several schedules of one spec side by side",
+                       description="Build several schedules of one spec and time them side by side in this "
+                                   "process (docs/benchmarks.md).")
     _add_spec_flags(p)
     p.add_argument("schedules", nargs="+",
                    help='fused, materialized, rowcache, fused-tuned, fused-dyn (batch, seq_q, seq_kv symbolic; '
                         'next to fused the ratio static/dynamic time is printed), or NAME:{"knob": value}')
-    p.add_argument("--repeat", type=int, default=5)
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--repeat", type=int, default=5, help="timed repeats per schedule (the median is reported)")
+    p.add_argument("--threads", type=int, default=None, help="runtime threads (default: all cores)")
     p.add_argument("--plot", default=None, help="write a bar chart PNG here")
     p.set_defaults(func=cmd_compare)
 
-    p = sub.add_parser("validate", help="rerun an artifact on fresh random inputs vs the NumPy reference")
-    p.add_argument("dir")
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--threads", type=int, default=None)
+    p = sub.add_parser("validate", help="rerun an artifact on fresh random inputs vs the NumPy reference",
+                       description="Load an exported artifact (checking its library against the manifest) and "
+                                   "compare it on fresh random inputs with the float64 NumPy reference; exit 1 "
+                                   "when it is wrong.")
+    p.add_argument("dir", help="the artifact folder (what build, run or --out wrote)")
+    p.add_argument("--seed", type=int, default=1, help="seed of the random inputs (the build validated with 0)")
+    p.add_argument("--threads", type=int, default=None, help="runtime threads (default: all cores)")
     p.set_defaults(func=cmd_validate)
 
-    p = sub.add_parser("inspect", help="print an artifact's manifest summary and audit")
-    p.add_argument("dir")
+    p = sub.add_parser("inspect", help="print an artifact's manifest summary and audit",
+                       description="Print an artifact's spec, arguments, target, schedule, tuning log, audit "
+                                   "verdict and validation, and check its library against the manifest.")
+    p.add_argument("dir", help="the artifact folder")
     p.set_defaults(func=cmd_inspect)
 
-    return parser.parse_args(_join_negative_values(sys.argv[1:] if argv is None else argv))
+    parser.commands = dict(sub.choices)
+    return parser
 
 
 if __name__ == "__main__":

@@ -35,6 +35,10 @@ class ValidationResult:
     #: errors above skip), a log-sum-exp finite where the reference's is -inf; each naming its
     #: case and rows ('' when nothing)
     problem: str = ""
+    #: the pass criterion's margin: max over elements of |out - ref| / (atol + rtol·|ref|); ≤ 1 is
+    #: within tolerance (None: not run, or every element NaN). The relative error alone misleads
+    #: where |ref| is near 0, which atol covers.
+    tolerance_used: float | None = None
 
     @classmethod
     def not_run(cls, spec: AttentionSpec, reason: str, seed: int = 0) -> "ValidationResult":
@@ -43,21 +47,29 @@ class ValidationResult:
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        if not d["problem"]:  # added after manifests existed: written only when set
+        # added after manifests existed: written only when set
+        if not d["problem"]:
             del d["problem"]
+        if d["tolerance_used"] is None:
+            del d["tolerance_used"]
         return d
 
     def format(self) -> str:
         if not self.ran:
             return f"validation: NOT RUN ({self.reason})"
-        status = "PASS" if self.passed else "FAIL"
-        # the problem first: the errors skip NaN, so alone they may read small (or 0) on a FAIL
+        # PASS says which criterion passed, in words (a max rel err above rtol is no failure: the
+        # criterion is atol + rtol·|ref| per element, and relative errors blow up where |ref| is
+        # near 0). FAIL puts the problem first: the errors skip NaN, so alone they may read small.
+        bound = f"|out - ref| <= atol + rtol·|ref| (atol {self.atol:g}, rtol {self.rtol:g})"
+        used = self.tolerance_used
+        margin = ("" if used is None or used != used else f", the worst at {used:.1%} of its bound" if used <= 1
+                  else f", the worst at {used:.3g}× its bound")
+        errors = (f"max abs err {self.max_abs_err:.3e}, max rel err {self.max_rel_err:.3e}, mean abs err "
+                  f"{self.mean_abs_err:.3e} (rows: {self.rows_checked}; seed {self.seed})")
+        if self.passed:
+            return f"validation: PASS  every element within {bound}{margin}; {errors}"
         problem = f"{self.problem}; elsewhere " if self.problem else ""
-        return (
-            f"validation: {status}  {problem}max abs err {self.max_abs_err:.3e}, max rel err "
-            f"{self.max_rel_err:.3e}, mean abs err {self.mean_abs_err:.3e} "
-            f"(atol {self.atol:g}, rtol {self.rtol:g}; rows: {self.rows_checked}; seed {self.seed})"
-        )
+        return f"validation: FAIL  {problem}{errors}; wanted every element within {bound}{margin}"
 
 
 def sample_rows(spec: AttentionSpec, seed: int, case: dict | None = None) -> np.ndarray | None:
@@ -121,7 +133,8 @@ def compare(spec: AttentionSpec, out: np.ndarray, ref: np.ndarray, seed: int, ro
     finite = bool(np.isfinite(out64).all())
     diff = np.abs(out64 - ref)
     rel = diff / (np.abs(ref) + atol)
-    passed = finite and bool((diff <= atol + rtol * np.abs(ref)).all())
+    bound = atol + rtol * np.abs(ref)
+    passed = finite and bool((diff <= bound).all())
     return ValidationResult(
         max_abs_err=_nan_skipping(np.nanmax, diff),
         max_rel_err=_nan_skipping(np.nanmax, rel),
@@ -133,6 +146,7 @@ def compare(spec: AttentionSpec, out: np.ndarray, ref: np.ndarray, seed: int, ro
         rows_checked=rows_label,
         seed=seed,
         problem=nonfinite_rows(out64, ref, case, name_row),
+        tolerance_used=_nan_skipping(np.nanmax, diff / bound),
     )
 
 
@@ -160,7 +174,14 @@ def _worst(results: list[ValidationResult], labels: list[str]) -> ValidationResu
         finite=all(r.finite for r in results),
         rows_checked="; ".join(f"{lab}: {r.rows_checked}" for lab, r in zip(labels, results)),
         problem="; ".join(r.problem for r in results if r.problem),
+        tolerance_used=_max_known(r.tolerance_used for r in results),
     )
+
+
+def _max_known(values) -> float | None:
+    """The largest of ``values`` that is a number (None when none is; NaN counts as known)."""
+    known = [v for v in values if v is not None]
+    return max(known, key=lambda v: float("inf") if v != v else v) if known else None
 
 
 def validate_callable(spec: AttentionSpec, kernel: Callable[..., np.ndarray], seed: int = 0) -> ValidationResult:
@@ -216,7 +237,8 @@ def compare_lse(spec: AttentionSpec, lse: np.ndarray, ref: np.ndarray, seed: int
     same_inf = bool((np.isneginf(lse64) == none).all())
     diff = np.where(none, 0.0, np.abs(np.where(none, 0.0, lse64) - np.where(none, 0.0, ref)))
     finite = bool(np.isfinite(lse64[~none]).all())
-    passed = same_inf and finite and bool((diff <= atol + rtol * np.abs(np.where(none, 0.0, ref))).all())
+    bound = atol + rtol * np.abs(np.where(none, 0.0, ref))
+    passed = same_inf and finite and bool((diff <= bound).all())
     problems = []
     nonfinite = nonfinite_rows(lse64, ref, case, name_row, row_axis=False)
     if nonfinite:
@@ -231,5 +253,5 @@ def compare_lse(spec: AttentionSpec, lse: np.ndarray, ref: np.ndarray, seed: int
         max_rel_err=_nan_skipping(np.nanmax, diff / (np.abs(np.where(none, 0.0, ref)) + atol)),
         mean_abs_err=_nan_skipping(np.nanmean, diff),
         atol=atol, rtol=rtol, passed=passed, finite=finite, rows_checked=rows_label, seed=seed,
-        problem="; ".join(problems),
+        problem="; ".join(problems), tolerance_used=_nan_skipping(np.nanmax, diff / bound),
     )

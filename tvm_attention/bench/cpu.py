@@ -143,13 +143,14 @@ class ReadBandwidth:
         return d
 
 
-def _threads_and_target(threads: int | None):
+def _threads_and_target(threads: int | None, target=None):
     threads = threads or num_threads()
-    target = resolve_target("llvm")
+    target = resolve_target(target or "llvm")  # another llvm target: that ISA's roof (`run --target`)
     return threads, target, vector_lanes(target)
 
 
-def fma_peak(threads: int | None = None, chains: int = 12, iters: int = 1 << 22, repeat: int = 15) -> FmaPeak:
+def fma_peak(threads: int | None = None, chains: int = 12, iters: int = 1 << 22, repeat: int = 15,
+             target=None) -> FmaPeak:
     """Measure the FMA peak of this CPU with TVM's own code for the local target (about 0.5 s).
 
     ``threads`` defaults to TVM's current pool size (``set_num_threads`` first). Each call runs
@@ -162,7 +163,7 @@ def fma_peak(threads: int | None = None, chains: int = 12, iters: int = 1 << 22,
     from tvm.script import tirx as T
 
     t0 = time.perf_counter()
-    threads, target, lanes = _threads_and_target(threads)
+    threads, target, lanes = _threads_and_target(threads, target)
     width = chains * lanes
 
     @T.prim_func
@@ -199,7 +200,7 @@ def fma_peak(threads: int | None = None, chains: int = 12, iters: int = 1 << 22,
 
 
 def bf16_dot_peak(threads: int | None = None, chains: int = 12, iters: int = 1 << 21,
-                  repeat: int = 15) -> dict[str, Any] | None:
+                  repeat: int = 15, target=None) -> dict[str, Any] | None:
     """The bf16 compute roof: GFLOP/s of a TVM loop of AVX512-BF16 ``vdpbf16ps`` on register
     accumulators (64 FLOP per instruction: 16 lanes × 2 bf16 products, added), the instruction
     the ``dot_bf16`` kernels run on (the same imported LLVM helper); None without avx512bf16.
@@ -210,7 +211,7 @@ def bf16_dot_peak(threads: int | None = None, chains: int = 12, iters: int = 1 <
 
 
     t0 = time.perf_counter()
-    threads, target, _ = _threads_and_target(threads)
+    threads, target, _ = _threads_and_target(threads, target)
     if FEATURE not in target_features(target):
         return None
     lanes = 16
