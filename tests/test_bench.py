@@ -347,6 +347,44 @@ def test_memory_scaling_counts_in_the_total_and_keeps_its_partial(monkeypatch, t
     assert (data["meta"]["completed"], data["meta"]["total"]) == (3, 5)
 
 
+def test_bench_and_compare_without_matplotlib(monkeypatch, tmp_path, capsys):
+    """matplotlib unimportable: one note before the sweep (or the builds), the tables written, no
+    PNG, exit 0."""
+    import sys
+
+    from tvm_attention.bench import compare as compare_mod
+
+    _cheap_cli(monkeypatch)
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib: ImportError
+    note = ('note: matplotlib is not installed (pip install "tvm-attention[plots]"): the sweep runs, '
+            "its plots are skipped")
+    assert main(CHEAP + ["--seq", "64", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.count(note) == 1 and out.index(note) < out.index("[1/1, ")
+    assert "plot:" not in out and not list(tmp_path.glob("*.png"))
+    assert json.loads((tmp_path / "bench.json").read_text())["rows"][0]["gflops"] > 0
+    assert (tmp_path / "bench.md").exists() and (tmp_path / "bench.csv").exists()
+    assert main(CHEAP + ["--seq", "64", "--no-plots", "--out", str(tmp_path)]) == 0
+    assert "matplotlib" not in capsys.readouterr().out  # --no-plots: nothing to say
+
+    real, said = compare_mod.compare, []
+
+    def spy(*args, **kwargs):
+        said.append(capsys.readouterr().out)  # what was printed before any build
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(compare_mod, "compare", spy)
+    png = tmp_path / "c.png"
+    rc = main(["compare", "--batch", "1", "--heads", "1", "--seq-q", "64", "--head-dim", "32", "fused",
+               "--repeat", "1", "--plot", str(png)])
+    assert rc == 0 and not png.exists()
+    assert said == ['note: matplotlib is not installed (pip install "tvm-attention[plots]"): the comparison runs, '
+                    f"its plot ({png}) is skipped\n"]
+    assert "| fused | hand |" in capsys.readouterr().out
+
+
 def test_decode_and_halfprec_progress_and_partial(monkeypatch, tmp_path, capsys):
     """``bench --decode`` / ``--halfprec``: [i/N, elapsed, ETA] per point, N known up front; Ctrl-C
     in the second point writes the first (its ratios against the start's roof), marked partial, 130.

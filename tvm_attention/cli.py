@@ -445,6 +445,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
     from .bench import (  # the bench package loads only for its commands
         Interrupted, Progress, ctrl_c_ignored, fmt_duration, mark_interrupted)
     from .bench.cpu import measure_ceilings  # TVM loads only for the commands that compile
+    from .bench.plots import missing_note, plots_available  # TVM loads only for the commands that compile
     from .bench.sweep import points, run_sweep, write_outputs  # TVM loads only for the commands that compile
     from .target import host_cpu  # TVM loads only for the commands that compile
 
@@ -453,6 +454,10 @@ def cmd_bench(a: argparse.Namespace) -> int:
         return bench_decode(a, threads)
     if a.halfprec:
         return bench_halfprec(a, threads)
+    plots = not a.no_plots
+    if plots and not plots_available():  # said before the sweep, not found missing after it
+        print(missing_note("the sweep runs, its plots are skipped"), flush=True)
+        plots = False
     if a.tiny:
         seqs, dims, causals, variants, tokens = [256, 512], [64], [False], a.variants or ["fused", "materialized"], None
         heads = 2
@@ -496,7 +501,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
         print(f"partial results (interrupted after {progress.done} of {progress.total}): "
               f"{', '.join(str(p) for p in paths.values())}")
         return 130
-    if not a.no_plots:
+    if plots:
         from .bench.plots import write_plots  # TVM loads only for the commands that compile
 
         try:
@@ -594,9 +599,14 @@ def memory_scaling(threads: int, repeat: int, say=print, progress=None):
 
 def cmd_compare(a: argparse.Namespace) -> int:
     from .bench.compare import compare, compare_plot, format_compare  # TVM loads only for the commands that compile
+    from .bench.plots import missing_note, plots_available  # TVM loads only for the commands that compile
 
     set_num_threads(a.threads)
     spec = _spec_from_args(a)
+    plot = a.plot
+    if plot and not plots_available():  # said before any build, not found missing after them
+        print(missing_note(f"the comparison runs, its plot ({plot}) is skipped"), flush=True)
+        plot = None
     entries = compare(spec, a.schedules, repeat=a.repeat)
     print(format_compare(spec, entries))
     for e in entries:
@@ -604,9 +614,9 @@ def cmd_compare(a: argparse.Namespace) -> int:
             print(f"\n{e.label} trace (sampling decisions):")
             for line in e.trace_summary:
                 print("   " + line.strip())
-    if a.plot:
-        labels = compare_plot(spec, entries, Path(a.plot))
-        print(f"plot: {a.plot} ({', '.join(labels)})")
+    if plot:
+        labels = compare_plot(spec, entries, Path(plot))
+        print(f"plot: {plot} ({', '.join(labels)})")
     return 0 if all(e.error is None for e in entries) else 1
 
 
