@@ -213,3 +213,225 @@ def test_peer_peak_memory_is_measured_in_a_fresh_process():
     assert r.error is None, r.error
     # a real measurement: at least the output torch allocates and first touches
     assert r.peak_extra_bytes is not None and r.peak_extra_bytes >= out_bytes, r.peak_extra_bytes
+
+
+# --- progress, Ctrl-C and an absent matplotlib (issue 47): the measurements faked or kept cheap ---
+
+ROOFS = {"fma_peak_gflops": 100.0, "read_gbps": 10.0, "sgemm_gflops": 80.0}
+
+
+def _fake_result(spec, mode, variant, *args):
+    from tvm_attention.timing import Timing
+
+    return Result(spec, mode, variant, timing=Timing(1e-3, 1e-5, 1), max_abs_err=0.0)
+
+
+class _Clock:
+    """A clock that moves 10 s each time it is read after the start."""
+
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        self.t += 10.0
+        return self.t
+
+
+def test_progress_line_counts_units_with_elapsed_and_eta(monkeypatch):
+    """Each point's line begins [i/N, elapsed, ETA] with N the (point, variant) units known up
+    front, ETA = elapsed / i · (N − i); Ctrl-C in the middle of a point keeps its finished variants."""
+    from tvm_attention.bench import Interrupted, Progress, fmt_duration
+
+    assert [fmt_duration(s) for s in (0, 45, 72, 599, 900, 3900, float("inf"))] == \
+        ["0s", "45s", "1m12s", "9m59s", "15m", "1h05m", "?"]
+    monkeypatch.setattr(sweep, "run_variant", _fake_result)
+    pts = points([64, 128, 256], [32], [False], heads=1, batch=1, tokens=None)
+    lines = []
+    clock = _Clock()
+    res = run_sweep(pts, ["fused", "torch"], threads=1, say=lines.append, progress=Progress(6, clock=clock))
+    assert len(res) == 6 and len(lines) == 3
+    # the clock reads 10 s at the start, then +10 s at each tag (elapsed, then ETA's elapsed)
+    assert lines[0].startswith("[2/6, 10s elapsed, ETA 40s] [seq B=1 S=64 D=32 float32 causal=False] fused=")
+    assert lines[1].startswith("[4/6, 30s elapsed, ETA 20s] [seq B=1 S=128 ")
+    assert lines[2].startswith("[6/6, 50s elapsed, done] [seq B=1 S=256 ")
+    lines.clear()
+    assert run_sweep(pts[:1], ["fused", "torch", "numpy"], threads=1, say=lines.append) and \
+        lines[0].startswith("[3/3, ")  # the default count: this sweep's units
+    calls = []
+
+    def third_fails(*args):
+        calls.append(args)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return _fake_result(*args)
+
+    monkeypatch.setattr(sweep, "run_variant", third_fails)
+    with pytest.raises(Interrupted) as e:
+        run_sweep(pts, ["fused", "materialized", "torch"], threads=1, say=lambda m: None)
+    assert (e.value.completed, e.value.total) == (3, 9) and len(e.value.partial) == 3
+    assert isinstance(e.value, KeyboardInterrupt)  # a caller that does not look stops as before
+
+
+def _cheap_cli(monkeypatch):
+    """``bench`` in-process with the roofs faked (counted) and the peers' fresh-process memory probe
+    skipped: the sweep's timing, errors, tables and exit codes are real."""
+    from tvm_attention.bench import cpu
+
+    roofs = []
+    monkeypatch.setattr(cpu, "measure_ceilings",
+                        lambda threads, say=print, earlier=None: roofs.append(1) or dict(ROOFS))
+    monkeypatch.setattr(sweep, "peer_first_call_peak", lambda spec, variant, threads: None)
+    return roofs
+
+
+CHEAP = ["bench", "--head-dim", "32", "--causal", "no", "--no-tokens", "--heads", "1", "--variants", "numpy",
+         "--repeat", "1", "--threads", "2"]
+
+
+def test_ctrl_c_writes_partial_results_and_exits_130(monkeypatch, tmp_path, capsys):
+    """Ctrl-C after the first point: its results are written (JSON, CSV, Markdown, marked partial),
+    no plot, no closing roofs, exit 130."""
+    roofs = _cheap_cli(monkeypatch)
+    real, calls = sweep.run_variant, []
+
+    def second_interrupts(*args):
+        calls.append(args)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args)
+
+    monkeypatch.setattr(sweep, "run_variant", second_interrupts)
+    assert main(CHEAP + ["--seq", "64", "128", "--out", str(tmp_path)]) == 130
+    out = capsys.readouterr().out
+    assert "[1/2, " in out and "ETA" in out and "interrupted after 1 of 2 measurements" in out
+    assert f"partial results (interrupted after 1 of 2): {tmp_path / 'bench.json'}" in out
+    data = json.loads((tmp_path / "bench.json").read_text())
+    assert (data["meta"]["interrupted"], data["meta"]["completed"], data["meta"]["total"]) == (True, 1, 2)
+    (row,) = data["rows"]
+    assert row["seq_q"] == 64 and row["variant"] == "numpy" and row["gflops"] > 0 and row["max_abs_err"] < 1e-4
+    with open(tmp_path / "bench.csv") as f:
+        assert [r["seq_q"] for r in csv.DictReader(f)] == ["64"]
+    md = (tmp_path / "bench.md").read_text()
+    assert md.startswith("**partial: interrupted after 1 of 2 measurements**") and "| seq | 1 | 64 |" in md
+    assert roofs == [1] and data["meta"]["fma_peak_gflops"] == ROOFS["fma_peak_gflops"]  # the start's roofs
+    assert not list(tmp_path.glob("*.png"))
+
+
+def test_memory_scaling_counts_in_the_total_and_keeps_its_partial(monkeypatch, tmp_path, capsys):
+    """--memory-scaling's four measurements are in N up front; Ctrl-C during them keeps the sweep's
+    and theirs (a materialized run that does not fit is recorded as skipped and counted)."""
+    import types
+
+    import psutil
+
+    _cheap_cli(monkeypatch)
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: types.SimpleNamespace(available=1 << 30))
+    calls = []
+
+    def fake(*args):
+        calls.append(args)
+        if len(calls) == 3:  # the fused kernel at S=65536
+            raise KeyboardInterrupt
+        return _fake_result(*args)
+
+    monkeypatch.setattr(sweep, "run_variant", fake)
+    assert main(CHEAP + ["--seq", "64", "--memory-scaling", "--out", str(tmp_path)]) == 130
+    out = capsys.readouterr().out
+    assert "5 measurements: 1 point × 1 variant + 4 of --memory-scaling" in out
+    tags = [line.split("]")[0] for line in out.splitlines() if line.startswith("[")]
+    assert [t.split(",")[0] for t in tags] == ["[1/5", "[2/5", "[3/5"], out
+    assert "[3/5, " in out and "[memory B=1 S=32768 D=64] materialized=(skipped: S×S scores need 4 GiB" in out
+    data = json.loads((tmp_path / "bench.json").read_text())
+    assert [(r["mode"], r["seq_q"], r["variant"]) for r in data["rows"]] == [
+        ("seq", 64, "numpy"), ("memory", 32768, "fused"), ("memory", 32768, "materialized")]
+    assert (data["meta"]["completed"], data["meta"]["total"]) == (3, 5)
+
+
+def test_bench_and_compare_without_matplotlib(monkeypatch, tmp_path, capsys):
+    """matplotlib unimportable: one note before the sweep (or the builds), the tables written, no
+    PNG, exit 0."""
+    import sys
+
+    from tvm_attention.bench import compare as compare_mod
+
+    _cheap_cli(monkeypatch)
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib: ImportError
+    note = ('note: matplotlib is not installed (pip install "tvm-attention[plots]"): the sweep runs, '
+            "its plots are skipped")
+    assert main(CHEAP + ["--seq", "64", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.count(note) == 1 and out.index(note) < out.index("[1/1, ")
+    assert "plot:" not in out and not list(tmp_path.glob("*.png"))
+    assert json.loads((tmp_path / "bench.json").read_text())["rows"][0]["gflops"] > 0
+    assert (tmp_path / "bench.md").exists() and (tmp_path / "bench.csv").exists()
+    assert main(CHEAP + ["--seq", "64", "--no-plots", "--out", str(tmp_path)]) == 0
+    assert "matplotlib" not in capsys.readouterr().out  # --no-plots: nothing to say
+
+    real, said = compare_mod.compare, []
+
+    def spy(*args, **kwargs):
+        said.append(capsys.readouterr().out)  # what was printed before any build
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(compare_mod, "compare", spy)
+    png = tmp_path / "c.png"
+    rc = main(["compare", "--batch", "1", "--heads", "1", "--seq-q", "64", "--head-dim", "32", "fused",
+               "--repeat", "1", "--plot", str(png)])
+    assert rc == 0 and not png.exists()
+    assert said == ['note: matplotlib is not installed (pip install "tvm-attention[plots]"): the comparison runs, '
+                    f"its plot ({png}) is skipped\n"]
+    assert "| fused | hand |" in capsys.readouterr().out
+
+
+def test_decode_and_halfprec_progress_and_partial(monkeypatch, tmp_path, capsys):
+    """``bench --decode`` / ``--halfprec``: [i/N, elapsed, ETA] per point, N known up front; Ctrl-C
+    in the second point writes the first (its ratios against the start's roof), marked partial, 130.
+    Builds, timers and roofs faked: the loops, the report and its writing are real."""
+    import types
+
+    from tvm_attention.bench import decode, halfprec
+
+    monkeypatch.setattr(decode, "build_kernel", lambda spec, knobs=None: types.SimpleNamespace())
+    monkeypatch.setattr(decode, "stream_read_gbps", lambda nbytes: 20.0)
+    monkeypatch.setattr(decode, "fma_peak", lambda threads: types.SimpleNamespace(gflops=100.0))
+    monkeypatch.setattr(decode, "_torch_timer", lambda *a: None)
+    timers = []
+
+    def timer(built, args, min_repeat_ms):
+        timers.append(1)
+        if len(timers) == 4:  # the second point's kvcache (3 layouts a point)
+            raise KeyboardInterrupt
+        return lambda: 1e-4
+
+    monkeypatch.setattr(decode, "_tvm_timer", timer)
+    rc = main(["bench", "--decode", "--tiny", "--decode-batch", "1", "2", "--threads", "2", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 130 and "2 points" in out and "[1/2, " in out and "ETA" in out, out
+    assert "interrupted after 1 of 2 points" in out and "partial results: " in out
+    report = json.loads((tmp_path / "decode.json").read_text())
+    assert (report["meta"]["interrupted"], report["meta"]["completed"], report["meta"]["total"]) == (True, 1, 2)
+    (row,) = report["rows"]
+    assert row["batch"] == 1 and report["meta"]["stream_gbps"] == [20.0]  # no closing stream read
+    assert row["kvcache_roof"] == pytest.approx(row["kvcache_gbps"] / 20.0)
+    assert (tmp_path / "decode.md").read_text().startswith("**partial: interrupted after 1 of 2 points**")
+
+    monkeypatch.setattr(halfprec, "fma_peak", lambda threads: types.SimpleNamespace(gflops=100.0))
+    monkeypatch.setattr(halfprec, "bf16_dot_peak", lambda threads: None)
+    done = []
+
+    def point(cfg, d, *args):
+        done.append(d)
+        if len(done) == 2:
+            raise KeyboardInterrupt
+        return {"head_dim": d, "seq": cfg.seq, "heads": cfg.heads, "causal": cfg.causal, "fp32_ms": 1.0,
+                "fp32_gflops": 50.0}
+
+    monkeypatch.setattr(halfprec, "_point", point)
+    assert main(["bench", "--halfprec", "--threads", "2", "--out", str(tmp_path)]) == 130
+    out = capsys.readouterr().out
+    assert "[1/2, " in out and "ETA" in out and "[D=64] fp32 50.0 GFLOP/s" in out
+    report = json.loads((tmp_path / "halfprec.json").read_text())
+    assert [r["head_dim"] for r in report["rows"]] == [64] and report["meta"]["completed"] == 1
+    assert (tmp_path / "halfprec.md").read_text().startswith("**partial: interrupted after 1 of 2 points**")

@@ -499,7 +499,10 @@ def _tune_by_files(a: argparse.Namespace, spec: AttentionSpec, target, progress)
 def cmd_bench(a: argparse.Namespace) -> int:
     import datetime
 
+    from .bench import (  # the bench package loads only for its commands
+        Interrupted, Progress, ctrl_c_ignored, fmt_duration, mark_interrupted)
     from .bench.cpu import measure_ceilings  # TVM loads only for the commands that compile
+    from .bench.plots import missing_note, plots_available  # TVM loads only for the commands that compile
     from .bench.sweep import points, run_sweep, write_outputs  # TVM loads only for the commands that compile
     from .target import host_cpu  # TVM loads only for the commands that compile
 
@@ -508,6 +511,10 @@ def cmd_bench(a: argparse.Namespace) -> int:
         return bench_decode(a, threads)
     if a.halfprec:
         return bench_halfprec(a, threads)
+    plots = not a.no_plots
+    if plots and not plots_available():  # said before the sweep, not found missing after it
+        print(missing_note("the sweep runs, its plots are skipped"), flush=True)
+        plots = False
     if a.tiny:
         seqs, dims, causals, variants, tokens = [256, 512], [64], [False], a.variants or ["fused", "materialized"], None
         heads = 2
@@ -518,22 +525,74 @@ def cmd_bench(a: argparse.Namespace) -> int:
     meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "cpu": host_cpu(),
             "threads": threads, "heads": heads, "variants": variants}
     print(f"# {meta['date']} cpu={meta['cpu']} threads={threads}", flush=True)
-    meta.update(measure_ceilings(threads, say=lambda m: print(m, flush=True)))
+    try:
+        meta.update(measure_ceilings(threads, say=lambda m: print(m, flush=True)))
+    except KeyboardInterrupt:
+        print("interrupted before the first measurement: nothing written", flush=True)
+        return 130
     pts = points(seqs, dims, causals, heads, 1, tokens, dtypes=a.dtype)
-    results = run_sweep(pts, variants, threads, repeat=a.repeat, say=lambda m: print(m, flush=True),
-                        skip_materializing_above=a.max_materialized)
-    if a.memory_scaling:
-        results += memory_scaling(threads, a.repeat)
-    meta.update(measure_ceilings(threads, say=print, earlier=meta))  # the better of start and end
-    paths = write_outputs(results, a.out, meta)
+    progress = Progress(len(pts) * len(variants) + (MEMORY_SCALING_UNITS if a.memory_scaling else 0))
+    print(f"{progress.total} measurements: {len(pts)} point{'s' * (len(pts) != 1)} × {len(variants)} "
+          f"variant{'s' * (len(variants) != 1)}"
+          + (f" + {MEMORY_SCALING_UNITS} of --memory-scaling" if a.memory_scaling else ""), flush=True)
+    results, interrupted = [], False
+    try:
+        results += run_sweep(pts, variants, threads, repeat=a.repeat, say=lambda m: print(m, flush=True),
+                             skip_materializing_above=a.max_materialized, progress=progress)
+        if a.memory_scaling:
+            results += memory_scaling(threads, a.repeat, say=lambda m: print(m, flush=True), progress=progress)
+        meta.update(measure_ceilings(threads, say=print, earlier=meta))  # the better of start and end
+    except KeyboardInterrupt as e:  # keep what was measured; the closing roofs are skipped (the start's stand)
+        results += e.partial if isinstance(e, Interrupted) else []
+        interrupted = True
+        mark_interrupted(meta, progress.done, progress.total)
+        print(f"\ninterrupted after {progress.done} of {progress.total} measurements "
+              f"({fmt_duration(progress.elapsed)})", flush=True)
+    if not results:
+        print("nothing was measured: nothing written", flush=True)
+        return 130
+    with ctrl_c_ignored():  # a second Ctrl-C cannot leave a file half written
+        paths = write_outputs(results, a.out, meta)
     print(paths["md"].read_text())
-    if not a.no_plots:
+    if interrupted:  # no plots: the sweep was stopped, the tables are what it measured
+        print(f"partial results (interrupted after {progress.done} of {progress.total}): "
+              f"{', '.join(str(p) for p in paths.values())}")
+        return 130
+    if plots:
         from .bench.plots import write_plots  # TVM loads only for the commands that compile
 
-        for name, series in write_plots(results, meta, Path(a.out)).items():
-            print(f"plot: {Path(a.out) / name}  ({', '.join(series)})")
+        try:
+            for name, series in write_plots(results, meta, Path(a.out)).items():
+                print(f"plot: {Path(a.out) / name}  ({', '.join(series)})")
+        except KeyboardInterrupt:
+            print(f"interrupted while plotting; the tables are complete: "
+                  f"{', '.join(str(p) for p in paths.values())}", flush=True)
+            return 130
     print(f"results: {', '.join(str(p) for p in paths.values())}")
     return 0
+
+
+def _bench_report(a: argparse.Namespace, module, run) -> int:
+    """``bench --decode`` / ``--halfprec``: ``run()``'s report written by ``module.write``; after
+    Ctrl-C the points measured so far, marked partial, and exit 130."""
+    from .bench import Interrupted, ctrl_c_ignored  # the bench package loads only for its commands
+
+    try:
+        report, code = run(), 0
+    except Interrupted as e:
+        report, code = e.partial, 130
+        print(f"\ninterrupted after {e.completed} of {e.total} points", flush=True)
+        if not report["rows"]:
+            print("no point was measured: nothing written", flush=True)
+            return code
+    except KeyboardInterrupt:  # before the first point (the roofs)
+        print("\ninterrupted before the first point: nothing written", flush=True)
+        return 130
+    with ctrl_c_ignored():  # a second Ctrl-C cannot leave a file half written
+        paths = module.write(report, a.out)
+    print(paths["md"].read_text())
+    print(f"{'partial results' if code else 'results'}: {', '.join(str(p) for p in paths.values())}")
+    return code
 
 
 def bench_decode(a: argparse.Namespace, threads: int) -> int:
@@ -546,11 +605,7 @@ def bench_decode(a: argparse.Namespace, threads: int) -> int:
     cfg = decode.quick_config() if a.tiny else decode.Config()
     over = {"batches": a.decode_batch, "caches": a.decode_cache, "dtypes": a.decode_dtype}
     cfg = dataclasses.replace(cfg, **{k: tuple(v) for k, v in over.items() if v})
-    report = decode.run(cfg, threads, say=lambda m: print(m, flush=True))
-    paths = decode.write(report, a.out)
-    print(paths["md"].read_text())
-    print(f"results: {', '.join(str(p) for p in paths.values())}")
-    return 0
+    return _bench_report(a, decode, lambda: decode.run(cfg, threads, say=lambda m: print(m, flush=True)))
 
 
 def bench_halfprec(a: argparse.Namespace, threads: int) -> int:
@@ -559,39 +614,56 @@ def bench_halfprec(a: argparse.Namespace, threads: int) -> int:
     from .bench import halfprec  # TVM loads only for the commands that compile
 
     cfg = halfprec.quick_config() if a.tiny else halfprec.Config()
-    report = halfprec.run(cfg, threads, say=lambda m: print(m, flush=True))
-    paths = halfprec.write(report, a.out)
-    print(paths["md"].read_text())
-    print(f"results: {', '.join(str(p) for p in paths.values())}")
-    return 0
+    return _bench_report(a, halfprec, lambda: halfprec.run(cfg, threads, say=lambda m: print(m, flush=True)))
 
 
-def memory_scaling(threads: int, repeat: int):
+#: ``--memory-scaling``'s measurements: fused and materialized at two lengths.
+MEMORY_SCALING_UNITS = 4
+
+
+def memory_scaling(threads: int, repeat: int, say=print, progress=None):
     """Fused at S = 32768 and 65536 (B=1, H=1, D=64); materialized only where its S×S buffer
-    fits this machine's free memory (else recorded as skipped, with what it would need)."""
+    fits this machine's free memory (else recorded as skipped, with what it would need).
+    ``progress``: the sweep's count (MEMORY_SCALING_UNITS more); Ctrl-C raises
+    ``bench.Interrupted`` with what was measured."""
     import psutil
 
+    from .bench import Interrupted, Progress  # the bench package loads only for its commands
     from .bench.sweep import Result, run_sweep  # TVM loads only for the commands that compile
 
+    progress = progress if progress is not None else Progress(MEMORY_SCALING_UNITS)
     out = []
-    for s in (32768, 65536):
-        spec = AttentionSpec(batch=1, heads=1, seq_q=s, head_dim=64)
-        out += run_sweep([("memory", spec)], ["fused"], threads, repeat=min(repeat, 2), say=print)
-        need = 4 * s * s  # the score buffer alone (P shares its memory after lowering)
-        free = psutil.virtual_memory().available
-        if need * 1.5 > free:
-            out.append(Result(spec, "memory", "materialized",
-                              error=f"skipped: S×S scores need {need / 2**30:.0f} GiB, {free / 2**30:.0f} GiB free"))
-        else:
-            out += run_sweep([("memory", spec)], ["materialized"], threads, repeat=1, say=print)
+    try:
+        for s in (32768, 65536):
+            spec = AttentionSpec(batch=1, heads=1, seq_q=s, head_dim=64)
+            out += run_sweep([("memory", spec)], ["fused"], threads, repeat=min(repeat, 2), say=say,
+                             progress=progress)
+            need = 4 * s * s  # the score buffer alone (P shares its memory after lowering)
+            free = psutil.virtual_memory().available
+            if need * 1.5 > free:
+                out.append(Result(spec, "memory", "materialized", error=f"skipped: S×S scores need "
+                                  f"{need / 2**30:.0f} GiB, {free / 2**30:.0f} GiB free"))
+                progress.advance()
+                say(f"{progress.tag()} [memory B=1 S={s} D=64] materialized=({out[-1].error})")
+            else:
+                out += run_sweep([("memory", spec)], ["materialized"], threads, repeat=1, say=say,
+                                 progress=progress)
+    except KeyboardInterrupt as e:
+        raise Interrupted(out + (e.partial if isinstance(e, Interrupted) else []), progress.done,
+                          progress.total) from None
     return out
 
 
 def cmd_compare(a: argparse.Namespace) -> int:
     from .bench.compare import compare, compare_plot, format_compare  # TVM loads only for the commands that compile
+    from .bench.plots import missing_note, plots_available  # TVM loads only for the commands that compile
 
     set_num_threads(a.threads)
     spec = _spec_from_args(a)
+    plot = a.plot
+    if plot and not plots_available():  # said before any build, not found missing after them
+        print(missing_note(f"the comparison runs, its plot ({plot}) is skipped"), flush=True)
+        plot = None
     entries = compare(spec, a.schedules, repeat=a.repeat)
     print(format_compare(spec, entries))
     for e in entries:
@@ -599,9 +671,9 @@ def cmd_compare(a: argparse.Namespace) -> int:
             print(f"\n{e.label} trace (sampling decisions):")
             for line in e.trace_summary:
                 print("   " + line.strip())
-    if a.plot:
-        labels = compare_plot(spec, entries, Path(a.plot))
-        print(f"plot: {a.plot} ({', '.join(labels)})")
+    if plot:
+        labels = compare_plot(spec, entries, Path(plot))
+        print(f"plot: {plot} ({', '.join(labels)})")
     return 0 if all(e.error is None for e in entries) else 1
 
 

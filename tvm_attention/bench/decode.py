@@ -50,7 +50,7 @@ from ..spec import AttentionSpec, numpy_dtype
 from ..target import host_cpu
 from ..threads import set_num_threads
 from ..timing import time_callable
-from . import write_report
+from . import Interrupted, Progress, mark_interrupted, partial_line, write_report
 from .bandwidth import stream_read_gbps
 from .cpu import fma_peak
 
@@ -140,14 +140,27 @@ def run(cfg: Config, threads: int | None = None, say: Callable[[str], None] = pr
         a[...] = x
         return kernel_arg(a) if is_ml_dtype(x.dtype) else tvm.runtime.tensor(a)
 
-    rows = []
-    for h, kh in cfg.heads:
-        for d in cfg.head_dims:
-            for dtype in cfg.dtypes:
-                rows += _points(cfg, h, kh, d, dtype, tensor, say)
-    streams.append(stream_read_gbps(cfg.stream_bytes))
+    rows: list[dict[str, Any]] = []
+    progress = Progress(len(cfg.heads) * len(cfg.head_dims) * len(cfg.dtypes) * len(cfg.batches) * len(cfg.caches))
+    say(f"{progress.total} point{'s' * (progress.total != 1)}")
+    try:
+        for h, kh in cfg.heads:
+            for d in cfg.head_dims:
+                for dtype in cfg.dtypes:
+                    _points(cfg, h, kh, d, dtype, tensor, say, rows, progress)
+        streams.append(stream_read_gbps(cfg.stream_bytes))
+    except KeyboardInterrupt:
+        # what was measured, against the roof measured at the start (the closing one is skipped)
+        mark_interrupted(meta, progress.done, progress.total)
+        raise Interrupted(_finish(cfg, meta, rows, streams, peak), progress.done, progress.total) from None
+    say(f"streaming read again: {streams[-1]:.1f} GB/s; roof = {max(streams):.1f} GB/s")
+    return _finish(cfg, meta, rows, streams, peak)
+
+
+def _finish(cfg: Config, meta: dict[str, Any], rows: list[dict[str, Any]], streams: list[float],
+            peak: float) -> dict[str, Any]:
+    """The report: each row's ratios and fractions of the roof (the best streaming read)."""
     roof = max(streams)
-    say(f"streaming read again: {streams[-1]:.1f} GB/s; roof = {roof:.1f} GB/s")
     fp32 = {_key(r): r for r in rows if r["dtype"] == "float32"}
     bf16 = {_key(r): r for r in rows if r["dtype"] == "bfloat16"}
     for row in rows:
@@ -197,10 +210,11 @@ def _key(row: dict[str, Any]) -> tuple:
     return row["heads"], row["kv_heads"], row["head_dim"], row["batch"], row["cache"]
 
 
-def _points(cfg: Config, h: int, kh: int, d: int, dtype: str, tensor, say) -> list[dict[str, Any]]:
-    """Every (batch, cache) point of one (heads, head_dim, dtype): the layouts' kernels built
-    once, each point's variants timed alternately."""
-    kernels, rows = {}, []
+def _points(cfg: Config, h: int, kh: int, d: int, dtype: str, tensor, say, rows: list[dict[str, Any]],
+            progress: Progress) -> None:
+    """Every (batch, cache) point of one (heads, head_dim, dtype), appended to ``rows`` as it is
+    measured: the layouts' kernels built once, each point's variants timed alternately."""
+    kernels = {}
     kv8 = dtype in KV_DTYPES  # an 8-bit cache: q and o in kv8_query_dtype
     qdtype = cfg.kv8_query_dtype if kv8 else dtype
     names = list(cfg.layouts) + (["kvcache_append"] if cfg.append and kv8 and "kvcache" in cfg.layouts else [])
@@ -219,7 +233,8 @@ def _points(cfg: Config, h: int, kh: int, d: int, dtype: str, tensor, say) -> li
             nbytes = kv_bytes(b, kh, cache, d, dt.itemsize)
             tag = f"[H{h}:KH{kh} D{d} {dtype} B{b} cache {cache}]"
             if nbytes > cfg.max_kv_bytes:
-                say(f"{tag} skipped: K/V {nbytes / 2**30:.1f} GiB")
+                progress.advance()
+                say(f"{progress.tag()} {tag} skipped: K/V {nbytes / 2**30:.1f} GiB")
                 continue
             rng = np.random.default_rng(b * 7 + cache)
             q = rng.standard_normal((b, h, 1, d), dtype=np.float32).astype(qt)
@@ -264,10 +279,10 @@ def _points(cfg: Config, h: int, kh: int, d: int, dtype: str, tensor, say) -> li
                 row[f"{name}_ms"] = t * 1e3
                 row[f"{name}_gbps"] = nbytes / t / 1e9
             rows.append(row)
-            say(f"{tag} " + ", ".join(f"{name} {best[name] * 1e3:.3f} ms {nbytes / best[name] / 1e9:.1f} GB/s"
-                                      for name in best))
+            progress.advance()
+            say(f"{progress.tag()} {tag} " + ", ".join(
+                f"{name} {best[name] * 1e3:.3f} ms {nbytes / best[name] / 1e9:.1f} GB/s" for name in best))
             del timers
-    return rows
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -288,6 +303,7 @@ def markdown(report: dict[str, Any]) -> str:
              "× fp32 | × bf16 | × bf16 cap | append | "
              "paged ms | of roof | paged/contig. | paged per head ms | page order gain | torch ms | kvcache/torch |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines[:0] = partial_line(m, "points")  # a partial run says so first
 
     def f(row, key, fmt):
         return format(row[key], fmt) if key in row else "—"

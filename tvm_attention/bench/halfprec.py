@@ -23,7 +23,7 @@ from ..spec import AttentionSpec
 from ..target import host_cpu, resolve_target, target_features
 from ..threads import set_num_threads
 from ..timing import aligned_inputs, time_built, time_callable
-from . import write_report
+from . import Interrupted, Progress, mark_interrupted, partial_line, write_report
 from .cpu import bf16_dot_peak, fma_peak, torch_sdpa_fn
 
 #: Speed goals of issue 11 (checked in the report, never by a test).
@@ -49,8 +49,6 @@ def quick_config() -> Config:
 
 
 def run(cfg: Config, threads: int | None = None, say: Callable[[str], None] = print) -> dict[str, Any]:
-    import numpy as np
-
     threads = set_num_threads(threads)
     has_dots = "avx512bf16" in target_features(resolve_target("llvm"))
     meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "cpu": host_cpu(), "threads": threads,
@@ -59,56 +57,71 @@ def run(cfg: Config, threads: int | None = None, say: Callable[[str], None] = pr
     meta["fma_peak_gflops"], meta["bf16_dot_peak_gflops"] = fma, (dots or {}).get("gflops")
     say(f"# {meta['date']} cpu={meta['cpu']} threads={threads}: FMA peak {fma:.0f} GFLOP/s, bf16 dot peak "
         f"{meta['bf16_dot_peak_gflops'] or 0:.0f} GFLOP/s")
-    rows = []
-    for d in cfg.head_dims:
-        timers, errors = {}, {}
-        for name, (dtype, knobs) in OURS.items():
-            if name == "bf16-dot" and not has_dots:
-                errors[name] = "skipped: no AVX512-BF16 on this CPU"
-                continue
-            spec = AttentionSpec(batch=1, heads=cfg.heads, seq_q=cfg.seq, head_dim=d, causal=cfg.causal, dtype=dtype)
-            built = build_kernel(spec, knobs=knobs)
-            timers[name] = (spec, lambda b=built, s=spec: time_built(b, s, repeat=3,
-                                                                      min_repeat_ms=cfg.min_repeat_ms).median_s)
-            q, k, v, _ = aligned_inputs(spec)
-            rows_ = np.arange(0, cfg.seq, max(1, cfg.seq // 16))
-
-            out = np.asarray(kernel_of(built)(q, k, v)).astype(np.float64)[:, :, rows_]
-            ref = reference_attention(spec, *(x.astype(np.float64) for x in (q, k, v)), rows=rows_)
-            errors[name] = float(np.abs(out - ref).max())
-        for name, dtype in PEERS.items():
-            spec = AttentionSpec(batch=1, heads=cfg.heads, seq_q=cfg.seq, head_dim=d, causal=cfg.causal, dtype=dtype)
-            fn = torch_sdpa_fn(spec, threads)
-            if fn is None:
-                errors[name] = "skipped: torch not installed"
-                continue
-            q, k, v, _ = aligned_inputs(spec)
-            timers[name] = (spec, lambda f=fn, a=(q, k, v): time_callable(lambda: f(*a), repeat=3,
-                                                                           min_repeat_ms=cfg.min_repeat_ms).median_s)
-        best = {n: float("inf") for n in timers}
-        for r in range(cfg.rounds):
-            for n in (list(timers) if r % 2 == 0 else list(reversed(timers))):
-                best[n] = min(best[n], timers[n][1]())
-        row: dict[str, Any] = {"head_dim": d, "seq": cfg.seq, "heads": cfg.heads, "causal": cfg.causal}
-        for n, t in best.items():
-            row[f"{n}_ms"] = t * 1e3
-            row[f"{n}_gflops"] = timers[n][0].flops() / t / 1e9
-        for n, e in errors.items():
-            row[f"{n}_err"] = e
-        ratio = lambda a, b: row[f"{b}_ms"] / row[f"{a}_ms"] if f"{a}_ms" in row and f"{b}_ms" in row else None  # noqa: E731
-        # our bf16: the preset's form — dot products where the CPU has them, else fp32 products
-        ours = "bf16-dot" if "bf16-dot_ms" in row else "bf16-fp32"
-        row["bf16_form"] = ours
-        row["bf16_vs_fp32"] = ratio(ours, "fp32")
-        row["bf16_vs_torch_bf16"] = ratio(ours, "torch-bf16")
-        row["bf16_vs_torch_fp32"] = ratio(ours, "torch-fp32")
-        if meta["bf16_dot_peak_gflops"] and "bf16-dot_gflops" in row:
-            row["bf16_of_dot_peak"] = row["bf16-dot_gflops"] / meta["bf16_dot_peak_gflops"]
-        if "fp32_gflops" in row:
-            row["fp32_of_fma_peak"] = row["fp32_gflops"] / fma
-        rows.append(row)
-        say(f"[D={d}] " + ", ".join(f"{n} {row[f'{n}_gflops']:.1f}" for n in best) + " GFLOP/s")
+    rows: list[dict[str, Any]] = []
+    progress = Progress(len(cfg.head_dims))
+    try:
+        for d in cfg.head_dims:
+            rows.append(_point(cfg, d, threads, has_dots, fma, meta))
+            progress.advance()
+            say(f"{progress.tag()} [D={d}] " + ", ".join(
+                f"{n} {rows[-1][f'{n}_gflops']:.1f}" for n in [*OURS, *PEERS] if f"{n}_gflops" in rows[-1])
+                + " GFLOP/s")
+    except KeyboardInterrupt:  # the points measured so far
+        mark_interrupted(meta, progress.done, progress.total)
+        raise Interrupted({"meta": meta, "rows": rows}, progress.done, progress.total) from None
     return {"meta": meta, "rows": rows}
+
+
+def _point(cfg: Config, d: int, threads: int, has_dots: bool, fma: float, meta: dict[str, Any]) -> dict[str, Any]:
+    """One head_dim: every variant built (ours) and timed alternately; its row."""
+    import numpy as np
+
+    timers, errors = {}, {}
+    for name, (dtype, knobs) in OURS.items():
+        if name == "bf16-dot" and not has_dots:
+            errors[name] = "skipped: no AVX512-BF16 on this CPU"
+            continue
+        spec = AttentionSpec(batch=1, heads=cfg.heads, seq_q=cfg.seq, head_dim=d, causal=cfg.causal, dtype=dtype)
+        built = build_kernel(spec, knobs=knobs)
+        timers[name] = (spec, lambda b=built, s=spec: time_built(b, s, repeat=3,
+                                                                  min_repeat_ms=cfg.min_repeat_ms).median_s)
+        q, k, v, _ = aligned_inputs(spec)
+        rows_ = np.arange(0, cfg.seq, max(1, cfg.seq // 16))
+
+        out = np.asarray(kernel_of(built)(q, k, v)).astype(np.float64)[:, :, rows_]
+        ref = reference_attention(spec, *(x.astype(np.float64) for x in (q, k, v)), rows=rows_)
+        errors[name] = float(np.abs(out - ref).max())
+    for name, dtype in PEERS.items():
+        spec = AttentionSpec(batch=1, heads=cfg.heads, seq_q=cfg.seq, head_dim=d, causal=cfg.causal, dtype=dtype)
+        fn = torch_sdpa_fn(spec, threads)
+        if fn is None:
+            errors[name] = "skipped: torch not installed"
+            continue
+        q, k, v, _ = aligned_inputs(spec)
+        timers[name] = (spec, lambda f=fn, a=(q, k, v): time_callable(lambda: f(*a), repeat=3,
+                                                                       min_repeat_ms=cfg.min_repeat_ms).median_s)
+    best = {n: float("inf") for n in timers}
+    for r in range(cfg.rounds):
+        for n in (list(timers) if r % 2 == 0 else list(reversed(timers))):
+            best[n] = min(best[n], timers[n][1]())
+    row: dict[str, Any] = {"head_dim": d, "seq": cfg.seq, "heads": cfg.heads, "causal": cfg.causal}
+    for n, t in best.items():
+        row[f"{n}_ms"] = t * 1e3
+        row[f"{n}_gflops"] = timers[n][0].flops() / t / 1e9
+    for n, e in errors.items():
+        row[f"{n}_err"] = e
+    ratio = lambda a, b: row[f"{b}_ms"] / row[f"{a}_ms"] if f"{a}_ms" in row and f"{b}_ms" in row else None  # noqa: E731
+    # our bf16: the preset's form — dot products where the CPU has them, else fp32 products
+    ours = "bf16-dot" if "bf16-dot_ms" in row else "bf16-fp32"
+    row["bf16_form"] = ours
+    row["bf16_vs_fp32"] = ratio(ours, "fp32")
+    row["bf16_vs_torch_bf16"] = ratio(ours, "torch-bf16")
+    row["bf16_vs_torch_fp32"] = ratio(ours, "torch-fp32")
+    if meta["bf16_dot_peak_gflops"] and "bf16-dot_gflops" in row:
+        row["bf16_of_dot_peak"] = row["bf16-dot_gflops"] / meta["bf16_dot_peak_gflops"]
+    if "fp32_gflops" in row:
+        row["fp32_of_fma_peak"] = row["fp32_gflops"] / fma
+    return row
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -124,6 +137,7 @@ def markdown(report: dict[str, Any]) -> str:
              "`ATEN_CPU_CAPABILITY=avx2` is set too.", "",
              "| D | " + " | ".join(names) + " | bf16/fp32 | bf16/torch-bf16 | bf16 of dot peak |",
              "|---|" + "---|" * (len(names) + 3)]
+    lines[:0] = partial_line(m, "points")  # a partial run says so first
     for r in report["rows"]:
         cells = [f"{r[f'{n}_gflops']:.1f}" if f"{n}_gflops" in r else "—" for n in names]
         fmt = lambda x, f: format(x, f) if x is not None else "—"  # noqa: E731

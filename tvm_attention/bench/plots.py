@@ -10,6 +10,25 @@ from .sweep import Result
 COLORS = {"fused": "C0", "fused-tuned": "C1", "materialized": "C3", "rowcache": "C4", "numpy": "C7", "torch": "C2"}
 
 
+#: How to get the plotting dependency (an optional extra).
+INSTALL_HINT = 'pip install "tvm-attention[plots]"'
+
+
+def plots_available() -> bool:
+    """Whether matplotlib imports: checked before a sweep or comparison, whose plots are skipped
+    (with one note up front) rather than failing after the measurements."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def missing_note(what: str) -> str:
+    """The note printed up front when matplotlib is missing: ``what`` runs, its plots are skipped."""
+    return f"note: matplotlib is not installed ({INSTALL_HINT}): {what}"
+
+
 def _plt():
     try:
         import matplotlib
@@ -17,7 +36,7 @@ def _plt():
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as e:  # optional: pip install matplotlib
-        raise RuntimeError("plots need matplotlib (pip install 'tvm-attention[plots]')") from e
+        raise RuntimeError(f"plots need matplotlib ({INSTALL_HINT})") from e
     return plt
 
 

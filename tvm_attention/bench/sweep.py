@@ -37,6 +37,7 @@ from ..reference import reference_attention
 from ..spec import DYNAMIC_DIMS, AttentionSpec
 from ..target import resolve_target
 from ..timing import Timing, aligned_inputs, time_built, time_callable
+from . import Interrupted, Progress, partial_line
 from .cpu import numpy_attention_fn, torch_sdpa_fn
 from .memory import peer_first_call_peak, tvm_first_call_peak
 
@@ -186,20 +187,31 @@ def points(seqs: Iterable[int], head_dims: Iterable[int], causals: Iterable[bool
 
 def run_sweep(pts: list[tuple[str, AttentionSpec]], variants: Iterable[str], threads: int, repeat: int = 3,
               min_repeat_ms: int = 100, say: Callable[[str], None] = print,
-              skip_materializing_above: int | None = None) -> list[Result]:
-    results = []
-    for mode, spec in pts:
-        line = []
-        for variant in variants:
-            if (skip_materializing_above and variant in MATERIALIZING
-                    and spec.seq_q * spec.seq_kv > skip_materializing_above ** 2):
-                r = Result(spec, mode, variant, error=f"skipped: S×S past {skip_materializing_above}²")
-            else:
-                r = run_variant(spec, mode, variant, threads, repeat, min_repeat_ms)
-            results.append(r)
-            line.append(f"{variant}={r.gflops:.1f}" if r.timing else f"{variant}=({r.error})")
-        say(f"[{mode} B={spec.batch} S={spec.seq_q} D={spec.head_dim} {spec.dtype} causal={spec.causal}] "
-            + "  ".join(line))
+              skip_materializing_above: int | None = None, progress: Progress | None = None) -> list[Result]:
+    """Every variant of every point, one progress line per point: ``[i/N, elapsed, ETA]`` (units:
+    (point, variant) measurements; ``progress`` shares one count among several sweeps, by default
+    this one's), the point, each variant's GFLOP/s or error. Ctrl-C raises :class:`Interrupted`
+    whose ``partial`` holds the results measured so far (the interrupted point's finished
+    variants too)."""
+    variants = list(variants)
+    progress = progress if progress is not None else Progress(len(pts) * len(variants))
+    results: list[Result] = []
+    try:
+        for mode, spec in pts:
+            line = []
+            for variant in variants:
+                if (skip_materializing_above and variant in MATERIALIZING
+                        and spec.seq_q * spec.seq_kv > skip_materializing_above ** 2):
+                    r = Result(spec, mode, variant, error=f"skipped: S×S past {skip_materializing_above}²")
+                else:
+                    r = run_variant(spec, mode, variant, threads, repeat, min_repeat_ms)
+                results.append(r)
+                progress.advance()
+                line.append(f"{variant}={r.gflops:.1f}" if r.timing else f"{variant}=({r.error})")
+            say(f"{progress.tag()} [{mode} B={spec.batch} S={spec.seq_q} D={spec.head_dim} {spec.dtype} "
+                f"causal={spec.causal}] " + "  ".join(line))
+    except KeyboardInterrupt:
+        raise Interrupted(results, progress.done, progress.total) from None
     return results
 
 
@@ -236,6 +248,7 @@ def markdown_table(results: list[Result], meta: dict[str, Any]) -> str:
              "% of read BW: modeled bytes / time)"
              + (f"; bfloat16 rows: % of the bf16 dot-product peak, {meta['bf16_dot_peak_gflops']:.0f} GFLOP/s"
                 if meta.get("bf16_dot_peak_gflops") else "") + ".", ""]
+    lines[:0] = partial_line(meta, "measurements")  # a partial run says so first
     head = ["mode", "B", "S", "D", "dtype", "causal"] + [f"{v} GFLOP/s (% of FMA peak, % of read BW)" for v in variants]
     # fused-dyn/fused = static time / dynamic time (the cost of symbolic shapes), only when asked for
     speedups = [("fused", "materialized"), ("fused", "torch")] + ([("fused-dyn", "fused")] if "fused-dyn" in variants else [])
