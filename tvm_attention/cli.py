@@ -802,7 +802,7 @@ def version_line() -> str:
     works without the compiler)."""
     from importlib import metadata
 
-    from . import __version__
+    from . import __version__  # the package's own version, read only for --version
 
     def installed(name: str) -> str:
         try:
