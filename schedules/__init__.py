@@ -1,6 +1,11 @@
 """Hand-authored schedules, one module per (family, target), registered in :data:`SCHEDULES`.
 
-Each module implements :class:`schedules.family.Family`: ``NAME``, ``CAPABILITIES`` (what it
+``schedules/`` of the checkout is the package ``tvm_attention.schedules`` (pyproject.toml's
+package-dir; from a checkout, ``tvm_attention._checkout``): it imports the compute layer relatively
+(``from ..spec import``), and is imported as ``tvm_attention.schedules`` — never as a top-level
+``schedules``, which any ``schedules.py`` in the user's folder would shadow.
+
+Each module implements :class:`tvm_attention.schedules.family.Family`: ``NAME``, ``CAPABILITIES`` (what it
 builds: target, layouts, dtypes, symbolic dims, lse), a frozen knob dataclass (``*Knobs``, with
 ``to_dict``/``from_dict``), ``preset(spec, target)``, ``check(knobs, spec, target)`` (the knobs
 against named hardware limits; raises ``KnobError``), ``workload(spec, knobs)`` (the PrimFunc these

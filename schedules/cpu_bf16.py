@@ -27,8 +27,8 @@ from tvm import s_tir
 from tvm.s_tir import TensorIntrin
 from tvm.script import tirx as T
 
-from tvm_attention.spec import AttentionSpec
-from tvm_attention.workloads._math import bf16_value
+from ..spec import AttentionSpec
+from ..workloads._math import bf16_value
 
 from .cpu_space import (AUTO_UNROLL_STEPS, PARALLEL_CHUNKS, has_block, max_pv_rows, max_s_rows, sample_choice, sample_tile,
                         vectorize_rows)

@@ -28,7 +28,7 @@ from tvm import s_tir, tirx
 from tvm.s_tir import TensorIntrin
 from tvm.script import tirx as T
 
-from tvm_attention.spec import AttentionSpec
+from ..spec import AttentionSpec
 
 from .cpu_space import has_block
 

@@ -29,11 +29,11 @@ from typing import Any
 from tvm import s_tir
 from tvm.target import Target
 
-from tvm_attention.layouts import LAYOUTS
-from tvm_attention.spec import KV_DTYPES, SUPPORTED_DTYPES, VARIANTS, AttentionSpec
-from tvm_attention.target import target_features, vector_lanes
-from tvm_attention.workloads import fused_attention
-from tvm_attention.workloads.fused import DECODE, MERGE, SPLIT, n_splits
+from ..layouts import LAYOUTS
+from ..spec import KV_DTYPES, SUPPORTED_DTYPES, VARIANTS, AttentionSpec
+from ..target import target_features, vector_lanes
+from ..workloads import fused_attention
+from ..workloads.fused import DECODE, MERGE, SPLIT, n_splits
 
 from . import cpu_bf16, cpu_decode
 from ._knobs import KnobError, KnobsMixin

@@ -19,9 +19,9 @@ import dataclasses
 from tvm import s_tir
 from tvm.target import Target
 
-from tvm_attention.spec import MAX_ELEMENTS, AttentionSpec
-from tvm_attention.target import vector_lanes
-from tvm_attention.workloads import materialized_attention
+from ..spec import MAX_ELEMENTS, AttentionSpec
+from ..target import vector_lanes
+from ..workloads import materialized_attention
 
 from . import cpu_flash
 from ._knobs import KnobError, KnobsMixin

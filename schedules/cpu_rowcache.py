@@ -12,9 +12,9 @@ import dataclasses
 from tvm import s_tir
 from tvm.target import Target
 
-from tvm_attention.spec import AttentionSpec
-from tvm_attention.target import vector_lanes
-from tvm_attention.workloads import rowcache_attention
+from ..spec import AttentionSpec
+from ..target import vector_lanes
+from ..workloads import rowcache_attention
 
 from . import cpu_flash, cpu_space
 from ._knobs import KnobError, KnobsMixin

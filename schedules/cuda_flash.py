@@ -21,9 +21,9 @@ import dataclasses
 from tvm import s_tir
 from tvm.target import Target
 
-from tvm_attention.cuda_tools import block_shared_limit
-from tvm_attention.spec import SUPPORTED_DTYPES, AttentionSpec
-from tvm_attention.workloads.fused_cuda import fused_attention_cuda, grid_refusal, vector_elems
+from ..cuda_tools import block_shared_limit
+from ..spec import SUPPORTED_DTYPES, AttentionSpec
+from ..workloads.fused_cuda import fused_attention_cuda, grid_refusal, vector_elems
 
 from ._knobs import KnobError, KnobsMixin
 from .family import (CUDA_KV_DTYPES, CUDA_VARIANTS, SPLIT_LAYOUTS, Capabilities, check_split_tasks, cuda_for_layout,

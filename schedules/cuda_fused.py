@@ -11,7 +11,7 @@ from __future__ import annotations
 from tvm import s_tir
 from tvm.target import Target
 
-from tvm_attention.spec import AttentionSpec
+from ..spec import AttentionSpec
 
 from . import cuda_flash, cuda_mma
 from .family import never_static_decode

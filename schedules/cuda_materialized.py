@@ -11,8 +11,8 @@ import dataclasses
 from tvm import s_tir
 from tvm.target import Target
 
-from tvm_attention.spec import SUPPORTED_DTYPES, AttentionSpec
-from tvm_attention.workloads import materialized_attention
+from ..spec import SUPPORTED_DTYPES, AttentionSpec
+from ..workloads import materialized_attention
 
 from ._knobs import KnobsMixin
 from .family import Capabilities, never_static_decode, no_knobs_of, same_knobs

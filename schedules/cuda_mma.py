@@ -21,10 +21,10 @@ import dataclasses
 from tvm import s_tir
 from tvm.target import Target
 
-from tvm_attention.cuda_tools import block_shared_limit
-from tvm_attention.spec import AttentionSpec
-from tvm_attention.workloads.fused_cuda import grid_refusal
-from tvm_attention.workloads.fused_mma import MMA_DTYPES, fused_attention_mma, smem_stride
+from ..cuda_tools import block_shared_limit
+from ..spec import AttentionSpec
+from ..workloads.fused_cuda import grid_refusal
+from ..workloads.fused_mma import MMA_DTYPES, fused_attention_mma, smem_stride
 
 from ._knobs import KnobError, KnobsMixin
 from .family import (CUDA_KV_DTYPES, CUDA_VARIANTS, SPLIT_LAYOUTS, USE_CPU_FUSED, Capabilities, check_split_tasks,

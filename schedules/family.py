@@ -1,11 +1,11 @@
 """The protocol every schedule family implements, and the table of what each one builds.
 
 A family is a module of ``schedules/`` (``cpu_flash``, ``cuda_mma``, ...) registered in
-``schedules.SCHEDULES``. It provides every member of :class:`Family` (a family without a use for
+``tvm_attention.schedules.SCHEDULES``. It provides every member of :class:`Family` (a family without a use for
 one gives the neutral answer: ``knobs_of`` None, ``for_layout`` the knobs unchanged,
 ``is_static_decode`` False), so callers never probe with ``hasattr``. What a family builds at
 all — target, layouts, dtypes, symbolic dims, an lse output — is its :class:`Capabilities`,
-checked in one place (:meth:`Capabilities.require`, called by ``schedules.check``) with one
+checked in one place (:meth:`Capabilities.require`, called by ``tvm_attention.schedules.check``) with one
 message format; ``check`` itself judges only the knobs against the hardware's limits.
 """
 from __future__ import annotations
@@ -16,9 +16,9 @@ from typing import Any, Protocol, runtime_checkable
 from tvm import s_tir, tirx
 from tvm.target import Target
 
-from tvm_attention.cuda_tools import split_tasks_for
-from tvm_attention.quant import KV_DTYPES
-from tvm_attention.spec import AttentionSpec
+from ..cuda_tools import split_tasks_for
+from ..quant import KV_DTYPES
+from ..spec import AttentionSpec
 
 from ._knobs import KnobError
 

@@ -3,7 +3,8 @@
 
     python scripts/check_structure.py            # a report; exit 1 when an import cycle exists
 
-* **Import cycles** between project modules (``tvm_attention``, ``schedules``), counting the
+* **Import cycles** between project modules (``tvm_attention``, with ``schedules/`` and the other
+  folders pyproject.toml's package-dir installs inside it under their package names), counting the
   imports inside functions too (they hide a cycle from Python, not from a reader). An import under
   ``if TYPE_CHECKING:`` never runs and is not counted; nor is the implicit import of a module's
   parent package (``import tvm_attention.spec`` runs ``tvm_attention/__init__.py`` first, whose
@@ -22,7 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("tvm_attention", "schedules")
+#: folder of the checkout -> the package it is (``schedules/`` is ``tvm_attention.schedules``: the
+#: package-dir mapping of pyproject.toml, as ``tvm_attention/_checkout.py`` holds it)
+PACKAGES = {"tvm_attention": "tvm_attention", "schedules": "tvm_attention.schedules"}
 
 
 @dataclass(frozen=True)
@@ -36,9 +39,9 @@ class Import:
 
 def modules(root: Path = ROOT) -> dict[str, Path]:
     out = {}
-    for pkg in PACKAGES:
-        for path in sorted((root / pkg).rglob("*.py")):
-            parts = path.relative_to(root).with_suffix("").parts
+    for folder, package in PACKAGES.items():
+        for path in sorted((root / folder).rglob("*.py")):
+            parts = (package, *path.relative_to(root / folder).with_suffix("").parts)
             name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
             out[name] = path
     return out

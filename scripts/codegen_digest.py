@@ -24,11 +24,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a 
 
 from tvm import s_tir  # noqa: E402
 
-from schedules import get_schedule  # noqa: E402
+try:  # schedules/ is tvm_attention.schedules; an older commit (to digest it) had a top-level package
+    import tvm_attention.schedules as schedules  # noqa: E402
+except ModuleNotFoundError as e:
+    if e.name != "tvm_attention.schedules":
+        raise
+    import schedules  # noqa: E402
 
+get_schedule = schedules.get_schedule
 try:  # the one capability-and-knob check; before it existed (to digest an older commit): the family's
-    from schedules import check  # noqa: E402
-except ImportError:
+    check = schedules.check
+except AttributeError:
     def check(family, knobs, spec, target):
         family.check(knobs, spec, target)
 from tvm_attention.build import resolve_knobs  # noqa: E402

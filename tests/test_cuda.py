@@ -8,8 +8,8 @@ import tvm
 from conftest import (CUDA_VARIANT_IDS, CUDA_VARIANT_SPREADS, RIGHT_WINDOW_SHAPES, built, check_emulated_layout,
                       check_emulated_symbolic, right_window_spec, split_kv_cases)
 
-from schedules import cuda_flash, cuda_fused, cuda_mma
-from schedules._knobs import KnobError
+from tvm_attention.schedules import cuda_flash, cuda_fused, cuda_mma
+from tvm_attention.schedules._knobs import KnobError
 from tvm_attention.artifact import export, validate_built
 from tvm_attention.build import build_kernel
 from tvm_attention.cli import main

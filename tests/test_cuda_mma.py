@@ -11,8 +11,8 @@ from conftest import (CUDA_VARIANT_IDS, CUDA_VARIANT_SPREADS, RIGHT_WINDOW_SHAPE
                       check_emulated_symbolic, right_window_spec, split_kv_cases)
 from test_cuda import assert_split_kv
 
-from schedules import cuda_flash, cuda_fused, cuda_mma
-from schedules._knobs import KnobError
+from tvm_attention.schedules import cuda_flash, cuda_fused, cuda_mma
+from tvm_attention.schedules._knobs import KnobError
 from tvm_attention.build import build_kernel
 from tvm_attention.cuda_tools import find_nvcc, split_tasks_for
 from tvm_attention.reference import random_inputs, reference_attention

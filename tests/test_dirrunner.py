@@ -17,7 +17,7 @@ import tvm_ffi
 from test_cuda import assert_split_kv
 from tvm.s_tir import meta_schedule as ms
 
-from schedules import cuda_fused, cuda_mma
+from tvm_attention.schedules import cuda_fused, cuda_mma
 from tvm_attention import cli
 from tvm_attention.build import build_from_record
 from tvm_attention.cuda_tools import find_nvcc

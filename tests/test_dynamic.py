@@ -169,7 +169,7 @@ def test_spec_dynamic_field():
 
 @pytest.mark.parametrize("schedule", ["rowcache"])
 def test_families_without_symbolic_builds_say_so(schedule):
-    from schedules._knobs import KnobError
+    from tvm_attention.schedules._knobs import KnobError
 
     with pytest.raises(KnobError, match="no symbolic-shape build"):
         built(dyn_spec(False), schedule)

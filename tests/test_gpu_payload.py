@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 #: modules the device side must never import: the compiler and everything that needs it
 BUILD_SIDE = ("tvm", "tvm_attention.build", "tvm_attention.artifact", "tvm_attention.pipeline",
               "tvm_attention.target", "tvm_attention.lowering", "tvm_attention.audit", "tvm_attention.tune",
-              "tvm_attention.workloads", "schedules")
+              "tvm_attention.workloads", "tvm_attention.schedules")
 
 def _build_side(name: str) -> bool:
     return any(name == m or name.startswith(m + ".") for m in BUILD_SIDE)

@@ -94,7 +94,7 @@ def test_loader_names_a_wrong_dtype_and_takes_torch_half_tensors():
 
 
 def test_families_that_compute_only_float32_say_so():
-    from schedules._knobs import KnobError
+    from tvm_attention.schedules._knobs import KnobError
     from tvm_attention.build import build_kernel
 
     spec = AttentionSpec(batch=1, heads=2, seq_q=64, seq_kv=64, head_dim=64, dtype="bfloat16")
@@ -144,7 +144,7 @@ def test_bf16_dot_products_in_symbolic_and_varlen_kernels():
 
 
 def test_bf16_dot_products_are_refused_where_they_cannot_run():
-    from schedules._knobs import KnobError
+    from tvm_attention.schedules._knobs import KnobError
     from tvm_attention.build import build_kernel
 
     spec = AttentionSpec(batch=1, heads=2, seq_q=64, seq_kv=64, head_dim=64, dtype="bfloat16")

@@ -18,7 +18,7 @@ from tvm_attention.loader import ArtifactError, AttentionKernel, KernelArgumentE
 from tvm_attention.reference import random_inputs, reference_attention
 from tvm_attention.spec import AttentionSpec, SpecError
 from tvm_attention.threads import num_threads
-from schedules._knobs import KnobError
+from tvm_attention.schedules._knobs import KnobError
 
 from conftest import built
 
@@ -211,7 +211,7 @@ def test_audit_passes_a_fused_build_whose_tile_exceeds_the_score_matrix():
     # Qt and acc hold block_m × head_dim floats, more than the score matrix: a big tile, not a
     # matrix. AVX-512: 64 × 320 > 129 × 129; AVX2 (16 registers: 4 vectors of rows, s_rows 2):
     # 32 × 320 > 97 × 97.
-    from schedules.cpu_space import max_s_rows
+    from tvm_attention.schedules.cpu_space import max_s_rows
     from tvm_attention.target import resolve_target, vector_lanes
 
     lanes = vector_lanes(resolve_target("llvm"))

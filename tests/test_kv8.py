@@ -193,8 +193,8 @@ def test_loader_takes_ml_dtypes_and_torch_float8_and_checks_the_scales(tmp_path)
 
 
 def test_other_families_refuse_an_8bit_cache_by_name():
-    from schedules import check, get_schedule
-    from schedules._knobs import KnobError
+    from tvm_attention.schedules import check, get_schedule
+    from tvm_attention.schedules._knobs import KnobError
     from tvm_attention.target import resolve_target
 
     spec = AttentionSpec(batch=1, heads=2, seq_q=64, head_dim=64, dtype="float16", kv_dtype="float8_e4m3fn")

@@ -39,7 +39,7 @@ CONFIGS = {
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def kernel(request):
-    from schedules import cpu_flash
+    from tvm_attention.schedules import cpu_flash
     from tvm_attention.target import resolve_target
 
     layout, h, kh, causal, knobs = CONFIGS[request.param]
@@ -243,7 +243,7 @@ def test_kvcache_rejects_a_length_past_the_cache():
 
 
 def test_families_without_lse_say_so():
-    from schedules._knobs import KnobError
+    from tvm_attention.schedules._knobs import KnobError
 
     spec = AttentionSpec(batch=1, heads=4, seq_q=64, head_dim=64, return_lse=True)
     for schedule in ("materialized", "rowcache"):
@@ -321,7 +321,7 @@ def test_static_decode_shape_builds_its_packed_nest_alone():
     spec = AttentionSpec(batch=1, heads=8, kv_heads=2, seq_q=1, seq_kv=300, head_dim=64, causal=True)
     b = built(spec)
     assert b.audit.fused and b.audit.probe == {"seq_q": 1, "seq_kv": 600}, b.audit
-    from schedules import cpu_flash
+    from tvm_attention.schedules import cpu_flash
 
     # the 4-row dot-product nest (group 4; AVX-512 and AVX2); else one vector of rows
     rows = 4 if cpu_flash.stages_decode(spec, b.knobs) else b.knobs.vector_lanes
@@ -336,7 +336,7 @@ def test_page_order_and_prefetch_are_points_of_the_decode_space():
     every point validates and passes the audit, the per-head workload is exactly the one earlier
     logs recorded (no new attrs), and a paged build keeps its page order whatever a record tuned
     at the contiguous representative chose."""
-    from schedules import cpu_flash
+    from tvm_attention.schedules import cpu_flash
     from tvm_attention.target import resolve_target
     from tvm_attention.task_mods import workload_matches
     from tvm_attention.tune.tasks import make_tasks
@@ -378,7 +378,7 @@ def _no_staged_decode_nest(spec, target):
     decode nest is one vector of rows (nothing stages K/V), so the page order and the prefetch
     have nothing to change: the preset and the decode space hold neither, a knob set asking for
     them is refused by name, and the preset is right on shuffled pages."""
-    from schedules import cpu_flash
+    from tvm_attention.schedules import cpu_flash
     from tvm_attention.tune.tasks import make_tasks
 
     assert cpu_flash.preset(spec, target).decode_heads == 1
@@ -401,7 +401,7 @@ def tvm_normalize(func):
 
 
 def test_split_count_and_page_order_are_tasks_of_a_kvcache_step():
-    from schedules import cpu_flash
+    from tvm_attention.schedules import cpu_flash
     from tvm_attention.target import resolve_target
     from tvm_attention.task_mods import tuning_spec, workload_matches
     from tvm_attention.tune.tasks import make_tasks
@@ -466,7 +466,7 @@ def test_paged_decode_is_tuned_in_pages(tmp_path):
     assert tune_work_dir(spec, target).name == "paged_p16_h8_kv4_d64_float32_causal_at_b8_q1_k300"
     tasks = make_tasks(spec, target, "fused")
     names = [t.name for t in tasks]
-    from schedules import cpu_flash
+    from tvm_attention.schedules import cpu_flash
 
     if cpu_flash.stages_decode(spec, cpu_flash.preset(spec, target)):  # AVX-512, AVX2: the page order too
         assert names[0] == "fused_dec_n64_s8_h4" and "fused_dec_n64_s0_h1" in names and "fused_dec_n32_s0_h2" in names

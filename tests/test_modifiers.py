@@ -301,8 +301,8 @@ def test_loader_and_library_check_the_bounds_and_tensors():
 
 
 def test_other_families_refuse_modifiers_by_name():
-    from schedules import check, get_schedule
-    from schedules._knobs import KnobError
+    from tvm_attention.schedules import check, get_schedule
+    from tvm_attention.schedules._knobs import KnobError
     from tvm_attention.target import resolve_target
 
     spec = AttentionSpec(batch=1, heads=2, seq_q=64, head_dim=64, mask_mod=doc_mask, mod_tensors=[DOC],
@@ -386,7 +386,7 @@ def test_a_paged_decode_step_with_key_bounds_and_tensors_specializes_for_tuning(
     x = rep.layout_info.random_inputs(rep, rep.layout_info.validation_cases(rep)[0])
     for name in ("key_lo", "key_hi", "doc", "block_table", "q"):
         assert shapes[name] == x[name].shape, name
-    from schedules import cpu_flash
+    from tvm_attention.schedules import cpu_flash
 
     func = cpu_flash.workload(rep, cpu_flash.preset(rep, resolve_target("llvm")))
     from tvm import tirx

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from schedules import UnknownScheduleError, cpu_flash, get_schedule
+from tvm_attention.schedules import UnknownScheduleError, cpu_flash, get_schedule
 from tvm_attention.build import build_kernel
 from tvm_attention.reference import random_inputs, reference_attention
 from tvm_attention.spec import AttentionSpec

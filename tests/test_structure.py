@@ -50,17 +50,28 @@ def test_a_cycle_hidden_in_a_function_is_found(tmp_path):
 
 
 def test_pyproject_lists_every_package_of_the_tree():
-    """pyproject.toml lists its packages (tuning_logs/ installs as ``tvm_attention.tuning_logs``,
-    which discovery cannot map): a new package folder must be added there, or an installed
-    package would miss it."""
+    """pyproject.toml lists its packages (schedules/ installs as ``tvm_attention.schedules`` and
+    tuning_logs/ as ``tvm_attention.tuning_logs``, which discovery cannot map): a new package folder
+    must be added there, or an installed package would miss it. Its package-dir table is what
+    ``tvm_attention._checkout`` maps when the package runs from a checkout, and what
+    scripts/check_structure.py names the modules by; nothing installs as a top-level package but
+    ``tvm_attention`` (a top-level ``schedules`` was shadowed by any schedules.py in the user's folder)."""
     import tomllib
 
+    from tvm_attention._checkout import PACKAGE_DIRS
+
     conf = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    found = {".".join(p.parent.relative_to(ROOT).parts) for top in ("tvm_attention", "schedules")
-             for p in (ROOT / top).rglob("__init__.py")}
-    mapped = set(conf.get("package-dir", {}))
-    assert set(conf["packages"]) == found | mapped
-    assert mapped == {"tvm_attention.tuning_logs"} and conf["package-dir"]["tvm_attention.tuning_logs"] == "tuning_logs"
+    mapped = conf.get("package-dir", {})
+    assert mapped == PACKAGE_DIRS
+    assert {f: p for f, p in check.PACKAGES.items() if f != "tvm_attention"} == \
+        {f: p for p, f in mapped.items() if (ROOT / f / "__init__.py").exists()}
+    found = {".".join(("tvm_attention", *p.parent.relative_to(ROOT / "tvm_attention").parts))
+             for p in (ROOT / "tvm_attention").rglob("__init__.py")}
+    for package, folder in mapped.items():
+        found |= {".".join((package, *p.parent.relative_to(ROOT / folder).parts))
+                  for p in (ROOT / folder).rglob("__init__.py")}
+    assert set(conf["packages"]) == found | set(mapped)
+    assert {p.split(".")[0] for p in conf["packages"]} == {"tvm_attention"}
 
 
 def test_build_reads_a_tuning_log_without_importing_the_tuner():
@@ -86,7 +97,7 @@ def test_build_reads_a_tuning_log_without_importing_the_tuner():
 def test_a_schedules_workload_kinds_are_what_its_families_build():
     """``WORKLOAD_KINDS`` (how a tuning log's records are matched to a schedule) names the
     ``attn.workload`` of every function each family builds, on every target it has."""
-    from schedules import SCHEDULES, WORKLOAD_KINDS
+    from tvm_attention.schedules import SCHEDULES, WORKLOAD_KINDS
     from tvm_attention.spec import AttentionSpec
     from tvm_attention.target import resolve_target
 
@@ -101,8 +112,8 @@ def test_a_schedules_workload_kinds_are_what_its_families_build():
 
 
 def test_every_registered_family_implements_the_protocol():
-    from schedules import SCHEDULES
-    from schedules.family import Capabilities, Family
+    from tvm_attention.schedules import SCHEDULES
+    from tvm_attention.schedules.family import Capabilities, Family
 
     for name, by_target in SCHEDULES.items():
         for target, family in by_target.items():
@@ -112,7 +123,7 @@ def test_every_registered_family_implements_the_protocol():
 
 
 def test_capabilities_refuse_in_one_format():
-    from schedules import cpu_materialized, cpu_rowcache, cuda_mma
+    from tvm_attention.schedules import cpu_materialized, cpu_rowcache, cuda_mma
     from tvm_attention.spec import AttentionSpec
 
     base = dict(batch=1, heads=2, seq_q=64, head_dim=64)

@@ -12,7 +12,7 @@ import pytest
 import tvm
 import tvm_ffi
 
-from schedules import cpu_flash
+from tvm_attention.schedules import cpu_flash
 from tvm_attention.artifact import validate_built
 from tvm_attention.build import build_from_module
 from tvm_attention.pipeline import LogNotUsable, build_best
@@ -208,7 +208,7 @@ def test_corrupt_logs_give_file_and_line(tuned_dir, tmp_path):
 
 @pytest.mark.parametrize("seed", range(3))
 def test_rowcache_space_points_are_correct(seed):
-    from schedules import cpu_rowcache
+    from tvm_attention.schedules import cpu_rowcache
 
     spec = AttentionSpec(batch=1, heads=2, seq_q=96, seq_kv=192, head_dim=64, causal=True)
     tasks = make_tasks(spec, TARGET, "rowcache")

@@ -14,7 +14,7 @@ import pytest
 import tvm
 from tvm.target import Target
 
-from schedules import cpu_flash
+from tvm_attention.schedules import cpu_flash
 from tvm_attention import cli, paths
 from tvm_attention.pipeline import build_best
 from tvm_attention.spec import AttentionSpec

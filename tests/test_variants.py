@@ -263,8 +263,8 @@ def test_plain_kernel_names_a_variant_it_was_not_built_with():
 
 
 def test_other_families_refuse_variants_by_name():
-    from schedules import check, get_schedule
-    from schedules._knobs import KnobError
+    from tvm_attention.schedules import check, get_schedule
+    from tvm_attention.schedules._knobs import KnobError
     from tvm_attention.target import resolve_target
 
     base = dict(batch=1, heads=2, seq_q=64, head_dim=64, causal=True)

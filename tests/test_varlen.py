@@ -119,7 +119,7 @@ def test_empty_totals(artifact):
 
 
 def test_materialized_has_no_varlen_build():
-    from schedules._knobs import KnobError
+    from tvm_attention.schedules._knobs import KnobError
 
     with pytest.raises(KnobError, match="builds layout\\(s\\) bhsd, not 'varlen'"):
         built(varlen_spec(False), "materialized")

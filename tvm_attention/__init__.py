@@ -18,8 +18,16 @@ Public API::
                                         (o, lse) (cascade / shared-prefix attention)
     quantize_kv(x, dtype)               (x_q, scale): K or V quantized to an 8-bit cache dtype
                                         (float8_e4m3fn, float8_e5m2, int8), one scale per kv head
+
+From a source checkout (``PYTHONPATH=<checkout>``, no install or another checkout's),
+``tvm_attention.schedules`` and ``tvm_attention.tuning_logs`` resolve to the folders beside this
+package, as an install maps them (:mod:`tvm_attention._checkout`).
 """
-from .spec import AttentionSpec, SpecError
+from . import _checkout
+
+_checkout.install()  # before any import of tvm_attention.schedules; does nothing in an installed package
+
+from .spec import AttentionSpec, SpecError  # noqa: E402
 
 __version__ = "0.1.0"
 

@@ -12,13 +12,12 @@ import tvm
 from tvm import s_tir
 from tvm.target import Target
 
-from schedules import check, get_schedule  # schedules/ sits beside this package
-from schedules._knobs import KnobError
-
 from .audit import AuditReport, audit, list_allocations, probe_spec
 from .cuda_tools import NvccNotFound, kernel_source, ptxas_report
 from .lowering import ArgBounds, LoweredModule, codegen, lower_final
 from .layouts import SEQUENCE_DIMS
+from .schedules import check, get_schedule
+from .schedules._knobs import KnobError
 from .spec import ENTRY, MAX_SEQ_LEN, AttentionSpec
 from .target import check_target_runnable, cpu_features, is_cuda, resolve_target, vector_lanes
 from .task_mods import tuning_spec

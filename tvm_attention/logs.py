@@ -40,8 +40,8 @@ from typing import Any, Callable, Iterator
 import tvm
 from tvm.target import Target
 
-from schedules import WORKLOAD_KINDS  # schedules/ sits beside this package
 from .paths import cache_dir
+from .schedules import WORKLOAD_KINDS  # schedules/ of the checkout, installed as tvm_attention.schedules
 from .spec import AttentionSpec
 
 WORKLOAD_FILE = "database_workload.json"
@@ -255,9 +255,9 @@ def _split_lines(path: Path, repair: bool, repaired: list[str],
     return lines
 
 
-#: Tensor intrinsics of our own that a record's trace may name. cpu_bf16's register when the
-#: schedules package is imported; a decode nest's dot intrinsic (one per head_dim and row count)
-#: only when a decode kernel is scheduled, so a fresh process reading a decode tune's log (a
+#: Tensor intrinsics of our own that a record's trace may name. cpu_bf16's register when
+#: tvm_attention.schedules is imported; a decode nest's dot intrinsic (one per head_dim and row
+#: count) only when a decode kernel is scheduled, so a fresh process reading a decode tune's log (a
 #: resumed tune, `build`) must register it before decoding the record.
 _DECODE_DOT = re.compile(r"attn_decode_dot_d(\d+)_r(\d+)(?:_l(\d+))?")
 
@@ -265,7 +265,7 @@ _DECODE_DOT = re.compile(r"attn_decode_dot_d(\d+)_r(\d+)(?:_l(\d+))?")
 def _register_intrinsics(line: str) -> None:
     if "attn_decode_dot_" not in line:
         return
-    from schedules.cpu_decode import dot_intrinsic  # only for a log that names a decode intrinsic
+    from .schedules.cpu_decode import dot_intrinsic  # only for a log that names a decode intrinsic
 
     for d, rows, lanes in set(_DECODE_DOT.findall(line)):  # no _l suffix: AVX-512's 16 lanes
         dot_intrinsic(int(d), int(rows), int(lanes or 16))
@@ -371,7 +371,7 @@ def mean_secs(record) -> float:
 
 def records_for(parsed: ParsedLog, schedule: str) -> Iterator[tuple[Any, Any]]:
     """(workload, record) pairs whose workload schedule ``schedule`` builds (its ``attn.workload``
-    attr, one of ``schedules.WORKLOAD_KINDS[schedule]``: ``fused`` on CUDA tunes and builds the
+    attr, one of ``WORKLOAD_KINDS[schedule]``: ``fused`` on CUDA tunes and builds the
     ``fused_mma`` and ``fused_cuda`` kernels, whose records were skipped when only the name
     ``fused`` matched, so ``build`` never used a CUDA tuning log)."""
     kinds = WORKLOAD_KINDS.get(schedule, (schedule,))

@@ -15,8 +15,7 @@ import tvm_ffi
 from tvm import tirx
 from tvm.target import Target
 
-from schedules import cpu_flash, cuda_fused
-
+from .schedules import cpu_flash, cuda_fused
 from .spec import AttentionSpec
 from .workloads import fused_attention, materialized_attention, rowcache_attention
 

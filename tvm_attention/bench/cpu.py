@@ -15,9 +15,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from schedules.cpu_bf16 import DPBF16_IR, FEATURE
-
 from ..loader import _from_framework
+from ..schedules.cpu_bf16 import DPBF16_IR, FEATURE
 from ..spec import AttentionSpec
 from ..target import resolve_target, target_features, vector_lanes
 from ..threads import num_threads

@@ -36,11 +36,10 @@ import tvm
 import tvm_ffi
 from tvm.target import Target
 
-from schedules import get_schedule
-
 from ..build import knobs_of
 from ..logs import (FAILED_RUN_SECS, RECORD_FILE, for_target, mean_secs, open_database, parse_logs, records_for,
                     replay_record, target_key, tune_lock, tune_work_dir)
+from ..schedules import get_schedule
 from ..spec import AttentionSpec
 from ..target import check_target_runnable, is_cuda, local_cuda_arch, resolve_target, vector_lanes
 from ..task_mods import workload_matches

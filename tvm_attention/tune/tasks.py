@@ -1,6 +1,6 @@
 """Search tasks: one per workload PrimFunc, each with its own design space.
 
-* ``fused``: one task per (block_m, block_n) tile pair of ``schedules.cpu_flash.tile_candidates``
+* ``fused``: one task per (block_m, block_n) tile pair of ``tvm_attention.schedules.cpu_flash.tile_candidates``
   (the tile sizes shape the online-softmax compute, so each pair is its own workload); inside a
   task the space is ``cpu_flash.schedule`` with its decisions sampled (register blocks, head_dim
   unroll, parallel chunk, auto-unroll). The hand preset's tile pair is the first task and the
@@ -22,9 +22,8 @@ from typing import Any
 import tvm
 from tvm.target import Target
 
-from schedules import SCHEDULES, UnknownScheduleError, cpu_flash, cpu_rowcache, cuda_flash, cuda_mma, get_schedule
-from schedules._knobs import KnobError
-
+from ..schedules import SCHEDULES, UnknownScheduleError, cpu_flash, cpu_rowcache, cuda_flash, cuda_mma, get_schedule
+from ..schedules._knobs import KnobError
 from ..spec import AttentionSpec
 from ..task_mods import fused_task_mod, normalize, tunes_as_paged
 from ..workloads import fused_attention, materialized_attention, rowcache_attention
