@@ -121,7 +121,8 @@ def test_failing_variant_is_recorded_not_fatal(monkeypatch):
     by = {r.variant: r for r in res}
     assert by["materialized"].error.startswith("out of memory")
     assert by["fused"].timing is not None and by["fused"].error is None
-    assert by["fused-tuned"].error == "skipped: no tuning log for this spec"
+    assert by["fused-tuned"].error == ("skipped: no tuning log for this spec "
+                                       "(make one: tvm-attention tune with the same spec flags)")
 
 
 def test_constant_token_points():
@@ -150,6 +151,22 @@ def test_compare_side_by_side(tmp_path, capsys):
                "fused", "materialized", "--repeat", "1", "--plot", str(tmp_path / "c.png")])
     assert rc == 0 and (tmp_path / "c.png").read_bytes()[:8] == PNG
     assert "| fused | hand |" in capsys.readouterr().out
+
+
+def test_compare_without_a_tuning_log_is_an_error_that_says_how_to_make_one(capsys, monkeypatch):
+    """``fused-tuned`` with no log for the spec: nothing is built or timed, and the command line
+    says so as its error (exit 2, no traceback) with the folders looked in and ``tvm-attention tune``."""
+    from tvm_attention.bench import compare as cmp
+    from tvm_attention.logs import NoTuningLog
+
+    monkeypatch.setattr(cmp, "build_kernel", lambda *a, **k: pytest.fail("built before the missing log was found"))
+    spec = AttentionSpec(batch=1, heads=2, seq_q=96, head_dim=64)  # no committed log, an empty user cache
+    with pytest.raises(NoTuningLog, match="tvm-attention tune"):
+        compare(spec, ["fused", "fused-tuned"], repeat=1)
+    rc = main(["compare", "--batch", "1", "--heads", "2", "--seq-q", "96", "--head-dim", "64", "fused", "fused-tuned"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("tvm-attention compare: error: no tuning log for b1_h2_kv2_q96_k96_d64")
+    assert "tvm-attention tune" in err and "tuning_logs" in err
 
 
 def test_roof_is_the_fma_peak_of_a_tvm_loop():

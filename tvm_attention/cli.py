@@ -310,7 +310,7 @@ def log_line(schedule: dict) -> str:
     if sel.get("tuned_log"):
         return f"{sel['tuned_log']}: its record ran slower here than the hand schedule, which was kept"
     if schedule.get("logs_searched"):
-        return f"none: no record for this spec and target in {', '.join(schedule['logs_searched'])}"
+        return f"none: no record for this spec and target in {', '.join(schedule['logs_searched'])} (make one: tvm-attention tune)"
     return "none: the hand schedule was asked for (--no-log or --knobs)" if schedule.get("source") == "hand" else "?"
 
 

@@ -58,6 +58,12 @@ class LogLocked(RuntimeError):
     """Another tune holds the folder's lock; the message names the folder and the holder's pid."""
 
 
+class NoTuningLog(LookupError, RuntimeError):
+    """No log has a record for this spec, schedule and target, where one is required (``compare``'s
+    ``fused-tuned``); the message names the folders looked in and says how to make one
+    (:data:`TUNE_HINT`). A RuntimeError too: the command line reports it as an error (exit 2)."""
+
+
 class LogWarning(UserWarning):
     """A log line a reader skipped (when no ``say`` callback was given)."""
 
@@ -65,6 +71,8 @@ class LogWarning(UserWarning):
 #: What to do when no log has a record: said wherever a log is missing (build, run, compare)
 TUNE_HINT = ("Make one: tvm-attention tune with the same spec flags (e.g. tvm-attention tune --seq-q 1024 "
              "--causal --trials 64), then build again")
+#: :data:`TUNE_HINT` where a line has room for a few words only (a skipped sweep point, ``inspect``)
+TUNE_HINT_SHORT = "make one: tvm-attention tune with the same spec flags"
 #: The package the committed logs install as (pyproject.toml maps ``tuning_logs/`` of the
 #: checkout to it): an installed package finds them wherever it is run from.
 LOGS_PACKAGE = "tvm_attention.tuning_logs"

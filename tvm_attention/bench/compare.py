@@ -1,7 +1,8 @@
 """``tvm-attention compare``: several schedules of one spec, side by side.
 
 Each entry is a built kernel: a hand preset (``fused``, ``materialized``, ``rowcache``), a hand
-knob set (``fused:{"block_n": 128}``), the best tuned record (``fused-tuned``), or a build with
+knob set (``fused:{"block_n": 128}``), the best tuned record (``fused-tuned``; with no log for the
+spec on this CPU nothing is built: ``logs.NoTuningLog`` says how to make one), or a build with
 batch, seq_q and seq_kv symbolic (``fused-dyn``, ``fused-dyn:{knobs}``; timed at the spec's shape,
 and next to its static twin the table is followed by the ratio static time / dynamic time). For each: knobs
 (or trace summary), audit verdict, on-chip bytes per tile (local/shared allocations of the final
@@ -17,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from ..build import build_from_record, build_kernel
-from ..logs import TUNE_HINT, best_records, default_work_dir, search_dirs
+from ..logs import TUNE_HINT, NoTuningLog, best_records, default_work_dir, search_dirs
 from ..reference import reference_attention
 from ..spec import DYNAMIC_DIMS, AttentionSpec
 from ..target import resolve_target
@@ -57,16 +58,24 @@ def parse_entry(text: str) -> tuple[str, str, dict | None]:
     return text, name, None
 
 
-def build_entry(spec: AttentionSpec, text: str):
+def tuned_record(spec: AttentionSpec, schedule: str):
+    """(target, (workload, record)): the best record of ``schedule`` for ``spec`` on this CPU;
+    :class:`NoTuningLog`, naming the folders looked in and how to make one, when no log has one."""
+    target = resolve_target("llvm")
+    recs = best_records(spec, target, schedule, default_work_dir(spec, target), k=1)
+    if not recs:
+        raise NoTuningLog(f"no tuning log for {spec.short_name()} ({schedule}) on this target: looked in "
+                          f"{', '.join(str(d) for d in search_dirs(spec, target))}. {TUNE_HINT}")
+    return target, recs[0]
+
+
+def build_entry(spec: AttentionSpec, text: str, tuned: dict | None = None):
+    """(label, built kernel) of one entry; ``tuned``: schedule -> :func:`tuned_record`, already read."""
     label, name, knobs = parse_entry(text)
     if name.endswith("-tuned"):
         schedule = name[: -len("-tuned")]
-        target = resolve_target("llvm")
-        recs = best_records(spec, target, schedule, default_work_dir(spec, target), k=1)
-        if not recs:
-            raise LookupError(f"no tuning log for {spec.short_name()} ({schedule}) on this target: looked in "
-                              f"{', '.join(str(d) for d in search_dirs(spec, target))}. {TUNE_HINT}")
-        return label, build_from_record(spec, schedule, target, *recs[0])
+        target, rec = (tuned or {}).get(schedule) or tuned_record(spec, schedule)
+        return label, build_from_record(spec, schedule, target, *rec)
     if name.endswith(DYN_SUFFIX) and name[: -len(DYN_SUFFIX)] in SCHEDULES:
         # representative = the spec's shape: same knobs, same inputs, only the signature differs
         dyn = dataclasses.replace(spec, dynamic=DYNAMIC_DIMS)
@@ -80,6 +89,10 @@ def build_entry(spec: AttentionSpec, text: str):
 def compare(spec: AttentionSpec, entries: list[str], repeat: int = 5) -> list[Entry]:
     import tvm
 
+    # A missing log is the user's to make (NoTuningLog: the CLI's error, exit 2), not a row of the
+    # table: found before anything is built.
+    names = [text.partition(":")[0] for text in entries]
+    tuned = {n[: -len("-tuned")]: tuned_record(spec, n[: -len("-tuned")]) for n in names if n.endswith("-tuned")}
     q, k, v, o = aligned_inputs(spec)
     rows = np.unique(np.linspace(0, spec.seq_q - 1, num=min(32, spec.seq_q)).astype(int))
     ref = reference_attention(spec, q, k, v, rows=rows)
@@ -87,7 +100,7 @@ def compare(spec: AttentionSpec, entries: list[str], repeat: int = 5) -> list[En
     for text in entries:
         e = Entry(text)
         try:
-            label, built = build_entry(spec, text)
+            label, built = build_entry(spec, text, tuned)
             e.source = built.source
             e.knobs = built.knobs.to_dict() if built.knobs else None
             e.audit = built.audit.verdict

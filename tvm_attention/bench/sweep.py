@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 
 from ..build import build_kernel
-from ..logs import best_records, default_work_dir
+from ..logs import TUNE_HINT_SHORT, best_records, default_work_dir
 from ..pipeline import build_best
 from ..reference import reference_attention
 from ..spec import DYNAMIC_DIMS, AttentionSpec
@@ -115,7 +115,7 @@ def _tvm_runner(spec: AttentionSpec, variant: str) -> tuple[Any, str]:
     if variant == "fused-tuned":
         work = default_work_dir(spec, resolve_target("llvm"))
         if not best_records(spec, resolve_target("llvm"), "fused", work, k=1):
-            raise Skip("no tuning log for this spec")
+            raise Skip(f"no tuning log for this spec ({TUNE_HINT_SHORT})")
         built, validation = build_best(spec, schedule="fused", log_dir=work)  # the log's record itself
         if not validation.passed:
             raise RuntimeError("tuned build failed validation")
