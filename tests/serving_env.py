@@ -6,14 +6,24 @@
 
 Made offline for the tests: the three distributions (and their requirements) are linked from this
 interpreter's installed copies, the project is installed with ``pip install --no-deps``.
+
+:func:`make_full` makes the *full* install the same way — everything ``pip install .`` brings
+(``project_requirements``: the compiler, the tuner's xgboost, ...) — for the tests of an installed
+package (tests/test_install.py). Both build a wheel from a copy of the checkout's tracked files
+(``source_copy``: the build writes build/ and *.egg-info into the tree it builds, which parallel
+test workers must not share) and install it with ``pip --python <venv>`` (not editable), so the
+venv's ``bin/tvm-attention`` runs the venv's python. Run the venv's python with :func:`env`: a
+``PYTHONPATH`` naming the checkout would import the checkout instead of the install.
 """
 from __future__ import annotations
 
 import importlib.metadata as md
+import os
 import re
+import shutil
 import subprocess
 import sys
-import sysconfig
+import tempfile
 from pathlib import Path
 
 SERVING = ("apache-tvm-ffi", "numpy", "ml_dtypes")
@@ -55,19 +65,82 @@ def _closure(names) -> list[md.Distribution]:
     return out
 
 
-def make(root: Path) -> Path:
-    """Create the environment under ``root``; returns its python."""
+def project_requirements() -> list[str]:
+    """The distributions pyproject.toml's ``[project] dependencies`` name (what ``pip install .``
+    brings), and ``ml_dtypes`` where it is installed (bfloat16 and float8 arrays)."""
+    import tomllib  # Python 3.11+: the full install's tests need it, the serving env does not
+
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    names = [re.split(r"[ <>=!~\[(;]", d.strip(), maxsplit=1)[0] for d in deps]
+    try:
+        md.distribution("ml_dtypes")
+        names.append("ml_dtypes")
+    except md.PackageNotFoundError:
+        pass
+    return names
+
+
+def env() -> dict[str, str]:
+    """This process's environment without ``PYTHONPATH``: for the venv's python and scripts."""
+    return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+
+def source_copy(dst: Path, repo: Path = REPO) -> Path:
+    """The files a build of ``repo`` reads (tracked, or new and not ignored), copied to ``dst``;
+    without git (an unpacked sdist), the tree less its build outputs."""
+    parts = ["pyproject.toml", "README.md", "tvm_attention", "schedules", "tuning_logs"]
+    try:
+        listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard", "--", *parts],
+                                cwd=repo, check=True, capture_output=True).stdout.decode().split("\0")
+    except (OSError, subprocess.CalledProcessError):
+        shutil.copytree(repo, dst, ignore=shutil.ignore_patterns("build", "dist", "*.egg-info", "__pycache__", ".git"))
+        return dst
+    for rel in filter(None, listed):
+        if (repo / rel).is_file():  # a file deleted but not yet committed is listed too
+            (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(repo / rel, dst / rel)
+    return dst
+
+
+def _venv(root: Path, distributions) -> tuple[Path, Path]:
+    """A venv without pip at ``root`` whose site-packages links ``distributions`` (and what they
+    require) from this interpreter; (its python, its site-packages)."""
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True)
     python = root / "bin" / "python"
     site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                                check=True, capture_output=True, text=True).stdout.strip())
-    base = Path(sysconfig.get_paths()["purelib"])
-    for dist in _closure(SERVING):
+    for dist in _closure(distributions):
         tops = {Path(str(f)).parts[0] for f in dist.files or [] if not str(f).startswith("..")}
         for top in tops - {"bin", "__pycache__"}:
             src = Path(dist.locate_file(top))
             if src.exists() and not (site / top).exists():
                 (site / top).symlink_to(src)
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-compile",
-                    "--target", str(site), str(REPO)], check=True, capture_output=True)
+    return python, site
+
+
+def _install_project(python: Path) -> None:
+    """``pip install --no-deps .`` of this checkout into ``python``'s venv, from a wheel built from a
+    copy (the checkout's tree is left alone)."""
+    with tempfile.TemporaryDirectory(prefix="tvma-install-") as tmp:
+        src = source_copy(Path(tmp) / "src")
+        subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                        "-w", str(Path(tmp) / "wheel"), str(src)], check=True, capture_output=True)
+        wheel = next((Path(tmp) / "wheel").glob("*.whl"))
+        subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps",
+                        "--no-index", "--no-compile", str(wheel)], check=True, capture_output=True)
+
+
+def make(root: Path) -> Path:
+    """Create the serving environment under ``root``; returns its python."""
+    python, _ = _venv(root, SERVING)
+    _install_project(python)
+    return python
+
+
+def make_full(root: Path) -> Path:
+    """Create an environment under ``root`` holding what ``pip install .`` installs (every
+    requirement, the compiler included; not editable); returns its python (``bin/tvm-attention``
+    beside it)."""
+    python, _ = _venv(root, project_requirements())
+    _install_project(python)
     return python

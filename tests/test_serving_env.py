@@ -73,7 +73,7 @@ def test_every_cpu_artifact_runs_with_tvm_ffi_alone_and_matches(env):
         print(json.dumps({{"tvm": [m for m in sys.modules if m == "tvm" or m.startswith("tvm.")],
                           "seconds": time.perf_counter() - t0}}))
     """)
-    r = subprocess.run([str(python), "-c", script], capture_output=True, text=True, timeout=300)
+    r = subprocess.run([str(python), "-c", script], capture_output=True, text=True, timeout=300, env=serving_env.env())
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads(r.stdout.strip().splitlines()[-1])
     assert report["tvm"] == []  # nothing imported tvm
@@ -87,9 +87,9 @@ def test_every_cpu_artifact_runs_with_tvm_ffi_alone_and_matches(env):
 
 def test_the_serving_env_cannot_import_the_compiler(env):
     python, _, _ = env
-    r = subprocess.run([str(python), "-c", "import tvm"], capture_output=True, text=True)
+    r = subprocess.run([str(python), "-c", "import tvm"], capture_output=True, text=True, env=serving_env.env())
     assert r.returncode != 0 and "No module named 'tvm'" in r.stderr
-    r = subprocess.run([str(python), "-c", "import xgboost"], capture_output=True, text=True)
+    r = subprocess.run([str(python), "-c", "import xgboost"], capture_output=True, text=True, env=serving_env.env())
     assert r.returncode != 0
 
 
@@ -165,7 +165,7 @@ def test_an_installed_package_ships_the_committed_tuning_logs(env):
         base = Path(list(spec.submodule_search_locations)[0])
         print(json.dumps(sorted(str(p.relative_to(base)) for p in base.rglob("*.json"))))
     """)
-    out = subprocess.run([str(python), "-c", script], cwd=root, capture_output=True, text=True)
+    out = subprocess.run([str(python), "-c", script], cwd=root, capture_output=True, text=True, env=serving_env.env())
     assert out.returncode == 0, out.stderr
     shipped = json.loads(out.stdout)
     committed = sorted(str(p.relative_to(repo_logs_root())) for p in repo_logs_root().rglob("*.json"))
