@@ -197,11 +197,11 @@ def test_run_in_the_runtime_only_install_says_it_needs_the_full_install(tmp_path
 
     python = serving_env.make(tmp_path / "venv")
     proc = subprocess.run([str(python), "-m", "tvm_attention.cli", "run"], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=120, env=serving_env.env())
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr
     assert proc.stderr.startswith("tvm-attention run: error: `run` compiles kernels, which needs the full install")
     assert "'tvm'" in proc.stderr
     version = subprocess.run([str(python), "-m", "tvm_attention.cli", "--version"], cwd=tmp_path, capture_output=True,
-                             text=True, timeout=60)
+                             text=True, timeout=60, env=serving_env.env())
     assert version.returncode == 0 and "apache-tvm not installed" in version.stdout

@@ -75,7 +75,8 @@ def test_readme_and_docs_python_blocks_run(tmp_path, monkeypatch):
     python = serving_env.make(tmp_path / "venv")
     for block in serving:
         check = block + "\nimport sys\nassert not any(m == 'tvm' or m.startswith('tvm.') for m in sys.modules)\n"
-        proc = subprocess.run([str(python), "-c", check], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        proc = subprocess.run([str(python), "-c", check], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                              env=serving_env.env())
         assert proc.returncode == 0, f"a serving block failed without tvm:\n{block}\n{proc.stderr[-2000:]}"
 
 

@@ -731,7 +731,7 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     try:
         return a.func(a)
-    except (SpecError, ValueError, RuntimeError, LookupError) as e:
+    except (SpecError, ValueError, RuntimeError) as e:
         print(f"tvm-attention {a.command}: error: {e}", file=sys.stderr)
         return 2
     except ModuleNotFoundError as e:
