@@ -149,7 +149,7 @@ def test_help_explains_every_flag_and_shows_defaults(capsys):
             for a in p._actions if not a.help and a.dest != "help"]
     assert not bare, f"flags without help text: {bare}"
     for argv, needles in [
-        (["--help"], ["Build, audit, validate, export and run fused attention", "tvm-attention run"]),
+        (["--help"], ["Build, audit, validate, export and run fused attention", "Start with: tvm-attention run"]),
         (["run", "--help"], ["The main job: build the default spec", "--seq-q SQ", "(default: 1024)",
                              "query heads (default: 8)", "head dimension (default: 64)"]),
         (["build", "--help"], ["--batch B --seq-q SQ", "required with --layout bhsd"]),

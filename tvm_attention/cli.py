@@ -817,11 +817,11 @@ def version_line() -> str:
 DESCRIPTION = """Build, audit, validate, export and run fused attention kernels, O = softmax(Q·Kᵀ·scale + mask)·V,
 generated with Apache TVM for this CPU (or offline for CUDA).
 
-Start with `tvm-attention run`: the main job on a default spec. Every command and flag: docs/cli.md."""
+Start with: tvm-attention run (the main job, on a default spec). Every command and flag: docs/cli.md."""
 
 RUN_DESCRIPTION = """The main job: build the default spec (float32, B=1, H=8, Sq=Skv=1024, D=64, not causal) for this
 CPU, or the spec the flags give; audit its lowered IR for fusion; validate it against the float64 NumPy
-reference; time it; and export it to artifacts/<schedule>_<spec>/ (--out to choose). Takes every `build`
+reference; time it; and export it to artifacts/<schedule>_<spec>/ (--out to choose). Takes every build
 flag, each with a default (below). The target must be one this machine can run: llvm (the default, this
 CPU) or a JSON llvm target whose CPU features this host has."""
 
@@ -844,7 +844,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def build_parser() -> "_Parser":
     """The whole command line; ``.commands`` maps each command to its parser."""
     parser = _Parser(prog="tvm-attention", description=DESCRIPTION)
-    parser.add_argument("--version", action="version", version=version_line())
+    parser.add_argument("--version", action="version", version=version_line(),
+                        help="print the versions of tvm-attention, apache-tvm and apache-tvm-ffi, and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("build", help="build, audit, validate and export one kernel", description=BUILD_DESCRIPTION,
