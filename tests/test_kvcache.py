@@ -451,7 +451,8 @@ def test_paged_decode_is_tuned_in_pages(tmp_path):
     from tvm.s_tir import meta_schedule as ms
 
     from tvm_attention.target import resolve_target
-    from tvm_attention.tune.driver import _skip_tensor_intrin_import, tune
+    from tvm_attention.tune.driver import tune
+    from tvm_attention.tvm_internals import skip_tensor_intrin_import
     from tvm_attention.logs import best_records, tune_work_dir
     from tvm_attention.tune.paged import AllocInputs
     from tvm_attention.task_mods import tuning_spec, workload_matches
@@ -488,7 +489,7 @@ def test_paged_decode_is_tuned_in_pages(tmp_path):
     # generating the space of a task whose kernel holds the split and the unsplit nest leaves its
     # module as it was (unsimplified, it did not)
     before = tvm_ffi.structural_hash(tasks[0].mod)
-    with _skip_tensor_intrin_import():  # as tune() does: TuneContext's import of them takes ~30 s
+    with skip_tensor_intrin_import():  # as tune() does: TuneContext's import of them takes ~30 s
         ctx = ms.TuneContext(mod=tasks[0].mod, target=target, space_generator=tasks[0].space, task_name=names[0],
                              search_strategy=ms.search_strategy.ReplayTrace(), num_threads=1)
     ctx.generate_design_space()

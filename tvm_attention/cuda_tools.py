@@ -14,6 +14,8 @@ import subprocess
 import tempfile
 from typing import Any
 
+from .tvm_internals import ptxas_option_flags
+
 #: Per-SM limits for the occupancy estimate (CUDA programming guide, compute capability table);
 #: ``block_shared``: the most shared memory one block may take, dynamic shared memory opted in
 #: beyond the 48 KiB of static shared memory (``cudaFuncAttributeMaxDynamicSharedMemorySize``,
@@ -93,11 +95,8 @@ def nvcc_flags() -> list[str]:
     ``TVM_CUDA_COMPILE_MODE=nvcc`` path), so that the report describes the code that runs:
     ``-O3 --use_fast_math`` and ptxas's ``--register-usage-level=10`` (TVM's default; at nvcc's
     own default ptxas capped registers lower and spilled where TVM's build does not)."""
-    try:
-        from tvm.support.nvcc import _ptxas_option_flags
-
-        ptxas = _ptxas_option_flags()
-    except ImportError:  # another TVM: its flags are unknown, keep ptxas verbose at least
+    ptxas = ptxas_option_flags()
+    if ptxas is None:  # another TVM: its flags are unknown, keep ptxas verbose at least
         ptxas = ["-v"]
     if "-v" not in ptxas:
         ptxas = ["-v", *ptxas]

@@ -36,6 +36,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .errors import SpecError
+from .tvm_internals import tir_expr_types
 
 #: modifier kind -> its parameters (their names in the source are the user's own)
 PARAMS = {"score_mod": ("score", "b", "h", "q_idx", "kv_idx"), "mask_mod": ("b", "h", "q_idx", "kv_idx")}
@@ -55,9 +56,7 @@ def _tir():
 
 def _is_tir(*xs) -> bool:
     """Whether any of ``xs`` is a TIR expression (else all are numbers or NumPy arrays)."""
-    from tvm.ir import _overload_prim_expr, expr
-
-    return any(isinstance(x, (expr.Expr, _overload_prim_expr.ExprOp)) for x in xs)
+    return any(isinstance(x, tir_expr_types()) for x in xs)
 
 
 def _dtype(x) -> str:

@@ -17,6 +17,7 @@ from tvm.target import Target
 
 from .schedules import cpu_flash, cuda_fused
 from .spec import AttentionSpec
+from .tvm_internals import normalize_mod
 from .workloads import fused_attention, materialized_attention, rowcache_attention
 
 
@@ -89,10 +90,7 @@ def specialize(func: tirx.PrimFunc, spec: AttentionSpec) -> tirx.PrimFunc:
 
 def normalize(func) -> tvm.IRModule:
     """``func`` as MetaSchedule keys a workload (an IRModule with one ``main``)."""
-    # MetaSchedule loads on first use: a build without a tuning log never needs it
-    from tvm.s_tir.meta_schedule.tune_context import _normalize_mod
-
-    return _normalize_mod(func)
+    return normalize_mod(func)  # MetaSchedule loads on first use: a build without a tuning log never needs it
 
 
 @functools.lru_cache(maxsize=64)

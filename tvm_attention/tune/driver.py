@@ -28,7 +28,6 @@ import signal
 import sys
 import threading
 import time
-import types
 from pathlib import Path
 from typing import Any, Callable
 
@@ -44,6 +43,8 @@ from ..spec import AttentionSpec
 from ..target import check_target_runnable, is_cuda, local_cuda_arch, resolve_target, vector_lanes
 from ..task_mods import workload_matches
 from ..threads import set_num_threads
+from ..tvm_internals import (POPEN_WORKER_MODULE, local_builder_parts, local_runner_class, mark_pool_shut_down,
+                             pool_worker_processes, skip_tensor_intrin_import)
 from .paged import AllocInputs
 from .rpc import _port_open, is_rpc_failure, parse_tracker, tracker_status
 from .tasks import TaskDef, make_tasks
@@ -153,7 +154,7 @@ def _kill_workers() -> None:
 
         for child in psutil.Process().children():
             try:
-                if "tvm.exec.popen_worker" in child.cmdline():
+                if POPEN_WORKER_MODULE in child.cmdline():
                     child.kill()
             except psutil.Error:
                 pass
@@ -273,10 +274,7 @@ def _reset_rpc_runner(runner):
 
     # Kill the worker processes themselves: PopenWorker.kill() would close the pipe that the
     # pool's thread is blocked reading, and deadlock. A killed worker's reader gets EOF instead.
-    for worker in list(getattr(runner.pool, "_worker_map", {}).values()):
-        proc = getattr(worker, "_proc", None)
-        if proc is None:
-            continue
+    for proc in pool_worker_processes(runner.pool):
         try:
             for child in psutil.Process(proc.pid).children(recursive=True):
                 child.kill()
@@ -285,7 +283,7 @@ def _reset_rpc_runner(runner):
             pass
     # Never call the old pool's shutdown (nor let its __del__ do it): it would kill() the workers
     # again through the blocked pipes. Its threads end on their own once the workers' pipes close.
-    runner.pool._shutdown = True
+    mark_pool_shut_down(runner.pool)
     fresh = ms.runner.RPCRunner(rpc_config=runner.rpc_config, evaluator_config=runner.evaluator_config,
                                 max_workers=runner.tvm_attention_workers, initializer=ignore_sigint,
                                 f_alloc_argument=runner.f_alloc_argument)
@@ -312,23 +310,6 @@ def _fleet_line(runner) -> str:
     except Exception:
         return "  [tracker unreachable]"
     return f"  [rpc {key}: {st['servers']} server(s), {st['free']} free]"
-
-
-@contextlib.contextmanager
-def _skip_tensor_intrin_import():
-    """TuneContext() imports tvm.s_tir.tensor_intrin only to register tensorize intrinsics
-    (~30 s: it parses ~500 TVMScript functions). Our spaces tensorize nothing, so while the
-    contexts are created a placeholder stands in for it; it is removed afterwards, so a later
-    real import still works."""
-    name = "tvm.s_tir.tensor_intrin"
-    if name in sys.modules:
-        yield
-        return
-    sys.modules[name] = types.ModuleType(name)
-    try:
-        yield
-    finally:
-        sys.modules.pop(name, None)
 
 
 def _fmt_time(s: float) -> str:
@@ -517,7 +498,7 @@ def _warm_start(cost_model, warm_dir, schedule: str, target: Target, want: str, 
         entry[2].append(ms.runner.RunnerResult(list(rec.run_secs), None))
     n = 0
     for wl, cands, results in by_wl.values():
-        with _skip_tensor_intrin_import():
+        with skip_tensor_intrin_import():
             ctx = ms.TuneContext(mod=wl.mod, target=target, task_name="warm_start", num_threads=threads)
         cost_model.update(ctx, cands, results)
         n += len(cands)
@@ -540,11 +521,12 @@ def keep_workers() -> bool:
 @functools.lru_cache(maxsize=1)
 def _lean_builder_class():
     from tvm.s_tir import meta_schedule as ms
-    from tvm.s_tir.meta_schedule.builder.local_builder import _serialize_params, _worker_func
     from tvm.support.popen_pool import PopenPoolExecutor, StatusKind
 
     # the plain Python class under TVM's object wrapper: the loop calls build() from Python
-    class LeanBuilder(ms.builder.LocalBuilder._cls):
+    local_builder, _worker_func, _serialize_params = local_builder_parts()
+
+    class LeanBuilder(local_builder):
         """MetaSchedule's LocalBuilder with ``lean_build``, with one pool for every round.
 
         TVM's starts a fresh pool for every batch (its workers grew in memory over many uses)
@@ -601,7 +583,7 @@ def _local_workers(spec: AttentionSpec, threads: int):
         builder, runner = _KEPT.pop(key)
     else:
         builder = _new_builder(threads)
-        runner = ms.runner.LocalRunner._cls(
+        runner = local_runner_class()(
             timeout_sec=120,
             evaluator_config=ms.runner.EvaluatorConfig(number=1, repeat=3, min_repeat_ms=100,
                                                        enable_cpu_cache_flush=False),
@@ -679,7 +661,7 @@ class _Tune:
         for msg in self.parsed.repaired:
             self.progress(f"warning: {msg}")
         for i, d in enumerate(defs):
-            with contextlib.nullcontext() if d.needs_tensor_intrin else _skip_tensor_intrin_import():
+            with contextlib.nullcontext() if d.needs_tensor_intrin else skip_tensor_intrin_import():
                 # a one-point space (a decode task) needs no search: the evolutionary one would
                 # replay its trace for a population of 64 first (13-21 s a task), random sampling
                 # replays it once per candidate of the round
