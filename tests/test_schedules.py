@@ -92,24 +92,3 @@ def test_knob_sets_all_correct_and_fused(knobs):
     ref = reference_attention(SPEC, q, k, v)
     assert np.allclose(out, ref, atol=1e-4, rtol=1e-4), report(out, ref)
     assert built(SPEC, knobs=key).audit.fused
-
-
-def test_faster_macro_expansion_gives_the_same_ir(monkeypatch):
-    """workloads._script_speed replaces two TVMScript methods with cheaper ones: the IR they parse
-    must be TVM's own, for a prefill (the tile macros), a paged decode step (the tiers) and varlen."""
-    import tvm_ffi
-    from tvm.script.parser.core.parser import ScriptMacro
-
-    from tvm_attention.workloads import _script_speed, fused_attention
-
-    assert _script_speed.INSTALLED and set(_script_speed.ORIGINAL) == {"_find_parser_def", "get_macro_def"}
-    specs = [AttentionSpec(batch=1, heads=2, seq_q=96, seq_kv=160, head_dim=64, causal=True),
-             AttentionSpec(batch=2, heads=4, kv_heads=2, seq_q=1, seq_kv=256, head_dim=64, layout="paged",
-                           page_size=16),
-             AttentionSpec(batch=2, heads=2, seq_q=64, head_dim=32, layout="varlen", causal=True)]
-    fast = [fused_attention(s, 32, 64) for s in specs]
-    for name, fn in _script_speed.ORIGINAL.items():
-        monkeypatch.setattr(ScriptMacro, name, fn)
-    slow = [fused_attention(s, 32, 64) for s in specs]
-    for s, a, b in zip(specs, fast, slow):
-        assert tvm_ffi.structural_equal(a, b), s.short_name()

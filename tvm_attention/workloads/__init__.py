@@ -4,7 +4,6 @@ Every room (CLI, tests, tuning, benchmarks) gets its PrimFuncs from here.
 """
 from __future__ import annotations
 
-from . import _script_speed  # noqa: F401 - faster macro expansion, same IR (see its docstring)
 from .fused import fused_attention
 from .fused_cuda import fused_attention_cuda
 from .fused_mma import fused_attention_mma

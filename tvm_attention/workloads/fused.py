@@ -48,6 +48,7 @@ from tvm.script import tirx as T
 from ..layouts import fully_static
 from ..modifiers import instantiate, tensor_dim_name
 from ..spec import DATA_ALIGNMENT as A, ENTRY, MAX_SEQ_LEN, AttentionSpec
+from ..tvm_internals import fast_macros
 from ..visibility import Visibility, all_of
 from ._math import (KV_UNIT, LOG2E, bf16_bits, bf16_value, cast_to, exp2_fast, f32, f32_to_kv, guarded, kv_to_f32,
                     lse_of, normalize, normalize_seen, normalize_where, tanh_fast, with_sink)
@@ -56,6 +57,7 @@ from .kv import dim, kv_layout
 CACHE_LINE = 64  # bytes (x86)
 
 
+@fast_macros  # TVMScript macro expansion without its costly stack walk, only while this generates
 def fused_attention(spec: AttentionSpec, block_m: int, block_n: int, decode_rows: tuple[int, ...] = (),
                     split_tasks: int = 0, stage_k_below: int = 0, dot_bf16: bool = False,
                     prefetch: int = 0, decode_heads: int = 1) -> tirx.PrimFunc:

@@ -38,6 +38,7 @@ from tvm.script import tirx as T
 
 from ..cuda_tools import shared_scope
 from ..spec import ENTRY, AttentionSpec
+from ..tvm_internals import fast_macros
 from ..visibility import Visibility
 from ._math import KV_UNIT, LOG2E, exp2_fast, guarded, kv_to_f32, lse_of, normalize, normalize_where, tanh_fast, with_sink
 from .fused import MIN_SPLIT_KEYS, n_splits
@@ -308,6 +309,7 @@ def _simt_pv_store_macros(k: _Simt):
     return pv, store
 
 
+@fast_macros  # TVMScript macro expansion without its costly stack walk, only while this generates
 def fused_attention_cuda(
     spec: AttentionSpec, block_m: int, block_n: int, threads_per_row: int, emulate: bool = False,
     split_tasks: int = 0,

@@ -55,6 +55,7 @@ from tvm.script import tirx as T
 
 from ..cuda_tools import shared_scope
 from ..spec import ENTRY, AttentionSpec
+from ..tvm_internals import fast_macros
 from ..visibility import Visibility
 from ._math import LOG2E, guarded, lse_of
 from .fused_cuda import flat_offset, kernel_func, kv_byte, kv_reader
@@ -587,6 +588,7 @@ def _mma_store(x):
     return store
 
 
+@fast_macros  # TVMScript macro expansion without its costly stack walk, only while this generates
 def fused_attention_mma(
     spec: AttentionSpec, warps: int, block_n: int, stages: int, m_tiles: int = 1, emulate: bool = False,
     split_tasks: int = 0,

@@ -37,6 +37,7 @@ from tvm.script import tirx as T
 
 from ..layouts import INDEX_ERROR_ARG, INDEX_ERROR_BITS, has_index_arrays
 from ..spec import MAX_SEQ_LEN, AttentionSpec
+from ..tvm_internals import fast_macros
 
 _KIND = tvm.ir.StringImm("ValueError")
 
@@ -458,6 +459,7 @@ def _guard(stmt, cond, emulate: bool, found: list) -> tirx.Stmt:
     return stmt
 
 
+@fast_macros  # TVMScript macro expansion without its costly stack walk, only while this generates
 def with_device_index_checks(mod: tvm.IRModule, spec: AttentionSpec, emulate: bool = False) -> tvm.IRModule:
     """``mod`` (a CUDA kernel's module, scheduled, before lowering; or its ``emulate=True`` form,
     which builds for the CPU) whose ``main`` takes one more argument, last: ``index_error (1,)
