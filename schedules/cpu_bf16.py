@@ -24,10 +24,10 @@ into one instruction. Decisions are :mod:`cpu_flash`'s (``s_rows``, ``pv_rows``,
 from __future__ import annotations
 
 from tvm import s_tir
-from tvm.s_tir import TensorIntrin
 from tvm.script import tirx as T
 
 from ..spec import AttentionSpec
+from ..tvm_internals import register_tensor_intrin
 from ..workloads._math import bf16_value
 
 from .cpu_space import (AUTO_UNROLL_STEPS, PARALLEL_CHUNKS, has_block, max_pv_rows, max_s_rows, sample_choice, sample_tile,
@@ -113,10 +113,7 @@ def _register() -> None:
                                                       _ILV_LANES)
 
     for name, desc, impl in ((DP, dp_desc, dp_impl), (ILV, ilv_desc, ilv_impl)):
-        try:
-            TensorIntrin.register(name, desc, impl)
-        except Exception:  # noqa: BLE001 - registered earlier in this process
-            pass
+        register_tensor_intrin(name, desc, impl)  # once per process (this module may load twice)
 
 
 _register()

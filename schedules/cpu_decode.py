@@ -25,10 +25,10 @@ from __future__ import annotations
 import dataclasses
 
 from tvm import s_tir, tirx
-from tvm.s_tir import TensorIntrin
 from tvm.script import tirx as T
 
 from ..spec import AttentionSpec
+from ..tvm_internals import register_tensor_intrin
 
 from .cpu_space import has_block
 
@@ -172,10 +172,7 @@ def dot_intrinsic(D: int, rows: int, lanes: int = 16) -> str:
             else:
                 S[0] = S[0] + _dot(K, Q, D, rows, lanes)
 
-    try:
-        TensorIntrin.register(name, desc, impl)
-    except Exception:  # noqa: BLE001 - registered earlier in this process (another module load)
-        pass
+    register_tensor_intrin(name, desc, impl)  # registered already (another load of this module): checked equal
     _REGISTERED.add(name)
     return name
 
