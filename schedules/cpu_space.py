@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 from tvm import s_tir
+from tvm.s_tir.schedule import ScheduleError
 
 
 # -- hardware limits the feasibility check names -------------------------------------------------
@@ -54,6 +55,6 @@ def has_block(sch: s_tir.Schedule, name: str) -> bool:
     """Whether ``sch`` has a block named ``name``."""
     try:
         sch.get_sblock(name)
-    except Exception:  # noqa: BLE001 - ScheduleError: no such block
+    except ScheduleError:  # no such block (a wrong argument raises TypeError: a bug, not an absence)
         return False
     return True

@@ -343,10 +343,12 @@ def parse_logs(work_dir: str | os.PathLike, repair: bool = False,
             if workloads[idx] is None:
                 bad(f"{where}: refers to workload #{idx}, whose line was skipped")
                 continue
+            # outside the try: registering our own intrinsic is no decoding of the line, and an error
+            # there is a bug of ours, not a bad line
+            _register_intrinsics(line)
             try:
-                _register_intrinsics(line)
                 rec = ms.database.TuningRecord.from_json(obj[1], workloads[idx])
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - TVM's decoder raises several types on a bad record
                 bad(f"{where}: tuning record cannot be decoded ({type(e).__name__}: {str(e)[:120]})")
                 continue
             if rec.run_secs is None or not len(rec.run_secs):

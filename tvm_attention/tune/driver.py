@@ -158,7 +158,7 @@ def _kill_workers() -> None:
                     child.kill()
             except psutil.Error:
                 pass
-    except Exception:
+    except Exception:  # noqa: BLE001 - best effort on the way to a hard exit (no psutil: nothing to kill)
         pass
 
 
@@ -296,7 +296,7 @@ def _servers_left(runner) -> int:
     host, port, key = runner.tvm_attention_tracker
     try:
         return tracker_status(host, port, key, timeout=10)["servers"]
-    except Exception:
+    except Exception:  # noqa: BLE001 - a network probe: an unreachable or confused tracker has no server for us
         return 0
 
 
@@ -307,7 +307,7 @@ def _fleet_line(runner) -> str:
     host, port, key = runner.tvm_attention_tracker
     try:
         st = tracker_status(host, port, key, timeout=10)
-    except Exception:
+    except Exception:  # noqa: BLE001 - a progress line's network probe: whatever fails, it says so
         return "  [tracker unreachable]"
     return f"  [rpc {key}: {st['servers']} server(s), {st['free']} free]"
 
@@ -491,7 +491,7 @@ def _warm_start(cost_model, warm_dir, schedule: str, target: Target, want: str, 
             continue
         try:
             sch = replay_record(wl, rec)
-        except Exception:  # noqa: BLE001 - a record of an older space: skip it
+        except Exception:  # noqa: BLE001 - a record of an older space: skip it (only TVM's trace replay runs here)
             continue
         entry = by_wl.setdefault(id(wl), (wl, [], []))
         entry[1].append(ms.MeasureCandidate(sch, ms.arg_info.ArgInfo.from_prim_func(wl.mod["main"])))
@@ -880,7 +880,7 @@ class _Tune:
         for s in self.states:
             try:
                 s.ctx.post_tuning()
-            except Exception:
+            except Exception:  # noqa: BLE001 - teardown, maybe while another error propagates: never hide it
                 pass
 
 

@@ -120,7 +120,7 @@ class LocalFleet:
                 try:
                     if tracker_status(self.host, self.tracker_port, self.key, timeout=5)["servers"] >= servers:
                         return
-                except Exception:
+                except Exception:  # noqa: BLE001 - polled until the deadline, which raises with the count
                     pass
             time.sleep(0.5)
         raise RuntimeError(f"{servers} RPC server(s) did not register with {self.address} in {wait_s:.0f} s")
