@@ -75,7 +75,7 @@ def tir_expr_types() -> tuple[type, ...]:
 
     Used by :mod:`tvm_attention.modifiers` to tell a TIR argument from a number or a NumPy
     array. If TVM moves ``ExprOp``, modifiers cannot evaluate in TIR (every kernel with a
-    ``score_mod``/``mask_mod`` fails to generate)."""
+    ``score_mod``/``mask_mod`` fails to generate). Checked with TVM 0.27.0.post1."""
     from tvm.ir import _overload_prim_expr, expr
 
     return (expr.Expr, _overload_prim_expr.ExprOp)
@@ -88,7 +88,7 @@ def normalize_mod(func):
     becomes an IRModule with one ``main``, marked ``tirx.noalias``). The exact module matters:
     a tuning log's workload is looked up by its structural hash, so ours must be the one
     ``TuneContext`` makes. If TVM changes it, every stored log stops matching (``build``
-    finds no record, ``tune`` starts over) until the logs are made again."""
+    finds no record, ``tune`` starts over) until the logs are made again. Checked with TVM 0.27.0.post1."""
     from tvm.s_tir.meta_schedule.tune_context import _normalize_mod
 
     return _normalize_mod(func)
@@ -106,7 +106,7 @@ def skip_tensor_intrin_import():
     of TVM's. The placeholder is removed afterwards, so a later real import still works. If TVM
     renames the module or stops importing it there, this is harmless (the import costs its 30 s
     again); if TVM imports something *from* it there, creating a TuneContext fails with an
-    ImportError naming it."""
+    ImportError naming it. Checked with TVM 0.27.0.post1."""
     name = "tvm.s_tir.tensor_intrin"
     if name in sys.modules:
         yield
@@ -134,7 +134,7 @@ def local_builder_parts() -> tuple[type, Callable, Callable]:
     ``f_export`` and calling ``self._sanity_check()`` (overridden: TVM's starts a pool only to
     look ``f_build`` up), and builds each candidate with ``_worker_func(f_build, f_export, mod,
     target, _serialize_params(params))`` in the pool's workers. If TVM changes any of it,
-    ``tune`` fails at its first build (or builds nothing)."""
+    ``tune`` fails at its first build (or builds nothing). Checked with TVM 0.27.0.post1."""
     from tvm.s_tir import meta_schedule as ms
     from tvm.s_tir.meta_schedule.builder.local_builder import _serialize_params, _worker_func
 
@@ -146,14 +146,15 @@ def local_runner_class() -> type:
     """``LocalRunner._cls``: the Python class under TVM's object wrapper, so that the tuner can
     set ``f_alloc_argument`` on the runner after construction (each tune's inputs differ, the
     kept runner does not) and shut its ``pool`` down. If TVM drops ``_cls``, ``tune`` fails
-    when it makes its local runner."""
+    when it makes its local runner. Checked with TVM 0.27.0.post1."""
     from tvm.s_tir import meta_schedule as ms
 
     return ms.runner.LocalRunner._cls
 
 
 # -- worker pools -----------------------------------------------------------------------------------
-#: the module TVM's pool workers run (``python -m tvm.exec.popen_worker``)
+#: the module TVM's pool workers run (``python -m tvm.exec.popen_worker``; checked with TVM 0.27.0.post1):
+#: the tuner finds its own workers among its children by it before a hard exit
 POPEN_WORKER_MODULE = "tvm.exec.popen_worker"
 REQUIRES["POPEN_WORKER_MODULE"] = (POPEN_WORKER_MODULE,
                                    lambda: _require_source("tvm.support.popen_pool", "PopenWorker._start",
@@ -177,7 +178,7 @@ def pool_worker_processes(pool) -> list:
     ``_worker_map`` of ``PopenWorker``, each one's ``_proc``), for the tuner to kill an RPC
     runner's workers stuck on a lost server (``tune.driver._reset_rpc_runner``). If TVM renames
     them, this finds no worker: a hung RPC measurement is then not killed and the tune waits for
-    TVM's own session timeout instead."""
+    TVM's own session timeout instead. Checked with TVM 0.27.0.post1."""
     procs = []
     for worker in list(getattr(pool, "_worker_map", {}).values()):
         proc = getattr(worker, "_proc", None)
@@ -191,7 +192,7 @@ def mark_pool_shut_down(pool) -> None:
     """Set a ``PopenPoolExecutor``'s private ``_shutdown`` flag, so that neither a later
     ``shutdown()`` nor its ``__del__`` kills its (already killed) workers again through pipes
     its threads are blocked on. If TVM renames the flag, an abandoned RPC runner's ``__del__``
-    may deadlock the tuner on those pipes."""
+    may deadlock the tuner on those pipes. Checked with TVM 0.27.0.post1."""
     pool._shutdown = True
 
 
@@ -201,7 +202,7 @@ def ptxas_option_flags() -> list[str] | None:
     """The ptxas options TVM's nvcc path compiles with (``tvm.support.nvcc._ptxas_option_flags``:
     ``--register-usage-level=10``, ...), so that ``cuda_tools``' ptxas report describes the code
     that runs; None when this TVM has no such function (the report then asks ptxas for ``-v``
-    only and its register counts may differ from the build's)."""
+    only and its register counts may differ from the build's). Checked with TVM 0.27.0.post1."""
     try:
         from tvm.support.nvcc import _ptxas_option_flags
     except ImportError:
@@ -220,7 +221,7 @@ def register_tensor_intrin(name: str, desc, impl):
     nothing happens; registered with another definition, it raises ``ValueError`` (two
     intrinsics under one name: a tensorize would use either). Any error of TVM's own (a
     ``desc`` that is no PrimFunc) propagates. Uses the public ``TensorIntrin.get(name,
-    allow_missing=True)``."""
+    allow_missing=True)``. Checked with TVM 0.27.0.post1."""
     import tvm_ffi
     from tvm.s_tir import TensorIntrin
 
@@ -279,7 +280,7 @@ def fast_macro_expansion():
     test_hardening, 2-core Zen 4): 119 s of 360 s in ``getouterframes``, 18 s in
     ``get_macro_def``. If TVM renames either method, nothing is patched and parsing stays as TVM
     wrote it (slower, same IR). Another thread parsing TVMScript while one of ours generates a
-    kernel gets the fast methods too: same results."""
+    kernel gets the fast methods too: same results. Checked with TVM 0.27.0.post1."""
     global _macro_depth
     with _macro_lock:
         if _macro_depth == 0:
