@@ -130,7 +130,7 @@ def test_cli_build_varlen(tmp_path, capsys):
     rc = cli.main(["build", "--layout", "varlen", "--heads", "4", "--kv-heads", "2", "--head-dim", "64",
                    "--causal", "--no-log", "--out", str(out)])
     assert rc == 0, capsys.readouterr().err
-    assert "audit: FUSED  (symbolic dims: total_q, total_k, batch)" in capsys.readouterr().out
+    assert "audit: FUSED  (symbolic dims: total_q, total_k, batch; largest buffer " in capsys.readouterr().out
     assert json.loads((out / "manifest.json").read_text())["layout"] == "varlen"
     # an int is the representative value (what it is validated and timed at); still symbolic
     assert cli.main(["build", "--layout", "varlen", "--batch", "3", "--seq-q", "200", "--heads", "4",
