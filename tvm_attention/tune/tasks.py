@@ -22,7 +22,7 @@ from typing import Any
 import tvm
 from tvm.target import Target
 
-from ..schedules import SCHEDULES, UnknownScheduleError, cpu_fused, cpu_rowcache, cuda_flash, cuda_mma, get_schedule
+from ..schedules import SCHEDULES, UnknownScheduleError, cpu_fused, cpu_rowcache, cuda_mma, cuda_simt, get_schedule
 from ..schedules._knobs import KnobError
 from ..spec import AttentionSpec
 from ..task_mods import fused_task_mod, normalize, tunes_as_paged
@@ -141,7 +141,7 @@ def _cuda_tasks(spec: AttentionSpec, target: Target, schedule: str) -> list[Task
         # tensor cores: one task per feasible (warps, block_n, stages, m_tiles), the preset first
         family, name = cuda_mma, "fused_w{k.warps}_n{k.block_n}_s{k.stages}_m{k.m_tiles}"
     else:
-        family, name = cuda_flash, "fused_m{k.block_m}_n{k.block_n}_t{k.threads_per_row}"
+        family, name = cuda_simt, "fused_m{k.block_m}_n{k.block_n}_t{k.threads_per_row}"
     space = ms.space_generator.ScheduleFn(family.design_space(spec, target), sch_rules=[], postprocs=[],
                                           mutator_probs={})
     return [TaskDef(name.format(k=k), normalize(family.workload(spec, k)), space)
