@@ -161,3 +161,11 @@ def test_every_public_name_imports_from_the_package():
     for name in tvm_attention.__all__:
         assert name in tvm_attention.__doc__ or name == "__version__", f"{name} is not in the Public API docstring"
 
+
+def test_design_doc_names_every_module():
+    """docs/design.md's module map names every module of the package and of schedules/ (a new
+    module gets its line there)."""
+    design = (ROOT / "docs" / "design.md").read_text()
+    missing = [str(p.relative_to(ROOT)) for folder in check.PACKAGES for p in sorted((ROOT / folder).rglob("*.py"))
+               if f"`{p.relative_to(ROOT)}`" not in design]
+    assert not missing, "modules docs/design.md does not name (add a line to its module map):\n" + "\n".join(missing)
