@@ -16,14 +16,14 @@ Schedule to build), ``knobs_of`` (knobs read back from a scheduled module), ``fo
 from __future__ import annotations
 
 
-from . import cpu_flash, cpu_materialized, cpu_rowcache, cuda_flash, cuda_fused, cuda_materialized, cuda_mma
+from . import cpu_fused, cpu_materialized, cpu_rowcache, cuda_fused, cuda_materialized, cuda_mma, cuda_simt
 from .family import Family
 
 #: schedule name -> target family -> module
 SCHEDULES: dict[str, dict[str, Family]] = {
-    "fused": {"cpu": cpu_flash, "cuda": cuda_fused},  # CUDA: tensor cores where they apply
+    "fused": {"cpu": cpu_fused, "cuda": cuda_fused},  # CUDA: tensor cores where they apply
     "fused_tc": {"cuda": cuda_mma},
-    "fused_simt": {"cuda": cuda_flash},
+    "fused_simt": {"cuda": cuda_simt},
     "materialized": {"cpu": cpu_materialized, "cuda": cuda_materialized},
     "rowcache": {"cpu": cpu_rowcache},
 }

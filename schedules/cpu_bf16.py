@@ -18,7 +18,7 @@ TVM's own lowering turns bf16 arithmetic into float32 (``BF16ComputeLegalize``) 
 ``<32 x bfloat>`` to the LLVM intrinsic, so the intrinsics' implementations call a three-line
 LLVM IR function (``DPBF16_IR``: bitcast the two ``<16 x i32>`` operands to ``<32 x bfloat>``,
 call ``llvm.x86.avx512bf16.dpbf16ps.512``) imported with ``pragma_import_llvm``; LLVM inlines it
-into one instruction. Decisions are :mod:`cpu_flash`'s (``s_rows``, ``pv_rows``,
+into one instruction. Decisions are :mod:`cpu_fused`'s (``s_rows``, ``pv_rows``,
 ``parallel_chunk``, ``auto_unroll``), pinned to the knobs or sampled, and recorded the same way.
 """
 from __future__ import annotations
@@ -127,7 +127,7 @@ def supports(spec: AttentionSpec, features: set[str]) -> bool:
 
 def schedule(sch: s_tir.Schedule, spec: AttentionSpec, knobs=None, suffix: str = "") -> s_tir.Schedule:
     """Schedule the dot_bf16 main nest (blocks ``*<suffix>``): with ``knobs`` every decision is
-    pinned (the hand schedule), with None sampled (the design space), as ``cpu_flash.schedule``."""
+    pinned (the hand schedule), with None sampled (the design space), as ``cpu_fused.schedule``."""
     row_tile = sch.get_sblock("row_tile" + suffix)
     bufs = {b.name: b for b in sch.get(row_tile).alloc_buffers}
     block_n, block_m = (int(x) for x in bufs["S"].shape)

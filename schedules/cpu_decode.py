@@ -39,7 +39,7 @@ DOT_LANES = (16, 8)
 
 @dataclasses.dataclass(frozen=True)
 class DotDecodeKnobs:
-    """Decisions of :func:`schedule` (derived from the main knobs by ``cpu_flash``:
+    """Decisions of :func:`schedule` (derived from the main knobs by ``cpu_fused``:
     :func:`for_lanes`)."""
 
     pv_rows: int = 4  # PV_gemm rows per register block (unrolled)

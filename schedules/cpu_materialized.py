@@ -23,7 +23,7 @@ from ..spec import MAX_ELEMENTS, AttentionSpec
 from ..target import vector_lanes
 from ..workloads import materialized_attention
 
-from . import cpu_flash
+from . import cpu_fused
 from ._knobs import KnobError, KnobsMixin
 from .family import Capabilities, never_static_decode, no_knobs_of, same_knobs
 

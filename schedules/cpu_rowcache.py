@@ -1,6 +1,6 @@
 """CPU schedule for the row-cached two-pass family (``workloads/rowcache.py``).
 
-The same register blocking and vectorization as the fused kernel (``cpu_flash.schedule`` with
+The same register blocking and vectorization as the fused kernel (``cpu_fused.schedule`` with
 this family's block layout): only the tile differs — the score buffer spans every key, so there
 is no ``block_n`` and no key-tile loop to unroll. The design space samples the row block (one
 task per ``block_m``), ``s_rows``, ``pv_rows``, ``d_unroll`` and ``parallel_chunk``.
@@ -16,14 +16,14 @@ from ..spec import AttentionSpec
 from ..target import vector_lanes
 from ..workloads import rowcache_attention
 
-from . import cpu_flash, cpu_space
+from . import cpu_fused, cpu_space
 from ._knobs import KnobError, KnobsMixin
 from .family import Capabilities, never_static_decode, same_knobs
 
 NAME = "rowcache"
 CAPABILITIES = Capabilities(label=NAME, target="cpu", layouts=("bhsd",), dtypes=("float32",), symbolic=False,
                             lse=False)
-LAYOUT = cpu_flash.TileKernelLayout(
+LAYOUT = cpu_fused.TileKernelLayout(
     ("row_max", "P_exp", "row_sum", "Q_load"), ("O_store",), kv_tile=False
 )
 BLOCK_M_VECTORS = (1, 2, 4)  # row blocks the tuner tries, in vector widths
@@ -39,7 +39,7 @@ class RowCacheCPUKnobs(KnobsMixin):
     block_m: int = 32  # query rows per row block (multiple of vector_lanes)
     s_rows: int = 4  # keys per register block of S_gemm (must divide seq_kv)
     pv_rows: int = 4  # query rows per register block of PV_gemm
-    pv_cols: int = 0  # head_dim columns per PV_gemm register block (0 = all; see cpu_flash.pv_columns)
+    pv_cols: int = 0  # head_dim columns per PV_gemm register block (0 = all; see cpu_fused.pv_columns)
     vector_lanes: int = 16
     d_unroll: int = 1
     parallel_chunk: int = 1
@@ -51,7 +51,7 @@ def _largest_divisor(n: int, limit: int) -> int:
 
 
 def preset(spec: AttentionSpec, target: Target) -> RowCacheCPUKnobs:
-    flash = cpu_flash.preset(spec, target)
+    flash = cpu_fused.preset(spec, target)
     s_rows = _largest_divisor(spec.seq_kv, flash.s_rows)
     return RowCacheCPUKnobs(block_m=flash.block_m, s_rows=s_rows, pv_rows=flash.pv_rows, pv_cols=flash.pv_cols,
                             vector_lanes=flash.vector_lanes)
@@ -60,11 +60,11 @@ def preset(spec: AttentionSpec, target: Target) -> RowCacheCPUKnobs:
 def check(knobs: RowCacheCPUKnobs, spec: AttentionSpec, target: Target) -> None:
     if spec.seq_kv % knobs.s_rows:
         raise KnobError(f"s_rows={knobs.s_rows} must divide seq_kv={spec.seq_kv}")
-    as_flash = cpu_flash.FlashCPUKnobs(
+    as_flash = cpu_fused.FlashCPUKnobs(
         block_m=knobs.block_m, block_n=knobs.s_rows, s_rows=knobs.s_rows, pv_rows=knobs.pv_rows, pv_cols=knobs.pv_cols,
         vector_lanes=knobs.vector_lanes, d_unroll=knobs.d_unroll, parallel_chunk=knobs.parallel_chunk,
     )
-    cpu_flash.check(as_flash, spec, target)  # the same register limits
+    cpu_fused.check(as_flash, spec, target)  # the same register limits
     row_bytes = 2 * 4 * spec.seq_kv * knobs.block_m
     if row_bytes > MAX_ROW_BYTES:
         raise KnobError(
@@ -79,14 +79,14 @@ def workload(spec: AttentionSpec, knobs: RowCacheCPUKnobs):
 
 
 def apply(sch: s_tir.Schedule, knobs: RowCacheCPUKnobs, spec: AttentionSpec) -> s_tir.Schedule:
-    return cpu_flash.schedule(sch, spec, knobs.vector_lanes, knobs, LAYOUT)
+    return cpu_fused.schedule(sch, spec, knobs.vector_lanes, knobs, LAYOUT)
 
 
 def design_space(spec: AttentionSpec, target: Target):
     lanes = vector_lanes(target, spec.dtype)
 
     def space_fn(sch: s_tir.Schedule) -> s_tir.Schedule:
-        return cpu_flash.schedule(sch, spec, lanes, None, LAYOUT)
+        return cpu_fused.schedule(sch, spec, lanes, None, LAYOUT)
 
     return space_fn
 
@@ -99,7 +99,7 @@ def block_m_candidates(spec: AttentionSpec, target: Target) -> list[int]:
 
 
 def knobs_of(sch: s_tir.Schedule, lanes: int, base=None) -> RowCacheCPUKnobs:
-    values, bufs = cpu_flash.read_annotations(sch, ("s_rows", "pv_rows", "pv_cols", "d_unroll", "parallel_chunk"))
+    values, bufs = cpu_fused.read_annotations(sch, ("s_rows", "pv_rows", "pv_cols", "d_unroll", "parallel_chunk"))
     return RowCacheCPUKnobs(block_m=int(bufs["Qt"].shape[1]), vector_lanes=lanes, **values)
 
 

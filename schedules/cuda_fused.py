@@ -1,6 +1,6 @@
 """``--schedule fused`` on CUDA: the tensor-core kernel (``cuda_mma``) where it applies — float16
 or bfloat16 inputs on sm_80 or later, head_dim a multiple of 16, static or symbolic lengths — and
-the SIMT kernel (``cuda_flash``) everywhere else (float32, older GPUs, odd head dims). ``fused_tc`` and
+the SIMT kernel (``cuda_simt``) everywhere else (float32, older GPUs, odd head dims). ``fused_tc`` and
 ``fused_simt`` name one kernel explicitly (for comparing them side by side).
 
 Every call is routed by what it is given: the spec and target, the knob dataclass, or the
@@ -13,20 +13,20 @@ from tvm.target import Target
 
 from ..spec import AttentionSpec
 
-from . import cuda_flash, cuda_mma
+from . import cuda_mma, cuda_simt
 from .family import never_static_decode
 
 NAME = "fused"
 #: the union of its two kernels' (the SIMT one builds every dtype)
-CAPABILITIES = cuda_flash.CAPABILITIES
+CAPABILITIES = cuda_simt.CAPABILITIES
 
 
 def _by_spec(spec: AttentionSpec, target: Target):
-    return cuda_mma if cuda_mma.supports(spec, target) else cuda_flash
+    return cuda_mma if cuda_mma.supports(spec, target) else cuda_simt
 
 
 def _by_knobs(knobs):
-    return cuda_mma if isinstance(knobs, cuda_mma.MMAKnobs) else cuda_flash
+    return cuda_mma if isinstance(knobs, cuda_mma.MMAKnobs) else cuda_simt
 
 
 def preset(spec: AttentionSpec, target: Target):
@@ -58,7 +58,7 @@ def tile_candidates(spec: AttentionSpec, target: Target):
 
 
 def _by_workload(func):
-    return cuda_mma if str(func.attrs["attn.workload"]) == "fused_mma" else cuda_flash
+    return cuda_mma if str(func.attrs["attn.workload"]) == "fused_mma" else cuda_simt
 
 
 def knobs_of(sch: s_tir.Schedule, lanes: int = 0, base=None):

@@ -1,4 +1,6 @@
-"""Hand-authored CUDA tensor-core schedule for the fused kernel (``workloads/fused_mma.py``).
+"""Hand-authored CUDA tensor-core schedule for the fused kernel (``workloads/fused_mma.py``):
+``--schedule fused_tc``. Its SIMT (CUDA-core) sibling is ``cuda_simt`` (``workloads/fused_cuda.py``,
+``fused_simt``); ``cuda_fused`` (``--schedule fused``) picks one of the two per spec and target.
 
 As for the SIMT kernel, the thread mapping is the algorithm (which lane holds which fragment
 element, where the shuffles and barriers go), so it is written into the compute and

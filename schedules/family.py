@@ -1,6 +1,6 @@
 """The protocol every schedule family implements, and the table of what each one builds.
 
-A family is a module of ``schedules/`` (``cpu_flash``, ``cuda_mma``, ...) registered in
+A family is a module of ``schedules/`` (``cpu_fused``, ``cuda_mma``, ...) registered in
 ``tvm_attention.schedules.SCHEDULES``. It provides every member of :class:`Family` (a family without a use for
 one gives the neutral answer: ``knobs_of`` None, ``for_layout`` the knobs unchanged,
 ``is_static_decode`` False), so callers never probe with ``hasattr``. What a family builds at

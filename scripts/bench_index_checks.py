@@ -7,6 +7,9 @@ decode kernel twice — as exported, and with the prologue left out (for this co
 and times both alternately on the same inputs (GQA 32:8, D=128, fp32, batch 8, 4k keys by
 default: the issue's point), each variant's time the best of the rounds' medians. Prints the
 ratio checked/unchecked per layout; within noise means within the rounds' spread.
+
+A script, not a ``tvm-attention bench`` mode like every other benchmark: it builds a kernel with
+the library's index checks patched out, which no shipped command should do.
 """
 from __future__ import annotations
 

@@ -5,12 +5,12 @@
     python scripts/smem_race_check.py --kernel fused_tc --quick
     python scripts/smem_race_check.py --faults            # also: each barrier / cp.async wait removed
 
-Each configuration (``tvm_attention.cuda_race.CONFIGS``: small tiles and lengths, tails, GQA,
+Each configuration (``cuda_race.CONFIGS``, ``scripts/cuda_race.py``: small tiles and lengths, tails, GQA,
 causal or not, static and symbolic, tensor-core stages 1-4 and m_tiles 1-2; the varlen, kvcache
 and paged layouts with given ``cu_seqlens``/``cache_seqlens``/``block_table`` contents: ragged
 and empty sequences, shuffled pages, decode steps and prefill chunks) is built for sm_90 as the
 build path builds it, and every thread block of its grid is run thread by thread from the final
-lowered device IR (``tvm_attention.cuda_race``: what is modelled and what is not).
+lowered device IR (``scripts/cuda_race.py``: what is modelled and what is not).
 One line per configuration: its build, the threads per block, the most barrier intervals of a
 block, the shared accesses checked and the verdict; the findings follow a RACE line. Exit
 status 1 when any configuration has a race, 2 when the checker cannot model a kernel.
@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
-from tvm_attention import cuda_race  # noqa: E402
+import cuda_race  # noqa: E402 - beside this script (a development tool, not shipped)
 
 
 def describe(cfg: cuda_race.RaceConfig) -> str:

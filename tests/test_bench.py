@@ -452,3 +452,52 @@ def test_decode_and_halfprec_progress_and_partial(monkeypatch, tmp_path, capsys)
     report = json.loads((tmp_path / "halfprec.json").read_text())
     assert [r["head_dim"] for r in report["rows"]] == [64] and report["meta"]["completed"] == 1
     assert (tmp_path / "halfprec.md").read_text().startswith("**partial: interrupted after 1 of 2 points**")
+
+
+def test_every_benchmark_has_the_cli_as_its_front_door(monkeypatch, tmp_path, capsys):
+    """`bench --serving`, `--variant-costs`, `--loader` start the bench package's benchmark with
+    the flags given (one door: no scripts/bench_*.py duplicates them); two modes at once, or an
+    unknown --only pair, exit 2 naming them."""
+    import dataclasses
+    from pathlib import Path
+
+    from tvm_attention.bench import loader_calls, serving, variants
+
+    root = Path(__file__).resolve().parents[1]
+    assert sorted(p.name for p in (root / "scripts").glob("bench_*.py")) == ["bench_index_checks.py"]
+    seen = {}
+
+    def fake_serving(cfg, threads=None, quick=False, say=print):
+        seen["serving"] = (cfg, threads, quick)
+        return {"meta": {}, "dynamic": [], "varlen": [], "loader": []}
+
+    def fake_variants(cfg, threads=None, only=(), say=print):
+        seen["variants"] = (cfg, threads, only)
+        return {"meta": {}, "rows": []}
+
+    monkeypatch.setattr(serving, "run", fake_serving)
+    monkeypatch.setattr(serving, "markdown", lambda report: "table")
+    monkeypatch.setattr(variants, "run", fake_variants)
+    monkeypatch.setattr(variants, "markdown", lambda report: "table")
+    monkeypatch.setattr(loader_calls, "run", lambda *a: seen.setdefault("loader", []).append(a))
+    assert main(["bench", "--serving", "--tiny", "--rounds", "3", "--threads", "1", "--out", str(tmp_path)]) == 0
+    assert seen["serving"] == (dataclasses.replace(serving.quick_config(), rounds=3), 1, True)
+    assert (tmp_path / "serving.json").exists()
+    assert main(["bench", "--variant-costs", "--only", "window_prefill", "--out", str(tmp_path)]) == 0
+    assert seen["variants"] == (variants.Config(), None, ("window_prefill",))
+    assert (tmp_path / "variants.md").exists()
+    assert main(["bench", "--loader", "--decode-batch", "1", "4", "--calls", "7"]) == 0
+    assert seen["loader"] == [(1, 256, 7, loader_calls.ROUNDS), (4, 256, 7, loader_calls.ROUNDS)]
+    capsys.readouterr()
+    assert main(["bench", "--serving", "--decode"]) == 2
+    assert "choose one of --decode, --serving" in capsys.readouterr().err
+    assert main(["bench", "--variant-costs", "--only", "bogus"]) == 2
+    assert "unknown pair(s) bogus" in capsys.readouterr().err
+
+def test_loader_benchmark_times_each_way_of_calling(capsys):
+    """`bench --loader` at a small decode step: the four ways of calling, each against the bare call."""
+    assert main(["bench", "--loader", "--decode-cache", "64", "--calls", "5", "--rounds", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "batch 1, 64 keys, 1 thread; best of 2 rounds of 5 calls" in out
+    for way in ("bare function", "loader", "loader, out=", "loader, read-only cache"):
+        assert f"  {way:<24} " in out and "x the bare call" in out

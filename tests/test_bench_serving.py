@@ -1,23 +1,18 @@
-"""scripts/bench_serving.py --quick end to end: every row present, every number finite and
+"""`tvm-attention bench --serving --tiny` end to end: every row present, every number finite and
 positive (no timing assertions: these VMs are shared)."""
-import importlib.util
 import json
 import math
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tvm_attention.cli import main
 
 
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
-    # the script itself, in this process (a subprocess would pay TVM's import and builds again)
-    spec = importlib.util.spec_from_file_location("bench_serving", ROOT / "scripts" / "bench_serving.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    # the CLI in this process (a subprocess would pay TVM's import and builds again)
     out = tmp_path_factory.mktemp("serving")
-    assert script.main(["--quick", "--out", str(out)]) == 0
+    assert main(["bench", "--serving", "--tiny", "--out", str(out)]) == 0
     return out, json.loads((out / "serving.json").read_text()), (out / "serving.md").read_text()
 
 

@@ -8,7 +8,7 @@ import tvm
 from conftest import (CUDA_VARIANT_IDS, CUDA_VARIANT_SPREADS, RIGHT_WINDOW_SHAPES, built, check_emulated_layout,
                       check_emulated_symbolic, right_window_spec, split_kv_cases)
 
-from tvm_attention.schedules import cuda_flash, cuda_fused, cuda_mma
+from tvm_attention.schedules import cuda_fused, cuda_mma, cuda_simt
 from tvm_attention.schedules._knobs import KnobError
 from tvm_attention.artifact import export, validate_built
 from tvm_attention.build import build_kernel
@@ -41,7 +41,7 @@ def test_presets_compile_offline_without_spills(seq, arch, head_dim, dtype, caus
     r = built.resources
     assert r["arch"] == arch and r["registers"] > 0
     assert r["spills"] == 0 and r["stack_frame_bytes"] == 0, r
-    assert r["registers"] <= cuda_flash.registers_estimate(built.knobs, spec), r  # the check's estimate holds
+    assert r["registers"] <= cuda_simt.registers_estimate(built.knobs, spec), r  # the check's estimate holds
     assert 0 < r["shared_bytes"] <= 48 * 1024
     assert 0 < r["occupancy"] <= 1
     assert built.audit.fused, built.audit.format()
@@ -79,7 +79,7 @@ def test_cuda_audit_can_fail():
 def test_feasibility_rejects_with_named_limit(knobs, message):
     spec = AttentionSpec(batch=1, heads=8, seq_q=1024, head_dim=128, dtype="float16")
     target = resolve_target("cuda", arch="sm_90")
-    base = cuda_flash.preset(spec, target).to_dict()
+    base = cuda_simt.preset(spec, target).to_dict()
     with pytest.raises(KnobError, match=message):
         build_kernel(spec, "fused_simt", target=target, knobs={**base, **knobs})
 
@@ -101,7 +101,7 @@ def test_cuda_algorithm_on_cpu(seq_q, seq_kv, causal, dtype):
     spec = AttentionSpec(batch=1, heads=4, kv_heads=2, seq_q=seq_q, seq_kv=seq_kv, head_dim=64,
                          dtype=dtype, causal=causal)
     target = resolve_target("cuda", arch="sm_90")
-    k = cuda_flash.preset(spec, target)
+    k = cuda_simt.preset(spec, target)
     func = fused_attention_cuda(spec, k.block_m, k.block_n, k.threads_per_row, emulate=True)
     ex = tvm.compile(func, target=resolve_target("llvm"))
     q, kk, v = random_inputs(spec, seed=seq_q)
@@ -126,7 +126,7 @@ def test_cuda_symbolic_algorithm_on_cpu(dtype, causal, lse):
     for seq_kv 0."""
     spec = AttentionSpec(batch=1, heads=4, kv_heads=2, seq_q=256, head_dim=64, dtype=dtype, causal=causal,
                          dynamic=ALL_DYNAMIC, return_lse=lse)
-    k = cuda_flash.preset(spec, resolve_target("cuda", arch="sm_90"))
+    k = cuda_simt.preset(spec, resolve_target("cuda", arch="sm_90"))
     check_emulated_symbolic(tvm.compile(fused_attention_cuda(spec, k.block_m, k.block_n, k.threads_per_row,
                                                              emulate=True), target=resolve_target("llvm")), spec)
 
@@ -265,10 +265,10 @@ def test_varlen_simt_builds_offline_without_spills(arch, dtype, head_dim, causal
     spec = AttentionSpec(batch=2, heads=8, kv_heads=2, seq_q=1024, head_dim=head_dim, dtype=dtype, causal=causal,
                          layout="varlen")
     built = build_kernel(spec, "fused", target=resolve_target("cuda", arch=arch))
-    assert isinstance(built.knobs, cuda_flash.FlashCUDAKnobs)
+    assert isinstance(built.knobs, cuda_simt.FlashCUDAKnobs)
     r = built.resources
     assert r["spills"] == 0 and r["stack_frame_bytes"] == 0, r
-    assert 0 < r["shared_bytes"] <= cuda_flash.shared_bytes(built.knobs, spec) <= 48 * 1024
+    assert 0 < r["shared_bytes"] <= cuda_simt.shared_bytes(built.knobs, spec) <= 48 * 1024
     assert built.audit.fused and built.audit.probe == {"symbolic": ["total_q", "total_k", "batch"]}
     src = built.module.imports[0].inspect_source()
     signature = src[src.index("__global__"):src.index("{", src.index("__global__"))]
@@ -294,11 +294,11 @@ def test_symbolic_simt_builds_offline_without_spills(arch, dtype, head_dim, caus
                          dynamic=dynamic)
     target = resolve_target("cuda", arch=arch)
     built = build_kernel(spec, "fused" if dtype == "float32" else "fused_simt", target=target)
-    assert isinstance(built.knobs, cuda_flash.FlashCUDAKnobs)
+    assert isinstance(built.knobs, cuda_simt.FlashCUDAKnobs)
     r = built.resources
     assert r["spills"] == 0 and r["stack_frame_bytes"] == 0, r
-    assert r["registers"] <= cuda_flash.registers_estimate(built.knobs, spec), r
-    assert 0 < r["shared_bytes"] <= cuda_flash.shared_bytes(built.knobs, spec) <= 48 * 1024
+    assert r["registers"] <= cuda_simt.registers_estimate(built.knobs, spec), r
+    assert 0 < r["shared_bytes"] <= cuda_simt.shared_bytes(built.knobs, spec) <= 48 * 1024
     assert built.audit.fused and built.audit.probe == {"symbolic": list(dynamic)}, built.audit.format()
     src = built.module.imports[0].inspect_source()
     assert "__shfl_down_sync" in src and src.count("__syncthreads") <= 4
@@ -395,7 +395,7 @@ def test_cache_simt_builds_offline_without_spills(arch, layout, page):
     spec = AttentionSpec(batch=64, heads=32, kv_heads=8, seq_q=1, seq_kv=4096, head_dim=128, causal=True,
                          layout=layout, page_size=page)
     built = build_kernel(spec, "fused", target=resolve_target("cuda", arch=arch))
-    assert isinstance(built.knobs, cuda_flash.FlashCUDAKnobs)
+    assert isinstance(built.knobs, cuda_simt.FlashCUDAKnobs)
     signature = spill_free_signature(built)
     assert "int* __restrict__ CS" in signature and ("int* __restrict__ BT" in signature) == (layout == "paged")
     src = built.module.imports[0].inspect_source()

@@ -11,7 +11,7 @@ from conftest import (CUDA_VARIANT_IDS, CUDA_VARIANT_SPREADS, RIGHT_WINDOW_SHAPE
                       check_emulated_symbolic, right_window_spec, split_kv_cases)
 from test_cuda import assert_split_kv
 
-from tvm_attention.schedules import cuda_flash, cuda_fused, cuda_mma
+from tvm_attention.schedules import cuda_fused, cuda_mma, cuda_simt
 from tvm_attention.schedules._knobs import KnobError
 from tvm_attention.build import build_kernel
 from tvm_attention.cuda_tools import find_nvcc, split_tasks_for
@@ -62,9 +62,9 @@ def test_fused_picks_the_kernel_by_dtype_arch_and_head_dim():
     fp32 = AttentionSpec(batch=1, heads=2, seq_q=256, head_dim=64, dtype="float32")
     odd = AttentionSpec(batch=1, heads=2, seq_q=256, head_dim=72, dtype="bfloat16")
     assert isinstance(build_kernel(half, target=sm80).knobs, cuda_mma.MMAKnobs)
-    assert isinstance(build_kernel(fp32, target=sm90).knobs, cuda_flash.FlashCUDAKnobs)
-    assert isinstance(build_kernel(odd, target=sm90).knobs, cuda_flash.FlashCUDAKnobs)
-    assert isinstance(build_kernel(half, "fused_simt", target=sm90).knobs, cuda_flash.FlashCUDAKnobs)
+    assert isinstance(build_kernel(fp32, target=sm90).knobs, cuda_simt.FlashCUDAKnobs)
+    assert isinstance(build_kernel(odd, target=sm90).knobs, cuda_simt.FlashCUDAKnobs)
+    assert isinstance(build_kernel(half, "fused_simt", target=sm90).knobs, cuda_simt.FlashCUDAKnobs)
     with pytest.raises(KnobError, match="builds dtype\\(s\\) float16, bfloat16, not 'float32': use --schedule fused_simt"):
         build_kernel(fp32, "fused_tc", target=sm90)
     with pytest.raises(KnobError, match="multiple of 16"):
@@ -398,9 +398,9 @@ def test_log_matching_regenerates_with_the_family_workload(monkeypatch):
     assert cuda_fused.workload_knobs(mod["main"]) == knobs and workload_matches(spec, mod)
     assert regenerate(dataclasses.replace(spec, dtype="float32"), mod["main"]) is None
     paged = AttentionSpec(batch=1, heads=4, kv_heads=2, seq_q=1, seq_kv=256, head_dim=32, causal=True, layout="paged")
-    split = cuda_flash.preset(paged, target)
+    split = cuda_simt.preset(paged, target)
     assert split.split_tasks == split_tasks_for(target) > 0
-    assert cuda_fused.workload_knobs(cuda_flash.workload(paged, split)) == split
+    assert cuda_fused.workload_knobs(cuda_simt.workload(paged, split)) == split
 
     # for_layout: the bhsd record's knobs (no split) take the KV-cache spec's own split
     for kv in (dataclasses.replace(spec, layout="kvcache"), paged):

@@ -39,13 +39,13 @@ CONFIGS = {
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def kernel(request):
-    from tvm_attention.schedules import cpu_flash
+    from tvm_attention.schedules import cpu_fused
     from tvm_attention.target import resolve_target
 
     layout, h, kh, causal, knobs = CONFIGS[request.param]
     spec = spec_of(layout, h, kh, causal)
     target = resolve_target("llvm")
-    if dict(knobs or ()).get("prefetch") and not cpu_flash.stages_decode(spec, cpu_flash.preset(spec, target)):
+    if dict(knobs or ()).get("prefetch") and not cpu_fused.stages_decode(spec, cpu_fused.preset(spec, target)):
         pytest.skip("the prefetch is a knob of the staged (dot-product) decode nest, which needs avx512f: "
                     "this target's decode nest is one vector of rows")
     b = built(spec, knobs=knobs)
@@ -321,11 +321,11 @@ def test_static_decode_shape_builds_its_packed_nest_alone():
     spec = AttentionSpec(batch=1, heads=8, kv_heads=2, seq_q=1, seq_kv=300, head_dim=64, causal=True)
     b = built(spec)
     assert b.audit.fused and b.audit.probe == {"seq_q": 1, "seq_kv": 600}, b.audit
-    from tvm_attention.schedules import cpu_flash
+    from tvm_attention.schedules import cpu_fused
 
     # the 4-row dot-product nest (group 4; AVX-512 and AVX2); else one vector of rows
-    rows = 4 if cpu_flash.stages_decode(spec, b.knobs) else b.knobs.vector_lanes
-    script = cpu_flash.workload(spec, b.knobs).script()
+    rows = 4 if cpu_fused.stages_decode(spec, b.knobs) else b.knobs.vector_lanes
+    script = cpu_fused.workload(spec, b.knobs).script()
     assert f'sblock("row_tile_dec{rows}' in script and 'sblock("row_tile")' not in script
     assert validate_built(b).passed
 
@@ -336,25 +336,25 @@ def test_page_order_and_prefetch_are_points_of_the_decode_space():
     every point validates and passes the audit, the per-head workload is exactly the one earlier
     logs recorded (no new attrs), and a paged build keeps its page order whatever a record tuned
     at the contiguous representative chose."""
-    from tvm_attention.schedules import cpu_flash
+    from tvm_attention.schedules import cpu_fused
     from tvm_attention.target import resolve_target
     from tvm_attention.task_mods import workload_matches
     from tvm_attention.tune.tasks import make_tasks
 
     target = resolve_target("llvm")
     spec = AttentionSpec(batch=1, heads=8, kv_heads=4, seq_q=1, seq_kv=300, head_dim=64, layout="paged", page_size=16)
-    if not cpu_flash.stages_decode(spec, cpu_flash.preset(spec, target)):
+    if not cpu_fused.stages_decode(spec, cpu_fused.preset(spec, target)):
         return _no_staged_decode_nest(spec, target)
-    assert cpu_flash.preset(spec, target).decode_heads == 4
-    assert cpu_flash.preset(AttentionSpec(**{**spec.to_dict(), "layout": "kvcache", "page_size": None}), target).decode_heads == 1
+    assert cpu_fused.preset(spec, target).decode_heads == 4
+    assert cpu_fused.preset(AttentionSpec(**{**spec.to_dict(), "layout": "kvcache", "page_size": None}), target).decode_heads == 1
     rep = spec.representative()
     names = [t.name for t in make_tasks(rep, target, "fused")]
     assert names[0] == "fused_dec_n64_s8_h1" and "fused_dec_n64_s8_h2" in names, names
     assert "fused_dec_n64_s8_h4" in names and "fused_dec_n32_s0_h2" in names, names
     assert "fused_dec_n64_s8_h1_pf1" in names and "fused_dec_n64_s8_h1_pf2" in names, names
-    per_head = cpu_flash.preset(rep, target)
-    assert cpu_flash.for_layout(per_head, spec, target).decode_heads == 4
-    assert cpu_flash.for_layout(per_head, rep, target) == per_head
+    per_head = cpu_fused.preset(rep, target)
+    assert cpu_fused.for_layout(per_head, spec, target).decode_heads == 4
+    assert cpu_fused.for_layout(per_head, rep, target) == per_head
     # 2 of 4 heads per task: two head blocks per sequence (the split path too: batch 1)
     for knobs in ((("decode_heads", 1),), (("decode_heads", 2), ("prefetch", 1))):
         b = built(spec, knobs=knobs)
@@ -362,7 +362,7 @@ def test_page_order_and_prefetch_are_points_of_the_decode_space():
         x = PAGED.random_inputs(spec, {"seq_q": 1, "cache_seqlens": [0, 700, 17], "shared_prefix": False}, seed=3)
         o = call(spec, kernel_of(b), x)
         np.testing.assert_allclose(o, PAGED.reference_outputs(spec, x)[0], **TOL)
-        wl = cpu_flash.workload(rep, b.knobs)
+        wl = cpu_fused.workload(rep, b.knobs)
         assert workload_matches(rep, tvm_normalize(wl))
         assert ("attn.decode_heads" in wl.attrs) == (b.knobs.decode_heads > 1)
         assert ("attn.prefetch" in wl.attrs) == (b.knobs.prefetch > 0)
@@ -378,10 +378,10 @@ def _no_staged_decode_nest(spec, target):
     decode nest is one vector of rows (nothing stages K/V), so the page order and the prefetch
     have nothing to change: the preset and the decode space hold neither, a knob set asking for
     them is refused by name, and the preset is right on shuffled pages."""
-    from tvm_attention.schedules import cpu_flash
+    from tvm_attention.schedules import cpu_fused
     from tvm_attention.tune.tasks import make_tasks
 
-    assert cpu_flash.preset(spec, target).decode_heads == 1
+    assert cpu_fused.preset(spec, target).decode_heads == 1
     names = [t.name for t in make_tasks(spec.representative(), target, "fused")]
     assert names and all(n.endswith("_h1") for n in names), names
     with pytest.raises(Exception, match="apply to the staged decode nests"):
@@ -401,7 +401,7 @@ def tvm_normalize(func):
 
 
 def test_split_count_and_page_order_are_tasks_of_a_kvcache_step():
-    from tvm_attention.schedules import cpu_flash
+    from tvm_attention.schedules import cpu_fused
     from tvm_attention.target import resolve_target
     from tvm_attention.task_mods import tuning_spec, workload_matches
     from tvm_attention.tune.tasks import make_tasks
@@ -422,7 +422,7 @@ def test_split_count_and_page_order_are_tasks_of_a_kvcache_step():
 
     points = sorted(point(t) for t in tasks if "attn.prefetch" not in t.mod["main"].attrs)
     assert [p for p in points if p[1] == 1] == [(bn, 1, ns) for bn in (32, 64, 128) for ns in (1, 2, 4)]
-    if not cpu_flash.stages_decode(rep, cpu_flash.preset(rep, target)):  # no staged nest: one head per task
+    if not cpu_fused.stages_decode(rep, cpu_fused.preset(rep, target)):  # no staged nest: one head per task
         assert {p[1] for p in points} == {1} and len(points) == len(tasks) == 9
         return
     assert [p for p in points if p[1] == 8] == [(bn, 8, ns) for bn in (32, 64, 128) for ns in (1, 8)]
@@ -436,7 +436,7 @@ def test_split_count_and_page_order_are_tasks_of_a_kvcache_step():
     # a kvcache build reads the log of that contiguous step (the paged one tunes in pages:
     # test_paged_decode_is_tuned_in_pages tunes, and builds from the record in a fresh process)
     assert tuning_spec(kv, target) == rep
-    assert cpu_flash.for_layout(cpu_flash.preset(rep, target), kv, target, rep) == cpu_flash.preset(rep, target)
+    assert cpu_fused.for_layout(cpu_fused.preset(rep, target), kv, target, rep) == cpu_fused.preset(rep, target)
 
 
 def test_paged_decode_is_tuned_in_pages(tmp_path):
@@ -467,9 +467,9 @@ def test_paged_decode_is_tuned_in_pages(tmp_path):
     assert tune_work_dir(spec, target).name == "paged_p16_h8_kv4_d64_float32_causal_at_b8_q1_k300"
     tasks = make_tasks(spec, target, "fused")
     names = [t.name for t in tasks]
-    from tvm_attention.schedules import cpu_flash
+    from tvm_attention.schedules import cpu_fused
 
-    if cpu_flash.stages_decode(spec, cpu_flash.preset(spec, target)):  # AVX-512, AVX2: the page order too
+    if cpu_fused.stages_decode(spec, cpu_fused.preset(spec, target)):  # AVX-512, AVX2: the page order too
         assert names[0] == "fused_dec_n64_s8_h4" and "fused_dec_n64_s0_h1" in names and "fused_dec_n32_s0_h2" in names
         assert len(tasks) == 11
     else:  # no staged decode nest (SSE): one head per task; at 32 tasks no split count differs

@@ -386,9 +386,9 @@ def test_a_paged_decode_step_with_key_bounds_and_tensors_specializes_for_tuning(
     x = rep.layout_info.random_inputs(rep, rep.layout_info.validation_cases(rep)[0])
     for name in ("key_lo", "key_hi", "doc", "block_table", "q"):
         assert shapes[name] == x[name].shape, name
-    from tvm_attention.schedules import cpu_flash
+    from tvm_attention.schedules import cpu_fused
 
-    func = cpu_flash.workload(rep, cpu_flash.preset(rep, resolve_target("llvm")))
+    func = cpu_fused.workload(rep, cpu_fused.preset(rep, resolve_target("llvm")))
     from tvm import tirx
 
     assert all(isinstance(d, tirx.IntImm) for p in specialize(func, rep).params for d in p.shape)

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from tvm_attention.schedules import UnknownScheduleError, cpu_flash, get_schedule
+from tvm_attention.schedules import UnknownScheduleError, cpu_fused, get_schedule
 from tvm_attention.build import build_kernel
 from tvm_attention.reference import random_inputs, reference_attention
 from tvm_attention.spec import AttentionSpec
@@ -17,7 +17,7 @@ SPEC = AttentionSpec(batch=1, heads=2, seq_q=150, seq_kv=333, head_dim=64, causa
 def test_presets_are_feasible():
     for d in (32, 64, 128, 256):
         spec = AttentionSpec(batch=1, heads=1, seq_q=64, head_dim=d)
-        cpu_flash.check(cpu_flash.preset(spec, TARGET), spec, TARGET)
+        cpu_fused.check(cpu_fused.preset(spec, TARGET), spec, TARGET)
 
 
 LANES = vector_lanes(TARGET)  # 16 on AVX-512 (32 vector registers), 8 on AVX2 (16)
@@ -51,13 +51,13 @@ INFEASIBLE = {
 
 @pytest.mark.parametrize("knobs, message", INFEASIBLE[LANES])
 def test_infeasible_knobs_are_rejected_by_name(knobs, message):
-    base = cpu_flash.preset(SPEC, TARGET).to_dict()
-    with pytest.raises(cpu_flash.KnobError, match=message):
+    base = cpu_fused.preset(SPEC, TARGET).to_dict()
+    with pytest.raises(cpu_fused.KnobError, match=message):
         build_kernel(SPEC, knobs={**base, **knobs})
 
 
 def test_unknown_knob_and_schedule():
-    with pytest.raises(cpu_flash.KnobError, match="bogus"):
+    with pytest.raises(cpu_fused.KnobError, match="bogus"):
         build_kernel(SPEC, knobs={"bogus": 1})
     with pytest.raises(UnknownScheduleError, match="known"):
         get_schedule("nope", TARGET)

@@ -1,4 +1,4 @@
-"""The shared-memory race checker (``tvm_attention/cuda_race.py``, ``scripts/smem_race_check.py``),
+"""The shared-memory race checker (``scripts/cuda_race.py``, ``scripts/smem_race_check.py``),
 offline: the generated CUDA kernels (both, at small tiles and lengths, in the bhsd, varlen,
 kvcache and paged layouts: the last three run on given index arrays) have no race in any block,
 and the checker can fail: a barrier, a cp.async wait or a stage's barrier removed from the
@@ -15,10 +15,14 @@ import tvm
 import tvm_ffi
 from tvm.script import tirx as T
 
-from tvm_attention import cuda_race as cr
 from tvm_attention.workloads.fused_mma import _cuda_sources
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))  # the checker is a development tool beside its script, not shipped
+try:
+    import cuda_race as cr
+finally:
+    sys.path.remove(str(ROOT / "scripts"))
 QUICK = cr.configs(quick=True)
 
 

@@ -142,3 +142,30 @@ def test_capabilities_refuse_in_one_format():
         why = family.CAPABILITIES.refusal(AttentionSpec(**{**base, **over}))
         assert why is not None and why.startswith(message), why
     assert cpu_materialized.CAPABILITIES.refusal(AttentionSpec(**base, dynamic=("seq_q",))) is None
+
+
+def test_every_public_name_imports_from_the_package():
+    """``tvm_attention.__all__`` holds every public function the package defines (its docstring's
+    Public API), and each of its names imports (``from tvm_attention import *`` binds them all)."""
+    import inspect
+
+    import tvm_attention
+
+    defined = {n for n, v in vars(tvm_attention).items()
+               if not n.startswith("_") and inspect.isfunction(v) and v.__module__ == "tvm_attention"}
+    assert defined <= set(tvm_attention.__all__), f"public but not in __all__: {defined - set(tvm_attention.__all__)}"
+    assert {"merge_states", "quantize_kv"} <= set(tvm_attention.__all__)
+    names: dict = {}
+    exec("from tvm_attention import *", names)
+    assert set(tvm_attention.__all__) <= set(names)
+    for name in tvm_attention.__all__:
+        assert name in tvm_attention.__doc__ or name == "__version__", f"{name} is not in the Public API docstring"
+
+
+def test_design_doc_names_every_module():
+    """docs/design.md's module map names every module of the package and of schedules/ (a new
+    module gets its line there)."""
+    design = (ROOT / "docs" / "design.md").read_text()
+    missing = [str(p.relative_to(ROOT)) for folder in check.PACKAGES for p in sorted((ROOT / folder).rglob("*.py"))
+               if f"`{p.relative_to(ROOT)}`" not in design]
+    assert not missing, "modules docs/design.md does not name (add a line to its module map):\n" + "\n".join(missing)

@@ -12,7 +12,7 @@ import pytest
 import tvm
 import tvm_ffi
 
-from tvm_attention.schedules import cpu_flash
+from tvm_attention.schedules import cpu_fused
 from tvm_attention.artifact import validate_built
 from tvm_attention.build import build_from_module
 from tvm_attention.pipeline import LogNotUsable, build_best
@@ -61,7 +61,7 @@ def test_tuned_build_validates_and_is_fused(tuned_dir):
     assert built.source == "tuned" and built.trace and built.log_dir == str(tuned_dir)
     assert validation.passed, validation.format()
     assert built.audit.fused
-    cpu_flash.check(built.knobs, SPEC, TARGET)
+    cpu_fused.check(built.knobs, SPEC, TARGET)
     info = built.schedule_info()
     assert info["source"] == "tuned" and "sample_perfect_tile" in info["trace"]
 
@@ -108,9 +108,9 @@ def test_sampled_points_of_the_space_are_correct_and_fused(seed):
     tasks = make_tasks(SPEC, TARGET, "fused")
     task = tasks[seed % len(tasks)]
     sch = tvm.s_tir.Schedule(task.mod, seed=seed + 1)
-    cpu_flash.design_space(SPEC, TARGET)(sch)
-    knobs = cpu_flash.knobs_of(sch, vector_lanes(TARGET))
-    cpu_flash.check(knobs, SPEC, TARGET)  # every point of the space is feasible
+    cpu_fused.design_space(SPEC, TARGET)(sch)
+    knobs = cpu_fused.knobs_of(sch, vector_lanes(TARGET))
+    cpu_fused.check(knobs, SPEC, TARGET)  # every point of the space is feasible
     built = build_from_module(SPEC, "fused", sch.mod, TARGET, source="tuned", knobs=knobs)
     assert built.audit.fused, built.audit.format()
     v = validate_built(built, seed=seed)
@@ -118,15 +118,15 @@ def test_sampled_points_of_the_space_are_correct_and_fused(seed):
 
 
 def test_hand_knobs_are_a_point_of_the_space():
-    hand = cpu_flash.preset(SPEC, TARGET)
-    sch = cpu_flash.apply(tvm.s_tir.Schedule(cpu_flash.workload(SPEC, hand)), hand, SPEC)
-    assert cpu_flash.knobs_of(sch, hand.vector_lanes) == hand
+    hand = cpu_fused.preset(SPEC, TARGET)
+    sch = cpu_fused.apply(tvm.s_tir.Schedule(cpu_fused.workload(SPEC, hand)), hand, SPEC)
+    assert cpu_fused.knobs_of(sch, hand.vector_lanes) == hand
     # Its trace replays on a fresh workload and gives the same module: the hand schedule is
     # the space with its decisions pinned.
-    fresh = tvm.s_tir.Schedule(cpu_flash.workload(SPEC, hand))
+    fresh = tvm.s_tir.Schedule(cpu_fused.workload(SPEC, hand))
     sch.trace.apply_to_schedule(fresh, remove_postproc=False)
     assert tvm_ffi.structural_equal(fresh.mod, sch.mod)
-    assert (hand.block_m, hand.block_n) == cpu_flash.tile_candidates(SPEC, TARGET)[0]
+    assert (hand.block_m, hand.block_n) == cpu_fused.tile_candidates(SPEC, TARGET)[0]
 
 
 def _count_records(work: Path) -> int:

@@ -14,7 +14,7 @@ import pytest
 import tvm
 from tvm.target import Target
 
-from tvm_attention.schedules import cpu_flash
+from tvm_attention.schedules import cpu_fused
 from tvm_attention import cli, paths
 from tvm_attention.pipeline import build_best
 from tvm_attention.spec import AttentionSpec
@@ -46,7 +46,7 @@ def fake_log(work: Path, n: int = 2, target: Target = TARGET, tasks: int = 1) ->
         args = ms.arg_info.ArgInfo.from_prim_func(task.mod["main"])
         for i in range(n):
             sch = tvm.s_tir.Schedule(task.mod, seed=100 * t + i + 1)
-            cpu_flash.design_space(SPEC, TARGET)(sch)
+            cpu_fused.design_space(SPEC, TARGET)(sch)
             db.commit_tuning_record(ms.database.TuningRecord(sch.trace, wl, [1e-3 * (i + 1)], target, args))
     return work
 

@@ -281,7 +281,7 @@ def test_other_families_refuse_variants_by_name():
 
 
 def test_variants_bench_smoke(tmp_path):
-    """The speed-goal benchmark (scripts/bench_variants.py) at tiny shapes: every pair it runs
+    """The speed-goal benchmark (`tvm-attention bench --variant-costs`) at tiny shapes: every pair it runs
     times both kernels side by side and reports a ratio against its goal; the report is written."""
     import json
 

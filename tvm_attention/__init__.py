@@ -5,6 +5,7 @@ Public API::
     AttentionSpec                       the workload (GQA, bottom-right causal; ``layout`` "bhsd",
                                         "varlen", "kvcache" or "paged", ``dynamic`` dims symbolic
                                         at call time, ``return_lse``)
+    SpecError                           an invalid spec (a ValueError naming the offending field)
     build_kernel(spec, schedule, ...)   PrimFunc → schedule → lowered IR → audit → module
     load(dir) -> kernel(q, k, v) -> o   serving-side loader of an exported artifact (varlen:
                                         kernel(q, k, v, cu_seqlens_q=..., cu_seqlens_k=...);
@@ -74,4 +75,5 @@ def set_num_threads(n=None):
     return _set(n)
 
 
-__all__ = ["AttentionSpec", "SpecError", "aligned_empty", "build_kernel", "load", "set_num_threads", "__version__"]
+__all__ = ["AttentionSpec", "SpecError", "aligned_empty", "build_kernel", "load", "merge_states", "quantize_kv",
+           "set_num_threads", "__version__"]

@@ -504,8 +504,11 @@ def cmd_bench(a: argparse.Namespace) -> int:
     from .bench.cpu import measure_ceilings  # TVM loads only for the commands that compile
     from .bench.plots import missing_note, plots_available  # TVM loads only for the commands that compile
     from .bench.sweep import points, run_sweep, write_outputs  # TVM loads only for the commands that compile
+    from .bench import modes  # the bench package loads only for its commands
     from .target import host_cpu  # TVM loads only for the commands that compile
 
+    if (code := modes.run(a)) is not None:  # --serving, --variant-costs, --loader
+        return code
     threads = set_num_threads(a.threads)
     if a.decode:
         return bench_decode(a, threads)
@@ -910,8 +913,8 @@ def build_parser() -> "_Parser":
     p = sub.add_parser("bench", help="sweep sequence length for every variant side by side; table, CSV/JSON, plots",
                        description="Time every variant of every point side by side in one process, against the "
                                    "FMA peak and streaming-read bandwidth measured in the same run; write a "
-                                   "Markdown table, CSV, JSON and plots to --out (docs/benchmarks.md). --decode "
-                                   "and --halfprec run other sweeps.")
+                                   "Markdown table, CSV, JSON and plots to --out (docs/benchmarks.md). --decode, "
+                                   "--halfprec, --serving, --variant-costs and --loader run other benchmarks.")
     p.add_argument("--seq", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096, 8192, 16384],
                    help="sequence lengths (Sq = Skv) of the sweep")
     p.add_argument("--head-dim", type=int, nargs="+", default=[64, 128], help="head dimensions of the sweep")
@@ -946,6 +949,8 @@ def build_parser() -> "_Parser":
                         "with bfloat16 q and o")
     p.add_argument("--decode-cache", type=int, nargs="+", default=None,
                    help="--decode: cache lengths (default 1024 4096 16384 32768)")
+    from .bench.modes import add_flags  # the standard library only: parsing loads no benchmark
+    add_flags(p)
     p.add_argument("--repeat", type=int, default=3, help="timed repeats per point (the median is reported)")
     p.add_argument("--threads", type=int, default=None, help="runtime threads (default: all cores)")
     p.add_argument("--out", default="bench_out", help="output folder")

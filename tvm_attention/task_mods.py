@@ -15,7 +15,7 @@ import tvm_ffi
 from tvm import tirx
 from tvm.target import Target
 
-from .schedules import cpu_flash, cuda_fused
+from .schedules import cpu_fused, cuda_fused
 from .spec import AttentionSpec
 from .tvm_internals import normalize_mod
 from .workloads import fused_attention, materialized_attention, rowcache_attention
@@ -39,7 +39,7 @@ def tunes_as_paged(spec: AttentionSpec, target: Target, schedule: str = "fused")
     """A paged spec whose representative step is a decode step of the CPU fused kernel."""
     if spec.layout != "paged" or schedule != "fused" or target.kind.name != "llvm":
         return False
-    return cpu_flash.is_decode_step(spec, target)
+    return cpu_fused.is_decode_step(spec, target)
 
 
 def step_case(spec: AttentionSpec) -> dict[str, Any]:

@@ -188,32 +188,52 @@ class _Settings:
     use_log: bool = False
 
 
-_settings = _Settings()
-_lock = threading.RLock()
-_kernels: dict[tuple, Any] = {}  # (artifact root, config tuple) -> loaded kernel
-_targets: dict[str, Any] = {}  # repr(settings.target) -> resolved Target
-_root_memo: list = [None, None]  # [(env values), root]
-_stats = {"builds": 0, "loads": 0, "rebuilds": 0, "calls": 0}
+@dataclasses.dataclass(eq=False)
+class _BackendState:
+    """Everything the backend keeps in this process, in one object (:data:`_STATE`): what
+    :func:`register` set, the kernels loaded, the counters :func:`stats` reports. One place to
+    read what a call depends on, and to reset it."""
+
+    settings: _Settings = dataclasses.field(default_factory=_Settings)
+    #: guards ``settings`` and ``kernels`` changes (a kernel is built once however many threads ask)
+    lock: Any = dataclasses.field(default_factory=threading.RLock)
+    #: (artifact root, config tuple) -> loaded kernel
+    kernels: dict[tuple, Any] = dataclasses.field(default_factory=dict)
+    #: repr(settings.target) -> resolved Target
+    targets: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: (the environment variables the default root depends on, that root)
+    root_memo: tuple = (None, None)
+    stats: dict[str, int] = dataclasses.field(
+        default_factory=lambda: {"builds": 0, "loads": 0, "rebuilds": 0, "calls": 0})
+    #: id(kernel) -> the same kernel run on one thread (:func:`_one_thread`)
+    one_threaded: dict[int, Any] = dataclasses.field(default_factory=dict)
+    #: the warnings given once per process (``output_attentions``)
+    warned: set[str] = dataclasses.field(default_factory=set)
+    #: the seam the attention function gets kernels through (tests substitute a fake one); None:
+    #: :func:`kernel_for`
+    kernel_factory: Callable[[LayerConfig], Any] | None = None
+
+
+_STATE = _BackendState()
+
 #: Below this many FLOPs (4·B·H·Sq·Skv·D: a decode step of a short context) a call runs on one
 #: thread. Between PyTorch's ops TVM's pool sleeps, and waking it costs more than the work:
 #: in greedy generation (8/2 heads, D=64, a 32-token context, 2 cores) a decode call took 122 µs
 #: on 2 threads and 50 µs on 1 (the kernel alone: 5 µs with the pool awake). Prefill and long
 #: contexts keep every thread; the switch happens at those phase changes only (17 µs each).
 SMALL_CALL_FLOPS = 1 << 22
-_one_threaded: dict[int, Any] = {}
 
 
 def _one_thread(kernel):
     """The same loaded kernel run on one thread (cached per kernel)."""
-    single = _one_threaded.get(id(kernel))
+    single = _STATE.one_threaded.get(id(kernel))
     if single is None or single.function is not kernel.function:
         import copy
 
         single = copy.copy(kernel)
         single.num_threads = 1
-        _one_threaded[id(kernel)] = single
+        _STATE.one_threaded[id(kernel)] = single
     return single
-_warned: set[str] = set()
 
 
 # -- public API ----------------------------------------------------------------------------------
@@ -243,10 +263,10 @@ def register(cache_dir: str | os.PathLike | None = None, *, target: Any = "llvm"
         os.environ.setdefault(SPIN_ENV, str(int(spin_count)))
     new = _Settings(Path(cache_dir).expanduser() if cache_dir is not None else None, target, num_threads,
                     bool(use_log))
-    with _lock:
-        if new != _settings:
-            _kernels.clear()
-            _settings.__dict__.update(new.__dict__)
+    with _STATE.lock:
+        if new != _STATE.settings:
+            _STATE.kernels.clear()
+            _STATE.settings = new
     AttentionInterface.register(NAME, attention_forward)
     AttentionMaskInterface.register(NAME, attention_mask)
     return NAME
@@ -255,41 +275,40 @@ def register(cache_dir: str | os.PathLike | None = None, *, target: Any = "llvm"
 def artifact_root() -> Path:
     """The folder holding this backend's artifacts (``register(cache_dir=...)``, else
     ``tvm_attention.paths.cache_dir() / "artifacts"``)."""
-    if _settings.cache_dir is not None:
-        return _settings.cache_dir
+    if _STATE.settings.cache_dir is not None:
+        return _STATE.settings.cache_dir
     env = (os.environ.get("TVM_ATTENTION_CACHE_DIR"), os.environ.get("XDG_CACHE_HOME"))
-    if _root_memo[0] != env:  # cheap on the hot path: two env reads and a compare
-
-        _root_memo[:] = [env, cache_dir() / ARTIFACTS]
-    return _root_memo[1]
+    if _STATE.root_memo[0] != env:  # cheap on the hot path: two env reads and a compare
+        _STATE.root_memo = (env, cache_dir() / ARTIFACTS)
+    return _STATE.root_memo[1]
 
 
 def stats() -> dict[str, int]:
     """Counters since the last :func:`reset_stats`: ``builds`` (artifacts built and exported,
     ``rebuilds`` of them replacing an unusable cached one), ``loads`` (artifacts loaded from the
     disk cache without building) and ``calls`` (attention calls served)."""
-    return dict(_stats)
+    return dict(_STATE.stats)
 
 
 def reset_stats() -> None:
-    for k in _stats:
-        _stats[k] = 0
+    for k in _STATE.stats:
+        _STATE.stats[k] = 0
 
 
 def clear_kernels() -> None:
     """Forget the kernels loaded in this process (the next call loads them from disk again)."""
-    with _lock:
-        _kernels.clear()
+    with _STATE.lock:
+        _STATE.kernels.clear()
 
 
 def resolved_target():
     """The ``tvm.target.Target`` artifacts are built for (resolved once per setting)."""
     from ..target import resolve_target  # the compiler loads only when a first artifact is built
 
-    k = repr(_settings.target)
-    t = _targets.get(k)
+    k = repr(_STATE.settings.target)
+    t = _STATE.targets.get(k)
     if t is None:
-        t = _targets[k] = resolve_target(_settings.target)
+        t = _STATE.targets[k] = resolve_target(_STATE.settings.target)
     return t
 
 
@@ -308,25 +327,21 @@ def kernel_for(config: LayerConfig):
         rebuild = False
         if (out / "manifest.json").exists():
             try:
-                kernel = load(out, num_threads=_settings.num_threads)
+                kernel = load(out, num_threads=_STATE.settings.num_threads)
                 got = AttentionSpec.from_dict(kernel.manifest["spec"])
                 if got != spec:
                     raise RuntimeError(f"its manifest's spec {got} is not {spec}")
-                _stats["loads"] += 1
+                _STATE.stats["loads"] += 1
                 return kernel
             except Exception as e:  # corrupt or foreign: rebuild in place
                 warnings.warn(f"tvm_attention: cached artifact {out} is unusable ({type(e).__name__}: {e}); "
                               "rebuilding it", RuntimeWarning, stacklevel=2)
                 rebuild = True
         _build_into(spec, target, out)
-        kernel = load(out, num_threads=_settings.num_threads)
-        _stats["builds"] += 1
-        _stats["rebuilds"] += rebuild
+        kernel = load(out, num_threads=_STATE.settings.num_threads)
+        _STATE.stats["builds"] += 1
+        _STATE.stats["rebuilds"] += rebuild
         return kernel
-
-
-#: The seam the attention function gets kernels through (tests substitute a fake one).
-_kernel_factory: Callable[[LayerConfig], Any] = kernel_for
 
 
 # -- transformers hooks --------------------------------------------------------------------------
@@ -359,7 +374,7 @@ def attention_forward(
     window, softcap, sinks = _variants_of(module, causal, kwargs)
     cfg = (query.shape[1], key.shape[1], head_dim, _DTYPES[query.dtype], causal, scale)
     variants = (window, softcap, sinks is not None, kv_start is not None, keep is not None)
-    if cache_seqlens is None and (artifact_root(), cfg + ("kvcache",) + variants) in _kernels:
+    if cache_seqlens is None and (artifact_root(), cfg + ("kvcache",) + variants) in _STATE.kernels:
         # every key is in use (a static cache that is full, e.g. generate's last step): the
         # kvcache kernel already loaded computes the same, with no build of the bhsd one
         cache_seqlens = torch.full((query.shape[0],), key.shape[2], dtype=torch.int32)
@@ -377,7 +392,7 @@ def attention_forward(
         out = _NoBackward.apply(kernel, q, k, v, *extra)
     else:
         out = kernel(q, k, v, *extra)
-    _stats["calls"] += 1
+    _STATE.stats["calls"] += 1
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -440,14 +455,14 @@ def attention_mask(
 # -- internals -----------------------------------------------------------------------------------
 
 def _get_kernel(cfg: tuple):
-    """The in-process cache in front of :data:`_kernel_factory` (hot path: one dict lookup)."""
+    """The in-process cache in front of ``_STATE.kernel_factory`` (hot path: one dict lookup)."""
     k = (artifact_root(), cfg)
-    kernel = _kernels.get(k)
+    kernel = _STATE.kernels.get(k)
     if kernel is None:
-        with _lock:
-            kernel = _kernels.get(k)
+        with _STATE.lock:
+            kernel = _STATE.kernels.get(k)
             if kernel is None:
-                kernel = _kernels[k] = _kernel_factory(LayerConfig(*cfg))
+                kernel = _STATE.kernels[k] = (_STATE.kernel_factory or kernel_for)(LayerConfig(*cfg))
     return kernel
 
 
@@ -518,8 +533,8 @@ def _check_supported(module, query, key, value, mask, dropout, kwargs) -> None:
     if query.shape[1] % key.shape[1]:
         raise _unsupported("this head grouping", f"{query.shape[1]} query heads over {key.shape[1]} kv heads",
                            _OTHER)
-    if kwargs.get("output_attentions") and "output_attentions" not in _warned:
-        _warned.add("output_attentions")
+    if kwargs.get("output_attentions") and "output_attentions" not in _STATE.warned:
+        _STATE.warned.add("output_attentions")
         warnings.warn("tvm_attention does not return attention weights (output_attentions=True): they are None",
                       UserWarning, stacklevel=3)
 
@@ -647,5 +662,5 @@ def _build_into(spec, target, out: Path) -> None:
     from ..artifact import export  # the compiler loads only when a first artifact is built
     from ..pipeline import build_best  # the compiler loads only when a first artifact is built
 
-    built, validation = build_best(spec, target=target, use_log=_settings.use_log, say=lambda m: None)
+    built, validation = build_best(spec, target=target, use_log=_STATE.settings.use_log, say=lambda m: None)
     export(built, out, validation)

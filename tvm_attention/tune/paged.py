@@ -19,7 +19,7 @@ that. So a paged spec whose representative step is a decode step is tuned as its
   (``paged_p16_h32_kv8_d128_float32_causal_at_b4_q1_k4096``).
 
 A record tuned this way keeps its kv heads per task and prefetch when built
-(``cpu_flash.for_layout``); one tuned at the bhsd representative (a prefill-shaped paged spec)
+(``cpu_fused.for_layout``); one tuned at the bhsd representative (a prefill-shaped paged spec)
 keeps the paged preset's.
 """
 from __future__ import annotations

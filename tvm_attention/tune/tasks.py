@@ -1,13 +1,13 @@
 """Search tasks: one per workload PrimFunc, each with its own design space.
 
-* ``fused``: one task per (block_m, block_n) tile pair of ``tvm_attention.schedules.cpu_flash.tile_candidates``
+* ``fused``: one task per (block_m, block_n) tile pair of ``tvm_attention.schedules.cpu_fused.tile_candidates``
   (the tile sizes shape the online-softmax compute, so each pair is its own workload); inside a
-  task the space is ``cpu_flash.schedule`` with its decisions sampled (register blocks, head_dim
+  task the space is ``cpu_fused.schedule`` with its decisions sampled (register blocks, head_dim
   unroll, parallel chunk, auto-unroll). The hand preset's tile pair is the first task and the
   hand knobs are a point of its space.
 * a static decode shape (``seq_q · group`` rows fit a packed decode nest, e.g. the representative
   step of a kvcache build): one task per (``block_n``, split count, kv heads per task, prefetch)
-  of ``cpu_flash.decode_candidates``, each space the hand schedule of its nest. A paged decode
+  of ``cpu_fused.decode_candidates``, each space the hand schedule of its nest. A paged decode
   spec gets the same tasks on its own kernel, specialized to its representative step
   (:mod:`.paged`).
 * ``rowcache``: one task per row block ``block_m``; the same schedule function and sampled knobs.
@@ -22,7 +22,7 @@ from typing import Any
 import tvm
 from tvm.target import Target
 
-from ..schedules import SCHEDULES, UnknownScheduleError, cpu_flash, cpu_rowcache, cuda_flash, cuda_mma, get_schedule
+from ..schedules import SCHEDULES, UnknownScheduleError, cpu_fused, cpu_rowcache, cuda_mma, cuda_simt, get_schedule
 from ..schedules._knobs import KnobError
 from ..spec import AttentionSpec
 from ..task_mods import fused_task_mod, normalize, tunes_as_paged
@@ -59,7 +59,7 @@ def decode_space(spec: AttentionSpec, knobs):
     """The space of one static decode task: its nest scheduled as the hand build does. The
     task's workload carries its decisions (key tile, split count), so the space is one point."""
     def space_fn(sch):
-        return cpu_flash.apply(sch, knobs, spec)
+        return cpu_fused.apply(sch, knobs, spec)
 
     return tile_space(space_fn)
 
@@ -98,24 +98,24 @@ def make_tasks(spec: AttentionSpec, target: Target, schedule: str) -> list[TaskD
     if target.kind.name == "cuda":
         return _cuda_tasks(spec, target, schedule)
     if schedule == "fused":
-        if cpu_flash.is_decode_step(spec, target):  # static, or a paged step (tunes_as_paged)
+        if cpu_fused.is_decode_step(spec, target):  # static, or a paged step (tunes_as_paged)
             tasks = []
-            for k in cpu_flash.decode_candidates(spec, target):
-                args = cpu_flash.workload_args(spec, k)
+            for k in cpu_fused.decode_candidates(spec, target):
+                args = cpu_fused.workload_args(spec, k)
                 if spec.dynamic:  # a paged step: only the tier it runs (a static seq_q keeps one too)
-                    args["decode_rows"] = (cpu_flash.decode_step_rows(spec, target),)
+                    args["decode_rows"] = (cpu_fused.decode_step_rows(spec, target),)
                 tasks.append(TaskDef(f"fused_dec_n{k.block_n}_s{k.split_tasks}_h{k.decode_heads}"
                                      f"{f'_pf{k.prefetch}' if k.prefetch else ''}", fused_task_mod(spec, **args),
                                      decode_space(spec, k), points=1))
             return tasks
-        space = tile_space(cpu_flash.design_space(spec, target))
+        space = tile_space(cpu_fused.design_space(spec, target))
         # bfloat16 where the CPU has AVX512-BF16: each tile pair in both forms of its products
         # (bf16 dot products first: the preset's), a task each, as the form is in the compute
-        forms = (True, False) if cpu_flash.bf16_dots(spec, target) else (False,)
+        forms = (True, False) if cpu_fused.bf16_dots(spec, target) else (False,)
         return [
             TaskDef(f"fused_m{bm}_n{bn}{'_bf16dot' if dot else ''}",
                     normalize(fused_attention(spec, bm, bn, dot_bf16=dot)), space)
-            for bm, bn in cpu_flash.tile_candidates(spec, target) for dot in forms
+            for bm, bn in cpu_fused.tile_candidates(spec, target) for dot in forms
         ]
     if schedule == "rowcache":
         space = tile_space(cpu_rowcache.design_space(spec, target))
@@ -141,7 +141,7 @@ def _cuda_tasks(spec: AttentionSpec, target: Target, schedule: str) -> list[Task
         # tensor cores: one task per feasible (warps, block_n, stages, m_tiles), the preset first
         family, name = cuda_mma, "fused_w{k.warps}_n{k.block_n}_s{k.stages}_m{k.m_tiles}"
     else:
-        family, name = cuda_flash, "fused_m{k.block_m}_n{k.block_n}_t{k.threads_per_row}"
+        family, name = cuda_simt, "fused_m{k.block_m}_n{k.block_n}_t{k.threads_per_row}"
     space = ms.space_generator.ScheduleFn(family.design_space(spec, target), sch_rules=[], postprocs=[],
                                           mutator_probs={})
     return [TaskDef(name.format(k=k), normalize(family.workload(spec, k)), space)

@@ -55,6 +55,10 @@ floating-point values, the memory model beyond barriers and cp.async groups (no
 shapes and index arrays than the ones given (a race that needs a longer sequence, another tile
 count or another page order is not seen), and what nvcc does with the code (the IR is checked,
 not the PTX).
+
+A development tool, not part of the package: nothing in ``tvm_attention/`` imports it (it checks
+the generated kernels; a user of the library never runs it). It lives beside its command-line
+front end ``scripts/smem_race_check.py``, which imports it as ``cuda_race`` from this folder.
 """
 from __future__ import annotations
 
@@ -68,8 +72,8 @@ from typing import Any, Callable
 import tvm
 import tvm_ffi
 
-from .spec import AttentionSpec
-from .target import resolve_target
+from tvm_attention.spec import AttentionSpec
+from tvm_attention.target import resolve_target
 
 __all__ = ["CONFIGS", "NotModelled", "Race", "RaceConfig", "RaceReport", "barrier_sites", "check_built",
            "check_config", "check_function", "configs", "device_function", "drop_barrier", "drop_helper_calls"]
@@ -1389,7 +1393,7 @@ class RaceConfig:
 
     def build(self):
         # local: checking a device function needs no build path (schedules, workloads, nvcc)
-        from .build import build_kernel
+        from tvm_attention.build import build_kernel
         return build_kernel(self.attention_spec(), self.kernel, target=resolve_target("cuda", arch="sm_90"),
                             knobs=self.knobs)
 

@@ -1,4 +1,4 @@
-"""Hand-authored CPU (LLVM) schedule for the fused flash-attention PrimFunc.
+"""Hand-authored CPU (LLVM) schedule for the fused flash-attention PrimFunc (``workloads/fused.py``).
 
 The tile sizes ``block_m``/``block_n`` shape the PrimFunc itself (the online softmax is written
 per tile). :func:`schedule` then, finding blocks by name:

@@ -1,4 +1,6 @@
-"""Hand-authored CUDA schedule for the fused kernel (``workloads/fused_cuda.py``).
+"""Hand-authored CUDA schedule for the SIMT (CUDA-core) fused kernel (``workloads/fused_cuda.py``):
+``--schedule fused_simt``. Its tensor-core sibling is ``cuda_mma`` (``workloads/fused_mma.py``,
+``fused_tc``); ``cuda_fused`` (``--schedule fused``) picks one of the two per spec and target.
 
 On the GPU the thread mapping *is* the algorithm (which lane owns which scores and which output
 columns, where the shuffles go), so it is written into the compute, instantiated from these
