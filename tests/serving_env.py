@@ -126,8 +126,10 @@ def _install_project(python: Path) -> None:
         subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
                         "-w", str(Path(tmp) / "wheel"), str(src)], check=True, capture_output=True)
         wheel = next((Path(tmp) / "wheel").glob("*.whl"))
+        # Without PYTHONPATH: a checkout on it (with its egg-info) reads to pip as this project
+        # already installed in the venv, and pip would install nothing.
         subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps",
-                        "--no-index", "--no-compile", str(wheel)], check=True, capture_output=True)
+                        "--no-index", "--no-compile", str(wheel)], check=True, capture_output=True, env=env())
 
 
 def make(root: Path) -> Path:
