@@ -92,6 +92,7 @@ GENERATOR_MODULES = (
     "tvm_attention.visibility",
     "tvm_attention.cuda_tools",
     "tvm_attention.paths",
+    "tvm_attention.tvm_internals",
     "tvm_attention.workloads",
     "tvm_attention.schedules",
 )
