@@ -11,6 +11,15 @@ import pytest
 _CACHE = tempfile.mkdtemp(prefix="tvma-test-cache-")
 os.environ["TVM_ATTENTION_CACHE_DIR"] = _CACHE
 atexit.register(shutil.rmtree, _CACHE, True)
+# One build cache (tvm_attention.build_cache) for the whole run: the first process to load this file
+# (pytest-xdist's controller, or the only process with -n 0) makes it and removes it at exit; the
+# workers it starts, and the CLI subprocesses of the tests, inherit the variables. Never the user's.
+if "_TVMA_TEST_BUILD_CACHE" not in os.environ:
+    os.environ["_TVMA_TEST_BUILD_CACHE"] = tempfile.mkdtemp(prefix="tvma-test-builds-")
+    atexit.register(shutil.rmtree, os.environ["_TVMA_TEST_BUILD_CACHE"], True)
+os.environ["TVM_ATTENTION_BUILD_CACHE_DIR"] = os.environ["_TVMA_TEST_BUILD_CACHE"]
+os.environ["TVM_ATTENTION_BUILD_CACHE"] = "1"
+os.environ["TVM_ATTENTION_BUILD_CACHE_MAX_MB"] = "16384"  # a run's builds: a few GB at most, never evicted
 # Tests tune many times per process: keep the tuner's worker processes between tunes
 # (tvm_attention.tune.driver.keep_workers; test_tune checks both settings).
 os.environ["TVM_ATTENTION_KEEP_WORKERS"] = "1"
@@ -35,7 +44,8 @@ def built(spec, schedule="fused", knobs=None):
 
 @functools.lru_cache(maxsize=None)
 def _built(spec, schedule, knobs):
-    return build_kernel(spec, schedule=schedule, knobs=dict(knobs) if knobs else None)
+    # through the run's build cache: a kernel another file (another worker) built is loaded
+    return build_kernel(spec, schedule=schedule, knobs=dict(knobs) if knobs else None, cache=True)
 
 
 def run_kernel(spec, q, k, v, schedule="fused", knobs=None):

@@ -56,14 +56,21 @@ def test_tiny_tune_writes_metaschedule_database(tuned_dir):
     assert out.stdout.strip().splitlines()[-1] == "8"
 
 
-def test_tuned_build_validates_and_is_fused(tuned_dir):
-    built, validation = build_best(SPEC, log_dir=tuned_dir)
+def test_tuned_build_validates_and_is_fused(tuned_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("TVM_ATTENTION_BUILD_CACHE_DIR", str(tmp_path / "builds"))  # a build cache of its own
+    built, validation = build_best(SPEC, log_dir=tuned_dir, cache=True)
     assert built.source == "tuned" and built.trace and built.log_dir == str(tuned_dir)
     assert validation.passed, validation.format()
-    assert built.audit.fused
+    assert built.audit.fused and built.cache_entry is None
     cpu_fused.check(built.knobs, SPEC, TARGET)
     info = built.schedule_info()
     assert info["source"] == "tuned" and "sample_perfect_tile" in info["trace"]
+    # Built again: the record's build comes from the build cache (keyed by its trace), and runs.
+    again, validation = build_best(SPEC, log_dir=tuned_dir, cache=True)
+    assert again.cache_entry is not None and validation.passed, validation.format()
+    assert (again.source, again.knobs, again.trace, again.audit, again.record_secs) == (
+        built.source, built.knobs, built.trace, built.audit, built.record_secs)
+    assert again.schedule_info() == info
 
 
 def test_tuned_build_in_fresh_process_via_cli(tuned_dir, tmp_path):

@@ -61,11 +61,12 @@ def aligned_empty(shape, dtype):
     return _empty(shape, dtype)
 
 
-def build_kernel(spec, schedule="fused", target="llvm", knobs=None):
-    """Build a kernel; see :func:`tvm_attention.build.build_kernel`."""
+def build_kernel(spec, schedule="fused", target="llvm", knobs=None, cache=False):
+    """Build a kernel (``cache=True``: through the build cache, docs/cli.md); see
+    :func:`tvm_attention.build.build_kernel`."""
     from .build import build_kernel as _build  # lazy: the compiler loads only to build
 
-    return _build(spec, schedule=schedule, target=target, knobs=knobs)
+    return _build(spec, schedule=schedule, target=target, knobs=knobs, cache=cache)
 
 
 def set_num_threads(n=None):

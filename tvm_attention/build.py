@@ -12,6 +12,7 @@ import tvm
 from tvm import s_tir
 from tvm.target import Target
 
+from . import build_cache
 from .audit import AuditReport, audit, list_allocations, probe_spec
 from .cuda_tools import NvccNotFound, kernel_source, ptxas_report
 from .lowering import ArgBounds, LoweredModule, codegen, lower_final
@@ -45,7 +46,10 @@ class BuiltKernel:
     selection: dict[str, Any] | None = None  # tuned vs hand timed side by side at build time
     #: the tuning logs looked in when none had a usable record (the hand schedule was built)
     logs_searched: list[str] | None = None
+    #: the build cache's entry this build was loaded from (None: built here; ``build_cache``)
+    cache_entry: str | None = None
     _library: tuple[str, Any] | None = dataclasses.field(default=None, repr=False, compare=False)
+    _data_alignment: int | None = dataclasses.field(default=None, repr=False, compare=False)
 
 
     def schedule_info(self) -> dict[str, Any]:
@@ -69,6 +73,8 @@ class BuiltKernel:
         """Byte alignment the kernel needs of every argument's data: what its PrimFunc declared
         (``attn.data_alignment``: 16 for the CPU kernels, ``spec.DATA_ALIGNMENT``), else TVM's
         default of 64 (the CUDA kernels)."""
+        if self._data_alignment is not None:  # a cached build's, recorded (its IR stays unparsed)
+            return self._data_alignment
         for fn in self.lowered.host.functions.values():
             if fn.attrs is not None and "attn.data_alignment" in fn.attrs:
                 return int(fn.attrs["attn.data_alignment"])
@@ -133,22 +139,49 @@ def build_kernel(
     schedule: str = "fused",
     target: str | Target = "llvm",
     knobs: Any = None,
+    cache: bool = False,
 ) -> BuiltKernel:
     """Build ``spec`` with the hand schedule ``schedule`` (default knobs: the target preset).
 
     Steps: PrimFunc from the workload registry → schedule by name → final lowering → audit →
-    codegen of that same lowered IR.
+    codegen of that same lowered IR. ``cache``: load the build from the build cache when it holds
+    it, else build and store it there (``build_cache``: CPU targets this host runs).
     """
     target = resolve_target(target) if not isinstance(target, Target) else target
     refuse_device_checks(spec, target)  # before the schedule: a named error, at once
     family = get_schedule(schedule, target)
     knobs = resolve_knobs(family, spec, target, knobs)
     check(family, knobs, spec, target)
-    mod = _schedule_module(family, spec, knobs, target)
-    # A symbolic build's IR shows what grows with a length: no probe needed.
-    probe = None if spec.dynamic else (lambda: _probe(family, spec, knobs, target))
-    return build_from_module(spec, schedule, mod, target, source="hand", knobs=knobs, probe=probe,
-                             probe_at=_probe_at(family, spec, target))
+
+    def make() -> BuiltKernel:
+        mod = _schedule_module(family, spec, knobs, target)
+        # A symbolic build's IR shows what grows with a length: no probe needed.
+        probe = None if spec.dynamic else (lambda: _probe(family, spec, knobs, target))
+        return build_from_module(spec, schedule, mod, target, source="hand", knobs=knobs, probe=probe,
+                                 probe_at=_probe_at(family, spec, target))
+
+    if not (build_cache.enabled(cache) and build_cache.cacheable(target)):
+        return make()
+    return cached_build(build_cache.hand_key(spec, schedule, target, knobs), spec, schedule, target, make)
+
+
+def cached_build(key: tuple[str, dict], spec: AttentionSpec, schedule: str, target: Target, make) -> BuiltKernel:
+    """The build of ``key`` (``build_cache.hand_key``/``tuned_key``) from the build cache, else
+    ``make()``'s, stored there. A hit runs the stored library and keeps the stored audit, knobs
+    and lowered IR (parsed when first read)."""
+    hit = build_cache.lookup(key[0], target)
+    if hit is not None:
+        m = hit.meta
+        built = BuiltKernel(spec, schedule, m["source"], m["knobs"], target, hit.lowered, hit.module, m["audit"],
+                            trace=m["trace"], cache_entry=str(hit.entry))
+        built._library, built._data_alignment = (str(hit.library), hit.module), m["data_alignment"]
+        build_cache.adopt(hit, built)
+        return built
+    built = make()
+    build_cache.store(key[0], key[1], built.library, built.lowered,
+                      {"source": built.source, "knobs": built.knobs, "audit": built.audit, "trace": built.trace,
+                       "data_alignment": built.data_alignment})
+    return built
 
 
 def resolve_knobs(family, spec: AttentionSpec, target: Target, knobs: Any):
@@ -288,13 +321,25 @@ def knobs_of(family, sch: s_tir.Schedule, spec: AttentionSpec, target: Target):
     return family.knobs_of(sch, vector_lanes(target), family.preset(spec, target))  # float32 lanes: CPU kernels compute in float32
 
 
-def build_from_record(spec: AttentionSpec, schedule: str, target: str | Target, workload, record) -> BuiltKernel:
+def build_from_record(spec: AttentionSpec, schedule: str, target: str | Target, workload, record,
+                      cache: bool = False) -> BuiltKernel:
     """Replay a tuning record's trace on its workload and build it (``source="tuned"``).
 
     A symbolic (or varlen) ``spec`` is tuned at its representative static shape (a paged decode
     step: its own kernel specialized there, ``tune.paged``): the trace is replayed there, its
-    knobs read back, and the symbolic kernel built with them."""
+    knobs read back, and the symbolic kernel built with them. ``cache``: as ``build_kernel``'s
+    (the key holds the trace and the workload module)."""
     target = resolve_target(target)
+    if build_cache.enabled(cache) and build_cache.cacheable(target):
+        key = build_cache.tuned_key(spec, schedule, target, workload.mod, record.trace)
+        built = cached_build(key, spec, schedule, target, lambda: _build_from_record(spec, schedule, target,
+                                                                                     workload, record))
+        built.record_secs = [float(x) for x in record.run_secs]
+        return built
+    return _build_from_record(spec, schedule, target, workload, record)
+
+
+def _build_from_record(spec: AttentionSpec, schedule: str, target: Target, workload, record) -> BuiltKernel:
     sch = s_tir.Schedule(workload.mod)
     record.trace.apply_to_schedule(sch, remove_postproc=False)
     family = get_schedule(schedule, target)

@@ -244,6 +244,9 @@ def _add_build_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="seed of the validation inputs")
     g.add_argument("--no-log", action="store_true",
                    help="ignore tuning logs: always use the hand schedule")
+    g.add_argument("--no-cache", action="store_true",
+                   help="build even when the build cache holds this build, and neither read nor write the cache "
+                        "(default: reuse it; it is builds/ in the user cache, see docs/cli.md)")
     g.add_argument("--allow-unfused", action="store_true",
                    help="export a fused-schedule build even if it fails the fusion audit (default: error, nothing written)")
     g.add_argument("--from-log", default=None, metavar="DIR",
@@ -270,8 +273,10 @@ def _build_and_export(a: argparse.Namespace, spec: AttentionSpec, out: Path):
     target = resolve_target(a.target, arch=a.arch)
     built, validation = build_best(
         spec, schedule=a.schedule, target=target, knobs=knobs, use_log=not a.no_log,
-        log_dir=a.from_log, seed=a.seed, say=lambda m: print(m, file=sys.stderr),
+        log_dir=a.from_log, seed=a.seed, say=lambda m: print(m, file=sys.stderr), cache=not a.no_cache,
     )
+    if built.cache_entry:
+        print(f"from the build cache: {built.cache_entry} (--no-cache builds it again)", file=sys.stderr)
     if a.schedule == "fused" and not built.audit.fused and not a.allow_unfused:
         raise AuditFailed(
             f"the fused schedule failed the fusion audit; nothing exported (--allow-unfused exports it "

@@ -45,7 +45,10 @@ def build_best(
     log_dir: str | os.PathLike | None = None,
     seed: int = 0,
     say: Callable[[str], None] = lambda s: None,
+    cache: bool = False,
 ) -> tuple[BuiltKernel, ValidationResult]:
+    """``cache``: take every build (tuned and hand) from the build cache when it holds it
+    (``tvm_attention.build_cache``); each is validated here all the same."""
     target = resolve_target(target)
     if knobs is None and use_log:
         explicit = log_dir is not None
@@ -67,7 +70,7 @@ def build_best(
             if candidates:
                 tried.append(str(work))
             for i, (wl, rec) in enumerate(candidates):
-                built = build_from_record(spec, schedule, target, wl, rec)
+                built = build_from_record(spec, schedule, target, wl, rec, cache=cache)
                 built.log_dir = str(work)
                 validation = validate_built(built, seed=seed)
                 if not validation.ran:
@@ -78,24 +81,24 @@ def build_best(
                 if validation.passed:
                     if explicit or target.kind.name != "llvm":
                         return built, validation
-                    return _faster_of(built, validation, spec, schedule, target, seed, say)
+                    return _faster_of(built, validation, spec, schedule, target, seed, say, cache)
                 say(f"tuned record #{i + 1} from {work} failed validation ({validation.format()}); trying the next")
         if tried:
             say(f"no tuned record from {', '.join(tried)} validated; using the hand schedule")
         else:
             say(f"no tuning log for {log_folder('', rep, target).name} [{schedule}] on {target_key(target)} "
                 f"(looked in {', '.join(str(d) for d in dirs)}); using the hand schedule. {TUNE_HINT}")
-    built = build_kernel(spec, schedule=schedule, target=target, knobs=knobs)
+    built = build_kernel(spec, schedule=schedule, target=target, knobs=knobs, cache=cache)
     if knobs is None and use_log:
         built.logs_searched = [str(d) for d in dirs]
     return built, validate_built(built, seed=seed)
 
 
 def _faster_of(tuned: BuiltKernel, tuned_validation: ValidationResult, spec: AttentionSpec, schedule: str,
-               target, seed: int, say) -> tuple[BuiltKernel, ValidationResult]:
+               target, seed: int, say, cache: bool = False) -> tuple[BuiltKernel, ValidationResult]:
     """Time the tuned and the hand build side by side (alternating, best median of two rounds
     each) and keep the faster; the selection and both times are recorded on the winner."""
-    hand = build_kernel(spec, schedule=schedule, target=target)
+    hand = build_kernel(spec, schedule=schedule, target=target, cache=cache)
     times = {"tuned": [], "hand": []}
     for _ in range(2):
         for name, b in (("tuned", tuned), ("hand", hand)):

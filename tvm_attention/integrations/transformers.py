@@ -662,5 +662,6 @@ def _build_into(spec, target, out: Path) -> None:
     from ..artifact import export  # the compiler loads only when a first artifact is built
     from ..pipeline import build_best  # the compiler loads only when a first artifact is built
 
-    built, validation = build_best(spec, target=target, use_log=_STATE.settings.use_log, say=lambda m: None)
+    built, validation = build_best(spec, target=target, use_log=_STATE.settings.use_log, say=lambda m: None,
+                                   cache=True)
     export(built, out, validation)
