@@ -184,7 +184,7 @@ def page_order_heads(spec: AttentionSpec, block_n: int) -> int:
     heads per task read whole rows, 19-30 GB/s (1.5-1.9x), level with the contiguous cache. On
     the contiguous layouts (bhsd, kvcache) 2 heads per task ran 9-23 % faster at batch 4 and 16
     and 10 % slower at batch 1: a point for the search (``decode_candidates``), not the preset."""
-    return max_heads_per_task(spec, block_n) if spec.layout == "paged" else 1
+    return max_heads_per_task(spec, block_n) if spec.layout_info.paged else 1
 
 
 def max_heads_per_task(spec: AttentionSpec, block_n: int) -> int:
@@ -202,8 +202,7 @@ def for_layout(knobs: FlashCPUKnobs, spec: AttentionSpec, target: Target,
     cache, whose preset keeps its page order. A record tuned on the paged layout itself (a
     paged decode step, ``tvm_attention.tune.paged``) and other layouts take the record's knobs
     whole."""
-    tuned_layout = (tuned_at or spec.representative()).layout
-    if spec.layout != "paged" or tuned_layout == "paged":
+    if not spec.layout_info.paged or (tuned_at or spec.representative()).layout_info.paged:
         return knobs
     hand = preset(spec, target)
     return dataclasses.replace(knobs, decode_heads=hand.decode_heads, prefetch=hand.prefetch)
@@ -558,14 +557,14 @@ def decode_rows(spec: AttentionSpec, knobs: FlashCPUKnobs) -> tuple[int, ...]:
     Why not one nest: a one-vector tile at one token computes 16 rows for 4 (or 1), which bound
     decode by the FMA units, not by the memory it must stream. bhsd (the transformers path, one
     token per step) keeps one decode nest: every nest adds seconds of lowering to a build."""
-    if spec.layout == "varlen":
+    if spec.layout_info.packed:
         return ()
     lanes, group = knobs.vector_lanes, spec.group_size
     if group > lanes:
         return ()
     few = 1 << (group - 1).bit_length()
     if few < lanes and cpu_decode.supports(spec, few, lanes):
-        return (few, lanes) if spec.layout in ("kvcache", "paged") else (few,)
+        return (few, lanes) if spec.layout_info.is_cache else (few,)
     return (lanes,)
 
 

@@ -111,7 +111,7 @@ def registers_estimate(knobs: MMAKnobs, spec: AttentionSpec) -> int:
 def preset(spec: AttentionSpec, target: Target) -> MMAKnobs:
     if spec.head_dim in _PRESETS:
         knobs = MMAKnobs(**_PRESETS[spec.head_dim])
-        if spec.layout in ("kvcache", "paged") and spec.seq_q * spec.group_size <= 16 * knobs.warps:
+        if spec.layout_info.is_cache and spec.seq_q * spec.group_size <= 16 * knobs.warps:
             # a decode step packs its group's heads into the tile (seq_q · group rows, 4 at GQA
             # 32:8): one row group a warp already holds them all, and a second would only add
             # fragments (ptxas: 220-234 registers at D=64, 12 % occupancy, for empty rows)

@@ -84,7 +84,7 @@ def preset(spec: AttentionSpec, target: Target) -> FlashCUDAKnobs:
     kind = "fp32" if spec.dtype == "float32" else "half"
     d = 64 if spec.head_dim <= 64 else 128
     knobs = FlashCUDAKnobs(**_PRESETS[(kind, d)])
-    if spec.layout in SPLIT_LAYOUTS and spec.seq_q * spec.group_size <= 16:
+    if spec.layout_info.is_cache and spec.seq_q * spec.group_size <= 16:
         # a decode step packs seq_q · group rows (4 at GQA 32:8): 16 rows of 16 lanes keep 256
         # threads with fewer idle rows. ptxas (sm_90, fp32 D=128, paged, split-KV): 40 registers,
         # no spill, 75 % occupancy; 32 rows of 8 lanes took 48 and spilled 16 bytes

@@ -17,6 +17,7 @@ from tvm import s_tir, tirx
 from tvm.target import Target
 
 from ..cuda_tools import split_tasks_for
+from ..layouts import layouts_where
 from ..quant import KV_DTYPES
 from ..spec import AttentionSpec
 
@@ -34,8 +35,8 @@ CUDA_KV_DTYPES = KV_DTYPES
 
 
 #: the layouts whose CUDA grid splits each sequence's keys when the batch is small (split-KV: a
-#: decode step has one thread block per (sequence, KV head) otherwise)
-SPLIT_LAYOUTS = ("kvcache", "paged")
+#: decode step has one thread block per (sequence, KV head) otherwise): their entries' ``can_split``
+SPLIT_LAYOUTS = layouts_where("can_split")
 #: the most thread blocks split-KV may aim for: a batch splits only while batch · kv_heads <
 #: split_tasks, and then its (sequence, chunk) pairs on gridDim.z, batch · ceil(split_tasks /
 #: (batch · kv_heads)), stay below 2 · split_tasks (gridDim.z stops at 65535)
@@ -45,7 +46,7 @@ MAX_SPLIT_TASKS = 4096
 def cuda_split_tasks(spec: AttentionSpec, target: Target) -> int:
     """The CUDA presets' ``split_tasks`` knob: the grid size split-KV aims for on ``target``
     (``cuda_tools.split_tasks_for``) in the KV-cache layouts, 0 (no split) in the others."""
-    return split_tasks_for(target) if spec.layout in SPLIT_LAYOUTS else 0
+    return split_tasks_for(target) if spec.layout_info.can_split else 0
 
 
 def check_split_tasks(knobs: Any, spec: AttentionSpec) -> None:
@@ -57,7 +58,7 @@ def check_split_tasks(knobs: Any, spec: AttentionSpec) -> None:
     if v > MAX_SPLIT_TASKS:
         raise KnobError(f"split_tasks={v} > {MAX_SPLIT_TASKS}: gridDim.z counts (sequence, chunk) pairs, at most "
                         f"2 · split_tasks of them, and gridDim.z stops at 65535")
-    if v and spec.layout not in SPLIT_LAYOUTS:
+    if v and not spec.layout_info.can_split:
         raise KnobError(f"split_tasks={v}: split-KV splits the {' and '.join(SPLIT_LAYOUTS)} layouts, "
                         f"not {spec.layout!r} (use 0)")
 
@@ -70,8 +71,7 @@ def cuda_for_layout(knobs: Any, spec: AttentionSpec, target: Target, tuned_at: A
     ``spec``'s own, the preset's (:func:`cuda_split_tasks`, the target's grid size, which the
     tuner never varies: every task carries its preset's). A record tuned on a layout that
     splits keeps its own."""
-    tuned_layout = (tuned_at or spec.representative()).layout
-    if tuned_layout in SPLIT_LAYOUTS:
+    if (tuned_at or spec.representative()).layout_info.can_split:
         return knobs
     return dataclasses.replace(knobs, split_tasks=cuda_split_tasks(spec, target))
 

@@ -1307,17 +1307,12 @@ def host_scalars(built, dims: dict) -> dict:
 def _argument_bytes(spec: AttentionSpec, dims: dict) -> dict:
     """Q, K, V and O's sizes in bytes in ``spec``'s layout at ``dims`` (those it determines)."""
     elem = _dtype_bytes(tvm.DataType(spec.dtype))
-    H, KH, D = spec.heads, spec.kv_heads, spec.head_dim
+    compiled = {"heads": spec.heads, "kv_heads": spec.kv_heads, "head_dim": spec.head_dim, "page_size": spec.page_size}
 
-    def size(*names):
-        vals = [dims.get(n) if isinstance(n, str) else n for n in names]
+    def size(arg):  # the layout entry's argument: its dims compiled in, or taken from dims
+        vals = [compiled[n] if n in compiled else dims.get(n) for n in arg.dims]
         return None if any(v is None for v in vals) else math.prod(vals) * elem
-    if spec.layout == "varlen":
-        q, kv = size("total_q", H, D), size("total_k", KH, D)
-    else:
-        q = size("batch", H, "seq_q", D)
-        kv = {"bhsd": lambda: size("batch", KH, "seq_kv", D), "kvcache": lambda: size("batch", KH, "max_len", D),
-              "paged": lambda: size("num_pages", spec.page_size, KH, D)}[spec.layout]()
+    q, kv = size(spec.layout_info.args[0]), size(spec.layout_info.args[1])
     out = {"Q": q, "Qp": q, "O": q, "K": kv, "V": kv}
     return {k: v for k, v in out.items() if v is not None}
 

@@ -10,7 +10,7 @@ import re
 import sys
 from pathlib import Path
 
-from .layouts import LAYOUTS
+from .layouts import LAYOUTS, get_layout, in_words, layouts_where
 from .loader import ArtifactError, check_artifact, confirm_spec, load, read_manifest
 from .spec import AttentionSpec, SpecError
 from .threads import num_threads, set_num_threads
@@ -20,13 +20,10 @@ DEFAULT_SPEC = dict(batch=1, heads=8, seq_q=1024, head_dim=64, dtype="float32", 
 DEFAULT_OUT = "artifacts"
 
 
-#: Representative values of a dim given as plain ``dyn``: what the build validates, times and
-#: looks up tuning logs at (``dyn:N`` picks another).
-DYN_DEFAULTS = {"batch": 1, "seq_q": 1024, "seq_kv": None}
-#: The same for the KV-cache layouts, whose representative call is a decode step (one new token
-#: per sequence against a 1k cache).
-CACHE_DEFAULTS = {"batch": 4, "seq_q": 1, "seq_kv": 1024}
-CACHE_LAYOUTS = ("kvcache", "paged")
+# Representative values of a dim given as plain ``dyn`` (what the build validates, times and looks
+# up tuning logs at; ``dyn:N`` picks another) are the layout entry's ``cli_defaults``.
+#: the layouts that take batch and lengths at call time (``always_dynamic``), in words
+PER_CALL_LAYOUTS = in_words(layouts_where("always_dynamic"))
 
 
 def _dim(text: str):
@@ -52,17 +49,17 @@ def _add_spec_flags(p: argparse.ArgumentParser, defaults: dict | None = None) ->
     needed = "" if d else "; required with --layout bhsd (the other layouts take it at call time)"
     g = p.add_argument_group("layout")
     g.add_argument("--layout", default="bhsd", choices=list(LAYOUTS),
-                   help="bhsd: dense (B, H, S, D) (default); varlen: FlashAttention's packed (total, H, D) + "
-                        "cu_seqlens_q/k; kvcache: q (B, H, Sq, D) against k/v_cache (B, KH, max_len, D) + "
-                        "cache_seqlens; paged: k/v_pages (pages, page_size, KH, D) + block_table + cache_seqlens. "
-                        "varlen, kvcache and paged take batch and lengths at call time (ints are representative)")
+                   help="; ".join(f"{n}: {e.cli_help}" for n, e in LAYOUTS.items()) + ". "
+                        f"{PER_CALL_LAYOUTS} take batch and lengths at call time "
+                        "(ints are representative)")
     g.add_argument("--page-size", type=int, default=None,
                    help="paged layout: keys per page (compiled in; default 16)")
     g.add_argument("--return-lse", action="store_true", default=False,
                    help="the kernel also returns lse: each row's natural log-sum-exp, float32 "
                         "((B, H, Sq); varlen (H, total_q)); -inf for a row that sees no key")
     g.add_argument("--device-checks", action="store_true", default=False,
-                   help="CUDA builds with index arrays (varlen, kvcache, paged, --kv-start): a check kernel validates "
+                   help=f"CUDA builds with index arrays ({', '.join(n for n, e in LAYOUTS.items() if e.index_args)}, "
+                        "--kv-start): a check kernel validates "
                         "them on the device and the call gains a last output index_error (1,) int32, 0 when valid "
                         "(its bits: docs/cuda.md); CPU builds always check on the host and refuse it")
     g = p.add_argument_group("shape" + ("" if d else " (--heads and --head-dim always required)"))
@@ -76,7 +73,7 @@ def _add_spec_flags(p: argparse.ArgumentParser, defaults: dict | None = None) ->
     g.add_argument("--dtype", default=d.get("dtype", "float32"),
                    help="float32, bfloat16 or float16: inputs, caches and output (softmax and accumulation are float32; on CPU only the fused "
                         "family takes the half dtypes)")
-    g = p.add_argument_group("KV cache (kvcache and paged layouts)")
+    g = p.add_argument_group(f"KV cache ({in_words(layouts_where('is_cache'))} layouts)")
     g.add_argument("--append", action="store_true", default=d.get("append", False),
                    help="the kernel takes k_new, v_new (batch, kv_heads, seq_q, D) last, writes them into the cache at "
                         "cache_seqlens[b]... (quantized for an 8-bit cache) and attends to them in the same call; "
@@ -103,7 +100,7 @@ def _add_spec_flags(p: argparse.ArgumentParser, defaults: dict | None = None) ->
                         "denominator (gpt-oss)")
     g.add_argument("--kv-start", action="store_true", default=False,
                    help="left padding: the kernel takes kv_start (B,) int32; keys before kv_start[b] are hidden "
-                        "(FlashAttention's cache_leftpad; bhsd, kvcache and paged)")
+                        f"(FlashAttention's cache_leftpad; {in_words(layouts_where('packed', False))})")
     # user-written modifiers (tvm_attention.modifiers; docs/semantics.md#user-written-modifiers)
     g = p.add_argument_group("user-written modifiers (docs/semantics.md#user-written-modifiers)")
     g.add_argument("--score-mod", default=None, metavar="SRC",
@@ -188,8 +185,9 @@ def _window(text: str) -> tuple[int, int]:
 
 def _spec_from_args(a: argparse.Namespace) -> AttentionSpec:
     dims, dynamic = {}, []
-    per_call = a.layout in ("varlen",) + CACHE_LAYOUTS  # batch and lengths are per call
-    defaults = CACHE_DEFAULTS if a.layout in CACHE_LAYOUTS else DYN_DEFAULTS
+    layout = get_layout(a.layout)
+    per_call = bool(layout.always_dynamic)  # batch and lengths are per call
+    defaults = layout.cli_defaults
     for name, flag in (("batch", "--batch"), ("seq_q", "--seq-q"), ("seq_kv", "--seq-kv")):
         v = getattr(a, name)
         if name == "seq_kv" and v is None and not per_call:
@@ -833,9 +831,9 @@ reference; time it; and export it to artifacts/<schedule>_<spec>/ (--out to choo
 flag, each with a default (below). The target must be one this machine can run: llvm (the default, this
 CPU) or a JSON llvm target whose CPU features this host has."""
 
-BUILD_DESCRIPTION = """Build one kernel, audit it, validate it and export it to --out (a .so, its manifest and the
+BUILD_DESCRIPTION = f"""Build one kernel, audit it, validate it and export it to --out (a .so, its manifest and the
 lowered IR). --heads, --head-dim and --out are required, and with the default layout (bhsd) also --batch
-and --seq-q; varlen, kvcache and paged take batch and lengths at call time. A tuning log's best record is
+and --seq-q; {PER_CALL_LAYOUTS} take batch and lengths at call time. A tuning log's best record is
 used when one exists for the spec and target (docs/cli.md)."""
 
 
@@ -858,7 +856,7 @@ def build_parser() -> "_Parser":
 
     p = sub.add_parser("build", help="build, audit, validate and export one kernel", description=BUILD_DESCRIPTION,
                        usage="%(prog)s [--layout L] --batch B --seq-q SQ --heads H --head-dim D --out DIR [options]\n"
-                             "       (varlen, kvcache and paged take batch and lengths at call time: there "
+                             f"       ({PER_CALL_LAYOUTS} take batch and lengths at call time: there "
                              "--batch and --seq-q are optional)")
     _add_spec_flags(p)
     _add_build_flags(p)

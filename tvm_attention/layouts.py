@@ -12,10 +12,14 @@ A :class:`Layout` entry says, for one argument layout:
 * ``check_indices``: what the kernel cannot check itself (``cu_seqlens``), so that through the
   loader it never reads out of bounds;
 * ``reference``: its semantics, through the one BHSD float64 reference;
-* ``validation_cases``/``random_inputs``: concrete inputs for validation, timing and the tests.
+* ``validation_cases``/``random_inputs``: concrete inputs for validation, timing and the tests;
+* its traits, what it decides for every other module, which reads them instead of its name:
+  ``packed`` (the kernels' frame), ``addressing`` (its K/V addressing class in ``workloads.kv``),
+  ``is_cache``, ``can_split``, ``paged``, ``index_checks`` (the rules its index arrays obey),
+  ``capacity_dim``, ``always_dynamic`` and ``cli_defaults``/``cli_help`` (the CLI's).
 
-Adding a layout (the kvcache and paged ones of the next issue) is adding an entry here and its
-addressing in the workloads, not an if-chain through every module.
+Adding a layout is adding an entry here and its addressing class in ``workloads/kv.py``, not an
+if-chain through every module (docs/design.md, "Adding a layout", works one example through).
 
 Layouts:
 
@@ -152,7 +156,7 @@ SEQUENCE_DIMS = ("seq_q", "seq_kv", "max_len", "total_q", "total_k")
 def has_index_arrays(spec) -> bool:
     """Whether ``spec``'s kernel takes index arrays a device check can validate (varlen's
     cu_seqlens, the caches' cache_seqlens and block_table, ``kv_start``)."""
-    return (getattr(spec, "layout", "bhsd") != "bhsd" or bool(getattr(spec, "kv_start", False))
+    return (bool(get_layout(getattr(spec, "layout", "bhsd")).index_args) or bool(getattr(spec, "kv_start", False))
             or getattr(spec, "kv_dtype", None) is not None)
 
 
@@ -192,7 +196,7 @@ def fully_static(spec) -> bool:
     bounds are then ``(batch, seq_kv)`` and its modifiers' tensors have their declared dims;
     otherwise every dim of theirs is taken at call time. (MetaSchedule tunes the static
     representative, and takes static shapes only.)"""
-    return getattr(spec, "layout", "bhsd") == "bhsd" and not getattr(spec, "dynamic", ())
+    return not get_layout(getattr(spec, "layout", "bhsd")).always_dynamic and not getattr(spec, "dynamic", ())
 
 
 #: The widest right bound the validation cases add rows for (the rows cost ``R`` + a few query
@@ -243,6 +247,35 @@ class Layout:
     #: the kv-head axis of K and V (arguments 1 and 2): where an 8-bit cache's scales apply
     kv_head_axis = 1
 
+    # -- what the layout decides for the rest of the library (its traits) ----------------------
+    #: q and o pack every sequence's rows ``(total_q, H, D)``, found through ``cu_seqlens`` (the
+    #: kernels' packed frames: ``fused._varlen``, ``fused_cuda.varlen_grid``); otherwise they are
+    #: dense ``(B, H, Sq, D)`` and the kernels address K/V through :attr:`addressing`
+    packed = False
+    #: the dense-query layouts' K/V addressing: the name of its class in ``workloads.kv`` (a
+    #: ``KVLayout``: K/V's shape, a sequence's key count and regions, a key's index); None: packed
+    addressing: str | None = None
+    #: K/V are a cache of ``cache_seqlens[b]`` keys per sequence: a kernel may append
+    #: ``k_new``/``v_new`` (``spec.append``), and its tiles pack a KV head's query group (decode)
+    is_cache = False
+    #: the decode kernels may split a sequence's keys across tasks (split-KV: the CUDA grid's
+    #: ``split_tasks``, the CPU decode nests')
+    can_split = False
+    #: the rules its index arrays obey, checked by the loader (:meth:`check_indices`), the host
+    #: asserts and the device check (``workloads.index_checks``): ``cu_seqlens`` (offsets from 0,
+    #: non-decreasing, ending at the rows), ``cache_seqlens`` (each length within the cache's keys:
+    #: :attr:`capacity_dim` of K, or ``max_pages * page_size`` when paged), ``block_table`` (each
+    #: entry in use is a page)
+    index_checks: tuple[str, ...] = ()
+    #: the K/V dim that bounds a cache's keys per sequence (``max_len``), when not paged
+    capacity_dim = "max_len"
+    #: the CLI's representative values of ``batch``/``seq_q``/``seq_kv`` given as plain ``dyn``
+    #: (or, for a layout that takes them at call time, :attr:`always_dynamic`, not given);
+    #: ``seq_kv`` None: ``seq_q``'s
+    cli_defaults: Mapping[str, int | None] = {"batch": 1, "seq_q": 1024, "seq_kv": None}
+    #: what ``--layout``'s help says of it
+    cli_help = ""
+
     # -- the argument list ---------------------------------------------------------------------
     @property
     def inputs(self) -> tuple[Arg, ...]:
@@ -281,6 +314,11 @@ class Layout:
     def dims(self, spec) -> dict[str, int | str]:
         """Dim name -> its compiled-in value, or the name itself when symbolic."""
         raise NotImplementedError
+
+    @property
+    def capacity_axis(self) -> int:
+        """The axis of K (and V) that bounds a (not paged) cache's keys: :attr:`capacity_dim`'s."""
+        return self.args[1].dims.index(self.capacity_dim)
 
     @property
     def kv_names(self) -> tuple[str, str]:
@@ -572,6 +610,8 @@ class BHSD(Layout):
         Arg("o", ("batch", "heads", "seq_q", "head_dim"), output=True),
     )
     options = {"causal": "must equal the artifact's", "softmax_scale": "must equal the artifact's"}
+    addressing = "BHSD"
+    cli_help = "dense (B, H, S, D) (default)"
 
     def dims(self, spec) -> dict[str, int | str]:
         d: dict[str, int | str] = {n: getattr(spec, n) for n in ("batch", "heads", "kv_heads", "seq_q", "seq_kv", "head_dim")}
@@ -642,6 +682,9 @@ class Varlen(Layout):
     )
     always_dynamic = ("batch", "seq_q", "seq_kv")
     lse_dims = ("heads", "total_q")  # FlashAttention's varlen softmax_lse: (nheads, total_q)
+    packed = True
+    index_checks = ("cu_seqlens",)
+    cli_help = "FlashAttention's packed (total, H, D) + cu_seqlens_q/k"
     options = {"max_seqlen_q": "checked: must be >= the longest query sequence",
                "max_seqlen_k": "checked: must be >= the longest key sequence",
                "causal": "must equal the artifact's", "softmax_scale": "must equal the artifact's"}
@@ -778,6 +821,13 @@ class KVCache(Layout):
     )
     always_dynamic = ("batch", "seq_q", "seq_kv")
     options = {"causal": "must equal the artifact's", "softmax_scale": "must equal the artifact's"}
+    addressing = "KVCache"
+    is_cache = True
+    can_split = True
+    index_checks = ("cache_seqlens",)
+    #: the representative call is a decode step: one new token per sequence against a 1k cache
+    cli_defaults = {"batch": 4, "seq_q": 1, "seq_kv": 1024}
+    cli_help = "q (B, H, Sq, D) against k/v_cache (B, KH, max_len, D) + cache_seqlens"
 
     def dims(self, spec) -> dict[str, int | str]:
         return {"batch": "batch", "seq_q": "seq_q", "max_len": "max_len",
@@ -785,7 +835,8 @@ class KVCache(Layout):
 
     def key_capacity(self, arrays, bound) -> tuple[int, str]:
         """(keys a sequence may have, what bounds it) for the cache_seqlens check."""
-        return bound["max_len"], f"max_len={bound['max_len']} (dim 2 of k_cache)"
+        dim = self.capacity_dim
+        return bound[dim], f"{dim}={bound[dim]} (dim {self.capacity_axis} of {self.kv_names[0]})"
 
     def check_indices(self, arrays, bound, spec=None):
         # int64: an entry may be 2**31 - 1, and entry + seq_q must not wrap (as it would in int32)
@@ -909,6 +960,9 @@ class Paged(KVCache):
     )
     paged = True
     kv_head_axis = 2
+    addressing = "Paged"
+    index_checks = ("cache_seqlens", "block_table")
+    cli_help = "k/v_pages (pages, page_size, KH, D) + block_table + cache_seqlens"
 
     def dims(self, spec) -> dict[str, int | str]:
         return {"batch": "batch", "seq_q": "seq_q", "num_pages": "num_pages", "max_pages": "max_pages",
@@ -1024,3 +1078,15 @@ def get_layout(name: str) -> Layout:
     if key not in LAYOUTS:
         raise SpecError(f"unknown layout {name!r}; known layouts: {', '.join(LAYOUTS)}")
     return LAYOUTS[key]
+
+
+def layouts_where(trait: str, value: bool = True) -> tuple[str, ...]:
+    """The names of the layouts whose ``trait`` (``is_cache``, ``can_split``, ``packed``, ...)
+    is ``value``, in :data:`LAYOUTS`' order."""
+    return tuple(n for n, entry in LAYOUTS.items() if bool(getattr(entry, trait)) == value)
+
+
+def in_words(names) -> str:
+    """``("bhsd", "kvcache", "paged")`` -> ``"bhsd, kvcache and paged"`` (for messages)."""
+    names = list(names)
+    return " and ".join(names) if len(names) < 3 else f"{', '.join(names[:-1])} and {names[-1]}"

@@ -299,7 +299,7 @@ class AttentionKernel:
         """Check ``actual`` against ``shape`` (ints and dim names), binding each symbolic dim at
         its first sight (``source`` names the argument it came from); returns the layout's name
         for messages."""
-        layout = self.layout.name.upper() if self.layout.name == "bhsd" else self.layout.name
+        layout = self.layout.manifest_name
         if len(actual) != len(shape):
             raise KernelArgumentError(
                 f"{name}: expected rank {len(shape)} ({layout} {_shape_text(shape)}), got rank {len(actual)} "
@@ -688,7 +688,7 @@ MAX_GRID_YZ = 65535
 def check_cuda_grid(spec: AttentionSpec, bound: dict[str, int]) -> None:
     """Refuse by name a call whose grid CUDA cannot launch (a symbolic batch past gridDim.z),
     instead of the driver's launch error."""
-    if spec.layout != "varlen" and spec.dynamic and bound.get("batch", 0) > MAX_GRID_YZ:
+    if not spec.layout_info.packed and spec.dynamic and bound.get("batch", 0) > MAX_GRID_YZ:
         raise KernelArgumentError(
             f"batch={bound['batch']}: a symbolic CUDA kernel launches one grid layer per sequence, at most "
             f"{MAX_GRID_YZ} (gridDim.z); split the batch")

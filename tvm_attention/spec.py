@@ -37,7 +37,7 @@ from .errors import SpecError
 # tensor elements, sequence lengths and window sides a kernel takes (int32 indexing): limits.py
 from .limits import MAX_ELEMENTS, MAX_SEQ_LEN, MAX_WINDOW  # noqa: F401 - MAX_ELEMENTS re-exported
 from .quant import KV_DTYPES
-from .layouts import get_layout
+from .layouts import get_layout, in_words, layouts_where
 from .visibility import Visibility
 
 #: Input/output dtypes a spec may have. Accumulation is always float32. Which targets build which
@@ -209,12 +209,13 @@ class AttentionSpec:
             raise SpecError(f"append must be a bool, got {self.append!r}")
         if not isinstance(self.device_checks, bool):
             raise SpecError(f"device_checks must be a bool, got {self.device_checks!r}")
-        if self.device_checks and layout.name == "bhsd" and not self.kv_start:
-            raise SpecError("device_checks: a bhsd kernel without kv_start takes no index array to check on the "
-                            "device (its shapes are checked by the library's argument checks); drop --device-checks")
-        if self.append and layout.name not in ("kvcache", "paged"):
-            raise SpecError(f"append (k_new/v_new written into the cache) applies to the kvcache and paged layouts, "
-                            f"not {layout.name!r}")
+        if self.device_checks and not layout.index_args and not self.kv_start:
+            raise SpecError(f"device_checks: a {layout.name} kernel without kv_start takes no index array to check "
+                            "on the device (its shapes are checked by the library's argument checks); drop "
+                            "--device-checks")
+        if self.append and not layout.is_cache:
+            raise SpecError(f"append (k_new/v_new written into the cache) applies to the "
+                            f"{in_words(layouts_where('is_cache'))} layouts, not {layout.name!r}")
         if self.scale is None:
             object.__setattr__(self, "scale", 1.0 / math.sqrt(self.head_dim))
         if isinstance(self.scale, bool) or not isinstance(self.scale, (int, float)):
@@ -232,9 +233,9 @@ class AttentionSpec:
         for name in ("alibi", "sinks", "kv_start"):
             if not isinstance(getattr(self, name), bool):
                 raise SpecError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        if self.kv_start and layout.name == "varlen":
-            raise SpecError("kv_start (left padding) applies to the bhsd, kvcache and paged layouts: varlen packs "
-                            "sequences without padding")
+        if self.kv_start and layout.packed:
+            raise SpecError(f"kv_start (left padding) applies to the {in_words(layouts_where('packed', False))} "
+                            f"layouts: {layout.name} packs sequences without padding")
         w = self.window
         if w is not None:
             if isinstance(w, str) or not isinstance(w, (tuple, list)) or len(w) != 2 or \

@@ -37,7 +37,7 @@ def tuning_spec(spec: AttentionSpec, target: Target, schedule: str = "fused") ->
 
 def tunes_as_paged(spec: AttentionSpec, target: Target, schedule: str = "fused") -> bool:
     """A paged spec whose representative step is a decode step of the CPU fused kernel."""
-    if spec.layout != "paged" or schedule != "fused" or target.kind.name != "llvm":
+    if not spec.layout_info.paged or schedule != "fused" or target.kind.name != "llvm":
         return False
     return cpu_fused.is_decode_step(spec, target)
 

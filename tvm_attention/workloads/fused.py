@@ -32,9 +32,10 @@ it ``S_gemm``, ``row_max``, ``online_correction``, ``max_commit``, ``P_exp``, ``
 that ``row_max`` and ``P_exp`` read; a window, sinks and ``kv_start`` need no block: they change
 the mask, the key-tile range and the store).
 
-Frames (:data:`FRAMES`): ``_dense`` for the layouts whose queries are dense ``(B, H, Sq, D)``
-(``bhsd``, ``kvcache``, ``paged``; they differ only in where keys live, :mod:`.kv`), with the
-GQA-packed decode nests and split-KV of a symbolic seq_q; ``_varlen`` for the packed layout.
+Frames (the layout entry's ``packed`` picks one): ``_dense`` for the layouts whose queries are
+dense ``(B, H, Sq, D)`` (``bhsd``, ``kvcache``, ``paged``; they differ only in where keys live, the
+entry's ``addressing`` class in :mod:`.kv`), with the GQA-packed decode nests and split-KV of a
+symbolic seq_q; ``_varlen`` for the packed layout.
 """
 from __future__ import annotations
 
@@ -77,7 +78,7 @@ def fused_attention(spec: AttentionSpec, block_m: int, block_n: int, decode_rows
     ``_tile_macro``). ``decode_heads``: kv heads per task of the staged decode nests (the page
     order, see :func:`_dense`).
     """
-    if spec.layout == "varlen":
+    if spec.layout_info.packed:
         return _varlen(spec, block_m, block_n, dot_bf16)
     if "seq_q" not in spec.dynamic:
         # a static seq_q: the shape is known, one nest: the narrowest decode tier that holds
@@ -1473,7 +1474,3 @@ def _varlen(spec: AttentionSpec, block_m: int, block_n: int, dot_bf16: bool = Fa
                     tile(Q, K, V, O, at(seq, CQ, CK, vh, _Variants(spec, AL, SK, None, *extra.variant_args)), NC, LSE)
 
     return _keep_params(attention, [True] * 5 + variants + [True, lse], extra.params, 1 + lse)
-
-
-#: layout -> PrimFunc frame (the argument list and the loop over row tiles); the tile is shared.
-FRAMES = {"bhsd": _dense, "kvcache": _dense, "paged": _dense, "varlen": _varlen}

@@ -646,7 +646,7 @@ def kernel_func(spec: AttentionSpec, block, BM: int, BN: int, dims: tuple, tile,
 
 def _lse_buffer(spec: AttentionSpec, B, SQ, TQ):
     """The LSE output: ``(batch, heads, seq_q)``, or varlen's ``(heads, total_q)``."""
-    shape = (spec.heads, TQ) if spec.layout == "varlen" else (B, spec.heads, SQ)
+    shape = (spec.heads, TQ) if spec.layout_info.packed else (B, spec.heads, SQ)
     return tirx.decl_buffer(shape, "float32", "LSE")
 
 
@@ -658,7 +658,8 @@ def _kernel_func(spec, block, BM, BN, B, SQ, SK, tile, attrs, reverse, lse, var,
     if lse or var.buffers:
         attrs = {**attrs, "attn.extra_params": 1}
     dtype = spec.dtype
-    if spec.layout == "varlen":
+    layout = spec.layout_info
+    if layout.packed:
         TQ = tirx.Var("total_q", "int32")
         LSE = _lse_buffer(spec, B, SQ, TQ) if lse else None
         grid, TK, NB1 = varlen_grid(spec, block, BM, BN, tile, reverse, TQ, LSE, var)
@@ -676,9 +677,12 @@ def _kernel_func(spec, block, BM, BN, B, SQ, SK, tile, attrs, reverse, lse, var,
             grid(Q, K, V, CQ, CK, O)
 
         return attention_varlen, LSE
-    if spec.layout not in ("bhsd", "kvcache", "paged"):
+    cache = layout.is_cache
+    # the signatures below: a cache's by its index arrays (K/V through its addressing class, kvl);
+    # the other dense one's tile reads K/V (B, KH, Skv, D) itself
+    index = tuple(a.name for a in layout.index_args)
+    if index not in (("cache_seqlens",), ("block_table", "cache_seqlens")) if cache else layout.addressing != "BHSD":
         raise ValueError(f"the CUDA kernels take the bhsd, varlen, kvcache and paged layouts, not {spec.layout}")
-    cache = spec.layout != "bhsd"
     # a KV-cache tile packs a KV head's group (rows = positions × group): one grid row per KV head
     rows = SQ * spec.group_size if cache else SQ
     NR = math.ceil(rows / BM) if isinstance(rows, int) else T.floordiv(rows + BM - 1, BM)
@@ -713,7 +717,7 @@ def _kernel_func(spec, block, BM, BN, B, SQ, SK, tile, attrs, reverse, lse, var,
     KS = kvl.shape
     kv_dtype = spec.kv_dtype_name  # an 8-bit cache's (kv_reader converts its elements)
     fp8 = kv_dtype.startswith("float8")  # read through uint8 aliases (kv_to_f32 takes the bits)
-    if spec.layout == "kvcache":
+    if index == ("cache_seqlens",):
         @T.prim_func(s_tir=True, check_well_formed="attn.extra_params" not in attrs)
         def attention_kvcache(
             Q: T.Buffer((B, H, SQ, D), dtype),

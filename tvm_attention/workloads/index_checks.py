@@ -117,16 +117,17 @@ _APPENDED = " (with append: cache_seqlens[b] + seq_q, the keys after it)"
 _LONGEST = f", or than {MAX_SEQ_LEN} (2**30 keys, the longest sequence a kernel takes)"
 
 
-def _kvcache(buf) -> list[tirx.Stmt]:
+def _kvcache(buf, layout) -> list[tirx.Stmt]:
     cl, k = buf["CL"], buf["K"]
-    max_len, new = k.shape[2], _new(buf)
+    axis = layout.capacity_axis  # K's dim that holds a sequence's keys (max_len)
+    max_len, new = k.shape[axis], _new(buf)
     return [_for("b", cl.shape[0], lambda b: _assert(
         cache_len_ok(cl[b], new, max_len),
-        "cache_seqlens: an entry is negative or larger than max_len (dim 2 of k_cache)"
+        f"cache_seqlens: an entry is negative or larger than {layout.capacity_dim} (dim {axis} of {layout.kv_names[0]})"
         f"{_APPENDED if 'k_new' in buf else ''}; the kernel would reach outside the cache"))]
 
 
-def _paged(buf) -> list[tirx.Stmt]:
+def _paged(buf, layout) -> list[tirx.Stmt]:
     cl, bt, k = buf["CL"], buf["BT"], buf["K"]
     num_pages, page_size = k.shape[0], k.shape[1]
     max_pages, new = bt.shape[1], _new(buf)
@@ -147,7 +148,7 @@ def _paged(buf) -> list[tirx.Stmt]:
     return [_for("b", cl.shape[0], per_sequence)]
 
 
-def _varlen(buf) -> list[tirx.Stmt]:
+def _varlen(buf, layout) -> list[tirx.Stmt]:
     cq, ck, q, k = buf["CQ"], buf["CK"], buf["Q"], buf["K"]
     n1 = cq.shape[0]
     stmts = [_assert(n1 >= 1, "cu_seqlens_q: empty; it holds batch+1 offsets, starting at 0")]
@@ -160,7 +161,8 @@ def _varlen(buf) -> list[tirx.Stmt]:
     return stmts
 
 
-_CHECKS = {"kvcache": _kvcache, "paged": _paged, "varlen": _varlen}
+#: a layout entry's ``index_checks`` (the rules its index arrays obey) -> the host asserts of them
+_CHECKS = {("cache_seqlens",): _kvcache, ("cache_seqlens", "block_table"): _paged, ("cu_seqlens",): _varlen}
 
 
 def _kv_start(buf, spec: AttentionSpec) -> list[tirx.Stmt]:
@@ -233,12 +235,16 @@ def _int8_new(buf, spec: AttentionSpec) -> list[tirx.Stmt]:
 def with_index_checks(mod: tvm.IRModule, spec: AttentionSpec) -> tvm.IRModule:
     """``mod`` whose ``main`` first checks the layout's index arrays and the variant arguments
     (no change for a kernel without any, or a CUDA function, whose device code cannot raise)."""
-    make = _CHECKS.get(spec.layout)
+    layout = spec.layout_info
+    if layout.index_checks and layout.index_checks not in _CHECKS:
+        raise ValueError(f"layout {layout.name}: no host asserts for the index rules {layout.index_checks} "
+                         f"(known: {', '.join(map(str, _CHECKS))})")
+    make = _CHECKS.get(layout.index_checks)
     if make is None and not spec.kv_start and not spec.key_bounds and not spec.mod_tensors and not spec.kv_quantized:
         return mod
     func = mod["main"]
     buf = _buffers(func)
-    stmts = make(buf) if make is not None else []
+    stmts = make(buf, layout) if make is not None else []
     if spec.kv_start:  # after the lengths it is checked against
         stmts += _kv_start(buf, spec)
     if spec.key_bounds:
@@ -290,9 +296,10 @@ def _check_kernel(spec: AttentionSpec, buf: dict, err, emulate: bool) -> tirx.St
     thread = (lambda n: T.serial(n)) if emulate else (lambda n: T.thread_binding(n, thread="threadIdx.x"))
     block = (lambda n: T.serial(n)) if emulate else (lambda n: T.thread_binding(n, thread="blockIdx.x"))
     red_scope = "global" if emulate else "shared"
-    varlen = spec.layout == "varlen"
-    cache = spec.layout in ("kvcache", "paged")
-    paged = spec.layout == "paged"
+    rules = spec.layout_info.index_checks  # the layout's index arrays' rules
+    varlen = "cu_seqlens" in rules
+    cache = "cache_seqlens" in rules
+    paged = "block_table" in rules
     CQ, CK = buf.get("cu_seqlens_q"), buf.get("cu_seqlens_k")
     CL, BT, KS = buf.get("cache_seqlens"), buf.get("block_table"), buf.get("kv_start")
     KSC, VSC = buf.get("k_scale"), buf.get("v_scale")  # an 8-bit cache's scales (kv_heads,)
@@ -302,7 +309,8 @@ def _check_kernel(spec: AttentionSpec, buf: dict, err, emulate: bool) -> tirx.St
         N1, TQ, TK = CQ.shape[0], buf["q"].shape[0], K.shape[0]
     if cache:
         B = CL.shape[0]
-        cap = K.shape[2] if not paged else paged_capacity(BT.shape[1], int(K.shape[1]))  # max_len; max_pages * page_size
+        cap = (K.shape[spec.layout_info.capacity_axis] if not paged  # max_len; max_pages * page_size
+               else paged_capacity(BT.shape[1], int(K.shape[1])))
     if paged:
         MP, NP, PS = BT.shape[1], K.shape[0], K.shape[1]
     if KS is not None:

@@ -1,5 +1,7 @@
-"""Where a dense-query layout (q and o ``(B, H, Sq, D)``) keeps sequence ``b``'s keys: one object
-per layout, so a kernel addresses K/V through it and never branches on the layout itself.
+"""Where a dense-query layout (q and o ``(B, H, Sq, D)``) keeps sequence ``b``'s keys: one class
+per way of addressing K/V, named by the layout entry's ``addressing`` (``layouts.py``), so a kernel
+addresses K/V through it and never branches on the layout itself. Defining a subclass registers
+it under its class name (:data:`ADDRESSING`).
 
 ``X`` is the tuple of the layout's index buffers, in call order (bhsd: none; kvcache:
 ``(cache_seqlens,)``; paged: ``(block_table, cache_seqlens)``).
@@ -14,6 +16,10 @@ from tvm.script import tirx as T
 from ..spec import AttentionSpec
 
 
+#: ``KVLayout`` subclass name -> the class (a layout entry's ``addressing`` names one)
+ADDRESSING: dict[str, type] = {}
+
+
 def dim(spec: AttentionSpec, name: str):
     """``spec``'s dim ``name`` (batch, seq_q, seq_kv): its int, or a symbolic int32 var."""
     return tirx.Var(name, "int32") if name in spec.dynamic else getattr(spec, name)
@@ -25,6 +31,10 @@ class KVLayout:
 
     shape: tuple
     bound: Any
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        ADDRESSING[cls.__name__] = cls
 
     def __init__(self, spec: AttentionSpec, B, D: int):
         self.KH, self.D = spec.kv_heads, D
@@ -108,9 +118,11 @@ class Paged(KVLayout):
         return (X[0][b, T.floordiv(key, self.P)], T.floormod(key, self.P), kh, d)
 
 
-#: layout name -> its K/V addressing (the dense-query layouts; varlen packs sequences instead)
-KV_LAYOUTS = {"bhsd": BHSD, "kvcache": KVCache, "paged": Paged}
-
-
 def kv_layout(spec: AttentionSpec, B, D: int) -> KVLayout:
-    return KV_LAYOUTS[spec.layout](spec, B, D)
+    """The K/V addressing of ``spec``'s layout (its entry's ``addressing``), for batch ``B`` and
+    head dim ``D``."""
+    name = spec.layout_info.addressing
+    if name not in ADDRESSING:
+        raise ValueError(f"layout {spec.layout!r}: no K/V addressing class {name!r} in workloads.kv "
+                         f"(known: {', '.join(ADDRESSING)}); a packed layout has its own frame")
+    return ADDRESSING[name](spec, B, D)
