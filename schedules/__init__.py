@@ -9,9 +9,11 @@ Each module implements :class:`tvm_attention.schedules.family.Family`: ``NAME``,
 builds: target, layouts, dtypes, symbolic dims, lse), a frozen knob dataclass (``*Knobs``, with
 ``to_dict``/``from_dict``), ``preset(spec, target)``, ``check(knobs, spec, target)`` (the knobs
 against named hardware limits; raises ``KnobError``), ``workload(spec, knobs)`` (the PrimFunc these
-knobs schedule), ``apply(sch, knobs, spec)`` (the schedule, finding blocks by name; it returns the
-Schedule to build), ``knobs_of`` (knobs read back from a scheduled module), ``for_layout`` and
-``is_static_decode``. :func:`check` is the one place a spec meets a family's capabilities.
+knobs schedule, and the only way one is made), ``from_attrs(attrs, base)`` (the knobs a workload's
+``attn.*`` attrs record: ``workload`` makes it again), ``apply(sch, knobs, spec)`` (the schedule,
+finding blocks by name; it returns the Schedule to build), ``knobs_of`` (knobs read back from a
+scheduled module), ``for_layout`` and ``is_static_decode``. :func:`check` is the one place a spec
+meets a family's capabilities.
 """
 from __future__ import annotations
 
@@ -38,6 +40,17 @@ WORKLOAD_KINDS: dict[str, tuple[str, ...]] = {
     "fused_simt": ("fused_cuda",),
     "materialized": ("materialized",),
     "rowcache": ("rowcache",),
+}
+
+
+#: ``attn.workload`` -> the family whose ``workload(spec, from_attrs(attrs))`` generates it again
+#: (``task_mods.regenerate``); both targets' materialized families build the one materialized workload
+WORKLOAD_FAMILIES: dict[str, Family] = {
+    "fused": cpu_fused,
+    "rowcache": cpu_rowcache,
+    "materialized": cpu_materialized,
+    "fused_cuda": cuda_simt,
+    "fused_mma": cuda_mma,
 }
 
 

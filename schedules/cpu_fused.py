@@ -34,12 +34,13 @@ from ..spec import KV_DTYPES, SUPPORTED_DTYPES, VARIANTS, AttentionSpec
 from ..target import target_features, vector_lanes
 from ..workloads import fused_attention
 from ..workloads.fused import DECODE, MERGE, SPLIT, n_splits
+from ..workloads.knob_attrs import FUSED, FUSED_DECODE
 
 from . import cpu_bf16, cpu_decode
 from ._knobs import KnobError, KnobsMixin
 from .cpu_space import (AUTO_UNROLL_STEPS, D_UNROLL_MAX, MAX_TILE_BYTES, PARALLEL_CHUNKS, VECTOR_REGISTERS, max_pv_rows,
                         max_s_rows, sample_choice, sample_tile, vectorize_rows)
-from .family import Capabilities
+from .family import Capabilities, read_attrs
 
 NAME = "fused"
 #: every layout, dtype (stored; it computes in float32 always), symbolic dim, the lse output and
@@ -308,17 +309,41 @@ def check(knobs: FlashCPUKnobs, spec: AttentionSpec, target: Target) -> None:
         )
 
 
-def workload(spec: AttentionSpec, knobs: FlashCPUKnobs):
-    """The PrimFunc these knobs schedule (tile sizes are part of the compute)."""
-    return fused_attention(spec, **workload_args(spec, knobs))
+def workload(spec: AttentionSpec, knobs: FlashCPUKnobs, step_only: bool = False):
+    """The PrimFunc these knobs schedule (tile sizes are part of the compute). ``step_only``:
+    of the decode tiers only the one a step at ``spec.seq_q`` runs (the representative value
+    when symbolic), as a static seq_q keeps: a paged step's tuning task (``task_mods``), which
+    is specialized to that step; the build emits every tier."""
+    return fused_attention(spec, **workload_args(spec, knobs, step_only))
 
 
-def workload_args(spec: AttentionSpec, knobs: FlashCPUKnobs) -> dict[str, Any]:
-    """``fused_attention``'s arguments (after ``spec``) for these knobs."""
+def workload_args(spec: AttentionSpec, knobs: FlashCPUKnobs, step_only: bool = False) -> dict[str, Any]:
+    """``fused_attention``'s arguments (after ``spec``) for these knobs (``step_only``: see
+    :func:`workload`). What of them the function records, and :func:`from_attrs` reads back,
+    is ``knob_attrs.FUSED`` and ``FUSED_DECODE``."""
+    rows = decode_rows(spec, knobs)
+    if step_only:
+        rows = tuple(sorted(r for r in rows if spec.seq_q * spec.group_size <= r)[:1])
     # decode tiers narrower than a vector are dot-product scheduled (cpu_decode): they stage K
-    return dict(block_m=knobs.block_m, block_n=knobs.block_n, decode_rows=decode_rows(spec, knobs),
+    return dict(block_m=knobs.block_m, block_n=knobs.block_n, decode_rows=rows,
                 split_tasks=knobs.split_tasks, stage_k_below=knobs.vector_lanes, dot_bf16=bool(knobs.dot_bf16),
                 prefetch=knobs.prefetch, decode_heads=knobs.decode_heads)
+
+
+def from_attrs(attrs: Any, base: FlashCPUKnobs | None = None) -> FlashCPUKnobs:
+    """The knobs a fused workload's ``attn.*`` attrs record (:mod:`..workloads.knob_attrs`: the
+    tiles and the product form; with decode tiers also ``split_tasks``, ``prefetch``,
+    ``decode_heads`` and, as ``stage_k_below``, ``vector_lanes``), the others ``base``'s
+    (default: the dataclass's). A workload without decode tiers records none of those: they
+    are ``base``'s, which must not give ``spec`` a tier either (``task_mods.regenerate`` passes
+    the target's preset, whose lanes made the record). Raises ``WorkloadAttrsError`` for attrs
+    that are missing or malformed."""
+    knobs = dataclasses.replace(base or FlashCPUKnobs(), **read_attrs(FUSED, attrs, "fused"))
+    if FUSED_DECODE[0].key not in attrs:
+        return knobs
+    dec = read_attrs(FUSED_DECODE, attrs, "fused")
+    return dataclasses.replace(knobs, split_tasks=dec["split_tasks"], vector_lanes=dec["stage_k_below"],
+                               prefetch=dec["prefetch"], decode_heads=dec["decode_heads"])
 
 
 def tile_candidates(spec: AttentionSpec, target: Target) -> list[tuple[int, int]]:
@@ -608,27 +633,22 @@ def read_annotations(sch: s_tir.Schedule, names: tuple[str, ...]) -> tuple[dict[
 def knobs_of(sch: s_tir.Schedule, lanes: int, base: FlashCPUKnobs | None = None) -> FlashCPUKnobs:
     """Read the knobs a (tuned or hand) schedule chose back from its ``attn.*`` annotations.
 
-    A static decode kernel (no main nest, :func:`decode_candidates`) records only ``block_n``,
-    ``split_tasks``, ``prefetch`` and ``decode_heads`` (function attrs); the other knobs are
-    ``base``'s (the preset it was made from)."""
+    A static decode kernel (no main nest, :func:`decode_candidates`) has no annotations: its
+    knobs are what its attrs record (:func:`from_attrs`: the tiles, ``split_tasks``,
+    ``prefetch``, ``decode_heads``, ``vector_lanes``), the others ``base``'s (the preset it was
+    made from)."""
+    # The workload's knobs (from_attrs): a function with decode nests records theirs; one
+    # without (a prefill shape tuned for a symbolic kernel) says nothing about its decode step,
+    # which keeps the preset's.
     attrs = sch.mod["main"].attrs
-    # The decode nests' workload knobs: a function with decode nests records them (attrs absent
-    # at their defaults, 0 and 1); one without (a prefill shape tuned for a symbolic kernel) says
-    # nothing about its decode step, which keeps the preset's.
-    has_decode = "attn.decode_rows" in attrs
-    decode = {k: int(attrs[f"attn.{k}"]) if f"attn.{k}" in attrs else
-              (default if has_decode else getattr(base or FlashCPUKnobs(), k))
-              for k, default in (("prefetch", 0), ("decode_heads", 1))}
     if not _has_block(sch, "row_tile"):
         if base is None:
             raise ValueError("a decode-only kernel's knobs are read on top of the preset it was made from (base)")
-        return dataclasses.replace(base, block_n=int(attrs["attn.block_n"]),
-                                   split_tasks=int(attrs["attn.split_tasks"]), **decode)
-    values, bufs = read_annotations(sch, KNOB_ANNOTATIONS)
-    return FlashCPUKnobs(
-        block_m=int(bufs["S"].shape[1]), block_n=int(bufs["S"].shape[0]), vector_lanes=lanes,
-        dot_bf16=int(_dot_bf16(sch)), **values, **decode
-    )
+        return from_attrs(attrs, base)
+    b = base or FlashCPUKnobs()
+    values, _ = read_annotations(sch, KNOB_ANNOTATIONS)
+    return dataclasses.replace(
+        from_attrs(attrs, FlashCPUKnobs(vector_lanes=lanes, prefetch=b.prefetch, decode_heads=b.decode_heads)), **values)
 
 
 def _dot_bf16(sch: s_tir.Schedule) -> bool:

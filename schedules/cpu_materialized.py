@@ -25,7 +25,7 @@ from ..workloads import materialized_attention
 
 from . import cpu_fused
 from ._knobs import KnobError, KnobsMixin
-from .family import Capabilities, never_static_decode, no_knobs_of, same_knobs
+from .family import Capabilities, never_static_decode, no_knobs_of, read_attrs, same_knobs
 
 NAME = "materialized"
 CAPABILITIES = Capabilities(label=NAME, target="cpu", layouts=("bhsd",), dtypes=("float32",), symbolic=True,
@@ -74,6 +74,12 @@ def check_score_matrix(spec: AttentionSpec) -> None:
 
 def workload(spec: AttentionSpec, knobs: MaterializedCPUKnobs):
     return materialized_attention(spec)
+
+
+def from_attrs(attrs, base: MaterializedCPUKnobs | None = None) -> MaterializedCPUKnobs:
+    """``base`` (default: the dataclass's): no knob shapes the materialized workload."""
+    read_attrs((), attrs, "materialized")
+    return base or MaterializedCPUKnobs()
 
 
 def _split_exact(sch: s_tir.Schedule, loop, extent: int, factor: int):

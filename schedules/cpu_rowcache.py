@@ -15,10 +15,11 @@ from tvm.target import Target
 from ..spec import AttentionSpec
 from ..target import vector_lanes
 from ..workloads import rowcache_attention
+from ..workloads.knob_attrs import ROWCACHE
 
 from . import cpu_fused, cpu_space
 from ._knobs import KnobError, KnobsMixin
-from .family import Capabilities, never_static_decode, same_knobs
+from .family import Capabilities, never_static_decode, read_attrs, same_knobs
 
 NAME = "rowcache"
 CAPABILITIES = Capabilities(label=NAME, target="cpu", layouts=("bhsd",), dtypes=("float32",), symbolic=False,
@@ -76,6 +77,12 @@ def check(knobs: RowCacheCPUKnobs, spec: AttentionSpec, target: Target) -> None:
 
 def workload(spec: AttentionSpec, knobs: RowCacheCPUKnobs):
     return rowcache_attention(spec, knobs.block_m)
+
+
+def from_attrs(attrs, base: RowCacheCPUKnobs | None = None) -> RowCacheCPUKnobs:
+    """The knobs a row-cached workload's attrs record (``knob_attrs.ROWCACHE``: ``block_m``),
+    the others ``base``'s (default: the dataclass's)."""
+    return dataclasses.replace(base or RowCacheCPUKnobs(), **read_attrs(ROWCACHE, attrs, "rowcache"))
 
 
 def apply(sch: s_tir.Schedule, knobs: RowCacheCPUKnobs, spec: AttentionSpec) -> s_tir.Schedule:

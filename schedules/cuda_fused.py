@@ -70,6 +70,12 @@ def workload_knobs(func):
     return _by_workload(func).workload_knobs(func)
 
 
+def from_attrs(attrs, base=None):
+    """The knobs the attrs of a workload of either kernel record (its ``attn.workload`` says which)."""
+    kind = str(attrs["attn.workload"]) if attrs is not None and "attn.workload" in attrs else None
+    return (cuda_mma if kind == "fused_mma" else cuda_simt).from_attrs(attrs, base)
+
+
 def for_layout(knobs, spec: AttentionSpec, target: Target, tuned_at: AttentionSpec | None = None):
     return _by_knobs(knobs).for_layout(knobs, spec, target, tuned_at)
 

@@ -15,7 +15,7 @@ from ..spec import SUPPORTED_DTYPES, AttentionSpec
 from ..workloads import materialized_attention
 
 from ._knobs import KnobsMixin
-from .family import Capabilities, never_static_decode, no_knobs_of, same_knobs
+from .family import Capabilities, never_static_decode, no_knobs_of, read_attrs, same_knobs
 
 NAME = "materialized"
 CAPABILITIES = Capabilities(label="CUDA materialized", target="cuda", layouts=("bhsd",), dtypes=SUPPORTED_DTYPES,
@@ -39,6 +39,12 @@ def check(knobs: MaterializedCUDAKnobs, spec: AttentionSpec, target: Target) -> 
 
 def workload(spec: AttentionSpec, knobs: MaterializedCUDAKnobs):
     return materialized_attention(spec)
+
+
+def from_attrs(attrs, base: MaterializedCUDAKnobs | None = None) -> MaterializedCUDAKnobs:
+    """``base`` (default: the dataclass's): no knob shapes the materialized workload."""
+    read_attrs((), attrs, "materialized")
+    return base or MaterializedCUDAKnobs()
 
 
 def apply(sch: s_tir.Schedule, knobs: MaterializedCUDAKnobs, spec: AttentionSpec,

@@ -27,10 +27,11 @@ from ..cuda_tools import block_shared_limit
 from ..spec import AttentionSpec
 from ..workloads.fused_cuda import grid_refusal
 from ..workloads.fused_mma import MMA_DTYPES, fused_attention_mma, smem_stride
+from ..workloads.knob_attrs import CUDA_SPLIT, FUSED_MMA
 
 from ._knobs import KnobError, KnobsMixin
 from .family import (CUDA_KV_DTYPES, CUDA_VARIANTS, SPLIT_LAYOUTS, USE_CPU_FUSED, Capabilities, check_split_tasks,
-                     cuda_for_layout, cuda_split_tasks, never_static_decode)
+                     cuda_for_layout, cuda_split_tasks, never_static_decode, read_attrs)
 
 NAME = "fused"
 #: symbolic batch, seq_q and seq_kv: a (row tile, head, batch) grid on (x, y, z), as the SIMT kernel's
@@ -204,14 +205,15 @@ def tile_candidates(spec: AttentionSpec, target: Target) -> list[MMAKnobs]:
     return out
 
 
+def from_attrs(attrs, base: MMAKnobs | None = None) -> MMAKnobs:
+    """The knobs a tensor-core workload's attrs record (``knob_attrs.FUSED_MMA`` and
+    ``CUDA_SPLIT``: every knob; ``base`` is there for the protocol)."""
+    return dataclasses.replace(base or MMAKnobs(), **read_attrs(FUSED_MMA + CUDA_SPLIT, attrs, "fused_mma"))
+
+
 def workload_knobs(func) -> MMAKnobs:
-    """The knobs :func:`workload` generated ``func`` with, read from its ``attn.*`` attrs (how a
-    tuning log's workload is regenerated: ``task_mods.regenerate``). ``attn.split_tasks`` is
-    only set when non-zero."""
-    attrs = func.attrs
-    return MMAKnobs(warps=int(attrs["attn.warps"]), block_n=int(attrs["attn.block_n"]),
-                    stages=int(attrs["attn.stages"]), m_tiles=int(attrs["attn.m_tiles"]),
-                    split_tasks=int(attrs.get("attn.split_tasks", 0)))
+    """The knobs :func:`workload` generated ``func`` with (:func:`from_attrs`)."""
+    return from_attrs(func.attrs)
 
 
 def knobs_of(sch: s_tir.Schedule, lanes: int = 0, base=None) -> MMAKnobs:

@@ -26,10 +26,11 @@ from tvm.target import Target
 from ..cuda_tools import block_shared_limit
 from ..spec import SUPPORTED_DTYPES, AttentionSpec
 from ..workloads.fused_cuda import fused_attention_cuda, grid_refusal, vector_elems
+from ..workloads.knob_attrs import CUDA_SPLIT, FUSED_CUDA
 
 from ._knobs import KnobError, KnobsMixin
 from .family import (CUDA_KV_DTYPES, CUDA_VARIANTS, SPLIT_LAYOUTS, Capabilities, check_split_tasks, cuda_for_layout,
-                     cuda_split_tasks, never_static_decode)
+                     cuda_split_tasks, never_static_decode, read_attrs)
 
 NAME = "fused"
 #: symbolic batch, seq_q and seq_kv: a (row tile, head, batch) grid on (x, y, z), so no index is
@@ -214,14 +215,16 @@ def tile_candidates(spec: AttentionSpec, target: Target) -> list[FlashCUDAKnobs]
     return out
 
 
+def from_attrs(attrs, base: FlashCUDAKnobs | None = None) -> FlashCUDAKnobs:
+    """The knobs a SIMT workload's attrs record (``knob_attrs.FUSED_CUDA`` and ``CUDA_SPLIT``:
+    all but ``unroll`` and ``stages``), the others ``base``'s (default: the dataclass's)."""
+    return dataclasses.replace(base or FlashCUDAKnobs(), **read_attrs(FUSED_CUDA + CUDA_SPLIT, attrs, "fused_cuda"))
+
+
 def workload_knobs(func) -> FlashCUDAKnobs:
-    """The knobs :func:`workload` generated ``func`` with, read from its ``attn.*`` attrs (how a
-    tuning log's workload is regenerated: ``task_mods.regenerate``); ``unroll``, which only the
-    schedule sets, at its default. ``attn.split_tasks`` is only set when non-zero."""
-    attrs = func.attrs
-    return FlashCUDAKnobs(block_m=int(attrs["attn.block_m"]), block_n=int(attrs["attn.block_n"]),
-                          threads_per_row=int(attrs["attn.threads_per_row"]),
-                          split_tasks=int(attrs.get("attn.split_tasks", 0)))
+    """The knobs :func:`workload` generated ``func`` with (:func:`from_attrs`); ``unroll``, which
+    only the schedule sets, at its default."""
+    return from_attrs(func.attrs)
 
 
 def knobs_of(sch: s_tir.Schedule, lanes: int = 0, base=None) -> FlashCUDAKnobs:

@@ -20,6 +20,7 @@ from ..cuda_tools import split_tasks_for
 from ..layouts import layouts_where
 from ..quant import KV_DTYPES
 from ..spec import AttentionSpec
+from ..workloads.knob_attrs import Attr, WorkloadAttrsError, read
 
 from ._knobs import KnobError
 
@@ -150,6 +151,12 @@ class Family(Protocol):
     def apply(self, sch: s_tir.Schedule, knobs: Any, spec: AttentionSpec) -> s_tir.Schedule:
         """Schedule ``sch`` (blocks found by name); returns the Schedule to build."""
 
+    def from_attrs(self, attrs: Any, base: Any = None) -> Any:
+        """The knobs a workload's ``attn.*`` attrs record (the ones that shape it, by the
+        generator's table in ``workloads/knob_attrs.py``), the others ``base``'s (default: the
+        dataclass's): ``workload(spec, from_attrs(func.attrs, base))`` generates ``func`` again.
+        Raises ``WorkloadAttrsError`` for attrs that are missing or malformed."""
+
     def knobs_of(self, sch: s_tir.Schedule, lanes: int, base: Any = None) -> Any:
         """The knobs a (tuned or hand) schedule chose, read back from its annotations; None for
         a family whose tuned traces are not points of its hand schedule (MetaSchedule's spaces)."""
@@ -159,6 +166,15 @@ class Family(Protocol):
 
     def is_static_decode(self, spec: AttentionSpec, target: Target) -> bool:
         """Whether ``spec`` builds as a decode nest alone (its audit probe keeps seq_q)."""
+
+
+def read_attrs(table: tuple[Attr, ...], attrs: Any, workload: str) -> dict[str, Any]:
+    """``table``'s values in a function's ``attrs`` (``knob_attrs.read``), which must be those of
+    a ``workload`` workload (its ``attn.workload``); raises ``WorkloadAttrsError`` otherwise."""
+    kind = str(attrs["attn.workload"]) if attrs is not None and "attn.workload" in attrs else None
+    if kind != workload:
+        raise WorkloadAttrsError(f"attn.workload={kind!r}: no {workload} workload")
+    return read(table, attrs, workload)
 
 
 # -- the neutral members, for a family that has no use for one ---------------------------------

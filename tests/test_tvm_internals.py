@@ -165,8 +165,7 @@ def test_regenerate_raises_a_generator_bug_and_refuses_a_foreign_record(monkeypa
     def broken(*a, **k):
         raise RuntimeError("a bug in the workload")
 
-    monkeypatch.setattr(task_mods, "fused_attention", broken)
-    monkeypatch.setattr(task_mods, "fused_task_mod", broken)
+    monkeypatch.setattr(task_mods.cpu_fused, "workload", broken)
     with pytest.raises(RuntimeError, match="a bug in the workload"):
         task_mods.regenerate(SPEC, func)
     assert task_mods.regenerate(other, func) is None

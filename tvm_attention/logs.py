@@ -429,7 +429,7 @@ def best_records(spec: AttentionSpec, target: Target, schedule: str, work_dir: s
     for wl, rec in records_for(parsed, schedule):
         key = id(wl)
         if key not in matched:
-            matched[key] = workload_matches(spec, wl.mod)
+            matched[key] = workload_matches(spec, wl.mod, target)
         if not matched[key] or not for_target(rec, want):
             continue
         secs = mean_secs(rec)

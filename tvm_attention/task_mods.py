@@ -15,10 +15,9 @@ import tvm_ffi
 from tvm import tirx
 from tvm.target import Target
 
-from .schedules import cpu_fused, cuda_fused
+from .schedules import WORKLOAD_FAMILIES, cpu_fused, target_family
 from .spec import AttentionSpec
 from .tvm_internals import normalize_mod
-from .workloads import fused_attention, materialized_attention, rowcache_attention
 
 
 def tuning_spec(spec: AttentionSpec, target: Target, schedule: str = "fused") -> AttentionSpec:
@@ -94,21 +93,19 @@ def normalize(func) -> tvm.IRModule:
 
 
 @functools.lru_cache(maxsize=64)
-def _paged_task_mod(spec: AttentionSpec, args: tuple) -> tvm.IRModule:
+def _paged_task_mod(spec: AttentionSpec, knobs: cpu_fused.FlashCPUKnobs) -> tvm.IRModule:
     """``task_mod`` of a paged step's fused workload, kept per process: the symbolic paged kernel
     (the step's tier and the main nest) takes ~0.4 s to parse, and ``tune`` asks for each of its
-    ~20 tasks twice (the tasks, then each log record's workload)."""
-    return task_mod(spec, fused_attention(spec, *args))
+    ~20 tasks twice (the tasks, then each log record's workload, read back on the same preset)."""
+    return task_mod(spec, cpu_fused.workload(spec, knobs, step_only=True))
 
 
-def fused_task_mod(spec: AttentionSpec, block_m: int, block_n: int, decode_rows: tuple[int, ...] = (),
-                   split_tasks: int = 0, stage_k_below: int = 0, dot_bf16: bool = False, prefetch: int = 0,
-                   decode_heads: int = 1) -> tvm.IRModule:
-    """The task module of ``fused_attention(spec, ...)`` (same arguments)."""
-    args = (block_m, block_n, tuple(decode_rows), split_tasks, stage_k_below, bool(dot_bf16), prefetch, decode_heads)
+def fused_task_mod(spec: AttentionSpec, knobs: cpu_fused.FlashCPUKnobs) -> tvm.IRModule:
+    """The task module of ``cpu_fused.workload(spec, knobs)``; a symbolic spec's (a paged decode
+    step, tuned as itself) with only the decode tier its step runs (``step_only``)."""
     if spec.dynamic:
-        return _paged_task_mod(spec, args)
-    return task_mod(spec, fused_attention(spec, *args))
+        return _paged_task_mod(spec, knobs)
+    return task_mod(spec, cpu_fused.workload(spec, knobs))
 
 
 def task_mod(spec: AttentionSpec, func) -> tvm.IRModule:
@@ -124,39 +121,31 @@ def task_mod(spec: AttentionSpec, func) -> tvm.IRModule:
     return tvm.s_tir.transform.StmtSimplify()(normalize(specialize(func, spec)))
 
 
-def regenerate(spec: AttentionSpec, func) -> tvm.IRModule | None:
+def regenerate(spec: AttentionSpec, func, target: Target | None = None) -> tvm.IRModule | None:
     """The workload ``spec`` (a tuning spec: :func:`tuning_spec`) would produce for a stored
-    function (by its ``attn.*`` attrs); None when ``func`` is no workload of ``spec``'s kernel.
+    function; None when ``func`` is no workload of ``spec``'s kernel.
 
-    The CUDA kernels' workloads come from their family's ``workload(spec, knobs)``, the function
-    ``build`` schedules and the tuner's tasks measure, with the knobs the stored function was
-    generated with (``workload_knobs``: ``split_tasks`` too)."""
+    It is its family's ``workload(spec, knobs)`` (``schedules.WORKLOAD_FAMILIES`` by its
+    ``attn.workload``), the function ``build`` schedules and the tuner's tasks measure, with the
+    knobs its ``attn.*`` attrs record (the family's ``from_attrs``), the others ``target``'s
+    preset's, the knobs the tasks are made from (a fused workload without decode tiers records
+    no lane width; without ``target``: the dataclass defaults'). Attrs that are missing or
+    malformed raise ``WorkloadAttrsError``, as any error in generating spec's workload does."""
     attrs = func.attrs if func.attrs is not None else {}
-    kind = str(attrs["attn.workload"]) if "attn.workload" in attrs else None
-    if kind is None or not takes_spec_args(spec, func):
+    family = WORKLOAD_FAMILIES.get(str(attrs["attn.workload"])) if "attn.workload" in attrs else None
+    if family is None or not takes_spec_args(spec, func):
         # No workload of ours, or a record of another spec's kernel (`build --from-log` of another
         # configuration's log): its knobs were checked against that spec, not this one, and the
         # generators refuse some (a tensor-core workload of float32, decode_heads not dividing
         # kv_heads). It is not spec's workload whatever they do, so it is not generated; anything
         # that fails in generating a record of spec's own kernel is a bug, and raises.
         return None
-    if kind == "fused":
-        decode = {"decode_rows": tuple(int(r) for r in attrs["attn.decode_rows"]),
-                  "split_tasks": int(attrs["attn.split_tasks"]),
-                  "stage_k_below": int(attrs["attn.stage_k_below"])} if "attn.decode_rows" in attrs else {}
-        for k in ("prefetch", "decode_heads"):
-            if f"attn.{k}" in attrs:
-                decode[k] = int(attrs[f"attn.{k}"])
-        if "attn.dot_bf16" in attrs:
-            decode["dot_bf16"] = bool(int(attrs["attn.dot_bf16"]))
-        return fused_task_mod(spec, block_m=int(attrs["attn.block_m"]), block_n=int(attrs["attn.block_n"]), **decode)
-    if kind == "materialized":
-        return normalize(materialized_attention(spec))
-    if kind == "rowcache":
-        return normalize(rowcache_attention(spec, int(attrs["attn.block_m"])))
-    if kind in ("fused_mma", "fused_cuda"):
-        return normalize(cuda_fused.workload(spec, cuda_fused.workload_knobs(func)))
-    return None
+    base = family.preset(spec, target) if target is not None and family.CAPABILITIES.target == target_family(target) \
+        else None
+    knobs = family.from_attrs(attrs, base)
+    if family is cpu_fused:
+        return fused_task_mod(spec, knobs)
+    return normalize(family.workload(spec, knobs))
 
 
 def takes_spec_args(spec: AttentionSpec, func) -> bool:
@@ -175,7 +164,8 @@ def takes_spec_args(spec: AttentionSpec, func) -> bool:
     return True
 
 
-def workload_matches(spec: AttentionSpec, mod: tvm.IRModule) -> bool:
-    """True iff ``mod`` (from a log) is exactly the workload ``spec`` generates."""
-    mine = regenerate(spec, mod["main"])
+def workload_matches(spec: AttentionSpec, mod: tvm.IRModule, target: Target | None = None) -> bool:
+    """True iff ``mod`` (from a log) is exactly the workload ``spec`` generates (on ``target``:
+    :func:`regenerate`)."""
+    mine = regenerate(spec, mod["main"], target)
     return mine is not None and tvm_ffi.structural_equal(mine, mod)

@@ -37,7 +37,7 @@ def tuning_curve(spec: AttentionSpec, work_dir: str | Path, schedule: str = "fus
     ok: dict[int, bool] = {}
     for wl, rec in records_for(parsed, schedule):
         if id(wl) not in ok:
-            ok[id(wl)] = workload_matches(spec, wl.mod)
+            ok[id(wl)] = workload_matches(spec, wl.mod, rec.target)  # read on the preset it was tuned from
         if not ok[id(wl)]:
             continue
         n += 1

@@ -695,7 +695,7 @@ class _Tune:
             state = by_hash.get(tvm_ffi.structural_hash(wl.mod))
             if state is None or not tvm_ffi.structural_equal(wl.mod, state.defn.mod):
                 continue
-            if not workload_matches(spec, wl.mod):
+            if not workload_matches(spec, wl.mod, self.target):
                 continue
             sch = replay_record(wl, rec)
             self.measured[(want, tvm_ffi.structural_hash(sch.mod))] = list(rec.run_secs)

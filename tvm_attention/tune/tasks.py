@@ -22,11 +22,11 @@ from typing import Any
 import tvm
 from tvm.target import Target
 
-from ..schedules import SCHEDULES, UnknownScheduleError, cpu_fused, cpu_rowcache, cuda_mma, cuda_simt, get_schedule
+from ..schedules import (SCHEDULES, UnknownScheduleError, cpu_fused, cpu_materialized, cpu_rowcache, cuda_mma, cuda_simt,
+                         get_schedule)
 from ..schedules._knobs import KnobError
 from ..spec import AttentionSpec
 from ..task_mods import fused_task_mod, normalize, tunes_as_paged
-from ..workloads import fused_attention, materialized_attention, rowcache_attention
 
 TUNABLE = ("fused", "materialized", "rowcache")
 
@@ -99,33 +99,34 @@ def make_tasks(spec: AttentionSpec, target: Target, schedule: str) -> list[TaskD
         return _cuda_tasks(spec, target, schedule)
     if schedule == "fused":
         if cpu_fused.is_decode_step(spec, target):  # static, or a paged step (tunes_as_paged)
-            tasks = []
-            for k in cpu_fused.decode_candidates(spec, target):
-                args = cpu_fused.workload_args(spec, k)
-                if spec.dynamic:  # a paged step: only the tier it runs (a static seq_q keeps one too)
-                    args["decode_rows"] = (cpu_fused.decode_step_rows(spec, target),)
-                tasks.append(TaskDef(f"fused_dec_n{k.block_n}_s{k.split_tasks}_h{k.decode_heads}"
-                                     f"{f'_pf{k.prefetch}' if k.prefetch else ''}", fused_task_mod(spec, **args),
-                                     decode_space(spec, k), points=1))
-            return tasks
+            # a paged step (symbolic): only the tier it runs (fused_task_mod; a static seq_q keeps one too)
+            return [TaskDef(f"fused_dec_n{k.block_n}_s{k.split_tasks}_h{k.decode_heads}"
+                            f"{f'_pf{k.prefetch}' if k.prefetch else ''}", fused_task_mod(spec, k),
+                            decode_space(spec, k), points=1)
+                    for k in cpu_fused.decode_candidates(spec, target)]
         space = tile_space(cpu_fused.design_space(spec, target))
         # bfloat16 where the CPU has AVX512-BF16: each tile pair in both forms of its products
-        # (bf16 dot products first: the preset's), a task each, as the form is in the compute
+        # (bf16 dot products first: the preset's), a task each, as the form is in the compute.
+        # The preset's other knobs shape no prefill workload (a shape without a decode step).
+        hand = cpu_fused.preset(spec, target)
         forms = (True, False) if cpu_fused.bf16_dots(spec, target) else (False,)
         return [
             TaskDef(f"fused_m{bm}_n{bn}{'_bf16dot' if dot else ''}",
-                    normalize(fused_attention(spec, bm, bn, dot_bf16=dot)), space)
+                    normalize(cpu_fused.workload(spec, dataclasses.replace(hand, block_m=bm, block_n=bn,
+                                                                            dot_bf16=int(dot)))), space)
             for bm, bn in cpu_fused.tile_candidates(spec, target) for dot in forms
         ]
     if schedule == "rowcache":
         space = tile_space(cpu_rowcache.design_space(spec, target))
+        hand = cpu_rowcache.preset(spec, target)
         return [
-            TaskDef(f"rowcache_m{bm}", normalize(rowcache_attention(spec, bm)), space)
+            TaskDef(f"rowcache_m{bm}", normalize(cpu_rowcache.workload(spec, dataclasses.replace(hand, block_m=bm))),
+                    space)
             for bm in cpu_rowcache.block_m_candidates(spec, target)
         ]
     if schedule == "materialized":
-        return [TaskDef("materialized", normalize(materialized_attention(spec)), materialized_space(),
-                        needs_tensor_intrin=True)]
+        return [TaskDef("materialized", normalize(cpu_materialized.workload(spec, cpu_materialized.preset(spec, target))),
+                        materialized_space(), needs_tensor_intrin=True)]
     raise ValueError(f"schedule {schedule!r} cannot be tuned; tunable: {', '.join(TUNABLE)}")
 
 

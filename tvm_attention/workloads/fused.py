@@ -53,6 +53,7 @@ from ..tvm_internals import fast_macros
 from ..visibility import Visibility, all_of
 from ._math import (KV_UNIT, LOG2E, bf16_bits, bf16_value, cast_to, exp2_fast, f32, f32_to_kv, guarded, kv_to_f32,
                     lse_of, normalize, normalize_seen, normalize_where, tanh_fast, with_sink)
+from .knob_attrs import FUSED_DECODE, FUSED_FORM, FUSED_TILE, record
 from .kv import dim, kv_layout
 
 CACHE_LINE = 64  # bytes (x86)
@@ -1201,17 +1202,11 @@ def _dense(spec: AttentionSpec, block_m: int, block_n: int, decode_rows: tuple[i
                 main_nest(Q, K, V, O, LSE, X, W)
 
     attrs = {"global_symbol": ENTRY, "tirx.noalias": True, "attn.workload": "fused",
-             "attn.block_m": block_m, "attn.block_n": block_n, "attn.data_alignment": A}
-    if dot_bf16:
-        attrs["attn.dot_bf16"] = 1
+             **record(FUSED_TILE, block_m=block_m, block_n=block_n), "attn.data_alignment": A,
+             **record(FUSED_FORM, dot_bf16=dot_bf16)}
     if tiers:  # what regenerates this workload from a tuning record (task_mods.regenerate)
-        attrs["attn.decode_rows"] = list(tiers)
-        attrs["attn.split_tasks"] = split_tasks
-        attrs["attn.stage_k_below"] = stage_k_below
-        if prefetch:
-            attrs["attn.prefetch"] = prefetch
-        if HT > 1:
-            attrs["attn.decode_heads"] = HT
+        attrs.update(record(FUSED_DECODE, decode_rows=tiers, split_tasks=split_tasks, stage_k_below=stage_k_below,
+                            prefetch=prefetch, decode_heads=HT))
     return _dense_function(f, attrs, body)
 
 
@@ -1400,9 +1395,8 @@ def _varlen(spec: AttentionSpec, block_m: int, block_n: int, dot_bf16: bool = Fa
     tile = _tile_macro(spec, BM, BN, stats="lse" if lse else None, dot_bf16=dot_bf16,
                        stage_k=stages_half_keys(spec, dot_bf16))
     attrs = {"global_symbol": ENTRY, "tirx.noalias": True, "attn.workload": "fused",
-             "attn.block_m": BM, "attn.block_n": BN, "attn.data_alignment": A}
-    if dot_bf16:
-        attrs["attn.dot_bf16"] = 1
+             **record(FUSED_TILE, block_m=BM, block_n=BN), "attn.data_alignment": A,
+             **record(FUSED_FORM, dot_bf16=dot_bf16)}
 
     def at(seq, CQ, CK, vh, W):
         b = seq[0]

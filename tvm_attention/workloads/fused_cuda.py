@@ -42,6 +42,7 @@ from ..tvm_internals import fast_macros
 from ..visibility import Visibility
 from ._math import KV_UNIT, LOG2E, exp2_fast, guarded, kv_to_f32, lse_of, normalize, normalize_where, tanh_fast, with_sink
 from .fused import MIN_SPLIT_KEYS, n_splits
+from .knob_attrs import CUDA_SPLIT, FUSED_CUDA, record
 from .kv import dim, kv_layout
 
 VECTOR_BYTES = 16  # one 128-bit load/store per thread per step
@@ -352,7 +353,7 @@ def fused_attention_cuda(
         store(O, acc, l, m, w)
 
     attrs = {"global_symbol": ENTRY, "tirx.noalias": True, "attn.workload": "fused_cuda",
-             "attn.block_m": BM, "attn.block_n": BN, "attn.threads_per_row": TPR}
+             **record(FUSED_CUDA, block_m=BM, block_n=BN, threads_per_row=TPR)}
     return kernel_func(spec, k.block, BM, BN, (B, SQ, SK), tile, attrs, split_tasks=split_tasks, lanes=k.thread_x)
 
 
@@ -631,8 +632,7 @@ def kernel_func(spec: AttentionSpec, block, BM: int, BN: int, dims: tuple, tile,
     the merge kernel's lanes bound by ``lanes(n)`` (threadIdx.x, or a serial loop)."""
     B, SQ, SK = dims
     var = Variants(spec, B)
-    if split_tasks:
-        attrs = {**attrs, "attn.split_tasks": split_tasks}
+    attrs = {**attrs, **record(CUDA_SPLIT, split_tasks=split_tasks)}  # none when 0
     func, LSE = _kernel_func(spec, block, BM, BN, B, SQ, SK, tile, attrs, reverse, bool(spec.return_lse), var,
                              split_tasks, lanes)
     if LSE is None and not var.buffers:

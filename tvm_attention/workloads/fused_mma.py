@@ -59,6 +59,7 @@ from ..tvm_internals import fast_macros
 from ..visibility import Visibility
 from ._math import LOG2E, guarded, lse_of
 from .fused_cuda import flat_offset, kernel_func, kv_byte, kv_reader
+from .knob_attrs import FUSED_MMA, record
 from .kv import dim
 
 WARP = 32
@@ -639,6 +640,6 @@ def fused_attention_mma(
         store(O, acc, l, ls, m, w)
 
     attrs = {"global_symbol": ENTRY, "tirx.noalias": True, "attn.workload": "fused_mma",
-             "attn.warps": W, "attn.block_n": BN, "attn.stages": NS, "attn.m_tiles": MT}
+             **record(FUSED_MMA, warps=W, block_n=BN, stages=NS, m_tiles=MT)}
     return kernel_func(spec, block, BM, BN, (B, SQ, SK), tile, attrs, reverse=x.causal, split_tasks=split_tasks,
                        lanes=x.thread_x)

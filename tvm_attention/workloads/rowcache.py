@@ -23,6 +23,7 @@ from ..spec import DATA_ALIGNMENT as A
 from ..spec import ENTRY, AttentionSpec
 from ..visibility import Visibility
 from ._math import LOG2E, exp2_fast, guarded, normalize
+from .knob_attrs import ROWCACHE, record
 
 
 def rowcache_attention(spec: AttentionSpec, block_m: int) -> tirx.PrimFunc:
@@ -43,6 +44,8 @@ def rowcache_attention(spec: AttentionSpec, block_m: int) -> tirx.PrimFunc:
         seen = vis.sees(vj, vis.position(vr * BM + vi, OFF))
         return S[vj, vi] if seen is None else T.Select(seen, S[vj, vi], neg_inf)
 
+    attrs = {"global_symbol": ENTRY, "tirx.noalias": True, "attn.workload": "rowcache",
+             **record(ROWCACHE, block_m=BM), "attn.data_alignment": A}
 
     @T.prim_func(s_tir=True)
     def attention(
@@ -51,8 +54,7 @@ def rowcache_attention(spec: AttentionSpec, block_m: int) -> tirx.PrimFunc:
         V: T.Buffer((B, KH, SK, D), dtype, align=A),
         O: T.Buffer((B, H, SQ, D), dtype, align=A),
     ):
-        T.func_attr({"global_symbol": ENTRY, "tirx.noalias": True, "attn.workload": "rowcache",
-                     "attn.block_m": BM, "attn.data_alignment": A})
+        T.func_attr(attrs)
         for b, h, r in T.grid(B, H, NR):
             with T.sblock("row_tile"):
                 vb, vh, vr = T.axis.remap("SSS", [b, h, r])
