@@ -31,14 +31,15 @@ The window and causality are not variants of this contract: they are :mod:`tvm_a
 (every kernel, the reference and the pair counts read them there), and ``kv_start`` feeds them
 through :meth:`Variants.start`. What the CUDA kernels do not build (``CPU only`` above) their
 families refuse by name (:data:`CUDA_VARIANTS`, read by ``schedules/family.py``), before a
-workload is generated.
+workload is generated (and :meth:`Variants.declare` again, for a direct call).
 
 Two hooks come in two forms because the kernels fold the same factor at different places: the
 CPU kernel multiplies each query element by the key scale once (``q·(s·k) = (s·q)·k``) and leaves
 the unit out when it is 1, the CUDA kernels multiply each score by one constant of the scale and
 the unit (:meth:`Variants.k_scale` against :meth:`Variants.k_scaled`; likewise the value scale).
 The output hooks' order is the kernel's: the CPU kernel adds the sink before it scales the values
-(a split-KV partial must store neither), the CUDA kernels scale first. Both are exact in real
+(its split-KV partials store the scaled values without the sink, which the merge adds once), the
+CUDA kernels scale first. Both are exact in real
 arithmetic; in float32 they are each kernel's as it was (the generated code is unchanged).
 
 Adding a score variant: ``docs/design.md`` ("Adding a score variant") walks through it.
@@ -113,11 +114,15 @@ class Variants:
         """The variants of a CUDA kernel, their buffers declared outside its script (named by
         :data:`CUDA_BUFFERS`; ``B`` the kernel's batch, an int or its var), in call order in
         ``buffers`` (:func:`tvm_attention.layouts.variant_args`): the arguments of
-        ``layouts.VARIANT_ARGS`` and an 8-bit cache's scales. Any other (key bounds, the modifiers'
-        tensors, ``k_new``/``v_new``) is a ValueError: the CUDA kernels take none (their families
-        refuse those variants by name first)."""
+        ``layouts.VARIANT_ARGS`` and an 8-bit cache's scales. A variant not in
+        :data:`CUDA_VARIANTS` (the modifiers, key bounds) or any other argument (``k_new``/``v_new``)
+        is a ValueError naming it: the CUDA kernels build none (their families refuse them by name
+        first; this stops a direct call from building a kernel that would ignore them)."""
         if spec is None:
             return cls()
+        missing = [v for v in spec.variants if v not in CUDA_VARIANTS]
+        if missing:
+            raise ValueError(f"the CUDA kernels do not build the attention variant(s) {', '.join(missing)}")
         values = {"heads": spec.heads, "kv_heads": spec.kv_heads, "batch": B}
         takes = {a.name for _, a in VARIANT_ARGS} | {"k_scale", "v_scale"}
         declared = {}
