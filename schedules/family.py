@@ -21,6 +21,7 @@ from ..layouts import layouts_where
 from ..quant import KV_DTYPES
 from ..spec import AttentionSpec
 from ..workloads.knob_attrs import Attr, WorkloadAttrsError, read
+from ..workloads.variants import CUDA_VARIANTS as _CUDA_VARIANTS
 
 from ._knobs import KnobError
 
@@ -28,9 +29,9 @@ from ._knobs import KnobError
 USE_CPU_FUSED = "use --schedule fused on a CPU (llvm) target"
 
 
-#: the attention variants both CUDA kernels build (a sliding window, a logit softcap, ALiBi,
-#: sinks, a first visible key per sequence); the user's modifiers and key bounds not
-CUDA_VARIANTS = ("window", "softcap", "alibi", "sinks", "kv_start")
+#: the attention variants both CUDA kernels build: the variants' contract says which kernels take
+#: each of its hooks (workloads/variants.py); the user's modifiers and key bounds not
+CUDA_VARIANTS = _CUDA_VARIANTS
 #: the 8-bit K/V caches both CUDA kernels read, in the KV-cache layouts (the decode kernels)
 CUDA_KV_DTYPES = KV_DTYPES
 

@@ -46,15 +46,13 @@ import types
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ..layouts import fully_static
-from ..modifiers import instantiate, tensor_dim_name
 from ..spec import DATA_ALIGNMENT as A, ENTRY, MAX_SEQ_LEN, AttentionSpec
 from ..tvm_internals import fast_macros
-from ..visibility import Visibility, all_of
-from ._math import (KV_UNIT, LOG2E, bf16_bits, bf16_value, cast_to, exp2_fast, f32, f32_to_kv, guarded, kv_to_f32,
-                    lse_of, normalize, normalize_seen, normalize_where, tanh_fast, with_sink)
+from ..visibility import Visibility
+from ._math import (bf16_bits, bf16_value, cast_to, exp2_fast, f32, f32_to_kv, guarded, kv_to_f32, lse_of)
 from .knob_attrs import FUSED_DECODE, FUSED_FORM, FUSED_TILE, record
 from .kv import dim, kv_layout
+from .variants import NO_VARIANTS, TEMPLATE_ARGS, ExtraParams, Variants, score_scale, transforms
 
 CACHE_LINE = 64  # bytes (x86)
 
@@ -90,80 +88,6 @@ def fused_attention(spec: AttentionSpec, block_m: int, block_n: int, decode_rows
                   decode_heads)
 
 
-class _Variants:
-    """The variants' call arguments of one kernel (``alibi_slopes``, ``sinks``, ``kv_start``,
-    ``key_lo``/``key_hi``, the modifiers' tensors, an 8-bit cache's ``k_scale``/``v_scale`` and an
-    appending kernel's ``k_new``/``v_new``: its buffers, None where the spec takes none), the
-    user's modifiers over them, and the expressions the tile builds from them."""
-
-    def __init__(self, spec=None, AL=None, SK=None, KS=None, LO=None, HI=None, tensors=None, scales=(None, None),
-                 new=(None, None)):
-        # spec None: a kernel without variant arguments
-        self.KSC, self.VSC = scales if spec is not None and spec.kv_quantized else (None, None)
-        self.KN, self.VN = new if spec is not None and spec.append else (None, None)  # appended keys, values
-        self.G = spec.group_size if spec is not None else 1
-        self.unit = KV_UNIT.get(spec.kv_dtype, 1.0) if spec is not None else 1.0
-        self.AL = AL if spec is not None and spec.alibi else None
-        self.SK = SK if spec is not None and spec.sinks else None
-        self.KS = KS if spec is not None and spec.kv_start else None
-        self.LO, self.HI = (LO, HI) if spec is not None and spec.key_bounds else (None, None)
-        self.mods = spec is not None and spec.has_modifiers
-        # the user's modifiers over the tensor buffers (TIR expressions in, TIR out)
-        self.score_fn = instantiate(spec.score_mod, "score_mod", tensors or {}) if self.mods and spec.score_mod else None
-        self.mask_fn = instantiate(spec.mask_mod, "mask_mod", tensors or {}) if self.mods and spec.mask_mod else None
-
-    def start(self, b):
-        """Sequence ``b``'s first visible key (None: key 0)."""
-        return None if self.KS is None else self.KS[b]
-
-    def slope(self, h):
-        """ALiBi's slope of query head ``h`` in the log2 units of the scores (None: no ALiBi)."""
-        return None if self.AL is None else self.AL[h] * T.float32(LOG2E)
-
-    def sink(self, h):
-        """The sink logit of query head ``h`` in log2 units (None: no sinks)."""
-        return None if self.SK is None else self.SK[h] * T.float32(LOG2E)
-
-    def k_scale(self, h):
-        """What multiplies a key element as the tile converts it (``kv_to_f32(unit=False)``) for
-        query head ``h``: its kv head's key scale times the dtype's :data:`KV_UNIT` (None: no
-        scales)."""
-        return None if self.KSC is None else self._unit(self.KSC[T.floordiv(h, self.G)])
-
-    def v_scale(self, h):
-        """The same for a value element (None: no scales)."""
-        return None if self.VSC is None else self._unit(self.VSC[T.floordiv(h, self.G)])
-
-    def _unit(self, scale):
-        return scale if self.unit == 1.0 else scale * T.float32(self.unit)
-
-    def _col(self, pos):
-        return T.max(0, T.min(pos, self.LO.shape[1] - 1))
-
-    def key_lo(self, b, pos):
-        """The first key the row at (absolute) position ``pos`` of sequence ``b`` may see by the
-        key bounds (None: no bounds)."""
-        return None if self.LO is None else self.LO[b, self._col(pos)]
-
-    def key_hi(self, b, pos):
-        """One past the last key the row at ``pos`` may see by the key bounds (None: none)."""
-        return None if self.HI is None else self.HI[b, self._col(pos)]
-
-    def sees(self, b, h, pos, key):
-        """The key bounds and ``mask_mod`` at absolute ``pos`` and ``key`` (None: no condition)."""
-        conds = []
-        if self.LO is not None:
-            conds += [self.key_lo(b, pos) <= key, key < self.key_hi(b, pos)]
-        if self.mask_fn is not None:
-            m = self.mask_fn(b, h, pos, key)
-            conds.append(T.bool(bool(m)) if isinstance(m, (bool, int)) else m)
-        return all_of(conds)
-
-
-#: a kernel without variant arguments
-NO_VARIANTS = _Variants()
-
-
 def _key_clamp(x):
     """A key bound (a call-time int32, any value: ``key_hi`` 2**31 − 1 for "to the end") clamped
     into ``[0, MAX_SEQ_LEN]`` before a tile range is computed from it (``x − key0``, ``x + block_n
@@ -175,7 +99,7 @@ class _Tile:
     """Where one row tile finds its rows and keys: what a layout changes (the recurrence is the
     same for every layout). Index methods return index tuples into Q, K/V and O.
 
-    Variants: ``var`` (:class:`_Variants`), ``b`` the tile's sequence (its ``kv_start``),
+    Variants: ``var`` (:class:`.variants.Variants`), ``b`` the tile's sequence (its ``kv_start``),
     ``head(row)`` the query head of a tile row (ALiBi's slope, the sink), ``key0`` the sequence's
     key the tile numbers 0 (a split-KV chunk's first). With a left window or a start the key-tile
     loop begins at tile ``c0`` (:meth:`tile` maps the loop's tile to the sequence's)."""
@@ -244,12 +168,6 @@ class _Tile:
     def row_pos(self, row):
         """The key position of tile row ``row``."""
         return self.vis.position(row if self.pos is None else self.pos(row), self.off)
-
-    def alibi(self, vj, vi, vc):
-        """ALiBi's bias of tile row ``vi`` and key ``vj`` of tile ``vc``: ``slope·|p − j|``."""
-        row = self.row0 + vi
-        dist = self.row_pos(row) - (self.tile(vc) * self.BN + vj)
-        return self.var.slope(self.head(row)) * T.Cast("float32", T.abs(dist))
 
     def n_tiles(self, nc):
         # Key tiles past what the tile's last row sees are entirely masked: skipped, not
@@ -328,15 +246,14 @@ class _Tile:
         """The query head of tile row ``vi`` (0 when the layout frame gives none)."""
         return 0 if self.head is None else self.head(self.row0 + vi)
 
-    def user_score(self, x, vj, vi, vc):
-        """``score_mod`` of the score ``x`` (log2 units) of tile row ``vi`` and key ``vj`` of
-        tile ``vc``, back in log2 units (the modifier sees the natural-log units of the spec)."""
+    def logit(self, x, vj, vi, vc):
+        """The score ``x`` (scaled: :func:`.variants.score_scale`) of tile row ``vi`` and key
+        ``vj`` of tile ``vc`` through the variants' score hook (``Variants.logit``: softcap,
+        ALiBi, score_mod), in log2 units."""
         row = self.row0 + vi
-        pos = self.absolute(self.row_pos(row))
-        key = self.absolute(self.tile(vc) * self.BN + vj)
-        y = self.var.score_fn(x * T.float32(1.0 / LOG2E), self.b, self.head_of(vi), pos, key)
-        y = T.float32(float(y)) if isinstance(y, (int, float)) else y
-        return f32(y) * T.float32(LOG2E)
+        key = self.tile(vc) * self.BN + vj
+        return self.var.logit(x, lambda: self.head(row), lambda: self.row_pos(row) - key,
+                              lambda: (self.b, self.head_of(vi), self.absolute(self.row_pos(row)), self.absolute(key)))
 
     def q_scaled(self, x, vi):
         """The query element ``x`` (already times the softmax scale) of tile row ``vi`` times its
@@ -344,10 +261,6 @@ class _Tile:
         element instead of one per key element)."""
         ks = None if self.head is None else self.var.k_scale(self.head(self.row0 + vi))
         return x if ks is None else x * ks
-
-    def sink(self, vi):
-        """The sink logit of tile row ``vi`` (log2 units), None without sinks."""
-        return None if self.head is None else self.var.sink(self.head(self.row0 + vi))
 
     def out(self, acc, l, vi, keys_sum=None):
         """``acc / l``, or 0 for a row the mask gives no key (see ``normalize``); a split-KV
@@ -360,11 +273,8 @@ class _Tile:
             acc = acc * vs
         if self.state_index is not None:
             return acc
-        if self.var.mods:
-            return normalize_seen(acc, l, l if keys_sum is None else keys_sum)
-        if self.static and self.start is None:
-            return normalize(acc, l, row, self.spec)
-        return normalize_where(acc, l, self.sees_key(row))
+        return self.var.normalized(acc, l, row, self.static and self.start is None, lambda: self.sees_key(row),
+                                   keys_sum)
 
     def sees_key(self, row):
         """Whether tile row ``row`` sees any key (a fact of the mask and the lengths)."""
@@ -408,11 +318,9 @@ class _TileShape:
     prefetch: int
     stats: str | None
     line_elems: int
-    softcap: float | None = None  # the logit softcap c (Q is then scaled by scale / c)
-    scale: float = 1.0  # the spec's scale
-    alibi: bool = False
-    sinks: bool = False
-    user_score: bool = False  # the spec's score_mod
+    #: the variants change the scores beyond their scale (a softcap, ALiBi, the user's score_mod:
+    #: ``variants.transforms``; Q is scaled by ``variants.score_scale``)
+    transforms: bool = False
     #: a mask on data (mask_mod, key bounds): applied once per score in block ``score_mod``, which
     #: then holds the masked scores (row_max and P_exp would each evaluate it, and exp2_fast
     #: repeats its argument: a tree TVM's simplifier took 10x the build time over)
@@ -423,15 +331,15 @@ class _TileShape:
 
     def kv(self, x):
         """The float32 value of the K/V element ``x`` as loaded: an 8-bit cache's without its scale
-        and :data:`KV_UNIT` (both folded into q and the output, ``_Variants.k_scale``)."""
+        and :data:`KV_UNIT` (both folded into q and the output, ``Variants.k_scale``)."""
         return f32(x) if self.kv_dtype is None else kv_to_f32(x, self.kv_dtype, unit=False)
 
     @property
     def score_mod(self) -> bool:
         """Whether the tile modifies its scores (block ``score_mod``, into ``Sm``) before the
-        softmax: the softcap's tanh once per score, ALiBi's bias, the user's score_mod, and a
-        mask on data (``mask_mod``)."""
-        return self.softcap is not None or self.alibi or self.user_score or self.mask_mod
+        softmax: the variants' score hook (``Variants.logit``: the softcap's tanh once per score,
+        ALiBi's bias, the user's score_mod), and a mask on data (``mask_mod``)."""
+        return self.transforms or self.mask_mod
 
     @property
     def R(self) -> int:
@@ -553,7 +461,7 @@ def _softmax_macro(k: _TileShape):
     correction ``alpha = exp2(m_old - m_new)`` (guarded: no -inf - -inf), ``P = exp2(S - m_new)``
     (masked entries exactly 0) and ``l = l·alpha + rowsum(P)``."""
     N, BM, BN, qscale, dot_bf16 = k.N, k.BM, k.BN, k.qscale, k.dot_bf16
-    score_mod, cap, alibi = k.score_mod, k.softcap, k.alibi
+    score_mod = k.score_mod
 
     def score(t, S, Sm, vj, vi, vc):
         # dot_bf16 sums unscaled products (Q keeps its exact bf16 values: no pre-scaled copy);
@@ -566,17 +474,9 @@ def _softmax_macro(k: _TileShape):
         return e * T.float32(qscale) if dot_bf16 else e
 
     def modified(t, x, vj, vi, vc):
-        # the score in log2 units: softcapped (x is scale·q·k / c, or q·k unscaled from bf16 dots),
-        # then ALiBi's bias
-        if cap is not None:
-            x = tanh_fast(x * T.float32(k.scale / cap) if dot_bf16 else x) * T.float32(cap * LOG2E)
-        elif dot_bf16:
-            x = x * T.float32(qscale)
-        if alibi:
-            x = x - t.alibi(vj, vi, vc)
-        if k.user_score:
-            x = t.user_score(x, vj, vi, vc)
-        return x
+        # the score in log2 units through the variants' hook (x is q·k times score_scale, or q·k
+        # unscaled from bf16 dots)
+        return t.logit(x * T.float32(qscale) if dot_bf16 else x, vj, vi, vc)
 
     @T.macro
     def online_softmax(S, Sm, P, m, m_new, l, alpha, t, vc):
@@ -689,14 +589,15 @@ def _pv_macros(k: _TileShape):
 
 def _store_macro(k: _TileShape):
     """The tile's stores: ``O`` (normalised, rounded to the dtype), and ``stats`` to ``X``."""
-    N, BM, D, stats, sinks = k.N, k.BM, k.D, k.stats, k.sinks and k.stats != "partial"
+    N, BM, D, stats = k.N, k.BM, k.D, k.stats
 
     def out(t, acc, l, m, vi):
-        # with sinks each row's denominator gains its sink (with_sink; l stays the keys' sum
-        # for lse); per row, so the vectorized store computes it once per vector of columns
+        # with sinks each row's denominator gains its sink (Variants.with_sink; l stays the keys'
+        # sum for lse; a split-KV partial's merge adds it); per row, so the vectorized store
+        # computes it once per vector of columns
         keys_sum = l
-        if sinks:
-            acc, l = with_sink(acc, l, m, t.sink(vi))
+        if stats != "partial":
+            acc, l = t.var.with_sink(acc, l, m, t.head_of(vi))
         return t.out(acc, l, vi, keys_sum)
 
     @T.macro
@@ -761,12 +662,11 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
                          f"(block_m={BM})")
     D = spec.head_dim
     # Q is scaled to the log2 units of exp2 (scale·log2(e)); with a softcap to x / c, which
-    # score_mod's tanh takes
-    qscale = float(spec.scale * LOG2E) if spec.softcap is None else float(spec.scale / spec.softcap)
+    # score_mod's tanh takes (variants.score_scale)
+    qscale = score_scale(spec)
     neg_inf = T.float32(float("-inf"))
     k = _TileShape(N=N, BM=BM, BN=BN, D=D, HT=HT, qscale=qscale, dot_bf16=dot_bf16, prefetch=prefetch, stats=stats,
-                   line_elems=CACHE_LINE // spec.kv_itemsize, softcap=spec.softcap, scale=spec.scale, alibi=spec.alibi,
-                   sinks=spec.sinks, user_score=spec.score_mod is not None,
+                   line_elems=CACHE_LINE // spec.kv_itemsize, transforms=transforms(spec),
                    mask_mod=spec.mask_mod is not None or spec.key_bounds, kv_dtype=spec.kv_dtype)
     sg, pv = _s_gemm_macros(k), _pv_macros(k)
     s_gemm_dot, kv_prefetch, s_gemm_heads, s_gemm_staged, s_gemm = sg.dot, sg.prefetch, sg.heads, sg.staged, sg.plain
@@ -968,12 +868,8 @@ def _merge_macro(f: _Dense, BD: int, NS, suffix: str):
 
     def out(X, W, vb, vh, vi, am, ls, mx):
         keys_sum = ls
-        sink = W.sink(vh)
-        if sink is not None:  # the sink joins the merged denominator once
-            am, ls = with_sink(am, ls, mx, sink)
-        if W.mods:
-            return normalize_seen(am, ls, keys_sum)
-        return normalize_where(am, ls, merged_sees_key(X, W, vb, vi))
+        am, ls = W.with_sink(am, ls, mx, vh)  # the sink joins the merged denominator once
+        return W.normalized(am, ls, vi, False, lambda: merged_sees_key(X, W, vb, vi), keys_sum)
 
     @T.macro
     def merge(Op, St, O, LSE, K, V, X, W):
@@ -1243,9 +1139,10 @@ def _append_macro(f: _Dense):
 #: The index arrays a dense-query layout may take, in call order (between ``v`` and ``o``): the
 #: signature template has a parameter for each, and a layout whose entry lacks one drops it.
 INDEX_PARAMS = ("block_table", "cache_seqlens")
-#: The variants' arguments (``layouts.VARIANT_ARGS``), in call order after the index arrays; a
-#: signature template has a parameter for each and drops those the spec does not take.
-VARIANT_PARAMS = ("alibi_slopes", "sinks", "kv_start")
+#: The variants' arguments a signature template has a parameter for (the first of
+#: ``layouts.VARIANT_ARGS``), in call order after the index arrays; it drops those the spec does
+#: not take (a variant added later is declared by ``variants.ExtraParams``).
+VARIANT_PARAMS = TEMPLATE_ARGS
 
 
 def _dense_function(f: _Dense, attrs: dict, body) -> tirx.PrimFunc:
@@ -1272,7 +1169,7 @@ def _dense_function(f: _Dense, attrs: dict, body) -> tirx.PrimFunc:
     ALS, SKS, KSS = (shape(at(n)) for n in VARIANT_PARAMS)
     present = [n in index for n in INDEX_PARAMS]
     variants = [n in names for n in VARIANT_PARAMS]
-    extra = _ExtraParams(f.spec, f.B, f.SQ)
+    extra = ExtraParams(f.spec, f.B, f.SQ)
 
     def index_buffers(*bufs):
         return tuple(b for b, p in zip(bufs, present) if p)
@@ -1295,9 +1192,9 @@ def _dense_function(f: _Dense, attrs: dict, body) -> tirx.PrimFunc:
         if fp8:
             K8 = T.decl_buffer(KS, "uint8", data=K.data, align=A)
             V8 = T.decl_buffer(VS, "uint8", data=V.data, align=A)
-            body(Q, K8, V8, O, LSE, index_buffers(BT, CL), _Variants(f.spec, AL, SK, KST, *extra.variant_args))
+            body(Q, K8, V8, O, LSE, index_buffers(BT, CL), Variants(f.spec, AL, SK, KST, *extra.variant_args))
         else:
-            body(Q, K, V, O, LSE, index_buffers(BT, CL), _Variants(f.spec, AL, SK, KST, *extra.variant_args))
+            body(Q, K, V, O, LSE, index_buffers(BT, CL), Variants(f.spec, AL, SK, KST, *extra.variant_args))
 
     return _keep_params(attention, [True, True, True, *present, *variants, True, f.lse], extra.params, 1 + f.lse)
 
@@ -1327,45 +1224,6 @@ def _keep_params(func: tirx.PrimFunc, keep: list[bool], extra=(), n_outputs: int
     params = [p for p, k in zip(func.params, keep) if k]
     params = params[:len(params) - n_outputs] + list(extra) + params[len(params) - n_outputs:]
     return tirx.PrimFunc(params, func.body, func.ret_type, func.attrs)
-
-
-class _ExtraParams:
-    """The variant arguments whose number or shape a signature template cannot fix: the key
-    bounds ``key_lo``/``key_hi (batch, key_positions)``, the modifiers' tensors (every dim
-    taken at call time, :func:`tvm_attention.modifiers.tensor_dim_name`) and an 8-bit cache's
-    scales ``k_scale``/``v_scale (kv_heads,)``. Declared here, read by
-    the tile through :class:`_Variants`, inserted before the outputs (``_keep_params``)."""
-
-    def __init__(self, spec: AttentionSpec, batch, seq_q=None):
-        self.params = []
-        self.LO = self.HI = None
-        static = fully_static(spec)  # then every shape is compiled in (layouts.fully_static)
-        if spec.key_bounds:
-            n = spec.seq_kv if static else tirx.Var("key_positions", "int32")
-            self.LO = tirx.decl_buffer((batch, n), "int32", "key_lo", data_alignment=A)
-            self.HI = tirx.decl_buffer((batch, n), "int32", "key_hi", data_alignment=A)
-            self.params += [self.LO, self.HI]
-        self.tensors = {}
-        for name, dtype, dims in spec.mod_tensors:
-            shape = tuple(d if isinstance(d, int) else getattr(spec, d) for d in dims) if static else \
-                tuple(tirx.Var(tensor_dim_name(name, i), "int32") for i in range(len(dims)))
-            self.tensors[name] = tirx.decl_buffer(shape, dtype, name, data_alignment=A)
-            self.params.append(self.tensors[name])
-        self.scales = (None, None)
-        if spec.kv_quantized:  # an 8-bit cache's k_scale, v_scale (kv_heads,), after the tensors
-            self.scales = tuple(tirx.decl_buffer((spec.kv_heads,), "float32", n, data_alignment=A)
-                                for n in ("k_scale", "v_scale"))
-            self.params += list(self.scales)
-        self.new = (None, None)
-        if spec.append:  # k_new, v_new (batch, kv_heads, seq_q, head_dim) in the query dtype, last
-            shape = (batch, spec.kv_heads, seq_q, spec.head_dim)
-            self.new = tuple(tirx.decl_buffer(shape, spec.dtype, n, data_alignment=A) for n in ("k_new", "v_new"))
-            self.params += list(self.new)
-
-    @property
-    def variant_args(self):
-        """``_Variants``' LO, HI, tensors, scales, new."""
-        return self.LO, self.HI, self.tensors, self.scales, self.new
 
 
 def _varlen(spec: AttentionSpec, block_m: int, block_n: int, dot_bf16: bool = False) -> tirx.PrimFunc:
@@ -1421,7 +1279,7 @@ def _varlen(spec: AttentionSpec, block_m: int, block_n: int, dot_bf16: bool = Fa
     names = [a.name for a in layout.all_args(spec)]
     variants = [n in names for n in VARIANT_PARAMS[:2]]  # varlen has no kv_start (no padding)
     NBK = tirx.Var("key_bound_rows", "int32")  # key_lo's rows: batch, checked (index_checks)
-    extra = _ExtraParams(spec, NBK)
+    extra = ExtraParams(spec, NBK)
 
     @T.prim_func(s_tir=True, check_well_formed=not extra.params)
     def attention(
@@ -1463,8 +1321,8 @@ def _varlen(spec: AttentionSpec, block_m: int, block_n: int, dot_bf16: bool = Fa
                 if fp8:
                     K8 = T.decl_buffer(KS, "uint8", data=K.data, align=A)
                     V8 = T.decl_buffer(VS, "uint8", data=V.data, align=A)
-                    tile(Q, K8, V8, O, at(seq, CQ, CK, vh, _Variants(spec, AL, SK, None, *extra.variant_args)), NC, LSE)
+                    tile(Q, K8, V8, O, at(seq, CQ, CK, vh, Variants(spec, AL, SK, None, *extra.variant_args)), NC, LSE)
                 else:
-                    tile(Q, K, V, O, at(seq, CQ, CK, vh, _Variants(spec, AL, SK, None, *extra.variant_args)), NC, LSE)
+                    tile(Q, K, V, O, at(seq, CQ, CK, vh, Variants(spec, AL, SK, None, *extra.variant_args)), NC, LSE)
 
     return _keep_params(attention, [True] * 5 + variants + [True, lse], extra.params, 1 + lse)

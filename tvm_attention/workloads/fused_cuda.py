@@ -40,10 +40,11 @@ from ..cuda_tools import shared_scope
 from ..spec import ENTRY, AttentionSpec
 from ..tvm_internals import fast_macros
 from ..visibility import Visibility
-from ._math import KV_UNIT, LOG2E, exp2_fast, guarded, kv_to_f32, lse_of, normalize, normalize_where, tanh_fast, with_sink
+from ._math import LOG2E, exp2_fast, guarded, kv_to_f32, lse_of
 from .fused import MIN_SPLIT_KEYS, n_splits
 from .knob_attrs import CUDA_SPLIT, FUSED_CUDA, record
 from .kv import dim, kv_layout
+from .variants import Variants, score_scale
 
 VECTOR_BYTES = 16  # one 128-bit load/store per thread per step
 
@@ -357,25 +358,6 @@ def fused_attention_cuda(
     return kernel_func(spec, k.block, BM, BN, (B, SQ, SK), tile, attrs, split_tasks=split_tasks, lanes=k.thread_x)
 
 
-class Variants:
-    """The attention variants' call arguments of one CUDA kernel, declared outside its script
-    (each ``None`` where the spec takes none): ``AL`` ALiBi slopes ``(heads,)``, ``SN`` sinks
-    ``(heads,)`` (both float32, natural-log units), ``KS`` ``kv_start (batch,) int32``; an 8-bit
-    cache's scales ``KSC``/``VSC`` ``(kv_heads,)`` float32.
-    ``buffers`` lists them in call order (:data:`layouts.VARIANT_ARGS`)."""
-
-    def __init__(self, spec: AttentionSpec | None, B=None):
-        # spec None: a kernel without variant arguments
-        on = (spec.alibi, spec.sinks, spec.kv_start, spec.kv_quantized) if spec is not None else (False,) * 4
-        self.AL = tirx.decl_buffer((spec.heads,), "float32", "AL") if on[0] else None
-        self.SN = tirx.decl_buffer((spec.heads,), "float32", "SN") if on[1] else None
-        self.KS = tirx.decl_buffer((B,), "int32", "KS") if on[2] else None
-        # an 8-bit cache's k_scale, v_scale (kv_heads,) float32 (layouts.KV_SCALE_ARGS)
-        self.KSC = tirx.decl_buffer((spec.kv_heads,), "float32", "KSC") if on[3] else None
-        self.VSC = tirx.decl_buffer((spec.kv_heads,), "float32", "VSC") if on[3] else None
-        self.buffers = [x for x in (self.AL, self.SN, self.KS, self.KSC, self.VSC) if x is not None]
-
-
 class Tile:
     """Where one thread block's tile of ``BM`` query rows lives, for both CUDA kernels: what a
     layout changes (the recurrence is the kernel's). ``q``, ``kv``, ``o`` map (row of the
@@ -387,8 +369,9 @@ class Tile:
     layouts): tile row ``r`` is head ``r % group`` of the group at position ``r // group``, so
     the group shares each K/V tile, and a decode step's few positions still fill a tile.
 
-    The attention variants: ``var`` (:class:`Variants`: the call's ``alibi_slopes``, ``sinks``,
-    ``kv_start`` buffers), ``b`` the tile's sequence (its ``kv_start``), ``head(row)`` the query
+    The attention variants: ``var`` (:class:`.variants.Variants`, :meth:`~.variants.Variants.declare`:
+    the call's ``alibi_slopes``, ``sinks``, ``kv_start``, an 8-bit cache's scales; its hooks
+    transform the scores and the output), ``b`` the tile's sequence (its ``kv_start``), ``head(row)`` the query
     head of a tile row (its ALiBi slope and sink). A sliding window or a start skips the key
     tiles before what the tile's first row sees: the loop's tile ``c`` is the sequence's
     ``tile(c)``.
@@ -418,8 +401,8 @@ class Tile:
         self.kv_tail = not isinstance(k_len, int) or k_len % BN != 0  # the last key tile is partial
         self.hides = vis.hides_keys or self.kv_tail  # some score of some tile is masked
         self.var = var if var is not None else Variants(None)
-        self.head = head
-        self.start = None if self.var.KS is None else self.var.KS[b]  # the sequence's first visible key
+        self.head, self.b = head, b  # b: None in varlen (a block finds its sequence at run time)
+        self.start = self.var.start(b)  # the sequence's first visible key
         begin = vis.key_begin(vis.position(self.pos(row0), self.off), self.start)
         self.c0 = None if begin is None else vis.tiles_before(begin, BN)  # tiles no row of it sees
         self.split, self.span, self._part = split, span, part
@@ -485,25 +468,19 @@ class Tile:
         return cond if seen is None else T.And(cond, seen)
 
     def logit(self, s, row, col):
-        """Raw score ``s = q·k`` of (row, key ``col``) in the log2 units of the softmax:
-        ``s·scale·log2 e``; softcapped, ``c·tanh(s·scale / c)·log2 e``; less ALiBi's
-        ``slope·|position − key|·log2 e``."""
-        spec = self.spec
-        if spec.softcap is not None:
-            x = tanh_fast(s * self.k_scaled(spec.scale / spec.softcap)) * T.float32(spec.softcap * LOG2E)
-        else:
-            x = s * self.k_scaled(spec.scale * LOG2E)
-        if spec.alibi:
-            dist = self.vis.position(self.pos(row), self.off) - col
-            x = x - self.var.AL[self.head(row)] * T.float32(LOG2E) * T.Cast("float32", T.abs(dist))
-        return x
+        """Raw score ``s = q·k`` of (row, key ``col``) in the log2 units of the softmax: times
+        ``variants.score_scale`` and the key scale, through the variants' score hook
+        (``Variants.logit``: ``s·scale·log2 e``; softcapped, ``c·tanh(s·scale / c)·log2 e``; less
+        ALiBi's ``slope·|position − key|·log2 e``)."""
+        position = self.vis.position(self.pos(row), self.off)
+        return self.var.logit(s * self.k_scaled(score_scale(self.spec)), lambda: self.head(row), lambda: position - col,
+                              lambda: (self.b, self.head(row), position, col))
 
     def k_scaled(self, factor: float):
         """``factor`` (float32) times what turns a raw score of an 8-bit cache's converted keys
-        into ``q·k``: the tile's KV head's ``k_scale`` and the conversion's unit (``KV_UNIT``)."""
-        if not self.spec.kv_quantized:
-            return T.float32(factor)
-        return self.var.KSC[self.kv_head] * T.float32(factor * KV_UNIT.get(self.spec.kv_dtype, 1.0))
+        into ``q·k``: the tile's KV head's ``k_scale`` and the conversion's unit
+        (``Variants.k_scaled``)."""
+        return self.var.k_scaled(self.kv_head, factor)
 
     def masked(self, s, row, col):
         """Score ``s`` of (row, key col), −inf where the row does not see the key."""
@@ -515,14 +492,10 @@ class Tile:
         mask is a run-time predicate of the lengths (and the start). With sinks the denominator
         gains the row's head's sink (``with_sink``, from the row's running max ``m``). An 8-bit
         cache's values are scaled here, once per output (``v_scale``, ``KV_UNIT``)."""
-        if self.spec.kv_quantized:
-            acc = acc * (self.var.VSC[self.kv_head] * T.float32(KV_UNIT.get(self.spec.kv_dtype, 1.0)))
-        if self.var.SN is not None:
-            acc, l = with_sink(acc, l, m, self.var.SN[self.head(row)] * T.float32(LOG2E))
-        if self.static and self.start is None:
-            return normalize(acc, l, row, self.spec)
-        pos = self.vis.position(self.pos(row), self.off)
-        return normalize_where(acc, l, self.vis.sees_a_key(pos, self.k_len, self.start))
+        acc = self.var.v_scaled(acc, self.kv_head)
+        acc, l = self.var.with_sink(acc, l, m, self.head(row))
+        return self.var.normalized(acc, l, row, self.static and self.start is None, lambda: self.vis.sees_a_key(
+            self.vis.position(self.pos(row), self.off), self.k_len, self.start))
 
     def q_at(self, row, d):
         # rows past the sequence (a tail tile) read its last row: never stored
@@ -631,7 +604,7 @@ def kernel_func(spec: AttentionSpec, block, BM: int, BN: int, dims: tuple, tile,
     layouts; 0: none): split-KV until the grid has that many thread blocks (:class:`Split`),
     the merge kernel's lanes bound by ``lanes(n)`` (threadIdx.x, or a serial loop)."""
     B, SQ, SK = dims
-    var = Variants(spec, B)
+    var = Variants.declare(spec, B)
     attrs = {**attrs, **record(CUDA_SPLIT, split_tasks=split_tasks)}  # none when 0
     func, LSE = _kernel_func(spec, block, BM, BN, B, SQ, SK, tile, attrs, reverse, bool(spec.return_lse), var,
                              split_tasks, lanes)

@@ -61,6 +61,7 @@ from ._math import LOG2E, guarded, lse_of
 from .fused_cuda import flat_offset, kernel_func, kv_byte, kv_reader
 from .knob_attrs import FUSED_MMA, record
 from .kv import dim
+from .variants import transforms as transforms_scores
 
 WARP = 32
 MMA_DTYPES = {"float16": "f16", "bfloat16": "bf16"}
@@ -206,7 +207,7 @@ def _mma_fragments(x):
         return w.sees(w.row0 + row_of(ty, tx, s_half(k)), w.tile(c) * BN + col_of(tx, k, NT))
 
     def logit(w, S, ty, tx, k, c):
-        # score slot k in log2 units with the variants (softcap, ALiBi): Tile.logit
+        # score slot k in log2 units through the variants' score hook (softcap, ALiBi): Tile.logit
         return w.logit(S, w.row0 + row_of(ty, tx, s_half(k)), w.tile(c) * BN + col_of(tx, k, NT))
 
     def k_addr(buf, np, dk, lane):
@@ -435,7 +436,7 @@ def _mma_softmax(x):
         (x.dtype, x.EMU, x.ix, x.logit, x.MT, x.neg_inf, x.NO, x.NT, x.o_half, x.s_half, x.thread_x, x.thread_y,
          x.visible, x.W)
     spec = x.spec
-    transforms = spec.softcap is not None or spec.alibi
+    transforms = transforms_scores(spec)  # the variants' score hook (Variants.logit) has work
     # the variants bring the scores to log2 units in place (logit) before the max; else the max
     # of the raw scores is scaled once (the scale is positive) and the exponent is one FFMA
     qscale = 1.0 if transforms else x.qscale
