@@ -1,6 +1,8 @@
 """The fusion audit reads the final lowered IR, and it can fail."""
 import json
 
+import pytest
+
 from tvm_attention.audit import list_allocations
 from tvm_attention.spec import AttentionSpec
 
@@ -80,3 +82,22 @@ def test_rowcache_row_buffer_grows_with_seq_kv():
     fused_sizes = [{a.name: a for a in built(AttentionSpec(batch=1, heads=1, seq_q=s, head_dim=64)).audit.allocations}["S"].elements
                    for s in (1024, 4096)]
     assert fused_sizes[0] == fused_sizes[1]  # the fused tile does not
+
+
+def test_a_generator_bug_in_the_probe_raises(monkeypatch):
+    # The probe may fail to exist (the schedule does not fit the doubled lengths: the audit says
+    # "no probe build"), but a bug of the generator there (a TypeError, say) is not such a fact: it
+    # raises instead of reading as "no probe" (issue 43: no blanket except hides a generator bug).
+    from tvm_attention import build as build_mod
+
+    spec = AttentionSpec(batch=1, heads=1, seq_q=64, head_dim=16)
+    real = build_mod._schedule_module
+
+    def schedule_module(family, s, knobs, target):
+        if s != spec:  # the probe's spec (both lengths doubled)
+            raise TypeError("a bug in the generator")
+        return real(family, s, knobs, target)
+
+    monkeypatch.setattr(build_mod, "_schedule_module", schedule_module)
+    with pytest.raises(TypeError, match="a bug in the generator"):
+        build_mod.build_kernel(spec, "fused")

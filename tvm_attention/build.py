@@ -222,7 +222,10 @@ def _probe(family, spec: AttentionSpec, knobs: Any, target: Target):
     try:
         return list_allocations(lower_final(with_checks(_schedule_module(family, pspec, knobs, target), pspec, target),
                                             target))
-    except Exception as e:  # noqa: BLE001 - any failure only means "no probe"; the audit says so
+    # The schedule not fitting the other lengths (a knob's limit, a length past int32 indexing:
+    # ValueError; TVM's scheduling and lowering errors: RuntimeError) only means "no probe", and the
+    # audit says so. Anything else (TypeError, AttributeError...) is a bug of a generator: it raises.
+    except (KnobError, ValueError, RuntimeError) as e:
         return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
 
 
