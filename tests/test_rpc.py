@@ -76,11 +76,12 @@ def test_server_killed_mid_tune_finishes_on_the_other(fleet, tmp_path):
     t = threading.Thread(target=killer, daemon=True)
     t.start()
     msgs = []
-    r = tune(SPEC, trials=8, per_round=2, work_dir=tmp_path, rpc_tracker=fleet.address, rpc_key="test-cpu",
+    # 6 trials: the kill comes in the second round (after 2 records), two rounds are left to one server
+    r = tune(SPEC, trials=6, per_round=2, work_dir=tmp_path, rpc_tracker=fleet.address, rpc_key="test-cpu",
              rpc_timeout_s=30, progress=msgs.append)
     t.join(timeout=60)
     assert killed.is_set()
-    assert r.trials_total == 8 and records(tmp_path) == 8  # nothing lost, budget met on one server
+    assert r.trials_total == 6 and records(tmp_path) == 6  # nothing lost, budget met on one server
     parsed = parse_logs(tmp_path)
     failed = [rec for _, rec in parsed.records if min(rec.run_secs) >= 1e9]
     assert len(failed) <= 2  # at most the candidates the dead server held

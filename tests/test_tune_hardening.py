@@ -93,19 +93,22 @@ def test_build_looks_in_the_user_log_then_the_committed_one(monkeypatch, tmp_pat
     user, repo = logs.search_dirs(SPEC, TARGET)
     assert user == logs.tune_work_dir(SPEC, TARGET) and repo == tmp_path / "repo" / user.relative_to(
         tmp_path / "cache" / "tuning_logs")
+    # Every build through the run's build cache (cache=True): the hand kernel and the one tuned
+    # record (fake_log's seeds: the repo's and the user's logs hold the same traces) are built
+    # once; which log each build took is what is checked.
     said = []
-    built, _ = build_best(SPEC, say=said.append)  # no log anywhere: the hand schedule, and why
+    built, _ = build_best(SPEC, say=said.append, cache=True)  # no log anywhere: the hand schedule, and why
     assert built.source == "hand"
     assert any("no tuning log for" in m and str(user) in m and str(repo) in m for m in said), said
     fake_log(repo)  # only the committed log: it is used
-    built, v = build_best(SPEC, say=said.append)
+    built, v = build_best(SPEC, say=said.append, cache=True)
     assert v.passed and log_used(built) == str(repo)
     fake_log(user, target=OTHER)  # a user log without a record for this target: still the committed one
-    built, _ = build_best(SPEC, say=said.append)
+    built, _ = build_best(SPEC, say=said.append, cache=True)
     assert log_used(built) == str(repo)
     shutil.rmtree(user)
     fake_log(user)  # a usable user log wins
-    built, _ = build_best(SPEC, say=said.append)
+    built, _ = build_best(SPEC, say=said.append, cache=True)
     assert log_used(built) == str(user)
     assert str(user) in cli.log_line(built.schedule_info())  # what build, run and inspect print
 
@@ -119,7 +122,7 @@ def test_the_committed_logs_are_found_from_any_folder(monkeypatch, tmp_path):
     assert logs.repo_logs_root().resolve() == repo
     assert logs.committed_work_dir(SPEC, TARGET).is_absolute()
     said = []
-    built, _ = build_best(SPEC, use_log=True, say=said.append)
+    built, _ = build_best(SPEC, use_log=True, say=said.append, cache=True)  # the hand kernel, cached
     assert built.logs_searched == [str(d) for d in logs.search_dirs(SPEC, TARGET)]
     line = cli.log_line(built.schedule_info())
     assert line.startswith("none: no record for this spec and target in ") and str(repo) in line
@@ -189,7 +192,7 @@ def test_readers_skip_bad_lines_and_tune_still_refuses_them(tmp_path):
     with pytest.warns(logs.LogWarning):  # without a say callback: warnings, still no error
         assert len(best_records(SPEC, TARGET, "fused", work)) == 2
     said.clear()
-    built, v = build_best(SPEC, log_dir=work, say=said.append)
+    built, v = build_best(SPEC, log_dir=work, say=said.append, cache=True)  # fake_log's seed-1 trace: cached
     assert built.source == "tuned" and v.passed and len(said) == 4
     # tune is strict: it names the first bad line (after moving the cut last line aside).
     before = record_lines(work)
