@@ -100,10 +100,11 @@ def test_an_artifact_carries_its_runtime(env):
     assert (arts["bhsd_f32"] / "libtvm_runtime.so").stat().st_size > 1 << 20
 
 
-def test_cpp_example_serves_a_kvcache_artifact(tmp_path):
+def test_cpp_example_serves_a_kvcache_artifact(tmp_path, env):
     """examples/cpp/serve_kvcache.cc: tvm-ffi's C API alone loads the artifact, reads its spec,
     runs a decode step that matches its C++ reference, and gets the library's named error for a
-    cache_seqlens entry past the cache."""
+    cache_seqlens entry past the cache. (The artifact the module's fixture exported: the same
+    validated export, not a second one.)"""
     import os
     import shutil
     from pathlib import Path
@@ -119,9 +120,8 @@ def test_cpp_example_serves_a_kvcache_artifact(tmp_path):
     subprocess.run([cxx, "-O2", "-std=c++17", str(src), f"-I{ffi / 'include'}", f"-L{ffi / 'lib'}", "-ltvm_ffi", "-ldl",
                     f"-Wl,-rpath,{ffi / 'lib'}", "-o", str(exe)], check=True, capture_output=True, timeout=300)
     spec = SPECS["kvcache_f32"]
-    b = built(spec)
-    export(b, tmp_path / "art", validate_built(b))
-    r = subprocess.run([str(exe), str(tmp_path / "art"), "3", str(spec.heads), str(spec.kv_heads), "100",
+    _, _, arts = env
+    r = subprocess.run([str(exe), str(arts["kvcache_f32"]), "3", str(spec.heads), str(spec.kv_heads), "100",
                         str(spec.head_dim)], capture_output=True, text=True, timeout=120,
                        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
     assert r.returncode == 0, r.stdout + r.stderr
