@@ -15,7 +15,8 @@ from tvm_attention.target import resolve_target
 from tvm_attention.workloads import knob_attrs
 from tvm_attention.workloads.knob_attrs import WorkloadAttrsError
 
-CPU = resolve_target({"kind": "llvm", "mcpu": "znver4", "num-cores": 2})  # AVX-512: staged decode tiers. Workloads are only generated (TIR), never compiled or run: safe on an AVX2 host
+# AVX-512 (staged decode tiers). Workloads are only generated (TIR), never compiled or run: safe on an AVX2 host.
+CPU = resolve_target({"kind": "llvm", "mcpu": "znver4", "num-cores": 2})
 CUDA = resolve_target("cuda", arch="sm_90")
 
 BHSD = AttentionSpec(batch=1, heads=4, kv_heads=2, seq_q=64, seq_kv=96, head_dim=64, causal=True)
