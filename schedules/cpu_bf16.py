@@ -62,7 +62,13 @@ def _pair32(buf, idx):
     return T.reinterpret("int32", buf.vload(idx, "uint16x2"))
 
 
-def _register() -> None:
+def register() -> None:
+    """Register ``DP`` and ``ILV`` (once per process): at the first bf16 dot-product schedule, or
+    when a tuning log names them (``logs``). Not at import: parsing their four TVMScript
+    definitions took ~0.9-1.3 s of every process that imports the schedules, most of which
+    never schedule a bf16 kernel (a tune's workers, the CLI, the tests' subprocesses)."""
+    if _registered:
+        return
     # One dot-product intrinsic serves both products: ``acc[0:16] += Σ_t x[t] · y[0, 0:16, t]``
     # with the pair ``x`` broadcast (S_gemm: a K pair against 16 query rows of Qp; PV_gemm: a P
     # pair against 16 columns of Vt).
@@ -114,9 +120,10 @@ def _register() -> None:
 
     for name, desc, impl in ((DP, dp_desc, dp_impl), (ILV, ilv_desc, ilv_impl)):
         register_tensor_intrin(name, desc, impl)  # once per process (this module may load twice)
+    _registered.append(True)
 
 
-_register()
+_registered: list[bool] = []  # non-empty once this process registered DP and ILV
 
 
 def supports(spec: AttentionSpec, features: set[str]) -> bool:
@@ -133,6 +140,7 @@ def schedule(sch: s_tir.Schedule, spec: AttentionSpec, knobs=None, suffix: str =
     block_n, block_m = (int(x) for x in bufs["S"].shape)
     D = spec.head_dim
     pin = knobs is not None
+    register()
 
     def blk(name):
         return sch.get_sblock(name + suffix)

@@ -196,3 +196,35 @@ def test_a_bug_registering_a_logged_intrinsic_is_no_bad_line(tmp_path, monkeypat
     with pytest.raises(RuntimeError, match="a bug in the intrinsic"):
         logs.parse_logs(tmp_path, on_bad_line=skipped.append)
 
+
+
+def test_bf16_intrinsics_register_when_scheduled_or_logged_not_at_import(tmp_path):
+    """Importing the schedules parses no tensor intrinsic (cpu_bf16's four TVMScript definitions
+    cost every process ~1 s); a log whose record names them registers them before decoding it,
+    so a fresh process can decode a bf16 dot-product record (a resumed tune, ``build``)."""
+    import subprocess
+    import sys
+
+    from tvm.s_tir import meta_schedule as ms
+
+    from tvm_attention import logs
+    from tvm_attention.schedules import cpu_bf16
+    from tvm_attention.task_mods import normalize
+    from tvm_attention.workloads import fused_attention
+
+    wl = ms.database.Workload(normalize(fused_attention(SPEC, 32, 32)))
+    (tmp_path / logs.WORKLOAD_FILE).write_text(json.dumps(wl.as_json()) + "\n")
+    (tmp_path / logs.RECORD_FILE).write_text(json.dumps([0, [f"tensorize {cpu_bf16.DP} {cpu_bf16.ILV}"]]) + "\n")
+    probe = f"""
+from tvm_attention import logs, tvm_internals
+from tvm_attention.build import build_kernel
+from tvm_attention.schedules import cpu_bf16
+names = (cpu_bf16.DP, cpu_bf16.ILV)
+assert not any(tvm_internals.tensor_intrin_registered(n) for n in names), "registered at import"
+skipped = []
+logs.parse_logs({str(tmp_path)!r}, on_bad_line=skipped.append)  # a malformed trace: skipped after registering
+assert len(skipped) == 1 and "cannot be decoded" in skipped[0], skipped
+assert all(tvm_internals.tensor_intrin_registered(n) for n in names), "not registered by the log"
+"""
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr

@@ -263,14 +263,18 @@ def _split_lines(path: Path, repair: bool, repaired: list[str],
     return lines
 
 
-#: Tensor intrinsics of our own that a record's trace may name. cpu_bf16's register when
-#: tvm_attention.schedules is imported; a decode nest's dot intrinsic (one per head_dim and row
-#: count) only when a decode kernel is scheduled, so a fresh process reading a decode tune's log (a
-#: resumed tune, `build`) must register it before decoding the record.
+#: Tensor intrinsics of our own that a record's trace may name. They register only when a kernel
+#: that uses them is scheduled (cpu_bf16's dot product and interleave; a decode nest's dot, one per
+#: head_dim and row count), so a fresh process reading a log that names them (a resumed tune,
+#: `build`) must register them before decoding the record.
 _DECODE_DOT = re.compile(r"attn_decode_dot_d(\d+)_r(\d+)(?:_l(\d+))?")
 
 
 def _register_intrinsics(line: str) -> None:
+    if "attn_bf16_" in line:
+        from .schedules import cpu_bf16  # only for a log of a bf16 dot-product kernel
+
+        cpu_bf16.register()
     if "attn_decode_dot_" not in line:
         return
     from .schedules.cpu_decode import dot_intrinsic  # only for a log that names a decode intrinsic
