@@ -1,18 +1,21 @@
 """Offline CUDA tooling: the generated source, ptxas's resource report, an occupancy estimate.
 
 ``tvm.compile`` for CUDA stops at CUDA C source (it is compiled when the module is loaded on a
-GPU), so to know registers, spills and shared memory without a GPU we run ``nvcc --cubin`` on
+GPU), so to know registers, spills and shared memory without a GPU we run ``nvcc --fatbin`` on
 that source with ptxas in verbose mode, with the flags TVM itself uses at load time
-(``-O3 --use_fast_math``).
+(``-O3 --use_fast_math``, ptxas's ``--register-usage-level=10``). The same run gives the fatbin a
+CUDA artifact ships: the report describes the binary that runs.
 """
 from __future__ import annotations
 
+import collections
+import functools
 import os
 import re
 import shutil
 import subprocess
 import tempfile
-from typing import Any
+from typing import Any, NamedTuple
 
 from .tvm_internals import ptxas_option_flags
 
@@ -107,35 +110,71 @@ def nvcc_flags() -> list[str]:
             "--expt-relaxed-constexpr", f"--ptxas-options={','.join(ptxas)}"]
 
 
+class _Compiled(NamedTuple):
+    """One nvcc run of a kernel source: ptxas's verbose log, the PTX, and the fatbin (SASS + PTX)."""
+
+    log: str
+    ptx: str
+    fatbin: bytes
+
+
+#: the last few compiles of this process (``ptxas_report`` at build, ``compile_fatbin`` at export:
+#: the same source, compiled once); fatbins are a few hundred KiB
+_COMPILED: collections.OrderedDict[tuple, _Compiled] = collections.OrderedDict()
+_COMPILED_MAX = 16
+
+
+def _compile(source: str, arch: str) -> _Compiled:
+    """``source`` compiled for ``arch`` by nvcc, once per process for the same source, arch,
+    flags and nvcc: a fatbin with ``nvcc_flags()`` (those TVM's runtime JITs with, ptxas's
+    verbose report included), its PTX kept. Raises ``NvccNotFound`` without nvcc."""
+    import hashlib
+
+    nvcc = find_nvcc()
+    if nvcc is None:
+        raise NvccNotFound("nvcc not found (PATH, $CUDA_HOME/bin, /usr/local/cuda/bin)")
+    flags = nvcc_flags()
+    key = (hashlib.sha256(source.encode()).hexdigest(), arch, tuple(flags), nvcc)
+    if key in _COMPILED:
+        _COMPILED.move_to_end(key)
+        return _COMPILED[key]
+    with tempfile.TemporaryDirectory() as tmp:
+        cu, out = os.path.join(tmp, "kernel.cu"), os.path.join(tmp, "kernel.fatbin")
+        with open(cu, "w") as f:
+            f.write(source)
+        cmd = [nvcc, "--fatbin", f"-arch={arch}", *flags, "-w", "--keep", "--keep-dir", tmp, "-o", out, cu]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        if proc.returncode != 0:
+            raise RuntimeError(f"nvcc failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+        ptx = ""
+        for name in sorted(os.listdir(tmp)):
+            if name.endswith(".ptx"):
+                with open(os.path.join(tmp, name)) as f:
+                    ptx += f.read()
+        with open(out, "rb") as f:
+            done = _Compiled(proc.stderr + proc.stdout, ptx, f.read())
+    _COMPILED[key] = done
+    while len(_COMPILED) > _COMPILED_MAX:
+        _COMPILED.popitem(last=False)
+    return done
+
+
 def ptxas_report(source: str, arch: str, threads_per_block: int | None = None,
                  dynamic_shared: int = 0) -> dict[str, Any]:
     """Compile ``source`` for ``arch`` with nvcc and return ptxas's numbers (and occupancy, with
     ``dynamic_shared`` bytes of dynamic shared memory, which ptxas does not see, added to its
-    static ``shared_bytes``)."""
-    nvcc = find_nvcc()
-    if nvcc is None:
-        raise NvccNotFound("nvcc not found (PATH, $CUDA_HOME/bin, /usr/local/cuda/bin): no ptxas report")
-    with tempfile.TemporaryDirectory() as tmp:
-        cu = os.path.join(tmp, "kernel.cu")
-        with open(cu, "w") as f:
-            f.write(source)
-        cmd = [nvcc, "--cubin", f"-arch={arch}", *nvcc_flags(), "-w", "--keep", "--keep-dir", tmp,
-               "-o", os.path.join(tmp, "kernel.cubin"), cu]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        ptx = ""
-        for name in os.listdir(tmp):
-            if name.endswith(".ptx"):
-                with open(os.path.join(tmp, name)) as f:
-                    ptx += f.read()
-    if proc.returncode != 0:
-        raise RuntimeError(f"nvcc failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    text = proc.stderr + proc.stdout
-    report: dict[str, Any] = {"arch": arch, "nvcc": _nvcc_version(nvcc), "flags": " ".join(nvcc_flags())}
+    static ``shared_bytes``). The binary it describes is the one :func:`compile_fatbin` returns
+    for the same source (one nvcc run serves both)."""
+    try:
+        compiled = _compile(source, arch)
+    except NvccNotFound:
+        raise NvccNotFound("nvcc not found (PATH, $CUDA_HOME/bin, /usr/local/cuda/bin): no ptxas report") from None
+    report: dict[str, Any] = {"arch": arch, "nvcc": _nvcc_version(find_nvcc()), "flags": " ".join(nvcc_flags())}
     for key, pattern in _PATTERNS.items():
-        match = re.findall(pattern, text)
+        match = re.findall(pattern, compiled.log)
         report[key] = max(int(x) for x in match) if match else 0
     report["spills"] = report["spill_store_bytes"] + report["spill_load_bytes"]
-    report["ptx_instructions"] = ptx_instruction_counts(ptx)
+    report["ptx_instructions"] = ptx_instruction_counts(compiled.ptx)
     report["dynamic_shared_bytes"] = dynamic_shared
     if threads_per_block:
         report["threads_per_block"] = threads_per_block
@@ -146,22 +185,13 @@ def ptxas_report(source: str, arch: str, threads_per_block: int | None = None,
 
 def compile_fatbin(source: str, arch: str) -> bytes:
     """The CUDA source of a build compiled offline to a fatbin for ``arch`` (SASS and PTX), with
-    the flags TVM's runtime would JIT it with: what a CUDA artifact carries so that a GPU machine
+    the flags TVM's runtime would JIT it with (``nvcc_flags``, ptxas's options included: the
+    binary :func:`ptxas_report` describes): what a CUDA artifact carries so that a GPU machine
     loads it without a compiler (``tvm_attention.runtime.provide_cuda_binary``)."""
-    nvcc = find_nvcc()
-    if nvcc is None:
-        raise NvccNotFound("nvcc not found (PATH, $CUDA_HOME/bin, /usr/local/cuda/bin): no precompiled binary")
-    flags = [f for f in nvcc_flags() if not f.startswith("--ptxas-options")]
-    with tempfile.TemporaryDirectory() as tmp:
-        cu, out = os.path.join(tmp, "kernel.cu"), os.path.join(tmp, "kernel.fatbin")
-        with open(cu, "w") as f:
-            f.write(source)
-        proc = subprocess.run([nvcc, "--fatbin", f"-arch={arch}", *flags, "-w", "-o", out, cu],
-                              capture_output=True, text=True, timeout=300)
-        if proc.returncode != 0:
-            raise RuntimeError(f"nvcc failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-        with open(out, "rb") as f:
-            return f.read()
+    try:
+        return _compile(source, arch).fatbin
+    except NvccNotFound:
+        raise NvccNotFound("nvcc not found (PATH, $CUDA_HOME/bin, /usr/local/cuda/bin): no precompiled binary") from None
 
 
 #: PTX instructions worth counting in a kernel (static occurrences in the PTX text)
@@ -196,6 +226,7 @@ def occupancy(arch: str, registers: int, shared_bytes: int, threads: int) -> dic
     }
 
 
+@functools.lru_cache(maxsize=None)
 def _nvcc_version(nvcc: str) -> str:
     out = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
     m = re.search(r"release ([\d.]+)", out)
