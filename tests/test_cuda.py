@@ -1,6 +1,8 @@
 """CUDA path, offline: builds for sm_80/sm_90, ptxas resources, audit, feasibility, and the
 algorithm of the CUDA compute checked on the CPU. GPU runs are marked and skip without a GPU."""
+import itertools
 import json
+import os
 
 import numpy as np
 import pytest
@@ -26,16 +28,32 @@ needs_nvcc = pytest.mark.skipif(find_nvcc() is None, reason="nvcc not installed:
 needs_gpu = pytest.mark.skipif(local_cuda_arch() is None, reason="no CUDA GPU on this machine")
 
 
+#: ``scripts/cuda_build_sweep.py`` sets this: the sweeps below run their whole cross product
+SWEEP = os.environ.get("TVMA_CUDA_SWEEP") == "1"
+#: the SIMT presets' axes (seq, arch, head_dim, dtype, causal): 32 nvcc builds, the sweep's
+PRESET_AXES = ([128, 2048], ["sm_80", "sm_90"], [64, 128], ["float16", "float32"], [False, True])
+#: The default run's covering set: each (dtype, head_dim) preset (``cuda_simt._PRESETS``) on
+#: each arch (ptxas caps registers per arch), i.e. every triple of those three axes; seq short
+#: exactly where dtype ⊕ head_dim ⊕ arch is odd and causal where dtype ⊕ head_dim is, so every
+#: pair of the five axes occurs (seq × causal, seq × arch, causal × arch ...). Among them the
+#: case that once took 223 registers: fp32 D=128 non-causal on sm_90 at a short length.
+PRESET_CASES = [
+    (2048, "sm_80", 64, "float16", False), (128, "sm_90", 64, "float16", False),
+    (128, "sm_80", 128, "float16", True), (2048, "sm_90", 128, "float16", True),
+    (128, "sm_80", 64, "float32", True), (2048, "sm_90", 64, "float32", True),
+    (2048, "sm_80", 128, "float32", False), (128, "sm_90", 128, "float32", False),
+]
+
+
 @needs_nvcc
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("dtype", ["float16", "float32"])
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-@pytest.mark.parametrize("seq", [128, 2048])
+@pytest.mark.parametrize("seq, arch, head_dim, dtype, causal",
+                         list(itertools.product(*PRESET_AXES)) if SWEEP else PRESET_CASES,
+                         ids=lambda v: {False: "full", True: "causal"}.get(v) if isinstance(v, bool) else None)
 def test_presets_compile_offline_without_spills(seq, arch, head_dim, dtype, causal):
     """The SIMT (CUDA-core) kernel; for float16 ``fused`` now builds the tensor-core one. Short
     lengths too: a small constant trip count changes what nvcc unrolls (fp32 D=128 once took 223
-    registers there against the check's estimate of 140)."""
+    registers there against the check's estimate of 140). ``PRESET_CASES`` covers the axes; the
+    full 32-build cross product: ``python scripts/cuda_build_sweep.py``."""
     spec = AttentionSpec(batch=1, heads=8, seq_q=seq, head_dim=head_dim, dtype=dtype, causal=causal)
     built = build_kernel(spec, "fused_simt", target=resolve_target("cuda", arch=arch))
     r = built.resources
@@ -92,9 +110,18 @@ def test_occupancy_model_by_hand():
     assert occ["occupancy_limited_by"] == "registers"
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float16"])
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("seq_q, seq_kv", [(1, 1), (113, 203), (300, 45), (96, 128)])
+#: (seq_q, seq_kv, causal, dtype): every shape full and causal and in both dtypes, and every
+#: (causal, dtype) pair (8 of the 16 products): the masks follow shape × causal (one key; Sq <
+#: Skv with a key tail; Sq > Skv, rows before the first key; whole tiles), the preset (tile,
+#: lanes, 16-byte vectors) the dtype
+ALGORITHM_CASES = [(1, 1, False, "float32"), (1, 1, True, "float16"),
+                   (113, 203, False, "float16"), (113, 203, True, "float32"),
+                   (300, 45, False, "float32"), (300, 45, True, "float16"),
+                   (96, 128, False, "float16"), (96, 128, True, "float32")]
+
+
+@pytest.mark.parametrize("seq_q, seq_kv, causal, dtype", ALGORITHM_CASES,
+                         ids=lambda v: {False: "full", True: "causal"}.get(v) if isinstance(v, bool) else None)
 def test_cuda_algorithm_on_cpu(seq_q, seq_kv, causal, dtype):
     """The CUDA compute with serial loops in place of threads, run by LLVM: checks the tiling,
     lane mapping, masking and online correction (not races or the GPU schedule)."""
@@ -416,8 +443,18 @@ def assert_split_kv(built, spec) -> None:
     assert any("Op (global) is sized by the batch alone" in n for n in built.audit.notes), built.audit.notes
 
 
+def emulated_cuda(spec):
+    """``spec``'s SIMT CUDA kernel with serial loops in place of threads, compiled for the CPU
+    (16 × 16 tiles, 4 lanes a row): the loader tests' kernel on the CPU device. It takes the CUDA
+    kernel's arguments in their order and compiles in well under a second, where a CPU ``fused``
+    build of a KV-cache spec took 8-9 s (the kvcache/paged/lse specs below; the symbolic and
+    varlen tests above keep ``built``: test_gpu_payload.py builds those specs too)."""
+    return tvm.compile(fused_attention_cuda(spec, 16, 16, 4, emulate=True), target=resolve_target("llvm"))["attention"]
+
+
 def test_cuda_loader_checks_cache_indices():
-    """The loader's CUDA path for the KV-cache layouts (run on the CPU device with CPU builds):
+    """The loader's CUDA path for the KV-cache layouts (run on the CPU device with the emulated
+    CUDA kernels, ``emulated_cuda``):
     results through shuffled pages, and cache_seqlens past the cache, a block_table entry that
     is no page, or the wrong index dtype refused by name before any launch."""
 
@@ -428,9 +465,9 @@ def test_cuda_loader_checks_cache_indices():
     for layout, page in (("kvcache", None), ("paged", 16)):
         spec = AttentionSpec(batch=1, heads=4, kv_heads=2, seq_q=1, seq_kv=64, head_dim=32, causal=True,
                              layout=layout, page_size=page)
-        b = built(spec)
+        function = emulated_cuda(spec)
         launches = []
-        kernel = OnCpu(spec, lambda *a: (launches.append(1), b.function(*a)), device="cuda")
+        kernel = OnCpu(spec, lambda *a: (launches.append(1), function(*a)), device="cuda")
         lay = LAYOUTS[layout]
         names = [a.name for a in lay.all_args(spec) if not a.output]
         case = lay.validation_cases(spec)[1]
@@ -452,7 +489,8 @@ def test_cuda_loader_checks_cache_indices():
 
 
 def test_cuda_loader_passes_and_checks_variant_arguments():
-    """The loader's CUDA path with variant arguments (on the CPU device, a CPU build): ALiBi
+    """The loader's CUDA path with variant arguments (on the CPU device, the emulated CUDA
+    kernel): ALiBi
     slopes and a kv_start per sequence reach the kernel in the layout's order, and a kv_start
     past its sequence's keys is refused by name before a launch."""
 
@@ -462,9 +500,9 @@ def test_cuda_loader_passes_and_checks_variant_arguments():
 
     spec = AttentionSpec(batch=1, heads=4, kv_heads=2, seq_q=1, seq_kv=64, head_dim=32, causal=True,
                          layout="kvcache", alibi=True, kv_start=True)
-    b = built(spec)
+    function = emulated_cuda(spec)
     launches = []
-    kernel = OnCpu(spec, lambda *a: (launches.append(len(a)), b.function(*a)), device="cuda")
+    kernel = OnCpu(spec, lambda *a: (launches.append(len(a)), function(*a)), device="cuda")
     lay = LAYOUTS["kvcache"]
     names = [a.name for a in lay.all_args(spec) if not a.output]
     assert names[-2:] == ["alibi_slopes", "kv_start"]
@@ -478,8 +516,8 @@ def test_cuda_loader_passes_and_checks_variant_arguments():
 
 
 def test_cuda_loader_returns_lse():
-    """The loader's CUDA path with ``return_lse`` (on the CPU device, a CPU build of the same
-    spec): ``(o, lse)``, lse ``(batch, heads, seq_q)`` float32, -inf for rows that see no key;
+    """The loader's CUDA path with ``return_lse`` (on the CPU device, the emulated CUDA kernel
+    of the same spec): ``(o, lse)``, lse ``(batch, heads, seq_q)`` float32, -inf for rows that see no key;
     an empty call answers without a launch, its lse all -inf."""
 
     class OnCpu(AttentionKernel):
@@ -488,9 +526,9 @@ def test_cuda_loader_returns_lse():
 
     spec = AttentionSpec(batch=1, heads=4, kv_heads=2, seq_q=64, head_dim=32, causal=True, dynamic=ALL_DYNAMIC,
                          return_lse=True)
-    b = built(spec)
+    function = emulated_cuda(spec)
     launches = []
-    kernel = OnCpu(spec, lambda *a: (launches.append(len(a)), b.function(*a)), device="cuda")
+    kernel = OnCpu(spec, lambda *a: (launches.append(len(a)), function(*a)), device="cuda")
     x = LAYOUTS["bhsd"].random_inputs(spec, {"batch": 2, "seq_q": 9, "seq_kv": 5}, seed=7)
     o, lse = kernel(x["q"], x["k"], x["v"])
     ref, ref_lse = reference_attention(spec, x["q"], x["k"], x["v"], return_lse=True)
@@ -533,6 +571,9 @@ def test_cuda_build_cli_and_inspect(tmp_path, capsys):
         assert m["validation"]["ran"] is False and "no CUDA device" in m["validation"]["reason"]
     assert main(["inspect", str(out)]) == 0
     assert "audit:      FUSED" in capsys.readouterr().out
+    if local_cuda_arch() is None:  # validating a CUDA artifact needs the device: a clear error
+        assert main(["validate", str(out)]) == 2
+        assert "no CUDA device" in capsys.readouterr().err
 
 
 def test_cuda_without_gpu_errors_are_clear(tmp_path, capsys):
@@ -544,12 +585,7 @@ def test_cuda_without_gpu_errors_are_clear(tmp_path, capsys):
                "--dtype", "float16", "--target", "cuda", "--arch", "sm_90", "--trials", "4",
                "--work-dir", str(tmp_path / "log")])
     assert rc == 2 and "--rpc-tracker" in capsys.readouterr().err
-    out = tmp_path / "cu"
-    main(["build", "--batch", "1", "--heads", "2", "--seq-q", "128", "--head-dim", "64",
-          "--dtype", "float16", "--target", "cuda", "--arch", "sm_80", "--out", str(out)])
-    capsys.readouterr()
-    assert main(["validate", str(out)]) == 2
-    assert "no CUDA device" in capsys.readouterr().err
+    # ``validate`` of a CUDA artifact without a GPU: test_cuda_build_cli_and_inspect, on its build
 
 
 @pytest.mark.gpu

@@ -9,6 +9,7 @@ import functools
 import re
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import tvm
@@ -28,15 +29,24 @@ QUICK = cr.configs(quick=True)
 
 @functools.lru_cache(maxsize=None)
 def _built(name: str):
-    return _config(name).build()
+    # the checker reads the lowered IR and the CUDA C, never ptxas's report: no nvcc run (half
+    # of a build's time)
+    with mock.patch("tvm_attention.build.cuda_resources", lambda built: {"unavailable": "not asked"}):
+        return _config(name).build()
 
 
 def _config(name: str) -> cr.RaceConfig:
     return next(c for c in cr.CONFIGS if c.name == name)
 
 
-def _check(name: str, func=None) -> cr.RaceReport:
-    return cr.check_config(_config(name), _built(name), func=func)
+def _check(name: str, func=None, block=None) -> cr.RaceReport:
+    """The check of config ``name`` (``func``: a faulty copy of its kernel) in every block of its
+    grid, or in ``block`` alone: a fault test's block, one whose key tiles show the hazard (the
+    clean check, test_generated_kernels_have_no_shared_memory_race, covers every block)."""
+    if block is None:
+        return cr.check_config(_config(name), _built(name), func=func)
+    cfg = _config(name)
+    return cr.check_built(_built(name), cfg.lengths, blocks=[block], func=func, index_data=cfg.data)
 
 
 def _func(name: str):
@@ -82,9 +92,15 @@ def test_the_quick_set_covers_the_serving_layouts():
             assert pages != sorted(pages) and any(-1 in row for row in c.data["BT"])
 
 
+@functools.lru_cache(maxsize=None)
+def _clean(name: str) -> cr.RaceReport:
+    """The check of config ``name`` as built, every block (shared by the tests that ask it)."""
+    return _check(name)
+
+
 @pytest.mark.parametrize("cfg", QUICK, ids=lambda c: c.name)
 def test_generated_kernels_have_no_shared_memory_race(cfg):
-    report = _check(cfg.name)
+    report = _clean(cfg.name)
     assert report.ok, report.format()
     # every block of the grid, all its threads, several barrier intervals, real accesses
     assert len(report.blocks) > 1 and report.threads >= 32 and report.intervals > 2 and report.accesses > 1000
@@ -120,13 +136,13 @@ def test_each_barrier_of_the_simt_kernel_is_needed():
     for k in range(n):
         faulty = cr.drop_barrier(func, k)
         assert cr.barrier_sites(faulty) == n - 1
-        _race_between_threads(_check(name, faulty))
+        _race_between_threads(_check(name, faulty, block=(9, 0, 0)))  # the last row tile: every key tile
 
 
 def test_simt_barrier_before_the_p_tile_is_read():
     # fp16: P has its own shared tile; the barrier between its store and P·V's reads
     name = "simt_f16_full_37x45"
-    r = _race_between_threads(_check(name, cr.drop_barrier(_func(name), 2)), buffer="Ps")
+    r = _race_between_threads(_check(name, cr.drop_barrier(_func(name), 2), block=(5, 0, 0)), buffer="Ps")
     assert {s.what.split()[0] for s in r.sites} == {"write", "read"}
 
 
@@ -143,32 +159,34 @@ def test_tensor_core_stage_overwritten_while_another_thread_reads_it():
     assert "after barrier __syncthreads #0" in r.interval_desc  # the one left
 
 
-@pytest.mark.parametrize("name", ["tc_f16_s2_m1_full_37x45", "tc_f16_s2_m2_causal_sym"])
-def test_tensor_core_read_before_the_copy_landed(name):
+@pytest.mark.parametrize("name, block", [("tc_f16_s2_m1_full_37x45", (3, 0, 0)), ("tc_f16_s2_m2_causal_sym", (0, 1, 1))])
+def test_tensor_core_read_before_the_copy_landed(name, block):
     """Two stages: without cp.async.wait_group the next tile is read while in flight; without
-    the barrier after the wait, other threads' copies are read unordered."""
+    the barrier after the wait, other threads' copies are read unordered (in the grid's last
+    block, which sees every key tile)."""
     func = _func(name)
-    waited = _check(name, cr.drop_helper_calls(func, "attn_cp_wait0"))
+    waited = _check(name, cr.drop_helper_calls(func, "attn_cp_wait0"), block)
     r = _race_between_threads(waited, kind="still in flight")
     assert r.buffer in ("Ks", "Vs") and any("ldmatrix" in s.what for s in r.sites)
     assert any("never waited" in x.kind for x in waited.races)
     assert cr.barrier_sites(func) == 1  # one barrier per key tile
-    r = _race_between_threads(_check(name, cr.drop_barrier(func, 0)), kind="cp.async")
+    r = _race_between_threads(_check(name, cr.drop_barrier(func, 0), block), kind="cp.async")
     assert r.interval == 0 and r.interval_desc == "kernel start, to kernel end"  # the only barrier gone
 
 
-@pytest.mark.parametrize("name, fault, buffer", [
-    ("simt_f16_varlen_causal", 2, "Ps"),  # the barrier between P's store and P·V
-    ("simt_f16_paged_chunk5_causal", 1, "Ks"),  # the barrier between the K tile's store and S = Q·Kᵀ
-    ("tc_f16_s2_m1_varlen_causal", "attn_cp_wait0", None),
-    ("tc_f16_s2_m1_paged_chunk5_causal", 0, None),
+@pytest.mark.parametrize("name, fault, buffer, block", [
+    ("simt_f16_varlen_causal", 2, "Ps", (6, 1, 0)),  # the barrier between P's store and P·V
+    ("simt_f16_paged_chunk5_causal", 1, "Ks", (1, 1, 3)),  # the barrier between the K tile's store and S = Q·Kᵀ
+    ("tc_f16_s2_m1_varlen_causal", "attn_cp_wait0", None, (3, 1, 0)),
+    ("tc_f16_s2_m1_paged_chunk5_causal", 0, None, (0, 1, 3)),
 ])
-def test_faults_in_the_serving_layouts_are_reported(name, fault, buffer):
+def test_faults_in_the_serving_layouts_are_reported(name, fault, buffer, block):
     """The kernels of the index-driven layouts fail the check as the bhsd ones do, in the blocks
-    and key tiles their index arrays give them."""
+    and key tiles their index arrays give them: ``block``, the last of the grid's blocks whose
+    sequence has several key tiles (the whole grid's check reports the fault there too)."""
     func = _func(name)
     faulty = cr.drop_barrier(func, fault) if isinstance(fault, int) else cr.drop_helper_calls(func, fault)
-    report = _check(name, faulty)
+    report = _check(name, faulty, block)
     kind = "still in flight" if isinstance(fault, str) else None
     r = _race_between_threads(report, buffer=buffer, kind=kind)
     assert r.buffer in ("Ks", "Vs", "Ps") and len(r.sites) == 2
@@ -185,7 +203,7 @@ def test_index_data_drives_the_paged_kernel_and_is_bounds_checked():
     cfg, built, data = _paged()
     with pytest.raises(cr.NotModelled, match="depends on data"):  # cache_seqlens unknown: the key loop's bound
         cr.check_built(built, cfg.lengths)
-    assert cr.check_built(built, cfg.lengths, index_data=data).ok
+    assert _clean(cfg.name).ok  # with its index data (cfg.data, what ``data`` copies): no race
     # a page the sequence reads given as -1: its K/V reads go out of bounds
     b = max(range(len(data["CS"])), key=lambda i: data["CS"][i])
     bad = {**data, "BT": [row[:] for row in data["BT"]]}
