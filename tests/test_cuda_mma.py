@@ -188,7 +188,8 @@ def test_tensor_core_symbolic_algorithm_on_cpu(dtype, causal, warps, block_n, st
     reference at every shape of ``conftest.SYMBOLIC_SHAPES``: the (row tile, head, batch) grid, the key
     tail masked and causal key tiles skipped at run time, bottom-right causal with Sq above and
     below Skv, zero rows for seq_kv 0. Small tiles (16 rows, 16 keys) keep the emulation quick
-    and give many row and key tiles; the presets pass the same shapes (checked 2026-12-02)."""
+    and give many row and key tiles; the presets pass the same shapes (checked 2026-12-02). Every
+    dtype x causal x stages: ``python scripts/sweep_cuda_mma.py symbolic``."""
     spec = AttentionSpec(batch=1, heads=4, kv_heads=2, seq_q=256, head_dim=EMU_D, dtype=dtype, causal=causal,
                          dynamic=ALL_DYNAMIC)
     ex = tvm.compile(fused_attention_mma(spec, warps, block_n, stages, 1, emulate=True), target=resolve_target("llvm"))
