@@ -3,6 +3,7 @@ builds for sm_80/sm_90 in fp16 and bf16 whose PTX runs on tensor cores without s
 audit, feasibility, dispatch of ``--schedule fused``, and the algorithm on the CPU (each PTX
 instruction replaced by its definition). GPU runs live in test_cuda.py / scripts/gpu_check.sh."""
 import dataclasses
+import functools
 
 import numpy as np
 import pytest
@@ -24,14 +25,40 @@ from tvm_attention.workloads.fused_mma import fused_attention_mma
 needs_nvcc = pytest.mark.skipif(find_nvcc() is None, reason="nvcc not installed: no ptxas report")
 
 
+@functools.lru_cache(maxsize=None)
+def cuda_build(spec: AttentionSpec, arch: str, schedule: str = "fused"):
+    """One CUDA build (ptxas report included) per (spec, arch, schedule) for this file: CUDA builds
+    are not in the run's build cache, and two tests here check the same build."""
+    return build_kernel(spec, schedule, target=resolve_target("cuda", arch=arch))
+
+
+#: (arch, head_dim, dtype, causal) of the static tensor-core builds: a covering set, every value of
+#: each axis and every pair of values of every two axes (the presets differ by head_dim: D=64 two
+#: row groups of 64-key tiles at 230 registers, D=128 one of 32; the dtype picks the mma and the
+#: conversions, with head_dim the register pressure; causal adds the diagonal tiles' masking and
+#: skipping; the arch is ptxas's target and its limits). The full 16-build product:
+#: ``python scripts/sweep_cuda_mma.py``.
+STATIC_BUILDS = [
+    ("sm_80", 64, "float16", False),
+    ("sm_80", 128, "bfloat16", True),
+    ("sm_90", 64, "bfloat16", True),
+    ("sm_90", 128, "float16", True),
+    ("sm_90", 128, "bfloat16", False),
+]
+
+
+def static_spec(head_dim: int, dtype: str, causal: bool) -> AttentionSpec:
+    return AttentionSpec(batch=1, heads=8, kv_heads=2, seq_q=2048, head_dim=head_dim, dtype=dtype, causal=causal)
+
+
 @needs_nvcc
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("arch, head_dim, dtype, causal", STATIC_BUILDS)
 def test_tensor_core_builds_offline(arch, head_dim, dtype, causal):
-    spec = AttentionSpec(batch=1, heads=8, kv_heads=2, seq_q=2048, head_dim=head_dim, dtype=dtype, causal=causal)
-    built = build_kernel(spec, target=resolve_target("cuda", arch=arch))  # fused → tensor cores here
+    """A static fp16/bf16 preset build on tensor cores (``STATIC_BUILDS``; the full product in
+    ``scripts/sweep_cuda_mma.py``): no spill or local memory, the mma and ldmatrix counts of its
+    tiles, cp.async and one barrier per key tile, fused, within the register estimate's margin."""
+    spec = static_spec(head_dim, dtype, causal)
+    built = cuda_build(spec, arch)  # fused → tensor cores here
     k = built.knobs
     assert isinstance(k, cuda_mma.MMAKnobs)
     r = built.resources
@@ -57,14 +84,14 @@ def test_tensor_core_builds_offline(arch, head_dim, dtype, causal):
 
 
 def test_fused_picks_the_kernel_by_dtype_arch_and_head_dim():
-    sm80, sm90 = resolve_target("cuda", arch="sm_80"), resolve_target("cuda", arch="sm_90")
-    half = AttentionSpec(batch=1, heads=2, seq_q=256, head_dim=64, dtype="float16")
+    sm90 = resolve_target("cuda", arch="sm_90")
+    half = static_spec(64, "float16", False)  # STATIC_BUILDS[0]'s build, on sm_80
     fp32 = AttentionSpec(batch=1, heads=2, seq_q=256, head_dim=64, dtype="float32")
     odd = AttentionSpec(batch=1, heads=2, seq_q=256, head_dim=72, dtype="bfloat16")
-    assert isinstance(build_kernel(half, target=sm80).knobs, cuda_mma.MMAKnobs)
-    assert isinstance(build_kernel(fp32, target=sm90).knobs, cuda_simt.FlashCUDAKnobs)
-    assert isinstance(build_kernel(odd, target=sm90).knobs, cuda_simt.FlashCUDAKnobs)
-    assert isinstance(build_kernel(half, "fused_simt", target=sm90).knobs, cuda_simt.FlashCUDAKnobs)
+    assert isinstance(cuda_build(half, "sm_80").knobs, cuda_mma.MMAKnobs)
+    assert isinstance(cuda_build(fp32, "sm_90").knobs, cuda_simt.FlashCUDAKnobs)
+    assert isinstance(cuda_build(odd, "sm_90").knobs, cuda_simt.FlashCUDAKnobs)
+    assert isinstance(cuda_build(half, "sm_90", "fused_simt").knobs, cuda_simt.FlashCUDAKnobs)
     with pytest.raises(KnobError, match="builds dtype\\(s\\) float16, bfloat16, not 'float32': use --schedule fused_simt"):
         build_kernel(fp32, "fused_tc", target=sm90)
     with pytest.raises(KnobError, match="multiple of 16"):
@@ -100,13 +127,23 @@ def test_tensor_core_candidates_are_feasible_and_start_with_the_preset():
         cuda_mma.check(k, spec, target)
 
 
+#: head_dim of the emulated kernels below where head_dim is not what they check: LLVM's compile of an
+#: emulated kernel (every fragment unrolled) is most of their cost and scales with it. 32 keeps two
+#: k steps of Q·Kᵀ (NDC) and four output slices (NO); each layout keeps a 1-warp case whose K/V tile
+#: copy takes two cp.async vectors a thread, and D=64 and D=128 stay in test_tensor_core_algorithm_on_cpu
+#: (bf16: the dtype converts the fragments, whatever their number).
+EMU_D = 32
+
+
 @pytest.mark.parametrize(
     "seq_q, seq_kv, causal, dtype, head_dim, warps, block_n, stages, m_tiles",
     [
-        (113, 203, True, "float16", 64, 2, 32, 2, 2),  # key tail, diagonal tiles, GQA, 2 row groups
-        (300, 45, True, "bfloat16", 64, 1, 16, 3, 1),  # seq_q > seq_kv: rows that see no key → 0
+        # key tail, diagonal tiles, GQA, 2 row groups of 2 warps (the only case with both), 32-key
+        # tiles (two n fragments a k step); at D=32 (fp16): D=64 is the next case's
+        (113, 203, True, "float16", EMU_D, 2, 32, 2, 2),
+        (300, 45, True, "bfloat16", 64, 1, 16, 3, 1),  # seq_q > seq_kv: rows that see no key → 0; D=64
         (96, 128, False, "bfloat16", 128, 1, 16, 1, 1),  # D=128, unpipelined
-        (1, 1, True, "float16", 64, 1, 16, 2, 2),
+        (1, 1, True, "float16", EMU_D, 1, 16, 2, 2),  # one row, one key: 2 row groups of one warp
     ],
 )
 def test_tensor_core_algorithm_on_cpu(seq_q, seq_kv, causal, dtype, head_dim, warps, block_n, stages, m_tiles):
@@ -138,15 +175,10 @@ def test_tensor_core_algorithm_on_cpu(seq_q, seq_kv, causal, dtype, head_dim, wa
 
 
 ALL_DYNAMIC = ("batch", "seq_q", "seq_kv")
-#: head_dim of the emulated kernels below where head_dim is not what they check: LLVM's compile of an
-#: emulated kernel (every fragment unrolled) is most of their cost and scales with it. 32 keeps two
-#: k steps of Q·Kᵀ (NDC) and four output slices (NO); each layout keeps a 1-warp case whose K/V tile
-#: copy takes two cp.async vectors a thread, and D=64 and D=128 stay in test_tensor_core_algorithm_on_cpu.
-EMU_D = 32
-
-
+#: every dtype, causal and not, 1 and 2 warps, and each pipeline depth: 1 (unpipelined) without
+#: causal, 2 and 3 with causal key tiles skipped at run time, the prologue deeper than the tiles
+#: there are at seq_kv 1 and 0 (the full-attention stages=3 case: ``scripts/sweep_cuda_mma.py``)
 @pytest.mark.parametrize("dtype, causal, warps, block_n, stages", [
-    ("float16", False, 1, 16, 3),
     ("float16", True, 2, 16, 2),
     ("bfloat16", False, 1, 16, 1),
     ("bfloat16", True, 1, 16, 3),
@@ -156,7 +188,8 @@ def test_tensor_core_symbolic_algorithm_on_cpu(dtype, causal, warps, block_n, st
     reference at every shape of ``conftest.SYMBOLIC_SHAPES``: the (row tile, head, batch) grid, the key
     tail masked and causal key tiles skipped at run time, bottom-right causal with Sq above and
     below Skv, zero rows for seq_kv 0. Small tiles (16 rows, 16 keys) keep the emulation quick
-    and give many row and key tiles; the presets pass the same shapes (checked 2026-12-02)."""
+    and give many row and key tiles; the presets pass the same shapes (checked 2026-12-02). Every
+    dtype x causal x stages: ``python scripts/sweep_cuda_mma.py symbolic``."""
     spec = AttentionSpec(batch=1, heads=4, kv_heads=2, seq_q=256, head_dim=EMU_D, dtype=dtype, causal=causal,
                          dynamic=ALL_DYNAMIC)
     ex = tvm.compile(fused_attention_mma(spec, warps, block_n, stages, 1, emulate=True), target=resolve_target("llvm"))
@@ -349,37 +382,49 @@ def test_dynamic_shared_memory_past_48_kib(arch, head_dim, knobs):
 
 
 @needs_nvcc
-def test_gpu_check_script_builds_both_kernels_offline(tmp_path):
-    """scripts/gpu_check.py's build pool, tiny: both kernels, full and causal, exported artifacts. One
-    dtype (bf16): the dtype loop is a plain product, and the fp16 builds of the same pool worker
-    (``gpu_payload.build_job``, with a fatbin) are test_gpu_payload's fixture."""
+def test_gpu_check_script_builds_both_kernels_offline(tmp_path, monkeypatch, capsys):
+    """scripts/gpu_check.py's build pool, tiny: the tensor-core kernel, full and causal, exported
+    artifacts with their fatbins. One dtype (bf16) and one kernel (``--kernels``): the dtype and
+    kernel loops are a plain product; the same pool worker (``gpu_payload.build_job``) builds the
+    CUDA-core kernel of every kind, each with its fatbin, in test_gpu_payload's fixture."""
     import json
-    import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "gck"
-    proc = subprocess.run(
-        [sys.executable, str(root / "scripts" / "gpu_check.py"), "--build-only", "--arch", "sm_80", "--seq", "256",
-         "--head-dim", "64", "--dtype", "bfloat16", "--jobs", "2", "--out", str(out)],
-        capture_output=True, text=True, timeout=600, cwd=root)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("fused_")]
-    assert len(lines) == 2 * 2  # kernels × causal
+    # in this process (its exit status is main's return): the pool's spawned workers build, as
+    # from the command line; what main sets in the environment is put back
+    monkeypatch.setattr(sys, "argv", ["gpu_check.py", "--build-only", "--arch", "sm_80", "--seq", "256", "--head-dim",
+                                      "64", "--dtype", "bfloat16", "--kernels", "fused_tc", "--jobs", "2", "--out", str(out)])
+    monkeypatch.setenv("TVM_CUDA_COMPILE_MODE", "nvcc")
+    monkeypatch.chdir(root)
+    monkeypatch.syspath_prepend(str(root / "scripts"))
+    import gpu_check
+
+    assert gpu_check.main() == 0
+    stdout = capsys.readouterr().out
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("fused_")]
+    assert len(lines) == 2 and all(ln.startswith("fused_tc") for ln in lines)  # full, causal
     assert all("spills=0" in ln for ln in lines), lines
-    manifests = [json.loads(p.read_text()) for p in out.glob("*/manifest.json")]
-    assert len(manifests) == 4 and all(m["audit"]["verdict"] == "fused" for m in manifests)
-    assert {m["schedule"]["knobs"].get("warps") is not None for m in manifests} == {True, False}
+    manifests = {p.parent.name: json.loads(p.read_text()) for p in out.glob("*/manifest.json")}
+    assert len(manifests) == 2 and all(m["audit"]["verdict"] == "fused" for m in manifests.values())
+    assert all(m["schedule"]["knobs"].get("m_tiles") for m in manifests.values())  # tensor cores' knobs
+    # each exported with its fatbin where nvcc is
+    for name, m in manifests.items():
+        assert m["kernel_binary"]["arch"] == "sm_80", name
+        assert (out / name / "kernel.fatbin").read_bytes()[:4] == b"\x50\xed\x55\xba"  # fatbin magic
 
 
 def test_tuning_tasks_cover_the_tensor_core_space_and_regenerate():
     """One task per feasible (warps, block_n, stages, m_tiles), the preset first; a stored function of any
-    task regenerates to the same workload (how build finds a tuned record for a spec)."""
+    task regenerates to the same workload (how build finds a tuned record for a spec). At D=128:
+    36 tasks (every warps, block_n and stages value, one row group: two spill), where D=64's 63
+    cost 20 s to generate; m_tiles=2's knobs read back from a workload: the log matching test."""
     from tvm_attention.task_mods import workload_matches
     from tvm_attention.tune.tasks import make_tasks
 
-    spec = AttentionSpec(batch=1, heads=8, kv_heads=2, seq_q=1024, head_dim=64, dtype="bfloat16", causal=True)
+    spec = AttentionSpec(batch=1, heads=8, kv_heads=2, seq_q=1024, head_dim=128, dtype="bfloat16", causal=True)
     target = resolve_target("cuda", arch="sm_90")
     tasks = make_tasks(spec, target, "fused")
     cands = cuda_mma.tile_candidates(spec, target)

@@ -27,34 +27,86 @@ def _build_side(name: str) -> bool:
 pytestmark = pytest.mark.skipif(find_nvcc() is None, reason="nvcc is needed to compile the payload's kernels")
 
 
+#: the payload the fixture builds: one shape (sm_90, 256 tokens, D=64, fp16, causal) of every kind of
+#: build the script makes (static, symbolic, varlen, kvcache, paged, float8 paged, variants)
+PAYLOAD_ARGS = ["--arch", "sm_90", "--seq", "256", "--head-dim", "64", "--dtype", "float16", "--causal", "true"]
+
+
+class _Planned(Exception):
+    """Raised by :func:`planned_jobs`'s ``jobs_for`` once it has the script's plan: nothing is built."""
+
+
+def planned_jobs(tmp_path, args) -> list[dict]:
+    """The jobs ``scripts/gpu_payload.py args`` would build, in its order: its own argument parsing
+    and ``jobs_for``, stopped before the build pool (no kernel is built)."""
+    gp = scripts_module("gpu_payload")
+    real, seen = gp.jobs_for, []
+
+    def plan_only(a, kernels_dir):
+        seen.extend(real(a, kernels_dir))
+        raise _Planned
+
+    gp.jobs_for = plan_only
+    try:
+        with pytest.raises(_Planned):
+            gp.main([*args, "--out", str(tmp_path / "plan")])
+    finally:
+        gp.jobs_for = real
+    return seen
+
+
 @pytest.fixture(scope="module")
 def payload(tmp_path_factory):
+    """The payload of ``PAYLOAD_ARGS`` with its CUDA-core kernels only (``--kernels fused_simt``):
+    one build of every kind, each exported with its fatbin through the script's pool, the runtime,
+    package, device script and run.sh, at a fifth of the full payload's build time (its
+    tensor-core builds are the slow ones: 2.4x a CUDA-core build, the paged variants' 6x). The
+    list of all 16 kernels the same arguments build is asserted from the script's plan
+    (:func:`planned_jobs`); tensor-core builds exported with a fatbin by the same pool worker
+    (``gpu_payload.build_job``) are test_cuda_mma's gpu_check test; test_dirrunner's CUDA payload
+    checks a tensor-core fatbin too."""
     out = tmp_path_factory.mktemp("payload") / "p"
-    r = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_payload.py"), "--out", str(out), "--arch", "sm_90",
-                        "--seq", "256", "--head-dim", "64", "--dtype", "float16", "--causal", "true", "--jobs", "2"],
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_payload.py"), "--out", str(out), *PAYLOAD_ARGS,
+                        "--kernels", "fused_simt", "--jobs", "2"], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     return out
 
 
-def test_payload_is_small_and_self_contained(payload):
-    size = sum(f.stat().st_size for f in payload.rglob("*") if f.is_file())
-    assert size < 12 * 2**20  # 16 kernels and the runtime: the full sweep stays under 56 MiB
-    info = json.loads((payload / "payload.json").read_text())
-    # the static kernels, then the symbolic build of each that serves every length of the same
-    # heads, the varlen build of each that serves every packed batch, the decode builds (a
-    # float8 e4m3 page pool last), and the variants
-    assert [k["kernel"] for k in info["kernels"]] == ["fused_tc", "fused_simt"] * 8
-    assert [k["spec"].get("layout", "bhsd") for k in info["kernels"]] == \
+def test_payload_plans_every_kernel_kind(tmp_path):
+    """The kernels the payload's arguments build, in order (the script's own plan, nothing
+    built): the static kernels, then the symbolic build of each that serves every length of
+    the same heads, the varlen build of each that serves every packed batch, the decode builds
+    (a float8 e4m3 page pool last), and the variants; each tensor-core kernel beside its
+    CUDA-core twin."""
+    jobs = planned_jobs(tmp_path, PAYLOAD_ARGS)
+    specs = [j["spec"] for j in jobs]
+    assert [j["kernel"] for j in jobs] == ["fused_tc", "fused_simt"] * 8
+    assert {j["arch"] for j in jobs} == {"sm_90"}
+    assert [s.get("layout", "bhsd") for s in specs] == \
         ["bhsd"] * 4 + ["varlen"] * 2 + ["kvcache"] * 2 + ["paged"] * 4 + ["paged"] * 2 + ["bhsd"] * 2
-    assert [k["spec"].get("kv_dtype") for k in info["kernels"]] == [None] * 10 + ["float8_e4m3fn"] * 2 + [None] * 4
-    assert [bool(k["spec"].get("window")) for k in info["kernels"]] == [False] * 12 + [True] * 4
-    assert [bool(k["spec"].get("dynamic")) for k in info["kernels"][:4]] == [False, False, True, True]
-    dims = [["batch", "seq_q", "seq_kv"]] * 2 + [["total_q", "total_k", "batch"]] * 2
-    for k, want in zip(info["kernels"][2:6], dims):
+    assert [s.get("kv_dtype") for s in specs] == [None] * 10 + ["float8_e4m3fn"] * 2 + [None] * 4
+    assert [bool(s.get("window")) for s in specs] == [False] * 12 + [True] * 4
+    assert [bool(s.get("dynamic")) for s in specs[:4]] == [False, False, True, True]
+    for s in specs[6:12]:  # the decode goal's step: GQA 32:8, batch 64, 4096 keys
+        assert (s["heads"], s["kv_heads"], s["batch"], s["seq_kv"]) == (32, 8, 64, 4096)
+    # a kernel's twin is the same build on the other kernel; every build its own folder
+    assert all(a["spec"] == b["spec"] for a, b in zip(jobs[::2], jobs[1::2]))
+    assert len({j["dir"] for j in jobs}) == len(jobs)
+
+
+def test_payload_is_small_and_self_contained(payload, tmp_path):
+    size = sum(f.stat().st_size for f in payload.rglob("*") if f.is_file())
+    # 8 CUDA-core kernels and the runtime; the 16 with the tensor-core ones stayed under 12 MiB, and
+    # the full sweep stays under 56 MiB (the script refuses more)
+    assert size < 8 * 2**20
+    info = json.loads((payload / "payload.json").read_text())
+    # what was built is the plan's CUDA-core half, in its order (test_payload_plans_every_kernel_kind)
+    plan = [j for j in planned_jobs(tmp_path, PAYLOAD_ARGS) if j["kernel"] == "fused_simt"]
+    assert [(k["kernel"], k["spec"]) for k in info["kernels"]] == [(j["kernel"], j["spec"]) for j in plan]
+    assert [bool(k["spec"].get("dynamic")) for k in info["kernels"][:2]] == [False, True]
+    dims = [["batch", "seq_q", "seq_kv"], ["total_q", "total_k", "batch"]]
+    for k, want in zip(info["kernels"][1:3], dims):  # the symbolic and the varlen build
         assert json.loads((payload / k["dir"] / "manifest.json").read_text())["symbolic_dims"] == want
-    for k in info["kernels"][6:10]:  # the decode goal's step: GQA 32:8, batch 64, 4096 keys
-        assert (k["spec"]["heads"], k["spec"]["kv_heads"], k["spec"]["batch"], k["spec"]["seq_kv"]) == (32, 8, 64, 4096)
     assert sorted(p.name for p in (payload / "runtime").iterdir()) == ["libtvm_runtime.so", "libtvm_runtime_cuda.so"]
     for k in info["kernels"]:
         d = payload / k["dir"]
