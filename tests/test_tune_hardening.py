@@ -305,6 +305,9 @@ CTRL_C = textwrap.dedent("""
                     t.start()
 
         driver._phase_hook = hook
+        if phase == "build":  # its builder's workers start in the phase, as in a fresh process
+            for builder, _ in driver._KEPT.values():
+                builder.close()
         print(f"@@ case {i}", flush=True)
         rc = cli.main(args + ["--work-dir", work])
         print(f"@@ exit {rc}", flush=True)
@@ -315,9 +318,10 @@ CTRL_C = textwrap.dedent("""
 def test_ctrl_c_ends_with_one_line_and_130(tmp_path):
     """Ctrl-C in every phase of a tune (CTRL_C_CASES): one line, what is saved and how to resume,
     exit status 130, the log intact and unlocked. Every case runs in one fresh process (a process
-    per case paid 4-5 s each to import TVM), each on a copy of the same 2-record log, with its own
-    workers (``TVM_ATTENTION_KEEP_WORKERS=0``), as a tune in a fresh process starts them; the
-    last case, a double Ctrl-C, ends that process with 130."""
+    per case paid 4-5 s each to import TVM), each on a copy of the same 2-record log. The runner's
+    worker is kept from case to case (``TVM_ATTENTION_KEEP_WORKERS=1``); a "build" case closes
+    the kept builder's, so that its builder's workers start in that phase, as in a fresh process.
+    The last case, a double Ctrl-C, ends that process with 130."""
     log = fake_log(tmp_path / "log")  # 2 records: each tune resumes
     before = (log / RECORD_FILE).read_bytes()
     works = [Path(shutil.copytree(log, tmp_path / f"log{i}")) for i in range(len(CTRL_C_CASES))]
@@ -328,7 +332,7 @@ def test_ctrl_c_ends_with_one_line_and_130(tmp_path):
     cmd = [sys.executable, str(script), json.dumps(cases), str(stamp),
            "tune", *SPEC_ARGS, "--trials", "20", "--per-round", "2", "--threads", "1"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=dict(os.environ, TVM_ATTENTION_KEEP_WORKERS="0"),
+                            env=dict(os.environ, TVM_ATTENTION_KEEP_WORKERS="1"),
                             start_new_session=True)  # killpg(0) hits these tunes and their workers only
     try:
         out, err = proc.communicate(timeout=480)
