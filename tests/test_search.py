@@ -19,10 +19,36 @@ A = AttentionSpec(batch=1, heads=2, seq_q=128, head_dim=64, causal=True)
 B = AttentionSpec(batch=1, heads=2, seq_q=128, head_dim=96, causal=True)
 
 
+def fake_log(work: Path, spec: AttentionSpec, n: int = 2) -> Path:
+    """A log of ``n`` records of ``spec``'s first task, written by TVM's JSONDatabase as a tune
+    would: sampled points of the fused space with made-up run times (the warm start reads the
+    records and trains on their times; nothing of it needs them measured: no tune of A)."""
+    import tvm
+    from tvm.s_tir import meta_schedule as ms
+
+    from tvm_attention.logs import RECORD_FILE, WORKLOAD_FILE
+    from tvm_attention.schedules import cpu_fused
+    from tvm_attention.target import resolve_target
+    from tvm_attention.tune.tasks import make_tasks
+
+    target = resolve_target("llvm")
+    work.mkdir(parents=True)
+    db = ms.database.JSONDatabase(path_workload=str(work / WORKLOAD_FILE),
+                                  path_tuning_record=str(work / RECORD_FILE), allow_missing=True)
+    task = make_tasks(spec, target, "fused")[0]
+    wl = db.commit_workload(task.mod)
+    args = ms.arg_info.ArgInfo.from_prim_func(task.mod["main"])
+    for i in range(n):
+        sch = tvm.s_tir.Schedule(task.mod, seed=i + 1)
+        cpu_fused.design_space(spec, target)(sch)
+        db.commit_tuning_record(ms.database.TuningRecord(sch.trace, wl, [1e-3 * (i + 1)], target, args))
+    return work
+
+
 @pytest.fixture(scope="module")
 def logs(tmp_path_factory):
     root = tmp_path_factory.mktemp("search")
-    tune(A, trials=2, per_round=2, work_dir=root / "a", progress=lambda m: None)
+    fake_log(root / "a", A)  # the warm start's source: another spec's log
     lines = []
     tune(B, trials=2, per_round=2, work_dir=root / "random", search="random", progress=lambda m: None)
     tune(B, trials=2, per_round=2, work_dir=root / "warm", warm_start=root / "a", progress=lines.append)

@@ -1,5 +1,6 @@
 """MetaSchedule search: tiny tunes, the design space, resume after a kill, corrupt logs."""
 import dataclasses
+import functools
 import json
 import signal
 import subprocess
@@ -7,6 +8,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import tvm
@@ -27,38 +29,86 @@ from tvm_attention.tune.tasks import make_tasks
 
 TARGET = resolve_target("llvm")
 SPEC = AttentionSpec(batch=1, heads=2, seq_q=160, seq_kv=224, head_dim=64, causal=True)
+SPEC_ARGS = ["--batch", "1", "--heads", "2", "--seq-q", "160", "--seq-kv", "224", "--head-dim", "64", "--causal"]
 
 
 def quiet(_msg):
     pass
 
 
-#: trials of the file's one tune (``tuned_dir``): enough for two rounds and two records to corrupt
-TRIALS = 4
+def _count_records(work: Path) -> int:
+    p = work / RECORD_FILE
+    return len(p.read_bytes().splitlines()) if p.exists() else 0
+
+
+@dataclasses.dataclass
+class Tuned:
+    """The file's one tune (``tuned_dir``): its log folder, the records the killed tune kept,
+    the resumed tune's result and progress lines."""
+    work: Path
+    kept: int
+    before: set  # the killed tune's record lines
+    result: Any
+    messages: list
+
+    @property
+    def trials(self) -> int:  # records in the log
+        return self.kept + 2
 
 
 @pytest.fixture(scope="module")
-def tuned_dir(tmp_path_factory):
-    """The file's one tune (two rounds of 2), shared by every test that reads a tuning log."""
-    work = tmp_path_factory.mktemp("tune")
-    result = tune(SPEC, trials=TRIALS, per_round=2, work_dir=work, progress=quiet)
-    assert result.trials_new == TRIALS and result.trials_total == TRIALS
+def tuned(tmp_path_factory) -> Tuned:
+    """The file's one tune, shared by every test that reads a tuning log: a `tune` command in a
+    fresh process, killed (SIGKILL) once it has committed a round of 2 records, then resumed
+    here for 2 more (test_killed_tune_keeps_records_and_resume_does_not_remeasure checks the
+    resume). The resumed tune keeps its workers (TVM_ATTENTION_KEEP_WORKERS=1) for
+    test_local_workers_are_kept_between_tunes_only_when_asked."""
+    work = tmp_path_factory.mktemp("tune") / "log"
+    cmd = [sys.executable, "-m", "tvm_attention.cli", "tune", *SPEC_ARGS, "--trials", "40", "--per-round", "2",
+           "--threads", "1", "--work-dir", str(work)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 240
+        while _count_records(work) < 2 and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    kept = _count_records(work)
+    assert kept >= 2, "the killed tune should have committed records"
+    # Simulate a write cut off by the kill: a partial final line.
+    with open(work / RECORD_FILE, "ab") as f:
+        f.write(b'[0, [[["GetSBlock", [], {"name": "row')
+    before = set((work / RECORD_FILE).read_text().splitlines()[:kept])
+    messages = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TVM_ATTENTION_KEEP_WORKERS", "1")
+        result = tune(SPEC, trials=kept + 2, per_round=2, work_dir=work, progress=messages.append)
+    return Tuned(work, kept, before, result, messages)
+
+
+@pytest.fixture(scope="module")
+def tuned_dir(tuned) -> Path:
+    return tuned.work
+
+
+def test_killed_tune_keeps_records_and_resume_does_not_remeasure(tuned):
+    work, kept, result = tuned.work, tuned.kept, tuned.result
+    assert any("resuming" in m and f"{kept} record" in m for m in tuned.messages)
+    assert any("truncated last line" in m for m in tuned.messages)
+    assert (work / (RECORD_FILE + ".interrupted")).exists()
+    assert result.trials_new == 2 and result.trials_total == tuned.trials == _count_records(work)
     assert result.curve and result.best_knobs is not None
-    return work
-
-
-def test_tiny_tune_writes_metaschedule_database(tuned_dir):
-    assert (tuned_dir / WORKLOAD_FILE).is_file() and (tuned_dir / RECORD_FILE).is_file()
-    lines = (tuned_dir / RECORD_FILE).read_text().splitlines()
-    assert len(lines) == TRIALS
-    # TVM's own JSONDatabase reads it in a fresh process.
-    code = textwrap.dedent(f"""
-        from tvm.s_tir import meta_schedule as ms
-        db = ms.database.JSONDatabase(work_dir={str(tuned_dir)!r}, allow_missing=False)
-        print(len(db.get_all_tuning_records()))
-    """)
-    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
-    assert out.stdout.strip().splitlines()[-1] == str(TRIALS)
+    # No candidate was measured twice: every record's scheduled module is distinct.
+    parsed = parse_logs(work)
+    hashes = []
+    for idx, rec in parsed.records:
+        sch = tvm.s_tir.Schedule(parsed.workloads[idx].mod)
+        rec.trace.apply_to_schedule(sch, remove_postproc=False)
+        hashes.append(tvm_ffi.structural_hash(sch.mod))
+    assert len(hashes) == tuned.trials and len(set(hashes)) == len(hashes)
+    assert set((work / RECORD_FILE).read_text().splitlines()[:kept]) == tuned.before  # old records kept
+    # Already at the budget, a rerun measures nothing: test_symbolic_tune_and_build_use_the_representative_shape.
 
 
 def test_tuned_build_validates_and_is_fused(tuned_dir, tmp_path, monkeypatch):
@@ -78,37 +128,48 @@ def test_tuned_build_validates_and_is_fused(tuned_dir, tmp_path, monkeypatch):
     assert again.schedule_info() == info
 
 
-def test_tuned_build_in_fresh_process_via_cli(tuned_dir, tmp_path, capsys):
-    # The fresh process is the point here (the record reloads from the files alone); it builds
-    # through the run's build cache, where the tests below find the same tuned kernel.
+def test_tuned_log_reloads_in_a_fresh_process(tuned, tmp_path, capsys):
+    """The fresh process is the point here: TVM's own JSONDatabase reads the log, and `build`
+    reloads the record from the files alone (the CLI's main, as `python -m tvm_attention.cli`
+    runs it, in the same fresh process). It builds through the run's build cache, where the
+    tests below find the same tuned kernel."""
     out = tmp_path / "art"
-    cmd = [sys.executable, "-m", "tvm_attention.cli", "build", "--batch", "1", "--heads", "2",
-           "--seq-q", "160", "--seq-kv", "224", "--head-dim", "64", "--causal",
-           "--from-log", str(tuned_dir), "--out", str(out)]
-    subprocess.run(cmd, check=True, capture_output=True)
+    args = ["build", *SPEC_ARGS, "--from-log", str(tuned.work), "--out", str(out)]
+    code = textwrap.dedent(f"""
+        import sys
+        from tvm.s_tir import meta_schedule as ms
+        from tvm_attention import cli
+        db = ms.database.JSONDatabase(work_dir={str(tuned.work)!r}, allow_missing=False)
+        print("records:", len(db.get_all_tuning_records()), flush=True)
+        sys.exit(cli.main({args!r}))
+    """)
+    run = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+    assert f"records: {tuned.trials}\n" in run.stdout, run.stdout
+    assert (tuned.work / WORKLOAD_FILE).is_file() and _count_records(tuned.work) == tuned.trials
     m = json.loads((out / "manifest.json").read_text())
     assert m["schedule"]["source"] == "tuned" and m["validation"]["passed"]
     assert m["audit"]["verdict"] == "fused"
     # --no-log forces the hand schedule even with a log (in this process: the flag is what is checked)
-    assert cli.main(cmd[3:-2] + ["--no-log", "--out", str(tmp_path / "hand")]) == 0
+    assert cli.main(args[:-2] + ["--no-log", "--out", str(tmp_path / "hand")]) == 0
     m = json.loads((tmp_path / "hand" / "manifest.json").read_text())
     assert m["schedule"]["source"] == "hand"
 
 
-def test_symbolic_tune_and_build_use_the_representative_shape(tuned_dir, capsys):
+def test_symbolic_tune_and_build_use_the_representative_shape(tuned, capsys):
     # `tune` with dyn dims tunes the representative static shape: into the same log here, which
-    # already holds its TRIALS trials, so nothing new is measured.
+    # already holds its trials, so nothing new is measured (a rerun at the budget measures nothing).
+    tuned_dir = tuned.work
     dyn = ["--batch", "dyn:1", "--heads", "2", "--seq-q", "dyn:160", "--seq-kv", "dyn:224", "--head-dim", "64",
            "--causal"]
-    assert cli.main(["tune", *dyn, "--trials", str(TRIALS), "--work-dir", str(tuned_dir)]) == 0
+    assert cli.main(["tune", *dyn, "--trials", str(tuned.trials), "--work-dir", str(tuned_dir)]) == 0
     out = capsys.readouterr().out
     assert f"tuning at the representative shape {SPEC.short_name()}" in out and "0 new" in out
     # a symbolic build takes the knobs of that log's best record
     spec = dataclasses.replace(SPEC, dynamic=("batch", "seq_q", "seq_kv"))
     built, validation = build_best(spec, log_dir=tuned_dir)
     assert built.source == "tuned" and built.spec.dynamic and validation.passed and built.audit.fused
-    tuned, _ = build_best(SPEC, log_dir=tuned_dir, cache=True)  # the static build: cached by the CLI test
-    assert built.knobs == tuned.knobs
+    static, _ = build_best(SPEC, log_dir=tuned_dir, cache=True)  # the static build: cached by the CLI test
+    assert built.knobs == static.knobs
 
 
 def test_from_log_without_matching_record_is_an_error(tuned_dir):
@@ -117,13 +178,20 @@ def test_from_log_without_matching_record_is_an_error(tuned_dir):
         build_best(other, log_dir=tuned_dir)
 
 
+@functools.lru_cache(maxsize=None)
+def tasks_of(spec: AttentionSpec, schedule: str) -> list:
+    """``make_tasks`` once per spec and schedule (generating every task's workload: ~1 s), for
+    the parametrized tests below, each of which samples its own task."""
+    return make_tasks(spec, TARGET, schedule)
+
+
 # One seed per shape class of the 6 tasks (SPEC: 160 rows, 224 keys); seed picks task seed % 6:
 # 0 fused_m32_n64 (rows exact, key tail), 1 fused_m16_n32 (both exact), 4 fused_m32_n128 (a key
 # tile wider than half the keys), 5 fused_m64_n64 (row tail and key tail). Left out: 2 (m16_n64)
 # and 3 (m32_n32), the classes of 0 and 1 again at another tile size.
 @pytest.mark.parametrize("seed", [0, 1, 4, 5])
 def test_sampled_points_of_the_space_are_correct_and_fused(seed):
-    tasks = make_tasks(SPEC, TARGET, "fused")
+    tasks = tasks_of(SPEC, "fused")
     task = tasks[seed % len(tasks)]
     sch = tvm.s_tir.Schedule(task.mod, seed=seed + 1)
     cpu_fused.design_space(SPEC, TARGET)(sch)
@@ -145,51 +213,6 @@ def test_hand_knobs_are_a_point_of_the_space():
     sch.trace.apply_to_schedule(fresh, remove_postproc=False)
     assert tvm_ffi.structural_equal(fresh.mod, sch.mod)
     assert (hand.block_m, hand.block_n) == cpu_fused.tile_candidates(SPEC, TARGET)[0]
-
-
-def _count_records(work: Path) -> int:
-    p = work / RECORD_FILE
-    return len(p.read_bytes().splitlines()) if p.exists() else 0
-
-
-def test_killed_tune_keeps_records_and_resume_does_not_remeasure(tmp_path):
-    work = tmp_path / "log"
-    cmd = [sys.executable, "-m", "tvm_attention.cli", "tune", "--batch", "1", "--heads", "2",
-           "--seq-q", "128", "--head-dim", "64", "--trials", "40", "--per-round", "2", "--threads", "1",
-           "--work-dir", str(work)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.time() + 240
-        while _count_records(work) < 2 and time.time() < deadline and proc.poll() is None:
-            time.sleep(0.2)
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-    kept = _count_records(work)
-    assert kept >= 2, "the killed tune should have committed records"
-    # Simulate a write cut off by the kill: a partial final line.
-    with open(work / RECORD_FILE, "ab") as f:
-        f.write(b'[0, [[["GetSBlock", [], {"name": "row')
-    before = set((work / RECORD_FILE).read_text().splitlines()[:kept])
-    messages = []
-    spec = AttentionSpec(batch=1, heads=2, seq_q=128, head_dim=64)
-    result = tune(spec, trials=kept + 2, per_round=2, work_dir=work, progress=messages.append)
-    assert any("resuming" in m and f"{kept} record" in m for m in messages)
-    assert any("truncated last line" in m for m in messages)
-    assert (work / (RECORD_FILE + ".interrupted")).exists()
-    assert result.trials_new == 2 and _count_records(work) == kept + 2
-    # No candidate was measured twice: every record's scheduled module is distinct.
-    parsed = parse_logs(work)
-    hashes = []
-    for idx, rec in parsed.records:
-        sch = tvm.s_tir.Schedule(parsed.workloads[idx].mod)
-        rec.trace.apply_to_schedule(sch, remove_postproc=False)
-        hashes.append(tvm_ffi.structural_hash(sch.mod))
-    assert len(set(hashes)) == len(hashes)
-    assert set((work / RECORD_FILE).read_text().splitlines()[:kept]) == before  # old records kept
-    # Already at the budget: a rerun measures nothing.
-    again = tune(spec, trials=kept + 2, per_round=2, work_dir=work, progress=quiet)
-    assert again.trials_new == 0
 
 
 def test_corrupt_logs_give_file_and_line(tuned_dir, tmp_path, capsys):
@@ -232,7 +255,7 @@ def test_rowcache_space_points_are_correct(seed):
     from tvm_attention.schedules import cpu_rowcache
 
     spec = AttentionSpec(batch=1, heads=2, seq_q=96, seq_kv=192, head_dim=64, causal=True)
-    tasks = make_tasks(spec, TARGET, "rowcache")
+    tasks = tasks_of(spec, "rowcache")
     task = tasks[seed % len(tasks)]
     sch = tvm.s_tir.Schedule(task.mod, seed=seed + 1)
     cpu_rowcache.design_space(spec, TARGET)(sch)
@@ -251,6 +274,8 @@ def test_committed_logs_match_the_current_workloads():
     # back to the hand schedule without a word: regenerate them (scripts/tune_defaults.sh).
     import re
 
+    from tvm.target import Target
+
     from tvm_attention.logs import best_records, repo_logs_root
 
     folders = sorted(p for p in repo_logs_root().glob("*/*") if (p / RECORD_FILE).exists())
@@ -260,8 +285,14 @@ def test_committed_logs_match_the_current_workloads():
             r"b(\d+)_h(\d+)_kv(\d+)_q(\d+)_k(\d+)_d(\d+)_(\w+?)_(full|causal)", folder.name).groups()
         spec = AttentionSpec(batch=int(b), heads=int(h), kv_heads=int(kv), seq_q=int(q), seq_kv=int(k),
                              head_dim=int(d), dtype=dtype, causal=mask == "causal")
-        target = parse_logs(folder).records[0][1].target
-        assert best_records(spec, target, "fused", folder, k=1), f"{folder}: no record matches the workload"
+        # the target the log was measured on: its first record's (read as JSON: best_records
+        # below parses the whole log once, a second parse cost ~1 s a folder)
+        with open(folder / RECORD_FILE) as f:
+            target = Target(json.loads(f.readline())[1][2])
+        bad = []  # every line parses: best_records would skip a bad one with a warning
+        assert best_records(spec, target, "fused", folder, k=1, say=bad.append), \
+            f"{folder}: no record matches the workload"
+        assert not bad, bad
 
 
 def _popen_workers():
@@ -270,17 +301,20 @@ def _popen_workers():
     return sorted(c.pid for c in psutil.Process().children() if "tvm.exec.popen_worker" in c.cmdline())
 
 
-def test_local_workers_are_kept_between_tunes_only_when_asked(monkeypatch, tmp_path):
+def test_local_workers_are_kept_between_tunes_only_when_asked(tuned, monkeypatch, tmp_path):
     from tvm_attention.tune import driver
 
-    monkeypatch.setenv("TVM_ATTENTION_KEEP_WORKERS", "1")
-    tune(SPEC, trials=1, per_round=1, work_dir=tmp_path, progress=quiet)
+    # The file's tune (the ``tuned`` fixture: resumed in this process with
+    # TVM_ATTENTION_KEEP_WORKERS=1) left its workers running for the next tune.
+    assert tuned.result.trials_new > 0 and driver._KEPT
     kept = _popen_workers()
     assert len(kept) >= 2  # a builder and the runner (at least) wait for the next tune
     # Off (the default): this tune takes the kept workers, then stops every worker it used.
+    # (A small spec of its own: what is checked is which processes serve it.)
     monkeypatch.setenv("TVM_ATTENTION_KEEP_WORKERS", "0")
     during = []
-    r = tune(SPEC, trials=2, per_round=1, work_dir=tmp_path, progress=lambda m: during.extend(_popen_workers()))
+    small = AttentionSpec(batch=1, heads=1, seq_q=64, head_dim=16)
+    r = tune(small, trials=1, per_round=1, work_dir=tmp_path, progress=lambda m: during.extend(_popen_workers()))
     assert r.trials_new == 1 and set(kept) <= set(during)  # the same processes served it
     assert not driver._KEPT
     deadline = time.time() + 10

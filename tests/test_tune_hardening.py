@@ -236,9 +236,17 @@ def test_missing_final_newline_is_repaired_before_appending(tmp_path):
 # ---- resume counts only this target's records (issue 8) --------------------------------------
 
 
-def test_resume_ignores_records_of_another_target(tmp_path):
+def test_resume_ignores_records_of_another_target(tmp_path, monkeypatch):
+    """Also: a local runner's timeout is the candidate's failure, not a lost device (on the
+    LocalRunner this tune measured with, kept for the next tune)."""
+    from tvm.s_tir import meta_schedule as ms
+
+    from tvm_attention.tune import driver
+    from tvm_attention.tune.driver import lost_with_device
+
     work = fake_log(tmp_path / "log", n=3, target=OTHER)
     said = []
+    monkeypatch.setenv("TVM_ATTENTION_KEEP_WORKERS", "1")
     result = tune(SPEC, trials=1, per_round=1, work_dir=work, progress=said.append)
     assert not any("nothing to do" in m or "resuming" in m for m in said), said
     assert result.trials_new == 1 and result.trials_total == 1
@@ -246,88 +254,112 @@ def test_resume_ignores_records_of_another_target(tmp_path):
     assert sorted(target_key(r.target) for _, r in parsed.records) == sorted(
         [target_key(OTHER)] * 3 + [target_key(TARGET)])
     assert len(best_records(SPEC, TARGET, "fused", work)) == 1
-
-
-# ---- Ctrl-C in every phase (issue 12) --------------------------------------------------------
-
-CTRL_C = textwrap.dedent("""
-    # Run `tvm-attention tune ARGS` and press Ctrl-C (a SIGINT to the whole process group, as a
-    # terminal does) DELAYS seconds after PHASE begins for the NTH time.
-    import os, signal, sys, threading, time
-    from tvm_attention import cli
-    from tvm_attention.tune import driver
-
-    phase, nth, delays, stamp = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
-    seen = {}
-
-    def hook(name):
-        seen[name] = seen.get(name, 0) + 1
-        if name == phase and seen[name] == nth:
-            with open(stamp, "w") as f:
-                f.write(repr(time.time()))
-            for d in delays.split(","):
-                t = threading.Timer(float(d), os.killpg, (0, signal.SIGINT))
-                t.daemon = True
-                t.start()
-
-    driver._phase_hook = hook
-    sys.exit(cli.main(sys.argv[5:]))
-""")
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("phase,nth,delays", [
-    ("setup", 1, "0.05"),
-    ("replay", 1, "0"),           # right after `resuming:`, while the builder and runner start
-    ("search", 1, "0.3"),         # inside TVM's C++ search (it used to segfault)
-    ("build", 1, "0.3"),          # while the builder's workers start (import TVM) and build
-    ("measure", 1, "0.1"),        # while the runner measures
-    ("build", 1, "0.3,0.6"),      # twice: exit at once, not after the build (5-10 s here)
-])
-def test_ctrl_c_ends_with_one_line_and_130(tmp_path, phase, nth, delays):
-    work = fake_log(tmp_path / "log")  # 2 records: the tune resumes
-    before = (work / RECORD_FILE).read_bytes()
-    script = tmp_path / "ctrl_c.py"
-    script.write_text(CTRL_C)
-    stamp = tmp_path / "stamp"
-    cmd = [sys.executable, str(script), phase, str(nth), delays, str(stamp),
-           "tune", *SPEC_ARGS, "--trials", "20", "--per-round", "2", "--threads", "1", "--work-dir", str(work)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # killpg(0) hits this tune and its workers only
-    try:
-        out, err = proc.communicate(timeout=150)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    ended = time.time()
-    text = out + err
-    assert proc.returncode == 130, text
-    assert "Traceback" not in text and "Segfault" not in text and "error" not in text, text
-    lines = [line for line in text.splitlines() if "interrupted" in line]
-    assert len(lines) == 1 and lines[0] == out.splitlines()[-1], text  # the last line, only once
-    assert f"2 record(s) are saved in {work}" in lines[0] and "rerun the same command" in lines[0]
-    if "," in delays:  # the second Ctrl-C exits at once (its workers killed), not after the phase
-        assert ended - float(stamp.read_text()) < 2, text
-    # The batch in flight was not committed; the log is intact and resumable.
-    assert (work / RECORD_FILE).read_bytes() == before
-    assert len(parse_logs(work).records) == 2
-    with tune_lock(work):  # the lock went with the process
-        pass
-
-
-def test_local_timeout_is_the_candidates_failure_not_a_lost_device():
     # A LocalRunner measurement that timed out was taken for an RPC server lost with its
     # candidate, and the no-server check then crashed on the local runner (AttributeError).
-    from tvm.s_tir import meta_schedule as ms
-
-    from tvm_attention.tune.driver import lost_with_device
-
     results = [ms.runner.RunnerResult(None, "LocalRunner: Timeout, killed after 120 seconds"),
                ms.runner.RunnerResult([1e-3], None)]
-    local = ms.runner.LocalRunner(timeout_sec=1)
+    local = next(runner for _, runner in driver._KEPT.values())  # the tune's LocalRunner, kept
+    assert isinstance(local, ms.runner.LocalRunner._cls)
     assert lost_with_device(local, results, [0, 1]) == set()
 
     class Fleet:
         tvm_attention_tracker = ("127.0.0.1", 9190, "cpu-local")
 
     assert lost_with_device(Fleet(), results, [0, 1]) == {0}
+
+
+# ---- Ctrl-C in every phase (issue 12) --------------------------------------------------------
+
+#: (phase, nth, delays): Ctrl-C DELAYS seconds after PHASE begins for the NTH time, one tune per
+#: case, in this order, in one process (CTRL_C): the last case's second Ctrl-C ends it
+CTRL_C_CASES = [
+    ("setup", 1, "0.05"),
+    ("replay", 1, "0"),           # right after `resuming:`, before the builder and runner start
+    ("search", 1, "0.3"),         # inside TVM's C++ search (it used to segfault)
+    ("build", 1, "0.3"),          # while the builder's workers start (import TVM) and build
+    ("measure", 1, "0.1"),        # while the runner measures
+    ("build", 1, "0.3,0.6"),      # twice: exit at once, not after the build (5-10 s here)
+]
+
+CTRL_C = textwrap.dedent("""
+    # For each case (PHASE, NTH, DELAYS, WORK): run `tvm-attention tune ARGS --work-dir WORK`
+    # (cli.main, what the command runs) and press Ctrl-C (a SIGINT to the whole process group, as
+    # a terminal does) DELAYS seconds after PHASE begins for the NTH time. "@@" lines on stdout
+    # delimit the cases and give each one's exit status.
+    import json, os, signal, sys, threading, time
+    from tvm_attention import cli
+    from tvm_attention.tune import driver
+
+    cases, stamp, args = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3:]
+    for i, (phase, nth, delays, work) in enumerate(cases):
+        seen = {}
+
+        def hook(name, phase=phase, nth=nth, delays=delays, seen=seen):
+            seen[name] = seen.get(name, 0) + 1
+            if name == phase and seen[name] == nth:
+                with open(stamp, "w") as f:
+                    f.write(repr(time.time()))
+                for d in delays.split(","):
+                    t = threading.Timer(float(d), os.killpg, (0, signal.SIGINT))
+                    t.daemon = True
+                    t.start()
+
+        driver._phase_hook = hook
+        if phase == "build":  # its builder's workers start in the phase, as in a fresh process
+            for builder, _ in driver._KEPT.values():
+                builder.close()
+        print(f"@@ case {i}", flush=True)
+        rc = cli.main(args + ["--work-dir", work])
+        print(f"@@ exit {rc}", flush=True)
+""")
+
+
+@pytest.mark.slow
+def test_ctrl_c_ends_with_one_line_and_130(tmp_path):
+    """Ctrl-C in every phase of a tune (CTRL_C_CASES): one line, what is saved and how to resume,
+    exit status 130, the log intact and unlocked. Every case runs in one fresh process (a process
+    per case paid 4-5 s each to import TVM), each on a copy of the same 2-record log. The runner's
+    worker is kept from case to case (``TVM_ATTENTION_KEEP_WORKERS=1``); a "build" case closes
+    the kept builder's, so that its builder's workers start in that phase, as in a fresh process.
+    The last case, a double Ctrl-C, ends that process with 130."""
+    log = fake_log(tmp_path / "log")  # 2 records: each tune resumes
+    before = (log / RECORD_FILE).read_bytes()
+    works = [Path(shutil.copytree(log, tmp_path / f"log{i}")) for i in range(len(CTRL_C_CASES))]
+    script = tmp_path / "ctrl_c.py"
+    script.write_text(CTRL_C)
+    stamp = tmp_path / "stamp"
+    cases = [[phase, nth, delays, str(work)] for (phase, nth, delays), work in zip(CTRL_C_CASES, works)]
+    cmd = [sys.executable, str(script), json.dumps(cases), str(stamp),
+           "tune", *SPEC_ARGS, "--trials", "20", "--per-round", "2", "--threads", "1"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, TVM_ATTENTION_KEEP_WORKERS="1"),
+                            start_new_session=True)  # killpg(0) hits these tunes and their workers only
+    try:
+        out, err = proc.communicate(timeout=480)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    ended = time.time()
+    text = out + err
+    assert proc.returncode == 130, text  # the last case's double Ctrl-C ends the process
+    assert "Traceback" not in text and "Segfault" not in text and "error" not in text, text
+    assert "interrupted" not in err, text  # each case's one line is on stdout
+    chunks = out.split("@@ case ")[1:]
+    assert len(chunks) == len(CTRL_C_CASES), text
+    for i, ((phase, nth, delays), work, chunk) in enumerate(zip(CTRL_C_CASES, works, chunks)):
+        lines = chunk.splitlines()
+        assert lines[0] == str(i), text
+        lines = lines[1:]
+        if i < len(CTRL_C_CASES) - 1:  # cli.main returned; the last case exits inside it
+            assert lines[-1] == "@@ exit 130", (phase, delays, chunk)
+            lines = lines[:-1]
+        said = [line for line in lines if "interrupted" in line]
+        assert len(said) == 1 and said[0] == lines[-1], (phase, delays, chunk)  # the last line, only once
+        assert f"2 record(s) are saved in {work}" in said[0] and "rerun the same command" in said[0]
+        # The batch in flight was not committed; the log is intact and resumable.
+        assert (work / RECORD_FILE).read_bytes() == before, (phase, delays)
+        assert len(parse_logs(work).records) == 2
+        with tune_lock(work):  # the lock went with the tune
+            pass
+    # the last case's second Ctrl-C exits at once (its workers killed), not after the phase
+    assert "," in CTRL_C_CASES[-1][2] and ended - float(stamp.read_text()) < 2, text

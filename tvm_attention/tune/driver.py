@@ -689,13 +689,19 @@ class _Tune:
                            ms.cost_model.XGBModel(num_warmup_samples=16, num_tuning_cores=self.threads, verbose_eval=0))
         existing = 0
         by_hash = {tvm_ffi.structural_hash(s.defn.mod): s for s in self.states}
+        matches: dict[int, bool] = {}  # per workload of the log (regenerating one takes ~0.3 s)
+        # what the cost model learns, per task: one update each, after the loop (XGBModel retrains
+        # on all its data at every update: one update per record trained it once per record)
+        learned: dict[int, tuple[TaskState, list, list]] = {}
         for wl, rec in records_for(self.parsed, self.schedule):
             if not for_target(rec, want):
                 continue
             state = by_hash.get(tvm_ffi.structural_hash(wl.mod))
             if state is None or not tvm_ffi.structural_equal(wl.mod, state.defn.mod):
                 continue
-            if not workload_matches(spec, wl.mod, self.target):
+            if id(wl) not in matches:
+                matches[id(wl)] = workload_matches(spec, wl.mod, self.target)
+            if not matches[id(wl)]:
                 continue
             sch = replay_record(wl, rec)
             self.measured[(want, tvm_ffi.structural_hash(sch.mod))] = list(rec.run_secs)
@@ -704,10 +710,13 @@ class _Tune:
             secs = mean_secs(rec)
             state.best_secs = min(state.best_secs, secs)
             args = ms.arg_info.ArgInfo.from_prim_func(wl.mod["main"])
-            self.cost_model.update(state.ctx, [ms.MeasureCandidate(sch, args)],
-                                   [ms.runner.RunnerResult(list(rec.run_secs), None)])
+            _, cands, results = learned.setdefault(id(state), (state, [], []))
+            cands.append(ms.MeasureCandidate(sch, args))
+            results.append(ms.runner.RunnerResult(list(rec.run_secs), None))
             if secs < self.best[0]:
                 self.best = (secs, state.defn.name, describe(state.defn, sch, self.target, spec))
+        for state, cands, results in learned.values():
+            self.cost_model.update(state.ctx, cands, results)
         self.saved[0] = self.done = existing
         if existing and math.isfinite(self.best[0]):
             self.curve.append((existing, self.gflops(self.best[0])))
