@@ -595,8 +595,10 @@ def _local_workers(spec: AttentionSpec, threads: int):
 
 
 def _release_local_workers(threads: int, builder, runner) -> None:
-    """Keep the local workers for the next tune, or stop them now."""
-    if keep_workers() and ("local", threads) not in _KEPT:
+    """Keep the local workers for the next tune, or stop them now. A fleet's tune (``runner``
+    None) keeps nothing: kept as the local pair, its builder would give the next local tune no
+    runner (``_local_workers`` would set ``f_alloc_argument`` on None)."""
+    if keep_workers() and runner is not None and ("local", threads) not in _KEPT:
         _KEPT[("local", threads)] = (builder, runner)
         return
     builder.close()
