@@ -115,6 +115,9 @@ def test_failing_variant_is_recorded_not_fatal(monkeypatch):
         return real(spec, variant)
 
     monkeypatch.setattr(sweep, "_tvm_runner", flaky)
+    # fused's peak memory would run a fresh process importing TVM (4-5 s of CPU): not what this
+    # test is about (the tiny bench above measures every row's in its fresh process)
+    monkeypatch.setattr(sweep, "tvm_first_call_peak", lambda *a: None)
     pts = points([128], [64], [False], heads=1, batch=1, tokens=None)
     res = run_sweep(pts, ["materialized", "fused", "fused-tuned"], threads=2, repeat=1, min_repeat_ms=1,
                     say=lambda m: None)
@@ -131,9 +134,15 @@ def test_constant_token_points():
     assert tokens == [(4, 256), (2, 512), (1, 1024)]
 
 
-def test_compare_side_by_side(tmp_path, capsys):
+def test_compare_side_by_side(tmp_path, capsys, monkeypatch):
+    import functools
+
+    from tvm_attention.bench import compare as cmp
+    from tvm_attention.build import build_kernel
     from tvm_attention.target import resolve_target, vector_lanes
 
+    # through the run's build cache: the command line below compares builds compare() made
+    monkeypatch.setattr(cmp, "build_kernel", functools.partial(build_kernel, cache=True))
     spec = AttentionSpec(batch=1, heads=2, seq_q=256, head_dim=64, causal=True)
     # a knob set that fits the host's registers: 8 keys per S_gemm block on AVX-512's 32 zmm,
     # 2 on AVX2's 16 ymm (the preset's 4-vector row tile)
@@ -147,7 +156,7 @@ def test_compare_side_by_side(tmp_path, capsys):
     assert "unknown schedule 'nope'" in by["nope"].error
     table = format_compare(spec, entries)
     assert table.count("\n") == 2 + len(entries)
-    rc = main(["compare", "--batch", "1", "--heads", "1", "--seq-q", "128", "--head-dim", "64",
+    rc = main(["compare", "--batch", "1", "--heads", "2", "--seq-q", "256", "--head-dim", "64", "--causal",
                "fused", "materialized", "--repeat", "1", "--plot", str(tmp_path / "c.png")])
     assert rc == 0 and (tmp_path / "c.png").read_bytes()[:8] == PNG
     assert "| fused | hand |" in capsys.readouterr().out

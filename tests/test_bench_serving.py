@@ -91,15 +91,23 @@ def test_fused_dyn_in_compare_and_bench(capsys, monkeypatch):
     from tvm_attention.bench.sweep import markdown_table, points, run_sweep
     from tvm_attention.cli import main
 
+    import functools
+
+    from tvm_attention.bench import compare
+    from tvm_attention.build import build_kernel
+
     # peak memory runs a fresh process per variant (seconds); not what this test is about
     monkeypatch.setattr(sweep, "tvm_first_call_peak", lambda *a: None)
+    # through the run's build cache: the sweep below times the two builds the comparison made
+    for mod in (compare, sweep):
+        monkeypatch.setattr(mod, "build_kernel", functools.partial(build_kernel, cache=True))
 
     rc = main(["compare", "--batch", "1", "--heads", "1", "--seq-q", "128", "--head-dim", "64",
                "fused", "fused-dyn", "--repeat", "1"])
     out = capsys.readouterr().out
     assert rc == 0 and "| fused-dyn | hand |" in out
     assert "fused/fused-dyn (static time / dynamic time):" in out
-    res = run_sweep(points([128], [64], [True], heads=1, batch=1, tokens=None), ["fused", "fused-dyn"],
+    res = run_sweep(points([128], [64], [False], heads=1, batch=1, tokens=None), ["fused", "fused-dyn"],
                     threads=2, repeat=1, min_repeat_ms=1, say=lambda m: None)
     dyn = next(r for r in res if r.variant == "fused-dyn")
     assert dyn.error is None and dyn.timing is not None and dyn.max_abs_err < 1e-4

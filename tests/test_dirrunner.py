@@ -19,7 +19,6 @@ from tvm.s_tir import meta_schedule as ms
 
 from tvm_attention.schedules import cuda_fused, cuda_mma
 from tvm_attention import cli
-from tvm_attention.build import build_from_record
 from tvm_attention.cuda_tools import find_nvcc
 from tvm_attention.logs import FAILED_RUN_SECS, RECORD_FILE, parse_logs
 from tvm_attention.pipeline import LogNotUsable, build_best
@@ -178,24 +177,33 @@ def cuda_payload(tmp_path_factory):
     return root / "p"
 
 
-@needs_nvcc
-def test_cuda_timings_imported_are_what_build_uses(cuda_payload, tmp_path):
-    """The last step of tuning by files on CUDA: timings brought back from the device are
-    imported into the log, and ``build`` takes the fastest record, keeping the KV-cache build's
-    split. ``records_for`` matched records by the schedule's name (``fused``) while CUDA
-    workloads are ``fused_mma``/``fused_cuda``: every CUDA record was skipped (issue 41)."""
-    payload = tmp_path / "p"
+@pytest.fixture(scope="module")
+def cuda_imported(cuda_payload, tmp_path_factory):
+    """``cuda_payload``'s timings (the last candidate the fastest) imported into a log, and what
+    ``build`` (``build_best``) makes of it: (payload info, fastest id, built, validation). One
+    CUDA build (nvcc, seconds) for the two tests below."""
+    payload = tmp_path_factory.mktemp("cuda_import") / "p"
     shutil.copytree(cuda_payload, payload)
     info = read_payload(payload)
     ids = sorted(info["candidates"])
-    fast = ids[-1]
+    fast = ids[-1]  # not the first: build must take the fastest, not the first record
     (payload / TIMINGS).write_text(json.dumps({
         "payload_id": info["payload_id"], "target_key": "cuda-sm_90",
         "device": {"kind": "cuda", "name": "H200", "arch": "sm_90"},
         "timings": {i: [1e-5 if i == fast else 2e-5] * 2 for i in ids}}))
-    log = tmp_path / "log"
+    log = payload.parent / "log"
     assert cli.main(["tune", *CUDA_DECODE_FLAGS, "--work-dir", str(log), "--import-timings", str(payload)]) == 0
     built, validation = build_best(CUDA_DECODE, target=resolve_target("cuda", arch="sm_90"), log_dir=log)
+    return info, fast, built, validation
+
+
+@needs_nvcc
+def test_cuda_timings_imported_are_what_build_uses(cuda_imported):
+    """The last step of tuning by files on CUDA: timings brought back from the device are
+    imported into the log, and ``build`` takes the fastest record, keeping the KV-cache build's
+    split. ``records_for`` matched records by the schedule's name (``fused``) while CUDA
+    workloads are ``fused_mma``/``fused_cuda``: every CUDA record was skipped (issue 41)."""
+    info, fast, built, validation = cuda_imported
     assert built.source == "tuned" and not validation.ran  # no GPU here: recorded as not run
     assert dataclasses.replace(built.knobs, split_tasks=0).to_dict() == info["candidates"][fast]["knobs"]
     assert_split_kv(built, CUDA_DECODE)
@@ -220,25 +228,27 @@ def test_cuda_candidates_build_offline(cuda_payload):
 
 
 @needs_nvcc
-def test_tuned_cuda_decode_step_keeps_its_split(cuda_payload):
+def test_tuned_cuda_decode_step_keeps_its_split(cuda_payload, cuda_imported):
     """A CUDA KV-cache spec is tuned at its bhsd representative, a kernel without split-KV (bhsd
     refuses it): the kvcache kernel built from that tune's record, the way ``build`` builds a
-    tuned record, still splits a small batch's keys as its preset does (the knobs, the merge
-    kernel, the batch-sized workspace). The record's workload is the family's
-    ``workload(spec, knobs)`` of the knobs exported with it, which log matching regenerates."""
+    tuned record (``build_from_record``, which ``build_best`` calls: the build ``cuda_imported``
+    made), still splits a small batch's keys as its preset does (the knobs, the merge kernel,
+    the batch-sized workspace). The record's workload is the family's ``workload(spec, knobs)``
+    of the knobs exported with it, which log matching regenerates."""
     target = resolve_target("cuda", arch="sm_90")
     rep = tuning_spec(CUDA_DECODE, target)
     info = read_payload(cuda_payload)
     assert info["spec"] == rep.to_dict() and rep.layout == "bhsd"
-    entry = info["candidates"]["c0000"]
+    _, fast, built, _ = cuda_imported
+    entry = info["candidates"][fast]
     knobs = cuda_mma.MMAKnobs.from_dict(entry["knobs"])
     assert knobs.split_tasks == 0  # bhsd: no split-KV
     workload = ms.database.Workload(normalize(cuda_fused.workload(rep, knobs)))
     assert str(tvm_ffi.structural_hash(workload.mod)) == entry["workload_hash"]  # the task's module
     assert workload_matches(rep, workload.mod)
     record = ms.database.TuningRecord.from_json(entry["record"], workload)
+    assert built.trace == str(record.trace)  # built from this very record
 
-    built = build_from_record(CUDA_DECODE, "fused", target, workload, record)
     # the record's tile, the preset's split (> 0); the merge kernel and the batch-sized workspace
     assert built.source == "tuned" and built.knobs == dataclasses.replace(knobs, split_tasks=built.knobs.split_tasks)
     assert_split_kv(built, CUDA_DECODE)

@@ -166,7 +166,7 @@ def _pool_attrs() -> None:
 
     pool = PopenPoolExecutor(max_workers=1)  # no worker process until the first job
     try:
-        pool._worker_map, pool._shutdown  # noqa: B018 - their presence is the check
+        pool._worker_map, pool._shutdown, pool._threadpool  # noqa: B018 - their presence is the check
         PopenWorker()._proc  # noqa: B018
     finally:
         pool.shutdown()
@@ -192,8 +192,12 @@ def mark_pool_shut_down(pool) -> None:
     """Set a ``PopenPoolExecutor``'s private ``_shutdown`` flag, so that neither a later
     ``shutdown()`` nor its ``__del__`` kills its (already killed) workers again through pipes
     its threads are blocked on. If TVM renames the flag, an abandoned RPC runner's ``__del__``
-    may deadlock the tuner on those pipes. Checked with TVM 0.27.0.post1."""
+    may deadlock the tuner on those pipes. Its jobs not started yet are dropped (its
+    ``_threadpool``'s ``cancel_futures``): after a worker is killed, its thread would start a
+    fresh one (a TVM import) for each, to wait in the tracker's queue for a fleet that is gone
+    and hold the process at exit. Checked with TVM 0.27.0.post1."""
     pool._shutdown = True
+    pool._threadpool.shutdown(wait=False, cancel_futures=True)
 
 
 # -- CUDA -------------------------------------------------------------------------------------------

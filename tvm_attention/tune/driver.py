@@ -272,6 +272,10 @@ def _reset_rpc_runner(runner):
 
     import psutil
 
+    # Never call the old pool's shutdown (nor let its __del__ do it): it would kill() the workers
+    # again through the blocked pipes. Its threads end on their own once the workers' pipes close.
+    # Marked before the kill: the jobs it has not started are dropped then, not given fresh workers.
+    mark_pool_shut_down(runner.pool)
     # Kill the worker processes themselves: PopenWorker.kill() would close the pipe that the
     # pool's thread is blocked reading, and deadlock. A killed worker's reader gets EOF instead.
     for proc in pool_worker_processes(runner.pool):
@@ -281,9 +285,6 @@ def _reset_rpc_runner(runner):
             proc.kill()
         except (psutil.Error, OSError):
             pass
-    # Never call the old pool's shutdown (nor let its __del__ do it): it would kill() the workers
-    # again through the blocked pipes. Its threads end on their own once the workers' pipes close.
-    mark_pool_shut_down(runner.pool)
     fresh = ms.runner.RPCRunner(rpc_config=runner.rpc_config, evaluator_config=runner.evaluator_config,
                                 max_workers=runner.tvm_attention_workers, initializer=ignore_sigint,
                                 f_alloc_argument=runner.f_alloc_argument)
@@ -594,8 +595,10 @@ def _local_workers(spec: AttentionSpec, threads: int):
 
 
 def _release_local_workers(threads: int, builder, runner) -> None:
-    """Keep the local workers for the next tune, or stop them now."""
-    if keep_workers() and ("local", threads) not in _KEPT:
+    """Keep the local workers for the next tune, or stop them now. A fleet's tune (``runner``
+    None) keeps nothing: kept as the local pair, its builder would give the next local tune no
+    runner (``_local_workers`` would set ``f_alloc_argument`` on None)."""
+    if keep_workers() and runner is not None and ("local", threads) not in _KEPT:
         _KEPT[("local", threads)] = (builder, runner)
         return
     builder.close()
