@@ -9,6 +9,13 @@ from tvm_attention.artifact import kernel_of
 
 from conftest import built, report, run_kernel
 
+
+def check(spec, out, ref):
+    atol, rtol = TOLERANCES[spec.dtype]
+    assert np.isfinite(out).all(), "non-finite output"
+    assert np.allclose(out, ref, atol=atol, rtol=rtol), report(out, ref)
+
+
 # A covering set, not the sweep (``python scripts/kernel_sweep.py correctness`` runs every
 # shape × head_dim × causal): each case names the code path it is there for.
 #   (1, 1, 64, full)        a single key: the decode nest with one key
