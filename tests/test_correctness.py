@@ -1,4 +1,8 @@
-"""Fused kernel vs the float64 reference over awkward shapes, GQA/MQA, causal, large logits."""
+"""Fused kernel vs the float64 reference over awkward shapes, GQA/MQA, causal, large logits.
+
+The shapes are a covering set (each case says which path it is there for); the full sweep of
+shape × head_dim × mask, group size × mask and the rowcache shapes is
+``python scripts/kernel_sweep.py correctness``."""
 import numpy as np
 import pytest
 

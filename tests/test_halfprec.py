@@ -1,6 +1,7 @@
 """Half precision on the CPU (issue 11): bfloat16 and float16 inputs, caches and outputs with
 float32 softmax and accumulation, for every layout, against the float64 reference of the
-rounded inputs."""
+rounded inputs. The awkward shapes are a covering set; both dtypes at every shape is
+``python scripts/kernel_sweep.py halfprec``."""
 import dataclasses
 
 import numpy as np
