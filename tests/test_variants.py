@@ -137,20 +137,18 @@ def test_alibi_slopes_are_the_papers():
 #: name -> spec: every layout; static and symbolic; the decode tiers and split-KV (kvcache, paged);
 #: rows that see no key (seq_q > seq_kv, a start past them); window 0 and one wider than the
 #: sequence; the dtypes (bf16: the dot-product form where the CPU has it; the decode tiers of a
-#: bf16 cache). One spec composes what one build can prove: the symbolic bhsd kernel in bf16 (its
-#: dot-product form) carries a window bounded on both sides, (7, 3), with every other variant,
-#: MQA and lse (it was two builds: (7, 3) with softcap in fp32, and a causal (16, 0) window with the
-#: rest in bf16; a causal window is static_all's, kvcache's and paged's, symbolic fp32 the
-#: right window's)
+#: bf16 cache)
 KERNELS = {
     "bhsd_static_all": dict(batch=2, heads=4, kv_heads=2, seq_q=70, seq_kv=45, head_dim=32, causal=True,
                             window=(20, 0), return_lse=True, **ALL),
+    "bhsd_dynamic_window_softcap": dict(batch=2, heads=4, kv_heads=2, seq_q=64, seq_kv=96, head_dim=32,
+                                        window=(7, 3), softcap=2.0, dynamic=("batch", "seq_q", "seq_kv")),
     "bhsd_window0_alibi": dict(batch=1, heads=2, seq_q=33, head_dim=16, causal=True, window=(0, 0), alibi=True),
     "bhsd_wide_window_sinks_fp16": dict(batch=1, heads=2, seq_q=40, seq_kv=50, head_dim=32, causal=True,
                                         window=(500, 0), sinks=True, dtype="float16"),
-    "bhsd_bf16_dynamic_window_all": dict(batch=1, heads=4, kv_heads=1, seq_q=64, seq_kv=96, head_dim=64,
-                                         window=(7, 3), dtype="bfloat16", dynamic=("batch", "seq_q", "seq_kv"),
-                                         return_lse=True, **ALL),
+    "bhsd_bf16_dynamic_all": dict(batch=1, heads=4, kv_heads=1, seq_q=64, seq_kv=64, head_dim=64, causal=True,
+                                  window=(16, 0), dtype="bfloat16", dynamic=("seq_q", "seq_kv"), return_lse=True,
+                                  **ALL),
     "kvcache_all_bf16": dict(layout="kvcache", batch=2, heads=8, kv_heads=2, seq_q=1, seq_kv=256, head_dim=64,
                              causal=True, window=(40, 0), return_lse=True, dtype="bfloat16", **ALL),
     "paged_all": dict(layout="paged", batch=2, heads=8, kv_heads=2, seq_q=1, seq_kv=256, head_dim=64,
