@@ -1,4 +1,8 @@
-"""Fused kernel vs the float64 reference over awkward shapes, GQA/MQA, causal, large logits."""
+"""Fused kernel vs the float64 reference over awkward shapes, GQA/MQA, causal, large logits.
+
+The shapes are a covering set (each case says which path it is there for); the full sweep of
+shape × head_dim × mask, group size × mask and the rowcache shapes is
+``python scripts/kernel_sweep.py correctness``."""
 import numpy as np
 import pytest
 
@@ -9,8 +13,6 @@ from tvm_attention.artifact import kernel_of
 
 from conftest import built, report, run_kernel
 
-SEQ_PAIRS = [(1, 1), (1, 517), (113, 203), (1023, 1024), (300, 45), (128, 128)]
-
 
 def check(spec, out, ref):
     atol, rtol = TOLERANCES[spec.dtype]
@@ -18,24 +20,31 @@ def check(spec, out, ref):
     assert np.allclose(out, ref, atol=atol, rtol=rtol), report(out, ref)
 
 
-# Every pair at head_dim 64; head_dim 128 (another register tiling of P·V) at the pairs that
-# reach each nest with a tail: the decode nest over a key tail (1, 517), row and key tails
-# (113, 203), many tiles (1023, 1024). A single key (1, 1), Sq > Skv (300, 45: whole row tiles
-# skipped) and exact tiles (128, 128) decide which tiles run, not how a tile computes: at 64.
-D128_PAIRS = [(1, 517), (113, 203), (1023, 1024)]
-SHAPE_CASES = [(sq, sk, 64) for sq, sk in SEQ_PAIRS] + [(sq, sk, 128) for sq, sk in D128_PAIRS]
+# A covering set, not the sweep (``python scripts/kernel_sweep.py correctness`` runs every
+# shape × head_dim × causal): each case names the code path it is there for.
+#   (1, 1, 64, full)        a single key: the decode nest with one key
+#   (1, 517, 64, causal)    the decode nest over a key tail, masked
+#   (113, 203, 64, full)    row and key tails in the prefill nest (also large logits, full)
+#   (300, 45, 64, causal)   Sq > Skv: whole row tiles skipped, rows with no key are zero
+#   (1023, 1024, 64, causal) many tiles, tiles past the diagonal skipped
+#   head_dim 128 (another register tiling of P·V) at each nest with a tail, the other mask:
+#   (1, 517, 128, full), (113, 203, 128, causal) (also large logits, causal), (1023, 1024, 128, full)
+# Exact tiles (128 × 128) are test_custom_scale's shape.
+SHAPE_CASES = [(1, 1, 64, False), (1, 517, 64, True), (113, 203, 64, False), (300, 45, 64, True),
+               (1023, 1024, 64, True), (1, 517, 128, False), (113, 203, 128, True), (1023, 1024, 128, False)]
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("seq_q, seq_kv, head_dim", SHAPE_CASES, ids=lambda x: str(x))
+@pytest.mark.parametrize("seq_q, seq_kv, head_dim, causal", SHAPE_CASES,
+                         ids=lambda x: {True: "causal", False: "full"}.get(x, str(x)) if isinstance(x, bool) else str(x))
 def test_fused_matches_reference(seq_q, seq_kv, head_dim, causal):
     spec = AttentionSpec(batch=1, heads=2, seq_q=seq_q, seq_kv=seq_kv, head_dim=head_dim, causal=causal)
     q, k, v = random_inputs(spec, seed=seq_q + seq_kv)
     check(spec, run_kernel(spec, q, k, v), reference_attention(spec, q, k, v))
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("heads, kv_heads", [(8, 2), (4, 1)], ids=["gqa", "mqa"])
+# GQA (8:2) under the causal mask and MQA (4:1) without: each group size and each mask once (the
+# sweep script runs the other two)
+@pytest.mark.parametrize("heads, kv_heads, causal", [(8, 2, True), (4, 1, False)], ids=["gqa-causal", "mqa-full"])
 def test_grouped_query_heads(heads, kv_heads, causal):
     spec = AttentionSpec(batch=2, heads=heads, kv_heads=kv_heads, seq_q=77, seq_kv=150, head_dim=64, causal=causal)
     q, k, v = random_inputs(spec, seed=3)
@@ -44,6 +53,7 @@ def test_grouped_query_heads(heads, kv_heads, causal):
 
 def test_causal_fully_masked_rows_are_zero():
     # seq_q > seq_kv: the top seq_q - seq_kv rows see no key (whole row tiles are skipped).
+    # (The build of test_fused_matches_reference[300-45-64-causal].)
     spec = AttentionSpec(batch=1, heads=2, seq_q=300, seq_kv=45, head_dim=64, causal=True)
     q, k, v = random_inputs(spec, seed=1)
     out = run_kernel(spec, q, k, v)
@@ -51,16 +61,18 @@ def test_causal_fully_masked_rows_are_zero():
     check(spec, out, reference_attention(spec, q, k, v))
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_large_logits_stay_finite(causal):
-    spec = AttentionSpec(batch=1, heads=2, seq_q=200, seq_kv=333, head_dim=64, causal=causal)
+# the builds of two shape cases, one per mask: the logits' size, not the shape, is the point
+@pytest.mark.parametrize("head_dim, causal", [(64, False), (128, True)], ids=["full", "causal"])
+def test_large_logits_stay_finite(head_dim, causal):
+    spec = AttentionSpec(batch=1, heads=2, seq_q=113, seq_kv=203, head_dim=head_dim, causal=causal)
     q, k, v = random_inputs(spec, seed=7)
     q = (q * 30).astype(np.float32)  # softmax close to one-hot; exp would overflow without the max
     check(spec, run_kernel(spec, q, k, v), reference_attention(spec, q, k, v))
 
 
 def test_custom_scale():
-    spec = AttentionSpec(batch=1, heads=1, seq_q=64, seq_kv=96, head_dim=64, scale=0.5)
+    # also exact tiles (128 × 128: no row or key tail) under the causal mask
+    spec = AttentionSpec(batch=1, heads=1, seq_q=128, seq_kv=128, head_dim=64, causal=True, scale=0.5)
     q, k, v = random_inputs(spec, seed=2)
     check(spec, run_kernel(spec, q, k, v), reference_attention(spec, q, k, v))
 
@@ -73,10 +85,10 @@ def test_materialized_matches_reference(causal):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_long_sequence_sampled_rows(causal):
-    # 8192 keys per row: a whole-row local buffer would be 32 KiB per row; the tile stays 64 keys.
-    spec = AttentionSpec(batch=1, heads=1, seq_q=8192, head_dim=64, causal=causal)
+def test_long_sequence_sampled_rows():
+    # 8192 keys per row: a whole-row local buffer would be 32 KiB per row; the tile stays 64 keys
+    # (causal: the buffers are the full mask's; the sweep script runs both)
+    spec = AttentionSpec(batch=1, heads=1, seq_q=8192, head_dim=64, causal=True)
     result = validate_callable(spec, kernel_of(built(spec)), seed=0)
     assert result.rows_checked != "all"  # sampled: the full reference would be 8192² doubles
     assert result.finite and result.passed, result.format()
@@ -129,8 +141,9 @@ def test_failed_validation_says_where_nan_is():
     assert ok.passed and ok.problem == "" and "problem" not in ok.to_dict() and "elsewhere" not in ok.format()
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("seq_q, seq_kv", [(1, 517), (113, 203), (300, 45)])
+# the decode row over a key tail (full), row and key tails and Sq > Skv (causal): each shape and
+# each mask once (the sweep script runs all six)
+@pytest.mark.parametrize("seq_q, seq_kv, causal", [(1, 517, False), (113, 203, True), (300, 45, True)])
 def test_rowcache_matches_reference(seq_q, seq_kv, causal):
     spec = AttentionSpec(batch=1, heads=4, kv_heads=2, seq_q=seq_q, seq_kv=seq_kv, head_dim=64, causal=causal)
     q, k, v = random_inputs(spec, seed=6)

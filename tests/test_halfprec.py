@@ -1,6 +1,7 @@
 """Half precision on the CPU (issue 11): bfloat16 and float16 inputs, caches and outputs with
 float32 softmax and accumulation, for every layout, against the float64 reference of the
-rounded inputs."""
+rounded inputs. The awkward shapes are a covering set; both dtypes at every shape is
+``python scripts/kernel_sweep.py halfprec``."""
 import dataclasses
 
 import numpy as np
@@ -33,8 +34,14 @@ def rounded_inputs(spec, seed, logit_scale=1.0):
     return (q, k, v), [x.astype(np.float64) for x in (q, k, v)]
 
 
-@pytest.mark.parametrize("dtype", HALF)
-@pytest.mark.parametrize("seq_q, seq_kv, causal", [(1, 1, False), (1, 517, False), (113, 203, True), (300, 45, True)])
+# A covering set (``python scripts/kernel_sweep.py halfprec`` runs both dtypes at all four shapes):
+# a single key and row and key tails in fp16; a decode row over a key tail, row and key tails and
+# Sq > Skv (rows with no key) in bf16. Each shape once, each dtype at a decode row and at tails;
+# bf16's (113, 203) and (300, 45) are test_bf16_dot_products_...'s dot-product builds, fp16's
+# (113, 203) test_half_inputs_at_numpy_alignment_run_in_place's.
+@pytest.mark.parametrize("dtype, seq_q, seq_kv, causal", [
+    ("float16", 1, 1, False), ("float16", 113, 203, True),
+    ("bfloat16", 1, 517, False), ("bfloat16", 113, 203, True), ("bfloat16", 300, 45, True)])
 def test_awkward_shapes_match_the_reference(dtype, seq_q, seq_kv, causal):
     spec = AttentionSpec(batch=1, heads=4, kv_heads=2, seq_q=seq_q, seq_kv=seq_kv, head_dim=64, causal=causal,
                          dtype=dtype)
@@ -58,28 +65,39 @@ def test_large_logits_and_d128(dtype):
 
 # one symbolic build per layout in bf16 (fp16 shares every line but the dtype: bhsd only): the
 # validation runs the layout's own cases (mixed lengths, empty sequences, shuffled pages)
-# against the reference of the rounded inputs
+# against the reference of the rounded inputs. Where the CPU has AVX512-BF16 the bf16 builds are
+# the dot-product form (the preset): symbolic bhsd and varlen with vdpbf16ps are checked here (they
+# were two more builds at head_dim 128; the dot products at 128 are test_large_logits_and_d128's).
+# kvcache without split-KV (half its build time): bf16 split-KV is paged's
 LAYOUT_SPECS = {
     "bhsd-bf16": dict(layout="bhsd", dtype="bfloat16", dynamic=("batch", "seq_q", "seq_kv"), seq_q=128, seq_kv=128),
     "bhsd-fp16": dict(layout="bhsd", dtype="float16", dynamic=("batch", "seq_q", "seq_kv"), seq_q=128, seq_kv=128),
     "varlen-bf16": dict(layout="varlen", dtype="bfloat16", seq_q=128, seq_kv=128),
-    "kvcache-bf16": dict(layout="kvcache", dtype="bfloat16", seq_q=1, seq_kv=256, return_lse=True),
+    "kvcache-bf16": dict(layout="kvcache", dtype="bfloat16", seq_q=1, seq_kv=256, return_lse=True,
+                         knobs=(("split_tasks", 0),)),
     "paged-bf16": dict(layout="paged", dtype="bfloat16", seq_q=1, seq_kv=256),
 }
 
 
 @pytest.mark.parametrize("name", list(LAYOUT_SPECS))
 def test_every_layout_validates(name):
-    spec = AttentionSpec(batch=2, heads=8, kv_heads=2, head_dim=64, causal=True, **LAYOUT_SPECS[name])
-    b = built(spec)
+    kw = dict(LAYOUT_SPECS[name])
+    knobs = kw.pop("knobs", None)
+    spec = AttentionSpec(batch=2, heads=8, kv_heads=2, head_dim=64, causal=True, **kw)
+    b = built(spec, knobs=knobs)
     assert b.audit.fused, b.audit.reasons
+    if spec.dtype == "bfloat16" and spec.layout in ("bhsd", "varlen") and _has_bf16_dots():
+        assert b.knobs.dot_bf16 == 1 and "vdpbf16ps" in b.module.inspect_source("asm")
     result = validate_built(b, seed=3)
     assert result.passed and result.rows_checked.count(":") >= 1, result.format()
     assert (result.atol, result.rtol) == TOLERANCES[spec.dtype]
 
 
 def test_loader_names_a_wrong_dtype_and_takes_torch_half_tensors():
-    spec = AttentionSpec(batch=1, heads=4, kv_heads=2, seq_q=33, seq_kv=70, head_dim=64, causal=True, dtype="bfloat16")
+    # the build of test_awkward_shapes_match_the_reference[bfloat16-113-203-True]: the loader's
+    # checks and conversions do not depend on the shape
+    spec = AttentionSpec(batch=1, heads=4, kv_heads=2, seq_q=113, seq_kv=203, head_dim=64, causal=True,
+                         dtype="bfloat16")
     kernel = kernel_of(built(spec))
     (q, k, v), exact = rounded_inputs(spec, seed=1)
     with pytest.raises(KernelArgumentError, match=r"^k: .*bfloat16"):
@@ -131,25 +149,14 @@ def test_bf16_dot_products_match_the_reference_and_emit_vdpbf16ps(seq_q, seq_kv,
         check(spec, kernel_of(b)(q, k, v), ref)
 
 
-@needs_bf16_dots
-def test_bf16_dot_products_in_symbolic_and_varlen_kernels():
-    for kw in (dict(layout="bhsd", dynamic=("batch", "seq_q", "seq_kv")), dict(layout="varlen")):
-        spec = AttentionSpec(batch=2, heads=4, kv_heads=2, seq_q=128, seq_kv=128, head_dim=128, causal=True,
-                             dtype="bfloat16", **kw)
-        b = built(spec)
-        assert b.knobs.dot_bf16 == 1 and b.audit.fused, b.audit.reasons
-        assert "vdpbf16ps" in b.module.inspect_source("asm")
-        result = validate_built(b, seed=2)
-        assert result.passed, result.format()
-
-
 def test_bf16_dot_products_are_refused_where_they_cannot_run():
     from tvm_attention.schedules._knobs import KnobError
     from tvm_attention.build import build_kernel
 
+    # that the preset on AVX2 is fp32 products (dot_bf16=0) is
+    # test_half_inputs_without_dot_products_convert_in_vectors_on_avx2's (it builds one there)
     spec = AttentionSpec(batch=1, heads=2, seq_q=64, seq_kv=64, head_dim=64, dtype="bfloat16")
     avx2 = {"kind": "llvm", "mcpu": "haswell", "num-cores": 2}
-    assert build_kernel(spec, target=avx2).knobs.dot_bf16 == 0  # the preset there: fp32 products
     with pytest.raises(KnobError, match="dot_bf16=1 needs .*avx512bf16"):
         build_kernel(spec, target=avx2, knobs={"dot_bf16": 1})
     with pytest.raises(KnobError, match="dot_bf16=1 needs bfloat16 inputs"):
@@ -172,6 +179,7 @@ def test_half_inputs_without_dot_products_convert_in_vectors_on_avx2():
         assert stages_half_keys(half, False) == staged
         assert ("Kt = T.sblock_alloc_buffer((64, 64)" in fused_attention(half, 32, 64).script()) == staged
         b = build_kernel(half, target=avx2)
+        assert b.knobs.dot_bf16 == 0  # the preset on AVX2: fp32 products (bf16 too)
         asm = b.module.inspect_source("asm")
         assert instr in asm and "zmm" not in asm  # AVX2 code: ymm vectors only
         assert validate_built(b, seed=5).passed  # every host this project runs on has AVX2
@@ -181,11 +189,11 @@ def test_half_inputs_without_dot_products_convert_in_vectors_on_avx2():
 def test_half_inputs_at_numpy_alignment_run_in_place(dtype, knobs):
     """Every half-precision form (the bf16 dot products read their inputs through uint16 aliases
     of the arguments) runs on inputs 16, 32 and 48 bytes past a 64-byte boundary, which the loader
-    passes without a copy, with the output of 64-byte aligned inputs."""
-    from tvm_attention.build import build_kernel
-
-    spec = AttentionSpec(batch=1, heads=4, kv_heads=2, seq_q=77, seq_kv=133, head_dim=64, causal=True, dtype=dtype)
-    kernel = kernel_of(build_kernel(spec, knobs=knobs))
+    passes without a copy, with the output of 64-byte aligned inputs. (The builds of
+    test_awkward_shapes_match_the_reference[113-203] and of test_bf16_dot_products_...[113-203]'s
+    fp32-product form.)"""
+    spec = AttentionSpec(batch=1, heads=4, kv_heads=2, seq_q=113, seq_kv=203, head_dim=64, causal=True, dtype=dtype)
+    kernel = kernel_of(built(spec, knobs=tuple(knobs.items()) if knobs else None))
     assert kernel.alignment == 16
     inputs, _ = rounded_inputs(spec, seed=9)
     want = np.asarray(kernel(*(at_offset(x, 0) for x in inputs))).astype(np.float32)

@@ -120,7 +120,9 @@ def test_spec_fields():
 
 #: name -> spec fields: every layout (static bhsd, the tuner's representative), each kv dtype,
 #: each query dtype, GQA decode tiers and split-KV (kvcache/paged validation cases: seq_q 1, 4
-#: and 37, cache_seqlens 0, 1, page and tile edges), sinks and a window beside them
+#: and 37, cache_seqlens 0, 1, page and tile edges), sinks and a window beside them. Split-KV
+#: (two more nests per decode tier: half a build's time) on an 8-bit cache in each KV-cache
+#: layout: kvcache_e4m3_fp32 and paged_e5m2_bf16; paged_int8_fp16 is built without it (KNOBS)
 KERNELS = {
     "kvcache_e4m3_fp32": dict(batch=1, heads=8, kv_heads=2, seq_q=1, seq_kv=300, head_dim=64, layout="kvcache",
                               causal=True, kv_dtype="float8_e4m3fn", return_lse=True),
@@ -135,10 +137,15 @@ KERNELS = {
 }
 
 
+#: name -> knobs of its build (the others: the preset, split-KV on)
+KNOBS = {"paged_int8_fp16": (("split_tasks", 0),), "kvcache_append_bf16": (("split_tasks", 0),),
+         "paged_append_e5m2_fp16": (("split_tasks", 0),)}
+
+
 @pytest.mark.parametrize("name", list(KERNELS))
 def test_kernel_matches_the_reference(name):
     spec = AttentionSpec(**KERNELS[name])
-    b = built(spec)
+    b = built(spec, knobs=KNOBS.get(name))
     assert b.audit.fused, b.audit
     r = validate_built(b)
     assert r.passed and r.finite, r
@@ -207,7 +214,9 @@ def test_other_families_refuse_an_8bit_cache_by_name():
 
 
 #: appending kernels: every kv dtype, plain and 8-bit, both layouts; seq_q 4 over cache_seqlens
-#: 0, 1, 15 (an append that crosses a page of 16), 63, 200 in the validation cases
+#: 0, 1, 15 (an append that crosses a page of 16), 63, 200 in the validation cases. Appending
+#: with split-KV: kvcache_append_int8 and paged_append_e4m3, one per layout; the other two are
+#: built without it (KNOBS): what they add is their dtypes' writes, which come before any nest
 APPEND = {
     "kvcache_append_bf16": dict(batch=1, heads=8, kv_heads=2, seq_q=1, seq_kv=300, head_dim=64, layout="kvcache",
                                 causal=True, dtype="bfloat16", append=True),
@@ -227,7 +236,7 @@ def test_append_writes_the_cache_and_attends_to_the_new_keys(name):
     cache holds exactly that, bit for bit: the new keys at their positions (across a page
     boundary, from an empty sequence), saturated and NaN kept for float8, nothing else touched."""
     spec = AttentionSpec(**APPEND[name])
-    b = built(spec)
+    b = built(spec, knobs=KNOBS.get(name))
     assert b.audit.fused, b.audit
     r = validate_built(b)
     assert r.passed and r.finite, r
