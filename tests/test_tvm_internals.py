@@ -18,7 +18,7 @@ from tvm_attention.spec import AttentionSpec
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = AttentionSpec(batch=1, heads=2, seq_q=64, seq_kv=96, head_dim=32, causal=True)
 PARSER = "tvm.script.parser.core.parser"
-MACRO_METHODS = ("_find_parser_def", "get_macro_def")
+MACRO_METHODS = ("_find_parser_def",)
 
 
 def test_every_private_tvm_name_we_use_is_still_there():
@@ -64,9 +64,33 @@ def test_every_use_is_declared_and_no_other_module_reaches_into_tvm():
 
 
 def _macro_methods_are_tvms() -> bool:
-    from tvm.script.parser.core.parser import ScriptMacro
+    import inspect
 
-    return all(getattr(ScriptMacro, n).__module__ == PARSER for n in MACRO_METHODS)
+    from tvm.script.parser.core.parser import ScriptMacro
+    from tvm.tirx.script.parser import entry
+
+    from tvm.script.parser.core.diagnostics import Source
+
+    return (all(getattr(ScriptMacro, n).__module__ == PARSER for n in MACRO_METHODS) and entry.inspect is inspect
+            and Source.as_ast.__module__ == "tvm.script.parser.core.diagnostics")
+
+
+def test_fast_stack_is_inspects_stack():
+    """The prim_func decorator's ``inspect.stack()`` under the shortcut lists the same frames,
+    files, line numbers, functions and code lines as Python's (here, under pytest: deep, with a
+    frame of eval'd code that has no source)."""
+    import inspect
+
+    def both():
+        return inspect.stack(), tvm_internals._stack_lines()
+
+    slow, fast = eval("both()", {"both": both})
+    slow, fast = slow[1:], fast[1:]  # both()'s own line differs (one call per line)
+    assert len(slow) == len(fast) > 10
+    for a, b in zip(slow, fast):
+        assert (a.frame, a.filename, a.lineno, a.function, a.code_context, a.index) == \
+            (b.frame, b.filename, b.lineno, b.function, b.code_context, b.index)
+    assert any(a.code_context is None for a in slow)  # the eval'd frame
 
 
 def test_macro_shortcut_only_while_kernels_generate(monkeypatch):

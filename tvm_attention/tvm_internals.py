@@ -250,16 +250,70 @@ def tensor_intrin_registered(name: str) -> bool:
 _MACRO = "tvm.script.parser.core.parser:ScriptMacro"
 _macro_lock = threading.Lock()
 _macro_depth = 0
-#: TVM's methods while the fast ones are in (restored on the outermost exit)
-_macro_saved: dict[str, Any] = {}
+#: (owner, attribute, TVM's value) of each swap while the fast ones are in (restored on the
+#: outermost exit)
+_macro_saved: list[tuple[Any, str, Any]] = []
+#: ``Source.as_ast`` results by source text while the fast expansion is active (bounded)
+_AST_CACHE: dict[str, Any] = {}
+_AST_CACHE_SIZE = 256
 
+
+#: the module whose ``prim_func`` decorator calls ``inspect.stack()`` (its global ``inspect``)
+_PRIM_FUNC_ENTRY = "tvm.tirx.script.parser.entry"
 
 REQUIRES["fast_macro_expansion"] = (
     f"{_MACRO}._find_parser_def", f"{_MACRO}.get_macro_def", f"{_MACRO}.parser_object_name",
     lambda: _require_source("tvm.script.parser.core.parser", "ScriptMacro._find_parser_def",
                             "inspect.getouterframes", "ScriptMacro.parser_object_name"),
     lambda: _require_source("tvm.script.parser.core.parser", "ScriptMacro.get_macro_def", "self.source.as_ast()"),
+    "tvm.script.parser.core.diagnostics:Source.as_ast",
+    lambda: _require_source("tvm.script.parser.core.diagnostics", "Source.as_ast", "return doc.parse(self.source)"),
+    # the one place the parser changes a parsed tree: an inline def (never cached, below)
+    lambda: _require_source("tvm.tirx.script.parser.parser", "", "def visit_inline_function_def",
+                            "node.decorator_list.pop()"),
+    f"{_PRIM_FUNC_ENTRY}:inspect",
+    lambda: _require_source(_PRIM_FUNC_ENTRY, "prim_func", "outer_stack = inspect.stack()"),
+    # what the decorator reads of that stack: frame objects, frames[2]'s line and line number
+    lambda: _require_source("tvm.script.parser.core.utils", "is_defined_in_class",
+                            "frames[2]", "code_context", "frame_info.lineno"),
+    lambda: _require_source("tvm.script.parser.core.utils", "resolve_closure_vars",
+                            "frame_info.frame.f_code.co_name", "frame_info.frame.f_locals"),
 )
+
+
+def _stack_lines(context: int = 1) -> list[inspect.FrameInfo]:
+    """``inspect.stack(context)`` of the caller, each frame's lines read from ``linecache`` by
+    its code's file name: the same frames, line numbers and code lines for code loaded from
+    ``.py`` files, without ``inspect.getmodule`` (a walk over ``sys.modules``, thousands of
+    modules once torch is imported) run twice per frame."""
+    import linecache
+
+    frame = sys._getframe(1)
+    out = []
+    while frame is not None:
+        filename, lineno = frame.f_code.co_filename, frame.f_lineno
+        lines, index = None, None
+        if context > 0 and lineno is not None:
+            start = max(lineno - 1 - context // 2, 0)
+            lines = [linecache.getline(filename, n + 1, frame.f_globals) for n in range(start, start + context)]
+            lines = [line for line in lines if line] or None
+            index = lineno - 1 - start if lines else None
+        out.append(inspect.FrameInfo(frame, filename, lineno, frame.f_code.co_name, lines, index))
+        frame = frame.f_back
+    return out
+
+
+class _FastStackInspect(types.ModuleType):
+    """``inspect`` as TVM's ``prim_func`` decorator sees it while kernels generate: the module
+    itself, but :func:`_stack_lines` for ``stack``."""
+
+    def __init__(self):
+        super().__init__("inspect")
+
+    def __getattr__(self, name: str):
+        return getattr(inspect, name)
+
+    stack = staticmethod(_stack_lines)
 
 
 @contextlib.contextmanager
@@ -269,7 +323,7 @@ def fast_macro_expansion():
     methods are back. Used around the generation of our kernels (the workload factories), so
     that importing :mod:`tvm_attention` changes nothing in TVM for the rest of the process.
 
-    Every macro call of TVM 0.27's parser does two costly things that do not depend on the call:
+    TVM 0.27's parser does costly things that do not depend on the call, each kernel:
 
     - ``ScriptMacro._find_parser_def`` looks for the parser up the call stack with
       ``inspect.getouterframes``, which reads a source line for every frame (and calls
@@ -277,8 +331,18 @@ def fast_macro_expansion():
       imported, 0.05-0.1 s a call, and one kernel makes 4-10. Walking ``frame.f_back`` finds
       the same frame (the first whose globals hold ``ScriptMacro.parser_object_name``) without
       reading any source.
-    - ``ScriptMacro.get_macro_def`` re-parses the macro's source into an AST on every call;
-      the source of one macro object never changes, so its definition is kept on the object.
+    - ``ScriptMacro.get_macro_def`` re-parses the macro's source into an AST on every call,
+      and the macros of a kernel factory are new objects each time it runs; ``T.prim_func``
+      parses its function's source twice (the second time only to have a node to point an
+      error at). ``Source.as_ast`` (Python's ``ast.parse``, then the conversion to TVM's doc
+      tree: ~70 s of the test suite) returns the tree parsed before for the same source text.
+      The parser reads these trees and changes one only for an inline def
+      (``visit_inline_function_def``): a source holding the word ``inline`` is parsed afresh.
+    - ``T.prim_func`` (as a decorator, and again when the parser evaluates that decorator)
+      calls ``inspect.stack()`` for the frames it reads, with the same ``inspect.getmodule``
+      walks for every frame: 0.1-0.3 s a kernel under pytest with torch imported, ~100 s of
+      the test suite (py-spy, 2026-12-04). While active, that module's ``inspect`` is a proxy
+      whose ``stack`` reads the lines from ``linecache`` instead (:func:`_stack_lines`).
 
     Measured when it was written (cProfile over test_kvcache, test_correctness and
     test_hardening, 2-core Zen 4): 119 s of 360 s in ``getouterframes``, 18 s in
@@ -312,16 +376,14 @@ def fast_macros(fn):
 
 def _install_fast_macros() -> bool:
     try:
+        from tvm.script.parser.core.diagnostics import Source
         from tvm.script.parser.core.parser import ScriptMacro
     except ImportError:  # pragma: no cover - another TVM layout: parse as TVM does
         return False
-    names = ("_find_parser_def", "get_macro_def")
-    if not all(callable(ScriptMacro.__dict__.get(n)) for n in names):
+    if not callable(ScriptMacro.__dict__.get("_find_parser_def")) or not callable(Source.__dict__.get("as_ast")):
         return False  # pragma: no cover - renamed: parse as TVM does
-    _macro_saved.clear()
-    _macro_saved.update({n: ScriptMacro.__dict__[n] for n in names})
-    original_def = _macro_saved["get_macro_def"]
     name = ScriptMacro.parser_object_name
+    original_as_ast = Source.__dict__["as_ast"]
 
     def _find_parser_def(self):
         # the same frames getouterframes lists (this one first), without their source lines
@@ -333,33 +395,40 @@ def _install_fast_macros() -> bool:
             frame = frame.f_back
         raise RuntimeError(f"{name} not available")
 
-    def get_macro_def(self):
-        cached = self.__dict__.get("_tvma_def")
-        if cached is None or cached[0] is not self.source:
-            cached = (self.source, original_def(self))
-            self.__dict__["_tvma_def"] = cached
-        return cached[1]
+    def as_ast(self):
+        text = self.source
+        if "inline" in text:  # the parser edits an inline def's tree in place
+            return original_as_ast(self)
+        tree = _AST_CACHE.get(text)
+        if tree is None:
+            if len(_AST_CACHE) >= _AST_CACHE_SIZE:
+                _AST_CACHE.clear()
+            tree = _AST_CACHE[text] = original_as_ast(self)
+        return tree
 
-    ScriptMacro._find_parser_def = _find_parser_def
-    ScriptMacro.get_macro_def = get_macro_def
+    entry = sys.modules.get(_PRIM_FUNC_ENTRY) or importlib.import_module(_PRIM_FUNC_ENTRY)
+    swaps = [(ScriptMacro, "_find_parser_def", _find_parser_def), (Source, "as_ast", as_ast)]
+    if getattr(entry, "inspect", None) is inspect:
+        swaps.append((entry, "inspect", _FastStackInspect()))
+    _macro_saved.clear()
+    for owner, attr, fast in swaps:
+        _macro_saved.append((owner, attr, owner.__dict__[attr]))
+        setattr(owner, attr, fast)
     return True
 
 
 def _restore_macros() -> None:
-    if not _macro_saved:
-        return
-    from tvm.script.parser.core.parser import ScriptMacro
-
-    for n, fn in _macro_saved.items():
-        setattr(ScriptMacro, n, fn)
-    _macro_saved.clear()
+    for owner, attr, tvms in reversed(_macro_saved):
+        setattr(owner, attr, tvms)
+    _macro_saved.clear()  # (_AST_CACHE stays: the next kernel parses the same sources)
 
 
 def _require_source(module: str, qualname: str, *texts: str) -> None:
     """Raise unless the source of ``module``'s ``qualname`` holds each of ``texts`` (an
-    assumption about what TVM's code does, not only that a name exists)."""
+    assumption about what TVM's code does, not only that a name exists); ``qualname`` "": the
+    module's own source."""
     obj: Any = importlib.import_module(module)
-    for part in qualname.split("."):
+    for part in filter(None, qualname.split(".")):
         obj = getattr(obj, part)
     source = inspect.getsource(obj)
     for text in texts:
