@@ -119,6 +119,16 @@ def cuda_cases() -> list[tuple[str, str, AttentionSpec]]:
                                                           dtype="float16")))
     out.append(("sm_90", "fused_tc", AttentionSpec(batch=2, heads=8, kv_heads=2, seq_q=300, seq_kv=517,
                                                    head_dim=64, dtype="float16", causal=True)))
+    # the variant contract on both CUDA kernels (decode steps, a symbolic varlen prefill)
+    every = dict(window=(1023, 0), softcap=30.0, alibi=True, sinks=True)
+    out.append(("sm_90", "fused_tc", AttentionSpec(batch=4, heads=32, kv_heads=8, seq_q=1, seq_kv=4096, head_dim=128,
+                                                   dtype="float16", causal=True, layout="paged", **every)))
+    out.append(("sm_80", "fused_simt", AttentionSpec(batch=4, heads=32, kv_heads=8, seq_q=1, seq_kv=4096,
+                                                     head_dim=128, causal=True, layout="kvcache", kv_start=True,
+                                                     return_lse=True, **every)))
+    out.append(("sm_90", "fused_tc", AttentionSpec(batch=2, heads=8, kv_heads=2, seq_q=512, head_dim=64,
+                                                   dtype="bfloat16", causal=True, layout="varlen", alibi=True,
+                                                   sinks=True)))
     return out
 
 

@@ -65,10 +65,17 @@ def with_sink(acc: tirx.PrimExpr, l: tirx.PrimExpr, m: tirx.PrimExpr, sink: tirx
     """``(acc', l')`` whose ratio is the output of a row with an attention sink: its denominator
     gains ``2^(sink − m)`` (``sink`` in the log2 units of the running max ``m``), both scaled by
     ``2^(g − top)``, ``top = max(g, sink)``, ``g = guarded(m)``, so no exponent is positive."""
+    w, e = sink_terms(m, sink)
+    return acc * w, l * w + e
+
+
+def sink_terms(m: tirx.PrimExpr, sink: tirx.PrimExpr):
+    """``(w, e)`` of :func:`with_sink`: the row's weight ``2^(g − top)`` and its sink's term
+    ``2^(sink − top)``, so that ``(acc·w, l·w + e)`` is the row with its sink. A kernel that writes
+    many outputs of one row computes them once per row (each is a polynomial, ``exp2_fast``)."""
     g = guarded(m)
     top = tirx.max(g, sink)
-    w = exp2_fast(g - top)
-    return acc * w, l * w + exp2_fast(sink - top)
+    return exp2_fast(g - top), exp2_fast(sink - top)
 
 
 def guarded(mx: tirx.PrimExpr) -> tirx.PrimExpr:

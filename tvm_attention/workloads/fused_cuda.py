@@ -486,16 +486,26 @@ class Tile:
         """Score ``s`` of (row, key col), −inf where the row does not see the key."""
         return T.Select(self.sees(row, col), s, T.float32(float("-inf"))) if self.hides else s
 
-    def out(self, acc, l, row, m=None):
+    def out(self, acc, l, row, m=None, sunk=None):
         """``acc / l`` of row ``row``, 0 for a row that sees no key: static lengths decide at
         build time whether a row may see none (``normalize``); otherwise the same fact of the
         mask is a run-time predicate of the lengths (and the start). With sinks the denominator
-        gains the row's head's sink (``with_sink``, from the row's running max ``m``). An 8-bit
-        cache's values are scaled here, once per output (``v_scale``, ``KV_UNIT``)."""
+        gains the row's head's sink (``with_sink``, from the row's running max ``m``; or ``sunk``,
+        the row's ``(w, l·w + e)`` of :meth:`sink_terms`, bound once per row, ignored without
+        sinks). An 8-bit cache's values are scaled here, once per output (``v_scale``,
+        ``KV_UNIT``)."""
         acc = self.var.v_scaled(acc, self.kv_head)
-        acc, l = self.var.with_sink(acc, l, m, self.head(row))
+        if sunk is None or self.var.SK is None:
+            acc, l = self.var.with_sink(acc, l, m, self.head(row))
+        else:
+            acc, l = acc * sunk[0], sunk[1]
         return self.var.normalized(acc, l, row, self.static and self.start is None, lambda: self.vis.sees_a_key(
             self.vis.position(self.pos(row), self.off), self.k_len, self.start))
+
+    def sink_terms(self, m, row):
+        """``(w, e)`` of row ``row`` with running max ``m`` (``Variants.sink_terms``); None
+        without sinks."""
+        return self.var.sink_terms(m, self.head(row))
 
     def q_at(self, row, d):
         # rows past the sequence (a tail tile) read its last row: never stored

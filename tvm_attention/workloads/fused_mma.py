@@ -548,7 +548,16 @@ def _mma_store(x):
         (x.col_of, x.dtype, x.EMU, x.ix, x.MT, x.NO, x.o_half, x.row_of, x.thread_x, x.thread_y, x.W)
 
     @T.macro
-    def store(O, acc, l, ls, m, w):
+    def sink_rows(ls, m, sw, sl, w, ty, tx):
+        # with sinks: each row's weight w and denominator l·w + e (Variants.sink_terms), once
+        # per row, not in each of its outputs (two exp2 polynomials apiece, unrolled)
+        for h2 in T.unroll(MT * 2):
+            sw[ix(ty, tx, h2)] = w.sink_terms(m[ix(ty, tx, h2)], w.row0 + row_of(ty, tx, h2))[0]
+            sl[ix(ty, tx, h2)] = ls[ix(ty, tx, h2)] * sw[ix(ty, tx, h2)] + w.sink_terms(
+                m[ix(ty, tx, h2)], w.row0 + row_of(ty, tx, h2))[1]
+
+    @T.macro
+    def store(O, acc, l, ls, m, sw, sl, w):
         # -- row sums across the row's lanes, O = acc / l (0 for a row with no key) ------
         for ty in thread_y(W):
             for tx in thread_x(WARP):
@@ -567,11 +576,14 @@ def _mma_store(x):
                     T.reads()
                     T.writes()
                     if w.final:
+                        if w.var.SK is not None:
+                            sink_rows(ls, m, sw, sl, w, ty, tx)
                         for k in T.unroll(MT * NO * 4):
                             if w.row0 + row_of(ty, tx, o_half(k)) < w.rows:
                                 O[w.o_at(w.row0 + row_of(ty, tx, o_half(k)), col_of(tx, k, NO))] = T.Cast(
                                     dtype, w.out(acc[ix(ty, tx, k)], ls[ix(ty, tx, o_half(k))],
-                                                 w.row0 + row_of(ty, tx, o_half(k)), m[ix(ty, tx, o_half(k))]))
+                                                 w.row0 + row_of(ty, tx, o_half(k)), m[ix(ty, tx, o_half(k))],
+                                                 (sw[ix(ty, tx, o_half(k))], sl[ix(ty, tx, o_half(k))])))
                         if w.LSE is not None:
                             if tx % 4 == 0:  # the row's four lanes hold the same m and sum
                                 for h2 in T.unroll(MT * 2):
@@ -638,7 +650,7 @@ def fused_attention_mma(
             qk_mma(S, Qf, Ks, Kf, c)
             softmax(S, Pf, acc, m, l, mt, mn, w, c)
             pv_mma(acc, Pf, Vs, Vf, c)
-        store(O, acc, l, ls, m, w)
+        store(O, acc, l, ls, m, mt, mn, w)  # mt, mn: free after the last tile (sink_rows)
 
     attrs = {"global_symbol": ENTRY, "tirx.noalias": True, "attn.workload": "fused_mma",
              **record(FUSED_MMA, warps=W, block_n=BN, stages=NS, m_tiles=MT)}

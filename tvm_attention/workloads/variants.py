@@ -53,7 +53,7 @@ from ..layouts import VARIANT_ARGS, fully_static, variant_args
 from ..modifiers import instantiate, tensor_dim_name
 from ..spec import DATA_ALIGNMENT as A, AttentionSpec
 from ..visibility import all_of
-from ._math import KV_UNIT, LOG2E, f32, normalize, normalize_seen, normalize_where, tanh_fast, with_sink
+from ._math import KV_UNIT, LOG2E, f32, normalize, normalize_seen, normalize_where, sink_terms, tanh_fast, with_sink
 
 #: The variants (``AttentionSpec.variants``) both CUDA kernels build: a sliding window, a logit
 #: softcap, ALiBi, sinks, a first visible key per sequence. The user's modifiers (``score_mod``,
@@ -223,6 +223,11 @@ class Variants:
         """``(acc, l)`` of a row of query head ``h`` with its sink in the denominator
         (``_math.with_sink``, from the row's running max ``m``); unchanged without sinks."""
         return (acc, l) if self.SK is None else with_sink(acc, l, m, self.sink(h))
+
+    def sink_terms(self, m, h):
+        """``(w, e)`` of a row of query head ``h`` (``_math.sink_terms``): ``with_sink``'s
+        ``(acc·w, l·w + e)``, for a kernel that binds them once per row; None without sinks."""
+        return None if self.SK is None else sink_terms(m, self.sink(h))
 
     def normalized(self, acc, l, row, static: bool, sees_key, keys_sum=None):
         """A row's output ``acc / l``, or 0 for a row that saw no key: under modifiers when every
