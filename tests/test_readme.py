@@ -2,6 +2,7 @@
 README first, then docs/ by path), after the README's main command (`tvm-attention run`, whose
 artifact the blocks load) and the `tvm-attention build` commands those pages show."""
 import importlib.util
+import json
 import re
 import shlex
 import subprocess
@@ -63,21 +64,39 @@ def test_readme_and_docs_python_blocks_run(tmp_path, monkeypatch):
     assert len(commands) >= 2  # the symbolic and the varlen artifact the serving examples load
     for argv in commands:
         assert cli.main(argv + ["--no-log"]) == 0, argv
-    for page, block in found:
-        if "from transformers" in block and importlib.util.find_spec("transformers") is None:
-            continue  # the [hf] extra is not installed here (CI installs it)
-        proc = subprocess.run([sys.executable, "-c", block], cwd=tmp_path, capture_output=True, text=True,
-                              timeout=300)
-        assert proc.returncode == 0, f"a python block of {page} failed:\n{block}\n{proc.stderr[-2000:]}"
+    run = [(page, block) for page, block in found
+           if "from transformers" not in block or importlib.util.find_spec("transformers") is not None]
+    # (without the [hf] extra installed, the transformers page's block is left out; CI installs it)
+    run_blocks(sys.executable, run, tmp_path)
     # The loader's serving examples again, where only the serving install is (no tvm at all).
     serving = serving_blocks(blocks)
     assert len(serving) >= 2
-    python = serving_env.make(tmp_path / "venv")
-    for block in serving:
-        check = block + "\nimport sys\nassert not any(m == 'tvm' or m.startswith('tvm.') for m in sys.modules)\n"
-        proc = subprocess.run([str(python), "-c", check], cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                              env=serving_env.env())
-        assert proc.returncode == 0, f"a serving block failed without tvm:\n{block}\n{proc.stderr[-2000:]}"
+    run_blocks(serving_env.make(tmp_path / "venv"), [("serving", b) for b in serving], tmp_path,
+               env=serving_env.env(), no_tvm=True)
+
+
+#: Runs each block of a JSON list as a script of its own (a fresh ``__main__`` namespace), in
+#: order, in one process: a fresh interpreter per block would import TVM (and the torch that
+#: tvm_ffi imports) again, 3-4 s apiece. Stops at the first block that raises, naming it.
+BLOCK_RUNNER = """
+import json, sys, traceback
+for i, (page, block) in enumerate(json.load(sys.stdin)):
+    try:
+        exec(compile(block, f"<{page}, block {i}>", "exec"), {"__name__": "__main__"})
+        if NO_TVM:
+            assert not any(m == "tvm" or m.startswith("tvm.") for m in sys.modules), "tvm was imported"
+    except BaseException:
+        sys.stderr.write(f"BLOCK {i} of {page} failed:\\n{block}\\n{traceback.format_exc()}")
+        sys.exit(1)
+"""
+
+
+def run_blocks(python, blocks: list[tuple[str, str]], cwd, env=None, no_tvm: bool = False) -> None:
+    """Run ``(page, block)`` pairs with ``python`` in order (``BLOCK_RUNNER``); ``no_tvm``: each
+    must also leave ``tvm`` unimported."""
+    proc = subprocess.run([str(python), "-c", f"NO_TVM = {no_tvm}\n" + BLOCK_RUNNER], input=json.dumps(blocks),
+                          cwd=cwd, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, f"a python block failed:\n{proc.stderr[-3000:]}"
 
 
 def test_readme_is_a_first_page_and_every_doc_link_resolves():
