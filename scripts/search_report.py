@@ -17,7 +17,7 @@ import os
 import sys
 
 from tvm_attention.artifact import validate_built
-from tvm_attention.bench.cpu import torch_sdpa_fn
+from tvm_attention.bench.peers import torch_sdpa_fn
 from tvm_attention.bench.search import curve_milestones, readable_trace, tuning_curve
 from tvm_attention.timing import time_built
 from tvm_attention.build import build_from_record, build_kernel

@@ -216,7 +216,7 @@ def test_roof_is_the_fma_peak_of_a_tvm_loop():
 def test_peer_peak_memory_is_measured_in_a_fresh_process():
     """NumPy's per-(b, h) S×S float32 scores must show in its peak extra memory even after
     earlier calls in this process left the allocator holding memory (they read 0 B before)."""
-    from tvm_attention.bench.cpu import numpy_attention_fn, torch_sdpa_fn
+    from tvm_attention.bench.peers import numpy_attention_fn, torch_sdpa_fn
     from tvm_attention.timing import aligned_inputs
 
     spec = AttentionSpec(batch=1, heads=2, seq_q=1024, head_dim=64)

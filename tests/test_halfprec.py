@@ -237,7 +237,7 @@ def test_halfprec_bench_smoke(tmp_path):
 
 
 def test_bench_sweep_points_and_torch_peer_take_the_dtype():
-    from tvm_attention.bench.cpu import torch_sdpa_fn
+    from tvm_attention.bench.peers import torch_sdpa_fn
     from tvm_attention.bench.sweep import points
 
     pts = points([256], [64], [True], heads=2, batch=1, tokens=None, dtypes=["float32", "bfloat16"])

@@ -4,12 +4,13 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from typing import Callable
-
-import tvm
+from typing import TYPE_CHECKING, Callable
 
 from .loader import aligned_empty
 from .spec import AttentionSpec
+
+if TYPE_CHECKING:
+    import tvm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +42,8 @@ def time_module(module: tvm.runtime.Module, entry: str, spec: AttentionSpec, rep
     """Median ± std of ``repeat`` measurements, each running at least ``min_repeat_ms``
     (after one warm-up call), on ``device`` (default: the CPU), at ``case`` (see
     :func:`aligned_inputs`)."""
+    import tvm  # here: a peer's fresh process (bench.memory) times NumPy without importing TVM
+
     device = device or tvm.cpu()
     args = [tvm.runtime.tensor(a, device) for a in aligned_inputs(spec, case=case)]
     module[entry](*args)  # warm-up: page in, build the thread pool / load the CUDA module

@@ -24,7 +24,8 @@ from ..target import host_cpu, resolve_target, target_features
 from ..threads import set_num_threads
 from ..timing import aligned_inputs, time_built, time_callable
 from . import Interrupted, Progress, mark_interrupted, partial_line, write_report
-from .cpu import bf16_dot_peak, fma_peak, torch_sdpa_fn
+from .cpu import bf16_dot_peak, fma_peak
+from .peers import torch_sdpa_fn
 
 #: Speed goals of issue 11 (checked in the report, never by a test).
 GOALS = {"bf16_vs_fp32": 1.6, "bf16_vs_torch_bf16": 3.0}

@@ -38,22 +38,30 @@ CALL
 print(json.dumps({"peak_extra_bytes": max(0, kib("VmHWM") - base) * 1024, "baseline_bytes": base * 1024}))
 """
 
+#: The library runs with the runtime alone, as serving runs it (``tvm_attention.runtime``: the
+#: installed TVM's libtvm_runtime.so, no ``import tvm``: 3-4 s less per child). tvm_ffi imports
+#: torch whenever it can; the child has no use for it (another 1-2 s, and hundreds of MB in the
+#: baseline), so torch is made unimportable first.
 _TVM_CHILD = r"""
 import json, sys
-import numpy as np, tvm
+sys.modules["torch"] = None
+import numpy as np, tvm_ffi
+from tvm_attention.loader import aligned_empty
+from tvm_attention.runtime import RUNTIME_CPU, ensure_runtime, load_library
 lib, entry, shapes, dtype = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
-f = tvm.runtime.load_module(lib)[entry]
-args = [tvm.runtime.empty(s, dtype) for s in shapes]
+f = load_library(lib, ensure_runtime(None, [RUNTIME_CPU]))[entry]
+arrays = [aligned_empty(s, dtype) for s in shapes]
 rng = np.random.default_rng(0)
-for a in args[:3]:
-    a.copyfrom(rng.standard_normal(tuple(a.shape)).astype(dtype))
+for a in arrays[:3]:
+    a[...] = rng.standard_normal(a.shape).astype(dtype)
+args = [tvm_ffi.from_dlpack(a) for a in arrays]
 """ + _MEASURE.replace("CALL", "f(*args)")
 
 _PEER_CHILD = r"""
 import json, sys
 from tvm_attention.spec import AttentionSpec
 from tvm_attention.timing import aligned_inputs
-from tvm_attention.bench.cpu import numpy_attention_fn, torch_sdpa_fn
+from tvm_attention.bench.peers import numpy_attention_fn, torch_sdpa_fn
 spec, variant, threads = AttentionSpec.from_dict(json.loads(sys.argv[1])), sys.argv[2], int(sys.argv[3])
 fn = numpy_attention_fn(spec) if variant == "numpy" else torch_sdpa_fn(spec, threads)
 if fn is None:
@@ -88,15 +96,18 @@ def _run_child(code: str, args: list[str], threads: int) -> int:
     return int(json.loads(proc.stdout.strip().splitlines()[-1])["peak_extra_bytes"])
 
 
-def tvm_first_call_peak(module, entry: str, spec: AttentionSpec, threads: int) -> int | None:
-    """Peak extra memory (bytes) of a TVM build's first call, in a fresh process (TVM's workspace
-    pool would otherwise reuse what earlier builds left in this one)."""
+def tvm_first_call_peak(library, entry: str, spec: AttentionSpec, threads: int) -> int | None:
+    """Peak extra memory (bytes) of a CPU build's first call, in a fresh process (TVM's workspace
+    pool would otherwise reuse what earlier builds left in this one). ``library``: the build's
+    shared library (``BuiltKernel.library``), or a runtime module to export to one."""
     if not can_measure():
         return None
+    shapes = [list(spec.q_shape), list(spec.kv_shape), list(spec.kv_shape), list(spec.o_shape)]
+    if isinstance(library, (str, os.PathLike)):
+        return _run_child(_TVM_CHILD, [str(library), entry, json.dumps(shapes), spec.dtype], threads)
     with tempfile.TemporaryDirectory() as tmp:
         lib = os.path.join(tmp, "k.so")
-        module.export_library(lib)
-        shapes = [list(spec.q_shape), list(spec.kv_shape), list(spec.kv_shape), list(spec.o_shape)]
+        library.export_library(lib)
         return _run_child(_TVM_CHILD, [lib, entry, json.dumps(shapes), spec.dtype], threads)
 
 

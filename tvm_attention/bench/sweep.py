@@ -38,7 +38,7 @@ from ..spec import DYNAMIC_DIMS, AttentionSpec
 from ..target import resolve_target
 from ..timing import Timing, aligned_inputs, time_built, time_callable
 from . import Interrupted, Progress, partial_line
-from .cpu import numpy_attention_fn, torch_sdpa_fn
+from .peers import numpy_attention_fn, torch_sdpa_fn
 from .memory import peer_first_call_peak, tvm_first_call_peak
 
 TVM_VARIANTS = ("fused", "materialized", "rowcache")
@@ -151,7 +151,7 @@ def run_variant(spec: AttentionSpec, mode: str, variant: str, threads: int, repe
             args = [tvm.runtime.tensor(x) for x in (q, k, v, o)]
             built.function(*args)
             out = args[3].numpy()
-            res.peak_extra_bytes = tvm_first_call_peak(built.module, built.entry, spec, threads)
+            res.peak_extra_bytes = tvm_first_call_peak(built.library or built.module, built.entry, spec, threads)
             res.timing = time_built(built, spec, repeat=repeat, min_repeat_ms=min_repeat_ms)
         else:
             fn = _peer(spec, variant, threads)
