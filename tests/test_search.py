@@ -2,7 +2,6 @@
 search, the held-out evaluation and the efficiency report in tiny mode."""
 import json
 import runpy
-import subprocess
 import sys
 from pathlib import Path
 
@@ -55,13 +54,14 @@ def logs(tmp_path_factory):
     return root, lines
 
 
-def test_random_search_log_reloads_in_a_fresh_process_validates_and_is_fused(logs, tmp_path):
+def test_random_search_log_builds_validates_and_is_fused(logs, tmp_path):
+    """`build --from-log` of the random search's log (in this process: test_tune's
+    test_tuned_log_reloads_in_a_fresh_process is the fresh-process reload of a log)."""
     root, _ = logs
     assert len(tuning_curve(B, root / "random")) == 2
     out = tmp_path / "art"
-    cmd = [sys.executable, "-m", "tvm_attention.cli", "build", "--batch", "1", "--heads", "2", "--seq-q", "128",
-           "--head-dim", "96", "--causal", "--from-log", str(root / "random"), "--out", str(out)]
-    subprocess.run(cmd, check=True, capture_output=True, cwd=ROOT)
+    assert cli.main(["build", "--batch", "1", "--heads", "2", "--seq-q", "128", "--head-dim", "96", "--causal",
+                     "--from-log", str(root / "random"), "--out", str(out)]) == 0
     m = json.loads((out / "manifest.json").read_text())
     assert m["schedule"]["source"] == "tuned" and m["validation"]["passed"]
     assert m["audit"]["verdict"] == "fused"
