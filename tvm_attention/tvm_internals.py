@@ -318,8 +318,8 @@ class _FastStackInspect(types.ModuleType):
 
 @contextlib.contextmanager
 def fast_macro_expansion():
-    """While active (in any thread), TVMScript's ``ScriptMacro`` expands macros with two
-    shortcuts that return exactly what TVM's methods return; on the outermost exit TVM's own
+    """While active (in any thread), TVMScript's parser takes three shortcuts that return
+    exactly what TVM's methods return; on the outermost exit TVM's own
     methods are back. Used around the generation of our kernels (the workload factories), so
     that importing :mod:`tvm_attention` changes nothing in TVM for the rest of the process.
 

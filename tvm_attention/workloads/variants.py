@@ -24,6 +24,8 @@ hook                       what it does (in this order)                        k
 (d) ``v_scale``/           an 8-bit cache's value scale, once per output       CPU / CUDA
     ``v_scaled``
     ``with_sink``          the sink joins the row's denominator                all
+    ``sink_terms``         its factors, for a kernel that binds them once per  tensor cores
+                           row (the unrolled outputs share them)
     ``normalized``         ``acc / l``, or 0 for a row that saw no key         all
 =========================  ==================================================  ==============
 
