@@ -283,19 +283,24 @@ def test_progress_line_counts_units_with_elapsed_and_eta(monkeypatch):
     lines.clear()
     assert run_sweep(pts[:1], ["fused", "torch", "numpy"], threads=1, say=lines.append) and \
         lines[0].startswith("[3/3, ")  # the default count: this sweep's units
-    calls = []
-
-    def third_fails(*args):
-        calls.append(args)
-        if len(calls) == 4:
-            raise KeyboardInterrupt
-        return _fake_result(*args)
-
-    monkeypatch.setattr(sweep, "run_variant", third_fails)
+    monkeypatch.setattr(sweep, "run_variant", interrupted_at(4, _fake_result))
     with pytest.raises(Interrupted) as e:
         run_sweep(pts, ["fused", "materialized", "torch"], threads=1, say=lambda m: None)
     assert (e.value.completed, e.value.total) == (3, 9) and len(e.value.partial) == 3
     assert isinstance(e.value, KeyboardInterrupt)  # a caller that does not look stops as before
+
+
+def interrupted_at(nth: int, fn):
+    """``fn`` whose ``nth`` call raises KeyboardInterrupt (a Ctrl-C during that measurement)."""
+    calls = []
+
+    def wrapper(*args):
+        calls.append(args)
+        if len(calls) == nth:
+            raise KeyboardInterrupt
+        return fn(*args)
+
+    return wrapper
 
 
 def _cheap_cli(monkeypatch):
@@ -318,15 +323,7 @@ def test_ctrl_c_writes_partial_results_and_exits_130(monkeypatch, tmp_path, caps
     """Ctrl-C after the first point: its results are written (JSON, CSV, Markdown, marked partial),
     no plot, no closing roofs, exit 130."""
     roofs = _cheap_cli(monkeypatch)
-    real, calls = sweep.run_variant, []
-
-    def second_interrupts(*args):
-        calls.append(args)
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return real(*args)
-
-    monkeypatch.setattr(sweep, "run_variant", second_interrupts)
+    monkeypatch.setattr(sweep, "run_variant", interrupted_at(2, sweep.run_variant))
     assert main(CHEAP + ["--seq", "64", "128", "--out", str(tmp_path)]) == 130
     out = capsys.readouterr().out
     assert "[1/2, " in out and "ETA" in out and "interrupted after 1 of 2 measurements" in out
@@ -352,15 +349,7 @@ def test_memory_scaling_counts_in_the_total_and_keeps_its_partial(monkeypatch, t
 
     _cheap_cli(monkeypatch)
     monkeypatch.setattr(psutil, "virtual_memory", lambda: types.SimpleNamespace(available=1 << 30))
-    calls = []
-
-    def fake(*args):
-        calls.append(args)
-        if len(calls) == 3:  # the fused kernel at S=65536
-            raise KeyboardInterrupt
-        return _fake_result(*args)
-
-    monkeypatch.setattr(sweep, "run_variant", fake)
+    monkeypatch.setattr(sweep, "run_variant", interrupted_at(3, _fake_result))  # the fused kernel at S=65536
     assert main(CHEAP + ["--seq", "64", "--memory-scaling", "--out", str(tmp_path)]) == 130
     out = capsys.readouterr().out
     assert "5 measurements: 1 point × 1 variant + 4 of --memory-scaling" in out
