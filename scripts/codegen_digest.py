@@ -10,8 +10,10 @@ is hashed. Run it before and after a change and diff the outputs:
     python scripts/codegen_digest.py > after.txt
     diff before.txt after.txt                          # empty: byte-identical
 
-``--dump DIR`` also writes each case's code, to see what differs. Cross-compiles only: nothing
-runs, so every target builds on any host (CUDA without a GPU or nvcc).
+``--dump DIR`` also writes each case's code, to see what differs. ``--asm`` also hashes each CPU
+case's machine code (LLVM's assembly): the proof for a change that rewrites the IR but should
+compile to the same instructions. Cross-compiles only: nothing runs, so every target builds on any
+host (CUDA without a GPU or nvcc).
 """
 from __future__ import annotations
 
@@ -154,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dump", help="also write each case's code into this folder")
     p.add_argument("--no-cuda", action="store_true", help="CPU cases only")
+    p.add_argument("--asm", action="store_true", help="also hash each CPU case's assembly")
     a = p.parse_args(argv)
     jobs = [(s, x, resolve_target({"kind": "llvm", "mcpu": cpu}), cpu) for cpu in CPUS for s, x in cpu_cases()]
     if not a.no_cuda:
@@ -164,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
         parts = {"tir": low.script()}
         if str(target.kind) == "cuda":
             parts["cu"] = kernel_source(codegen(low))
+        elif a.asm:
+            parts["asm"] = codegen(low).inspect_source("asm")
         for kind, text in parts.items():
             print(f"{hashlib.sha256(text.encode()).hexdigest()[:16]}  {kind}  {name}", flush=True)
             if a.dump:

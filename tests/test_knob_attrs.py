@@ -26,7 +26,7 @@ PAGED = AttentionSpec(batch=2, heads=8, kv_heads=4, seq_q=1, seq_kv=100, head_di
                       page_size=16)  # symbolic batch, seq_q, seq_kv: both decode tiers and the main nest
 HALF = dataclasses.replace(BHSD, dtype="float16")
 #: the attrs that are no knob: what the function is, and the layout's buffer alignment
-NOT_KNOBS = {"attn.workload", "attn.data_alignment", "attn.extra_params"}
+NOT_KNOBS = {"attn.workload", "attn.data_alignment"}
 #: every generator's table: no knob attr is written outside them
 TABLES = {
     "fused": knob_attrs.FUSED + knob_attrs.FUSED_DECODE,

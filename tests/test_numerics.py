@@ -84,3 +84,16 @@ def test_reference_zero_rows_only_for_rows_without_keys():
     assert np.isnan(ref[0, 0, 75]).all()  # was zeros: max/denominator guards ate the NaN
     zero_rows = np.nonzero((ref[0, 0] == 0).all(axis=-1))[0]
     np.testing.assert_array_equal(zero_rows, NO_KEY_ROWS)
+
+
+def test_fast_exp2_and_tanh_write_their_argument_out_once():
+    # exp2_fast's polynomial reads the clamped argument 15 times and tanh_fast reads exp2_fast's
+    # result twice: each binds it (a Let), so a masked score's tree is in the IR once per clamp,
+    # not 30 times (written out, it made a paged build's lowering twice as slow)
+    from tvm import tirx
+
+    from tvm_attention.workloads._math import exp2_fast, tanh_fast
+
+    x = tirx.Var("score_marker", "float32")
+    assert exp2_fast(x * tirx.const(3.0, "float32")).script().count("score_marker") == 2  # x < lo ? lo : x
+    assert tanh_fast(x).script().count("score_marker") == 3  # |x| into the clamp, and the sign

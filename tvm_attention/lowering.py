@@ -1,8 +1,8 @@
 """Final lowering: the IR codegen receives, kept so it can be audited and printed.
 
-``lower_final`` repeats exactly what ``tvm.tirx.build`` does (bind target, run the TIR pipeline,
-split host/device, finalize) and keeps the result; ``codegen`` then turns that same IR into a
-runtime module, so what we audit is what runs.
+``lower_final`` repeats what ``tvm.tirx.build`` does (bind target, run the TIR pipeline, split
+host/device, finalize; first a var of its own for each binding, ``ConvertSSA``) and keeps the
+result; ``codegen`` then turns that same IR into a runtime module, so what we audit is what runs.
 """
 from __future__ import annotations
 
@@ -65,6 +65,9 @@ def lower_final(mod: tvm.IRModule | tvm.tirx.PrimFunc, target: Target,
         target_host = target
     else:
         target_host = Target("llvm")
+    # a schedule may copy a Let binding (an inlined block read at two indices): one var each
+    # (``workloads._math.ssa_checked``)
+    mod = tvm.tirx.transform.ConvertSSA()(mod)
     mod = tvm.tirx.transform.BindTarget(target.with_host(target_host))(mod)
     pipeline, finalize_host, finalize_device = tvm.tirx.get_tir_pipeline("default")
     mod = with_shape_bounds(pipeline(mod), arg_bounds)

@@ -20,8 +20,11 @@ def lean_build(mod, target, _params=None):
     from tvm.driver import build as tvm_build
     from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock
 
+    import tvm
+
     mod = RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod)
-    return tvm_build(mod, target=target)
+    # a schedule may copy a Let binding: one var each, as lowering.lower_final does
+    return tvm_build(tvm.tirx.transform.ConvertSSA()(mod), target=target)
 
 
 def ignore_sigint() -> None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 
+import tvm
 from tvm import tirx
 
 from ..visibility import Visibility
@@ -39,7 +40,12 @@ def exp2_fast(x: tirx.PrimExpr) -> tirx.PrimExpr:
     """
     f32 = "float32"
     lo = tirx.const(-127.0, f32)
-    xc = tirx.Select(x < lo, lo, x)
+    # The clamped argument is bound once (a Let): the polynomial reads it 15 times, and written
+    # out each time the tree of a masked score grew 30-fold, which TVM's passes walked copy by copy
+    # (a paged build's lowering took twice as long). A Let stays in TIR as one value; the
+    # workloads make each binding's var unique (``ssa_checked``). ``x`` must hold no bfloat16
+    # load: TVM's bfloat16 legalization does not look inside a Let (see ``cast_to``).
+    xc = tirx.Var("xc", f32)
     n = tirx.floor(xc + tirx.const(0.5, f32))
     f = xc - n
     p = tirx.const(_EXP2_POLY[0], f32)
@@ -47,7 +53,7 @@ def exp2_fast(x: tirx.PrimExpr) -> tirx.PrimExpr:
         p = p * f + tirx.const(coef, f32)
     p = p * f + tirx.const(1.0, f32)
     bits = tirx.shift_left(tirx.Cast("int32", n) + tirx.const(127, "int32"), tirx.const(23, "int32"))
-    return p * tirx.reinterpret(f32, bits)
+    return tirx.Let(xc, tirx.Select(x < lo, lo, x), p * tirx.reinterpret(f32, bits))
 
 
 def tanh_fast(x: tirx.PrimExpr) -> tirx.PrimExpr:
@@ -56,9 +62,24 @@ def tanh_fast(x: tirx.PrimExpr) -> tirx.PrimExpr:
     restored. Absolute error about 1e-7 (the softcapped logit ``c·tanh(x/c)`` then within
     ``c``·1e-7); ±inf give ±1, NaN stays NaN (``|NaN|`` and the select keep it)."""
     f32 = "float32"
-    t = exp2_fast(tirx.abs(x) * tirx.const(-2.0 * LOG2E, f32))
+    t = tirx.Var("t", f32)  # bound once, as in exp2_fast
     r = (tirx.const(1.0, f32) - t) / (tirx.const(1.0, f32) + t)
-    return tirx.Select(x < tirx.const(0.0, f32), -r, r)
+    return tirx.Let(t, exp2_fast(tirx.abs(x) * tirx.const(-2.0 * LOG2E, f32)),
+                    tirx.Select(x < tirx.const(0.0, f32), -r, r))
+
+
+def ssa_checked(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    """``func`` with a var of its own for every binding, checked well-formed.
+
+    :func:`exp2_fast` binds its argument with a Let, and an expression built once may be used
+    twice (``with_sink``'s weight scales both ``acc`` and ``l``; a user's score_mod may reuse a
+    value), which binds one var in two places. ``ConvertSSA`` renames each later binding; the
+    workloads parse their scripts unchecked and check here instead, once every parameter is
+    in place. Scheduling can copy a binding again (an inlined block read at two indices), so
+    lowering renames once more (``lowering.lower_final``)."""
+    mod = tvm.tirx.transform.ConvertSSA()(tvm.IRModule({"main": func}))
+    tvm.s_tir.analysis.verify_well_formed(mod)  # what T.prim_func checks of a script
+    return mod["main"]
 
 
 def with_sink(acc: tirx.PrimExpr, l: tirx.PrimExpr, m: tirx.PrimExpr, sink: tirx.PrimExpr):
@@ -128,8 +149,20 @@ def f32(x: tirx.PrimExpr) -> tirx.PrimExpr:
 
 
 def cast_to(buf, x: tirx.PrimExpr) -> tirx.PrimExpr:
-    """``x`` (float32) rounded to ``buf``'s dtype for a store (unchanged for float32)."""
-    return x if str(buf.dtype) == "float32" else tirx.Cast(str(buf.dtype), x)
+    """``x`` (float32) rounded to ``buf``'s dtype for a store (unchanged for float32).
+
+    bfloat16 is rounded here (:func:`bf16_bits`, nearest even) from ``x`` bound once. TVM would
+    legalize a bfloat16 cast into the same integer rounding, writing ``x`` out twice; a Let
+    inside ``x`` (``exp2_fast``'s, a sink's weight) then bound one var twice, which its
+    vectorizer refuses. ``x`` holds no bfloat16 load: TVM 0.27's ``BF16ComputeLegalize`` leaves
+    a Let's value as it is, and would not widen it."""
+    dtype = str(buf.dtype)
+    if dtype == "float32":
+        return x
+    if dtype != "bfloat16":
+        return tirx.Cast(dtype, x)
+    v = tirx.Var("o", "float32")
+    return tirx.reinterpret("bfloat16", tirx.Let(v, x, bf16_bits(v)))
 
 
 def bf16_value(bits: tirx.PrimExpr) -> tirx.PrimExpr:

@@ -49,7 +49,8 @@ from tvm.script import tirx as T
 from ..spec import DATA_ALIGNMENT as A, ENTRY, MAX_SEQ_LEN, AttentionSpec
 from ..tvm_internals import fast_macros
 from ..visibility import Visibility
-from ._math import (bf16_bits, bf16_value, cast_to, exp2_fast, f32, f32_to_kv, guarded, kv_to_f32, lse_of)
+from ._math import (bf16_bits, bf16_value, cast_to, exp2_fast, f32, f32_to_kv, guarded, kv_to_f32, lse_of,
+                    ssa_checked)
 from .knob_attrs import FUSED_DECODE, FUSED_FORM, FUSED_TILE, record
 from .kv import dim, kv_layout
 from .variants import NO_VARIANTS, TEMPLATE_ARGS, ExtraParams, Variants, score_scale, transforms
@@ -1116,7 +1117,9 @@ def _append_macro(f: _Dense):
     kvd = spec.kv_dtype
 
     def stored(buf, x, scale):
-        return cast_to(buf, f32(x)) if kvd is None else f32_to_kv(f32(x) / scale, kvd)
+        # without kv_dtype the cache has k_new's dtype: copied as it is (a bfloat16 value through
+        # float32 and cast_to's rounding would come back unchanged)
+        return x if kvd is None else f32_to_kv(f32(x) / scale, kvd)
 
     def scale_of(S, h):
         return None if S is None else S[h]
@@ -1174,8 +1177,8 @@ def _dense_function(f: _Dense, attrs: dict, body) -> tirx.PrimFunc:
     def index_buffers(*bufs):
         return tuple(b for b, p in zip(bufs, present) if p)
 
-    # the extra buffers become parameters after parsing (_keep_params): not well-formed before
-    @T.prim_func(s_tir=True, check_well_formed=not extra.params)
+    # the extra buffers become parameters after parsing: _keep_params checks the function
+    @T.prim_func(s_tir=True, check_well_formed=False)
     def attention(
         Q: T.Buffer(QS, dtype, align=A),
         K: T.Buffer(KS, kv_dtype, align=A),
@@ -1220,10 +1223,11 @@ def n_splits(split_tasks: int, B, KH: int):
 
 def _keep_params(func: tirx.PrimFunc, keep: list[bool], extra=(), n_outputs: int = 1) -> tirx.PrimFunc:
     """``func`` with only the parameters ``keep`` marks (the others are unused in its body), and
-    the buffers ``extra`` inserted before its last ``n_outputs`` parameters (the outputs)."""
+    the buffers ``extra`` inserted before its last ``n_outputs`` parameters (the outputs), its
+    bindings made unique and checked (``ssa_checked``)."""
     params = [p for p, k in zip(func.params, keep) if k]
     params = params[:len(params) - n_outputs] + list(extra) + params[len(params) - n_outputs:]
-    return tirx.PrimFunc(params, func.body, func.ret_type, func.attrs)
+    return ssa_checked(tirx.PrimFunc(params, func.body, func.ret_type, func.attrs))
 
 
 def _varlen(spec: AttentionSpec, block_m: int, block_n: int, dot_bf16: bool = False) -> tirx.PrimFunc:
@@ -1281,7 +1285,7 @@ def _varlen(spec: AttentionSpec, block_m: int, block_n: int, dot_bf16: bool = Fa
     NBK = tirx.Var("key_bound_rows", "int32")  # key_lo's rows: batch, checked (index_checks)
     extra = ExtraParams(spec, NBK)
 
-    @T.prim_func(s_tir=True, check_well_formed=not extra.params)
+    @T.prim_func(s_tir=True, check_well_formed=False)  # _keep_params checks it
     def attention(
         Q: T.Buffer(QS, dtype, align=A),
         K: T.Buffer(KS, kv_dtype, align=A),

@@ -40,7 +40,7 @@ from ..cuda_tools import shared_scope
 from ..spec import ENTRY, AttentionSpec
 from ..tvm_internals import fast_macros
 from ..visibility import Visibility
-from ._math import LOG2E, exp2_fast, guarded, kv_to_f32, lse_of
+from ._math import LOG2E, exp2_fast, guarded, kv_to_f32, lse_of, ssa_checked
 from .fused import MIN_SPLIT_KEYS, n_splits
 from .knob_attrs import CUDA_SPLIT, FUSED_CUDA, record
 from .kv import dim, kv_layout
@@ -618,13 +618,13 @@ def kernel_func(spec: AttentionSpec, block, BM: int, BN: int, dims: tuple, tile,
     attrs = {**attrs, **record(CUDA_SPLIT, split_tasks=split_tasks)}  # none when 0
     func, LSE = _kernel_func(spec, block, BM, BN, B, SQ, SK, tile, attrs, reverse, bool(spec.return_lse), var,
                              split_tasks, lanes)
-    if LSE is None and not var.buffers:
-        return func
-    # buffers declared outside the script: the variants' arguments before O (the script's last
-    # parameter), the log-sum-exp output after it
-    params = list(func.params)
-    params = params[:-1] + var.buffers + params[-1:] + ([LSE] if LSE is not None else [])
-    return tirx.PrimFunc(params, func.body, func.ret_type, func.attrs)
+    if LSE is not None or var.buffers:
+        # buffers declared outside the script: the variants' arguments before O (the script's
+        # last parameter), the log-sum-exp output after it
+        params = list(func.params)
+        params = params[:-1] + var.buffers + params[-1:] + ([LSE] if LSE is not None else [])
+        func = tirx.PrimFunc(params, func.body, func.ret_type, func.attrs)
+    return ssa_checked(func)
 
 
 def _lse_buffer(spec: AttentionSpec, B, SQ, TQ):
@@ -635,11 +635,9 @@ def _lse_buffer(spec: AttentionSpec, B, SQ, TQ):
 
 def _kernel_func(spec, block, BM, BN, B, SQ, SK, tile, attrs, reverse, lse, var, split_tasks=0, lanes=None):
     """``kernel_func``'s PrimFunc per layout and the LSE buffer its tiles write (None without
-    ``lse``), neither it nor the variants' buffers yet among its parameters: a script that uses
-    them is marked ``attn.extra_params`` and not checked for well-formedness until then."""
+    ``lse``), neither it nor the variants' buffers yet among its parameters: parsed unchecked,
+    ``kernel_func`` checks it once they are (``ssa_checked``)."""
     H, KH, D = spec.heads, spec.kv_heads, spec.head_dim
-    if lse or var.buffers:
-        attrs = {**attrs, "attn.extra_params": 1}
     dtype = spec.dtype
     layout = spec.layout_info
     if layout.packed:
@@ -647,7 +645,7 @@ def _kernel_func(spec, block, BM, BN, B, SQ, SK, tile, attrs, reverse, lse, var,
         LSE = _lse_buffer(spec, B, SQ, TQ) if lse else None
         grid, TK, NB1 = varlen_grid(spec, block, BM, BN, tile, reverse, TQ, LSE, var)
 
-        @T.prim_func(s_tir=True, check_well_formed="attn.extra_params" not in attrs)
+        @T.prim_func(s_tir=True, check_well_formed=False)
         def attention_varlen(
             Q: T.Buffer((TQ, H, D), dtype),
             K: T.Buffer((TK, KH, D), dtype),
@@ -686,7 +684,7 @@ def _kernel_func(spec, block, BM, BN, B, SQ, SK, tile, attrs, reverse, lse, var,
     merge = None if split is None else merge_grid(spec, block, lanes, split, at, LSE)
     grid = tile_grid(block, B, KH if cache else H, NR, not spec.dynamic, tile, at, cache, split, merge)
     if not cache:
-        @T.prim_func(s_tir=True, check_well_formed="attn.extra_params" not in attrs)
+        @T.prim_func(s_tir=True, check_well_formed=False)
         def attention(
             Q: T.Buffer((B, H, SQ, D), dtype),
             K: T.Buffer((B, KH, SK, D), dtype),
@@ -701,7 +699,7 @@ def _kernel_func(spec, block, BM, BN, B, SQ, SK, tile, attrs, reverse, lse, var,
     kv_dtype = spec.kv_dtype_name  # an 8-bit cache's (kv_reader converts its elements)
     fp8 = kv_dtype.startswith("float8")  # read through uint8 aliases (kv_to_f32 takes the bits)
     if index == ("cache_seqlens",):
-        @T.prim_func(s_tir=True, check_well_formed="attn.extra_params" not in attrs)
+        @T.prim_func(s_tir=True, check_well_formed=False)
         def attention_kvcache(
             Q: T.Buffer((B, H, SQ, D), dtype),
             K: T.Buffer(KS, kv_dtype),
@@ -720,7 +718,7 @@ def _kernel_func(spec, block, BM, BN, B, SQ, SK, tile, attrs, reverse, lse, var,
         return attention_kvcache, LSE
     MP = kvl.MP  # block_table's columns
 
-    @T.prim_func(s_tir=True, check_well_formed="attn.extra_params" not in attrs)
+    @T.prim_func(s_tir=True, check_well_formed=False)
     def attention_paged(
         Q: T.Buffer((B, H, SQ, D), dtype),
         K: T.Buffer(KS, kv_dtype),
