@@ -3,7 +3,8 @@
 MetaSchedule's ``default_build`` imports ``tvm.s_tir.tensor_intrin`` (parsing ~500 TVMScript
 functions, ~30 s here) in every fresh worker, and LocalBuilder restarts its workers on every
 batch: that was 35 s per 4 candidates. Our kernels use no tensor intrinsics, so this build skips
-that import and is otherwise the same.
+that import and is otherwise the same, but for the ConvertSSA that ``lowering.lower_final`` runs
+too.
 
 A terminal's Ctrl-C goes to the whole foreground process group, workers included. The tuner
 starts its workers with SIGINT blocked (they inherit the mask, see ``driver._workers_spawn``) and
@@ -17,10 +18,9 @@ from ..threads import set_num_threads
 
 
 def lean_build(mod, target, _params=None):
+    import tvm
     from tvm.driver import build as tvm_build
     from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock
-
-    import tvm
 
     mod = RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod)
     # a schedule may copy a Let binding: one var each, as lowering.lower_final does
