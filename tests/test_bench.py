@@ -499,3 +499,28 @@ def test_loader_benchmark_times_each_way_of_calling(capsys):
     assert "batch 1, 64 keys, 1 thread; best of 2 rounds of 5 calls" in out
     for way in ("bare function", "loader", "loader, out=", "loader, read-only cache"):
         assert f"  {way:<24} " in out and "x the bare call" in out
+
+
+@pytest.mark.parametrize("dtype,atol", [("float32", 1e-5), ("bfloat16", 5e-3), ("int8", 2e-2)])
+def test_llamacpp_decode_peer_computes_attention(dtype, atol):
+    """The llama.cpp peer (bench.peers.GgmlDecode) reads our (B, KH, cache, D) arrays in ggml's
+    innermost-first shapes: its step matches the float64 reference within its cache type's
+    rounding (F32, F16, Q8_0), GQA and a batch of two included."""
+    pytest.importorskip("ggml", reason="ggml-python (llama.cpp's ggml, an optional peer) is not installed")
+    import numpy as np
+
+    from tvm_attention.bench.peers import GgmlDecode
+    from tvm_attention.reference import reference_attention
+
+    spec = AttentionSpec(batch=2, heads=8, kv_heads=2, seq_q=1, seq_kv=300, head_dim=64)
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal(s, dtype=np.float32) for s in (spec.q_shape, spec.kv_shape, spec.kv_shape))
+    peer, kind = GgmlDecode.create(q, k, v, dtype, spec.scale, threads=2)
+    assert kind == {"float32": "F32", "bfloat16": "F16", "int8": "Q8_0"}[dtype]
+    try:
+        peer.call()
+        np.testing.assert_allclose(peer.output(), reference_attention(spec, q, k, v), atol=atol)
+    finally:
+        peer.close()
+    none, why = GgmlDecode.create(q, k, v, "float8_e5m2", spec.scale, threads=2)
+    assert none is None and "float8_e5m2" in why

@@ -1,6 +1,7 @@
 """KV-cache decode (issue 10): the kvcache and paged layouts, GQA packing, split-KV with its
 merge, the LSE output and merge_states."""
 import dataclasses
+import importlib.util
 import json
 
 import numpy as np
@@ -280,6 +281,13 @@ def test_decode_bench_smoke(tmp_path, capsys):
     assert "append_cost" in kv8 and "append_cost" not in row and "torch_ms" not in kv8
     assert report["meta"]["fma_gflops"] > 0 and row["fma_floor_ms"] > 0 and 0 < kv8["roof_cap"] <= row["roof_cap"] <= 1
     assert "| H:KH |" in (tmp_path / "decode.md").read_text()
+    # llama.cpp beside ours where ggml-python is installed; float8 never (ggml has no such type)
+    llama = report["meta"]["llamacpp"]
+    assert "float8_e4m3fn" in llama["float8_e4m3fn"] and "llamacpp_ms" not in kv8
+    if importlib.util.find_spec("ggml") is not None:
+        assert llama["float32"] == "F32" and row["llamacpp_ms"] > 0 and row["kvcache_vs_llamacpp"] > 0
+    else:
+        assert "ggml-python is not installed" in llama["float32"] and "llamacpp_ms" not in row
 
 
 def test_decode_compute_floor_caps_the_roof_and_the_8bit_gain():

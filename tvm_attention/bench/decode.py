@@ -4,8 +4,12 @@ A decode step streams every K/V byte once (about 0.5 FLOP per byte), so its roof
 streaming-read bandwidth, not the FMA peak. For each point (batch, cache length, heads, head_dim,
 contiguous ``kvcache`` or ``paged`` layout) this reports the GB/s of K/V the kernel reads, that as
 a fraction of the machine's streaming-read bandwidth (``bench.bandwidth``, measured in the same
-run, before and after the points: the best is the roof), and torch SDPA (``enable_gqa``) on the
-same data side by side. Every variant is timed alternately, on the same threads.
+run, before and after the points: the best is the roof), and two peers on the same data side by
+side: torch SDPA (``enable_gqa``) and llama.cpp's CPU flash attention (``ggml_flash_attn_ext``,
+:class:`~tvm_attention.bench.peers.GgmlDecode`; with the ``ggml-python`` package, else skipped
+with the reason in the report's ``meta``), its cache at our bytes per element: fp32 as F32, bf16
+and fp16 as F16, int8 as Q8_0 (no float8 type). ``kvcache_vs_llamacpp`` is its time over ours
+(issue 42's goal: ≥ 2×). Every variant is timed alternately, on the same threads.
 
 K/V bytes = 2 · batch · kv_heads · cache · head_dim · itemsize: what any kernel must read. With
 several dtypes (``float32``, ``bfloat16``, ``float16``: caches and q stored in that dtype) each
@@ -35,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import math
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -52,13 +57,16 @@ from ..threads import set_num_threads
 from ..timing import time_callable
 from . import Interrupted, Progress, mark_interrupted, partial_line, write_report
 from .bandwidth import stream_read_gbps
+from .peers import GGML_KV_TYPES, GgmlDecode
 from .cpu import fma_peak
 
 #: Speed goals of issue 10, checked in the report (never by a test): fraction of the streaming
 #: roof at (batch 4, 4k cache) and (batch 1, 16k cache), GQA 32:8, D=128; speed-up over torch.
 GOALS = {"roof_b4_4k": 0.80, "roof_b1_16k": 0.70, "vs_torch": 2.0, "paged_vs_contiguous": 0.90,
          # issue 27: an 8-bit step against the bf16 one (time ≤ 0.6×), its roof, append's cost
-         "kv8_vs_bf16": 1 / 0.6, "kv8_roof": 0.70, "append_cost": 0.05}
+         "kv8_vs_bf16": 1 / 0.6, "kv8_roof": 0.70, "append_cost": 0.05,
+         # issue 42: against llama.cpp's CPU flash attention at the same bytes per element
+         "vs_llamacpp": 2.0}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +86,7 @@ class Config:
     dtypes: tuple[str, ...] = ("float32",)
     kv8_query_dtype: str = "bfloat16"  # q and o of the 8-bit cache rows
     append: bool = True  # time the --append kernel of each 8-bit kvcache point too (append_cost)
+    llamacpp: bool = True  # llama.cpp's flash attention beside ours, where ggml-python is installed
 
 
 def quick_config() -> Config:
@@ -128,7 +137,8 @@ def run(cfg: Config, threads: int | None = None, say: Callable[[str], None] = pr
     except ImportError:
         torch_version = None
     meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "cpu": host_cpu(), "threads": threads,
-            "torch": torch_version, "config": dataclasses.asdict(cfg), "goals": GOALS}
+            "torch": torch_version, "config": dataclasses.asdict(cfg), "goals": GOALS,
+            "llamacpp": {}}  # dtype -> the ggml type llama.cpp read the cache in, or why it did not run
     say(f"# {meta['date']} cpu={meta['cpu']} threads={threads} torch={torch_version}")
     streams = [stream_read_gbps(cfg.stream_bytes)]
     say(f"streaming read: {streams[0]:.1f} GB/s")
@@ -147,7 +157,7 @@ def run(cfg: Config, threads: int | None = None, say: Callable[[str], None] = pr
         for h, kh in cfg.heads:
             for d in cfg.head_dims:
                 for dtype in cfg.dtypes:
-                    _points(cfg, h, kh, d, dtype, tensor, say, rows, progress)
+                    _points(cfg, h, kh, d, dtype, tensor, say, rows, progress, threads, meta["llamacpp"])
         streams.append(stream_read_gbps(cfg.stream_bytes))
     except KeyboardInterrupt:
         # what was measured, against the roof measured at the start (the closing one is skipped)
@@ -178,6 +188,8 @@ def _finish(cfg: Config, meta: dict[str, Any], rows: list[dict[str, Any]], strea
                 row[f"{name}_roof"] = row[f"{name}_gbps"] / roof
                 if "torch_ms" in row:
                     row[f"{name}_vs_torch"] = row["torch_ms"] / row[f"{name}_ms"]
+                if "llamacpp_ms" in row:
+                    row[f"{name}_vs_llamacpp"] = row["llamacpp_ms"] / row[f"{name}_ms"]
         if "paged_ms" in row and "kvcache_ms" in row:
             row["paged_vs_contiguous"] = row["kvcache_ms"] / row["paged_ms"]
         if "paged_ms" in row and "paged_per_head_ms" in row:
@@ -211,9 +223,10 @@ def _key(row: dict[str, Any]) -> tuple:
 
 
 def _points(cfg: Config, h: int, kh: int, d: int, dtype: str, tensor, say, rows: list[dict[str, Any]],
-            progress: Progress) -> None:
+            progress: Progress, threads: int, llamacpp: dict[str, str]) -> None:
     """Every (batch, cache) point of one (heads, head_dim, dtype), appended to ``rows`` as it is
-    measured: the layouts' kernels built once, each point's variants timed alternately."""
+    measured: the layouts' kernels built once, each point's variants timed alternately.
+    ``llamacpp``: dtype -> the ggml type of llama.cpp's cache, or why it did not run (said once)."""
     kernels = {}
     kv8 = dtype in KV_DTYPES  # an 8-bit cache: q and o in kv8_query_dtype
     qdtype = cfg.kv8_query_dtype if kv8 else dtype
@@ -241,6 +254,13 @@ def _points(cfg: Config, h: int, kh: int, d: int, dtype: str, tensor, say, rows:
             # one spare key per sequence: the appending kernel writes its new key there
             k = rng.standard_normal((b, kh, cache + 1, d), dtype=np.float32)
             v = rng.standard_normal((b, kh, cache + 1, d), dtype=np.float32)
+            llama = None
+            if cfg.llamacpp:  # from the float32 values: ggml converts or quantizes them itself
+                llama, why = GgmlDecode.create(q.astype(np.float32), k[:, :, :cache], v[:, :, :cache], dtype,
+                                               1 / math.sqrt(d), threads)
+                if dtype not in llamacpp:
+                    llamacpp[dtype] = why
+                    say(f"llama.cpp peer for {dtype}: " + (f"ggml {why} cache" if llama else f"skipped: {why}"))
             scales = []
             if kv8:
                 (k, ks), (v, vs) = quantize_kv(k, dtype), quantize_kv(v, dtype)
@@ -269,6 +289,8 @@ def _points(cfg: Config, h: int, kh: int, d: int, dtype: str, tensor, say, rows:
                                                          np.ascontiguousarray(v[:, :, :cache]), cfg.min_repeat_ms)
             if torch_timer is not None:
                 timers["torch"] = torch_timer
+            if llama is not None:
+                timers["llamacpp"] = lambda: time_callable(llama.call, repeat=3, min_repeat_ms=cfg.min_repeat_ms).median_s
             best = {name: float("inf") for name in timers}
             for r in range(cfg.rounds):
                 for name in (list(timers) if r % 2 == 0 else list(reversed(timers))):
@@ -283,6 +305,8 @@ def _points(cfg: Config, h: int, kh: int, d: int, dtype: str, tensor, say, rows:
             say(f"{progress.tag()} {tag} " + ", ".join(
                 f"{name} {best[name] * 1e3:.3f} ms {nbytes / best[name] / 1e9:.1f} GB/s" for name in best))
             del timers
+            if llama is not None:
+                llama.close()
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -292,6 +316,10 @@ def markdown(report: dict[str, Any]) -> str:
              f"in this run: roof = {m['roof_gbps']:.1f} GB/s; FMA peak {m.get('fma_gflops', float('nan')):.0f} "
              "GFLOP/s. Variants alternated; each time is the best round; "
              "torch SDPA runs in the same dtype; × fp32: the fp32 step time over this one.", "",
+             "llama.cpp: its CPU flash attention (ggml_flash_attn_ext), cache as "
+             + (", ".join(f"{k} → {v if v in set(GGML_KV_TYPES.values()) else 'not run'}"
+                          for k, v in m.get("llamacpp", {}).items()) or "—")
+             + "; kvcache/llama.cpp: its time over ours (goal ≥ 2×).", "",
              "paged: all kv heads of a page per task (the preset); per head: one kv head per task.", "",
              "8-bit caches (float8_e4m3fn, float8_e5m2, int8): q and o in bfloat16, one byte per K/V element read; "
              "× bf16: the bf16 step time over this one (goal ≥ 1.67: ≤ 0.6× the time); append: the --append "
@@ -301,8 +329,9 @@ def markdown(report: dict[str, Any]) -> str:
              "compute and memory fully overlapped).", "",
              "| H:KH | D | dtype | batch | cache | K/V MB | kvcache ms | GB/s | of roof | FMA floor ms | roof cap | "
              "× fp32 | × bf16 | × bf16 cap | append | "
-             "paged ms | of roof | paged/contig. | paged per head ms | page order gain | torch ms | kvcache/torch |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "paged ms | of roof | paged/contig. | paged per head ms | page order gain | torch ms | kvcache/torch | "
+             "llama.cpp ms | kvcache/llama.cpp |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     lines[:0] = partial_line(m, "points")  # a partial run says so first
 
     def f(row, key, fmt):
@@ -317,7 +346,8 @@ def markdown(report: dict[str, Any]) -> str:
             f"{f(r, 'append_cost', '+.1%')} | {f(r, 'paged_ms', '.3f')} | "
             f"{f(r, 'paged_roof', '.0%')} | "
             f"{f(r, 'paged_vs_contiguous', '.2f')} | {f(r, 'paged_per_head_ms', '.3f')} | "
-            f"{f(r, 'page_order_gain', '.2f')} | {f(r, 'torch_ms', '.3f')} | {f(r, 'kvcache_vs_torch', '.2f')}× |")
+            f"{f(r, 'page_order_gain', '.2f')} | {f(r, 'torch_ms', '.3f')} | {f(r, 'kvcache_vs_torch', '.2f')}× | "
+            f"{f(r, 'llamacpp_ms', '.3f')} | {f(r, 'kvcache_vs_llamacpp', '.2f')}× |")
     return "\n".join(lines)
 
 
