@@ -76,6 +76,10 @@ class FlashCPUKnobs(KnobsMixin):
     # streams that head's keys; more: a task takes a key tile for that many heads at once,
     # which reads a paged cache's rows whole (its heads sit side by side in a page).
     decode_heads: int = 1
+    # Staged decode nests on AVX512-BF16, bfloat16 queries: 1 = QKᵀ as bf16 dot products
+    # (cpu_decode, vdpbf16ps) on q and the keys widened to bf16 (exact for a bf16 or 8-bit
+    # cache: nothing rounded); PV stays float32. 0 = float32 FMAs.
+    decode_dot: int = 0
 
 
 #: (block_m in vector widths, block_n) tile pairs the tuner searches across, one task each.
@@ -157,6 +161,11 @@ def preset(spec: AttentionSpec, target: Target) -> FlashCPUKnobs:
                           auto_unroll=auto_unroll, split_tasks=split_tasks_for(target), dot_bf16=int(dot))
     if stages_decode(spec, knobs):  # the page order is a property of the staged decode nests
         knobs = dataclasses.replace(knobs, decode_heads=page_order_heads(spec, block_n))
+        # QKᵀ on vdpbf16ps for a bf16 cache (2-core znver4, H32 KH8 D128 kvcache, 2 threads,
+        # side by side: 0.83x the step at B4 4k, 0.82x at B1 16k); an int8 cache gained little
+        # (0.94x, 1.00x: its keys' conversion stays): a point of the search, not the preset
+        if decode_dots(spec, knobs, target) and spec.dtype == "bfloat16" and spec.kv_dtype is None:
+            knobs = dataclasses.replace(knobs, decode_dot=1)
     return knobs
 
 
@@ -174,6 +183,14 @@ def stages_decode(spec: AttentionSpec, knobs: FlashCPUKnobs) -> bool:
     head_dim that is no multiple of the lanes: 72 on AVX-512) the decode nest is one vector of
     rows, scheduled as the main nest."""
     return any(r < knobs.vector_lanes for r in decode_rows(spec, knobs))
+
+
+def decode_dots(spec: AttentionSpec, knobs: FlashCPUKnobs, target: Target) -> bool:
+    """Whether every staged decode nest of ``spec`` can take QKᵀ on bf16 dot products
+    (``decode_dot``; :func:`cpu_decode.supports_bf16`) on ``target``."""
+    feats = target_features(target)
+    staged = [r for r in decode_rows(spec, knobs) if r < knobs.vector_lanes]
+    return bool(staged) and all(cpu_decode.supports_bf16(spec, r, knobs.vector_lanes, feats) for r in staged)
 
 
 def page_order_heads(spec: AttentionSpec, block_n: int) -> int:
@@ -275,6 +292,14 @@ def check(knobs: FlashCPUKnobs, spec: AttentionSpec, target: Target) -> None:
         raise KnobError(
             f"decode value tile {vt_bytes} B (block_n={knobs.block_n} × decode_heads={knobs.decode_heads} × "
             f"head_dim={spec.head_dim} float32) exceeds MAX_TILE_BYTES={MAX_TILE_BYTES}")
+    if knobs.decode_dot not in (0, 1):
+        raise KnobError(f"decode_dot={knobs.decode_dot} must be 0 or 1")
+    if knobs.decode_dot and not decode_dots(spec, knobs, target):
+        raise KnobError(
+            f"decode_dot=1 needs staged decode nests on {cpu_decode.BF16_LANES}-lane vectors, a head_dim that is a "
+            f"multiple of {2 * cpu_decode.BF16_LANES} (head_dim={spec.head_dim}), bfloat16 queries and a bfloat16 or "
+            f"8-bit cache (dtype={spec.dtype}, kv_dtype={spec.kv_dtype}) and a CPU with {cpu_bf16.FEATURE} "
+            f"(target {target})")
     if knobs.dot_bf16 not in (0, 1):
         raise KnobError(f"dot_bf16={knobs.dot_bf16} must be 0 or 1")
     if knobs.dot_bf16 and not bf16_dots(spec, target):
@@ -327,7 +352,7 @@ def workload_args(spec: AttentionSpec, knobs: FlashCPUKnobs, step_only: bool = F
     # decode tiers narrower than a vector are dot-product scheduled (cpu_decode): they stage K
     return dict(block_m=knobs.block_m, block_n=knobs.block_n, decode_rows=rows,
                 split_tasks=knobs.split_tasks, stage_k_below=knobs.vector_lanes, dot_bf16=bool(knobs.dot_bf16),
-                prefetch=knobs.prefetch, decode_heads=knobs.decode_heads)
+                prefetch=knobs.prefetch, decode_heads=knobs.decode_heads, decode_dot=bool(knobs.decode_dot))
 
 
 def from_attrs(attrs: Any, base: FlashCPUKnobs | None = None) -> FlashCPUKnobs:
@@ -343,7 +368,8 @@ def from_attrs(attrs: Any, base: FlashCPUKnobs | None = None) -> FlashCPUKnobs:
         return knobs
     dec = read_attrs(FUSED_DECODE, attrs, "fused")
     return dataclasses.replace(knobs, split_tasks=dec["split_tasks"], vector_lanes=dec["stage_k_below"],
-                               prefetch=dec["prefetch"], decode_heads=dec["decode_heads"])
+                               prefetch=dec["prefetch"], decode_heads=dec["decode_heads"],
+                               decode_dot=int(dec["decode_dot"]))
 
 
 def tile_candidates(spec: AttentionSpec, target: Target) -> list[tuple[int, int]]:
@@ -393,7 +419,8 @@ def decode_candidates(spec: AttentionSpec, target: Target) -> list[FlashCPUKnobs
       task;
     * every key tile with 2 and with all kv heads per task (``decode_heads``: the page order;
       staged decode tiles only), unsplit or split as the preset;
-    * the preset with each ``PREFETCH_CHOICES`` distance.
+    * the preset with each ``PREFETCH_CHOICES`` distance, and with QKᵀ's other product form
+      (``decode_dot``, where the CPU and the cache allow it).
 
     This is the decode step's place in the search: a symbolic kernel tuned at a decode shape
     takes ``split_tasks``, ``block_n``, ``decode_heads`` and ``prefetch`` from the winner.
@@ -411,9 +438,10 @@ def decode_candidates(spec: AttentionSpec, target: Target) -> list[FlashCPUKnobs
             for st in (SPLIT_TASK_CHOICES if h == 1 else (0, hand.split_tasks))]
     if staged:
         grid += [dataclasses.replace(hand, prefetch=pf) for pf in PREFETCH_CHOICES if pf]
+        grid += [dataclasses.replace(hand, decode_dot=1 - hand.decode_dot)]  # QKᵀ's other form
     out, seen = [], set()
     for knobs in [hand] + grid:
-        key = (knobs.block_n, knobs.decode_heads, knobs.prefetch,
+        key = (knobs.block_n, knobs.decode_heads, knobs.prefetch, knobs.decode_dot,
                n_splits(knobs.split_tasks, spec.batch, spec.kv_heads // knobs.decode_heads))
         if key in seen:
             continue
@@ -648,7 +676,8 @@ def knobs_of(sch: s_tir.Schedule, lanes: int, base: FlashCPUKnobs | None = None)
     b = base or FlashCPUKnobs()
     values, _ = read_annotations(sch, KNOB_ANNOTATIONS)
     return dataclasses.replace(
-        from_attrs(attrs, FlashCPUKnobs(vector_lanes=lanes, prefetch=b.prefetch, decode_heads=b.decode_heads)), **values)
+        from_attrs(attrs, FlashCPUKnobs(vector_lanes=lanes, prefetch=b.prefetch, decode_heads=b.decode_heads,
+                                        decode_dot=b.decode_dot)), **values)
 
 
 def _dot_bf16(sch: s_tir.Schedule) -> bool:

@@ -5,6 +5,8 @@ loader (ml_dtypes and torch float8 arrays) and the library's own scale checks, a
 that refuse them by name."""
 from __future__ import annotations
 
+import dataclasses
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -313,3 +315,66 @@ def test_tuning_a_cuda_8bit_cache_is_refused_by_name():
                          causal=True, layout="kvcache", kv_dtype="float8_e4m3fn")
     with pytest.raises(ValueError, match=r"cannot tune .*_kve4m3_causal \[fused\] .* 8-bit K/V caches .* not 'bhsd'"):
         make_tasks(tuning_spec(spec, target), target, "fused")
+
+
+def _has_bf16_dots():
+    from tvm_attention.target import resolve_target, target_features
+
+    return "avx512bf16" in target_features(resolve_target("llvm"))
+
+
+#: decode_dot (QKᵀ of the staged decode nests on vdpbf16ps): every 8-bit dtype with bf16 queries,
+#: both cache layouts, split-KV and not, append; the paged one with its page order (all heads)
+DECODE_DOT = {
+    "kvcache_int8_split": dict(layout="kvcache", batch=2, heads=8, kv_heads=2, seq_q=1, seq_kv=300, head_dim=64,
+                               causal=True, dtype="bfloat16", kv_dtype="int8", return_lse=True),
+    "paged_e4m3": (dict(layout="paged", batch=2, heads=8, kv_heads=2, seq_q=1, seq_kv=300, head_dim=64, causal=True,
+                        dtype="bfloat16", kv_dtype="float8_e4m3fn", return_lse=True), (("split_tasks", 0),)),
+    "kvcache_e5m2_append": (dict(layout="kvcache", batch=1, heads=8, kv_heads=2, seq_q=1, seq_kv=300, head_dim=64,
+                                 causal=True, dtype="bfloat16", kv_dtype="float8_e5m2", append=True),
+                            (("split_tasks", 0),)),
+}
+
+
+@pytest.mark.skipif(not _has_bf16_dots(), reason="this CPU has no AVX512-BF16 (vdpbf16ps)")
+@pytest.mark.parametrize("name", list(DECODE_DOT))
+def test_decode_dot_products_on_8bit_caches_match_the_reference(name):
+    """The 8-bit values and bf16 queries are exact in bf16, so the dot products round nothing
+    the float32 products did not: the float32 tolerances of the LSE hold too."""
+    case = DECODE_DOT[name]
+    kw, knobs = case if isinstance(case, tuple) else (case, ())
+    b = built(AttentionSpec(**kw), knobs=(("decode_dot", 1),) + knobs)
+    assert b.knobs.decode_dot == 1 and b.audit.fused, b.audit
+    assert "vdpbf16ps" in b.module.inspect_source("asm")
+    r = validate_built(b)
+    assert r.passed and r.finite, r
+
+
+@pytest.mark.skipif(not _has_bf16_dots(), reason="this CPU has no AVX512-BF16 (vdpbf16ps)")
+def test_decode_dot_is_the_bf16_preset_and_matches_the_float32_products():
+    """A bf16 cache's decode step takes the dot products by default (``cpu_fused.preset``) and
+    gives what the float32 FMAs give, up to the order of the sums; the knob is refused where the
+    operands are not exact in bf16 or the CPU has no vdpbf16ps."""
+    from tvm_attention.schedules import cpu_fused
+    from tvm_attention.schedules._knobs import KnobError
+    from tvm_attention.target import resolve_target
+
+    spec = AttentionSpec(layout="kvcache", batch=2, heads=8, kv_heads=2, seq_q=1, seq_kv=300, head_dim=64,
+                         causal=True, dtype="bfloat16", return_lse=True)
+    host = resolve_target("llvm")
+    assert cpu_fused.preset(spec, host).decode_dot == 1
+    dot, fma = built(spec), built(spec, knobs=(("decode_dot", 0),))
+    n_dot, n_fma = (x.module.inspect_source("asm").count("vdpbf16ps") for x in (dot, fma))
+    assert n_dot > n_fma  # the decode nests' on top of the main nest's
+    lay = spec.layout_info
+    x = lay.random_inputs(spec, {"seq_q": 1, "cache_seqlens": [0, 299], "max_len": 300}, seed=1)
+    (o1, l1), (o0, l0) = (kernel_of(b)(*x.values()) for b in (dot, fma))
+    o1, o0 = (np.asarray(o).astype(np.float32) for o in (o1, o0))
+    np.testing.assert_allclose(o1, o0, atol=1e-2, rtol=1e-2)  # one bf16 rounding of the output apart at most
+    np.testing.assert_allclose(np.asarray(l1), np.asarray(l0), atol=1e-5, rtol=1e-5)
+    for bad, target in ((dict(dtype="float16"), host), (dict(dtype="float32"), host),
+                        (dict(dtype="float32", kv_dtype="int8"), host),
+                        ({}, resolve_target({"kind": "llvm", "mcpu": "znver3"}))):
+        s = AttentionSpec(**{**spec.to_dict(), **bad})
+        with pytest.raises(KnobError, match="decode_dot=1 needs"):
+            cpu_fused.check(dataclasses.replace(cpu_fused.preset(s, target), decode_dot=1), s, target)

@@ -265,9 +265,10 @@ def _split_lines(path: Path, repair: bool, repaired: list[str],
 
 #: Tensor intrinsics of our own that a record's trace may name. They register only when a kernel
 #: that uses them is scheduled (cpu_bf16's dot product and interleave; a decode nest's dot, one per
-#: head_dim and row count), so a fresh process reading a log that names them (a resumed tune,
+#: head_dim and row count, float32 or bf16), so a fresh process reading a log that names them (a resumed tune,
 #: `build`) must register them before decoding the record.
 _DECODE_DOT = re.compile(r"attn_decode_dot_d(\d+)_r(\d+)(?:_l(\d+))?")
+_DECODE_BF16_DOT = re.compile(r"attn_decode_bf16dot_d(\d+)_r(\d+)")
 
 
 def _register_intrinsics(line: str) -> None:
@@ -275,12 +276,14 @@ def _register_intrinsics(line: str) -> None:
         from .schedules import cpu_bf16  # only for a log of a bf16 dot-product kernel
 
         cpu_bf16.register()
-    if "attn_decode_dot_" not in line:
+    if "attn_decode_dot_" not in line and "attn_decode_bf16dot_" not in line:
         return
-    from .schedules.cpu_decode import dot_intrinsic  # only for a log that names a decode intrinsic
+    from .schedules.cpu_decode import dot_bf16_intrinsic, dot_intrinsic  # only for a log that names one
 
     for d, rows, lanes in set(_DECODE_DOT.findall(line)):  # no _l suffix: AVX-512's 16 lanes
         dot_intrinsic(int(d), int(rows), int(lanes or 16))
+    for d, rows in set(_DECODE_BF16_DOT.findall(line)):
+        dot_bf16_intrinsic(int(d), int(rows))
 
 
 def parse_logs(work_dir: str | os.PathLike, repair: bool = False,

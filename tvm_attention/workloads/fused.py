@@ -61,7 +61,7 @@ CACHE_LINE = 64  # bytes (x86)
 @fast_macros  # TVMScript macro expansion without its costly stack walk, only while this generates
 def fused_attention(spec: AttentionSpec, block_m: int, block_n: int, decode_rows: tuple[int, ...] = (),
                     split_tasks: int = 0, stage_k_below: int = 0, dot_bf16: bool = False,
-                    prefetch: int = 0, decode_heads: int = 1) -> tirx.PrimFunc:
+                    prefetch: int = 0, decode_heads: int = 1, decode_dot: bool = False) -> tirx.PrimFunc:
     """Build the fused PrimFunc for ``spec`` with row tile ``block_m`` and key tile ``block_n``.
 
     Arguments of the PrimFunc (call order) are the layout's (``tvm_attention.layouts``); bhsd:
@@ -76,7 +76,8 @@ def fused_attention(spec: AttentionSpec, block_m: int, block_n: int, decode_rows
     specs only; decode nests, memory-bound, keep float32 products). ``prefetch``: the staged
     decode nests prefetch the K/V rows of the key tile this many tiles ahead (0 = none; see
     ``_tile_macro``). ``decode_heads``: kv heads per task of the staged decode nests (the page
-    order, see :func:`_dense`).
+    order, see :func:`_dense`). ``decode_dot``: the staged decode nests' QKᵀ on bf16 operands
+    (see ``_tile_macro``).
     """
     if spec.layout_info.packed:
         return _varlen(spec, block_m, block_n, dot_bf16)
@@ -86,7 +87,7 @@ def fused_attention(spec: AttentionSpec, block_m: int, block_n: int, decode_rows
         fits = [r for r in sorted(decode_rows) if spec.seq_q * spec.group_size <= r]
         decode_rows = tuple(fits[:1])
     return _dense(spec, block_m, block_n, tuple(decode_rows), split_tasks, stage_k_below, dot_bf16, prefetch,
-                  decode_heads)
+                  decode_heads, decode_dot)
 
 
 def _key_clamp(x):
@@ -329,6 +330,9 @@ class _TileShape:
     #: an 8-bit cache's dtype (``spec.kv_dtype``): K/V elements are converted by ``kv_to_f32``
     #: (float8 read through uint8 aliases of K and V, see ``_dense_function``)
     kv_dtype: str | None = None
+    #: the staged decode tiles' QKᵀ on bf16 operands (``_tile_macro``'s ``dot_decode``): ``Qt``
+    #: and ``Kt`` hold bf16 bits (uint16)
+    dot_decode: bool = False
 
     def kv(self, x):
         """The float32 value of the K/V element ``x`` as loaded: an 8-bit cache's without its scale
@@ -445,6 +449,38 @@ def _s_gemm_macros(k: _TileShape):
                 S[vj, vi] = S[vj, vi] + Kt[vj, vd] * Qt[vd, vi]
 
     @T.macro
+    def s_gemm_heads_bf16(K, Kt, Qt, S, t, vc):
+        # s_gemm_heads on bf16 bits (dot_decode): the key of every head widened to bf16
+        for j in T.serial(BN):
+            for h, d in T.grid(HT, D):
+                with T.sblock(N["K_load"]):
+                    vj = T.axis.spatial(BN, j)
+                    vh, vd = T.axis.remap("SS", [h, d])
+                    Kt[vh, vd] = bf16_bits(k.kv(K[t.kv_at(vc, vj, vd, vh)]))
+            for d, i in T.grid(D, BM):
+                with T.sblock(N["S_gemm"]):
+                    vj = T.axis.spatial(BN, j)
+                    vd, vi = T.axis.remap("RS", [d, i])
+                    with T.init():
+                        S[vj, vi] = T.float32(0)
+                    S[vj, vi] = S[vj, vi] + bf16_value(Kt[T.floordiv(vi, R), vd]) * bf16_value(Qt[vd, vi])
+
+    @T.macro
+    def s_gemm_staged_bf16(K, Kt, Qt, S, t, vc):
+        # s_gemm_staged on bf16 bits (dot_decode): K widened to bf16 (exact: dot_decode takes
+        # only caches whose values bf16 holds), q's own bits (Q_load)
+        for j, d in T.grid(BN, D):
+            with T.sblock(N["K_load"]):
+                vj, vd = T.axis.remap("SS", [j, d])
+                Kt[vj, vd] = bf16_bits(k.kv(K[t.kv_at(vc, vj, vd)]))
+        for j, d, i in T.grid(BN, D, BM):
+            with T.sblock(N["S_gemm"]):
+                vj, vd, vi = T.axis.remap("SRS", [j, d, i])
+                with T.init():
+                    S[vj, vi] = T.float32(0)
+                S[vj, vi] = S[vj, vi] + bf16_value(Kt[vj, vd]) * bf16_value(Qt[vd, vi])
+
+    @T.macro
     def s_gemm(K, Qt, S, t, vc):
         for j, d, i in T.grid(BN, D, BM):
             with T.sblock(N["S_gemm"]):
@@ -453,8 +489,9 @@ def _s_gemm_macros(k: _TileShape):
                     S[vj, vi] = T.float32(0)
                 S[vj, vi] = S[vj, vi] + k.kv(K[t.kv_at(vc, vj, vd)]) * Qt[vd, vi]
 
-    return types.SimpleNamespace(dot=s_gemm_dot, prefetch=kv_prefetch, heads=s_gemm_heads,
-                                 staged=s_gemm_staged, plain=s_gemm)
+    return types.SimpleNamespace(dot=s_gemm_dot, prefetch=kv_prefetch,
+                                 heads=s_gemm_heads_bf16 if k.dot_decode else s_gemm_heads,
+                                 staged=s_gemm_staged_bf16 if k.dot_decode else s_gemm_staged, plain=s_gemm)
 
 
 def _softmax_macro(k: _TileShape):
@@ -464,20 +501,25 @@ def _softmax_macro(k: _TileShape):
     N, BM, BN, qscale, dot_bf16 = k.N, k.BM, k.BN, k.qscale, k.dot_bf16
     score_mod = k.score_mod
 
+    def scaled(t, x, vi):
+        # dot_bf16 and dot_decode sum unscaled products (Q keeps its exact bf16 values: no
+        # pre-scaled copy): the scale, and an 8-bit cache's key scale (q_scaled), come here
+        if dot_bf16:
+            return x * T.float32(qscale)
+        return t.q_scaled(x * T.float32(qscale), vi) if k.dot_decode else x
+
     def score(t, S, Sm, vj, vi, vc):
-        # dot_bf16 sums unscaled products (Q keeps its exact bf16 values: no pre-scaled copy);
         # score_mod has already brought them to log2 units, in Sm (and masked them, k.mask_mod)
         if k.mask_mod:
             return Sm[vj, vi]
         if score_mod:
             return t.score(Sm, vj, vi, vc)
-        e = t.score(S, vj, vi, vc)
-        return e * T.float32(qscale) if dot_bf16 else e
+        return scaled(t, t.score(S, vj, vi, vc), vi)
 
     def modified(t, x, vj, vi, vc):
         # the score in log2 units through the variants' hook (x is q·k times score_scale, or q·k
         # unscaled from bf16 dots)
-        return t.logit(x * T.float32(qscale) if dot_bf16 else x, vj, vi, vc)
+        return t.logit(scaled(t, x, vi), vj, vi, vc)
 
     @T.macro
     def online_softmax(S, Sm, P, m, m_new, l, alpha, t, vc):
@@ -626,7 +668,8 @@ def _store_macro(k: _TileShape):
 
 
 def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: str | None = None,
-                stage_k: bool = False, dot_bf16: bool = False, prefetch: int = 0, heads: int = 1):
+                stage_k: bool = False, dot_bf16: bool = False, prefetch: int = 0, heads: int = 1,
+                dot_decode: bool = False):
     """The per-row-tile pipeline (Q load, online softmax over key tiles, store) as a TVMScript
     macro: one piece of compute that every layout's frame calls with its own :class:`_Tile`.
     ``suffix`` is appended to every block name (a function may hold two nests of the tile).
@@ -649,7 +692,13 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
 
     ``dot_bf16`` (bfloat16 inputs): both products as bf16 dot products with float32 sums
     (AVX512-BF16's ``vdpbf16ps``; :func:`_s_gemm_macros`, :func:`_pv_macros`). The row sum ``l``
-    adds the unrounded float32 P."""
+    adds the unrounded float32 P.
+
+    ``dot_decode`` (with ``stage_k``; bfloat16 queries and a bfloat16 or 8-bit cache, whose
+    values bf16 holds exactly): QKᵀ on bf16 operands, for ``cpu_decode``'s ``vdpbf16ps`` dot
+    product: q and each key staged as their bf16 bits, the products exact in float32, the scale
+    (and an 8-bit cache's key scale) applied to the float32 scores. Nothing is rounded that the
+    float32 products did not round; only the order of the sums differs. PV is unchanged."""
     N = {n: n + suffix for n in TILE_BLOCKS + ("lse_store", "state_store", "K_load", "V_load", "V_ilv",
                                                 "P_round", "P_ilv", "acc_rescale", "KV_prefetch", "score_mod")}
     if dot_bf16 and (spec.dtype != "bfloat16" or spec.kv_quantized or spec.head_dim % 2 or BN % 2):
@@ -657,6 +706,9 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
                          f"D={spec.head_dim}, block_n={BN}")
     if prefetch and not stage_k:
         raise ValueError("prefetch is issued by the staged (stage_k) decode tiles only")
+    if dot_decode and (not stage_k or spec.dtype != "bfloat16"):
+        raise ValueError(f"dot_decode needs the staged decode tiles and bfloat16 queries and cache (or an 8-bit "
+                         f"cache), got dtype={spec.dtype}, kv_dtype={spec.kv_dtype}")
     HT = heads
     if HT > 1 and (not stage_k or dot_bf16 or BM % HT):
         raise ValueError(f"a tile of {HT} heads needs stage_k, float32 products and block_m % heads == 0 "
@@ -668,16 +720,18 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
     neg_inf = T.float32(float("-inf"))
     k = _TileShape(N=N, BM=BM, BN=BN, D=D, HT=HT, qscale=qscale, dot_bf16=dot_bf16, prefetch=prefetch, stats=stats,
                    line_elems=CACHE_LINE // spec.kv_itemsize, transforms=transforms(spec),
-                   mask_mod=spec.mask_mod is not None or spec.key_bounds, kv_dtype=spec.kv_dtype)
+                   mask_mod=spec.mask_mod is not None or spec.key_bounds, kv_dtype=spec.kv_dtype,
+                   dot_decode=dot_decode)
     sg, pv = _s_gemm_macros(k), _pv_macros(k)
     s_gemm_dot, kv_prefetch, s_gemm_heads, s_gemm_staged, s_gemm = sg.dot, sg.prefetch, sg.heads, sg.staged, sg.plain
     pv_gemm_dot, pv_gemm_heads, pv_gemm = pv.dot, pv.heads, pv.plain
     online_softmax, store = _softmax_macro(k), _store_macro(k)
+    QK_DTYPE = "uint16" if dot_decode else "float32"  # Qt's and Kt's: bf16 bits for dot_decode
 
     @T.macro
     def tile(Q, K, V, O, t, nc, X):
         if not dot_bf16:
-            Qt = T.sblock_alloc_buffer((D, BM), "float32", scope="local")  # q tile, transposed
+            Qt = T.sblock_alloc_buffer((D, BM), QK_DTYPE, scope="local")  # q tile, transposed
         S = T.sblock_alloc_buffer((BN, BM), "float32", scope="local")  # scores, key-major
         if k.score_mod:
             Sm = T.sblock_alloc_buffer((BN, BM), "float32", scope="local")  # softcapped / ALiBi scores
@@ -688,10 +742,10 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
         alpha = T.sblock_alloc_buffer((BM,), "float32", scope="local")  # exp2(m_old - m_new)
         acc = T.sblock_alloc_buffer((BM, D), "float32", scope="local")  # unnormalised output
         if stage_k and HT > 1:
-            Kt = T.sblock_alloc_buffer((HT, D), "float32", scope="local")  # one key of every head
+            Kt = T.sblock_alloc_buffer((HT, D), QK_DTYPE, scope="local")  # one key of every head
             Vt = T.sblock_alloc_buffer((BN, HT, D), "float32", scope="local")  # value tile (key, head, d)
         elif stage_k:
-            Kt = T.sblock_alloc_buffer((BN, D), "float32", scope="local")  # the key tile, (key, d)
+            Kt = T.sblock_alloc_buffer((BN, D), QK_DTYPE, scope="local")  # the key tile, (key, d)
         if dot_bf16:
             Qu = T.decl_buffer(Q.shape, "uint16", data=Q.data, align=A)  # bf16 inputs as their bits
             Ku = T.decl_buffer(K.shape, "uint16", data=K.data, align=A)
@@ -712,7 +766,10 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
             for d, i in T.grid(D, BM):
                 with T.sblock(N["Q_load"]):
                     vd, vi = T.axis.remap("SS", [d, i])
-                    Qt[vd, vi] = t.q_scaled(f32(Q[t.q_at(vi, vd)]) * T.float32(qscale), vi)
+                    if k.dot_decode:  # q's own bits (bfloat16): the scales multiply the scores
+                        Qt[vd, vi] = bf16_bits(f32(Q[t.q_at(vi, vd)]))
+                    else:
+                        Qt[vd, vi] = t.q_scaled(f32(Q[t.q_at(vi, vd)]) * T.float32(qscale), vi)
         for i in T.serial(BM):
             with T.sblock(N["state_init"]):
                 vi = T.axis.remap("S", [i])
@@ -905,11 +962,13 @@ def _merge_macro(f: _Dense, BD: int, NS, suffix: str):
     return merge
 
 
-def _decode_tier(f: _Dense, BD: int, suffix: str, split_tasks: int, stage: bool, prefetch: int, NH: int):
+def _decode_tier(f: _Dense, BD: int, suffix: str, split_tasks: int, stage: bool, prefetch: int, NH: int,
+                 dot: bool = False):
     """The packed decode nest of ``BD`` rows per kv head (blocks ``*<suffix>``) and its split-KV
     form (``*<suffix>_split``, merged by ``merge<suffix>``), as one macro that picks between them
     at run time. ``stage``: the tier stages its key tiles (``_tile_macro``'s ``stage_k``), with a
-    software prefetch ``prefetch`` tiles ahead and ``NH`` kv heads per task."""
+    software prefetch ``prefetch`` tiles ahead, ``NH`` kv heads per task and QKᵀ on bf16
+    operands with ``dot`` (``_tile_macro``'s ``dot_decode``)."""
     spec, B, H, KH, SQ, D, G, BN, kv, NC, lse = f.spec, f.B, f.H, f.KH, f.SQ, f.D, f.G, f.BN, f.kv, f.NC, f.lse
     pf = prefetch if stage else 0
     BT, KB = BD * NH, KH // NH  # tile rows, head blocks
@@ -934,9 +993,9 @@ def _decode_tier(f: _Dense, BD: int, suffix: str, split_tasks: int, stage: bool,
         per = T.truncdiv(T.truncdiv(L + NS - 1, NS) + BN - 1, BN) * BN
         return T.max(MIN_SPLIT_KEYS, per)
     tile_dec = _tile_macro(spec, BT, BN, suffix, stats="lse" if lse else None, stage_k=stage, prefetch=pf,
-                           heads=NH)
+                           heads=NH, dot_decode=dot)
     tile_split = _tile_macro(spec, BT, BN, suffix + SPLIT, stats="partial", stage_k=stage, prefetch=pf,
-                             heads=NH)
+                             heads=NH, dot_decode=dot)
     merge = _merge_macro(f, BD, NS, suffix)
 
     def packed(X, W, vb, vkb):
@@ -1030,7 +1089,7 @@ def _decode_tier(f: _Dense, BD: int, suffix: str, split_tasks: int, stage: bool,
 
 def _dense(spec: AttentionSpec, block_m: int, block_n: int, decode_rows: tuple[int, ...] = (),
            split_tasks: int = 0, stage_k_below: int = 0, dot_bf16: bool = False, prefetch: int = 0,
-           decode_heads: int = 1) -> tirx.PrimFunc:
+           decode_heads: int = 1, decode_dot: bool = False) -> tirx.PrimFunc:
     """Layouts with dense queries, ``Q``/``O (B, H, Sq, D)``: ``bhsd`` (``K``/``V (B, KH, Skv,
     D)``), ``kvcache`` (``K``/``V (B, KH, max_len, D)`` + ``cache_seqlens (B,)``) and ``paged``
     (``K``/``V (num_pages, page_size, KH, D)`` + ``block_table (B, max_pages)`` +
@@ -1069,8 +1128,9 @@ def _dense(spec: AttentionSpec, block_m: int, block_n: int, decode_rows: tuple[i
         raise ValueError(f"at most two decode tiers, got {tiers}")
     stage_tiers = [r for r in tiers if r < stage_k_below]
     HT = decode_heads if stage_tiers else 1  # kv heads per decode task (staged tiers)
+    dot = decode_dot and bool(stage_tiers)  # what the staged tiers take (the others: float32)
     tier_macros = [_decode_tier(f, r, DECODE + str(r), split_tasks, r < stage_k_below, prefetch,
-                                HT if r < stage_k_below else 1) for r in tiers]
+                                HT if r < stage_k_below else 1, dot and r < stage_k_below) for r in tiers]
     t0 = tier_macros[0] if tiers else None
     t1 = tier_macros[-1] if tiers else None
     r0 = tiers[0] if tiers else 0
@@ -1103,7 +1163,7 @@ def _dense(spec: AttentionSpec, block_m: int, block_n: int, decode_rows: tuple[i
              **record(FUSED_FORM, dot_bf16=dot_bf16)}
     if tiers:  # what regenerates this workload from a tuning record (task_mods.regenerate)
         attrs.update(record(FUSED_DECODE, decode_rows=tiers, split_tasks=split_tasks, stage_k_below=stage_k_below,
-                            prefetch=prefetch, decode_heads=HT))
+                            prefetch=prefetch, decode_heads=HT, decode_dot=dot))
     return _dense_function(f, attrs, body)
 
 
