@@ -236,10 +236,16 @@ def dot_bf16_intrinsic(D: int, rows: int) -> str:
         with T.sblock("root"):
             T.reads(S[0:rows], K[0:D], Q[0:rows, 0:D])
             T.writes(S[0:rows])
-            for d, i in T.grid(D, rows):
-                with T.sblock("update"):
-                    vd, vi = T.axis.remap("RS", [d, i])
-                    S[vi] = S[vi] + bf16_value(K[vd]) * bf16_value(Q[vi, vd])
+            if rows > 1:
+                for d, i in T.grid(D, rows):
+                    with T.sblock("update"):
+                        vd, vi = T.axis.remap("RS", [d, i])
+                        S[vi] = S[vi] + bf16_value(K[vd]) * bf16_value(Q[vi, vd])
+            else:  # a unit row loop binds no row iter var (as dot_intrinsic)
+                for d, i in T.grid(D, 1):
+                    with T.sblock("update"):
+                        vd = T.axis.reduce(D, d)
+                        S[0] = S[0] + bf16_value(K[vd]) * bf16_value(Q[0, vd])
 
     @T.prim_func(s_tir=True)
     def impl(a: T.handle, b: T.handle, c: T.handle):
@@ -249,7 +255,10 @@ def dot_bf16_intrinsic(D: int, rows: int) -> str:
         with T.sblock("root"):
             T.reads(S[0:rows], K[0:D], Q[0:rows, 0:D])
             T.writes(S[0:rows])
-            S[T.Ramp(0, 1, rows)] = S.vload([0], f"float32x{rows}") + _dot_bf16(K, Q, D, rows)
+            if rows > 1:
+                S[T.Ramp(0, 1, rows)] = S.vload([0], f"float32x{rows}") + _dot_bf16(K, Q, D, rows)
+            else:
+                S[0] = S[0] + _dot_bf16(K, Q, D, rows)
 
     register_tensor_intrin(name, desc, impl)  # registered already (another load of this module): checked equal
     _REGISTERED.add(name)

@@ -324,7 +324,7 @@ def _has_bf16_dots():
 
 
 #: decode_dot (QKᵀ of the staged decode nests on vdpbf16ps): every 8-bit dtype with bf16 queries,
-#: both cache layouts, split-KV and not, append; the paged one with its page order (all heads)
+#: both cache layouts, split-KV and not, append, GQA and MHA; paged with its page order (all heads)
 DECODE_DOT = {
     "kvcache_int8_split": dict(layout="kvcache", batch=2, heads=8, kv_heads=2, seq_q=1, seq_kv=300, head_dim=64,
                                causal=True, dtype="bfloat16", kv_dtype="int8", return_lse=True),
@@ -333,6 +333,9 @@ DECODE_DOT = {
     "kvcache_e5m2_append": (dict(layout="kvcache", batch=1, heads=8, kv_heads=2, seq_q=1, seq_kv=300, head_dim=64,
                                  causal=True, dtype="bfloat16", kv_dtype="float8_e5m2", append=True),
                             (("split_tasks", 0),)),
+    # MHA: one row per kv head, the dot product's one-lane form
+    "paged_int8_mha": dict(layout="paged", batch=2, heads=4, kv_heads=4, seq_q=1, seq_kv=200, head_dim=64,
+                           causal=True, dtype="bfloat16", kv_dtype="int8"),
 }
 
 
