@@ -156,46 +156,9 @@ def _dot(K, Q, D: int, rows: int, lanes: int):
 
 def dot_intrinsic(D: int, rows: int, lanes: int = 16) -> str:
     """Register (once) and name the tensor intrinsic ``S[0:rows] += K[0:D] · Q[0:rows, 0:D]``
-    on ``lanes``-wide vectors."""
+    on ``lanes``-wide float32 vectors."""
     name = f"attn_decode_dot_d{D}_r{rows}" + ("" if lanes == 16 else f"_l{lanes}")
-    if name in _REGISTERED:
-        return name
-
-    @T.prim_func(s_tir=True)
-    def desc(a: T.handle, b: T.handle, c: T.handle):
-        K = T.match_buffer(a, (D,), F32, offset_factor=1, scope="local")
-        Q = T.match_buffer(b, (rows, D), F32, offset_factor=1, scope="local")
-        S = T.match_buffer(c, (rows,), F32, offset_factor=1, scope="local")
-        with T.sblock("root"):
-            T.reads(S[0:rows], K[0:D], Q[0:rows, 0:D])
-            T.writes(S[0:rows])
-            if rows > 1:
-                for d, i in T.grid(D, rows):
-                    with T.sblock("update"):
-                        vd, vi = T.axis.remap("RS", [d, i])
-                        S[vi] = S[vi] + K[vd] * Q[vi, vd]
-            else:  # a unit row loop binds no row iter var; tensorize matches bindings
-                for d, i in T.grid(D, 1):
-                    with T.sblock("update"):
-                        vd = T.axis.reduce(D, d)
-                        S[0] = S[0] + K[vd] * Q[0, vd]
-
-    @T.prim_func(s_tir=True)
-    def impl(a: T.handle, b: T.handle, c: T.handle):
-        K = T.match_buffer(a, (D,), F32, offset_factor=1, scope="local")
-        Q = T.match_buffer(b, (rows, D), F32, offset_factor=1, scope="local")
-        S = T.match_buffer(c, (rows,), F32, offset_factor=1, scope="local")
-        with T.sblock("root"):
-            T.reads(S[0:rows], K[0:D], Q[0:rows, 0:D])
-            T.writes(S[0:rows])
-            if rows > 1:
-                S[T.Ramp(0, 1, rows)] = S.vload([0], f"float32x{rows}") + _dot(K, Q, D, rows, lanes)
-            else:
-                S[0] = S[0] + _dot(K, Q, D, rows, lanes)
-
-    register_tensor_intrin(name, desc, impl)  # registered already (another load of this module): checked equal
-    _REGISTERED.add(name)
-    return name
+    return _register_dot(name, D, rows, F32, lambda x: x, lambda K, Q: _dot(K, Q, D, rows, lanes))
 
 
 def _dot_bf16(K, Q, D: int, rows: int):
@@ -223,15 +186,24 @@ def supports_bf16(spec: AttentionSpec, rows: int, lanes: int, features: set[str]
 
 
 def dot_bf16_intrinsic(D: int, rows: int) -> str:
-    """Register (once) and name ``S[0:rows] += K[0:D] · Q[0:rows, 0:D]`` on bf16 bits (uint16)."""
-    name = f"attn_decode_bf16dot_d{D}_r{rows}"
+    """Register (once) and name ``S[0:rows] += K[0:D] · Q[0:rows, 0:D]`` on bf16 bits (uint16):
+    ``decode_dot``'s, on ``vdpbf16ps``."""
+    return _register_dot(f"attn_decode_bf16dot_d{D}_r{rows}", D, rows, "uint16", bf16_value,
+                         lambda K, Q: _dot_bf16(K, Q, D, rows))
+
+
+def _register_dot(name: str, D: int, rows: int, dtype: str, value, dot) -> str:
+    """Register the dot-product intrinsic ``name`` once: operands ``K (D,)`` and ``Q (rows, D)``
+    of ``dtype``, each read as float32 by ``value`` (the description's spelling, which the
+    workload's S_gemm matches), and ``dot(K, Q)`` the ``rows``-lane sum its implementation
+    computes."""
     if name in _REGISTERED:
         return name
 
     @T.prim_func(s_tir=True)
     def desc(a: T.handle, b: T.handle, c: T.handle):
-        K = T.match_buffer(a, (D,), "uint16", offset_factor=1, scope="local")
-        Q = T.match_buffer(b, (rows, D), "uint16", offset_factor=1, scope="local")
+        K = T.match_buffer(a, (D,), dtype, offset_factor=1, scope="local")
+        Q = T.match_buffer(b, (rows, D), dtype, offset_factor=1, scope="local")
         S = T.match_buffer(c, (rows,), F32, offset_factor=1, scope="local")
         with T.sblock("root"):
             T.reads(S[0:rows], K[0:D], Q[0:rows, 0:D])
@@ -240,25 +212,25 @@ def dot_bf16_intrinsic(D: int, rows: int) -> str:
                 for d, i in T.grid(D, rows):
                     with T.sblock("update"):
                         vd, vi = T.axis.remap("RS", [d, i])
-                        S[vi] = S[vi] + bf16_value(K[vd]) * bf16_value(Q[vi, vd])
-            else:  # a unit row loop binds no row iter var (as dot_intrinsic)
+                        S[vi] = S[vi] + value(K[vd]) * value(Q[vi, vd])
+            else:  # a unit row loop binds no row iter var; tensorize matches bindings
                 for d, i in T.grid(D, 1):
                     with T.sblock("update"):
                         vd = T.axis.reduce(D, d)
-                        S[0] = S[0] + bf16_value(K[vd]) * bf16_value(Q[0, vd])
+                        S[0] = S[0] + value(K[vd]) * value(Q[0, vd])
 
     @T.prim_func(s_tir=True)
     def impl(a: T.handle, b: T.handle, c: T.handle):
-        K = T.match_buffer(a, (D,), "uint16", offset_factor=1, scope="local")
-        Q = T.match_buffer(b, (rows, D), "uint16", offset_factor=1, scope="local")
+        K = T.match_buffer(a, (D,), dtype, offset_factor=1, scope="local")
+        Q = T.match_buffer(b, (rows, D), dtype, offset_factor=1, scope="local")
         S = T.match_buffer(c, (rows,), F32, offset_factor=1, scope="local")
         with T.sblock("root"):
             T.reads(S[0:rows], K[0:D], Q[0:rows, 0:D])
             T.writes(S[0:rows])
             if rows > 1:
-                S[T.Ramp(0, 1, rows)] = S.vload([0], f"float32x{rows}") + _dot_bf16(K, Q, D, rows)
+                S[T.Ramp(0, 1, rows)] = S.vload([0], f"float32x{rows}") + dot(K, Q)
             else:
-                S[0] = S[0] + _dot_bf16(K, Q, D, rows)
+                S[0] = S[0] + dot(K, Q)
 
     register_tensor_intrin(name, desc, impl)  # registered already (another load of this module): checked equal
     _REGISTERED.add(name)

@@ -375,6 +375,10 @@ def _s_gemm_macros(k: _TileShape):
     elements apart, pages anywhere); on a 2-core znver4 it gained nothing there and cost 15-20 %
     on contiguous caches, so it is a point of the search, off in the presets. It writes nothing.
 
+    ``k.dot_decode`` (the staged forms): ``Qt`` and ``Kt`` hold bf16 bits, the keys widened to
+    bf16 as they are staged, the products spelled on their float32 values (``cpu_decode``'s
+    bf16 dot product matches them).
+
     ``dot``: the operand layouts of AVX512-BF16's ``vdpbf16ps`` (``acc[l] += a[2l]·b[2l] +
     a[2l+1]·b[2l+1]``: pairs along the reduction), bf16 values handled as their uint16 bits.
     ``Qp (D/2, BM, 2)`` holds Q unscaled (the scale multiplies the float32 scores instead: no
@@ -385,6 +389,14 @@ def _s_gemm_macros(k: _TileShape):
 
     def kvh(h):  # the head argument of a K/V index: none for a one-head tile
         return h if HT > 1 else None
+
+    # dot_decode: the staged keys (Kt) and Qt hold bf16 bits, exact for the caches it takes
+    # (K widened to bf16), read back as float32 products the intrinsic's description spells
+    def staged(x):
+        return bf16_bits(x) if k.dot_decode else x
+
+    def operand(x):
+        return bf16_value(x) if k.dot_decode else x
 
     @T.macro
     def s_gemm_dot(Ku, Kb, Qp, S, t, vc):
@@ -426,59 +438,27 @@ def _s_gemm_macros(k: _TileShape):
                 with T.sblock(N["K_load"]):
                     vj = T.axis.spatial(BN, j)
                     vh, vd = T.axis.remap("SS", [h, d])
-                    Kt[vh, vd] = k.kv(K[t.kv_at(vc, vj, vd, vh)])
+                    Kt[vh, vd] = staged(k.kv(K[t.kv_at(vc, vj, vd, vh)]))
             for d, i in T.grid(D, BM):
                 with T.sblock(N["S_gemm"]):
                     vj = T.axis.spatial(BN, j)
                     vd, vi = T.axis.remap("RS", [d, i])
                     with T.init():
                         S[vj, vi] = T.float32(0)
-                    S[vj, vi] = S[vj, vi] + Kt[T.floordiv(vi, R), vd] * Qt[vd, vi]
+                    S[vj, vi] = S[vj, vi] + operand(Kt[T.floordiv(vi, R), vd]) * operand(Qt[vd, vi])
 
     @T.macro
     def s_gemm_staged(K, Kt, Qt, S, t, vc):
         for j, d in T.grid(BN, D):
             with T.sblock(N["K_load"]):
                 vj, vd = T.axis.remap("SS", [j, d])
-                Kt[vj, vd] = k.kv(K[t.kv_at(vc, vj, vd)])
+                Kt[vj, vd] = staged(k.kv(K[t.kv_at(vc, vj, vd)]))
         for j, d, i in T.grid(BN, D, BM):
             with T.sblock(N["S_gemm"]):
                 vj, vd, vi = T.axis.remap("SRS", [j, d, i])
                 with T.init():
                     S[vj, vi] = T.float32(0)
-                S[vj, vi] = S[vj, vi] + Kt[vj, vd] * Qt[vd, vi]
-
-    @T.macro
-    def s_gemm_heads_bf16(K, Kt, Qt, S, t, vc):
-        # s_gemm_heads on bf16 bits (dot_decode): the key of every head widened to bf16
-        for j in T.serial(BN):
-            for h, d in T.grid(HT, D):
-                with T.sblock(N["K_load"]):
-                    vj = T.axis.spatial(BN, j)
-                    vh, vd = T.axis.remap("SS", [h, d])
-                    Kt[vh, vd] = bf16_bits(k.kv(K[t.kv_at(vc, vj, vd, vh)]))
-            for d, i in T.grid(D, BM):
-                with T.sblock(N["S_gemm"]):
-                    vj = T.axis.spatial(BN, j)
-                    vd, vi = T.axis.remap("RS", [d, i])
-                    with T.init():
-                        S[vj, vi] = T.float32(0)
-                    S[vj, vi] = S[vj, vi] + bf16_value(Kt[T.floordiv(vi, R), vd]) * bf16_value(Qt[vd, vi])
-
-    @T.macro
-    def s_gemm_staged_bf16(K, Kt, Qt, S, t, vc):
-        # s_gemm_staged on bf16 bits (dot_decode): K widened to bf16 (exact: dot_decode takes
-        # only caches whose values bf16 holds), q's own bits (Q_load)
-        for j, d in T.grid(BN, D):
-            with T.sblock(N["K_load"]):
-                vj, vd = T.axis.remap("SS", [j, d])
-                Kt[vj, vd] = bf16_bits(k.kv(K[t.kv_at(vc, vj, vd)]))
-        for j, d, i in T.grid(BN, D, BM):
-            with T.sblock(N["S_gemm"]):
-                vj, vd, vi = T.axis.remap("SRS", [j, d, i])
-                with T.init():
-                    S[vj, vi] = T.float32(0)
-                S[vj, vi] = S[vj, vi] + bf16_value(Kt[vj, vd]) * bf16_value(Qt[vd, vi])
+                S[vj, vi] = S[vj, vi] + operand(Kt[vj, vd]) * operand(Qt[vd, vi])
 
     @T.macro
     def s_gemm(K, Qt, S, t, vc):
@@ -489,9 +469,8 @@ def _s_gemm_macros(k: _TileShape):
                     S[vj, vi] = T.float32(0)
                 S[vj, vi] = S[vj, vi] + k.kv(K[t.kv_at(vc, vj, vd)]) * Qt[vd, vi]
 
-    return types.SimpleNamespace(dot=s_gemm_dot, prefetch=kv_prefetch,
-                                 heads=s_gemm_heads_bf16 if k.dot_decode else s_gemm_heads,
-                                 staged=s_gemm_staged_bf16 if k.dot_decode else s_gemm_staged, plain=s_gemm)
+    return types.SimpleNamespace(dot=s_gemm_dot, prefetch=kv_prefetch, heads=s_gemm_heads,
+                                 staged=s_gemm_staged, plain=s_gemm)
 
 
 def _softmax_macro(k: _TileShape):
