@@ -123,13 +123,44 @@ def split_kv_cases(layout: str) -> list[dict]:
     """Calls of a KV-cache layout (GQA 4:2) at which a split-KV build with ``split_tasks=64``
     splits: a decode step of 8 sequences (4 chunks each), 4 new tokens, one long sequence alone
     (32 chunks, most of them past its keys), and a 37-token prefill chunk whose packed rows
-    fill more than one row tile (no split: it stores its rows itself)."""
+    fill more than one row tile (no split: it stores its rows itself), and a batch of 32 whose
+    32 · 2 (sequence, KV head) tasks reach ``split_tasks`` (no split: the workspace is one
+    tile, which no chunk may write)."""
     cases = [{"seq_q": 1, "cache_seqlens": SPLIT_KV_LENGTHS}, {"seq_q": 4, "cache_seqlens": SPLIT_KV_LENGTHS},
-             {"seq_q": 1, "cache_seqlens": [1100]}, {"seq_q": 37, "cache_seqlens": [0, 37, 600, 20]}]
+             {"seq_q": 1, "cache_seqlens": [1100]}, {"seq_q": 37, "cache_seqlens": [0, 37, 600, 20]},
+             {"seq_q": 1, "cache_seqlens": [(37 * i) % 300 for i in range(32)]}]
     if layout == "kvcache":
         for c in cases:
             c["max_len"] = max(c["cache_seqlens"]) + 11
     return cases
+
+
+def assert_split_stores_guarded(func) -> None:
+    """Every store of a split-KV kernel ``func`` into its workspace (``Op``, ``St``) sits under a
+    condition on the batch (the chunk count ``ns``): an unsplit step (``ns`` 1) has a token
+    workspace of one tile, and a store past it corrupts the heap (on a GPU, an illegal address).
+    Structural, so it fails where an emulated overrun may go unnoticed."""
+    import tvm_ffi
+    from tvm import tirx
+
+    def stores(node):
+        found = []
+        tvm_ffi.structural_walk(node, [(tirx.BufferStore, lambda n: found.append(n) if n.buffer.name in ("Op", "St")
+                                        else None)])
+        return found
+
+    def on_batch(cond):
+        names = []
+        tvm_ffi.structural_walk(cond, [(tirx.Var, lambda n: names.append(n.name))])
+        return "batch" in names
+
+    guarded = []
+    tvm_ffi.structural_walk(func.body, [(tirx.IfThenElse, lambda n: guarded.extend(stores(n)) if on_batch(n.condition)
+                                         else None)])
+    every = stores(func.body)
+    assert every, "no store into the split-KV workspace"
+    loose = [s for s in every if not any(s.same_as(g) for g in guarded)]
+    assert not loose, f"{len(loose)} of {len(every)} workspace stores not conditioned on the batch (into {sorted({s.buffer.name for s in loose})})"
 
 
 def check_lse(got: np.ndarray, ref: np.ndarray, where) -> None:

@@ -7,8 +7,8 @@ import os
 import numpy as np
 import pytest
 import tvm
-from conftest import (CUDA_VARIANT_IDS, CUDA_VARIANT_SPREADS, RIGHT_WINDOW_SHAPES, built, check_emulated_layout,
-                      check_emulated_symbolic, right_window_spec, split_kv_cases)
+from conftest import (CUDA_VARIANT_IDS, CUDA_VARIANT_SPREADS, RIGHT_WINDOW_SHAPES, assert_split_stores_guarded, built,
+                      check_emulated_layout, check_emulated_symbolic, right_window_spec, split_kv_cases)
 
 from tvm_attention.schedules import cuda_fused, cuda_mma, cuda_simt
 from tvm_attention.schedules._knobs import KnobError
@@ -188,8 +188,9 @@ def test_cuda_split_kv_algorithm_on_cpu(layout, page, dtype, variants):
     tiles unsplit."""
     spec = AttentionSpec(batch=1, heads=4, kv_heads=2, seq_q=1, head_dim=64, dtype=dtype, layout=layout,
                          page_size=page, **variants)
-    ex = tvm.compile(fused_attention_cuda(spec, 16, 16, 4, emulate=True, split_tasks=64),
-                     target=resolve_target("llvm"))
+    func = fused_attention_cuda(spec, 16, 16, 4, emulate=True, split_tasks=64)
+    assert_split_stores_guarded(func)
+    ex = tvm.compile(func, target=resolve_target("llvm"))
     check_emulated_layout(ex, spec, split_kv_cases(layout))
 
 

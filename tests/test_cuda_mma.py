@@ -8,8 +8,8 @@ import functools
 import numpy as np
 import pytest
 import tvm
-from conftest import (CUDA_VARIANT_IDS, CUDA_VARIANT_SPREADS, RIGHT_WINDOW_SHAPES, check_emulated_layout,
-                      check_emulated_symbolic, right_window_spec, split_kv_cases)
+from conftest import (CUDA_VARIANT_IDS, CUDA_VARIANT_SPREADS, RIGHT_WINDOW_SHAPES, assert_split_stores_guarded,
+                      check_emulated_layout, check_emulated_symbolic, right_window_spec, split_kv_cases)
 from test_cuda import assert_split_kv
 
 from tvm_attention.schedules import cuda_fused, cuda_mma, cuda_simt
@@ -270,8 +270,9 @@ def test_tensor_core_split_kv_algorithm_on_cpu(layout, page, dtype, variants):
     a row's lanes) go to the workspace unguarded, and the merge combines them."""
     spec = AttentionSpec(batch=1, heads=4, kv_heads=2, seq_q=1, head_dim=EMU_D, dtype=dtype, layout=layout,
                          page_size=page, **variants)
-    ex = tvm.compile(fused_attention_mma(spec, 2, 16, 2, 1, emulate=True, split_tasks=64),
-                     target=resolve_target("llvm"))
+    func = fused_attention_mma(spec, 2, 16, 2, 1, emulate=True, split_tasks=64)
+    assert_split_stores_guarded(func)
+    ex = tvm.compile(func, target=resolve_target("llvm"))
     check_emulated_layout(ex, spec, split_kv_cases(layout))
 
 

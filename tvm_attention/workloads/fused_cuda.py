@@ -291,17 +291,20 @@ def _simt_pv_store_macros(k: _Simt):
                 with T.sblock("O_store"):
                     T.reads()
                     T.writes()
-                    if w.row0 + ty < w.rows:
-                        if w.final:
+                    if w.final:
+                        if w.row0 + ty < w.rows:
                             for dd in T.serial(ND):
                                 O[w.o_at(w.row0 + ty, dd * TPR + tx)] = T.Cast(dtype, w.out(
                                     acc[ty, tx, dd], l[ty, tx], w.row0 + ty, m[ty, tx]))
                             if w.LSE is not None:
                                 if tx == 0:  # every lane of the row holds its m and l
                                     w.LSE[w.lse_at(w.row0 + ty)] = lse_of(m[ty, tx], l[ty, tx])
-                    if not w.final:  # a split-KV chunk's state for the merge kernel: every tile
-                        # row (those past the step's are never read), so the workspace keeps
-                        # its (batch-sized) shape: a guard would let TVM compact it to seq_q rows
+                    else:  # a split-KV chunk's state for the merge kernel: every tile row (those
+                        # past the step's are never read), so the workspace keeps its
+                        # (batch-sized) shape: a guard would let TVM compact it to seq_q rows.
+                        # An ``else``, not ``if not w.final``: ``final`` is a PrimExpr, and
+                        # Python's ``not`` of it is a constant (the partials were stored by
+                        # every unsplit step, past the token workspace: a crash on an H200)
                         for dd in T.serial(ND):
                             w.split.Op[w.part_at(ty, dd * TPR + tx)] = acc[ty, tx, dd]
                         if tx == 0:
