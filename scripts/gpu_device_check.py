@@ -112,6 +112,9 @@ def peers(torch, spec, q, k, v):
     try:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+        # a fresh compile per shape: dynamo's cache is per function, and past its recompile limit
+        # (8) flex_attention runs eager, unfused (the score matrix in memory), a figure 30x too low
+        torch._dynamo.reset()
         compiled = torch.compile(flex_attention)
         mask = None
         if spec.causal:
@@ -418,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu_device_check: torch sees no CUDA GPU", file=sys.stderr)
         return 2
     major, minor = torch.cuda.get_device_capability()
-    arch, name = f"sm_{major}{minor}", torch.cuda.get_device_name()
+    arch, device_name = f"sm_{major}{minor}", torch.cuda.get_device_name()
     from tvm_attention.spec import AttentionSpec
     from tvm_attention.validate import TOLERANCES
 
@@ -430,13 +433,13 @@ def main(argv: list[str] | None = None) -> int:
     built = [k for k in ready if not k["spec"].get("dynamic") and k not in varlen + cached]
     symbolic = [k for k in ready if k["spec"].get("dynamic") and k not in varlen + cached]
     if not ready:
-        print(f"gpu_device_check: the payload has no kernels for {arch} ({name}); it has {info['archs']}",
+        print(f"gpu_device_check: the payload has no kernels for {arch} ({device_name}); it has {info['archs']}",
               file=sys.stderr)
         return 2
-    peak = next((v for key, v in PEAKS.items() if key in name), None)
+    peak = next((v for key, v in PEAKS.items() if key in device_name), None)
     manifests = [json.loads((payload / k["dir"] / "manifest.json").read_text()) for k in every]
     preload_runtime(payload, manifests)
-    print(f"# {name} ({arch}), torch {torch.__version__}, tvm-ffi {tvm_ffi.__version__}, {len(built)} kernels; "
+    print(f"# {device_name} ({arch}), torch {torch.__version__}, tvm-ffi {tvm_ffi.__version__}, {len(built)} kernels; "
           f"dense fp16 peak {peak} TFLOP/s", flush=True)
 
     torch_dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -547,7 +550,7 @@ def main(argv: list[str] | None = None) -> int:
     def f(x, spec="{:.1f}"):
         return spec.format(x) if isinstance(x, float) else "-"
 
-    lines = [f"GPU check on {name} ({arch}), {time.strftime('%Y-%m-%d')}: TFLOP/s (4·B·H·Sq·Skv·D, halved causal); "
+    lines = [f"GPU check on {device_name} ({arch}), {time.strftime('%Y-%m-%d')}: TFLOP/s (4·B·H·Sq·Skv·D, halved causal); "
              f"peak = dense fp16/bf16 tensor-core peak {peak} TFLOP/s", "",
              "| dtype | D | causal | S | B×H | ours (tc) | ours (simt) | tc, symbolic | simt, symbolic | tc, varlen "
              "| simt, varlen | flash | cuDNN | flex | best ours % peak | tc/flash | tc/cuDNN | tc/flex | valid |",
@@ -582,19 +585,19 @@ def main(argv: list[str] | None = None) -> int:
     if decode:
         lines += ["", f"Decode steps (K and V bytes, each read once), against a streaming read of "
                       f"{stream / 1e9:.0f} GB/s in this run:", "",
-                  "| kernel | layout | dtype | D | B × H:KH × keys | µs | GB/s | % of stream | valid |",
-                  "|" + "---|" * 9]
+                  "| kernel | layout | dtype | K/V cache | D | B × H:KH × keys | µs | GB/s | % of stream | valid |",
+                  "|" + "---|" * 10]
         for e in decode:
             sp = AttentionSpec.from_dict(e["spec"])
             page = "" if sp.page_size is None else f" p{sp.page_size}"
             share = 100 * e["of_stream"] if "of_stream" in e else None
-            lines.append(f"| {e['kernel']} | {sp.layout}{page} | {sp.dtype} | {sp.head_dim} | "
+            lines.append(f"| {e['kernel']} | {sp.layout}{page} | {sp.dtype} | {sp.kv_dtype or sp.dtype} | {sp.head_dim} | "
                          f"{e['batch']} × {sp.heads}:{sp.kv_heads} × {e['keys']} | {f(e.get('us'))} | "
                          f"{f(e.get('gbps'))} | {f(share)} | {e.get('validation', {}).get('passed')}"
                          f"{' ' + e['error'] if 'error' in e else ''} |")
     table = "\n".join(lines)
     imported = sorted(m for m in sys.modules if m == "tvm" or m.startswith("tvm.") or m.startswith("tvm_attention.build"))
-    report = {"device": name, "arch": arch, "peak_tflops": peak, "torch": torch.__version__, "rows": rows,
+    report = {"device": device_name, "arch": arch, "peak_tflops": peak, "torch": torch.__version__, "rows": rows,
               "symbolic": awkward, "varlen": ragged, "cache": caches, "decode": decode, "variants": variants,
               "stream_read_bytes_per_s": stream,
               "seconds": round(time.time() - t_start, 1), "imported_tvm": imported}
