@@ -15,22 +15,25 @@ here (the key-tile scope is not a stage pipeline: ``m`` is read, then written), 
 tensor intrinsic.
 
 ``decode_dot`` (bfloat16 queries, a bfloat16 or 8-bit cache, AVX512-BF16): the workload stages q
-and the keys as bf16 bits and the same dot product runs on ``vdpbf16ps``, 32 elements per
-instruction (:func:`dot_bf16_intrinsic`). It is exact: bf16 holds every operand, and the scales
-multiply the float32 scores.
+and the keys as bf16 bits (a bf16 cache's read as they are, an 8-bit value's float32 upper half)
+and the same dot product runs on ``vdpbf16ps``, 32 elements per instruction
+(:func:`dot_bf16_intrinsic`). It is exact: bf16 holds every operand, and the scales multiply the
+float32 scores. ``decode_dot`` 2 puts PV on ``vdpbf16ps`` too (:func:`_schedule_pv_dot`: P
+rounded to bf16, V's row pairs interleaved, ``cpu_bf16``'s intrinsics).
 
 Side by side (2-core znver4, 2 threads, H32 KH8 D128, bf16 queries, B4 4k / B1 16k), the step
-with it over the float32 form:
+over the float32 form's:
 
-| cache | kvcache | paged |
-|---|---|---|
-| bf16 | 0.84 / 0.86 | 0.94 / 0.93 |
-| int8 | 1.00 / 0.98 | 1.04 / 1.00 |
-| e4m3fn | 0.99 / 0.99 | 1.04 / 1.07 |
-| e5m2 | 1.01 / 0.97 | 1.03 / 1.05 |
+| cache | QKᵀ (1), kvcache | QKᵀ (1), paged | both (2), kvcache | both (2), paged |
+|---|---|---|---|---|
+| bf16 | 0.86 / 0.91 | 0.99 / 0.95 | 0.85 / 0.84 | 0.91 / 0.84 |
+| int8 | 0.87 / 0.89 | 0.89 / 0.91 | 0.89 / 0.86 | 0.87 / 0.87 |
+| e4m3fn | 0.89 / 0.89 | 0.93 / 0.93 | 0.93 / 0.93 | 0.96 / 0.96 |
 
-The 8-bit caches gain nothing: widening their keys is the cost, not the products. The bf16 preset
-takes it (``cpu_fused.preset``); for the others it is a point of the decode search.
+The presets (``cpu_fused.preset``): a bf16 cache takes both, an 8-bit one QKᵀ (exact; PV on dots
+gains nothing there, widening V is the cost). Taking an 8-bit key's upper half instead of
+rounding it (three integer operations per element that changed nothing) is what made its dot
+products pay: before, 0.97-1.07.
 
 Knobs (why these values; measured on a 2-core znver4, H32 KH8 D128, B4 with a 4k cache):
 ``pv_rows = 4`` rows × ``pv_cols = 64`` columns of PV accumulators (16 zmm + 4 for the V
@@ -252,14 +255,45 @@ def _vectorize(sch: s_tir.Schedule, loop, extent: int, lanes: int, unroll: bool 
     sch.vectorize(inner)
 
 
+def _schedule_pv_dot(sch: s_tir.Schedule, blk, D: int, p_elems: int, pv_rows: int, pv_cols: int) -> None:
+    """PV of ``decode_dot`` 2 on ``vdpbf16ps`` (the workload's ``_pv_macros`` dot forms): P
+    rounded in full vectors, V's bits copied and its row pairs interleaved 16 columns per
+    shuffle (``cpu_bf16.ILV``), then ``PV_gemm`` ``(row block, column block, key pair, rows
+    unrolled, column vectors unrolled, [pair, 16 columns])``, one ``cpu_bf16.DP`` per (row, key
+    pair, 16 columns): a P pair broadcast against 16 V pairs."""
+    L = BF16_LANES
+    cpu_bf16.register()
+    _vectorize(sch, sch.fuse(*sch.get_loops(blk("P_round"))[-2:]), p_elems, L, unroll=False)
+    _vectorize(sch, sch.get_loops(blk("V_load"))[-1], D, 2 * L)
+    v_ilv = blk("V_ilv")
+    d, t = sch.get_loops(v_ilv)[-2:]
+    do, di = sch.split(d, [None, L])
+    sch.reorder(do, t, di)
+    sch.tensorize(t, cpu_bf16.ILV)
+    pv = blk("PV_gemm")
+    i, jp, d, t = sch.get_loops(pv)[-4:]
+    io, ii = sch.split(i, [None, pv_rows])
+    cols = pv_cols or D
+    dc, dd = sch.split(d, [None, cols])
+    dm, di = sch.split(dd, [None, L])
+    sch.reorder(io, dc, jp, ii, dm, t, di)
+    sch.tensorize(t, cpu_bf16.DP)
+    sch.unroll(ii)
+    sch.unroll(dm)
+
+
 def schedule(sch: s_tir.Schedule, spec: AttentionSpec, suffix: str, knobs: DotDecodeKnobs = DotDecodeKnobs()) -> None:
     """Schedule the decode nest whose blocks carry ``suffix`` (``_dec4``, ``_dec4_split``)."""
     D, L = spec.head_dim, knobs.lanes
     row_tile = sch.get_sblock("row_tile" + suffix)
     bufs = {b.name: b for b in sch.get(row_tile).alloc_buffers}
     rows, block_n = int(bufs["Qt"].shape[1]), int(bufs["S"].shape[0])
-    # a tile of several kv heads (the page order): Kt (heads, D), Vt (block_n, heads, D)
-    heads = int(bufs["Vt"].shape[1]) if "Vt" in bufs else 1
+    # a tile of several kv heads (the page order): Kt (heads, D), Vt (block_n, heads, D), or
+    # with PV on bf16 dots Vb (heads, block_n, D) and Vt (heads, block_n / 2, D, 2)
+    if "Vb" in bufs:
+        heads = int(bufs["Vb"].shape[0]) if len(bufs["Vb"].shape) == 3 else 1
+    else:
+        heads = int(bufs["Vt"].shape[1]) if "Vt" in bufs else 1
     tile_rows, rows = rows, rows // heads  # rows: per head, what one dot product computes
 
     def blk(name):
@@ -282,7 +316,8 @@ def schedule(sch: s_tir.Schedule, spec: AttentionSpec, suffix: str, knobs: DotDe
         _, d, i = sch.get_loops(s_gemm)[-3:]
         h, _ = sch.split(i, [heads, rows])
         sch.reorder(h, d)
-        _vectorize(sch, sch.get_loops(blk("V_load"))[-1], D, L)
+        if "Pb" not in bufs:  # (PV on bf16 dots stages its values itself: _schedule_pv_dot)
+            _vectorize(sch, sch.get_loops(blk("V_load"))[-1], D, L)
 
     # K_load: the key tile copied in contiguous vectors (the workload stages it: stage_k)
     _vectorize(sch, sch.get_loops(blk("K_load"))[-1], D, L)
@@ -318,19 +353,22 @@ def schedule(sch: s_tir.Schedule, spec: AttentionSpec, suffix: str, knobs: DotDe
             # (2-core znver3, fp32/bf16/int8, B4 4k and B1 16k side by side)
             _vectorize(sch, sch.fuse(j, i), block_n * tile_rows, L, unroll=False)
 
-    # PV_gemm: (row block, [column block,] key, rows unrolled, columns vectorized)
-    pv = blk("PV_gemm")
-    i, j, d = sch.get_loops(pv)[-3:]
-    io, ii = sch.split(i, [None, pv_rows])
-    if pv_cols:
-        do, dd = sch.split(d, [None, pv_cols])
-        sch.reorder(io, do, j, ii, dd)
-        d = dd
+    if "Pb" in bufs:  # decode_dot 2: PV on vdpbf16ps too
+        _schedule_pv_dot(sch, blk, D, block_n * tile_rows, pv_rows, pv_cols)
     else:
-        sch.reorder(io, j, ii, d)
-    sch.unroll(ii)
-    sch.vectorize(d)
-    sch.decompose_reduction(pv, sch.get_loops(pv)[-3])
+        # PV_gemm: (row block, [column block,] key, rows unrolled, columns vectorized)
+        pv = blk("PV_gemm")
+        i, j, d = sch.get_loops(pv)[-3:]
+        io, ii = sch.split(i, [None, pv_rows])
+        if pv_cols:
+            do, dd = sch.split(d, [None, pv_cols])
+            sch.reorder(io, do, j, ii, dd)
+            d = dd
+        else:
+            sch.reorder(io, j, ii, d)
+        sch.unroll(ii)
+        sch.vectorize(d)
+        sch.decompose_reduction(pv, sch.get_loops(pv)[-3])
 
     for name in ("acc_init", "O_store"):
         sch.vectorize(sch.get_loops(blk(name))[-1])

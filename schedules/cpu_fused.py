@@ -78,7 +78,8 @@ class FlashCPUKnobs(KnobsMixin):
     decode_heads: int = 1
     # Staged decode nests on AVX512-BF16, bfloat16 queries: 1 = QKᵀ as bf16 dot products
     # (cpu_decode, vdpbf16ps) on q and the keys widened to bf16 (exact for a bf16 or 8-bit
-    # cache: nothing rounded); PV stays float32. 0 = float32 FMAs.
+    # cache: nothing rounded), PV float32; 2 = PV too, P rounded to bf16 (as dot_bf16's
+    # prefill); 0 = float32 FMAs.
     decode_dot: int = 0
 
 
@@ -161,11 +162,13 @@ def preset(spec: AttentionSpec, target: Target) -> FlashCPUKnobs:
                           auto_unroll=auto_unroll, split_tasks=split_tasks_for(target), dot_bf16=int(dot))
     if stages_decode(spec, knobs):  # the page order is a property of the staged decode nests
         knobs = dataclasses.replace(knobs, decode_heads=page_order_heads(spec, block_n))
-        # QKᵀ on vdpbf16ps for a bf16 cache (2-core znver4, H32 KH8 D128 kvcache, 2 threads,
-        # side by side: 0.83x the step at B4 4k, 0.82x at B1 16k); an int8 cache gained little
-        # (0.94x, 1.00x: its keys' conversion stays): a point of the search, not the preset
-        if decode_dots(spec, knobs, target) and spec.dtype == "bfloat16" and spec.kv_dtype is None:
-            knobs = dataclasses.replace(knobs, decode_dot=1)
+        # the products on vdpbf16ps (2-core znver4, H32 KH8 D128, 2 threads, B4 4k / B1 16k,
+        # the step over the float32 form's, side by side): a bf16 cache takes both (QKᵀ alone
+        # 0.86 / 0.91 kvcache, 0.99 / 0.95 paged; with PV 0.85 / 0.84, 0.91 / 0.84), an 8-bit
+        # one QKᵀ only, which is exact (int8 0.87 / 0.89 kvcache, 0.89 / 0.91 paged; PV on dots
+        # gains nothing more: widening V is the cost, and it would round P)
+        if decode_dots(spec, knobs, target):
+            knobs = dataclasses.replace(knobs, decode_dot=1 if spec.kv_quantized else 2)
     return knobs
 
 
@@ -292,11 +295,13 @@ def check(knobs: FlashCPUKnobs, spec: AttentionSpec, target: Target) -> None:
         raise KnobError(
             f"decode value tile {vt_bytes} B (block_n={knobs.block_n} × decode_heads={knobs.decode_heads} × "
             f"head_dim={spec.head_dim} float32) exceeds MAX_TILE_BYTES={MAX_TILE_BYTES}")
-    if knobs.decode_dot not in (0, 1):
-        raise KnobError(f"decode_dot={knobs.decode_dot} must be 0 or 1")
+    if knobs.decode_dot not in (0, 1, 2):
+        raise KnobError(f"decode_dot={knobs.decode_dot} must be 0 (float32), 1 (QKᵀ on bf16 dots) or 2 (QKᵀ and PV)")
+    if knobs.decode_dot == 2 and knobs.block_n % 2:
+        raise KnobError(f"decode_dot=2 pairs the keys of a tile for PV: block_n={knobs.block_n} must be even")
     if knobs.decode_dot and not decode_dots(spec, knobs, target):
         raise KnobError(
-            f"decode_dot=1 needs staged decode nests on {cpu_decode.BF16_LANES}-lane vectors, a head_dim that is a "
+            f"decode_dot={knobs.decode_dot} needs staged decode nests on {cpu_decode.BF16_LANES}-lane vectors, a head_dim that is a "
             f"multiple of {2 * cpu_decode.BF16_LANES} (head_dim={spec.head_dim}), bfloat16 queries and a bfloat16 or "
             f"8-bit cache (dtype={spec.dtype}, kv_dtype={spec.kv_dtype}) and a CPU with {cpu_bf16.FEATURE} "
             f"(target {target})")
@@ -352,7 +357,7 @@ def workload_args(spec: AttentionSpec, knobs: FlashCPUKnobs, step_only: bool = F
     # decode tiers narrower than a vector are dot-product scheduled (cpu_decode): they stage K
     return dict(block_m=knobs.block_m, block_n=knobs.block_n, decode_rows=rows,
                 split_tasks=knobs.split_tasks, stage_k_below=knobs.vector_lanes, dot_bf16=bool(knobs.dot_bf16),
-                prefetch=knobs.prefetch, decode_heads=knobs.decode_heads, decode_dot=bool(knobs.decode_dot))
+                prefetch=knobs.prefetch, decode_heads=knobs.decode_heads, decode_dot=knobs.decode_dot)
 
 
 def from_attrs(attrs: Any, base: FlashCPUKnobs | None = None) -> FlashCPUKnobs:
@@ -419,8 +424,8 @@ def decode_candidates(spec: AttentionSpec, target: Target) -> list[FlashCPUKnobs
       task;
     * every key tile with 2 and with all kv heads per task (``decode_heads``: the page order;
       staged decode tiles only), unsplit or split as the preset;
-    * the preset with each ``PREFETCH_CHOICES`` distance, and with QKᵀ's other product form
-      (``decode_dot``, where the CPU and the cache allow it).
+    * the preset with each ``PREFETCH_CHOICES`` distance, and with each product form
+      (``decode_dot`` 0, 1, 2, where the CPU and the cache allow it).
 
     This is the decode step's place in the search: a symbolic kernel tuned at a decode shape
     takes ``split_tasks``, ``block_n``, ``decode_heads`` and ``prefetch`` from the winner.
@@ -438,7 +443,7 @@ def decode_candidates(spec: AttentionSpec, target: Target) -> list[FlashCPUKnobs
             for st in (SPLIT_TASK_CHOICES if h == 1 else (0, hand.split_tasks))]
     if staged:
         grid += [dataclasses.replace(hand, prefetch=pf) for pf in PREFETCH_CHOICES if pf]
-        grid += [dataclasses.replace(hand, decode_dot=1 - hand.decode_dot)]  # QKᵀ's other form
+        grid += [dataclasses.replace(hand, decode_dot=v) for v in (0, 1, 2)]  # the product forms
     out, seen = [], set()
     for knobs in [hand] + grid:
         key = (knobs.block_n, knobs.decode_heads, knobs.prefetch, knobs.decode_dot,

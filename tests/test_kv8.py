@@ -325,29 +325,37 @@ def _has_bf16_dots():
 
 #: decode_dot (QKᵀ of the staged decode nests on vdpbf16ps): every 8-bit dtype with bf16 queries,
 #: both cache layouts, split-KV and not, append, GQA and MHA; paged with its page order (all heads)
-DECODE_DOT = {
-    "kvcache_int8_split": dict(layout="kvcache", batch=2, heads=8, kv_heads=2, seq_q=1, seq_kv=300, head_dim=64,
-                               causal=True, dtype="bfloat16", kv_dtype="int8", return_lse=True),
+DECODE_DOT = {  # name: (spec, decode_dot, other knobs)
+    "kvcache_int8_split": (dict(layout="kvcache", batch=2, heads=8, kv_heads=2, seq_q=1, seq_kv=300, head_dim=64,
+                                causal=True, dtype="bfloat16", kv_dtype="int8", return_lse=True), 1, ()),
     "paged_e4m3": (dict(layout="paged", batch=2, heads=8, kv_heads=2, seq_q=1, seq_kv=300, head_dim=64, causal=True,
-                        dtype="bfloat16", kv_dtype="float8_e4m3fn", return_lse=True), (("split_tasks", 0),)),
+                        dtype="bfloat16", kv_dtype="float8_e4m3fn", return_lse=True), 1, (("split_tasks", 0),)),
     "kvcache_e5m2_append": (dict(layout="kvcache", batch=1, heads=8, kv_heads=2, seq_q=1, seq_kv=300, head_dim=64,
-                                 causal=True, dtype="bfloat16", kv_dtype="float8_e5m2", append=True),
+                                 causal=True, dtype="bfloat16", kv_dtype="float8_e5m2", append=True), 1,
                             (("split_tasks", 0),)),
     # MHA: one row per kv head, the dot product's one-lane form
-    "paged_int8_mha": dict(layout="paged", batch=2, heads=4, kv_heads=4, seq_q=1, seq_kv=200, head_dim=64,
-                           causal=True, dtype="bfloat16", kv_dtype="int8"),
+    "paged_int8_mha": (dict(layout="paged", batch=2, heads=4, kv_heads=4, seq_q=1, seq_kv=200, head_dim=64,
+                            causal=True, dtype="bfloat16", kv_dtype="int8"), 1, ()),
+    # PV on the dot products too (decode_dot 2): a tile of every kv head (the paged preset's
+    # page order), split, and one head per task with an 8-bit cache widened to bf16
+    "paged_bf16_pv_split": (dict(layout="paged", batch=2, heads=8, kv_heads=2, seq_q=1, seq_kv=300, head_dim=64,
+                                 causal=True, dtype="bfloat16", return_lse=True), 2, ()),
+    "kvcache_e4m3_pv_append": (dict(layout="kvcache", batch=1, heads=8, kv_heads=2, seq_q=1, seq_kv=300, head_dim=64,
+                                    causal=True, dtype="bfloat16", kv_dtype="float8_e4m3fn", append=True), 2,
+                               (("split_tasks", 0),)),
 }
 
 
 @pytest.mark.skipif(not _has_bf16_dots(), reason="this CPU has no AVX512-BF16 (vdpbf16ps)")
 @pytest.mark.parametrize("name", list(DECODE_DOT))
-def test_decode_dot_products_on_8bit_caches_match_the_reference(name):
-    """The 8-bit values and bf16 queries are exact in bf16, so the dot products round nothing
-    the float32 products did not: the float32 tolerances of the LSE hold too."""
-    case = DECODE_DOT[name]
-    kw, knobs = case if isinstance(case, tuple) else (case, ())
-    b = built(AttentionSpec(**kw), knobs=(("decode_dot", 1),) + knobs)
-    assert b.knobs.decode_dot == 1 and b.audit.fused, b.audit
+def test_decode_dot_products_match_the_reference(name):
+    """``decode_dot`` 1: the 8-bit values and bf16 queries are exact in bf16, so QKᵀ's dot products
+    round nothing the float32 products did not (the float32 tolerances of the LSE hold too).
+    ``decode_dot`` 2: PV too, on P rounded to bf16 and V's pairs (an 8-bit cache's values
+    widened), within the bf16 tolerances."""
+    kw, level, knobs = DECODE_DOT[name]
+    b = built(AttentionSpec(**kw), knobs=(("decode_dot", level),) + knobs)
+    assert b.knobs.decode_dot == level and b.audit.fused, b.audit
     assert "vdpbf16ps" in b.module.inspect_source("asm")
     r = validate_built(b)
     assert r.passed and r.finite, r
@@ -355,9 +363,10 @@ def test_decode_dot_products_on_8bit_caches_match_the_reference(name):
 
 @pytest.mark.skipif(not _has_bf16_dots(), reason="this CPU has no AVX512-BF16 (vdpbf16ps)")
 def test_decode_dot_is_the_bf16_preset_and_matches_the_float32_products():
-    """A bf16 cache's decode step takes the dot products by default (``cpu_fused.preset``) and
-    gives what the float32 FMAs give, up to the order of the sums; the knob is refused where the
-    operands are not exact in bf16 or the CPU has no vdpbf16ps."""
+    """A bf16 cache's decode step takes both dot products by default (``cpu_fused.preset``), an
+    8-bit cache's QKᵀ only, and gives what the float32 FMAs give up to the order of the sums and
+    P's rounding to bf16 (the log-sum-exp adds the unrounded P); the knob is refused where the
+    operands are not exact in bf16, the CPU has no vdpbf16ps, or (2) block_n is odd."""
     from tvm_attention.schedules import cpu_fused
     from tvm_attention.schedules._knobs import KnobError
     from tvm_attention.target import resolve_target
@@ -365,7 +374,8 @@ def test_decode_dot_is_the_bf16_preset_and_matches_the_float32_products():
     spec = AttentionSpec(layout="kvcache", batch=2, heads=8, kv_heads=2, seq_q=1, seq_kv=300, head_dim=64,
                          causal=True, dtype="bfloat16", return_lse=True)
     host = resolve_target("llvm")
-    assert cpu_fused.preset(spec, host).decode_dot == 1
+    assert cpu_fused.preset(spec, host).decode_dot == 2  # both products: a bf16 cache
+    assert cpu_fused.preset(dataclasses.replace(spec, kv_dtype="int8"), host).decode_dot == 1  # QKᵀ: exact
     dot, fma = built(spec), built(spec, knobs=(("decode_dot", 0),))
     n_dot, n_fma = (x.module.inspect_source("asm").count("vdpbf16ps") for x in (dot, fma))
     assert n_dot > n_fma  # the decode nests' on top of the main nest's
@@ -373,7 +383,7 @@ def test_decode_dot_is_the_bf16_preset_and_matches_the_float32_products():
     x = lay.random_inputs(spec, {"seq_q": 1, "cache_seqlens": [0, 299], "max_len": 300}, seed=1)
     (o1, l1), (o0, l0) = (kernel_of(b)(*x.values()) for b in (dot, fma))
     o1, o0 = (np.asarray(o).astype(np.float32) for o in (o1, o0))
-    np.testing.assert_allclose(o1, o0, atol=1e-2, rtol=1e-2)  # one bf16 rounding of the output apart at most
+    np.testing.assert_allclose(o1, o0, atol=1e-2, rtol=1e-2)  # a bf16 rounding of the output and of P apart
     np.testing.assert_allclose(np.asarray(l1), np.asarray(l0), atol=1e-5, rtol=1e-5)
     for bad, target in ((dict(dtype="float16"), host), (dict(dtype="float32"), host),
                         (dict(dtype="float32", kv_dtype="int8"), host),
@@ -381,3 +391,5 @@ def test_decode_dot_is_the_bf16_preset_and_matches_the_float32_products():
         s = AttentionSpec(**{**spec.to_dict(), **bad})
         with pytest.raises(KnobError, match="decode_dot=1 needs"):
             cpu_fused.check(dataclasses.replace(cpu_fused.preset(s, target), decode_dot=1), s, target)
+    with pytest.raises(KnobError, match="block_n=33 must be even"):
+        cpu_fused.check(dataclasses.replace(cpu_fused.preset(spec, host), decode_dot=2, block_n=33, s_rows=1), spec, host)

@@ -180,6 +180,13 @@ def bf16_bits(x: tirx.PrimExpr) -> tirx.PrimExpr:
     return tirx.Cast("uint16", tirx.shift_right(rounded, u16))
 
 
+def bf16_exact_bits(x: tirx.PrimExpr) -> tirx.PrimExpr:
+    """The bfloat16 bits (uint16) of a float32 ``x`` that bf16 holds exactly (an int8, e4m3 or
+    e5m2 value, a bf16 input widened): its upper half, no rounding (:func:`bf16_bits` would add
+    three integer operations per element that change nothing)."""
+    return tirx.Cast("uint16", tirx.shift_right(tirx.reinterpret("uint32", x), tirx.const(16, "uint32")))
+
+
 #: What :func:`kv_to_f32` with ``unit=False`` leaves out of an 8-bit dtype's value: a kernel folds
 #: it into the scales (once per query element and output) instead of once per cache element
 KV_UNIT = {"float8_e4m3fn": 256.0}

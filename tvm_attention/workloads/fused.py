@@ -49,7 +49,7 @@ from tvm.script import tirx as T
 from ..spec import DATA_ALIGNMENT as A, ENTRY, MAX_SEQ_LEN, AttentionSpec
 from ..tvm_internals import fast_macros
 from ..visibility import Visibility
-from ._math import (bf16_bits, bf16_value, cast_to, exp2_fast, f32, f32_to_kv, guarded, kv_to_f32, lse_of,
+from ._math import (bf16_bits, bf16_exact_bits, bf16_value, cast_to, exp2_fast, f32, f32_to_kv, guarded, kv_to_f32, lse_of,
                     ssa_checked)
 from .knob_attrs import FUSED_DECODE, FUSED_FORM, FUSED_TILE, record
 from .kv import dim, kv_layout
@@ -61,7 +61,7 @@ CACHE_LINE = 64  # bytes (x86)
 @fast_macros  # TVMScript macro expansion without its costly stack walk, only while this generates
 def fused_attention(spec: AttentionSpec, block_m: int, block_n: int, decode_rows: tuple[int, ...] = (),
                     split_tasks: int = 0, stage_k_below: int = 0, dot_bf16: bool = False,
-                    prefetch: int = 0, decode_heads: int = 1, decode_dot: bool = False) -> tirx.PrimFunc:
+                    prefetch: int = 0, decode_heads: int = 1, decode_dot: int = 0) -> tirx.PrimFunc:
     """Build the fused PrimFunc for ``spec`` with row tile ``block_m`` and key tile ``block_n``.
 
     Arguments of the PrimFunc (call order) are the layout's (``tvm_attention.layouts``); bhsd:
@@ -76,8 +76,8 @@ def fused_attention(spec: AttentionSpec, block_m: int, block_n: int, decode_rows
     specs only; decode nests, memory-bound, keep float32 products). ``prefetch``: the staged
     decode nests prefetch the K/V rows of the key tile this many tiles ahead (0 = none; see
     ``_tile_macro``). ``decode_heads``: kv heads per task of the staged decode nests (the page
-    order, see :func:`_dense`). ``decode_dot``: the staged decode nests' QKᵀ on bf16 operands
-    (see ``_tile_macro``).
+    order, see :func:`_dense`). ``decode_dot``: the staged decode nests' products on bf16
+    operands, 1 QKᵀ, 2 QKᵀ and PV (see ``_tile_macro``).
     """
     if spec.layout_info.packed:
         return _varlen(spec, block_m, block_n, dot_bf16)
@@ -330,14 +330,30 @@ class _TileShape:
     #: an 8-bit cache's dtype (``spec.kv_dtype``): K/V elements are converted by ``kv_to_f32``
     #: (float8 read through uint8 aliases of K and V, see ``_dense_function``)
     kv_dtype: str | None = None
-    #: the staged decode tiles' QKᵀ on bf16 operands (``_tile_macro``'s ``dot_decode``): ``Qt``
-    #: and ``Kt`` hold bf16 bits (uint16)
-    dot_decode: bool = False
+    #: the staged decode tiles' products on bf16 operands (``_tile_macro``'s ``dot_decode``): 1
+    #: QKᵀ (``Qt`` and ``Kt`` hold bf16 bits, uint16), 2 PV too (P rounded to bf16, V pairs)
+    dot_decode: int = 0
 
     def kv(self, x):
         """The float32 value of the K/V element ``x`` as loaded: an 8-bit cache's without its scale
         and :data:`KV_UNIT` (both folded into q and the output, ``Variants.k_scale``)."""
         return f32(x) if self.kv_dtype is None else kv_to_f32(x, self.kv_dtype, unit=False)
+
+    @property
+    def raw16(self) -> bool:
+        """Whether the dot products read K and V as their own bf16 bits (uint16 views of the
+        bfloat16 inputs): nothing to convert. An 8-bit cache is widened instead (:meth:`bits`)."""
+        return bool(self.dot_bf16 or self.dot_decode) and self.kv_dtype is None
+
+    def bits(self, x):
+        """The bf16 bits of a K/V element ``x`` read for a dot product: ``x`` itself when it was
+        read through a uint16 view (:attr:`raw16`), else an 8-bit value widened (exact: bf16
+        holds every int8, e4m3 and e5m2 value, so its float32 value's upper half)."""
+        return x if self.raw16 else bf16_exact_bits(self.kv(x))
+
+    def stage_key(self, x):
+        """A key element as ``Kt`` holds it: bf16 bits with ``dot_decode``, else float32."""
+        return self.bits(x) if self.dot_decode else self.kv(x)
 
     @property
     def score_mod(self) -> bool:
@@ -391,10 +407,8 @@ def _s_gemm_macros(k: _TileShape):
         return h if HT > 1 else None
 
     # dot_decode: the staged keys (Kt) and Qt hold bf16 bits, exact for the caches it takes
-    # (K widened to bf16), read back as float32 products the intrinsic's description spells
-    def staged(x):
-        return bf16_bits(x) if k.dot_decode else x
-
+    # (K widened to bf16, or read as its bits), read back as float32 products the intrinsic's
+    # description spells
     def operand(x):
         return bf16_value(x) if k.dot_decode else x
 
@@ -438,7 +452,7 @@ def _s_gemm_macros(k: _TileShape):
                 with T.sblock(N["K_load"]):
                     vj = T.axis.spatial(BN, j)
                     vh, vd = T.axis.remap("SS", [h, d])
-                    Kt[vh, vd] = staged(k.kv(K[t.kv_at(vc, vj, vd, vh)]))
+                    Kt[vh, vd] = k.stage_key(K[t.kv_at(vc, vj, vd, vh)])
             for d, i in T.grid(D, BM):
                 with T.sblock(N["S_gemm"]):
                     vj = T.axis.spatial(BN, j)
@@ -452,7 +466,7 @@ def _s_gemm_macros(k: _TileShape):
         for j, d in T.grid(BN, D):
             with T.sblock(N["K_load"]):
                 vj, vd = T.axis.remap("SS", [j, d])
-                Kt[vj, vd] = staged(k.kv(K[t.kv_at(vc, vj, vd)]))
+                Kt[vj, vd] = k.stage_key(K[t.kv_at(vc, vj, vd)])
         for j, d, i in T.grid(BN, D, BM):
             with T.sblock(N["S_gemm"]):
                 vj, vd, vi = T.axis.remap("SRS", [j, d, i])
@@ -547,16 +561,19 @@ def _softmax_macro(k: _TileShape):
 def _pv_macros(k: _TileShape):
     """``acc = acc·alpha + P·V`` of one key tile, one macro per form: ``dot`` (``P_round`` rounds P
     to bf16, ``P_ilv``/``V_ilv`` pair P and V along the keys for ``vdpbf16ps``, ``acc_rescale``
-    applies the correction), ``heads`` (V staged for every kv head of the tile), ``plain``.
+    applies the correction), ``dot_heads`` (the same on a tile of ``HT`` kv heads), ``heads`` (V
+    staged for every kv head of the tile), ``plain``.
 
-    ``dot``: ``V_load`` copies the tile's bits to ``Vb (BN, D)``, ``V_ilv`` interleaves pairs of V
-    rows into ``Vt (BN/2, D, 2)``; ``P_round`` rounds P to bf16 (nearest even), as FlashAttention
-    does before PV, and ``P_ilv`` pairs it the same way (``Pb (BN/2, BM, 2)``); ``PV_gemm`` sums
-    over (key pair, t)."""
+    ``dot``: ``V_load`` copies the tile's bits to ``Vb (BN, D)`` (an 8-bit cache's values widened
+    to bf16: :meth:`_TileShape.bits`), ``V_ilv`` interleaves pairs of V rows into ``Vt (BN/2, D,
+    2)``; ``P_round`` rounds P to bf16 (nearest even), as FlashAttention does before PV, and
+    ``P_ilv`` pairs it the same way (``Pb (BN/2, BM, 2)``); ``PV_gemm`` sums over (key pair, t).
+    ``dot_heads``: ``Vb (HT, BN, D)``, ``Vt (HT, BN/2, D, 2)`` (the head first: the interleave and
+    the dot product take a contiguous region of one head), row ``i`` reading head ``i // R``."""
     N, BM, BN, D, HT, R = k.N, k.BM, k.BN, k.D, k.HT, k.R
 
     @T.macro
-    def pv_gemm_dot(Vu, P, Pr, Pb, Vb, Vt, acc, alpha, t, vc):
+    def p_pairs(P, Pr, Pb):
         for j, i in T.grid(BN, BM):
             with T.sblock(N["P_round"]):
                 vj, vi = T.axis.remap("SS", [j, i])
@@ -565,24 +582,50 @@ def _pv_macros(k: _TileShape):
             with T.sblock(N["P_ilv"]):
                 vp, vi, vt = T.axis.remap("SSS", [jp, i, tt])
                 Pb[vp, vi, vt] = Pr[2 * vp + vt, vi]
-        for j, d in T.grid(BN, D):
-            with T.sblock(N["V_load"]):
-                vj, vd = T.axis.remap("SS", [j, d])
-                Vb[vj, vd] = Vu[t.kv_at(vc, vj, vd)]
-        for jp, d, tt in T.grid(BN // 2, D, 2):
-            with T.sblock(N["V_ilv"]):
-                vp, vd, vt = T.axis.remap("SSS", [jp, d, tt])
-                Vt[vp, vd, vt] = Vb[2 * vp + vt, vd]
+
+    @T.macro
+    def rescale(acc, alpha):
         # the correction as a block of its own: the tensorized update reads only
         # what the intrinsic does (an init reading alpha would not match it)
         for i, d in T.grid(BM, D):
             with T.sblock(N["acc_rescale"]):
                 vi, vd = T.axis.remap("SS", [i, d])
                 acc[vi, vd] = acc[vi, vd] * alpha[vi]
+
+    @T.macro
+    def pv_gemm_dot(Vu, P, Pr, Pb, Vb, Vt, acc, alpha, t, vc):
+        p_pairs(P, Pr, Pb)
+        for j, d in T.grid(BN, D):
+            with T.sblock(N["V_load"]):
+                vj, vd = T.axis.remap("SS", [j, d])
+                Vb[vj, vd] = k.bits(Vu[t.kv_at(vc, vj, vd)])
+        for jp, d, tt in T.grid(BN // 2, D, 2):
+            with T.sblock(N["V_ilv"]):
+                vp, vd, vt = T.axis.remap("SSS", [jp, d, tt])
+                Vt[vp, vd, vt] = Vb[2 * vp + vt, vd]
+        rescale(acc, alpha)
         for i, jp, d, tt in T.grid(BM, BN // 2, D, 2):
             with T.sblock(N["PV_gemm"]):
                 vi, vp, vd, vt = T.axis.remap("SRSR", [i, jp, d, tt])
                 acc[vi, vd] = acc[vi, vd] + bf16_value(Pb[vp, vi, vt]) * bf16_value(Vt[vp, vd, vt])
+
+    @T.macro
+    def pv_gemm_dot_heads(Vu, P, Pr, Pb, Vb, Vt, acc, alpha, t, vc):
+        p_pairs(P, Pr, Pb)
+        for j, h, d in T.grid(BN, HT, D):
+            with T.sblock(N["V_load"]):
+                vj, vh, vd = T.axis.remap("SSS", [j, h, d])
+                Vb[vh, vj, vd] = k.bits(Vu[t.kv_at(vc, vj, vd, vh)])
+        for h, jp, d, tt in T.grid(HT, BN // 2, D, 2):
+            with T.sblock(N["V_ilv"]):
+                vh, vp, vd, vt = T.axis.remap("SSSS", [h, jp, d, tt])
+                Vt[vh, vp, vd, vt] = Vb[vh, 2 * vp + vt, vd]
+        rescale(acc, alpha)
+        for i, jp, d, tt in T.grid(BM, BN // 2, D, 2):
+            with T.sblock(N["PV_gemm"]):
+                vi, vp, vd, vt = T.axis.remap("SRSR", [i, jp, d, tt])
+                acc[vi, vd] = acc[vi, vd] + bf16_value(Pb[vp, vi, vt]) * bf16_value(
+                    Vt[T.floordiv(vi, R), vp, vd, vt])
 
     @T.macro
     def pv_gemm_heads(V, P, Vt, acc, alpha, t, vc):
@@ -606,7 +649,7 @@ def _pv_macros(k: _TileShape):
                     acc[vi, vd] = acc[vi, vd] * alpha[vi]
                 acc[vi, vd] = acc[vi, vd] + P[vj, vi] * k.kv(V[t.kv_at(vc, vj, vd)])
 
-    return types.SimpleNamespace(dot=pv_gemm_dot, heads=pv_gemm_heads, plain=pv_gemm)
+    return types.SimpleNamespace(dot=pv_gemm_dot, dot_heads=pv_gemm_dot_heads, heads=pv_gemm_heads, plain=pv_gemm)
 
 
 def _store_macro(k: _TileShape):
@@ -646,38 +689,51 @@ def _store_macro(k: _TileShape):
     return store
 
 
+def _q_macros(k: _TileShape):
+    """The tile's ``Q_load``: ``q_pairs`` (``dot_bf16``: q's bits in pairs along head_dim, ``Qp
+    (D/2, BM, 2)``, unscaled) and ``q_load`` (``Qt (D, BM)``: q scaled to log2 units, or with
+    ``dot_decode`` its own bf16 bits, the scales then multiplying the scores)."""
+    N, BM, D, qscale = k.N, k.BM, k.D, k.qscale
+
+    @T.macro
+    def q_pairs(Qu, Qp, t):
+        for dp, i, tt in T.grid(D // 2, BM, 2):
+            with T.sblock(N["Q_load"]):
+                vp, vi, vt = T.axis.remap("SSS", [dp, i, tt])
+                Qp[vp, vi, vt] = Qu[t.q_at(vi, 2 * vp + vt)]
+
+    @T.macro
+    def q_load(Q, Qt, t):
+        for d, i in T.grid(D, BM):
+            with T.sblock(N["Q_load"]):
+                vd, vi = T.axis.remap("SS", [d, i])
+                if k.dot_decode > 0:  # q's own bits (bfloat16): the scales multiply the scores
+                    Qt[vd, vi] = bf16_exact_bits(f32(Q[t.q_at(vi, vd)]))
+                else:
+                    Qt[vd, vi] = t.q_scaled(f32(Q[t.q_at(vi, vd)]) * T.float32(qscale), vi)
+
+    return q_pairs, q_load
+
+
 def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: str | None = None,
                 stage_k: bool = False, dot_bf16: bool = False, prefetch: int = 0, heads: int = 1,
-                dot_decode: bool = False):
+                dot_decode: int = 0):
     """The per-row-tile pipeline (Q load, online softmax over key tiles, store) as a TVMScript
     macro: one piece of compute that every layout's frame calls with its own :class:`_Tile`.
     ``suffix`` is appended to every block name (a function may hold two nests of the tile).
 
-    ``stats``: what the tile writes to the macro's buffer ``X`` besides ``O``: None (nothing),
-    ``"lse"`` (each row's log-sum-exp, block ``lse_store``) or ``"partial"`` (a split-KV
-    partial: ``m`` and ``l`` of each row, block ``state_store``; ``O`` gets the raw ``acc``).
-
-    Half-precision inputs (``spec.dtype`` bfloat16/float16) are converted to float32 as they are
-    loaded (``Q_load``, ``K_load``/``S_gemm``, ``PV_gemm``) and the output rounded to the dtype as
-    it is stored: every tile buffer, the softmax state and the accumulators are float32.
-
-    ``stage_k``: stage each key tile as float32 (:func:`_s_gemm_macros`).
-
-    ``prefetch`` (with ``stage_k``): a software prefetch ``prefetch`` key tiles ahead
-    (:func:`_s_gemm_macros`).
-
-    ``heads`` > 1 (with ``stage_k``): ``heads`` kv heads' blocks of packed rows in one tile, keys
-    staged for all of them (the decode nest's page order; :func:`_s_gemm_macros`).
-
-    ``dot_bf16`` (bfloat16 inputs): both products as bf16 dot products with float32 sums
-    (AVX512-BF16's ``vdpbf16ps``; :func:`_s_gemm_macros`, :func:`_pv_macros`). The row sum ``l``
-    adds the unrounded float32 P.
-
-    ``dot_decode`` (with ``stage_k``; bfloat16 queries and a bfloat16 or 8-bit cache, whose
-    values bf16 holds exactly): QKᵀ on bf16 operands, for ``cpu_decode``'s ``vdpbf16ps`` dot
-    product: q and each key staged as their bf16 bits, the products exact in float32, the scale
-    (and an 8-bit cache's key scale) applied to the float32 scores. Nothing is rounded that the
-    float32 products did not round; only the order of the sums differs. PV is unchanged."""
+    Half-precision inputs are converted to float32 as they are loaded and the output rounded to
+    the dtype as it is stored: every tile buffer, the softmax state and the accumulators are
+    float32. ``stats``: what the tile writes to ``X`` besides ``O``: None, ``"lse"`` (block
+    ``lse_store``) or ``"partial"`` (a split-KV partial's ``m`` and ``l``, block
+    ``state_store``; ``O`` gets the raw ``acc``). The forms (:func:`_s_gemm_macros`,
+    :func:`_pv_macros`): ``stage_k`` stages each key tile, with a software prefetch
+    ``prefetch`` tiles ahead and ``heads`` kv heads per tile (the decode nest's page order);
+    ``dot_bf16`` (bfloat16 inputs) puts both products on bf16 dot products with float32 sums;
+    ``dot_decode`` (with ``stage_k``; bfloat16 queries and a bfloat16 or 8-bit cache, exact in
+    bf16) puts QKᵀ (1) or both products (2) there, the scales on the float32 scores. QKᵀ on
+    bf16 operands rounds nothing the float32 products did not; PV's rounds P to bf16. The row
+    sum ``l`` adds the unrounded P."""
     N = {n: n + suffix for n in TILE_BLOCKS + ("lse_store", "state_store", "K_load", "V_load", "V_ilv",
                                                 "P_round", "P_ilv", "acc_rescale", "KV_prefetch", "score_mod")}
     if dot_bf16 and (spec.dtype != "bfloat16" or spec.kv_quantized or spec.head_dim % 2 or BN % 2):
@@ -685,9 +741,12 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
                          f"D={spec.head_dim}, block_n={BN}")
     if prefetch and not stage_k:
         raise ValueError("prefetch is issued by the staged (stage_k) decode tiles only")
-    if dot_decode and (not stage_k or spec.dtype != "bfloat16"):
+    if dot_decode not in (0, 1, 2):
+        raise ValueError(f"dot_decode={dot_decode} must be 0, 1 (QKᵀ) or 2 (QKᵀ and PV)")
+    if dot_decode and (not stage_k or spec.dtype != "bfloat16" or (dot_decode == 2 and BN % 2)):
         raise ValueError(f"dot_decode needs the staged decode tiles and bfloat16 queries and cache (or an 8-bit "
-                         f"cache), got dtype={spec.dtype}, kv_dtype={spec.kv_dtype}")
+                         f"cache), and an even block_n for PV, got dtype={spec.dtype}, kv_dtype={spec.kv_dtype}, "
+                         f"block_n={BN}")
     HT = heads
     if HT > 1 and (not stage_k or dot_bf16 or BM % HT):
         raise ValueError(f"a tile of {HT} heads needs stage_k, float32 products and block_m % heads == 0 "
@@ -703,9 +762,11 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
                    dot_decode=dot_decode)
     sg, pv = _s_gemm_macros(k), _pv_macros(k)
     s_gemm_dot, kv_prefetch, s_gemm_heads, s_gemm_staged, s_gemm = sg.dot, sg.prefetch, sg.heads, sg.staged, sg.plain
-    pv_gemm_dot, pv_gemm_heads, pv_gemm = pv.dot, pv.heads, pv.plain
+    pv_gemm_dot, pv_gemm_dot_heads, pv_gemm_heads, pv_gemm = pv.dot, pv.dot_heads, pv.heads, pv.plain
     online_softmax, store = _softmax_macro(k), _store_macro(k)
+    q_pairs, q_load = _q_macros(k)
     QK_DTYPE = "uint16" if dot_decode else "float32"  # Qt's and Kt's: bf16 bits for dot_decode
+    PV_DOT = bool(dot_bf16) or dot_decode == 2  # PV on bf16 pairs (Vb, Vt, Pr, Pb)
 
     @T.macro
     def tile(Q, K, V, O, t, nc, X):
@@ -722,9 +783,19 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
         acc = T.sblock_alloc_buffer((BM, D), "float32", scope="local")  # unnormalised output
         if stage_k and HT > 1:
             Kt = T.sblock_alloc_buffer((HT, D), QK_DTYPE, scope="local")  # one key of every head
-            Vt = T.sblock_alloc_buffer((BN, HT, D), "float32", scope="local")  # value tile (key, head, d)
+            if PV_DOT:
+                Vb = T.sblock_alloc_buffer((HT, BN, D), "uint16", scope="local")  # value tile's bits
+                Vt = T.sblock_alloc_buffer((HT, BN // 2, D, 2), "uint16", scope="local")  # v pairs (key)
+            else:
+                Vt = T.sblock_alloc_buffer((BN, HT, D), "float32", scope="local")  # value tile (key, head, d)
         elif stage_k:
             Kt = T.sblock_alloc_buffer((BN, D), QK_DTYPE, scope="local")  # the key tile, (key, d)
+            if dot_decode == 2:
+                Vb = T.sblock_alloc_buffer((BN, D), "uint16", scope="local")  # the value tile's bits
+                Vt = T.sblock_alloc_buffer((BN // 2, D, 2), "uint16", scope="local")  # v pairs (key)
+        if dot_decode == 2:
+            Pr = T.sblock_alloc_buffer((BN, BM), "uint16", scope="local")  # P rounded, key-major
+            Pb = T.sblock_alloc_buffer((BN // 2, BM, 2), "uint16", scope="local")  # p pairs (key)
         if dot_bf16:
             Qu = T.decl_buffer(Q.shape, "uint16", data=Q.data, align=A)  # bf16 inputs as their bits
             Ku = T.decl_buffer(K.shape, "uint16", data=K.data, align=A)
@@ -735,20 +806,14 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
             Vt = T.sblock_alloc_buffer((BN // 2, D, 2), "uint16", scope="local")  # v pairs (key)
             Pr = T.sblock_alloc_buffer((BN, BM), "uint16", scope="local")  # P rounded, key-major
             Pb = T.sblock_alloc_buffer((BN // 2, BM, 2), "uint16", scope="local")  # p pairs (key)
+        elif k.raw16:  # a bf16 cache read as its bits by decode_dot's products
+            Ku = T.decl_buffer(K.shape, "uint16", data=K.data, align=A)
+            Vu = T.decl_buffer(V.shape, "uint16", data=V.data, align=A)
 
         if dot_bf16:
-            for dp, i, tt in T.grid(D // 2, BM, 2):
-                with T.sblock(N["Q_load"]):
-                    vp, vi, vt = T.axis.remap("SSS", [dp, i, tt])
-                    Qp[vp, vi, vt] = Qu[t.q_at(vi, 2 * vp + vt)]
+            q_pairs(Qu, Qp, t)
         else:
-            for d, i in T.grid(D, BM):
-                with T.sblock(N["Q_load"]):
-                    vd, vi = T.axis.remap("SS", [d, i])
-                    if k.dot_decode:  # q's own bits (bfloat16): the scales multiply the scores
-                        Qt[vd, vi] = bf16_bits(f32(Q[t.q_at(vi, vd)]))
-                    else:
-                        Qt[vd, vi] = t.q_scaled(f32(Q[t.q_at(vi, vd)]) * T.float32(qscale), vi)
+            q_load(Q, Qt, t)
         for i in T.serial(BM):
             with T.sblock(N["state_init"]):
                 vi = T.axis.remap("S", [i])
@@ -770,8 +835,12 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
                 else:
                     if stage_k and prefetch > 0:
                         kv_prefetch(K, V, t, vc)
-                    if stage_k and HT > 1:
+                    if stage_k and HT > 1 and k.raw16:
+                        s_gemm_heads(Ku, Kt, Qt, S, t, vc)
+                    elif stage_k and HT > 1:
                         s_gemm_heads(K, Kt, Qt, S, t, vc)
+                    elif stage_k and k.raw16:
+                        s_gemm_staged(Ku, Kt, Qt, S, t, vc)
                     elif stage_k:
                         s_gemm_staged(K, Kt, Qt, S, t, vc)
                     else:
@@ -780,8 +849,14 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
                     online_softmax(S, Sm, P, m, m_new, l, alpha, t, vc)
                 else:
                     online_softmax(S, S, P, m, m_new, l, alpha, t, vc)  # (no Sm: never read)
-                if dot_bf16:
+                if PV_DOT and HT > 1 and k.raw16:
+                    pv_gemm_dot_heads(Vu, P, Pr, Pb, Vb, Vt, acc, alpha, t, vc)
+                elif PV_DOT and HT > 1:
+                    pv_gemm_dot_heads(V, P, Pr, Pb, Vb, Vt, acc, alpha, t, vc)
+                elif PV_DOT and k.raw16:
                     pv_gemm_dot(Vu, P, Pr, Pb, Vb, Vt, acc, alpha, t, vc)
+                elif PV_DOT:
+                    pv_gemm_dot(V, P, Pr, Pb, Vb, Vt, acc, alpha, t, vc)
                 elif HT > 1:
                     pv_gemm_heads(V, P, Vt, acc, alpha, t, vc)
                 else:
@@ -942,12 +1017,12 @@ def _merge_macro(f: _Dense, BD: int, NS, suffix: str):
 
 
 def _decode_tier(f: _Dense, BD: int, suffix: str, split_tasks: int, stage: bool, prefetch: int, NH: int,
-                 dot: bool = False):
+                 dot: int = 0):
     """The packed decode nest of ``BD`` rows per kv head (blocks ``*<suffix>``) and its split-KV
     form (``*<suffix>_split``, merged by ``merge<suffix>``), as one macro that picks between them
     at run time. ``stage``: the tier stages its key tiles (``_tile_macro``'s ``stage_k``), with a
-    software prefetch ``prefetch`` tiles ahead, ``NH`` kv heads per task and QKᵀ on bf16
-    operands with ``dot`` (``_tile_macro``'s ``dot_decode``)."""
+    software prefetch ``prefetch`` tiles ahead, ``NH`` kv heads per task and its products on
+    bf16 operands with ``dot`` (``_tile_macro``'s ``dot_decode``: 1 QKᵀ, 2 both)."""
     spec, B, H, KH, SQ, D, G, BN, kv, NC, lse = f.spec, f.B, f.H, f.KH, f.SQ, f.D, f.G, f.BN, f.kv, f.NC, f.lse
     pf = prefetch if stage else 0
     BT, KB = BD * NH, KH // NH  # tile rows, head blocks
@@ -1068,7 +1143,7 @@ def _decode_tier(f: _Dense, BD: int, suffix: str, split_tasks: int, stage: bool,
 
 def _dense(spec: AttentionSpec, block_m: int, block_n: int, decode_rows: tuple[int, ...] = (),
            split_tasks: int = 0, stage_k_below: int = 0, dot_bf16: bool = False, prefetch: int = 0,
-           decode_heads: int = 1, decode_dot: bool = False) -> tirx.PrimFunc:
+           decode_heads: int = 1, decode_dot: int = 0) -> tirx.PrimFunc:
     """Layouts with dense queries, ``Q``/``O (B, H, Sq, D)``: ``bhsd`` (``K``/``V (B, KH, Skv,
     D)``), ``kvcache`` (``K``/``V (B, KH, max_len, D)`` + ``cache_seqlens (B,)``) and ``paged``
     (``K``/``V (num_pages, page_size, KH, D)`` + ``block_table (B, max_pages)`` +
@@ -1107,9 +1182,9 @@ def _dense(spec: AttentionSpec, block_m: int, block_n: int, decode_rows: tuple[i
         raise ValueError(f"at most two decode tiers, got {tiers}")
     stage_tiers = [r for r in tiers if r < stage_k_below]
     HT = decode_heads if stage_tiers else 1  # kv heads per decode task (staged tiers)
-    dot = decode_dot and bool(stage_tiers)  # what the staged tiers take (the others: float32)
+    dot = int(decode_dot) if stage_tiers else 0  # what the staged tiers take (the others: float32)
     tier_macros = [_decode_tier(f, r, DECODE + str(r), split_tasks, r < stage_k_below, prefetch,
-                                HT if r < stage_k_below else 1, dot and r < stage_k_below) for r in tiers]
+                                HT if r < stage_k_below else 1, dot if r < stage_k_below else 0) for r in tiers]
     t0 = tier_macros[0] if tiers else None
     t1 = tier_macros[-1] if tiers else None
     r0 = tiers[0] if tiers else 0
