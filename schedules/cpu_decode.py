@@ -183,9 +183,10 @@ def supports_bf16(spec: AttentionSpec, rows: int, lanes: int, features: set[str]
     """Whether a ``rows``-row decode nest can take QKᵀ on ``vdpbf16ps`` (``decode_dot``): the
     dot-product schedule on AVX-512 lanes, a CPU with AVX512-BF16, head_dim a multiple of 32 (a
     vdpbf16ps takes 32 elements), and operands bf16 holds exactly: bfloat16 queries, a bfloat16
-    or 8-bit cache (float16 and float32 would be rounded)."""
+    or 8-bit cache (float16 and float32 would be rounded), or any queries with ``qk_int8`` (their
+    int8 values are exact too)."""
     return (supports(spec, rows, lanes) and lanes == BF16_LANES and spec.head_dim % (2 * BF16_LANES) == 0
-            and cpu_bf16.FEATURE in features and spec.dtype == "bfloat16")
+            and cpu_bf16.FEATURE in features and (spec.dtype == "bfloat16" or spec.qk_int8))
 
 
 def dot_bf16_intrinsic(D: int, rows: int) -> str:

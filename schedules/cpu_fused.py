@@ -47,7 +47,7 @@ NAME = "fused"
 #: every attention variant
 CAPABILITIES = Capabilities(label=NAME, target="cpu", layouts=tuple(LAYOUTS), dtypes=SUPPORTED_DTYPES,
                             symbolic=True, lse=True, variants=VARIANTS, kv_dtypes=KV_DTYPES,
-                            appends=True)
+                            appends=True, qk_int8=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -299,6 +299,9 @@ def check(knobs: FlashCPUKnobs, spec: AttentionSpec, target: Target) -> None:
         raise KnobError(f"decode_dot={knobs.decode_dot} must be 0 (float32), 1 (QKᵀ on bf16 dots) or 2 (QKᵀ and PV)")
     if knobs.decode_dot == 2 and knobs.block_n % 2:
         raise KnobError(f"decode_dot=2 pairs the keys of a tile for PV: block_n={knobs.block_n} must be even")
+    if knobs.decode_dot == 2 and spec.dtype != "bfloat16":
+        raise KnobError(f"decode_dot=2 rounds P to bf16 for PV, which only bfloat16 queries' numerics allow "
+                        f"(dtype={spec.dtype}); decode_dot=1 (QKᵀ alone, exact) is open to {spec.dtype} with qk_int8")
     if knobs.decode_dot and not decode_dots(spec, knobs, target):
         raise KnobError(
             f"decode_dot={knobs.decode_dot} needs staged decode nests on {cpu_decode.BF16_LANES}-lane vectors, a head_dim that is a "

@@ -99,6 +99,8 @@ class Capabilities:
     kv_layouts: tuple[str, ...] = ()
     #: writes the call's k_new/v_new into the cache before attending (``AttentionSpec.append``)
     appends: bool = False
+    #: rounds q to int8 for QKᵀ against an int8 cache (``AttentionSpec.qk_int8``)
+    qk_int8: bool = False
 
     def refusal(self, spec: AttentionSpec) -> str | None:
         """Why this family cannot build ``spec`` (None: it can), in the one message format
@@ -111,6 +113,8 @@ class Capabilities:
             what = f"builds dtype(s) {', '.join(self.dtypes)}, not {spec.dtype!r}"
         elif getattr(spec, "append", False) and not self.appends:
             what = "does not append k_new/v_new to the cache (append) (yet)"
+        elif getattr(spec, "qk_int8", False) and not self.qk_int8:
+            what = "does not round q to int8 (qk_int8) (yet)"
         elif getattr(spec, "kv_dtype", None) is not None and spec.kv_dtype not in self.kv_dtypes:
             what = f"does not read 8-bit K/V caches (kv_dtype={spec.kv_dtype!r}) (yet)"
         elif getattr(spec, "kv_dtype", None) is not None and self.kv_layouts and spec.layout not in self.kv_layouts:

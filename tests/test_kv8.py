@@ -393,3 +393,61 @@ def test_decode_dot_is_the_bf16_preset_and_matches_the_float32_products():
             cpu_fused.check(dataclasses.replace(cpu_fused.preset(s, target), decode_dot=1), s, target)
     with pytest.raises(KnobError, match="block_n=33 must be even"):
         cpu_fused.check(dataclasses.replace(cpu_fused.preset(spec, host), decode_dot=2, block_n=33, s_rows=1), spec, host)
+    with pytest.raises(KnobError, match="decode_dot=2 rounds P to bf16"):
+        s = AttentionSpec(**{**spec.to_dict(), "dtype": "float32", "kv_dtype": "int8", "qk_int8": True})
+        cpu_fused.check(dataclasses.replace(cpu_fused.preset(s, host), decode_dot=2), s, host)
+
+
+def test_qk_int8_rounds_each_query_row_as_the_kernels_do():
+    """``quant.qk_int8_query``, the reference's model of ``qk_int8``: a row's largest magnitude
+    maps to ±127, the others round to nearest (ties to even) in float32; a row of zeros stays
+    zeros; NaN or inf makes the row NaN. The spec takes it with an int8 cache only, and the
+    families that cannot build it say so."""
+    from tvm_attention.quant import qk_int8_query
+    from tvm_attention.schedules import cuda_fused
+
+    q = np.array([[1.0, -0.5, 0.25, 0.0], [0, 0, 0, 0], [1.0, np.nan, 0, 0], [np.inf, 1.0, 0, 0]], np.float32)
+    got = qk_int8_query(q)
+    np.testing.assert_allclose(got[0] * 127, [127, -64, 32, 0], rtol=1e-6)  # -63.5 to even: -64; 31.75: 32
+    assert not got[1].any() and np.isnan(got[2:]).all()
+    assert AttentionSpec(batch=1, heads=2, seq_q=1, head_dim=64, layout="kvcache", kv_dtype="int8",
+                         qk_int8=True).short_name().endswith("kvi8_qk8_full")
+    with pytest.raises(SpecError, match="qk_int8 rounds q to int8.*kv_dtype='int8'"):
+        AttentionSpec(batch=1, heads=2, seq_q=1, head_dim=64, layout="kvcache", kv_dtype="float8_e4m3fn", qk_int8=True)
+    cuda = AttentionSpec(batch=1, heads=2, seq_q=1, head_dim=64, layout="kvcache", dtype="float16", kv_dtype="int8",
+                         qk_int8=True)
+    assert "does not round q to int8 (qk_int8)" in cuda_fused.CAPABILITIES.refusal(cuda)
+
+
+QK_INT8 = {  # name: (spec, knobs)
+    "kvcache_f32_split": (dict(layout="kvcache", batch=2, heads=8, kv_heads=2, seq_q=1, seq_kv=300, head_dim=64,
+                               causal=True, dtype="float32", return_lse=True), ()),
+    "paged_bf16_append": (dict(layout="paged", batch=1, heads=8, kv_heads=2, seq_q=1, seq_kv=300, head_dim=64,
+                               causal=True, dtype="bfloat16", append=True), (("split_tasks", 0),)),
+    "kvcache_f16_fma": (dict(layout="kvcache", batch=2, heads=4, kv_heads=4, seq_q=1, seq_kv=200, head_dim=64,
+                             causal=True, dtype="float16"), (("decode_dot", 0),)),
+}
+
+
+@pytest.mark.parametrize("name", list(QK_INT8))
+def test_qk_int8_matches_its_reference_and_says_what_it_moves(name):
+    """``qk_int8`` kernels (the prefill chunks' nests with the integers as float32 products, the
+    decode nests on bf16 dot products where the CPU has them, else float32) match the reference
+    that rounds q the same way, within the dtype's tolerance; the validation (and so the
+    manifest) records how far the rounding moves the output from the unrounded reference. A
+    row whose q holds NaN is NaN."""
+    kw, knobs = QK_INT8[name]
+    spec = AttentionSpec(kv_dtype="int8", qk_int8=True, **kw)
+    b = built(spec, knobs=knobs)
+    assert b.audit.fused, b.audit
+    r = validate_built(b)
+    assert r.passed and r.finite, r
+    assert 1e-4 < r.model_error < 0.05, r.model_error  # the rounding is real, and small
+    assert r.to_dict()["model_error"] == r.model_error
+    lay = spec.layout_info
+    case = {"seq_q": 1, "cache_seqlens": [7] * spec.batch, "max_len": 300}
+    x = lay.random_inputs(spec, case, seed=3)
+    x["q"][0, 1, 0, 5] = np.nan
+    got = kernel_of(b)(*x.values())
+    o = np.asarray(got[0] if spec.return_lse else got).astype(np.float32)
+    assert np.isnan(o[0, 1]).all() and np.isfinite(np.delete(o.reshape(-1, spec.head_dim), 1, axis=0)).all()

@@ -82,6 +82,9 @@ def _add_spec_flags(p: argparse.ArgumentParser, defaults: dict | None = None) ->
                    help="an 8-bit K/V cache: float8_e4m3fn, float8_e5m2 or int8 (q and o keep --dtype); the kernel "
                         "then takes k_scale, v_scale (kv_heads,) float32 after the variant arguments "
                         "(tvm_attention.quantize_kv makes both)")
+    g.add_argument("--qk-int8", action="store_true", default=d.get("qk_int8", False),
+                   help="with --kv-dtype int8: round each query row to int8 (scale max|q|/127) and take QK^T as "
+                        "integer dot products, as llama.cpp does; changes the numerics (docs/semantics.md)")
     # the attention variants (docs/semantics.md); each is compiled in
     g = p.add_argument_group("mask and variants (each compiled in; docs/semantics.md)")
     g.add_argument("--causal", action="store_true", default=d.get("causal", False),
@@ -211,7 +214,7 @@ def _spec_from_args(a: argparse.Namespace) -> AttentionSpec:
         alibi=a.alibi, sinks=a.sinks, kv_start=a.kv_start,
         score_mod=_modifier_source(a.score_mod, "--score-mod"), mask_mod=_modifier_source(a.mask_mod, "--mask-mod"),
         mod_tensors=tuple(a.mod_tensor), key_bounds=a.key_bounds, kv_dtype=a.kv_dtype,
-        append=a.append, device_checks=a.device_checks,
+        append=a.append, device_checks=a.device_checks, qk_int8=a.qk_int8,
     )
 
 

@@ -43,7 +43,7 @@ import numpy as np
 from .errors import SpecError
 from .limits import MAX_SEQ_LEN
 from .modifiers import tensor_dim_name
-from .quant import check_scale, dequantize, quantize_kv
+from .quant import check_scale, dequantize, qk_int8_query, quantize_kv
 from .reference import reference_attention
 from .visibility import Visibility
 
@@ -372,13 +372,16 @@ class Layout:
         cache[b, :, start:start + x.shape[1]] = x
 
     def dequantized(self, spec, arrays: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
-        """``arrays`` with an 8-bit cache's K/V read as float64 values (``scale · stored``): what
-        the reference attends to; unchanged for other specs."""
+        """``arrays`` with an 8-bit cache's K/V read as float64 values (``scale · stored``), and
+        with ``qk_int8`` q rounded to int8 per row (``quant.qk_int8_query``): what the reference
+        attends to; unchanged for other specs."""
         if getattr(spec, "kv_dtype", None) is None:
             return arrays
         out = dict(arrays)
         for name, scale in zip(self.kv_names, ("k_scale", "v_scale")):
             out[name] = dequantize(arrays[name], arrays[scale], self.kv_head_axis)
+        if getattr(spec, "qk_int8", False):  # the queries as QKᵀ reads them: rounded to int8 per row
+            out["q"] = qk_int8_query(arrays["q"])
         return out
 
     def symbolic_dims(self, spec) -> list[str]:

@@ -27,6 +27,19 @@ QMAX = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0, "int8": 127.0}
 KV_DTYPES = tuple(QMAX)
 
 
+def qk_int8_query(q: Any) -> np.ndarray:
+    """What ``AttentionSpec.qk_int8`` makes of the queries, as float64 values ``s_q·q_i``: each
+    row (the last axis, head_dim) rounded to int8 exactly as a kernel does it in float32:
+    ``a = max|q|`` (1 for a row of zeros), ``q_i = rint(q · (127 / a))`` (ties to even; never
+    past ±127), ``s_q = a / 127``. A NaN or infinite element makes its row NaN."""
+    q32 = np.asarray(q).astype(np.float32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        a = np.max(np.abs(q32), axis=-1, keepdims=True)
+        a = np.where(a == 0, np.float32(1), a)
+        qi = np.rint(q32 * (np.float32(127) / a))
+        return qi.astype(np.float64) * (a / np.float32(127)).astype(np.float64)
+
+
 def _check_dtype(dtype: Any) -> str:
     name = str(dtype).replace("torch.", "")
     if name not in KV_DTYPES:

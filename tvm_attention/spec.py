@@ -144,6 +144,12 @@ class AttentionSpec:
     #: ``layouts.INDEX_ERROR_BITS``; 0: valid). CPU builds always check on the host. A kernel
     #: without index arrays (bhsd without kv_start) refuses it (docs/cuda.md)
     device_checks: bool = False
+    #: an int8 cache's QKᵀ on integers (issue 42): each query row (its head_dim elements) is
+    #: rounded to int8 at the start of the call, ``q ≈ s_q·q_i`` with ``s_q = max|q| / 127`` (1/127
+    #: for a row of zeros), ``q_i = rint(q · (127 / max|q|))`` in float32, ties to even; a score is
+    #: then ``s_q·k_scale·(q_i·k_i)``, the integer dot product exact. llama.cpp's choice (per
+    #: row). It changes the numerics: the float64 reference models it (``quant.qk_int8_query``)
+    qk_int8: bool = False
 
     def __post_init__(self) -> None:
         for name in ("batch", "heads", "seq_q", "head_dim"):
@@ -207,6 +213,11 @@ class AttentionSpec:
                             f"(or None: K/V in dtype={self.dtype})")
         if not isinstance(self.append, bool):
             raise SpecError(f"append must be a bool, got {self.append!r}")
+        if not isinstance(self.qk_int8, bool):
+            raise SpecError(f"qk_int8 must be a bool, got {self.qk_int8!r}")
+        if self.qk_int8 and self.kv_dtype != "int8":
+            raise SpecError(f"qk_int8 rounds q to int8 for integer dot products against an int8 cache: it needs "
+                            f"kv_dtype='int8', got kv_dtype={self.kv_dtype!r}")
         if not isinstance(self.device_checks, bool):
             raise SpecError(f"device_checks must be a bool, got {self.device_checks!r}")
         if self.device_checks and not layout.index_args and not self.kv_start:
@@ -417,7 +428,7 @@ class AttentionSpec:
         for key, default in (("return_lse", False), ("page_size", None), ("window", None), ("softcap", None),
                              ("alibi", False), ("sinks", False), ("kv_start", False), ("score_mod", None),
                              ("mask_mod", None), ("mod_tensors", ()), ("key_bounds", False), ("kv_dtype", None),
-                             ("append", False), ("device_checks", False)):
+                             ("append", False), ("device_checks", False), ("qk_int8", False)):
             if d[key] == default:
                 del d[key]
         if "window" in d:
@@ -453,7 +464,7 @@ class AttentionSpec:
         dim reads ``dyn`` (``bdyn_h8_kv2_qdyn_kdyn_d64_float32_causal``) and another layout
         leads (``varlen_h8_kv2_d64_float32_causal``). Representative values are not part of it."""
         c = "causal" if self.causal else "full"
-        kv = f"_kv{KV_TAGS[self.kv_dtype]}" if self.kv_quantized else ""
+        kv = f"_kv{KV_TAGS[self.kv_dtype]}{'_qk8' if self.qk_int8 else ''}" if self.kv_quantized else ""
         tail = (f"_d{self.head_dim}_{self.dtype}{kv}_{c}{self.variant_suffix()}{'_lse' if self.return_lse else ''}"
                 f"{'_append' if self.append else ''}{'_devchk' if self.device_checks else ''}")
         if self.layout != "bhsd":

@@ -39,6 +39,10 @@ class ValidationResult:
     #: within tolerance (None: not run, or every element NaN). The relative error alone misleads
     #: where |ref| is near 0, which atol covers.
     tolerance_used: float | None = None
+    #: ``qk_int8`` builds: max |reference − the reference without q's rounding to int8| over the
+    #: validation cases: how far the option itself moves the output, on top of the dtype's
+    #: tolerance the kernel is held to against its own (rounding) reference (None otherwise)
+    model_error: float | None = None
 
     @classmethod
     def not_run(cls, spec: AttentionSpec, reason: str, seed: int = 0) -> "ValidationResult":
@@ -52,6 +56,8 @@ class ValidationResult:
             del d["problem"]
         if d["tolerance_used"] is None:
             del d["tolerance_used"]
+        if d["model_error"] is None:
+            del d["model_error"]
         return d
 
     def format(self) -> str:
@@ -189,9 +195,12 @@ def validate_callable(spec: AttentionSpec, kernel: Callable[..., np.ndarray], se
     seeded random inputs of every validation shape of the layout (a dynamic kernel also at a shape
     it was not built at) and compare with the reference; the worst shape decides."""
     layout = spec.layout_info
-    results, labels = [], []
+    results, labels, model = [], [], []
     for case in layout.validation_cases(spec):
         arrays = layout.random_inputs(spec, case, seed)
+        if spec.qk_int8:  # what rounding q to int8 does to the output, beside the kernel's check
+            exact, _ = layout.reference_outputs(dataclasses.replace(spec, qk_int8=False), arrays)
+            model.append(_nan_skipping(np.nanmax, np.abs(layout.reference_outputs(spec, arrays)[0] - exact)))
         got = kernel(*arrays.values())
         out, lse = (got[0], got[1]) if spec.return_lse else (got, None)
         out = np.asarray(out).astype(np.float32)
@@ -212,7 +221,8 @@ def validate_callable(spec: AttentionSpec, kernel: Callable[..., np.ndarray], se
             results.append(compare_lse(spec, np.asarray(lse), ref_lse, seed, label, what,
                                        _namer(layout, arrays, rows, lse=True)))
             labels.append(what + " (lse)")
-    return _worst(results, labels)
+    worst = _worst(results, labels)
+    return dataclasses.replace(worst, model_error=_max_known(model)) if model else worst
 
 
 def _namer(layout, arrays: dict, rows: np.ndarray | None, lse: bool = False) -> Callable[[tuple], str]:

@@ -333,6 +333,9 @@ class _TileShape:
     #: the staged decode tiles' products on bf16 operands (``_tile_macro``'s ``dot_decode``): 1
     #: QKᵀ (``Qt`` and ``Kt`` hold bf16 bits, uint16), 2 PV too (P rounded to bf16, V pairs)
     dot_decode: int = 0
+    #: ``spec.qk_int8``: ``Qt`` holds each row rounded to int8 (as float32, or as bf16 bits with
+    #: ``dot_decode``), its scale ``s_q`` in ``qs`` multiplying the scores (:func:`_q_macros`)
+    qk_int8: bool = False
 
     def kv(self, x):
         """The float32 value of the K/V element ``x`` as loaded: an 8-bit cache's without its scale
@@ -494,28 +497,31 @@ def _softmax_macro(k: _TileShape):
     N, BM, BN, qscale, dot_bf16 = k.N, k.BM, k.BN, k.qscale, k.dot_bf16
     score_mod = k.score_mod
 
-    def scaled(t, x, vi):
+    def scaled(t, x, vi, qs):
         # dot_bf16 and dot_decode sum unscaled products (Q keeps its exact bf16 values: no
-        # pre-scaled copy): the scale, and an 8-bit cache's key scale (q_scaled), come here
+        # pre-scaled copy), qk_int8 the integers: the scale, an 8-bit cache's key scale
+        # (q_scaled) and the row's s_q (qs) come here
         if dot_bf16:
             return x * T.float32(qscale)
+        if k.qk_int8:
+            return t.q_scaled(x * (T.float32(qscale) * qs[vi]), vi)
         return t.q_scaled(x * T.float32(qscale), vi) if k.dot_decode else x
 
-    def score(t, S, Sm, vj, vi, vc):
+    def score(t, S, Sm, vj, vi, vc, qs):
         # score_mod has already brought them to log2 units, in Sm (and masked them, k.mask_mod)
         if k.mask_mod:
             return Sm[vj, vi]
         if score_mod:
             return t.score(Sm, vj, vi, vc)
-        return scaled(t, t.score(S, vj, vi, vc), vi)
+        return scaled(t, t.score(S, vj, vi, vc), vi, qs)
 
-    def modified(t, x, vj, vi, vc):
+    def modified(t, x, vj, vi, vc, qs):
         # the score in log2 units through the variants' hook (x is q·k times score_scale, or q·k
         # unscaled from bf16 dots)
-        return t.logit(scaled(t, x, vi), vj, vi, vc)
+        return t.logit(scaled(t, x, vi, qs), vj, vi, vc)
 
     @T.macro
-    def online_softmax(S, Sm, P, m, m_new, l, alpha, t, vc):
+    def online_softmax(S, Sm, P, m, m_new, l, alpha, t, vc, qs):
         if score_mod:
             # the modified scores go to a buffer of their own: every buffer of the tile keeps
             # one writer (S_gemm's S is a reduction the schedules decompose)
@@ -523,16 +529,16 @@ def _softmax_macro(k: _TileShape):
                 with T.sblock(N["score_mod"]):
                     vj, vi = T.axis.remap("SS", [j, i])
                     if k.mask_mod:
-                        Sm[vj, vi] = t.masked_value(modified(t, S[vj, vi], vj, vi, vc), vj, vi, vc)
+                        Sm[vj, vi] = t.masked_value(modified(t, S[vj, vi], vj, vi, vc, qs), vj, vi, vc)
                     else:
-                        Sm[vj, vi] = modified(t, S[vj, vi], vj, vi, vc)
+                        Sm[vj, vi] = modified(t, S[vj, vi], vj, vi, vc, qs)
         # -- running max over the visible keys ---------------------------------
         for j, i in T.grid(BN, BM):
             with T.sblock(N["row_max"]):
                 vj, vi = T.axis.remap("RS", [j, i])
                 with T.init():
                     m_new[vi] = m[vi]
-                m_new[vi] = T.max(m_new[vi], score(t, S, Sm, vj, vi, vc))
+                m_new[vi] = T.max(m_new[vi], score(t, S, Sm, vj, vi, vc, qs))
         # -- online correction factor; the guard keeps -inf - -inf out ----------
         for i in T.serial(BM):
             with T.sblock(N["online_correction"]):
@@ -546,7 +552,7 @@ def _softmax_macro(k: _TileShape):
         for j, i in T.grid(BN, BM):
             with T.sblock(N["P_exp"]):
                 vj, vi = T.axis.remap("SS", [j, i])
-                P[vj, vi] = exp2_fast(score(t, S, Sm, vj, vi, vc) - guarded(m_new[vi]))
+                P[vj, vi] = exp2_fast(score(t, S, Sm, vj, vi, vc, qs) - guarded(m_new[vi]))
         # -- l = l·alpha + rowsum(P) -------------------------------------------
         for j, i in T.grid(BN, BM):
             with T.sblock(N["row_sum"]):
@@ -692,8 +698,35 @@ def _store_macro(k: _TileShape):
 def _q_macros(k: _TileShape):
     """The tile's ``Q_load``: ``q_pairs`` (``dot_bf16``: q's bits in pairs along head_dim, ``Qp
     (D/2, BM, 2)``, unscaled) and ``q_load`` (``Qt (D, BM)``: q scaled to log2 units, or with
-    ``dot_decode`` its own bf16 bits, the scales then multiplying the scores)."""
+    ``dot_decode`` its own bf16 bits, the scales then multiplying the scores). With ``qk_int8``,
+    ``q_load`` rounds each row to int8 first (``quant.qk_int8_query``, the same float32 steps):
+    ``q_absmax`` takes the row's largest magnitude into ``qs``, ``Q_load`` writes
+    ``rint(q · (127 / a))`` (no clamp: it cannot pass ±127, and a clamp would turn NaN into a
+    number), ``q_scale`` leaves ``s_q = a / 127`` in ``qs`` for the scores."""
     N, BM, D, qscale = k.N, k.BM, k.D, k.qscale
+
+    def nonzero(a):  # a row of zeros takes a = 1 (its q_i are 0 all the same)
+        return T.Select(a == T.float32(0), T.float32(1), a)
+
+    def q_value(Q, t, vi, vd, qs):
+        x = f32(Q[t.q_at(vi, vd)])
+        return T.nearbyint(x * (T.float32(127) / nonzero(qs[vi]))) if k.qk_int8 else x
+
+    @T.macro
+    def q_int8_max(Q, qs, t):
+        for i, d in T.grid(BM, D):
+            with T.sblock(N["q_absmax"]):
+                vi, vd = T.axis.remap("SR", [i, d])
+                with T.init():
+                    qs[vi] = T.float32(0)
+                qs[vi] = T.max(qs[vi], T.fabs(f32(Q[t.q_at(vi, vd)])))
+
+    @T.macro
+    def q_int8_scale(qs):
+        for i in T.serial(BM):
+            with T.sblock(N["q_scale"]):
+                vi = T.axis.remap("S", [i])
+                qs[vi] = nonzero(qs[vi]) / T.float32(127)
 
     @T.macro
     def q_pairs(Qu, Qp, t):
@@ -703,38 +736,44 @@ def _q_macros(k: _TileShape):
                 Qp[vp, vi, vt] = Qu[t.q_at(vi, 2 * vp + vt)]
 
     @T.macro
-    def q_load(Q, Qt, t):
+    def q_load(Q, Qt, t, qs):
+        if k.qk_int8:
+            q_int8_max(Q, qs, t)
         for d, i in T.grid(D, BM):
             with T.sblock(N["Q_load"]):
                 vd, vi = T.axis.remap("SS", [d, i])
-                if k.dot_decode > 0:  # q's own bits (bfloat16): the scales multiply the scores
-                    Qt[vd, vi] = bf16_exact_bits(f32(Q[t.q_at(vi, vd)]))
+                if k.dot_decode > 0:  # q's own bits (bfloat16; q_i exact): the scales multiply the scores
+                    Qt[vd, vi] = bf16_exact_bits(q_value(Q, t, vi, vd, qs))
+                elif k.qk_int8:  # the integers: the scales (s_q's too) multiply the scores
+                    Qt[vd, vi] = q_value(Q, t, vi, vd, qs)
                 else:
                     Qt[vd, vi] = t.q_scaled(f32(Q[t.q_at(vi, vd)]) * T.float32(qscale), vi)
+        if k.qk_int8:
+            q_int8_scale(qs)
 
     return q_pairs, q_load
 
 
+# _tile_macro's arguments. Half-precision inputs are converted to float32 as they are loaded and
+# the output rounded to the dtype as it is stored: every tile buffer, the softmax state and the
+# accumulators are float32. ``stats``: what the tile writes to ``X`` besides ``O``: None,
+# ``"lse"`` (block ``lse_store``) or ``"partial"`` (a split-KV partial's ``m`` and ``l``, block
+# ``state_store``; ``O`` gets the raw ``acc``). The forms (:func:`_s_gemm_macros`,
+# :func:`_pv_macros`): ``stage_k`` stages each key tile, with a software prefetch ``prefetch``
+# tiles ahead and ``heads`` kv heads per tile (the decode nest's page order); ``dot_bf16``
+# (bfloat16 inputs) puts both products on bf16 dot products with float32 sums; ``dot_decode``
+# (with ``stage_k``; bfloat16 queries, or ``qk_int8``'s integers, and a bfloat16 or 8-bit cache,
+# exact in bf16) puts QKᵀ (1) or both products (2) there, the scales on the float32 scores. QKᵀ
+# on bf16 operands rounds nothing the float32 products did not; PV's rounds P to bf16. The row
+# sum ``l`` adds the unrounded P. ``spec.qk_int8``: :func:`_q_macros`.
 def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: str | None = None,
                 stage_k: bool = False, dot_bf16: bool = False, prefetch: int = 0, heads: int = 1,
                 dot_decode: int = 0):
     """The per-row-tile pipeline (Q load, online softmax over key tiles, store) as a TVMScript
     macro: one piece of compute that every layout's frame calls with its own :class:`_Tile`.
-    ``suffix`` is appended to every block name (a function may hold two nests of the tile).
-
-    Half-precision inputs are converted to float32 as they are loaded and the output rounded to
-    the dtype as it is stored: every tile buffer, the softmax state and the accumulators are
-    float32. ``stats``: what the tile writes to ``X`` besides ``O``: None, ``"lse"`` (block
-    ``lse_store``) or ``"partial"`` (a split-KV partial's ``m`` and ``l``, block
-    ``state_store``; ``O`` gets the raw ``acc``). The forms (:func:`_s_gemm_macros`,
-    :func:`_pv_macros`): ``stage_k`` stages each key tile, with a software prefetch
-    ``prefetch`` tiles ahead and ``heads`` kv heads per tile (the decode nest's page order);
-    ``dot_bf16`` (bfloat16 inputs) puts both products on bf16 dot products with float32 sums;
-    ``dot_decode`` (with ``stage_k``; bfloat16 queries and a bfloat16 or 8-bit cache, exact in
-    bf16) puts QKᵀ (1) or both products (2) there, the scales on the float32 scores. QKᵀ on
-    bf16 operands rounds nothing the float32 products did not; PV's rounds P to bf16. The row
-    sum ``l`` adds the unrounded P."""
-    N = {n: n + suffix for n in TILE_BLOCKS + ("lse_store", "state_store", "K_load", "V_load", "V_ilv",
+    ``suffix`` is appended to every block name (a function may hold two nests of the tile); the
+    other arguments: the comment above."""
+    N = {n: n + suffix for n in TILE_BLOCKS + ("lse_store", "state_store", "K_load", "V_load", "V_ilv", "q_absmax", "q_scale",
                                                 "P_round", "P_ilv", "acc_rescale", "KV_prefetch", "score_mod")}
     if dot_bf16 and (spec.dtype != "bfloat16" or spec.kv_quantized or spec.head_dim % 2 or BN % 2):
         raise ValueError(f"dot_bf16 needs bfloat16 inputs and an even head_dim and block_n, got {spec.dtype}, "
@@ -743,7 +782,7 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
         raise ValueError("prefetch is issued by the staged (stage_k) decode tiles only")
     if dot_decode not in (0, 1, 2):
         raise ValueError(f"dot_decode={dot_decode} must be 0, 1 (QKᵀ) or 2 (QKᵀ and PV)")
-    if dot_decode and (not stage_k or spec.dtype != "bfloat16" or (dot_decode == 2 and BN % 2)):
+    if dot_decode and (not stage_k or (spec.dtype != "bfloat16" and not spec.qk_int8) or (dot_decode == 2 and BN % 2)):
         raise ValueError(f"dot_decode needs the staged decode tiles and bfloat16 queries and cache (or an 8-bit "
                          f"cache), and an even block_n for PV, got dtype={spec.dtype}, kv_dtype={spec.kv_dtype}, "
                          f"block_n={BN}")
@@ -759,7 +798,7 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
     k = _TileShape(N=N, BM=BM, BN=BN, D=D, HT=HT, qscale=qscale, dot_bf16=dot_bf16, prefetch=prefetch, stats=stats,
                    line_elems=CACHE_LINE // spec.kv_itemsize, transforms=transforms(spec),
                    mask_mod=spec.mask_mod is not None or spec.key_bounds, kv_dtype=spec.kv_dtype,
-                   dot_decode=dot_decode)
+                   dot_decode=dot_decode, qk_int8=spec.qk_int8)
     sg, pv = _s_gemm_macros(k), _pv_macros(k)
     s_gemm_dot, kv_prefetch, s_gemm_heads, s_gemm_staged, s_gemm = sg.dot, sg.prefetch, sg.heads, sg.staged, sg.plain
     pv_gemm_dot, pv_gemm_dot_heads, pv_gemm_heads, pv_gemm = pv.dot, pv.dot_heads, pv.heads, pv.plain
@@ -781,6 +820,8 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
         l = T.sblock_alloc_buffer((BM,), "float32", scope="local")  # running sum
         alpha = T.sblock_alloc_buffer((BM,), "float32", scope="local")  # exp2(m_old - m_new)
         acc = T.sblock_alloc_buffer((BM, D), "float32", scope="local")  # unnormalised output
+        if k.qk_int8:
+            qs = T.sblock_alloc_buffer((BM,), "float32", scope="local")  # the rows' max|q|, then s_q
         if stage_k and HT > 1:
             Kt = T.sblock_alloc_buffer((HT, D), QK_DTYPE, scope="local")  # one key of every head
             if PV_DOT:
@@ -813,7 +854,10 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
         if dot_bf16:
             q_pairs(Qu, Qp, t)
         else:
-            q_load(Q, Qt, t)
+            if k.qk_int8:
+                q_load(Q, Qt, t, qs)
+            else:
+                q_load(Q, Qt, t, m)  # (m: a placeholder, never read)
         for i in T.serial(BM):
             with T.sblock(N["state_init"]):
                 vi = T.axis.remap("S", [i])
@@ -845,10 +889,14 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
                         s_gemm_staged(K, Kt, Qt, S, t, vc)
                     else:
                         s_gemm(K, Qt, S, t, vc)
-                if k.score_mod:
-                    online_softmax(S, Sm, P, m, m_new, l, alpha, t, vc)
+                if k.score_mod and k.qk_int8:
+                    online_softmax(S, Sm, P, m, m_new, l, alpha, t, vc, qs)
+                elif k.score_mod:
+                    online_softmax(S, Sm, P, m, m_new, l, alpha, t, vc, m)  # (m for qs: never read)
+                elif k.qk_int8:
+                    online_softmax(S, S, P, m, m_new, l, alpha, t, vc, qs)  # (no Sm: never read)
                 else:
-                    online_softmax(S, S, P, m, m_new, l, alpha, t, vc)  # (no Sm: never read)
+                    online_softmax(S, S, P, m, m_new, l, alpha, t, vc, m)
                 if PV_DOT and HT > 1 and k.raw16:
                     pv_gemm_dot_heads(Vu, P, Pr, Pb, Vb, Vt, acc, alpha, t, vc)
                 elif PV_DOT and HT > 1:
