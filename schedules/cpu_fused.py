@@ -167,7 +167,14 @@ def preset(spec: AttentionSpec, target: Target) -> FlashCPUKnobs:
         # 0.86 / 0.91 kvcache, 0.99 / 0.95 paged; with PV 0.85 / 0.84, 0.91 / 0.84), an 8-bit
         # one QKᵀ only, which is exact (int8 0.87 / 0.89 kvcache, 0.89 / 0.91 paged; PV on dots
         # gains nothing more: widening V is the cost, and it would round P)
-        if decode_dots(spec, knobs, target):
+        if spec.qk_int8 and decode_dots(spec, knobs, target, 3):
+            # QKᵀ on int8 dot products, the keys read as they are (2-core znver4, H32 KH8 D128,
+            # B4 4k / B1 16k, side by side): vpdpbusd 0.70 / 0.72 kvcache, 0.97 / 0.86 paged
+            # against the int8 cache's bf16 dots (bf16 queries; fp32 queries 0.60 / 0.62 against
+            # float32 FMAs); AVX2 code (vpmaddubsw) 0.78 / 0.77 kvcache, 0.86 / 0.91 paged
+            # against float32 FMAs
+            knobs = dataclasses.replace(knobs, decode_dot=3)
+        elif decode_dots(spec, knobs, target):
             knobs = dataclasses.replace(knobs, decode_dot=1 if spec.kv_quantized else 2)
     return knobs
 
@@ -188,12 +195,14 @@ def stages_decode(spec: AttentionSpec, knobs: FlashCPUKnobs) -> bool:
     return any(r < knobs.vector_lanes for r in decode_rows(spec, knobs))
 
 
-def decode_dots(spec: AttentionSpec, knobs: FlashCPUKnobs, target: Target) -> bool:
-    """Whether every staged decode nest of ``spec`` can take QKᵀ on bf16 dot products
-    (``decode_dot``; :func:`cpu_decode.supports_bf16`) on ``target``."""
+def decode_dots(spec: AttentionSpec, knobs: FlashCPUKnobs, target: Target, form: int = 1) -> bool:
+    """Whether every staged decode nest of ``spec`` can take QKᵀ on the dot products of
+    ``decode_dot`` ``form`` on ``target``: bf16 (1, 2: :func:`cpu_decode.supports_bf16`) or
+    int8 (3: :func:`cpu_decode.supports_i8`)."""
     feats = target_features(target)
     staged = [r for r in decode_rows(spec, knobs) if r < knobs.vector_lanes]
-    return bool(staged) and all(cpu_decode.supports_bf16(spec, r, knobs.vector_lanes, feats) for r in staged)
+    ok = cpu_decode.supports_i8 if form == 3 else cpu_decode.supports_bf16
+    return bool(staged) and all(ok(spec, r, knobs.vector_lanes, feats) for r in staged)
 
 
 def page_order_heads(spec: AttentionSpec, block_n: int) -> int:
@@ -295,14 +304,21 @@ def check(knobs: FlashCPUKnobs, spec: AttentionSpec, target: Target) -> None:
         raise KnobError(
             f"decode value tile {vt_bytes} B (block_n={knobs.block_n} × decode_heads={knobs.decode_heads} × "
             f"head_dim={spec.head_dim} float32) exceeds MAX_TILE_BYTES={MAX_TILE_BYTES}")
-    if knobs.decode_dot not in (0, 1, 2):
-        raise KnobError(f"decode_dot={knobs.decode_dot} must be 0 (float32), 1 (QKᵀ on bf16 dots) or 2 (QKᵀ and PV)")
+    if knobs.decode_dot not in (0, 1, 2, 3):
+        raise KnobError(f"decode_dot={knobs.decode_dot} must be 0 (float32), 1 (QKᵀ on bf16 dots), 2 (QKᵀ and PV) "
+                        f"or 3 (QKᵀ on int8 dots)")
+    if knobs.decode_dot == 3 and not decode_dots(spec, knobs, target, 3):
+        raise KnobError(
+            f"decode_dot=3 needs qk_int8 (q rounded to int8 against an int8 cache; qk_int8={spec.qk_int8}), staged "
+            f"decode nests on {cpu_decode.BF16_LANES}-lane vectors, a head_dim that is a multiple of "
+            f"{cpu_decode.I8_LANES} up to 512 (head_dim={spec.head_dim}) and a CPU with {cpu_decode.VNNI} "
+            f"(target {target})")
     if knobs.decode_dot == 2 and knobs.block_n % 2:
         raise KnobError(f"decode_dot=2 pairs the keys of a tile for PV: block_n={knobs.block_n} must be even")
     if knobs.decode_dot == 2 and spec.dtype != "bfloat16":
         raise KnobError(f"decode_dot=2 rounds P to bf16 for PV, which only bfloat16 queries' numerics allow "
                         f"(dtype={spec.dtype}); decode_dot=1 (QKᵀ alone, exact) is open to {spec.dtype} with qk_int8")
-    if knobs.decode_dot and not decode_dots(spec, knobs, target):
+    if knobs.decode_dot in (1, 2) and not decode_dots(spec, knobs, target):
         raise KnobError(
             f"decode_dot={knobs.decode_dot} needs staged decode nests on {cpu_decode.BF16_LANES}-lane vectors, a head_dim that is a "
             f"multiple of {2 * cpu_decode.BF16_LANES} (head_dim={spec.head_dim}), bfloat16 queries and a bfloat16 or "
@@ -446,7 +462,7 @@ def decode_candidates(spec: AttentionSpec, target: Target) -> list[FlashCPUKnobs
             for st in (SPLIT_TASK_CHOICES if h == 1 else (0, hand.split_tasks))]
     if staged:
         grid += [dataclasses.replace(hand, prefetch=pf) for pf in PREFETCH_CHOICES if pf]
-        grid += [dataclasses.replace(hand, decode_dot=v) for v in (0, 1, 2)]  # the product forms
+        grid += [dataclasses.replace(hand, decode_dot=v) for v in (0, 1, 2, 3)]  # the product forms
     out, seen = [], set()
     for knobs in [hand] + grid:
         key = (knobs.block_n, knobs.decode_heads, knobs.prefetch, knobs.decode_dot,

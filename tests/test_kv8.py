@@ -417,6 +417,17 @@ def test_qk_int8_rounds_each_query_row_as_the_kernels_do():
     cuda = AttentionSpec(batch=1, heads=2, seq_q=1, head_dim=64, layout="kvcache", dtype="float16", kv_dtype="int8",
                          qk_int8=True)
     assert "does not round q to int8 (qk_int8)" in cuda_fused.CAPABILITIES.refusal(cuda)
+    from tvm_attention import logs, tvm_internals  # a tuning log naming the int8 dot product registers it
+    from tvm_attention.schedules import cpu_fused
+    from tvm_attention.schedules._knobs import KnobError
+    from tvm_attention.target import resolve_target
+
+    logs._register_intrinsics('{"intrin": "attn_decode_i8dot_d192_r4"}')
+    assert tvm_internals.tensor_intrin_registered("attn_decode_i8dot_d192_r4")
+    plain = dataclasses.replace(cuda, dtype="float32", qk_int8=False)
+    with pytest.raises(KnobError, match="decode_dot=3 needs qk_int8"):
+        cpu_fused.check(dataclasses.replace(cpu_fused.preset(plain, resolve_target("llvm")), decode_dot=3), plain,
+                        resolve_target("llvm"))
 
 
 QK_INT8 = {  # name: (spec, knobs)
@@ -432,14 +443,19 @@ QK_INT8 = {  # name: (spec, knobs)
 @pytest.mark.parametrize("name", list(QK_INT8))
 def test_qk_int8_matches_its_reference_and_says_what_it_moves(name):
     """``qk_int8`` kernels (the prefill chunks' nests with the integers as float32 products, the
-    decode nests on bf16 dot products where the CPU has them, else float32) match the reference
+    decode nests on int8 dot products where the CPU has them: ``decode_dot`` 3, ``vpdpbusd`` on
+    ``k + 128``, the ``128·Σq_i`` taken off the scores; else float32) match the reference
     that rounds q the same way, within the dtype's tolerance; the validation (and so the
     manifest) records how far the rounding moves the output from the unrounded reference. A
     row whose q holds NaN is NaN."""
+    from tvm_attention.target import resolve_target, target_features
+
     kw, knobs = QK_INT8[name]
     spec = AttentionSpec(kv_dtype="int8", qk_int8=True, **kw)
     b = built(spec, knobs=knobs)
     assert b.audit.fused, b.audit
+    if not knobs and "avx512vnni" in target_features(resolve_target("llvm")):  # the preset: vpdpbusd
+        assert b.knobs.decode_dot == 3 and "vpdpbusd" in b.module.inspect_source("asm"), b.knobs
     r = validate_built(b)
     assert r.passed and r.finite, r
     assert 1e-4 < r.model_error < 0.05, r.model_error  # the rounding is real, and small
@@ -451,3 +467,22 @@ def test_qk_int8_matches_its_reference_and_says_what_it_moves(name):
     got = kernel_of(b)(*x.values())
     o = np.asarray(got[0] if spec.return_lse else got).astype(np.float32)
     assert np.isnan(o[0, 1]).all() and np.isfinite(np.delete(o.reshape(-1, spec.head_dim), 1, axis=0)).all()
+
+
+def test_qk_int8_avx2_form_matches_its_reference():
+    """``decode_dot`` 3 on AVX2 vectors (a Zen 3's code: no VNNI, no bf16 dots; it runs on every
+    host seen) is ``vpmaddubsw``'s sign trick on the signed bytes, no unsigned keys: the same
+    answers as its reference, and the preset there."""
+    from tvm_attention.build import build_kernel
+    from tvm_attention.schedules import cpu_fused
+    from tvm_attention.target import resolve_target
+
+    avx2 = resolve_target({"kind": "llvm", "mcpu": "znver3"})
+    spec = AttentionSpec(layout="paged", batch=2, heads=8, kv_heads=2, seq_q=1, seq_kv=300, head_dim=64, causal=True,
+                         dtype="float32", kv_dtype="int8", qk_int8=True, return_lse=True)
+    assert cpu_fused.preset(spec, avx2).decode_dot == 3
+    b = build_kernel(spec, target=avx2)
+    asm = b.module.inspect_source("asm")
+    assert "vpmaddubsw" in asm and "vpdpbusd" not in asm and "zmm" not in asm
+    r = validate_built(b)
+    assert r.passed and r.finite, r

@@ -268,12 +268,14 @@ def test_spec_and_cli(tmp_path, capsys):
 
 def test_decode_bench_smoke(tmp_path, capsys):
     """``bench --decode --tiny``: both layouts and torch on one point, an fp32 and an 8-bit
-    (e4m3fn, bf16 queries) cache with its appending kernel, the roof measured."""
+    (e4m3fn, bf16 queries) cache with its appending kernel, and the int8 cache with qk_int8
+    (``int8_qk8``), the roof measured."""
     rc = cli.main(["bench", "--decode", "--tiny", "--threads", "2", "--decode-dtype", "float32", "float8_e4m3fn",
-                   "--out", str(tmp_path)])
+                   "int8_qk8", "--out", str(tmp_path)])
     assert rc == 0
     report = json.loads((tmp_path / "decode.json").read_text())
-    row, kv8 = report["rows"]
+    row, kv8, qk8 = report["rows"]
+    assert qk8["dtype"] == "int8_qk8" and qk8["kv_bytes"] == kv8["kv_bytes"] and qk8["kvcache_gbps"] > 0
     assert report["meta"]["roof_gbps"] > 0 and len(report["meta"]["stream_gbps"]) == 2
     assert row["kvcache_gbps"] > 0 and row["paged_gbps"] > 0 and 0 < row["kvcache_roof"]
     assert "paged_vs_contiguous" in row and row["paged_per_head_gbps"] > 0 and row["page_order_gain"] > 0

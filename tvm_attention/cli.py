@@ -950,9 +950,9 @@ def build_parser() -> "_Parser":
                         "fp16 and fp32 against torch SDPA fp32/bf16 at S=4096, H=8, D 64/128, with the FMA and "
                         "bf16 dot-product peaks of this CPU")
     p.add_argument("--decode-dtype", nargs="+", default=None,
-                   choices=["float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2", "int8"],
+                   choices=["float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2", "int8", "int8_qk8"],
                    help="--decode: cache dtypes, each point measured in each (default float32); an 8-bit one "
-                        "with bfloat16 q and o")
+                        "with bfloat16 q and o; int8_qk8: int8 with --qk-int8")
     p.add_argument("--decode-cache", type=int, nargs="+", default=None,
                    help="--decode: cache lengths (default 1024 4096 16384 32768)")
     from .bench.modes import add_flags  # the standard library only: parsing loads no benchmark

@@ -269,6 +269,7 @@ def _split_lines(path: Path, repair: bool, repaired: list[str],
 #: `build`) must register them before decoding the record.
 _DECODE_DOT = re.compile(r"attn_decode_dot_d(\d+)_r(\d+)(?:_l(\d+))?")
 _DECODE_BF16_DOT = re.compile(r"attn_decode_bf16dot_d(\d+)_r(\d+)")
+_DECODE_I8_DOT = re.compile(r"attn_decode_i8dot_d(\d+)_r(\d+)(?:_l(\d+))?")
 
 
 def _register_intrinsics(line: str) -> None:
@@ -276,14 +277,16 @@ def _register_intrinsics(line: str) -> None:
         from .schedules import cpu_bf16  # only for a log of a bf16 dot-product kernel
 
         cpu_bf16.register()
-    if "attn_decode_dot_" not in line and "attn_decode_bf16dot_" not in line:
+    if not any(f"attn_decode_{x}dot_" in line for x in ("", "bf16", "i8")):
         return
-    from .schedules.cpu_decode import dot_bf16_intrinsic, dot_intrinsic  # only for a log that names one
+    from .schedules.cpu_decode import dot_bf16_intrinsic, dot_i8_intrinsic, dot_intrinsic  # a log that names one
 
     for d, rows, lanes in set(_DECODE_DOT.findall(line)):  # no _l suffix: AVX-512's 16 lanes
         dot_intrinsic(int(d), int(rows), int(lanes or 16))
     for d, rows in set(_DECODE_BF16_DOT.findall(line)):
         dot_bf16_intrinsic(int(d), int(rows))
+    for d, rows, lanes in set(_DECODE_I8_DOT.findall(line)):
+        dot_i8_intrinsic(int(d), int(rows), int(lanes or 16))
 
 
 def parse_logs(work_dir: str | os.PathLike, repair: bool = False,

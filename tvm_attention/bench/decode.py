@@ -50,6 +50,15 @@ from ..build import build_kernel
 from ..layouts import paged_from_contiguous
 from ..loader import _from_framework, aligned_empty, kernel_arg
 from ..quant import KV_DTYPES, quantize_kv
+
+#: a ``Config.dtypes`` entry: the int8 cache with ``qk_int8`` (q rounded to int8 per row, QKᵀ on
+#: integer dot products), the same bytes as int8; llama.cpp's Q8_0 path does the same
+QK8 = "int8_qk8"
+
+
+def cache_dtype(name: str) -> str:
+    """The K/V dtype of a ``Config.dtypes`` entry (``QK8`` reads an int8 cache)."""
+    return "int8" if name == QK8 else name
 from ..runtime import is_ml_dtype
 from ..spec import AttentionSpec, numpy_dtype
 from ..target import host_cpu
@@ -179,7 +188,7 @@ def _finish(cfg: Config, meta: dict[str, Any], rows: list[dict[str, Any]], strea
         if base is not None and "kvcache_ms" in row and "kvcache_ms" in base:
             row["vs_fp32"] = base["kvcache_ms"] / row["kvcache_ms"]
         half = bf16.get(_key(row))
-        if row["dtype"] in KV_DTYPES and half is not None and "kvcache_ms" in row and "kvcache_ms" in half:
+        if cache_dtype(row["dtype"]) in KV_DTYPES and half is not None and "kvcache_ms" in row and "kvcache_ms" in half:
             row["vs_bf16"] = half["kvcache_ms"] / row["kvcache_ms"]
         if "kvcache_append_ms" in row and "kvcache_ms" in row:
             row["append_cost"] = row["kvcache_append_ms"] / row["kvcache_ms"] - 1
@@ -214,7 +223,7 @@ def _floors(row: dict[str, Any], roof_gbps: float, peak_gflops: float, half: dic
     stream = row["kv_bytes"] / roof_gbps / 1e9
     row["fma_floor_ms"] = floor * 1e3
     row["roof_cap"] = min(1.0, stream / floor)
-    if half is not None and row["dtype"] in KV_DTYPES:
+    if half is not None and cache_dtype(row["dtype"]) in KV_DTYPES:
         row["vs_bf16_cap"] = max(half["kv_bytes"] / roof_gbps / 1e9, floor) / max(stream, floor)
 
 
@@ -228,6 +237,8 @@ def _points(cfg: Config, h: int, kh: int, d: int, dtype: str, tensor, say, rows:
     measured: the layouts' kernels built once, each point's variants timed alternately.
     ``llamacpp``: dtype -> the ggml type of llama.cpp's cache, or why it did not run (said once)."""
     kernels = {}
+    qk8, dtype = dtype == QK8, cache_dtype(dtype)  # the row keeps the entry's name (row_dtype)
+    row_dtype = QK8 if qk8 else dtype
     kv8 = dtype in KV_DTYPES  # an 8-bit cache: q and o in kv8_query_dtype
     qdtype = cfg.kv8_query_dtype if kv8 else dtype
     names = list(cfg.layouts) + (["kvcache_append"] if cfg.append and kv8 and "kvcache" in cfg.layouts else [])
@@ -235,7 +246,7 @@ def _points(cfg: Config, h: int, kh: int, d: int, dtype: str, tensor, say, rows:
         layout = "paged" if name.startswith("paged") else "kvcache" if name.startswith("kvcache") else name
         spec = AttentionSpec(batch=1, heads=h, kv_heads=kh, seq_q=1, seq_kv=1024, head_dim=d, layout=layout,
                              causal=True, dtype=qdtype, page_size=cfg.page_size if layout == "paged" else None,
-                             kv_dtype=dtype if kv8 else None, append=name == "kvcache_append")
+                             kv_dtype=dtype if kv8 else None, append=name == "kvcache_append", qk_int8=qk8)
         t0 = time.perf_counter()
         kernels[name] = build_kernel(spec, knobs={"decode_heads": 1} if name == "paged_per_head" else None)
         say(f"built {spec.short_name()}{' (one kv head per task)' if name == 'paged_per_head' else ''} "
@@ -244,7 +255,7 @@ def _points(cfg: Config, h: int, kh: int, d: int, dtype: str, tensor, say, rows:
     for b in cfg.batches:
         for cache in cfg.caches:
             nbytes = kv_bytes(b, kh, cache, d, dt.itemsize)
-            tag = f"[H{h}:KH{kh} D{d} {dtype} B{b} cache {cache}]"
+            tag = f"[H{h}:KH{kh} D{d} {row_dtype} B{b} cache {cache}]"
             if nbytes > cfg.max_kv_bytes:
                 progress.advance()
                 say(f"{progress.tag()} {tag} skipped: K/V {nbytes / 2**30:.1f} GiB")
@@ -295,7 +306,7 @@ def _points(cfg: Config, h: int, kh: int, d: int, dtype: str, tensor, say, rows:
             for r in range(cfg.rounds):
                 for name in (list(timers) if r % 2 == 0 else list(reversed(timers))):
                     best[name] = min(best[name], timers[name]())
-            row = {"heads": h, "kv_heads": kh, "head_dim": d, "dtype": dtype, "batch": b, "cache": cache,
+            row = {"heads": h, "kv_heads": kh, "head_dim": d, "dtype": row_dtype, "batch": b, "cache": cache,
                    "kv_bytes": nbytes}
             for name, t in best.items():
                 row[f"{name}_ms"] = t * 1e3

@@ -333,8 +333,9 @@ class _TileShape:
     #: the staged decode tiles' products on bf16 operands (``_tile_macro``'s ``dot_decode``): 1
     #: QKᵀ (``Qt`` and ``Kt`` hold bf16 bits, uint16), 2 PV too (P rounded to bf16, V pairs)
     dot_decode: int = 0
-    #: ``spec.qk_int8``: ``Qt`` holds each row rounded to int8 (as float32, or as bf16 bits with
-    #: ``dot_decode``), its scale ``s_q`` in ``qs`` multiplying the scores (:func:`_q_macros`)
+    #: ``spec.qk_int8``: ``Qt`` holds each row rounded to int8 (as float32, as bf16 bits with
+    #: ``dot_decode`` 1/2, as int8 with 3), its scale ``s_q`` in ``qs[0]`` multiplying the scores
+    #: (:func:`_q_macros`)
     qk_int8: bool = False
 
     def kv(self, x):
@@ -355,7 +356,15 @@ class _TileShape:
         return x if self.raw16 else bf16_exact_bits(self.kv(x))
 
     def stage_key(self, x):
-        """A key element as ``Kt`` holds it: bf16 bits with ``dot_decode``, else float32."""
+        """A key element as ``Kt`` holds it: bf16 bits with ``dot_decode`` 1/2; with 3 (the
+        integer dot product on AVX-512 VNNI, an int8 cache) ``k + 128`` as uint8, its bit pattern
+        with the sign bit flipped (``vpdpbusd`` multiplies unsigned by signed bytes; the scores
+        take the ``128·Σq_i`` back off); with 4 (the same on AVX2) the byte as it is; else
+        float32."""
+        if self.dot_decode == 3:
+            return T.bitwise_xor(T.reinterpret("uint8", x), T.uint8(0x80))
+        if self.dot_decode == 4:
+            return x
         return self.bits(x) if self.dot_decode else self.kv(x)
 
     @property
@@ -413,6 +422,8 @@ def _s_gemm_macros(k: _TileShape):
     # (K widened to bf16, or read as its bits), read back as float32 products the intrinsic's
     # description spells
     def operand(x):
+        if k.dot_decode >= 3:  # bytes: their products and sums are exact in float32 (D <= 512)
+            return f32(x)
         return bf16_value(x) if k.dot_decode else x
 
     @T.macro
@@ -503,8 +514,10 @@ def _softmax_macro(k: _TileShape):
         # (q_scaled) and the row's s_q (qs) come here
         if dot_bf16:
             return x * T.float32(qscale)
+        if k.qk_int8 and k.dot_decode == 3:  # Σ(k + 128)·q_i: take 128·Σq_i back off
+            return t.q_scaled((x - qs[1, vi]) * (T.float32(qscale) * qs[0, vi]), vi)
         if k.qk_int8:
-            return t.q_scaled(x * (T.float32(qscale) * qs[vi]), vi)
+            return t.q_scaled(x * (T.float32(qscale) * qs[0, vi]), vi)
         return t.q_scaled(x * T.float32(qscale), vi) if k.dot_decode else x
 
     def score(t, S, Sm, vj, vi, vc, qs):
@@ -700,9 +713,11 @@ def _q_macros(k: _TileShape):
     (D/2, BM, 2)``, unscaled) and ``q_load`` (``Qt (D, BM)``: q scaled to log2 units, or with
     ``dot_decode`` its own bf16 bits, the scales then multiplying the scores). With ``qk_int8``,
     ``q_load`` rounds each row to int8 first (``quant.qk_int8_query``, the same float32 steps):
-    ``q_absmax`` takes the row's largest magnitude into ``qs``, ``Q_load`` writes
-    ``rint(q · (127 / a))`` (no clamp: it cannot pass ±127, and a clamp would turn NaN into a
-    number), ``q_scale`` leaves ``s_q = a / 127`` in ``qs`` for the scores."""
+    ``q_absmax`` takes the row's largest magnitude into ``qs[0]`` (NaN, kept, once an element is
+    NaN or infinite: the row's scores are then NaN), ``Q_load`` writes ``rint(q · (127 / a))``
+    (no clamp: it cannot pass ±127, and a clamp would turn NaN into a number; as int8 with
+    ``dot_decode`` 3, a NaN as 0), ``q_scale`` leaves ``s_q = a / 127`` in ``qs[0]`` for the
+    scores, and with ``dot_decode`` 3 ``q_sum`` ``128·Σq_i`` in ``qs[1]`` (:meth:`_TileShape.stage_key`)."""
     N, BM, D, qscale = k.N, k.BM, k.D, k.qscale
 
     def nonzero(a):  # a row of zeros takes a = 1 (its q_i are 0 all the same)
@@ -710,7 +725,7 @@ def _q_macros(k: _TileShape):
 
     def q_value(Q, t, vi, vd, qs):
         x = f32(Q[t.q_at(vi, vd)])
-        return T.nearbyint(x * (T.float32(127) / nonzero(qs[vi]))) if k.qk_int8 else x
+        return T.nearbyint(x * (T.float32(127) / nonzero(qs[0, vi]))) if k.qk_int8 else x
 
     @T.macro
     def q_int8_max(Q, qs, t):
@@ -718,15 +733,23 @@ def _q_macros(k: _TileShape):
             with T.sblock(N["q_absmax"]):
                 vi, vd = T.axis.remap("SR", [i, d])
                 with T.init():
-                    qs[vi] = T.float32(0)
-                qs[vi] = T.max(qs[vi], T.fabs(f32(Q[t.q_at(vi, vd)])))
+                    qs[0, vi] = T.float32(0)
+                qs[0, vi] = T.Select(T.isnan(qs[0, vi]) | T.isnan(f32(Q[t.q_at(vi, vd)])) | T.isinf(f32(Q[t.q_at(vi, vd)])),
+                                     T.float32(float("nan")), T.max(qs[0, vi], T.fabs(f32(Q[t.q_at(vi, vd)]))))
 
     @T.macro
-    def q_int8_scale(qs):
+    def q_int8_scale(Qt, qs):
         for i in T.serial(BM):
             with T.sblock(N["q_scale"]):
                 vi = T.axis.remap("S", [i])
-                qs[vi] = nonzero(qs[vi]) / T.float32(127)
+                qs[0, vi] = nonzero(qs[0, vi]) / T.float32(127)
+        if k.dot_decode == 3:
+            for i, d in T.grid(BM, D):
+                with T.sblock(N["q_sum"]):
+                    vi, vd = T.axis.remap("SR", [i, d])
+                    with T.init():
+                        qs[1, vi] = T.float32(0)
+                    qs[1, vi] = qs[1, vi] + T.float32(128) * f32(Qt[vd, vi])
 
     @T.macro
     def q_pairs(Qu, Qp, t):
@@ -742,14 +765,17 @@ def _q_macros(k: _TileShape):
         for d, i in T.grid(D, BM):
             with T.sblock(N["Q_load"]):
                 vd, vi = T.axis.remap("SS", [d, i])
-                if k.dot_decode > 0:  # q's own bits (bfloat16; q_i exact): the scales multiply the scores
+                if k.dot_decode >= 3:  # the bytes of the integer dot product (NaN: s_q is NaN)
+                    Qt[vd, vi] = T.Cast("int8", T.Select(T.isnan(q_value(Q, t, vi, vd, qs)), T.float32(0),
+                                                         q_value(Q, t, vi, vd, qs)))
+                elif k.dot_decode > 0:  # q's own bits (bfloat16; q_i exact): the scales multiply the scores
                     Qt[vd, vi] = bf16_exact_bits(q_value(Q, t, vi, vd, qs))
                 elif k.qk_int8:  # the integers: the scales (s_q's too) multiply the scores
                     Qt[vd, vi] = q_value(Q, t, vi, vd, qs)
                 else:
                     Qt[vd, vi] = t.q_scaled(f32(Q[t.q_at(vi, vd)]) * T.float32(qscale), vi)
         if k.qk_int8:
-            q_int8_scale(qs)
+            q_int8_scale(Qt, qs)
 
     return q_pairs, q_load
 
@@ -774,14 +800,16 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
     ``suffix`` is appended to every block name (a function may hold two nests of the tile); the
     other arguments: the comment above."""
     N = {n: n + suffix for n in TILE_BLOCKS + ("lse_store", "state_store", "K_load", "V_load", "V_ilv", "q_absmax", "q_scale",
+                                                "q_sum",
                                                 "P_round", "P_ilv", "acc_rescale", "KV_prefetch", "score_mod")}
     if dot_bf16 and (spec.dtype != "bfloat16" or spec.kv_quantized or spec.head_dim % 2 or BN % 2):
         raise ValueError(f"dot_bf16 needs bfloat16 inputs and an even head_dim and block_n, got {spec.dtype}, "
                          f"D={spec.head_dim}, block_n={BN}")
     if prefetch and not stage_k:
         raise ValueError("prefetch is issued by the staged (stage_k) decode tiles only")
-    if dot_decode not in (0, 1, 2):
-        raise ValueError(f"dot_decode={dot_decode} must be 0, 1 (QKᵀ) or 2 (QKᵀ and PV)")
+    if dot_decode not in (0, 1, 2, 3, 4) or (dot_decode >= 3 and not spec.qk_int8):
+        raise ValueError(f"dot_decode={dot_decode} must be 0, 1 (QKᵀ on bf16), 2 (QKᵀ and PV) or, with qk_int8, 3/4 "
+                         f"(QKᵀ on int8: AVX-512 VNNI's unsigned keys, AVX2's signed ones)")
     if dot_decode and (not stage_k or (spec.dtype != "bfloat16" and not spec.qk_int8) or (dot_decode == 2 and BN % 2)):
         raise ValueError(f"dot_decode needs the staged decode tiles and bfloat16 queries and cache (or an 8-bit "
                          f"cache), and an even block_n for PV, got dtype={spec.dtype}, kv_dtype={spec.kv_dtype}, "
@@ -804,13 +832,14 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
     pv_gemm_dot, pv_gemm_dot_heads, pv_gemm_heads, pv_gemm = pv.dot, pv.dot_heads, pv.heads, pv.plain
     online_softmax, store = _softmax_macro(k), _store_macro(k)
     q_pairs, q_load = _q_macros(k)
-    QK_DTYPE = "uint16" if dot_decode else "float32"  # Qt's and Kt's: bf16 bits for dot_decode
+    # Qt's and Kt's: bf16 bits for dot_decode 1/2, the signed and unsigned bytes of vpdpbusd for 3
+    QT_DTYPE, KT_DTYPE = {0: ("float32",) * 2, 3: ("int8", "uint8"), 4: ("int8",) * 2}.get(dot_decode, ("uint16",) * 2)
     PV_DOT = bool(dot_bf16) or dot_decode == 2  # PV on bf16 pairs (Vb, Vt, Pr, Pb)
 
     @T.macro
     def tile(Q, K, V, O, t, nc, X):
         if not dot_bf16:
-            Qt = T.sblock_alloc_buffer((D, BM), QK_DTYPE, scope="local")  # q tile, transposed
+            Qt = T.sblock_alloc_buffer((D, BM), QT_DTYPE, scope="local")  # q tile, transposed
         S = T.sblock_alloc_buffer((BN, BM), "float32", scope="local")  # scores, key-major
         if k.score_mod:
             Sm = T.sblock_alloc_buffer((BN, BM), "float32", scope="local")  # softcapped / ALiBi scores
@@ -821,16 +850,16 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
         alpha = T.sblock_alloc_buffer((BM,), "float32", scope="local")  # exp2(m_old - m_new)
         acc = T.sblock_alloc_buffer((BM, D), "float32", scope="local")  # unnormalised output
         if k.qk_int8:
-            qs = T.sblock_alloc_buffer((BM,), "float32", scope="local")  # the rows' max|q|, then s_q
+            qs = T.sblock_alloc_buffer((2, BM), "float32", scope="local")  # the rows' max|q|, then s_q; 128·Σq_i
         if stage_k and HT > 1:
-            Kt = T.sblock_alloc_buffer((HT, D), QK_DTYPE, scope="local")  # one key of every head
+            Kt = T.sblock_alloc_buffer((HT, D), KT_DTYPE, scope="local")  # one key of every head
             if PV_DOT:
                 Vb = T.sblock_alloc_buffer((HT, BN, D), "uint16", scope="local")  # value tile's bits
                 Vt = T.sblock_alloc_buffer((HT, BN // 2, D, 2), "uint16", scope="local")  # v pairs (key)
             else:
                 Vt = T.sblock_alloc_buffer((BN, HT, D), "float32", scope="local")  # value tile (key, head, d)
         elif stage_k:
-            Kt = T.sblock_alloc_buffer((BN, D), QK_DTYPE, scope="local")  # the key tile, (key, d)
+            Kt = T.sblock_alloc_buffer((BN, D), KT_DTYPE, scope="local")  # the key tile, (key, d)
             if dot_decode == 2:
                 Vb = T.sblock_alloc_buffer((BN, D), "uint16", scope="local")  # the value tile's bits
                 Vt = T.sblock_alloc_buffer((BN // 2, D, 2), "uint16", scope="local")  # v pairs (key)
@@ -1231,8 +1260,10 @@ def _dense(spec: AttentionSpec, block_m: int, block_n: int, decode_rows: tuple[i
     stage_tiers = [r for r in tiers if r < stage_k_below]
     HT = decode_heads if stage_tiers else 1  # kv heads per decode task (staged tiers)
     dot = int(decode_dot) if stage_tiers else 0  # what the staged tiers take (the others: float32)
+    # the int8 dot product's form follows the vectors: AVX-512 VNNI's (3) or AVX2's (4, 8 lanes)
+    tile_dot = 4 if dot == 3 and stage_k_below < 16 else dot
     tier_macros = [_decode_tier(f, r, DECODE + str(r), split_tasks, r < stage_k_below, prefetch,
-                                HT if r < stage_k_below else 1, dot if r < stage_k_below else 0) for r in tiers]
+                                HT if r < stage_k_below else 1, tile_dot if r < stage_k_below else 0) for r in tiers]
     t0 = tier_macros[0] if tiers else None
     t1 = tier_macros[-1] if tiers else None
     r0 = tiers[0] if tiers else 0
