@@ -320,10 +320,10 @@ def check(knobs: FlashCPUKnobs, spec: AttentionSpec, target: Target) -> None:
                         f"(dtype={spec.dtype}); decode_dot=1 (QKᵀ alone, exact) is open to {spec.dtype} with qk_int8")
     if knobs.decode_dot in (1, 2) and not decode_dots(spec, knobs, target):
         raise KnobError(
-            f"decode_dot={knobs.decode_dot} needs staged decode nests on {cpu_decode.BF16_LANES}-lane vectors, a head_dim that is a "
-            f"multiple of {2 * cpu_decode.BF16_LANES} (head_dim={spec.head_dim}), bfloat16 queries and a bfloat16 or "
-            f"8-bit cache (dtype={spec.dtype}, kv_dtype={spec.kv_dtype}) and a CPU with {cpu_bf16.FEATURE} "
-            f"(target {target})")
+            f"decode_dot={knobs.decode_dot} needs staged decode nests on {cpu_decode.BF16_LANES}-lane vectors, a "
+            f"head_dim that is a multiple of {2 * cpu_decode.BF16_LANES} (head_dim={spec.head_dim}), bfloat16 "
+            f"queries (or qk_int8) and a bfloat16 or 8-bit cache (dtype={spec.dtype}, kv_dtype={spec.kv_dtype}) and a "
+            f"CPU with {cpu_bf16.FEATURE} (target {target})")
     if knobs.dot_bf16 not in (0, 1):
         raise KnobError(f"dot_bf16={knobs.dot_bf16} must be 0 or 1")
     if knobs.dot_bf16 and not bf16_dots(spec, target):

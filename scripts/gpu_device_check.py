@@ -550,7 +550,8 @@ def main(argv: list[str] | None = None) -> int:
     def f(x, spec="{:.1f}"):
         return spec.format(x) if isinstance(x, float) else "-"
 
-    lines = [f"GPU check on {device_name} ({arch}), {time.strftime('%Y-%m-%d')}: TFLOP/s (4·B·H·Sq·Skv·D, halved causal); "
+    lines = [f"GPU check on {device_name} ({arch}), {time.strftime('%Y-%m-%d')}: TFLOP/s (4·B·H·Sq·Skv·D, halved "
+             f"causal); "
              f"peak = dense fp16/bf16 tensor-core peak {peak} TFLOP/s", "",
              "| dtype | D | causal | S | B×H | ours (tc) | ours (simt) | tc, symbolic | simt, symbolic | tc, varlen "
              "| simt, varlen | flash | cuDNN | flex | best ours % peak | tc/flash | tc/cuDNN | tc/flex | valid |",
@@ -591,7 +592,8 @@ def main(argv: list[str] | None = None) -> int:
             sp = AttentionSpec.from_dict(e["spec"])
             page = "" if sp.page_size is None else f" p{sp.page_size}"
             share = 100 * e["of_stream"] if "of_stream" in e else None
-            lines.append(f"| {e['kernel']} | {sp.layout}{page} | {sp.dtype} | {sp.kv_dtype or sp.dtype} | {sp.head_dim} | "
+            lines.append(f"| {e['kernel']} | {sp.layout}{page} | {sp.dtype} | {sp.kv_dtype or sp.dtype} | "
+                         f"{sp.head_dim} | "
                          f"{e['batch']} × {sp.heads}:{sp.kv_heads} × {e['keys']} | {f(e.get('us'))} | "
                          f"{f(e.get('gbps'))} | {f(share)} | {e.get('validation', {}).get('passed')}"
                          f"{' ' + e['error'] if 'error' in e else ''} |")

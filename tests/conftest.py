@@ -160,7 +160,8 @@ def assert_split_stores_guarded(func) -> None:
     every = stores(func.body)
     assert every, "no store into the split-KV workspace"
     loose = [s for s in every if not any(s.same_as(g) for g in guarded)]
-    assert not loose, f"{len(loose)} of {len(every)} workspace stores not conditioned on the batch (into {sorted({s.buffer.name for s in loose})})"
+    into = sorted({s.buffer.name for s in loose})
+    assert not loose, f"{len(loose)} of {len(every)} workspace stores not conditioned on the batch (into {into})"
 
 
 def check_lse(got: np.ndarray, ref: np.ndarray, where) -> None:

@@ -392,7 +392,8 @@ def test_decode_dot_is_the_bf16_preset_and_matches_the_float32_products():
         with pytest.raises(KnobError, match="decode_dot=1 needs"):
             cpu_fused.check(dataclasses.replace(cpu_fused.preset(s, target), decode_dot=1), s, target)
     with pytest.raises(KnobError, match="block_n=33 must be even"):
-        cpu_fused.check(dataclasses.replace(cpu_fused.preset(spec, host), decode_dot=2, block_n=33, s_rows=1), spec, host)
+        odd = dataclasses.replace(cpu_fused.preset(spec, host), decode_dot=2, block_n=33, s_rows=1)
+        cpu_fused.check(odd, spec, host)
     with pytest.raises(KnobError, match="decode_dot=2 rounds P to bf16"):
         s = AttentionSpec(**{**spec.to_dict(), "dtype": "float32", "kv_dtype": "int8", "qk_int8": True})
         cpu_fused.check(dataclasses.replace(cpu_fused.preset(s, host), decode_dot=2), s, host)

@@ -49,8 +49,8 @@ from tvm.script import tirx as T
 from ..spec import DATA_ALIGNMENT as A, ENTRY, MAX_SEQ_LEN, AttentionSpec
 from ..tvm_internals import fast_macros
 from ..visibility import Visibility
-from ._math import (bf16_bits, bf16_exact_bits, bf16_value, cast_to, exp2_fast, f32, f32_to_kv, guarded, kv_to_f32, lse_of,
-                    ssa_checked)
+from ._math import (bf16_bits, bf16_exact_bits, bf16_value, cast_to, exp2_fast, f32, f32_to_kv, guarded, kv_to_f32,
+                    lse_of, ssa_checked)
 from .knob_attrs import FUSED_DECODE, FUSED_FORM, FUSED_TILE, record
 from .kv import dim, kv_layout
 from .variants import NO_VARIANTS, TEMPLATE_ARGS, ExtraParams, Variants, score_scale, transforms
@@ -76,8 +76,8 @@ def fused_attention(spec: AttentionSpec, block_m: int, block_n: int, decode_rows
     specs only; decode nests, memory-bound, keep float32 products). ``prefetch``: the staged
     decode nests prefetch the K/V rows of the key tile this many tiles ahead (0 = none; see
     ``_tile_macro``). ``decode_heads``: kv heads per task of the staged decode nests (the page
-    order, see :func:`_dense`). ``decode_dot``: the staged decode nests' products on bf16
-    operands, 1 QKᵀ, 2 QKᵀ and PV (see ``_tile_macro``).
+    order, see :func:`_dense`). ``decode_dot``: the staged decode nests' products, 1 QKᵀ on
+    bf16 operands, 2 QKᵀ and PV, 3 (``qk_int8``) QKᵀ on int8 (see ``_tile_macro``).
     """
     if spec.layout_info.packed:
         return _varlen(spec, block_m, block_n, dot_bf16)
@@ -330,8 +330,9 @@ class _TileShape:
     #: an 8-bit cache's dtype (``spec.kv_dtype``): K/V elements are converted by ``kv_to_f32``
     #: (float8 read through uint8 aliases of K and V, see ``_dense_function``)
     kv_dtype: str | None = None
-    #: the staged decode tiles' products on bf16 operands (``_tile_macro``'s ``dot_decode``): 1
-    #: QKᵀ (``Qt`` and ``Kt`` hold bf16 bits, uint16), 2 PV too (P rounded to bf16, V pairs)
+    #: the staged decode tiles' products (``_tile_macro``'s ``dot_decode``): 1 QKᵀ on bf16
+    #: operands (``Qt`` and ``Kt`` hold bf16 bits, uint16), 2 PV too (P rounded to bf16, V pairs),
+    #: 3/4 QKᵀ on int8 (``qk_int8``; the AVX-512 VNNI and AVX2 forms, :meth:`stage_key`)
     dot_decode: int = 0
     #: ``spec.qk_int8``: ``Qt`` holds each row rounded to int8 (as float32, as bf16 bits with
     #: ``dot_decode`` 1/2, as int8 with 3), its scale ``s_q`` in ``qs[0]`` multiplying the scores
@@ -723,6 +724,9 @@ def _q_macros(k: _TileShape):
     def nonzero(a):  # a row of zeros takes a = 1 (its q_i are 0 all the same)
         return T.Select(a == T.float32(0), T.float32(1), a)
 
+    def bad(a, x):  # the row's max so far is NaN, or x is NaN or infinite (max() would drop a NaN)
+        return T.isnan(a) | T.isnan(x) | T.isinf(x)
+
     def q_value(Q, t, vi, vd, qs):
         x = f32(Q[t.q_at(vi, vd)])
         return T.nearbyint(x * (T.float32(127) / nonzero(qs[0, vi]))) if k.qk_int8 else x
@@ -734,8 +738,8 @@ def _q_macros(k: _TileShape):
                 vi, vd = T.axis.remap("SR", [i, d])
                 with T.init():
                     qs[0, vi] = T.float32(0)
-                qs[0, vi] = T.Select(T.isnan(qs[0, vi]) | T.isnan(f32(Q[t.q_at(vi, vd)])) | T.isinf(f32(Q[t.q_at(vi, vd)])),
-                                     T.float32(float("nan")), T.max(qs[0, vi], T.fabs(f32(Q[t.q_at(vi, vd)]))))
+                qs[0, vi] = T.Select(bad(qs[0, vi], f32(Q[t.q_at(vi, vd)])), T.float32(float("nan")),
+                                     T.max(qs[0, vi], T.fabs(f32(Q[t.q_at(vi, vd)]))))
 
     @T.macro
     def q_int8_scale(Qt, qs):
@@ -789,9 +793,10 @@ def _q_macros(k: _TileShape):
 # tiles ahead and ``heads`` kv heads per tile (the decode nest's page order); ``dot_bf16``
 # (bfloat16 inputs) puts both products on bf16 dot products with float32 sums; ``dot_decode``
 # (with ``stage_k``; bfloat16 queries, or ``qk_int8``'s integers, and a bfloat16 or 8-bit cache,
-# exact in bf16) puts QKᵀ (1) or both products (2) there, the scales on the float32 scores. QKᵀ
-# on bf16 operands rounds nothing the float32 products did not; PV's rounds P to bf16. The row
-# sum ``l`` adds the unrounded P. ``spec.qk_int8``: :func:`_q_macros`.
+# exact in bf16) puts QKᵀ (1) or both products (2) there, the scales on the float32 scores; with
+# ``qk_int8``, 3 (AVX-512 VNNI) and 4 (AVX2) put QKᵀ on int8 dot products. QKᵀ on bf16 or int8
+# operands rounds nothing the float32 products did not; PV's rounds P to bf16. The row sum ``l``
+# adds the unrounded P. ``spec.qk_int8``: :func:`_q_macros`.
 def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: str | None = None,
                 stage_k: bool = False, dot_bf16: bool = False, prefetch: int = 0, heads: int = 1,
                 dot_decode: int = 0):
@@ -799,8 +804,8 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
     macro: one piece of compute that every layout's frame calls with its own :class:`_Tile`.
     ``suffix`` is appended to every block name (a function may hold two nests of the tile); the
     other arguments: the comment above."""
-    N = {n: n + suffix for n in TILE_BLOCKS + ("lse_store", "state_store", "K_load", "V_load", "V_ilv", "q_absmax", "q_scale",
-                                                "q_sum",
+    N = {n: n + suffix for n in TILE_BLOCKS + ("lse_store", "state_store", "K_load", "V_load", "V_ilv",
+                                                "q_absmax", "q_scale", "q_sum",
                                                 "P_round", "P_ilv", "acc_rescale", "KV_prefetch", "score_mod")}
     if dot_bf16 and (spec.dtype != "bfloat16" or spec.kv_quantized or spec.head_dim % 2 or BN % 2):
         raise ValueError(f"dot_bf16 needs bfloat16 inputs and an even head_dim and block_n, got {spec.dtype}, "
@@ -808,8 +813,8 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
     if prefetch and not stage_k:
         raise ValueError("prefetch is issued by the staged (stage_k) decode tiles only")
     if dot_decode not in (0, 1, 2, 3, 4) or (dot_decode >= 3 and not spec.qk_int8):
-        raise ValueError(f"dot_decode={dot_decode} must be 0, 1 (QKᵀ on bf16), 2 (QKᵀ and PV) or, with qk_int8, 3/4 "
-                         f"(QKᵀ on int8: AVX-512 VNNI's unsigned keys, AVX2's signed ones)")
+        raise ValueError(f"dot_decode={dot_decode} must be 0, 1 (QKᵀ on bf16), 2 (QKᵀ and PV) or, with "
+                         f"qk_int8, 3/4 (QKᵀ on int8: AVX-512 VNNI's unsigned keys, AVX2's signed ones)")
     if dot_decode and (not stage_k or (spec.dtype != "bfloat16" and not spec.qk_int8) or (dot_decode == 2 and BN % 2)):
         raise ValueError(f"dot_decode needs the staged decode tiles and bfloat16 queries and cache (or an 8-bit "
                          f"cache), and an even block_n for PV, got dtype={spec.dtype}, kv_dtype={spec.kv_dtype}, "
