@@ -431,6 +431,21 @@ def test_qk_int8_rounds_each_query_row_as_the_kernels_do():
                         resolve_target("llvm"))
 
 
+def test_qk_int8_cli_flag():
+    """``--qk-int8`` reaches the spec, and without an int8 cache it is refused by name."""
+    import argparse
+
+    from tvm_attention.cli import _add_spec_flags, _spec_from_args
+
+    p = argparse.ArgumentParser()
+    _add_spec_flags(p)
+    flags = ["--layout", "kvcache", "--heads", "8", "--head-dim", "64", "--qk-int8"]
+    assert _spec_from_args(p.parse_args(flags + ["--kv-dtype", "int8"])).qk_int8
+    assert not _spec_from_args(p.parse_args(flags[:-1] + ["--kv-dtype", "int8"])).qk_int8
+    with pytest.raises(SpecError, match="qk_int8"):
+        _spec_from_args(p.parse_args(flags))
+
+
 QK_INT8 = {  # name: (spec, knobs)
     "kvcache_f32_split": (dict(layout="kvcache", batch=2, heads=8, kv_heads=2, seq_q=1, seq_kv=300, head_dim=64,
                                causal=True, dtype="float32", return_lse=True), ()),
