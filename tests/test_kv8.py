@@ -453,6 +453,10 @@ QK_INT8 = {  # name: (spec, knobs)
                                causal=True, dtype="bfloat16", append=True), (("split_tasks", 0),)),
     "kvcache_f16_fma": (dict(layout="kvcache", batch=2, heads=4, kv_heads=4, seq_q=1, seq_kv=200, head_dim=64,
                              causal=True, dtype="float16"), (("decode_dot", 0),)),
+    # the variants: s_q scales the scores before the softcap, ALiBi and the window's mask
+    "paged_f32_variants": (dict(layout="paged", batch=2, heads=8, kv_heads=2, seq_q=1, seq_kv=300, head_dim=64,
+                                causal=True, dtype="float32", window=(100, 0), softcap=30.0, alibi=True, sinks=True,
+                                return_lse=True), ()),
 }
 
 
