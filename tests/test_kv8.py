@@ -506,3 +506,14 @@ def test_qk_int8_avx2_form_matches_its_reference():
     assert "vpmaddubsw" in asm and "vpdpbusd" not in asm and "zmm" not in asm
     r = validate_built(b)
     assert r.passed and r.finite, r
+
+
+def test_a_large_bhsd_spec_with_an_8bit_cache_validates_on_sampled_rows():
+    """Past ``FULL_CHECK_LIMIT`` validation compares sampled rows with the reference; those rows
+    must be of the values the cache holds (scales applied, q rounded with ``qk_int8``), as the
+    full reference's are. The sampled path read the stored bytes unscaled and failed them all."""
+    spec = AttentionSpec(batch=1, heads=16, kv_heads=4, seq_q=1100, head_dim=64, causal=True, kv_dtype="int8",
+                         qk_int8=True)
+    r = validate_built(built(spec))
+    assert "sampled" in r.rows_checked and r.passed and r.finite, r
+    assert 1e-4 < r.model_error < 0.05, r.model_error

@@ -198,21 +198,19 @@ def validate_callable(spec: AttentionSpec, kernel: Callable[..., np.ndarray], se
     results, labels, model = [], [], []
     for case in layout.validation_cases(spec):
         arrays = layout.random_inputs(spec, case, seed)
-        if spec.qk_int8:  # what rounding q to int8 does to the output, beside the kernel's check
-            exact, _ = layout.reference_outputs(dataclasses.replace(spec, qk_int8=False), arrays)
-            model.append(_nan_skipping(np.nanmax, np.abs(layout.reference_outputs(spec, arrays)[0] - exact)))
         got = kernel(*arrays.values())
         out, lse = (got[0], got[1]) if spec.return_lse else (got, None)
         out = np.asarray(out).astype(np.float32)
         rows = sample_rows(spec, seed, case) if layout.name == "bhsd" else None
+        ref, ref_lse = _reference(spec, layout, arrays, rows)
+        if spec.qk_int8:  # what rounding q to int8 does to the output, beside the kernel's check
+            exact, _ = _reference(dataclasses.replace(spec, qk_int8=False), layout, arrays, rows)
+            model.append(_nan_skipping(np.nanmax, np.abs(ref - exact)))
         if rows is not None:
-            ref, ref_lse = reference_attention(spec, arrays["q"], arrays["k"], arrays["v"], rows=rows, return_lse=True,
-                                               **variant_kwargs(spec, arrays))
             out = out[:, :, rows, :]
             lse = None if lse is None else np.asarray(lse)[:, :, rows]
             label = f"{len(rows)} sampled"
         else:
-            ref, ref_lse = layout.reference_outputs(spec, arrays)
             label = "all"
         what = layout.describe_case(case)
         results.append(compare(spec, out, ref, seed, label, what, _namer(layout, arrays, rows)))
@@ -223,6 +221,19 @@ def validate_callable(spec: AttentionSpec, kernel: Callable[..., np.ndarray], se
             labels.append(what + " (lse)")
     worst = _worst(results, labels)
     return dataclasses.replace(worst, model_error=_max_known(model)) if model else worst
+
+
+def _reference(spec: AttentionSpec, layout, arrays: dict, rows: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """The float64 ``(o, lse)`` a kernel of ``spec`` is compared with: of every row (the layout's
+    reference), or of the sampled BHSD ``rows`` only, on what the reference attends to either
+    way (``layout.dequantized``: an 8-bit cache's values times their scales, q rounded with
+    ``qk_int8``; the sampled path read the stored bytes unscaled before, and failed every large
+    BHSD spec with an 8-bit cache)."""
+    if rows is None:
+        return layout.reference_outputs(spec, arrays)
+    seen = layout.dequantized(spec, arrays)
+    return reference_attention(spec, seen["q"], seen["k"], seen["v"], rows=rows, return_lse=True,
+                               **variant_kwargs(spec, arrays))
 
 
 def _namer(layout, arrays: dict, rows: np.ndarray | None, lse: bool = False) -> Callable[[tuple], str]:
