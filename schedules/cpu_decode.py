@@ -57,7 +57,7 @@ from tvm.script import tirx as T
 from ..spec import AttentionSpec
 from ..tvm_internals import register_tensor_intrin
 
-from ..workloads._math import bf16_value
+from ..workloads._math import bf16_value, f32
 from . import cpu_bf16
 from .cpu_space import has_block
 
@@ -248,14 +248,10 @@ def dot_i8_intrinsic(D: int, rows: int, lanes: int = 16) -> str:
     3's. AVX-512 (``lanes`` 16): ``vpdpbusd`` on K unsigned (``k + 128``), Q signed; AVX2
     (``lanes`` 8, name ``..._l8``): both signed, ``vpmaddubsw``'s sign trick."""
     if lanes == BF16_LANES:
-        return _register_dot(f"attn_decode_i8dot_d{D}_r{rows}", D, rows, ("uint8", "int8"), f32_of,
+        return _register_dot(f"attn_decode_i8dot_d{D}_r{rows}", D, rows, ("uint8", "int8"), f32,
                              lambda K, Q: _dot_i8(K, Q, D, rows))
-    return _register_dot(f"attn_decode_i8dot_d{D}_r{rows}_l8", D, rows, "int8", f32_of,
+    return _register_dot(f"attn_decode_i8dot_d{D}_r{rows}_l8", D, rows, "int8", f32,
                          lambda K, Q: _dot_i8_avx2(K, Q, D, rows))
-
-
-def f32_of(x):
-    return tirx.Cast(F32, x)
 
 
 def supports_bf16(spec: AttentionSpec, rows: int, lanes: int, features: set[str]) -> bool:
@@ -409,8 +405,9 @@ def schedule(sch: s_tir.Schedule, spec: AttentionSpec, suffix: str, knobs: DotDe
     _, d, _ = sch.get_loops(s_gemm)[-3:]
     init = sch.decompose_reduction(s_gemm, d)
     _vectorize(sch, sch.get_loops(init)[-1], rows, L)
-    bf16 = str(bufs["Qt"].dtype) == "uint16"  # the workload's dot_decode 1/2: bf16 bits
-    if str(bufs["Qt"].dtype) == "int8":  # dot_decode 3: bytes
+    q_dtype = str(bufs["Qt"].dtype)  # the workload's dot_decode: 1/2 bf16 bits, 3 bytes, else float32
+    bf16 = q_dtype == "uint16"
+    if q_dtype == "int8":
         sch.tensorize(d, dot_i8_intrinsic(D, rows, L))
     else:
         sch.tensorize(d, dot_bf16_intrinsic(D, rows) if bf16 else dot_intrinsic(D, rows, L))
