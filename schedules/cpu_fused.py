@@ -30,6 +30,7 @@ from tvm import s_tir
 from tvm.target import Target
 
 from ..layouts import LAYOUTS
+from ..quant import KV_SCALES
 from ..spec import KV_DTYPES, SUPPORTED_DTYPES, VARIANTS, AttentionSpec
 from ..target import target_features, vector_lanes
 from ..workloads import fused_attention
@@ -47,7 +48,7 @@ NAME = "fused"
 #: every attention variant
 CAPABILITIES = Capabilities(label=NAME, target="cpu", layouts=tuple(LAYOUTS), dtypes=SUPPORTED_DTYPES,
                             symbolic=True, lse=True, variants=VARIANTS, kv_dtypes=KV_DTYPES,
-                            appends=True, qk_int8=True)
+                            appends=True, qk_int8=True, kv_scales=KV_SCALES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,6 +203,8 @@ def decode_dots(spec: AttentionSpec, knobs: FlashCPUKnobs, target: Target, form:
     feats = target_features(target)
     staged = [r for r in decode_rows(spec, knobs) if r < knobs.vector_lanes]
     ok = cpu_decode.supports_i8 if form == 3 else cpu_decode.supports_bf16
+    if getattr(spec, "kv_scale", "head") == "group":  # each element scaled as it is converted: float32 products
+        return False
     return bool(staged) and all(ok(spec, r, knobs.vector_lanes, feats) for r in staged)
 
 
@@ -311,8 +314,8 @@ def check(knobs: FlashCPUKnobs, spec: AttentionSpec, target: Target) -> None:
         raise KnobError(
             f"decode_dot=3 needs qk_int8 (q rounded to int8 against an int8 cache; qk_int8={spec.qk_int8}), staged "
             f"decode nests on {cpu_decode.BF16_LANES}-lane vectors, a head_dim that is a multiple of "
-            f"{cpu_decode.I8_LANES} up to 512 (head_dim={spec.head_dim}) and a CPU with {cpu_decode.VNNI} "
-            f"(target {target})")
+            f"{cpu_decode.I8_LANES} up to 512 (head_dim={spec.head_dim}), scales per head or per token "
+            f"(kv_scale={spec.kv_scale}) and a CPU with {cpu_decode.VNNI} (target {target})")
     if knobs.decode_dot == 2 and knobs.block_n % 2:
         raise KnobError(f"decode_dot=2 pairs the keys of a tile for PV: block_n={knobs.block_n} must be even")
     if knobs.decode_dot == 2 and spec.dtype != "bfloat16":
@@ -322,8 +325,9 @@ def check(knobs: FlashCPUKnobs, spec: AttentionSpec, target: Target) -> None:
         raise KnobError(
             f"decode_dot={knobs.decode_dot} needs staged decode nests on {cpu_decode.BF16_LANES}-lane vectors, a "
             f"head_dim that is a multiple of {2 * cpu_decode.BF16_LANES} (head_dim={spec.head_dim}), bfloat16 "
-            f"queries (or qk_int8) and a bfloat16 or 8-bit cache (dtype={spec.dtype}, kv_dtype={spec.kv_dtype}) and a "
-            f"CPU with {cpu_bf16.FEATURE} (target {target})")
+            f"queries (or qk_int8) and a bfloat16 or 8-bit cache (dtype={spec.dtype}, kv_dtype={spec.kv_dtype}) "
+            f"scaled per head or per token (kv_scale={spec.kv_scale}: per group each element is scaled as it is "
+            f"converted) and a CPU with {cpu_bf16.FEATURE} (target {target})")
     if knobs.dot_bf16 not in (0, 1):
         raise KnobError(f"dot_bf16={knobs.dot_bf16} must be 0 or 1")
     if knobs.dot_bf16 and not bf16_dots(spec, target):

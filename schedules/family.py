@@ -101,6 +101,9 @@ class Capabilities:
     appends: bool = False
     #: rounds q to int8 for QKᵀ against an int8 cache (``AttentionSpec.qk_int8``)
     qk_int8: bool = False
+    #: how finely it reads an 8-bit cache's scales (``AttentionSpec.kv_scale``): per kv head only,
+    #: or per token and per group too
+    kv_scales: tuple[str, ...] = ("head",)
 
     def refusal(self, spec: AttentionSpec) -> str | None:
         """Why this family cannot build ``spec`` (None: it can), in the one message format
@@ -120,6 +123,8 @@ class Capabilities:
         elif getattr(spec, "kv_dtype", None) is not None and self.kv_layouts and spec.layout not in self.kv_layouts:
             what = (f"reads 8-bit K/V caches (kv_dtype={spec.kv_dtype!r}) in the {' and '.join(self.kv_layouts)} "
                     f"layouts, not {spec.layout!r}")
+        elif getattr(spec, "kv_dtype", None) is not None and getattr(spec, "kv_scale", "head") not in self.kv_scales:
+            what = f"reads an 8-bit cache's scales per {' or '.join(self.kv_scales)}, not per {spec.kv_scale} (kv_scale) (yet)"
         elif [v for v in spec.variants if v not in self.variants]:
             missing = [v for v in spec.variants if v not in self.variants]
             what = f"does not build the attention variant(s) {', '.join(missing)} (yet)"

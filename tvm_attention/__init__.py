@@ -18,7 +18,8 @@ Public API::
     merge_states(o_a, lse_a, o_b, lse_b)  attention over two disjoint key sets from each one's
                                         (o, lse) (cascade / shared-prefix attention)
     quantize_kv(x, dtype)               (x_q, scale): K or V quantized to an 8-bit cache dtype
-                                        (float8_e4m3fn, float8_e5m2, int8), one scale per kv head
+                                        (float8_e4m3fn, float8_e5m2, int8), one scale per kv head,
+                                        per token or per 32 elements (granularity=)
 
 From a source checkout (``PYTHONPATH=<checkout>``, no install or another checkout's),
 ``tvm_attention.schedules`` and ``tvm_attention.tuning_logs`` resolve to the folders beside this
@@ -47,11 +48,12 @@ def merge_states(o_a, lse_a, o_b, lse_b, sinks=None):
     return _merge(o_a, lse_a, o_b, lse_b, sinks=sinks)
 
 
-def quantize_kv(x, dtype, head_axis=1, scale=None):
-    """K or V as an 8-bit cache and its per-kv-head scales; see :func:`tvm_attention.quant.quantize_kv`."""
+def quantize_kv(x, dtype, head_axis=1, scale=None, granularity="head"):
+    """K or V as an 8-bit cache and its scales (per kv head, per token or per group of 32);
+    see :func:`tvm_attention.quant.quantize_kv`."""
     from .quant import quantize_kv as _quantize  # lazy: NumPy only, but the package imports nothing eagerly
 
-    return _quantize(x, dtype, head_axis=head_axis, scale=scale)
+    return _quantize(x, dtype, head_axis=head_axis, scale=scale, granularity=granularity)
 
 
 def aligned_empty(shape, dtype):

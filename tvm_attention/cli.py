@@ -12,6 +12,7 @@ from pathlib import Path
 
 from .layouts import LAYOUTS, get_layout, in_words, layouts_where
 from .loader import ArtifactError, check_artifact, confirm_spec, load, read_manifest
+from .quant import KV_SCALES
 from .spec import AttentionSpec, SpecError
 from .threads import num_threads, set_num_threads
 from .validate import validate_callable
@@ -82,6 +83,10 @@ def _add_spec_flags(p: argparse.ArgumentParser, defaults: dict | None = None) ->
                    help="an 8-bit K/V cache: float8_e4m3fn, float8_e5m2 or int8 (q and o keep --dtype); the kernel "
                         "then takes k_scale, v_scale (kv_heads,) float32 after the variant arguments "
                         "(tvm_attention.quantize_kv makes both)")
+    g.add_argument("--kv-scale", default=d.get("kv_scale", "head"), choices=KV_SCALES,
+                   help="with --kv-dtype: one scale per kv head (default), per token (k_scale/v_scale shaped as the "
+                        "cache without head_dim) or per group of 32 elements of head_dim (llama.cpp's Q8_0); finer "
+                        "scales follow outliers at 4 bytes each (docs/serving.md)")
     g.add_argument("--qk-int8", action="store_true", default=d.get("qk_int8", False),
                    help="with --kv-dtype int8: round each query row to int8 (scale max|q|/127) and take QK^T as "
                         "integer dot products, as llama.cpp does; changes the numerics (docs/semantics.md)")
@@ -214,7 +219,7 @@ def _spec_from_args(a: argparse.Namespace) -> AttentionSpec:
         alibi=a.alibi, sinks=a.sinks, kv_start=a.kv_start,
         score_mod=_modifier_source(a.score_mod, "--score-mod"), mask_mod=_modifier_source(a.mask_mod, "--mask-mod"),
         mod_tensors=tuple(a.mod_tensor), key_bounds=a.key_bounds, kv_dtype=a.kv_dtype,
-        append=a.append, device_checks=a.device_checks, qk_int8=a.qk_int8,
+        append=a.append, device_checks=a.device_checks, qk_int8=a.qk_int8, kv_scale=a.kv_scale,
     )
 
 
@@ -949,10 +954,12 @@ def build_parser() -> "_Parser":
                    help="half-precision prefill instead: bf16 (AVX512-BF16 dot products), bf16 with fp32 products, "
                         "fp16 and fp32 against torch SDPA fp32/bf16 at S=4096, H=8, D 64/128, with the FMA and "
                         "bf16 dot-product peaks of this CPU")
+    kv8 = ["float8_e4m3fn", "float8_e5m2", "int8", "int8_qk8"]
     p.add_argument("--decode-dtype", nargs="+", default=None,
-                   choices=["float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2", "int8", "int8_qk8"],
+                   choices=["float32", "bfloat16", "float16"] + kv8 + [f"{d}_{g}" for d in kv8 for g in ("token", "group")],
                    help="--decode: cache dtypes, each point measured in each (default float32); an 8-bit one "
-                        "with bfloat16 q and o; int8_qk8: int8 with --qk-int8")
+                        "with bfloat16 q and o; int8_qk8: int8 with --qk-int8; _token, _group: with per-token or "
+                        "per-group scales (--kv-scale)")
     p.add_argument("--decode-cache", type=int, nargs="+", default=None,
                    help="--decode: cache lengths (default 1024 4096 16384 32768)")
     from .bench.modes import add_flags  # the standard library only: parsing loads no benchmark

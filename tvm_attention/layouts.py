@@ -43,7 +43,7 @@ import numpy as np
 from .errors import SpecError
 from .limits import MAX_SEQ_LEN
 from .modifiers import tensor_dim_name
-from .quant import check_scale, dequantize, qk_int8_query, quantize_kv
+from .quant import SCALE_GROUP, check_scale, dequantize, qk_int8_query, quantize_kv
 from .reference import reference_attention
 from .visibility import Visibility
 
@@ -185,10 +185,22 @@ def variant_args(spec) -> tuple[Arg, ...]:
         shape = tuple(dims) if static else tuple(tensor_dim_name(name, i) for i in range(len(dims)))
         out += (Arg(name, shape, dtype),)
     if getattr(spec, "kv_dtype", None) is not None:
-        out += KV_SCALE_ARGS
+        out += kv_scale_args(spec)
     if getattr(spec, "append", False):
         out += KV_NEW_ARGS
     return out
+
+
+def kv_scale_args(spec) -> tuple[Arg, Arg]:
+    """An 8-bit cache's ``k_scale``/``v_scale``: :data:`KV_SCALE_ARGS` per kv head; per token the
+    dims of K without head_dim (kvcache ``(batch, kv_heads, max_len)``, paged ``(num_pages,
+    page_size, kv_heads)``, varlen ``(total_k, kv_heads)``), per group those and ``head_dim / 32``
+    (``spec.kv_scale``, ``quant.scale_shape``)."""
+    granularity = getattr(spec, "kv_scale", "head")
+    if granularity == "head":
+        return KV_SCALE_ARGS
+    dims = get_layout(spec.layout).args[1].dims[:-1] + ((spec.head_dim // SCALE_GROUP,) if granularity == "group" else ())
+    return tuple(Arg(a.name, dims, "float32") for a in KV_SCALE_ARGS)
 
 
 def fully_static(spec) -> bool:
@@ -344,21 +356,45 @@ class Layout:
             return arrays
         out = dict(arrays)
         for name, scale in zip(self.kv_names, ("k_scale", "v_scale")):
-            out[name], out[scale] = quantize_kv(arrays[name].astype(np.float32), spec.kv_dtype, self.kv_head_axis)
+            out[name], out[scale] = quantize_kv(arrays[name].astype(np.float32), spec.kv_dtype, self.kv_head_axis,
+                                                granularity=spec.kv_scale)
+        if spec.kv_scale != "head" and "cache_seqlens" in arrays:
+            self._poison_unused_scales(spec, out)
         return out
+
+    def _poison_unused_scales(self, spec, arrays: dict[str, np.ndarray]) -> None:
+        """Per-token or per-group scales of a cache's unused rows (past each sequence's
+        ``cache_seqlens``, spare pages; an appending kernel's new keys' too, which it writes) set
+        to NaN: a kernel that read one would make its rows NaN, so every validation proves it
+        reads the scales of the keys it attends to only."""
+        scale = arrays["k_scale"]
+        used = np.zeros(scale.shape[:-1] if spec.kv_scale == "group" else scale.shape, bool)
+        for b, n in enumerate(arrays["cache_seqlens"]):
+            self.write_keys(spec, arrays, used, b, 0, np.ones((spec.kv_heads, max(int(n), 0)), bool))
+        for name in ("k_scale", "v_scale"):
+            arrays[name] = arrays[name].copy()
+            arrays[name][~used] = np.nan
 
     def appended(self, spec, arrays: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
         """``arrays`` of an appending kernel (``spec.append``) as they are once ``k_new``/``v_new``
         are written into copies of the caches (quantized with the call's scales for an 8-bit
-        cache) and ``cache_seqlens`` counts them; unchanged for other specs."""
+        cache; with per-token or per-group scales, with their own, written into copies of the
+        scales beside them) and ``cache_seqlens`` counts them; unchanged for other specs."""
         if not getattr(spec, "append", False):
             return arrays
         out = dict(arrays)
         lens = arrays["cache_seqlens"]
         sq = arrays["k_new"].shape[2]
+        fine = getattr(spec, "kv_scale", "head") != "head"
         for name, new, scale in zip(self.kv_names, ("k_new", "v_new"), ("k_scale", "v_scale")):
             x = arrays[new]
-            if getattr(spec, "kv_dtype", None) is not None:
+            if fine:  # the new keys' own scales, written beside them
+                x, s = quantize_kv(x.astype(np.float32), spec.kv_dtype, 1, granularity=spec.kv_scale)
+                scales = arrays[scale].copy()
+                for b in range(len(lens)):
+                    self.write_keys(spec, arrays, scales, b, int(lens[b]), s[b])
+                out[scale] = scales
+            elif getattr(spec, "kv_dtype", None) is not None:
                 x = quantize_kv(x.astype(np.float32), spec.kv_dtype, 1, scale=arrays[scale])[0]
             cache = arrays[name].copy()
             for b in range(len(lens)):
@@ -368,7 +404,8 @@ class Layout:
         return out
 
     def write_keys(self, spec, arrays, cache: np.ndarray, b: int, start: int, x: np.ndarray) -> None:
-        """Write ``x (KH, n, D)`` into sequence ``b``'s keys ``start .. start + n - 1`` of ``cache``."""
+        """Write ``x (KH, n, ...)`` into sequence ``b``'s keys ``start .. start + n - 1`` of
+        ``cache`` (K or V, ``(..., D)``, or their per-token or per-group scales)."""
         cache[b, :, start:start + x.shape[1]] = x
 
     def dequantized(self, spec, arrays: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
@@ -379,7 +416,7 @@ class Layout:
             return arrays
         out = dict(arrays)
         for name, scale in zip(self.kv_names, ("k_scale", "v_scale")):
-            out[name] = dequantize(arrays[name], arrays[scale], self.kv_head_axis)
+            out[name] = dequantize(arrays[name], arrays[scale], self.kv_head_axis, spec.kv_scale)
         if getattr(spec, "qk_int8", False):  # the queries as QKᵀ reads them: rounded to int8 per row
             out["q"] = qk_int8_query(arrays["q"])
         return out
@@ -576,8 +613,10 @@ def check_variant_arrays(spec, arrays: Mapping[str, np.ndarray], key_counts, bat
                     f"{name}: must be non-decreasing along the positions, but {name}[{b}, {p + 1}]={int(x[b, p + 1])} "
                     f"< {name}[{b}, {p}]={int(x[b, p])} (the kernel skips key tiles by the bounds of a row tile's "
                     "first and last rows)")
-    if getattr(spec, "kv_dtype", None) is not None:
-        for name in ("k_scale", "v_scale"):  # their shape (kv_heads,) is the loader's generic check
+    if getattr(spec, "kv_dtype", None) is not None and getattr(spec, "kv_scale", "head") == "head":
+        # (kv_heads,): the shape is the loader's generic check. Finer scales are data: the kernel
+        # reads those of the keys it attends to (a bad one makes its rows NaN: quant's docstring)
+        for name in ("k_scale", "v_scale"):
             try:
                 check_scale(arrays[name], arrays[name].shape[0], name)
             except SpecError as e:
@@ -994,7 +1033,7 @@ class Paged(KVCache):
     def write_keys(self, spec, arrays, cache, b, start, x):
         p = spec.page_size
         j = np.arange(start, start + x.shape[1])
-        cache[arrays["block_table"][b, j // p], j % p] = x.transpose(1, 0, 2)
+        cache[arrays["block_table"][b, j // p], j % p] = x.swapaxes(0, 1)
 
     def keys_of(self, spec, arrays, b, length):
         p = spec.page_size

@@ -36,7 +36,7 @@ from . import modifiers
 from .errors import SpecError
 # tensor elements, sequence lengths and window sides a kernel takes (int32 indexing): limits.py
 from .limits import MAX_ELEMENTS, MAX_SEQ_LEN, MAX_WINDOW  # noqa: F401 - MAX_ELEMENTS re-exported
-from .quant import KV_DTYPES
+from .quant import KV_DTYPES, KV_SCALES, SCALE_GROUP
 from .layouts import get_layout, in_words, layouts_where
 from .visibility import Visibility
 
@@ -76,6 +76,8 @@ DATA_ALIGNMENT = 16
 #: then the modifiers' tensors, ``mod_tensors``).
 #: kv_dtype -> its tag in short names (``..._float32_kve4m3_causal``)
 KV_TAGS = {"float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2", "int8": "i8"}
+#: kv_scale -> its tag in short names (``..._kvi8_stok_causal``; per kv head: none)
+SCALE_TAGS = {"head": "", "token": "_stok", "group": f"_sg{SCALE_GROUP}"}
 
 VARIANTS = ("window", "softcap", "alibi", "sinks", "kv_start", "score_mod", "mask_mod", "key_bounds")
 
@@ -150,6 +152,13 @@ class AttentionSpec:
     #: then ``s_q·k_scale·(q_i·k_i)``, the integer dot product exact. llama.cpp's choice (per
     #: row). It changes the numerics: the float64 reference models it (``quant.qk_int8_query``)
     qk_int8: bool = False
+    #: how finely an 8-bit cache is scaled (``quant.KV_SCALES``): ``"head"`` one float32 scale per
+    #: kv head, ``k_scale``/``v_scale (kv_heads,)``; ``"token"`` one per (token, kv head), the
+    #: cache's shape without head_dim (kvcache ``(batch, kv_heads, max_len)``, paged
+    #: ``(num_pages, page_size, kv_heads)``); ``"group"`` one per 32 elements of head_dim (llama.cpp's
+    #: Q8_0 blocks), ``(..., head_dim / 32)``. Finer scales follow outliers (a token, a channel) at
+    #: 4 bytes per scale; an appending kernel writes the scales of the keys it appends
+    kv_scale: str = "head"
 
     def __post_init__(self) -> None:
         for name in ("batch", "heads", "seq_q", "head_dim"):
@@ -218,6 +227,14 @@ class AttentionSpec:
         if self.qk_int8 and self.kv_dtype != "int8":
             raise SpecError(f"qk_int8 rounds q to int8 for integer dot products against an int8 cache: it needs "
                             f"kv_dtype='int8', got kv_dtype={self.kv_dtype!r}")
+        if self.kv_scale not in KV_SCALES:
+            raise SpecError(f"kv_scale={self.kv_scale!r} is not a scale granularity; one of {', '.join(KV_SCALES)}")
+        if self.kv_scale != "head" and self.kv_dtype is None:
+            raise SpecError(f"kv_scale={self.kv_scale!r} scales an 8-bit cache: it needs kv_dtype (one of "
+                            f"{', '.join(KV_DTYPES)})")
+        if self.kv_scale == "group" and self.head_dim % SCALE_GROUP:
+            raise SpecError(f"kv_scale='group' scales each {SCALE_GROUP} elements of head_dim: head_dim="
+                            f"{self.head_dim} is not a multiple of {SCALE_GROUP}")
         if not isinstance(self.device_checks, bool):
             raise SpecError(f"device_checks must be a bool, got {self.device_checks!r}")
         if self.device_checks and not layout.index_args and not self.kv_start:
@@ -381,8 +398,14 @@ class AttentionSpec:
 
     @property
     def kv_quantized(self) -> bool:
-        """Whether K/V are an 8-bit cache with per-kv-head scales (``kv_dtype``)."""
+        """Whether K/V are an 8-bit cache with scales (``kv_dtype``; how fine: ``kv_scale``)."""
         return self.kv_dtype is not None
+
+    @property
+    def scale_groups(self) -> int:
+        """Scales per (token, kv head) of an 8-bit cache scaled finer than per head: 1 per
+        token, ``head_dim / 32`` per group (``kv_scale``); 0 with per-head scales."""
+        return {"head": 0, "token": 1, "group": self.head_dim // SCALE_GROUP}[self.kv_scale]
 
     @property
     def kv_dtype_name(self) -> str:
@@ -400,10 +423,12 @@ class AttentionSpec:
         return 1 if self.kv_quantized else self.itemsize
 
     def io_bytes(self) -> int:
-        """Modeled DRAM bytes of a fused kernel: q, k, v read and o written once."""
+        """Modeled DRAM bytes of a fused kernel: q, k, v (and per-token or per-group scales) read
+        and o written once."""
         q = self.batch * self.heads * self.seq_q * self.head_dim
         kv = 2 * self.batch * self.kv_heads * self.seq_kv * self.head_dim
-        return 2 * q * self.itemsize + kv * self.kv_itemsize
+        scales = 2 * self.batch * self.kv_heads * self.seq_kv * self.scale_groups * 4  # float32, kv_scale
+        return 2 * q * self.itemsize + kv * self.kv_itemsize + scales
 
     #: Passes over the S×S matrix a materialized implementation makes through memory: write S,
     #: read it for the row max, the row sum and the softmax, write P, read P for P·V.
@@ -428,7 +453,8 @@ class AttentionSpec:
         for key, default in (("return_lse", False), ("page_size", None), ("window", None), ("softcap", None),
                              ("alibi", False), ("sinks", False), ("kv_start", False), ("score_mod", None),
                              ("mask_mod", None), ("mod_tensors", ()), ("key_bounds", False), ("kv_dtype", None),
-                             ("append", False), ("device_checks", False), ("qk_int8", False)):
+                             ("append", False), ("device_checks", False), ("qk_int8", False),
+                             ("kv_scale", "head")):
             if d[key] == default:
                 del d[key]
         if "window" in d:
@@ -464,7 +490,8 @@ class AttentionSpec:
         dim reads ``dyn`` (``bdyn_h8_kv2_qdyn_kdyn_d64_float32_causal``) and another layout
         leads (``varlen_h8_kv2_d64_float32_causal``). Representative values are not part of it."""
         c = "causal" if self.causal else "full"
-        kv = f"_kv{KV_TAGS[self.kv_dtype]}{'_qk8' if self.qk_int8 else ''}" if self.kv_quantized else ""
+        kv = (f"_kv{KV_TAGS[self.kv_dtype]}{SCALE_TAGS[self.kv_scale]}{'_qk8' if self.qk_int8 else ''}"
+              if self.kv_quantized else "")
         tail = (f"_d{self.head_dim}_{self.dtype}{kv}_{c}{self.variant_suffix()}{'_lse' if self.return_lse else ''}"
                 f"{'_append' if self.append else ''}{'_devchk' if self.device_checks else ''}")
         if self.layout != "bhsd":

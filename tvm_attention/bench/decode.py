@@ -54,11 +54,23 @@ from ..quant import KV_DTYPES, quantize_kv
 #: a ``Config.dtypes`` entry: the int8 cache with ``qk_int8`` (q rounded to int8 per row, QKᵀ on
 #: integer dot products), the same bytes as int8; llama.cpp's Q8_0 path does the same
 QK8 = "int8_qk8"
+#: an 8-bit entry's suffix for finer scales (``AttentionSpec.kv_scale``): ``int8_token``,
+#: ``int8_qk8_group``, ``float8_e4m3fn_token``... (the scales' bytes count in the bytes read)
+SCALE_SUFFIXES = {"_token": "token", "_group": "group"}
+
+
+def entry(name: str) -> tuple[str, bool, str]:
+    """``(kv dtype, qk_int8, kv_scale)`` of a ``Config.dtypes`` entry."""
+    granularity = "head"
+    for suffix, g in SCALE_SUFFIXES.items():
+        if name.endswith(suffix) and name[:-len(suffix)] in KV_DTYPES + (QK8,):
+            name, granularity = name[:-len(suffix)], g
+    return ("int8" if name == QK8 else name), name == QK8, granularity
 
 
 def cache_dtype(name: str) -> str:
     """The K/V dtype of a ``Config.dtypes`` entry (``QK8`` reads an int8 cache)."""
-    return "int8" if name == QK8 else name
+    return entry(name)[0]
 from ..runtime import is_ml_dtype
 from ..spec import AttentionSpec, numpy_dtype
 from ..target import host_cpu
@@ -237,8 +249,8 @@ def _points(cfg: Config, h: int, kh: int, d: int, dtype: str, tensor, say, rows:
     measured: the layouts' kernels built once, each point's variants timed alternately.
     ``llamacpp``: dtype -> the ggml type of llama.cpp's cache, or why it did not run (said once)."""
     kernels = {}
-    qk8, dtype = dtype == QK8, cache_dtype(dtype)  # the row keeps the entry's name (row_dtype)
-    row_dtype = QK8 if qk8 else dtype
+    row_dtype = dtype  # the row keeps the entry's name
+    dtype, qk8, granularity = entry(dtype)
     kv8 = dtype in KV_DTYPES  # an 8-bit cache: q and o in kv8_query_dtype
     qdtype = cfg.kv8_query_dtype if kv8 else dtype
     names = list(cfg.layouts) + (["kvcache_append"] if cfg.append and kv8 and "kvcache" in cfg.layouts else [])
@@ -246,15 +258,17 @@ def _points(cfg: Config, h: int, kh: int, d: int, dtype: str, tensor, say, rows:
         layout = "paged" if name.startswith("paged") else "kvcache" if name.startswith("kvcache") else name
         spec = AttentionSpec(batch=1, heads=h, kv_heads=kh, seq_q=1, seq_kv=1024, head_dim=d, layout=layout,
                              causal=True, dtype=qdtype, page_size=cfg.page_size if layout == "paged" else None,
-                             kv_dtype=dtype if kv8 else None, append=name == "kvcache_append", qk_int8=qk8)
+                             kv_dtype=dtype if kv8 else None, append=name == "kvcache_append", qk_int8=qk8,
+                             kv_scale=granularity)
         t0 = time.perf_counter()
         kernels[name] = build_kernel(spec, knobs={"decode_heads": 1} if name == "paged_per_head" else None)
         say(f"built {spec.short_name()}{' (one kv head per task)' if name == 'paged_per_head' else ''} "
             f"in {time.perf_counter() - t0:.1f} s")
     dt, qt = numpy_dtype(dtype), numpy_dtype(qdtype)
+    groups = spec.scale_groups  # per-token or per-group scales per (key, kv head); 0 per kv head
     for b in cfg.batches:
         for cache in cfg.caches:
-            nbytes = kv_bytes(b, kh, cache, d, dt.itemsize)
+            nbytes = kv_bytes(b, kh, cache, d, dt.itemsize) + kv_bytes(b, kh, cache, groups, 4)  # and the scales
             tag = f"[H{h}:KH{kh} D{d} {row_dtype} B{b} cache {cache}]"
             if nbytes > cfg.max_kv_bytes:
                 progress.advance()
@@ -274,7 +288,7 @@ def _points(cfg: Config, h: int, kh: int, d: int, dtype: str, tensor, say, rows:
                     say(f"llama.cpp peer for {dtype}: " + (f"ggml {why} cache" if llama else f"skipped: {why}"))
             scales = []
             if kv8:
-                (k, ks), (v, vs) = quantize_kv(k, dtype), quantize_kv(v, dtype)
+                (k, ks), (v, vs) = (quantize_kv(x, dtype, granularity=granularity) for x in (k, v))
                 scales = [ks, vs]
             else:
                 k, v = k.astype(dt), v.astype(dt)
@@ -292,6 +306,8 @@ def _points(cfg: Config, h: int, kh: int, d: int, dtype: str, tensor, say, rows:
             if paged:
                 kp, table = paged_from_contiguous(k[:, :, :cache], cfg.page_size, np.random.default_rng(1))
                 vp, _ = paged_from_contiguous(v[:, :, :cache], cfg.page_size, np.random.default_rng(1))
+                if groups:  # the scales in the same pages: (pages, page_size, KH[, groups])
+                    scales = [paged_scales(x[:, :, :cache], granularity, cfg.page_size) for x in scales]
                 args = [tensor(x) for x in (q, kp, vp, table, lens, *scales, o)]
                 for n in paged:
                     timers[n] = _tvm_timer(kernels[n], args, cfg.min_repeat_ms)
@@ -318,6 +334,14 @@ def _points(cfg: Config, h: int, kh: int, d: int, dtype: str, tensor, say, rows:
             del timers
             if llama is not None:
                 llama.close()
+
+
+def paged_scales(scale: np.ndarray, granularity: str, page_size: int) -> np.ndarray:
+    """Per-token ``(B, KH, L)`` or per-group ``(B, KH, L, G)`` scales of a contiguous cache laid
+    out as :func:`~tvm_attention.layouts.paged_from_contiguous` lays out its keys (the same rng)."""
+    x = scale[..., None] if granularity == "token" else scale
+    pages, _ = paged_from_contiguous(x, page_size, np.random.default_rng(1))
+    return pages[..., 0] if granularity == "token" else pages
 
 
 def markdown(report: dict[str, Any]) -> str:

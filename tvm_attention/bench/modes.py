@@ -1,5 +1,5 @@
 """``tvm-attention bench``'s other benchmarks, beside the length sweep and ``--decode`` /
-``--halfprec``: ``--serving``, ``--variant-costs`` and ``--loader``. Their flags (:func:`add_flags`,
+``--halfprec``: ``--serving``, ``--variant-costs``, ``--loader`` and ``--kv-accuracy``. Their flags (:func:`add_flags`,
 called by the CLI's parser) and the runs they start (:func:`run`). Every benchmark of the project
 has one front door, ``tvm-attention bench``; the code that measures lives in this package.
 
@@ -14,7 +14,7 @@ import itertools
 import sys
 
 #: the ``bench`` flags that each choose one benchmark instead of the length sweep
-MODES = ("decode", "halfprec", "serving", "variant_costs", "loader")
+MODES = ("decode", "halfprec", "serving", "variant_costs", "loader", "kv_accuracy")
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
@@ -30,6 +30,10 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                    help="what a call through tvm_attention.load costs over the bare exported function at a kvcache "
                         "decode step (GQA 32:8, D 128, 1 thread; batch --decode-batch, default 1, keys "
                         "--decode-cache, default 256); printed, no files")
+    g.add_argument("--kv-accuracy", action="store_true",
+                   help="what each 8-bit cache dtype and scale granularity (per kv head, token, group of 32) costs "
+                        "in accuracy on a decode step against a cache with outliers, the float64 reference's and "
+                        "our kernel's; kv_accuracy.md/json under --out (--tiny: a small cache)")
     g.add_argument("--only", nargs="+", default=None, metavar="PAIR",
                    help="--variant-costs: only these pairs (window_prefill, window_decode, softcap_prefill, ...: "
                         "the rows of docs/results/variants.md; default: every pair)")
@@ -40,8 +44,8 @@ def add_flags(p: argparse.ArgumentParser) -> None:
 
 
 def run(a: argparse.Namespace) -> int | None:
-    """The exit code of the benchmark ``a`` chooses with ``--serving``, ``--variant-costs`` or
-    ``--loader``; None when it chooses none of them (the sweep, ``--decode``, ``--halfprec``);
+    """The exit code of the benchmark ``a`` chooses with ``--serving``, ``--variant-costs``,
+    ``--loader`` or ``--kv-accuracy``; None when it chooses none of them (the sweep, ``--decode``, ``--halfprec``);
     2 when it chooses several."""
     chosen = [m for m in MODES if getattr(a, m, False)]
     if len(chosen) > 1:
@@ -50,7 +54,20 @@ def run(a: argparse.Namespace) -> int | None:
         return 2
     if not chosen or chosen[0] in ("decode", "halfprec"):
         return None
-    return {"serving": _serving, "variant_costs": _variant_costs, "loader": _loader}[chosen[0]](a)
+    return {"serving": _serving, "variant_costs": _variant_costs, "loader": _loader,
+            "kv_accuracy": _kv_accuracy}[chosen[0]](a)
+
+
+def _kv_accuracy(a: argparse.Namespace) -> int:
+    from . import kv_accuracy  # TVM loads only for the benchmarks that compile
+
+    cfg = kv_accuracy.quick_config() if a.tiny else kv_accuracy.Config()
+    report = kv_accuracy.run(cfg, say=lambda m: print(m, flush=True))
+    paths = kv_accuracy.write(report, a.out)
+    print()
+    print(kv_accuracy.markdown(report))
+    print(f"results: {paths['md']}, {paths['json']}")
+    return 0
 
 
 def _serving(a: argparse.Namespace) -> int:

@@ -46,12 +46,14 @@ import types
 from tvm import tirx
 from tvm.script import tirx as T
 
+from ..quant import QMAX, SCALE_GROUP
 from ..spec import DATA_ALIGNMENT as A, ENTRY, MAX_SEQ_LEN, AttentionSpec
 from ..tvm_internals import fast_macros
 from ..visibility import Visibility
-from ._math import (bf16_bits, bf16_exact_bits, bf16_value, cast_to, exp2_fast, f32, f32_to_kv, guarded, kv_to_f32,
-                    lse_of, ssa_checked)
+from ._math import (KV_UNIT, bf16_bits, bf16_exact_bits, bf16_value, cast_to, exp2_fast, f32, f32_to_kv, guarded,
+                    kv_to_f32, lse_of, ssa_checked)
 from .knob_attrs import FUSED_DECODE, FUSED_FORM, FUSED_TILE, record
+from .index_checks import scale_ok
 from .kv import dim, kv_layout
 from .variants import NO_VARIANTS, TEMPLATE_ARGS, ExtraParams, Variants, score_scale, transforms
 
@@ -210,6 +212,13 @@ class _Tile:
         last key: a prefetch address, always inside the sequence's rows (and its block table)."""
         return self._kv_of(T.max(0, T.min(self.tile(c) * self.BN + vj, self.k_len - 1)), vd, head)
 
+    def scale_at(self, c, vj, g, head=None):
+        """The index of key ``vj`` of tile ``c``'s scale in an 8-bit cache's per-token scales
+        (``g`` 0) or its ``g``-th per-group scale: the key's K index without head_dim (and ``g``)."""
+        if self.spec.kv_scale == "group":
+            return self.kv_at(c, vj, g * SCALE_GROUP, head)[:-1] + (g,)
+        return self.kv_at(c, vj, 0, head)[:-1]
+
     def o_at(self, vi, vd):
         return self._o(self.row0 + vi, vd)
 
@@ -338,6 +347,12 @@ class _TileShape:
     #: ``dot_decode`` 1/2, as int8 with 3), its scale ``s_q`` in ``qs[0]`` multiplying the scores
     #: (:func:`_q_macros`)
     qk_int8: bool = False
+    #: an 8-bit cache's scales per (token, kv head) (1) or per 32 elements of head_dim (``D/32``):
+    #: ``spec.scale_groups``; 0 per kv head (folded into q and the output). Block ``scale_load``
+    #: copies a key tile's into ``Ksc``/``Vsc (HT, BN, groups)``, a bad one as NaN (``scaled``).
+    #: Per token they multiply the scores (K) and P as PV reads it (V); per group the elements
+    #: as they are converted (``dequant``), so the products stay float32 (no dot product forms)
+    scale_groups: int = 0
 
     def kv(self, x):
         """The float32 value of the K/V element ``x`` as loaded: an 8-bit cache's without its scale
@@ -362,17 +377,18 @@ class _TileShape:
         reads them) rather than as float32: int8 and 16-bit caches (a paged int8 step 0.74-0.87×
         the float32 staging's: a quarter of the bytes staged, its widening cheap; bf16 level), not
         float8, whose conversion costs more than the staged bytes (1.06-1.10× as stored)."""
-        return self.kv_dtype in (None, "int8")
+        return self.kv_dtype in (None, "int8") and not self.group_scales
 
-    def v_staged(self, x):
-        """A value element as a tile of several kv heads stages it (:attr:`v_raw`)."""
-        return x if self.v_raw else self.kv(x)
+    def v_staged(self, x, Vsc, h, vj, vd):
+        """A value element as a tile of several kv heads stages it (:attr:`v_raw`; per-group
+        scales applied as it is converted)."""
+        return x if self.v_raw else self.dequant(x, Vsc, h, vj, vd)
 
     def v_value(self, x):
         """The float32 value of a staged value element."""
         return self.kv(x) if self.v_raw else x
 
-    def stage_key(self, x):
+    def stage_key(self, x, Ksc=None, h=0, vj=0, vd=0):
         """A key element as ``Kt`` holds it: bf16 bits with ``dot_decode`` 1/2; with 3 (the
         integer dot product on AVX-512 VNNI, an int8 cache) ``k + 128`` as uint8, its bit pattern
         with the sign bit flipped (``vpdpbusd`` multiplies unsigned by signed bytes; the scores
@@ -382,7 +398,31 @@ class _TileShape:
             return T.bitwise_xor(T.reinterpret("uint8", x), T.uint8(0x80))
         if self.dot_decode == 4:
             return x
+        if self.group_scales:
+            return self.dequant(x, Ksc, h, vj, vd)
         return self.bits(x) if self.dot_decode else self.kv(x)
+
+    @property
+    def token_scales(self) -> bool:
+        """Per-token scales: one factor per (key, kv head), on the scores and on P."""
+        return self.scale_groups == 1 and self.kv_dtype is not None
+
+    @property
+    def group_scales(self) -> bool:
+        """Per-group scales: each element times its group's scale as it is converted."""
+        return self.scale_groups > 1
+
+    def head_row(self, vi):
+        """The kv head of the tile (0 .. HT-1) row ``vi`` belongs to."""
+        return 0 if self.HT == 1 else T.floordiv(vi, self.R)
+
+    def dequant(self, x, Sc, h, vj, vd):
+        """The float32 value of K/V element ``x`` (key ``vj``, column ``vd``, the tile's kv head
+        ``h``): with per-group scales times its group's (``Sc``: ``Ksc`` or ``Vsc``), else
+        :meth:`kv`."""
+        if self.group_scales:
+            return self.kv(x) * Sc[h, vj, T.floordiv(vd, SCALE_GROUP)]
+        return self.kv(x)
 
     @property
     def score_mod(self) -> bool:
@@ -476,14 +516,14 @@ def _s_gemm_macros(k: _TileShape):
                     T.int32(0), T.int32(3), T.int32(1)))
 
     @T.macro
-    def s_gemm_heads(K, Kt, Qt, S, t, vc):
+    def s_gemm_heads(K, Kt, Qt, S, t, vc, Ksc):
         for j in T.serial(BN):
             # key j of every head: one contiguous read of a paged row, kept in L1
             for h, d in T.grid(HT, D):
                 with T.sblock(N["K_load"]):
                     vj = T.axis.spatial(BN, j)
                     vh, vd = T.axis.remap("SS", [h, d])
-                    Kt[vh, vd] = k.stage_key(K[t.kv_at(vc, vj, vd, vh)])
+                    Kt[vh, vd] = k.stage_key(K[t.kv_at(vc, vj, vd, vh)], Ksc, vh, vj, vd)
             for d, i in T.grid(D, BM):
                 with T.sblock(N["S_gemm"]):
                     vj = T.axis.spatial(BN, j)
@@ -493,11 +533,11 @@ def _s_gemm_macros(k: _TileShape):
                     S[vj, vi] = S[vj, vi] + operand(Kt[T.floordiv(vi, R), vd]) * operand(Qt[vd, vi])
 
     @T.macro
-    def s_gemm_staged(K, Kt, Qt, S, t, vc):
+    def s_gemm_staged(K, Kt, Qt, S, t, vc, Ksc):
         for j, d in T.grid(BN, D):
             with T.sblock(N["K_load"]):
                 vj, vd = T.axis.remap("SS", [j, d])
-                Kt[vj, vd] = k.stage_key(K[t.kv_at(vc, vj, vd)])
+                Kt[vj, vd] = k.stage_key(K[t.kv_at(vc, vj, vd)], Ksc, 0, vj, vd)
         for j, d, i in T.grid(BN, D, BM):
             with T.sblock(N["S_gemm"]):
                 vj, vd, vi = T.axis.remap("SRS", [j, d, i])
@@ -506,13 +546,13 @@ def _s_gemm_macros(k: _TileShape):
                 S[vj, vi] = S[vj, vi] + operand(Kt[vj, vd]) * operand(Qt[vd, vi])
 
     @T.macro
-    def s_gemm(K, Qt, S, t, vc):
+    def s_gemm(K, Qt, S, t, vc, Ksc):
         for j, d, i in T.grid(BN, D, BM):
             with T.sblock(N["S_gemm"]):
                 vj, vd, vi = T.axis.remap("SRS", [j, d, i])
                 with T.init():
                     S[vj, vi] = T.float32(0)
-                S[vj, vi] = S[vj, vi] + k.kv(K[t.kv_at(vc, vj, vd)]) * Qt[vd, vi]
+                S[vj, vi] = S[vj, vi] + k.dequant(K[t.kv_at(vc, vj, vd)], Ksc, 0, vj, vd) * Qt[vd, vi]
 
     return types.SimpleNamespace(dot=s_gemm_dot, prefetch=kv_prefetch, heads=s_gemm_heads,
                                  staged=s_gemm_staged, plain=s_gemm)
@@ -537,21 +577,30 @@ def _softmax_macro(k: _TileShape):
             return t.q_scaled(x * (T.float32(qscale) * qs[0, vi]), vi)
         return t.q_scaled(x * T.float32(qscale), vi) if k.dot_decode else x
 
-    def score(t, S, Sm, vj, vi, vc, qs):
+    def key_scaled(t, x, vj, vi, qs, Ksc):
+        # per-token key scales multiply each score (before the mask: a hidden key's scale may
+        # be anything, and its score is -inf all the same)
+        if k.token_scales:
+            return scaled(t, x, vi, qs) * Ksc[k.head_row(vi), vj, 0]
+        return scaled(t, x, vi, qs)
+
+    def score(t, S, Sm, vj, vi, vc, qs, Ksc):
         # score_mod has already brought them to log2 units, in Sm (and masked them, k.mask_mod)
         if k.mask_mod:
             return Sm[vj, vi]
         if score_mod:
             return t.score(Sm, vj, vi, vc)
+        if k.token_scales:
+            return t.masked_value(key_scaled(t, S[vj, vi], vj, vi, qs, Ksc), vj, vi, vc)
         return scaled(t, t.score(S, vj, vi, vc), vi, qs)
 
-    def modified(t, x, vj, vi, vc, qs):
+    def modified(t, x, vj, vi, vc, qs, Ksc):
         # the score in log2 units through the variants' hook (x is q·k times score_scale, or q·k
         # unscaled from bf16 dots)
-        return t.logit(scaled(t, x, vi, qs), vj, vi, vc)
+        return t.logit(key_scaled(t, x, vj, vi, qs, Ksc), vj, vi, vc)
 
     @T.macro
-    def online_softmax(S, Sm, P, m, m_new, l, alpha, t, vc, qs):
+    def online_softmax(S, Sm, P, m, m_new, l, alpha, t, vc, qs, Ksc):
         if score_mod:
             # the modified scores go to a buffer of their own: every buffer of the tile keeps
             # one writer (S_gemm's S is a reduction the schedules decompose)
@@ -559,16 +608,16 @@ def _softmax_macro(k: _TileShape):
                 with T.sblock(N["score_mod"]):
                     vj, vi = T.axis.remap("SS", [j, i])
                     if k.mask_mod:
-                        Sm[vj, vi] = t.masked_value(modified(t, S[vj, vi], vj, vi, vc, qs), vj, vi, vc)
+                        Sm[vj, vi] = t.masked_value(modified(t, S[vj, vi], vj, vi, vc, qs, Ksc), vj, vi, vc)
                     else:
-                        Sm[vj, vi] = modified(t, S[vj, vi], vj, vi, vc, qs)
+                        Sm[vj, vi] = modified(t, S[vj, vi], vj, vi, vc, qs, Ksc)
         # -- running max over the visible keys ---------------------------------
         for j, i in T.grid(BN, BM):
             with T.sblock(N["row_max"]):
                 vj, vi = T.axis.remap("RS", [j, i])
                 with T.init():
                     m_new[vi] = m[vi]
-                m_new[vi] = T.max(m_new[vi], score(t, S, Sm, vj, vi, vc, qs))
+                m_new[vi] = T.max(m_new[vi], score(t, S, Sm, vj, vi, vc, qs, Ksc))
         # -- online correction factor; the guard keeps -inf - -inf out ----------
         for i in T.serial(BM):
             with T.sblock(N["online_correction"]):
@@ -582,7 +631,7 @@ def _softmax_macro(k: _TileShape):
         for j, i in T.grid(BN, BM):
             with T.sblock(N["P_exp"]):
                 vj, vi = T.axis.remap("SS", [j, i])
-                P[vj, vi] = exp2_fast(score(t, S, Sm, vj, vi, vc, qs) - guarded(m_new[vi]))
+                P[vj, vi] = exp2_fast(score(t, S, Sm, vj, vi, vc, qs, Ksc) - guarded(m_new[vi]))
         # -- l = l·alpha + rowsum(P) -------------------------------------------
         for j, i in T.grid(BN, BM):
             with T.sblock(N["row_sum"]):
@@ -608,12 +657,16 @@ def _pv_macros(k: _TileShape):
     the dot product take a contiguous region of one head), row ``i`` reading head ``i // R``."""
     N, BM, BN, D, HT, R = k.N, k.BM, k.BN, k.D, k.HT, k.R
 
+    def p_of(P, Vsc, vj, vi):
+        # P as PV reads it: times the key's value scale (per-token scales; the row sum l adds P)
+        return P[vj, vi] * Vsc[k.head_row(vi), vj, 0] if k.token_scales else P[vj, vi]
+
     @T.macro
-    def p_pairs(P, Pr, Pb):
+    def p_pairs(P, Pr, Pb, Vsc):
         for j, i in T.grid(BN, BM):
             with T.sblock(N["P_round"]):
                 vj, vi = T.axis.remap("SS", [j, i])
-                Pr[vj, vi] = bf16_bits(P[vj, vi])
+                Pr[vj, vi] = bf16_bits(p_of(P, Vsc, vj, vi))
         for jp, i, tt in T.grid(BN // 2, BM, 2):
             with T.sblock(N["P_ilv"]):
                 vp, vi, vt = T.axis.remap("SSS", [jp, i, tt])
@@ -629,8 +682,8 @@ def _pv_macros(k: _TileShape):
                 acc[vi, vd] = acc[vi, vd] * alpha[vi]
 
     @T.macro
-    def pv_gemm_dot(Vu, P, Pr, Pb, Vb, Vt, acc, alpha, t, vc):
-        p_pairs(P, Pr, Pb)
+    def pv_gemm_dot(Vu, P, Pr, Pb, Vb, Vt, acc, alpha, t, vc, Vsc):
+        p_pairs(P, Pr, Pb, Vsc)
         for j, d in T.grid(BN, D):
             with T.sblock(N["V_load"]):
                 vj, vd = T.axis.remap("SS", [j, d])
@@ -646,8 +699,8 @@ def _pv_macros(k: _TileShape):
                 acc[vi, vd] = acc[vi, vd] + bf16_value(Pb[vp, vi, vt]) * bf16_value(Vt[vp, vd, vt])
 
     @T.macro
-    def pv_gemm_dot_heads(Vu, P, Pr, Pb, Vb, Vt, acc, alpha, t, vc):
-        p_pairs(P, Pr, Pb)
+    def pv_gemm_dot_heads(Vu, P, Pr, Pb, Vb, Vt, acc, alpha, t, vc, Vsc):
+        p_pairs(P, Pr, Pb, Vsc)
         for j, h, d in T.grid(BN, HT, D):
             with T.sblock(N["V_load"]):
                 vj, vh, vd = T.axis.remap("SSS", [j, h, d])
@@ -664,28 +717,53 @@ def _pv_macros(k: _TileShape):
                     Vt[T.floordiv(vi, R), vp, vd, vt])
 
     @T.macro
-    def pv_gemm_heads(V, P, Vt, acc, alpha, t, vc):
+    def pv_gemm_heads(V, P, Vt, acc, alpha, t, vc, Vsc):
         for j, h, d in T.grid(BN, HT, D):
             with T.sblock(N["V_load"]):
                 vj, vh, vd = T.axis.remap("SSS", [j, h, d])
-                Vt[vj, vh, vd] = k.v_staged(V[t.kv_at(vc, vj, vd, vh)])
+                Vt[vj, vh, vd] = k.v_staged(V[t.kv_at(vc, vj, vd, vh)], Vsc, vh, vj, vd)
         for i, j, d in T.grid(BM, BN, D):
             with T.sblock(N["PV_gemm"]):
                 vi, vj, vd = T.axis.remap("SRS", [i, j, d])
                 with T.init():
                     acc[vi, vd] = acc[vi, vd] * alpha[vi]
-                acc[vi, vd] = acc[vi, vd] + P[vj, vi] * k.v_value(Vt[vj, T.floordiv(vi, R), vd])
+                acc[vi, vd] = acc[vi, vd] + p_of(P, Vsc, vj, vi) * k.v_value(Vt[vj, T.floordiv(vi, R), vd])
 
     @T.macro
-    def pv_gemm(V, P, acc, alpha, t, vc):
+    def pv_gemm(V, P, acc, alpha, t, vc, Vsc):
         for i, j, d in T.grid(BM, BN, D):
             with T.sblock(N["PV_gemm"]):
                 vi, vj, vd = T.axis.remap("SRS", [i, j, d])
                 with T.init():
                     acc[vi, vd] = acc[vi, vd] * alpha[vi]
-                acc[vi, vd] = acc[vi, vd] + P[vj, vi] * k.kv(V[t.kv_at(vc, vj, vd)])
+                acc[vi, vd] = acc[vi, vd] + p_of(P, Vsc, vj, vi) * k.dequant(V[t.kv_at(vc, vj, vd)], Vsc, 0, vj, vd)
 
     return types.SimpleNamespace(dot=pv_gemm_dot, dot_heads=pv_gemm_dot_heads, heads=pv_gemm_heads, plain=pv_gemm)
+
+
+def _scale_macro(k: _TileShape, spec: AttentionSpec):
+    """Block ``scale_load``: a key tile's per-token or per-group scales (``Ksc``/``Vsc (HT, BN,
+    groups)``), each times :data:`KV_UNIT` (what ``kv_to_f32(unit=False)`` leaves out), and as
+    NaN when it is not a positive finite number: the rows that see its key are then NaN."""
+    N, BN, HT, NG = k.N, k.BN, k.HT, k.scale_groups
+    unit = KV_UNIT.get(spec.kv_dtype, 1.0)
+
+    def checked(x):
+        y = T.Select(scale_ok(x), x, T.float32(float("nan")))
+        return y if unit == 1.0 else y * T.float32(unit)
+
+    def head(vh):  # the head argument of a scale index: none for a one-head tile
+        return vh if HT > 1 else None
+
+    @T.macro
+    def scale_load(Ksc, Vsc, t, vc):
+        for j, h, g in T.grid(BN, HT, NG):
+            with T.sblock(N["scale_load"]):
+                vj, vh, vg = T.axis.remap("SSS", [j, h, g])
+                Ksc[vh, vj, vg] = checked(t.var.KSC[t.scale_at(vc, vj, vg, head(vh))])
+                Vsc[vh, vj, vg] = checked(t.var.VSC[t.scale_at(vc, vj, vg, head(vh))])
+
+    return scale_load
 
 
 def _store_macro(k: _TileShape):
@@ -800,6 +878,30 @@ def _q_macros(k: _TileShape):
     return q_pairs, q_load
 
 
+def _check_tile_args(spec: AttentionSpec, BM: int, BN: int, stage_k: bool, dot_bf16: bool, prefetch: int,
+                     heads: int, dot_decode: int) -> None:
+    """A ValueError naming what ``_tile_macro``'s arguments ask that its forms cannot do."""
+    if dot_bf16 and (spec.dtype != "bfloat16" or spec.kv_quantized or spec.head_dim % 2 or BN % 2):
+        raise ValueError(f"dot_bf16 needs bfloat16 inputs and an even head_dim and block_n, got {spec.dtype}, "
+                         f"D={spec.head_dim}, block_n={BN}")
+    if prefetch and not stage_k:
+        raise ValueError("prefetch is issued by the staged (stage_k) decode tiles only")
+    if dot_decode not in (0, 1, 2, 3, 4) or (dot_decode >= 3 and not spec.qk_int8):
+        raise ValueError(f"dot_decode={dot_decode} must be 0, 1 (QKᵀ on bf16), 2 (QKᵀ and PV) or, with "
+                         f"qk_int8, 3/4 (QKᵀ on int8: AVX-512 VNNI's unsigned keys, AVX2's signed ones)")
+    if dot_decode and (not stage_k or (spec.dtype != "bfloat16" and not spec.qk_int8) or (dot_decode == 2 and BN % 2)):
+        raise ValueError(f"dot_decode needs the staged decode tiles and bfloat16 queries and cache (or an 8-bit "
+                         f"cache), and an even block_n for PV, got dtype={spec.dtype}, kv_dtype={spec.kv_dtype}, "
+                         f"block_n={BN}")
+    if dot_decode and spec.kv_quantized and spec.kv_scale == "group":
+        raise ValueError(f"dot_decode={dot_decode}: per-group scales (kv_scale='group') scale the elements as they "
+                         "are converted, which the dot products do not; decode_dot=0")
+    HT = heads
+    if HT > 1 and (not stage_k or dot_bf16 or BM % HT):
+        raise ValueError(f"a tile of {HT} heads needs stage_k, float32 products and block_m % heads == 0 "
+                         f"(block_m={BM})")
+
+
 # _tile_macro's arguments. Half-precision inputs are converted to float32 as they are loaded and
 # the output rounded to the dtype as it is stored: every tile buffer, the softmax state and the
 # accumulators are float32. ``stats``: what the tile writes to ``X`` besides ``O``: None,
@@ -822,23 +924,10 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
     other arguments: the comment above."""
     N = {n: n + suffix for n in TILE_BLOCKS + ("lse_store", "state_store", "K_load", "V_load", "V_ilv",
                                                 "q_absmax", "q_scale", "q_sum",
-                                                "P_round", "P_ilv", "acc_rescale", "KV_prefetch", "score_mod")}
-    if dot_bf16 and (spec.dtype != "bfloat16" or spec.kv_quantized or spec.head_dim % 2 or BN % 2):
-        raise ValueError(f"dot_bf16 needs bfloat16 inputs and an even head_dim and block_n, got {spec.dtype}, "
-                         f"D={spec.head_dim}, block_n={BN}")
-    if prefetch and not stage_k:
-        raise ValueError("prefetch is issued by the staged (stage_k) decode tiles only")
-    if dot_decode not in (0, 1, 2, 3, 4) or (dot_decode >= 3 and not spec.qk_int8):
-        raise ValueError(f"dot_decode={dot_decode} must be 0, 1 (QKᵀ on bf16), 2 (QKᵀ and PV) or, with "
-                         f"qk_int8, 3/4 (QKᵀ on int8: AVX-512 VNNI's unsigned keys, AVX2's signed ones)")
-    if dot_decode and (not stage_k or (spec.dtype != "bfloat16" and not spec.qk_int8) or (dot_decode == 2 and BN % 2)):
-        raise ValueError(f"dot_decode needs the staged decode tiles and bfloat16 queries and cache (or an 8-bit "
-                         f"cache), and an even block_n for PV, got dtype={spec.dtype}, kv_dtype={spec.kv_dtype}, "
-                         f"block_n={BN}")
+                                                "P_round", "P_ilv", "acc_rescale", "KV_prefetch", "score_mod",
+                                                "scale_load")}
+    _check_tile_args(spec, BM, BN, stage_k, dot_bf16, prefetch, heads, dot_decode)
     HT = heads
-    if HT > 1 and (not stage_k or dot_bf16 or BM % HT):
-        raise ValueError(f"a tile of {HT} heads needs stage_k, float32 products and block_m % heads == 0 "
-                         f"(block_m={BM})")
     D = spec.head_dim
     # Q is scaled to the log2 units of exp2 (scale·log2(e)); with a softcap to x / c, which
     # score_mod's tanh takes (variants.score_scale)
@@ -847,8 +936,11 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
     k = _TileShape(N=N, BM=BM, BN=BN, D=D, HT=HT, qscale=qscale, dot_bf16=dot_bf16, prefetch=prefetch, stats=stats,
                    line_elems=CACHE_LINE // spec.kv_itemsize, transforms=transforms(spec),
                    mask_mod=spec.mask_mod is not None or spec.key_bounds, kv_dtype=spec.kv_dtype,
-                   dot_decode=dot_decode, qk_int8=spec.qk_int8)
+                   dot_decode=dot_decode, qk_int8=spec.qk_int8, scale_groups=spec.scale_groups)
     sg, pv = _s_gemm_macros(k), _pv_macros(k)
+    NG = spec.scale_groups
+    fine = NG > 0
+    scale_load = _scale_macro(k, spec)
     s_gemm_dot, kv_prefetch, s_gemm_heads, s_gemm_staged, s_gemm = sg.dot, sg.prefetch, sg.heads, sg.staged, sg.plain
     pv_gemm_dot, pv_gemm_dot_heads, pv_gemm_heads, pv_gemm = pv.dot, pv.dot_heads, pv.heads, pv.plain
     online_softmax, store = _softmax_macro(k), _store_macro(k)
@@ -872,6 +964,12 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
         acc = T.sblock_alloc_buffer((BM, D), "float32", scope="local")  # unnormalised output
         if k.qk_int8:
             qs = T.sblock_alloc_buffer((2, BM), "float32", scope="local")  # the rows' max|q|, then s_q; 128·Σq_i
+        if fine:
+            Ksc = T.sblock_alloc_buffer((HT, BN, NG), "float32", scope="local")  # the key tile's key scales
+            Vsc = T.sblock_alloc_buffer((HT, BN, NG), "float32", scope="local")  # and value scales
+        else:  # placeholders, never read (meta_var: bound without renaming m)
+            Ksc = T.meta_var(m)
+            Vsc = T.meta_var(m)
         if stage_k and HT > 1:
             Kt = T.sblock_alloc_buffer((HT, D), KT_DTYPE, scope="local")  # one key of every head
             if PV_DOT:
@@ -925,41 +1023,43 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
                 # reduction over tiles. Inside it each buffer has exactly one writer
                 # block, so every stage is a proper (decomposable) reduction.
                 vc = T.axis.reduce(nc, c)
+                if fine:
+                    scale_load(Ksc, Vsc, t, vc)
                 if dot_bf16:
                     s_gemm_dot(Ku, Kb, Qp, S, t, vc)
                 else:
                     if stage_k and prefetch > 0:
                         kv_prefetch(K, V, t, vc)
                     if stage_k and HT > 1 and k.raw16:
-                        s_gemm_heads(Ku, Kt, Qt, S, t, vc)
+                        s_gemm_heads(Ku, Kt, Qt, S, t, vc, Ksc)
                     elif stage_k and HT > 1:
-                        s_gemm_heads(K, Kt, Qt, S, t, vc)
+                        s_gemm_heads(K, Kt, Qt, S, t, vc, Ksc)
                     elif stage_k and k.raw16:
-                        s_gemm_staged(Ku, Kt, Qt, S, t, vc)
+                        s_gemm_staged(Ku, Kt, Qt, S, t, vc, Ksc)
                     elif stage_k:
-                        s_gemm_staged(K, Kt, Qt, S, t, vc)
+                        s_gemm_staged(K, Kt, Qt, S, t, vc, Ksc)
                     else:
-                        s_gemm(K, Qt, S, t, vc)
+                        s_gemm(K, Qt, S, t, vc, Ksc)
                 if k.score_mod and k.qk_int8:
-                    online_softmax(S, Sm, P, m, m_new, l, alpha, t, vc, qs)
+                    online_softmax(S, Sm, P, m, m_new, l, alpha, t, vc, qs, Ksc)
                 elif k.score_mod:
-                    online_softmax(S, Sm, P, m, m_new, l, alpha, t, vc, m)  # (m for qs: never read)
+                    online_softmax(S, Sm, P, m, m_new, l, alpha, t, vc, m, Ksc)  # (m for qs: never read)
                 elif k.qk_int8:
-                    online_softmax(S, S, P, m, m_new, l, alpha, t, vc, qs)  # (no Sm: never read)
+                    online_softmax(S, S, P, m, m_new, l, alpha, t, vc, qs, Ksc)  # (no Sm: never read)
                 else:
-                    online_softmax(S, S, P, m, m_new, l, alpha, t, vc, m)
+                    online_softmax(S, S, P, m, m_new, l, alpha, t, vc, m, Ksc)
                 if PV_DOT and HT > 1 and k.raw16:
-                    pv_gemm_dot_heads(Vu, P, Pr, Pb, Vb, Vt, acc, alpha, t, vc)
+                    pv_gemm_dot_heads(Vu, P, Pr, Pb, Vb, Vt, acc, alpha, t, vc, Vsc)
                 elif PV_DOT and HT > 1:
-                    pv_gemm_dot_heads(V, P, Pr, Pb, Vb, Vt, acc, alpha, t, vc)
+                    pv_gemm_dot_heads(V, P, Pr, Pb, Vb, Vt, acc, alpha, t, vc, Vsc)
                 elif PV_DOT and k.raw16:
-                    pv_gemm_dot(Vu, P, Pr, Pb, Vb, Vt, acc, alpha, t, vc)
+                    pv_gemm_dot(Vu, P, Pr, Pb, Vb, Vt, acc, alpha, t, vc, Vsc)
                 elif PV_DOT:
-                    pv_gemm_dot(V, P, Pr, Pb, Vb, Vt, acc, alpha, t, vc)
+                    pv_gemm_dot(V, P, Pr, Pb, Vb, Vt, acc, alpha, t, vc, Vsc)
                 elif HT > 1:
-                    pv_gemm_heads(V, P, Vt, acc, alpha, t, vc)
+                    pv_gemm_heads(V, P, Vt, acc, alpha, t, vc, Vsc)
                 else:
-                    pv_gemm(V, P, acc, alpha, t, vc)
+                    pv_gemm(V, P, acc, alpha, t, vc, Vsc)
         store(O, X, acc, m, l, t)
 
     return tile
@@ -1326,7 +1426,9 @@ def _append_macro(f: _Dense):
     """Block ``kv_append``: the call's ``k_new``/``v_new (B, KH, Sq, D)`` written into the cache at
     each sequence's keys ``cache_seqlens[b] .. + Sq - 1`` (paged: through ``block_table``), in the
     cache's dtype; an 8-bit cache stores ``x / scale[kv head]`` rounded to nearest even and
-    saturated (``f32_to_kv``: what ``quant.quantize_kv`` stores, bit for bit). One task per (batch,
+    saturated (``f32_to_kv``: what ``quant.quantize_kv`` stores, bit for bit); with per-token or
+    per-group scales each new key's own, computed from it as ``quantize_kv`` does and written to
+    ``k_scale``/``v_scale`` at its position. One task per (batch,
     kv head, new key), serial: ``B·KH·Sq`` rows of ``D`` elements, against the cache a step reads."""
     spec, B, KH, SQ, D, kv = f.spec, f.B, f.KH, f.SQ, f.D, f.kv
     kvd = spec.kv_dtype
@@ -1338,6 +1440,44 @@ def _append_macro(f: _Dense):
 
     def scale_of(S, h):
         return None if S is None else S[h]
+
+    NG = spec.scale_groups if kvd is not None else 0
+    GS = SCALE_GROUP if kvd is not None and spec.kv_scale == "group" else D  # elements per scale
+    fine = NG > 0
+
+    def scale_index(X, vb, vh, vi, g):  # the new key's g-th scale (kv.index without head_dim)
+        idx = kv.index(X, vb, vh, X[-1][vb] + vi, g * GS)[:-1]
+        return idx + (g,) if spec.kv_scale == "group" else idx
+
+    def magnitude(x):  # what quantize_kv's largest magnitude takes: finite |x|, else 0
+        return T.Select(T.isfinite(f32(x)), T.fabs(f32(x)), T.float32(0))
+
+    def new_scale(amax):  # quantize_kv's: largest finite magnitude / QMAX, 1 for zeros (float32)
+        return T.Select(amax > T.float32(0), amax / T.float32(QMAX[kvd]), T.float32(1))
+
+    @T.macro
+    def append_fine(K, V, X, W):
+        # per-token or per-group scales: each new key's own, computed from it and written beside it
+        for b, h, i in T.grid(B, KH, SQ):
+            with T.sblock("kv_append"):
+                vb, vh, vi = T.axis.remap("SSS", [b, h, i])
+                T.reads([W.KN[vb, vh, vi, 0:D], W.VN[vb, vh, vi, 0:D]] + kv.reads(K, V, X, vb, 0)[2:])
+                T.writes(_whole(K), _whole(V), _whole(W.KSC), _whole(W.VSC))
+                sc = T.sblock_alloc_buffer((2, NG), "float32", scope="local")
+                for g in T.serial(NG):
+                    sc[0, g] = T.float32(0)
+                    sc[1, g] = T.float32(0)
+                for d in T.serial(D):
+                    sc[0, d // GS] = T.max(sc[0, d // GS], magnitude(W.KN[vb, vh, vi, d]))
+                    sc[1, d // GS] = T.max(sc[1, d // GS], magnitude(W.VN[vb, vh, vi, d]))
+                for g in T.serial(NG):
+                    sc[0, g] = new_scale(sc[0, g])
+                    sc[1, g] = new_scale(sc[1, g])
+                    W.KSC[scale_index(X, vb, vh, vi, g)] = sc[0, g]
+                    W.VSC[scale_index(X, vb, vh, vi, g)] = sc[1, g]
+                for d in T.vectorized(D):
+                    K[kv.index(X, vb, vh, X[-1][vb] + vi, d)] = stored(K, W.KN[vb, vh, vi, d], sc[0, d // GS])
+                    V[kv.index(X, vb, vh, X[-1][vb] + vi, d)] = stored(V, W.VN[vb, vh, vi, d], sc[1, d // GS])
 
     @T.macro
     def append(K, V, X, W):
@@ -1351,7 +1491,7 @@ def _append_macro(f: _Dense):
                     K[kv.index(X, vb, vh, X[-1][vb] + vi, d)] = stored(K, W.KN[vb, vh, vi, d], scale_of(W.KSC, vh))
                     V[kv.index(X, vb, vh, X[-1][vb] + vi, d)] = stored(V, W.VN[vb, vh, vi, d], scale_of(W.VSC, vh))
 
-    return append
+    return append_fine if fine else append
 
 
 #: The index arrays a dense-query layout may take, in call order (between ``v`` and ``o``): the
@@ -1387,7 +1527,7 @@ def _dense_function(f: _Dense, attrs: dict, body) -> tirx.PrimFunc:
     ALS, SKS, KSS = (shape(at(n)) for n in VARIANT_PARAMS)
     present = [n in index for n in INDEX_PARAMS]
     variants = [n in names for n in VARIANT_PARAMS]
-    extra = ExtraParams(f.spec, f.B, f.SQ)
+    extra = ExtraParams(f.spec, f.B, f.SQ, f.kv.shape)
 
     def index_buffers(*bufs):
         return tuple(b for b, p in zip(bufs, present) if p)
@@ -1498,7 +1638,7 @@ def _varlen(spec: AttentionSpec, block_m: int, block_n: int, dot_bf16: bool = Fa
     names = [a.name for a in layout.all_args(spec)]
     variants = [n in names for n in VARIANT_PARAMS[:2]]  # varlen has no kv_start (no padding)
     NBK = tirx.Var("key_bound_rows", "int32")  # key_lo's rows: batch, checked (index_checks)
-    extra = ExtraParams(spec, NBK)
+    extra = ExtraParams(spec, NBK, kv_shape=KS)
 
     @T.prim_func(s_tir=True, check_well_formed=False)  # _keep_params checks it
     def attention(

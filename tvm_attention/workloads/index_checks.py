@@ -250,7 +250,7 @@ def with_index_checks(mod: tvm.IRModule, spec: AttentionSpec) -> tvm.IRModule:
     if spec.key_bounds:
         stmts += _key_bounds(buf, spec)
     stmts += _mod_tensors(buf, spec)
-    if spec.kv_quantized:
+    if spec.kv_quantized and spec.kv_scale == "head":  # finer scales are data (quant.py): never past a length
         stmts += _kv_scales(buf, spec)
     if spec.append and spec.kv_dtype == "int8":
         stmts += _int8_new(buf, spec)

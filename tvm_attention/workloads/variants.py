@@ -95,6 +95,9 @@ class Variants:
         self.spec = spec
         self.args = dict(args or {})
         self.KSC, self.VSC = scales if spec is not None and spec.kv_quantized else (None, None)
+        # how finely they scale (spec.kv_scale): per kv head the hooks below fold them; per token
+        # or per group the tile reads them per key (fused.py's scale_load)
+        self.fine = spec is not None and spec.kv_quantized and spec.kv_scale != "head"
         self.KN, self.VN = new if spec is not None and spec.append else (None, None)  # appended keys, values
         self.G = spec.group_size if spec is not None else 1
         self.unit = KV_UNIT.get(spec.kv_dtype, 1.0) if spec is not None else 1.0
@@ -149,7 +152,7 @@ class Variants:
         """The CPU form: what multiplies a key element as the tile converts it (``kv_to_f32(unit=False)``)
         for query head ``h``, folded into the query: its kv head's key scale times the dtype's
         :data:`KV_UNIT` (the unit left out where it is 1; None: no scales)."""
-        return None if self.KSC is None else self._unit(self.KSC[T.floordiv(h, self.G)])
+        return None if self.KSC is None or self.fine else self._unit(self.KSC[T.floordiv(h, self.G)])
 
     def k_scaled(self, kv_head, factor: float):
         """The CUDA form: ``factor`` (float32) times what turns a raw score of kv head ``kv_head``'s
@@ -211,7 +214,7 @@ class Variants:
     def v_scale(self, h):
         """The CPU form: what multiplies a row's output of query head ``h`` (``P·V`` summed the
         stored values; the scale is linear), the unit left out where it is 1 (None: no scales)."""
-        return None if self.VSC is None else self._unit(self.VSC[T.floordiv(h, self.G)])
+        return None if self.VSC is None or self.fine else self._unit(self.VSC[T.floordiv(h, self.G)])
 
     def v_scaled(self, acc, kv_head):
         """The CUDA form: ``acc`` of kv head ``kv_head`` times its value scale and the unit."""
@@ -264,7 +267,7 @@ class ExtraParams:
     :func:`tvm_attention.layouts.variant_args`' order. Declared here, read by the tile through
     :class:`Variants`, inserted before the outputs (``fused._keep_params``)."""
 
-    def __init__(self, spec: AttentionSpec, batch, seq_q=None):
+    def __init__(self, spec: AttentionSpec, batch, seq_q=None, kv_shape=None):
         self.params = []
         values = {"heads": spec.heads, "kv_heads": spec.kv_heads, "batch": batch}
         self.args = {a.name: tirx.decl_buffer(tuple(values[d] for d in a.dims), a.dtype, a.name, data_alignment=A)
@@ -284,8 +287,11 @@ class ExtraParams:
             self.tensors[name] = tirx.decl_buffer(shape, dtype, name, data_alignment=A)
             self.params.append(self.tensors[name])
         self.scales = (None, None)
-        if spec.kv_quantized:  # an 8-bit cache's k_scale, v_scale (kv_heads,), after the tensors
-            self.scales = tuple(tirx.decl_buffer((spec.kv_heads,), "float32", n, data_alignment=A)
+        if spec.kv_quantized:  # an 8-bit cache's k_scale, v_scale, after the tensors: (kv_heads,), or
+            # K's shape ``kv_shape`` without head_dim (per token), with head_dim / 32 (per group)
+            shape = (spec.kv_heads,) if spec.kv_scale == "head" else \
+                tuple(kv_shape[:-1]) + ((spec.scale_groups,) if spec.kv_scale == "group" else ())
+            self.scales = tuple(tirx.decl_buffer(shape, "float32", n, data_alignment=A)
                                 for n in ("k_scale", "v_scale"))
             self.params += list(self.scales)
         self.new = (None, None)
