@@ -492,9 +492,10 @@ class TileKernelLayout:
     kv_tile: bool  # has the kv_tile loop (auto_unroll applies there)
 
 
-#: Blocks a variant adds to the tile (``score_mod``: the softcap's tanh and ALiBi's bias), vectorized
-#: across query rows like the softmax stages where the workload has them.
-VARIANT_ROW_BLOCKS = ("score_mod",)
+#: Blocks a variant adds to the tile (``score_mod``: the softcap's tanh and ALiBi's bias;
+#: ``scale_load``: an 8-bit cache's per-token scales of a key tile, per row), vectorized across query
+#: rows like the softmax stages where the workload has them.
+VARIANT_ROW_BLOCKS = ("score_mod", "scale_load")
 
 FLASH_LAYOUT = TileKernelLayout(
     ("row_max", "P_exp", "row_sum", "Q_load", "state_init", "online_correction", "max_commit"),
@@ -549,7 +550,8 @@ def schedule(
     # columns of vectors. The column block is not sampled: it is all of head_dim unless the
     # registers force a split (pv_columns), and a split only ever adds reloads of P.
     pv = sch.get_sblock("PV_gemm" + suffix)
-    *_, i, j, d = sch.get_loops(pv)
+    *_, i, pv_keys, d = sch.get_loops(pv)
+    j = pv_keys
     pv_cols = pv_cols_of(knobs, D) if pin else pv_columns(D, lanes)
     pv_rows = sample_tile(sch, i, block_m, knobs.pv_rows if pin else None, max_pv_rows(pv_cols, lanes))
     io, ii = sch.split(i, pv_rows)
@@ -559,7 +561,7 @@ def schedule(
     else:
         sch.reorder(io, j, ii, d)
     sch.unroll(ii)
-    sch.vectorize(d)
+    cpu_decode.vectorize_in_groups(sch, spec, d)
     sch.annotate(row_tile, "attn.pv_rows", pv_rows[1])
     sch.annotate(row_tile, "attn.pv_cols", pv_cols if pv_cols < D else 0)
 
@@ -584,7 +586,7 @@ def schedule(
 
     # Step 5. Hoist reduction inits (m_new = m, l·alpha, acc·alpha, S = 0) out of their loops.
     sch.decompose_reduction(s_gemm, sch.get_loops(s_gemm)[-5])  # at do
-    sch.decompose_reduction(pv, sch.get_loops(pv)[-3])  # before the key loop
+    sch.decompose_reduction(pv, pv_keys)  # before the key loop
     for name in ("row_max", "row_sum"):
         blk = sch.get_sblock(name + suffix)
         sch.decompose_reduction(blk, sch.get_loops(blk)[-3])  # before the key loop

@@ -14,9 +14,10 @@ kv head), shaped as the cache without its last axis (head_dim); ``"group"`` one 
 :data:`SCALE_GROUP` elements of head_dim (llama.cpp's Q8_0 blocks), ``(..., head_dim / 32)``. Each
 maps the largest finite magnitude of what it scales onto ``QMAX`` (an all-zero token or group: 1).
 An appending kernel computes them from its new keys the same way, in float32, bit for bit. Their
-entries are data, as the cache's values are: the kernel reads those of the keys it attends to,
-and a scale that is not a positive finite number makes the rows that see its key NaN (a NaN key
-does the same); entries past a sequence's length are never read.
+entries are data, as the cache's values are: the kernel reads those of the key tiles it attends
+to, and a scale that is not a positive finite number makes rows NaN (as a NaN element does: a key
+scale the rows that see its key, a value scale the rows of its key tile); entries past a
+sequence's length are never read.
 
 ``quantize_kv(x, dtype)`` takes NumPy arrays (float8 results are ``ml_dtypes`` arrays, the dtype
 NumPy callers pass to a kernel) or torch tensors (``torch.float8_e4m3fn``/``float8_e5m2``/``int8``

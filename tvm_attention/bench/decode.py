@@ -25,6 +25,10 @@ there. ``append_cost`` (8-bit rows): the same step through the ``--append`` kern
 written into the cache, quantized, and attended to in the call) over the plain step, minus 1
 (goal ≤ 5%).
 
+Finer scales (``int8_token``, ``int8_qk8_group``...: :data:`SCALE_SUFFIXES`): their bytes count in
+the K/V bytes, and ``scale_cost`` is the kvcache step over the same step with one scale per kv
+head (the two alternated at each point), minus 1.
+
 The compute floor, measured in the same run: a step is ``4 · batch · heads · cache · head_dim``
 FLOP (QKᵀ and PV, one multiply-add per query head and K or V element), all float32 FMAs in every
 cache dtype, so it takes at least ``fma_floor_ms`` at the FMA peak (``bench.cpu.fma_peak``, same
@@ -57,6 +61,9 @@ QK8 = "int8_qk8"
 #: an 8-bit entry's suffix for finer scales (``AttentionSpec.kv_scale``): ``int8_token``,
 #: ``int8_qk8_group``, ``float8_e4m3fn_token``... (the scales' bytes count in the bytes read)
 SCALE_SUFFIXES = {"_token": "token", "_group": "group"}
+#: the timer of such an entry's kvcache step with one scale per kv head instead (``scale_cost``:
+#: the finer scales' step over it, minus 1, the two alternated at each point)
+PER_HEAD = "kvcache_per_head_scales"
 
 
 def entry(name: str) -> tuple[str, bool, str]:
@@ -202,6 +209,8 @@ def _finish(cfg: Config, meta: dict[str, Any], rows: list[dict[str, Any]], strea
         half = bf16.get(_key(row))
         if cache_dtype(row["dtype"]) in KV_DTYPES and half is not None and "kvcache_ms" in row and "kvcache_ms" in half:
             row["vs_bf16"] = half["kvcache_ms"] / row["kvcache_ms"]
+        if f"{PER_HEAD}_ms" in row and "kvcache_ms" in row:
+            row["scale_cost"] = row["kvcache_ms"] / row[f"{PER_HEAD}_ms"] - 1
         if "kvcache_append_ms" in row and "kvcache_ms" in row:
             row["append_cost"] = row["kvcache_append_ms"] / row["kvcache_ms"] - 1
         for name in cfg.layouts:
@@ -254,18 +263,20 @@ def _points(cfg: Config, h: int, kh: int, d: int, dtype: str, tensor, say, rows:
     kv8 = dtype in KV_DTYPES  # an 8-bit cache: q and o in kv8_query_dtype
     qdtype = cfg.kv8_query_dtype if kv8 else dtype
     names = list(cfg.layouts) + (["kvcache_append"] if cfg.append and kv8 and "kvcache" in cfg.layouts else [])
+    if granularity != "head" and "kvcache" in cfg.layouts:
+        names.append(PER_HEAD)  # the same step with one scale per kv head, alternated with it
     for name in names:
         layout = "paged" if name.startswith("paged") else "kvcache" if name.startswith("kvcache") else name
         spec = AttentionSpec(batch=1, heads=h, kv_heads=kh, seq_q=1, seq_kv=1024, head_dim=d, layout=layout,
                              causal=True, dtype=qdtype, page_size=cfg.page_size if layout == "paged" else None,
                              kv_dtype=dtype if kv8 else None, append=name == "kvcache_append", qk_int8=qk8,
-                             kv_scale=granularity)
+                             kv_scale="head" if name == PER_HEAD else granularity)
         t0 = time.perf_counter()
         kernels[name] = build_kernel(spec, knobs={"decode_heads": 1} if name == "paged_per_head" else None)
         say(f"built {spec.short_name()}{' (one kv head per task)' if name == 'paged_per_head' else ''} "
             f"in {time.perf_counter() - t0:.1f} s")
     dt, qt = numpy_dtype(dtype), numpy_dtype(qdtype)
-    groups = spec.scale_groups  # per-token or per-group scales per (key, kv head); 0 per kv head
+    groups = kernels["kvcache" if "kvcache" in kernels else names[0]].spec.scale_groups  # scales per (key, kv head)
     for b in cfg.batches:
         for cache in cfg.caches:
             nbytes = kv_bytes(b, kh, cache, d, dt.itemsize) + kv_bytes(b, kh, cache, groups, 4)  # and the scales
@@ -287,6 +298,8 @@ def _points(cfg: Config, h: int, kh: int, d: int, dtype: str, tensor, say, rows:
                     llamacpp[dtype] = why
                     say(f"llama.cpp peer for {dtype}: " + (f"ggml {why} cache" if llama else f"skipped: {why}"))
             scales = []
+            if PER_HEAD in kernels:  # its cache, quantized per kv head (the bytes counted are ours)
+                per_head = [quantize_kv(x, dtype) for x in (k, v)]
             if kv8:
                 (k, ks), (v, vs) = (quantize_kv(x, dtype, granularity=granularity) for x in (k, v))
                 scales = [ks, vs]
@@ -298,6 +311,11 @@ def _points(cfg: Config, h: int, kh: int, d: int, dtype: str, tensor, say, rows:
             if "kvcache" in kernels:
                 timers["kvcache"] = _tvm_timer(kernels["kvcache"], [tensor(x) for x in (q, k, v, lens, *scales, o)],
                                                cfg.min_repeat_ms)
+            if PER_HEAD in kernels:
+                (kh_, ksh), (vh_, vsh) = per_head
+                timers[PER_HEAD] = _tvm_timer(kernels[PER_HEAD], [tensor(x) for x in (q, kh_, vh_, lens, ksh, vsh, o)],
+                                              cfg.min_repeat_ms)
+                del per_head, kh_, vh_
             if "kvcache_append" in kernels:
                 new = [rng.standard_normal((b, kh, 1, d), dtype=np.float32).astype(qt) for _ in range(2)]
                 timers["kvcache_append"] = _tvm_timer(
@@ -358,15 +376,17 @@ def markdown(report: dict[str, Any]) -> str:
              "paged: all kv heads of a page per task (the preset); per head: one kv head per task.", "",
              "8-bit caches (float8_e4m3fn, float8_e5m2, int8): q and o in bfloat16, one byte per K/V element read; "
              "× bf16: the bf16 step time over this one (goal ≥ 1.67: ≤ 0.6× the time); append: the --append "
-             "kernel's step (one new key written and attended) over the plain one, minus 1 (goal ≤ 5%).", "",
+             "kernel's step (one new key written and attended) over the plain one, minus 1 (goal ≤ 5%). _token, "
+             "_group: per-token or per-group scales (their bytes counted); finer scales: the step over the same "
+             "step with one scale per kv head, alternated with it, minus 1.", "",
              "FMA floor: the step's FLOP (4·batch·heads·cache·D) at the FMA peak; roof cap: the highest "
              "fraction of the roof that floor allows; × bf16 cap: the highest × bf16 it allows (both with "
              "compute and memory fully overlapped).", "",
              "| H:KH | D | dtype | batch | cache | K/V MB | kvcache ms | GB/s | of roof | FMA floor ms | roof cap | "
-             "× fp32 | × bf16 | × bf16 cap | append | "
+             "× fp32 | × bf16 | × bf16 cap | append | finer scales | "
              "paged ms | of roof | paged/contig. | paged per head ms | page order gain | torch ms | kvcache/torch | "
              "llama.cpp ms | kvcache/llama.cpp |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     lines[:0] = partial_line(m, "points")  # a partial run says so first
 
     def f(row, key, fmt):
@@ -378,7 +398,7 @@ def markdown(report: dict[str, Any]) -> str:
             f"{r['cache']} | {r['kv_bytes'] / 1e6:.0f} | {f(r, 'kvcache_ms', '.3f')} | {f(r, 'kvcache_gbps', '.1f')} | "
             f"{f(r, 'kvcache_roof', '.0%')} | {f(r, 'fma_floor_ms', '.3f')} | {f(r, 'roof_cap', '.0%')} | "
             f"{f(r, 'vs_fp32', '.2f')} | {f(r, 'vs_bf16', '.2f')} | {f(r, 'vs_bf16_cap', '.2f')} | "
-            f"{f(r, 'append_cost', '+.1%')} | {f(r, 'paged_ms', '.3f')} | "
+            f"{f(r, 'append_cost', '+.1%')} | {f(r, 'scale_cost', '+.1%')} | {f(r, 'paged_ms', '.3f')} | "
             f"{f(r, 'paged_roof', '.0%')} | "
             f"{f(r, 'paged_vs_contiguous', '.2f')} | {f(r, 'paged_per_head_ms', '.3f')} | "
             f"{f(r, 'page_order_gain', '.2f')} | {f(r, 'torch_ms', '.3f')} | {f(r, 'kvcache_vs_torch', '.2f')}× | "

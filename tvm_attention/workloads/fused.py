@@ -348,10 +348,12 @@ class _TileShape:
     #: (:func:`_q_macros`)
     qk_int8: bool = False
     #: an 8-bit cache's scales per (token, kv head) (1) or per 32 elements of head_dim (``D/32``):
-    #: ``spec.scale_groups``; 0 per kv head (folded into q and the output). Block ``scale_load``
-    #: copies a key tile's into ``Ksc``/``Vsc (HT, BN, groups)``, a bad one as NaN (``scaled``).
-    #: Per token they multiply the scores (K) and P as PV reads it (V); per group the elements
-    #: as they are converted (``dequant``), so the products stay float32 (no dot product forms)
+    #: ``spec.scale_groups``; 0 per kv head (folded into q and the output). Per token they multiply
+    #: the scores (K) and P as PV reads it (V), staged per tile by block ``scale_load`` in
+    #: ``Ksc``/``Vsc (BN, BM)``, laid out as S and P (a row's vector reads them as it reads S);
+    #: per group the keys' elements as they are converted (``dequant``) and P per group of
+    #: columns as PV reads it (block ``group_scale_load``, ``(HT, BN, groups)``): float32 QKᵀ
+    #: products (no dot-product forms)
     scale_groups: int = 0
 
     def kv(self, x):
@@ -377,12 +379,11 @@ class _TileShape:
         reads them) rather than as float32: int8 and 16-bit caches (a paged int8 step 0.74-0.87×
         the float32 staging's: a quarter of the bytes staged, its widening cheap; bf16 level), not
         float8, whose conversion costs more than the staged bytes (1.06-1.10× as stored)."""
-        return self.kv_dtype in (None, "int8") and not self.group_scales
+        return self.kv_dtype in (None, "int8")
 
-    def v_staged(self, x, Vsc, h, vj, vd):
-        """A value element as a tile of several kv heads stages it (:attr:`v_raw`; per-group
-        scales applied as it is converted)."""
-        return x if self.v_raw else self.dequant(x, Vsc, h, vj, vd)
+    def v_staged(self, x):
+        """A value element as a tile of several kv heads stages it (:attr:`v_raw`)."""
+        return x if self.v_raw else self.kv(x)
 
     def v_value(self, x):
         """The float32 value of a staged value element."""
@@ -417,9 +418,8 @@ class _TileShape:
         return 0 if self.HT == 1 else T.floordiv(vi, self.R)
 
     def dequant(self, x, Sc, h, vj, vd):
-        """The float32 value of K/V element ``x`` (key ``vj``, column ``vd``, the tile's kv head
-        ``h``): with per-group scales times its group's (``Sc``: ``Ksc`` or ``Vsc``), else
-        :meth:`kv`."""
+        """The float32 value of key element ``x`` (key ``vj``, column ``vd``, the tile's kv head
+        ``h``): with per-group scales times its group's (``Sc``: ``Ksc``), else :meth:`kv`."""
         if self.group_scales:
             return self.kv(x) * Sc[h, vj, T.floordiv(vd, SCALE_GROUP)]
         return self.kv(x)
@@ -581,7 +581,7 @@ def _softmax_macro(k: _TileShape):
         # per-token key scales multiply each score (before the mask: a hidden key's scale may
         # be anything, and its score is -inf all the same)
         if k.token_scales:
-            return scaled(t, x, vi, qs) * Ksc[k.head_row(vi), vj, 0]
+            return scaled(t, x, vi, qs) * Ksc[vj, vi]
         return scaled(t, x, vi, qs)
 
     def score(t, S, Sm, vj, vi, vc, qs, Ksc):
@@ -657,9 +657,15 @@ def _pv_macros(k: _TileShape):
     the dot product take a contiguous region of one head), row ``i`` reading head ``i // R``."""
     N, BM, BN, D, HT, R = k.N, k.BM, k.BN, k.D, k.HT, k.R
 
-    def p_of(P, Vsc, vj, vi):
-        # P as PV reads it: times the key's value scale (per-token scales; the row sum l adds P)
-        return P[vj, vi] * Vsc[k.head_row(vi), vj, 0] if k.token_scales else P[vj, vi]
+    def p_of(P, Vsc, vj, vi, vd=0):
+        # P as PV reads it: times the key's value scale (per token; per group column vd's group:
+        # a scalar per vector of one group's columns, cpu_decode.vectorize_in_groups); the row
+        # sum l adds the unscaled P
+        if k.token_scales:
+            return P[vj, vi] * Vsc[vj, vi]
+        if k.group_scales:
+            return P[vj, vi] * Vsc[k.head_row(vi), vj, T.floordiv(vd, SCALE_GROUP)]
+        return P[vj, vi]
 
     @T.macro
     def p_pairs(P, Pr, Pb, Vsc):
@@ -721,13 +727,13 @@ def _pv_macros(k: _TileShape):
         for j, h, d in T.grid(BN, HT, D):
             with T.sblock(N["V_load"]):
                 vj, vh, vd = T.axis.remap("SSS", [j, h, d])
-                Vt[vj, vh, vd] = k.v_staged(V[t.kv_at(vc, vj, vd, vh)], Vsc, vh, vj, vd)
+                Vt[vj, vh, vd] = k.v_staged(V[t.kv_at(vc, vj, vd, vh)])
         for i, j, d in T.grid(BM, BN, D):
             with T.sblock(N["PV_gemm"]):
                 vi, vj, vd = T.axis.remap("SRS", [i, j, d])
                 with T.init():
                     acc[vi, vd] = acc[vi, vd] * alpha[vi]
-                acc[vi, vd] = acc[vi, vd] + p_of(P, Vsc, vj, vi) * k.v_value(Vt[vj, T.floordiv(vi, R), vd])
+                acc[vi, vd] = acc[vi, vd] + p_of(P, Vsc, vj, vi, vd) * k.v_value(Vt[vj, T.floordiv(vi, R), vd])
 
     @T.macro
     def pv_gemm(V, P, acc, alpha, t, vc, Vsc):
@@ -736,16 +742,17 @@ def _pv_macros(k: _TileShape):
                 vi, vj, vd = T.axis.remap("SRS", [i, j, d])
                 with T.init():
                     acc[vi, vd] = acc[vi, vd] * alpha[vi]
-                acc[vi, vd] = acc[vi, vd] + p_of(P, Vsc, vj, vi) * k.dequant(V[t.kv_at(vc, vj, vd)], Vsc, 0, vj, vd)
+                acc[vi, vd] = acc[vi, vd] + p_of(P, Vsc, vj, vi, vd) * k.kv(V[t.kv_at(vc, vj, vd)])
 
     return types.SimpleNamespace(dot=pv_gemm_dot, dot_heads=pv_gemm_dot_heads, heads=pv_gemm_heads, plain=pv_gemm)
 
 
 def _scale_macro(k: _TileShape, spec: AttentionSpec):
-    """Block ``scale_load``: a key tile's per-token or per-group scales (``Ksc``/``Vsc (HT, BN,
-    groups)``), each times :data:`KV_UNIT` (what ``kv_to_f32(unit=False)`` leaves out), and as
-    NaN when it is not a positive finite number: the rows that see its key are then NaN."""
-    N, BN, HT, NG = k.N, k.BN, k.HT, k.scale_groups
+    """A key tile's scales, each times :data:`KV_UNIT` (what ``kv_to_f32(unit=False)`` leaves
+    out), and as NaN when it is not a positive finite number (its rows are then NaN): per token
+    block ``scale_load``, ``Ksc``/``Vsc (BN, BM)`` (each row's kv head's, laid out as S and P);
+    per group block ``group_scale_load``, ``(HT, BN, groups)``."""
+    N, BN, BM, HT, NG = k.N, k.BN, k.BM, k.HT, k.scale_groups
     unit = KV_UNIT.get(spec.kv_dtype, 1.0)
 
     def checked(x):
@@ -756,14 +763,22 @@ def _scale_macro(k: _TileShape, spec: AttentionSpec):
         return vh if HT > 1 else None
 
     @T.macro
-    def scale_load(Ksc, Vsc, t, vc):
-        for j, h, g in T.grid(BN, HT, NG):
+    def token_scale_load(Ksc, Vsc, t, vc):
+        for j, i in T.grid(BN, BM):
             with T.sblock(N["scale_load"]):
+                vj, vi = T.axis.remap("SS", [j, i])
+                Ksc[vj, vi] = checked(t.var.KSC[t.scale_at(vc, vj, 0, head(k.head_row(vi)))])
+                Vsc[vj, vi] = checked(t.var.VSC[t.scale_at(vc, vj, 0, head(k.head_row(vi)))])
+
+    @T.macro
+    def group_scale_load(Ksc, Vsc, t, vc):
+        for j, h, g in T.grid(BN, HT, NG):
+            with T.sblock(N["group_scale_load"]):
                 vj, vh, vg = T.axis.remap("SSS", [j, h, g])
                 Ksc[vh, vj, vg] = checked(t.var.KSC[t.scale_at(vc, vj, vg, head(vh))])
                 Vsc[vh, vj, vg] = checked(t.var.VSC[t.scale_at(vc, vj, vg, head(vh))])
 
-    return scale_load
+    return group_scale_load if k.group_scales else token_scale_load
 
 
 def _store_macro(k: _TileShape):
@@ -925,7 +940,7 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
     N = {n: n + suffix for n in TILE_BLOCKS + ("lse_store", "state_store", "K_load", "V_load", "V_ilv",
                                                 "q_absmax", "q_scale", "q_sum",
                                                 "P_round", "P_ilv", "acc_rescale", "KV_prefetch", "score_mod",
-                                                "scale_load")}
+                                                "scale_load", "group_scale_load")}
     _check_tile_args(spec, BM, BN, stage_k, dot_bf16, prefetch, heads, dot_decode)
     HT = heads
     D = spec.head_dim
@@ -941,6 +956,7 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
     NG = spec.scale_groups
     fine = NG > 0
     scale_load = _scale_macro(k, spec)
+    SC_SHAPE = (BN, BM) if k.token_scales else (HT, BN, NG)
     s_gemm_dot, kv_prefetch, s_gemm_heads, s_gemm_staged, s_gemm = sg.dot, sg.prefetch, sg.heads, sg.staged, sg.plain
     pv_gemm_dot, pv_gemm_dot_heads, pv_gemm_heads, pv_gemm = pv.dot, pv.dot_heads, pv.heads, pv.plain
     online_softmax, store = _softmax_macro(k), _store_macro(k)
@@ -964,9 +980,9 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
         acc = T.sblock_alloc_buffer((BM, D), "float32", scope="local")  # unnormalised output
         if k.qk_int8:
             qs = T.sblock_alloc_buffer((2, BM), "float32", scope="local")  # the rows' max|q|, then s_q; 128·Σq_i
-        if fine:
-            Ksc = T.sblock_alloc_buffer((HT, BN, NG), "float32", scope="local")  # the key tile's key scales
-            Vsc = T.sblock_alloc_buffer((HT, BN, NG), "float32", scope="local")  # and value scales
+        if fine:  # the key tile's key and value scales: per (key, row) as S, or (head, key, group)
+            Ksc = T.sblock_alloc_buffer(SC_SHAPE, "float32", scope="local")
+            Vsc = T.sblock_alloc_buffer(SC_SHAPE, "float32", scope="local")
         else:  # placeholders, never read (meta_var: bound without renaming m)
             Ksc = T.meta_var(m)
             Vsc = T.meta_var(m)
