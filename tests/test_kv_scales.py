@@ -147,9 +147,10 @@ APPEND = {
 def test_append_writes_each_new_keys_scales(name):
     """An appending kernel quantizes each new key with its own scales, computed from it in
     float32 as ``quantize_kv`` does, and writes keys and scales bit for bit where the reference
-    does (across a page, from an empty sequence); it touches no other scale."""
+    does (across a page, from an empty sequence); it touches no other scale. The kvcache build
+    splits its key ranges (split-KV), the paged one does not."""
     spec = AttentionSpec(**APPEND[name], append=True)
-    b = built(spec, knobs=(("split_tasks", 0),))
+    b = built(spec, knobs=(("split_tasks", 0),) if spec.layout == "paged" else None)
     r = validate_built(b)
     assert r.passed and r.finite, r
     lay, k = spec.layout_info, kernel_of(b)
@@ -168,6 +169,33 @@ def test_append_writes_each_new_keys_scales(name):
     o = out[0] if spec.return_lse else out
     ref = lay.reference(spec, x)
     np.testing.assert_allclose(np.asarray(o).astype(np.float64), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_exported_library_takes_them(tmp_path):
+    """The product path: an exported per-token build, loaded by the loader, its manifest naming
+    the scales' shapes; called with NumPy and with torch tensors."""
+    import json
+
+    from tvm_attention.artifact import export
+    from tvm_attention.loader import load
+
+    kw, knobs = KERNELS["paged_token_qk8_lse"]
+    spec = AttentionSpec(**kw)
+    b = built(spec, knobs=knobs or None)
+    export(b, tmp_path, validate_built(b))
+    m = json.loads((tmp_path / "manifest.json").read_text())
+    assert m["spec"]["kv_scale"] == "token"
+    assert {a["name"]: a["shape"] for a in m["args"]}["v_scale"] == ["num_pages", spec.page_size, spec.kv_heads]
+    k = load(tmp_path)
+    lay = spec.layout_info
+    x = lay.random_inputs(spec, {"seq_q": 1, "cache_seqlens": [37, 200]}, seed=5)
+    ref, ref_lse = lay.reference_outputs(spec, x)
+    o, lse = k(*x.values())
+    np.testing.assert_allclose(o, ref, atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(lse, ref_lse, atol=1e-4, rtol=1e-4)
+    torch = pytest.importorskip("torch")
+    o, _ = k(*(torch.from_numpy(a) for a in x.values()))
+    np.testing.assert_allclose(o.numpy(), ref, atol=1e-4, rtol=1e-4)
 
 
 def test_a_bad_scale_is_data():

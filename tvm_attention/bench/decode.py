@@ -265,18 +265,20 @@ def _points(cfg: Config, h: int, kh: int, d: int, dtype: str, tensor, say, rows:
     names = list(cfg.layouts) + (["kvcache_append"] if cfg.append and kv8 and "kvcache" in cfg.layouts else [])
     if granularity != "head" and "kvcache" in cfg.layouts:
         names.append(PER_HEAD)  # the same step with one scale per kv head, alternated with it
+    specs = {}
     for name in names:
         layout = "paged" if name.startswith("paged") else "kvcache" if name.startswith("kvcache") else name
         spec = AttentionSpec(batch=1, heads=h, kv_heads=kh, seq_q=1, seq_kv=1024, head_dim=d, layout=layout,
                              causal=True, dtype=qdtype, page_size=cfg.page_size if layout == "paged" else None,
                              kv_dtype=dtype if kv8 else None, append=name == "kvcache_append", qk_int8=qk8,
                              kv_scale="head" if name == PER_HEAD else granularity)
+        specs[name] = spec
         t0 = time.perf_counter()
         kernels[name] = build_kernel(spec, knobs={"decode_heads": 1} if name == "paged_per_head" else None)
         say(f"built {spec.short_name()}{' (one kv head per task)' if name == 'paged_per_head' else ''} "
             f"in {time.perf_counter() - t0:.1f} s")
     dt, qt = numpy_dtype(dtype), numpy_dtype(qdtype)
-    groups = kernels["kvcache" if "kvcache" in kernels else names[0]].spec.scale_groups  # scales per (key, kv head)
+    groups = specs[names[0]].scale_groups  # per-token or per-group scales per (key, kv head); 0 per kv head
     for b in cfg.batches:
         for cache in cfg.caches:
             nbytes = kv_bytes(b, kh, cache, d, dt.itemsize) + kv_bytes(b, kh, cache, groups, 4)  # and the scales
