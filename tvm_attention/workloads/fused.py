@@ -30,7 +30,8 @@ it ``S_gemm``, ``row_max``, ``online_correction``, ``max_commit``, ``P_exp``, ``
 (``return_lse``), ``state_store`` (split-KV partials), ``K_load`` (a staged key tile) and
 ``score_mod`` (a softcap or ALiBi spec: the modified scores, written to a buffer ``Sm`` of their own
 that ``row_max`` and ``P_exp`` read; a window, sinks and ``kv_start`` need no block: they change
-the mask, the key-tile range and the store).
+the mask, the key-tile range and the store), ``scale_load``/``group_scale_load`` (an 8-bit
+cache's per-token or per-group scales of a key tile: ``_scale_macro``).
 
 Frames (the layout entry's ``packed`` picks one): ``_dense`` for the layouts whose queries are
 dense ``(B, H, Sq, D)`` (``bhsd``, ``kvcache``, ``paged``; they differ only in where keys live, the
