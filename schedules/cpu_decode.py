@@ -255,6 +255,67 @@ def dot_i8_intrinsic(D: int, rows: int, lanes: int = 16) -> str:
                          lambda K, Q: _dot_i8_avx2(K, Q, D, rows))
 
 
+def _dot_i8_groups(K, Q, Ks, D: int, rows: int):
+    """``Σ_g Ks[g]·Σ_{d in g} K[d]·Q[i, d]`` for ``i < rows`` on signed bytes: each group of
+    :data:`SCALE_GROUP` bytes (one ymm) by ``vpmaddubsw``'s sign trick into 8 int32 lanes (exact),
+    converted and multiplied by the group's scale into a float32 accumulator (one rounding per
+    group and lane), then the shuffle tree."""
+    ones = tirx.Broadcast(tirx.const(1, "int16"), 16)
+    vecs = []
+    for i in range(rows):
+        acc = tirx.Broadcast(tirx.const(0.0, F32), 8)
+        for g in range(D // SCALE_GROUP):
+            k = K.vload([g * SCALE_GROUP], "int8x32")
+            q = Q.vload([i, g * SCALE_GROUP], "int8x32")
+            mag = tirx.call_llvm_pure_intrin("int8x32", "llvm.abs.v32i8", k, tirx.const(0, "bool"))
+            sq = tirx.call_llvm_pure_intrin("int8x32", "llvm.x86.avx2.psign.b", q, k)
+            p16 = tirx.call_llvm_pure_intrin("int16x16", "llvm.x86.avx2.pmadd.ub.sw", mag, sq)
+            p32 = tirx.call_llvm_pure_intrin("int32x8", "llvm.x86.avx2.pmadd.wd", p16, ones)
+            acc = tirx.call_llvm_pure_intrin("float32x8", "llvm.fmuladd", tirx.Cast("float32x8", p32),
+                                             tirx.Broadcast(Ks[g], 8), acc)
+        vecs.append(acc)
+    return _shuffle_tree(vecs, 8)
+
+
+def dot_i8_group_intrinsic(D: int, rows: int) -> str:
+    """Register (once) and name ``S[0:rows] += Σ_d Ks[d // 32]·K[d]·Q[0:rows, d]`` on signed bytes
+    (``decode_dot`` 5: a per-group scaled int8 cache with ``qk_int8``): each group's exact integer
+    sum times its scale (:func:`_dot_i8_groups`; AVX2's 32-byte form, on AVX-512 hosts too)."""
+    name = f"attn_decode_i8dot_groups_d{D}_r{rows}"
+    if name in _REGISTERED:
+        return name
+    NG = D // SCALE_GROUP
+
+    @T.prim_func(s_tir=True)
+    def desc(a: T.handle, b: T.handle, s: T.handle, c: T.handle):
+        K = T.match_buffer(a, (D,), "int8", offset_factor=1, scope="local")
+        Q = T.match_buffer(b, (rows, D), "int8", offset_factor=1, scope="local")
+        Ks = T.match_buffer(s, (NG,), F32, offset_factor=1, scope="local")
+        S = T.match_buffer(c, (rows,), F32, offset_factor=1, scope="local")
+        with T.sblock("root"):
+            T.reads(S[0:rows], Ks[0:NG], K[0:D], Q[0:rows, 0:D])
+            T.writes(S[0:rows])
+            for d, i in T.grid(D, rows):
+                with T.sblock("update"):
+                    vd, vi = T.axis.remap("RS", [d, i])
+                    S[vi] = S[vi] + Ks[T.floordiv(vd, SCALE_GROUP)] * (f32(K[vd]) * f32(Q[vi, vd]))
+
+    @T.prim_func(s_tir=True)
+    def impl(a: T.handle, b: T.handle, s: T.handle, c: T.handle):
+        K = T.match_buffer(a, (D,), "int8", offset_factor=1, scope="local")
+        Q = T.match_buffer(b, (rows, D), "int8", offset_factor=1, scope="local")
+        Ks = T.match_buffer(s, (NG,), F32, offset_factor=1, scope="local")
+        S = T.match_buffer(c, (rows,), F32, offset_factor=1, scope="local")
+        with T.sblock("root"):
+            T.reads(S[0:rows], Ks[0:NG], K[0:D], Q[0:rows, 0:D])
+            T.writes(S[0:rows])
+            S[T.Ramp(0, 1, rows)] = S.vload([0], f"float32x{rows}") + _dot_i8_groups(K, Q, Ks, D, rows)
+
+    register_tensor_intrin(name, desc, impl)
+    _REGISTERED.add(name)
+    return name
+
+
 def supports_bf16(spec: AttentionSpec, rows: int, lanes: int, features: set[str]) -> bool:
     """Whether a ``rows``-row decode nest can take QKᵀ on ``vdpbf16ps`` (``decode_dot``): the
     dot-product schedule on AVX-512 lanes, a CPU with AVX512-BF16, head_dim a multiple of 32 (a
@@ -419,7 +480,9 @@ def schedule(sch: s_tir.Schedule, spec: AttentionSpec, suffix: str, knobs: DotDe
     _vectorize(sch, sch.get_loops(init)[-1], rows, L)
     q_dtype = str(bufs["Qt"].dtype)  # the workload's dot_decode: 1/2 bf16 bits, 3 bytes, else float32
     bf16 = q_dtype == "uint16"
-    if q_dtype == "int8":
+    if q_dtype == "int8" and len(bufs["Ksc"].shape if "Ksc" in bufs else ()) == 3:
+        sch.tensorize(d, dot_i8_group_intrinsic(D, rows))  # per-group scales (decode_dot 5)
+    elif q_dtype == "int8":
         sch.tensorize(d, dot_i8_intrinsic(D, rows, L))
     else:
         sch.tensorize(d, dot_bf16_intrinsic(D, rows) if bf16 else dot_intrinsic(D, rows, L))

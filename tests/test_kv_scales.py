@@ -101,7 +101,7 @@ def test_spec_and_cli():
 
 #: name -> (spec fields, knobs): each layout; every dot-product form a finer scale meets (QKᵀ on
 #: bf16 dots, PV on them with P times the value scale rounded, int8 dots with qk_int8; per group the
-#: float32 products); split-KV and not; the prefill nests (seq_q 4 and 37 of the validation
+#: float32 products, or with qk_int8 one int8 dot product per group); split-KV and not; the prefill nests (seq_q 4 and 37 of the validation
 #: cases) and the decode nests; append; lse and the variants
 GQA = dict(batch=2, heads=8, kv_heads=2, seq_q=1, seq_kv=300, head_dim=64, causal=True)
 KERNELS = {
@@ -113,6 +113,8 @@ KERNELS = {
                                   softcap=30.0, alibi=True, sinks=True), (("split_tasks", 0),)),
     "kvcache_group_f16_qk8": (dict(GQA, layout="kvcache", dtype="float16", kv_dtype="int8", kv_scale="group",
                                    qk_int8=True), ()),
+    "paged_group_qk8_append": (dict(GQA, layout="paged", dtype="bfloat16", kv_dtype="int8", kv_scale="group",
+                                    qk_int8=True, append=True, return_lse=True), (("split_tasks", 0),)),
     "paged_group_e4m3_bf16": (dict(GQA, layout="paged", dtype="bfloat16", kv_dtype="float8_e4m3fn",
                                    kv_scale="group"), (("split_tasks", 0),)),
     "bhsd_token_e4m3": (dict(batch=1, heads=2, seq_q=70, seq_kv=45, head_dim=64, kv_dtype="float8_e4m3fn",
@@ -137,6 +139,9 @@ def test_kernel_matches_the_reference(name):
     assert b.audit.fused, b.audit
     if "decode_dot" in dict(knobs):
         assert b.knobs.decode_dot == dict(knobs)["decode_dot"]
+    if spec.kv_scale == "group" and spec.qk_int8 and spec.layout != "varlen":
+        # one int8 dot product per (key, group): AVX2's 32-byte form on every host seen
+        assert b.knobs.decode_dot == 3 and "vpmaddubsw" in b.module.inspect_source("asm"), b.knobs
     r = validate_built(b)
     assert r.passed and r.finite, r
 

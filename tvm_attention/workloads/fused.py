@@ -297,6 +297,9 @@ class _Tile:
 #: carries a suffix: ``S_gemm_dec``).
 TILE_BLOCKS = ("Q_load", "state_init", "acc_init", "kv_tile", "S_gemm", "row_max", "online_correction",
                "max_commit", "P_exp", "row_sum", "PV_gemm", "O_store")
+#: Blocks a tile has in some forms only (``_tile_macro``'s arguments, the spec)
+OPTIONAL_BLOCKS = ("lse_store", "state_store", "K_load", "V_load", "V_ilv", "q_absmax", "q_scale", "q_sum", "P_round",
+                   "P_ilv", "acc_rescale", "KV_prefetch", "score_mod", "scale_load", "group_scale_load")
 #: Suffix of a GQA-packed decode nest's blocks, followed by its rows (``row_tile_dec4``,
 #: ``S_gemm_dec16``...).
 DECODE = "_dec"
@@ -398,7 +401,7 @@ class _TileShape:
         float32."""
         if self.dot_decode == 3:
             return T.bitwise_xor(T.reinterpret("uint8", x), T.uint8(0x80))
-        if self.dot_decode == 4:
+        if self.dot_decode in (4, 5):
             return x
         if self.group_scales:
             return self.dequant(x, Ksc, h, vj, vd)
@@ -411,8 +414,16 @@ class _TileShape:
 
     @property
     def group_scales(self) -> bool:
-        """Per-group scales: each element times its group's scale as it is converted."""
+        """Per-group scales: each element times its group's scale as it is converted, or with
+        ``dot_decode`` 5 each group's integer dot product times it (:attr:`group_dots`)."""
         return self.scale_groups > 1
+
+    @property
+    def group_dots(self) -> bool:
+        """QKᵀ on int8 dot products of a per-group scaled cache (``dot_decode`` 5, ``qk_int8``):
+        ``S_gemm`` adds each product times its key's group scale (``Ksc``), which the dot product
+        applies once per group's integer sum (``cpu_decode``'s scaled AVX2 form, 32 bytes a group)."""
+        return self.dot_decode == 5
 
     def head_row(self, vi):
         """The kv head of the tile (0 .. HT-1) row ``vi`` belongs to."""
@@ -484,6 +495,9 @@ def _s_gemm_macros(k: _TileShape):
             return f32(x)
         return bf16_value(x) if k.dot_decode else x
 
+    def group_scaled(Ksc, h, vj, vd, product):  # dot_decode 5: each product times its group's key scale
+        return Ksc[h, vj, T.floordiv(vd, SCALE_GROUP)] * product if k.group_dots else product
+
     @T.macro
     def s_gemm_dot(Ku, Kb, Qp, S, t, vc):
         # bf16 pairs along head_dim: vdpbf16ps operands
@@ -531,7 +545,8 @@ def _s_gemm_macros(k: _TileShape):
                     vd, vi = T.axis.remap("RS", [d, i])
                     with T.init():
                         S[vj, vi] = T.float32(0)
-                    S[vj, vi] = S[vj, vi] + operand(Kt[T.floordiv(vi, R), vd]) * operand(Qt[vd, vi])
+                    S[vj, vi] = S[vj, vi] + group_scaled(Ksc, T.floordiv(vi, R), vj, vd,
+                                                         operand(Kt[T.floordiv(vi, R), vd]) * operand(Qt[vd, vi]))
 
     @T.macro
     def s_gemm_staged(K, Kt, Qt, S, t, vc, Ksc):
@@ -544,7 +559,7 @@ def _s_gemm_macros(k: _TileShape):
                 vj, vd, vi = T.axis.remap("SRS", [j, d, i])
                 with T.init():
                     S[vj, vi] = T.float32(0)
-                S[vj, vi] = S[vj, vi] + operand(Kt[vj, vd]) * operand(Qt[vd, vi])
+                S[vj, vi] = S[vj, vi] + group_scaled(Ksc, 0, vj, vd, operand(Kt[vj, vd]) * operand(Qt[vd, vi]))
 
     @T.macro
     def s_gemm(K, Qt, S, t, vc, Ksc):
@@ -902,16 +917,17 @@ def _check_tile_args(spec: AttentionSpec, BM: int, BN: int, stage_k: bool, dot_b
                          f"D={spec.head_dim}, block_n={BN}")
     if prefetch and not stage_k:
         raise ValueError("prefetch is issued by the staged (stage_k) decode tiles only")
-    if dot_decode not in (0, 1, 2, 3, 4) or (dot_decode >= 3 and not spec.qk_int8):
+    if dot_decode not in (0, 1, 2, 3, 4, 5) or (dot_decode >= 3 and not spec.qk_int8):
         raise ValueError(f"dot_decode={dot_decode} must be 0, 1 (QKᵀ on bf16), 2 (QKᵀ and PV) or, with "
-                         f"qk_int8, 3/4 (QKᵀ on int8: AVX-512 VNNI's unsigned keys, AVX2's signed ones)")
+                         f"qk_int8, 3/4 (QKᵀ on int8: AVX-512 VNNI's unsigned keys, AVX2's signed ones), 5 "
+                         f"(one int8 dot product per group of a per-group scaled cache)")
     if dot_decode and (not stage_k or (spec.dtype != "bfloat16" and not spec.qk_int8) or (dot_decode == 2 and BN % 2)):
         raise ValueError(f"dot_decode needs the staged decode tiles and bfloat16 queries and cache (or an 8-bit "
                          f"cache), and an even block_n for PV, got dtype={spec.dtype}, kv_dtype={spec.kv_dtype}, "
                          f"block_n={BN}")
-    if dot_decode and spec.kv_quantized and spec.kv_scale == "group":
-        raise ValueError(f"dot_decode={dot_decode}: per-group scales (kv_scale='group') scale the elements as they "
-                         "are converted, which the dot products do not; decode_dot=0")
+    if (dot_decode == 5) != (bool(dot_decode) and spec.kv_quantized and spec.kv_scale == "group"):
+        raise ValueError(f"dot_decode={dot_decode}: a per-group scaled cache (kv_scale='group') takes float32 "
+                         "products (0) or, with qk_int8, one int8 dot product per group (5); only it takes 5")
     HT = heads
     if HT > 1 and (not stage_k or dot_bf16 or BM % HT):
         raise ValueError(f"a tile of {HT} heads needs stage_k, float32 products and block_m % heads == 0 "
@@ -938,13 +954,9 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
     macro: one piece of compute that every layout's frame calls with its own :class:`_Tile`.
     ``suffix`` is appended to every block name (a function may hold two nests of the tile); the
     other arguments: the comment above."""
-    N = {n: n + suffix for n in TILE_BLOCKS + ("lse_store", "state_store", "K_load", "V_load", "V_ilv",
-                                                "q_absmax", "q_scale", "q_sum",
-                                                "P_round", "P_ilv", "acc_rescale", "KV_prefetch", "score_mod",
-                                                "scale_load", "group_scale_load")}
+    N = {n: n + suffix for n in TILE_BLOCKS + OPTIONAL_BLOCKS}
     _check_tile_args(spec, BM, BN, stage_k, dot_bf16, prefetch, heads, dot_decode)
-    HT = heads
-    D = spec.head_dim
+    HT, D = heads, spec.head_dim
     # Q is scaled to the log2 units of exp2 (scale·log2(e)); with a softcap to x / c, which
     # score_mod's tanh takes (variants.score_scale)
     qscale = score_scale(spec)
@@ -954,16 +966,16 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
                    mask_mod=spec.mask_mod is not None or spec.key_bounds, kv_dtype=spec.kv_dtype,
                    dot_decode=dot_decode, qk_int8=spec.qk_int8, scale_groups=spec.scale_groups)
     sg, pv = _s_gemm_macros(k), _pv_macros(k)
-    NG = spec.scale_groups
+    NG, scale_load = spec.scale_groups, _scale_macro(k, spec)
     fine = NG > 0
-    scale_load = _scale_macro(k, spec)
     SC_SHAPE = (BN, BM) if k.token_scales else (HT, BN, NG)
     s_gemm_dot, kv_prefetch, s_gemm_heads, s_gemm_staged, s_gemm = sg.dot, sg.prefetch, sg.heads, sg.staged, sg.plain
     pv_gemm_dot, pv_gemm_dot_heads, pv_gemm_heads, pv_gemm = pv.dot, pv.dot_heads, pv.heads, pv.plain
     online_softmax, store = _softmax_macro(k), _store_macro(k)
     q_pairs, q_load = _q_macros(k)
     # Qt's and Kt's: bf16 bits for dot_decode 1/2, the signed and unsigned bytes of vpdpbusd for 3
-    QT_DTYPE, KT_DTYPE = {0: ("float32",) * 2, 3: ("int8", "uint8"), 4: ("int8",) * 2}.get(dot_decode, ("uint16",) * 2)
+    QT_DTYPE, KT_DTYPE = {0: ("float32",) * 2, 3: ("int8", "uint8"), 4: ("int8",) * 2,
+                          5: ("int8",) * 2}.get(dot_decode, ("uint16",) * 2)
     PV_DOT = bool(dot_bf16) or dot_decode == 2  # PV on bf16 pairs (Vb, Vt, Pr, Pb)
 
     @T.macro
@@ -1401,6 +1413,8 @@ def _dense(spec: AttentionSpec, block_m: int, block_n: int, decode_rows: tuple[i
     dot = int(decode_dot) if stage_tiers else 0  # what the staged tiers take (the others: float32)
     # the int8 dot product's form follows the vectors: AVX-512 VNNI's (3) or AVX2's (4, 8 lanes)
     tile_dot = 4 if dot == 3 and stage_k_below < 16 else dot
+    if dot == 3 and spec.kv_quantized and spec.kv_scale == "group":
+        tile_dot = 5  # one dot product per group of 32 (a ymm of bytes, AVX2's form on any lanes)
     tier_macros = [_decode_tier(f, r, DECODE + str(r), split_tasks, r < stage_k_below, prefetch,
                                 HT if r < stage_k_below else 1, tile_dot if r < stage_k_below else 0) for r in tiers]
     t0 = tier_macros[0] if tiers else None
