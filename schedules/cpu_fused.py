@@ -319,8 +319,9 @@ def check(knobs: FlashCPUKnobs, spec: AttentionSpec, target: Target) -> None:
         raise KnobError(
             f"decode_dot=3 needs qk_int8 (q rounded to int8 against an int8 cache; qk_int8={spec.qk_int8}), staged "
             f"decode nests on {cpu_decode.BF16_LANES}-lane vectors, a head_dim that is a multiple of "
-            f"{cpu_decode.I8_LANES} up to 512 (head_dim={spec.head_dim}), scales per head or per token "
-            f"(kv_scale={spec.kv_scale}) and a CPU with {cpu_decode.VNNI} (target {target})")
+            f"{cpu_decode.I8_LANES} up to 512 (head_dim={spec.head_dim}) and a CPU with {cpu_decode.VNNI} "
+            f"(target {target}); per-group scales (kv_scale={spec.kv_scale}) take AVX2's 32-byte form instead, "
+            f"head_dim a multiple of 32, at most 8 rows")
     if knobs.decode_dot == 2 and knobs.block_n % 2:
         raise KnobError(f"decode_dot=2 pairs the keys of a tile for PV: block_n={knobs.block_n} must be even")
     if knobs.decode_dot == 2 and spec.dtype != "bfloat16":
@@ -555,8 +556,8 @@ def schedule(
     # columns of vectors. The column block is not sampled: it is all of head_dim unless the
     # registers force a split (pv_columns), and a split only ever adds reloads of P.
     pv = sch.get_sblock("PV_gemm" + suffix)
-    *_, i, pv_keys, d = sch.get_loops(pv)
-    j = pv_keys
+    *_, i, j, d = sch.get_loops(pv)
+    pv_keys = j  # (the key loop: decompose_reduction's, below)
     pv_cols = pv_cols_of(knobs, D) if pin else pv_columns(D, lanes)
     pv_rows = sample_tile(sch, i, block_m, knobs.pv_rows if pin else None, max_pv_rows(pv_cols, lanes))
     io, ii = sch.split(i, pv_rows)
