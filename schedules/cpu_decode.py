@@ -295,10 +295,16 @@ def dot_i8_group_intrinsic(D: int, rows: int) -> str:
         with T.sblock("root"):
             T.reads(S[0:rows], Ks[0:NG], K[0:D], Q[0:rows, 0:D])
             T.writes(S[0:rows])
-            for d, i in T.grid(D, rows):
-                with T.sblock("update"):
-                    vd, vi = T.axis.remap("RS", [d, i])
-                    S[vi] = S[vi] + Ks[T.floordiv(vd, SCALE_GROUP)] * (f32(K[vd]) * f32(Q[vi, vd]))
+            if rows > 1:
+                for d, i in T.grid(D, rows):
+                    with T.sblock("update"):
+                        vd, vi = T.axis.remap("RS", [d, i])
+                        S[vi] = S[vi] + Ks[T.floordiv(vd, SCALE_GROUP)] * (f32(K[vd]) * f32(Q[vi, vd]))
+            else:  # a unit row loop binds no row iter var (as _register_dot's)
+                for d, i in T.grid(D, 1):
+                    with T.sblock("update"):
+                        vd = T.axis.reduce(D, d)
+                        S[0] = S[0] + Ks[T.floordiv(vd, SCALE_GROUP)] * (f32(K[vd]) * f32(Q[0, vd]))
 
     @T.prim_func(s_tir=True)
     def impl(a: T.handle, b: T.handle, s: T.handle, c: T.handle):
@@ -309,7 +315,10 @@ def dot_i8_group_intrinsic(D: int, rows: int) -> str:
         with T.sblock("root"):
             T.reads(S[0:rows], Ks[0:NG], K[0:D], Q[0:rows, 0:D])
             T.writes(S[0:rows])
-            S[T.Ramp(0, 1, rows)] = S.vload([0], f"float32x{rows}") + _dot_i8_groups(K, Q, Ks, D, rows)
+            if rows > 1:
+                S[T.Ramp(0, 1, rows)] = S.vload([0], f"float32x{rows}") + _dot_i8_groups(K, Q, Ks, D, rows)
+            else:
+                S[0] = S[0] + _dot_i8_groups(K, Q, Ks, D, rows)
 
     register_tensor_intrin(name, desc, impl)
     _REGISTERED.add(name)

@@ -111,8 +111,9 @@ KERNELS = {
                                  return_lse=True), ()),
     "paged_token_variants": (dict(GQA, layout="paged", kv_dtype="int8", kv_scale="token", window=(100, 0),
                                   softcap=30.0, alibi=True, sinks=True), (("split_tasks", 0),)),
-    "kvcache_group_f16_qk8": (dict(GQA, layout="kvcache", dtype="float16", kv_dtype="int8", kv_scale="group",
-                                   qk_int8=True), ()),
+    # MHA: one row per kv head, the per-group dot product's one-row form
+    "kvcache_group_f16_qk8_mha": (dict(GQA, heads=4, kv_heads=4, layout="kvcache", dtype="float16", kv_dtype="int8",
+                                       kv_scale="group", qk_int8=True), ()),
     "paged_group_qk8_append": (dict(GQA, layout="paged", dtype="bfloat16", kv_dtype="int8", kv_scale="group",
                                     qk_int8=True, append=True, return_lse=True), (("split_tasks", 0),)),
     "paged_group_e4m3_bf16": (dict(GQA, layout="paged", dtype="bfloat16", kv_dtype="float8_e4m3fn",
