@@ -255,12 +255,15 @@ def dot_i8_intrinsic(D: int, rows: int, lanes: int = 16) -> str:
                          lambda K, Q: _dot_i8_avx2(K, Q, D, rows))
 
 
-def _dot_i8_groups(K, Q, Ks, D: int, rows: int):
+def _dot_i8_groups(K, Q, Ks, D: int, rows: int, vnni: bool = False):
     """``Σ_g Ks[g]·Σ_{d in g} K[d]·Q[i, d]`` for ``i < rows`` on signed bytes: each group of
     :data:`SCALE_GROUP` bytes (one ymm) by ``vpmaddubsw``'s sign trick into 8 int32 lanes (exact),
     converted and multiplied by the group's scale into a float32 accumulator (one rounding per
-    group and lane), then the shuffle tree."""
+    group and lane), then the shuffle tree. ``vnni`` (AVX512-VNNI with AVX512-VL): the sign
+    trick's products summed by one 32-byte ``vpdpbusd`` instead of ``vpmaddubsw`` + ``vpmaddwd``
+    (the same exact int32 lanes)."""
     ones = tirx.Broadcast(tirx.const(1, "int16"), 16)
+    zero = tirx.Broadcast(tirx.const(0, "int32"), 8)
     vecs = []
     for i in range(rows):
         acc = tirx.Broadcast(tirx.const(0.0, F32), 8)
@@ -269,19 +272,25 @@ def _dot_i8_groups(K, Q, Ks, D: int, rows: int):
             q = Q.vload([i, g * SCALE_GROUP], "int8x32")
             mag = tirx.call_llvm_pure_intrin("int8x32", "llvm.abs.v32i8", k, tirx.const(0, "bool"))
             sq = tirx.call_llvm_pure_intrin("int8x32", "llvm.x86.avx2.psign.b", q, k)
-            p16 = tirx.call_llvm_pure_intrin("int16x16", "llvm.x86.avx2.pmadd.ub.sw", mag, sq)
-            p32 = tirx.call_llvm_pure_intrin("int32x8", "llvm.x86.avx2.pmadd.wd", p16, ones)
+            if vnni:
+                p32 = tirx.call_llvm_pure_intrin("int32x8", "llvm.x86.avx512.vpdpbusd.256", zero, mag, sq)
+            else:
+                p16 = tirx.call_llvm_pure_intrin("int16x16", "llvm.x86.avx2.pmadd.ub.sw", mag, sq)
+                p32 = tirx.call_llvm_pure_intrin("int32x8", "llvm.x86.avx2.pmadd.wd", p16, ones)
             acc = tirx.call_llvm_pure_intrin("float32x8", "llvm.fmuladd", tirx.Cast("float32x8", p32),
                                              tirx.Broadcast(Ks[g], 8), acc)
         vecs.append(acc)
     return _shuffle_tree(vecs, 8)
 
 
-def dot_i8_group_intrinsic(D: int, rows: int) -> str:
+def dot_i8_group_intrinsic(D: int, rows: int, vnni: bool = False) -> str:
     """Register (once) and name ``S[0:rows] += Σ_d Ks[d // 32]·K[d]·Q[0:rows, d]`` on signed bytes
     (``decode_dot`` 5: a per-group scaled int8 cache with ``qk_int8``): each group's exact integer
-    sum times its scale (:func:`_dot_i8_groups`; AVX2's 32-byte form, on AVX-512 hosts too)."""
-    name = f"attn_decode_i8dot_groups_d{D}_r{rows}"
+    sum times its scale (:func:`_dot_i8_groups`: 32 bytes a group, AVX2's form or with ``vnni``
+    (AVX-512 lanes: AVX512-VNNI and AVX512-VL) one ``vpdpbusd`` on a ymm, 0.91-0.93x AVX2's form's
+    kvcache step, 0.95-1.00x paged, bit-identical: 2-core znver4, GQA 32:8 D128, bf16 queries, B4
+    4k / B1 16k / B16 4k, alternated)."""
+    name = f"attn_decode_i8dot_groups_d{D}_r{rows}" + ("_vnni" if vnni else "")
     if name in _REGISTERED:
         return name
     NG = D // SCALE_GROUP
@@ -316,9 +325,9 @@ def dot_i8_group_intrinsic(D: int, rows: int) -> str:
             T.reads(S[0:rows], Ks[0:NG], K[0:D], Q[0:rows, 0:D])
             T.writes(S[0:rows])
             if rows > 1:
-                S[T.Ramp(0, 1, rows)] = S.vload([0], f"float32x{rows}") + _dot_i8_groups(K, Q, Ks, D, rows)
+                S[T.Ramp(0, 1, rows)] = S.vload([0], f"float32x{rows}") + _dot_i8_groups(K, Q, Ks, D, rows, vnni)
             else:
-                S[0] = S[0] + _dot_i8_groups(K, Q, Ks, D, rows)
+                S[0] = S[0] + _dot_i8_groups(K, Q, Ks, D, rows, vnni)
 
     register_tensor_intrin(name, desc, impl)
     _REGISTERED.add(name)
@@ -490,7 +499,8 @@ def schedule(sch: s_tir.Schedule, spec: AttentionSpec, suffix: str, knobs: DotDe
     q_dtype = str(bufs["Qt"].dtype)  # the workload's dot_decode: 1/2 bf16 bits, 3 bytes, else float32
     bf16 = q_dtype == "uint16"
     if q_dtype == "int8" and len(bufs["Ksc"].shape if "Ksc" in bufs else ()) == 3:
-        sch.tensorize(d, dot_i8_group_intrinsic(D, rows))  # per-group scales (decode_dot 5)
+        # per-group scales (decode_dot 5): AVX-512 lanes take VNNI's 32-byte form (cpu_fused.decode_dots)
+        sch.tensorize(d, dot_i8_group_intrinsic(D, rows, vnni=L == BF16_LANES))
     elif q_dtype == "int8":
         sch.tensorize(d, dot_i8_intrinsic(D, rows, L))
     else:

@@ -205,10 +205,12 @@ def decode_dots(spec: AttentionSpec, knobs: FlashCPUKnobs, target: Target, form:
     ok = cpu_decode.supports_i8 if form == 3 else cpu_decode.supports_bf16
     if getattr(spec, "kv_scale", "head") == "group":
         # each key element scaled as it is converted (float32 products), or with qk_int8 one int8
-        # dot product per group of 32 (AVX2's 32-byte form, on any lanes: decode_dot 3 builds it),
-        # 0.80-0.87x the float32 products' kvcache step, 0.87-1.09x paged (2-core znver4, GQA
-        # 32:8 D128, bf16 queries, B4 4k / B1 16k / B16 4k, side by side)
-        return (form == 3 and bool(staged) and spec.qk_int8 and "avx2" in feats and spec.head_dim % 32 == 0
+        # dot product per group of 32 (decode_dot 3 builds it): AVX2's 32-byte form, on AVX-512
+        # lanes VNNI's (vpdpbusd on a ymm: AVX512-VL; an AVX-512 CPU without them keeps float32
+        # products), 0.80-0.87x the float32 products' kvcache step, 0.87-1.09x paged (AVX2's form;
+        # 2-core znver4, GQA 32:8 D128, bf16 queries, B4 4k / B1 16k / B16 4k, side by side)
+        i8_form = knobs.vector_lanes == 8 or {cpu_decode.VNNI, "avx512vl"} <= feats
+        return (form == 3 and bool(staged) and spec.qk_int8 and "avx2" in feats and i8_form and spec.head_dim % 32 == 0
                 and all(cpu_decode.supports(spec, r, knobs.vector_lanes) and r <= 8 for r in staged))
     return bool(staged) and all(ok(spec, r, knobs.vector_lanes, feats) for r in staged)
 
@@ -320,8 +322,8 @@ def check(knobs: FlashCPUKnobs, spec: AttentionSpec, target: Target) -> None:
             f"decode_dot=3 needs qk_int8 (q rounded to int8 against an int8 cache; qk_int8={spec.qk_int8}), staged "
             f"decode nests on {cpu_decode.BF16_LANES}-lane vectors, a head_dim that is a multiple of "
             f"{cpu_decode.I8_LANES} up to 512 (head_dim={spec.head_dim}) and a CPU with {cpu_decode.VNNI} "
-            f"(target {target}); per-group scales (kv_scale={spec.kv_scale}) take AVX2's 32-byte form instead, "
-            f"head_dim a multiple of 32, at most 8 rows")
+            f"(target {target}); per-group scales (kv_scale={spec.kv_scale}) take a 32-byte form instead (AVX2's, "
+            f"or on 16-lane vectors {cpu_decode.VNNI} with avx512vl), head_dim a multiple of 32, at most 8 rows")
     if knobs.decode_dot == 2 and knobs.block_n % 2:
         raise KnobError(f"decode_dot=2 pairs the keys of a tile for PV: block_n={knobs.block_n} must be even")
     if knobs.decode_dot == 2 and spec.dtype != "bfloat16":

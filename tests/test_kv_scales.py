@@ -8,6 +8,7 @@ outliers."""
 from __future__ import annotations
 
 import argparse
+import re
 
 import numpy as np
 import pytest
@@ -141,8 +142,27 @@ def test_kernel_matches_the_reference(name):
     if "decode_dot" in dict(knobs):
         assert b.knobs.decode_dot == dict(knobs)["decode_dot"]
     if spec.kv_scale == "group" and spec.qk_int8 and spec.layout != "varlen":
-        # one int8 dot product per (key, group): AVX2's 32-byte form on every host seen
-        assert b.knobs.decode_dot == 3 and "vpmaddubsw" in b.module.inspect_source("asm"), b.knobs
+        # one int8 dot product per (key, group), 32 bytes: VNNI's vpdpbusd on a ymm where the host
+        # has AVX512-VNNI and AVX512-VL, else AVX2's form (test_group_dots_avx2_form)
+        asm = b.module.inspect_source("asm")
+        vnni = {"avx512vnni", "avx512vl"} <= target_features(resolve_target("llvm"))
+        assert b.knobs.decode_dot == 3, b.knobs
+        assert (re.search(r"vpdpbusd\s[^\n]*ymm", asm) and "vpmaddubsw" not in asm) if vnni else "vpmaddubsw" in asm
+    r = validate_built(b)
+    assert r.passed and r.finite, r
+
+
+def test_group_dots_avx2_form():
+    """Per-group int8 dot products on AVX2 vectors (a Zen 3's code, runnable on every host seen):
+    ``vpmaddubsw``'s sign trick, no VNNI, no zmm; the same answers as the reference."""
+    from tvm_attention.build import build_kernel
+    from tvm_attention.target import resolve_target
+
+    spec = AttentionSpec(**dict(GQA, layout="kvcache", dtype="bfloat16", kv_dtype="int8", kv_scale="group",
+                                qk_int8=True))
+    b = build_kernel(spec, target=resolve_target({"kind": "llvm", "mcpu": "znver3"}))
+    asm = b.module.inspect_source("asm")
+    assert b.knobs.decode_dot == 3 and "vpmaddubsw" in asm and "vpdpbusd" not in asm and "zmm" not in asm
     r = validate_built(b)
     assert r.passed and r.finite, r
 

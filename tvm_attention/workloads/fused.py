@@ -1414,7 +1414,7 @@ def _dense(spec: AttentionSpec, block_m: int, block_n: int, decode_rows: tuple[i
     # the int8 dot product's form follows the vectors: AVX-512 VNNI's (3) or AVX2's (4, 8 lanes)
     tile_dot = 4 if dot == 3 and stage_k_below < 16 else dot
     if dot == 3 and spec.kv_quantized and spec.kv_scale == "group":
-        tile_dot = 5  # one dot product per group of 32 (a ymm of bytes, AVX2's form on any lanes)
+        tile_dot = 5  # one dot product per group of 32 (a ymm of bytes: AVX2's form, or VNNI's on AVX-512)
     tier_macros = [_decode_tier(f, r, DECODE + str(r), split_tasks, r < stage_k_below, prefetch,
                                 HT if r < stage_k_below else 1, tile_dot if r < stage_k_below else 0) for r in tiers]
     t0 = tier_macros[0] if tiers else None
