@@ -18,6 +18,11 @@ if "_TVMA_TEST_BUILD_CACHE" not in os.environ:
     os.environ["_TVMA_TEST_BUILD_CACHE"] = tempfile.mkdtemp(prefix="tvma-test-builds-")
     atexit.register(shutil.rmtree, os.environ["_TVMA_TEST_BUILD_CACHE"], True)
 os.environ["TVM_ATTENTION_BUILD_CACHE_DIR"] = os.environ["_TVMA_TEST_BUILD_CACHE"]
+# Likewise one folder for what the run's files share read-only across workers (the serving venv:
+# serving_env.shared), made by the first process, inherited by the workers, removed at exit.
+if "_TVMA_TEST_SHARED" not in os.environ:
+    os.environ["_TVMA_TEST_SHARED"] = tempfile.mkdtemp(prefix="tvma-test-shared-")
+    atexit.register(shutil.rmtree, os.environ["_TVMA_TEST_SHARED"], True)
 os.environ["TVM_ATTENTION_BUILD_CACHE"] = "1"
 os.environ["TVM_ATTENTION_BUILD_CACHE_MAX_MB"] = "16384"  # a run's builds: a few GB at most, never evicted
 # Tests tune many times per process: keep the tuner's worker processes between tunes
