@@ -119,6 +119,20 @@ def run_script(name, args, monkeypatch, capsys):
 
 
 def test_held_out_and_efficiency_reports_in_tiny_mode(logs, tmp_path, monkeypatch, capsys):
+    # The two scripts tune one decode step 5 times (held-out, its warm start, both arms): each
+    # tune made the step's tasks again, a workload generated per task (~10 s of TVMScript in all).
+    # Made once per (spec, target, schedule) here: the same tasks, the tunes and reports unchanged.
+    from tvm_attention.tune import driver
+
+    made, make_tasks = {}, driver.make_tasks
+
+    def make_tasks_once(spec, target, schedule):
+        key = (spec, str(target), schedule)
+        if key not in made:
+            made[key] = make_tasks(spec, target, schedule)
+        return list(made[key])
+
+    monkeypatch.setattr(driver, "make_tasks", make_tasks_once)
     out = tmp_path / "ho"
     # One trial per tune and one timing repeat: the reports' plumbing is what is checked, not the search.
     rc, stdout = run_script("search_report.py", ["--held-out", "--tiny", "--trials", "1", "--only", "decode_b8",
