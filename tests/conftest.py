@@ -18,6 +18,11 @@ if "_TVMA_TEST_BUILD_CACHE" not in os.environ:
     os.environ["_TVMA_TEST_BUILD_CACHE"] = tempfile.mkdtemp(prefix="tvma-test-builds-")
     atexit.register(shutil.rmtree, os.environ["_TVMA_TEST_BUILD_CACHE"], True)
 os.environ["TVM_ATTENTION_BUILD_CACHE_DIR"] = os.environ["_TVMA_TEST_BUILD_CACHE"]
+# Likewise one folder for what the run's files share read-only across workers (the serving venv:
+# serving_env.shared), made by the first process, inherited by the workers, removed at exit.
+if "_TVMA_TEST_SHARED" not in os.environ:
+    os.environ["_TVMA_TEST_SHARED"] = tempfile.mkdtemp(prefix="tvma-test-shared-")
+    atexit.register(shutil.rmtree, os.environ["_TVMA_TEST_SHARED"], True)
 os.environ["TVM_ATTENTION_BUILD_CACHE"] = "1"
 os.environ["TVM_ATTENTION_BUILD_CACHE_MAX_MB"] = "16384"  # a run's builds: a few GB at most, never evicted
 # Tests tune many times per process: keep the tuner's worker processes between tunes
@@ -225,14 +230,19 @@ def report(out, ref):
     return f"max abs err {diff.max():.3e}, mean abs err {diff.mean():.3e}"
 
 
-#: The files that take longest, longest first (seconds summed per file with --durations=0 in a
-#: 2-core znver4 run, 2026-12-02: kvcache 201, transformers 183, tune 139, tune_hardening 139,
-#: cuda_mma 125, search 110, halfprec 100, rpc 93, variants 85, cuda 79, bench 73), started first:
-#: `--dist loadfile` hands files to workers in collection order, and a long file collected last
-#: ran alone for minutes at the end of the run while the other worker sat idle.
-LONG_FILES = ("test_kvcache.py", "test_transformers.py", "test_tune.py", "test_tune_hardening.py", "test_cuda_mma.py",
-              "test_search.py", "test_halfprec.py", "test_rpc.py", "test_variants.py", "test_cuda.py", "test_bench.py",
-              "test_hardening.py")
+#: The files that take longest, longest first (seconds summed per file from the JUnit report of a
+#: 2-core znver4 run, 2026-12-04, less what the trims of that day saved: kvcache 87, cuda_mma 83,
+#: kv8 63, transformers 58, rpc 52, cuda 50, tune_hardening 46, bench 44, tune 40, gpu_payload 40,
+#: dirrunner 35, kv_scales 35, halfprec 28, smem_race 28, search 25, readme 25, variants 25, cli 23,
+#: serving_env 20, install 21, modifiers 21), started first: `--dist loadfile` hands files to
+#: workers in collection order (with --no-loadscope-reorder, pyproject: xdist's default queues them
+#: by test count instead), and a long file collected last ran alone for minutes at the end of the
+#: run while the other worker sat idle.
+LONG_FILES = ("test_kvcache.py", "test_cuda_mma.py", "test_kv8.py", "test_transformers.py", "test_rpc.py",
+              "test_cuda.py", "test_tune_hardening.py", "test_bench.py", "test_tune.py", "test_gpu_payload.py",
+              "test_dirrunner.py", "test_kv_scales.py", "test_halfprec.py", "test_smem_race.py", "test_search.py",
+              "test_readme.py", "test_variants.py", "test_cli.py", "test_install.py", "test_modifiers.py",
+              "test_serving_env.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -139,6 +139,23 @@ def make(root: Path) -> Path:
     return python
 
 
+def shared() -> Path:
+    """The run's one serving environment (``make``), made by the first test that asks for it under
+    the folder conftest.py shares between the run's workers (``$_TVMA_TEST_SHARED``), under a lock;
+    returns its python. Its users only run it: a wheel build and install (~3 s) per test file
+    bought nothing, the checkout being the same."""
+    import fcntl
+
+    root = Path(os.environ["_TVMA_TEST_SHARED"]) / "serving"
+    with open(str(root) + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when closed
+        if not (root / "done").exists():  # a process that died making it left no "done": made again
+            shutil.rmtree(root, ignore_errors=True)
+            make(root / "venv")
+            (root / "done").write_text("")
+    return root / "venv" / "bin" / "python"
+
+
 def make_full(root: Path) -> Path:
     """Create an environment under ``root`` holding what ``pip install .`` installs (every
     requirement, the compiler included; not editable); returns its python (``bin/tvm-attention``

@@ -195,7 +195,7 @@ def test_run_in_the_runtime_only_install_says_it_needs_the_full_install(tmp_path
 
     import serving_env
 
-    python = serving_env.make(tmp_path / "venv")
+    python = serving_env.shared()
     proc = subprocess.run([str(python), "-m", "tvm_attention.cli", "run"], cwd=tmp_path, capture_output=True,
                           text=True, timeout=120, env=serving_env.env())
     assert proc.returncode == 2, proc.stderr

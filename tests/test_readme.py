@@ -71,7 +71,7 @@ def test_readme_and_docs_python_blocks_run(tmp_path, monkeypatch):
     # The loader's serving examples again, where only the serving install is (no tvm at all).
     serving = serving_blocks(blocks)
     assert len(serving) >= 2
-    run_blocks(serving_env.make(tmp_path / "venv"), [("serving", b) for b in serving], tmp_path,
+    run_blocks(serving_env.shared(), [("serving", b) for b in serving], tmp_path,
                env=serving_env.env(), no_tvm=True)
 
 

@@ -32,7 +32,7 @@ SPECS = {
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     root = tmp_path_factory.mktemp("serving")
-    python = serving_env.make(root / "venv")
+    python = serving_env.shared()
     arts = {}
     for name, spec in SPECS.items():
         b = built(spec)

@@ -64,8 +64,10 @@ def tuned(tmp_path_factory) -> Tuned:
     resume). The resumed tune keeps its workers (TVM_ATTENTION_KEEP_WORKERS=1) for
     test_local_workers_are_kept_between_tunes_only_when_asked."""
     work = tmp_path_factory.mktemp("tune") / "log"
+    # --search random: this tune is only there to commit records and be killed; the resume
+    # below (the default, evolutionary search, seeded by those records) is what is checked
     cmd = [sys.executable, "-m", "tvm_attention.cli", "tune", *SPEC_ARGS, "--trials", "40", "--per-round", "2",
-           "--threads", "1", "--work-dir", str(work)]
+           "--threads", "1", "--search", "random", "--work-dir", str(work)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + 240
@@ -310,11 +312,12 @@ def test_local_workers_are_kept_between_tunes_only_when_asked(tuned, monkeypatch
     kept = _popen_workers()
     assert len(kept) >= 2  # a builder and the runner (at least) wait for the next tune
     # Off (the default): this tune takes the kept workers, then stops every worker it used.
-    # (A small spec of its own: what is checked is which processes serve it.)
+    # (A small spec of its own, searched at random: what is checked is which processes serve it.)
     monkeypatch.setenv("TVM_ATTENTION_KEEP_WORKERS", "0")
     during = []
     small = AttentionSpec(batch=1, heads=1, seq_q=64, head_dim=16)
-    r = tune(small, trials=1, per_round=1, work_dir=tmp_path, progress=lambda m: during.extend(_popen_workers()))
+    r = tune(small, trials=1, per_round=1, work_dir=tmp_path, progress=lambda m: during.extend(_popen_workers()),
+             search="random")
     assert r.trials_new == 1 and set(kept) <= set(during)  # the same processes served it
     assert not driver._KEPT
     deadline = time.time() + 10
