@@ -162,7 +162,8 @@ def preset(spec: AttentionSpec, target: Target) -> FlashCPUKnobs:
                           pv_cols=pv_cols if pv_cols < spec.head_dim else 0, vector_lanes=lanes,
                           auto_unroll=auto_unroll, split_tasks=split_tasks_for(target), dot_bf16=int(dot))
     if stages_decode(spec, knobs):  # the page order is a property of the staged decode nests
-        knobs = dataclasses.replace(knobs, decode_heads=page_order_heads(spec, block_n))
+        knobs = dataclasses.replace(knobs, decode_heads=page_order_heads(spec, block_n),
+                                    prefetch=decode_prefetch(spec, lanes))
         # the products on vdpbf16ps (2-core znver4, H32 KH8 D128, 2 threads, B4 4k / B1 16k,
         # the step over the float32 form's, side by side): a bf16 cache takes both (QKᵀ alone
         # 0.86 / 0.91 kvcache, 0.99 / 0.95 paged; with PV 0.85 / 0.84, 0.91 / 0.84), an 8-bit
@@ -178,6 +179,28 @@ def preset(spec: AttentionSpec, target: Target) -> FlashCPUKnobs:
         elif decode_dots(spec, knobs, target):
             knobs = dataclasses.replace(knobs, decode_dot=1 if spec.kv_quantized else 2)
     return knobs
+
+
+def decode_prefetch(spec: AttentionSpec, lanes: int) -> int:
+    """The preset's software prefetch of the staged decode nests (``prefetch``, key tiles ahead,
+    into L2): 1, so the next key tile streams in while this one computes, except where the step
+    already streams at memory speed without it.
+
+    Why (2-core znver4, 2 threads, D=128, B4 4k / B1 16k / B16 4k, the step with it over the step
+    without, alternated in one process; the stream read about 32 GB/s): GQA 32:8 kvcache bf16
+    0.84 / 0.68 / 0.86, fp16 0.70 / 0.73 / 0.78, int8 0.81 / 0.82 / 0.75, int8 with qk_int8 0.91 /
+    0.91 / 0.69, e4m3 0.76 / 0.91 / 0.77, int8 per token 0.81 / 0.83 / 0.86; paged bf16 0.83 /
+    0.87 / 0.98, int8 0.79 / 0.75 / 0.68, per-group qk_int8 0.89 / 0.74 / 0.69; D=64 bf16 0.64 /
+    0.63 / 0.73; AVX2 code (znver3) bf16 0.59 / 0.56 / 0.60, paged int8 0.68-0.74, float32 0.87 /
+    0.89 / 0.97. Without it: a float32 cache on AVX-512 (25 GB/s already; 1.03-1.04 kvcache,
+    1.00-1.17 paged) and MHA's kvcache (one row per kv head, little compute per byte: int8 1.12 /
+    1.15 / 1.02, bf16 level); MHA paged gains a little (bf16 0.93-0.96)."""
+    elem = 1 if spec.kv_quantized else 4 if spec.dtype == "float32" else 2
+    if elem == 4 and lanes == 16:
+        return 0
+    if spec.group_size == 1 and not spec.layout_info.paged:
+        return 0
+    return 1
 
 
 #: Largest value tile (``block_n · decode_heads · D`` float32) the preset's multi-head decode
@@ -258,9 +281,9 @@ def bf16_dots(spec: AttentionSpec, target: Target) -> bool:
 #: streams at least MIN_SPLIT_KEYS keys.
 SPLIT_TASKS_PER_CORE = 4
 SPLIT_TASK_CHOICES = (0, 4, 8, 16, 32)
-#: Decode prefetch distances (key tiles ahead) the tuner tries. 0 is the preset: on a 2-core
-#: znver4 prefetching 1-2 tiles ahead cost 15-20 % on the contiguous caches (the hardware
-#: prefetcher already streams them) and gained nothing on paged ones (page sizes 16-256).
+#: Decode prefetch distances (key tiles ahead) the tuner tries; the preset's is
+#: :func:`decode_prefetch` (1, or 0 where the step streams at memory speed without it). 2 tiles
+#: ahead was level with 1 or worse (one thread, bf16 kvcache: 0.85-0.99x none, 1 tile 0.80-0.87x).
 PREFETCH_CHOICES = (0, 1, 2)
 
 
@@ -455,7 +478,7 @@ def decode_candidates(spec: AttentionSpec, target: Target) -> list[FlashCPUKnobs
       task;
     * every key tile with 2 and with all kv heads per task (``decode_heads``: the page order;
       staged decode tiles only), unsplit or split as the preset;
-    * the preset with each ``PREFETCH_CHOICES`` distance, and with each product form
+    * the preset with each other ``PREFETCH_CHOICES`` distance, and with each product form
       (``decode_dot`` 0, 1, 2, where the CPU and the cache allow it).
 
     This is the decode step's place in the search: a symbolic kernel tuned at a decode shape
@@ -473,7 +496,7 @@ def decode_candidates(spec: AttentionSpec, target: Target) -> list[FlashCPUKnobs
             for h in heads for bn in DECODE_BLOCK_N
             for st in (SPLIT_TASK_CHOICES if h == 1 else (0, hand.split_tasks))]
     if staged:
-        grid += [dataclasses.replace(hand, prefetch=pf) for pf in PREFETCH_CHOICES if pf]
+        grid += [dataclasses.replace(hand, prefetch=pf) for pf in PREFETCH_CHOICES if pf != hand.prefetch]
         grid += [dataclasses.replace(hand, decode_dot=v) for v in (0, 1, 2, 3)]  # the product forms
     out, seen = [], set()
     for knobs in [hand] + grid:

@@ -355,6 +355,21 @@ def test_static_decode_shape_builds_its_packed_nest_alone():
     assert validate_built(b).passed
 
 
+def test_decode_prefetch_preset():
+    """The preset prefetches the next key tile (into L2) where the step does not stream at memory
+    speed without it: bf16, fp16 and 8-bit caches, AVX2 code; not a float32 cache on AVX-512, not
+    MHA's kvcache (``cpu_fused.decode_prefetch``, with the measurements behind it)."""
+    from tvm_attention.schedules import cpu_fused
+
+    gqa = dict(batch=4, heads=32, kv_heads=8, seq_q=1, seq_kv=4096, head_dim=128, layout="kvcache")
+    for kw, lanes, want in ((dict(dtype="bfloat16"), 16, 1), (dict(dtype="float16"), 16, 1), (dict(kv_dtype="int8"), 16, 1),
+                            (dict(), 16, 0), (dict(), 8, 1), (dict(layout="paged", dtype="bfloat16"), 16, 1),
+                            (dict(kv_heads=32, dtype="bfloat16"), 16, 0), (dict(kv_heads=32, kv_dtype="int8"), 8, 0),
+                            (dict(kv_heads=32, layout="paged", dtype="bfloat16"), 16, 1)):
+        spec = AttentionSpec(**{**gqa, **kw})
+        assert cpu_fused.decode_prefetch(spec, lanes) == want, (kw, lanes)
+
+
 def test_page_order_and_prefetch_are_points_of_the_decode_space():
     """kv heads per decode task (the page order) and the software prefetch change the workload:
     the paged preset takes all heads, the tuner's tasks include both orders and the prefetch,
@@ -374,9 +389,13 @@ def test_page_order_and_prefetch_are_points_of_the_decode_space():
     assert cpu_fused.preset(AttentionSpec(**{**spec.to_dict(), "layout": "kvcache", "page_size": None}), target).decode_heads == 1
     rep = spec.representative()
     names = [t.name for t in make_tasks(rep, target, "fused")]
-    assert names[0] == "fused_dec_n64_s8_h1" and "fused_dec_n64_s8_h2" in names, names
-    assert "fused_dec_n64_s8_h4" in names and "fused_dec_n32_s0_h2" in names, names
-    assert "fused_dec_n64_s8_h1_pf1" in names and "fused_dec_n64_s8_h1_pf2" in names, names
+    pf = cpu_fused.preset(rep, target).prefetch  # fp32: 0 on AVX-512, 1 as AVX2 code (decode_prefetch)
+
+    def sfx(p):
+        return f"_pf{p}" if p else ""
+    assert names[0] == f"fused_dec_n64_s8_h1{sfx(pf)}" and f"fused_dec_n64_s8_h2{sfx(pf)}" in names, names
+    assert f"fused_dec_n64_s8_h4{sfx(pf)}" in names and f"fused_dec_n32_s0_h2{sfx(pf)}" in names, names
+    assert all(f"fused_dec_n64_s8_h1{sfx(p)}" in names for p in cpu_fused.PREFETCH_CHOICES), names
     per_head = cpu_fused.preset(rep, target)
     assert cpu_fused.for_layout(per_head, spec, target).decode_heads == 4
     assert cpu_fused.for_layout(per_head, rep, target) == per_head
@@ -392,7 +411,7 @@ def test_page_order_and_prefetch_are_points_of_the_decode_space():
         assert ("attn.decode_heads" in wl.attrs) == (b.knobs.decode_heads > 1)
         assert ("attn.prefetch" in wl.attrs) == (b.knobs.prefetch > 0)
     module = built(spec, knobs=(("decode_heads", 2), ("prefetch", 1))).module
-    assert "prefetcht0" in getattr(module, "mod", module).inspect_source("asm")
+    assert "prefetcht1" in getattr(module, "mod", module).inspect_source("asm")  # into L2 (fused.PF_LOCALITY)
     with pytest.raises(Exception, match="decode_heads=3 must divide kv_heads=4"):
         built(spec, knobs=(("decode_heads", 3),))
     _no_staged_decode_nest(dataclasses.replace(spec, head_dim=12), target)  # 12: 1½ ymm, ¾ zmm

@@ -448,6 +448,13 @@ class _TileShape:
         return self.BM // self.HT
 
 
+#: llvm.prefetch's locality of the decode nests' software prefetch: 2, into L2 (``prefetcht1``).
+#: One key tile ahead is 32 KiB of K/V rows per kv head (bf16, D=128, 64 keys), 256 KiB for a
+#: paged tile of 8 kv heads: into L1 (3) that evicts the tile being computed (a paged bf16 step
+#: 1.18-1.20x slower, one thread on a 2-core znver4), into L2 it waits there.
+PF_LOCALITY = 2
+
+
 def _s_gemm_macros(k: _TileShape):
     """``S = Q·Kᵀ`` of one key tile (scaled, log2 units), one macro per form: ``dot`` (bf16 pairs
     along head_dim, ``vdpbf16ps``'s operands; ``K_load`` copies the tile's bits to ``Kb``),
@@ -466,11 +473,14 @@ def _s_gemm_macros(k: _TileShape):
     cache ``(pages, page_size, kv_heads, D)`` is then read along its rows, every head of a key at
     once, instead of ``D`` elements every ``kv_heads·D``. Row ``i`` uses head ``i // R``.
 
-    ``prefetch``: a software prefetch (``llvm.prefetch``, into L1) of every cache line of the K
-    and V rows of key tile ``c + prefetch`` while tile ``c`` computes (clamped to the last key),
-    meant for streams the hardware prefetcher follows poorly (a paged cache: rows ``kv_heads·D``
-    elements apart, pages anywhere); on a 2-core znver4 it gained nothing there and cost 15-20 %
-    on contiguous caches, so it is a point of the search, off in the presets. It writes nothing.
+    ``prefetch``: a software prefetch (``llvm.prefetch``, into L2: :data:`PF_LOCALITY`) of every
+    cache line of the K and V rows of key tile ``c + prefetch`` while tile ``c`` computes (clamped
+    to the last key), so the next tile streams in while this one computes: without it the core
+    waits on each tile, then computes (one thread, bf16 kvcache: 9.0 GB/s where the cache in L2
+    runs 16.5 and the stream reads 19.7, i.e. no overlap at all). It is issued in ``S_gemm``'s
+    key loop, key ``j``'s rows with key ``j``'s dot product: a few lines per key. Issued as one
+    burst at the tile's start (the first form) it cost 8-26 %: hundreds of prefetches queued at
+    once stall the loads behind them. It writes nothing.
 
     ``k.dot_decode`` (the staged forms): ``Qt`` and ``Kt`` hold bf16 bits, the keys widened to
     bf16 as they are staged, the products spelled on their float32 values (``cpu_decode``'s
@@ -513,26 +523,31 @@ def _s_gemm_macros(k: _TileShape):
                 S[vj, vi] = S[vj, vi] + bf16_value(Kb[vj, 2 * vp + vt]) * bf16_value(Qp[vp, vi, vt])
 
     @T.macro
-    def kv_prefetch(K, V, t, vc):
-        for j, h, ln in T.grid(BN, HT, LINES):
+    def kv_prefetch(K, V, t, vc, j):
+        # key j's K and V rows (every head of the tile) of tile vc + prefetch, issued in the key
+        # loop of S_gemm: a few lines per key, spread over the tile's compute
+        for h, ln in T.grid(HT, LINES):
             with T.sblock(N["KV_prefetch"]):
-                vj, vh, vl = T.axis.remap("SSS", [j, h, ln])
+                vj = T.axis.spatial(BN, j)
+                vh, vl = T.axis.remap("SS", [h, ln])
                 T.reads(K[t.kv_ahead(vc + prefetch, vj, vl * LINE_ELEMS, kvh(vh))],
                         V[t.kv_ahead(vc + prefetch, vj, vl * LINE_ELEMS, kvh(vh))])
                 T.writes()
-                # (address, 0 = read, 3 = keep in all levels, 1 = data cache)
+                # (address, 0 = read, locality, 1 = data cache)
                 T.evaluate(T.call_llvm_intrin(
                     "void", "llvm.prefetch.p0",
                     T.address_of(K[t.kv_ahead(vc + prefetch, vj, vl * LINE_ELEMS, kvh(vh))]),
-                    T.int32(0), T.int32(3), T.int32(1)))
+                    T.int32(0), T.int32(PF_LOCALITY), T.int32(1)))
                 T.evaluate(T.call_llvm_intrin(
                     "void", "llvm.prefetch.p0",
                     T.address_of(V[t.kv_ahead(vc + prefetch, vj, vl * LINE_ELEMS, kvh(vh))]),
-                    T.int32(0), T.int32(3), T.int32(1)))
+                    T.int32(0), T.int32(PF_LOCALITY), T.int32(1)))
 
     @T.macro
-    def s_gemm_heads(K, Kt, Qt, S, t, vc, Ksc):
+    def s_gemm_heads(K, Kt, Qt, S, t, vc, Ksc, Kp, Vp):
         for j in T.serial(BN):
+            if prefetch > 0:
+                kv_prefetch(Kp, Vp, t, vc, j)
             # key j of every head: one contiguous read of a paged row, kept in L1
             for h, d in T.grid(HT, D):
                 with T.sblock(N["K_load"]):
@@ -549,17 +564,21 @@ def _s_gemm_macros(k: _TileShape):
                                                          operand(Kt[T.floordiv(vi, R), vd]) * operand(Qt[vd, vi]))
 
     @T.macro
-    def s_gemm_staged(K, Kt, Qt, S, t, vc, Ksc):
+    def s_gemm_staged(K, Kt, Qt, S, t, vc, Ksc, Kp, Vp):
         for j, d in T.grid(BN, D):
             with T.sblock(N["K_load"]):
                 vj, vd = T.axis.remap("SS", [j, d])
                 Kt[vj, vd] = k.stage_key(K[t.kv_at(vc, vj, vd)], Ksc, 0, vj, vd)
-        for j, d, i in T.grid(BN, D, BM):
-            with T.sblock(N["S_gemm"]):
-                vj, vd, vi = T.axis.remap("SRS", [j, d, i])
-                with T.init():
-                    S[vj, vi] = T.float32(0)
-                S[vj, vi] = S[vj, vi] + group_scaled(Ksc, 0, vj, vd, operand(Kt[vj, vd]) * operand(Qt[vd, vi]))
+        for j in T.serial(BN):
+            if prefetch > 0:
+                kv_prefetch(Kp, Vp, t, vc, j)
+            for d, i in T.grid(D, BM):
+                with T.sblock(N["S_gemm"]):
+                    vj = T.axis.spatial(BN, j)
+                    vd, vi = T.axis.remap("RS", [d, i])
+                    with T.init():
+                        S[vj, vi] = T.float32(0)
+                    S[vj, vi] = S[vj, vi] + group_scaled(Ksc, 0, vj, vd, operand(Kt[vj, vd]) * operand(Qt[vd, vi]))
 
     @T.macro
     def s_gemm(K, Qt, S, t, vc, Ksc):
@@ -969,7 +988,7 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
     NG, scale_load = spec.scale_groups, _scale_macro(k, spec)
     fine = NG > 0
     SC_SHAPE = (BN, BM) if k.token_scales else (HT, BN, NG)
-    s_gemm_dot, kv_prefetch, s_gemm_heads, s_gemm_staged, s_gemm = sg.dot, sg.prefetch, sg.heads, sg.staged, sg.plain
+    s_gemm_dot, s_gemm_heads, s_gemm_staged, s_gemm = sg.dot, sg.heads, sg.staged, sg.plain
     pv_gemm_dot, pv_gemm_dot_heads, pv_gemm_heads, pv_gemm = pv.dot, pv.dot_heads, pv.heads, pv.plain
     online_softmax, store = _softmax_macro(k), _store_macro(k)
     q_pairs, q_load = _q_macros(k)
@@ -1057,16 +1076,14 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
                 if dot_bf16:
                     s_gemm_dot(Ku, Kb, Qp, S, t, vc)
                 else:
-                    if stage_k and prefetch > 0:
-                        kv_prefetch(K, V, t, vc)
                     if stage_k and HT > 1 and k.raw16:
-                        s_gemm_heads(Ku, Kt, Qt, S, t, vc, Ksc)
+                        s_gemm_heads(Ku, Kt, Qt, S, t, vc, Ksc, K, V)
                     elif stage_k and HT > 1:
-                        s_gemm_heads(K, Kt, Qt, S, t, vc, Ksc)
+                        s_gemm_heads(K, Kt, Qt, S, t, vc, Ksc, K, V)
                     elif stage_k and k.raw16:
-                        s_gemm_staged(Ku, Kt, Qt, S, t, vc, Ksc)
+                        s_gemm_staged(Ku, Kt, Qt, S, t, vc, Ksc, K, V)
                     elif stage_k:
-                        s_gemm_staged(K, Kt, Qt, S, t, vc, Ksc)
+                        s_gemm_staged(K, Kt, Qt, S, t, vc, Ksc, K, V)
                     else:
                         s_gemm(K, Qt, S, t, vc, Ksc)
                 if k.score_mod and k.qk_int8:
