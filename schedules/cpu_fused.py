@@ -162,7 +162,7 @@ def preset(spec: AttentionSpec, target: Target) -> FlashCPUKnobs:
                           pv_cols=pv_cols if pv_cols < spec.head_dim else 0, vector_lanes=lanes,
                           auto_unroll=auto_unroll, split_tasks=split_tasks_for(target), dot_bf16=int(dot))
     if stages_decode(spec, knobs):  # the page order is a property of the staged decode nests
-        knobs = dataclasses.replace(knobs, decode_heads=page_order_heads(spec, block_n),
+        knobs = dataclasses.replace(knobs, decode_heads=page_order_heads(spec, block_n, lanes),
                                     prefetch=decode_prefetch(spec, lanes))
         # the products on vdpbf16ps (2-core znver4, H32 KH8 D128, 2 threads, B4 4k / B1 16k,
         # the step over the float32 form's, side by side): a bf16 cache takes both (QKᵀ alone
@@ -238,16 +238,27 @@ def decode_dots(spec: AttentionSpec, knobs: FlashCPUKnobs, target: Target, form:
     return bool(staged) and all(ok(spec, r, knobs.vector_lanes, feats) for r in staged)
 
 
-def page_order_heads(spec: AttentionSpec, block_n: int) -> int:
+def page_order_heads(spec: AttentionSpec, block_n: int, lanes: int = 16) -> int:
     """The preset's kv heads per decode task: all of them (as many as a ``MAX_DECODE_VT_BYTES``
-    value tile allows) for the paged layout, 1 otherwise.
+    value tile allows) for the paged layout; on the contiguous layouts with AVX-512 vectors and
+    GQA, all of them for an 8-bit cache and 2 for a 16- or 32-bit one; else 1.
 
-    Why (2-core znver4, H32 KH8 D128 fp32, 2 threads, page_size 16): one head per task reads a
-    paged cache in 512-byte pieces 4 KiB apart, 10-13 GB/s at batch 1-16 (4k-16k keys); all 8
-    heads per task read whole rows, 19-30 GB/s (1.5-1.9x), level with the contiguous cache. On
-    the contiguous layouts (bhsd, kvcache) 2 heads per task ran 9-23 % faster at batch 4 and 16
-    and 10 % slower at batch 1: a point for the search (``decode_candidates``), not the preset."""
-    return max_heads_per_task(spec, block_n) if spec.layout_info.paged else 1
+    Why, paged (2-core znver4, H32 KH8 D128 fp32, 2 threads, page_size 16): one head per task
+    reads a paged cache in 512-byte pieces 4 KiB apart, 10-13 GB/s at batch 1-16 (4k-16k keys);
+    all 8 heads per task read whole rows, 19-30 GB/s (1.5-1.9x), level with the contiguous cache.
+
+    Why, contiguous (same VM, 2 threads, GQA 32:8 D128 kvcache with the prefetch preset, B4 4k /
+    B1 16k / B16 4k, the step over one head per task's, alternated): all 8 heads int8 0.81 / 0.78
+    / 0.72, with qk_int8 0.89 / 0.88 / 0.72, e4m3 0.89 / 0.89 / 0.88; 2 heads bf16 0.96 / 0.86 /
+    0.87, fp32 0.84 / 0.86 / 0.88 (all 8: 0.91-1.06). Not on AVX2 code (2 heads bf16 1.01-1.18,
+    int8 1.05-1.20: 16 ymm hold less) nor for MHA (2 heads int8 1.06-1.21, though bf16 0.83-0.87):
+    one head per task there."""
+    if spec.layout_info.paged:
+        return max_heads_per_task(spec, block_n)
+    if lanes < 16 or spec.group_size == 1:
+        return 1
+    want = max_heads_per_task(spec, block_n) if spec.kv_quantized else 2
+    return max(h for h in range(1, want + 1) if spec.kv_heads % h == 0 and h <= max_heads_per_task(spec, block_n))
 
 
 def max_heads_per_task(spec: AttentionSpec, block_n: int) -> int:
