@@ -240,8 +240,8 @@ def decode_dots(spec: AttentionSpec, knobs: FlashCPUKnobs, target: Target, form:
 
 def page_order_heads(spec: AttentionSpec, block_n: int, lanes: int = 16) -> int:
     """The preset's kv heads per decode task: all of them (as many as a ``MAX_DECODE_VT_BYTES``
-    value tile allows) for the paged layout; on the contiguous layouts with AVX-512 vectors and
-    GQA, all of them for an 8-bit cache and 2 for a 16- or 32-bit one; else 1.
+    value tile allows) for the paged layout; on the contiguous layouts with AVX-512 vectors, 2
+    for a 16- or 32-bit cache and all of them for an 8-bit GQA cache; else 1.
 
     Why, paged (2-core znver4, H32 KH8 D128 fp32, 2 threads, page_size 16): one head per task
     reads a paged cache in 512-byte pieces 4 KiB apart, 10-13 GB/s at batch 1-16 (4k-16k keys);
@@ -250,12 +250,12 @@ def page_order_heads(spec: AttentionSpec, block_n: int, lanes: int = 16) -> int:
     Why, contiguous (same VM, 2 threads, GQA 32:8 D128 kvcache with the prefetch preset, B4 4k /
     B1 16k / B16 4k, the step over one head per task's, alternated): all 8 heads int8 0.81 / 0.78
     / 0.72, with qk_int8 0.89 / 0.88 / 0.72, e4m3 0.89 / 0.89 / 0.88; 2 heads bf16 0.96 / 0.86 /
-    0.87, fp32 0.84 / 0.86 / 0.88 (all 8: 0.91-1.06). Not on AVX2 code (2 heads bf16 1.01-1.18,
-    int8 1.05-1.20: 16 ymm hold less) nor for MHA (2 heads int8 1.06-1.21, though bf16 0.83-0.87):
-    one head per task there."""
+    0.87, fp32 0.84 / 0.86 / 0.88 (all 8: 0.91-1.06); MHA 32:32 2 heads bf16 0.85-0.90, fp32
+    0.70-0.84, but int8 1.06-1.21 (so one). Not on AVX2 code (2 heads bf16 1.01-1.18, int8
+    1.05-1.20: 16 ymm hold less): one head per task there."""
     if spec.layout_info.paged:
         return max_heads_per_task(spec, block_n)
-    if lanes < 16 or spec.group_size == 1:
+    if lanes < 16 or (spec.kv_quantized and spec.group_size == 1):
         return 1
     want = max_heads_per_task(spec, block_n) if spec.kv_quantized else 2
     return max(h for h in range(1, want + 1) if spec.kv_heads % h == 0 and h <= max_heads_per_task(spec, block_n))

@@ -355,10 +355,11 @@ def test_static_decode_shape_builds_its_packed_nest_alone():
     assert validate_built(b).passed
 
 
-def test_decode_prefetch_preset():
+def test_decode_presets_prefetch_and_heads_per_task():
     """The preset prefetches the next key tile (into L2) where the step does not stream at memory
     speed without it: bf16, fp16 and 8-bit caches, AVX2 code; not a float32 cache on AVX-512, not
-    MHA's kvcache (``cpu_fused.decode_prefetch``, with the measurements behind it)."""
+    MHA's kvcache (``cpu_fused.decode_prefetch``, with the measurements behind it). And it stages
+    keys for several kv heads per task where that was measured faster."""
     from tvm_attention.schedules import cpu_fused
 
     gqa = dict(batch=4, heads=32, kv_heads=8, seq_q=1, seq_kv=4096, head_dim=128, layout="kvcache")
@@ -368,6 +369,13 @@ def test_decode_prefetch_preset():
                             (dict(kv_heads=32, layout="paged", dtype="bfloat16"), 16, 1)):
         spec = AttentionSpec(**{**gqa, **kw})
         assert cpu_fused.decode_prefetch(spec, lanes) == want, (kw, lanes)
+    # kv heads per task (cpu_fused.page_order_heads): paged all; contiguous on AVX-512 2 for a 16/32-bit
+    # cache, all for an 8-bit GQA cache, 1 for an 8-bit MHA cache; AVX2 code 1
+    for kw, lanes, want in ((dict(layout="paged", dtype="bfloat16"), 16, 8), (dict(layout="paged"), 8, 8),
+                            (dict(dtype="bfloat16"), 16, 2), (dict(), 16, 2), (dict(kv_heads=32), 16, 2),
+                            (dict(kv_dtype="int8"), 16, 8), (dict(kv_heads=32, kv_dtype="int8"), 16, 1),
+                            (dict(dtype="bfloat16"), 8, 1), (dict(kv_dtype="int8"), 8, 1)):
+        assert cpu_fused.page_order_heads(AttentionSpec(**{**gqa, **kw}), 64, lanes) == want, (kw, lanes)
 
 
 def test_page_order_and_prefetch_are_points_of_the_decode_space():
