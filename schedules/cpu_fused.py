@@ -194,7 +194,8 @@ def decode_prefetch(spec: AttentionSpec, lanes: int) -> int:
     0.63 / 0.73; AVX2 code (znver3) bf16 0.59 / 0.56 / 0.60, paged int8 0.68-0.74, float32 0.87 /
     0.89 / 0.97. Without it: a float32 cache on AVX-512 (25 GB/s already; 1.03-1.04 kvcache,
     1.00-1.17 paged) and MHA's kvcache (one row per kv head, little compute per byte: int8 1.12 /
-    1.15 / 1.02, bf16 level); MHA paged gains a little (bf16 0.93-0.96)."""
+    1.15 / 1.02, bf16 level; with 2 kv heads per task, the preset's, bf16 1.03-1.23); MHA paged
+    gains a little (bf16 0.93-0.96)."""
     elem = 1 if spec.kv_quantized else 4 if spec.dtype == "float32" else 2
     if elem == 4 and lanes == 16:
         return 0
