@@ -475,7 +475,12 @@ def test_split_count_and_page_order_are_tasks_of_a_kvcache_step():
         h = int(a["attn.decode_heads"]) if "attn.decode_heads" in a else 1
         return int(a["attn.block_n"]), h, n_splits(int(a["attn.split_tasks"]), 1, 8 // h)
 
-    points = sorted(point(t) for t in tasks if "attn.prefetch" not in t.mod["main"].attrs)
+    def prefetch_of(t):
+        a = t.mod["main"].attrs
+        return int(a["attn.prefetch"]) if "attn.prefetch" in a else 0
+
+    pf = cpu_fused.preset(rep, target).prefetch  # fp32: 0 on AVX-512, 1 as AVX2 code (decode_prefetch)
+    points = sorted(point(t) for t in tasks if prefetch_of(t) == pf)
     assert [p for p in points if p[1] == 1] == [(bn, 1, ns) for bn in (32, 64, 128) for ns in (1, 2, 4)]
     if not cpu_fused.stages_decode(rep, cpu_fused.preset(rep, target)):  # no staged nest: one head per task
         assert {p[1] for p in points} == {1} and len(points) == len(tasks) == 9
@@ -483,7 +488,7 @@ def test_split_count_and_page_order_are_tasks_of_a_kvcache_step():
     assert [p for p in points if p[1] == 8] == [(bn, 8, ns) for bn in (32, 64, 128) for ns in (1, 8)]
     assert [p for p in points if p[1] == 2] == [(bn, 2, ns) for bn in (32, 64, 128) for ns in (1, 2)]
     assert {p[1] for p in points} == {1, 2, 8}, [t.name for t in tasks]
-    assert sum("attn.prefetch" in t.mod["main"].attrs for t in tasks) == 2  # the preset's, 1 or 2 tiles ahead
+    assert sum(prefetch_of(t) != pf for t in tasks) == 2  # the preset at each other distance of 0, 1, 2 tiles
     assert all(t.points == 1 for t in tasks)  # one point each: the driver stops once all are measured
     # a log's records map back to them (the preset, and every kind of task)
     assert all(workload_matches(rep, t.mod) for t in tasks[:1] + tasks[-5:])
@@ -524,7 +529,10 @@ def test_paged_decode_is_tuned_in_pages(tmp_path, monkeypatch):
     from tvm_attention.schedules import cpu_fused
 
     if cpu_fused.stages_decode(spec, cpu_fused.preset(spec, target)):  # AVX-512, AVX2: the page order too
-        assert names[0] == "fused_dec_n64_s8_h4" and "fused_dec_n64_s0_h1" in names and "fused_dec_n32_s0_h2" in names
+        pf = cpu_fused.preset(spec, target).prefetch  # fp32: 0 on AVX-512, 1 as AVX2 code (decode_prefetch)
+        sfx = f"_pf{pf}" if pf else ""
+        assert names[0] == f"fused_dec_n64_s8_h4{sfx}", names
+        assert f"fused_dec_n64_s0_h1{sfx}" in names and f"fused_dec_n32_s0_h2{sfx}" in names, names
         assert len(tasks) == 11
     else:  # no staged decode nest (SSE): one head per task; at 32 tasks no split count differs
         assert names == ["fused_dec_n64_s8_h1", "fused_dec_n32_s0_h1", "fused_dec_n128_s0_h1"], names
