@@ -196,8 +196,7 @@ def decode_prefetch(spec: AttentionSpec, lanes: int) -> int:
     1.00-1.17 paged) and MHA's kvcache (one row per kv head, little compute per byte: int8 1.12 /
     1.15 / 1.02, bf16 level; with 2 kv heads per task, the preset's, bf16 1.03-1.23); MHA paged
     gains a little (bf16 0.93-0.96)."""
-    elem = 1 if spec.kv_quantized else 4 if spec.dtype == "float32" else 2
-    if elem == 4 and lanes == 16:
+    if lanes == 16 and spec.dtype == "float32" and not spec.kv_quantized:  # a float32 cache
         return 0
     if spec.group_size == 1 and not spec.layout_info.paged:
         return 0
@@ -258,8 +257,8 @@ def page_order_heads(spec: AttentionSpec, block_n: int, lanes: int = 16) -> int:
         return max_heads_per_task(spec, block_n)
     if lanes < 16 or (spec.kv_quantized and spec.group_size == 1):
         return 1
-    want = max_heads_per_task(spec, block_n) if spec.kv_quantized else 2
-    return max(h for h in range(1, want + 1) if spec.kv_heads % h == 0 and h <= max_heads_per_task(spec, block_n))
+    most = max_heads_per_task(spec, block_n)
+    return most if spec.kv_quantized else max(h for h in (1, 2) if spec.kv_heads % h == 0 and h <= most)
 
 
 def max_heads_per_task(spec: AttentionSpec, block_n: int) -> int:

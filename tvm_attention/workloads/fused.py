@@ -543,6 +543,26 @@ def _s_gemm_macros(k: _TileShape):
                     T.address_of(V[t.kv_ahead(vc + prefetch, vj, vl * LINE_ELEMS, kvh(vh))]),
                     T.int32(0), T.int32(PF_LOCALITY), T.int32(1)))
 
+    def staged_head(heads, vi):  # the kv head of query row vi (heads: R rows each; else the one tile head)
+        return T.floordiv(vi, R) if heads else 0
+
+    def staged_row(heads, vi, vj):  # Kt's row for query row vi and key vj: its head's (heads) or the key's
+        return T.floordiv(vi, R) if heads else vj
+
+    @T.macro
+    def s_gemm_key(Kt, Qt, S, j, Ksc, heads):
+        # key j's scores for every query row, from its staged row: Kt (HT, D) holds key j of every
+        # head (heads: the page order), or Kt (BN, D) the whole tile
+        for d, i in T.grid(D, BM):
+            with T.sblock(N["S_gemm"]):
+                vj = T.axis.spatial(BN, j)
+                vd, vi = T.axis.remap("RS", [d, i])
+                with T.init():
+                    S[vj, vi] = T.float32(0)
+                S[vj, vi] = S[vj, vi] + group_scaled(
+                    Ksc, staged_head(heads, vi), vj, vd,
+                    operand(Kt[staged_row(heads, vi, vj), vd]) * operand(Qt[vd, vi]))
+
     @T.macro
     def s_gemm_heads(K, Kt, Qt, S, t, vc, Ksc, Kp, Vp):
         for j in T.serial(BN):
@@ -554,14 +574,7 @@ def _s_gemm_macros(k: _TileShape):
                     vj = T.axis.spatial(BN, j)
                     vh, vd = T.axis.remap("SS", [h, d])
                     Kt[vh, vd] = k.stage_key(K[t.kv_at(vc, vj, vd, vh)], Ksc, vh, vj, vd)
-            for d, i in T.grid(D, BM):
-                with T.sblock(N["S_gemm"]):
-                    vj = T.axis.spatial(BN, j)
-                    vd, vi = T.axis.remap("RS", [d, i])
-                    with T.init():
-                        S[vj, vi] = T.float32(0)
-                    S[vj, vi] = S[vj, vi] + group_scaled(Ksc, T.floordiv(vi, R), vj, vd,
-                                                         operand(Kt[T.floordiv(vi, R), vd]) * operand(Qt[vd, vi]))
+            s_gemm_key(Kt, Qt, S, j, Ksc, True)
 
     @T.macro
     def s_gemm_staged(K, Kt, Qt, S, t, vc, Ksc, Kp, Vp):
@@ -572,13 +585,7 @@ def _s_gemm_macros(k: _TileShape):
         for j in T.serial(BN):
             if prefetch > 0:
                 kv_prefetch(Kp, Vp, t, vc, j)
-            for d, i in T.grid(D, BM):
-                with T.sblock(N["S_gemm"]):
-                    vj = T.axis.spatial(BN, j)
-                    vd, vi = T.axis.remap("RS", [d, i])
-                    with T.init():
-                        S[vj, vi] = T.float32(0)
-                    S[vj, vi] = S[vj, vi] + group_scaled(Ksc, 0, vj, vd, operand(Kt[vj, vd]) * operand(Qt[vd, vi]))
+            s_gemm_key(Kt, Qt, S, j, Ksc, False)
 
     @T.macro
     def s_gemm(K, Qt, S, t, vc, Ksc):
