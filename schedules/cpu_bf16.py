@@ -129,7 +129,7 @@ _registered: list[bool] = []  # non-empty once this process registered DP and IL
 def supports(spec: AttentionSpec, features: set[str]) -> bool:
     """Whether ``spec`` can take the bf16 dot-product form on a CPU with ``features``."""
     return (spec.dtype == "bfloat16" and not spec.kv_quantized and FEATURE in features and "avx512f" in features
-            and spec.head_dim % L == 0)
+            and spec.head_dim % L == 0 and spec.v_dim == spec.head_dim)  # PV's blocks span head_dim
 
 
 def schedule(sch: s_tir.Schedule, spec: AttentionSpec, knobs=None, suffix: str = "") -> s_tir.Schedule:

@@ -93,9 +93,9 @@ def for_lanes(lanes: int) -> DotDecodeKnobs:
 
 def supports(spec: AttentionSpec, rows: int, lanes: int) -> bool:
     """Whether a ``rows``-row decode nest can take the dot-product schedule: AVX-512 or AVX2
-    lanes (:data:`DOT_LANES`), head_dim a multiple of them, and a power-of-two row count up to
+    lanes (:data:`DOT_LANES`), head_dim (and V's) a multiple of them, and a power-of-two row count up to
     one vector (the shuffle tree pairs accumulators)."""
-    return (lanes in DOT_LANES and spec.head_dim % lanes == 0 and 1 <= rows <= lanes
+    return (lanes in DOT_LANES and spec.head_dim % lanes == 0 and spec.v_dim % lanes == 0 and 1 <= rows <= lanes
             and rows & (rows - 1) == 0)
 
 
@@ -452,7 +452,7 @@ def _schedule_pv_dot(sch: s_tir.Schedule, blk, D: int, p_elems: int, pv_rows: in
 
 def schedule(sch: s_tir.Schedule, spec: AttentionSpec, suffix: str, knobs: DotDecodeKnobs = DotDecodeKnobs()) -> None:
     """Schedule the decode nest whose blocks carry ``suffix`` (``_dec4``, ``_dec4_split``)."""
-    D, L = spec.head_dim, knobs.lanes
+    D, DV, L = spec.head_dim, spec.v_dim, knobs.lanes  # QKᵀ's head dim, PV's
     row_tile = sch.get_sblock("row_tile" + suffix)
     bufs = {b.name: b for b in sch.get(row_tile).alloc_buffers}
     rows, block_n = int(bufs["Qt"].shape[1]), int(bufs["S"].shape[0])
@@ -468,7 +468,7 @@ def schedule(sch: s_tir.Schedule, spec: AttentionSpec, suffix: str, knobs: DotDe
         return sch.get_sblock(name + suffix)
 
     pv_rows = max(r for r in range(1, min(knobs.pv_rows, rows) + 1) if rows % r == 0)  # in one head
-    pv_cols = knobs.pv_cols if knobs.pv_cols and knobs.pv_cols < D and D % knobs.pv_cols == 0 else 0
+    pv_cols = knobs.pv_cols if knobs.pv_cols and knobs.pv_cols < DV and DV % knobs.pv_cols == 0 else 0
 
     # Q: Qt laid out (rows, D), so a query row is contiguous for the dot product
     q_load = blk("Q_load")
@@ -485,7 +485,7 @@ def schedule(sch: s_tir.Schedule, spec: AttentionSpec, suffix: str, knobs: DotDe
         h, _ = sch.split(i, [heads, rows])
         sch.reorder(h, d)
         if "Pb" not in bufs:  # (PV on bf16 dots stages its values itself: _schedule_pv_dot)
-            _vectorize(sch, sch.get_loops(blk("V_load"))[-1], D, L)
+            _vectorize(sch, sch.get_loops(blk("V_load"))[-1], DV, L)
 
     # K_load: the key tile copied in contiguous vectors (the workload stages it: stage_k)
     _vectorize(sch, sch.get_loops(blk("K_load"))[-1], D, L)
@@ -535,7 +535,7 @@ def schedule(sch: s_tir.Schedule, spec: AttentionSpec, suffix: str, knobs: DotDe
             _vectorize(sch, sch.fuse(j, i), block_n * tile_rows, L, unroll=False)
 
     if "Pb" in bufs:  # decode_dot 2: PV on vdpbf16ps too
-        _schedule_pv_dot(sch, blk, D, block_n * tile_rows, pv_rows, pv_cols)
+        _schedule_pv_dot(sch, blk, DV, block_n * tile_rows, pv_rows, pv_cols)
     else:
         # PV_gemm: (row block, [column block,] key, rows unrolled, columns vectorized)
         pv = blk("PV_gemm")

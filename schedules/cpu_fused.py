@@ -48,7 +48,7 @@ NAME = "fused"
 #: every attention variant
 CAPABILITIES = Capabilities(label=NAME, target="cpu", layouts=tuple(LAYOUTS), dtypes=SUPPORTED_DTYPES,
                             symbolic=True, lse=True, variants=VARIANTS, kv_dtypes=KV_DTYPES,
-                            appends=True, qk_int8=True, kv_scales=KV_SCALES)
+                            appends=True, qk_int8=True, kv_scales=KV_SCALES, head_dim_v=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,7 +143,7 @@ def preset(spec: AttentionSpec, target: Target) -> FlashCPUKnobs:
     q_vectors = min((64 if dot else 32) // lanes, regs // 4)
     block_m, block_n = q_vectors * lanes, 64
     # the bf16 dot-product PV block always spans all of head_dim (cpu_bf16)
-    pv_cols = spec.head_dim if dot else pv_columns(spec.head_dim, lanes)
+    pv_cols = spec.v_dim if dot else pv_columns(spec.v_dim, lanes)
     pv_rows = max(1, min(PV_ROWS_GOAL, max_pv_rows(pv_cols, lanes)))
     while block_m % pv_rows:
         pv_rows -= 1
@@ -159,7 +159,7 @@ def preset(spec: AttentionSpec, target: Target) -> FlashCPUKnobs:
     d_vectors = math.ceil(pv_cols / lanes)
     auto_unroll = 0 if d_vectors & (d_vectors - 1) == 0 else 256
     knobs = FlashCPUKnobs(block_m=block_m, block_n=block_n, s_rows=s_rows, pv_rows=pv_rows,
-                          pv_cols=pv_cols if pv_cols < spec.head_dim else 0, vector_lanes=lanes,
+                          pv_cols=pv_cols if pv_cols < spec.v_dim else 0, vector_lanes=lanes,
                           auto_unroll=auto_unroll, split_tasks=split_tasks_for(target), dot_bf16=int(dot))
     if stages_decode(spec, knobs):  # the page order is a property of the staged decode nests
         knobs = dataclasses.replace(knobs, decode_heads=page_order_heads(spec, block_n, lanes),
@@ -265,7 +265,7 @@ def max_heads_per_task(spec: AttentionSpec, block_n: int) -> int:
     """The most kv heads one decode task can take: a divisor of ``kv_heads`` whose value tile
     (``block_n × heads × head_dim`` float32) fits ``MAX_DECODE_VT_BYTES``."""
     return max(h for h in range(1, spec.kv_heads + 1)
-               if spec.kv_heads % h == 0 and block_n * h * spec.head_dim * 4 <= MAX_DECODE_VT_BYTES)
+               if spec.kv_heads % h == 0 and block_n * h * spec.v_dim * 4 <= MAX_DECODE_VT_BYTES)
 
 
 def for_layout(knobs: FlashCPUKnobs, spec: AttentionSpec, target: Target,
@@ -311,8 +311,8 @@ def check(knobs: FlashCPUKnobs, spec: AttentionSpec, target: Target) -> None:
         v = getattr(knobs, name)
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
             raise KnobError(f"{name} must be a positive int, got {v!r}")
-    if knobs.pv_cols < 0 or (knobs.pv_cols and spec.head_dim % knobs.pv_cols):
-        raise KnobError(f"pv_cols={knobs.pv_cols} must divide head_dim={spec.head_dim} (0 = all of it)")
+    if knobs.pv_cols < 0 or (knobs.pv_cols and spec.v_dim % knobs.pv_cols):
+        raise KnobError(f"pv_cols={knobs.pv_cols} must divide V's head_dim={spec.v_dim} (0 = all of it)")
     target_lanes = vector_lanes(target)
     if lanes > target_lanes or target_lanes % lanes:
         raise KnobError(
@@ -343,7 +343,7 @@ def check(knobs: FlashCPUKnobs, spec: AttentionSpec, target: Target) -> None:
             f"decode_heads={knobs.decode_heads} and prefetch={knobs.prefetch} apply to the staged decode nests "
             f"(dot products on {' or '.join(map(str, cpu_decode.DOT_LANES))}-lane vectors, head_dim a multiple of them); "
             f"with vector_lanes={lanes} and head_dim={spec.head_dim} this kernel has none: leave them at 1 and 0")
-    vt_bytes = 4 * knobs.block_n * knobs.decode_heads * spec.head_dim
+    vt_bytes = 4 * knobs.block_n * knobs.decode_heads * spec.v_dim
     if knobs.decode_heads > 1 and vt_bytes > MAX_TILE_BYTES:
         raise KnobError(
             f"decode value tile {vt_bytes} B (block_n={knobs.block_n} × decode_heads={knobs.decode_heads} × "
@@ -388,7 +388,7 @@ def check(knobs: FlashCPUKnobs, spec: AttentionSpec, target: Target) -> None:
             f"(s_rows={knobs.s_rows} × {q_vectors} accumulators + {q_vectors} q vectors + 1 broadcast) "
             f"> {regs} available"
         )
-    pv_cols = pv_cols_of(knobs, spec.head_dim)
+    pv_cols = pv_cols_of(knobs, spec.v_dim)
     if knobs.pv_rows > max_pv_rows(pv_cols, lanes):
         d_vectors = math.ceil(pv_cols / lanes)
         raise KnobError(
@@ -396,7 +396,7 @@ def check(knobs: FlashCPUKnobs, spec: AttentionSpec, target: Target) -> None:
             f"(pv_rows={knobs.pv_rows} × {d_vectors} accumulators over pv_cols={pv_cols} columns + V + "
             f"broadcast) > {regs} available; lower pv_rows or split head_dim with a smaller pv_cols"
         )
-    tile_bytes = 4 * (2 * spec.head_dim * knobs.block_m + 2 * knobs.block_n * knobs.block_m)
+    tile_bytes = 4 * ((spec.head_dim + spec.v_dim) * knobs.block_m + 2 * knobs.block_n * knobs.block_m)
     if tile_bytes > MAX_TILE_BYTES:
         raise KnobError(
             f"tile working set {tile_bytes} B (block_m={knobs.block_m}, block_n={knobs.block_n}, "
@@ -451,7 +451,7 @@ def tile_candidates(spec: AttentionSpec, target: Target) -> list[tuple[int, int]
         pair = (m_vectors * lanes, n)
         if pair in pairs or max_s_rows(pair[0], lanes) < 1:
             continue
-        if 4 * (2 * spec.head_dim * pair[0] + 2 * n * pair[0]) > MAX_TILE_BYTES:
+        if 4 * ((spec.head_dim + spec.v_dim) * pair[0] + 2 * n * pair[0]) > MAX_TILE_BYTES:
             continue
         pairs.append(pair)
     return pairs
@@ -568,7 +568,7 @@ def schedule(
     block_m = int(bufs["S"].shape[1])  # S is (block_n, block_m)
     s_buf = bufs["S"]
     block_n = int(s_buf.shape[0])  # keys per S tile: block_n (fused) or seq_kv (row-cached)
-    D = spec.head_dim
+    D, DV = spec.head_dim, spec.v_dim  # QKᵀ's head dim, PV's
     pin = knobs is not None
 
     # Step 1. S_gemm register block: (jo, do, di, ji, io, ii) — s_rows keys (unrolled) × query
@@ -594,10 +594,10 @@ def schedule(
     pv = sch.get_sblock("PV_gemm" + suffix)
     *_, i, j, d = sch.get_loops(pv)
     pv_keys = j  # (the key loop: decompose_reduction's, below)
-    pv_cols = pv_cols_of(knobs, D) if pin else pv_columns(D, lanes)
+    pv_cols = pv_cols_of(knobs, DV) if pin else pv_columns(DV, lanes)
     pv_rows = sample_tile(sch, i, block_m, knobs.pv_rows if pin else None, max_pv_rows(pv_cols, lanes))
     io, ii = sch.split(i, pv_rows)
-    if pv_cols < D:
+    if pv_cols < DV:
         do, d = sch.split(d, [None, pv_cols])
         sch.reorder(io, do, j, ii, d)
     else:
@@ -605,7 +605,7 @@ def schedule(
     sch.unroll(ii)
     cpu_decode.vectorize_in_groups(sch, spec, d)
     sch.annotate(row_tile, "attn.pv_rows", pv_rows[1])
-    sch.annotate(row_tile, "attn.pv_cols", pv_cols if pv_cols < D else 0)
+    sch.annotate(row_tile, "attn.pv_cols", pv_cols if pv_cols < DV else 0)
 
     # Step 3. Softmax stages and loads/stores: vectors across query rows (or head_dim); a
     # staged key tile (float16 inputs: workloads.fused.stages_half_keys) converted in head_dim

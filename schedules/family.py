@@ -104,6 +104,8 @@ class Capabilities:
     #: how finely it reads an 8-bit cache's scales (``AttentionSpec.kv_scale``): per kv head only,
     #: or per token and per group too
     kv_scales: tuple[str, ...] = ("head",)
+    #: builds a value head size of its own (``AttentionSpec.head_dim_v`` ≠ ``head_dim``)
+    head_dim_v: bool = False
 
     def refusal(self, spec: AttentionSpec) -> str | None:
         """Why this family cannot build ``spec`` (None: it can), in the one message format
@@ -125,6 +127,9 @@ class Capabilities:
                     f"layouts, not {spec.layout!r}")
         elif getattr(spec, "kv_dtype", None) is not None and getattr(spec, "kv_scale", "head") not in self.kv_scales:
             what = f"reads an 8-bit cache's scales per {' or '.join(self.kv_scales)}, not per {spec.kv_scale} (kv_scale) (yet)"
+        elif getattr(spec, "head_dim_v", None) is not None and not self.head_dim_v:
+            what = (f"takes one head size for q, k, v and o, not head_dim={spec.head_dim} with "
+                    f"head_dim_v={spec.head_dim_v} (yet)")
         elif [v for v in spec.variants if v not in self.variants]:
             missing = [v for v in spec.variants if v not in self.variants]
             what = f"does not build the attention variant(s) {', '.join(missing)} (yet)"

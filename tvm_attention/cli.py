@@ -71,6 +71,8 @@ def _add_spec_flags(p: argparse.ArgumentParser, defaults: dict | None = None) ->
     g.add_argument("--seq-q", type=_dim, default=d.get("seq_q"), metavar="SQ", help="query length" + dyn + needed)
     g.add_argument("--seq-kv", type=_dim, default=None, metavar="SKV", help="key length (default: --seq-q)" + dyn)
     g.add_argument("--head-dim", type=int, default=d.get("head_dim"), required=not d, metavar="D", help="head dimension")
+    g.add_argument("--head-dim-v", type=int, default=None, metavar="DV",
+                   help="head dimension of v and o (default: --head-dim); DeepSeek's unabsorbed prefill is 192 / 128")
     g.add_argument("--dtype", default=d.get("dtype", "float32"),
                    help="float32, bfloat16 or float16: inputs, caches and output (softmax and accumulation are float32; on CPU only the fused "
                         "family takes the half dtypes)")
@@ -220,6 +222,7 @@ def _spec_from_args(a: argparse.Namespace) -> AttentionSpec:
         score_mod=_modifier_source(a.score_mod, "--score-mod"), mask_mod=_modifier_source(a.mask_mod, "--mask-mod"),
         mod_tensors=tuple(a.mod_tensor), key_bounds=a.key_bounds, kv_dtype=a.kv_dtype,
         append=a.append, device_checks=a.device_checks, qk_int8=a.qk_int8, kv_scale=a.kv_scale,
+        head_dim_v=a.head_dim_v,
     )
 
 
@@ -375,7 +378,8 @@ def cmd_run(a: argparse.Namespace) -> int:
         return f"dyn (timed at {v})" if n in spec.dynamic else str(v)
 
     print(f"spec:       {spec.short_name()}  (layout {spec.layout} B={dim('batch')} H={spec.heads} KH={spec.kv_heads} "
-          f"Sq={dim('seq_q')} Skv={dim('seq_kv')} D={spec.head_dim} {spec.dtype} causal={spec.causal})")
+          f"Sq={dim('seq_q')} Skv={dim('seq_kv')} D={spec.head_dim}{f' Dv={spec.v_dim}' if spec.head_dim_v else ''} "
+          f"{spec.dtype} causal={spec.causal})")
     print(f"schedule:   {_schedule_line(built)}")
     print(f"log:        {log_line(built.schedule_info())}")
     print(f"target:     {built.target}  threads: {num_threads()}")

@@ -3,7 +3,7 @@
 A :class:`Layout` entry says, for one argument layout:
 
 * ``args``: the kernel's arguments in call order, each with its dims and dtype. A dim name is
-  resolved against the spec (``heads``, ``kv_heads``, ``head_dim`` are always compiled in;
+  resolved against the spec (``heads``, ``kv_heads``, ``head_dim``, ``head_dim_v`` are always compiled in;
   ``batch``, ``seq_q``, ``seq_kv`` are too unless the spec lists them in ``dynamic``) or bound at
   call time (a symbolic dim, written in the manifest as its name; ``batch+1`` is one more than
   ``batch``). The workloads (PrimFunc signature), the manifest (``args``, ``symbolic_dims``) and the
@@ -24,11 +24,13 @@ if-chain through every module (docs/design.md, "Adding a layout", works one exam
 Layouts:
 
 ``bhsd`` (default)
-    ``q (batch, heads, seq_q, head_dim)``, ``k``/``v (batch, kv_heads, seq_kv, head_dim)``,
-    ``o (batch, heads, seq_q, head_dim)``. Any of batch, seq_q, seq_kv may be symbolic.
+    ``q (batch, heads, seq_q, head_dim)``, ``k (batch, kv_heads, seq_kv, head_dim)``, ``v (batch,
+    kv_heads, seq_kv, head_dim_v)``, ``o (batch, heads, seq_q, head_dim_v)``. Any of batch, seq_q,
+    seq_kv may be symbolic. (Every layout: v, v_new and o have ``head_dim_v`` columns, the spec's
+    ``v_dim``; k and q ``head_dim``.)
 ``varlen`` (FlashAttention's ``flash_attn_varlen_func``)
-    ``q (total_q, heads, head_dim)``, ``k``/``v (total_k, kv_heads, head_dim)``,
-    ``cu_seqlens_q``/``cu_seqlens_k (batch+1,) int32``, ``o (total_q, heads, head_dim)``; batch,
+    ``q (total_q, heads, head_dim)``, ``k (total_k, kv_heads, head_dim)``, ``v (total_k, kv_heads,
+    head_dim_v)``, ``cu_seqlens_q``/``cu_seqlens_k (batch+1,) int32``, ``o (total_q, heads, head_dim_v)``; batch,
     total_q and total_k are symbolic. Sequence ``b`` is rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``
     of q against rows ``cu_seqlens_k[b]:cu_seqlens_k[b+1]`` of k/v, causal bottom-right per
     sequence; a sequence with no key outputs zeros; empty sequences are allowed.
@@ -123,7 +125,7 @@ KV_SCALE_ARGS = (Arg("k_scale", ("kv_heads",), "float32"), Arg("v_scale", ("kv_h
 #: The new tokens' keys and values of an appending kernel (``spec.append``), last of the inputs, in
 #: the query dtype: written into the cache at ``cache_seqlens[b] ..`` and attended to.
 KV_NEW_ARGS = (Arg("k_new", ("batch", "kv_heads", "seq_q", "head_dim")),
-               Arg("v_new", ("batch", "kv_heads", "seq_q", "head_dim")))
+               Arg("v_new", ("batch", "kv_heads", "seq_q", "head_dim_v")))
 
 
 #: The output of a CUDA build with device-side index checks (``spec.device_checks``), after ``o``
@@ -195,12 +197,16 @@ def kv_scale_args(spec) -> tuple[Arg, Arg]:
     """An 8-bit cache's ``k_scale``/``v_scale``: :data:`KV_SCALE_ARGS` per kv head; per token the
     dims of K without head_dim (kvcache ``(batch, kv_heads, max_len)``, paged ``(num_pages,
     page_size, kv_heads)``, varlen ``(total_k, kv_heads)``), per group those and ``head_dim / 32``
-    (``spec.kv_scale``, ``quant.scale_shape``)."""
+    (``head_dim_v / 32`` for ``v_scale``; ``spec.kv_scale``, ``quant.scale_shape``)."""
     granularity = getattr(spec, "kv_scale", "head")
     if granularity == "head":
         return KV_SCALE_ARGS
-    dims = get_layout(spec.layout).args[1].dims[:-1] + ((spec.head_dim // SCALE_GROUP,) if granularity == "group" else ())
-    return tuple(Arg(a.name, dims, "float32") for a in KV_SCALE_ARGS)
+    dims = get_layout(spec.layout).args[1].dims[:-1]
+    if granularity == "token":
+        return tuple(Arg(a.name, dims, "float32") for a in KV_SCALE_ARGS)
+    k_scale, v_scale = KV_SCALE_ARGS  # per group: head_dim / 32 of K's, head_dim_v / 32 of V's
+    return (Arg(k_scale.name, dims + (spec.head_dim // SCALE_GROUP,), "float32"),
+            Arg(v_scale.name, dims + (spec.v_dim // SCALE_GROUP,), "float32"))
 
 
 def fully_static(spec) -> bool:
@@ -648,8 +654,8 @@ class BHSD(Layout):
     args = (
         Arg("q", ("batch", "heads", "seq_q", "head_dim")),
         Arg("k", ("batch", "kv_heads", "seq_kv", "head_dim")),
-        Arg("v", ("batch", "kv_heads", "seq_kv", "head_dim")),
-        Arg("o", ("batch", "heads", "seq_q", "head_dim"), output=True),
+        Arg("v", ("batch", "kv_heads", "seq_kv", "head_dim_v")),
+        Arg("o", ("batch", "heads", "seq_q", "head_dim_v"), output=True),
     )
     options = {"causal": "must equal the artifact's", "softmax_scale": "must equal the artifact's"}
     addressing = "BHSD"
@@ -657,6 +663,7 @@ class BHSD(Layout):
 
     def dims(self, spec) -> dict[str, int | str]:
         d: dict[str, int | str] = {n: getattr(spec, n) for n in ("batch", "heads", "kv_heads", "seq_q", "seq_kv", "head_dim")}
+        d["head_dim_v"] = spec.v_dim
         for n in spec.dynamic:
             d[n] = n
         return d
@@ -670,7 +677,7 @@ class BHSD(Layout):
         check_variant_arrays(spec, arrays, arrays["k"].shape[2], arrays["q"].shape[0])
 
     def kv_bytes(self, spec, case):
-        return 2 * case["batch"] * spec.kv_heads * case["seq_kv"] * spec.head_dim * spec.kv_itemsize
+        return case["batch"] * spec.kv_heads * case["seq_kv"] * (spec.head_dim + spec.v_dim) * spec.kv_itemsize
 
     def validation_cases(self, spec):
         """The representative shape, plus, for a dynamic spec, a shape it was not built at:
@@ -702,12 +709,12 @@ class BHSD(Layout):
         return self.quantized(spec, {
             "q": _rng_array(rng, (b, spec.heads, sq, spec.head_dim), dt),
             "k": _rng_array(rng, (b, spec.kv_heads, sk, spec.head_dim), dt),
-            "v": _rng_array(rng, (b, spec.kv_heads, sk, spec.head_dim), dt),
+            "v": _rng_array(rng, (b, spec.kv_heads, sk, spec.v_dim), dt),
             **variant_inputs(spec, [sk] * b, seed, sq),
         })
 
     def useful_flops(self, spec, case):
-        return 4.0 * spec.head_dim * spec.heads * case["batch"] * Visibility.of(spec).pairs(case["seq_q"], case["seq_kv"])
+        return 2.0 * (spec.head_dim + spec.v_dim) * spec.heads * case["batch"] * Visibility.of(spec).pairs(case["seq_q"], case["seq_kv"])
 
 
 class Varlen(Layout):
@@ -717,10 +724,10 @@ class Varlen(Layout):
     args = (
         Arg("q", ("total_q", "heads", "head_dim")),
         Arg("k", ("total_k", "kv_heads", "head_dim")),
-        Arg("v", ("total_k", "kv_heads", "head_dim")),
+        Arg("v", ("total_k", "kv_heads", "head_dim_v")),
         Arg("cu_seqlens_q", ("batch+1",), "int32"),
         Arg("cu_seqlens_k", ("batch+1",), "int32"),
-        Arg("o", ("total_q", "heads", "head_dim"), output=True),
+        Arg("o", ("total_q", "heads", "head_dim_v"), output=True),
     )
     always_dynamic = ("batch", "seq_q", "seq_kv")
     lse_dims = ("heads", "total_q")  # FlashAttention's varlen softmax_lse: (nheads, total_q)
@@ -733,7 +740,7 @@ class Varlen(Layout):
 
     def dims(self, spec) -> dict[str, int | str]:
         return {"batch": "batch", "total_q": "total_q", "total_k": "total_k",
-                "heads": spec.heads, "kv_heads": spec.kv_heads, "head_dim": spec.head_dim}
+                "heads": spec.heads, "kv_heads": spec.kv_heads, "head_dim": spec.head_dim, "head_dim_v": spec.v_dim}
 
     def check_indices(self, arrays, bound, spec=None):
         for name, total in (("cu_seqlens_q", "total_q"), ("cu_seqlens_k", "total_k")):
@@ -778,7 +785,7 @@ class Varlen(Layout):
         arrays = self.dequantized(spec, arrays)
         q, k, v = arrays["q"], arrays["k"], arrays["v"]
         cq, ck = arrays["cu_seqlens_q"], arrays["cu_seqlens_k"]
-        o = np.zeros(q.shape, np.float64)
+        o = np.zeros(q.shape[:2] + (spec.v_dim,), np.float64)
         lse = np.full((spec.heads, q.shape[0]), -np.inf)
         for b in range(len(cq) - 1):
             rows = slice(int(cq[b]), int(cq[b + 1]))
@@ -797,7 +804,7 @@ class Varlen(Layout):
 
     def kv_bytes(self, spec, case):
         keys = sum(int(b) for _, b in case["seqlens"])
-        return 2 * keys * spec.kv_heads * spec.head_dim * spec.kv_itemsize
+        return keys * spec.kv_heads * (spec.head_dim + spec.v_dim) * spec.kv_itemsize
 
     def validation_cases(self, spec):
         """The representative batch (``batch`` sequences of ``seq_q`` against ``seq_kv``) and a
@@ -823,7 +830,7 @@ class Varlen(Layout):
         return self.quantized(spec, {
             "q": _rng_array(rng, (int(cq[-1]), spec.heads, spec.head_dim), dt),
             "k": _rng_array(rng, (int(ck[-1]), spec.kv_heads, spec.head_dim), dt),
-            "v": _rng_array(rng, (int(ck[-1]), spec.kv_heads, spec.head_dim), dt),
+            "v": _rng_array(rng, (int(ck[-1]), spec.kv_heads, spec.v_dim), dt),
             "cu_seqlens_q": cq,
             "cu_seqlens_k": ck,
             **variant_inputs(spec, lens[:, 1], seed, int(lens[:, 0].max(initial=1))),
@@ -831,7 +838,7 @@ class Varlen(Layout):
 
     def useful_flops(self, spec, case):
         pairs = sum(Visibility.of(spec).pairs(int(a), int(b)) for a, b in case["seqlens"])
-        return 4.0 * spec.head_dim * spec.heads * pairs
+        return 2.0 * (spec.head_dim + spec.v_dim) * spec.heads * pairs
 
     def describe_case(self, case):
         lens = case["seqlens"]
@@ -857,9 +864,9 @@ class KVCache(Layout):
     args = (
         Arg("q", ("batch", "heads", "seq_q", "head_dim")),
         Arg("k_cache", ("batch", "kv_heads", "max_len", "head_dim")),
-        Arg("v_cache", ("batch", "kv_heads", "max_len", "head_dim")),
+        Arg("v_cache", ("batch", "kv_heads", "max_len", "head_dim_v")),
         Arg("cache_seqlens", ("batch",), "int32"),
-        Arg("o", ("batch", "heads", "seq_q", "head_dim"), output=True),
+        Arg("o", ("batch", "heads", "seq_q", "head_dim_v"), output=True),
     )
     always_dynamic = ("batch", "seq_q", "seq_kv")
     options = {"causal": "must equal the artifact's", "softmax_scale": "must equal the artifact's"}
@@ -873,7 +880,7 @@ class KVCache(Layout):
 
     def dims(self, spec) -> dict[str, int | str]:
         return {"batch": "batch", "seq_q": "seq_q", "max_len": "max_len",
-                "heads": spec.heads, "kv_heads": spec.kv_heads, "head_dim": spec.head_dim}
+                "heads": spec.heads, "kv_heads": spec.kv_heads, "head_dim": spec.head_dim, "head_dim_v": spec.v_dim}
 
     def key_capacity(self, arrays, bound) -> tuple[int, str]:
         """(keys a sequence may have, what bounds it) for the cache_seqlens check."""
@@ -902,13 +909,13 @@ class KVCache(Layout):
                                               "cache to keep it)")
 
     def keys_of(self, spec, arrays, b: int, length: int) -> tuple[np.ndarray, np.ndarray]:
-        """Sequence ``b``'s first ``length`` keys and values as ``(1, KH, length, D)``."""
+        """Sequence ``b``'s first ``length`` keys and values as ``(1, KH, length, D)`` (values ``Dv``)."""
         return arrays["k_cache"][b:b + 1, :, :length], arrays["v_cache"][b:b + 1, :, :length]
 
     def reference_outputs(self, spec, arrays):
         arrays = self.dequantized(spec, self.appended(spec, arrays))
         q, lens = arrays["q"], arrays["cache_seqlens"]
-        o = np.zeros(q.shape, np.float64)
+        o = np.zeros(q.shape[:3] + (spec.v_dim,), np.float64)
         lse = np.full(q.shape[:3], -np.inf)
         for b in range(q.shape[0]):
             k, v = self.keys_of(spec, arrays, b, int(lens[b]))
@@ -953,19 +960,20 @@ class KVCache(Layout):
         return self.with_new_keys(spec, self.quantized(spec, {
             "q": _rng_array(rng, (b, spec.heads, sq, spec.head_dim), dt),
             "k_cache": _rng_array(rng, (b, spec.kv_heads, ml, spec.head_dim), dt),
-            "v_cache": _rng_array(rng, (b, spec.kv_heads, ml, spec.head_dim), dt),
+            "v_cache": _rng_array(rng, (b, spec.kv_heads, ml, spec.v_dim), dt),
             "cache_seqlens": lens,
             **variant_inputs(spec, lens + (sq if spec.append else 0), seed, sq),
         }), seed)
 
     def with_new_keys(self, spec, arrays: dict[str, np.ndarray], seed: int = 0) -> dict[str, np.ndarray]:
-        """``arrays`` with random ``k_new``/``v_new (batch, KH, seq_q, D)`` in the query dtype
+        """``arrays`` with random ``k_new (batch, KH, seq_q, D)``/``v_new (.., Dv)`` in the query dtype
         (the last inputs) for an appending kernel (drawn apart: the others stay as they were)."""
         if not spec.append:
             return arrays
         rng = np.random.default_rng(seed + 104729)
-        shape = (arrays["q"].shape[0], spec.kv_heads, arrays["q"].shape[2], spec.head_dim)
-        return {**arrays, "k_new": _rng_array(rng, shape, spec.np_dtype), "v_new": _rng_array(rng, shape, spec.np_dtype)}
+        shape = (arrays["q"].shape[0], spec.kv_heads, arrays["q"].shape[2])
+        return {**arrays, "k_new": _rng_array(rng, shape + (spec.head_dim,), spec.np_dtype),
+                "v_new": _rng_array(rng, shape + (spec.v_dim,), spec.np_dtype)}
 
     def _keys(self, spec, case) -> list[int]:
         """Keys each sequence attends to at ``case`` (the appended ones included)."""
@@ -973,10 +981,10 @@ class KVCache(Layout):
 
     def useful_flops(self, spec, case):
         pairs = sum(Visibility.of(spec).pairs(case["seq_q"], n) for n in self._keys(spec, case))
-        return 4.0 * spec.head_dim * spec.heads * pairs
+        return 2.0 * (spec.head_dim + spec.v_dim) * spec.heads * pairs
 
     def kv_bytes(self, spec, case):
-        return 2 * sum(self._keys(spec, case)) * spec.kv_heads * spec.head_dim * spec.kv_itemsize
+        return sum(self._keys(spec, case)) * spec.kv_heads * (spec.head_dim + spec.v_dim) * spec.kv_itemsize
 
     def describe_case(self, case):
         lens = list(case["cache_seqlens"])
@@ -995,10 +1003,10 @@ class Paged(KVCache):
     args = (
         Arg("q", ("batch", "heads", "seq_q", "head_dim")),
         Arg("k_pages", ("num_pages", "page_size", "kv_heads", "head_dim")),
-        Arg("v_pages", ("num_pages", "page_size", "kv_heads", "head_dim")),
+        Arg("v_pages", ("num_pages", "page_size", "kv_heads", "head_dim_v")),
         Arg("block_table", ("batch", "max_pages"), "int32"),
         Arg("cache_seqlens", ("batch",), "int32"),
-        Arg("o", ("batch", "heads", "seq_q", "head_dim"), output=True),
+        Arg("o", ("batch", "heads", "seq_q", "head_dim_v"), output=True),
     )
     paged = True
     kv_head_axis = 2
@@ -1009,7 +1017,7 @@ class Paged(KVCache):
     def dims(self, spec) -> dict[str, int | str]:
         return {"batch": "batch", "seq_q": "seq_q", "num_pages": "num_pages", "max_pages": "max_pages",
                 "page_size": spec.page_size, "heads": spec.heads, "kv_heads": spec.kv_heads,
-                "head_dim": spec.head_dim}
+                "head_dim": spec.head_dim, "head_dim_v": spec.v_dim}
 
     def key_capacity(self, arrays, bound):
         p = arrays["k_pages"].shape[1]
@@ -1085,7 +1093,7 @@ class Paged(KVCache):
         return self.with_new_keys(spec, self.quantized(spec, {
             "q": _rng_array(rng, (b, spec.heads, sq, spec.head_dim), dt),
             "k_pages": _rng_array(rng, (num_pages, p, spec.kv_heads, spec.head_dim), dt),
-            "v_pages": _rng_array(rng, (num_pages, p, spec.kv_heads, spec.head_dim), dt),
+            "v_pages": _rng_array(rng, (num_pages, p, spec.kv_heads, spec.v_dim), dt),
             "block_table": table,
             "cache_seqlens": lens,
             **variant_inputs(spec, lens + (sq if spec.append else 0), seed, sq),

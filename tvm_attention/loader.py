@@ -508,10 +508,10 @@ class AttentionKernel:
             except (RuntimeError, TypeError, ValueError, BufferError, AttributeError):  # KernelArgumentError too
                 return _SLOW
             result = out
-        elif isinstance(q, np.ndarray):
-            o = result = aligned_empty(tuple(tensors[0].shape), self.spec.np_dtype)
-        elif type(q).__module__ == "torch":
-            o = result = sys.modules["torch"].empty(tuple(q.shape), dtype=q.dtype)  # torch's CPU allocator aligns to 64
+        elif isinstance(q, np.ndarray):  # o: q's shape with head_dim_v columns
+            o = result = aligned_empty(tuple(tensors[0].shape)[:-1] + (self.spec.v_dim,), self.spec.np_dtype)
+        elif type(q).__module__ == "torch":  # torch's CPU allocator aligns to 64
+            o = result = sys.modules["torch"].empty(tuple(q.shape)[:-1] + (self.spec.v_dim,), dtype=q.dtype)
         else:
             return _SLOW
 

@@ -34,10 +34,11 @@ def reference_attention(
 ):
     """``softmax(q·kᵀ·scale + mask)·v`` in float64, BHSD layout, GQA by ``h // group_size``.
 
-    Lengths come from the arrays (``q (B, H, Sq, D)``, ``k``/``v (B, KH, Skv, D)``), so one spec
-    serves every shape of a dynamic kernel; ``spec`` gives scale, GQA, the mask (causal, window)
-    and the variants. ``rows`` (optional) restricts the computation to those query rows; the
-    result then has shape ``(B, H, len(rows), D)``. Rows the mask gives no key are zeros; NaN in
+    Lengths come from the arrays (``q (B, H, Sq, D)``, ``k (B, KH, Skv, D)``, ``v (B, KH, Skv,
+    Dv)``; the result ``(B, H, Sq, Dv)``), so one spec serves every shape of a dynamic kernel;
+    ``spec`` gives scale, GQA, the mask (causal, window) and the variants. ``rows`` (optional)
+    restricts the computation to those query rows; the result then has shape ``(B, H,
+    len(rows), Dv)``. Rows the mask gives no key are zeros; NaN in
     q, k or v (or an infinite score) gives NaN in the rows it reaches.
 
     The variants, in the order they act on the scaled score ``x = q·k·scale`` of row position
@@ -67,7 +68,7 @@ def reference_attention(
     v = np.asarray(v, dtype=np.float64)
     seq_q, seq_kv = q.shape[2], k.shape[2]
     if seq_kv == 0:  # no key at all: every row is a zero row
-        o = np.zeros(q.shape if rows is None else q.shape[:2] + (len(rows), q.shape[3]))
+        o = np.zeros(q.shape[:2] + (q.shape[2] if rows is None else len(rows), v.shape[3]))
         return (o, np.full(o.shape[:3], -np.inf)) if return_lse else o
     vis = Visibility.of(spec)
     pos = vis.position(np.arange(seq_q), vis.offset(seq_q, seq_kv))
@@ -166,5 +167,5 @@ def random_inputs(spec: AttentionSpec, seed: int = 0) -> tuple[np.ndarray, np.nd
     dt = spec.np_dtype
     q = rng.standard_normal(spec.q_shape).astype(dt)
     k = rng.standard_normal(spec.kv_shape).astype(dt)
-    v = rng.standard_normal(spec.kv_shape).astype(dt)
+    v = rng.standard_normal(spec.v_shape).astype(dt)
     return q, k, v

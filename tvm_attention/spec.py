@@ -3,8 +3,11 @@
 Layout is BHSD throughout:
 
 * ``q``: ``(batch, heads, seq_q, head_dim)``
-* ``k``, ``v``: ``(batch, kv_heads, seq_kv, head_dim)``
-* ``o``: ``(batch, heads, seq_q, head_dim)``
+* ``k``: ``(batch, kv_heads, seq_kv, head_dim)``
+* ``v``: ``(batch, kv_heads, seq_kv, head_dim_v)``
+* ``o``: ``(batch, heads, seq_q, head_dim_v)``
+
+``head_dim_v`` (the value head size, DeepSeek's ``v_head_dim``) defaults to ``head_dim``.
 
 Query head ``h`` reads kv head ``h // (heads // kv_heads)`` (GQA; ``kv_heads == 1`` is MQA).
 
@@ -159,6 +162,9 @@ class AttentionSpec:
     #: Q8_0 blocks), ``(..., head_dim / 32)``. Finer scales follow outliers (a token, a channel) at
     #: 4 bytes per scale; an appending kernel writes the scales of the keys it appends
     kv_scale: str = "head"
+    #: the head size of v and o (``v_dim``); None (the default, and what a value equal to
+    #: ``head_dim`` is stored as): ``head_dim``. DeepSeek's unabsorbed prefill is 192 / 128
+    head_dim_v: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("batch", "heads", "seq_q", "head_dim"):
@@ -188,9 +194,14 @@ class AttentionSpec:
                 f"heads={self.heads} must be divisible by kv_heads={self.kv_heads} "
                 "(each kv head serves heads // kv_heads query heads)"
             )
-        if self.head_dim > MAX_HEAD_DIM:
-            raise SpecError(f"head_dim={self.head_dim} is larger than the supported {MAX_HEAD_DIM}")
-        for name, shape in (("q", self.q_shape), ("k", self.kv_shape)):
+        if self.head_dim_v is not None:
+            _check_positive_int("head_dim_v", self.head_dim_v)
+            if self.head_dim_v == self.head_dim:
+                object.__setattr__(self, "head_dim_v", None)
+        for name in ("head_dim", "head_dim_v"):
+            if (getattr(self, name) or 0) > MAX_HEAD_DIM:
+                raise SpecError(f"{name}={getattr(self, name)} is larger than the supported {MAX_HEAD_DIM}")
+        for name, shape in (("q", self.q_shape), ("k", self.kv_shape), ("v", self.v_shape), ("o", self.o_shape)):
             if math.prod(shape) > MAX_ELEMENTS:
                 raise SpecError(
                     f"{name} {shape} has {math.prod(shape)} elements: kernels index with 32-bit ints, "
@@ -204,10 +215,10 @@ class AttentionSpec:
             if self.page_size is None:
                 object.__setattr__(self, "page_size", layout.default_page_size)
             _check_positive_int("page_size", self.page_size)
-            if self.page_size * self.kv_heads * self.head_dim > MAX_ELEMENTS:
+            if self.page_size * self.kv_heads * max(self.head_dim, self.v_dim) > MAX_ELEMENTS:
                 raise SpecError(f"page_size={self.page_size}: one page of kv_heads={self.kv_heads} x "
-                                f"head_dim={self.head_dim} would hold more than {MAX_ELEMENTS} elements (kernels "
-                                "index with 32-bit ints)")
+                                f"head_dim={max(self.head_dim, self.v_dim)} would hold more than {MAX_ELEMENTS} "
+                                "elements (kernels index with 32-bit ints)")
         elif self.page_size is not None:
             raise SpecError(f"page_size={self.page_size!r} applies to the paged layout only (layout={layout.name})")
         self._check_variants(layout)
@@ -232,9 +243,10 @@ class AttentionSpec:
         if self.kv_scale != "head" and self.kv_dtype is None:
             raise SpecError(f"kv_scale={self.kv_scale!r} scales an 8-bit cache: it needs kv_dtype (one of "
                             f"{', '.join(KV_DTYPES)})")
-        if self.kv_scale == "group" and self.head_dim % SCALE_GROUP:
-            raise SpecError(f"kv_scale='group' scales each {SCALE_GROUP} elements of head_dim: head_dim="
-                            f"{self.head_dim} is not a multiple of {SCALE_GROUP}")
+        for name in ("head_dim", "head_dim_v"):
+            if self.kv_scale == "group" and (getattr(self, name) or 0) % SCALE_GROUP:
+                raise SpecError(f"kv_scale='group' scales each {SCALE_GROUP} elements of {name}: {name}="
+                                f"{getattr(self, name)} is not a multiple of {SCALE_GROUP}")
         if not isinstance(self.device_checks, bool):
             raise SpecError(f"device_checks must be a bool, got {self.device_checks!r}")
         if self.device_checks and not layout.index_args and not self.kv_start:
@@ -345,12 +357,22 @@ class AttentionSpec:
         return (self.batch, self.heads, self.seq_q, self.head_dim)
 
     @property
+    def v_dim(self) -> int:
+        """The head size of v and o: ``head_dim_v``, else ``head_dim``."""
+        return self.head_dim_v or self.head_dim
+
+    @property
     def kv_shape(self) -> tuple[int, int, int, int]:
+        """The shape of k (bhsd; v's is :attr:`v_shape`)."""
         return (self.batch, self.kv_heads, self.seq_kv, self.head_dim)
 
     @property
+    def v_shape(self) -> tuple[int, int, int, int]:
+        return (self.batch, self.kv_heads, self.seq_kv, self.v_dim)
+
+    @property
     def o_shape(self) -> tuple[int, int, int, int]:
-        return self.q_shape
+        return (self.batch, self.heads, self.seq_q, self.v_dim)
 
     def arg_specs(self) -> list[dict[str, Any]]:
         """The kernel's arguments in call order (the layout's; bhsd: q, k, v, then the output
@@ -380,10 +402,12 @@ class AttentionSpec:
     def flops(self) -> float:
         """Conventional attention FLOPs: 4·B·H·Sq·Skv·D, halved for causal (the usual benchmark
         convention of FlashAttention and Triton, used for every GFLOP/s we print); with a
-        sliding window 4·B·H·D per visible pair (the window's work, as FlashAttention counts it)."""
+        sliding window 4·B·H·D per visible pair (the window's work, as FlashAttention counts it).
+        With ``head_dim_v``, ``4·D`` is ``2·(head_dim + head_dim_v)``: QKᵀ and PV each."""
+        per_pair = 2.0 * (self.head_dim + self.v_dim)
         if self.window is not None:
-            return 4.0 * self.batch * self.heads * self.head_dim * self.visible_pairs()
-        f = 4.0 * self.batch * self.heads * self.seq_q * self.seq_kv * self.head_dim
+            return per_pair * self.batch * self.heads * self.visible_pairs()
+        f = per_pair * self.batch * self.heads * self.seq_q * self.seq_kv
         return f / 2 if self.causal else f
 
     @property
@@ -408,6 +432,11 @@ class AttentionSpec:
         return {"head": 0, "token": 1, "group": self.head_dim // SCALE_GROUP}[self.kv_scale]
 
     @property
+    def v_scale_groups(self) -> int:
+        """:attr:`scale_groups` of V: per group ``head_dim_v / 32``."""
+        return {"head": 0, "token": 1, "group": self.v_dim // SCALE_GROUP}[self.kv_scale]
+
+    @property
     def kv_dtype_name(self) -> str:
         """The dtype of K/V as stored: ``kv_dtype``, else ``dtype``."""
         return self.kv_dtype or self.dtype
@@ -425,10 +454,11 @@ class AttentionSpec:
     def io_bytes(self) -> int:
         """Modeled DRAM bytes of a fused kernel: q, k, v (and per-token or per-group scales) read
         and o written once."""
-        q = self.batch * self.heads * self.seq_q * self.head_dim
-        kv = 2 * self.batch * self.kv_heads * self.seq_kv * self.head_dim
-        scales = 2 * self.batch * self.kv_heads * self.seq_kv * self.scale_groups * 4  # float32, kv_scale
-        return 2 * q * self.itemsize + kv * self.kv_itemsize + scales
+        q = self.batch * self.heads * self.seq_q * (self.head_dim + self.v_dim)  # q read, o written
+        kv = self.batch * self.kv_heads * self.seq_kv * (self.head_dim + self.v_dim)
+        groups = self.scale_groups + self.v_scale_groups
+        scales = self.batch * self.kv_heads * self.seq_kv * groups * 4  # float32, kv_scale
+        return q * self.itemsize + kv * self.kv_itemsize + scales
 
     #: Passes over the S×S matrix a materialized implementation makes through memory: write S,
     #: read it for the row max, the row sum and the softmax, write P, read P for P·V.
@@ -454,7 +484,7 @@ class AttentionSpec:
                              ("alibi", False), ("sinks", False), ("kv_start", False), ("score_mod", None),
                              ("mask_mod", None), ("mod_tensors", ()), ("key_bounds", False), ("kv_dtype", None),
                              ("append", False), ("device_checks", False), ("qk_int8", False),
-                             ("kv_scale", "head")):
+                             ("kv_scale", "head"), ("head_dim_v", None)):
             if d[key] == default:
                 del d[key]
         if "window" in d:
@@ -492,7 +522,8 @@ class AttentionSpec:
         c = "causal" if self.causal else "full"
         kv = (f"_kv{KV_TAGS[self.kv_dtype]}{SCALE_TAGS[self.kv_scale]}{'_qk8' if self.qk_int8 else ''}"
               if self.kv_quantized else "")
-        tail = (f"_d{self.head_dim}_{self.dtype}{kv}_{c}{self.variant_suffix()}{'_lse' if self.return_lse else ''}"
+        dv = f"v{self.head_dim_v}" if self.head_dim_v is not None else ""
+        tail = (f"_d{self.head_dim}{dv}_{self.dtype}{kv}_{c}{self.variant_suffix()}{'_lse' if self.return_lse else ''}"
                 f"{'_append' if self.append else ''}{'_devchk' if self.device_checks else ''}")
         if self.layout != "bhsd":
             page = f"_p{self.page_size}" if self.page_size is not None else ""

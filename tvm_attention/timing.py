@@ -33,7 +33,8 @@ def aligned_inputs(spec: AttentionSpec, seed: int = 0, case: dict | None = None)
         a = aligned_empty(x.shape, x.dtype)
         a[...] = x
         arrays.append(a)
-    arrays.append(aligned_empty(arrays[0].shape, spec.dtype))  # o has q's shape in every layout
+    # o has q's shape in every layout, with head_dim_v columns
+    arrays.append(aligned_empty(arrays[0].shape[:-1] + (spec.v_dim,), spec.dtype))
     return arrays
 
 

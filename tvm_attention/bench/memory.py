@@ -102,7 +102,7 @@ def tvm_first_call_peak(library, entry: str, spec: AttentionSpec, threads: int) 
     shared library (``BuiltKernel.library``), or a runtime module to export to one."""
     if not can_measure():
         return None
-    shapes = [list(spec.q_shape), list(spec.kv_shape), list(spec.kv_shape), list(spec.o_shape)]
+    shapes = [list(spec.q_shape), list(spec.kv_shape), list(spec.v_shape), list(spec.o_shape)]
     if isinstance(library, (str, os.PathLike)):
         return _run_child(_TVM_CHILD, [str(library), entry, json.dumps(shapes), spec.dtype], threads)
     with tempfile.TemporaryDirectory() as tmp:

@@ -299,7 +299,8 @@ TILE_BLOCKS = ("Q_load", "state_init", "acc_init", "kv_tile", "S_gemm", "row_max
                "max_commit", "P_exp", "row_sum", "PV_gemm", "O_store")
 #: Blocks a tile has in some forms only (``_tile_macro``'s arguments, the spec)
 OPTIONAL_BLOCKS = ("lse_store", "state_store", "K_load", "V_load", "V_ilv", "q_absmax", "q_scale", "q_sum", "P_round",
-                   "P_ilv", "acc_rescale", "KV_prefetch", "score_mod", "scale_load", "group_scale_load")
+                   "P_ilv", "acc_rescale", "KV_prefetch", "score_mod", "scale_load", "group_scale_load",
+                   "group_scale_load_v")
 #: Suffix of a GQA-packed decode nest's blocks, followed by its rows (``row_tile_dec4``,
 #: ``S_gemm_dec16``...).
 DECODE = "_dec"
@@ -319,7 +320,7 @@ def stages_half_keys(spec: AttentionSpec, dot_bf16: bool) -> bool:
 @dataclasses.dataclass(frozen=True)
 class _TileShape:
     """What the pieces of one tile macro share: its block names (``N``: name -> name + suffix),
-    rows ``BM``, keys ``BN``, head_dim ``D``, kv heads ``HT`` (``R = BM // HT`` rows each), the
+    rows ``BM``, keys ``BN``, head_dim ``D`` (V's ``DV``), kv heads ``HT`` (``R = BM // HT`` rows each), the
     scale in log2 units, the variant (``dot_bf16``, ``prefetch``, ``stats``) and the elements of
     one cache line of a K/V row."""
 
@@ -327,6 +328,7 @@ class _TileShape:
     BM: int
     BN: int
     D: int
+    DV: int  # V's and O's head dim (spec.v_dim): the PV, accumulator and store loops
     HT: int
     qscale: float
     dot_bf16: bool
@@ -359,6 +361,8 @@ class _TileShape:
     #: columns as PV reads it (block ``group_scale_load``, ``(HT, BN, groups)``): float32 QKᵀ
     #: products (no dot-product forms)
     scale_groups: int = 0
+    #: V's (``spec.v_scale_groups``): per group ``DV/32``, which may differ from K's
+    v_scale_groups: int = 0
 
     def kv(self, x):
         """The float32 value of the K/V element ``x`` as loaded: an 8-bit cache's without its scale
@@ -492,7 +496,12 @@ def _s_gemm_macros(k: _TileShape):
     extra rounding); ``S_gemm`` sums over (d pair, t)."""
     N, BM, BN, D, HT, R, prefetch = k.N, k.BM, k.BN, k.D, k.HT, k.R, k.prefetch
     LINE_ELEMS = k.line_elems
-    LINES = max(1, D // LINE_ELEMS)  # cache lines per K/V row (rows are line-aligned when D is)
+    LINES = max(1, D // LINE_ELEMS)  # cache lines per K row (rows are line-aligned when D is)
+    LINES_V = max(1, k.DV // LINE_ELEMS)  # per V row
+    PF_LINES = max(LINES, LINES_V)
+
+    def line(ln, n):  # line ln of a row of n lines: the last one again past its end (a repeat is free)
+        return ln if n == PF_LINES else T.min(ln, n - 1)
 
     def kvh(h):  # the head argument of a K/V index: none for a one-head tile
         return h if HT > 1 else None
@@ -526,21 +535,21 @@ def _s_gemm_macros(k: _TileShape):
     def kv_prefetch(K, V, t, vc, j):
         # key j's K and V rows (every head of the tile) of tile vc + prefetch, issued in the key
         # loop of S_gemm: a few lines per key, spread over the tile's compute
-        for h, ln in T.grid(HT, LINES):
+        for h, ln in T.grid(HT, PF_LINES):
             with T.sblock(N["KV_prefetch"]):
                 vj = T.axis.spatial(BN, j)
                 vh, vl = T.axis.remap("SS", [h, ln])
-                T.reads(K[t.kv_ahead(vc + prefetch, vj, vl * LINE_ELEMS, kvh(vh))],
-                        V[t.kv_ahead(vc + prefetch, vj, vl * LINE_ELEMS, kvh(vh))])
+                T.reads(K[t.kv_ahead(vc + prefetch, vj, line(vl, LINES) * LINE_ELEMS, kvh(vh))],
+                        V[t.kv_ahead(vc + prefetch, vj, line(vl, LINES_V) * LINE_ELEMS, kvh(vh))])
                 T.writes()
                 # (address, 0 = read, locality, 1 = data cache)
                 T.evaluate(T.call_llvm_intrin(
                     "void", "llvm.prefetch.p0",
-                    T.address_of(K[t.kv_ahead(vc + prefetch, vj, vl * LINE_ELEMS, kvh(vh))]),
+                    T.address_of(K[t.kv_ahead(vc + prefetch, vj, line(vl, LINES) * LINE_ELEMS, kvh(vh))]),
                     T.int32(0), T.int32(PF_LOCALITY), T.int32(1)))
                 T.evaluate(T.call_llvm_intrin(
                     "void", "llvm.prefetch.p0",
-                    T.address_of(V[t.kv_ahead(vc + prefetch, vj, vl * LINE_ELEMS, kvh(vh))]),
+                    T.address_of(V[t.kv_ahead(vc + prefetch, vj, line(vl, LINES_V) * LINE_ELEMS, kvh(vh))]),
                     T.int32(0), T.int32(PF_LOCALITY), T.int32(1)))
 
     def staged_head(heads, vi):  # the kv head of query row vi (heads: R rows each; else the one tile head)
@@ -696,8 +705,9 @@ def _pv_macros(k: _TileShape):
     2)``; ``P_round`` rounds P to bf16 (nearest even), as FlashAttention does before PV, and
     ``P_ilv`` pairs it the same way (``Pb (BN/2, BM, 2)``); ``PV_gemm`` sums over (key pair, t).
     ``dot_heads``: ``Vb (HT, BN, D)``, ``Vt (HT, BN/2, D, 2)`` (the head first: the interleave and
-    the dot product take a contiguous region of one head), row ``i`` reading head ``i // R``."""
-    N, BM, BN, D, HT, R = k.N, k.BM, k.BN, k.D, k.HT, k.R
+    the dot product take a contiguous region of one head), row ``i`` reading head ``i // R``.
+    ``D`` here is V's head dim (``DV``)."""
+    N, BM, BN, D, HT, R = k.N, k.BM, k.BN, k.DV, k.HT, k.R
 
     def p_of(P, Vsc, vj, vi, vd=0):
         # P as PV reads it: times the key's value scale (per token; per group column vd's group:
@@ -793,8 +803,9 @@ def _scale_macro(k: _TileShape, spec: AttentionSpec):
     """A key tile's scales, each times :data:`KV_UNIT` (what ``kv_to_f32(unit=False)`` leaves
     out), and as NaN when it is not a positive finite number (its rows are then NaN): per token
     block ``scale_load``, ``Ksc``/``Vsc (BN, BM)`` (each row's kv head's, laid out as S and P);
-    per group block ``group_scale_load``, ``(HT, BN, groups)``."""
-    N, BN, BM, HT, NG = k.N, k.BN, k.BM, k.HT, k.scale_groups
+    per group block ``group_scale_load``, ``(HT, BN, groups)`` (V's groups in a block of their own,
+    ``group_scale_load_v``, when ``DV`` gives V another count)."""
+    N, BN, BM, HT, NG, NGV = k.N, k.BN, k.BM, k.HT, k.scale_groups, k.v_scale_groups
     unit = KV_UNIT.get(spec.kv_dtype, 1.0)
 
     def checked(x):
@@ -814,18 +825,28 @@ def _scale_macro(k: _TileShape, spec: AttentionSpec):
 
     @T.macro
     def group_scale_load(Ksc, Vsc, t, vc):
-        for j, h, g in T.grid(BN, HT, NG):
-            with T.sblock(N["group_scale_load"]):
-                vj, vh, vg = T.axis.remap("SSS", [j, h, g])
-                Ksc[vh, vj, vg] = checked(t.var.KSC[t.scale_at(vc, vj, vg, head(vh))])
-                Vsc[vh, vj, vg] = checked(t.var.VSC[t.scale_at(vc, vj, vg, head(vh))])
+        if NG == NGV:
+            for j, h, g in T.grid(BN, HT, NG):
+                with T.sblock(N["group_scale_load"]):
+                    vj, vh, vg = T.axis.remap("SSS", [j, h, g])
+                    Ksc[vh, vj, vg] = checked(t.var.KSC[t.scale_at(vc, vj, vg, head(vh))])
+                    Vsc[vh, vj, vg] = checked(t.var.VSC[t.scale_at(vc, vj, vg, head(vh))])
+        else:
+            for j, h, g in T.grid(BN, HT, NG):
+                with T.sblock(N["group_scale_load"]):
+                    vj, vh, vg = T.axis.remap("SSS", [j, h, g])
+                    Ksc[vh, vj, vg] = checked(t.var.KSC[t.scale_at(vc, vj, vg, head(vh))])
+            for j, h, g in T.grid(BN, HT, NGV):
+                with T.sblock(N["group_scale_load_v"]):
+                    vj, vh, vg = T.axis.remap("SSS", [j, h, g])
+                    Vsc[vh, vj, vg] = checked(t.var.VSC[t.scale_at(vc, vj, vg, head(vh))])
 
     return group_scale_load if k.group_scales else token_scale_load
 
 
 def _store_macro(k: _TileShape):
-    """The tile's stores: ``O`` (normalised, rounded to the dtype), and ``stats`` to ``X``."""
-    N, BM, D, stats = k.N, k.BM, k.D, k.stats
+    """The tile's stores: ``O`` (normalised, rounded to the dtype; ``DV`` columns), and ``stats`` to ``X``."""
+    N, BM, D, stats = k.N, k.BM, k.DV, k.stats
 
     def out(t, acc, l, m, vi):
         # with sinks each row's denominator gains its sink (Variants.with_sink; l stays the keys'
@@ -982,19 +1003,21 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
     other arguments: the comment above."""
     N = {n: n + suffix for n in TILE_BLOCKS + OPTIONAL_BLOCKS}
     _check_tile_args(spec, BM, BN, stage_k, dot_bf16, prefetch, heads, dot_decode)
-    HT, D = heads, spec.head_dim
+    HT, D, DV = heads, spec.head_dim, spec.v_dim
     # Q is scaled to the log2 units of exp2 (scale·log2(e)); with a softcap to x / c, which
     # score_mod's tanh takes (variants.score_scale)
     qscale = score_scale(spec)
     neg_inf = T.float32(float("-inf"))
-    k = _TileShape(N=N, BM=BM, BN=BN, D=D, HT=HT, qscale=qscale, dot_bf16=dot_bf16, prefetch=prefetch, stats=stats,
+    k = _TileShape(N=N, BM=BM, BN=BN, D=D, DV=DV, HT=HT, qscale=qscale, dot_bf16=dot_bf16, prefetch=prefetch, stats=stats,
                    line_elems=CACHE_LINE // spec.kv_itemsize, transforms=transforms(spec),
                    mask_mod=spec.mask_mod is not None or spec.key_bounds, kv_dtype=spec.kv_dtype,
-                   dot_decode=dot_decode, qk_int8=spec.qk_int8, scale_groups=spec.scale_groups)
+                   dot_decode=dot_decode, qk_int8=spec.qk_int8, scale_groups=spec.scale_groups,
+                   v_scale_groups=spec.v_scale_groups)
     sg, pv = _s_gemm_macros(k), _pv_macros(k)
     NG, scale_load = spec.scale_groups, _scale_macro(k, spec)
     fine = NG > 0
     SC_SHAPE = (BN, BM) if k.token_scales else (HT, BN, NG)
+    VSC_SHAPE = (BN, BM) if k.token_scales else (HT, BN, spec.v_scale_groups)  # V's groups: DV/32
     s_gemm_dot, s_gemm_heads, s_gemm_staged, s_gemm = sg.dot, sg.heads, sg.staged, sg.plain
     pv_gemm_dot, pv_gemm_dot_heads, pv_gemm_heads, pv_gemm = pv.dot, pv.dot_heads, pv.heads, pv.plain
     online_softmax, store = _softmax_macro(k), _store_macro(k)
@@ -1016,28 +1039,28 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
         m_new = T.sblock_alloc_buffer((BM,), "float32", scope="local")  # max after this tile
         l = T.sblock_alloc_buffer((BM,), "float32", scope="local")  # running sum
         alpha = T.sblock_alloc_buffer((BM,), "float32", scope="local")  # exp2(m_old - m_new)
-        acc = T.sblock_alloc_buffer((BM, D), "float32", scope="local")  # unnormalised output
+        acc = T.sblock_alloc_buffer((BM, DV), "float32", scope="local")  # unnormalised output
         if k.qk_int8:
             qs = T.sblock_alloc_buffer((2, BM), "float32", scope="local")  # the rows' max|q|, then s_q; 128·Σq_i
         if fine:  # the key tile's key and value scales: per (key, row) as S, or (head, key, group)
             Ksc = T.sblock_alloc_buffer(SC_SHAPE, "float32", scope="local")
-            Vsc = T.sblock_alloc_buffer(SC_SHAPE, "float32", scope="local")
+            Vsc = T.sblock_alloc_buffer(VSC_SHAPE, "float32", scope="local")
         else:  # placeholders, never read (meta_var: bound without renaming m)
             Ksc = T.meta_var(m)
             Vsc = T.meta_var(m)
         if stage_k and HT > 1:
             Kt = T.sblock_alloc_buffer((HT, D), KT_DTYPE, scope="local")  # one key of every head
             if PV_DOT:
-                Vb = T.sblock_alloc_buffer((HT, BN, D), "uint16", scope="local")  # value tile's bits
-                Vt = T.sblock_alloc_buffer((HT, BN // 2, D, 2), "uint16", scope="local")  # v pairs (key)
+                Vb = T.sblock_alloc_buffer((HT, BN, DV), "uint16", scope="local")  # value tile's bits
+                Vt = T.sblock_alloc_buffer((HT, BN // 2, DV, 2), "uint16", scope="local")  # v pairs (key)
             else:
                 # value tile (key, head, d), as stored or as float32 (k.v_raw)
-                Vt = T.sblock_alloc_buffer((BN, HT, D), V.dtype if k.v_raw else "float32", scope="local")
+                Vt = T.sblock_alloc_buffer((BN, HT, DV), V.dtype if k.v_raw else "float32", scope="local")
         elif stage_k:
             Kt = T.sblock_alloc_buffer((BN, D), KT_DTYPE, scope="local")  # the key tile, (key, d)
             if dot_decode == 2:
-                Vb = T.sblock_alloc_buffer((BN, D), "uint16", scope="local")  # the value tile's bits
-                Vt = T.sblock_alloc_buffer((BN // 2, D, 2), "uint16", scope="local")  # v pairs (key)
+                Vb = T.sblock_alloc_buffer((BN, DV), "uint16", scope="local")  # the value tile's bits
+                Vt = T.sblock_alloc_buffer((BN // 2, DV, 2), "uint16", scope="local")  # v pairs (key)
         if dot_decode == 2:
             Pr = T.sblock_alloc_buffer((BN, BM), "uint16", scope="local")  # P rounded, key-major
             Pb = T.sblock_alloc_buffer((BN // 2, BM, 2), "uint16", scope="local")  # p pairs (key)
@@ -1047,8 +1070,8 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
             Vu = T.decl_buffer(V.shape, "uint16", data=V.data, align=A)
             Qp = T.sblock_alloc_buffer((D // 2, BM, 2), "uint16", scope="local")  # q pairs (d)
             Kb = T.sblock_alloc_buffer((BN, D), "uint16", scope="local")  # the key tile
-            Vb = T.sblock_alloc_buffer((BN, D), "uint16", scope="local")  # the value tile
-            Vt = T.sblock_alloc_buffer((BN // 2, D, 2), "uint16", scope="local")  # v pairs (key)
+            Vb = T.sblock_alloc_buffer((BN, DV), "uint16", scope="local")  # the value tile
+            Vt = T.sblock_alloc_buffer((BN // 2, DV, 2), "uint16", scope="local")  # v pairs (key)
             Pr = T.sblock_alloc_buffer((BN, BM), "uint16", scope="local")  # P rounded, key-major
             Pb = T.sblock_alloc_buffer((BN // 2, BM, 2), "uint16", scope="local")  # p pairs (key)
         elif k.raw16:  # a bf16 cache read as its bits by decode_dot's products
@@ -1067,7 +1090,7 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
                 vi = T.axis.remap("S", [i])
                 m[vi] = neg_inf
                 l[vi] = T.float32(0)
-        for i, d in T.grid(BM, D):
+        for i, d in T.grid(BM, DV):
             with T.sblock(N["acc_init"]):
                 vi, vd = T.axis.remap("SS", [i, d])
                 acc[vi, vd] = T.float32(0)
@@ -1136,7 +1159,7 @@ class _Dense:
     def __init__(self, spec: AttentionSpec, block_m: int, block_n: int):
         self.spec = spec
         self.B, self.H, self.KH = dim(spec, "batch"), spec.heads, spec.kv_heads
-        self.SQ, self.D = dim(spec, "seq_q"), spec.head_dim
+        self.SQ, self.D, self.DV = dim(spec, "seq_q"), spec.head_dim, spec.v_dim
         self.G = spec.group_size
         self.BM, self.BN = block_m, block_n
         self.kv = kv_layout(spec, self.B, self.D)
@@ -1173,9 +1196,9 @@ def _main_nest(f: _Dense, dot_bf16: bool):
                 vb, vh, vr = T.axis.remap("SSS", [b, h, r])
                 T.reads([Q[vb, vh, 0:SQ, 0:D]] + kv.reads(K, V, X, vb, vh // G))
                 if lse:
-                    T.writes(O[vb, vh, 0:SQ, 0:D], LSE[vb, vh, 0:SQ])
+                    T.writes(O[vb, vh, 0:SQ, 0:f.DV], LSE[vb, vh, 0:SQ])
                 else:
-                    T.writes(O[vb, vh, 0:SQ, 0:D])
+                    T.writes(O[vb, vh, 0:SQ, 0:f.DV])
                 tile(Q, K, V, O, at(X, W, vb, vh, vr), NC, LSE)
 
     return main_nest
@@ -1222,7 +1245,7 @@ class _Packing:
 def _merge_macro(f: _Dense, BD: int, NS, suffix: str):
     """The ``merge<suffix>`` block of a split decode tier: per query row, ``M = max m_s``, ``O =
     Σ acc_s·2^(m_s-M) / Σ l_s·2^(m_s-M)`` over the chunks' partials ``Op``/``St``."""
-    spec, B, H, SQ, D, G, kv, lse = f.spec, f.B, f.H, f.SQ, f.D, f.G, f.kv, f.lse
+    spec, B, H, SQ, D, G, kv, lse = f.spec, f.B, f.H, f.SQ, f.DV, f.G, f.kv, f.lse  # D: the output's (V's)
     neg_inf = T.float32(float("-inf"))
 
     def merged_sees_key(X, W, vb, vi):
@@ -1276,6 +1299,7 @@ def _decode_tier(f: _Dense, BD: int, suffix: str, split_tasks: int, stage: bool,
     software prefetch ``prefetch`` tiles ahead, ``NH`` kv heads per task and its products on
     bf16 operands with ``dot`` (``_tile_macro``'s ``dot_decode``: 1 QKᵀ, 2 both)."""
     spec, B, H, KH, SQ, D, G, BN, kv, NC, lse = f.spec, f.B, f.H, f.KH, f.SQ, f.D, f.G, f.BN, f.kv, f.NC, f.lse
+    DV = f.DV
     pf = prefetch if stage else 0
     BT, KB = BD * NH, KH // NH  # tile rows, head blocks
     NS = n_splits(split_tasks, B, KB)  # key-range chunks per sequence
@@ -1344,10 +1368,10 @@ def _decode_tier(f: _Dense, BD: int, suffix: str, split_tasks: int, stage: bool,
                 vb, vkh = T.axis.remap("SS", [b, kh])
                 T.reads([Q[vb, h0(vkh) * G:h0(vkh) * G + NH * G, 0:SQ, 0:D]] + kv.reads(K, V, X, vb, h0(vkh), NH))
                 if lse:
-                    T.writes(O[vb, h0(vkh) * G:h0(vkh) * G + NH * G, 0:SQ, 0:D],
+                    T.writes(O[vb, h0(vkh) * G:h0(vkh) * G + NH * G, 0:SQ, 0:DV],
                              LSE[vb, h0(vkh) * G:h0(vkh) * G + NH * G, 0:SQ])
                 else:
-                    T.writes(O[vb, h0(vkh) * G:h0(vkh) * G + NH * G, 0:SQ, 0:D])
+                    T.writes(O[vb, h0(vkh) * G:h0(vkh) * G + NH * G, 0:SQ, 0:DV])
                 tile_dec(Q, K, V, O, packed(X, W, vb, vkh), NC, LSE)
 
     @T.macro
@@ -1355,19 +1379,19 @@ def _decode_tier(f: _Dense, BD: int, suffix: str, split_tasks: int, stage: bool,
         with T.sblock("split_kv" + suffix):
             T.reads([_whole(x) for x in (Q, K, V) + X])
             if lse:
-                T.writes(O[0:B, 0:H, 0:SQ, 0:D], LSE[0:B, 0:H, 0:SQ])
+                T.writes(O[0:B, 0:H, 0:SQ, 0:DV], LSE[0:B, 0:H, 0:SQ])
             else:
-                T.writes(O[0:B, 0:H, 0:SQ, 0:D])
-            Op = T.sblock_alloc_buffer((B, KH, NS, BD, D), "float32")  # unnormalised acc per chunk
+                T.writes(O[0:B, 0:H, 0:SQ, 0:DV])
+            Op = T.sblock_alloc_buffer((B, KH, NS, BD, DV), "float32")  # unnormalised acc per chunk
             St = T.sblock_alloc_buffer((B, KH, NS, BD, 2), "float32")  # m, l per chunk
             for b, kh, sp in T.grid(B, KB, NS):
                 with T.sblock("row_tile" + suffix + SPLIT):
                     vb, vkh, vs = T.axis.remap("SSS", [b, kh, sp])
                     T.reads([Q[vb, h0(vkh) * G:h0(vkh) * G + NH * G, 0:SQ, 0:D]] + kv.reads(K, V, X, vb, h0(vkh), NH))
                     if NH == 1:
-                        T.writes(Op[vb, vkh, vs, 0:BD, 0:D], St[vb, vkh, vs, 0:BD, 0:2])
+                        T.writes(Op[vb, vkh, vs, 0:BD, 0:DV], St[vb, vkh, vs, 0:BD, 0:2])
                     else:
-                        T.writes(Op[vb, h0(vkh):h0(vkh) + NH, vs, 0:BD, 0:D],
+                        T.writes(Op[vb, h0(vkh):h0(vkh) + NH, vs, 0:BD, 0:DV],
                                  St[vb, h0(vkh):h0(vkh) + NH, vs, 0:BD, 0:2])
                     spl = T.sblock_alloc_buffer((2,), "int32", scope="local")
                     with T.sblock("split_locate" + suffix):
@@ -1478,15 +1502,16 @@ def _dense(spec: AttentionSpec, block_m: int, block_n: int, decode_rows: tuple[i
 
 
 def _append_macro(f: _Dense):
-    """Block ``kv_append``: the call's ``k_new``/``v_new (B, KH, Sq, D)`` written into the cache at
+    """Block ``kv_append``: the call's ``k_new (B, KH, Sq, D)``/``v_new (.., DV)`` written into the cache at
     each sequence's keys ``cache_seqlens[b] .. + Sq - 1`` (paged: through ``block_table``), in the
     cache's dtype; an 8-bit cache stores ``x / scale[kv head]`` rounded to nearest even and
     saturated (``f32_to_kv``: what ``quant.quantize_kv`` stores, bit for bit); with per-token or
     per-group scales each new key's own, computed from it as ``quantize_kv`` does and written to
     ``k_scale``/``v_scale`` at its position. One task per (batch,
     kv head, new key), serial: ``B·KH·Sq`` rows of ``D`` elements, against the cache a step reads."""
-    spec, B, KH, SQ, D, kv = f.spec, f.B, f.KH, f.SQ, f.D, f.kv
+    spec, B, KH, SQ, D, DV, kv = f.spec, f.B, f.KH, f.SQ, f.D, f.DV, f.kv
     kvd = spec.kv_dtype
+    same = D == DV  # one loop writes both rows (else K's D columns, then V's DV)
 
     def stored(buf, x, scale):
         # without kv_dtype the cache has k_new's dtype: copied as it is (a bfloat16 value through
@@ -1497,7 +1522,10 @@ def _append_macro(f: _Dense):
         return None if S is None else S[h]
 
     NG = spec.scale_groups if kvd is not None else 0
-    GS = SCALE_GROUP if kvd is not None and spec.kv_scale == "group" else D  # elements per scale
+    group = kvd is not None and spec.kv_scale == "group"
+    GS = SCALE_GROUP if group else D  # elements per scale: K's
+    GSV = SCALE_GROUP if group else DV  # V's
+    NGV = spec.v_scale_groups if kvd is not None else 0
     fine = NG > 0
 
     def scale_index(X, vb, vh, vi, g):  # the new key's g-th scale (kv.index without head_dim)
@@ -1516,35 +1544,57 @@ def _append_macro(f: _Dense):
         for b, h, i in T.grid(B, KH, SQ):
             with T.sblock("kv_append"):
                 vb, vh, vi = T.axis.remap("SSS", [b, h, i])
-                T.reads([W.KN[vb, vh, vi, 0:D], W.VN[vb, vh, vi, 0:D]] + kv.reads(K, V, X, vb, 0)[2:])
+                T.reads([W.KN[vb, vh, vi, 0:D], W.VN[vb, vh, vi, 0:DV]] + kv.reads(K, V, X, vb, 0)[2:])
                 T.writes(_whole(K), _whole(V), _whole(W.KSC), _whole(W.VSC))
-                sc = T.sblock_alloc_buffer((2, NG), "float32", scope="local")
-                for g in T.serial(NG):
+                sc = T.sblock_alloc_buffer((2, max(NG, NGV)), "float32", scope="local")
+                for g in T.serial(max(NG, NGV)):
                     sc[0, g] = T.float32(0)
                     sc[1, g] = T.float32(0)
-                for d in T.serial(D):
-                    sc[0, d // GS] = T.max(sc[0, d // GS], magnitude(W.KN[vb, vh, vi, d]))
-                    sc[1, d // GS] = T.max(sc[1, d // GS], magnitude(W.VN[vb, vh, vi, d]))
-                for g in T.serial(NG):
-                    sc[0, g] = new_scale(sc[0, g])
-                    sc[1, g] = new_scale(sc[1, g])
-                    W.KSC[scale_index(X, vb, vh, vi, g)] = sc[0, g]
-                    W.VSC[scale_index(X, vb, vh, vi, g)] = sc[1, g]
-                for d in T.vectorized(D):
-                    K[kv.index(X, vb, vh, X[-1][vb] + vi, d)] = stored(K, W.KN[vb, vh, vi, d], sc[0, d // GS])
-                    V[kv.index(X, vb, vh, X[-1][vb] + vi, d)] = stored(V, W.VN[vb, vh, vi, d], sc[1, d // GS])
+                if same:
+                    for d in T.serial(D):
+                        sc[0, d // GS] = T.max(sc[0, d // GS], magnitude(W.KN[vb, vh, vi, d]))
+                        sc[1, d // GS] = T.max(sc[1, d // GS], magnitude(W.VN[vb, vh, vi, d]))
+                    for g in T.serial(NG):
+                        sc[0, g] = new_scale(sc[0, g])
+                        sc[1, g] = new_scale(sc[1, g])
+                        W.KSC[scale_index(X, vb, vh, vi, g)] = sc[0, g]
+                        W.VSC[scale_index(X, vb, vh, vi, g)] = sc[1, g]
+                    for d in T.vectorized(D):
+                        K[kv.index(X, vb, vh, X[-1][vb] + vi, d)] = stored(K, W.KN[vb, vh, vi, d], sc[0, d // GS])
+                        V[kv.index(X, vb, vh, X[-1][vb] + vi, d)] = stored(V, W.VN[vb, vh, vi, d], sc[1, d // GS])
+                else:
+                    for d in T.serial(D):
+                        sc[0, d // GS] = T.max(sc[0, d // GS], magnitude(W.KN[vb, vh, vi, d]))
+                    for d in T.serial(DV):
+                        sc[1, d // GSV] = T.max(sc[1, d // GSV], magnitude(W.VN[vb, vh, vi, d]))
+                    for g in T.serial(NG):
+                        sc[0, g] = new_scale(sc[0, g])
+                        W.KSC[scale_index(X, vb, vh, vi, g)] = sc[0, g]
+                    for g in T.serial(NGV):
+                        sc[1, g] = new_scale(sc[1, g])
+                        W.VSC[scale_index(X, vb, vh, vi, g)] = sc[1, g]
+                    for d in T.vectorized(D):
+                        K[kv.index(X, vb, vh, X[-1][vb] + vi, d)] = stored(K, W.KN[vb, vh, vi, d], sc[0, d // GS])
+                    for d in T.vectorized(DV):
+                        V[kv.index(X, vb, vh, X[-1][vb] + vi, d)] = stored(V, W.VN[vb, vh, vi, d], sc[1, d // GSV])
 
     @T.macro
     def append(K, V, X, W):
         for b, h, i in T.grid(B, KH, SQ):
             with T.sblock("kv_append"):
                 vb, vh, vi = T.axis.remap("SSS", [b, h, i])
-                T.reads([W.KN[vb, vh, vi, 0:D], W.VN[vb, vh, vi, 0:D]] + kv.reads(K, V, X, vb, 0)[2:]
+                T.reads([W.KN[vb, vh, vi, 0:D], W.VN[vb, vh, vi, 0:DV]] + kv.reads(K, V, X, vb, 0)[2:]
                         + ([W.KSC[vh], W.VSC[vh]] if kvd is not None else []))
                 T.writes(_whole(K), _whole(V))
-                for d in T.vectorized(D):
-                    K[kv.index(X, vb, vh, X[-1][vb] + vi, d)] = stored(K, W.KN[vb, vh, vi, d], scale_of(W.KSC, vh))
-                    V[kv.index(X, vb, vh, X[-1][vb] + vi, d)] = stored(V, W.VN[vb, vh, vi, d], scale_of(W.VSC, vh))
+                if same:
+                    for d in T.vectorized(D):
+                        K[kv.index(X, vb, vh, X[-1][vb] + vi, d)] = stored(K, W.KN[vb, vh, vi, d], scale_of(W.KSC, vh))
+                        V[kv.index(X, vb, vh, X[-1][vb] + vi, d)] = stored(V, W.VN[vb, vh, vi, d], scale_of(W.VSC, vh))
+                else:
+                    for d in T.vectorized(D):
+                        K[kv.index(X, vb, vh, X[-1][vb] + vi, d)] = stored(K, W.KN[vb, vh, vi, d], scale_of(W.KSC, vh))
+                    for d in T.vectorized(DV):
+                        V[kv.index(X, vb, vh, X[-1][vb] + vi, d)] = stored(V, W.VN[vb, vh, vi, d], scale_of(W.VSC, vh))
 
     return append_fine if fine else append
 
@@ -1570,7 +1620,7 @@ def _dense_function(f: _Dense, attrs: dict, body) -> tirx.PrimFunc:
     index = [a.name for a in layout.index_args]
     if [n for n in INDEX_PARAMS if n in index] != index:
         raise ValueError(f"layout {layout.name}: index arrays {index} are not a subsequence of {INDEX_PARAMS}")
-    values = {"batch": f.B, "heads": f.H, "seq_q": f.SQ, "head_dim": f.D, **f.kv.dim_values()}
+    values = {"batch": f.B, "heads": f.H, "seq_q": f.SQ, "head_dim": f.D, "head_dim_v": f.DV, **f.kv.dim_values()}
 
     def shape(i):  # argument i's shape; a dropped index parameter's is a placeholder
         return tuple(values[d] for d in args[i].dims) if i is not None else (1,)
@@ -1652,7 +1702,7 @@ def _varlen(spec: AttentionSpec, block_m: int, block_n: int, dot_bf16: bool = Fa
     the parallel loop gives every core whole heads, each with the same mix of long and short
     sequences: a batch of one 2k-token sequence and many short ones stays balanced.
     """
-    H, KH, D = spec.heads, spec.kv_heads, spec.head_dim
+    H, KH, D, DV = spec.heads, spec.kv_heads, spec.head_dim, spec.v_dim
     G = spec.group_size
     BM, BN = block_m, block_n
     TQ, TK = tirx.Var("total_q", "int32"), tirx.Var("total_k", "int32")
@@ -1687,7 +1737,8 @@ def _varlen(spec: AttentionSpec, block_m: int, block_n: int, dot_bf16: bool = Fa
 
     # the signature from the layout entry: q, k, v, cu_seqlens_q, cu_seqlens_k, o, then lse
     layout = spec.layout_info
-    values = {"total_q": TQ, "total_k": TK, "heads": H, "kv_heads": KH, "head_dim": D, "batch+1": NB1}
+    values = {"total_q": TQ, "total_k": TK, "heads": H, "kv_heads": KH, "head_dim": D, "head_dim_v": DV,
+              "batch+1": NB1}
     QS, KS, VS, CQS, CKS, OS = (tuple(values[d] for d in a.dims) for a in layout.args)
     LS = tuple(values[d] for d in layout.lse_dims)
     names = [a.name for a in layout.all_args(spec)]
@@ -1711,11 +1762,11 @@ def _varlen(spec: AttentionSpec, block_m: int, block_n: int, dot_bf16: bool = Fa
         for h, s in T.grid(H, NT):
             with T.sblock("row_tile"):
                 vh, vs = T.axis.remap("SS", [h, s])
-                T.reads(Q[0:TQ, vh, 0:D], K[0:TK, vh // G, 0:D], V[0:TK, vh // G, 0:D], CQ[0:NB1], CK[0:NB1])
+                T.reads(Q[0:TQ, vh, 0:D], K[0:TK, vh // G, 0:D], V[0:TK, vh // G, 0:DV], CQ[0:NB1], CK[0:NB1])
                 if lse:
-                    T.writes(O[0:TQ, vh, 0:D], LSE[vh, 0:TQ])
+                    T.writes(O[0:TQ, vh, 0:DV], LSE[vh, 0:TQ])
                 else:
-                    T.writes(O[0:TQ, vh, 0:D])
+                    T.writes(O[0:TQ, vh, 0:DV])
                 # seq[0]: the sequence b of slot vs; seq[1]: the tile's first row within it.
                 # seq[2], seq[3]: binary-search bounds on b.
                 seq = T.sblock_alloc_buffer((4,), "int32", scope="local")

@@ -26,8 +26,9 @@ def dim(spec: AttentionSpec, name: str):
 
 
 class KVLayout:
-    """K/V addressing of one layout. ``shape``: the K (and V) buffer's shape; ``bound``: the keys
-    one sequence's reads may span (the extent of its K/V regions)."""
+    """K/V addressing of one layout. ``shape``: the K buffer's shape (V's has ``DV``, the spec's
+    ``v_dim``, last); ``bound``: the keys one sequence's reads may span (the extent of its K/V
+    regions)."""
 
     shape: tuple
     bound: Any
@@ -37,7 +38,7 @@ class KVLayout:
         ADDRESSING[cls.__name__] = cls
 
     def __init__(self, spec: AttentionSpec, B, D: int):
-        self.KH, self.D = spec.kv_heads, D
+        self.KH, self.D, self.DV = spec.kv_heads, D, spec.v_dim  # K's head dim, V's
         # keys a call appends to each sequence (spec.append: the kernel's seq_q, the rows of
         # k_new, set by the kernel that owns that var), counted in its length: cache_seqlens is
         # the length before the append
@@ -55,7 +56,7 @@ class KVLayout:
         """The K/V (and index) regions sequence ``b``'s kv heads ``kh .. kh + nh`` read (explicit:
         the inferred ones would name the blocks' local buffers through the indirect indices)."""
         h = self._heads(kh, nh)
-        return [K[b, h, 0:self.bound, 0:self.D], V[b, h, 0:self.bound, 0:self.D]] + [x[b] for x in X]
+        return [K[b, h, 0:self.bound, 0:self.D], V[b, h, 0:self.bound, 0:self.DV]] + [x[b] for x in X]
 
     def index(self, X, b, kh, key, d) -> tuple:
         """The K/V index of key ``key``, column ``d`` of sequence ``b``'s kv head ``kh``."""
@@ -111,7 +112,7 @@ class Paged(KVLayout):
 
     def reads(self, K, V, X, b, kh, nh: int = 1) -> list:
         h = self._heads(kh, nh)
-        return [K[0:self.NP, 0:self.P, h, 0:self.D], V[0:self.NP, 0:self.P, h, 0:self.D],
+        return [K[0:self.NP, 0:self.P, h, 0:self.D], V[0:self.NP, 0:self.P, h, 0:self.DV],
                 X[0][b, 0:self.MP], X[1][b]]
 
     def index(self, X, b, kh, key, d) -> tuple:

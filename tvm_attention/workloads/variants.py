@@ -288,16 +288,18 @@ class ExtraParams:
             self.params.append(self.tensors[name])
         self.scales = (None, None)
         if spec.kv_quantized:  # an 8-bit cache's k_scale, v_scale, after the tensors: (kv_heads,), or
-            # K's shape ``kv_shape`` without head_dim (per token), with head_dim / 32 (per group)
-            shape = (spec.kv_heads,) if spec.kv_scale == "head" else \
-                tuple(kv_shape[:-1]) + ((spec.scale_groups,) if spec.kv_scale == "group" else ())
-            self.scales = tuple(tirx.decl_buffer(shape, "float32", n, data_alignment=A)
-                                for n in ("k_scale", "v_scale"))
+            # K's shape ``kv_shape`` without head_dim (per token), with head_dim / 32 (per group; V's head_dim_v / 32)
+            def shape(groups):
+                return (spec.kv_heads,) if spec.kv_scale == "head" else \
+                    tuple(kv_shape[:-1]) + ((groups,) if spec.kv_scale == "group" else ())
+            self.scales = tuple(tirx.decl_buffer(shape(g), "float32", n, data_alignment=A)
+                                for n, g in (("k_scale", spec.scale_groups), ("v_scale", spec.v_scale_groups)))
             self.params += list(self.scales)
         self.new = (None, None)
-        if spec.append:  # k_new, v_new (batch, kv_heads, seq_q, head_dim) in the query dtype, last
-            shape = (batch, spec.kv_heads, seq_q, spec.head_dim)
-            self.new = tuple(tirx.decl_buffer(shape, spec.dtype, n, data_alignment=A) for n in ("k_new", "v_new"))
+        if spec.append:  # k_new (batch, kv_heads, seq_q, head_dim), v_new (.., head_dim_v), query dtype, last
+            shape = (batch, spec.kv_heads, seq_q)
+            self.new = tuple(tirx.decl_buffer(shape + (d,), spec.dtype, n, data_alignment=A)
+                             for n, d in (("k_new", spec.head_dim), ("v_new", spec.v_dim)))
             self.params += list(self.new)
 
     @property
