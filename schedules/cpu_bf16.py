@@ -30,8 +30,8 @@ from ..spec import AttentionSpec
 from ..tvm_internals import register_tensor_intrin
 from ..workloads._math import bf16_value
 
-from .cpu_space import (AUTO_UNROLL_STEPS, PARALLEL_CHUNKS, has_block, max_pv_rows, max_s_rows, sample_choice, sample_tile,
-                        vectorize_rows)
+from .cpu_space import (AUTO_UNROLL_STEPS, PARALLEL_CHUNKS, has_block, max_pv_rows, max_s_rows, pv_columns, sample_choice,
+                        sample_tile, vectorize_rows)
 
 L = 16  # float32 lanes of one vdpbf16ps (a zmm register)
 U16, F32 = "uint16", "float32"
@@ -129,7 +129,7 @@ _registered: list[bool] = []  # non-empty once this process registered DP and IL
 def supports(spec: AttentionSpec, features: set[str]) -> bool:
     """Whether ``spec`` can take the bf16 dot-product form on a CPU with ``features``."""
     return (spec.dtype == "bfloat16" and not spec.kv_quantized and FEATURE in features and "avx512f" in features
-            and spec.head_dim % L == 0 and spec.v_dim == spec.head_dim)  # PV's blocks span head_dim
+            and spec.head_dim % L == 0 and spec.v_dim % L == 0)
 
 
 def schedule(sch: s_tir.Schedule, spec: AttentionSpec, knobs=None, suffix: str = "") -> s_tir.Schedule:
@@ -138,7 +138,7 @@ def schedule(sch: s_tir.Schedule, spec: AttentionSpec, knobs=None, suffix: str =
     row_tile = sch.get_sblock("row_tile" + suffix)
     bufs = {b.name: b for b in sch.get(row_tile).alloc_buffers}
     block_n, block_m = (int(x) for x in bufs["S"].shape)
-    D = spec.head_dim
+    D, DV = spec.head_dim, spec.v_dim  # QKᵀ's head dim, PV's
     pin = knobs is not None
     register()
 
@@ -153,7 +153,7 @@ def schedule(sch: s_tir.Schedule, spec: AttentionSpec, knobs=None, suffix: str =
 
     # Copies: the key and value tiles' bits (contiguous rows); Q pairs once per row tile.
     vec(sch.get_loops(blk("K_load"))[-1], D, 32)
-    vec(sch.get_loops(blk("V_load"))[-1], D, 32)
+    vec(sch.get_loops(blk("V_load"))[-1], DV, 32)
     sch.unroll(sch.get_loops(blk("Q_load"))[-1])
 
     # S_gemm (j, dp, i, t) -> (jo, dp, ji, io, [t, ii]): s_rows keys × query vectors of
@@ -179,13 +179,21 @@ def schedule(sch: s_tir.Schedule, spec: AttentionSpec, knobs=None, suffix: str =
         sch.tensorize(t, ILV)
     vec(sch.get_loops(blk("P_round"))[-1], block_m, L)
 
-    # PV_gemm (i, jp, d, t) -> (io, jp, ii, do, [t, di]): pv_rows rows × D/16 column vectors.
+    # PV_gemm (i, jp, d, t) -> (io, [dc,] jp, ii, do, [t, di]): pv_rows rows × pv_cols/16 column
+    # vectors; the column block (cpu_space.pv_columns) as the fp32 schedule's: all of DV unless
+    # the registers force a split
     pv = blk("PV_gemm")
     i, jp, d, t = sch.get_loops(pv)[-4:]
-    pv_rows = sample_tile(sch, i, block_m, knobs.pv_rows if pin else None, max_pv_rows(D, L))
+    pv_cols = (knobs.pv_cols or DV) if pin else pv_columns(DV, L)
+    pv_rows = sample_tile(sch, i, block_m, knobs.pv_rows if pin else None, max_pv_rows(pv_cols, L))
     io, ii = sch.split(i, pv_rows)
-    do, di = sch.split(d, [None, L])
-    sch.reorder(io, jp, ii, do, t, di)
+    if pv_cols < DV:
+        dc, d = sch.split(d, [None, pv_cols])
+        do, di = sch.split(d, [None, L])
+        sch.reorder(io, dc, jp, ii, do, t, di)
+    else:
+        do, di = sch.split(d, [None, L])
+        sch.reorder(io, jp, ii, do, t, di)
     sch.tensorize(t, DP)
     sch.unroll(ii)
     sch.unroll(do)
@@ -208,7 +216,8 @@ def schedule(sch: s_tir.Schedule, spec: AttentionSpec, knobs=None, suffix: str =
     sch.annotate(c_loop, "pragma_unroll_explicit", 1)
     sch.annotate(c_loop, "pragma_import_llvm", DPBF16_IR)
 
-    for key, value in (("s_rows", s_rows[1]), ("pv_rows", pv_rows[1]), ("pv_cols", 0), ("d_unroll", 1),
+    for key, value in (("s_rows", s_rows[1]), ("pv_rows", pv_rows[1]), ("pv_cols", pv_cols if pv_cols < DV else 0),
+                       ("d_unroll", 1),
                        ("auto_unroll", unroll)):
         sch.annotate(row_tile, f"attn.{key}", value)
     fused = sch.fuse(*sch.get_loops(row_tile))

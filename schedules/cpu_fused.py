@@ -39,8 +39,9 @@ from ..workloads.knob_attrs import FUSED, FUSED_DECODE
 
 from . import cpu_bf16, cpu_decode
 from ._knobs import KnobError, KnobsMixin
-from .cpu_space import (AUTO_UNROLL_STEPS, D_UNROLL_MAX, MAX_TILE_BYTES, PARALLEL_CHUNKS, VECTOR_REGISTERS, max_pv_rows,
-                        max_s_rows, sample_choice, sample_tile, vectorize_rows)
+from .cpu_space import (AUTO_UNROLL_STEPS, D_UNROLL_MAX, MAX_TILE_BYTES, PARALLEL_CHUNKS, PV_ROWS_GOAL,  # noqa: F401
+                        VECTOR_REGISTERS, max_pv_rows, max_s_rows, pv_columns, sample_choice, sample_tile,
+                        vectorize_rows)
 from .family import Capabilities, read_attrs
 
 NAME = "fused"
@@ -88,42 +89,6 @@ class FlashCPUKnobs(KnobsMixin):
 TILE_CANDIDATES = ((1, 32), (1, 64), (2, 32), (2, 64), (2, 128), (4, 64))
 
 
-#: Rows of a PV_gemm register block the presets aim at: each V vector loaded is reused by this
-#: many rows. A block of one row loads a V vector per FMA and is bound by the load ports: on a
-#: 2-core znver4, B1 S2048 fp32 (2 threads), head_dim 256 on AVX-512 ran 122 GFLOP/s with one
-#: row over all of head_dim and 194 with 4 rows × 64 columns; D=64 on AVX2 (mcpu znver3) 165
-#: with one row over 64 columns, 174 with 4 × 16 (same tile).
-PV_ROWS_GOAL = 4
-
-
-def pv_columns(head_dim: int, lanes: int) -> int:
-    """Head_dim columns per PV_gemm register block: all of head_dim when it is a power-of-two
-    number of vectors and a row block of at least two rows fits the vector registers over it
-    (AVX-512 up to D=128: every AVX-512 preset measured before AVX2), else the widest divisor of
-    head_dim that is a power-of-two number of vectors and takes ``PV_ROWS_GOAL`` rows (AVX2 at
-    D=64 and 128: 16 columns = 2 ymm; AVX-512 D=256: 64; D=96: 32) — so every head_dim builds on
-    every x86 target, SSE too.
-
-    Why the power of two (2-core znver4, B1 H8 S=1024 causal fp32, 2 threads, the preset's
-    step over the column block's, alternated): a row of 3, 5, 6, 7, 10 or 12 accumulator
-    vectors is not kept in registers even with the key loop unrolled (``auto_unroll``), a block
-    of 1, 2 or 4 is. AVX-512 D=48 (16 columns) 1.28x, D=80 (16) 1.47x, D=96 (32) 1.49x,
-    D=112 (16) 1.63x, D=160 (32) 1.78x, D=192 (64) 2.11x; AVX2 code D=48 (16) 1.30x, D=96
-    (16) 2.18x. D=64 with 32 columns: level."""
-    def pow2_vectors(c: int) -> bool:
-        v = math.ceil(c / lanes)
-        return v & (v - 1) == 0
-
-    if max_pv_rows(head_dim, lanes) >= 2 and pow2_vectors(head_dim):
-        return head_dim
-    # whole vectors first, a power-of-two count of them first (D=80 on AVX2: 16 columns, not
-    # 20 = 2½ ymm; D=192 on AVX-512: 64, not 96 = 6 zmm), then the widest
-    divisors = [c for c in range(1, head_dim + 1) if head_dim % c == 0]
-    fits = [c for c in divisors if max_pv_rows(c, lanes) >= PV_ROWS_GOAL]
-    fits = fits or [c for c in divisors if max_pv_rows(c, lanes) >= 1]
-    return max(fits, key=lambda c: (c % lanes == 0 and pow2_vectors(c), c % lanes == 0, c))
-
-
 def pv_cols_of(knobs: Any, head_dim: int) -> int:
     """The knobs' PV column block, ``pv_cols = 0`` meaning all of head_dim."""
     return knobs.pv_cols or head_dim
@@ -156,8 +121,9 @@ def preset(spec: AttentionSpec, target: Target) -> FlashCPUKnobs:
     # most a quarter of the registers in query vectors (SSE: 4 of 16 xmm).
     q_vectors = min((64 if dot else 32) // lanes, regs // 4)
     block_m, block_n = q_vectors * lanes, 64
-    # the bf16 dot-product PV block always spans all of head_dim (cpu_bf16)
-    pv_cols = spec.v_dim if dot else pv_columns(spec.v_dim, lanes)
+    # the bf16 dot-product PV block spans all of head_dim up to D=128, as measured (cpu_bf16);
+    # past that (MLA's 512 columns: 32 zmm) it takes the fp32 form's column blocks
+    pv_cols = spec.v_dim if dot and spec.v_dim <= 128 else pv_columns(spec.v_dim, lanes)
     pv_rows = max(1, min(PV_ROWS_GOAL, max_pv_rows(pv_cols, lanes)))
     while block_m % pv_rows:
         pv_rows -= 1
@@ -390,8 +356,9 @@ def check(knobs: FlashCPUKnobs, spec: AttentionSpec, target: Target) -> None:
         raise KnobError(
             f"dot_bf16=1 needs bfloat16 inputs (dtype={spec.dtype}), a head_dim that is a multiple of "
             f"{cpu_bf16.L} (head_dim={spec.head_dim}) and a CPU with {cpu_bf16.FEATURE} (target {target})")
-    if knobs.dot_bf16 and knobs.pv_cols:
-        raise KnobError(f"dot_bf16=1 computes PV over all of head_dim: pv_cols={knobs.pv_cols} must be 0")
+    if knobs.dot_bf16 and knobs.pv_cols % cpu_bf16.L:
+        raise KnobError(f"dot_bf16=1 computes PV in {cpu_bf16.L}-column vdpbf16ps: pv_cols={knobs.pv_cols} must be "
+                        f"a multiple of {cpu_bf16.L} (0 = all of head_dim)")
     if knobs.dot_bf16 and knobs.block_n % 2:
         raise KnobError(f"dot_bf16=1 pairs keys: block_n={knobs.block_n} must be even")
     regs = VECTOR_REGISTERS.get(lanes, 16)
@@ -696,7 +663,7 @@ def decode_rows(spec: AttentionSpec, knobs: FlashCPUKnobs) -> tuple[int, ...]:
     Why not one nest: a one-vector tile at one token computes 16 rows for 4 (or 1), which bound
     decode by the FMA units, not by the memory it must stream. bhsd (the transformers path, one
     token per step) keeps one decode nest: every nest adds seconds of lowering to a build."""
-    if spec.layout_info.packed:
+    if spec.layout_info.packed or spec.layout_info.latent:  # a latent cache packs its heads into one nest
         return ()
     lanes, group = knobs.vector_lanes, spec.group_size
     if group > lanes:

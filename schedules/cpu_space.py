@@ -32,6 +32,42 @@ def max_pv_rows(pv_cols: int, lanes: int) -> int:
     return (VECTOR_REGISTERS.get(lanes, 16) - 2) // math.ceil(pv_cols / lanes)
 
 
+#: Rows of a PV_gemm register block the presets aim at: each V vector loaded is reused by this
+#: many rows. A block of one row loads a V vector per FMA and is bound by the load ports: on a
+#: 2-core znver4, B1 S2048 fp32 (2 threads), head_dim 256 on AVX-512 ran 122 GFLOP/s with one
+#: row over all of head_dim and 194 with 4 rows × 64 columns; D=64 on AVX2 (mcpu znver3) 165
+#: with one row over 64 columns, 174 with 4 × 16 (same tile).
+PV_ROWS_GOAL = 4
+
+
+def pv_columns(head_dim: int, lanes: int) -> int:
+    """Head_dim columns per PV_gemm register block: all of head_dim when it is a power-of-two
+    number of vectors and a row block of at least two rows fits the vector registers over it
+    (AVX-512 up to D=128: every AVX-512 preset measured before AVX2), else the widest divisor of
+    head_dim that is a power-of-two number of vectors and takes ``PV_ROWS_GOAL`` rows (AVX2 at
+    D=64 and 128: 16 columns = 2 ymm; AVX-512 D=256: 64; D=96: 32) — so every head_dim builds on
+    every x86 target, SSE too.
+
+    Why the power of two (2-core znver4, B1 H8 S=1024 causal fp32, 2 threads, the preset's
+    step over the column block's, alternated): a row of 3, 5, 6, 7, 10 or 12 accumulator
+    vectors is not kept in registers even with the key loop unrolled (``auto_unroll``), a block
+    of 1, 2 or 4 is. AVX-512 D=48 (16 columns) 1.28x, D=80 (16) 1.47x, D=96 (32) 1.49x,
+    D=112 (16) 1.63x, D=160 (32) 1.78x, D=192 (64) 2.11x; AVX2 code D=48 (16) 1.30x, D=96
+    (16) 2.18x. D=64 with 32 columns: level."""
+    def pow2_vectors(c: int) -> bool:
+        v = math.ceil(c / lanes)
+        return v & (v - 1) == 0
+
+    if max_pv_rows(head_dim, lanes) >= 2 and pow2_vectors(head_dim):
+        return head_dim
+    # whole vectors first, a power-of-two count of them first (D=80 on AVX2: 16 columns, not
+    # 20 = 2½ ymm; D=192 on AVX-512: 64, not 96 = 6 zmm), then the widest
+    divisors = [c for c in range(1, head_dim + 1) if head_dim % c == 0]
+    fits = [c for c in divisors if max_pv_rows(c, lanes) >= PV_ROWS_GOAL]
+    fits = fits or [c for c in divisors if max_pv_rows(c, lanes) >= 1]
+    return max(fits, key=lambda c: (c % lanes == 0 and pow2_vectors(c), c % lanes == 0, c))
+
+
 def vectorize_rows(sch: s_tir.Schedule, loop, lanes: int) -> None:
     """Split ``loop`` into lanes-wide vectors, unroll the vector count, vectorize the lanes."""
     outer, inner = sch.split(loop, [None, lanes])

@@ -20,8 +20,10 @@ def test_every_entry_names_its_addressing_class_and_host_asserts():
 def test_todays_trait_tables():
     from tvm_attention.schedules.family import SPLIT_LAYOUTS
 
-    assert layouts_where("is_cache") == layouts_where("can_split") == SPLIT_LAYOUTS == ("kvcache", "paged")
+    assert layouts_where("can_split") == SPLIT_LAYOUTS == ("kvcache", "paged")
+    assert layouts_where("is_cache") == ("kvcache", "paged", "mla", "mla_paged")
+    assert layouts_where("latent") == ("mla", "mla_paged")  # one cache for K and V (issue 44)
     assert layouts_where("packed") == ("varlen",)
-    assert layouts_where("paged") == ("paged",)
-    assert in_words(layouts_where("packed", False)) == "bhsd, kvcache and paged"
-    assert in_words(layouts_where("is_cache")) == "kvcache and paged"
+    assert layouts_where("paged") == ("paged", "mla_paged")
+    assert in_words(layouts_where("packed", False)) == "bhsd, kvcache, paged, mla and mla_paged"
+    assert in_words(layouts_where("is_cache")) == "kvcache, paged, mla and mla_paged"

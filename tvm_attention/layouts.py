@@ -264,6 +264,9 @@ class Layout:
     default_page_size = 16
     #: the kv-head axis of K and V (arguments 1 and 2): where an 8-bit cache's scales apply
     kv_head_axis = 1
+    #: one latent cache holds K and V (MLA): argument 1 is K, V its first ``head_dim_v`` columns;
+    #: one kv head; the index arrays follow it
+    latent = False
 
     # -- what the layout decides for the rest of the library (its traits) ----------------------
     #: q and o pack every sequence's rows ``(total_q, H, D)``, found through ``cu_seqlens`` (the
@@ -312,18 +315,28 @@ class Layout:
         """The inputs of ``spec``'s kernel in call order (the layout's, then the variants')."""
         return self.inputs + variant_args(spec)
 
+    @property
+    def n_data(self) -> int:
+        """The data inputs before the index arrays: q, k, v (3), or q and a latent cache (2)."""
+        return 2 if self.latent else 3
+
+    @property
+    def data_names(self) -> tuple[str, ...]:
+        """Their names: ``("q", "k", "v")``, ``("q", "kv_cache")``..."""
+        return tuple(a.name for a in self.inputs[:self.n_data])
+
     def index_names(self, spec) -> tuple[str, ...]:
-        """Inputs after q, k, v of ``spec``'s kernel (index arrays, then variant arguments):
-        passed positionally or by keyword."""
-        return tuple(a.name for a in self.inputs_of(spec)[3:])
+        """Inputs after the data inputs (q, k, v) of ``spec``'s kernel (index arrays, then
+        variant arguments): passed positionally or by keyword."""
+        return tuple(a.name for a in self.inputs_of(spec)[self.n_data:])
 
     def outputs(self, spec) -> tuple[Arg, ...]:
         return tuple(a for a in self.all_args(spec) if a.output)
 
     @property
     def index_args(self) -> tuple[Arg, ...]:
-        """Inputs after q, k, v (``cu_seqlens_q``, ...): passed positionally or by keyword."""
-        return self.inputs[3:]
+        """Inputs after the data inputs (``cu_seqlens_q``, ...): passed positionally or by keyword."""
+        return self.inputs[self.n_data:]
 
     @property
     def output(self) -> Arg:
@@ -340,8 +353,8 @@ class Layout:
 
     @property
     def kv_names(self) -> tuple[str, str]:
-        """The names of the K and V arguments (the second and third)."""
-        return self.args[1].name, self.args[2].name
+        """The names of the K and V arguments (the second and third; a latent cache's twice)."""
+        return (self.args[1].name,) * 2 if self.latent else (self.args[1].name, self.args[2].name)
 
     def arg_dtype(self, spec, arg: Arg) -> str:
         """``arg``'s dtype in ``spec``'s kernel: its own, K/V's ``spec.kv_dtype_name`` (an 8-bit
@@ -1020,21 +1033,22 @@ class Paged(KVCache):
                 "head_dim": spec.head_dim, "head_dim_v": spec.v_dim}
 
     def key_capacity(self, arrays, bound):
-        p = arrays["k_pages"].shape[1]
+        p = arrays[self.kv_names[0]].shape[1]
         return bound["max_pages"] * p, (f"block_table holds max_pages={bound['max_pages']} pages of "
                                         f"page_size={p} keys per sequence")
 
     def check_indices(self, arrays, bound, spec=None):
         super().check_indices(arrays, bound, spec)
         lens, table = arrays["cache_seqlens"].astype(np.int64), arrays["block_table"]
-        p, n = arrays["k_pages"].shape[1], bound["num_pages"]
+        p, n = arrays[self.kv_names[0]].shape[1], bound["num_pages"]
         lens = lens + (bound["seq_q"] if getattr(spec, "append", False) else 0)  # with the appended keys (int64)
         used = (np.arange(table.shape[1])[None, :] * p) < lens[:, None]  # entries a sequence reads
         bad = used & ((table < 0) | (table >= n))
         if bad.any():
             b, i = (int(x) for x in np.argwhere(bad)[0])
             raise KernelArgumentError(
-                f"block_table[{b}, {i}]={int(table[b, i])} is not a page: k_pages/v_pages hold num_pages={n} "
+                f"block_table[{b}, {i}]={int(table[b, i])} is not a page: {'/'.join(dict.fromkeys(self.kv_names))} "
+                f"hold num_pages={n} "
                 f"(sequence {b} has {int(lens[b])} keys, so it reads its first {-(-int(lens[b]) // p)} entries)"
             )
 
@@ -1103,6 +1117,99 @@ class Paged(KVCache):
         return super().describe_case(case) + (", shared prefix page" if case.get("shared_prefix") else "")
 
 
+class MLA(KVCache):
+    """DeepSeek's multi-head latent attention (MLA) over a contiguous latent cache: one row of
+    ``head_dim`` values per token (``kv_lora_rank + rope_dim``: 512 + 64 = 576 for DeepSeek-V3),
+    shared by every query head. K is the whole row, V its first ``head_dim_v`` columns: the same
+    bytes, read once per key tile for both products. Queries arrive absorbed, ``q (batch, heads,
+    seq_q, head_dim)``; ``o (batch, heads, seq_q, head_dim_v)``. Sequence ``b`` attends to keys
+    ``[0, cache_seqlens[b])``, causal bottom-right. The scale is always given (DeepSeek's is
+    ``1/sqrt(qk_nope_head_dim + qk_rope_head_dim)``, not ``1/sqrt(576)``)."""
+
+    name = "mla"
+    manifest_name = "mla"
+    title = "MLA latent cache: q (batch, heads, seq_q, D) against kv_cache (batch, max_len, D), v its first Dv columns"
+    args = (
+        Arg("q", ("batch", "heads", "seq_q", "head_dim")),
+        Arg("kv_cache", ("batch", "max_len", "head_dim")),
+        Arg("cache_seqlens", ("batch",), "int32"),
+        Arg("o", ("batch", "heads", "seq_q", "head_dim_v"), output=True),
+    )
+    latent = True
+    addressing = "LatentCache"
+    can_split = False
+    cli_help = "MLA: q (B, H, Sq, D) against one latent kv_cache (B, max_len, D), v its first --head-dim-v columns"
+
+    def dims(self, spec) -> dict[str, int | str]:
+        return {"batch": "batch", "seq_q": "seq_q", "max_len": "max_len", "heads": spec.heads,
+                "head_dim": spec.head_dim, "head_dim_v": spec.v_dim}
+
+    def keys_of(self, spec, arrays, b: int, length: int) -> tuple[np.ndarray, np.ndarray]:
+        k = arrays["kv_cache"][b:b + 1, None, :length]  # (1, 1, length, D): one kv head
+        return k, k[..., :spec.v_dim]
+
+    def random_inputs(self, spec, case, seed=0):
+        rng = np.random.default_rng(seed)
+        dt = spec.np_dtype
+        lens = np.asarray(case["cache_seqlens"], dtype=np.int32)
+        b, sq, ml = len(lens), case["seq_q"], case["max_len"]
+        return {
+            "q": _rng_array(rng, (b, spec.heads, sq, spec.head_dim), dt),
+            "kv_cache": _rng_array(rng, (b, ml, spec.head_dim), dt),
+            "cache_seqlens": lens,
+            **variant_inputs(spec, lens, seed, sq),
+        }
+
+    def kv_bytes(self, spec, case):
+        return sum(self._keys(spec, case)) * spec.head_dim * spec.kv_itemsize  # one row per key, read once
+
+
+class MLAPaged(Paged):
+    """:class:`MLA` over a paged latent cache (vLLM's and FlashMLA's): key ``j`` of sequence ``b``
+    is row ``j % page_size`` of page ``block_table[b, j // page_size]`` of ``kv_pages (num_pages,
+    page_size, head_dim)``."""
+
+    name = "mla_paged"
+    manifest_name = "mla_paged"
+    title = "MLA paged latent cache: kv_pages (num_pages, page_size, D) + block_table + cache_seqlens"
+    args = (
+        Arg("q", ("batch", "heads", "seq_q", "head_dim")),
+        Arg("kv_pages", ("num_pages", "page_size", "head_dim")),
+        Arg("block_table", ("batch", "max_pages"), "int32"),
+        Arg("cache_seqlens", ("batch",), "int32"),
+        Arg("o", ("batch", "heads", "seq_q", "head_dim_v"), output=True),
+    )
+    latent = True
+    addressing = "LatentPaged"
+    can_split = False
+    cli_help = "MLA: one latent kv_pages (pages, page_size, D) + block_table + cache_seqlens"
+
+    def dims(self, spec) -> dict[str, int | str]:
+        return {"batch": "batch", "seq_q": "seq_q", "num_pages": "num_pages", "max_pages": "max_pages",
+                "page_size": spec.page_size, "heads": spec.heads, "head_dim": spec.head_dim,
+                "head_dim_v": spec.v_dim}
+
+    def keys_of(self, spec, arrays, b, length):
+        p = spec.page_size
+        j = np.arange(length)
+        k = arrays["kv_pages"][arrays["block_table"][b, j // p], j % p][None, None]  # (1, 1, length, D)
+        return k, k[..., :spec.v_dim]
+
+    def random_inputs(self, spec, case, seed=0):
+        """As :class:`Paged`'s (shuffled pages, spare ones, -1 past a sequence's pages, a shared
+        prefix page), one latent row per key."""
+        arrays = super().random_inputs(spec, case, seed)
+        rng = np.random.default_rng(seed + 7919)
+        num_pages = arrays["k_pages"].shape[0]
+        out = {n: a for n, a in arrays.items() if n not in ("k_pages", "v_pages")}
+        out["kv_pages"] = _rng_array(rng, (num_pages, spec.page_size, spec.head_dim), spec.np_dtype)
+        return {n: out[n] for n in ("q", "kv_pages", "block_table", "cache_seqlens") + tuple(
+            n for n in out if n not in ("q", "kv_pages", "block_table", "cache_seqlens"))}
+
+    def kv_bytes(self, spec, case):
+        return sum(self._keys(spec, case)) * spec.head_dim * spec.kv_itemsize
+
+
 def paged_from_contiguous(k_cache: np.ndarray, page_size: int, rng: np.random.Generator | None = None):
     """``(k_pages, block_table)`` holding the same keys as ``k_cache (B, KH, L, D)``, in shuffled
     pages (benchmarks compare the paged kernel with the contiguous one on the same data)."""
@@ -1120,7 +1227,7 @@ def paged_from_contiguous(k_cache: np.ndarray, page_size: int, rng: np.random.Ge
 
 
 #: name -> entry. The CLI's --layout choices, the manifest's "layout" and the spec's ``layout``.
-LAYOUTS: dict[str, Layout] = {entry.name: entry for entry in (BHSD(), Varlen(), KVCache(), Paged())}
+LAYOUTS: dict[str, Layout] = {entry.name: entry for entry in (BHSD(), Varlen(), KVCache(), Paged(), MLA(), MLAPaged())}
 
 
 def get_layout(name: str) -> Layout:

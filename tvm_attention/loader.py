@@ -60,6 +60,7 @@ SUPPORTED_MANIFEST_VERSIONS = (1,)
 _DLPACK_CPU = 1
 _DLPACK_CUDA = 2
 _SLOW = object()  # _fast_call's "take the checked path"
+_NO_ARG = object()  # __call__'s third argument not given (a latent cache's kernel takes two data inputs)
 
 
 class ArtifactError(RuntimeError):
@@ -209,7 +210,8 @@ class AttentionKernel:
 
     bhsd: ``kernel(q, k, v) -> o`` with ``q (B, H, Sq, D)``, ``k``, ``v (B, KH, Skv, D)``, result
     ``(B, H, Sq, D)``; varlen: ``kernel(q, k, v, cu_seqlens_q=..., cu_seqlens_k=...)`` with the
-    packed ``(total, heads, D)`` tensors (``tvm_attention.layouts``). All ``spec.dtype``,
+    packed ``(total, heads, D)`` tensors (``tvm_attention.layouts``); a latent cache (``mla``):
+    ``kernel(q, kv_cache, cache_seqlens)``, one cache for K and V. All ``spec.dtype``,
     C-contiguous, on the CPU. A symbolic dim (the manifest's ``symbolic_dims``) takes any size;
     the others must match. Pass ``out=`` to write into your own buffer. FlashAttention's
     ``causal``, ``softmax_scale`` (and for varlen ``max_seqlen_q``/``max_seqlen_k``) keywords are
@@ -244,7 +246,7 @@ class AttentionKernel:
         #: a CUDA build with device-side index checks: the call passes ``index_error`` last and
         #: reads it back after the launch (``_check_index_error``)
         self._device_checks = bool(getattr(spec, "device_checks", False))
-        self._qkv = tuple(name for name, _, _ in self._inputs[:3])  # q, k, v / q, k_cache, v_cache...
+        self._qkv = self.layout.data_names  # q, k, v / q, k_cache, v_cache / q, kv_cache (a latent cache)...
         self._index_names = self.layout.index_names(spec)  # index arrays, then variant arguments
         self._options = self.layout.all_options()
         self._static = not any(isinstance(d, str) for _, shape, _ in self._inputs for d in shape)
@@ -257,9 +259,9 @@ class AttentionKernel:
                                   if getattr(spec, "append", False) and name in self.layout.kv_names)
 
     # -- argument handling ---------------------------------------------------------------------
-    def _gather(self, q, k, v, index, kw) -> tuple[dict[str, Any], dict[str, Any]]:
+    def _gather(self, data, index, kw) -> tuple[dict[str, Any], dict[str, Any]]:
         """The inputs by name (index arrays positional or by keyword) and the option keywords."""
-        given: dict[str, Any] = dict(zip(self._qkv, (q, k, v)))
+        given: dict[str, Any] = dict(zip(self._qkv, data))
         options: dict[str, Any] = {}
         if len(index) > len(self._index_names):
             raise KernelArgumentError(
@@ -417,21 +419,28 @@ class AttentionKernel:
         empty). A zero-size tensor is answered here, never handed to the kernel."""
         return any(math.prod(a.shape) == 0 for a in arrays.values())  # NumPy arrays or device tensors
 
-    def __call__(self, q: Any, k: Any, v: Any, *index: Any, out: Any = None, **kw: Any) -> Any:
+    def __call__(self, q: Any, k: Any, v: Any = _NO_ARG, *index: Any, out: Any = None, **kw: Any) -> Any:
         """``o = softmax(q·kᵀ·scale + mask)·v`` in the artifact's layout; with ``out=`` the result
         is written there and ``out`` returned. An artifact built with ``return_lse`` returns
         ``(o, lse)``."""
+        if self.layout.latent:  # kernel(q, kv_cache, *index): the third positional is the first index
+            data, index = (q, k), (index if v is _NO_ARG else (v, *index))
+        elif v is _NO_ARG:
+            raise KernelArgumentError(f"missing {self._qkv[2]}: a {self.layout.name} kernel is called as "
+                                      f"kernel({', '.join(self._qkv)}, ...)")
+        else:
+            data = (q, k, v)
         if self._fast:
             if not kw:
-                args = (q, k, v, *index)
+                args = (*data, *index)
             elif not index and len(kw) == len(self._index_names):  # index arrays by keyword
-                args = (q, k, v, *(kw.get(n, _SLOW) for n in self._index_names))
+                args = (*data, *(kw.get(n, _SLOW) for n in self._index_names))
             else:
                 args = ()
             result = self._fast_call(args, out) if args and not any(a is _SLOW for a in args) else _SLOW
             if result is not _SLOW:
                 return result
-        given, options = self._gather(q, k, v, index, kw) if (index or kw or self._index_names) else (dict(zip(self._qkv, (q, k, v))), None)
+        given, options = self._gather(data, index, kw) if (index or kw or self._index_names) else (dict(zip(self._qkv, data)), None)
         if self.device == "cuda":
             return self._call_cuda(given, out, options)
 

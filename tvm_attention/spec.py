@@ -54,8 +54,9 @@ SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
 #: Bounds of ``scale``: kernels multiply q by the float32 constant ``scale·log2(e)``, which must be
 #: a finite normal float32 (3e38 would overflow it; TVM rejects the literal).
 MIN_SCALE, MAX_SCALE = 1e-30, 1e30
-#: Largest head_dim: every x86 schedule builds up to it (FlashAttention stops at 256).
-MAX_HEAD_DIM = 512
+#: Largest head_dim: every x86 schedule builds up to it (FlashAttention stops at 256): MLA's
+#: latent rows are 576 wide (kv_lora_rank 512 + rope 64, DeepSeek-V2/V3, Kimi K2).
+MAX_HEAD_DIM = 576
 #: Bounds of ``softcap``: kernels compute c·tanh(x / c) in float32 with c and 1/c folded into
 #: float32 constants, so both must be finite normal float32 values; no model caps outside
 #: [1, 100] (Gemma-2 30 and 50, Grok 30), so the range is generous and far from the edges.
@@ -171,8 +172,8 @@ class AttentionSpec:
             _check_positive_int(name, getattr(self, name))
         if self.seq_kv is None:
             object.__setattr__(self, "seq_kv", self.seq_q)
-        if self.kv_heads is None:
-            object.__setattr__(self, "kv_heads", self.heads)
+        if self.kv_heads is None:  # a latent cache (MLA) is one kv head for every query head
+            object.__setattr__(self, "kv_heads", 1 if get_layout(self.layout).latent else self.heads)
         _check_positive_int("seq_kv", self.seq_kv)
         _check_positive_int("kv_heads", self.kv_heads)
         for name in ("seq_q", "seq_kv"):
@@ -256,6 +257,8 @@ class AttentionSpec:
         if self.append and not layout.is_cache:
             raise SpecError(f"append (k_new/v_new written into the cache) applies to the "
                             f"{in_words(layouts_where('is_cache'))} layouts, not {layout.name!r}")
+        if layout.latent:
+            self._check_latent(layout)
         if self.scale is None:
             object.__setattr__(self, "scale", 1.0 / math.sqrt(self.head_dim))
         if isinstance(self.scale, bool) or not isinstance(self.scale, (int, float)):
@@ -266,6 +269,23 @@ class AttentionSpec:
                 f"scale must be a positive number in [{MIN_SCALE:g}, {MAX_SCALE:g}], got {self.scale!r} "
                 "(kernels fold scale·log2(e) into a float32 constant)"
             )
+
+    def _check_latent(self, layout) -> None:
+        """A latent cache (MLA): one kv head, V its first ``head_dim_v < head_dim`` columns, the
+        scale given (the model's is not ``1/sqrt(head_dim)``)."""
+        if self.kv_heads != 1:
+            raise SpecError(f"layout {layout.name!r}: the latent cache is one kv head shared by every query head, "
+                            f"got kv_heads={self.kv_heads}")
+        if self.head_dim_v is None or self.head_dim_v > self.head_dim:
+            raise SpecError(f"layout {layout.name!r}: V is the latent row's first head_dim_v columns: give "
+                            f"head_dim_v < head_dim={self.head_dim} (DeepSeek-V3: head_dim 576, head_dim_v 512), "
+                            f"got head_dim_v={self.head_dim_v}")
+        if self.scale is None:
+            raise SpecError(f"layout {layout.name!r}: give the scale (the model's softmax scale; DeepSeek's is "
+                            "1/sqrt(qk_nope_head_dim + qk_rope_head_dim), not 1/sqrt(head_dim))")
+        for name, what in (("kv_dtype", "an 8-bit latent cache"), ("append", "appending latent rows")):
+            if getattr(self, name):
+                raise SpecError(f"layout {layout.name!r}: {what} ({name}) is not built yet")
 
     def _check_variants(self, layout) -> None:
         """Validate the variant fields and store them canonically: a window as a ``(left, right)``

@@ -1204,6 +1204,49 @@ def _main_nest(f: _Dense, dot_bf16: bool):
     return main_nest
 
 
+def _latent_nest(f: _Dense, dot_bf16: bool):
+    """The main nest of a latent cache (MLA): one kv head for all ``H`` query heads, so a row
+    tile packs them: row ``p`` of sequence ``b`` is position ``p // H`` of head ``p % H``, and one
+    tile per (batch, ``block_m`` packed rows) reads the latent rows once for ``block_m`` heads
+    (``H / block_m`` tiles per position instead of ``H``)."""
+    spec, B, H, SQ, D, DV, BM, BN, kv, NC, lse = (f.spec, f.B, f.H, f.SQ, f.D, f.DV, f.BM, f.BN, f.kv, f.NC,
+                                                  f.lse)
+    rows = SQ * H
+    NRP = T.floordiv(rows + BM - 1, BM) if not isinstance(rows, int) else math.ceil(rows / BM)
+    tile = _tile_macro(spec, BM, BN, stats="lse" if lse else None, dot_bf16=dot_bf16,
+                       stage_k=stages_half_keys(spec, dot_bf16))
+
+    def qo(vb, p):  # (batch, head, position) of packed row p
+        return (vb, T.floormod(p, H), T.floordiv(p, H))
+
+    def at(X, W, vb, vr):
+        return _Tile(
+            spec, BM, BN, vr * BM, rows, kv.length(X, vb),
+            q_index=lambda p, d: qo(vb, p) + (d,),
+            kv_index=lambda key, d: kv.index(X, vb, 0, key, d),
+            o_index=lambda p, d: qo(vb, p) + (d,),
+            always_masked=True,
+            pos=lambda p: T.floordiv(p, H),
+            seq_q=SQ,
+            lse_index=lambda p: qo(vb, p),
+            var=W, b=vb, head=lambda p: T.floormod(p, H),
+        )
+
+    @T.macro
+    def latent_nest(Q, K, V, O, LSE, X, W):
+        for b, r in T.grid(B, NRP):
+            with T.sblock("row_tile"):
+                vb, vr = T.axis.remap("SS", [b, r])
+                T.reads([Q[vb, 0:H, 0:SQ, 0:D]] + kv.reads(K, V, X, vb, 0))
+                if lse:
+                    T.writes(O[vb, 0:H, 0:SQ, 0:DV], LSE[vb, 0:H, 0:SQ])
+                else:
+                    T.writes(O[vb, 0:H, 0:SQ, 0:DV])
+                tile(Q, K, V, O, at(X, W, vb, vr), NC, LSE)
+
+    return latent_nest
+
+
 class _Packing:
     """The GQA packing of a decode tier: tile row ``p`` of head block ``vkb`` is kv head
     ``head_of(vkb, p)``, packed row ``loc(p)`` of that head, which is position ``loc(p) // G`` of
@@ -1450,8 +1493,9 @@ def _dense(spec: AttentionSpec, block_m: int, block_n: int, decode_rows: tuple[i
     """
     f = _Dense(spec, block_m, block_n)
     SQ, G, KH = f.SQ, f.G, f.KH
-    main_nest = _main_nest(f, dot_bf16)
-    tiers = tuple(sorted(decode_rows))
+    latent = spec.layout_info.latent  # one nest: the heads packed into its row tiles
+    main_nest = _latent_nest(f, dot_bf16) if latent else _main_nest(f, dot_bf16)
+    tiers = () if latent else tuple(sorted(decode_rows))
     if decode_heads < 1 or KH % decode_heads:
         raise ValueError(f"decode_heads={decode_heads} must divide kv_heads={KH}")
     if len(tiers) > 2:
@@ -1627,7 +1671,9 @@ def _dense_function(f: _Dense, attrs: dict, body) -> tirx.PrimFunc:
 
     def at(name):
         return names.index(name) if name in names else None
-    QS, KS, VS, OS, LS = shape(0), shape(1), shape(2), shape(names.index(layout.output.name)), shape(at("lse"))
+    latent = layout.latent  # V is K's buffer (its first head_dim_v columns), not an argument
+    QS, KS, OS, LS = shape(0), shape(1), shape(names.index(layout.output.name)), shape(at("lse"))
+    VS = KS if latent else shape(2)
     BTS, CLS = shape(at(INDEX_PARAMS[0])), shape(at(INDEX_PARAMS[1]))
     ALS, SKS, KSS = (shape(at(n)) for n in VARIANT_PARAMS)
     present = [n in index for n in INDEX_PARAMS]
@@ -1652,14 +1698,18 @@ def _dense_function(f: _Dense, attrs: dict, body) -> tirx.PrimFunc:
         LSE: T.Buffer(LS, "float32", align=A),
     ):
         T.func_attr(attrs)
-        if fp8:
+        if latent:
+            KV = T.decl_buffer(KS, kv_dtype, data=K.data, align=A)  # V: the latent rows again
+            body(Q, K, KV, O, LSE, index_buffers(BT, CL), Variants(f.spec, AL, SK, KST, *extra.variant_args))
+        elif fp8:
             K8 = T.decl_buffer(KS, "uint8", data=K.data, align=A)
             V8 = T.decl_buffer(VS, "uint8", data=V.data, align=A)
             body(Q, K8, V8, O, LSE, index_buffers(BT, CL), Variants(f.spec, AL, SK, KST, *extra.variant_args))
         else:
             body(Q, K, V, O, LSE, index_buffers(BT, CL), Variants(f.spec, AL, SK, KST, *extra.variant_args))
 
-    return _keep_params(attention, [True, True, True, *present, *variants, True, f.lse], extra.params, 1 + f.lse)
+    return _keep_params(attention, [True, True, not latent, *present, *variants, True, f.lse], extra.params,
+                        1 + f.lse)
 
 
 def _whole(buf):

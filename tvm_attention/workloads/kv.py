@@ -119,6 +119,36 @@ class Paged(KVLayout):
         return (X[0][b, T.floordiv(key, self.P)], T.floormod(key, self.P), kh, d)
 
 
+class LatentCache(KVCache):
+    """MLA's ``kv_cache (B, max_len, D)``: one row per key for every head (kv head 0); V is the
+    same buffer's first ``DV`` columns (``fused._dense_function`` aliases it)."""
+
+    def __init__(self, spec: AttentionSpec, B, D: int):
+        super().__init__(spec, B, D)
+        self.shape = (B, self.ML, D)
+
+    def reads(self, K, V, X, b, kh, nh: int = 1) -> list:
+        return [K[b, 0:self.bound, 0:self.D], V[b, 0:self.bound, 0:self.DV]] + [x[b] for x in X]
+
+    def index(self, X, b, kh, key, d) -> tuple:
+        return (b, key, d)
+
+
+class LatentPaged(Paged):
+    """MLA's ``kv_pages (num_pages, page_size, D)``: key ``j`` of sequence ``b`` is row ``j %
+    page_size`` of page ``block_table[b, j // page_size]``; V its first ``DV`` columns."""
+
+    def __init__(self, spec: AttentionSpec, B, D: int):
+        super().__init__(spec, B, D)
+        self.shape = (self.NP, self.P, D)
+
+    def reads(self, K, V, X, b, kh, nh: int = 1) -> list:
+        return [K[0:self.NP, 0:self.P, 0:self.D], V[0:self.NP, 0:self.P, 0:self.DV], X[0][b, 0:self.MP], X[1][b]]
+
+    def index(self, X, b, kh, key, d) -> tuple:
+        return (X[0][b, T.floordiv(key, self.P)], T.floormod(key, self.P), d)
+
+
 def kv_layout(spec: AttentionSpec, B, D: int) -> KVLayout:
     """The K/V addressing of ``spec``'s layout (its entry's ``addressing``), for batch ``B`` and
     head dim ``D``."""

@@ -1,0 +1,116 @@
+"""DeepSeek's multi-head latent attention (issue 44, item 2): the ``mla`` and ``mla_paged`` layouts,
+one latent row per token shared by every query head, K the whole row and V its first
+``head_dim_v`` columns. The spec's rules, the kernels against the float64 reference (decode,
+multi-token steps, chunked prefill against the cache, page sizes 1, 16 and 64, lse, the variants
+that act per query head), the loader's call forms and checks, and the exported library's own
+check of the index arrays (at 2³¹−1 too)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tvm_attention.artifact import export, validate_built
+from tvm_attention.layouts import KernelArgumentError
+from tvm_attention.spec import AttentionSpec, SpecError
+
+from conftest import built
+
+#: a small latent shape: 16 heads over one 96-wide latent row, V its first 64 columns
+M = dict(batch=2, heads=16, seq_q=1, seq_kv=100, head_dim=96, head_dim_v=64, scale=0.1, causal=True)
+
+
+def test_spec_rules():
+    s = AttentionSpec(**M, layout="mla")
+    assert s.kv_heads == 1 and s.group_size == 16 and s.v_dim == 64
+    assert [(a["name"], a["shape"]) for a in s.arg_specs()] == [
+        ("q", ["batch", 16, "seq_q", 96]), ("kv_cache", ["batch", "max_len", 96]), ("cache_seqlens", ["batch"]),
+        ("o", ["batch", 16, "seq_q", 64])]
+    p = AttentionSpec(**M, layout="mla_paged", page_size=64)
+    assert [a["shape"] for a in p.arg_specs()][1] == ["num_pages", 64, 96]
+    assert s.layout_info.kv_bytes(s, {"seq_q": 1, "cache_seqlens": [10, 20]}) == 30 * 96 * 4  # each row read once
+    for kw, match in ((dict(kv_heads=2), "one kv head"), (dict(head_dim_v=None), "give head_dim_v < head_dim"),
+                      (dict(scale=None), "give the scale"), (dict(kv_dtype="int8"), "8-bit latent cache"),
+                      (dict(append=True), "appending latent rows")):
+        with pytest.raises(SpecError, match=match):
+            AttentionSpec(**{**M, **kw}, layout="mla")
+
+
+#: name -> spec fields: decode steps, multi-token steps and a chunked prefill (each layout's
+#: validation cases: seq_q 1, 4 and 37 against caches of 0 to 211 keys), page sizes 1, 16 and 64,
+#: bf16 with lse, DeepSeek-V3's 128 heads × 576 / 512, and the variants that act per query head
+#: (ALiBi's slope, the sink) on packed rows
+KERNELS = {
+    "mla": dict(M, layout="mla"),
+    "mla_bf16_lse": dict(M, layout="mla", dtype="bfloat16", return_lse=True),
+    "mla_paged_16": dict(M, layout="mla_paged"),
+    "mla_paged_1_variants": dict(M, layout="mla_paged", page_size=1, heads=20, window=(50, 0), softcap=20.0,
+                                 alibi=True, sinks=True),
+    "mla_paged_64": dict(M, layout="mla_paged", page_size=64),
+    "deepseek_v3": dict(M, layout="mla", heads=128, head_dim=576, head_dim_v=512, dtype="bfloat16",
+                        scale=192 ** -0.5),
+}
+
+
+@pytest.mark.parametrize("name", list(KERNELS))
+def test_kernel_matches_the_reference(name):
+    spec = AttentionSpec(**KERNELS[name])
+    b = built(spec)
+    assert b.audit.fused, b.audit
+    r = validate_built(b)
+    assert r.passed and r.finite, r
+
+
+@pytest.mark.parametrize("name", ["mla", "mla_paged_16"])
+def test_loader_and_the_librarys_own_checks(name, tmp_path):
+    import tvm
+
+    from tvm_attention.loader import _SLOW, load
+
+    spec = AttentionSpec(**KERNELS[name])
+    b = built(spec)
+    export(b, tmp_path, validate_built(b))
+    kernel = load(tmp_path)
+    layout = spec.layout_info
+    arrays = layout.random_inputs(spec, layout.validation_cases(spec)[1])  # ragged lengths, 0 among them
+    ref = layout.reference_outputs(spec, arrays)[0]
+    names = [a["name"] for a in spec.arg_specs() if a["name"] != "o"]
+    cache, *index = names[1:]
+    positional = kernel(*[arrays[n] for n in names])
+    keywords = kernel(arrays["q"], arrays[cache], **{n: arrays[n] for n in index})
+    np.testing.assert_allclose(positional, ref, atol=1e-4, rtol=1e-4)
+    np.testing.assert_array_equal(keywords, positional)
+    fast = kernel._fast_call(tuple(arrays[n] for n in names), None)  # no Python checks on this path
+    assert fast is not _SLOW
+    np.testing.assert_array_equal(fast, positional)
+    with pytest.raises(KernelArgumentError, match=f"missing {index[0]}"):
+        kernel(arrays["q"], arrays[cache])
+    narrow = np.ascontiguousarray(arrays[cache][..., :64])  # V's width given as the cache's
+    with pytest.raises(KernelArgumentError, match=f"{cache}: expected shape"):
+        kernel(arrays["q"], narrow, *[arrays[n] for n in index])
+    # the library itself (a C++ caller, no loader): a length past the cache, at 2**31 - 1 too
+    o = np.zeros(arrays["q"].shape[:3] + (spec.v_dim,), np.float32)
+    for bad in (int(arrays["cache_seqlens"].max()) + 10_000, 2 ** 31 - 1, -1):
+        lens = np.full_like(arrays["cache_seqlens"], bad)
+        given = dict(arrays, cache_seqlens=lens)
+        with pytest.raises(ValueError, match="cache_seqlens"):
+            kernel.function(*[tvm.runtime.tensor(given[n]) for n in names], tvm.runtime.tensor(o))
+    if "block_table" in index:  # an entry in use that is no page
+        table = arrays["block_table"].copy()
+        table[0, 0] = arrays[cache].shape[0]
+        given = dict(arrays, block_table=table, cache_seqlens=np.maximum(arrays["cache_seqlens"], 1))
+        with pytest.raises(ValueError, match="block_table"):
+            kernel.function(*[tvm.runtime.tensor(given[n]) for n in names], tvm.runtime.tensor(o))
+
+
+def test_cli_layout():
+    import argparse
+
+    from tvm_attention.cli import _add_spec_flags, _spec_from_args
+
+    p = argparse.ArgumentParser()
+    _add_spec_flags(p)
+    # docs/serving.md's DeepSeek-V3 command (two lines there, so test_readme does not build it)
+    spec = _spec_from_args(p.parse_args(["--layout", "mla_paged", "--page-size", "64", "--heads", "128",
+                                         "--head-dim", "576", "--head-dim-v", "512", "--scale", "0.0722",
+                                         "--dtype", "bfloat16", "--causal"]))
+    assert (spec.kv_heads, spec.page_size, spec.v_dim, spec.dynamic) == (1, 64, 512, ("batch", "seq_q", "seq_kv"))
