@@ -444,8 +444,10 @@ def test_decode_and_halfprec_progress_and_partial(monkeypatch, tmp_path, capsys)
     assert row["kvcache_roof"] == pytest.approx(row["kvcache_gbps"] / 20.0)
     assert (tmp_path / "decode.md").read_text().startswith("**partial: interrupted after 1 of 2 points**")
 
-    monkeypatch.setattr(halfprec, "fma_peak", lambda threads: types.SimpleNamespace(gflops=100.0))
-    monkeypatch.setattr(halfprec, "bf16_dot_peak", lambda threads: None)
+    from tvm_attention.bench import cpu
+
+    monkeypatch.setattr(cpu, "fma_peak", lambda threads: types.SimpleNamespace(gflops=100.0))
+    monkeypatch.setattr(cpu, "bf16_dot_peak", lambda threads: None)
     done = []
 
     def point(cfg, d, *args):

@@ -114,3 +114,27 @@ def test_cli_layout():
                                          "--head-dim", "576", "--head-dim-v", "512", "--scale", "0.0722",
                                          "--dtype", "bfloat16", "--causal"]))
     assert (spec.kv_heads, spec.page_size, spec.v_dim, spec.dynamic) == (1, 64, 512, ("batch", "seq_q", "seq_kv"))
+
+
+def test_bench_mla_tiny(tmp_path):
+    """``bench --mla --tiny``: the MLA decode point against its roof and peers, the head_dim_v
+    prefill against the equal-dims build, written as mla.md/json (speed goals are the
+    benchmark's, never asserted here)."""
+    import importlib.util
+    import json
+
+    from tvm_attention import cli
+
+    assert cli.main(["bench", "--mla", "--tiny", "--threads", "2", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "mla.json").read_text())
+    dec, pre = report["rows"]
+    assert dec["point"] == "mla decode" and dec["ours_gflops"] > 0 and 0 < dec["of_roof"]
+    assert dec["roof"] == ("bf16 dot peak" if report["meta"]["bf16_dot_peak_gflops"] else "fp32 FMA peak")
+    if importlib.util.find_spec("torch") is not None:
+        assert dec["torch_ms"] > 0 and dec["vs_torch"] > 0
+    if importlib.util.find_spec("ggml") is not None:  # llama.cpp at Dk != Dv, where installed
+        assert dec["llamacpp_ms"] > 0 and "ggml_flash_attn_ext" in dec["llamacpp"]
+    else:
+        assert "ggml-python is not installed" in dec["llamacpp"]
+    assert pre["point"] == "prefill" and pre["d64v32_gflops"] > 0 and pre["dv_vs_d"] > 0
+    assert "| ratio |" in (tmp_path / "mla.md").read_text()

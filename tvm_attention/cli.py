@@ -529,6 +529,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
         return bench_decode(a, threads)
     if a.halfprec:
         return bench_halfprec(a, threads)
+    if a.mla:
+        return bench_mla(a, threads)
     plots = not a.no_plots
     if plots and not plots_available():  # said before the sweep, not found missing after it
         print(missing_note("the sweep runs, its plots are skipped"), flush=True)
@@ -633,6 +635,15 @@ def bench_halfprec(a: argparse.Namespace, threads: int) -> int:
 
     cfg = halfprec.quick_config() if a.tiny else halfprec.Config()
     return _bench_report(a, halfprec, lambda: halfprec.run(cfg, threads, say=lambda m: print(m, flush=True)))
+
+
+def bench_mla(a: argparse.Namespace, threads: int) -> int:
+    """``bench --mla``: MLA decode (H=128, 576 / 512) against the compute roofs, torch SDPA and
+    llama.cpp, and a Dqk 192 / Dv 128 prefill against a D=192 build; ``--tiny``: small points."""
+    from .bench import mla  # TVM loads only for the commands that compile
+
+    cfg = mla.quick_config() if a.tiny else mla.Config()
+    return _bench_report(a, mla, lambda: mla.run(cfg, threads, say=lambda m: print(m, flush=True)))
 
 
 #: ``--memory-scaling``'s measurements: fused and materialized at two lengths.
@@ -958,6 +969,10 @@ def build_parser() -> "_Parser":
                    help="half-precision prefill instead: bf16 (AVX512-BF16 dot products), bf16 with fp32 products, "
                         "fp16 and fp32 against torch SDPA fp32/bf16 at S=4096, H=8, D 64/128, with the FMA and "
                         "bf16 dot-product peaks of this CPU")
+    p.add_argument("--mla", action="store_true",
+                   help="MLA instead: DeepSeek-V3's latent-attention decode (H=128, latent 576, V 512; bf16 and fp32, "
+                        "batch 4 and 16 × 4k) against the FMA and bf16 dot-product peaks, torch SDPA and llama.cpp, "
+                        "and a Dqk 192 / Dv 128 prefill against a D=192 build")
     kv8 = ["float8_e4m3fn", "float8_e5m2", "int8", "int8_qk8"]
     p.add_argument("--decode-dtype", nargs="+", default=None,
                    choices=["float32", "bfloat16", "float16"] + kv8 + [f"{d}_{g}" for d in kv8 for g in ("token", "group")],

@@ -254,9 +254,10 @@ class AttentionSpec:
             raise SpecError(f"device_checks: a {layout.name} kernel without kv_start takes no index array to check "
                             "on the device (its shapes are checked by the library's argument checks); drop "
                             "--device-checks")
-        if self.append and not layout.is_cache:
+        if self.append and not layout.is_cache:  # (a latent cache's append: not built yet, _check_latent)
+            appending = [n for n in layouts_where("is_cache") if not get_layout(n).latent]
             raise SpecError(f"append (k_new/v_new written into the cache) applies to the "
-                            f"{in_words(layouts_where('is_cache'))} layouts, not {layout.name!r}")
+                            f"{in_words(appending)} layouts, not {layout.name!r}")
         if layout.latent:
             self._check_latent(layout)
         if self.scale is None:

@@ -7,6 +7,7 @@ NumPy's sgemm is kept as an informative number only: a fused kernel can beat Ope
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import os
 import re
 import statistics
@@ -16,7 +17,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..schedules.cpu_bf16 import DPBF16_IR, FEATURE
-from ..target import resolve_target, target_features, vector_lanes
+from ..target import host_cpu, resolve_target, target_features, vector_lanes
 from ..threads import num_threads
 from ..timing import time_callable
 
@@ -281,4 +282,18 @@ def measure_ceilings(threads: int | None = None, say: Callable[[str], None] | No
             f"{peak.seconds:.1f} s), read bandwidth {bw.gbps:.1f} GB/s ({bw.bytes_read / 2**20:.0f} MiB, "
             f"{bw.seconds:.1f} s); NumPy sgemm {sgemm:.1f} GFLOP/s ({100 * sgemm / meta['fma_peak_gflops']:.0f}% "
             "of the FMA peak)")
+    return meta
+
+
+def compute_roofs_meta(cfg: Any, threads: int, goals: dict, say: Callable[[str], None]) -> dict[str, Any]:
+    """The header of a compute-bound benchmark's report (``bench --halfprec``, ``--mla``): date,
+    CPU, threads, its config and goals, and the two roofs measured now, the fp32 FMA peak and the
+    bf16 dot-product peak (None without AVX512-BF16), said as its first line."""
+    has_dots = "avx512bf16" in target_features(resolve_target("llvm"))
+    meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "cpu": host_cpu(), "threads": threads,
+            "config": dataclasses.asdict(cfg), "goals": goals, "avx512bf16": has_dots}
+    fma, dots = fma_peak(threads).gflops, bf16_dot_peak(threads)
+    meta["fma_peak_gflops"], meta["bf16_dot_peak_gflops"] = fma, (dots or {}).get("gflops")
+    say(f"# {meta['date']} cpu={meta['cpu']} threads={threads}: FMA peak {fma:.0f} GFLOP/s, bf16 dot peak "
+        f"{meta['bf16_dot_peak_gflops'] or 0:.0f} GFLOP/s")
     return meta

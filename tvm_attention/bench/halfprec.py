@@ -12,7 +12,6 @@ bf16 ratios compare the form the preset builds: ``bf16-dot``, else (no AVX512-BF
 from __future__ import annotations
 
 import dataclasses
-import datetime
 from pathlib import Path
 from typing import Any, Callable
 
@@ -20,11 +19,10 @@ from ..artifact import kernel_of
 from ..build import build_kernel
 from ..reference import reference_attention
 from ..spec import AttentionSpec
-from ..target import host_cpu, resolve_target, target_features
 from ..threads import set_num_threads
 from ..timing import aligned_inputs, time_built, time_callable
 from . import Interrupted, Progress, mark_interrupted, partial_line, write_report
-from .cpu import bf16_dot_peak, fma_peak
+from .cpu import compute_roofs_meta
 from .peers import torch_sdpa_fn
 
 #: Speed goals of issue 11 (checked in the report, never by a test).
@@ -51,18 +49,12 @@ def quick_config() -> Config:
 
 def run(cfg: Config, threads: int | None = None, say: Callable[[str], None] = print) -> dict[str, Any]:
     threads = set_num_threads(threads)
-    has_dots = "avx512bf16" in target_features(resolve_target("llvm"))
-    meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "cpu": host_cpu(), "threads": threads,
-            "config": dataclasses.asdict(cfg), "goals": GOALS, "avx512bf16": has_dots}
-    fma, dots = fma_peak(threads).gflops, bf16_dot_peak(threads)
-    meta["fma_peak_gflops"], meta["bf16_dot_peak_gflops"] = fma, (dots or {}).get("gflops")
-    say(f"# {meta['date']} cpu={meta['cpu']} threads={threads}: FMA peak {fma:.0f} GFLOP/s, bf16 dot peak "
-        f"{meta['bf16_dot_peak_gflops'] or 0:.0f} GFLOP/s")
+    meta = compute_roofs_meta(cfg, threads, GOALS, say)
     rows: list[dict[str, Any]] = []
     progress = Progress(len(cfg.head_dims))
     try:
         for d in cfg.head_dims:
-            rows.append(_point(cfg, d, threads, has_dots, fma, meta))
+            rows.append(_point(cfg, d, threads, meta["avx512bf16"], meta["fma_peak_gflops"], meta))
             progress.advance()
             say(f"{progress.tag()} [D={d}] " + ", ".join(
                 f"{n} {rows[-1][f'{n}_gflops']:.1f}" for n in [*OURS, *PEERS] if f"{n}_gflops" in rows[-1])

@@ -1,5 +1,5 @@
 """``tvm-attention bench``'s other benchmarks, beside the length sweep and ``--decode`` /
-``--halfprec``: ``--serving``, ``--variant-costs``, ``--loader`` and ``--kv-accuracy``. Their flags (:func:`add_flags`,
+``--halfprec`` / ``--mla``: ``--serving``, ``--variant-costs``, ``--loader`` and ``--kv-accuracy``. Their flags (:func:`add_flags`,
 called by the CLI's parser) and the runs they start (:func:`run`). Every benchmark of the project
 has one front door, ``tvm-attention bench``; the code that measures lives in this package.
 
@@ -14,7 +14,7 @@ import itertools
 import sys
 
 #: the ``bench`` flags that each choose one benchmark instead of the length sweep
-MODES = ("decode", "halfprec", "serving", "variant_costs", "loader", "kv_accuracy")
+MODES = ("decode", "halfprec", "mla", "serving", "variant_costs", "loader", "kv_accuracy")
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
@@ -52,7 +52,7 @@ def run(a: argparse.Namespace) -> int | None:
         print("tvm-attention bench: choose one of " + ", ".join("--" + m.replace("_", "-") for m in chosen),
               file=sys.stderr)
         return 2
-    if not chosen or chosen[0] in ("decode", "halfprec"):
+    if not chosen or chosen[0] in ("decode", "halfprec", "mla"):  # the CLI runs these itself
         return None
     return {"serving": _serving, "variant_costs": _variant_costs, "loader": _loader,
             "kv_accuracy": _kv_accuracy}[chosen[0]](a)

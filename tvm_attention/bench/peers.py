@@ -75,7 +75,7 @@ GGML_KV_TYPES = {"float32": "F32", "bfloat16": "F16", "float16": "F16", "int8": 
 class GgmlDecode:
     """llama.cpp's CPU flash attention (``ggml_flash_attn_ext``, through the ``ggml-python``
     package, which compiles ggml at install) on one decode step: ``q (B, H, 1, D)`` float32 and
-    ``k``/``v (B, KH, cache, D)`` float32, stored as :data:`GGML_KV_TYPES`'s type of ``kv_dtype``
+    ``k (B, KH, cache, D)``/``v (.., Dv)`` float32 (MLA: 576 / 512), stored as :data:`GGML_KV_TYPES`'s type of ``kv_dtype``
     (converted or quantized here, by ggml's own quantizer for Q8_0). ggml's shapes run innermost
     first, so our (B, KH, cache, D) is its ``[D, cache, KH, B]``; its output ``[D, H, 1, B]`` is
     (B, 1, H, D). No mask: one new token sees the whole cache. ``call()`` runs the step on
@@ -101,14 +101,14 @@ class GgmlDecode:
             import ggml
         except ImportError:
             return None, "ggml-python is not installed (pip install ggml-python: it compiles llama.cpp's ggml)"
-        b, h, _, d = q.shape
-        _, kh, n, _ = k.shape
+        b, h = q.shape[:2]
         gtype = getattr(ggml, f"GGML_TYPE_{kv_type}")
         # no_alloc: every tensor's data is an array of ours; the graph's work buffer is ours too
         ctx = ggml.ggml_init(ggml.ggml_init_params(mem_size=1 << 20, mem_buffer=None, no_alloc=True))
         keep = []
 
         def tensor(x, dtype):
+            d = x.shape[3]  # (V's own: Dv)
             t = ggml.ggml_new_tensor_4d(ctx, dtype, d, x.shape[2], x.shape[1], x.shape[0])
             if dtype == ggml.GGML_TYPE_F32:
                 a = np.ascontiguousarray(x, np.float32)
@@ -128,7 +128,7 @@ class GgmlDecode:
 
         tq = tensor(q, ggml.GGML_TYPE_F32)
         out = ggml.ggml_flash_attn_ext(ctx, tq, tensor(k, gtype), tensor(v, gtype), None, scale, 0.0, 0.0)
-        result = np.empty((b, 1, h, d), np.float32)
+        result = np.empty((b, 1, h, v.shape[3]), np.float32)
         out.contents.data = ctypes.c_void_p(result.ctypes.data)
         graph = ggml.ggml_new_graph(ctx)
         ggml.ggml_build_forward_expand(graph, out)

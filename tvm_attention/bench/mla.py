@@ -1,0 +1,227 @@
+"""MLA and head_dim_v benchmark (issue 44): DeepSeek-style latent-attention decode and a prefill
+whose V is narrower than q·k, side by side with their peers in one run.
+
+* **MLA decode** (``mla`` layout, one new token per sequence, ``heads`` query heads over one
+  latent row of ``latent`` values, V its first ``rank``): ours against torch SDPA (the same
+  numerics: q, K and V in the latent dtype, K and V broadcast to the heads by ``enable_gqa``)
+  and, where ``ggml-python`` is installed, llama.cpp's CPU flash attention
+  (``ggml_flash_attn_ext``) at 576 / 512 (bf16 as F16: the same bytes). With 128 heads a step
+  does about 240 FLOP per byte of a bf16 cache: it is compute-bound, so it is judged against the
+  compute roof measured in the same run, the bf16 dot-product peak where the CPU has AVX512-BF16
+  (a bf16 latent cache there takes ``vdpbf16ps``), else the fp32 FMA peak.
+* **Prefill with head_dim_v** (B1, ``prefill_heads`` heads, ``seq`` × ``seq``, causal): Dqk 192 /
+  Dv 128 (DeepSeek's unabsorbed prefill) against a D=192 build, in FLOP/s (each counts its own
+  ``2·(Dqk + Dv)`` per pair).
+
+Every variant of a point is timed alternately over ``rounds`` rounds (best kept).
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from ..build import build_kernel
+from ..spec import AttentionSpec
+from ..threads import set_num_threads
+from ..timing import aligned_inputs, time_built, time_callable
+from . import Interrupted, Progress, mark_interrupted, partial_line, write_report
+from .cpu import compute_roofs_meta
+from .peers import GgmlDecode
+
+#: Speed goals of issue 44 (checked in the report, never by a test).
+GOALS = {"mla_of_roof": 0.70, "mla_vs_torch": 3.0, "mla_vs_llamacpp": 2.0, "dv_vs_d192": 0.90}
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    heads: int = 128  # DeepSeek-V3's
+    latent: int = 576  # kv_lora_rank + qk_rope_head_dim
+    rank: int = 512  # kv_lora_rank: V's columns
+    #: DeepSeek-V3's softmax scale: 1/sqrt(qk_nope_head_dim + qk_rope_head_dim) = 1/sqrt(128 + 64)
+    scale: float = 192 ** -0.5
+    batches: tuple[int, ...] = (4, 16)
+    caches: tuple[int, ...] = (4096,)
+    dtypes: tuple[str, ...] = ("bfloat16", "float32")
+    prefill_heads: int = 8
+    seq: int = 2048
+    prefill_dims: tuple[tuple[int, int], ...] = ((192, 128),)
+    llamacpp: bool = True
+    rounds: int = 3
+    min_repeat_ms: int = 100
+
+
+def quick_config() -> Config:
+    return Config(heads=16, latent=96, rank=64, batches=(2,), caches=(256,), dtypes=("bfloat16",), prefill_heads=2,
+                  seq=128, prefill_dims=((64, 32),), rounds=1, min_repeat_ms=5)
+
+
+def run(cfg: Config, threads: int | None = None, say: Callable[[str], None] = print) -> dict[str, Any]:
+    threads = set_num_threads(threads)
+    meta = compute_roofs_meta(cfg, threads, GOALS, say)
+    points = [("decode", dt, b, n) for dt in cfg.dtypes for b in cfg.batches for n in cfg.caches]
+    points += [("prefill", dqk, dv) for dqk, dv in cfg.prefill_dims]
+    rows: list[dict[str, Any]] = []
+    progress = Progress(len(points))
+    try:
+        for p in points:
+            row = _decode(cfg, *p[1:], threads, meta) if p[0] == "decode" else _prefill(cfg, *p[1:])
+            rows.append(row)
+            progress.advance()
+            say(f"{progress.tag()} " + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
+                                                 for k, v in row.items()))
+    except KeyboardInterrupt:  # the points measured so far
+        mark_interrupted(meta, progress.done, progress.total)
+        raise Interrupted({"meta": meta, "rows": rows}, progress.done, progress.total) from None
+    return {"meta": meta, "rows": rows}
+
+
+#: A peer whose one call takes longer (torch's bf16 SDPA on an MLA step: seconds) is timed by one
+#: call after a warm-up, outside the alternated rounds: a gap of that size swamps the noise the
+#: rounds are for, and three rounds of it would take minutes.
+SLOW_CALL_S = 1.0
+
+
+def _once(fn: Callable[[], Any]) -> float | None:
+    """The time of one call of ``fn`` after a warm-up when it is slower than :data:`SLOW_CALL_S`, else None
+    (alternate it with the others)."""
+    fn()  # warm-up
+    t0 = time.perf_counter()
+    fn()
+    t = time.perf_counter() - t0
+    return t if t > SLOW_CALL_S else None
+
+
+def _alternate(timers: dict[str, Callable[[], float]], rounds: int) -> dict[str, float]:
+    """Best of ``rounds`` alternated rounds of each timer (seconds)."""
+    best = {n: float("inf") for n in timers}
+    for r in range(rounds):
+        for n in (list(timers) if r % 2 == 0 else list(reversed(timers))):
+            best[n] = min(best[n], timers[n]())
+    return best
+
+
+def mla_spec(cfg: Config, dtype: str, batch: int, cache: int) -> AttentionSpec:
+    """The ``mla`` decode step of a point (one new token; the cache's length its representative)."""
+    return AttentionSpec(batch=batch, heads=cfg.heads, seq_q=1, seq_kv=cache, head_dim=cfg.latent,
+                         head_dim_v=cfg.rank, layout="mla", scale=cfg.scale, causal=True, dtype=dtype)
+
+
+def _decode(cfg: Config, dtype: str, batch: int, cache: int, threads: int, meta: dict[str, Any]) -> dict[str, Any]:
+    spec = mla_spec(cfg, dtype, batch, cache)
+    case = {"seq_q": 1, "cache_seqlens": [cache] * batch, "max_len": cache}
+    built = build_kernel(spec)
+    q, kv, lens, _ = aligned_inputs(spec, case=case)
+    timers = {"ours": lambda: time_built(built, spec, repeat=3, min_repeat_ms=cfg.min_repeat_ms,
+                                         case=case).median_s}
+    row: dict[str, Any] = {"point": "mla decode", "dtype": dtype, "batch": batch, "cache": cache,
+                           "heads": cfg.heads, "latent": cfg.latent, "rank": cfg.rank,
+                           "form": "bf16 dots" if getattr(built.knobs, "dot_bf16", 0) else "fp32 products"}
+    k4 = kv[:, None]  # (B, 1, cache, latent): one kv head
+    torch_fn = _torch_mla(q, k4, k4[..., :cfg.rank], cfg.scale, threads)
+    once = {}
+    if torch_fn is None:
+        row["torch"] = "skipped: torch not installed"
+    elif (slow := _once(torch_fn)) is not None:
+        once["torch"], row["torch"] = slow, "timed once (one call over SLOW_CALL_S)"
+    else:
+        timers["torch"] = lambda: time_callable(torch_fn, repeat=3, min_repeat_ms=cfg.min_repeat_ms).median_s
+    ggml_step = None
+    if cfg.llamacpp:
+        f32 = lambda x: np.asarray(x, np.float32)  # noqa: E731 - ggml takes float32 and stores its own type
+        ggml_step, why = GgmlDecode.create(f32(q), f32(k4), f32(k4[..., :cfg.rank]), dtype, cfg.scale, threads)
+        row["llamacpp"] = why if ggml_step is None else f"ggml_flash_attn_ext, {why} cache"
+        if ggml_step is not None:
+            timers["llamacpp"] = lambda: time_callable(ggml_step.call, repeat=3,
+                                                       min_repeat_ms=cfg.min_repeat_ms).median_s
+    try:
+        best = {**_alternate(timers, cfg.rounds), **once}
+    finally:
+        if ggml_step is not None:
+            ggml_step.close()
+    flop = 2.0 * (cfg.latent + cfg.rank) * cfg.heads * cache * batch
+    for n, t in best.items():
+        row[f"{n}_ms"], row[f"{n}_gflops"] = t * 1e3, flop / t / 1e9
+    dots = dtype == "bfloat16" and meta["bf16_dot_peak_gflops"]
+    row["roof"] = "bf16 dot peak" if dots else "fp32 FMA peak"
+    row["of_roof"] = row["ours_gflops"] / (meta["bf16_dot_peak_gflops"] if dots else meta["fma_peak_gflops"])
+    for peer in ("torch", "llamacpp"):
+        if f"{peer}_ms" in row:
+            row[f"vs_{peer}"] = row[f"{peer}_ms"] / row["ours_ms"]
+    return row
+
+
+def _torch_mla(q, k, v, scale: float, threads: int) -> Callable[[], Any] | None:
+    """torch SDPA on one MLA step, q (B, H, 1, latent), k (B, 1, n, latent), v (B, 1, n, rank) in
+    their dtype, K and V broadcast to the heads (``enable_gqa``), one sequence per call: its CPU
+    path copies K and V out to every head, 18 GB for batch 16 × 4k × 128 heads in bf16 (the
+    process was killed for memory), 1/B of it a sequence; None without torch."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    from ..loader import _from_framework  # beside torch: the peers' conversion, once torch is known to be there
+
+    torch.set_num_threads(threads)
+    qt, kt, vt = (_from_framework("torch", x) for x in (q, k, v))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def step():
+        return [sdpa(qt[b:b + 1], kt[b:b + 1], vt[b:b + 1], scale=scale, enable_gqa=True) for b in range(qt.shape[0])]
+
+    return step
+
+
+def _prefill(cfg: Config, dqk: int, dv: int) -> dict[str, Any]:
+    specs = {f"d{dqk}": AttentionSpec(batch=1, heads=cfg.prefill_heads, seq_q=cfg.seq, head_dim=dqk, causal=True),
+             f"d{dqk}v{dv}": AttentionSpec(batch=1, heads=cfg.prefill_heads, seq_q=cfg.seq, head_dim=dqk,
+                                           head_dim_v=dv, causal=True)}
+    built = {n: build_kernel(s) for n, s in specs.items()}
+    timers = {n: (lambda b=built[n], s=s: time_built(b, s, repeat=3, min_repeat_ms=cfg.min_repeat_ms).median_s)
+              for n, s in specs.items()}
+    best = _alternate(timers, cfg.rounds)
+    row: dict[str, Any] = {"point": "prefill", "dtype": "float32", "seq": cfg.seq, "heads": cfg.prefill_heads}
+    for n, t in best.items():
+        row[f"{n}_ms"], row[f"{n}_gflops"] = t * 1e3, specs[n].flops() / t / 1e9
+    row["dv_vs_d"] = row[f"d{dqk}v{dv}_gflops"] / row[f"d{dqk}_gflops"]
+    return row
+
+
+def markdown(report: dict[str, Any]) -> str:
+    m = report["meta"]
+    c = m["config"]
+    fmt = lambda x, f: format(x, f) if isinstance(x, (int, float)) else "—"  # noqa: E731
+    lines = partial_line(m, "points") + [
+        f"Machine: {m['cpu']}, {m['threads']} threads, {m['date']}. Roofs measured in this run: fp32 FMA peak "
+        f"{m['fma_peak_gflops']:.0f} GFLOP/s, bf16 dot-product peak {(m['bf16_dot_peak_gflops'] or 0):.0f} GFLOP/s. "
+        "Best of alternated rounds.", "",
+        f"MLA decode: H={c['heads']}, latent {c['latent']}, V its first {c['rank']}, one new token per sequence; "
+        "GFLOP/s count 2·(latent + rank) per (head, key). Roof: the bf16 dot peak for a bf16 cache where the CPU "
+        "has it, else the FMA peak. Goals: ≥ 70 % of the roof, ≥ 3× torch SDPA, ≥ 2× llama.cpp.", "",
+        "| dtype | batch × cache | ours ms | GFLOP/s | of roof | torch ms | vs torch | llama.cpp ms | vs llama.cpp |",
+        "|---|---|---|---|---|---|---|---|---|"]
+    for r in report["rows"]:
+        if r["point"] != "mla decode":
+            continue
+        lines.append(f"| {r['dtype']} ({r['form']}) | {r['batch']} × {r['cache']} | {r['ours_ms']:.2f} | "
+                     f"{r['ours_gflops']:.0f} | {r['of_roof']:.0%} of {r['roof']} | {fmt(r.get('torch_ms'), '.2f')} | "
+                     f"{fmt(r.get('vs_torch'), '.2f')}× | {fmt(r.get('llamacpp_ms'), '.2f')} | "
+                     f"{fmt(r.get('vs_llamacpp'), '.2f')}× |")
+    pre = [r for r in report["rows"] if r["point"] == "prefill"]
+    if pre:
+        lines += ["", f"Prefill, B1 H{c['prefill_heads']} S={c['seq']} causal fp32 (goal: Dv ≠ D at ≥ 90 % of the "
+                  "D build's FLOP rate):", "", "| build | ms | GFLOP/s |", "|---|---|---|"]
+        for r in pre:
+            for k in r:
+                if k.endswith("_gflops"):
+                    n = k[:-len("_gflops")]
+                    lines.append(f"| {n} | {r[n + '_ms']:.2f} | {r[k]:.0f} |")
+            lines.append(f"| ratio | | {r['dv_vs_d']:.2f} |")
+    return "\n".join(lines)
+
+
+def write(report: dict[str, Any], out_dir: str | Path) -> dict[str, Path]:
+    return write_report(report, out_dir, "mla", markdown)
