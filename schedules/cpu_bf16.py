@@ -30,7 +30,7 @@ from ..spec import AttentionSpec
 from ..tvm_internals import register_tensor_intrin
 from ..workloads._math import bf16_value
 
-from .cpu_space import (AUTO_UNROLL_STEPS, PARALLEL_CHUNKS, has_block, max_pv_rows, max_s_rows, pv_columns, sample_choice,
+from .cpu_space import (AUTO_UNROLL_STEPS, PARALLEL_CHUNKS, dot_pv_columns, has_block, max_pv_rows, max_s_rows, sample_choice,
                         sample_tile, vectorize_rows)
 
 L = 16  # float32 lanes of one vdpbf16ps (a zmm register)
@@ -180,11 +180,10 @@ def schedule(sch: s_tir.Schedule, spec: AttentionSpec, knobs=None, suffix: str =
     vec(sch.get_loops(blk("P_round"))[-1], block_m, L)
 
     # PV_gemm (i, jp, d, t) -> (io, [dc,] jp, ii, do, [t, di]): pv_rows rows × pv_cols/16 column
-    # vectors; the column block (cpu_space.pv_columns) as the fp32 schedule's: all of DV unless
-    # the registers force a split
+    # vectors; the column block as the preset's (cpu_space.dot_pv_columns): not sampled
     pv = blk("PV_gemm")
     i, jp, d, t = sch.get_loops(pv)[-4:]
-    pv_cols = (knobs.pv_cols or DV) if pin else pv_columns(DV, L)
+    pv_cols = (knobs.pv_cols or DV) if pin else dot_pv_columns(DV, L)
     pv_rows = sample_tile(sch, i, block_m, knobs.pv_rows if pin else None, max_pv_rows(pv_cols, L))
     io, ii = sch.split(i, pv_rows)
     if pv_cols < DV:

@@ -39,9 +39,9 @@ from ..workloads.knob_attrs import FUSED, FUSED_DECODE
 
 from . import cpu_bf16, cpu_decode
 from ._knobs import KnobError, KnobsMixin
-from .cpu_space import (AUTO_UNROLL_STEPS, D_UNROLL_MAX, MAX_TILE_BYTES, PARALLEL_CHUNKS, PV_ROWS_GOAL,  # noqa: F401
-                        VECTOR_REGISTERS, max_pv_rows, max_s_rows, pv_columns, sample_choice, sample_tile,
-                        vectorize_rows)
+from .cpu_space import (AUTO_UNROLL_STEPS, D_UNROLL_MAX, MAX_TILE_BYTES, PARALLEL_CHUNKS, PV_ROWS_GOAL,
+                        VECTOR_REGISTERS, dot_pv_columns, max_pv_rows, max_s_rows, pv_columns, sample_choice,
+                        sample_tile, vectorize_rows)
 from .family import Capabilities, read_attrs
 
 NAME = "fused"
@@ -121,9 +121,7 @@ def preset(spec: AttentionSpec, target: Target) -> FlashCPUKnobs:
     # most a quarter of the registers in query vectors (SSE: 4 of 16 xmm).
     q_vectors = min((64 if dot else 32) // lanes, regs // 4)
     block_m, block_n = q_vectors * lanes, 64
-    # the bf16 dot-product PV block spans all of head_dim up to D=128, as measured (cpu_bf16);
-    # past that (MLA's 512 columns: 32 zmm) it takes the fp32 form's column blocks
-    pv_cols = spec.v_dim if dot and spec.v_dim <= 128 else pv_columns(spec.v_dim, lanes)
+    pv_cols = dot_pv_columns(spec.v_dim, lanes) if dot else pv_columns(spec.v_dim, lanes)
     pv_rows = max(1, min(PV_ROWS_GOAL, max_pv_rows(pv_cols, lanes)))
     while block_m % pv_rows:
         pv_rows -= 1

@@ -40,7 +40,7 @@ class RowCacheCPUKnobs(KnobsMixin):
     block_m: int = 32  # query rows per row block (multiple of vector_lanes)
     s_rows: int = 4  # keys per register block of S_gemm (must divide seq_kv)
     pv_rows: int = 4  # query rows per register block of PV_gemm
-    pv_cols: int = 0  # head_dim columns per PV_gemm register block (0 = all; see cpu_fused.pv_columns)
+    pv_cols: int = 0  # head_dim columns per PV_gemm register block (0 = all; see cpu_space.pv_columns)
     vector_lanes: int = 16
     d_unroll: int = 1
     parallel_chunk: int = 1

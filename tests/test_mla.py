@@ -87,13 +87,22 @@ def test_loader_and_the_librarys_own_checks(name, tmp_path):
     narrow = np.ascontiguousarray(arrays[cache][..., :64])  # V's width given as the cache's
     with pytest.raises(KernelArgumentError, match=f"{cache}: expected shape"):
         kernel(arrays["q"], narrow, *[arrays[n] for n in index])
-    # the library itself (a C++ caller, no loader): a length past the cache, at 2**31 - 1 too
+    # the library itself (a C++ caller, no loader): a length one past the cache's capacity, at
+    # 2**31 - 1 and negative; the loader alike
     o = np.zeros(arrays["q"].shape[:3] + (spec.v_dim,), np.float32)
-    for bad in (int(arrays["cache_seqlens"].max()) + 10_000, 2 ** 31 - 1, -1):
+    paged = "block_table" in index
+    capacity = arrays["block_table"].shape[1] * spec.page_size if paged else arrays[cache].shape[1]
+    for bad in (capacity + 1, 2 ** 31 - 1, -1):
         lens = np.full_like(arrays["cache_seqlens"], bad)
         given = dict(arrays, cache_seqlens=lens)
         with pytest.raises(ValueError, match="cache_seqlens"):
             kernel.function(*[tvm.runtime.tensor(given[n]) for n in names], tvm.runtime.tensor(o))
+        with pytest.raises(KernelArgumentError, match="cache_seqlens"):
+            kernel(*[given[n] for n in names])
+    if not paged:  # every sequence at the capacity itself: read to the last row, right
+        full = dict(arrays, cache_seqlens=np.full_like(arrays["cache_seqlens"], capacity))
+        np.testing.assert_allclose(kernel(*[full[n] for n in names]), layout.reference_outputs(spec, full)[0],
+                                   atol=1e-4, rtol=1e-4)
     if "block_table" in index:  # an entry in use that is no page
         table = arrays["block_table"].copy()
         table[0, 0] = arrays[cache].shape[0]

@@ -972,11 +972,20 @@ class KVCache(Layout):
         b, sq, ml = len(lens), case["seq_q"], case["max_len"]
         return self.with_new_keys(spec, self.quantized(spec, {
             "q": _rng_array(rng, (b, spec.heads, sq, spec.head_dim), dt),
-            "k_cache": _rng_array(rng, (b, spec.kv_heads, ml, spec.head_dim), dt),
-            "v_cache": _rng_array(rng, (b, spec.kv_heads, ml, spec.v_dim), dt),
+            **self.caches(spec, rng, (b, spec.kv_heads, ml)),
             "cache_seqlens": lens,
             **variant_inputs(spec, lens + (sq if spec.append else 0), seed, sq),
         }), seed)
+
+    def caches(self, spec, rng: np.random.Generator, lead: tuple) -> dict[str, np.ndarray]:
+        """Random K and V caches of shape ``lead`` + their head dims, by name (a latent layout:
+        its one cache, without ``lead``'s kv-head axis, :attr:`kv_head_axis`)."""
+        if self.latent:
+            h = self.kv_head_axis
+            return {self.kv_names[0]: _rng_array(rng, lead[:h] + lead[h + 1:] + (spec.head_dim,), spec.np_dtype)}
+        k, v = self.kv_names
+        return {k: _rng_array(rng, lead + (spec.head_dim,), spec.np_dtype),
+                v: _rng_array(rng, lead + (spec.v_dim,), spec.np_dtype)}
 
     def with_new_keys(self, spec, arrays: dict[str, np.ndarray], seed: int = 0) -> dict[str, np.ndarray]:
         """``arrays`` with random ``k_new (batch, KH, seq_q, D)``/``v_new (.., Dv)`` in the query dtype
@@ -1106,8 +1115,7 @@ class Paged(KVCache):
                     table[i, 0] = table[0, 0]
         return self.with_new_keys(spec, self.quantized(spec, {
             "q": _rng_array(rng, (b, spec.heads, sq, spec.head_dim), dt),
-            "k_pages": _rng_array(rng, (num_pages, p, spec.kv_heads, spec.head_dim), dt),
-            "v_pages": _rng_array(rng, (num_pages, p, spec.kv_heads, spec.v_dim), dt),
+            **self.caches(spec, rng, (num_pages, p, spec.kv_heads)),
             "block_table": table,
             "cache_seqlens": lens,
             **variant_inputs(spec, lens + (sq if spec.append else 0), seed, sq),
@@ -1148,18 +1156,6 @@ class MLA(KVCache):
         k = arrays["kv_cache"][b:b + 1, None, :length]  # (1, 1, length, D): one kv head
         return k, k[..., :spec.v_dim]
 
-    def random_inputs(self, spec, case, seed=0):
-        rng = np.random.default_rng(seed)
-        dt = spec.np_dtype
-        lens = np.asarray(case["cache_seqlens"], dtype=np.int32)
-        b, sq, ml = len(lens), case["seq_q"], case["max_len"]
-        return {
-            "q": _rng_array(rng, (b, spec.heads, sq, spec.head_dim), dt),
-            "kv_cache": _rng_array(rng, (b, ml, spec.head_dim), dt),
-            "cache_seqlens": lens,
-            **variant_inputs(spec, lens, seed, sq),
-        }
-
     def kv_bytes(self, spec, case):
         return sum(self._keys(spec, case)) * spec.head_dim * spec.kv_itemsize  # one row per key, read once
 
@@ -1194,17 +1190,6 @@ class MLAPaged(Paged):
         j = np.arange(length)
         k = arrays["kv_pages"][arrays["block_table"][b, j // p], j % p][None, None]  # (1, 1, length, D)
         return k, k[..., :spec.v_dim]
-
-    def random_inputs(self, spec, case, seed=0):
-        """As :class:`Paged`'s (shuffled pages, spare ones, -1 past a sequence's pages, a shared
-        prefix page), one latent row per key."""
-        arrays = super().random_inputs(spec, case, seed)
-        rng = np.random.default_rng(seed + 7919)
-        num_pages = arrays["k_pages"].shape[0]
-        out = {n: a for n, a in arrays.items() if n not in ("k_pages", "v_pages")}
-        out["kv_pages"] = _rng_array(rng, (num_pages, spec.page_size, spec.head_dim), spec.np_dtype)
-        return {n: out[n] for n in ("q", "kv_pages", "block_table", "cache_seqlens") + tuple(
-            n for n in out if n not in ("q", "kv_pages", "block_table", "cache_seqlens"))}
 
     def kv_bytes(self, spec, case):
         return sum(self._keys(spec, case)) * spec.head_dim * spec.kv_itemsize
