@@ -19,6 +19,7 @@ transformers = pytest.importorskip("transformers")
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from tvm_attention.integrations import transformers as hf  # noqa: E402
+from tvm_attention.spec import AttentionSpec  # noqa: E402
 
 VOCAB = 128
 #: new tokens per generate: two windows of 8 past the long prompt, enough for every phase the
@@ -479,6 +480,63 @@ def test_gemma2_in_bfloat16_matches_eager_to_rounding(cache):
     assert_bf16_logits_close(*models, prompt(2, length=20))
 
 
+#: a tiny DeepSeek-V3: MLA with q/kv low-rank projections, query and key of 16 + 8 = 24 columns
+#: (no-rope + rope), value and output of 16 — the attention sees Dqk ≠ Dv; one dense layer, one
+#: MoE layer; init 0.1 so that the scores are far from uniform (0.02 makes every row's softmax flat)
+DEEPSEEK = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_attention_heads=4,
+                num_key_value_heads=4, vocab_size=VOCAB, max_position_embeddings=256, num_hidden_layers=2,
+                first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
+                n_shared_experts=1, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                v_head_dim=16, initializer_range=0.1)
+
+
+def tiny_deepseek(attn, dtype=torch.float32):
+    if not hasattr(transformers, "DeepseekV3ForCausalLM"):
+        pytest.skip("this transformers has no DeepseekV3ForCausalLM")
+    torch.manual_seed(0)
+    model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**DEEPSEEK)).to(dtype).eval()
+    model.set_attn_implementation(attn)  # its own config: models sharing one would share this too
+    return model
+
+
+@pytest.mark.parametrize("cache_implementation", ["dynamic", "static"])
+def test_deepseek_v3_mla_matches_eager(cache, cache_implementation):
+    """DeepSeek-V3's multi-head latent attention, as transformers runs it (the latent cached, K
+    and V expanded per call: query/key 24 columns, value 16): greedy tokens identical to eager in
+    float32 with logits equal to rounding, through the bhsd kernel (DynamicCache) and the kvcache
+    one (StaticCache), each artifact built with ``head_dim_v``."""
+    eager, tvm = tiny_deepseek("eager"), tiny_deepseek("tvm_attention")
+    assert_generate_matches(tvm, eager, prompt(2), dict(GEN, cache_implementation=cache_implementation),
+                            f"DeepSeek-V3, {cache_implementation} cache")
+    layout = "kvcache_" if cache_implementation == "static" else ""
+    assert only_artifact(cache).name.startswith(f"{layout}h4_kv4_d24v16_float32_causal_"), only_artifact(cache)
+    assert AttentionSpec.from_dict(json.loads((only_artifact(cache) / "manifest.json").read_text())["spec"]
+                                   ).v_dim == 16
+
+
+def bf16_logits(model, ids):
+    """Prefill logits of ``ids[:, :-1]`` then a decode step's with the last token, as float32."""
+    with torch.no_grad():
+        first = model(ids[:, :-1], use_cache=True)
+        step = model(ids[:, -1:], cache=first.past_key_values, use_cache=True)
+    return torch.cat([first.logits.float(), step.logits.float()], dim=1)
+
+
+def test_deepseek_v3_in_bfloat16_matches_eager_to_rounding(cache):
+    """The bfloat16 DeepSeek-V3 (the bf16 kernels with Dqk ≠ Dv), prefill and a decode step: its
+    logits lie as close to the float32 model's as eager's in bf16 do (a MoE's router turns one
+    rounding into a different expert, so the two bf16 runs differ from each other by more than
+    either differs from float32 on average), and within 6e-2 of eager's bf16 logits."""
+    ids = prompt(2, length=20)
+    exact = bf16_logits(tiny_deepseek("eager"), ids)
+    got = bf16_logits(tiny_deepseek("tvm_attention", torch.bfloat16), ids)
+    eager = bf16_logits(tiny_deepseek("eager", torch.bfloat16), ids)
+    ours, theirs = (got - exact).abs(), (eager - exact).abs()
+    assert ours.max() <= 1.25 * theirs.max() and ours.mean() <= 1.25 * theirs.mean(), (ours.max(), theirs.max())
+    torch.testing.assert_close(got, eager, atol=6e-2, rtol=3e-2)
+    assert only_artifact(cache).name.startswith("h4_kv4_d24v16_bfloat16_causal_")
+
+
 def test_dropout_in_training_raises(cache):
     tvm = tiny_llama("tvm_attention", attention_dropout=0.1)
     tvm.train()
@@ -491,6 +549,7 @@ def test_dropout_in_training_raises(cache):
     (dict(sliding_window=0), "sliding window"),
     (dict(position_bias=torch.zeros(1, 4, 3, 3)), "position bias"),
     (dict(dtype=torch.float64), "dtype float64"),
+    (dict(value=torch.zeros(1, 2, 4, 8)), "these shapes"),  # value's keys must be key's
     (dict(attention_mask=torch.zeros(1, 1, 3, 3, dtype=torch.bool)), "custom 4-D attention mask"),
     # an additive float mask (neither 0 nor -inf: a bias) stays refused; only 2D padding is served
     (dict(attention_mask=torch.full((1, 1, 3, 3), -1.0)), "custom 4-D attention mask"),
@@ -500,10 +559,11 @@ def test_unsupported_features_raise_by_name(kwargs, match):
     mask = kwargs.pop("attention_mask", None)
     q = torch.zeros(1, 4, 3, 16, dtype=dtype)
     kv = torch.zeros(1, 2, 3, 16, dtype=dtype)
+    v = kwargs.pop("value", kv)
     module = torch.nn.Module()
     module.is_causal = True
     with pytest.raises(hf.UnsupportedAttention, match=match):
-        hf.attention_forward(module, q, kv, kv, mask, scaling=0.25, **kwargs)
+        hf.attention_forward(module, q, kv, v, mask, scaling=0.25, **kwargs)
 
 
 def test_register_names_and_cache_dir(tmp_path, monkeypatch):

@@ -26,6 +26,10 @@ another process loads the artifact from disk (``tvm_attention.load`` checks its 
 does not rebuild; a cached artifact that does not load is rebuilt, with a warning. Builders of
 one key take a file lock, so concurrent processes build it once.
 
+DeepSeek-V2/V3's latent attention arrives unabsorbed (transformers expands the cached latent
+into per-head keys and values): a value head size unlike the key's is the configuration's
+``head_dim_v``.
+
 Semantics: ``softmax(q·kᵀ·scaling)·v`` with bottom-right causal masking when the module is causal
 (what transformers' decode against a cache means), GQA done by the kernel (key/value keep their
 ``kv_heads``; nothing is repeated). The variants the models use are compiled in
@@ -135,6 +139,9 @@ class LayerConfig:
     #: :data:`KEY_MASK_MOD` reads the 2D mask's columns of the keys handed over, ``keep (batch,
     #: keys) int32``, a call argument (evaluated per score: no tile is skipped)
     key_mask: bool = False
+    #: the value head size where it differs from ``head_dim`` (DeepSeek's MLA, unabsorbed: query
+    #: and key 192 columns, value and output 128); None when equal
+    head_dim_v: int | None = None
 
     def spec(self):
         """The dynamic :class:`~tvm_attention.spec.AttentionSpec` built for this configuration
@@ -142,7 +149,8 @@ class LayerConfig:
         seq_q = REPRESENTATIVE_SEQ if self.layout == "bhsd" else 1
         return AttentionSpec(batch=REPRESENTATIVE_BATCH, heads=self.heads, kv_heads=self.kv_heads,
                              seq_q=seq_q, seq_kv=REPRESENTATIVE_SEQ, head_dim=self.head_dim,
-                             dtype=self.dtype, causal=self.causal, scale=self.scale, dynamic=DYNAMIC,
+                             head_dim_v=self.head_dim_v, dtype=self.dtype, causal=self.causal, scale=self.scale,
+                             dynamic=DYNAMIC,
                              layout=self.layout, window=None if self.window is None else (self.window, 0),
                              softcap=self.softcap, sinks=self.sinks, kv_start=self.kv_start,
                              **(dict(mask_mod=KEY_MASK_MOD, mod_tensors=KEY_MASK_TENSORS) if self.key_mask else {}))
@@ -171,12 +179,16 @@ class LayerConfig:
         if self.layout != "bhsd":  # bhsd keys predate layouts: unchanged
             ident["layout"] = self.layout
             prefix = f"{self.layout}_"
+        dims = f"d{self.head_dim}"
+        if self.head_dim_v not in (None, self.head_dim):  # keys of equal head sizes: unchanged
+            ident["head_dim_v"] = self.head_dim_v
+            dims += f"v{self.head_dim_v}"
         if self.variants:  # keys of plain configurations predate the variants: unchanged
             ident["variants"] = {k: float(v).hex() if k == "softcap" else v for k, v in self.variants.items()}
         digest = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:12]
         kind = "causal" if self.causal else "full"
         kind += self.spec().variant_suffix()
-        return (f"{prefix}h{self.heads}_kv{self.kv_heads}_d{self.head_dim}_{self.dtype}_{kind}_"
+        return (f"{prefix}h{self.heads}_kv{self.kv_heads}_{dims}_{self.dtype}_{kind}_"
                 f"{target_key(target)}_{digest}")
 
 
@@ -358,7 +370,8 @@ def attention_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention function (the signature of ``sdpa_attention_forward``): query
-    ``(B, H, Sq, D)``, key/value ``(B, KH, Skv, D)`` → ``(attn_output (B, Sq, H, D), None)``.
+    ``(B, H, Sq, D)``, key ``(B, KH, Skv, D)``, value ``(B, KH, Skv, Dv)`` → ``(attn_output
+    (B, Sq, H, Dv), None)``. Dv may differ from D (DeepSeek-V2/V3's unabsorbed MLA: 192 and 128).
 
     With a ``StaticCache`` key/value are the whole preallocated cache ``(B, KH, max_cache_len,
     D)`` and :func:`attention_mask` hands over the keys in use as ``cache_seqlens`` (a tagged
@@ -373,7 +386,9 @@ def attention_forward(
     keep = attention_mask[:, 0, 0, 2:] if plan is not None and plan["keep"] else None
     window, softcap, sinks = _variants_of(module, causal, kwargs)
     cfg = (query.shape[1], key.shape[1], head_dim, _DTYPES[query.dtype], causal, scale)
-    variants = (window, softcap, sinks is not None, kv_start is not None, keep is not None)
+    head_dim_v = value.shape[-1] if value.shape[-1] != head_dim else None
+    # the fields after layout, in LayerConfig's order: the variants, then the value head size
+    variants = (window, softcap, sinks is not None, kv_start is not None, keep is not None, head_dim_v)
     if cache_seqlens is None and (artifact_root(), cfg + ("kvcache",) + variants) in _STATE.kernels:
         # every key is in use (a static cache that is full, e.g. generate's last step): the
         # kvcache kernel already loaded computes the same, with no build of the bhsd one
@@ -526,10 +541,10 @@ def _check_supported(module, query, key, value, mask, dropout, kwargs) -> None:
                                "load the model in float32, bfloat16 or float16 (one dtype for all of it)")
         if t.dim() != 4:
             raise _unsupported("this tensor layout", f"{name} has shape {tuple(t.shape)}, not (B, H, S, D)", _OTHER)
-    if key.shape != value.shape or key.shape[0] != query.shape[0] or key.shape[-1] != query.shape[-1]:
+    if key.shape[:-1] != value.shape[:-1] or key.shape[0] != query.shape[0] or key.shape[-1] != query.shape[-1]:
         raise _unsupported("these shapes", f"query {tuple(query.shape)}, key {tuple(key.shape)}, value "
-                           f"{tuple(value.shape)} (key and value must match, with query's batch and head_dim)",
-                           _OTHER)
+                           f"{tuple(value.shape)} (key and value must match but for value's head size, with "
+                           "query's batch and head_dim)", _OTHER)
     if query.shape[1] % key.shape[1]:
         raise _unsupported("this head grouping", f"{query.shape[1]} query heads over {key.shape[1]} kv heads",
                            _OTHER)
