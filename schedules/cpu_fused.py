@@ -631,6 +631,8 @@ def apply(sch: s_tir.Schedule, knobs: FlashCPUKnobs, spec: AttentionSpec) -> s_t
         cpu_bf16.schedule(sch, spec, knobs)
     elif _has_block(sch, "row_tile"):
         schedule(sch, spec, knobs.vector_lanes, knobs)
+    if _has_block(sch, "row_tile" + SPLIT):  # a latent nest's split form: its tiles, a task per chunk
+        schedule_latent_split(sch, spec, dataclasses.replace(knobs, parallel_chunk=1))
     for rows in decode_rows(spec, knobs):
         suffix = DECODE + str(rows)
         for nest in (suffix, suffix + SPLIT):
@@ -647,6 +649,21 @@ def apply(sch: s_tir.Schedule, knobs: FlashCPUKnobs, spec: AttentionSpec) -> s_t
 
 
 _has_block = cpu_decode.has_block
+
+
+def schedule_latent_split(sch: s_tir.Schedule, spec: AttentionSpec, knobs: Any, lanes: int | None = None):
+    """The split form of a latent (MLA) nest (blocks ``*_split``, ``merge``): its tile as the
+    main nest's, pinned to ``knobs`` (None: sampled, with ``lanes``), the merge parallel over
+    rows."""
+    if (knobs.dot_bf16 if knobs is not None else _dot_bf16(sch)):
+        cpu_bf16.schedule(sch, spec, knobs, suffix=SPLIT)
+    else:
+        schedule(sch, spec, knobs.vector_lanes if knobs is not None else lanes, knobs, suffix=SPLIT)
+    merge = sch.get_sblock(MERGE)
+    # parallel over (batch, row tile): its rows stay the inner loop (fusing all three symbolic
+    # extents leaves the workspace's regions to a divide by zero in TVM's buffer compaction)
+    sch.parallel(sch.fuse(*sch.get_loops(merge)[:2]))
+    return sch
 
 
 def decode_rows(spec: AttentionSpec, knobs: FlashCPUKnobs) -> tuple[int, ...]:
@@ -690,6 +707,8 @@ def design_space(spec: AttentionSpec, target: Target):
     lanes = vector_lanes(target)
 
     def space_fn(sch: s_tir.Schedule) -> s_tir.Schedule:
+        if not _has_block(sch, "row_tile"):  # a static latent decode step: its split form only
+            return schedule_latent_split(sch, spec, None, lanes)
         if _dot_bf16(sch):  # the workload says which form it is (a task each)
             return cpu_bf16.schedule(sch, spec, None)
         return schedule(sch, spec, lanes, None)
@@ -703,7 +722,8 @@ KNOB_ANNOTATIONS = ("s_rows", "pv_rows", "pv_cols", "d_unroll", "parallel_chunk"
 def read_annotations(sch: s_tir.Schedule, names: tuple[str, ...]) -> tuple[dict[str, int], dict[str, Any]]:
     """(knob values from ``attn.*`` annotations, local buffers by name) of ``row_tile``.
     ``pv_cols`` is absent from traces recorded before it existed: they used all of head_dim."""
-    row_tile = sch.get(sch.get_sblock("row_tile"))
+    # a static latent decode step has only its split form (row_tile_split)
+    row_tile = sch.get(sch.get_sblock("row_tile" if _has_block(sch, "row_tile") else "row_tile" + SPLIT))
     values = {k: int(row_tile.annotations.get(f"attn.{k}", 0)) if k == "pv_cols" else int(row_tile.annotations[f"attn.{k}"])
               for k in names}
     return values, {b.name: b for b in row_tile.alloc_buffers}

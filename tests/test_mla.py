@@ -60,6 +60,49 @@ def test_kernel_matches_the_reference(name):
     assert r.passed and r.finite, r
 
 
+#: (seq_q, cache_seqlens) of the split-KV cases: one long sequence (8 chunks of 256 keys, the
+#: last three empty), a multi-token step whose causal rows end in different chunks, and a batch
+#: of a long and an empty cache
+SPLIT_CASES = ((1, [1100]), (3, [777]), (1, [900, 0]))
+
+
+@pytest.mark.parametrize("name", ["mla", "mla_bf16_lse", "mla_paged_1_variants"])
+def test_split_kv_matches_the_reference_and_the_unsplit_build(name):
+    """Few row tiles (a small batch, 16 or 20 heads: DeepSeek's 128 over 8 devices) split each
+    sequence's keys into chunks whose partials the merge combines (flash-decoding, as the
+    decode tiers do): the split build matches the float64 reference and the never-split build
+    (``split_tasks=0``) over caches long enough for several chunks, with a window, ALiBi,
+    sinks and softcap on pages of one key, and lse."""
+    from tvm_attention.artifact import kernel_of
+
+    spec = AttentionSpec(**KERNELS[name])
+    b, whole = built(spec), built(spec, knobs=(("split_tasks", 0),))
+    # the split form's workload records split_tasks (a never-split one has no split form)
+    assert b.knobs.split_tasks > 0 and f'"attn.split_tasks": {b.knobs.split_tasks}' in b.lowered.script()
+    assert "attn.split_tasks" not in whole.lowered.script()
+    assert b.audit.fused and b.audit.verdict == "fused", b.audit  # the workspace grows with nothing
+    split, unsplit = kernel_of(b), kernel_of(whole)
+    layout = spec.layout_info
+    names = [a["name"] for a in spec.arg_specs() if a["name"] not in ("o", "lse")]
+    for i, (seq_q, lens) in enumerate(SPLIT_CASES):
+        case = {"seq_q": seq_q, "cache_seqlens": lens, "max_len": max(lens)}
+        x = layout.random_inputs(spec, case, seed=i)
+        got, want = split(*[x[n] for n in names]), unsplit(*[x[n] for n in names])
+        ref = layout.reference_outputs(spec, x)
+        if spec.return_lse:
+            (got, lse), (want, want_lse), (ref, ref_lse) = got, want, ref
+            np.testing.assert_allclose(lse, ref_lse, atol=2e-4, rtol=2e-4)
+            np.testing.assert_allclose(lse, want_lse, atol=1e-5, rtol=1e-5)
+        else:
+            ref = ref[0]
+        tol = 2e-2 if spec.dtype == "bfloat16" else 2e-4
+        np.testing.assert_allclose(np.asarray(got, np.float32), ref, atol=tol, rtol=tol)
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=tol, rtol=tol)
+        for bi, n in enumerate(lens):
+            if n == 0:  # an empty cache outputs exact zeros, split or not
+                assert not np.asarray(got[bi], np.float32).any()
+
+
 @pytest.mark.parametrize("name", ["mla", "mla_paged_16"])
 def test_loader_and_the_librarys_own_checks(name, tmp_path):
     import tvm

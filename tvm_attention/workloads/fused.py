@@ -46,6 +46,7 @@ import types
 
 from tvm import tirx
 from tvm.script import tirx as T
+from tvm.sym.analyzer import Analyzer
 
 from ..quant import QMAX, SCALE_GROUP
 from ..spec import DATA_ALIGNMENT as A, ENTRY, MAX_SEQ_LEN, AttentionSpec
@@ -1204,17 +1205,26 @@ def _main_nest(f: _Dense, dot_bf16: bool):
     return main_nest
 
 
-def _latent_nest(f: _Dense, dot_bf16: bool):
+def _latent_nest(f: _Dense, dot_bf16: bool, split_tasks: int = 0):
     """The main nest of a latent cache (MLA): one kv head for all ``H`` query heads, so a row
     tile packs them: row ``p`` of sequence ``b`` is position ``p // H`` of head ``p % H``, and one
     tile per (batch, ``block_m`` packed rows) reads the latent rows once for ``block_m`` heads
-    (``H / block_m`` tiles per position instead of ``H``)."""
+    (``H / block_m`` tiles per position instead of ``H``).
+
+    With ``split_tasks`` (flash-decoding, as the decode tiers'): when the ``batch · NRP`` row
+    tiles are fewer than ``split_tasks`` (a small batch, or few heads: DeepSeek's 128 heads over
+    8 devices are 16 per device), each sequence's keys are split into ``NS = ceil(split_tasks /
+    (batch · NRP))`` chunks (multiples of ``block_n``, at least ``MIN_SPLIT_KEYS`` keys); each
+    (batch, row tile, chunk) task writes its unnormalised ``acc`` and ``m``/``l`` to a workspace
+    (blocks ``*_split``) and ``merge`` combines them per row."""
     spec, B, H, SQ, D, DV, BM, BN, kv, NC, lse = (f.spec, f.B, f.H, f.SQ, f.D, f.DV, f.BM, f.BN, f.kv, f.NC,
                                                   f.lse)
     rows = SQ * H
     NRP = T.floordiv(rows + BM - 1, BM) if not isinstance(rows, int) else math.ceil(rows / BM)
     tile = _tile_macro(spec, BM, BN, stats="lse" if lse else None, dot_bf16=dot_bf16,
                        stage_k=stages_half_keys(spec, dot_bf16))
+    NS = n_splits(split_tasks, B, NRP)
+    single = isinstance(NS, int) and NS == 1  # known at build time: no split nest
 
     def qo(vb, p):  # (batch, head, position) of packed row p
         return (vb, T.floormod(p, H), T.floordiv(p, H))
@@ -1244,7 +1254,75 @@ def _latent_nest(f: _Dense, dot_bf16: bool):
                     T.writes(O[vb, 0:H, 0:SQ, 0:DV])
                 tile(Q, K, V, O, at(X, W, vb, vr), NC, LSE)
 
-    return latent_nest
+    if single:
+        return latent_nest, False
+
+    tile_split = _tile_macro(spec, BM, BN, SPLIT, stats="partial", dot_bf16=dot_bf16,
+                             stage_k=stages_half_keys(spec, dot_bf16))
+    SLOTS = 2 * split_tasks
+
+    def task(vb, vr, vs):  # the workspace slot of (sequence, row tile, chunk)
+        return (vb * NRP + vr) * NS + vs
+
+    merge = _merge_macro(f, BM, NS, "", tiles=NRP, task=task)
+    locate = _split_locate(f)
+
+    def in_tile(p, vr):
+        # packed row p's row in tile vr, simplified: an index p - vr·BM left as it is (its
+        # terms cancel) divides by zero in TVM's buffer compaction once the merge reads St
+        return Analyzer().simplify(p - vr * BM)
+
+    def split_at(X, W, vb, vr, vs, spl):
+        # spl[0]: the chunk's first key, spl[1]: its keys (computed once per task, split_locate)
+        L = kv.length(X, vb)
+        k0 = spl[0]
+        return _Tile(
+            spec, BM, BN, vr * BM, rows, spl[1],
+            q_index=lambda p, d: qo(vb, p) + (d,),
+            kv_index=lambda key, d: kv.index(X, vb, 0, k0 + key, d),
+            o_index=lambda p, d: (task(vb, vr, vs), in_tile(p, vr), d),
+            always_masked=True,
+            pos=lambda p: T.floordiv(p, H),
+            seq_q=SQ,
+            offset=Visibility.offset(SQ, L - k0),  # the chunk's keys start at k0
+            state_index=lambda p, j: (task(vb, vr, vs), in_tile(p, vr), j),
+            var=W, b=vb, head=lambda p: T.floormod(p, H), key0=k0,
+        )
+
+    @T.macro
+    def split_nest(Q, K, V, O, LSE, X, W):
+        with T.sblock("split_kv"):
+            T.reads([_whole(x) for x in (Q, K) + X])
+            if lse:
+                T.writes(O[0:B, 0:H, 0:SQ, 0:DV], LSE[0:B, 0:H, 0:SQ])
+            else:
+                T.writes(O[0:B, 0:H, 0:SQ, 0:DV])
+            # one slot per task: taken only while B·NRP < split_tasks, so the B·NRP·NS tasks
+            # are fewer than 2·split_tasks (a size that grows with nothing). Read and written
+            # through views of their data: TVM's buffer compaction would shrink them to the
+            # region the tasks touch, a size of batch · seq_q
+            Opw = T.sblock_alloc_buffer((SLOTS, BM, DV), "float32")
+            Stw = T.sblock_alloc_buffer((SLOTS, BM, 2), "float32")
+            Op = T.decl_buffer((SLOTS, BM, DV), "float32", data=Opw.data)  # unnormalised acc per chunk
+            St = T.decl_buffer((SLOTS, BM, 2), "float32", data=Stw.data)  # m, l per chunk
+            for b, r, sp in T.grid(B, NRP, NS):
+                with T.sblock("row_tile" + SPLIT):
+                    vb, vr, vs = T.axis.remap("SSS", [b, r, sp])
+                    T.reads([Q[vb, 0:H, 0:SQ, 0:D]] + kv.reads(K, V, X, vb, 0))
+                    T.writes(Op[task(vb, vr, vs), 0:BM, 0:DV], St[task(vb, vr, vs), 0:BM, 0:2])
+                    spl = T.sblock_alloc_buffer((2,), "int32", scope="local")
+                    locate(spl, X, W, vb, vs, NS, "")
+                    tile_split(Q, K, V, Op, split_at(X, W, vb, vr, vs, spl), NC, St)
+            merge(Op, St, O, LSE, K, V, X, W)
+
+    @T.macro
+    def nest(Q, K, V, O, LSE, X, W):
+        if NS == 1:
+            latent_nest(Q, K, V, O, LSE, X, W)
+        else:
+            split_nest(Q, K, V, O, LSE, X, W)
+
+    return nest, True
 
 
 class _Packing:
@@ -1285,11 +1363,23 @@ class _Packing:
         return vkb if self.NH == 1 else vkb * self.NH
 
 
-def _merge_macro(f: _Dense, BD: int, NS, suffix: str):
-    """The ``merge<suffix>`` block of a split decode tier: per query row, ``M = max m_s``, ``O =
-    Σ acc_s·2^(m_s-M) / Σ l_s·2^(m_s-M)`` over the chunks' partials ``Op``/``St``."""
+def _merge_macro(f: _Dense, BD: int, NS, suffix: str, tiles=None, task=None):
+    """The ``merge<suffix>`` block of a split nest: per query row, ``M = max m_s``, ``O =
+    Σ acc_s·2^(m_s-M) / Σ l_s·2^(m_s-M)`` over the chunks' partials ``Op``/``St`` ``(B, tiles,
+    NS, BD, ·)``. A decode tier's (``tiles`` None): one tile per kv head, its rows GQA-packed;
+    a latent nest's: ``tiles`` row tiles of ``BD`` packed rows (row ``p`` is position ``p // H``
+    of head ``p % H``), one block per row of a tile, its partials in ``(slots, BD, ·)`` at slot
+    ``task(b, tile, chunk)``."""
     spec, B, H, SQ, D, G, kv, lse = f.spec, f.B, f.H, f.SQ, f.DV, f.G, f.kv, f.lse  # D: the output's (V's)
     neg_inf = T.float32(float("-inf"))
+
+    def reads(Op, St, vb, vh):
+        if tiles is None:  # a decode tier: the kv head's tile
+            return [Op[vb, vh // G, 0:NS, 0:BD, 0:D], St[vb, vh // G, 0:NS, 0:BD, 0:2]]
+        return [_whole(Op), _whole(St)]
+
+    def at(vb, st, sp2, row):  # the index of a partial without its last (column) axis
+        return (vb, st, sp2, row) if task is None else (task(vb, st, sp2), row)
 
     def merged_sees_key(X, W, vb, vi):
         L = kv.length(X, vb)
@@ -1302,36 +1392,84 @@ def _merge_macro(f: _Dense, BD: int, NS, suffix: str):
         return W.normalized(am, ls, vi, False, lambda: merged_sees_key(X, W, vb, vi), keys_sum)
 
     @T.macro
-    def merge(Op, St, O, LSE, K, V, X, W):
+    def merge_row(Op, St, O, LSE, K, V, X, W, vb, vh, vi, st, row, valid):
+        # query row (vb, vh, vi), whose partials are row `row` of tile `st`; nothing unless valid
+        T.reads(reads(Op, St, vb, vh) + kv.reads(K, V, X, vb, 0)[2:])
+        if lse:
+            T.writes(O[vb, vh, vi, 0:D], LSE[vb, vh, vi])
+        else:
+            T.writes(O[vb, vh, vi, 0:D])
+        mx = T.sblock_alloc_buffer((1,), "float32", scope="local")
+        ls = T.sblock_alloc_buffer((1,), "float32", scope="local")
+        w = T.sblock_alloc_buffer((1,), "float32", scope="local")
+        am = T.sblock_alloc_buffer((D,), "float32", scope="local")
+        if valid:
+            mx[0] = neg_inf
+            for sp2 in T.serial(NS):
+                mx[0] = T.max(mx[0], St[at(vb, st, sp2, row) + (0,)])
+            ls[0] = T.float32(0)
+            for d in T.vectorized(D):
+                am[d] = T.float32(0)
+            for sp2 in T.serial(NS):
+                w[0] = exp2_fast(St[at(vb, st, sp2, row) + (0,)] - guarded(mx[0]))
+                ls[0] = ls[0] + St[at(vb, st, sp2, row) + (1,)] * w[0]
+                for d in T.vectorized(D):
+                    am[d] = am[d] + Op[at(vb, st, sp2, row) + (d,)] * w[0]
+            for d in T.vectorized(D):
+                O[vb, vh, vi, d] = cast_to(O, out(X, W, vb, vh, vi, am[d], ls[0], mx[0]))
+            if lse:
+                LSE[vb, vh, vi] = lse_of(mx[0], ls[0])
+
+    @T.macro
+    def merge_tier(Op, St, O, LSE, K, V, X, W):
         for b, h, i in T.grid(B, H, SQ):
             with T.sblock(MERGE + suffix):
                 vb, vh, vi = T.axis.remap("SSS", [b, h, i])
-                T.reads([Op[vb, vh // G, 0:NS, 0:BD, 0:D], St[vb, vh // G, 0:NS, 0:BD, 0:2]] + kv.reads(K, V, X, vb, 0)[2:])
-                if lse:
-                    T.writes(O[vb, vh, vi, 0:D], LSE[vb, vh, vi])
-                else:
-                    T.writes(O[vb, vh, vi, 0:D])
-                mx = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                ls = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                w = T.sblock_alloc_buffer((1,), "float32", scope="local")
-                am = T.sblock_alloc_buffer((D,), "float32", scope="local")
-                mx[0] = neg_inf
-                for sp2 in T.serial(NS):
-                    mx[0] = T.max(mx[0], St[vb, vh // G, sp2, vi * G + T.floormod(vh, G), 0])
-                ls[0] = T.float32(0)
-                for d in T.vectorized(D):
-                    am[d] = T.float32(0)
-                for sp2 in T.serial(NS):
-                    w[0] = exp2_fast(St[vb, vh // G, sp2, vi * G + T.floormod(vh, G), 0] - guarded(mx[0]))
-                    ls[0] = ls[0] + St[vb, vh // G, sp2, vi * G + T.floormod(vh, G), 1] * w[0]
-                    for d in T.vectorized(D):
-                        am[d] = am[d] + Op[vb, vh // G, sp2, vi * G + T.floormod(vh, G), d] * w[0]
-                for d in T.vectorized(D):
-                    O[vb, vh, vi, d] = cast_to(O, out(X, W, vb, vh, vi, am[d], ls[0], mx[0]))
-                if lse:
-                    LSE[vb, vh, vi] = lse_of(mx[0], ls[0])
+                merge_row(Op, St, O, LSE, K, V, X, W, vb, vh, vi, vh // G, vi * G + T.floormod(vh, G), True)
 
-    return merge
+    @T.macro
+    def merge_packed(Op, St, O, LSE, K, V, X, W):
+        # over (tile, row) as the workspace is laid out, rows past the last packed one skipped
+        for b, r, i in T.grid(B, tiles, BD):
+            with T.sblock(MERGE + suffix):
+                vb, vr, vi = T.axis.remap("SSS", [b, r, i])
+                merge_row(Op, St, O, LSE, K, V, X, W, vb, T.floormod(vr * BD + vi, H), T.floordiv(vr * BD + vi, H),
+                          vr, vi, vr * BD + vi < SQ * H)
+
+    return merge_tier if tiles is None else merge_packed
+
+
+def _split_locate(f: _Dense):
+    """The ``split_locate<suffix>`` block of a split nest: ``spl[0]`` the first key of chunk
+    ``vs`` of ``NS``, ``spl[1]`` its keys. The chunks split the keys from the first one a step's
+    rows may see, down to a tile edge (a window or a start hides those before it; 0 otherwise),
+    in multiples of ``block_n``, at least ``MIN_SPLIT_KEYS`` keys each."""
+    SQ, BN, kv = f.SQ, f.BN, f.kv
+    vis = Visibility.of(f.spec)
+    skips = vis.windowed  # keys before a window or a start: the chunks begin past them
+
+    def first(X, W, vb):
+        L = kv.length(X, vb)
+        begin = vis.key_begin(vis.position(0, vis.offset(SQ, L)), W.start(vb))
+        return vis.tiles_before(begin, BN) * BN
+
+    def chunk(L, NS):
+        # truncdiv: every operand is non-negative, and floordiv by a run-time divisor lowers
+        # to selects that nest exponentially
+        per = T.truncdiv(T.truncdiv(L + NS - 1, NS) + BN - 1, BN) * BN
+        return T.max(MIN_SPLIT_KEYS, per)
+
+    @T.macro
+    def locate(spl, X, W, vb, vs, NS, suffix):
+        with T.sblock("split_locate" + suffix):
+            if skips:
+                spl[0] = first(X, W, vb) + vs * chunk(kv.length(X, vb) - first(X, W, vb), NS)
+                spl[1] = T.max(0, T.min(chunk(kv.length(X, vb) - first(X, W, vb), NS), kv.length(X, vb) - spl[0]))
+            else:
+                spl[0] = vs * chunk(kv.length(X, vb), NS)
+                spl[1] = T.max(0, T.min(chunk(kv.length(X, vb), NS), kv.length(X, vb) - spl[0]))
+
+    return locate
 
 
 def _decode_tier(f: _Dense, BD: int, suffix: str, split_tasks: int, stage: bool, prefetch: int, NH: int,
@@ -1350,21 +1488,7 @@ def _decode_tier(f: _Dense, BD: int, suffix: str, split_tasks: int, stage: bool,
     pk = _Packing(f, BD, NH)
     h0 = pk.h0
 
-    vis = Visibility.of(spec)
-    skips = vis.windowed  # keys before a window or a start: the chunks begin past them
-
-    def first(X, W, vb):
-        # the first key a step's rows may see, down to a tile edge: the chunks split the keys
-        # from there (a window or a start hides those before it; 0 otherwise)
-        L = kv.length(X, vb)
-        begin = vis.key_begin(vis.position(0, vis.offset(SQ, L)), W.start(vb))
-        return vis.tiles_before(begin, BN) * BN
-
-    def chunk(L):
-        # truncdiv: every operand is non-negative, and floordiv by a run-time divisor lowers
-        # to selects that nest exponentially
-        per = T.truncdiv(T.truncdiv(L + NS - 1, NS) + BN - 1, BN) * BN
-        return T.max(MIN_SPLIT_KEYS, per)
+    locate = _split_locate(f)
     tile_dec = _tile_macro(spec, BT, BN, suffix, stats="lse" if lse else None, stage_k=stage, prefetch=pf,
                            heads=NH, dot_decode=dot)
     tile_split = _tile_macro(spec, BT, BN, suffix + SPLIT, stats="partial", stage_k=stage, prefetch=pf,
@@ -1437,14 +1561,7 @@ def _decode_tier(f: _Dense, BD: int, suffix: str, split_tasks: int, stage: bool,
                         T.writes(Op[vb, h0(vkh):h0(vkh) + NH, vs, 0:BD, 0:DV],
                                  St[vb, h0(vkh):h0(vkh) + NH, vs, 0:BD, 0:2])
                     spl = T.sblock_alloc_buffer((2,), "int32", scope="local")
-                    with T.sblock("split_locate" + suffix):
-                        if skips:
-                            spl[0] = first(X, W, vb) + vs * chunk(kv.length(X, vb) - first(X, W, vb))
-                            spl[1] = T.max(0, T.min(chunk(kv.length(X, vb) - first(X, W, vb)),
-                                                    kv.length(X, vb) - spl[0]))
-                        else:
-                            spl[0] = vs * chunk(kv.length(X, vb))
-                            spl[1] = T.max(0, T.min(chunk(kv.length(X, vb)), kv.length(X, vb) - spl[0]))
+                    locate(spl, X, W, vb, vs, NS, suffix)
                     tile_split(Q, K, V, Op, split_at(X, W, vb, vkh, vs, spl), NC, St)
             merge(Op, St, O, LSE, K, V, X, W)
 
@@ -1494,7 +1611,8 @@ def _dense(spec: AttentionSpec, block_m: int, block_n: int, decode_rows: tuple[i
     f = _Dense(spec, block_m, block_n)
     SQ, G, KH = f.SQ, f.G, f.KH
     latent = spec.layout_info.latent  # one nest: the heads packed into its row tiles
-    main_nest = _latent_nest(f, dot_bf16) if latent else _main_nest(f, dot_bf16)
+    # a latent nest may take a split form (when its row tiles are few): it records split_tasks
+    main_nest, latent_split = _latent_nest(f, dot_bf16, split_tasks) if latent else (_main_nest(f, dot_bf16), False)
     tiers = () if latent else tuple(sorted(decode_rows))
     if decode_heads < 1 or KH % decode_heads:
         raise ValueError(f"decode_heads={decode_heads} must divide kv_heads={KH}")
@@ -1539,7 +1657,7 @@ def _dense(spec: AttentionSpec, block_m: int, block_n: int, decode_rows: tuple[i
     attrs = {"global_symbol": ENTRY, "tirx.noalias": True, "attn.workload": "fused",
              **record(FUSED_TILE, block_m=block_m, block_n=block_n), "attn.data_alignment": A,
              **record(FUSED_FORM, dot_bf16=dot_bf16)}
-    if tiers:  # what regenerates this workload from a tuning record (task_mods.regenerate)
+    if tiers or latent_split:  # what regenerates this workload from a tuning record (task_mods.regenerate)
         attrs.update(record(FUSED_DECODE, decode_rows=tiers, split_tasks=split_tasks, stage_k_below=stage_k_below,
                             prefetch=prefetch, decode_heads=HT, decode_dot=dot))
     return _dense_function(f, attrs, body)
@@ -1719,11 +1837,12 @@ def _whole(buf):
 
 def n_splits(split_tasks: int, B, KH: int):
     """Key-range chunks per sequence of a decode step: enough (batch, kv head, chunk) tasks to
-    reach ``split_tasks``; 1 (no split) when the batch alone has that many. An int when the
-    batch is static, else an expression of it."""
+    reach ``split_tasks``; 1 (no split) when the batch alone has that many. ``KH``: the tasks per
+    sequence (kv heads of a decode tier, row tiles of a latent nest). An int when both are
+    static, else an expression of them."""
     if not split_tasks:
         return 1
-    if isinstance(B, int):
+    if isinstance(B, int) and isinstance(KH, int):
         return max(1, -(-split_tasks // (B * KH)))
     # ceil(split_tasks / (B·KH)) written as (split_tasks − 1) // n + 1: no B·KH + split_tasks that
     # could pass 2**31 (B·KH is at most q's element count), and a divisor of at least 1: a C++
