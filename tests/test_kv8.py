@@ -295,7 +295,7 @@ def test_append_checks_its_room_and_never_copies_the_cache():
 
 
 def test_append_is_refused_where_it_does_not_apply():
-    with pytest.raises(SpecError, match="append .* kvcache and paged layouts, not 'bhsd'"):
+    with pytest.raises(SpecError, match="append .* kvcache, paged, mla and mla_paged layouts, not 'bhsd'"):
         AttentionSpec(batch=1, heads=2, seq_q=4, head_dim=32, append=True)
     s = AttentionSpec(**APPEND["paged_append_e4m3"])
     assert "_append" in s.short_name() and not s.representative().append  # tuned without it

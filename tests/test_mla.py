@@ -28,9 +28,10 @@ def test_spec_rules():
     p = AttentionSpec(**M, layout="mla_paged", page_size=64)
     assert [a["shape"] for a in p.arg_specs()][1] == ["num_pages", 64, 96]
     assert s.layout_info.kv_bytes(s, {"seq_q": 1, "cache_seqlens": [10, 20]}) == 30 * 96 * 4  # each row read once
+    a = AttentionSpec(**M, layout="mla", append=True)  # the new tokens' latent rows, one per token
+    assert [(x["name"], x["shape"]) for x in a.arg_specs()][3] == ("kv_new", ["batch", "seq_q", 96])
     for kw, match in ((dict(kv_heads=2), "one kv head"), (dict(head_dim_v=None), "give head_dim_v < head_dim"),
-                      (dict(scale=None), "give the scale"), (dict(kv_dtype="int8"), "8-bit latent cache"),
-                      (dict(append=True), "appending latent rows")):
+                      (dict(scale=None), "give the scale"), (dict(kv_dtype="int8"), "8-bit latent cache")):
         with pytest.raises(SpecError, match=match):
             AttentionSpec(**{**M, **kw}, layout="mla")
 
@@ -46,6 +47,9 @@ KERNELS = {
     "mla_paged_1_variants": dict(M, layout="mla_paged", page_size=1, heads=20, window=(50, 0), softcap=20.0,
                                  alibi=True, sinks=True),
     "mla_paged_64": dict(M, layout="mla_paged", page_size=64),
+    # the new tokens' latent rows written into the cache and attended to (across a page of 16)
+    "mla_append": dict(M, layout="mla", append=True, return_lse=True),
+    "mla_paged_append_bf16": dict(M, layout="mla_paged", append=True, dtype="bfloat16"),
     "deepseek_v3": dict(M, layout="mla", heads=128, head_dim=576, head_dim_v=512, dtype="bfloat16",
                         scale=192 ** -0.5),
 }
@@ -101,6 +105,47 @@ def test_split_kv_matches_the_reference_and_the_unsplit_build(name):
         for bi, n in enumerate(lens):
             if n == 0:  # an empty cache outputs exact zeros, split or not
                 assert not np.asarray(got[bi], np.float32).any()
+
+
+@pytest.mark.parametrize("name", ["mla_append", "mla_paged_append_bf16"])
+def test_append_writes_the_latent_rows_in_place(name):
+    """``kv_new (B, Sq, D)``: the new tokens' latent rows, written into the one cache at each
+    sequence's ``cache_seqlens[b] ..`` (across a page of 16, into an empty sequence) and attended
+    to in the same call; after it the cache holds exactly the reference's copy, bit for bit,
+    nothing else touched. The library refuses a length whose new rows would pass the cache, at
+    its edge and at the ends of int32, writing nothing."""
+    from tvm_attention.artifact import kernel_of
+
+    spec = AttentionSpec(**KERNELS[name])
+    k, lay = kernel_of(built(spec)), spec.layout_info
+    sq = 3
+    case = {"seq_q": sq, "cache_seqlens": [0, 14, 40], "max_len": 43}
+    x = lay.random_inputs(spec, case, seed=4)
+    want = lay.appended(spec, x)
+    cache = lay.kv_names[0]
+    assert list(x)[-1] == "kv_new" and x["kv_new"].shape == (3, sq, spec.head_dim)
+    before = x[cache].copy()
+    out = k(*x.values())
+    o = out[0] if spec.return_lse else out
+    np.testing.assert_array_equal(x[cache].view(np.uint8), want[cache].view(np.uint8))
+    assert not np.array_equal(x[cache].view(np.uint8), before.view(np.uint8))
+    ref = lay.reference_outputs(spec, dict(x, **{cache: before}))[0]
+    tol = 2e-2 if spec.dtype == "bfloat16" else 1e-4
+    np.testing.assert_allclose(np.asarray(o, np.float32), ref, atol=tol, rtol=tol)
+    # the room for the new rows, checked by the library (a C++ caller) and the loader
+    import tvm
+
+    capacity = x["block_table"].shape[1] * spec.page_size if "block_table" in x else x[cache].shape[1]
+    for bad in (capacity - sq + 1, 2 ** 31 - 1, 2 ** 31 - sq):
+        given = dict(x, cache_seqlens=np.array([0, bad, 40], np.int32), **{cache: before.copy()})
+        args = [tvm.runtime.tensor(a) for a in given.values()]
+        o = tvm.runtime.tensor(np.zeros(x["q"].shape[:3] + (spec.v_dim,), x["q"].dtype))
+        lse = [tvm.runtime.tensor(np.zeros(x["q"].shape[:3], np.float32))] if spec.return_lse else []
+        with pytest.raises(ValueError, match="cache_seqlens"):
+            k.function(*args, o, *lse)
+        np.testing.assert_array_equal(args[1].numpy().view(np.uint8), before.view(np.uint8))  # nothing written
+        with pytest.raises(KernelArgumentError, match=rf"cache_seqlens\[1\]={bad} \+ seq_q={sq} appended exceeds"):
+            k(*given.values())
 
 
 @pytest.mark.parametrize("name", ["mla", "mla_paged_16"])

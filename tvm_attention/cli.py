@@ -78,7 +78,8 @@ def _add_spec_flags(p: argparse.ArgumentParser, defaults: dict | None = None) ->
                         "family takes the half dtypes)")
     g = p.add_argument_group(f"KV cache ({in_words(layouts_where('is_cache'))} layouts)")
     g.add_argument("--append", action="store_true", default=d.get("append", False),
-                   help="the kernel takes k_new, v_new (batch, kv_heads, seq_q, D) last, writes them into the cache at "
+                   help="the kernel takes k_new, v_new (batch, kv_heads, seq_q, D) last (mla layouts: kv_new (batch, "
+                        "seq_q, D), the new latent rows), writes them into the cache at "
                         "cache_seqlens[b]... (quantized for an 8-bit cache) and attends to them in the same call; "
                         "cache_seqlens is the length before the append")
     g.add_argument("--kv-dtype", default=d.get("kv_dtype"), metavar="DTYPE",

@@ -126,6 +126,9 @@ KV_SCALE_ARGS = (Arg("k_scale", ("kv_heads",), "float32"), Arg("v_scale", ("kv_h
 #: the query dtype: written into the cache at ``cache_seqlens[b] ..`` and attended to.
 KV_NEW_ARGS = (Arg("k_new", ("batch", "kv_heads", "seq_q", "head_dim")),
                Arg("v_new", ("batch", "kv_heads", "seq_q", "head_dim_v")))
+#: ... of a latent layout (MLA): the new tokens' latent rows, one per token for every head (V is
+#: a row's first head_dim_v columns, as in the cache)
+LATENT_NEW_ARGS = (Arg("kv_new", ("batch", "seq_q", "head_dim")),)
 
 
 #: The output of a CUDA build with device-side index checks (``spec.device_checks``), after ``o``
@@ -178,7 +181,7 @@ def variant_args(spec) -> tuple[Arg, ...]:
     ``kv_start``, ``key_lo``, ``key_hi``, the modifiers' tensors (``spec.mod_tensors``: their
     declared dims in a fully static kernel, else each dim taken at call time), an 8-bit cache's
     ``k_scale``, ``v_scale`` (:data:`KV_SCALE_ARGS`), then an appending kernel's ``k_new``,
-    ``v_new`` (:data:`KV_NEW_ARGS`)."""
+    ``v_new`` (:data:`KV_NEW_ARGS`; a latent layout's ``kv_new``, :data:`LATENT_NEW_ARGS`)."""
     out = tuple(a for flag, a in VARIANT_ARGS if getattr(spec, flag, False))
     static = fully_static(spec)
     if getattr(spec, "key_bounds", False):
@@ -189,7 +192,7 @@ def variant_args(spec) -> tuple[Arg, ...]:
     if getattr(spec, "kv_dtype", None) is not None:
         out += kv_scale_args(spec)
     if getattr(spec, "append", False):
-        out += KV_NEW_ARGS
+        out += LATENT_NEW_ARGS if get_layout(spec.layout).latent else KV_NEW_ARGS
     return out
 
 
@@ -403,6 +406,12 @@ class Layout:
             return arrays
         out = dict(arrays)
         lens = arrays["cache_seqlens"]
+        if self.latent:  # one latent row per new token, for K and V alike
+            cache = arrays[self.kv_names[0]].copy()
+            for b in range(len(lens)):
+                self.write_keys(spec, arrays, cache, b, int(lens[b]), arrays["kv_new"][b][None])
+            return {**out, self.kv_names[0]: cache,
+                    "cache_seqlens": (lens + arrays["kv_new"].shape[1]).astype(np.int32)}
         sq = arrays["k_new"].shape[2]
         fine = getattr(spec, "kv_scale", "head") != "head"
         for name, new, scale in zip(self.kv_names, ("k_new", "v_new"), ("k_scale", "v_scale")):
@@ -993,6 +1002,9 @@ class KVCache(Layout):
         if not spec.append:
             return arrays
         rng = np.random.default_rng(seed + 104729)
+        if self.latent:  # kv_new (batch, seq_q, D): the new tokens' latent rows
+            return {**arrays, "kv_new": _rng_array(rng, arrays["q"].shape[:1] + arrays["q"].shape[2:3]
+                                                   + (spec.head_dim,), spec.np_dtype)}
         shape = (arrays["q"].shape[0], spec.kv_heads, arrays["q"].shape[2])
         return {**arrays, "k_new": _rng_array(rng, shape + (spec.head_dim,), spec.np_dtype),
                 "v_new": _rng_array(rng, shape + (spec.v_dim,), spec.np_dtype)}
@@ -1156,6 +1168,9 @@ class MLA(KVCache):
         k = arrays["kv_cache"][b:b + 1, None, :length]  # (1, 1, length, D): one kv head
         return k, k[..., :spec.v_dim]
 
+    def write_keys(self, spec, arrays, cache, b, start, x):
+        cache[b, start:start + x.shape[1]] = x[0]  # x (1, n, D): the one kv head
+
     def kv_bytes(self, spec, case):
         return sum(self._keys(spec, case)) * spec.head_dim * spec.kv_itemsize  # one row per key, read once
 
@@ -1190,6 +1205,11 @@ class MLAPaged(Paged):
         j = np.arange(length)
         k = arrays["kv_pages"][arrays["block_table"][b, j // p], j % p][None, None]  # (1, 1, length, D)
         return k, k[..., :spec.v_dim]
+
+    def write_keys(self, spec, arrays, cache, b, start, x):
+        p = spec.page_size
+        j = np.arange(start, start + x.shape[1])
+        cache[arrays["block_table"][b, j // p], j % p] = x[0]  # x (1, n, D): the one kv head
 
     def kv_bytes(self, spec, case):
         return sum(self._keys(spec, case)) * spec.head_dim * spec.kv_itemsize

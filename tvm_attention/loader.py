@@ -346,7 +346,7 @@ class AttentionKernel:
         if self.spec.append and name in self.layout.kv_names:
             # the kernel writes k_new/v_new into this cache: a copy would lose them
             if not arr.flags.writeable:
-                raise KernelArgumentError(f"{name}: read-only; this kernel appends k_new/v_new to the cache in place")
+                raise KernelArgumentError(f"{name}: read-only; this kernel appends the new keys to the cache in place")
             if not is_aligned(arr, self.alignment):
                 raise KernelArgumentError(
                     f"{name}: data at {arr.ctypes.data % 64} mod 64 bytes, not {self.alignment}-byte aligned; this "

@@ -142,7 +142,8 @@ class AttentionSpec:
     kv_dtype: str | None = None
     # kvcache/paged: the call's k_new/v_new (batch, kv_heads, seq_q, head_dim) are written into
     # the cache at cache_seqlens[b] .. + seq_q - 1 (quantized with the scales for an 8-bit
-    # cache) and attended to in the same call; cache_seqlens is the length before the append
+    # cache) and attended to in the same call; cache_seqlens is the length before the append.
+    # mla/mla_paged: kv_new (batch, seq_q, head_dim), the new tokens' latent rows
     append: bool = False
     #: CUDA builds: a check kernel validates the index arrays (cu_seqlens, cache_seqlens,
     #: block_table, kv_start) on the device before the attention kernels, which then do nothing
@@ -254,10 +255,9 @@ class AttentionSpec:
             raise SpecError(f"device_checks: a {layout.name} kernel without kv_start takes no index array to check "
                             "on the device (its shapes are checked by the library's argument checks); drop "
                             "--device-checks")
-        if self.append and not layout.is_cache:  # (a latent cache's append: not built yet, _check_latent)
-            appending = [n for n in layouts_where("is_cache") if not get_layout(n).latent]
-            raise SpecError(f"append (k_new/v_new written into the cache) applies to the "
-                            f"{in_words(appending)} layouts, not {layout.name!r}")
+        if self.append and not layout.is_cache:
+            raise SpecError(f"append (k_new/v_new, a latent layout's kv_new, written into the cache) applies to "
+                            f"the {in_words(layouts_where('is_cache'))} layouts, not {layout.name!r}")
         if layout.latent:
             self._check_latent(layout)
         if self.scale is None:
@@ -284,9 +284,8 @@ class AttentionSpec:
         if self.scale is None:
             raise SpecError(f"layout {layout.name!r}: give the scale (the model's softmax scale; DeepSeek's is "
                             "1/sqrt(qk_nope_head_dim + qk_rope_head_dim), not 1/sqrt(head_dim))")
-        for name, what in (("kv_dtype", "an 8-bit latent cache"), ("append", "appending latent rows")):
-            if getattr(self, name):
-                raise SpecError(f"layout {layout.name!r}: {what} ({name}) is not built yet")
+        if self.kv_dtype:
+            raise SpecError(f"layout {layout.name!r}: an 8-bit latent cache (kv_dtype) is not built yet")
 
     def _check_variants(self, layout) -> None:
         """Validate the variant fields and store them canonically: a window as a ``(left, right)``
@@ -334,7 +333,7 @@ class AttentionSpec:
         object.__setattr__(self, "mod_tensors", tensors)
         # the call arguments' names, and the kernel's own buffer names (its checks find buffers by name)
         taken = {"q", "k", "v", "o", "lse", "key_lo", "key_hi", "alibi_slopes", "sinks", "kv_start", "k_scale",
-                 "v_scale", "k_new", "v_new", "Q", "K", "V",
+                 "v_scale", "k_new", "v_new", "kv_new", "Q", "K", "V",
                  "O", "LSE", "BT", "CL", "AL", "SK", "KST", "CQ", "CK"} | {a.name for a in self.layout_info.args}
         clash = [t[0] for t in tensors if t[0] in taken]
         if clash:

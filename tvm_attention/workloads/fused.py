@@ -1670,7 +1670,8 @@ def _append_macro(f: _Dense):
     saturated (``f32_to_kv``: what ``quant.quantize_kv`` stores, bit for bit); with per-token or
     per-group scales each new key's own, computed from it as ``quantize_kv`` does and written to
     ``k_scale``/``v_scale`` at its position. One task per (batch,
-    kv head, new key), serial: ``B·KH·Sq`` rows of ``D`` elements, against the cache a step reads."""
+    kv head, new key), serial: ``B·KH·Sq`` rows of ``D`` elements, against the cache a step reads.
+    A latent layout (MLA) takes ``kv_new (B, Sq, D)``: one row per new token into its one cache."""
     spec, B, KH, SQ, D, DV, kv = f.spec, f.B, f.KH, f.SQ, f.D, f.DV, f.kv
     kvd = spec.kv_dtype
     same = D == DV  # one loop writes both rows (else K's D columns, then V's DV)
@@ -1758,6 +1759,19 @@ def _append_macro(f: _Dense):
                     for d in T.vectorized(DV):
                         V[kv.index(X, vb, vh, X[-1][vb] + vi, d)] = stored(V, W.VN[vb, vh, vi, d], scale_of(W.VSC, vh))
 
+    @T.macro
+    def append_latent(K, V, X, W):
+        # one latent row per new token (kv_new (B, Sq, D)), for every head; V is K's buffer
+        for b, i in T.grid(B, SQ):
+            with T.sblock("kv_append"):
+                vb, vi = T.axis.remap("SS", [b, i])
+                T.reads([W.KN[vb, vi, 0:D]] + kv.reads(K, V, X, vb, 0)[2:])
+                T.writes(_whole(K))
+                for d in T.vectorized(D):
+                    K[kv.index(X, vb, 0, X[-1][vb] + vi, d)] = W.KN[vb, vi, d]
+
+    if spec.layout_info.latent:
+        return append_latent
     return append_fine if fine else append
 
 

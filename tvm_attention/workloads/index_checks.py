@@ -108,8 +108,16 @@ def kv_start_ok(ks_b, keys):
     return tirx.all(ks_b >= 0, _i64(ks_b) <= keys)
 
 
+def _appends(buf) -> bool:
+    """Whether the kernel appends the call's new keys (``k_new``; a latent layout's ``kv_new``)."""
+    return "k_new" in buf or "kv_new" in buf
+
+
 def _new(buf):
-    """Keys an appending kernel adds to each sequence (``k_new``'s seq_q), else 0."""
+    """Keys an appending kernel adds to each sequence (``k_new``'s seq_q, ``kv_new (B, Sq, D)``'s),
+    else 0."""
+    if "kv_new" in buf:
+        return buf["kv_new"].shape[1]
     return buf["k_new"].shape[2] if "k_new" in buf else 0
 
 
@@ -124,21 +132,21 @@ def _kvcache(buf, layout) -> list[tirx.Stmt]:
     return [_for("b", cl.shape[0], lambda b: _assert(
         cache_len_ok(cl[b], new, max_len),
         f"cache_seqlens: an entry is negative or larger than {layout.capacity_dim} (dim {axis} of {layout.kv_names[0]})"
-        f"{_APPENDED if 'k_new' in buf else ''}; the kernel would reach outside the cache"))]
+        f"{_APPENDED if _appends(buf) else ''}; the kernel would reach outside the cache"))]
 
 
 def _paged(buf, layout) -> list[tirx.Stmt]:
     cl, bt, k = buf["CL"], buf["BT"], buf["K"]
     num_pages, page_size = k.shape[0], k.shape[1]
     max_pages, new = bt.shape[1], _new(buf)
-    appended = " + seq_q" if "k_new" in buf else ""
+    appended = " + seq_q" if _appends(buf) else ""
 
     def per_sequence(b):
         pages = pages_in_use(cl[b], new, page_size)
         return tirx.SeqStmt([
             _assert(cache_len_ok(cl[b], new, paged_capacity(max_pages, int(page_size))),
                     "cache_seqlens: an entry is negative or larger than max_pages * page_size (the keys "
-                    f"block_table can hold for a sequence){_LONGEST}{_APPENDED if 'k_new' in buf else ''}"),
+                    f"block_table can hold for a sequence){_LONGEST}{_APPENDED if _appends(buf) else ''}"),
             _for("j", pages, lambda j: _assert(
                 page_ok(bt[b, j], num_pages),
                 f"block_table: an entry a sequence uses (j < ceil((cache_seqlens[b]{appended}) / page_size)) is "
@@ -170,7 +178,7 @@ def _kv_start(buf, spec: AttentionSpec) -> list[tirx.Stmt]:
     appending kernel's new keys: the keys its rows attend to, as the loader counts them), in int64."""
     ks, new = buf["KST"], _new(buf)
     keys = (lambda b: _i64(buf["CL"][b]) + _i64(new)) if "CL" in buf else (lambda b: _i64(buf["K"].shape[2]))
-    what = ("cache_seqlens[b]" + (" + seq_q" if "k_new" in buf else "")) if "CL" in buf else "seq_kv (dim 2 of k)"
+    what = ("cache_seqlens[b]" + (" + seq_q" if _appends(buf) else "")) if "CL" in buf else "seq_kv (dim 2 of k)"
     return [_for("b", ks.shape[0], lambda b: _assert(
         kv_start_ok(ks[b], keys(b)),
         f"kv_start: an entry is negative or larger than the sequence's keys ({what})"))]
@@ -303,7 +311,7 @@ def _check_kernel(spec: AttentionSpec, buf: dict, err, emulate: bool) -> tirx.St
     CQ, CK = buf.get("cu_seqlens_q"), buf.get("cu_seqlens_k")
     CL, BT, KS = buf.get("cache_seqlens"), buf.get("block_table"), buf.get("kv_start")
     KSC, VSC = buf.get("k_scale"), buf.get("v_scale")  # an 8-bit cache's scales (kv_heads,)
-    new = buf["k_new"].shape[2] if "k_new" in buf else 0
+    new = _new(buf)
     K = buf[spec.layout_info.kv_names[0]]
     if varlen:
         N1, TQ, TK = CQ.shape[0], buf["q"].shape[0], K.shape[0]

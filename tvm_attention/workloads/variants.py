@@ -296,7 +296,11 @@ class ExtraParams:
                                 for n, g in (("k_scale", spec.scale_groups), ("v_scale", spec.v_scale_groups)))
             self.params += list(self.scales)
         self.new = (None, None)
-        if spec.append:  # k_new (batch, kv_heads, seq_q, head_dim), v_new (.., head_dim_v), query dtype, last
+        if spec.append and spec.layout_info.latent:  # kv_new (batch, seq_q, head_dim): V its first columns
+            kv_new = tirx.decl_buffer((batch, seq_q, spec.head_dim), spec.dtype, "kv_new", data_alignment=A)
+            self.new = (kv_new, kv_new)
+            self.params.append(kv_new)
+        elif spec.append:  # k_new (batch, kv_heads, seq_q, head_dim), v_new (.., head_dim_v), query dtype, last
             shape = (batch, spec.kv_heads, seq_q)
             self.new = tuple(tirx.decl_buffer(shape + (d,), spec.dtype, n, data_alignment=A)
                              for n, d in (("k_new", spec.head_dim), ("v_new", spec.v_dim)))
