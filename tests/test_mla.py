@@ -30,8 +30,15 @@ def test_spec_rules():
     assert s.layout_info.kv_bytes(s, {"seq_q": 1, "cache_seqlens": [10, 20]}) == 30 * 96 * 4  # each row read once
     a = AttentionSpec(**M, layout="mla", append=True)  # the new tokens' latent rows, one per token
     assert [(x["name"], x["shape"]) for x in a.arg_specs()][3] == ("kv_new", ["batch", "seq_q", 96])
+    # an 8-bit latent cache has one scale array, K's and V's (V's groups: its first Dv / 32)
+    for kv_scale, shape in (("head", ["kv_heads"]), ("token", ["batch", "max_len"]),
+                            ("group", ["batch", "max_len", 3])):
+        q8 = AttentionSpec(**M, layout="mla", kv_dtype="int8", kv_scale=kv_scale)
+        assert [(x["name"], x["shape"]) for x in q8.arg_specs()][3] == ("kv_scale", shape)
+    p8 = AttentionSpec(**M, layout="mla_paged", kv_dtype="int8", kv_scale="token")
+    assert [x["shape"] for x in p8.arg_specs()][4] == ["num_pages", 16]
     for kw, match in ((dict(kv_heads=2), "one kv head"), (dict(head_dim_v=None), "give head_dim_v < head_dim"),
-                      (dict(scale=None), "give the scale"), (dict(kv_dtype="int8"), "8-bit latent cache")):
+                      (dict(scale=None), "give the scale"), (dict(kv_dtype="int8", qk_int8=True), "qk_int8")):
         with pytest.raises(SpecError, match=match):
             AttentionSpec(**{**M, **kw}, layout="mla")
 
@@ -50,6 +57,13 @@ KERNELS = {
     # the new tokens' latent rows written into the cache and attended to (across a page of 16)
     "mla_append": dict(M, layout="mla", append=True, return_lse=True),
     "mla_paged_append_bf16": dict(M, layout="mla_paged", append=True, dtype="bfloat16"),
+    # 8-bit latent caches, their one kv_scale per cache, token or group (V reads the first groups);
+    # the unused rows' scales are NaN in every validation case (only the keys attended to are read)
+    "mla_paged_e4m3_token": dict(M, layout="mla_paged", kv_dtype="float8_e4m3fn", kv_scale="token"),
+    "mla_bf16_e4m3_group_lse": dict(M, layout="mla", dtype="bfloat16", kv_dtype="float8_e4m3fn", kv_scale="group",
+                                    return_lse=True),
+    "mla_int8_append": dict(M, layout="mla", kv_dtype="int8", append=True),
+    "mla_paged_int8_group_append": dict(M, layout="mla_paged", kv_dtype="int8", kv_scale="group", append=True),
     "deepseek_v3": dict(M, layout="mla", heads=128, head_dim=576, head_dim_v=512, dtype="bfloat16",
                         scale=192 ** -0.5),
 }
@@ -107,13 +121,15 @@ def test_split_kv_matches_the_reference_and_the_unsplit_build(name):
                 assert not np.asarray(got[bi], np.float32).any()
 
 
-@pytest.mark.parametrize("name", ["mla_append", "mla_paged_append_bf16"])
+@pytest.mark.parametrize("name", ["mla_append", "mla_paged_append_bf16", "mla_int8_append",
+                                  "mla_paged_int8_group_append"])
 def test_append_writes_the_latent_rows_in_place(name):
     """``kv_new (B, Sq, D)``: the new tokens' latent rows, written into the one cache at each
     sequence's ``cache_seqlens[b] ..`` (across a page of 16, into an empty sequence) and attended
-    to in the same call; after it the cache holds exactly the reference's copy, bit for bit,
-    nothing else touched. The library refuses a length whose new rows would pass the cache, at
-    its edge and at the ends of int32, writing nothing."""
+    to in the same call; after it the cache holds exactly the reference's copy, bit for bit
+    (an 8-bit cache: quantized with the call's ``kv_scale``, or per group with each row's own
+    scales, written beside it), nothing else touched. The library refuses a length whose new
+    rows would pass the cache, at its edge and at the ends of int32, writing nothing."""
     from tvm_attention.artifact import kernel_of
 
     spec = AttentionSpec(**KERNELS[name])
@@ -129,7 +145,9 @@ def test_append_writes_the_latent_rows_in_place(name):
     o = out[0] if spec.return_lse else out
     np.testing.assert_array_equal(x[cache].view(np.uint8), want[cache].view(np.uint8))
     assert not np.array_equal(x[cache].view(np.uint8), before.view(np.uint8))
-    ref = lay.reference_outputs(spec, dict(x, **{cache: before}))[0]
+    if spec.kv_dtype is not None and spec.kv_scale != "head":  # the new rows' own scales, beside them
+        np.testing.assert_array_equal(x["kv_scale"].view(np.uint8), want["kv_scale"].view(np.uint8))
+    ref = lay.reference_outputs(spec, dict(x, **{cache: before}))[0]  # (appends the new rows' scales again)
     tol = 2e-2 if spec.dtype == "bfloat16" else 1e-4
     np.testing.assert_allclose(np.asarray(o, np.float32), ref, atol=tol, rtol=tol)
     # the room for the new rows, checked by the library (a C++ caller) and the loader
@@ -146,6 +164,16 @@ def test_append_writes_the_latent_rows_in_place(name):
         np.testing.assert_array_equal(args[1].numpy().view(np.uint8), before.view(np.uint8))  # nothing written
         with pytest.raises(KernelArgumentError, match=rf"cache_seqlens\[1\]={bad} \+ seq_q={sq} appended exceeds"):
             k(*given.values())
+    if spec.kv_dtype == "int8" and spec.kv_scale == "head":  # the one scale, and no NaN for an int8 cache
+        nan = x["kv_new"].copy()
+        nan[1, 0, 5] = np.nan
+        for given, what in ((dict(x, kv_scale=np.zeros(1, np.float32)), "kv_scale"), (dict(x, kv_new=nan), "kv_new")):
+            args = [tvm.runtime.tensor(a) for a in given.values()]
+            o = tvm.runtime.tensor(np.zeros(x["q"].shape[:3] + (spec.v_dim,), x["q"].dtype))
+            with pytest.raises(ValueError, match=what):
+                k.function(*args, o)
+            with pytest.raises(KernelArgumentError, match=what):
+                k(*given.values())
 
 
 @pytest.mark.parametrize("name", ["mla", "mla_paged_16"])

@@ -85,7 +85,7 @@ def _add_spec_flags(p: argparse.ArgumentParser, defaults: dict | None = None) ->
     g.add_argument("--kv-dtype", default=d.get("kv_dtype"), metavar="DTYPE",
                    help="an 8-bit K/V cache: float8_e4m3fn, float8_e5m2 or int8 (q and o keep --dtype); the kernel "
                         "then takes k_scale, v_scale (kv_heads,) float32 after the variant arguments "
-                        "(tvm_attention.quantize_kv makes both)")
+                        "(tvm_attention.quantize_kv makes both; mla layouts: one kv_scale)")
     g.add_argument("--kv-scale", default=d.get("kv_scale", "head"), choices=KV_SCALES,
                    help="with --kv-dtype: one scale per kv head (default), per token (k_scale/v_scale shaped as the "
                         "cache without head_dim) or per group of 32 elements of head_dim (llama.cpp's Q8_0); finer "

@@ -122,6 +122,8 @@ KEY_BOUND_ARGS = (Arg("key_lo", ("batch", "key_positions"), "int32"),
 #: The scales of an 8-bit K/V cache (``spec.kv_dtype``), after the variant arguments: the value of
 #: a stored element of kv head ``h`` is ``scale[h] · stored``.
 KV_SCALE_ARGS = (Arg("k_scale", ("kv_heads",), "float32"), Arg("v_scale", ("kv_heads",), "float32"))
+#: ... of a latent cache (MLA): one array, K's and V's (V is the rows' first head_dim_v columns)
+LATENT_SCALE = "kv_scale"
 #: The new tokens' keys and values of an appending kernel (``spec.append``), last of the inputs, in
 #: the query dtype: written into the cache at ``cache_seqlens[b] ..`` and attended to.
 KV_NEW_ARGS = (Arg("k_new", ("batch", "kv_heads", "seq_q", "head_dim")),
@@ -196,20 +198,33 @@ def variant_args(spec) -> tuple[Arg, ...]:
     return out
 
 
-def kv_scale_args(spec) -> tuple[Arg, Arg]:
+def kv_scale_args(spec) -> tuple[Arg, ...]:
     """An 8-bit cache's ``k_scale``/``v_scale``: :data:`KV_SCALE_ARGS` per kv head; per token the
     dims of K without head_dim (kvcache ``(batch, kv_heads, max_len)``, paged ``(num_pages,
     page_size, kv_heads)``, varlen ``(total_k, kv_heads)``), per group those and ``head_dim / 32``
-    (``head_dim_v / 32`` for ``v_scale``; ``spec.kv_scale``, ``quant.scale_shape``)."""
+    (``head_dim_v / 32`` for ``v_scale``; ``spec.kv_scale``, ``quant.scale_shape``). A latent
+    cache (MLA) has one, ``kv_scale``: ``(1,)``, per token ``(batch, max_len)`` (paged
+    ``(num_pages, page_size)``), per group with ``head_dim / 32`` (V's are the first
+    ``head_dim_v / 32``)."""
     granularity = getattr(spec, "kv_scale", "head")
+    layout = get_layout(spec.layout)
+    if layout.latent:  # one cache, one scale array: V's scales are K's (per group: its first groups)
+        dims = {"head": ("kv_heads",), "token": layout.args[1].dims[:-1],
+                "group": layout.args[1].dims[:-1] + (spec.head_dim // SCALE_GROUP,)}[granularity]
+        return (Arg(LATENT_SCALE, dims, "float32"),)
     if granularity == "head":
         return KV_SCALE_ARGS
-    dims = get_layout(spec.layout).args[1].dims[:-1]
+    dims = layout.args[1].dims[:-1]
     if granularity == "token":
         return tuple(Arg(a.name, dims, "float32") for a in KV_SCALE_ARGS)
     k_scale, v_scale = KV_SCALE_ARGS  # per group: head_dim / 32 of K's, head_dim_v / 32 of V's
     return (Arg(k_scale.name, dims + (spec.head_dim // SCALE_GROUP,), "float32"),
             Arg(v_scale.name, dims + (spec.v_dim // SCALE_GROUP,), "float32"))
+
+
+def kv_scale_names(spec) -> tuple[str, ...]:
+    """The names of an 8-bit cache's scale arguments (:func:`kv_scale_args`)."""
+    return tuple(a.name for a in kv_scale_args(spec))
 
 
 def fully_static(spec) -> bool:
@@ -371,15 +386,32 @@ class Layout:
         return [{"name": a.name, "shape": [_resolve(dims, d) for d in a.dims], "dtype": self.arg_dtype(spec, a)}
                 for a in self.all_args(spec)]
 
+    @property
+    def scaled_caches(self) -> tuple[tuple[str, str], ...]:
+        """An 8-bit cache's (cache, its scales) argument names: K's and V's, or a latent layout's
+        one cache and its ``kv_scale``."""
+        if self.latent:
+            return ((self.kv_names[0], LATENT_SCALE),)
+        return tuple(zip(self.kv_names, ("k_scale", "v_scale")))
+
+    def _headed(self, x: np.ndarray) -> np.ndarray:
+        """A latent cache (or its per-token/per-group scales) with a kv-head axis of 1 at
+        :attr:`kv_head_axis`, as ``quant`` takes caches; other layouts' arrays as they are."""
+        return np.expand_dims(x, self.kv_head_axis) if self.latent else x
+
+    def _unheaded(self, x: np.ndarray) -> np.ndarray:
+        return np.squeeze(x, self.kv_head_axis) if self.latent else x
+
     def quantized(self, spec, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """``arrays`` (random inputs, K/V in ``spec.dtype``) with K/V quantized to an 8-bit cache
         of ``spec.kv_dtype`` and their scales ``k_scale``/``v_scale`` added; unchanged otherwise."""
         if getattr(spec, "kv_dtype", None) is None:
             return arrays
         out = dict(arrays)
-        for name, scale in zip(self.kv_names, ("k_scale", "v_scale")):
-            out[name], out[scale] = quantize_kv(arrays[name].astype(np.float32), spec.kv_dtype, self.kv_head_axis,
-                                                granularity=spec.kv_scale)
+        for name, scale in self.scaled_caches:
+            x = self._headed(arrays[name]).astype(np.float32)
+            xq, sc = quantize_kv(x, spec.kv_dtype, self.kv_head_axis, granularity=spec.kv_scale)
+            out[name], out[scale] = self._unheaded(xq), sc if spec.kv_scale == "head" else self._unheaded(sc)
         if spec.kv_scale != "head" and "cache_seqlens" in arrays:
             self._poison_unused_scales(spec, out)
         return out
@@ -389,11 +421,12 @@ class Layout:
         ``cache_seqlens``, spare pages; an appending kernel's new keys' too, which it writes) set
         to NaN: a kernel that read one would make its rows NaN, so every validation proves it
         reads the scales of the keys it attends to only."""
-        scale = arrays["k_scale"]
+        names = [scale for _, scale in self.scaled_caches]
+        scale = arrays[names[0]]
         used = np.zeros(scale.shape[:-1] if spec.kv_scale == "group" else scale.shape, bool)
         for b, n in enumerate(arrays["cache_seqlens"]):
             self.write_keys(spec, arrays, used, b, 0, np.ones((spec.kv_heads, max(int(n), 0)), bool))
-        for name in ("k_scale", "v_scale"):
+        for name in names:
             arrays[name] = arrays[name].copy()
             arrays[name][~used] = np.nan
 
@@ -407,11 +440,19 @@ class Layout:
         out = dict(arrays)
         lens = arrays["cache_seqlens"]
         if self.latent:  # one latent row per new token, for K and V alike
-            cache = arrays[self.kv_names[0]].copy()
+            name, scale = self.scaled_caches[0]
+            x = arrays["kv_new"][:, None]  # (batch, 1, seq_q, D): one kv head
+            if getattr(spec, "kv_scale", "head") != "head":  # each new row's own scales
+                x, sc = quantize_kv(x.astype(np.float32), spec.kv_dtype, 1, granularity=spec.kv_scale)
+                out[scale] = arrays[scale].copy()
+                for b in range(len(lens)):
+                    self.write_keys(spec, arrays, out[scale], b, int(lens[b]), sc[b])
+            elif getattr(spec, "kv_dtype", None) is not None:
+                x = quantize_kv(x.astype(np.float32), spec.kv_dtype, 1, scale=arrays[scale])[0]
+            cache = arrays[name].copy()
             for b in range(len(lens)):
-                self.write_keys(spec, arrays, cache, b, int(lens[b]), arrays["kv_new"][b][None])
-            return {**out, self.kv_names[0]: cache,
-                    "cache_seqlens": (lens + arrays["kv_new"].shape[1]).astype(np.int32)}
+                self.write_keys(spec, arrays, cache, b, int(lens[b]), x[b])
+            return {**out, name: cache, "cache_seqlens": (lens + arrays["kv_new"].shape[1]).astype(np.int32)}
         sq = arrays["k_new"].shape[2]
         fine = getattr(spec, "kv_scale", "head") != "head"
         for name, new, scale in zip(self.kv_names, ("k_new", "v_new"), ("k_scale", "v_scale")):
@@ -443,8 +484,9 @@ class Layout:
         if getattr(spec, "kv_dtype", None) is None:
             return arrays
         out = dict(arrays)
-        for name, scale in zip(self.kv_names, ("k_scale", "v_scale")):
-            out[name] = dequantize(arrays[name], arrays[scale], self.kv_head_axis, spec.kv_scale)
+        for name, scale in self.scaled_caches:
+            sc = arrays[scale] if spec.kv_scale == "head" else self._headed(arrays[scale])
+            out[name] = self._unheaded(dequantize(self._headed(arrays[name]), sc, self.kv_head_axis, spec.kv_scale))
         if getattr(spec, "qk_int8", False):  # the queries as QKᵀ reads them: rounded to int8 per row
             out["q"] = qk_int8_query(arrays["q"])
         return out
@@ -644,7 +686,7 @@ def check_variant_arrays(spec, arrays: Mapping[str, np.ndarray], key_counts, bat
     if getattr(spec, "kv_dtype", None) is not None and getattr(spec, "kv_scale", "head") == "head":
         # (kv_heads,): the shape is the loader's generic check. Finer scales are data: the kernel
         # reads those of the keys it attends to (a bad one makes its rows NaN: quant's docstring)
-        for name in ("k_scale", "v_scale"):
+        for name in kv_scale_names(spec):
             try:
                 check_scale(arrays[name], arrays[name].shape[0], name)
             except SpecError as e:
@@ -925,7 +967,7 @@ class KVCache(Layout):
             raise KernelArgumentError(f"cache_seqlens[{b}]={int(lens[b])}{plus} exceeds the cache: {what}")
         check_variant_arrays(spec, arrays, lens + new, len(lens))
         if new and spec.kv_dtype == "int8":
-            for name in ("k_new", "v_new"):
+            for name in ("kv_new",) if self.latent else ("k_new", "v_new"):
                 if np.isnan(arrays[name]).any():
                     raise KernelArgumentError(f"{name}: holds NaN, which an int8 cache cannot store (use a float8 "
                                               "cache to keep it)")

@@ -284,8 +284,9 @@ class AttentionSpec:
         if self.scale is None:
             raise SpecError(f"layout {layout.name!r}: give the scale (the model's softmax scale; DeepSeek's is "
                             "1/sqrt(qk_nope_head_dim + qk_rope_head_dim), not 1/sqrt(head_dim))")
-        if self.kv_dtype:
-            raise SpecError(f"layout {layout.name!r}: an 8-bit latent cache (kv_dtype) is not built yet")
+        if self.qk_int8:
+            raise SpecError(f"layout {layout.name!r}: qk_int8 (QKᵀ on int8 dot products) is not built for a latent "
+                            "cache; an 8-bit latent cache (kv_dtype) takes float32 products")
 
     def _check_variants(self, layout) -> None:
         """Validate the variant fields and store them canonically: a window as a ``(left, right)``

@@ -1761,14 +1761,31 @@ def _append_macro(f: _Dense):
 
     @T.macro
     def append_latent(K, V, X, W):
-        # one latent row per new token (kv_new (B, Sq, D)), for every head; V is K's buffer
+        # one latent row per new token (kv_new (B, Sq, D)), for every head; V is K's buffer, and
+        # an 8-bit cache's one kv_scale V's too (per token or group: the row's own, written beside it)
         for b, i in T.grid(B, SQ):
             with T.sblock("kv_append"):
                 vb, vi = T.axis.remap("SS", [b, i])
-                T.reads([W.KN[vb, vi, 0:D]] + kv.reads(K, V, X, vb, 0)[2:])
-                T.writes(_whole(K))
-                for d in T.vectorized(D):
-                    K[kv.index(X, vb, 0, X[-1][vb] + vi, d)] = W.KN[vb, vi, d]
+                T.reads([W.KN[vb, vi, 0:D]] + kv.reads(K, V, X, vb, 0)[2:]
+                        + ([W.KSC[0]] if kvd is not None and not fine else []))
+                if fine:
+                    T.writes(_whole(K), _whole(W.KSC))
+                else:
+                    T.writes(_whole(K))
+                if fine:
+                    sc = T.sblock_alloc_buffer((NG,), "float32", scope="local")
+                    for g in T.serial(NG):
+                        sc[g] = T.float32(0)
+                    for d in T.serial(D):
+                        sc[d // GS] = T.max(sc[d // GS], magnitude(W.KN[vb, vi, d]))
+                    for g in T.serial(NG):
+                        sc[g] = new_scale(sc[g])
+                        W.KSC[scale_index(X, vb, 0, vi, g)] = sc[g]
+                    for d in T.vectorized(D):
+                        K[kv.index(X, vb, 0, X[-1][vb] + vi, d)] = stored(K, W.KN[vb, vi, d], sc[d // GS])
+                else:
+                    for d in T.vectorized(D):
+                        K[kv.index(X, vb, 0, X[-1][vb] + vi, d)] = stored(K, W.KN[vb, vi, d], scale_of(W.KSC, 0))
 
     if spec.layout_info.latent:
         return append_latent
@@ -1830,7 +1847,11 @@ def _dense_function(f: _Dense, attrs: dict, body) -> tirx.PrimFunc:
         LSE: T.Buffer(LS, "float32", align=A),
     ):
         T.func_attr(attrs)
-        if latent:
+        if latent and fp8:  # both read through uint8 aliases of the one cache
+            KL8 = T.decl_buffer(KS, "uint8", data=K.data, align=A)
+            VL8 = T.decl_buffer(KS, "uint8", data=K.data, align=A)
+            body(Q, KL8, VL8, O, LSE, index_buffers(BT, CL), Variants(f.spec, AL, SK, KST, *extra.variant_args))
+        elif latent:
             KV = T.decl_buffer(KS, kv_dtype, data=K.data, align=A)  # V: the latent rows again
             body(Q, K, KV, O, LSE, index_buffers(BT, CL), Variants(f.spec, AL, SK, KST, *extra.variant_args))
         elif fp8:

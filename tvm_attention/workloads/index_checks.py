@@ -35,7 +35,7 @@ import tvm
 from tvm import s_tir, tirx
 from tvm.script import tirx as T
 
-from ..layouts import INDEX_ERROR_ARG, INDEX_ERROR_BITS, has_index_arrays
+from ..layouts import INDEX_ERROR_ARG, INDEX_ERROR_BITS, has_index_arrays, kv_scale_names
 from ..spec import MAX_SEQ_LEN, AttentionSpec
 from ..tvm_internals import fast_macros
 
@@ -218,7 +218,7 @@ def scale_ok(x):
 def _kv_scales(buf, spec: AttentionSpec) -> list[tirx.Stmt]:
     """An 8-bit cache's ``k_scale``/``v_scale``: every entry positive and finite (:func:`scale_ok`)."""
     out = []
-    for name in ("k_scale", "v_scale"):
+    for name in kv_scale_names(spec):  # a latent cache's one kv_scale
         x = buf[name]
         out.append(_for("h", x.shape[0], lambda h, x=x, name=name: _assert(
             scale_ok(x[h]),
@@ -230,13 +230,18 @@ def _kv_scales(buf, spec: AttentionSpec) -> list[tirx.Stmt]:
 def _int8_new(buf, spec: AttentionSpec) -> list[tirx.Stmt]:
     """An int8 cache has no NaN: ``k_new``/``v_new`` must hold none (``isnan``: the simplifier
     folds the self-compare ``x == x`` to true)."""
+    def every(x, body, idx=()):  # loops over every element of x (k_new's four dims, kv_new's three)
+        if len(idx) == len(x.shape):
+            return body(idx)
+        return _for("bhid"[len(idx)] if len(x.shape) == 4 else "bid"[len(idx)], x.shape[len(idx)],
+                    lambda v: every(x, body, idx + (v,)))
+
     out = []
-    for name in ("k_new", "v_new"):
+    for name in ("kv_new",) if spec.layout_info.latent else ("k_new", "v_new"):
         x = buf[name]
-        out.append(_for("b", x.shape[0], lambda b, x=x, name=name: _for("h", x.shape[1], lambda h: _for(
-            "i", x.shape[2], lambda i: _for("d", x.shape[3], lambda d: _assert(
-                tirx.Not(tirx.isnan(tirx.Cast("float32", x[b, h, i, d]))),  # isnan takes no bf16
-                f"{name}: holds NaN, which an int8 cache cannot store (use a float8 cache to keep it)"))))))
+        out.append(every(x, lambda idx, x=x, name=name: _assert(
+            tirx.Not(tirx.isnan(tirx.Cast("float32", x[idx]))),  # isnan takes no bf16
+            f"{name}: holds NaN, which an int8 cache cannot store (use a float8 cache to keep it)")))
     return out
 
 

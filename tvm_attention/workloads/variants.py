@@ -292,9 +292,14 @@ class ExtraParams:
             def shape(groups):
                 return (spec.kv_heads,) if spec.kv_scale == "head" else \
                     tuple(kv_shape[:-1]) + ((groups,) if spec.kv_scale == "group" else ())
-            self.scales = tuple(tirx.decl_buffer(shape(g), "float32", n, data_alignment=A)
-                                for n, g in (("k_scale", spec.scale_groups), ("v_scale", spec.v_scale_groups)))
-            self.params += list(self.scales)
+            if spec.layout_info.latent:  # one kv_scale, K's and V's (V's groups: the first head_dim_v / 32)
+                one = tirx.decl_buffer(shape(spec.scale_groups), "float32", "kv_scale", data_alignment=A)
+                self.scales = (one, one)
+                self.params.append(one)
+            else:
+                self.scales = tuple(tirx.decl_buffer(shape(g), "float32", n, data_alignment=A)
+                                    for n, g in (("k_scale", spec.scale_groups), ("v_scale", spec.v_scale_groups)))
+                self.params += list(self.scales)
         self.new = (None, None)
         if spec.append and spec.layout_info.latent:  # kv_new (batch, seq_q, head_dim): V its first columns
             kv_new = tirx.decl_buffer((batch, seq_q, spec.head_dim), spec.dtype, "kv_new", data_alignment=A)
