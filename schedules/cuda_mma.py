@@ -37,7 +37,8 @@ NAME = "fused"
 #: symbolic batch, seq_q and seq_kv: a (row tile, head, batch) grid on (x, y, z), as the SIMT kernel's
 CAPABILITIES = Capabilities(label="CUDA tensor-core fused", target="cuda", layouts=("bhsd", "varlen", "kvcache", "paged"), dtypes=MMA_DTYPES,
                             symbolic=True, lse=True, variants=CUDA_VARIANTS,
-                            kv_dtypes=CUDA_KV_DTYPES, kv_layouts=SPLIT_LAYOUTS, instead=f"use --schedule fused_simt, or {USE_CPU_FUSED}")
+                            kv_dtypes=CUDA_KV_DTYPES, kv_layouts=SPLIT_LAYOUTS, head_dim_v=True,
+                            instead=f"use --schedule fused_simt, or {USE_CPU_FUSED}")
 WARP = 32
 MAX_REGISTERS_PER_THREAD = 255
 #: registers besides the fragments (addresses, loop state, m/l, temporaries). Measured with
@@ -94,19 +95,20 @@ def arch_number(target: Target) -> int:
 def supports(spec: AttentionSpec, target: Target) -> bool:
     """Whether the tensor-core kernel builds ``spec`` on ``target`` (else the SIMT kernel does)."""
     return (spec.dtype in MMA_DTYPES and arch_number(target) >= MIN_ARCH and spec.head_dim % 16 == 0
-            and spec.layout in CAPABILITIES.layouts)
+            and spec.v_dim % 16 == 0 and spec.layout in CAPABILITIES.layouts)
 
 
 def shared_bytes(knobs: MMAKnobs, spec: AttentionSpec) -> int:
-    """Static shared memory: ``stages`` K and V tiles with 16-byte padded rows."""
-    return 2 * knobs.stages * knobs.block_n * smem_stride(spec.head_dim) * spec.itemsize
+    """Static shared memory: ``stages`` K and V tiles (head_dim and head_dim_v columns) with
+    16-byte padded rows."""
+    return knobs.stages * knobs.block_n * (smem_stride(spec.head_dim) + smem_stride(spec.v_dim)) * spec.itemsize
 
 
 def registers_estimate(knobs: MMAKnobs, spec: AttentionSpec) -> int:
     """Fragment registers per lane (per row group: Q D/4, scores block_n/2, P block_n/4, output
-    D/2) plus :data:`REGISTER_OVERHEAD`."""
-    d, n = spec.head_dim, knobs.block_n
-    return knobs.m_tiles * (d // 4 + n // 2 + n // 4 + d // 2) + REGISTER_OVERHEAD
+    Dv/2) plus :data:`REGISTER_OVERHEAD`."""
+    d, dv, n = spec.head_dim, spec.v_dim, knobs.block_n
+    return knobs.m_tiles * (d // 4 + n // 2 + n // 4 + dv // 2) + REGISTER_OVERHEAD
 
 
 def preset(spec: AttentionSpec, target: Target) -> MMAKnobs:
@@ -135,6 +137,8 @@ def check(knobs: MMAKnobs, spec: AttentionSpec, target: Target) -> None:
             f"not {target.attrs.get('arch')}")
     if spec.head_dim % 16:
         raise KnobError(f"head_dim={spec.head_dim} must be a multiple of 16 (one mma k step)")
+    if spec.v_dim % 16:
+        raise KnobError(f"head_dim_v={spec.v_dim} must be a multiple of 16 (P·V's 8-column slices go in pairs)")
     for name in ("warps", "block_n", "stages", "m_tiles"):
         v = getattr(knobs, name)
         if v <= 0:

@@ -37,7 +37,7 @@ NAME = "fused"
 #: divided by a run-time extent (a flat grid's ``// (H·NR)`` spilled on sm_90 with seq_q symbolic)
 CAPABILITIES = Capabilities(label="CUDA fused", target="cuda", layouts=("bhsd", "varlen", "kvcache", "paged"), dtypes=SUPPORTED_DTYPES,
                             symbolic=True, lse=True, variants=CUDA_VARIANTS,
-                            kv_dtypes=CUDA_KV_DTYPES, kv_layouts=SPLIT_LAYOUTS)
+                            kv_dtypes=CUDA_KV_DTYPES, kv_layouts=SPLIT_LAYOUTS, head_dim_v=True)
 WARP = 32
 MAX_REGISTERS_PER_THREAD = 255
 #: registers a lane needs besides its scores and accumulator columns (indices, m, l, temporaries);
@@ -90,25 +90,26 @@ def preset(spec: AttentionSpec, target: Target) -> FlashCUDAKnobs:
         # threads with fewer idle rows. ptxas (sm_90, fp32 D=128, paged, split-KV): 40 registers,
         # no spill, 75 % occupancy; 32 rows of 8 lanes took 48 and spilled 16 bytes
         knobs = dataclasses.replace(knobs, block_m=16, threads_per_row=16)
-    # Odd head_dims: fewer lanes per row so that head_dim still splits evenly.
+    # Odd head_dims: fewer lanes per row so that head_dim (and head_dim_v) still split evenly.
     tpr = knobs.threads_per_row
-    while spec.head_dim % tpr and tpr > 1:
+    while (spec.head_dim % tpr or spec.v_dim % tpr) and tpr > 1:
         tpr //= 2
     return dataclasses.replace(knobs, threads_per_row=tpr, block_m=max(knobs.block_m, WARP // tpr),
                                split_tasks=cuda_split_tasks(spec, target))
 
 
 def shared_bytes(knobs: FlashCUDAKnobs, spec: AttentionSpec) -> int:
-    """Upper bound of the static shared memory: Q, K, V tiles (padded rows) + the P tile."""
+    """Upper bound of the static shared memory: Q, K, V tiles (padded rows; V's head_dim_v wide) +
+    the P tile."""
     vec = vector_elems(spec.dtype)
-    stride = spec.head_dim + vec
+    stride, v_stride = spec.head_dim + vec, spec.v_dim + vec
     itemsize = spec.itemsize
-    qkv = (knobs.block_m + 2 * knobs.block_n) * stride * itemsize
+    qkv = ((knobs.block_m + knobs.block_n) * stride + knobs.block_n * v_stride) * itemsize
     return qkv + knobs.block_m * (knobs.block_n + 4) * 4
 
 
 def registers_estimate(knobs: FlashCUDAKnobs, spec: AttentionSpec) -> int:
-    per_lane = knobs.block_n // knobs.threads_per_row + spec.head_dim // knobs.threads_per_row
+    per_lane = knobs.block_n // knobs.threads_per_row + spec.v_dim // knobs.threads_per_row  # scores, outputs
     return per_lane + REGISTER_OVERHEAD
 
 
@@ -120,13 +121,15 @@ def check(knobs: FlashCUDAKnobs, spec: AttentionSpec, target: Target) -> None:
     tpr = knobs.threads_per_row
     if tpr & (tpr - 1) or tpr > WARP:
         raise KnobError(f"threads_per_row={tpr} must be a power of two <= {WARP} (a row's lanes share a warp)")
-    if knobs.block_n % tpr or spec.head_dim % tpr:
+    if knobs.block_n % tpr or spec.head_dim % tpr or spec.v_dim % tpr:
         raise KnobError(
-            f"block_n={knobs.block_n} and head_dim={spec.head_dim} must be multiples of threads_per_row={tpr}"
+            f"block_n={knobs.block_n}, head_dim={spec.head_dim} and head_dim_v={spec.v_dim} must be multiples of "
+            f"threads_per_row={tpr}"
         )
     vec = vector_elems(spec.dtype)
-    if spec.head_dim % vec:
-        raise KnobError(f"head_dim={spec.head_dim} must be a multiple of {vec} ({spec.dtype} 16-byte vectors)")
+    if spec.head_dim % vec or spec.v_dim % vec:
+        raise KnobError(f"head_dim={spec.head_dim} and head_dim_v={spec.v_dim} must be multiples of {vec} "
+                        f"({spec.dtype} 16-byte vectors)")
     threads = knobs.block_m * tpr
     max_threads = int(target.attrs["max_threads_per_block"])
     if threads > max_threads:

@@ -1307,13 +1307,15 @@ def host_scalars(built, dims: dict) -> dict:
 def _argument_bytes(spec: AttentionSpec, dims: dict) -> dict:
     """Q, K, V and O's sizes in bytes in ``spec``'s layout at ``dims`` (those it determines)."""
     elem = _dtype_bytes(tvm.DataType(spec.dtype))
-    compiled = {"heads": spec.heads, "kv_heads": spec.kv_heads, "head_dim": spec.head_dim, "page_size": spec.page_size}
+    compiled = {"heads": spec.heads, "kv_heads": spec.kv_heads, "head_dim": spec.head_dim, "page_size": spec.page_size,
+                "head_dim_v": spec.v_dim}
 
     def size(arg):  # the layout entry's argument: its dims compiled in, or taken from dims
         vals = [compiled[n] if n in compiled else dims.get(n) for n in arg.dims]
         return None if any(v is None for v in vals) else math.prod(vals) * elem
-    q, kv = size(spec.layout_info.args[0]), size(spec.layout_info.args[1])
-    out = {"Q": q, "Qp": q, "O": q, "K": kv, "V": kv}
+    args = spec.layout_info.args
+    q, kv, v, o = size(args[0]), size(args[1]), size(args[2]), size(spec.layout_info.output)
+    out = {"Q": q, "Qp": q, "O": o, "K": kv, "V": v}
     return {k: v for k, v in out.items() if v is not None}
 
 
@@ -1514,6 +1516,11 @@ CONFIGS = [
          heads=4, seq_q=1, seq_kv=64, causal=True, kv_dtype="float8_e4m3fn", **cache_case(_DECODE, 1, 16, seed=1)),
     _cfg("simt_f32_kvcache_int8_decode", _SIMT, dict(block_m=8, block_n=16, threads_per_row=4, split_tasks=8),
          heads=4, seq_q=1, seq_kv=64, dtype="float32", causal=True, kv_dtype="int8", **cache_case(_DECODE, 1)),
+    # a value head size of its own: V's tile (and its stages) narrower or wider than K's
+    _cfg("tc_f16_s2_m1_causal_dv16_d32", _TC, dict(warps=2, block_n=16, stages=2, m_tiles=1),
+         seq_q=37, seq_kv=45, head_dim=32, head_dim_v=16, causal=True),
+    _cfg("simt_f16_paged_decode_dv32", _SIMT, dict(block_m=16, block_n=16, threads_per_row=2, split_tasks=8),
+         heads=4, seq_q=1, seq_kv=64, head_dim_v=32, **cache_case(_DECODE, 1, 16, seed=1)),
 ]
 
 

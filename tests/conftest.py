@@ -197,7 +197,7 @@ def check_emulated_layout(ex, spec, cases=None) -> None:
     for i, case in enumerate(cases):
         x = layout.random_inputs(spec, case, seed=i)
         ref, ref_lse = layout.reference_outputs(spec, x)
-        o = tvm.runtime.empty(x["q"].shape, spec.dtype)
+        o = tvm.runtime.empty(x["q"].shape[:-1] + (spec.v_dim,), spec.dtype)  # head_dim_v columns
         lse = [tvm.runtime.empty(ref_lse.shape, "float32")] if spec.return_lse else []
         ex["attention"](*[tvm.runtime.tensor(x[n]) for n in names], o, *lse)
         out = o.numpy().astype(np.float64)

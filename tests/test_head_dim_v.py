@@ -2,8 +2,9 @@
 ``head_dim_v`` columns, q and k ``head_dim`` (DeepSeek's unabsorbed prefill is 192 / 128). The
 spec and its shapes, the float64 reference, the CPU fused kernels in every layout (static and
 symbolic, the half dtypes, the 8-bit caches at every scale granularity, split-KV, append, the
-variants and a modifier) against it, the exported library and the loader's shape check, the CLI
-and the families that refuse it by name."""
+variants and a modifier) against it, both CUDA kernels (emulated, and built offline for sm_90),
+the exported library and the loader's shape check, the CLI and the families that refuse it by
+name."""
 from __future__ import annotations
 
 import argparse
@@ -150,8 +151,73 @@ def test_cli_flag():
     assert _spec_from_args(p.parse_args(flags)).head_dim_v is None
 
 
-@pytest.mark.parametrize("schedule, target", [("materialized", "llvm"), ("rowcache", "llvm"),
-                                              ("fused", {"kind": "cuda", "arch": "sm_90"})])
+#: the CUDA kernels with head_dim_v, emulated on the CPU (kernel, layout, page size, dtype, spec
+#: fields): V's own shared tile and width (fewer columns than K, and more), its 8-bit forms, the
+#: output and the split-KV partials of head_dim_v columns, varlen's packed V
+CUDA_CASES = {
+    "simt_varlen_lse": ("simt", "varlen", None, "float16", dict(causal=True, return_lse=True)),
+    "simt_paged_int8_split": ("simt", "paged", 16, "bfloat16", dict(kv_dtype="int8", sinks=True, window=(300, 0),
+                                                                    return_lse=True)),
+    "mma_kvcache_e4m3_split": ("mma", "kvcache", None, "float16", dict(causal=True, kv_dtype="float8_e4m3fn")),
+    "mma_bhsd_wider_v": ("mma", "bhsd", None, "float16", dict(causal=True, head_dim=16, head_dim_v=32)),
+}
+
+
+@pytest.mark.parametrize("name", list(CUDA_CASES))
+def test_cuda_kernels_on_the_cpu(name):
+    """Both CUDA kernels build a value head size of their own: emulated on the CPU
+    (``conftest.check_emulated_layout``) against the float64 reference in their layouts, with
+    split-KV in the cache layouts (``conftest.split_kv_cases``)."""
+    import tvm
+
+    from conftest import check_emulated_layout, split_kv_cases
+    from tvm_attention.target import resolve_target
+    from tvm_attention.workloads.fused_cuda import fused_attention_cuda
+    from tvm_attention.workloads.fused_mma import fused_attention_mma
+
+    kernel, layout, page, dtype, kw = CUDA_CASES[name]
+    fields = dict(batch=1, heads=4, kv_heads=2, seq_q=64, head_dim=32, head_dim_v=16, dtype=dtype, layout=layout,
+                  page_size=page)
+    spec = AttentionSpec(**{**fields, **kw})
+    split = 64 if spec.layout_info.is_cache else 0
+    func = (fused_attention_cuda(spec, 16, 16, 4, emulate=True, split_tasks=split) if kernel == "simt" else
+            fused_attention_mma(spec, 2, 16, 2, 1, emulate=True, split_tasks=split))
+    ex = tvm.compile(func, target=resolve_target("llvm"))
+    check_emulated_layout(ex, spec)
+    if split:
+        check_emulated_layout(ex, spec, split_kv_cases(layout))
+
+
+@pytest.mark.skipif(__import__("tvm_attention.cuda_tools", fromlist=["find_nvcc"]).find_nvcc() is None,
+                    reason="nvcc not installed: no ptxas report")
+@pytest.mark.parametrize("schedule, fields", [
+    ("fused", dict(dtype="bfloat16")),  # tensor cores, bhsd prefill
+    ("fused_simt", dict(dtype="float32", layout="kvcache", kv_heads=16, seq_q=1, seq_kv=4096)),  # decode, split-KV
+], ids=["tensor_cores_bf16", "simt_fp32_kvcache"])
+def test_deepseek_dims_build_for_sm90_without_spills(schedule, fields):
+    """DeepSeek's unabsorbed 192 / 128 on sm_90, offline: ptxas reports no spill and no local
+    memory, the audit proves the build fused; the tensor-core one issues (block_n/16)·(D/16)
+    ldmatrix for K and (block_n/16)·(Dv/16) for V per key tile, two mma pairs each per row group."""
+    from tvm_attention.build import build_kernel
+    from tvm_attention.schedules import cuda_mma
+    from tvm_attention.target import resolve_target
+
+    spec = AttentionSpec(**{**dict(batch=1, heads=16, seq_q=2048, head_dim=192, head_dim_v=128, causal=True),
+                            **fields})
+    b = build_kernel(spec, schedule, target=resolve_target("cuda", arch="sm_90"))
+    r = b.resources
+    assert r["spills"] == 0 and r["stack_frame_bytes"] == 0 and 0 < r["registers"] <= 255, r
+    assert b.audit.fused, b.audit.format()
+    if isinstance(b.knobs, cuda_mma.MMAKnobs):
+        k, ptx = b.knobs, r["ptx_instructions"]
+        loads = (k.block_n // 16) * (spec.head_dim // 16) + (k.block_n // 16) * (spec.v_dim // 16)
+        assert ptx["ldmatrix"] == loads and ptx["mma.sync"] == 2 * loads * k.m_tiles, ptx
+        assert r["shared_bytes"] == cuda_mma.shared_bytes(k, spec)
+    else:
+        assert b.knobs.split_tasks > 0
+
+
+@pytest.mark.parametrize("schedule, target", [("materialized", "llvm"), ("rowcache", "llvm")])
 def test_families_without_it_refuse_by_name(schedule, target):
     from tvm_attention.build import build_kernel
 

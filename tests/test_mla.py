@@ -263,3 +263,15 @@ def test_bench_mla_tiny(tmp_path):
         assert "ggml-python is not installed" in dec["llamacpp"]
     assert pre["point"] == "prefill" and pre["d64v32_gflops"] > 0 and pre["dv_vs_d"] > 0
     assert "| ratio |" in (tmp_path / "mla.md").read_text()
+
+
+@pytest.mark.parametrize("schedule", ["fused", "fused_simt"])
+def test_cuda_refuses_the_latent_layouts_by_name(schedule):
+    """The latent layouts are built by the CPU family only: a CUDA build names the layout and
+    where it is built, before any workload is made."""
+    from tvm_attention.build import build_kernel
+    from tvm_attention.schedules._knobs import KnobError
+    from tvm_attention.target import resolve_target
+
+    with pytest.raises(KnobError, match="not 'mla_paged': use --schedule fused on a CPU"):
+        build_kernel(AttentionSpec(**KERNELS["mla_paged_16"]), schedule, resolve_target("cuda", arch="sm_90"))

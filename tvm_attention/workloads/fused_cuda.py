@@ -98,7 +98,13 @@ class _Simt:
         qscale = float(spec.scale * LOG2E)
         neg_inf = T.float32(float("-inf"))
         # past 48 KiB the tiles are one dynamic allocation (shared.dyn, opted in at launch)
-        smem = "global" if emulate else shared_scope(((BM + 2 * BN) * QST * spec.itemsize + BM * PST * 4))
+        # V and O: head_dim_v columns (DeepSeek's unabsorbed MLA: 192 for Q and K, 128 for V)
+        self.DV = DV = spec.v_dim
+        self.NDV = DV // TPR  # output columns per lane
+        self.VST = DV + PAD  # row stride of the V tile
+        self.VIT = math.ceil(BN * DV // VEC / NT)  # vector loads per thread for each V tile
+        smem = "global" if emulate else shared_scope(((BM + BN) * QST + BN * self.VST) * spec.itemsize
+                                                     + BM * PST * 4)
         values = locals()
         for name in self.DIMS:
             setattr(self, name, values[name])
@@ -163,34 +169,49 @@ def _simt_load_macros(k: _Simt):
                     T.writes()
                     m[ty, tx] = neg_inf
                     l[ty, tx] = T.float32(0)
-                    for dd in T.serial(ND):
+                    for dd in T.serial(k.NDV):
                         acc[ty, tx, dd] = T.float32(0)
 
+    DV, VST, VIT = k.DV, k.VST, k.VIT
+
     @T.macro
-    def kv_load(K, V, Ks, Vs, w, c):
-        # -- K and V tiles into shared memory ------------------------------------
+    def load(K, V, Ks, Vs, w, c, XD, XST, XIT, which):
+        # -- K and V tiles into shared memory: both in one loop (``which`` "kv": equal widths),
+        # or one of them ("k", "v": head_dim_v != head_dim), XD columns, row stride XST
         for ty in thread_y(BM):
             for tx in thread_x(TPR):
-                for it in T.serial(KIT):
+                for it in T.serial(XIT):
                     for v in kv_vec(VEC):
                         with T.sblock("KV_load"):
                             T.reads()
                             T.writes()
-                            if flat(it, ty, tx, v) < BN * D:
+                            if flat(it, ty, tx, v) < BN * XD:
                                 if quantized:  # the vector's bytes in one load, each converted
-                                    Ks[flat(it, ty, tx, v) // D * QST + flat(it, ty, tx, v) % D] = kv_value(
-                                        kv_byte(k.spec, K[w.kv_at(w.tile(c) * BN + flat(it, ty, tx, 0) // D,
-                                                                  T.Ramp(flat(it, ty, tx, 0) % D, 1, VEC))], VEC, v))
-                                    Vs[flat(it, ty, tx, v) // D * QST + flat(it, ty, tx, v) % D] = kv_value(
-                                        kv_byte(k.spec, V[w.kv_at(w.tile(c) * BN + flat(it, ty, tx, 0) // D,
-                                                                  T.Ramp(flat(it, ty, tx, 0) % D, 1, VEC))], VEC, v))
+                                    if which != "v":
+                                        Ks[flat(it, ty, tx, v) // XD * XST + flat(it, ty, tx, v) % XD] = kv_value(
+                                            kv_byte(k.spec, K[w.kv_at(w.tile(c) * BN + flat(it, ty, tx, 0) // XD,
+                                                                      T.Ramp(flat(it, ty, tx, 0) % XD, 1, VEC))], VEC, v))
+                                    if which != "k":
+                                        Vs[flat(it, ty, tx, v) // XD * XST + flat(it, ty, tx, v) % XD] = kv_value(
+                                            kv_byte(k.spec, V[w.kv_at(w.tile(c) * BN + flat(it, ty, tx, 0) // XD,
+                                                                      T.Ramp(flat(it, ty, tx, 0) % XD, 1, VEC))], VEC, v))
                                 else:
-                                    Ks[flat(it, ty, tx, v) // D * QST
-                                       + flat(it, ty, tx, v) % D] = K[
-                                        w.kv_at(w.tile(c) * BN + flat(it, ty, tx, v) // D, flat(it, ty, tx, v) % D)]
-                                    Vs[flat(it, ty, tx, v) // D * QST
-                                       + flat(it, ty, tx, v) % D] = V[
-                                        w.kv_at(w.tile(c) * BN + flat(it, ty, tx, v) // D, flat(it, ty, tx, v) % D)]
+                                    if which != "v":
+                                        Ks[flat(it, ty, tx, v) // XD * XST
+                                           + flat(it, ty, tx, v) % XD] = K[
+                                            w.kv_at(w.tile(c) * BN + flat(it, ty, tx, v) // XD, flat(it, ty, tx, v) % XD)]
+                                    if which != "k":
+                                        Vs[flat(it, ty, tx, v) // XD * XST
+                                           + flat(it, ty, tx, v) % XD] = V[
+                                            w.kv_at(w.tile(c) * BN + flat(it, ty, tx, v) // XD, flat(it, ty, tx, v) % XD)]
+
+    @T.macro
+    def kv_load(K, V, Ks, Vs, w, c):
+        if DV == D:
+            load(K, V, Ks, Vs, w, c, D, QST, KIT, "kv")
+        else:
+            load(K, V, Ks, Vs, w, c, D, QST, KIT, "k")
+            load(K, V, Ks, Vs, w, c, DV, VST, VIT, "v")
 
     return q_load, kv_load
 
@@ -267,6 +288,7 @@ def _simt_pv_store_macros(k: _Simt):
     (B, H, KH, SQ, SK, D, G, BM, BN, TPR, NJ, ND, dtype, VEC, QST, PST, QIT, KIT, qscale, neg_inf,
      smem) = k.dims
     thread_y, thread_x, f32 = k.thread_y, k.thread_x, k.f32
+    NDV, VST = k.NDV, k.VST  # the output's columns per lane, V's row stride (head_dim_v)
 
     @T.macro
     def pv(Ps, Vs, acc, l, l_tile, alpha):
@@ -277,11 +299,11 @@ def _simt_pv_store_macros(k: _Simt):
                     T.reads()
                     T.writes()
                     l[ty, tx] = l[ty, tx] * alpha[ty, tx] + l_tile[ty]
-                    for dd in T.unroll(ND):
+                    for dd in T.unroll(NDV):
                         acc[ty, tx, dd] = acc[ty, tx, dd] * alpha[ty, tx]
                     for j in T.serial(BN):
-                        for dd in T.unroll(ND):
-                            acc[ty, tx, dd] = acc[ty, tx, dd] + Ps[ty * PST + j] * f32(Vs[j * QST + dd * TPR + tx])
+                        for dd in T.unroll(NDV):
+                            acc[ty, tx, dd] = acc[ty, tx, dd] + Ps[ty * PST + j] * f32(Vs[j * VST + dd * TPR + tx])
 
     @T.macro
     def store(O, acc, l, m, w):
@@ -293,7 +315,7 @@ def _simt_pv_store_macros(k: _Simt):
                     T.writes()
                     if w.final:
                         if w.row0 + ty < w.rows:
-                            for dd in T.serial(ND):
+                            for dd in T.serial(NDV):
                                 O[w.o_at(w.row0 + ty, dd * TPR + tx)] = T.Cast(dtype, w.out(
                                     acc[ty, tx, dd], l[ty, tx], w.row0 + ty, m[ty, tx]))
                             if w.LSE is not None:
@@ -305,7 +327,7 @@ def _simt_pv_store_macros(k: _Simt):
                         # An ``else``, not ``if not w.final``: ``final`` is a PrimExpr, and
                         # Python's ``not`` of it is a constant (the partials were stored by
                         # every unsplit step, past the token workspace: a crash on an H200)
-                        for dd in T.serial(ND):
+                        for dd in T.serial(NDV):
                             w.split.Op[w.part_at(ty, dd * TPR + tx)] = acc[ty, tx, dd]
                         if tx == 0:
                             w.split.St[w.part_at(ty, 0)] = m[ty, tx]
@@ -337,10 +359,10 @@ def fused_attention_cuda(
         # be compacted back to (rows, D), since nothing reads the padding.
         Qs = T.sblock_alloc_buffer((BM * QST,), dtype, scope=smem)
         Ks = T.sblock_alloc_buffer((BN * QST,), dtype, scope=smem)
-        Vs = T.sblock_alloc_buffer((BN * QST,), dtype, scope=smem)
+        Vs = T.sblock_alloc_buffer((BN * k.VST,), dtype, scope=smem)
         Ps = T.sblock_alloc_buffer((BM * PST,), "float32", scope=smem)  # probabilities
         S = T.sblock_alloc_buffer((BM, TPR, NJ), "float32", scope="local")  # scores (registers)
-        acc = T.sblock_alloc_buffer((BM, TPR, ND), "float32", scope="local")
+        acc = T.sblock_alloc_buffer((BM, TPR, k.NDV), "float32", scope="local")
         m = T.sblock_alloc_buffer((BM, TPR), "float32", scope="local")  # running max, log2
         l = T.sblock_alloc_buffer((BM, TPR), "float32", scope="local")  # running sum
         pmax = T.sblock_alloc_buffer((BM, TPR), "float32", scope="local")  # lane partials
@@ -640,7 +662,7 @@ def _kernel_func(spec, block, BM, BN, B, SQ, SK, tile, attrs, reverse, lse, var,
     """``kernel_func``'s PrimFunc per layout and the LSE buffer its tiles write (None without
     ``lse``), neither it nor the variants' buffers yet among its parameters: parsed unchecked,
     ``kernel_func`` checks it once they are (``ssa_checked``)."""
-    H, KH, D = spec.heads, spec.kv_heads, spec.head_dim
+    H, KH, D, DV = spec.heads, spec.kv_heads, spec.head_dim, spec.v_dim
     dtype = spec.dtype
     layout = spec.layout_info
     if layout.packed:
@@ -652,10 +674,10 @@ def _kernel_func(spec, block, BM, BN, B, SQ, SK, tile, attrs, reverse, lse, var,
         def attention_varlen(
             Q: T.Buffer((TQ, H, D), dtype),
             K: T.Buffer((TK, KH, D), dtype),
-            V: T.Buffer((TK, KH, D), dtype),
+            V: T.Buffer((TK, KH, DV), dtype),
             CQ: T.Buffer((NB1,), "int32"),
             CK: T.Buffer((NB1,), "int32"),
-            O: T.Buffer((TQ, H, D), dtype),
+            O: T.Buffer((TQ, H, DV), dtype),
         ):
             T.func_attr(attrs)
             grid(Q, K, V, CQ, CK, O)
@@ -672,7 +694,7 @@ def _kernel_func(spec, block, BM, BN, B, SQ, SK, tile, attrs, reverse, lse, var,
     NR = math.ceil(rows / BM) if isinstance(rows, int) else T.floordiv(rows + BM - 1, BM)
     LSE = _lse_buffer(spec, B, SQ, None) if lse else None
     kvl = kv_layout(spec, B, D) if cache else None  # K/V's shape and addressing
-    split = Split(n_splits(split_tasks, B, KH), NR, B, KH, BM, rows, D) if cache and split_tasks else None
+    split = Split(n_splits(split_tasks, B, KH), NR, B, KH, BM, rows, DV) if cache and split_tasks else None
 
     def at(b, h, r, k_len=None, X=(), part=None):
         # part: (chunk, Op, St, its span) of a split-KV grid
@@ -691,14 +713,15 @@ def _kernel_func(spec, block, BM, BN, B, SQ, SK, tile, attrs, reverse, lse, var,
         def attention(
             Q: T.Buffer((B, H, SQ, D), dtype),
             K: T.Buffer((B, KH, SK, D), dtype),
-            V: T.Buffer((B, KH, SK, D), dtype),
-            O: T.Buffer((B, H, SQ, D), dtype),
+            V: T.Buffer((B, KH, SK, DV), dtype),
+            O: T.Buffer((B, H, SQ, DV), dtype),
         ):
             T.func_attr(attrs)
             grid(Q, K, V, O, ())
 
         return attention, LSE
     KS = kvl.shape
+    VS = tuple(KS[:-1]) + (DV,)  # V's: K's dims (its vars) but head_dim_v columns
     kv_dtype = spec.kv_dtype_name  # an 8-bit cache's (kv_reader converts its elements)
     fp8 = kv_dtype.startswith("float8")  # read through uint8 aliases (kv_to_f32 takes the bits)
     if index == ("cache_seqlens",):
@@ -706,14 +729,14 @@ def _kernel_func(spec, block, BM, BN, B, SQ, SK, tile, attrs, reverse, lse, var,
         def attention_kvcache(
             Q: T.Buffer((B, H, SQ, D), dtype),
             K: T.Buffer(KS, kv_dtype),
-            V: T.Buffer(KS, kv_dtype),
+            V: T.Buffer(VS, kv_dtype),
             CS: T.Buffer((B,), "int32"),
-            O: T.Buffer((B, H, SQ, D), dtype),
+            O: T.Buffer((B, H, SQ, DV), dtype),
         ):
             T.func_attr(attrs)
             if fp8:
                 K8 = T.decl_buffer(KS, "uint8", data=K.data)
-                V8 = T.decl_buffer(KS, "uint8", data=V.data)
+                V8 = T.decl_buffer(VS, "uint8", data=V.data)
                 grid(Q, K8, V8, O, (CS,))
             else:
                 grid(Q, K, V, O, (CS,))
@@ -725,15 +748,15 @@ def _kernel_func(spec, block, BM, BN, B, SQ, SK, tile, attrs, reverse, lse, var,
     def attention_paged(
         Q: T.Buffer((B, H, SQ, D), dtype),
         K: T.Buffer(KS, kv_dtype),
-        V: T.Buffer(KS, kv_dtype),
+        V: T.Buffer(VS, kv_dtype),
         BT: T.Buffer((B, MP), "int32"),
         CS: T.Buffer((B,), "int32"),
-        O: T.Buffer((B, H, SQ, D), dtype),
+        O: T.Buffer((B, H, SQ, DV), dtype),
     ):
         T.func_attr(attrs)
         if fp8:
             K8 = T.decl_buffer(KS, "uint8", data=K.data)
-            V8 = T.decl_buffer(KS, "uint8", data=V.data)
+            V8 = T.decl_buffer(VS, "uint8", data=V.data)
             grid(Q, K8, V8, O, (BT, CS))
         else:
             grid(Q, K, V, O, (BT, CS))

@@ -134,8 +134,9 @@ def _mma_context(spec: AttentionSpec, warps: int, block_n: int, stages: int, m_t
     W, BN, NS, MT = warps, block_n, stages, m_tiles
     BM = 16 * MT * W  # a warp owns MT groups of 16 rows: each K/V fragment feeds MT mma pairs
     NT = BN // 8  # 8-key slices of the score tile (one m16n8 accumulator each)
+    DV = spec.v_dim  # V's and O's columns (head_dim_v; DeepSeek's unabsorbed MLA: 128 against 192)
     NDC = D // 16  # 16-wide chunks of head_dim: the k steps of Q·Kᵀ
-    NO = D // 8  # 8-wide slices of head_dim: the output accumulators
+    NO = DV // 8  # 8-wide slices of head_dim_v: the output accumulators
     causal = Visibility.of(spec).causal
     dtype = spec.dtype
     ST = smem_stride(D)
@@ -143,6 +144,10 @@ def _mma_context(spec: AttentionSpec, warps: int, block_n: int, stages: int, m_t
     VPR = D // 8  # 16-byte vectors per K/V row
     NTHR = W * WARP
     LIT = math.ceil(BN * VPR / NTHR)  # cp.async copies per thread per tile (of K, and of V)
+    # V's own tile where head_dim_v differs: its stride, size, vectors per row, copies per thread
+    VST, VPRV = smem_stride(DV), DV // 8
+    VTILE = BN * VST
+    LITV = math.ceil(BN * VPRV / NTHR)
     qscale = float(spec.scale * LOG2E)
     neg_inf = T.float32(float("-inf"))
     srcs = _cuda_sources(dtype)
@@ -151,7 +156,7 @@ def _mma_context(spec: AttentionSpec, warps: int, block_n: int, stages: int, m_t
         return T.cuda.func_call(name, *args, source_code=srcs[name])
     EMU = emulate
     # past 48 KiB the stages are one dynamic allocation (shared.dyn, opted in at launch)
-    smem = "global" if EMU else shared_scope(2 * NS * TILE * spec.itemsize)
+    smem = "global" if EMU else shared_scope(NS * (TILE + VTILE) * spec.itemsize)
     fscope = "global" if EMU else "local"
 
     def fshape(n):
@@ -179,6 +184,7 @@ def _mma_fragments(x):
     the ``copy_kv`` and ``mma_pair`` macros."""
     (BN, call, EMU, LIT, MT, NO, NT, NTHR, ST, TILE, VPR) = \
         (x.BN, x.call, x.EMU, x.LIT, x.MT, x.NO, x.NT, x.NTHR, x.ST, x.TILE, x.VPR)
+    VST, VTILE, VPRV, LITV = x.VST, x.VTILE, x.VPRV, x.LITV
     QKV = x.spec.kv_quantized  # an 8-bit cache: converted on the way to shared memory
     kv_value = kv_reader(x.spec)
 
@@ -219,7 +225,7 @@ def _mma_fragments(x):
     def v_addr(buf, kk, dp, lane):
         # ... for V (transposed load): b0, b1 of head-dim slice 2dp, then of 2dp + 1
         key = kk * 16 + lane % 8 + 8 * (lane // 8 % 2)
-        return buf * TILE + key * ST + dp * 16 + 8 * (lane // 16)
+        return buf * VTILE + key * VST + dp * 16 + 8 * (lane // 16)
 
     # The PTX instructions' definitions, for the emulated (CPU) build.
     def a_slot(row, k):
@@ -231,44 +237,64 @@ def _mma_fragments(x):
     def b_slot(k):
         return 2 * (k // 8) + k % 2
 
-    def vec_row(it, ty, tx):
+    def vec_row(it, ty, tx, vpr=VPR):
         # K/V row (within the tile) and column of the 16-byte vector a thread copies in step
-        # ``it``: consecutive threads take consecutive vectors of a row, so the loads coalesce
-        return (it * NTHR + ty * WARP + tx) // VPR
+        # ``it`` (``vpr`` vectors a row): consecutive threads take consecutive vectors of a row,
+        # so the loads coalesce
+        return (it * NTHR + ty * WARP + tx) // vpr
 
-    def vec_col(it, ty, tx):
-        return (it * NTHR + ty * WARP + tx) % VPR * 8
+    def vec_col(it, ty, tx, vpr=VPR):
+        return (it * NTHR + ty * WARP + tx) % vpr * 8
+
+    @T.macro
+    def copy(Ks, Vs, K, V, w, ty, tx, stage, tile, vpr, st, xtile, lit, which):
+        # this thread's part of key tile ``tile`` of K and V (``which`` "kv": equal widths) or of
+        # one of them ("k", "v": head_dim_v != head_dim) into shared stage ``stage``; an 8-bit
+        # cache's 8 elements are loaded and converted (synchronous stores to the stage: the
+        # barrier that orders the copies orders them too)
+        for it in T.unroll(lit):
+            if (it * NTHR + ty * WARP + tx) < BN * vpr:
+                if QKV:
+                    for v in T.unroll(8):
+                        if which != "v":
+                            Ks[stage * xtile + vec_row(it, ty, tx, vpr) * st + vec_col(it, ty, tx, vpr) + v] = kv_value(
+                                byte(K[w.kv_at(w.tile(tile) * BN + vec_row(it, ty, tx, vpr),
+                                               T.Ramp(vec_col(it, ty, tx, vpr), 1, 8))], v))
+                        if which != "k":
+                            Vs[stage * xtile + vec_row(it, ty, tx, vpr) * st + vec_col(it, ty, tx, vpr) + v] = kv_value(
+                                byte(V[w.kv_at(w.tile(tile) * BN + vec_row(it, ty, tx, vpr),
+                                               T.Ramp(vec_col(it, ty, tx, vpr), 1, 8))], v))
+                elif EMU:
+                    for v in T.serial(8):
+                        if which != "v":
+                            Ks[stage * xtile + vec_row(it, ty, tx, vpr) * st + vec_col(it, ty, tx, vpr) + v] = K[
+                                w.kv_at(w.tile(tile) * BN + vec_row(it, ty, tx, vpr), vec_col(it, ty, tx, vpr) + v)]
+                        if which != "k":
+                            Vs[stage * xtile + vec_row(it, ty, tx, vpr) * st + vec_col(it, ty, tx, vpr) + v] = V[
+                                w.kv_at(w.tile(tile) * BN + vec_row(it, ty, tx, vpr), vec_col(it, ty, tx, vpr) + v)]
+                else:
+                    if which != "v":
+                        T.evaluate(call(
+                            "attn_cp_async16",
+                            Ks.access_ptr(CP_DST, offset=stage * xtile + vec_row(it, ty, tx, vpr) * st
+                                          + vec_col(it, ty, tx, vpr)),
+                            K.access_ptr("r", offset=flat_offset(K, w.kv_at(w.tile(tile) * BN + vec_row(it, ty, tx, vpr),
+                                                                              vec_col(it, ty, tx, vpr))))))
+                    if which != "k":
+                        T.evaluate(call(
+                            "attn_cp_async16",
+                            Vs.access_ptr(CP_DST, offset=stage * xtile + vec_row(it, ty, tx, vpr) * st
+                                          + vec_col(it, ty, tx, vpr)),
+                            V.access_ptr("r", offset=flat_offset(V, w.kv_at(w.tile(tile) * BN + vec_row(it, ty, tx, vpr),
+                                                                              vec_col(it, ty, tx, vpr))))))
 
     @T.macro
     def copy_kv(Ks, Vs, K, V, w, ty, tx, stage, tile):
-        # this thread's part of key tile ``tile`` of K and V into shared stage ``stage``; an
-        # 8-bit cache's 8 elements are loaded and converted (synchronous stores to the stage:
-        # the barrier that orders the copies orders them too)
-        for it in T.unroll(LIT):
-            if (it * NTHR + ty * WARP + tx) < BN * VPR:
-                if QKV:
-                    for v in T.unroll(8):
-                        Ks[stage * TILE + vec_row(it, ty, tx) * ST + vec_col(it, ty, tx) + v] = kv_value(byte(K[
-                            w.kv_at(w.tile(tile) * BN + vec_row(it, ty, tx), T.Ramp(vec_col(it, ty, tx), 1, 8))], v))
-                        Vs[stage * TILE + vec_row(it, ty, tx) * ST + vec_col(it, ty, tx) + v] = kv_value(byte(V[
-                            w.kv_at(w.tile(tile) * BN + vec_row(it, ty, tx), T.Ramp(vec_col(it, ty, tx), 1, 8))], v))
-                elif EMU:
-                    for v in T.serial(8):
-                        Ks[stage * TILE + vec_row(it, ty, tx) * ST + vec_col(it, ty, tx) + v] = K[
-                            w.kv_at(w.tile(tile) * BN + vec_row(it, ty, tx), vec_col(it, ty, tx) + v)]
-                        Vs[stage * TILE + vec_row(it, ty, tx) * ST + vec_col(it, ty, tx) + v] = V[
-                            w.kv_at(w.tile(tile) * BN + vec_row(it, ty, tx), vec_col(it, ty, tx) + v)]
-                else:
-                    T.evaluate(call(
-                        "attn_cp_async16",
-                        Ks.access_ptr(CP_DST, offset=stage * TILE + vec_row(it, ty, tx) * ST + vec_col(it, ty, tx)),
-                        K.access_ptr("r", offset=flat_offset(K, w.kv_at(w.tile(tile) * BN + vec_row(it, ty, tx),
-                                                                          vec_col(it, ty, tx))))))
-                    T.evaluate(call(
-                        "attn_cp_async16",
-                        Vs.access_ptr(CP_DST, offset=stage * TILE + vec_row(it, ty, tx) * ST + vec_col(it, ty, tx)),
-                        V.access_ptr("r", offset=flat_offset(V, w.kv_at(w.tile(tile) * BN + vec_row(it, ty, tx),
-                                                                          vec_col(it, ty, tx))))))
+        if VPRV == VPR:
+            copy(Ks, Vs, K, V, w, ty, tx, stage, tile, VPR, ST, TILE, LIT, "kv")
+        else:
+            copy(Ks, Vs, K, V, w, ty, tx, stage, tile, VPR, ST, TILE, LIT, "k")
+            copy(Ks, Vs, K, V, w, ty, tx, stage, tile, VPRV, VST, VTILE, LITV, "v")
 
     @T.macro
     def mma_pair(C, c_off, A, a_off, Bf, ty, tx):
@@ -507,14 +533,14 @@ def _mma_softmax(x):
 
 def _mma_pv_mma(x):
     """``acc += P·V`` of tile ``c`` on tensor cores."""
-    (call, D, EMU, mma_pair, MT, NO, NS, NT, thread_x, thread_y, v_addr, W) = \
-        (x.call, x.D, x.EMU, x.mma_pair, x.MT, x.NO, x.NS, x.NT, x.thread_x, x.thread_y, x.v_addr, x.W)
+    (call, DV, EMU, mma_pair, MT, NO, NS, NT, thread_x, thread_y, v_addr, W) = \
+        (x.call, x.DV, x.EMU, x.mma_pair, x.MT, x.NO, x.NS, x.NT, x.thread_x, x.thread_y, x.v_addr, x.W)
 
     @T.macro
     def pv_mma(acc, Pf, Vs, Vf, c):
         # -- acc += P·V on tensor cores ---------------------------------------------
         for kk in T.unroll(NT // 2):
-            for dp in T.unroll(D // 16):
+            for dp in T.unroll(DV // 16):
                 for ty in thread_y(W):
                     for tx in thread_x(WARP):
                         with T.sblock("V_ldmatrix"):
@@ -629,7 +655,7 @@ def fused_attention_mma(
     @T.macro
     def tile(Q, K, V, O, w):
         Ks = T.sblock_alloc_buffer((NS * TILE,), dtype, scope=smem)
-        Vs = T.sblock_alloc_buffer((NS * TILE,), dtype, scope=smem)
+        Vs = T.sblock_alloc_buffer((NS * x.VTILE,), dtype, scope=smem)
         Qf = T.sblock_alloc_buffer(fshape(MT * NDC * 8), dtype, scope=fscope)
         Kf = T.sblock_alloc_buffer(fshape(8), dtype, scope=fscope)
         Vf = T.sblock_alloc_buffer(fshape(8), dtype, scope=fscope)
