@@ -243,8 +243,9 @@ def test_cli_layout():
 
 def test_bench_mla_tiny(tmp_path):
     """``bench --mla --tiny``: the MLA decode point against its roof and peers, the head_dim_v
-    prefill against the equal-dims build, written as mla.md/json (speed goals are the
-    benchmark's, never asserted here)."""
+    prefill against the equal-dims build, split-KV against the unsplit build and an int8 latent
+    cache against bf16, written as mla.md/json (speed goals are the benchmark's, never asserted
+    here)."""
     import importlib.util
     import json
 
@@ -252,7 +253,9 @@ def test_bench_mla_tiny(tmp_path):
 
     assert cli.main(["bench", "--mla", "--tiny", "--threads", "2", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "mla.json").read_text())
-    dec, pre = report["rows"]
+    dec, pre, split, q8 = report["rows"]
+    assert split["point"] == "mla split" and split["split_ms"] > 0 and split["unsplit_ms"] > 0
+    assert q8["point"] == "mla 8-bit" and q8["int8_ms"] > 0 and q8["int8_vs_bf16"] > 0
     assert dec["point"] == "mla decode" and dec["ours_gflops"] > 0 and 0 < dec["of_roof"]
     assert dec["roof"] == ("bf16 dot peak" if report["meta"]["bf16_dot_peak_gflops"] else "fp32 FMA peak")
     if importlib.util.find_spec("torch") is not None:

@@ -12,6 +12,10 @@ whose V is narrower than q·k, side by side with their peers in one run.
 * **Prefill with head_dim_v** (B1, ``prefill_heads`` heads, ``seq`` × ``seq``, causal): Dqk 192 /
   Dv 128 (DeepSeek's unabsorbed prefill) against a D=192 build, in FLOP/s (each counts its own
   ``2·(Dqk + Dv)`` per pair).
+* **Split-KV** (``split_heads`` heads, one sequence: DeepSeek's 128 heads over 8 devices): the
+  build's split nest against the same build never split (``split_tasks=0``).
+* **8-bit latent caches** (``kv_dtypes``, the first batch and cache): against the bf16 cache of
+  the same step (no goal: the report says what the 8-bit caches cost or save).
 
 Every variant of a point is timed alternately over ``rounds`` rounds (best kept).
 """
@@ -49,6 +53,8 @@ class Config:
     prefill_heads: int = 8
     seq: int = 2048
     prefill_dims: tuple[tuple[int, int], ...] = ((192, 128),)
+    split_heads: int = 16  # DeepSeek-V3's 128 heads over 8 devices
+    kv_dtypes: tuple[str, ...] = ("float8_e4m3fn", "int8")
     llamacpp: bool = True
     rounds: int = 3
     min_repeat_ms: int = 100
@@ -56,7 +62,7 @@ class Config:
 
 def quick_config() -> Config:
     return Config(heads=16, latent=96, rank=64, batches=(2,), caches=(256,), dtypes=("bfloat16",), prefill_heads=2,
-                  seq=128, prefill_dims=((64, 32),), rounds=1, min_repeat_ms=5)
+                  seq=128, prefill_dims=((64, 32),), split_heads=4, kv_dtypes=("int8",), rounds=1, min_repeat_ms=5)
 
 
 def run(cfg: Config, threads: int | None = None, say: Callable[[str], None] = print) -> dict[str, Any]:
@@ -64,11 +70,14 @@ def run(cfg: Config, threads: int | None = None, say: Callable[[str], None] = pr
     meta = compute_roofs_meta(cfg, threads, GOALS, say)
     points = [("decode", dt, b, n) for dt in cfg.dtypes for b in cfg.batches for n in cfg.caches]
     points += [("prefill", dqk, dv) for dqk, dv in cfg.prefill_dims]
+    points += [("split",)] + ([("8-bit",)] if cfg.kv_dtypes else [])
+    measure = {"decode": lambda *a: _decode(cfg, *a, threads, meta), "prefill": lambda *a: _prefill(cfg, *a),
+               "split": lambda: _split(cfg), "8-bit": lambda: _eight_bit(cfg)}
     rows: list[dict[str, Any]] = []
     progress = Progress(len(points))
     try:
         for p in points:
-            row = _decode(cfg, *p[1:], threads, meta) if p[0] == "decode" else _prefill(cfg, *p[1:])
+            row = measure[p[0]](*p[1:])
             rows.append(row)
             progress.advance()
             say(f"{progress.tag()} " + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
@@ -104,10 +113,42 @@ def _alternate(timers: dict[str, Callable[[], float]], rounds: int) -> dict[str,
     return best
 
 
-def mla_spec(cfg: Config, dtype: str, batch: int, cache: int) -> AttentionSpec:
+def mla_spec(cfg: Config, dtype: str, batch: int, cache: int, heads: int | None = None,
+             kv_dtype: str | None = None) -> AttentionSpec:
     """The ``mla`` decode step of a point (one new token; the cache's length its representative)."""
-    return AttentionSpec(batch=batch, heads=cfg.heads, seq_q=1, seq_kv=cache, head_dim=cfg.latent,
-                         head_dim_v=cfg.rank, layout="mla", scale=cfg.scale, causal=True, dtype=dtype)
+    return AttentionSpec(batch=batch, heads=heads or cfg.heads, seq_q=1, seq_kv=cache, head_dim=cfg.latent,
+                         head_dim_v=cfg.rank, layout="mla", scale=cfg.scale, causal=True, dtype=dtype,
+                         kv_dtype=kv_dtype)
+
+
+def _steps(cfg: Config, builds: dict[str, tuple[AttentionSpec, Any]], batch: int, cache: int) -> dict[str, float]:
+    """Best times (s) of decode steps ``name -> (spec, knobs)`` built and timed alternately."""
+    case = {"seq_q": 1, "cache_seqlens": [cache] * batch, "max_len": cache}
+    built = {n: build_kernel(s, knobs=k) for n, (s, k) in builds.items()}
+    return _alternate({n: (lambda b=built[n], s=builds[n][0]: time_built(
+        b, s, repeat=3, min_repeat_ms=cfg.min_repeat_ms, case=case).median_s) for n in builds}, cfg.rounds)
+
+
+def _split(cfg: Config) -> dict[str, Any]:
+    """One sequence of ``split_heads`` heads, bf16: the split nest against the never-split build."""
+    spec, cache = mla_spec(cfg, "bfloat16", 1, cfg.caches[0], heads=cfg.split_heads), cfg.caches[0]
+    best = _steps(cfg, {"split": (spec, None), "unsplit": (spec, {"split_tasks": 0})}, 1, cache)
+    return {"point": "mla split", "dtype": "bfloat16", "batch": 1, "cache": cache, "heads": cfg.split_heads,
+            "split_ms": best["split"] * 1e3, "unsplit_ms": best["unsplit"] * 1e3,
+            "split_speedup": best["unsplit"] / best["split"]}
+
+
+def _eight_bit(cfg: Config) -> dict[str, Any]:
+    """The first batch and cache with each 8-bit latent cache (one kv_scale) against bf16."""
+    batch, cache = cfg.batches[0], cfg.caches[0]
+    builds = {"bf16": (mla_spec(cfg, "bfloat16", batch, cache), None)}
+    builds.update({kd: (mla_spec(cfg, "bfloat16", batch, cache, kv_dtype=kd), None) for kd in cfg.kv_dtypes})
+    best = _steps(cfg, builds, batch, cache)
+    row: dict[str, Any] = {"point": "mla 8-bit", "dtype": "bfloat16", "batch": batch, "cache": cache,
+                           "heads": cfg.heads, "bf16_ms": best["bf16"] * 1e3}
+    for kd in cfg.kv_dtypes:
+        row[f"{kd}_ms"], row[f"{kd}_vs_bf16"] = best[kd] * 1e3, best["bf16"] / best[kd]
+    return row
 
 
 def _decode(cfg: Config, dtype: str, batch: int, cache: int, threads: int, meta: dict[str, Any]) -> dict[str, Any]:
@@ -220,6 +261,17 @@ def markdown(report: dict[str, Any]) -> str:
                     n = k[:-len("_gflops")]
                     lines.append(f"| {n} | {r[n + '_ms']:.2f} | {r[k]:.0f} |")
             lines.append(f"| ratio | | {r['dv_vs_d']:.2f} |")
+    for r in report["rows"]:
+        if r["point"] == "mla split":
+            lines += ["", f"Split-KV, one sequence × {r['heads']} heads × {r['cache']}, bf16: split "
+                      f"{r['split_ms']:.2f} ms, never split {r['unsplit_ms']:.2f} ms, **{r['split_speedup']:.2f}×**."]
+        if r["point"] == "mla 8-bit":
+            kds = [k[:-len("_vs_bf16")] for k in r if k.endswith("_vs_bf16")]
+            lines += ["", f"8-bit latent caches, batch {r['batch']} × {r['cache']}, {r['heads']} heads (float32 "
+                      "products on the converted values; a bf16 cache takes bf16 dot products): bf16 "
+                      f"{r['bf16_ms']:.2f} ms; " + "; ".join(f"{kd} {r[kd + '_ms']:.2f} ms "
+                                                            f"({r[kd + '_vs_bf16']:.2f}× bf16's speed)" for kd in kds)
+                      + "."]
     return "\n".join(lines)
 
 
