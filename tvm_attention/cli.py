@@ -128,6 +128,10 @@ def _add_spec_flags(p: argparse.ArgumentParser, defaults: dict | None = None) ->
                    help="the kernel takes key_lo, key_hi (B, positions) int32: a row at position p sees only keys "
                         "key_lo[b,p] <= j < key_hi[b,p] (non-decreasing in p), and whole key tiles outside a row "
                         "tile's bounds are skipped (a block mask given at call time)")
+    g.add_argument("--custom-mask", action="store_true", default=False,
+                   help="the kernel takes custom_mask (bytes,) uint8 and mask_indptr (B+1,) int32: FlashInfer's "
+                        "packed bits, row i of sequence b sees key j only where bit i*keys_b + j of its bytes is "
+                        "set (ANDed with causal, the window and the bounds; the loader packs a boolean mask)")
 
 
 def _mod_tensor(text: str) -> tuple[str, str, tuple]:
@@ -223,7 +227,7 @@ def _spec_from_args(a: argparse.Namespace) -> AttentionSpec:
         score_mod=_modifier_source(a.score_mod, "--score-mod"), mask_mod=_modifier_source(a.mask_mod, "--mask-mod"),
         mod_tensors=tuple(a.mod_tensor), key_bounds=a.key_bounds, kv_dtype=a.kv_dtype,
         append=a.append, device_checks=a.device_checks, qk_int8=a.qk_int8, kv_scale=a.kv_scale,
-        head_dim_v=a.head_dim_v,
+        head_dim_v=a.head_dim_v, custom_mask=a.custom_mask,
     )
 
 

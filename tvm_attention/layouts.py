@@ -117,6 +117,9 @@ def _check_variant_options(spec, options: Mapping[str, Any]) -> None:
 #: ``b`` sees keys ``key_lo[b, p] <= j < key_hi[b, p]`` only (``p`` clamped into the columns).
 KEY_BOUND_ARGS = (Arg("key_lo", ("batch", "key_positions"), "int32"),
                   Arg("key_hi", ("batch", "key_positions"), "int32"))
+#: A custom mask's arguments (``spec.custom_mask``), after the key bounds: FlashInfer's packed
+#: bits (``tvm_attention.masks``) and each sequence's first byte, ``mask_indptr (batch + 1,)``
+CUSTOM_MASK_ARGS = (Arg("custom_mask", ("mask_bytes",), "uint8"), Arg("mask_indptr", ("mask_rows",), "int32"))
 
 
 #: The scales of an 8-bit K/V cache (``spec.kv_dtype``), after the variant arguments: the value of
@@ -180,7 +183,7 @@ def describe_index_error(mask: int) -> str:
 
 def variant_args(spec) -> tuple[Arg, ...]:
     """The variant arguments ``spec``'s kernel takes, in call order: ``alibi_slopes``, ``sinks``,
-    ``kv_start``, ``key_lo``, ``key_hi``, the modifiers' tensors (``spec.mod_tensors``: their
+    ``kv_start``, ``key_lo``, ``key_hi``, ``custom_mask``, ``mask_indptr``, the modifiers' tensors (``spec.mod_tensors``: their
     declared dims in a fully static kernel, else each dim taken at call time), an 8-bit cache's
     ``k_scale``, ``v_scale`` (:data:`KV_SCALE_ARGS`), then an appending kernel's ``k_new``,
     ``v_new`` (:data:`KV_NEW_ARGS`; a latent layout's ``kv_new``, :data:`LATENT_NEW_ARGS`)."""
@@ -188,6 +191,9 @@ def variant_args(spec) -> tuple[Arg, ...]:
     static = fully_static(spec)
     if getattr(spec, "key_bounds", False):
         out += tuple(Arg(a.name, ("batch", "seq_kv"), a.dtype) for a in KEY_BOUND_ARGS) if static else KEY_BOUND_ARGS
+    if getattr(spec, "custom_mask", False):  # a static kernel's: every sequence's whole mask, packed
+        out += ((Arg("custom_mask", (spec.batch * -(-spec.seq_q * spec.seq_kv // 8),), "uint8"),
+                 Arg("mask_indptr", (spec.batch + 1,), "int32")) if static else CUSTOM_MASK_ARGS)
     for name, dtype, dims in getattr(spec, "mod_tensors", ()):
         shape = tuple(dims) if static else tuple(tensor_dim_name(name, i) for i in range(len(dims)))
         out += (Arg(name, shape, dtype),)
@@ -373,6 +379,13 @@ class Layout:
     def kv_names(self) -> tuple[str, str]:
         """The names of the K and V arguments (the second and third; a latent cache's twice)."""
         return (self.args[1].name,) * 2 if self.latent else (self.args[1].name, self.args[2].name)
+
+    def mask_shapes(self, spec, given: Mapping[str, Any]) -> list[tuple[int, int]]:
+        """Each sequence's custom-mask shape ``(query rows, keys)`` in a call's arguments
+        ``given`` (by name): bhsd ``(seq_q, seq_kv)`` for every sequence; overridden where the
+        lengths are per sequence."""
+        q, k = np.shape(given["q"]), np.shape(given[self.args[1].name])
+        return [(int(q[2]), int(k[2]))] * int(q[0])
 
     def arg_dtype(self, spec, arg: Arg) -> str:
         """``arg``'s dtype in ``spec``'s kernel: its own, K/V's ``spec.kv_dtype_name`` (an 8-bit
@@ -591,12 +604,15 @@ def alibi_slopes(heads: int) -> np.ndarray:
     return np.asarray(out, np.float32)
 
 
-def variant_inputs(spec, key_counts, seed: int = 0, query_rows: int | None = None) -> dict[str, np.ndarray]:
-    """The variant arguments ``spec``'s kernel takes, for sequences of ``key_counts`` keys:
-    ALiBi's standard slopes, random sink logits, a ``kv_start`` per sequence in ``[0, keys]``
-    (the second sequence, when there is one, hides every key), key bounds of random documents
-    (:func:`document_bounds`) and the modifiers' tensors (:func:`mod_tensor_inputs`). Drawn from
-    a generator of their own, so that a plain spec's inputs stay what they were."""
+def variant_inputs(spec, key_counts, seed: int = 0, query_rows: int | None = None,
+                   query_counts=None) -> dict[str, np.ndarray]:
+    """The variant arguments ``spec``'s kernel takes, for sequences of ``key_counts`` keys (and
+    ``query_counts`` query rows each; default ``query_rows`` every one): ALiBi's standard slopes,
+    random sink logits, a ``kv_start`` per sequence in ``[0, keys]`` (the second sequence, when
+    there is one, hides every key), key bounds of random documents (:func:`document_bounds`), a
+    random custom mask (:func:`random_custom_mask`) and the modifiers' tensors
+    (:func:`mod_tensor_inputs`). Drawn from a generator of their own, so that a plain spec's
+    inputs stay what they were."""
     rng = np.random.default_rng(seed + 7919)
     out = {}
     if getattr(spec, "alibi", False):
@@ -611,8 +627,28 @@ def variant_inputs(spec, key_counts, seed: int = 0, query_rows: int | None = Non
         out["kv_start"] = np.asarray(start, np.int32)
     if getattr(spec, "key_bounds", False):
         out["key_lo"], out["key_hi"] = document_bounds(key_counts, rng)
+    if getattr(spec, "custom_mask", False):
+        rows = [int(query_rows or 1)] * len(key_counts) if query_counts is None else [int(x) for x in query_counts]
+        out["custom_mask"], out["mask_indptr"] = random_custom_mask(rows, [int(x) for x in key_counts], rng)
     out.update(mod_tensor_inputs(spec, key_counts, rng, query_rows))
     return out
+
+
+def random_custom_mask(query_counts, key_counts, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """A packed custom mask (``tvm_attention.masks``) of sequences of ``query_counts`` rows and
+    ``key_counts`` keys: each bit set with probability 3/4, the keys of the sequence's second
+    quarter hidden from every row (whole key tiles no row sees, at tile-sized lengths), and in
+    the second sequence (when there is one) its first row sees no key (a zero row)."""
+    from .masks import pack_mask  # beside the data it packs
+
+    masks = []
+    for b, (q, k) in enumerate(zip(query_counts, key_counts)):
+        m = rng.random((q, k)) < 0.75
+        m[:, k // 4:k // 2] = False
+        if b == 1 and q:
+            m[0] = False
+        masks.append(m)
+    return pack_mask(masks)
 
 
 def document_bounds(key_counts, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
@@ -655,6 +691,8 @@ def variant_kwargs(spec, arrays: Mapping[str, np.ndarray], b: int | None = None)
     """The reference's keywords for the variant arguments among ``arrays`` (for sequence ``b``
     alone when ``b`` is given: its ``kv_start``, and ``seq_index=b``)."""
     out: dict[str, Any] = {n: arrays[n] for n in ("alibi_slopes", "sinks", "key_lo", "key_hi") if n in arrays}
+    if "mask_indptr" in arrays:
+        out["custom_mask"] = (arrays["custom_mask"], arrays["mask_indptr"])
     if "kv_start" in arrays:
         out["kv_start"] = arrays["kv_start"] if b is None else arrays["kv_start"][b:b + 1]
     if getattr(spec, "mod_tensors", ()):
@@ -664,13 +702,17 @@ def variant_kwargs(spec, arrays: Mapping[str, np.ndarray], b: int | None = None)
     return out
 
 
-def check_variant_arrays(spec, arrays: Mapping[str, np.ndarray], key_counts, batch: int) -> None:
+def check_variant_arrays(spec, arrays: Mapping[str, np.ndarray], key_counts, batch: int, query_counts=None) -> None:
     """The variant arguments the kernel cannot misread, else :class:`KernelArgumentError`:
     ``kv_start`` (:func:`check_kv_start`), key bounds with one row per sequence, at least one
     column, non-decreasing along the positions (a row tile's bounds are its first row's ``key_lo``
-    and its last row's ``key_hi``), an 8-bit cache's scales positive and finite, and modifier
-    tensors with no empty dim."""
+    and its last row's ``key_hi``), a custom mask whose ``mask_indptr`` gives each sequence
+    (``query_counts`` rows, ``key_counts`` keys) its bytes (:func:`check_custom_mask`), an 8-bit
+    cache's scales positive and finite, and modifier tensors with no empty dim."""
     check_kv_start(arrays, key_counts)
+    if getattr(spec, "custom_mask", False):
+        check_custom_mask(arrays, np.broadcast_to(np.asarray(query_counts, np.int64), (batch,)),
+                          np.broadcast_to(np.asarray(key_counts, np.int64), (batch,)), batch)
     if getattr(spec, "key_bounds", False):
         for name in ("key_lo", "key_hi"):
             x = arrays[name]
@@ -695,6 +737,23 @@ def check_variant_arrays(spec, arrays: Mapping[str, np.ndarray], key_counts, bat
         if 0 in arrays[name].shape:
             raise KernelArgumentError(f"{name}: has an empty dim {arrays[name].shape}; a modifier's tensor is read "
                                       "with its indices clamped into it, which needs at least one element")
+
+
+def check_custom_mask(arrays: Mapping[str, np.ndarray], query_counts, key_counts, batch: int) -> None:
+    """``mask_indptr (batch + 1,)``: starts at 0 or more, never falls, gives sequence ``b`` at
+    least ``ceil(query_counts[b] · key_counts[b] / 8)`` bytes (in int64: no product wraps) and ends
+    within ``custom_mask``; the library checks the same rules (``index_checks._custom_mask``)."""
+    ind, n = arrays["mask_indptr"].astype(np.int64), arrays["custom_mask"].shape[0]
+    if ind.shape != (batch + 1,):
+        raise KernelArgumentError(f"mask_indptr: expected shape ({batch + 1},) (batch + 1), got {ind.shape}")
+    need = -(-np.asarray(query_counts, np.int64) * np.asarray(key_counts, np.int64) // 8)
+    bad = np.flatnonzero((ind[:-1] < 0) | (ind[1:] - ind[:-1] < need) | (ind[1:] > n))
+    if bad.size:
+        b = int(bad[0])
+        raise KernelArgumentError(
+            f"mask_indptr: sequence {b} holds bytes [{int(ind[b])}, {int(ind[b + 1])}) of custom_mask's {n}; its "
+            f"{int(query_counts[b])} × {int(key_counts[b])} mask needs {int(need[b])} bytes from a start >= 0 "
+            "(FlashInfer's packed bits: tvm_attention.masks.pack_mask)")
 
 
 def check_kv_start(arrays: Mapping[str, np.ndarray], key_counts) -> None:
@@ -738,7 +797,7 @@ class BHSD(Layout):
                                    **variant_kwargs(spec, arrays))
 
     def check_indices(self, arrays, bound, spec=None):
-        check_variant_arrays(spec, arrays, arrays["k"].shape[2], arrays["q"].shape[0])
+        check_variant_arrays(spec, arrays, arrays["k"].shape[2], arrays["q"].shape[0], arrays["q"].shape[2])
 
     def kv_bytes(self, spec, case):
         return case["batch"] * spec.kv_heads * case["seq_kv"] * (spec.head_dim + spec.v_dim) * spec.kv_itemsize
@@ -802,6 +861,10 @@ class Varlen(Layout):
                "max_seqlen_k": "checked: must be >= the longest key sequence",
                "causal": "must equal the artifact's", "softmax_scale": "must equal the artifact's"}
 
+    def mask_shapes(self, spec, given):
+        rows, keys = (np.diff(np.asarray(given[n], np.int64)) for n in ("cu_seqlens_q", "cu_seqlens_k"))
+        return [(int(r), int(k)) for r, k in zip(rows, keys)]
+
     def dims(self, spec) -> dict[str, int | str]:
         return {"batch": "batch", "total_q": "total_q", "total_k": "total_k",
                 "heads": spec.heads, "kv_heads": spec.kv_heads, "head_dim": spec.head_dim, "head_dim_v": spec.v_dim}
@@ -826,7 +889,7 @@ class Varlen(Layout):
                     f"{'q' if total == 'total_q' else 'k and v'} ({total}={bound[total]})"
                 )
         cq, ck = arrays["cu_seqlens_q"], arrays["cu_seqlens_k"]
-        check_variant_arrays(spec, arrays, np.diff(ck.astype(np.int64)), len(cq) - 1)
+        check_variant_arrays(spec, arrays, np.diff(ck.astype(np.int64)), len(cq) - 1, np.diff(cq.astype(np.int64)))
 
     def check_options(self, spec, options, arrays):
         super().check_options(spec, options, arrays)
@@ -897,7 +960,7 @@ class Varlen(Layout):
             "v": _rng_array(rng, (int(ck[-1]), spec.kv_heads, spec.v_dim), dt),
             "cu_seqlens_q": cq,
             "cu_seqlens_k": ck,
-            **variant_inputs(spec, lens[:, 1], seed, int(lens[:, 0].max(initial=1))),
+            **variant_inputs(spec, lens[:, 1], seed, int(lens[:, 0].max(initial=1)), query_counts=lens[:, 0]),
         })
 
     def useful_flops(self, spec, case):
@@ -942,6 +1005,11 @@ class KVCache(Layout):
     cli_defaults = {"batch": 4, "seq_q": 1, "seq_kv": 1024}
     cli_help = "q (B, H, Sq, D) against k/v_cache (B, KH, max_len, D) + cache_seqlens"
 
+    def mask_shapes(self, spec, given):
+        sq = int(np.shape(given["q"])[2])
+        new = sq if getattr(spec, "append", False) else 0  # the appended keys are the sequence's too
+        return [(sq, int(n) + new) for n in np.asarray(given["cache_seqlens"], np.int64)]
+
     def dims(self, spec) -> dict[str, int | str]:
         return {"batch": "batch", "seq_q": "seq_q", "max_len": "max_len",
                 "heads": spec.heads, "kv_heads": spec.kv_heads, "head_dim": spec.head_dim, "head_dim_v": spec.v_dim}
@@ -965,7 +1033,7 @@ class KVCache(Layout):
             b = int(np.argmax(lens))
             plus = f" + seq_q={new} appended" if new else ""
             raise KernelArgumentError(f"cache_seqlens[{b}]={int(lens[b])}{plus} exceeds the cache: {what}")
-        check_variant_arrays(spec, arrays, lens + new, len(lens))
+        check_variant_arrays(spec, arrays, lens + new, len(lens), bound["seq_q"])
         if new and spec.kv_dtype == "int8":
             for name in ("kv_new",) if self.latent else ("k_new", "v_new"):
                 if np.isnan(arrays[name]).any():

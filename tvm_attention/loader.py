@@ -49,7 +49,7 @@ from . import runtime
 from .hostcpu import describe_host, missing_features
 from .layouts import (ARG_ALIASES, INDEX_ERROR_ARG, INDEX_ERROR_BITS, SEQUENCE_DIMS, VARIANT_ARGS, KernelArgumentError,
                       _bound_dim, describe_index_error)
-from .spec import ENTRY, MAX_ELEMENTS, MAX_SEQ_LEN, AttentionSpec, numpy_dtype
+from .spec import ENTRY, MAX_ELEMENTS, MAX_SEQ_LEN, AttentionSpec, SpecError, numpy_dtype
 from .threads import default_num_threads, set_num_threads, use_threads
 
 #: What ``aligned_empty`` gives, and what an artifact whose manifest names no ``data_alignment``
@@ -288,6 +288,9 @@ class AttentionKernel:
                 raise KernelArgumentError(
                     f"unexpected keyword argument {name!r} for a {self.layout.name} kernel; it takes {', '.join(known)}"
                 )
+        if getattr(self.spec, "custom_mask", False) and given.get("mask_indptr") is None \
+                and "custom_mask" in given:
+            given["custom_mask"], given["mask_indptr"] = self._packed_mask(given)
         missing = [n for n in self._index_names if n not in given]
         if missing:
             raise KernelArgumentError(
@@ -295,6 +298,32 @@ class AttentionKernel:
                 f"kernel({', '.join(self._qkv)}, {', '.join(f'{n}=...' for n in self._index_names)})"
             )
         return given, options
+
+    def _packed_mask(self, given: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
+        """A boolean ``custom_mask`` given without ``mask_indptr``, packed (FlashInfer's bits,
+        ``tvm_attention.masks``): a ``(batch, rows, keys)`` array of which each sequence takes its
+        first ``(rows_b, keys_b)`` (its query rows and keys: the call's lengths), or a list of one
+        ``(rows_b, keys_b)`` array per sequence."""
+        from .masks import pack_mask  # only callers of a boolean mask need it
+
+        m, shapes = given["custom_mask"], self.layout.mask_shapes(self.spec, given)
+        try:
+            if isinstance(m, (list, tuple)):
+                masks = [np.asarray(x) for x in m]
+                if len(masks) != len(shapes) or any(x.shape != s for x, s in zip(masks, shapes)):
+                    raise KernelArgumentError(f"custom_mask: expected one boolean mask per sequence, shaped "
+                                              f"{shapes}, got {[x.shape for x in masks]}")
+                return pack_mask(masks)
+            a = np.asarray(m)
+            if a.dtype != np.bool_:
+                raise KernelArgumentError(f"custom_mask: without mask_indptr, expected booleans (batch, rows, keys) "
+                                          f"(or packed uint8 bytes with mask_indptr), got {a.dtype}")
+            if a.ndim != 3 or a.shape[0] != len(shapes) or any(a.shape[1] < r or a.shape[2] < k for r, k in shapes):
+                raise KernelArgumentError(f"custom_mask: expected (batch={len(shapes)}, rows, keys) booleans covering "
+                                          f"every sequence's (rows, keys) {shapes}, got {a.shape}")
+            return pack_mask([a[b, :r, :k] for b, (r, k) in enumerate(shapes)])
+        except SpecError as e:
+            raise KernelArgumentError(str(e)) from None
 
     def _bind_dims(self, name: str, shape: tuple, actual: tuple[int, ...], bound: dict[str, int],
                    source: dict[str, str]) -> str:

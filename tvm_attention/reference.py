@@ -31,6 +31,7 @@ def reference_attention(
     key_lo: np.ndarray | None = None,
     key_hi: np.ndarray | None = None,
     seq_index: int | None = None,
+    custom_mask: tuple[np.ndarray, np.ndarray] | None = None,
 ):
     """``softmax(q·kᵀ·scale + mask)·v`` in float64, BHSD layout, GQA by ``h // group_size``.
 
@@ -50,8 +51,10 @@ def reference_attention(
       tensors from ``mod_tensors``, name -> array);
     * the mask: causal, ``spec.window``, ``kv_start (B,)`` (keys ``j < kv_start[b]`` hidden),
       ``spec.key_bounds`` (``key_lo[b, p'] ≤ j < key_hi[b, p']``, ``p'`` the position clamped
-      into the bounds' columns) and ``spec.mask_mod(b, h, p, j)``; under a modifier a key whose
-      score is ``-inf`` is hidden too;
+      into the bounds' columns), ``spec.mask_mod(b, h, p, j)`` and ``spec.custom_mask``
+      (``custom_mask = (packed, mask_indptr)``, FlashInfer's bits of sequence ``b`` over its
+      ``(query row, key)``: ``tvm_attention.masks``); under a modifier a key whose score is
+      ``-inf`` is hidden too;
     * ``spec.sinks``: ``sinks (H,)`` natural-log logits; each row's denominator gains
       ``exp(sinks[h])``, with no value attached (a row that sees no key still outputs zeros).
 
@@ -112,6 +115,18 @@ def reference_attention(
     if spec.mask_mod is not None:
         fn = instantiate(spec.mask_mod, "mask_mod", tensors)
         mask = mask & np.asarray(fn(b_idx, h_idx, p_idx, j_idx), bool)
+    if spec.custom_mask:
+        from .masks import unpack_mask  # the packed form's one definition
+
+        packed, indptr = _required(custom_mask, "custom_mask")
+        packed, indptr = np.asarray(packed), np.asarray(indptr)
+        # each of the arrays' sequences' (seq_q, seq_kv) bits, its rows restricted as q's
+        bits = np.zeros((q.shape[0], seq_q, seq_kv), bool)
+        for i in range(q.shape[0]):
+            bits[i] = unpack_mask(packed, indptr[first + i:first + i + 2], [(seq_q, seq_kv)])[0]
+        if rows is not None:
+            bits = bits[:, rows]
+        mask = mask & bits[:, None]
     if mods:  # a score of -inf hides its key (FlexAttention's convention); NaN stays visible
         mask = mask & (s != -np.inf)
     s = np.where(mask, s, -np.inf)

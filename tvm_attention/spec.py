@@ -83,7 +83,7 @@ KV_TAGS = {"float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2", "int8": "i8"}
 #: kv_scale -> its tag in short names (``..._kvi8_stok_causal``; per kv head: none)
 SCALE_TAGS = {"head": "", "token": "_stok", "group": f"_sg{SCALE_GROUP}"}
 
-VARIANTS = ("window", "softcap", "alibi", "sinks", "kv_start", "score_mod", "mask_mod", "key_bounds")
+VARIANTS = ("window", "softcap", "alibi", "sinks", "kv_start", "score_mod", "mask_mod", "key_bounds", "custom_mask")
 
 #: Dims a spec may leave symbolic (``dynamic``); heads, kv_heads, head_dim, dtype, causal and
 #: scale are always compiled in.
@@ -137,6 +137,11 @@ class AttentionSpec:
     #: row at position p sees keys key_lo[b, p] <= j < key_hi[b, p] only (both non-decreasing in p),
     #: and key tiles outside a row tile's bounds are skipped (a block mask given at call time)
     key_bounds: bool = False
+    #: a custom mask (FlashInfer's packed bits, :mod:`tvm_attention.masks`): call arguments
+    #: ``custom_mask (mask_bytes,) uint8`` and ``mask_indptr (batch + 1,) int32``; row ``i`` of
+    #: sequence ``b`` sees key ``j`` only where bit ``i·keys_b + j`` of its bytes from
+    #: ``mask_indptr[b]`` is set (ANDed with causal, the window, key bounds and ``mask_mod``)
+    custom_mask: bool = False
     # an 8-bit K/V dtype (KV_DTYPES; None: K/V in ``dtype``): the kernel then takes the scales
     # ``k_scale``/``v_scale (kv_heads,)`` float32 after the variant arguments
     kv_dtype: str | None = None
@@ -328,13 +333,14 @@ class AttentionSpec:
 
     def _check_modifiers(self) -> None:
         """Store the modifiers as checked source text and ``mod_tensors`` canonically."""
-        if not isinstance(self.key_bounds, bool):
-            raise SpecError(f"key_bounds must be a bool, got {self.key_bounds!r}")
+        for name in ("key_bounds", "custom_mask"):
+            if not isinstance(getattr(self, name), bool):
+                raise SpecError(f"{name} must be a bool, got {getattr(self, name)!r}")
         tensors = modifiers.check_tensors(self.mod_tensors)
         object.__setattr__(self, "mod_tensors", tensors)
         # the call arguments' names, and the kernel's own buffer names (its checks find buffers by name)
         taken = {"q", "k", "v", "o", "lse", "key_lo", "key_hi", "alibi_slopes", "sinks", "kv_start", "k_scale",
-                 "v_scale", "k_new", "v_new", "kv_new", "Q", "K", "V",
+                 "v_scale", "k_new", "v_new", "kv_new", "custom_mask", "mask_indptr", "CM", "MI", "Q", "K", "V",
                  "O", "LSE", "BT", "CL", "AL", "SK", "KST", "CQ", "CK"} | {a.name for a in self.layout_info.args}
         clash = [t[0] for t in tensors if t[0] in taken]
         if clash:
@@ -351,14 +357,15 @@ class AttentionSpec:
 
     @property
     def has_modifiers(self) -> bool:
-        """Whether user-written modifiers or key bounds decide visibility or scores: a row then
-        outputs zeros when no key is left with a score above -inf (modifiers.py)."""
-        return self.score_mod is not None or self.mask_mod is not None or self.key_bounds
+        """Whether user-written modifiers, key bounds or a custom mask decide visibility or
+        scores: a row then outputs zeros when no key is left with a score above -inf
+        (modifiers.py)."""
+        return self.score_mod is not None or self.mask_mod is not None or self.key_bounds or self.custom_mask
 
     @property
     def variants(self) -> tuple[str, ...]:
         """The variants this spec turns on (``window``, ``softcap``, ``alibi``, ``sinks``,
-        ``kv_start``, ``score_mod``, ``mask_mod``, ``key_bounds``), in that order: what a family
+        ``kv_start``, ``score_mod``, ``mask_mod``, ``key_bounds``, ``custom_mask``), in that order: what a family
         that builds none of them refuses by name."""
         return tuple(n for n in VARIANTS if getattr(self, n) not in (None, False))
 
@@ -505,7 +512,8 @@ class AttentionSpec:
                              ("alibi", False), ("sinks", False), ("kv_start", False), ("score_mod", None),
                              ("mask_mod", None), ("mod_tensors", ()), ("key_bounds", False), ("kv_dtype", None),
                              ("append", False), ("device_checks", False), ("qk_int8", False),
-                             ("kv_scale", "head"), ("head_dim_v", None)):
+                             ("kv_scale", "head"), ("head_dim_v", None),
+                             ("custom_mask", False)):
             if d[key] == default:
                 del d[key]
         if "window" in d:
@@ -565,7 +573,7 @@ class AttentionSpec:
         out += "".join(f"_{n.replace('_', '')}" for n in ("alibi", "sinks", "kv_start") if getattr(self, n))
         if self.score_mod is not None or self.mask_mod is not None:
             out += "_mod" + modifiers.digest(self.score_mod, self.mask_mod, self.mod_tensors)
-        return out + ("_kb" if self.key_bounds else "")
+        return out + ("_kb" if self.key_bounds else "") + ("_cm" if self.custom_mask else "")
 
 
 def _check_positive_int(name: str, value: Any) -> None:

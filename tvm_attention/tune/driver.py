@@ -473,7 +473,8 @@ def _alloc_for(spec: AttentionSpec):
     ``kv_start``: random int32s would skip every tile; the modifiers' tensors; an 8-bit cache's
     scales, which the library refuses unless positive and finite); every other task on
     MetaSchedule's random fill (None)."""
-    if not spec.dynamic and not (spec.key_bounds or spec.kv_start or spec.mod_tensors or spec.kv_quantized):
+    if not spec.dynamic and not (spec.key_bounds or spec.kv_start or spec.custom_mask or spec.mod_tensors
+                                 or spec.kv_quantized):
         return None
 
     return AllocInputs(spec)

@@ -112,7 +112,7 @@ class _Tile:
 
     def __init__(self, spec, BM, BN, row0, q_len, k_len, q_index, kv_index, o_index, always_masked, valid=None,
                  pos=None, seq_q=None, offset=None, lse_index=None, state_index=None, heads=1,
-                 var=NO_VARIANTS, b=None, head=None, key0=None):
+                 var=NO_VARIANTS, b=None, head=None, key0=None, seq_keys=None):
         self.spec, self.BM, self.BN = spec, BM, BN
         # heads > 1: the tile's rows are ``heads`` blocks of BM // heads rows, one per kv head
         # (kv_index then takes the head: (key, d, head)); q_len, pos and keep apply per block
@@ -145,7 +145,9 @@ class _Tile:
         # split-KV partial: row -> (index of m, index of l); O gets the unnormalised acc
         self.state_index = state_index
         self.var, self.head, self.b, self.key0 = var, head, b, key0
-        self.masked = self.masked or var.LO is not None or var.mask_fn is not None
+        # the sequence's keys (a split-KV chunk's k_len is the chunk's): a custom mask's row stride
+        self.seq_keys = k_len if seq_keys is None else seq_keys
+        self.masked = self.masked or var.LO is not None or var.mask_fn is not None or var.CM is not None
         start = var.start(b)
         # the first visible key in the tile's numbering (a chunk's keys start at key0)
         self.start = start if start is None or key0 is None else start - key0
@@ -253,6 +255,9 @@ class _Tile:
                             self.absolute(col))
         if mod is not None:
             cond = T.And(cond, mod)
+        bit = self.var.custom(self.b, row, self.absolute(col), self.seq_q, self.seq_keys)  # row: the query row
+        if bit is not None:
+            cond = T.And(cond, bit)
         return T.Select(cond, x, T.float32(float("-inf")))
 
     def head_of(self, vi):
@@ -1011,7 +1016,7 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
     neg_inf = T.float32(float("-inf"))
     k = _TileShape(N=N, BM=BM, BN=BN, D=D, DV=DV, HT=HT, qscale=qscale, dot_bf16=dot_bf16, prefetch=prefetch, stats=stats,
                    line_elems=CACHE_LINE // spec.kv_itemsize, transforms=transforms(spec),
-                   mask_mod=spec.mask_mod is not None or spec.key_bounds, kv_dtype=spec.kv_dtype,
+                   mask_mod=spec.mask_mod is not None or spec.key_bounds or spec.custom_mask, kv_dtype=spec.kv_dtype,
                    dot_decode=dot_decode, qk_int8=spec.qk_int8, scale_groups=spec.scale_groups,
                    v_scale_groups=spec.v_scale_groups)
     sg, pv = _s_gemm_macros(k), _pv_macros(k)
@@ -1285,6 +1290,7 @@ def _latent_nest(f: _Dense, dot_bf16: bool, split_tasks: int = 0):
             pos=lambda p: T.floordiv(p, H),
             seq_q=SQ,
             offset=Visibility.offset(SQ, L - k0),  # the chunk's keys start at k0
+            seq_keys=L,
             state_index=lambda p, j: (task(vb, vr, vs), in_tile(p, vr), j),
             var=W, b=vb, head=lambda p: T.floormod(p, H), key0=k0,
         )
@@ -1523,6 +1529,7 @@ def _decode_tier(f: _Dense, BD: int, suffix: str, split_tasks: int, stage: bool,
             pos=pk.pos,
             seq_q=SQ,
             offset=Visibility.offset(SQ, L - k0),  # the chunk's keys start at k0
+            seq_keys=L,
             state_index=lambda p, j: (vb, pk.head_of(vkb, p), vs, pk.loc(p), j),
             heads=NH,
             var=W, b=vb, head=lambda p: pk.head(vkb, p), key0=k0,

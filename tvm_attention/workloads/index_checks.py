@@ -199,6 +199,36 @@ def _key_bounds(buf, spec: AttentionSpec) -> list[tirx.Stmt]:
     return stmts
 
 
+def _custom_mask(buf, spec: AttentionSpec) -> list[tirx.Stmt]:
+    """``mask_indptr``: ``batch + 1`` entries; sequence ``b`` holds bytes from ``mask_indptr[b] >=
+    0``, at least ``ceil(rows_b · keys_b / 8)`` of them (its query rows and keys: ``seq_q`` and
+    ``seq_kv``, ``cache_seqlens[b]`` plus an appending kernel's new keys, varlen's
+    ``cu_seqlens``), ending within ``custom_mask``; the sizes in int64 (a product of two call-time
+    lengths passes 2**31). After the layout's own rules: the lengths are valid by then."""
+    cm, mi, q = buf["custom_mask"], buf["mask_indptr"], buf["Q"]
+    if "CQ" in buf:
+        cq, ck = buf["CQ"], buf["CK"]
+        batch = cq.shape[0] - 1
+        rows, keys = (lambda b: cq[b + 1] - cq[b]), (lambda b: ck[b + 1] - ck[b])
+    elif "CL" in buf:
+        batch, new = buf["CL"].shape[0], _new(buf)
+        rows, keys = (lambda b: q.shape[2]), (lambda b: _i64(buf["CL"][b]) + _i64(new))
+    else:
+        batch = q.shape[0]
+        rows, keys = (lambda b: q.shape[2]), (lambda b: buf["K"].shape[2])
+
+    def ok(b):
+        need = (_i64(rows(b)) * _i64(keys(b)) + tirx.const(7, "int64")) // tirx.const(8, "int64")
+        return tirx.all(mi[b] >= 0, _i64(mi[b + 1]) - _i64(mi[b]) >= need, _i64(mi[b + 1]) <= _i64(cm.shape[0]))
+
+    return [_assert(mi.shape[0] == batch + 1, "mask_indptr: must hold batch + 1 entries (each sequence's first "
+                                              "byte of custom_mask, then the end)"),
+            _for("b", batch, lambda b: _assert(
+                ok(b), "mask_indptr: a sequence's bytes [mask_indptr[b], mask_indptr[b + 1]) start below 0, end past "
+                       "custom_mask or hold fewer than ceil(rows * keys / 8) (FlashInfer's packed bits: "
+                       "tvm_attention.masks.pack_mask)"))]
+
+
 def _mod_tensors(buf, spec: AttentionSpec) -> list[tirx.Stmt]:
     """Every dim of a modifier's tensor is at least 1 (its reads are clamped into it)."""
     out = []
@@ -253,7 +283,8 @@ def with_index_checks(mod: tvm.IRModule, spec: AttentionSpec) -> tvm.IRModule:
         raise ValueError(f"layout {layout.name}: no host asserts for the index rules {layout.index_checks} "
                          f"(known: {', '.join(map(str, _CHECKS))})")
     make = _CHECKS.get(layout.index_checks)
-    if make is None and not spec.kv_start and not spec.key_bounds and not spec.mod_tensors and not spec.kv_quantized:
+    if make is None and not (spec.kv_start or spec.key_bounds or spec.custom_mask or spec.mod_tensors
+                             or spec.kv_quantized):
         return mod
     func = mod["main"]
     buf = _buffers(func)
@@ -262,6 +293,8 @@ def with_index_checks(mod: tvm.IRModule, spec: AttentionSpec) -> tvm.IRModule:
         stmts += _kv_start(buf, spec)
     if spec.key_bounds:
         stmts += _key_bounds(buf, spec)
+    if spec.custom_mask:
+        stmts += _custom_mask(buf, spec)
     stmts += _mod_tensors(buf, spec)
     if spec.kv_quantized and spec.kv_scale == "head":  # finer scales are data (quant.py): never past a length
         stmts += _kv_scales(buf, spec)

@@ -91,7 +91,7 @@ class Variants:
     hook the identity)."""
 
     def __init__(self, spec: AttentionSpec | None = None, AL=None, SK=None, KS=None, LO=None, HI=None, tensors=None,
-                 scales=(None, None), new=(None, None), args=None):
+                 scales=(None, None), new=(None, None), args=None, cmask=(None, None)):
         self.spec = spec
         self.args = dict(args or {})
         self.KSC, self.VSC = scales if spec is not None and spec.kv_quantized else (None, None)
@@ -106,6 +106,8 @@ class Variants:
         self.SK = SK if spec is not None and spec.sinks else None
         self.KS = KS if spec is not None and spec.kv_start else None
         self.LO, self.HI = (LO, HI) if spec is not None and spec.key_bounds else (None, None)
+        # a custom mask's packed bits and each sequence's first byte (``custom_mask``, ``mask_indptr``)
+        self.CM, self.MI = cmask if spec is not None and spec.custom_mask else (None, None)
         self.mods = spec is not None and spec.has_modifiers
         # the user's modifiers over the tensor buffers (TIR expressions in, TIR out)
         self.score_fn = instantiate(spec.score_mod, "score_mod", tensors or {}) if self.mods and spec.score_mod else None
@@ -199,6 +201,24 @@ class Variants:
         """One past the last key the row at ``pos`` may see by the key bounds (None: none)."""
         return None if self.HI is None else self.HI[b, self._col(pos)]
 
+    def custom(self, b, row, key, rows, keys):
+        """Whether the custom mask lets query row ``row`` of sequence ``b`` (``rows`` rows,
+        ``keys`` keys) see ``key`` (None: no custom mask): bit ``row·keys + key`` of the bytes
+        from ``mask_indptr[b]``, little-endian in its byte. Row and key are clamped into the
+        sequence (a tile's rows past the last, a tail tile's keys: masked elsewhere, but the
+        load must stay inside the mask); the bit's index is formed in int64 (``row·keys`` may
+        pass 2**31), its byte in int32 (inside ``custom_mask``: the library checked the bytes
+        each sequence needs)."""
+        if self.CM is None:
+            return None
+        i64 = lambda x: T.Cast("int64", x)  # noqa: E731
+        r = T.max(0, T.min(row, rows - 1))
+        k = T.max(0, T.min(key, keys - 1))
+        bit = i64(r) * i64(keys) + i64(k)
+        byte = self.MI[b] + T.Cast("int32", T.shift_right(bit, i64(3)))
+        return T.bitwise_and(T.shift_right(T.Cast("int32", self.CM[byte]), T.Cast("int32", T.bitwise_and(bit, i64(7)))),
+                             1) != 0
+
     def sees(self, b, h, pos, key):
         """The key bounds and ``mask_mod`` at absolute ``pos`` and ``key`` (None: no condition)."""
         conds = []
@@ -280,6 +300,13 @@ class ExtraParams:
             self.LO = tirx.decl_buffer((batch, n), "int32", "key_lo", data_alignment=A)
             self.HI = tirx.decl_buffer((batch, n), "int32", "key_hi", data_alignment=A)
             self.params += [self.LO, self.HI]
+        self.cmask = (None, None)
+        if spec.custom_mask:  # the packed bits and each sequence's first byte (layouts.CUSTOM_MASK_ARGS)
+            nbytes = batch * -(-spec.seq_q * spec.seq_kv // 8) if static else tirx.Var("mask_bytes", "int32")
+            rows = batch + 1 if static else tirx.Var("mask_rows", "int32")
+            self.cmask = (tirx.decl_buffer((nbytes,), "uint8", "custom_mask", data_alignment=A),
+                          tirx.decl_buffer((rows,), "int32", "mask_indptr", data_alignment=A))
+            self.params += list(self.cmask)
         self.tensors = {}
         for name, dtype, dims in spec.mod_tensors:
             shape = tuple(d if isinstance(d, int) else getattr(spec, d) for d in dims) if static else \
@@ -313,5 +340,5 @@ class ExtraParams:
 
     @property
     def variant_args(self):
-        """:class:`Variants`' LO, HI, tensors, scales, new, args."""
-        return self.LO, self.HI, self.tensors, self.scales, self.new, self.args
+        """:class:`Variants`' LO, HI, tensors, scales, new, args, cmask."""
+        return self.LO, self.HI, self.tensors, self.scales, self.new, self.args, self.cmask

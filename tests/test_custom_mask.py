@@ -1,0 +1,175 @@
+"""A custom mask (issue 45, item 1, first step): FlashInfer's packed bits (``custom_mask``,
+``mask_indptr``) ANDed into the CPU fused kernel's mask in every layout, static and symbolic,
+the decode tiers and split-KV, the latent layouts; the float64 reference applies the same bits;
+the library and the loader check the bytes each sequence needs (at 2³¹−1 too); the loader packs
+a boolean mask; tree attention over a cache with the drafts appended in the same call."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tvm_attention.artifact import kernel_of, validate_built
+from tvm_attention.layouts import KernelArgumentError
+from tvm_attention.masks import pack_mask, tree_masks
+from tvm_attention.reference import reference_attention
+from tvm_attention.spec import AttentionSpec
+
+from conftest import built
+
+GQA = dict(heads=4, kv_heads=2, head_dim=32)
+
+
+def test_spec_arguments_and_names():
+    s = AttentionSpec(batch=2, seq_q=64, **GQA, custom_mask=True, layout="kvcache")
+    names = [(a["name"], a["shape"]) for a in s.arg_specs()]
+    assert names[4:6] == [("custom_mask", ["mask_bytes"]), ("mask_indptr", ["mask_rows"])]  # after cache_seqlens
+    assert s.short_name().endswith("_cm") and s.variants == ("custom_mask",) and s.has_modifiers
+    static = AttentionSpec(batch=2, seq_q=10, seq_kv=13, **GQA, custom_mask=True, dynamic=())
+    assert [a["shape"] for a in static.arg_specs()][3:5] == [[2 * 17], [3]]  # 130 bits: 17 bytes a sequence
+    assert "custom_mask" not in AttentionSpec(batch=1, seq_q=8, **GQA).to_dict()
+
+
+def test_cuda_refuses_it_by_name():
+    from tvm_attention.build import build_kernel
+    from tvm_attention.schedules._knobs import KnobError
+    from tvm_attention.target import resolve_target
+
+    spec = AttentionSpec(batch=1, seq_q=64, **GQA, dtype="float16", custom_mask=True)
+    with pytest.raises(KnobError, match="does not build the attention variant.s. custom_mask"):
+        build_kernel(spec, "fused", resolve_target("cuda", arch="sm_90"))
+
+
+#: name -> spec fields: each layout's validation cases (random masks: 3 of 4 bits set, a quarter
+#: of the keys hidden from every row, a row that sees no key), static and symbolic bhsd (the
+#: symbolic one's decode tier too), the KV caches with lse, append and split-KV, varlen, MLA, bf16
+KERNELS = {
+    "bhsd_static_causal": dict(batch=2, seq_q=100, seq_kv=130, causal=True, dynamic=()),
+    "bhsd_symbolic": dict(batch=2, seq_q=100, seq_kv=130),
+    "kvcache_lse": dict(batch=2, seq_q=1, seq_kv=300, causal=True, layout="kvcache", return_lse=True),
+    "paged_append_bf16": dict(batch=2, seq_q=4, seq_kv=300, causal=True, layout="paged", append=True,
+                              dtype="bfloat16"),
+    "varlen_window": dict(batch=2, seq_q=64, causal=True, layout="varlen", window=(40, 0)),
+    "mla": dict(batch=2, heads=16, kv_heads=1, seq_q=1, seq_kv=100, head_dim=96, head_dim_v=64, scale=0.1,
+                causal=True, layout="mla"),
+}
+
+
+@pytest.mark.parametrize("name", list(KERNELS))
+def test_kernel_matches_the_reference(name):
+    spec = AttentionSpec(**{**GQA, **KERNELS[name], "custom_mask": True})
+    b = built(spec)
+    assert b.audit.fused, b.audit
+    r = validate_built(b)
+    assert r.passed and r.finite, r
+
+
+def call_names(spec):
+    return [a["name"] for a in spec.arg_specs() if a["name"] not in ("o", "lse")]
+
+
+def test_split_kv_and_rows_without_a_key():
+    """One long sequence (split-KV into chunks), the mask's bits over all of its keys: the split
+    build equals the reference; a row whose bits are all zero outputs zeros (lse -inf)."""
+    spec = AttentionSpec(**{**GQA, **KERNELS["kvcache_lse"], "custom_mask": True})
+    k, lay = kernel_of(built(spec)), spec.layout_info
+    assert built(spec).knobs.split_tasks > 0
+    x = lay.random_inputs(spec, {"seq_q": 1, "cache_seqlens": [3000, 700], "max_len": 3000}, seed=3)
+    rng = np.random.default_rng(0)
+    masks = [rng.random((1, 3000)) < 0.6, np.zeros((1, 700), bool)]  # the second sequence sees nothing
+    x["custom_mask"], x["mask_indptr"] = pack_mask(masks)
+    o, lse = k(*[x[n] for n in call_names(spec)])
+    ref, ref_lse = lay.reference_outputs(spec, x)
+    np.testing.assert_allclose(o, ref, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(lse[0], ref_lse[0], atol=1e-5, rtol=1e-5)
+    assert not o[1].any() and np.isneginf(lse[1]).all()
+
+
+def test_tree_attention_with_the_drafts_appended():
+    """Speculative decoding's verify step: 7 draft tokens per sequence, a tree of them
+    (``parents``), appended to the cache in the same call; each draft attends to the prefix,
+    itself and its ancestors: the tree written out as ancestors, per row, in float64."""
+    spec = AttentionSpec(batch=2, seq_q=7, seq_kv=64, **GQA, layout="kvcache", append=True, custom_mask=True)
+    k, lay = kernel_of(built(spec)), spec.layout_info
+    trees = [[-1, 0, 0, 1, 1, 2, -1], [-1, 0, 1, 2, 3, 4, 5]]  # branching with two roots; a chain
+    prefix = [40, 13]
+    x = lay.random_inputs(spec, {"seq_q": 7, "cache_seqlens": prefix, "max_len": 50}, seed=1)
+    x["custom_mask"], x["mask_indptr"] = tree_masks(trees, prefix)
+    before = {n: x[n].copy() for n in ("k_cache", "v_cache")}
+    o = k(*[x[n] for n in call_names(spec)])
+    for b, (parents, n) in enumerate(zip(trees, prefix)):
+        keys = np.concatenate([before["k_cache"][b, :, :n], x["k_new"][b]], axis=1).astype(np.float64)
+        vals = np.concatenate([before["v_cache"][b, :, :n], x["v_new"][b]], axis=1).astype(np.float64)
+        for i in range(7):
+            seen, j = list(range(n)), i
+            while j >= 0:  # the draft and its ancestors
+                seen.append(n + j)
+                j = parents[j]
+            for h in range(4):
+                s = keys[h // 2, seen] @ x["q"][b, h, i].astype(np.float64) * spec.scale
+                p = np.exp(s - s.max())
+                np.testing.assert_allclose(o[b, h, i], p @ vals[h // 2, seen] / p.sum(), atol=1e-5, rtol=1e-5)
+
+
+def test_the_library_and_the_loader_check_the_bytes():
+    """``mask_indptr`` must give each sequence ``ceil(rows · keys / 8)`` bytes from a start >= 0,
+    inside ``custom_mask``; checked by the library itself (a C++ caller) and by the loader, in
+    int64 (2³¹−1 does not wrap), with the shape of ``mask_indptr``."""
+    import tvm
+
+    spec = AttentionSpec(**{**GQA, **KERNELS["kvcache_lse"], "custom_mask": True})
+    k, lay = kernel_of(built(spec)), spec.layout_info
+    x = lay.random_inputs(spec, {"seq_q": 1, "cache_seqlens": [30, 17], "max_len": 40}, seed=2)
+    names = call_names(spec)
+    need = [4, 3]  # ceil(30 / 8), ceil(17 / 8)
+    assert np.diff(x["mask_indptr"]).tolist() == need
+    bad = {"short": [0, 3, 6], "negative": [-1, 3, 6], "past the end": [0, 4, 8], "huge": [0, 4, 2 ** 31 - 1],
+           "falls": [0, 4, 2]}
+    out = [np.zeros((2, 4, 1, 32), np.float32), np.zeros((2, 4, 1), np.float32)]
+    for what, ind in bad.items():
+        given = dict(x, mask_indptr=np.asarray(ind, np.int32))
+        with pytest.raises(ValueError, match="mask_indptr: a sequence's bytes"):
+            k.function(*[tvm.runtime.tensor(given[n]) for n in names], *map(tvm.runtime.tensor, out))
+        with pytest.raises(KernelArgumentError, match="mask_indptr: sequence"):
+            k(*[given[n] for n in names])
+    given = dict(x, mask_indptr=np.asarray([0, 4], np.int32))
+    with pytest.raises(ValueError, match="mask_indptr: must hold batch . 1 entries"):
+        k.function(*[tvm.runtime.tensor(given[n]) for n in names], *map(tvm.runtime.tensor, out))
+    with pytest.raises(KernelArgumentError, match=r"mask_indptr: expected shape \(3,\)"):
+        k(*[given[n] for n in names])
+
+
+def test_the_loader_packs_a_boolean_mask(tmp_path):
+    """``custom_mask=`` booleans ``(batch, rows, keys)`` (each sequence its first ``(rows,
+    cache_seqlens[b])``), or a list of them, without ``mask_indptr``: the same result as the
+    packed bytes; a wrong shape is named."""
+    from tvm_attention.artifact import export
+    from tvm_attention.loader import load
+
+    spec = AttentionSpec(**{**GQA, **KERNELS["kvcache_lse"], "custom_mask": True})
+    b = built(spec)
+    export(b, tmp_path, validate_built(b))
+    kernel = load(tmp_path)
+    lens = [30, 17]
+    x = spec.layout_info.random_inputs(spec, {"seq_q": 1, "cache_seqlens": lens, "max_len": 40}, seed=4)
+    dense = np.random.default_rng(5).random((2, 1, 40)) < 0.5
+    packed = pack_mask([dense[i, :, :n] for i, n in enumerate(lens)])
+    want = kernel(x["q"], x["k_cache"], x["v_cache"], cache_seqlens=x["cache_seqlens"], custom_mask=packed[0],
+                  mask_indptr=packed[1])
+    got = kernel(x["q"], x["k_cache"], x["v_cache"], cache_seqlens=x["cache_seqlens"], custom_mask=dense)
+    listed = kernel(x["q"], x["k_cache"], x["v_cache"], cache_seqlens=x["cache_seqlens"],
+                    custom_mask=[dense[i, :, :n] for i, n in enumerate(lens)])
+    for o in (got, listed):
+        np.testing.assert_array_equal(o[0], want[0])
+    with pytest.raises(KernelArgumentError, match=r"custom_mask: expected \(batch=2, rows, keys\) booleans"):
+        kernel(x["q"], x["k_cache"], x["v_cache"], cache_seqlens=x["cache_seqlens"], custom_mask=dense[:, :, :20])
+
+
+def test_cli_flag():
+    import argparse
+
+    from tvm_attention.cli import _add_spec_flags, _spec_from_args
+
+    p = argparse.ArgumentParser()
+    _add_spec_flags(p)
+    a = p.parse_args(["--layout", "kvcache", "--heads", "8", "--head-dim", "64", "--custom-mask"])
+    assert _spec_from_args(a).custom_mask
