@@ -44,7 +44,7 @@ def test_cuda_refuses_it_by_name():
 #: symbolic one's decode tier too), the KV caches with lse, append and split-KV, varlen, MLA, bf16
 KERNELS = {
     "bhsd_static_causal": dict(batch=2, seq_q=100, seq_kv=130, causal=True, dynamic=()),
-    "bhsd_symbolic": dict(batch=2, seq_q=100, seq_kv=130),
+    "bhsd_symbolic": dict(batch=2, seq_q=100, seq_kv=130, dynamic=("batch", "seq_q", "seq_kv")),
     "kvcache_lse": dict(batch=2, seq_q=1, seq_kv=300, causal=True, layout="kvcache", return_lse=True),
     "paged_append_bf16": dict(batch=2, seq_q=4, seq_kv=300, causal=True, layout="paged", append=True,
                               dtype="bfloat16"),
@@ -173,3 +173,45 @@ def test_cli_flag():
     _add_spec_flags(p)
     a = p.parse_args(["--layout", "kvcache", "--heads", "8", "--head-dim", "64", "--custom-mask"])
     assert _spec_from_args(a).custom_mask
+
+
+@pytest.mark.parametrize("name, rows, keys, hidden", [
+    ("bhsd_symbolic", 64, 512, (128, 384)),  # the prefill nest, 2 row tiles
+    ("kvcache_lse", 1, 3000, (1024, 2048)),  # a decode step: the packed tier, split into chunks
+])
+def test_key_tiles_no_row_sees_are_skipped(name, rows, keys, hidden):
+    """Key tiles whose bits are all zero for every row of a row tile are not read: NaN in the
+    K and V rows of the hidden keys (tile-aligned) leaves the output finite and equal to the
+    reference's (as the key-bounds test proves its skipping)."""
+    spec = AttentionSpec(**{**GQA, **KERNELS[name], "custom_mask": True})
+    k, lay = kernel_of(built(spec)), spec.layout_info
+    case = {"seq_q": rows, "cache_seqlens": [keys], "max_len": keys} if lay.is_cache else \
+        {"batch": 1, "seq_q": rows, "seq_kv": keys}
+    x = lay.random_inputs(spec, case, seed=6)
+    m = np.random.default_rng(1).random((rows, keys)) < 0.7
+    m[:, hidden[0]:hidden[1]] = False
+    x["custom_mask"], x["mask_indptr"] = pack_mask([m])
+    ref = lay.reference_outputs(spec, x)[0]
+    kname, vname = lay.kv_names
+    for n in (kname, vname):
+        x[n] = x[n].copy()
+        x[n][:, :, hidden[0]:hidden[1]] = np.nan  # (batch, kv heads, keys, d) in both layouts
+    out = k(*[x[n] for n in call_names(spec)])
+    o = out[0] if spec.return_lse else out
+    assert np.isfinite(o).all()
+    np.testing.assert_allclose(o, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_bench_masks_tiny(tmp_path):
+    """``bench --masks --tiny``: the skipping point (no mask, all ones, mostly hidden) and the tree
+    verify against a causal append step, written as masks.md/json (goals are the benchmark's)."""
+    import json
+
+    from tvm_attention import cli
+
+    assert cli.main(["bench", "--masks", "--tiny", "--threads", "2", "--out", str(tmp_path)]) == 0
+    skip, tree = json.loads((tmp_path / "masks.json").read_text())["rows"]
+    assert skip["point"] == "skipping" and skip["hidden_share"] > 0.5
+    assert min(skip["plain_ms"], skip["ones_ms"], skip["hidden_ms"]) > 0 and skip["hidden_vs_ones"] > 0
+    assert tree["point"] == "tree verify" and tree["tree_ms"] > 0 and tree["causal_ms"] > 0
+    assert "Tree verify" in (tmp_path / "masks.md").read_text()

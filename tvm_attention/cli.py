@@ -536,6 +536,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
         return bench_halfprec(a, threads)
     if a.mla:
         return bench_mla(a, threads)
+    if a.masks:
+        return bench_masks(a, threads)
     plots = not a.no_plots
     if plots and not plots_available():  # said before the sweep, not found missing after it
         print(missing_note("the sweep runs, its plots are skipped"), flush=True)
@@ -649,6 +651,15 @@ def bench_mla(a: argparse.Namespace, threads: int) -> int:
 
     cfg = mla.quick_config() if a.tiny else mla.Config()
     return _bench_report(a, mla, lambda: mla.run(cfg, threads, say=lambda m: print(m, flush=True)))
+
+
+def bench_masks(a: argparse.Namespace, threads: int) -> int:
+    """``bench --masks``: a custom mask hiding 90 % of the key tiles against an all-ones one, and a
+    tree verify of 64 drafts against a causal append step; ``--tiny``: small points."""
+    from .bench import masks  # TVM loads only for the commands that compile
+
+    cfg = masks.quick_config() if a.tiny else masks.Config()
+    return _bench_report(a, masks, lambda: masks.run(cfg, threads, say=lambda m: print(m, flush=True)))
 
 
 #: ``--memory-scaling``'s measurements: fused and materialized at two lengths.
@@ -978,6 +989,8 @@ def build_parser() -> "_Parser":
                    help="MLA instead: DeepSeek-V3's latent-attention decode (H=128, latent 576, V 512; bf16 and fp32, "
                         "batch 4 and 16 × 4k) against the FMA and bf16 dot-product peaks, torch SDPA and llama.cpp, "
                         "and a Dqk 192 / Dv 128 prefill against a D=192 build")
+    p.add_argument("--masks", action="store_true", help="custom masks instead: 90%% of the key tiles hidden against "
+                   "an all-ones mask, a tree verify of 64 drafts against a causal append step (docs/benchmarks.md)")
     kv8 = ["float8_e4m3fn", "float8_e5m2", "int8", "int8_qk8"]
     p.add_argument("--decode-dtype", nargs="+", default=None,
                    choices=["float32", "bfloat16", "float16"] + kv8 + [f"{d}_{g}" for d in kv8 for g in ("token", "group")],

@@ -260,6 +260,34 @@ class _Tile:
             cond = T.And(cond, bit)
         return T.Select(cond, x, T.float32(float("-inf")))
 
+    def tile_seen(self, seen):
+        """Whether loop tile's key tile is computed: True (a Python constant: no branch) without
+        a custom mask, else whether a row of it may see one of its keys (``seen``, the OR of its
+        bits: :meth:`mask_bits`)."""
+        return True if self.var.CM is None else seen[0] != 0
+
+    def mask_bits(self, vi, vc, x):
+        """Byte ``x`` of tile row ``vi``'s custom-mask bits over the keys of tile ``vc`` (a run of
+        ``min(BN, keys − first)`` bits from bit ``row·keys + first``), as an int32 with the bits
+        outside the run cleared; 0 for a row past the sequence's and for a byte past the run
+        (its load clamped to the run's last byte: nothing outside the sequence's bytes is
+        read). The bit indices are int64 (``row·keys`` may pass 2**31)."""
+        i64 = lambda v: T.Cast("int64", v)  # noqa: E731
+        row = self.row0 + vi if self.pos is None else self.pos(self.row0 + vi)
+        first = self.absolute(self.tile(vc) * self.BN)
+        n = T.max(0, T.min(self.BN, self.seq_keys - first))  # the run's bits: the tile's keys in the sequence
+        lo = i64(T.min(row, self.seq_q - 1)) * i64(self.seq_keys) + i64(first)
+        hi = lo + i64(n)
+        byte = T.min(T.shift_right(lo, i64(3)) + i64(x), T.shift_right(T.max(lo, hi - i64(1)), i64(3)))
+        base = byte * i64(8)
+        b0 = T.Cast("int32", T.max(lo, base) - base)  # the run's bits within this byte: [b0, b1)
+        b1 = T.Cast("int32", T.min(hi, base + i64(8)) - base)
+        bits = T.shift_right(T.Cast("int32", self.var.CM[self.var.MI[self.b] + T.Cast("int32", byte)]), b0)
+        keep = T.shift_left(1, T.max(b1 - b0, 0)) - 1
+        live = T.And(row < self.seq_q, T.And(T.shift_right(lo, i64(3)) + i64(x) <= T.shift_right(hi - i64(1), i64(3)),
+                                              n > 0))
+        return T.Select(live, T.bitwise_and(bits, keep), 0)
+
     def head_of(self, vi):
         """The query head of tile row ``vi`` (0 when the layout frame gives none)."""
         return 0 if self.head is None else self.head(self.row0 + vi)
@@ -306,7 +334,7 @@ TILE_BLOCKS = ("Q_load", "state_init", "acc_init", "kv_tile", "S_gemm", "row_max
 #: Blocks a tile has in some forms only (``_tile_macro``'s arguments, the spec)
 OPTIONAL_BLOCKS = ("lse_store", "state_store", "K_load", "V_load", "V_ilv", "q_absmax", "q_scale", "q_sum", "P_round",
                    "P_ilv", "acc_rescale", "KV_prefetch", "score_mod", "scale_load", "group_scale_load",
-                   "group_scale_load_v")
+                   "group_scale_load_v", "mask_tile")
 #: Suffix of a GQA-packed decode nest's blocks, followed by its rows (``row_tile_dec4``,
 #: ``S_gemm_dec16``...).
 DECODE = "_dec"
@@ -850,6 +878,24 @@ def _scale_macro(k: _TileShape, spec: AttentionSpec):
     return group_scale_load if k.group_scales else token_scale_load
 
 
+def _mask_any_macro(k: _TileShape):
+    """Block ``mask_tile``: ``seen[0]``, the OR of a key tile's custom-mask bits over the row
+    tile's rows (a tile with none set is skipped). Each row's keys of the tile are a run of at
+    most ``BN`` bits, read a byte at a time, the first and last bytes masked to the run
+    (:meth:`_Tile.mask_bits`)."""
+    N, BM, BN = k.N, k.BM, k.BN
+
+    @T.macro
+    def mask_any(seen, t, vc):
+        with T.sblock(N["mask_tile"]):
+            seen[0] = 0
+            for i in T.serial(BM):
+                for x in T.serial(BN // 8 + 1):
+                    seen[0] = T.bitwise_or(seen[0], t.mask_bits(i, vc, x))
+
+    return mask_any
+
+
 def _store_macro(k: _TileShape):
     """The tile's stores: ``O`` (normalised, rounded to the dtype; ``DV`` columns), and ``stats`` to ``X``."""
     N, BM, D, stats = k.N, k.BM, k.DV, k.stats
@@ -1003,17 +1049,15 @@ def _check_tile_args(spec: AttentionSpec, BM: int, BN: int, stage_k: bool, dot_b
 def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: str | None = None,
                 stage_k: bool = False, dot_bf16: bool = False, prefetch: int = 0, heads: int = 1,
                 dot_decode: int = 0):
-    """The per-row-tile pipeline (Q load, online softmax over key tiles, store) as a TVMScript
-    macro: one piece of compute that every layout's frame calls with its own :class:`_Tile`.
-    ``suffix`` is appended to every block name (a function may hold two nests of the tile); the
-    other arguments: the comment above."""
+    """The per-row-tile pipeline (Q load, online softmax over key tiles, store) as a TVMScript macro: one piece
+    of compute that every layout's frame calls with its own :class:`_Tile`. ``suffix`` is appended to every
+    block name (a function may hold two nests of the tile); the other arguments: the comment above."""
     N = {n: n + suffix for n in TILE_BLOCKS + OPTIONAL_BLOCKS}
     _check_tile_args(spec, BM, BN, stage_k, dot_bf16, prefetch, heads, dot_decode)
     HT, D, DV = heads, spec.head_dim, spec.v_dim
     # Q is scaled to the log2 units of exp2 (scale·log2(e)); with a softcap to x / c, which
     # score_mod's tanh takes (variants.score_scale)
-    qscale = score_scale(spec)
-    neg_inf = T.float32(float("-inf"))
+    qscale, neg_inf = score_scale(spec), T.float32(float("-inf"))
     k = _TileShape(N=N, BM=BM, BN=BN, D=D, DV=DV, HT=HT, qscale=qscale, dot_bf16=dot_bf16, prefetch=prefetch, stats=stats,
                    line_elems=CACHE_LINE // spec.kv_itemsize, transforms=transforms(spec),
                    mask_mod=spec.mask_mod is not None or spec.key_bounds or spec.custom_mask, kv_dtype=spec.kv_dtype,
@@ -1021,17 +1065,17 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
                    v_scale_groups=spec.v_scale_groups)
     sg, pv = _s_gemm_macros(k), _pv_macros(k)
     NG, scale_load = spec.scale_groups, _scale_macro(k, spec)
-    fine = NG > 0
-    SC_SHAPE = (BN, BM) if k.token_scales else (HT, BN, NG)
-    VSC_SHAPE = (BN, BM) if k.token_scales else (HT, BN, spec.v_scale_groups)  # V's groups: DV/32
+    fine = NG > 0  # per-token or per-group scales (a tile's own, scale_load)
+    # the key tile's scales: per (key, row), or (head, key, group), V's groups DV/32
+    SC_SHAPE, VSC_SHAPE = ((BN, BM),) * 2 if k.token_scales else ((HT, BN, NG), (HT, BN, spec.v_scale_groups))
     s_gemm_dot, s_gemm_heads, s_gemm_staged, s_gemm = sg.dot, sg.heads, sg.staged, sg.plain
     pv_gemm_dot, pv_gemm_dot_heads, pv_gemm_heads, pv_gemm = pv.dot, pv.dot_heads, pv.heads, pv.plain
-    online_softmax, store = _softmax_macro(k), _store_macro(k)
-    q_pairs, q_load = _q_macros(k)
+    (online_softmax, store), (q_pairs, q_load) = (_softmax_macro(k), _store_macro(k)), _q_macros(k)
     # Qt's and Kt's: bf16 bits for dot_decode 1/2, the signed and unsigned bytes of vpdpbusd for 3
     QT_DTYPE, KT_DTYPE = {0: ("float32",) * 2, 3: ("int8", "uint8"), 4: ("int8",) * 2,
                           5: ("int8",) * 2}.get(dot_decode, ("uint16",) * 2)
     PV_DOT = bool(dot_bf16) or dot_decode == 2  # PV on bf16 pairs (Vb, Vt, Pr, Pb)
+    cmask, mask_any = spec.custom_mask, _mask_any_macro(k)  # tiles whose mask bits are all 0: skipped
 
     @T.macro
     def tile(Q, K, V, O, t, nc, X):
@@ -1046,6 +1090,10 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
         l = T.sblock_alloc_buffer((BM,), "float32", scope="local")  # running sum
         alpha = T.sblock_alloc_buffer((BM,), "float32", scope="local")  # exp2(m_old - m_new)
         acc = T.sblock_alloc_buffer((BM, DV), "float32", scope="local")  # unnormalised output
+        if cmask:
+            seen = T.sblock_alloc_buffer((1,), "int32", scope="local")  # the key tile's custom-mask bits, ORed
+        else:  # a placeholder, never read
+            seen = T.meta_var(m)
         if k.qk_int8:
             qs = T.sblock_alloc_buffer((2, BM), "float32", scope="local")  # the rows' max|q|, then s_q; 128·Σq_i
         if fine:  # the key tile's key and value scales: per (key, row) as S, or (head, key, group)
@@ -1107,41 +1155,44 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
                 # reduction over tiles. Inside it each buffer has exactly one writer
                 # block, so every stage is a proper (decomposable) reduction.
                 vc = T.axis.reduce(nc, c)
-                if fine:
-                    scale_load(Ksc, Vsc, t, vc)
-                if dot_bf16:
-                    s_gemm_dot(Ku, Kb, Qp, S, t, vc)
-                else:
-                    if stage_k and HT > 1 and k.raw16:
-                        s_gemm_heads(Ku, Kt, Qt, S, t, vc, Ksc, K, V)
-                    elif stage_k and HT > 1:
-                        s_gemm_heads(K, Kt, Qt, S, t, vc, Ksc, K, V)
-                    elif stage_k and k.raw16:
-                        s_gemm_staged(Ku, Kt, Qt, S, t, vc, Ksc, K, V)
-                    elif stage_k:
-                        s_gemm_staged(K, Kt, Qt, S, t, vc, Ksc, K, V)
+                if cmask:  # whether any row of the tile may see a key of it (else the tile is skipped)
+                    mask_any(seen, t, vc)
+                if t.tile_seen(seen):
+                    if fine:
+                        scale_load(Ksc, Vsc, t, vc)
+                    if dot_bf16:
+                        s_gemm_dot(Ku, Kb, Qp, S, t, vc)
                     else:
-                        s_gemm(K, Qt, S, t, vc, Ksc)
-                if k.score_mod and k.qk_int8:
-                    online_softmax(S, Sm, P, m, m_new, l, alpha, t, vc, qs, Ksc)
-                elif k.score_mod:
-                    online_softmax(S, Sm, P, m, m_new, l, alpha, t, vc, m, Ksc)  # (m for qs: never read)
-                elif k.qk_int8:
-                    online_softmax(S, S, P, m, m_new, l, alpha, t, vc, qs, Ksc)  # (no Sm: never read)
-                else:
-                    online_softmax(S, S, P, m, m_new, l, alpha, t, vc, m, Ksc)
-                if PV_DOT and HT > 1 and k.raw16:
-                    pv_gemm_dot_heads(Vu, P, Pr, Pb, Vb, Vt, acc, alpha, t, vc, Vsc)
-                elif PV_DOT and HT > 1:
-                    pv_gemm_dot_heads(V, P, Pr, Pb, Vb, Vt, acc, alpha, t, vc, Vsc)
-                elif PV_DOT and k.raw16:
-                    pv_gemm_dot(Vu, P, Pr, Pb, Vb, Vt, acc, alpha, t, vc, Vsc)
-                elif PV_DOT:
-                    pv_gemm_dot(V, P, Pr, Pb, Vb, Vt, acc, alpha, t, vc, Vsc)
-                elif HT > 1:
-                    pv_gemm_heads(V, P, Vt, acc, alpha, t, vc, Vsc)
-                else:
-                    pv_gemm(V, P, acc, alpha, t, vc, Vsc)
+                        if stage_k and HT > 1 and k.raw16:
+                            s_gemm_heads(Ku, Kt, Qt, S, t, vc, Ksc, K, V)
+                        elif stage_k and HT > 1:
+                            s_gemm_heads(K, Kt, Qt, S, t, vc, Ksc, K, V)
+                        elif stage_k and k.raw16:
+                            s_gemm_staged(Ku, Kt, Qt, S, t, vc, Ksc, K, V)
+                        elif stage_k:
+                            s_gemm_staged(K, Kt, Qt, S, t, vc, Ksc, K, V)
+                        else:
+                            s_gemm(K, Qt, S, t, vc, Ksc)
+                    if k.score_mod and k.qk_int8:
+                        online_softmax(S, Sm, P, m, m_new, l, alpha, t, vc, qs, Ksc)
+                    elif k.score_mod:
+                        online_softmax(S, Sm, P, m, m_new, l, alpha, t, vc, m, Ksc)  # (m for qs: never read)
+                    elif k.qk_int8:
+                        online_softmax(S, S, P, m, m_new, l, alpha, t, vc, qs, Ksc)  # (no Sm: never read)
+                    else:
+                        online_softmax(S, S, P, m, m_new, l, alpha, t, vc, m, Ksc)
+                    if PV_DOT and HT > 1 and k.raw16:
+                        pv_gemm_dot_heads(Vu, P, Pr, Pb, Vb, Vt, acc, alpha, t, vc, Vsc)
+                    elif PV_DOT and HT > 1:
+                        pv_gemm_dot_heads(V, P, Pr, Pb, Vb, Vt, acc, alpha, t, vc, Vsc)
+                    elif PV_DOT and k.raw16:
+                        pv_gemm_dot(Vu, P, Pr, Pb, Vb, Vt, acc, alpha, t, vc, Vsc)
+                    elif PV_DOT:
+                        pv_gemm_dot(V, P, Pr, Pb, Vb, Vt, acc, alpha, t, vc, Vsc)
+                    elif HT > 1:
+                        pv_gemm_heads(V, P, Vt, acc, alpha, t, vc, Vsc)
+                    else:
+                        pv_gemm(V, P, acc, alpha, t, vc, Vsc)
         store(O, X, acc, m, l, t)
 
     return tile
