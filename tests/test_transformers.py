@@ -537,6 +537,39 @@ def test_deepseek_v3_in_bfloat16_matches_eager_to_rounding(cache):
     assert only_artifact(cache).name.startswith("h4_kv4_d24v16_bfloat16_causal_")
 
 
+def test_packed_sequences_are_served_through_the_custom_mask(cache):
+    """Two sequences packed in one row (position_ids restart, no attention_mask, no cache:
+    transformers builds a packed-sequence mask): the logits equal eager's, through one non-causal
+    artifact with a custom mask (``_cm``) whose bits hold the two causal blocks."""
+    eager, tvm = tiny_llama("eager"), tiny_llama("tvm_attention")
+    ids = prompt(1, length=14)
+    pos = torch.tensor([list(range(6)) + list(range(8))])
+    with torch.no_grad():
+        want, got = (m(ids, position_ids=pos, use_cache=False).logits for m in (eager, tvm))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert only_artifact(cache).name.startswith("h4_kv2_d16_float32_full_cm_"), only_artifact(cache)
+
+
+def test_4d_masks_with_a_bidirectional_prefix(cache):
+    """A prefix-LM mask given to the model as 4-D (Gemma-3's image tokens: the first 5 tokens see
+    each other both ways, the rest is causal): the boolean form equals SDPA's logits (True:
+    visible; eager would add the booleans to the scores) and the additive 0/−inf form equals
+    eager's, both through the custom mask, one artifact."""
+    n = 12
+    seen = torch.tril(torch.ones(n, n, dtype=torch.bool))
+    seen[:5, :5] = True
+    boolean = seen[None, None].expand(2, 1, n, n)
+    additive = torch.zeros(2, 1, n, n).masked_fill(~boolean, float("-inf"))
+    ids = prompt(2, length=n)
+    tvm = tiny_llama("tvm_attention")
+    with torch.no_grad():
+        for mask, peer in ((boolean, "sdpa"), (additive, "eager")):
+            want = tiny_llama(peer)(ids, attention_mask=mask).logits
+            torch.testing.assert_close(tvm(ids, attention_mask=mask).logits, want, rtol=1e-4, atol=1e-4,
+                                       msg=lambda m, peer=peer: f"{peer}: {m}")
+    assert hf.stats()["builds"] == 1 and only_artifact(cache).name.startswith("h4_kv2_d16_float32_full_cm_")
+
+
 def test_dropout_in_training_raises(cache):
     tvm = tiny_llama("tvm_attention", attention_dropout=0.1)
     tvm.train()
@@ -550,9 +583,13 @@ def test_dropout_in_training_raises(cache):
     (dict(position_bias=torch.zeros(1, 4, 3, 3)), "position bias"),
     (dict(dtype=torch.float64), "dtype float64"),
     (dict(value=torch.zeros(1, 2, 4, 8)), "these shapes"),  # value's keys must be key's
-    (dict(attention_mask=torch.zeros(1, 1, 3, 3, dtype=torch.bool)), "custom 4-D attention mask"),
-    # an additive float mask (neither 0 nor -inf: a bias) stays refused; only 2D padding is served
-    (dict(attention_mask=torch.full((1, 1, 3, 3), -1.0)), "custom 4-D attention mask"),
+    # a 4-D mask is served through the custom mask when it is the same for every head and, additive,
+    # only 0 and -inf; a bias, the dtype's minimum or a mask per head stays refused
+    (dict(attention_mask=torch.full((1, 1, 3, 3), -1.0)), "additive attention mask: it holds values other than"),
+    (dict(attention_mask=torch.full((1, 1, 3, 3), torch.finfo(torch.float32).min)), "additive attention mask"),
+    (dict(attention_mask=torch.eye(3, dtype=torch.bool).repeat(1, 4, 1, 1).index_fill_(1, torch.tensor([2]), True)),
+     "per-head attention mask"),
+    (dict(attention_mask=torch.ones(1, 1, 2, 3, dtype=torch.bool)), "this attention mask: shape"),
 ])
 def test_unsupported_features_raise_by_name(kwargs, match):
     dtype = kwargs.pop("dtype", torch.float32)

@@ -41,12 +41,14 @@ something; no real token reads them). Padding elsewhere (right padding, a hole: 
 row's first token, e.g. a pad token inside a prompt given to ``generate()`` without an
 attention_mask) runs the configuration's key-mask variant (``LayerConfig.key_mask``): a mask
 modifier reading the 2D mask's columns of the keys handed over (``keep``), evaluated per score,
-skipping no tile; only calls with such zeros take it. What the kernel cannot compute raises
-:class:`UnsupportedAttention` naming the feature — never a silent fallback: an attention mask
-that is not causal, causal sliding-window or full with 2D padding (padding in a non-causal
-model, packed sequences, an offset cache, custom 4D masks, a sliding window over a static cache
-not full yet), attention dropout > 0 (training mode), a position bias, a dtype other than
-float32/bfloat16/float16 or a device other than the CPU. A bfloat16 model runs the bf16 kernels
+skipping no tile; only calls with such zeros take it. Any other mask (packed sequences, padding
+in a non-causal model, an offset cache, a sliding window over a static cache not full yet, a 4-D
+mask given to the model: a bidirectional prefix...) runs the configuration's custom-mask variant
+(``LayerConfig.custom_mask``, non-causal: the mask's bits are the whole truth), booleans or an
+additive mask of 0 and −inf, the same for every head. What the kernel cannot compute raises
+:class:`UnsupportedAttention` naming the feature — never a silent fallback: an additive mask
+holding other values (a bias), a mask per head, attention dropout > 0 (training mode), a
+position bias, a dtype other than float32/bfloat16/float16 or a device other than the CPU. A bfloat16 model runs the bf16 kernels
 (AVX512-BF16 dot products where the CPU has them). The kernel has no backward pass: a forward
 with autograd works, ``backward`` through it raises. A sliding layer's cache past its window (a prompt longer than the
 window) hands over its last keys only, from ``kv_offset``: the keys still end at the last query,
@@ -57,8 +59,9 @@ registered under the implementation's name (``masking_utils.AttentionMaskInterfa
 returns ``None`` for the plain causal (or full, or causal sliding-window) case — the kernel applies
 it itself —, a tagged ``(batch, 1, 1, 2)`` int32 plan for a static cache's keys in use and a left
 padding's ``kv_start`` (``(batch, 1, 1, 2 + keys)`` with other padding: the key mask after them),
-and otherwise the boolean 4D mask ``sdpa_mask`` would build, tagged with the reason; the
-attention function then raises on any mask that is neither. Without a registered mask function
+and otherwise the boolean 4D mask ``sdpa_mask`` would build (tagged with why the plans cannot
+say it), which the attention function packs into a custom mask (once per mask: the packed bits
+are cached on it). Without a registered mask function
 transformers would hand the attention ``None`` even for a padded batch
 (``masking_utils._preprocess_mask_arguments`` exits early for unknown names), so padding would go
 unnoticed: ``register`` registers both.
@@ -142,6 +145,11 @@ class LayerConfig:
     #: the value head size where it differs from ``head_dim`` (DeepSeek's MLA, unabsorbed: query
     #: and key 192 columns, value and output 128); None when equal
     head_dim_v: int | None = None
+    #: the call's 4-D mask as a custom mask (``custom_mask``, ``mask_indptr``: FlashInfer's packed
+    #: bits of each sequence's (query, key) booleans): what the plans above cannot say (packed
+    #: sequences, a bidirectional prefix, a 4-D mask given to the model); its bits hold the
+    #: causality and the window, so such a configuration is built non-causal and windowless
+    custom_mask: bool = False
 
     def spec(self):
         """The dynamic :class:`~tvm_attention.spec.AttentionSpec` built for this configuration
@@ -153,13 +161,15 @@ class LayerConfig:
                              dynamic=DYNAMIC,
                              layout=self.layout, window=None if self.window is None else (self.window, 0),
                              softcap=self.softcap, sinks=self.sinks, kv_start=self.kv_start,
+                             custom_mask=self.custom_mask,
                              **(dict(mask_mod=KEY_MASK_MOD, mod_tensors=KEY_MASK_TENSORS) if self.key_mask else {}))
 
     @property
     def variants(self) -> dict[str, Any]:
         """The variants that are on, as the spec's fields (what a key records)."""
         return {k: v for k, v in (("window", self.window), ("softcap", self.softcap), ("sinks", self.sinks),
-                                  ("kv_start", self.kv_start), ("key_mask", self.key_mask)) if v not in (None, False)}
+                                  ("kv_start", self.kv_start), ("key_mask", self.key_mask),
+                                  ("custom_mask", self.custom_mask)) if v not in (None, False)}
 
     def key(self, target) -> str:
         """Folder name of this configuration's artifact for ``target`` (a ``tvm.target.Target``):
@@ -377,7 +387,11 @@ def attention_forward(
     D)`` and :func:`attention_mask` hands over the keys in use as ``cache_seqlens`` (a tagged
     ``(B, 1, 1, 1)`` int32 tensor): the kvcache kernel reads only those, in place."""
     plan = getattr(attention_mask, _PLAN, None)
-    _check_supported(module, query, key, value, None if plan is not None else attention_mask, dropout, kwargs)
+    packed = None
+    if plan is None and attention_mask is not None and getattr(attention_mask, "ndim", 0) == 4:
+        packed = _custom_mask_of(attention_mask, query, key)  # every visible pair in its bits
+    _check_supported(module, query, key, value, None if plan is not None or packed is not None else attention_mask,
+                     dropout, kwargs)
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     head_dim = query.shape[-1]
     scale = float(scaling) if scaling is not None else head_dim ** -0.5
@@ -385,10 +399,13 @@ def attention_forward(
     kv_start = attention_mask[:, 0, 0, 1] if plan is not None and plan["kv_start"] else None
     keep = attention_mask[:, 0, 0, 2:] if plan is not None and plan["keep"] else None
     window, softcap, sinks = _variants_of(module, causal, kwargs)
+    if packed is not None:  # the bits hold causality and the window
+        causal, window = False, None
     cfg = (query.shape[1], key.shape[1], head_dim, _DTYPES[query.dtype], causal, scale)
     head_dim_v = value.shape[-1] if value.shape[-1] != head_dim else None
     # the fields after layout, in LayerConfig's order: the variants, then the value head size
-    variants = (window, softcap, sinks is not None, kv_start is not None, keep is not None, head_dim_v)
+    variants = (window, softcap, sinks is not None, kv_start is not None, keep is not None, head_dim_v,
+                packed is not None)
     if cache_seqlens is None and (artifact_root(), cfg + ("kvcache",) + variants) in _STATE.kernels:
         # every key is in use (a static cache that is full, e.g. generate's last step): the
         # kvcache kernel already loaded computes the same, with no build of the bhsd one
@@ -402,7 +419,7 @@ def attention_forward(
         kernel = _one_thread(kernel)  # a decode step: runs in this thread, no pool to wake
     # the layout's index array, then the variants' arguments (sinks, kv_start), then the key
     # mask's tensor (the modifier's), in call order
-    extra = tuple(x.contiguous() for x in (cache_seqlens, sinks, kv_start, keep) if x is not None)
+    extra = tuple(x.contiguous() for x in (cache_seqlens, sinks, kv_start, *(packed or ()), keep) if x is not None)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         out = _NoBackward.apply(kernel, q, k, v, *extra)
     else:
@@ -431,8 +448,8 @@ def attention_mask(
     ``(batch, 1, 1, 1)`` int32 tensor tagged for the attention function, which then runs the
     kvcache kernel. Left padding adds each row's ``kv_start``; other zeros in the 2D mask (right
     padding, holes) add its columns of the keys for the key-mask variant. Otherwise the boolean
-    4D mask ``sdpa_mask`` builds, tagged with why, so that the attention function refuses it by
-    name."""
+    4D mask ``sdpa_mask`` builds, tagged with why, which the attention function serves as a
+    custom mask."""
     from transformers import masking_utils as mu
 
     if mask_function is None:
@@ -507,6 +524,43 @@ def _variants_of(module, causal: bool, kwargs) -> tuple[int | None, float | None
     if sinks is not None:
         sinks = sinks.detach().to(torch.float32).reshape(-1)
     return window, softcap, sinks
+
+
+#: the packed bits of a 4-D mask, cached on the mask: transformers hands one mask to every layer
+_PACKED = "_tvm_attention_packed"
+
+
+def _custom_mask_of(mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(custom_mask, mask_indptr)`` of a 4-D attention mask ``(batch or 1, heads or 1, q, keys)``:
+    booleans (True: visible) or an additive mask of 0 and −inf, the same for every head; else
+    :class:`UnsupportedAttention` naming what it holds (a bias: other additive values; a mask per
+    head)."""
+    from ..masks import pack_mask  # only calls with a 4-D mask need it
+
+    cached = getattr(mask, _PACKED, None)
+    if cached is not None:
+        return cached
+    batch, rows, keys = query.shape[0], query.shape[2], key.shape[2]
+    if mask.dtype == torch.bool:
+        seen = mask
+    elif mask.is_floating_point():
+        seen = mask == 0
+        if not bool((seen | torch.isneginf(mask)).all()):
+            raise _unsupported("this additive attention mask", "it holds values other than 0 and -inf (a bias, or "
+                               "the dtype's minimum instead of -inf)", _OTHER)
+    else:
+        raise _unsupported("this attention mask", f"a 4-D mask of {mask.dtype} (expected bool, or float 0/-inf)",
+                           _OTHER)
+    if seen.shape[-2:] != (rows, keys) or seen.shape[0] not in (1, batch):
+        raise _unsupported("this attention mask", f"shape {tuple(seen.shape)} for {batch} sequences of {rows} queries "
+                           f"and {keys} keys", _OTHER)
+    if seen.shape[1] > 1 and not bool((seen == seen[:, :1]).all()):
+        raise _unsupported("a per-head attention mask", f"its {seen.shape[1]} heads differ", _OTHER)
+    packed, indptr = pack_mask(seen[:, 0].expand(batch, rows, keys).cpu().numpy())
+    out = (torch.from_numpy(packed), torch.from_numpy(indptr))
+    with contextlib.suppress(AttributeError, TypeError):
+        setattr(mask, _PACKED, out)
+    return out
 
 
 def _check_supported(module, query, key, value, mask, dropout, kwargs) -> None:
