@@ -203,14 +203,16 @@ def test_key_tiles_no_row_sees_are_skipped(name, rows, keys, hidden):
 
 
 def test_bench_masks_tiny(tmp_path):
-    """``bench --masks --tiny``: the skipping point (no mask, all ones, mostly hidden) and the tree
-    verify against a causal append step, written as masks.md/json (goals are the benchmark's)."""
+    """``bench --masks --tiny``: the skipping point (no mask, all ones, mostly hidden), the tree
+    verify against a causal append step and a shared prefix read once against each sequence
+    reading it, written as masks.md/json (goals are the benchmark's)."""
     import json
 
     from tvm_attention import cli
 
     assert cli.main(["bench", "--masks", "--tiny", "--threads", "2", "--out", str(tmp_path)]) == 0
-    skip, tree = json.loads((tmp_path / "masks.json").read_text())["rows"]
+    skip, tree, shared = json.loads((tmp_path / "masks.json").read_text())["rows"]
+    assert shared["point"] == "shared prefix" and shared["cascade_ms"] > 0 and shared["max_abs_diff"] < 1e-5
     assert skip["point"] == "skipping" and skip["hidden_share"] > 0.5
     assert min(skip["plain_ms"], skip["ones_ms"], skip["hidden_ms"]) > 0 and skip["hidden_vs_ones"] > 0
     assert tree["point"] == "tree verify" and tree["tree_ms"] > 0 and tree["causal_ms"] > 0

@@ -8,6 +8,10 @@ one run (GQA ``heads``:``kv_heads``, D ``head_dim``, fp32).
   draft tokens in a random tree, appended and attended to in one call through their tree mask
   (``tvm_attention.masks.tree_masks``), against a causal append step of as many tokens (goal:
   ≤ 1.3× its time).
+* **A shared prefix read once** (``kvcache``): ``shared_seqs`` sequences sharing a ``prefix``-key
+  prompt, ``own`` keys of their own each, one decode step, through ``tvm_attention.cascade``
+  against the same step with each sequence's cache holding the prefix itself (goal: ≥ 10×
+  faster; equal to 1e-5).
 
 Every variant of a point is timed alternately over ``rounds`` rounds (best kept).
 """
@@ -27,7 +31,7 @@ from ..timing import time_callable
 from . import Interrupted, Progress, mark_interrupted, partial_line, write_report
 
 #: Speed goals of issue 45 (checked in the report, never by a test).
-GOALS = {"hidden_vs_ones": 5.0, "tree_vs_causal": 1.3}
+GOALS = {"hidden_vs_ones": 5.0, "tree_vs_causal": 1.3, "cascade_speedup": 10.0}
 #: the key block a row sees in the skipping point: one in ten of them
 BLOCK = 128
 
@@ -41,13 +45,16 @@ class Config:
     batch: int = 4
     cache: int = 4096
     drafts: int = 64
+    shared_seqs: int = 32
+    prefix: int = 16384
+    own: int = 256
     rounds: int = 3
     min_repeat_ms: int = 100
 
 
 def quick_config() -> Config:
-    return Config(heads=4, kv_heads=2, head_dim=32, seq=1280, batch=2, cache=256, drafts=8, rounds=1,
-                  min_repeat_ms=5)
+    return Config(heads=4, kv_heads=2, head_dim=32, seq=1280, batch=2, cache=256, drafts=8, shared_seqs=4, prefix=512,
+                  own=16, rounds=1, min_repeat_ms=5)
 
 
 def run(cfg: Config, threads: int | None = None, say: Callable[[str], None] = print) -> dict[str, Any]:
@@ -59,9 +66,9 @@ def run(cfg: Config, threads: int | None = None, say: Callable[[str], None] = pr
     meta: dict[str, Any] = {"cpu": host_cpu(), "threads": threads, "date": datetime.datetime.now().isoformat(
         timespec="seconds"), "config": dataclasses.asdict(cfg), "goals": GOALS}
     rows: list[dict[str, Any]] = []
-    progress = Progress(2)
+    progress = Progress(3)
     try:
-        for point in (_skipping, _tree):
+        for point in (_skipping, _tree, _cascade):
             rows.append(point(cfg))
             progress.advance()
             say(f"{progress.tag()} " + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
@@ -125,6 +132,30 @@ def _tree(cfg: Config) -> dict[str, Any]:
             **{f"{n}_ms": s * 1e3 for n, s in t.items()}, "tree_vs_causal": t["tree"] / t["causal"]}
 
 
+def _cascade(cfg: Config) -> dict[str, Any]:
+    from .. import cascade  # the shared-prefix composition under test
+
+    n, kh, d = cfg.shared_seqs, cfg.kv_heads, cfg.head_dim
+    spec = AttentionSpec(batch=n, heads=cfg.heads, kv_heads=kh, seq_q=1, seq_kv=cfg.prefix + cfg.own, head_dim=d,
+                         causal=True, layout="kvcache", return_lse=True)
+    kp, ks = _kernel(cascade.prefix_spec(spec)), _kernel(cascade.suffix_spec(spec))  # ks is spec's own kernel
+    rng = np.random.default_rng(0)
+    f32 = lambda *s: rng.standard_normal(s, dtype=np.float32)  # noqa: E731
+    q, pk, pv, sk, sv = f32(n, cfg.heads, 1, d), f32(1, kh, cfg.prefix, d), f32(1, kh, cfg.prefix, d), \
+        f32(n, kh, cfg.own, d), f32(n, kh, cfg.own, d)
+    full_k = np.concatenate([np.broadcast_to(pk, (n, kh, cfg.prefix, d)), sk], axis=2)  # each its own copy
+    full_v = np.concatenate([np.broadcast_to(pv, (n, kh, cfg.prefix, d)), sv], axis=2)
+    prefix, suffix = (pk, pv, np.asarray([cfg.prefix], np.int32)), (sk, sv, np.full(n, cfg.own, np.int32))
+    whole = np.full(n, cfg.prefix + cfg.own, np.int32)
+    got, want = cascade.attend(kp, ks, q, prefix, suffix), ks(q, full_k, full_v, whole)
+    err = float(np.abs(np.asarray(got[0]) - np.asarray(want[0])).max())
+    t = _best(cfg, {"cascade": lambda: cascade.attend(kp, ks, q, prefix, suffix),
+                    "each": lambda: ks(q, full_k, full_v, whole)})
+    return {"point": "shared prefix", "sequences": n, "prefix": cfg.prefix, "own": cfg.own,
+            **{f"{k}_ms": s * 1e3 for k, s in t.items()}, "cascade_speedup": t["each"] / t["cascade"],
+            "max_abs_diff": err}
+
+
 def markdown(report: dict[str, Any]) -> str:
     m = report["meta"]
     c = m["config"]
@@ -141,6 +172,12 @@ def markdown(report: dict[str, Any]) -> str:
                       f"| {r['hidden_share']:.0%} hidden | {r['hidden_ms']:.1f} (**{r['hidden_vs_ones']:.2f}×** faster "
                       "than all ones) |",
                       ""]
+        elif r["point"] == "shared prefix":
+            lines += [f"Shared prefix: {r['sequences']} sequences sharing a {r['prefix']}-key prefix, {r['own']} keys "
+                      f"of their own, one decode step (goal: ≥ {GOALS['cascade_speedup']:g}× faster than each "
+                      f"sequence reading the prefix itself): cascade {r['cascade_ms']:.2f} ms, each its own "
+                      f"{r['each_ms']:.2f} ms, **{r['cascade_speedup']:.2f}×**; largest difference "
+                      f"{r['max_abs_diff']:.1e}.", ""]
         else:
             lines += [f"Tree verify: batch {r['batch']} × {r['cache']} keys, {r['drafts']} drafts in a random tree "
                       f"appended in the call, against a causal append step of {r['drafts']} tokens (goal: ≤ "
