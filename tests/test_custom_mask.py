@@ -5,6 +5,8 @@ the library and the loader check the bytes each sequence needs (at 2³¹−1 too
 a boolean mask; tree attention over a cache with the drafts appended in the same call."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -87,7 +89,8 @@ def test_split_kv_and_rows_without_a_key():
 def test_tree_attention_with_the_drafts_appended():
     """Speculative decoding's verify step: 7 draft tokens per sequence, a tree of them
     (``parents``), appended to the cache in the same call; each draft attends to the prefix,
-    itself and its ancestors: the tree written out as ancestors, per row, in float64."""
+    itself and its ancestors: the tree written out as ancestors, per row, in float64. A tree of
+    one node is the plain decode step."""
     spec = AttentionSpec(batch=2, seq_q=7, seq_kv=64, **GQA, layout="kvcache", append=True, custom_mask=True)
     k, lay = kernel_of(built(spec)), spec.layout_info
     trees = [[-1, 0, 0, 1, 1, 2, -1], [-1, 0, 1, 2, 3, 4, 5]]  # branching with two roots; a chain
@@ -108,6 +111,12 @@ def test_tree_attention_with_the_drafts_appended():
                 s = keys[h // 2, seen] @ x["q"][b, h, i].astype(np.float64) * spec.scale
                 p = np.exp(s - s.max())
                 np.testing.assert_allclose(o[b, h, i], p @ vals[h // 2, seen] / p.sum(), atol=1e-5, rtol=1e-5)
+    # a tree of one node per sequence (one draft: the prefix and itself) is the plain decode step
+    one = lay.random_inputs(spec, {"seq_q": 1, "cache_seqlens": prefix, "max_len": 50}, seed=2)
+    one["custom_mask"], one["mask_indptr"] = tree_masks([[-1], [-1]], prefix)
+    want = lay.reference_outputs(dataclasses.replace(spec, custom_mask=False),
+                                 {n: a for n, a in one.items() if n not in ("custom_mask", "mask_indptr")})[0]
+    np.testing.assert_allclose(k(*[one[n] for n in call_names(spec)]), want, atol=1e-5, rtol=1e-5)
 
 
 def test_the_library_and_the_loader_check_the_bytes():
