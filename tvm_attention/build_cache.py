@@ -88,6 +88,7 @@ GENERATOR_MODULES = (
     "tvm_attention.task_mods",
     "tvm_attention.modifiers",
     "tvm_attention.quant",
+    "tvm_attention.masks",
     "tvm_attention.reference",
     "tvm_attention.visibility",
     "tvm_attention.cuda_tools",

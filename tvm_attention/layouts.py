@@ -711,6 +711,7 @@ def check_variant_arrays(spec, arrays: Mapping[str, np.ndarray], key_counts, bat
     cache's scales positive and finite, and modifier tensors with no empty dim."""
     check_kv_start(arrays, key_counts)
     if getattr(spec, "custom_mask", False):
+        query_counts = np.shape(arrays["q"])[2] if query_counts is None else query_counts
         check_custom_mask(arrays, np.broadcast_to(np.asarray(query_counts, np.int64), (batch,)),
                           np.broadcast_to(np.asarray(key_counts, np.int64), (batch,)), batch)
     if getattr(spec, "key_bounds", False):
@@ -1033,7 +1034,7 @@ class KVCache(Layout):
             b = int(np.argmax(lens))
             plus = f" + seq_q={new} appended" if new else ""
             raise KernelArgumentError(f"cache_seqlens[{b}]={int(lens[b])}{plus} exceeds the cache: {what}")
-        check_variant_arrays(spec, arrays, lens + new, len(lens), bound["seq_q"])
+        check_variant_arrays(spec, arrays, lens + new, len(lens), bound.get("seq_q"))
         if new and spec.kv_dtype == "int8":
             for name in ("kv_new",) if self.latent else ("k_new", "v_new"):
                 if np.isnan(arrays[name]).any():
