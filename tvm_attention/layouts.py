@@ -1248,7 +1248,22 @@ class Paged(KVCache):
         return super().describe_case(case) + (", shared prefix page" if case.get("shared_prefix") else "")
 
 
-class MLA(KVCache):
+class _Latent:
+    """What the latent layouts share: one cache of rows for every head (K, V its first
+    ``head_dim_v`` columns), which the cache layouts' code writes as a cache of one kv head
+    (:meth:`Layout._headed`: a view with that axis), each key's row read once."""
+
+    latent = True
+    can_split = False
+
+    def write_keys(self, spec, arrays, cache, b, start, x):
+        super().write_keys(spec, arrays, self._headed(cache), b, start, x)  # x (1, n, ...): the one kv head
+
+    def kv_bytes(self, spec, case):
+        return sum(self._keys(spec, case)) * spec.head_dim * spec.kv_itemsize  # one row per key, read once
+
+
+class MLA(_Latent, KVCache):
     """DeepSeek's multi-head latent attention (MLA) over a contiguous latent cache: one row of
     ``head_dim`` values per token (``kv_lora_rank + rope_dim``: 512 + 64 = 576 for DeepSeek-V3),
     shared by every query head. K is the whole row, V its first ``head_dim_v`` columns: the same
@@ -1266,9 +1281,7 @@ class MLA(KVCache):
         Arg("cache_seqlens", ("batch",), "int32"),
         Arg("o", ("batch", "heads", "seq_q", "head_dim_v"), output=True),
     )
-    latent = True
     addressing = "LatentCache"
-    can_split = False
     cli_help = "MLA: q (B, H, Sq, D) against one latent kv_cache (B, max_len, D), v its first --head-dim-v columns"
 
     def dims(self, spec) -> dict[str, int | str]:
@@ -1279,14 +1292,8 @@ class MLA(KVCache):
         k = arrays["kv_cache"][b:b + 1, None, :length]  # (1, 1, length, D): one kv head
         return k, k[..., :spec.v_dim]
 
-    def write_keys(self, spec, arrays, cache, b, start, x):
-        cache[b, start:start + x.shape[1]] = x[0]  # x (1, n, D): the one kv head
 
-    def kv_bytes(self, spec, case):
-        return sum(self._keys(spec, case)) * spec.head_dim * spec.kv_itemsize  # one row per key, read once
-
-
-class MLAPaged(Paged):
+class MLAPaged(_Latent, Paged):
     """:class:`MLA` over a paged latent cache (vLLM's and FlashMLA's): key ``j`` of sequence ``b``
     is row ``j % page_size`` of page ``block_table[b, j // page_size]`` of ``kv_pages (num_pages,
     page_size, head_dim)``."""
@@ -1301,9 +1308,7 @@ class MLAPaged(Paged):
         Arg("cache_seqlens", ("batch",), "int32"),
         Arg("o", ("batch", "heads", "seq_q", "head_dim_v"), output=True),
     )
-    latent = True
     addressing = "LatentPaged"
-    can_split = False
     cli_help = "MLA: one latent kv_pages (pages, page_size, D) + block_table + cache_seqlens"
 
     def dims(self, spec) -> dict[str, int | str]:
@@ -1316,14 +1321,6 @@ class MLAPaged(Paged):
         j = np.arange(length)
         k = arrays["kv_pages"][arrays["block_table"][b, j // p], j % p][None, None]  # (1, 1, length, D)
         return k, k[..., :spec.v_dim]
-
-    def write_keys(self, spec, arrays, cache, b, start, x):
-        p = spec.page_size
-        j = np.arange(start, start + x.shape[1])
-        cache[arrays["block_table"][b, j // p], j % p] = x[0]  # x (1, n, D): the one kv head
-
-    def kv_bytes(self, spec, case):
-        return sum(self._keys(spec, case)) * spec.head_dim * spec.kv_itemsize
 
 
 def paged_from_contiguous(k_cache: np.ndarray, page_size: int, rng: np.random.Generator | None = None):

@@ -71,6 +71,16 @@ class Interrupted(KeyboardInterrupt):
         self.partial, self.completed, self.total = partial, completed, total
 
 
+def best_of_alternated(timers: dict[str, Callable[[], float]], rounds: int) -> dict[str, float]:
+    """The best time (s) of each timer over ``rounds`` rounds, taken alternately (forward, then
+    backward), so that a drift of the machine's speed reaches each of them alike."""
+    best = {n: float("inf") for n in timers}
+    for r in range(rounds):
+        for n in (list(timers) if r % 2 == 0 else list(reversed(timers))):
+            best[n] = min(best[n], timers[n]())
+    return best
+
+
 def mark_interrupted(meta: dict[str, Any], completed: int, total: int) -> None:
     """The report meta of a partial run: ``"interrupted": true, "completed": i, "total": N``."""
     meta.update(interrupted=True, completed=completed, total=total)

@@ -28,7 +28,7 @@ from ..masks import pack_mask, tree_masks
 from ..spec import AttentionSpec
 from ..threads import set_num_threads
 from ..timing import time_callable
-from . import Interrupted, Progress, mark_interrupted, partial_line, write_report
+from . import Interrupted, Progress, best_of_alternated, mark_interrupted, partial_line, write_report
 
 #: Speed goals of issue 45 (checked in the report, never by a test).
 GOALS = {"hidden_vs_ones": 5.0, "tree_vs_causal": 1.3, "cascade_speedup": 10.0}
@@ -81,11 +81,8 @@ def run(cfg: Config, threads: int | None = None, say: Callable[[str], None] = pr
 
 def _best(cfg: Config, calls: dict[str, Callable[[], Any]]) -> dict[str, float]:
     """Best median time (s) of each call over ``cfg.rounds`` alternated rounds."""
-    best = {n: float("inf") for n in calls}
-    for r in range(cfg.rounds):
-        for n in (list(calls) if r % 2 == 0 else list(reversed(calls))):
-            best[n] = min(best[n], time_callable(calls[n], repeat=3, min_repeat_ms=cfg.min_repeat_ms).median_s)
-    return best
+    return best_of_alternated({n: (lambda fn=fn: time_callable(fn, repeat=3, min_repeat_ms=cfg.min_repeat_ms).median_s)
+                               for n, fn in calls.items()}, cfg.rounds)
 
 
 def _kernel(spec: AttentionSpec):

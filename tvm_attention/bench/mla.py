@@ -32,7 +32,7 @@ from ..build import build_kernel
 from ..spec import AttentionSpec
 from ..threads import set_num_threads
 from ..timing import aligned_inputs, time_built, time_callable
-from . import Interrupted, Progress, mark_interrupted, partial_line, write_report
+from . import Interrupted, Progress, best_of_alternated, mark_interrupted, partial_line, write_report
 from .cpu import compute_roofs_meta
 from .peers import GgmlDecode
 
@@ -104,15 +104,6 @@ def _once(fn: Callable[[], Any]) -> float | None:
     return t if t > SLOW_CALL_S else None
 
 
-def _alternate(timers: dict[str, Callable[[], float]], rounds: int) -> dict[str, float]:
-    """Best of ``rounds`` alternated rounds of each timer (seconds)."""
-    best = {n: float("inf") for n in timers}
-    for r in range(rounds):
-        for n in (list(timers) if r % 2 == 0 else list(reversed(timers))):
-            best[n] = min(best[n], timers[n]())
-    return best
-
-
 def mla_spec(cfg: Config, dtype: str, batch: int, cache: int, heads: int | None = None,
              kv_dtype: str | None = None) -> AttentionSpec:
     """The ``mla`` decode step of a point (one new token; the cache's length its representative)."""
@@ -125,7 +116,7 @@ def _steps(cfg: Config, builds: dict[str, tuple[AttentionSpec, Any]], batch: int
     """Best times (s) of decode steps ``name -> (spec, knobs)`` built and timed alternately."""
     case = {"seq_q": 1, "cache_seqlens": [cache] * batch, "max_len": cache}
     built = {n: build_kernel(s, knobs=k) for n, (s, k) in builds.items()}
-    return _alternate({n: (lambda b=built[n], s=builds[n][0]: time_built(
+    return best_of_alternated({n: (lambda b=built[n], s=builds[n][0]: time_built(
         b, s, repeat=3, min_repeat_ms=cfg.min_repeat_ms, case=case).median_s) for n in builds}, cfg.rounds)
 
 
@@ -179,7 +170,7 @@ def _decode(cfg: Config, dtype: str, batch: int, cache: int, threads: int, meta:
             timers["llamacpp"] = lambda: time_callable(ggml_step.call, repeat=3,
                                                        min_repeat_ms=cfg.min_repeat_ms).median_s
     try:
-        best = {**_alternate(timers, cfg.rounds), **once}
+        best = {**best_of_alternated(timers, cfg.rounds), **once}
     finally:
         if ggml_step is not None:
             ggml_step.close()
@@ -223,7 +214,7 @@ def _prefill(cfg: Config, dqk: int, dv: int) -> dict[str, Any]:
     built = {n: build_kernel(s) for n, s in specs.items()}
     timers = {n: (lambda b=built[n], s=s: time_built(b, s, repeat=3, min_repeat_ms=cfg.min_repeat_ms).median_s)
               for n, s in specs.items()}
-    best = _alternate(timers, cfg.rounds)
+    best = best_of_alternated(timers, cfg.rounds)
     row: dict[str, Any] = {"point": "prefill", "dtype": "float32", "seq": cfg.seq, "heads": cfg.prefill_heads}
     for n, t in best.items():
         row[f"{n}_ms"], row[f"{n}_gflops"] = t * 1e3, specs[n].flops() / t / 1e9

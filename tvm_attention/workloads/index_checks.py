@@ -35,7 +35,8 @@ import tvm
 from tvm import s_tir, tirx
 from tvm.script import tirx as T
 
-from ..layouts import INDEX_ERROR_ARG, INDEX_ERROR_BITS, has_index_arrays, kv_scale_names
+from ..layouts import (INDEX_ERROR_ARG, INDEX_ERROR_BITS, KV_NEW_ARGS, LATENT_NEW_ARGS, has_index_arrays,
+                       kv_scale_names)
 from ..spec import MAX_SEQ_LEN, AttentionSpec
 from ..tvm_internals import fast_macros
 
@@ -108,17 +109,22 @@ def kv_start_ok(ks_b, keys):
     return tirx.all(ks_b >= 0, _i64(ks_b) <= keys)
 
 
+#: the first new-keys argument of an appending kernel, per kind of cache (``layouts``' tables:
+#: their dims say which axis is seq_q)
+_NEW_ARGS = (KV_NEW_ARGS[0], LATENT_NEW_ARGS[0])
+
+
 def _appends(buf) -> bool:
     """Whether the kernel appends the call's new keys (``k_new``; a latent layout's ``kv_new``)."""
-    return "k_new" in buf or "kv_new" in buf
+    return any(a.name in buf for a in _NEW_ARGS)
 
 
 def _new(buf):
-    """Keys an appending kernel adds to each sequence (``k_new``'s seq_q, ``kv_new (B, Sq, D)``'s),
-    else 0."""
-    if "kv_new" in buf:
-        return buf["kv_new"].shape[1]
-    return buf["k_new"].shape[2] if "k_new" in buf else 0
+    """Keys an appending kernel adds to each sequence (its new keys' seq_q), else 0."""
+    for a in _NEW_ARGS:
+        if a.name in buf:
+            return buf[a.name].shape[a.dims.index("seq_q")]
+    return 0
 
 
 _APPENDED = " (with append: cache_seqlens[b] + seq_q, the keys after it)"
