@@ -4,12 +4,15 @@ merged states equal the reference over prefix + suffix, in the kvcache and paged
 sinks (joined once), lse, several tokens per sequence and a suffix of the new tokens alone."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from tvm_attention import cascade
 from tvm_attention.artifact import kernel_of
 from tvm_attention.layouts import paged_from_contiguous
+from tvm_attention.masks import pack_mask
 from tvm_attention.reference import reference_attention
 from tvm_attention.spec import AttentionSpec, SpecError
 
@@ -53,15 +56,106 @@ def test_shared_prefix_equals_the_reference(layout, sq, sinks):
         np.testing.assert_allclose(lse[n:n + 1], ref_lse, atol=1e-5, rtol=1e-5)
 
 
-def test_stacking_round_trips_and_positional_variants_are_refused():
+#: the variants' pairs: (layout, Sq, spec keywords). Each pair turns on several at once (a build
+#: per pair): what hides keys (a left window, kv_start, key bounds, a custom mask) becomes the
+#: prefix kernel's bits, ALiBi and the modifiers read each stacked row's position, the suffix's
+#: shift by the prefix's length, append writes the new keys
+VARIANT_CASES = [
+    ("kvcache", 2, dict(window=(40, 0), alibi=True, kv_start=True, softcap=20.0, sinks=True)),
+    ("paged", 3, dict(append=True, key_bounds=True, custom_mask=True, mod_tensors=(("w", "float32", ("batch",)),),
+                      score_mod="def f(s, b, h, q, kv):\n    t = s + w[b] * 0.5\n    return t - 0.002 * (q - kv) * (h % 3)",
+                      mask_mod="lambda b, h, q, kv: (q + kv + h) % 5 != 0")),
+]
+
+
+@pytest.mark.parametrize("layout, sq, kw", VARIANT_CASES, ids=["window-alibi-kvstart", "append-mods-bounds-mask"])
+def test_shared_prefix_with_positional_variants(layout, sq, kw):
+    spec = AttentionSpec(batch=N, heads=H, kv_heads=KH, seq_q=sq, seq_kv=64, head_dim=D, causal=True, layout=layout,
+                         page_size=16 if layout == "paged" else None, **kw)
+    kp, ks = kernels(spec)
+    rng = np.random.default_rng(7)
+    f32 = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
+    append = spec.append
+    q, pk, pv = f32(N, H, sq, D), f32(1, KH, P, D), f32(1, KH, P, D)
+    lens = np.asarray([n + (0 if append else sq) for n in SUFFIX], np.int32)
+    cap = int(lens.max()) + sq * append
+    sk, sv = f32(N, KH, cap, D), f32(N, KH, cap, D)
+    keys = [P + int(x) + sq * append for x in lens]  # each sequence's whole keys
+    args, ref_args = {}, [dict() for _ in range(N)]
+    if spec.alibi:
+        args["alibi_slopes"] = np.abs(f32(H)) * 0.05
+    if spec.kv_start:  # inside the prefix, at its end, inside a suffix
+        args["kv_start"] = np.asarray([0, 120, P, P + 9], np.int32)
+    if spec.append:
+        args["k_new"], args["v_new"] = f32(N, KH, sq, D), f32(N, KH, sq, D)
+    if spec.key_bounds:  # documents over whole sequences, some starting inside the prefix
+        lo = np.sort(rng.integers(-5, P + 30, (N, 360)), axis=1).astype(np.int32)
+        args["key_lo"], args["key_hi"] = lo, np.maximum(lo + rng.integers(40, 400, (N, 1)), lo).astype(np.int32)
+        args["key_hi"][:, -1] = np.iinfo(np.int32).max
+        args["key_lo"][0] = np.iinfo(np.int32).min
+    if spec.custom_mask:
+        args["custom_mask"] = [rng.random((sq, k)) < 0.8 for k in keys]
+        args["custom_mask"][1][0, :] = False  # a row with no visible key: zeros
+    for name, _, _ in kw.get("mod_tensors", ()):
+        args[name] = f32(N)
+    sink = f32(H) if spec.sinks else None
+    if layout == "kvcache":  # NaN in the prefix keys the window hides from every query: never read
+        hidden = np.where(np.arange(P)[:, None] < 200, np.float32(np.nan), np.float32(0))
+        prefix, suffix = (pk + hidden, pv + hidden, np.asarray([P], np.int32)), (sk, sv, lens)
+    else:
+        kpp, table = paged_from_contiguous(pk, 16, np.random.default_rng(1))
+        vpp, _ = paged_from_contiguous(pv, 16, np.random.default_rng(1))
+        skp, stable = paged_from_contiguous(sk, 16, np.random.default_rng(2))
+        svp, _ = paged_from_contiguous(sv, 16, np.random.default_rng(2))
+        prefix, suffix = (kpp, vpp, table, np.asarray([P], np.int32)), (skp, svp, stable, lens)
+    o, lse = cascade.attend(kp, ks, q, prefix, suffix, sinks=sink, **args)
+    ref_spec = dataclasses.replace(spec, layout="bhsd", append=False, page_size=None)
+    for n in range(N):  # each sequence over prefix + its suffix (+ its new keys), causal bottom-right
+        k = np.concatenate([pk, sk[n:n + 1, :, :lens[n]]] + ([args["k_new"][n:n + 1]] if append else []), axis=2)
+        v = np.concatenate([pv, sv[n:n + 1, :, :lens[n]]] + ([args["v_new"][n:n + 1]] if append else []), axis=2)
+        extra = {key: args[key] for key in ("key_lo", "key_hi") if key in args}  # seq_index picks row n
+        if spec.kv_start:
+            extra["kv_start"] = args["kv_start"][n:n + 1]
+        if spec.custom_mask:
+            extra["custom_mask"] = pack_mask(args["custom_mask"])  # the batch's: seq_index picks n's
+        ref, ref_lse = reference_attention(ref_spec, q[n:n + 1], k, v, return_lse=True, sinks=sink,
+                                           alibi_slopes=args.get("alibi_slopes"), seq_index=n,
+                                           mod_tensors={t[0]: args[t[0]] for t in kw.get("mod_tensors", ())}, **extra)
+        np.testing.assert_allclose(o[n:n + 1], ref, atol=2e-5, rtol=1e-5)
+        finite = np.isfinite(ref_lse)
+        np.testing.assert_allclose(lse[n:n + 1][finite], ref_lse[finite], atol=2e-5, rtol=1e-5)
+    if spec.custom_mask:
+        assert not o[1, :, 0].any()  # the row with no visible key
+    if append:  # the new keys were written into the suffix cache, after each sequence's own
+        for n in range(N):
+            blocks = stable[n]
+            got = skp[blocks].transpose(2, 0, 1, 3).reshape(KH, -1, D)[:, lens[n]:lens[n] + sq]
+            np.testing.assert_array_equal(got, args["k_new"][n])
+
+
+def test_stacking_round_trips_and_bad_input_is_named():
     q = np.random.default_rng(0).standard_normal((3, 8, 2, 4)).astype(np.float32)
     s = cascade.stack_queries(q, 2)
     assert s.shape == (1, 2, 3 * 2 * 4, 4)
     np.testing.assert_array_equal(s[0, 1, (2 * 2 + 1) * 4 + 3], q[2, 1 * 4 + 3, 1])  # row (n·Sq + s)·G + g
     np.testing.assert_array_equal(cascade.unstack(s, 3, 8, 2), q)
-    for kw in (dict(window=(8, 0)), dict(alibi=True), dict(kv_start=True)):
-        with pytest.raises(SpecError, match="absolute positions"):
-            cascade.prefix_spec(AttentionSpec(batch=1, heads=8, kv_heads=2, seq_q=1, head_dim=32, causal=True,
-                                              layout="kvcache", **kw))
+    base = dict(batch=1, heads=8, kv_heads=2, seq_q=1, head_dim=32, causal=True, layout="kvcache")
     with pytest.raises(SpecError, match="kvcache or paged"):
         cascade.prefix_spec(AttentionSpec(batch=1, heads=8, kv_heads=2, seq_q=1, head_dim=32))
+    with pytest.raises(SpecError, match="'cascade_x'.*the cascade's own"):
+        cascade.suffix_spec(AttentionSpec(**base, mask_mod="lambda b, h, q, cascade_x: q >= cascade_x"))
+    with pytest.raises(SpecError, match="'cascade_pos'.*the cascade's own"):
+        cascade.prefix_spec(AttentionSpec(**base, score_mod="lambda s, b, h, q, kv: s + cascade_pos[b]",
+                                          mod_tensors=(("cascade_pos", "float32", ("batch",)),)))
+
+
+def test_a_query_inside_the_prefix_and_stray_arguments_are_refused():
+    spec = AttentionSpec(batch=N, heads=H, kv_heads=KH, seq_q=1, seq_kv=64, head_dim=D, causal=True, layout="kvcache")
+    kp, ks = kernels(spec)  # the first test's (built once)
+    z = lambda *s: np.zeros(s, np.float32)  # noqa: E731
+    prefix = (z(1, KH, P, D), z(1, KH, P, D), np.asarray([P], np.int32))
+    with pytest.raises(SpecError, match="sequence 1's suffix holds 0 keys, fewer than its 1 queries"):
+        cascade.attend(kp, ks, z(N, H, 1, D), prefix, (z(N, KH, 8, D), z(N, KH, 8, D), np.asarray([2, 0, 2, 2], np.int32)))
+    with pytest.raises(SpecError, match="unexpected argument.*kv_start"):
+        cascade.attend(kp, ks, z(N, H, 1, D), prefix, (z(N, KH, 8, D), z(N, KH, 8, D), np.full(N, 2, np.int32)),
+                       kv_start=np.zeros(N, np.int32))

@@ -13,45 +13,128 @@ of the two partial states (:func:`tvm_attention.merge.merge_states`), so:
    own keys, causal bottom-right as usual;
 3. the two states merged per row (a sink joins the merged denominator once).
 
+**Positions.** Query ``s`` of sequence ``n`` sits at ``p = P + L_n − Sq + s`` (``P`` prefix keys,
+``L_n`` the suffix's ``cache_seqlens``; with ``append``, ``p = P + L_n + s``), prefix key ``j`` at
+``j`` and suffix key ``j`` at ``P + j``: the serving spec's variants keep their meaning over the
+whole sequence. In the prefix pass the rows do not rise with their positions, so:
+
+* what hides keys (the window, ``kv_start``, the key bounds, a custom mask) is computed here, on
+  the host, into the prefix kernel's custom-mask bits: a key tile no stacked row sees is skipped;
+* ALiBi and the user's modifiers become the prefix kernel's own modifiers, which read each
+  stacked row's sequence, query head and position from tensors (``cascade_seq``,
+  ``cascade_pos``, ``cascade_off``, ``cascade_slopes``) by the row ``q_idx − cascade_off[0]``;
+* the suffix kernel shifts what is not shift-invariant by ``P``: ``kv_start − P``, the key
+  bounds, the custom mask's suffix columns, and its modifiers' ``q_idx``/``kv_idx`` (read from
+  ``cascade_prefix``). The window and ALiBi depend on ``p − j`` only and stay as they are.
+
 :func:`prefix_spec` and :func:`suffix_spec` give the two kernels' specs from the serving spec;
-:func:`attend` runs them. Positional variants (a window, ALiBi, ``kv_start``) and modifiers
-would need each part's absolute positions: refused by name here.
+:func:`attend` runs them.
 """
 from __future__ import annotations
 
+import ast
 import dataclasses
+import textwrap
 from typing import Any
 
 import numpy as np
 
+from . import modifiers
 from .errors import SpecError
+from .masks import pack_mask, unpack_mask
 from .merge import merge_states
 from .spec import AttentionSpec
+
+#: the prefix of every name this module adds to a modifier or its tensors (the user's may not use it)
+_NS = "cascade_"
+_I32 = np.iinfo(np.int32)
 
 
 def _check(spec: AttentionSpec) -> None:
     if spec.layout not in ("kvcache", "paged"):
         raise SpecError(f"cascade: the suffixes live in a kvcache or paged cache, not layout {spec.layout!r}")
-    bad = [v for v in spec.variants if v not in ("softcap", "sinks")]
-    if bad or spec.append:
-        what = ", ".join(bad + (["append"] if spec.append else []))
-        raise SpecError(f"cascade: {what} would need each part's absolute positions; not built for a shared prefix "
-                        "(yet)")
+    clash = [n for n, _, _ in spec.mod_tensors if n.startswith(_NS)]
+    for kind in ("score_mod", "mask_mod"):
+        src = getattr(spec, kind)
+        if src is not None:
+            clash += [x.id for x in ast.walk(ast.parse(src)) if isinstance(x, ast.Name) and x.id.startswith(_NS)]
+            clash += [x.arg for x in ast.walk(ast.parse(src)) if isinstance(x, ast.arg) and x.arg.startswith(_NS)]
+    if clash:
+        raise SpecError(f"cascade: {clash[0]!r}: names starting with {_NS!r} are the cascade's own (its modifiers' "
+                        "tensors); rename it")
+
+
+def _hides_keys(spec: AttentionSpec) -> bool:
+    """Whether a prefix key may be hidden from a row (left window, ``kv_start``, key bounds, a custom
+    mask): then the prefix kernel takes custom-mask bits. Causal and a right window never hide
+    a prefix key: every one precedes every query."""
+    left = spec.window[0] if spec.window is not None else -1
+    return left >= 0 or spec.kv_start or spec.key_bounds or spec.custom_mask
+
+
+def _rebound(src: str | None, kind: str, pre: list[str], binds: list[str], tail: str) -> str | None:
+    """A modifier of ``kind`` over parameters ``cascade_{score,}b, h, q, kv`` that runs ``pre``,
+    binds the user's parameters (``src``'s own names) to ``binds``, then the user's body; without
+    ``src``, ``pre`` and ``return tail``."""
+    params = ["cascade_s"] * (kind == "score_mod") + ["cascade_b", "cascade_h", "cascade_q", "cascade_kv"]
+    lines = list(pre)
+    if src is None:
+        lines.append(f"return {tail}")
+    else:
+        node = modifiers._function_node(src, kind)
+        body = node.body if isinstance(node, ast.FunctionDef) else [ast.Return(node.body)]
+        if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+            body = body[1:]  # the docstring
+        lines += [f"{a.arg} = {e}" for a, e in zip(node.args.args, binds)] + [ast.unparse(s) for s in body]
+    return f"def {_NS}{kind}({', '.join(params)}):\n" + textwrap.indent("\n".join(lines), "    ")
+
+
+def _prefix_modifiers(spec: AttentionSpec) -> tuple[str | None, str | None, tuple]:
+    """The prefix kernel's ``(score_mod, mask_mod, mod_tensors)``: ALiBi and the user's modifiers
+    over each stacked row's own sequence, query head and position."""
+    if not (spec.alibi or spec.score_mod or spec.mask_mod):
+        return None, None, spec.mod_tensors
+    g = spec.group_size
+    pre = ["cascade_r = (cascade_q - cascade_off[0]) // " + str(g),
+           f"cascade_head = cascade_h * {g} + (cascade_q - cascade_off[0]) % {g}",
+           "cascade_p = cascade_pos[cascade_r]"]
+    user = ["cascade_seq[cascade_r]", "cascade_head", "cascade_p", "cascade_kv"]
+    score = None
+    if spec.alibi or spec.score_mod:
+        alibi = ["cascade_t = cascade_s - cascade_slopes[cascade_head] * abs(cascade_p - cascade_kv)"] if spec.alibi \
+            else ["cascade_t = cascade_s"]
+        score = _rebound(spec.score_mod, "score_mod", pre + alibi, ["cascade_t"] + user, "cascade_t")
+    mask = _rebound(spec.mask_mod, "mask_mod", pre, user, "") if spec.mask_mod else None
+    tensors = ((f"{_NS}off", "int32", (1,)), (f"{_NS}pos", "int32", ("seq_q",)), (f"{_NS}seq", "int32", ("seq_q",)))
+    if spec.alibi:
+        tensors += ((f"{_NS}slopes", "float32", (spec.heads,)),)
+    return score, mask, spec.mod_tensors + tensors
 
 
 def prefix_spec(spec: AttentionSpec) -> AttentionSpec:
     """The shared-prefix kernel's spec for serving ``spec`` (GQA ``heads:kv_heads``): ``kv_heads``
     heads over the same cache layout, one sequence whose rows are every query (the group's heads
-    stacked), non-causal, with lse, no sinks (the merge adds them once)."""
+    stacked), non-causal, with lse, no sinks (the merge adds them once); what hides keys as a
+    custom mask, ALiBi and the modifiers as its own modifiers (the module docstring)."""
     _check(spec)
+    score, mask, tensors = _prefix_modifiers(spec)
     return dataclasses.replace(spec, heads=spec.kv_heads, causal=False, return_lse=True, sinks=False,
-                               seq_q=spec.seq_q * spec.group_size)
+                               seq_q=spec.seq_q * spec.group_size, append=False, window=None, alibi=False,
+                               kv_start=False, key_bounds=False, custom_mask=_hides_keys(spec),
+                               score_mod=score, mask_mod=mask, mod_tensors=tensors)
 
 
 def suffix_spec(spec: AttentionSpec) -> AttentionSpec:
-    """The suffixes' kernel's spec: ``spec`` with lse, no sinks (the merge adds them once)."""
+    """The suffixes' kernel's spec: ``spec`` with lse, no sinks (the merge adds them once), its
+    modifiers reading positions shifted by the prefix's length (``cascade_prefix (1,)``)."""
     _check(spec)
-    return dataclasses.replace(spec, return_lse=True, sinks=False)
+    if not (spec.score_mod or spec.mask_mod):
+        return dataclasses.replace(spec, return_lse=True, sinks=False)
+    binds = ["cascade_b", "cascade_h", "cascade_q + cascade_prefix[0]", "cascade_kv + cascade_prefix[0]"]
+    return dataclasses.replace(
+        spec, return_lse=True, sinks=False, mod_tensors=spec.mod_tensors + ((f"{_NS}prefix", "int32", (1,)),),
+        score_mod=spec.score_mod and _rebound(spec.score_mod, "score_mod", [], ["cascade_s"] + binds, ""),
+        mask_mod=spec.mask_mod and _rebound(spec.mask_mod, "mask_mod", [], binds, ""))
 
 
 def stack_queries(q: np.ndarray, kv_heads: int) -> np.ndarray:
@@ -71,22 +154,124 @@ def unstack(x: np.ndarray, n: int, heads: int, sq: int) -> np.ndarray:
                                 .reshape(n, heads, sq, *tail))
 
 
+def _lengths(kernel, given: tuple) -> np.ndarray:
+    """``cache_seqlens`` among a kernel's cache arguments ``given`` (those after ``q``, in order)."""
+    names = [a["name"] for a in kernel.spec.arg_specs()][1:1 + len(given)]
+    if "cache_seqlens" not in names:
+        raise SpecError(f"cascade: expected the cache arguments through cache_seqlens ({len(given)} given: "
+                        f"{', '.join(names)})")
+    return np.asarray(given[names.index("cache_seqlens")], np.int64).reshape(-1)
+
+
+def _user_masks(args: dict, shapes: list[tuple[int, int]]) -> list[np.ndarray]:
+    """The caller's custom mask over each sequence's whole keys (prefix, suffix, appended): one
+    boolean ``(Sq, keys_n)`` per sequence, a ``(N, Sq, ≥ keys)`` boolean array, or packed bits
+    with ``mask_indptr``."""
+    m = args.pop("custom_mask", None)
+    if m is None:
+        raise SpecError("cascade: this spec takes a custom_mask over each sequence's prefix and suffix keys")
+    indptr = args.pop("mask_indptr", None)
+    if indptr is not None:
+        return unpack_mask(m, indptr, shapes)
+    out = []
+    for n, (rows, keys) in enumerate(shapes):
+        mn = np.asarray(m[n])
+        if mn.dtype != np.bool_ or mn.ndim != 2 or mn.shape[0] != rows or mn.shape[1] < keys:
+            raise SpecError(f"custom_mask[{n}]: expected ({rows}, {keys}) booleans over the prefix and suffix keys, "
+                            f"got {mn.dtype} {mn.shape}")
+        out.append(mn[:, :keys])
+    return out
+
+
+def _shift_bounds(x: np.ndarray, p: int) -> np.ndarray:
+    """Key bounds ``(N, positions)`` over whole sequences as the suffix kernel's: column ``c`` is
+    the row at position ``P + c`` (clamped into ``x``'s columns, as the kernels clamp), its keys
+    shifted by ``−P`` (in int64, kept in int32's range)."""
+    x = np.asarray(x, np.int64)
+    cols = np.minimum(np.arange(max(x.shape[1] - p, 1)) + p, x.shape[1] - 1)
+    return np.ascontiguousarray(np.clip(x[:, cols] - p, _I32.min, _I32.max), np.int32)
+
+
+def _prefix_visible(spec: AttentionSpec, pos: np.ndarray, p: int, args: dict, masks) -> np.ndarray:
+    """``(N·Sq, P)`` booleans: which prefix key each query (``pos (N, Sq)``) sees under the
+    window, ``kv_start``, the key bounds and the custom mask."""
+    n, sq = pos.shape
+    j, r = np.arange(p)[None, :], pos.reshape(-1, 1)
+    seq = np.repeat(np.arange(n), sq)
+    vis = np.ones((n * sq, p), bool)
+    if spec.window is not None and spec.window[0] >= 0:
+        vis &= j >= r - spec.window[0]
+    if spec.kv_start:
+        vis &= j >= np.asarray(args["kv_start"], np.int64)[seq, None]
+    if spec.key_bounds:
+        lo, hi = (np.asarray(args[k], np.int64) for k in ("key_lo", "key_hi"))
+        c = np.clip(r, 0, lo.shape[1] - 1)
+        vis &= (j >= lo[seq[:, None], c]) & (j < hi[seq[:, None], c])
+    if masks is not None:
+        vis &= np.concatenate([m[:, :p] for m in masks])
+    return vis
+
+
+def _call_args(spec, pk, sk, q, p: int, lens: np.ndarray, args: dict) -> tuple[dict, dict]:
+    """The prefix and suffix kernels' keyword arguments for the serving ``spec``'s variant
+    arguments ``args`` (by name, over whole sequences)."""
+    n, heads, sq = q.shape[:3]
+    if (lens < (0 if spec.append else sq)).any():
+        b = int(np.argmin(lens))
+        raise SpecError(f"cascade: sequence {b}'s suffix holds {int(lens[b])} keys, fewer than its {sq} queries' own; "
+                        "a query must follow the shared prefix (the suffix holds the new tokens' keys, or append them)")
+    pos = p + lens[:, None] + np.arange(sq)[None, :] - (0 if spec.append else sq)
+    pa: dict[str, Any] = {}
+    sa = {k: args.pop(k) for k in ("k_new", "v_new", "alibi_slopes") if k in args}
+    for name in (t[0] for t in spec.mod_tensors if not t[0].startswith(_NS)):  # the user's own
+        if name not in args:
+            raise SpecError(f"cascade: missing {name}, a tensor the modifiers read")
+        pa[name] = sa[name] = args.pop(name)
+    if any(t[0] == f"{_NS}off" for t in pk.spec.mod_tensors):
+        pa.update(cascade_off=np.asarray([p - n * sq * heads // spec.kv_heads], np.int32),
+                  cascade_pos=pos.reshape(-1).astype(np.int32), cascade_seq=np.repeat(np.arange(n, dtype=np.int32), sq))
+        if spec.alibi:
+            pa["cascade_slopes"] = np.asarray(sa["alibi_slopes"], np.float32)
+    if any(t[0] == f"{_NS}prefix" for t in sk.spec.mod_tensors):
+        sa["cascade_prefix"] = np.asarray([p], np.int32)
+    masks = _user_masks(args, [(sq, int(x) + p + sq * spec.append) for x in lens]) if spec.custom_mask else None
+    if pk.spec.custom_mask:
+        vis = _prefix_visible(spec, pos, p, args, masks)
+        pa["custom_mask"], pa["mask_indptr"] = pack_mask([np.repeat(vis, heads // spec.kv_heads, axis=0)])
+    if spec.kv_start:
+        sa["kv_start"] = np.maximum(np.asarray(args.pop("kv_start"), np.int64) - p, 0).astype(np.int32)
+    if spec.key_bounds:
+        sa["key_lo"], sa["key_hi"] = (_shift_bounds(args.pop(k), p) for k in ("key_lo", "key_hi"))
+    if masks is not None:
+        sa["custom_mask"] = [m[:, p:] for m in masks]
+    if args:
+        raise SpecError(f"cascade: unexpected argument(s) {', '.join(sorted(args))} for this spec")
+    return pa, sa
+
+
 def attend(prefix_kernel, suffix_kernel, q: np.ndarray, prefix: tuple, suffix: tuple,
-           sinks: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+           sinks: np.ndarray | None = None, **args: Any) -> tuple[np.ndarray, np.ndarray]:
     """``(o (N, H, Sq, Dv), lse (N, H, Sq))`` of ``N`` sequences over a shared prefix and their own
     suffixes. ``prefix_kernel``/``suffix_kernel``: kernels of :func:`prefix_spec`/:func:`suffix_spec`
     (loaded or built). ``q (N, H, Sq, D)``; ``prefix``: the prefix kernel's cache arguments for one
     sequence (kvcache: ``k_cache (1, KH, len, D), v_cache, cache_seqlens [P]``; paged: ``k_pages,
     v_pages, block_table (1, pages), cache_seqlens [P]``, the shared pages); ``suffix``: the suffix
-    kernel's arguments after ``q`` (each sequence's own cache and lengths). ``sinks (H,)``: joined
-    once, in the merge. NumPy arrays."""
+    kernel's cache arguments after ``q`` (each sequence's own cache and lengths). ``sinks (H,)``:
+    joined once, in the merge. ``args``: the serving spec's other arguments by name, over whole
+    sequences (positions from the prefix's first key): ``k_new``/``v_new`` (append),
+    ``alibi_slopes``, ``kv_start``, ``key_lo``/``key_hi`` (columns: positions), ``custom_mask``
+    (per sequence ``(Sq, P + keys_n)`` booleans, or packed with ``mask_indptr``) and the
+    modifiers' tensors. NumPy arrays."""
     n, heads, sq = q.shape[:3]
-    kh = prefix_kernel.spec.kv_heads
-    if prefix_kernel.spec.heads != kh or suffix_kernel.spec.heads != heads:
-        raise SpecError(f"cascade: the prefix kernel takes {prefix_kernel.spec.heads} heads over {kh} kv heads and the "
-                        f"suffix kernel {suffix_kernel.spec.heads}; expected {kh} (prefix_spec) and q's {heads}")
-    o_p, lse_p = prefix_kernel(stack_queries(q, kh), *prefix)
-    o_s, lse_s = suffix_kernel(q, *suffix)
+    ps, ss = prefix_kernel.spec, suffix_kernel.spec
+    kh = ps.kv_heads
+    if ps.heads != kh or ss.heads != heads:
+        raise SpecError(f"cascade: the prefix kernel takes {ps.heads} heads over {kh} kv heads and the "
+                        f"suffix kernel {ss.heads}; expected {kh} (prefix_spec) and q's {heads}")
+    p = int(_lengths(prefix_kernel, prefix)[0])
+    pa, sa = _call_args(ss, prefix_kernel, suffix_kernel, q, p, _lengths(suffix_kernel, suffix), dict(args))
+    o_p, lse_p = prefix_kernel(stack_queries(q, kh), *prefix, **pa)
+    o_s, lse_s = suffix_kernel(q, *suffix, **sa)
     o, lse = merge_states(unstack(np.asarray(o_p), n, heads, sq), unstack(np.asarray(lse_p), n, heads, sq),
                           np.asarray(o_s), np.asarray(lse_s),
                           sinks=None if sinks is None else np.asarray(sinks, np.float32).reshape(-1, 1))
