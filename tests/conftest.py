@@ -24,6 +24,9 @@ if "_TVMA_TEST_SHARED" not in os.environ:
     os.environ["_TVMA_TEST_SHARED"] = tempfile.mkdtemp(prefix="tvma-test-shared-")
     atexit.register(shutil.rmtree, os.environ["_TVMA_TEST_SHARED"], True)
 os.environ["TVM_ATTENTION_BUILD_CACHE"] = "1"
+# every measurement (tuning candidates, run's timing, benchmarks) runs a tenth of its least time:
+# the tests check what a tune or a benchmark does, never its figures (tvm_attention.timing)
+os.environ["TVM_ATTENTION_MEASURE_SCALE"] = "0.1"
 os.environ["TVM_ATTENTION_BUILD_CACHE_MAX_MB"] = "16384"  # a run's builds: a few GB at most, never evicted
 # Tests tune many times per process: keep the tuner's worker processes between tunes
 # (tvm_attention.tune.driver.keep_workers; test_tune checks both settings).

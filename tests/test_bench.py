@@ -1,6 +1,7 @@
 """Benchmarks in tiny mode: outputs, plots, failure handling, compare."""
 import csv
 import json
+import time
 
 import pytest
 
@@ -188,6 +189,22 @@ def test_compare_without_a_tuning_log_is_an_error_that_says_how_to_make_one(caps
     err = capsys.readouterr().err
     assert rc == 2 and err.startswith("tvm-attention compare: error: no tuning log for b1_h2_kv2_q96_k96_d64")
     assert "tvm-attention tune" in err and "tuning_logs" in err
+
+
+def test_measure_scale_scales_every_least_time_and_names_a_bad_value(monkeypatch):
+    from tvm_attention.timing import MEASURE_SCALE_ENV, measure_ms, time_callable
+
+    monkeypatch.setenv(MEASURE_SCALE_ENV, "0.1")
+    assert (measure_ms(100), measure_ms(5), measure_ms(1)) == (10, 1, 1)  # at least 1 ms
+    monkeypatch.setenv(MEASURE_SCALE_ENV, "2")
+    calls = []
+    t0 = time.perf_counter()
+    time_callable(lambda: calls.append(time.sleep(0.005)), repeat=2, min_repeat_ms=20)
+    assert time.perf_counter() - t0 >= 2 * 0.040  # each repeat ran its 20 ms doubled
+    for bad in ("0", "-1", "abc", "inf", "nan"):
+        monkeypatch.setenv(MEASURE_SCALE_ENV, bad)
+        with pytest.raises(ValueError, match=f"{MEASURE_SCALE_ENV}={bad!r}"):
+            measure_ms(100)
 
 
 def test_roof_is_the_fma_peak_of_a_tvm_loop():

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import statistics
 import time
 from typing import TYPE_CHECKING, Callable
@@ -11,6 +12,25 @@ from .spec import AttentionSpec
 
 if TYPE_CHECKING:
     import tvm
+
+
+#: ``TVM_ATTENTION_MEASURE_SCALE``: a factor on every measurement's least running time (tuning
+#: candidates, ``run``'s timing, the benchmarks), default 1. Below 1 measures faster and noisier:
+#: the test suite sets 0.1, since its tests check what a tune or benchmark does, not its figures.
+MEASURE_SCALE_ENV = "TVM_ATTENTION_MEASURE_SCALE"
+
+
+def measure_ms(ms: float) -> int:
+    """``ms`` milliseconds scaled by ``TVM_ATTENTION_MEASURE_SCALE`` (at least 1)."""
+    raw = os.environ.get(MEASURE_SCALE_ENV, "1")
+    try:
+        scale = float(raw)
+    except ValueError:
+        raise ValueError(f"{MEASURE_SCALE_ENV}={raw!r}: expected a number > 0 (the factor on each "
+                         "measurement's least running time; 1 by default)") from None
+    if not scale > 0 or scale == float("inf"):
+        raise ValueError(f"{MEASURE_SCALE_ENV}={raw!r}: expected a finite number > 0")
+    return max(1, round(ms * scale))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +68,7 @@ def time_module(module: tvm.runtime.Module, entry: str, spec: AttentionSpec, rep
     device = device or tvm.cpu()
     args = [tvm.runtime.tensor(a, device) for a in aligned_inputs(spec, case=case)]
     module[entry](*args)  # warm-up: page in, build the thread pool / load the CUDA module
-    te = module.time_evaluator(entry, device, number=1, repeat=repeat, min_repeat_ms=min_repeat_ms)
+    te = module.time_evaluator(entry, device, number=1, repeat=repeat, min_repeat_ms=measure_ms(min_repeat_ms))
     res = te(*args)
     results = list(res.results)
     return Timing(statistics.median(results), statistics.pstdev(results), len(results))
@@ -64,7 +84,7 @@ def time_built(built, spec: AttentionSpec | None = None, **kw) -> Timing:
 def time_callable(fn: Callable[[], object], repeat: int = 5, min_repeat_ms: int = 200) -> Timing:
     """Same protocol for a Python callable (NumPy, PyTorch)."""
     fn()
-    results = []
+    results, min_repeat_ms = [], measure_ms(min_repeat_ms)
     for _ in range(repeat):
         n = 0
         t0 = time.perf_counter()

@@ -42,6 +42,7 @@ from ..schedules import get_schedule
 from ..spec import AttentionSpec
 from ..target import check_target_runnable, is_cuda, local_cuda_arch, resolve_target, vector_lanes
 from ..task_mods import workload_matches
+from ..timing import measure_ms
 from ..threads import set_num_threads
 from ..tvm_internals import (POPEN_WORKER_MODULE, local_builder_parts, local_runner_class, mark_pool_shut_down,
                              pool_worker_processes, skip_tensor_intrin_import)
@@ -351,7 +352,7 @@ def make_rpc_runner(tracker: str, key: str | None, workers: int | None = None, t
                                  session_timeout_sec=timeout_s)
     runner = ms.runner.RPCRunner(
         rpc_config=config,
-        evaluator_config=ms.runner.EvaluatorConfig(number=1, repeat=3, min_repeat_ms=100,
+        evaluator_config=ms.runner.EvaluatorConfig(number=1, repeat=3, min_repeat_ms=measure_ms(100),
                                                    enable_cpu_cache_flush=False),
         max_workers=workers or status["servers"],
         initializer=ignore_sigint,
@@ -587,7 +588,7 @@ def _local_workers(spec: AttentionSpec, threads: int):
         builder = _new_builder(threads)
         runner = local_runner_class()(
             timeout_sec=120,
-            evaluator_config=ms.runner.EvaluatorConfig(number=1, repeat=3, min_repeat_ms=100,
+            evaluator_config=ms.runner.EvaluatorConfig(number=1, repeat=3, min_repeat_ms=measure_ms(100),
                                                        enable_cpu_cache_flush=False),
             initializer=functools.partial(runner_init, threads),
         )
