@@ -46,7 +46,7 @@ def test_every_use_is_declared_and_no_other_module_reaches_into_tvm():
     here = tvm_internals.__name__
     public = {n for n, v in vars(tvm_internals).items()
               if not n.startswith("_") and (callable(v) or n.isupper()) and getattr(v, "__module__", here) == here}
-    helpers = {"missing", "fast_macros", "tensor_intrin_registered", "CHECKED_WITH", "REQUIRES"}
+    helpers = {"missing", "fast_macros", "tensor_intrin_registered", "CHECKED_WITH", "REQUIRES", "TORCHLESS"}
     assert public - helpers == set(tvm_internals.REQUIRES)
     private = re.compile(r"from tvm[\w.]* import [^\n]*\b_[a-z]\w*"  # from tvm.x import _name
                          r"|\btvm(?:\.\w+)*\._[a-z]\w*"  # tvm.x._name
@@ -252,3 +252,55 @@ assert all(tvm_internals.tensor_intrin_registered(n) for n in names), "not regis
 """
     r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_pool_workers_run_without_torch_only_inside_torchless_workers():
+    """The tuner's workers (``_workers_spawn`` → ``torchless_workers``) start through
+    ``tvm_attention._torchless``, where ``import torch`` fails as if it were not installed; a pool
+    started outside keeps TVM's plain worker (with torch where it is installed)."""
+    import importlib.util
+
+    from tvm.support import popen_pool
+
+    def _torch_in_worker():  # nested: cloudpickle sends it by value (the worker cannot import tests)
+        import os
+        import sys
+
+        try:
+            import torch  # noqa: F401
+            ok = True
+        except ImportError:
+            ok = False
+        return open(f"/proc/{os.getpid()}/cmdline").read().split("\0"), ok, sys.argv
+
+    plain = popen_pool.PopenWorker
+    with tvm_internals.torchless_workers(), tvm_internals.torchless_workers():  # nested: counted
+        pool = popen_pool.PopenPoolExecutor(max_workers=1)
+        cmd, torch_ok, argv = pool.submit(_torch_in_worker).result()
+        pool.shutdown()
+    assert popen_pool.PopenWorker is plain  # TVM's class is back after the last context
+    assert cmd[1:4] == ["-m", tvm_internals.TORCHLESS, tvm_internals.POPEN_WORKER_MODULE] and not torch_ok
+    assert len(argv) == 3  # popen_worker's own argv: the module, its two pipe fds
+    if importlib.util.find_spec("torch") is not None:
+        pool = popen_pool.PopenPoolExecutor(max_workers=1)
+        cmd, torch_ok, _ = pool.submit(_torch_in_worker).result()
+        pool.shutdown()
+        assert cmd[1:3] == ["-m", tvm_internals.POPEN_WORKER_MODULE] and torch_ok
+
+
+def test_the_program_keeps_torch_out_of_its_compiling_commands_only():
+    import subprocess
+    import sys
+
+    probe = ("import sys; from tvm_attention import cli; sys.argv = ['tvm-attention', *sys.argv[1:]]\n"
+             "try:\n    cli.entry()\nexcept SystemExit:\n    pass\n"
+             "print('TORCH', 'torch' in sys.modules and sys.modules['torch'] is None)")
+    for argv, blocked in ((["inspect", "/nonexistent-artifact"], True), (["bench", "--help"], False)):
+        out = subprocess.run([sys.executable, "-c", probe, *argv], capture_output=True, text=True, timeout=120).stdout
+        assert f"TORCH {blocked}" in out, out[-500:]
+    from tvm_attention import cli
+
+    for command in cli.TORCHLESS_COMMANDS:  # each one a command of the program
+        with pytest.raises(SystemExit) as e:
+            cli.parse_args([command, "--help"])
+        assert e.value.code == 0

@@ -790,6 +790,23 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+#: Commands whose process never meets a torch tensor. Run as the program (:func:`entry`), they keep
+#: torch out of it: tvm-ffi imports torch whenever it is installed, a second or more of CPU and
+#: hundreds of MB for nothing here (``bench`` and ``compare`` time torch SDPA beside ours).
+TORCHLESS_COMMANDS = ("build", "run", "tune", "validate", "inspect")
+
+
+def entry() -> int:
+    """The ``tvm-attention`` program (and ``python -m tvm_attention.cli``): :func:`main` in a
+    process of its own, without torch for :data:`TORCHLESS_COMMANDS` (``import torch`` raises
+    ImportError there, which tvm-ffi expects where torch is absent). :func:`main` called from a
+    Python program leaves that program's imports alone."""
+    argv = sys.argv[1:]
+    if argv and argv[0] in TORCHLESS_COMMANDS:
+        sys.modules.setdefault("torch", None)  # type: ignore[arg-type]
+    return main(argv)
+
+
 #: Modules of the full install that the runtime-only install lacks (the compiler and the tuner's).
 COMPILER_MODULES = ("tvm", "xgboost", "psutil", "cloudpickle", "tornado")
 
@@ -1039,4 +1056,4 @@ def build_parser() -> "_Parser":
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(entry())

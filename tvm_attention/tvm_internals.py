@@ -159,6 +159,67 @@ POPEN_WORKER_MODULE = "tvm.exec.popen_worker"
 REQUIRES["POPEN_WORKER_MODULE"] = (POPEN_WORKER_MODULE,
                                    lambda: _require_source("tvm.support.popen_pool", "PopenWorker._start",
                                                            POPEN_WORKER_MODULE))
+#: the module our workers' command lines run (``python -m`` it, then TVM's module and its arguments)
+TORCHLESS = "tvm_attention._torchless"
+_TORCHLESS_LOCK = threading.Lock()
+_TORCHLESS_DEPTH = [0, None]  # active torchless_workers() contexts, TVM's own PopenWorker class
+
+
+@functools.lru_cache(maxsize=1)
+def _torchless_worker_class():
+    import os
+    import subprocess
+
+    from tvm.support.popen_pool import PopenWorker
+
+
+    class TorchlessWorker(PopenWorker):
+        """TVM's ``PopenWorker`` whose process runs ``tvm.exec.popen_worker`` through
+        :mod:`tvm_attention._torchless` (``_start``'s POSIX branch, with that command)."""
+
+        def _start(self):
+            if self._proc is not None or sys.platform == "win32":
+                return super()._start()
+            main_read, worker_write = os.pipe()
+            worker_read, main_write = os.pipe()
+            cmd = [sys.executable, "-m", TORCHLESS, POPEN_WORKER_MODULE, str(worker_read), str(worker_write)]
+            self._proc = subprocess.Popen(cmd, pass_fds=(worker_read, worker_write), stdout=self._stdout,
+                                          stderr=self._stderr)
+            os.close(worker_read)
+            os.close(worker_write)
+            self._reader = os.fdopen(main_read, "rb")
+            self._writer = os.fdopen(main_write, "wb")
+            return None
+
+    return TorchlessWorker
+
+
+@_uses("tvm.support.popen_pool:PopenWorker._start",
+       lambda: _require_source("tvm.support.popen_pool", "PopenPoolExecutor._worker_run", "proc = PopenWorker("),
+       lambda: _require_source("tvm.support.popen_pool", "PopenWorker._start", "pass_fds=(worker_read, worker_write)",
+                               "self._reader = os.fdopen(main_read", "self._writer = os.fdopen(main_write"))
+@contextlib.contextmanager
+def torchless_workers():
+    """While active, the pool workers this process starts run without torch (:mod:`tvm_attention._torchless`):
+    ``PopenPoolExecutor._worker_run`` makes each worker by the module's global name
+    ``PopenWorker``, which is our subclass meanwhile (nested and concurrent uses count; the last
+    one out puts TVM's back). Workers already running keep what they have. If TVM changes
+    ``_start`` or ``_worker_run``, the workers import torch again (slower, not wrong): the check
+    in :data:`REQUIRES` names it. Checked with TVM 0.27.0.post1."""
+    from tvm.support import popen_pool
+
+    with _TORCHLESS_LOCK:
+        if _TORCHLESS_DEPTH[0] == 0:
+            _TORCHLESS_DEPTH[1] = popen_pool.PopenWorker
+            popen_pool.PopenWorker = _torchless_worker_class()
+        _TORCHLESS_DEPTH[0] += 1
+    try:
+        yield
+    finally:
+        with _TORCHLESS_LOCK:
+            _TORCHLESS_DEPTH[0] -= 1
+            if _TORCHLESS_DEPTH[0] == 0:
+                popen_pool.PopenWorker = _TORCHLESS_DEPTH[1]
 
 
 def _pool_attrs() -> None:

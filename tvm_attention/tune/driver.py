@@ -45,7 +45,7 @@ from ..task_mods import workload_matches
 from ..timing import measure_ms
 from ..threads import set_num_threads
 from ..tvm_internals import (POPEN_WORKER_MODULE, local_builder_parts, local_runner_class, mark_pool_shut_down,
-                             pool_worker_processes, skip_tensor_intrin_import)
+                             pool_worker_processes, skip_tensor_intrin_import, torchless_workers)
 from .paged import AllocInputs
 from .rpc import _port_open, is_rpc_failure, parse_tracker, tracker_status
 from .tasks import TaskDef, make_tasks
@@ -172,10 +172,14 @@ def _workers_spawn():
     workers start — and stay — deaf to the Ctrl-C that a terminal sends to the whole foreground
     process group, even while they import TVM, before an initializer could ignore it. Meanwhile
     the kernel hands a SIGINT to another thread of ours, or holds it until the mask is restored;
-    either way it reaches _CtrlC."""
+    either way it reaches _CtrlC.
+
+    The workers started meanwhile run without torch (``tvm_internals.torchless_workers``): they
+    build and run our kernels on NumPy arrays, and an import of torch cost each a second or more."""
     old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
-        yield
+        with torchless_workers():
+            yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 

@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..tvm_internals import TORCHLESS
+
 #: Substrings of runner errors that mean "the device/connection failed", not "the kernel failed".
 RPC_FAILURE_MARKERS = ("RPC", "Cannot request", "onnection", "ocket", "Timeout", "timed out",
                        "Broken pipe", "EOF", "reset by peer", "refused")
@@ -79,7 +81,8 @@ class LocalFleet:
         import tempfile
 
         log = tempfile.TemporaryFile()
-        proc = subprocess.Popen([sys.executable, "-m", *args], stdout=log, stderr=subprocess.STDOUT,
+        # TORCHLESS: the tracker and servers never meet a torch tensor; importing it cost each a second
+        proc = subprocess.Popen([sys.executable, "-m", TORCHLESS, *args], stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True, env=env)
         proc.log = log  # type: ignore[attr-defined]
         return proc
