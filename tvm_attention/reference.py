@@ -32,6 +32,7 @@ def reference_attention(
     key_hi: np.ndarray | None = None,
     seq_index: int | None = None,
     custom_mask: tuple[np.ndarray, np.ndarray] | None = None,
+    _parts: dict | None = None,
 ):
     """``softmax(q·kᵀ·scale + mask)·v`` in float64, BHSD layout, GQA by ``h // group_size``.
 
@@ -82,7 +83,7 @@ def reference_attention(
     # Expand kv heads to query heads: query head h reads kv head h // group_size.
     k = np.repeat(k, spec.group_size, axis=1)
     v = np.repeat(v, spec.group_size, axis=1)
-    s = np.einsum("bhid,bhjd->bhij", q, k) * spec.scale
+    s = x = np.einsum("bhid,bhjd->bhij", q, k) * spec.scale
     keys = np.arange(seq_kv)
     if spec.softcap is not None:
         s = spec.softcap * np.tanh(s / spec.softcap)
@@ -148,6 +149,13 @@ def reference_attention(
     # A zero row means one thing: the mask gave that row no key.
     sees_key = mask.any(axis=-1)[..., None]
     o = np.where(sees_key, o, 0.0)
+    if _parts is not None:  # for reference_attention_backward: the forward's intermediates
+        with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+            full = denom * np.exp(m - top) + np.exp(sink - top) if spec.sinks else denom
+            scale = np.exp(m - top) if spec.sinks else 1.0
+            probs = np.where(sees_key, p * scale / full, 0.0)  # each key's share, a sink's excluded
+            _parts.update(q=q, k=k, v=v, x=x, probs=probs, o=o,
+                          sink_share=np.where(sees_key, np.exp(sink - top) / full, 0.0) if spec.sinks else None)
     if not return_lse:
         return o
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -184,3 +192,46 @@ def random_inputs(spec: AttentionSpec, seed: int = 0) -> tuple[np.ndarray, np.nd
     k = rng.standard_normal(spec.kv_shape).astype(dt)
     v = rng.standard_normal(spec.v_shape).astype(dt)
     return q, k, v
+
+
+def reference_attention_backward(spec: AttentionSpec, q: np.ndarray, k: np.ndarray, v: np.ndarray, do: np.ndarray,
+                                 **variant_args) -> dict[str, np.ndarray]:
+    """The gradients of ``L = Σ o ∘ do`` (``o = reference_attention(spec, q, k, v, ...)``) in
+    float64, BHSD: ``{"dq" (B, H, Sq, D), "dk" (B, KH, Skv, D), "dv" (B, KH, Skv, Dv)}``, and
+    ``"dsinks" (H,)`` with ``spec.sinks``. ``variant_args``: reference_attention's (alibi_slopes,
+    sinks, kv_start, key bounds, custom_mask, mod_tensors, seq_index).
+
+    FlashAttention-2's algebra over the dense probabilities ``P`` (a sink's share excluded):
+    ``dV = Pᵀ·dO``; ``dP = dO·Vᵀ``; ``delta = rowsum(dO ∘ O)``; ``dT = P ∘ (dP − delta)`` for
+    the final score ``T``; the softcap's chain rule ``dX = dT ∘ (1 − tanh²(X / c))`` for the
+    scaled score ``X`` (ALiBi adds a constant: ``dX = dT``); ``dQ = dX·K·scale``, ``dK =
+    dXᵀ·Q·scale``; GQA sums dK and dV over each group's heads; ``dsink_h = −Σ p_sink·delta`` over
+    the head's rows. Hidden keys and rows that see none take no gradient; NaN passes through.
+    ``score_mod`` is refused: its derivative is not written yet."""
+    if spec.score_mod is not None:
+        raise ValueError("reference_attention_backward: score_mod's derivative is not written yet")
+    parts: dict = {}
+    reference_attention(spec, q, k, v, _parts=parts, **variant_args)
+    if not parts:  # no key at all: nothing reaches the output
+        b, h, sq, d = np.shape(q)
+        out = {"dq": np.zeros((b, h, sq, d)), "dk": np.zeros(np.shape(k)), "dv": np.zeros(np.shape(v))}
+        return {**out, "dsinks": np.zeros(spec.heads)} if spec.sinks else out
+    do = np.asarray(do, np.float64)
+    probs, o, x = parts["probs"], parts["o"], parts["x"]
+    g = spec.group_size
+    with np.errstate(invalid="ignore", over="ignore"):
+        dv = np.einsum("bhij,bhid->bhjd", probs, do)
+        delta = (do * o).sum(axis=-1, keepdims=True)
+        dt = probs * (np.einsum("bhid,bhjd->bhij", do, parts["v"]) - delta)
+        if spec.softcap is not None:
+            dt = dt * (1.0 - np.tanh(x / spec.softcap) ** 2)
+        dq = np.einsum("bhij,bhjd->bhid", dt, parts["k"]) * spec.scale
+        dk = np.einsum("bhij,bhid->bhjd", dt, parts["q"]) * spec.scale
+
+    def by_kv_head(a):  # GQA: query head h's share belongs to kv head h // g
+        return a.reshape(a.shape[0], spec.kv_heads, g, *a.shape[2:]).sum(axis=2)
+
+    out = {"dq": dq, "dk": by_kv_head(dk), "dv": by_kv_head(dv)}
+    if spec.sinks:
+        out["dsinks"] = -(parts["sink_share"] * delta).sum(axis=(0, 2, 3))
+    return out
