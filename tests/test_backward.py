@@ -1,0 +1,84 @@
+"""The fused CPU backward, first step (issue 46; ``tvm_attention.backward``): dQ, dK, dV of
+BHSD float32 static specs against the float64 reference backward at awkward lengths (GQA, Sq ≠
+Skv, tails of both tiles, rows that see no key), causal, a window and a softcap; its audit
+passes, and fails when a tile is the whole score matrix; what it does not build yet is refused."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tvm_attention.artifact import kernel_of
+from tvm_attention.backward import BackwardKnobs, build_backward
+from tvm_attention.reference import reference_attention, reference_attention_backward
+from tvm_attention.spec import AttentionSpec, SpecError
+
+from conftest import built
+
+CASES = {  # (batch, heads, kv_heads, seq_q, seq_kv, head_dim, spec keywords)
+    "gqa_tails": (2, 4, 2, 45, 77, 16, dict()),
+    "causal_softcap_sq_gt_skv": (1, 2, 1, 70, 40, 32, dict(causal=True, softcap=5.0)),  # 30 rows see no key
+    "window_mha": (1, 3, 3, 64, 96, 24, dict(window=(20, 3))),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_gradients_match_the_reference(case):
+    b, h, kh, sq, skv, d, kw = CASES[case]
+    spec = AttentionSpec(batch=b, heads=h, kv_heads=kh, seq_q=sq, seq_kv=skv, head_dim=d, **kw)
+    kern = build_backward(spec)
+    rng = np.random.default_rng(3)
+    q, do = (rng.standard_normal((b, h, sq, d)).astype(np.float32) for _ in range(2))
+    k, v = (rng.standard_normal((b, kh, skv, d)).astype(np.float32) for _ in range(2))
+    o, lse = reference_attention(spec, q, k, v, return_lse=True)
+    dq, dk, dv = kern(q, k, v, o.astype(np.float32), lse.astype(np.float32), do)
+    want = reference_attention_backward(spec, q, k, v, do)
+    for name, got in (("dq", dq), ("dk", dk), ("dv", dv)):
+        np.testing.assert_allclose(got, want[name], atol=2e-5, rtol=1e-4, err_msg=name)
+    if case == "causal_softcap_sq_gt_skv":
+        assert not dq[:, :, :30].any()  # rows that see no key take no gradient
+    assert kern.report.verdict == "fused"
+    assert max(a.elements for a in kern.report.allocations) < sq * skv
+
+
+def test_with_the_forward_kernels_lse():
+    """The pair as training uses it: the built forward's o and lse (float32) feed the backward."""
+    spec = AttentionSpec(batch=1, heads=4, kv_heads=2, seq_q=96, seq_kv=96, head_dim=32, causal=True, return_lse=True)
+    rng = np.random.default_rng(4)
+    q, do = (rng.standard_normal((1, 4, 96, 32)).astype(np.float32) for _ in range(2))
+    k, v = (rng.standard_normal((1, 2, 96, 32)).astype(np.float32) for _ in range(2))
+    o, lse = kernel_of(built(spec))(q, k, v)
+    dq, dk, dv = build_backward(spec)(q, k, v, o, lse, do)
+    want = reference_attention_backward(spec, q, k, v, do)
+    for name, got in (("dq", dq), ("dk", dk), ("dv", dv)):
+        np.testing.assert_allclose(got, want[name], atol=5e-5, rtol=1e-4, err_msg=name)
+
+
+def test_the_audit_fails_a_tile_that_grows_with_the_lengths(monkeypatch):
+    """A tile sized by the lengths (block_m = Sq, block_n = Skv: the whole score matrix) is what
+    the audit exists to catch: the probe build at doubled lengths shows S and P growing."""
+    from tvm_attention import backward
+
+    real = backward.backward_func
+    monkeypatch.setattr(backward, "backward_func", lambda spec, knobs=None: real(
+        spec, BackwardKnobs(block_m=spec.seq_q, block_n=spec.seq_kv)))
+    with pytest.raises(RuntimeError, match="not fused.*S .*grows with the sequence length"):
+        build_backward(AttentionSpec(batch=1, heads=1, seq_q=24, seq_kv=40, head_dim=16))
+
+
+@pytest.mark.parametrize("kw, what", [(dict(layout="varlen"), "layout 'varlen'"), (dict(dtype="bfloat16"), "bfloat16"),
+                                      (dict(alibi=True), "alibi"), (dict(sinks=True), "sinks"),
+                                      (dict(dynamic=["seq_q"]), "symbolic")])
+def test_what_is_not_built_yet_is_refused_by_name(kw, what):
+    spec = AttentionSpec(batch=1, heads=2, seq_q=8, seq_kv=8, head_dim=16, **kw)
+    with pytest.raises(SpecError, match=what):
+        build_backward(spec)
+
+
+def test_inputs_are_checked():
+    spec = AttentionSpec(batch=1, heads=2, seq_q=8, seq_kv=8, head_dim=16)
+    kern = build_backward(spec)
+    z = np.zeros((1, 2, 8, 16), np.float32)
+    with pytest.raises(SpecError, match=r"lse must be float32 \(1, 2, 8\)"):
+        kern(z, z, z, z, np.zeros((1, 2, 9), np.float32), z)
+    with pytest.raises(SpecError, match="do must be float32"):
+        kern(z, z, z, z, np.zeros((1, 2, 8), np.float32), z.astype(np.float64))

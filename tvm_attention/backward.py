@@ -1,0 +1,306 @@
+"""The fused attention backward on the CPU (issue 46), first step: BHSD, float32, static shapes.
+
+FlashAttention-2's scheme. The forward saves ``lse``; the backward recomputes each score tile
+from Q and K, ``P = exp(T − lse)`` for the final score ``T``, and never holds more than a
+``block_m × block_n`` tile of it (the audit proves it, as for the forward). One PrimFunc, two
+parallel phases, each task writing its own rows (no atomics):
+
+1. **dK, dV**, one task per (sequence, kv head, key tile): over every query head of the group and
+   every query tile that can see the key tile, ``dV += Pᵀ·dO``, ``dP = dO·Vᵀ``, ``dS = P ∘ (dP −
+   delta) ∘ T'(X)``, ``dK += dSᵀ·Q·scale`` (GQA's sum over the group happens in the task);
+2. **dQ**, one task per (sequence, head, query tile): over every key tile it can see, the same
+   ``dS`` again, ``dQ += dS·K·scale`` (the issue's "second pass over query tiles"; the other
+   strategy, per-thread partial sums, is a later knob).
+
+``delta = rowsum(dO ∘ O)`` is recomputed per query tile where a phase needs it: 2·Dv FLOP per row
+against the tile's 4·block_n·D, no workspace. ``T'(X)`` is the softcap's ``1 − tanh²(X / c)`` (1
+without one). Which keys a row sees comes from :class:`~tvm_attention.visibility.Visibility`, as
+everywhere; a row that sees no key (``lse = −inf``) takes no gradient. The semantics are
+``reference_attention_backward``'s; what this step does not build yet (other layouts and dtypes,
+symbolic shapes, ALiBi, sinks, key bounds, custom masks, modifiers) is refused by name.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from .errors import SpecError
+from .spec import AttentionSpec
+from .visibility import Visibility
+
+#: the variants this step's kernel takes
+SUPPORTED_VARIANTS = ("window", "softcap")
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardKnobs:
+    #: query rows per tile: a dK/dV task reads its Q/dO rows this many at a time; 32 keeps the
+    #: tile's three score-sized locals (S, P, dS: 3·32·32 floats, 12 KiB) in L1 beside Q's rows
+    block_m: int = 32
+    #: keys per tile, and so per dK/dV task: its dK and dV accumulators (block_n × D each) live in
+    #: local scope for the whole task
+    block_n: int = 32
+
+
+def check_spec(spec: AttentionSpec) -> None:
+    """Refuse, by name, what this step's kernel does not build."""
+    if spec.layout != "bhsd":
+        raise SpecError(f"backward: layout {spec.layout!r} is not built yet (bhsd only)")
+    if spec.dtype != "float32":
+        raise SpecError(f"backward: dtype {spec.dtype} is not built yet (float32 only)")
+    if spec.dynamic:
+        raise SpecError("backward: symbolic shapes are not built yet (static only)")
+    other = [v for v in spec.variants if v not in SUPPORTED_VARIANTS]
+    if other:
+        raise SpecError(f"backward: {', '.join(other)} not built yet (this step takes {', '.join(SUPPORTED_VARIANTS)})")
+
+
+class _ScoreMath:
+    """The backward's per-score TIR expressions for ``spec``: which keys a row sees (and the row
+    and key ranges a tile may skip to), ``P`` from a raw product, and the chain rule's factor."""
+
+    def __init__(self, spec: AttentionSpec):
+        self.vis, self.off, self.sq, self.skv = Visibility.of(spec), spec.seq_kv - spec.seq_q, spec.seq_q, spec.seq_kv
+        self.scale, self.cap = float(spec.scale), spec.softcap
+
+    def sees(self, i, j):  # whether row i sees key j (both in range)
+        from tvm.script import tirx as T  # TVM: this module's specs and checks load without it
+
+        vis, ok = self.vis, T.bool(True)
+        if vis.right >= 0:
+            ok = T.And(ok, j <= i + self.off + vis.right)
+        if vis.left >= 0:
+            ok = T.And(ok, j >= i + self.off - vis.left)
+        return ok
+
+    def first_row(self, j0):  # the first row that may see key j0 (a right bound): rows before skip
+        from tvm.script import tirx as T  # TVM: as above
+
+        return T.max(0, j0 - self.off - self.vis.right) if self.vis.right >= 0 else 0
+
+    def last_row(self, j1):  # one past the last row that may see key j1 − 1 (a left bound)
+        from tvm.script import tirx as T  # TVM: as above
+
+        return T.min(self.sq, j1 - 1 - self.off + self.vis.left + 1) if self.vis.left >= 0 else self.sq
+
+    # exp2_fast and tanh_fast, the forward's: vectorizable (LLVM calls libm per lane for exp, tanh)
+    def prob(self, s, lse, in_tile, i, j):  # P of the raw product s = q·k: exp(T(s·scale) − lse), 0 where hidden
+        from tvm.script import tirx as T  # TVM: as above
+
+        from .workloads._math import LOG2E, exp2_fast, tanh_fast  # TIR's math (imports TVM)
+
+        x = s * T.float32(self.scale)
+        t = x if self.cap is None else T.float32(self.cap) * tanh_fast(x / T.float32(self.cap))
+        return T.Select(T.And(T.And(in_tile, self.sees(i, j)), lse > T.float32(-np.inf)),
+                        exp2_fast((t - lse) * T.float32(LOG2E)), T.float32(0))
+
+    def chain(self, s):  # dS/dT's factor on the raw product: scale · T'(s·scale) (the softcap's 1 − tanh²)
+        from tvm.script import tirx as T  # TVM: as above
+
+        from .workloads._math import tanh_fast  # TIR's math (imports TVM)
+
+        if self.cap is None:
+            return T.float32(self.scale)
+        t = tanh_fast(s * T.float32(self.scale / self.cap))
+        return (T.float32(1) - t * t) * T.float32(self.scale)
+
+
+def backward_func(spec: AttentionSpec, knobs: BackwardKnobs | None = None):
+    """The PrimFunc ``attention_backward(q, k, v, o, lse, do, dq, dk, dv)``: BHSD ``q, do, o, dq
+    (B, H, Sq, D)`` (Dv for ``o``/``do``), ``k, dk (B, KH, Skv, D)``, ``v, dv (B, KH, Skv, Dv)``,
+    ``lse (B, H, Sq)`` the forward's (natural log, ``−inf`` for a row that sees no key)."""
+    from tvm.script import tirx as T  # TVM: this module's specs and checks load without it
+
+    check_spec(spec)
+    kn = knobs or BackwardKnobs()
+    B, H, KH, G = spec.batch, spec.heads, spec.kv_heads, spec.group_size
+    SQ, SKV, D, DV, BM, BN = spec.seq_q, spec.seq_kv, spec.head_dim, spec.v_dim, kn.block_m, kn.block_n
+    MT, NT = -(-SQ // BM), -(-SKV // BN)
+    vis = Visibility.of(spec)
+    OFF = SKV - SQ  # row i's position (bottom-right)
+    f32 = "float32"
+
+    m = _ScoreMath(spec)
+    sees, first_row, last_row, prob, chain = m.sees, m.first_row, m.last_row, m.prob, m.chain
+
+    @T.macro
+    def load_tiles(K, V, Kt, Vt, b, kh, j0, nj):  # K and V's key tile, transposed, zero past the keys
+        for c, d in T.grid(BN, D):
+            Kt[d, c] = T.if_then_else(c < nj, K[b, kh, T.min(j0 + c, SKV - 1), d], T.float32(0))
+        for c, d in T.grid(BN, DV):
+            Vt[d, c] = T.if_then_else(c < nj, V[b, kh, T.min(j0 + c, SKV - 1), d], T.float32(0))
+
+    @T.macro
+    def products(Q, DO, Kt, Vt, S, dP, b, h, i, r):  # row r's q·k (S) and dO·v (dP), vectors over keys
+        for c in T.vectorized(BN):
+            S[r, c] = T.float32(0)
+            dP[r, c] = T.float32(0)
+        for d in T.serial(D):
+            for c in T.vectorized(BN):
+                S[r, c] = S[r, c] + Q[b, h, i, d] * Kt[d, c]
+        for d in T.serial(DV):
+            for c in T.vectorized(BN):
+                dP[r, c] = dP[r, c] + DO[b, h, i, d] * Vt[d, c]
+
+    @T.macro
+    def row_deltas(DO, O, dl, b, h, i0, ni):  # delta = rowsum(dO ∘ O) of the tile's rows
+        for r in T.serial(ni):
+            dl[r] = T.float32(0)
+            for d in T.serial(DV):
+                dl[r] = dl[r] + DO[b, h, i0 + r, d] * O[b, h, i0 + r, d]
+
+    # not checked well-formed, as the forward's: tanh_fast's let variable appears in both arms of
+    # exp2_fast's select, the same value bound twice
+    @T.prim_func(s_tir=True, check_well_formed=False)
+    def attention_backward(Q: T.Buffer((B, H, SQ, D), f32), K: T.Buffer((B, KH, SKV, D), f32),
+                           V: T.Buffer((B, KH, SKV, DV), f32), O: T.Buffer((B, H, SQ, DV), f32),
+                           LSE: T.Buffer((B, H, SQ), f32), DO: T.Buffer((B, H, SQ, DV), f32),
+                           DQ: T.Buffer((B, H, SQ, D), f32), DK: T.Buffer((B, KH, SKV, D), f32),
+                           DV_: T.Buffer((B, KH, SKV, DV), f32)):
+        T.func_attr({"global_symbol": "attention_backward", "tirx.noalias": True})
+        for task in T.parallel(B * KH * NT):
+            with T.sblock("dkdv"):
+                vt = T.axis.spatial(B * KH * NT, task)
+                T.reads(Q[0:B, 0:H, 0:SQ, 0:D], K[0:B, 0:KH, 0:SKV, 0:D], V[0:B, 0:KH, 0:SKV, 0:DV],
+                        O[0:B, 0:H, 0:SQ, 0:DV], LSE[0:B, 0:H, 0:SQ], DO[0:B, 0:H, 0:SQ, 0:DV])
+                T.writes(DK[0:B, 0:KH, 0:SKV, 0:D], DV_[0:B, 0:KH, 0:SKV, 0:DV])
+                S = T.sblock_alloc_buffer((BM, BN), f32, scope="local")
+                P = T.sblock_alloc_buffer((BM, BN), f32, scope="local")
+                dP = T.sblock_alloc_buffer((BM, BN), f32, scope="local")
+                dl = T.sblock_alloc_buffer((BM,), f32, scope="local")
+                acc_k = T.sblock_alloc_buffer((BN, D), f32, scope="local")
+                acc_v = T.sblock_alloc_buffer((BN, DV), f32, scope="local")
+                Kt = T.sblock_alloc_buffer((D, BN), f32, scope="local")
+                Vt = T.sblock_alloc_buffer((DV, BN), f32, scope="local")
+                b = vt // (KH * NT)
+                kh = vt // NT % KH
+                j0 = vt % NT * BN
+                nj = T.min(BN, SKV - j0)
+                for c, d in T.grid(BN, D):
+                    acc_k[c, d] = T.float32(0)
+                for c, d in T.grid(BN, DV):
+                    acc_v[c, d] = T.float32(0)
+                load_tiles(K, V, Kt, Vt, b, kh, j0, nj)  # once per task: the score rows are vectors over keys
+                for g in T.serial(G):
+                    for it in T.serial(first_row(j0) // BM, (last_row(j0 + nj) + BM - 1) // BM):
+                        i0 = it * BM
+                        ni = T.min(BM, SQ - i0)
+                        row_deltas(DO, O, dl, b, kh * G + g, i0, ni)
+                        for r in T.serial(ni):
+                            products(Q, DO, Kt, Vt, S, dP, b, kh * G + g, i0 + r, r)
+                            # no names bound here: a let inside a vectorized loop is taken as one lane's
+                            for c in T.vectorized(BN):
+                                P[r, c] = prob(S[r, c], LSE[b, kh * G + g, i0 + r], c < nj, i0 + r, j0 + c)
+                            for c in T.vectorized(BN):  # dP becomes dS
+                                dP[r, c] = P[r, c] * (dP[r, c] - dl[r]) * chain(S[r, c])
+                        for c, r in T.grid(nj, ni):
+                            for d in T.vectorized(DV):
+                                acc_v[c, d] = acc_v[c, d] + P[r, c] * DO[b, kh * G + g, i0 + r, d]
+                            for d in T.vectorized(D):
+                                acc_k[c, d] = acc_k[c, d] + dP[r, c] * Q[b, kh * G + g, i0 + r, d]
+                for c in T.serial(nj):
+                    for d in T.vectorized(D):
+                        DK[b, kh, j0 + c, d] = acc_k[c, d]
+                    for d in T.vectorized(DV):
+                        DV_[b, kh, j0 + c, d] = acc_v[c, d]
+        for task in T.parallel(B * H * MT):
+            with T.sblock("dq"):
+                vt = T.axis.spatial(B * H * MT, task)
+                T.reads(Q[0:B, 0:H, 0:SQ, 0:D], K[0:B, 0:KH, 0:SKV, 0:D], V[0:B, 0:KH, 0:SKV, 0:DV],
+                        O[0:B, 0:H, 0:SQ, 0:DV], LSE[0:B, 0:H, 0:SQ], DO[0:B, 0:H, 0:SQ, 0:DV])
+                T.writes(DQ[0:B, 0:H, 0:SQ, 0:D])
+                S = T.sblock_alloc_buffer((BM, BN), f32, scope="local")
+                dP = T.sblock_alloc_buffer((BM, BN), f32, scope="local")
+                dl = T.sblock_alloc_buffer((BM,), f32, scope="local")
+                acc_q = T.sblock_alloc_buffer((BM, D), f32, scope="local")
+                Kt = T.sblock_alloc_buffer((D, BN), f32, scope="local")
+                Vt = T.sblock_alloc_buffer((DV, BN), f32, scope="local")
+                b = vt // (H * MT)
+                h = vt // MT % H
+                i0 = vt % MT * BM
+                ni = T.min(BM, SQ - i0)
+                for r, d in T.grid(BM, D):
+                    acc_q[r, d] = T.float32(0)
+                row_deltas(DO, O, dl, b, h, i0, ni)
+                for jt in T.serial(_first_key(vis, OFF, i0) // BN,
+                                   (_last_key(vis, OFF, SKV, i0 + ni) + BN - 1) // BN):
+                    j0 = jt * BN
+                    nj = T.min(BN, SKV - j0)
+                    load_tiles(K, V, Kt, Vt, b, h // G, j0, nj)
+                    for r in T.serial(ni):
+                        products(Q, DO, Kt, Vt, S, dP, b, h, i0 + r, r)
+                        for c in T.vectorized(BN):  # dP becomes dS (no names bound: see above)
+                            dP[r, c] = prob(S[r, c], LSE[b, h, i0 + r], c < nj, i0 + r, j0 + c) \
+                                * (dP[r, c] - dl[r]) * chain(S[r, c])
+                    for r, c in T.grid(ni, nj):
+                        for d in T.vectorized(D):
+                            acc_q[r, d] = acc_q[r, d] + dP[r, c] * K[b, h // G, j0 + c, d]
+                for r in T.serial(ni):
+                    for d in T.vectorized(D):
+                        DQ[b, h, i0 + r, d] = acc_q[r, d]
+
+    return attention_backward
+
+
+def _first_key(vis: Visibility, off: int, i0):
+    """The first key row ``i0`` may see (a left bound), as a TIR expression."""
+    from tvm.script import tirx as T  # TVM: this module's specs and checks load without it
+
+    return T.max(0, i0 + off - vis.left) if vis.left >= 0 else 0
+
+
+def _last_key(vis: Visibility, off: int, skv: int, i1):
+    """One past the last key row ``i1 − 1`` may see (a right bound)."""
+    from tvm.script import tirx as T  # TVM: this module's specs and checks load without it
+
+    return T.min(skv, i1 - 1 + off + vis.right + 1) if vis.right >= 0 else skv
+
+
+@dataclasses.dataclass
+class BackwardKernel:
+    """A built backward: ``kernel(q, k, v, o, lse, do) -> (dq, dk, dv)`` on NumPy float32 arrays
+    (BHSD, C-contiguous), with its lowered IR's audit."""
+
+    spec: AttentionSpec
+    knobs: BackwardKnobs
+    module: Any
+    report: Any
+
+    def __call__(self, q, k, v, o, lse, do):
+        import tvm  # a built kernel: TVM is loaded
+
+        s = self.spec
+        want = {"q": (s.batch, s.heads, s.seq_q, s.head_dim), "k": (s.batch, s.kv_heads, s.seq_kv, s.head_dim),
+                "v": (s.batch, s.kv_heads, s.seq_kv, s.v_dim), "o": (s.batch, s.heads, s.seq_q, s.v_dim),
+                "lse": (s.batch, s.heads, s.seq_q), "do": (s.batch, s.heads, s.seq_q, s.v_dim)}
+        arrays = []
+        for name, a in zip(want, (q, k, v, o, lse, do)):
+            a = np.asarray(a)
+            if a.shape != want[name] or a.dtype != np.float32:
+                raise SpecError(f"backward: {name} must be float32 {want[name]}, got {a.dtype} {a.shape}")
+            arrays.append(tvm.runtime.tensor(np.ascontiguousarray(a)))
+        outs = [tvm.runtime.tensor(np.empty(want[n], np.float32)) for n in ("q", "k", "v")]
+        self.module["attention_backward"](*arrays, *outs)
+        return tuple(x.numpy() for x in outs)
+
+
+def build_backward(spec: AttentionSpec, knobs: BackwardKnobs | None = None, target: Any = "llvm") -> BackwardKernel:
+    """Lower, audit and compile the backward of ``spec`` for ``target`` (default: this CPU).
+    The audit must find no buffer that grows with the lengths or, probed, holds the score
+    matrix's elements (``score_buffers`` S, P)."""
+    from .audit import audit, list_allocations, probe_spec  # the compiler's side (imports TVM)
+    from .lowering import codegen, lower_final  # the compiler's side (imports TVM)
+    from .target import resolve_target  # the compiler's side (imports TVM)
+
+    knobs = knobs or BackwardKnobs()
+    target = resolve_target(target)
+    lowered = lower_final(backward_func(spec, knobs), target)
+    # as the forward's: the same kernel lowered at doubled lengths tells a tile (fixed) from a
+    # buffer that grows with them, so that short sequences' tiles are not taken for score matrices
+    probe = list_allocations(lower_final(backward_func(probe_spec(spec), knobs), target))
+    report = audit(lowered, spec, probe=probe)
+    if report.verdict != "fused":
+        raise RuntimeError(f"backward: the audit found it not fused: {'; '.join(report.reasons)}")
+    return BackwardKernel(spec, knobs, codegen(lowered), report)
