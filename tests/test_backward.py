@@ -18,6 +18,7 @@ CASES = {  # (batch, heads, kv_heads, seq_q, seq_kv, head_dim, spec keywords)
     "gqa_tails": (2, 4, 2, 45, 77, 16, dict()),
     "causal_softcap_sq_gt_skv": (1, 2, 1, 70, 40, 32, dict(causal=True, softcap=5.0)),  # 30 rows see no key
     "window_mha": (1, 3, 3, 64, 96, 24, dict(window=(20, 3))),
+    "alibi_sinks_causal_gqa": (2, 4, 1, 50, 50, 16, dict(causal=True, alibi=True, sinks=True, softcap=8.0)),
 }
 
 
@@ -29,11 +30,19 @@ def test_gradients_match_the_reference(case):
     rng = np.random.default_rng(3)
     q, do = (rng.standard_normal((b, h, sq, d)).astype(np.float32) for _ in range(2))
     k, v = (rng.standard_normal((b, kh, skv, d)).astype(np.float32) for _ in range(2))
-    o, lse = reference_attention(spec, q, k, v, return_lse=True)
-    dq, dk, dv = kern(q, k, v, o.astype(np.float32), lse.astype(np.float32), do)
-    want = reference_attention_backward(spec, q, k, v, do)
-    for name, got in (("dq", dq), ("dk", dk), ("dv", dv)):
-        np.testing.assert_allclose(got, want[name], atol=2e-5, rtol=1e-4, err_msg=name)
+    args = {}
+    if spec.alibi:
+        args["alibi_slopes"] = np.abs(rng.standard_normal(h)).astype(np.float32) * 0.1
+    if spec.sinks:
+        args["sinks"] = rng.standard_normal(h).astype(np.float32)
+    o, lse = reference_attention(spec, q, k, v, return_lse=True, **args)
+    got = kern(q, k, v, o.astype(np.float32), lse.astype(np.float32), do, **args)
+    want = reference_attention_backward(spec, q, k, v, do, **args)
+    names = ("dq", "dk", "dv") + ("dsinks",) * spec.sinks
+    assert len(got) == len(names)
+    for name, g in zip(names, got):
+        np.testing.assert_allclose(g, want[name], atol=2e-5, rtol=1e-4, err_msg=name)
+    dq = got[0]
     if case == "causal_softcap_sq_gt_skv":
         assert not dq[:, :, :30].any()  # rows that see no key take no gradient
     assert kern.report.verdict == "fused"
@@ -66,7 +75,7 @@ def test_the_audit_fails_a_tile_that_grows_with_the_lengths(monkeypatch):
 
 
 @pytest.mark.parametrize("kw, what", [(dict(layout="varlen"), "layout 'varlen'"), (dict(dtype="bfloat16"), "bfloat16"),
-                                      (dict(alibi=True), "alibi"), (dict(sinks=True), "sinks"),
+                                      (dict(kv_start=True), "kv_start"), (dict(key_bounds=True), "key_bounds"),
                                       (dict(dynamic=["seq_q"]), "symbolic")])
 def test_what_is_not_built_yet_is_refused_by_name(kw, what):
     spec = AttentionSpec(batch=1, heads=2, seq_q=8, seq_kv=8, head_dim=16, **kw)
@@ -82,3 +91,5 @@ def test_inputs_are_checked():
         kern(z, z, z, z, np.zeros((1, 2, 9), np.float32), z)
     with pytest.raises(SpecError, match="do must be float32"):
         kern(z, z, z, z, np.zeros((1, 2, 8), np.float32), z.astype(np.float64))
+    with pytest.raises(SpecError, match="sinks: this spec takes none"):
+        kern(z, z, z, z, np.zeros((1, 2, 8), np.float32), z, sinks=np.zeros(2, np.float32))

@@ -16,8 +16,10 @@ parallel phases, each task writing its own rows (no atomics):
 against the tile's 4·block_n·D, no workspace. ``T'(X)`` is the softcap's ``1 − tanh²(X / c)`` (1
 without one). Which keys a row sees comes from :class:`~tvm_attention.visibility.Visibility`, as
 everywhere; a row that sees no key (``lse = −inf``) takes no gradient. The semantics are
-``reference_attention_backward``'s; what this step does not build yet (other layouts and dtypes,
-symbolic shapes, ALiBi, sinks, key bounds, custom masks, modifiers) is refused by name.
+``reference_attention_backward``'s. ALiBi subtracts its constant in ``T``; with sinks each row's
+denominator takes the sink (``row_lse``) and a third phase sums ``dsink_h = −Σ p_sink·delta``.
+What this step does not build yet (other layouts and dtypes, symbolic shapes, ``kv_start``, key
+bounds, custom masks, modifiers) is refused by name.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ from .spec import AttentionSpec
 from .visibility import Visibility
 
 #: the variants this step's kernel takes
-SUPPORTED_VARIANTS = ("window", "softcap")
+SUPPORTED_VARIANTS = ("window", "softcap", "alibi", "sinks")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,15 +88,32 @@ class _ScoreMath:
         return T.min(self.sq, j1 - 1 - self.off + self.vis.left + 1) if self.vis.left >= 0 else self.sq
 
     # exp2_fast and tanh_fast, the forward's: vectorizable (LLVM calls libm per lane for exp, tanh)
-    def prob(self, s, lse, in_tile, i, j):  # P of the raw product s = q·k: exp(T(s·scale) − lse), 0 where hidden
+    def prob(self, s, lse, in_tile, i, j, slope):
+        """P of the raw product ``s = q·k``: ``exp(T(s·scale) − lse)``, 0 where hidden. ``lse``: the
+        row's :meth:`row_lse` (+inf for a row that sees no key: P is then 0); ``slope``: its
+        head's ALiBi slope (None without)."""
         from tvm.script import tirx as T  # TVM: as above
 
         from .workloads._math import LOG2E, exp2_fast, tanh_fast  # TIR's math (imports TVM)
 
         x = s * T.float32(self.scale)
         t = x if self.cap is None else T.float32(self.cap) * tanh_fast(x / T.float32(self.cap))
-        return T.Select(T.And(T.And(in_tile, self.sees(i, j)), lse > T.float32(-np.inf)),
-                        exp2_fast((t - lse) * T.float32(LOG2E)), T.float32(0))
+        if slope is not None:
+            t = t - slope * T.Cast("float32", T.abs(i + self.off - j))
+        return T.Select(T.And(in_tile, self.sees(i, j)), exp2_fast((t - lse) * T.float32(LOG2E)), T.float32(0))
+
+    @staticmethod
+    def row_lse(lse, sink):
+        """The denominator's log for P: the forward's ``lse`` (no sink), with the sink's ``exp``
+        joined when there is one; +inf for a row that saw no key (``lse = −inf``)."""
+        from tvm.script import tirx as T  # TVM: as above
+
+        if sink is None:
+            full = lse
+        else:
+            top = T.max(lse, sink)
+            full = top + T.log(T.exp(lse - top) + T.exp(sink - top))
+        return T.Select(lse > T.float32(-np.inf), full, T.float32(np.inf))
 
     def chain(self, s):  # dS/dT's factor on the raw product: scale · T'(s·scale) (the softcap's 1 − tanh²)
         from tvm.script import tirx as T  # TVM: as above
@@ -107,23 +126,13 @@ class _ScoreMath:
         return (T.float32(1) - t * t) * T.float32(self.scale)
 
 
-def backward_func(spec: AttentionSpec, knobs: BackwardKnobs | None = None):
-    """The PrimFunc ``attention_backward(q, k, v, o, lse, do, dq, dk, dv)``: BHSD ``q, do, o, dq
-    (B, H, Sq, D)`` (Dv for ``o``/``do``), ``k, dk (B, KH, Skv, D)``, ``v, dv (B, KH, Skv, Dv)``,
-    ``lse (B, H, Sq)`` the forward's (natural log, ``−inf`` for a row that sees no key)."""
+def _macros(spec: AttentionSpec, kn: BackwardKnobs, m: _ScoreMath):
+    """The backward's TVMScript macros for ``spec``: a key tile's K and V transposed
+    (``load_tiles``), a row's products against them (``products``), a row tile's deltas and
+    effective lse (``row_deltas``)."""
     from tvm.script import tirx as T  # TVM: this module's specs and checks load without it
 
-    check_spec(spec)
-    kn = knobs or BackwardKnobs()
-    B, H, KH, G = spec.batch, spec.heads, spec.kv_heads, spec.group_size
-    SQ, SKV, D, DV, BM, BN = spec.seq_q, spec.seq_kv, spec.head_dim, spec.v_dim, kn.block_m, kn.block_n
-    MT, NT = -(-SQ // BM), -(-SKV // BN)
-    vis = Visibility.of(spec)
-    OFF = SKV - SQ  # row i's position (bottom-right)
-    f32 = "float32"
-
-    m = _ScoreMath(spec)
-    sees, first_row, last_row, prob, chain = m.sees, m.first_row, m.last_row, m.prob, m.chain
+    D, DV, SKV, BN, sinks, row_lse = spec.head_dim, spec.v_dim, spec.seq_kv, kn.block_n, spec.sinks, m.row_lse
 
     @T.macro
     def load_tiles(K, V, Kt, Vt, b, kh, j0, nj):  # K and V's key tile, transposed, zero past the keys
@@ -145,11 +154,36 @@ def backward_func(spec: AttentionSpec, knobs: BackwardKnobs | None = None):
                 dP[r, c] = dP[r, c] + DO[b, h, i, d] * Vt[d, c]
 
     @T.macro
-    def row_deltas(DO, O, dl, b, h, i0, ni):  # delta = rowsum(dO ∘ O) of the tile's rows
+    def row_deltas(DO, O, LSE, SK, dl, le, b, h, i0, ni):  # the tile's rows' delta = rowsum(dO ∘ O), row_lse
         for r in T.serial(ni):
             dl[r] = T.float32(0)
             for d in T.serial(DV):
                 dl[r] = dl[r] + DO[b, h, i0 + r, d] * O[b, h, i0 + r, d]
+            le[r] = row_lse(LSE[b, h, i0 + r], SK[h] if sinks else None)
+
+    return load_tiles, products, row_deltas
+
+
+def backward_func(spec: AttentionSpec, knobs: BackwardKnobs | None = None):
+    """The PrimFunc ``attention_backward(q, k, v, o, lse, do, dq, dk, dv)``: BHSD ``q, do, o, dq
+    (B, H, Sq, D)`` (Dv for ``o``/``do``), ``k, dk (B, KH, Skv, D)``, ``v, dv (B, KH, Skv, Dv)``,
+    ``lse (B, H, Sq)`` the forward's (natural log, ``−inf`` for a row that sees no key)."""
+    from tvm.script import tirx as T  # TVM: this module's specs and checks load without it
+
+    check_spec(spec)
+    kn = knobs or BackwardKnobs()
+    B, H, KH, G = spec.batch, spec.heads, spec.kv_heads, spec.group_size
+    SQ, SKV, D, DV, BM, BN = spec.seq_q, spec.seq_kv, spec.head_dim, spec.v_dim, kn.block_m, kn.block_n
+    MT, NT = -(-SQ // BM), -(-SKV // BN)
+    vis = Visibility.of(spec)
+    OFF = SKV - SQ  # row i's position (bottom-right)
+    f32 = "float32"
+
+    m = _ScoreMath(spec)
+    first_row, last_row, prob, chain, row_lse = m.first_row, m.last_row, m.prob, m.chain, m.row_lse
+    alibi, sinks = spec.alibi, spec.sinks
+
+    load_tiles, products, row_deltas = _macros(spec, kn, m)
 
     # not checked well-formed, as the forward's: tanh_fast's let variable appears in both arms of
     # exp2_fast's select, the same value bound twice
@@ -157,8 +191,9 @@ def backward_func(spec: AttentionSpec, knobs: BackwardKnobs | None = None):
     def attention_backward(Q: T.Buffer((B, H, SQ, D), f32), K: T.Buffer((B, KH, SKV, D), f32),
                            V: T.Buffer((B, KH, SKV, DV), f32), O: T.Buffer((B, H, SQ, DV), f32),
                            LSE: T.Buffer((B, H, SQ), f32), DO: T.Buffer((B, H, SQ, DV), f32),
+                           SL: T.Buffer((H,), f32), SK: T.Buffer((H,), f32),
                            DQ: T.Buffer((B, H, SQ, D), f32), DK: T.Buffer((B, KH, SKV, D), f32),
-                           DV_: T.Buffer((B, KH, SKV, DV), f32)):
+                           DV_: T.Buffer((B, KH, SKV, DV), f32), DSK: T.Buffer((H,), f32)):
         T.func_attr({"global_symbol": "attention_backward", "tirx.noalias": True})
         for task in T.parallel(B * KH * NT):
             with T.sblock("dkdv"):
@@ -170,6 +205,7 @@ def backward_func(spec: AttentionSpec, knobs: BackwardKnobs | None = None):
                 P = T.sblock_alloc_buffer((BM, BN), f32, scope="local")
                 dP = T.sblock_alloc_buffer((BM, BN), f32, scope="local")
                 dl = T.sblock_alloc_buffer((BM,), f32, scope="local")
+                le = T.sblock_alloc_buffer((BM,), f32, scope="local")
                 acc_k = T.sblock_alloc_buffer((BN, D), f32, scope="local")
                 acc_v = T.sblock_alloc_buffer((BN, DV), f32, scope="local")
                 Kt = T.sblock_alloc_buffer((D, BN), f32, scope="local")
@@ -187,12 +223,12 @@ def backward_func(spec: AttentionSpec, knobs: BackwardKnobs | None = None):
                     for it in T.serial(first_row(j0) // BM, (last_row(j0 + nj) + BM - 1) // BM):
                         i0 = it * BM
                         ni = T.min(BM, SQ - i0)
-                        row_deltas(DO, O, dl, b, kh * G + g, i0, ni)
+                        row_deltas(DO, O, LSE, SK, dl, le, b, kh * G + g, i0, ni)
                         for r in T.serial(ni):
                             products(Q, DO, Kt, Vt, S, dP, b, kh * G + g, i0 + r, r)
                             # no names bound here: a let inside a vectorized loop is taken as one lane's
                             for c in T.vectorized(BN):
-                                P[r, c] = prob(S[r, c], LSE[b, kh * G + g, i0 + r], c < nj, i0 + r, j0 + c)
+                                P[r, c] = prob(S[r, c], le[r], c < nj, i0 + r, j0 + c, SL[kh * G + g] if alibi else None)
                             for c in T.vectorized(BN):  # dP becomes dS
                                 dP[r, c] = P[r, c] * (dP[r, c] - dl[r]) * chain(S[r, c])
                         for c, r in T.grid(nj, ni):
@@ -214,6 +250,7 @@ def backward_func(spec: AttentionSpec, knobs: BackwardKnobs | None = None):
                 S = T.sblock_alloc_buffer((BM, BN), f32, scope="local")
                 dP = T.sblock_alloc_buffer((BM, BN), f32, scope="local")
                 dl = T.sblock_alloc_buffer((BM,), f32, scope="local")
+                le = T.sblock_alloc_buffer((BM,), f32, scope="local")
                 acc_q = T.sblock_alloc_buffer((BM, D), f32, scope="local")
                 Kt = T.sblock_alloc_buffer((D, BN), f32, scope="local")
                 Vt = T.sblock_alloc_buffer((DV, BN), f32, scope="local")
@@ -223,7 +260,7 @@ def backward_func(spec: AttentionSpec, knobs: BackwardKnobs | None = None):
                 ni = T.min(BM, SQ - i0)
                 for r, d in T.grid(BM, D):
                     acc_q[r, d] = T.float32(0)
-                row_deltas(DO, O, dl, b, h, i0, ni)
+                row_deltas(DO, O, LSE, SK, dl, le, b, h, i0, ni)
                 for jt in T.serial(_first_key(vis, OFF, i0) // BN,
                                    (_last_key(vis, OFF, SKV, i0 + ni) + BN - 1) // BN):
                     j0 = jt * BN
@@ -232,7 +269,7 @@ def backward_func(spec: AttentionSpec, knobs: BackwardKnobs | None = None):
                     for r in T.serial(ni):
                         products(Q, DO, Kt, Vt, S, dP, b, h, i0 + r, r)
                         for c in T.vectorized(BN):  # dP becomes dS (no names bound: see above)
-                            dP[r, c] = prob(S[r, c], LSE[b, h, i0 + r], c < nj, i0 + r, j0 + c) \
+                            dP[r, c] = prob(S[r, c], le[r], c < nj, i0 + r, j0 + c, SL[h] if alibi else None) \
                                 * (dP[r, c] - dl[r]) * chain(S[r, c])
                     for r, c in T.grid(ni, nj):
                         for d in T.vectorized(D):
@@ -240,8 +277,24 @@ def backward_func(spec: AttentionSpec, knobs: BackwardKnobs | None = None):
                 for r in T.serial(ni):
                     for d in T.vectorized(D):
                         DQ[b, h, i0 + r, d] = acc_q[r, d]
+        if sinks:  # static: a spec without sinks has no such phase (nor SK, DSK)
+            for h in T.parallel(H):  # dsink_h = −Σ p_sink·delta over the head's rows
+                with T.sblock("dsinks"):
+                    vh = T.axis.spatial(H, h)
+                    T.reads(O[0:B, vh, 0:SQ, 0:DV], DO[0:B, vh, 0:SQ, 0:DV], LSE[0:B, vh, 0:SQ], SK[vh])
+                    T.writes(DSK[vh])
+                    acc = T.sblock_alloc_buffer((2,), f32, scope="local")  # [0] the sum, [1] a row's delta
+                    acc[0] = T.float32(0)
+                    for b, i in T.grid(B, SQ):
+                        acc[1] = T.float32(0)
+                        for d in T.serial(DV):
+                            acc[1] = acc[1] + DO[b, vh, i, d] * O[b, vh, i, d]
+                        acc[0] = acc[0] - T.exp(SK[vh] - row_lse(LSE[b, vh, i], SK[vh])) * acc[1]
+                    DSK[vh] = acc[0]
 
-    return attention_backward
+    from .workloads.fused import _keep_params  # the forward's: drop the parameters a spec does not take
+
+    return _keep_params(attention_backward, [True] * 6 + [alibi, sinks] + [True] * 3 + [sinks])
 
 
 def _first_key(vis: Visibility, off: int, i0):
@@ -268,20 +321,29 @@ class BackwardKernel:
     module: Any
     report: Any
 
-    def __call__(self, q, k, v, o, lse, do):
+    def __call__(self, q, k, v, o, lse, do, alibi_slopes=None, sinks=None):
+        """``(dq, dk, dv)``, and ``dsinks (H,)`` last with sinks; ``alibi_slopes``/``sinks (H,)``
+        float32 where the spec takes them."""
         import tvm  # a built kernel: TVM is loaded
 
         s = self.spec
         want = {"q": (s.batch, s.heads, s.seq_q, s.head_dim), "k": (s.batch, s.kv_heads, s.seq_kv, s.head_dim),
                 "v": (s.batch, s.kv_heads, s.seq_kv, s.v_dim), "o": (s.batch, s.heads, s.seq_q, s.v_dim),
-                "lse": (s.batch, s.heads, s.seq_q), "do": (s.batch, s.heads, s.seq_q, s.v_dim)}
+                "lse": (s.batch, s.heads, s.seq_q), "do": (s.batch, s.heads, s.seq_q, s.v_dim),
+                "alibi_slopes": (s.heads,), "sinks": (s.heads,)}
+        given = {"q": q, "k": k, "v": v, "o": o, "lse": lse, "do": do, "alibi_slopes": alibi_slopes, "sinks": sinks}
         arrays = []
-        for name, a in zip(want, (q, k, v, o, lse, do)):
+        for name, a in given.items():
+            takes = name not in ("alibi_slopes", "sinks") or getattr(s, "alibi" if name == "alibi_slopes" else name)
+            if not takes:
+                if a is not None:
+                    raise SpecError(f"backward: {name}: this spec takes none")
+                continue
             a = np.asarray(a)
             if a.shape != want[name] or a.dtype != np.float32:
                 raise SpecError(f"backward: {name} must be float32 {want[name]}, got {a.dtype} {a.shape}")
             arrays.append(tvm.runtime.tensor(np.ascontiguousarray(a)))
-        outs = [tvm.runtime.tensor(np.empty(want[n], np.float32)) for n in ("q", "k", "v")]
+        outs = [tvm.runtime.tensor(np.empty(want[n], np.float32)) for n in ("q", "k", "v") + ("sinks",) * s.sinks]
         self.module["attention_backward"](*arrays, *outs)
         return tuple(x.numpy() for x in outs)
 
