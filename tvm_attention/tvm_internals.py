@@ -167,11 +167,11 @@ _TORCHLESS_DEPTH = [0, None]  # active torchless_workers() contexts, TVM's own P
 
 @functools.lru_cache(maxsize=1)
 def _torchless_worker_class():
+    """The ``PopenWorker`` subclass :func:`torchless_workers` puts in TVM's place (made once)."""
     import os
     import subprocess
 
     from tvm.support.popen_pool import PopenWorker
-
 
     class TorchlessWorker(PopenWorker):
         """TVM's ``PopenWorker`` whose process runs ``tvm.exec.popen_worker`` through
