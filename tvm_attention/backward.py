@@ -44,6 +44,9 @@ class BackwardKnobs:
     #: keys per tile, and so per dK/dV task: its dK and dV accumulators (block_n × D each) live in
     #: local scope for the whole task
     block_n: int = 32
+    #: query rows per dQ task: each key tile it visits is transposed for the score rows, so more
+    #: rows share that cost (64: dQ accumulators of 64 × D, 16 KiB at D = 64)
+    block_m_dq: int = 64
 
 
 def check_spec(spec: AttentionSpec) -> None:
@@ -174,7 +177,8 @@ def backward_func(spec: AttentionSpec, knobs: BackwardKnobs | None = None):
     kn = knobs or BackwardKnobs()
     B, H, KH, G = spec.batch, spec.heads, spec.kv_heads, spec.group_size
     SQ, SKV, D, DV, BM, BN = spec.seq_q, spec.seq_kv, spec.head_dim, spec.v_dim, kn.block_m, kn.block_n
-    MT, NT = -(-SQ // BM), -(-SKV // BN)
+    BMQ = kn.block_m_dq
+    MT, MTQ, NT = -(-SQ // BM), -(-SQ // BMQ), -(-SKV // BN)
     vis = Visibility.of(spec)
     OFF = SKV - SQ  # row i's position (bottom-right)
     f32 = "float32"
@@ -184,6 +188,8 @@ def backward_func(spec: AttentionSpec, knobs: BackwardKnobs | None = None):
     alibi, sinks = spec.alibi, spec.sinks
 
     load_tiles, products, row_deltas = _macros(spec, kn, m)
+    # accumulation blocking: head-dim columns (dK/dV) or rows (dQ) held in registers at once
+    UK, UV, UR = _unroll(D), _unroll(DV), _unroll(BMQ)
 
     # not checked well-formed, as the forward's: tanh_fast's let variable appears in both arms of
     # exp2_fast's select, the same value bound twice
@@ -206,18 +212,18 @@ def backward_func(spec: AttentionSpec, knobs: BackwardKnobs | None = None):
                 dP = T.sblock_alloc_buffer((BM, BN), f32, scope="local")
                 dl = T.sblock_alloc_buffer((BM,), f32, scope="local")
                 le = T.sblock_alloc_buffer((BM,), f32, scope="local")
-                acc_k = T.sblock_alloc_buffer((BN, D), f32, scope="local")
-                acc_v = T.sblock_alloc_buffer((BN, DV), f32, scope="local")
+                acc_k = T.sblock_alloc_buffer((D, BN), f32, scope="local")  # dKᵀ, dVᵀ of the key tile
+                acc_v = T.sblock_alloc_buffer((DV, BN), f32, scope="local")
                 Kt = T.sblock_alloc_buffer((D, BN), f32, scope="local")
                 Vt = T.sblock_alloc_buffer((DV, BN), f32, scope="local")
                 b = vt // (KH * NT)
                 kh = vt // NT % KH
                 j0 = vt % NT * BN
                 nj = T.min(BN, SKV - j0)
-                for c, d in T.grid(BN, D):
-                    acc_k[c, d] = T.float32(0)
-                for c, d in T.grid(BN, DV):
-                    acc_v[c, d] = T.float32(0)
+                for d, c in T.grid(D, BN):
+                    acc_k[d, c] = T.float32(0)
+                for d, c in T.grid(DV, BN):
+                    acc_v[d, c] = T.float32(0)
                 load_tiles(K, V, Kt, Vt, b, kh, j0, nj)  # once per task: the score rows are vectors over keys
                 for g in T.serial(G):
                     for it in T.serial(first_row(j0) // BM, (last_row(j0 + nj) + BM - 1) // BM):
@@ -231,35 +237,43 @@ def backward_func(spec: AttentionSpec, knobs: BackwardKnobs | None = None):
                                 P[r, c] = prob(S[r, c], le[r], c < nj, i0 + r, j0 + c, SL[kh * G + g] if alibi else None)
                             for c in T.vectorized(BN):  # dP becomes dS
                                 dP[r, c] = P[r, c] * (dP[r, c] - dl[r]) * chain(S[r, c])
-                        for c, r in T.grid(nj, ni):
-                            for d in T.vectorized(DV):
-                                acc_v[c, d] = acc_v[c, d] + P[r, c] * DO[b, kh * G + g, i0 + r, d]
-                            for d in T.vectorized(D):
-                                acc_k[c, d] = acc_k[c, d] + dP[r, c] * Q[b, kh * G + g, i0 + r, d]
-                for c in T.serial(nj):
-                    for d in T.vectorized(D):
-                        DK[b, kh, j0 + c, d] = acc_k[c, d]
-                    for d in T.vectorized(DV):
-                        DV_[b, kh, j0 + c, d] = acc_v[c, d]
-        for task in T.parallel(B * H * MT):
+                        # dVᵀ += dOᵀ·P, dKᵀ += Qᵀ·dS: vectors over keys, UV/UK head-dim columns held
+                        # across the rows (each P/dS row load feeds that many FMAs)
+                        for d0, r in T.grid(DV // UV, ni):
+                            for dd in T.unroll(UV):
+                                for c in T.vectorized(BN):
+                                    acc_v[d0 * UV + dd, c] = acc_v[d0 * UV + dd, c] \
+                                        + DO[b, kh * G + g, i0 + r, d0 * UV + dd] * P[r, c]
+                        for d0, r in T.grid(D // UK, ni):
+                            for dd in T.unroll(UK):
+                                for c in T.vectorized(BN):
+                                    acc_k[d0 * UK + dd, c] = acc_k[d0 * UK + dd, c] \
+                                        + Q[b, kh * G + g, i0 + r, d0 * UK + dd] * dP[r, c]
+                for c, d in T.grid(nj, D):
+                    DK[b, kh, j0 + c, d] = acc_k[d, c]
+                for c, d in T.grid(nj, DV):
+                    DV_[b, kh, j0 + c, d] = acc_v[d, c]
+        for task in T.parallel(B * H * MTQ):
             with T.sblock("dq"):
-                vt = T.axis.spatial(B * H * MT, task)
+                vt = T.axis.spatial(B * H * MTQ, task)
                 T.reads(Q[0:B, 0:H, 0:SQ, 0:D], K[0:B, 0:KH, 0:SKV, 0:D], V[0:B, 0:KH, 0:SKV, 0:DV],
                         O[0:B, 0:H, 0:SQ, 0:DV], LSE[0:B, 0:H, 0:SQ], DO[0:B, 0:H, 0:SQ, 0:DV])
                 T.writes(DQ[0:B, 0:H, 0:SQ, 0:D])
-                S = T.sblock_alloc_buffer((BM, BN), f32, scope="local")
-                dP = T.sblock_alloc_buffer((BM, BN), f32, scope="local")
-                dl = T.sblock_alloc_buffer((BM,), f32, scope="local")
-                le = T.sblock_alloc_buffer((BM,), f32, scope="local")
-                acc_q = T.sblock_alloc_buffer((BM, D), f32, scope="local")
+                S = T.sblock_alloc_buffer((BMQ, BN), f32, scope="local")
+                dP = T.sblock_alloc_buffer((BMQ, BN), f32, scope="local")
+                dl = T.sblock_alloc_buffer((BMQ,), f32, scope="local")
+                le = T.sblock_alloc_buffer((BMQ,), f32, scope="local")
+                acc_q = T.sblock_alloc_buffer((BMQ, D), f32, scope="local")
                 Kt = T.sblock_alloc_buffer((D, BN), f32, scope="local")
                 Vt = T.sblock_alloc_buffer((DV, BN), f32, scope="local")
-                b = vt // (H * MT)
-                h = vt // MT % H
-                i0 = vt % MT * BM
-                ni = T.min(BM, SQ - i0)
-                for r, d in T.grid(BM, D):
+                b = vt // (H * MTQ)
+                h = vt // MTQ % H
+                i0 = vt % MTQ * BMQ
+                ni = T.min(BMQ, SQ - i0)
+                for r, d in T.grid(BMQ, D):
                     acc_q[r, d] = T.float32(0)
+                for r, c in T.grid(BMQ, BN):
+                    dP[r, c] = T.float32(0)
                 row_deltas(DO, O, LSE, SK, dl, le, b, h, i0, ni)
                 for jt in T.serial(_first_key(vis, OFF, i0) // BN,
                                    (_last_key(vis, OFF, SKV, i0 + ni) + BN - 1) // BN):
@@ -271,9 +285,12 @@ def backward_func(spec: AttentionSpec, knobs: BackwardKnobs | None = None):
                         for c in T.vectorized(BN):  # dP becomes dS (no names bound: see above)
                             dP[r, c] = prob(S[r, c], le[r], c < nj, i0 + r, j0 + c, SL[h] if alibi else None) \
                                 * (dP[r, c] - dl[r]) * chain(S[r, c])
-                    for r, c in T.grid(ni, nj):
-                        for d in T.vectorized(D):
-                            acc_q[r, d] = acc_q[r, d] + dP[r, c] * K[b, h // G, j0 + c, d]
+                    # dQ += dS·K: UR rows held across the keys (each K row load feeds UR of them);
+                    # dS rows past ni are zeros (their dQ rows are never stored)
+                    for r0, c in T.grid(BMQ // UR, nj):
+                        for rr in T.unroll(UR):
+                            for d in T.vectorized(D):
+                                acc_q[r0 * UR + rr, d] = acc_q[r0 * UR + rr, d] + dP[r0 * UR + rr, c] * K[b, h // G, j0 + c, d]
                 for r in T.serial(ni):
                     for d in T.vectorized(D):
                         DQ[b, h, i0 + r, d] = acc_q[r, d]
@@ -295,6 +312,12 @@ def backward_func(spec: AttentionSpec, knobs: BackwardKnobs | None = None):
     from .workloads.fused import _keep_params  # the forward's: drop the parameters a spec does not take
 
     return _keep_params(attention_backward, [True] * 6 + [alibi, sinks] + [True] * 3 + [sinks])
+
+
+def _unroll(n: int, most: int = 4) -> int:
+    """The largest of ``most``, 2, 1 dividing ``n``: 4 columns of 2 vectors each (block_n 32,
+    AVX-512) are 8 accumulators, leaving registers for the loads."""
+    return next(u for u in (most, 2, 1) if n % u == 0)
 
 
 def _first_key(vis: Visibility, off: int, i0):
