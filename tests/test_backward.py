@@ -93,3 +93,18 @@ def test_inputs_are_checked():
         kern(z, z, z, z, np.zeros((1, 2, 8), np.float32), z.astype(np.float64))
     with pytest.raises(SpecError, match="sinks: this spec takes none"):
         kern(z, z, z, z, np.zeros((1, 2, 8), np.float32), z, sinks=np.zeros(2, np.float32))
+
+
+def test_bench_backward_tiny(tmp_path):
+    """``bench --backward --tiny``: a point each way, side by side with torch SDPA, its report."""
+    pytest.importorskip("torch")
+    import json
+
+    from tvm_attention.cli import main
+
+    assert main(["bench", "--backward", "--tiny", "--threads", "2", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "backward.json").read_text())
+    assert [(r["seq"], r["causal"]) for r in report["rows"]] == [(128, False), (128, True)]
+    for r in report["rows"]:
+        assert r["ours_ms"] > 0 and r["torch_ms"] > 0 and 0 < r["roof_share"] and r["max_abs_diff_dq"] < 1e-4
+    assert report["meta"]["fma_gflops"] > 0 and "| D | S | causal |" in (tmp_path / "backward.md").read_text()

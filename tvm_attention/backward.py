@@ -189,7 +189,7 @@ def backward_func(spec: AttentionSpec, knobs: BackwardKnobs | None = None):
 
     load_tiles, products, row_deltas = _macros(spec, kn, m)
     # accumulation blocking: head-dim columns (dK/dV) or rows (dQ) held in registers at once
-    UK, UV, UR = _unroll(D), _unroll(DV), _unroll(BMQ)
+    UK, UV, UR = _unroll(D), _unroll(DV), _unroll(BMQ, 4 if D <= 64 else 2)  # dQ: UR rows × D/16 vectors
 
     # not checked well-formed, as the forward's: tanh_fast's let variable appears in both arms of
     # exp2_fast's select, the same value bound twice

@@ -538,6 +538,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
         return bench_mla(a, threads)
     if a.masks:
         return bench_masks(a, threads)
+    if a.backward:
+        return bench_backward(a, threads)
     plots = not a.no_plots
     if plots and not plots_available():  # said before the sweep, not found missing after it
         print(missing_note("the sweep runs, its plots are skipped"), flush=True)
@@ -660,6 +662,15 @@ def bench_masks(a: argparse.Namespace, threads: int) -> int:
 
     cfg = masks.quick_config() if a.tiny else masks.Config()
     return _bench_report(a, masks, lambda: masks.run(cfg, threads, say=lambda m: print(m, flush=True)))
+
+
+def bench_backward(a: argparse.Namespace, threads: int) -> int:
+    """``bench --backward``: our fused forward + backward against torch SDPA's at B1 H8 fp32, D 64 /
+    128, S 1k-8k, causal and not, with the FMA peak; ``--tiny``: one small point each way."""
+    from .bench import backward  # TVM loads only for the commands that compile
+
+    cfg = backward.quick_config() if a.tiny else backward.Config()
+    return _bench_report(a, backward, lambda: backward.run(cfg, threads, say=lambda m: print(m, flush=True)))
 
 
 #: ``--memory-scaling``'s measurements: fused and materialized at two lengths.
@@ -1006,8 +1017,8 @@ def build_parser() -> "_Parser":
                    help="MLA instead: DeepSeek-V3's latent-attention decode (H=128, latent 576, V 512; bf16 and fp32, "
                         "batch 4 and 16 × 4k) against the FMA and bf16 dot-product peaks, torch SDPA and llama.cpp, "
                         "and a Dqk 192 / Dv 128 prefill against a D=192 build")
-    p.add_argument("--masks", action="store_true", help="custom masks instead: 90%% of the key tiles hidden against "
-                   "an all-ones mask, a tree verify of 64 drafts against a causal append step (docs/benchmarks.md)")
+    p.add_argument("--masks", action="store_true", help="custom masks, tree verify, the cascade (docs/benchmarks.md)")
+    p.add_argument("--backward", action="store_true", help="forward + backward against torch SDPA's (docs/benchmarks.md)")
     kv8 = ["float8_e4m3fn", "float8_e5m2", "int8", "int8_qk8"]
     p.add_argument("--decode-dtype", nargs="+", default=None,
                    choices=["float32", "bfloat16", "float16"] + kv8 + [f"{d}_{g}" for d in kv8 for g in ("token", "group")],
