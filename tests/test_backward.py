@@ -83,6 +83,13 @@ def test_what_is_not_built_yet_is_refused_by_name(kw, what):
         build_backward(spec)
 
 
+def test_knobs_are_checked():
+    for kw, what in ((dict(block_m=30), "block_m=30 must be a multiple of 4"), (dict(block_n=0), "block_n must be"),
+                     (dict(block_m_dq=True), "block_m_dq must be")):
+        with pytest.raises(SpecError, match=what):
+            BackwardKnobs(**kw)
+
+
 def test_inputs_are_checked():
     spec = AttentionSpec(batch=1, heads=2, seq_q=8, seq_kv=8, head_dim=16)
     kern = build_backward(spec)

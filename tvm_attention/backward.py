@@ -32,6 +32,9 @@ from .errors import SpecError
 from .spec import AttentionSpec
 from .visibility import Visibility
 
+#: query rows whose score products share each K/V tile row load (4 rows × block_n 32: 8 vector
+#: accumulators); block_m and block_m_dq must be multiples of it
+PRODUCT_ROWS = 4
 #: the variants this step's kernel takes
 SUPPORTED_VARIANTS = ("window", "softcap", "alibi", "sinks")
 
@@ -47,6 +50,16 @@ class BackwardKnobs:
     #: query rows per dQ task: each key tile it visits is transposed for the score rows, so more
     #: rows share that cost (64: dQ accumulators of 64 × D, 16 KiB at D = 64)
     block_m_dq: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "block_m_dq"):
+            x = getattr(self, name)
+            if isinstance(x, bool) or not isinstance(x, int) or x < 1:
+                raise SpecError(f"backward knobs: {name} must be a positive int, got {x!r}")
+        for name in ("block_m", "block_m_dq"):
+            if getattr(self, name) % PRODUCT_ROWS:
+                raise SpecError(f"backward knobs: {name}={getattr(self, name)} must be a multiple of {PRODUCT_ROWS} "
+                                "(the rows whose products share a K/V row load)")
 
 
 def check_spec(spec: AttentionSpec) -> None:
@@ -136,6 +149,7 @@ def _macros(spec: AttentionSpec, kn: BackwardKnobs, m: _ScoreMath):
     from tvm.script import tirx as T  # TVM: this module's specs and checks load without it
 
     D, DV, SKV, BN, sinks, row_lse = spec.head_dim, spec.v_dim, spec.seq_kv, kn.block_n, spec.sinks, m.row_lse
+    SQ, UP = spec.seq_q, PRODUCT_ROWS
 
     @T.macro
     def load_tiles(K, V, Kt, Vt, b, kh, j0, nj):  # K and V's key tile, transposed, zero past the keys
@@ -145,16 +159,21 @@ def _macros(spec: AttentionSpec, kn: BackwardKnobs, m: _ScoreMath):
             Vt[d, c] = T.if_then_else(c < nj, V[b, kh, T.min(j0 + c, SKV - 1), d], T.float32(0))
 
     @T.macro
-    def products(Q, DO, Kt, Vt, S, dP, b, h, i, r):  # row r's q·k (S) and dO·v (dP), vectors over keys
-        for c in T.vectorized(BN):
-            S[r, c] = T.float32(0)
-            dP[r, c] = T.float32(0)
+    def products(Q, DO, Kt, Vt, S, dP, b, h, i0, r0):
+        # rows r0 .. r0 + UP − 1's q·k (S) and dO·v (dP), vectors over keys, UP rows per K/V tile
+        # row load; rows past Sq read its last row (their results are never used)
+        for rr in T.serial(UP):
+            for c in T.vectorized(BN):
+                S[r0 + rr, c] = T.float32(0)
+                dP[r0 + rr, c] = T.float32(0)
         for d in T.serial(D):
-            for c in T.vectorized(BN):
-                S[r, c] = S[r, c] + Q[b, h, i, d] * Kt[d, c]
+            for rr in T.unroll(UP):
+                for c in T.vectorized(BN):
+                    S[r0 + rr, c] = S[r0 + rr, c] + Q[b, h, T.min(i0 + r0 + rr, SQ - 1), d] * Kt[d, c]
         for d in T.serial(DV):
-            for c in T.vectorized(BN):
-                dP[r, c] = dP[r, c] + DO[b, h, i, d] * Vt[d, c]
+            for rr in T.unroll(UP):
+                for c in T.vectorized(BN):
+                    dP[r0 + rr, c] = dP[r0 + rr, c] + DO[b, h, T.min(i0 + r0 + rr, SQ - 1), d] * Vt[d, c]
 
     @T.macro
     def row_deltas(DO, O, LSE, SK, dl, le, b, h, i0, ni):  # the tile's rows' delta = rowsum(dO ∘ O), row_lse
@@ -230,8 +249,9 @@ def backward_func(spec: AttentionSpec, knobs: BackwardKnobs | None = None):
                         i0 = it * BM
                         ni = T.min(BM, SQ - i0)
                         row_deltas(DO, O, LSE, SK, dl, le, b, kh * G + g, i0, ni)
+                        for r0 in T.serial((ni + PRODUCT_ROWS - 1) // PRODUCT_ROWS):
+                            products(Q, DO, Kt, Vt, S, dP, b, kh * G + g, i0, r0 * PRODUCT_ROWS)
                         for r in T.serial(ni):
-                            products(Q, DO, Kt, Vt, S, dP, b, kh * G + g, i0 + r, r)
                             # no names bound here: a let inside a vectorized loop is taken as one lane's
                             for c in T.vectorized(BN):
                                 P[r, c] = prob(S[r, c], le[r], c < nj, i0 + r, j0 + c, SL[kh * G + g] if alibi else None)
@@ -280,13 +300,14 @@ def backward_func(spec: AttentionSpec, knobs: BackwardKnobs | None = None):
                     j0 = jt * BN
                     nj = T.min(BN, SKV - j0)
                     load_tiles(K, V, Kt, Vt, b, h // G, j0, nj)
+                    for r0 in T.serial((ni + PRODUCT_ROWS - 1) // PRODUCT_ROWS):
+                        products(Q, DO, Kt, Vt, S, dP, b, h, i0, r0 * PRODUCT_ROWS)
                     for r in T.serial(ni):
-                        products(Q, DO, Kt, Vt, S, dP, b, h, i0 + r, r)
                         for c in T.vectorized(BN):  # dP becomes dS (no names bound: see above)
                             dP[r, c] = prob(S[r, c], le[r], c < nj, i0 + r, j0 + c, SL[h] if alibi else None) \
                                 * (dP[r, c] - dl[r]) * chain(S[r, c])
                     # dQ += dS·K: UR rows held across the keys (each K row load feeds UR of them);
-                    # dS rows past ni are zeros (their dQ rows are never stored)
+                    # dS rows past ni hold leftovers (their dQ rows are never stored)
                     for r0, c in T.grid(BMQ // UR, nj):
                         for rr in T.unroll(UR):
                             for d in T.vectorized(D):
