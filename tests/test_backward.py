@@ -19,6 +19,7 @@ CASES = {  # (batch, heads, kv_heads, seq_q, seq_kv, head_dim, spec keywords)
     "causal_softcap_sq_gt_skv": (1, 2, 1, 70, 40, 32, dict(causal=True, softcap=5.0)),  # 30 rows see no key
     "window_mha": (1, 3, 3, 64, 96, 24, dict(window=(20, 3))),
     "alibi_sinks_causal_gqa": (2, 4, 1, 50, 50, 16, dict(causal=True, alibi=True, sinks=True, softcap=8.0)),
+    "kv_start_window": (3, 2, 2, 40, 90, 16, dict(kv_start=True, window=(50, -1))),  # starts: 0, a tile's middle, past all
 }
 
 
@@ -35,6 +36,8 @@ def test_gradients_match_the_reference(case):
         args["alibi_slopes"] = np.abs(rng.standard_normal(h)).astype(np.float32) * 0.1
     if spec.sinks:
         args["sinks"] = rng.standard_normal(h).astype(np.float32)
+    if spec.kv_start:
+        args["kv_start"] = np.asarray([0, 45, 2**31 - 1], np.int32)[:b]
     o, lse = reference_attention(spec, q, k, v, return_lse=True, **args)
     got = kern(q, k, v, o.astype(np.float32), lse.astype(np.float32), do, **args)
     want = reference_attention_backward(spec, q, k, v, do, **args)
@@ -75,7 +78,7 @@ def test_the_audit_fails_a_tile_that_grows_with_the_lengths(monkeypatch):
 
 
 @pytest.mark.parametrize("kw, what", [(dict(layout="varlen"), "layout 'varlen'"), (dict(dtype="bfloat16"), "bfloat16"),
-                                      (dict(kv_start=True), "kv_start"), (dict(key_bounds=True), "key_bounds"),
+                                      (dict(custom_mask=True), "custom_mask"), (dict(key_bounds=True), "key_bounds"),
                                       (dict(dynamic=["seq_q"]), "symbolic")])
 def test_what_is_not_built_yet_is_refused_by_name(kw, what):
     spec = AttentionSpec(batch=1, heads=2, seq_q=8, seq_kv=8, head_dim=16, **kw)

@@ -18,8 +18,9 @@ without one). Which keys a row sees comes from :class:`~tvm_attention.visibility
 everywhere; a row that sees no key (``lse = −inf``) takes no gradient. The semantics are
 ``reference_attention_backward``'s. ALiBi subtracts its constant in ``T``; with sinks each row's
 denominator takes the sink (``row_lse``) and a third phase sums ``dsink_h = −Σ p_sink·delta``.
-What this step does not build yet (other layouts and dtypes, symbolic shapes, ``kv_start``, key
-bounds, custom masks, modifiers) is refused by name.
+``kv_start`` hides each sequence's keys before it (the dQ phase starts its key tiles there).
+What this step does not build yet (other layouts and dtypes, symbolic shapes, key bounds, custom
+masks, modifiers) is refused by name.
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ from .visibility import Visibility
 #: accumulators); block_m and block_m_dq must be multiples of it
 PRODUCT_ROWS = 4
 #: the variants this step's kernel takes
-SUPPORTED_VARIANTS = ("window", "softcap", "alibi", "sinks")
+SUPPORTED_VARIANTS = ("window", "softcap", "alibi", "sinks", "kv_start")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,10 +105,11 @@ class _ScoreMath:
         return T.min(self.sq, j1 - 1 - self.off + self.vis.left + 1) if self.vis.left >= 0 else self.sq
 
     # exp2_fast and tanh_fast, the forward's: vectorizable (LLVM calls libm per lane for exp, tanh)
-    def prob(self, s, lse, in_tile, i, j, slope):
+    def prob(self, s, lse, in_tile, i, j, slope, start=None):
         """P of the raw product ``s = q·k``: ``exp(T(s·scale) − lse)``, 0 where hidden. ``lse``: the
         row's :meth:`row_lse` (+inf for a row that sees no key: P is then 0); ``slope``: its
-        head's ALiBi slope (None without)."""
+        head's ALiBi slope (None without); ``start``: the sequence's ``kv_start`` (keys before it
+        are hidden; None without)."""
         from tvm.script import tirx as T  # TVM: as above
 
         from .workloads._math import LOG2E, exp2_fast, tanh_fast  # TIR's math (imports TVM)
@@ -116,7 +118,8 @@ class _ScoreMath:
         t = x if self.cap is None else T.float32(self.cap) * tanh_fast(x / T.float32(self.cap))
         if slope is not None:
             t = t - slope * T.Cast("float32", T.abs(i + self.off - j))
-        return T.Select(T.And(in_tile, self.sees(i, j)), exp2_fast((t - lse) * T.float32(LOG2E)), T.float32(0))
+        seen = T.And(in_tile, self.sees(i, j)) if start is None else T.And(T.And(in_tile, self.sees(i, j)), j >= start)
+        return T.Select(seen, exp2_fast((t - lse) * T.float32(LOG2E)), T.float32(0))
 
     @staticmethod
     def row_lse(lse, sink):
@@ -204,7 +207,7 @@ def backward_func(spec: AttentionSpec, knobs: BackwardKnobs | None = None):
 
     m = _ScoreMath(spec)
     first_row, last_row, prob, chain, row_lse = m.first_row, m.last_row, m.prob, m.chain, m.row_lse
-    alibi, sinks = spec.alibi, spec.sinks
+    alibi, sinks, starts = spec.alibi, spec.sinks, spec.kv_start
 
     load_tiles, products, row_deltas = _macros(spec, kn, m)
     # accumulation blocking: head-dim columns (dK/dV) or rows (dQ) held in registers at once
@@ -216,7 +219,7 @@ def backward_func(spec: AttentionSpec, knobs: BackwardKnobs | None = None):
     def attention_backward(Q: T.Buffer((B, H, SQ, D), f32), K: T.Buffer((B, KH, SKV, D), f32),
                            V: T.Buffer((B, KH, SKV, DV), f32), O: T.Buffer((B, H, SQ, DV), f32),
                            LSE: T.Buffer((B, H, SQ), f32), DO: T.Buffer((B, H, SQ, DV), f32),
-                           SL: T.Buffer((H,), f32), SK: T.Buffer((H,), f32),
+                           SL: T.Buffer((H,), f32), SK: T.Buffer((H,), f32), KS: T.Buffer((B,), "int32"),
                            DQ: T.Buffer((B, H, SQ, D), f32), DK: T.Buffer((B, KH, SKV, D), f32),
                            DV_: T.Buffer((B, KH, SKV, DV), f32), DSK: T.Buffer((H,), f32)):
         T.func_attr({"global_symbol": "attention_backward", "tirx.noalias": True})
@@ -254,7 +257,8 @@ def backward_func(spec: AttentionSpec, knobs: BackwardKnobs | None = None):
                         for r in T.serial(ni):
                             # no names bound here: a let inside a vectorized loop is taken as one lane's
                             for c in T.vectorized(BN):
-                                P[r, c] = prob(S[r, c], le[r], c < nj, i0 + r, j0 + c, SL[kh * G + g] if alibi else None)
+                                P[r, c] = prob(S[r, c], le[r], c < nj, i0 + r, j0 + c, SL[kh * G + g] if alibi else None,
+                                               KS[b] if starts else None)
                             for c in T.vectorized(BN):  # dP becomes dS
                                 dP[r, c] = P[r, c] * (dP[r, c] - dl[r]) * chain(S[r, c])
                         # dVᵀ += dOᵀ·P, dKᵀ += Qᵀ·dS: vectors over keys, UV/UK head-dim columns held
@@ -295,7 +299,7 @@ def backward_func(spec: AttentionSpec, knobs: BackwardKnobs | None = None):
                 for r, c in T.grid(BMQ, BN):
                     dP[r, c] = T.float32(0)
                 row_deltas(DO, O, LSE, SK, dl, le, b, h, i0, ni)
-                for jt in T.serial(_first_key(vis, OFF, i0) // BN,
+                for jt in T.serial(T.max(_first_key(vis, OFF, i0), T.min(T.max(KS[b], 0), SKV) if starts else 0) // BN,
                                    (_last_key(vis, OFF, SKV, i0 + ni) + BN - 1) // BN):
                     j0 = jt * BN
                     nj = T.min(BN, SKV - j0)
@@ -304,7 +308,8 @@ def backward_func(spec: AttentionSpec, knobs: BackwardKnobs | None = None):
                         products(Q, DO, Kt, Vt, S, dP, b, h, i0, r0 * PRODUCT_ROWS)
                     for r in T.serial(ni):
                         for c in T.vectorized(BN):  # dP becomes dS (no names bound: see above)
-                            dP[r, c] = prob(S[r, c], le[r], c < nj, i0 + r, j0 + c, SL[h] if alibi else None) \
+                            dP[r, c] = prob(S[r, c], le[r], c < nj, i0 + r, j0 + c, SL[h] if alibi else None,
+                                            KS[b] if starts else None) \
                                 * (dP[r, c] - dl[r]) * chain(S[r, c])
                     # dQ += dS·K: UR rows held across the keys (each K row load feeds UR of them);
                     # dS rows past ni hold leftovers (their dQ rows are never stored)
@@ -332,7 +337,7 @@ def backward_func(spec: AttentionSpec, knobs: BackwardKnobs | None = None):
 
     from .workloads.fused import _keep_params  # the forward's: drop the parameters a spec does not take
 
-    return _keep_params(attention_backward, [True] * 6 + [alibi, sinks] + [True] * 3 + [sinks])
+    return _keep_params(attention_backward, [True] * 6 + [alibi, sinks, starts] + [True] * 3 + [sinks])
 
 
 def _unroll(n: int, most: int = 4) -> int:
@@ -365,27 +370,31 @@ class BackwardKernel:
     module: Any
     report: Any
 
-    def __call__(self, q, k, v, o, lse, do, alibi_slopes=None, sinks=None):
+    def __call__(self, q, k, v, o, lse, do, alibi_slopes=None, sinks=None, kv_start=None):
         """``(dq, dk, dv)``, and ``dsinks (H,)`` last with sinks; ``alibi_slopes``/``sinks (H,)``
-        float32 where the spec takes them."""
+        float32 and ``kv_start (B,)`` int32 (any value: keys before it are hidden) where the spec
+        takes them."""
         import tvm  # a built kernel: TVM is loaded
 
         s = self.spec
         want = {"q": (s.batch, s.heads, s.seq_q, s.head_dim), "k": (s.batch, s.kv_heads, s.seq_kv, s.head_dim),
                 "v": (s.batch, s.kv_heads, s.seq_kv, s.v_dim), "o": (s.batch, s.heads, s.seq_q, s.v_dim),
                 "lse": (s.batch, s.heads, s.seq_q), "do": (s.batch, s.heads, s.seq_q, s.v_dim),
-                "alibi_slopes": (s.heads,), "sinks": (s.heads,)}
-        given = {"q": q, "k": k, "v": v, "o": o, "lse": lse, "do": do, "alibi_slopes": alibi_slopes, "sinks": sinks}
+                "alibi_slopes": (s.heads,), "sinks": (s.heads,), "kv_start": (s.batch,)}
+        given = {"q": q, "k": k, "v": v, "o": o, "lse": lse, "do": do, "alibi_slopes": alibi_slopes, "sinks": sinks,
+                 "kv_start": kv_start}
+        flags = {"alibi_slopes": s.alibi, "sinks": s.sinks, "kv_start": s.kv_start}
         arrays = []
         for name, a in given.items():
-            takes = name not in ("alibi_slopes", "sinks") or getattr(s, "alibi" if name == "alibi_slopes" else name)
+            takes = flags.get(name, True)
             if not takes:
                 if a is not None:
                     raise SpecError(f"backward: {name}: this spec takes none")
                 continue
             a = np.asarray(a)
-            if a.shape != want[name] or a.dtype != np.float32:
-                raise SpecError(f"backward: {name} must be float32 {want[name]}, got {a.dtype} {a.shape}")
+            dtype = np.int32 if name == "kv_start" else np.float32
+            if a.shape != want[name] or a.dtype != dtype:
+                raise SpecError(f"backward: {name} must be {np.dtype(dtype)} {want[name]}, got {a.dtype} {a.shape}")
             arrays.append(tvm.runtime.tensor(np.ascontiguousarray(a)))
         outs = [tvm.runtime.tensor(np.empty(want[n], np.float32)) for n in ("q", "k", "v") + ("sinks",) * s.sinks]
         self.module["attention_backward"](*arrays, *outs)
