@@ -190,17 +190,18 @@ def _macros(spec: AttentionSpec, kn: BackwardKnobs, m: _ScoreMath):
 
 
 def backward_func(spec: AttentionSpec, knobs: BackwardKnobs | None = None):
-    """The PrimFunc ``attention_backward(q, k, v, o, lse, do, dq, dk, dv)``: BHSD ``q, do, o, dq
+    """The PrimFunc ``attention_backward(q, k, v, o, lse, do, [alibi_slopes], [sinks], [kv_start],
+    dq, dk, dv, [dsinks])`` (the bracketed ones where the spec takes them): BHSD ``q, do, o, dq
     (B, H, Sq, D)`` (Dv for ``o``/``do``), ``k, dk (B, KH, Skv, D)``, ``v, dv (B, KH, Skv, Dv)``,
-    ``lse (B, H, Sq)`` the forward's (natural log, ``−inf`` for a row that sees no key)."""
+    ``lse (B, H, Sq)`` the forward's (natural log, ``−inf`` for a row that sees no key),
+    ``alibi_slopes``, ``sinks``, ``dsinks (H,)`` float32, ``kv_start (B,)`` int32."""
     from tvm.script import tirx as T  # TVM: this module's specs and checks load without it
 
     check_spec(spec)
     kn = knobs or BackwardKnobs()
     B, H, KH, G = spec.batch, spec.heads, spec.kv_heads, spec.group_size
     SQ, SKV, D, DV, BM, BN = spec.seq_q, spec.seq_kv, spec.head_dim, spec.v_dim, kn.block_m, kn.block_n
-    BMQ = kn.block_m_dq
-    MT, MTQ, NT = -(-SQ // BM), -(-SQ // BMQ), -(-SKV // BN)
+    BMQ, MT, MTQ, NT = kn.block_m_dq, -(-SQ // BM), -(-SQ // kn.block_m_dq), -(-SKV // BN)
     vis = Visibility.of(spec)
     OFF = SKV - SQ  # row i's position (bottom-right)
     f32 = "float32"
