@@ -84,15 +84,11 @@ class _ScoreMath:
         self.vis, self.off, self.sq, self.skv = Visibility.of(spec), spec.seq_kv - spec.seq_q, spec.seq_q, spec.seq_kv
         self.scale, self.cap = float(spec.scale), spec.softcap
 
-    def sees(self, i, j):  # whether row i sees key j (both in range)
+    def sees(self, i, j):  # whether row i sees key j (both in range): Visibility's predicate
         from tvm.script import tirx as T  # TVM: this module's specs and checks load without it
 
-        vis, ok = self.vis, T.bool(True)
-        if vis.right >= 0:
-            ok = T.And(ok, j <= i + self.off + vis.right)
-        if vis.left >= 0:
-            ok = T.And(ok, j >= i + self.off - vis.left)
-        return ok
+        ok = self.vis.sees(j, i + self.off)
+        return T.bool(True) if ok is None else ok
 
     def first_row(self, j0):  # the first row that may see key j0 (a right bound): rows before skip
         from tvm.script import tirx as T  # TVM: as above

@@ -44,6 +44,7 @@ from .errors import SpecError
 from .masks import pack_mask, unpack_mask
 from .merge import merge_states
 from .spec import AttentionSpec
+from .visibility import Visibility
 
 #: the prefix of every name this module adds to a modifier or its tensors (the user's may not use it)
 _NS = "cascade_"
@@ -199,10 +200,10 @@ def _prefix_visible(spec: AttentionSpec, pos: np.ndarray, p: int, args: dict, ma
     j, r = np.arange(p)[None, :], pos.reshape(-1, 1)
     seq = np.repeat(np.arange(n), sq)
     vis = np.ones((n * sq, p), bool)
-    if spec.window is not None and spec.window[0] >= 0:
-        vis &= j >= r - spec.window[0]
-    if spec.kv_start:
-        vis &= j >= np.asarray(args["kv_start"], np.int64)[seq, None]
+    start = np.asarray(args["kv_start"], np.int64)[seq, None] if spec.kv_start else None
+    seen = Visibility.of(spec).sees(j, r, start)  # the window and kv_start, as every kernel reads them
+    if seen is not None:
+        vis &= seen
     if spec.key_bounds:
         lo, hi = (np.asarray(args[k], np.int64) for k in ("key_lo", "key_hi"))
         c = np.clip(r, 0, lo.shape[1] - 1)
