@@ -11,6 +11,7 @@ message format; ``check`` itself judges only the knobs against the hardware's li
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection
 from typing import Any, Protocol, runtime_checkable
 
 from tvm import s_tir, tirx
@@ -85,7 +86,7 @@ class Capabilities:
 
     label: str  # how messages name the family ("materialized", "CUDA tensor-core fused")
     target: str  # "cpu" (llvm) or "cuda"
-    layouts: tuple[str, ...]
+    layouts: Collection[str]  # a tuple, or a live view of the registry's names
     dtypes: tuple[str, ...]  # input/output dtypes (every family accumulates in float32)
     symbolic: bool  # batch, seq_q, seq_kv may be symbolic
     lse: bool  # writes the log-sum-exp output (--return-lse)

@@ -27,3 +27,15 @@ def test_todays_trait_tables():
     assert layouts_where("paged") == ("paged", "mla_paged")
     assert in_words(layouts_where("packed", False)) == "bhsd, kvcache, paged, mla and mla_paged"
     assert in_words(layouts_where("is_cache")) == "kvcache, paged, mla and mla_paged"
+
+
+def test_a_layout_registered_after_the_schedules_import_is_built(monkeypatch):
+    """docs/design.md adds a layout by registering it; the fused family's capabilities are the
+    registry's live view, so registering after ``tvm_attention.schedules`` was imported (any build
+    before it) still reaches the schedule."""
+    from tvm_attention.layouts import LAYOUTS
+    from tvm_attention.schedules import cpu_fused
+
+    assert "later_layout" not in cpu_fused.CAPABILITIES.layouts
+    monkeypatch.setitem(LAYOUTS, "later_layout", LAYOUTS["kvcache"])
+    assert "later_layout" in cpu_fused.CAPABILITIES.layouts
