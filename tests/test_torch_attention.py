@@ -66,7 +66,32 @@ def test_one_build_per_spec_and_bad_input_is_named():
     assert _pair.cache_info().misses == before + 1
     with pytest.raises(SpecError, match="CPU float32"):
         attention(q.double(), k, v)
-    with pytest.raises(SpecError, match="sinks must be a float32 tensor \\(2,\\)"):
+    with pytest.raises(SpecError, match="sinks must be a tensor of float32 \\(2,\\)"):
         attention(q, k, v, sinks=torch.zeros(3))
     with pytest.raises(SpecError, match="do not fit BHSD"):
         attention(q, k, torch.randn(1, 2, 9, 16))
+
+
+def test_kv_start_hides_keys_and_rows_that_see_none_take_no_gradient():
+    """Left padding: ``kv_start`` per sequence (one past every key for the second: its rows see
+    none, output zeros and take zero gradients), against the float64 oracle."""
+    from tvm_attention.reference import reference_attention, reference_attention_backward
+    from tvm_attention.torch import spec_of
+
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 2, 11, 8, generator=gen, requires_grad=True)
+    k, v = (torch.randn(2, 1, 19, 8, generator=gen, requires_grad=True) for _ in range(2))
+    starts = torch.tensor([5, 19], dtype=torch.int32)
+    o = attention(q, k, v, causal=True, kv_start=starts)
+    do = torch.randn(o.shape, generator=gen)
+    dq, dk, dv = torch.autograd.grad(o, [q, k, v], do)
+    spec = spec_of(q, k, v, causal=True, kv_start=True)
+    arrays = [t.detach().numpy() for t in (q, k, v)]
+    want = reference_attention(spec, *arrays, kv_start=starts.numpy())
+    torch.testing.assert_close(o.double(), torch.from_numpy(want), atol=2e-5, rtol=1e-4)
+    assert not o[1].any() and not dq[1].any() and not dk[1].any() and not dv[1].any()
+    wgrads = reference_attention_backward(spec, *arrays, do.numpy(), kv_start=starts.numpy())
+    for name, got in (("dq", dq), ("dk", dk), ("dv", dv)):
+        torch.testing.assert_close(got.double(), torch.from_numpy(wgrads[name]), atol=5e-5, rtol=1e-4, msg=name)
+    with pytest.raises(SpecError, match="kv_start must be a tensor of int32 \\(2,\\)"):
+        attention(q, k, v, kv_start=starts.long())

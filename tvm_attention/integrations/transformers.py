@@ -49,8 +49,11 @@ additive mask of 0 and −inf, the same for every head. What the kernel cannot c
 :class:`UnsupportedAttention` naming the feature — never a silent fallback: an additive mask
 holding other values (a bias), a mask per head, attention dropout > 0 (training mode), a
 position bias, a dtype other than float32/bfloat16/float16 or a device other than the CPU. A bfloat16 model runs the bf16 kernels
-(AVX512-BF16 dot products where the CPU has them). The kernel has no backward pass: a forward
-with autograd works, ``backward`` through it raises. A sliding layer's cache past its window (a prompt longer than the
+(AVX512-BF16 dot products where the CPU has them). Training: a float32 call whose inputs take
+gradients runs :func:`tvm_attention.torch.attention` (the fused forward with ``lse`` and the fused
+backward, a static pair per shape) with the module's variants and left padding, ``s_aux`` taking
+its gradient; what that backward does not build yet (bf16, right padding or holes, a 4-D mask, a
+static cache) runs the forward, and ``backward`` through it raises naming it. A sliding layer's cache past its window (a prompt longer than the
 window) hands over its last keys only, from ``kv_offset``: the keys still end at the last query,
 so bottom-right alignment and the window are exact there too.
 
@@ -401,6 +404,18 @@ def attention_forward(
     window, softcap, sinks = _variants_of(module, causal, kwargs)
     if packed is not None:  # the bits hold causality and the window
         causal, window = False, None
+    training = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (query, key, value, kwargs.get("s_aux")))
+    why = training and _no_backward(query, cache_seqlens, keep, packed)
+    if training and not why:  # the fused backward (tvm_attention.torch): a static pair per shape
+        from ..torch import attention as differentiable  # only training calls need it
+
+        s_aux = kwargs.get("s_aux")
+        out = differentiable(query, key, value, causal=causal, window=None if window is None else (window, 0),
+                             softcap=softcap, scale=scale, sinks=None if s_aux is None else s_aux.reshape(-1),
+                             kv_start=None if kv_start is None else kv_start.to(torch.int32).contiguous())
+        _STATE.stats["calls"] += 1
+        return out.transpose(1, 2).contiguous(), None
     cfg = (query.shape[1], key.shape[1], head_dim, _DTYPES[query.dtype], causal, scale)
     head_dim_v = value.shape[-1] if value.shape[-1] != head_dim else None
     # the fields after layout, in LayerConfig's order: the variants, then the value head size
@@ -420,8 +435,8 @@ def attention_forward(
     # the layout's index array, then the variants' arguments (sinks, kv_start), then the key
     # mask's tensor (the modifier's), in call order
     extra = tuple(x.contiguous() for x in (cache_seqlens, sinks, kv_start, *(packed or ()), keep) if x is not None)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        out = _NoBackward.apply(kernel, q, k, v, *extra)
+    if training:  # what the backward does not build yet: the forward runs, backward() says why
+        out = _NoBackward.apply(kernel, why, q, k, v, *extra)
     else:
         out = kernel(q, k, v, *extra)
     _STATE.stats["calls"] += 1
@@ -696,16 +711,32 @@ def _not_sliding_causal(mask_function, q_length, kv_length, q_offset, kv_offset,
     return None
 
 
+def _no_backward(query, cache_seqlens, keep, packed) -> str:
+    """Why the fused backward cannot serve a training call ('' when it can): it builds float32
+    BHSD attention with the module's variants and left padding (``kv_start``)."""
+    if query.dtype != torch.float32:
+        return f"{str(query.dtype).removeprefix('torch.')} (the backward builds float32 only)"
+    if cache_seqlens is not None:
+        return "a static cache's keys in use (the backward builds the keys handed over, all of them)"
+    if keep is not None:
+        return "a padding mask with zeros after a row's first token (right padding, holes)"
+    if packed is not None:
+        return "a 4-D or packed-sequence attention mask"
+    return ""
+
+
 class _NoBackward(torch.autograd.Function):
-    """Runs the kernel under autograd; the kernel has no backward, so ``backward`` raises."""
+    """Runs the kernel under autograd where the fused backward does not serve the call
+    (:func:`_no_backward` says why), so ``backward`` raises naming it."""
 
     @staticmethod
-    def forward(ctx, kernel, q, k, v, *index):
+    def forward(ctx, kernel, why, q, k, v, *index):
+        ctx.why = why
         return kernel(q.detach(), k.detach(), v.detach(), *index)
 
     @staticmethod
     def backward(ctx, grad):
-        raise _unsupported("backward passes", "the tvm_attention kernel is forward-only",
+        raise _unsupported("backward passes with " + ctx.why.split(" (")[0], ctx.why,
                            "train with attn_implementation=\"sdpa\"")
 
 
