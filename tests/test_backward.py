@@ -9,6 +9,7 @@ import pytest
 
 from tvm_attention.artifact import kernel_of
 from tvm_attention.backward import BackwardKnobs, build_backward
+from tvm_attention.masks import pack_mask
 from tvm_attention.reference import reference_attention, reference_attention_backward
 from tvm_attention.spec import AttentionSpec, SpecError
 
@@ -20,7 +21,25 @@ CASES = {  # (batch, heads, kv_heads, seq_q, seq_kv, head_dim, spec keywords)
     "window_mha": (1, 3, 3, 64, 96, 24, dict(window=(20, 3))),
     "alibi_sinks_causal_gqa": (2, 4, 1, 50, 50, 16, dict(causal=True, alibi=True, sinks=True, softcap=8.0)),
     "kv_start_window": (3, 2, 2, 40, 90, 16, dict(kv_start=True, window=(50, -1))),  # starts: 0, a tile's middle, past all
+    # documents by mask_mod over a tensor, key bounds (a row with none), random custom bits, causal
+    "masks_mod_bounds_custom": (2, 4, 2, 37, 70, 16, dict(
+        causal=True, key_bounds=True, custom_mask=True, mod_tensors=(("doc", "int32", ("batch", "seq_kv")),),
+        mask_mod="lambda b, h, q_idx, kv_idx: (doc[b, kv_idx] == doc[b, q_idx]) | (h == 3)")),
 }
+
+
+def _mask_args(spec, rng):
+    """Key bounds (row 5 of sequence 0 sees none: lo > hi), documents of 1–30 keys, a custom mask
+    keeping ~70 % of the pairs: the kernel's arguments and the reference's."""
+    b, sq, skv = spec.batch, spec.seq_q, spec.seq_kv
+    lo = rng.integers(0, skv // 2, (b, skv)).astype(np.int32)
+    hi = (lo + rng.integers(10, skv, (b, skv))).astype(np.int32)
+    lo[0, skv - sq + 5] = skv  # position of row 5
+    doc = np.cumsum(rng.integers(1, 30, (b, skv)) == 1, axis=1).astype(np.int32)
+    packed, indptr = pack_mask(rng.random((b, sq, skv)) < 0.7)
+    kernel = dict(key_lo=lo, key_hi=hi, doc=doc, custom_mask=packed, mask_indptr=indptr)
+    return kernel, dict(key_lo=lo, key_hi=hi, mod_tensors={"doc": doc}, custom_mask=(packed, indptr))
+
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -38,9 +57,10 @@ def test_gradients_match_the_reference(case):
         args["sinks"] = rng.standard_normal(h).astype(np.float32)
     if spec.kv_start:
         args["kv_start"] = np.asarray([0, 45, 2**31 - 1], np.int32)[:b]
-    o, lse = reference_attention(spec, q, k, v, return_lse=True, **args)
-    got = kern(q, k, v, o.astype(np.float32), lse.astype(np.float32), do, **args)
-    want = reference_attention_backward(spec, q, k, v, do, **args)
+    kargs, rargs = _mask_args(spec, rng) if spec.has_modifiers else ({}, {})
+    o, lse = reference_attention(spec, q, k, v, return_lse=True, **args, **rargs)
+    got = kern(q, k, v, o.astype(np.float32), lse.astype(np.float32), do, **args, **kargs)
+    want = reference_attention_backward(spec, q, k, v, do, **args, **rargs)
     names = ("dq", "dk", "dv") + ("dsinks",) * spec.sinks
     assert len(got) == len(names)
     for name, g in zip(names, got):
@@ -48,6 +68,8 @@ def test_gradients_match_the_reference(case):
     dq = got[0]
     if case == "causal_softcap_sq_gt_skv":
         assert not dq[:, :, :30].any()  # rows that see no key take no gradient
+    if spec.key_bounds:
+        assert not dq[0, :, 5].any() and np.abs(want["dk"]).max() > 0.1
     assert kern.report.verdict == "fused"
     assert max(a.elements for a in kern.report.allocations) < sq * skv
 
@@ -78,7 +100,7 @@ def test_the_audit_fails_a_tile_that_grows_with_the_lengths(monkeypatch):
 
 
 @pytest.mark.parametrize("kw, what", [(dict(layout="varlen"), "layout 'varlen'"), (dict(dtype="bfloat16"), "bfloat16"),
-                                      (dict(custom_mask=True), "custom_mask"), (dict(key_bounds=True), "key_bounds"),
+                                      (dict(score_mod="lambda s, b, h, q, k: s * 2"), "score_mod"),
                                       (dict(dynamic=["seq_q"]), "symbolic")])
 def test_what_is_not_built_yet_is_refused_by_name(kw, what):
     spec = AttentionSpec(batch=1, heads=2, seq_q=8, seq_kv=8, head_dim=16, **kw)
@@ -101,7 +123,7 @@ def test_inputs_are_checked():
         kern(z, z, z, z, np.zeros((1, 2, 9), np.float32), z)
     with pytest.raises(SpecError, match="do must be float32"):
         kern(z, z, z, z, np.zeros((1, 2, 8), np.float32), z.astype(np.float64))
-    with pytest.raises(SpecError, match="sinks: this spec takes none"):
+    with pytest.raises(SpecError, match="this spec takes no sinks"):
         kern(z, z, z, z, np.zeros((1, 2, 8), np.float32), z, sinks=np.zeros(2, np.float32))
 
 

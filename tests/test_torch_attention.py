@@ -95,3 +95,34 @@ def test_kv_start_hides_keys_and_rows_that_see_none_take_no_gradient():
         torch.testing.assert_close(got.double(), torch.from_numpy(wgrads[name]), atol=5e-5, rtol=1e-4, msg=name)
     with pytest.raises(SpecError, match="kv_start must be a tensor of int32 \\(2,\\)"):
         attention(q, k, v, kv_start=starts.long())
+
+
+def test_masks_take_their_zeros_through_the_gradient():
+    """Key bounds, a boolean custom mask and a mask_mod over a tensor, against the oracle."""
+    from tvm_attention.reference import reference_attention_backward
+    from tvm_attention.masks import pack_mask
+    from tvm_attention.torch import spec_of
+
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 2, 13, 8, generator=gen, requires_grad=True)
+    k, v = (torch.randn(2, 2, 21, 8, generator=gen, requires_grad=True) for _ in range(2))
+    # non-decreasing along the positions, as the forward asks (it skips tiles by them)
+    lo = torch.randint(0, 8, (2, 21), generator=gen, dtype=torch.int32).sort(1).values
+    hi = (lo + torch.randint(4, 21, (2, 21), generator=gen, dtype=torch.int32)).sort(1).values
+    seen = torch.rand(2, 13, 21, generator=gen) < 0.8
+    keep = (torch.rand(2, 21, generator=gen) < 0.8).to(torch.int32)
+    mod = "lambda b, h, q_idx, kv_idx: keep[b, kv_idx] != 0"
+    o = attention(q, k, v, causal=True, key_lo=lo, key_hi=hi, custom_mask=seen, mask_mod=mod, mod_tensors={"keep": keep})
+    do = torch.randn(o.shape, generator=gen)
+    dq, dk, dv = torch.autograd.grad(o, [q, k, v], do)
+    spec = spec_of(q, k, v, causal=True, key_bounds=True, custom_mask=True, mask_mod=mod,
+                   mod_tensors=(("keep", "int32", (2, 21)),))
+    want = reference_attention_backward(spec, *(t.detach().numpy() for t in (q, k, v)), do.numpy(),
+                                        key_lo=lo.numpy(), key_hi=hi.numpy(), custom_mask=pack_mask(seen.numpy()),
+                                        mod_tensors={"keep": keep.numpy()})
+    for name, got in (("dq", dq), ("dk", dk), ("dv", dv)):
+        torch.testing.assert_close(got.double(), torch.from_numpy(want[name]), atol=5e-5, rtol=1e-4, msg=name)
+    for b in range(2):
+        assert not dk[b][:, keep[b] == 0].any() and not dv[b][:, keep[b] == 0].any()  # hidden keys: no gradient
+    with pytest.raises(SpecError, match="key bounds take both"):
+        attention(q, k, v, key_lo=lo)

@@ -1,8 +1,8 @@
 """Training through the transformers backend (issue 46): a training step of tiny random-weight
 Llama, Gemma-2 (a sliding window and a logit softcap, ``query_pre_attn_scalar``) and gpt-oss (sinks,
 whose ``s_aux`` take a gradient) gives every parameter the gradient eager attention gives, to
-1e-4 in float32; a left-padded batch too (``kv_start``). What the fused backward does not build
-yet raises by name at ``backward()``."""
+1e-4 in float32; a left- or right-padded batch and packed sequences too. What the fused backward
+does not build yet raises by name at ``backward()``."""
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -47,20 +47,20 @@ def tiny(family, attn):
     return model
 
 
-def grads(model, ids, mask=None):
-    """The loss and every parameter's gradient. Left padding: no label for a pad token nor for the
-    first real one (the last pad row predicts it: pad rows output zeros here, something in eager,
-    and no real token reads them)."""
+def grads(model, ids, mask=None, **kw):
+    """The loss and every parameter's gradient. Padding: no label for a pad token nor for the
+    first real one after left padding (the last pad row predicts it: pad rows output zeros here,
+    something in eager, and no real token reads them)."""
     labels = ids if mask is None else ids.masked_fill((mask == 0) | (mask.cumsum(1) == 1), -100)
     model.zero_grad()
-    loss = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
+    loss = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False, **kw).loss
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def assert_same_grads(family, ids, mask=None):
-    loss, got = grads(tiny(family, "tvm_attention"), ids, mask)
-    want_loss, want = grads(tiny(family, "eager"), ids, mask)
+def assert_same_grads(family, ids, mask=None, **kw):
+    loss, got = grads(tiny(family, "tvm_attention"), ids, mask, **kw)
+    want_loss, want = grads(tiny(family, "eager"), ids, mask, **kw)
     torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-5)
     assert got.keys() == want.keys()
     assert any("sinks" in n for n in got) == (family == "gpt_oss")
@@ -77,21 +77,27 @@ def test_training_step_gradients_equal_eager(family):
     assert hf.stats()["calls"] == calls + 2  # both layers ran ours
 
 
-def test_left_padded_training_batch_gradients_equal_eager():
+@pytest.mark.parametrize("padding", ["left", "right"])
+def test_padded_training_batch_gradients_equal_eager(padding):
+    """Left padding runs kv_start, right padding the key-mask modifier (mask_mod over the 2D
+    mask's columns)."""
     ids = torch.randint(1, VOCAB, (2, 14), generator=torch.Generator().manual_seed(2))
     mask = torch.ones_like(ids)
-    mask[1, :5] = 0
+    mask[1, :5] = 0 if padding == "left" else 1
+    mask[1, -5:] = 0 if padding == "right" else 1
     assert_same_grads("llama", ids.masked_fill(mask == 0, 0), mask)
+
+
+def test_packed_sequences_training_gradients_equal_eager():
+    """Two documents packed in each row (position_ids restart): transformers' packed-sequence
+    mask, run as custom mask bits."""
+    ids = torch.randint(1, VOCAB, (2, 16), generator=torch.Generator().manual_seed(4))
+    pos = torch.tensor([list(range(7)) + list(range(9)), list(range(10)) + list(range(6))])
+    assert_same_grads("llama", ids, position_ids=pos)
 
 
 def test_what_the_backward_does_not_build_raises_by_name_at_backward():
     ids = torch.randint(1, VOCAB, (2, 10), generator=torch.Generator().manual_seed(3))
-    mask = torch.ones_like(ids)
-    mask[1, -3:] = 0  # right padding: the key-mask variant, forward only for now
-    model = tiny("llama", "tvm_attention")
-    out = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-    with pytest.raises(hf.UnsupportedAttention, match="backward passes with a padding mask"):
-        out.sum().backward()
     model = tiny("llama", "tvm_attention").to(torch.bfloat16)
     out = model(input_ids=ids, use_cache=False).logits
     with pytest.raises(hf.UnsupportedAttention, match="backward passes with bfloat16"):

@@ -19,8 +19,9 @@ everywhere; a row that sees no key (``lse = −inf``) takes no gradient. The sem
 ``reference_attention_backward``'s. ALiBi subtracts its constant in ``T``; with sinks each row's
 denominator takes the sink (``row_lse``) and a third phase sums ``dsink_h = −Σ p_sink·delta``.
 ``kv_start`` hides each sequence's keys before it (the dQ phase starts its key tiles there).
-What this step does not build yet (other layouts and dtypes, symbolic shapes, key bounds, custom
-masks, modifiers) is refused by name.
+Key bounds, a custom mask and ``mask_mod`` are the forward's own hooks (``workloads/variants.py``)
+over the same arguments, evaluated per score (no tile is skipped by them). What this step does not
+build yet (other layouts and dtypes, symbolic shapes, ``score_mod``) is refused by name.
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ from .visibility import Visibility
 #: accumulators); block_m and block_m_dq must be multiples of it
 PRODUCT_ROWS = 4
 #: the variants this step's kernel takes
-SUPPORTED_VARIANTS = ("window", "softcap", "alibi", "sinks", "kv_start")
+SUPPORTED_VARIANTS = ("window", "softcap", "alibi", "sinks", "kv_start", "key_bounds", "custom_mask", "mask_mod")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,13 +82,26 @@ class _ScoreMath:
     and key ranges a tile may skip to), ``P`` from a raw product, and the chain rule's factor."""
 
     def __init__(self, spec: AttentionSpec):
+        from .workloads.variants import ExtraParams, Variants  # the forward's mask hooks (imports TVM)
+
         self.vis, self.off, self.sq, self.skv = Visibility.of(spec), spec.seq_kv - spec.seq_q, spec.seq_q, spec.seq_kv
         self.scale, self.cap = float(spec.scale), spec.softcap
+        # key bounds, the custom mask and the modifiers' tensors: the forward's buffers
+        # (parameters before the outputs: _keep_params) and hooks over them
+        self.extra = x = ExtraParams(spec, spec.batch)
+        self.var = Variants(spec, LO=x.LO, HI=x.HI, tensors=x.tensors, cmask=x.cmask)
 
-    def sees(self, i, j):  # whether row i sees key j (both in range): Visibility's predicate
+    def sees(self, i, j, b=None, h=None):
+        """Whether row i of sequence b, query head h, sees key j (both in range): Visibility's
+        predicate, and the key bounds, ``mask_mod`` and the custom mask (the forward's hooks)."""
         from tvm.script import tirx as T  # TVM: this module's specs and checks load without it
 
-        ok = self.vis.sees(j, i + self.off)
+        from .visibility import all_of  # the mask's conjunction, as the forward's
+
+        conds = [self.vis.sees(j, i + self.off)]
+        if b is not None:  # the tile's own call (the row ranges ask Visibility alone)
+            conds += [self.var.sees(b, h, i + self.off, j), self.var.custom(b, i, j, self.sq, self.skv)]
+        ok = all_of([c for c in conds if c is not None])
         return T.bool(True) if ok is None else ok
 
     def first_row(self, j0):  # the first row that may see key j0 (a right bound): rows before skip
@@ -101,11 +115,11 @@ class _ScoreMath:
         return T.min(self.sq, j1 - 1 - self.off + self.vis.left + 1) if self.vis.left >= 0 else self.sq
 
     # exp2_fast and tanh_fast, the forward's: vectorizable (LLVM calls libm per lane for exp, tanh)
-    def prob(self, s, lse, in_tile, i, j, slope, start=None):
+    def prob(self, s, lse, in_tile, i, j, slope, start=None, b=None, h=None):
         """P of the raw product ``s = q·k``: ``exp(T(s·scale) − lse)``, 0 where hidden. ``lse``: the
         row's :meth:`row_lse` (+inf for a row that sees no key: P is then 0); ``slope``: its
         head's ALiBi slope (None without); ``start``: the sequence's ``kv_start`` (keys before it
-        are hidden; None without)."""
+        are hidden; None without); ``b``, ``h``: the sequence and query head (the mask hooks')."""
         from tvm.script import tirx as T  # TVM: as above
 
         from .workloads._math import LOG2E, exp2_fast, tanh_fast  # TIR's math (imports TVM)
@@ -114,7 +128,8 @@ class _ScoreMath:
         t = x if self.cap is None else T.float32(self.cap) * tanh_fast(x / T.float32(self.cap))
         if slope is not None:
             t = t - slope * T.Cast("float32", T.abs(i + self.off - j))
-        seen = T.And(in_tile, self.sees(i, j)) if start is None else T.And(T.And(in_tile, self.sees(i, j)), j >= start)
+        seen = T.And(in_tile, self.sees(i, j, b, h))
+        seen = seen if start is None else T.And(seen, j >= start)
         return T.Select(seen, exp2_fast((t - lse) * T.float32(LOG2E)), T.float32(0))
 
     @staticmethod
@@ -144,11 +159,11 @@ class _ScoreMath:
 def _macros(spec: AttentionSpec, kn: BackwardKnobs, m: _ScoreMath):
     """The backward's TVMScript macros for ``spec``: a key tile's K and V transposed
     (``load_tiles``), a row's products against them (``products``), a row tile's deltas and
-    effective lse (``row_deltas``)."""
+    effective lse (``row_deltas``), the sinks' gradient phase (``dsinks_phase``)."""
     from tvm.script import tirx as T  # TVM: this module's specs and checks load without it
 
     D, DV, SKV, BN, sinks, row_lse = spec.head_dim, spec.v_dim, spec.seq_kv, kn.block_n, spec.sinks, m.row_lse
-    SQ, UP = spec.seq_q, PRODUCT_ROWS
+    SQ, UP, B, H = spec.seq_q, PRODUCT_ROWS, spec.batch, spec.heads
 
     @T.macro
     def load_tiles(K, V, Kt, Vt, b, kh, j0, nj):  # K and V's key tile, transposed, zero past the keys
@@ -182,15 +197,33 @@ def _macros(spec: AttentionSpec, kn: BackwardKnobs, m: _ScoreMath):
                 dl[r] = dl[r] + DO[b, h, i0 + r, d] * O[b, h, i0 + r, d]
             le[r] = row_lse(LSE[b, h, i0 + r], SK[h] if sinks else None)
 
-    return load_tiles, products, row_deltas
+    @T.macro
+    def dsinks_phase(O, DO, LSE, SK, DSK):
+        for h in T.parallel(H):  # dsink_h = −Σ p_sink·delta over the head's rows
+            with T.sblock("dsinks"):
+                vh = T.axis.spatial(H, h)
+                T.reads(O[0:B, vh, 0:SQ, 0:DV], DO[0:B, vh, 0:SQ, 0:DV], LSE[0:B, vh, 0:SQ], SK[vh])
+                T.writes(DSK[vh])
+                acc = T.sblock_alloc_buffer((2,), "float32", scope="local")  # [0] the sum, [1] a row's delta
+                acc[0] = T.float32(0)
+                for b, i in T.grid(B, SQ):
+                    acc[1] = T.float32(0)
+                    for d in T.serial(DV):
+                        acc[1] = acc[1] + DO[b, vh, i, d] * O[b, vh, i, d]
+                    acc[0] = acc[0] - T.exp(SK[vh] - row_lse(LSE[b, vh, i], SK[vh])) * acc[1]
+                DSK[vh] = acc[0]
+
+    return load_tiles, products, row_deltas, dsinks_phase
 
 
 def backward_func(spec: AttentionSpec, knobs: BackwardKnobs | None = None):
     """The PrimFunc ``attention_backward(q, k, v, o, lse, do, [alibi_slopes], [sinks], [kv_start],
-    dq, dk, dv, [dsinks])`` (the bracketed ones where the spec takes them): BHSD ``q, do, o, dq
-    (B, H, Sq, D)`` (Dv for ``o``/``do``), ``k, dk (B, KH, Skv, D)``, ``v, dv (B, KH, Skv, Dv)``,
-    ``lse (B, H, Sq)`` the forward's (natural log, ``−inf`` for a row that sees no key),
-    ``alibi_slopes``, ``sinks``, ``dsinks (H,)`` float32, ``kv_start (B,)`` int32."""
+    [key_lo, key_hi], [custom_mask, mask_indptr], [mod tensors...], dq, dk, dv, [dsinks])`` (the
+    bracketed ones where the spec takes them): BHSD ``q, do, o, dq (B, H, Sq, D)`` (Dv for
+    ``o``/``do``), ``k, dk (B, KH, Skv, D)``, ``v, dv (B, KH, Skv, Dv)``, ``lse (B, H, Sq)`` the
+    forward's (natural log, ``−inf`` for a row that sees no key), ``alibi_slopes``, ``sinks``,
+    ``dsinks (H,)`` float32, ``kv_start (B,)`` int32, the others as the forward's
+    (``workloads.variants.ExtraParams``)."""
     from tvm.script import tirx as T  # TVM: this module's specs and checks load without it
 
     check_spec(spec)
@@ -206,7 +239,7 @@ def backward_func(spec: AttentionSpec, knobs: BackwardKnobs | None = None):
     first_row, last_row, prob, chain, row_lse = m.first_row, m.last_row, m.prob, m.chain, m.row_lse
     alibi, sinks, starts = spec.alibi, spec.sinks, spec.kv_start
 
-    load_tiles, products, row_deltas = _macros(spec, kn, m)
+    load_tiles, products, row_deltas, dsinks_phase = _macros(spec, kn, m)
     # accumulation blocking: head-dim columns (dK/dV) or rows (dQ) held in registers at once
     UK, UV, UR = _unroll(D), _unroll(DV), _unroll(BMQ, 4 if D <= 64 else 2)  # dQ: UR rows × D/16 vectors
 
@@ -255,7 +288,7 @@ def backward_func(spec: AttentionSpec, knobs: BackwardKnobs | None = None):
                             # no names bound here: a let inside a vectorized loop is taken as one lane's
                             for c in T.vectorized(BN):
                                 P[r, c] = prob(S[r, c], le[r], c < nj, i0 + r, j0 + c, SL[kh * G + g] if alibi else None,
-                                               KS[b] if starts else None)
+                                               KS[b] if starts else None, b, kh * G + g)
                             for c in T.vectorized(BN):  # dP becomes dS
                                 dP[r, c] = P[r, c] * (dP[r, c] - dl[r]) * chain(S[r, c])
                         # dVᵀ += dOᵀ·P, dKᵀ += Qᵀ·dS: vectors over keys, UV/UK head-dim columns held
@@ -306,7 +339,7 @@ def backward_func(spec: AttentionSpec, knobs: BackwardKnobs | None = None):
                     for r in T.serial(ni):
                         for c in T.vectorized(BN):  # dP becomes dS (no names bound: see above)
                             dP[r, c] = prob(S[r, c], le[r], c < nj, i0 + r, j0 + c, SL[h] if alibi else None,
-                                            KS[b] if starts else None) \
+                                            KS[b] if starts else None, b, h) \
                                 * (dP[r, c] - dl[r]) * chain(S[r, c])
                     # dQ += dS·K: UR rows held across the keys (each K row load feeds UR of them);
                     # dS rows past ni hold leftovers (their dQ rows are never stored)
@@ -318,23 +351,12 @@ def backward_func(spec: AttentionSpec, knobs: BackwardKnobs | None = None):
                     for d in T.vectorized(D):
                         DQ[b, h, i0 + r, d] = acc_q[r, d]
         if sinks:  # static: a spec without sinks has no such phase (nor SK, DSK)
-            for h in T.parallel(H):  # dsink_h = −Σ p_sink·delta over the head's rows
-                with T.sblock("dsinks"):
-                    vh = T.axis.spatial(H, h)
-                    T.reads(O[0:B, vh, 0:SQ, 0:DV], DO[0:B, vh, 0:SQ, 0:DV], LSE[0:B, vh, 0:SQ], SK[vh])
-                    T.writes(DSK[vh])
-                    acc = T.sblock_alloc_buffer((2,), f32, scope="local")  # [0] the sum, [1] a row's delta
-                    acc[0] = T.float32(0)
-                    for b, i in T.grid(B, SQ):
-                        acc[1] = T.float32(0)
-                        for d in T.serial(DV):
-                            acc[1] = acc[1] + DO[b, vh, i, d] * O[b, vh, i, d]
-                        acc[0] = acc[0] - T.exp(SK[vh] - row_lse(LSE[b, vh, i], SK[vh])) * acc[1]
-                    DSK[vh] = acc[0]
+            dsinks_phase(O, DO, LSE, SK, DSK)
 
     from .workloads.fused import _keep_params  # the forward's: drop the parameters a spec does not take
 
-    return _keep_params(attention_backward, [True] * 6 + [alibi, sinks, starts] + [True] * 3 + [sinks])
+    return _keep_params(attention_backward, [True] * 6 + [alibi, sinks, starts] + [True] * 3 + [sinks],
+                        extra=m.extra.params, n_outputs=3 + sinks)
 
 
 def _unroll(n: int, most: int = 4) -> int:
@@ -357,45 +379,59 @@ def _last_key(vis: Visibility, off: int, skv: int, i1):
     return T.min(skv, i1 - 1 + off + vis.right + 1) if vis.right >= 0 else skv
 
 
+#: the backward's template buffers' argument names (the others are named as the arguments)
+_ARG_NAMES = {"Q": "q", "K": "k", "V": "v", "O": "o", "LSE": "lse", "DO": "do", "SL": "alibi_slopes", "SK": "sinks",
+              "KS": "kv_start", "DQ": "dq", "DK": "dk", "DV_": "dv", "DSK": "dsinks"}
+#: the outputs, in call order
+OUTPUTS = ("dq", "dk", "dv", "dsinks")
+
+
 @dataclasses.dataclass
 class BackwardKernel:
-    """A built backward: ``kernel(q, k, v, o, lse, do) -> (dq, dk, dv)`` on NumPy float32 arrays
-    (BHSD, C-contiguous), with its lowered IR's audit."""
+    """A built backward: ``kernel(q, k, v, o, lse, do, **variant_args) -> (dq, dk, dv[, dsinks])``
+    on NumPy arrays (BHSD, C-contiguous), with its lowered IR's audit. ``args``: each parameter's
+    ``(name, shape, dtype)`` in call order, outputs last."""
 
     spec: AttentionSpec
     knobs: BackwardKnobs
     module: Any
     report: Any
+    args: tuple
 
-    def __call__(self, q, k, v, o, lse, do, alibi_slopes=None, sinks=None, kv_start=None):
-        """``(dq, dk, dv)``, and ``dsinks (H,)`` last with sinks; ``alibi_slopes``/``sinks (H,)``
-        float32 and ``kv_start (B,)`` int32 (any value: keys before it are hidden) where the spec
-        takes them."""
+    def __call__(self, q, k, v, o, lse, do, **variant_args):
+        """``(dq, dk, dv)``, and ``dsinks (H,)`` last with sinks. ``variant_args`` where the spec
+        takes them, as the forward's: ``alibi_slopes``/``sinks (H,)`` float32, ``kv_start (B,)``
+        int32 (any value: keys before it are hidden), ``key_lo``/``key_hi (B, Skv)`` int32,
+        ``custom_mask``/``mask_indptr`` (the packed bits, ``tvm_attention.masks.pack_mask``), the
+        modifiers' tensors by name."""
         import tvm  # a built kernel: TVM is loaded
 
-        s = self.spec
-        want = {"q": (s.batch, s.heads, s.seq_q, s.head_dim), "k": (s.batch, s.kv_heads, s.seq_kv, s.head_dim),
-                "v": (s.batch, s.kv_heads, s.seq_kv, s.v_dim), "o": (s.batch, s.heads, s.seq_q, s.v_dim),
-                "lse": (s.batch, s.heads, s.seq_q), "do": (s.batch, s.heads, s.seq_q, s.v_dim),
-                "alibi_slopes": (s.heads,), "sinks": (s.heads,), "kv_start": (s.batch,)}
-        given = {"q": q, "k": k, "v": v, "o": o, "lse": lse, "do": do, "alibi_slopes": alibi_slopes, "sinks": sinks,
-                 "kv_start": kv_start}
-        flags = {"alibi_slopes": s.alibi, "sinks": s.sinks, "kv_start": s.kv_start}
-        arrays = []
-        for name, a in given.items():
-            takes = flags.get(name, True)
-            if not takes:
-                if a is not None:
-                    raise SpecError(f"backward: {name}: this spec takes none")
+        given = {"q": q, "k": k, "v": v, "o": o, "lse": lse, "do": do, **variant_args}
+        takes = {n for n, _, _ in self.args}
+        stray = sorted(n for n, a in given.items() if n not in takes and a is not None)
+        if stray:
+            raise SpecError(f"backward: this spec takes no {', '.join(stray)}")
+        arrays, outs = [], []
+        for name, shape, dtype in self.args:
+            if name in OUTPUTS:
+                outs.append(tvm.runtime.tensor(np.empty(shape, dtype)))
                 continue
+            a = given.get(name)
+            if a is None:
+                raise SpecError(f"backward: missing {name} ({dtype} {shape})")
             a = np.asarray(a)
-            dtype = np.int32 if name == "kv_start" else np.float32
-            if a.shape != want[name] or a.dtype != dtype:
-                raise SpecError(f"backward: {name} must be {np.dtype(dtype)} {want[name]}, got {a.dtype} {a.shape}")
+            if a.shape != shape or a.dtype != dtype:
+                raise SpecError(f"backward: {name} must be {dtype} {shape}, got {a.dtype} {a.shape}")
             arrays.append(tvm.runtime.tensor(np.ascontiguousarray(a)))
-        outs = [tvm.runtime.tensor(np.empty(want[n], np.float32)) for n in ("q", "k", "v") + ("sinks",) * s.sinks]
         self.module["attention_backward"](*arrays, *outs)
         return tuple(x.numpy() for x in outs)
+
+
+def _call_args(func) -> tuple:
+    """``(name, shape, dtype)`` of each of ``func``'s parameters, in call order (static shapes)."""
+    # TVM 0.27: a PrimFunc's parameters are its buffers (no buffer_map)
+    return tuple((_ARG_NAMES.get(p.name, p.name), tuple(int(x) for x in p.shape), np.dtype(str(p.dtype)))
+                 for p in func.params)
 
 
 def build_backward(spec: AttentionSpec, knobs: BackwardKnobs | None = None, target: Any = "llvm") -> BackwardKernel:
@@ -408,11 +444,12 @@ def build_backward(spec: AttentionSpec, knobs: BackwardKnobs | None = None, targ
 
     knobs = knobs or BackwardKnobs()
     target = resolve_target(target)
-    lowered = lower_final(backward_func(spec, knobs), target)
+    func = backward_func(spec, knobs)
+    lowered = lower_final(func, target)
     # as the forward's: the same kernel lowered at doubled lengths tells a tile (fixed) from a
     # buffer that grows with them, so that short sequences' tiles are not taken for score matrices
     probe = list_allocations(lower_final(backward_func(probe_spec(spec), knobs), target))
     report = audit(lowered, spec, probe=probe)
     if report.verdict != "fused":
         raise RuntimeError(f"backward: the audit found it not fused: {'; '.join(report.reasons)}")
-    return BackwardKernel(spec, knobs, codegen(lowered), report)
+    return BackwardKernel(spec, knobs, codegen(lowered), report, _call_args(func))

@@ -6,8 +6,9 @@ forward (with ``lse``) and, under autograd, our fused backward (``tvm_attention.
 cache, both kept for the process). Keyword names are the spec's fields. This step takes what the
 backward builds: CPU float32 BHSD tensors ``q (B, H, Sq, D)``, ``k (B, KH, Skv, D)``, ``v (B, KH,
 Skv, Dv)``; causal, a window, a softcap, ALiBi (``alibi_slopes (H,)``, constants), sinks
-(``sinks (H,)``, which take a gradient) and ``kv_start (B,)`` int32 (each sequence's keys before it
-hidden: left padding). Every shape is a static build of its own.
+(``sinks (H,)``, which take a gradient), ``kv_start (B,)`` int32 (each sequence's keys before it
+hidden: left padding), key bounds, a custom mask and ``mask_mod`` (their zeros pass through).
+Every shape is a static build of its own.
 """
 from __future__ import annotations
 
@@ -51,51 +52,95 @@ def spec_of(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **fields: Any) ->
 
 class _Attention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, slopes, sinks, starts, spec):
+    def forward(ctx, q, k, v, sinks, spec, extra):
+        """``extra``: the variants' other call arguments by name (no gradient), detached."""
         fwd, _ = _pair(spec)
-        extra = _extras(spec, slopes, sinks, starts)
-        o, lse = fwd(q.detach().contiguous(), k.detach().contiguous(), v.detach().contiguous(), **extra)
-        ctx.spec = spec
-        ctx.save_for_backward(q, k, v, o, lse, slopes, sinks, starts)
+        args = dict(extra, **({"sinks": sinks.detach()} if spec.sinks else {}))
+        o, lse = fwd(q.detach().contiguous(), k.detach().contiguous(), v.detach().contiguous(), **args)
+        ctx.spec, ctx.extra = spec, extra
+        ctx.save_for_backward(q, k, v, o, lse, sinks)
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, o, lse, slopes, sinks, starts = ctx.saved_tensors
+        q, k, v, o, lse, sinks = ctx.saved_tensors
         spec = ctx.spec
         _, bwd = _pair(spec)
         arrays = [t.detach().contiguous().numpy() for t in (q, k, v, o, lse, do)]
-        extra = {n: t.numpy() for n, t in _extras(spec, slopes, sinks, starts).items()}
-        grads = [torch.from_numpy(g) for g in bwd(*arrays, **extra)]
+        args = {n: t.numpy() for n, t in ctx.extra.items()}
+        if spec.sinks:
+            args["sinks"] = sinks.detach().contiguous().numpy()
+        grads = [torch.from_numpy(g) for g in bwd(*arrays, **args)]
         dsinks = grads[3] if spec.sinks else None
-        return grads[0], grads[1], grads[2], None, dsinks, None, None
+        return grads[0], grads[1], grads[2], dsinks, None, None
 
 
-def _extras(spec: AttentionSpec, slopes, sinks, starts) -> dict[str, torch.Tensor]:
-    """The variants' call arguments the spec takes, by name, detached and contiguous."""
-    given = (("alibi_slopes", spec.alibi, slopes), ("sinks", spec.sinks, sinks), ("kv_start", spec.kv_start, starts))
-    return {n: t.detach().contiguous() for n, on, t in given if on}
+def _tensor(name: str, t: Any, shape: tuple | None, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` checked (a CPU tensor of ``dtype``, ``shape`` where given), detached and contiguous."""
+    if (not isinstance(t, torch.Tensor) or t.dtype != dtype or t.device.type != "cpu"
+            or (shape is not None and tuple(t.shape) != shape)):
+        raise SpecError(f"attention: {name} must be a tensor of {str(dtype).removeprefix('torch.')} "
+                        f"{shape if shape is not None else ''}, got {getattr(t, 'dtype', type(t).__name__)} "
+                        f"{tuple(getattr(t, 'shape', ()))}".replace("  ", " "))
+    return t.detach().contiguous()
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
               window: tuple[int, int] | None = None, softcap: float | None = None, scale: float | None = None,
               alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
-              kv_start: torch.Tensor | None = None) -> torch.Tensor:
+              kv_start: torch.Tensor | None = None, key_lo: torch.Tensor | None = None,
+              key_hi: torch.Tensor | None = None, custom_mask: Any = None, mask_mod: Any = None,
+              mod_tensors: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
     """``o (B, H, Sq, Dv)`` of ``softmax(q·kᵀ·scale + mask)·v``, differentiable in ``q``, ``k``,
-    ``v`` and ``sinks`` (the module docstring). ``alibi_slopes``/``sinks``: ``(H,)`` float32;
-    ``kv_start``: ``(B,)`` int32 (a row that sees no key outputs zeros and takes no gradient)."""
+    ``v`` and ``sinks`` (the module docstring). The variants' arguments, as the spec's:
+    ``alibi_slopes``/``sinks (H,)`` float32; ``kv_start (B,)`` int32; ``key_lo``/``key_hi (B,
+    Skv)`` int32 (row at position p sees keys ``key_lo[b, p] ≤ j < key_hi[b, p]``); ``custom_mask``
+    booleans ``(B, Sq, Skv)`` (True: visible) or FlashInfer's packed ``(bits uint8, mask_indptr
+    int32)``; ``mask_mod`` (a function or its source, ``tvm_attention.modifiers``) over
+    ``mod_tensors`` (name -> int32/float32 tensor). A row that sees no key outputs zeros and takes
+    no gradient."""
     fields: dict[str, Any] = {"causal": causal, "window": window, "softcap": softcap,
                               "alibi": alibi_slopes is not None, "sinks": sinks is not None,
-                              "kv_start": kv_start is not None}
+                              "kv_start": kv_start is not None, "key_bounds": key_lo is not None or key_hi is not None,
+                              "custom_mask": custom_mask is not None}
     if scale is not None:
         fields["scale"] = scale
+    tensors = dict(mod_tensors or {})
+    if mask_mod is not None:
+        fields["mask_mod"] = mask_mod
+        fields["mod_tensors"] = tuple((n, str(t.dtype).removeprefix("torch."), tuple(t.shape))
+                                      for n, t in tensors.items() if isinstance(t, torch.Tensor))
+    elif tensors:
+        raise SpecError("attention: mod_tensors given without a mask_mod to read them")
     spec = spec_of(q, k, v, **fields)
-    for name, t, shape, dtype in (("alibi_slopes", alibi_slopes, (spec.heads,), torch.float32),
-                                  ("sinks", sinks, (spec.heads,), torch.float32),
-                                  ("kv_start", kv_start, (spec.batch,), torch.int32)):
-        if t is not None and (not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype != dtype):
-            raise SpecError(f"attention: {name} must be a tensor of {str(dtype).removeprefix('torch.')} {shape}, got "
-                            f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
-    empty = torch.zeros(0)
-    return _Attention.apply(q, k, v, empty if alibi_slopes is None else alibi_slopes,
-                            empty if sinks is None else sinks, empty if kv_start is None else kv_start, spec)
+    h, b, skv = spec.heads, spec.batch, spec.seq_kv
+    extra: dict[str, torch.Tensor] = {}
+    if alibi_slopes is not None:
+        extra["alibi_slopes"] = _tensor("alibi_slopes", alibi_slopes, (h,), torch.float32)
+    if sinks is not None:
+        _tensor("sinks", sinks, (h,), torch.float32)  # checked; passed apart: it takes a gradient
+    if kv_start is not None:
+        extra["kv_start"] = _tensor("kv_start", kv_start, (b,), torch.int32)
+    if spec.key_bounds:
+        if key_lo is None or key_hi is None:
+            raise SpecError("attention: key bounds take both key_lo and key_hi")
+        extra["key_lo"] = _tensor("key_lo", key_lo, (b, skv), torch.int32)
+        extra["key_hi"] = _tensor("key_hi", key_hi, (b, skv), torch.int32)
+    if custom_mask is not None:
+        extra.update(_packed(custom_mask, spec))
+    for name, t in tensors.items():
+        extra[name] = _tensor(name, t, None, t.dtype if isinstance(t, torch.Tensor) else torch.int32)
+    return _Attention.apply(q, k, v, torch.zeros(0) if sinks is None else sinks, spec, extra)
+
+
+def _packed(mask: Any, spec: AttentionSpec) -> dict[str, torch.Tensor]:
+    """``custom_mask``/``mask_indptr`` of booleans ``(B, Sq, Skv)`` or of ``(bits, indptr)`` given."""
+    from .masks import pack_mask  # only custom masks need it
+
+    if isinstance(mask, tuple) and len(mask) == 2:
+        bits, indptr = mask
+        return {"custom_mask": _tensor("custom_mask", bits, None, torch.uint8),
+                "mask_indptr": _tensor("mask_indptr", indptr, (spec.batch + 1,), torch.int32)}
+    mask = _tensor("custom_mask", mask, (spec.batch, spec.seq_q, spec.seq_kv), torch.bool)
+    bits, indptr = pack_mask(mask.numpy())
+    return {"custom_mask": torch.from_numpy(bits), "mask_indptr": torch.from_numpy(indptr)}

@@ -51,9 +51,10 @@ holding other values (a bias), a mask per head, attention dropout > 0 (training 
 position bias, a dtype other than float32/bfloat16/float16 or a device other than the CPU. A bfloat16 model runs the bf16 kernels
 (AVX512-BF16 dot products where the CPU has them). Training: a float32 call whose inputs take
 gradients runs :func:`tvm_attention.torch.attention` (the fused forward with ``lse`` and the fused
-backward, a static pair per shape) with the module's variants and left padding, ``s_aux`` taking
-its gradient; what that backward does not build yet (bf16, right padding or holes, a 4-D mask, a
-static cache) runs the forward, and ``backward`` through it raises naming it. A sliding layer's cache past its window (a prompt longer than the
+backward, a static pair per shape) with the module's variants and its mask (left padding as
+``kv_start``, other padding as the key-mask modifier, a 4-D mask as custom bits), ``s_aux``
+taking its gradient; what that backward does not build yet (bf16, a static cache) runs the
+forward, and ``backward`` through it raises naming it. A sliding layer's cache past its window (a prompt longer than the
 window) hands over its last keys only, from ``kv_offset``: the keys still end at the last query,
 so bottom-right alignment and the window are exact there too.
 
@@ -406,14 +407,19 @@ def attention_forward(
         causal, window = False, None
     training = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (query, key, value, kwargs.get("s_aux")))
-    why = training and _no_backward(query, cache_seqlens, keep, packed)
+    why = training and _no_backward(query, cache_seqlens)
     if training and not why:  # the fused backward (tvm_attention.torch): a static pair per shape
         from ..torch import attention as differentiable  # only training calls need it
 
         s_aux = kwargs.get("s_aux")
+        masks = {}
+        if keep is not None:  # right padding, holes: the key-mask modifier over the 2D mask's columns
+            masks = dict(mask_mod=KEY_MASK_MOD, mod_tensors={"keep": keep.to(torch.int32).contiguous()})
+        if packed is not None:  # a 4-D mask's bits (they hold causality and the window)
+            masks["custom_mask"] = packed
         out = differentiable(query, key, value, causal=causal, window=None if window is None else (window, 0),
                              softcap=softcap, scale=scale, sinks=None if s_aux is None else s_aux.reshape(-1),
-                             kv_start=None if kv_start is None else kv_start.to(torch.int32).contiguous())
+                             kv_start=None if kv_start is None else kv_start.to(torch.int32).contiguous(), **masks)
         _STATE.stats["calls"] += 1
         return out.transpose(1, 2).contiguous(), None
     cfg = (query.shape[1], key.shape[1], head_dim, _DTYPES[query.dtype], causal, scale)
@@ -711,17 +717,14 @@ def _not_sliding_causal(mask_function, q_length, kv_length, q_offset, kv_offset,
     return None
 
 
-def _no_backward(query, cache_seqlens, keep, packed) -> str:
+def _no_backward(query, cache_seqlens) -> str:
     """Why the fused backward cannot serve a training call ('' when it can): it builds float32
-    BHSD attention with the module's variants and left padding (``kv_start``)."""
+    BHSD attention with the module's variants and every mask the forward takes but a static
+    cache's."""
     if query.dtype != torch.float32:
         return f"{str(query.dtype).removeprefix('torch.')} (the backward builds float32 only)"
     if cache_seqlens is not None:
         return "a static cache's keys in use (the backward builds the keys handed over, all of them)"
-    if keep is not None:
-        return "a padding mask with zeros after a row's first token (right padding, holes)"
-    if packed is not None:
-        return "a 4-D or packed-sequence attention mask"
     return ""
 
 
