@@ -25,20 +25,37 @@ CASES = {  # (batch, heads, kv_heads, seq_q, seq_kv, head_dim, spec keywords)
     "masks_mod_bounds_custom": (2, 4, 2, 37, 70, 16, dict(
         causal=True, key_bounds=True, custom_mask=True, mod_tensors=(("doc", "int32", ("batch", "seq_kv")),),
         mask_mod="lambda b, h, q_idx, kv_idx: (doc[b, kv_idx] == doc[b, q_idx]) | (h == 3)")),
+    # score_mod's derivative after a softcap and ALiBi: a learned relative bias (a float tensor),
+    # smooth words, and a -inf arm hiding keys by the score
+    "score_mod_bias": (2, 4, 2, 45, 70, 16, dict(
+        causal=True, softcap=6.0, alibi=True, mod_tensors=(("bias", "float32", ("heads", 160)),),
+        score_mod="lambda s, b, h, q, kv: where(q - kv > 40, -inf, s * sigmoid(s) + bias[h, q - kv + 80] "
+                  "- 0.1 * sqrt(s * s + 1))")),
 }
 
 
 def _mask_args(spec, rng):
-    """Key bounds (row 5 of sequence 0 sees none: lo > hi), documents of 1–30 keys, a custom mask
-    keeping ~70 % of the pairs: the kernel's arguments and the reference's."""
+    """The spec's key bounds (row 5 of sequence 0 sees none: lo > hi), custom mask (~70 % of the
+    pairs), documents of 1–30 keys and a relative bias: the kernel's arguments and the reference's."""
     b, sq, skv = spec.batch, spec.seq_q, spec.seq_kv
-    lo = rng.integers(0, skv // 2, (b, skv)).astype(np.int32)
-    hi = (lo + rng.integers(10, skv, (b, skv))).astype(np.int32)
-    lo[0, skv - sq + 5] = skv  # position of row 5
-    doc = np.cumsum(rng.integers(1, 30, (b, skv)) == 1, axis=1).astype(np.int32)
-    packed, indptr = pack_mask(rng.random((b, sq, skv)) < 0.7)
-    kernel = dict(key_lo=lo, key_hi=hi, doc=doc, custom_mask=packed, mask_indptr=indptr)
-    return kernel, dict(key_lo=lo, key_hi=hi, mod_tensors={"doc": doc}, custom_mask=(packed, indptr))
+    kernel, ref = {}, {}
+    if spec.key_bounds:
+        lo = rng.integers(0, skv // 2, (b, skv)).astype(np.int32)
+        hi = (lo + rng.integers(10, skv, (b, skv))).astype(np.int32)
+        lo[0, skv - sq + 5] = skv  # position of row 5
+        kernel.update(key_lo=lo, key_hi=hi)
+        ref.update(key_lo=lo, key_hi=hi)
+    if spec.custom_mask:
+        packed, indptr = pack_mask(rng.random((b, sq, skv)) < 0.7)
+        kernel.update(custom_mask=packed, mask_indptr=indptr)
+        ref["custom_mask"] = (packed, indptr)
+    tensors = {"doc": np.cumsum(rng.integers(1, 30, (b, skv)) == 1, axis=1).astype(np.int32),
+               "bias": rng.standard_normal((spec.heads, 160)).astype(np.float32)}
+    tensors = {n: tensors[n] for n, _, _ in spec.mod_tensors}
+    if tensors:
+        kernel.update(tensors)
+        ref["mod_tensors"] = tensors
+    return kernel, ref
 
 
 
@@ -100,7 +117,7 @@ def test_the_audit_fails_a_tile_that_grows_with_the_lengths(monkeypatch):
 
 
 @pytest.mark.parametrize("kw, what", [(dict(layout="varlen"), "layout 'varlen'"), (dict(dtype="bfloat16"), "bfloat16"),
-                                      (dict(score_mod="lambda s, b, h, q, k: s * 2"), "score_mod"),
+                                      (dict(score_mod="lambda s, b, h, q, k: floor(s)"), "floor of the score"),
                                       (dict(dynamic=["seq_q"]), "symbolic")])
 def test_what_is_not_built_yet_is_refused_by_name(kw, what):
     spec = AttentionSpec(batch=1, heads=2, seq_q=8, seq_kv=8, head_dim=16, **kw)

@@ -73,6 +73,13 @@ CASES = {
                                      mask_mod="lambda b, h, q, kv: doc[b, q] >= doc[b, kv]",
                                      mod_tensors=(("doc", "int32", ("batch", "seq_kv")),)),
     "custom_mask_headdim_v": dict(custom_mask=True, head_dim_v=5, sinks=True),
+    # score_mod's derivative (tvm_attention.modifier_grad): every smooth word, after a softcap and ALiBi
+    "score_mod_smooth": dict(softcap=4.0, alibi=True, score_mod=(
+        "lambda s, b, h, q, kv: sqrt(s * s + 1) + sigmoid(s) * exp(-abs(s)) - log(1 + exp(s)) / (2 + tanh(s))"
+        " + min(s, 0.5) + maximum(s * 2, -1.0) - s / (q - kv + 9)")),
+    # ... and its arms: a -inf arm hides keys, an int tensor picks the arm, the head scales it
+    "score_mod_where": dict(causal=True, mod_tensors=(("doc", "int32", ("batch", "seq_kv")),), score_mod=(
+        "lambda s, b, h, q, kv: (s * (1 + h) if q - kv <= 2 else -inf) if doc[b, kv] > 0 else s - 0.5 * (q - kv)")),
 }
 
 
@@ -120,7 +127,14 @@ def test_rows_that_see_no_key_take_no_gradient_and_nan_passes_through():
     assert np.isnan(nan["dq"][0, :2]).all() and np.isfinite(nan["dq"][1]).all()  # kv head 0's group, batch 0 only
 
 
-def test_score_mod_is_refused_by_name():
-    spec = AttentionSpec(batch=1, heads=2, seq_q=3, seq_kv=3, head_dim=4, score_mod="lambda s, b, h, q, kv: s * 2")
-    with pytest.raises(ValueError, match="score_mod's derivative"):
+@pytest.mark.parametrize("body, word", [("floor(s)", "floor"), ("s // 2", "//"), ("s % 1.5", "%"),
+                                        ("where(q > 0, s, floor(s * 2))", "floor")])
+def test_a_step_in_score_mod_is_refused_by_name(body, word):
+    """A step's derivative is 0 or undefined: refused where the score reaches it; a step of the
+    indices alone is fine."""
+    spec = AttentionSpec(batch=1, heads=2, seq_q=3, seq_kv=3, head_dim=4, score_mod=f"lambda s, b, h, q, kv: {body}")
+    with pytest.raises(Exception, match=f"score_mod's derivative: {word} of the score"):
         reference_attention_backward(spec, *(np.ones((1, 2, 3, 4)),) * 4)
+    fine = AttentionSpec(batch=1, heads=2, seq_q=3, seq_kv=3, head_dim=4,
+                         score_mod="lambda s, b, h, q, kv: s + floor((q - kv) / 2) + (q // 2) % 2")
+    assert np.isfinite(reference_attention_backward(fine, *(np.ones((1, 2, 3, 4)),) * 4)["dq"]).all()

@@ -126,3 +126,28 @@ def test_masks_take_their_zeros_through_the_gradient():
         assert not dk[b][:, keep[b] == 0].any() and not dv[b][:, keep[b] == 0].any()  # hidden keys: no gradient
     with pytest.raises(SpecError, match="key bounds take both"):
         attention(q, k, v, key_lo=lo)
+
+
+def test_score_mod_is_differentiated():
+    """A relative bias read from a tensor, a tanh cap and a -inf arm, written once as a modifier:
+    values and gradients equal torch's autograd of the same formula (float64)."""
+    gen = torch.Generator().manual_seed(6)
+    q = torch.randn(1, 4, 19, 8, generator=gen, requires_grad=True)
+    k, v = (torch.randn(1, 2, 27, 8, generator=gen, requires_grad=True) for _ in range(2))
+    bias = torch.randn(4, 64, generator=gen)
+    mod = "lambda s, b, h, q_idx, kv_idx: 8 * tanh(s / 8) + bias[h, q_idx - kv_idx + 32] if kv_idx % 5 else -inf"
+    o = attention(q, k, v, causal=True, score_mod=mod, mod_tensors={"bias": bias})
+    do = torch.randn(o.shape, generator=gen)
+    grads = torch.autograd.grad(o, [q, k, v], do)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    qq, kk, vv = leaves[0], leaves[1].repeat_interleave(2, 1), leaves[2].repeat_interleave(2, 1)
+    s = qq @ kk.transpose(-1, -2) / 8 ** 0.5
+    pos, key = torch.arange(19)[:, None] + 8, torch.arange(27)[None, :]
+    s = 8 * torch.tanh(s / 8) + bias.double()[:, (pos - key + 32).clamp(0, 63)][None]
+    s = s.masked_fill((key % 5 == 0) | (key > pos), float("-inf"))
+    want = torch.softmax(s, -1) @ vv
+    torch.testing.assert_close(o.double(), want, atol=2e-5, rtol=1e-4)
+    for name, got, w in zip(("dq", "dk", "dv"), grads, torch.autograd.grad(want, leaves, do.double())):
+        torch.testing.assert_close(got.double(), w, atol=5e-5, rtol=1e-4, msg=name)
+    with pytest.raises(SpecError, match="mod_tensors bias require a gradient"):
+        attention(q, k, v, score_mod=mod, mod_tensors={"bias": bias.requires_grad_()})

@@ -19,9 +19,10 @@ everywhere; a row that sees no key (``lse = −inf``) takes no gradient. The sem
 ``reference_attention_backward``'s. ALiBi subtracts its constant in ``T``; with sinks each row's
 denominator takes the sink (``row_lse``) and a third phase sums ``dsink_h = −Σ p_sink·delta``.
 ``kv_start`` hides each sequence's keys before it (the dQ phase starts its key tiles there).
-Key bounds, a custom mask and ``mask_mod`` are the forward's own hooks (``workloads/variants.py``)
-over the same arguments, evaluated per score (no tile is skipped by them). What this step does not
-build yet (other layouts and dtypes, symbolic shapes, ``score_mod``) is refused by name.
+Key bounds, a custom mask, ``mask_mod`` and ``score_mod`` are the forward's own hooks
+(``workloads/variants.py``) over the same arguments, evaluated per score (no tile is skipped by
+them); ``score_mod``'s derivative is :mod:`tvm_attention.modifier_grad`'s. What this step does not
+build yet (other layouts and dtypes, symbolic shapes) is refused by name.
 """
 from __future__ import annotations
 
@@ -38,7 +39,8 @@ from .visibility import Visibility
 #: accumulators); block_m and block_m_dq must be multiples of it
 PRODUCT_ROWS = 4
 #: the variants this step's kernel takes
-SUPPORTED_VARIANTS = ("window", "softcap", "alibi", "sinks", "kv_start", "key_bounds", "custom_mask", "mask_mod")
+SUPPORTED_VARIANTS = ("window", "softcap", "alibi", "sinks", "kv_start", "key_bounds", "custom_mask", "mask_mod",
+                      "score_mod")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +77,12 @@ def check_spec(spec: AttentionSpec) -> None:
     other = [v for v in spec.variants if v not in SUPPORTED_VARIANTS]
     if other:
         raise SpecError(f"backward: {', '.join(other)} not built yet (this step takes {', '.join(SUPPORTED_VARIANTS)})")
+    if spec.score_mod is not None:  # a step in it is refused by name before any TIR is made
+        from .modifier_grad import score_derivative  # NumPy here: no TVM
+
+        tensors = {n: np.zeros((1,) * len(dims), dtype) for n, dtype, dims in spec.mod_tensors}
+        with np.errstate(all="ignore"):
+            score_derivative(spec.score_mod, tensors)(np.zeros(2), 0, 0, np.arange(2), np.arange(2))
 
 
 class _ScoreMath:
@@ -82,6 +90,7 @@ class _ScoreMath:
     and key ranges a tile may skip to), ``P`` from a raw product, and the chain rule's factor."""
 
     def __init__(self, spec: AttentionSpec):
+        from .modifier_grad import score_derivative  # TIR derivatives (imports TVM)
         from .workloads.variants import ExtraParams, Variants  # the forward's mask hooks (imports TVM)
 
         self.vis, self.off, self.sq, self.skv = Visibility.of(spec), spec.seq_kv - spec.seq_q, spec.seq_q, spec.seq_kv
@@ -90,6 +99,7 @@ class _ScoreMath:
         # (parameters before the outputs: _keep_params) and hooks over them
         self.extra = x = ExtraParams(spec, spec.batch)
         self.var = Variants(spec, LO=x.LO, HI=x.HI, tensors=x.tensors, cmask=x.cmask)
+        self.d_score = score_derivative(spec.score_mod, x.tensors) if spec.score_mod is not None else None
 
     def sees(self, i, j, b=None, h=None):
         """Whether row i of sequence b, query head h, sees key j (both in range): Visibility's
@@ -115,22 +125,54 @@ class _ScoreMath:
         return T.min(self.sq, j1 - 1 - self.off + self.vis.left + 1) if self.vis.left >= 0 else self.sq
 
     # exp2_fast and tanh_fast, the forward's: vectorizable (LLVM calls libm per lane for exp, tanh)
-    def prob(self, s, lse, in_tile, i, j, slope, start=None, b=None, h=None):
-        """P of the raw product ``s = q·k``: ``exp(T(s·scale) − lse)``, 0 where hidden. ``lse``: the
-        row's :meth:`row_lse` (+inf for a row that sees no key: P is then 0); ``slope``: its
-        head's ALiBi slope (None without); ``start``: the sequence's ``kv_start`` (keys before it
-        are hidden; None without); ``b``, ``h``: the sequence and query head (the mask hooks')."""
+    def _score(self, s, i, j, slope):
+        """The score of the raw product ``s = q·k`` before ``score_mod``: scaled, softcapped, less
+        ALiBi's ``slope·|p − j|`` (natural-log units)."""
         from tvm.script import tirx as T  # TVM: as above
 
-        from .workloads._math import LOG2E, exp2_fast, tanh_fast  # TIR's math (imports TVM)
+        from .workloads._math import tanh_fast  # TIR's math (imports TVM)
 
         x = s * T.float32(self.scale)
         t = x if self.cap is None else T.float32(self.cap) * tanh_fast(x / T.float32(self.cap))
         if slope is not None:
             t = t - slope * T.Cast("float32", T.abs(i + self.off - j))
+        return t
+
+    def prob(self, s, lse, in_tile, i, j, slope, start=None, b=None, h=None):
+        """P of the raw product ``s = q·k``: ``exp(T(s·scale) − lse)``, 0 where hidden. ``lse``: the
+        row's :meth:`row_lse` (+inf for a row that sees no key: P is then 0); ``slope``: its
+        head's ALiBi slope (None without); ``start``: the sequence's ``kv_start`` (keys before it
+        are hidden; None without); ``b``, ``h``: the sequence and query head (the mask hooks' and
+        ``score_mod``'s; a modified score of −inf gives P = 0)."""
+        from tvm.script import tirx as T  # TVM: as above
+
+        from .workloads._math import LOG2E, exp2_fast  # TIR's math (imports TVM)
+
+        t = self._score(s, i, j, slope)
+        if self.var.score_fn is not None:
+            t = _f32(self.var.score_fn(t, b, h, i + self.off, j))
         seen = T.And(in_tile, self.sees(i, j, b, h))
         seen = seen if start is None else T.And(seen, j >= start)
         return T.Select(seen, exp2_fast((t - lse) * T.float32(LOG2E)), T.float32(0))
+
+    def grad(self, p, dpd, s, i, j, slope, b, h):
+        """dS on the raw product ``s``: ``p ∘ (dP − delta)`` (``dpd``) times the chain rule's
+        factor, ``scale · T'(s·scale)`` (the softcap's ``1 − tanh²``) and ``score_mod``'s
+        derivative at the score (``tvm_attention.modifier_grad``); 0 where P is 0 under a
+        modifier (a hidden key's derivative may be ±inf or NaN; NaN in P passes)."""
+        from tvm.script import tirx as T  # TVM: as above
+
+        from .workloads._math import tanh_fast  # TIR's math (imports TVM)
+
+        if self.cap is None:
+            factor = T.float32(self.scale)
+        else:
+            t = tanh_fast(s * T.float32(self.scale / self.cap))
+            factor = (T.float32(1) - t * t) * T.float32(self.scale)
+        if self.d_score is None:
+            return p * dpd * factor
+        d = _f32(self.d_score(self._score(s, i, j, slope), b, h, i + self.off, j)[1])
+        return T.Select(p != T.float32(0), p * dpd * (factor * d), T.float32(0))
 
     @staticmethod
     def row_lse(lse, sink):
@@ -144,16 +186,6 @@ class _ScoreMath:
             top = T.max(lse, sink)
             full = top + T.log(T.exp(lse - top) + T.exp(sink - top))
         return T.Select(lse > T.float32(-np.inf), full, T.float32(np.inf))
-
-    def chain(self, s):  # dS/dT's factor on the raw product: scale · T'(s·scale) (the softcap's 1 − tanh²)
-        from tvm.script import tirx as T  # TVM: as above
-
-        from .workloads._math import tanh_fast  # TIR's math (imports TVM)
-
-        if self.cap is None:
-            return T.float32(self.scale)
-        t = tanh_fast(s * T.float32(self.scale / self.cap))
-        return (T.float32(1) - t * t) * T.float32(self.scale)
 
 
 def _macros(spec: AttentionSpec, kn: BackwardKnobs, m: _ScoreMath):
@@ -236,7 +268,7 @@ def backward_func(spec: AttentionSpec, knobs: BackwardKnobs | None = None):
     f32 = "float32"
 
     m = _ScoreMath(spec)
-    first_row, last_row, prob, chain, row_lse = m.first_row, m.last_row, m.prob, m.chain, m.row_lse
+    first_row, last_row, prob, grad, row_lse = m.first_row, m.last_row, m.prob, m.grad, m.row_lse
     alibi, sinks, starts = spec.alibi, spec.sinks, spec.kv_start
 
     load_tiles, products, row_deltas, dsinks_phase = _macros(spec, kn, m)
@@ -290,7 +322,8 @@ def backward_func(spec: AttentionSpec, knobs: BackwardKnobs | None = None):
                                 P[r, c] = prob(S[r, c], le[r], c < nj, i0 + r, j0 + c, SL[kh * G + g] if alibi else None,
                                                KS[b] if starts else None, b, kh * G + g)
                             for c in T.vectorized(BN):  # dP becomes dS
-                                dP[r, c] = P[r, c] * (dP[r, c] - dl[r]) * chain(S[r, c])
+                                dP[r, c] = grad(P[r, c], dP[r, c] - dl[r], S[r, c], i0 + r, j0 + c,
+                                                SL[kh * G + g] if alibi else None, b, kh * G + g)
                         # dVᵀ += dOᵀ·P, dKᵀ += Qᵀ·dS: vectors over keys, UV/UK head-dim columns held
                         # across the rows (each P/dS row load feeds that many FMAs)
                         for d0, r in T.grid(DV // UV, ni):
@@ -338,9 +371,9 @@ def backward_func(spec: AttentionSpec, knobs: BackwardKnobs | None = None):
                         products(Q, DO, Kt, Vt, S, dP, b, h, i0, r0 * PRODUCT_ROWS)
                     for r in T.serial(ni):
                         for c in T.vectorized(BN):  # dP becomes dS (no names bound: see above)
-                            dP[r, c] = prob(S[r, c], le[r], c < nj, i0 + r, j0 + c, SL[h] if alibi else None,
-                                            KS[b] if starts else None, b, h) \
-                                * (dP[r, c] - dl[r]) * chain(S[r, c])
+                            dP[r, c] = grad(prob(S[r, c], le[r], c < nj, i0 + r, j0 + c, SL[h] if alibi else None,
+                                                 KS[b] if starts else None, b, h),
+                                            dP[r, c] - dl[r], S[r, c], i0 + r, j0 + c, SL[h] if alibi else None, b, h)
                     # dQ += dS·K: UR rows held across the keys (each K row load feeds UR of them);
                     # dS rows past ni hold leftovers (their dQ rows are never stored)
                     for r0, c in T.grid(BMQ // UR, nj):
@@ -357,6 +390,15 @@ def backward_func(spec: AttentionSpec, knobs: BackwardKnobs | None = None):
 
     return _keep_params(attention_backward, [True] * 6 + [alibi, sinks, starts] + [True] * 3 + [sinks],
                         extra=m.extra.params, n_outputs=3 + sinks)
+
+
+def _f32(x):
+    """A modifier's result (or derivative) as a float32 expression: a number becomes a constant."""
+    from tvm.script import tirx as T  # TVM: this module's specs and checks load without it
+
+    from .workloads._math import f32  # TIR's math (imports TVM)
+
+    return T.float32(float(x)) if isinstance(x, (bool, int, float)) else f32(x)
 
 
 def _unroll(n: int, most: int = 4) -> int:

@@ -100,6 +100,11 @@ def reference_attention(
     if spec.score_mod is not None:
         fn = instantiate(spec.score_mod, "score_mod", tensors)
         with np.errstate(all="ignore"):
+            if _parts is not None:  # the backward's chain rule: d score_mod / d score at each score
+                from .modifier_grad import score_derivative  # only the backward needs it
+
+                d = score_derivative(spec.score_mod, tensors)(s, b_idx, h_idx, p_idx, j_idx)[1]
+                _parts["mod_grad"] = np.broadcast_to(np.asarray(d, np.float64), s.shape)
             s = np.broadcast_to(np.asarray(fn(s, b_idx, h_idx, p_idx, j_idx), np.float64), s.shape)
     if spec.kv_start:
         start = np.asarray(_required(kv_start, "kv_start"), np.int64).reshape(-1, 1, 1, 1)
@@ -206,10 +211,9 @@ def reference_attention_backward(spec: AttentionSpec, q: np.ndarray, k: np.ndarr
     the final score ``T``; the softcap's chain rule ``dX = dT ∘ (1 − tanh²(X / c))`` for the
     scaled score ``X`` (ALiBi adds a constant: ``dX = dT``); ``dQ = dX·K·scale``, ``dK =
     dXᵀ·Q·scale``; GQA sums dK and dV over each group's heads; ``dsink_h = −Σ p_sink·delta`` over
-    the head's rows. Hidden keys and rows that see none take no gradient; NaN passes through.
-    ``score_mod`` is refused: its derivative is not written yet."""
-    if spec.score_mod is not None:
-        raise ValueError("reference_attention_backward: score_mod's derivative is not written yet")
+    the head's rows. ``score_mod`` ``y = f(u)`` of the softcapped, ALiBi-biased score ``u``
+    multiplies ``dT`` by ``f'(u)`` (``tvm_attention.modifier_grad``; a step in it is refused by
+    name). Hidden keys and rows that see none take no gradient; NaN passes through."""
     parts: dict = {}
     reference_attention(spec, q, k, v, _parts=parts, **variant_args)
     if not parts:  # no key at all: nothing reaches the output
@@ -223,6 +227,8 @@ def reference_attention_backward(spec: AttentionSpec, q: np.ndarray, k: np.ndarr
         dv = np.einsum("bhij,bhid->bhjd", probs, do)
         delta = (do * o).sum(axis=-1, keepdims=True)
         dt = probs * (np.einsum("bhid,bhjd->bhij", do, parts["v"]) - delta)
+        if spec.score_mod is not None:  # through the user's modifier; a hidden key's derivative may be inf
+            dt = np.where(probs == 0, 0.0, dt * parts["mod_grad"])
         if spec.softcap is not None:
             dt = dt * (1.0 - np.tanh(x / spec.softcap) ** 2)
         dq = np.einsum("bhij,bhjd->bhid", dt, parts["k"]) * spec.scale

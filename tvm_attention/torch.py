@@ -89,16 +89,17 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
               window: tuple[int, int] | None = None, softcap: float | None = None, scale: float | None = None,
               alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
               kv_start: torch.Tensor | None = None, key_lo: torch.Tensor | None = None,
-              key_hi: torch.Tensor | None = None, custom_mask: Any = None, mask_mod: Any = None,
-              mod_tensors: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+              key_hi: torch.Tensor | None = None, custom_mask: Any = None, score_mod: Any = None,
+              mask_mod: Any = None, mod_tensors: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
     """``o (B, H, Sq, Dv)`` of ``softmax(q·kᵀ·scale + mask)·v``, differentiable in ``q``, ``k``,
     ``v`` and ``sinks`` (the module docstring). The variants' arguments, as the spec's:
     ``alibi_slopes``/``sinks (H,)`` float32; ``kv_start (B,)`` int32; ``key_lo``/``key_hi (B,
     Skv)`` int32 (row at position p sees keys ``key_lo[b, p] ≤ j < key_hi[b, p]``); ``custom_mask``
     booleans ``(B, Sq, Skv)`` (True: visible) or FlashInfer's packed ``(bits uint8, mask_indptr
-    int32)``; ``mask_mod`` (a function or its source, ``tvm_attention.modifiers``) over
-    ``mod_tensors`` (name -> int32/float32 tensor). A row that sees no key outputs zeros and takes
-    no gradient."""
+    int32)``; ``score_mod``/``mask_mod`` (functions or their source, ``tvm_attention.modifiers``;
+    ``score_mod`` is differentiated, ``tvm_attention.modifier_grad``) over ``mod_tensors`` (name ->
+    int32/float32 tensor, constants: they take no gradient yet). A row that sees no key outputs
+    zeros and takes no gradient."""
     fields: dict[str, Any] = {"causal": causal, "window": window, "softcap": softcap,
                               "alibi": alibi_slopes is not None, "sinks": sinks is not None,
                               "kv_start": kv_start is not None, "key_bounds": key_lo is not None or key_hi is not None,
@@ -106,12 +107,18 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     if scale is not None:
         fields["scale"] = scale
     tensors = dict(mod_tensors or {})
-    if mask_mod is not None:
-        fields["mask_mod"] = mask_mod
+    for name, mod in (("score_mod", score_mod), ("mask_mod", mask_mod)):
+        if mod is not None:
+            fields[name] = mod
+    if score_mod is not None or mask_mod is not None:
         fields["mod_tensors"] = tuple((n, str(t.dtype).removeprefix("torch."), tuple(t.shape))
                                       for n, t in tensors.items() if isinstance(t, torch.Tensor))
     elif tensors:
-        raise SpecError("attention: mod_tensors given without a mask_mod to read them")
+        raise SpecError("attention: mod_tensors given without a score_mod or mask_mod to read them")
+    if any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors.values()):
+        raise SpecError(f"attention: mod_tensors {', '.join(n for n, t in tensors.items() if t.requires_grad)} "
+                        "require a gradient; the backward does not compute mod_tensors' gradients yet (pass them "
+                        "detached)")
     spec = spec_of(q, k, v, **fields)
     h, b, skv = spec.heads, spec.batch, spec.seq_kv
     extra: dict[str, torch.Tensor] = {}
