@@ -116,7 +116,7 @@ def test_the_audit_fails_a_tile_that_grows_with_the_lengths(monkeypatch):
         build_backward(AttentionSpec(batch=1, heads=1, seq_q=24, seq_kv=40, head_dim=16))
 
 
-@pytest.mark.parametrize("kw, what", [(dict(layout="varlen"), "layout 'varlen'"), (dict(dtype="bfloat16"), "bfloat16"),
+@pytest.mark.parametrize("kw, what", [(dict(layout="varlen"), "layout 'varlen'"), (dict(dtype="float16"), "float16"),
                                       (dict(score_mod="lambda s, b, h, q, k: floor(s)"), "floor of the score"),
                                       (dict(dynamic=["seq_q"]), "symbolic")])
 def test_what_is_not_built_yet_is_refused_by_name(kw, what):
@@ -157,3 +157,24 @@ def test_bench_backward_tiny(tmp_path):
     for r in report["rows"]:
         assert r["ours_ms"] > 0 and r["torch_ms"] > 0 and 0 < r["roof_share"] and r["max_abs_diff_dq"] < 1e-4
     assert report["meta"]["fma_gflops"] > 0 and "| D | S | causal |" in (tmp_path / "backward.md").read_text()
+
+
+@pytest.mark.parametrize("kw", [dict(causal=True), dict(window=(20, 3), softcap=5.0, sinks=True)], ids=["causal", "window_softcap_sinks"])
+def test_bfloat16_gradients(kw):
+    """bf16 inputs and gradients, float32 arithmetic: against the float64 reference of the same
+    (bf16-rounded) inputs, to bf16's rounding of the results (each gradient rounded once)."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    bf16 = ml_dtypes.bfloat16
+    spec = AttentionSpec(batch=1, heads=4, kv_heads=2, seq_q=45, seq_kv=77, head_dim=32, dtype="bfloat16", **kw)
+    rng = np.random.default_rng(7)
+    q, do = (rng.standard_normal((1, 4, 45, 32)).astype(bf16) for _ in range(2))
+    k, v = (rng.standard_normal((1, 2, 77, 32)).astype(bf16) for _ in range(2))
+    args = {"sinks": rng.standard_normal(4).astype(np.float32)} if spec.sinks else {}
+    o, lse = reference_attention(spec, q, k, v, return_lse=True, **args)
+    got = build_backward(spec)(q, k, v, o.astype(bf16), lse.astype(np.float32), do, **args)
+    want = reference_attention_backward(spec, q, k, v, do, **args)
+    for name, g in zip(("dq", "dk", "dv", "dsinks"), got):
+        assert g.dtype == (bf16 if name != "dsinks" else np.float32), name
+        w = want[name]
+        err = np.abs(g.astype(np.float64) - w).max() / np.abs(w).max()
+        assert err < 1e-2, (name, err)  # bf16 keeps 8 bits: 2**-8 = 0.4 % per rounding

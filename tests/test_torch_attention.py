@@ -64,8 +64,10 @@ def test_one_build_per_spec_and_bad_input_is_named():
     for _ in range(2):
         attention(q, k, v, causal=True).sum().backward()
     assert _pair.cache_info().misses == before + 1
-    with pytest.raises(SpecError, match="CPU float32"):
+    with pytest.raises(SpecError, match="CPU float32 or bfloat16"):
         attention(q.double(), k, v)
+    with pytest.raises(SpecError, match="q's dtype"):
+        attention(q, k.bfloat16(), v)
     with pytest.raises(SpecError, match="sinks must be a tensor of float32 \\(2,\\)"):
         attention(q, k, v, sinks=torch.zeros(3))
     with pytest.raises(SpecError, match="do not fit BHSD"):
@@ -151,3 +153,22 @@ def test_score_mod_is_differentiated():
         torch.testing.assert_close(got.double(), w, atol=5e-5, rtol=1e-4, msg=name)
     with pytest.raises(SpecError, match="mod_tensors bias require a gradient"):
         attention(q, k, v, score_mod=mod, mod_tensors={"bias": bias.requires_grad_()})
+
+
+def test_bfloat16_values_and_gradients():
+    """bf16 tensors in and out (float32 arithmetic): within bf16's rounding of float64 autograd."""
+    gen = torch.Generator().manual_seed(8)
+    q = torch.randn(1, 4, 37, 16, generator=gen).bfloat16().requires_grad_()
+    k, v = (torch.randn(1, 2, 53, 16, generator=gen).bfloat16().requires_grad_() for _ in range(2))
+    sinks = torch.randn(4, generator=gen, requires_grad=True)
+    o = attention(q, k, v, causal=True, softcap=6.0, sinks=sinks)
+    assert o.dtype == torch.bfloat16
+    do = torch.randn(o.shape, generator=gen).bfloat16()
+    grads = torch.autograd.grad(o, [q, k, v, sinks], do)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v, sinks)]
+    want = _eager(*leaves[:3], causal=True, softcap=6.0, sinks=leaves[3])
+    wgrads = torch.autograd.grad(want, leaves, do.double())
+    for name, got, w in zip(("o", "dq", "dk", "dv", "dsinks"), (o,) + grads, (want,) + wgrads):
+        assert got.dtype == (torch.float32 if name == "dsinks" else torch.bfloat16), name
+        err = (got.double() - w).abs().max() / w.abs().max()
+        assert err < 1e-2, (name, float(err))  # bf16: 2**-8 per rounding

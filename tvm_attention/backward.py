@@ -38,6 +38,8 @@ from .visibility import Visibility
 #: query rows whose score products share each K/V tile row load (4 rows × block_n 32: 8 vector
 #: accumulators); block_m and block_m_dq must be multiples of it
 PRODUCT_ROWS = 4
+#: the input and gradient dtypes it builds (float32 arithmetic; bf16 gradients rounded once, at the store)
+DTYPES = ("float32", "bfloat16")
 #: the variants this step's kernel takes
 SUPPORTED_VARIANTS = ("window", "softcap", "alibi", "sinks", "kv_start", "key_bounds", "custom_mask", "mask_mod",
                       "score_mod")
@@ -70,8 +72,8 @@ def check_spec(spec: AttentionSpec) -> None:
     """Refuse, by name, what this step's kernel does not build."""
     if spec.layout != "bhsd":
         raise SpecError(f"backward: layout {spec.layout!r} is not built yet (bhsd only)")
-    if spec.dtype != "float32":
-        raise SpecError(f"backward: dtype {spec.dtype} is not built yet (float32 only)")
+    if spec.dtype not in DTYPES:
+        raise SpecError(f"backward: dtype {spec.dtype} is not built yet ({', '.join(DTYPES)})")
     if spec.dynamic:
         raise SpecError("backward: symbolic shapes are not built yet (static only)")
     other = [v for v in spec.variants if v not in SUPPORTED_VARIANTS]
@@ -194,15 +196,17 @@ def _macros(spec: AttentionSpec, kn: BackwardKnobs, m: _ScoreMath):
     effective lse (``row_deltas``), the sinks' gradient phase (``dsinks_phase``)."""
     from tvm.script import tirx as T  # TVM: this module's specs and checks load without it
 
+    from .workloads._math import f32 as wide  # a load of a bf16 input as float32 (float32: unchanged)
+
     D, DV, SKV, BN, sinks, row_lse = spec.head_dim, spec.v_dim, spec.seq_kv, kn.block_n, spec.sinks, m.row_lse
     SQ, UP, B, H = spec.seq_q, PRODUCT_ROWS, spec.batch, spec.heads
 
     @T.macro
     def load_tiles(K, V, Kt, Vt, b, kh, j0, nj):  # K and V's key tile, transposed, zero past the keys
         for c, d in T.grid(BN, D):
-            Kt[d, c] = T.if_then_else(c < nj, K[b, kh, T.min(j0 + c, SKV - 1), d], T.float32(0))
+            Kt[d, c] = T.if_then_else(c < nj, wide(K[b, kh, T.min(j0 + c, SKV - 1), d]), T.float32(0))
         for c, d in T.grid(BN, DV):
-            Vt[d, c] = T.if_then_else(c < nj, V[b, kh, T.min(j0 + c, SKV - 1), d], T.float32(0))
+            Vt[d, c] = T.if_then_else(c < nj, wide(V[b, kh, T.min(j0 + c, SKV - 1), d]), T.float32(0))
 
     @T.macro
     def products(Q, DO, Kt, Vt, S, dP, b, h, i0, r0):
@@ -215,18 +219,18 @@ def _macros(spec: AttentionSpec, kn: BackwardKnobs, m: _ScoreMath):
         for d in T.serial(D):
             for rr in T.unroll(UP):
                 for c in T.vectorized(BN):
-                    S[r0 + rr, c] = S[r0 + rr, c] + Q[b, h, T.min(i0 + r0 + rr, SQ - 1), d] * Kt[d, c]
+                    S[r0 + rr, c] = S[r0 + rr, c] + wide(Q[b, h, T.min(i0 + r0 + rr, SQ - 1), d]) * Kt[d, c]
         for d in T.serial(DV):
             for rr in T.unroll(UP):
                 for c in T.vectorized(BN):
-                    dP[r0 + rr, c] = dP[r0 + rr, c] + DO[b, h, T.min(i0 + r0 + rr, SQ - 1), d] * Vt[d, c]
+                    dP[r0 + rr, c] = dP[r0 + rr, c] + wide(DO[b, h, T.min(i0 + r0 + rr, SQ - 1), d]) * Vt[d, c]
 
     @T.macro
     def row_deltas(DO, O, LSE, SK, dl, le, b, h, i0, ni):  # the tile's rows' delta = rowsum(dO ∘ O), row_lse
         for r in T.serial(ni):
             dl[r] = T.float32(0)
             for d in T.serial(DV):
-                dl[r] = dl[r] + DO[b, h, i0 + r, d] * O[b, h, i0 + r, d]
+                dl[r] = dl[r] + wide(DO[b, h, i0 + r, d]) * wide(O[b, h, i0 + r, d])
             le[r] = row_lse(LSE[b, h, i0 + r], SK[h] if sinks else None)
 
     @T.macro
@@ -241,7 +245,7 @@ def _macros(spec: AttentionSpec, kn: BackwardKnobs, m: _ScoreMath):
                 for b, i in T.grid(B, SQ):
                     acc[1] = T.float32(0)
                     for d in T.serial(DV):
-                        acc[1] = acc[1] + DO[b, vh, i, d] * O[b, vh, i, d]
+                        acc[1] = acc[1] + wide(DO[b, vh, i, d]) * wide(O[b, vh, i, d])
                     acc[0] = acc[0] - T.exp(SK[vh] - row_lse(LSE[b, vh, i], SK[vh])) * acc[1]
                 DSK[vh] = acc[0]
 
@@ -265,7 +269,8 @@ def backward_func(spec: AttentionSpec, knobs: BackwardKnobs | None = None):
     BMQ, MT, MTQ, NT = kn.block_m_dq, -(-SQ // BM), -(-SQ // kn.block_m_dq), -(-SKV // BN)
     vis = Visibility.of(spec)
     OFF = SKV - SQ  # row i's position (bottom-right)
-    f32 = "float32"
+    f32, dt = "float32", spec.dtype  # dt: the inputs' and gradients' (bf16 rounded at the stores)
+    from .workloads._math import cast_to, f32 as wide  # TIR's math (imports TVM): stores and bf16 loads
 
     m = _ScoreMath(spec)
     first_row, last_row, prob, grad, row_lse = m.first_row, m.last_row, m.prob, m.grad, m.row_lse
@@ -278,12 +283,12 @@ def backward_func(spec: AttentionSpec, knobs: BackwardKnobs | None = None):
     # not checked well-formed, as the forward's: tanh_fast's let variable appears in both arms of
     # exp2_fast's select, the same value bound twice
     @T.prim_func(s_tir=True, check_well_formed=False)
-    def attention_backward(Q: T.Buffer((B, H, SQ, D), f32), K: T.Buffer((B, KH, SKV, D), f32),
-                           V: T.Buffer((B, KH, SKV, DV), f32), O: T.Buffer((B, H, SQ, DV), f32),
-                           LSE: T.Buffer((B, H, SQ), f32), DO: T.Buffer((B, H, SQ, DV), f32),
+    def attention_backward(Q: T.Buffer((B, H, SQ, D), dt), K: T.Buffer((B, KH, SKV, D), dt),
+                           V: T.Buffer((B, KH, SKV, DV), dt), O: T.Buffer((B, H, SQ, DV), dt),
+                           LSE: T.Buffer((B, H, SQ), f32), DO: T.Buffer((B, H, SQ, DV), dt),
                            SL: T.Buffer((H,), f32), SK: T.Buffer((H,), f32), KS: T.Buffer((B,), "int32"),
-                           DQ: T.Buffer((B, H, SQ, D), f32), DK: T.Buffer((B, KH, SKV, D), f32),
-                           DV_: T.Buffer((B, KH, SKV, DV), f32), DSK: T.Buffer((H,), f32)):
+                           DQ: T.Buffer((B, H, SQ, D), dt), DK: T.Buffer((B, KH, SKV, D), dt),
+                           DV_: T.Buffer((B, KH, SKV, DV), dt), DSK: T.Buffer((H,), f32)):
         T.func_attr({"global_symbol": "attention_backward", "tirx.noalias": True})
         for task in T.parallel(B * KH * NT):
             with T.sblock("dkdv"):
@@ -330,16 +335,16 @@ def backward_func(spec: AttentionSpec, knobs: BackwardKnobs | None = None):
                             for dd in T.unroll(UV):
                                 for c in T.vectorized(BN):
                                     acc_v[d0 * UV + dd, c] = acc_v[d0 * UV + dd, c] \
-                                        + DO[b, kh * G + g, i0 + r, d0 * UV + dd] * P[r, c]
+                                        + wide(DO[b, kh * G + g, i0 + r, d0 * UV + dd]) * P[r, c]
                         for d0, r in T.grid(D // UK, ni):
                             for dd in T.unroll(UK):
                                 for c in T.vectorized(BN):
                                     acc_k[d0 * UK + dd, c] = acc_k[d0 * UK + dd, c] \
-                                        + Q[b, kh * G + g, i0 + r, d0 * UK + dd] * dP[r, c]
+                                        + wide(Q[b, kh * G + g, i0 + r, d0 * UK + dd]) * dP[r, c]
                 for c, d in T.grid(nj, D):
-                    DK[b, kh, j0 + c, d] = acc_k[d, c]
+                    DK[b, kh, j0 + c, d] = cast_to(DK, acc_k[d, c])
                 for c, d in T.grid(nj, DV):
-                    DV_[b, kh, j0 + c, d] = acc_v[d, c]
+                    DV_[b, kh, j0 + c, d] = cast_to(DV_, acc_v[d, c])
         for task in T.parallel(B * H * MTQ):
             with T.sblock("dq"):
                 vt = T.axis.spatial(B * H * MTQ, task)
@@ -379,10 +384,10 @@ def backward_func(spec: AttentionSpec, knobs: BackwardKnobs | None = None):
                     for r0, c in T.grid(BMQ // UR, nj):
                         for rr in T.unroll(UR):
                             for d in T.vectorized(D):
-                                acc_q[r0 * UR + rr, d] = acc_q[r0 * UR + rr, d] + dP[r0 * UR + rr, c] * K[b, h // G, j0 + c, d]
+                                acc_q[r0 * UR + rr, d] = acc_q[r0 * UR + rr, d] + dP[r0 * UR + rr, c] * wide(K[b, h // G, j0 + c, d])
                 for r in T.serial(ni):
                     for d in T.vectorized(D):
-                        DQ[b, h, i0 + r, d] = acc_q[r, d]
+                        DQ[b, h, i0 + r, d] = cast_to(DQ, acc_q[r, d])
         if sinks:  # static: a spec without sinks has no such phase (nor SK, DSK)
             dsinks_phase(O, DO, LSE, SK, DSK)
 
@@ -471,8 +476,13 @@ class BackwardKernel:
 
 def _call_args(func) -> tuple:
     """``(name, shape, dtype)`` of each of ``func``'s parameters, in call order (static shapes)."""
+    import ml_dtypes  # TVM's own dependency: NumPy's bfloat16
+
+    def dtype(name):
+        return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
+
     # TVM 0.27: a PrimFunc's parameters are its buffers (no buffer_map)
-    return tuple((_ARG_NAMES.get(p.name, p.name), tuple(int(x) for x in p.shape), np.dtype(str(p.dtype)))
+    return tuple((_ARG_NAMES.get(p.name, p.name), tuple(int(x) for x in p.shape), dtype(str(p.dtype)))
                  for p in func.params)
 
 

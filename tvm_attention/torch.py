@@ -4,7 +4,8 @@
 forward (with ``lse``) and, under autograd, our fused backward (``tvm_attention.backward``): a
 ``torch.autograd.Function`` over a kernel pair built once per spec (the forward through the build
 cache, both kept for the process). Keyword names are the spec's fields. This step takes what the
-backward builds: CPU float32 BHSD tensors ``q (B, H, Sq, D)``, ``k (B, KH, Skv, D)``, ``v (B, KH,
+backward builds: CPU float32 or bfloat16 BHSD tensors (bf16 gradients: float32 arithmetic, rounded
+once) ``q (B, H, Sq, D)``, ``k (B, KH, Skv, D)``, ``v (B, KH,
 Skv, Dv)``; causal, a window, a softcap, ALiBi (``alibi_slopes (H,)``, constants), sinks
 (``sinks (H,)``, which take a gradient), ``kv_start (B,)`` int32 (each sequence's keys before it
 hidden: left padding), key bounds, a custom mask and ``mask_mod`` (their zeros pass through).
@@ -38,16 +39,37 @@ def spec_of(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **fields: Any) ->
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise SpecError(f"attention: {name} must be a 4-D torch tensor (B, H, S, D), got "
                             f"{type(t).__name__} {tuple(getattr(t, 'shape', ()))}")
-        if t.dtype != torch.float32 or t.device.type != "cpu":
-            raise SpecError(f"attention: {name} must be a CPU float32 tensor (the backward's first step), got "
-                            f"{t.dtype} on {t.device}")
+        if t.dtype not in _DTYPES or t.dtype != q.dtype or t.device.type != "cpu":
+            raise SpecError(f"attention: {name} must be a CPU float32 or bfloat16 tensor, q's dtype (the "
+                            f"backward's), got {t.dtype} on {t.device}")
     b, h, sq, d = q.shape
     if k.shape[0] != b or v.shape[:3] != k.shape[:3] or k.shape[3] != d:
         raise SpecError(f"attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit BHSD "
                         "(batch, kv heads and keys shared by k and v; q's and k's head size equal)")
     dv = v.shape[3]
     return AttentionSpec(batch=b, heads=h, kv_heads=k.shape[1], seq_q=sq, seq_kv=k.shape[2], head_dim=d,
-                         head_dim_v=None if dv == d else dv, return_lse=True, **fields)
+                         head_dim_v=None if dv == d else dv, dtype=_DTYPES[q.dtype], return_lse=True, **fields)
+
+
+#: the dtypes the pair builds: float32 arithmetic, bf16 inputs and gradients rounded once
+_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+
+
+def _np(t: torch.Tensor):
+    """``t`` as a NumPy array without a copy (bf16 as ml_dtypes', which NumPy lacks)."""
+    t = t.detach().contiguous()
+    if t.dtype != torch.bfloat16:
+        return t.numpy()
+    import ml_dtypes  # TVM's own dependency: loaded with the kernels
+
+    return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+
+
+def _tensor_of(a) -> torch.Tensor:
+    """A NumPy result as a tensor without a copy (ml_dtypes' bf16 through its bits)."""
+    if a.dtype.name == "bfloat16":
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
 
 
 class _Attention(torch.autograd.Function):
@@ -66,11 +88,11 @@ class _Attention(torch.autograd.Function):
         q, k, v, o, lse, sinks = ctx.saved_tensors
         spec = ctx.spec
         _, bwd = _pair(spec)
-        arrays = [t.detach().contiguous().numpy() for t in (q, k, v, o, lse, do)]
+        arrays = [_np(t.to(q.dtype) if t is do else t) for t in (q, k, v, o, lse, do)]
         args = {n: t.numpy() for n, t in ctx.extra.items()}
         if spec.sinks:
-            args["sinks"] = sinks.detach().contiguous().numpy()
-        grads = [torch.from_numpy(g) for g in bwd(*arrays, **args)]
+            args["sinks"] = _np(sinks)
+        grads = [_tensor_of(g) for g in bwd(*arrays, **args)]
         dsinks = grads[3] if spec.sinks else None
         return grads[0], grads[1], grads[2], dsinks, None, None
 

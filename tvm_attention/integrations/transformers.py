@@ -49,11 +49,11 @@ additive mask of 0 and −inf, the same for every head. What the kernel cannot c
 :class:`UnsupportedAttention` naming the feature — never a silent fallback: an additive mask
 holding other values (a bias), a mask per head, attention dropout > 0 (training mode), a
 position bias, a dtype other than float32/bfloat16/float16 or a device other than the CPU. A bfloat16 model runs the bf16 kernels
-(AVX512-BF16 dot products where the CPU has them). Training: a float32 call whose inputs take
+(AVX512-BF16 dot products where the CPU has them). Training: a float32 or bfloat16 call whose inputs take
 gradients runs :func:`tvm_attention.torch.attention` (the fused forward with ``lse`` and the fused
 backward, a static pair per shape) with the module's variants and its mask (left padding as
 ``kv_start``, other padding as the key-mask modifier, a 4-D mask as custom bits), ``s_aux``
-taking its gradient; what that backward does not build yet (bf16, a static cache) runs the
+taking its gradient; what that backward does not build yet (float16, a static cache) runs the
 forward, and ``backward`` through it raises naming it. A sliding layer's cache past its window (a prompt longer than the
 window) hands over its last keys only, from ``kv_offset``: the keys still end at the last query,
 so bottom-right alignment and the window are exact there too.
@@ -418,7 +418,7 @@ def attention_forward(
         if packed is not None:  # a 4-D mask's bits (they hold causality and the window)
             masks["custom_mask"] = packed
         out = differentiable(query, key, value, causal=causal, window=None if window is None else (window, 0),
-                             softcap=softcap, scale=scale, sinks=None if s_aux is None else s_aux.reshape(-1),
+                             softcap=softcap, scale=scale, sinks=None if s_aux is None else s_aux.reshape(-1).float(),
                              kv_start=None if kv_start is None else kv_start.to(torch.int32).contiguous(), **masks)
         _STATE.stats["calls"] += 1
         return out.transpose(1, 2).contiguous(), None
@@ -721,8 +721,8 @@ def _no_backward(query, cache_seqlens) -> str:
     """Why the fused backward cannot serve a training call ('' when it can): it builds float32
     BHSD attention with the module's variants and every mask the forward takes but a static
     cache's."""
-    if query.dtype != torch.float32:
-        return f"{str(query.dtype).removeprefix('torch.')} (the backward builds float32 only)"
+    if query.dtype not in (torch.float32, torch.bfloat16):
+        return f"{str(query.dtype).removeprefix('torch.')} (the backward builds float32 and bfloat16)"
     if cache_seqlens is not None:
         return "a static cache's keys in use (the backward builds the keys handed over, all of them)"
     return ""
