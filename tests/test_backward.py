@@ -87,6 +87,11 @@ def test_gradients_match_the_reference(case):
         assert not dq[:, :, :30].any()  # rows that see no key take no gradient
     if spec.key_bounds:
         assert not dq[0, :, 5].any() and np.abs(want["dk"]).max() > 0.1
+    if spec.custom_mask:  # mask_indptr is checked before the kernel reads a byte (in int64)
+        bad = kargs["mask_indptr"].copy()
+        bad[1] = 2**31 - 1
+        with pytest.raises(Exception, match="mask_indptr: sequence 0 holds bytes"):
+            kern(q, k, v, o.astype(np.float32), lse.astype(np.float32), do, **args, **dict(kargs, mask_indptr=bad))
     assert kern.report.verdict == "fused"
     assert max(a.elements for a in kern.report.allocations) < sq * skv
 

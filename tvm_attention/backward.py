@@ -470,6 +470,12 @@ class BackwardKernel:
             if a.shape != shape or a.dtype != dtype:
                 raise SpecError(f"backward: {name} must be {dtype} {shape}, got {a.dtype} {a.shape}")
             arrays.append(tvm.runtime.tensor(np.ascontiguousarray(a)))
+        if self.spec.custom_mask:  # the bytes the kernel reads: each sequence's, inside custom_mask
+            from .layouts import check_custom_mask  # the forward loader's rule (int64 sums)
+
+            s = self.spec
+            check_custom_mask({n: np.asarray(given[n]) for n in ("custom_mask", "mask_indptr")},
+                              [s.seq_q] * s.batch, [s.seq_kv] * s.batch, s.batch)
         self.module["attention_backward"](*arrays, *outs)
         return tuple(x.numpy() for x in outs)
 
