@@ -4,6 +4,8 @@ Skv, tails of both tiles, rows that see no key), causal, a window and a softcap;
 passes, and fails when a tile is the whole score matrix; what it does not build yet is refused."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -42,7 +44,8 @@ def _mask_args(spec, rng):
     if spec.key_bounds:
         lo = rng.integers(0, skv // 2, (b, skv)).astype(np.int32)
         hi = (lo + rng.integers(10, skv, (b, skv))).astype(np.int32)
-        lo[0, skv - sq + 5] = skv  # position of row 5
+        if sq > 5 and 0 <= skv - sq + 5 < skv:
+            lo[0, skv - sq + 5] = skv  # position of row 5
         kernel.update(key_lo=lo, key_hi=hi)
         ref.update(key_lo=lo, key_hi=hi)
     if spec.custom_mask:
@@ -123,7 +126,7 @@ def test_the_audit_fails_a_tile_that_grows_with_the_lengths(monkeypatch):
 
 @pytest.mark.parametrize("kw, what", [(dict(layout="varlen"), "layout 'varlen'"), (dict(dtype="float16"), "float16"),
                                       (dict(score_mod="lambda s, b, h, q, k: floor(s)"), "floor of the score"),
-                                      (dict(dynamic=["seq_q"]), "symbolic")])
+                                      ])
 def test_what_is_not_built_yet_is_refused_by_name(kw, what):
     spec = AttentionSpec(batch=1, heads=2, seq_q=8, seq_kv=8, head_dim=16, **kw)
     with pytest.raises(SpecError, match=what):
@@ -183,3 +186,30 @@ def test_bfloat16_gradients(kw):
         w = want[name]
         err = np.abs(g.astype(np.float64) - w).max() / np.abs(w).max()
         assert err < 1e-2, (name, err)  # bf16 keeps 8 bits: 2**-8 = 0.4 % per rounding
+
+
+@pytest.mark.parametrize("kw", [dict(causal=True, softcap=5.0, sinks=True),
+                                dict(window=(20, 3), key_bounds=True, custom_mask=True, kv_start=True)],
+                         ids=["causal_softcap_sinks", "window_bounds_custom_kv_start"])
+def test_one_symbolic_build_serves_every_shape(kw):
+    """batch, seq_q and seq_kv symbolic: one build, three shapes (Sq > Skv, tails, one row)."""
+    spec = AttentionSpec(batch=2, heads=4, kv_heads=2, seq_q=64, seq_kv=64, head_dim=16,
+                         dynamic=["batch", "seq_q", "seq_kv"], **kw)
+    kern = build_backward(spec)
+    assert kern.report.verdict == "fused"
+    rng = np.random.default_rng(9)
+    for b, sq, skv in ((2, 45, 77), (1, 70, 40), (3, 1, 33)):
+        q, do = (rng.standard_normal((b, 4, sq, 16)).astype(np.float32) for _ in range(2))
+        k, v = (rng.standard_normal((b, 2, skv, 16)).astype(np.float32) for _ in range(2))
+        args = {"sinks": rng.standard_normal(4).astype(np.float32)} if spec.sinks else {}
+        if spec.kv_start:
+            args["kv_start"] = rng.integers(0, skv, b).astype(np.int32)
+        shaped = dataclasses.replace(spec, batch=b, seq_q=sq, seq_kv=skv, dynamic=())
+        kargs, rargs = _mask_args(shaped, rng) if spec.has_modifiers else ({}, {})
+        o, lse = reference_attention(shaped, q, k, v, return_lse=True, **args, **rargs)
+        got = kern(q, k, v, o.astype(np.float32), lse.astype(np.float32), do, **args, **kargs)
+        want = reference_attention_backward(shaped, q, k, v, do, **args, **rargs)
+        for name, g in zip(("dq", "dk", "dv", "dsinks"), got):
+            np.testing.assert_allclose(g, want[name], atol=2e-5, rtol=1e-4, err_msg=f"{name} at {(b, sq, skv)}")
+    with pytest.raises(SpecError, match=r"k must be float32 \(3, 2, 'seq_kv', 16\)|k must be float32 \(3, 2, \d+, 16\)"):
+        kern(q, k[:2], v, o.astype(np.float32), lse.astype(np.float32), do, **args, **kargs)

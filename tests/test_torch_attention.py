@@ -1,6 +1,7 @@
-"""``tvm_attention.torch.attention`` (issue 46, first step): our fused forward and backward as a
-torch autograd function. Values and gradients equal torch's autograd (SDPA, or the same formula
-written in torch for a softcap, ALiBi and sinks) at awkward lengths; one build per spec."""
+"""``tvm_attention.torch.attention`` (issue 46): our fused forward and backward as a torch
+autograd function. Values and gradients equal torch's autograd (SDPA, or the same formula written
+in torch for a softcap, ALiBi, sinks and a score_mod) or the float64 oracle (kv_start, masks) at
+awkward lengths, in float32 and bfloat16; one build per configuration, whatever the shapes."""
 from __future__ import annotations
 
 import pytest
@@ -61,8 +62,10 @@ def test_one_build_per_spec_and_bad_input_is_named():
     q = torch.randn(1, 2, 8, 16, requires_grad=True)
     k = v = torch.randn(1, 2, 8, 16)
     before = _pair.cache_info().misses
-    for _ in range(2):
-        attention(q, k, v, causal=True).sum().backward()
+    for n in (8, 8, 13):  # symbolic batch and lengths: one pair for every shape
+        x = torch.randn(2, 2, n, 16, requires_grad=True)
+        attention(x, x[:, :, :n - 3], x[:, :, :n - 3], causal=True).sum().backward()
+        assert x.grad.shape == x.shape and torch.isfinite(x.grad).all()
     assert _pair.cache_info().misses == before + 1
     with pytest.raises(SpecError, match="CPU float32 or bfloat16"):
         attention(q.double(), k, v)

