@@ -124,7 +124,7 @@ def test_the_audit_fails_a_tile_that_grows_with_the_lengths(monkeypatch):
         build_backward(AttentionSpec(batch=1, heads=1, seq_q=24, seq_kv=40, head_dim=16))
 
 
-@pytest.mark.parametrize("kw, what", [(dict(layout="varlen"), "layout 'varlen'"), (dict(dtype="float16"), "float16"),
+@pytest.mark.parametrize("kw, what", [(dict(layout="kvcache"), "layout 'kvcache'"), (dict(dtype="float16"), "float16"),
                                       (dict(score_mod="lambda s, b, h, q, k: floor(s)"), "floor of the score"),
                                       ])
 def test_what_is_not_built_yet_is_refused_by_name(kw, what):
@@ -213,3 +213,59 @@ def test_one_symbolic_build_serves_every_shape(kw):
             np.testing.assert_allclose(g, want[name], atol=2e-5, rtol=1e-4, err_msg=f"{name} at {(b, sq, skv)}")
     with pytest.raises(SpecError, match=r"k must be float32 \(3, 2, 'seq_kv', 16\)|k must be float32 \(3, 2, \d+, 16\)"):
         kern(q, k[:2], v, o.astype(np.float32), lse.astype(np.float32), do, **args, **kargs)
+
+
+@pytest.mark.parametrize("kw", [dict(causal=True, softcap=5.0, sinks=True, alibi=True),
+                                dict(window=(20, 3), key_bounds=True, custom_mask=True,
+                                     mod_tensors=(("bias", "float32", ("heads", 160)),),
+                                     score_mod="lambda s, b, h, q, kv: s + bias[h, q - kv + 80]")],
+                         ids=["causal_softcap_sinks_alibi", "window_bounds_custom_score_mod"])
+def test_varlen_gradients_match_the_reference_per_sequence(kw):
+    """FlashAttention's packed layout: sequences of 45×77, 0×5 (no rows), 70×40 (Sq > Skv), 1×1
+    and 33×0 (no keys: zero gradients), one build; each sequence against the reference's BHSD
+    backward of its own rows (key bounds and the custom mask by sequence: ``seq_index``)."""
+    lens = [(45, 77), (0, 5), (70, 40), (1, 1), (33, 0)]
+    spec = AttentionSpec(layout="varlen", batch=len(lens), heads=4, kv_heads=2, seq_q=64, seq_kv=64, head_dim=16,
+                         **kw)
+    kern = build_backward(spec)
+    assert kern.report.verdict == "fused"
+    rng = np.random.default_rng(11)
+    cq, ck = (np.concatenate([[0], np.cumsum([x[i] for x in lens])]).astype(np.int32) for i in (0, 1))
+    q, do = (rng.standard_normal((cq[-1], 4, 16)).astype(np.float32) for _ in range(2))
+    k, v = (rng.standard_normal((ck[-1], 2, 16)).astype(np.float32) for _ in range(2))
+    args = {n: rng.standard_normal(4).astype(np.float32) for n, on in (("sinks", spec.sinks), ("alibi_slopes", spec.alibi)) if on}
+    kargs, rargs = {}, {}
+    if spec.key_bounds:  # non-decreasing along the positions, as the forward asks
+        lo = np.sort(rng.integers(0, 40, (len(lens), 80)), axis=1).astype(np.int32)
+        hi = np.sort(lo + rng.integers(5, 80, lo.shape), axis=1).astype(np.int32)
+        kargs.update(key_lo=lo, key_hi=hi)
+        rargs.update(key_lo=lo, key_hi=hi)
+    if spec.custom_mask:
+        packed, indptr = pack_mask([rng.random(x) < 0.7 for x in lens])
+        kargs.update(custom_mask=packed, mask_indptr=indptr)
+        rargs["custom_mask"] = (packed, indptr)
+    if spec.mod_tensors:
+        kargs["bias"] = rng.standard_normal((4, 160)).astype(np.float32)
+        rargs["mod_tensors"] = {"bias": kargs["bias"]}
+    o = np.zeros((cq[-1], 4, 16), np.float32)
+    lse = np.zeros((4, cq[-1]), np.float32)
+    wants = []
+    for b, (sq, skv) in enumerate(lens):  # the reference of each sequence, BHSD
+        one = dataclasses.replace(spec, layout="bhsd", batch=1, seq_q=max(sq, 1), seq_kv=max(skv, 1))
+        bq, bdo = (x[cq[b]:cq[b + 1]].transpose(1, 0, 2)[None] for x in (q, do))
+        bk, bv = (x[ck[b]:ck[b + 1]].transpose(1, 0, 2)[None] for x in (k, v))
+        bo, bl = reference_attention(one, bq, bk, bv, return_lse=True, seq_index=b, **args, **rargs)
+        o[cq[b]:cq[b + 1]] = bo[0].transpose(1, 0, 2)
+        lse[:, cq[b]:cq[b + 1]] = bl[0]
+        wants.append(reference_attention_backward(one, bq, bk, bv, bdo, seq_index=b, **args, **rargs))
+    got = kern(q, k, v, o, lse, do, cu_seqlens_q=cq, cu_seqlens_k=ck, **args, **kargs)
+    for b, w in enumerate(wants):
+        for name, g, rows in (("dq", got[0], cq), ("dk", got[1], ck), ("dv", got[2], ck)):
+            np.testing.assert_allclose(g[rows[b]:rows[b + 1]].transpose(1, 0, 2), w[name][0], atol=2e-5, rtol=1e-4,
+                                       err_msg=f"{name} of sequence {b}")
+    if spec.sinks:
+        np.testing.assert_allclose(got[3], sum(w["dsinks"] for w in wants), atol=2e-5, rtol=1e-4)
+    bad = ck.copy()
+    bad[2] = bad[3] + 1  # falls: the kernel would read past its keys
+    with pytest.raises(Exception, match="cu_seqlens_k: must be non-decreasing"):
+        kern(q, k, v, o, lse, do, cu_seqlens_q=cq, cu_seqlens_k=bad, **args, **kargs)
