@@ -73,7 +73,7 @@ def test_one_build_per_spec_and_bad_input_is_named():
         attention(q, k.bfloat16(), v)
     with pytest.raises(SpecError, match="sinks must be a tensor of float32 \\(2,\\)"):
         attention(q, k, v, sinks=torch.zeros(3))
-    with pytest.raises(SpecError, match="do not fit BHSD"):
+    with pytest.raises(SpecError, match="do not fit bhsd"):
         attention(q, k, torch.randn(1, 2, 9, 16))
 
 
@@ -175,3 +175,31 @@ def test_bfloat16_values_and_gradients():
         assert got.dtype == (torch.float32 if name == "dsinks" else torch.bfloat16), name
         err = (got.double() - w).abs().max() / w.abs().max()
         assert err < 1e-2, (name, float(err))  # bf16: 2**-8 per rounding
+
+
+def test_varlen_values_and_gradients_per_sequence():
+    """FlashAttention's varlen form: three packed sequences (one with no rows), each equal to
+    torch's float64 autograd of its own attention, sinks' gradient summed over them."""
+    from tvm_attention.torch import attention_varlen
+
+    gen = torch.Generator().manual_seed(12)
+    lens = [(9, 21), (0, 4), (17, 13)]
+    cq, ck = (torch.tensor([0] + list(torch.tensor([x[i] for x in lens]).cumsum(0)), dtype=torch.int32)
+              for i in (0, 1))
+    q = torch.randn(int(cq[-1]), 4, 8, generator=gen, requires_grad=True)
+    k, v = (torch.randn(int(ck[-1]), 2, 8, generator=gen, requires_grad=True) for _ in range(2))
+    sinks = torch.randn(4, generator=gen, requires_grad=True)
+    o = attention_varlen(q, k, v, cq, ck, causal=True, softcap=6.0, sinks=sinks)
+    do = torch.randn(o.shape, generator=gen)
+    grads = torch.autograd.grad(o, [q, k, v, sinks], do)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v, sinks)]
+    outs = []
+    for b in range(len(lens)):
+        qb, kb, vb = (x[c[b]:c[b + 1]].transpose(0, 1)[None] for x, c in zip(leaves[:3], (cq, ck, ck)))
+        outs.append(_eager(qb, kb, vb, causal=True, softcap=6.0, sinks=leaves[3])[0].transpose(0, 1))
+    want = torch.cat(outs)
+    torch.testing.assert_close(o.double(), want, atol=2e-5, rtol=1e-4)
+    for name, got, w in zip(("dq", "dk", "dv", "dsinks"), grads, torch.autograd.grad(want, leaves, do.double())):
+        torch.testing.assert_close(got.double(), w, atol=5e-5, rtol=1e-4, msg=name)
+    with pytest.raises(SpecError, match="both hold batch \\+ 1 offsets"):
+        attention_varlen(q, k, v, cq, ck[:-1])

@@ -33,25 +33,30 @@ def _pair(spec: AttentionSpec):
     return kernel_of(build_kernel(spec, cache=True)), build_backward(spec)
 
 
-def spec_of(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **fields: Any) -> AttentionSpec:
-    """The BHSD spec (``return_lse``) of a call: its head counts, head sizes and dtype, the spec
+def spec_of(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str = "bhsd", **fields: Any) -> AttentionSpec:
+    """The spec (``return_lse``) of a call: its head counts, head sizes and dtype, the spec
     ``fields`` given, and symbolic batch and lengths (:data:`DYNAMIC`; the representative shape
-    is fixed, so one pair serves every shape; the shapes given are checked here)."""
+    is fixed, so one pair serves every shape; the shapes given are checked here). ``layout``:
+    ``bhsd`` (``q (B, H, Sq, D)``, ``k``/``v (B, KH, Skv, D|Dv)``) or ``varlen`` (``q (total_q, H,
+    D)``, ``k``/``v (total_k, KH, D|Dv)``)."""
+    rank, form = (4, "(B, H, S, D)") if layout == "bhsd" else (3, "(total, H, D)")
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            raise SpecError(f"attention: {name} must be a 4-D torch tensor (B, H, S, D), got "
+        if not isinstance(t, torch.Tensor) or t.dim() != rank:
+            raise SpecError(f"attention: {name} must be a {rank}-D torch tensor {form}, got "
                             f"{type(t).__name__} {tuple(getattr(t, 'shape', ()))}")
         if t.dtype not in _DTYPES or t.dtype != q.dtype or t.device.type != "cpu":
             raise SpecError(f"attention: {name} must be a CPU float32 or bfloat16 tensor, q's dtype (the "
                             f"backward's), got {t.dtype} on {t.device}")
-    b, h, sq, d = q.shape
-    if k.shape[0] != b or v.shape[:3] != k.shape[:3] or k.shape[3] != d:
-        raise SpecError(f"attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit BHSD "
-                        "(batch, kv heads and keys shared by k and v; q's and k's head size equal)")
-    dv = v.shape[3]
-    return AttentionSpec(batch=1, heads=h, kv_heads=k.shape[1], seq_q=REPRESENTATIVE_SEQ, seq_kv=REPRESENTATIVE_SEQ,
-                         head_dim=d, head_dim_v=None if dv == d else dv, dtype=_DTYPES[q.dtype], return_lse=True,
-                         dynamic=DYNAMIC, **fields)
+    heads = -3 if layout == "bhsd" else -2  # the heads' axis
+    shared = k.shape[:-1] == v.shape[:-1] and k.shape[-1] == q.shape[-1]
+    if not shared or (layout == "bhsd" and k.shape[0] != q.shape[0]):
+        raise SpecError(f"attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit "
+                        f"{layout} {form} (batch, kv heads and keys shared by k and v; q's and k's head size equal)")
+    d, dv = q.shape[-1], v.shape[-1]
+    return AttentionSpec(batch=1, heads=q.shape[heads], kv_heads=k.shape[heads], seq_q=REPRESENTATIVE_SEQ,
+                         seq_kv=REPRESENTATIVE_SEQ, head_dim=d, head_dim_v=None if dv == d else dv,
+                         dtype=_DTYPES[q.dtype], return_lse=True, layout=layout,
+                         dynamic=() if layout == "varlen" else DYNAMIC, **fields)
 
 
 #: the dims a pair takes at call time: one build per configuration, whatever the batch and lengths
@@ -132,6 +137,50 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     ``score_mod`` is differentiated, ``tvm_attention.modifier_grad``) over ``mod_tensors`` (name ->
     int32/float32 tensor, constants: they take no gradient yet). A row that sees no key outputs
     zeros and takes no gradient."""
+    spec = spec_of(q, k, v, **_fields(causal, window, softcap, scale, alibi_slopes, sinks, kv_start, key_lo, key_hi,
+                                      custom_mask, score_mod, mask_mod, mod_tensors))
+    b, sq, skv = q.shape[0], q.shape[2], k.shape[2]  # the call's (the spec's are symbolic)
+    extra = _extras(spec, b, skv, alibi_slopes, sinks, kv_start, key_lo, key_hi, mod_tensors)
+    if custom_mask is not None:
+        extra.update(_packed(custom_mask, (b, sq, skv)))
+    return _Attention.apply(q, k, v, torch.zeros(0) if sinks is None else sinks, spec, extra)
+
+
+def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                     cu_seqlens_k: torch.Tensor, *, causal: bool = False, window: tuple[int, int] | None = None,
+                     softcap: float | None = None, scale: float | None = None,
+                     alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+                     key_lo: torch.Tensor | None = None, key_hi: torch.Tensor | None = None,
+                     custom_mask: Any = None, score_mod: Any = None, mask_mod: Any = None,
+                     mod_tensors: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+    """FlashAttention's ``flash_attn_varlen_func``, differentiable: ``o (total_q, H, Dv)`` of
+    sequences packed in ``q (total_q, H, D)``, ``k``/``v (total_k, KH, D|Dv)``, sequence ``b``'s
+    rows ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` attending to its keys ``cu_seqlens_k[b]:…``
+    (``(batch + 1,)`` int32; bottom-right causal per sequence). No key is read across sequences,
+    no tile computed there. The variants as :func:`attention`'s (no ``kv_start``: the sequences
+    hold no padding); a custom mask is FlashInfer's packed ``(bits, mask_indptr)`` of each
+    sequence's ``(rows, keys)``; ``key_lo``/``key_hi (batch, positions)``."""
+    spec = spec_of(q, k, v, layout="varlen", **_fields(causal, window, softcap, scale, alibi_slopes, sinks, None,
+                                                       key_lo, key_hi, custom_mask, score_mod, mask_mod, mod_tensors))
+    cq, ck = (_tensor(n, t, (len(t),) if isinstance(t, torch.Tensor) else None, torch.int32)
+              for n, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)))
+    if len(cq) != len(ck) or len(cq) < 1:
+        raise SpecError(f"attention_varlen: cu_seqlens_q {tuple(cq.shape)} and cu_seqlens_k {tuple(ck.shape)} must "
+                        "both hold batch + 1 offsets")
+    extra = {"cu_seqlens_q": cq, "cu_seqlens_k": ck,
+             **_extras(spec, len(cq) - 1, None, alibi_slopes, sinks, None, key_lo, key_hi, mod_tensors)}
+    if custom_mask is not None:
+        if not (isinstance(custom_mask, tuple) and len(custom_mask) == 2):
+            raise SpecError("attention_varlen: custom_mask must be FlashInfer's packed (bits, mask_indptr) of each "
+                            "sequence's (rows, keys) (tvm_attention.masks.pack_mask of a list)")
+        extra.update(_packed(custom_mask, (len(cq) - 1, 0, 0)))
+    return _Attention.apply(q, k, v, torch.zeros(0) if sinks is None else sinks, spec, extra)
+
+
+def _fields(causal, window, softcap, scale, alibi_slopes, sinks, kv_start, key_lo, key_hi, custom_mask, score_mod,
+            mask_mod, mod_tensors) -> dict[str, Any]:
+    """The spec's fields of a call's variant arguments (the modifiers' tensors declared by their
+    dtypes and shapes; a tensor that requires a gradient refused by name)."""
     fields: dict[str, Any] = {"causal": causal, "window": window, "softcap": softcap,
                               "alibi": alibi_slopes is not None, "sinks": sinks is not None,
                               "kv_start": kv_start is not None, "key_bounds": key_lo is not None or key_hi is not None,
@@ -151,9 +200,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         raise SpecError(f"attention: mod_tensors {', '.join(n for n, t in tensors.items() if t.requires_grad)} "
                         "require a gradient; the backward does not compute mod_tensors' gradients yet (pass them "
                         "detached)")
-    spec = spec_of(q, k, v, **fields)
-    h, (b, _, sq, _), skv = spec.heads, q.shape, k.shape[2]  # the call's (the spec's are symbolic)
-    extra: dict[str, torch.Tensor] = {}
+    return fields
+
+
+def _extras(spec: AttentionSpec, b: int, skv: int | None, alibi_slopes, sinks, kv_start, key_lo, key_hi,
+            mod_tensors) -> dict[str, torch.Tensor]:
+    """The variants' call arguments but the custom mask, checked (``b`` sequences; key bounds of
+    ``skv`` positions, any number where None)."""
+    h, extra = spec.heads, {}
     if alibi_slopes is not None:
         extra["alibi_slopes"] = _tensor("alibi_slopes", alibi_slopes, (h,), torch.float32)
     if sinks is not None:
@@ -163,13 +217,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     if spec.key_bounds:
         if key_lo is None or key_hi is None:
             raise SpecError("attention: key bounds take both key_lo and key_hi")
-        extra["key_lo"] = _tensor("key_lo", key_lo, (b, skv), torch.int32)
-        extra["key_hi"] = _tensor("key_hi", key_hi, (b, skv), torch.int32)
-    if custom_mask is not None:
-        extra.update(_packed(custom_mask, (b, sq, skv)))
-    for name, t in tensors.items():
+        for name, t in (("key_lo", key_lo), ("key_hi", key_hi)):
+            extra[name] = _tensor(name, t, (b, skv) if skv is not None else None, torch.int32)
+    for name, t in (mod_tensors or {}).items():
         extra[name] = _tensor(name, t, None, t.dtype if isinstance(t, torch.Tensor) else torch.int32)
-    return _Attention.apply(q, k, v, torch.zeros(0) if sinks is None else sinks, spec, extra)
+    return extra
 
 
 def _packed(mask: Any, shape: tuple[int, int, int]) -> dict[str, torch.Tensor]:
