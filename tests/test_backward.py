@@ -37,15 +37,15 @@ CASES = {  # (batch, heads, kv_heads, seq_q, seq_kv, head_dim, spec keywords)
 
 
 def _mask_args(spec, rng):
-    """The spec's key bounds (row 5 of sequence 0 sees none: lo > hi), custom mask (~70 % of the
+    """The spec's key bounds (rows 0–5 of sequence 0 see none), custom mask (~70 % of the
     pairs), documents of 1–30 keys and a relative bias: the kernel's arguments and the reference's."""
     b, sq, skv = spec.batch, spec.seq_q, spec.seq_kv
     kernel, ref = {}, {}
-    if spec.key_bounds:
-        lo = rng.integers(0, skv // 2, (b, skv)).astype(np.int32)
-        hi = (lo + rng.integers(10, skv, (b, skv))).astype(np.int32)
+    if spec.key_bounds:  # non-decreasing along the positions (the library checks it, as the forward's)
+        lo = np.sort(rng.integers(0, skv // 2, (b, skv)), axis=1).astype(np.int32)
+        hi = np.sort(lo + rng.integers(10, skv, (b, skv)), axis=1).astype(np.int32)
         if sq > 5 and 0 <= skv - sq + 5 < skv:
-            lo[0, skv - sq + 5] = skv  # position of row 5
+            hi[0, :skv - sq + 6] = 0  # rows 0..5 of sequence 0 see no key
         kernel.update(key_lo=lo, key_hi=hi)
         ref.update(key_lo=lo, key_hi=hi)
     if spec.custom_mask:
@@ -76,7 +76,7 @@ def test_gradients_match_the_reference(case):
     if spec.sinks:
         args["sinks"] = rng.standard_normal(h).astype(np.float32)
     if spec.kv_start:
-        args["kv_start"] = np.asarray([0, 45, 2**31 - 1], np.int32)[:b]
+        args["kv_start"] = np.asarray([0, 45, skv], np.int32)[:b]  # the last: past every key
     kargs, rargs = _mask_args(spec, rng) if spec.has_modifiers else ({}, {})
     o, lse = reference_attention(spec, q, k, v, return_lse=True, **args, **rargs)
     got = kern(q, k, v, o.astype(np.float32), lse.astype(np.float32), do, **args, **kargs)
@@ -90,6 +90,10 @@ def test_gradients_match_the_reference(case):
         assert not dq[:, :, :30].any()  # rows that see no key take no gradient
     if spec.key_bounds:
         assert not dq[0, :, 5].any() and np.abs(want["dk"]).max() > 0.1
+    if spec.kv_start:  # the library's own check (int64): a start past the keys is refused by name
+        with pytest.raises(ValueError, match="kv_start: an entry is negative or larger than the sequence's keys"):
+            kern(q, k, v, o.astype(np.float32), lse.astype(np.float32), do,
+                 **dict(args, kv_start=np.asarray([0, 45, 2**31 - 1], np.int32)))
     if spec.custom_mask:  # mask_indptr is checked before the kernel reads a byte (in int64)
         bad = kargs["mask_indptr"].copy()
         bad[1] = 2**31 - 1

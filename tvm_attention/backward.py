@@ -103,7 +103,8 @@ def backward_func(spec: AttentionSpec, knobs: BackwardKnobs | None = None):
 
 #: the backward's template buffers' argument names (the others are named as the arguments)
 _ARG_NAMES = {"Q": "q", "K": "k", "V": "v", "O": "o", "LSE": "lse", "DO": "do", "SL": "alibi_slopes", "SK": "sinks",
-              "KS": "kv_start", "DQ": "dq", "DK": "dk", "DV_": "dv", "DSK": "dsinks"}
+              "KST": "kv_start", "CQ": "cu_seqlens_q", "CK": "cu_seqlens_k", "DQ": "dq", "DK": "dk", "DV_": "dv",
+              "DSK": "dsinks"}
 #: the outputs, in call order
 OUTPUTS = ("dq", "dk", "dv", "dsinks")
 
@@ -186,18 +187,29 @@ def build_backward(spec: AttentionSpec, knobs: BackwardKnobs | None = None, targ
     """Lower, audit and compile the backward of ``spec`` for ``target`` (default: this CPU).
     The audit must find no buffer that grows with the lengths or, probed, holds the score
     matrix's elements (``score_buffers`` S, P)."""
+    import tvm  # the compiler's side
+
     from .audit import audit, list_allocations, probe_spec  # the compiler's side (imports TVM)
-    from .lowering import codegen, lower_final  # the compiler's side (imports TVM)
+    from .layouts import SEQUENCE_DIMS  # the dims a sequence's length names
+    from .lowering import ArgBounds, codegen, lower_final  # the compiler's side (imports TVM)
+    from .spec import MAX_SEQ_LEN  # the longest sequence, as the forward's bounds
+    from .workloads.index_checks import with_index_checks  # the forward library's own checks (imports TVM)
     from .target import resolve_target  # the compiler's side (imports TVM)
 
     knobs = knobs or BackwardKnobs()
     target = resolve_target(target)
     func = backward_func(spec, knobs)
-    lowered = lower_final(func, target)
+    args = _call_args(func)
+    # as the forward's library: it checks its index arrays (cu_seqlens, kv_start, key bounds,
+    # mask_indptr) and every shape in int64 before it reads a byte, for callers without Python
+    why = f"the longest sequence a kernel takes is {MAX_SEQ_LEN} rows or keys"
+    bounds = [ArgBounds(name, {i: MAX_SEQ_LEN for i, d in enumerate(shape) if d in SEQUENCE_DIMS}, why, shape)
+              for name, shape, _ in args]
+    lowered = lower_final(with_index_checks(tvm.IRModule({"main": func}), spec), target, bounds)
     # as the forward's: the same kernel lowered at doubled lengths tells a tile (fixed) from a
     # buffer that grows with them, so that short sequences' tiles are not taken for score matrices
     probe = list_allocations(lower_final(backward_func(probe_spec(spec), knobs), target))
     report = audit(lowered, spec, probe=probe)
     if report.verdict != "fused":
         raise RuntimeError(f"backward: the audit found it not fused: {'; '.join(report.reasons)}")
-    return BackwardKernel(spec, knobs, codegen(lowered), report, _call_args(func))
+    return BackwardKernel(spec, knobs, codegen(lowered), report, args)

@@ -79,7 +79,8 @@ class _VarlenRows:
         self.TQ, self.TK = tirx.Var("total_q", "int32"), tirx.Var("total_k", "int32")
         NB1 = tirx.Var("batch_plus_1", "int32")  # a buffer's shape must be a plain var to be bound
         self.B = NB1 - 1
-        self.CQ, self.CK = (tirx.decl_buffer((NB1,), "int32", n, data_alignment=A) for n in ("cu_seqlens_q", "cu_seqlens_k"))
+        # named as the forward's (CQ, CK): the index checks (index_checks.with_index_checks) find them so
+        self.CQ, self.CK = (tirx.decl_buffer((NB1,), "int32", n, data_alignment=A) for n in ("CQ", "CK"))
         self.params = [self.CQ, self.CK]
         self.qs, self.ks, self.vs = (self.TQ, H, D), (self.TK, KH, D), (self.TK, KH, DV)
         self.os, self.ls = (self.TQ, H, DV), (H, self.TQ)
@@ -318,7 +319,7 @@ def backward_func(spec: AttentionSpec, block_m: int, block_n: int, block_m_dq: i
     @T.prim_func(s_tir=True, check_well_formed=False)
     def attention_backward(Q: T.Buffer(R.qs, dt), K: T.Buffer(R.ks, dt), V: T.Buffer(R.vs, dt), O: T.Buffer(R.os, dt),
                            LSE: T.Buffer(R.ls, f32), DO: T.Buffer(R.os, dt), SL: T.Buffer((H,), f32),
-                           SK: T.Buffer((H,), f32), KS: T.Buffer((R.B,), "int32"), DQ: T.Buffer(R.qs, dt),
+                           SK: T.Buffer((H,), f32), KST: T.Buffer((R.B,), "int32"), DQ: T.Buffer(R.qs, dt),
                            DK: T.Buffer(R.ks, dt), DV_: T.Buffer(R.vs, dt), DSK: T.Buffer((H,), f32)):
         T.func_attr({"global_symbol": "attention_backward", "tirx.noalias": True})
         for task in T.parallel(R.k_tasks):
@@ -358,7 +359,7 @@ def backward_func(spec: AttentionSpec, block_m: int, block_n: int, block_m_dq: i
                                 # no names bound here: a let inside a vectorized loop is taken as one lane's
                                 for c in T.vectorized(BN):
                                     P[r, c] = prob(S[r, c], le[r], c < nj, i0 + r, j0 + c,
-                                                   SL[kh * G + g] if alibi else None, KS[b] if starts else None,
+                                                   SL[kh * G + g] if alibi else None, KST[b] if starts else None,
                                                    b, kh * G + g)
                                 for c in T.vectorized(BN):  # dP becomes dS
                                     dP[r, c] = grad(P[r, c], dP[r, c] - dl[r], S[r, c], i0 + r, j0 + c,
@@ -403,7 +404,7 @@ def backward_func(spec: AttentionSpec, block_m: int, block_n: int, block_m_dq: i
                     for r, c in T.grid(BMQ, BN):
                         dP[r, c] = T.float32(0)
                     row_deltas(DO, O, LSE, SK, dl, le, b, h, i0, ni)
-                    for jt in T.serial(T.max(m.first_key(i0, b), T.min(T.max(KS[b], 0), R.len_k(b)) if starts else 0) // BN,
+                    for jt in T.serial(T.max(m.first_key(i0, b), T.min(T.max(KST[b], 0), R.len_k(b)) if starts else 0) // BN,
                                        (m.last_key(i0 + ni, b) + BN - 1) // BN):
                         j0 = jt * BN
                         nj = T.min(BN, R.len_k(b) - j0)
@@ -413,7 +414,7 @@ def backward_func(spec: AttentionSpec, block_m: int, block_n: int, block_m_dq: i
                         for r in T.serial(ni):
                             for c in T.vectorized(BN):  # dP becomes dS (no names bound: see above)
                                 dP[r, c] = grad(prob(S[r, c], le[r], c < nj, i0 + r, j0 + c, SL[h] if alibi else None,
-                                                     KS[b] if starts else None, b, h),
+                                                     KST[b] if starts else None, b, h),
                                                 dP[r, c] - dl[r], S[r, c], i0 + r, j0 + c, SL[h] if alibi else None, b, h)
                         # dQ += dS·K: UR rows held across the keys (each K row load feeds UR of them);
                         # dS rows past ni hold leftovers (their dQ rows are never stored)
