@@ -107,6 +107,8 @@ _ARG_NAMES = {"Q": "q", "K": "k", "V": "v", "O": "o", "LSE": "lse", "DO": "do", 
               "DSK": "dsinks"}
 #: the outputs, in call order
 OUTPUTS = ("dq", "dk", "dv", "dsinks")
+#: the library's entry function
+ENTRY = "attention_backward"
 
 
 @dataclasses.dataclass
@@ -119,8 +121,10 @@ class BackwardKernel:
     spec: AttentionSpec
     knobs: BackwardKnobs
     module: Any
-    report: Any
+    report: Any  # the audit's report (a loaded artifact: its manifest's verdict)
     args: tuple
+    lowered: Any = None  # the final lowered module (None: loaded from an artifact)
+    target: Any = None
 
     def __call__(self, q, k, v, o, lse, do, **variant_args):
         """``(dq, dk, dv)``, and ``dsinks (H,)`` last with sinks. ``variant_args`` where the spec
@@ -128,7 +132,8 @@ class BackwardKernel:
         int32 (any value: keys before it are hidden), ``key_lo``/``key_hi (B, Skv)`` int32,
         ``custom_mask``/``mask_indptr`` (the packed bits, ``tvm_attention.masks.pack_mask``), the
         modifiers' tensors by name."""
-        import tvm  # a built kernel: TVM is loaded
+        from .loader import ALIGNMENT, aligned_empty  # the runtime's side: no compiler
+        from .runtime import cpu_view  # bf16 arrays through their bits
 
         given = {"q": q, "k": k, "v": v, "o": o, "lse": lse, "do": do, **variant_args}
         takes = {n for n, _, _ in self.args}
@@ -138,7 +143,7 @@ class BackwardKernel:
         arrays, outs, bound = [], [], {}
         for name, shape, dtype in self.args:
             if name in OUTPUTS:
-                outs.append(tvm.runtime.tensor(np.empty(tuple(bound.get(x, x) for x in shape), dtype)))
+                outs.append(aligned_empty(tuple(bound.get(x, x) for x in shape), dtype))
                 continue
             a = given.get(name)
             if a is None:
@@ -149,10 +154,13 @@ class BackwardKernel:
             if a.ndim != len(shape) or a.shape != want or a.dtype != dtype:
                 raise SpecError(f"backward: {name} must be {dtype} {tuple(bound.get(x, x) for x in shape)}, got "
                                 f"{a.dtype} {a.shape}")
-            arrays.append(tvm.runtime.tensor(np.ascontiguousarray(a)))
+            a = np.ascontiguousarray(a)
+            if a.ctypes.data % ALIGNMENT:  # the kernels assume 64-byte-aligned data: a copy that is
+                a = _aligned_copy(a, aligned_empty)
+            arrays.append(a)
         self._check_indices({n: np.asarray(a) for n, a in given.items() if a is not None}, bound)
-        self.module["attention_backward"](*arrays, *outs)
-        return tuple(x.numpy() for x in outs)
+        self.module[ENTRY](*(cpu_view(a) for a in arrays), *(cpu_view(x) for x in outs))
+        return tuple(outs)
 
 
     def _check_indices(self, arrays: dict, bound: dict) -> None:
@@ -166,6 +174,12 @@ class BackwardKernel:
         elif self.spec.custom_mask:
             nb, sq, skv = arrays["q"].shape[0], arrays["q"].shape[2], arrays["k"].shape[2]
             check_custom_mask(arrays, [sq] * nb, [skv] * nb, nb)
+
+
+def _aligned_copy(a: np.ndarray, aligned_empty) -> np.ndarray:
+    out = aligned_empty(a.shape, a.dtype)
+    out[...] = a
+    return out
 
 
 def _call_args(func) -> tuple:
@@ -190,6 +204,7 @@ def build_backward(spec: AttentionSpec, knobs: BackwardKnobs | None = None, targ
     import tvm  # the compiler's side
 
     from .audit import audit, list_allocations, probe_spec  # the compiler's side (imports TVM)
+    from .build import _spec_module  # the forward's self-description (imports TVM)
     from .layouts import SEQUENCE_DIMS  # the dims a sequence's length names
     from .lowering import ArgBounds, codegen, lower_final  # the compiler's side (imports TVM)
     from .spec import MAX_SEQ_LEN  # the longest sequence, as the forward's bounds
@@ -212,4 +227,6 @@ def build_backward(spec: AttentionSpec, knobs: BackwardKnobs | None = None, targ
     report = audit(lowered, spec, probe=probe)
     if report.verdict != "fused":
         raise RuntimeError(f"backward: the audit found it not fused: {'; '.join(report.reasons)}")
-    return BackwardKernel(spec, knobs, codegen(lowered), report, args)
+    module = codegen(lowered)
+    module.import_module(_spec_module(spec, target))  # attention_spec_hash(): an artifact names its spec
+    return BackwardKernel(spec, knobs, module, report, args, lowered, target)

@@ -1,0 +1,175 @@
+"""Exported backward libraries (issue 46): a built backward as an artifact directory that loads
+with TVM's runtime alone, as the forward's do (``docs/serving.md``'s artifact folder).
+
+``export_backward(kernel, out_dir)`` validates the kernel against the float64 reference
+(:func:`validate_backward`) and writes::
+
+    attention_backward.so   the kernel, linked with attention_spec_hash() (the spec it computes)
+    libtvm_runtime.so       TVM's runtime, so that no compiler is needed to load it
+    lowered_ir.py           the final lowered TIR (what the audit read)
+    manifest.json           format "tvm-attention-backward", the spec, knobs, the call's arguments
+                            (name, shape: ints or a dim's name, dtype) in order, outputs last,
+                            the CPU features its code uses, the audit, validation, SHA-256s
+
+``load_backward(out_dir)`` checks the manifest, the files' SHA-256, that this CPU has the
+features (a library built for another would SIGILL), and the library's own spec hash, and
+returns a :class:`~tvm_attention.backward.BackwardKernel`. The library checks its own index
+arrays and shapes (``build_backward``), so C++ callers get the same errors; the call is
+``attention_backward(q, k, v, o, lse, do, <variant arguments>, dq, dk, dv[, dsinks])`` in the
+manifest's order (DLTensors, 64-byte-aligned).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .backward import ENTRY, OUTPUTS, BackwardKernel, BackwardKnobs
+from .loader import ArtifactError, check_cpu_features, check_library_spec, library_digest, load_module
+from .spec import AttentionSpec
+
+FORMAT = "tvm-attention-backward"
+MANIFEST_VERSION = 1
+MANIFEST, LIBRARY, LOWERED = "manifest.json", "attention_backward.so", "lowered_ir.py"
+
+
+def validate_backward(kernel: BackwardKernel, seed: int = 0) -> dict[str, Any]:
+    """The kernel against ``reference_attention_backward`` on seeded inputs at its spec's shape
+    (BHSD; a symbolic spec at its representative shape; varlen: two sequences of the
+    representative lengths and one shorter): ``{"passed", "max_abs_error", "tolerance"}`` per the
+    forward's float32/bf16 tolerances."""
+    from .reference import reference_attention, reference_attention_backward  # float64, NumPy only
+
+    spec, rng = kernel.spec, np.random.default_rng(seed)
+    dt = spec.np_dtype
+    lens = [(spec.seq_q, spec.seq_kv)] * (spec.batch if spec.layout == "bhsd" else 2) \
+        + ([(max(spec.seq_q // 3, 1), max(spec.seq_kv // 2, 1))] if spec.layout == "varlen" else [])
+    args = {n: rng.standard_normal(spec.heads).astype(np.float32) for n, on in
+            (("alibi_slopes", spec.alibi), ("sinks", spec.sinks)) if on}
+    if spec.alibi:
+        args["alibi_slopes"] = np.abs(args["alibi_slopes"]) * 0.1
+    one = AttentionSpec.from_dict({**spec.to_dict(), "layout": "bhsd", "batch": 1, "dynamic": []})
+    errs, per = 0.0, []
+    for sq, skv in lens:  # one sequence at a time: BHSD batch 1
+        q, do = (rng.standard_normal((1, spec.heads, sq, d)).astype(dt) for d in (spec.head_dim, spec.v_dim))
+        k, v = (rng.standard_normal((1, spec.kv_heads, skv, d)).astype(dt) for d in (spec.head_dim, spec.v_dim))
+        o, lse = reference_attention(one, q, k, v, return_lse=True, **args)
+        per.append((q, k, v, o.astype(dt), lse.astype(np.float32), do,
+                    reference_attention_backward(one, q, k, v, do, **args)))
+    got = _run(kernel, per, args, lens)
+    pairs = [(g, want[name]) for (*_, want), grads in zip(per, got) for name, g in zip(OUTPUTS[:3], grads)]
+    if spec.sinks:  # one dsinks for the whole call: the sequences' sum
+        pairs.append((got[0][3], sum(p[-1]["dsinks"] for p in per)))
+    for g, w in pairs:
+        scale = max(float(np.abs(w).max()), 1.0)
+        errs = max(errs, float(np.abs(g.astype(np.float64) - w).max()) / scale)
+    tol = 1e-2 if spec.dtype == "bfloat16" else 1e-4
+    return {"passed": bool(errs <= tol), "max_rel_error": errs, "tolerance": tol, "seed": seed,
+            "shapes": [list(x) for x in lens]}
+
+
+def _run(kernel: BackwardKernel, per: list, args: dict, lens: list) -> list:
+    """The kernel's gradients of each sequence in ``per`` (BHSD batch 1 inputs), by the kernel's
+    layout: a BHSD batch, or varlen's packed rows."""
+    if kernel.spec.layout == "bhsd":
+        cat = [np.concatenate([p[i] for p in per]) for i in range(6)]
+        out = kernel(*cat, **args)
+        return [[g[b:b + 1] for g in out[:3]] + list(out[3:]) for b in range(len(per))]
+    pack = [np.concatenate([p[i][0].transpose(1, 0, 2) for p in per]) for i in (0, 1, 2, 3, 5)]
+    lse = np.concatenate([p[4][0] for p in per], axis=1)
+    cq, ck = (np.concatenate([[0], np.cumsum([x[i] for x in lens])]).astype(np.int32) for i in (0, 1))
+    out = kernel(pack[0], pack[1], pack[2], pack[3], lse, pack[4], cu_seqlens_q=cq, cu_seqlens_k=ck, **args)
+    return [[g[c[b]:c[b + 1]].transpose(1, 0, 2)[None] for g, c in zip(out[:3], (cq, ck, ck))] + list(out[3:])
+            for b in range(len(per))]
+
+
+def export_backward(kernel: BackwardKernel, out_dir: str | os.PathLike) -> dict[str, Any]:
+    """Validate ``kernel`` and write its artifact directory (the module docstring); returns the
+    manifest. A failed validation exports nothing (:class:`ArtifactError`). ``out_dir`` is
+    replaced atomically, and only if it holds nothing but artifact files."""
+    from .artifact import _swap_into_place  # the forward's atomic replace
+    from .runtime import compiler_runtime_paths  # the installed apache-tvm's runtime
+    from .target import cpu_features  # the compiler's side
+
+    if kernel.lowered is None:
+        raise ArtifactError("export_backward: this kernel was loaded from an artifact; export the build")
+    validation = validate_backward(kernel)
+    if not validation["passed"]:
+        raise ArtifactError(f"export_backward: {kernel.spec.short_name()} failed validation, not exported: "
+                            f"max relative error {validation['max_rel_error']:.3g} > {validation['tolerance']}")
+    out = Path(out_dir)
+    if out.exists():
+        foreign = sorted(p.name for p in out.iterdir()) if out.is_dir() else [out.name]
+        foreign = [n for n in foreign if n not in (MANIFEST, LIBRARY, LOWERED) and not n.startswith("libtvm")]
+        if foreign:
+            raise ArtifactError(f"{out}: holds files that are not part of a backward artifact ({', '.join(foreign[:5])})")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        kernel.module.export_library(str(tmp / LIBRARY))
+        runtime = []
+        for path in compiler_runtime_paths():
+            shutil.copy2(path, tmp / path.name)
+            runtime.append({"file": path.name, "sha256": library_digest(tmp / path.name)})
+        (tmp / LOWERED).write_text(kernel.lowered.script())
+        target = kernel.target
+        manifest = {
+            "format": FORMAT, "manifest_version": MANIFEST_VERSION, "entry": ENTRY, "library": LIBRARY,
+            "spec": kernel.spec.to_dict(), "spec_hash": kernel.spec.fingerprint(),
+            "knobs": {f: getattr(kernel.knobs, f) for f in ("block_m", "block_n", "block_m_dq")},
+            "args": [{"name": n, "shape": list(s), "dtype": str(d), "output": n in OUTPUTS} for n, s, d in kernel.args],
+            "target": {"kind": target.kind.name, "mcpu": str(target.attrs.get("mcpu", ""))},
+            "cpu_features": cpu_features(target), "audit": kernel.report.verdict, "validation": validation,
+            "library_sha256": library_digest(tmp / LIBRARY), "runtime_libraries": runtime,
+        }
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
+        _swap_into_place(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return manifest
+
+
+def load_backward(directory: str | os.PathLike) -> BackwardKernel:
+    """The backward of an artifact directory :func:`export_backward` wrote, with TVM's runtime
+    alone (no compiler); :class:`ArtifactError` naming what is wrong: not a backward manifest,
+    a file missing or changed, CPU features this host lacks, a manifest whose spec the library
+    was not built from."""
+    path = Path(directory) / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ArtifactError(f"{path}: no manifest (is {directory} a backward artifact directory?)") from None
+    except json.JSONDecodeError as e:
+        raise ArtifactError(f"{path}: not valid JSON: {e}") from None
+    if manifest.get("format") != FORMAT or manifest.get("manifest_version") != MANIFEST_VERSION:
+        raise ArtifactError(f"{path}: not a backward artifact (format {manifest.get('format')!r}, version "
+                            f"{manifest.get('manifest_version')!r}; expected {FORMAT!r} {MANIFEST_VERSION})")
+    lib = Path(directory) / LIBRARY
+    for name, digest in [(LIBRARY, manifest["library_sha256"])] + [(r["file"], r["sha256"])
+                                                                     for r in manifest["runtime_libraries"]]:
+        f = Path(directory) / name
+        if Path(name).name != name or not f.is_file():
+            raise ArtifactError(f"{f}: missing (the manifest names it)")
+        if library_digest(f) != digest:
+            raise ArtifactError(f"{f}: SHA-256 does not match the manifest's")
+    check_cpu_features(directory, manifest)
+    module = load_module(directory, manifest, lib)
+    check_library_spec(directory, module, manifest)
+    spec = AttentionSpec.from_dict(manifest["spec"])
+    args = tuple((a["name"], tuple(a["shape"]), _dtype(a["dtype"])) for a in manifest["args"])
+    return BackwardKernel(spec, BackwardKnobs(**manifest["knobs"]), module, manifest["audit"], args)
+
+
+def _dtype(name: str) -> np.dtype:
+    if name == "bfloat16":
+        import ml_dtypes  # what NumPy's bf16 arrays are
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
