@@ -122,8 +122,8 @@ def test_the_audit_fails_a_tile_that_grows_with_the_lengths(monkeypatch):
     from tvm_attention import backward
 
     real = backward.backward_func
-    monkeypatch.setattr(backward, "backward_func", lambda spec, knobs=None: real(
-        spec, BackwardKnobs(block_m=spec.seq_q, block_n=spec.seq_kv)))
+    monkeypatch.setattr(backward, "backward_func", lambda spec, knobs=None, wrt=(): real(
+        spec, BackwardKnobs(block_m=spec.seq_q, block_n=spec.seq_kv), wrt))
     with pytest.raises(RuntimeError, match="not fused.*S .*grows with the sequence length"):
         build_backward(AttentionSpec(batch=1, heads=1, seq_q=24, seq_kv=40, head_dim=16))
 
@@ -273,3 +273,39 @@ def test_varlen_gradients_match_the_reference_per_sequence(kw):
     bad[2] = bad[3] + 1  # falls: the kernel would read past its keys
     with pytest.raises(Exception, match="cu_seqlens_k: must be non-decreasing"):
         kern(q, k, v, o, lse, do, cu_seqlens_q=cq, cu_seqlens_k=bad, **args, **kargs)
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "varlen"])
+def test_a_learned_bias_takes_its_gradient(layout):
+    """``grad_tensors``: a float tensor read twice by score_mod (a relative bias, a per-head
+    temperature from its column 0) gets its gradient (each query head's share summed), against
+    the float64 reference; BHSD with GQA and a window, varlen per sequence."""
+    bias_mod = dict(mod_tensors=(("bias", "float32", ("heads", 96)),), window=(30, 2),
+                    score_mod="lambda s, b, h, q, kv: s * (1 + 0.1 * bias[h, 0]) + tanh(bias[h, q - kv + 40])")
+    rng = np.random.default_rng(13)
+    bias = rng.standard_normal((4, 96)).astype(np.float32)
+    lens = [(37, 50)] * 2 if layout == "bhsd" else [(37, 50), (9, 4)]
+    spec = AttentionSpec(layout=layout, batch=len(lens), heads=4, kv_heads=2, seq_q=37, seq_kv=50, head_dim=16,
+                         **bias_mod)
+    kern = build_backward(spec, grad_tensors=("bias",))
+    assert kern.report.verdict == "fused"
+    one = dataclasses.replace(spec, layout="bhsd", batch=1)
+    seqs = []
+    for b, (sq, skv) in enumerate(lens):
+        q, do = (rng.standard_normal((1, 4, sq, 16)).astype(np.float32) for _ in range(2))
+        k, v = (rng.standard_normal((1, 2, skv, 16)).astype(np.float32) for _ in range(2))
+        o, lse = reference_attention(dataclasses.replace(one, seq_q=sq, seq_kv=skv), q, k, v, return_lse=True,
+                                     mod_tensors={"bias": bias})
+        want = reference_attention_backward(dataclasses.replace(one, seq_q=sq, seq_kv=skv), q, k, v, do,
+                                            grad_tensors=("bias",), mod_tensors={"bias": bias})
+        seqs.append((q, k, v, o.astype(np.float32), lse.astype(np.float32), do, want))
+    if layout == "bhsd":
+        got = kern(*(np.concatenate([x[i] for x in seqs]) for i in range(6)), bias=bias)
+    else:
+        packed = [np.concatenate([x[i][0].transpose(1, 0, 2) for x in seqs]) for i in (0, 1, 2, 3, 5)]
+        cq, ck = (np.asarray([0, lens[0][i], lens[0][i] + lens[1][i]], np.int32) for i in (0, 1))
+        got = kern(packed[0], packed[1], packed[2], packed[3], np.concatenate([x[4][0] for x in seqs], axis=1),
+                   packed[4], cu_seqlens_q=cq, cu_seqlens_k=ck, bias=bias)
+    assert got[3].shape == bias.shape
+    np.testing.assert_allclose(got[3], sum(x[6]["d_bias"] for x in seqs), atol=5e-5, rtol=1e-4)
+    assert np.abs(got[3][:, 0]).min() > 0

@@ -138,3 +138,27 @@ def test_a_step_in_score_mod_is_refused_by_name(body, word):
     fine = AttentionSpec(batch=1, heads=2, seq_q=3, seq_kv=3, head_dim=4,
                          score_mod="lambda s, b, h, q, kv: s + floor((q - kv) / 2) + (q // 2) % 2")
     assert np.isfinite(reference_attention_backward(fine, *(np.ones((1, 2, 3, 4)),) * 4)["dq"]).all()
+
+
+def test_a_learned_bias_takes_its_gradient():
+    """A float tensor read twice by score_mod (a relative bias and a per-head temperature from its
+    column 0): ``grad_tensors`` gives its gradient, against central differences; int tensors and
+    a mask's tensors are refused by name."""
+    spec = AttentionSpec(batch=B, heads=H, kv_heads=KH, seq_q=SQ, seq_kv=SKV, head_dim=D, causal=True,
+                         mod_tensors=(("bias", "float32", ("heads", 20)),),
+                         score_mod="lambda s, b, h, q, kv: s * (1 + bias[h, 0]) + tanh(bias[h, q - kv + 10])")
+    q, k, v, do, _ = _inputs(spec, seed=2)
+    bias = np.random.default_rng(3).standard_normal((H, 20))
+    got = reference_attention_backward(spec, q, k, v, do, grad_tensors=("bias",), mod_tensors={"bias": bias})
+    eps, want = 1e-6, np.zeros_like(bias)
+    for idx in np.ndindex(bias.shape):
+        hi, lo = bias.copy(), bias.copy()
+        hi[idx] += eps
+        lo[idx] -= eps
+        want[idx] = ((reference_attention(spec, q, k, v, mod_tensors={"bias": hi}) * do).sum()
+                     - (reference_attention(spec, q, k, v, mod_tensors={"bias": lo}) * do).sum()) / (2 * eps)
+    np.testing.assert_allclose(got["d_bias"], want, atol=1e-7, rtol=1e-6)
+    # column 0 read twice; causal: 0 <= q - kv <= 6, columns 10..16
+    assert np.abs(want[:, 0]).min() > 0 and not want[:, 17:].any() and not want[:, 1:10].any()
+    with pytest.raises(ValueError, match="'doc' is not a float32 tensor of the spec's score_mod"):
+        reference_attention_backward(spec, q, k, v, do, grad_tensors=("doc",), mod_tensors={"bias": bias})

@@ -154,8 +154,19 @@ def test_score_mod_is_differentiated():
     torch.testing.assert_close(o.double(), want, atol=2e-5, rtol=1e-4)
     for name, got, w in zip(("dq", "dk", "dv"), grads, torch.autograd.grad(want, leaves, do.double())):
         torch.testing.assert_close(got.double(), w, atol=5e-5, rtol=1e-4, msg=name)
-    with pytest.raises(SpecError, match="mod_tensors bias require a gradient"):
-        attention(q, k, v, score_mod=mod, mod_tensors={"bias": bias.requires_grad_()})
+    # a learned bias: its gradient too, against the same autograd
+    lbias = bias.clone().requires_grad_()
+    o = attention(q, k, v, causal=True, score_mod=mod, mod_tensors={"bias": lbias})
+    dbias, = torch.autograd.grad(o, [lbias], do)
+    wb = bias.double().requires_grad_()
+    s = qq @ kk.transpose(-1, -2) / 8 ** 0.5
+    s = 8 * torch.tanh(s / 8) + wb[:, (pos - key + 32).clamp(0, 63)][None]
+    s = s.masked_fill((key % 5 == 0) | (key > pos), float("-inf"))
+    wdbias, = torch.autograd.grad(torch.softmax(s, -1) @ vv, [wb], do.double())
+    torch.testing.assert_close(dbias.double(), wdbias, atol=5e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="'keep' is not a float32 tensor of the spec's score_mod"):
+        attention(q, k, v, mask_mod="lambda b, h, q, kv: keep[b, kv] != 0",
+                  mod_tensors={"keep": torch.ones(1, 27, dtype=torch.float32, requires_grad=True)})
 
 
 def test_bfloat16_values_and_gradients():

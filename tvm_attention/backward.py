@@ -91,14 +91,17 @@ def check_spec(spec: AttentionSpec) -> None:
             score_derivative(spec.score_mod, tensors)(np.zeros(2), 0, 0, np.arange(2), np.arange(2))
 
 
-def backward_func(spec: AttentionSpec, knobs: BackwardKnobs | None = None):
+def backward_func(spec: AttentionSpec, knobs: BackwardKnobs | None = None, grad_tensors: tuple[str, ...] = ()):
     """The PrimFunc of ``spec``'s backward with ``knobs`` (``workloads.backward.backward_func``:
-    its parameters, in call order, and their layouts)."""
+    its parameters, in call order, and their layouts); ``grad_tensors``: float32 tensors of the
+    spec's ``score_mod`` whose gradients it computes too."""
+    from .reference import _check_grad_tensors  # the oracle's rule: NumPy only
     from .workloads.backward import backward_func as tir  # the compiler's side (imports TVM)
 
     check_spec(spec)
+    _check_grad_tensors(spec, grad_tensors)
     kn = knobs or BackwardKnobs()
-    return tir(spec, kn.block_m, kn.block_n, kn.block_m_dq, PRODUCT_ROWS)
+    return tir(spec, kn.block_m, kn.block_n, kn.block_m_dq, PRODUCT_ROWS, tuple(grad_tensors))
 
 
 #: the backward's template buffers' argument names (the others are named as the arguments)
@@ -109,6 +112,9 @@ _ARG_NAMES = {"Q": "q", "K": "k", "V": "v", "O": "o", "LSE": "lse", "DO": "do", 
 OUTPUTS = ("dq", "dk", "dv", "dsinks")
 #: the library's entry function
 ENTRY = "attention_backward"
+#: the suffix of a differentiated tensor's output, ``d_<name>_partials (H, elements)``: each query
+#: head's share, summed by the caller (the kernel call sums them: ``d_<name>`` of the tensor's shape)
+PARTIALS = "_partials"
 
 
 @dataclasses.dataclass
@@ -145,6 +151,9 @@ class BackwardKernel:
             if name in OUTPUTS:
                 outs.append(aligned_empty(tuple(bound.get(x, x) for x in shape), dtype))
                 continue
+            if name.endswith(PARTIALS):  # (H, the tensor's elements): each query head's share
+                outs.append(aligned_empty((shape[0], np.asarray(given[name[2:-len(PARTIALS)]]).size), dtype))
+                continue
             a = given.get(name)
             if a is None:
                 raise SpecError(f"backward: missing {name} ({dtype} {shape})")
@@ -160,7 +169,12 @@ class BackwardKernel:
             arrays.append(a)
         self._check_indices({n: np.asarray(a) for n, a in given.items() if a is not None}, bound)
         self.module[ENTRY](*(cpu_view(a) for a in arrays), *(cpu_view(x) for x in outs))
-        return tuple(outs)
+        fixed = [x for (n, _, _), x in zip((a for a in self.args if a[0] in OUTPUTS or a[0].endswith(PARTIALS)), outs)
+                 if not n.endswith(PARTIALS)]
+        tensor_grads = [x.sum(axis=0).reshape(np.shape(given[n[2:-len(PARTIALS)]]))
+                        for (n, _, _), x in zip((a for a in self.args if a[0] in OUTPUTS or a[0].endswith(PARTIALS)),
+                                                outs) if n.endswith(PARTIALS)]
+        return tuple(fixed + tensor_grads)
 
 
     def _check_indices(self, arrays: dict, bound: dict) -> None:
@@ -197,7 +211,8 @@ def _call_args(func) -> tuple:
                  for p in func.params)
 
 
-def build_backward(spec: AttentionSpec, knobs: BackwardKnobs | None = None, target: Any = "llvm") -> BackwardKernel:
+def build_backward(spec: AttentionSpec, knobs: BackwardKnobs | None = None, target: Any = "llvm",
+                   grad_tensors: tuple[str, ...] = ()) -> BackwardKernel:
     """Lower, audit and compile the backward of ``spec`` for ``target`` (default: this CPU).
     The audit must find no buffer that grows with the lengths or, probed, holds the score
     matrix's elements (``score_buffers`` S, P)."""
@@ -213,7 +228,7 @@ def build_backward(spec: AttentionSpec, knobs: BackwardKnobs | None = None, targ
 
     knobs = knobs or BackwardKnobs()
     target = resolve_target(target)
-    func = backward_func(spec, knobs)
+    func = backward_func(spec, knobs, grad_tensors)
     args = _call_args(func)
     # as the forward's library: it checks its index arrays (cu_seqlens, kv_start, key bounds,
     # mask_indptr) and every shape in int64 before it reads a byte, for callers without Python
@@ -223,7 +238,7 @@ def build_backward(spec: AttentionSpec, knobs: BackwardKnobs | None = None, targ
     lowered = lower_final(with_index_checks(tvm.IRModule({"main": func}), spec), target, bounds)
     # as the forward's: the same kernel lowered at doubled lengths tells a tile (fixed) from a
     # buffer that grows with them, so that short sequences' tiles are not taken for score matrices
-    probe = list_allocations(lower_final(backward_func(probe_spec(spec), knobs), target))
+    probe = list_allocations(lower_final(backward_func(probe_spec(spec), knobs, grad_tensors), target))
     report = audit(lowered, spec, probe=probe)
     if report.verdict != "fused":
         raise RuntimeError(f"backward: the audit found it not fused: {'; '.join(report.reasons)}")

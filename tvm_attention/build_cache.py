@@ -87,6 +87,7 @@ GENERATOR_MODULES = (
     "tvm_attention.hostcpu",
     "tvm_attention.task_mods",
     "tvm_attention.modifiers",
+    "tvm_attention.modifier_grad",
     "tvm_attention.quant",
     "tvm_attention.masks",
     "tvm_attention.reference",

@@ -19,22 +19,24 @@ comparisons, ``and or not``            booleans: no derivative
 a tensor indexed by the score          refused by name
 =====================================  ============================================
 
-A derivative is a literal ``0`` until the score reaches it, so what does not depend on the score
-costs nothing. The modifier's value is recomputed alongside (``(value, derivative)`` returned).
+Derivatives are forward-mode over several seeds at once: the score, and (``wrt``) each read of a
+float tensor that takes a gradient (a learned bias); a seed a value does not depend on is absent
+from its derivatives, so it costs nothing. The modifier's value is recomputed alongside.
 """
 from __future__ import annotations
 
 import functools
 from typing import Any, Callable
 
+import numpy as np
+
 from . import modifiers as M
 from .errors import SpecError
 
-_ZERO = 0  # a derivative that does not depend on the score (folds away)
-
-
 class Dual:
-    """A value and its derivative by the score: NumPy arrays, TIR expressions or numbers."""
+    """A value and its derivatives: ``d`` maps each seed (``"score"``, or a tensor read site
+    ``(name, k)``) to the derivative by it (NumPy arrays, TIR expressions or numbers); a seed
+    absent from ``d`` is a zero derivative, so what does not depend on a seed costs nothing."""
 
     __slots__ = ("v", "d")
 
@@ -56,7 +58,7 @@ class Dual:
 
     def __mul__(self, o):
         o = _lift(o)
-        return Dual(self.v * o.v, _sum(_mul(self.d, o.v), _mul(self.v, o.d)))
+        return Dual(self.v * o.v, _sum(_scale(self.d, o.v), _scale(o.d, self.v)))
 
     __rmul__ = __mul__
 
@@ -92,11 +94,7 @@ class Dual:
 
 
 def _lift(x) -> Dual:
-    return x if isinstance(x, Dual) else Dual(x, _ZERO)
-
-
-def _is_zero(d) -> bool:
-    return isinstance(d, int) and not isinstance(d, bool) and d == 0
+    return x if isinstance(x, Dual) else Dual(x, {})
 
 
 def _typed(a, b):
@@ -104,22 +102,30 @@ def _typed(a, b):
     return M._promote(a, b) if M._is_tir(a, b) else (a, b)
 
 
-def _sum(a, b):
-    if _is_zero(a) or _is_zero(b):
-        return b if _is_zero(a) else a
+def _add(a, b):
     a, b = _typed(a, b)
     return a + b
 
 
-def _neg(a):
-    return a if _is_zero(a) else -a
-
-
-def _mul(a, b):  # a derivative times a value (either side)
-    if _is_zero(a) or _is_zero(b):
-        return _ZERO
+def _times(a, b):
     a, b = _typed(a, b)
     return a * b
+
+
+def _sum(a: dict, b: dict) -> dict:
+    return {k: _add(a[k], b[k]) if k in a and k in b else a.get(k, b.get(k)) for k in {**a, **b}}
+
+
+def _neg(a: dict) -> dict:
+    return {k: -x for k, x in a.items()}
+
+
+def _scale(a: dict, v) -> dict:  # every derivative times a value
+    return {k: _times(x, v) for k, x in a.items()}
+
+
+def _where(c, a: dict, b: dict) -> dict:
+    return {k: M.where(c, a.get(k, 0.0), b.get(k, 0.0)) for k in {**a, **b}}
 
 
 def _value(x):
@@ -134,7 +140,7 @@ def _refuse(word: str) -> Callable:
 
     @functools.wraps(base)
     def fn(*args):
-        if any(isinstance(a, Dual) and not _is_zero(a.d) for a in args):
+        if any(isinstance(a, Dual) and a.d for a in args):
             raise SpecError(f"score_mod's derivative: {name} of the score is a step (its derivative is 0 or "
                             "undefined); the backward refuses it: write the modifier without it")
         return base(*(_value(a) for a in args))
@@ -144,27 +150,22 @@ def _refuse(word: str) -> Callable:
 def _truediv(a, b):
     a, b = _lift(a), _lift(b)
     v = M._truediv(a.v, b.v)
-    d = _sum(M._truediv(a.d, b.v) if not _is_zero(a.d) else _ZERO,
-             _neg(M._truediv(_mul(b.d, v), b.v)) if not _is_zero(b.d) else _ZERO)
+    # (a / b)' = a' / b − b'·v / b
+    d = _sum({k: M._truediv(x, b.v) for k, x in a.d.items()}, _neg({k: M._truediv(_times(x, v), b.v)
+                                                                   for k, x in b.d.items()}))
     return Dual(v, d)
 
 
-def _where(c, a, b):
+def _choose(c, a, b):
     a, b = _lift(a), _lift(b)
     c = _value(c)
-    v = M.where(c, a.v, b.v)
-    if _is_zero(a.d) and _is_zero(b.d):
-        return Dual(v, _ZERO)
-    return Dual(v, M.where(c, 0.0 if _is_zero(a.d) else a.d, 0.0 if _is_zero(b.d) else b.d))
+    return Dual(M.where(c, a.v, b.v), _where(c, a.d, b.d))
 
 
 def _chooser(base: Callable, first_wins: Callable) -> Callable:
     def fn(a, b):
         a, b = _lift(a), _lift(b)
-        v = base(a.v, b.v)
-        if _is_zero(a.d) and _is_zero(b.d):
-            return Dual(v, _ZERO)
-        return Dual(v, M.where(first_wins(a.v, b.v), 0.0 if _is_zero(a.d) else a.d, 0.0 if _is_zero(b.d) else b.d))
+        return Dual(base(a.v, b.v), _where(first_wins(a.v, b.v), a.d, b.d))
     return fn
 
 
@@ -174,7 +175,7 @@ def _unary(base: Callable, rule: Callable) -> Callable:
         if not isinstance(x, Dual):
             return base(x)
         y = base(x.v)
-        return Dual(y, _ZERO if _is_zero(x.d) else _mul(rule(x.v, y), x.d))
+        return Dual(y, _scale(x.d, rule(x.v, y)) if x.d else {})
     return fn
 
 
@@ -183,7 +184,7 @@ _maximum = _chooser(M.maximum, lambda a, b: a >= b)
 
 #: the vocabulary's words over duals (the module's table)
 WORDS: dict[str, Callable] = {
-    "where": _where, "_where": _where, "min": _minimum, "minimum": _minimum, "max": _maximum, "maximum": _maximum,
+    "where": _choose, "_where": _choose, "min": _minimum, "minimum": _minimum, "max": _maximum, "maximum": _maximum,
     "abs": _unary(M.abs, lambda x, y: M.where(x < 0, -1.0, 1.0)),
     "exp": _unary(M.exp, lambda x, y: y),
     "log": _unary(M.log, lambda x, y: M._truediv(1.0, x)),
@@ -198,28 +199,54 @@ WORDS: dict[str, Callable] = {
 
 
 class _Tensor(M.Tensor):
-    """A modifier's tensor over duals: indexed by the score, refused."""
+    """A modifier's tensor over duals: indexed by the score, refused; with ``sites`` (a list),
+    each read is a seed of its own, ``(name, k)``, whose clamped index ``sites`` records."""
+
+    def __init__(self, name: str, data, sites: list | None = None):
+        super().__init__(name, data)
+        self.sites = sites
 
     def __getitem__(self, idx):
         idx = idx if isinstance(idx, tuple) else (idx,)
-        if any(isinstance(i, Dual) and not _is_zero(i.d) for i in idx):
+        if any(isinstance(i, Dual) and i.d for i in idx):
             raise SpecError(f"score_mod's derivative: tensor {self.name!r} is indexed by the score; the backward "
                             "refuses it")
-        return super().__getitem__(tuple(_value(i) for i in idx))
+        idx = tuple(_value(i) for i in idx)
+        v = super().__getitem__(idx)
+        if self.sites is None:
+            return v
+        seed = (self.name, len(self.sites))
+        self.sites.append((seed, _clamped(idx, self.shape)))
+        return Dual(v, {seed: 1.0})
 
 
-def score_derivative(text: str, tensors: dict[str, Any]) -> Callable:
-    """``fn(score, b, h, q_idx, kv_idx) -> (value, d value / d score)`` of the ``score_mod``
+def _clamped(idx: tuple, shape: tuple) -> tuple:
+    """The element a read takes (``modifiers.Tensor`` clamps every index into the extent)."""
+    if M._is_tir(*idx) or not all(isinstance(n, int) for n in shape):
+        tirx = M._tir()
+        return tuple(tirx.max(tirx.const(0, "int32"), tirx.min(M._expr(i) if not isinstance(i, int)
+                                                                else tirx.const(i, "int32"), n - 1))
+                     for i, n in zip(idx, shape))
+    return tuple(np.clip(np.asarray(i), 0, n - 1) for i, n in zip(idx, shape))
+
+
+def score_derivative(text: str, tensors: dict[str, Any], wrt: tuple[str, ...] = ()) -> Callable:
+    """``fn(score, b, h, q_idx, kv_idx) -> (value, d value / d score, reads)`` of the ``score_mod``
     source ``text`` over ``tensors`` (name -> NumPy array or TIR buffer): NumPy arrays or TIR
     expressions, as :func:`tvm_attention.modifiers.instantiate`'s. The derivative is a number, an
-    array or an expression (0 where the result does not depend on the score). A word whose
-    derivative is a step (the module's table) raises :class:`SpecError` naming it."""
+    array or an expression (0 where the result does not depend on the score). ``reads``: for each
+    read of a tensor named in ``wrt``, ``(name, index, d value / d read)`` (the index clamped as
+    the read takes it). A word whose derivative is a step (the module's table) raises
+    :class:`SpecError` naming it."""
     scope = {**M.VOCABULARY, **M._HIDDEN, **WORDS, **M._CONSTANTS, "__builtins__": {}}
-    scope.update({n: _Tensor(n, t) for n, t in tensors.items()})
+    sites: list = []
+    scope.update({n: _Tensor(n, t, sites if n in wrt else None) for n, t in tensors.items()})
     exec(M._code(text, "score_mod"), scope)  # noqa: S102 (the spec's own modifier, checked by check_source)
     fn = scope["_mod"]
 
     def call(score, b, h, q_idx, kv_idx):
-        out = _lift(fn(Dual(score, 1.0), b, h, q_idx, kv_idx))
-        return M._expr(out.v), M._expr(out.d) if not isinstance(out.d, int) or isinstance(out.d, bool) else out.d
+        sites.clear()
+        out = _lift(fn(Dual(score, {"score": 1.0}), b, h, q_idx, kv_idx))
+        reads = [(seed[0], idx, M._expr(out.d.get(seed, 0.0))) for seed, idx in sites]
+        return M._expr(out.v), M._expr(out.d.get("score", 0)), reads
     return call

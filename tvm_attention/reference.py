@@ -101,10 +101,7 @@ def reference_attention(
         fn = instantiate(spec.score_mod, "score_mod", tensors)
         with np.errstate(all="ignore"):
             if _parts is not None:  # the backward's chain rule: d score_mod / d score at each score
-                from .modifier_grad import score_derivative  # only the backward needs it
-
-                d = score_derivative(spec.score_mod, tensors)(s, b_idx, h_idx, p_idx, j_idx)[1]
-                _parts["mod_grad"] = np.broadcast_to(np.asarray(d, np.float64), s.shape)
+                _score_mod_derivatives(spec, tensors, s, (b_idx, h_idx, p_idx, j_idx), _parts)
             s = np.broadcast_to(np.asarray(fn(s, b_idx, h_idx, p_idx, j_idx), np.float64), s.shape)
     if spec.kv_start:
         start = np.asarray(_required(kv_start, "kv_start"), np.int64).reshape(-1, 1, 1, 1)
@@ -168,6 +165,16 @@ def reference_attention(
     return o, lse
 
 
+def _score_mod_derivatives(spec: AttentionSpec, tensors: dict, s: np.ndarray, at: tuple, parts: dict) -> None:
+    """``parts["mod_grad"]``: d score_mod / d score at each score ``s``; ``parts["mod_reads"]``:
+    (tensor, clamped index, d score_mod / d read) of each read of a tensor in ``parts["wrt"]``."""
+    from .modifier_grad import score_derivative  # only the backward needs it
+
+    _, d, reads = score_derivative(spec.score_mod, tensors, parts.get("wrt", ()))(s, *at)
+    parts["mod_grad"] = np.broadcast_to(np.asarray(d, np.float64), s.shape)
+    parts["mod_reads"] = reads
+
+
 def _required(x, name: str):
     if x is None:
         raise ValueError(f"the spec takes {name}: pass it")
@@ -200,7 +207,7 @@ def random_inputs(spec: AttentionSpec, seed: int = 0) -> tuple[np.ndarray, np.nd
 
 
 def reference_attention_backward(spec: AttentionSpec, q: np.ndarray, k: np.ndarray, v: np.ndarray, do: np.ndarray,
-                                 **variant_args) -> dict[str, np.ndarray]:
+                                 grad_tensors: tuple[str, ...] = (), **variant_args) -> dict[str, np.ndarray]:
     """The gradients of ``L = Σ o ∘ do`` (``o = reference_attention(spec, q, k, v, ...)``) in
     float64, BHSD: ``{"dq" (B, H, Sq, D), "dk" (B, KH, Skv, D), "dv" (B, KH, Skv, Dv)}``, and
     ``"dsinks" (H,)`` with ``spec.sinks``. ``variant_args``: reference_attention's (alibi_slopes,
@@ -213,12 +220,17 @@ def reference_attention_backward(spec: AttentionSpec, q: np.ndarray, k: np.ndarr
     dXᵀ·Q·scale``; GQA sums dK and dV over each group's heads; ``dsink_h = −Σ p_sink·delta`` over
     the head's rows. ``score_mod`` ``y = f(u)`` of the softcapped, ALiBi-biased score ``u``
     multiplies ``dT`` by ``f'(u)`` (``tvm_attention.modifier_grad``; a step in it is refused by
-    name). Hidden keys and rows that see none take no gradient; NaN passes through."""
-    parts: dict = {}
+    name); ``grad_tensors`` names float32 tensors it reads (a learned bias) whose gradients
+    ``"d_<name>"`` (their shapes) are returned too. Hidden keys and rows that see none take no
+    gradient; NaN passes through."""
+    _check_grad_tensors(spec, grad_tensors)
+    parts: dict = {"wrt": tuple(grad_tensors)}
     reference_attention(spec, q, k, v, _parts=parts, **variant_args)
+    parts.pop("wrt")
     if not parts:  # no key at all: nothing reaches the output
         b, h, sq, d = np.shape(q)
-        out = {"dq": np.zeros((b, h, sq, d)), "dk": np.zeros(np.shape(k)), "dv": np.zeros(np.shape(v))}
+        out = {"dq": np.zeros((b, h, sq, d)), "dk": np.zeros(np.shape(k)), "dv": np.zeros(np.shape(v)),
+               **{f"d_{n}": np.zeros(np.shape(variant_args["mod_tensors"][n])) for n in grad_tensors}}
         return {**out, "dsinks": np.zeros(spec.heads)} if spec.sinks else out
     do = np.asarray(do, np.float64)
     probs, o, x = parts["probs"], parts["o"], parts["x"]
@@ -228,6 +240,7 @@ def reference_attention_backward(spec: AttentionSpec, q: np.ndarray, k: np.ndarr
         delta = (do * o).sum(axis=-1, keepdims=True)
         dt = probs * (np.einsum("bhid,bhjd->bhij", do, parts["v"]) - delta)
         if spec.score_mod is not None:  # through the user's modifier; a hidden key's derivative may be inf
+            tensor_grads = _tensor_grads(spec, dt, probs, parts["mod_reads"], variant_args.get("mod_tensors") or {})
             dt = np.where(probs == 0, 0.0, dt * parts["mod_grad"])
         if spec.softcap is not None:
             dt = dt * (1.0 - np.tanh(x / spec.softcap) ** 2)
@@ -240,4 +253,26 @@ def reference_attention_backward(spec: AttentionSpec, q: np.ndarray, k: np.ndarr
     out = {"dq": dq, "dk": by_kv_head(dk), "dv": by_kv_head(dv)}
     if spec.sinks:
         out["dsinks"] = -(parts["sink_share"] * delta).sum(axis=(0, 2, 3))
+    if grad_tensors:
+        out.update({f"d_{n}": tensor_grads[n] for n in grad_tensors})
+    return out
+
+
+def _check_grad_tensors(spec: AttentionSpec, names) -> None:
+    """``grad_tensors``: float32 tensors the spec declares, read by its ``score_mod``."""
+    decl = {n: dtype for n, dtype, _ in spec.mod_tensors}
+    for n in names:
+        if n not in decl or decl[n] != "float32" or spec.score_mod is None:
+            raise ValueError(f"grad_tensors: {n!r} is not a float32 tensor of the spec's score_mod (a mask's "
+                             "tensors and int tensors take no gradient)")
+
+
+def _tensor_grads(spec, dt, probs, reads, arrays) -> dict[str, np.ndarray]:
+    """Each differentiated tensor's gradient: ``Σ dT · d score_mod / d read`` scattered to the
+    element each read takes, over the scores a row sees (``dt``: the gradient by the modified
+    score ``T``)."""
+    out = {n: np.zeros(np.shape(arrays[n])) for n in {r[0] for r in reads}}
+    for name, idx, d in reads:
+        contrib = np.where(probs == 0, 0.0, dt * np.broadcast_to(np.asarray(d, np.float64), dt.shape))
+        np.add.at(out[name], tuple(np.broadcast_to(np.asarray(i), dt.shape) for i in idx), contrib)
     return out

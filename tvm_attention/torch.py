@@ -24,13 +24,14 @@ from .spec import AttentionSpec
 
 
 @functools.lru_cache(maxsize=64)
-def _pair(spec: AttentionSpec):
-    """(forward kernel, backward kernel) of ``spec`` (with ``return_lse``), built once."""
+def _pair(spec: AttentionSpec, grad_tensors: tuple[str, ...] = ()):
+    """(forward kernel, backward kernel) of ``spec`` (with ``return_lse``), built once; the
+    backward also differentiates the modifier tensors ``grad_tensors``."""
     from .artifact import kernel_of  # the compiler's side (imports TVM)
     from .backward import build_backward  # the compiler's side (imports TVM)
     from .build import build_kernel  # the compiler's side (imports TVM)
 
-    return kernel_of(build_kernel(spec, cache=True)), build_backward(spec)
+    return kernel_of(build_kernel(spec, cache=True)), build_backward(spec, grad_tensors=grad_tensors)
 
 
 def spec_of(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str = "bhsd", **fields: Any) -> AttentionSpec:
@@ -89,27 +90,30 @@ def _tensor_of(a) -> torch.Tensor:
 
 class _Attention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, sinks, spec, extra):
-        """``extra``: the variants' other call arguments by name (no gradient), detached."""
-        fwd, _ = _pair(spec)
-        args = dict(extra, **({"sinks": sinks.detach()} if spec.sinks else {}))
+    def forward(ctx, q, k, v, sinks, spec, extra, wrt, *tensors):
+        """``extra``: the variants' other call arguments by name (no gradient), detached;
+        ``tensors``: the modifier tensors named ``wrt``, which take a gradient."""
+        fwd, _ = _pair(spec, wrt)
+        args = dict(extra, **({"sinks": sinks.detach()} if spec.sinks else {}),
+                    **{n: t.detach().contiguous() for n, t in zip(wrt, tensors)})
         o, lse = fwd(q.detach().contiguous(), k.detach().contiguous(), v.detach().contiguous(), **args)
-        ctx.spec, ctx.extra = spec, extra
-        ctx.save_for_backward(q, k, v, o, lse, sinks)
+        ctx.spec, ctx.extra, ctx.wrt = spec, extra, wrt
+        ctx.save_for_backward(q, k, v, o, lse, sinks, *tensors)
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, o, lse, sinks = ctx.saved_tensors
+        q, k, v, o, lse, sinks, *tensors = ctx.saved_tensors
         spec = ctx.spec
-        _, bwd = _pair(spec)
+        _, bwd = _pair(spec, ctx.wrt)
         arrays = [_np(t.to(q.dtype) if t is do else t) for t in (q, k, v, o, lse, do)]
         args = {n: t.numpy() for n, t in ctx.extra.items()}
+        args.update({n: _np(t) for n, t in zip(ctx.wrt, tensors)})
         if spec.sinks:
             args["sinks"] = _np(sinks)
-        grads = [_tensor_of(g) for g in bwd(*arrays, **args)]
+        grads = [_tensor_of(np.ascontiguousarray(g)) for g in bwd(*arrays, **args)]
         dsinks = grads[3] if spec.sinks else None
-        return grads[0], grads[1], grads[2], dsinks, None, None
+        return (grads[0], grads[1], grads[2], dsinks, None, None, None, *grads[3 + spec.sinks:])
 
 
 def _tensor(name: str, t: Any, shape: tuple | None, dtype: torch.dtype) -> torch.Tensor:
@@ -135,15 +139,17 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     booleans ``(B, Sq, Skv)`` (True: visible) or FlashInfer's packed ``(bits uint8, mask_indptr
     int32)``; ``score_mod``/``mask_mod`` (functions or their source, ``tvm_attention.modifiers``;
     ``score_mod`` is differentiated, ``tvm_attention.modifier_grad``) over ``mod_tensors`` (name ->
-    int32/float32 tensor, constants: they take no gradient yet). A row that sees no key outputs
-    zeros and takes no gradient."""
+    int32/float32 tensor; a float32 one of ``score_mod`` that requires a gradient, a learned bias,
+    takes it). A row that sees no key outputs zeros and takes no gradient."""
     spec = spec_of(q, k, v, **_fields(causal, window, softcap, scale, alibi_slopes, sinks, kv_start, key_lo, key_hi,
                                       custom_mask, score_mod, mask_mod, mod_tensors))
     b, sq, skv = q.shape[0], q.shape[2], k.shape[2]  # the call's (the spec's are symbolic)
     extra = _extras(spec, b, skv, alibi_slopes, sinks, kv_start, key_lo, key_hi, mod_tensors)
     if custom_mask is not None:
         extra.update(_packed(custom_mask, (b, sq, skv)))
-    return _Attention.apply(q, k, v, torch.zeros(0) if sinks is None else sinks, spec, extra)
+    wrt = _wrt(mod_tensors)
+    return _Attention.apply(q, k, v, torch.zeros(0) if sinks is None else sinks, spec, extra, wrt,
+                            *(mod_tensors[n] for n in wrt))
 
 
 def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
@@ -174,7 +180,9 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
             raise SpecError("attention_varlen: custom_mask must be FlashInfer's packed (bits, mask_indptr) of each "
                             "sequence's (rows, keys) (tvm_attention.masks.pack_mask of a list)")
         extra.update(_packed(custom_mask, (len(cq) - 1, 0, 0)))
-    return _Attention.apply(q, k, v, torch.zeros(0) if sinks is None else sinks, spec, extra)
+    wrt = _wrt(mod_tensors)
+    return _Attention.apply(q, k, v, torch.zeros(0) if sinks is None else sinks, spec, extra, wrt,
+                            *(mod_tensors[n] for n in wrt))
 
 
 def _fields(causal, window, softcap, scale, alibi_slopes, sinks, kv_start, key_lo, key_hi, custom_mask, score_mod,
@@ -196,11 +204,13 @@ def _fields(causal, window, softcap, scale, alibi_slopes, sinks, kv_start, key_l
                                       for n, t in tensors.items() if isinstance(t, torch.Tensor))
     elif tensors:
         raise SpecError("attention: mod_tensors given without a score_mod or mask_mod to read them")
-    if any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors.values()):
-        raise SpecError(f"attention: mod_tensors {', '.join(n for n, t in tensors.items() if t.requires_grad)} "
-                        "require a gradient; the backward does not compute mod_tensors' gradients yet (pass them "
-                        "detached)")
     return fields
+
+
+def _wrt(mod_tensors) -> tuple[str, ...]:
+    """The modifier tensors that require a gradient (float32 tensors of a score_mod: the backward
+    checks it, by name)."""
+    return tuple(n for n, t in (mod_tensors or {}).items() if isinstance(t, torch.Tensor) and t.requires_grad)
 
 
 def _extras(spec: AttentionSpec, b: int, skv: int | None, alibi_slopes, sinks, kv_start, key_lo, key_hi,
@@ -220,7 +230,9 @@ def _extras(spec: AttentionSpec, b: int, skv: int | None, alibi_slopes, sinks, k
         for name, t in (("key_lo", key_lo), ("key_hi", key_hi)):
             extra[name] = _tensor(name, t, (b, skv) if skv is not None else None, torch.int32)
     for name, t in (mod_tensors or {}).items():
-        extra[name] = _tensor(name, t, None, t.dtype if isinstance(t, torch.Tensor) else torch.int32)
+        checked = _tensor(name, t, None, t.dtype if isinstance(t, torch.Tensor) else torch.int32)
+        if name not in _wrt(mod_tensors):  # those passed apart: they take a gradient
+            extra[name] = checked
     return extra
 
 

@@ -16,8 +16,7 @@ from tvm.script import tirx as T
 from ..modifier_grad import score_derivative
 from ..spec import DATA_ALIGNMENT as A, AttentionSpec
 from ..visibility import Visibility, all_of
-from ._math import LOG2E, cast_to, exp2_fast, f32 as wide, tanh_fast
-from .fused import _keep_params
+from ._math import LOG2E, cast_to, exp2_fast, f32 as wide, ssa_checked, tanh_fast
 from .kv import dim
 from .variants import ExtraParams, Variants
 
@@ -132,14 +131,15 @@ class _ScoreMath:
     """The backward's per-score TIR expressions for ``spec`` over the layout ``rows``: which keys a
     row sees (and the row and key ranges a tile may skip to), ``P`` from a raw product, and dS."""
 
-    def __init__(self, spec: AttentionSpec, rows):
+    def __init__(self, spec: AttentionSpec, rows, wrt: tuple[str, ...] = ()):
         self.rows, self.vis = rows, Visibility.of(spec)
         self.scale, self.cap = float(spec.scale), spec.softcap
         # key bounds, the custom mask and the modifiers' tensors: the forward's buffers
         # (parameters before the outputs: _keep_params) and hooks over them
         self.extra = x = ExtraParams(spec, rows.bound_rows)
         self.var = Variants(spec, LO=x.LO, HI=x.HI, tensors=x.tensors, cmask=x.cmask)
-        self.d_score = score_derivative(spec.score_mod, x.tensors) if spec.score_mod is not None else None
+        # the score's derivative and, for the tensors in wrt, each read's (tvm_attention.modifier_grad)
+        self.d_score = score_derivative(spec.score_mod, x.tensors, wrt) if spec.score_mod is not None else None
 
     def off(self, b):  # row i of sequence b sits at position i + off(b)
         return self.rows.len_k(b) - self.rows.len_q(b)
@@ -291,7 +291,122 @@ def _whole(buf) -> tuple:
     return tuple(slice(0, n) for n in buf.shape)
 
 
-def backward_func(spec: AttentionSpec, block_m: int, block_n: int, block_m_dq: int, product_rows: int) -> tirx.PrimFunc:
+def _partials(spec: AttentionSpec, m: _ScoreMath, wrt: tuple[str, ...]) -> dict:
+    """Per differentiated tensor, its output ``d_<name>_partials (H, elements)`` float32: each
+    query head's share of the gradient, flattened row-major (the caller sums over the heads: a
+    head's task owns its row, no two tasks write one element)."""
+    out = {}
+    for name in wrt:
+        n = 1
+        for x in m.extra.tensors[name].shape:
+            n = n * x
+        out[name] = tirx.decl_buffer((spec.heads, n), "float32", f"d_{name}_partials", data_alignment=A)
+    return out
+
+
+def _scatter_chain(m: _ScoreMath, parts: dict, n_reads: int):
+    """A macro adding ``dt · d score_mod / d read`` of each of the ``n_reads`` tensor reads of the
+    score ``(u, b, hq, pos, j)`` to its element of query head ``h``'s partials; a chain of macros,
+    one per read (a macro cannot loop over a Python list)."""
+    def site(k, u, b, hq, pos, j):  # read k: (tensor name, clamped index, its derivative)
+        return m.d_score(u, b, hq, pos, j)[2][k]
+
+    def flat(name, idx):  # row-major element of the clamped index
+        shape, e = m.extra.tensors[name].shape, 0
+        for i, n in zip(idx, shape):
+            e = e * n + i
+        return e
+
+    def make(k):
+        if k == n_reads:
+            @T.macro
+            def done(h, dt, u, b, hq, pos, j):
+                T.evaluate(0)
+            return done
+        nxt, buf = make(k + 1), None
+        name = site(k, *(tirx.Var(n, d) for n, d in (("u", "float32"), ("b", "int32"), ("h", "int32"),
+                                                       ("p", "int32"), ("j", "int32"))))[0]
+        buf = parts[name]
+
+        @T.macro
+        def step(h, dt, u, b, hq, pos, j):
+            buf[h, flat(name, site(k, u, b, hq, pos, j)[1])] = buf[h, flat(name, site(k, u, b, hq, pos, j)[1])] \
+                + dt * _f32(site(k, u, b, hq, pos, j)[2])
+            nxt(h, dt, u, b, hq, pos, j)
+        return step
+
+    return make(0)
+
+
+def _clear_chain(bufs: list):
+    """A macro zeroing query head ``h``'s row of each buffer in ``bufs`` (a chain, as above)."""
+    if not bufs:
+        @T.macro
+        def done(h):
+            T.evaluate(0)
+        return done
+    nxt, buf = _clear_chain(bufs[1:]), bufs[0]
+
+    @T.macro
+    def step(h):
+        for e in T.serial(buf.shape[1]):
+            buf[h, e] = T.float32(0)
+        nxt(h)
+    return step
+
+
+def _dtensors_phase(spec: AttentionSpec, m: _ScoreMath, BN: int, BMQ: int, UP: int, macros, parts: dict):
+    """The phase of the tensors' gradients (``grad_tensors``): one task per query head, over every
+    sequence, row tile and key tile it sees, recomputes ``P`` and ``dT = P ∘ (dP − delta)`` and
+    scatters ``dT · d score_mod / d read`` into its partials (:func:`_partials`); zeros first."""
+    R, G, H, alibi, starts = m.rows, spec.group_size, spec.heads, spec.alibi, spec.kv_start
+    load_tiles, products, row_deltas, _ = macros
+    probe = (tirx.Var(n, d) for n, d in (("u", "float32"), ("b", "int32"), ("h", "int32"), ("p", "int32"),
+                                         ("j", "int32")))
+    scatter = _scatter_chain(m, parts, len(m.d_score(*probe)[2]))
+    clear = _clear_chain(list(parts.values()))
+    D, DV = spec.head_dim, spec.v_dim
+    written = [buf[_whole(buf)] for buf in parts.values()]  # the block's writes (TVMScript has no generators)
+
+    @T.macro
+    def phase(Q, K, V, O, LSE, DO, SL, SK, KST):
+        for h in T.parallel(H):
+            with T.sblock("dtensors"):
+                vh = T.axis.spatial(H, h)
+                T.reads(Q[_whole(Q)], K[_whole(K)], V[_whole(V)], O[_whole(O)], LSE[_whole(LSE)], DO[_whole(DO)])
+                T.writes(written)
+                S = T.sblock_alloc_buffer((BMQ, BN), "float32", scope="local")
+                dP = T.sblock_alloc_buffer((BMQ, BN), "float32", scope="local")
+                dl = T.sblock_alloc_buffer((BMQ,), "float32", scope="local")
+                le = T.sblock_alloc_buffer((BMQ,), "float32", scope="local")
+                Kt = T.sblock_alloc_buffer((D, BN), "float32", scope="local")
+                Vt = T.sblock_alloc_buffer((DV, BN), "float32", scope="local")
+                dt = T.sblock_alloc_buffer((1,), "float32", scope="local")
+                clear(vh)
+                for b in T.serial(R.B):
+                    for it in T.serial((R.len_q(b) + BMQ - 1) // BMQ):
+                        ni = T.min(BMQ, R.len_q(b) - it * BMQ)
+                        row_deltas(DO, O, LSE, SK, dl, le, b, vh, it * BMQ, ni)
+                        for jt in T.serial(
+                                T.max(m.first_key(it * BMQ, b), T.min(T.max(KST[b], 0), R.len_k(b)) if starts else 0) // BN,
+                                (m.last_key(it * BMQ + ni, b) + BN - 1) // BN):
+                            load_tiles(K, V, Kt, Vt, b, vh // G, jt * BN, T.min(BN, R.len_k(b) - jt * BN))
+                            for r0 in T.serial((ni + UP - 1) // UP):
+                                products(Q, DO, Kt, Vt, S, dP, b, vh, it * BMQ, r0 * UP)
+                            for r, c in T.grid(ni, T.min(BN, R.len_k(b) - jt * BN)):
+                                dt[0] = m.prob(S[r, c], le[r], T.bool(True), it * BMQ + r, jt * BN + c,
+                                               SL[vh] if alibi else None, KST[b] if starts else None, b, vh) \
+                                    * (dP[r, c] - dl[r])
+                                if dt[0] != T.float32(0):
+                                    scatter(vh, dt[0], m._score(S[r, c], it * BMQ + r, jt * BN + c,
+                                                                SL[vh] if alibi else None, b),
+                                            b, vh, it * BMQ + r + m.off(b), jt * BN + c)
+
+    return phase
+
+
+def backward_func(spec: AttentionSpec, block_m: int, block_n: int, block_m_dq: int, product_rows: int,
+                  grad_tensors: tuple[str, ...] = ()) -> tirx.PrimFunc:
     """The PrimFunc ``attention_backward(q, k, v, o, lse, do, [alibi_slopes], [sinks], [kv_start],
     [cu_seqlens_q, cu_seqlens_k], [key_lo, key_hi], [custom_mask, mask_indptr], [mod tensors...],
     dq, dk, dv, [dsinks])`` (the bracketed ones where the spec or layout takes them). BHSD: ``q,
@@ -300,17 +415,21 @@ def backward_func(spec: AttentionSpec, block_m: int, block_n: int, block_m_dq: i
     total_q)`` and ``cu_seqlens_q``/``cu_seqlens_k (batch + 1,)`` int32. ``lse`` is the forward's
     (natural log, ``−inf`` for a row that sees no key); ``alibi_slopes``, ``sinks``, ``dsinks
     (H,)`` float32, ``kv_start (B,)`` int32, the others as the forward's
-    (``workloads.variants.ExtraParams``). The knobs are ``tvm_attention.backward.BackwardKnobs``';
+    (``workloads.variants.ExtraParams``); with ``grad_tensors``, ``d_<name>_partials (H,
+    elements)`` last (:func:`_partials`). The knobs are ``tvm_attention.backward.BackwardKnobs``';
     ``product_rows`` rows share each K/V tile row load (block_m and block_m_dq its multiples)."""
     BM, BN, BMQ, PRODUCT_ROWS = block_m, block_n, block_m_dq, product_rows
     R = ROWS[spec.layout](spec, BN, BMQ)
-    m = _ScoreMath(spec, R)
+    m = _ScoreMath(spec, R, tuple(grad_tensors))
+    parts = _partials(spec, m, tuple(grad_tensors))
     H, KH, G, D, DV = spec.heads, spec.kv_heads, spec.group_size, spec.head_dim, spec.v_dim
     f32, dt = "float32", spec.dtype  # dt: the inputs' and gradients' (bf16 rounded at the stores)
     first_row, last_row, prob, grad, row_lse = m.first_row, m.last_row, m.prob, m.grad, m.row_lse
     alibi, sinks, starts = spec.alibi, spec.sinks, spec.kv_start
 
-    load_tiles, products, row_deltas, dsinks_phase = _macros(spec, BN, PRODUCT_ROWS, m)
+    macros = _macros(spec, BN, PRODUCT_ROWS, m)
+    load_tiles, products, row_deltas, dsinks_phase = macros
+    dtensors_phase = _dtensors_phase(spec, m, BN, BMQ, PRODUCT_ROWS, macros, parts) if parts else None
     # accumulation blocking: head-dim columns (dK/dV) or rows (dQ) held in registers at once
     UK, UV, UR = _unroll(D), _unroll(DV), _unroll(BMQ, 4 if D <= 64 else 2)  # dQ: UR rows × D/16 vectors
 
@@ -428,6 +547,17 @@ def backward_func(spec: AttentionSpec, block_m: int, block_n: int, block_m_dq: i
                             DQ[R.q(b, h, i0 + r, d)] = cast_to(DQ, acc_q[r, d])
         if sinks:  # static: a spec without sinks has no such phase (nor SK, DSK)
             dsinks_phase(O, DO, LSE, SK, DSK)
+        if bool(parts):  # static: only with grad_tensors
+            dtensors_phase(Q, K, V, O, LSE, DO, SL, SK, KST)
 
-    return _keep_params(attention_backward, [True] * 6 + [alibi, sinks, starts] + [True] * 3 + [sinks],
-                        extra=R.params + m.extra.params, n_outputs=3 + sinks)
+    return _with_params(attention_backward, [True] * 6 + [alibi, sinks, starts] + [True] * 3 + [sinks], 3 + sinks,
+                        R.params + m.extra.params, list(parts.values()))
+
+
+def _with_params(func: tirx.PrimFunc, keep: list[bool], n_out: int, before: list, after: list) -> tirx.PrimFunc:
+    """``func`` with the parameters ``keep`` marks (the others unused), the buffers ``before``
+    inserted before its ``n_out`` outputs and ``after`` appended (the tensors' partial
+    gradients), its bindings checked (``ssa_checked``)."""
+    params = [p for p, k in zip(func.params, keep) if k]
+    params = params[:-n_out] + before + params[-n_out:] + after
+    return ssa_checked(tirx.PrimFunc(params, func.body, func.ret_type, func.attrs))
