@@ -171,7 +171,7 @@ def test_bench_backward_tiny(tmp_path):
     assert report["meta"]["fma_gflops"] > 0 and "| D | S | causal |" in (tmp_path / "backward.md").read_text()
 
 
-@pytest.mark.parametrize("kw", [dict(causal=True), dict(window=(20, 3), softcap=5.0, sinks=True)], ids=["causal", "window_softcap_sinks"])
+@pytest.mark.parametrize("kw", [dict(window=(20, 3), softcap=5.0, sinks=True)], ids=["window_softcap_sinks"])
 def test_bfloat16_gradients(kw):
     """bf16 inputs and gradients, float32 arithmetic: against the float64 reference of the same
     (bf16-rounded) inputs, to bf16's rounding of the results (each gradient rounded once)."""
@@ -192,9 +192,8 @@ def test_bfloat16_gradients(kw):
         assert err < 1e-2, (name, err)  # bf16 keeps 8 bits: 2**-8 = 0.4 % per rounding
 
 
-@pytest.mark.parametrize("kw", [dict(causal=True, softcap=5.0, sinks=True),
-                                dict(window=(20, 3), key_bounds=True, custom_mask=True, kv_start=True)],
-                         ids=["causal_softcap_sinks", "window_bounds_custom_kv_start"])
+@pytest.mark.parametrize("kw", [dict(window=(20, 3), key_bounds=True, custom_mask=True, kv_start=True, softcap=5.0,
+                                     sinks=True)], ids=["window_bounds_custom_kv_start_softcap_sinks"])
 def test_one_symbolic_build_serves_every_shape(kw):
     """batch, seq_q and seq_kv symbolic: one build, three shapes (Sq > Skv, tails, one row)."""
     spec = AttentionSpec(batch=2, heads=4, kv_heads=2, seq_q=64, seq_kv=64, head_dim=16,
@@ -219,11 +218,10 @@ def test_one_symbolic_build_serves_every_shape(kw):
         kern(q, k[:2], v, o.astype(np.float32), lse.astype(np.float32), do, **args, **kargs)
 
 
-@pytest.mark.parametrize("kw", [dict(causal=True, softcap=5.0, sinks=True, alibi=True),
-                                dict(window=(20, 3), key_bounds=True, custom_mask=True,
-                                     mod_tensors=(("bias", "float32", ("heads", 160)),),
+@pytest.mark.parametrize("kw", [dict(causal=True, softcap=5.0, sinks=True, alibi=True, key_bounds=True,
+                                     custom_mask=True, mod_tensors=(("bias", "float32", ("heads", 160)),),
                                      score_mod="lambda s, b, h, q, kv: s + bias[h, q - kv + 80]")],
-                         ids=["causal_softcap_sinks_alibi", "window_bounds_custom_score_mod"])
+                         ids=["causal_softcap_sinks_alibi_bounds_custom_score_mod"])
 def test_varlen_gradients_match_the_reference_per_sequence(kw):
     """FlashAttention's packed layout: sequences of 45×77, 0×5 (no rows), 70×40 (Sq > Skv), 1×1
     and 33×0 (no keys: zero gradients), one build; each sequence against the reference's BHSD
@@ -275,7 +273,7 @@ def test_varlen_gradients_match_the_reference_per_sequence(kw):
         kern(q, k, v, o, lse, do, cu_seqlens_q=cq, cu_seqlens_k=bad, **args, **kargs)
 
 
-@pytest.mark.parametrize("layout", ["bhsd", "varlen"])
+@pytest.mark.parametrize("layout", ["bhsd", "varlen"])  # varlen: the phase's sequence loop and row offsets
 def test_a_learned_bias_takes_its_gradient(layout):
     """``grad_tensors``: a float tensor read twice by score_mod (a relative bias, a per-head
     temperature from its column 0) gets its gradient (each query head's share summed), against
