@@ -665,8 +665,9 @@ def bench_masks(a: argparse.Namespace, threads: int) -> int:
 
 
 def bench_backward(a: argparse.Namespace, threads: int) -> int:
-    """``bench --backward``: our fused forward + backward against torch SDPA's at B1 H8 fp32, D 64 /
-    128, S 1k-8k, causal and not, with the FMA peak; ``--tiny``: one small point each way."""
+    """``bench --backward``: our fused forward + backward against torch SDPA's at B1 H8, fp32 and
+    bf16, D 64 / 128, S 1k-8k, causal and not, with the FMA peak and what eager FlexAttention's
+    backward does; ``--tiny``: one small fp32 point each way."""
     from .bench import backward  # TVM loads only for the commands that compile
 
     cfg = backward.quick_config() if a.tiny else backward.Config()

@@ -1,6 +1,8 @@
 """Backward benchmark (issue 46): our fused forward (with lse) plus the fused backward
 (``tvm_attention.backward``) against torch SDPA's forward and backward (its CPU flash kernel),
-side by side in one run: B1, ``heads`` heads, fp32, each head size × length × causal or not.
+side by side in one run: B1, ``heads`` heads, fp32 and bf16, each head size × length × causal or
+not. The other peer the issue names, FlexAttention, has no CPU backward (eager: it raises
+``NotImplementedError``): the report records what it says, tried once per run.
 
 Goals (issue 46, read in the report, never asserted by a test): forward + backward ≥ 1.2× torch's
 speed, and ≥ 60 % of this CPU's FMA peak counting the backward as 2.5× the forward's FLOP. Each
@@ -32,12 +34,13 @@ class Config:
     head_dims: tuple[int, ...] = (64, 128)
     seqs: tuple[int, ...] = (1024, 2048, 4096, 8192)
     causal: tuple[bool, ...] = (False, True)
+    dtypes: tuple[str, ...] = ("float32", "bfloat16")
     rounds: int = 2
     min_repeat_ms: int = 100
 
 
 def quick_config() -> Config:
-    return Config(heads=2, head_dims=(32,), seqs=(128,), rounds=1, min_repeat_ms=5)
+    return Config(heads=2, head_dims=(32,), seqs=(128,), dtypes=("float32",), rounds=1, min_repeat_ms=5)
 
 
 def run(cfg: Config, threads: int | None = None, say: Callable[[str], None] = print) -> dict[str, Any]:
@@ -50,35 +53,52 @@ def run(cfg: Config, threads: int | None = None, say: Callable[[str], None] = pr
     meta: dict[str, Any] = {"cpu": host_cpu(), "threads": threads, "date": datetime.datetime.now().isoformat(
         timespec="seconds"), "config": dataclasses.asdict(cfg), "goals": GOALS}
     meta["fma_gflops"] = fma_peak(threads).gflops
+    meta["flex_attention"] = flex_attention_backward()
     rows: list[dict[str, Any]] = []
-    points = [(d, s, c) for d in cfg.head_dims for s in cfg.seqs for c in cfg.causal]
+    points = [(t, d, s, c) for t in cfg.dtypes for d in cfg.head_dims for s in cfg.seqs for c in cfg.causal]
     progress = Progress(len(points))
     try:
-        for d, s, c in points:
-            rows.append(_point(cfg, d, s, c, meta["fma_gflops"]))
+        for t, d, s, c in points:
+            rows.append(_point(cfg, d, s, c, meta["fma_gflops"], t))
             progress.advance()
             r = rows[-1]
-            say(f"{progress.tag()} D={d} S={s} causal={c}: ours {r['ours_ms']:.1f} ms, torch {r['torch_ms']:.1f} ms, "
-                f"{r['vs_torch']:.2f}×, {r['roof_share']:.0%} of the FMA peak")
+            say(f"{progress.tag()} {t} D={d} S={s} causal={c}: ours {r['ours_ms']:.1f} ms, torch {r['torch_ms']:.1f} "
+                f"ms, {r['vs_torch']:.2f}×, {r['roof_share']:.0%} of the FMA peak")
     except KeyboardInterrupt:
         mark_interrupted(meta, progress.done, progress.total)
         raise Interrupted({"meta": meta, "rows": rows}, progress.done, progress.total) from None
     return {"meta": meta, "rows": rows}
 
 
-def _point(cfg: Config, d: int, s: int, causal: bool, fma_gflops: float) -> dict[str, Any]:
+def flex_attention_backward() -> str:
+    """What eager FlexAttention's backward does on this CPU, tried once on a tiny input: "runs",
+    or the error it raises (torch 2.x: ``NotImplementedError``)."""
+    import torch  # the peer (an optional extra: this benchmark needs it)
+
+    try:
+        from torch.nn.attention.flex_attention import flex_attention
+        q = torch.randn(1, 1, 16, 16, requires_grad=True)
+        flex_attention(q, q, q).sum().backward()
+    except Exception as e:  # noqa: BLE001 - whatever it raises is the finding
+        return f"not available: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+    return "runs"
+
+
+def _point(cfg: Config, d: int, s: int, causal: bool, fma_gflops: float, dtype: str = "float32") -> dict[str, Any]:
     import torch  # the peer (an optional extra: this benchmark needs it)
 
     from ..artifact import kernel_of  # the built kernel as serving calls it
     from ..backward import build_backward  # the compiler's side (imports TVM)
     from ..build import build_kernel  # the compiler's side (imports TVM)
 
-    spec = AttentionSpec(batch=1, heads=cfg.heads, seq_q=s, seq_kv=s, head_dim=d, causal=causal, return_lse=True)
+    spec = AttentionSpec(batch=1, heads=cfg.heads, seq_q=s, seq_kv=s, head_dim=d, causal=causal, return_lse=True,
+                         dtype=dtype)
     fwd, bwd = kernel_of(build_kernel(spec, cache=True)), build_backward(spec)
     rng = np.random.default_rng(0)
-    q, k, v, do = (rng.standard_normal((1, cfg.heads, s, d), dtype=np.float32) for _ in range(4))
-    tq, tk, tv = (torch.from_numpy(a.copy()).requires_grad_() for a in (q, k, v))
-    tdo = torch.from_numpy(do)
+    tq, tk, tv, tdo = (torch.from_numpy(rng.standard_normal((1, cfg.heads, s, d), dtype=np.float32)).to(
+        getattr(torch, dtype)) for _ in range(4))
+    q, k, v, do = (spec_array(t) for t in (tq, tk, tv, tdo))
+    tq, tk, tv = (t.clone().requires_grad_() for t in (tq, tk, tv))
 
     def ours():
         o, lse = fwd(q, k, v)
@@ -88,28 +108,41 @@ def _point(cfg: Config, d: int, s: int, causal: bool, fma_gflops: float) -> dict
         tq.grad = tk.grad = tv.grad = None
         torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal).backward(tdo)
 
-    dq = ours()[0]
+    dq = ours()[0].astype(np.float32)
     theirs()
     t = best_of_alternated({n: (lambda fn=fn: time_callable(fn, repeat=3, min_repeat_ms=cfg.min_repeat_ms).median_s)
                             for n, fn in (("ours", ours), ("torch", theirs))}, cfg.rounds)
     flop = spec.flops() * (1 + BACKWARD_FLOP)
-    return {"head_dim": d, "seq": s, "causal": causal, "ours_ms": t["ours"] * 1e3, "torch_ms": t["torch"] * 1e3,
+    return {"dtype": dtype, "head_dim": d, "seq": s, "causal": causal, "ours_ms": t["ours"] * 1e3,
+            "torch_ms": t["torch"] * 1e3,
             "vs_torch": t["torch"] / t["ours"], "gflops": flop / t["ours"] / 1e9,
             "roof_share": flop / t["ours"] / 1e9 / fma_gflops,
-            "max_abs_diff_dq": float(np.abs(dq - tq.grad.numpy()).max())}
+            "max_abs_diff_dq": float(np.abs(dq - tq.grad.float().numpy()).max())}
+
+
+def spec_array(t) -> np.ndarray:
+    """A torch tensor as the NumPy array the kernels take (bf16: ml_dtypes', through its bits)."""
+    import torch  # the peer's tensors
+
+    if t.dtype != torch.bfloat16:
+        return t.numpy().copy()
+    import ml_dtypes  # TVM's own dependency
+
+    return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16).copy()
 
 
 def markdown(report: dict[str, Any]) -> str:
     m = report["meta"]
     lines = partial_line(m, "points") + [
         f"Machine: {m['cpu']}, {m['threads']} threads, {m['date']}; FMA peak {m['fma_gflops']:.0f} GFLOP/s. B1, "
-        f"H{m['config']['heads']}, fp32; forward + backward, the backward counted as {BACKWARD_FLOP:g}× the forward's "
+        f"H{m['config']['heads']}; forward + backward, the backward counted as {BACKWARD_FLOP:g}× the forward's "
         f"FLOP (goals: ≥ {GOALS['vs_torch']:g}× torch SDPA's forward + backward, ≥ {GOALS['roof_share']:.0%} of the "
-        "peak).", "",
-        "| D | S | causal | ours ms | torch ms | × torch | GFLOP/s | of peak | max \\|dQ − torch's\\| |",
-        "|---|---|---|---|---|---|---|---|---|"]
+        "peak). Eager FlexAttention's backward on this CPU: " + m.get("flex_attention", "not tried") + ".", "",
+        "| dtype | D | S | causal | ours ms | torch ms | × torch | GFLOP/s | of peak | max \\|dQ − torch's\\| |",
+        "|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
-        lines.append(f"| {r['head_dim']} | {r['seq']} | {'yes' if r['causal'] else 'no'} | {r['ours_ms']:.1f} | "
+        lines.append(f"| {r.get('dtype', 'float32')} | {r['head_dim']} | {r['seq']} | {'yes' if r['causal'] else 'no'} | "
+                     f"{r['ours_ms']:.1f} | "
                      f"{r['torch_ms']:.1f} | {r['vs_torch']:.2f} | {r['gflops']:.0f} | {r['roof_share']:.0%} | "
                      f"{r['max_abs_diff_dq']:.1e} |")
     return "\n".join(lines) + "\n"
