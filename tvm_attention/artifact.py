@@ -150,14 +150,9 @@ def export(built: BuiltKernel, out_dir: str | os.PathLike, validation: Validatio
                 f"{out}: holds files that are not part of an artifact ({', '.join(foreign[:5])}"
                 f"{', ...' if len(foreign) > 5 else ''}); choose an empty or new --out directory"
             )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    def fill(tmp: Path) -> dict[str, Any]:
         built.export_library(str(tmp / LIBRARY))  # the very file validation ran, when it ran
-        runtime = []
-        for path in compiler_runtime_paths(cuda=is_cuda(built.target)):
-            shutil.copy2(path, tmp / path.name)
-            runtime.append({"file": path.name, "sha256": library_digest(tmp / path.name)})
+        runtime = copy_runtime(tmp, cuda=is_cuda(built.target))
         (tmp / LOWERED).write_text(built.lowered.script())
         binary = None
         if is_cuda(built.target):
@@ -167,6 +162,28 @@ def export(built: BuiltKernel, out_dir: str | os.PathLike, validation: Validatio
             manifest["kernel_binary"] = binary
         manifest["library_sha256"] = library_digest(tmp / LIBRARY)
         manifest["runtime_libraries"] = runtime
+        return manifest
+
+    return write_directory(out, fill)
+
+
+def copy_runtime(tmp: Path, cuda: bool = False) -> list[dict[str, str]]:
+    """TVM's runtime libraries copied into the directory ``tmp``: the manifest's ``runtime_libraries``."""
+    runtime = []
+    for path in compiler_runtime_paths(cuda=cuda):
+        shutil.copy2(path, tmp / path.name)
+        runtime.append({"file": path.name, "sha256": library_digest(tmp / path.name)})
+    return runtime
+
+
+def write_directory(out: Path, fill) -> dict[str, Any]:
+    """An artifact directory ``out`` written whole or not at all: ``fill(tmp)`` writes the files
+    into a new directory beside it and returns the manifest, written last; the directory then
+    takes ``out``'s place by rename (:func:`_swap_into_place`). A failure removes it."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        manifest = fill(tmp)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
         _swap_into_place(tmp, out)

@@ -21,9 +21,6 @@ manifest's order (DLTensors, 64-byte-aligned).
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -92,8 +89,7 @@ def export_backward(kernel: BackwardKernel, out_dir: str | os.PathLike) -> dict[
     """Validate ``kernel`` and write its artifact directory (the module docstring); returns the
     manifest. A failed validation exports nothing (:class:`ArtifactError`). ``out_dir`` is
     replaced atomically, and only if it holds nothing but artifact files."""
-    from .artifact import _swap_into_place  # the forward's atomic replace
-    from .runtime import compiler_runtime_paths  # the installed apache-tvm's runtime
+    from .artifact import copy_runtime, write_directory  # the forward's: runtime copies, atomic replace
     from .target import cpu_features  # the compiler's side
 
     if kernel.lowered is None:
@@ -108,17 +104,12 @@ def export_backward(kernel: BackwardKernel, out_dir: str | os.PathLike) -> dict[
         foreign = [n for n in foreign if n not in (MANIFEST, LIBRARY, LOWERED) and not n.startswith("libtvm")]
         if foreign:
             raise ArtifactError(f"{out}: holds files that are not part of a backward artifact ({', '.join(foreign[:5])})")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    def fill(tmp: Path) -> dict[str, Any]:
         kernel.module.export_library(str(tmp / LIBRARY))
-        runtime = []
-        for path in compiler_runtime_paths():
-            shutil.copy2(path, tmp / path.name)
-            runtime.append({"file": path.name, "sha256": library_digest(tmp / path.name)})
+        runtime = copy_runtime(tmp)
         (tmp / LOWERED).write_text(kernel.lowered.script())
         target = kernel.target
-        manifest = {
+        return {
             "format": FORMAT, "manifest_version": MANIFEST_VERSION, "entry": ENTRY, "library": LIBRARY,
             "spec": kernel.spec.to_dict(), "spec_hash": kernel.spec.fingerprint(),
             "knobs": {f: getattr(kernel.knobs, f) for f in ("block_m", "block_n", "block_m_dq")},
@@ -127,13 +118,8 @@ def export_backward(kernel: BackwardKernel, out_dir: str | os.PathLike) -> dict[
             "cpu_features": cpu_features(target), "audit": kernel.report.verdict, "validation": validation,
             "library_sha256": library_digest(tmp / LIBRARY), "runtime_libraries": runtime,
         }
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
-        _swap_into_place(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return manifest
+
+    return write_directory(out, fill)
 
 
 def load_backward(directory: str | os.PathLike) -> BackwardKernel:

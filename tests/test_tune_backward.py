@@ -1,0 +1,39 @@
+"""The backward's knobs searched with MetaSchedule (issue 46; ``tvm_attention.tune.backward``): each
+point a task measured by MetaSchedule's builder and runner and recorded in its JSON database; the
+fastest is read back without rerunning; a corrupt log and specs the runner would misread are
+refused by name."""
+from __future__ import annotations
+
+import pytest
+
+from tvm_attention.backward import BackwardKnobs
+from tvm_attention.errors import SpecError
+from tvm_attention.spec import AttentionSpec
+from tvm_attention.tune.backward import WORKLOADS, best_knobs, tune_backward
+
+SPEC = AttentionSpec(batch=1, heads=2, seq_q=128, seq_kv=128, head_dim=16, causal=True)
+POINTS = (BackwardKnobs(32, 32, 64), BackwardKnobs(32, 64, 128))
+
+
+def test_every_point_is_measured_recorded_and_read_back(tmp_path):
+    found = tune_backward(SPEC, tmp_path, candidates=POINTS)
+    assert set(found.seconds) == set(POINTS) and not found.errors
+    assert all(0 < s < 1 for s in found.seconds.values())
+    assert found.knobs == min(found.seconds, key=found.seconds.get)
+    again = best_knobs(SPEC, tmp_path, candidates=POINTS)  # from the database alone
+    assert again.knobs == found.knobs and again.seconds == found.seconds
+    with pytest.raises(SpecError, match="no point of .* was measured"):  # another spec: not in this log
+        best_knobs(AttentionSpec(batch=1, heads=2, seq_q=128, seq_kv=128, head_dim=16), tmp_path, candidates=POINTS)
+
+
+def test_a_corrupt_or_missing_log_and_untunable_specs_are_refused_by_name(tmp_path):
+    with pytest.raises(SpecError, match="database_workload.json is missing"):
+        best_knobs(SPEC, tmp_path)
+    (tmp_path / WORKLOADS).write_text("{not json\n")
+    (tmp_path / "database_tuning_record.json").write_text("")
+    with pytest.raises(SpecError, match="database_workload.json, line 1, is not JSON"):
+        best_knobs(SPEC, tmp_path)
+    for kw, what in ((dict(layout="varlen"), "static BHSD spec without a custom mask"),
+                     (dict(custom_mask=True), "with a custom mask"), (dict(dynamic=["seq_q"]), "symbolic dims seq_q")):
+        with pytest.raises(SpecError, match=what):
+            tune_backward(AttentionSpec(batch=1, heads=2, seq_q=128, seq_kv=128, head_dim=16, **kw), tmp_path)
