@@ -171,6 +171,8 @@ def test_bench_backward_tiny(tmp_path):
     for r in report["rows"]:
         assert r["ours_ms"] > 0 and r["torch_ms"] > 0 and 0 < r["roof_share"] and r["max_abs_diff_dq"] < 1e-4
     assert report["meta"]["fma_gflops"] > 0 and "| dtype | D | S | causal |" in (tmp_path / "backward.md").read_text()
+    mem = report["memory"]  # the backward's peak extra memory, a fresh process
+    assert [m["seq"] for m in mem] == [128] and (mem[0]["peak_extra_bytes"] is None or mem[0]["peak_extra_bytes"] >= 0)
     # the other peer: eager FlexAttention has no CPU backward, and the report says what it raised
     assert report["meta"]["flex_attention"] == "runs" or report["meta"]["flex_attention"].startswith("not available")
 

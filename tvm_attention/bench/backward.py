@@ -64,10 +64,30 @@ def run(cfg: Config, threads: int | None = None, say: Callable[[str], None] = pr
             r = rows[-1]
             say(f"{progress.tag()} {t} D={d} S={s} causal={c}: ours {r['ours_ms']:.1f} ms, torch {r['torch_ms']:.1f} "
                 f"ms, {r['vs_torch']:.2f}×, {r['roof_share']:.0%} of the FMA peak")
+        memory = memory_rows(cfg, threads)
     except KeyboardInterrupt:
         mark_interrupted(meta, progress.done, progress.total)
         raise Interrupted({"meta": meta, "rows": rows}, progress.done, progress.total) from None
-    return {"meta": meta, "rows": rows}
+    return {"meta": meta, "rows": rows, "memory": memory}
+
+
+def memory_rows(cfg: Config, threads: int) -> list[dict[str, Any]]:
+    """The backward's peak extra memory (one call, a fresh process: ``bench.memory``) at each of
+    ``cfg.seqs``, D = the first head size, fp32, not causal, beside the bytes of its outputs
+    (dQ, dK, dV, first touched by the call) and of one head's S×S float32 scores: a fused
+    backward grows with S as its outputs do."""
+    from ..backward import build_backward  # the compiler's side (imports TVM)
+    from .memory import library_first_call_peak  # the forward benchmark's measurement
+
+    out = []
+    d = cfg.head_dims[0]
+    for s in cfg.seqs:
+        kern = build_backward(AttentionSpec(batch=1, heads=cfg.heads, seq_q=s, seq_kv=s, head_dim=d))
+        shapes = [list(shape) for _, shape, _ in kern.args]
+        peak = library_first_call_peak(kern.module, "attention_backward", shapes, "float32", threads)
+        out.append({"seq": s, "head_dim": d, "peak_extra_bytes": peak, "outputs_bytes": 3 * cfg.heads * s * d * 4,
+                    "scores_bytes": s * s * 4})
+    return out
 
 
 def flex_attention_backward() -> str:
@@ -145,6 +165,14 @@ def markdown(report: dict[str, Any]) -> str:
                      f"{r['ours_ms']:.1f} | "
                      f"{r['torch_ms']:.1f} | {r['vs_torch']:.2f} | {r['gflops']:.0f} | {r['roof_share']:.0%} | "
                      f"{r['max_abs_diff_dq']:.1e} |")
+    mem = report.get("memory") or []
+    if mem:
+        lines += ["", "Peak extra memory of one backward call (fp32, not causal, a fresh process), beside its "
+                  "outputs' bytes and one head's S×S float32 scores:", "",
+                  "| D | S | peak extra MiB | dQ+dK+dV MiB | one head's S×S MiB |", "|---|---|---|---|---|"]
+        lines += [f"| {r['head_dim']} | {r['seq']} | "
+                  f"{'n/a' if r['peak_extra_bytes'] is None else format(r['peak_extra_bytes'] / 2**20, '.1f')} | "
+                  f"{r['outputs_bytes'] / 2**20:.1f} | {r['scores_bytes'] / 2**20:.1f} |" for r in mem]
     return "\n".join(lines) + "\n"
 
 

@@ -100,15 +100,22 @@ def tvm_first_call_peak(library, entry: str, spec: AttentionSpec, threads: int) 
     """Peak extra memory (bytes) of a CPU build's first call, in a fresh process (TVM's workspace
     pool would otherwise reuse what earlier builds left in this one). ``library``: the build's
     shared library (``BuiltKernel.library``), or a runtime module to export to one."""
+    shapes = [list(spec.q_shape), list(spec.kv_shape), list(spec.v_shape), list(spec.o_shape)]
+    return library_first_call_peak(library, entry, shapes, spec.dtype, threads)
+
+
+def library_first_call_peak(library, entry: str, shapes: list[list[int]], dtype: str, threads: int) -> int | None:
+    """Peak extra memory (bytes) of the first call of ``entry`` in ``library`` (a shared library's
+    path, or a runtime module to export to one) on arrays of ``shapes`` and ``dtype`` (the first
+    three random, the others zeros), in a fresh process; None where it cannot be measured."""
     if not can_measure():
         return None
-    shapes = [list(spec.q_shape), list(spec.kv_shape), list(spec.v_shape), list(spec.o_shape)]
     if isinstance(library, (str, os.PathLike)):
-        return _run_child(_TVM_CHILD, [str(library), entry, json.dumps(shapes), spec.dtype], threads)
+        return _run_child(_TVM_CHILD, [str(library), entry, json.dumps(shapes), dtype], threads)
     with tempfile.TemporaryDirectory() as tmp:
         lib = os.path.join(tmp, "k.so")
         library.export_library(lib)
-        return _run_child(_TVM_CHILD, [lib, entry, json.dumps(shapes), spec.dtype], threads)
+        return _run_child(_TVM_CHILD, [lib, entry, json.dumps(shapes), dtype], threads)
 
 
 def peer_first_call_peak(spec: AttentionSpec, variant: str, threads: int) -> int | None:

@@ -78,7 +78,9 @@ def tune_backward(spec: AttentionSpec, work_dir: str | Path, target: Any = "llvm
 
     from ..backward import check_spec  # what the backward builds at all
     from ..target import resolve_target  # the compiler's side
+    from ..timing import measure_ms  # the measurement's least time, as the forward's tuner's
     from ..tvm_internals import torchless_workers  # workers that skip torch's import
+    from .driver import _new_builder  # the forward tuner's builder
 
     check_spec(spec)
     check_tunable(spec)
@@ -88,7 +90,10 @@ def tune_backward(spec: AttentionSpec, work_dir: str | Path, target: Any = "llvm
     mods = _modules(spec, target, candidates)
     db = ms.database.JSONDatabase(path_workload=str(work / WORKLOADS), path_tuning_record=str(work / RECORDS))
     with torchless_workers():
-        builder, runner = ms.builder.LocalBuilder(max_workers=1), ms.runner.LocalRunner()
+        # the forward's measurement: 3 repeats of at least 100 ms each (scaled: TVM_ATTENTION_MEASURE_SCALE)
+        runner = ms.runner.LocalRunner(timeout_sec=120, evaluator_config=ms.runner.EvaluatorConfig(
+            number=1, repeat=3, min_repeat_ms=measure_ms(100), enable_cpu_cache_flush=False))
+        builder = _new_builder(1)  # the forward tuner's lean build (TVM's default builder: 10 s a point here)
         built = builder.build([ms.builder.BuilderInput(mod, target) for _, mod in mods])
         done = [(kn, mod, b) for (kn, mod), b in zip(mods, built)]
         inputs = [ms.runner.RunnerInput(b.artifact_path, "cpu", ms.arg_info.ArgInfo.from_prim_func(mod["main"]))
@@ -112,15 +117,14 @@ def best_knobs(spec: AttentionSpec, work_dir: str | Path, target: Any = "llvm",
     from ..target import resolve_target  # the compiler's side
 
     check_tunable(spec)
+    _check_log(Path(work_dir))  # before any workload is generated
     target = resolve_target(target)
     return _read(spec, target, Path(work_dir), _modules(spec, target, candidates))
 
 
-def _read(spec, target, work: Path, mods) -> BackwardSearch:
-    from tvm.s_tir import meta_schedule as ms
-
-    files = [work / WORKLOADS, work / RECORDS]
-    for f in files:
+def _check_log(work: Path) -> None:
+    """A search's two database files exist and hold JSON lines, else :class:`SpecError` naming the file."""
+    for f in (work / WORKLOADS, work / RECORDS):
         if not f.is_file():
             raise SpecError(f"backward tuning log: {f} is missing (run tune_backward with work_dir={str(work)!r})")
         for n, line in enumerate(f.read_text().splitlines(), 1):
@@ -129,6 +133,13 @@ def _read(spec, target, work: Path, mods) -> BackwardSearch:
             except json.JSONDecodeError as e:
                 raise SpecError(f"backward tuning log: {f}, line {n}, is not JSON ({e.msg}); delete the file and tune "
                                 "again") from None
+
+
+def _read(spec, target, work: Path, mods) -> BackwardSearch:
+    from tvm.s_tir import meta_schedule as ms
+
+    _check_log(work)
+    files = [work / WORKLOADS, work / RECORDS]
     db = ms.database.JSONDatabase(path_workload=str(files[0]), path_tuning_record=str(files[1]))
     seconds: dict[BackwardKnobs, float | None] = {}
     errors: dict[BackwardKnobs, str] = {}
