@@ -15,11 +15,13 @@ with TVM's runtime alone, as the forward's do (``docs/serving.md``'s artifact fo
 features (a library built for another would SIGILL), and the library's own spec hash, and
 returns a :class:`~tvm_attention.backward.BackwardKernel`. The library checks its own index
 arrays and shapes (``build_backward``), so C++ callers get the same errors; the call is
-``attention_backward(q, k, v, o, lse, do, <variant arguments>, dq, dk, dv[, dsinks])`` in the
-manifest's order (DLTensors, 64-byte-aligned).
+``attention_backward(q, k, v, o, lse, do, <variant arguments>, dq, dk, dv[, dsinks][,
+dq_workspace])`` in the manifest's order (DLTensors, 64-byte-aligned; ``dq_workspace``, the
+chunked dQ's scratch of the manifest's shape, is the caller's to allocate).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -112,7 +114,7 @@ def export_backward(kernel: BackwardKernel, out_dir: str | os.PathLike) -> dict[
         return {
             "format": FORMAT, "manifest_version": MANIFEST_VERSION, "entry": ENTRY, "library": LIBRARY,
             "spec": kernel.spec.to_dict(), "spec_hash": kernel.spec.fingerprint(),
-            "knobs": {f: getattr(kernel.knobs, f) for f in ("block_m", "block_n", "block_m_dq")},
+            "knobs": dataclasses.asdict(kernel.knobs),
             "args": [{"name": n, "shape": list(s), "dtype": str(d), "output": n in OUTPUTS} for n, s, d in kernel.args],
             "target": {"kind": target.kind.name, "mcpu": str(target.attrs.get("mcpu", ""))},
             "cpu_features": cpu_features(target), "audit": kernel.report.verdict, "validation": validation,

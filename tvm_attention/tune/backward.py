@@ -7,8 +7,8 @@ kernel vectorizes and unrolls itself). MetaSchedule builds and measures every ta
 builder and runner (MetaSchedule's task scheduler is not used: its FLOP estimate has no rule
 for the kernel's ``Let``), and records each in a JSON database under ``work_dir``
 (``database_workload.json``, ``database_tuning_record.json``), so a search can be read back without rerunning it
-(:func:`best_knobs`). The dQ strategy (per-thread partial sums against the second pass) is not a
-point yet: only the second pass is built.
+(:func:`best_knobs`). The dQ strategy is a knob too (``dq_chunks``: the second pass, or per-chunk
+partial sums).
 
 What the runner's random arguments could misread is refused by name: index arrays (varlen's
 ``cu_seqlens``, a custom mask's ``mask_indptr``) would be random offsets; symbolic shapes have no
@@ -26,8 +26,9 @@ from ..backward import BackwardKnobs
 from ..errors import SpecError
 from ..spec import AttentionSpec
 
-#: the points searched by default: block_m, block_n, block_m_dq (the preset, 32 / 64 / 128, among them)
-CANDIDATES = tuple(BackwardKnobs(bm, bn, bmq) for bm in (32, 64) for bn in (32, 64) for bmq in (64, 128))
+#: the points searched by default: block_m, block_n, block_m_dq and the dQ strategy (dq_chunks)
+CANDIDATES = tuple(BackwardKnobs(bm, bn, bmq, ch) for bm in (32, 64) for bn in (32, 64) for bmq in (64, 128)
+                   for ch in (0, 2, 4))  # ch: the dQ strategy, 0 the second pass, else that many chunks
 #: the search's JSON database under its work_dir (MetaSchedule's JSONDatabase files)
 WORKLOADS, RECORDS = "database_workload.json", "database_tuning_record.json"
 
@@ -44,7 +45,7 @@ class BackwardSearch:
 
 
 def _task_name(kn: BackwardKnobs) -> str:
-    return f"backward_m{kn.block_m}_n{kn.block_n}_dq{kn.block_m_dq}"
+    return f"backward_m{kn.block_m}_n{kn.block_n}_dq{kn.block_m_dq}_c{kn.dq_chunks}"
 
 
 def check_tunable(spec: AttentionSpec) -> None:

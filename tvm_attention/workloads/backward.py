@@ -355,6 +355,53 @@ def _clear_chain(bufs: list):
     return step
 
 
+def _dq_partials(spec: AttentionSpec, R, NCH: int):
+    """The chunked dQ strategy (``dq_chunks = NCH``, BHSD): the dK/dV phase runs as ``NCH``
+    parallel chunks, each a serial run over every ``NCH``-th key tile, adding each row tile's
+    ``dS·K`` into its own slice of the workspace ``dq_workspace (NCH, B, H, Sq, D)`` float32 (a
+    caller's argument: O(S) per chunk); a last phase sums the chunks into dQ. No task recomputes
+    ``S`` and ``dP`` for dQ. Returns (the workspace, and the macros: zero a chunk's slice, add a
+    row tile's rows, sum the chunks)."""
+    B, H, SQ, D = R.B, spec.heads, R.SQ, spec.head_dim
+    DQW = tirx.decl_buffer((NCH, B, H, SQ, D), "float32", "dq_workspace", data_alignment=A)
+
+    @T.macro
+    def zero(W, ch):
+        for b, h, i in T.grid(B, H, SQ):
+            for d in T.vectorized(D):
+                W[ch, b, h, i, d] = T.float32(0)
+
+    @T.macro
+    def rows(W, K, dS, accr, ch, b, kh, h, i0, ni, j0, nj):
+        for r in T.serial(ni):  # a row's dS·K over the key tile in registers, then one add to its slice
+            for d in T.vectorized(D):
+                accr[d] = T.float32(0)
+            for c in T.serial(nj):
+                for d in T.vectorized(D):
+                    accr[d] = accr[d] + dS[r, c] * wide(K[R.k(b, kh, j0 + c, d)])
+            for d in T.vectorized(D):
+                W[ch, b, h, i0 + r, d] = W[ch, b, h, i0 + r, d] + accr[d]
+
+    @T.macro
+    def reduce(W, DQ):
+        for bh in T.parallel(B * H):
+            with T.sblock("dq_sum"):
+                vbh = T.axis.spatial(B * H, bh)
+                T.reads(W[_whole(W)])
+                T.writes(DQ[_whole(DQ)])
+                acc = T.sblock_alloc_buffer((D,), "float32", scope="local")
+                for i in T.serial(SQ):
+                    for d in T.vectorized(D):
+                        acc[d] = T.float32(0)
+                    for ch in T.serial(NCH):
+                        for d in T.vectorized(D):
+                            acc[d] = acc[d] + W[ch, vbh // H, vbh % H, i, d]
+                    for d in T.vectorized(D):
+                        DQ[vbh // H, vbh % H, i, d] = cast_to(DQ, acc[d])
+
+    return DQW, zero, rows, reduce
+
+
 def _dtensors_phase(spec: AttentionSpec, m: _ScoreMath, BN: int, BMQ: int, UP: int, macros, parts: dict):
     """The phase of the tensors' gradients (``grad_tensors``): one task per query head, over every
     sequence, row tile and key tile it sees, recomputes ``P`` and ``dT = P ∘ (dP − delta)`` and
@@ -405,8 +452,69 @@ def _dtensors_phase(spec: AttentionSpec, m: _ScoreMath, BN: int, BMQ: int, UP: i
     return phase
 
 
+def _second_pass(spec: AttentionSpec, m: _ScoreMath, BN: int, BMQ: int, PRODUCT_ROWS: int, macros):
+    """The dQ phase of the second-pass strategy: one task per (sequence, head, query tile), over
+    every key tile it sees, ``S`` and ``dP`` recomputed, ``dQ += dS·K`` with UR rows held in
+    registers across the keys."""
+    R, G, D, DV = m.rows, spec.group_size, spec.head_dim, spec.v_dim
+    f32, alibi, starts, prob, grad = "float32", spec.alibi, spec.kv_start, m.prob, m.grad
+    load_tiles, products, row_deltas, _ = macros
+    UR = _unroll(BMQ, 4 if D <= 64 else 2)  # dQ: UR rows × D/16 vectors
+
+    @T.macro
+    def phase(Q, K, V, O, LSE, DO, SL, SK, KST, DQ):
+            for task in T.parallel(R.q_tasks):
+                with T.sblock("dq"):
+                    vt = T.axis.spatial(R.q_tasks, task)
+                    T.reads(Q[_whole(Q)], K[_whole(K)], V[_whole(V)], O[_whole(O)], LSE[_whole(LSE)], DO[_whole(DO)])
+                    T.writes(DQ[_whole(DQ)])
+                    S = T.sblock_alloc_buffer((BMQ, BN), f32, scope="local")
+                    dP = T.sblock_alloc_buffer((BMQ, BN), f32, scope="local")
+                    dl = T.sblock_alloc_buffer((BMQ,), f32, scope="local")
+                    le = T.sblock_alloc_buffer((BMQ,), f32, scope="local")
+                    acc_q = T.sblock_alloc_buffer((BMQ, D), f32, scope="local")
+                    Kt = T.sblock_alloc_buffer((D, BN), f32, scope="local")
+                    Vt = T.sblock_alloc_buffer((DV, BN), f32, scope="local")
+                    seq = T.sblock_alloc_buffer((5,), "int32", scope="local")  # sequence, query head, first row
+                    R.locate(seq, vt, False)
+                    b = seq[0]
+                    h = seq[1]
+                    i0 = seq[2]
+                    if i0 < R.len_q(b):
+                        ni = T.min(BMQ, R.len_q(b) - i0)
+                        for r, d in T.grid(BMQ, D):
+                            acc_q[r, d] = T.float32(0)
+                        for r, c in T.grid(BMQ, BN):
+                            dP[r, c] = T.float32(0)
+                        row_deltas(DO, O, LSE, SK, dl, le, b, h, i0, ni)
+                        for jt in T.serial(T.max(m.first_key(i0, b), T.min(T.max(KST[b], 0), R.len_k(b)) if starts else 0) // BN,
+                                           (m.last_key(i0 + ni, b) + BN - 1) // BN):
+                            j0 = jt * BN
+                            nj = T.min(BN, R.len_k(b) - j0)
+                            load_tiles(K, V, Kt, Vt, b, h // G, j0, nj)
+                            for r0 in T.serial((ni + PRODUCT_ROWS - 1) // PRODUCT_ROWS):
+                                products(Q, DO, Kt, Vt, S, dP, b, h, i0, r0 * PRODUCT_ROWS)
+                            for r in T.serial(ni):
+                                for c in T.vectorized(BN):  # dP becomes dS (no names bound: see above)
+                                    dP[r, c] = grad(prob(S[r, c], le[r], c < nj, i0 + r, j0 + c, SL[h] if alibi else None,
+                                                         KST[b] if starts else None, b, h),
+                                                    dP[r, c] - dl[r], S[r, c], i0 + r, j0 + c, SL[h] if alibi else None, b, h)
+                            # dQ += dS·K: UR rows held across the keys (each K row load feeds UR of them);
+                            # dS rows past ni hold leftovers (their dQ rows are never stored)
+                            for r0, c in T.grid(BMQ // UR, nj):
+                                for rr in T.unroll(UR):
+                                    for d in T.vectorized(D):
+                                        acc_q[r0 * UR + rr, d] = acc_q[r0 * UR + rr, d] \
+                                            + dP[r0 * UR + rr, c] * wide(K[R.k(b, h // G, j0 + c, d)])
+                        for r in T.serial(ni):
+                            for d in T.vectorized(D):
+                                DQ[R.q(b, h, i0 + r, d)] = cast_to(DQ, acc_q[r, d])
+
+    return phase
+
+
 def backward_func(spec: AttentionSpec, block_m: int, block_n: int, block_m_dq: int, product_rows: int,
-                  grad_tensors: tuple[str, ...] = ()) -> tirx.PrimFunc:
+                  grad_tensors: tuple[str, ...] = (), dq_chunks: int = 0) -> tirx.PrimFunc:
     """The PrimFunc ``attention_backward(q, k, v, o, lse, do, [alibi_slopes], [sinks], [kv_start],
     [cu_seqlens_q, cu_seqlens_k], [key_lo, key_hi], [custom_mask, mask_indptr], [mod tensors...],
     dq, dk, dv, [dsinks])`` (the bracketed ones where the spec or layout takes them). BHSD: ``q,
@@ -427,11 +535,14 @@ def backward_func(spec: AttentionSpec, block_m: int, block_n: int, block_m_dq: i
     first_row, last_row, prob, grad, row_lse = m.first_row, m.last_row, m.prob, m.grad, m.row_lse
     alibi, sinks, starts = spec.alibi, spec.sinks, spec.kv_start
 
+    NCH = dq_chunks
+    DQW, zero_partials, dq_rows, reduce_partials = _dq_partials(spec, R, NCH) if NCH else (None,) * 4
     macros = _macros(spec, BN, PRODUCT_ROWS, m)
     load_tiles, products, row_deltas, dsinks_phase = macros
+    second_pass = _second_pass(spec, m, BN, BMQ, PRODUCT_ROWS, macros)
     dtensors_phase = _dtensors_phase(spec, m, BN, BMQ, PRODUCT_ROWS, macros, parts) if parts else None
-    # accumulation blocking: head-dim columns (dK/dV) or rows (dQ) held in registers at once
-    UK, UV, UR = _unroll(D), _unroll(DV), _unroll(BMQ, 4 if D <= 64 else 2)  # dQ: UR rows × D/16 vectors
+    # accumulation blocking: head-dim columns of dK/dV held in registers at once
+    UK, UV = _unroll(D), _unroll(DV)
 
     # not checked well-formed, as the forward's: tanh_fast's let variable appears in both arms of
     # exp2_fast's select, the same value bound twice
@@ -441,11 +552,14 @@ def backward_func(spec: AttentionSpec, block_m: int, block_n: int, block_m_dq: i
                            SK: T.Buffer((H,), f32), KST: T.Buffer((R.B,), "int32"), DQ: T.Buffer(R.qs, dt),
                            DK: T.Buffer(R.ks, dt), DV_: T.Buffer(R.vs, dt), DSK: T.Buffer((H,), f32)):
         T.func_attr({"global_symbol": "attention_backward", "tirx.noalias": True})
-        for task in T.parallel(R.k_tasks):
+        for task in T.parallel(R.k_tasks if not NCH else NCH):  # NCH: chunks of tasks, each with its dQ partials
             with T.sblock("dkdv"):
-                vt = T.axis.spatial(R.k_tasks, task)
+                vt0 = T.axis.spatial(R.k_tasks if not NCH else NCH, task)
                 T.reads(Q[_whole(Q)], K[_whole(K)], V[_whole(V)], O[_whole(O)], LSE[_whole(LSE)], DO[_whole(DO)])
-                T.writes(DK[_whole(DK)], DV_[_whole(DV_)])
+                if NCH > 0:
+                    T.writes(DK[_whole(DK)], DV_[_whole(DV_)], DQW[_whole(DQW)])
+                else:
+                    T.writes(DK[_whole(DK)], DV_[_whole(DV_)])
                 S = T.sblock_alloc_buffer((BM, BN), f32, scope="local")
                 P = T.sblock_alloc_buffer((BM, BN), f32, scope="local")
                 dP = T.sblock_alloc_buffer((BM, BN), f32, scope="local")
@@ -456,102 +570,67 @@ def backward_func(spec: AttentionSpec, block_m: int, block_n: int, block_m_dq: i
                 Kt = T.sblock_alloc_buffer((D, BN), f32, scope="local")
                 Vt = T.sblock_alloc_buffer((DV, BN), f32, scope="local")
                 seq = T.sblock_alloc_buffer((5,), "int32", scope="local")  # sequence, kv head, first key
-                R.locate(seq, vt, True)
-                b = seq[0]
-                kh = seq[1]
-                j0 = seq[2]
-                if j0 < R.len_k(b):  # a varlen slot past its sequence's tiles computes nothing
-                    nj = T.min(BN, R.len_k(b) - j0)
-                    for d, c in T.grid(D, BN):
-                        acc_k[d, c] = T.float32(0)
-                    for d, c in T.grid(DV, BN):
-                        acc_v[d, c] = T.float32(0)
-                    load_tiles(K, V, Kt, Vt, b, kh, j0, nj)  # once per task: the score rows are vectors over keys
-                    for g in T.serial(G):
-                        for it in T.serial(first_row(j0, b) // BM, (last_row(j0 + nj, b) + BM - 1) // BM):
-                            i0 = it * BM
-                            ni = T.min(BM, R.len_q(b) - i0)
-                            row_deltas(DO, O, LSE, SK, dl, le, b, kh * G + g, i0, ni)
-                            for r0 in T.serial((ni + PRODUCT_ROWS - 1) // PRODUCT_ROWS):
-                                products(Q, DO, Kt, Vt, S, dP, b, kh * G + g, i0, r0 * PRODUCT_ROWS)
-                            for r in T.serial(ni):
-                                # no names bound here: a let inside a vectorized loop is taken as one lane's
-                                for c in T.vectorized(BN):
-                                    P[r, c] = prob(S[r, c], le[r], c < nj, i0 + r, j0 + c,
-                                                   SL[kh * G + g] if alibi else None, KST[b] if starts else None,
-                                                   b, kh * G + g)
-                                for c in T.vectorized(BN):  # dP becomes dS
-                                    dP[r, c] = grad(P[r, c], dP[r, c] - dl[r], S[r, c], i0 + r, j0 + c,
-                                                    SL[kh * G + g] if alibi else None, b, kh * G + g)
-                            # dVᵀ += dOᵀ·P, dKᵀ += Qᵀ·dS: vectors over keys, UV/UK head-dim columns held
-                            # across the rows (each P/dS row load feeds that many FMAs)
-                            for d0, r in T.grid(DV // UV, ni):
-                                for dd in T.unroll(UV):
-                                    for c in T.vectorized(BN):
-                                        acc_v[d0 * UV + dd, c] = acc_v[d0 * UV + dd, c] \
-                                            + wide(DO[R.q(b, kh * G + g, i0 + r, d0 * UV + dd)]) * P[r, c]
-                            for d0, r in T.grid(D // UK, ni):
-                                for dd in T.unroll(UK):
-                                    for c in T.vectorized(BN):
-                                        acc_k[d0 * UK + dd, c] = acc_k[d0 * UK + dd, c] \
-                                            + wide(Q[R.q(b, kh * G + g, i0 + r, d0 * UK + dd)]) * dP[r, c]
-                    for c, d in T.grid(nj, D):
-                        DK[R.k(b, kh, j0 + c, d)] = cast_to(DK, acc_k[d, c])
-                    for c, d in T.grid(nj, DV):
-                        DV_[R.k(b, kh, j0 + c, d)] = cast_to(DV_, acc_v[d, c])
-        for task in T.parallel(R.q_tasks):
-            with T.sblock("dq"):
-                vt = T.axis.spatial(R.q_tasks, task)
-                T.reads(Q[_whole(Q)], K[_whole(K)], V[_whole(V)], O[_whole(O)], LSE[_whole(LSE)], DO[_whole(DO)])
-                T.writes(DQ[_whole(DQ)])
-                S = T.sblock_alloc_buffer((BMQ, BN), f32, scope="local")
-                dP = T.sblock_alloc_buffer((BMQ, BN), f32, scope="local")
-                dl = T.sblock_alloc_buffer((BMQ,), f32, scope="local")
-                le = T.sblock_alloc_buffer((BMQ,), f32, scope="local")
-                acc_q = T.sblock_alloc_buffer((BMQ, D), f32, scope="local")
-                Kt = T.sblock_alloc_buffer((D, BN), f32, scope="local")
-                Vt = T.sblock_alloc_buffer((DV, BN), f32, scope="local")
-                seq = T.sblock_alloc_buffer((5,), "int32", scope="local")  # sequence, query head, first row
-                R.locate(seq, vt, False)
-                b = seq[0]
-                h = seq[1]
-                i0 = seq[2]
-                if i0 < R.len_q(b):
-                    ni = T.min(BMQ, R.len_q(b) - i0)
-                    for r, d in T.grid(BMQ, D):
-                        acc_q[r, d] = T.float32(0)
-                    for r, c in T.grid(BMQ, BN):
-                        dP[r, c] = T.float32(0)
-                    row_deltas(DO, O, LSE, SK, dl, le, b, h, i0, ni)
-                    for jt in T.serial(T.max(m.first_key(i0, b), T.min(T.max(KST[b], 0), R.len_k(b)) if starts else 0) // BN,
-                                       (m.last_key(i0 + ni, b) + BN - 1) // BN):
-                        j0 = jt * BN
+                accr = T.sblock_alloc_buffer((D,), f32, scope="local")  # a row's dS·K over the key tile
+                if NCH > 0:
+                    zero_partials(DQW, vt0)
+                for ti in T.serial(1 if not NCH else (R.k_tasks - vt0 + NCH - 1) // NCH):
+                    vt = vt0 + ti * NCH
+                    R.locate(seq, vt, True)
+                    b = seq[0]
+                    kh = seq[1]
+                    j0 = seq[2]
+                    if j0 < R.len_k(b):  # a varlen slot past its sequence's tiles computes nothing
                         nj = T.min(BN, R.len_k(b) - j0)
-                        load_tiles(K, V, Kt, Vt, b, h // G, j0, nj)
-                        for r0 in T.serial((ni + PRODUCT_ROWS - 1) // PRODUCT_ROWS):
-                            products(Q, DO, Kt, Vt, S, dP, b, h, i0, r0 * PRODUCT_ROWS)
-                        for r in T.serial(ni):
-                            for c in T.vectorized(BN):  # dP becomes dS (no names bound: see above)
-                                dP[r, c] = grad(prob(S[r, c], le[r], c < nj, i0 + r, j0 + c, SL[h] if alibi else None,
-                                                     KST[b] if starts else None, b, h),
-                                                dP[r, c] - dl[r], S[r, c], i0 + r, j0 + c, SL[h] if alibi else None, b, h)
-                        # dQ += dS·K: UR rows held across the keys (each K row load feeds UR of them);
-                        # dS rows past ni hold leftovers (their dQ rows are never stored)
-                        for r0, c in T.grid(BMQ // UR, nj):
-                            for rr in T.unroll(UR):
-                                for d in T.vectorized(D):
-                                    acc_q[r0 * UR + rr, d] = acc_q[r0 * UR + rr, d] \
-                                        + dP[r0 * UR + rr, c] * wide(K[R.k(b, h // G, j0 + c, d)])
-                    for r in T.serial(ni):
-                        for d in T.vectorized(D):
-                            DQ[R.q(b, h, i0 + r, d)] = cast_to(DQ, acc_q[r, d])
+                        for d, c in T.grid(D, BN):
+                            acc_k[d, c] = T.float32(0)
+                        for d, c in T.grid(DV, BN):
+                            acc_v[d, c] = T.float32(0)
+                        load_tiles(K, V, Kt, Vt, b, kh, j0, nj)  # once per task: the score rows are vectors over keys
+                        for g in T.serial(G):
+                            for it in T.serial(first_row(j0, b) // BM, (last_row(j0 + nj, b) + BM - 1) // BM):
+                                i0 = it * BM
+                                ni = T.min(BM, R.len_q(b) - i0)
+                                row_deltas(DO, O, LSE, SK, dl, le, b, kh * G + g, i0, ni)
+                                for r0 in T.serial((ni + PRODUCT_ROWS - 1) // PRODUCT_ROWS):
+                                    products(Q, DO, Kt, Vt, S, dP, b, kh * G + g, i0, r0 * PRODUCT_ROWS)
+                                for r in T.serial(ni):
+                                    # no names bound here: a let inside a vectorized loop is taken as one lane's
+                                    for c in T.vectorized(BN):
+                                        P[r, c] = prob(S[r, c], le[r], c < nj, i0 + r, j0 + c,
+                                                       SL[kh * G + g] if alibi else None, KST[b] if starts else None,
+                                                       b, kh * G + g)
+                                    for c in T.vectorized(BN):  # dP becomes dS
+                                        dP[r, c] = grad(P[r, c], dP[r, c] - dl[r], S[r, c], i0 + r, j0 + c,
+                                                        SL[kh * G + g] if alibi else None, b, kh * G + g)
+                                if NCH > 0:  # this chunk's dQ rows += dS·K (the dQ phase then runs no task)
+                                    dq_rows(DQW, K, dP, accr, vt0, b, kh, kh * G + g, i0, ni, j0, nj)
+                                # dVᵀ += dOᵀ·P, dKᵀ += Qᵀ·dS: vectors over keys, UV/UK head-dim columns held
+                                # across the rows (each P/dS row load feeds that many FMAs)
+                                for d0, r in T.grid(DV // UV, ni):
+                                    for dd in T.unroll(UV):
+                                        for c in T.vectorized(BN):
+                                            acc_v[d0 * UV + dd, c] = acc_v[d0 * UV + dd, c] \
+                                                + wide(DO[R.q(b, kh * G + g, i0 + r, d0 * UV + dd)]) * P[r, c]
+                                for d0, r in T.grid(D // UK, ni):
+                                    for dd in T.unroll(UK):
+                                        for c in T.vectorized(BN):
+                                            acc_k[d0 * UK + dd, c] = acc_k[d0 * UK + dd, c] \
+                                                + wide(Q[R.q(b, kh * G + g, i0 + r, d0 * UK + dd)]) * dP[r, c]
+                        for c, d in T.grid(nj, D):
+                            DK[R.k(b, kh, j0 + c, d)] = cast_to(DK, acc_k[d, c])
+                        for c, d in T.grid(nj, DV):
+                            DV_[R.k(b, kh, j0 + c, d)] = cast_to(DV_, acc_v[d, c])
+        if NCH == 0:  # the second pass (the chunked form's dQ is in the dK/dV phase)
+            second_pass(Q, K, V, O, LSE, DO, SL, SK, KST, DQ)
+        if NCH > 0:  # dQ = the chunks' partials summed
+            reduce_partials(DQW, DQ)
         if sinks:  # static: a spec without sinks has no such phase (nor SK, DSK)
             dsinks_phase(O, DO, LSE, SK, DSK)
         if bool(parts):  # static: only with grad_tensors
             dtensors_phase(Q, K, V, O, LSE, DO, SL, SK, KST)
 
     return _with_params(attention_backward, [True] * 6 + [alibi, sinks, starts] + [True] * 3 + [sinks], 3 + sinks,
-                        R.params + m.extra.params, list(parts.values()))
+                        R.params + m.extra.params, ([DQW] if NCH else []) + list(parts.values()))
 
 
 def _with_params(func: tirx.PrimFunc, keep: list[bool], n_out: int, before: list, after: list) -> tirx.PrimFunc:
