@@ -339,3 +339,13 @@ def test_both_dq_strategies_match_the_reference(chunks):
     with pytest.raises(SpecError, match="dq_chunks=2 .* builds bhsd, not 'varlen'"):
         build_backward(dataclasses.replace(spec, layout="varlen", kv_start=False, custom_mask=False),
                        BackwardKnobs(dq_chunks=2))
+
+
+def test_the_preset_takes_a_chunk_per_core_up_to_its_cap(monkeypatch):
+    from tvm_attention import backward, hostcpu
+
+    bhsd, varlen = (AttentionSpec(batch=1, heads=2, seq_q=8, seq_kv=8, head_dim=16, layout=x) for x in ("bhsd", "varlen"))
+    for cores, chunks in ((1, 2), (4, 4), (backward.MAX_PRESET_CHUNKS, backward.MAX_PRESET_CHUNKS), (64, 0)):
+        monkeypatch.setattr(hostcpu, "available_cores", lambda cores=cores: cores)
+        assert backward.default_knobs(bhsd).dq_chunks == chunks, cores
+        assert backward.default_knobs(varlen).dq_chunks == 0

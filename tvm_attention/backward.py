@@ -83,13 +83,21 @@ class BackwardKnobs:
                                 "(the rows whose products share a K/V row load)")
 
 
+#: the most chunks the preset takes: each holds a dQ-sized workspace (B·H·Sq·D floats), so a
+#: CPU with more cores than this keeps the second pass (which needs none) unless asked
+MAX_PRESET_CHUNKS = 8
+
+
 def default_knobs(spec: AttentionSpec) -> BackwardKnobs:
     """The preset: :class:`BackwardKnobs`' tiles, and for BHSD the chunked dQ with one chunk per
     core this process may use (at least 2; B1 H8 S2k, 2 Zen 4 threads: 20–27 % faster than the
-    second pass, D 64 and 128, causal and not; 4 chunks measured the same, 8 up to 10 % slower)."""
+    second pass, D 64 and 128, causal and not; 4 chunks measured the same, 8 up to 10 % slower).
+    Fewer chunks than cores would idle cores in the dK/dV phase, more cost memory: past
+    :data:`MAX_PRESET_CHUNKS` cores the preset is the second pass."""
     from .hostcpu import available_cores  # affinity-aware
 
-    return BackwardKnobs(dq_chunks=max(2, available_cores()) if spec.layout == "bhsd" else 0)
+    cores = max(2, available_cores())
+    return BackwardKnobs(dq_chunks=cores if spec.layout == "bhsd" and cores <= MAX_PRESET_CHUNKS else 0)
 
 
 def check_spec(spec: AttentionSpec) -> None:
