@@ -1,15 +1,15 @@
-"""Attention as a differentiable torch function (issue 46, first step).
+"""Attention as a differentiable torch function (issue 46).
 
 ``tvm_attention.torch.attention(q, k, v, causal=..., window=..., softcap=..., ...)`` runs our fused
 forward (with ``lse``) and, under autograd, our fused backward (``tvm_attention.backward``): a
-``torch.autograd.Function`` over a kernel pair built once per spec (the forward through the build
-cache, both kept for the process). Keyword names are the spec's fields. This step takes what the
-backward builds: CPU float32 or bfloat16 BHSD tensors (bf16 gradients: float32 arithmetic, rounded
-once) ``q (B, H, Sq, D)``, ``k (B, KH, Skv, D)``, ``v (B, KH,
-Skv, Dv)``; causal, a window, a softcap, ALiBi (``alibi_slopes (H,)``, constants), sinks
+``torch.autograd.Function`` over a kernel pair built once per configuration, with symbolic batch
+and lengths (the forward through the build cache, both kept for the process). Keyword names are the spec's fields. This step takes what the
+backward builds: CPU float32 or bfloat16 tensors (bf16 gradients: float32 arithmetic, rounded
+once), BHSD ``q (B, H, Sq, D)``, ``k (B, KH, Skv, D)``, ``v (B, KH, Skv, Dv)`` (or FlashAttention's
+varlen form: :func:`attention_varlen`); causal, a window, a softcap, ALiBi (``alibi_slopes (H,)``, constants), sinks
 (``sinks (H,)``, which take a gradient), ``kv_start (B,)`` int32 (each sequence's keys before it
 hidden: left padding), key bounds, a custom mask and ``mask_mod`` (their zeros pass through),
-``score_mod`` (differentiated).
+``score_mod`` (differentiated; a float tensor it reads takes its gradient when it requires one).
 """
 from __future__ import annotations
 
@@ -188,7 +188,7 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
 def _fields(causal, window, softcap, scale, alibi_slopes, sinks, kv_start, key_lo, key_hi, custom_mask, score_mod,
             mask_mod, mod_tensors) -> dict[str, Any]:
     """The spec's fields of a call's variant arguments (the modifiers' tensors declared by their
-    dtypes and shapes; a tensor that requires a gradient refused by name)."""
+    dtypes and shapes)."""
     fields: dict[str, Any] = {"causal": causal, "window": window, "softcap": softcap,
                               "alibi": alibi_slopes is not None, "sinks": sinks is not None,
                               "kv_start": kv_start is not None, "key_bounds": key_lo is not None or key_hi is not None,

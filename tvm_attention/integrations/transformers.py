@@ -51,7 +51,7 @@ holding other values (a bias), a mask per head, attention dropout > 0 (training 
 position bias, a dtype other than float32/bfloat16/float16 or a device other than the CPU. A bfloat16 model runs the bf16 kernels
 (AVX512-BF16 dot products where the CPU has them). Training: a float32 or bfloat16 call whose inputs take
 gradients runs :func:`tvm_attention.torch.attention` (the fused forward with ``lse`` and the fused
-backward, a static pair per shape) with the module's variants and its mask (left padding as
+backward, one pair per configuration, symbolic in batch and lengths) with the module's variants and its mask (left padding as
 ``kv_start``, other padding as the key-mask modifier, a 4-D mask as custom bits), ``s_aux``
 taking its gradient; what that backward does not build yet (float16, a static cache) runs the
 forward, and ``backward`` through it raises naming it. A sliding layer's cache past its window (a prompt longer than the
@@ -408,7 +408,7 @@ def attention_forward(
     training = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (query, key, value, kwargs.get("s_aux")))
     why = training and _no_backward(query, cache_seqlens)
-    if training and not why:  # the fused backward (tvm_attention.torch): a static pair per shape
+    if training and not why:  # the fused backward (tvm_attention.torch): one pair per configuration
         from ..torch import attention as differentiable  # only training calls need it
 
         s_aux = kwargs.get("s_aux")
@@ -718,9 +718,9 @@ def _not_sliding_causal(mask_function, q_length, kv_length, q_offset, kv_offset,
 
 
 def _no_backward(query, cache_seqlens) -> str:
-    """Why the fused backward cannot serve a training call ('' when it can): it builds float32
-    BHSD attention with the module's variants and every mask the forward takes but a static
-    cache's."""
+    """Why the fused backward cannot serve a training call ('' when it can): it builds float32 and
+    bfloat16 BHSD attention with the module's variants and every mask the forward takes but a
+    static cache's."""
     if query.dtype not in (torch.float32, torch.bfloat16):
         return f"{str(query.dtype).removeprefix('torch.')} (the backward builds float32 and bfloat16)"
     if cache_seqlens is not None:
