@@ -319,7 +319,7 @@ def test_a_learned_bias_takes_its_gradient(layout):
 def test_both_dq_strategies_match_the_reference(chunks):
     """The second pass (0) and chunked partial sums (3 chunks: not a divisor of the key tiles),
     with sinks, ALiBi, kv_start, a custom mask and score_mod; the preset's chunks are every other
-    BHSD test's. Varlen refuses chunks by name."""
+    BHSD and varlen test's."""
     spec = AttentionSpec(batch=2, heads=4, kv_heads=2, seq_q=45, seq_kv=130, head_dim=16, causal=True, sinks=True,
                          alibi=True, kv_start=True, custom_mask=True,
                          score_mod="lambda s, b, h, q, kv: s - 0.01 * abs(q - kv)")
@@ -336,9 +336,6 @@ def test_both_dq_strategies_match_the_reference(chunks):
     for name, g in zip(("dq", "dk", "dv", "dsinks"), got):
         np.testing.assert_allclose(g, want[name], atol=2e-5, rtol=1e-4, err_msg=name)
     assert [a[0] for a in kern.args].count("dq_workspace") == (chunks > 0)
-    with pytest.raises(SpecError, match="dq_chunks=2 .* builds bhsd, not 'varlen'"):
-        build_backward(dataclasses.replace(spec, layout="varlen", kv_start=False, custom_mask=False),
-                       BackwardKnobs(dq_chunks=2))
 
 
 def test_the_preset_takes_a_chunk_per_core_up_to_its_cap(monkeypatch):
@@ -347,5 +344,4 @@ def test_the_preset_takes_a_chunk_per_core_up_to_its_cap(monkeypatch):
     bhsd, varlen = (AttentionSpec(batch=1, heads=2, seq_q=8, seq_kv=8, head_dim=16, layout=x) for x in ("bhsd", "varlen"))
     for cores, chunks in ((1, 2), (4, 4), (backward.MAX_PRESET_CHUNKS, backward.MAX_PRESET_CHUNKS), (64, 0)):
         monkeypatch.setattr(hostcpu, "available_cores", lambda cores=cores: cores)
-        assert backward.default_knobs(bhsd).dq_chunks == chunks, cores
-        assert backward.default_knobs(varlen).dq_chunks == 0
+        assert backward.default_knobs(bhsd).dq_chunks == backward.default_knobs(varlen).dq_chunks == chunks, cores

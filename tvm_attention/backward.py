@@ -12,7 +12,7 @@ parallel phases, each task writing its own rows (no atomics):
    delta) ∘ T'(X)``, ``dK += dSᵀ·Q·scale`` (GQA's sum over the group happens in the task);
 2. **dQ**, by one of the issue's two strategies (``BackwardKnobs.dq_chunks``): a second pass, one
    task per (sequence, head, query tile; varlen: a tile slot), over every key tile it can see,
-   the same ``dS`` again, ``dQ += dS·K·scale``; or (BHSD, the preset) per-chunk partial sums: the
+   the same ``dS`` again, ``dQ += dS·K·scale``; or (the preset) per-chunk partial sums: the
    dK/dV phase runs as chunks, each adding ``dS·K`` into its own dQ partials, summed at the end
    (20–27 % faster: no ``S`` and ``dP`` recomputed).
 
@@ -67,7 +67,7 @@ class BackwardKnobs:
     block_m_dq: int = 128
     #: the dQ strategy: 0, a second pass over query tiles (recomputing S and dP); N > 0, the
     #: dK/dV phase as N parallel chunks each adding dS·K into its own dQ partials, summed at the
-    #: end (BHSD; a workspace of N × B × H × Sq × D floats the call allocates)
+    #: end (a workspace of N × dQ's elements, float32, the call allocates)
     dq_chunks: int = 0
 
     def __post_init__(self) -> None:
@@ -89,7 +89,7 @@ MAX_PRESET_CHUNKS = 8
 
 
 def default_knobs(spec: AttentionSpec) -> BackwardKnobs:
-    """The preset: :class:`BackwardKnobs`' tiles, and for BHSD the chunked dQ with one chunk per
+    """The preset: :class:`BackwardKnobs`' tiles, and the chunked dQ with one chunk per
     core this process may use (at least 2; B1 H8 S2k, 2 Zen 4 threads: 20–27 % faster than the
     second pass, D 64 and 128, causal and not; 4 chunks measured the same, 8 up to 10 % slower).
     Fewer chunks than cores would idle cores in the dK/dV phase, more cost memory: past
@@ -97,7 +97,7 @@ def default_knobs(spec: AttentionSpec) -> BackwardKnobs:
     from .hostcpu import available_cores  # affinity-aware
 
     cores = max(2, available_cores())
-    return BackwardKnobs(dq_chunks=cores if spec.layout == "bhsd" and cores <= MAX_PRESET_CHUNKS else 0)
+    return BackwardKnobs(dq_chunks=cores if cores <= MAX_PRESET_CHUNKS else 0)
 
 
 def check_spec(spec: AttentionSpec) -> None:
@@ -129,8 +129,6 @@ def backward_func(spec: AttentionSpec, knobs: BackwardKnobs | None = None, grad_
     check_spec(spec)
     _check_grad_tensors(spec, grad_tensors)
     kn = knobs or default_knobs(spec)
-    if kn.dq_chunks and spec.layout != "bhsd":
-        raise SpecError(f"backward knobs: dq_chunks={kn.dq_chunks} (dQ partials) builds bhsd, not {spec.layout!r}")
     return tir(spec, kn.block_m, kn.block_n, kn.block_m_dq, PRODUCT_ROWS, tuple(grad_tensors), kn.dq_chunks)
 
 

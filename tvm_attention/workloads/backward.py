@@ -356,20 +356,31 @@ def _clear_chain(bufs: list):
 
 
 def _dq_partials(spec: AttentionSpec, R, NCH: int):
-    """The chunked dQ strategy (``dq_chunks = NCH``, BHSD): the dK/dV phase runs as ``NCH``
-    parallel chunks, each a serial run over every ``NCH``-th key tile, adding each row tile's
-    ``dS·K`` into its own slice of the workspace ``dq_workspace (NCH, B, H, Sq, D)`` float32 (a
-    caller's argument: O(S) per chunk); a last phase sums the chunks into dQ. No task recomputes
+    """The chunked dQ strategy (``dq_chunks = NCH``): the dK/dV phase runs as ``NCH`` parallel
+    chunks, each a serial run over every ``NCH``-th key tile (varlen: tile slot), adding each row
+    tile's ``dS·K`` into its own slice of the workspace ``dq_workspace (NCH, *dq's shape)`` float32
+    (a caller's argument: O(S) per chunk); a last phase sums the chunks into dQ. No task recomputes
     ``S`` and ``dP`` for dQ. Returns (the workspace, and the macros: zero a chunk's slice, add a
     row tile's rows, sum the chunks)."""
-    B, H, SQ, D = R.B, spec.heads, R.SQ, spec.head_dim
-    DQW = tirx.decl_buffer((NCH, B, H, SQ, D), "float32", "dq_workspace", data_alignment=A)
+    D = spec.head_dim
+    DQW = tirx.decl_buffer((NCH,) + tuple(R.qs), "float32", "dq_workspace", data_alignment=A)
+    rows_of = 1
+    for x in R.qs[:-1]:
+        rows_of = rows_of * x  # dQ's rows (all but head_dim), flat
+    RT = 64  # rows per task of the sum
+
+    def at(r):  # dQ's index of flat row r, without head_dim
+        out, rest = [], r
+        for x in reversed(R.qs[1:-1]):
+            out.append(rest % x)
+            rest = rest // x
+        return (rest,) + tuple(reversed(out))
 
     @T.macro
     def zero(W, ch):
-        for b, h, i in T.grid(B, H, SQ):
+        for r in T.serial(rows_of):
             for d in T.vectorized(D):
-                W[ch, b, h, i, d] = T.float32(0)
+                W[(ch,) + at(r) + (d,)] = T.float32(0)
 
     @T.macro
     def rows(W, K, dS, accr, ch, b, kh, h, i0, ni, j0, nj):
@@ -380,24 +391,24 @@ def _dq_partials(spec: AttentionSpec, R, NCH: int):
                 for d in T.vectorized(D):
                     accr[d] = accr[d] + dS[r, c] * wide(K[R.k(b, kh, j0 + c, d)])
             for d in T.vectorized(D):
-                W[ch, b, h, i0 + r, d] = W[ch, b, h, i0 + r, d] + accr[d]
+                W[(ch,) + R.q(b, h, i0 + r, d)] = W[(ch,) + R.q(b, h, i0 + r, d)] + accr[d]
 
     @T.macro
     def reduce(W, DQ):
-        for bh in T.parallel(B * H):
+        for t in T.parallel((rows_of + RT - 1) // RT):
             with T.sblock("dq_sum"):
-                vbh = T.axis.spatial(B * H, bh)
+                vt = T.axis.spatial((rows_of + RT - 1) // RT, t)
                 T.reads(W[_whole(W)])
                 T.writes(DQ[_whole(DQ)])
                 acc = T.sblock_alloc_buffer((D,), "float32", scope="local")
-                for i in T.serial(SQ):
+                for r in T.serial(T.min(RT, rows_of - vt * RT)):
                     for d in T.vectorized(D):
                         acc[d] = T.float32(0)
                     for ch in T.serial(NCH):
                         for d in T.vectorized(D):
-                            acc[d] = acc[d] + W[ch, vbh // H, vbh % H, i, d]
+                            acc[d] = acc[d] + W[(ch,) + at(vt * RT + r) + (d,)]
                     for d in T.vectorized(D):
-                        DQ[vbh // H, vbh % H, i, d] = cast_to(DQ, acc[d])
+                        DQ[at(vt * RT + r) + (d,)] = cast_to(DQ, acc[d])
 
     return DQW, zero, rows, reduce
 
