@@ -15,24 +15,38 @@ SPEC = AttentionSpec(batch=1, heads=2, seq_q=128, seq_kv=128, head_dim=16, causa
 POINTS = (BackwardKnobs(32, 32, 64), BackwardKnobs(32, 64, 128))
 
 
-def test_every_point_is_measured_recorded_and_read_back(tmp_path):
-    found = tune_backward(SPEC, tmp_path, candidates=POINTS)
+def test_every_point_is_measured_recorded_and_read_back(tmp_path, monkeypatch, capsys):
+    """``tvm-attention tune --backward`` (two points instead of the default 24: the suite's time)."""
+    from tvm_attention import cli
+    from tvm_attention.tune import backward as tb
+
+    monkeypatch.setattr(tb, "CANDIDATES", POINTS)
+    argv = ["tune", "--backward", "--batch", "1", "--heads", "2", "--seq-q", "128", "--seq-kv", "128",
+            "--head-dim", "16", "--causal", "--work-dir", str(tmp_path)]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "| block_m | block_n | block_m_dq | dq_chunks | ms |" in out and "best: block_m=" in out
+    found = best_knobs(SPEC, tmp_path, candidates=POINTS)  # from the database alone
     assert set(found.seconds) == set(POINTS) and not found.errors
+    assert f"dq_chunks={found.knobs.dq_chunks} " in out
     assert all(0 < s < 1 for s in found.seconds.values())
     assert found.knobs == min(found.seconds, key=found.seconds.get)
-    again = best_knobs(SPEC, tmp_path, candidates=POINTS)  # from the database alone
-    assert again.knobs == found.knobs and again.seconds == found.seconds
     with pytest.raises(SpecError, match="no point of .* was measured"):  # another spec: not in this log
         best_knobs(AttentionSpec(batch=1, heads=2, seq_q=128, seq_kv=128, head_dim=16), tmp_path, candidates=POINTS)
 
 
-def test_a_corrupt_or_missing_log_and_untunable_specs_are_refused_by_name(tmp_path):
+def test_a_corrupt_or_missing_log_and_untunable_specs_are_refused_by_name(tmp_path, capsys):
     with pytest.raises(SpecError, match="database_workload.json is missing"):
         best_knobs(SPEC, tmp_path)
     (tmp_path / WORKLOADS).write_text("{not json\n")
     (tmp_path / "database_tuning_record.json").write_text("")
     with pytest.raises(SpecError, match="database_workload.json, line 1, is not JSON"):
         best_knobs(SPEC, tmp_path)
+    from tvm_attention import cli
+
+    assert cli.main(["tune", "--backward", "--batch", "1", "--heads", "2", "--seq-q", "64", "--head-dim", "16",
+                     "--runner", "dir:/tmp/x", "--work-dir", str(tmp_path)]) == 2
+    assert "--runner is for the forward's search" in capsys.readouterr().err
     for kw, what in ((dict(layout="varlen"), "static BHSD spec without a custom mask"),
                      (dict(custom_mask=True), "with a custom mask"), (dict(dynamic=["seq_q"]), "symbolic dims seq_q")):
         with pytest.raises(SpecError, match=what):

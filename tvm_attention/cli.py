@@ -458,6 +458,9 @@ def cmd_tune(a: argparse.Namespace) -> int:
 
     spec = _spec_from_args(a)
     target = resolve_target(a.target, arch=a.arch)
+    if a.backward:
+        restore()
+        return tune_backward_cmd(a, spec, target)
     if spec.dynamic:
         # Symbolic kernels are tuned at their representative shape: the knobs are tile sizes and
         # register blocks, the same at every length, and MetaSchedule measures concrete shapes.
@@ -495,6 +498,31 @@ def cmd_tune(a: argparse.Namespace) -> int:
               f"({result.best_task}) {knob_summary(result.best_knobs)}")
     print(f"log: {result.work_dir}  ({result.trials_total} trials, {result.trials_new} new)")
     return 130 if result.interrupted else 0
+
+
+def tune_backward_cmd(a: argparse.Namespace, spec: AttentionSpec, target) -> int:
+    """``tune --backward``: the backward's knobs (tiles, the dQ strategy) searched with MetaSchedule
+    (``tvm_attention.tune.backward``), one task per point; the log under ``--work-dir``, default
+    ``<cache>/tuning_logs/backward/<target>/<spec>/``. Other searches' flags are refused by name."""
+    from .logs import target_key  # the log folder's target part
+    from .paths import cache_dir  # the per-user cache
+    from .tune.backward import tune_backward  # TVM loads only for the commands that compile
+
+    others = [f for f, on in (("--rpc-tracker", a.rpc_tracker), ("--runner", a.runner),
+                              ("--import-timings", a.import_timings), ("--warm-start", a.warm_start)) if on]
+    if others:
+        raise SpecError(f"tune --backward measures every knob point on this machine; {', '.join(others)} is for the "
+                        "forward's search")
+    work = a.work_dir or cache_dir() / "tuning_logs" / "backward" / target_key(target) / spec.short_name()
+    found = tune_backward(spec, work, target)
+    print("| block_m | block_n | block_m_dq | dq_chunks | ms |\n|---|---|---|---|---|")
+    for kn, secs in sorted(found.seconds.items(), key=lambda x: (x[1] is None, x[1] or 0)):
+        print(f"| {kn.block_m} | {kn.block_n} | {kn.block_m_dq} | {kn.dq_chunks} | "
+              f"{'failed' if secs is None else format(secs * 1e3, '.3f')} |")
+    k = found.knobs
+    print(f"best: block_m={k.block_m} block_n={k.block_n} block_m_dq={k.block_m_dq} dq_chunks={k.dq_chunks} "
+          f"(tvm_attention.backward.BackwardKnobs); log: {found.work_dir}")
+    return 0
 
 
 def _tune_by_files(a: argparse.Namespace, spec: AttentionSpec, target, progress) -> int:
@@ -965,6 +993,7 @@ def build_parser() -> "_Parser":
                    help="train the cost model first on another spec's tuning log (same target)")
     g.add_argument("--seed", type=int, default=0, help="seed of the search (and of the validation inputs)")
     g.add_argument("--threads", type=int, default=None, help="runtime threads when measuring (default: all cores)")
+    g.add_argument("--backward", action="store_true", help="search the backward's knobs instead (docs/backward.md)")
     g = p.add_argument_group("measuring elsewhere (docs/tuning.md)")
     g.add_argument("--rpc-tracker", default=None, metavar="HOST:PORT",
                    help="measure on the devices registered with this RPC tracker (builds stay local)")
@@ -977,8 +1006,7 @@ def build_parser() -> "_Parser":
                         "timings.json back into PATH, then rerun with --import-timings PATH (docs/tuning.md)")
     g.add_argument("--import-timings", default=None, metavar="PATH",
                    help="commit the timings.json of the payload PATH (written by --runner dir:PATH) to the log")
-    g.add_argument("--wheel", action="store_true",
-                   help="--runner dir: also carry tvm-ffi's cp312 wheel (the device has no package index)")
+    g.add_argument("--wheel", action="store_true", help="--runner dir: also carry tvm-ffi's cp312 wheel (no package index)")
     p.set_defaults(func=cmd_tune)
 
     p = sub.add_parser("bench", help="sweep sequence length for every variant side by side; table, CSV/JSON, plots",

@@ -69,7 +69,7 @@ def _modules(spec: AttentionSpec, target, candidates):
 
 
 def tune_backward(spec: AttentionSpec, work_dir: str | Path, target: Any = "llvm",
-                  candidates: tuple[BackwardKnobs, ...] = CANDIDATES) -> BackwardSearch:
+                  candidates: tuple[BackwardKnobs, ...] | None = None) -> BackwardSearch:
     """Measure every point of ``candidates`` with MetaSchedule's local builder and runner (in
     workers without torch), record each in the JSON database, and return the fastest (the module
     docstring). A point that fails to build or run is recorded as failed (1e10 s)."""
@@ -85,6 +85,7 @@ def tune_backward(spec: AttentionSpec, work_dir: str | Path, target: Any = "llvm
 
     check_spec(spec)
     check_tunable(spec)
+    candidates = CANDIDATES if candidates is None else candidates
     target = resolve_target(target)
     work = Path(work_dir)
     work.mkdir(parents=True, exist_ok=True)
@@ -111,7 +112,7 @@ def tune_backward(spec: AttentionSpec, work_dir: str | Path, target: Any = "llvm
 
 
 def best_knobs(spec: AttentionSpec, work_dir: str | Path, target: Any = "llvm",
-               candidates: tuple[BackwardKnobs, ...] = CANDIDATES) -> BackwardSearch:
+               candidates: tuple[BackwardKnobs, ...] | None = None) -> BackwardSearch:
     """The result of a search recorded in ``work_dir`` for ``spec`` on ``target``, read from its
     database without running anything; a missing or corrupt database is a :class:`SpecError`
     naming the file."""
@@ -120,7 +121,7 @@ def best_knobs(spec: AttentionSpec, work_dir: str | Path, target: Any = "llvm",
     check_tunable(spec)
     _check_log(Path(work_dir))  # before any workload is generated
     target = resolve_target(target)
-    return _read(spec, target, Path(work_dir), _modules(spec, target, candidates))
+    return _read(spec, target, Path(work_dir), _modules(spec, target, CANDIDATES if candidates is None else candidates))
 
 
 def _check_log(work: Path) -> None:
