@@ -162,3 +162,34 @@ def test_a_learned_bias_takes_its_gradient():
     assert np.abs(want[:, 0]).min() > 0 and not want[:, 17:].any() and not want[:, 1:10].any()
     with pytest.raises(ValueError, match="'doc' is not a float32 tensor of the spec's score_mod"):
         reference_attention_backward(spec, q, k, v, do, grad_tensors=("doc",), mod_tensors={"bias": bias})
+
+
+@pytest.mark.parametrize("case", ["causal_softcap_sinks", "window_alibi", "score_mod_smooth"])
+def test_torch_gradcheck_of_the_reference(case):
+    """``torch.autograd.gradcheck`` in float64: the reference's backward, as a torch function of q,
+    k, v (and the sinks), against torch's numerical Jacobian on small shapes."""
+    torch = pytest.importorskip("torch")
+    spec = AttentionSpec(batch=1, heads=2, kv_heads=1, seq_q=3, seq_kv=4, head_dim=2,
+                         **{k: v for k, v in CASES[case].items()})
+    rng = np.random.default_rng(5)
+    args = {"alibi_slopes": np.abs(rng.standard_normal(2))} if spec.alibi else {}
+
+    class Ref(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, sinks):
+            ctx.save_for_backward(q, k, v, sinks)
+            extra = dict(args, **({"sinks": sinks.numpy()} if spec.sinks else {}))
+            return torch.from_numpy(reference_attention(spec, q.numpy(), k.numpy(), v.numpy(), **extra))
+
+        @staticmethod
+        def backward(ctx, do):
+            q, k, v, sinks = ctx.saved_tensors
+            extra = dict(args, **({"sinks": sinks.numpy()} if spec.sinks else {}))
+            g = reference_attention_backward(spec, q.numpy(), k.numpy(), v.numpy(), do.numpy(), **extra)
+            ds = torch.from_numpy(g["dsinks"]) if spec.sinks else torch.zeros_like(sinks)
+            return torch.from_numpy(g["dq"]), torch.from_numpy(g["dk"]), torch.from_numpy(g["dv"]), ds
+
+    gen = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(s, generator=gen, dtype=torch.float64, requires_grad=True)
+              for s in ((1, 2, 3, 2), (1, 1, 4, 2), (1, 1, 4, 2), (2,))]
+    assert torch.autograd.gradcheck(Ref.apply, inputs, eps=1e-6, atol=1e-6)
