@@ -58,7 +58,8 @@ def test_values_and_gradients_equal_torch_autograd(kw):
         torch.testing.assert_close(got.double(), w, atol=5e-5, rtol=1e-4, msg=name)
 
 
-def test_one_build_per_spec_and_bad_input_is_named():
+def test_one_build_per_spec_and_bad_input_is_named(monkeypatch, tmp_path):
+    monkeypatch.setenv("TVM_ATTENTION_CACHE_DIR", str(tmp_path))
     q = torch.randn(1, 2, 8, 16, requires_grad=True)
     k = v = torch.randn(1, 2, 8, 16)
     before = _pair.cache_info().misses
@@ -67,6 +68,12 @@ def test_one_build_per_spec_and_bad_input_is_named():
         attention(x, x[:, :, :n - 3], x[:, :, :n - 3], causal=True).sum().backward()
         assert x.grad.shape == x.shape and torch.isfinite(x.grad).all()
     assert _pair.cache_info().misses == before + 1
+    # another process (here: the pair forgotten) loads the backward from the disk cache, no build
+    import tvm_attention.backward as backward
+
+    _pair.cache_clear()
+    monkeypatch.setattr(backward, "build_backward", lambda *a, **k: pytest.fail("rebuilt a cached backward"))
+    attention(q, k, v, causal=True).sum().backward()
     with pytest.raises(SpecError, match="CPU float32 or bfloat16"):
         attention(q.double(), k, v)
     with pytest.raises(SpecError, match="q's dtype"):

@@ -53,14 +53,17 @@ def validate_backward(kernel: BackwardKernel, seed: int = 0) -> dict[str, Any]:
     if spec.alibi:
         args["alibi_slopes"] = np.abs(args["alibi_slopes"]) * 0.1
     one = AttentionSpec.from_dict({**spec.to_dict(), "layout": "bhsd", "batch": 1, "dynamic": []})
+    kargs, rargs = _variant_args(spec, lens, rng)
     errs, per = 0.0, []
-    for sq, skv in lens:  # one sequence at a time: BHSD batch 1
+    for b, (sq, skv) in enumerate(lens):  # one sequence at a time: BHSD batch 1
         q, do = (rng.standard_normal((1, spec.heads, sq, d)).astype(dt) for d in (spec.head_dim, spec.v_dim))
         k, v = (rng.standard_normal((1, spec.kv_heads, skv, d)).astype(dt) for d in (spec.head_dim, spec.v_dim))
-        o, lse = reference_attention(one, q, k, v, return_lse=True, **args)
+        ref = dict(args, **{n: x[b:b + 1] for n, x in rargs.items() if n == "kv_start"},
+                   **{n: x for n, x in rargs.items() if n != "kv_start"})
+        o, lse = reference_attention(one, q, k, v, return_lse=True, seq_index=b, **ref)
         per.append((q, k, v, o.astype(dt), lse.astype(np.float32), do,
-                    reference_attention_backward(one, q, k, v, do, **args)))
-    got = _run(kernel, per, args, lens)
+                    reference_attention_backward(one, q, k, v, do, seq_index=b, **ref)))
+    got = _run(kernel, per, dict(args, **kargs), lens)
     pairs = [(g, want[name]) for (*_, want), grads in zip(per, got) for name, g in zip(OUTPUTS[:3], grads)]
     if spec.sinks:  # one dsinks for the whole call: the sequences' sum
         pairs.append((got[0][3], sum(p[-1]["dsinks"] for p in per)))
@@ -70,6 +73,34 @@ def validate_backward(kernel: BackwardKernel, seed: int = 0) -> dict[str, Any]:
     tol = 1e-2 if spec.dtype == "bfloat16" else 1e-4
     return {"passed": bool(errs <= tol), "max_rel_error": errs, "tolerance": tol, "seed": seed,
             "shapes": [list(x) for x in lens]}
+
+
+def _variant_args(spec: AttentionSpec, lens: list, rng) -> tuple[dict, dict]:
+    """The variants' arguments for validation (the kernel's, the reference's): ``kv_start`` 0,
+    key bounds seeing every key, a custom mask of ~80 % of the pairs, the modifiers' tensors
+    (int32 zeros, float32 small normals) at their declared shapes."""
+    from .masks import pack_mask  # the custom mask's bits
+
+    kargs, rargs = {}, {}
+    n, keys = len(lens), max(x[1] for x in lens)
+    if spec.kv_start:
+        kargs["kv_start"] = rargs["kv_start"] = np.zeros(n, np.int32)
+    if spec.key_bounds:
+        kargs["key_lo"] = rargs["key_lo"] = np.zeros((n, keys), np.int32)
+        kargs["key_hi"] = rargs["key_hi"] = np.full((n, keys), keys, np.int32)
+    if spec.custom_mask:
+        packed, indptr = pack_mask([rng.random(x) < 0.8 for x in lens])
+        kargs.update(custom_mask=packed, mask_indptr=indptr)
+        rargs["custom_mask"] = (packed, indptr)
+    tensors = {}
+    for name, dtype, dims in spec.mod_tensors:
+        shape = tuple(d if isinstance(d, int) else getattr(spec, d) for d in dims)
+        tensors[name] = np.zeros(shape, np.int32) if dtype == "int32" else \
+            (rng.standard_normal(shape) * 0.1).astype(np.float32)
+    if tensors:
+        kargs.update(tensors)
+        rargs["mod_tensors"] = tensors
+    return kargs, rargs
 
 
 def _run(kernel: BackwardKernel, per: list, args: dict, lens: list) -> list:

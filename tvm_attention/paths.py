@@ -12,6 +12,7 @@ plain ``build`` never leaves an empty cache behind.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -28,3 +29,19 @@ def cache_dir() -> Path:
     if xdg and os.path.isabs(xdg):
         return Path(xdg) / APP
     return Path.home() / ".cache" / APP
+
+
+@contextlib.contextmanager
+def file_lock(out: Path):
+    """An exclusive ``flock`` on ``<out>.lock`` beside a cached artifact: one builder per key at a
+    time across processes (the kernel drops it however the process ends)."""
+    import fcntl  # POSIX only: the caches' builders run there
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(str(out.parent / f".{out.name}.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)

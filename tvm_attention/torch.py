@@ -13,6 +13,7 @@ hidden: left padding), key bounds, a custom mask and ``mask_mod`` (their zeros p
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -31,7 +32,41 @@ def _pair(spec: AttentionSpec, grad_tensors: tuple[str, ...] = ()):
     from .backward import build_backward  # the compiler's side (imports TVM)
     from .build import build_kernel  # the compiler's side (imports TVM)
 
-    return kernel_of(build_kernel(spec, cache=True)), build_backward(spec, grad_tensors=grad_tensors)
+    return kernel_of(build_kernel(spec, cache=True)), _cached_backward(spec, grad_tensors)
+
+
+def _cached_backward(spec: AttentionSpec, grad_tensors: tuple[str, ...]):
+    """The backward of ``spec`` from the on-disk cache, as the transformers backend keeps its
+    artifacts: ``<cache>/backward/<key>/`` (``tvm_attention.paths.cache_dir``; the key hashes the
+    spec, the knobs, ``grad_tensors``, the target and the versions), an exported and validated
+    artifact (``tvm_attention.backward_artifact``) loaded in later processes without a rebuild;
+    one that does not load is rebuilt, with a warning. Builders of one key take a file lock."""
+    import hashlib
+    import json
+    import warnings
+
+    import tvm  # the compiler's side: this function builds on a miss
+
+    from . import __version__  # the key names the version that built it
+    from .backward import build_backward, default_knobs  # the compiler's side (imports TVM)
+    from .backward_artifact import export_backward, load_backward  # the artifact's two ends
+    from .paths import cache_dir, file_lock  # the per-user cache; one builder per key across processes
+    from .target import resolve_target  # this CPU's target
+
+    knobs, target = default_knobs(spec), resolve_target("llvm")
+    ident = {"spec": spec.to_dict(), "knobs": dataclasses.asdict(knobs), "wrt": list(grad_tensors),
+             "target": str(target), "tvm_attention": __version__, "tvm": tvm.__version__}
+    key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+    out = cache_dir() / "backward" / f"{spec.short_name()}_{key}"
+    with file_lock(out):
+        if (out / "manifest.json").is_file():
+            try:
+                return load_backward(out)
+            except Exception as e:  # noqa: BLE001 - any unloadable artifact is rebuilt, said once
+                warnings.warn(f"{out}: cached backward does not load ({e}); rebuilding it", RuntimeWarning,
+                              stacklevel=3)
+        export_backward(build_backward(spec, knobs, grad_tensors=grad_tensors), out)
+        return load_backward(out)
 
 
 def spec_of(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str = "bhsd", **fields: Any) -> AttentionSpec:

@@ -89,7 +89,7 @@ from typing import Any, Callable
 import torch
 
 from .. import __version__, load
-from ..paths import cache_dir
+from ..paths import cache_dir, file_lock
 from ..spec import DYNAMIC_DIMS, AttentionSpec, SpecError
 
 NAME = "tvm_attention"
@@ -349,7 +349,7 @@ def kernel_for(config: LayerConfig):
     spec = config.spec()
     target = resolved_target()
     out = artifact_root() / config.key(target)
-    with _file_lock(out):
+    with file_lock(out):
         rebuild = False
         if (out / "manifest.json").exists():
             try:
@@ -743,20 +743,6 @@ class _NoBackward(torch.autograd.Function):
                            "train with attn_implementation=\"sdpa\"")
 
 
-@contextlib.contextmanager
-def _file_lock(out: Path):
-    """An exclusive ``flock`` on ``<out>.lock`` beside the artifact: one builder per key at a
-    time across processes (the kernel drops it however the process ends)."""
-    import fcntl
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(str(out.parent / f".{out.name}.lock"), os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        os.close(fd)
 
 
 def _build_into(spec, target, out: Path) -> None:
