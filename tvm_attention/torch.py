@@ -106,7 +106,7 @@ REPRESENTATIVE_SEQ = 256
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 
 
-def _np(t: torch.Tensor):
+def to_numpy(t: torch.Tensor):
     """``t`` as a NumPy array without a copy (bf16 as ml_dtypes', which NumPy lacks)."""
     t = t.detach().contiguous()
     if t.dtype != torch.bfloat16:
@@ -141,11 +141,11 @@ class _Attention(torch.autograd.Function):
         q, k, v, o, lse, sinks, *tensors = ctx.saved_tensors
         spec = ctx.spec
         _, bwd = _pair(spec, ctx.wrt)
-        arrays = [_np(t.to(q.dtype) if t is do else t) for t in (q, k, v, o, lse, do)]
+        arrays = [to_numpy(t.to(q.dtype) if t is do else t) for t in (q, k, v, o, lse, do)]
         args = {n: t.numpy() for n, t in ctx.extra.items()}
-        args.update({n: _np(t) for n, t in zip(ctx.wrt, tensors)})
+        args.update({n: to_numpy(t) for n, t in zip(ctx.wrt, tensors)})
         if spec.sinks:
-            args["sinks"] = _np(sinks)
+            args["sinks"] = to_numpy(sinks)
         grads = [_tensor_of(np.ascontiguousarray(g)) for g in bwd(*arrays, **args)]
         dsinks = grads[3] if spec.sinks else None
         return (grads[0], grads[1], grads[2], dsinks, None, None, None, *grads[3 + spec.sinks:])

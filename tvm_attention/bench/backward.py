@@ -141,14 +141,10 @@ def _point(cfg: Config, d: int, s: int, causal: bool, fma_gflops: float, dtype: 
 
 
 def spec_array(t) -> np.ndarray:
-    """A torch tensor as the NumPy array the kernels take (bf16: ml_dtypes', through its bits)."""
-    import torch  # the peer's tensors
+    """A torch tensor as the NumPy array the kernels take, a copy (bf16: ml_dtypes', through its bits)."""
+    from ..torch import to_numpy  # the torch function's conversion
 
-    if t.dtype != torch.bfloat16:
-        return t.numpy().copy()
-    import ml_dtypes  # TVM's own dependency
-
-    return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16).copy()
+    return to_numpy(t).copy()
 
 
 def markdown(report: dict[str, Any]) -> str:

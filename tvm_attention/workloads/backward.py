@@ -162,6 +162,14 @@ class _ScoreMath:
     def first_key(self, i0, b):  # the first key row i0 may see (a left bound)
         return T.max(0, i0 + self.off(b) - self.vis.left) if self.vis.left >= 0 else 0
 
+    def first_key_tile(self, i0, b, start, BN: int):
+        """The first key tile a row tile from ``i0`` may see: its first key, or the sequence's
+        ``kv_start`` (clamped into its keys; None: none) when later."""
+        first = self.first_key(i0, b)
+        if start is not None:
+            first = T.max(first, T.min(T.max(start, 0), self.rows.len_k(b)))
+        return first // BN
+
     def last_key(self, i1, b):  # one past the last key row i1 − 1 may see (a right bound)
         skv = self.rows.len_k(b)
         return T.min(skv, i1 - 1 + self.off(b) + self.vis.right + 1) if self.vis.right >= 0 else skv
@@ -446,7 +454,7 @@ def _dtensors_phase(spec: AttentionSpec, m: _ScoreMath, BN: int, BMQ: int, UP: i
                         ni = T.min(BMQ, R.len_q(b) - it * BMQ)
                         row_deltas(DO, O, LSE, SK, dl, le, b, vh, it * BMQ, ni)
                         for jt in T.serial(
-                                T.max(m.first_key(it * BMQ, b), T.min(T.max(KST[b], 0), R.len_k(b)) if starts else 0) // BN,
+                                m.first_key_tile(it * BMQ, b, KST[b] if starts else None, BN),
                                 (m.last_key(it * BMQ + ni, b) + BN - 1) // BN):
                             load_tiles(K, V, Kt, Vt, b, vh // G, jt * BN, T.min(BN, R.len_k(b) - jt * BN))
                             for r0 in T.serial((ni + UP - 1) // UP):
@@ -498,7 +506,7 @@ def _second_pass(spec: AttentionSpec, m: _ScoreMath, BN: int, BMQ: int, PRODUCT_
                         for r, c in T.grid(BMQ, BN):
                             dP[r, c] = T.float32(0)
                         row_deltas(DO, O, LSE, SK, dl, le, b, h, i0, ni)
-                        for jt in T.serial(T.max(m.first_key(i0, b), T.min(T.max(KST[b], 0), R.len_k(b)) if starts else 0) // BN,
+                        for jt in T.serial(m.first_key_tile(i0, b, KST[b] if starts else None, BN),
                                            (m.last_key(i0 + ni, b) + BN - 1) // BN):
                             j0 = jt * BN
                             nj = T.min(BN, R.len_k(b) - j0)
