@@ -96,9 +96,9 @@ def test_a_changed_knob_spec_target_or_source_misses(seed, cache_root, monkeypat
     preset = seed[0].knobs
     others = [_key(block_n=preset.block_n // 2), _key(dataclasses.replace(SPEC, seq_kv=81)),
               _key(dataclasses.replace(SPEC, softcap=30.0)), _key(schedule="rowcache"),
-              # another CPU than the host's (an AVX2 run's host target is znver3 itself)
-              _key(target=resolve_target({"kind": "llvm", "mcpu": "znver4" if TARGET.attrs["mcpu"] == "znver3"
-                                          else "znver3"})),
+              # another CPU than the host's (an AVX2 run's host target is x86-64-v3 itself)
+              _key(target=resolve_target({"kind": "llvm", "mcpu": "znver4" if TARGET.attrs["mcpu"] == "x86-64-v3"
+                                          else "x86-64-v3"})),
               _key(target=resolve_target({"kind": "llvm", "num-cores": 1}))]
     assert len({key, *others}) == 1 + len(others)
     # a knob changed: built, validated, stored beside the first
@@ -271,6 +271,6 @@ def test_only_cpu_targets_this_host_runs_are_cached(cache_root, monkeypatch):
 
     assert build_cache.cacheable(TARGET)
     assert not build_cache.cacheable(resolve_target("cuda", arch="sm_80"))
-    monkeypatch.setenv(HOST_CPU_ENV, "znver3")  # an AVX2 host: a znver4 build is cross-compiled, never loaded
+    monkeypatch.setenv(HOST_CPU_ENV, "x86-64-v3")  # an AVX2 host: a znver4 build is cross-compiled, never loaded
     assert not build_cache.cacheable(resolve_target({"kind": "llvm", "mcpu": "znver4"}))
     assert build_cache.cacheable(resolve_target("llvm"))

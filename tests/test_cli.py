@@ -108,7 +108,7 @@ def test_run_takes_a_json_target_this_host_runs_and_keeps_knob_experiments_apart
 def test_run_refuses_a_target_this_host_cannot_run(tmp_path, capsys, monkeypatch, target, message):
     from tvm_attention.hostcpu import HOST_CPU_ENV
 
-    monkeypatch.setenv(HOST_CPU_ENV, "znver3")
+    monkeypatch.setenv(HOST_CPU_ENV, "x86-64-v3")
     arch = ["--arch", "sm_80"] if target == "cuda" else []
     rc = main(["run", "--target", target, *arch, "--out", str(tmp_path / "x")])
     assert rc == 2 and message in capsys.readouterr().err

@@ -171,7 +171,7 @@ def test_half_inputs_without_dot_products_convert_in_vectors_on_avx2():
     from tvm_attention.build import build_kernel
     from tvm_attention.workloads.fused import fused_attention, stages_half_keys
 
-    avx2 = {"kind": "llvm", "mcpu": "znver3", "num-cores": 2}
+    avx2 = {"kind": "llvm", "mcpu": "x86-64-v3", "num-cores": 2}
     spec = AttentionSpec(batch=1, heads=2, kv_heads=1, seq_q=70, seq_kv=133, head_dim=64, causal=True)
     for dtype, instr, staged in (("float32", "vfmadd", False), ("float16", "vcvtph2ps", True),
                                  ("bfloat16", "vpslld", False)):

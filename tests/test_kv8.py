@@ -387,7 +387,7 @@ def test_decode_dot_is_the_bf16_preset_and_matches_the_float32_products():
     np.testing.assert_allclose(np.asarray(l1), np.asarray(l0), atol=1e-5, rtol=1e-5)
     for bad, target in ((dict(dtype="float16"), host), (dict(dtype="float32"), host),
                         (dict(dtype="float32", kv_dtype="int8"), host),
-                        ({}, resolve_target({"kind": "llvm", "mcpu": "znver3"}))):
+                        ({}, resolve_target({"kind": "llvm", "mcpu": "x86-64-v3"}))):
         s = AttentionSpec(**{**spec.to_dict(), **bad})
         with pytest.raises(KnobError, match="decode_dot=1 needs"):
             cpu_fused.check(dataclasses.replace(cpu_fused.preset(s, target), decode_dot=1), s, target)
@@ -497,7 +497,7 @@ def test_qk_int8_avx2_form_matches_its_reference():
     from tvm_attention.schedules import cpu_fused
     from tvm_attention.target import resolve_target
 
-    avx2 = resolve_target({"kind": "llvm", "mcpu": "znver3"})
+    avx2 = resolve_target({"kind": "llvm", "mcpu": "x86-64-v3"})
     spec = AttentionSpec(layout="paged", batch=2, heads=8, kv_heads=2, seq_q=1, seq_kv=300, head_dim=64, causal=True,
                          dtype="float32", kv_dtype="int8", qk_int8=True, return_lse=True)
     assert cpu_fused.preset(spec, avx2).decode_dot == 3

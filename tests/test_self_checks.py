@@ -211,12 +211,12 @@ def test_host_features_are_what_the_cpu_offers():
 
 
 def test_the_override_makes_this_host_an_avx2_one(monkeypatch):
-    monkeypatch.setenv(HOST_CPU_ENV, "znver3")
+    monkeypatch.setenv(HOST_CPU_ENV, "x86-64-v3")
     from tvm_attention.target import resolve_target, runnable_here, vector_lanes
 
     assert "avx512f" not in host_features()
     target = resolve_target("llvm")
-    assert target.attrs["mcpu"] == "znver3" and vector_lanes(target) == 8 and runnable_here(target)
+    assert target.attrs["mcpu"] == "x86-64-v3" and vector_lanes(target) == 8 and runnable_here(target)
     assert not runnable_here(resolve_target(ZNVER4))
     monkeypatch.setenv(HOST_CPU_ENV, "not-a-cpu")
     with pytest.raises(HostCPUError, match="not-a-cpu"):
@@ -226,7 +226,7 @@ def test_the_override_makes_this_host_an_avx2_one(monkeypatch):
 def test_a_build_for_a_cpu_the_host_lacks_is_cross_compiled_never_run(tmp_path, monkeypatch):
     """Under the AVX2 override (any host): a znver4 build exports with its validation not run,
     refuses to run, and its artifact is refused by ``load``, naming avx512f."""
-    monkeypatch.setenv(HOST_CPU_ENV, "znver3")
+    monkeypatch.setenv(HOST_CPU_ENV, "x86-64-v3")
     spec = AttentionSpec(batch=1, heads=2, seq_q=64, head_dim=64)
     b = build_kernel(spec, target=ZNVER4)
     assert "avx512f" in b.cpu_features
@@ -237,12 +237,12 @@ def test_a_build_for_a_cpu_the_host_lacks_is_cross_compiled_never_run(tmp_path, 
     export(b, tmp_path / "a", v)
     m = json.loads((tmp_path / "a" / "manifest.json").read_text())
     assert "avx512f" in m["cpu_features"] and m["validation"]["ran"] is False
-    with pytest.raises(ArtifactError, match=r"needs CPU features .*avx512f.* TVM_ATTENTION_HOST_CPU=znver3"):
+    with pytest.raises(ArtifactError, match=r"needs CPU features .*avx512f.* TVM_ATTENTION_HOST_CPU=x86-64-v3"):
         load(tmp_path / "a")
 
 
 def test_cli_cross_compiles_and_refuses_to_run_it(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv(HOST_CPU_ENV, "znver3")
+    monkeypatch.setenv(HOST_CPU_ENV, "x86-64-v3")
     flags = ["--heads", "2", "--seq-q", "64", "--head-dim", "64", "--batch", "1", "--target", json.dumps(ZNVER4)]
     assert cli.main(["build", *flags, "--out", str(tmp_path / "a"), "--no-log"]) == 0
     out = capsys.readouterr().out
