@@ -191,3 +191,43 @@ def test_failed_validation_is_not_exported(tmp_path):
     with pytest.raises(ValidationFailed):
         export(b, tmp_path / "x", bad)
     assert not (tmp_path / "x" / "manifest.json").exists()
+
+
+def test_an_artifact_loads_only_its_own_regular_files(artifact, tmp_path, monkeypatch):
+    """A library or runtime that is a symbolic link (to a file outside the folder, or inside it)
+    is refused by name; the library loaded is the bytes that were checked, so one swapped
+    after the check is refused, never run (the loader reads, hashes and loads a private copy)."""
+    import shutil
+
+    import tvm_attention.loader as loader
+
+    for name in ("attention.so", "libtvm_runtime.so"):
+        bad = tmp_path / name.split(".")[0]
+        shutil.copytree(artifact, bad)
+        outside = tmp_path / f"outside-{name}"
+        shutil.move(bad / name, outside)
+        (bad / name).symlink_to(outside)
+        with pytest.raises(ArtifactError, match=f"{name}: a symbolic link"):
+            load(bad)
+    swapped = tmp_path / "swapped"
+    shutil.copytree(artifact, swapped)
+    real = loader.check_cpu_features
+
+    def swap_then_check(*a, **k):  # runs after the digests were checked, before the library loads
+        (swapped / "attention.so").write_bytes((swapped / "libtvm_runtime.so").read_bytes())
+        return real(*a, **k)
+
+    monkeypatch.setattr(loader, "check_cpu_features", swap_then_check)
+    with pytest.raises(ArtifactError, match="attention.so: SHA-256 does not match"):
+        load(swapped)
+    monkeypatch.undo()
+    kernel = load(artifact)  # the artifact itself still loads and runs
+    q, k, v = random_inputs(SPEC, seed=4)
+    assert np.isfinite(kernel(q, k, v)).all()
+    for manifest in ([1, 2], {"manifest_version": 1, "entry": "attention", "library": "attention.so", "spec": {},
+                              "args": [], "runtime_libraries": {"file": "x"}}):
+        broken = tmp_path / f"broken{type(manifest).__name__}"
+        shutil.copytree(artifact, broken)
+        (broken / "manifest.json").write_text(json.dumps(manifest))
+        with pytest.raises(ArtifactError, match="a manifest is a JSON object|runtime_libraries must be a list"):
+            load(broken)

@@ -106,3 +106,48 @@ def test_a_kernel_that_disagrees_with_the_reference_is_not_exported(exported, tm
     with pytest.raises(ArtifactError, match="failed validation, not exported"):
         export_backward(wrong, tmp_path / "wrong")
     assert not (tmp_path / "wrong").exists()
+
+
+def test_a_manifest_missing_what_loading_needs_is_refused_by_name(exported, tmp_path):
+    """A manifest without ``runtime_libraries`` or ``library_sha256``, or one that is a JSON list,
+    is an ArtifactError naming the key (not a KeyError); a library that is a symbolic link is
+    refused, and one swapped after the digests were checked never loads."""
+    import shutil
+
+    import tvm_attention.backward_artifact as ba
+
+    _, out, manifest = exported
+    cases = {"runtime_libraries": None, "library_sha256": None, "knobs": "x"}
+    for key, value in cases.items():
+        bad = tmp_path / key
+        shutil.copytree(out, bad)
+        edited = {k: v for k, v in manifest.items() if k != key or value is not None}
+        if value is not None:
+            edited[key] = value
+        (bad / "manifest.json").write_text(json.dumps(edited))
+        with pytest.raises(ArtifactError, match=f"manifest's '{key}' is missing or not a"):
+            load_backward(bad)
+    (tmp_path / "list").mkdir()
+    (tmp_path / "list" / "manifest.json").write_text("[1, 2]")
+    with pytest.raises(ArtifactError, match="a manifest is a JSON object, got a list"):
+        load_backward(tmp_path / "list")
+    link = tmp_path / "link"
+    shutil.copytree(out, link)
+    (link / "attention_backward.so").unlink()
+    (link / "attention_backward.so").symlink_to(out / "attention_backward.so")  # the very same bytes, elsewhere
+    with pytest.raises(ArtifactError, match="attention_backward.so: a symbolic link"):
+        load_backward(link)
+    swapped = tmp_path / "swapped"
+    shutil.copytree(out, swapped)
+    real = ba.check_cpu_features
+
+    def swap_then_check(*a, **k):
+        (swapped / "attention_backward.so").write_bytes(b"\x7fELF" + b"\0" * 100)
+        return real(*a, **k)
+
+    ba.check_cpu_features = swap_then_check
+    try:
+        with pytest.raises(ArtifactError, match="attention_backward.so: SHA-256 does not match"):
+            load_backward(swapped)
+    finally:
+        ba.check_cpu_features = real

@@ -23,13 +23,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from .backward import ENTRY, OUTPUTS, BackwardKernel, BackwardKnobs
-from .loader import ArtifactError, check_cpu_features, check_library_spec, library_digest, load_module
+from .loader import (ArtifactError, check_cpu_features, check_library_spec, library_digest, load_module,
+                     runtime_entries)
 from .spec import AttentionSpec
 
 FORMAT = "tvm-attention-backward"
@@ -157,33 +159,50 @@ def export_backward(kernel: BackwardKernel, out_dir: str | os.PathLike) -> dict[
 
 def load_backward(directory: str | os.PathLike) -> BackwardKernel:
     """The backward of an artifact directory :func:`export_backward` wrote, with TVM's runtime
-    alone (no compiler); :class:`ArtifactError` naming what is wrong: not a backward manifest,
-    a file missing or changed, CPU features this host lacks, a manifest whose spec the library
-    was not built from."""
+    alone (no compiler); :class:`ArtifactError` naming what is wrong: not a backward manifest
+    (or a key of it missing or malformed), a file missing, changed or a symbolic link, CPU
+    features this host lacks, a manifest whose spec the library was not built from. The library
+    and runtime run are private copies of the bytes checked (``tvm_attention.runtime``)."""
     path = Path(directory) / MANIFEST
     try:
         manifest = json.loads(path.read_text())
     except FileNotFoundError:
         raise ArtifactError(f"{path}: no manifest (is {directory} a backward artifact directory?)") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ArtifactError(f"{path}: cannot be read ({e})") from None
     except json.JSONDecodeError as e:
         raise ArtifactError(f"{path}: not valid JSON: {e}") from None
+    if not isinstance(manifest, dict):
+        raise ArtifactError(f"{path}: a manifest is a JSON object, got a {type(manifest).__name__}")
     if manifest.get("format") != FORMAT or manifest.get("manifest_version") != MANIFEST_VERSION:
         raise ArtifactError(f"{path}: not a backward artifact (format {manifest.get('format')!r}, version "
                             f"{manifest.get('manifest_version')!r}; expected {FORMAT!r} {MANIFEST_VERSION})")
+    for key, kind in (("library_sha256", str), ("runtime_libraries", list), ("spec", dict), ("knobs", dict),
+                      ("args", list), ("audit", str)):
+        if not isinstance(manifest.get(key), kind):
+            raise ArtifactError(f"{path}: the manifest's {key!r} is missing or not a {kind.__name__} (every backward "
+                                "artifact has it; rebuild it with export_backward)")
+    entries = runtime_entries(directory, manifest)
     lib = Path(directory) / LIBRARY
-    for name, digest in [(LIBRARY, manifest["library_sha256"])] + [(r["file"], r["sha256"])
-                                                                     for r in manifest["runtime_libraries"]]:
+    for name, digest in [(LIBRARY, manifest["library_sha256"])] + [(r["file"], r["sha256"]) for r in entries]:
         f = Path(directory) / name
-        if Path(name).name != name or not f.is_file():
+        if f.is_symlink():
+            raise ArtifactError(f"{f}: a symbolic link; an artifact loads code only from regular files inside its "
+                                "folder, never from where a link points")
+        if not f.is_file():
             raise ArtifactError(f"{f}: missing (the manifest names it)")
         if library_digest(f) != digest:
             raise ArtifactError(f"{f}: SHA-256 does not match the manifest's")
     check_cpu_features(directory, manifest)
-    module = load_module(directory, manifest, lib)
+    try:
+        spec = AttentionSpec.from_dict(manifest["spec"])
+        knobs = BackwardKnobs(**manifest["knobs"])
+        args = tuple((a["name"], tuple(a["shape"]), _dtype(a["dtype"])) for a in manifest["args"])
+    except (TypeError, KeyError, ValueError) as e:
+        raise ArtifactError(f"{path}: malformed spec, knobs or args ({type(e).__name__}: {e})") from None
+    module = load_module(directory, manifest, lib)  # the bytes checked, from a private copy
     check_library_spec(directory, module, manifest)
-    spec = AttentionSpec.from_dict(manifest["spec"])
-    args = tuple((a["name"], tuple(a["shape"]), _dtype(a["dtype"])) for a in manifest["args"])
-    return BackwardKernel(spec, BackwardKnobs(**manifest["knobs"]), module, manifest["audit"], args)
+    return BackwardKernel(spec, knobs, module, manifest["audit"], args)
 
 
 def _dtype(name: str) -> np.dtype:

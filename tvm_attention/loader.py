@@ -740,6 +740,8 @@ def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:
         manifest = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ArtifactError(f"{path}: not valid JSON: {e}") from None
+    if not isinstance(manifest, dict):
+        raise ArtifactError(f"{path}: a manifest is a JSON object, got a {type(manifest).__name__}")
     version = manifest.get("manifest_version")
     if version not in SUPPORTED_MANIFEST_VERSIONS:
         raise ArtifactError(
@@ -771,6 +773,9 @@ def check_artifact(directory: str | os.PathLike, manifest: dict[str, Any]) -> Pa
             f"{Path(directory) / MANIFEST}: library {name!r} must be a file name inside the artifact directory "
             "(an artifact never loads code from elsewhere)")
     lib = Path(directory) / name
+    if lib.is_symlink():
+        raise ArtifactError(f"{lib}: a symbolic link; an artifact loads code only from regular files inside its "
+                            "folder, never from where a link points")
     if not lib.is_file():
         raise ArtifactError(f"{lib}: shared library missing")
     if manifest["entry"] != ENTRY:  # e.g. the library's other function: it loads, then every call fails
@@ -787,17 +792,17 @@ def check_artifact(directory: str | os.PathLike, manifest: dict[str, Any]) -> Pa
             f"{lib}: SHA-256 does not match the manifest's library_sha256: the library and the manifest come "
             "from different builds (rebuild the artifact)"
         )
-    for entry in manifest.get("runtime_libraries", []):
+    for entry in runtime_entries(directory, manifest):
         path = Path(directory) / entry["file"]
-        if Path(entry["file"]).name != entry["file"]:
-            raise ArtifactError(f"{Path(directory) / MANIFEST}: runtime library {entry['file']!r} must be a file name "
-                                "inside the artifact directory")
+        if path.is_symlink():
+            raise ArtifactError(f"{path}: a symbolic link; an artifact loads code only from regular files inside its "
+                                "folder, never from where a link points")
         if path.is_file() and library_digest(path) != entry["sha256"]:
             raise ArtifactError(f"{path}: SHA-256 does not match the manifest's runtime_libraries entry")
     binary = manifest.get("kernel_binary")
     if binary is not None:
         path = Path(directory) / binary["file"]
-        if Path(binary["file"]).name != binary["file"] or not path.is_file():
+        if Path(binary["file"]).name != binary["file"] or path.is_symlink() or not path.is_file():
             raise ArtifactError(f"{path}: the CUDA binary the manifest names is missing")
         if library_digest(path) != binary["sha256"]:
             raise ArtifactError(f"{path}: SHA-256 does not match the manifest's kernel_binary")
@@ -808,6 +813,24 @@ def check_artifact(directory: str | os.PathLike, manifest: dict[str, Any]) -> Pa
             f"{spec.arg_specs()}"
         )
     return lib
+
+
+def runtime_entries(directory: str | os.PathLike, manifest: dict[str, Any]) -> list[dict[str, str]]:
+    """The manifest's ``runtime_libraries`` (``[{file, sha256}]``; [] when absent: an artifact
+    from before they were carried), each checked to be a file name inside the artifact folder
+    with a digest. Raises :class:`ArtifactError` naming what is malformed."""
+    where = Path(directory) / MANIFEST
+    entries = manifest.get("runtime_libraries", [])
+    if not isinstance(entries, list):
+        raise ArtifactError(f"{where}: runtime_libraries must be a list of {{file, sha256}}, got "
+                            f"{type(entries).__name__}")
+    for entry in entries:
+        if not (isinstance(entry, dict) and isinstance(entry.get("file"), str) and isinstance(entry.get("sha256"), str)):
+            raise ArtifactError(f"{where}: runtime_libraries entry {entry!r} is not {{file, sha256}}")
+        if not entry["file"] or Path(entry["file"]).name != entry["file"] or entry["file"] in (".", ".."):
+            raise ArtifactError(f"{where}: runtime library {entry['file']!r} must be a file name inside the artifact "
+                                "directory")
+    return entries
 
 
 def check_library_spec(directory: str | os.PathLike, module: Any, manifest: dict[str, Any]) -> None:
@@ -877,7 +900,8 @@ def load_module(directory: str | os.PathLike, manifest: dict[str, Any], lib: Pat
     """The artifact's library as a tvm-ffi module, with TVM's runtime loaded first: the copy the
     artifact carries (``runtime_libraries``), or the one this process already holds. An artifact
     from before they were carried needs the installed ``apache-tvm``'s."""
-    names = [e["file"] for e in manifest.get("runtime_libraries", [])]
+    entries = runtime_entries(directory, manifest)
+    names = [e["file"] for e in entries]
     if not names:  # an older artifact: the compiler's runtime
         try:
             import tvm  # noqa: F401 - loads libtvm_runtime (and the CUDA runtime, where built with it)
@@ -885,11 +909,12 @@ def load_module(directory: str | os.PathLike, manifest: dict[str, Any], lib: Pat
             raise ArtifactError(f"{directory}: built before artifacts carried TVM's runtime; rebuild it, or install "
                                 "apache-tvm to load it") from None
     try:
-        rt = runtime.ensure_runtime(directory, names or [runtime.RUNTIME_CPU])
+        rt = runtime.ensure_runtime(directory, names or [runtime.RUNTIME_CPU], {e["file"]: e["sha256"] for e in entries})
         binary = manifest.get("kernel_binary")
-        if binary is not None:  # a CUDA kernel compiled offline (checked by check_artifact): no JIT
-            runtime.provide_cuda_binary(binary["source_sha256"], (Path(directory) / binary["file"]).read_bytes())
-        return runtime.load_library(lib, rt)
+        if binary is not None:  # a CUDA kernel compiled offline: no JIT (the bytes checked are those used)
+            runtime.provide_cuda_binary(binary["source_sha256"], runtime.read_code(
+                Path(directory) / binary["file"], binary["sha256"], "the manifest's kernel_binary"))
+        return runtime.load_library(lib, rt, manifest.get("library_sha256"))
     except runtime.RuntimeLoadError as e:
         raise ArtifactError(str(e)) from None
 

@@ -19,12 +19,26 @@ to ``tvm_ffi``:
    parallel loop jumps to address 0);
 3. ``tvm_ffi.load_module`` of that library, which finds the same loaded copy.
 
+What an artifact carries is loaded from a **private copy** (:func:`read_code`,
+:func:`private_copy`): the file is read once, never through a symbolic link, its SHA-256 checked
+on the bytes read, and those bytes written into a fresh 0700 folder, from which they are loaded
+(the folder is removed at once; the mapping stays). So the library checked is the library run (a
+file swapped between the check and the load is never loaded), and a library rebuilt at the path
+of one this process loaded before is loaded anew (the dynamic linker reuses a loaded library of
+the same path).
+
 Nothing here imports ``tvm``.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import errno
+import hashlib
 import os
+import shutil
+import stat
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -79,9 +93,47 @@ def compiler_runtime_paths(cuda: bool = False) -> list[Path]:
     return paths
 
 
-def ensure_runtime(directory: str | os.PathLike | None, names: list[str]) -> ctypes.CDLL:
-    """Load the runtime libraries ``names`` (from ``directory``, the artifact) unless this
-    process already holds them; returns the CPU runtime's handle."""
+def read_code(path: str | os.PathLike, sha256: str | None = None, what: str = "the manifest's") -> bytes:
+    """The bytes of the regular file ``path``, read once and never through a symbolic link (an
+    artifact's code lies in its own folder), checked against ``sha256`` when given (``what``
+    names whose digest it is in the error). Raises :class:`RuntimeLoadError` naming the file."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise RuntimeLoadError(f"{path}: a symbolic link; an artifact's code is loaded only from regular files "
+                                   "inside its folder, never from where a link points") from None
+        raise RuntimeLoadError(f"{path}: cannot open ({e.strerror})") from None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise RuntimeLoadError(f"{path}: not a regular file")
+        data = f.read()
+    if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
+        raise RuntimeLoadError(f"{path}: SHA-256 does not match {what}: the file and the manifest come from "
+                               "different builds, or the file was changed (rebuild the artifact)")
+    return data
+
+
+@contextlib.contextmanager
+def private_copy(data: bytes, name: str):
+    """A path holding ``data`` in a fresh folder only this user can reach (0700), removed when the
+    block ends: what a library is loaded from (the module docstring)."""
+    folder = tempfile.mkdtemp(prefix="tvm-attention-load-")
+    try:
+        path = Path(folder) / name
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o700)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        yield path
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def ensure_runtime(directory: str | os.PathLike | None, names: list[str],
+                   digests: dict[str, str] | None = None) -> ctypes.CDLL:
+    """Load the runtime libraries ``names`` (from ``directory``, the artifact: a private copy
+    of each, checked against ``digests`` by name when given) unless this process already holds
+    them; returns the CPU runtime's handle."""
     import tvm_ffi  # noqa: F401 - loads libtvm_ffi.so, which the runtime libraries link against
 
     handles = {}
@@ -97,14 +149,23 @@ def ensure_runtime(directory: str | os.PathLike | None, names: list[str]) -> cty
                 raise RuntimeLoadError(f"{name} is not loaded and no artifact directory holds it")
             else:
                 path = Path(directory) / name
-            if not path.is_file():
+            if not os.path.lexists(path):
                 raise RuntimeLoadError(f"{path}: runtime library missing from the artifact")
-            try:
-                have = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
-            except OSError as e:
-                raise RuntimeLoadError(f"{path}: cannot load ({e})") from None
+            if path.parent == installed:
+                have = _load_global(path, path)
+            else:  # the artifact's copy: checked bytes, loaded from a private copy
+                data = read_code(path, (digests or {}).get(name), "the manifest's runtime_libraries entry")
+                with private_copy(data, name) as copy:
+                    have = _load_global(copy, path)
         handles[name] = have
     return handles[RUNTIME_CPU] if RUNTIME_CPU in handles else _loaded(RUNTIME_CPU)
+
+
+def _load_global(path: Path, shown: Path) -> ctypes.CDLL:
+    try:
+        return ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+    except OSError as e:
+        raise RuntimeLoadError(f"{shown}: cannot load ({e})") from None
 
 
 #: The CUDA runtime libtvm_runtime_cuda.so links against (TVM 0.27's wheel: CUDA 13).
@@ -167,14 +228,23 @@ def _compile_callback(code) -> bytes:
     return tvm_callback_cuda_compile(code)
 
 
-def load_library(path: str | os.PathLike, runtime: ctypes.CDLL) -> Any:
-    """``tvm_ffi.load_module`` of an exported kernel library, its runtime slots filled first."""
+def load_library(path: str | os.PathLike, runtime: ctypes.CDLL, sha256: str | None = None,
+                 what: str = "the manifest's library_sha256") -> Any:
+    """``tvm_ffi.load_module`` of an exported kernel library, its runtime slots filled first:
+    a private copy of the file's bytes (:func:`read_code`, checked against ``sha256`` when
+    given), so what was checked is what runs."""
+    data = read_code(path, sha256, what)
+    with private_copy(data, Path(path).name) as copy:
+        return _load_kernel(copy, path, runtime)
+
+
+def _load_kernel(path: Path, shown: str | os.PathLike, runtime: ctypes.CDLL) -> Any:
     import tvm_ffi
 
     try:
         lib = ctypes.CDLL(str(path))
     except OSError as e:
-        raise RuntimeLoadError(f"{path}: cannot load ({e})") from None
+        raise RuntimeLoadError(f"{shown}: cannot load ({e})") from None
     for name in CONTEXT_FUNCTIONS:
         try:
             slot = ctypes.c_void_p.in_dll(lib, "__" + name)
