@@ -122,9 +122,9 @@ def test_a_changed_knob_spec_target_or_source_misses(seed, cache_root, monkeypat
     monkeypatch.setattr(build_cache, "module_files", edited)
     monkeypatch.setattr(build_cache, "_DIGEST", [])
     assert build_cache.source_digest() != before
-    assert _key() != key and build_cache.lookup(_key(), TARGET) is None
+    assert _key() != key and build_cache.lookup(_key(), TARGET, SPEC) is None
     monkeypatch.setattr(build_cache, "_DIGEST", [before])
-    assert build_cache.lookup(key, TARGET) is not None  # the entry itself is still there, intact
+    assert build_cache.lookup(key, TARGET, SPEC) is not None  # the entry itself is still there, intact
 
 
 def test_the_generator_list_holds_every_module_the_build_imports():
@@ -177,7 +177,7 @@ def test_the_cache_can_be_turned_off(monkeypatch):
         assert not build_cache.enabled(True)
 
 
-DAMAGES = ["truncated library", "missing meta", "garbage entry.json", "bad pickle", "library not a library"]
+DAMAGES = ["truncated library", "missing meta", "garbage entry.json", "bad meta", "library not a library"]
 
 
 @pytest.mark.parametrize("damage", DAMAGES)
@@ -191,12 +191,12 @@ def test_a_damaged_entry_is_not_trusted(seed, cache_root, damage):
     elif damage == "garbage entry.json":
         info_file.write_text("{not json")
     else:  # files that do not load, their recorded digests matching (an entry written by other code)
-        (meta if damage == "bad pickle" else lib).write_bytes(b"\x80\x05garbage")
+        (meta if damage == "bad meta" else lib).write_bytes(b"\x80\x05garbage")
         info = json.loads(info_file.read_text())
         for name in (build_cache.META, build_cache.LIBRARY):
             info["sha256"][name] = build_cache._sha256(entry / name)
         info_file.write_text(json.dumps(info))
-    assert build_cache.lookup(entry.name, TARGET) is None
+    assert build_cache.lookup(entry.name, TARGET, SPEC) is None
     assert not entry.exists() and _entries(cache_root) == []  # removed, to be built again
 
 
@@ -222,7 +222,7 @@ def test_half_written_entries_are_never_read(seed, cache_root):
     half = shard / f".{key[:16]}.tmp-crashed"
     half.mkdir()
     (half / build_cache.LIBRARY).write_bytes(b"\x7fELF cut")
-    assert build_cache.lookup(key, TARGET) is None and build_cache.entries() == []
+    assert build_cache.lookup(key, TARGET, SPEC) is None and build_cache.entries() == []
     meta = {"source": built.source, "knobs": built.knobs, "audit": built.audit, "trace": None,
             "data_alignment": built.data_alignment}
     assert build_cache.store(key, doc, built.library, built.lowered, meta) == shard / key
@@ -274,3 +274,98 @@ def test_only_cpu_targets_this_host_runs_are_cached(cache_root, monkeypatch):
     monkeypatch.setenv(HOST_CPU_ENV, "x86-64-v3")  # an AVX2 host: a znver4 build is cross-compiled, never loaded
     assert not build_cache.cacheable(resolve_target({"kind": "llvm", "mcpu": "znver4"}))
     assert build_cache.cacheable(resolve_target("llvm"))
+
+
+def _plant(entry: Path, **files: bytes) -> None:
+    """Write ``files`` into ``entry`` with entry.json's digests updated: an entry written by
+    other code (or by someone who can write the folder), intact to every digest."""
+    info = json.loads((entry / build_cache.ENTRY).read_text())
+    for name, data in files.items():
+        (entry / name).write_bytes(data)
+        info["sha256"][name] = build_cache._sha256(entry / name)
+    (entry / build_cache.ENTRY).write_text(json.dumps(info))
+
+
+def test_another_specs_entry_is_not_a_hit(seed, cache_root):
+    """An entry holding another spec's build under this spec's key, every digest consistent, is
+    refused (its library's attention_spec_hash() is not this spec's) and the spec rebuilt."""
+    entry = _seeded(seed, cache_root)
+    other = dataclasses.replace(SPEC, scale=0.05)
+    key = _key(other)
+    foreign = cache_root / key[:2] / key
+    shutil.copytree(entry, foreign)
+    info = json.loads((foreign / build_cache.ENTRY).read_text())
+    (foreign / build_cache.ENTRY).write_text(json.dumps(dict(info, key=key)))
+    assert build_cache.lookup(key, TARGET, other) is None and not foreign.exists()
+    shutil.copytree(entry, foreign)
+    (foreign / build_cache.ENTRY).write_text(json.dumps(dict(info, key=key)))
+    built = build_kernel(other, cache=True)
+    assert built.cache_entry is None and validate_built(built).passed
+    assert build_kernel(other, cache=True).cache_entry == str(foreign)  # stored again: its own
+
+
+def test_an_entry_holds_no_pickle_and_is_private(seed, cache_root, monkeypatch):
+    """meta.json is JSON: a pickle planted as the entry's meta (digests updated) is never
+    unpickled (no marker), the entry is a miss; the cache's folders are 0700 and its files 0600
+    whatever the umask."""
+    import pickle
+
+    class Plant:
+        def __reduce__(self):
+            return (Path.touch, (cache_root.parent / "marker",))
+
+    old = os.umask(0o002)  # group-writable by default: the cache must not follow
+    try:
+        built = build_kernel(dataclasses.replace(SPEC, seq_kv=81), cache=True)
+        entry = Path(build_cache.entries()[0][2])
+        for folder in (cache_root, entry.parent, entry):
+            assert folder.stat().st_mode & 0o777 == 0o700, folder
+        assert {p.stat().st_mode & 0o777 for p in entry.iterdir()} == {0o600}
+        meta = json.loads((entry / build_cache.META).read_text())
+        assert meta["knobs"]["values"] == built.knobs.to_dict() and meta["audit"]["verdict"] == "fused"
+    finally:
+        os.umask(old)
+    entry = _seeded(seed, cache_root)
+    _plant(entry, **{build_cache.META: pickle.dumps(Plant()), "meta.pkl": pickle.dumps(Plant())})
+    assert build_cache.lookup(entry.name, TARGET, SPEC) is None
+    assert not (cache_root.parent / "marker").exists()
+
+
+def test_a_cache_others_may_write_is_not_used(seed, cache_root, tmp_path):
+    """A cache folder writable by the group is refused with a warning naming it (the build is
+    made and not stored); an entry whose file others may write is not trusted."""
+    cache_root.mkdir(mode=0o700)
+    entry = _seeded(seed, cache_root)
+    os.chmod(entry / build_cache.LIBRARY, 0o664)
+    assert build_cache.lookup(entry.name, TARGET, SPEC) is None and not entry.exists()
+    entry = _seeded(seed, cache_root)
+    os.chmod(cache_root, 0o775)
+    build_cache._REFUSED.clear()
+    with pytest.warns(RuntimeWarning, match=f"build cache not used: {cache_root}: the cache folder is writable by "
+                                            "other users"):
+        built = build_kernel(SPEC, cache=True)
+    assert built.cache_entry is None and validate_built(built).passed
+
+
+def test_a_hit_that_fails_validation_is_evicted_and_rebuilt(seed, cache_root):
+    """A library that claims this spec but computes another (built for another scale, linked
+    with this spec's hash) stored under the key: build_best validates the hit, removes it,
+    builds again and stores the right one, instead of failing every run."""
+    from tvm_attention.build import _schedule_module, build_from_module
+    from tvm_attention.pipeline import build_best
+
+    family = get_schedule("fused", TARGET)
+    knobs = seed[0].knobs
+    other = dataclasses.replace(SPEC, scale=0.05)
+    liar = build_from_module(SPEC, "fused", _schedule_module(family, other, knobs, TARGET), TARGET, source="hand",
+                             knobs=knobs)
+    key, doc = build_cache.hand_key(SPEC, "fused", TARGET, knobs)
+    build_cache.store(key, doc, liar.library, liar.lowered,
+                      {"source": "hand", "knobs": knobs, "audit": liar.audit, "trace": None,
+                       "data_alignment": liar.data_alignment})
+    said = []
+    built, validation = build_best(SPEC, use_log=False, cache=True, say=said.append)
+    assert validation.passed and built.cache_entry is None
+    assert any("failed validation" in m and "removed, building it again" in m for m in said), said
+    again, v2 = build_best(SPEC, use_log=False, cache=True)
+    assert again.cache_entry is not None and v2.passed

@@ -7,6 +7,7 @@ artifact is rebuilt with a warning; what the kernel cannot compute raises by nam
 """
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -126,6 +127,43 @@ def test_generate_matches_sdpa_one_build_then_disk_cache(cache, tmp_path_factory
     assert torch.equal(got, sdpa.generate(prompt(1), **GEN))
     assert hf.stats()["builds"] == 1 and hf.stats()["rebuilds"] == 1, hf.stats()
     assert only_artifact(cache) == art
+
+    # Another configuration's artifact (intact: it loads, this process maps its library) in its
+    # place: refused, rebuilt in the same folder, and the rebuilt library is the one this process
+    # runs, in this call and every later one (a library loaded from the same path would be the
+    # foreign one: the loader runs a private copy of what it checked).
+    foreign = hf.LayerConfig(2, 1, 16, "float32", False, 0.3)
+    hf.kernel_for(foreign)
+    shutil.rmtree(art)
+    shutil.copytree(hf.artifact_dir(foreign), art)
+    hf.clear_kernels()
+    hf.reset_stats()
+    with pytest.warns(RuntimeWarning, match="unusable.*its manifest's spec .* is not .*rebuilding"):
+        got = tvm.generate(prompt(1), **GEN)
+    assert torch.equal(got, sdpa.generate(prompt(1), **GEN))
+    hf.clear_kernels()
+    assert torch.equal(tvm.generate(prompt(2), **GEN), sdpa.generate(prompt(2), **GEN))
+    assert hf.stats()["rebuilds"] == 1 and hf.stats()["loads"] == 1, hf.stats()
+
+
+def test_a_cache_folder_that_cannot_be_one_is_not_used(cache, recwarn):
+    """register(cache_dir=) naming a file, or a folder other users may write: a warning naming
+    it, and the model runs with artifacts in a temporary folder of this process (the build
+    cache's builds: no compile)."""
+    sdpa, tvm = tiny_llama("sdpa"), tiny_llama("tvm_attention")
+    (cache / "file").write_text("")
+    shared = cache / "shared"
+    shared.mkdir(mode=0o777)
+    os.chmod(shared, 0o777)
+    try:
+        for folder, why in ((cache / "file", "is not a folder"), (shared, "writable by other users")):
+            hf.register(cache_dir=folder)
+            with pytest.warns(RuntimeWarning, match=f"{folder}.*{why}.*temporary folder for this process"):
+                got = tvm.generate(prompt(1), **GEN)
+            assert torch.equal(got, sdpa.generate(prompt(1), **GEN))
+        assert not list(shared.iterdir())
+    finally:
+        hf.register()
 
 
 def test_concurrent_processes_build_once(tmp_path):

@@ -22,10 +22,16 @@ FAMILIES = {
 }
 
 
+@pytest.fixture(scope="module")
+def mine(tmp_path_factory):
+    """The file's register(cache_dir=): the training path's backward artifacts go there too."""
+    return tmp_path_factory.mktemp("mine")
+
+
 @pytest.fixture(autouse=True)
-def _backend(tmp_path, monkeypatch):
+def _backend(tmp_path, monkeypatch, mine):
     monkeypatch.setenv("TVM_ATTENTION_CACHE_DIR", str(tmp_path))
-    hf.register(cache_dir=tmp_path)
+    hf.register(cache_dir=mine)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny models: PyTorch's parallel regions cost more than their work
     yield
@@ -69,12 +75,14 @@ def assert_same_grads(family, ids, mask=None, **kw):
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_training_step_gradients_equal_eager(family):
-    """20 tokens: past the sliding layers' window of 8."""
+def test_training_step_gradients_equal_eager(family, mine, tmp_path):
+    """20 tokens: past the sliding layers' window of 8. The backward's artifacts are cached in
+    register(cache_dir=)'s folder, not the default one."""
     ids = torch.randint(1, VOCAB, (2, 20), generator=torch.Generator().manual_seed(1))
     calls = hf.stats()["calls"]
     assert_same_grads(family, ids)
     assert hf.stats()["calls"] == calls + 2  # both layers ran ours
+    assert list((mine / "backward").glob("*/manifest.json")) and not (tmp_path / "backward").exists()
 
 
 @pytest.mark.parametrize("padding", ["left", "right"])

@@ -98,6 +98,18 @@ class AuditReport:
             out[a.scope] = out.get(a.scope, 0) + a.bytes
         return out
 
+    def to_state(self) -> dict[str, Any]:
+        """Every field as plain JSON (:meth:`from_state` gives the report back, equal): what the
+        build cache stores (``to_dict`` is the manifest's view, with derived keys)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_state(cls, d: dict[str, Any]) -> "AuditReport":
+        allocations = tuple(Allocation(**dict(a, depends_on=None if a.get("depends_on") is None
+                                              else tuple(a["depends_on"]))) for a in d["allocations"])
+        return cls(verdict=str(d["verdict"]), reasons=tuple(d["reasons"]), allocations=allocations,
+                   score_elements=int(d["score_elements"]), notes=tuple(d["notes"]), probe=d["probe"])
+
     def to_dict(self) -> dict[str, Any]:
         largest = self.largest
         return {

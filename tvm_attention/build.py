@@ -169,7 +169,7 @@ def cached_build(key: tuple[str, dict], spec: AttentionSpec, schedule: str, targ
     """The build of ``key`` (``build_cache.hand_key``/``tuned_key``) from the build cache, else
     ``make()``'s, stored there. A hit runs the stored library and keeps the stored audit, knobs
     and lowered IR (parsed when first read)."""
-    hit = build_cache.lookup(key[0], target)
+    hit = build_cache.lookup(key[0], target, spec)
     if hit is not None:
         m = hit.meta
         built = BuiltKernel(spec, schedule, m["source"], m["knobs"], target, hit.lowered, hit.module, m["audit"],

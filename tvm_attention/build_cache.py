@@ -20,15 +20,24 @@ else ``tvm_attention.paths.cache_dir() / "builds"``) holding what a ``BuiltKerne
 * ``lowered.tir``: the lowered IR's text (``LoweredModule.script``: what ``export`` writes);
 * ``lowered.json``: the lowered IR (``tvm.ir.save_json``), parsed only when something asks for the
   IR itself (the audit's allocations, a test reading a buffer);
-* ``meta.pkl``: the audit report, the knobs and the data alignment;
-* ``entry.json``: the key's parts in plain JSON (to read, never read back), each file's SHA-256.
+* ``meta.json``: the audit report, the knobs (family and values) and the data alignment, as
+  plain JSON (a cache holds data, never a pickle: unpickling runs code);
+* ``entry.json``: the key, its parts in plain JSON (to read, never read back), each file's SHA-256.
 
 An entry is written into a temporary folder beside it and renamed into place, so a reader never
 sees half an entry; two processes building one key both build, the first rename wins and the
 other's folder is dropped. A hit copies the files into a private folder, checks every SHA-256,
-and is used only if all of them match and the pickle loads: anything else (a truncated file, a
-folder a crash or a user cut short) is a miss, the entry is removed and the build made and stored
-again. Entries are read, never modified; a hit touches ``entry.json``, and a store removes the
+and is used only if all of them match, ``meta.json`` parses and **the library proves it is the
+build asked for**: its own ``attention_spec_hash()`` returns the requested spec's
+``AttentionSpec.fingerprint()`` (an entry of another spec, or another library with its digests
+updated, is refused). Anything else (a truncated file, a folder a crash or a user cut short, a
+foreign entry) is a miss: the entry is removed and the build made and stored again. A hit that then
+fails validation is removed the same way and rebuilt (``pipeline.build_best``).
+
+The folder is private (``tvm_attention.paths.private_dir``): created 0700, and used only while it
+belongs to this user and no other user can write it; an entry whose folder or files another user
+owns or may write is not trusted. A folder that fails is not used: builds are made and not stored,
+with a warning once per process. Entries are read, never modified; a hit touches ``entry.json``, and a store removes the
 least recently used entries past :func:`max_bytes` (1 GiB; ``$TVM_ATTENTION_BUILD_CACHE_MAX_MB``).
 ``rm -rf`` of the folder (``tvm-attention`` prints it: docs/cli.md) clears it at any time.
 
@@ -42,7 +51,6 @@ import hashlib
 import importlib.util
 import json
 import os
-import pickle
 import shutil
 import tempfile
 import time
@@ -55,7 +63,7 @@ import tvm_ffi
 from tvm.target import Target
 
 from .lowering import LoweredModule
-from .paths import cache_dir
+from .paths import CacheFolderError, cache_dir, private_dir
 from .target import runnable_here, target_to_json
 
 #: Where the cache lives when set (tests point every worker of a run at one temporary folder).
@@ -66,10 +74,11 @@ ENABLE_ENV = "TVM_ATTENTION_BUILD_CACHE"
 MAX_ENV = "TVM_ATTENTION_BUILD_CACHE_MAX_MB"
 DEFAULT_MAX_MB = 1024
 SUBDIR = "builds"
-#: Bumped when an entry's files change meaning: every older entry then misses.
-FORMAT = 1
+#: Bumped when an entry's files change meaning: every older entry then misses (2: meta.json
+#: replaced meta.pkl).
+FORMAT = 2
 
-LIBRARY, LOWERED_TIR, LOWERED_JSON, META, ENTRY = "attention.so", "lowered.tir", "lowered.json", "meta.pkl", "entry.json"
+LIBRARY, LOWERED_TIR, LOWERED_JSON, META, ENTRY = "attention.so", "lowered.tir", "lowered.json", "meta.json", "entry.json"
 _FILES = (LIBRARY, LOWERED_TIR, LOWERED_JSON, META)
 
 #: The project modules whose source decides a build's code: the build path and everything it
@@ -132,19 +141,31 @@ def module_files(name: str) -> list[tuple[str, Path]]:
 
 
 _DIGEST: list[str] = []
+_EXTRA_DIGESTS: dict[tuple[str, ...], str] = {}
 
 
-def source_digest() -> str:
-    """SHA-256 of the files of :data:`GENERATOR_MODULES` (names and bytes), once per process."""
+def _files_digest(names, h=None) -> str:
+    h = h or hashlib.sha256()
+    for name in names:
+        for rel, path in module_files(name):
+            data = path.read_bytes()
+            h.update(f"{rel}\0{len(data)}\0".encode())
+            h.update(data)
+    return h.hexdigest()
+
+
+def source_digest(extra: tuple[str, ...] = ()) -> str:
+    """SHA-256 of the files of :data:`GENERATOR_MODULES` (names and bytes), once per process;
+    with ``extra`` modules, of those files and theirs (another cache's generator, e.g. the
+    backward's)."""
     if not _DIGEST:
-        h = hashlib.sha256()
-        for name in GENERATOR_MODULES:
-            for rel, path in module_files(name):
-                data = path.read_bytes()
-                h.update(f"{rel}\0{len(data)}\0".encode())
-                h.update(data)
-        _DIGEST.append(h.hexdigest())
-    return _DIGEST[0]
+        _DIGEST.append(_files_digest(GENERATOR_MODULES))
+    if not extra:
+        return _DIGEST[0]
+    if extra not in _EXTRA_DIGESTS:
+        h = hashlib.sha256(_DIGEST[0].encode())
+        _EXTRA_DIGESTS[extra] = _files_digest(extra, h)
+    return _EXTRA_DIGESTS[extra]
 
 
 def make_key(kind: str, spec, schedule: str, target: Target, **parts: Any) -> tuple[str, dict[str, Any]]:
@@ -214,21 +235,102 @@ def _private_folder(owner: Any) -> Path:
     return folder
 
 
-def lookup(key: str, target: Target) -> Hit | None:
-    """The entry of ``key``, or None: absent, or not intact (then it is removed; see the module
-    docstring). The caller ties the private copy's lifetime to its build with :func:`adopt`."""
-    entry = entry_dir(key)
+_REFUSED: set[str] = set()
+
+
+def usable_root() -> Path | None:
+    """:func:`root`, created 0700 where missing and checked (``paths.private_dir``); None, with a
+    warning once per folder and process, when it is not safe or cannot be made: builds are then
+    made and not stored."""
+    base = root()
+    try:
+        return private_dir(base)
+    except CacheFolderError as e:
+        if str(base) not in _REFUSED:
+            _REFUSED.add(str(base))
+            import warnings
+
+            warnings.warn(f"tvm_attention: build cache not used: {e}", RuntimeWarning, stacklevel=4)
+        return None
+
+
+def _check_owned(path: Path) -> None:
+    """Raise ``ValueError`` unless ``path`` (an entry's folder or file, not followed through a
+    link) belongs to this user and no other user may write it."""
+    st = os.lstat(path)
+    if st.st_uid != os.geteuid() or st.st_mode & 0o022 or os.path.islink(path):
+        raise ValueError(f"{path}: owned by another user, writable by others, or a link")
+
+
+def meta_to_json(meta: dict[str, Any]) -> dict[str, Any]:
+    """``meta`` (source, knobs, audit report, trace, data alignment) as plain JSON."""
+    knobs = meta["knobs"]
+    return {"source": meta["source"], "trace": meta["trace"], "data_alignment": int(meta["data_alignment"]),
+            "knobs": None if knobs is None else {"family": type(knobs).__name__, "values": knobs.to_dict()},
+            "audit": meta["audit"].to_state()}
+
+
+def meta_from_json(doc: dict[str, Any]) -> dict[str, Any]:
+    """The inverse of :func:`meta_to_json`; the knobs' class is looked up by name among the
+    schedule families' knob classes (nothing else is constructed). Raises on anything else."""
+    from .audit import AuditReport  # the report type; audit imports the lowering, loaded on a hit only
+
+    knobs = doc["knobs"]
+    if knobs is not None:
+        knobs = _knob_classes()[knobs["family"]].from_dict(knobs["values"])
+    if not isinstance(doc["source"], str) or not isinstance(doc["trace"], (str, type(None))):
+        raise ValueError("meta.json: source and trace must be strings")
+    return {"source": doc["source"], "trace": doc["trace"], "data_alignment": int(doc["data_alignment"]),
+            "knobs": knobs, "audit": AuditReport.from_state(doc["audit"])}
+
+
+def _knob_classes() -> dict[str, type]:
+    """Knob dataclasses of every schedule family, by class name."""
+    from .schedules import SCHEDULES  # the families import the workloads: loaded on a hit only
+
+    out = {}
+    for by_target in SCHEDULES.values():
+        for family in by_target.values():
+            for value in vars(family).values():
+                if isinstance(value, type) and dataclasses.is_dataclass(value) and hasattr(value, "from_dict"):
+                    out[value.__name__] = value
+    return out
+
+
+def _library_spec_hash(module: tvm.runtime.Module) -> int:
+    from .spec import AttentionSpec  # the function's name, where the spec class keeps it
+
+    return int(module.get_function(AttentionSpec.SPEC_FUNCTION, query_imports=True)())
+
+
+def lookup(key: str, target: Target, spec) -> Hit | None:
+    """The entry of ``key`` for ``spec``, or None: absent, not intact, not this user's alone,
+    or not the build of ``spec`` (its library's ``attention_spec_hash()`` differs); such an entry
+    is removed (see the module docstring). The caller ties the private copy's lifetime to its
+    build with :func:`adopt`."""
+    base = usable_root()
+    if base is None:
+        return None
+    entry = base / key[:2] / key
     if not entry.is_dir():
         return None
     folder = _private_folder(None)
     try:
-        recorded = json.loads((entry / ENTRY).read_text())["sha256"]
+        for path in (entry.parent, entry, *(entry / name for name in (*_FILES, ENTRY))):
+            _check_owned(path)
+        info = json.loads((entry / ENTRY).read_text())
+        if info["key"] != key:
+            raise ValueError(f"entry.json names key {info['key']}")
+        recorded = info["sha256"]
         for name in _FILES:
-            shutil.copyfile(entry / name, folder / name)
-            if _sha256(folder / name) != recorded[name]:
+            data = (entry / name).read_bytes()
+            if hashlib.sha256(data).hexdigest() != recorded[name]:
                 raise ValueError(f"{name}: SHA-256 differs from entry.json")
-        meta = pickle.loads((folder / META).read_bytes())
+            (folder / name).write_bytes(data)  # what was checked is what is used
+        meta = meta_from_json(json.loads((folder / META).read_text()))
         module = tvm.runtime.load_module(str(folder / LIBRARY))
+        if _library_spec_hash(module) != spec.fingerprint():
+            raise ValueError("the library was built from another spec")
     except Exception:  # noqa: BLE001 - any damage means "not a hit": rebuilt and stored again
         shutil.rmtree(folder, ignore_errors=True)
         remove(entry)
@@ -248,23 +350,27 @@ def adopt(hit: Hit, owner: Any) -> None:
 
 def store(key: str, doc: dict[str, Any], library: str, lowered: LoweredModule, meta: dict[str, Any]) -> Path | None:
     """Write the entry of ``key`` (atomically: a temporary folder renamed into place). Returns
-    its folder, or None when it could not be written (a full disk, a read-only cache: the build
-    is used all the same) or another process wrote it first."""
-    entry = entry_dir(key)
+    its folder, or None when it could not be written (a full disk, a read-only or unsafe cache:
+    the build is used all the same) or another process wrote it first."""
+    base = usable_root()
+    if base is None:
+        return None
+    entry = base / key[:2] / key
     if entry.is_dir():
         return None
     tmp = None
     try:
-        entry.parent.mkdir(parents=True, exist_ok=True)
+        entry.parent.mkdir(mode=0o700, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{key[:16]}.tmp-", dir=entry.parent))
         shutil.copyfile(library, tmp / LIBRARY)
         (tmp / LOWERED_TIR).write_text(lowered.script())
         (tmp / LOWERED_JSON).write_text(tvm.ir.save_json(lowered.host))
-        (tmp / META).write_bytes(pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL))
+        (tmp / META).write_text(json.dumps(meta_to_json(meta), indent=1) + "\n")
         info = {"key": key, "parts": doc, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 "sha256": {name: _sha256(tmp / name) for name in _FILES}}
         (tmp / ENTRY).write_text(json.dumps(info, indent=1, default=str) + "\n")
-        os.chmod(tmp, 0o755)
+        for name in (*_FILES, ENTRY):
+            os.chmod(tmp / name, 0o600)  # whatever the umask: nobody else writes (or reads) an entry
         os.rename(tmp, entry)  # fails when another process renamed its entry first: keep that one
         tmp = None
     except OSError:

@@ -20,6 +20,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
+from . import build_cache
 from .artifact import validate_built
 from .build import BuiltKernel, build_from_record, build_kernel
 from .logs import TUNE_HINT, best_records, log_folder, search_dirs, target_key
@@ -70,9 +71,9 @@ def build_best(
             if candidates:
                 tried.append(str(work))
             for i, (wl, rec) in enumerate(candidates):
-                built = build_from_record(spec, schedule, target, wl, rec, cache=cache)
+                built, validation = _validated(lambda: build_from_record(spec, schedule, target, wl, rec, cache=cache),
+                                               seed, say)
                 built.log_dir = str(work)
-                validation = validate_built(built, seed=seed)
                 if not validation.ran:
                     # Cross-compiled (this host cannot run the target's code, or no GPU): the
                     # record cannot be checked or timed here; it is used, recorded as not run.
@@ -88,17 +89,38 @@ def build_best(
         else:
             say(f"no tuning log for {log_folder('', rep, target).name} [{schedule}] on {target_key(target)} "
                 f"(looked in {', '.join(str(d) for d in dirs)}); using the hand schedule. {TUNE_HINT}")
-    built = build_kernel(spec, schedule=schedule, target=target, knobs=knobs, cache=cache)
+    built, validation = _validated(lambda: build_kernel(spec, schedule=schedule, target=target, knobs=knobs,
+                                                        cache=cache), seed, say)
     if knobs is None and use_log:
         built.logs_searched = [str(d) for d in dirs]
-    return built, validate_built(built, seed=seed)
+    return built, validation
+
+
+def _validated(make: Callable[[], BuiltKernel], seed: int, say,
+               first: BuiltKernel | None = None) -> tuple[BuiltKernel, ValidationResult]:
+    """``make()``'s build (``first`` when made already) and its validation. A build from the
+    build cache that fails it is taken out of the cache and built again (a poisoned or damaged
+    entry must not fail every run after it); a fresh build that fails is returned as it is, for
+    the caller to report."""
+    built = make() if first is None else first
+    validation = validate_built(built, seed=seed)
+    if validation.ran and not validation.passed and built.cache_entry:
+        say(f"the build cache's entry {built.cache_entry} failed validation ({validation.format()}); removed, "
+            "building it again")
+        build_cache.remove(Path(built.cache_entry))
+        built = make()
+        validation = validate_built(built, seed=seed)
+    return built, validation
 
 
 def _faster_of(tuned: BuiltKernel, tuned_validation: ValidationResult, spec: AttentionSpec, schedule: str,
                target, seed: int, say, cache: bool = False) -> tuple[BuiltKernel, ValidationResult]:
     """Time the tuned and the hand build side by side (alternating, best median of two rounds
     each) and keep the faster; the selection and both times are recorded on the winner."""
-    hand = build_kernel(spec, schedule=schedule, target=target, cache=cache)
+    def make_hand():
+        return build_kernel(spec, schedule=schedule, target=target, cache=cache)
+
+    hand = make_hand()
     times = {"tuned": [], "hand": []}
     for _ in range(2):
         for name, b in (("tuned", tuned), ("hand", hand)):
@@ -110,5 +132,6 @@ def _faster_of(tuned: BuiltKernel, tuned_validation: ValidationResult, spec: Att
         tuned.selection = selection
         return tuned, tuned_validation
     say(f"hand schedule {t_tuned / t_hand:.2f}x faster than the log's best here: keeping the hand build")
+    hand, validation = _validated(make_hand, seed, say, first=hand)
     hand.selection = selection
-    return hand, validate_built(hand, seed=seed)
+    return hand, validation

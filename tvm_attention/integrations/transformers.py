@@ -22,9 +22,13 @@ cached on disk in ``<cache>/artifacts/<key>/`` (``<cache>`` is ``register(cache_
 ``tvm_attention.paths.cache_dir()``: ``$TVM_ATTENTION_CACHE_DIR``, ``$XDG_CACHE_HOME/tvm-attention``
 or ``~/.cache/tvm-attention``). The key names the configuration and target and ends in a hash of
 the scale, versions and representative shape. Each configuration is loaded once per process;
-another process loads the artifact from disk (``tvm_attention.load`` checks its SHA-256) and
-does not rebuild; a cached artifact that does not load is rebuilt, with a warning. Builders of
-one key take a file lock, so concurrent processes build it once.
+another process loads the artifact from disk (``tvm_attention.load`` checks its SHA-256 and the
+library's spec hash, and the spec must be the configuration's) and does not rebuild; a cached
+artifact that does not load, or is another configuration's, is rebuilt, with a warning. Builders
+of one key take a file lock, so concurrent processes build it once. The cache folder is private
+(created 0700; one that another user owns or may write is not used: the artifacts then go to a
+temporary folder of the process, with a warning), as the training path's backward artifacts are
+(``<cache>/backward/`` with ``register(cache_dir=...)``, else ``tvm_attention.torch``'s default).
 
 DeepSeek-V2/V3's latent attention arrives unabsorbed (transformers expands the cached latent
 into per-head keys and values): a value head size unlike the key's is the configuration's
@@ -89,7 +93,7 @@ from typing import Any, Callable
 import torch
 
 from .. import __version__, load
-from ..paths import cache_dir, file_lock
+from ..paths import cache_dir
 from ..spec import DYNAMIC_DIMS, AttentionSpec, SpecError
 
 NAME = "tvm_attention"
@@ -345,29 +349,27 @@ def artifact_dir(config: LayerConfig) -> Path:
 
 def kernel_for(config: LayerConfig):
     """The kernel serving ``config``: loaded from the disk cache, or built, exported there and
-    loaded. Callers go through the in-process cache (:func:`_get_kernel`) first."""
+    loaded. Callers go through the in-process cache (:func:`_get_kernel`) first. A cached
+    artifact must load (the loader checks its files' SHA-256 and its library's spec hash) and be
+    this configuration's spec; any other is rebuilt, with a warning, and the rebuilt library is
+    the one that runs (each load runs a private copy: ``tvm_attention.runtime``). A cache folder
+    that is not private (``tvm_attention.paths.usable_cache``) is not used: the artifact goes to
+    a temporary folder of this process."""
+    from ..paths import load_or_build, usable_cache  # the cache of code: a private folder, checked hits
+
     spec = config.spec()
     target = resolved_target()
-    out = artifact_root() / config.key(target)
-    with file_lock(out):
-        rebuild = False
-        if (out / "manifest.json").exists():
-            try:
-                kernel = load(out, num_threads=_STATE.settings.num_threads)
-                got = AttentionSpec.from_dict(kernel.manifest["spec"])
-                if got != spec:
-                    raise RuntimeError(f"its manifest's spec {got} is not {spec}")
-                _STATE.stats["loads"] += 1
-                return kernel
-            except Exception as e:  # corrupt or foreign: rebuild in place
-                warnings.warn(f"tvm_attention: cached artifact {out} is unusable ({type(e).__name__}: {e}); "
-                              "rebuilding it", RuntimeWarning, stacklevel=2)
-                rebuild = True
-        _build_into(spec, target, out)
-        kernel = load(out, num_threads=_STATE.settings.num_threads)
-        _STATE.stats["builds"] += 1
-        _STATE.stats["rebuilds"] += rebuild
-        return kernel
+    out = usable_cache(artifact_root(), "the attention kernel") / config.key(target)
+
+    def check(kernel) -> str | None:
+        got = AttentionSpec.from_dict(kernel.manifest["spec"])
+        return None if got == spec else f"its manifest's spec {got} is not {spec}"
+
+    kernel, how = load_or_build(out, lambda o: load(o, num_threads=_STATE.settings.num_threads),
+                                lambda o: _build_into(spec, target, o), check, "artifact")
+    _STATE.stats["loads" if how == "loaded" else "builds"] += 1
+    _STATE.stats["rebuilds"] += how == "rebuilt"
+    return kernel
 
 
 # -- transformers hooks --------------------------------------------------------------------------
@@ -417,9 +419,11 @@ def attention_forward(
             masks = dict(mask_mod=KEY_MASK_MOD, mod_tensors={"keep": keep.to(torch.int32).contiguous()})
         if packed is not None:  # a 4-D mask's bits (they hold causality and the window)
             masks["custom_mask"] = packed
+        mine = _STATE.settings.cache_dir  # register(cache_dir=): the backward's artifacts go there too
         out = differentiable(query, key, value, causal=causal, window=None if window is None else (window, 0),
                              softcap=softcap, scale=scale, sinks=None if s_aux is None else s_aux.reshape(-1).float(),
-                             kv_start=None if kv_start is None else kv_start.to(torch.int32).contiguous(), **masks)
+                             kv_start=None if kv_start is None else kv_start.to(torch.int32).contiguous(),
+                             cache_dir=None if mine is None else mine / "backward", **masks)
         _STATE.stats["calls"] += 1
         return out.transpose(1, 2).contiguous(), None
     cfg = (query.shape[1], key.shape[1], head_dim, _DTYPES[query.dtype], causal, scale)
