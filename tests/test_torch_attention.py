@@ -4,6 +4,7 @@ in torch for a softcap, ALiBi, sinks and a score_mod) or the float64 oracle (kv_
 awkward lengths, in float32 and bfloat16; one build per configuration, whatever the shapes."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -62,12 +63,12 @@ def test_one_build_per_spec_and_bad_input_is_named(monkeypatch, tmp_path):
     monkeypatch.setenv("TVM_ATTENTION_CACHE_DIR", str(tmp_path))
     q = torch.randn(1, 2, 8, 16, requires_grad=True)
     k = v = torch.randn(1, 2, 8, 16)
-    before = _pair.cache_info().misses
+    before = _pair.misses
     for n in (8, 8, 13):  # symbolic batch and lengths: one pair for every shape
         x = torch.randn(2, 2, n, 16, requires_grad=True)
         attention(x, x[:, :, :n - 3], x[:, :, :n - 3], causal=True).sum().backward()
         assert x.grad.shape == x.shape and torch.isfinite(x.grad).all()
-    assert _pair.cache_info().misses == before + 1
+    assert _pair.misses == before + 1
     # another process (here: the pair forgotten) loads the backward from the disk cache, no build
     import tvm_attention.backward as backward
 
@@ -221,3 +222,117 @@ def test_varlen_values_and_gradients_per_sequence():
         torch.testing.assert_close(got.double(), w, atol=5e-5, rtol=1e-4, msg=name)
     with pytest.raises(SpecError, match="both hold batch \\+ 1 offsets"):
         attention_varlen(q, k, v, cq, ck[:-1])
+
+
+
+def test_a_gradient_of_the_gradient_raises_by_name():
+    """Under ``create_graph=True`` the first-order gradients come back, and differentiating them
+    (a gradient penalty) raises: never a silent zero second-order term. (The causal case's spec
+    of the first test: no build of its own.)"""
+    gen = torch.Generator().manual_seed(21)
+    q = torch.randn(1, 4, 9, 16, generator=gen, requires_grad=True)
+    k, v = (torch.randn(1, 2, 11, 16, generator=gen, requires_grad=True) for _ in range(2))
+    dq, dk = torch.autograd.grad(attention(q, k, v, causal=True).square().sum(), [q, k], create_graph=True)
+    plain = torch.autograd.grad(attention(q, k, v, causal=True).square().sum(), [q, k])
+    torch.testing.assert_close((dq, dk), plain)
+    with pytest.raises(NotImplementedError, match="double backward"):
+        (dq.square().sum() + dk.square().sum()).backward()
+    # the penalty beside the loss (o's own gradient is first-order): still refused, not zeroed
+    o = attention(q, k, v, causal=True)
+    penalty = torch.autograd.grad(o.sum(), q, create_graph=True)[0].square().sum()
+    with pytest.raises(NotImplementedError, match="double backward"):
+        (o.sum() + penalty).backward()
+
+
+def test_arguments_changed_in_place_before_backward_are_refused():
+    """What the backward reads is saved: kv_start, key bounds, a custom mask's bits, a modifier's
+    tensor and varlen's cu_seqlens changed in place after the forward make ``backward()`` raise
+    (torch's in-place check), never differentiate other values. (The specs of the kv_start, masks
+    and varlen tests above: no build of their own.)"""
+    from tvm_attention.masks import pack_mask
+    from tvm_attention.torch import attention_varlen
+
+    gen = torch.Generator().manual_seed(22)
+    q = torch.randn(2, 2, 11, 8, generator=gen, requires_grad=True)
+    k, v = (torch.randn(2, 1, 19, 8, generator=gen, requires_grad=True) for _ in range(2))
+    starts = torch.tensor([0, 3], dtype=torch.int32)
+    o = attention(q, k, v, causal=True, kv_start=starts)
+    starts.fill_(30)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        o.sum().backward()
+    q = torch.randn(2, 2, 13, 8, generator=gen, requires_grad=True)
+    k, v = (torch.randn(2, 2, 21, 8, generator=gen, requires_grad=True) for _ in range(2))
+    mod = "lambda b, h, q_idx, kv_idx: keep[b, kv_idx] != 0"
+
+    def masked(**change):
+        args = dict(key_lo=torch.zeros(2, 21, dtype=torch.int32), key_hi=torch.full((2, 21), 21, dtype=torch.int32),
+                    custom_mask=tuple(torch.from_numpy(a) for a in pack_mask(np.ones((2, 13, 21), bool))),
+                    mod_tensors={"keep": torch.ones(2, 21, dtype=torch.int32)})
+        o = attention(q, k, v, causal=True, mask_mod=mod, **args)
+        return o, args
+
+    for change in (lambda a: a["key_hi"].fill_(5), lambda a: a["custom_mask"][0].zero_(),
+                   lambda a: a["mod_tensors"]["keep"].zero_()):
+        o, args = masked()
+        change(args)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            o.sum().backward()
+    cq, ck = torch.tensor([0, 9, 9, 26], dtype=torch.int32), torch.tensor([0, 21, 25, 38], dtype=torch.int32)
+    q = torch.randn(26, 4, 8, generator=gen, requires_grad=True)
+    k, v = (torch.randn(38, 2, 8, generator=gen, requires_grad=True) for _ in range(2))
+    o = attention_varlen(q, k, v, cq, ck, causal=True, softcap=6.0, sinks=torch.randn(4, requires_grad=True))
+    ck[1] = 30
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        o.sum().backward()
+
+
+@pytest.mark.parametrize("b, sq, skv", [(1, 0, 8), (1, 8, 0), (0, 8, 8)], ids=["no_rows", "no_keys", "no_batch"])
+def test_empty_calls_give_zero_gradients(b, sq, skv):
+    """No query row, no key, or no sequence: the forward gives its zeros and the backward the
+    gradients' (right shapes, all zero; sinks too), not TVM's compact-array error. (The first
+    test's ALiBi + sinks spec.)"""
+    q = torch.randn(b, 4, sq, 16, requires_grad=True)
+    k, v = (torch.randn(b, 2, skv, 16, requires_grad=True) for _ in range(2))
+    sinks = torch.randn(4, requires_grad=True)
+    o = attention(q, k, v, causal=True, alibi_slopes=torch.rand(4) * 0.2, sinks=sinks)
+    assert o.shape == (b, 4, sq, 16) and not o.any()
+    o.sum().backward()
+    for t in (q, k, v, sinks):
+        assert t.grad.shape == t.shape and not t.grad.any()
+
+
+def test_a_cached_backward_must_be_the_one_asked_for(tmp_path):
+    """The backward's disk cache: another spec's artifact (intact, consistent) under this spec's
+    name is refused, with a warning, and rebuilt (the gradients right); a cache folder that
+    cannot be one (a file) is not used: a warning, and the artifact goes to a private temporary
+    folder. (The first test's causal and window/softcap specs: their forwards
+    are built.)"""
+    import shutil
+
+    from tvm_attention.paths import scratch_dir
+    from tvm_attention.torch import _pair, backward_artifact_name, backward_cache, spec_of
+
+    gen = torch.Generator().manual_seed(23)
+    q = torch.randn(1, 4, 9, 16, generator=gen, requires_grad=True)
+    k, v = (torch.randn(1, 2, 11, 16, generator=gen, requires_grad=True) for _ in range(2))
+    causal, other = dict(causal=True), dict(window=(9, 2), softcap=6.0)
+    attention(q, k, v, **causal).sum().backward()  # (in this process's default cache already, if the first test ran)
+    mine = backward_artifact_name(spec_of(q, k, v, **causal))
+    assert (backward_cache() / mine / "manifest.json").is_file()
+    cache = tmp_path / "cache" / "backward"
+    shutil.copytree(backward_cache() / mine, cache / backward_artifact_name(spec_of(q, k, v, **other)))
+    _pair.cache_clear()
+    with pytest.warns(RuntimeWarning, match="cached backward .* is unusable .*its spec is"):
+        o = attention(q, k, v, cache_dir=cache, **other)
+        do = torch.randn(o.shape, generator=gen)
+        grads = torch.autograd.grad(o, [q, k, v], do)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    for name, got, w in zip(("dq", "dk", "dv"), grads,
+                            torch.autograd.grad(_eager(*leaves, **other), leaves, do.double())):
+        torch.testing.assert_close(got.double(), w, atol=5e-5, rtol=1e-4, msg=name)
+    (tmp_path / "file").write_text("")
+    _pair.cache_clear()
+    with pytest.warns(RuntimeWarning, match="file.* is not a folder.*the backward is built into a temporary folder"):
+        attention(q, k, v, cache_dir=tmp_path / "file", **causal).sum().backward()
+    assert (scratch_dir() / "file" / mine / "manifest.json").is_file()
+    assert (scratch_dir() / "file").stat().st_mode & 0o777 == 0o700

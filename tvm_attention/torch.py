@@ -14,7 +14,9 @@ hidden: left padding), key bounds, a custom mask and ``mask_mod`` (their zeros p
 from __future__ import annotations
 
 import dataclasses
-import functools
+import os
+import threading
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -24,49 +26,106 @@ from .errors import SpecError
 from .spec import AttentionSpec
 
 
-@functools.lru_cache(maxsize=64)
-def _pair(spec: AttentionSpec, grad_tensors: tuple[str, ...] = ()):
-    """(forward kernel, backward kernel) of ``spec`` (with ``return_lse``), built once; the
-    backward also differentiates the modifier tensors ``grad_tensors``."""
-    from .artifact import kernel_of  # the compiler's side (imports TVM)
-    from .backward import build_backward  # the compiler's side (imports TVM)
-    from .build import build_kernel  # the compiler's side (imports TVM)
+class _Pairs:
+    """``_pair(spec, grad_tensors, cache_dir)``: (forward kernel, backward kernel) of ``spec``
+    (with ``return_lse``), built or loaded once per process; the backward also differentiates
+    the modifier tensors ``grad_tensors``. ``cache_dir`` (:func:`backward_cache`) is where a miss
+    finds or caches the backward's artifact; a pair in memory serves every caller."""
 
-    return kernel_of(build_kernel(spec, cache=True)), _cached_backward(spec, grad_tensors)
+    def __init__(self):
+        self.pairs: dict[tuple, tuple] = {}
+        self.misses = 0
+        self.lock = threading.Lock()
+
+    def __call__(self, spec: AttentionSpec, grad_tensors: tuple[str, ...] = (), cache_dir: str | None = None):
+        key = (spec, tuple(grad_tensors))
+        got = self.pairs.get(key)
+        if got is None:
+            from .artifact import kernel_of  # the compiler's side (imports TVM)
+            from .build import build_kernel  # the compiler's side (imports TVM)
+
+            with self.lock:  # one build per configuration, whichever thread asks first
+                got = self.pairs.get(key)
+                if got is None:
+                    self.misses += 1
+                    got = self.pairs[key] = (kernel_of(build_kernel(spec, cache=True)),
+                                             _cached_backward(spec, tuple(grad_tensors), cache_dir))
+        return got
+
+    def cache_clear(self) -> None:
+        """Forget the pairs (the next call of each loads its backward from the disk cache)."""
+        with self.lock:
+            self.pairs.clear()
 
 
-def _cached_backward(spec: AttentionSpec, grad_tensors: tuple[str, ...]):
-    """The backward of ``spec`` from the on-disk cache, as the transformers backend keeps its
-    artifacts: ``<cache>/backward/<key>/`` (``tvm_attention.paths.cache_dir``; the key hashes the
-    spec, the knobs, ``grad_tensors``, the target and the versions), an exported and validated
-    artifact (``tvm_attention.backward_artifact``) loaded in later processes without a rebuild;
-    one that does not load is rebuilt, with a warning. Builders of one key take a file lock."""
+_pair = _Pairs()
+
+
+#: The modules besides the build cache's generators whose source decides a backward artifact:
+#: editing one misses every artifact made before (the key holds their digest).
+BACKWARD_GENERATORS = ("tvm_attention.backward", "tvm_attention.backward_artifact")
+#: Bumped when a backward artifact's key changes meaning.
+KEY_FORMAT = 2
+
+
+def backward_cache(cache_dir: str | os.PathLike | None = None) -> Path:
+    """The folder of the backward's cached artifacts: ``cache_dir`` when given, else
+    ``tvm_attention.paths.cache_dir() / "backward"``."""
+    from .paths import cache_dir as user_cache  # the per-user cache
+
+    return Path(cache_dir).expanduser() if cache_dir is not None else user_cache() / "backward"
+
+
+def backward_artifact_name(spec: AttentionSpec, grad_tensors: tuple[str, ...] = ()) -> str:
+    """The folder name of ``spec``'s backward artifact in :func:`backward_cache`:
+    ``<spec's short name>_<key>``, the key hashing the spec, the knobs, ``grad_tensors``, the
+    target, the versions and the generators' sources (:data:`BACKWARD_GENERATORS` with the build
+    cache's), so an edit of any of them misses every artifact made before."""
     import hashlib
     import json
-    import warnings
 
-    import tvm  # the compiler's side: this function builds on a miss
+    import tvm  # the compiler's side: its version is part of the key
+    import tvm_ffi
 
-    from . import __version__  # the key names the version that built it
-    from .backward import build_backward, default_knobs  # the compiler's side (imports TVM)
-    from .backward_artifact import export_backward, load_backward  # the artifact's two ends
-    from .paths import cache_dir, file_lock  # the per-user cache; one builder per key across processes
+    from .backward import default_knobs  # the compiler's side (imports TVM)
+    from .build_cache import source_digest  # the generators' digest, as the build cache keys by
     from .target import resolve_target  # this CPU's target
 
-    knobs, target = default_knobs(spec), resolve_target("llvm")
-    ident = {"spec": spec.to_dict(), "knobs": dataclasses.asdict(knobs), "wrt": list(grad_tensors),
-             "target": str(target), "tvm_attention": __version__, "tvm": tvm.__version__}
-    key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
-    out = cache_dir() / "backward" / f"{spec.short_name()}_{key}"
-    with file_lock(out):
-        if (out / "manifest.json").is_file():
-            try:
-                return load_backward(out)
-            except Exception as e:  # noqa: BLE001 - any unloadable artifact is rebuilt, said once
-                warnings.warn(f"{out}: cached backward does not load ({e}); rebuilding it", RuntimeWarning,
-                              stacklevel=3)
-        export_backward(build_backward(spec, knobs, grad_tensors=grad_tensors), out)
-        return load_backward(out)
+    ident = {"format": KEY_FORMAT, "spec": spec.to_dict(), "knobs": dataclasses.asdict(default_knobs(spec)),
+             "wrt": list(grad_tensors), "target": str(resolve_target("llvm")),
+             "sources": source_digest(BACKWARD_GENERATORS), "tvm": tvm.__version__, "tvm_ffi": tvm_ffi.__version__}
+    return f"{spec.short_name()}_{hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]}"
+
+
+def _cached_backward(spec: AttentionSpec, grad_tensors: tuple[str, ...], cache_dir: str | None = None):
+    """The backward of ``spec`` from the on-disk cache, as the transformers backend keeps its
+    artifacts: ``<backward_cache(cache_dir)>/<backward_artifact_name>/``, an exported and validated artifact
+    (``tvm_attention.backward_artifact``) loaded in later processes without a rebuild. A hit
+    must prove it is the backward asked for: its library's spec hash (``load_backward``) is this
+    spec's, its knobs and differentiated tensors these; anything else is rebuilt, with a warning
+    (``paths.load_or_build``). A cache folder that is not private (``paths.usable_cache``) is
+    not used: the artifact goes to a temporary folder of this process."""
+    from .backward import PARTIALS, build_backward, default_knobs  # the compiler's side (imports TVM)
+    from .backward_artifact import export_backward, load_backward  # the artifact's two ends
+    from .paths import load_or_build, usable_cache  # the cache of code: a private folder, checked hits
+
+    knobs = default_knobs(spec)
+    out = usable_cache(backward_cache(cache_dir), "the backward") / backward_artifact_name(spec, grad_tensors)
+
+    def check(kernel) -> str | None:
+        if kernel.spec.fingerprint() != spec.fingerprint():
+            return f"its spec is {kernel.spec.short_name()} {kernel.spec.to_dict()}, not {spec.to_dict()}"
+        if kernel.knobs != knobs:
+            return f"its knobs are {dataclasses.asdict(kernel.knobs)}, not {dataclasses.asdict(knobs)}"
+        wrt = tuple(n[2:-len(PARTIALS)] for n, _, _ in kernel.args if n.endswith(PARTIALS))
+        if wrt != tuple(grad_tensors):
+            return f"it differentiates {list(wrt)}, not {list(grad_tensors)}"
+        return None
+
+    kernel, _ = load_or_build(out, load_backward,
+                              lambda o: export_backward(build_backward(spec, knobs, grad_tensors=grad_tensors), o),
+                              check, "backward")
+    return kernel
 
 
 def spec_of(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str = "bhsd", **fields: Any) -> AttentionSpec:
@@ -125,30 +184,53 @@ def _tensor_of(a) -> torch.Tensor:
 
 class _Attention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, sinks, spec, extra, wrt, *tensors):
+    def forward(ctx, q, k, v, sinks, spec, extra, wrt, cache_dir, *tensors):
         """``extra``: the variants' other call arguments by name (no gradient), detached;
-        ``tensors``: the modifier tensors named ``wrt``, which take a gradient."""
-        fwd, _ = _pair(spec, wrt)
+        ``tensors``: the modifier tensors named ``wrt``, which take a gradient. Every tensor the
+        backward reads is saved with ``save_for_backward``, ``extra`` too: changed in place
+        before ``backward()`` (``kv_start`` shifted, the mask's bits cleared), torch refuses it
+        by name ("modified by an inplace operation") instead of differentiating other values."""
+        fwd, _ = _pair(spec, wrt, cache_dir)
         args = dict(extra, **({"sinks": sinks.detach()} if spec.sinks else {}),
                     **{n: t.detach().contiguous() for n, t in zip(wrt, tensors)})
         o, lse = fwd(q.detach().contiguous(), k.detach().contiguous(), v.detach().contiguous(), **args)
-        ctx.spec, ctx.extra, ctx.wrt = spec, extra, wrt
-        ctx.save_for_backward(q, k, v, o, lse, sinks, *tensors)
+        ctx.spec, ctx.extra_names, ctx.wrt, ctx.cache_dir = spec, tuple(extra), wrt, cache_dir
+        ctx.save_for_backward(q, k, v, o, lse, sinks, *tensors, *extra.values())
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, o, lse, sinks, *tensors = ctx.saved_tensors
+        q, k, v, o, lse, sinks, *rest = ctx.saved_tensors
+        tensors, extra = rest[:len(ctx.wrt)], dict(zip(ctx.extra_names, rest[len(ctx.wrt):]))
         spec = ctx.spec
-        _, bwd = _pair(spec, ctx.wrt)
+        _, bwd = _pair(spec, ctx.wrt, ctx.cache_dir)
         arrays = [to_numpy(t.to(q.dtype) if t is do else t) for t in (q, k, v, o, lse, do)]
-        args = {n: t.numpy() for n, t in ctx.extra.items()}
+        args = {n: t.numpy() for n, t in extra.items()}
         args.update({n: to_numpy(t) for n, t in zip(ctx.wrt, tensors)})
         if spec.sinks:
             args["sinks"] = to_numpy(sinks)
         grads = [_tensor_of(np.ascontiguousarray(g)) for g in bwd(*arrays, **args)]
+        if torch.is_grad_enabled():  # create_graph=True: the gradients must not pass for constants
+            grads = list(_NoDoubleBackward.apply(*(g.requires_grad_() for g in grads)))
         dsinks = grads[3] if spec.sinks else None
-        return (grads[0], grads[1], grads[2], dsinks, None, None, None, *grads[3 + spec.sinks:])
+        return (grads[0], grads[1], grads[2], dsinks, None, None, None, None, *grads[3 + spec.sinks:])
+
+
+class _NoDoubleBackward(torch.autograd.Function):
+    """The first-order gradients, as they are, under ``create_graph=True``; differentiating them
+    again (a gradient penalty, a Hessian-vector product) raises by name. Without it they would be
+    constants to autograd, and a second-order term silently zero."""
+
+    @staticmethod
+    def forward(ctx, *grads):
+        return tuple(g.view_as(g) for g in grads)
+
+    @staticmethod
+    def backward(ctx, *_):
+        raise NotImplementedError(
+            "tvm_attention.torch.attention: the gradient of its gradient (double backward: create_graph=True, then "
+            "a backward through dq, dk, dv or dsinks) is not implemented; the fused backward is first-order only. "
+            "Use eager attention for second-order terms")
 
 
 def _tensor(name: str, t: Any, shape: tuple | None, dtype: torch.dtype) -> torch.Tensor:
@@ -166,7 +248,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
               alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
               kv_start: torch.Tensor | None = None, key_lo: torch.Tensor | None = None,
               key_hi: torch.Tensor | None = None, custom_mask: Any = None, score_mod: Any = None,
-              mask_mod: Any = None, mod_tensors: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+              mask_mod: Any = None, mod_tensors: dict[str, torch.Tensor] | None = None,
+              cache_dir: str | os.PathLike | None = None) -> torch.Tensor:
     """``o (B, H, Sq, Dv)`` of ``softmax(q·kᵀ·scale + mask)·v``, differentiable in ``q``, ``k``,
     ``v`` and ``sinks`` (the module docstring). The variants' arguments, as the spec's:
     ``alibi_slopes``/``sinks (H,)`` float32; ``kv_start (B,)`` int32; ``key_lo``/``key_hi (B,
@@ -175,7 +258,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
     int32)``; ``score_mod``/``mask_mod`` (functions or their source, ``tvm_attention.modifiers``;
     ``score_mod`` is differentiated, ``tvm_attention.modifier_grad``) over ``mod_tensors`` (name ->
     int32/float32 tensor; a float32 one of ``score_mod`` that requires a gradient, a learned bias,
-    takes it). A row that sees no key outputs zeros and takes no gradient."""
+    takes it). A row that sees no key outputs zeros and takes no gradient. ``cache_dir``: where
+    the backward's artifact is cached (:func:`backward_cache`).
+
+    The arguments the backward reads (``q``, ``k``, ``v``, ``sinks``, the index arrays, the
+    mask's bits, the modifiers' tensors) are saved, not copied: changed in place before
+    ``backward()``, torch refuses it ("modified by an inplace operation"). A gradient of the
+    gradient (``create_graph=True``, then a backward through it) raises ``NotImplementedError``."""
     spec = spec_of(q, k, v, **_fields(causal, window, softcap, scale, alibi_slopes, sinks, kv_start, key_lo, key_hi,
                                       custom_mask, score_mod, mask_mod, mod_tensors))
     b, sq, skv = q.shape[0], q.shape[2], k.shape[2]  # the call's (the spec's are symbolic)
@@ -184,7 +273,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         extra.update(_packed(custom_mask, (b, sq, skv)))
     wrt = _wrt(mod_tensors)
     return _Attention.apply(q, k, v, torch.zeros(0) if sinks is None else sinks, spec, extra, wrt,
-                            *(mod_tensors[n] for n in wrt))
+                            None if cache_dir is None else str(cache_dir), *(mod_tensors[n] for n in wrt))
 
 
 def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
@@ -193,7 +282,8 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
                      alibi_slopes: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
                      key_lo: torch.Tensor | None = None, key_hi: torch.Tensor | None = None,
                      custom_mask: Any = None, score_mod: Any = None, mask_mod: Any = None,
-                     mod_tensors: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+                     mod_tensors: dict[str, torch.Tensor] | None = None,
+                     cache_dir: str | os.PathLike | None = None) -> torch.Tensor:
     """FlashAttention's ``flash_attn_varlen_func``, differentiable: ``o (total_q, H, Dv)`` of
     sequences packed in ``q (total_q, H, D)``, ``k``/``v (total_k, KH, D|Dv)``, sequence ``b``'s
     rows ``cu_seqlens_q[b]:cu_seqlens_q[b + 1]`` attending to its keys ``cu_seqlens_k[b]:…``
@@ -217,7 +307,7 @@ def attention_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
         extra.update(_packed(custom_mask, (len(cq) - 1, 0, 0)))
     wrt = _wrt(mod_tensors)
     return _Attention.apply(q, k, v, torch.zeros(0) if sinks is None else sinks, spec, extra, wrt,
-                            *(mod_tensors[n] for n in wrt))
+                            None if cache_dir is None else str(cache_dir), *(mod_tensors[n] for n in wrt))
 
 
 def _fields(causal, window, softcap, scale, alibi_slopes, sinks, kv_start, key_lo, key_hi, custom_mask, score_mod,
