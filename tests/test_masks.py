@@ -97,3 +97,58 @@ def test_bad_packed_masks_are_named():
         unpack_mask(packed, indptr, [(3, 9), (1, 1)])
     with pytest.raises(SpecError, match="is empty"):
         tree_mask_from_intervals([0, 1], [1, 1], 0)
+
+
+def test_a_sequence_without_drafts_is_a_tree_of_zero_rows():
+    """A batch where one sequence drafted nothing this step (issue 62): its tree is empty, its mask
+    ``(0, prefix_len)``, zero bytes packed between its neighbours'."""
+    assert tree_mask([], 4).shape == (0, 4) and tree_mask(np.zeros(0, np.int32), 0).shape == (0, 0)
+    enter, exit_ = dfs_intervals([])
+    assert enter.shape == exit_.shape == (0,)
+    assert tree_mask_from_intervals([], [], 4).shape == (0, 4)
+    packed, indptr = tree_masks([[-1, 0], [], [-1]], [3, 2, 1])
+    assert np.diff(indptr).tolist() == [2, 0, 1]
+    got = unpack_mask(packed, indptr, [(2, 5), (0, 2), (1, 2)])
+    np.testing.assert_array_equal(got[0], brute_tree([-1, 0], 3))
+    assert got[1].shape == (0, 2) and got[2].tolist() == [[True, True]]
+
+
+def test_lengths_past_what_a_kernel_takes_are_refused_by_name():
+    """``prefix_len`` and the drafts are a sequence's keys: at most ``MAX_SEQ_LEN`` (2**30), as the
+    kernels take; refused before anything is allocated (never a MemoryError)."""
+    from tvm_attention.limits import MAX_SEQ_LEN
+
+    for build in (lambda n: tree_mask([-1, 0], n), lambda n: tree_mask_from_intervals([0, 1], [2, 2], n)):
+        with pytest.raises(SpecError, match=r"prefix_len=1099511627776: .*at most 1073741824"):
+            build(2**40)
+        with pytest.raises(SpecError, match=rf"prefix_len={MAX_SEQ_LEN - 1} and 2 drafts: {MAX_SEQ_LEN + 1} keys"):
+            build(MAX_SEQ_LEN - 1)
+    # within the keys' bound but past what mask_indptr (int32 byte offsets) can address
+    with pytest.raises(SpecError, match=r"prefix_len=1073740824 and 40 drafts: .* bytes packed; mask_indptr is int32"):
+        tree_mask(np.full(40, -1), 2**30 - 1000)
+
+
+@pytest.mark.parametrize("indptr, shapes, match", [
+    (np.array([0, 1]), [(-1, 5)], r"shapes\[0\]: expected \(q_len, kv_len\), two non-negative ints, got \(-1, 5\)"),
+    (np.array([0, 1]), [(2, -3)], r"shapes\[0\]: .*got \(2, -3\)"),
+    (np.array([0, 1]), [(1.5, 2)], r"shapes\[0\]: .*got \(1.5, 2\)"),
+    (np.array([0, 1]), [(1, 2, 3)], r"shapes\[0\]: .*got \(1, 2, 3\)"),
+    (np.array([0.0, 1.0]), [(1, 2)], r"mask_indptr: expected integers \(each sequence's first byte\), got float64"),
+])
+def test_unpack_refuses_bad_shapes_and_offsets_by_name(indptr, shapes, match):
+    packed, _ = pack_mask([np.ones((1, 2), bool)])
+    with pytest.raises(SpecError, match=match):
+        unpack_mask(packed, indptr, shapes)
+
+
+@pytest.mark.parametrize("enter, exit_, match", [
+    ([0, 1], [2, 3], r"drafts 0 \[0, 2\) and 1 \[1, 3\) overlap without nesting"),  # crossed
+    ([0, 2, 1], [4, 5, 3], r"drafts 0 \[0, 4\) and 1 \[2, 5\) overlap"),  # 2 [1, 3) nests in 0, crosses 1
+    ([0, 0], [2, 1], r"drafts 0 and 1 both enter at 0"),  # a tie: each the other's ancestor
+])
+def test_intervals_that_are_not_a_tree_are_refused_by_name(enter, exit_, match):
+    with pytest.raises(SpecError, match=match):
+        tree_mask_from_intervals(enter, exit_, 2)
+    # nested and disjoint ones (with gaps between them) are a tree
+    m = tree_mask_from_intervals([0, 1, 5, 2], [4, 2, 6, 4], 0)
+    np.testing.assert_array_equal(m, brute_tree([-1, 0, -1, 0], 0))

@@ -41,6 +41,27 @@ def _dim(text: str):
         raise argparse.ArgumentTypeError(f"{text!r}: expected an int, dyn, or dyn:N") from None
 
 
+def _length(text: str) -> int:
+    """``bench --seq``: a sequence length, a positive int."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected an int") from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"{text}: a sequence length is a positive int")
+    return n
+
+
+class _Given(argparse.Action):
+    """argparse's ``store`` that also notes its flag in ``namespace.given`` (the parser's default:
+    ``()``): a mode of a command that does not use the flag refuses it when the user gave it,
+    even at its default value, and one that uses it only when given can tell."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        namespace.given = (*getattr(namespace, "given", ()), self.option_strings[0])
+
+
 def _add_spec_flags(p: argparse.ArgumentParser, defaults: dict | None = None) -> None:
     """The flags that make an AttentionSpec, in groups; ``defaults`` (``run``'s default spec) makes
     every one optional, else --heads and --head-dim are required and --batch, --seq-q are required
@@ -434,6 +455,8 @@ def cmd_tune(a: argparse.Namespace) -> int:
     import os
     import signal
 
+    if a.backward:  # its flags' checks first: a refused flag costs no compiler import
+        _check_tune_backward_flags(a)
     printed: list[str] = []
 
     def progress(m: str) -> None:
@@ -500,19 +523,43 @@ def cmd_tune(a: argparse.Namespace) -> int:
     return 130 if result.interrupted else 0
 
 
+#: ``tune``'s flags that only the forward's search uses, with how ``--backward`` tells they were
+#: given (a default is not given; ``_Given`` notes the flags whose default is a value)
+FORWARD_SEARCH_FLAGS = (("--trials", "given"), ("--search", "given"), ("--per-round", "given"), ("--seed", "given"),
+                        ("--schedule", "given"), ("--threads", "threads"), ("--warm-start", "warm_start"),
+                        ("--rpc-tracker", "rpc_tracker"), ("--rpc-key", "rpc_key"), ("--rpc-workers", "rpc_workers"),
+                        ("--runner", "runner"), ("--import-timings", "import_timings"), ("--wheel", "wheel"))
+
+
+def _check_tune_backward_flags(a: argparse.Namespace) -> None:
+    """``tune --backward``'s flags, before anything loads: the backward's search measures each of
+    its knob points once on this machine (``tvm_attention.tune.backward``: no trial budget, rounds,
+    cost model, seed, schedule family or thread count of the forward's), so each of the forward's
+    search flags given is refused by name, never ignored; a ``--work-dir`` that is, or lies under,
+    a file is named with the flag."""
+    given = getattr(a, "given", ())
+    others = [flag for flag, dest in FORWARD_SEARCH_FLAGS
+              if (flag in given if dest == "given" else getattr(a, dest, None) not in (None, False))]
+    if others:
+        raise SpecError(f"tune --backward measures every knob point on this machine, once each; {', '.join(others)} "
+                        f"{'is' if len(others) == 1 else 'are'} for the forward's search")
+    if a.work_dir is not None:
+        work = Path(a.work_dir)
+        blocker = next((d for d in (work, *work.parents) if d.exists()), None)
+        if blocker is not None and not blocker.is_dir():
+            raise ValueError(f"--work-dir {a.work_dir}: {blocker} is a file, not a folder (the search's log is a "
+                             "folder of JSON files)")
+
+
 def tune_backward_cmd(a: argparse.Namespace, spec: AttentionSpec, target) -> int:
     """``tune --backward``: the backward's knobs (tiles, the dQ strategy) searched with MetaSchedule
     (``tvm_attention.tune.backward``), one task per point; the log under ``--work-dir``, default
-    ``<cache>/tuning_logs/backward/<target>/<spec>/``. Other searches' flags are refused by name."""
+    ``<cache>/tuning_logs/backward/<target>/<spec>/``. Other searches' flags are refused by name
+    (:func:`_check_tune_backward_flags`, before :func:`cmd_tune` loads the compiler)."""
     from .logs import target_key  # the log folder's target part
     from .paths import cache_dir  # the per-user cache
     from .tune.backward import tune_backward  # TVM loads only for the commands that compile
 
-    others = [f for f, on in (("--rpc-tracker", a.rpc_tracker), ("--runner", a.runner),
-                              ("--import-timings", a.import_timings), ("--warm-start", a.warm_start)) if on]
-    if others:
-        raise SpecError(f"tune --backward measures every knob point on this machine; {', '.join(others)} is for the "
-                        "forward's search")
     work = a.work_dir or cache_dir() / "tuning_logs" / "backward" / target_key(target) / spec.short_name()
     found = tune_backward(spec, work, target)
     print("| block_m | block_n | block_m_dq | dq_chunks | ms |\n|---|---|---|---|---|")
@@ -544,9 +591,22 @@ def _tune_by_files(a: argparse.Namespace, spec: AttentionSpec, target, progress)
     return 0
 
 
+#: ``bench``'s flags that each choose a benchmark instead of the length sweep: ``bench.modes``'
+#: and those the CLI runs itself
+BENCH_MODES = ("decode", "halfprec", "mla", "masks", "backward")
+
+
 def cmd_bench(a: argparse.Namespace) -> int:
     import datetime
 
+    from .bench.modes import MODES  # the standard library only
+
+    # one benchmark at a time, said before anything loads: the first one dispatched would run
+    # alone and the others be dropped without a word
+    chosen = [m for m in dict.fromkeys((*MODES, *BENCH_MODES)) if getattr(a, m, False)]
+    if len(chosen) > 1:
+        raise ValueError("choose one of " + ", ".join("--" + m.replace("_", "-") for m in chosen)
+                         + ": each runs a benchmark of its own")
     from .bench import (  # the bench package loads only for its commands
         Interrupted, Progress, ctrl_c_ignored, fmt_duration, mark_interrupted)
     from .bench.cpu import measure_ceilings  # TVM loads only for the commands that compile
@@ -695,10 +755,15 @@ def bench_masks(a: argparse.Namespace, threads: int) -> int:
 def bench_backward(a: argparse.Namespace, threads: int) -> int:
     """``bench --backward``: our fused forward + backward against torch SDPA's at B1 H8, fp32 and
     bf16, D 64 / 128, S 1k-8k, causal and not, with the FMA peak and what eager FlexAttention's
-    backward does; ``--tiny``: one small fp32 point each way."""
+    backward does; ``--tiny``: one small fp32 point each way. ``--seq`` given: its lengths instead
+    (with ``--tiny`` too), in the timed points and the memory rows."""
+    import dataclasses
+
     from .bench import backward  # TVM loads only for the commands that compile
 
     cfg = backward.quick_config() if a.tiny else backward.Config()
+    if "--seq" in getattr(a, "given", ()):  # its default is the sweep's lengths, not this benchmark's
+        cfg = dataclasses.replace(cfg, seqs=tuple(a.seq))
     return _bench_report(a, backward, lambda: backward.run(cfg, threads, say=lambda m: print(m, flush=True)))
 
 
@@ -943,6 +1008,53 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return a
 
 
+def _add_tune_parser(sub) -> None:
+    """``tune``'s parser: the spec, the search and measuring elsewhere."""
+    p = sub.add_parser("tune", help="MetaSchedule search (XGBoost cost model); resumable JSON database",
+                       description="Search the schedule space of one spec with MetaSchedule and record every "
+                                   "measured trial in a resumable JSON log; `build` and `run` then use its best "
+                                   "record. Ctrl-C keeps what was measured (docs/tuning.md).")
+    _add_spec_flags(p)
+    g = p.add_argument_group("search")
+    g.add_argument("--target", default="llvm", help="'llvm' (this CPU, default), 'cuda', or a JSON target")
+    g.add_argument("--arch", default=None, help="CUDA architecture for --target cuda (default: the local GPU's)")
+    g.add_argument("--schedule", default="fused", choices=["fused", "materialized", "rowcache"], action=_Given,
+                   help="the schedule family whose space is searched")
+    g.add_argument("--trials", type=int, default=64, action=_Given,
+                   help="total measured trials in the log (resume counts them)")
+    g.add_argument("--work-dir", default=None,
+                   help="tuning log folder (default: <cache>/tuning_logs/<target>/<spec>/, where <cache> is "
+                        "$TVM_ATTENTION_CACHE_DIR, else $XDG_CACHE_HOME/tvm-attention, else ~/.cache/tvm-attention); "
+                        "one tune at a time per folder")
+    g.add_argument("--per-round", type=int, default=8, action=_Given, help="candidates measured per round")
+    g.add_argument("--search", default="xgb", choices=["xgb", "random"], action=_Given,
+                   help="xgb: evolutionary search ranked by the XGBoost cost model (default); random: "
+                        "candidates sampled at random from the same spaces (the baseline)")
+    g.add_argument("--warm-start", default=None, metavar="DIR",
+                   help="train the cost model first on another spec's tuning log (same target)")
+    g.add_argument("--seed", type=int, default=0, action=_Given,
+                   help="seed of the search (and of the validation inputs)")
+    g.add_argument("--threads", type=int, default=None, help="runtime threads when measuring (default: all cores)")
+    g.add_argument("--backward", action="store_true",
+                   help="search the backward's knobs instead (docs/backward.md): each point measured once; the "
+                        "forward search's flags (--trials, --search, --per-round, --seed, --schedule, --threads, "
+                        "--warm-start, measuring elsewhere) are refused with it")
+    g = p.add_argument_group("measuring elsewhere (docs/tuning.md)")
+    g.add_argument("--rpc-tracker", default=None, metavar="HOST:PORT",
+                   help="measure on the devices registered with this RPC tracker (builds stay local)")
+    g.add_argument("--rpc-key", default=None, help="device key registered with the tracker")
+    g.add_argument("--rpc-workers", type=int, default=None,
+                   help="measurements in flight at once (default: one per registered server)")
+    g.add_argument("--runner", default=None, metavar="dir:PATH",
+                   help="measure on a device reachable only by files: build the next candidates (--trials minus "
+                        "the log's records) into the payload PATH and stop; run PATH/run.sh there, bring its "
+                        "timings.json back into PATH, then rerun with --import-timings PATH (docs/tuning.md)")
+    g.add_argument("--import-timings", default=None, metavar="PATH",
+                   help="commit the timings.json of the payload PATH (written by --runner dir:PATH) to the log")
+    g.add_argument("--wheel", action="store_true", help="--runner dir: also carry tvm-ffi's cp312 wheel (no package index)")
+    p.set_defaults(func=cmd_tune, given=())
+
+
 def build_parser() -> "_Parser":
     """The whole command line; ``.commands`` maps each command to its parser."""
     parser = _Parser(prog="tvm-attention", description=DESCRIPTION)
@@ -970,52 +1082,15 @@ def build_parser() -> "_Parser":
                         f"when given)")
     p.set_defaults(func=cmd_run)
 
-    p = sub.add_parser("tune", help="MetaSchedule search (XGBoost cost model); resumable JSON database",
-                       description="Search the schedule space of one spec with MetaSchedule and record every "
-                                   "measured trial in a resumable JSON log; `build` and `run` then use its best "
-                                   "record. Ctrl-C keeps what was measured (docs/tuning.md).")
-    _add_spec_flags(p)
-    g = p.add_argument_group("search")
-    g.add_argument("--target", default="llvm", help="'llvm' (this CPU, default), 'cuda', or a JSON target")
-    g.add_argument("--arch", default=None, help="CUDA architecture for --target cuda (default: the local GPU's)")
-    g.add_argument("--schedule", default="fused", choices=["fused", "materialized", "rowcache"],
-                   help="the schedule family whose space is searched")
-    g.add_argument("--trials", type=int, default=64, help="total measured trials in the log (resume counts them)")
-    g.add_argument("--work-dir", default=None,
-                   help="tuning log folder (default: <cache>/tuning_logs/<target>/<spec>/, where <cache> is "
-                        "$TVM_ATTENTION_CACHE_DIR, else $XDG_CACHE_HOME/tvm-attention, else ~/.cache/tvm-attention); "
-                        "one tune at a time per folder")
-    g.add_argument("--per-round", type=int, default=8, help="candidates measured per round")
-    g.add_argument("--search", default="xgb", choices=["xgb", "random"],
-                   help="xgb: evolutionary search ranked by the XGBoost cost model (default); random: "
-                        "candidates sampled at random from the same spaces (the baseline)")
-    g.add_argument("--warm-start", default=None, metavar="DIR",
-                   help="train the cost model first on another spec's tuning log (same target)")
-    g.add_argument("--seed", type=int, default=0, help="seed of the search (and of the validation inputs)")
-    g.add_argument("--threads", type=int, default=None, help="runtime threads when measuring (default: all cores)")
-    g.add_argument("--backward", action="store_true", help="search the backward's knobs instead (docs/backward.md)")
-    g = p.add_argument_group("measuring elsewhere (docs/tuning.md)")
-    g.add_argument("--rpc-tracker", default=None, metavar="HOST:PORT",
-                   help="measure on the devices registered with this RPC tracker (builds stay local)")
-    g.add_argument("--rpc-key", default=None, help="device key registered with the tracker")
-    g.add_argument("--rpc-workers", type=int, default=None,
-                   help="measurements in flight at once (default: one per registered server)")
-    g.add_argument("--runner", default=None, metavar="dir:PATH",
-                   help="measure on a device reachable only by files: build the next candidates (--trials minus "
-                        "the log's records) into the payload PATH and stop; run PATH/run.sh there, bring its "
-                        "timings.json back into PATH, then rerun with --import-timings PATH (docs/tuning.md)")
-    g.add_argument("--import-timings", default=None, metavar="PATH",
-                   help="commit the timings.json of the payload PATH (written by --runner dir:PATH) to the log")
-    g.add_argument("--wheel", action="store_true", help="--runner dir: also carry tvm-ffi's cp312 wheel (no package index)")
-    p.set_defaults(func=cmd_tune)
+    _add_tune_parser(sub)
 
     p = sub.add_parser("bench", help="sweep sequence length for every variant side by side; table, CSV/JSON, plots",
                        description="Time every variant of every point side by side in one process, against the "
                                    "FMA peak and streaming-read bandwidth measured in the same run; write a "
                                    "Markdown table, CSV, JSON and plots to --out (docs/benchmarks.md). --decode, "
                                    "--halfprec, --serving, --variant-costs and --loader run other benchmarks.")
-    p.add_argument("--seq", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096, 8192, 16384],
-                   help="sequence lengths (Sq = Skv) of the sweep")
+    p.add_argument("--seq", type=_length, nargs="+", default=[256, 512, 1024, 2048, 4096, 8192, 16384],
+                   action=_Given, help="sequence lengths (Sq = Skv) of the sweep, and of --backward when given")
     p.add_argument("--head-dim", type=int, nargs="+", default=[64, 128], help="head dimensions of the sweep")
     p.add_argument("--dtype", nargs="+", default=["float32"], choices=["float32", "bfloat16", "float16"],
                    help="input/output dtypes of the sweep (torch SDPA runs in the same dtype)")
@@ -1047,7 +1122,8 @@ def build_parser() -> "_Parser":
                         "batch 4 and 16 × 4k) against the FMA and bf16 dot-product peaks, torch SDPA and llama.cpp, "
                         "and a Dqk 192 / Dv 128 prefill against a D=192 build")
     p.add_argument("--masks", action="store_true", help="custom masks, tree verify, the cascade (docs/benchmarks.md)")
-    p.add_argument("--backward", action="store_true", help="forward + backward against torch SDPA's (docs/benchmarks.md)")
+    p.add_argument("--backward", action="store_true",
+                   help="forward + backward against torch SDPA's (docs/benchmarks.md); --seq: its lengths")
     kv8 = ["float8_e4m3fn", "float8_e5m2", "int8", "int8_qk8"]
     p.add_argument("--decode-dtype", nargs="+", default=None,
                    choices=["float32", "bfloat16", "float16"] + kv8 + [f"{d}_{g}" for d in kv8 for g in ("token", "group")],
@@ -1062,7 +1138,7 @@ def build_parser() -> "_Parser":
     p.add_argument("--threads", type=int, default=None, help="runtime threads (default: all cores)")
     p.add_argument("--out", default="bench_out", help="output folder")
     p.add_argument("--no-plots", action="store_true", help="skip the PNGs (no matplotlib needed)")
-    p.set_defaults(func=cmd_bench)
+    p.set_defaults(func=cmd_bench, given=())
 
     p = sub.add_parser("compare", help="several schedules of one spec side by side",
                        description="Build several schedules of one spec and time them side by side in this "
