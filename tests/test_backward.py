@@ -8,12 +8,14 @@ import dataclasses
 
 import numpy as np
 import pytest
+from tvm.target import Target
 
 from tvm_attention.artifact import kernel_of
 from tvm_attention.backward import BackwardKnobs, build_backward
 from tvm_attention.masks import pack_mask
 from tvm_attention.reference import reference_attention, reference_attention_backward
 from tvm_attention.spec import AttentionSpec, SpecError
+from tvm_attention.target import TargetError, resolve_target
 
 from conftest import built
 
@@ -137,6 +139,29 @@ def test_what_is_not_built_yet_is_refused_by_name(kw, what):
     spec = AttentionSpec(batch=1, heads=2, seq_q=8, seq_kv=8, head_dim=16, **kw)
     with pytest.raises(SpecError, match=what):
         build_backward(spec)
+
+
+#: targets the backward does not build for, as a caller names them: name -> (the target, made
+#: when the test runs; its kind)
+OTHER_TARGETS = {
+    "dict": (lambda: {"kind": "cuda", "arch": "sm_90"}, "cuda"),
+    "bare": (lambda: "cuda", "cuda"),  # no GPU needed: refused before its architecture is looked for
+    "json": (lambda: '{"kind": "cuda", "arch": "sm_80"}', "cuda"),
+    "Target": (lambda: resolve_target("cuda", arch="sm_90"), "cuda"),
+    "c": (lambda: Target("c"), "c"),
+}
+
+
+@pytest.mark.parametrize("name", list(OTHER_TARGETS))
+def test_a_target_it_does_not_build_for_is_refused_by_name(name, monkeypatch):
+    """The backward is a CPU (LLVM) kernel: a CUDA target built the CPU code as host code under
+    the CUDA target's name (issue 62). Any other kind is refused by name, before any TIR is made."""
+    from tvm_attention import backward
+
+    target, kind = OTHER_TARGETS[name]
+    monkeypatch.setattr(backward, "backward_func", lambda *a, **k: pytest.fail("the backward's TIR was made"))
+    with pytest.raises(TargetError, match=rf"backward: target kind '{kind}' is not built.*a CPU kernel.*llvm"):
+        build_backward(AttentionSpec(batch=1, heads=2, seq_q=8, seq_kv=8, head_dim=16), target=target())
 
 
 def test_knobs_are_checked():

@@ -160,3 +160,93 @@ def test_a_query_inside_the_prefix_and_stray_arguments_are_refused():
     with pytest.raises(SpecError, match="unexpected argument.*kv_start"):
         cascade.attend(kp, ks, z(N, H, 1, D), prefix, (z(N, KH, 8, D), z(N, KH, 8, D), np.full(N, 2, np.int32)),
                        kv_start=np.zeros(N, np.int32))
+
+
+def _refused(call, match: str):
+    """``call()`` raises a ValueError matching ``match`` (which names the caller's argument) that
+    names nothing of the prefix pass's own: neither its batch of 1 nor a ``cascade_*`` tensor."""
+    with pytest.raises(ValueError, match=match) as e:
+        call()
+    text = str(e.value)
+    assert "batch=1" not in text and "cascade_" not in text, text
+
+
+def test_errors_name_the_callers_arguments_not_the_stacked_rows(monkeypatch):
+    """The prefix pass calls its kernel with every sequence's rows stacked as one sequence, ``q
+    (1, KH, N·Sq·G, D)``: its errors named that shape (``q: expected shape (batch, 2, seq_q, 32)
+    ..., got (1, 2, 16, 16)``, ``k_cache: dim 0 (batch) is 2, but q has batch=1``; issue 62). The
+    cascade checks the caller's arguments first and names them, and says which pass a kernel's
+    own error comes from."""
+    spec = AttentionSpec(batch=N, heads=H, kv_heads=KH, seq_q=1, seq_kv=64, head_dim=D, causal=True, layout="kvcache")
+    kp, ks = kernels(spec)  # the first test's (built once)
+    z = lambda *s: np.zeros(s, np.float32)  # noqa: E731
+    prefix = (z(1, KH, P, D), z(1, KH, P, D), np.asarray([P], np.int32))
+    suffix = (z(N, KH, 8, D), z(N, KH, 8, D), np.full(N, 2, np.int32))
+    q = z(N, H, 1, D)
+    for bad, match in ((z(N, H, 1, 16), r"cascade: q: expected float32 \(N, 8, Sq, 32\) \(N sequences of Sq queries\), "
+                                        r"got float32 \(4, 8, 1, 16\)"),
+                       (z(N, H, D), r"cascade: q: expected .*, got float32 \(4, 8, 32\)"),
+                       (z(N, 6, 1, D), r"cascade: q: expected .*, got float32 \(4, 6, 1, 32\)"),
+                       (np.zeros((N, H, 1, D)), r"cascade: q: expected float32 .*, got float64 \(4, 8, 1, 32\)")):
+        _refused(lambda: cascade.attend(kp, ks, bad, prefix, suffix), match)
+    two = (z(2, KH, P, D), z(2, KH, P, D), np.asarray([P, P], np.int32))
+    _refused(lambda: cascade.attend(kp, ks, q, two, suffix),
+             r"cascade: prefix: cache_seqlens holds 2 lengths; the shared prefix is one sequence")
+    _refused(lambda: cascade.attend(kp, ks, q, (two[0], two[1], prefix[2]), suffix),
+             r"cascade: prefix: k_cache: dim 0 is 2; the shared prefix is one sequence "
+             r"\(k_cache \(1, 2, max_len, 32\)\)")
+    _refused(lambda: cascade.attend(kp, ks, z(3, H, 1, D), prefix, suffix),
+             r"cascade: suffix: cache_seqlens holds 4 lengths, q 3 sequences")
+    _refused(lambda: cascade.attend(kp, ks, q, (z(1, KH, P, 16), z(1, KH, P, 16), prefix[2]), suffix),
+             r"cascade: prefix: k_cache: expected shape \(batch, 2, max_len, 32\) .*got \(1, 2, 300, 16\)")
+    _refused(lambda: cascade.attend(kp, ks, q, prefix, (z(N, KH, 8, 16), *suffix[1:])),
+             r"cascade: suffix: k_cache: expected shape")
+    _refused(lambda: cascade.attend(kp, ks, q, prefix, suffix, sinks=z(H - 1)),
+             r"cascade: sinks: expected \(8,\) \(one per query head\), got float32 \(7,\)")
+    # the stacked rows are one sequence, of at most MAX_SEQ_LEN rows (16 here; 4 sequences · 2 queries · 4 query
+    # heads per kv head stack 32)
+    monkeypatch.setattr(cascade, "MAX_SEQ_LEN", 16)
+    _refused(lambda: cascade.attend(kp, ks, z(N, H, 2, D), prefix, suffix),
+             r"cascade: q \(4, 8, 2, 32\) stacks 4 · 2 · 4 = 32 rows .*more than the 16 .*split the batch")
+
+
+def test_variant_argument_errors_name_the_callers_values():
+    """ALiBi's slopes went to the prefix kernel as its ``cascade_slopes``, ``kv_start`` was checked
+    after its shift by the prefix's length (``kv_start[1]=999700 must be in [0, 7]`` for a caller's
+    1000000 against 307 keys), a short ``kv_start`` raised NumPy's IndexError and a missing argument
+    a KeyError; the key bounds were checked over the suffix's shifted columns only: each is now
+    named as the caller passed it (issue 62)."""
+    layout, sq, kw = VARIANT_CASES[0]  # window, alibi, kv_start, softcap, sinks (built by its test)
+    spec = AttentionSpec(batch=N, heads=H, kv_heads=KH, seq_q=sq, seq_kv=64, head_dim=D, causal=True, layout=layout,
+                         **kw)
+    kp, ks = kernels(spec)
+    z = lambda *s: np.zeros(s, np.float32)  # noqa: E731
+    lens = np.full(N, 7, np.int32)
+    prefix = (z(1, KH, P, D), z(1, KH, P, D), np.asarray([P], np.int32))
+    suffix = (z(N, KH, 8, D), z(N, KH, 8, D), lens)
+    good = dict(alibi_slopes=np.full(H, 0.1, np.float32), kv_start=np.zeros(N, np.int32))
+    for bad, match in (
+            (dict(alibi_slopes=np.full((1, H), 0.1, np.float32)),
+             r"cascade: alibi_slopes: expected \(8,\) \(one per query head\), got float32 \(1, 8\)"),
+            (dict(alibi_slopes=None), r"cascade: missing alibi_slopes"),
+            (dict(kv_start=np.zeros(N - 1, np.int32)),
+             r"cascade: kv_start: expected integers \(4,\) \(one per sequence\), got int32 \(3,\)"),
+            (dict(kv_start=np.zeros(N, np.float32)), r"cascade: kv_start: expected integers .*, got float32 \(4,\)"),
+            (dict(kv_start=np.asarray([0, 10**6, 0, 0], np.int32)),
+             r"cascade: kv_start\[1\]=1000000 must be in \[0, 307\] \(the sequence's keys"),
+            (dict(kv_start=np.asarray([0, -1, 0, 0], np.int32)), r"cascade: kv_start\[1\]=-1 must be in \[0, 307\]")):
+        args = {k: v for k, v in {**good, **bad}.items() if v is not None}
+        _refused(lambda: cascade.attend(kp, ks, z(N, H, sq, D), prefix, suffix, sinks=z(H), **args), match)
+    # the key bounds over whole sequences (prefix columns included), as the caller passed them
+    bounds = AttentionSpec(batch=N, heads=H, kv_heads=KH, seq_q=sq, seq_kv=64, head_dim=D, layout="kvcache",
+                           key_bounds=True)
+    lo, hi = np.zeros((N, 400), np.int32), np.tile(np.arange(400, dtype=np.int32), (N, 1))
+    falls = hi.copy()
+    falls[2, 7] = 3  # inside the prefix's positions
+    for bad, match in ((dict(key_lo=lo[:3]), r"cascade: key_lo: expected integers \(4, positions\) \(a row per "
+                                              r"sequence\), got int32 \(3, 400\)"),
+                       (dict(key_hi=hi[0]), r"cascade: key_hi: expected integers .*, got int32 \(400,\)"),
+                       (dict(key_hi=falls), r"cascade: key_hi: must be non-decreasing along the positions, but "
+                                            r"key_hi\[2, 7\]=3 < key_hi\[2, 6\]=6")):
+        args = {"key_lo": lo, "key_hi": hi, **bad}
+        _refused(lambda: cascade._check_variant_args(bounds, N, H, np.full(N, P + 9), args), match)

@@ -235,6 +235,45 @@ def test_loader_and_the_librarys_own_checks(name, tmp_path):
             kernel.function(*[tvm.runtime.tensor(given[n]) for n in names], tvm.runtime.tensor(o))
 
 
+def test_the_block_table_rule_names_kv_pages_and_fires_first_without_pages():
+    """An ``mla_paged`` block-table entry that is no page is named against the layout's one cache,
+    ``kv_pages`` (the library said ``k_pages``, the paged layout's; issue 62), by the library (a
+    C++ caller, its arrays through DLPack) and the loader. With no page at all, ``kv_pages (0,
+    page_size, D)`` (NumPy gives an empty array strides of 0), a length of 1 is refused by that
+    rule, not by TVM's check that the empty tensor's strides are compact, and a call that reads no
+    page runs: empty caches, exact zeros."""
+    import tvm_ffi
+
+    from tvm_attention.artifact import kernel_of
+
+    spec = AttentionSpec(**KERNELS["mla_paged_16"])
+    k = kernel_of(built(spec))
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((2, spec.heads, 1, spec.head_dim)).astype(np.float32)
+
+    def library(*args):
+        o = np.full(q.shape[:3] + (spec.v_dim,), np.nan, np.float32)
+        k.function(*[tvm_ffi.from_dlpack(a) for a in (*args, o)])
+        return o
+
+    for pages in (3, 0):
+        kv = np.zeros((pages, spec.page_size, spec.head_dim), np.float32)
+        args = (q, kv, np.full((2, 1), pages, np.int32), np.ones(2, np.int32))  # entry `pages`: one past the last
+        with pytest.raises(ValueError, match=r"block_table: an entry a sequence uses .* is not a page: it must be "
+                                             r"in \[0, num_pages\) \(dim 0 of kv_pages\)"):
+            library(*args)
+        with pytest.raises(KernelArgumentError, match=rf"block_table\[0, 0\]={pages} is not a page: kv_pages holds "
+                                                      rf"num_pages={pages} "):
+            k(*args)
+    empty = (q, np.zeros((0, spec.page_size, spec.head_dim), np.float32), np.zeros((2, 1), np.int32),
+             np.zeros(2, np.int32))
+    np.testing.assert_array_equal(library(*empty), 0)
+    np.testing.assert_array_equal(k(*empty), 0)
+    strided = np.zeros((3, 2 * spec.page_size, spec.head_dim), np.float32)[:, ::2]  # pages, not compact
+    with pytest.raises(ValueError, match="(?s)Mismatched K.strides .*compact"):  # TVM's, for a tensor with elements
+        library(q, strided, np.zeros((2, 1), np.int32), np.ones(2, np.int32))
+
+
 def test_cli_layout():
     import argparse
 

@@ -51,3 +51,16 @@ def test_a_corrupt_or_missing_log_and_untunable_specs_are_refused_by_name(tmp_pa
                      (dict(custom_mask=True), "with a custom mask"), (dict(dynamic=["seq_q"]), "symbolic dims seq_q")):
         with pytest.raises(SpecError, match=what):
             tune_backward(AttentionSpec(batch=1, heads=2, seq_q=128, seq_kv=128, head_dim=16, **kw), tmp_path)
+
+
+def test_a_target_the_backward_does_not_build_for_is_refused_by_name(tmp_path, monkeypatch):
+    """As ``build_backward``: the search builds the CPU kernel, so a CUDA target is refused by name
+    before any workload is made or anything is written (issue 62)."""
+    from tvm_attention.target import TargetError
+    from tvm_attention.tune import backward as tb
+
+    monkeypatch.setattr(tb, "_modules", lambda *a: pytest.fail("a workload was made"))
+    for search in (tune_backward, best_knobs):
+        with pytest.raises(TargetError, match="backward: target kind 'cuda' is not built.*a CPU kernel"):
+            search(SPEC, tmp_path / "log", target={"kind": "cuda", "arch": "sm_90"}, candidates=POINTS)
+    assert not (tmp_path / "log").exists()

@@ -31,6 +31,8 @@ yet (the KV-cache layouts, float16, varlen with ``kv_start``) is refused by name
 from __future__ import annotations
 
 import dataclasses
+import json
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -119,6 +121,35 @@ def check_spec(spec: AttentionSpec) -> None:
             score_derivative(spec.score_mod, tensors)(np.zeros(2), 0, 0, np.arange(2), np.arange(2))
 
 
+def backward_target(target: Any = "llvm"):
+    """``target`` resolved (:func:`~tvm_attention.target.resolve_target`), refused by name
+    (:class:`~tvm_attention.target.TargetError`) unless it is an LLVM (CPU) target: the backward's
+    TIR is a CPU kernel, parallel loops and no thread bindings, which a CUDA build compiled as host
+    code under the CUDA target's name. The kind a caller names is refused before it is resolved
+    (a bare ``"cuda"`` would look for a GPU first)."""
+    from tvm.target import Target  # the compiler's side
+
+    from .target import TargetError, resolve_target  # the compiler's side (imports TVM)
+
+    if isinstance(target, Target):
+        named = target.kind.name
+    elif isinstance(target, Mapping):
+        named = target.get("kind")
+    elif isinstance(target, str) and target.strip().startswith("{"):
+        try:
+            named = json.loads(target).get("kind")
+        except (ValueError, AttributeError):  # not a JSON object: resolve_target names what is wrong
+            named = None
+    else:
+        named = target.strip() if isinstance(target, str) else None
+    resolved = resolve_target(target) if named in (None, "llvm", "cpu", "host") else None
+    kind = named if resolved is None else resolved.kind.name
+    if kind != "llvm":
+        raise TargetError(f"backward: target kind {kind!r} is not built: the backward is a CPU kernel (llvm "
+                          "targets only: 'llvm' for this CPU, or a JSON llvm target naming its mcpu)")
+    return resolved
+
+
 def backward_func(spec: AttentionSpec, knobs: BackwardKnobs | None = None, grad_tensors: tuple[str, ...] = ()):
     """The PrimFunc of ``spec``'s backward with ``knobs`` (``workloads.backward.backward_func``:
     its parameters, in call order, and their layouts); ``grad_tensors``: float32 tensors of the
@@ -201,7 +232,11 @@ class BackwardKernel:
                 a = _aligned_copy(a, aligned_empty)
             arrays.append(a)
         self._check_indices({n: np.asarray(a) for n, a in given.items() if a is not None}, bound)
-        self.module[ENTRY](*(cpu_view(a) for a in arrays), *(cpu_view(x) for _, x in outs))
+        if any(a.size == 0 for a in arrays[:6]):  # no query row or no key: every gradient is zero
+            for _, x in outs:  # (the forward answers such calls itself too: nothing for the kernel)
+                x[...] = 0
+        else:
+            self.module[ENTRY](*(cpu_view(a) for a in arrays), *(cpu_view(x) for _, x in outs))
         fixed = [x for n, x in outs if n in OUTPUTS]
         tensor_grads = [x.sum(axis=0).reshape(np.shape(given[n[2:-len(PARTIALS)]])) for n, x in outs
                         if n.endswith(PARTIALS)]
@@ -244,9 +279,10 @@ def _call_args(func) -> tuple:
 
 def build_backward(spec: AttentionSpec, knobs: BackwardKnobs | None = None, target: Any = "llvm",
                    grad_tensors: tuple[str, ...] = ()) -> BackwardKernel:
-    """Lower, audit and compile the backward of ``spec`` for ``target`` (default: this CPU).
-    The audit must find no buffer that grows with the lengths or, probed, holds the score
-    matrix's elements (``score_buffers`` S, P)."""
+    """Lower, audit and compile the backward of ``spec`` for ``target`` (default: this CPU; an LLVM
+    target, any other kind refused by name: :func:`backward_target`). The audit must find no
+    buffer that grows with the lengths or, probed, holds the score matrix's elements
+    (``score_buffers`` S, P)."""
     import tvm  # the compiler's side
 
     from .audit import audit, list_allocations, probe_spec  # the compiler's side (imports TVM)
@@ -255,10 +291,9 @@ def build_backward(spec: AttentionSpec, knobs: BackwardKnobs | None = None, targ
     from .lowering import ArgBounds, codegen, lower_final  # the compiler's side (imports TVM)
     from .spec import MAX_SEQ_LEN  # the longest sequence, as the forward's bounds
     from .workloads.index_checks import with_index_checks  # the forward library's own checks (imports TVM)
-    from .target import resolve_target  # the compiler's side (imports TVM)
 
+    target = backward_target(target)  # before anything is built: the CPU kernel is all it builds
     knobs = knobs or default_knobs(spec)
-    target = resolve_target(target)
     func = backward_func(spec, knobs, grad_tensors)
     args = _call_args(func)
     # as the forward's library: it checks its index arrays (cu_seqlens, kv_start, key bounds,

@@ -35,15 +35,17 @@ from __future__ import annotations
 import ast
 import dataclasses
 import textwrap
+import types
 from typing import Any
 
 import numpy as np
 
 from . import modifiers
 from .errors import SpecError
+from .layouts import KernelArgumentError, check_variant_arrays
 from .masks import pack_mask, unpack_mask
 from .merge import merge_states
-from .spec import AttentionSpec
+from .spec import MAX_SEQ_LEN, AttentionSpec
 from .visibility import Visibility
 
 #: the prefix of every name this module adds to a modifier or its tensors (the user's may not use it)
@@ -164,6 +166,84 @@ def _lengths(kernel, given: tuple) -> np.ndarray:
     return np.asarray(given[names.index("cache_seqlens")], np.int64).reshape(-1)
 
 
+# -- the caller's arguments, checked as given: the prefix pass's kernel sees q stacked as one
+# sequence (1, KH, N·Sq·G, D) and its own cascade_* tensors, so its errors would name those
+
+def _check_q(spec: AttentionSpec, q: np.ndarray) -> None:
+    """``q (N, H, Sq, D)`` of the serving ``spec``'s dtype, heads and head_dim, whose stacked rows
+    (``N·Sq·G``, one sequence in the prefix pass) a kernel takes."""
+    if q.ndim != 4 or q.shape[1] != spec.heads or q.shape[3] != spec.head_dim or q.dtype != spec.np_dtype:
+        raise SpecError(f"cascade: q: expected {spec.dtype} (N, {spec.heads}, Sq, {spec.head_dim}) (N sequences of "
+                        f"Sq queries), got {q.dtype} {q.shape}")
+    n, _, sq, _ = q.shape
+    g = spec.group_size
+    if n * sq * g > MAX_SEQ_LEN:
+        raise SpecError(f"cascade: q {q.shape} stacks {n} · {sq} · {g} = {n * sq * g} rows (sequences · queries · "
+                        f"query heads per kv head) into the prefix pass's one sequence, more than the {MAX_SEQ_LEN} "
+                        "a kernel takes; split the batch")
+
+
+def _prefix_length(kernel, given: tuple) -> int:
+    """``P``, the prefix's one ``cache_seqlens`` entry; every cache argument of ``given`` with a
+    batch dim holds one sequence (the prefix kernel's batch is the stacked q's, 1)."""
+    lens = _lengths(kernel, given)
+    if lens.size != 1:
+        raise SpecError(f"cascade: prefix: cache_seqlens holds {lens.size} lengths; the shared prefix is one "
+                        "sequence (cache_seqlens [P])")
+    for a, x in zip(kernel.spec.arg_specs()[1:], given):
+        dims, shape = a["shape"], np.shape(x)
+        i = dims.index("batch") if "batch" in dims else None
+        if i is not None and len(shape) == len(dims) and shape[i] != 1:
+            want = ", ".join("1" if d == "batch" else str(d) for d in dims)
+            raise SpecError(f"cascade: prefix: {a['name']}: dim {i} is {shape[i]}; the shared prefix is one sequence "
+                            f"({a['name']} ({want}))")
+    return int(lens[0])
+
+
+def _per_head(name: str, x, heads: int) -> np.ndarray:
+    """``x``, one float per query head (``sinks``, ``alibi_slopes``)."""
+    a = np.asarray(x)
+    if a.shape != (heads,) or not np.issubdtype(a.dtype, np.floating):
+        raise SpecError(f"cascade: {name}: expected ({heads},) (one per query head), got {a.dtype} {a.shape}")
+    return a
+
+
+def _check_variant_args(spec: AttentionSpec, n: int, heads: int, keys: np.ndarray, args: dict) -> None:
+    """The serving ``spec``'s variant arguments, as the caller passed them (over whole sequences
+    of ``keys`` keys each: prefix, suffix and appended): present; ALiBi's slopes one per query
+    head; ``kv_start`` one per sequence in ``[0, keys]``; the key bounds ``(N, positions)``,
+    non-decreasing along the positions. The kernels would see them stacked or shifted."""
+    need = (["alibi_slopes"] * spec.alibi + ["kv_start"] * spec.kv_start + ["key_lo", "key_hi"] * spec.key_bounds
+            + ["k_new", "v_new"] * spec.append)
+    for name in need:
+        if args.get(name) is None:
+            raise SpecError(f"cascade: missing {name}, an argument of this spec")
+    if spec.alibi:
+        _per_head("alibi_slopes", args["alibi_slopes"], heads)
+    given = {}
+    for name, ndim, what in (("kv_start", 1, f"({n},) (one per sequence)"),
+                             ("key_lo", 2, f"({n}, positions) (a row per sequence)"),
+                             ("key_hi", 2, f"({n}, positions) (a row per sequence)")):
+        if name in need:
+            x = np.asarray(args[name])
+            if x.ndim != ndim or x.shape[0] != n or not np.issubdtype(x.dtype, np.integer):
+                raise SpecError(f"cascade: {name}: expected integers {what}, got {x.dtype} {x.shape}")
+            given[name] = x
+    try:  # the kernels' rules, over the positions and keys the caller counts
+        check_variant_arrays(types.SimpleNamespace(key_bounds=spec.key_bounds), given, keys, n)
+    except KernelArgumentError as e:
+        raise KernelArgumentError(f"cascade: {e}") from None
+
+
+def _run(which: str, kernel, *args, **kwargs):
+    """``kernel(*args, **kwargs)``; its refusal names the pass (``prefix``/``suffix``): both take
+    cache arguments of the same names."""
+    try:
+        return kernel(*args, **kwargs)
+    except (KernelArgumentError, SpecError) as e:
+        raise type(e)(f"cascade: {which}: {e}") from None
+
+
 def _user_masks(args: dict, shapes: list[tuple[int, int]]) -> list[np.ndarray]:
     """The caller's custom mask over each sequence's whole keys (prefix, suffix, appended): one
     boolean ``(Sq, keys_n)`` per sequence, a ``(N, Sq, ≥ keys)`` boolean array, or packed bits
@@ -221,6 +301,7 @@ def _call_args(spec, pk, sk, q, p: int, lens: np.ndarray, args: dict) -> tuple[d
         b = int(np.argmin(lens))
         raise SpecError(f"cascade: sequence {b}'s suffix holds {int(lens[b])} keys, fewer than its {sq} queries' own; "
                         "a query must follow the shared prefix (the suffix holds the new tokens' keys, or append them)")
+    _check_variant_args(spec, n, heads, p + lens + (sq if spec.append else 0), args)
     pos = p + lens[:, None] + np.arange(sq)[None, :] - (0 if spec.append else sq)
     pa: dict[str, Any] = {}
     sa = {k: args.pop(k) for k in ("k_new", "v_new", "alibi_slopes") if k in args}
@@ -262,18 +343,30 @@ def attend(prefix_kernel, suffix_kernel, q: np.ndarray, prefix: tuple, suffix: t
     sequences (positions from the prefix's first key): ``k_new``/``v_new`` (append),
     ``alibi_slopes``, ``kv_start``, ``key_lo``/``key_hi`` (columns: positions), ``custom_mask``
     (per sequence ``(Sq, P + keys_n)`` booleans, or packed with ``mask_indptr``) and the
-    modifiers' tensors. NumPy arrays."""
-    n, heads, sq = q.shape[:3]
+    modifiers' tensors. NumPy arrays.
+
+    Errors name the caller's arguments as passed (the prefix pass's kernel sees ``q`` stacked as
+    one sequence and tensors of its own): :class:`SpecError` for what the cascade checks itself
+    (``q``'s shape, a prefix of one sequence, ``sinks``, the variant arguments), a kernel's own
+    refusal prefixed with its pass (``cascade: prefix: k_cache: ...``)."""
+    q = np.asarray(q)
     ps, ss = prefix_kernel.spec, suffix_kernel.spec
     kh = ps.kv_heads
-    if ps.heads != kh or ss.heads != heads:
-        raise SpecError(f"cascade: the prefix kernel takes {ps.heads} heads over {kh} kv heads and the "
-                        f"suffix kernel {ss.heads}; expected {kh} (prefix_spec) and q's {heads}")
-    p = int(_lengths(prefix_kernel, prefix)[0])
-    pa, sa = _call_args(ss, prefix_kernel, suffix_kernel, q, p, _lengths(suffix_kernel, suffix), dict(args))
-    o_p, lse_p = prefix_kernel(stack_queries(q, kh), *prefix, **pa)
-    o_s, lse_s = suffix_kernel(q, *suffix, **sa)
+    if ps.heads != kh or ss.kv_heads != kh:
+        raise SpecError(f"cascade: the prefix kernel takes {ps.heads} heads over {kh} kv heads and the suffix kernel "
+                        f"{ss.heads} over {ss.kv_heads}; expected the prefix's heads to be its kv heads "
+                        "(prefix_spec and suffix_spec of one serving spec)")
+    _check_q(ss, q)
+    n, heads, sq = q.shape[:3]
+    p = _prefix_length(prefix_kernel, prefix)
+    lens = _lengths(suffix_kernel, suffix)
+    if lens.size != n:
+        raise SpecError(f"cascade: suffix: cache_seqlens holds {lens.size} lengths, q {n} sequences")
+    if sinks is not None:
+        sinks = _per_head("sinks", sinks, heads).astype(np.float32).reshape(-1, 1)
+    pa, sa = _call_args(ss, prefix_kernel, suffix_kernel, q, p, lens, dict(args))
+    o_p, lse_p = _run("prefix", prefix_kernel, stack_queries(q, kh), *prefix, **pa)
+    o_s, lse_s = _run("suffix", suffix_kernel, q, *suffix, **sa)
     o, lse = merge_states(unstack(np.asarray(o_p), n, heads, sq), unstack(np.asarray(lse_p), n, heads, sq),
-                          np.asarray(o_s), np.asarray(lse_s),
-                          sinks=None if sinks is None else np.asarray(sinks, np.float32).reshape(-1, 1))
+                          np.asarray(o_s), np.asarray(lse_s), sinks=sinks)
     return o, lse

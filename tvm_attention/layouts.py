@@ -1178,9 +1178,10 @@ class Paged(KVCache):
         bad = used & ((table < 0) | (table >= n))
         if bad.any():
             b, i = (int(x) for x in np.argwhere(bad)[0])
+            caches = list(dict.fromkeys(self.kv_names))  # the latent layouts' one cache, kv_pages
             raise KernelArgumentError(
-                f"block_table[{b}, {i}]={int(table[b, i])} is not a page: {'/'.join(dict.fromkeys(self.kv_names))} "
-                f"hold num_pages={n} "
+                f"block_table[{b}, {i}]={int(table[b, i])} is not a page: {' and '.join(caches)} "
+                f"hold{'s' if len(caches) == 1 else ''} num_pages={n} "
                 f"(sequence {b} has {int(lens[b])} keys, so it reads its first {-(-int(lens[b]) // p)} entries)"
             )
 

@@ -134,11 +134,16 @@ def with_shape_bounds(mod: tvm.IRModule, arg_bounds: Sequence[ArgBounds] | None 
     (``((b·KH + h)·L + j)·D + d`` in int32): the kernel then reads or writes outside the tensor.
     The asserts come before any of TVM's own checks that use the truncated values. ``arg_bounds``
     names the arguments in call order (default: their buffer names) and may bound dims further
-    (a sequence length: ``spec.MAX_SEQ_LEN``)."""
+    (a sequence length: ``spec.MAX_SEQ_LEN``).
+
+    TVM's check that a tensor is compact (its ``strides``) passes a tensor with no element, whatever
+    its strides (:func:`_any_empty_passes`): NumPy exports an empty array with strides of 0, and an
+    empty tensor addresses no memory, so the kernel's own checks of the call (e.g. a ``block_table``
+    entry in use when ``kv_pages`` has no page) name what is wrong instead."""
     out = {}
     for gv, func in mod.functions.items():
         if isinstance(func, tirx.PrimFunc) and func.attrs is not None and "tirx.is_entry_func" in func.attrs:
-            func = func.with_body(_bound_shapes(func.body, arg_bounds or (), {}, {}))
+            func = func.with_body(_bound_shapes(func.body, arg_bounds or (), {}, {}, {}))
         out[gv] = func
     return tvm.IRModule(out, attrs=mod.attrs)
 
@@ -151,15 +156,44 @@ def _arg_prefix(name: str, suffix: str) -> str:
     return name
 
 
-def _bound_shapes(stmt, arg_bounds, index: dict, ndim: dict):
+def _stride_check_of(stmt) -> str | None:
+    """The argument prefix (``"K"``) whose strides TVM's assert ``stmt`` checks (its message:
+    ``"Mismatched ", "K", ".strides on argument #", ...``), else None."""
+    if not isinstance(stmt, tirx.AssertStmt):
+        return None
+    parts = [getattr(p, "value", None) for p in stmt.message_parts]
+    return parts[1] if len(parts) > 2 and parts[0] == "Mismatched " and parts[2] == ".strides on argument #" else None
+
+
+def _any_empty_passes(stmt: tirx.AssertStmt, shape_var, ndim: int) -> tirx.AssertStmt:
+    """TVM's strides assert ``stmt``, which also holds when a dim of the tensor (its int64
+    ``shape_var``) is 0."""
+    empty = [tirx.EQ(tirx.call_intrin("int64", "tirx.tvm_struct_get", shape_var, i, _INT64_ELEM),
+                     tirx.IntImm("int64", 0)) for i in range(ndim)]
+    cond = stmt.condition
+    for e in reversed(empty):
+        cond = tirx.Or(e, cond)
+    return tirx.AssertStmt(cond, stmt.error_kind, list(stmt.message_parts))
+
+
+def _bound_shapes(stmt, arg_bounds, index: dict, ndim: dict, shapes: dict):
     """``stmt`` with :func:`_shape_asserts` after each ``X_shape = tvm_struct_get(X_handle, 0,
-    kArrShape)`` of the packed-API prologue. ``index``: argument prefix -> call position (from
-    ``X_type_index = tvm_struct_get(args, i, ...)``); ``ndim``: handle -> the rank TVM asserted.
-    Walks the prologue's statement sequences and attribute scopes, where MakePackedAPI puts them."""
+    kArrShape)`` of the packed-API prologue, and each strides assert passing an empty tensor
+    (:func:`_any_empty_passes`). ``index``: argument prefix -> call position (from
+    ``X_type_index = tvm_struct_get(args, i, ...)``); ``ndim``: handle -> the rank TVM asserted;
+    ``shapes``: argument prefix -> (its shape var, rank). Walks the prologue's statement
+    sequences, attribute scopes and conditions, where MakePackedAPI puts them."""
+    prefix = _stride_check_of(stmt)
+    if prefix is not None and prefix in shapes:
+        return _any_empty_passes(stmt, *shapes[prefix])
+    if isinstance(stmt, tirx.IfThenElse):  # ``if not isnullptr(X_strides): assert ...``
+        return tirx.IfThenElse(stmt.condition, _bound_shapes(stmt.then_case, arg_bounds, index, ndim, shapes),
+                               None if stmt.else_case is None else
+                               _bound_shapes(stmt.else_case, arg_bounds, index, ndim, shapes))
     if isinstance(stmt, tirx.SeqStmt):
         seq = []
         for s in stmt.seq:
-            s = _bound_shapes(s, arg_bounds, index, ndim)
+            s = _bound_shapes(s, arg_bounds, index, ndim, shapes)
             seq.append(s)
             if isinstance(s, tirx.Bind):
                 got = _struct_get(s.value, _ARG_TYPE_INDEX)
@@ -172,6 +206,7 @@ def _bound_shapes(stmt, arg_bounds, index: dict, ndim: dict):
                     i = index.get(prefix)
                     bounds = arg_bounds[i] if i is not None and i < len(arg_bounds) else ArgBounds(prefix)
                     seq += _shape_asserts(s.var, ndim[handle], bounds)
+                    shapes[prefix] = (s.var, ndim[handle])
             elif isinstance(s, tirx.AssertStmt):  # assert ndim == tvm_struct_get(X_handle, 0, kArrNDim)
                 c = s.condition
                 if isinstance(c, tirx.EQ) and isinstance(c.a, tirx.IntImm):
@@ -180,5 +215,6 @@ def _bound_shapes(stmt, arg_bounds, index: dict, ndim: dict):
                         ndim[got[0]] = int(c.a)
         return tirx.SeqStmt(seq)
     if isinstance(stmt, tirx.AttrStmt):
-        return tirx.AttrStmt(stmt.node, stmt.attr_key, stmt.value, _bound_shapes(stmt.body, arg_bounds, index, ndim))
+        return tirx.AttrStmt(stmt.node, stmt.attr_key, stmt.value,
+                             _bound_shapes(stmt.body, arg_bounds, index, ndim, shapes))
     return stmt

@@ -7,6 +7,7 @@ AVX-512, and record the core count so the parallel runtime is sized for it.
 from __future__ import annotations
 
 import json
+import numbers
 from typing import Any, Mapping
 
 import tvm
@@ -45,6 +46,19 @@ CUDA_ARCHS = {
               "registers_per_block": 65536, "thread_warp_size": 32},
 }
 UNSUPPORTED_KINDS = ("nvptx", "rocm", "vulkan", "metal", "opencl", "webgpu")
+#: The most cores an LLVM target may name (``num-cores``): more than any CPU has, and small enough
+#: for what the count sizes: split-KV's tasks (4 per core) and MetaSchedule's parallel extents (16
+#: jobs per core) are C ints, and it names the tuning logs' folder (``<mcpu>-<n>c``). TVM itself
+#: takes any int64, 0 and negatives included.
+MAX_NUM_CORES = 1 << 16
+
+
+def _check_num_cores(value: Any, name: str = "num-cores") -> None:
+    """Raise :class:`TargetError` unless ``value`` is an int (NumPy's too, not a bool) in ``[1,
+    MAX_NUM_CORES]``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 1 <= value <= MAX_NUM_CORES:
+        raise TargetError(f"{name} must be an int in [1, {MAX_NUM_CORES}] (the CPU cores the kernel runs on), "
+                          f"got {value!r}")
 
 
 def local_cuda_arch() -> str | None:
@@ -67,9 +81,15 @@ def resolve_target(
     ``"sm_90"``, or the local GPU's), a JSON object string or dict such as ``{"kind": "llvm",
     "mcpu": "znver4"}`` or ``{"kind": "cuda", "arch": "sm_80"}``, or a ``Target``. LLVM targets
     without ``mcpu`` get the host CPU; ``num-cores`` defaults to the cores available to this
-    process. CUDA targets get the architecture's limits and the host CPU as host.
+    process. CUDA targets get the architecture's limits and the host CPU as host. A ``num-cores``
+    (or ``num_cores``) that is not an int in ``[1, MAX_NUM_CORES]`` is a :class:`TargetError`.
     """
+    if num_cores is not None:
+        _check_num_cores(num_cores, "num_cores")
     if isinstance(target, Target):
+        for t in (target, target.host):  # built by the caller: TVM took any int64
+            if t is not None and "num-cores" in t.attrs:
+                _check_num_cores(int(t.attrs["num-cores"]), f"target {t.kind.name}: num-cores")
         return target
     if isinstance(target, str):
         text = target.strip()
@@ -115,6 +135,8 @@ def resolve_target(
         for key, value in CUDA_ARCHS[config["arch"]].items():
             config.setdefault(key, value)
         config.setdefault("host", {"kind": "llvm", "mcpu": host_cpu(), "num-cores": num_cores or available_cores()})
+        if isinstance(config["host"], Mapping) and "num-cores" in config["host"]:
+            _check_num_cores(config["host"]["num-cores"], "target cuda: host's num-cores")
     elif kind == "llvm":
         if arch is not None:
             raise TargetError("--arch applies to cuda targets only")
@@ -124,6 +146,7 @@ def resolve_target(
             if hidden:
                 config.setdefault("mattr", [f"-{f}" for f in hidden])
         config.setdefault("num-cores", num_cores or available_cores())
+        _check_num_cores(config["num-cores"], "target llvm: num-cores")
     else:
         raise TargetError(
             f"target kind {kind!r} is not supported yet; supported: llvm (the local CPU), cuda"

@@ -77,16 +77,15 @@ def tune_backward(spec: AttentionSpec, work_dir: str | Path, target: Any = "llvm
     from tvm.s_tir import meta_schedule as ms
     from tvm.tirx import FloatImm
 
-    from ..backward import check_spec  # what the backward builds at all
-    from ..target import resolve_target  # the compiler's side
+    from ..backward import backward_target, check_spec  # what the backward builds at all, and for which targets
     from ..timing import measure_ms  # the measurement's least time, as the forward's tuner's
     from ..tvm_internals import torchless_workers  # workers that skip torch's import
     from .driver import _new_builder  # the forward tuner's builder
 
     check_spec(spec)
     check_tunable(spec)
+    target = backward_target(target)  # an LLVM target, before anything is built or written
     candidates = CANDIDATES if candidates is None else candidates
-    target = resolve_target(target)
     work = Path(work_dir)
     work.mkdir(parents=True, exist_ok=True)
     mods = _modules(spec, target, candidates)
@@ -116,11 +115,11 @@ def best_knobs(spec: AttentionSpec, work_dir: str | Path, target: Any = "llvm",
     """The result of a search recorded in ``work_dir`` for ``spec`` on ``target``, read from its
     database without running anything; a missing or corrupt database is a :class:`SpecError`
     naming the file."""
-    from ..target import resolve_target  # the compiler's side
+    from ..backward import backward_target  # the targets the backward builds for
 
     check_tunable(spec)
+    target = backward_target(target)
     _check_log(Path(work_dir))  # before any workload is generated
-    target = resolve_target(target)
     return _read(spec, target, Path(work_dir), _modules(spec, target, CANDIDATES if candidates is None else candidates))
 
 

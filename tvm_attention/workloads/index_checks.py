@@ -156,7 +156,7 @@ def _paged(buf, layout) -> list[tirx.Stmt]:
             _for("j", pages, lambda j: _assert(
                 page_ok(bt[b, j], num_pages),
                 f"block_table: an entry a sequence uses (j < ceil((cache_seqlens[b]{appended}) / page_size)) is "
-                "not a page: it must be in [0, num_pages) (dim 0 of k_pages)")),
+                f"not a page: it must be in [0, num_pages) (dim 0 of {layout.kv_names[0]})")),
         ])
 
     return [_for("b", cl.shape[0], per_sequence)]
