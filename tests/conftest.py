@@ -44,6 +44,27 @@ def _threads():
     set_num_threads()
 
 
+class LazyModule:
+    """Module ``name``, imported when a test first reads an attribute of it. Every xdist worker
+    collects every file and one of them runs it: a heavy import at a test module's top (transformers'
+    model code, 4-6 s of CPU) is paid by each worker at collection, for nothing in all but one.
+    ``available`` says whether it is installed, without importing it (for a module-level skip)."""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    @property
+    def available(self) -> bool:
+        import importlib.util
+
+        return importlib.util.find_spec(self._name) is not None
+
+    def __getattr__(self, attr: str):
+        import importlib
+
+        return getattr(importlib.import_module(self._name), attr)
+
+
 def built(spec, schedule="fused", knobs=None):
     """Build once per (spec, schedule, knobs) for the whole session, however they are passed
     (lru_cache alone keys ``built(s)`` and ``built(s, knobs=None)`` apart)."""

@@ -15,9 +15,13 @@ import textwrap
 import pytest
 
 torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
 
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from conftest import LazyModule  # noqa: E402
+
+#: imported by the first test that runs here, not at collection (conftest.LazyModule)
+transformers = LazyModule("transformers")
+if not transformers.available:
+    pytest.skip("transformers is not installed (the [hf] extra)", allow_module_level=True)
 
 from tvm_attention.integrations import transformers as hf  # noqa: E402
 from tvm_attention.spec import AttentionSpec  # noqa: E402
@@ -33,12 +37,12 @@ def tiny_config(**overrides):
     kw = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
               num_hidden_layers=2, vocab_size=VOCAB, max_position_embeddings=256)
     kw.update(overrides)
-    return LlamaConfig(**kw)
+    return transformers.LlamaConfig(**kw)
 
 
-def tiny_llama(attn, cls=LlamaForCausalLM, **overrides):
+def tiny_llama(attn, cls=None, **overrides):
     torch.manual_seed(0)
-    model = cls(tiny_config(**overrides)).to(torch.float32).eval()
+    model = (cls or transformers.LlamaForCausalLM)(tiny_config(**overrides)).to(torch.float32).eval()
     model.set_attn_implementation(attn)
     return model
 
@@ -106,7 +110,7 @@ def test_generate_matches_sdpa_one_build_then_disk_cache(cache, tmp_path_factory
     sdpa.save_pretrained(saved)
     hf.clear_kernels()
     hf.reset_stats()
-    again = LlamaForCausalLM.from_pretrained(saved, attn_implementation="tvm_attention", dtype=torch.float32).eval()
+    again = transformers.LlamaForCausalLM.from_pretrained(saved, attn_implementation="tvm_attention", dtype=torch.float32).eval()
     assert again.config._attn_implementation == "tvm_attention"
     ids = prompt(2, seed=3)
     assert torch.equal(again.generate(ids, **GEN), sdpa.generate(ids, **GEN))

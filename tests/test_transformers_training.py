@@ -6,7 +6,13 @@ does not build yet raises by name at ``backward()``."""
 import pytest
 
 torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+
+from conftest import LazyModule  # noqa: E402
+
+#: imported by the first test that runs here, not at collection (conftest.LazyModule)
+transformers = LazyModule("transformers")
+if not transformers.available:
+    pytest.skip("transformers is not installed (the [hf] extra)", allow_module_level=True)
 
 from tvm_attention.integrations import transformers as hf  # noqa: E402
 
