@@ -56,7 +56,7 @@ from tvm.script import tirx as T
 
 from ..quant import SCALE_GROUP
 from ..spec import AttentionSpec
-from ..tvm_internals import register_tensor_intrin
+from ..tvm_internals import fast_macros, register_tensor_intrin
 
 from ..workloads._math import bf16_value, f32
 from . import cpu_bf16
@@ -351,6 +351,7 @@ def dot_bf16_intrinsic(D: int, rows: int) -> str:
                          lambda K, Q: _dot_bf16(K, Q, D, rows))
 
 
+@fast_macros  # TVMScript macro expansion without its costly stack walk, only while this generates
 def _register_dot(name: str, D: int, rows: int, dtype, value, dot) -> str:
     """Register the dot-product intrinsic ``name`` once: operands ``K (D,)`` and ``Q (rows, D)``
     of ``dtype`` (or a pair: K's, Q's), each read as float32 by ``value`` (the description's

@@ -17,9 +17,11 @@ from ..spec import DATA_ALIGNMENT as A
 from ..spec import ENTRY, AttentionSpec
 from ..visibility import Visibility
 from .kv import dim
+from ..tvm_internals import fast_macros
 from ._math import LOG2E, exp2_fast, guarded, normalize, normalize_where
 
 
+@fast_macros  # TVMScript macro expansion without its costly stack walk, only while this generates
 def materialized_attention(spec: AttentionSpec) -> tirx.PrimFunc:
     """Arguments (call order): ``Q (B, H, Sq, D)``, ``K (B, KH, Skv, D)``, ``V (B, KH, Skv, D)``,
     ``O (B, H, Sq, D)``, compact row-major ``spec.dtype``."""

@@ -23,9 +23,11 @@ from ..spec import DATA_ALIGNMENT as A
 from ..spec import ENTRY, AttentionSpec
 from ..visibility import Visibility
 from ._math import LOG2E, exp2_fast, guarded, normalize
+from ..tvm_internals import fast_macros
 from .knob_attrs import ROWCACHE, record
 
 
+@fast_macros  # TVMScript macro expansion without its costly stack walk, only while this generates
 def rowcache_attention(spec: AttentionSpec, block_m: int) -> tirx.PrimFunc:
     """Arguments (call order): ``Q (B, H, Sq, D)``, ``K (B, KH, Skv, D)``, ``V (B, KH, Skv, D)``,
     ``O (B, H, Sq, D)``, compact row-major ``spec.dtype``."""
