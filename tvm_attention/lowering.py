@@ -25,16 +25,21 @@ class LoweredModule:
     host: tvm.IRModule
     devices: dict  # Target -> IRModule
     target_host: Target
+    #: the text, printed once (the build cache's store and the artifact's export both write it:
+    #: printing a kernel's IR takes 10-100 ms; the modules are never changed after lowering)
+    _script: str | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def all_modules(self) -> list[tvm.IRModule]:
         return [self.host, *self.devices.values()]
 
     def script(self) -> str:
-        parts = [f"# host target: {self.target_host}\n", self.host.script()]
-        for tgt, mod in self.devices.items():
-            parts.append(f"\n# device target: {tgt}\n")
-            parts.append(mod.script())
-        return "".join(parts)
+        if self._script is None:
+            parts = [f"# host target: {self.target_host}\n", self.host.script()]
+            for tgt, mod in self.devices.items():
+                parts.append(f"\n# device target: {tgt}\n")
+                parts.append(mod.script())
+            self._script = "".join(parts)
+        return self._script
 
 
 @dataclasses.dataclass(frozen=True)
