@@ -192,6 +192,10 @@ class BackwardKernel:
     args: tuple
     lowered: Any = None  # the final lowered module (None: loaded from an artifact)
     target: Any = None
+    #: the shared library ``module`` was loaded from (a build this host runs: written once, then
+    #: called, validated and exported, copied, from it); None: loaded from an artifact, or built
+    #: for a CPU this host lacks (``module`` is then the module as built, never run)
+    library: str | None = None
 
     def __call__(self, q, k, v, o, lse, do, **variant_args):
         """``(dq, dk, dv)``, and ``dsinks (H,)`` last with sinks. ``variant_args`` where the spec
@@ -290,6 +294,7 @@ def build_backward(spec: AttentionSpec, knobs: BackwardKnobs | None = None, targ
     from .layouts import SEQUENCE_DIMS  # the dims a sequence's length names
     from .lowering import ArgBounds, codegen, lower_final  # the compiler's side (imports TVM)
     from .spec import MAX_SEQ_LEN  # the longest sequence, as the forward's bounds
+    from .target import cpu_features, missing_features  # whether this host runs what it builds
     from .workloads.index_checks import with_index_checks  # the forward library's own checks (imports TVM)
 
     target = backward_target(target)  # before anything is built: the CPU kernel is all it builds
@@ -310,4 +315,25 @@ def build_backward(spec: AttentionSpec, knobs: BackwardKnobs | None = None, targ
         raise RuntimeError(f"backward: the audit found it not fused: {'; '.join(report.reasons)}")
     module = codegen(lowered)
     module.import_module(_spec_module(spec, target))  # attention_spec_hash(): an artifact names its spec
-    return BackwardKernel(spec, knobs, module, report, args, lowered, target)
+    library = None
+    if not missing_features(cpu_features(target)):
+        # as the forward's BuiltKernel.library: LLVM makes machine code once, for the library,
+        # instead of once for its JIT (the calls, validation) and again for the export
+        library, module = _library_of(module)
+    return BackwardKernel(spec, knobs, module, report, args, lowered, target, library)
+
+
+def _library_of(module) -> tuple[str, Any]:
+    """``module`` written to a shared library in a private folder (removed at exit) and loaded."""
+    import atexit
+    import os
+    import shutil
+    import tempfile
+
+    import tvm  # the compiler's side
+
+    folder = tempfile.mkdtemp(prefix="tvm-attention-bwd-")
+    atexit.register(shutil.rmtree, folder, True)
+    path = os.path.join(folder, "attention_backward.so")
+    module.export_library(path)
+    return path, tvm.runtime.load_module(path)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -140,7 +141,10 @@ def export_backward(kernel: BackwardKernel, out_dir: str | os.PathLike) -> dict[
         if foreign:
             raise ArtifactError(f"{out}: holds files that are not part of a backward artifact ({', '.join(foreign[:5])})")
     def fill(tmp: Path) -> dict[str, Any]:
-        kernel.module.export_library(str(tmp / LIBRARY))
+        if kernel.library is not None:  # the very library validation ran
+            shutil.copy2(kernel.library, tmp / LIBRARY)
+        else:
+            kernel.module.export_library(str(tmp / LIBRARY))
         runtime = copy_runtime(tmp)
         (tmp / LOWERED).write_text(kernel.lowered.script())
         target = kernel.target

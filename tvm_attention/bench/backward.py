@@ -84,7 +84,7 @@ def memory_rows(cfg: Config, threads: int) -> list[dict[str, Any]]:
     for s in cfg.seqs:
         kern = build_backward(AttentionSpec(batch=1, heads=cfg.heads, seq_q=s, seq_kv=s, head_dim=d))
         shapes = [list(shape) for _, shape, _ in kern.args]
-        peak = library_first_call_peak(kern.module, "attention_backward", shapes, "float32", threads)
+        peak = library_first_call_peak(kern.library or kern.module, "attention_backward", shapes, "float32", threads)
         out.append({"seq": s, "head_dim": d, "peak_extra_bytes": peak, "outputs_bytes": 3 * cfg.heads * s * d * 4,
                     "scores_bytes": s * s * 4})
     return out
