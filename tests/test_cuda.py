@@ -27,6 +27,14 @@ from tvm_attention.workloads.fused_cuda import fused_attention_cuda
 needs_nvcc = pytest.mark.skipif(find_nvcc() is None, reason="nvcc not installed: no ptxas report")
 needs_gpu = pytest.mark.skipif(local_cuda_arch() is None, reason="no CUDA GPU on this machine")
 
+#: What the emulated kernels below (threads as serial loops, each PTX instruction by its definition;
+#: test_cuda_mma.py's too) compile for: this host at LLVM's -O0. They check the algorithm against
+#: the float64 reference, never the code LLVM makes of it, and LLVM's optimisation was most of their
+#: compile (the tensor-core kernel at D=128: 2.4 s of CPU → 0.7 s; at D=32 0.6 → 0.3 s) while their
+#: runs take as long (the reference's NumPy is most of a run). Builds of the product (``built``,
+#: ``build_kernel``) keep their target's own level.
+EMULATION_TARGET = tvm.target.Target({**resolve_target("llvm").export(), "opt-level": 0})
+
 
 #: ``scripts/cuda_build_sweep.py`` sets this: the sweeps below run their whole cross product
 SWEEP = os.environ.get("TVMA_CUDA_SWEEP") == "1"
@@ -130,7 +138,7 @@ def test_cuda_algorithm_on_cpu(seq_q, seq_kv, causal, dtype):
     target = resolve_target("cuda", arch="sm_90")
     k = cuda_simt.preset(spec, target)
     func = fused_attention_cuda(spec, k.block_m, k.block_n, k.threads_per_row, emulate=True)
-    ex = tvm.compile(func, target=resolve_target("llvm"))
+    ex = tvm.compile(func, target=EMULATION_TARGET)
     q, kk, v = random_inputs(spec, seed=seq_q)
     args = [tvm.runtime.tensor(x) for x in (q, kk, v)] + [tvm.runtime.empty(spec.o_shape, dtype)]
     ex["attention"](*args)
@@ -155,7 +163,7 @@ def test_cuda_symbolic_algorithm_on_cpu(dtype, causal, lse):
                          dynamic=ALL_DYNAMIC, return_lse=lse)
     k = cuda_simt.preset(spec, resolve_target("cuda", arch="sm_90"))
     check_emulated_symbolic(tvm.compile(fused_attention_cuda(spec, k.block_m, k.block_n, k.threads_per_row,
-                                                             emulate=True), target=resolve_target("llvm")), spec)
+                                                             emulate=True), target=EMULATION_TARGET), spec)
 
 
 @pytest.mark.parametrize("layout, page, dtype, causal, lse", [
@@ -173,7 +181,7 @@ def test_cuda_layouts_algorithm_on_cpu(layout, page, dtype, causal, lse):
     spec = AttentionSpec(batch=1, heads=4, kv_heads=2, seq_q=64, head_dim=64, dtype=dtype, causal=causal,
                          layout=layout, page_size=page, return_lse=lse)
     check_emulated_layout(tvm.compile(fused_attention_cuda(spec, 16, 16, 4, emulate=True),
-                                      target=resolve_target("llvm")), spec)
+                                      target=EMULATION_TARGET), spec)
 
 
 @pytest.mark.parametrize("layout, page, dtype, variants", [
@@ -190,7 +198,7 @@ def test_cuda_split_kv_algorithm_on_cpu(layout, page, dtype, variants):
                          page_size=page, **variants)
     func = fused_attention_cuda(spec, 16, 16, 4, emulate=True, split_tasks=64)
     assert_split_stores_guarded(func)
-    ex = tvm.compile(func, target=resolve_target("llvm"))
+    ex = tvm.compile(func, target=EMULATION_TARGET)
     check_emulated_layout(ex, spec, split_kv_cases(layout))
 
 
@@ -207,25 +215,42 @@ def test_cuda_8bit_cache_algorithm_on_cpu(layout, kv_dtype, dtype, split, varian
     spec = AttentionSpec(batch=1, heads=4, kv_heads=2, seq_q=1, head_dim=64, dtype=dtype, causal=True, layout=layout,
                          page_size=16 if layout == "paged" else None, kv_dtype=kv_dtype, **variants)
     ex = tvm.compile(fused_attention_cuda(spec, 16, 16, 4, emulate=True, split_tasks=split),
-                     target=resolve_target("llvm"))
+                     target=EMULATION_TARGET)
     check_emulated_layout(ex, spec)
     if split:
         check_emulated_layout(ex, spec, split_kv_cases(layout))
 
 
+#: The decode goal's step (GQA 32:8, batch 64, 4096 keys, D=128) with every decode feature in one
+#: build of each kernel: a float8 e4m3 cache and attention variants, on tensor cores (fp16, sm_90:
+#: a window, softcap, sinks, ALiBi and the log-sum-exp, as the GPU payload's paged variant build) and
+#: on CUDA cores (fp32, sm_80: a first key per sequence and ALiBi). They were three builds of each
+#: (8-bit, variants, lse), the tensor-core ones the slowest of this file; together they take more
+#: registers than any of them alone (2026-12-07: tensor cores 204 against 164 for the 8-bit cache
+#: and 168 for the variants with lse; CUDA cores 51 against 51 and 39), so no spill here is no
+#: spill there.
+DECODE_BUILDS = [
+    ("sm_90", "float16", "paged", 16, dict(window=(4095, 0), softcap=30.0, sinks=True, alibi=True, return_lse=True)),
+    ("sm_80", "float32", "kvcache", None, dict(kv_start=True, alibi=True)),
+]
+
+
 @needs_nvcc
-@pytest.mark.parametrize("arch, dtype, layout, page", [("sm_90", "float16", "paged", 16),
-                                                       ("sm_80", "float32", "kvcache", None)])
-def test_8bit_cache_builds_offline_without_spills(arch, dtype, layout, page):
-    """A float8 e4m3 cache on CUDA (tensor cores for fp16, CUDA cores for fp32), the decode
-    goal's step: no spill, fused, K/V read as bytes, the scales before O; a BHSD spec with an
-    8-bit cache is refused by name."""
+@pytest.mark.parametrize("arch, dtype, layout, page, variants", DECODE_BUILDS, ids=["tc-paged", "simt-kvcache"])
+def test_decode_builds_offline_without_spills(arch, dtype, layout, page, variants):
+    """A float8 e4m3 cache and the variants on CUDA (tensor cores for fp16, CUDA cores for fp32),
+    the decode goal's step: no spill, fused, K/V read as bytes with their scales, each variant's
+    argument there exactly when it is on, the LSE output with ``return_lse``; split-KV; a BHSD
+    spec with an 8-bit cache is refused by name."""
     spec = AttentionSpec(batch=64, heads=32, kv_heads=8, seq_q=1, seq_kv=4096, head_dim=128, dtype=dtype,
-                         causal=True, layout=layout, page_size=page, kv_dtype="float8_e4m3fn")
+                         causal=True, layout=layout, page_size=page, kv_dtype="float8_e4m3fn", **variants)
     target = resolve_target("cuda", arch=arch)
     built = build_kernel(spec, "fused", target=target)
+    assert isinstance(built.knobs, cuda_mma.MMAKnobs if dtype != "float32" else cuda_simt.FlashCUDAKnobs)
     signature = spill_free_signature(built)
     assert "uchar* __restrict__ K8" in signature and "float* __restrict__ KSC" in signature, signature
+    for name, on in (("AL", "alibi"), ("SN", "sinks"), ("KS", "kv_start"), ("LSE", "return_lse")):
+        assert (f"__restrict__ {name}_ptr" in signature) == (on in variants), signature  # KS_ptr, not KSC_ptr
     assert_split_kv(built, spec)
     bhsd = AttentionSpec(batch=1, heads=8, seq_q=64, head_dim=64, dtype=dtype, kv_dtype="float8_e4m3fn")
     with pytest.raises(KnobError, match="8-bit K/V caches .* in the kvcache and paged layouts, not 'bhsd'"):
@@ -253,7 +278,7 @@ def test_cuda_variants_algorithm_on_cpu(case):
     spec = AttentionSpec(batch=2, heads=4, kv_heads=2, seq_q=37, seq_kv=45, head_dim=64, layout=layout,
                          dtype="float16" if case % 2 else "float32", page_size=page, dynamic=dynamic, **variants)
     check_emulated_layout(tvm.compile(fused_attention_cuda(spec, 16, 16, 4, emulate=True),
-                                      target=resolve_target("llvm")), spec)
+                                      target=EMULATION_TARGET), spec)
 
 
 @pytest.mark.parametrize("layout, seq_q, seq_kv", RIGHT_WINDOW_SHAPES, ids=[c[0] for c in RIGHT_WINDOW_SHAPES])
@@ -263,35 +288,20 @@ def test_cuda_right_window_rows_without_a_key_on_cpu(layout, seq_q, seq_kv):
     test ignored R), with the lengths compiled in and at run time."""
     spec = right_window_spec(layout, seq_q, seq_kv, "float32")
     check_emulated_layout(tvm.compile(fused_attention_cuda(spec, 16, 16, 4, emulate=True),
-                                      target=resolve_target("llvm")), spec)
+                                      target=EMULATION_TARGET), spec)
 
 
 @needs_nvcc
-@pytest.mark.parametrize("arch, dtype, layout, page, variants", [
-    ("sm_90", "float16", "paged", 16, dict(window=(4095, 0), softcap=30.0, sinks=True, alibi=True)),
-    ("sm_80", "float32", "kvcache", None, dict(kv_start=True, alibi=True)),
-])
-def test_variant_builds_offline_without_spills(arch, dtype, layout, page, variants):
-    """The variants on CUDA (tensor cores for fp16, CUDA cores for fp32) compile without a
-    spill; their arguments come before O in the layout's call order."""
-    spec = AttentionSpec(batch=8, heads=32, kv_heads=8, seq_q=1, seq_kv=4096, head_dim=128, dtype=dtype,
-                         causal=True, layout=layout, page_size=page, **variants)
-    built = build_kernel(spec, "fused", target=resolve_target("cuda", arch=arch))
-    signature = spill_free_signature(built)
-    for name, on in (("AL", "alibi"), ("SN", "sinks"), ("KS", "kv_start")):
-        assert (f"__restrict__ {name}" in signature) == (on in variants), signature
-
-
-@needs_nvcc
-@pytest.mark.parametrize("arch, dtype, head_dim, causal", [("sm_80", "float32", 64, True),
-                                                           ("sm_80", "float32", 128, False)])
-def test_varlen_simt_builds_offline_without_spills(arch, dtype, head_dim, causal):
+@pytest.mark.parametrize("arch, dtype, head_dim, causal, lse", [("sm_80", "float32", 64, True, False),
+                                                                ("sm_80", "float32", 128, False, True)])
+def test_varlen_simt_builds_offline_without_spills(arch, dtype, head_dim, causal, lse):
     """A varlen float32 build (``fused`` takes the SIMT kernel): no spill on sm_80, the static
     build's shared tiles, fused by the symbolic audit, cu_seqlens and the lengths the grid needs
-    as arguments, a (slot, head) grid. (On sm_90 ptxas caps these presets' registers lower and spills 4-12
-    bytes: docs/cuda.md.)"""
+    as arguments, a (slot, head) grid; with ``--return-lse`` the LSE output among them (the
+    tensor-core kernel's: test_decode_builds_offline_without_spills). (On sm_90 ptxas caps these
+    presets' registers lower and spills 4-12 bytes, with lse or without: docs/cuda.md.)"""
     spec = AttentionSpec(batch=2, heads=8, kv_heads=2, seq_q=1024, head_dim=head_dim, dtype=dtype, causal=causal,
-                         layout="varlen")
+                         layout="varlen", return_lse=lse)
     built = build_kernel(spec, "fused", target=resolve_target("cuda", arch=arch))
     assert isinstance(built.knobs, cuda_simt.FlashCUDAKnobs)
     r = built.resources
@@ -303,6 +313,7 @@ def test_varlen_simt_builds_offline_without_spills(arch, dtype, head_dim, causal
     # the index arrays and the dims the grid needs (total_k only sizes K and V)
     assert all(p in signature for p in ("int* __restrict__ CQ", "int* __restrict__ CK", "int batch_plus_1",
                                         "int total_q")), signature
+    assert ("float* __restrict__ LSE" in signature) == lse, signature
     assert "blockIdx.y" in src and "blockIdx.z" not in src  # (slot, head)
 
 
@@ -450,7 +461,7 @@ def emulated_cuda(spec):
     kernel's arguments in their order and compiles in well under a second, where a CPU ``fused``
     build of a KV-cache spec took 8-9 s (the kvcache/paged/lse specs below; the symbolic and
     varlen tests above keep ``built``: test_gpu_payload.py builds those specs too)."""
-    return tvm.compile(fused_attention_cuda(spec, 16, 16, 4, emulate=True), target=resolve_target("llvm"))["attention"]
+    return tvm.compile(fused_attention_cuda(spec, 16, 16, 4, emulate=True), target=EMULATION_TARGET)["attention"]
 
 
 def test_cuda_loader_checks_cache_indices():
@@ -539,19 +550,6 @@ def test_cuda_loader_returns_lse():
     x = LAYOUTS["bhsd"].random_inputs(spec, {"batch": 2, "seq_q": 3, "seq_kv": 0}, seed=7)
     o, lse = kernel(x["q"], x["k"], x["v"])
     assert not o.any() and np.isneginf(lse).all() and launches == [5]
-
-
-@needs_nvcc
-@pytest.mark.parametrize("arch, dtype, layout, page", [("sm_90", "bfloat16", "paged", 16),
-                                                       ("sm_80", "float32", "varlen", None)])
-def test_lse_builds_offline_without_spills(arch, dtype, layout, page):
-    """``--return-lse`` on CUDA (tensor cores for bf16, CUDA cores for fp32): the LSE output is
-    the last argument, no spill, fused. (fp32 varlen on sm_90 spills, as without lse: cuda.md.)"""
-    spec = AttentionSpec(batch=8, heads=32, kv_heads=8, seq_q=1 if layout == "paged" else 512, seq_kv=4096,
-                         head_dim=128, dtype=dtype, causal=True, layout=layout, page_size=page, return_lse=True)
-    built = build_kernel(spec, "fused", target=resolve_target("cuda", arch=arch))
-    signature = spill_free_signature(built)
-    assert "float* __restrict__ LSE" in signature, signature
 
 
 def test_cuda_build_cli_and_inspect(tmp_path, capsys):

@@ -10,7 +10,7 @@ import pytest
 import tvm
 from conftest import (CUDA_VARIANT_IDS, CUDA_VARIANT_SPREADS, RIGHT_WINDOW_SHAPES, assert_split_stores_guarded,
                       check_emulated_layout, check_emulated_symbolic, right_window_spec, split_kv_cases)
-from test_cuda import assert_split_kv
+from test_cuda import EMULATION_TARGET, assert_split_kv
 
 from tvm_attention.schedules import cuda_fused, cuda_mma, cuda_simt
 from tvm_attention.schedules._knobs import KnobError
@@ -84,14 +84,18 @@ def test_tensor_core_builds_offline(arch, head_dim, dtype, causal):
 
 
 def test_fused_picks_the_kernel_by_dtype_arch_and_head_dim():
+    """``fused`` takes tensor cores for fp16 and the SIMT kernel for a head_dim not a multiple of
+    16, and ``fused_tc`` refuses what it cannot build by name. The other routes are built by
+    test_cuda.py, each asserting the knobs' kind: float32 on sm_90 takes the SIMT kernel
+    (test_symbolic_simt_builds_offline_without_spills, test_cache_simt_builds_offline_without_spills),
+    and ``fused_simt`` builds a half-precision spec on it (its symbolic fp16 case, beside
+    ``fused``'s tensor-core preset for the same spec)."""
     sm90 = resolve_target("cuda", arch="sm_90")
     half = static_spec(64, "float16", False)  # STATIC_BUILDS[0]'s build, on sm_80
     fp32 = AttentionSpec(batch=1, heads=2, seq_q=256, head_dim=64, dtype="float32")
     odd = AttentionSpec(batch=1, heads=2, seq_q=256, head_dim=72, dtype="bfloat16")
     assert isinstance(cuda_build(half, "sm_80").knobs, cuda_mma.MMAKnobs)
-    assert isinstance(cuda_build(fp32, "sm_90").knobs, cuda_simt.FlashCUDAKnobs)
     assert isinstance(cuda_build(odd, "sm_90").knobs, cuda_simt.FlashCUDAKnobs)
-    assert isinstance(cuda_build(half, "sm_90", "fused_simt").knobs, cuda_simt.FlashCUDAKnobs)
     with pytest.raises(KnobError, match="builds dtype\\(s\\) float16, bfloat16, not 'float32': use --schedule fused_simt"):
         build_kernel(fp32, "fused_tc", target=sm90)
     with pytest.raises(KnobError, match="multiple of 16"):
@@ -153,7 +157,7 @@ def test_tensor_core_algorithm_on_cpu(seq_q, seq_kv, causal, dtype, head_dim, wa
     spec = AttentionSpec(batch=2, heads=4, kv_heads=2, seq_q=seq_q, seq_kv=seq_kv, head_dim=head_dim,
                          dtype=dtype, causal=causal)
     func = fused_attention_mma(spec, warps, block_n, stages, m_tiles, emulate=True)
-    ex = tvm.compile(func, target=resolve_target("llvm"))
+    ex = tvm.compile(func, target=EMULATION_TARGET)
     q, k, v = random_inputs(spec, seed=seq_q)
     nan_row = seq_q // 2
     q[1, 1, nan_row, 3] = np.nan  # NaN in gives NaN out, in its row only
@@ -192,7 +196,7 @@ def test_tensor_core_symbolic_algorithm_on_cpu(dtype, causal, warps, block_n, st
     dtype x causal x stages: ``python scripts/sweep_cuda_mma.py symbolic``."""
     spec = AttentionSpec(batch=1, heads=4, kv_heads=2, seq_q=256, head_dim=EMU_D, dtype=dtype, causal=causal,
                          dynamic=ALL_DYNAMIC)
-    ex = tvm.compile(fused_attention_mma(spec, warps, block_n, stages, 1, emulate=True), target=resolve_target("llvm"))
+    ex = tvm.compile(fused_attention_mma(spec, warps, block_n, stages, 1, emulate=True), target=EMULATION_TARGET)
     check_emulated_symbolic(ex, spec)
 
 
@@ -256,7 +260,7 @@ def test_tensor_core_layouts_algorithm_on_cpu(layout, page, dtype, causal, warps
     for a sequence with no key, the log-sum-exp (written by a row's first lane) with ``lse``."""
     spec = AttentionSpec(batch=1, heads=4, kv_heads=2, seq_q=64, head_dim=EMU_D, dtype=dtype, causal=causal,
                          layout=layout, page_size=page, return_lse=lse)
-    ex = tvm.compile(fused_attention_mma(spec, warps, 16, stages, 1, emulate=True), target=resolve_target("llvm"))
+    ex = tvm.compile(fused_attention_mma(spec, warps, 16, stages, 1, emulate=True), target=EMULATION_TARGET)
     check_emulated_layout(ex, spec)
 
 
@@ -272,7 +276,7 @@ def test_tensor_core_split_kv_algorithm_on_cpu(layout, page, dtype, variants):
                          page_size=page, **variants)
     func = fused_attention_mma(spec, 2, 16, 2, 1, emulate=True, split_tasks=64)
     assert_split_stores_guarded(func)
-    ex = tvm.compile(func, target=resolve_target("llvm"))
+    ex = tvm.compile(func, target=EMULATION_TARGET)
     check_emulated_layout(ex, spec, split_kv_cases(layout))
 
 
@@ -288,7 +292,7 @@ def test_tensor_core_8bit_cache_algorithm_on_cpu(layout, kv_dtype, dtype, split,
     spec = AttentionSpec(batch=1, heads=4, kv_heads=2, seq_q=1, head_dim=EMU_D, dtype=dtype, causal=True, layout=layout,
                          page_size=16 if layout == "paged" else None, kv_dtype=kv_dtype, **variants)
     ex = tvm.compile(fused_attention_mma(spec, 2, 16, 2, 1, emulate=True, split_tasks=split),
-                     target=resolve_target("llvm"))
+                     target=EMULATION_TARGET)
     check_emulated_layout(ex, spec)
     if split:
         check_emulated_layout(ex, spec, split_kv_cases(layout))
@@ -303,7 +307,7 @@ def test_tensor_core_variants_algorithm_on_cpu(case):
     layout, page, dynamic, variants = CUDA_VARIANT_SPREADS[case]
     spec = AttentionSpec(batch=2, heads=4, kv_heads=2, seq_q=37, seq_kv=45, head_dim=EMU_D, layout=layout,
                          dtype="bfloat16" if case % 2 else "float16", page_size=page, dynamic=dynamic, **variants)
-    ex = tvm.compile(fused_attention_mma(spec, 2, 16, 2, 1, emulate=True), target=resolve_target("llvm"))
+    ex = tvm.compile(fused_attention_mma(spec, 2, 16, 2, 1, emulate=True), target=EMULATION_TARGET)
     check_emulated_layout(ex, spec)
 
 
@@ -312,7 +316,7 @@ def test_tensor_core_right_window_rows_without_a_key_on_cpu(layout, seq_q, seq_k
     """A window open on the left and bounded on the right in the tensor-core kernel, emulated:
     a row at p < −R gives zeros and an lse of −inf, not NaN (``test_cuda``'s twin)."""
     spec = dataclasses.replace(right_window_spec(layout, seq_q, seq_kv, "float16"), head_dim=EMU_D)
-    ex = tvm.compile(fused_attention_mma(spec, 2, 16, 2, 1, emulate=True), target=resolve_target("llvm"))
+    ex = tvm.compile(fused_attention_mma(spec, 2, 16, 2, 1, emulate=True), target=EMULATION_TARGET)
     check_emulated_layout(ex, spec)
 
 
@@ -387,7 +391,9 @@ def test_gpu_check_script_builds_both_kernels_offline(tmp_path, monkeypatch, cap
     """scripts/gpu_check.py's build pool, tiny: the tensor-core kernel, full and causal, exported
     artifacts with their fatbins. One dtype (bf16) and one kernel (``--kernels``): the dtype and
     kernel loops are a plain product; the same pool worker (``gpu_payload.build_job``) builds the
-    CUDA-core kernel of every kind, each with its fatbin, in test_gpu_payload's fixture."""
+    CUDA-core kernel of every kind, each with its fatbin, in test_gpu_payload's fixture. One
+    worker (``--jobs 1``): the pool's spawned worker is what is checked, not two builds at once,
+    and each worker costs its own import of tvm (~3 s of CPU)."""
     import json
     import sys
     from pathlib import Path
@@ -397,7 +403,7 @@ def test_gpu_check_script_builds_both_kernels_offline(tmp_path, monkeypatch, cap
     # in this process (its exit status is main's return): the pool's spawned workers build, as
     # from the command line; what main sets in the environment is put back
     monkeypatch.setattr(sys, "argv", ["gpu_check.py", "--build-only", "--arch", "sm_80", "--seq", "256", "--head-dim",
-                                      "64", "--dtype", "bfloat16", "--kernels", "fused_tc", "--jobs", "2", "--out", str(out)])
+                                      "64", "--dtype", "bfloat16", "--kernels", "fused_tc", "--jobs", "1", "--out", str(out)])
     monkeypatch.setenv("TVM_CUDA_COMPILE_MODE", "nvcc")
     monkeypatch.chdir(root)
     monkeypatch.syspath_prepend(str(root / "scripts"))
@@ -419,16 +425,20 @@ def test_gpu_check_script_builds_both_kernels_offline(tmp_path, monkeypatch, cap
 
 def test_tuning_tasks_cover_the_tensor_core_space_and_regenerate():
     """One task per feasible (warps, block_n, stages, m_tiles), the preset first; a stored function of any
-    task regenerates to the same workload (how build finds a tuned record for a spec). At D=128:
-    36 tasks (every warps, block_n and stages value, one row group: two spill), where D=64's 63
-    cost 20 s to generate; m_tiles=2's knobs read back from a workload: the log matching test."""
+    task regenerates to the same workload (how build finds a tuned record for a spec). At D=128 on
+    sm_86: 27 tasks (every warps, block_n and stages value, one row group: two spill; sm_90's
+    larger shared memory holds 36, each one more function to generate for no other value), where
+    D=64's 63 cost 20 s to generate; m_tiles=2's knobs read back from a workload: the log matching
+    test."""
     from tvm_attention.task_mods import workload_matches
     from tvm_attention.tune.tasks import make_tasks
 
     spec = AttentionSpec(batch=1, heads=8, kv_heads=2, seq_q=1024, head_dim=128, dtype="bfloat16", causal=True)
-    target = resolve_target("cuda", arch="sm_90")
+    target = resolve_target("cuda", arch="sm_86")
     tasks = make_tasks(spec, target, "fused")
     cands = cuda_mma.tile_candidates(spec, target)
+    assert [sorted({getattr(k, f) for k in cands}) for f in ("warps", "block_n", "stages")] == \
+        [[2, 4, 8], [16, 32, 64, 128], [1, 2, 3]]  # every value of each knob
     assert [t.name for t in tasks] == [f"fused_w{k.warps}_n{k.block_n}_s{k.stages}_m{k.m_tiles}" for k in cands]
     for t in (tasks[0], tasks[-1]):
         assert workload_matches(spec, t.mod)
