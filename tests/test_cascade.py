@@ -5,6 +5,7 @@ sinks (joined once), lse, several tokens per sequence and a suffix of the new to
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import numpy as np
 import pytest
@@ -21,13 +22,38 @@ from conftest import built
 N, H, KH, D, P = 4, 8, 2, 32, 300
 SUFFIX = [5, 0, 17, 40]
 
+#: ``scripts/variant_sweep.py`` sets this: the plain paged cascade too, every kernel at its preset
+#: knobs
+SWEEP = os.environ.get("TVMA_VARIANT_SWEEP") == "1"
+#: knobs that never split the keys (split-KV's nests left out: about half the build time)
+UNSPLIT = (("split_tasks", 0),)
+
 
 def kernels(spec):
-    return kernel_of(built(cascade.prefix_spec(spec))), kernel_of(built(cascade.suffix_spec(spec)))
+    """The prefix and suffix kernels of ``spec``, built once per session. Split-KV's nests only
+    where a call here splits: the prefix pass of 16 stacked rows (N·Sq·G, Sq 1) runs a packed decode
+    tier that reads its 300 keys in two chunks; 32 and 48 rows (Sq 2 and 3) run the prefill nest,
+    which never splits (the same output bit for bit); the suffixes hold at most 43 keys, under one
+    chunk (``fused.MIN_SPLIT_KEYS``: 256), where a split nest reads a sequence's keys as the
+    unsplit one does. A suffix kernel is the serving spec's own (its modifiers shifted by the
+    prefix's length, read alike by every nest), whose split-KV over several chunks with each
+    variant test_variants (paged_all), test_modifiers (paged_doc_bounds_split) and
+    test_custom_mask (test_split_kv_and_rows_without_a_key) check."""
+    stacked = N * spec.seq_q * spec.group_size
+    prefix_knobs = None if SWEEP or stacked <= 16 else UNSPLIT
+    return (kernel_of(built(cascade.prefix_spec(spec), knobs=prefix_knobs)),
+            kernel_of(built(cascade.suffix_spec(spec), knobs=None if SWEEP else UNSPLIT)))
 
 
-# (sinks and several kvcache tokens per sequence: test_shared_prefix_with_positional_variants)
-@pytest.mark.parametrize("layout, sq, sinks", [("kvcache", 1, False), ("paged", 2, True)])
+#: (layout, Sq, sinks) of the plain cascade. The kernels take no sinks (the merge joins them once):
+#: the kvcache case's are the error tests' too. A paged cache: the variant case
+#: ``append-mods-bounds-mask`` (its prefix and suffix read through block tables as a plain one's do;
+#: ``scripts/variant_sweep.py`` runs the plain paged case, 2 tokens per sequence, beside it); several
+#: tokens per sequence: both variant cases
+PLAIN_CASES = [("kvcache", 1, True)] + ([("paged", 2, True)] if SWEEP else [])
+
+
+@pytest.mark.parametrize("layout, sq, sinks", PLAIN_CASES)
 def test_shared_prefix_equals_the_reference(layout, sq, sinks):
     spec = AttentionSpec(batch=N, heads=H, kv_heads=KH, seq_q=sq, seq_kv=64, head_dim=D, causal=True, layout=layout,
                          sinks=sinks, page_size=16 if layout == "paged" else None)

@@ -6,11 +6,13 @@ a boolean mask; tree attention over a cache with the drafts appended in the same
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import numpy as np
 import pytest
 
 from tvm_attention.artifact import kernel_of, validate_built
+from tvm_attention.bench import masks as masks_bench
 from tvm_attention.layouts import KernelArgumentError
 from tvm_attention.masks import pack_mask, tree_masks
 from tvm_attention.reference import reference_attention
@@ -41,12 +43,19 @@ def test_cuda_refuses_it_by_name():
         build_kernel(spec, "fused", resolve_target("cuda", arch="sm_90"))
 
 
+#: ``bench --masks --tiny``'s shapes: its kernels are built through the run's build cache, so the
+#: specs below that are its (the symbolic bhsd one: its skipping point's masked kernel; the tree
+#: test's: its tree point's) are built once for both (GQA is its heads, kv heads and head_dim)
+TINY = masks_bench.quick_config()
+assert (TINY.heads, TINY.kv_heads, TINY.head_dim) == (GQA["heads"], GQA["kv_heads"], GQA["head_dim"])
+
 #: name -> spec fields: each layout's validation cases (random masks: 3 of 4 bits set, a quarter
 #: of the keys hidden from every row, a row that sees no key), static and symbolic bhsd (the
-#: symbolic one's decode tier too), the KV caches with lse, append and split-KV, varlen, MLA, bf16
+#: symbolic one's decode tier too; its representative, one sequence of 1280 × 1280, the tiny
+#: benchmark's), the KV caches with lse, append and split-KV, varlen, MLA, bf16
 KERNELS = {
     "bhsd_static_causal": dict(batch=2, seq_q=100, seq_kv=130, causal=True, dynamic=()),
-    "bhsd_symbolic": dict(batch=2, seq_q=100, seq_kv=130, dynamic=("batch", "seq_q", "seq_kv")),
+    "bhsd_symbolic": dict(batch=1, seq_q=TINY.seq, seq_kv=TINY.seq, dynamic=("batch", "seq_q", "seq_kv")),
     "kvcache_lse": dict(batch=2, seq_q=1, seq_kv=300, causal=True, layout="kvcache", return_lse=True),
     "paged_append_bf16": dict(batch=2, seq_q=4, seq_kv=300, causal=True, layout="paged", append=True,
                               dtype="bfloat16"),
@@ -54,12 +63,19 @@ KERNELS = {
     "mla": dict(batch=2, heads=16, kv_heads=1, seq_q=1, seq_kv=100, head_dim=96, head_dim_v=64, scale=0.1,
                 causal=True, layout="mla"),
 }
+#: The MLA build never splits the keys (``split_tasks=0``: a third of the split build's time): its
+#: validation caches hold at most 211 keys, under one split-KV chunk (``fused.MIN_SPLIT_KEYS``: 256),
+#: where a split nest reads the keys as the unsplit one does; split-KV with a mask over several
+#: chunks is the KV caches' (their validation's 300 keys, test_split_kv_and_rows_without_a_key), of
+#: the latent layouts test_mla's split test. ``scripts/variant_sweep.py`` builds it at the preset's
+#: knobs.
+KNOBS = {} if os.environ.get("TVMA_VARIANT_SWEEP") == "1" else {"mla": (("split_tasks", 0),)}
 
 
 @pytest.mark.parametrize("name", list(KERNELS))
 def test_kernel_matches_the_reference(name):
     spec = AttentionSpec(**{**GQA, **KERNELS[name], "custom_mask": True})
-    b = built(spec)
+    b = built(spec, knobs=KNOBS.get(name))
     assert b.audit.fused, b.audit
     r = validate_built(b)
     assert r.passed and r.finite, r
@@ -90,8 +106,10 @@ def test_tree_attention_with_the_drafts_appended():
     """Speculative decoding's verify step: 7 draft tokens per sequence, a tree of them
     (``parents``), appended to the cache in the same call; each draft attends to the prefix,
     itself and its ancestors: the tree written out as ancestors, per row, in float64. A tree of
-    one node is the plain decode step."""
-    spec = AttentionSpec(batch=2, seq_q=7, seq_kv=64, **GQA, layout="kvcache", append=True, custom_mask=True)
+    one node is the plain decode step. (The spec of ``bench --masks --tiny``'s tree point: built
+    once for both.)"""
+    spec = AttentionSpec(batch=TINY.batch, seq_q=TINY.drafts, seq_kv=TINY.cache, **GQA, layout="kvcache", append=True,
+                         custom_mask=True)
     k, lay = kernel_of(built(spec)), spec.layout_info
     trees = [[-1, 0, 0, 1, 1, 2, -1], [-1, 0, 1, 2, 3, 4, 5]]  # branching with two roots; a chain
     prefix = [40, 13]
@@ -214,7 +232,9 @@ def test_key_tiles_no_row_sees_are_skipped(name, rows, keys, hidden):
 def test_bench_masks_tiny(tmp_path):
     """``bench --masks --tiny``: the skipping point (no mask, all ones, mostly hidden), the tree
     verify against a causal append step and a shared prefix read once against each sequence
-    reading it, written as masks.md/json (goals are the benchmark's)."""
+    reading it, written as masks.md/json (goals are the benchmark's). Its masked bhsd and tree
+    kernels are bhsd_symbolic's and the tree test's builds (``TINY``), loaded from the run's build
+    cache."""
     import json
 
     from tvm_attention import cli

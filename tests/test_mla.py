@@ -6,6 +6,8 @@ that act per query head), the loader's call forms and checks, and the exported l
 check of the index arrays (at 2³¹−1 too)."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -43,6 +45,10 @@ def test_spec_rules():
             AttentionSpec(**{**M, **kw}, layout="mla")
 
 
+#: ``scripts/variant_sweep.py`` sets this: the kernels below take the whole matrix (every
+#: page size plain and 8-bit, every build at its preset knobs) instead of the covering set
+SWEEP = os.environ.get("TVMA_VARIANT_SWEEP") == "1"
+
 #: name -> spec fields: decode steps, multi-token steps and a chunked prefill (each layout's
 #: validation cases: seq_q 1, 4 and 37 against caches of 0 to 211 keys), page sizes 1, 16 and 64,
 #: bf16 with lse, DeepSeek-V3's 128 heads × 576 / 512, and the variants that act per query head
@@ -53,15 +59,16 @@ KERNELS = {
     "mla_paged_16": dict(M, layout="mla_paged"),
     "mla_paged_1_variants": dict(M, layout="mla_paged", page_size=1, heads=20, window=(50, 0), softcap=20.0,
                                  alibi=True, sinks=True),
-    "mla_paged_64": dict(M, layout="mla_paged", page_size=64),
     # split-KV's merge adds the sink once (the split test)
     "mla_paged_1_sinks": dict(M, layout="mla_paged", page_size=1, heads=20, sinks=True, return_lse=True),
     # the new tokens' latent rows written into the cache and attended to (across a page of 16)
     "mla_append": dict(M, layout="mla", append=True, return_lse=True),
     "mla_paged_append_bf16": dict(M, layout="mla_paged", append=True, dtype="bfloat16"),
     # 8-bit latent caches, their one kv_scale per cache, token or group (V reads the first groups);
-    # the unused rows' scales are NaN in every validation case (only the keys attended to are read)
-    "mla_paged_e4m3_token": dict(M, layout="mla_paged", kv_dtype="float8_e4m3fn", kv_scale="token"),
+    # the unused rows' scales are NaN in every validation case (only the keys attended to are read).
+    # Pages of 64 here (a token scale per slot of a page: (num_pages, 64)); pages of 16 are the plain
+    # and appending caches'
+    "mla_paged_e4m3_token": dict(M, layout="mla_paged", page_size=64, kv_dtype="float8_e4m3fn", kv_scale="token"),
     "mla_bf16_e4m3_group_lse": dict(M, layout="mla", dtype="bfloat16", kv_dtype="float8_e4m3fn", kv_scale="group",
                                     return_lse=True),
     "mla_int8_append": dict(M, layout="mla", kv_dtype="int8", append=True),
@@ -69,18 +76,38 @@ KERNELS = {
     "deepseek_v3": dict(M, layout="mla", heads=128, head_dim=576, head_dim_v=512, dtype="bfloat16",
                         scale=192 ** -0.5),
 }
+if SWEEP:  # the page sizes beside the 8-bit one: a plain cache of pages of 64, e4m3 over pages of 16
+    KERNELS["mla_paged_64"] = dict(M, layout="mla_paged", page_size=64)
+    KERNELS["mla_paged_16_e4m3_token"] = dict(KERNELS["mla_paged_e4m3_token"], page_size=16)
+
+#: knobs that never split the keys (split-KV's nests left out: a third of the split build's time)
+UNSPLIT = (("split_tasks", 0),)
+#: Row tiles of 16 packed rows for the 20-head builds: every mask expression of theirs holds the
+#: packed row's position p // 20 (a shift for 16 or 128 heads), and LLVM's code for it is most of
+#: their build time (the split build's: 10 s with the preset's tiles of 32 rows, 4.8 s with 16;
+#: 2.3 s for 16 heads). Tiles of 16 rows straddle positions of 20 rows as tiles of 32 do.
+TILE16 = (("block_m", 16),)
+#: The knobs of each build the tests take (``build(name)``); the others are the preset's. Split-KV
+#: over several chunks is the split test's (f32, bf16 with lse, pages of one key with a sink over
+#: 20 heads: their builds keep it), and mla_int8_append keeps it (an 8-bit cache and appended rows
+#: in the split nest). The other builds validate against caches of at most 211 keys, under one
+#: chunk (``fused.MIN_SPLIT_KEYS``: 256 keys), where a split nest reads a sequence's keys as the
+#: unsplit nest does: they are built without it. (The 20-head variants' split form took 17 s to
+#: compile with the preset's tiles: the split test covers split-KV with a sink instead.)
+KNOBS = {"mla_paged_1_variants": UNSPLIT} if SWEEP else {
+    "mla_paged_1_variants": TILE16 + UNSPLIT, "mla_paged_1_sinks": TILE16,
+    **{n: UNSPLIT for n in ("mla_paged_16", "mla_append", "mla_paged_append_bf16", "mla_paged_e4m3_token",
+                            "mla_bf16_e4m3_group_lse", "mla_paged_int8_group_append", "deepseek_v3")}}
 
 
-#: builds the reference test takes unsplit: the variants' split form takes 17 s to compile (its
-#: row positions p // H with H = 20 in every mask expression); the split test covers split-KV
-#: with a sink instead
-REF_KNOBS = {"mla_paged_1_variants": (("split_tasks", 0),)}
+def build(name: str):
+    """``KERNELS[name]`` built with its ``KNOBS`` (once per session)."""
+    return built(AttentionSpec(**KERNELS[name]), knobs=KNOBS.get(name))
 
 
 @pytest.mark.parametrize("name", list(KERNELS))
 def test_kernel_matches_the_reference(name):
-    spec = AttentionSpec(**KERNELS[name])
-    b = built(spec, knobs=REF_KNOBS.get(name))
+    b = build(name)
     assert b.audit.fused, b.audit
     r = validate_built(b)
     assert r.passed and r.finite, r
@@ -102,7 +129,7 @@ def test_split_kv_matches_the_reference_and_the_unsplit_build(name):
     from tvm_attention.artifact import kernel_of
 
     spec = AttentionSpec(**KERNELS[name])
-    b, whole = built(spec), built(spec, knobs=(("split_tasks", 0),))
+    b, whole = build(name), built(spec, knobs=KNOBS.get(name, ()) + UNSPLIT)
     # the split form's workload records split_tasks (a never-split one has no split form)
     assert b.knobs.split_tasks > 0 and f'"attn.split_tasks": {b.knobs.split_tasks}' in b.lowered.script()
     assert "attn.split_tasks" not in whole.lowered.script()
@@ -141,7 +168,7 @@ def test_append_writes_the_latent_rows_in_place(name):
     from tvm_attention.artifact import kernel_of
 
     spec = AttentionSpec(**KERNELS[name])
-    k, lay = kernel_of(built(spec)), spec.layout_info
+    k, lay = kernel_of(build(name)), spec.layout_info
     sq = 3
     case = {"seq_q": sq, "cache_seqlens": [0, 14, 40], "max_len": 43}
     x = lay.random_inputs(spec, case, seed=4)
@@ -191,7 +218,7 @@ def test_loader_and_the_librarys_own_checks(name, tmp_path):
     from tvm_attention.loader import _SLOW, load
 
     spec = AttentionSpec(**KERNELS[name])
-    b = built(spec)
+    b = build(name)
     export(b, tmp_path, validate_built(b))
     kernel = load(tmp_path)
     layout = spec.layout_info
@@ -247,7 +274,7 @@ def test_the_block_table_rule_names_kv_pages_and_fires_first_without_pages():
     from tvm_attention.artifact import kernel_of
 
     spec = AttentionSpec(**KERNELS["mla_paged_16"])
-    k = kernel_of(built(spec))
+    k = kernel_of(build("mla_paged_16"))
     rng = np.random.default_rng(0)
     q = rng.standard_normal((2, spec.heads, 1, spec.head_dim)).astype(np.float32)
 
