@@ -75,30 +75,39 @@ def test_reference_columns_of_v_are_independent():
 
 GQA = dict(batch=2, heads=8, kv_heads=2, seq_q=1, seq_kv=300, causal=True)
 #: name -> spec fields: V narrower and wider than K in every layout; the main nest, the packed
-#: decode nests (split-KV at batch 2) and the page order; fp32, fp16 and bf16 (the bf16 decode dot
-#: products, QKᵀ and PV); 8-bit caches per head, per token and per group (V's group count its own),
-#: qk_int8; append; lse; the variants and a score_mod
+#: decode nests (split-KV at batch 2, V narrower: kvcache_bf16, wider: paged_lse_wider; the other
+#: cache kernels without it, half a build's time) and the page order; fp32, fp16 and bf16 (the
+#: bf16 decode dot products, QKᵀ and PV); 8-bit caches per head (kvcache), per token and per
+#: group (paged; V's group count its own), int8 and float8, qk_int8 (QKᵀ only: once); append;
+#: lse; the variants and a score_mod (one kernel: neither touches V)
 KERNELS = {
     "bhsd_192_128": dict(batch=1, heads=2, seq_q=70, seq_kv=45, head_dim=192, head_dim_v=128, causal=True),
     "bhsd_dyn_wider_v_bf16": dict(batch=1, heads=4, kv_heads=2, seq_q=70, seq_kv=90, head_dim=32, head_dim_v=64,
                                   dtype="bfloat16", dynamic=("batch", "seq_q", "seq_kv")),
-    "bhsd_variants_f16": dict(batch=1, heads=4, kv_heads=2, seq_q=70, seq_kv=90, head_dim=64, head_dim_v=32,
-                              causal=True, dtype="float16", window=(30, 0), softcap=30.0, alibi=True, sinks=True),
-    "bhsd_score_mod": dict(batch=1, heads=4, seq_q=33, seq_kv=40, head_dim=48, head_dim_v=16, causal=True, kv_start=True,
-                           score_mod="def score_mod(s, b, h, q, k):\n    return s - 0.1 * abs(q - k)\n"),
+    "bhsd_variants_score_mod_f16": dict(batch=1, heads=4, kv_heads=2, seq_q=70, seq_kv=90, head_dim=64, head_dim_v=32,
+                                        causal=True, dtype="float16", window=(30, 0), softcap=30.0, alibi=True,
+                                        sinks=True, kv_start=True,
+                                        score_mod="def score_mod(s, b, h, q, k):\n    return s - 0.1 * abs(q - k)\n"),
     "varlen": dict(batch=2, heads=4, kv_heads=2, seq_q=37, seq_kv=50, head_dim=64, head_dim_v=32, layout="varlen",
                    causal=True),
     "kvcache_bf16": dict(GQA, head_dim=128, head_dim_v=64, layout="kvcache", dtype="bfloat16"),
+    # also test_exported_library_names_the_shapes_and_the_loader_checks_v's (float32: the loader's fast path)
     "kvcache_int8_qk8_append": dict(GQA, head_dim=96, head_dim_v=64, layout="kvcache", kv_dtype="int8", qk_int8=True,
                                     append=True),
-    "kvcache_e4m3_group": dict(GQA, head_dim=128, head_dim_v=64, layout="kvcache", kv_dtype="float8_e4m3fn",
-                               kv_scale="group", dtype="bfloat16"),
-    "paged_lse": dict(GQA, head_dim=96, head_dim_v=64, layout="paged", return_lse=True),
+    "paged_lse_wider": dict(GQA, head_dim=64, head_dim_v=128, layout="paged", return_lse=True),
     "paged_token_append": dict(GQA, head_dim=64, head_dim_v=32, layout="paged", kv_dtype="int8", kv_scale="token",
                                append=True),
-    "paged_group_qk8_append": dict(GQA, head_dim=64, head_dim_v=128, layout="paged", kv_dtype="int8", kv_scale="group",
-                                   qk_int8=True, append=True, dtype="bfloat16"),
+    "paged_group_e4m3_append": dict(GQA, head_dim=64, head_dim_v=128, layout="paged", kv_dtype="float8_e4m3fn",
+                                    kv_scale="group", append=True, dtype="bfloat16"),
 }
+#: the builds that keep split-KV (the preset's); the others are built without it
+SPLIT = ("kvcache_bf16", "paged_lse_wider")
+
+
+def kernel_build(name):
+    """``(spec, build)`` of a KERNELS entry (conftest ``built``: one build, whichever test asks first)."""
+    spec = AttentionSpec(**KERNELS[name])
+    return spec, built(spec, knobs=None if name in SPLIT or not spec.layout_info.is_cache else (("split_tasks", 0),))
 
 
 @pytest.mark.parametrize("name", list(KERNELS))
@@ -106,9 +115,9 @@ def test_kernel_matches_the_reference(name):
     """Each layout's validation cases (symbolic lengths at awkward values, empty caches, a key
     tail, pages shared and spare, per-token and per-group scales of unused rows poisoned with
     NaN) against the float64 reference; the audit finds no score-sized buffer."""
-    spec = AttentionSpec(**KERNELS[name])
-    b = built(spec)
+    spec, b = kernel_build(name)
     assert b.audit.fused, b.audit
+    assert (b.knobs.split_tasks > 0) == (name in SPLIT) or not spec.layout_info.is_cache, b.knobs
     r = validate_built(b)
     assert r.passed and r.finite, r
 
@@ -117,18 +126,18 @@ def test_exported_library_names_the_shapes_and_the_loader_checks_v(tmp_path):
     from tvm_attention.layouts import KernelArgumentError
     from tvm_attention.loader import _SLOW, load
 
-    spec = AttentionSpec(**dict(KERNELS["kvcache_bf16"], dtype="float32"))  # float32: the loader's fast path
-    b = built(spec)
+    spec, b = kernel_build("kvcache_int8_qk8_append")  # float32: the loader's fast path
     manifest = export(b, tmp_path, validate_built(b))
     shapes = {a["name"]: a["shape"] for a in manifest["args"]}
-    assert shapes["v_cache"][-1] == 64 and shapes["o"][-1] == 64 and shapes["k_cache"][-1] == 128
+    assert shapes["v_cache"][-1] == 64 and shapes["o"][-1] == 64 and shapes["k_cache"][-1] == 96
+    assert shapes["v_new"][-1] == 64 and shapes["k_new"][-1] == 96
     kernel = load(tmp_path)
     layout = spec.layout_info
     case = layout.validation_cases(spec)[1]  # ragged cache lengths, zero among them
     arrays = layout.random_inputs(spec, case)
     names = [a["name"] for a in spec.arg_specs() if a["name"] != "o"]
-    out = kernel(*[arrays[n] for n in names])
     ref = layout.reference_outputs(spec, arrays)[0]
+    out = kernel(*[arrays[n] for n in names])  # (appends its new keys: a call again writes the same)
     assert out.shape == ref.shape and out.shape[-1] == 64
     np.testing.assert_allclose(out, ref, atol=1e-4, rtol=1e-4)
     # the fast path (no Python checks; the library checks what it reads) allocates o Dv wide too

@@ -102,28 +102,42 @@ def test_spec_and_cli():
 
 #: name -> (spec fields, knobs): each layout; every dot-product form a finer scale meets (QKᵀ on
 #: bf16 dots, PV on them with P times the value scale rounded, int8 dots with qk_int8; per group the
-#: float32 products, or with qk_int8 one int8 dot product per group); split-KV and not; the prefill nests (seq_q 4 and 37 of the validation
-#: cases) and the decode nests; append; lse and the variants
+#: float32 products, or with qk_int8 one int8 dot product per group); split-KV and not (per token:
+#: paged_token_qk8_variants_lse, per group: kvcache_group_f16_qk8_mha; the others without it, half
+#: a build's time); the prefill nests (seq_q 4 and 37 of the validation cases) and the decode
+#: nests; append; lse and the variants. The three appending kernels are
+#: test_append_writes_each_new_keys_scales's too (the new keys written first, then the same nests)
 GQA = dict(batch=2, heads=8, kv_heads=2, seq_q=1, seq_kv=300, head_dim=64, causal=True)
 KERNELS = {
-    "kvcache_token_bf16_pv_dots": (dict(GQA, layout="kvcache", dtype="bfloat16", kv_dtype="float8_e5m2",
-                                        kv_scale="token"), (("decode_dot", 2),)),
-    "paged_token_qk8_lse": (dict(GQA, layout="paged", kv_dtype="int8", kv_scale="token", qk_int8=True,
-                                 return_lse=True), ()),
-    "paged_token_variants": (dict(GQA, layout="paged", kv_dtype="int8", kv_scale="token", window=(100, 0),
-                                  softcap=30.0, alibi=True, sinks=True), (("split_tasks", 0),)),
+    "kvcache_token_bf16_pv_dots_append": (dict(GQA, layout="kvcache", dtype="bfloat16", kv_dtype="float8_e5m2",
+                                               kv_scale="token", append=True), (("decode_dot", 2), ("split_tasks", 0))),
+    # the variants beside qk_int8, lse and split-KV: one build (the scale loads, and their NaN for
+    # a bad scale, are one macro whichever product form reads them: workloads.fused._scale_macro)
+    "paged_token_qk8_variants_lse": (dict(GQA, layout="paged", kv_dtype="int8", kv_scale="token", qk_int8=True,
+                                          return_lse=True, window=(100, 0), softcap=30.0, alibi=True, sinks=True), ()),
     # MHA: one row per kv head, the per-group dot product's one-row form
     "kvcache_group_f16_qk8_mha": (dict(GQA, heads=4, kv_heads=4, layout="kvcache", dtype="float16", kv_dtype="int8",
                                        kv_scale="group", qk_int8=True), ()),
     "paged_group_qk8_append": (dict(GQA, layout="paged", dtype="bfloat16", kv_dtype="int8", kv_scale="group",
                                     qk_int8=True, append=True, return_lse=True), (("split_tasks", 0),)),
-    "paged_group_e4m3_bf16": (dict(GQA, layout="paged", dtype="bfloat16", kv_dtype="float8_e4m3fn",
-                                   kv_scale="group"), (("split_tasks", 0),)),
+    "paged_group_e4m3_bf16_append": (dict(GQA, layout="paged", dtype="bfloat16", kv_dtype="float8_e4m3fn",
+                                          kv_scale="group", append=True), (("split_tasks", 0),)),
     "bhsd_token_e4m3": (dict(batch=1, heads=2, seq_q=70, seq_kv=45, head_dim=64, kv_dtype="float8_e4m3fn",
                              causal=True, kv_scale="token"), ()),
     "varlen_group_e5m2": (dict(batch=2, heads=4, kv_heads=2, seq_q=40, seq_kv=40, head_dim=64, layout="varlen",
                                kv_dtype="float8_e5m2", kv_scale="group"), ()),
 }
+
+
+def kernel_build(name):
+    """``(spec, knobs, build)`` of a KERNELS entry (one build each, whichever test asks first)."""
+    from tvm_attention.target import resolve_target, target_features
+
+    kw, knobs = KERNELS[name]
+    if "avx512bf16" not in target_features(resolve_target("llvm")):  # PV on bf16 dots: AVX512-BF16 only
+        knobs = tuple((n, v) for n, v in knobs if n != "decode_dot")
+    spec = AttentionSpec(**kw)
+    return spec, knobs, built(spec, knobs=knobs or None)
 
 
 @pytest.mark.parametrize("name", list(KERNELS))
@@ -133,11 +147,7 @@ def test_kernel_matches_the_reference(name):
     fail with NaN rows."""
     from tvm_attention.target import resolve_target, target_features
 
-    kw, knobs = KERNELS[name]
-    if "avx512bf16" not in target_features(resolve_target("llvm")):  # PV on bf16 dots: AVX512-BF16 only
-        knobs = tuple((n, v) for n, v in knobs if n != "decode_dot")
-    spec = AttentionSpec(**kw)
-    b = built(spec, knobs=knobs or None)
+    spec, knobs, b = kernel_build(name)
     assert b.audit.fused, b.audit
     if "decode_dot" in dict(knobs):
         assert b.knobs.decode_dot == dict(knobs)["decode_dot"]
@@ -160,29 +170,29 @@ def test_group_dots_avx2_form():
 
     spec = AttentionSpec(**dict(GQA, layout="kvcache", dtype="bfloat16", kv_dtype="int8", kv_scale="group",
                                 qk_int8=True))
-    b = build_kernel(spec, target=resolve_target({"kind": "llvm", "mcpu": "x86-64-v3"}))
+    # without split-KV (half the build): the split nests' AVX2 form is every group kernel's on an
+    # AVX2 host (KERNELS' kvcache_group_f16_qk8_mha splits), and this one is the only AVX2 code an
+    # AVX-512 host builds
+    b = build_kernel(spec, target=resolve_target({"kind": "llvm", "mcpu": "x86-64-v3"}), knobs={"split_tasks": 0})
     asm = b.module.inspect_source("asm")
     assert b.knobs.decode_dot == 3 and "vpmaddubsw" in asm and "vpdpbusd" not in asm and "zmm" not in asm
     r = validate_built(b)
     assert r.passed and r.finite, r
 
 
-APPEND = {
-    "kvcache_int8_token": dict(GQA, layout="kvcache", kv_dtype="int8", kv_scale="token", return_lse=True),
-    "paged_e4m3_group_bf16": dict(GQA, layout="paged", dtype="bfloat16", kv_dtype="float8_e4m3fn", kv_scale="group"),
-}
+#: the appending kernels of KERNELS: kvcache and paged, per token and per group, int8 and both
+#: float8 dtypes, bf16 queries (the dot products where the CPU has them) and float32 ones
+APPENDING = [name for name, (kw, _) in KERNELS.items() if kw.get("append")]
 
 
-@pytest.mark.parametrize("name", list(APPEND))
+@pytest.mark.parametrize("name", APPENDING)
 def test_append_writes_each_new_keys_scales(name):
     """An appending kernel quantizes each new key with its own scales, computed from it in
     float32 as ``quantize_kv`` does, and writes keys and scales bit for bit where the reference
-    does (across a page, from an empty sequence); it touches no other scale. The kvcache build
-    splits its key ranges (split-KV), the paged one does not."""
-    spec = AttentionSpec(**APPEND[name], append=True)
-    b = built(spec, knobs=(("split_tasks", 0),) if spec.layout == "paged" else None)
-    r = validate_built(b)
-    assert r.passed and r.finite, r
+    does (across a page, from an empty sequence); it touches no other scale. (Built without
+    split-KV: what appending adds comes before any nest; test_kv8.py appends beside split-KV.
+    test_kernel_matches_the_reference validates each build.)"""
+    spec, _, b = kernel_build(name)
     lay, k = spec.layout_info, kernel_of(b)
     case = {"seq_q": 4, "cache_seqlens": [0, 15]}
     if spec.layout == "kvcache":
@@ -209,9 +219,7 @@ def test_exported_library_takes_them(tmp_path):
     from tvm_attention.artifact import export
     from tvm_attention.loader import load
 
-    kw, knobs = KERNELS["paged_token_qk8_lse"]
-    spec = AttentionSpec(**kw)
-    b = built(spec, knobs=knobs or None)
+    spec, _, b = kernel_build("paged_token_qk8_variants_lse")
     export(b, tmp_path, validate_built(b))
     m = json.loads((tmp_path / "manifest.json").read_text())
     assert m["spec"]["kv_scale"] == "token"
@@ -234,11 +242,10 @@ def test_a_bad_scale_is_data():
     never read; the loader checks the scales' shape by name."""
     from tvm_attention.loader import KernelArgumentError
 
-    spec = AttentionSpec(**KERNELS["paged_token_variants"][0])
-    b = built(spec, knobs=KERNELS["paged_token_variants"][1])
+    spec, _, b = kernel_build("paged_token_qk8_variants_lse")
     lay, k = spec.layout_info, kernel_of(b)
     x = lay.random_inputs(spec, {"seq_q": 1, "cache_seqlens": [250, 40]}, seed=4)
-    good = np.asarray(k(*x.values())).astype(np.float64)
+    good = np.asarray(k(*x.values())[0]).astype(np.float64)
     np.testing.assert_allclose(good, lay.reference(spec, x), atol=1e-4, rtol=1e-4)
     table, p = x["block_table"], spec.page_size
     for bad in (0.0, -1.0, np.inf, np.nan):
@@ -246,7 +253,7 @@ def test_a_bad_scale_is_data():
         y["k_scale"][table[1, 37 // p], 37 % p, 1] = bad  # sequence 1, key 37, kv head 1: seen by its rows
         # sequence 0, key 3: in a key tile the window (its last 100 of 250 keys) skips
         y["v_scale"][table[0, 3 // p], 3 % p, 0] = bad
-        o = np.asarray(k(*y.values())).astype(np.float64)
+        o = np.asarray(k(*y.values())[0]).astype(np.float64)
         assert np.isnan(o[1, 4:]).all(), bad  # kv head 1's query heads of sequence 1
         np.testing.assert_array_equal(o[0], good[0])
         np.testing.assert_array_equal(o[1, :4], good[1, :4])
@@ -277,16 +284,28 @@ def test_families_that_read_only_per_head_scales_refuse_finer_ones_by_name():
         check(fam, dataclasses.replace(knobs, decode_dot=1), g, cpu)
 
 
-def test_kv_accuracy_report(tmp_path):
+def test_kv_accuracy_report(tmp_path, monkeypatch):
     """``bench --kv-accuracy``'s numbers are real: our kernel is the model (the float64 reference
     over the values the cache holds) to float32 rounding, and on a cache with outliers int8's
     finer scales halve the error of one scale per kv head."""
     import dataclasses
 
+    from tvm_attention import build
     from tvm_attention.bench import kv_accuracy
 
+    # its kernels through the run's build cache (conftest ``built``), without split-KV (half of each
+    # build): what is checked is the report, and its step's 256 keys are one split-KV chunk anyway
+    # (the split nests with finer scales: KERNELS'; with per-head scales: test_kv8.py's)
+    asked = []
+
+    def build_kernel(spec, knobs=None, cache=True):  # (always through the build cache)
+        asked.append(spec.kv_scale)
+        return built(spec, knobs=tuple(sorted({**(knobs or {}), "split_tasks": 0}.items())))
+
+    monkeypatch.setattr(build, "build_kernel", build_kernel)  # kv_accuracy.run imports it when it runs
     cfg = dataclasses.replace(kv_accuracy.quick_config(), dtypes=("int8",))
     report = kv_accuracy.run(cfg, say=lambda m: None)
+    assert sorted(asked) == sorted(KV_SCALES)
     rows = {r["kv_scale"]: r for r in report["rows"]}
     assert set(rows) == set(KV_SCALES)
     for r in rows.values():

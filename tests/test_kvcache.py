@@ -1,6 +1,7 @@
 """KV-cache decode (issue 10): the kvcache and paged layouts, GQA packing, split-KV with its
 merge, the LSE output and merge_states."""
 import dataclasses
+import functools
 import importlib.util
 import json
 
@@ -20,22 +21,37 @@ KVCACHE, PAGED = LAYOUTS["kvcache"], LAYOUTS["paged"]
 TOL = dict(atol=1e-4, rtol=1e-4)
 
 
-def spec_of(layout, heads=8, kv_heads=2, causal=True, lse=True, **kw):
-    return AttentionSpec(batch=2, heads=heads, kv_heads=kv_heads, seq_q=1, seq_kv=256, head_dim=64, causal=causal,
-                         layout=layout, return_lse=lse, **kw)
+def spec_of(layout, heads=8, kv_heads=2, causal=True, lse=True, batch=2, seq_kv=256, **kw):
+    return AttentionSpec(batch=batch, heads=heads, kv_heads=kv_heads, seq_q=1, seq_kv=seq_kv, head_dim=64,
+                         causal=causal, layout=layout, return_lse=lse, **kw)
 
 
-# (layout, heads, kv_heads, causal, knobs): GQA and MQA, both layouts; split_tasks=0 never splits
+# name -> (layout, heads, kv_heads, causal, knobs[, other spec fields]): GQA, MQA and MHA, both
+# layouts, split-KV and not (split_tasks=0 never splits: kvcache GQA and paged MHA; the others
+# split, MQA's kvcache one the split-KV test below compares with its unsplit build)
 CONFIGS = {
-    "kvcache_gqa_causal": ("kvcache", 8, 2, True, None),
+    "kvcache_gqa_causal_nosplit": ("kvcache", 8, 2, True, (("split_tasks", 0),)),
     "paged_gqa_causal": ("paged", 8, 2, True, None),
     "kvcache_mqa_full": ("kvcache", 4, 1, False, None),
     "paged_mha_causal_nosplit": ("paged", 4, 4, True, (("split_tasks", 0),)),
-    # the paged preset takes every kv head per task (the page order, in the two paged configs
+    # the paged preset takes every kv head per task (the page order, in the paged GQA config
     # above); one head per task, with a software prefetch two key tiles ahead, is the other end
-    # of the decode space
-    "paged_gqa_per_head_prefetch": ("paged", 8, 2, True, (("decode_heads", 1), ("prefetch", 2))),
+    # of the decode space. Batch 1 at 4 kv heads, 300 keys: the representative step (and this
+    # very build) of test_page_order_and_prefetch_are_points_of_the_decode_space, whose tasks
+    # test_split_count_and_page_order_are_tasks_of_a_kvcache_step reads too; 4 tasks of one head
+    # are fewer than split_tasks, so one sequence's keys are split ("one_long" below)
+    "paged_per_head_prefetch": ("paged", 8, 4, True, (("decode_heads", 1), ("prefetch", 2)), dict(batch=1, seq_kv=300)),
 }
+
+
+def config_spec(name):
+    layout, h, kh, causal, _, *fields = CONFIGS[name]
+    return spec_of(layout, h, kh, causal, **(fields[0] if fields else {}))
+
+
+def config_build(name):
+    """The config's build (conftest ``built``: one per run, whichever test asks first)."""
+    return built(config_spec(name), knobs=CONFIGS[name][4])
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
@@ -43,13 +59,12 @@ def kernel(request):
     from tvm_attention.schedules import cpu_fused
     from tvm_attention.target import resolve_target
 
-    layout, h, kh, causal, knobs = CONFIGS[request.param]
-    spec = spec_of(layout, h, kh, causal)
+    spec, knobs = config_spec(request.param), CONFIGS[request.param][4]
     target = resolve_target("llvm")
     if dict(knobs or ()).get("prefetch") and not cpu_fused.stages_decode(spec, cpu_fused.preset(spec, target)):
         pytest.skip("the prefetch is a knob of the staged (dot-product) decode nest, which needs avx512f: "
                     "this target's decode nest is one vector of rows")
-    b = built(spec, knobs=knobs)
+    b = config_build(request.param)
     assert b.audit.fused, b.audit.reasons
     return spec, kernel_of(b), knobs
 
@@ -92,8 +107,8 @@ def test_matches_the_reference(kernel, seq_q, lengths):
 
 
 def test_paged_equals_contiguous_on_the_same_keys():
-    spec_c, spec_p = spec_of("kvcache"), spec_of("paged")  # the fixture's builds
-    kc, kp = kernel_of(built(spec_c)), kernel_of(built(spec_p))
+    # the fixture's builds (no cache here is long enough to split: both compute each row whole)
+    kc, kp = kernel_of(config_build("kvcache_gqa_causal_nosplit")), kernel_of(config_build("paged_gqa_causal"))
     rng = np.random.default_rng(1)
     q = rng.standard_normal((3, 8, 1, 64), dtype=np.float32)
     k = rng.standard_normal((3, 2, 100, 64), dtype=np.float32)
@@ -149,24 +164,6 @@ def test_merge_states_of_two_halves_of_a_key_range():
     assert np.isnan(o4[0, 0, 0]).all() and np.isnan(l4[0, 0, 0]) and np.isfinite(o4[1]).all()
     with pytest.raises(ValueError, match="lse_b: expected shape"):
         merge_states(oa, la, ob, lb[..., :2])
-
-
-def test_lse_for_bhsd_and_varlen():
-    for spec in (AttentionSpec(batch=2, heads=4, kv_heads=2, seq_q=40, seq_kv=70, head_dim=64, causal=True,
-                               return_lse=True),
-                 AttentionSpec(batch=2, heads=4, kv_heads=2, seq_q=40, head_dim=64, causal=True, layout="varlen",
-                               return_lse=True)):
-        b = built(spec)
-        assert validate_built(b).passed
-        layout = spec.layout_info
-        case = layout.validation_cases(spec)[-1]
-        x = layout.random_inputs(spec, case, seed=2)
-        o, lse = kernel_of(b)(*x.values())
-        ref, ref_lse = layout.reference_outputs(spec, x)
-        assert lse.shape == ref_lse.shape and lse.dtype == np.float32
-        assert (np.isneginf(lse) == np.isneginf(ref_lse)).all()
-        np.testing.assert_allclose(lse[~np.isneginf(ref_lse)], ref_lse[~np.isneginf(ref_lse)], **TOL)
-        np.testing.assert_allclose(o, ref, **TOL)
 
 
 @pytest.fixture(scope="module")
@@ -234,8 +231,8 @@ def test_bad_inputs_are_rejected(paged_artifact):
 
 
 def test_kvcache_rejects_a_length_past_the_cache():
-    spec = spec_of("kvcache")
-    k = kernel_of(built(spec))
+    spec = config_spec("kvcache_gqa_causal_nosplit")
+    k = kernel_of(config_build("kvcache_gqa_causal_nosplit"))
     x = KVCACHE.random_inputs(spec, {"seq_q": 1, "cache_seqlens": [10, 10], "max_len": 10}, seed=0)
     with pytest.raises(KernelArgumentError, match=r"cache_seqlens\[1\]=11 exceeds the cache: max_len=10"):
         k(x["q"], x["k_cache"], x["v_cache"], cache_seqlens=np.array([3, 11], np.int32))
@@ -256,17 +253,40 @@ def test_spec_and_cli(tmp_path, capsys):
     with pytest.raises(SpecError, match="page_size=8 applies to the paged layout only"):
         AttentionSpec(batch=1, heads=4, seq_q=1, head_dim=64, page_size=8)
     assert spec_of("paged").page_size == 16 and spec_of("paged").short_name() == "paged_p16_h8_kv2_d64_float32_causal_lse"
-    rc = cli.main(["build", "--layout", "kvcache", "--heads", "4", "--kv-heads", "1", "--head-dim", "64",
-                   "--causal", "--return-lse", "--out", str(tmp_path / "kv")])
+    # the fixture's kvcache_mqa_full spec: the CLI loads that build from the run's build cache
+    rc = cli.main(["build", "--layout", "kvcache", "--batch", "2", "--seq-q", "1", "--seq-kv", "256", "--heads", "4",
+                   "--kv-heads", "1", "--head-dim", "64", "--return-lse", "--out", str(tmp_path / "kv")])
     text = capsys.readouterr().out
     assert rc == 0 and "validation: PASS" in text
     m = json.loads((tmp_path / "kv" / "manifest.json").read_text())
     assert m["layout"] == "kvcache" and m["spec"]["return_lse"] is True
     assert [a["name"] for a in m["args"]] == ["q", "k_cache", "v_cache", "cache_seqlens", "o", "lse"]
     assert m["args"][-1] == {"name": "lse", "shape": ["batch", 4, "seq_q"], "dtype": "float32"}
+    # the other layouts' lse, float32 whatever the dtype (their kernels' lse against the reference:
+    # test_variants.py's return_lse builds, bhsd_static_all and varlen_all among them)
+    bhsd = AttentionSpec(batch=2, heads=4, kv_heads=2, seq_q=40, seq_kv=70, head_dim=64, dtype="bfloat16", return_lse=True)
+    assert bhsd.arg_specs()[-1] == {"name": "lse", "shape": [2, 4, 40], "dtype": "float32"}
+    varlen = AttentionSpec(batch=2, heads=4, kv_heads=2, seq_q=40, head_dim=64, layout="varlen", return_lse=True)
+    assert varlen.arg_specs()[-1] == {"name": "lse", "shape": [4, "total_q"], "dtype": "float32"}
 
 
-def test_decode_bench_times_int8_with_qk_int8():
+def bench_builds(monkeypatch, module):
+    """Route a benchmark's builds (``module.build_kernel``) through the run's build cache (conftest
+    ``built``), without split-KV (``split_tasks=0``): these tiny runs check what the benchmark
+    builds, runs and reports, never a kernel's speed, and split-KV's nests are half of a decode
+    build's time (the kernel tests above validate the split presets; the calls are the same).
+    Returns the ``(spec, knobs)`` the benchmark asked for."""
+    asked = []
+
+    def build(spec, knobs=None, cache=True):  # (always through the build cache)
+        asked.append((spec, knobs))
+        return built(spec, knobs=tuple(sorted({**(knobs or {}), "split_tasks": 0}.items())))
+
+    monkeypatch.setattr(module, "build_kernel", build)
+    return asked
+
+
+def test_decode_bench_times_int8_with_qk_int8(monkeypatch):
     """The bench's ``int8_qk8_token`` entry: the int8 cache with ``qk_int8`` and per-token scales,
     its bytes an int8 cache's and the scales', its step against the bf16 one (× bf16) and against
     the same step with per-head scales, alternated with it (``scale_cost``). One layout, no
@@ -280,7 +300,10 @@ def test_decode_bench_times_int8_with_qk_int8():
     # the roof's fields
     cfg = dataclasses.replace(decode.quick_config(), dtypes=("bfloat16", decode.QK8 + "_token"),
                               layouts=("kvcache",), append=False, llamacpp=False, stream_bytes=16 << 20)
+    asked = bench_builds(monkeypatch, decode)
     half, tok = decode.run(cfg, threads=2, say=lambda _: None)["rows"]
+    assert [(s.dtype, s.kv_dtype, s.qk_int8, s.kv_scale) for s, _ in asked] == [
+        ("bfloat16", None, False, "head"), ("bfloat16", "int8", True, "token"), ("bfloat16", "int8", True, "head")]
     assert tok["dtype"] == "int8_qk8_token" and tok["kv_bytes"] * 2 == half["kv_bytes"] * (1 + 4 / tok["head_dim"])
     assert tok["kvcache_gbps"] > 0 and tok["vs_bf16"] > 0 and "scale_cost" not in half
     assert tok["scale_cost"] > -1 and tok[f"{decode.PER_HEAD}_ms"] > 0  # the int8_qk8 step, per-head scales
@@ -296,9 +319,15 @@ def test_decode_bench_smoke(tmp_path, capsys, monkeypatch):
     # 8-bit row's cap stays under the fp32 row's: a quarter of the bytes against the same roof).
     read = decode.stream_read_gbps
     monkeypatch.setattr(decode, "stream_read_gbps", lambda nbytes: read(min(nbytes, 16 << 20)))
+    asked = bench_builds(monkeypatch, decode)
     rc = cli.main(["bench", "--decode", "--tiny", "--threads", "2", "--decode-dtype", "float32", "float8_e4m3fn",
                    "--out", str(tmp_path)])
     assert rc == 0
+    # per dtype: kvcache, paged, paged with one kv head per task; the 8-bit cache's appending kernel
+    assert [(s.layout, s.kv_dtype, s.append, k) for s, k in asked] == [
+        ("kvcache", None, False, None), ("paged", None, False, None), ("paged", None, False, {"decode_heads": 1}),
+        ("kvcache", "float8_e4m3fn", False, None), ("paged", "float8_e4m3fn", False, None),
+        ("paged", "float8_e4m3fn", False, {"decode_heads": 1}), ("kvcache", "float8_e4m3fn", True, None)]
     report = json.loads((tmp_path / "decode.json").read_text())
     row, kv8 = report["rows"]
     assert report["meta"]["roof_gbps"] > 0 and len(report["meta"]["stream_gbps"]) == 2
@@ -341,10 +370,14 @@ def test_decode_compute_floor_caps_the_roof_and_the_8bit_gain():
     assert kv8["roof_cap"] == 1.0 and kv8["vs_bf16_cap"] == pytest.approx(2.0)
 
 
-def test_continuous_batching_simulation_smoke():
+def test_continuous_batching_simulation_smoke(monkeypatch):
     from tvm_attention.bench import sim
 
+    # without split-KV (bench_builds): its caches of 48 tokens at most fill one 256-key chunk, and
+    # the split nests on such short caches are the fixture's (paged_gqa_causal, "two", "all_empty")
+    asked = bench_builds(monkeypatch, sim)
     stats = sim.run(sim.tiny_config(), threads=2, say=lambda m: None)
+    assert [(s.layout, k) for s, k in asked] == [("varlen", None), ("paged", None)]  # the prefill, the decode step
     assert stats["passed"] and stats["checked_steps"] >= 1 and stats["decode_tokens"] > 0
     assert stats["prefill_tokens"] > 0 and 0 < stats["peak_kv_bytes"] <= stats["pool_bytes"]
     assert stats["tokens_per_s"] > 0
@@ -388,26 +421,37 @@ def test_decode_presets_prefetch_and_heads_per_task():
         assert cpu_fused.page_order_heads(AttentionSpec(**{**gqa, **kw}), 64, lanes) == want, (kw, lanes)
 
 
+@functools.lru_cache(maxsize=None)
+def decode_tasks(rep):
+    """The tuner's tasks of the representative decode step ``rep``, made once: the page-order and
+    the split-count tests below read the same step's."""
+    from tvm_attention.target import resolve_target
+    from tvm_attention.tune.tasks import make_tasks
+
+    return make_tasks(rep, resolve_target("llvm"), "fused")
+
+
 def test_page_order_and_prefetch_are_points_of_the_decode_space():
     """kv heads per decode task (the page order) and the software prefetch change the workload:
     the paged preset takes all heads, the tuner's tasks include both orders and the prefetch,
     every point validates and passes the audit, the per-head workload is exactly the one earlier
     logs recorded (no new attrs), and a paged build keeps its page order whatever a record tuned
-    at the contiguous representative chose."""
+    at the contiguous representative chose. The spec is the fixture's paged_per_head_prefetch
+    (one sequence, 4 kv heads): its per-head build is that config's."""
     from tvm_attention.schedules import cpu_fused
     from tvm_attention.target import resolve_target, vector_lanes
     from tvm_attention.task_mods import workload_matches
-    from tvm_attention.tune.tasks import make_tasks
 
     target = resolve_target("llvm")
-    spec = AttentionSpec(batch=1, heads=8, kv_heads=4, seq_q=1, seq_kv=300, head_dim=64, layout="paged", page_size=16)
+    spec = config_spec("paged_per_head_prefetch")
     if not cpu_fused.stages_decode(spec, cpu_fused.preset(spec, target)):
         return _no_staged_decode_nest(spec, target)
     assert cpu_fused.preset(spec, target).decode_heads == 4
     contiguous = AttentionSpec(**{**spec.to_dict(), "layout": "kvcache", "page_size": None})
     assert cpu_fused.preset(contiguous, target).decode_heads == (2 if vector_lanes(target) == 16 else 1)  # page_order_heads
     rep = spec.representative()
-    names = [t.name for t in make_tasks(rep, target, "fused")]
+    tasks = {t.name: t for t in decode_tasks(rep)}
+    names = list(tasks)
     pf = cpu_fused.preset(rep, target).prefetch  # fp32: 0 on AVX-512, 1 as AVX2 code (decode_prefetch)
 
     def sfx(p):
@@ -417,15 +461,21 @@ def test_page_order_and_prefetch_are_points_of_the_decode_space():
     assert f"fused_dec_n64_s8_h1{sfx(pf)}" in names and f"fused_dec_n64_s8_h2{sfx(pf)}" in names, names
     assert f"fused_dec_n64_s8_h4{sfx(pf)}" in names and f"fused_dec_n32_s0_h2{sfx(pf)}" in names, names
     assert all(f"fused_dec_n64_s8_h{h0}{sfx(p)}" in names for p in cpu_fused.PREFETCH_CHOICES), names
+    # the per-head point at the preset's prefetch is the workload logs recorded before the page
+    # order existed: no attn.decode_heads, and attn.prefetch only where the preset prefetches
+    attrs = tasks[f"fused_dec_n64_s8_h1{sfx(pf)}"].mod["main"].attrs
+    assert "attn.decode_heads" not in attrs and ("attn.prefetch" in attrs) == (pf > 0), attrs
     per_head = cpu_fused.preset(rep, target)
     assert cpu_fused.for_layout(per_head, spec, target).decode_heads == 4
     assert cpu_fused.for_layout(per_head, rep, target) == per_head
-    # 2 of 4 heads per task: two head blocks per sequence (the split path too: batch 1)
-    for knobs in ((("decode_heads", 1),), (("decode_heads", 2), ("prefetch", 1))):
+    # one head per task, prefetching two tiles ahead (the fixture's build); 2 of 4 heads per
+    # task, one tile ahead: two head blocks per sequence (the split path too: batch 1)
+    per_head_knobs = CONFIGS["paged_per_head_prefetch"][4]
+    for knobs in (per_head_knobs, (("decode_heads", 2), ("prefetch", 1))):
         b = built(spec, knobs=knobs)
         assert b.audit.fused and validate_built(b).passed
         x = PAGED.random_inputs(spec, {"seq_q": 1, "cache_seqlens": [0, 700, 17], "shared_prefix": False}, seed=3)
-        o = call(spec, kernel_of(b), x)
+        o, _ = call(spec, kernel_of(b), x)
         np.testing.assert_allclose(o, PAGED.reference_outputs(spec, x)[0], **TOL)
         wl = cpu_fused.workload(rep, b.knobs)
         assert workload_matches(rep, tvm_normalize(wl))
@@ -435,20 +485,26 @@ def test_page_order_and_prefetch_are_points_of_the_decode_space():
     assert "prefetcht1" in getattr(module, "mod", module).inspect_source("asm")  # into L2 (fused.PF_LOCALITY)
     with pytest.raises(Exception, match="decode_heads=3 must divide kv_heads=4"):
         built(spec, knobs=(("decode_heads", 3),))
-    _no_staged_decode_nest(dataclasses.replace(spec, head_dim=12), target)  # 12: 1½ ymm, ¾ zmm
+    _no_staged_decode_nest(dataclasses.replace(spec, head_dim=12), target, tasks=False)  # 12: 1½ ymm, ¾ zmm
 
 
-def _no_staged_decode_nest(spec, target):
+def _no_staged_decode_nest(spec, target, tasks=True):
     """No dot-product decode nest (a head_dim that is no multiple of the lanes, or SSE): the
     decode nest is one vector of rows (nothing stages K/V), so the page order and the prefetch
     have nothing to change: the preset and the decode space hold neither, a knob set asking for
-    them is refused by name, and the preset is right on shuffled pages."""
+    them is refused by name, and the preset is right on shuffled pages. ``tasks``: read the space
+    as the tuner's tasks, else as their knobs (on a host whose other decode steps' tasks the page
+    order's test reads)."""
     from tvm_attention.schedules import cpu_fused
     from tvm_attention.tune.tasks import make_tasks
 
     assert cpu_fused.preset(spec, target).decode_heads == 1
-    names = [t.name for t in make_tasks(spec.representative(), target, "fused")]
-    assert names and all(n.endswith("_h1") for n in names), names
+    if tasks:
+        names = [t.name for t in make_tasks(spec.representative(), target, "fused")]
+        assert names and all(n.endswith("_h1") for n in names), names
+    else:  # the space's points: the knobs make_tasks names its tasks by (one task each), no workloads made
+        points = cpu_fused.decode_candidates(spec.representative(), target)
+        assert points and all(k.decode_heads == 1 and not k.prefetch for k in points), points
     with pytest.raises(Exception, match="apply to the staged decode nests"):
         built(spec, knobs=(("decode_heads", 2),))
     with pytest.raises(Exception, match="apply to the staged decode nests"):
@@ -456,7 +512,8 @@ def _no_staged_decode_nest(spec, target):
     b = built(spec)
     assert b.audit.fused and validate_built(b).passed
     x = PAGED.random_inputs(spec, {"seq_q": 1, "cache_seqlens": [0, 700, 17], "shared_prefix": False}, seed=3)
-    np.testing.assert_allclose(call(spec, kernel_of(b), x), PAGED.reference_outputs(spec, x)[0], **TOL)
+    o = call(spec, kernel_of(b), x)
+    np.testing.assert_allclose(o[0] if spec.return_lse else o, PAGED.reference_outputs(spec, x)[0], **TOL)
 
 
 def tvm_normalize(func):
@@ -469,21 +526,22 @@ def test_split_count_and_page_order_are_tasks_of_a_kvcache_step():
     from tvm_attention.schedules import cpu_fused
     from tvm_attention.target import resolve_target
     from tvm_attention.task_mods import tuning_spec, workload_matches
-    from tvm_attention.tune.tasks import make_tasks
 
     from tvm_attention.workloads.fused import n_splits
 
-    # the representative step of a kvcache build: one sequence, 8 kv heads. One head per task:
-    # split_tasks 0, 4 and 8 give 1 chunk per sequence, 16 two, 32 four: three tasks per key
-    # tile. 2 or 8 heads per task (the page order): unsplit, or the preset's 8 tasks.
-    kv = AttentionSpec(batch=1, heads=16, kv_heads=8, seq_q=1, seq_kv=1024, head_dim=64, causal=True, layout="kvcache")
+    # the representative step of a kvcache build: one sequence, 4 kv heads (the page-order test's
+    # step: its tasks are made once). One head per task: split_tasks 0 and 4 give 1 chunk per
+    # sequence, 8 two, 16 four, 32 eight: four tasks per key tile. 2 or 4 heads per task (the
+    # page order): unsplit, or the preset's 8 tasks (4 and 8 chunks).
+    kv = AttentionSpec(batch=1, heads=8, kv_heads=4, seq_q=1, seq_kv=300, head_dim=64, causal=True, layout="kvcache")
     rep, target = kv.representative(), resolve_target("llvm")
-    tasks = make_tasks(rep, target, "fused")
+    assert rep == config_spec("paged_per_head_prefetch").representative()
+    tasks = decode_tasks(rep)
 
     def point(t):
         a = t.mod["main"].attrs
         h = int(a["attn.decode_heads"]) if "attn.decode_heads" in a else 1
-        return int(a["attn.block_n"]), h, n_splits(int(a["attn.split_tasks"]), 1, 8 // h)
+        return int(a["attn.block_n"]), h, n_splits(int(a["attn.split_tasks"]), 1, 4 // h)
 
     def prefetch_of(t):
         a = t.mod["main"].attrs
@@ -491,13 +549,13 @@ def test_split_count_and_page_order_are_tasks_of_a_kvcache_step():
 
     pf = cpu_fused.preset(rep, target).prefetch  # fp32: 0 on AVX-512, 1 as AVX2 code (decode_prefetch)
     points = sorted(point(t) for t in tasks if prefetch_of(t) == pf)
-    assert [p for p in points if p[1] == 1] == [(bn, 1, ns) for bn in (32, 64, 128) for ns in (1, 2, 4)]
+    assert [p for p in points if p[1] == 1] == [(bn, 1, ns) for bn in (32, 64, 128) for ns in (1, 2, 4, 8)]
     if not cpu_fused.stages_decode(rep, cpu_fused.preset(rep, target)):  # no staged nest: one head per task
-        assert {p[1] for p in points} == {1} and len(points) == len(tasks) == 9
+        assert {p[1] for p in points} == {1} and len(points) == len(tasks) == 12
         return
-    assert [p for p in points if p[1] == 8] == [(bn, 8, ns) for bn in (32, 64, 128) for ns in (1, 8)]
-    assert [p for p in points if p[1] == 2] == [(bn, 2, ns) for bn in (32, 64, 128) for ns in (1, 2)]
-    assert {p[1] for p in points} == {1, 2, 8}, [t.name for t in tasks]
+    assert [p for p in points if p[1] == 4] == [(bn, 4, ns) for bn in (32, 64, 128) for ns in (1, 8)]
+    assert [p for p in points if p[1] == 2] == [(bn, 2, ns) for bn in (32, 64, 128) for ns in (1, 4)]
+    assert {p[1] for p in points} == {1, 2, 4}, [t.name for t in tasks]
     assert sum(prefetch_of(t) != pf for t in tasks) == 2  # the preset at each other distance of 0, 1, 2 tiles
     assert all(t.points == 1 for t in tasks)  # one point each: the driver stops once all are measured
     # a log's records map back to them (the preset, and every kind of task)
@@ -570,9 +628,13 @@ def test_paged_decode_is_tuned_in_pages(tmp_path, monkeypatch):
     work = tmp_path / "log"
     from tvm_attention.tune import driver
 
-    # the tune below makes these very tasks (same spec, target, schedule): hand it the list checked above
-    monkeypatch.setattr(driver, "make_tasks", lambda *a: tasks if a == (spec, target, "fused") else make_tasks(*a))
-    result = tune(spec, trials=1, per_round=1, work_dir=work, progress=lambda m: None)
+    # one trial of random search: every task is one point (the decode space; asserted above), so a
+    # cost model has nothing to rank here (test_search.py's tunes are the search's tests)
+    # the tune below makes these very tasks (same spec, target, schedule): hand it the list checked
+    # above. Its target is another Target object of the same JSON (Targets compare by identity)
+    monkeypatch.setattr(driver, "make_tasks", lambda s, t, sched: tasks if (s, str(t), sched) == (spec, str(target), "fused")
+                        else make_tasks(s, t, sched))
+    result = tune(spec, trials=1, per_round=1, work_dir=work, progress=lambda m: None, search="random")
     assert result.trials_new == 1
     (wl, rec), *_ = best_records(spec, target, "fused", work)
     attrs = wl.mod["main"].attrs
