@@ -65,6 +65,28 @@ class LazyModule:
         return getattr(importlib.import_module(self._name), attr)
 
 
+def make_tasks_once(around=None):
+    """A ``make_tasks(spec, target, schedule)`` that makes each triple's tasks once (the tuner's
+    ``tvm_attention.tune.tasks.make_tasks``: a workload generated per task, ~0.3 s of CPU for a small
+    spec) and hands out a new list of the same tasks each call: a file's tunes of one spec, patched
+    into ``driver.make_tasks``, get what they made before. ``around(target)``: a context the tasks
+    are made in (e.g. patching the task list's source)."""
+    import contextlib
+
+    from tvm_attention.tune.tasks import make_tasks
+
+    made = {}
+
+    def once(spec, target, schedule):
+        key = (spec, str(target), schedule)
+        if key not in made:
+            with around(target) if around else contextlib.nullcontext():
+                made[key] = make_tasks(spec, target, schedule)
+        return list(made[key])
+
+    return once
+
+
 def built(spec, schedule="fused", knobs=None):
     """Build once per (spec, schedule, knobs) for the whole session, however they are passed
     (lru_cache alone keys ``built(s)`` and ``built(s, knobs=None)`` apart)."""

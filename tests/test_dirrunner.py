@@ -35,7 +35,8 @@ FLAGS = ["--batch", "1", "--heads", "2", "--seq-q", "64", "--head-dim", "32", "-
 
 def device_run(payload: Path, *args: str, blocker: Path) -> subprocess.CompletedProcess:
     """The payload's device script as a bare machine runs it: its own package, ``tvm``
-    unimportable (``blocker`` holds a ``tvm`` that raises on import)."""
+    unimportable (``blocker`` holds a ``tvm`` that raises on import), and ``torch`` too, which a
+    CPU payload never uses (tvm-ffi imported it in each timing process: 1-1.5 s of CPU each)."""
     env = dict(os.environ, PYTHONPATH=str(blocker))
     return subprocess.run([sys.executable, str(payload / "time_candidates.py"), "--rounds", "2", "--min-ms", "5", *args],
                           capture_output=True, text=True, timeout=300, env=env, cwd=payload)
@@ -46,7 +47,46 @@ def blocker(tmp_path_factory):
     d = tmp_path_factory.mktemp("blocker")
     (d / "tvm").mkdir()
     (d / "tvm" / "__init__.py").write_text("raise ImportError('tvm imported on the device')\n")
+    # what tvm-ffi expects where torch is absent (its import is optional there)
+    (d / "torch").mkdir()
+    (d / "torch" / "__init__.py").write_text("raise ImportError('torch is not installed on this device')\n")
     return d
+
+
+@pytest.fixture(scope="module", autouse=True)
+def tasks_once():
+    """Each spec's tasks made once for the file (the same function of spec, target and schedule),
+    for the tunes, exports and imports here, which made them again each time (SPEC's ~0.3 s of CPU,
+    five times). That an import regenerates the tasks the export hashed is what the import checks
+    in another process; here one process does both, and test_tuned_cuda_decode_step_keeps_its_split
+    regenerates the CUDA task's workload itself and compares its hash with the payload's.
+
+    The CUDA decode step's tune gets the first two of its 36 tasks (tile candidates, the preset's
+    first): a CUDA task's space is one point (its knobs), so the 2-trial export draws one candidate
+    from each of the first two tasks (untried tasks first, in order), and the others were only
+    made (~0.07 s of CPU each, ~2.5 s a time) and given a search context. Same candidates, payload
+    and records."""
+    import contextlib
+
+    from conftest import make_tasks_once
+
+    from tvm_attention.schedules import cuda_mma
+    from tvm_attention.tune import dirrunner, driver
+
+    tiles = cuda_mma.tile_candidates
+
+    @contextlib.contextmanager
+    def first_two_tiles(target):
+        with pytest.MonkeyPatch.context() as mp:
+            if target.kind.name == "cuda":
+                mp.setattr(cuda_mma, "tile_candidates", lambda s, t: tiles(s, t)[:2])
+            yield
+
+    once = make_tasks_once(around=first_two_tiles)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(driver, "make_tasks", once)
+        mp.setattr(dirrunner, "make_tasks", once)
+        yield
 
 
 @pytest.fixture(scope="module")

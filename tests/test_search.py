@@ -11,6 +11,7 @@ from tvm_attention import cli
 from tvm_attention.bench.heldout import held_out_cases
 from tvm_attention.bench.search import trials_to_reach, tuning_curve
 from tvm_attention.spec import AttentionSpec
+from tvm_attention.threads import set_num_threads
 from tvm_attention.tune.driver import tune
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,6 +45,28 @@ def fake_log(work: Path, spec: AttentionSpec, n: int = 2) -> Path:
     return work
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _threads_back():
+    """Every tune here runs on one thread (``threads=1``, ``--threads 1``); the file after this
+    one, in the same process, gets the session's setting back."""
+    yield
+    set_num_threads()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def tasks_once():
+    """Each spec's tasks made once for the file: every tune made them again, a workload
+    generated per task (the scripts below tune one decode step several times, ~10 s of TVMScript
+    in all; B is tuned twice by ``logs``). The same tasks: the tunes and reports are unchanged."""
+    from conftest import make_tasks_once
+
+    from tvm_attention.tune import driver
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(driver, "make_tasks", make_tasks_once())
+        yield
+
+
 @pytest.fixture(scope="module")
 def logs(tmp_path_factory):
     root = tmp_path_factory.mktemp("search")
@@ -51,8 +74,13 @@ def logs(tmp_path_factory):
     lines = []
     # One trial each: what is checked is the log each search writes (built, validated) and what the
     # warm start reads, not how far the search gets; a second candidate was one more build per tune.
-    tune(B, trials=1, per_round=1, work_dir=root / "random", search="random", progress=lambda m: None)
-    tune(B, trials=1, per_round=1, work_dir=root / "warm", warm_start=root / "a", progress=lines.append)
+    # One thread: the cost model (XGBoost) trains on the runtime's thread count, and on two each
+    # training on these few records cost ~2 s of CPU, its OpenMP threads mostly waiting for each
+    # other (~0.3 s on one); the tunes of the report test below keep these tunes' workers (kept
+    # per thread count) and train on one thread too.
+    tune(B, trials=1, per_round=1, work_dir=root / "random", search="random", progress=lambda m: None, threads=1)
+    tune(B, trials=1, per_round=1, work_dir=root / "warm", warm_start=root / "a", progress=lines.append,
+         threads=1)
     return root, lines
 
 
@@ -119,24 +147,14 @@ def run_script(name, args, monkeypatch, capsys):
 
 
 def test_held_out_and_efficiency_reports_in_tiny_mode(logs, tmp_path, monkeypatch, capsys):
-    # The two scripts tune one decode step 5 times (held-out, its warm start, both arms): each
-    # tune made the step's tasks again, a workload generated per task (~10 s of TVMScript in all).
-    # Made once per (spec, target, schedule) here: the same tasks, the tunes and reports unchanged.
-    from tvm_attention.tune import driver
-
-    made, make_tasks = {}, driver.make_tasks
-
-    def make_tasks_once(spec, target, schedule):
-        key = (spec, str(target), schedule)
-        if key not in made:
-            made[key] = make_tasks(spec, target, schedule)
-        return list(made[key])
-
-    monkeypatch.setattr(driver, "make_tasks", make_tasks_once)
+    # The two scripts tune one decode step several times (held-out, both arms), each tune's
+    # tasks made once for the file (tasks_once).
     out = tmp_path / "ho"
     # One trial per tune and one timing repeat: the reports' plumbing is what is checked, not the search.
+    # One thread, as the tunes of `logs` (whose workers these tunes take over): see there.
     rc, stdout = run_script("search_report.py", ["--held-out", "--tiny", "--trials", "1", "--only", "decode_b8",
-                                                 "--repeat", "1", "--out", str(out)], monkeypatch, capsys)
+                                                 "--repeat", "1", "--threads", "1", "--out", str(out)],
+                            monkeypatch, capsys)
     assert rc == 0, stdout
     assert "| decode_b8 |" in stdout and "geometric mean" in stdout
     res = json.loads((out / "heldout.json").read_text())["results"]
@@ -146,7 +164,7 @@ def test_held_out_and_efficiency_reports_in_tiny_mode(logs, tmp_path, monkeypatc
     eff = tmp_path / "eff"
     rc, stdout = run_script("search_efficiency.py", ["--tiny", "--cases", "decode_b8", "--trials", "1",
                                                      "--xgb-from", str(out), "--arms", "xgb", "random",
-                                                     "--out", str(eff)], monkeypatch, capsys)
+                                                     "--threads", "1", "--out", str(eff)], monkeypatch, capsys)
     assert rc == 0, stdout
     assert "| decode_b8 | xgb |" in stdout and "| decode_b8 | random |" in stdout
     rows = json.loads((eff / "efficiency.json").read_text())["rows"]

@@ -1,11 +1,14 @@
 """Tuning under stress: one tune per log folder, readers that skip bad lines, resume by target,
 the missing final newline, Ctrl-C in every phase, and the per-user default log folder."""
+import atexit
+import functools
 import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -33,15 +36,37 @@ SPEC = AttentionSpec(batch=1, heads=1, seq_q=64, head_dim=16)
 SPEC_ARGS = ["--batch", "1", "--heads", "1", "--seq-q", "64", "--head-dim", "16"]
 
 
+@functools.lru_cache(maxsize=None)
+def _tasks() -> list:
+    """SPEC's tasks, made once for the file (~0.3 s each time)."""
+    return make_tasks(SPEC, TARGET, "fused")
+
+
+#: (n, target, tasks) -> a log fake_log wrote, copied for each later caller (most tests want the
+#: same 2-record log: each paid ~0.3 s to sample and write it again); removed at exit
+_FAKE_LOGS: dict[tuple, Path] = {}
+
+
 def fake_log(work: Path, n: int = 2, target: Target = TARGET, tasks: int = 1) -> Path:
     """A log of ``n`` records per task for SPEC, written by TVM's JSONDatabase as a tune would:
-    sampled points of the fused space with made-up run times (no measuring: milliseconds)."""
+    sampled points of the fused space with made-up run times (no measuring: milliseconds). Each
+    kind is written once per process and copied into ``work``."""
+    key = (n, str(target), tasks)
+    if key not in _FAKE_LOGS:
+        made = Path(tempfile.mkdtemp(prefix="tvma-fake-log-"))
+        atexit.register(shutil.rmtree, made, True)
+        _FAKE_LOGS[key] = _write_fake_log(made, n, target, tasks)
+    shutil.copytree(_FAKE_LOGS[key], work, dirs_exist_ok=True)
+    return work
+
+
+def _write_fake_log(work: Path, n: int, target: Target, tasks: int) -> Path:
     from tvm.s_tir import meta_schedule as ms
 
     work.mkdir(parents=True, exist_ok=True)
     db = ms.database.JSONDatabase(path_workload=str(work / WORKLOAD_FILE),
                                   path_tuning_record=str(work / RECORD_FILE), allow_missing=True)
-    for t, task in enumerate(make_tasks(SPEC, TARGET, "fused")[:tasks]):
+    for t, task in enumerate(_tasks()[:tasks]):
         wl = db.commit_workload(task.mod)
         args = ms.arg_info.ArgInfo.from_prim_func(task.mod["main"])
         for i in range(n):
@@ -272,28 +297,46 @@ def test_resume_ignores_records_of_another_target(tmp_path, monkeypatch):
 
 # ---- Ctrl-C in every phase (issue 12) --------------------------------------------------------
 
-#: (phase, nth, delays): Ctrl-C DELAYS seconds after PHASE begins for the NTH time, one tune per
-#: case, in this order, in one process (CTRL_C): the last case's second Ctrl-C ends it
+#: (phase, nth, delays, search): Ctrl-C DELAYS seconds after PHASE begins for the NTH time, one
+#: tune per case (``--search SEARCH``), in this order, in one process (CTRL_C): the last case's
+#: second Ctrl-C ends it. The cases up to the search run the default, evolutionary search (its
+#: XGBoost model trained on the log in "replay", its C++ search in "search"); the cases in a later
+#: phase sample at random: they stop in the builder or the runner, which are the same for either
+#: search, and each evolutionary search before them cost 2-3 s of CPU (its model trained, a
+#: population of 64 sampled and evolved) for nothing that is checked.
 CTRL_C_CASES = [
-    ("setup", 1, "0.05"),
-    ("replay", 1, "0"),           # right after `resuming:`, before the builder and runner start
-    ("search", 1, "0.3"),         # inside TVM's C++ search (it used to segfault)
-    ("build", 1, "0.3"),          # while the builder's workers start (import TVM) and build
-    ("measure", 1, "0.1"),        # while the runner measures
-    ("build", 1, "0.3,0.6"),      # twice: exit at once, not after the build (5-10 s here)
+    ("setup", 1, "0.05", "xgb"),
+    ("replay", 1, "0", "xgb"),            # right after `resuming:`, before the builder and runner start
+    ("search", 1, "0.3", "xgb"),          # inside TVM's C++ search (it used to segfault)
+    ("build", 1, "0.3", "random"),        # while the builder's workers start (import TVM) and build
+    ("measure", 1, "0.1", "random"),      # while the runner measures
+    ("build", 1, "0.3,0.6", "random"),    # twice: exit at once, not after the build (5-10 s here)
 ]
 
 CTRL_C = textwrap.dedent("""
-    # For each case (PHASE, NTH, DELAYS, WORK): run `tvm-attention tune ARGS --work-dir WORK`
-    # (cli.main, what the command runs) and press Ctrl-C (a SIGINT to the whole process group, as
-    # a terminal does) DELAYS seconds after PHASE begins for the NTH time. "@@" lines on stdout
-    # delimit the cases and give each one's exit status.
-    import json, os, signal, sys, threading, time
+    # For each case (PHASE, NTH, DELAYS, SEARCH, WORK): run `tvm-attention tune ARGS --search SEARCH
+    # --work-dir WORK` (cli.main, what the command runs) and press Ctrl-C (a SIGINT to the whole
+    # process group, as a terminal does) DELAYS seconds after PHASE begins for the NTH time. "@@"
+    # lines on stdout delimit the cases and give each one's exit status.
+    import sys
+    sys.modules["torch"] = None  # never used by a tune: its import cost this process 1-2 s of CPU
+    import json, os, signal, threading, time
     from tvm_attention import cli
     from tvm_attention.tune import driver
 
+    # Every case tunes the same spec: its tasks are made once, by the first case (whose Ctrl-C
+    # comes while they are made), then reused (~0.3 s of CPU a case); no later case stops in "setup".
+    made, make_tasks = {}, driver.make_tasks
+
+    def make_tasks_once(spec, target, schedule):
+        key = (spec, str(target), schedule)
+        if key not in made:
+            made[key] = make_tasks(spec, target, schedule)
+        return list(made[key])
+
+    driver.make_tasks = make_tasks_once
     cases, stamp, args = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3:]
-    for i, (phase, nth, delays, work) in enumerate(cases):
+    for i, (phase, nth, delays, search, work) in enumerate(cases):
         seen = {}
 
         def hook(name, phase=phase, nth=nth, delays=delays, seen=seen):
@@ -311,7 +354,7 @@ CTRL_C = textwrap.dedent("""
             for builder, _ in driver._KEPT.values():
                 builder.close()
         print(f"@@ case {i}", flush=True)
-        rc = cli.main(args + ["--work-dir", work])
+        rc = cli.main(args + ["--search", search, "--work-dir", work])
         print(f"@@ exit {rc}", flush=True)
 """)
 
@@ -320,7 +363,8 @@ CTRL_C = textwrap.dedent("""
 def test_ctrl_c_ends_with_one_line_and_130(tmp_path):
     """Ctrl-C in every phase of a tune (CTRL_C_CASES): one line, what is saved and how to resume,
     exit status 130, the log intact and unlocked. Every case runs in one fresh process (a process
-    per case paid 4-5 s each to import TVM), each on a copy of the same 2-record log. The runner's
+    per case paid 4-5 s each to import TVM; torch, which no tune uses, is not imported), each on a
+    copy of the same 2-record log. The runner's
     worker is kept from case to case (``TVM_ATTENTION_KEEP_WORKERS=1``); a "build" case closes
     the kept builder's, so that its builder's workers start in that phase, as in a fresh process.
     The last case, a double Ctrl-C, ends that process with 130."""
@@ -330,7 +374,7 @@ def test_ctrl_c_ends_with_one_line_and_130(tmp_path):
     script = tmp_path / "ctrl_c.py"
     script.write_text(CTRL_C)
     stamp = tmp_path / "stamp"
-    cases = [[phase, nth, delays, str(work)] for (phase, nth, delays), work in zip(CTRL_C_CASES, works)]
+    cases = [[*case, str(work)] for case, work in zip(CTRL_C_CASES, works)]
     cmd = [sys.executable, str(script), json.dumps(cases), str(stamp),
            "tune", *SPEC_ARGS, "--trials", "20", "--per-round", "2", "--threads", "1"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -348,7 +392,7 @@ def test_ctrl_c_ends_with_one_line_and_130(tmp_path):
     assert "interrupted" not in err, text  # each case's one line is on stdout
     chunks = out.split("@@ case ")[1:]
     assert len(chunks) == len(CTRL_C_CASES), text
-    for i, ((phase, nth, delays), work, chunk) in enumerate(zip(CTRL_C_CASES, works, chunks)):
+    for i, ((phase, nth, delays, _), work, chunk) in enumerate(zip(CTRL_C_CASES, works, chunks)):
         lines = chunk.splitlines()
         assert lines[0] == str(i), text
         lines = lines[1:]
