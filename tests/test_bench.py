@@ -147,16 +147,12 @@ def test_constant_token_points():
     assert tokens == [(4, 256), (2, 512), (1, 1024)]
 
 
-def test_compare_side_by_side(tmp_path, capsys, monkeypatch):
-    import functools
-
-    from tvm_attention.bench import compare as cmp
-    from tvm_attention.build import build_kernel
+def test_compare_side_by_side(tiny, tmp_path, capsys, monkeypatch):
     from tvm_attention.target import resolve_target, vector_lanes
 
-    # through the run's build cache: the command line below compares builds compare() made
-    monkeypatch.setattr(cmp, "build_kernel", functools.partial(build_kernel, cache=True))
-    spec = AttentionSpec(batch=1, heads=2, seq_q=256, head_dim=64, causal=True)
+    # benchmarks build through the build cache: the command line below compares builds compare()
+    # made, and compare() takes fused and materialized from the tiny bench (its first point: this spec)
+    spec = AttentionSpec(batch=1, heads=2, seq_q=256, head_dim=64)
     # a knob set that fits the host's registers: 8 keys per S_gemm block on AVX-512's 32 zmm,
     # 2 on AVX2's 16 ymm (the preset's 4-vector row tile)
     knobs = 'fused:{"block_n": 128, "s_rows": %d}' % (8 if vector_lanes(resolve_target("llvm")) == 16 else 2)
@@ -169,7 +165,7 @@ def test_compare_side_by_side(tmp_path, capsys, monkeypatch):
     assert "unknown schedule 'nope'" in by["nope"].error
     table = format_compare(spec, entries)
     assert table.count("\n") == 2 + len(entries)
-    rc = main(["compare", "--batch", "1", "--heads", "2", "--seq-q", "256", "--head-dim", "64", "--causal",
+    rc = main(["compare", "--batch", "1", "--heads", "2", "--seq-q", "256", "--head-dim", "64",
                "fused", "materialized", "--repeat", "1", "--plot", str(tmp_path / "c.png")])
     assert rc == 0 and (tmp_path / "c.png").read_bytes()[:8] == PNG
     assert "| fused | hand |" in capsys.readouterr().out
@@ -242,9 +238,11 @@ def test_roof_is_the_fma_peak_of_a_tvm_loop():
     assert meta["gflops"] == peak.gflops and "vfmadd" in meta["method"]
 
 
-def test_peer_peak_memory_is_measured_in_a_fresh_process():
+def test_peer_peak_memory_is_measured_in_a_fresh_process(tmp_path, monkeypatch):
     """NumPy's per-(b, h) S×S float32 scores must show in its peak extra memory even after
     earlier calls in this process left the allocator holding memory (they read 0 B before)."""
+    import os
+
     from tvm_attention.bench.peers import numpy_attention_fn, torch_sdpa_fn
     from tvm_attention.timing import aligned_inputs
 
@@ -256,7 +254,13 @@ def test_peer_peak_memory_is_measured_in_a_fresh_process():
     q, k, v, _ = aligned_inputs(spec)
     numpy_attention_fn(spec)(q, k, v)
     out_bytes = spec.batch * spec.heads * spec.seq_q * spec.head_dim * 4
-    r = sweep.run_variant(spec, "seq", "numpy", threads=2, repeat=1, min_repeat_ms=1)
+    # NumPy's fresh process without torch (tvm-ffi imports it where it can: 1-1.5 s of CPU there),
+    # which a NumPy call never uses: a `torch` that raises ImportError, as where it is not installed
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text("raise ImportError('torch: not for the NumPy peer')\n")
+    with monkeypatch.context() as mp:
+        mp.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])]))
+        r = sweep.run_variant(spec, "seq", "numpy", threads=2, repeat=1, min_repeat_ms=1)
     assert r.error is None, r.error
     assert r.peak_extra_bytes >= 4 * spec.seq_q * spec.seq_kv + out_bytes, r.peak_extra_bytes
     fn = torch_sdpa_fn(spec, 2)
@@ -437,7 +441,7 @@ def test_decode_and_halfprec_progress_and_partial(monkeypatch, tmp_path, capsys)
 
     from tvm_attention.bench import decode, halfprec
 
-    monkeypatch.setattr(decode, "build_kernel", lambda spec, knobs=None: types.SimpleNamespace())
+    monkeypatch.setattr(decode, "build_kernel", lambda spec, knobs=None, **_: types.SimpleNamespace())  # cache=...
     monkeypatch.setattr(decode, "stream_read_gbps", lambda nbytes: 20.0)
     monkeypatch.setattr(decode, "fma_peak", lambda threads: types.SimpleNamespace(gflops=100.0))
     monkeypatch.setattr(decode, "_torch_timer", lambda *a: None)

@@ -79,11 +79,11 @@ def build_entry(spec: AttentionSpec, text: str, tuned: dict | None = None):
     if name.endswith(DYN_SUFFIX) and name[: -len(DYN_SUFFIX)] in SCHEDULES:
         # representative = the spec's shape: same knobs, same inputs, only the signature differs
         dyn = dataclasses.replace(spec, dynamic=DYNAMIC_DIMS)
-        return label, build_kernel(dyn, schedule=name[: -len(DYN_SUFFIX)], knobs=knobs)
+        return label, build_kernel(dyn, schedule=name[: -len(DYN_SUFFIX)], knobs=knobs, cache=True)
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}: use fused, materialized, rowcache, fused-tuned, "
                          "fused-dyn, or NAME:{knobs json}")
-    return label, build_kernel(spec, schedule=name, knobs=knobs)
+    return label, build_kernel(spec, schedule=name, knobs=knobs, cache=True)
 
 
 def compare(spec: AttentionSpec, entries: list[str], repeat: int = 5) -> list[Entry]:

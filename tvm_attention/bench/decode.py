@@ -274,7 +274,8 @@ def _points(cfg: Config, h: int, kh: int, d: int, dtype: str, tensor, say, rows:
                              kv_scale="head" if name == PER_HEAD else granularity)
         specs[name] = spec
         t0 = time.perf_counter()
-        kernels[name] = build_kernel(spec, knobs={"decode_heads": 1} if name == "paged_per_head" else None)
+        kernels[name] = build_kernel(spec, knobs={"decode_heads": 1} if name == "paged_per_head" else None,
+                                     cache=True)
         say(f"built {spec.short_name()}{' (one kv head per task)' if name == 'paged_per_head' else ''} "
             f"in {time.perf_counter() - t0:.1f} s")
     dt, qt = numpy_dtype(dtype), numpy_dtype(qdtype)

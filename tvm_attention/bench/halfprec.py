@@ -75,7 +75,7 @@ def _point(cfg: Config, d: int, threads: int, has_dots: bool, fma: float, meta: 
             errors[name] = "skipped: no AVX512-BF16 on this CPU"
             continue
         spec = AttentionSpec(batch=1, heads=cfg.heads, seq_q=cfg.seq, head_dim=d, causal=cfg.causal, dtype=dtype)
-        built = build_kernel(spec, knobs=knobs)
+        built = build_kernel(spec, knobs=knobs, cache=True)
         timers[name] = (spec, lambda b=built, s=spec: time_built(b, s, repeat=3,
                                                                   min_repeat_ms=cfg.min_repeat_ms).median_s)
         q, k, v, _ = aligned_inputs(spec)

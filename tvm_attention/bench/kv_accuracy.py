@@ -107,7 +107,7 @@ def run(cfg: Config, say: Callable[[str], None] = print) -> dict[str, Any]:
                    "bytes_per_element": 1 + 4 * spec.scale_groups / cfg.head_dim}  # per head: a few scales in all
             row.update({f"model_{n}": e for n, e in _errors(model, exact).items()})
             if cfg.kernel:
-                o = kernel_of(build_kernel(spec))(*arrays.values())
+                o = kernel_of(build_kernel(spec, cache=True))(*arrays.values())
                 row.update({f"kernel_{n}": e for n, e in _errors(o, exact).items()})
                 row["kernel_vs_model_max"] = _errors(o, model)["max"]
             rows.append(row)

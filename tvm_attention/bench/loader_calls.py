@@ -47,7 +47,7 @@ def run(batch: int = BATCH, cache: int = CACHE, calls: int = CALLS, rounds: int 
     spec = AttentionSpec(batch=batch, heads=32, kv_heads=8, seq_q=1, seq_kv=cache, head_dim=128, causal=True,
                          layout="kvcache")
     with tempfile.TemporaryDirectory() as d:
-        b = build_kernel(spec)
+        b = build_kernel(spec, cache=True)
         export(b, d, validate_built(b))
         kernel = load(d, num_threads=1)
         lay = spec.layout_info

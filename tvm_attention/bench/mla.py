@@ -115,7 +115,7 @@ def mla_spec(cfg: Config, dtype: str, batch: int, cache: int, heads: int | None 
 def _steps(cfg: Config, builds: dict[str, tuple[AttentionSpec, Any]], batch: int, cache: int) -> dict[str, float]:
     """Best times (s) of decode steps ``name -> (spec, knobs)`` built and timed alternately."""
     case = {"seq_q": 1, "cache_seqlens": [cache] * batch, "max_len": cache}
-    built = {n: build_kernel(s, knobs=k) for n, (s, k) in builds.items()}
+    built = {n: build_kernel(s, knobs=k, cache=True) for n, (s, k) in builds.items()}
     return best_of_alternated({n: (lambda b=built[n], s=builds[n][0]: time_built(
         b, s, repeat=3, min_repeat_ms=cfg.min_repeat_ms, case=case).median_s) for n in builds}, cfg.rounds)
 
@@ -145,7 +145,7 @@ def _eight_bit(cfg: Config) -> dict[str, Any]:
 def _decode(cfg: Config, dtype: str, batch: int, cache: int, threads: int, meta: dict[str, Any]) -> dict[str, Any]:
     spec = mla_spec(cfg, dtype, batch, cache)
     case = {"seq_q": 1, "cache_seqlens": [cache] * batch, "max_len": cache}
-    built = build_kernel(spec)
+    built = build_kernel(spec, cache=True)
     q, kv, lens, _ = aligned_inputs(spec, case=case)
     timers = {"ours": lambda: time_built(built, spec, repeat=3, min_repeat_ms=cfg.min_repeat_ms,
                                          case=case).median_s}
@@ -211,7 +211,7 @@ def _prefill(cfg: Config, dqk: int, dv: int) -> dict[str, Any]:
     specs = {f"d{dqk}": AttentionSpec(batch=1, heads=cfg.prefill_heads, seq_q=cfg.seq, head_dim=dqk, causal=True),
              f"d{dqk}v{dv}": AttentionSpec(batch=1, heads=cfg.prefill_heads, seq_q=cfg.seq, head_dim=dqk,
                                            head_dim_v=dv, causal=True)}
-    built = {n: build_kernel(s) for n, s in specs.items()}
+    built = {n: build_kernel(s, cache=True) for n, s in specs.items()}
     timers = {n: (lambda b=built[n], s=s: time_built(b, s, repeat=3, min_repeat_ms=cfg.min_repeat_ms).median_s)
               for n, s in specs.items()}
     best = best_of_alternated(timers, cfg.rounds)

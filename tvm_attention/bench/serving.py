@@ -107,8 +107,8 @@ def bench_dynamic(cfg: Config, say: Callable[[str], None] = print) -> list[dict[
     for causal in cfg.causals:
         for s in cfg.dyn_seqs:
             spec = AttentionSpec(batch=1, heads=cfg.heads, seq_q=s, head_dim=cfg.head_dim, causal=causal)
-            static = build_kernel(spec, "fused")
-            dyn = build_kernel(dataclasses.replace(spec, dynamic=DYNAMIC_DIMS), "fused")
+            static = build_kernel(spec, "fused", cache=True)
+            dyn = build_kernel(dataclasses.replace(spec, dynamic=DYNAMIC_DIMS), "fused", cache=True)
             # both timed on the static spec's inputs: the same arrays, only the signature differs
             samples = alternate({"static": _timer(static, spec, cfg), "dynamic": _timer(dyn, spec, cfg)},
                                 cfg.rounds)
@@ -132,8 +132,8 @@ def bench_varlen(cfg: Config, say: Callable[[str], None] = print) -> list[dict[s
         # KH = H (no GQA) as in the dense kernel; the representative batch only matters to validation
         var_spec = AttentionSpec(batch=1, heads=cfg.heads, kv_heads=cfg.heads, seq_q=s, head_dim=cfg.head_dim,
                                  causal=causal, layout="varlen")
-        dense = build_kernel(dense_spec, "fused")
-        varlen = build_kernel(var_spec, "fused")
+        dense = build_kernel(dense_spec, "fused", cache=True)
+        varlen = build_kernel(var_spec, "fused", cache=True)
         dense_case = {"batch": 1, "seq_q": s, "seq_kv": s}
         cases = {name: {"seqlens": [list(p) for p in lens]} for name, lens in cfg.mixes}
         fns = {"dense": _timer(dense, dense_spec, cfg, dense_case)}
@@ -227,7 +227,7 @@ def bench_loader(cfg: Config, threads: int, say: Callable[[str], None] = print) 
     with tempfile.TemporaryDirectory(prefix="tvma-serving-") as tmp:
         fns: dict[tuple[str, str], Callable[[], Any]] = {}
         for i, (label, spec, case) in enumerate(artifacts):
-            kernel = _export_and_load(build_kernel(spec, "fused"), Path(tmp) / f"a{i}", threads)
+            kernel = _export_and_load(build_kernel(spec, "fused", cache=True), Path(tmp) / f"a{i}", threads)
             inputs = spec.layout_info.random_inputs(spec, case, seed=0)
             for inp, fn in _call_variants(kernel, inputs).items():
                 fns[(label, inp)] = fn

@@ -71,7 +71,7 @@ def run(cfg: SimConfig, threads: int | None = None, say: Callable[[str], None] =
     common = dict(batch=1, heads=cfg.heads, kv_heads=cfg.kv_heads, seq_q=64, head_dim=cfg.head_dim, causal=True)
     prefill_spec = AttentionSpec(layout="varlen", **common)
     decode_spec = AttentionSpec(layout="paged", page_size=cfg.page_size, **{**common, "seq_q": 1})
-    prefill, decode = kernel_of(build_kernel(prefill_spec)), kernel_of(build_kernel(decode_spec))
+    prefill, decode = (kernel_of(build_kernel(s, cache=True)) for s in (prefill_spec, decode_spec))
     rng = np.random.default_rng(cfg.seed)
     P, KH, D, H = cfg.page_size, cfg.kv_heads, cfg.head_dim, cfg.heads
     k_pages = np.zeros((cfg.num_pages, P, KH, D), np.float32)

@@ -122,9 +122,9 @@ def _tvm_runner(spec: AttentionSpec, variant: str) -> tuple[Any, str]:
     elif variant == "fused-dyn":
         # The point's shape stays the representative (knob choice, tuning-log lookup); only the
         # compiled signature changes. Timed on the point's static inputs like every variant.
-        built = build_kernel(dataclasses.replace(spec, dynamic=DYNAMIC_DIMS), schedule="fused")
+        built = build_kernel(dataclasses.replace(spec, dynamic=DYNAMIC_DIMS), schedule="fused", cache=True)
     else:
-        built = build_kernel(spec, schedule=variant)
+        built = build_kernel(spec, schedule=variant, cache=True)
     detail = f"{built.source} {json.dumps(built.knobs.to_dict()) if built.knobs else ''}".strip()
     return built, detail
 

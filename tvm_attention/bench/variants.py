@@ -160,7 +160,7 @@ def run(cfg: Config, threads: int | None = None, only: tuple[str, ...] = (),
         timers = []
         for spec, case in ((spec_a, case_a), (spec_b, case_b)):
             if spec not in built:
-                built[spec] = build_kernel(spec)
+                built[spec] = build_kernel(spec, cache=True)
             timers.append(_timer(built[spec], case, cfg.min_repeat_ms))
         times: list[list[float]] = [[], []]
         for r in range(cfg.rounds):  # alternate: the variant, then the baseline, each round
