@@ -336,3 +336,36 @@ def test_a_cached_backward_must_be_the_one_asked_for(tmp_path):
         attention(q, k, v, cache_dir=tmp_path / "file", **causal).sum().backward()
     assert (scratch_dir() / "file" / mine / "manifest.json").is_file()
     assert (scratch_dir() / "file").stat().st_mode & 0o777 == 0o700
+
+
+def test_an_edit_of_the_backwards_generators_misses_its_cached_artifacts(monkeypatch, tmp_path):
+    """The backward cache's key hashes the generators' sources (the build cache's and
+    ``BACKWARD_GENERATORS``), not the package version: an edited ``backward.py`` (or a forward
+    generator it shares) gives every spec a new artifact name, so no artifact made before it is
+    loaded. Nothing is built here."""
+    from tvm_attention import build_cache
+    from tvm_attention.torch import backward_artifact_name, spec_of
+
+    q = torch.zeros(1, 2, 8, 16)
+    spec = spec_of(q, q, q, causal=True)
+    before = backward_artifact_name(spec)
+    assert backward_artifact_name(spec) == before  # a function of its inputs
+    real = build_cache.module_files
+
+    for edited_file in ("backward.py", "fused.py"):  # the backward's generator, a forward one
+        def edited(name, edited_file=edited_file):
+            out = []
+            for rel, path in real(name):
+                if path.name == edited_file:
+                    copy = tmp_path / edited_file
+                    copy.write_bytes(path.read_bytes() + b"\n# an edit\n")
+                    path = copy
+                out.append((rel, path))
+            return out
+
+        with monkeypatch.context() as mp:
+            mp.setattr(build_cache, "module_files", edited)
+            mp.setattr(build_cache, "_DIGEST", [])
+            mp.setattr(build_cache, "_EXTRA_DIGESTS", {})
+            changed = backward_artifact_name(spec)
+        assert changed != before and changed.split("_")[:-1] == before.split("_")[:-1], (edited_file, changed)
