@@ -37,7 +37,7 @@ from ..workloads import fused_attention
 from ..workloads.fused import DECODE, MERGE, SPLIT, n_splits
 from ..workloads.knob_attrs import FUSED, FUSED_DECODE
 
-from . import cpu_bf16, cpu_decode
+from . import cpu_balance, cpu_bf16, cpu_decode
 from ._knobs import KnobError, KnobsMixin
 from .cpu_space import (AUTO_UNROLL_STEPS, D_UNROLL_MAX, MAX_TILE_BYTES, PARALLEL_CHUNKS, PV_ROWS_GOAL,
                         VECTOR_REGISTERS, dot_pv_columns, max_pv_rows, max_s_rows, pv_columns, sample_choice,
@@ -70,7 +70,8 @@ class FlashCPUKnobs(KnobsMixin):
     # sequence's keys so that about this many tasks run (flash-decoding); 0 = never split.
     split_tasks: int = 8
     # bfloat16 specs: 1 = QKᵀ and PV of the main nest as AVX512-BF16 dot products (cpu_bf16),
-    # 0 = float32 products of the converted inputs. Needs avx512bf16 (Zen 4/5, Sapphire Rapids).
+    # 0 = float32 products of the converted inputs. Needs avx512bf16 (Zen 4/5, Sapphire Rapids); the
+    # preset takes it where this host's dot products outrun its FMAs (cpu_balance: Zen, not Intel).
     dot_bf16: int = 0
     # Decode nests (dot-product scheduled, cpu_decode): software prefetch of the K/V rows this
     # many key tiles ahead (0 = leave it to the hardware prefetcher).
@@ -115,7 +116,9 @@ def preset(spec: AttentionSpec, target: Target) -> FlashCPUKnobs:
     """
     lanes = vector_lanes(target)
     regs = VECTOR_REGISTERS.get(lanes, 16)
-    dot = bf16_dots(spec, target)
+    # the dot-product form where it can run and this host's dot products outrun its FMAs
+    # (cpu_balance: not on an Intel core, which issues vdpbf16ps on one port and FMAs on two)
+    dot = bf16_dots(spec, target) and cpu_balance.dots_outrun_fmas(target)
     # bf16 dot products halve the products' time, so the per-tile work around them (the K/V
     # staging, the softmax) weighs more: 64 rows amortize it (2 threads, S=4096, H=8, D=64/128:
     # 319/344 GFLOP/s against 295/314 with 32 rows; block_n 128 no better). A row tile is at
@@ -155,7 +158,10 @@ def preset(spec: AttentionSpec, target: Target) -> FlashCPUKnobs:
             # float32 FMAs); AVX2 code (vpmaddubsw) 0.78 / 0.77 kvcache, 0.86 / 0.91 paged
             # against float32 FMAs
             knobs = dataclasses.replace(knobs, decode_dot=3)
-        elif decode_dots(spec, knobs, target):
+        elif decode_dots(spec, knobs, target) and cpu_balance.dots_outrun_fmas(target):
+            # not where the dot products do not outrun the FMAs (cpu_balance): on a 2-core
+            # Sapphire Rapids VM (B4 H32 KH8 D128, 4k keys, 2 threads, side by side) the bf16
+            # cache's step on dots ran 0.85x the float32-product step, an int8 cache's 0.83x
             knobs = dataclasses.replace(knobs, decode_dot=1 if spec.kv_quantized else 2)
     return knobs
 

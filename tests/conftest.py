@@ -65,6 +65,16 @@ class LazyModule:
         return getattr(importlib.import_module(self._name), attr)
 
 
+def preset_takes_bf16_dots() -> bool:
+    """Whether this host's bf16 presets are the dot-product forms (``dot_bf16``, ``decode_dot``
+    1 and 2): AVX512-BF16 and dot products that outrun the FMAs (``schedules.cpu_balance``: a Zen
+    4, not an Intel core, which issues vdpbf16ps on one port)."""
+    from tvm_attention.schedules.cpu_balance import dots_outrun_fmas
+    from tvm_attention.target import resolve_target
+
+    return dots_outrun_fmas(resolve_target("llvm"))
+
+
 def make_tasks_once(around=None):
     """A ``make_tasks(spec, target, schedule)`` that makes each triple's tasks once (the tuner's
     ``tvm_attention.tune.tasks.make_tasks``: a workload generated per task, ~0.3 s of CPU for a small

@@ -39,3 +39,83 @@ def test_num_cores_within_the_bound_is_kept():
         assert int(resolve_target("llvm", num_cores=n).attrs["num-cores"]) == n
     host = resolve_target("cuda", arch="sm_90", num_cores=3).host
     assert int(host.attrs["num-cores"]) == 3
+
+
+def test_the_default_target_takes_every_feature_the_host_has_and_none_it_lacks(monkeypatch):
+    """``"llvm"`` names the host's model and adds (``+f``) what /proc/cpuinfo shows beyond it, AMX
+    included, and turns off (``-f``) what the model has and the host lacks: a VM that names an
+    older model (LLVM calls a Sapphire Rapids VM ``rocketlake``, without AVX512-BF16, AVX512-FP16,
+    AVX-VNNI or AMX) still gets its CPU's features. Here the host is named ``haswell`` (AVX2), a
+    model older than any this project runs on, and then given AMX's flags."""
+    from tvm_attention import hostcpu, target
+    from tvm_attention.target import cpu_features, resolve_target
+
+    real = resolve_target("llvm")
+    assert set(hostcpu.host_features()) <= set(cpu_features(real)) and not hostcpu.missing_features(cpu_features(real))
+    monkeypatch.setattr(target, "host_cpu", lambda: "haswell")
+    old = resolve_target("llvm")
+    assert str(old.attrs["mcpu"]) == "haswell"
+    assert set(hostcpu.host_features()) <= set(cpu_features(old)) and not hostcpu.missing_features(cpu_features(old))
+    assert [f"+{f}" for f in hostcpu.extra_features(hostcpu.KNOWN_CPUS["haswell"].split())] == \
+        [str(a) for a in old.attrs.get("mattr", []) if str(a).startswith("+")]
+    # a host with AMX: its tile features are the target's, recorded as the code's (cpu_features),
+    # so that a host without them refuses the code by name
+    flags = hostcpu._cpuinfo_flags() or frozenset()
+    monkeypatch.setattr(hostcpu, "_cpuinfo_flags", lambda: flags | {"amx_tile", "amx_bf16", "amx_int8", "avx2", "fma"})
+    amx = resolve_target("llvm")
+    assert {"+amx-tile", "+amx-bf16", "+amx-int8"} <= {str(a) for a in amx.attrs["mattr"]}
+    assert {"amx-tile", "amx-bf16", "amx-int8"} <= set(cpu_features(amx))
+    monkeypatch.setattr(hostcpu, "_cpuinfo_flags", lambda: flags - {"amx_tile", "amx_bf16", "amx_int8"})
+    with pytest.raises(hostcpu.HostCPUError, match="amx-bf16, amx-int8, amx-tile.*SIGILL"):
+        target.check_target_runnable(amx)
+
+
+def test_an_override_model_gets_nothing_beyond_its_features(monkeypatch):
+    """``TVM_ATTENTION_HOST_CPU=x86-64-v3`` runs the process as an AVX2 host: the default target
+    adds nothing (the host has that model's features at most)."""
+    from tvm_attention.target import resolve_target
+
+    monkeypatch.setenv("TVM_ATTENTION_HOST_CPU", "x86-64-v3")
+    t = resolve_target("llvm")
+    assert str(t.attrs["mcpu"]) == "x86-64-v3" and not any(str(a).startswith("+") for a in t.attrs.get("mattr", []))
+
+
+@pytest.mark.parametrize("rate, dots", [(0.49, False), (2.0, True), (None, True)])
+def test_bf16_presets_follow_the_measured_balance_of_dots_and_fmas(monkeypatch, rate, dots):
+    """The bf16 prefill preset takes the dot-product form (``dot_bf16``), and a decode step's
+    ``decode_dot`` (2 for a bf16 cache, 1 for an 8-bit one), only where this host's vdpbf16ps
+    outrun its FMAs (``cpu_balance``: 0.49 measured on a Sapphire Rapids VM, about 2 on a Zen 4),
+    or, for code this host does not run as its own (None), wherever the target has AVX512-BF16."""
+    from tvm_attention.schedules import cpu_balance, cpu_fused
+    from tvm_attention.spec import AttentionSpec
+    from tvm_attention.target import resolve_target
+
+    monkeypatch.setattr(cpu_balance, "dot_to_fma_rate", lambda target: rate)
+    zen4 = resolve_target({"kind": "llvm", "mcpu": "znver4", "num-cores": 2})
+    prefill = AttentionSpec(batch=1, heads=8, seq_q=2048, head_dim=64, dtype="bfloat16")
+    decode = AttentionSpec(batch=4, heads=32, kv_heads=8, seq_q=1, seq_kv=4096, head_dim=128, dtype="bfloat16",
+                           layout="kvcache", causal=True)
+    assert cpu_fused.preset(prefill, zen4).dot_bf16 == int(dots)
+    assert cpu_fused.preset(decode, zen4).decode_dot == 2 * dots
+    assert cpu_fused.preset(AttentionSpec(**{**decode.to_dict(), "kv_dtype": "int8"}), zen4).decode_dot == int(dots)
+    # AVX2: no dot products, whatever the balance
+    assert cpu_fused.preset(prefill, resolve_target({"kind": "llvm", "mcpu": "x86-64-v3"})).dot_bf16 == 0
+
+
+def test_the_balance_is_measured_only_for_this_hosts_own_code():
+    """``dot_to_fma_rate``: None for another model's code (cross-compiled); for the default target
+    of a host with AVX512-BF16, a positive finite ratio of one core's FLOP rates."""
+    import math
+
+    from tvm_attention.schedules import cpu_balance
+    from tvm_attention.target import host_cpu, resolve_target, target_features
+
+    other = "znver4" if host_cpu() != "znver4" else "icelake-server"
+    assert cpu_balance.dot_to_fma_rate(resolve_target({"kind": "llvm", "mcpu": other})) is None
+    here = resolve_target("llvm")
+    if "avx512bf16" in target_features(here):
+        rate = cpu_balance.dot_to_fma_rate(here)
+        assert rate is not None and math.isfinite(rate) and rate > 0
+        assert cpu_balance.dots_outrun_fmas(here) == (rate > cpu_balance.DOTS_OVER_FMAS)
+    else:
+        assert not cpu_balance.dots_outrun_fmas(here)

@@ -35,7 +35,7 @@ ISA_FEATURES = {
     "avx512vnni": "avx512_vnni", "avx512ifma": "avx512ifma", "avx512vbmi": "avx512vbmi",
     "avx512vbmi2": "avx512_vbmi2", "avx512bitalg": "avx512_bitalg",
     "avx512vpopcntdq": "avx512_vpopcntdq", "avx512vp2intersect": "avx512_vp2intersect",
-    "avx512fp16": "avx512_fp16",
+    "avx512fp16": "avx512_fp16", "amx-tile": "amx_tile", "amx-bf16": "amx_bf16", "amx-int8": "amx_int8",
 }
 
 
@@ -122,6 +122,14 @@ def host_features() -> frozenset[str]:
         model = frozenset(KNOWN_CPUS[cpu].split()) if cpu in KNOWN_CPUS else _llvm_cpu_features(cpu)
         real = real & model
     return real
+
+
+def extra_features(model: Iterable[str]) -> list[str]:
+    """The checked features this host offers beyond ``model``'s (LLVM's features of a CPU model;
+    sorted): a VM may name a model older than its CPU (LLVM calls a Sapphire Rapids VM
+    ``rocketlake``, which has no AVX512-BF16, AVX512-FP16, AVX-VNNI or AMX)."""
+    have = set(model)
+    return sorted(f for f in host_features() if f in ISA_FEATURES and f not in have)
 
 
 def missing_features(required: Iterable[str]) -> list[str]:

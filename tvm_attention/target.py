@@ -14,7 +14,7 @@ import tvm
 from tvm.target import Target
 
 from .hostcpu import (HostCPUError, _llvm_cpu_features, available_cores, check_runnable, cpu_override,  # noqa: F401
-                      isa_subset, missing_features)
+                      extra_features, isa_subset, missing_features)
 
 
 class TargetError(ValueError):
@@ -31,6 +31,15 @@ def _hidden_features(mcpu: str) -> list[str]:
     """ISA features LLVM gives ``mcpu`` that this host does not offer (a VM may report a CPU
     model and hide its AVX-512): the default target turns them off rather than emit them."""
     return missing_features(_llvm_cpu_features(mcpu))
+
+
+def host_mattr(mcpu: str) -> list[str]:
+    """The default target's ``mattr`` for this host's model ``mcpu``: the model's features the
+    host lacks turned off (``-f``), and the ISA features the host offers beyond the model turned
+    on (``+f``: /proc/cpuinfo's, AMX included), so the code may use what the CPU really has and
+    nothing it lacks. Under ``TVM_ATTENTION_HOST_CPU`` the host has the named model's features
+    at most: nothing is added."""
+    return [f"-{f}" for f in _hidden_features(mcpu)] + [f"+{f}" for f in extra_features(_llvm_cpu_features(mcpu))]
 
 
 #: Per-architecture CUDA limits we put in the target (MetaSchedule and verify_gpu_code read them).
@@ -142,9 +151,9 @@ def resolve_target(
             raise TargetError("--arch applies to cuda targets only")
         if "mcpu" not in config:
             config["mcpu"] = host_cpu()
-            hidden = _hidden_features(config["mcpu"])
-            if hidden:
-                config.setdefault("mattr", [f"-{f}" for f in hidden])
+            mattr = host_mattr(config["mcpu"])
+            if mattr:
+                config.setdefault("mattr", mattr)
         config.setdefault("num-cores", num_cores or available_cores())
         _check_num_cores(config["num-cores"], "target llvm: num-cores")
     else:

@@ -18,7 +18,9 @@ from typing import Any, Callable
 from ..artifact import kernel_of
 from ..build import build_kernel
 from ..reference import reference_attention
+from ..schedules.cpu_balance import dots_outrun_fmas
 from ..spec import AttentionSpec
+from ..target import resolve_target
 from ..threads import set_num_threads
 from ..timing import aligned_inputs, time_built, time_callable
 from . import Interrupted, Progress, mark_interrupted, partial_line, write_report
@@ -50,6 +52,8 @@ def quick_config() -> Config:
 def run(cfg: Config, threads: int | None = None, say: Callable[[str], None] = print) -> dict[str, Any]:
     threads = set_num_threads(threads)
     meta = compute_roofs_meta(cfg, threads, GOALS, say)
+    # the form the bf16 preset builds here: the dot products where they outrun the FMAs (cpu_balance)
+    meta["bf16_preset_form"] = "bf16-dot" if dots_outrun_fmas(resolve_target("llvm")) else "bf16-fp32"
     rows: list[dict[str, Any]] = []
     progress = Progress(len(cfg.head_dims))
     try:
@@ -104,8 +108,8 @@ def _point(cfg: Config, d: int, threads: int, has_dots: bool, fma: float, meta: 
     for n, e in errors.items():
         row[f"{n}_err"] = e
     ratio = lambda a, b: row[f"{b}_ms"] / row[f"{a}_ms"] if f"{a}_ms" in row and f"{b}_ms" in row else None  # noqa: E731
-    # our bf16: the preset's form — dot products where the CPU has them, else fp32 products
-    ours = "bf16-dot" if "bf16-dot_ms" in row else "bf16-fp32"
+    # our bf16: the preset's form — dot products where they outrun this CPU's FMAs, else fp32 products
+    ours = meta["bf16_preset_form"]
     row["bf16_form"] = ours
     row["bf16_vs_fp32"] = ratio(ours, "fp32")
     row["bf16_vs_torch_bf16"] = ratio(ours, "torch-bf16")
