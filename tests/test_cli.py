@@ -83,13 +83,13 @@ def test_run_takes_a_json_target_this_host_runs_and_keeps_knob_experiments_apart
     # default artifact folder of a --knobs run carries the knobs' digest (the default build's
     # artifact stays), and a folder an earlier run left is replaced with a note.
     monkeypatch.chdir(tmp_path)
-    haswell = '{"kind": "llvm", "mcpu": "haswell"}'  # AVX2 + FMA: every CPU we run on has them
+    haswell = '{"kind": "llvm", "mcpu": "x86-64-v3"}'  # AVX2 + FMA, vendor-neutral: every CPU we run on has them
     small = ["--seq-q", "64", "--heads", "1", "--no-log", "--target", haswell]
     assert main(["run", *small]) == 0
     text = capsys.readouterr().out
     default = tmp_path / "artifacts" / "fused_b1_h1_kv1_q64_k64_d64_float32_full"
-    assert f"artifact:   {default}\n" in text and '"mcpu":"haswell"' in text
-    assert json.loads((default / "manifest.json").read_text())["target"]["mcpu"] == "haswell"
+    assert f"artifact:   {default}\n" in text and '"mcpu":"x86-64-v3"' in text
+    assert json.loads((default / "manifest.json").read_text())["target"]["mcpu"] == "x86-64-v3"
     before = (default / "manifest.json").read_text()
     assert main(["run", *small, "--knobs", '{"block_n": 32}']) == 0
     text = capsys.readouterr().out
