@@ -37,7 +37,7 @@ from ..workloads import fused_attention
 from ..workloads.fused import DECODE, MERGE, SPLIT, n_splits
 from ..workloads.knob_attrs import FUSED, FUSED_DECODE
 
-from . import cpu_balance, cpu_bf16, cpu_decode
+from . import cpu_amx, cpu_balance, cpu_bf16, cpu_decode
 from ._knobs import KnobError, KnobsMixin
 from .cpu_space import (AUTO_UNROLL_STEPS, D_UNROLL_MAX, MAX_TILE_BYTES, PARALLEL_CHUNKS, PV_ROWS_GOAL,
                         VECTOR_REGISTERS, dot_pv_columns, max_pv_rows, max_s_rows, pv_columns, sample_choice,
@@ -116,6 +116,8 @@ def preset(spec: AttentionSpec, target: Target) -> FlashCPUKnobs:
     """
     lanes = vector_lanes(target)
     regs = VECTOR_REGISTERS.get(lanes, 16)
+    if lanes == cpu_amx.L and amx_tiles(spec, target, *AMX_TILE):
+        return _amx_preset(spec, target)
     # the dot-product form where it can run and this host's dot products outrun its FMAs
     # (cpu_balance: not on an Intel core, which issues vdpbf16ps on one port and FMAs on two)
     dot = bf16_dots(spec, target) and cpu_balance.dots_outrun_fmas(target)
@@ -164,6 +166,52 @@ def preset(spec: AttentionSpec, target: Target) -> FlashCPUKnobs:
             # cache's step on dots ran 0.85x the float32-product step, an int8 cache's 0.83x
             knobs = dataclasses.replace(knobs, decode_dot=1 if spec.kv_quantized else 2)
     return knobs
+
+
+#: The AMX form's tile (block_m, block_n): 128 rows amortize the per-key-tile staging (the key
+#: tile's copy, the value pairs) over twice the rows of 64 (2-core Sapphire Rapids VM, B1 H8
+#: S=4096, 2 threads, TFLOP/s, 4·S²·D·H counted: (64, 64) 0.64 / 0.86 at D=64 / 128, (64, 128)
+#: 0.64 / 0.88, (128, 64) 0.69 / 0.94).
+AMX_TILE = (128, 64)
+#: (block_m, block_n) the tuner searches for the AMX form (each a task)
+AMX_TILE_CANDIDATES = ((64, 64), (64, 128), (128, 64), (128, 128), (256, 64))
+
+
+def _amx_preset(spec: AttentionSpec, target: Target) -> FlashCPUKnobs:
+    """The preset where the CPU has AMX tiles and ``spec`` fits them (bfloat16, dims in 32s):
+    the main nest's products on tiles (:mod:`cpu_amx`), the decode nests as the AVX-512 preset's
+    (the float32 or dot-product forms: memory-bound, they gain nothing from tiles)."""
+    base = preset(spec, _without_amx(target))
+    # (s_rows, pv_rows, pv_cols: the decode nests' register blocks, decode_knobs; the AMX
+    # schedule records them and uses none)
+    return dataclasses.replace(base, block_m=AMX_TILE[0], block_n=AMX_TILE[1], dot_bf16=AMX)
+
+
+def preset_for_overrides(spec: AttentionSpec, target: Target, overrides: dict) -> FlashCPUKnobs:
+    """The preset ``overrides`` (a build's knob dict) are laid on: the preset of the product form
+    they name (``dot_bf16``), so that asking for float32 products or ``vdpbf16ps`` on an AMX host
+    starts from those forms' tiles and register blocks, not the AMX form's 128 rows."""
+    hand = preset(spec, target)
+    form = overrides.get("dot_bf16", hand.dot_bf16)
+    if not isinstance(form, int) or form == hand.dot_bf16:
+        return hand
+    if hand.dot_bf16 in (AMX, AMX_EMULATED) and form not in (AMX, AMX_EMULATED):
+        return dataclasses.replace(preset(spec, _without_amx(target)), dot_bf16=form)
+    return dataclasses.replace(hand, dot_bf16=form)
+
+
+def search_target(target: Target) -> Target:
+    """The target the tuner's fused tasks are made for: ``target`` without AMX (the AMX form is
+    the hand preset's; its knob space, the tiles of ``AMX_TILE_CANDIDATES``, is not searched yet)."""
+    return _without_amx(target) if {"amx-tile", "amx-bf16"} & set(target_features(target)) else target
+
+
+def _without_amx(target: Target) -> Target:
+    """``target`` with its AMX features turned off (``-amx-*``): the preset the form replaces."""
+    attrs = dict(target.export())
+    mattr = [f for f in attrs.get("mattr", []) if not f.lstrip("+-").startswith("amx")]
+    attrs["mattr"] = mattr + ["-amx-tile", "-amx-bf16", "-amx-int8"]
+    return Target(attrs)
 
 
 def decode_prefetch(spec: AttentionSpec, lanes: int) -> int:
@@ -267,6 +315,32 @@ def for_layout(knobs: FlashCPUKnobs, spec: AttentionSpec, target: Target,
     return dataclasses.replace(knobs, decode_heads=hand.decode_heads, prefetch=hand.prefetch)
 
 
+#: the product forms of the main nest (knob ``dot_bf16``)
+AMX, AMX_EMULATED = 2, 3
+DOT_FORMS = {0: "float32 FMAs", 1: "vdpbf16ps", AMX: "AMX tiles", AMX_EMULATED: "AMX emulated in plain TIR, a checking form"}
+
+
+def check_amx(knobs: FlashCPUKnobs, spec: AttentionSpec, target: Target) -> None:
+    """The AMX forms' needs (``dot_bf16`` 2, emulated 3): bfloat16 inputs, the tile and head dims
+    in blocks of 32, AVX-512 vectors for the softmax; the real form a CPU with AMX-BF16."""
+    from ..workloads import amx
+    name = f"dot_bf16={knobs.dot_bf16} ({DOT_FORMS[knobs.dot_bf16]})"
+    if spec.dtype != "bfloat16" or spec.kv_quantized:
+        raise KnobError(f"{name} multiplies bfloat16 inputs: dtype={spec.dtype}, kv_dtype={spec.kv_dtype}")
+    why = amx.fits(knobs.block_m, knobs.block_n, spec.head_dim, spec.v_dim)
+    if why:
+        raise KnobError(f"{name}: {why}")
+    missing = [f for f in cpu_amx.FEATURES if f not in target_features(target)]
+    if knobs.dot_bf16 == AMX and missing:
+        raise KnobError(f"{name} needs a CPU with {', '.join(missing)} (target {target}); the emulated form "
+                        f"(dot_bf16={AMX_EMULATED}) runs anywhere")
+
+
+def amx_tiles(spec: AttentionSpec, target: Target, block_m: int = 64, block_n: int = 64) -> bool:
+    """Whether ``spec`` can take the AMX form (:mod:`cpu_amx`) on ``target``."""
+    return cpu_amx.supports(spec, target_features(target), block_m, block_n)
+
+
 def bf16_dots(spec: AttentionSpec, target: Target) -> bool:
     """Whether ``spec`` can take the bf16 dot-product form (:mod:`cpu_bf16`) on ``target``."""
     return cpu_bf16.supports(spec, target_features(target))
@@ -355,27 +429,30 @@ def check(knobs: FlashCPUKnobs, spec: AttentionSpec, target: Target) -> None:
             f"queries (or qk_int8) and a bfloat16 or 8-bit cache (dtype={spec.dtype}, kv_dtype={spec.kv_dtype}) "
             f"scaled per head or per token (kv_scale={spec.kv_scale}: per group each element is scaled as it is "
             f"converted) and a CPU with {cpu_bf16.FEATURE} (target {target})")
-    if knobs.dot_bf16 not in (0, 1):
-        raise KnobError(f"dot_bf16={knobs.dot_bf16} must be 0 or 1")
-    if knobs.dot_bf16 and not bf16_dots(spec, target):
+    if knobs.dot_bf16 not in DOT_FORMS:
+        raise KnobError(f"dot_bf16={knobs.dot_bf16} must be one of {', '.join(f'{k} ({v})' for k, v in DOT_FORMS.items())}")
+    if knobs.dot_bf16 in (AMX, AMX_EMULATED):
+        check_amx(knobs, spec, target)
+    elif knobs.dot_bf16 and not bf16_dots(spec, target):
         raise KnobError(
             f"dot_bf16=1 needs bfloat16 inputs (dtype={spec.dtype}), a head_dim that is a multiple of "
             f"{cpu_bf16.L} (head_dim={spec.head_dim}) and a CPU with {cpu_bf16.FEATURE} (target {target})")
-    if knobs.dot_bf16 and knobs.pv_cols % cpu_bf16.L:
+    if knobs.dot_bf16 == 1 and knobs.pv_cols % cpu_bf16.L:
         raise KnobError(f"dot_bf16=1 computes PV in {cpu_bf16.L}-column vdpbf16ps: pv_cols={knobs.pv_cols} must be "
                         f"a multiple of {cpu_bf16.L} (0 = all of head_dim)")
     if knobs.dot_bf16 and knobs.block_n % 2:
         raise KnobError(f"dot_bf16=1 pairs keys: block_n={knobs.block_n} must be even")
     regs = VECTOR_REGISTERS.get(lanes, 16)
     q_vectors = knobs.block_m // lanes
-    if knobs.s_rows > max_s_rows(knobs.block_m, lanes):
+    amx_form = knobs.dot_bf16 in (AMX, AMX_EMULATED)  # its products are tiles: no register blocks
+    if knobs.s_rows > max_s_rows(knobs.block_m, lanes) and not amx_form:
         raise KnobError(
             f"S_gemm register block needs {knobs.s_rows * q_vectors + q_vectors + 1} vector registers "
             f"(s_rows={knobs.s_rows} × {q_vectors} accumulators + {q_vectors} q vectors + 1 broadcast) "
             f"> {regs} available"
         )
     pv_cols = pv_cols_of(knobs, spec.v_dim)
-    if knobs.pv_rows > max_pv_rows(pv_cols, lanes):
+    if knobs.pv_rows > max_pv_rows(pv_cols, lanes) and not amx_form:
         d_vectors = math.ceil(pv_cols / lanes)
         raise KnobError(
             f"PV_gemm register block needs {knobs.pv_rows * d_vectors + 2} vector registers "
@@ -407,7 +484,7 @@ def workload_args(spec: AttentionSpec, knobs: FlashCPUKnobs, step_only: bool = F
         rows = tuple(sorted(r for r in rows if spec.seq_q * spec.group_size <= r)[:1])
     # decode tiers narrower than a vector are dot-product scheduled (cpu_decode): they stage K
     return dict(block_m=knobs.block_m, block_n=knobs.block_n, decode_rows=rows,
-                split_tasks=knobs.split_tasks, stage_k_below=knobs.vector_lanes, dot_bf16=bool(knobs.dot_bf16),
+                split_tasks=knobs.split_tasks, stage_k_below=knobs.vector_lanes, dot_bf16=int(knobs.dot_bf16),
                 prefetch=knobs.prefetch, decode_heads=knobs.decode_heads, decode_dot=knobs.decode_dot)
 
 
@@ -433,6 +510,10 @@ def tile_candidates(spec: AttentionSpec, target: Target) -> list[tuple[int, int]
     lanes = vector_lanes(target)
     hand = preset(spec, target)
     pairs = [(hand.block_m, hand.block_n)]
+    if hand.dot_bf16 in (AMX, AMX_EMULATED):  # tiles of 32 × 32 blocks (no register blocks)
+        candidates = [p for p in AMX_TILE_CANDIDATES if p not in pairs]
+        return pairs + [p for p in candidates if 4 * ((spec.head_dim + spec.v_dim) * p[0] + 2 * p[1] * p[0])
+                        <= MAX_TILE_BYTES]
     for m_vectors, n in TILE_CANDIDATES:
         pair = (m_vectors * lanes, n)
         if pair in pairs or max_s_rows(pair[0], lanes) < 1:
@@ -634,7 +715,9 @@ def apply(sch: s_tir.Schedule, knobs: FlashCPUKnobs, spec: AttentionSpec) -> s_t
     """The hand schedule: :func:`schedule` with every decision pinned to ``knobs`` (and the
     decode nest, when the workload has one, with :func:`decode_knobs`). A static decode shape
     has only its decode nest (``workloads.fused_attention``)."""
-    if _has_block(sch, "row_tile") and knobs.dot_bf16:
+    if _has_block(sch, "row_tile") and knobs.dot_bf16 in (AMX, AMX_EMULATED):
+        cpu_amx.schedule(sch, spec, knobs)
+    elif _has_block(sch, "row_tile") and knobs.dot_bf16:
         cpu_bf16.schedule(sch, spec, knobs)
     elif _has_block(sch, "row_tile"):
         schedule(sch, spec, knobs.vector_lanes, knobs)
@@ -662,7 +745,10 @@ def schedule_latent_split(sch: s_tir.Schedule, spec: AttentionSpec, knobs: Any, 
     """The split form of a latent (MLA) nest (blocks ``*_split``, ``merge``): its tile as the
     main nest's, pinned to ``knobs`` (None: sampled, with ``lanes``), the merge parallel over
     rows."""
-    if (knobs.dot_bf16 if knobs is not None else _dot_bf16(sch)):
+    form = knobs.dot_bf16 if knobs is not None else _dot_form(sch)
+    if form in (AMX, AMX_EMULATED):
+        cpu_amx.schedule(sch, spec, knobs, suffix=SPLIT)
+    elif form:
         cpu_bf16.schedule(sch, spec, knobs, suffix=SPLIT)
     else:
         schedule(sch, spec, knobs.vector_lanes if knobs is not None else lanes, knobs, suffix=SPLIT)
@@ -716,7 +802,9 @@ def design_space(spec: AttentionSpec, target: Target):
     def space_fn(sch: s_tir.Schedule) -> s_tir.Schedule:
         if not _has_block(sch, "row_tile"):  # a static latent decode step: its split form only
             return schedule_latent_split(sch, spec, None, lanes)
-        if _dot_bf16(sch):  # the workload says which form it is (a task each)
+        if _dot_form(sch) in (AMX, AMX_EMULATED):  # the workload says which form it is (a task each)
+            return cpu_amx.schedule(sch, spec, None)
+        if _dot_form(sch):
             return cpu_bf16.schedule(sch, spec, None)
         return schedule(sch, spec, lanes, None)
 
@@ -758,6 +846,7 @@ def knobs_of(sch: s_tir.Schedule, lanes: int, base: FlashCPUKnobs | None = None)
                                         decode_dot=b.decode_dot)), **values)
 
 
-def _dot_bf16(sch: s_tir.Schedule) -> bool:
+def _dot_form(sch: s_tir.Schedule) -> int:
+    """The workload's product form (``attn.dot_bf16``: 0 when absent)."""
     attrs = sch.mod["main"].attrs
-    return attrs is not None and "attn.dot_bf16" in attrs and int(attrs["attn.dot_bf16"]) == 1
+    return int(attrs["attn.dot_bf16"]) if attrs is not None and "attn.dot_bf16" in attrs else 0

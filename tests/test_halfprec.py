@@ -143,7 +143,7 @@ def test_bf16_dot_products_match_the_reference_and_emit_vdpbf16ps(seq_q, seq_kv,
     if preset_takes_bf16_dots():
         dots, plain = built(spec), built(spec, knobs=(("dot_bf16", 0),))
     else:
-        dots, plain = built(spec, knobs=(("dot_bf16", 1), ("block_m", 64))), built(spec)
+        dots, plain = built(spec, knobs=(("dot_bf16", 1), ("block_m", 64))), built(spec, knobs=(("dot_bf16", 0),))
     assert dots.knobs.dot_bf16 == 1 and plain.knobs.dot_bf16 == 0
     assert dots.audit.fused, dots.audit.reasons
     assert dots.module.inspect_source("asm").count("vdpbf16ps") >= 2  # QKᵀ and PV
@@ -233,12 +233,15 @@ def test_halfprec_bench_smoke(tmp_path):
     for name in ("fp32", "bf16-fp32", "fp16"):
         assert row[f"{name}_gflops"] > 0 and row[f"{name}_err"] < 2e-2, name
     # the ratios compare the form the preset builds here: dot products where they outrun the FMAs
-    assert row["bf16_form"] == ("bf16-dot" if preset_takes_bf16_dots() else "bf16-fp32")
+    amx = report["meta"]["amx_tile_peak_gflops"]
+    assert row["bf16_form"] == ("bf16-amx" if amx else "bf16-dot" if preset_takes_bf16_dots() else "bf16-fp32")
+    if amx:  # the tile form beside the others, against the tile peak measured in the run
+        assert 0 < row["bf16_of_tile_peak"] and row["bf16-amx_err"] < 2e-2
     if report["meta"]["avx512bf16"]:
         assert report["meta"]["bf16_dot_peak_gflops"] > 0 and 0 < row["bf16_of_dot_peak"]
         assert row["bf16-dot_err"] < 2e-2
     assert row["bf16_vs_fp32"] > 0 and row["bf16_vs_torch_bf16"] > 0
-    assert "| D | fp32 | bf16-dot |" in (tmp_path / "halfprec.md").read_text()
+    assert "| D | fp32 | bf16-amx | bf16-dot |" in (tmp_path / "halfprec.md").read_text()
 
 
 def test_bench_sweep_points_and_torch_peer_take_the_dtype():

@@ -191,6 +191,11 @@ def resolve_knobs(family, spec: AttentionSpec, target: Target, knobs: Any):
     if knobs is None:
         return preset
     if isinstance(knobs, dict):
+        # a family whose preset depends on a knob the overrides name (the fused CPU family's
+        # product form: tiles of 128 rows for AMX, 32 for FMAs) starts from that form's preset
+        for_form = getattr(family, "preset_for_overrides", None)
+        if for_form is not None:
+            preset = for_form(spec, target, knobs)
         return type(preset).from_dict({**preset.to_dict(), **knobs})
     if isinstance(knobs, type(preset)):
         return knobs
@@ -286,10 +291,34 @@ def with_checks(mod: tvm.IRModule, spec: AttentionSpec, target: Target) -> tvm.I
     the loader)."""
     refuse_device_checks(spec, target)
     if target.kind.name == "llvm":
-        return with_index_checks(mod, spec)
+        return with_amx_permission(with_index_checks(mod, spec))
     if spec.device_checks:
         return with_device_index_checks(mod, spec)
     return mod
+
+
+def with_amx_permission(mod: tvm.IRModule) -> tvm.IRModule:
+    """``mod`` whose ``main``, when its products run on AMX tiles (``attn.dot_bf16`` 2), first
+    asks Linux for the tile state (``workloads.amx.permit_prologue``: once per process, before any
+    parallel loop) and raises a ValueError if the kernel refuses: a C++ caller needs nothing, and
+    a refusal is an error, never the SIGILL of a tile instruction without it."""
+    import tvm_ffi
+
+    from .workloads import amx
+    func = mod["main"]
+    if func.attrs is None or int(func.attrs.get("attn.dot_bf16", 0)) != amx.REAL:
+        return mod
+    # only where a tile runs (a static decode step keeps its decode nest alone: no AMX, and no
+    # import of the AMX functions the prologue would call)
+    tiles = []
+    tvm_ffi.structural_walk(func.body, [(tvm.s_tir.SBlock, lambda b: tiles.append(b.name_hint.startswith("tile_config")))])
+    if not any(tiles):
+        return mod
+    stmt = amx.permit_prologue("AMX: Linux refused this process the tile state (arch_prctl ARCH_REQ_XCOMP_PERM "
+                               "for XTILEDATA): the CPU or kernel has no AMX, or a seccomp policy forbids it")
+    out = tvm.IRModule(dict(mod.functions))
+    out["main"] = func.with_body(tvm.tirx.SeqStmt([stmt, func.body]))
+    return out
 
 
 def _spec_module(spec: AttentionSpec, target: Target) -> tvm.runtime.Module:

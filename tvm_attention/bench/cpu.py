@@ -194,6 +194,51 @@ def bf16_dot_peak(threads: int | None = None, chains: int = 12, iters: int = 1 <
                       "chains on zmm accumulators (64 FLOP each); best of the repeats"}
 
 
+def amx_tile_peak(threads: int | None = None, iters: int = 1 << 16, repeat: int = 9,
+                  target=None) -> dict[str, Any] | None:
+    """The AMX roof: GFLOP/s of the fused kernel's own micro-kernel (``workloads.amx.MM``: a
+    32 × 32 block of ``C``, two ``A`` and two ``B`` tiles loaded per 32-deep step) on operands
+    that stay in L1, ``iters`` calls of 8 steps per thread (16384 FLOP per ``tdpbf16ps``). What
+    the kernel's products can reach with their loads; the instruction alone runs faster (held in
+    tiles: ``../shared/examples/amx_probe.py``). None without AMX-BF16."""
+    import tvm
+    from tvm.script import tirx as T
+
+    from ..workloads import amx
+
+    t0 = time.perf_counter()
+    threads, target, _ = _threads_and_target(threads, target)
+    if not {"amx-tile", "amx-bf16"} <= target_features(target):
+        return None
+    ks = 8  # reduction steps per call: a 256-deep product, as a D=256 QKᵀ block
+
+    @T.prim_func
+    def tile_loop(a: T.Buffer((32, 32 * ks), "uint16"), b: T.Buffer((16 * ks, 64), "uint16"),
+                  c: T.Buffer((threads, 32, 32), "float32"), n: T.int32):
+        T.func_attr({"global_symbol": "tile_loop", "tirx.noalias": True})
+        T.evaluate(T.call_extern("int32", amx.PERMIT))
+        for t in T.parallel(threads, annotations={"pragma_import_llvm": amx.IR}):
+            T.evaluate(T.call_extern("int32", amx.BEGIN))
+            for _ in T.serial(n):
+                T.evaluate(T.call_extern("int32", amx.MM, c.data, T.int64(t * 4096), T.int64(128), a.data,
+                                         T.int64(0), T.int64(64 * ks), b.data, T.int64(0), T.int64(128),
+                                         T.int64(ks), T.int32(0)))
+            T.evaluate(T.call_extern("int32", amx.END))
+
+    ex = tvm.compile(tvm.IRModule({"tile_loop": tile_loop}), target=target)
+    a = tvm.runtime.tensor(np.zeros((32, 32 * ks), np.uint16))
+    b = tvm.runtime.tensor(np.zeros((16 * ks, 64), np.uint16))
+    c = tvm.runtime.tensor(np.zeros((threads, 32, 32), np.float32))
+    ex.mod["tile_loop"](a, b, c, 100)
+    te = ex.mod.time_evaluator("tile_loop", tvm.cpu(), number=1, repeat=repeat)
+    secs = list(te(a, b, c, iters).results)
+    flop = 2 * 32 * 32 * 32 * ks * iters * threads
+    return {"gflops": flop / min(secs) / 1e9, "median_gflops": flop / statistics.median(secs) / 1e9,
+            "threads": threads, "iters": iters, "seconds": time.perf_counter() - t0,
+            "method": f"TVM loop over {threads} threads, each {iters} calls of the fused kernel's AMX "
+                      f"micro-kernel (32 × 32 × {32 * ks}, operands in L1); best of the repeats"}
+
+
 def read_bandwidth(mib: int = 256, threads: int | None = None, accumulators: int = 8,
                    repeat: int = 20) -> ReadBandwidth:
     """Measure streaming-read bandwidth with TVM's own code (about 1.5 s at 256 MiB).
@@ -292,8 +337,9 @@ def compute_roofs_meta(cfg: Any, threads: int, goals: dict, say: Callable[[str],
     has_dots = "avx512bf16" in target_features(resolve_target("llvm"))
     meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "cpu": host_cpu(), "threads": threads,
             "config": dataclasses.asdict(cfg), "goals": goals, "avx512bf16": has_dots}
-    fma, dots = fma_peak(threads).gflops, bf16_dot_peak(threads)
+    fma, dots, tiles = fma_peak(threads).gflops, bf16_dot_peak(threads), amx_tile_peak(threads)
     meta["fma_peak_gflops"], meta["bf16_dot_peak_gflops"] = fma, (dots or {}).get("gflops")
+    meta["amx_tile_peak_gflops"] = (tiles or {}).get("gflops")
     say(f"# {meta['date']} cpu={meta['cpu']} threads={threads}: FMA peak {fma:.0f} GFLOP/s, bf16 dot peak "
-        f"{meta['bf16_dot_peak_gflops'] or 0:.0f} GFLOP/s")
+        f"{meta['bf16_dot_peak_gflops'] or 0:.0f} GFLOP/s, AMX tile peak {meta['amx_tile_peak_gflops'] or 0:.0f} GFLOP/s")
     return meta

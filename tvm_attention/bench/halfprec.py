@@ -30,7 +30,8 @@ from .peers import torch_sdpa_fn
 #: Speed goals of issue 11 (checked in the report, never by a test).
 GOALS = {"bf16_vs_fp32": 1.6, "bf16_vs_torch_bf16": 3.0}
 
-OURS = {"fp32": ("float32", None), "bf16-dot": ("bfloat16", {"dot_bf16": 1}),
+OURS = {"fp32": ("float32", None), "bf16-amx": ("bfloat16", {"dot_bf16": 2, "block_m": 128, "block_n": 64}),
+        "bf16-dot": ("bfloat16", {"dot_bf16": 1}),
         "bf16-fp32": ("bfloat16", {"dot_bf16": 0}), "fp16": ("float16", None)}
 PEERS = {"torch-fp32": "float32", "torch-bf16": "bfloat16"}
 
@@ -53,7 +54,8 @@ def run(cfg: Config, threads: int | None = None, say: Callable[[str], None] = pr
     threads = set_num_threads(threads)
     meta = compute_roofs_meta(cfg, threads, GOALS, say)
     # the form the bf16 preset builds here: the dot products where they outrun the FMAs (cpu_balance)
-    meta["bf16_preset_form"] = "bf16-dot" if dots_outrun_fmas(resolve_target("llvm")) else "bf16-fp32"
+    meta["bf16_preset_form"] = ("bf16-amx" if meta["amx_tile_peak_gflops"] else
+                                "bf16-dot" if dots_outrun_fmas(resolve_target("llvm")) else "bf16-fp32")
     rows: list[dict[str, Any]] = []
     progress = Progress(len(cfg.head_dims))
     try:
@@ -77,6 +79,9 @@ def _point(cfg: Config, d: int, threads: int, has_dots: bool, fma: float, meta: 
     for name, (dtype, knobs) in OURS.items():
         if name == "bf16-dot" and not has_dots:
             errors[name] = "skipped: no AVX512-BF16 on this CPU"
+            continue
+        if name == "bf16-amx" and not meta["amx_tile_peak_gflops"]:
+            errors[name] = "skipped: no AMX-BF16 on this CPU"
             continue
         spec = AttentionSpec(batch=1, heads=cfg.heads, seq_q=cfg.seq, head_dim=d, causal=cfg.causal, dtype=dtype)
         built = build_kernel(spec, knobs=knobs, cache=True)
@@ -116,6 +121,8 @@ def _point(cfg: Config, d: int, threads: int, has_dots: bool, fma: float, meta: 
     row["bf16_vs_torch_fp32"] = ratio(ours, "torch-fp32")
     if meta["bf16_dot_peak_gflops"] and "bf16-dot_gflops" in row:
         row["bf16_of_dot_peak"] = row["bf16-dot_gflops"] / meta["bf16_dot_peak_gflops"]
+    if meta["amx_tile_peak_gflops"] and "bf16-amx_gflops" in row:
+        row["bf16_of_tile_peak"] = row["bf16-amx_gflops"] / meta["amx_tile_peak_gflops"]
     if "fp32_gflops" in row:
         row["fp32_of_fma_peak"] = row["fp32_gflops"] / fma
     return row
@@ -128,9 +135,10 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [f"Machine: {m['cpu']}, {m['threads']} threads, {m['date']}. B=1, H={c['heads']}, S={c['seq']}, "
              f"{'causal' if c['causal'] else 'full'}. Roofs measured in this run: fp32 FMA peak "
              f"{m['fma_peak_gflops']:.0f} GFLOP/s, bf16 dot-product peak "
-             f"{(m['bf16_dot_peak_gflops'] or 0):.0f} GFLOP/s. GFLOP/s per variant (best of alternated rounds).", "",
-             "bf16/…: our bf16 in the preset's form (bf16-dot where the CPU has AVX512-BF16, else "
-             "bf16-fp32). On an AVX2 override (`TVM_ATTENTION_HOST_CPU`) torch keeps its own ISA unless "
+             f"{(m['bf16_dot_peak_gflops'] or 0):.0f} GFLOP/s, AMX tile peak {(m.get('amx_tile_peak_gflops') or 0):.0f} "
+             "GFLOP/s. GFLOP/s per variant (best of alternated rounds).", "",
+             "bf16/…: our bf16 in the preset's form (bf16-amx where the CPU has AMX-BF16, else bf16-dot where "
+             "it has AVX512-BF16 and those outrun its FMAs, else bf16-fp32). On an AVX2 override (`TVM_ATTENTION_HOST_CPU`) torch keeps its own ISA unless "
              "`ATEN_CPU_CAPABILITY=avx2` is set too.", "",
              "| D | " + " | ".join(names) + " | bf16/fp32 | bf16/torch-bf16 | bf16 of dot peak |",
              "|---|" + "---|" * (len(names) + 3)]

@@ -54,6 +54,7 @@ from ..tvm_internals import fast_macros
 from ..visibility import Visibility
 from ._math import (KV_UNIT, bf16_bits, bf16_exact_bits, bf16_value, cast_to, exp2_fast, f32, f32_to_kv, guarded,
                     kv_to_f32, lse_of, ssa_checked)
+from . import amx
 from .knob_attrs import FUSED_DECODE, FUSED_FORM, FUSED_TILE, record
 from .index_checks import scale_ok
 from .kv import dim, kv_layout
@@ -64,7 +65,7 @@ CACHE_LINE = 64  # bytes (x86)
 
 @fast_macros  # TVMScript macro expansion without its costly stack walk, only while this generates
 def fused_attention(spec: AttentionSpec, block_m: int, block_n: int, decode_rows: tuple[int, ...] = (),
-                    split_tasks: int = 0, stage_k_below: int = 0, dot_bf16: bool = False,
+                    split_tasks: int = 0, stage_k_below: int = 0, dot_bf16: int = 0,
                     prefetch: int = 0, decode_heads: int = 1, decode_dot: int = 0) -> tirx.PrimFunc:
     """Build the fused PrimFunc for ``spec`` with row tile ``block_m`` and key tile ``block_n``.
 
@@ -76,8 +77,9 @@ def fused_attention(spec: AttentionSpec, block_m: int, block_n: int, decode_rows
     seq_q each is emitted and taken at run time for calls with ``seq_q · group ≤ rows``; with a
     static seq_q only the narrowest that holds ``seq_q · group`` rows is, and it is the whole
     kernel (none fits: the main nest alone). ``split_tasks``: the decode nests' split-KV target.
-    ``dot_bf16``: the main nest's products as bf16 dot products (see ``_tile_macro``; bfloat16
-    specs only; decode nests, memory-bound, keep float32 products). ``prefetch``: the staged
+    ``dot_bf16``: the main nest's products as bf16 dot products (1, see ``_tile_macro``), on AMX
+    tiles (2, :mod:`.amx`) or those emulated in plain TIR (3); bfloat16 specs only; decode nests,
+    memory-bound, keep their own forms (``decode_dot``). ``prefetch``: the staged
     decode nests prefetch the K/V rows of the key tile this many tiles ahead (0 = none; see
     ``_tile_macro``). ``decode_heads``: kv heads per task of the staged decode nests (the page
     order, see :func:`_dense`). ``decode_dot``: the staged decode nests' products, 1 QKᵀ on
@@ -334,7 +336,8 @@ TILE_BLOCKS = ("Q_load", "state_init", "acc_init", "kv_tile", "S_gemm", "row_max
 #: Blocks a tile has in some forms only (``_tile_macro``'s arguments, the spec)
 OPTIONAL_BLOCKS = ("lse_store", "state_store", "K_load", "V_load", "V_ilv", "q_absmax", "q_scale", "q_sum", "P_round",
                    "P_ilv", "acc_rescale", "KV_prefetch", "score_mod", "scale_load", "group_scale_load",
-                   "group_scale_load_v", "mask_tile")
+                   "group_scale_load_v", "mask_tile", "tile_config", "tile_release", "P_tr", "max_ref",
+                   "rescale_any")
 #: Suffix of a GQA-packed decode nest's blocks, followed by its rows (``row_tile_dec4``,
 #: ``S_gemm_dec16``...).
 DECODE = "_dec"
@@ -365,7 +368,7 @@ class _TileShape:
     DV: int  # V's and O's head dim (spec.v_dim): the PV, accumulator and store loops
     HT: int
     qscale: float
-    dot_bf16: bool
+    dot_bf16: int  # 0 float32 products, 1 vdpbf16ps, 2 AMX tiles, 3 AMX emulated (amx.REAL, amx.EMULATED)
     prefetch: int
     stats: str | None
     line_elems: int
@@ -485,6 +488,11 @@ class _TileShape:
     def R(self) -> int:
         return self.BM // self.HT
 
+    @property
+    def amx(self) -> bool:
+        """The products on AMX tiles (:mod:`.amx`), real or emulated."""
+        return self.dot_bf16 in (amx.REAL, amx.EMULATED)
+
 
 #: llvm.prefetch's locality of the decode nests' software prefetch: 2, into L2 (``prefetcht1``).
 #: One key tile ahead is 32 KiB of K/V rows per kv head (bf16, D=128, 64 keys), 256 KiB for a
@@ -565,6 +573,22 @@ def _s_gemm_macros(k: _TileShape):
                     S[vj, vi] = T.float32(0)
                 S[vj, vi] = S[vj, vi] + bf16_value(Kb[vj, 2 * vp + vt]) * bf16_value(Qp[vp, vi, vt])
 
+    mm = amx.macros(k.dot_bf16 == amx.EMULATED)[0] if k.amx else None
+
+    @T.macro
+    def s_gemm_amx(Ku, Kb, Qp, S, t, vc, regs):
+        # S (32 keys × 32 rows per call) = Kb (key rows as staged) · Qp (q's pairs along head_dim)
+        for j, d in T.grid(BN, D):
+            with T.sblock(N["K_load"]):
+                vj, vd = T.axis.remap("SS", [j, d])
+                Kb[vj, vd] = Ku[t.kv_at(vc, vj, vd)]
+        with T.sblock(N["S_gemm"]):
+            T.reads(Kb[0:BN, 0:D], Qp[0:D // 2, 0:BM, 0:2])
+            T.writes(S[0:BN, 0:BM])
+            for jb, ib in T.grid(BN // amx.BLOCK, BM // amx.BLOCK):
+                mm(S, (jb * amx.BLOCK, ib * amx.BLOCK), BM, Kb, (jb * amx.BLOCK, 0), D,
+                   Qp, (0, ib * amx.BLOCK, 0), 2 * BM, D // amx.KSTEP, 1, regs)
+
     @T.macro
     def kv_prefetch(K, V, t, vc, j):
         # key j's K and V rows (every head of the tile) of tile vc + prefetch, issued in the key
@@ -639,16 +663,27 @@ def _s_gemm_macros(k: _TileShape):
                     S[vj, vi] = T.float32(0)
                 S[vj, vi] = S[vj, vi] + k.dequant(K[t.kv_at(vc, vj, vd)], Ksc, 0, vj, vd) * Qt[vd, vi]
 
-    return types.SimpleNamespace(dot=s_gemm_dot, prefetch=kv_prefetch, heads=s_gemm_heads,
+    return types.SimpleNamespace(dot=s_gemm_dot, amx=s_gemm_amx, prefetch=kv_prefetch, heads=s_gemm_heads,
                                  staged=s_gemm_staged, plain=s_gemm)
+
+
+#: The AMX form's lazy correction (log2 units): a row keeps its running max as the reference of P,
+#: ``l`` and ``acc`` until a key tile passes it by more than this, so P stays at most 2**8 and
+#: ``acc`` is rescaled only in the tiles that move some row's reference (block ``rescale_any``),
+#: as FlashAttention-4 does. Exact: O = acc / l and lse = m + log2(l) take the same reference.
+#: Why: with the products on tiles the correction's pass over acc (BM × DV floats each key
+#: tile) was 12 % of a D=128 prefill (perf, one thread, S=2048).
+LAZY_GAP = 8.0
 
 
 def _softmax_macro(k: _TileShape):
     """The online softmax over one key tile: the running max over the visible keys, the
     correction ``alpha = exp2(m_old - m_new)`` (guarded: no -inf - -inf), ``P = exp2(S - m_new)``
-    (masked entries exactly 0) and ``l = l·alpha + rowsum(P)``."""
+    (masked entries exactly 0) and ``l = l·alpha + rowsum(P)``. The AMX form (``k.amx``) takes
+    the max lazily (:data:`LAZY_GAP`): ``lz = (m_ref, need)``, the reference (block ``max_ref``)
+    and whether acc needs the correction (``rescale_any``); other forms pass a placeholder."""
     N, BM, BN, qscale, dot_bf16 = k.N, k.BM, k.BN, k.qscale, k.dot_bf16
-    score_mod = k.score_mod
+    score_mod, lazy = k.score_mod, k.amx
 
     def scaled(t, x, vi, qs):
         # dot_bf16 and dot_decode sum unscaled products (Q keeps its exact bf16 values: no
@@ -685,7 +720,8 @@ def _softmax_macro(k: _TileShape):
         return t.logit(key_scaled(t, x, vj, vi, qs, Ksc), vj, vi, vc)
 
     @T.macro
-    def online_softmax(S, Sm, P, m, m_new, l, alpha, t, vc, qs, Ksc):
+    def online_softmax(S, Sm, P, m, m_new, l, alpha, t, vc, qs, Ksc, lz):
+        ref = T.meta_var(lz[0] if lazy else m_new)  # the max P is taken against (lazy: m_ref)
         if score_mod:
             # the modified scores go to a buffer of their own: every buffer of the tile keeps
             # one writer (S_gemm's S is a reduction the schedules decompose)
@@ -703,20 +739,30 @@ def _softmax_macro(k: _TileShape):
                 with T.init():
                     m_new[vi] = m[vi]
                 m_new[vi] = T.max(m_new[vi], score(t, S, Sm, vj, vi, vc, qs, Ksc))
+        if lazy:  # the reference max: the running one unless this tile passes it by LAZY_GAP
+            for i in T.serial(BM):
+                with T.sblock(N["max_ref"]):
+                    vi = T.axis.remap("S", [i])
+                    lz[0][vi] = T.Select(m_new[vi] - m[vi] <= T.float32(LAZY_GAP), m[vi], m_new[vi])
         # -- online correction factor; the guard keeps -inf - -inf out ----------
         for i in T.serial(BM):
             with T.sblock(N["online_correction"]):
                 vi = T.axis.remap("S", [i])
-                alpha[vi] = exp2_fast(m[vi] - guarded(m_new[vi]))
+                alpha[vi] = exp2_fast(m[vi] - guarded(ref[vi]))
         for i in T.serial(BM):
             with T.sblock(N["max_commit"]):
                 vi = T.axis.remap("S", [i])
-                m[vi] = m_new[vi]
+                m[vi] = ref[vi]
+        if lazy:  # whether any row's reference moved (then acc is rescaled: acc_rescale)
+            with T.sblock(N["rescale_any"]):
+                lz[1][0] = 0
+                for i in T.serial(BM):
+                    lz[1][0] = T.max(lz[1][0], T.Select(alpha[i] != T.float32(1), 1, 0))
         # -- P = exp2(S - m_new); masked entries are exactly 0 -------------------
         for j, i in T.grid(BN, BM):
             with T.sblock(N["P_exp"]):
                 vj, vi = T.axis.remap("SS", [j, i])
-                P[vj, vi] = exp2_fast(score(t, S, Sm, vj, vi, vc, qs, Ksc) - guarded(m_new[vi]))
+                P[vj, vi] = exp2_fast(score(t, S, Sm, vj, vi, vc, qs, Ksc) - guarded(ref[vi]))
         # -- l = l·alpha + rowsum(P) -------------------------------------------
         for j, i in T.grid(BN, BM):
             with T.sblock(N["row_sum"]):
@@ -772,6 +818,40 @@ def _pv_macros(k: _TileShape):
             with T.sblock(N["acc_rescale"]):
                 vi, vd = T.axis.remap("SS", [i, d])
                 acc[vi, vd] = acc[vi, vd] * alpha[vi]
+
+    mm, tr = amx.macros(k.dot_bf16 == amx.EMULATED)[:2] if k.amx else (None, None)
+    TRW = amx.TR_WORDS
+
+    @T.macro
+    def v_pairs(Vu, Vb, Vt, t, vc):
+        for j, d in T.grid(BN, D):
+            with T.sblock(N["V_load"]):
+                vj, vd = T.axis.remap("SS", [j, d])
+                Vb[vj, vd] = k.bits(Vu[t.kv_at(vc, vj, vd)])
+        for jp, d, tt in T.grid(BN // 2, D, 2):
+            with T.sblock(N["V_ilv"]):
+                vp, vd, vt = T.axis.remap("SSS", [jp, d, tt])
+                Vt[vp, vd, vt] = Vb[2 * vp + vt, vd]
+
+    @T.macro
+    def pv_gemm_amx(Vu, P, Pr, Pb, Pq, Vb, Vt, acc, alpha, t, vc, Vsc, regs, need):
+        # acc (32 rows × 32 columns per call) += Pq (P rounded, query-major) · Vt (V's pairs
+        # along the keys); Pq is Pb's pairs transposed, 16 × 16 words at a time
+        p_pairs(P, Pr, Pb, Vsc)
+        with T.sblock(N["P_tr"]):
+            T.reads(Pb[0:BN // 2, 0:BM, 0:2])
+            T.writes(Pq[0:BM, 0:BN])
+            for jb, ib in T.grid(BN // (2 * TRW), BM // TRW):
+                tr(Pq, (ib * TRW, jb * 2 * TRW), BN, Pb, (jb * TRW, ib * TRW, 0), 2 * BM)
+        v_pairs(Vu, Vb, Vt, t, vc)
+        if need[0] > 0:  # some row's reference moved (the lazy correction, _softmax_macro)
+            rescale(acc, alpha)
+        with T.sblock(N["PV_gemm"]):
+            T.reads(acc[0:BM, 0:D], Pq[0:BM, 0:BN], Vt[0:BN // 2, 0:D, 0:2])
+            T.writes(acc[0:BM, 0:D])
+            for ib, db in T.grid(BM // amx.BLOCK, D // amx.BLOCK):
+                mm(acc, (ib * amx.BLOCK, db * amx.BLOCK), D, Pq, (ib * amx.BLOCK, 0), BN,
+                   Vt, (0, db * amx.BLOCK, 0), 2 * D, BN // amx.KSTEP, 0, regs)
 
     @T.macro
     def pv_gemm_dot(Vu, P, Pr, Pb, Vb, Vt, acc, alpha, t, vc, Vsc):
@@ -830,7 +910,8 @@ def _pv_macros(k: _TileShape):
                     acc[vi, vd] = acc[vi, vd] * alpha[vi]
                 acc[vi, vd] = acc[vi, vd] + p_of(P, Vsc, vj, vi, vd) * k.kv(V[t.kv_at(vc, vj, vd)])
 
-    return types.SimpleNamespace(dot=pv_gemm_dot, dot_heads=pv_gemm_dot_heads, heads=pv_gemm_heads, plain=pv_gemm)
+    return types.SimpleNamespace(dot=pv_gemm_dot, amx=pv_gemm_amx, dot_heads=pv_gemm_dot_heads, heads=pv_gemm_heads,
+                                 plain=pv_gemm)
 
 
 def _scale_macro(k: _TileShape, spec: AttentionSpec):
@@ -1008,9 +1089,14 @@ def _q_macros(k: _TileShape):
     return q_pairs, q_load
 
 
-def _check_tile_args(spec: AttentionSpec, BM: int, BN: int, stage_k: bool, dot_bf16: bool, prefetch: int,
+def _check_tile_args(spec: AttentionSpec, BM: int, BN: int, stage_k: bool, dot_bf16: int, prefetch: int,
                      heads: int, dot_decode: int) -> None:
     """A ValueError naming what ``_tile_macro``'s arguments ask that its forms cannot do."""
+    if dot_bf16 not in (0, 1, amx.REAL, amx.EMULATED):
+        raise ValueError(f"dot_bf16={dot_bf16} must be 0 (float32 products), 1 (vdpbf16ps), {amx.REAL} (AMX tiles) "
+                         f"or {amx.EMULATED} (AMX emulated)")
+    if dot_bf16 in (amx.REAL, amx.EMULATED) and amx.fits(BM, BN, spec.head_dim, spec.v_dim):
+        raise ValueError(amx.fits(BM, BN, spec.head_dim, spec.v_dim))
     if dot_bf16 and (spec.dtype != "bfloat16" or spec.kv_quantized or spec.head_dim % 2 or BN % 2):
         raise ValueError(f"dot_bf16 needs bfloat16 inputs and an even head_dim and block_n, got {spec.dtype}, "
                          f"D={spec.head_dim}, block_n={BN}")
@@ -1047,7 +1133,7 @@ def _check_tile_args(spec: AttentionSpec, BM: int, BN: int, stage_k: bool, dot_b
 # operands rounds nothing the float32 products did not; PV's rounds P to bf16. The row sum ``l``
 # adds the unrounded P. ``spec.qk_int8``: :func:`_q_macros`.
 def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: str | None = None,
-                stage_k: bool = False, dot_bf16: bool = False, prefetch: int = 0, heads: int = 1,
+                stage_k: bool = False, dot_bf16: int = 0, prefetch: int = 0, heads: int = 1,
                 dot_decode: int = 0):
     """The per-row-tile pipeline (Q load, online softmax over key tiles, store) as a TVMScript macro: one piece
     of compute that every layout's frame calls with its own :class:`_Tile`. ``suffix`` is appended to every
@@ -1070,16 +1156,22 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
     SC_SHAPE, VSC_SHAPE = ((BN, BM),) * 2 if k.token_scales else ((HT, BN, NG), (HT, BN, spec.v_scale_groups))
     s_gemm_dot, s_gemm_heads, s_gemm_staged, s_gemm = sg.dot, sg.heads, sg.staged, sg.plain
     pv_gemm_dot, pv_gemm_dot_heads, pv_gemm_heads, pv_gemm = pv.dot, pv.dot_heads, pv.heads, pv.plain
+    s_gemm_amx, pv_gemm_amx = sg.amx, pv.amx
     (online_softmax, store), (q_pairs, q_load) = (_softmax_macro(k), _store_macro(k)), _q_macros(k)
     # Qt's and Kt's: bf16 bits for dot_decode 1/2, the signed and unsigned bytes of vpdpbusd for 3
     QT_DTYPE, KT_DTYPE = {0: ("float32",) * 2, 3: ("int8", "uint8"), 4: ("int8",) * 2,
                           5: ("int8",) * 2}.get(dot_decode, ("uint16",) * 2)
     PV_DOT = bool(dot_bf16) or dot_decode == 2  # PV on bf16 pairs (Vb, Vt, Pr, Pb)
+    # the AMX form (dot_bf16 2, emulated 3): P query-major (Pq); the tile config per row tile
+    # and the AMX functions' import (amx.IR) where the tiles are real
+    AMX, AMX_REAL, AMX_EMU, DOT = k.amx, dot_bf16 == amx.REAL, dot_bf16 == amx.EMULATED, bool(dot_bf16)
+    amx_begin, amx_end = amx.macros(not AMX_REAL)[2:]
+    KV_LOOP = {"pragma_import_llvm": amx.IR} if AMX_REAL else None
     cmask, mask_any = spec.custom_mask, _mask_any_macro(k)  # tiles whose mask bits are all 0: skipped
 
     @T.macro
     def tile(Q, K, V, O, t, nc, X):
-        if not dot_bf16:
+        if not DOT:
             Qt = T.sblock_alloc_buffer((D, BM), QT_DTYPE, scope="local")  # q tile, transposed
         S = T.sblock_alloc_buffer((BN, BM), "float32", scope="local")  # scores, key-major
         if k.score_mod:
@@ -1096,6 +1188,9 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
             seen = T.meta_var(m)
         if k.qk_int8:
             qs = T.sblock_alloc_buffer((2, BM), "float32", scope="local")  # the rows' max|q|, then s_q; 128·Σq_i
+        if not AMX:  # placeholders, never read (the AMX form's buffers)
+            Pq = T.meta_var(m)
+            lz = T.meta_var((m, m))
         if fine:  # the key tile's key and value scales: per (key, row) as S, or (head, key, group)
             Ksc = T.sblock_alloc_buffer(SC_SHAPE, "float32", scope="local")
             Vsc = T.sblock_alloc_buffer(VSC_SHAPE, "float32", scope="local")
@@ -1118,7 +1213,7 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
         if dot_decode == 2:
             Pr = T.sblock_alloc_buffer((BN, BM), "uint16", scope="local")  # P rounded, key-major
             Pb = T.sblock_alloc_buffer((BN // 2, BM, 2), "uint16", scope="local")  # p pairs (key)
-        if dot_bf16:
+        if DOT:
             Qu = T.decl_buffer(Q.shape, "uint16", data=Q.data, align=A)  # bf16 inputs as their bits
             Ku = T.decl_buffer(K.shape, "uint16", data=K.data, align=A)
             Vu = T.decl_buffer(V.shape, "uint16", data=V.data, align=A)
@@ -1128,11 +1223,26 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
             Vt = T.sblock_alloc_buffer((BN // 2, DV, 2), "uint16", scope="local")  # v pairs (key)
             Pr = T.sblock_alloc_buffer((BN, BM), "uint16", scope="local")  # P rounded, key-major
             Pb = T.sblock_alloc_buffer((BN // 2, BM, 2), "uint16", scope="local")  # p pairs (key)
+            if AMX:
+                Pq = T.sblock_alloc_buffer((BM, BN), "uint16", scope="local")  # P rounded, query-major
+                lz = (T.sblock_alloc_buffer((BM,), "float32", scope="local"),  # the rows' reference max
+                      T.sblock_alloc_buffer((1,), "int32", scope="local"))  # whether acc is rescaled
+            if AMX_EMU:  # the tile registers (C 0-3, A 4-5, B 6-7)
+                regs = (T.sblock_alloc_buffer(amx.REGS[0][0], amx.REGS[0][1], scope="local"),
+                        T.sblock_alloc_buffer(amx.REGS[1][0], amx.REGS[1][1], scope="local"),
+                        T.sblock_alloc_buffer(amx.REGS[2][0], amx.REGS[2][1], scope="local"))
+            else:
+                regs = T.meta_var((m, m, m))  # placeholders, never read
         elif k.raw16:  # a bf16 cache read as its bits by decode_dot's products
             Ku = T.decl_buffer(K.shape, "uint16", data=K.data, align=A)
             Vu = T.decl_buffer(V.shape, "uint16", data=V.data, align=A)
 
-        if dot_bf16:
+        if AMX:
+            with T.sblock(N["tile_config"]):
+                T.reads()
+                T.writes()
+                amx_begin()
+        if DOT:
             q_pairs(Qu, Qp, t)
         else:
             if k.qk_int8:
@@ -1149,7 +1259,7 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
                 vi, vd = T.axis.remap("SS", [i, d])
                 acc[vi, vd] = T.float32(0)
 
-        for c in T.serial(t.n_tiles(nc)):
+        for c in T.serial(t.n_tiles(nc), annotations=KV_LOOP):
             with T.sblock(N["kv_tile"]):
                 # The key-tile loop carries m, l and acc from one tile to the next: a
                 # reduction over tiles. Inside it each buffer has exactly one writer
@@ -1160,7 +1270,9 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
                 if t.tile_seen(seen):
                     if fine:
                         scale_load(Ksc, Vsc, t, vc)
-                    if dot_bf16:
+                    if AMX:
+                        s_gemm_amx(Ku, Kb, Qp, S, t, vc, regs)
+                    elif DOT:
                         s_gemm_dot(Ku, Kb, Qp, S, t, vc)
                     else:
                         if stage_k and HT > 1 and k.raw16:
@@ -1174,14 +1286,16 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
                         else:
                             s_gemm(K, Qt, S, t, vc, Ksc)
                     if k.score_mod and k.qk_int8:
-                        online_softmax(S, Sm, P, m, m_new, l, alpha, t, vc, qs, Ksc)
+                        online_softmax(S, Sm, P, m, m_new, l, alpha, t, vc, qs, Ksc, lz)
                     elif k.score_mod:
-                        online_softmax(S, Sm, P, m, m_new, l, alpha, t, vc, m, Ksc)  # (m for qs: never read)
+                        online_softmax(S, Sm, P, m, m_new, l, alpha, t, vc, m, Ksc, lz)  # (m for qs: never read)
                     elif k.qk_int8:
-                        online_softmax(S, S, P, m, m_new, l, alpha, t, vc, qs, Ksc)  # (no Sm: never read)
+                        online_softmax(S, S, P, m, m_new, l, alpha, t, vc, qs, Ksc, lz)  # (no Sm: never read)
                     else:
-                        online_softmax(S, S, P, m, m_new, l, alpha, t, vc, m, Ksc)
-                    if PV_DOT and HT > 1 and k.raw16:
+                        online_softmax(S, S, P, m, m_new, l, alpha, t, vc, m, Ksc, lz)
+                    if AMX:
+                        pv_gemm_amx(Vu, P, Pr, Pb, Pq, Vb, Vt, acc, alpha, t, vc, Vsc, regs, lz[1])
+                    elif PV_DOT and HT > 1 and k.raw16:
                         pv_gemm_dot_heads(Vu, P, Pr, Pb, Vb, Vt, acc, alpha, t, vc, Vsc)
                     elif PV_DOT and HT > 1:
                         pv_gemm_dot_heads(V, P, Pr, Pb, Vb, Vt, acc, alpha, t, vc, Vsc)
@@ -1194,6 +1308,11 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
                     else:
                         pv_gemm(V, P, acc, alpha, t, vc, Vsc)
         store(O, X, acc, m, l, t)
+        if AMX:
+            with T.sblock(N["tile_release"]):
+                T.reads()
+                T.writes()
+                amx_end()
 
     return tile
 
@@ -1228,7 +1347,7 @@ class _Dense:
         self.lse = bool(spec.return_lse)
 
 
-def _main_nest(f: _Dense, dot_bf16: bool):
+def _main_nest(f: _Dense, dot_bf16: int):
     """The main nest: one row tile per (batch, head, block of ``block_m`` query rows)."""
     spec, B, H, SQ, D, G, BM, BN, kv, NC, lse = f.spec, f.B, f.H, f.SQ, f.D, f.G, f.BM, f.BN, f.kv, f.NC, f.lse
     NR = f.NR
@@ -1261,7 +1380,7 @@ def _main_nest(f: _Dense, dot_bf16: bool):
     return main_nest
 
 
-def _latent_nest(f: _Dense, dot_bf16: bool, split_tasks: int = 0):
+def _latent_nest(f: _Dense, dot_bf16: int, split_tasks: int = 0):
     """The main nest of a latent cache (MLA): one kv head for all ``H`` query heads, so a row
     tile packs them: row ``p`` of sequence ``b`` is position ``p // H`` of head ``p % H``, and one
     tile per (batch, ``block_m`` packed rows) reads the latent rows once for ``block_m`` heads
@@ -1636,7 +1755,7 @@ def _decode_tier(f: _Dense, BD: int, suffix: str, split_tasks: int, stage: bool,
 
 
 def _dense(spec: AttentionSpec, block_m: int, block_n: int, decode_rows: tuple[int, ...] = (),
-           split_tasks: int = 0, stage_k_below: int = 0, dot_bf16: bool = False, prefetch: int = 0,
+           split_tasks: int = 0, stage_k_below: int = 0, dot_bf16: int = 0, prefetch: int = 0,
            decode_heads: int = 1, decode_dot: int = 0) -> tirx.PrimFunc:
     """Layouts with dense queries, ``Q``/``O (B, H, Sq, D)``: ``bhsd`` (``K``/``V (B, KH, Skv,
     D)``), ``kvcache`` (``K``/``V (B, KH, max_len, D)`` + ``cache_seqlens (B,)``) and ``paged``
@@ -1952,7 +2071,7 @@ def _keep_params(func: tirx.PrimFunc, keep: list[bool], extra=(), n_outputs: int
     return ssa_checked(tirx.PrimFunc(params, func.body, func.ret_type, func.attrs))
 
 
-def _varlen(spec: AttentionSpec, block_m: int, block_n: int, dot_bf16: bool = False) -> tirx.PrimFunc:
+def _varlen(spec: AttentionSpec, block_m: int, block_n: int, dot_bf16: int = 0) -> tirx.PrimFunc:
     """FlashAttention's packed varlen layout: ``Q (total_q, H, D)``, ``K``/``V (total_k, KH, D)``,
     ``cu_seqlens_q``/``cu_seqlens_k (batch+1,) int32``, ``O (total_q, H, D)``.
 
