@@ -116,7 +116,8 @@ def preset(spec: AttentionSpec, target: Target) -> FlashCPUKnobs:
     """
     lanes = vector_lanes(target)
     regs = VECTOR_REGISTERS.get(lanes, 16)
-    if lanes == cpu_amx.L and amx_tiles(spec, target, *AMX_TILE):
+    if (lanes == cpu_amx.L and amx_tiles(spec, target, *AMX_TILE)
+            and 4 * ((spec.head_dim + spec.v_dim) * AMX_TILE[0] + 2 * AMX_TILE[1] * AMX_TILE[0]) <= MAX_TILE_BYTES):
         return _amx_preset(spec, target)
     # the dot-product form where it can run and this host's dot products outrun its FMAs
     # (cpu_balance: not on an Intel core, which issues vdpbf16ps on one port and FMAs on two)
