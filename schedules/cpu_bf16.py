@@ -29,9 +29,17 @@ from tvm.script import tirx as T
 from ..spec import AttentionSpec
 from ..tvm_internals import register_tensor_intrin
 from ..workloads._math import bf16_value
-
-from .cpu_space import (AUTO_UNROLL_STEPS, PARALLEL_CHUNKS, dot_pv_columns, has_block, max_pv_rows, max_s_rows, sample_choice,
-                        sample_tile, vectorize_rows)
+from .cpu_space import (
+    AUTO_UNROLL_STEPS,
+    PARALLEL_CHUNKS,
+    dot_pv_columns,
+    has_block,
+    max_pv_rows,
+    max_s_rows,
+    sample_choice,
+    sample_tile,
+    vectorize_rows,
+)
 
 L = 16  # float32 lanes of one vdpbf16ps (a zmm register)
 U16, F32 = "uint16", "float32"
@@ -145,16 +153,7 @@ def schedule(sch: s_tir.Schedule, spec: AttentionSpec, knobs=None, suffix: str =
     def blk(name):
         return sch.get_sblock(name + suffix)
 
-    def vec(loop, extent, lanes):
-        if extent > lanes:
-            outer, loop = sch.split(loop, [None, lanes])
-            sch.unroll(outer)
-        sch.vectorize(loop)
-
-    # Copies: the key and value tiles' bits (contiguous rows); Q pairs once per row tile.
-    vec(sch.get_loops(blk("K_load"))[-1], D, 32)
-    vec(sch.get_loops(blk("V_load"))[-1], DV, 32)
-    sch.unroll(sch.get_loops(blk("Q_load"))[-1])
+    stage_copies(sch, blk, D, DV)
 
     # S_gemm (j, dp, i, t) -> (jo, dp, ji, io, [t, ii]): s_rows keys × query vectors of
     # accumulators across the d-pair loop, one vdpbf16ps per (key, query vector, d pair).
@@ -170,14 +169,7 @@ def schedule(sch: s_tir.Schedule, spec: AttentionSpec, knobs=None, suffix: str =
     sch.unroll(ji)
     sch.unroll(io)
 
-    # Pairs of V rows and of P rows (keys 2jp, 2jp+1) interleaved, 16 columns per shuffle.
-    for name in ("V_ilv", "P_ilv"):
-        b = blk(name)
-        jp, x, t = sch.get_loops(b)[-3:]
-        xo, xi = sch.split(x, [None, L])
-        sch.reorder(jp, xo, t, xi)
-        sch.tensorize(t, ILV)
-    vec(sch.get_loops(blk("P_round"))[-1], block_m, L)
+    interleave_pairs(sch, blk, block_m)
 
     # PV_gemm (i, jp, d, t) -> (io, [dc,] jp, ii, do, [t, di]): pv_rows rows × pv_cols/16 column
     # vectors; the column block as the preset's (cpu_space.dot_pv_columns): not sampled
@@ -197,27 +189,74 @@ def schedule(sch: s_tir.Schedule, spec: AttentionSpec, knobs=None, suffix: str =
     sch.unroll(ii)
     sch.unroll(do)
 
-    # Softmax stages across query rows, as the fp32 schedule.
-    for name in ("row_max", "P_exp", "row_sum", "state_init", "online_correction", "max_commit", "score_mod"):
-        if name != "score_mod" or has_block(sch, name):  # score_mod: a variant's (softcap, ALiBi)
+    vectorize_softmax(sch, blk, suffix)
+    return parallel_rows(sch, row_tile, blk, knobs, {"s_rows": s_rows[1], "pv_rows": pv_rows[1],
+                                                      "pv_cols": pv_cols if pv_cols < DV else 0, "d_unroll": 1},
+                         DPBF16_IR)
+
+
+# -- what the bf16 dot-product and the AMX schedules (cpu_amx) share --------------------------
+
+def _vec(sch: s_tir.Schedule, loop, extent: int, lanes: int) -> None:
+    if extent > lanes:
+        outer, loop = sch.split(loop, [None, lanes])
+        sch.unroll(outer)
+    sch.vectorize(loop)
+
+
+def stage_copies(sch: s_tir.Schedule, blk, D: int, DV: int) -> None:
+    """The key and value tiles' bits copied by rows (``K_load``/``V_load``); q's pairs
+    (``Q_load``) once per row tile. ``blk(name)``: the nest's block."""
+    _vec(sch, sch.get_loops(blk("K_load"))[-1], D, 32)
+    _vec(sch, sch.get_loops(blk("V_load"))[-1], DV, 32)
+    sch.unroll(sch.get_loops(blk("Q_load"))[-1])
+
+
+def interleave_pairs(sch: s_tir.Schedule, blk, block_m: int) -> None:
+    """Pairs of V rows and of P rows (keys 2jp, 2jp+1) interleaved, 16 columns per shuffle
+    (:data:`ILV`); P rounded to bf16 in vectors across its rows."""
+    for name in ("V_ilv", "P_ilv"):
+        b = blk(name)
+        jp, x, t = sch.get_loops(b)[-3:]
+        xo, xi = sch.split(x, [None, L])
+        sch.reorder(jp, xo, t, xi)
+        sch.tensorize(t, ILV)
+    _vec(sch, sch.get_loops(blk("P_round"))[-1], block_m, L)
+
+
+#: the softmax's blocks vectorized across query rows (``score_mod``: a variant's, when present;
+#: ``max_ref``: the AMX form's lazy reference)
+SOFTMAX_ROWS = ("row_max", "P_exp", "row_sum", "state_init", "max_ref", "online_correction", "max_commit",
+                "score_mod")
+
+
+def vectorize_softmax(sch: s_tir.Schedule, blk, suffix: str) -> None:
+    """The softmax stages across query rows, as the fp32 schedule; the accumulator's init and the
+    store along its rows. (acc_rescale reads what it writes, not a complete block: vectorize
+    refuses it; its loop is a plain contiguous scale that LLVM vectorizes itself.)"""
+    for name in SOFTMAX_ROWS:
+        if name not in ("score_mod", "max_ref") or has_block(sch, name + suffix):
             vectorize_rows(sch, sch.get_loops(blk(name))[-1], L)
     for name in ("acc_init", "O_store"):
         sch.vectorize(sch.get_loops(blk(name))[-1])
-    # acc_rescale reads what it writes (not a complete block: vectorize refuses it); its loop is
-    # a plain contiguous scale that LLVM vectorizes itself
     for name in ("row_max", "row_sum"):
         b = blk(name)
         sch.decompose_reduction(b, sch.get_loops(b)[-3])
 
+
+def parallel_rows(sch: s_tir.Schedule, row_tile, blk, knobs, recorded: dict, import_llvm: str | None):
+    """The key-tile loop's unrolling (``auto_unroll``) and the row tiles' parallel chunks
+    (``parallel_chunk``), pinned to ``knobs`` or sampled (None); ``recorded`` and both decisions
+    annotated on ``row_tile`` as ``attn.*`` (what ``cpu_fused.knobs_of`` reads back);
+    ``import_llvm``: LLVM IR the key-tile loop imports."""
+    pin = knobs is not None
     c_loop = sch.get_loops(blk("kv_tile"))[-1]
     unroll = sample_choice(sch, AUTO_UNROLL_STEPS, knobs.auto_unroll if pin else None)
     sch.annotate(c_loop, "pragma_auto_unroll_max_step", unroll)
     sch.annotate(c_loop, "pragma_unroll_explicit", 1)
-    sch.annotate(c_loop, "pragma_import_llvm", DPBF16_IR)
-
-    for key, value in (("s_rows", s_rows[1]), ("pv_rows", pv_rows[1]), ("pv_cols", pv_cols if pv_cols < DV else 0),
-                       ("d_unroll", 1),
-                       ("auto_unroll", unroll)):
+    if import_llvm:
+        sch.annotate(c_loop, "pragma_import_llvm", import_llvm)
+    for key, value in (*recorded.items(), ("auto_unroll", unroll)):
         sch.annotate(row_tile, f"attn.{key}", value)
     fused = sch.fuse(*sch.get_loops(row_tile))
     chunk = sample_choice(sch, PARALLEL_CHUNKS, knobs.parallel_chunk if pin else None)

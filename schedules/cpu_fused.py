@@ -33,7 +33,7 @@ from ..layouts import LAYOUTS
 from ..quant import KV_SCALES
 from ..spec import KV_DTYPES, SUPPORTED_DTYPES, VARIANTS, AttentionSpec
 from ..target import target_features, vector_lanes
-from ..workloads import fused_attention
+from ..workloads import amx, fused_attention
 from ..workloads.fused import DECODE, MERGE, SPLIT, n_splits
 from ..workloads.knob_attrs import FUSED, FUSED_DECODE
 
@@ -324,7 +324,6 @@ DOT_FORMS = {0: "float32 FMAs", 1: "vdpbf16ps", AMX: "AMX tiles", AMX_EMULATED: 
 def check_amx(knobs: FlashCPUKnobs, spec: AttentionSpec, target: Target) -> None:
     """The AMX forms' needs (``dot_bf16`` 2, emulated 3): bfloat16 inputs, the tile and head dims
     in blocks of 32, AVX-512 vectors for the softmax; the real form a CPU with AMX-BF16."""
-    from ..workloads import amx
     name = f"dot_bf16={knobs.dot_bf16} ({DOT_FORMS[knobs.dot_bf16]})"
     if spec.dtype != "bfloat16" or spec.kv_quantized:
         raise KnobError(f"{name} multiplies bfloat16 inputs: dtype={spec.dtype}, kv_dtype={spec.kv_dtype}")

@@ -9,6 +9,7 @@ import weakref
 from typing import Any
 
 import tvm
+import tvm_ffi
 from tvm import s_tir
 from tvm.target import Target
 
@@ -22,7 +23,7 @@ from .schedules._knobs import KnobError
 from .spec import ENTRY, MAX_SEQ_LEN, AttentionSpec
 from .target import check_target_runnable, cpu_features, is_cuda, resolve_target, vector_lanes
 from .task_mods import tuning_spec
-from .workloads import WORKLOADS
+from .workloads import WORKLOADS, amx
 from .workloads.index_checks import with_device_index_checks, with_index_checks
 
 
@@ -302,9 +303,6 @@ def with_amx_permission(mod: tvm.IRModule) -> tvm.IRModule:
     asks Linux for the tile state (``workloads.amx.permit_prologue``: once per process, before any
     parallel loop) and raises a ValueError if the kernel refuses: a C++ caller needs nothing, and
     a refusal is an error, never the SIGILL of a tile instruction without it."""
-    import tvm_ffi
-
-    from .workloads import amx
     func = mod["main"]
     if func.attrs is None or int(func.attrs.get("attn.dot_bf16", 0)) != amx.REAL:
         return mod

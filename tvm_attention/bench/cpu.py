@@ -20,6 +20,7 @@ from ..schedules.cpu_bf16 import DPBF16_IR, FEATURE
 from ..target import host_cpu, resolve_target, target_features, vector_lanes
 from ..threads import num_threads
 from ..timing import time_callable
+from ..workloads import amx
 
 
 def sgemm_ceiling(n: int = 2048) -> float:
@@ -203,8 +204,6 @@ def amx_tile_peak(threads: int | None = None, iters: int = 1 << 16, repeat: int 
     tiles: ``../shared/examples/amx_probe.py``). None without AMX-BF16."""
     import tvm
     from tvm.script import tirx as T
-
-    from ..workloads import amx
 
     t0 = time.perf_counter()
     threads, target, _ = _threads_and_target(threads, target)

@@ -289,3 +289,68 @@ def macros(emulate: bool):
     if emulate:
         return mm_emulated, tr_emulated, nothing, nothing
     return mm_real, tr_real, begin, end
+
+
+def tile_products(k, sg, pv):
+    """The fused tile's two products on tiles (``k``: the tile's ``_TileShape``; ``sg``/``pv``: its
+    other forms' macros, whose staging the tiles read): ``s(Ku, Kb, Qp, S, t, vc, regs)``, ``S = K·Qᵀ``
+    of one key tile, 32 keys × 32 rows per call, from the key rows as staged (``K_load``) and q's
+    pairs; ``pv(Vu, P, Pr, Pb, Pq, Vb, Vt, acc, alpha, t, vc, Vsc, regs, need)``, ``acc += P·V``,
+    32 rows × 32 columns per call, from P rounded, paired (``P_round``/``P_ilv``) and transposed
+    to query-major ``Pq`` (block ``P_tr``, 16 × 16 words per call) and V's pairs along the keys
+    (``V_load``/``V_ilv``); the correction first where some row's reference moved (``need``)."""
+    N, BM, BN, D, DV = k.N, k.BM, k.BN, k.D, k.DV
+    mm, tr = macros(k.dot_bf16 == EMULATED)[:2]
+    k_bits, p_pairs, v_pairs, rescale = sg.k_bits, pv.p_pairs, pv.v_pairs, pv.rescale
+
+    @T.macro
+    def s(Ku, Kb, Qp, S, t, vc, regs):
+        k_bits(Ku, Kb, t, vc)
+        with T.sblock(N["S_gemm"]):
+            T.reads(Kb[0:BN, 0:D], Qp[0:D // 2, 0:BM, 0:2])
+            T.writes(S[0:BN, 0:BM])
+            for jb, ib in T.grid(BN // BLOCK, BM // BLOCK):
+                mm(S, (jb * BLOCK, ib * BLOCK), BM, Kb, (jb * BLOCK, 0), D, Qp, (0, ib * BLOCK, 0), 2 * BM,
+                   D // KSTEP, 1, regs)
+
+    @T.macro
+    def pv_(Vu, P, Pr, Pb, Pq, Vb, Vt, acc, alpha, t, vc, Vsc, regs, need):
+        p_pairs(P, Pr, Pb, Vsc)
+        with T.sblock(N["P_tr"]):
+            T.reads(Pb[0:BN // 2, 0:BM, 0:2])
+            T.writes(Pq[0:BM, 0:BN])
+            for jb, ib in T.grid(BN // (2 * TR_WORDS), BM // TR_WORDS):
+                tr(Pq, (ib * TR_WORDS, jb * 2 * TR_WORDS), BN, Pb, (jb * TR_WORDS, ib * TR_WORDS, 0), 2 * BM)
+        v_pairs(Vu, Vb, Vt, t, vc)
+        if need[0] > 0:  # some row's reference moved (the lazy correction)
+            rescale(acc, alpha)
+        with T.sblock(N["PV_gemm"]):
+            T.reads(acc[0:BM, 0:DV], Pq[0:BM, 0:BN], Vt[0:BN // 2, 0:DV, 0:2])
+            T.writes(acc[0:BM, 0:DV])
+            for ib, db in T.grid(BM // BLOCK, DV // BLOCK):
+                mm(acc, (ib * BLOCK, db * BLOCK), DV, Pq, (ib * BLOCK, 0), BN, Vt, (0, db * BLOCK, 0), 2 * DV,
+                   BN // KSTEP, 0, regs)
+
+    return s, pv_
+
+
+def config_macros(N: dict, real: bool):
+    """Blocks ``tile_config`` and ``tile_release`` of a row tile: the tile config loaded before
+    its first tile instruction and released after its last (the real form; nothing emulated)."""
+    begin, end = macros(not real)[2:]
+
+    @T.macro
+    def config():
+        with T.sblock(N["tile_config"]):
+            T.reads()
+            T.writes()
+            begin()
+
+    @T.macro
+    def release():
+        with T.sblock(N["tile_release"]):
+            T.reads()
+            T.writes()
+            end()
+
+    return config, release

@@ -536,8 +536,7 @@ def _s_gemm_macros(k: _TileShape):
     a[2l+1]·b[2l+1]``: pairs along the reduction), bf16 values handled as their uint16 bits.
     ``Qp (D/2, BM, 2)`` holds Q unscaled (the scale multiplies the float32 scores instead: no
     extra rounding); ``S_gemm`` sums over (d pair, t)."""
-    N, BM, BN, D, HT, R, prefetch = k.N, k.BM, k.BN, k.D, k.HT, k.R, k.prefetch
-    LINE_ELEMS = k.line_elems
+    N, BM, BN, D, HT, R, prefetch, LINE_ELEMS = k.N, k.BM, k.BN, k.D, k.HT, k.R, k.prefetch, k.line_elems
     LINES = max(1, D // LINE_ELEMS)  # cache lines per K row (rows are line-aligned when D is)
     LINES_V = max(1, k.DV // LINE_ELEMS)  # per V row
     PF_LINES = max(LINES, LINES_V)
@@ -548,9 +547,8 @@ def _s_gemm_macros(k: _TileShape):
     def kvh(h):  # the head argument of a K/V index: none for a one-head tile
         return h if HT > 1 else None
 
-    # dot_decode: the staged keys (Kt) and Qt hold bf16 bits, exact for the caches it takes
-    # (K widened to bf16, or read as its bits), read back as float32 products the intrinsic's
-    # description spells
+    # dot_decode: the staged keys (Kt) and Qt hold bf16 bits, exact for the caches it takes (K
+    # widened to bf16, or read as its bits), read as float32 products the intrinsic's desc spells
     def operand(x):
         if k.dot_decode >= 3:  # bytes: their products and sums are exact in float32 (D <= 512)
             return f32(x)
@@ -560,34 +558,22 @@ def _s_gemm_macros(k: _TileShape):
         return Ksc[h, vj, T.floordiv(vd, SCALE_GROUP)] * product if k.group_dots else product
 
     @T.macro
-    def s_gemm_dot(Ku, Kb, Qp, S, t, vc):
-        # bf16 pairs along head_dim: vdpbf16ps operands
+    def k_bits(Ku, Kb, t, vc):
+        # the key tile's bf16 bits, (key, d): the dot-product and AMX forms' staged keys
         for j, d in T.grid(BN, D):
             with T.sblock(N["K_load"]):
                 vj, vd = T.axis.remap("SS", [j, d])
                 Kb[vj, vd] = Ku[t.kv_at(vc, vj, vd)]
+
+    @T.macro
+    def s_gemm_dot(Ku, Kb, Qp, S, t, vc):  # bf16 pairs along head_dim: vdpbf16ps operands
+        k_bits(Ku, Kb, t, vc)
         for j, dp, i, tt in T.grid(BN, D // 2, BM, 2):
             with T.sblock(N["S_gemm"]):
                 vj, vp, vi, vt = T.axis.remap("SRSR", [j, dp, i, tt])
                 with T.init():
                     S[vj, vi] = T.float32(0)
                 S[vj, vi] = S[vj, vi] + bf16_value(Kb[vj, 2 * vp + vt]) * bf16_value(Qp[vp, vi, vt])
-
-    mm = amx.macros(k.dot_bf16 == amx.EMULATED)[0] if k.amx else None
-
-    @T.macro
-    def s_gemm_amx(Ku, Kb, Qp, S, t, vc, regs):
-        # S (32 keys × 32 rows per call) = Kb (key rows as staged) · Qp (q's pairs along head_dim)
-        for j, d in T.grid(BN, D):
-            with T.sblock(N["K_load"]):
-                vj, vd = T.axis.remap("SS", [j, d])
-                Kb[vj, vd] = Ku[t.kv_at(vc, vj, vd)]
-        with T.sblock(N["S_gemm"]):
-            T.reads(Kb[0:BN, 0:D], Qp[0:D // 2, 0:BM, 0:2])
-            T.writes(S[0:BN, 0:BM])
-            for jb, ib in T.grid(BN // amx.BLOCK, BM // amx.BLOCK):
-                mm(S, (jb * amx.BLOCK, ib * amx.BLOCK), BM, Kb, (jb * amx.BLOCK, 0), D,
-                   Qp, (0, ib * amx.BLOCK, 0), 2 * BM, D // amx.KSTEP, 1, regs)
 
     @T.macro
     def kv_prefetch(K, V, t, vc, j):
@@ -663,7 +649,7 @@ def _s_gemm_macros(k: _TileShape):
                     S[vj, vi] = T.float32(0)
                 S[vj, vi] = S[vj, vi] + k.dequant(K[t.kv_at(vc, vj, vd)], Ksc, 0, vj, vd) * Qt[vd, vi]
 
-    return types.SimpleNamespace(dot=s_gemm_dot, amx=s_gemm_amx, prefetch=kv_prefetch, heads=s_gemm_heads,
+    return types.SimpleNamespace(dot=s_gemm_dot, k_bits=k_bits, prefetch=kv_prefetch, heads=s_gemm_heads,
                                  staged=s_gemm_staged, plain=s_gemm)
 
 
@@ -819,9 +805,6 @@ def _pv_macros(k: _TileShape):
                 vi, vd = T.axis.remap("SS", [i, d])
                 acc[vi, vd] = acc[vi, vd] * alpha[vi]
 
-    mm, tr = amx.macros(k.dot_bf16 == amx.EMULATED)[:2] if k.amx else (None, None)
-    TRW = amx.TR_WORDS
-
     @T.macro
     def v_pairs(Vu, Vb, Vt, t, vc):
         for j, d in T.grid(BN, D):
@@ -834,36 +817,9 @@ def _pv_macros(k: _TileShape):
                 Vt[vp, vd, vt] = Vb[2 * vp + vt, vd]
 
     @T.macro
-    def pv_gemm_amx(Vu, P, Pr, Pb, Pq, Vb, Vt, acc, alpha, t, vc, Vsc, regs, need):
-        # acc (32 rows × 32 columns per call) += Pq (P rounded, query-major) · Vt (V's pairs
-        # along the keys); Pq is Pb's pairs transposed, 16 × 16 words at a time
-        p_pairs(P, Pr, Pb, Vsc)
-        with T.sblock(N["P_tr"]):
-            T.reads(Pb[0:BN // 2, 0:BM, 0:2])
-            T.writes(Pq[0:BM, 0:BN])
-            for jb, ib in T.grid(BN // (2 * TRW), BM // TRW):
-                tr(Pq, (ib * TRW, jb * 2 * TRW), BN, Pb, (jb * TRW, ib * TRW, 0), 2 * BM)
-        v_pairs(Vu, Vb, Vt, t, vc)
-        if need[0] > 0:  # some row's reference moved (the lazy correction, _softmax_macro)
-            rescale(acc, alpha)
-        with T.sblock(N["PV_gemm"]):
-            T.reads(acc[0:BM, 0:D], Pq[0:BM, 0:BN], Vt[0:BN // 2, 0:D, 0:2])
-            T.writes(acc[0:BM, 0:D])
-            for ib, db in T.grid(BM // amx.BLOCK, D // amx.BLOCK):
-                mm(acc, (ib * amx.BLOCK, db * amx.BLOCK), D, Pq, (ib * amx.BLOCK, 0), BN,
-                   Vt, (0, db * amx.BLOCK, 0), 2 * D, BN // amx.KSTEP, 0, regs)
-
-    @T.macro
     def pv_gemm_dot(Vu, P, Pr, Pb, Vb, Vt, acc, alpha, t, vc, Vsc):
         p_pairs(P, Pr, Pb, Vsc)
-        for j, d in T.grid(BN, D):
-            with T.sblock(N["V_load"]):
-                vj, vd = T.axis.remap("SS", [j, d])
-                Vb[vj, vd] = k.bits(Vu[t.kv_at(vc, vj, vd)])
-        for jp, d, tt in T.grid(BN // 2, D, 2):
-            with T.sblock(N["V_ilv"]):
-                vp, vd, vt = T.axis.remap("SSS", [jp, d, tt])
-                Vt[vp, vd, vt] = Vb[2 * vp + vt, vd]
+        v_pairs(Vu, Vb, Vt, t, vc)
         rescale(acc, alpha)
         for i, jp, d, tt in T.grid(BM, BN // 2, D, 2):
             with T.sblock(N["PV_gemm"]):
@@ -910,8 +866,8 @@ def _pv_macros(k: _TileShape):
                     acc[vi, vd] = acc[vi, vd] * alpha[vi]
                 acc[vi, vd] = acc[vi, vd] + p_of(P, Vsc, vj, vi, vd) * k.kv(V[t.kv_at(vc, vj, vd)])
 
-    return types.SimpleNamespace(dot=pv_gemm_dot, amx=pv_gemm_amx, dot_heads=pv_gemm_dot_heads, heads=pv_gemm_heads,
-                                 plain=pv_gemm)
+    return types.SimpleNamespace(dot=pv_gemm_dot, dot_heads=pv_gemm_dot_heads, heads=pv_gemm_heads, plain=pv_gemm,
+                                 p_pairs=p_pairs, v_pairs=v_pairs, rescale=rescale)
 
 
 def _scale_macro(k: _TileShape, spec: AttentionSpec):
@@ -1119,6 +1075,70 @@ def _check_tile_args(spec: AttentionSpec, BM: int, BN: int, stage_k: bool, dot_b
                          f"(block_m={BM})")
 
 
+def _tile_shape(spec: AttentionSpec, BM: int, BN: int, suffix: str, stats: str | None, dot_bf16: int, prefetch: int,
+                heads: int, dot_decode: int) -> _TileShape:
+    """What the pieces of a tile macro share (:class:`_TileShape`) for ``_tile_macro``'s arguments."""
+    return _TileShape(
+        N={n: n + suffix for n in TILE_BLOCKS + OPTIONAL_BLOCKS}, BM=BM, BN=BN, D=spec.head_dim, DV=spec.v_dim,
+        HT=heads,
+        # Q is scaled to the log2 units of exp2 (scale·log2(e)); with a softcap to x / c, which
+        # score_mod's tanh takes (variants.score_scale)
+        qscale=score_scale(spec), dot_bf16=dot_bf16, prefetch=prefetch, stats=stats,
+        line_elems=CACHE_LINE // spec.kv_itemsize, transforms=transforms(spec),
+        mask_mod=spec.mask_mod is not None or spec.key_bounds or spec.custom_mask, kv_dtype=spec.kv_dtype,
+        dot_decode=dot_decode, qk_int8=spec.qk_int8, scale_groups=spec.scale_groups,
+        v_scale_groups=spec.v_scale_groups)
+
+
+def _product_macros(k: _TileShape, stage_k: bool):
+    """The tile's two products in the forms its arguments chose (:func:`_s_gemm_macros`,
+    :func:`_pv_macros`, :func:`.amx.tile_products`): ``s_product`` (``S`` of one key tile) and
+    ``pv_product`` (``acc = acc·alpha + P·V``). They take every buffer a form may read; those a
+    form has not are the tile's placeholders, never read."""
+    sg, pv = _s_gemm_macros(k), _pv_macros(k)
+    s_gemm_dot, s_gemm_heads, s_gemm_staged, s_gemm = sg.dot, sg.heads, sg.staged, sg.plain
+    pv_gemm_dot, pv_gemm_dot_heads, pv_gemm_heads, pv_gemm = pv.dot, pv.dot_heads, pv.heads, pv.plain
+    s_gemm_amx, pv_gemm_amx = amx.tile_products(k, sg, pv) if k.amx else (None, None)
+    HT, AMX, DOT, raw16 = k.HT, k.amx, bool(k.dot_bf16), k.raw16
+    PV_DOT = DOT or k.dot_decode == 2  # PV on bf16 pairs (Vb, Vt, Pr, Pb)
+
+    @T.macro
+    def s_product(K, V, Ku, Kb, Kt, Qp, Qt, S, t, vc, Ksc, regs):
+        if AMX:
+            s_gemm_amx(Ku, Kb, Qp, S, t, vc, regs)
+        elif DOT:
+            s_gemm_dot(Ku, Kb, Qp, S, t, vc)
+        elif stage_k and HT > 1 and raw16:
+            s_gemm_heads(Ku, Kt, Qt, S, t, vc, Ksc, K, V)
+        elif stage_k and HT > 1:
+            s_gemm_heads(K, Kt, Qt, S, t, vc, Ksc, K, V)
+        elif stage_k and raw16:
+            s_gemm_staged(Ku, Kt, Qt, S, t, vc, Ksc, K, V)
+        elif stage_k:
+            s_gemm_staged(K, Kt, Qt, S, t, vc, Ksc, K, V)
+        else:
+            s_gemm(K, Qt, S, t, vc, Ksc)
+
+    @T.macro
+    def pv_product(V, Vu, P, Pr, Pb, Pq, Vb, Vt, acc, alpha, t, vc, Vsc, regs, need):
+        if AMX:
+            pv_gemm_amx(Vu, P, Pr, Pb, Pq, Vb, Vt, acc, alpha, t, vc, Vsc, regs, need)
+        elif PV_DOT and HT > 1 and raw16:
+            pv_gemm_dot_heads(Vu, P, Pr, Pb, Vb, Vt, acc, alpha, t, vc, Vsc)
+        elif PV_DOT and HT > 1:
+            pv_gemm_dot_heads(V, P, Pr, Pb, Vb, Vt, acc, alpha, t, vc, Vsc)
+        elif PV_DOT and raw16:
+            pv_gemm_dot(Vu, P, Pr, Pb, Vb, Vt, acc, alpha, t, vc, Vsc)
+        elif PV_DOT:
+            pv_gemm_dot(V, P, Pr, Pb, Vb, Vt, acc, alpha, t, vc, Vsc)
+        elif HT > 1:
+            pv_gemm_heads(V, P, Vt, acc, alpha, t, vc, Vsc)
+        else:
+            pv_gemm(V, P, acc, alpha, t, vc, Vsc)
+
+    return s_product, pv_product
+
+
 # _tile_macro's arguments. Half-precision inputs are converted to float32 as they are loaded and
 # the output rounded to the dtype as it is stored: every tile buffer, the softmax state and the
 # accumulators are float32. ``stats``: what the tile writes to ``X`` besides ``O``: None,
@@ -1138,25 +1158,14 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
     """The per-row-tile pipeline (Q load, online softmax over key tiles, store) as a TVMScript macro: one piece
     of compute that every layout's frame calls with its own :class:`_Tile`. ``suffix`` is appended to every
     block name (a function may hold two nests of the tile); the other arguments: the comment above."""
-    N = {n: n + suffix for n in TILE_BLOCKS + OPTIONAL_BLOCKS}
     _check_tile_args(spec, BM, BN, stage_k, dot_bf16, prefetch, heads, dot_decode)
-    HT, D, DV = heads, spec.head_dim, spec.v_dim
-    # Q is scaled to the log2 units of exp2 (scale·log2(e)); with a softcap to x / c, which
-    # score_mod's tanh takes (variants.score_scale)
-    qscale, neg_inf = score_scale(spec), T.float32(float("-inf"))
-    k = _TileShape(N=N, BM=BM, BN=BN, D=D, DV=DV, HT=HT, qscale=qscale, dot_bf16=dot_bf16, prefetch=prefetch, stats=stats,
-                   line_elems=CACHE_LINE // spec.kv_itemsize, transforms=transforms(spec),
-                   mask_mod=spec.mask_mod is not None or spec.key_bounds or spec.custom_mask, kv_dtype=spec.kv_dtype,
-                   dot_decode=dot_decode, qk_int8=spec.qk_int8, scale_groups=spec.scale_groups,
-                   v_scale_groups=spec.v_scale_groups)
-    sg, pv = _s_gemm_macros(k), _pv_macros(k)
+    k = _tile_shape(spec, BM, BN, suffix, stats, dot_bf16, prefetch, heads, dot_decode)
+    N, HT, D, DV, neg_inf = k.N, heads, spec.head_dim, spec.v_dim, T.float32(float("-inf"))
     NG, scale_load = spec.scale_groups, _scale_macro(k, spec)
     fine = NG > 0  # per-token or per-group scales (a tile's own, scale_load)
     # the key tile's scales: per (key, row), or (head, key, group), V's groups DV/32
     SC_SHAPE, VSC_SHAPE = ((BN, BM),) * 2 if k.token_scales else ((HT, BN, NG), (HT, BN, spec.v_scale_groups))
-    s_gemm_dot, s_gemm_heads, s_gemm_staged, s_gemm = sg.dot, sg.heads, sg.staged, sg.plain
-    pv_gemm_dot, pv_gemm_dot_heads, pv_gemm_heads, pv_gemm = pv.dot, pv.dot_heads, pv.heads, pv.plain
-    s_gemm_amx, pv_gemm_amx = sg.amx, pv.amx
+    s_product, pv_product = _product_macros(k, stage_k)
     (online_softmax, store), (q_pairs, q_load) = (_softmax_macro(k), _store_macro(k)), _q_macros(k)
     # Qt's and Kt's: bf16 bits for dot_decode 1/2, the signed and unsigned bytes of vpdpbusd for 3
     QT_DTYPE, KT_DTYPE = {0: ("float32",) * 2, 3: ("int8", "uint8"), 4: ("int8",) * 2,
@@ -1164,9 +1173,9 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
     PV_DOT = bool(dot_bf16) or dot_decode == 2  # PV on bf16 pairs (Vb, Vt, Pr, Pb)
     # the AMX form (dot_bf16 2, emulated 3): P query-major (Pq); the tile config per row tile
     # and the AMX functions' import (amx.IR) where the tiles are real
-    AMX, AMX_REAL, AMX_EMU, DOT = k.amx, dot_bf16 == amx.REAL, dot_bf16 == amx.EMULATED, bool(dot_bf16)
-    amx_begin, amx_end = amx.macros(not AMX_REAL)[2:]
-    KV_LOOP = {"pragma_import_llvm": amx.IR} if AMX_REAL else None
+    AMX, AMX_EMU, DOT = k.amx, dot_bf16 == amx.EMULATED, bool(dot_bf16)
+    amx_config, amx_release = amx.config_macros(N, dot_bf16 == amx.REAL)
+    KV_LOOP = {"pragma_import_llvm": amx.IR} if dot_bf16 == amx.REAL else None
     cmask, mask_any = spec.custom_mask, _mask_any_macro(k)  # tiles whose mask bits are all 0: skipped
 
     @T.macro
@@ -1182,21 +1191,18 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
         l = T.sblock_alloc_buffer((BM,), "float32", scope="local")  # running sum
         alpha = T.sblock_alloc_buffer((BM,), "float32", scope="local")  # exp2(m_old - m_new)
         acc = T.sblock_alloc_buffer((BM, DV), "float32", scope="local")  # unnormalised output
+        # (placeholders, T.meta_var: buffers a form has not, bound to m without renaming it, never read)
         if cmask:
             seen = T.sblock_alloc_buffer((1,), "int32", scope="local")  # the key tile's custom-mask bits, ORed
-        else:  # a placeholder, never read
+        else:
             seen = T.meta_var(m)
         if k.qk_int8:
             qs = T.sblock_alloc_buffer((2, BM), "float32", scope="local")  # the rows' max|q|, then s_q; 128·Σq_i
-        if not AMX:  # placeholders, never read (the AMX form's buffers)
-            Pq = T.meta_var(m)
-            lz = T.meta_var((m, m))
         if fine:  # the key tile's key and value scales: per (key, row) as S, or (head, key, group)
             Ksc = T.sblock_alloc_buffer(SC_SHAPE, "float32", scope="local")
             Vsc = T.sblock_alloc_buffer(VSC_SHAPE, "float32", scope="local")
-        else:  # placeholders, never read (meta_var: bound without renaming m)
-            Ksc = T.meta_var(m)
-            Vsc = T.meta_var(m)
+        else:
+            Ksc, Vsc = T.meta_var((m, m))
         if stage_k and HT > 1:
             Kt = T.sblock_alloc_buffer((HT, D), KT_DTYPE, scope="local")  # one key of every head
             if PV_DOT:
@@ -1205,14 +1211,21 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
             else:
                 # value tile (key, head, d), as stored or as float32 (k.v_raw)
                 Vt = T.sblock_alloc_buffer((BN, HT, DV), V.dtype if k.v_raw else "float32", scope="local")
+                Vb = T.meta_var(m)
         elif stage_k:
             Kt = T.sblock_alloc_buffer((BN, D), KT_DTYPE, scope="local")  # the key tile, (key, d)
             if dot_decode == 2:
                 Vb = T.sblock_alloc_buffer((BN, DV), "uint16", scope="local")  # the value tile's bits
                 Vt = T.sblock_alloc_buffer((BN // 2, DV, 2), "uint16", scope="local")  # v pairs (key)
+            else:
+                Vb, Vt = T.meta_var((m, m))
+        elif not DOT:
+            Kt, Vb, Vt = T.meta_var((m, m, m))
         if dot_decode == 2:
             Pr = T.sblock_alloc_buffer((BN, BM), "uint16", scope="local")  # P rounded, key-major
             Pb = T.sblock_alloc_buffer((BN // 2, BM, 2), "uint16", scope="local")  # p pairs (key)
+        elif not DOT:
+            Pr, Pb = T.meta_var((m, m))
         if DOT:
             Qu = T.decl_buffer(Q.shape, "uint16", data=Q.data, align=A)  # bf16 inputs as their bits
             Ku = T.decl_buffer(K.shape, "uint16", data=K.data, align=A)
@@ -1223,25 +1236,29 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
             Vt = T.sblock_alloc_buffer((BN // 2, DV, 2), "uint16", scope="local")  # v pairs (key)
             Pr = T.sblock_alloc_buffer((BN, BM), "uint16", scope="local")  # P rounded, key-major
             Pb = T.sblock_alloc_buffer((BN // 2, BM, 2), "uint16", scope="local")  # p pairs (key)
-            if AMX:
-                Pq = T.sblock_alloc_buffer((BM, BN), "uint16", scope="local")  # P rounded, query-major
-                lz = (T.sblock_alloc_buffer((BM,), "float32", scope="local"),  # the rows' reference max
-                      T.sblock_alloc_buffer((1,), "int32", scope="local"))  # whether acc is rescaled
-            if AMX_EMU:  # the tile registers (C 0-3, A 4-5, B 6-7)
-                regs = (T.sblock_alloc_buffer(amx.REGS[0][0], amx.REGS[0][1], scope="local"),
-                        T.sblock_alloc_buffer(amx.REGS[1][0], amx.REGS[1][1], scope="local"),
-                        T.sblock_alloc_buffer(amx.REGS[2][0], amx.REGS[2][1], scope="local"))
-            else:
-                regs = T.meta_var((m, m, m))  # placeholders, never read
-        elif k.raw16:  # a bf16 cache read as its bits by decode_dot's products
+            Qt, Kt = T.meta_var((m, m))
+        else:
+            Qp, Kb = T.meta_var((m, m))
+        if AMX:
+            Pq = T.sblock_alloc_buffer((BM, BN), "uint16", scope="local")  # P rounded, query-major
+            lz = (T.sblock_alloc_buffer((BM,), "float32", scope="local"),  # the rows' reference max
+                  T.sblock_alloc_buffer((1,), "int32", scope="local"))  # whether acc is rescaled
+        else:
+            Pq, lz = T.meta_var((m, (m, m)))
+        if AMX_EMU:  # the tile registers (C 0-3, A 4-5, B 6-7)
+            regs = (T.sblock_alloc_buffer(amx.REGS[0][0], amx.REGS[0][1], scope="local"),
+                    T.sblock_alloc_buffer(amx.REGS[1][0], amx.REGS[1][1], scope="local"),
+                    T.sblock_alloc_buffer(amx.REGS[2][0], amx.REGS[2][1], scope="local"))
+        else:
+            regs = T.meta_var((m, m, m))
+        if not DOT and k.raw16:  # a bf16 cache read as its bits by decode_dot's products
             Ku = T.decl_buffer(K.shape, "uint16", data=K.data, align=A)
             Vu = T.decl_buffer(V.shape, "uint16", data=V.data, align=A)
+        elif not DOT:  # the products read K and V as they are
+            Ku, Vu = T.meta_var((K, V))
 
         if AMX:
-            with T.sblock(N["tile_config"]):
-                T.reads()
-                T.writes()
-                amx_begin()
+            amx_config()
         if DOT:
             q_pairs(Qu, Qp, t)
         else:
@@ -1270,21 +1287,7 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
                 if t.tile_seen(seen):
                     if fine:
                         scale_load(Ksc, Vsc, t, vc)
-                    if AMX:
-                        s_gemm_amx(Ku, Kb, Qp, S, t, vc, regs)
-                    elif DOT:
-                        s_gemm_dot(Ku, Kb, Qp, S, t, vc)
-                    else:
-                        if stage_k and HT > 1 and k.raw16:
-                            s_gemm_heads(Ku, Kt, Qt, S, t, vc, Ksc, K, V)
-                        elif stage_k and HT > 1:
-                            s_gemm_heads(K, Kt, Qt, S, t, vc, Ksc, K, V)
-                        elif stage_k and k.raw16:
-                            s_gemm_staged(Ku, Kt, Qt, S, t, vc, Ksc, K, V)
-                        elif stage_k:
-                            s_gemm_staged(K, Kt, Qt, S, t, vc, Ksc, K, V)
-                        else:
-                            s_gemm(K, Qt, S, t, vc, Ksc)
+                    s_product(K, V, Ku, Kb, Kt, Qp, Qt, S, t, vc, Ksc, regs)
                     if k.score_mod and k.qk_int8:
                         online_softmax(S, Sm, P, m, m_new, l, alpha, t, vc, qs, Ksc, lz)
                     elif k.score_mod:
@@ -1293,26 +1296,10 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
                         online_softmax(S, S, P, m, m_new, l, alpha, t, vc, qs, Ksc, lz)  # (no Sm: never read)
                     else:
                         online_softmax(S, S, P, m, m_new, l, alpha, t, vc, m, Ksc, lz)
-                    if AMX:
-                        pv_gemm_amx(Vu, P, Pr, Pb, Pq, Vb, Vt, acc, alpha, t, vc, Vsc, regs, lz[1])
-                    elif PV_DOT and HT > 1 and k.raw16:
-                        pv_gemm_dot_heads(Vu, P, Pr, Pb, Vb, Vt, acc, alpha, t, vc, Vsc)
-                    elif PV_DOT and HT > 1:
-                        pv_gemm_dot_heads(V, P, Pr, Pb, Vb, Vt, acc, alpha, t, vc, Vsc)
-                    elif PV_DOT and k.raw16:
-                        pv_gemm_dot(Vu, P, Pr, Pb, Vb, Vt, acc, alpha, t, vc, Vsc)
-                    elif PV_DOT:
-                        pv_gemm_dot(V, P, Pr, Pb, Vb, Vt, acc, alpha, t, vc, Vsc)
-                    elif HT > 1:
-                        pv_gemm_heads(V, P, Vt, acc, alpha, t, vc, Vsc)
-                    else:
-                        pv_gemm(V, P, acc, alpha, t, vc, Vsc)
+                    pv_product(V, Vu, P, Pr, Pb, Pq, Vb, Vt, acc, alpha, t, vc, Vsc, regs, lz[1])
         store(O, X, acc, m, l, t)
         if AMX:
-            with T.sblock(N["tile_release"]):
-                T.reads()
-                T.writes()
-                amx_end()
+            amx_release()
 
     return tile
 
