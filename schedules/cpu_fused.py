@@ -116,9 +116,9 @@ def preset(spec: AttentionSpec, target: Target) -> FlashCPUKnobs:
     """
     lanes = vector_lanes(target)
     regs = VECTOR_REGISTERS.get(lanes, 16)
-    if (lanes == cpu_amx.L and amx_tiles(spec, target, *AMX_TILE)
-            and 4 * ((spec.head_dim + spec.v_dim) * AMX_TILE[0] + 2 * AMX_TILE[1] * AMX_TILE[0]) <= MAX_TILE_BYTES):
-        return _amx_preset(spec, target)
+    amx_tile = next((t for t in AMX_TILES if tile_bytes(spec, *t) <= MAX_TILE_BYTES), None)
+    if lanes == cpu_amx.L and amx_tile and amx_tiles(spec, target, *amx_tile):
+        return _amx_preset(spec, target, amx_tile)
     # the dot-product form where it can run and this host's dot products outrun its FMAs
     # (cpu_balance: not on an Intel core, which issues vdpbf16ps on one port and FMAs on two)
     dot = bf16_dots(spec, target) and cpu_balance.dots_outrun_fmas(target)
@@ -172,20 +172,21 @@ def preset(spec: AttentionSpec, target: Target) -> FlashCPUKnobs:
 #: The AMX form's tile (block_m, block_n): 128 rows amortize the per-key-tile staging (the key
 #: tile's copy, the value pairs) over twice the rows of 64 (2-core Sapphire Rapids VM, B1 H8
 #: S=4096, 2 threads, TFLOP/s, 4·S²·D·H counted: (64, 64) 0.64 / 0.86 at D=64 / 128, (64, 128)
-#: 0.64 / 0.88, (128, 64) 0.69 / 0.94).
-AMX_TILE = (128, 64)
+#: 0.64 / 0.88, (128, 64) 0.69 / 0.94); (64, 64) where that is over MAX_TILE_BYTES (MLA's
+#: 576/512 latent).
+AMX_TILES = ((128, 64), (64, 64))
 #: (block_m, block_n) the tuner searches for the AMX form (each a task)
 AMX_TILE_CANDIDATES = ((64, 64), (64, 128), (128, 64), (128, 128), (256, 64))
 
 
-def _amx_preset(spec: AttentionSpec, target: Target) -> FlashCPUKnobs:
+def _amx_preset(spec: AttentionSpec, target: Target, tile: tuple[int, int]) -> FlashCPUKnobs:
     """The preset where the CPU has AMX tiles and ``spec`` fits them (bfloat16, dims in 32s):
     the main nest's products on tiles (:mod:`cpu_amx`), the decode nests as the AVX-512 preset's
     (the float32 or dot-product forms: memory-bound, they gain nothing from tiles)."""
     base = preset(spec, _without_amx(target))
     # (s_rows, pv_rows, pv_cols: the decode nests' register blocks, decode_knobs; the AMX
     # schedule records them and uses none)
-    return dataclasses.replace(base, block_m=AMX_TILE[0], block_n=AMX_TILE[1], dot_bf16=AMX)
+    return dataclasses.replace(base, block_m=tile[0], block_n=tile[1], dot_bf16=AMX)
 
 
 def preset_for_overrides(spec: AttentionSpec, target: Target, overrides: dict) -> FlashCPUKnobs:
@@ -202,8 +203,8 @@ def preset_for_overrides(spec: AttentionSpec, target: Target, overrides: dict) -
 
 
 def search_target(target: Target) -> Target:
-    """The target the tuner's fused tasks are made for: ``target`` without AMX (the AMX form is
-    the hand preset's; its knob space, the tiles of ``AMX_TILE_CANDIDATES``, is not searched yet)."""
+    """The target the tuner's vector-product tasks are made for: ``target`` without AMX (the AMX
+    form's tasks are those of :func:`tile_candidates` on ``target`` itself)."""
     return _without_amx(target) if {"amx-tile", "amx-bf16"} & set(target_features(target)) else target
 
 
@@ -336,6 +337,11 @@ def check_amx(knobs: FlashCPUKnobs, spec: AttentionSpec, target: Target) -> None
                         f"(dot_bf16={AMX_EMULATED}) runs anywhere")
 
 
+def tile_bytes(spec: AttentionSpec, block_m: int, block_n: int) -> int:
+    """A row tile's float32 working set: its q and accumulator rows, S and P."""
+    return 4 * ((spec.head_dim + spec.v_dim) * block_m + 2 * block_n * block_m)
+
+
 def amx_tiles(spec: AttentionSpec, target: Target, block_m: int = 64, block_n: int = 64) -> bool:
     """Whether ``spec`` can take the AMX form (:mod:`cpu_amx`) on ``target``."""
     return cpu_amx.supports(spec, target_features(target), block_m, block_n)
@@ -459,10 +465,9 @@ def check(knobs: FlashCPUKnobs, spec: AttentionSpec, target: Target) -> None:
             f"(pv_rows={knobs.pv_rows} × {d_vectors} accumulators over pv_cols={pv_cols} columns + V + "
             f"broadcast) > {regs} available; lower pv_rows or split head_dim with a smaller pv_cols"
         )
-    tile_bytes = 4 * ((spec.head_dim + spec.v_dim) * knobs.block_m + 2 * knobs.block_n * knobs.block_m)
-    if tile_bytes > MAX_TILE_BYTES:
+    if tile_bytes(spec, knobs.block_m, knobs.block_n) > MAX_TILE_BYTES:
         raise KnobError(
-            f"tile working set {tile_bytes} B (block_m={knobs.block_m}, block_n={knobs.block_n}, "
+            f"tile working set {tile_bytes(spec, knobs.block_m, knobs.block_n)} B (block_m={knobs.block_m}, block_n={knobs.block_n}, "
             f"head_dim={spec.head_dim}) exceeds MAX_TILE_BYTES={MAX_TILE_BYTES}"
         )
 
@@ -512,13 +517,12 @@ def tile_candidates(spec: AttentionSpec, target: Target) -> list[tuple[int, int]
     pairs = [(hand.block_m, hand.block_n)]
     if hand.dot_bf16 in (AMX, AMX_EMULATED):  # tiles of 32 × 32 blocks (no register blocks)
         candidates = [p for p in AMX_TILE_CANDIDATES if p not in pairs]
-        return pairs + [p for p in candidates if 4 * ((spec.head_dim + spec.v_dim) * p[0] + 2 * p[1] * p[0])
-                        <= MAX_TILE_BYTES]
+        return pairs + [p for p in candidates if tile_bytes(spec, *p) <= MAX_TILE_BYTES]
     for m_vectors, n in TILE_CANDIDATES:
         pair = (m_vectors * lanes, n)
         if pair in pairs or max_s_rows(pair[0], lanes) < 1:
             continue
-        if 4 * ((spec.head_dim + spec.v_dim) * pair[0] + 2 * n * pair[0]) > MAX_TILE_BYTES:
+        if tile_bytes(spec, *pair) > MAX_TILE_BYTES:
             continue
         pairs.append(pair)
     return pairs

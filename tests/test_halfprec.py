@@ -127,6 +127,12 @@ def _has_bf16_dots():
     return "avx512bf16" in target_features(resolve_target("llvm"))
 
 
+def _has_amx():
+    from tvm_attention.target import resolve_target, target_features
+
+    return {"amx-tile", "amx-bf16"} <= target_features(resolve_target("llvm"))
+
+
 needs_bf16_dots = pytest.mark.skipif(not _has_bf16_dots(), reason="this CPU has no AVX512-BF16 (vdpbf16ps)")
 
 
@@ -215,8 +221,11 @@ def test_tuner_searches_both_forms_of_a_bf16_spec():
 
     spec = AttentionSpec(batch=1, heads=2, seq_q=256, seq_kv=256, head_dim=64, dtype="bfloat16")
     tasks = make_tasks(spec, resolve_target("llvm"), "fused")
+    # an AMX host: the tile form's tiles first (the preset's), then both vector forms
+    tiles = [t for t in tasks if t.name.endswith("_amx")]
+    assert tasks[:len(tiles)] == tiles and (len(tiles) > 0) == _has_amx()
     dots = [t for t in tasks if t.name.endswith("_bf16dot")]
-    assert tasks[0] is dots[0] and 0 < len(dots) == len(tasks) - len(dots)
+    assert tasks[len(tiles)] is dots[0] and 0 < len(dots) == len(tasks) - len(dots) - len(tiles)
     assert all(workload_matches(spec, t.mod) for t in tasks)
 
 
@@ -260,16 +269,17 @@ def test_bench_sweep_points_and_torch_peer_take_the_dtype():
 
 @needs_bf16_dots
 def test_tuned_bf16_dot_trace_replays_and_builds(tmp_path):
-    """A tune of a bf16 spec measures the dot-product form first (its tensorized trace, with the
-    imported LLVM helper, goes through the log) and the tuned build replays it. (One trial: the
-    first measured is the dot-product task's; that the tuner searches both forms is
-    test_tuner_searches_both_forms_of_a_bf16_spec's.)"""
+    """A tune of a bf16 spec measures the preset's form first, the AMX tiles on an AMX host, else
+    the dot products (its trace, with the imported LLVM IR, goes through the log) and the tuned
+    build replays it. (One trial: the first measured is that form's task; that the tuner
+    searches every form is test_tuner_searches_both_forms_of_a_bf16_spec's.)"""
     from tvm_attention.pipeline import build_best
     from tvm_attention.tune.driver import tune
 
     spec = AttentionSpec(batch=1, heads=2, seq_q=128, seq_kv=128, head_dim=64, dtype="bfloat16")
     result = tune(spec, trials=1, per_round=1, work_dir=tmp_path, progress=lambda m: None)
-    assert result.trials_new == 1 and result.best_knobs["dot_bf16"] == 1, result.best_task
+    form, instruction = (2, "tdpbf16ps") if _has_amx() else (1, "vdpbf16ps")
+    assert result.trials_new == 1 and result.best_knobs["dot_bf16"] == form, result.best_task
     b, v = build_best(spec, log_dir=tmp_path)
-    assert b.source == "tuned" and b.knobs.dot_bf16 == 1 and v.passed and b.audit.fused
-    assert "vdpbf16ps" in b.module.inspect_source("asm")
+    assert b.source == "tuned" and b.knobs.dot_bf16 == form and v.passed and b.audit.fused
+    assert instruction in b.module.inspect_source("asm")

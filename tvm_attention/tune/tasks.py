@@ -105,20 +105,23 @@ def make_tasks(spec: AttentionSpec, target: Target, schedule: str) -> list[TaskD
                             decode_space(spec, k), points=1)
                     for k in cpu_fused.decode_candidates(spec, target)]
         space = tile_space(cpu_fused.design_space(spec, target))
-        # bfloat16 where the CPU has AVX512-BF16: each tile pair in both forms of its products
-        # (bf16 dot products first: the preset's), a task each, as the form is in the compute.
-        # The preset's other knobs shape no prefill workload (a shape without a decode step).
-        # (the AMX form is not searched yet: on an AMX host the tasks are those of its AVX-512
-        # forms, cpu_fused.search_target; the build's hand preset stays the AMX form)
-        target = cpu_fused.search_target(target)
+        # bfloat16 where the CPU has AMX-BF16: the AMX form's tiles first (the preset's), then, as
+        # where it has AVX512-BF16, each tile pair in both forms of its vector products (bf16 dot
+        # products first), made for the target without AMX (cpu_fused.search_target); a task
+        # each, as the form is in the compute. The preset's other knobs shape no prefill workload
+        # (a shape without a decode step).
+        def task(name, knobs):
+            return TaskDef(name, normalize(cpu_fused.workload(spec, knobs)), space)
+
         hand = cpu_fused.preset(spec, target)
-        forms = (True, False) if cpu_fused.bf16_dots(spec, target) else (False,)
-        return [
-            TaskDef(f"fused_m{bm}_n{bn}{'_bf16dot' if dot else ''}",
-                    normalize(cpu_fused.workload(spec, dataclasses.replace(hand, block_m=bm, block_n=bn,
-                                                                            dot_bf16=int(dot)))), space)
-            for bm, bn in cpu_fused.tile_candidates(spec, target) for dot in forms
-        ]
+        tasks = [task(f"fused_m{bm}_n{bn}_amx", dataclasses.replace(hand, block_m=bm, block_n=bn))
+                 for bm, bn in cpu_fused.tile_candidates(spec, target)] if hand.dot_bf16 == cpu_fused.AMX else []
+        vectors = cpu_fused.search_target(target)
+        hand = cpu_fused.preset(spec, vectors)
+        forms = (True, False) if cpu_fused.bf16_dots(spec, vectors) else (False,)
+        return tasks + [task(f"fused_m{bm}_n{bn}{'_bf16dot' if dot else ''}",
+                             dataclasses.replace(hand, block_m=bm, block_n=bn, dot_bf16=int(dot)))
+                        for bm, bn in cpu_fused.tile_candidates(spec, vectors) for dot in forms]
     if schedule == "rowcache":
         space = tile_space(cpu_rowcache.design_space(spec, target))
         hand = cpu_rowcache.preset(spec, target)
