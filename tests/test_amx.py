@@ -87,6 +87,41 @@ def test_the_amx_preset_runs_the_layouts_on_tiles():
     assert result.passed, result
 
 
+#: a covering set of the layouts and features the fused family builds (issue 63): chunked
+#: prefill into a cache with the call's keys appended, a paged cache split across tasks with
+#: lse, the user's bit mask, the symbolic kernel, a model's variants together, the paged MLA
+#: latent (every query head a row of one tile)
+LAYOUTS = {
+    "kvcache-append": dict(batch=2, heads=4, kv_heads=2, seq_q=40, seq_kv=200, head_dim=64, causal=True,
+                           layout="kvcache", append=True),
+    "paged-split-lse": dict(batch=1, heads=4, kv_heads=2, seq_q=33, seq_kv=400, head_dim=64, causal=True,
+                            layout="paged", return_lse=True),
+    "custom-mask": dict(batch=2, heads=2, seq_q=70, seq_kv=90, head_dim=64, custom_mask=True),
+    "symbolic": dict(batch=2, heads=4, kv_heads=2, seq_q=100, seq_kv=150, head_dim=64, causal=True,
+                     dynamic=("seq_q", "seq_kv")),
+    "variants": dict(batch=1, heads=4, seq_q=70, seq_kv=90, head_dim=64, causal=True, window=(40, 0),
+                     softcap=30.0, alibi=True, sinks=True),
+    "mla-paged": dict(batch=2, heads=16, seq_q=2, seq_kv=200, head_dim=576, head_dim_v=512, layout="mla_paged",
+                      scale=0.1, causal=True),
+}
+
+
+@pytest.mark.parametrize("form", [2, 3])
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_every_layout_runs_on_the_tiles(name, form):
+    """Each layout's every validation case (``validate_built``) against the float64 reference,
+    emulated on every host, on the tiles where the CPU has AMX."""
+    if form == 2 and not AMX_HOST:
+        pytest.skip("this CPU has no AMX-BF16")
+    spec = AttentionSpec(dtype="bfloat16", **LAYOUTS[name])
+    split = {"split_tasks": 4} if spec.layout == "paged" else {}
+    b = _build(spec, form, **split)
+    assert b.knobs.dot_bf16 == form
+    assert ("tdpbf16ps" in b.module.inspect_source("asm")) == (form == 2)
+    result = validate_built(b)
+    assert result.passed, result
+
+
 @pytest.mark.parametrize("form", [2, 3])
 def test_the_lazy_correction_is_exact_when_every_tile_raises_the_max(form):
     """Scores that grow along the keys by more than LAZY_GAP per key tile: every tile moves the
