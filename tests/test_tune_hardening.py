@@ -138,6 +138,37 @@ def test_build_looks_in_the_user_log_then_the_committed_one(monkeypatch, tmp_pat
     assert str(user) in cli.log_line(built.schedule_info())  # what build, run and inspect print
 
 
+def test_the_committed_logs_of_other_cpu_names_are_found_by_features(monkeypatch, tmp_path):
+    """A committed log measured on another target key (a VM that reports another CPU model) is
+    taken where this target's code may use every ISA feature the log's could, at the same core
+    count: closest feature set first; never one whose code may use a feature this host lacks."""
+    monkeypatch.setenv("TVM_ATTENTION_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(logs, "repo_logs_root", lambda: tmp_path / "repo")
+    cores = int(TARGET.attrs["num-cores"])
+
+    def cpu(mcpu, *mattr, n=cores):
+        return Target({"kind": "llvm", "mcpu": mcpu, "num-cores": n, **({"mattr": list(mattr)} if mattr else {})})
+
+    v2, v3 = cpu("x86-64-v2"), cpu("x86-64-v3")
+    nowhere = cpu("x86-64", "+sse4a", "+amx-tile")  # AMD's sse4a and Intel's AMX: no CPU has both
+    other_cores = cpu("x86-64-v2", n=cores + 1)
+    for t in (v2, v3, nowhere, other_cores):
+        fake_log(logs.log_folder(tmp_path / "repo", SPEC, t), target=t)
+    assert logs.usable_on(v2, TARGET) and logs.usable_on(v3, TARGET) and logs.usable_on(TARGET, TARGET)
+    assert not logs.usable_on(nowhere, TARGET) and not logs.usable_on(other_cores, TARGET)
+    assert not logs.usable_on(TARGET, v2) or TARGET.attrs["mcpu"] == "x86-64-v2"
+    found = logs.committed_elsewhere(SPEC, TARGET)
+    assert found == [logs.log_folder(tmp_path / "repo", SPEC, t) for t in (v3, v2)], found
+    assert logs.search_dirs(SPEC, TARGET, elsewhere=True)[2:] == found
+    assert logs.best_records(SPEC, TARGET, "fused", found[0]) == []  # by the exact key, nothing
+    assert len(logs.best_records(SPEC, TARGET, "fused", found[0], elsewhere=True)) == 2
+    built, v = build_best(SPEC, say=lambda m: None, cache=True)
+    assert v.passed and log_used(built) == str(found[0])
+    fake_log(logs.committed_work_dir(SPEC, TARGET))  # this target's own committed log comes first
+    built, _ = build_best(SPEC, say=lambda m: None, cache=True)
+    assert log_used(built) == str(logs.committed_work_dir(SPEC, TARGET))
+
+
 def test_the_committed_logs_are_found_from_any_folder(monkeypatch, tmp_path):
     """``repo_logs_root`` looked two folders above the package, then at ./tuning_logs: a build
     run anywhere but the checkout's root silently used the hand schedule (issue 41). It is the

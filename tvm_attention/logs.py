@@ -131,10 +131,55 @@ def committed_work_dir(spec: AttentionSpec, target: Target) -> Path:
     return log_folder(repo_logs_root(), spec, target)
 
 
-def search_dirs(spec: AttentionSpec, target: Target) -> list[Path]:
-    """The folders ``build`` looks in, in order: the user's tuning log, then the committed one."""
+def search_dirs(spec: AttentionSpec, target: Target, elsewhere: bool = False) -> list[Path]:
+    """The folders ``build`` looks in, in order: the user's tuning log, then the committed one;
+    with ``elsewhere``, then the committed logs of other targets whose code this one may run
+    (:func:`committed_elsewhere`)."""
     dirs = [tune_work_dir(spec, target), committed_work_dir(spec, target)]
+    dirs += committed_elsewhere(spec, target) if elsewhere else []
     return [d for i, d in enumerate(dirs) if d.absolute() not in [e.absolute() for e in dirs[:i]]]
+
+
+def usable_on(tuned: Target, target: Target) -> bool:
+    """True when a record measured on ``tuned`` may serve ``target``: the same kind and core
+    count, and every ISA feature code for ``tuned`` may use is one ``target``'s code may use
+    (``cpu_features``: AVX-512, AVX512-BF16, AMX...). CPU names do not enter: a VM that reports a
+    model other than its own (a Sapphire Rapids Xeon that says ``rocketlake``) still finds the
+    logs of its class, and a log measured where the code may use a feature this target lacks
+    (``znver4``'s ``sse4a`` on an Intel CPU, AVX-512 on an AVX2 host) is never taken."""
+    from .target import cpu_features, is_cuda
+
+    if tuned.kind.name != target.kind.name or is_cuda(target):
+        return target_key(tuned) == target_key(target)
+    cores = [int(t.attrs["num-cores"]) if "num-cores" in t.attrs else None for t in (tuned, target)]
+    return cores[0] == cores[1] and set(cpu_features(tuned)) <= set(cpu_features(target))
+
+
+def committed_elsewhere(spec: AttentionSpec, target: Target) -> list[Path]:
+    """The committed logs of ``spec`` measured on other targets (another target key) whose code
+    ``target`` may run (:func:`usable_on`, read from each log's first record), the one sharing
+    the most ISA features first: where the committed logs are found by what the host's code may
+    use rather than by its CPU's name."""
+    from .target import cpu_features
+
+    want, name = target_key(target), log_folder("", spec, target).name
+    found = []
+    for work in sorted(repo_logs_root().glob(f"*/{name}")):
+        if work.parent.name == want:
+            continue
+        tuned = _first_target(work)
+        if tuned is not None and usable_on(tuned, target):
+            found.append((-len(cpu_features(tuned)), work))
+    return [work for _, work in sorted(found, key=lambda x: x[0])]
+
+
+def _first_target(work: Path) -> Target | None:
+    """The target of the first record of the log in ``work`` (None: no readable record)."""
+    try:
+        with open(work / RECORD_FILE) as f:
+            return Target(json.loads(f.readline())[1][2])
+    except Exception:  # unreadable, cut, or not a target: not a log to take records from
+        return None
 
 
 def default_work_dir(spec: AttentionSpec, target: Target, root: Path | None = None) -> Path:
@@ -416,14 +461,27 @@ def for_target(rec, want: str) -> bool:
     return rec.target is not None and target_key(rec.target) == want
 
 
+def _usable(tuned: Target | None, target: Target, memo: dict[str, bool]) -> bool:
+    """:func:`usable_on`, once per distinct record target (``memo``: by its JSON)."""
+    if tuned is None:
+        return False
+    key = str(tuned)
+    if key not in memo:
+        memo[key] = usable_on(tuned, target)
+    return memo[key]
+
+
 def _warn(msg: str) -> None:
     warnings.warn(msg, LogWarning, stacklevel=3)
 
 
 def best_records(spec: AttentionSpec, target: Target, schedule: str, work_dir: str | os.PathLike,
-                 k: int = 3, say: Callable[[str], None] | None = None) -> list[tuple[Any, Any]]:
+                 k: int = 3, say: Callable[[str], None] | None = None,
+                 elsewhere: bool = False) -> list[tuple[Any, Any]]:
     """Up to ``k`` fastest successful (workload, record) pairs in ``work_dir`` for exactly this
-    spec, schedule and target (CPU name and core count), fastest first.
+    spec, schedule and target (CPU name and core count), fastest first. ``elsewhere``: records
+    of any target whose code ``target`` may run (:func:`usable_on`), for the committed logs of
+    other targets (:func:`committed_elsewhere`).
 
     A reader: a bad or cut line (a corrupt log, or a tune appending right now) is skipped with a
     warning through ``say`` (default: ``warnings.warn`` with ``LogWarning``), never an error."""
@@ -435,12 +493,13 @@ def best_records(spec: AttentionSpec, target: Target, schedule: str, work_dir: s
     parsed = parse_logs(work, repair=False, on_bad_line=say or _warn)
     want = target_key(target)
     matched: dict[int, bool] = {}
+    usable: dict[str, bool] = {}
     out = []
     for wl, rec in records_for(parsed, schedule):
         key = id(wl)
         if key not in matched:
             matched[key] = workload_matches(spec, wl.mod, target)
-        if not matched[key] or not for_target(rec, want):
+        if not matched[key] or not (for_target(rec, want) or elsewhere and _usable(rec.target, target, usable)):
             continue
         secs = mean_secs(rec)
         if secs < FAILED_RUN_SECS:

@@ -60,10 +60,14 @@ def build_best(
         rep = tuning_spec(spec, target, schedule)
         # Without --from-log: the user's own tuning log first, then the committed one; the first
         # with a record that validates wins.
-        dirs = [Path(log_dir)] if explicit else search_dirs(rep, target)
+        # Then the committed logs of other targets whose code this one may run: found by the
+        # ISA features, not the CPU's name (logs.usable_on).
+        dirs = [Path(log_dir)] if explicit else search_dirs(rep, target, elsewhere=True)
+        exact = dirs if explicit else search_dirs(rep, target)
         tried = []
         for work in dirs:
-            candidates = best_records(rep, target, schedule, work, k=TUNED_CANDIDATES, say=say) if work.exists() else []
+            candidates = best_records(rep, target, schedule, work, k=TUNED_CANDIDATES, say=say,
+                                      elsewhere=work not in exact) if work.exists() else []
             if explicit and not candidates:
                 raise LogNotUsable(
                     f"{work}: no successful {schedule} record for {rep.short_name()} on this target"
