@@ -100,7 +100,8 @@ def preset(spec: AttentionSpec, target: Target) -> FlashCPUKnobs:
     """Per-target default knobs, derived from the vector width and the register file.
 
     * ``block_m`` = 32 query rows (fp32: 2 zmm vectors on AVX-512, 4 ymm on AVX2), 64 with
-      bf16 dot products; ``block_n`` = 64 keys.
+      bf16 dot products or full-width zmm FMAs (measured: ``cpu_balance.wide_fmas``);
+      ``block_n`` = 64 keys.
     * ``s_rows``: the S_gemm register block holds at most half the vector registers as
       accumulators (``s_rows × block_m/lanes``; 16 of 32 zmm, 8 of 16 ymm), up to 4 keys.
     * PV_gemm: up to 4 rows over all of head_dim when at least two rows fit, else
@@ -125,8 +126,13 @@ def preset(spec: AttentionSpec, target: Target) -> FlashCPUKnobs:
     # bf16 dot products halve the products' time, so the per-tile work around them (the K/V
     # staging, the softmax) weighs more: 64 rows amortize it (2 threads, S=4096, H=8, D=64/128:
     # 319/344 GFLOP/s against 295/314 with 32 rows; block_n 128 no better). A row tile is at
-    # most a quarter of the registers in query vectors (SSE: 4 of 16 xmm).
-    q_vectors = min((64 if dot else 32) // lanes, regs // 4)
+    # most a quarter of the registers in query vectors (SSE: 4 of 16 xmm). Full-width AVX-512
+    # FMAs (cpu_balance.wide_fmas: two zmm FMAs a cycle, Intel) halve them alike: 64 rows there
+    # (2-core Sapphire Rapids VM, 2 threads, H=8, fp32, GFLOP/s, 32 rows -> 64: S=4096 D=64
+    # 280 -> 309, D=128 263 -> 291; S=1024 causal 265 -> 274 (D=64 and 128); S=16384 D=64 266 ->
+    # 290, D=128 causal 253 -> 297). A Zen 4 core splits zmm FMAs in halves: 32 rows there.
+    wide = dot or (lanes == 16 and cpu_balance.wide_fmas(target))
+    q_vectors = min((64 if wide else 32) // lanes, regs // 4)
     block_m, block_n = q_vectors * lanes, 64
     pv_cols = dot_pv_columns(spec.v_dim, lanes) if dot else pv_columns(spec.v_dim, lanes)
     pv_rows = max(1, min(PV_ROWS_GOAL, max_pv_rows(pv_cols, lanes)))

@@ -16,8 +16,9 @@ def test_fused_passes_at_4096():
     assert report.verdict == "fused", report.format()
     names = {a.name: a for a in report.allocations}
     assert names["S"].scope == "local" and names["P"].scope == "local"
-    # Nothing holds a score matrix: the largest buffer is one tile, far below 4096².
-    assert report.largest.elements < 4096
+    # Nothing holds a score matrix: the largest buffer is one tile (at most 128 × 128), far
+    # below 4096².
+    assert report.largest.elements <= 128 * 128
     assert all(a.elements < S4096.score_elements() for a in report.allocations)
 
 

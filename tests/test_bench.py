@@ -153,9 +153,10 @@ def test_compare_side_by_side(tiny, tmp_path, capsys, monkeypatch):
     # benchmarks build through the build cache: the command line below compares builds compare()
     # made, and compare() takes fused and materialized from the tiny bench (its first point: this spec)
     spec = AttentionSpec(batch=1, heads=2, seq_q=256, head_dim=64)
-    # a knob set that fits the host's registers: 8 keys per S_gemm block on AVX-512's 32 zmm,
-    # 2 on AVX2's 16 ymm (the preset's 4-vector row tile)
-    knobs = 'fused:{"block_n": 128, "s_rows": %d}' % (8 if vector_lanes(resolve_target("llvm")) == 16 else 2)
+    # a knob set that fits the host's registers: 8 keys per S_gemm block on AVX-512's 32 zmm
+    # over 32 rows (2 zmm), 2 on AVX2's 16 ymm (32 rows: 4 ymm)
+    knobs = 'fused:{"block_m": 32, "block_n": 128, "s_rows": %d}' % (
+        8 if vector_lanes(resolve_target("llvm")) == 16 else 2)
     entries = compare(spec, ["fused", knobs, "materialized", "rowcache", "nope"], repeat=2)
     by = {e.label: e for e in entries}
     assert by["fused"].audit == "fused" and by["materialized"].audit == "not fused"

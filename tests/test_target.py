@@ -120,3 +120,27 @@ def test_the_balance_is_measured_only_for_this_hosts_own_code():
         assert cpu_balance.dots_outrun_fmas(here) == (rate > cpu_balance.DOTS_OVER_FMAS)
     else:
         assert not cpu_balance.dots_outrun_fmas(here)
+    assert cpu_balance.zmm_to_ymm_rate(resolve_target({"kind": "llvm", "mcpu": other})) is None
+    if "avx512f" in target_features(here):
+        rate = cpu_balance.zmm_to_ymm_rate(here)
+        assert rate is not None and 0.5 < rate < 3  # 2.0 Sapphire Rapids, 1.0 Zen 4
+        assert cpu_balance.wide_fmas(here) == (rate > cpu_balance.WIDE_OVER_HALVES)
+    else:
+        assert cpu_balance.zmm_to_ymm_rate(here) is None and not cpu_balance.wide_fmas(here)
+
+
+@pytest.mark.parametrize("rate, rows", [(2.0, 64), (1.0, 32), (None, 32)])
+def test_fp32_row_tiles_follow_the_measured_width_of_the_fmas(monkeypatch, rate, rows):
+    """fp32 prefill takes 64-row tiles where the host's zmm FMAs run at twice the FLOP rate of
+    its ymm ones (Intel: two full-width FMA ports), 32 where they are split in halves (Zen 4) or
+    not measured (another model's code)."""
+    from tvm_attention.schedules import cpu_balance, cpu_fused
+    from tvm_attention.spec import AttentionSpec
+    from tvm_attention.target import resolve_target
+
+    monkeypatch.setattr(cpu_balance, "zmm_to_ymm_rate", lambda target: rate)
+    avx512 = resolve_target({"kind": "llvm", "mcpu": "skylake-avx512", "num-cores": 2})
+    for d in (64, 128):
+        assert cpu_fused.preset(AttentionSpec(batch=1, heads=8, seq_q=2048, head_dim=d), avx512).block_m == rows
+    assert cpu_fused.preset(AttentionSpec(batch=1, heads=8, seq_q=2048, head_dim=64),
+                            resolve_target({"kind": "llvm", "mcpu": "x86-64-v3"})).block_m == 32

@@ -43,6 +43,7 @@ from tvm.target import Target
 from .paths import cache_dir
 from .schedules import WORKLOAD_KINDS  # schedules/ of the checkout, installed as tvm_attention.schedules
 from .spec import AttentionSpec
+from .target import cpu_features, is_cuda
 
 WORKLOAD_FILE = "database_workload.json"
 RECORD_FILE = "database_tuning_record.json"
@@ -147,8 +148,6 @@ def usable_on(tuned: Target, target: Target) -> bool:
     model other than its own (a Sapphire Rapids Xeon that says ``rocketlake``) still finds the
     logs of its class, and a log measured where the code may use a feature this target lacks
     (``znver4``'s ``sse4a`` on an Intel CPU, AVX-512 on an AVX2 host) is never taken."""
-    from .target import cpu_features, is_cuda
-
     if tuned.kind.name != target.kind.name or is_cuda(target):
         return target_key(tuned) == target_key(target)
     cores = [int(t.attrs["num-cores"]) if "num-cores" in t.attrs else None for t in (tuned, target)]
@@ -160,8 +159,6 @@ def committed_elsewhere(spec: AttentionSpec, target: Target) -> list[Path]:
     ``target`` may run (:func:`usable_on`, read from each log's first record), the one sharing
     the most ISA features first: where the committed logs are found by what the host's code may
     use rather than by its CPU's name."""
-    from .target import cpu_features
-
     want, name = target_key(target), log_folder("", spec, target).name
     found = []
     for work in sorted(repo_logs_root().glob(f"*/{name}")):
