@@ -400,6 +400,10 @@ class _TileShape:
     scale_groups: int = 0
     #: V's (``spec.v_scale_groups``): per group ``DV/32``, which may differ from K's
     v_scale_groups: int = 0
+    #: a bfloat16 cache (no ``kv_dtype``): a tile of several kv heads stages its values as their
+    #: bits, read through a uint16 view (TVM stores a bfloat16 local buffer as float32: twice the
+    #: bytes staged and read back)
+    bf16_cache: bool = False
 
     def kv(self, x):
         """The float32 value of the K/V element ``x`` as loaded: an 8-bit cache's without its scale
@@ -432,7 +436,19 @@ class _TileShape:
 
     def v_value(self, x):
         """The float32 value of a staged value element."""
+        if self.bf16_cache:
+            return bf16_value(x)
         return self.kv(x) if self.v_raw else x
+
+    @property
+    def v_bits(self) -> bool:
+        """Whether the tile reads K and V through uint16 views: its dot products' bf16 operands
+        (:attr:`raw16`), or a bf16 cache's values staged as bits (:attr:`bf16_cache`)."""
+        return self.raw16 or self.bf16_cache
+
+    def vt_dtype(self, v_dtype: str) -> str:
+        """The dtype of a tile of several kv heads' staged values (:attr:`v_raw`, :attr:`bf16_cache`)."""
+        return "uint16" if self.bf16_cache else v_dtype if self.v_raw else "float32"
 
     def stage_key(self, x, Ksc=None, h=0, vj=0, vd=0):
         """A key element as ``Kt`` holds it: bf16 bits with ``dot_decode`` 1/2; with 3 (the
@@ -1087,7 +1103,7 @@ def _tile_shape(spec: AttentionSpec, BM: int, BN: int, suffix: str, stats: str |
         line_elems=CACHE_LINE // spec.kv_itemsize, transforms=transforms(spec),
         mask_mod=spec.mask_mod is not None or spec.key_bounds or spec.custom_mask, kv_dtype=spec.kv_dtype,
         dot_decode=dot_decode, qk_int8=spec.qk_int8, scale_groups=spec.scale_groups,
-        v_scale_groups=spec.v_scale_groups)
+        v_scale_groups=spec.v_scale_groups, bf16_cache=spec.kv_dtype is None and spec.dtype == "bfloat16")
 
 
 def _product_macros(k: _TileShape, stage_k: bool):
@@ -1132,7 +1148,7 @@ def _product_macros(k: _TileShape, stage_k: bool):
         elif PV_DOT:
             pv_gemm_dot(V, P, Pr, Pb, Vb, Vt, acc, alpha, t, vc, Vsc)
         elif HT > 1:
-            pv_gemm_heads(V, P, Vt, acc, alpha, t, vc, Vsc)
+            pv_gemm_heads(Vu, P, Vt, acc, alpha, t, vc, Vsc)
         else:
             pv_gemm(V, P, acc, alpha, t, vc, Vsc)
 
@@ -1210,7 +1226,7 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
                 Vt = T.sblock_alloc_buffer((HT, BN // 2, DV, 2), "uint16", scope="local")  # v pairs (key)
             else:
                 # value tile (key, head, d), as stored or as float32 (k.v_raw)
-                Vt = T.sblock_alloc_buffer((BN, HT, DV), V.dtype if k.v_raw else "float32", scope="local")
+                Vt = T.sblock_alloc_buffer((BN, HT, DV), k.vt_dtype(V.dtype), scope="local")
                 Vb = T.meta_var(m)
         elif stage_k:
             Kt = T.sblock_alloc_buffer((BN, D), KT_DTYPE, scope="local")  # the key tile, (key, d)
@@ -1251,7 +1267,7 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
                     T.sblock_alloc_buffer(amx.REGS[2][0], amx.REGS[2][1], scope="local"))
         else:
             regs = T.meta_var((m, m, m))
-        if not DOT and k.raw16:  # a bf16 cache read as its bits by decode_dot's products
+        if not DOT and k.v_bits:  # a bf16 cache read as its bits (decode_dot's products, staged values)
             Ku = T.decl_buffer(K.shape, "uint16", data=K.data, align=A)
             Vu = T.decl_buffer(V.shape, "uint16", data=V.data, align=A)
         elif not DOT:  # the products read K and V as they are
