@@ -8,16 +8,18 @@ runs about 14× the FMA peak (``../shared/TVM_NOTES.md``, "Intel AMX").
 
 The tile keeps the score tile key-major (``S (BN, BM)``, as every form of the fused kernel:
 the softmax stays the fp32 vector code it is), so both products read operands the bf16
-dot-product form already stages, and only V changes its layout:
+dot-product form already stages (:mod:`.bf16dot`), and only P changes its layout:
 
 * ``S = K·Qᵀ``: ``C`` = 16 keys × 16 query rows of ``S`` (row stride ``BM`` floats), ``A`` = 16
   key rows × 32 of head_dim from the staged key tile ``Kb (BN, D)`` (as stored: no packing),
   ``B`` = ``Qp (D/2, BM, 2)``, q's pairs along head_dim, made once per row tile.
-* ``accᵀ = Vᵀ·Pᵀ``: the accumulator is kept transposed, ``accT (DV, BM)``: ``C`` = 16 columns
-  of V × 16 query rows, ``A`` = ``VT (DV, BN)``, the value tile transposed as it is staged
-  (block ``V_load``), ``B`` = ``Pb (BN/2, BM, 2)``, P rounded to bf16 and paired along the keys
-  (blocks ``P_round``/``P_ilv``, as the dot-product form's). The correction ``accT·alpha`` is then
-  a vector along the rows, and ``O_store`` transposes once per row tile.
+* ``acc += P·V``: ``C`` = 16 query rows × 16 columns of ``acc (BM, DV)`` (row stride ``DV``
+  floats), ``A`` = ``Pq (BM, BN)``, P rounded to bf16 and paired along the keys as the
+  dot-product form does it (blocks ``P_round``/``P_ilv``, :mod:`.bf16dot`), then transposed to
+  query-major 16 × 16 words at a time in registers (block ``P_tr``), ``B`` = ``Vt (BN/2, DV,
+  2)``, V's pairs along the keys (blocks ``V_load``/``V_ilv``, the dot-product form's). The
+  correction is lazy (``LAZY_GAP`` in ``fused.py``): ``acc`` is rescaled only in the tiles that
+  move some row's reference max.
 
 One call of the micro-kernel :data:`MM` computes a 32 × 32 block of ``C`` (four tiles: two
 ``A`` and two ``B`` tiles loaded per 32-deep step of the reduction, each used twice) over the
@@ -291,9 +293,9 @@ def macros(emulate: bool):
     return mm_real, tr_real, begin, end
 
 
-def tile_products(k, sg, pv):
-    """The fused tile's two products on tiles (``k``: the tile's ``_TileShape``; ``sg``/``pv``: its
-    other forms' macros, whose staging the tiles read): ``s(Ku, Kb, Qp, S, t, vc, regs)``, ``S = K·Qᵀ``
+def tile_products(k, bf):
+    """The fused tile's two products on tiles (``k``: the tile's ``_TileShape``; ``bf``: the bf16
+    pair form's macros, :func:`.bf16dot.pair_macros`, whose staging the tiles read): ``s(Ku, Kb, Qp, S, t, vc, regs)``, ``S = K·Qᵀ``
     of one key tile, 32 keys × 32 rows per call, from the key rows as staged (``K_load``) and q's
     pairs; ``pv(Vu, P, Pr, Pb, Pq, Vb, Vt, acc, alpha, t, vc, Vsc, regs, need)``, ``acc += P·V``,
     32 rows × 32 columns per call, from P rounded, paired (``P_round``/``P_ilv``) and transposed
@@ -301,7 +303,7 @@ def tile_products(k, sg, pv):
     (``V_load``/``V_ilv``); the correction first where some row's reference moved (``need``)."""
     N, BM, BN, D, DV = k.N, k.BM, k.BN, k.D, k.DV
     mm, tr = macros(k.dot_bf16 == EMULATED)[:2]
-    k_bits, p_pairs, v_pairs, rescale = sg.k_bits, pv.p_pairs, pv.v_pairs, pv.rescale
+    k_bits, p_pairs, v_pairs, rescale = bf.k_bits, bf.p_pairs, bf.v_pairs, bf.rescale
 
     @T.macro
     def s(Ku, Kb, Qp, S, t, vc, regs):

@@ -52,9 +52,9 @@ from ..quant import QMAX, SCALE_GROUP
 from ..spec import DATA_ALIGNMENT as A, ENTRY, MAX_SEQ_LEN, AttentionSpec
 from ..tvm_internals import fast_macros
 from ..visibility import Visibility
-from ._math import (KV_UNIT, bf16_bits, bf16_exact_bits, bf16_value, cast_to, exp2_fast, f32, f32_to_kv, guarded,
+from ._math import (KV_UNIT, bf16_exact_bits, bf16_value, cast_to, exp2_fast, f32, f32_to_kv, guarded,
                     kv_to_f32, lse_of, ssa_checked)
-from . import amx
+from . import amx, bf16dot
 from .knob_attrs import FUSED_DECODE, FUSED_FORM, FUSED_TILE, record
 from .index_checks import scale_ok
 from .kv import dim, kv_layout
@@ -518,11 +518,10 @@ PF_LOCALITY = 2
 
 
 def _s_gemm_macros(k: _TileShape):
-    """``S = Q·Kᵀ`` of one key tile (scaled, log2 units), one macro per form: ``dot`` (bf16 pairs
-    along head_dim, ``vdpbf16ps``'s operands; ``K_load`` copies the tile's bits to ``Kb``),
-    ``heads`` (each key staged for every kv head of the tile), ``staged`` (the key tile staged as
-    float32 by ``K_load``), ``plain`` (K read through the layout's index), and ``prefetch``
-    (block ``KV_prefetch``, before a staged form when asked).
+    """``S = Q·Kᵀ`` of one key tile (scaled, log2 units) on float32 products (the bf16-pair form:
+    :mod:`.bf16dot`), one macro per form: ``heads`` (each key staged for every kv head of the
+    tile), ``staged`` (the key tile staged as float32 by ``K_load``), ``plain`` (K read through
+    the layout's index), and ``prefetch`` (block ``KV_prefetch``, before a staged form when asked).
 
     ``staged``: each key tile copied into a local float32 ``Kt (block_n, D)`` (block ``K_load``)
     that ``S_gemm`` reads through plain indices. A schedule that computes QKᵀ as dot products with
@@ -546,12 +545,7 @@ def _s_gemm_macros(k: _TileShape):
 
     ``k.dot_decode`` (the staged forms): ``Qt`` and ``Kt`` hold bf16 bits, the keys widened to
     bf16 as they are staged, the products spelled on their float32 values (``cpu_decode``'s
-    bf16 dot product matches them).
-
-    ``dot``: the operand layouts of AVX512-BF16's ``vdpbf16ps`` (``acc[l] += a[2l]·b[2l] +
-    a[2l+1]·b[2l+1]``: pairs along the reduction), bf16 values handled as their uint16 bits.
-    ``Qp (D/2, BM, 2)`` holds Q unscaled (the scale multiplies the float32 scores instead: no
-    extra rounding); ``S_gemm`` sums over (d pair, t)."""
+    bf16 dot product matches them)."""
     N, BM, BN, D, HT, R, prefetch, LINE_ELEMS = k.N, k.BM, k.BN, k.D, k.HT, k.R, k.prefetch, k.line_elems
     LINES = max(1, D // LINE_ELEMS)  # cache lines per K row (rows are line-aligned when D is)
     LINES_V = max(1, k.DV // LINE_ELEMS)  # per V row
@@ -572,24 +566,6 @@ def _s_gemm_macros(k: _TileShape):
 
     def group_scaled(Ksc, h, vj, vd, product):  # dot_decode 5: each product times its group's key scale
         return Ksc[h, vj, T.floordiv(vd, SCALE_GROUP)] * product if k.group_dots else product
-
-    @T.macro
-    def k_bits(Ku, Kb, t, vc):
-        # the key tile's bf16 bits, (key, d): the dot-product and AMX forms' staged keys
-        for j, d in T.grid(BN, D):
-            with T.sblock(N["K_load"]):
-                vj, vd = T.axis.remap("SS", [j, d])
-                Kb[vj, vd] = Ku[t.kv_at(vc, vj, vd)]
-
-    @T.macro
-    def s_gemm_dot(Ku, Kb, Qp, S, t, vc):  # bf16 pairs along head_dim: vdpbf16ps operands
-        k_bits(Ku, Kb, t, vc)
-        for j, dp, i, tt in T.grid(BN, D // 2, BM, 2):
-            with T.sblock(N["S_gemm"]):
-                vj, vp, vi, vt = T.axis.remap("SRSR", [j, dp, i, tt])
-                with T.init():
-                    S[vj, vi] = T.float32(0)
-                S[vj, vi] = S[vj, vi] + bf16_value(Kb[vj, 2 * vp + vt]) * bf16_value(Qp[vp, vi, vt])
 
     @T.macro
     def kv_prefetch(K, V, t, vc, j):
@@ -665,8 +641,7 @@ def _s_gemm_macros(k: _TileShape):
                     S[vj, vi] = T.float32(0)
                 S[vj, vi] = S[vj, vi] + k.dequant(K[t.kv_at(vc, vj, vd)], Ksc, 0, vj, vd) * Qt[vd, vi]
 
-    return types.SimpleNamespace(dot=s_gemm_dot, k_bits=k_bits, prefetch=kv_prefetch, heads=s_gemm_heads,
-                                 staged=s_gemm_staged, plain=s_gemm)
+    return types.SimpleNamespace(prefetch=kv_prefetch, heads=s_gemm_heads, staged=s_gemm_staged, plain=s_gemm)
 
 
 #: The AMX form's lazy correction (log2 units): a row keeps its running max as the reference of P,
@@ -777,18 +752,10 @@ def _softmax_macro(k: _TileShape):
 
 
 def _pv_macros(k: _TileShape):
-    """``acc = acc·alpha + P·V`` of one key tile, one macro per form: ``dot`` (``P_round`` rounds P
-    to bf16, ``P_ilv``/``V_ilv`` pair P and V along the keys for ``vdpbf16ps``, ``acc_rescale``
-    applies the correction), ``dot_heads`` (the same on a tile of ``HT`` kv heads), ``heads`` (V
-    staged for every kv head of the tile), ``plain``.
-
-    ``dot``: ``V_load`` copies the tile's bits to ``Vb (BN, D)`` (an 8-bit cache's values widened
-    to bf16: :meth:`_TileShape.bits`), ``V_ilv`` interleaves pairs of V rows into ``Vt (BN/2, D,
-    2)``; ``P_round`` rounds P to bf16 (nearest even), as FlashAttention does before PV, and
-    ``P_ilv`` pairs it the same way (``Pb (BN/2, BM, 2)``); ``PV_gemm`` sums over (key pair, t).
-    ``dot_heads``: ``Vb (HT, BN, D)``, ``Vt (HT, BN/2, D, 2)`` (the head first: the interleave and
-    the dot product take a contiguous region of one head), row ``i`` reading head ``i // R``.
-    ``D`` here is V's head dim (``DV``)."""
+    """``acc = acc·alpha + P·V`` of one key tile on float32 products (the bf16-pair form:
+    :mod:`.bf16dot`), one macro per form: ``heads`` (V staged for every kv head of the tile, as
+    stored: :meth:`_TileShape.vt_dtype`), ``plain`` (V read through the layout's index); and
+    ``p_of``, P as PV reads it (every form's). ``D`` here is V's head dim (``DV``)."""
     N, BM, BN, D, HT, R = k.N, k.BM, k.BN, k.DV, k.HT, k.R
 
     def p_of(P, Vsc, vj, vi, vd=0):
@@ -800,65 +767,6 @@ def _pv_macros(k: _TileShape):
         if k.group_scales:
             return P[vj, vi] * Vsc[k.head_row(vi), vj, T.floordiv(vd, SCALE_GROUP)]
         return P[vj, vi]
-
-    @T.macro
-    def p_pairs(P, Pr, Pb, Vsc):
-        for j, i in T.grid(BN, BM):
-            with T.sblock(N["P_round"]):
-                vj, vi = T.axis.remap("SS", [j, i])
-                Pr[vj, vi] = bf16_bits(p_of(P, Vsc, vj, vi))
-        for jp, i, tt in T.grid(BN // 2, BM, 2):
-            with T.sblock(N["P_ilv"]):
-                vp, vi, vt = T.axis.remap("SSS", [jp, i, tt])
-                Pb[vp, vi, vt] = Pr[2 * vp + vt, vi]
-
-    @T.macro
-    def rescale(acc, alpha):
-        # the correction as a block of its own: the tensorized update reads only
-        # what the intrinsic does (an init reading alpha would not match it)
-        for i, d in T.grid(BM, D):
-            with T.sblock(N["acc_rescale"]):
-                vi, vd = T.axis.remap("SS", [i, d])
-                acc[vi, vd] = acc[vi, vd] * alpha[vi]
-
-    @T.macro
-    def v_pairs(Vu, Vb, Vt, t, vc):
-        for j, d in T.grid(BN, D):
-            with T.sblock(N["V_load"]):
-                vj, vd = T.axis.remap("SS", [j, d])
-                Vb[vj, vd] = k.bits(Vu[t.kv_at(vc, vj, vd)])
-        for jp, d, tt in T.grid(BN // 2, D, 2):
-            with T.sblock(N["V_ilv"]):
-                vp, vd, vt = T.axis.remap("SSS", [jp, d, tt])
-                Vt[vp, vd, vt] = Vb[2 * vp + vt, vd]
-
-    @T.macro
-    def pv_gemm_dot(Vu, P, Pr, Pb, Vb, Vt, acc, alpha, t, vc, Vsc):
-        p_pairs(P, Pr, Pb, Vsc)
-        v_pairs(Vu, Vb, Vt, t, vc)
-        rescale(acc, alpha)
-        for i, jp, d, tt in T.grid(BM, BN // 2, D, 2):
-            with T.sblock(N["PV_gemm"]):
-                vi, vp, vd, vt = T.axis.remap("SRSR", [i, jp, d, tt])
-                acc[vi, vd] = acc[vi, vd] + bf16_value(Pb[vp, vi, vt]) * bf16_value(Vt[vp, vd, vt])
-
-    @T.macro
-    def pv_gemm_dot_heads(Vu, P, Pr, Pb, Vb, Vt, acc, alpha, t, vc, Vsc):
-        p_pairs(P, Pr, Pb, Vsc)
-        for j, h, d in T.grid(BN, HT, D):
-            with T.sblock(N["V_load"]):
-                vj, vh, vd = T.axis.remap("SSS", [j, h, d])
-                Vb[vh, vj, vd] = k.bits(Vu[t.kv_at(vc, vj, vd, vh)])
-        for h, jp, d, tt in T.grid(HT, BN // 2, D, 2):
-            with T.sblock(N["V_ilv"]):
-                vh, vp, vd, vt = T.axis.remap("SSSS", [h, jp, d, tt])
-                Vt[vh, vp, vd, vt] = Vb[vh, 2 * vp + vt, vd]
-        rescale(acc, alpha)
-        for i, jp, d, tt in T.grid(BM, BN // 2, D, 2):
-            with T.sblock(N["PV_gemm"]):
-                vi, vp, vd, vt = T.axis.remap("SRSR", [i, jp, d, tt])
-                acc[vi, vd] = acc[vi, vd] + bf16_value(Pb[vp, vi, vt]) * bf16_value(
-                    Vt[T.floordiv(vi, R), vp, vd, vt])
 
     @T.macro
     def pv_gemm_heads(V, P, Vt, acc, alpha, t, vc, Vsc):
@@ -882,8 +790,7 @@ def _pv_macros(k: _TileShape):
                     acc[vi, vd] = acc[vi, vd] * alpha[vi]
                 acc[vi, vd] = acc[vi, vd] + p_of(P, Vsc, vj, vi, vd) * k.kv(V[t.kv_at(vc, vj, vd)])
 
-    return types.SimpleNamespace(dot=pv_gemm_dot, dot_heads=pv_gemm_dot_heads, heads=pv_gemm_heads, plain=pv_gemm,
-                                 p_pairs=p_pairs, v_pairs=v_pairs, rescale=rescale)
+    return types.SimpleNamespace(p_of=p_of, heads=pv_gemm_heads, plain=pv_gemm)
 
 
 def _scale_macro(k: _TileShape, spec: AttentionSpec):
@@ -987,8 +894,8 @@ def _store_macro(k: _TileShape):
 
 
 def _q_macros(k: _TileShape):
-    """The tile's ``Q_load``: ``q_pairs`` (``dot_bf16``: q's bits in pairs along head_dim, ``Qp
-    (D/2, BM, 2)``, unscaled) and ``q_load`` (``Qt (D, BM)``: q scaled to log2 units, or with
+    """The tile's ``Q_load`` (the pair forms': :func:`.bf16dot.pair_macros`' ``q_pairs``):
+    ``q_load`` (``Qt (D, BM)``: q scaled to log2 units, or with
     ``dot_decode`` its own bf16 bits, the scales then multiplying the scores). With ``qk_int8``,
     ``q_load`` rounds each row to int8 first (``quant.qk_int8_query``, the same float32 steps):
     ``q_absmax`` takes the row's largest magnitude into ``qs[0]`` (NaN, kept, once an element is
@@ -1033,13 +940,6 @@ def _q_macros(k: _TileShape):
                     qs[1, vi] = qs[1, vi] + T.float32(128) * f32(Qt[vd, vi])
 
     @T.macro
-    def q_pairs(Qu, Qp, t):
-        for dp, i, tt in T.grid(D // 2, BM, 2):
-            with T.sblock(N["Q_load"]):
-                vp, vi, vt = T.axis.remap("SSS", [dp, i, tt])
-                Qp[vp, vi, vt] = Qu[t.q_at(vi, 2 * vp + vt)]
-
-    @T.macro
     def q_load(Q, Qt, t, qs):
         if k.qk_int8:
             q_int8_max(Q, qs, t)
@@ -1058,7 +958,7 @@ def _q_macros(k: _TileShape):
         if k.qk_int8:
             q_int8_scale(Qt, qs)
 
-    return q_pairs, q_load
+    return q_load
 
 
 def _check_tile_args(spec: AttentionSpec, BM: int, BN: int, stage_k: bool, dot_bf16: int, prefetch: int,
@@ -1107,14 +1007,17 @@ def _tile_shape(spec: AttentionSpec, BM: int, BN: int, suffix: str, stats: str |
 
 
 def _product_macros(k: _TileShape, stage_k: bool):
-    """The tile's two products in the forms its arguments chose (:func:`_s_gemm_macros`,
-    :func:`_pv_macros`, :func:`.amx.tile_products`): ``s_product`` (``S`` of one key tile) and
-    ``pv_product`` (``acc = acc·alpha + P·V``). They take every buffer a form may read; those a
+    """The tile's two products in the forms its arguments chose (float32 FMAs:
+    :func:`_s_gemm_macros`, :func:`_pv_macros`; bf16 pairs: :func:`.bf16dot.pair_macros`; AMX
+    tiles: :func:`.amx.tile_products`): ``s_product`` (``S`` of one key tile), ``pv_product``
+    (``acc = acc·alpha + P·V``) and the pair forms' ``q_pairs`` (q's bits in pairs, once per row
+    tile). They take every buffer a form may read; those a
     form has not are the tile's placeholders, never read."""
     sg, pv = _s_gemm_macros(k), _pv_macros(k)
-    s_gemm_dot, s_gemm_heads, s_gemm_staged, s_gemm = sg.dot, sg.heads, sg.staged, sg.plain
-    pv_gemm_dot, pv_gemm_dot_heads, pv_gemm_heads, pv_gemm = pv.dot, pv.dot_heads, pv.heads, pv.plain
-    s_gemm_amx, pv_gemm_amx = amx.tile_products(k, sg, pv) if k.amx else (None, None)
+    bf = bf16dot.pair_macros(k, pv.p_of)  # the bf16 pairs: vdpbf16ps's form, and what AMX's stages
+    s_gemm_dot, s_gemm_heads, s_gemm_staged, s_gemm = bf.s_gemm, sg.heads, sg.staged, sg.plain
+    pv_gemm_dot, pv_gemm_dot_heads, pv_gemm_heads, pv_gemm = bf.pv_gemm, bf.pv_gemm_heads, pv.heads, pv.plain
+    s_gemm_amx, pv_gemm_amx = amx.tile_products(k, bf) if k.amx else (None, None)
     HT, AMX, DOT, raw16 = k.HT, k.amx, bool(k.dot_bf16), k.raw16
     PV_DOT = DOT or k.dot_decode == 2  # PV on bf16 pairs (Vb, Vt, Pr, Pb)
 
@@ -1152,7 +1055,7 @@ def _product_macros(k: _TileShape, stage_k: bool):
         else:
             pv_gemm(V, P, acc, alpha, t, vc, Vsc)
 
-    return s_product, pv_product
+    return s_product, pv_product, bf.q_pairs
 
 
 # _tile_macro's arguments. Half-precision inputs are converted to float32 as they are loaded and
@@ -1181,8 +1084,8 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
     fine = NG > 0  # per-token or per-group scales (a tile's own, scale_load)
     # the key tile's scales: per (key, row), or (head, key, group), V's groups DV/32
     SC_SHAPE, VSC_SHAPE = ((BN, BM),) * 2 if k.token_scales else ((HT, BN, NG), (HT, BN, spec.v_scale_groups))
-    s_product, pv_product = _product_macros(k, stage_k)
-    (online_softmax, store), (q_pairs, q_load) = (_softmax_macro(k), _store_macro(k)), _q_macros(k)
+    s_product, pv_product, q_pairs = _product_macros(k, stage_k)
+    (online_softmax, store), q_load = (_softmax_macro(k), _store_macro(k)), _q_macros(k)
     # Qt's and Kt's: bf16 bits for dot_decode 1/2, the signed and unsigned bytes of vpdpbusd for 3
     QT_DTYPE, KT_DTYPE = {0: ("float32",) * 2, 3: ("int8", "uint8"), 4: ("int8",) * 2,
                           5: ("int8",) * 2}.get(dot_decode, ("uint16",) * 2)
