@@ -18,7 +18,7 @@ committed_dir() {  # committed_dir S [--causal] -> tuning_logs/<target key>/<spe
 import sys
 from tvm_attention.spec import AttentionSpec
 from tvm_attention.target import resolve_target
-from tvm_attention.tune.logs import log_folder
+from tvm_attention.logs import log_folder
 root, seq, flags = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 spec = AttentionSpec(batch=1, heads=8, seq_q=seq, head_dim=64, causal="--causal" in flags)
 print(log_folder(root, spec, resolve_target("llvm")))

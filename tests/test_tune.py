@@ -376,3 +376,20 @@ def test_local_workers_are_kept_between_tunes_only_when_asked(tuned, monkeypatch
     # Killed and joined by the pools' shutdown; waited on here (a loaded machine reaps slowly).
     _, alive = psutil.wait_procs(procs, timeout=30)
     assert alive == []
+
+
+def test_tune_defaults_names_the_committed_folders():
+    """scripts/tune_defaults.sh's folder helper (it imported a module that had moved, and the
+    script stopped before its first tune): each default spec's committed folder on this host."""
+    import subprocess
+    from pathlib import Path
+
+    from tvm_attention.logs import log_folder
+    from tvm_attention.target import resolve_target
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "tune_defaults.sh"
+    helper = script.read_text().split("committed_dir() {", 1)[1].split("\n}\n", 1)[0]
+    out = subprocess.run(["bash", "-c", f'REPO="{script.parents[1]}"\ncommitted_dir() {{{helper}\n}}\n'
+                          "committed_dir 4096 --causal"], capture_output=True, text=True, check=True).stdout
+    spec = AttentionSpec(batch=1, heads=8, seq_q=4096, head_dim=64, causal=True)
+    assert Path(out.strip()) == log_folder(script.parents[1] / "tuning_logs", spec, resolve_target("llvm"))
