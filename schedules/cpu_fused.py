@@ -153,8 +153,8 @@ def preset(spec: AttentionSpec, target: Target) -> FlashCPUKnobs:
                           pv_cols=pv_cols if pv_cols < spec.v_dim else 0, vector_lanes=lanes,
                           auto_unroll=auto_unroll, split_tasks=split_tasks_for(target), dot_bf16=int(dot))
     if stages_decode(spec, knobs):  # the page order is a property of the staged decode nests
-        knobs = dataclasses.replace(knobs, decode_heads=page_order_heads(spec, block_n, lanes),
-                                    prefetch=decode_prefetch(spec, lanes))
+        heads = page_order_heads(spec, block_n, lanes)
+        knobs = dataclasses.replace(knobs, decode_heads=heads, prefetch=decode_prefetch(spec, lanes, block_n, heads))
         # the products on vdpbf16ps (2-core znver4, H32 KH8 D128, 2 threads, B4 4k / B1 16k,
         # the step over the float32 form's, side by side): a bf16 cache takes both (QKᵀ alone
         # 0.86 / 0.91 kvcache, 0.99 / 0.95 paged; with PV 0.85 / 0.84, 0.91 / 0.84), an 8-bit
@@ -222,7 +222,7 @@ def _without_amx(target: Target) -> Target:
     return Target(attrs)
 
 
-def decode_prefetch(spec: AttentionSpec, lanes: int) -> int:
+def decode_prefetch(spec: AttentionSpec, lanes: int, block_n: int = 64, heads: int = 1) -> int:
     """The preset's software prefetch of the staged decode nests (``prefetch``, key tiles ahead,
     into L2): 1, so the next key tile streams in while this one computes, except where the step
     already streams at memory speed without it.
@@ -236,19 +236,39 @@ def decode_prefetch(spec: AttentionSpec, lanes: int) -> int:
     0.89 / 0.97. Without it: a float32 cache on AVX-512 (25 GB/s already; 1.03-1.04 kvcache,
     1.00-1.17 paged) and MHA's kvcache (one row per kv head, little compute per byte: int8 1.12 /
     1.15 / 1.02, bf16 level; with 2 kv heads per task, the preset's, bf16 1.03-1.23); MHA paged
-    gains a little (bf16 0.93-0.96)."""
+    gains a little (bf16 0.93-0.96, 16 heads per task).
+
+    Nor where one key tile ahead is more than :data:`MAX_PREFETCH_AHEAD` bytes of K and V
+    (``block_n × heads`` rows of each): a paged MHA task reading whole rows (32 heads, bf16,
+    D=128: 1 MiB ahead) ran 0.72-0.77× as fast with it (2-core Sapphire Rapids VM, 2 threads,
+    B4 × 4k / B1 × 16k: 13.8 / 13.8 GB/s with, 19.0 / 18.4 without); the prefetched tile evicts
+    the one being computed, and whole rows stream without help."""
+    ahead = 2 * block_n * heads * spec.v_dim * spec.kv_itemsize
     if lanes == 16 and spec.dtype == "float32" and not spec.kv_quantized:  # a float32 cache
+        return 0
+    if ahead > MAX_PREFETCH_AHEAD:
         return 0
     if spec.group_size == 1 and not spec.layout_info.paged:
         return 0
     return 1
 
 
-#: Largest value tile (``block_n · decode_heads · D`` float32) the preset's multi-head decode
-#: task stages: it is written and read back within one key tile, so it stays in L2 (1 MiB here).
+#: Largest value tile (``block_n · decode_heads · D``, :func:`decode_vt_bytes`) the preset's
+#: multi-head decode task stages: it is written and read back within one key tile, so it stays in
+#: L2 (1 MiB here). A bf16 cache stages its bits: twice the heads (a paged MHA task then reads
+#: whole rows: 32 heads at D=128).
 #: MHA 32 heads, D=128, paged (2-core znver4, GB/s at B1 16k / B4 4k / B16 4k): 16 heads per task
 #: (512 KiB) 16.7 / 17.4 / 17.6, 8 heads 14.8 / 16.2 / 13.9, one head 13.7 / 17.4 / 13.9.
 MAX_DECODE_VT_BYTES = 512 * 1024
+#: Most K/V bytes one key tile ahead that the decode nests' software prefetch asks for
+#: (:func:`decode_prefetch`): half a 1 MiB L2.
+MAX_PREFETCH_AHEAD = 512 * 1024
+
+
+def decode_vt_bytes(spec: AttentionSpec, block_n: int, heads: int) -> int:
+    """The bytes of a decode tile's staged values (``block_n × heads × head_dim``): a bf16 cache's
+    as their bits (2 bytes, ``fused._TileShape.vt_dtype``), the others counted as float32."""
+    return (2 if spec.dtype == "bfloat16" and not spec.kv_dtype else 4) * block_n * heads * spec.v_dim
 
 
 def stages_decode(spec: AttentionSpec, knobs: FlashCPUKnobs) -> bool:
@@ -304,9 +324,9 @@ def page_order_heads(spec: AttentionSpec, block_n: int, lanes: int = 16) -> int:
 
 def max_heads_per_task(spec: AttentionSpec, block_n: int) -> int:
     """The most kv heads one decode task can take: a divisor of ``kv_heads`` whose value tile
-    (``block_n × heads × head_dim`` float32) fits ``MAX_DECODE_VT_BYTES``."""
+    (:func:`decode_vt_bytes`) fits ``MAX_DECODE_VT_BYTES``."""
     return max(h for h in range(1, spec.kv_heads + 1)
-               if spec.kv_heads % h == 0 and block_n * h * spec.v_dim * 4 <= MAX_DECODE_VT_BYTES)
+               if spec.kv_heads % h == 0 and decode_vt_bytes(spec, block_n, h) <= MAX_DECODE_VT_BYTES)
 
 
 def for_layout(knobs: FlashCPUKnobs, spec: AttentionSpec, target: Target,
@@ -414,11 +434,12 @@ def check(knobs: FlashCPUKnobs, spec: AttentionSpec, target: Target) -> None:
             f"decode_heads={knobs.decode_heads} and prefetch={knobs.prefetch} apply to the staged decode nests "
             f"(dot products on {' or '.join(map(str, cpu_decode.DOT_LANES))}-lane vectors, head_dim a multiple of them); "
             f"with vector_lanes={lanes} and head_dim={spec.head_dim} this kernel has none: leave them at 1 and 0")
-    vt_bytes = 4 * knobs.block_n * knobs.decode_heads * spec.v_dim
+    vt_bytes = decode_vt_bytes(spec, knobs.block_n, knobs.decode_heads)
     if knobs.decode_heads > 1 and vt_bytes > MAX_TILE_BYTES:
         raise KnobError(
             f"decode value tile {vt_bytes} B (block_n={knobs.block_n} × decode_heads={knobs.decode_heads} × "
-            f"head_dim={spec.head_dim} float32) exceeds MAX_TILE_BYTES={MAX_TILE_BYTES}")
+            f"head_dim={spec.v_dim}, staged as {'bf16 bits' if spec.dtype == 'bfloat16' and not spec.kv_dtype else 'float32'}"
+            f") exceeds MAX_TILE_BYTES={MAX_TILE_BYTES}")
     if knobs.decode_dot not in (0, 1, 2, 3):
         raise KnobError(f"decode_dot={knobs.decode_dot} must be 0 (float32), 1 (QKᵀ on bf16 dots), 2 (QKᵀ and PV) "
                         f"or 3 (QKᵀ on int8 dots)")

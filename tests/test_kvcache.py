@@ -419,6 +419,12 @@ def test_decode_presets_prefetch_and_heads_per_task():
                             (dict(kv_dtype="int8"), 16, 8), (dict(kv_heads=32, kv_dtype="int8"), 16, 1),
                             (dict(dtype="bfloat16"), 8, 1), (dict(kv_dtype="int8"), 8, 1)):
         assert cpu_fused.page_order_heads(AttentionSpec(**{**gqa, **kw}), 64, lanes) == want, (kw, lanes)
+    # a bf16 cache's value tile counts its bits: a paged MHA task takes whole rows (32 heads at D=128,
+    # fp32: 16), and prefetches nothing then (1 MiB of K/V one tile ahead: > MAX_PREFETCH_AHEAD)
+    mha = AttentionSpec(**{**gqa, "kv_heads": 32, "layout": "paged", "dtype": "bfloat16"})
+    assert cpu_fused.page_order_heads(mha, 64, 16) == 32 and cpu_fused.decode_prefetch(mha, 16, 64, 32) == 0
+    assert cpu_fused.page_order_heads(dataclasses.replace(mha, dtype="float32"), 64, 16) == 16
+    assert cpu_fused.decode_prefetch(dataclasses.replace(mha, dtype="float16"), 16, 64, 16) == 1
 
 
 @functools.lru_cache(maxsize=None)
