@@ -25,10 +25,22 @@ L = 16  # float32 lanes of a zmm register
 FEATURES = ("amx-tile", "amx-bf16", "avx512f")
 
 
+def misfit(spec: AttentionSpec, features: set[str], block_m: int = 32, block_n: int = 32,
+           real: bool = True) -> str | None:
+    """Why ``spec`` cannot take the AMX form at these tiles on a CPU with ``features`` (None: it
+    can). ``real``: the tile instructions themselves; the emulated form runs on any CPU."""
+    if spec.dtype != "bfloat16" or spec.kv_quantized:
+        return f"multiplies bfloat16 inputs: dtype={spec.dtype}, kv_dtype={spec.kv_dtype}"
+    why = amx.fits(block_m, block_n, spec.head_dim, spec.v_dim)
+    if why:
+        return why
+    missing = [f for f in FEATURES if f not in features]
+    return f"needs a CPU with {', '.join(missing)}" if real and missing else None
+
+
 def supports(spec: AttentionSpec, features: set[str], block_m: int = 32, block_n: int = 32) -> bool:
     """Whether ``spec`` can take the AMX form (the real one) on a CPU with ``features``."""
-    return (spec.dtype == "bfloat16" and not spec.kv_quantized and all(f in features for f in FEATURES)
-            and amx.fits(block_m, block_n, spec.head_dim, spec.v_dim) is None)
+    return misfit(spec, features, block_m, block_n) is None
 
 
 def schedule(sch: s_tir.Schedule, spec: AttentionSpec, knobs=None, suffix: str = "") -> s_tir.Schedule:

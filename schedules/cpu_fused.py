@@ -33,7 +33,7 @@ from ..layouts import LAYOUTS
 from ..quant import KV_SCALES
 from ..spec import KV_DTYPES, SUPPORTED_DTYPES, VARIANTS, AttentionSpec
 from ..target import target_features, vector_lanes
-from ..workloads import amx, fused_attention
+from ..workloads import fused_attention
 from ..workloads.fused import DECODE, MERGE, SPLIT, n_splits
 from ..workloads.knob_attrs import FUSED, FUSED_DECODE
 
@@ -352,15 +352,11 @@ def check_amx(knobs: FlashCPUKnobs, spec: AttentionSpec, target: Target) -> None
     """The AMX forms' needs (``dot_bf16`` 2, emulated 3): bfloat16 inputs, the tile and head dims
     in blocks of 32, AVX-512 vectors for the softmax; the real form a CPU with AMX-BF16."""
     name = f"dot_bf16={knobs.dot_bf16} ({DOT_FORMS[knobs.dot_bf16]})"
-    if spec.dtype != "bfloat16" or spec.kv_quantized:
-        raise KnobError(f"{name} multiplies bfloat16 inputs: dtype={spec.dtype}, kv_dtype={spec.kv_dtype}")
-    why = amx.fits(knobs.block_m, knobs.block_n, spec.head_dim, spec.v_dim)
+    why = cpu_amx.misfit(spec, target_features(target), knobs.block_m, knobs.block_n, real=knobs.dot_bf16 == AMX)
+    if why and why.startswith("needs a CPU"):
+        why += f" (target {target}); the emulated form (dot_bf16={AMX_EMULATED}) runs anywhere"
     if why:
         raise KnobError(f"{name}: {why}")
-    missing = [f for f in cpu_amx.FEATURES if f not in target_features(target)]
-    if knobs.dot_bf16 == AMX and missing:
-        raise KnobError(f"{name} needs a CPU with {', '.join(missing)} (target {target}); the emulated form "
-                        f"(dot_bf16={AMX_EMULATED}) runs anywhere")
 
 
 def tile_bytes(spec: AttentionSpec, block_m: int, block_n: int) -> int:
