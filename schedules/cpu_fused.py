@@ -172,6 +172,10 @@ def preset(spec: AttentionSpec, target: Target) -> FlashCPUKnobs:
             # Sapphire Rapids VM (B4 H32 KH8 D128, 4k keys, 2 threads, side by side) the bf16
             # cache's step on dots ran 0.85x the float32-product step, an int8 cache's 0.83x
             knobs = dataclasses.replace(knobs, decode_dot=1 if spec.kv_quantized else 2)
+            if knobs.decode_dot == 2:  # PV's pairs stage two copies of the value tile's bits
+                heads = page_order_heads(spec, block_n, lanes, decode_dot=2)
+                knobs = dataclasses.replace(knobs, decode_heads=heads,
+                                            prefetch=decode_prefetch(spec, lanes, block_n, heads))
     return knobs
 
 
@@ -265,10 +269,12 @@ MAX_DECODE_VT_BYTES = 512 * 1024
 MAX_PREFETCH_AHEAD = 512 * 1024
 
 
-def decode_vt_bytes(spec: AttentionSpec, block_n: int, heads: int) -> int:
+def decode_vt_bytes(spec: AttentionSpec, block_n: int, heads: int, decode_dot: int = 0) -> int:
     """The bytes of a decode tile's staged values (``block_n × heads × head_dim``): a bf16 cache's
-    as their bits (2 bytes, ``fused._TileShape.vt_dtype``), the others counted as float32."""
-    return (2 if spec.dtype == "bfloat16" and not spec.kv_dtype else 4) * block_n * heads * spec.v_dim
+    as their bits (2 bytes, ``fused._TileShape.vt_dtype``; with PV on dots, ``decode_dot`` 2, two
+    copies: ``Vb`` and its pairs ``Vt``), the others counted as float32."""
+    bits = spec.dtype == "bfloat16" and not spec.kv_dtype and decode_dot != 2
+    return (2 if bits else 4) * block_n * heads * spec.v_dim
 
 
 def stages_decode(spec: AttentionSpec, knobs: FlashCPUKnobs) -> bool:
@@ -299,7 +305,7 @@ def decode_dots(spec: AttentionSpec, knobs: FlashCPUKnobs, target: Target, form:
     return bool(staged) and all(ok(spec, r, knobs.vector_lanes, feats) for r in staged)
 
 
-def page_order_heads(spec: AttentionSpec, block_n: int, lanes: int = 16) -> int:
+def page_order_heads(spec: AttentionSpec, block_n: int, lanes: int = 16, decode_dot: int = 0) -> int:
     """The preset's kv heads per decode task: all of them (as many as a ``MAX_DECODE_VT_BYTES``
     value tile allows) for the paged layout; on the contiguous layouts with AVX-512 vectors, 2
     for a 16- or 32-bit cache and all of them for an 8-bit GQA cache; else 1.
@@ -315,18 +321,18 @@ def page_order_heads(spec: AttentionSpec, block_n: int, lanes: int = 16) -> int:
     0.70-0.84, but int8 1.06-1.21 (so one). Not on AVX2 code (2 heads bf16 1.01-1.18, int8
     1.05-1.20: 16 ymm hold less): one head per task there."""
     if spec.layout_info.paged:
-        return max_heads_per_task(spec, block_n)
+        return max_heads_per_task(spec, block_n, decode_dot)
     if lanes < 16 or (spec.kv_quantized and spec.group_size == 1):
         return 1
     most = max_heads_per_task(spec, block_n)
     return most if spec.kv_quantized else max(h for h in (1, 2) if spec.kv_heads % h == 0 and h <= most)
 
 
-def max_heads_per_task(spec: AttentionSpec, block_n: int) -> int:
+def max_heads_per_task(spec: AttentionSpec, block_n: int, decode_dot: int = 0) -> int:
     """The most kv heads one decode task can take: a divisor of ``kv_heads`` whose value tile
     (:func:`decode_vt_bytes`) fits ``MAX_DECODE_VT_BYTES``."""
     return max(h for h in range(1, spec.kv_heads + 1)
-               if spec.kv_heads % h == 0 and decode_vt_bytes(spec, block_n, h) <= MAX_DECODE_VT_BYTES)
+               if spec.kv_heads % h == 0 and decode_vt_bytes(spec, block_n, h, decode_dot) <= MAX_DECODE_VT_BYTES)
 
 
 def for_layout(knobs: FlashCPUKnobs, spec: AttentionSpec, target: Target,
@@ -430,11 +436,11 @@ def check(knobs: FlashCPUKnobs, spec: AttentionSpec, target: Target) -> None:
             f"decode_heads={knobs.decode_heads} and prefetch={knobs.prefetch} apply to the staged decode nests "
             f"(dot products on {' or '.join(map(str, cpu_decode.DOT_LANES))}-lane vectors, head_dim a multiple of them); "
             f"with vector_lanes={lanes} and head_dim={spec.head_dim} this kernel has none: leave them at 1 and 0")
-    vt_bytes = decode_vt_bytes(spec, knobs.block_n, knobs.decode_heads)
+    vt_bytes = decode_vt_bytes(spec, knobs.block_n, knobs.decode_heads, knobs.decode_dot)
     if knobs.decode_heads > 1 and vt_bytes > MAX_TILE_BYTES:
         raise KnobError(
             f"decode value tile {vt_bytes} B (block_n={knobs.block_n} × decode_heads={knobs.decode_heads} × "
-            f"head_dim={spec.v_dim}, staged as {'bf16 bits' if spec.dtype == 'bfloat16' and not spec.kv_dtype else 'float32'}"
+            f"head_dim={spec.v_dim}, {vt_bytes // (knobs.block_n * knobs.decode_heads * spec.v_dim)} B each"
             f") exceeds MAX_TILE_BYTES={MAX_TILE_BYTES}")
     if knobs.decode_dot not in (0, 1, 2, 3):
         raise KnobError(f"decode_dot={knobs.decode_dot} must be 0 (float32), 1 (QKᵀ on bf16 dots), 2 (QKᵀ and PV) "

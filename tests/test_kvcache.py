@@ -425,6 +425,8 @@ def test_decode_presets_prefetch_and_heads_per_task():
     assert cpu_fused.page_order_heads(mha, 64, 16) == 32 and cpu_fused.decode_prefetch(mha, 16, 64, 32) == 0
     assert cpu_fused.page_order_heads(dataclasses.replace(mha, dtype="float32"), 64, 16) == 16
     assert cpu_fused.decode_prefetch(dataclasses.replace(mha, dtype="float16"), 16, 64, 16) == 1
+    # with PV on dots (decode_dot 2: Vb and its pairs Vt, two copies of the bits) half as many
+    assert cpu_fused.page_order_heads(mha, 64, 16, decode_dot=2) == 16
 
 
 @functools.lru_cache(maxsize=None)
