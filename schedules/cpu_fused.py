@@ -182,9 +182,11 @@ def preset(spec: AttentionSpec, target: Target) -> FlashCPUKnobs:
 #: The AMX form's tile (block_m, block_n): 128 rows amortize the per-key-tile staging (the key
 #: tile's copy, the value pairs) over twice the rows of 64 (2-core Sapphire Rapids VM, B1 H8
 #: S=4096, 2 threads, TFLOP/s, 4·S²·D·H counted: (64, 64) 0.64 / 0.86 at D=64 / 128, (64, 128)
-#: 0.64 / 0.88, (128, 64) 0.69 / 0.94); (64, 64) where that is over MAX_TILE_BYTES (MLA's
-#: 576/512 latent).
-AMX_TILES = ((128, 64), (64, 64))
+#: 0.64 / 0.88, (128, 64) 0.69 / 0.94). Where that is over MAX_TILE_BYTES (MLA's 576/512
+#: latent), (64, 128): twice the keys per PV product amortize the accumulator's tile loads and
+#: stores (MLA decode, 128 heads, B4 / B16 × 4k, same VM: 951 / 851 GFLOP/s at (64, 64), 1093 /
+#: 990 at (64, 128), 875 at (64, 256) B16).
+AMX_TILES = ((128, 64), (64, 128), (64, 64))
 #: (block_m, block_n) the tuner searches for the AMX form (each a task)
 AMX_TILE_CANDIDATES = ((64, 64), (64, 128), (128, 64), (128, 128), (256, 64))
 

@@ -87,6 +87,33 @@ def test_the_amx_preset_runs_the_layouts_on_tiles():
     assert result.passed, result
 
 
+def test_the_amx_preset_takes_twice_the_keys_where_128_rows_do_not_fit():
+    """MLA's 576/512 latent is over the tile working set at 128 × 64: the preset takes 64 rows ×
+    128 keys (PV's accumulator tiles loaded and stored once per 128 keys), whatever the host
+    (the preset is arithmetic on the target's features); D=128 keeps 128 × 64."""
+    from tvm_attention.schedules.cpu_fused import preset
+    spr = resolve_target(SPR)
+    mla = AttentionSpec(batch=4, heads=128, seq_q=1, seq_kv=4096, head_dim=576, head_dim_v=512, layout="mla",
+                        scale=0.1, causal=True, dtype="bfloat16")
+    knobs = preset(mla, spr)
+    assert knobs.dot_bf16 == 2 and (knobs.block_m, knobs.block_n) == (64, 128)
+    knobs = preset(dataclasses.replace(TAILS, head_dim=128), spr)
+    assert knobs.dot_bf16 == 2 and (knobs.block_m, knobs.block_n) == (128, 64)
+
+
+@needs_amx
+@pytest.mark.parametrize("layout", ["mla", "mla_paged"])
+def test_the_mla_preset_runs_on_tiles(layout):
+    """The MLA preset's 64 × 128 tiles on the latent cache (contiguous and paged: pages of 16 keys
+    under a 128-key tile) against the float64 reference, every validation case."""
+    spec = AttentionSpec(batch=2, heads=64, seq_q=1, seq_kv=300, head_dim=576, head_dim_v=512, layout=layout,
+                         scale=0.1, causal=True, dtype="bfloat16")
+    b = build_kernel(spec, cache=True)
+    assert b.knobs.dot_bf16 == 2 and (b.knobs.block_m, b.knobs.block_n) == (64, 128)
+    result = validate_built(b)
+    assert result.passed, result
+
+
 #: a covering set of the layouts and features the fused family builds (issue 63): chunked
 #: prefill into a cache with the call's keys appended, a paged cache split across tasks with
 #: lse, the user's bit mask, the symbolic kernel, a model's variants together, the paged MLA

@@ -331,7 +331,13 @@ def test_bench_mla_tiny(tmp_path):
     assert split["point"] == "mla split" and split["split_ms"] > 0 and split["unsplit_ms"] > 0
     assert q8["point"] == "mla 8-bit" and q8["int8_ms"] > 0 and q8["int8_vs_bf16"] > 0
     assert dec["point"] == "mla decode" and dec["ours_gflops"] > 0 and 0 < dec["of_roof"]
-    assert dec["roof"] == ("bf16 dot peak" if report["meta"]["bf16_dot_peak_gflops"] else "fp32 FMA peak")
+    if dec["form"] == "AMX tiles":  # an AMX host: the tile peak, and the vdpbf16ps form side by side
+        assert dec["roof"] == "AMX tile peak" and report["meta"]["amx_tile_peak_gflops"] > 0
+        assert dec["bf16_dot_ms"] > 0 and dec["amx_vs_dot"] > 0
+        assert "over the `vdpbf16ps` form" in (tmp_path / "mla.md").read_text()
+    else:
+        assert dec["roof"] == ("bf16 dot peak" if report["meta"]["bf16_dot_peak_gflops"] else "fp32 FMA peak")
+        assert "amx_vs_dot" not in dec
     if importlib.util.find_spec("torch") is not None:
         assert dec["torch_ms"] > 0 and dec["vs_torch"] > 0
     if importlib.util.find_spec("ggml") is not None:  # llama.cpp at Dk != Dv, where installed
