@@ -179,16 +179,19 @@ def preset(spec: AttentionSpec, target: Target) -> FlashCPUKnobs:
     return knobs
 
 
-#: The AMX form's tile (block_m, block_n): 128 rows amortize the per-key-tile staging (the key
-#: tile's copy, the value pairs) over twice the rows of 64 (2-core Sapphire Rapids VM, B1 H8
-#: S=4096, 2 threads, TFLOP/s, 4·S²·D·H counted: (64, 64) 0.64 / 0.86 at D=64 / 128, (64, 128)
-#: 0.64 / 0.88, (128, 64) 0.69 / 0.94). Where that is over MAX_TILE_BYTES (MLA's 576/512
-#: latent), (64, 128): twice the keys per PV product amortize the accumulator's tile loads and
-#: stores (MLA decode, 128 heads, B4 / B16 × 4k, same VM: 951 / 851 GFLOP/s at (64, 64), 1093 /
-#: 990 at (64, 128), 875 at (64, 256) B16).
-AMX_TILES = ((128, 64), (64, 128), (64, 64))
+#: The AMX form's tiles (block_m, block_n), the first that fits MAX_TILE_BYTES. More rows amortize
+#: the per-key-tile staging (the key tile's copy, the value pairs), more keys the accumulator's
+#: tile loads and stores (PV's reduction is block_n deep). 2-core Sapphire Rapids VM, B1 H8, 2
+#: threads, GFLOP/s (4·S²·D·H counted), side by side, (128, 64) -> (256, 128): S=4096 D=128
+#: 858 -> 971, causal 790 -> 848; D=64 576 -> 616; S=1024 D=64 550 -> 593, D=128 causal 650 ->
+#: 641 (level); S=16384 D=128 816 -> 980, D=64 causal 557 -> 577; (256, 64) in between at every
+#: point. Before, (64, 64) 0.64 / 0.86 TFLOP/s at D=64 / 128 against (128, 64) 0.69 / 0.94.
+#: (256, 128) fits up to D + DV = 256; (128, 64) up to 896. MLA's 576/512 latent takes (64, 128):
+#: MLA decode, 128 heads, B4 / B16 × 4k: 951 / 851 GFLOP/s at (64, 64), 1093 / 990 at (64, 128),
+#: 875 at (64, 256) B16.
+AMX_TILES = ((256, 128), (128, 64), (64, 128), (64, 64))
 #: (block_m, block_n) the tuner searches for the AMX form (each a task)
-AMX_TILE_CANDIDATES = ((64, 64), (64, 128), (128, 64), (128, 128), (256, 64))
+AMX_TILE_CANDIDATES = ((64, 64), (64, 128), (128, 64), (128, 128), (256, 64), (256, 128))
 
 
 def _amx_preset(spec: AttentionSpec, target: Target, tile: tuple[int, int]) -> FlashCPUKnobs:
