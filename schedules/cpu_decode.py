@@ -425,7 +425,7 @@ def vectorize_in_groups(sch: s_tir.Schedule, spec: AttentionSpec, loop) -> None:
 
 
 def _schedule_pv_dot(sch: s_tir.Schedule, blk, D: int, p_elems: int, pv_rows: int, pv_cols: int) -> None:
-    """PV of ``decode_dot`` 2 on ``vdpbf16ps`` (the workload's ``_pv_macros`` dot forms): P
+    """PV of ``decode_dot`` 2 on ``vdpbf16ps`` (the workload's ``bf16dot.pair_macros`` forms): P
     rounded in full vectors, V's bits copied and its row pairs interleaved 16 columns per
     shuffle (``cpu_bf16.ILV``), then ``PV_gemm`` ``(row block, column block, key pair, rows
     unrolled, column vectors unrolled, [pair, 16 columns])``, one ``cpu_bf16.DP`` per (row, key
