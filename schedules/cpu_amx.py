@@ -5,8 +5,8 @@ The workload (``workloads.fused._tile_macro`` with :mod:`tvm_attention.workloads
 two products as calls of a 32 × 32 tile micro-kernel over the staged operands, in opaque blocks
 ``S_gemm`` and ``PV_gemm``: nothing of them is left to schedule. What this schedule does is the
 rest of the tile, with :mod:`cpu_bf16`'s pieces (the same staging): the key and value tiles'
-copies by rows, ``Q_load``'s pairs, ``P_round`` and the pairs of ``V_ilv``/``P_ilv`` (16 per
-shuffle: :data:`cpu_bf16.ILV`), the softmax stages across query rows, the row tiles parallel.
+copies by rows, ``Q_load``'s pairs, the pairs of ``V_ilv`` (16 per shuffle:
+:data:`cpu_bf16.ILV`), P's pair words (``P_pack``, 16 per vector), the softmax stages across query rows, the row tiles parallel.
 
 The emulated form's blocks are the same; its micro-kernel is plain TIR (slow: a checking form).
 Knobs: ``block_m``/``block_n`` (the workload's, multiples of 32), ``parallel_chunk`` and
@@ -19,6 +19,7 @@ from tvm import s_tir
 from ..spec import AttentionSpec
 from ..workloads import amx
 from . import cpu_bf16
+from .cpu_space import vectorize_rows
 
 L = 16  # float32 lanes of a zmm register
 #: the ISA features the real form needs beyond AVX-512 (the emulated form: none)
@@ -54,8 +55,10 @@ def schedule(sch: s_tir.Schedule, spec: AttentionSpec, knobs=None, suffix: str =
         return sch.get_sblock(name + suffix)
 
     cpu_bf16.stage_copies(sch, blk, spec.head_dim, spec.v_dim)
-    # P_tr (P's pairs transposed) is the workload's call, as the products are
-    cpu_bf16.interleave_pairs(sch, blk, int(sch.get(blk("P_round")).iter_vars[1].dom.extent))
+    # V's pairs interleaved; P's pairs packed as words across its rows (P_pack: 32-bit lanes,
+    # 16 words per vector); P_tr (the words transposed) is the workload's call, as the products are
+    cpu_bf16.interleave_pairs(sch, blk, 0, names=("V_ilv",))
+    vectorize_rows(sch, sch.get_loops(blk("P_pack"))[-1], L)
     cpu_bf16.vectorize_softmax(sch, blk, suffix)
     # s_rows, pv_rows, pv_cols: no register blocks here (the decode nests' knobs, recorded as given)
     recorded = {key: getattr(knobs, key) if pin else (0 if key == "pv_cols" else 1)

@@ -180,6 +180,20 @@ def bf16_bits(x: tirx.PrimExpr) -> tirx.PrimExpr:
     return tirx.Cast("uint16", tirx.shift_right(rounded, u16))
 
 
+def bf16_pair_word(lo: tirx.PrimExpr, hi: tirx.PrimExpr) -> tirx.PrimExpr:
+    """float32 ``lo`` and ``hi`` rounded to bfloat16 as :func:`bf16_bits` does, packed into one
+    uint32 word (``lo`` in the low half): a bf16 pair made in 32-bit lanes, with no 16-bit
+    shuffle (the AMX form's P pairs, ``amx.tile_products``)."""
+    u16, one, half = tirx.const(16, "uint32"), tirx.const(1, "uint32"), tirx.const(0x7FFF, "uint32")
+
+    def rounded(x):  # the bf16 value in the upper half, garbage below
+        b = tirx.reinterpret("uint32", x)
+        return b + half + tirx.bitwise_and(tirx.shift_right(b, u16), one)
+
+    return tirx.bitwise_or(tirx.bitwise_and(rounded(hi), tirx.const(0xFFFF0000, "uint32")),
+                           tirx.shift_right(rounded(lo), u16))
+
+
 def bf16_exact_bits(x: tirx.PrimExpr) -> tirx.PrimExpr:
     """The bfloat16 bits (uint16) of a float32 ``x`` that bf16 holds exactly (an int8, e4m3 or
     e5m2 value, a bf16 input widened): its upper half, no rounding (:func:`bf16_bits` would add

@@ -14,10 +14,11 @@ dot-product form already stages (:mod:`.bf16dot`), and only P changes its layout
   key rows × 32 of head_dim from the staged key tile ``Kb (BN, D)`` (as stored: no packing),
   ``B`` = ``Qp (D/2, BM, 2)``, q's pairs along head_dim, made once per row tile.
 * ``acc += P·V``: ``C`` = 16 query rows × 16 columns of ``acc (BM, DV)`` (row stride ``DV``
-  floats), ``A`` = ``Pq (BM, BN)``, P rounded to bf16 and paired along the keys as the
-  dot-product form does it (blocks ``P_round``/``P_ilv``, :mod:`.bf16dot`), then transposed to
-  query-major 16 × 16 words at a time in registers (block ``P_tr``), ``B`` = ``Vt (BN/2, DV,
-  2)``, V's pairs along the keys (blocks ``V_load``/``V_ilv``, the dot-product form's). The
+  floats), ``A`` = ``Pq (BM, BN)``, P rounded to bf16 and paired along the keys into 32-bit
+  words in one pass (block ``P_pack``: ``Pb (BN/2, BM)`` words, made in 32-bit lanes, where the
+  dot-product form rounds, then interleaves 16-bit halves), then transposed to query-major
+  16 × 16 words at a time in registers (block ``P_tr``), ``B`` = ``Vt (BN/2, DV, 2)``, V's
+  pairs along the keys (blocks ``V_load``/``V_ilv``, the dot-product form's). The
   correction is lazy (``LAZY_GAP`` in ``fused.py``): ``acc`` is rescaled only in the tiles that
   move some row's reference max.
 
@@ -46,7 +47,7 @@ import tvm
 from tvm import tirx
 from tvm.script import tirx as T
 
-from ._math import bf16_value
+from ._math import bf16_pair_word, bf16_value
 
 #: rows of a tile, and of a ``C`` tile's float32 columns
 TILE = 16
@@ -233,8 +234,8 @@ def macros(emulate: bool):
     ``C[ci...]`` (float32, row stride ``cs`` elements), ``A[ai...]`` and the pairs ``B[bi...]``
     (bf16 bits, uint16, strides ``as_``/``bs`` elements), real (a call of :data:`MM`) or emulated
     (``regs``: the tile registers, :data:`REGS`, ignored by the real form); ``tr(Y, yi, ys, X,
-    xi, xs)``, a 16 × 16 block of bf16 pairs transposed (:data:`TR`; strides in uint16
-    elements); and ``begin``/``end``, the tile config's load and release (nothing, emulated)."""
+    xi, xs)``, a 16 × 16 block of bf16 pairs transposed (:data:`TR`) from the uint32 words of
+    ``X`` (stride ``xs`` words) to the uint16 pairs of ``Y`` (stride ``ys`` elements); and ``begin``/``end``, the tile config's load and release (nothing, emulated)."""
 
     @T.macro
     def mm_real(C, ci, cs, A, ai, as_, B, bi, bs, ksteps, zero, regs):
@@ -267,14 +268,16 @@ def macros(emulate: bool):
     @T.macro
     def tr_real(Y, yi, ys, X, xi, xs):
         T.evaluate(T.call_extern("int32", TR, Y.data, T.int64(_flat(Y, yi) * 2), T.int64(ys * 2),
-                                 X.data, T.int64(_flat(X, xi) * 2), T.int64(xs * 2)))
+                                 X.data, T.int64(_flat(X, xi) * 4), T.int64(xs * 4)))
 
-    # Emulated: word (r, c) of the block at X's offset goes to word (c, r) at Y's (two uint16 each)
+    # Emulated: word (r, c) of the block at X's offset goes to word (c, r) at Y's, its low half first
     @T.macro
     def tr_emulated(Y, yi, ys, X, xi, xs):
         y0, x0 = _flat(Y, yi), _flat(X, xi)
         for r, c, h in T.grid(TR_WORDS, TR_WORDS, 2):
-            Y[_unravel(Y, y0 + c * ys + 2 * r + h)] = X[_unravel(X, x0 + r * xs + 2 * c + h)]
+            Y[_unravel(Y, y0 + c * ys + 2 * r + h)] = T.Cast(
+                "uint16", T.bitwise_and(T.shift_right(X[_unravel(X, x0 + r * xs + c)], T.uint32(16 * h)),
+                                        T.uint32(0xFFFF)))
 
     @T.macro
     def begin():
@@ -298,12 +301,12 @@ def tile_products(k, bf):
     pair form's macros, :func:`.bf16dot.pair_macros`, whose staging the tiles read): ``s(Ku, Kb, Qp, S, t, vc, regs)``, ``S = K·Qᵀ``
     of one key tile, 32 keys × 32 rows per call, from the key rows as staged (``K_load``) and q's
     pairs; ``pv(Vu, P, Pr, Pb, Pq, Vb, Vt, acc, alpha, t, vc, Vsc, regs, need)``, ``acc += P·V``,
-    32 rows × 32 columns per call, from P rounded, paired (``P_round``/``P_ilv``) and transposed
-    to query-major ``Pq`` (block ``P_tr``, 16 × 16 words per call) and V's pairs along the keys
+    32 rows × 32 columns per call, from P rounded and paired into words (``P_pack``) and
+    transposed to query-major ``Pq`` (block ``P_tr``, 16 × 16 words per call) and V's pairs along the keys
     (``V_load``/``V_ilv``); the correction first where some row's reference moved (``need``)."""
     N, BM, BN, D, DV = k.N, k.BM, k.BN, k.D, k.DV
     mm, tr = macros(k.dot_bf16 == EMULATED)[:2]
-    k_bits, p_pairs, v_pairs, rescale = bf.k_bits, bf.p_pairs, bf.v_pairs, bf.rescale
+    k_bits, v_pairs, rescale = bf.k_bits, bf.v_pairs, bf.rescale
 
     @T.macro
     def s(Ku, Kb, Qp, S, t, vc, regs):
@@ -317,12 +320,17 @@ def tile_products(k, bf):
 
     @T.macro
     def pv_(Vu, P, Pr, Pb, Pq, Vb, Vt, acc, alpha, t, vc, Vsc, regs, need):
-        p_pairs(P, Pr, Pb, Vsc)
+        # P rounded and paired along the keys, one word per (key pair, row) (misfit: no cache
+        # with scales takes the tiles, so P is what PV reads; Pr and Vsc are placeholders)
+        for jp, i in T.grid(BN // 2, BM):
+            with T.sblock(N["P_pack"]):
+                vp, vi = T.axis.remap("SS", [jp, i])
+                Pb[vp, vi] = bf16_pair_word(P[2 * vp, vi], P[2 * vp + 1, vi])
         with T.sblock(N["P_tr"]):
-            T.reads(Pb[0:BN // 2, 0:BM, 0:2])
+            T.reads(Pb[0:BN // 2, 0:BM])
             T.writes(Pq[0:BM, 0:BN])
             for jb, ib in T.grid(BN // (2 * TR_WORDS), BM // TR_WORDS):
-                tr(Pq, (ib * TR_WORDS, jb * 2 * TR_WORDS), BN, Pb, (jb * TR_WORDS, ib * TR_WORDS, 0), 2 * BM)
+                tr(Pq, (ib * TR_WORDS, jb * 2 * TR_WORDS), BN, Pb, (jb * TR_WORDS, ib * TR_WORDS), BM)
         v_pairs(Vu, Vb, Vt, t, vc)
         if need[0] > 0:  # some row's reference moved (the lazy correction)
             rescale(acc, alpha)
