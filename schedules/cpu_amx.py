@@ -5,8 +5,8 @@ The workload (``workloads.fused._tile_macro`` with :mod:`tvm_attention.workloads
 two products as calls of a 32 × 32 tile micro-kernel over the staged operands, in opaque blocks
 ``S_gemm`` and ``PV_gemm``: nothing of them is left to schedule. What this schedule does is the
 rest of the tile, with :mod:`cpu_bf16`'s pieces (the same staging): the key and value tiles'
-copies by rows, ``Q_load``'s pairs, the pairs of ``V_ilv`` (16 per shuffle:
-:data:`cpu_bf16.ILV`), P's pair words (``P_pack``, 16 per vector), the softmax stages across query rows, the row tiles parallel.
+copy by rows, ``Q_load``'s pairs, V's and P's pair words (``V_pack``, ``P_pack``, 16 per
+vector), the softmax stages across query rows, the row tiles parallel.
 
 The emulated form's blocks are the same; its micro-kernel is plain TIR (slow: a checking form).
 Knobs: ``block_m``/``block_n`` (the workload's, multiples of 32), ``parallel_chunk`` and
@@ -54,11 +54,12 @@ def schedule(sch: s_tir.Schedule, spec: AttentionSpec, knobs=None, suffix: str =
     def blk(name):
         return sch.get_sblock(name + suffix)
 
-    cpu_bf16.stage_copies(sch, blk, spec.head_dim, spec.v_dim)
-    # V's pairs interleaved; P's pairs packed as words across its rows (P_pack: 32-bit lanes,
-    # 16 words per vector); P_tr (the words transposed) is the workload's call, as the products are
-    cpu_bf16.interleave_pairs(sch, blk, 0, names=("V_ilv",))
-    vectorize_rows(sch, sch.get_loops(blk("P_pack"))[-1], L)
+    cpu_bf16.stage_copies(sch, blk, spec.head_dim, 0)
+    # V's pairs packed as words along its rows (V_pack), P's across its rows (P_pack): 32-bit
+    # lanes, 16 words per vector; P_tr (the words transposed) is the workload's call, as the
+    # products are
+    for name in ("V_pack", "P_pack"):
+        vectorize_rows(sch, sch.get_loops(blk(name))[-1], L)
     cpu_bf16.vectorize_softmax(sch, blk, suffix)
     # s_rows, pv_rows, pv_cols: no register blocks here (the decode nests' knobs, recorded as given)
     recorded = {key: getattr(knobs, key) if pin else (0 if key == "pv_cols" else 1)

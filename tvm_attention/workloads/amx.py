@@ -17,8 +17,9 @@ dot-product form already stages (:mod:`.bf16dot`), and only P changes its layout
   floats), ``A`` = ``Pq (BM, BN)``, P rounded to bf16 and paired along the keys into 32-bit
   words in one pass (block ``P_pack``: ``Pb (BN/2, BM)`` words, made in 32-bit lanes, where the
   dot-product form rounds, then interleaves 16-bit halves), then transposed to query-major
-  16 × 16 words at a time in registers (block ``P_tr``), ``B`` = ``Vt (BN/2, DV, 2)``, V's
-  pairs along the keys (blocks ``V_load``/``V_ilv``, the dot-product form's). The
+  16 × 16 words at a time in registers (block ``P_tr``), ``B`` = ``Vt (BN/2, DV)``, V's pairs
+  along the keys as 32-bit words read from the cache in one pass (block ``V_pack``, where the
+  dot-product form copies the value tile, then interleaves 16-bit halves). The
   correction is lazy (``LAZY_GAP`` in ``fused.py``): ``acc`` is rescaled only in the tiles that
   move some row's reference max.
 
@@ -223,6 +224,11 @@ def _unravel(buf, off):
     return tuple(reversed(idx))
 
 
+def _bytes(buf) -> int:
+    """Bytes of one element of ``buf`` (uint16 bf16 bits, or uint32 words of two)."""
+    return tvm.runtime.DataType(buf.dtype).bits // 8
+
+
 def _flat(buf, index) -> tirx.PrimExpr:
     """The flat (row-major) element offset of ``buf[index]``."""
     off = 0
@@ -243,7 +249,8 @@ def macros(emulate: bool):
     def mm_real(C, ci, cs, A, ai, as_, B, bi, bs, ksteps, zero, regs):
         T.evaluate(T.call_extern("int32", MM, C.data, T.int64(_flat(C, ci) * 4), T.int64(cs * 4),
                                  A.data, T.int64(_flat(A, ai) * 2), T.int64(as_ * 2),
-                                 B.data, T.int64(_flat(B, bi) * 2), T.int64(bs * 2), T.int64(ksteps), T.int32(zero)))
+                                 B.data, T.int64(_flat(B, bi) * _bytes(B)), T.int64(bs * _bytes(B)),
+                                 T.int64(ksteps), T.int32(zero)))
 
     # Emulated: the tile registers in local buffers, loaded, multiplied and stored as the real
     # sequence does, at the element offsets its pointers address (flat offset + row · stride).
@@ -260,7 +267,12 @@ def macros(emulate: bool):
             for y, r, e in T.grid(2, TILE, KSTEP):  # A tile y: rows 16·y, 32 elements at 32·k
                 ta[y, r, e] = A[_unravel(A, a0 + (TILE * y + r) * as_ + KSTEP * k + e)]
             for y, r, e in T.grid(2, TILE, KSTEP):  # B tile y: pair rows 16·k, 16 pairs at 16·y
-                tb[y, r, e] = B[_unravel(B, b0 + (TILE * k + r) * bs + KSTEP * y + e)]
+                if _bytes(B) == 4:  # pairs as words (V_pack): element e is half e % 2 of word e // 2
+                    tb[y, r, e] = T.Cast("uint16", T.bitwise_and(T.shift_right(
+                        B[_unravel(B, b0 + (TILE * k + r) * bs + TILE * y + e // 2)], T.uint32(16) * T.uint32(e % 2)),
+                        T.uint32(0xFFFF)))
+                else:
+                    tb[y, r, e] = B[_unravel(B, b0 + (TILE * k + r) * bs + KSTEP * y + e)]
             for x, m, n, p in T.grid(4, TILE, TILE, KSTEP // 2):  # tdpbf16ps C_x, A_(x//2), B_(x%2)
                 tc[x, m, n] = (tc[x, m, n] + bf16_value(ta[x // 2, m, 2 * p]) * bf16_value(tb[x % 2, p, 2 * n])
                                + bf16_value(ta[x // 2, m, 2 * p + 1]) * bf16_value(tb[x % 2, p, 2 * n + 1]))
@@ -308,7 +320,7 @@ def tile_products(k, bf):
     (``V_load``/``V_ilv``); the correction first where some row's reference moved (``need``)."""
     N, BM, BN, D, DV = k.N, k.BM, k.BN, k.D, k.DV
     mm, tr = macros(k.dot_bf16 == EMULATED)[:2]
-    k_bits, v_pairs, rescale = bf.k_bits, bf.v_pairs, bf.rescale
+    k_bits, rescale = bf.k_bits, bf.rescale
 
     @T.macro
     def s(Ku, Kb, Qp, S, t, vc, regs):
@@ -333,14 +345,19 @@ def tile_products(k, bf):
             T.writes(Pq[0:BM, 0:BN])
             for jb, ib in T.grid(BN // (2 * TR_WORDS), BM // TR_WORDS):
                 tr(Pq, (ib * TR_WORDS, jb * 2 * TR_WORDS), BN, Pb, (jb * TR_WORDS, ib * TR_WORDS), BM)
-        v_pairs(Vu, Vb, Vt, t, vc)
+        # V's pairs along the keys as words, read from the cache (Vb: a placeholder)
+        for jp, d in T.grid(BN // 2, DV):
+            with T.sblock(N["V_pack"]):
+                vp, vd = T.axis.remap("SS", [jp, d])
+                Vt[vp, vd] = T.bitwise_or(T.Cast("uint32", Vu[t.kv_at(vc, 2 * vp, vd)]), T.shift_left(
+                    T.Cast("uint32", Vu[t.kv_at(vc, 2 * vp + 1, vd)]), T.uint32(16)))
         if need[0] > 0:  # some row's reference moved (the lazy correction)
             rescale(acc, alpha)
         with T.sblock(N["PV_gemm"]):
-            T.reads(acc[0:BM, 0:DV], Pq[0:BM, 0:BN], Vt[0:BN // 2, 0:DV, 0:2])
+            T.reads(acc[0:BM, 0:DV], Pq[0:BM, 0:BN], Vt[0:BN // 2, 0:DV])
             T.writes(acc[0:BM, 0:DV])
             for ib, db in T.grid(BM // BLOCK, DV // BLOCK):
-                mm(acc, (ib * BLOCK, db * BLOCK), DV, Pq, (ib * BLOCK, 0), BN, Vt, (0, db * BLOCK, 0), 2 * DV,
+                mm(acc, (ib * BLOCK, db * BLOCK), DV, Pq, (ib * BLOCK, 0), BN, Vt, (0, db * BLOCK), DV,
                    BN // KSTEP, 0, regs)
 
     return s, pv_

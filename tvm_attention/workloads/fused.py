@@ -335,7 +335,7 @@ TILE_BLOCKS = ("Q_load", "state_init", "acc_init", "kv_tile", "S_gemm", "row_max
 #: Blocks a tile has in some forms only (``_tile_macro``'s arguments, the spec)
 OPTIONAL_BLOCKS = ("lse_store", "state_store", "K_load", "V_load", "V_ilv", "q_absmax", "q_scale", "q_sum", "P_round",
                    "P_ilv", "acc_rescale", "KV_prefetch", "score_mod", "scale_load", "group_scale_load",
-                   "group_scale_load_v", "mask_tile", "tile_config", "tile_release", "P_tr", "P_pack", "max_ref",
+                   "group_scale_load_v", "mask_tile", "tile_config", "tile_release", "P_tr", "P_pack", "V_pack", "max_ref",
                    "rescale_any")
 #: Suffix of a GQA-packed decode nest's blocks, followed by its rows (``row_tile_dec4``,
 #: ``S_gemm_dec16``...).
@@ -974,9 +974,13 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
             Vu = T.decl_buffer(V.shape, "uint16", data=V.data, align=A)
             Qp = T.sblock_alloc_buffer((D // 2, BM, 2), "uint16", scope="local")  # q pairs (d)
             Kb = T.sblock_alloc_buffer((BN, D), "uint16", scope="local")  # the key tile
-            Vb = T.sblock_alloc_buffer((BN, DV), "uint16", scope="local")  # the value tile
-            Vt = T.sblock_alloc_buffer((BN // 2, DV, 2), "uint16", scope="local")  # v pairs (key)
-            if AMX:  # P's pairs as words, rounded as they are packed (amx.tile_products)
+            if AMX:  # V's and P's pairs as words, packed in one pass each (amx.tile_products)
+                Vt = T.sblock_alloc_buffer((BN // 2, DV), "uint32", scope="local")
+                Vb = T.meta_var(m)
+            else:
+                Vb = T.sblock_alloc_buffer((BN, DV), "uint16", scope="local")  # the value tile
+                Vt = T.sblock_alloc_buffer((BN // 2, DV, 2), "uint16", scope="local")  # v pairs (key)
+            if AMX:
                 Pb = T.sblock_alloc_buffer((BN // 2, BM), "uint32", scope="local")
                 Pr = T.meta_var(m)
             else:
