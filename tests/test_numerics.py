@@ -86,6 +86,36 @@ def test_reference_zero_rows_only_for_rows_without_keys():
     np.testing.assert_array_equal(zero_rows, NO_KEY_ROWS)
 
 
+@pytest.mark.parametrize("poly, bound", [("EXP2_POLY", 3e-7), ("EXP2_POLY_BF16", 4e-6)])
+def test_fast_exp2_is_within_its_bound(poly, bound):
+    """exp2_fast compiled and run over [-126, 8] (the softmax's range, the AMX form's lazy
+    reference up to 2**8) against float64: the full polynomial within 2.5 ulp, the short one the
+    AMX form takes for P (rounded to bf16 next, 2**-9) within 4e-6; exactly 0 at -inf, NaN at NaN."""
+    import tvm
+    from tvm.script import tirx as T
+
+    from tvm_attention.workloads import _math
+
+    n = 1 << 16
+
+    @T.prim_func(s_tir=True)
+    def f(x: T.Buffer((n,), "float32"), y: T.Buffer((n,), "float32")):
+        for i in range(n):
+            with T.sblock("e"):
+                vi = T.axis.remap("S", [i])
+                y[vi] = _math.exp2_fast(x[vi], getattr(_math, poly))
+
+    lib = tvm.compile(tvm.IRModule({"main": f}), target="llvm")
+    x = np.linspace(-126.0, 8.0, n - 2, dtype=np.float32)
+    x = np.concatenate([x, np.float32([-np.inf, np.nan])])
+    y = tvm.runtime.empty((n,), "float32")
+    lib["main"](tvm.runtime.tensor(x), y)
+    y = y.numpy()
+    exact = np.exp2(x[:-2].astype(np.float64))
+    assert np.max(np.abs(y[:-2] / exact - 1)) < bound
+    assert y[-2] == 0.0 and np.isnan(y[-1])
+
+
 def test_fast_exp2_and_tanh_write_their_argument_out_once():
     # exp2_fast's polynomial reads the clamped argument 15 times and tanh_fast reads exp2_fast's
     # result twice: each binds it (a Let), so a masked score's tree is in the IR once per clamp,

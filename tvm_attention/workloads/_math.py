@@ -13,7 +13,7 @@ LN2 = math.log(2.0)
 
 # Cephes exp2f minimax polynomial for 2**f - 1 = f·P(f) on f in [-0.5, 0.5]; max relative
 # error about 2 ulp in float32. Highest degree first.
-_EXP2_POLY = (
+EXP2_POLY = (
     1.535336188319500e-4,
     1.339887440266574e-3,
     9.618437357674640e-3,
@@ -23,8 +23,22 @@ _EXP2_POLY = (
 )
 
 
-def exp2_fast(x: tirx.PrimExpr) -> tirx.PrimExpr:
-    """``2**x`` for float32 ``x <= 0`` built from vectorizable arithmetic.
+#: A degree-4 polynomial for the same ``2**f - 1 = f·P(f)`` (a relative least-squares fit on
+#: Chebyshev nodes of [-0.5, 0.5]): relative error 3.1e-6, for a ``2**x`` rounded to bfloat16
+#: right after (2**-9 relative), as the AMX form's P is. Two FMAs fewer per vector: 1.02-1.03x a
+#: D=128 prefill on tiles (side by side, 10 rounds), where the exponentials are ~20 % of the time.
+EXP2_POLY_BF16 = (
+    9.60040923526184e-3,
+    5.5916977456912875e-2,
+    2.4023718625386584e-1,
+    6.931219847076987e-1,
+)
+
+
+def exp2_fast(x: tirx.PrimExpr, poly: tuple[float, ...] = EXP2_POLY) -> tirx.PrimExpr:
+    """``2**x`` for float32 ``x <= 0`` built from vectorizable arithmetic (``poly``: the
+    polynomial's coefficients, highest degree first; :data:`EXP2_POLY_BF16` where the result is
+    rounded to bfloat16 next).
 
     Why not ``T.exp2``: LLVM lowers a vector ``llvm.exp2`` to one libm call per lane, which
     costs more than the two matmuls around it. This version is a range reduction plus a
@@ -48,8 +62,8 @@ def exp2_fast(x: tirx.PrimExpr) -> tirx.PrimExpr:
     xc = tirx.Var("xc", f32)
     n = tirx.floor(xc + tirx.const(0.5, f32))
     f = xc - n
-    p = tirx.const(_EXP2_POLY[0], f32)
-    for coef in _EXP2_POLY[1:]:
+    p = tirx.const(poly[0], f32)
+    for coef in poly[1:]:
         p = p * f + tirx.const(coef, f32)
     p = p * f + tirx.const(1.0, f32)
     bits = tirx.shift_left(tirx.Cast("int32", n) + tirx.const(127, "int32"), tirx.const(23, "int32"))

@@ -51,8 +51,8 @@ from ..quant import QMAX, SCALE_GROUP
 from ..spec import DATA_ALIGNMENT as A, ENTRY, MAX_SEQ_LEN, AttentionSpec
 from ..tvm_internals import fast_macros
 from ..visibility import Visibility
-from ._math import (KV_UNIT, bf16_exact_bits, bf16_value, cast_to, exp2_fast, f32, f32_to_kv, guarded,
-                    kv_to_f32, lse_of, ssa_checked)
+from ._math import (EXP2_POLY, EXP2_POLY_BF16, KV_UNIT, bf16_exact_bits, bf16_value, cast_to, exp2_fast, f32,
+                    f32_to_kv, guarded, kv_to_f32, lse_of, ssa_checked)
 from . import amx, bf16dot, vector
 from .knob_attrs import FUSED_DECODE, FUSED_FORM, FUSED_TILE, record
 from .index_checks import scale_ok
@@ -526,6 +526,9 @@ def _softmax_macro(k: _TileShape):
     and whether acc needs the correction (``rescale_any``); other forms pass a placeholder."""
     N, BM, BN, qscale, dot_bf16 = k.N, k.BM, k.BN, k.qscale, k.dot_bf16
     score_mod, lazy = k.score_mod, k.amx
+    # the AMX form rounds P to bf16 for PV: a shorter polynomial is exact enough there (l sums
+    # the unrounded P, 3e-6 relative)
+    P_POLY = EXP2_POLY_BF16 if k.amx else EXP2_POLY
 
     def scaled(t, x, vi, qs):
         # dot_bf16 and dot_decode sum unscaled products (Q keeps its exact bf16 values: no
@@ -604,7 +607,7 @@ def _softmax_macro(k: _TileShape):
         for j, i in T.grid(BN, BM):
             with T.sblock(N["P_exp"]):
                 vj, vi = T.axis.remap("SS", [j, i])
-                P[vj, vi] = exp2_fast(score(t, S, Sm, vj, vi, vc, qs, Ksc) - guarded(ref[vi]))
+                P[vj, vi] = exp2_fast(score(t, S, Sm, vj, vi, vc, qs, Ksc) - guarded(ref[vi]), P_POLY)
         # -- l = l·alpha + rowsum(P) -------------------------------------------
         for j, i in T.grid(BN, BM):
             with T.sblock(N["row_sum"]):
