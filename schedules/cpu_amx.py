@@ -19,7 +19,7 @@ from tvm import s_tir
 from ..spec import AttentionSpec
 from ..workloads import amx
 from . import cpu_bf16
-from .cpu_space import vectorize_rows
+from .cpu_space import has_block, vectorize_rows
 
 L = 16  # float32 lanes of a zmm register
 #: the ISA features the real form needs beyond AVX-512 (the emulated form: none)
@@ -54,7 +54,8 @@ def schedule(sch: s_tir.Schedule, spec: AttentionSpec, knobs=None, suffix: str =
     def blk(name):
         return sch.get_sblock(name + suffix)
 
-    cpu_bf16.stage_copies(sch, blk, spec.head_dim, 0)
+    # (no K_load where every key tile is read in place: a static length in whole tiles)
+    cpu_bf16.stage_copies(sch, blk, spec.head_dim if has_block(sch, "K_load" + suffix) else 0, 0)
     # V's pairs packed as words along its rows (V_pack), P's across its rows (P_pack): 32-bit
     # lanes, 16 words per vector; P_tr (the words transposed) is the workload's call, as the
     # products are

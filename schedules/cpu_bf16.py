@@ -205,10 +205,12 @@ def _vec(sch: s_tir.Schedule, loop, extent: int, lanes: int) -> None:
 
 
 def stage_copies(sch: s_tir.Schedule, blk, D: int, DV: int) -> None:
-    """The key and value tiles' bits copied by rows (``K_load``/``V_load``; ``DV`` 0: no value
-    copy, the AMX form packs V's pairs itself); q's pairs (``Q_load``) once per row tile.
+    """The key and value tiles' bits copied by rows (``K_load``/``V_load``; ``D``/``DV`` 0: no
+    such copy, the AMX form reads whole key tiles in place where it can and packs V's pairs
+    itself); q's pairs (``Q_load``) once per row tile.
     ``blk(name)``: the nest's block."""
-    _vec(sch, sch.get_loops(blk("K_load"))[-1], D, 32)
+    if D:
+        _vec(sch, sch.get_loops(blk("K_load"))[-1], D, 32)
     if DV:
         _vec(sch, sch.get_loops(blk("V_load"))[-1], DV, 32)
     sch.unroll(sch.get_loops(blk("Q_load"))[-1])

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import tvm
 from tvm import tirx
+from tvm.sym.analyzer import Analyzer
 from tvm.script import tirx as T
 
 from ._math import bf16_pair_word, bf16_value
@@ -218,7 +219,7 @@ REGS = (((4, TILE, TILE), "float32"), ((2, TILE, KSTEP), "uint16"), ((2, TILE, K
 def _unravel(buf, off):
     """``buf``'s element at flat (row-major) element offset ``off``."""
     idx, rest = [], off
-    for n in reversed([int(x) for x in buf.shape]):
+    for n in reversed(list(buf.shape)):
         idx.append(T.floormod(rest, n))
         rest = T.floordiv(rest, n)
     return tuple(reversed(idx))
@@ -230,11 +231,28 @@ def _bytes(buf) -> int:
 
 
 def _flat(buf, index) -> tirx.PrimExpr:
-    """The flat (row-major) element offset of ``buf[index]``."""
+    """The flat (row-major) element offset of ``buf[index]`` (int32: a kernel's buffers hold at
+    most 2**31 - 1 elements, ``limits``)."""
     off = 0
-    for i, n in zip(index, [int(x) for x in buf.shape]):
+    for i, n in zip(index, buf.shape):
         off = off * n + i
     return off
+
+
+def _at(buf, index) -> tirx.PrimExpr:
+    """The byte offset of ``buf[index]`` (int64: an element offset of a cache near 2**31
+    elements passes int32 in bytes)."""
+    return T.Cast("int64", _flat(buf, index)) * _bytes(buf)
+
+
+def key_stride(t, buf) -> tirx.PrimExpr | None:
+    """The elements between consecutive keys' rows of ``buf`` (K or V as the tile ``t``
+    addresses it) where that is one constant (bhsd, kvcache, varlen, the latent cache: then a
+    tile's keys can be read in place as a tile operand), else None (a paged cache: a block-table
+    lookup per page)."""
+    key = tirx.Var("key", "int32")
+    step = Analyzer().simplify(_flat(buf, t.kv_row(key + 1, 0)) - _flat(buf, t.kv_row(key, 0)))
+    return step if isinstance(step, tirx.IntImm) else None
 
 
 def macros(emulate: bool):
@@ -247,9 +265,8 @@ def macros(emulate: bool):
 
     @T.macro
     def mm_real(C, ci, cs, A, ai, as_, B, bi, bs, ksteps, zero, regs):
-        T.evaluate(T.call_extern("int32", MM, C.data, T.int64(_flat(C, ci) * 4), T.int64(cs * 4),
-                                 A.data, T.int64(_flat(A, ai) * 2), T.int64(as_ * 2),
-                                 B.data, T.int64(_flat(B, bi) * _bytes(B)), T.int64(bs * _bytes(B)),
+        T.evaluate(T.call_extern("int32", MM, C.data, _at(C, ci), T.int64(cs * 4), A.data, _at(A, ai),
+                                 T.int64(as_ * 2), B.data, _at(B, bi), T.int64(bs * _bytes(B)),
                                  T.int64(ksteps), T.int32(zero)))
 
     # Emulated: the tile registers in local buffers, loaded, multiplied and stored as the real
@@ -281,8 +298,8 @@ def macros(emulate: bool):
 
     @T.macro
     def tr_real(Y, yi, ys, X, xi, xs):
-        T.evaluate(T.call_extern("int32", TR, Y.data, T.int64(_flat(Y, yi) * 2), T.int64(ys * 2),
-                                 X.data, T.int64(_flat(X, xi) * 4), T.int64(xs * 4)))
+        T.evaluate(T.call_extern("int32", TR, Y.data, _at(Y, yi), T.int64(ys * 2), X.data, _at(X, xi),
+                                 T.int64(xs * 4)))
 
     # Emulated: word (r, c) of the block at X's offset goes to word (c, r) at Y's, its low half first
     @T.macro
@@ -313,24 +330,42 @@ def macros(emulate: bool):
 def tile_products(k, bf):
     """The fused tile's two products on tiles (``k``: the tile's ``_TileShape``; ``bf``: the bf16
     pair form's macros, :func:`.bf16dot.pair_macros`, whose staging the tiles read): ``s(Ku, Kb, Qp, S, t, vc, regs)``, ``S = K·Qᵀ``
-    of one key tile, 32 keys × 32 rows per call, from the key rows as staged (``K_load``) and q's
+    of one key tile, 32 keys × 32 rows per call, from the key rows as stored where they are
+    evenly spaced and the tile is whole (:func:`key_stride`), else as staged (``K_load``), and q's
     pairs; ``pv(Vu, P, Pr, Pb, Pq, Vb, Vt, acc, alpha, t, vc, Vsc, regs, need)``, ``acc += P·V``,
     32 rows × 32 columns per call, from P rounded and paired into words (``P_pack``) and
-    transposed to query-major ``Pq`` (block ``P_tr``, 16 × 16 words per call) and V's pairs along the keys
-    (``V_load``/``V_ilv``); the correction first where some row's reference moved (``need``)."""
+    transposed to query-major ``Pq`` (block ``P_tr``, 16 × 16 words per call) and V's pairs along
+    the keys as words (``V_pack``); the correction first where some row's reference moved (``need``)."""
     N, BM, BN, D, DV = k.N, k.BM, k.BN, k.D, k.DV
     mm, tr = macros(k.dot_bf16 == EMULATED)[:2]
     k_bits, rescale = bf.k_bits, bf.rescale
 
+    def staged_keys(t, vc, stride):
+        # whether the key tile is staged first (K_load): always where the key rows are not evenly
+        # spaced (a paged cache), else where the tile may pass the sequence's end (its clamped
+        # reads); a full tile of evenly spaced rows is the A operand as stored
+        if stride is None:
+            return True
+        full = t.full_tile(vc)
+        return not full if isinstance(full, bool) else tirx.Not(full)
+
     @T.macro
     def s(Ku, Kb, Qp, S, t, vc, regs):
-        k_bits(Ku, Kb, t, vc)
+        stride = T.meta_var(key_stride(t, Ku))
+        staged = T.meta_var(staged_keys(t, vc, stride))
+        if staged:
+            k_bits(Ku, Kb, t, vc)
         with T.sblock(N["S_gemm"]):
             T.reads(Kb[0:BN, 0:D], Qp[0:D // 2, 0:BM, 0:2])
             T.writes(S[0:BN, 0:BM])
-            for jb, ib in T.grid(BN // BLOCK, BM // BLOCK):
-                mm(S, (jb * BLOCK, ib * BLOCK), BM, Kb, (jb * BLOCK, 0), D, Qp, (0, ib * BLOCK, 0), 2 * BM,
-                   D // KSTEP, 1, regs)
+            if staged:
+                for jb, ib in T.grid(BN // BLOCK, BM // BLOCK):
+                    mm(S, (jb * BLOCK, ib * BLOCK), BM, Kb, (jb * BLOCK, 0), D, Qp, (0, ib * BLOCK, 0), 2 * BM,
+                       D // KSTEP, 1, regs)
+            else:
+                for jb, ib in T.grid(BN // BLOCK, BM // BLOCK):
+                    mm(S, (jb * BLOCK, ib * BLOCK), BM, Ku, t.kv_row(t.tile(vc) * BN + jb * BLOCK, 0), stride,
+                       Qp, (0, ib * BLOCK, 0), 2 * BM, D // KSTEP, 1, regs)
 
     @T.macro
     def pv_(Vu, P, Pr, Pb, Pq, Vb, Vt, acc, alpha, t, vc, Vsc, regs, need):

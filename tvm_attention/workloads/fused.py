@@ -212,6 +212,15 @@ class _Tile:
             return self._kv_of(T.min(self.tile(c) * self.BN + vj, self.k_len - 1), vd, head)
         return self._kv_of(self.tile(c) * self.BN + vj, vd, head)
 
+    def kv_row(self, key, vd):
+        """The K/V index of key ``key`` (the tile numbering's, unclamped), column ``vd``."""
+        return self._kv_of(key, vd, None)
+
+    def full_tile(self, c):
+        """Whether every key of tile ``c`` lies inside the sequence (True, or a condition where a
+        tail tile may not): its rows can then be read in place, no clamp needed."""
+        return True if not self.kv_tail else (self.tile(c) + 1) * self.BN <= self.k_len
+
     def kv_ahead(self, c, vj, vd, head=None):
         """K/V index of key ``vj`` of tile ``c`` (which may lie past the last), clamped to the
         last key: a prefetch address, always inside the sequence's rows (and its block table)."""
