@@ -46,8 +46,8 @@ from __future__ import annotations
 
 import tvm
 from tvm import tirx
-from tvm.sym.analyzer import Analyzer
 from tvm.script import tirx as T
+from tvm.sym.analyzer import Analyzer
 
 from ._math import bf16_pair_word, bf16_value
 
