@@ -216,6 +216,12 @@ def permit_prologue(message: str) -> tirx.Stmt:
 REGS = (((4, TILE, TILE), "float32"), ((2, TILE, KSTEP), "uint16"), ((2, TILE, KSTEP), "uint16"))
 
 
+def emulated_registers() -> tuple:
+    """The emulated form's tile registers (:data:`REGS`), local buffers of the row tile's block
+    (called where its buffers are allocated)."""
+    return tuple(T.sblock_alloc_buffer(shape, dtype, scope="local") for shape, dtype in REGS)
+
+
 def _unravel(buf, off):
     """``buf``'s element at flat (row-major) element offset ``off``."""
     idx, rest = [], off

@@ -527,6 +527,12 @@ class _TileShape:
 LAZY_GAP = 8.0
 
 
+def _lazy_state(BM: int) -> tuple:
+    """The lazy correction's state (:data:`LAZY_GAP`): the rows' reference max ``(BM,)`` and
+    whether acc is rescaled this tile ``(1,)``, local buffers of the row tile's block."""
+    return (T.sblock_alloc_buffer((BM,), "float32", scope="local"), T.sblock_alloc_buffer((1,), "int32", scope="local"))
+
+
 def _softmax_macro(k: _TileShape):
     """The online softmax over one key tile: the running max over the visible keys, the
     correction ``alpha = exp2(m_old - m_new)`` (guarded: no -inf - -inf), ``P = exp2(S - m_new)``
@@ -986,33 +992,23 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
             Vu = T.decl_buffer(V.shape, "uint16", data=V.data, align=A)
             Qp = T.sblock_alloc_buffer((D // 2, BM, 2), "uint16", scope="local")  # q pairs (d)
             Kb = T.sblock_alloc_buffer((BN, D), "uint16", scope="local")  # the key tile
-            if AMX:  # V's and P's pairs as words, packed in one pass each (amx.tile_products)
+            if AMX:  # V's and P's pairs as words (one pass each), P query-major (amx.tile_products)
                 Vt = T.sblock_alloc_buffer((BN // 2, DV), "uint32", scope="local")
-                Vb = T.meta_var(m)
+                Pb = T.sblock_alloc_buffer((BN // 2, BM), "uint32", scope="local")
+                Pq = T.sblock_alloc_buffer((BM, BN), "uint16", scope="local")
+                Vb, Pr = T.meta_var((m, m))
             else:
                 Vb = T.sblock_alloc_buffer((BN, DV), "uint16", scope="local")  # the value tile
                 Vt = T.sblock_alloc_buffer((BN // 2, DV, 2), "uint16", scope="local")  # v pairs (key)
-            if AMX:
-                Pb = T.sblock_alloc_buffer((BN // 2, BM), "uint32", scope="local")
-                Pr = T.meta_var(m)
-            else:
                 Pr = T.sblock_alloc_buffer((BN, BM), "uint16", scope="local")  # P rounded, key-major
                 Pb = T.sblock_alloc_buffer((BN // 2, BM, 2), "uint16", scope="local")  # p pairs (key)
+                Pq = T.meta_var(m)
             Qt, Kt = T.meta_var((m, m))
         else:
-            Qp, Kb = T.meta_var((m, m))
-        if AMX:
-            Pq = T.sblock_alloc_buffer((BM, BN), "uint16", scope="local")  # P rounded, query-major
-            lz = (T.sblock_alloc_buffer((BM,), "float32", scope="local"),  # the rows' reference max
-                  T.sblock_alloc_buffer((1,), "int32", scope="local"))  # whether acc is rescaled
-        else:
-            Pq, lz = T.meta_var((m, (m, m)))
-        if AMX_EMU:  # the tile registers (C 0-3, A 4-5, B 6-7)
-            regs = (T.sblock_alloc_buffer(amx.REGS[0][0], amx.REGS[0][1], scope="local"),
-                    T.sblock_alloc_buffer(amx.REGS[1][0], amx.REGS[1][1], scope="local"),
-                    T.sblock_alloc_buffer(amx.REGS[2][0], amx.REGS[2][1], scope="local"))
-        else:
-            regs = T.meta_var((m, m, m))
+            Qp, Kb, Pq = T.meta_var((m, m, m))
+        lz = T.meta_var(_lazy_state(BM) if AMX else (m, m))  # the AMX form's lazy correction
+        # the emulated tile registers (C 0-3, A 4-5, B 6-7)
+        regs = T.meta_var(amx.emulated_registers() if AMX_EMU else (m, m, m))
         if not DOT and k.v_bits:  # a bf16 cache read as its bits (decode_dot's products, staged values)
             Ku = T.decl_buffer(K.shape, "uint16", data=K.data, align=A)
             Vu = T.decl_buffer(V.shape, "uint16", data=V.data, align=A)
