@@ -187,3 +187,23 @@ def test_the_tile_forms_are_refused_by_name_where_they_cannot_run():
         build_kernel(dataclasses.replace(spec, head_dim=80), knobs={"dot_bf16": 3, "block_m": 64})
     with pytest.raises(KnobError, match="multiplies bfloat16 inputs"):
         build_kernel(dataclasses.replace(spec, dtype="float16"), knobs={"dot_bf16": 3, "block_m": 64})
+
+
+def test_the_microkernel_script_sweeps_the_reduction_depth(capsys):
+    """``scripts/amx_microkernel.py``: the micro-kernel's own rate per reduction depth, from zero
+    and from C, on an AMX host (a positive rate for each); elsewhere it says why and exits 2."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "amx_microkernel.py"
+    spec = importlib.util.spec_from_file_location("amx_microkernel", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    rc = script.main(["--ksteps", "2", "4", "--iters", "256"])
+    out, err = capsys.readouterr()
+    if not AMX_HOST:
+        assert rc == 2 and "no AMX-BF16" in err
+        return
+    assert rc == 0
+    rows = [line.split() for line in out.splitlines()[1:]]
+    assert [r[0] for r in rows] == ["2", "4"] and all(float(x) > 0 for r in rows for x in r[2:])

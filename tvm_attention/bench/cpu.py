@@ -196,12 +196,15 @@ def bf16_dot_peak(threads: int | None = None, chains: int = 12, iters: int = 1 <
 
 
 def amx_tile_peak(threads: int | None = None, iters: int = 1 << 16, repeat: int = 9,
-                  target=None) -> dict[str, Any] | None:
+                  target=None, ksteps: int = 8, zero: bool = False) -> dict[str, Any] | None:
     """The AMX roof: GFLOP/s of the fused kernel's own micro-kernel (``workloads.amx.MM``: a
     32 × 32 block of ``C``, two ``A`` and two ``B`` tiles loaded per 32-deep step) on operands
     that stay in L1, ``iters`` calls of 8 steps per thread (16384 FLOP per ``tdpbf16ps``). What
     the kernel's products can reach with their loads; the instruction alone runs faster (held in
-    tiles: ``../shared/examples/amx_probe.py``). None without AMX-BF16."""
+    tiles: ``../shared/examples/amx_probe.py``). ``ksteps``: steps per call (8, a 256-deep
+    product as a D=256 QKᵀ block, is the roof; ``scripts/amx_microkernel.py`` sweeps it);
+    ``zero``: each call starts from zero (QKᵀ's calls) rather than loading C (PV's). None
+    without AMX-BF16."""
     import tvm
     from tvm.script import tirx as T
 
@@ -209,7 +212,7 @@ def amx_tile_peak(threads: int | None = None, iters: int = 1 << 16, repeat: int 
     threads, target, _ = _threads_and_target(threads, target)
     if not {"amx-tile", "amx-bf16"} <= target_features(target):
         return None
-    ks = 8  # reduction steps per call: a 256-deep product, as a D=256 QKᵀ block
+    ks, z = ksteps, int(zero)
 
     @T.prim_func
     def tile_loop(a: T.Buffer((32, 32 * ks), "uint16"), b: T.Buffer((16 * ks, 64), "uint16"),
@@ -221,7 +224,7 @@ def amx_tile_peak(threads: int | None = None, iters: int = 1 << 16, repeat: int 
             for _ in T.serial(n):
                 T.evaluate(T.call_extern("int32", amx.MM, c.data, T.int64(t * 4096), T.int64(128), a.data,
                                          T.int64(0), T.int64(64 * ks), b.data, T.int64(0), T.int64(128),
-                                         T.int64(ks), T.int32(0)))
+                                         T.int64(ks), T.int32(z)))
             T.evaluate(T.call_extern("int32", amx.END))
 
     ex = tvm.compile(tvm.IRModule({"tile_loop": tile_loop}), target=target)
