@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a source checkout
 
-from tvm_attention.bench.cpu import amx_tile_peak  # noqa: E402
+from tvm_attention.bench.cpu import amx_tile_peak
 
 
 def main(argv: list[str] | None = None) -> int:
