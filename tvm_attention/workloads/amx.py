@@ -11,8 +11,10 @@ the softmax stays the fp32 vector code it is), so both products read operands th
 dot-product form already stages (:mod:`.bf16dot`), and only P changes its layout:
 
 * ``S = K·Qᵀ``: ``C`` = 16 keys × 16 query rows of ``S`` (row stride ``BM`` floats), ``A`` = 16
-  key rows × 32 of head_dim from the staged key tile ``Kb (BN, D)`` (as stored: no packing),
-  ``B`` = ``Qp (D/2, BM, 2)``, q's pairs along head_dim, made once per row tile.
+  key rows × 32 of head_dim as stored (no packing): read in place from K where consecutive
+  keys' rows are one stride apart and the tile lies inside the sequence (:func:`key_stride`),
+  else from the staged key tile ``Kb (BN, D)``; ``B`` = ``Qp (D/2, BM, 2)``, q's pairs along
+  head_dim, made once per row tile.
 * ``acc += P·V``: ``C`` = 16 query rows × 16 columns of ``acc (BM, DV)`` (row stride ``DV``
   floats), ``A`` = ``Pq (BM, BN)``, P rounded to bf16 and paired along the keys into 32-bit
   words in one pass (block ``P_pack``: ``Pb (BN/2, BM)`` words, made in 32-bit lanes, where the
@@ -267,7 +269,9 @@ def macros(emulate: bool):
     (bf16 bits, uint16, strides ``as_``/``bs`` elements), real (a call of :data:`MM`) or emulated
     (``regs``: the tile registers, :data:`REGS`, ignored by the real form); ``tr(Y, yi, ys, X,
     xi, xs)``, a 16 × 16 block of bf16 pairs transposed (:data:`TR`) from the uint32 words of
-    ``X`` (stride ``xs`` words) to the uint16 pairs of ``Y`` (stride ``ys`` elements); and ``begin``/``end``, the tile config's load and release (nothing, emulated)."""
+    ``X`` (stride ``xs`` words) to the uint16 pairs of ``Y`` (stride ``ys`` elements); and
+    ``begin``/``end``, the tile config's load and release (nothing, emulated). ``B`` may also be
+    uint32 words of pairs (V's, ``V_pack``; ``bs`` then in words)."""
 
     @T.macro
     def mm_real(C, ci, cs, A, ai, as_, B, bi, bs, ksteps, zero, regs):

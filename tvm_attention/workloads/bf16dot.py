@@ -21,8 +21,9 @@ float32; the bits are what the instruction reads).
   a contiguous region of one head), row ``i`` reading head ``i // R``.
 
 The schedules tensorize ``S_gemm`` and ``PV_gemm`` with intrinsics that call a three-line LLVM IR
-function (``schedules/cpu_bf16.py``); the AMX form reads ``Kb``, ``Qp``, ``Pb`` and ``Vt`` as its
-tile operands.
+function (``schedules/cpu_bf16.py``); the AMX form (:mod:`.amx`) takes ``k_bits``'s staged keys
+(where it cannot read them in place) and ``q_pairs``, and packs P's and V's pairs as 32-bit
+words itself.
 """
 from __future__ import annotations
 
