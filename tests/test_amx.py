@@ -77,11 +77,11 @@ def test_the_tiles_match_the_reference_where_the_cpu_has_amx(spec):
 
 @needs_amx
 def test_the_amx_preset_runs_the_layouts_on_tiles():
-    """The preset on an AMX host is the tile form (256 × 128 tiles at D=64); varlen takes it too."""
+    """The preset on an AMX host is the tile form (128 × 128 tiles at D=64, causal); varlen takes it too."""
     spec = AttentionSpec(batch=3, heads=2, seq_q=100, seq_kv=100, head_dim=64, dtype="bfloat16", layout="varlen",
                          causal=True)
     b = build_kernel(spec, cache=True)
-    assert b.knobs.dot_bf16 == 2 and (b.knobs.block_m, b.knobs.block_n) == (256, 128)
+    assert b.knobs.dot_bf16 == 2 and (b.knobs.block_m, b.knobs.block_n) == (128, 128)
     assert "tdpbf16ps" in b.module.inspect_source("asm")
     result = validate_built(b)
     assert result.passed, result
@@ -89,18 +89,19 @@ def test_the_amx_preset_runs_the_layouts_on_tiles():
 
 def test_the_amx_preset_takes_the_largest_tile_that_fits():
     """The AMX preset's tile is the first of AMX_TILES within the tile working set, whatever the
-    host (the preset is arithmetic on the target's features): 256 × 128 up to D=128, 128 × 64 at
-    D=256, and 64 rows × 128 keys for MLA's 576/512 latent (PV's accumulator tiles loaded and
-    stored once per 128 keys)."""
+    host (the preset is arithmetic on the target's features): 256 × 128 up to D=128 (128 × 128
+    under a causal mask), 128 × 64 at D=256, and 64 rows × 128 keys for MLA's 576/512 latent
+    (PV's accumulator tiles loaded and stored once per 128 keys)."""
     from tvm_attention.schedules.cpu_fused import preset
     spr = resolve_target(SPR)
     mla = AttentionSpec(batch=4, heads=128, seq_q=1, seq_kv=4096, head_dim=576, head_dim_v=512, layout="mla",
                         scale=0.1, causal=True, dtype="bfloat16")
     knobs = preset(mla, spr)
     assert knobs.dot_bf16 == 2 and (knobs.block_m, knobs.block_n) == (64, 128)
-    for d, tile in ((64, (256, 128)), (128, (256, 128)), (256, (128, 64))):
-        knobs = preset(dataclasses.replace(TAILS, head_dim=d), spr)
-        assert knobs.dot_bf16 == 2 and (knobs.block_m, knobs.block_n) == tile, d
+    for d, causal, tile in ((64, False, (256, 128)), (128, False, (256, 128)), (128, True, (128, 128)),
+                            (256, False, (128, 64))):
+        knobs = preset(dataclasses.replace(TAILS, head_dim=d, causal=causal), spr)
+        assert knobs.dot_bf16 == 2 and (knobs.block_m, knobs.block_n) == tile, (d, causal)
 
 
 @needs_amx
