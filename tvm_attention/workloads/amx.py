@@ -17,8 +17,9 @@ dot-product form already stages (:mod:`.bf16dot`), and only P changes its layout
   head_dim, made once per row tile.
 * ``acc += P·V``: ``C`` = 16 query rows × 16 columns of ``acc (BM, DV)`` (row stride ``DV``
   floats), ``A`` = ``Pq (BM, BN)``, P rounded to bf16 and paired along the keys into 32-bit
-  words in one pass (block ``P_pack``: ``Pb (BN/2, BM)`` words, made in 32-bit lanes, where the
-  dot-product form rounds, then interleaves 16-bit halves), then transposed to query-major
+  words (block ``P_pack``: ``Pb (BN/2, BM)`` words, made in 32-bit lanes in the softmax's pass,
+  one key pair at a time, where the dot-product form rounds, then interleaves 16-bit halves),
+  then transposed to query-major
   16 × 16 words at a time in registers (block ``P_tr``), ``B`` = ``Vt (BN/2, DV)``, V's pairs
   along the keys as 32-bit words read from the cache in one pass (block ``V_pack``, where the
   dot-product form copies the value tile, then interleaves 16-bit halves). The
@@ -51,7 +52,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 from tvm.sym.analyzer import Analyzer
 
-from ._math import bf16_pair_word, bf16_value
+from ._math import bf16_value
 
 #: rows of a tile, and of a ``C`` tile's float32 columns
 TILE = 16
@@ -379,12 +380,8 @@ def tile_products(k, bf):
 
     @T.macro
     def pv_(Vu, P, Pr, Pb, Pq, Vb, Vt, acc, alpha, t, vc, Vsc, regs, need):
-        # P rounded and paired along the keys, one word per (key pair, row) (misfit: no cache
-        # with scales takes the tiles, so P is what PV reads; Pr and Vsc are placeholders)
-        for jp, i in T.grid(BN // 2, BM):
-            with T.sblock(N["P_pack"]):
-                vp, vi = T.axis.remap("SS", [jp, i])
-                Pb[vp, vi] = bf16_pair_word(P[2 * vp, vi], P[2 * vp + 1, vi])
+        # P's words (P_pack) come from the softmax's pass (fused._softmax_macro; misfit: no
+        # cache with scales takes the tiles, so P is what PV reads; Pr and Vsc are placeholders)
         with T.sblock(N["P_tr"]):
             T.reads(Pb[0:BN // 2, 0:BM])
             T.writes(Pq[0:BM, 0:BN])

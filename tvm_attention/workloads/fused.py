@@ -51,8 +51,8 @@ from ..quant import QMAX, SCALE_GROUP
 from ..spec import DATA_ALIGNMENT as A, ENTRY, MAX_SEQ_LEN, AttentionSpec
 from ..tvm_internals import fast_macros
 from ..visibility import Visibility
-from ._math import (EXP2_POLY, EXP2_POLY_BF16, KV_UNIT, bf16_exact_bits, bf16_value, cast_to, exp2_fast, f32,
-                    f32_to_kv, guarded, kv_to_f32, lse_of, ssa_checked)
+from ._math import (EXP2_POLY, EXP2_POLY_BF16, KV_UNIT, bf16_exact_bits, bf16_pair_word, bf16_value, cast_to,
+                    exp2_fast, f32, f32_to_kv, guarded, kv_to_f32, lse_of, ssa_checked)
 from . import amx, bf16dot, vector
 from .knob_attrs import FUSED_DECODE, FUSED_FORM, FUSED_TILE, record
 from .index_checks import scale_ok
@@ -538,7 +538,10 @@ def _softmax_macro(k: _TileShape):
     correction ``alpha = exp2(m_old - m_new)`` (guarded: no -inf - -inf), ``P = exp2(S - m_new)``
     (masked entries exactly 0) and ``l = l·alpha + rowsum(P)``. The AMX form (``k.amx``) takes
     the max lazily (:data:`LAZY_GAP`): ``lz = (m_ref, need)``, the reference (block ``max_ref``)
-    and whether acc needs the correction (``rescale_any``); other forms pass a placeholder."""
+    and whether acc needs the correction (``rescale_any``); other forms pass a placeholder. It
+    also makes P's pair words for the tiles' PV (``Pb``, block ``P_pack``) in the exponentials'
+    own pass, one key pair at a time: ``P`` is then ``(2, BM)``, in L1 (1.045x a D=64 prefill
+    against writing P whole and reading it back twice)."""
     N, BM, BN, qscale, dot_bf16 = k.N, k.BM, k.BN, k.qscale, k.dot_bf16
     score_mod, lazy = k.score_mod, k.amx
     # the AMX form rounds P to bf16 for PV: a shorter polynomial is exact enough there (l sums
@@ -580,7 +583,7 @@ def _softmax_macro(k: _TileShape):
         return t.logit(key_scaled(t, x, vj, vi, qs, Ksc), vj, vi, vc)
 
     @T.macro
-    def online_softmax(S, Sm, P, m, m_new, l, alpha, t, vc, qs, Ksc, lz):
+    def online_softmax(S, Sm, P, m, m_new, l, alpha, t, vc, qs, Ksc, lz, Pb):
         ref = T.meta_var(lz[0] if lazy else m_new)  # the max P is taken against (lazy: m_ref)
         if score_mod:
             # the modified scores go to a buffer of their own: every buffer of the tile keeps
@@ -618,18 +621,36 @@ def _softmax_macro(k: _TileShape):
                 lz[1][0] = 0
                 for i in T.serial(BM):
                     lz[1][0] = T.max(lz[1][0], T.Select(alpha[i] != T.float32(1), 1, 0))
-        # -- P = exp2(S - m_new); masked entries are exactly 0 -------------------
-        for j, i in T.grid(BN, BM):
-            with T.sblock(N["P_exp"]):
-                vj, vi = T.axis.remap("SS", [j, i])
-                P[vj, vi] = exp2_fast(score(t, S, Sm, vj, vi, vc, qs, Ksc) - guarded(ref[vi]), P_POLY)
-        # -- l = l·alpha + rowsum(P) -------------------------------------------
-        for j, i in T.grid(BN, BM):
-            with T.sblock(N["row_sum"]):
-                vj, vi = T.axis.remap("RS", [j, i])
-                with T.init():
-                    l[vi] = l[vi] * alpha[vi]
-                l[vi] = l[vi] + P[vj, vi]
+        if lazy:  # the tiles' form: one pass per key pair, P (2, BM) never leaves L1
+            for jp in T.serial(BN // 2):
+                for tt, i in T.grid(2, BM):
+                    with T.sblock(N["P_exp"]):
+                        vp, vt, vi = T.axis.remap("SSS", [jp, tt, i])
+                        vj = T.meta_var(2 * vp + vt)
+                        P[vt, vi] = exp2_fast(score(t, S, Sm, vj, vi, vc, qs, Ksc) - guarded(ref[vi]), P_POLY)
+                for i in T.serial(BM):
+                    with T.sblock(N["row_sum"]):
+                        vp, vi = T.axis.remap("RS", [jp, i])
+                        with T.init():
+                            l[vi] = l[vi] * alpha[vi]
+                        l[vi] = l[vi] + P[0, vi] + P[1, vi]
+                for i in T.serial(BM):  # the pair rounded to bf16, one word (PV's operand)
+                    with T.sblock(N["P_pack"]):
+                        vp, vi = T.axis.remap("SS", [jp, i])
+                        Pb[vp, vi] = bf16_pair_word(P[0, vi], P[1, vi])
+        else:
+            # -- P = exp2(S - m_new); masked entries are exactly 0 -------------------
+            for j, i in T.grid(BN, BM):
+                with T.sblock(N["P_exp"]):
+                    vj, vi = T.axis.remap("SS", [j, i])
+                    P[vj, vi] = exp2_fast(score(t, S, Sm, vj, vi, vc, qs, Ksc) - guarded(ref[vi]), P_POLY)
+            # -- l = l·alpha + rowsum(P) -------------------------------------------
+            for j, i in T.grid(BN, BM):
+                with T.sblock(N["row_sum"]):
+                    vj, vi = T.axis.remap("RS", [j, i])
+                    with T.init():
+                        l[vi] = l[vi] * alpha[vi]
+                    l[vi] = l[vi] + P[vj, vi]
 
     return online_softmax
 
@@ -945,7 +966,8 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
         S = T.sblock_alloc_buffer((BN, BM), "float32", scope="local")  # scores, key-major
         if k.score_mod:
             Sm = T.sblock_alloc_buffer((BN, BM), "float32", scope="local")  # softcapped / ALiBi scores
-        P = T.sblock_alloc_buffer((BN, BM), "float32", scope="local")  # probabilities
+        # probabilities (the AMX form: one key pair's, packed to PV's words as made)
+        P = T.sblock_alloc_buffer((2, BM) if AMX else (BN, BM), "float32", scope="local")
         m = T.sblock_alloc_buffer((BM,), "float32", scope="local")  # running max (log2 units)
         m_new = T.sblock_alloc_buffer((BM,), "float32", scope="local")  # max after this tile
         l = T.sblock_alloc_buffer((BM,), "float32", scope="local")  # running sum
@@ -1047,13 +1069,13 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
                         scale_load(Ksc, Vsc, t, vc)
                     s_product(K, V, Ku, Kb, Kt, Qp, Qt, S, t, vc, Ksc, regs)
                     if k.score_mod and k.qk_int8:
-                        online_softmax(S, Sm, P, m, m_new, l, alpha, t, vc, qs, Ksc, lz)
+                        online_softmax(S, Sm, P, m, m_new, l, alpha, t, vc, qs, Ksc, lz, Pb)
                     elif k.score_mod:
-                        online_softmax(S, Sm, P, m, m_new, l, alpha, t, vc, m, Ksc, lz)  # (m for qs: never read)
+                        online_softmax(S, Sm, P, m, m_new, l, alpha, t, vc, m, Ksc, lz, Pb)  # (m for qs: never read)
                     elif k.qk_int8:
-                        online_softmax(S, S, P, m, m_new, l, alpha, t, vc, qs, Ksc, lz)  # (no Sm: never read)
+                        online_softmax(S, S, P, m, m_new, l, alpha, t, vc, qs, Ksc, lz, Pb)  # (no Sm: never read)
                     else:
-                        online_softmax(S, S, P, m, m_new, l, alpha, t, vc, m, Ksc, lz)
+                        online_softmax(S, S, P, m, m_new, l, alpha, t, vc, m, Ksc, lz, Pb)
                     pv_product(V, Vu, P, Pr, Pb, Pq, Vb, Vt, acc, alpha, t, vc, Vsc, regs, lz[1])
         store(O, X, acc, m, l, t)
         if AMX:
