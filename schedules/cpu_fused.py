@@ -190,15 +190,19 @@ def preset(spec: AttentionSpec, target: Target) -> FlashCPUKnobs:
 #: MLA decode, 128 heads, B4 / B16 × 4k: 951 / 851 GFLOP/s at (64, 64), 1093 / 990 at (64, 128),
 #: 875 at (64, 256) B16.
 AMX_TILES = ((256, 128), (128, 64), (64, 128), (64, 64))
+#: query rows up to which a causal AMX build takes 128-row tiles (:func:`amx_tile_order`)
+SHORT_CAUSAL = 4096
 
 
 def amx_tile_order(spec: AttentionSpec) -> tuple[tuple[int, int], ...]:
-    """:data:`AMX_TILES`, with 128 × 128 first under a causal mask: each row tile computes the
-    masked half of its diagonal tile, which weighs twice as much at 256 rows (same VM, side by
-    side, 256 × 128 -> 128 × 128, GFLOP/s: S=1024 causal D=64 541 -> 570, D=128 740 -> 772;
-    S=2048 D=64 611 -> 622, D=128 893 -> 909; S=4096 D=128 998 -> 1005; not causal, S=4096 D=128
-    1179 -> 1093, D=64 841 -> 832)."""
-    if spec.causal:
+    """:data:`AMX_TILES`, with 128 × 128 first under a causal mask up to :data:`SHORT_CAUSAL` query
+    rows: each row tile computes the masked half of its diagonal tile, which weighs twice as
+    much at 256 rows; over longer sequences that half matters less than 256 rows' sharing of the
+    staging (same VM, side by side, 256 × 128 -> 128 × 128, GFLOP/s: S=1024 causal D=64 541 ->
+    570, D=128 740 -> 772; S=2048 D=64 611 -> 622, D=128 893 -> 909; S=4096 D=128 998 -> 1005;
+    S=8192 D=64 714 -> 748, D=128 1083 -> 1051; S=16384 D=128 1114 -> 1028; not causal, S=4096
+    D=128 1179 -> 1093, D=64 841 -> 832)."""
+    if spec.causal and spec.seq_q <= SHORT_CAUSAL:
         return tuple((128, 128) if t == (256, 128) else t for t in AMX_TILES)
     return AMX_TILES
 #: (block_m, block_n) the tuner searches for the AMX form (each a task)

@@ -90,7 +90,7 @@ def test_the_amx_preset_runs_the_layouts_on_tiles():
 def test_the_amx_preset_takes_the_largest_tile_that_fits():
     """The AMX preset's tile is the first of AMX_TILES within the tile working set, whatever the
     host (the preset is arithmetic on the target's features): 256 × 128 up to D=128 (128 × 128
-    under a causal mask), 128 × 64 at D=256, and 64 rows × 128 keys for MLA's 576/512 latent
+    under a causal mask up to 4096 rows), 128 × 64 at D=256, and 64 rows × 128 keys for MLA's 576/512 latent
     (PV's accumulator tiles loaded and stored once per 128 keys)."""
     from tvm_attention.schedules.cpu_fused import preset
     spr = resolve_target(SPR)
@@ -98,10 +98,11 @@ def test_the_amx_preset_takes_the_largest_tile_that_fits():
                         scale=0.1, causal=True, dtype="bfloat16")
     knobs = preset(mla, spr)
     assert knobs.dot_bf16 == 2 and (knobs.block_m, knobs.block_n) == (64, 128)
-    for d, causal, tile in ((64, False, (256, 128)), (128, False, (256, 128)), (128, True, (128, 128)),
-                            (256, False, (128, 64))):
-        knobs = preset(dataclasses.replace(TAILS, head_dim=d, causal=causal), spr)
-        assert knobs.dot_bf16 == 2 and (knobs.block_m, knobs.block_n) == tile, (d, causal)
+    for d, causal, seq, tile in ((64, False, 113, (256, 128)), (128, False, 113, (256, 128)),
+                                 (128, True, 113, (128, 128)), (128, True, 8192, (256, 128)),
+                                 (256, False, 113, (128, 64))):
+        knobs = preset(dataclasses.replace(TAILS, head_dim=d, causal=causal, seq_q=seq, seq_kv=seq), spr)
+        assert knobs.dot_bf16 == 2 and (knobs.block_m, knobs.block_n) == tile, (d, causal, seq)
 
 
 @needs_amx
