@@ -216,18 +216,16 @@ def stage_copies(sch: s_tir.Schedule, blk, D: int, DV: int) -> None:
     sch.unroll(sch.get_loops(blk("Q_load"))[-1])
 
 
-def interleave_pairs(sch: s_tir.Schedule, blk, block_m: int, names=("V_ilv", "P_ilv")) -> None:
+def interleave_pairs(sch: s_tir.Schedule, blk, block_m: int) -> None:
     """Pairs of V rows and of P rows (keys 2jp, 2jp+1) interleaved, 16 columns per shuffle
-    (:data:`ILV`); P rounded to bf16 in vectors across its rows. ``names``: the interleaves the
-    nest has (the AMX form packs P's pairs itself: ``V_ilv`` alone)."""
-    for name in names:
+    (:data:`ILV`); P rounded to bf16 in vectors across its rows."""
+    for name in ("V_ilv", "P_ilv"):
         b = blk(name)
         jp, x, t = sch.get_loops(b)[-3:]
         xo, xi = sch.split(x, [None, L])
         sch.reorder(jp, xo, t, xi)
         sch.tensorize(t, ILV)
-    if "P_ilv" in names:
-        _vec(sch, sch.get_loops(blk("P_round"))[-1], block_m, L)
+    _vec(sch, sch.get_loops(blk("P_round"))[-1], block_m, L)
 
 
 #: the softmax's blocks vectorized across query rows (``score_mod``: a variant's, when present;

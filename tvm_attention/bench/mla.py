@@ -245,7 +245,8 @@ def markdown(report: dict[str, Any]) -> str:
         "Best of alternated rounds.", "",
         f"MLA decode: H={c['heads']}, latent {c['latent']}, V its first {c['rank']}, one new token per sequence; "
         "GFLOP/s count 2·(latent + rank) per (head, key). Roof: the peak of the units the build multiplies on (the "
-        "AMX tiles, else the bf16 dots for a bf16 cache where the CPU has them, else the FMAs). Goals: ≥ 70 % of the roof, ≥ 3× torch SDPA, ≥ 2× llama.cpp.", "",
+        "AMX tiles, else the bf16 dots for a bf16 cache where the CPU has them, else the FMAs). Goals: ≥ 70 % "
+        "of the roof, ≥ 3× torch SDPA, ≥ 2× llama.cpp.", "",
         "| dtype | batch × cache | ours ms | GFLOP/s | of roof | torch ms | vs torch | llama.cpp ms | vs llama.cpp |",
         "|---|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
@@ -257,9 +258,9 @@ def markdown(report: dict[str, Any]) -> str:
                      f"{fmt(r.get('vs_llamacpp'), '.2f')}× |")
     amx = [r for r in report["rows"] if "amx_vs_dot" in r]
     if amx:
-        lines += ["", "On AMX tiles over the `vdpbf16ps` form of the same step, side by side (goal ≥ 3×): " + "; ".join(
-            f"batch {r['batch']} × {r['cache']}: {r['bf16_dot_ms']:.2f} ms → {r['ours_ms']:.2f} ms, "
-            f"**{r['amx_vs_dot']:.2f}×**" for r in amx) + "."]
+        lines += ["", "On AMX tiles over the `vdpbf16ps` form of the same step, side by side (goal ≥ 3×): "
+                  + "; ".join(f"batch {r['batch']} × {r['cache']}: {r['bf16_dot_ms']:.2f} ms → {r['ours_ms']:.2f} ms, "
+                              f"**{r['amx_vs_dot']:.2f}×**" for r in amx) + "."]
     pre = [r for r in report["rows"] if r["point"] == "prefill"]
     if pre:
         lines += ["", f"Prefill, B1 H{c['prefill_heads']} S={c['seq']} causal fp32 (goal: Dv ≠ D at ≥ 90 % of the "

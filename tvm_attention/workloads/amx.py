@@ -340,7 +340,8 @@ def macros(emulate: bool):
 
 def tile_products(k, bf):
     """The fused tile's two products on tiles (``k``: the tile's ``_TileShape``; ``bf``: the bf16
-    pair form's macros, :func:`.bf16dot.pair_macros`, whose staging the tiles read): ``s(Ku, Kb, Qp, S, t, vc, regs)``, ``S = K·Qᵀ``
+    pair form's macros, :func:`.bf16dot.pair_macros`, whose staging the tiles read):
+    ``s(Ku, Kb, Qp, S, t, vc, regs)``, ``S = K·Qᵀ``
     of one key tile, 32 keys × 32 rows per call, from the key rows as stored where they are
     evenly spaced and the tile is whole (:func:`key_stride`), else as staged (``K_load``), and q's
     pairs; ``pv(Vu, P, Pr, Pb, Pq, Vb, Vt, acc, alpha, t, vc, Vsc, regs, need)``, ``acc += P·V``,

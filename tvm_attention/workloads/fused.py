@@ -344,8 +344,8 @@ TILE_BLOCKS = ("Q_load", "state_init", "acc_init", "kv_tile", "S_gemm", "row_max
 #: Blocks a tile has in some forms only (``_tile_macro``'s arguments, the spec)
 OPTIONAL_BLOCKS = ("lse_store", "state_store", "K_load", "V_load", "V_ilv", "q_absmax", "q_scale", "q_sum", "P_round",
                    "P_ilv", "acc_rescale", "KV_prefetch", "score_mod", "scale_load", "group_scale_load",
-                   "group_scale_load_v", "mask_tile", "tile_config", "tile_release", "P_tr", "P_pack", "V_pack", "max_ref",
-                   "rescale_any")
+                   "group_scale_load_v", "mask_tile", "tile_config", "tile_release", "P_tr", "P_pack", "V_pack",
+                   "max_ref", "rescale_any")
 #: Suffix of a GQA-packed decode nest's blocks, followed by its rows (``row_tile_dec4``,
 #: ``S_gemm_dec16``...).
 DECODE = "_dec"
