@@ -39,6 +39,22 @@ def misfit(spec: AttentionSpec, features: set[str], block_m: int = 32, block_n: 
     return f"needs a CPU with {', '.join(missing)}" if real and missing else None
 
 
+#: the decode nests' tiles (``decode_dot`` 6): bf16 (QKᵀ and PV) or int8 (``qk_int8``'s QKᵀ)
+DECODE_FEATURES = {False: FEATURES, True: ("amx-tile", "amx-int8", "avx512f")}
+
+
+def decode_misfit(spec: AttentionSpec, features: set[str], rows: int, block_n: int, heads: int = 1,
+                  real: bool = True) -> str | None:
+    """Why a decode nest of ``rows`` rows per kv head, ``heads`` kv heads per task, cannot take
+    the tiles (``decode_dot`` 6; emulated 7, ``real`` False) on a CPU with ``features`` (None:
+    it can)."""
+    why = amx.decode_fits(spec, rows * heads, block_n, heads)
+    if why:
+        return why
+    missing = [f for f in DECODE_FEATURES[bool(spec.qk_int8)] if f not in features]
+    return f"needs a CPU with {', '.join(missing)}" if real and missing else None
+
+
 def supports(spec: AttentionSpec, features: set[str], block_m: int = 32, block_n: int = 32) -> bool:
     """Whether ``spec`` can take the AMX form (the real one) on a CPU with ``features``."""
     return misfit(spec, features, block_m, block_n) is None

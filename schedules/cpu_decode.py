@@ -36,6 +36,12 @@ staged as ``k + 128`` since it multiplies unsigned by signed bytes, the scores l
 or AVX2's ``vpmaddubsw`` + ``vpmaddwd`` (:func:`_dot_i8_avx2`, llama.cpp's sign trick). Against
 the form without it: 0.70 / 0.72 kvcache (VNNI, bf16 queries), 0.78 / 0.77 (AVX2).
 
+``decode_dot`` 6 (7 emulated) puts the products on AMX tiles (``workloads.amx.decode_products``):
+its ``S_gemm`` and ``PV_gemm`` blocks are calls, so this schedule keeps the rest (the staged keys,
+V's pair words, the softmax and the float32 PV of an int8 cache) and leaves q's pairs as they are
+(:func:`_schedule_amx_qk`, :func:`_schedule_amx_pv`). The AMX preset takes it for a GQA bf16
+cache on the contiguous layouts (``cpu_fused.amx_decode_preset``, with its measurements).
+
 The presets (``cpu_fused.preset``): a bf16 cache takes both, an 8-bit one QKᵀ (exact; PV on dots
 gains nothing there, widening V is the cost). Taking an 8-bit key's upper half instead of
 rounding it (three integer operations per element that changed nothing) is what made its dot
@@ -458,8 +464,12 @@ def schedule(sch: s_tir.Schedule, spec: AttentionSpec, suffix: str, knobs: DotDe
     bufs = {b.name: b for b in sch.get(row_tile).alloc_buffers}
     rows, block_n = int(bufs["Qt"].shape[1]), int(bufs["S"].shape[0])
     # a tile of several kv heads (the page order): Kt (heads, D), Vt (block_n, heads, D), or
-    # with PV on bf16 dots Vb (heads, block_n, D) and Vt (heads, block_n / 2, D, 2)
-    if "Vb" in bufs:
+    # with PV on bf16 dots Vb (heads, block_n, D) and Vt (heads, block_n / 2, D, 2); on AMX
+    # tiles (decode_dot 6/7: Kb, the staged keys) Kb (heads, block_n, D)
+    amx = "Kb" in bufs
+    if amx:
+        heads = int(bufs["Kb"].shape[0])
+    elif "Vb" in bufs:
         heads = int(bufs["Vb"].shape[0]) if len(bufs["Vb"].shape) == 3 else 1
     else:
         heads = int(bufs["Vt"].shape[1]) if "Vt" in bufs else 1
@@ -471,6 +481,90 @@ def schedule(sch: s_tir.Schedule, spec: AttentionSpec, suffix: str, knobs: DotDe
     pv_rows = max(r for r in range(1, min(knobs.pv_rows, rows) + 1) if rows % r == 0)  # in one head
     pv_cols = knobs.pv_cols if knobs.pv_cols and knobs.pv_cols < DV and DV % knobs.pv_cols == 0 else 0
 
+    if amx:
+        _schedule_amx_qk(sch, blk, suffix, D, DV)
+    else:
+        _schedule_dot_qk(sch, blk, suffix, bufs, spec, rows, heads, L)
+
+    # softmax stages: vectors across rows; P_exp over the fused (key, row) loop, full vectors
+    for name in ("row_max", "row_sum"):
+        b = blk(name)
+        j, i = sch.get_loops(b)[-2:]
+        _vectorize(sch, i, tile_rows, L)
+        sch.decompose_reduction(b, j)
+    for name in ("online_correction", "max_commit", "state_init"):
+        _vectorize(sch, sch.get_loops(blk(name))[-1], tile_rows, L)
+    if has_block(sch, "scale_load" + suffix):
+        # per-token scales (an 8-bit cache): one scalar load per (key, kv head), broadcast to the
+        # head's rows; vectors across kv heads would gather (vpgatherdd): 1.10-1.28x the per-head
+        # scales' step (2-core znver4, GQA 32:8 D128 int8 kvcache, B4 4k / B1 16k / B16 4k)
+        i = sch.get_loops(blk("scale_load"))[-1]
+        _vectorize(sch, sch.split(i, [heads, rows])[1] if heads > 1 else i, rows, L)
+    for name in ("score_mod", "P_exp"):  # score_mod: a variant's (softcap, ALiBi), when there
+        if not has_block(sch, name + suffix):
+            continue
+        j, i = sch.get_loops(blk(name))[-2:]
+        if heads > 1:  # a multi-head tile has full vectors of rows: keep the key loop a loop
+            _vectorize(sch, i, tile_rows, L)
+        else:
+            # a loop of full vectors, not unrolled: block_n·rows/lanes copies of the exp
+            # polynomial (32 on AVX2 at 64 keys × 4 rows) were 80 % of the lowered IR; rolled, a
+            # GQA 32:8 D=128 kvcache build took 7 s instead of 20 and its step ran 1-7 % faster
+            # (2-core znver3, fp32/bf16/int8, B4 4k and B1 16k side by side)
+            _vectorize(sch, sch.fuse(j, i), block_n * tile_rows, L, unroll=False)
+
+    if "Pq" in bufs:  # decode_dot 6/7 with a bf16 cache: PV on tiles
+        _schedule_amx_pv(sch, blk, DV)
+    elif "Pb" in bufs:  # decode_dot 2: PV on vdpbf16ps too
+        _schedule_pv_dot(sch, blk, DV, block_n * tile_rows, pv_rows, pv_cols)
+    else:
+        # PV_gemm: (row block, [column block,] key, rows unrolled, columns vectorized)
+        pv = blk("PV_gemm")
+        i, j, d = sch.get_loops(pv)[-3:]
+        io, ii = sch.split(i, [None, pv_rows])
+        if pv_cols:
+            do, dd = sch.split(d, [None, pv_cols])
+            sch.reorder(io, do, j, ii, dd)
+            d = dd
+        else:
+            sch.reorder(io, j, ii, d)
+        sch.unroll(ii)
+        vectorize_in_groups(sch, spec, d)
+        sch.decompose_reduction(pv, j)
+
+    for name in ("acc_init", "O_store"):
+        sch.vectorize(sch.get_loops(blk(name))[-1])
+    outer = sch.fuse(*sch.get_loops(row_tile))
+    sch.parallel(outer)
+    if str(bufs["Qt"].dtype) == "uint16" and not amx:  # the LLVM function the dot product calls
+        sch.annotate(outer, "pragma_import_llvm", cpu_bf16.DPBF16_IR)
+
+
+def _schedule_amx_qk(sch: s_tir.Schedule, blk, suffix: str, D: int, DV: int) -> None:
+    """QKᵀ of a decode nest on AMX tiles (``decode_dot`` 6/7, :func:`..workloads.amx.decode_products`):
+    its ``S_gemm`` blocks are calls; the staged keys (``K_load``) copied in vectors, q's pairs or
+    quads (``Q_load``, once per task) left to LLVM, the prefetch unrolled per cache line; an int8
+    tile of several kv heads stages its values for the float32 PV (``V_load``) in vectors."""
+    for name, n in (("K_load", D), ("V_load", DV)):
+        if has_block(sch, name + suffix):
+            _vectorize(sch, sch.get_loops(blk(name))[-1], n, BF16_LANES)
+    if has_block(sch, "KV_prefetch" + suffix):
+        sch.unroll(sch.get_loops(blk("KV_prefetch"))[-1])
+
+
+def _schedule_amx_pv(sch: s_tir.Schedule, blk, DV: int) -> None:
+    """PV of a decode nest on AMX tiles (a bf16 cache): V's pair words in 16-lane vectors along its
+    rows; ``P_round`` (P transposed to query-major, ``rows × block_n``), the correction (it reads
+    what it writes: vectorize refuses it, LLVM vectorizes its contiguous loop) and the
+    ``PV_gemm`` calls as they are."""
+    _vectorize(sch, sch.get_loops(blk("V_pack"))[-1], DV, BF16_LANES)
+
+
+def _schedule_dot_qk(sch: s_tir.Schedule, blk, suffix: str, bufs: dict, spec: AttentionSpec, rows: int,
+                     heads: int, L: int) -> None:
+    """QKᵀ of a decode nest as dot products along head_dim (float32, bf16 or int8: the workload's
+    ``Qt`` dtype), one tensor intrinsic per key (and kv head)."""
+    D, DV = spec.head_dim, spec.v_dim
     # Q: Qt laid out (rows, D), so a query row is contiguous for the dot product
     q_load = blk("Q_load")
     sch.transform_layout(q_load, ("write", 0), lambda d, i: (i, d))
@@ -506,55 +600,3 @@ def schedule(sch: s_tir.Schedule, spec: AttentionSpec, suffix: str, knobs: DotDe
         sch.tensorize(d, dot_i8_intrinsic(D, rows, L))
     else:
         sch.tensorize(d, dot_bf16_intrinsic(D, rows) if bf16 else dot_intrinsic(D, rows, L))
-
-
-    # softmax stages: vectors across rows; P_exp over the fused (key, row) loop, full vectors
-    for name in ("row_max", "row_sum"):
-        b = blk(name)
-        j, i = sch.get_loops(b)[-2:]
-        _vectorize(sch, i, tile_rows, L)
-        sch.decompose_reduction(b, j)
-    for name in ("online_correction", "max_commit", "state_init"):
-        _vectorize(sch, sch.get_loops(blk(name))[-1], tile_rows, L)
-    if has_block(sch, "scale_load" + suffix):
-        # per-token scales (an 8-bit cache): one scalar load per (key, kv head), broadcast to the
-        # head's rows; vectors across kv heads would gather (vpgatherdd): 1.10-1.28x the per-head
-        # scales' step (2-core znver4, GQA 32:8 D128 int8 kvcache, B4 4k / B1 16k / B16 4k)
-        i = sch.get_loops(blk("scale_load"))[-1]
-        _vectorize(sch, sch.split(i, [heads, rows])[1] if heads > 1 else i, rows, L)
-    for name in ("score_mod", "P_exp"):  # score_mod: a variant's (softcap, ALiBi), when there
-        if not has_block(sch, name + suffix):
-            continue
-        j, i = sch.get_loops(blk(name))[-2:]
-        if heads > 1:  # a multi-head tile has full vectors of rows: keep the key loop a loop
-            _vectorize(sch, i, tile_rows, L)
-        else:
-            # a loop of full vectors, not unrolled: block_n·rows/lanes copies of the exp
-            # polynomial (32 on AVX2 at 64 keys × 4 rows) were 80 % of the lowered IR; rolled, a
-            # GQA 32:8 D=128 kvcache build took 7 s instead of 20 and its step ran 1-7 % faster
-            # (2-core znver3, fp32/bf16/int8, B4 4k and B1 16k side by side)
-            _vectorize(sch, sch.fuse(j, i), block_n * tile_rows, L, unroll=False)
-
-    if "Pb" in bufs:  # decode_dot 2: PV on vdpbf16ps too
-        _schedule_pv_dot(sch, blk, DV, block_n * tile_rows, pv_rows, pv_cols)
-    else:
-        # PV_gemm: (row block, [column block,] key, rows unrolled, columns vectorized)
-        pv = blk("PV_gemm")
-        i, j, d = sch.get_loops(pv)[-3:]
-        io, ii = sch.split(i, [None, pv_rows])
-        if pv_cols:
-            do, dd = sch.split(d, [None, pv_cols])
-            sch.reorder(io, do, j, ii, dd)
-            d = dd
-        else:
-            sch.reorder(io, j, ii, d)
-        sch.unroll(ii)
-        vectorize_in_groups(sch, spec, d)
-        sch.decompose_reduction(pv, j)
-
-    for name in ("acc_init", "O_store"):
-        sch.vectorize(sch.get_loops(blk(name))[-1])
-    outer = sch.fuse(*sch.get_loops(row_tile))
-    sch.parallel(outer)
-    if bf16:  # the LLVM function the dot product calls, linked into the module
-        sch.annotate(outer, "pragma_import_llvm", cpu_bf16.DPBF16_IR)

@@ -83,8 +83,16 @@ class FlashCPUKnobs(KnobsMixin):
     # Staged decode nests on AVX512-BF16, bfloat16 queries: 1 = QKᵀ as bf16 dot products
     # (cpu_decode, vdpbf16ps) on q and the keys widened to bf16 (exact for a bf16 or 8-bit
     # cache: nothing rounded), PV float32; 2 = PV too, P rounded to bf16 (as dot_bf16's
-    # prefill); 0 = float32 FMAs.
+    # prefill); 0 = float32 FMAs; 6 = AMX tiles (7 emulated: DECODE_FORMS).
     decode_dot: int = 0
+    # Staged decode nests: keys per key tile (0 = block_n, the main nest's). The AMX preset's
+    # decode tiles take 64 where its prefill takes 128 (amx_decode_preset).
+    decode_block_n: int = 0
+
+    @property
+    def decode_tile(self) -> int:
+        """The staged decode nests' key tile: ``decode_block_n``, or ``block_n``."""
+        return self.decode_block_n or self.block_n
 
 
 #: (block_m in vector widths, block_n) tile pairs the tuner searches across, one task each.
@@ -211,12 +219,48 @@ AMX_TILE_CANDIDATES = ((64, 64), (64, 128), (128, 64), (128, 128), (256, 64), (2
 
 def _amx_preset(spec: AttentionSpec, target: Target, tile: tuple[int, int]) -> FlashCPUKnobs:
     """The preset where the CPU has AMX tiles and ``spec`` fits them (bfloat16, dims in 32s):
-    the main nest's products on tiles (:mod:`cpu_amx`), the decode nests as the AVX-512 preset's
-    (the float32 or dot-product forms: memory-bound, they gain nothing from tiles)."""
+    the main nest's products on tiles (:mod:`cpu_amx`); the decode nests on tiles too where
+    :func:`amx_decode_preset` says so, else as the AVX-512 preset's."""
     base = preset(spec, _without_amx(target))
     # (s_rows, pv_rows, pv_cols: the decode nests' register blocks, decode_knobs; the AMX
     # schedule records them and uses none)
-    return dataclasses.replace(base, block_m=tile[0], block_n=tile[1], dot_bf16=AMX)
+    knobs = dataclasses.replace(base, block_m=tile[0], block_n=tile[1], dot_bf16=AMX)
+    if amx_decode_preset(spec, knobs, target):
+        knobs = dataclasses.replace(knobs, decode_dot=DECODE_AMX, decode_heads=1, decode_block_n=AMX_DECODE_BLOCK_N,
+                                    prefetch=decode_prefetch(spec, knobs.vector_lanes, AMX_DECODE_BLOCK_N, 1))
+    return knobs
+
+
+#: fewest query heads per kv head whose decode nest the AMX preset puts on tiles (amx_decode_preset)
+AMX_DECODE_MIN_GROUP = 4
+#: the AMX preset's decode key tile: 1.02-1.04x 128 keys' step (GQA 32:8 D128 bf16 kvcache, B60 ×
+#: 4k 77-80 % of the stream read against 74-76 %, B15 × 16k 79 % against 76 %, B4 × 4k 1.04x;
+#: 32 keys 0.98x 64's; 2-core Sapphire Rapids VM, 2 threads, side by side)
+AMX_DECODE_BLOCK_N = 64
+
+
+def amx_decode_preset(spec: AttentionSpec, knobs: FlashCPUKnobs, target: Target) -> bool:
+    """Whether the AMX preset puts the staged decode nests on tiles (``decode_dot`` 6), one kv
+    head per task: a bf16 cache on the contiguous layouts, at least :data:`AMX_DECODE_MIN_GROUP`
+    rows per kv head.
+
+    Why (2-core Sapphire Rapids VM, 2 threads, H32 D128, 4k keys unless said, the step over the
+    AVX-512 preset's, side by side; stream read 28-29 GB/s): GQA 32:8 kvcache B60 1.04-1.18
+    (70-71 % of the stream read against 59-64 %), B15 × 16k 1.02-1.03 (71 % against 68 %), B1 × 16k
+    1.09-1.12 (in the last-level cache), D=64 B60 1.14; one kv head per task, as two ran 0.96-0.99
+    of one. Not: MHA (one row per kv head: the tiles' packing costs more than the products) 0.79;
+    paged (a head's rows are ``kv_heads·D`` apart in a page, where the preset reads whole rows for
+    every head) 0.88-0.93; an int8 cache with ``qk_int8`` (QKᵀ on ``tdpbssd``, PV float32) 0.94-0.97
+    of VNNI's form (``decode_dot`` 3), which stays."""
+    if (spec.layout_info.paged or spec.kv_quantized or spec.dtype != "bfloat16"
+            or spec.group_size < AMX_DECODE_MIN_GROUP or not stages_decode(spec, knobs)):
+        return False
+    try:
+        check_amx_decode(dataclasses.replace(knobs, decode_dot=DECODE_AMX, decode_heads=1,
+                                             decode_block_n=AMX_DECODE_BLOCK_N), spec, target)
+    except KnobError:
+        return False
+    return True
 
 
 def preset_for_overrides(spec: AttentionSpec, target: Target, overrides: dict) -> FlashCPUKnobs:
@@ -292,8 +336,9 @@ MAX_PREFETCH_AHEAD = 512 * 1024
 def decode_vt_bytes(spec: AttentionSpec, block_n: int, heads: int, decode_dot: int = 0) -> int:
     """The bytes of a decode tile's staged values (``block_n × heads × head_dim``): a bf16 cache's
     as their bits (2 bytes, ``fused._TileShape.vt_dtype``; with PV on dots, ``decode_dot`` 2, two
-    copies: ``Vb`` and its pairs ``Vt``), the others counted as float32."""
-    bits = spec.dtype == "bfloat16" and not spec.kv_dtype and decode_dot != 2
+    copies: ``Vb`` and its pairs ``Vt``; on tiles, 6 and 7, ``Vt``'s words and the staged keys
+    ``Kb``), the others counted as float32."""
+    bits = spec.dtype == "bfloat16" and not spec.kv_dtype and decode_dot not in (2, DECODE_AMX, DECODE_AMX_EMULATED)
     return (2 if bits else 4) * block_n * heads * spec.v_dim
 
 
@@ -385,6 +430,31 @@ def check_amx(knobs: FlashCPUKnobs, spec: AttentionSpec, target: Target) -> None
         raise KnobError(f"{name}: {why}")
 
 
+#: the decode nests' product forms (knob ``decode_dot``)
+DECODE_AMX, DECODE_AMX_EMULATED = 6, 7
+DECODE_FORMS = {0: "float32 FMAs", 1: "QKᵀ on vdpbf16ps", 2: "QKᵀ and PV on vdpbf16ps",
+                3: "QKᵀ on int8 dot products", DECODE_AMX: "AMX tiles (QKᵀ, and PV for a bf16 cache)",
+                DECODE_AMX_EMULATED: "AMX tiles emulated in plain TIR, a checking form"}
+
+
+def check_amx_decode(knobs: FlashCPUKnobs, spec: AttentionSpec, target: Target) -> None:
+    """The decode tiles' needs (``decode_dot`` 6, emulated 7): staged decode nests on AVX-512
+    vectors (the softmax's), each fitting the tiles (:func:`cpu_amx.decode_misfit`); the real form
+    a CPU with AMX (bf16, or int8 for ``qk_int8``)."""
+    name = f"decode_dot={knobs.decode_dot} ({DECODE_FORMS[knobs.decode_dot]})"
+    staged = [r for r in decode_rows(spec, knobs) if r < knobs.vector_lanes]
+    if knobs.vector_lanes != cpu_amx.L or not staged:
+        raise KnobError(f"{name}: needs staged decode nests on {cpu_amx.L}-lane vectors (vector_lanes="
+                        f"{knobs.vector_lanes}, decode rows {decode_rows(spec, knobs)})")
+    real = knobs.decode_dot == DECODE_AMX
+    for rows in staged:
+        why = cpu_amx.decode_misfit(spec, target_features(target), rows, knobs.decode_tile, knobs.decode_heads, real)
+        if why and why.startswith("needs a CPU"):
+            why += f" (target {target}); the emulated form (decode_dot={DECODE_AMX_EMULATED}) runs anywhere"
+        if why:
+            raise KnobError(f"{name}: {why}")
+
+
 def tile_bytes(spec: AttentionSpec, block_m: int, block_n: int) -> int:
     """A row tile's float32 working set: its q and accumulator rows, S and P."""
     return 4 * ((spec.head_dim + spec.v_dim) * block_m + 2 * block_n * block_m)
@@ -456,15 +526,20 @@ def check(knobs: FlashCPUKnobs, spec: AttentionSpec, target: Target) -> None:
             f"decode_heads={knobs.decode_heads} and prefetch={knobs.prefetch} apply to the staged decode nests "
             f"(dot products on {' or '.join(map(str, cpu_decode.DOT_LANES))}-lane vectors, head_dim a multiple of them); "
             f"with vector_lanes={lanes} and head_dim={spec.head_dim} this kernel has none: leave them at 1 and 0")
-    vt_bytes = decode_vt_bytes(spec, knobs.block_n, knobs.decode_heads, knobs.decode_dot)
+    if knobs.decode_block_n < 0 or (knobs.decode_block_n and not stages_decode(spec, knobs)):
+        raise KnobError(f"decode_block_n={knobs.decode_block_n}: the staged decode nests' key tile (0 = block_n), "
+                        f"which this kernel has {'' if stages_decode(spec, knobs) else 'not'}")
+    vt_bytes = decode_vt_bytes(spec, knobs.decode_tile, knobs.decode_heads, knobs.decode_dot)
     if knobs.decode_heads > 1 and vt_bytes > MAX_TILE_BYTES:
         raise KnobError(
-            f"decode value tile {vt_bytes} B (block_n={knobs.block_n} × decode_heads={knobs.decode_heads} × "
-            f"head_dim={spec.v_dim}, {vt_bytes // (knobs.block_n * knobs.decode_heads * spec.v_dim)} B each"
+            f"decode value tile {vt_bytes} B (block_n={knobs.decode_tile} × decode_heads={knobs.decode_heads} × "
+            f"head_dim={spec.v_dim}, {vt_bytes // (knobs.decode_tile * knobs.decode_heads * spec.v_dim)} B each"
             f") exceeds MAX_TILE_BYTES={MAX_TILE_BYTES}")
-    if knobs.decode_dot not in (0, 1, 2, 3):
-        raise KnobError(f"decode_dot={knobs.decode_dot} must be 0 (float32), 1 (QKᵀ on bf16 dots), 2 (QKᵀ and PV) "
-                        f"or 3 (QKᵀ on int8 dots)")
+    if knobs.decode_dot not in DECODE_FORMS:
+        raise KnobError(f"decode_dot={knobs.decode_dot} must be one of "
+                        f"{', '.join(f'{k} ({v})' for k, v in DECODE_FORMS.items())}")
+    if knobs.decode_dot in (DECODE_AMX, DECODE_AMX_EMULATED):
+        check_amx_decode(knobs, spec, target)
     if knobs.decode_dot == 3 and not decode_dots(spec, knobs, target, 3):
         raise KnobError(
             f"decode_dot=3 needs qk_int8 (q rounded to int8 against an int8 cache; qk_int8={spec.qk_int8}), staged "
@@ -472,8 +547,8 @@ def check(knobs: FlashCPUKnobs, spec: AttentionSpec, target: Target) -> None:
             f"{cpu_decode.I8_LANES} up to 512 (head_dim={spec.head_dim}) and a CPU with {cpu_decode.VNNI} "
             f"(target {target}); per-group scales (kv_scale={spec.kv_scale}) take a 32-byte form instead (AVX2's, "
             f"or on 16-lane vectors {cpu_decode.VNNI} with avx512vl), head_dim a multiple of 32, at most 8 rows")
-    if knobs.decode_dot == 2 and knobs.block_n % 2:
-        raise KnobError(f"decode_dot=2 pairs the keys of a tile for PV: block_n={knobs.block_n} must be even")
+    if knobs.decode_dot == 2 and knobs.decode_tile % 2:
+        raise KnobError(f"decode_dot=2 pairs the keys of a tile for PV: block_n={knobs.decode_tile} must be even")
     if knobs.decode_dot == 2 and spec.dtype != "bfloat16":
         raise KnobError(f"decode_dot=2 rounds P to bf16 for PV, which only bfloat16 queries' numerics allow "
                         f"(dtype={spec.dtype}); decode_dot=1 (QKᵀ alone, exact) is open to {spec.dtype} with qk_int8")
@@ -539,7 +614,8 @@ def workload_args(spec: AttentionSpec, knobs: FlashCPUKnobs, step_only: bool = F
     # decode tiers narrower than a vector are dot-product scheduled (cpu_decode): they stage K
     return dict(block_m=knobs.block_m, block_n=knobs.block_n, decode_rows=rows,
                 split_tasks=knobs.split_tasks, stage_k_below=knobs.vector_lanes, dot_bf16=int(knobs.dot_bf16),
-                prefetch=knobs.prefetch, decode_heads=knobs.decode_heads, decode_dot=knobs.decode_dot)
+                prefetch=knobs.prefetch, decode_heads=knobs.decode_heads, decode_dot=knobs.decode_dot,
+                decode_block_n=knobs.decode_block_n)
 
 
 def from_attrs(attrs: Any, base: FlashCPUKnobs | None = None) -> FlashCPUKnobs:
@@ -556,7 +632,7 @@ def from_attrs(attrs: Any, base: FlashCPUKnobs | None = None) -> FlashCPUKnobs:
     dec = read_attrs(FUSED_DECODE, attrs, "fused")
     return dataclasses.replace(knobs, split_tasks=dec["split_tasks"], vector_lanes=dec["stage_k_below"],
                                prefetch=dec["prefetch"], decode_heads=dec["decode_heads"],
-                               decode_dot=int(dec["decode_dot"]))
+                               decode_dot=int(dec["decode_dot"]), decode_block_n=int(dec["decode_block_n"]))
 
 
 def tile_candidates(spec: AttentionSpec, target: Target) -> list[tuple[int, int]]:
@@ -623,15 +699,17 @@ def decode_candidates(spec: AttentionSpec, target: Target) -> list[FlashCPUKnobs
     # never split or the preset's split only (each task is a build: the grid stays ~20 tasks)
     heads = sorted({1, 2, max_heads_per_task(spec, min(DECODE_BLOCK_N))}
                    & {h for h in range(1, spec.kv_heads + 1) if spec.kv_heads % h == 0}) if staged else [1]
-    grid = [dataclasses.replace(hand, block_n=bn, split_tasks=st, decode_heads=h)
+    # (the grid's key tile is block_n's: decode_block_n 0)
+    grid = [dataclasses.replace(hand, block_n=bn, split_tasks=st, decode_heads=h, decode_block_n=0)
             for h in heads for bn in DECODE_BLOCK_N
             for st in (SPLIT_TASK_CHOICES if h == 1 else (0, hand.split_tasks))]
     if staged:
         grid += [dataclasses.replace(hand, prefetch=pf) for pf in PREFETCH_CHOICES if pf != hand.prefetch]
-        grid += [dataclasses.replace(hand, decode_dot=v) for v in (0, 1, 2, 3)]  # the product forms
+        # the product forms (the tiles' where the target has AMX: check refuses them elsewhere)
+        grid += [dataclasses.replace(hand, decode_dot=v) for v in (0, 1, 2, 3, DECODE_AMX)]
     out, seen = [], set()
     for knobs in [hand] + grid:
-        key = (knobs.block_n, knobs.decode_heads, knobs.prefetch, knobs.decode_dot,
+        key = (knobs.decode_tile, knobs.decode_heads, knobs.prefetch, knobs.decode_dot,
                n_splits(knobs.split_tasks, spec.batch, spec.kv_heads // knobs.decode_heads))
         if key in seen:
             continue

@@ -400,7 +400,10 @@ def test_decode_dot_is_the_bf16_preset_and_matches_the_float32_products():
     # the preset where the dot products outrun the FMAs (a Zen 4; an Intel core's preset is the
     # float32 products: cpu_balance), the knob named elsewhere
     dots = preset_takes_bf16_dots()
-    assert cpu_fused.preset(spec, host).decode_dot == cpu_fused.preset(contiguous, host).decode_dot == 2 * dots
+    # (an AMX host's contiguous GQA decode takes the tiles: test_amx_decode)
+    tiles = cpu_fused.amx_decode_preset(contiguous, cpu_fused.preset(contiguous, host), host)
+    assert cpu_fused.preset(spec, host).decode_dot == 2 * dots
+    assert cpu_fused.preset(contiguous, host).decode_dot == (cpu_fused.DECODE_AMX if tiles else 2 * dots)
     assert cpu_fused.preset(dataclasses.replace(spec, kv_dtype="int8"), host).decode_dot == int(dots)  # QKᵀ: exact
     if dots:
         dot, fma = built(spec), built(spec, knobs=(("decode_dot", 0),))

@@ -299,12 +299,14 @@ def with_checks(mod: tvm.IRModule, spec: AttentionSpec, target: Target) -> tvm.I
 
 
 def with_amx_permission(mod: tvm.IRModule) -> tvm.IRModule:
-    """``mod`` whose ``main``, when its products run on AMX tiles (``attn.dot_bf16`` 2), first
-    asks Linux for the tile state (``workloads.amx.permit_prologue``: once per process, before any
-    parallel loop) and raises a ValueError if the kernel refuses: a C++ caller needs nothing, and
-    a refusal is an error, never the SIGILL of a tile instruction without it."""
+    """``mod`` whose ``main``, when its products run on AMX tiles (``attn.dot_bf16`` 2, or the
+    decode nests' ``attn.decode_dot`` 6), first asks Linux for the tile state
+    (``workloads.amx.permit_prologue``: once per process, before any parallel loop) and raises a
+    ValueError if the kernel refuses: a C++ caller needs nothing, and a refusal is an error,
+    never the SIGILL of a tile instruction without it."""
     func = mod["main"]
-    if func.attrs is None or int(func.attrs.get("attn.dot_bf16", 0)) != amx.REAL:
+    attrs = func.attrs or {}
+    if int(attrs.get("attn.dot_bf16", 0)) != amx.REAL and int(attrs.get("attn.decode_dot", 0)) != amx.DECODE_REAL:
         return mod
     # only where a tile runs (a static decode step keeps its decode nest alone: no AMX, and no
     # import of the AMX functions the prologue would call)

@@ -100,7 +100,7 @@ def make_tasks(spec: AttentionSpec, target: Target, schedule: str) -> list[TaskD
     if schedule == "fused":
         if cpu_fused.is_decode_step(spec, target):  # static, or a paged step (tunes_as_paged)
             # a paged step (symbolic): only the tier it runs (fused_task_mod; a static seq_q keeps one too)
-            return [TaskDef(f"fused_dec_n{k.block_n}_s{k.split_tasks}_h{k.decode_heads}"
+            return [TaskDef(f"fused_dec_n{k.decode_tile}_s{k.split_tasks}_h{k.decode_heads}"
                             f"{f'_pf{k.prefetch}' if k.prefetch else ''}", fused_task_mod(spec, k),
                             decode_space(spec, k), points=1)
                     for k in cpu_fused.decode_candidates(spec, target)]

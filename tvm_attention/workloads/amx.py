@@ -52,7 +52,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 from tvm.sym.analyzer import Analyzer
 
-from ._math import bf16_value
+from ._math import bf16_bits, bf16_value
 
 #: rows of a tile, and of a ``C`` tile's float32 columns
 TILE = 16
@@ -92,12 +92,20 @@ def _transpose_ir() -> str:
                   f"  store <16 x i32> %s4_{r}, ptr %yp{r}, align 4"]
     return "\n".join(lines + ["  ret i32 0", "}"]) + "\n"
 
+def _cfg(tiles) -> str:
+    """A palette-1 tile config (LLVM IR string bytes): ``tiles`` ``(rows, bytes per row)`` for
+    tiles 0..7."""
+    colsb = "".join(f"\\{c & 255:02x}\\{c >> 8:02x}" for _, c in tiles)
+    rows = "".join(f"\\{r:02x}" for r, _ in tiles)
+    return "\\01" + "\\00" * 15 + colsb + "\\00" * 16 + rows + "\\00" * 8
+
+
 # Tile registers of the micro-kernel: C 0-3 (2 × 2), A 4-5, B 6-7. The config: palette 1, every
 # tile 16 rows × 64 bytes (the only shape the kernel uses: one config for all of it).
-_CFG = "\\01" + "\\00" * 15 + "\\40\\00" * 8 + "\\00" * 16 + "\\10" * 8 + "\\00" * 8
+_CFG = _cfg([(TILE, 64)] * 8)
 
-#: The AMX functions. linkonce_odr: a module whose nests each import it keeps one copy.
-IR = r'''
+#: what every AMX function text declares: the intrinsics and the permission (once per process)
+_BASE_IR = r'''
 declare void @llvm.x86.ldtilecfg(ptr)
 declare void @llvm.x86.tilerelease()
 declare void @llvm.x86.tilezero(i8)
@@ -126,16 +134,21 @@ done:
   ret i32 %t
 }
 
+; the tile state given back at a task's end
+define linkonce_odr i32 @tvma_amx_end() "target-features"="+amx-tile" {
+  call void @llvm.x86.tilerelease()
+  ret i32 0
+}
+
+'''
+
+#: The AMX functions. linkonce_odr: a module whose nests each import it keeps one copy.
+IR = _BASE_IR + r'''
 ; a thread's tile configuration (each row tile loads it: its task may run on any pool thread)
 define linkonce_odr i32 @tvma_amx_begin() #0 {
   %p = call i32 @tvma_amx_permit()
   call void @llvm.x86.ldtilecfg(ptr @tvma_amx_cfg)
   ret i32 %p
-}
-
-define linkonce_odr i32 @tvma_amx_end() #0 {
-  call void @llvm.x86.tilerelease()
-  ret i32 0
 }
 
 ; C[0:32, 0:32] (+)= A[0:32, 0:32·ksteps] · B, B in pairs: rows k/2, 32 columns of pairs. Each
@@ -199,12 +212,121 @@ attributes #0 = { "target-features"="+amx-tile,+amx-bf16,+avx512f" }
 ''' + _transpose_ir()
 
 
+#: ``dot_decode`` values of the decode nests' tile form, real and emulated: QKᵀ on tiles
+#: (``tdpbf16ps`` for bf16 q and cache, ``tdpbssd`` for ``qk_int8``'s bytes), PV too for a bf16
+#: cache (an int8 one keeps the float32 PV of the VNNI form)
+DECODE_REAL, DECODE_EMULATED = 6, 7
+#: a decode tile's most rows per kv head: the 16 rows of a tile (its columns in ``S``'s key-major tile)
+DECODE_ROWS = 16
+
+
+def decode_names(R: int) -> tuple[str, str, str, str]:
+    """The decode functions of an ``R``-row kv head (:func:`decode_ir`): config, ``S`` on bf16,
+    ``S`` on int8, ``PV``."""
+    return tuple(f"tvma_amx_d{R}_{n}" for n in ("begin", "s_bf16", "s_i8", "pv"))
+
+
+def decode_ir(R: int) -> str:
+    """The decode nests' tile functions for ``R`` rows per kv head (1..16): ``S`` is key-major as in
+    every nest, so its ``C`` tiles are 16 keys × ``R`` rows and q is the ``B`` operand, ``R``
+    columns of pairs (bf16) or quads (int8); ``PV``'s ``C`` tiles are ``R`` rows × 16 columns of
+    acc. One config serves both (tiles 0-1 ``S``'s C, 2 q, 3 and 7 the 16 × 64-byte operands: K
+    for ``S``, V's words for ``PV``; 4-5 ``PV``'s C, 6 P), loaded by ``begin`` once per task.
+
+    * ``s_bf16(S, so, ss, K, ko, ko1, ks, Q, qo, qs, ksteps)``: ``S[0:32, 0:R] = K[0:32,
+      0:32·ksteps] · Q``, K's rows as stored (stride ``ks`` bytes; keys 16-31 from ``ko1``: a paged
+      cache's next block may lie in another page), Q ``(D/2, ·, 2)`` pairs (stride ``qs``).
+    * ``s_i8``: the same on int8 (``tdpbssd``, 64 of head_dim a step, Q ``(D/4, ·, 4)``), the int32
+      sums then converted to float32 in place (exact: ``|Σ| ≤ 127²·head_dim < 2**24``).
+    * ``pv(C, co, cs, P, po, ps, V, vo, vs, ksteps)``: ``C[0:R, 0:32] += P[0:R, 0:32·ksteps] · V``,
+      V's pairs along the keys as words (stride ``vs``)."""
+    begin, s_bf16, s_i8, pv = decode_names(R)
+    cfg = _cfg([(16, 4 * R)] * 3 + [(16, 64)] + [(R, 64)] * 3 + [(16, 64)])
+
+    def s_fn(name, op, attr, a_step):
+        conv = []
+        if op == "tdpbssd":  # the int32 sums as float32, row by row (R lanes)
+            for r in range(32):
+                conv += [f"  %ro{r} = mul i64 %cs, {r}", f"  %rp{r} = getelementptr i8, ptr %c, i64 %ro{r}",
+                         f"  %ri{r} = load <{R} x i32>, ptr %rp{r}, align 4",
+                         f"  %rf{r} = sitofp <{R} x i32> %ri{r} to <{R} x float>",
+                         f"  store <{R} x float> %rf{r}, ptr %rp{r}, align 4"]
+        return "\n".join([
+            f"define linkonce_odr i32 @{name}(ptr %cb, i64 %co, i64 %cs, ptr %ab, i64 %ao, i64 %ao1, i64 %as, "
+            f"ptr %bb, i64 %bo, i64 %bs, i64 %ksteps) {attr} {{",
+            "entry:", "  %c = getelementptr i8, ptr %cb, i64 %co", "  %a = getelementptr i8, ptr %ab, i64 %ao",
+            "  %ah = getelementptr i8, ptr %ab, i64 %ao1",
+            "  %b = getelementptr i8, ptr %bb, i64 %bo", "  %c16 = mul i64 %cs, 16",
+            "  %c1 = getelementptr i8, ptr %c, i64 %c16", "  %b16 = mul i64 %bs, 16",
+            "  call void @llvm.x86.tilezero(i8 0)", "  call void @llvm.x86.tilezero(i8 1)", "  br label %loop",
+            "loop:", "  %k = phi i64 [0, %entry], [%kn, %loop]", f"  %kao = mul i64 %k, {a_step}",
+            "  %a0 = getelementptr i8, ptr %a, i64 %kao", "  %a1 = getelementptr i8, ptr %ah, i64 %kao",
+            "  %kbo = mul i64 %k, %b16", "  %b0 = getelementptr i8, ptr %b, i64 %kbo",
+            "  call void @llvm.x86.tileloadd64(i8 2, ptr %b0, i64 %bs)",
+            "  call void @llvm.x86.tileloadd64(i8 3, ptr %a0, i64 %as)",
+            f"  call void @llvm.x86.{op}(i8 0, i8 3, i8 2)",
+            "  call void @llvm.x86.tileloadd64(i8 7, ptr %a1, i64 %as)",
+            f"  call void @llvm.x86.{op}(i8 1, i8 7, i8 2)",
+            "  %kn = add i64 %k, 1", "  %more = icmp ult i64 %kn, %ksteps",
+            "  br i1 %more, label %loop, label %store", "store:",
+            "  call void @llvm.x86.tilestored64(i8 0, ptr %c, i64 %cs)",
+            "  call void @llvm.x86.tilestored64(i8 1, ptr %c1, i64 %cs)"] + conv + ["  ret i32 0", "}"])
+
+    pv_fn = "\n".join([
+        f"define linkonce_odr i32 @{pv}(ptr %cb, i64 %co, i64 %cs, ptr %ab, i64 %ao, i64 %as, ptr %bb, i64 %bo, "
+        "i64 %bs, i64 %ksteps) #0 {",
+        "entry:", "  %c = getelementptr i8, ptr %cb, i64 %co", "  %a = getelementptr i8, ptr %ab, i64 %ao",
+        "  %b = getelementptr i8, ptr %bb, i64 %bo", "  %c1 = getelementptr i8, ptr %c, i64 64",
+        "  %b16 = mul i64 %bs, 16",
+        "  call void @llvm.x86.tileloadd64(i8 4, ptr %c, i64 %cs)",
+        "  call void @llvm.x86.tileloadd64(i8 5, ptr %c1, i64 %cs)", "  br label %loop",
+        "loop:", "  %k = phi i64 [0, %entry], [%kn, %loop]", "  %kao = mul i64 %k, 64",
+        "  %a0 = getelementptr i8, ptr %a, i64 %kao", "  %kbo = mul i64 %k, %b16",
+        "  %b0 = getelementptr i8, ptr %b, i64 %kbo", "  %b1 = getelementptr i8, ptr %b0, i64 64",
+        "  call void @llvm.x86.tileloadd64(i8 6, ptr %a0, i64 %as)",
+        "  call void @llvm.x86.tileloadd64(i8 3, ptr %b0, i64 %bs)",
+        "  call void @llvm.x86.tdpbf16ps(i8 4, i8 6, i8 3)",
+        "  call void @llvm.x86.tileloadd64(i8 7, ptr %b1, i64 %bs)",
+        "  call void @llvm.x86.tdpbf16ps(i8 5, i8 6, i8 7)",
+        "  %kn = add i64 %k, 1", "  %more = icmp ult i64 %kn, %ksteps",
+        "  br i1 %more, label %loop, label %store", "store:",
+        "  call void @llvm.x86.tilestored64(i8 4, ptr %c, i64 %cs)",
+        "  call void @llvm.x86.tilestored64(i8 5, ptr %c1, i64 %cs)", "  ret i32 0", "}"])
+    return "\n".join([
+        _BASE_IR, "declare void @llvm.x86.tdpbssd(i8, i8, i8)",
+        f'@tvma_amx_dcfg{R} = linkonce_odr constant [64 x i8] c"{cfg}", align 64',
+        f"define linkonce_odr i32 @{begin}() #0 {{", "  %p = call i32 @tvma_amx_permit()",
+        f"  call void @llvm.x86.ldtilecfg(ptr @tvma_amx_dcfg{R})", "  ret i32 %p", "}",
+        s_fn(s_bf16, "tdpbf16ps", "#0", 64), s_fn(s_i8, "tdpbssd", "#1", 64), pv_fn,
+        'attributes #0 = { "target-features"="+amx-tile,+amx-bf16,+avx512f" }',
+        'attributes #1 = { "target-features"="+amx-tile,+amx-int8,+avx512f" }', ""])
+
+
 def fits(BM: int, BN: int, D: int, DV: int) -> str | None:
     """Why a tile of ``BM`` rows and ``BN`` keys, head dims ``D``/``DV``, cannot take the AMX
     form (None: it can): the micro-kernel's 32 × 32 blocks tile every dim."""
     bad = {n: v for n, v in (("block_m", BM), ("block_n", BN), ("head_dim", D), ("head_dim_v", DV)) if v % BLOCK}
     if bad:
         return "the AMX form tiles in blocks of 32: " + ", ".join(f"{n}={v}" for n, v in bad.items())
+    return None
+
+
+def decode_fits(spec, BM: int, BN: int, HT: int) -> str | None:
+    """Why a decode tile of ``BM`` rows over ``HT`` kv heads and ``BN`` keys cannot take the
+    tiles (:func:`decode_products`; None: it can): bf16 q and cache (QKᵀ and PV, head dims in
+    32s) or ``qk_int8`` with per-head or per-token scales (QKᵀ, head_dim in 64s), key tiles in
+    32s, at most :data:`DECODE_ROWS` rows per kv head."""
+    int8 = spec.qk_int8 and getattr(spec, "kv_scale", "head") != "group"
+    if not (int8 or (spec.dtype == "bfloat16" and not spec.kv_quantized)):
+        return (f"multiplies bfloat16 q and cache, or qk_int8's bytes with per-head or per-token scales: "
+                f"dtype={spec.dtype}, kv_dtype={spec.kv_dtype}, qk_int8={spec.qk_int8}")
+    step = DECODE_KSTEP[int8]
+    bad = [f"{n}={v}" for n, v, w in (("head_dim", spec.head_dim, step), ("head_dim_v", spec.v_dim, 0 if int8 else step),
+                                      ("block_n", BN, BLOCK)) if w and v % w]
+    if bad:
+        return f"tiles head dims in {step}s and keys in {BLOCK}s: " + ", ".join(bad)
+    if BM % HT or BM // HT > DECODE_ROWS:
+        return f"takes at most {DECODE_ROWS} rows per kv head: {BM} rows over {HT} kv heads"
     return None
 
 
@@ -254,13 +376,22 @@ def _at(buf, index) -> tirx.PrimExpr:
     return T.Cast("int64", _flat(buf, index)) * _bytes(buf)
 
 
-def key_stride(t, buf) -> tirx.PrimExpr | None:
+def key_stride(t, buf, head=None, blocks: bool = False) -> tirx.PrimExpr | None:
     """The elements between consecutive keys' rows of ``buf`` (K or V as the tile ``t``
-    addresses it) where that is one constant (bhsd, kvcache, varlen, the latent cache: then a
-    tile's keys can be read in place as a tile operand), else None (a paged cache: a block-table
-    lookup per page)."""
+    addresses it; ``head``: a tile of several kv heads' first) where that is one constant (bhsd,
+    kvcache, varlen, the latent cache: then a tile's keys can be read in place as a tile
+    operand), else None (a paged cache: a block-table lookup per page). ``blocks``: the stride
+    inside each 16-aligned block of keys (:data:`TILE`, a tile's rows) instead, which a paged
+    cache whose pages hold whole blocks has (its page's rows: ``kv_heads·head_dim``)."""
     key = tirx.Var("key", "int32")
-    step = Analyzer().simplify(_flat(buf, t.kv_row(key + 1, 0)) - _flat(buf, t.kv_row(key, 0)))
+    ana = Analyzer()
+    page = getattr(t.spec, "page_size", None) or 0
+    if blocks and page and page % TILE == 0:  # key = page·m + 16·n + r, r < 15: one page's rows
+        m, n, r = (tirx.Var(x, "int32") for x in "mnr")
+        ana.bind(n, tvm.ir.Range(0, page // TILE))
+        ana.bind(r, tvm.ir.Range(0, TILE - 1))
+        key = page * m + TILE * n + r
+    step = ana.simplify(_flat(buf, t.kv_row(key + 1, 0, head)) - _flat(buf, t.kv_row(key, 0, head)))
     return step if isinstance(step, tirx.IntImm) else None
 
 
@@ -338,6 +469,16 @@ def macros(emulate: bool):
     return mm_real, tr_real, begin, end
 
 
+def staged_keys(t, vc, stride):
+    """Whether key tile ``vc`` is staged first (``K_load``): always where the key rows are not
+    evenly spaced (``stride`` None: a paged cache), else where the tile may pass the sequence's
+    end (its clamped reads); a full tile of evenly spaced rows is the A operand as stored."""
+    if stride is None:
+        return True
+    full = t.full_tile(vc)
+    return not full if isinstance(full, bool) else tirx.Not(full)
+
+
 def tile_products(k, bf):
     """The fused tile's two products on tiles (``k``: the tile's ``_TileShape``; ``bf``: the bf16
     pair form's macros, :func:`.bf16dot.pair_macros`, whose staging the tiles read):
@@ -351,15 +492,6 @@ def tile_products(k, bf):
     N, BM, BN, D, DV = k.N, k.BM, k.BN, k.D, k.DV
     mm, tr = macros(k.dot_bf16 == EMULATED)[:2]
     k_bits, rescale = bf.k_bits, bf.rescale
-
-    def staged_keys(t, vc, stride):
-        # whether the key tile is staged first (K_load): always where the key rows are not evenly
-        # spaced (a paged cache), else where the tile may pass the sequence's end (its clamped
-        # reads); a full tile of evenly spaced rows is the A operand as stored
-        if stride is None:
-            return True
-        full = t.full_tile(vc)
-        return not full if isinstance(full, bool) else tirx.Not(full)
 
     @T.macro
     def s(Ku, Kb, Qp, S, t, vc, regs):
@@ -406,10 +538,150 @@ def tile_products(k, bf):
     return s, pv_
 
 
-def config_macros(N: dict, real: bool):
+#: head_dim elements of one decode ``S`` step: a 64-byte row of K (32 bf16, 64 int8)
+DECODE_KSTEP = {False: KSTEP, True: 64}
+
+
+def decode_macros(R: int, emulate: bool, int8: bool):
+    """The decode nests' tile calls for ``R`` rows per kv head (:func:`decode_ir`), real or
+    emulated: ``s(S, si, ss, K, ki, ki1, ks, Q, qi, qs, ksteps)``, 32 keys of ``S`` (float32, row
+    stride ``ss`` elements) from K's rows (stride ``ks``; keys 16-31 from ``ki1``) and q's pairs (bf16, uint16) or quads
+    (``int8``) ``Q`` (stride ``qs`` elements), and ``pv(C, ci, cs, P, pi, ps, V, vi, vs, ksteps)``,
+    32 columns of acc from P's bits (``(R, ·)`` uint16) and V's pair words (uint32). The emulated
+    form reads and writes the same elements (offsets and strides as the real form's pointers),
+    summing in float32 in its own order."""
+    _, s_bf16, s_i8, pv_name = decode_names(R)
+    per = 4 if int8 else 2  # elements of q in one 32-bit column of B
+    step = DECODE_KSTEP[int8]
+
+    @T.macro
+    def s_real(S, si, ss, K, ki, ki1, ks, Q, qi, qs, ksteps):
+        T.evaluate(T.call_extern("int32", s_i8 if int8 else s_bf16, S.data, _at(S, si), T.int64(ss * 4), K.data,
+                                 _at(K, ki), _at(K, ki1), T.int64(ks * _bytes(K)), Q.data, _at(Q, qi),
+                                 T.int64(qs * _bytes(Q)), T.int64(ksteps)))
+
+    def value(x):
+        return T.Cast("float32", x) if int8 else bf16_value(x)
+
+    @T.macro
+    def s_emulated(S, si, ss, K, ki, ki1, ks, Q, qi, qs, ksteps):
+        s0, q0 = _flat(S, si), _flat(Q, qi)
+        for x, r, n in T.grid(2, TILE, R):  # key 16·x + r, row n: Σ_e K[.][e]·q_n[e] (q's element e: row e // per)
+            S[_unravel(S, s0 + (TILE * x + r) * ss + n)] = T.float32(0)
+            for e in T.serial(ksteps * step):
+                S[_unravel(S, s0 + (TILE * x + r) * ss + n)] = S[_unravel(S, s0 + (TILE * x + r) * ss + n)] + value(
+                    K[_unravel(K, T.Select(x == 0, _flat(K, ki), _flat(K, ki1)) + r * ks + e)]) * value(
+                    Q[_unravel(Q, q0 + e // per * qs + per * n + e % per)])
+
+    @T.macro
+    def pv_real(C, ci, cs, P, pi, ps, V, vi, vs, ksteps):
+        T.evaluate(T.call_extern("int32", pv_name, C.data, _at(C, ci), T.int64(cs * 4), P.data, _at(P, pi),
+                                 T.int64(ps * 2), V.data, _at(V, vi), T.int64(vs * 4), T.int64(ksteps)))
+
+    @T.macro
+    def pv_emulated(C, ci, cs, P, pi, ps, V, vi, vs, ksteps):
+        c0, p0, v0 = _flat(C, ci), _flat(P, pi), _flat(V, vi)
+        for r, n in T.grid(R, BLOCK):  # row r, column n: Σ_e P[r][e]·V[e][n] (word e // 2, half e % 2)
+            for e in T.serial(ksteps * KSTEP):
+                C[_unravel(C, c0 + r * cs + n)] = C[_unravel(C, c0 + r * cs + n)] + bf16_value(
+                    P[_unravel(P, p0 + r * ps + e)]) * bf16_value(T.Cast("uint16", T.bitwise_and(T.shift_right(
+                        V[_unravel(V, v0 + e // 2 * vs + n)], T.uint32(16) * T.Cast("uint32", e % 2)),
+                        T.uint32(0xFFFF))))
+
+    return (s_emulated, pv_emulated) if emulate else (s_real, pv_real)
+
+
+def decode_products(k, rescale, kv_prefetch):
+    """The decode nests' products on tiles (``k.dot_decode`` :data:`DECODE_REAL`, emulated
+    :data:`DECODE_EMULATED`; ``k``: the tile's ``_TileShape``, ``BM = HT·R`` rows, ``R`` per kv
+    head; ``rescale``: the bf16 pair form's correction block; ``kv_prefetch``: the staged forms'
+    software prefetch of key ``j`` of the tile ``k.prefetch`` ahead):
+
+    ``s(Ku, Kb, Qt, S, t, vc, Kp, Vp)``, ``S = K·Qᵀ`` of one key tile per kv head, 32 keys a call,
+    K's rows read in place where each block of 16 keys is evenly spaced (:func:`key_stride`: a
+    paged cache too, where its pages hold whole blocks) and the tile is whole, else staged
+    (``K_load``, ``Kb (HT, BN, D)``: a tail tile, pages of fewer than 16 keys), against ``Qt
+    (D/w, BM, w)``, q's pairs (bf16, ``w`` 2) or quads (``qk_int8``'s bytes, 4: ``tdpbssd``,
+    signed by signed, so the keys need no offset), with an int8 cache the prefetch after each
+    call, of its keys.
+
+    ``pv(K, V, Vu, P, Pq, Vt, acc, alpha, t, vc)`` (a bf16 cache): P rounded to bf16 query-major
+    (``P_round``, ``Pq (BM, BN)``), V's pairs along the keys as words from the cache
+    (``V_pack``, ``Vt (HT, BN/2, DV)``) with the prefetch of each key pair's rows, the correction
+    (``acc_rescale``), then ``acc += P·V``, 32 columns a call.
+
+    Why the prefetch in ``V_pack``: issued after each ``S`` call (32 keys' rows at once) the
+    step read 66-67 % of the stream read; spread over ``V_pack``'s pass, two keys at a time,
+    74 % (block_n 128) and 77-80 % (64), side by side (2-core Sapphire Rapids VM, 2 threads, GQA
+    32:8 D128 bf16 kvcache, B60 × 4k)."""
+    N, BM, BN, D, DV, HT, R = k.N, k.BM, k.BN, k.D, k.DV, k.HT, k.R
+    int8 = k.qk_int8
+    per, step = (4, 64) if int8 else (2, KSTEP)
+    s_mm, pv_mm = decode_macros(R, k.dot_decode == DECODE_EMULATED, int8)
+    prefetch = k.prefetch
+
+    def head(h):  # the head argument of a K/V index: none for a one-head tile
+        return h if HT > 1 else None
+
+    @T.macro
+    def s(Ku, Kb, Qt, S, t, vc, Kp, Vp):
+        stride = T.meta_var(key_stride(t, Ku, head(0), blocks=True))
+        staged = T.meta_var(staged_keys(t, vc, stride))
+        if staged:
+            for h, j, d in T.grid(HT, BN, D):
+                with T.sblock(N["K_load"]):
+                    vh, vj, vd = T.axis.remap("SSS", [h, j, d])
+                    Kb[vh, vj, vd] = k.stage_key(Ku[t.kv_at(vc, vj, vd, head(vh))])
+        for jb in T.serial(BN // BLOCK):
+            with T.sblock(N["S_gemm"]):
+                T.reads(Kb[0:HT, 0:BN, 0:D], Qt[0:D // per, 0:BM, 0:per])
+                T.writes(S[0:BN, 0:BM])
+                for h in T.serial(HT):
+                    if staged:
+                        s_mm(S, (jb * BLOCK, h * R), BM, Kb, (h, jb * BLOCK, 0), (h, jb * BLOCK + TILE, 0), D, Qt,
+                             (0, h * R, 0), per * BM, D // step)
+                    else:
+                        s_mm(S, (jb * BLOCK, h * R), BM, Ku, t.kv_row(t.tile(vc) * BN + jb * BLOCK, 0, head(h)),
+                             t.kv_row(t.tile(vc) * BN + jb * BLOCK + TILE, 0, head(h)), stride, Qt, (0, h * R, 0),
+                             per * BM, D // step)
+            if prefetch > 0 and int8:  # (a bf16 cache's prefetch is V_pack's, one key pair at a time)
+                for j in T.serial(BLOCK):
+                    kv_prefetch(Kp, Vp, t, vc, jb * BLOCK + j)
+
+    @T.macro
+    def pv(Kp, Vp, Vu, P, Pq, Vt, acc, alpha, t, vc):
+        for i, j in T.grid(BM, BN):
+            with T.sblock(N["P_round"]):
+                vi, vj = T.axis.remap("SS", [i, j])
+                Pq[vi, vj] = bf16_bits(P[vj, vi])
+        for jp in T.serial(BN // 2):
+            if prefetch > 0:  # the next tiles' rows of this key pair, spread over the pass
+                kv_prefetch(Kp, Vp, t, vc, 2 * jp)
+                kv_prefetch(Kp, Vp, t, vc, 2 * jp + 1)
+            for h, d in T.grid(HT, DV):
+                with T.sblock(N["V_pack"]):
+                    vp = T.axis.spatial(BN // 2, jp)
+                    vh, vd = T.axis.remap("SS", [h, d])
+                    Vt[vh, vp, vd] = T.bitwise_or(T.Cast("uint32", Vu[t.kv_at(vc, 2 * vp, vd, head(vh))]), T.shift_left(
+                        T.Cast("uint32", Vu[t.kv_at(vc, 2 * vp + 1, vd, head(vh))]), T.uint32(16)))
+        rescale(acc, alpha)
+        with T.sblock(N["PV_gemm"]):
+            T.reads(acc[0:BM, 0:DV], Pq[0:BM, 0:BN], Vt[0:HT, 0:BN // 2, 0:DV])
+            T.writes(acc[0:BM, 0:DV])
+            for h, db in T.grid(HT, DV // BLOCK):
+                pv_mm(acc, (h * R, db * BLOCK), DV, Pq, (h * R, 0), BN, Vt, (h, 0, db * BLOCK), DV, BN // KSTEP)
+
+    return s, pv
+
+
+def config_macros(N: dict, real: bool, rows: int = 0):
     """Blocks ``tile_config`` and ``tile_release`` of a row tile: the tile config loaded before
-    its first tile instruction and released after its last (the real form; nothing emulated)."""
+    its first tile instruction and released after its last (the real form; nothing emulated).
+    ``rows``: a decode nest's rows per kv head (its own config, :func:`decode_ir`), else the
+    micro-kernel's."""
     begin, end = macros(not real)[2:]
+    if rows and real:
+        begin = _decode_begin(decode_names(rows)[0])
 
     @T.macro
     def config():
@@ -426,3 +698,11 @@ def config_macros(N: dict, real: bool):
             end()
 
     return config, release
+
+
+def _decode_begin(name: str):
+    @T.macro
+    def begin():
+        T.evaluate(T.call_extern("int32", name))
+
+    return begin

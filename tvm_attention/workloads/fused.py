@@ -40,11 +40,13 @@ symbolic seq_q; ``_varlen`` for the packed layout.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 
 from tvm import tirx
 from tvm.script import tirx as T
+from tvm.script.ir_builder import IRBuilder
 from tvm.sym.analyzer import Analyzer
 
 from ..quant import QMAX, SCALE_GROUP
@@ -65,7 +67,8 @@ CACHE_LINE = 64  # bytes (x86)
 @fast_macros  # TVMScript macro expansion without its costly stack walk, only while this generates
 def fused_attention(spec: AttentionSpec, block_m: int, block_n: int, decode_rows: tuple[int, ...] = (),
                     split_tasks: int = 0, stage_k_below: int = 0, dot_bf16: int = 0,
-                    prefetch: int = 0, decode_heads: int = 1, decode_dot: int = 0) -> tirx.PrimFunc:
+                    prefetch: int = 0, decode_heads: int = 1, decode_dot: int = 0,
+                    decode_block_n: int = 0) -> tirx.PrimFunc:
     """Build the fused PrimFunc for ``spec`` with row tile ``block_m`` and key tile ``block_n``.
 
     Arguments of the PrimFunc (call order) are the layout's (``tvm_attention.layouts``); bhsd:
@@ -82,7 +85,8 @@ def fused_attention(spec: AttentionSpec, block_m: int, block_n: int, decode_rows
     decode nests prefetch the K/V rows of the key tile this many tiles ahead (0 = none; see
     ``_tile_macro``). ``decode_heads``: kv heads per task of the staged decode nests (the page
     order, see :func:`_dense`). ``decode_dot``: the staged decode nests' products, 1 QKᵀ on
-    bf16 operands, 2 QKᵀ and PV, 3 (``qk_int8``) QKᵀ on int8 (see ``_tile_macro``).
+    bf16 operands, 2 QKᵀ and PV, 3 (``qk_int8``) QKᵀ on int8, 6/7 on AMX tiles (see
+    ``_tile_macro``). ``decode_block_n``: the staged decode nests' key tile (0: ``block_n``).
     """
     if spec.layout_info.packed:
         return _varlen(spec, block_m, block_n, dot_bf16)
@@ -92,7 +96,7 @@ def fused_attention(spec: AttentionSpec, block_m: int, block_n: int, decode_rows
         fits = [r for r in sorted(decode_rows) if spec.seq_q * spec.group_size <= r]
         decode_rows = tuple(fits[:1])
     return _dense(spec, block_m, block_n, tuple(decode_rows), split_tasks, stage_k_below, dot_bf16, prefetch,
-                  decode_heads, decode_dot)
+                  decode_heads, decode_dot, decode_block_n)
 
 
 def _key_clamp(x):
@@ -212,9 +216,9 @@ class _Tile:
             return self._kv_of(T.min(self.tile(c) * self.BN + vj, self.k_len - 1), vd, head)
         return self._kv_of(self.tile(c) * self.BN + vj, vd, head)
 
-    def kv_row(self, key, vd):
+    def kv_row(self, key, vd, head=None):
         """The K/V index of key ``key`` (the tile numbering's, unclamped), column ``vd``."""
-        return self._kv_of(key, vd, None)
+        return self._kv_of(key, vd, head)
 
     def full_tile(self, c):
         """Whether every key of tile ``c`` lies inside the sequence (True, or a condition where a
@@ -466,7 +470,7 @@ class _TileShape:
         float32."""
         if self.dot_decode == 3:
             return T.bitwise_xor(T.reinterpret("uint8", x), T.uint8(0x80))
-        if self.dot_decode in (4, 5):
+        if self.int8_dots:  # AVX2's and the tiles' (tdpbssd): signed by signed
             return x
         if self.group_scales:
             return self.dequant(x, Ksc, h, vj, vd)
@@ -511,6 +515,28 @@ class _TileShape:
     @property
     def R(self) -> int:
         return self.BM // self.HT
+
+    @property
+    def amx_decode(self) -> bool:
+        """The decode nest's products on AMX tiles (``dot_decode`` 6, emulated 7:
+        :func:`.amx.decode_products`): QKᵀ, and PV for a bf16 cache."""
+        return self.dot_decode in (amx.DECODE_REAL, amx.DECODE_EMULATED)
+
+    @property
+    def int8_dots(self) -> bool:
+        """QKᵀ on int8 products (``qk_int8``'s bytes): ``dot_decode`` 3-5, or the tiles' ``tdpbssd``."""
+        return self.dot_decode in (3, 4, 5) or (self.amx_decode and self.qk_int8)
+
+    @property
+    def q_words(self) -> int:
+        """The decode tiles' q operand: elements of q per 32-bit column (bf16 pairs 2, int8 quads
+        4), ``Qt (D/w, BM, w)``; 0 for the forms that read ``Qt (D, BM)``."""
+        return (4 if self.qk_int8 else 2) if self.amx_decode else 0
+
+    def qt_at(self, vd, vi):
+        """``Qt``'s index of q's element ``vd`` of row ``vi`` (:attr:`q_words`)."""
+        w = self.q_words
+        return (T.floordiv(vd, w), vi, T.floormod(vd, w)) if w else (vd, vi)
 
     @property
     def amx(self) -> bool:
@@ -808,11 +834,11 @@ def _q_macros(k: _TileShape):
         for d, i in T.grid(D, BM):
             with T.sblock(N["Q_load"]):
                 vd, vi = T.axis.remap("SS", [d, i])
-                if k.dot_decode >= 3:  # the bytes of the integer dot product (NaN: s_q is NaN)
-                    Qt[vd, vi] = T.Cast("int8", T.Select(T.isnan(q_value(Q, t, vi, vd, qs)), T.float32(0),
-                                                         q_value(Q, t, vi, vd, qs)))
+                if k.int8_dots:  # the bytes of the integer dot product (NaN: s_q is NaN)
+                    Qt[k.qt_at(vd, vi)] = T.Cast("int8", T.Select(T.isnan(q_value(Q, t, vi, vd, qs)), T.float32(0),
+                                                                  q_value(Q, t, vi, vd, qs)))
                 elif k.dot_decode > 0:  # q's own bits (bfloat16; q_i exact): the scales multiply the scores
-                    Qt[vd, vi] = bf16_exact_bits(q_value(Q, t, vi, vd, qs))
+                    Qt[k.qt_at(vd, vi)] = bf16_exact_bits(q_value(Q, t, vi, vd, qs))
                 elif k.qk_int8:  # the integers: the scales (s_q's too) multiply the scores
                     Qt[vd, vi] = q_value(Q, t, vi, vd, qs)
                 else:
@@ -836,10 +862,16 @@ def _check_tile_args(spec: AttentionSpec, BM: int, BN: int, stage_k: bool, dot_b
                          f"D={spec.head_dim}, block_n={BN}")
     if prefetch and not stage_k:
         raise ValueError("prefetch is issued by the staged (stage_k) decode tiles only")
-    if dot_decode not in (0, 1, 2, 3, 4, 5) or (dot_decode >= 3 and not spec.qk_int8):
-        raise ValueError(f"dot_decode={dot_decode} must be 0, 1 (QKᵀ on bf16), 2 (QKᵀ and PV) or, with "
-                         f"qk_int8, 3/4 (QKᵀ on int8: AVX-512 VNNI's unsigned keys, AVX2's signed ones), 5 "
-                         f"(one int8 dot product per group of a per-group scaled cache)")
+    if dot_decode not in (0, 1, 2, 3, 4, 5, amx.DECODE_REAL, amx.DECODE_EMULATED) or (
+            dot_decode in (3, 4, 5) and not spec.qk_int8):
+        raise ValueError(f"dot_decode={dot_decode} must be 0, 1 (QKᵀ on bf16), 2 (QKᵀ and PV), with "
+                         f"qk_int8 3/4 (QKᵀ on int8: AVX-512 VNNI's unsigned keys, AVX2's signed ones) or 5 "
+                         f"(one int8 dot product per group of a per-group scaled cache), or {amx.DECODE_REAL}/"
+                         f"{amx.DECODE_EMULATED} (AMX tiles, real/emulated)")
+    if dot_decode in (amx.DECODE_REAL, amx.DECODE_EMULATED):
+        why = amx.decode_fits(spec, BM, BN, heads)
+        if why:
+            raise ValueError(f"dot_decode={dot_decode}: {why}")
     if dot_decode and (not stage_k or (spec.dtype != "bfloat16" and not spec.qk_int8) or (dot_decode == 2 and BN % 2)):
         raise ValueError(f"dot_decode needs the staged decode tiles and bfloat16 queries and cache (or an 8-bit "
                          f"cache), and an even block_n for PV, got dtype={spec.dtype}, kv_dtype={spec.kv_dtype}, "
@@ -868,6 +900,37 @@ def _tile_shape(spec: AttentionSpec, BM: int, BN: int, suffix: str, stats: str |
         v_scale_groups=spec.v_scale_groups, bf16_cache=spec.kv_dtype is None and spec.dtype == "bfloat16")
 
 
+def _staged_buffers(k: _TileShape, stage_k: bool, kt_dtype: str, v_dtype: str, m) -> tuple:
+    """The staged decode tiles' key and value buffers ``(Kt, Vb, Vt, Kb, Pq)``, local buffers of
+    the row tile's block (called where its buffers are allocated; ``m``, a placeholder, for
+    those a form has not, never read): a tile of several kv heads stages one key of every head
+    (``Kt (HT, D)``) and its value tile (``Vt (BN, HT, DV)``, as stored or as float32:
+    ``k.vt_dtype``; with PV on bf16 pairs its bits ``Vb (HT, BN, DV)`` and their pairs ``Vt``),
+    a one-head tile its key tile (``Kt (BN, D)``; ``dot_decode`` 2 also ``Vb``/``Vt``). On AMX tiles
+    (``k.amx_decode``) ``Kb (HT, BN, D)`` is what the keys are staged in where they are not read
+    in place, ``Vt (HT, BN/2, DV)`` V's pair words and ``Pq (BM, BN)`` P query-major (a bf16 cache;
+    an int8 one's PV takes the float32 form's value tile)."""
+    HT, BM, BN, D, DV = k.HT, k.BM, k.BN, k.D, k.DV
+
+    def buf(name, shape, dtype):  # named as the tile's own allocations are (the schedules look them up)
+        return IRBuilder.name(name, T.sblock_alloc_buffer(shape, dtype, scope="local"))
+
+    if k.amx_decode:
+        Kb = buf("Kb", (HT, BN, D), kt_dtype)
+        if not k.qk_int8:
+            return m, m, buf("Vt", (HT, BN // 2, DV), "uint32"), Kb, buf("Pq", (BM, BN), "uint16")
+        return m, m, buf("Vt", (BN, HT, DV), k.vt_dtype(v_dtype)) if HT > 1 else m, Kb, m
+    if stage_k and HT > 1:
+        if k.dot_decode == 2:
+            return (buf("Kt", (HT, D), kt_dtype), buf("Vb", (HT, BN, DV), "uint16"),
+                    buf("Vt", (HT, BN // 2, DV, 2), "uint16"), m, m)
+        return buf("Kt", (HT, D), kt_dtype), m, buf("Vt", (BN, HT, DV), k.vt_dtype(v_dtype)), m, m
+    if stage_k and k.dot_decode == 2:
+        return (buf("Kt", (BN, D), kt_dtype), buf("Vb", (BN, DV), "uint16"), buf("Vt", (BN // 2, DV, 2), "uint16"),
+                m, m)
+    return (buf("Kt", (BN, D), kt_dtype) if stage_k else m), m, m, m, m
+
+
 def _product_macros(k: _TileShape, stage_k: bool):
     """The tile's two products in the forms its arguments chose (float32 FMAs:
     :mod:`.vector`; bf16 pairs: :func:`.bf16dot.pair_macros`; AMX
@@ -880,13 +943,18 @@ def _product_macros(k: _TileShape, stage_k: bool):
     s_gemm_dot, s_gemm_heads, s_gemm_staged, s_gemm = bf.s_gemm, sg.heads, sg.staged, sg.plain
     pv_gemm_dot, pv_gemm_dot_heads, pv_gemm_heads, pv_gemm = bf.pv_gemm, bf.pv_gemm_heads, pv.heads, pv.plain
     s_gemm_amx, pv_gemm_amx = amx.tile_products(k, bf) if k.amx else (None, None)
+    # the decode nests' tiles: QKᵀ, and PV for a bf16 cache (an int8 one keeps the float32 PV)
+    s_dec_amx, pv_dec_amx = amx.decode_products(k, bf.rescale, sg.prefetch) if k.amx_decode else (None, None)
     HT, AMX, DOT, raw16 = k.HT, k.amx, bool(k.dot_bf16), k.raw16
+    AMX_DEC, AMX_DEC_PV = k.amx_decode, k.amx_decode and not k.qk_int8
     PV_DOT = DOT or k.dot_decode == 2  # PV on bf16 pairs (Vb, Vt, Pr, Pb)
 
     @T.macro
     def s_product(K, V, Ku, Kb, Kt, Qp, Qt, S, t, vc, Ksc, regs):
         if AMX:
             s_gemm_amx(Ku, Kb, Qp, S, t, vc, regs)
+        elif AMX_DEC:
+            s_dec_amx(Ku, Kb, Qt, S, t, vc, K, V)
         elif DOT:
             s_gemm_dot(Ku, Kb, Qp, S, t, vc)
         elif stage_k and HT > 1 and raw16:
@@ -901,9 +969,11 @@ def _product_macros(k: _TileShape, stage_k: bool):
             s_gemm(K, Qt, S, t, vc, Ksc)
 
     @T.macro
-    def pv_product(V, Vu, P, Pr, Pb, Pq, Vb, Vt, acc, alpha, t, vc, Vsc, regs, need):
+    def pv_product(K, V, Vu, P, Pr, Pb, Pq, Vb, Vt, acc, alpha, t, vc, Vsc, regs, need):
         if AMX:
             pv_gemm_amx(Vu, P, Pr, Pb, Pq, Vb, Vt, acc, alpha, t, vc, Vsc, regs, need)
+        elif AMX_DEC_PV:
+            pv_dec_amx(K, V, Vu, P, Pq, Vt, acc, alpha, t, vc)
         elif PV_DOT and HT > 1 and raw16:
             pv_gemm_dot_heads(Vu, P, Pr, Pb, Vb, Vt, acc, alpha, t, vc, Vsc)
         elif PV_DOT and HT > 1:
@@ -949,20 +1019,23 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
     s_product, pv_product, q_pairs = _product_macros(k, stage_k)
     (online_softmax, store), q_load = (_softmax_macro(k), _store_macro(k)), _q_macros(k)
     # Qt's and Kt's: bf16 bits for dot_decode 1/2, the signed and unsigned bytes of vpdpbusd for 3
-    QT_DTYPE, KT_DTYPE = {0: ("float32",) * 2, 3: ("int8", "uint8"), 4: ("int8",) * 2,
-                          5: ("int8",) * 2}.get(dot_decode, ("uint16",) * 2)
-    PV_DOT = bool(dot_bf16) or dot_decode == 2  # PV on bf16 pairs (Vb, Vt, Pr, Pb)
+    QT_DTYPE, KT_DTYPE = {0: ("float32",) * 2, 3: ("int8", "uint8")}.get(
+        dot_decode, ("int8",) * 2 if k.int8_dots else ("uint16",) * 2)
     # the AMX form (dot_bf16 2, emulated 3): P query-major (Pq); the tile config per row tile
     # and the AMX functions' import (amx.IR) where the tiles are real
     AMX, AMX_EMU, DOT = k.amx, dot_bf16 == amx.EMULATED, bool(dot_bf16)
-    amx_config, amx_release = amx.config_macros(N, dot_bf16 == amx.REAL)
-    KV_LOOP = {"pragma_import_llvm": amx.IR} if dot_bf16 == amx.REAL else None
+    # the decode nest's tiles (dot_decode 6, emulated 7): their own config, for R rows a kv head
+    AMX_DEC, QW = k.amx_decode, k.q_words
+    amx_config, amx_release = amx.config_macros(N, dot_bf16 == amx.REAL or dot_decode == amx.DECODE_REAL,
+                                                 k.R if AMX_DEC else 0)
+    KV_LOOP = ({"pragma_import_llvm": amx.IR} if dot_bf16 == amx.REAL else
+               {"pragma_import_llvm": amx.decode_ir(k.R)} if dot_decode == amx.DECODE_REAL else None)
     cmask, mask_any = spec.custom_mask, _mask_any_macro(k)  # tiles whose mask bits are all 0: skipped
 
     @T.macro
     def tile(Q, K, V, O, t, nc, X):
-        if not DOT:
-            Qt = T.sblock_alloc_buffer((D, BM), QT_DTYPE, scope="local")  # q tile, transposed
+        if not DOT:  # q transposed (D, BM), or the decode tiles' pairs or quads (D/w, BM, w)
+            Qt = T.sblock_alloc_buffer((D // QW, BM, QW) if QW > 0 else (D, BM), QT_DTYPE, scope="local")
         S = T.sblock_alloc_buffer((BN, BM), "float32", scope="local")  # scores, key-major
         if k.score_mod:
             Sm = T.sblock_alloc_buffer((BN, BM), "float32", scope="local")  # softcapped / ALiBi scores
@@ -985,24 +1058,6 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
             Vsc = T.sblock_alloc_buffer(VSC_SHAPE, "float32", scope="local")
         else:
             Ksc, Vsc = T.meta_var((m, m))
-        if stage_k and HT > 1:
-            Kt = T.sblock_alloc_buffer((HT, D), KT_DTYPE, scope="local")  # one key of every head
-            if PV_DOT:
-                Vb = T.sblock_alloc_buffer((HT, BN, DV), "uint16", scope="local")  # value tile's bits
-                Vt = T.sblock_alloc_buffer((HT, BN // 2, DV, 2), "uint16", scope="local")  # v pairs (key)
-            else:
-                # value tile (key, head, d), as stored or as float32 (k.v_raw)
-                Vt = T.sblock_alloc_buffer((BN, HT, DV), k.vt_dtype(V.dtype), scope="local")
-                Vb = T.meta_var(m)
-        elif stage_k:
-            Kt = T.sblock_alloc_buffer((BN, D), KT_DTYPE, scope="local")  # the key tile, (key, d)
-            if dot_decode == 2:
-                Vb = T.sblock_alloc_buffer((BN, DV), "uint16", scope="local")  # the value tile's bits
-                Vt = T.sblock_alloc_buffer((BN // 2, DV, 2), "uint16", scope="local")  # v pairs (key)
-            else:
-                Vb, Vt = T.meta_var((m, m))
-        elif not DOT:
-            Kt, Vb, Vt = T.meta_var((m, m, m))
         if dot_decode == 2:
             Pr = T.sblock_alloc_buffer((BN, BM), "uint16", scope="local")  # P rounded, key-major
             Pb = T.sblock_alloc_buffer((BN // 2, BM, 2), "uint16", scope="local")  # p pairs (key)
@@ -1027,7 +1082,8 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
                 Pq = T.meta_var(m)
             Qt, Kt = T.meta_var((m, m))
         else:
-            Qp, Kb, Pq = T.meta_var((m, m, m))
+            Qp = T.meta_var(m)
+            Kt, Vb, Vt, Kb, Pq = T.meta_var(_staged_buffers(k, stage_k, KT_DTYPE, V.dtype, m))
         lz = T.meta_var(_lazy_state(BM) if AMX else (m, m))  # the AMX form's lazy correction
         # the emulated tile registers (C 0-3, A 4-5, B 6-7)
         regs = T.meta_var(amx.emulated_registers() if AMX_EMU else (m, m, m))
@@ -1037,7 +1093,7 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
         elif not DOT:  # the products read K and V as they are
             Ku, Vu = T.meta_var((K, V))
 
-        if AMX:
+        if AMX or AMX_DEC:
             amx_config()
         if DOT:
             q_pairs(Qu, Qp, t)
@@ -1076,9 +1132,9 @@ def _tile_macro(spec: AttentionSpec, BM: int, BN: int, suffix: str = "", stats: 
                         online_softmax(S, S, P, m, m_new, l, alpha, t, vc, qs, Ksc, lz, Pb)  # (no Sm: never read)
                     else:
                         online_softmax(S, S, P, m, m_new, l, alpha, t, vc, m, Ksc, lz, Pb)
-                    pv_product(V, Vu, P, Pr, Pb, Pq, Vb, Vt, acc, alpha, t, vc, Vsc, regs, lz[1])
+                    pv_product(K, V, Vu, P, Pr, Pb, Pq, Vb, Vt, acc, alpha, t, vc, Vsc, regs, lz[1])
         store(O, X, acc, m, l, t)
-        if AMX:
+        if AMX or AMX_DEC:
             amx_release()
 
     return tile
@@ -1112,6 +1168,14 @@ class _Dense:
         self.NR = T.floordiv(SQ + BM - 1, BM) if not isinstance(SQ, int) else math.ceil(SQ / BM)  # row tiles
         self.NC = T.floordiv(bound + BN - 1, BN) if not isinstance(bound, int) else math.ceil(bound / BN)  # key tiles
         self.lse = bool(spec.return_lse)
+
+    def with_key_tile(self, block_n: int) -> "_Dense":
+        """The same dims and K/V addressing (its symbolic vars too) with key tiles of ``block_n``."""
+        out = copy.copy(self)
+        bound = self.kv.bound
+        out.BN = block_n
+        out.NC = T.floordiv(bound + block_n - 1, block_n) if not isinstance(bound, int) else math.ceil(bound / block_n)
+        return out
 
 
 def _main_nest(f: _Dense, dot_bf16: int):
@@ -1523,7 +1587,7 @@ def _decode_tier(f: _Dense, BD: int, suffix: str, split_tasks: int, stage: bool,
 
 def _dense(spec: AttentionSpec, block_m: int, block_n: int, decode_rows: tuple[int, ...] = (),
            split_tasks: int = 0, stage_k_below: int = 0, dot_bf16: int = 0, prefetch: int = 0,
-           decode_heads: int = 1, decode_dot: int = 0) -> tirx.PrimFunc:
+           decode_heads: int = 1, decode_dot: int = 0, decode_block_n: int = 0) -> tirx.PrimFunc:
     """Layouts with dense queries, ``Q``/``O (B, H, Sq, D)``: ``bhsd`` (``K``/``V (B, KH, Skv,
     D)``), ``kvcache`` (``K``/``V (B, KH, max_len, D)`` + ``cache_seqlens (B,)``) and ``paged``
     (``K``/``V (num_pages, page_size, KH, D)`` + ``block_table (B, max_pages)`` +
@@ -1569,8 +1633,11 @@ def _dense(spec: AttentionSpec, block_m: int, block_n: int, decode_rows: tuple[i
     tile_dot = 4 if dot == 3 and stage_k_below < 16 else dot
     if dot == 3 and spec.kv_quantized and spec.kv_scale == "group":
         tile_dot = 5  # one dot product per group of 32 (a ymm of bytes: AVX2's form, or VNNI's on AVX-512)
-    tier_macros = [_decode_tier(f, r, DECODE + str(r), split_tasks, r < stage_k_below, prefetch,
-                                HT if r < stage_k_below else 1, tile_dot if r < stage_k_below else 0) for r in tiers]
+    # the staged tiers' key tile (decode_block_n; the others and the main nest: block_n)
+    fd = f.with_key_tile(decode_block_n) if decode_block_n and stage_tiers else f
+    tier_macros = [_decode_tier(fd, r, DECODE + str(r), split_tasks, True, prefetch, HT, tile_dot)
+                   if r < stage_k_below else _decode_tier(f, r, DECODE + str(r), split_tasks, False, prefetch, 1, 0)
+                   for r in tiers]
     t0 = tier_macros[0] if tiers else None
     t1 = tier_macros[-1] if tiers else None
     r0 = tiers[0] if tiers else 0
@@ -1603,7 +1670,8 @@ def _dense(spec: AttentionSpec, block_m: int, block_n: int, decode_rows: tuple[i
              **record(FUSED_FORM, dot_bf16=dot_bf16)}
     if tiers or latent_split:  # what regenerates this workload from a tuning record (task_mods.regenerate)
         attrs.update(record(FUSED_DECODE, decode_rows=tiers, split_tasks=split_tasks, stage_k_below=stage_k_below,
-                            prefetch=prefetch, decode_heads=HT, decode_dot=dot))
+                            prefetch=prefetch, decode_heads=HT, decode_dot=dot,
+                            decode_block_n=decode_block_n if stage_tiers else 0))
     return _dense_function(f, attrs, body)
 
 

@@ -40,7 +40,7 @@ FUSED = FUSED_TILE + FUSED_FORM
 #: ... and, only when it has decode tiers, what shapes them (``decode_heads``: the kv heads per
 #: task its staged tiers take, 1 when none is staged)
 FUSED_DECODE = (Attr("decode_rows", many=True), Attr("split_tasks"), Attr("stage_k_below"), Attr("prefetch", omit=0),
-                Attr("decode_heads", omit=1), Attr("decode_dot", omit=0))
+                Attr("decode_heads", omit=1), Attr("decode_dot", omit=0), Attr("decode_block_n", omit=0))
 #: the row-cached kernel (``rowcache.rowcache_attention``)
 ROWCACHE = (Attr("block_m"),)
 #: the CUDA SIMT kernel (``fused_cuda.fused_attention_cuda``)

@@ -68,7 +68,7 @@ def s_gemm_macros(k):
     # dot_decode: the staged keys (Kt) and Qt hold bf16 bits, exact for the caches it takes (K
     # widened to bf16, or read as its bits), read as float32 products the intrinsic's desc spells
     def operand(x):
-        if k.dot_decode >= 3:  # bytes: their products and sums are exact in float32 (D <= 512)
+        if k.int8_dots:  # bytes: their products and sums are exact in float32 (D <= 512)
             return f32(x)
         return bf16_value(x) if k.dot_decode else x
 
