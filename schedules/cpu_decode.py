@@ -39,8 +39,9 @@ the form without it: 0.70 / 0.72 kvcache (VNNI, bf16 queries), 0.78 / 0.77 (AVX2
 ``decode_dot`` 6 (7 emulated) puts the products on AMX tiles (``workloads.amx.decode_products``):
 its ``S_gemm`` and ``PV_gemm`` blocks are calls, so this schedule keeps the rest (the staged keys,
 V's pair words, the softmax and the float32 PV of an int8 cache) and leaves q's pairs as they are
-(:func:`_schedule_amx_qk`, :func:`_schedule_amx_pv`). The AMX preset takes it for a GQA bf16
-cache on the contiguous layouts (``cpu_fused.amx_decode_preset``, with its measurements).
+(:func:`_schedule_amx_qk`, :func:`_schedule_amx_pv`). The AMX preset takes it for GQA with
+bfloat16 queries: a bf16 cache, or an int8 one with ``qk_int8`` on the contiguous layouts
+(``cpu_fused.amx_decode_heads``, with its measurements).
 
 The presets (``cpu_fused.preset``): a bf16 cache takes both, an 8-bit one QKᵀ (exact; PV on dots
 gains nothing there, widening V is the cost). Taking an 8-bit key's upper half instead of

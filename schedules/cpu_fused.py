@@ -86,7 +86,7 @@ class FlashCPUKnobs(KnobsMixin):
     # prefill); 0 = float32 FMAs; 6 = AMX tiles (7 emulated: DECODE_FORMS).
     decode_dot: int = 0
     # Staged decode nests: keys per key tile (0 = block_n, the main nest's). The AMX preset's
-    # decode tiles take 64 where its prefill takes 128 (amx_decode_preset).
+    # decode tiles take 64 where its prefill takes 128 (AMX_DECODE_BLOCK_N).
     decode_block_n: int = 0
 
     @property
@@ -184,6 +184,8 @@ def preset(spec: AttentionSpec, target: Target) -> FlashCPUKnobs:
                 heads = page_order_heads(spec, block_n, lanes, decode_dot=2)
                 knobs = dataclasses.replace(knobs, decode_heads=heads,
                                             prefetch=decode_prefetch(spec, lanes, block_n, heads))
+        if {"amx-tile", "amx-bf16", "amx-int8"} & target_features(target):  # (an int8 cache's main nest: vectors)
+            knobs = _with_amx_decode(spec, knobs, target)
     return knobs
 
 
@@ -220,47 +222,62 @@ AMX_TILE_CANDIDATES = ((64, 64), (64, 128), (128, 64), (128, 128), (256, 64), (2
 def _amx_preset(spec: AttentionSpec, target: Target, tile: tuple[int, int]) -> FlashCPUKnobs:
     """The preset where the CPU has AMX tiles and ``spec`` fits them (bfloat16, dims in 32s):
     the main nest's products on tiles (:mod:`cpu_amx`); the decode nests on tiles too where
-    :func:`amx_decode_preset` says so, else as the AVX-512 preset's."""
+    :func:`amx_decode_heads` says so, else as the AVX-512 preset's."""
     base = preset(spec, _without_amx(target))
     # (s_rows, pv_rows, pv_cols: the decode nests' register blocks, decode_knobs; the AMX
     # schedule records them and uses none)
-    knobs = dataclasses.replace(base, block_m=tile[0], block_n=tile[1], dot_bf16=AMX)
-    if amx_decode_preset(spec, knobs, target):
-        knobs = dataclasses.replace(knobs, decode_dot=DECODE_AMX, decode_heads=1, decode_block_n=AMX_DECODE_BLOCK_N,
-                                    prefetch=decode_prefetch(spec, knobs.vector_lanes, AMX_DECODE_BLOCK_N, 1))
-    return knobs
+    return _with_amx_decode(spec, dataclasses.replace(base, block_m=tile[0], block_n=tile[1], dot_bf16=AMX), target)
 
 
-#: fewest query heads per kv head whose decode nest the AMX preset puts on tiles (amx_decode_preset)
+def _with_amx_decode(spec: AttentionSpec, knobs: FlashCPUKnobs, target: Target) -> FlashCPUKnobs:
+    """``knobs`` with the staged decode nests on AMX tiles where :func:`amx_decode_heads` says so."""
+    heads = amx_decode_heads(spec, knobs, target)
+    if not heads:
+        return knobs
+    return dataclasses.replace(knobs, decode_dot=DECODE_AMX, decode_heads=heads, decode_block_n=AMX_DECODE_BLOCK_N,
+                               prefetch=decode_prefetch(spec, knobs.vector_lanes, AMX_DECODE_BLOCK_N, heads))
+
+
+#: fewest query heads per kv head whose decode nest the AMX preset puts on tiles (amx_decode_heads)
 AMX_DECODE_MIN_GROUP = 4
-#: the AMX preset's decode key tile: 1.02-1.04x 128 keys' step (GQA 32:8 D128 bf16 kvcache, B60 ×
+#: the AMX preset's decode key tile: 1.02-1.04x 128 keys' step on a contiguous bf16 cache (B60 ×
 #: 4k 77-80 % of the stream read against 74-76 %, B15 × 16k 79 % against 76 %, B4 × 4k 1.04x;
-#: 32 keys 0.98x 64's; 2-core Sapphire Rapids VM, 2 threads, side by side)
+#: 32 keys 0.98x 64's), 1.18x on a paged one (B15 × 16k, 8 kv heads a task); 2-core Sapphire
+#: Rapids VM, 2 threads, GQA 32:8 D128, side by side
 AMX_DECODE_BLOCK_N = 64
+#: kv heads per task of the AMX preset's int8 decode on a contiguous cache (amx_decode_heads)
+AMX_DECODE_INT8_HEADS = 4
 
 
-def amx_decode_preset(spec: AttentionSpec, knobs: FlashCPUKnobs, target: Target) -> bool:
-    """Whether the AMX preset puts the staged decode nests on tiles (``decode_dot`` 6), one kv
-    head per task: a bf16 cache on the contiguous layouts, at least :data:`AMX_DECODE_MIN_GROUP`
-    rows per kv head.
+def amx_decode_heads(spec: AttentionSpec, knobs: FlashCPUKnobs, target: Target) -> int:
+    """The kv heads per task with which the AMX preset puts the staged decode nests on tiles
+    (``decode_dot`` 6), 0 where it does not: bfloat16 queries, at least
+    :data:`AMX_DECODE_MIN_GROUP` rows per kv head, and a bf16 cache (one head per task on the
+    contiguous layouts, every head of a page paged) or an int8 one with ``qk_int8`` on the
+    contiguous layouts (:data:`AMX_DECODE_INT8_HEADS`).
 
-    Why (2-core Sapphire Rapids VM, 2 threads, H32 D128, 4k keys unless said, the step over the
-    AVX-512 preset's, side by side; stream read 28-29 GB/s): GQA 32:8 kvcache B60 1.04-1.18
-    (70-71 % of the stream read against 59-64 %), B15 × 16k 1.02-1.03 (71 % against 68 %), B1 × 16k
-    1.09-1.12 (in the last-level cache), D=64 B60 1.14; one kv head per task, as two ran 0.96-0.99
-    of one. Not: MHA (one row per kv head: the tiles' packing costs more than the products) 0.79;
-    paged (a head's rows are ``kv_heads·D`` apart in a page, where the preset reads whole rows for
-    every head) 0.88-0.93; an int8 cache with ``qk_int8`` (QKᵀ on ``tdpbssd``, PV float32) 0.94-0.97
-    of VNNI's form (``decode_dot`` 3), which stays."""
-    if (spec.layout_info.paged or spec.kv_quantized or spec.dtype != "bfloat16"
-            or spec.group_size < AMX_DECODE_MIN_GROUP or not stages_decode(spec, knobs)):
-        return False
+    Why (2-core Sapphire Rapids VM, 2 threads, GQA 32:8 D128, the step over the AVX-512
+    preset's, side by side; stream read 28-31 GB/s): bf16 kvcache B60 × 4k 1.18, B15 × 16k 1.15,
+    B4 × 4k 1.24 (72-80 % of the stream read against 59-66 %; 1, 2 or 4 heads a task level);
+    bf16 paged 1.31-1.32 (8 heads a task; 1.04-1.09 with 1-2, 1.07 with 4); int8 ``qk_int8``
+    kvcache 1.15-1.16 with 4 heads (1.09-1.14 with 8, 1.06-1.07 with 1), both products on tiles
+    (QKᵀ on ``tdpbssd`` alone, PV float32, ran 0.94-0.97). Not: MHA (one row per kv head: the
+    tiles' packing costs more than the products) 0.79; int8 paged level (0.99 at 8 heads, 0.75-0.82
+    with fewer)."""
+    int8 = spec.qk_int8 and getattr(spec, "kv_scale", "head") != "group"
+    if (spec.dtype != "bfloat16" or spec.group_size < AMX_DECODE_MIN_GROUP or not stages_decode(spec, knobs)
+            or not (int8 or not spec.kv_quantized) or (int8 and spec.layout_info.paged)):
+        return 0
+    if spec.layout_info.paged:
+        heads = max_heads_per_task(spec, AMX_DECODE_BLOCK_N, DECODE_AMX)
+    else:
+        heads = max(h for h in range(1, (AMX_DECODE_INT8_HEADS if int8 else 1) + 1) if spec.kv_heads % h == 0)
     try:
-        check_amx_decode(dataclasses.replace(knobs, decode_dot=DECODE_AMX, decode_heads=1,
+        check_amx_decode(dataclasses.replace(knobs, decode_dot=DECODE_AMX, decode_heads=heads,
                                              decode_block_n=AMX_DECODE_BLOCK_N), spec, target)
     except KnobError:
-        return False
-    return True
+        return 0
+    return heads
 
 
 def preset_for_overrides(spec: AttentionSpec, target: Target, overrides: dict) -> FlashCPUKnobs:

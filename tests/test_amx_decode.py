@@ -79,11 +79,12 @@ def test_the_real_decode_form_compiles_to_tile_instructions_on_every_host(int8):
     assert "tvma_amx_d4_begin" in str(b.lowered) and "tvma_amx_permit" in str(b.lowered)
 
 
-def test_the_amx_preset_takes_the_decode_tiles_for_a_gqa_cache():
-    """The AMX preset (arithmetic on the target's features, whatever the host): a GQA bf16 cache on
-    the contiguous layouts takes the tiles, one kv head per task, 64-key tiles (the decode nest's
-    own: ``decode_block_n``); MHA, paged and int8 caches keep
-    their vector forms (measured slower on tiles: ``cpu_fused.amx_decode_preset``)."""
+def test_the_amx_preset_takes_the_decode_tiles_for_gqa():
+    """The AMX preset (arithmetic on the target's features, whatever the host): GQA with bf16
+    queries takes the tiles, 64-key tiles (the decode nest's own: ``decode_block_n``): a bf16
+    cache one kv head per task (paged: every head of a page), an int8 one with ``qk_int8`` four;
+    MHA, a paged int8 cache and float32 queries keep their vector forms (measured level or
+    slower on tiles: ``cpu_fused.amx_decode_heads``)."""
     from tvm_attention.schedules.cpu_fused import DECODE_AMX, preset
 
     spr = resolve_target(SPR)
@@ -92,7 +93,10 @@ def test_the_amx_preset_takes_the_decode_tiles_for_a_gqa_cache():
     knobs = preset(gqa, spr)
     assert (knobs.decode_dot, knobs.decode_heads, knobs.decode_tile) == (DECODE_AMX, 1, 64)
     assert knobs.block_n == 128  # the prefill's key tile stays its own
-    for other in (dict(kv_heads=32), dict(layout="paged", page_size=16), INT8):
+    for other, heads in ((dict(layout="paged", page_size=16), 8), (INT8, 4)):
+        knobs = preset(dataclasses.replace(gqa, **other), spr)
+        assert (knobs.decode_dot, knobs.decode_heads, knobs.decode_tile) == (DECODE_AMX, heads, 64), other
+    for other in (dict(kv_heads=32), dict(INT8, layout="paged", page_size=16), dict(INT8, dtype="float32")):
         assert preset(dataclasses.replace(gqa, **other), spr).decode_dot != DECODE_AMX, other
 
 

@@ -400,15 +400,15 @@ def test_decode_dot_is_the_bf16_preset_and_matches_the_float32_products():
     # the preset where the dot products outrun the FMAs (a Zen 4; an Intel core's preset is the
     # float32 products: cpu_balance), the knob named elsewhere
     dots = preset_takes_bf16_dots()
-    # (an AMX host's contiguous GQA decode takes the tiles: test_amx_decode)
-    tiles = cpu_fused.amx_decode_preset(contiguous, cpu_fused.preset(contiguous, host), host)
-    assert cpu_fused.preset(spec, host).decode_dot == 2 * dots
-    assert cpu_fused.preset(contiguous, host).decode_dot == (cpu_fused.DECODE_AMX if tiles else 2 * dots)
+    # (an AMX host's GQA decode takes the tiles: test_amx_decode)
+    for s in (spec, contiguous):
+        tiles = cpu_fused.amx_decode_heads(s, cpu_fused.preset(s, host), host)
+        assert cpu_fused.preset(s, host).decode_dot == (cpu_fused.DECODE_AMX if tiles else 2 * dots)
     assert cpu_fused.preset(dataclasses.replace(spec, kv_dtype="int8"), host).decode_dot == int(dots)  # QKᵀ: exact
     if dots:
         dot, fma = built(spec), built(spec, knobs=(("decode_dot", 0),))
-    else:
-        dot, fma = built(spec, knobs=(("decode_dot", 2),)), built(spec)
+    else:  # (an AMX host's preset is the tiles: both forms named)
+        dot, fma = built(spec, knobs=(("decode_dot", 2),)), built(spec, knobs=(("decode_dot", 0),))
     assert (dot.knobs.decode_dot, fma.knobs.decode_dot) == (2, 0)
     assert dot.audit.fused and dot.knobs.decode_heads == spec.kv_heads and dot.knobs.split_tasks > 0, dot.knobs
     r = validate_built(dot)
@@ -428,7 +428,7 @@ def test_decode_dot_is_the_bf16_preset_and_matches_the_float32_products():
         with pytest.raises(KnobError, match="decode_dot=1 needs"):
             cpu_fused.check(dataclasses.replace(cpu_fused.preset(s, target), decode_dot=1), s, target)
     with pytest.raises(KnobError, match="block_n=33 must be even"):
-        odd = dataclasses.replace(cpu_fused.preset(spec, host), decode_dot=2, block_n=33, s_rows=1)
+        odd = dataclasses.replace(cpu_fused.preset(spec, host), decode_dot=2, block_n=33, s_rows=1, decode_block_n=0)
         cpu_fused.check(odd, spec, host)
     with pytest.raises(KnobError, match="decode_dot=2 rounds P to bf16"):
         s = AttentionSpec(**{**spec.to_dict(), "dtype": "float32", "kv_dtype": "int8", "qk_int8": True})

@@ -313,15 +313,15 @@ def fits(BM: int, BN: int, D: int, DV: int) -> str | None:
 
 def decode_fits(spec, BM: int, BN: int, HT: int) -> str | None:
     """Why a decode tile of ``BM`` rows over ``HT`` kv heads and ``BN`` keys cannot take the
-    tiles (:func:`decode_products`; None: it can): bf16 q and cache (QKᵀ and PV, head dims in
-    32s) or ``qk_int8`` with per-head or per-token scales (QKᵀ, head_dim in 64s), key tiles in
-    32s, at most :data:`DECODE_ROWS` rows per kv head."""
+    tiles (:func:`decode_products`; None: it can): bf16 q and cache (head dims in 32s) or
+    ``qk_int8`` with per-head or per-token scales (head_dim in 64s; PV on tiles with bf16 q, V's
+    head dim in 32s), key tiles in 32s, at most :data:`DECODE_ROWS` rows per kv head."""
     int8 = spec.qk_int8 and getattr(spec, "kv_scale", "head") != "group"
     if not (int8 or (spec.dtype == "bfloat16" and not spec.kv_quantized)):
         return (f"multiplies bfloat16 q and cache, or qk_int8's bytes with per-head or per-token scales: "
                 f"dtype={spec.dtype}, kv_dtype={spec.kv_dtype}, qk_int8={spec.qk_int8}")
     step = DECODE_KSTEP[int8]
-    bad = [f"{n}={v}" for n, v, w in (("head_dim", spec.head_dim, step), ("head_dim_v", spec.v_dim, 0 if int8 else step),
+    bad = [f"{n}={v}" for n, v, w in (("head_dim", spec.head_dim, step), ("head_dim_v", spec.v_dim, KSTEP if spec.dtype == "bfloat16" else 0),
                                       ("block_n", BN, BLOCK)) if w and v % w]
     if bad:
         return f"tiles head dims in {step}s and keys in {BLOCK}s: " + ", ".join(bad)
@@ -591,7 +591,7 @@ def decode_macros(R: int, emulate: bool, int8: bool):
     return (s_emulated, pv_emulated) if emulate else (s_real, pv_real)
 
 
-def decode_products(k, rescale, kv_prefetch):
+def decode_products(k, rescale, kv_prefetch, p_of):
     """The decode nests' products on tiles (``k.dot_decode`` :data:`DECODE_REAL`, emulated
     :data:`DECODE_EMULATED`; ``k``: the tile's ``_TileShape``, ``BM = HT·R`` rows, ``R`` per kv
     head; ``rescale``: the bf16 pair form's correction block; ``kv_prefetch``: the staged forms'
@@ -605,9 +605,10 @@ def decode_products(k, rescale, kv_prefetch):
     signed by signed, so the keys need no offset), with an int8 cache the prefetch after each
     call, of its keys.
 
-    ``pv(K, V, Vu, P, Pq, Vt, acc, alpha, t, vc)`` (a bf16 cache): P rounded to bf16 query-major
-    (``P_round``, ``Pq (BM, BN)``), V's pairs along the keys as words from the cache
-    (``V_pack``, ``Vt (HT, BN/2, DV)``) with the prefetch of each key pair's rows, the correction
+    ``pv(K, V, Vu, P, Pq, Vt, acc, alpha, t, vc, Vsc)`` (bf16 queries, ``k.amx_pv``): P (times a
+    key's value scale, ``p_of``) rounded to bf16 query-major (``P_round``, ``Pq (BM, BN)``), V's
+    pairs along the keys as words from the cache (``V_pack``, ``Vt (HT, BN/2, DV)``; an int8 value
+    widened to bf16, exact) with the prefetch of each key pair's rows, the correction
     (``acc_rescale``), then ``acc += P·V``, 32 columns a call.
 
     Why the prefetch in ``V_pack``: issued after each ``S`` call (32 keys' rows at once) the
@@ -644,16 +645,16 @@ def decode_products(k, rescale, kv_prefetch):
                         s_mm(S, (jb * BLOCK, h * R), BM, Ku, t.kv_row(t.tile(vc) * BN + jb * BLOCK, 0, head(h)),
                              t.kv_row(t.tile(vc) * BN + jb * BLOCK + TILE, 0, head(h)), stride, Qt, (0, h * R, 0),
                              per * BM, D // step)
-            if prefetch > 0 and int8:  # (a bf16 cache's prefetch is V_pack's, one key pair at a time)
+            if prefetch > 0 and not k.amx_pv:  # (else V_pack's, one key pair at a time)
                 for j in T.serial(BLOCK):
                     kv_prefetch(Kp, Vp, t, vc, jb * BLOCK + j)
 
     @T.macro
-    def pv(Kp, Vp, Vu, P, Pq, Vt, acc, alpha, t, vc):
+    def pv(Kp, Vp, Vu, P, Pq, Vt, acc, alpha, t, vc, Vsc):
         for i, j in T.grid(BM, BN):
             with T.sblock(N["P_round"]):
                 vi, vj = T.axis.remap("SS", [i, j])
-                Pq[vi, vj] = bf16_bits(P[vj, vi])
+                Pq[vi, vj] = bf16_bits(p_of(P, Vsc, vj, vi))
         for jp in T.serial(BN // 2):
             if prefetch > 0:  # the next tiles' rows of this key pair, spread over the pass
                 kv_prefetch(Kp, Vp, t, vc, 2 * jp)
@@ -662,8 +663,9 @@ def decode_products(k, rescale, kv_prefetch):
                 with T.sblock(N["V_pack"]):
                     vp = T.axis.spatial(BN // 2, jp)
                     vh, vd = T.axis.remap("SS", [h, d])
-                    Vt[vh, vp, vd] = T.bitwise_or(T.Cast("uint32", Vu[t.kv_at(vc, 2 * vp, vd, head(vh))]), T.shift_left(
-                        T.Cast("uint32", Vu[t.kv_at(vc, 2 * vp + 1, vd, head(vh))]), T.uint32(16)))
+                    Vt[vh, vp, vd] = T.bitwise_or(T.Cast("uint32", k.bits(Vu[t.kv_at(vc, 2 * vp, vd, head(vh))])),
+                                                  T.shift_left(T.Cast("uint32", k.bits(
+                                                      Vu[t.kv_at(vc, 2 * vp + 1, vd, head(vh))])), T.uint32(16)))
         rescale(acc, alpha)
         with T.sblock(N["PV_gemm"]):
             T.reads(acc[0:BM, 0:DV], Pq[0:BM, 0:BN], Vt[0:HT, 0:BN // 2, 0:DV])

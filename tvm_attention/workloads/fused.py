@@ -416,6 +416,8 @@ class _TileShape:
     #: bits, read through a uint16 view (TVM stores a bfloat16 local buffer as float32: twice the
     #: bytes staged and read back)
     bf16_cache: bool = False
+    #: bfloat16 queries: P may be rounded to bf16 for PV (the decode tiles' PV, ``amx_pv``)
+    bf16_q: bool = False
 
     def kv(self, x):
         """The float32 value of the K/V element ``x`` as loaded: an 8-bit cache's without its scale
@@ -521,6 +523,13 @@ class _TileShape:
         """The decode nest's products on AMX tiles (``dot_decode`` 6, emulated 7:
         :func:`.amx.decode_products`): QKᵀ, and PV for a bf16 cache."""
         return self.dot_decode in (amx.DECODE_REAL, amx.DECODE_EMULATED)
+
+    @property
+    def amx_pv(self) -> bool:
+        """The decode tiles' PV on tiles too: bfloat16 queries (P rounded to bf16, as ``dot_decode``
+        2 does), a bf16 cache or an int8 one widened to bf16 (exact); float32 queries with an int8
+        cache keep the float32 PV."""
+        return self.amx_decode and self.bf16_q
 
     @property
     def int8_dots(self) -> bool:
@@ -897,7 +906,8 @@ def _tile_shape(spec: AttentionSpec, BM: int, BN: int, suffix: str, stats: str |
         line_elems=CACHE_LINE // spec.kv_itemsize, transforms=transforms(spec),
         mask_mod=spec.mask_mod is not None or spec.key_bounds or spec.custom_mask, kv_dtype=spec.kv_dtype,
         dot_decode=dot_decode, qk_int8=spec.qk_int8, scale_groups=spec.scale_groups,
-        v_scale_groups=spec.v_scale_groups, bf16_cache=spec.kv_dtype is None and spec.dtype == "bfloat16")
+        v_scale_groups=spec.v_scale_groups, bf16_cache=spec.kv_dtype is None and spec.dtype == "bfloat16",
+        bf16_q=spec.dtype == "bfloat16")
 
 
 def _staged_buffers(k: _TileShape, stage_k: bool, kt_dtype: str, v_dtype: str, m) -> tuple:
@@ -917,7 +927,7 @@ def _staged_buffers(k: _TileShape, stage_k: bool, kt_dtype: str, v_dtype: str, m
 
     if k.amx_decode:
         Kb = buf("Kb", (HT, BN, D), kt_dtype)
-        if not k.qk_int8:
+        if k.amx_pv:
             return m, m, buf("Vt", (HT, BN // 2, DV), "uint32"), Kb, buf("Pq", (BM, BN), "uint16")
         return m, m, buf("Vt", (BN, HT, DV), k.vt_dtype(v_dtype)) if HT > 1 else m, Kb, m
     if stage_k and HT > 1:
@@ -944,9 +954,9 @@ def _product_macros(k: _TileShape, stage_k: bool):
     pv_gemm_dot, pv_gemm_dot_heads, pv_gemm_heads, pv_gemm = bf.pv_gemm, bf.pv_gemm_heads, pv.heads, pv.plain
     s_gemm_amx, pv_gemm_amx = amx.tile_products(k, bf) if k.amx else (None, None)
     # the decode nests' tiles: QKᵀ, and PV for a bf16 cache (an int8 one keeps the float32 PV)
-    s_dec_amx, pv_dec_amx = amx.decode_products(k, bf.rescale, sg.prefetch) if k.amx_decode else (None, None)
+    s_dec_amx, pv_dec_amx = amx.decode_products(k, bf.rescale, sg.prefetch, pv.p_of) if k.amx_decode else (None, None)
     HT, AMX, DOT, raw16 = k.HT, k.amx, bool(k.dot_bf16), k.raw16
-    AMX_DEC, AMX_DEC_PV = k.amx_decode, k.amx_decode and not k.qk_int8
+    AMX_DEC, AMX_DEC_PV = k.amx_decode, k.amx_pv
     PV_DOT = DOT or k.dot_decode == 2  # PV on bf16 pairs (Vb, Vt, Pr, Pb)
 
     @T.macro
@@ -973,7 +983,7 @@ def _product_macros(k: _TileShape, stage_k: bool):
         if AMX:
             pv_gemm_amx(Vu, P, Pr, Pb, Pq, Vb, Vt, acc, alpha, t, vc, Vsc, regs, need)
         elif AMX_DEC_PV:
-            pv_dec_amx(K, V, Vu, P, Pq, Vt, acc, alpha, t, vc)
+            pv_dec_amx(K, V, Vu, P, Pq, Vt, acc, alpha, t, vc, Vsc)
         elif PV_DOT and HT > 1 and raw16:
             pv_gemm_dot_heads(Vu, P, Pr, Pb, Vb, Vt, acc, alpha, t, vc, Vsc)
         elif PV_DOT and HT > 1:
