@@ -455,15 +455,15 @@ DECODE_FORMS = {0: "float32 FMAs", 1: "QKᵀ on vdpbf16ps", 2: "QKᵀ and PV on 
 
 
 def check_amx_decode(knobs: FlashCPUKnobs, spec: AttentionSpec, target: Target) -> None:
-    """The decode tiles' needs (``decode_dot`` 6, emulated 7): staged decode nests on AVX-512
-    vectors (the softmax's), each fitting the tiles (:func:`cpu_amx.decode_misfit`); the real form
-    a CPU with AMX (bf16, or int8 for ``qk_int8``)."""
+    """The decode tiles' needs (``decode_dot`` 6, emulated 7): staged decode nests (the real form's
+    on AVX-512 vectors, as an AMX CPU has), each fitting the tiles (:func:`cpu_amx.decode_misfit`);
+    the real form a CPU with AMX (bf16, or int8 for ``qk_int8``)."""
     name = f"decode_dot={knobs.decode_dot} ({DECODE_FORMS[knobs.decode_dot]})"
     staged = [r for r in decode_rows(spec, knobs) if r < knobs.vector_lanes]
-    if knobs.vector_lanes != cpu_amx.L or not staged:
-        raise KnobError(f"{name}: needs staged decode nests on {cpu_amx.L}-lane vectors (vector_lanes="
-                        f"{knobs.vector_lanes}, decode rows {decode_rows(spec, knobs)})")
     real = knobs.decode_dot == DECODE_AMX
+    if not staged or (real and knobs.vector_lanes != cpu_amx.L):
+        raise KnobError(f"{name}: needs staged decode nests{f' on {cpu_amx.L}-lane vectors' if real else ''} "
+                        f"(vector_lanes={knobs.vector_lanes}, decode rows {decode_rows(spec, knobs)})")
     for rows in staged:
         why = cpu_amx.decode_misfit(spec, target_features(target), rows, knobs.decode_tile, knobs.decode_heads, real)
         if why and why.startswith("needs a CPU"):

@@ -110,3 +110,23 @@ def test_the_decode_tiles_are_refused_by_name_where_they_cannot_run():
         build_kernel(dataclasses.replace(GQA, head_dim=96, **INT8), knobs={"decode_dot": 7})
     with pytest.raises(KnobError, match="decode_dot=7 .*multiplies bfloat16 q and cache"):
         build_kernel(dataclasses.replace(GQA, dtype="float16"), knobs={"decode_dot": 7})
+
+
+def test_the_decode_forms_script_times_the_presets_side_by_side(capsys, monkeypatch):
+    """``scripts/decode_forms.py`` (the side-by-side table of docs/results/decode.md) at a tiny point:
+    every build it names timed, its fraction of the roof and the preset-over-vectors ratio said."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "decode_forms.py"
+    spec = importlib.util.spec_from_file_location("decode_forms", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    monkeypatch.setattr(script, "FORMS", [("bf16", "kvcache", None), ("bf16", "kvcache", script.VECTOR["bf16"])])
+    built = script.build_forms()
+    result = script.point(built, 1, 256, rounds=1, min_repeat_ms=1)
+    assert len(built) == 2 and set(result["best_s"]) == set(built)
+    assert all(0 < t < 1 for t in result["best_s"].values()) and all(g > 0 for g in result["roof_gbps"])
+    assert result["ratios"]["bf16 kvcache preset over vectors"] > 0
+    out = capsys.readouterr().out
+    assert "== B1 x 256: stream read" in out and "preset over vectors" in out

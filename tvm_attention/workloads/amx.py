@@ -252,8 +252,8 @@ def decode_ir(R: int) -> str:
                          f"  %rf{r} = sitofp <{R} x i32> %ri{r} to <{R} x float>",
                          f"  store <{R} x float> %rf{r}, ptr %rp{r}, align 4"]
         return "\n".join([
-            f"define linkonce_odr i32 @{name}(ptr %cb, i64 %co, i64 %cs, ptr %ab, i64 %ao, i64 %ao1, i64 %as, "
-            f"ptr %bb, i64 %bo, i64 %bs, i64 %ksteps) {attr} {{",
+            (f"define linkonce_odr i32 @{name}(ptr %cb, i64 %co, i64 %cs, ptr %ab, i64 %ao, i64 %ao1, i64 %as, "
+             f"ptr %bb, i64 %bo, i64 %bs, i64 %ksteps) {attr} {{"),
             "entry:", "  %c = getelementptr i8, ptr %cb, i64 %co", "  %a = getelementptr i8, ptr %ab, i64 %ao",
             "  %ah = getelementptr i8, ptr %ab, i64 %ao1",
             "  %b = getelementptr i8, ptr %bb, i64 %bo", "  %c16 = mul i64 %cs, 16",
@@ -273,8 +273,8 @@ def decode_ir(R: int) -> str:
             "  call void @llvm.x86.tilestored64(i8 1, ptr %c1, i64 %cs)"] + conv + ["  ret i32 0", "}"])
 
     pv_fn = "\n".join([
-        f"define linkonce_odr i32 @{pv}(ptr %cb, i64 %co, i64 %cs, ptr %ab, i64 %ao, i64 %as, ptr %bb, i64 %bo, "
-        "i64 %bs, i64 %ksteps) #0 {",
+        (f"define linkonce_odr i32 @{pv}(ptr %cb, i64 %co, i64 %cs, ptr %ab, i64 %ao, i64 %as, ptr %bb, i64 %bo, "
+         "i64 %bs, i64 %ksteps) #0 {"),
         "entry:", "  %c = getelementptr i8, ptr %cb, i64 %co", "  %a = getelementptr i8, ptr %ab, i64 %ao",
         "  %b = getelementptr i8, ptr %bb, i64 %bo", "  %c1 = getelementptr i8, ptr %c, i64 64",
         "  %b16 = mul i64 %bs, 16",

@@ -1179,7 +1179,7 @@ class _Dense:
         self.NC = T.floordiv(bound + BN - 1, BN) if not isinstance(bound, int) else math.ceil(bound / BN)  # key tiles
         self.lse = bool(spec.return_lse)
 
-    def with_key_tile(self, block_n: int) -> "_Dense":
+    def with_key_tile(self, block_n: int) -> _Dense:
         """The same dims and K/V addressing (its symbolic vars too) with key tiles of ``block_n``."""
         out = copy.copy(self)
         bound = self.kv.bound
