@@ -554,7 +554,7 @@ def _schedule_amx_qk(sch: s_tir.Schedule, blk, suffix: str, D: int, DV: int) -> 
 
 
 def _schedule_amx_pv(sch: s_tir.Schedule, blk, DV: int) -> None:
-    """PV of a decode nest on AMX tiles (a bf16 cache): V's pair words in 16-lane vectors along its
+    """PV of a decode nest on AMX tiles (bf16 queries): V's pair words in 16-lane vectors along its
     rows; ``P_round`` (P transposed to query-major, ``rows × block_n``), the correction (it reads
     what it writes: vectorize refuses it, LLVM vectorizes its contiguous loop) and the
     ``PV_gemm`` calls as they are."""

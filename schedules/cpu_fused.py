@@ -450,7 +450,7 @@ def check_amx(knobs: FlashCPUKnobs, spec: AttentionSpec, target: Target) -> None
 #: the decode nests' product forms (knob ``decode_dot``)
 DECODE_AMX, DECODE_AMX_EMULATED = 6, 7
 DECODE_FORMS = {0: "float32 FMAs", 1: "QKᵀ on vdpbf16ps", 2: "QKᵀ and PV on vdpbf16ps",
-                3: "QKᵀ on int8 dot products", DECODE_AMX: "AMX tiles (QKᵀ, and PV for a bf16 cache)",
+                3: "QKᵀ on int8 dot products", DECODE_AMX: "AMX tiles (QKᵀ, and PV with bf16 queries)",
                 DECODE_AMX_EMULATED: "AMX tiles emulated in plain TIR, a checking form"}
 
 

@@ -24,13 +24,16 @@ GQA = AttentionSpec(batch=3, heads=8, kv_heads=2, seq_q=1, seq_kv=300, head_dim=
                     layout="kvcache")
 INT8 = dict(kv_dtype="int8", qk_int8=True)
 #: the layouts and forms a decode tile takes: in place (kvcache; paged pages of 16 keys), staged
-#: (pages of 8 keys), several kv heads per task, split-KV with lse, MHA's one row, int8 per token
+#: (pages of 8 keys), several kv heads per task, split-KV with lse, MHA's one row, a model's
+#: variants together, the user's bit mask, int8 per token
 CASES = {
     "kvcache": ({}, {"decode_heads": 1}),
     "kvcache-heads2-lse": (dict(return_lse=True), {"decode_heads": 2}),
     "paged16-split": (dict(layout="paged", page_size=16), {"decode_heads": 1, "split_tasks": 16}),
     "paged8-heads2": (dict(layout="paged", page_size=8), {"decode_heads": 2}),
     "mha": (dict(heads=4, kv_heads=4), {"decode_heads": 1}),
+    "variants": (dict(softcap=30.0, alibi=True, sinks=True, window=(100, 0)), {"decode_heads": 1}),
+    "custom-mask": (dict(custom_mask=True), {"decode_heads": 2}),
     "int8-token": (dict(INT8, kv_scale="token"), {"decode_heads": 2}),
     "int8-paged": (dict(INT8, layout="paged", page_size=16), {"decode_heads": 1}),
 }

@@ -213,8 +213,8 @@ attributes #0 = { "target-features"="+amx-tile,+amx-bf16,+avx512f" }
 
 
 #: ``dot_decode`` values of the decode nests' tile form, real and emulated: QKᵀ on tiles
-#: (``tdpbf16ps`` for bf16 q and cache, ``tdpbssd`` for ``qk_int8``'s bytes), PV too for a bf16
-#: cache (an int8 one keeps the float32 PV of the VNNI form)
+#: (``tdpbf16ps`` for bf16 q and cache, ``tdpbssd`` for ``qk_int8``'s bytes), PV too with bf16
+#: queries (an int8 cache's values widened to bf16; float32 queries keep the float32 PV)
 DECODE_REAL, DECODE_EMULATED = 6, 7
 #: a decode tile's most rows per kv head: the 16 rows of a tile (its columns in ``S``'s key-major tile)
 DECODE_ROWS = 16

@@ -521,7 +521,7 @@ class _TileShape:
     @property
     def amx_decode(self) -> bool:
         """The decode nest's products on AMX tiles (``dot_decode`` 6, emulated 7:
-        :func:`.amx.decode_products`): QKᵀ, and PV for a bf16 cache."""
+        :func:`.amx.decode_products`): QKᵀ, and PV with bf16 queries (:attr:`amx_pv`)."""
         return self.dot_decode in (amx.DECODE_REAL, amx.DECODE_EMULATED)
 
     @property
@@ -918,8 +918,8 @@ def _staged_buffers(k: _TileShape, stage_k: bool, kt_dtype: str, v_dtype: str, m
     ``k.vt_dtype``; with PV on bf16 pairs its bits ``Vb (HT, BN, DV)`` and their pairs ``Vt``),
     a one-head tile its key tile (``Kt (BN, D)``; ``dot_decode`` 2 also ``Vb``/``Vt``). On AMX tiles
     (``k.amx_decode``) ``Kb (HT, BN, D)`` is what the keys are staged in where they are not read
-    in place, ``Vt (HT, BN/2, DV)`` V's pair words and ``Pq (BM, BN)`` P query-major (a bf16 cache;
-    an int8 one's PV takes the float32 form's value tile)."""
+    in place, ``Vt (HT, BN/2, DV)`` V's pair words and ``Pq (BM, BN)`` P query-major (PV on tiles,
+    ``k.amx_pv``; float32 queries' PV takes the float32 form's value tile)."""
     HT, BM, BN, D, DV = k.HT, k.BM, k.BN, k.D, k.DV
 
     def buf(name, shape, dtype):  # named as the tile's own allocations are (the schedules look them up)
@@ -953,7 +953,7 @@ def _product_macros(k: _TileShape, stage_k: bool):
     s_gemm_dot, s_gemm_heads, s_gemm_staged, s_gemm = bf.s_gemm, sg.heads, sg.staged, sg.plain
     pv_gemm_dot, pv_gemm_dot_heads, pv_gemm_heads, pv_gemm = bf.pv_gemm, bf.pv_gemm_heads, pv.heads, pv.plain
     s_gemm_amx, pv_gemm_amx = amx.tile_products(k, bf) if k.amx else (None, None)
-    # the decode nests' tiles: QKᵀ, and PV for a bf16 cache (an int8 one keeps the float32 PV)
+    # the decode nests' tiles: QKᵀ, and PV with bf16 queries (float32 ones keep the float32 PV)
     s_dec_amx, pv_dec_amx = amx.decode_products(k, bf.rescale, sg.prefetch, pv.p_of) if k.amx_decode else (None, None)
     HT, AMX, DOT, raw16 = k.HT, k.amx, bool(k.dot_bf16), k.raw16
     AMX_DEC, AMX_DEC_PV = k.amx_decode, k.amx_pv
