@@ -543,9 +543,11 @@ def check(knobs: FlashCPUKnobs, spec: AttentionSpec, target: Target) -> None:
             f"decode_heads={knobs.decode_heads} and prefetch={knobs.prefetch} apply to the staged decode nests "
             f"(dot products on {' or '.join(map(str, cpu_decode.DOT_LANES))}-lane vectors, head_dim a multiple of them); "
             f"with vector_lanes={lanes} and head_dim={spec.head_dim} this kernel has none: leave them at 1 and 0")
-    if knobs.decode_block_n < 0 or (knobs.decode_block_n and not stages_decode(spec, knobs)):
-        raise KnobError(f"decode_block_n={knobs.decode_block_n}: the staged decode nests' key tile (0 = block_n), "
-                        f"which this kernel has {'' if stages_decode(spec, knobs) else 'not'}")
+    if knobs.decode_block_n < 0:
+        raise KnobError(f"decode_block_n={knobs.decode_block_n} must be a positive key tile, or 0 (= block_n)")
+    if knobs.decode_block_n and not stages_decode(spec, knobs):
+        raise KnobError(f"decode_block_n={knobs.decode_block_n} is the staged decode nests' key tile, which this "
+                        f"kernel has not (vector_lanes={knobs.vector_lanes}, head_dim={spec.head_dim}): leave it at 0")
     vt_bytes = decode_vt_bytes(spec, knobs.decode_tile, knobs.decode_heads, knobs.decode_dot)
     if knobs.decode_heads > 1 and vt_bytes > MAX_TILE_BYTES:
         raise KnobError(

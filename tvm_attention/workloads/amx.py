@@ -540,6 +540,8 @@ def tile_products(k, bf):
 
 #: head_dim elements of one decode ``S`` step: a 64-byte row of K (32 bf16, 64 int8)
 DECODE_KSTEP = {False: KSTEP, True: 64}
+#: elements of q in one 32-bit column of a decode ``S``'s B operand: bf16 pairs, int8 quads
+DECODE_Q_PER_WORD = {False: 2, True: 4}
 
 
 def decode_macros(R: int, emulate: bool, int8: bool):
@@ -551,8 +553,7 @@ def decode_macros(R: int, emulate: bool, int8: bool):
     form reads and writes the same elements (offsets and strides as the real form's pointers),
     summing in float32 in its own order."""
     _, s_bf16, s_i8, pv_name = decode_names(R)
-    per = 4 if int8 else 2  # elements of q in one 32-bit column of B
-    step = DECODE_KSTEP[int8]
+    per, step = DECODE_Q_PER_WORD[int8], DECODE_KSTEP[int8]
 
     @T.macro
     def s_real(S, si, ss, K, ki, ki1, ks, Q, qi, qs, ksteps):
@@ -617,7 +618,7 @@ def decode_products(k, rescale, kv_prefetch, p_of):
     32:8 D128 bf16 kvcache, B60 × 4k)."""
     N, BM, BN, D, DV, HT, R = k.N, k.BM, k.BN, k.D, k.DV, k.HT, k.R
     int8 = k.qk_int8
-    per, step = (4, 64) if int8 else (2, KSTEP)
+    per, step = DECODE_Q_PER_WORD[int8], DECODE_KSTEP[int8]
     s_mm, pv_mm = decode_macros(R, k.dot_decode == DECODE_EMULATED, int8)
     prefetch = k.prefetch
 

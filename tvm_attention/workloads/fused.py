@@ -540,7 +540,7 @@ class _TileShape:
     def q_words(self) -> int:
         """The decode tiles' q operand: elements of q per 32-bit column (bf16 pairs 2, int8 quads
         4), ``Qt (D/w, BM, w)``; 0 for the forms that read ``Qt (D, BM)``."""
-        return (4 if self.qk_int8 else 2) if self.amx_decode else 0
+        return amx.DECODE_Q_PER_WORD[self.qk_int8] if self.amx_decode else 0
 
     def qt_at(self, vd, vi):
         """``Qt``'s index of q's element ``vd`` of row ``vi`` (:attr:`q_words`)."""
@@ -1174,17 +1174,20 @@ class _Dense:
         self.kv = kv_layout(spec, self.B, self.D)
         if spec.append:  # the appended keys count in every sequence's length
             self.kv.new = self.SQ
-        SQ, BM, BN, bound = self.SQ, block_m, block_n, self.kv.bound
+        SQ, BM = self.SQ, block_m
         self.NR = T.floordiv(SQ + BM - 1, BM) if not isinstance(SQ, int) else math.ceil(SQ / BM)  # row tiles
-        self.NC = T.floordiv(bound + BN - 1, BN) if not isinstance(bound, int) else math.ceil(bound / BN)  # key tiles
+        self.NC = self._key_tiles(block_n)
         self.lse = bool(spec.return_lse)
+
+    def _key_tiles(self, BN: int):
+        """The key tiles of ``BN`` keys a row tile may stream (the layout's bound on its keys)."""
+        bound = self.kv.bound
+        return T.floordiv(bound + BN - 1, BN) if not isinstance(bound, int) else math.ceil(bound / BN)
 
     def with_key_tile(self, block_n: int) -> _Dense:
         """The same dims and K/V addressing (its symbolic vars too) with key tiles of ``block_n``."""
         out = copy.copy(self)
-        bound = self.kv.bound
-        out.BN = block_n
-        out.NC = T.floordiv(bound + block_n - 1, block_n) if not isinstance(bound, int) else math.ceil(bound / block_n)
+        out.BN, out.NC = block_n, self._key_tiles(block_n)
         return out
 
 
