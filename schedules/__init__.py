@@ -18,7 +18,7 @@ meets a family's capabilities.
 from __future__ import annotations
 
 
-from . import cpu_fused, cpu_materialized, cpu_rowcache, cuda_fused, cuda_materialized, cuda_mma, cuda_simt
+from . import cpu_fused, cpu_materialized, cpu_rowcache, cuda_fused, cuda_hopper, cuda_materialized, cuda_mma, cuda_simt
 from .family import Family
 
 #: schedule name -> target family -> module
@@ -26,6 +26,7 @@ SCHEDULES: dict[str, dict[str, Family]] = {
     "fused": {"cpu": cpu_fused, "cuda": cuda_fused},  # CUDA: tensor cores where they apply
     "fused_tc": {"cuda": cuda_mma},
     "fused_simt": {"cuda": cuda_simt},
+    "fused_hopper": {"cuda": cuda_hopper},
     "materialized": {"cpu": cpu_materialized, "cuda": cuda_materialized},
     "rowcache": {"cpu": cpu_rowcache},
 }
@@ -38,6 +39,7 @@ WORKLOAD_KINDS: dict[str, tuple[str, ...]] = {
     "fused": ("fused", "fused_mma", "fused_cuda"),
     "fused_tc": ("fused_mma",),
     "fused_simt": ("fused_cuda",),
+    "fused_hopper": ("fused_wgmma",),
     "materialized": ("materialized",),
     "rowcache": ("rowcache",),
 }
@@ -51,6 +53,7 @@ WORKLOAD_FAMILIES: dict[str, Family] = {
     "materialized": cpu_materialized,
     "fused_cuda": cuda_simt,
     "fused_mma": cuda_mma,
+    "fused_wgmma": cuda_hopper,
 }
 
 

@@ -339,7 +339,7 @@ def cuda_resources(built: BuiltKernel) -> dict[str, Any]:
     threads = getattr(built.knobs, "threads", None)
     source = kernel_source(built.module)
     # a dynamic shared allocation (buf_dyn_shmem) holds the family's shared tiles
-    family = get_schedule(built.schedule, built.target) if "buf_dyn_shmem" in source else None
+    family = get_schedule(built.schedule, built.target) if "extern __shared__" in source else None
     dynamic = family.shared_bytes(built.knobs, built.spec) if family is not None else 0
     try:
         return ptxas_report(source, str(built.target.attrs["arch"]), threads, dynamic)

@@ -289,7 +289,7 @@ def _add_build_flags(p: argparse.ArgumentParser) -> None:
                         "the committed tuning_logs/<target>/<spec>/, when either has a record)")
 
 
-SCHEDULE_CHOICES = ["fused", "materialized", "rowcache", "fused_tc", "fused_simt"]
+SCHEDULE_CHOICES = ["fused", "materialized", "rowcache", "fused_tc", "fused_simt", "fused_hopper"]
 
 
 def _build_and_export(a: argparse.Namespace, spec: AttentionSpec, out: Path):
@@ -379,7 +379,11 @@ def format_resources(r: dict) -> str:
         text += (f", {r['threads_per_block']} threads/block, occupancy {r['occupancy']:.0%} "
                  f"({r['blocks_per_sm']} blocks/SM, limited by {r['occupancy_limited_by']})")
     if r.get("ptx_instructions"):
-        text += "\n  PTX: " + ", ".join(f"{k} {v}" for k, v in r["ptx_instructions"].items())
+        text += "\n  PTX: " + ", ".join(f"{k} {v}" for k, v in r["ptx_instructions"].items() if v)
+    if r.get("sass_instructions"):
+        text += "\n  SASS: " + ", ".join(f"{k} {v}" for k, v in r["sass_instructions"].items() if v)
+    if r.get("wgmma_serialized"):
+        text += "\n  WARNING: ptxas serialized the wgmma products: " + "; ".join(r.get("ptxas_notes", []))
     return text
 
 

@@ -110,6 +110,20 @@ def nvcc_flags() -> list[str]:
             "--expt-relaxed-constexpr", f"--ptxas-options={','.join(ptxas)}"]
 
 
+#: PTX that only the arch-specific target of its arch assembles (``sm_90a``: the Hopper kernel's
+#: warpgroup products and register reallocation)
+ARCH_SPECIFIC = ("wgmma.", "setmaxnreg.")
+
+
+def nvcc_arch(arch: str, source: str) -> str:
+    """The arch nvcc compiles ``source`` for: ``arch``, or its arch-specific form (``sm_90`` ->
+    ``sm_90a``) where the source uses instructions only that form has. An ``sm_90a`` binary runs on
+    sm_90 devices only (H100, H200), which is what ``sm_90`` names for the others as well."""
+    if arch == "sm_90" and any(ins in source for ins in ARCH_SPECIFIC):
+        return "sm_90a"
+    return arch
+
+
 class _Compiled(NamedTuple):
     """One nvcc run of a kernel source: ptxas's verbose log, the PTX, and the fatbin (SASS + PTX)."""
 
@@ -124,6 +138,16 @@ _COMPILED: collections.OrderedDict[tuple, _Compiled] = collections.OrderedDict()
 _COMPILED_MAX = 16
 
 
+def _arch_flags(arch: str) -> list[str]:
+    """nvcc's flags for ``arch``: ``-arch=sm_XY`` (SASS and PTX of that arch), or for an
+    arch-specific ``sm_XYa`` its SASS and PTX alone (``-arch=sm_90a`` also emits generic
+    ``compute_90`` PTX, which ptxas cannot assemble from wgmma or setmaxnreg)."""
+    if arch.endswith("a"):
+        n = arch[len("sm_"):]
+        return [f"-gencode=arch=compute_{n},code=[sm_{n},compute_{n}]"]
+    return [f"-arch={arch}"]
+
+
 def _compile(source: str, arch: str) -> _Compiled:
     """``source`` compiled for ``arch`` by nvcc, once per process for the same source, arch,
     flags and nvcc: a fatbin with ``nvcc_flags()`` (those TVM's runtime JITs with, ptxas's
@@ -133,6 +157,7 @@ def _compile(source: str, arch: str) -> _Compiled:
     nvcc = find_nvcc()
     if nvcc is None:
         raise NvccNotFound("nvcc not found (PATH, $CUDA_HOME/bin, /usr/local/cuda/bin)")
+    arch = nvcc_arch(arch, source)
     flags = nvcc_flags()
     key = (hashlib.sha256(source.encode()).hexdigest(), arch, tuple(flags), nvcc)
     if key in _COMPILED:
@@ -142,7 +167,7 @@ def _compile(source: str, arch: str) -> _Compiled:
         cu, out = os.path.join(tmp, "kernel.cu"), os.path.join(tmp, "kernel.fatbin")
         with open(cu, "w") as f:
             f.write(source)
-        cmd = [nvcc, "--fatbin", f"-arch={arch}", *flags, "-w", "--keep", "--keep-dir", tmp, "-o", out, cu]
+        cmd = [nvcc, "--fatbin", *_arch_flags(arch), *flags, "-w", "--keep", "--keep-dir", tmp, "-o", out, cu]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:
             raise RuntimeError(f"nvcc failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
@@ -169,11 +194,18 @@ def ptxas_report(source: str, arch: str, threads_per_block: int | None = None,
         compiled = _compile(source, arch)
     except NvccNotFound:
         raise NvccNotFound("nvcc not found (PATH, $CUDA_HOME/bin, /usr/local/cuda/bin): no ptxas report") from None
-    report: dict[str, Any] = {"arch": arch, "nvcc": _nvcc_version(find_nvcc()), "flags": " ".join(nvcc_flags())}
+    report: dict[str, Any] = {"arch": arch, "nvcc_arch": nvcc_arch(arch, source), "nvcc": _nvcc_version(find_nvcc()),
+                              "flags": " ".join(nvcc_flags())}
     for key, pattern in _PATTERNS.items():
         match = re.findall(pattern, compiled.log)
         report[key] = max(int(x) for x in match) if match else 0
     report["spills"] = report["spill_store_bytes"] + report["spill_load_bytes"]
+    # ptxas's performance notes (C75xx): wgmma serialized, warpgroup waits it injected
+    report["ptxas_notes"] = sorted(set(re.findall(r"\(C75\d\d\)[^\n]*", compiled.log)))
+    report["wgmma_serialized"] = any("serialized" in n for n in report["ptxas_notes"])
+    sass = sass_instruction_counts(compiled.fatbin)
+    if sass is not None:
+        report["sass_instructions"] = sass
     report["ptx_instructions"] = ptx_instruction_counts(compiled.ptx)
     report["dynamic_shared_bytes"] = dynamic_shared
     if threads_per_block:
@@ -196,7 +228,8 @@ def compile_fatbin(source: str, arch: str) -> bytes:
 
 #: PTX instructions worth counting in a kernel (static occurrences in the PTX text)
 PTX_INSTRUCTIONS = ("mma.sync", "ldmatrix", "cp.async.cg", "cp.async.wait_group", "bar.sync", "shfl.sync",
-                    "ld.local", "st.local")
+                    "ld.local", "st.local", "wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier.try_wait",
+                    "setmaxnreg")
 
 
 def ptx_instruction_counts(ptx: str) -> dict[str, int]:
@@ -204,6 +237,46 @@ def ptx_instruction_counts(ptx: str) -> dict[str, int]:
     barriers, shuffles, and local-memory traffic that would mean a fragment left registers)."""
     lines = [ln.strip() for ln in ptx.splitlines()]
     return {ins: sum(1 for ln in lines if ln.startswith(ins)) for ins in PTX_INSTRUCTIONS}
+
+
+#: SASS opcodes worth counting in a fatbin (``cuobjdump --dump-sass``): tensor-core products (Hopper's
+#: warpgroup ``HGMMA``, Ampere's ``HMMA``), TMA loads (``UTMALDG``), cp.async (``LDGSTS``), ldmatrix
+#: (``LDSM``), mbarrier operations (``SYNCS``), register reallocation, local memory
+SASS_INSTRUCTIONS = ("HGMMA", "HMMA", "UTMALDG", "LDGSTS", "LDSM", "SYNCS", "USETMAXREG", "LDL", "STL")
+
+
+def find_cuobjdump() -> str | None:
+    """``cuobjdump`` on PATH, in the CUDA toolkit, or from the ``nvidia-cuda-cuobjdump`` wheel."""
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    nvcc = find_nvcc()
+    candidates = [os.path.join(os.path.dirname(nvcc), "cuobjdump")] if nvcc else []
+    try:
+        import nvidia  # the wheels' namespace package (nvidia/cu13/bin/cuobjdump)
+
+        for root in nvidia.__path__:
+            candidates += sorted(str(p) for p in __import__("pathlib").Path(root).glob("cu*/bin/cuobjdump"))
+    except ImportError:
+        pass
+    return next((c for c in candidates if os.path.isfile(c) and os.access(c, os.X_OK)), None)
+
+
+def sass_instruction_counts(fatbin: bytes) -> dict[str, int] | None:
+    """Static count of each of :data:`SASS_INSTRUCTIONS` in a fatbin's SASS (None without
+    cuobjdump). What runs, not what the PTX asked for: ptxas may lower or serialize."""
+    tool = find_cuobjdump()
+    if tool is None:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.fatbin")
+        with open(path, "wb") as f:
+            f.write(fatbin)
+        proc = subprocess.run([tool, "--dump-sass", path], capture_output=True, text=True, timeout=120)
+    if proc.returncode != 0:
+        return None
+    ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)", proc.stdout)
+    return {name: sum(1 for op in ops if op == name) for name in SASS_INSTRUCTIONS}
 
 
 def occupancy(arch: str, registers: int, shared_bytes: int, threads: int) -> dict[str, Any]:

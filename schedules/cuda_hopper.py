@@ -1,0 +1,166 @@
+"""Hand-authored Hopper (sm_90a) schedule for the fused kernel (``workloads/fused_wgmma.py``):
+``--schedule fused_hopper``. TMA into 128B-swizzled shared memory with mbarriers, ``wgmma``
+products (P from registers), a producer warpgroup and one consumer warpgroup per 64 query rows,
+two consumers in ping-pong.
+
+As for the other CUDA kernels the thread mapping is the algorithm, instantiated from these knobs;
+``apply`` has nothing left to vary, and the design space is one task per feasible (block_n,
+stages, pingpong).
+
+What it builds so far: the bhsd layout, static or symbolic lengths, float16/bfloat16, head_dim 64
+or 128, causal or not, lse. The other layouts and the variants stay on the ``mma.sync`` kernel
+(``fused_tc``), and ``--schedule fused`` keeps that kernel on sm_90 until a GPU run has validated
+this one (docs/cuda.md).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from tvm import s_tir
+from tvm.target import Target
+
+from ..cuda_tools import block_shared_limit
+from ..spec import AttentionSpec
+from ..workloads.fused_wgmma import CONSUMER_REGS, WGMMA_DTYPES, fused_attention_wgmma
+from ..workloads.knob_attrs import FUSED_WGMMA
+from ..workloads.wgmma_layout import WARPGROUP, WG_ROWS, SmemPlan
+from ._knobs import KnobError, KnobsMixin
+from .family import Capabilities, never_static_decode, read_attrs
+
+NAME = "fused"
+CAPABILITIES = Capabilities(label="CUDA Hopper (wgmma) fused", target="cuda", layouts=("bhsd",), dtypes=tuple(WGMMA_DTYPES),
+                            symbolic=True, lse=True,
+                            instead="use --schedule fused_tc (mma.sync) for the other layouts and the variants")
+ARCH = 90  # wgmma, TMA, setmaxnreg: sm_90a (Hopper) only
+HEAD_DIMS = (64, 128)  # 128-byte slabs; 256 would need 128 output registers a thread beside the scores
+
+
+@dataclasses.dataclass(frozen=True)
+class HopperKnobs(KnobsMixin):
+    FAMILY = "fused (cuda hopper)"
+
+    block_m: int = 128  # query rows per block: one consumer warpgroup per 64 (wgmma's m64)
+    block_n: int = 128  # keys per K/V tile: wgmma's N of S = Q·Kᵀ and its k extent for P·V
+    stages: int = 2  # K/V tiles in flight (TMA, one full and one empty mbarrier a stage)
+    pingpong: int = 1  # two consumers take turns to issue their products (1) or issue freely (0)
+
+    @property
+    def threads(self) -> int:
+        return WARPGROUP * (1 + self.block_m // WG_ROWS)
+
+
+#: FlashAttention-3's forward tiles for 16-bit inputs: 128 query rows in two consumer warpgroups
+#: and 128-key tiles, two stages (D=128: 160 KiB of shared memory; D=64: 80 KiB, room for a
+#: third stage the search may take). Not yet timed on a GPU.
+_PRESETS = {64: {"block_m": 128, "block_n": 128, "stages": 2}, 128: {"block_m": 128, "block_n": 128, "stages": 2}}
+
+
+def arch_number(target: Target) -> int:
+    arch = str(target.attrs.get("arch", ""))
+    try:
+        return int(arch.split("_")[1].rstrip("a"))
+    except (IndexError, ValueError):
+        return 0
+
+
+def supports(spec: AttentionSpec, target: Target) -> bool:
+    """Whether this kernel builds ``spec`` on ``target``."""
+    return (arch_number(target) == ARCH and spec.head_dim in HEAD_DIMS and CAPABILITIES.refusal(spec) is None)
+
+
+def plan(knobs: HopperKnobs, spec: AttentionSpec) -> SmemPlan:
+    return SmemPlan(spec.head_dim, knobs.block_m, knobs.block_n, knobs.stages, spec.itemsize)
+
+
+def shared_bytes(knobs: HopperKnobs, spec: AttentionSpec) -> int:
+    """The dynamic shared memory: Q, the K and V stages, the mbarriers and 1 KiB to align."""
+    return plan(knobs, spec).alloc_bytes
+
+
+def registers_estimate(knobs: HopperKnobs, spec: AttentionSpec) -> int:
+    """A consumer thread's fragments: scores block_n/2, P block_n/4 (16-bit pairs), output
+    head_dim/2, plus 40 for addresses, row state and loop."""
+    return knobs.block_n // 2 + knobs.block_n // 4 + spec.head_dim // 2 + 40
+
+
+def preset(spec: AttentionSpec, target: Target) -> HopperKnobs:
+    return HopperKnobs(**_PRESETS.get(spec.head_dim, _PRESETS[128]))
+
+
+def check(knobs: HopperKnobs, spec: AttentionSpec, target: Target) -> None:
+    if arch_number(target) != ARCH:
+        raise KnobError(f"the Hopper kernel needs sm_90 (wgmma, TMA, setmaxnreg: sm_90a), not {target.attrs.get('arch')}")
+    if spec.head_dim not in HEAD_DIMS:
+        raise KnobError(f"head_dim={spec.head_dim}: the Hopper kernel builds head_dim "
+                        f"{' or '.join(map(str, HEAD_DIMS))} (128-byte swizzled slabs of 64)")
+    for name in ("block_m", "block_n", "stages"):
+        v = getattr(knobs, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise KnobError(f"{name} must be a positive int, got {v!r}")
+    if knobs.pingpong not in (0, 1):
+        raise KnobError(f"pingpong must be 0 or 1, got {knobs.pingpong!r}")
+    if knobs.block_m not in (64, 128):
+        raise KnobError(f"block_m={knobs.block_m}: one or two consumer warpgroups of 64 rows (64 or 128)")
+    if knobs.pingpong and knobs.block_m != 128:
+        raise KnobError("pingpong takes two consumer warpgroups (block_m=128)")
+    if knobs.block_n % 16 or not 16 <= knobs.block_n <= 256:
+        raise KnobError(f"block_n={knobs.block_n} must be a multiple of 16 in [16, 256] (wgmma m64nNk16)")
+    smem = shared_bytes(knobs, spec)
+    limit = block_shared_limit(target)
+    if smem > limit:
+        raise KnobError(f"shared memory {smem} B (Q, {knobs.stages} stage(s) of {knobs.block_n}-key K and V tiles) "
+                        f"> {limit} B, the most a block may take on {target.attrs.get('arch')}")
+    regs = registers_estimate(knobs, spec)
+    if regs > CONSUMER_REGS:
+        raise KnobError(f"about {regs} registers per consumer thread > the {CONSUMER_REGS} setmaxnreg gives it")
+
+
+def workload(spec: AttentionSpec, knobs: HopperKnobs):
+    return fused_attention_wgmma(spec, knobs.block_m, knobs.block_n, knobs.stages, bool(knobs.pingpong))
+
+
+def apply(sch: s_tir.Schedule, knobs: HopperKnobs, spec: AttentionSpec) -> s_tir.Schedule:
+    return sch
+
+
+def design_space(spec: AttentionSpec, target: Target):
+    def space_fn(sch: s_tir.Schedule) -> s_tir.Schedule:
+        return sch
+
+    return space_fn
+
+
+def tile_candidates(spec: AttentionSpec, target: Target) -> list[HopperKnobs]:
+    """Feasible (block_m, block_n, stages, pingpong) for tuning, the preset first."""
+    out = [preset(spec, target)]
+    for block_m, pingpong in ((128, 1), (128, 0), (64, 0)):
+        for bn in (64, 128, 176, 192):
+            for stages in (2, 3, 4):
+                k = HopperKnobs(block_m=block_m, block_n=bn, stages=stages, pingpong=pingpong)
+                if k in out:
+                    continue
+                try:
+                    check(k, spec, target)
+                except KnobError:
+                    continue
+                out.append(k)
+    return out
+
+
+def from_attrs(attrs, base: HopperKnobs | None = None) -> HopperKnobs:
+    return dataclasses.replace(base or HopperKnobs(), **read_attrs(FUSED_WGMMA, attrs, "fused_wgmma"))
+
+
+def workload_knobs(func) -> HopperKnobs:
+    return from_attrs(func.attrs)
+
+
+def knobs_of(sch: s_tir.Schedule, lanes: int = 0, base=None) -> HopperKnobs:
+    return workload_knobs(sch.mod["main"])
+
+
+def for_layout(knobs: HopperKnobs, spec: AttentionSpec, target: Target, tuned_at: AttentionSpec | None = None):
+    return knobs
+
+
+is_static_decode = never_static_decode

@@ -1,0 +1,229 @@
+"""The Hopper kernel (``workloads/fused_wgmma.py``, ``schedules/cuda_hopper.py``), offline: the
+NumPy model of its data movement (TMA boxes into 128B-swizzled shared memory, wgmma descriptors,
+fragments, mbarrier parities, the ping-pong's named barriers) against the float64 reference and
+against faults planted in it; sm_90a builds whose SASS holds the warpgroup products and the TMA
+loads without spills or serialized products; the refusals. Its GPU run is the payload's
+(``scripts/gpu_payload.py --hopper``)."""
+import dataclasses
+import functools
+
+import numpy as np
+import pytest
+from tvm_attention.schedules import check as check_family
+from tvm_attention.schedules import cuda_hopper
+from tvm_attention.schedules._knobs import KnobError
+
+from tvm_attention.build import build_kernel
+from tvm_attention.cuda_tools import find_cuobjdump, find_nvcc
+from tvm_attention.reference import reference_attention
+from tvm_attention.spec import AttentionSpec
+from tvm_attention.target import resolve_target
+from tvm_attention.workloads import wgmma_layout, wgmma_model
+from tvm_attention.workloads.wgmma_layout import SmemPlan, decode_desc, encode_desc
+from tvm_attention.workloads.wgmma_model import (
+    ModelError,
+    from_bits,
+    pingpong_turns,
+    run,
+    to_bits,
+)
+
+needs_nvcc = pytest.mark.skipif(find_nvcc() is None, reason="nvcc not installed: no sm_90a build")
+SM90 = resolve_target("cuda", arch="sm_90")
+
+
+def inputs(b, h, kh, sq, sk, d, dtype, seed=0, scale=1.0):
+    rng = np.random.default_rng(seed)
+    q, k, v = (scale * rng.standard_normal(s) for s in ((b, h, sq, d), (b, kh, sk, d), (b, kh, sk, d)))
+    return tuple(from_bits(to_bits(x, dtype), dtype) for x in (q, k, v))  # exactly the 16-bit values
+
+
+def model_error(plan, sq, sk, causal, dtype="float16", kh=2, pingpong=True, seed=0):
+    spec = AttentionSpec(batch=2, heads=4, kv_heads=kh, seq_q=sq, seq_kv=sk, head_dim=plan.head_dim,
+                         dtype="float16", causal=causal)
+    q, k, v = inputs(2, 4, kh, sq, sk, plan.head_dim, dtype, seed)
+    out = run(q, k, v, plan, causal, spec.scale, dtype, pingpong)
+    ref = reference_attention(spec, q, k, v)
+    return float(np.abs(out - ref).max()), out
+
+
+#: (head_dim, block_m, block_n, stages, seq_q, seq_kv, causal, dtype): the presets' tiles and the
+#: search's, tails in both lengths, seq_q above seq_kv under causal masking (rows that see no key),
+#: several key tiles per stage (the parities' second and third rounds), one consumer warpgroup
+MODEL_CASES = [
+    (64, 128, 128, 2, 200, 333, False, "float16"),
+    (128, 128, 128, 2, 130, 300, True, "float16"),
+    (128, 128, 64, 2, 300, 130, True, "bfloat16"),
+    (64, 128, 176, 3, 128, 700, True, "bfloat16"),
+    (128, 64, 128, 2, 77, 520, False, "float16"),
+    (64, 128, 64, 4, 256, 1000, False, "bfloat16"),
+]
+
+
+@pytest.mark.parametrize("d, bm, bn, ns, sq, sk, causal, dtype", MODEL_CASES)
+def test_model_matches_reference(d, bm, bn, ns, sq, sk, causal, dtype):
+    """The kernel's data movement, run through the hardware's definitions, computes attention:
+    every row within the rounding of P to 16 bits; rows that see no key exactly zero."""
+    err, out = model_error(SmemPlan(d, bm, bn, ns), sq, sk, causal, dtype, pingpong=bm == 128)
+    assert err < (2e-3 if dtype == "float16" else 1.5e-2), err
+    if causal and sq > sk:
+        assert not out[:, :, : sq - sk].any()
+
+
+def test_descriptor_encoding_round_trips():
+    d = encode_desc(0x1C480, 16384, 1024)
+    assert decode_desc(d) == (0x1C480, 16384, 1024, wgmma_layout.MODE_SWIZZLE_128B)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        encode_desc(0x1C488, 16, 1024)
+
+
+def test_kernel_fragments_are_the_isa_fragments():
+    """The kernel's own indexing of accumulator registers (softmax, store) is the ISA's."""
+    t = np.arange(128)[:, None]
+    r = np.arange(64)[None, :]
+    rows, cols = wgmma_model.isa_acc(t, r)
+    assert (wgmma_layout.acc_row(t, r) == rows).all() and (wgmma_layout.acc_col(t, r) == cols).all()
+
+
+class _Plan(SmemPlan):
+    pass
+
+
+@pytest.mark.parametrize("fault", ["v_lbo", "q_step", "k_step", "v_step", "p_pair", "box_rows", "q_rows"])
+def test_model_catches_data_movement_faults(monkeypatch, fault):
+    """A planted fault in an address, stride, box or packing order gives wrong rows (or breaks a
+    rule the model checks: boxes short of the bytes a barrier expects)."""
+    plan = SmemPlan(128, 128, 64, 2)
+    if fault == "v_lbo":  # V's slabs read as if adjacent (the K-major LBO)
+        monkeypatch.setattr(SmemPlan, "v_lbo", property(lambda self: 16))
+    elif fault == "q_step":  # the k16 step inside a slab as 16 bytes
+        monkeypatch.setattr(SmemPlan, "q_step", lambda self, kk: self.q_slab(kk // 4) + kk % 4 * 16)
+    elif fault == "k_step":  # the next slab missed
+        monkeypatch.setattr(SmemPlan, "k_step", lambda self, kk: kk % 4 * 32)
+    elif fault == "v_step":  # 8 keys a step
+        monkeypatch.setattr(SmemPlan, "v_step", lambda self, kk: kk * 8 * 128)
+    elif fault == "p_pair":  # P's registers packed a2 before a1
+        monkeypatch.setattr(wgmma_model, "p_pair", lambda kk, q: 4 * kk + [0, 2, 1, 3][q])
+    elif fault == "box_rows":  # K/V boxes of 64 rows for a tile of block_n
+        real = wgmma_layout.tensor_map
+        monkeypatch.setattr(wgmma_model, "tensor_map", lambda c, r, p, box, isz=2: real(c, r, p, min(box, 32), isz))
+    elif fault == "q_rows":  # both consumers reading the first 64 rows of Q
+        monkeypatch.setattr(SmemPlan, "q_rows", staticmethod(lambda wg: 0))
+    try:
+        err, _ = model_error(plan, 200, 300, False)
+    except ModelError:
+        return
+    assert err > 0.05, f"{fault}: error {err} — the model did not see it"
+
+
+@pytest.mark.parametrize("fault", ["full_parity", "empty_parity", "expect_bytes", "unaligned"])
+def test_model_catches_synchronization_faults(monkeypatch, fault):
+    """A wrong mbarrier parity or transaction count, or a misaligned swizzled box, is refused."""
+    plan = SmemPlan(64, 128, 64, 2)
+    if fault == "full_parity":
+        monkeypatch.setattr(wgmma_model, "full_parity", lambda j, s: (j // s + 1) % 2)
+    elif fault == "empty_parity":
+        monkeypatch.setattr(wgmma_model, "empty_parity", lambda j, s: j // s % 2)
+    elif fault == "expect_bytes":
+        monkeypatch.setattr(SmemPlan, "kv_tile_bytes", property(lambda self: self.block_n * self.head_dim * 4))
+    elif fault == "unaligned":
+        monkeypatch.setattr(SmemPlan, "q_bytes", property(lambda self: self.block_m * self.head_dim * 2 + 512))
+    with pytest.raises(ModelError):
+        model_error(plan, 128, 400, False)
+
+
+def test_pingpong_protocol_ends_without_deadlock():
+    """The consumers' turns strictly alternate (qk, qk, pv, pv of each tile) for any tile count,
+    and leave no arrival pending; without consumer 1's first arrival they deadlock."""
+    for n in range(5):
+        order = pingpong_turns(n)
+        assert [(wg, gemm) for wg, gemm, _ in order] == [(w, g) for _ in range(n) for g in ("qk", "pv") for w in (0, 1)]
+    with pytest.raises(ModelError, match="deadlock"):
+        pingpong_turns(2, first_arrival=False)
+
+
+def test_nan_in_gives_nan_out():
+    plan = SmemPlan(64, 128, 64, 2)
+    spec = AttentionSpec(batch=1, heads=2, kv_heads=1, seq_q=70, seq_kv=90, head_dim=64, dtype="float16")
+    q, k, v = inputs(1, 2, 1, 70, 90, 64, "float16")
+    k[0, 0, 5, 3] = np.nan
+    out = run(q, k, v, plan, False, spec.scale)
+    assert np.isnan(out).all()  # key 5 is seen by every row
+
+
+# -- builds ------------------------------------------------------------------------------------------
+@functools.cache
+def hopper_build(spec: AttentionSpec):
+    return build_kernel(spec, "fused_hopper", target=SM90)
+
+
+#: (head_dim, dtype, causal, symbolic, lse): each head dim and dtype, causal or not, a symbolic build
+BUILDS = [
+    (128, "float16", True, False, False),
+    (64, "bfloat16", False, False, False),
+    (128, "bfloat16", False, True, True),
+]
+
+
+@needs_nvcc
+@pytest.mark.parametrize("d, dtype, causal, symbolic, lse", BUILDS)
+def test_sm90a_builds_offline(d, dtype, causal, symbolic, lse):
+    """sm_90a builds: no spill or stack, ptxas does not serialize the wgmma products, the PTX and
+    the SASS hold the warpgroup products (HGMMA) and the TMA loads (UTMALDG), and the audit finds
+    no score-sized buffer."""
+    spec = AttentionSpec(batch=2, heads=8, kv_heads=2, seq_q=4096, head_dim=d, dtype=dtype, causal=causal,
+                         return_lse=lse, dynamic=("batch", "seq_q", "seq_kv") if symbolic else ())
+    built = hopper_build(spec)
+    r = built.resources
+    assert r["nvcc_arch"] == "sm_90a"
+    assert r["spills"] == 0 and r["stack_frame_bytes"] == 0, r
+    assert not r["wgmma_serialized"], r["ptxas_notes"]
+    plan = cuda_hopper.plan(built.knobs, spec)
+    ptx = r["ptx_instructions"]
+    assert ptx["wgmma.mma_async"] == plan.qk_steps + plan.pv_steps
+    assert ptx["cp.async.bulk.tensor"] >= 3 * plan.slabs and ptx["setmaxnreg"] == 2
+    assert ptx["ld.local"] == ptx["st.local"] == 0
+    if find_cuobjdump() is not None:
+        sass = r["sass_instructions"]
+        assert sass["HGMMA"] >= plan.qk_steps + plan.pv_steps and sass["UTMALDG"] >= 3 * plan.slabs, sass
+        assert sass["LDL"] == sass["STL"] == 0 and sass["HMMA"] == 0
+    assert built.audit.fused
+    assert r["dynamic_shared_bytes"] == plan.alloc_bytes
+
+
+@pytest.mark.skipif(find_cuobjdump() is None and find_nvcc() is not None,
+                    reason="cuobjdump not installed (pip install nvidia-cuda-cuobjdump)")
+def test_cuobjdump_available_with_nvcc():
+    """Where nvcc is, the test extra's cuobjdump is too: the SASS checks above are not skipped."""
+    assert find_nvcc() is None or find_cuobjdump() is not None
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(layout="varlen"), "builds layout"),
+    (dict(dtype="float32"), "builds dtype"),
+    (dict(window=(64, 0)), "variant"),
+    (dict(head_dim=96), "head_dim=96"),
+])
+def test_refusals_name_what(change, match):
+    base = dict(batch=1, heads=8, kv_heads=2, seq_q=1024, head_dim=128, dtype="float16")
+    spec = AttentionSpec(**{**base, **change})
+    with pytest.raises(KnobError, match=match):
+        check_family(cuda_hopper, cuda_hopper.preset(spec, SM90), spec, SM90)
+
+
+def test_knob_checks():
+    spec = AttentionSpec(batch=1, heads=8, seq_q=1024, head_dim=128, dtype="bfloat16")
+    k = cuda_hopper.preset(spec, SM90)
+    with pytest.raises(KnobError, match="sm_90"):
+        cuda_hopper.check(k, spec, resolve_target("cuda", arch="sm_80"))
+    with pytest.raises(KnobError, match="pingpong takes two"):
+        cuda_hopper.check(dataclasses.replace(k, block_m=64), spec, SM90)
+    with pytest.raises(KnobError, match="shared memory"):
+        cuda_hopper.check(dataclasses.replace(k, stages=4, block_n=192), spec, SM90)
+    cands = cuda_hopper.tile_candidates(spec, SM90)
+    assert cands[0] == k and len(cands) == len(set(cands)) > 3
+    for c in cands:
+        cuda_hopper.check(c, spec, SM90)
+    # the workload records its knobs: the tuner's logs regenerate it from them
+    func = cuda_hopper.workload(spec, cands[-1])
+    assert cuda_hopper.workload_knobs(func) == cands[-1]

@@ -1,0 +1,222 @@
+"""Where the Hopper kernel's tiles live in shared memory and how ``wgmma`` reads them: one source
+of truth for the kernel (``fused_wgmma``: its TMA boxes, mbarrier addresses and the descriptor
+constants baked into its device helpers) and for the NumPy model that checks them offline
+(``wgmma_model``). Pure Python: no TVM, no GPU.
+
+Every tile is stored as TMA writes it with ``CU_TENSOR_MAP_SWIZZLE_128B``: 64-column slabs
+(128 bytes of a 16-bit row) of ``rows × 128`` bytes, one after the other along the head dim, each
+slab 1024-byte aligned; inside a slab the 16-byte chunk ``c`` of row ``r`` sits at chunk
+``c ^ (r % 8)`` (:func:`swizzle128`: bits 4-6 of the byte address XOR bits 7-9).
+
+``wgmma`` reads them through 64-bit shared-memory descriptors (PTX ISA, "Matrix Descriptor
+Format": start address, leading and stride byte offsets, each ``>> 4``; the swizzle mode in bits
+62-63). The canonical layouts (in 16-byte units ``T``; CUTLASS's ``make_gmma_desc``):
+
+* K-major, 128B swizzle (Q as A, K as B of ``S = Q·Kᵀ``): ``((8, m), (T, 2)) : ((8T, SBO), (1,
+  T))`` — 8 rows 128 bytes apart, groups of 8 rows ``SBO = 1024`` apart, a k16 step's 16
+  elements contiguous; the next k16 step inside the same slab is the start address + 32 bytes,
+  the next slab a slab further (LBO is unused: 16);
+* MN-major, 128B swizzle (V as B of ``O = P·V``, transposed: V is stored ``[key][d]``): ``((T, 8,
+  m), (8, k)) : ((1, T, LBO), (8T, SBO))`` — 64 head-dim columns contiguous, the next 64 one
+  slab (``LBO = block_n · 128``) further, keys 128 bytes apart, groups of 8 keys ``SBO = 1024``
+  apart; a k16 step (16 keys) is the start address + 2048 bytes.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+#: 16-bit elements in a 128-byte swizzle atom's row: the TMA box's inner extent and a slab's width
+SLAB_COLS = 64
+ROW_BYTES = 128
+#: 8 rows of 128 bytes: the swizzle pattern's period, the stride between core-matrix groups
+GROUP_BYTES = 1024
+#: rows of one warpgroup's wgmma (m64)
+WG_ROWS = 64
+WARPGROUP = 128
+#: k16 steps in one 64-column slab (16 elements = 32 bytes each)
+STEPS_PER_SLAB = SLAB_COLS // 16
+MODE_SWIZZLE_128B = 1  # descriptor bits 62-63
+TMA_SWIZZLE_128B = 3  # CUtensorMapSwizzle
+
+
+def swizzle128(addr: int) -> int:
+    """The byte ``addr`` (of a 1024-byte aligned region) where the 128B swizzle puts it."""
+    return addr ^ (((addr >> 7) & 7) << 4)
+
+
+def encode_desc(addr: int, lbo: int, sbo: int, mode: int = MODE_SWIZZLE_128B) -> int:
+    """A wgmma shared-memory descriptor (bits 0-13 start >> 4, 16-29 LBO >> 4, 32-45 SBO >> 4,
+    62-63 swizzle mode; base offset 0: every tile is 1024-byte aligned)."""
+    for name, v in (("address", addr), ("lbo", lbo), ("sbo", sbo)):
+        if v % 16 or not 0 <= v >> 4 < 1 << 14:
+            raise ValueError(f"descriptor {name} {v} is not a multiple of 16 below 256 KiB")
+    return (addr >> 4) | (lbo >> 4) << 16 | (sbo >> 4) << 32 | mode << 62
+
+
+def decode_desc(desc: int) -> tuple[int, int, int, int]:
+    """``(start, lbo, sbo, mode)`` of a descriptor (the inverse of :func:`encode_desc`)."""
+    mask = (1 << 14) - 1
+    return ((desc & mask) << 4, (desc >> 16 & mask) << 4, (desc >> 32 & mask) << 4, desc >> 62 & 3)
+
+
+def desc_high(lbo: int, sbo: int, mode: int = MODE_SWIZZLE_128B) -> int:
+    """A descriptor without its start address: the kernel adds ``address >> 4`` at run time."""
+    return encode_desc(0, lbo, sbo, mode)
+
+
+@dataclasses.dataclass(frozen=True)
+class SmemPlan:
+    """The shared memory of one thread block (byte offsets from its 1024-aligned base):
+    Q ``block_m × head_dim``, then ``stages`` K tiles and ``stages`` V tiles of ``block_n ×
+    head_dim``, each as ``head_dim / 64`` slabs; then the mbarriers (8 bytes each): Q full, K full
+    per stage, V full per stage, stage empty per stage."""
+
+    head_dim: int
+    block_m: int
+    block_n: int
+    stages: int
+    itemsize: int = 2
+
+    def __post_init__(self):
+        if self.itemsize != 2:
+            raise ValueError("the 128B-swizzled slabs hold 16-bit elements (64 a row)")
+        if self.head_dim % SLAB_COLS:
+            raise ValueError(f"head_dim={self.head_dim} must be a multiple of {SLAB_COLS} (128-byte slabs)")
+        if self.block_m % WG_ROWS or self.block_n % 16 or not 16 <= self.block_n <= 256:
+            raise ValueError(f"block_m={self.block_m} must be a multiple of 64 and block_n={self.block_n} "
+                             "a multiple of 16 in [16, 256] (wgmma m64nNk16)")
+
+    @property
+    def slabs(self) -> int:
+        return self.head_dim // SLAB_COLS
+
+    @property
+    def consumers(self) -> int:
+        """Consumer warpgroups: one per 64 query rows."""
+        return self.block_m // WG_ROWS
+
+    @property
+    def q_bytes(self) -> int:
+        return self.block_m * self.head_dim * self.itemsize
+
+    @property
+    def kv_tile_bytes(self) -> int:
+        return self.block_n * self.head_dim * self.itemsize
+
+    def q_slab(self, slab: int) -> int:
+        return slab * self.block_m * ROW_BYTES
+
+    def k_tile(self, stage: int) -> int:
+        return self.q_bytes + stage * self.kv_tile_bytes
+
+    def v_tile(self, stage: int) -> int:
+        return self.q_bytes + (self.stages + stage) * self.kv_tile_bytes
+
+    def kv_slab(self, slab: int) -> int:
+        return slab * self.block_n * ROW_BYTES
+
+    @property
+    def barriers(self) -> int:
+        return self.q_bytes + 2 * self.stages * self.kv_tile_bytes
+
+    def bar_full_q(self) -> int:
+        return self.barriers
+
+    def bar_full_k(self, stage: int) -> int:
+        return self.barriers + 8 * (1 + stage)
+
+    def bar_full_v(self, stage: int) -> int:
+        return self.barriers + 8 * (1 + self.stages + stage)
+
+    def bar_empty(self, stage: int) -> int:
+        return self.barriers + 8 * (1 + 2 * self.stages + stage)
+
+    @property
+    def used_bytes(self) -> int:
+        return self.barriers + 8 * (1 + 3 * self.stages)
+
+    @property
+    def alloc_bytes(self) -> int:
+        """The dynamic allocation: the used bytes and 1024 of slack to align the base (dynamic
+        shared memory is only 16-byte aligned)."""
+        return self.used_bytes + GROUP_BYTES
+
+    # -- the descriptors of each wgmma (start offsets; constant high bits) -------------------
+    @property
+    def qk_steps(self) -> int:
+        return self.head_dim // 16
+
+    @property
+    def pv_steps(self) -> int:
+        return self.block_n // 16
+
+    @staticmethod
+    def q_rows(wg):
+        """Where consumer ``wg``'s 64 rows of Q start (in every slab)."""
+        return wg * WG_ROWS * ROW_BYTES
+
+    def q_step(self, kk: int) -> int:
+        """Start of Q's descriptor at k16 step ``kk``, relative to a consumer's rows."""
+        return self.q_slab(kk // STEPS_PER_SLAB) + kk % STEPS_PER_SLAB * 32
+
+    def k_step(self, kk: int) -> int:
+        """Start of K's descriptor (relative to its stage's tile) at k16 step ``kk``."""
+        return self.kv_slab(kk // STEPS_PER_SLAB) + kk % STEPS_PER_SLAB * 32
+
+    def v_step(self, kk: int) -> int:
+        """Start of V's descriptor (relative to its stage's tile) at the keys of k16 step ``kk``."""
+        return kk * 16 * ROW_BYTES
+
+    kmajor_lbo = 16  # unused by a swizzled K-major layout (CUTLASS writes 1, in 16-byte units)
+    sbo = GROUP_BYTES
+
+    @property
+    def v_lbo(self) -> int:
+        """V (MN-major): the stride between its 64-column slabs."""
+        return self.block_n * ROW_BYTES
+
+    @property
+    def qk_desc_high(self) -> int:
+        return desc_high(self.kmajor_lbo, self.sbo)
+
+    @property
+    def pv_desc_high(self) -> int:
+        return desc_high(self.v_lbo, self.sbo)
+
+
+# -- what the kernel's code assumes of the hardware (checked against the ISA by wgmma_model) ----
+def acc_row(thread, reg):
+    """The row (within the warpgroup's 64) of accumulator register ``reg`` of ``thread``: warp
+    ``w`` holds rows ``16w + lane / 4`` and ``+ 8``; ints or TIR expressions."""
+    return thread // 32 * 16 + thread % 32 // 4 + 8 * (reg % 4 // 2)
+
+
+def acc_col(thread, reg):
+    """The column of accumulator register ``reg`` of ``thread``: four registers per 8 columns,
+    columns ``2·(lane % 4)`` and ``+ 1`` of each row."""
+    return reg // 4 * 8 + 2 * (thread % 4) + reg % 2
+
+
+def p_pair(kk: int, q: int) -> int:
+    """P's A fragment: register ``q`` (0-3) of k16 step ``kk`` packs score registers ``2i`` (low
+    half) and ``2i + 1`` of ``i = 4·kk + q`` (the helper's packing order)."""
+    return 4 * kk + q
+
+
+def full_parity(j, stages):
+    """The phase parity a consumer waits for on key tile ``j``'s full barrier: its stage's
+    ``(j // stages)``-th fill."""
+    return j // stages % 2
+
+
+def empty_parity(j, stages):
+    """The phase parity the producer waits for on tile ``j``'s stage's empty barrier (``j >=
+    stages``): the release of tile ``j − stages``."""
+    return (j // stages - 1) % 2
+
+
+def tensor_map(cols: int, rows, planes, box_rows: int, itemsize: int = 2):
+    """The arguments of ``cuTensorMapEncodeTiled`` for a tensor viewed as ``(cols, rows, planes)``
+    (innermost first): dims, byte strides of dims 1 and 2, the box (64 columns × ``box_rows`` ×
+    1), element strides."""
+    return ((cols, rows, planes), (cols * itemsize, rows * cols * itemsize), (SLAB_COLS, box_rows, 1), (1, 1, 1))
