@@ -13,7 +13,7 @@ from tvm.target import Target
 
 from ..spec import AttentionSpec
 
-from . import cuda_mma, cuda_simt
+from . import cuda_hopper, cuda_mma, cuda_simt
 from .family import never_static_decode
 
 NAME = "fused"
@@ -26,7 +26,13 @@ def _by_spec(spec: AttentionSpec, target: Target):
 
 
 def _by_knobs(knobs):
+    if isinstance(knobs, cuda_hopper.HopperKnobs):
+        return cuda_hopper
     return cuda_mma if isinstance(knobs, cuda_mma.MMAKnobs) else cuda_simt
+
+
+#: ``attn.workload`` -> the kernel's family (a tuning log's record, a scheduled function)
+_FAMILIES = {"fused_mma": cuda_mma, "fused_wgmma": cuda_hopper}
 
 
 def preset(spec: AttentionSpec, target: Target):
@@ -58,7 +64,7 @@ def tile_candidates(spec: AttentionSpec, target: Target):
 
 
 def _by_workload(func):
-    return cuda_mma if str(func.attrs["attn.workload"]) == "fused_mma" else cuda_simt
+    return _FAMILIES.get(str(func.attrs["attn.workload"]), cuda_simt)
 
 
 def knobs_of(sch: s_tir.Schedule, lanes: int = 0, base=None):
@@ -66,14 +72,14 @@ def knobs_of(sch: s_tir.Schedule, lanes: int = 0, base=None):
 
 
 def workload_knobs(func):
-    """The knobs ``func`` (a workload of either kernel) was generated with."""
+    """The knobs ``func`` (a workload of any of the CUDA kernels) was generated with."""
     return _by_workload(func).workload_knobs(func)
 
 
 def from_attrs(attrs, base=None):
     """The knobs the attrs of a workload of either kernel record (its ``attn.workload`` says which)."""
     kind = str(attrs["attn.workload"]) if attrs is not None and "attn.workload" in attrs else None
-    return (cuda_mma if kind == "fused_mma" else cuda_simt).from_attrs(attrs, base)
+    return _FAMILIES.get(kind, cuda_simt).from_attrs(attrs, base)
 
 
 def for_layout(knobs, spec: AttentionSpec, target: Target, tuned_at: AttentionSpec | None = None):

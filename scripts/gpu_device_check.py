@@ -23,6 +23,7 @@ the budget by more than one measurement.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import os
@@ -142,7 +143,91 @@ def preload_runtime(payload: Path, manifests: list[dict]) -> None:
 
 
 #: a static shape's row names the symbolic build of each kernel that is timed there too
-DYN_NAMES = {"fused_tc": "tc_dyn", "fused_simt": "simt_dyn"}
+DYN_NAMES = {"fused_tc": "tc_dyn", "fused_simt": "simt_dyn", "fused_hopper": "hopper_dyn"}
+#: kernels not yet run on a GPU: each first runs once in a child process (``--smoke``), so that a
+#: hang or a fault (which poisons the CUDA context) costs that kernel alone, not the check
+UNPROVEN = ("fused_hopper",)
+SMOKE_SECONDS = 60.0  # per kernel, the child's start included
+
+
+def smoke_child(payload: Path, dirs: list[str]) -> int:
+    """``--smoke``: load and run each kernel once on its own shape (symbolic ones at a small one),
+    validate it, and print one ``SMOKE`` line per kernel as it finishes."""
+    import torch
+
+    import tvm_attention
+    from tvm_attention.spec import AttentionSpec
+
+    torch_dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+    for i, d in enumerate(dirs):
+        print(f"SMOKE start {d}", flush=True)
+        try:
+            spec = AttentionSpec.from_dict(json.loads((payload / d / "manifest.json").read_text())["spec"])
+            if spec.dynamic:  # an awkward shape: tails in both lengths, a batch of 2
+                spec = dataclasses.replace(spec, dynamic=(), batch=2, seq_q=300, seq_kv=517)
+            kernel = tvm_attention.load(payload / d)
+            gen = torch.Generator(device="cuda").manual_seed(i)
+            q, k, v = (torch.randn(s, device="cuda", dtype=torch_dtype[spec.dtype], generator=gen)
+                       for s in (spec.q_shape, spec.kv_shape, spec.kv_shape))
+            res = validate(torch, spec, kernel, q, k, v, seed=i)
+            torch.cuda.synchronize()
+            print(f"SMOKE {'ok' if res['passed'] else 'invalid'} {d} {res['max_abs_err']}", flush=True)
+        except Exception as e:  # noqa: BLE001 - a Python-level error: reported, the next kernel runs
+            print(f"SMOKE error {d} {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}", flush=True)
+    return 0
+
+
+def smoke(payload: Path, kernels: list[dict], seconds: float = SMOKE_SECONDS, child: list[str] | None = None
+          ) -> dict[str, str]:
+    """Run ``kernels`` once each in child processes (``smoke_child``; ``child``: the command that
+    runs it, this script by default); returns dir -> why it failed ("hang", "crash (exit N)",
+    "invalid ERR", "error ...") for those that did not pass. A child that hangs past ``seconds`` on
+    one kernel, or dies, costs that kernel: the next child starts after it."""
+    import subprocess
+    import threading
+
+    failed: dict[str, str] = {}
+    todo = [k["dir"] for k in kernels]
+    while todo:
+        cmd = [*(child or [sys.executable, str(Path(__file__).resolve())]), "--payload", str(payload), "--smoke", *todo]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        lines: list[str] = []
+        reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
+        reader.start()
+        current, deadline, seen = None, time.time() + seconds, 0
+        while proc.poll() is None and time.time() < deadline:
+            time.sleep(0.2)
+            for ln in lines[seen:]:
+                parts = ln.split(maxsplit=3)
+                if len(parts) >= 3 and parts[0] == "SMOKE":
+                    if parts[1] == "start":
+                        current, deadline = parts[2], time.time() + seconds
+                    else:
+                        todo.remove(parts[2])
+                        current = None
+                        if parts[1] != "ok":
+                            failed[parts[2]] = f"{parts[1]} {parts[3].strip() if len(parts) > 3 else ''}".strip()
+            seen = len(lines)
+        if proc.poll() is None:
+            proc.kill()
+            why = "hang"
+        else:
+            why = f"crash (exit {proc.returncode})"
+        reader.join(timeout=5)
+        for ln in lines[seen:]:  # the child's last words
+            parts = ln.split(maxsplit=3)
+            if len(parts) >= 3 and parts[0] == "SMOKE" and parts[1] != "start" and parts[2] in todo:
+                todo.remove(parts[2])
+                if parts[1] != "ok":
+                    failed[parts[2]] = f"{parts[1]} {parts[3].strip() if len(parts) > 3 else ''}".strip()
+        if current is not None and current in todo:
+            failed[current] = f"{why}: {''.join(lines[-3:]).strip()[:300]}"
+            todo.remove(current)
+        elif todo and proc.returncode not in (0, None):
+            failed[todo.pop(0)] = why
+        elif todo and why == "hang":
+            failed[todo.pop(0)] = why
+    return failed
 #: (batch, seq_q, seq_kv) every symbolic kernel is validated at: one key, key tails, Sq > Skv, a
 #: decode row over a long cache, no key (zero rows), a batch of 3 (the grid's z)
 AWKWARD = [(1, 1, 1), (3, 37, 45), (1, 113, 203), (3, 1, 517), (1, 300, 45), (2, 37, 1), (1, 5, 0),
@@ -407,7 +492,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--min-ms", type=float, default=30.0, help="per timing round")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--no-flex", action="store_true", help="skip FlexAttention (its compiles take the longest)")
+    p.add_argument("--smoke", nargs="+", default=None, help=argparse.SUPPRESS)  # the child of smoke()
     a = p.parse_args(argv)
+    if a.smoke:
+        return smoke_child(Path(a.payload), a.smoke)
     t_start = time.time()
     import torch
 
@@ -426,6 +514,11 @@ def main(argv: list[str] | None = None) -> int:
     from tvm_attention.validate import TOLERANCES
 
     every = [k for k in info["kernels"] if k["arch"] == arch and "error" not in k]
+    unproven = [k for k in every if k["kernel"] in UNPROVEN]
+    smoked = smoke(Path(a.payload), unproven) if unproven else {}
+    for d, why in smoked.items():
+        print(f"first run of {d}: {why}", flush=True)
+    every = [k for k in every if k["dir"] not in smoked]
     variant = [k for k in every if AttentionSpec.from_dict(k["spec"]).variants]  # checked on their own
     ready = [k for k in every if k not in variant]
     varlen = [k for k in ready if k["spec"].get("layout", "bhsd") == "varlen"]
@@ -550,25 +643,38 @@ def main(argv: list[str] | None = None) -> int:
     def f(x, spec="{:.1f}"):
         return spec.format(x) if isinstance(x, float) else "-"
 
+    hop = any("fused_hopper" in row["tflops"] or "fused_hopper" in row["errors"] for row in rows.values())
     lines = [f"GPU check on {device_name} ({arch}), {time.strftime('%Y-%m-%d')}: TFLOP/s (4·B·H·Sq·Skv·D, halved "
              f"causal); "
              f"peak = dense fp16/bf16 tensor-core peak {peak} TFLOP/s", "",
-             "| dtype | D | causal | S | B×H | ours (tc) | ours (simt) | tc, symbolic | simt, symbolic | tc, varlen "
-             "| simt, varlen | flash | cuDNN | flex | best ours % peak | tc/flash | tc/cuDNN | tc/flex | valid |",
-             "|" + "---|" * 19]
+             "| dtype | D | causal | S | B×H | " + ("ours (hopper) | hopper, symbolic | " if hop else "")
+             + "ours (tc) | ours (simt) | tc, symbolic | simt, symbolic | tc, varlen "
+             "| simt, varlen | flash | cuDNN | flex | best ours % peak | tc/flash | tc/cuDNN | tc/flex | "
+             + ("hopper/flash | hopper/cuDNN | hopper/flex | " if hop else "") + "valid |",
+             "|" + "---|" * (24 if hop else 19)]
     for key, row in rows.items():
         sp = AttentionSpec.from_dict(row["spec"])
         t = row["tflops"]
-        best = max([t[x] for x in ("fused_tc", "fused_simt") if x in t], default=None)
-        ratio = lambda peer: (t["fused_tc"] / t[peer]) if "fused_tc" in t and t.get(peer) else None  # noqa: E731
+        best = max([t[x] for x in ("fused_tc", "fused_simt", "fused_hopper") if x in t], default=None)
+
+        def ratio(peer, ours="fused_tc", t=t):
+            return t[ours] / t[peer] if ours in t and t.get(peer) else None
+
         valid = all(v.get("passed") for v in row.get("validation", {}).values()) and bool(row.get("validation"))
         lines.append(f"| {sp.dtype} | {sp.head_dim} | {sp.causal} | {sp.seq_q} | {sp.batch}×{sp.heads} | "
-                     f"{f(t.get('fused_tc'))} | {f(t.get('fused_simt'))} | {f(t.get('tc_dyn'))} | "
+                     + (f"{f(t.get('fused_hopper'))} | {f(t.get('hopper_dyn'))} | " if hop else "")
+                     + f"{f(t.get('fused_tc'))} | {f(t.get('fused_simt'))} | {f(t.get('tc_dyn'))} | "
                      f"{f(t.get('simt_dyn'))} | {f(t.get('tc_varlen'))} | {f(t.get('simt_varlen'))} | "
                      f"{f(t.get('flash'))} | {f(t.get('cudnn'))} | "
                      f"{f(t.get('flex'))} | {f(100 * best / peak if best and peak else None)} | "
                      f"{f(ratio('flash'), '{:.2f}')} | {f(ratio('cudnn'), '{:.2f}')} | {f(ratio('flex'), '{:.2f}')} | "
-                     f"{valid} |")
+                     + "".join(f"{f(ratio(p_, 'fused_hopper'), '{:.2f}')} | " for p_ in ("flash", "cudnn", "flex")
+                               if hop)
+                     + f"{valid} |")
+    if unproven:
+        lines += ["", f"First runs of kernels not yet run on a GPU, each in a child process: "
+                      f"{len(unproven) - len(smoked)}/{len(unproven)} passed"]
+        lines += [f"- {d}: {why}" for d, why in smoked.items()]
     lines += ["", f"Symbolic kernels at awkward shapes (batch, seq_q, seq_kv): "
               f"{sum(c['passed'] for c in awkward)}/{len(awkward)} valid"]
     lines += [f"- {c['kernel']} {tuple(c['shape'])}: {c.get('error') or c.get('max_abs_err')}"
@@ -600,6 +706,7 @@ def main(argv: list[str] | None = None) -> int:
     table = "\n".join(lines)
     imported = sorted(m for m in sys.modules if m == "tvm" or m.startswith("tvm.") or m.startswith("tvm_attention.build"))
     report = {"device": device_name, "arch": arch, "peak_tflops": peak, "torch": torch.__version__, "rows": rows,
+              "first_runs": {"kernels": [k["dir"] for k in unproven], "failed": smoked},
               "symbolic": awkward, "varlen": ragged, "cache": caches, "decode": decode, "variants": variants,
               "stream_read_bytes_per_s": stream,
               "seconds": round(time.time() - t_start, 1), "imported_tvm": imported}
@@ -609,10 +716,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\ntotal {time.time() - t_start:.0f} s; tvm imported: {imported or 'no'}")
     failed = [key for key, row in rows.items()
               if any(not v.get("passed") for v in row.get("validation", {}).values())
-              or any(k in row["errors"] for k in ("fused_tc", "fused_simt", *DYN_NAMES.values(),
+              or any(k in row["errors"] for k in ("fused_tc", "fused_simt", "fused_hopper", *DYN_NAMES.values(),
                                                   *VARLEN_NAMES.values()))]
     bad_decode = [e for e in decode if "error" in e or not e.get("validation", {}).get("passed")]
-    return 1 if failed or imported or bad_decode or not all(c["passed"] for c in awkward + ragged + caches + variants) else 0
+    return 1 if failed or smoked or imported or bad_decode or not all(c["passed"] for c in awkward + ragged + caches + variants) else 0
 
 
 if __name__ == "__main__":

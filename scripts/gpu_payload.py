@@ -25,6 +25,7 @@ measured 2026-12-02); the script refuses to write more.
 
     python scripts/gpu_payload.py --out gpu_payload --wheel        # the full check, sm_90 and sm_80
     python scripts/gpu_payload.py --out p --seq 1024 --head-dim 64 --dtype float16 --arch sm_90  # small
+    python scripts/gpu_payload.py --out gpu_payload --hopper --wheel   # the Hopper kernel's table (sm_90)
 """
 from __future__ import annotations
 
@@ -42,7 +43,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable from a source checkout
 
 REPO = Path(__file__).resolve().parents[1]
-KERNELS = ("fused_tc", "fused_simt")
+KERNELS = ("fused_tc", "fused_simt", "fused_hopper")
+#: the kernels a payload builds unless told (the Hopper kernel: ``--hopper``)
+DEFAULT_KERNELS = ("fused_tc", "fused_simt")
+#: ``--hopper``: the Hopper issue's table, one run of at most 5 minutes on an H100/H200: the Hopper
+#: kernel next to the mma.sync one and the peers at FlashAttention's shapes, fp16/bf16, D 64/128,
+#: S 1k-16k, causal and not, sm_90 only, a symbolic Hopper build per (dtype, D, causal)
+HOPPER = dict(arch=["sm_90"], kernels=["fused_hopper", "fused_tc"], symbolic=True, cache=False, variants=False,
+              varlen=False)
 #: the symbolic kernels' dims (``--symbolic``): validated at awkward shapes on the device, and timed
 #: at each static shape next to the static kernels (the price of not knowing the lengths)
 SYMBOLIC = ("batch", "seq_q", "seq_kv")
@@ -102,8 +110,12 @@ def jobs_for(a: argparse.Namespace, kernels_dir: Path) -> list[dict]:
 
     jobs = []
 
-    def add(spec, arch):  # a build of each kernel
+    def add(spec, arch):  # a build of each kernel that builds this spec
         for k in a.kernels:
+            if k == "fused_hopper" and (arch != "sm_90" or spec.layout != "bhsd" or spec.variants):
+                continue  # the Hopper kernel builds bhsd on sm_90 (docs/cuda.md)
+            if k != "fused_hopper" and a.hopper and spec.dynamic:
+                continue  # --hopper: the symbolic builds are the Hopper kernel's
             jobs.append({"spec": spec.to_dict(), "kernel": k, "arch": arch,
                          "dir": str(kernels_dir / arch / f"{k}_{spec.short_name()}")})
 
@@ -179,7 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--head-dim", type=int, nargs="+", default=[64, 128])
     p.add_argument("--dtype", nargs="+", default=["float16", "bfloat16"])
     p.add_argument("--causal", nargs="+", type=lambda t: t.lower() in ("1", "true", "yes"), default=[False, True])
-    p.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=list(KERNELS))
+    p.add_argument("--kernels", nargs="+", default=list(DEFAULT_KERNELS), choices=list(KERNELS))
+    p.add_argument("--hopper", action="store_true",
+                   help="the Hopper kernel's payload: " + ", ".join(f"--{k} {v}" for k, v in HOPPER.items()))
     p.add_argument("--symbolic", action=argparse.BooleanOptionalAction, default=True,
                    help="also a symbolic-shape build of each kernel per (arch, dtype, head_dim, causal)")
     p.add_argument("--cache", action=argparse.BooleanOptionalAction, default=True,
@@ -193,6 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel builds")
     p.add_argument("--wheel", action="store_true", help="download tvm-ffi's cp312 wheel into the payload")
     a = p.parse_args(argv)
+    if a.hopper:
+        for key, value in HOPPER.items():
+            setattr(a, key, value)
 
     from tvm_attention.cuda_tools import find_nvcc
     from tvm_attention.runtime import compiler_runtime_paths

@@ -96,6 +96,18 @@ def test_payload_plans_every_kernel_kind(tmp_path):
     assert len({j["dir"] for j in jobs}) == len(jobs)
 
 
+def test_hopper_payload_plan(tmp_path):
+    """``--hopper``: sm_90 only; each static shape on the Hopper kernel beside the mma.sync one,
+    and a symbolic Hopper build per (dtype, head_dim, causal); nothing else (one short run)."""
+    jobs = planned_jobs(tmp_path, ["--hopper", "--seq", "1024", "4096", "--head-dim", "64", "--dtype", "bfloat16"])
+    assert {j["arch"] for j in jobs} == {"sm_90"}
+    kinds = [(j["kernel"], bool(j["spec"].get("dynamic")), j["spec"]["seq_q"]) for j in jobs]
+    per_causal = [("fused_hopper", False, 1024), ("fused_tc", False, 1024), ("fused_hopper", False, 4096),
+                  ("fused_tc", False, 4096), ("fused_hopper", True, 4096)]
+    assert kinds == per_causal * 2
+    assert {j["spec"].get("layout", "bhsd") for j in jobs} == {"bhsd"}
+
+
 def test_payload_is_small_and_self_contained(payload, tmp_path):
     size = sum(f.stat().st_size for f in payload.rglob("*") if f.is_file())
     # 8 CUDA-core kernels and the runtime; the 16 with the tensor-core ones stayed under 12 MiB, and

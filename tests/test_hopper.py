@@ -6,6 +6,7 @@ loads without spills or serialized products; the refusals. Its GPU run is the pa
 (``scripts/gpu_payload.py --hopper``)."""
 import dataclasses
 import functools
+import os
 
 import numpy as np
 import pytest
@@ -157,12 +158,16 @@ def hopper_build(spec: AttentionSpec):
     return build_kernel(spec, "fused_hopper", target=SM90)
 
 
-#: (head_dim, dtype, causal, symbolic, lse): each head dim and dtype, causal or not, a symbolic build
+#: (head_dim, dtype, causal, symbolic, lse): each head dim and dtype, causal or not, a symbolic build;
+#: the whole product (16 builds, docs/cuda.md) with TVMA_CUDA_SWEEP=1 (scripts/cuda_build_sweep.py)
 BUILDS = [
     (128, "float16", True, False, False),
     (64, "bfloat16", False, False, False),
     (128, "bfloat16", False, True, True),
 ]
+if os.environ.get("TVMA_CUDA_SWEEP"):
+    BUILDS = [(d, dt, c, dyn, dyn) for d in (64, 128) for dt in ("float16", "bfloat16") for c in (False, True)
+              for dyn in (False, True)]
 
 
 @needs_nvcc
@@ -227,3 +232,51 @@ def test_knob_checks():
     # the workload records its knobs: the tuner's logs regenerate it from them
     func = cuda_hopper.workload(spec, cands[-1])
     assert cuda_hopper.workload_knobs(func) == cands[-1]
+
+
+FAKE_CHILD = r"""
+import os, sys, time
+dirs = sys.argv[sys.argv.index("--smoke") + 1:]
+for d in dirs:
+    print("SMOKE start", d, flush=True)
+    if d.startswith("hang"):
+        time.sleep(60)
+    if d.startswith("crash"):
+        os._exit(3)
+    print("SMOKE", "invalid" if d.startswith("bad") else "ok", d, "0.5", flush=True)
+"""
+
+
+def test_first_runs_isolate_hangs_and_crashes(tmp_path):
+    """The device check runs a kernel not yet run on a GPU first in a child process: a kernel that
+    hangs or kills its process costs itself alone, the others still run and pass."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    try:
+        check = importlib.import_module("gpu_device_check")
+    finally:
+        sys.path.pop(0)
+    child = tmp_path / "child.py"
+    child.write_text(FAKE_CHILD)
+    dirs = ["ok1", "hang1", "ok2", "crash1", "bad1", "ok3"]
+    failed = check.smoke(tmp_path, [{"dir": d} for d in dirs], seconds=3, child=[sys.executable, str(child)])
+    assert set(failed) == {"hang1", "crash1", "bad1"}
+    assert failed["hang1"].startswith("hang") and failed["crash1"].startswith("crash (exit 3)")
+    assert failed["bad1"] == "invalid 0.5"
+
+
+def test_tune_tasks_are_the_candidates():
+    """``tune --schedule fused_hopper``: one task per candidate, the preset first, each workload the
+    one ``build`` makes for its knobs (the logs regenerate it from its attrs)."""
+    from tvm_attention.schedules import cuda_fused
+    from tvm_attention.tune.tasks import make_tasks
+
+    spec = AttentionSpec(batch=1, heads=16, seq_q=4096, head_dim=128, dtype="bfloat16", causal=True)
+    tasks = make_tasks(spec, SM90, "fused_hopper")
+    cands = cuda_hopper.tile_candidates(spec, SM90)
+    assert [t.name for t in tasks] == [f"fused_hopper_m{k.block_m}_n{k.block_n}_s{k.stages}_p{k.pingpong}"
+                                       for k in cands]
+    assert [cuda_fused.workload_knobs(t.mod["main"]) for t in tasks] == cands

@@ -272,7 +272,8 @@ def _add_build_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--schedule", default="fused", choices=SCHEDULE_CHOICES,
                    help="fused (default; on CUDA: tensor cores for fp16/bf16 on sm_80+, else CUDA cores), "
                         "materialized (global S×S baseline), rowcache (two-pass, row buffer); CUDA only: "
-                        "fused_tc (tensor cores) or fused_simt (CUDA cores) explicitly")
+                        "fused_tc (tensor cores) or fused_simt (CUDA cores) explicitly, fused_hopper (sm_90: TMA, "
+                        "wgmma, warp specialization)")
     g.add_argument("--knobs", default=None,
                    help='hand-schedule knob overrides as JSON, e.g. \'{"block_n": 128}\' (no tuning log is read)')
     g.add_argument("--threads", type=int, default=None, help="runtime threads (default: all cores)")
@@ -1022,8 +1023,8 @@ def _add_tune_parser(sub) -> None:
     g = p.add_argument_group("search")
     g.add_argument("--target", default="llvm", help="'llvm' (this CPU, default), 'cuda', or a JSON target")
     g.add_argument("--arch", default=None, help="CUDA architecture for --target cuda (default: the local GPU's)")
-    g.add_argument("--schedule", default="fused", choices=["fused", "materialized", "rowcache"], action=_Given,
-                   help="the schedule family whose space is searched")
+    g.add_argument("--schedule", default="fused", choices=["fused", "materialized", "rowcache", "fused_hopper"],
+                   action=_Given, help="the schedule family whose space is searched (fused_hopper: CUDA sm_90)")
     g.add_argument("--trials", type=int, default=64, action=_Given,
                    help="total measured trials in the log (resume counts them)")
     g.add_argument("--work-dir", default=None,

@@ -22,7 +22,7 @@ from typing import Any
 import tvm
 from tvm.target import Target
 
-from ..schedules import (SCHEDULES, UnknownScheduleError, cpu_fused, cpu_materialized, cpu_rowcache, cuda_mma, cuda_simt,
+from ..schedules import (SCHEDULES, UnknownScheduleError, cpu_fused, cpu_materialized, cpu_rowcache, cuda_hopper, cuda_mma, cuda_simt,
                          get_schedule)
 from ..schedules._knobs import KnobError
 from ..spec import AttentionSpec
@@ -142,9 +142,12 @@ def _cuda_tasks(spec: AttentionSpec, target: Target, schedule: str) -> list[Task
     regenerates (``task_mods.regenerate``), every knob the workload takes included (``split_tasks``)."""
     from tvm.s_tir import meta_schedule as ms
 
-    if schedule != "fused":
-        raise ValueError(f"schedule {schedule!r} cannot be tuned for cuda yet; tunable: fused")
-    if cuda_mma.supports(spec, target):
+    if schedule not in ("fused", "fused_hopper"):
+        raise ValueError(f"schedule {schedule!r} cannot be tuned for cuda yet; tunable: fused, fused_hopper")
+    if schedule == "fused_hopper":
+        # Hopper: one task per feasible (block_m, block_n, stages, pingpong), the preset first
+        family, name = cuda_hopper, "fused_hopper_m{k.block_m}_n{k.block_n}_s{k.stages}_p{k.pingpong}"
+    elif cuda_mma.supports(spec, target):
         # tensor cores: one task per feasible (warps, block_n, stages, m_tiles), the preset first
         family, name = cuda_mma, "fused_w{k.warps}_n{k.block_n}_s{k.stages}_m{k.m_tiles}"
     else:

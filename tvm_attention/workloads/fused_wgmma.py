@@ -89,15 +89,16 @@ def _helpers(plan: SmemPlan, dtype: str, consumers: int) -> dict[str, str]:
             f"    unsigned long long db = {plan.qk_desc_high}ull | ((k + {plan.k_step(kk)}u) >> 4);\n"
             f'    asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{ns + 2}, 0;\\n"\n'
             f'      "wgmma.mma_async.sync.aligned.m64n{BN}k16.f32.{ab}.{ab} {{{regs(ns)}}}, %{ns}, %{ns + 1}, p, 1, 1, 0, 0;\\n}}\\n"\n'
-            f'      : {outs("s", ns)} : "l"(da), "l"(db), "n"({int(kk > 0)})); }}\n')
+            f'      : {outs("s", ns)} : "l"(da), "l"(db), "r"({int(kk > 0)})); }}\n')
     pv_steps = []
     for kk in range(plan.pv_steps):
         pv_steps.append(
             f"  {{ unsigned long long db = {plan.pv_desc_high}ull | ((v + {plan.v_step(kk)}u) >> 4);\n"
-            f'    asm volatile("wgmma.mma_async.sync.aligned.m64n{D}k16.f32.{ab}.{ab} {{{regs(no)}}}, '
-            f'{{{regs(4, no)}}}, %{no + 4}, 1, 1, 1, 1;\\n"\n'
+            f'    asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{no + 5}, 0;\\n"\n'
+            f'      "wgmma.mma_async.sync.aligned.m64n{D}k16.f32.{ab}.{ab} {{{regs(no)}}}, '
+            f'{{{regs(4, no)}}}, %{no + 4}, p, 1, 1, 1;\\n}}\\n"\n'
             f'      : {outs("o", no)} : "r"(a[{4 * kk}]), "r"(a[{4 * kk + 1}]), "r"(a[{4 * kk + 2}]), '
-            f'"r"(a[{4 * kk + 3}]), "l"(db)); }}\n')
+            f'"r"(a[{4 * kk + 3}]), "l"(db), "r"(1)); }}\n')
     sfx = f"{ab}_{D}_{BN}_{plan.block_m}_{plan.stages}"
     return {
         "hop_smem_base": r"""
@@ -387,33 +388,37 @@ def fused_attention_wgmma(spec: AttentionSpec, block_m: int, block_n: int, stage
             for hh in T.thread_binding(H, thread="blockIdx.y"):
                 for bb in T.thread_binding(B, thread="blockIdx.z"):
                     for tid in T.thread_binding(THREADS, thread="threadIdx.x"):
-                        with T.sblock("tile"):
-                            T.reads()
-                            T.writes()
-                            smem = T.sblock_alloc_buffer((plan.alloc_bytes,), "uint8", scope="shared.dyn")
-                            S = T.sblock_alloc_buffer((NSR,), "float32", scope="local")
-                            Oa = T.sblock_alloc_buffer((NOR,), "float32", scope="local")
-                            m = T.sblock_alloc_buffer((2,), "float32", scope="local")
-                            l = T.sblock_alloc_buffer((2,), "float32", scope="local")
-                            mt = T.sblock_alloc_buffer((2,), "float32", scope="local")
-                            sb: T.uint32 = call("hop_smem_base", T.address_of(smem[0]), ret="uint32")
-                            row0 = ((nrt - 1 - bx) if causal else bx) * BM
-                            nt = n_tiles(row0)
-                            if tid == 0:
-                                T.evaluate(call("hop_mbar_init", sb + plan.bar_full_q(), 1))
-                                for s in T.unroll(NS):
-                                    T.evaluate(call("hop_mbar_init", sb + plan.bar_full_k(s), 1))
-                                    T.evaluate(call("hop_mbar_init", sb + plan.bar_full_v(s), 1))
-                                    T.evaluate(call("hop_mbar_init", sb + plan.bar_empty(s), nthr))
-                                T.evaluate(call("hop_fence_init"))
-                            T.tvm_storage_sync("shared")
-                            if tid < WARPGROUP:
-                                T.evaluate(call("hop_regs_producer"))
+                        # one block an SM: ptxas then knows the registers at entry (65536 / threads) and
+                        # sizes the consumers' code by setmaxnreg's 240, not by that share
+                        with T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", 1):
+                            with T.sblock("tile"):
+                                T.reads()
+                                T.writes()
+                                smem = T.sblock_alloc_buffer((plan.alloc_bytes,), "uint8", scope="shared.dyn")
+                                S = T.sblock_alloc_buffer((NSR,), "float32", scope="local")
+                                Oa = T.sblock_alloc_buffer((NOR,), "float32", scope="local")
+                                m = T.sblock_alloc_buffer((2,), "float32", scope="local")
+                                l = T.sblock_alloc_buffer((2,), "float32", scope="local")
+                                mt = T.sblock_alloc_buffer((2,), "float32", scope="local")
+                                sb: T.uint32 = call("hop_smem_base", T.address_of(smem[0]), ret="uint32")
+                                row0 = ((nrt - 1 - bx) if causal else bx) * BM
+                                nt = n_tiles(row0)
                                 if tid == 0:
-                                    producer(sb, row0, bb * H + hh, bb * KH + hh // G, nt)
-                            else:
-                                T.evaluate(call("hop_regs_consumer"))
-                                consumer(sb, O, S, Oa, m, l, mt, tid, row0, bb, hh, nt)
+                                    T.evaluate(call("hop_mbar_init", sb + plan.bar_full_q(), 1))
+                                    for s in T.unroll(NS):
+                                        T.evaluate(call("hop_mbar_init", sb + plan.bar_full_k(s), 1))
+                                        T.evaluate(call("hop_mbar_init", sb + plan.bar_full_v(s), 1))
+                                        T.evaluate(call("hop_mbar_init", sb + plan.bar_empty(s), nthr))
+                                    T.evaluate(call("hop_fence_init"))
+                                T.tvm_storage_sync("shared")
+                                if tid < WARPGROUP:
+                                    T.evaluate(call("hop_regs_producer"))
+                                    if tid == 0:
+                                        producer(sb, row0, bb * H + hh, bb * KH + hh // G, nt)
+                                else:
+                                    T.evaluate(call("hop_regs_consumer"))
+                                    consumer(sb, O, S, Oa, m, l, mt, tid, row0, bb, hh, nt)
+
 
     func = attention
     if lse:
