@@ -15,6 +15,7 @@ this one (docs/cuda.md).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 from tvm import s_tir
 from tvm.target import Target
@@ -43,6 +44,9 @@ class HopperKnobs(KnobsMixin):
     block_n: int = 128  # keys per K/V tile: wgmma's N of S = Q·Kᵀ and its k extent for P·V
     stages: int = 2  # K/V tiles in flight (TMA, one full and one empty mbarrier a stage)
     pingpong: int = 1  # two consumers take turns to issue their products (1) or issue freely (0)
+    #: tile j's S = Q·Kᵀ issued with tile j − 1's P·V, the softmax under that product (1; needs
+    #: 2 stages: V of tile j − 1 is read while K of tile j lands), or each tile in turn (0)
+    overlap: int = 1
 
     @property
     def threads(self) -> int:
@@ -50,7 +54,7 @@ class HopperKnobs(KnobsMixin):
 
 
 #: FlashAttention-3's forward tiles for 16-bit inputs: 128 query rows in two consumer warpgroups
-#: and 128-key tiles, two stages (D=128: 160 KiB of shared memory; D=64: 80 KiB, room for a
+#: in ping-pong, each overlapping its softmax with its next product, and 128-key tiles, two stages (D=128: 160 KiB of shared memory; D=64: 80 KiB, room for a
 #: third stage the search may take). Not yet timed on a GPU.
 _PRESETS = {64: {"block_m": 128, "block_n": 128, "stages": 2}, 128: {"block_m": 128, "block_n": 128, "stages": 2}}
 
@@ -81,6 +85,9 @@ def shared_bytes(knobs: HopperKnobs, spec: AttentionSpec) -> int:
 #: Measured with nvcc 13 (sm_90a, setmaxnreg 240): fragments of 160 (D=128, block_n=128) and 176
 #: (D=64, block_n=192) built without a spill; 196 (D=128, block_n=176) spilled 72 bytes
 REGISTER_OVERHEAD = 56
+#: the widest key tile of the overlapped form: nvcc 13 spilled 360-760 bytes at 176 and 192 keys
+#: (D=64, one or two consumers), none at 128
+OVERLAP_MAX_BLOCK_N = 128
 
 
 def registers_estimate(knobs: HopperKnobs, spec: AttentionSpec) -> int:
@@ -103,8 +110,14 @@ def check(knobs: HopperKnobs, spec: AttentionSpec, target: Target) -> None:
         v = getattr(knobs, name)
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
             raise KnobError(f"{name} must be a positive int, got {v!r}")
-    if knobs.pingpong not in (0, 1):
-        raise KnobError(f"pingpong must be 0 or 1, got {knobs.pingpong!r}")
+    for name in ("pingpong", "overlap"):
+        if getattr(knobs, name) not in (0, 1):
+            raise KnobError(f"{name} must be 0 or 1, got {getattr(knobs, name)!r}")
+    if knobs.overlap and knobs.stages < 2:
+        raise KnobError("overlap needs stages >= 2 (tile j − 1's V is read while tile j's K lands)")
+    if knobs.overlap and knobs.block_n > OVERLAP_MAX_BLOCK_N:
+        raise KnobError(f"overlap with block_n={knobs.block_n} > {OVERLAP_MAX_BLOCK_N}: tile j's scores and tile "
+                        f"j − 1's P do not fit the consumers' registers beside the output (it spilled)")
     if knobs.block_m not in (64, 128):
         raise KnobError(f"block_m={knobs.block_m}: one or two consumer warpgroups of 64 rows (64 or 128)")
     if knobs.pingpong and knobs.block_m != 128:
@@ -122,7 +135,8 @@ def check(knobs: HopperKnobs, spec: AttentionSpec, target: Target) -> None:
 
 
 def workload(spec: AttentionSpec, knobs: HopperKnobs):
-    return fused_attention_wgmma(spec, knobs.block_m, knobs.block_n, knobs.stages, bool(knobs.pingpong))
+    return fused_attention_wgmma(spec, knobs.block_m, knobs.block_n, knobs.stages, bool(knobs.pingpong),
+                                 bool(knobs.overlap))
 
 
 def apply(sch: s_tir.Schedule, knobs: HopperKnobs, spec: AttentionSpec) -> s_tir.Schedule:
@@ -137,19 +151,18 @@ def design_space(spec: AttentionSpec, target: Target):
 
 
 def tile_candidates(spec: AttentionSpec, target: Target) -> list[HopperKnobs]:
-    """Feasible (block_m, block_n, stages, pingpong) for tuning, the preset first."""
+    """Feasible (block_m, block_n, stages, pingpong, overlap) for tuning, the preset first."""
     out = [preset(spec, target)]
     for block_m, pingpong in ((128, 1), (128, 0), (64, 0)):
-        for bn in (64, 128, 176, 192):
-            for stages in (2, 3, 4):
-                k = HopperKnobs(block_m=block_m, block_n=bn, stages=stages, pingpong=pingpong)
-                if k in out:
-                    continue
-                try:
-                    check(k, spec, target)
-                except KnobError:
-                    continue
-                out.append(k)
+        for bn, stages, overlap in itertools.product((64, 128, 176, 192), (2, 3, 4), (1, 0)):
+            k = HopperKnobs(block_m=block_m, block_n=bn, stages=stages, pingpong=pingpong, overlap=overlap)
+            if k in out:
+                continue
+            try:
+                check(k, spec, target)
+            except KnobError:
+                continue
+            out.append(k)
     return out
 
 

@@ -484,6 +484,52 @@ def stream_read(torch, min_ms: float, rounds: int) -> float:
     return buf.numel() * buf.element_size() / secs
 
 
+def fmt(x, spec="{:.1f}"):
+    return spec.format(x) if isinstance(x, float) else "-"
+
+
+def prefill_table(rows: dict, device_name: str, arch: str, peak, unproven: list, smoked: dict) -> list[str]:
+    """The prefill table's lines (``check.md``): one row per shape, our kernels and the peers,
+    the Hopper kernel's columns when the payload has it, then its first runs' outcome."""
+    from tvm_attention.spec import AttentionSpec
+
+    f = fmt
+    hop = any("fused_hopper" in row["tflops"] or "fused_hopper" in row["errors"] for row in rows.values())
+    lines = [f"GPU check on {device_name} ({arch}), {time.strftime('%Y-%m-%d')}: TFLOP/s (4·B·H·Sq·Skv·D, halved "
+             f"causal); "
+             f"peak = dense fp16/bf16 tensor-core peak {peak} TFLOP/s", "",
+             "| dtype | D | causal | S | B×H | " + ("ours (hopper) | hopper, no overlap | hopper, symbolic | " if hop else "")
+             + "ours (tc) | ours (simt) | tc, symbolic | simt, symbolic | tc, varlen "
+             "| simt, varlen | flash | cuDNN | flex | best ours % peak | tc/flash | tc/cuDNN | tc/flex | "
+             + ("hopper/flash | hopper/cuDNN | hopper/flex | " if hop else "") + "valid |",
+             "|" + "---|" * (25 if hop else 19)]
+    for key, row in rows.items():
+        sp = AttentionSpec.from_dict(row["spec"])
+        t = row["tflops"]
+        best = max([t[x] for x in ("fused_tc", "fused_simt", "fused_hopper") if x in t], default=None)
+
+        def ratio(peer, ours="fused_tc", t=t):
+            return t[ours] / t[peer] if ours in t and t.get(peer) else None
+
+        valid = all(v.get("passed") for v in row.get("validation", {}).values()) and bool(row.get("validation"))
+        lines.append(f"| {sp.dtype} | {sp.head_dim} | {sp.causal} | {sp.seq_q} | {sp.batch}×{sp.heads} | "
+                     + (f"{f(t.get('fused_hopper'))} | {f(t.get('hopper_seq'))} | {f(t.get('hopper_dyn'))} | "
+                        if hop else "")
+                     + f"{f(t.get('fused_tc'))} | {f(t.get('fused_simt'))} | {f(t.get('tc_dyn'))} | "
+                     f"{f(t.get('simt_dyn'))} | {f(t.get('tc_varlen'))} | {f(t.get('simt_varlen'))} | "
+                     f"{f(t.get('flash'))} | {f(t.get('cudnn'))} | "
+                     f"{f(t.get('flex'))} | {f(100 * best / peak if best and peak else None)} | "
+                     f"{f(ratio('flash'), '{:.2f}')} | {f(ratio('cudnn'), '{:.2f}')} | {f(ratio('flex'), '{:.2f}')} | "
+                     + "".join(f"{f(ratio(p_, 'fused_hopper'), '{:.2f}')} | " for p_ in ("flash", "cudnn", "flex")
+                               if hop)
+                     + f"{valid} |")
+    if unproven:
+        lines += ["", f"First runs of kernels not yet run on a GPU, each in a child process: "
+                      f"{len(unproven) - len(smoked)}/{len(unproven)} passed"]
+        lines += [f"- {d}: {why}" for d, why in smoked.items()]
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--payload", default=str(Path(__file__).resolve().parent))
@@ -540,7 +586,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def serves(k, kernel, spec):  # the symbolic build of ``kernel`` that serves a static shape
         s = AttentionSpec.from_dict(k["spec"])
-        return k["kernel"] == kernel and (s.dtype, s.head_dim, s.causal, s.heads) == \
+        return k["kernel"] == kernel and "column" not in k and (s.dtype, s.head_dim, s.causal, s.heads) == \
             (spec.dtype, spec.head_dim, spec.causal, spec.heads)
 
     def run(name, k, spec, row, q, kk, vv, seed):
@@ -582,7 +628,9 @@ def main(argv: list[str] | None = None) -> int:
         q = torch.randn(spec.q_shape, device="cuda", dtype=torch_dtype[spec.dtype], generator=gen)
         kk = torch.randn(spec.kv_shape, device="cuda", dtype=torch_dtype[spec.dtype], generator=gen)
         vv = torch.randn(spec.kv_shape, device="cuda", dtype=torch_dtype[spec.dtype], generator=gen)
-        run(k["kernel"], k, spec, row, q, kk, vv, seed=i)
+        run(k.get("column", k["kernel"]), k, spec, row, q, kk, vv, seed=i)
+        if "column" in k:
+            continue  # another form of a kernel (HOPPER_VARIANTS): its own column, nothing else
         dyn = next((s for s in symbolic if serves(s, k["kernel"], spec)), None)
         name = DYN_NAMES.get(k["kernel"])
         if dyn is not None and name not in row["tflops"] and name not in row["errors"]:
@@ -640,41 +688,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"decode {k['dir']} B{batch} × {keys}: {entry.get('gbps', float('nan')):.0f} GB/s, "
               f"{100 * entry.get('of_stream', float('nan')):.0f}% of a streaming read", flush=True)
 
-    def f(x, spec="{:.1f}"):
-        return spec.format(x) if isinstance(x, float) else "-"
-
-    hop = any("fused_hopper" in row["tflops"] or "fused_hopper" in row["errors"] for row in rows.values())
-    lines = [f"GPU check on {device_name} ({arch}), {time.strftime('%Y-%m-%d')}: TFLOP/s (4·B·H·Sq·Skv·D, halved "
-             f"causal); "
-             f"peak = dense fp16/bf16 tensor-core peak {peak} TFLOP/s", "",
-             "| dtype | D | causal | S | B×H | " + ("ours (hopper) | hopper, symbolic | " if hop else "")
-             + "ours (tc) | ours (simt) | tc, symbolic | simt, symbolic | tc, varlen "
-             "| simt, varlen | flash | cuDNN | flex | best ours % peak | tc/flash | tc/cuDNN | tc/flex | "
-             + ("hopper/flash | hopper/cuDNN | hopper/flex | " if hop else "") + "valid |",
-             "|" + "---|" * (24 if hop else 19)]
-    for key, row in rows.items():
-        sp = AttentionSpec.from_dict(row["spec"])
-        t = row["tflops"]
-        best = max([t[x] for x in ("fused_tc", "fused_simt", "fused_hopper") if x in t], default=None)
-
-        def ratio(peer, ours="fused_tc", t=t):
-            return t[ours] / t[peer] if ours in t and t.get(peer) else None
-
-        valid = all(v.get("passed") for v in row.get("validation", {}).values()) and bool(row.get("validation"))
-        lines.append(f"| {sp.dtype} | {sp.head_dim} | {sp.causal} | {sp.seq_q} | {sp.batch}×{sp.heads} | "
-                     + (f"{f(t.get('fused_hopper'))} | {f(t.get('hopper_dyn'))} | " if hop else "")
-                     + f"{f(t.get('fused_tc'))} | {f(t.get('fused_simt'))} | {f(t.get('tc_dyn'))} | "
-                     f"{f(t.get('simt_dyn'))} | {f(t.get('tc_varlen'))} | {f(t.get('simt_varlen'))} | "
-                     f"{f(t.get('flash'))} | {f(t.get('cudnn'))} | "
-                     f"{f(t.get('flex'))} | {f(100 * best / peak if best and peak else None)} | "
-                     f"{f(ratio('flash'), '{:.2f}')} | {f(ratio('cudnn'), '{:.2f}')} | {f(ratio('flex'), '{:.2f}')} | "
-                     + "".join(f"{f(ratio(p_, 'fused_hopper'), '{:.2f}')} | " for p_ in ("flash", "cudnn", "flex")
-                               if hop)
-                     + f"{valid} |")
-    if unproven:
-        lines += ["", f"First runs of kernels not yet run on a GPU, each in a child process: "
-                      f"{len(unproven) - len(smoked)}/{len(unproven)} passed"]
-        lines += [f"- {d}: {why}" for d, why in smoked.items()]
+    f = fmt
+    lines = prefill_table(rows, device_name, arch, peak, unproven, smoked)
     lines += ["", f"Symbolic kernels at awkward shapes (batch, seq_q, seq_kv): "
               f"{sum(c['passed'] for c in awkward)}/{len(awkward)} valid"]
     lines += [f"- {c['kernel']} {tuple(c['shape'])}: {c.get('error') or c.get('max_abs_err')}"
@@ -716,7 +731,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\ntotal {time.time() - t_start:.0f} s; tvm imported: {imported or 'no'}")
     failed = [key for key, row in rows.items()
               if any(not v.get("passed") for v in row.get("validation", {}).values())
-              or any(k in row["errors"] for k in ("fused_tc", "fused_simt", "fused_hopper", *DYN_NAMES.values(),
+              or any(k in row["errors"] for k in ("fused_tc", "fused_simt", "fused_hopper", "hopper_seq",
+                                                  *DYN_NAMES.values(),
                                                   *VARLEN_NAMES.values()))]
     bad_decode = [e for e in decode if "error" in e or not e.get("validation", {}).get("passed")]
     return 1 if failed or smoked or imported or bad_decode or not all(c["passed"] for c in awkward + ragged + caches + variants) else 0

@@ -49,6 +49,8 @@ DEFAULT_KERNELS = ("fused_tc", "fused_simt")
 #: ``--hopper``: the Hopper issue's table, one run of at most 5 minutes on an H100/H200: the Hopper
 #: kernel next to the mma.sync one and the peers at FlashAttention's shapes, fp16/bf16, D 64/128,
 #: S 1k-16k, causal and not, sm_90 only, a symbolic Hopper build per (dtype, D, causal)
+#: the Hopper kernel's other forms timed beside its preset (a column each): name -> knob overrides
+HOPPER_VARIANTS = {"hopper_seq": {"overlap": 0}}
 HOPPER = dict(arch=["sm_90"], kernels=["fused_hopper", "fused_tc"], symbolic=True, cache=False, variants=False,
               varlen=False)
 #: the symbolic kernels' dims (``--symbolic``): validated at awkward shapes on the device, and timed
@@ -93,7 +95,8 @@ def build_job(job: dict, require_binary: bool = True) -> dict:
     t0 = time.time()
     spec = AttentionSpec.from_dict(job["spec"])
     try:
-        built = build_kernel(spec, job["kernel"], target=resolve_target("cuda", arch=job["arch"]))
+        built = build_kernel(spec, job["kernel"], target=resolve_target("cuda", arch=job["arch"]),
+                             knobs=job.get("knobs"))
         m = export(built, job["dir"], ValidationResult.not_run(spec, "exported by a GPU check's build pool"))
         if require_binary and "kernel_binary" not in m:
             raise RuntimeError("no nvcc here: the kernel would need a compiler on the GPU machine")
@@ -118,6 +121,12 @@ def jobs_for(a: argparse.Namespace, kernels_dir: Path) -> list[dict]:
                 continue  # --hopper: the symbolic builds are the Hopper kernel's
             jobs.append({"spec": spec.to_dict(), "kernel": k, "arch": arch,
                          "dir": str(kernels_dir / arch / f"{k}_{spec.short_name()}")})
+            if k == "fused_hopper" and not spec.dynamic:
+                # the same tiles without the intra-warpgroup overlap: its price or gain, and a
+                # fallback if the overlapped form fails on its first run
+                for column, knobs in HOPPER_VARIANTS.items():
+                    jobs.append({"spec": spec.to_dict(), "kernel": k, "arch": arch, "knobs": knobs, "column": column,
+                                 "dir": str(kernels_dir / arch / f"{column}_{spec.short_name()}")})
 
     for arch in a.arch:
         for dtype in a.dtype:
@@ -246,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     info = {"created": time.strftime("%Y-%m-%dT%H:%M:%S"), "archs": a.arch, "tvm_ffi": TVM_FFI, "wheels": wheels,
             "runtime": runtime, "build_s": round(time.time() - t0, 1),
             "kernels": [{"kernel": j["kernel"], "arch": j["arch"], "spec": j["spec"],
+                         **{key: j[key] for key in ("column", "knobs") if key in j},
                          "dir": str(Path(j["dir"]).relative_to(out)), **b} for j, b in zip(jobs, builds)]}
     (out / "payload.json").write_text(json.dumps(info, indent=1) + "\n")
     size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())

@@ -101,10 +101,12 @@ def test_hopper_payload_plan(tmp_path):
     and a symbolic Hopper build per (dtype, head_dim, causal); nothing else (one short run)."""
     jobs = planned_jobs(tmp_path, ["--hopper", "--seq", "1024", "4096", "--head-dim", "64", "--dtype", "bfloat16"])
     assert {j["arch"] for j in jobs} == {"sm_90"}
-    kinds = [(j["kernel"], bool(j["spec"].get("dynamic")), j["spec"]["seq_q"]) for j in jobs]
-    per_causal = [("fused_hopper", False, 1024), ("fused_tc", False, 1024), ("fused_hopper", False, 4096),
-                  ("fused_tc", False, 4096), ("fused_hopper", True, 4096)]
+    kinds = [(j.get("column", j["kernel"]), bool(j["spec"].get("dynamic")), j["spec"]["seq_q"]) for j in jobs]
+    per_causal = [("fused_hopper", False, 1024), ("hopper_seq", False, 1024), ("fused_tc", False, 1024),
+                  ("fused_hopper", False, 4096), ("hopper_seq", False, 4096), ("fused_tc", False, 4096),
+                  ("fused_hopper", True, 4096)]
     assert kinds == per_causal * 2
+    assert all(j["knobs"] == {"overlap": 0} for j in jobs if j.get("column") == "hopper_seq")
     assert {j["spec"].get("layout", "bhsd") for j in jobs} == {"bhsd"}
 
 
@@ -393,3 +395,24 @@ def test_device_check_of_variant_kernels_on_the_cpu(tmp_path):
     finally:
         tvm_attention.load = real
     assert not any(c["passed"] for c in checks)
+
+
+def test_prefill_table_with_the_hopper_columns():
+    """The device check's table, from rows as its main loop fills them: the Hopper kernel's
+    columns and ratios where the payload has it, its first runs' failures listed."""
+    check = scripts_module("gpu_device_check")
+    spec = {"batch": 4, "heads": 16, "seq_q": 4096, "head_dim": 128, "dtype": "bfloat16", "causal": False}
+    rows = {"a": {"spec": spec, "tflops": {"fused_hopper": 600.0, "hopper_seq": 500.0, "fused_tc": 250.0,
+                                           "flash": 400.0, "cudnn": 650.0, "flex": 450.0},
+                  "errors": {}, "validation": {"fused_hopper": {"passed": True}, "fused_tc": {"passed": True}}}}
+    lines = check.prefill_table(rows, "NVIDIA H200", "sm_90", 989.5, [{"dir": "x"}, {"dir": "y"}], {"y": "hang"})
+    head = lines[2].split(" | ")
+    cells = lines[4].split(" | ")
+    assert len(head) == len(cells) and lines[3].count("---") == len(head)
+    at = {h.strip("| "): c.strip("| ") for h, c in zip(head, cells)}
+    assert at["ours (hopper)"] == "600.0" and at["hopper, no overlap"] == "500.0"
+    assert at["hopper/flash"] == "1.50" and at["hopper/cuDNN"] == "0.92" and at["tc/flash"] == "0.62"
+    assert at["best ours % peak"] == "60.6" and at["valid"] == "True"
+    assert "1/2 passed" in lines[-2] and lines[-1] == "- y: hang"
+    plain = check.prefill_table({"a": {**rows["a"], "tflops": {"fused_tc": 250.0}}}, "H200", "sm_90", 989.5, [], {})
+    assert "hopper" not in plain[2]

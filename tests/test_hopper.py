@@ -39,33 +39,36 @@ def inputs(b, h, kh, sq, sk, d, dtype, seed=0, scale=1.0):
     return tuple(from_bits(to_bits(x, dtype), dtype) for x in (q, k, v))  # exactly the 16-bit values
 
 
-def model_error(plan, sq, sk, causal, dtype="float16", kh=2, pingpong=True, seed=0):
+def model_error(plan, sq, sk, causal, dtype="float16", kh=2, pingpong=True, seed=0, overlap=True):
     spec = AttentionSpec(batch=2, heads=4, kv_heads=kh, seq_q=sq, seq_kv=sk, head_dim=plan.head_dim,
                          dtype="float16", causal=causal)
     q, k, v = inputs(2, 4, kh, sq, sk, plan.head_dim, dtype, seed)
-    out = run(q, k, v, plan, causal, spec.scale, dtype, pingpong)
+    out = run(q, k, v, plan, causal, spec.scale, dtype, pingpong, overlap)
     ref = reference_attention(spec, q, k, v)
     return float(np.abs(out - ref).max()), out
 
 
-#: (head_dim, block_m, block_n, stages, seq_q, seq_kv, causal, dtype): the presets' tiles and the
-#: search's, tails in both lengths, seq_q above seq_kv under causal masking (rows that see no key),
-#: several key tiles per stage (the parities' second and third rounds), one consumer warpgroup
+#: (head_dim, block_m, block_n, stages, seq_q, seq_kv, causal, dtype, overlap): the presets' tiles and
+#: the search's, tails in both lengths, seq_q above seq_kv under causal masking (rows that see no
+#: key), several key tiles per stage (the parities' second and third rounds), one consumer
+#: warpgroup, each tile in turn or overlapped (S of tile j with P·V of tile j − 1)
 MODEL_CASES = [
-    (64, 128, 128, 2, 200, 333, False, "float16"),
-    (128, 128, 128, 2, 130, 300, True, "float16"),
-    (128, 128, 64, 2, 300, 130, True, "bfloat16"),
-    (64, 128, 176, 3, 128, 700, True, "bfloat16"),
-    (128, 64, 128, 2, 77, 520, False, "float16"),
-    (64, 128, 64, 4, 256, 1000, False, "bfloat16"),
+    (64, 128, 128, 2, 200, 333, False, "float16", True),
+    (128, 128, 128, 2, 130, 300, True, "float16", True),
+    (128, 128, 64, 2, 300, 130, True, "bfloat16", False),
+    (64, 128, 176, 3, 128, 700, True, "bfloat16", True),
+    (128, 64, 128, 2, 77, 520, False, "float16", False),
+    (64, 128, 64, 4, 256, 1000, False, "bfloat16", False),
+    (128, 64, 64, 2, 64, 1000, True, "bfloat16", True),
+    (64, 128, 64, 1, 200, 333, True, "float16", False),
 ]
 
 
-@pytest.mark.parametrize("d, bm, bn, ns, sq, sk, causal, dtype", MODEL_CASES)
-def test_model_matches_reference(d, bm, bn, ns, sq, sk, causal, dtype):
+@pytest.mark.parametrize("d, bm, bn, ns, sq, sk, causal, dtype, overlap", MODEL_CASES)
+def test_model_matches_reference(d, bm, bn, ns, sq, sk, causal, dtype, overlap):
     """The kernel's data movement, run through the hardware's definitions, computes attention:
     every row within the rounding of P to 16 bits; rows that see no key exactly zero."""
-    err, out = model_error(SmemPlan(d, bm, bn, ns), sq, sk, causal, dtype, pingpong=bm == 128)
+    err, out = model_error(SmemPlan(d, bm, bn, ns), sq, sk, causal, dtype, pingpong=bm == 128, overlap=overlap)
     assert err < (2e-3 if dtype == "float16" else 1.5e-2), err
     if causal and sq > sk:
         assert not out[:, :, : sq - sk].any()
@@ -117,10 +120,11 @@ def test_model_catches_data_movement_faults(monkeypatch, fault):
     assert err > 0.05, f"{fault}: error {err} — the model did not see it"
 
 
-@pytest.mark.parametrize("fault", ["full_parity", "empty_parity", "expect_bytes", "unaligned"])
+@pytest.mark.parametrize("fault", ["full_parity", "empty_parity", "expect_bytes", "unaligned", "one_stage"])
 def test_model_catches_synchronization_faults(monkeypatch, fault):
-    """A wrong mbarrier parity or transaction count, or a misaligned swizzled box, is refused."""
-    plan = SmemPlan(64, 128, 64, 2)
+    """A wrong mbarrier parity or transaction count, a misaligned swizzled box, or the overlap with
+    one stage (tile j's K waits for the release of tile j − 1's V, which waits for tile j), is refused."""
+    plan = SmemPlan(64, 128, 64, 1 if fault == "one_stage" else 2)
     if fault == "full_parity":
         monkeypatch.setattr(wgmma_model, "full_parity", lambda j, s: (j // s + 1) % 2)
     elif fault == "empty_parity":
@@ -139,6 +143,8 @@ def test_pingpong_protocol_ends_without_deadlock():
     for n in range(5):
         order = pingpong_turns(n)
         assert [(wg, gemm) for wg, gemm, _ in order] == [(w, g) for _ in range(n) for g in ("qk", "pv") for w in (0, 1)]
+        order = pingpong_turns(n, overlap=True)
+        assert [wg for wg, _, _ in order] == [0, 1] * (n + 1 if n else 0)
     with pytest.raises(ModelError, match="deadlock"):
         pingpong_turns(2, first_arrival=False)
 
@@ -185,12 +191,14 @@ def test_sm90a_builds_offline(d, dtype, causal, symbolic, lse):
     assert not r["wgmma_serialized"], r["ptxas_notes"]
     plan = cuda_hopper.plan(built.knobs, spec)
     ptx = r["ptx_instructions"]
-    assert ptx["wgmma.mma_async"] == plan.qk_steps + plan.pv_steps
+    # overlapped, each product is issued at two places: the first tile's S and the last P·V apart
+    sites = 2 if built.knobs.overlap else 1
+    assert ptx["wgmma.mma_async"] == sites * (plan.qk_steps + plan.pv_steps)
     assert ptx["cp.async.bulk.tensor"] >= 3 * plan.slabs and ptx["setmaxnreg"] == 2
     assert ptx["ld.local"] == ptx["st.local"] == 0
     if find_cuobjdump() is not None:
         sass = r["sass_instructions"]
-        assert sass["HGMMA"] >= plan.qk_steps + plan.pv_steps and sass["UTMALDG"] >= 3 * plan.slabs, sass
+        assert sass["HGMMA"] >= sites * (plan.qk_steps + plan.pv_steps) and sass["UTMALDG"] >= 3 * plan.slabs, sass
         assert sass["LDL"] == sass["STL"] == 0 and sass["HMMA"] == 0
     assert built.audit.fused
     assert r["dynamic_shared_bytes"] == plan.alloc_bytes
@@ -224,7 +232,11 @@ def test_knob_checks():
     with pytest.raises(KnobError, match="pingpong takes two"):
         cuda_hopper.check(dataclasses.replace(k, block_m=64), spec, SM90)
     with pytest.raises(KnobError, match="shared memory"):
-        cuda_hopper.check(dataclasses.replace(k, stages=4, block_n=192), spec, SM90)
+        cuda_hopper.check(dataclasses.replace(k, stages=4, block_n=192, overlap=0), spec, SM90)
+    with pytest.raises(KnobError, match="overlap with block_n=176"):
+        cuda_hopper.check(dataclasses.replace(k, block_n=176), spec, SM90)
+    with pytest.raises(KnobError, match="stages >= 2"):
+        cuda_hopper.check(dataclasses.replace(k, stages=1), spec, SM90)
     cands = cuda_hopper.tile_candidates(spec, SM90)
     assert cands[0] == k and len(cands) == len(set(cands)) > 3
     for c in cands:
@@ -278,5 +290,5 @@ def test_tune_tasks_are_the_candidates():
     tasks = make_tasks(spec, SM90, "fused_hopper")
     cands = cuda_hopper.tile_candidates(spec, SM90)
     assert [t.name for t in tasks] == [f"fused_hopper_m{k.block_m}_n{k.block_n}_s{k.stages}_p{k.pingpong}"
-                                       for k in cands]
+                                       f"_o{k.overlap}" for k in cands]
     assert [cuda_fused.workload_knobs(t.mod["main"]) for t in tasks] == cands

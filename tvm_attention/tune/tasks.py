@@ -146,7 +146,7 @@ def _cuda_tasks(spec: AttentionSpec, target: Target, schedule: str) -> list[Task
         raise ValueError(f"schedule {schedule!r} cannot be tuned for cuda yet; tunable: fused, fused_hopper")
     if schedule == "fused_hopper":
         # Hopper: one task per feasible (block_m, block_n, stages, pingpong), the preset first
-        family, name = cuda_hopper, "fused_hopper_m{k.block_m}_n{k.block_n}_s{k.stages}_p{k.pingpong}"
+        family, name = cuda_hopper, "fused_hopper_m{k.block_m}_n{k.block_n}_s{k.stages}_p{k.pingpong}_o{k.overlap}"
     elif cuda_mma.supports(spec, target):
         # tensor cores: one task per feasible (warps, block_n, stages, m_tiles), the preset first
         family, name = cuda_mma, "fused_w{k.warps}_n{k.block_n}_s{k.stages}_m{k.m_tiles}"

@@ -158,17 +158,25 @@ __device__ __forceinline__ void hop_qk_{sfx}(float* s, unsigned q, unsigned k) {
 {fence_ops("s", ns)}  asm volatile("wgmma.fence.sync.aligned;\\n" ::: "memory");
 {"".join(qk_steps)}  asm volatile("wgmma.commit_group.sync.aligned;\\n" ::: "memory");
 }}""",
-        f"hop_pv_{sfx}": f"""
-__device__ __forceinline__ void hop_pv_{sfx}(float* o, const float* p, unsigned v) {{
-  // O (64 x {D}) += P·V: P's fp32 pairs rounded to 16 bits are the A fragments, V transposed
-  unsigned a[{BN // 4}];
+        f"hop_pack{BN}_{ab}": f"""
+__device__ __forceinline__ void hop_pack{BN}_{ab}(unsigned* a, const float* p) {{
+  // P's fp32 pairs rounded to 16 bits: register 4·kk + q is the A fragment's a_q of k16 step kk
   for (int i = 0; i < {BN // 4}; ++i) {{
     {ctype} h = {pack}(p[2 * i], p[2 * i + 1]);
     memcpy(&a[i], &h, 4);
   }}
+}}""",
+        f"hop_pv_{sfx}": f"""
+__device__ __forceinline__ void hop_pv_{sfx}(float* o, const unsigned* a, unsigned v) {{
+  // O (64 x {D}) += P·V: P from registers (hop_pack), V read transposed from its [key][d] tile
 {fence_ops("o", no)}  asm volatile("wgmma.fence.sync.aligned;\\n" ::: "memory");
 {"".join(pv_steps)}  asm volatile("wgmma.commit_group.sync.aligned;\\n" ::: "memory");
 }}""",
+        f"hop_wait1_acc{ns}": f"""
+__device__ __forceinline__ void hop_wait1_acc{ns}(float* d) {{
+  // all but the last committed group done: S = Q·K^T, committed before the P·V still in flight
+  asm volatile("wgmma.wait_group.sync.aligned 1;\\n" ::: "memory");
+{fence_ops("d", ns)}}}""",
         f"hop_wait_acc{ns}": f"""
 __device__ __forceinline__ void hop_wait_acc{ns}(float* d) {{
   asm volatile("wgmma.wait_group.sync.aligned 0;\\n" ::: "memory");
@@ -180,7 +188,7 @@ __device__ __forceinline__ void hop_wait_acc{no}(float* d) {{
     }
 
 
-def _context(spec: AttentionSpec, block_m: int, block_n: int, stages: int, pingpong: bool):
+def _context(spec: AttentionSpec, block_m: int, block_n: int, stages: int, pingpong: bool, overlap: bool):
     """Every constant, index helper and device call of one Hopper kernel, by name."""
     if spec.dtype not in WGMMA_DTYPES:
         raise ValueError(f"the Hopper kernel takes float16 or bfloat16, not {spec.dtype}")
@@ -192,6 +200,8 @@ def _context(spec: AttentionSpec, block_m: int, block_n: int, stages: int, pingp
     BM, BN, NS, NC = block_m, block_n, stages, plan.consumers
     if pingpong and NC != 2:
         raise ValueError(f"ping-pong takes two consumer warpgroups (block_m=128), not {NC}")
+    if overlap and NS < 2:
+        raise ValueError("the intra-warpgroup overlap holds tile j − 1's V while tile j's K lands: stages >= 2")
     THREADS = WARPGROUP * (1 + NC)
     NSR, NOR = BN // 2, D // 2  # a consumer thread's score and output registers
     dtype = spec.dtype
@@ -262,29 +272,27 @@ def _producer(x):
 
 
 def _softmax(x):
-    """The online softmax of one key tile on a consumer thread's score registers."""
-    needs_mask, neg_inf, NOR, NSR, qscale, visible = x.needs_mask, x.neg_inf, x.NOR, x.NSR, x.qscale, x.visible
+    """The online softmax of one key tile on a consumer thread's score registers: the scores
+    masked where needed, the rows' new max, ``alpha = exp2(m_old − m_new)`` into ``al`` (the
+    caller rescales O by it once no product is writing O), ``P`` in place of ``S``, the sums."""
+    needs_mask, neg_inf, NSR, qscale, visible = x.needs_mask, x.neg_inf, x.NSR, x.qscale, x.visible
 
     @T.macro
-    def softmax(S, Oa, m, l, mt, t, wrow0, j):
+    def softmax(S, m, l, al, t, wrow0, j):
         # scores of key tile j: masked where the tile holds the key tail or crosses the diagonal
         if needs_mask(j, wrow0):
             for r in T.unroll(NSR):
                 S[r] = T.Select(visible(t, r, j, wrow0), S[r], neg_inf)
         for h in T.unroll(2):
-            mt[h] = neg_inf
+            al[h] = neg_inf
         for r in T.unroll(NSR):
-            mt[r % 4 // 2] = T.max(mt[r % 4 // 2], S[r])
+            al[r % 4 // 2] = T.max(al[r % 4 // 2], S[r])
         for h in T.unroll(2):
             # the row's four lanes; scaled once (the scale is positive), the new max in log2 units
-            mt[h] = T.max(m[h], T.cuda.warp_max(mt[h], 4) * T.float32(qscale))
-            # alpha = exp2(m_old - m_new) (into m, which takes m_new below through mt)
-            m[h] = T.exp2(m[h] - guarded(mt[h]))
-            l[h] = l[h] * m[h]
-        for r in T.unroll(NOR):
-            Oa[r] = Oa[r] * m[r % 4 // 2]
-        for h in T.unroll(2):
-            m[h] = mt[h]
+            mn: T.float32 = T.max(m[h], T.cuda.warp_max(al[h], 4) * T.float32(qscale))
+            al[h] = T.exp2(m[h] - guarded(mn))  # a row with no visible key yet keeps its max at 0
+            m[h] = mn
+            l[h] = l[h] * al[h]
         for r in T.unroll(NSR):
             S[r] = T.exp2(S[r] * T.float32(qscale) - guarded(m[r % 4 // 2]))
             l[r % 4 // 2] = l[r % 4 // 2] + S[r]
@@ -293,13 +301,50 @@ def _softmax(x):
 
 
 def _consumer(x, softmax):
-    """A consumer warpgroup: its rows' products, softmax and store."""
-    (call, col_of, dtype, LSE, lse, neg_inf, NOR, NS, NSR, nthr, off, pingpong, plan, row_in_wg, sfx, SK, SQ,
-     vis) = (x.call, x.col_of, x.dtype, x.LSE, x.lse, x.neg_inf, x.NOR, x.NS, x.NSR, x.nthr, x.off, x.pingpong,
-             x.plan, x.row_in_wg, x.sfx, x.SK, x.SQ, x.vis)
+    """A consumer warpgroup: its rows' products, softmax and store. With ``overlap`` (FlashAttention-3's
+    intra-warpgroup overlap) tile j's ``S = Q·Kᵀ`` is issued together with tile j − 1's ``O += P·V``
+    and the softmax of tile j runs while that product is in flight; O is rescaled after it."""
+    (call, col_of, dtype, LSE, lse, neg_inf, NOR, NS, NSR, nthr, off, overlap, pingpong, plan, row_in_wg, sfx, SK,
+     SQ, vis) = (x.call, x.col_of, x.dtype, x.LSE, x.lse, x.neg_inf, x.NOR, x.NS, x.NSR, x.nthr, x.off, x.overlap,
+                 x.pingpong, x.plan, x.row_in_wg, x.sfx, x.SK, x.SQ, x.vis)
+    pack = f"hop_pack{x.BN}_{WGMMA_DTYPES[dtype]}"
+
+    def stage(j):
+        return j % NS
 
     @T.macro
-    def consumer(sb, O, S, Oa, m, l, mt, tid, row0, bb, hh, nt):
+    def turn_begin(wg):
+        if pingpong:
+            T.evaluate(call(f"hop_bar_sync{nthr}", 1 + wg))
+
+    @T.macro
+    def turn_end(wg):
+        if pingpong:
+            T.evaluate(call(f"hop_bar_arrive{nthr}", 2 - wg))
+
+    @T.macro
+    def issue_qk(S, sb, wg, j):
+        T.evaluate(call("hop_wait", sb + plan.bar_full_k(0) + stage(j) * 8, full_parity(j, NS)))
+        T.evaluate(call(f"hop_qk_{sfx}", S.access_ptr("rw"), sb + plan.q_rows(wg),
+                        sb + plan.k_tile(0) + stage(j) * plan.kv_tile_bytes))
+
+    @T.macro
+    def issue_pv(Oa, Pk, sb, j):
+        T.evaluate(call("hop_wait", sb + plan.bar_full_v(0) + stage(j) * 8, full_parity(j, NS)))
+        T.evaluate(call(f"hop_pv_{sfx}", Oa.access_ptr("rw"), Pk.access_ptr("r"),
+                        sb + plan.v_tile(0) + stage(j) * plan.kv_tile_bytes))
+
+    @T.macro
+    def rescale(Oa, al):
+        for r in T.unroll(NOR):
+            Oa[r] = Oa[r] * al[r % 4 // 2]
+
+    @T.macro
+    def release(sb, j):  # tile j's stage read by this thread's products
+        T.evaluate(call("hop_arrive", sb + plan.bar_empty(0) + stage(j) * 8))
+
+    @T.macro
+    def consumer(sb, O, S, Pk, Oa, m, l, al, tid, row0, bb, hh, nt):
         wg = tid // WARPGROUP - 1
         t = tid % WARPGROUP
         wrow0 = row0 + wg * WG_ROWS
@@ -312,25 +357,44 @@ def _consumer(x, softmax):
             if wg == 1:  # the first turn is consumer 0's
                 T.evaluate(call(f"hop_bar_arrive{nthr}", 1))
         T.evaluate(call("hop_wait", sb + plan.bar_full_q(), 0))
-        for j in T.serial(nt):
-            T.evaluate(call("hop_wait", sb + plan.bar_full_k(0) + j % NS * 8, full_parity(j, NS)))
-            if pingpong:
-                T.evaluate(call(f"hop_bar_sync{nthr}", 1 + wg))
-            T.evaluate(call(f"hop_qk_{sfx}", S.access_ptr("rw"), sb + plan.q_rows(wg),
-                            sb + plan.k_tile(0) + j % NS * plan.kv_tile_bytes))
-            if pingpong:
-                T.evaluate(call(f"hop_bar_arrive{nthr}", 2 - wg))
-            T.evaluate(call(f"hop_wait_acc{NSR}", S.access_ptr("rw")))
-            softmax(S, Oa, m, l, mt, t, wrow0, j)
-            T.evaluate(call("hop_wait", sb + plan.bar_full_v(0) + j % NS * 8, full_parity(j, NS)))
-            if pingpong:
-                T.evaluate(call(f"hop_bar_sync{nthr}", 1 + wg))
-            T.evaluate(call(f"hop_pv_{sfx}", Oa.access_ptr("rw"), S.access_ptr("r"),
-                            sb + plan.v_tile(0) + j % NS * plan.kv_tile_bytes))
-            if pingpong:
-                T.evaluate(call(f"hop_bar_arrive{nthr}", 2 - wg))
-            T.evaluate(call(f"hop_wait_acc{NOR}", Oa.access_ptr("rw")))
-            T.evaluate(call("hop_arrive", sb + plan.bar_empty(0) + j % NS * 8))
+        if overlap:
+            if nt > 0:
+                turn_begin(wg)
+                issue_qk(S, sb, wg, 0)
+                turn_end(wg)
+                T.evaluate(call(f"hop_wait_acc{NSR}", S.access_ptr("rw")))
+                softmax(S, m, l, al, t, wrow0, 0)  # O is 0: no rescale
+                T.evaluate(call(pack, Pk.access_ptr("w"), S.access_ptr("r")))
+                for j in T.serial(1, nt):
+                    turn_begin(wg)
+                    issue_qk(S, sb, wg, j)
+                    issue_pv(Oa, Pk, sb, j - 1)
+                    turn_end(wg)
+                    T.evaluate(call(f"hop_wait1_acc{NSR}", S.access_ptr("rw")))
+                    softmax(S, m, l, al, t, wrow0, j)
+                    T.evaluate(call(f"hop_wait_acc{NOR}", Oa.access_ptr("rw")))
+                    rescale(Oa, al)
+                    release(sb, j - 1)
+                    T.evaluate(call(pack, Pk.access_ptr("w"), S.access_ptr("r")))
+                turn_begin(wg)
+                issue_pv(Oa, Pk, sb, nt - 1)
+                turn_end(wg)
+                T.evaluate(call(f"hop_wait_acc{NOR}", Oa.access_ptr("rw")))
+                release(sb, nt - 1)
+        else:
+            for j in T.serial(nt):
+                turn_begin(wg)
+                issue_qk(S, sb, wg, j)
+                turn_end(wg)
+                T.evaluate(call(f"hop_wait_acc{NSR}", S.access_ptr("rw")))
+                softmax(S, m, l, al, t, wrow0, j)
+                rescale(Oa, al)
+                T.evaluate(call(pack, Pk.access_ptr("w"), S.access_ptr("r")))
+                turn_begin(wg)
+                issue_pv(Oa, Pk, sb, j)
+                turn_end(wg)
+                T.evaluate(call(f"hop_wait_acc{NOR}", Oa.access_ptr("rw")))
+                release(sb, j)
         if pingpong:
             if wg == 0:  # consumer 1's last turn handed back: no arrival left pending
                 T.evaluate(call(f"hop_bar_sync{nthr}", 1))
@@ -350,12 +414,12 @@ def _consumer(x, softmax):
 
 
 def fused_attention_wgmma(spec: AttentionSpec, block_m: int, block_n: int, stages: int,
-                          pingpong: bool = True) -> tirx.PrimFunc:
+                          pingpong: bool = True, overlap: bool = True) -> tirx.PrimFunc:
     """Arguments (call order), ``spec.dtype`` (float16 or bfloat16), compact row-major, 16-byte
     aligned: ``Q (B, H, Sq, D)``, ``K (B, KH, Skv, D)``, ``V (B, KH, Skv, D)``, ``O (B, H, Sq,
     D)``, then ``LSE (B, H, Sq) float32`` with ``spec.return_lse``. Batch and lengths static or
     symbolic (``spec.dynamic``)."""
-    x = _context(spec, block_m, block_n, stages, pingpong)
+    x = _context(spec, block_m, block_n, stages, pingpong, overlap)
     (B, BM, BN, D, dtype, G, H, isz, KH, LSE, lse, NOR, NS, NSR, nrt, nthr, plan, SK, SQ, THREADS, tk, tq, tv) = \
         (x.B, x.BM, x.BN, x.D, x.dtype, x.G, x.H, x.isz, x.KH, x.LSE, x.lse, x.NOR, x.NS, x.NSR, x.nrt, x.nthr,
          x.plan, x.SK, x.SQ, x.THREADS, x.tk, x.tq, x.tv)
@@ -371,7 +435,7 @@ def fused_attention_wgmma(spec: AttentionSpec, block_m: int, block_n: int, stage
                                  descriptor_dtype=dtype, rank=3, swizzle=TMA_SWIZZLE_128B)
 
     attrs = {"global_symbol": ENTRY, "tirx.noalias": True, "attn.workload": "fused_wgmma",
-             **record(FUSED_WGMMA, block_m=BM, block_n=BN, stages=NS, pingpong=int(pingpong))}
+             **record(FUSED_WGMMA, block_m=BM, block_n=BN, stages=NS, pingpong=int(pingpong), overlap=int(overlap))}
 
     @T.prim_func(s_tir=True, check_well_formed=False)
     def attention(
@@ -399,7 +463,8 @@ def fused_attention_wgmma(spec: AttentionSpec, block_m: int, block_n: int, stage
                                 Oa = T.sblock_alloc_buffer((NOR,), "float32", scope="local")
                                 m = T.sblock_alloc_buffer((2,), "float32", scope="local")
                                 l = T.sblock_alloc_buffer((2,), "float32", scope="local")
-                                mt = T.sblock_alloc_buffer((2,), "float32", scope="local")
+                                al = T.sblock_alloc_buffer((2,), "float32", scope="local")  # alpha
+                                Pk = T.sblock_alloc_buffer((BN // 4,), "uint32", scope="local")  # P, 16-bit pairs
                                 sb: T.uint32 = call("hop_smem_base", T.address_of(smem[0]), ret="uint32")
                                 row0 = ((nrt - 1 - bx) if causal else bx) * BM
                                 nt = n_tiles(row0)
@@ -417,7 +482,7 @@ def fused_attention_wgmma(spec: AttentionSpec, block_m: int, block_n: int, stage
                                         producer(sb, row0, bb * H + hh, bb * KH + hh // G, nt)
                                 else:
                                     T.evaluate(call("hop_regs_consumer"))
-                                    consumer(sb, O, S, Oa, m, l, mt, tid, row0, bb, hh, nt)
+                                    consumer(sb, O, S, Pk, Oa, m, l, al, tid, row0, bb, hh, nt)
 
 
     func = attention

@@ -48,7 +48,7 @@ FUSED_CUDA = (Attr("block_m"), Attr("block_n"), Attr("threads_per_row"))
 #: the CUDA tensor-core kernel (``fused_mma.fused_attention_mma``)
 FUSED_MMA = (Attr("warps"), Attr("block_n"), Attr("stages"), Attr("m_tiles"))
 #: the Hopper kernel (``fused_wgmma.fused_attention_wgmma``)
-FUSED_WGMMA = (Attr("block_m"), Attr("block_n"), Attr("stages"), Attr("pingpong"))
+FUSED_WGMMA = (Attr("block_m"), Attr("block_n"), Attr("stages"), Attr("pingpong"), Attr("overlap"))
 #: both CUDA kernels' split-KV (``fused_cuda.kernel_func``), after their own
 CUDA_SPLIT = (Attr("split_tasks", omit=0),)
 

@@ -156,20 +156,25 @@ def from_bits(w: np.ndarray, dtype: str) -> np.ndarray:
 
 
 # -- the kernel, block by block ----------------------------------------------------------------------
-def pingpong_turns(n_tiles: int, first_arrival: bool = True) -> list:
+def pingpong_turns(n_tiles: int, overlap: bool = False, first_arrival: bool = True) -> list:
     """The consumers' named-barrier protocol for ``n_tiles`` key tiles (two warpgroups, barriers
     1 and 2 of 256 threads), as ``fused_wgmma``'s consumer issues it: consumer 1 arrives on
     consumer 0's barrier once (``first_arrival``: the first turn is consumer 0's); before each
     product (``S = Q·Kᵀ``, ``O += P·V``) a consumer syncs on its own barrier, after issuing it
     arrives on the other's; consumer 0 syncs once more at the end. Runs both sequences,
     round-robin, until both end; raises on a deadlock or an arrival left pending, and returns
-    the order of the product issues."""
+    the order of the product issues. With ``overlap`` a turn issues tile j's ``S`` and tile j − 1's
+    ``P·V`` together: the first turn ``S`` alone, the last ``P·V`` alone."""
     seqs = []
     for wg in (0, 1):
         ops = [("arrive", 1)] if wg == 1 and first_arrival else []
-        for j in range(n_tiles):
-            for gemm in ("qk", "pv"):
-                ops += [("sync", 1 + wg), ("issue", (wg, gemm, j)), ("arrive", 2 - wg)]
+        if overlap:
+            turns = [("qk", 0)] + [(f"qk+pv{j - 1}", j) for j in range(1, n_tiles)] + [("pv", n_tiles - 1)]
+            turns = turns if n_tiles else []
+        else:
+            turns = [(gemm, j) for j in range(n_tiles) for gemm in ("qk", "pv")]
+        for gemm, j in turns:
+            ops += [("sync", 1 + wg), ("issue", (wg, gemm, j)), ("arrive", 2 - wg)]
         if wg == 0:
             ops.append(("sync", 1))
         seqs.append(ops)
@@ -201,118 +206,191 @@ def pingpong_turns(n_tiles: int, first_arrival: bool = True) -> list:
     return order
 
 
+class _Block:
+    """One thread block of the kernel: its shared memory, barriers, and each consumer's registers
+    (``m``, ``l``: a thread's two rows' state; ``o``: its output registers)."""
+
+    BASE = 0x4400  # the block's shared base: any 1024-aligned address
+
+    def __init__(self, run: "_Run", b: int, h: int, row0: int, nt: int):
+        self.r, self.b, self.h, self.row0, self.nt = run, b, h, row0, nt
+        plan, NS = run.plan, run.plan.stages
+        self.sm = Smem(plan.alloc_bytes)
+        self.full_q = Barrier(1)
+        self.full_k = [Barrier(1) for _ in range(NS)]
+        self.full_v = [Barrier(1) for _ in range(NS)]
+        self.empty = [Barrier(WARPGROUP * plan.consumers) for _ in range(NS)]
+        self.state = [{"m": np.full((WARPGROUP, 2), -np.inf), "l": np.zeros((WARPGROUP, 2)),
+                       "o": np.zeros((WARPGROUP, run.D // 2))} for _ in range(plan.consumers)]
+
+    def load_q(self):
+        r, plan = self.r, self.r.plan
+        self.full_q.arrive(plan.q_bytes)
+        for sl in range(plan.slabs):
+            self.full_q.land(self.sm.tma_box(plan.q_slab(sl), r.gq, *r.mq[:3], (sl * 64, self.row0,
+                                                                                  self.b * r.H + self.h)))
+        if not self.full_q.passes(0):
+            raise ModelError("Q's barrier did not complete with Q's boxes")
+
+    def load_kv(self, j: int):
+        """The producer's tile j: its stage free (the release of tile j − stages), K and V landed."""
+        r, plan, NS = self.r, self.r.plan, self.r.plan.stages
+        s = j % NS
+        if j >= NS and not self.empty[s].passes(empty_parity(j, NS)):
+            raise ModelError(f"tile {j}: the producer's wait on stage {s} would block forever")
+        if self.full_k[s].passes(full_parity(j, NS)):
+            raise ModelError(f"tile {j}: the consumers' wait on stage {s} passes before its K lands")
+        self.full_k[s].arrive(plan.kv_tile_bytes)
+        self.full_v[s].arrive(plan.kv_tile_bytes)
+        plane = self.b * r.KH + self.h // r.G
+        for sl in range(plan.slabs):
+            self.full_k[s].land(self.sm.tma_box(plan.k_tile(s) + plan.kv_slab(sl), r.gk, *r.mk[:3],
+                                                (sl * 64, j * plan.block_n, plane)))
+            self.full_v[s].land(self.sm.tma_box(plan.v_tile(s) + plan.kv_slab(sl), r.gv, *r.mk[:3],
+                                                (sl * 64, j * plan.block_n, plane)))
+        if not (self.full_k[s].passes(full_parity(j, NS)) and self.full_v[s].passes(full_parity(j, NS))):
+            raise ModelError(f"tile {j}: stage {s}'s barriers did not complete with its boxes")
+
+    def wait_full(self, barriers, j: int, what: str):
+        if not barriers[j % self.r.plan.stages].passes(full_parity(j, self.r.plan.stages)):
+            raise ModelError(f"tile {j}: a consumer reads {what} before it landed")
+
+    def qk(self, wg: int, j: int) -> np.ndarray:
+        """S = Q·Kᵀ through the descriptors the helper builds: the registers the hardware fills."""
+        r, plan, base = self.r, self.r.plan, self.BASE
+        self.wait_full(self.full_k, j, "K")
+        s = j % plan.stages
+        acc = np.zeros((WG_ROWS, plan.block_n))
+        for kk in range(plan.qk_steps):
+            da = plan.qk_desc_high | ((base + plan.q_rows(wg) + plan.q_step(kk)) >> 4)
+            db = plan.qk_desc_high | ((base + plan.k_tile(s) + plan.k_step(kk)) >> 4)
+            acc += from_bits(self.sm.kmajor(da, WG_ROWS, base), r.dtype) @ \
+                from_bits(self.sm.kmajor(db, plan.block_n, base), r.dtype).T
+        return acc[isa_acc(r.t, r.rs)]
+
+    def softmax(self, wg: int, j: int, S: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The kernel's softmax on its registers (its own fragment indexing): (alpha, P)."""
+        r, st = self.r, self.state[wg]
+        rows = self.row0 + wg * WG_ROWS + acc_row(r.t, r.rs)
+        keys = j * self.r.plan.block_n + acc_col(r.t, r.rs)
+        vis = keys < r.SK
+        if r.causal:
+            vis &= keys <= rows + r.off
+        S = np.where(vis, S, -np.inf)
+        half = r.rs % 4 // 2
+        mt = np.stack([np.where(half == hh, S, -np.inf).max(1) for hh in (0, 1)], 1)
+        mt = mt.reshape(WARPGROUP // 4, 4, 2).max(1).repeat(4, 0)  # the row's four lanes
+        mn = np.maximum(st["m"], mt * r.qscale)
+        ref = np.where(mn == -np.inf, 0.0, mn)
+        alpha = np.exp2(st["m"] - ref)
+        st["l"] *= alpha
+        st["m"] = mn
+        P = np.exp2(S * r.qscale - ref[r.t, half])
+        st["l"] += np.stack([np.where(half == hh, P, 0).sum(1) for hh in (0, 1)], 1)
+        return alpha, from_bits(to_bits(P, r.dtype), r.dtype)  # packed to 16 bits (hop_pack)
+
+    def rescale(self, wg: int, alpha: np.ndarray):
+        self.state[wg]["o"] *= alpha[self.r.t, self.r.ro % 4 // 2]
+
+    def pv(self, wg: int, P: np.ndarray, j: int):
+        """O += P·V: P's registers as the helper packs them, read by the hardware as A fragments."""
+        r, plan, base, st = self.r, self.r.plan, self.BASE, self.state[wg]
+        self.wait_full(self.full_v, j, "V")
+        for kk in range(plan.pv_steps):
+            a = np.zeros((WG_ROWS, 16))
+            for qreg in range(4):
+                for hf in range(2):
+                    ar, ak = isa_a(r.t[:, 0], np.array(qreg), np.array(hf))
+                    a[ar, ak] = P[:, 2 * p_pair(kk, qreg) + hf]
+            db = plan.pv_desc_high | ((base + plan.v_tile(j % plan.stages) + plan.v_step(kk)) >> 4)
+            omat = np.zeros((WG_ROWS, r.D))
+            o_at = isa_acc(r.t, r.ro)
+            omat[o_at] = st["o"]
+            omat += a @ from_bits(self.sm.mnmajor(db, r.D, base), r.dtype)
+            st["o"] = omat[o_at]
+
+    def release(self, j: int):
+        """Every thread of a consumer arrives on tile j's stage's empty barrier."""
+        NS = self.r.plan.stages
+        s = j % NS
+        if j + NS < self.nt and self.empty[s].passes(empty_parity(j + NS, NS)):
+            raise ModelError(f"tile {j + NS}: the producer's wait passes before tile {j} is released")
+        for _ in range(WARPGROUP):
+            self.empty[s].arrive()
+
+    def store(self, out: np.ndarray):
+        r = self.r
+        for wg, st in enumerate(self.state):
+            rows = self.row0 + wg * WG_ROWS + acc_row(r.t, r.ro)
+            cols = np.broadcast_to(acc_col(r.t, r.ro), rows.shape)
+            lsum = st["l"].reshape(WARPGROUP // 4, 4, 2).sum(1).repeat(4, 0)
+            sees = (rows + r.off >= 0) if r.causal else np.full(rows.shape, r.SK > 0)
+            with np.errstate(invalid="ignore", divide="ignore"):
+                val = np.where(sees, st["o"] / lsum[r.t, r.ro % 4 // 2], 0.0)
+            keep = rows < r.SQ
+            out[self.b, self.h, rows[keep], cols[keep]] = val[keep]
+
+
+class _Run:
+    """The constants of one model run (shapes, tensor maps, the inputs' 16-bit words)."""
+
+    def __init__(self, q, k, v, plan: SmemPlan, causal: bool, scale: float, dtype: str):
+        self.B, self.H, self.SQ, self.D = q.shape
+        self.KH, self.SK = k.shape[1], k.shape[2]
+        self.G = self.H // self.KH
+        self.plan, self.causal, self.dtype = plan, causal, dtype
+        self.gq, self.gk, self.gv = (to_bits(x, dtype).ravel() for x in (q, k, v))
+        self.mq = tensor_map(self.D, self.SQ, self.B * self.H, plan.block_m)
+        self.mk = tensor_map(self.D, self.SK, self.B * self.KH, plan.block_n)
+        self.off = self.SK - self.SQ
+        self.qscale = scale * np.log2(np.e)
+        self.t = np.arange(WARPGROUP)[:, None]
+        self.rs, self.ro = np.arange(plan.block_n // 2)[None, :], np.arange(self.D // 2)[None, :]
+
+    def tiles(self, row0: int) -> int:
+        BN, BM = self.plan.block_n, self.plan.block_m
+        if self.causal:
+            return -(-min(self.SK, max(row0 + BM + self.off, 0)) // BN)
+        return -(-self.SK // BN)
+
+
 def run(q: np.ndarray, k: np.ndarray, v: np.ndarray, plan: SmemPlan, causal: bool, scale: float,
-        dtype: str = "float16", pingpong: bool = True) -> np.ndarray:
+        dtype: str = "float16", pingpong: bool = True, overlap: bool = True) -> np.ndarray:
     """The kernel's output for ``q (B, H, Sq, D)``, ``k``/``v (B, KH, Skv, D)`` (float arrays,
-    rounded to ``dtype``), computed through the model; float64 ``(B, H, Sq, D)``."""
-    B, H, SQ, D = q.shape
-    KH, SK = k.shape[1], k.shape[2]
-    G = H // KH
-    BM, BN, NS = plan.block_m, plan.block_n, plan.stages
-    gq, gk, gv = (to_bits(x, dtype).ravel() for x in (q, k, v))
-    mq, mk = tensor_map(D, SQ, B * H, BM), tensor_map(D, SK, B * KH, BN)
-    off = SK - SQ
-    qscale = scale * np.log2(np.e)
-    out = np.zeros((B, H, SQ, D))
-    t = np.arange(WARPGROUP)[:, None]
-    rs, ro = np.arange(BN // 2)[None, :], np.arange(D // 2)[None, :]
-    base = 0x4400  # any 1024-aligned shared address
-    for b in range(B):
-        for h in range(H):
-            for bx in range((SQ + BM - 1) // BM):
-                row0 = bx * BM
-                nt = -(-SK // BN)
-                if causal:
-                    nt = -(-min(SK, max(row0 + BM + off, 0)) // BN)
+    rounded to ``dtype``), computed through the model in the kernel's order of events
+    (``overlap``: tile j's S with tile j − 1's P·V, that tile's stage released after it);
+    float64 ``(B, H, Sq, D)``."""
+    r = _Run(q, k, v, plan, causal, scale, dtype)
+    out = np.zeros((r.B, r.H, r.SQ, r.D))
+    for b in range(r.B):
+        for h in range(r.H):
+            for bx in range(-(-r.SQ // plan.block_m)):
+                row0 = bx * plan.block_m
+                nt = r.tiles(row0)
                 if pingpong and plan.consumers == 2:
-                    pingpong_turns(nt)
-                sm = Smem(plan.alloc_bytes)
-                full_q = Barrier(1)
-                full_k = [Barrier(1) for _ in range(NS)]
-                full_v = [Barrier(1) for _ in range(NS)]
-                empty = [Barrier(WARPGROUP * plan.consumers) for _ in range(NS)]
-                # the producer's Q
-                full_q.arrive(plan.q_bytes)
-                for sl in range(plan.slabs):
-                    full_q.land(sm.tma_box(plan.q_slab(sl), gq, mq[0], mq[1], mq[2], (sl * 64, row0, b * H + h)))
-                if not full_q.passes(0):
-                    raise ModelError("Q's barrier did not complete with Q's boxes")
-                state = [{"m": np.full((WARPGROUP, 2), -np.inf), "l": np.zeros((WARPGROUP, 2)),
-                          "o": np.zeros((WARPGROUP, D // 2))} for _ in range(plan.consumers)]
+                    pingpong_turns(nt, overlap)
+                blk = _Block(r, b, h, row0, nt)
+                blk.load_q()
+                prev = [None] * plan.consumers  # overlap: each consumer's P of the tile before
                 for j in range(nt):
-                    s = j % NS
-                    # the producer: stage s free (the release of tile j - NS), then K and V of tile j
-                    if j >= NS and not empty[s].passes(empty_parity(j, NS)):
-                        raise ModelError(f"tile {j}: the producer's wait on stage {s} would block forever")
-                    if full_k[s].passes(full_parity(j, NS)):
-                        raise ModelError(f"tile {j}: the consumers' wait on stage {s} passes before its K lands")
-                    full_k[s].arrive(plan.kv_tile_bytes)
-                    full_v[s].arrive(plan.kv_tile_bytes)
-                    for sl in range(plan.slabs):
-                        full_k[s].land(sm.tma_box(plan.k_tile(s) + plan.kv_slab(sl), gk, mk[0], mk[1], mk[2],
-                                                  (sl * 64, j * BN, b * KH + h // G)))
-                        full_v[s].land(sm.tma_box(plan.v_tile(s) + plan.kv_slab(sl), gv, mk[0], mk[1], mk[2],
-                                                  (sl * 64, j * BN, b * KH + h // G)))
-                    if not (full_k[s].passes(full_parity(j, NS)) and full_v[s].passes(full_parity(j, NS))):
-                        raise ModelError(f"tile {j}: stage {s}'s barriers did not complete with its boxes")
+                    blk.load_kv(j)
                     for wg in range(plan.consumers):
-                        st = state[wg]
-                        wrow0 = row0 + wg * WG_ROWS
-                        # S = Q·Kᵀ through the descriptors the helper builds
-                        acc = np.zeros((WG_ROWS, BN))
-                        for kk in range(plan.qk_steps):
-                            da = plan.qk_desc_high | ((base + plan.q_rows(wg) + plan.q_step(kk)) >> 4)
-                            db = plan.qk_desc_high | ((base + plan.k_tile(s) + plan.k_step(kk)) >> 4)
-                            a = from_bits(sm.kmajor(da, WG_ROWS, base), dtype)
-                            bk = from_bits(sm.kmajor(db, BN, base), dtype)
-                            acc += a @ bk.T
-                        r_, c_ = isa_acc(t, rs)
-                        S = acc[r_, c_]  # the registers the hardware fills
-                        # the kernel's softmax on its registers (its own fragment indexing)
-                        rows = wrow0 + acc_row(t, rs)
-                        keys = j * BN + acc_col(t, rs)
-                        vis = keys < SK
-                        if causal:
-                            vis &= keys <= rows + off
-                        S = np.where(vis, S, -np.inf)
-                        half = rs % 4 // 2
-                        mt = np.stack([np.where(half == hh, S, -np.inf).max(1) for hh in (0, 1)], 1)
-                        mt = mt.reshape(WARPGROUP // 4, 4, 2).max(1).repeat(4, 0)  # the row's four lanes
-                        mn = np.maximum(st["m"], mt * qscale)
-                        ref = np.where(mn == -np.inf, 0.0, mn)
-                        alpha = np.exp2(st["m"] - ref)
-                        st["l"] *= alpha
-                        st["o"] *= alpha[t, ro % 4 // 2]
-                        st["m"] = mn
-                        P = np.exp2(S * qscale - ref[t, half])
-                        st["l"] += np.stack([np.where(half == hh, P, 0).sum(1) for hh in (0, 1)], 1)
-                        # P's registers as the helper packs them, read by the hardware as A fragments
-                        pw = from_bits(to_bits(P, dtype), dtype)
-                        for kk in range(plan.pv_steps):
-                            a = np.zeros((WG_ROWS, 16))
-                            for qreg in range(4):
-                                for hf in range(2):
-                                    ar, ak = isa_a(t[:, 0], np.array(qreg), np.array(hf))
-                                    a[ar, ak] = pw[:, 2 * p_pair(kk, qreg) + hf]
-                            db = plan.pv_desc_high | ((base + plan.v_tile(s) + plan.v_step(kk)) >> 4)
-                            bv = from_bits(sm.mnmajor(db, D, base), dtype)
-                            o_r, o_c = isa_acc(t, ro)
-                            omat = np.zeros((WG_ROWS, D))
-                            omat[o_r, o_c] = st["o"]
-                            omat += a @ bv
-                            st["o"] = omat[o_r, o_c]
-                        if j + NS < nt and empty[s].passes(empty_parity(j + NS, NS)):
-                            raise ModelError(f"tile {j + NS}: the producer's wait passes before tile {j} is released")
-                        for _ in range(WARPGROUP):  # every consumer thread arrives
-                            empty[s].arrive()
-                for wg in range(plan.consumers):
-                    st = state[wg]
-                    rows = row0 + wg * WG_ROWS + acc_row(t, ro)
-                    cols = acc_col(t, ro)
-                    lsum = st["l"].reshape(WARPGROUP // 4, 4, 2).sum(1).repeat(4, 0)
-                    sees = (rows + off >= 0) if causal else np.full(rows.shape, SK > 0)
-                    with np.errstate(invalid="ignore", divide="ignore"):
-                        val = np.where(sees, st["o"] / lsum[t, ro % 4 // 2], 0.0)
-                    keep = rows < SQ
-                    out[b, h, rows[keep], np.broadcast_to(cols, rows.shape)[keep]] = val[keep]
+                        S = blk.qk(wg, j)
+                        if overlap:
+                            if j:
+                                blk.pv(wg, prev[wg], j - 1)
+                            alpha, prev[wg] = blk.softmax(wg, j, S)
+                            if j:
+                                blk.rescale(wg, alpha)
+                                blk.release(j - 1)
+                        else:
+                            alpha, P = blk.softmax(wg, j, S)
+                            blk.rescale(wg, alpha)
+                            blk.pv(wg, P, j)
+                            blk.release(j)
+                if overlap and nt:
+                    for wg in range(plan.consumers):
+                        blk.pv(wg, prev[wg], nt - 1)
+                        blk.release(nt - 1)
+                blk.store(out)
     return out
