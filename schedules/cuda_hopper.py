@@ -8,7 +8,8 @@ As for the other CUDA kernels the thread mapping is the algorithm, instantiated 
 stages, pingpong).
 
 What it builds so far: the bhsd layout, static or symbolic lengths, float16/bfloat16, head_dim 64
-or 128, causal or not, lse. The other layouts and the variants stay on the ``mma.sync`` kernel
+or 128, causal or not, lse, the variants (window, softcap, ALiBi, sinks, kv_start). The other
+layouts stay on the ``mma.sync`` kernel
 (``fused_tc``), and ``--schedule fused`` keeps that kernel on sm_90 until a GPU run has validated
 this one (docs/cuda.md).
 """
@@ -26,11 +27,11 @@ from ..workloads.fused_wgmma import CONSUMER_REGS, WGMMA_DTYPES, fused_attention
 from ..workloads.knob_attrs import FUSED_WGMMA
 from ..workloads.wgmma_layout import WARPGROUP, WG_ROWS, SmemPlan
 from ._knobs import KnobError, KnobsMixin
-from .family import Capabilities, never_static_decode, read_attrs
+from .family import CUDA_VARIANTS, Capabilities, never_static_decode, read_attrs
 
 NAME = "fused"
 CAPABILITIES = Capabilities(label="CUDA Hopper (wgmma) fused", target="cuda", layouts=("bhsd",), dtypes=tuple(WGMMA_DTYPES),
-                            symbolic=True, lse=True,
+                            symbolic=True, lse=True, variants=CUDA_VARIANTS,
                             instead="use --schedule fused_tc (mma.sync) for the other layouts and the variants")
 ARCH = 90  # wgmma, TMA, setmaxnreg: sm_90a (Hopper) only
 HEAD_DIMS = (64, 128)  # 128-byte slabs; 256 would need 128 output registers a thread beside the scores

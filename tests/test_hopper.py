@@ -39,12 +39,18 @@ def inputs(b, h, kh, sq, sk, d, dtype, seed=0, scale=1.0):
     return tuple(from_bits(to_bits(x, dtype), dtype) for x in (q, k, v))  # exactly the 16-bit values
 
 
-def model_error(plan, sq, sk, causal, dtype="float16", kh=2, pingpong=True, seed=0, overlap=True):
+def model_error(plan, sq, sk, causal, dtype="float16", kh=2, pingpong=True, seed=0, overlap=True, **variants):
+    """The model's largest error against the float64 reference (and its output) for a spec of
+    ``variants`` (window, softcap, alibi, sinks, kv_start), their arguments drawn here."""
     spec = AttentionSpec(batch=2, heads=4, kv_heads=kh, seq_q=sq, seq_kv=sk, head_dim=plan.head_dim,
-                         dtype="float16", causal=causal)
+                         dtype="float16", causal=causal, **variants)
     q, k, v = inputs(2, 4, kh, sq, sk, plan.head_dim, dtype, seed)
-    out = run(q, k, v, plan, causal, spec.scale, dtype, pingpong, overlap)
-    ref = reference_attention(spec, q, k, v)
+    rng = np.random.default_rng(seed + 1)
+    args = {"alibi_slopes": rng.uniform(0.01, 0.2, 4) if spec.alibi else None,
+            "sinks": rng.uniform(-1, 3, 4) if spec.sinks else None,
+            "kv_start": np.array([0, min(sk, 77)], np.int32) if spec.kv_start else None}
+    out = run(q, k, v, plan, spec, dtype, pingpong, overlap, **args)
+    ref = reference_attention(spec, q, k, v, **args)
     return float(np.abs(out - ref).max()), out
 
 
@@ -72,6 +78,26 @@ def test_model_matches_reference(d, bm, bn, ns, sq, sk, causal, dtype, overlap):
     assert err < (2e-3 if dtype == "float16" else 1.5e-2), err
     if causal and sq > sk:
         assert not out[:, :, : sq - sk].any()
+
+
+#: (head_dim, block_n, seq_q, seq_kv, variants): a left window with causal (tiles skipped before
+#: the first a block's rows may see), a two-sided window, softcap and ALiBi (scores in log2 units
+#: before the max), sinks (the denominator), a first key per sequence (rows past it only)
+VARIANT_CASES = [
+    (64, 64, 300, 700, {"causal": True, "window": (100, 0)}),
+    (128, 64, 200, 520, {"window": (64, 32)}),
+    (64, 128, 130, 300, {"causal": True, "softcap": 20.0, "alibi": True}),
+    (128, 64, 150, 260, {"sinks": True, "alibi": True}),
+    (64, 64, 90, 400, {"causal": True, "kv_start": True, "window": (150, 0), "sinks": True}),
+]
+
+
+@pytest.mark.parametrize("d, bn, sq, sk, variants", VARIANT_CASES)
+def test_model_matches_reference_with_variants(d, bn, sq, sk, variants):
+    variants = dict(variants)
+    causal = variants.pop("causal", False)
+    err, _ = model_error(SmemPlan(d, 128, bn, 2), sq, sk, causal, **variants)
+    assert err < 2e-3, err
 
 
 def test_descriptor_encoding_round_trips():
@@ -154,7 +180,7 @@ def test_nan_in_gives_nan_out():
     spec = AttentionSpec(batch=1, heads=2, kv_heads=1, seq_q=70, seq_kv=90, head_dim=64, dtype="float16")
     q, k, v = inputs(1, 2, 1, 70, 90, 64, "float16")
     k[0, 0, 5, 3] = np.nan
-    out = run(q, k, v, plan, False, spec.scale)
+    out = run(q, k, v, plan, spec)
     assert np.isnan(out).all()  # key 5 is seen by every row
 
 
@@ -204,6 +230,21 @@ def test_sm90a_builds_offline(d, dtype, causal, symbolic, lse):
     assert r["dynamic_shared_bytes"] == plan.alloc_bytes
 
 
+@needs_nvcc
+def test_variants_build_offline():
+    """Every variant at once (window, softcap, ALiBi, sinks, kv_start, lse; symbolic): their
+    arguments before O, no spill, the products not serialized."""
+    spec = AttentionSpec(batch=2, heads=8, kv_heads=2, seq_q=512, seq_kv=700, head_dim=128, dtype="float16",
+                         causal=True, window=(127, 0), softcap=30.0, alibi=True, sinks=True, kv_start=True,
+                         return_lse=True, dynamic=("batch", "seq_q", "seq_kv"))
+    built = hopper_build(spec)
+    r = built.resources
+    assert r["spills"] == 0 and not r["wgmma_serialized"] and built.audit.fused, r
+    func = cuda_hopper.workload(spec, built.knobs)
+    names = [p.name for p in func.params]
+    assert names == ["Q", "K", "V", "AL", "SN", "KS", "O", "LSE"]  # the layouts' call order
+
+
 @pytest.mark.skipif(find_cuobjdump() is None and find_nvcc() is not None,
                     reason="cuobjdump not installed (pip install nvidia-cuda-cuobjdump)")
 def test_cuobjdump_available_with_nvcc():
@@ -214,7 +255,7 @@ def test_cuobjdump_available_with_nvcc():
 @pytest.mark.parametrize("change, match", [
     (dict(layout="varlen"), "builds layout"),
     (dict(dtype="float32"), "builds dtype"),
-    (dict(window=(64, 0)), "variant"),
+    (dict(head_dim_v=64), "one head size"),
     (dict(head_dim=96), "head_dim=96"),
 ])
 def test_refusals_name_what(change, match):

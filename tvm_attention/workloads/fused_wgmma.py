@@ -39,9 +39,11 @@ from tvm.script import tirx as T
 
 from ..spec import ENTRY, AttentionSpec
 from ..visibility import Visibility
-from ._math import LOG2E, guarded, lse_of, normalize_where
+from ._math import guarded, lse_of, normalize_where
 from .knob_attrs import FUSED_WGMMA, record
 from .kv import dim
+from .variants import Variants, score_scale
+from .variants import transforms as transforms_scores
 from .wgmma_layout import (
     SLAB_COLS,
     TMA_SWIZZLE_128B,
@@ -207,7 +209,11 @@ def _context(spec: AttentionSpec, block_m: int, block_n: int, stages: int, pingp
     dtype = spec.dtype
     vis = Visibility.of(spec)
     causal = vis.causal
-    qscale = float(spec.scale * LOG2E)
+    var = Variants.declare(spec, B)  # the variants' arguments and hooks (window, softcap, ALiBi, sinks, kv_start)
+    transforms = transforms_scores(spec)
+    # the scores' factor: with a softcap or ALiBi the hook takes the scaled score and returns log2
+    # units (the max is then of those); else the max of the raw scores is scaled once
+    qscale = 1.0 if transforms else score_scale(spec)
     neg_inf = T.float32(float("-inf"))
     srcs = _helpers(plan, dtype, NC)
     sfx = f"{WGMMA_DTYPES[dtype]}_{D}_{BN}_{BM}_{NS}"
@@ -219,11 +225,15 @@ def _context(spec: AttentionSpec, block_m: int, block_n: int, stages: int, pingp
     nrt = (SQ + BM - 1) // BM  # row tiles
     off = vis.offset(SQ, SK)  # row i sits at key position i + off (bottom-right)
 
-    def n_tiles(row0):
-        if not causal:
-            return (SK + BN - 1) // BN
-        end = T.min(SK, T.max(row0 + BM + off, 0))  # keys the block's last row may see, clamped
-        return (end + BN - 1) // BN
+    def tile_range(row0, start):
+        """The block's key tiles ``[first, first + count)``: from the first key its first row may
+        see (a left window, the sequence's start) to the last its last row may (causal, a right
+        window), within the keys."""
+        begin = vis.key_begin(row0 + off, start)
+        first = 0 if begin is None else Visibility.tiles_before(begin, BN)
+        end = vis.key_end(row0 + BM + off)
+        last = (SK + BN - 1) // BN if end is None else Visibility.tiles_to(T.min(SK, T.max(end, 0)), BN)
+        return first, T.max(last - first, 0)
 
     lse = bool(spec.return_lse)
     tq = tirx.Var("q_tmap", ty=T.handle("tensormap").ty)
@@ -233,15 +243,24 @@ def _context(spec: AttentionSpec, block_m: int, block_n: int, stages: int, pingp
     LSE = tirx.decl_buffer((B, H, SQ), "float32", "LSE") if lse else None
     row_in_wg, col_of = acc_row, acc_col
 
-    def needs_mask(j, wrow0):
-        # the tile holds the key tail, or (causal) a key past the diagonal of the warpgroup's first row
-        cond = (j + 1) * BN > SK
-        return tirx.Or(cond, (j + 1) * BN - 1 > wrow0 + off) if causal else cond
+    def needs_mask(j, wrow0, start):
+        # tile j holds the key tail, or a key its warpgroup's first row sees past (the diagonal, a
+        # right window) or its last row before (a left window, the start)
+        lo, hi = j * BN, (j + 1) * BN - 1
+        conds = [hi >= SK, vis.hides(hi, wrow0 + off, start), vis.hides(lo, wrow0 + WG_ROWS - 1 + off, start)]
+        conds = [c for c in conds if c is not None]
+        return conds[0] if len(conds) == 1 else tirx.Or(conds[0], conds[1] if len(conds) == 2 else
+                                                         tirx.Or(conds[1], conds[2]))
 
-    def visible(t, r, j, wrow0):
+    def visible(t, r, j, wrow0, start):
         key = j * BN + col_of(t, r)
-        cond = key < SK
-        return tirx.And(cond, key <= wrow0 + row_in_wg(t, r) + off) if causal else cond
+        sees = vis.sees(key, wrow0 + row_in_wg(t, r) + off, start)
+        return key < SK if sees is None else tirx.And(key < SK, sees)
+
+    def logit(s, t, r, j, wrow0, hh):
+        # a raw score in log2 units through the variants' hook: softcap, then ALiBi's distance
+        key = j * BN + col_of(t, r)
+        return var.logit(s * T.float32(score_scale(spec)), lambda: hh, lambda: wrow0 + row_in_wg(t, r) + off - key)
 
     return types.SimpleNamespace(**locals())
 
@@ -251,7 +270,8 @@ def _producer(x):
     call, plan, tq, tk, tv, NS, BN = x.call, x.plan, x.tq, x.tk, x.tv, x.NS, x.BN
 
     @T.macro
-    def producer(sb, row0, bh, kvh, nt):
+    def producer(sb, row0, bh, kvh, first, nt):
+        # loop tile j is key tile first + j; stages and parities count the loop's tiles
         T.evaluate(call("hop_expect", sb + plan.bar_full_q(), plan.q_bytes))
         for sl in T.unroll(plan.slabs):
             T.evaluate(call("hop_tma3d", sb + plan.q_slab(sl), T.address_of(tq), sb + plan.bar_full_q(),
@@ -262,11 +282,13 @@ def _producer(x):
             T.evaluate(call("hop_expect", sb + plan.bar_full_k(0) + j % NS * 8, plan.kv_tile_bytes))
             for sl in T.unroll(plan.slabs):
                 T.evaluate(call("hop_tma3d", sb + plan.k_tile(0) + j % NS * plan.kv_tile_bytes + plan.kv_slab(sl),
-                                T.address_of(tk), sb + plan.bar_full_k(0) + j % NS * 8, sl * SLAB_COLS, j * BN, kvh))
+                                T.address_of(tk), sb + plan.bar_full_k(0) + j % NS * 8, sl * SLAB_COLS, (first + j) * BN,
+                                kvh))
             T.evaluate(call("hop_expect", sb + plan.bar_full_v(0) + j % NS * 8, plan.kv_tile_bytes))
             for sl in T.unroll(plan.slabs):
                 T.evaluate(call("hop_tma3d", sb + plan.v_tile(0) + j % NS * plan.kv_tile_bytes + plan.kv_slab(sl),
-                                T.address_of(tv), sb + plan.bar_full_v(0) + j % NS * 8, sl * SLAB_COLS, j * BN, kvh))
+                                T.address_of(tv), sb + plan.bar_full_v(0) + j % NS * 8, sl * SLAB_COLS, (first + j) * BN,
+                                kvh))
 
     return producer
 
@@ -276,13 +298,17 @@ def _softmax(x):
     masked where needed, the rows' new max, ``alpha = exp2(m_old − m_new)`` into ``al`` (the
     caller rescales O by it once no product is writing O), ``P`` in place of ``S``, the sums."""
     needs_mask, neg_inf, NSR, qscale, visible = x.needs_mask, x.neg_inf, x.NSR, x.qscale, x.visible
+    logit, transforms = x.logit, x.transforms
 
     @T.macro
-    def softmax(S, m, l, al, t, wrow0, j):
-        # scores of key tile j: masked where the tile holds the key tail or crosses the diagonal
-        if needs_mask(j, wrow0):
+    def softmax(S, m, l, al, t, wrow0, j, hh, start):
+        # scores of key tile j: the variants' score hook, then masked where the tile needs it
+        if transforms:
             for r in T.unroll(NSR):
-                S[r] = T.Select(visible(t, r, j, wrow0), S[r], neg_inf)
+                S[r] = logit(S[r], t, r, j, wrow0, hh)
+        if needs_mask(j, wrow0, start):
+            for r in T.unroll(NSR):
+                S[r] = T.Select(visible(t, r, j, wrow0, start), S[r], neg_inf)
         for h in T.unroll(2):
             al[h] = neg_inf
         for r in T.unroll(NSR):
@@ -305,8 +331,8 @@ def _consumer(x, softmax):
     intra-warpgroup overlap) tile j's ``S = Q·Kᵀ`` is issued together with tile j − 1's ``O += P·V``
     and the softmax of tile j runs while that product is in flight; O is rescaled after it."""
     (call, col_of, dtype, LSE, lse, neg_inf, NOR, NS, NSR, nthr, off, overlap, pingpong, plan, row_in_wg, sfx, SK,
-     SQ, vis) = (x.call, x.col_of, x.dtype, x.LSE, x.lse, x.neg_inf, x.NOR, x.NS, x.NSR, x.nthr, x.off, x.overlap,
-                 x.pingpong, x.plan, x.row_in_wg, x.sfx, x.SK, x.SQ, x.vis)
+     SQ, var, vis) = (x.call, x.col_of, x.dtype, x.LSE, x.lse, x.neg_inf, x.NOR, x.NS, x.NSR, x.nthr, x.off,
+                      x.overlap, x.pingpong, x.plan, x.row_in_wg, x.sfx, x.SK, x.SQ, x.var, x.vis)
     pack = f"hop_pack{x.BN}_{WGMMA_DTYPES[dtype]}"
 
     def stage(j):
@@ -344,7 +370,8 @@ def _consumer(x, softmax):
         T.evaluate(call("hop_arrive", sb + plan.bar_empty(0) + stage(j) * 8))
 
     @T.macro
-    def consumer(sb, O, S, Pk, Oa, m, l, al, tid, row0, bb, hh, nt):
+    def consumer(sb, O, S, Pk, Oa, m, l, al, tid, row0, bb, hh, first, nt):
+        # loop tile j is key tile first + j (a window or a start skips the tiles before)
         wg = tid // WARPGROUP - 1
         t = tid % WARPGROUP
         wrow0 = row0 + wg * WG_ROWS
@@ -363,7 +390,7 @@ def _consumer(x, softmax):
                 issue_qk(S, sb, wg, 0)
                 turn_end(wg)
                 T.evaluate(call(f"hop_wait_acc{NSR}", S.access_ptr("rw")))
-                softmax(S, m, l, al, t, wrow0, 0)  # O is 0: no rescale
+                softmax(S, m, l, al, t, wrow0, first, hh, var.start(bb))  # O is 0: no rescale
                 T.evaluate(call(pack, Pk.access_ptr("w"), S.access_ptr("r")))
                 for j in T.serial(1, nt):
                     turn_begin(wg)
@@ -371,7 +398,7 @@ def _consumer(x, softmax):
                     issue_pv(Oa, Pk, sb, j - 1)
                     turn_end(wg)
                     T.evaluate(call(f"hop_wait1_acc{NSR}", S.access_ptr("rw")))
-                    softmax(S, m, l, al, t, wrow0, j)
+                    softmax(S, m, l, al, t, wrow0, first + j, hh, var.start(bb))
                     T.evaluate(call(f"hop_wait_acc{NOR}", Oa.access_ptr("rw")))
                     rescale(Oa, al)
                     release(sb, j - 1)
@@ -387,7 +414,7 @@ def _consumer(x, softmax):
                 issue_qk(S, sb, wg, j)
                 turn_end(wg)
                 T.evaluate(call(f"hop_wait_acc{NSR}", S.access_ptr("rw")))
-                softmax(S, m, l, al, t, wrow0, j)
+                softmax(S, m, l, al, t, wrow0, first + j, hh, var.start(bb))
                 rescale(Oa, al)
                 T.evaluate(call(pack, Pk.access_ptr("w"), S.access_ptr("r")))
                 turn_begin(wg)
@@ -400,15 +427,20 @@ def _consumer(x, softmax):
                 T.evaluate(call(f"hop_bar_sync{nthr}", 1))
         for h in T.unroll(2):  # the row's sum over its four lanes
             l[h] = T.cuda.warp_sum(l[h], 4)
-        for r in T.unroll(NOR):
-            if wrow0 + row_in_wg(t, r) < SQ:
-                O[bb, hh, wrow0 + row_in_wg(t, r), col_of(t, r)] = T.Cast(dtype, normalize_where(
-                    Oa[r], l[r % 4 // 2], vis.sees_a_key(wrow0 + row_in_wg(t, r) + off, SK)))
-        if lse:
+        if lse:  # FlashAttention's softmax_lse: without the sink
             if t % 4 == 0:
                 for h in T.unroll(2):
                     if wrow0 + row_in_wg(t, 2 * h) < SQ:
                         LSE[bb, hh, wrow0 + row_in_wg(t, 2 * h)] = lse_of(m[h], l[h])
+        if var.SK is not None:
+            for h in T.unroll(2):  # the sink joins the denominator: (acc·w, l·w + e), w in al
+                al[h] = var.sink_terms(m[h], hh)[0]
+                l[h] = l[h] * al[h] + var.sink_terms(m[h], hh)[1]
+            rescale(Oa, al)
+        for r in T.unroll(NOR):
+            if wrow0 + row_in_wg(t, r) < SQ:
+                O[bb, hh, wrow0 + row_in_wg(t, r), col_of(t, r)] = T.Cast(dtype, normalize_where(
+                    Oa[r], l[r % 4 // 2], vis.sees_a_key(wrow0 + row_in_wg(t, r) + off, SK, var.start(bb))))
 
     return consumer
 
@@ -423,7 +455,7 @@ def fused_attention_wgmma(spec: AttentionSpec, block_m: int, block_n: int, stage
     (B, BM, BN, D, dtype, G, H, isz, KH, LSE, lse, NOR, NS, NSR, nrt, nthr, plan, SK, SQ, THREADS, tk, tq, tv) = \
         (x.B, x.BM, x.BN, x.D, x.dtype, x.G, x.H, x.isz, x.KH, x.LSE, x.lse, x.NOR, x.NS, x.NSR, x.nrt, x.nthr,
          x.plan, x.SK, x.SQ, x.THREADS, x.tk, x.tq, x.tv)
-    call, causal, n_tiles = x.call, x.causal, x.n_tiles
+    call, causal, tile_range, var = x.call, x.causal, x.tile_range, x.var
     producer = _producer(x)
     consumer = _consumer(x, _softmax(x))
 
@@ -467,7 +499,8 @@ def fused_attention_wgmma(spec: AttentionSpec, block_m: int, block_n: int, stage
                                 Pk = T.sblock_alloc_buffer((BN // 4,), "uint32", scope="local")  # P, 16-bit pairs
                                 sb: T.uint32 = call("hop_smem_base", T.address_of(smem[0]), ret="uint32")
                                 row0 = ((nrt - 1 - bx) if causal else bx) * BM
-                                nt = n_tiles(row0)
+                                first = T.meta_var(tile_range(row0, var.start(bb))[0])
+                                nt = tile_range(row0, var.start(bb))[1]
                                 if tid == 0:
                                     T.evaluate(call("hop_mbar_init", sb + plan.bar_full_q(), 1))
                                     for s in T.unroll(NS):
@@ -479,13 +512,15 @@ def fused_attention_wgmma(spec: AttentionSpec, block_m: int, block_n: int, stage
                                 if tid < WARPGROUP:
                                     T.evaluate(call("hop_regs_producer"))
                                     if tid == 0:
-                                        producer(sb, row0, bb * H + hh, bb * KH + hh // G, nt)
+                                        producer(sb, row0, bb * H + hh, bb * KH + hh // G, first, nt)
                                 else:
                                     T.evaluate(call("hop_regs_consumer"))
-                                    consumer(sb, O, S, Pk, Oa, m, l, al, tid, row0, bb, hh, nt)
+                                    consumer(sb, O, S, Pk, Oa, m, l, al, tid, row0, bb, hh, first, nt)
 
 
     func = attention
-    if lse:
-        func = tirx.PrimFunc(list(func.params) + [LSE], func.body, func.ret_type, func.attrs)
+    if lse or var.buffers:  # the variants' arguments before O, the log-sum-exp after it
+        params = list(func.params)
+        params = params[:-1] + var.buffers + params[-1:] + ([LSE] if lse else [])
+        func = tirx.PrimFunc(params, func.body, func.ret_type, func.attrs)
     return func

@@ -212,8 +212,8 @@ class _Block:
 
     BASE = 0x4400  # the block's shared base: any 1024-aligned address
 
-    def __init__(self, run: "_Run", b: int, h: int, row0: int, nt: int):
-        self.r, self.b, self.h, self.row0, self.nt = run, b, h, row0, nt
+    def __init__(self, run: "_Run", b: int, h: int, row0: int, nt: int, first: int = 0):
+        self.r, self.b, self.h, self.row0, self.nt, self.first = run, b, h, row0, nt, first
         plan, NS = run.plan, run.plan.stages
         self.sm = Smem(plan.alloc_bytes)
         self.full_q = Barrier(1)
@@ -244,10 +244,11 @@ class _Block:
         self.full_v[s].arrive(plan.kv_tile_bytes)
         plane = self.b * r.KH + self.h // r.G
         for sl in range(plan.slabs):
+            key0 = (self.first + j) * plan.block_n
             self.full_k[s].land(self.sm.tma_box(plan.k_tile(s) + plan.kv_slab(sl), r.gk, *r.mk[:3],
-                                                (sl * 64, j * plan.block_n, plane)))
+                                                (sl * 64, key0, plane)))
             self.full_v[s].land(self.sm.tma_box(plan.v_tile(s) + plan.kv_slab(sl), r.gv, *r.mk[:3],
-                                                (sl * 64, j * plan.block_n, plane)))
+                                                (sl * 64, key0, plane)))
         if not (self.full_k[s].passes(full_parity(j, NS)) and self.full_v[s].passes(full_parity(j, NS))):
             raise ModelError(f"tile {j}: stage {s}'s barriers did not complete with its boxes")
 
@@ -269,13 +270,19 @@ class _Block:
         return acc[isa_acc(r.t, r.rs)]
 
     def softmax(self, wg: int, j: int, S: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The kernel's softmax on its registers (its own fragment indexing): (alpha, P)."""
+        """The kernel's softmax of key tile ``j`` on its registers (its own fragment indexing):
+        the variants' score hook, the mask, (alpha, P)."""
         r, st = self.r, self.state[wg]
         rows = self.row0 + wg * WG_ROWS + acc_row(r.t, r.rs)
         keys = j * self.r.plan.block_n + acc_col(r.t, r.rs)
-        vis = keys < r.SK
-        if r.causal:
-            vis &= keys <= rows + r.off
+        if r.transforms:  # softcap, then ALiBi, in log2 units (Variants.logit)
+            S = S * r.score_scale
+            if r.spec.softcap is not None:
+                S = np.tanh(S) * r.spec.softcap * np.log2(np.e)
+            if r.slopes is not None:
+                S = S - r.slopes[self.h] * np.log2(np.e) * np.abs(rows + r.off - keys)
+        sees = r.vis.sees(keys, rows + r.off, r.start(self.b))
+        vis = keys < r.SK if sees is None else (keys < r.SK) & sees
         S = np.where(vis, S, -np.inf)
         half = r.rs % 4 // 2
         mt = np.stack([np.where(half == hh, S, -np.inf).max(1) for hh in (0, 1)], 1)
@@ -324,67 +331,89 @@ class _Block:
             rows = self.row0 + wg * WG_ROWS + acc_row(r.t, r.ro)
             cols = np.broadcast_to(acc_col(r.t, r.ro), rows.shape)
             lsum = st["l"].reshape(WARPGROUP // 4, 4, 2).sum(1).repeat(4, 0)
-            sees = (rows + r.off >= 0) if r.causal else np.full(rows.shape, r.SK > 0)
+            o = st["o"]
+            if r.sinks is not None:  # the sink joins the denominator (_math.sink_terms)
+                g = np.where(st["m"] == -np.inf, 0.0, st["m"])
+                sink = r.sinks[self.h] * np.log2(np.e)
+                top = np.maximum(g, sink)
+                w, e = np.exp2(g - top), np.exp2(sink - top)
+                o = o * w[r.t, r.ro % 4 // 2]
+                lsum = lsum * w + e
+            sees = np.broadcast_to(r.vis.sees_a_key(rows + r.off, r.SK, r.start(self.b)), rows.shape)
             with np.errstate(invalid="ignore", divide="ignore"):
-                val = np.where(sees, st["o"] / lsum[r.t, r.ro % 4 // 2], 0.0)
+                val = np.where(sees, o / lsum[r.t, r.ro % 4 // 2], 0.0)
             keep = rows < r.SQ
             out[self.b, self.h, rows[keep], cols[keep]] = val[keep]
 
 
 class _Run:
-    """The constants of one model run (shapes, tensor maps, the inputs' 16-bit words)."""
+    """The constants of one model run (shapes, tensor maps, the inputs' 16-bit words, the
+    variants' arguments)."""
 
-    def __init__(self, q, k, v, plan: SmemPlan, causal: bool, scale: float, dtype: str):
+    def __init__(self, q, k, v, plan: SmemPlan, spec, dtype: str, alibi_slopes=None, sinks=None, kv_start=None):
+        from ..visibility import Visibility
+        from .variants import score_scale, transforms
+
         self.B, self.H, self.SQ, self.D = q.shape
         self.KH, self.SK = k.shape[1], k.shape[2]
         self.G = self.H // self.KH
-        self.plan, self.causal, self.dtype = plan, causal, dtype
+        self.plan, self.spec, self.dtype = plan, spec, dtype
+        self.vis = Visibility.of(spec)
+        self.causal = self.vis.causal
+        self.slopes, self.sinks, self.starts = alibi_slopes, sinks, kv_start
+        self.transforms, self.score_scale = transforms(spec), score_scale(spec)
         self.gq, self.gk, self.gv = (to_bits(x, dtype).ravel() for x in (q, k, v))
         self.mq = tensor_map(self.D, self.SQ, self.B * self.H, plan.block_m)
         self.mk = tensor_map(self.D, self.SK, self.B * self.KH, plan.block_n)
         self.off = self.SK - self.SQ
-        self.qscale = scale * np.log2(np.e)
+        self.qscale = 1.0 if self.transforms else self.score_scale
         self.t = np.arange(WARPGROUP)[:, None]
         self.rs, self.ro = np.arange(plan.block_n // 2)[None, :], np.arange(self.D // 2)[None, :]
 
-    def tiles(self, row0: int) -> int:
-        BN, BM = self.plan.block_n, self.plan.block_m
-        if self.causal:
-            return -(-min(self.SK, max(row0 + BM + self.off, 0)) // BN)
-        return -(-self.SK // BN)
+    def start(self, b: int):
+        return None if self.starts is None else int(self.starts[b])
+
+    def tiles(self, row0: int, b: int) -> tuple[int, int]:
+        """The block's key tiles (first, count), by the visibility's bounds (the kernel's ``tile_range``)."""
+        BN, BM, vis = self.plan.block_n, self.plan.block_m, self.vis
+        begin = vis.key_begin(row0 + self.off, self.start(b))
+        first = 0 if begin is None else vis.tiles_before(int(begin), BN)
+        end = vis.key_end(row0 + BM + self.off)
+        last = -(-self.SK // BN) if end is None else vis.tiles_to(min(self.SK, max(int(end), 0)), BN)
+        return first, max(last - first, 0)
 
 
-def run(q: np.ndarray, k: np.ndarray, v: np.ndarray, plan: SmemPlan, causal: bool, scale: float,
-        dtype: str = "float16", pingpong: bool = True, overlap: bool = True) -> np.ndarray:
+def run(q: np.ndarray, k: np.ndarray, v: np.ndarray, plan: SmemPlan, spec, dtype: str = "float16",
+        pingpong: bool = True, overlap: bool = True, alibi_slopes=None, sinks=None, kv_start=None) -> np.ndarray:
     """The kernel's output for ``q (B, H, Sq, D)``, ``k``/``v (B, KH, Skv, D)`` (float arrays,
-    rounded to ``dtype``), computed through the model in the kernel's order of events
-    (``overlap``: tile j's S with tile j − 1's P·V, that tile's stage released after it);
-    float64 ``(B, H, Sq, D)``."""
-    r = _Run(q, k, v, plan, causal, scale, dtype)
+    rounded to ``dtype``) and ``spec``'s mask and variants (their arguments as the call takes
+    them), computed through the model in the kernel's order of events (``overlap``: tile j's S
+    with tile j − 1's P·V, that tile's stage released after it); float64 ``(B, H, Sq, D)``."""
+    r = _Run(q, k, v, plan, spec, dtype, alibi_slopes, sinks, kv_start)
     out = np.zeros((r.B, r.H, r.SQ, r.D))
     for b in range(r.B):
         for h in range(r.H):
             for bx in range(-(-r.SQ // plan.block_m)):
                 row0 = bx * plan.block_m
-                nt = r.tiles(row0)
+                first, nt = r.tiles(row0, b)
                 if pingpong and plan.consumers == 2:
                     pingpong_turns(nt, overlap)
-                blk = _Block(r, b, h, row0, nt)
+                blk = _Block(r, b, h, row0, nt, first)
                 blk.load_q()
                 prev = [None] * plan.consumers  # overlap: each consumer's P of the tile before
-                for j in range(nt):
+                for j in range(nt):  # loop tile j: key tile first + j
                     blk.load_kv(j)
                     for wg in range(plan.consumers):
                         S = blk.qk(wg, j)
                         if overlap:
                             if j:
                                 blk.pv(wg, prev[wg], j - 1)
-                            alpha, prev[wg] = blk.softmax(wg, j, S)
+                            alpha, prev[wg] = blk.softmax(wg, first + j, S)
                             if j:
                                 blk.rescale(wg, alpha)
                                 blk.release(j - 1)
                         else:
-                            alpha, P = blk.softmax(wg, j, S)
+                            alpha, P = blk.softmax(wg, first + j, S)
                             blk.rescale(wg, alpha)
                             blk.pv(wg, P, j)
                             blk.release(j)
