@@ -23,14 +23,14 @@ from tvm.target import Target
 
 from ..cuda_tools import block_shared_limit
 from ..spec import AttentionSpec
-from ..workloads.fused_wgmma import CONSUMER_REGS, WGMMA_DTYPES, fused_attention_wgmma
+from ..workloads.fused_wgmma import CONSUMER_REGS, LAYOUTS, WGMMA_DTYPES, fused_attention_wgmma
 from ..workloads.knob_attrs import FUSED_WGMMA
 from ..workloads.wgmma_layout import WARPGROUP, WG_ROWS, SmemPlan
 from ._knobs import KnobError, KnobsMixin
 from .family import CUDA_VARIANTS, Capabilities, never_static_decode, read_attrs
 
 NAME = "fused"
-CAPABILITIES = Capabilities(label="CUDA Hopper (wgmma) fused", target="cuda", layouts=("bhsd",), dtypes=tuple(WGMMA_DTYPES),
+CAPABILITIES = Capabilities(label="CUDA Hopper (wgmma) fused", target="cuda", layouts=LAYOUTS, dtypes=tuple(WGMMA_DTYPES),
                             symbolic=True, lse=True, variants=CUDA_VARIANTS,
                             instead="use --schedule fused_tc (mma.sync) for the other layouts and the variants")
 ARCH = 90  # wgmma, TMA, setmaxnreg: sm_90a (Hopper) only

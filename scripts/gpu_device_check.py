@@ -278,7 +278,7 @@ def check_symbolic(torch, kernels: list[dict], payload: Path, torch_dtype: dict,
 
 
 #: a static shape's row names the varlen build of each kernel timed there (the batch packed)
-VARLEN_NAMES = {"fused_tc": "tc_varlen", "fused_simt": "simt_varlen"}
+VARLEN_NAMES = {"fused_tc": "tc_varlen", "fused_simt": "simt_varlen", "fused_hopper": "hopper_varlen"}
 #: packed batches ((seq_q, seq_kv) per sequence) every varlen kernel is validated on, every row:
 #: empty sequences, one row, Sq above and below Skv, no keys (zero rows), tails, long among short
 VARLEN_BATCHES = [[(0, 7), (1, 1), (70, 33), (33, 70), (5, 0), (129, 129), (0, 0), (3, 200)], [(37, 45)],
@@ -498,11 +498,12 @@ def prefill_table(rows: dict, device_name: str, arch: str, peak, unproven: list,
     lines = [f"GPU check on {device_name} ({arch}), {time.strftime('%Y-%m-%d')}: TFLOP/s (4·B·H·Sq·Skv·D, halved "
              f"causal); "
              f"peak = dense fp16/bf16 tensor-core peak {peak} TFLOP/s", "",
-             "| dtype | D | causal | S | B×H | " + ("ours (hopper) | hopper, no overlap | hopper, symbolic | " if hop else "")
+             "| dtype | D | causal | S | B×H | "
+             + ("ours (hopper) | hopper, no overlap | hopper, symbolic | hopper, varlen | " if hop else "")
              + "ours (tc) | ours (simt) | tc, symbolic | simt, symbolic | tc, varlen "
              "| simt, varlen | flash | cuDNN | flex | best ours % peak | tc/flash | tc/cuDNN | tc/flex | "
              + ("hopper/flash | hopper/cuDNN | hopper/flex | " if hop else "") + "valid |",
-             "|" + "---|" * (25 if hop else 19)]
+             "|" + "---|" * (26 if hop else 19)]
     for key, row in rows.items():
         sp = AttentionSpec.from_dict(row["spec"])
         t = row["tflops"]
@@ -514,7 +515,7 @@ def prefill_table(rows: dict, device_name: str, arch: str, peak, unproven: list,
         valid = all(v.get("passed") for v in row.get("validation", {}).values()) and bool(row.get("validation"))
         lines.append(f"| {sp.dtype} | {sp.head_dim} | {sp.causal} | {sp.seq_q} | {sp.batch}×{sp.heads} | "
                      + (f"{f(t.get('fused_hopper'))} | {f(t.get('hopper_seq'))} | {f(t.get('hopper_dyn'))} | "
-                        if hop else "")
+                        f"{f(t.get('hopper_varlen'))} | " if hop else "")
                      + f"{f(t.get('fused_tc'))} | {f(t.get('fused_simt'))} | {f(t.get('tc_dyn'))} | "
                      f"{f(t.get('simt_dyn'))} | {f(t.get('tc_varlen'))} | {f(t.get('simt_varlen'))} | "
                      f"{f(t.get('flash'))} | {f(t.get('cudnn'))} | "

@@ -48,12 +48,12 @@ KERNELS = ("fused_tc", "fused_simt", "fused_hopper")
 DEFAULT_KERNELS = ("fused_tc", "fused_simt")
 #: ``--hopper``: the Hopper issue's table, one run of at most 5 minutes on an H100/H200: the Hopper
 #: kernel next to the mma.sync one and the peers at FlashAttention's shapes, fp16/bf16, D 64/128,
-#: S 1k-16k, causal and not, sm_90 only, a symbolic Hopper build per (dtype, D, causal), and the
-#: variants' bhsd build (window, kv_start) at the first head_dim
+#: S 1k-16k, causal and not, sm_90 only, a symbolic and a varlen Hopper build per (dtype, D,
+#: causal), and the variants' bhsd build (window, kv_start) at the first head_dim
 #: the Hopper kernel's other forms timed beside its preset (a column each): name -> knob overrides
 HOPPER_VARIANTS = {"hopper_seq": {"overlap": 0}}
 HOPPER = dict(arch=["sm_90"], kernels=["fused_hopper", "fused_tc"], symbolic=True, cache=False, variants=True,
-              varlen=False)
+              varlen=True)
 #: the symbolic kernels' dims (``--symbolic``): validated at awkward shapes on the device, and timed
 #: at each static shape next to the static kernels (the price of not knowing the lengths)
 SYMBOLIC = ("batch", "seq_q", "seq_kv")
@@ -116,10 +116,11 @@ def jobs_for(a: argparse.Namespace, kernels_dir: Path) -> list[dict]:
 
     def add(spec, arch):  # a build of each kernel that builds this spec
         for k in a.kernels:
-            if k == "fused_hopper" and (arch != "sm_90" or spec.layout != "bhsd" or spec.variants):
-                continue  # the Hopper kernel builds bhsd on sm_90 (docs/cuda.md)
-            if k != "fused_hopper" and a.hopper and (spec.dynamic or spec.variants):
-                continue  # --hopper: the symbolic and variant builds are the Hopper kernel's
+            if k == "fused_hopper" and (arch != "sm_90" or spec.layout not in ("bhsd", "varlen")
+                                        or (spec.variants and spec.layout != "bhsd")):
+                continue  # the Hopper kernel builds bhsd and varlen on sm_90 (docs/cuda.md)
+            if k != "fused_hopper" and a.hopper and (spec.dynamic or spec.variants or spec.layout != "bhsd"):
+                continue  # --hopper: the symbolic, varlen and variant builds are the Hopper kernel's
             jobs.append({"spec": spec.to_dict(), "kernel": k, "arch": arch,
                          "dir": str(kernels_dir / arch / f"{k}_{spec.short_name()}")})
             if k == "fused_hopper" and not spec.dynamic:

@@ -99,15 +99,18 @@ def test_payload_plans_every_kernel_kind(tmp_path):
 def test_hopper_payload_plan(tmp_path):
     """``--hopper``: sm_90 only; each static shape on the Hopper kernel beside the mma.sync one,
     and a symbolic Hopper build per (dtype, head_dim, causal); nothing else (one short run)."""
-    jobs = planned_jobs(tmp_path, ["--hopper", "--seq", "1024", "4096", "--head-dim", "64", "--dtype", "bfloat16"])
+    jobs = planned_jobs(tmp_path, ["--hopper", "--seq", "1024", "4096", "--head-dim", "64", "--dtype", "float16"])
     assert {j["arch"] for j in jobs} == {"sm_90"}
     kinds = [(j.get("column", j["kernel"]), bool(j["spec"].get("dynamic")), j["spec"]["seq_q"]) for j in jobs]
     per_causal = [("fused_hopper", False, 1024), ("hopper_seq", False, 1024), ("fused_tc", False, 1024),
                   ("fused_hopper", False, 4096), ("hopper_seq", False, 4096), ("fused_tc", False, 4096),
-                  ("fused_hopper", True, 4096)]
-    assert kinds == per_causal * 2
+                  ("fused_hopper", True, 4096), ("fused_hopper", True, 4096)]  # symbolic, then varlen
+    assert kinds[:16] == per_causal * 2
+    assert [j["spec"].get("layout", "bhsd") for j in jobs[:16]] == (["bhsd"] * 7 + ["varlen"]) * 2
+    # the variants' bhsd build on the Hopper kernel alone (the paged one is the mma.sync kernel's)
+    assert [(j["kernel"], bool(j["spec"].get("window"))) for j in jobs[16:]] == [("fused_hopper", True)]
     assert all(j["knobs"] == {"overlap": 0} for j in jobs if j.get("column") == "hopper_seq")
-    assert {j["spec"].get("layout", "bhsd") for j in jobs} == {"bhsd"}
+
 
 
 def test_payload_is_small_and_self_contained(payload, tmp_path):

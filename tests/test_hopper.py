@@ -245,6 +245,21 @@ def test_variants_build_offline():
     assert names == ["Q", "K", "V", "AL", "SN", "KS", "O", "LSE"]  # the layouts' call order
 
 
+@needs_nvcc
+def test_varlen_build_offline():
+    """The packed layout: TMA boxes of one head's rows, the slot search, the tail rows of V
+    zeroed (st.shared, then the async proxy's fence and the warpgroup's barrier), lse; no spill."""
+    spec = AttentionSpec(batch=3, heads=8, kv_heads=2, seq_q=512, head_dim=128, dtype="bfloat16", causal=True,
+                         layout="varlen", return_lse=True)
+    built = hopper_build(spec)
+    r = built.resources
+    assert r["spills"] == 0 and not r["wgmma_serialized"] and built.audit.fused, r
+    func = cuda_hopper.workload(spec, built.knobs)
+    assert [p.name for p in func.params] == ["Q", "K", "V", "CQ", "CK", "O", "LSE"]
+    src = __import__("tvm_attention.cuda_tools", fromlist=["kernel_source"]).kernel_source(built.module)
+    assert "hop_zero_rows(" in src and "fence.proxy.async.shared::cta" in src
+
+
 @pytest.mark.skipif(find_cuobjdump() is None and find_nvcc() is not None,
                     reason="cuobjdump not installed (pip install nvidia-cuda-cuobjdump)")
 def test_cuobjdump_available_with_nvcc():
@@ -253,7 +268,7 @@ def test_cuobjdump_available_with_nvcc():
 
 
 @pytest.mark.parametrize("change, match", [
-    (dict(layout="varlen"), "builds layout"),
+    (dict(layout="kvcache"), "builds layout"),
     (dict(dtype="float32"), "builds dtype"),
     (dict(head_dim_v=64), "one head size"),
     (dict(head_dim=96), "head_dim=96"),
@@ -333,3 +348,67 @@ def test_tune_tasks_are_the_candidates():
     assert [t.name for t in tasks] == [f"fused_hopper_m{k.block_m}_n{k.block_n}_s{k.stages}_p{k.pingpong}"
                                        f"_o{k.overlap}" for k in cands]
     assert [cuda_fused.workload_knobs(t.mod["main"]) for t in tasks] == cands
+
+
+def varlen_model(plan, lens, causal, dtype="float16", nan_seq=None, seed=0, **variants):
+    """The model's output and the float64 reference, sequence by sequence, on a packed batch of
+    ``lens`` ((q_len, k_len) each); ``nan_seq``: a NaN planted in that sequence's V rows."""
+    H, KH, D = 4, 2, plan.head_dim
+    cq = np.concatenate([[0], np.cumsum([a for a, _ in lens])]).astype(np.int32)
+    ck = np.concatenate([[0], np.cumsum([b for _, b in lens])]).astype(np.int32)
+    rng = np.random.default_rng(seed)
+    q, k, v = (from_bits(to_bits(rng.standard_normal(s), dtype), dtype)
+               for s in ((cq[-1], H, D), (ck[-1], KH, D), (ck[-1], KH, D)))
+    if nan_seq is not None:
+        v[ck[nan_seq]: ck[nan_seq + 1], 0, 5] = np.nan
+        v[ck[nan_seq], 1, 0] = np.inf
+    spec = AttentionSpec(batch=len(lens), heads=H, kv_heads=KH, seq_q=64, head_dim=D, dtype="float16", causal=causal,
+                         layout="varlen", **variants)
+    rng = np.random.default_rng(seed + 1)
+    args = {"alibi_slopes": rng.uniform(0.01, 0.2, H) if spec.alibi else None,
+            "sinks": rng.uniform(-1, 3, H) if spec.sinks else None}
+    out = run(q, k, v, plan, spec, dtype, plan.consumers == 2, True, cu_seqlens=(cq, ck), **args)
+    ref = np.zeros_like(out)
+    for b, (sq, sk) in enumerate(lens):
+        one = dataclasses.replace(spec, layout="bhsd", batch=1)  # lengths from the arrays
+        sl = lambda x, c: x[c[b]: c[b + 1]].transpose(1, 0, 2)[None]  # noqa: E731
+        if sq and sk:
+            ref[cq[b]: cq[b + 1]] = reference_attention(one, sl(q, cq), sl(k, ck), sl(v, ck),
+                                                        **args)[0].transpose(1, 0, 2)
+    return out, ref, cq
+
+
+@pytest.mark.parametrize("batch", range(4))
+@pytest.mark.parametrize("causal", [False, True])
+def test_model_varlen_matches_reference(batch, causal):
+    """Packed sequences (conftest.VARLEN_BATCHES: empty ones, one row, Sq above and below Skv, no
+    keys, tails, a long one among short ones): TMA boxes of one head's rows at each sequence's
+    offset, the kernel's slot numbering covering every row tile once, each row against the
+    reference; a sequence with no key exactly zero."""
+    from conftest import VARLEN_BATCHES
+
+    lens = VARLEN_BATCHES[batch]
+    out, ref, cq = varlen_model(SmemPlan(64, 128, 64, 2), lens, causal)
+    assert np.abs(out - ref).max() < 2e-3
+    for b, (sq, sk) in enumerate(lens):
+        if sk == 0:
+            assert not out[cq[b]: cq[b + 1]].any()
+
+
+def test_model_varlen_keeps_a_neighbours_nan_out():
+    """NaN and inf in one sequence's V stay there: the tail tile of the sequence before reads those
+    rows through TMA and zeroes them before P·V (0 · NaN would be NaN)."""
+    lens = [(40, 45), (30, 50), (70, 33)]
+    plan = SmemPlan(128, 128, 64, 2)
+    out, ref, cq = varlen_model(plan, lens, False, nan_seq=1, softcap=20.0)
+    assert np.isnan(out[cq[1]: cq[2]]).any()  # NaN in, NaN out
+    for b in (0, 2):
+        assert np.isfinite(out[cq[b]: cq[b + 1]]).all()
+        assert np.abs(out[cq[b]: cq[b + 1]] - ref[cq[b]: cq[b + 1]]).max() < 2e-3
+
+
+def test_model_varlen_without_the_zeroing_leaks_nan(monkeypatch):
+    """The zeroing is what keeps it out: without it the sequence before turns NaN."""
+    monkeypatch.setattr(wgmma_model.Smem, "zero_rows", lambda self, *a: None)
+    out, _, cq = varlen_model(SmemPlan(128, 128, 64, 2), [(40, 45), (30, 50)], False, nan_seq=1)
+    assert np.isnan(out[: cq[1]]).any()

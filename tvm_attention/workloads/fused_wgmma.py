@@ -55,9 +55,12 @@ from .wgmma_layout import (
     empty_parity,
     full_parity,
     tensor_map,
+    tensor_map_packed,
 )
 
 WGMMA_DTYPES = {"float16": "f16", "bfloat16": "bf16"}
+#: the layouts it builds
+LAYOUTS = ("bhsd", "varlen")
 #: registers a warpgroup keeps after ``setmaxnreg``: the producer's few (an address and a loop),
 #: and the consumers' (score and output fragments, 64 + 64 at block_n = head_dim = 128); 24 +
 #: 2 × 240 registers × 128 threads fill an SM's 64 K
@@ -179,6 +182,21 @@ __device__ __forceinline__ void hop_wait1_acc{ns}(float* d) {{
   // all but the last committed group done: S = Q·K^T, committed before the P·V still in flight
   asm volatile("wgmma.wait_group.sync.aligned 1;\\n" ::: "memory");
 {fence_ops("d", ns)}}}""",
+        "hop_zero_rows": r"""
+__device__ __forceinline__ void hop_zero_rows(unsigned tile, int slab_bytes, int slabs, int from, int rows, int t) {
+  // rows [from, rows) of every 128-byte slab row of a tile, by a warpgroup's 128 threads, 16
+  // bytes each; then visible to the async proxy (wgmma) once the warpgroup has synced
+  int per_row = 8 * slabs, n = (rows - from) * per_row;
+  for (int i = t; i < n; i += 128) {
+    unsigned a = tile + (i % per_row) / 8 * slab_bytes + (from + i / per_row) * 128 + (i % 8) * 16;
+    asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" :: "r"(a), "r"(0) : "memory");
+  }
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}""",
+        "hop_wg_sync": r"""
+__device__ __forceinline__ void hop_wg_sync(int id) {
+  asm volatile("bar.sync %0, 128;\n" :: "r"(id) : "memory");
+}""",
         f"hop_wait_acc{ns}": f"""
 __device__ __forceinline__ void hop_wait_acc{ns}(float* d) {{
   asm volatile("wgmma.wait_group.sync.aligned 0;\\n" ::: "memory");
@@ -190,15 +208,30 @@ __device__ __forceinline__ void hop_wait_acc{no}(float* d) {{
     }
 
 
+class Seq(types.SimpleNamespace):
+    """A block's sequence: ``b``, its query rows ``q0`` (first, in the packed layout; 0 in bhsd)
+    and ``q_len``, its keys ``k0`` and ``k_len``; ``off``: row i sits at key position i + off
+    (bottom-right)."""
+
+    @property
+    def off(self):
+        return self.k_len - self.q_len
+
+
 def _context(spec: AttentionSpec, block_m: int, block_n: int, stages: int, pingpong: bool, overlap: bool):
     """Every constant, index helper and device call of one Hopper kernel, by name."""
     if spec.dtype not in WGMMA_DTYPES:
         raise ValueError(f"the Hopper kernel takes float16 or bfloat16, not {spec.dtype}")
-    if spec.layout != "bhsd":
-        raise ValueError(f"the Hopper kernel builds the bhsd layout so far, not {spec.layout}")
+    if spec.layout not in LAYOUTS:
+        raise ValueError(f"the Hopper kernel builds the {' and '.join(LAYOUTS)} layouts so far, not {spec.layout}")
     plan = SmemPlan(spec.head_dim, block_m, block_n, stages, spec.itemsize)
-    B, H, KH, G = dim(spec, "batch"), spec.heads, spec.kv_heads, spec.group_size
-    SQ, SK, D = dim(spec, "seq_q"), dim(spec, "seq_kv"), spec.head_dim
+    packed = spec.layout == "varlen"
+    H, KH, G, D = spec.heads, spec.kv_heads, spec.group_size, spec.head_dim
+    if packed:  # lengths per sequence, read from cu_seqlens at run time
+        TQ, TK, NB1 = tirx.Var("total_q", "int32"), tirx.Var("total_k", "int32"), tirx.Var("batch_plus_1", "int32")
+        B, SQ, SK = NB1 - 1, None, None
+    else:
+        B, SQ, SK = dim(spec, "batch"), dim(spec, "seq_q"), dim(spec, "seq_kv")
     BM, BN, NS, NC = block_m, block_n, stages, plan.consumers
     if pingpong and NC != 2:
         raise ValueError(f"ping-pong takes two consumer warpgroups (block_m=128), not {NC}")
@@ -218,49 +251,82 @@ def _context(spec: AttentionSpec, block_m: int, block_n: int, stages: int, pingp
     srcs = _helpers(plan, dtype, NC)
     sfx = f"{WGMMA_DTYPES[dtype]}_{D}_{BN}_{BM}_{NS}"
     nthr = NC * WARPGROUP
+    isz = spec.itemsize
 
     def call(name, *args, ret="void"):
         return T.cuda.func_call(name, *args, source_code=srcs[name], return_type=ret)
 
-    nrt = (SQ + BM - 1) // BM  # row tiles
-    off = vis.offset(SQ, SK)  # row i sits at key position i + off (bottom-right)
+    # the grid: (row tile, head, batch); packed: (tile slot, head), sequence b's row tiles in the
+    # slots cu_seqlens_q[b] // block_m + b + i (fused_cuda.varlen_grid's numbering)
+    nrt = T.floordiv(TQ, BM) + NB1 - 1 if packed else (SQ + BM - 1) // BM
 
-    def tile_range(row0, start):
+    # TMA: 3-D views, 64 columns by rows by 1; bhsd (head_dim, length, batch·heads), packed
+    # (head_dim, heads, total) with boxes of one head's rows
+    if packed:
+        maps = ((TQ, H, BM), (TK, KH, BN))
+
+        def q_coord(seq, row0, hh):
+            return hh, seq.q0 + row0
+
+        def kv_coord(seq, key0, kvh):
+            return kvh, seq.k0 + key0
+    else:
+        maps = ((SQ, B * H, BM), (SK, B * KH, BN))
+
+        def q_coord(seq, row0, hh):
+            return row0, seq.b * H + hh
+
+        def kv_coord(seq, key0, kvh):
+            return key0, seq.b * KH + kvh
+
+    def tmap_args(rows, planes, box_rows):
+        dims, strides, box, el = (tensor_map_packed if packed else tensor_map)(D, rows, planes, box_rows, isz)
+        return [*dims, *strides, *box, *el]
+
+    def tile_range(seq, row0, start):
         """The block's key tiles ``[first, first + count)``: from the first key its first row may
         see (a left window, the sequence's start) to the last its last row may (causal, a right
-        window), within the keys."""
-        begin = vis.key_begin(row0 + off, start)
+        window), within the sequence's keys."""
+        begin = vis.key_begin(row0 + seq.off, start)
         first = 0 if begin is None else Visibility.tiles_before(begin, BN)
-        end = vis.key_end(row0 + BM + off)
-        last = (SK + BN - 1) // BN if end is None else Visibility.tiles_to(T.min(SK, T.max(end, 0)), BN)
+        end = vis.key_end(row0 + BM + seq.off)
+        last = (seq.k_len + BN - 1) // BN if end is None else \
+            Visibility.tiles_to(T.min(seq.k_len, T.max(end, 0)), BN)
         return first, T.max(last - first, 0)
 
     lse = bool(spec.return_lse)
     tq = tirx.Var("q_tmap", ty=T.handle("tensormap").ty)
     tk = tirx.Var("k_tmap", ty=T.handle("tensormap").ty)
     tv = tirx.Var("v_tmap", ty=T.handle("tensormap").ty)
-    isz = spec.itemsize
-    LSE = tirx.decl_buffer((B, H, SQ), "float32", "LSE") if lse else None
+    LSE = None if not lse else tirx.decl_buffer((H, TQ) if packed else (B, H, SQ), "float32", "LSE")
     row_in_wg, col_of = acc_row, acc_col
 
-    def needs_mask(j, wrow0, start):
+    def needs_mask(seq, j, wrow0, start):
         # tile j holds the key tail, or a key its warpgroup's first row sees past (the diagonal, a
         # right window) or its last row before (a left window, the start)
         lo, hi = j * BN, (j + 1) * BN - 1
-        conds = [hi >= SK, vis.hides(hi, wrow0 + off, start), vis.hides(lo, wrow0 + WG_ROWS - 1 + off, start)]
+        conds = [hi >= seq.k_len, vis.hides(hi, wrow0 + seq.off, start),
+                 vis.hides(lo, wrow0 + WG_ROWS - 1 + seq.off, start)]
         conds = [c for c in conds if c is not None]
         return conds[0] if len(conds) == 1 else tirx.Or(conds[0], conds[1] if len(conds) == 2 else
                                                          tirx.Or(conds[1], conds[2]))
 
-    def visible(t, r, j, wrow0, start):
+    def visible(seq, t, r, j, wrow0, start):
         key = j * BN + col_of(t, r)
-        sees = vis.sees(key, wrow0 + row_in_wg(t, r) + off, start)
-        return key < SK if sees is None else tirx.And(key < SK, sees)
+        sees = vis.sees(key, wrow0 + row_in_wg(t, r) + seq.off, start)
+        return key < seq.k_len if sees is None else tirx.And(key < seq.k_len, sees)
 
-    def logit(s, t, r, j, wrow0, hh):
+    def logit(seq, s, t, r, j, wrow0, hh):
         # a raw score in log2 units through the variants' hook: softcap, then ALiBi's distance
         key = j * BN + col_of(t, r)
-        return var.logit(s * T.float32(score_scale(spec)), lambda: hh, lambda: wrow0 + row_in_wg(t, r) + off - key)
+        return var.logit(s * T.float32(score_scale(spec)), lambda: hh,
+                         lambda: wrow0 + row_in_wg(t, r) + seq.off - key)
+
+    def o_at(seq, hh, row, col):
+        return (seq.q0 + row, hh, col) if packed else (seq.b, hh, row, col)
+
+    def lse_at(seq, hh, row):
+        return (hh, seq.q0 + row) if packed else (seq.b, hh, row)
 
     return types.SimpleNamespace(**locals())
 
@@ -268,27 +334,28 @@ def _context(spec: AttentionSpec, block_m: int, block_n: int, stages: int, pingp
 def _producer(x):
     """The producer thread's TMA loads: Q once, then K and V tile by tile into their stages."""
     call, plan, tq, tk, tv, NS, BN = x.call, x.plan, x.tq, x.tk, x.tv, x.NS, x.BN
+    q_coord, kv_coord = x.q_coord, x.kv_coord
 
     @T.macro
-    def producer(sb, row0, bh, kvh, first, nt):
+    def producer(sb, seq, row0, hh, kvh, first, nt):
         # loop tile j is key tile first + j; stages and parities count the loop's tiles
         T.evaluate(call("hop_expect", sb + plan.bar_full_q(), plan.q_bytes))
         for sl in T.unroll(plan.slabs):
             T.evaluate(call("hop_tma3d", sb + plan.q_slab(sl), T.address_of(tq), sb + plan.bar_full_q(),
-                            sl * SLAB_COLS, row0, bh))
+                            sl * SLAB_COLS, *q_coord(seq, row0, hh)))
         for j in T.serial(nt):
             if j >= NS:  # the stage's previous tile read by every consumer
                 T.evaluate(call("hop_wait", sb + plan.bar_empty(0) + j % NS * 8, empty_parity(j, NS)))
             T.evaluate(call("hop_expect", sb + plan.bar_full_k(0) + j % NS * 8, plan.kv_tile_bytes))
             for sl in T.unroll(plan.slabs):
                 T.evaluate(call("hop_tma3d", sb + plan.k_tile(0) + j % NS * plan.kv_tile_bytes + plan.kv_slab(sl),
-                                T.address_of(tk), sb + plan.bar_full_k(0) + j % NS * 8, sl * SLAB_COLS, (first + j) * BN,
-                                kvh))
+                                T.address_of(tk), sb + plan.bar_full_k(0) + j % NS * 8, sl * SLAB_COLS,
+                                *kv_coord(seq, (first + j) * BN, kvh)))
             T.evaluate(call("hop_expect", sb + plan.bar_full_v(0) + j % NS * 8, plan.kv_tile_bytes))
             for sl in T.unroll(plan.slabs):
                 T.evaluate(call("hop_tma3d", sb + plan.v_tile(0) + j % NS * plan.kv_tile_bytes + plan.kv_slab(sl),
-                                T.address_of(tv), sb + plan.bar_full_v(0) + j % NS * 8, sl * SLAB_COLS, (first + j) * BN,
-                                kvh))
+                                T.address_of(tv), sb + plan.bar_full_v(0) + j % NS * 8, sl * SLAB_COLS,
+                                *kv_coord(seq, (first + j) * BN, kvh)))
 
     return producer
 
@@ -301,14 +368,14 @@ def _softmax(x):
     logit, transforms = x.logit, x.transforms
 
     @T.macro
-    def softmax(S, m, l, al, t, wrow0, j, hh, start):
+    def softmax(seq, S, m, l, al, t, wrow0, j, hh, start):
         # scores of key tile j: the variants' score hook, then masked where the tile needs it
         if transforms:
             for r in T.unroll(NSR):
-                S[r] = logit(S[r], t, r, j, wrow0, hh)
-        if needs_mask(j, wrow0, start):
+                S[r] = logit(seq, S[r], t, r, j, wrow0, hh)
+        if needs_mask(seq, j, wrow0, start):
             for r in T.unroll(NSR):
-                S[r] = T.Select(visible(t, r, j, wrow0, start), S[r], neg_inf)
+                S[r] = T.Select(visible(seq, t, r, j, wrow0, start), S[r], neg_inf)
         for h in T.unroll(2):
             al[h] = neg_inf
         for r in T.unroll(NSR):
@@ -330,10 +397,12 @@ def _consumer(x, softmax):
     """A consumer warpgroup: its rows' products, softmax and store. With ``overlap`` (FlashAttention-3's
     intra-warpgroup overlap) tile j's ``S = Q·Kᵀ`` is issued together with tile j − 1's ``O += P·V``
     and the softmax of tile j runs while that product is in flight; O is rescaled after it."""
-    (call, col_of, dtype, LSE, lse, neg_inf, NOR, NS, NSR, nthr, off, overlap, pingpong, plan, row_in_wg, sfx, SK,
-     SQ, var, vis) = (x.call, x.col_of, x.dtype, x.LSE, x.lse, x.neg_inf, x.NOR, x.NS, x.NSR, x.nthr, x.off,
-                      x.overlap, x.pingpong, x.plan, x.row_in_wg, x.sfx, x.SK, x.SQ, x.var, x.vis)
-    pack = f"hop_pack{x.BN}_{WGMMA_DTYPES[dtype]}"
+    (call, col_of, dtype, LSE, lse, lse_at, neg_inf, NOR, NS, NSR, nthr, o_at, overlap, packed, pingpong, plan,
+     row_in_wg, sfx, var, vis) = (x.call, x.col_of, x.dtype, x.LSE, x.lse, x.lse_at, x.neg_inf, x.NOR, x.NS, x.NSR,
+                                  x.nthr, x.o_at, x.overlap, x.packed, x.pingpong, x.plan, x.row_in_wg, x.sfx, x.var,
+                                  x.vis)
+    BN, kv_rows = x.BN, plan.kv_slab(1)  # a V tile's bytes per slab
+    pack = f"hop_pack{BN}_{WGMMA_DTYPES[dtype]}"
 
     def stage(j):
         return j % NS
@@ -355,8 +424,15 @@ def _consumer(x, softmax):
                         sb + plan.k_tile(0) + stage(j) * plan.kv_tile_bytes))
 
     @T.macro
-    def issue_pv(Oa, Pk, sb, j):
+    def issue_pv(Oa, Pk, sb, seq, wg, t, j, key0):
         T.evaluate(call("hop_wait", sb + plan.bar_full_v(0) + stage(j) * 8, full_parity(j, NS)))
+        if packed:
+            # the rows past the sequence's keys belong to the next sequence: zeros in their place,
+            # so that a P of 0 meets no inf or NaN there (TMA fills only past the tensor's end)
+            if key0 + BN > seq.k_len:
+                T.evaluate(call("hop_zero_rows", sb + plan.v_tile(0) + stage(j) * plan.kv_tile_bytes, kv_rows,
+                                plan.slabs, T.max(seq.k_len - key0, 0), BN, t))
+                T.evaluate(call("hop_wg_sync", 3 + wg))
         T.evaluate(call(f"hop_pv_{sfx}", Oa.access_ptr("rw"), Pk.access_ptr("r"),
                         sb + plan.v_tile(0) + stage(j) * plan.kv_tile_bytes))
 
@@ -370,7 +446,7 @@ def _consumer(x, softmax):
         T.evaluate(call("hop_arrive", sb + plan.bar_empty(0) + stage(j) * 8))
 
     @T.macro
-    def consumer(sb, O, S, Pk, Oa, m, l, al, tid, row0, bb, hh, first, nt):
+    def consumer(sb, seq, O, S, Pk, Oa, m, l, al, tid, row0, hh, first, nt):
         # loop tile j is key tile first + j (a window or a start skips the tiles before)
         wg = tid // WARPGROUP - 1
         t = tid % WARPGROUP
@@ -390,21 +466,21 @@ def _consumer(x, softmax):
                 issue_qk(S, sb, wg, 0)
                 turn_end(wg)
                 T.evaluate(call(f"hop_wait_acc{NSR}", S.access_ptr("rw")))
-                softmax(S, m, l, al, t, wrow0, first, hh, var.start(bb))  # O is 0: no rescale
+                softmax(seq, S, m, l, al, t, wrow0, first, hh, var.start(seq.b))  # O is 0: no rescale
                 T.evaluate(call(pack, Pk.access_ptr("w"), S.access_ptr("r")))
                 for j in T.serial(1, nt):
                     turn_begin(wg)
                     issue_qk(S, sb, wg, j)
-                    issue_pv(Oa, Pk, sb, j - 1)
+                    issue_pv(Oa, Pk, sb, seq, wg, t, j - 1, (first + j - 1) * BN)
                     turn_end(wg)
                     T.evaluate(call(f"hop_wait1_acc{NSR}", S.access_ptr("rw")))
-                    softmax(S, m, l, al, t, wrow0, first + j, hh, var.start(bb))
+                    softmax(seq, S, m, l, al, t, wrow0, first + j, hh, var.start(seq.b))
                     T.evaluate(call(f"hop_wait_acc{NOR}", Oa.access_ptr("rw")))
                     rescale(Oa, al)
                     release(sb, j - 1)
                     T.evaluate(call(pack, Pk.access_ptr("w"), S.access_ptr("r")))
                 turn_begin(wg)
-                issue_pv(Oa, Pk, sb, nt - 1)
+                issue_pv(Oa, Pk, sb, seq, wg, t, nt - 1, (first + nt - 1) * BN)
                 turn_end(wg)
                 T.evaluate(call(f"hop_wait_acc{NOR}", Oa.access_ptr("rw")))
                 release(sb, nt - 1)
@@ -414,11 +490,11 @@ def _consumer(x, softmax):
                 issue_qk(S, sb, wg, j)
                 turn_end(wg)
                 T.evaluate(call(f"hop_wait_acc{NSR}", S.access_ptr("rw")))
-                softmax(S, m, l, al, t, wrow0, first + j, hh, var.start(bb))
+                softmax(seq, S, m, l, al, t, wrow0, first + j, hh, var.start(seq.b))
                 rescale(Oa, al)
                 T.evaluate(call(pack, Pk.access_ptr("w"), S.access_ptr("r")))
                 turn_begin(wg)
-                issue_pv(Oa, Pk, sb, j)
+                issue_pv(Oa, Pk, sb, seq, wg, t, j, (first + j) * BN)
                 turn_end(wg)
                 T.evaluate(call(f"hop_wait_acc{NOR}", Oa.access_ptr("rw")))
                 release(sb, j)
@@ -430,95 +506,152 @@ def _consumer(x, softmax):
         if lse:  # FlashAttention's softmax_lse: without the sink
             if t % 4 == 0:
                 for h in T.unroll(2):
-                    if wrow0 + row_in_wg(t, 2 * h) < SQ:
-                        LSE[bb, hh, wrow0 + row_in_wg(t, 2 * h)] = lse_of(m[h], l[h])
+                    if wrow0 + row_in_wg(t, 2 * h) < seq.q_len:
+                        LSE[lse_at(seq, hh, wrow0 + row_in_wg(t, 2 * h))] = lse_of(m[h], l[h])
         if var.SK is not None:
             for h in T.unroll(2):  # the sink joins the denominator: (acc·w, l·w + e), w in al
                 al[h] = var.sink_terms(m[h], hh)[0]
                 l[h] = l[h] * al[h] + var.sink_terms(m[h], hh)[1]
             rescale(Oa, al)
         for r in T.unroll(NOR):
-            if wrow0 + row_in_wg(t, r) < SQ:
-                O[bb, hh, wrow0 + row_in_wg(t, r), col_of(t, r)] = T.Cast(dtype, normalize_where(
-                    Oa[r], l[r % 4 // 2], vis.sees_a_key(wrow0 + row_in_wg(t, r) + off, SK, var.start(bb))))
+            if wrow0 + row_in_wg(t, r) < seq.q_len:
+                O[o_at(seq, hh, wrow0 + row_in_wg(t, r), col_of(t, r))] = T.Cast(dtype, normalize_where(
+                    Oa[r], l[r % 4 // 2], vis.sees_a_key(wrow0 + row_in_wg(t, r) + seq.off, seq.k_len,
+                                                         var.start(seq.b))))
 
     return consumer
+
+
+@T.macro
+def locate(sq, CQ, CK, slot, NB1, BM: int):
+    """Tile slot ``slot``'s sequence (``fused_cuda.varlen_grid``'s numbering: sequence b's row
+    tiles take the slots ``cu_seqlens_q[b] // BM + b + i``) by a binary search on ``CQ``: ``sq``
+    = (its first row, q0, q_len, k0, k_len, b). A spare slot's first row is past its q_len."""
+    sq[0] = 0
+    sq[1] = NB1 - 2
+    for _ in T.serial(31):  # 31 halvings cover any int32 batch
+        if sq[0] < sq[1]:
+            if T.floordiv(CQ[T.floordiv(sq[0] + sq[1] + 1, 2)], BM) + T.floordiv(sq[0] + sq[1] + 1, 2) <= slot:
+                sq[0] = T.floordiv(sq[0] + sq[1] + 1, 2)
+            else:
+                sq[1] = T.floordiv(sq[0] + sq[1] + 1, 2) - 1
+    sq[5] = sq[0]
+    sq[3] = CK[sq[0]]
+    sq[4] = CK[sq[0] + 1] - sq[3]
+    sq[1] = CQ[sq[0]]
+    sq[2] = CQ[sq[0] + 1] - sq[1]
+    sq[0] = (slot - T.floordiv(sq[1], BM) - sq[5]) * BM
 
 
 def fused_attention_wgmma(spec: AttentionSpec, block_m: int, block_n: int, stages: int,
                           pingpong: bool = True, overlap: bool = True) -> tirx.PrimFunc:
     """Arguments (call order), ``spec.dtype`` (float16 or bfloat16), compact row-major, 16-byte
-    aligned: ``Q (B, H, Sq, D)``, ``K (B, KH, Skv, D)``, ``V (B, KH, Skv, D)``, ``O (B, H, Sq,
-    D)``, then ``LSE (B, H, Sq) float32`` with ``spec.return_lse``. Batch and lengths static or
-    symbolic (``spec.dynamic``)."""
+    aligned: bhsd ``Q (B, H, Sq, D)``, ``K (B, KH, Skv, D)``, ``V (B, KH, Skv, D)``, the variants'
+    arguments, ``O (B, H, Sq, D)``, then ``LSE (B, H, Sq) float32`` with ``spec.return_lse``
+    (batch and lengths static or symbolic); varlen ``Q (total_q, H, D)``, ``K``/``V (total_k, KH,
+    D)``, ``cu_seqlens_q``/``cu_seqlens_k (batch + 1,) int32``, the variants' arguments, ``O
+    (total_q, H, D)``, ``LSE (H, total_q)``."""
     x = _context(spec, block_m, block_n, stages, pingpong, overlap)
-    (B, BM, BN, D, dtype, G, H, isz, KH, LSE, lse, NOR, NS, NSR, nrt, nthr, plan, SK, SQ, THREADS, tk, tq, tv) = \
-        (x.B, x.BM, x.BN, x.D, x.dtype, x.G, x.H, x.isz, x.KH, x.LSE, x.lse, x.NOR, x.NS, x.NSR, x.nrt, x.nthr,
-         x.plan, x.SK, x.SQ, x.THREADS, x.tk, x.tq, x.tv)
-    call, causal, tile_range, var = x.call, x.causal, x.tile_range, x.var
+    (B, BM, BN, D, dtype, G, H, KH, LSE, lse, maps, NOR, NS, NSR, nrt, nthr, packed, plan, SK, SQ, THREADS, tk, tq,
+     tv) = (x.B, x.BM, x.BN, x.D, x.dtype, x.G, x.H, x.KH, x.LSE, x.lse, x.maps, x.NOR, x.NS, x.NSR, x.nrt, x.nthr,
+            x.packed, x.plan, x.SK, x.SQ, x.THREADS, x.tk, x.tq, x.tv)
+    call, causal, tile_range, tmap_args, var = x.call, x.causal, x.tile_range, x.tmap_args, x.var
     producer = _producer(x)
     consumer = _consumer(x, _softmax(x))
 
     @T.macro
-    def tmap(var, buf, rows, planes, box_rows):
-        # a 3-D view (head_dim, rows, planes); boxes of 64 columns × box_rows × 1, 128B swizzle
-        T.Bind(T.tvm_stack_alloca("tensormap", 1), var=var)
-        T.tensormap_encode_tiled(var, buf.data, *[a for part in tensor_map(D, rows, planes, box_rows, isz) for a in part],
+    def tmap(tmv, buf, rows, planes, box_rows):
+        # a 3-D view, boxes of 64 columns and box_rows rows, 128B swizzle (wgmma_layout)
+        T.Bind(T.tvm_stack_alloca("tensormap", 1), var=tmv)
+        T.tensormap_encode_tiled(tmv, buf.data, *tmap_args(rows, planes, box_rows),
                                  descriptor_dtype=dtype, rank=3, swizzle=TMA_SWIZZLE_128B)
+
+    @T.macro
+    def block(Q, K, V, O, seq, hh, tid, row0):
+        smem = T.sblock_alloc_buffer((plan.alloc_bytes,), "uint8", scope="shared.dyn")
+        S = T.sblock_alloc_buffer((NSR,), "float32", scope="local")
+        Oa = T.sblock_alloc_buffer((NOR,), "float32", scope="local")
+        m = T.sblock_alloc_buffer((2,), "float32", scope="local")
+        l = T.sblock_alloc_buffer((2,), "float32", scope="local")
+        al = T.sblock_alloc_buffer((2,), "float32", scope="local")  # alpha
+        Pk = T.sblock_alloc_buffer((BN // 4,), "uint32", scope="local")  # P, 16-bit pairs
+        sb: T.uint32 = call("hop_smem_base", T.address_of(smem[0]), ret="uint32")
+        first = T.meta_var(tile_range(seq, row0, var.start(seq.b))[0])
+        nt = tile_range(seq, row0, var.start(seq.b))[1]
+        if tid == 0:
+            T.evaluate(call("hop_mbar_init", sb + plan.bar_full_q(), 1))
+            for s in T.unroll(NS):
+                T.evaluate(call("hop_mbar_init", sb + plan.bar_full_k(s), 1))
+                T.evaluate(call("hop_mbar_init", sb + plan.bar_full_v(s), 1))
+                T.evaluate(call("hop_mbar_init", sb + plan.bar_empty(s), nthr))
+            T.evaluate(call("hop_fence_init"))
+        T.tvm_storage_sync("shared")
+        if tid < WARPGROUP:
+            T.evaluate(call("hop_regs_producer"))
+            if tid == 0:
+                producer(sb, seq, row0, hh, hh // G, first, nt)
+        else:
+            T.evaluate(call("hop_regs_consumer"))
+            consumer(sb, seq, O, S, Pk, Oa, m, l, al, tid, row0, hh, first, nt)
 
     attrs = {"global_symbol": ENTRY, "tirx.noalias": True, "attn.workload": "fused_wgmma",
              **record(FUSED_WGMMA, block_m=BM, block_n=BN, stages=NS, pingpong=int(pingpong), overlap=int(overlap))}
+    # one block an SM: ptxas then knows the registers at entry (65536 / threads) and sizes the
+    # consumers' code by setmaxnreg's 240, not by that share
+    one_per_sm = "tirx.launch_bounds_min_blocks_per_sm"
+    if packed:
+        TQ, TK, NB1 = x.TQ, x.TK, x.NB1
 
-    @T.prim_func(s_tir=True, check_well_formed=False)
-    def attention(
-        Q: T.Buffer((B, H, SQ, D), dtype),
-        K: T.Buffer((B, KH, SK, D), dtype),
-        V: T.Buffer((B, KH, SK, D), dtype),
-        O: T.Buffer((B, H, SQ, D), dtype),
-    ):
-        T.func_attr(attrs)
-        tmap(tq, Q, SQ, B * H, BM)
-        tmap(tk, K, SK, B * KH, BN)
-        tmap(tv, V, SK, B * KH, BN)
-        for bx in T.thread_binding(nrt, thread="blockIdx.x"):
-            for hh in T.thread_binding(H, thread="blockIdx.y"):
-                for bb in T.thread_binding(B, thread="blockIdx.z"):
+        @T.prim_func(s_tir=True, check_well_formed=False)
+        def attention_varlen(
+            Q: T.Buffer((TQ, H, D), dtype),
+            K: T.Buffer((TK, KH, D), dtype),
+            V: T.Buffer((TK, KH, D), dtype),
+            CQ: T.Buffer((NB1,), "int32"),
+            CK: T.Buffer((NB1,), "int32"),
+            O: T.Buffer((TQ, H, D), dtype),
+        ):
+            T.func_attr(attrs)
+            tmap(tq, Q, *maps[0])
+            tmap(tk, K, *maps[1])
+            tmap(tv, V, *maps[1])
+            for bx in T.thread_binding(nrt, thread="blockIdx.x"):
+                for hh in T.thread_binding(H, thread="blockIdx.y"):
                     for tid in T.thread_binding(THREADS, thread="threadIdx.x"):
-                        # one block an SM: ptxas then knows the registers at entry (65536 / threads) and
-                        # sizes the consumers' code by setmaxnreg's 240, not by that share
-                        with T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", 1):
+                        with T.attr(0, one_per_sm, 1):
                             with T.sblock("tile"):
                                 T.reads()
                                 T.writes()
-                                smem = T.sblock_alloc_buffer((plan.alloc_bytes,), "uint8", scope="shared.dyn")
-                                S = T.sblock_alloc_buffer((NSR,), "float32", scope="local")
-                                Oa = T.sblock_alloc_buffer((NOR,), "float32", scope="local")
-                                m = T.sblock_alloc_buffer((2,), "float32", scope="local")
-                                l = T.sblock_alloc_buffer((2,), "float32", scope="local")
-                                al = T.sblock_alloc_buffer((2,), "float32", scope="local")  # alpha
-                                Pk = T.sblock_alloc_buffer((BN // 4,), "uint32", scope="local")  # P, 16-bit pairs
-                                sb: T.uint32 = call("hop_smem_base", T.address_of(smem[0]), ret="uint32")
-                                row0 = ((nrt - 1 - bx) if causal else bx) * BM
-                                first = T.meta_var(tile_range(row0, var.start(bb))[0])
-                                nt = tile_range(row0, var.start(bb))[1]
-                                if tid == 0:
-                                    T.evaluate(call("hop_mbar_init", sb + plan.bar_full_q(), 1))
-                                    for s in T.unroll(NS):
-                                        T.evaluate(call("hop_mbar_init", sb + plan.bar_full_k(s), 1))
-                                        T.evaluate(call("hop_mbar_init", sb + plan.bar_full_v(s), 1))
-                                        T.evaluate(call("hop_mbar_init", sb + plan.bar_empty(s), nthr))
-                                    T.evaluate(call("hop_fence_init"))
-                                T.tvm_storage_sync("shared")
-                                if tid < WARPGROUP:
-                                    T.evaluate(call("hop_regs_producer"))
-                                    if tid == 0:
-                                        producer(sb, row0, bb * H + hh, bb * KH + hh // G, first, nt)
-                                else:
-                                    T.evaluate(call("hop_regs_consumer"))
-                                    consumer(sb, O, S, Pk, Oa, m, l, al, tid, row0, bb, hh, first, nt)
-
-
-    func = attention
+                                # the slot's sequence (first row, q0, q_len, k0, k_len), in registers
+                                sq = T.sblock_alloc_buffer((6,), "int32", scope="local")
+                                locate(sq, CQ, CK, (nrt - 1 - bx) if causal else bx, NB1, BM)
+                                if sq[0] < sq[2]:  # a spare slot computes nothing
+                                    block(Q, K, V, O, Seq(b=sq[5], q0=sq[1], q_len=sq[2], k0=sq[3], k_len=sq[4]),
+                                          hh, tid, sq[0])
+        func = attention_varlen
+    else:
+        @T.prim_func(s_tir=True, check_well_formed=False)
+        def attention(
+            Q: T.Buffer((B, H, SQ, D), dtype),
+            K: T.Buffer((B, KH, SK, D), dtype),
+            V: T.Buffer((B, KH, SK, D), dtype),
+            O: T.Buffer((B, H, SQ, D), dtype),
+        ):
+            T.func_attr(attrs)
+            tmap(tq, Q, *maps[0])
+            tmap(tk, K, *maps[1])
+            tmap(tv, V, *maps[1])
+            for bx in T.thread_binding(nrt, thread="blockIdx.x"):
+                for hh in T.thread_binding(H, thread="blockIdx.y"):
+                    for bb in T.thread_binding(B, thread="blockIdx.z"):
+                        for tid in T.thread_binding(THREADS, thread="threadIdx.x"):
+                            with T.attr(0, one_per_sm, 1):
+                                with T.sblock("tile"):
+                                    T.reads()
+                                    T.writes()
+                                    block(Q, K, V, O, Seq(b=bb, q0=0, q_len=SQ, k0=0, k_len=SK), hh, tid,
+                                          ((nrt - 1 - bx) if causal else bx) * BM)
+        func = attention
     if lse or var.buffers:  # the variants' arguments before O, the log-sum-exp after it
         params = list(func.params)
         params = params[:-1] + var.buffers + params[-1:] + ([LSE] if lse else [])

@@ -215,6 +215,13 @@ def empty_parity(j, stages):
     return (j // stages - 1) % 2
 
 
+def tensor_map_packed(cols: int, total, heads, box_rows: int, itemsize: int = 2):
+    """``cuTensorMapEncodeTiled``'s arguments for a packed tensor ``(total, heads, cols)`` viewed
+    as ``(cols, heads, total)`` (innermost first): a box is 64 columns of one head's ``box_rows``
+    rows, laid out in shared memory as a bhsd box is (a row of 128 bytes a slab)."""
+    return ((cols, heads, total), (cols * itemsize, heads * cols * itemsize), (SLAB_COLS, 1, box_rows), (1, 1, 1))
+
+
 def tensor_map(cols: int, rows, planes, box_rows: int, itemsize: int = 2):
     """The arguments of ``cuTensorMapEncodeTiled`` for a tensor viewed as ``(cols, rows, planes)``
     (innermost first): dims, byte strides of dims 1 and 2, the box (64 columns × ``box_rows`` ×

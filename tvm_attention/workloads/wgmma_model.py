@@ -39,6 +39,7 @@ from .wgmma_layout import (
     full_parity,
     p_pair,
     tensor_map,
+    tensor_map_packed,
 )
 
 
@@ -82,15 +83,24 @@ class Smem:
             raise ModelError(f"box inner extent {box[0]} × {itemsize} B is not the 128-byte swizzle span")
         if strides[0] % 16 or strides[1] % 16:
             raise ModelError(f"global strides {strides} are not multiples of 16 bytes")
+        # the box's rows in order: dim 1 fastest, then dim 2; each row 128 bytes of shared memory
         c = np.arange(box[0])[None, :]
-        r = np.arange(box[1])[:, None]
-        col, row, plane = coords[0] + c, coords[1] + r, coords[2]
-        inside = (col < dims[0]) & (row < dims[1]) & (plane < dims[2]) & (col >= 0) & (row >= 0)
-        flat = plane * strides[1] // itemsize + row * strides[0] // itemsize + col
+        n = np.arange(box[1] * box[2])[:, None]
+        col, y, z = coords[0] + c, coords[1] + n % box[1], coords[2] + n // box[1]
+        inside = (col < dims[0]) & (y < dims[1]) & (z < dims[2]) & (col >= 0) & (y >= 0) & (z >= 0)
+        flat = z * strides[1] // itemsize + y * strides[0] // itemsize + col
         vals = np.where(inside, g[np.where(inside, flat, 0)], 0).astype(np.uint16)
-        addr = dst + r * ROW_BYTES + c * itemsize
+        addr = dst + n * ROW_BYTES + c * itemsize
         self.words[_swizzle(addr) // 2] = vals
         return box[0] * box[1] * box[2] * itemsize
+
+    def zero_rows(self, tile: int, slab_bytes: int, slabs: int, first: int, rows: int):
+        """``hop_zero_rows``: rows ``[first, rows)`` of each slab of a tile, 16 bytes at a time
+        at the addresses the helper computes (through the swizzle they stay in their rows)."""
+        per_row = 8 * slabs
+        for i in range((rows - first) * per_row):
+            a = tile + (i % per_row) // 8 * slab_bytes + (first + i // per_row) * ROW_BYTES + (i % 8) * 16
+            self.words[_swizzle(np.arange(a, a + 16, 2)) // 2] = 0
 
     def kmajor(self, desc: int, rows: int, base: int) -> np.ndarray:
         """The ``rows × 16`` operand a K-major 128B-swizzled descriptor names (words)."""
@@ -212,8 +222,9 @@ class _Block:
 
     BASE = 0x4400  # the block's shared base: any 1024-aligned address
 
-    def __init__(self, run: "_Run", b: int, h: int, row0: int, nt: int, first: int = 0):
-        self.r, self.b, self.h, self.row0, self.nt, self.first = run, b, h, row0, nt, first
+    def __init__(self, run: "_Run", seq: dict, h: int, row0: int, nt: int, first: int = 0):
+        self.r, self.seq, self.h, self.row0, self.nt, self.first = run, seq, h, row0, nt, first
+        self.b = seq["b"]
         plan, NS = run.plan, run.plan.stages
         self.sm = Smem(plan.alloc_bytes)
         self.full_q = Barrier(1)
@@ -227,8 +238,8 @@ class _Block:
         r, plan = self.r, self.r.plan
         self.full_q.arrive(plan.q_bytes)
         for sl in range(plan.slabs):
-            self.full_q.land(self.sm.tma_box(plan.q_slab(sl), r.gq, *r.mq[:3], (sl * 64, self.row0,
-                                                                                  self.b * r.H + self.h)))
+            self.full_q.land(self.sm.tma_box(plan.q_slab(sl), r.gq, *r.mq[:3],
+                                             (sl * 64, *r.q_coord(self.seq, self.row0, self.h))))
         if not self.full_q.passes(0):
             raise ModelError("Q's barrier did not complete with Q's boxes")
 
@@ -242,13 +253,10 @@ class _Block:
             raise ModelError(f"tile {j}: the consumers' wait on stage {s} passes before its K lands")
         self.full_k[s].arrive(plan.kv_tile_bytes)
         self.full_v[s].arrive(plan.kv_tile_bytes)
-        plane = self.b * r.KH + self.h // r.G
+        at = r.kv_coord(self.seq, (self.first + j) * plan.block_n, self.h // r.G)
         for sl in range(plan.slabs):
-            key0 = (self.first + j) * plan.block_n
-            self.full_k[s].land(self.sm.tma_box(plan.k_tile(s) + plan.kv_slab(sl), r.gk, *r.mk[:3],
-                                                (sl * 64, key0, plane)))
-            self.full_v[s].land(self.sm.tma_box(plan.v_tile(s) + plan.kv_slab(sl), r.gv, *r.mk[:3],
-                                                (sl * 64, key0, plane)))
+            self.full_k[s].land(self.sm.tma_box(plan.k_tile(s) + plan.kv_slab(sl), r.gk, *r.mk[:3], (sl * 64, *at)))
+            self.full_v[s].land(self.sm.tma_box(plan.v_tile(s) + plan.kv_slab(sl), r.gv, *r.mk[:3], (sl * 64, *at)))
         if not (self.full_k[s].passes(full_parity(j, NS)) and self.full_v[s].passes(full_parity(j, NS))):
             raise ModelError(f"tile {j}: stage {s}'s barriers did not complete with its boxes")
 
@@ -275,14 +283,15 @@ class _Block:
         r, st = self.r, self.state[wg]
         rows = self.row0 + wg * WG_ROWS + acc_row(r.t, r.rs)
         keys = j * self.r.plan.block_n + acc_col(r.t, r.rs)
+        off, k_len = self.seq["k_len"] - self.seq["q_len"], self.seq["k_len"]
         if r.transforms:  # softcap, then ALiBi, in log2 units (Variants.logit)
             S = S * r.score_scale
             if r.spec.softcap is not None:
                 S = np.tanh(S) * r.spec.softcap * np.log2(np.e)
             if r.slopes is not None:
-                S = S - r.slopes[self.h] * np.log2(np.e) * np.abs(rows + r.off - keys)
-        sees = r.vis.sees(keys, rows + r.off, r.start(self.b))
-        vis = keys < r.SK if sees is None else (keys < r.SK) & sees
+                S = S - r.slopes[self.h] * np.log2(np.e) * np.abs(rows + off - keys)
+        sees = r.vis.sees(keys, rows + off, r.start(self.b))
+        vis = keys < k_len if sees is None else (keys < k_len) & sees
         S = np.where(vis, S, -np.inf)
         half = r.rs % 4 // 2
         mt = np.stack([np.where(half == hh, S, -np.inf).max(1) for hh in (0, 1)], 1)
@@ -300,9 +309,14 @@ class _Block:
         self.state[wg]["o"] *= alpha[self.r.t, self.r.ro % 4 // 2]
 
     def pv(self, wg: int, P: np.ndarray, j: int):
-        """O += P·V: P's registers as the helper packs them, read by the hardware as A fragments."""
+        """O += P·V: P's registers as the helper packs them, read by the hardware as A fragments;
+        packed, the rows past the sequence's keys zeroed first (``hop_zero_rows``)."""
         r, plan, base, st = self.r, self.r.plan, self.BASE, self.state[wg]
         self.wait_full(self.full_v, j, "V")
+        key0 = (self.first + j) * plan.block_n
+        if r.packed and key0 + plan.block_n > self.seq["k_len"]:
+            self.sm.zero_rows(plan.v_tile(j % plan.stages), plan.kv_slab(1), plan.slabs,
+                              max(self.seq["k_len"] - key0, 0), plan.block_n)
         for kk in range(plan.pv_steps):
             a = np.zeros((WG_ROWS, 16))
             for qreg in range(4):
@@ -326,7 +340,8 @@ class _Block:
             self.empty[s].arrive()
 
     def store(self, out: np.ndarray):
-        r = self.r
+        r, seq = self.r, self.seq
+        off = seq["k_len"] - seq["q_len"]
         for wg, st in enumerate(self.state):
             rows = self.row0 + wg * WG_ROWS + acc_row(r.t, r.ro)
             cols = np.broadcast_to(acc_col(r.t, r.ro), rows.shape)
@@ -339,23 +354,37 @@ class _Block:
                 w, e = np.exp2(g - top), np.exp2(sink - top)
                 o = o * w[r.t, r.ro % 4 // 2]
                 lsum = lsum * w + e
-            sees = np.broadcast_to(r.vis.sees_a_key(rows + r.off, r.SK, r.start(self.b)), rows.shape)
+            sees = np.broadcast_to(r.vis.sees_a_key(rows + off, seq["k_len"], r.start(self.b)), rows.shape)
             with np.errstate(invalid="ignore", divide="ignore"):
                 val = np.where(sees, o / lsum[r.t, r.ro % 4 // 2], 0.0)
-            keep = rows < r.SQ
-            out[self.b, self.h, rows[keep], cols[keep]] = val[keep]
+            keep = rows < seq["q_len"]
+            if r.packed:
+                out[seq["q0"] + rows[keep], self.h, cols[keep]] = val[keep]
+            else:
+                out[self.b, self.h, rows[keep], cols[keep]] = val[keep]
 
 
 class _Run:
     """The constants of one model run (shapes, tensor maps, the inputs' 16-bit words, the
     variants' arguments)."""
 
-    def __init__(self, q, k, v, plan: SmemPlan, spec, dtype: str, alibi_slopes=None, sinks=None, kv_start=None):
+    def __init__(self, q, k, v, plan: SmemPlan, spec, dtype: str, alibi_slopes=None, sinks=None, kv_start=None,
+                 cu_seqlens=None):
         from ..visibility import Visibility
         from .variants import score_scale, transforms
 
-        self.B, self.H, self.SQ, self.D = q.shape
-        self.KH, self.SK = k.shape[1], k.shape[2]
+        self.packed = cu_seqlens is not None
+        if self.packed:  # q (total_q, H, D), k/v (total_k, KH, D)
+            (TQ, self.H, self.D), (TK, self.KH) = q.shape, k.shape[:2]
+            self.cq, self.ck = (np.asarray(c, np.int64) for c in cu_seqlens)
+            self.B = len(self.cq) - 1
+            self.mq = tensor_map_packed(self.D, TQ, self.H, plan.block_m)
+            self.mk = tensor_map_packed(self.D, TK, self.KH, plan.block_n)
+        else:
+            self.B, self.H, self.SQ, self.D = q.shape
+            self.KH, self.SK = k.shape[1], k.shape[2]
+            self.mq = tensor_map(self.D, self.SQ, self.B * self.H, plan.block_m)
+            self.mk = tensor_map(self.D, self.SK, self.B * self.KH, plan.block_n)
         self.G = self.H // self.KH
         self.plan, self.spec, self.dtype = plan, spec, dtype
         self.vis = Visibility.of(spec)
@@ -363,9 +392,6 @@ class _Run:
         self.slopes, self.sinks, self.starts = alibi_slopes, sinks, kv_start
         self.transforms, self.score_scale = transforms(spec), score_scale(spec)
         self.gq, self.gk, self.gv = (to_bits(x, dtype).ravel() for x in (q, k, v))
-        self.mq = tensor_map(self.D, self.SQ, self.B * self.H, plan.block_m)
-        self.mk = tensor_map(self.D, self.SK, self.B * self.KH, plan.block_n)
-        self.off = self.SK - self.SQ
         self.qscale = 1.0 if self.transforms else self.score_scale
         self.t = np.arange(WARPGROUP)[:, None]
         self.rs, self.ro = np.arange(plan.block_n // 2)[None, :], np.arange(self.D // 2)[None, :]
@@ -373,53 +399,88 @@ class _Run:
     def start(self, b: int):
         return None if self.starts is None else int(self.starts[b])
 
-    def tiles(self, row0: int, b: int) -> tuple[int, int]:
+    def q_coord(self, seq: dict, row0: int, h: int) -> tuple[int, int]:
+        """The kernel's TMA coordinates (dims 1 and 2) of a block's Q box."""
+        return (h, seq["q0"] + row0) if self.packed else (row0, seq["b"] * self.H + h)
+
+    def kv_coord(self, seq: dict, key0: int, kvh: int) -> tuple[int, int]:
+        return (kvh, seq["k0"] + key0) if self.packed else (key0, seq["b"] * self.KH + kvh)
+
+    def blocks(self):
+        """(sequence, first row) of every block with rows: bhsd each batch's row tiles; packed,
+        the kernel's tile slots (sequence b's row tiles in the slots ``cq[b] // block_m + b + i``),
+        each row tile of each sequence in exactly one slot."""
+        BM = self.plan.block_m
+        if not self.packed:
+            for b in range(self.B):
+                seq = {"b": b, "q0": 0, "k0": 0, "q_len": self.SQ, "k_len": self.SK}
+                for row0 in range(0, self.SQ, BM):
+                    yield seq, row0
+            return
+        seen = set()
+        for slot in range(int(self.cq[-1]) // BM + self.B):
+            b = max(i for i in range(self.B) if self.cq[i] // BM + i <= slot)
+            row0 = (slot - int(self.cq[b]) // BM - b) * BM
+            seq = {"b": b, "q0": int(self.cq[b]), "k0": int(self.ck[b]), "q_len": int(self.cq[b + 1] - self.cq[b]),
+                   "k_len": int(self.ck[b + 1] - self.ck[b])}
+            if row0 < seq["q_len"]:
+                if (b, row0) in seen:
+                    raise ModelError(f"two slots hold sequence {b}'s rows from {row0}")
+                seen.add((b, row0))
+                yield seq, row0
+        want = {(b, r) for b in range(self.B) for r in range(0, int(self.cq[b + 1] - self.cq[b]), BM)}
+        if seen != want:
+            raise ModelError(f"no slot holds the row tiles {sorted(want - seen)}")
+
+    def tiles(self, seq: dict, row0: int) -> tuple[int, int]:
         """The block's key tiles (first, count), by the visibility's bounds (the kernel's ``tile_range``)."""
         BN, BM, vis = self.plan.block_n, self.plan.block_m, self.vis
-        begin = vis.key_begin(row0 + self.off, self.start(b))
+        off, k_len = seq["k_len"] - seq["q_len"], seq["k_len"]
+        begin = vis.key_begin(row0 + off, self.start(seq["b"]))
         first = 0 if begin is None else vis.tiles_before(int(begin), BN)
-        end = vis.key_end(row0 + BM + self.off)
-        last = -(-self.SK // BN) if end is None else vis.tiles_to(min(self.SK, max(int(end), 0)), BN)
+        end = vis.key_end(row0 + BM + off)
+        last = -(-k_len // BN) if end is None else vis.tiles_to(min(k_len, max(int(end), 0)), BN)
         return first, max(last - first, 0)
 
 
 def run(q: np.ndarray, k: np.ndarray, v: np.ndarray, plan: SmemPlan, spec, dtype: str = "float16",
-        pingpong: bool = True, overlap: bool = True, alibi_slopes=None, sinks=None, kv_start=None) -> np.ndarray:
-    """The kernel's output for ``q (B, H, Sq, D)``, ``k``/``v (B, KH, Skv, D)`` (float arrays,
-    rounded to ``dtype``) and ``spec``'s mask and variants (their arguments as the call takes
-    them), computed through the model in the kernel's order of events (``overlap``: tile j's S
-    with tile j − 1's P·V, that tile's stage released after it); float64 ``(B, H, Sq, D)``."""
-    r = _Run(q, k, v, plan, spec, dtype, alibi_slopes, sinks, kv_start)
-    out = np.zeros((r.B, r.H, r.SQ, r.D))
-    for b in range(r.B):
+        pingpong: bool = True, overlap: bool = True, alibi_slopes=None, sinks=None, kv_start=None,
+        cu_seqlens=None) -> np.ndarray:
+    """The kernel's output for bhsd ``q (B, H, Sq, D)``, ``k``/``v (B, KH, Skv, D)``, or packed
+    ``q (total_q, H, D)``, ``k``/``v (total_k, KH, D)`` with ``cu_seqlens = (cu_q, cu_k)``
+    (float arrays, rounded to ``dtype``), and ``spec``'s mask and variants (their arguments as
+    the call takes them), computed through the model in the kernel's order of events
+    (``overlap``: tile j's S with tile j − 1's P·V, that tile's stage released after it);
+    float64, ``q``'s shape."""
+    r = _Run(q, k, v, plan, spec, dtype, alibi_slopes, sinks, kv_start, cu_seqlens)
+    out = np.zeros(q.shape)
+    for seq, row0 in r.blocks():
+        first, nt = r.tiles(seq, row0)
+        if pingpong and plan.consumers == 2:
+            pingpong_turns(nt, overlap)
         for h in range(r.H):
-            for bx in range(-(-r.SQ // plan.block_m)):
-                row0 = bx * plan.block_m
-                first, nt = r.tiles(row0, b)
-                if pingpong and plan.consumers == 2:
-                    pingpong_turns(nt, overlap)
-                blk = _Block(r, b, h, row0, nt, first)
-                blk.load_q()
-                prev = [None] * plan.consumers  # overlap: each consumer's P of the tile before
-                for j in range(nt):  # loop tile j: key tile first + j
-                    blk.load_kv(j)
-                    for wg in range(plan.consumers):
-                        S = blk.qk(wg, j)
-                        if overlap:
-                            if j:
-                                blk.pv(wg, prev[wg], j - 1)
-                            alpha, prev[wg] = blk.softmax(wg, first + j, S)
-                            if j:
-                                blk.rescale(wg, alpha)
-                                blk.release(j - 1)
-                        else:
-                            alpha, P = blk.softmax(wg, first + j, S)
+            blk = _Block(r, seq, h, row0, nt, first)
+            blk.load_q()
+            prev = [None] * plan.consumers  # overlap: each consumer's P of the tile before
+            for j in range(nt):  # loop tile j: key tile first + j
+                blk.load_kv(j)
+                for wg in range(plan.consumers):
+                    S = blk.qk(wg, j)
+                    if overlap:
+                        if j:
+                            blk.pv(wg, prev[wg], j - 1)
+                        alpha, prev[wg] = blk.softmax(wg, first + j, S)
+                        if j:
                             blk.rescale(wg, alpha)
-                            blk.pv(wg, P, j)
-                            blk.release(j)
-                if overlap and nt:
-                    for wg in range(plan.consumers):
-                        blk.pv(wg, prev[wg], nt - 1)
-                        blk.release(nt - 1)
-                blk.store(out)
+                            blk.release(j - 1)
+                    else:
+                        alpha, P = blk.softmax(wg, first + j, S)
+                        blk.rescale(wg, alpha)
+                        blk.pv(wg, P, j)
+                        blk.release(j)
+            if overlap and nt:
+                for wg in range(plan.consumers):
+                    blk.pv(wg, prev[wg], nt - 1)
+                    blk.release(nt - 1)
+            blk.store(out)
     return out
