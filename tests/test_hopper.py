@@ -412,3 +412,90 @@ def test_model_varlen_without_the_zeroing_leaks_nan(monkeypatch):
     monkeypatch.setattr(wgmma_model.Smem, "zero_rows", lambda self, *a: None)
     out, _, cq = varlen_model(SmemPlan(128, 128, 64, 2), [(40, 45), (30, 50)], False, nan_seq=1)
     assert np.isnan(out[: cq[1]]).any()
+
+
+def _const(e):
+    """A TIR expression of constants (or a Python value) as a Python int or bool."""
+    from tvm.sym import Analyzer
+
+    if isinstance(e, (bool, int, np.integer)):
+        return int(e)
+    return int(Analyzer().simplify(e).value)
+
+
+@pytest.mark.parametrize("variants", [{}, {"causal": True}, {"causal": True, "window": (100, 0)},
+                                      {"window": (40, 70)}, {"causal": True, "kv_start": True, "window": (150, 0)}])
+def test_kernel_index_math_is_the_models(variants):
+    """The kernel's own TIR expressions — its key-tile range, which tiles it masks and which scores
+    it hides — evaluated at constants equal the model's (which the reference checks): a typo in
+    the kernel's index math fails here, not only on a GPU."""
+    from tvm import tirx
+
+    from tvm_attention.workloads.fused_wgmma import Seq, _context
+
+    BM, BN = 128, 64
+    for sq, sk in ((300, 700), (700, 300), (128, 128), (1, 520)):
+        spec = AttentionSpec(batch=2, heads=4, kv_heads=2, seq_q=sq, seq_kv=sk, head_dim=64, dtype="float16",
+                             **variants)
+        x = _context(spec, BM, BN, 2, True, True)
+        plan = SmemPlan(64, BM, BN, 2)
+        q, k, v = (np.zeros(s) for s in ((2, 4, sq, 64), (2, 2, sk, 64), (2, 2, sk, 64)))
+        r = wgmma_model._Run(q, k, v, plan, spec, "float16", kv_start=np.array([0, 33]) if spec.kv_start else None)
+        for b in (0, 1):
+            start = r.start(b)
+            seq = Seq(b=b, q0=0, q_len=sq, k0=0, k_len=sk)
+            mseq = {"b": b, "q0": 0, "k0": 0, "q_len": sq, "k_len": sk}
+            for row0 in range(0, sq, BM):
+                first, nt = (_const(e) for e in x.tile_range(seq, row0, start))
+                assert (first, nt) == r.tiles(mseq, row0), (sq, sk, row0)
+                t, reg = np.arange(128)[:, None], np.arange(BN // 2)[None, :]
+                for wg in (0, 1):
+                    wrow0 = row0 + wg * 64
+                    rows = wrow0 + wgmma_layout.acc_row(t, reg)
+                    for j in range(first, first + nt):
+                        keys = j * BN + wgmma_layout.acc_col(t, reg)
+                        sees = r.vis.sees(keys, rows + sk - sq, start)
+                        want = (keys < sk) if sees is None else (keys < sk) & sees
+                        c = lambda v: tirx.const(v, "int32")  # noqa: E731 - as the kernel's loop vars are
+                        if not _const(x.needs_mask(seq, c(j), c(wrow0), start)):
+                            assert want.all(), (j, wrow0)  # a tile left unmasked hides nothing
+                        for ti, ri in ((0, 0), (37, 5), (127, BN // 2 - 1), (64, 17)):
+                            assert _const(x.visible(seq, c(ti), c(ri), c(j), c(wrow0), start)) == want[ti, ri]
+
+
+@pytest.mark.parametrize("batch", range(4))
+def test_kernel_slot_search_is_the_models(batch):
+    """The kernel's own slot search (``fused_wgmma.locate``, TIR), compiled for this CPU and run
+    on ``cu_seqlens``: each slot's (first row, q0, q_len, k0, k_len, sequence) are the model's,
+    whose slots cover every row tile once."""
+    import tvm
+    from conftest import VARLEN_BATCHES
+    from tvm.script import tirx as T
+
+    from tvm_attention.workloads.fused_wgmma import locate
+
+    lens, BM = VARLEN_BATCHES[batch], 128
+    cq = np.concatenate([[0], np.cumsum([a for a, _ in lens])]).astype(np.int32)
+    ck = np.concatenate([[0], np.cumsum([b for _, b in lens])]).astype(np.int32)
+    nb1, slots = len(cq), int(cq[-1]) // BM + len(lens)
+
+    @T.prim_func(s_tir=True)
+    def search(CQ: T.Buffer((nb1,), "int32"), CK: T.Buffer((nb1,), "int32"), OUT: T.Buffer((slots, 6), "int32")):
+        for s in range(slots):
+            with T.sblock("slot"):
+                T.reads()
+                T.writes()
+                sq = T.sblock_alloc_buffer((6,), "int32", scope="local")
+                locate(sq, CQ, CK, s, nb1, BM)
+                for i in range(6):
+                    OUT[s, i] = sq[i]
+
+    f = tvm.compile(search, target="llvm")
+    out = tvm.runtime.empty((slots, 6), "int32")
+    f(tvm.runtime.tensor(cq), tvm.runtime.tensor(ck), out)
+    got = {(int(r[5]), int(r[0])): tuple(int(v) for v in r[1:5]) for r in out.numpy() if r[0] < r[2]}
+    q, k, v = np.zeros((int(cq[-1]), 2, 64)), np.zeros((int(ck[-1]), 2, 64)), np.zeros((int(ck[-1]), 2, 64))
+    spec = AttentionSpec(batch=len(lens), heads=2, seq_q=64, head_dim=64, dtype="float16", layout="varlen")
+    model = wgmma_model._Run(q, k, v, SmemPlan(64, BM, 64, 2), spec, "float16", cu_seqlens=(cq, ck))
+    want = {(s["b"], row0): (s["q0"], s["q_len"], s["k0"], s["k_len"]) for s, row0 in model.blocks()}
+    assert got == want
