@@ -260,6 +260,21 @@ def test_varlen_build_offline():
     assert "hop_zero_rows(" in src and "fence.proxy.async.shared::cta" in src
 
 
+@needs_nvcc
+def test_kvcache_build_offline():
+    """A decode step on a KV cache (GQA 32:8: a KV head's 4 query heads in the tile's rows, Q by a
+    4-D TMA box): no spill, the products not serialized; the cache's stale rows of V zeroed."""
+    spec = AttentionSpec(batch=4, heads=32, kv_heads=8, seq_q=1, seq_kv=4096, head_dim=128, dtype="float16",
+                         causal=True, layout="kvcache", return_lse=True)
+    built = hopper_build(spec)
+    r = built.resources
+    assert r["spills"] == 0 and not r["wgmma_serialized"] and built.audit.fused, r
+    func = cuda_hopper.workload(spec, built.knobs)
+    assert [p.name for p in func.params] == ["Q", "K", "V", "CS", "O", "LSE"]
+    src = __import__("tvm_attention.cuda_tools", fromlist=["kernel_source"]).kernel_source(built.module)
+    assert "cp.async.bulk.tensor.4d" in src and "hop_zero_rows(" in src
+
+
 @pytest.mark.skipif(find_cuobjdump() is None and find_nvcc() is not None,
                     reason="cuobjdump not installed (pip install nvidia-cuda-cuobjdump)")
 def test_cuobjdump_available_with_nvcc():
@@ -268,7 +283,7 @@ def test_cuobjdump_available_with_nvcc():
 
 
 @pytest.mark.parametrize("change, match", [
-    (dict(layout="kvcache"), "builds layout"),
+    (dict(layout="paged", page_size=16), "builds layout"),
     (dict(dtype="float32"), "builds dtype"),
     (dict(head_dim_v=64), "one head size"),
     (dict(head_dim=96), "head_dim=96"),
@@ -423,44 +438,52 @@ def _const(e):
     return int(Analyzer().simplify(e).value)
 
 
+@pytest.mark.parametrize("layout", ["bhsd", "kvcache"])
 @pytest.mark.parametrize("variants", [{}, {"causal": True}, {"causal": True, "window": (100, 0)},
                                       {"window": (40, 70)}, {"causal": True, "kv_start": True, "window": (150, 0)}])
-def test_kernel_index_math_is_the_models(variants):
+def test_kernel_index_math_is_the_models(layout, variants):
     """The kernel's own TIR expressions — its key-tile range, which tiles it masks and which scores
-    it hides — evaluated at constants equal the model's (which the reference checks): a typo in
-    the kernel's index math fails here, not only on a GPU."""
+    it hides, through a KV-cache tile's packing of positions and heads into rows — evaluated at
+    constants equal the model's (which the reference checks): a typo in the kernel's index math
+    fails here, not only on a GPU."""
     from tvm import tirx
 
     from tvm_attention.workloads.fused_wgmma import Seq, _context
 
-    BM, BN = 128, 64
+    BM, BN, H, KH = 128, 64, 8, 2
+    cache = layout == "kvcache"
     for sq, sk in ((300, 700), (700, 300), (128, 128), (1, 520)):
-        spec = AttentionSpec(batch=2, heads=4, kv_heads=2, seq_q=sq, seq_kv=sk, head_dim=64, dtype="float16",
-                             **variants)
+        spec = AttentionSpec(batch=2, heads=H, kv_heads=KH, seq_q=sq, seq_kv=sk, head_dim=64, dtype="float16",
+                             layout=layout, **variants)
         x = _context(spec, BM, BN, 2, True, True)
         plan = SmemPlan(64, BM, BN, 2)
-        q, k, v = (np.zeros(s) for s in ((2, 4, sq, 64), (2, 2, sk, 64), (2, 2, sk, 64)))
-        r = wgmma_model._Run(q, k, v, plan, spec, "float16", kv_start=np.array([0, 33]) if spec.kv_start else None)
+        q, k, v = (np.zeros(s) for s in ((2, H, sq, 64), (2, KH, sk, 64), (2, KH, sk, 64)))
+        r = wgmma_model._Run(q, k, v, plan, spec, "float16", kv_start=np.array([0, 33]) if spec.kv_start else None,
+                             cache_seqlens=np.array([sk, sk]) if cache else None)
+        c = lambda v: tirx.const(v, "int32")  # noqa: E731 - as the kernel's loop vars are
         for b in (0, 1):
             start = r.start(b)
             seq = Seq(b=b, q0=0, q_len=sq, k0=0, k_len=sk)
             mseq = {"b": b, "q0": 0, "k0": 0, "q_len": sq, "k_len": sk}
-            for row0 in range(0, sq, BM):
-                first, nt = (_const(e) for e in x.tile_range(seq, row0, start))
+            for row0 in range(0, sq * (H // KH if cache else 1), BM):
+                first, nt = (_const(e) for e in x.tile_range(seq, c(row0), start))
                 assert (first, nt) == r.tiles(mseq, row0), (sq, sk, row0)
                 t, reg = np.arange(128)[:, None], np.arange(BN // 2)[None, :]
                 for wg in (0, 1):
                     wrow0 = row0 + wg * 64
-                    rows = wrow0 + wgmma_layout.acc_row(t, reg)
+                    rows = r.pos(wrow0 + wgmma_layout.acc_row(t, reg))
                     for j in range(first, first + nt):
                         keys = j * BN + wgmma_layout.acc_col(t, reg)
                         sees = r.vis.sees(keys, rows + sk - sq, start)
                         want = (keys < sk) if sees is None else (keys < sk) & sees
-                        c = lambda v: tirx.const(v, "int32")  # noqa: E731 - as the kernel's loop vars are
                         if not _const(x.needs_mask(seq, c(j), c(wrow0), start)):
                             assert want.all(), (j, wrow0)  # a tile left unmasked hides nothing
                         for ti, ri in ((0, 0), (37, 5), (127, BN // 2 - 1), (64, 17)):
                             assert _const(x.visible(seq, c(ti), c(ri), c(j), c(wrow0), start)) == want[ti, ri]
+                    if cache:  # the store's row -> (position, head)
+                        for row in (0, 5, 63):
+                            assert _const(x.pos(c(wrow0 + row))) == r.pos(wrow0 + row)
+                            assert _const(x.head(c(1), c(wrow0 + row))) == r.head(1, wrow0 + row)
 
 
 @pytest.mark.parametrize("batch", range(4))
@@ -499,3 +522,44 @@ def test_kernel_slot_search_is_the_models(batch):
     model = wgmma_model._Run(q, k, v, SmemPlan(64, BM, 64, 2), spec, "float16", cu_seqlens=(cq, ck))
     want = {(s["b"], row0): (s["q0"], s["q_len"], s["k0"], s["k_len"]) for s, row0 in model.blocks()}
     assert got == want
+
+
+def kvcache_model(plan, sq, lens, max_len=300, H=8, KH=2, dtype="bfloat16", seed=0, **variants):
+    """The model's output and the reference, batch by batch, for a KV cache ``(B, KH, max_len,
+    D)`` holding ``lens`` keys each, the rest NaN (stale memory a kernel must never let through)."""
+    D, B = plan.head_dim, len(lens)
+    rng = np.random.default_rng(seed)
+    q = from_bits(to_bits(rng.standard_normal((B, H, sq, D)), dtype), dtype)
+    k, v = (from_bits(to_bits(rng.standard_normal((B, KH, max_len, D)), dtype), dtype) for _ in range(2))
+    for b, n in enumerate(lens):
+        k[b, :, n:], v[b, :, n:] = np.nan, np.nan
+    spec = AttentionSpec(batch=B, heads=H, kv_heads=KH, seq_q=sq, seq_kv=max_len, head_dim=D, dtype="float16",
+                         layout="kvcache", **variants)
+    args = {"alibi_slopes": rng.uniform(0.01, 0.2, H) if spec.alibi else None,
+            "sinks": rng.uniform(-1, 3, H) if spec.sinks else None,
+            "kv_start": np.array([min(n, 7 * b) for b, n in enumerate(lens)], np.int32) if spec.kv_start else None}
+    out = run(q, k, v, plan, spec, dtype, plan.consumers == 2, True, cache_seqlens=np.array(lens, np.int32), **args)
+    ref = np.zeros_like(out)
+    for b, n in enumerate(lens):
+        if n:
+            one = dataclasses.replace(spec, layout="bhsd", batch=1)
+            a = {**args, "kv_start": None if args["kv_start"] is None else args["kv_start"][b: b + 1]}
+            ref[b: b + 1] = reference_attention(one, q[b: b + 1], k[b: b + 1, :, :n], v[b: b + 1, :, :n], **a)
+    return out, ref
+
+
+@pytest.mark.parametrize("sq, variants", [
+    (1, {"causal": True}),  # a decode step: 4 query heads of a KV head in 4 rows of the tile
+    (5, {"causal": True, "return_lse": True}),  # a chunk of 5 new tokens: 20 rows
+    (37, {"causal": True, "window": (40, 0), "sinks": True}),  # 148 rows: two blocks, a window
+    (3, {"alibi": True, "softcap": 20.0, "kv_start": True, "causal": True}),
+])
+def test_model_kvcache_matches_reference(sq, variants):
+    """A KV cache: a KV head's query heads packed into the tile's rows (position · group + g, a
+    4-D TMA box of Q), each sequence's own length (0, 1, a tile edge, tails), the stale rows past
+    it NaN and never let through (masked scores, V's tail rows zeroed)."""
+    lens = [0, 1, 64, 130, 300, 77]
+    out, ref = kvcache_model(SmemPlan(64, 128, 64, 2), sq, lens, **variants)
+    assert np.isfinite(out).all()
+    assert np.abs(out - ref).max() < 1.5e-2
+    assert not out[0].any()  # no key: zeros

@@ -55,12 +55,13 @@ from .wgmma_layout import (
     empty_parity,
     full_parity,
     tensor_map,
+    tensor_map_gqa,
     tensor_map_packed,
 )
 
 WGMMA_DTYPES = {"float16": "f16", "bfloat16": "bf16"}
 #: the layouts it builds
-LAYOUTS = ("bhsd", "varlen")
+LAYOUTS = ("bhsd", "varlen", "kvcache")
 #: registers a warpgroup keeps after ``setmaxnreg``: the producer's few (an address and a loop),
 #: and the consumers' (score and output fragments, 64 + 64 at block_n = head_dim = 128); 24 +
 #: 2 × 240 registers × 128 threads fill an SM's 64 K
@@ -130,6 +131,13 @@ __device__ __forceinline__ void hop_tma3d(unsigned dst, unsigned long long tmap,
   asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
                " [%0], [%1, {%2, %3, %4}], [%5];\n"
                :: "r"(dst), "l"(tmap), "r"(c0), "r"(c1), "r"(c2), "r"(bar) : "memory");
+}""",
+        "hop_tma4d": r"""
+__device__ __forceinline__ void hop_tma4d(unsigned dst, unsigned long long tmap, unsigned bar, int c0, int c1, int c2,
+                                          int c3) {
+  asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes"
+               " [%0], [%1, {%2, %3, %4, %5}], [%6];\n"
+               :: "r"(dst), "l"(tmap), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar) : "memory");
 }""",
         "hop_wait": r"""
 __device__ __forceinline__ void hop_wait(unsigned bar, unsigned parity) {
@@ -226,7 +234,11 @@ def _context(spec: AttentionSpec, block_m: int, block_n: int, stages: int, pingp
         raise ValueError(f"the Hopper kernel builds the {' and '.join(LAYOUTS)} layouts so far, not {spec.layout}")
     plan = SmemPlan(spec.head_dim, block_m, block_n, stages, spec.itemsize)
     packed = spec.layout == "varlen"
+    cache = spec.layout == "kvcache"  # a KV head's query heads packed into the tile's rows
     H, KH, G, D = spec.heads, spec.kv_heads, spec.group_size, spec.head_dim
+    if cache and WG_ROWS % G:
+        raise ValueError(f"a KV-cache tile packs a KV head's {G} query heads into rows: 64 % group size must be 0")
+    ML = tirx.Var("max_len", "int32") if cache else None
     if packed:  # lengths per sequence, read from cu_seqlens at run time
         TQ, TK, NB1 = tirx.Var("total_q", "int32"), tirx.Var("total_k", "int32"), tirx.Var("batch_plus_1", "int32")
         B, SQ, SK = NB1 - 1, None, None
@@ -258,11 +270,27 @@ def _context(spec: AttentionSpec, block_m: int, block_n: int, stages: int, pingp
 
     # the grid: (row tile, head, batch); packed: (tile slot, head), sequence b's row tiles in the
     # slots cu_seqlens_q[b] // block_m + b + i (fused_cuda.varlen_grid's numbering)
-    nrt = T.floordiv(TQ, BM) + NB1 - 1 if packed else (SQ + BM - 1) // BM
+    nrt = T.floordiv(TQ, BM) + NB1 - 1 if packed else (SQ * (G if cache else 1) + BM - 1) // BM
+
+    # a tile row's query position and head: a KV-cache tile's rows are positions × the KV head's
+    # query heads (row = position · G + g), the others' one head's positions
+    def pos(row):
+        return T.floordiv(row, G) if cache else row
+
+    def head(hh, row):
+        return hh * G + T.floormod(row, G) if cache else hh
 
     # TMA: 3-D views, 64 columns by rows by 1; bhsd (head_dim, length, batch·heads), packed
     # (head_dim, heads, total) with boxes of one head's rows
-    if packed:
+    if cache:
+        maps = ((SQ, B * KH, BM), (ML, B * KH, BN))
+
+        def q_coord(seq, row0, hh):  # hh: the KV head
+            return 0, T.floordiv(row0, G), seq.b * KH + hh
+
+        def kv_coord(seq, key0, kvh):
+            return key0, seq.b * KH + kvh
+    elif packed:
         maps = ((TQ, H, BM), (TK, KH, BN))
 
         def q_coord(seq, row0, hh):
@@ -279,17 +307,20 @@ def _context(spec: AttentionSpec, block_m: int, block_n: int, stages: int, pingp
         def kv_coord(seq, key0, kvh):
             return key0, seq.b * KH + kvh
 
-    def tmap_args(rows, planes, box_rows):
-        dims, strides, box, el = (tensor_map_packed if packed else tensor_map)(D, rows, planes, box_rows, isz)
+    def tmap_args(rows, planes, box_rows, gqa=False):
+        if gqa:  # Q of a KV-cache tile: (head_dim, group, positions, batch·kv heads)
+            dims, strides, box, el = tensor_map_gqa(D, G, rows, planes, box_rows, isz)
+        else:
+            dims, strides, box, el = (tensor_map_packed if packed else tensor_map)(D, rows, planes, box_rows, isz)
         return [*dims, *strides, *box, *el]
 
     def tile_range(seq, row0, start):
         """The block's key tiles ``[first, first + count)``: from the first key its first row may
         see (a left window, the sequence's start) to the last its last row may (causal, a right
         window), within the sequence's keys."""
-        begin = vis.key_begin(row0 + seq.off, start)
+        begin = vis.key_begin(pos(row0) + seq.off, start)
         first = 0 if begin is None else Visibility.tiles_before(begin, BN)
-        end = vis.key_end(row0 + BM + seq.off)
+        end = vis.key_end(pos(row0 + BM - 1) + 1 + seq.off)
         last = (seq.k_len + BN - 1) // BN if end is None else \
             Visibility.tiles_to(T.min(seq.k_len, T.max(end, 0)), BN)
         return first, T.max(last - first, 0)
@@ -305,28 +336,28 @@ def _context(spec: AttentionSpec, block_m: int, block_n: int, stages: int, pingp
         # tile j holds the key tail, or a key its warpgroup's first row sees past (the diagonal, a
         # right window) or its last row before (a left window, the start)
         lo, hi = j * BN, (j + 1) * BN - 1
-        conds = [hi >= seq.k_len, vis.hides(hi, wrow0 + seq.off, start),
-                 vis.hides(lo, wrow0 + WG_ROWS - 1 + seq.off, start)]
+        conds = [hi >= seq.k_len, vis.hides(hi, pos(wrow0) + seq.off, start),
+                 vis.hides(lo, pos(wrow0 + WG_ROWS - 1) + seq.off, start)]
         conds = [c for c in conds if c is not None]
         return conds[0] if len(conds) == 1 else tirx.Or(conds[0], conds[1] if len(conds) == 2 else
                                                          tirx.Or(conds[1], conds[2]))
 
     def visible(seq, t, r, j, wrow0, start):
         key = j * BN + col_of(t, r)
-        sees = vis.sees(key, wrow0 + row_in_wg(t, r) + seq.off, start)
+        sees = vis.sees(key, pos(wrow0 + row_in_wg(t, r)) + seq.off, start)
         return key < seq.k_len if sees is None else tirx.And(key < seq.k_len, sees)
 
     def logit(seq, s, t, r, j, wrow0, hh):
         # a raw score in log2 units through the variants' hook: softcap, then ALiBi's distance
         key = j * BN + col_of(t, r)
-        return var.logit(s * T.float32(score_scale(spec)), lambda: hh,
-                         lambda: wrow0 + row_in_wg(t, r) + seq.off - key)
+        return var.logit(s * T.float32(score_scale(spec)), lambda: head(hh, wrow0 + row_in_wg(t, r)),
+                         lambda: pos(wrow0 + row_in_wg(t, r)) + seq.off - key)
 
     def o_at(seq, hh, row, col):
-        return (seq.q0 + row, hh, col) if packed else (seq.b, hh, row, col)
+        return (seq.q0 + row, hh, col) if packed else (seq.b, head(hh, row), pos(row), col)
 
     def lse_at(seq, hh, row):
-        return (hh, seq.q0 + row) if packed else (seq.b, hh, row)
+        return (hh, seq.q0 + row) if packed else (seq.b, head(hh, row), pos(row))
 
     return types.SimpleNamespace(**locals())
 
@@ -335,13 +366,14 @@ def _producer(x):
     """The producer thread's TMA loads: Q once, then K and V tile by tile into their stages."""
     call, plan, tq, tk, tv, NS, BN = x.call, x.plan, x.tq, x.tk, x.tv, x.NS, x.BN
     q_coord, kv_coord = x.q_coord, x.kv_coord
+    q_copy = "hop_tma4d" if x.cache else "hop_tma3d"  # a KV-cache tile's Q: (d, group, positions, heads)
 
     @T.macro
     def producer(sb, seq, row0, hh, kvh, first, nt):
         # loop tile j is key tile first + j; stages and parities count the loop's tiles
         T.evaluate(call("hop_expect", sb + plan.bar_full_q(), plan.q_bytes))
         for sl in T.unroll(plan.slabs):
-            T.evaluate(call("hop_tma3d", sb + plan.q_slab(sl), T.address_of(tq), sb + plan.bar_full_q(),
+            T.evaluate(call(q_copy, sb + plan.q_slab(sl), T.address_of(tq), sb + plan.bar_full_q(),
                             sl * SLAB_COLS, *q_coord(seq, row0, hh)))
         for j in T.serial(nt):
             if j >= NS:  # the stage's previous tile read by every consumer
@@ -402,6 +434,8 @@ def _consumer(x, softmax):
                                   x.nthr, x.o_at, x.overlap, x.packed, x.pingpong, x.plan, x.row_in_wg, x.sfx, x.var,
                                   x.vis)
     BN, kv_rows = x.BN, plan.kv_slab(1)  # a V tile's bytes per slab
+    head, pos = x.head, x.pos
+    zero_tail = packed or x.cache  # V's rows past a sequence's keys are another's, or stale cache
     pack = f"hop_pack{BN}_{WGMMA_DTYPES[dtype]}"
 
     def stage(j):
@@ -426,9 +460,10 @@ def _consumer(x, softmax):
     @T.macro
     def issue_pv(Oa, Pk, sb, seq, wg, t, j, key0):
         T.evaluate(call("hop_wait", sb + plan.bar_full_v(0) + stage(j) * 8, full_parity(j, NS)))
-        if packed:
-            # the rows past the sequence's keys belong to the next sequence: zeros in their place,
-            # so that a P of 0 meets no inf or NaN there (TMA fills only past the tensor's end)
+        if zero_tail:
+            # the rows past the sequence's keys belong to the next sequence (varlen) or hold stale
+            # cache: zeros in their place, so that a P of 0 meets no inf or NaN there (TMA fills
+            # only past the tensor's end)
             if key0 + BN > seq.k_len:
                 T.evaluate(call("hop_zero_rows", sb + plan.v_tile(0) + stage(j) * plan.kv_tile_bytes, kv_rows,
                                 plan.slabs, T.max(seq.k_len - key0, 0), BN, t))
@@ -506,17 +541,17 @@ def _consumer(x, softmax):
         if lse:  # FlashAttention's softmax_lse: without the sink
             if t % 4 == 0:
                 for h in T.unroll(2):
-                    if wrow0 + row_in_wg(t, 2 * h) < seq.q_len:
+                    if pos(wrow0 + row_in_wg(t, 2 * h)) < seq.q_len:
                         LSE[lse_at(seq, hh, wrow0 + row_in_wg(t, 2 * h))] = lse_of(m[h], l[h])
         if var.SK is not None:
             for h in T.unroll(2):  # the sink joins the denominator: (acc·w, l·w + e), w in al
-                al[h] = var.sink_terms(m[h], hh)[0]
-                l[h] = l[h] * al[h] + var.sink_terms(m[h], hh)[1]
+                al[h] = var.sink_terms(m[h], head(hh, wrow0 + row_in_wg(t, 2 * h)))[0]
+                l[h] = l[h] * al[h] + var.sink_terms(m[h], head(hh, wrow0 + row_in_wg(t, 2 * h)))[1]
             rescale(Oa, al)
         for r in T.unroll(NOR):
-            if wrow0 + row_in_wg(t, r) < seq.q_len:
+            if pos(wrow0 + row_in_wg(t, r)) < seq.q_len:
                 O[o_at(seq, hh, wrow0 + row_in_wg(t, r), col_of(t, r))] = T.Cast(dtype, normalize_where(
-                    Oa[r], l[r % 4 // 2], vis.sees_a_key(wrow0 + row_in_wg(t, r) + seq.off, seq.k_len,
+                    Oa[r], l[r % 4 // 2], vis.sees_a_key(pos(wrow0 + row_in_wg(t, r)) + seq.off, seq.k_len,
                                                          var.start(seq.b))))
 
     return consumer
@@ -555,16 +590,17 @@ def fused_attention_wgmma(spec: AttentionSpec, block_m: int, block_n: int, stage
     (B, BM, BN, D, dtype, G, H, KH, LSE, lse, maps, NOR, NS, NSR, nrt, nthr, packed, plan, SK, SQ, THREADS, tk, tq,
      tv) = (x.B, x.BM, x.BN, x.D, x.dtype, x.G, x.H, x.KH, x.LSE, x.lse, x.maps, x.NOR, x.NS, x.NSR, x.nrt, x.nthr,
             x.packed, x.plan, x.SK, x.SQ, x.THREADS, x.tk, x.tq, x.tv)
-    call, causal, tile_range, tmap_args, var = x.call, x.causal, x.tile_range, x.tmap_args, x.var
+    call, cache, causal, tile_range, tmap_args, var = x.call, x.cache, x.causal, x.tile_range, x.tmap_args, x.var
     producer = _producer(x)
     consumer = _consumer(x, _softmax(x))
 
     @T.macro
-    def tmap(tmv, buf, rows, planes, box_rows):
-        # a 3-D view, boxes of 64 columns and box_rows rows, 128B swizzle (wgmma_layout)
+    def tmap(tmv, buf, rows, planes, box_rows, gqa=False):
+        # a 3-D view (4-D: a KV-cache tile's Q), boxes of 64 columns and box_rows rows, 128B
+        # swizzle (wgmma_layout)
         T.Bind(T.tvm_stack_alloca("tensormap", 1), var=tmv)
-        T.tensormap_encode_tiled(tmv, buf.data, *tmap_args(rows, planes, box_rows),
-                                 descriptor_dtype=dtype, rank=3, swizzle=TMA_SWIZZLE_128B)
+        T.tensormap_encode_tiled(tmv, buf.data, *tmap_args(rows, planes, box_rows, gqa),
+                                 descriptor_dtype=dtype, rank=4 if gqa else 3, swizzle=TMA_SWIZZLE_128B)
 
     @T.macro
     def block(Q, K, V, O, seq, hh, tid, row0):
@@ -589,7 +625,7 @@ def fused_attention_wgmma(spec: AttentionSpec, block_m: int, block_n: int, stage
         if tid < WARPGROUP:
             T.evaluate(call("hop_regs_producer"))
             if tid == 0:
-                producer(sb, seq, row0, hh, hh // G, first, nt)
+                producer(sb, seq, row0, hh, hh if cache else hh // G, first, nt)
         else:
             T.evaluate(call("hop_regs_consumer"))
             consumer(sb, seq, O, S, Pk, Oa, m, l, al, tid, row0, hh, first, nt)
@@ -599,7 +635,35 @@ def fused_attention_wgmma(spec: AttentionSpec, block_m: int, block_n: int, stage
     # one block an SM: ptxas then knows the registers at entry (65536 / threads) and sizes the
     # consumers' code by setmaxnreg's 240, not by that share
     one_per_sm = "tirx.launch_bounds_min_blocks_per_sm"
-    if packed:
+    if cache:
+        ML = x.ML
+
+        @T.prim_func(s_tir=True, check_well_formed=False)
+        def attention_kvcache(
+            Q: T.Buffer((B, H, SQ, D), dtype),
+            K: T.Buffer((B, KH, ML, D), dtype),
+            V: T.Buffer((B, KH, ML, D), dtype),
+            CS: T.Buffer((B,), "int32"),
+            O: T.Buffer((B, H, SQ, D), dtype),
+        ):
+            T.func_attr(attrs)
+            tmap(tq, Q, *maps[0], True)
+            tmap(tk, K, *maps[1])
+            tmap(tv, V, *maps[1])
+            for bx in T.thread_binding(nrt, thread="blockIdx.x"):
+                for kvh in T.thread_binding(KH, thread="blockIdx.y"):
+                    for bb in T.thread_binding(B, thread="blockIdx.z"):
+                        for tid in T.thread_binding(THREADS, thread="threadIdx.x"):
+                            with T.attr(0, one_per_sm, 1):
+                                with T.sblock("tile"):
+                                    T.reads()
+                                    T.writes()
+                                    kl = T.sblock_alloc_buffer((1,), "int32", scope="local")  # the cache's keys
+                                    kl[0] = CS[bb]
+                                    block(Q, K, V, O, Seq(b=bb, q0=0, q_len=SQ, k0=0, k_len=kl[0]), kvh, tid,
+                                          ((nrt - 1 - bx) if causal else bx) * BM)
+        func = attention_kvcache
+    elif packed:
         TQ, TK, NB1 = x.TQ, x.TK, x.NB1
 
         @T.prim_func(s_tir=True, check_well_formed=False)

@@ -222,6 +222,16 @@ def tensor_map_packed(cols: int, total, heads, box_rows: int, itemsize: int = 2)
     return ((cols, heads, total), (cols * itemsize, heads * cols * itemsize), (SLAB_COLS, 1, box_rows), (1, 1, 1))
 
 
+def tensor_map_gqa(cols: int, group: int, positions, planes, box_rows: int, itemsize: int = 2):
+    """``cuTensorMapEncodeTiled``'s arguments for Q ``(B, H, Sq, D)`` of a KV-cache tile, viewed
+    as ``(cols, group, positions, batch·kv heads)`` (innermost first): a box is 64 columns of
+    ``box_rows`` rows ordered position-major (row = position · group + g), the KV head's query
+    heads side by side."""
+    return ((cols, group, positions, planes),
+            (positions * cols * itemsize, cols * itemsize, group * positions * cols * itemsize),
+            (SLAB_COLS, group, box_rows // group, 1), (1, 1, 1, 1))
+
+
 def tensor_map(cols: int, rows, planes, box_rows: int, itemsize: int = 2):
     """The arguments of ``cuTensorMapEncodeTiled`` for a tensor viewed as ``(cols, rows, planes)``
     (innermost first): dims, byte strides of dims 1 and 2, the box (64 columns × ``box_rows`` ×

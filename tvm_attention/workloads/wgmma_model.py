@@ -39,6 +39,7 @@ from .wgmma_layout import (
     full_parity,
     p_pair,
     tensor_map,
+    tensor_map_gqa,
     tensor_map_packed,
 )
 
@@ -81,14 +82,20 @@ class Smem:
             raise ModelError(f"TMA destination {dst} is not 1024-byte aligned (128B swizzle)")
         if box[0] * itemsize != ROW_BYTES:
             raise ModelError(f"box inner extent {box[0]} × {itemsize} B is not the 128-byte swizzle span")
-        if strides[0] % 16 or strides[1] % 16:
+        if any(x % 16 for x in strides):
             raise ModelError(f"global strides {strides} are not multiples of 16 bytes")
-        # the box's rows in order: dim 1 fastest, then dim 2; each row 128 bytes of shared memory
+        # the box's rows in order: dim 1 fastest, then dim 2 (then 3); each row 128 bytes of shared memory
         c = np.arange(box[0])[None, :]
-        n = np.arange(box[1] * box[2])[:, None]
-        col, y, z = coords[0] + c, coords[1] + n % box[1], coords[2] + n // box[1]
-        inside = (col < dims[0]) & (y < dims[1]) & (z < dims[2]) & (col >= 0) & (y >= 0) & (z >= 0)
-        flat = z * strides[1] // itemsize + y * strides[0] // itemsize + col
+        rows = int(np.prod(box[1:]))
+        n = np.arange(rows)[:, None]
+        inside = (coords[0] + c < dims[0]) & (coords[0] + c >= 0)
+        flat = coords[0] + c
+        rest = n
+        for i in range(1, len(box)):
+            at = coords[i] + rest % box[i]
+            rest = rest // box[i]
+            inside = inside & (at < dims[i]) & (at >= 0)
+            flat = flat + at * (strides[i - 1] // itemsize)
         vals = np.where(inside, g[np.where(inside, flat, 0)], 0).astype(np.uint16)
         addr = dst + n * ROW_BYTES + c * itemsize
         self.words[_swizzle(addr) // 2] = vals
@@ -253,7 +260,7 @@ class _Block:
             raise ModelError(f"tile {j}: the consumers' wait on stage {s} passes before its K lands")
         self.full_k[s].arrive(plan.kv_tile_bytes)
         self.full_v[s].arrive(plan.kv_tile_bytes)
-        at = r.kv_coord(self.seq, (self.first + j) * plan.block_n, self.h // r.G)
+        at = r.kv_coord(self.seq, (self.first + j) * plan.block_n, self.h if r.cache else self.h // r.G)
         for sl in range(plan.slabs):
             self.full_k[s].land(self.sm.tma_box(plan.k_tile(s) + plan.kv_slab(sl), r.gk, *r.mk[:3], (sl * 64, *at)))
             self.full_v[s].land(self.sm.tma_box(plan.v_tile(s) + plan.kv_slab(sl), r.gv, *r.mk[:3], (sl * 64, *at)))
@@ -281,7 +288,8 @@ class _Block:
         """The kernel's softmax of key tile ``j`` on its registers (its own fragment indexing):
         the variants' score hook, the mask, (alpha, P)."""
         r, st = self.r, self.state[wg]
-        rows = self.row0 + wg * WG_ROWS + acc_row(r.t, r.rs)
+        trow = self.row0 + wg * WG_ROWS + acc_row(r.t, r.rs)
+        rows, heads = r.pos(trow), r.head(self.h, trow)
         keys = j * self.r.plan.block_n + acc_col(r.t, r.rs)
         off, k_len = self.seq["k_len"] - self.seq["q_len"], self.seq["k_len"]
         if r.transforms:  # softcap, then ALiBi, in log2 units (Variants.logit)
@@ -289,7 +297,7 @@ class _Block:
             if r.spec.softcap is not None:
                 S = np.tanh(S) * r.spec.softcap * np.log2(np.e)
             if r.slopes is not None:
-                S = S - r.slopes[self.h] * np.log2(np.e) * np.abs(rows + off - keys)
+                S = S - r.slopes[heads] * np.log2(np.e) * np.abs(rows + off - keys)
         sees = r.vis.sees(keys, rows + off, r.start(self.b))
         vis = keys < k_len if sees is None else (keys < k_len) & sees
         S = np.where(vis, S, -np.inf)
@@ -314,7 +322,7 @@ class _Block:
         r, plan, base, st = self.r, self.r.plan, self.BASE, self.state[wg]
         self.wait_full(self.full_v, j, "V")
         key0 = (self.first + j) * plan.block_n
-        if r.packed and key0 + plan.block_n > self.seq["k_len"]:
+        if (r.packed or r.cache) and key0 + plan.block_n > self.seq["k_len"]:
             self.sm.zero_rows(plan.v_tile(j % plan.stages), plan.kv_slab(1), plan.slabs,
                               max(self.seq["k_len"] - key0, 0), plan.block_n)
         for kk in range(plan.pv_steps):
@@ -343,13 +351,15 @@ class _Block:
         r, seq = self.r, self.seq
         off = seq["k_len"] - seq["q_len"]
         for wg, st in enumerate(self.state):
-            rows = self.row0 + wg * WG_ROWS + acc_row(r.t, r.ro)
+            trow = self.row0 + wg * WG_ROWS + acc_row(r.t, r.ro)
+            rows, heads = r.pos(trow), r.head(self.h, trow)
             cols = np.broadcast_to(acc_col(r.t, r.ro), rows.shape)
             lsum = st["l"].reshape(WARPGROUP // 4, 4, 2).sum(1).repeat(4, 0)
             o = st["o"]
             if r.sinks is not None:  # the sink joins the denominator (_math.sink_terms)
                 g = np.where(st["m"] == -np.inf, 0.0, st["m"])
-                sink = r.sinks[self.h] * np.log2(np.e)
+                row_heads = r.head(self.h, self.row0 + wg * WG_ROWS + acc_row(r.t, np.array([[0, 2]])))
+                sink = r.sinks[row_heads] * np.log2(np.e)  # each of a thread's two rows: its head's
                 top = np.maximum(g, sink)
                 w, e = np.exp2(g - top), np.exp2(sink - top)
                 o = o * w[r.t, r.ro % 4 // 2]
@@ -361,7 +371,7 @@ class _Block:
             if r.packed:
                 out[seq["q0"] + rows[keep], self.h, cols[keep]] = val[keep]
             else:
-                out[self.b, self.h, rows[keep], cols[keep]] = val[keep]
+                out[self.b, heads[keep], rows[keep], cols[keep]] = val[keep]
 
 
 class _Run:
@@ -369,12 +379,19 @@ class _Run:
     variants' arguments)."""
 
     def __init__(self, q, k, v, plan: SmemPlan, spec, dtype: str, alibi_slopes=None, sinks=None, kv_start=None,
-                 cu_seqlens=None):
+                 cu_seqlens=None, cache_seqlens=None):
         from ..visibility import Visibility
         from .variants import score_scale, transforms
 
         self.packed = cu_seqlens is not None
-        if self.packed:  # q (total_q, H, D), k/v (total_k, KH, D)
+        self.cache = cache_seqlens is not None  # k/v (B, KH, max_len, D): a KV head's query heads in a tile's rows
+        if self.cache:
+            self.B, self.H, self.SQ, self.D = q.shape
+            self.KH, ML = k.shape[1], k.shape[2]
+            self.seqlens = np.asarray(cache_seqlens, np.int64)
+            self.mq = tensor_map_gqa(self.D, self.H // self.KH, self.SQ, self.B * self.KH, plan.block_m)
+            self.mk = tensor_map(self.D, ML, self.B * self.KH, plan.block_n)
+        elif self.packed:  # q (total_q, H, D), k/v (total_k, KH, D)
             (TQ, self.H, self.D), (TK, self.KH) = q.shape, k.shape[:2]
             self.cq, self.ck = (np.asarray(c, np.int64) for c in cu_seqlens)
             self.B = len(self.cq) - 1
@@ -399,12 +416,22 @@ class _Run:
     def start(self, b: int):
         return None if self.starts is None else int(self.starts[b])
 
-    def q_coord(self, seq: dict, row0: int, h: int) -> tuple[int, int]:
-        """The kernel's TMA coordinates (dims 1 and 2) of a block's Q box."""
+    def q_coord(self, seq: dict, row0: int, h: int) -> tuple:
+        """The kernel's TMA coordinates (past dim 0) of a block's Q box (``h``: a KV-cache tile's KV head)."""
+        if self.cache:
+            return 0, row0 // self.G, seq["b"] * self.KH + h
         return (h, seq["q0"] + row0) if self.packed else (row0, seq["b"] * self.H + h)
 
     def kv_coord(self, seq: dict, key0: int, kvh: int) -> tuple[int, int]:
         return (kvh, seq["k0"] + key0) if self.packed else (key0, seq["b"] * self.KH + kvh)
+
+    def pos(self, row):
+        """A tile row's query position (a KV-cache tile: row = position · group + g)."""
+        return row // self.G if self.cache else row
+
+    def head(self, h, row):
+        """A tile row's query head (``h``: the block's head, a KV-cache tile's KV head)."""
+        return h * self.G + row % self.G if self.cache else np.full(np.shape(row), h)
 
     def blocks(self):
         """(sequence, first row) of every block with rows: bhsd each batch's row tiles; packed,
@@ -413,8 +440,9 @@ class _Run:
         BM = self.plan.block_m
         if not self.packed:
             for b in range(self.B):
-                seq = {"b": b, "q0": 0, "k0": 0, "q_len": self.SQ, "k_len": self.SK}
-                for row0 in range(0, self.SQ, BM):
+                k_len = int(self.seqlens[b]) if self.cache else self.SK
+                seq = {"b": b, "q0": 0, "k0": 0, "q_len": self.SQ, "k_len": k_len}
+                for row0 in range(0, self.SQ * (self.G if self.cache else 1), BM):
                     yield seq, row0
             return
         seen = set()
@@ -436,29 +464,29 @@ class _Run:
         """The block's key tiles (first, count), by the visibility's bounds (the kernel's ``tile_range``)."""
         BN, BM, vis = self.plan.block_n, self.plan.block_m, self.vis
         off, k_len = seq["k_len"] - seq["q_len"], seq["k_len"]
-        begin = vis.key_begin(row0 + off, self.start(seq["b"]))
+        begin = vis.key_begin(self.pos(row0) + off, self.start(seq["b"]))
         first = 0 if begin is None else vis.tiles_before(int(begin), BN)
-        end = vis.key_end(row0 + BM + off)
+        end = vis.key_end(self.pos(row0 + BM - 1) + 1 + off)
         last = -(-k_len // BN) if end is None else vis.tiles_to(min(k_len, max(int(end), 0)), BN)
         return first, max(last - first, 0)
 
 
 def run(q: np.ndarray, k: np.ndarray, v: np.ndarray, plan: SmemPlan, spec, dtype: str = "float16",
         pingpong: bool = True, overlap: bool = True, alibi_slopes=None, sinks=None, kv_start=None,
-        cu_seqlens=None) -> np.ndarray:
+        cu_seqlens=None, cache_seqlens=None) -> np.ndarray:
     """The kernel's output for bhsd ``q (B, H, Sq, D)``, ``k``/``v (B, KH, Skv, D)``, or packed
     ``q (total_q, H, D)``, ``k``/``v (total_k, KH, D)`` with ``cu_seqlens = (cu_q, cu_k)``
     (float arrays, rounded to ``dtype``), and ``spec``'s mask and variants (their arguments as
     the call takes them), computed through the model in the kernel's order of events
     (``overlap``: tile j's S with tile j − 1's P·V, that tile's stage released after it);
     float64, ``q``'s shape."""
-    r = _Run(q, k, v, plan, spec, dtype, alibi_slopes, sinks, kv_start, cu_seqlens)
+    r = _Run(q, k, v, plan, spec, dtype, alibi_slopes, sinks, kv_start, cu_seqlens, cache_seqlens)
     out = np.zeros(q.shape)
     for seq, row0 in r.blocks():
         first, nt = r.tiles(seq, row0)
         if pingpong and plan.consumers == 2:
             pingpong_turns(nt, overlap)
-        for h in range(r.H):
+        for h in range(r.KH if r.cache else r.H):  # a KV-cache tile: each KV head's query heads
             blk = _Block(r, seq, h, row0, nt, first)
             blk.load_q()
             prev = [None] * plan.consumers  # overlap: each consumer's P of the tile before
