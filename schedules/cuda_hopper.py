@@ -7,9 +7,9 @@ As for the other CUDA kernels the thread mapping is the algorithm, instantiated 
 ``apply`` has nothing left to vary, and the design space is one task per feasible (block_n,
 stages, pingpong).
 
-What it builds so far: the bhsd, varlen and kvcache layouts, static or symbolic lengths,
+What it builds so far: the bhsd, varlen, kvcache and paged layouts, static or symbolic lengths,
 float16/bfloat16, head_dim 64 or 128, causal or not, lse, the variants (window, softcap, ALiBi,
-sinks, kv_start). The paged layout, split-KV and 8-bit caches stay on the ``mma.sync`` kernel
+sinks, kv_start). Split-KV, 8-bit caches and appending stay on the ``mma.sync`` kernel
 (``fused_tc``), and ``--schedule fused`` keeps that kernel on sm_90 until a GPU run has validated
 this one (docs/cuda.md).
 """
@@ -104,9 +104,14 @@ def preset(spec: AttentionSpec, target: Target) -> HopperKnobs:
 def check(knobs: HopperKnobs, spec: AttentionSpec, target: Target) -> None:
     if arch_number(target) != ARCH:
         raise KnobError(f"the Hopper kernel needs sm_90 (wgmma, TMA, setmaxnreg: sm_90a), not {target.attrs.get('arch')}")
-    if spec.layout == "kvcache" and WG_ROWS % spec.group_size:
+    if spec.layout_info.is_cache and WG_ROWS % spec.group_size:
         raise KnobError(f"group size {spec.group_size} (heads / kv_heads): a KV-cache tile packs a KV head's query "
                         f"heads into a warpgroup's {WG_ROWS} rows, so it must divide {WG_ROWS}")
+    if spec.layout == "paged" and (spec.page_size % 8 or (spec.page_size % knobs.block_n
+                                                          and knobs.block_n % spec.page_size)):
+        raise KnobError(f"page_size={spec.page_size} with block_n={knobs.block_n}: TMA loads a page (or a key tile's "
+                        "share of one) as whole 8-row swizzle groups, so pages must be a multiple of 8 that tiles "
+                        "block_n or is tiled by it")
     if spec.head_dim not in HEAD_DIMS:
         raise KnobError(f"head_dim={spec.head_dim}: the Hopper kernel builds head_dim "
                         f"{' or '.join(map(str, HEAD_DIMS))} (128-byte swizzled slabs of 64)")

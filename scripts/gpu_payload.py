@@ -49,14 +49,14 @@ DEFAULT_KERNELS = ("fused_tc", "fused_simt")
 #: ``--hopper``: the Hopper issue's table, one run of at most 5 minutes on an H100/H200: the Hopper
 #: kernel next to the mma.sync one and the peers at FlashAttention's shapes, fp16/bf16, D 64/128,
 #: S 1k-16k, causal and not, sm_90 only, a symbolic and a varlen Hopper build per (dtype, D,
-#: causal), a kvcache decode build of each kernel per (dtype, D), and the variants' bhsd build
+#: causal), kvcache and paged decode builds of each kernel per (dtype, D), and the variants' bhsd build
 #: (window, kv_start) at the first head_dim
 #: the Hopper kernel's other forms timed beside its preset (a column each): name -> knob overrides
 HOPPER_VARIANTS = {"hopper_seq": {"overlap": 0}}
 HOPPER = dict(arch=["sm_90"], kernels=["fused_hopper", "fused_tc"], symbolic=True, cache=True, variants=True,
               varlen=True)
 #: the layouts the Hopper kernel builds (``fused_wgmma.LAYOUTS``; the device side imports no workload)
-HOPPER_LAYOUTS = ("bhsd", "varlen", "kvcache")
+HOPPER_LAYOUTS = ("bhsd", "varlen", "kvcache", "paged")
 #: the symbolic kernels' dims (``--symbolic``): validated at awkward shapes on the device, and timed
 #: at each static shape next to the static kernels (the price of not knowing the lengths)
 SYMBOLIC = ("batch", "seq_q", "seq_kv")

@@ -261,18 +261,23 @@ def test_varlen_build_offline():
 
 
 @needs_nvcc
-def test_kvcache_build_offline():
+@pytest.mark.parametrize("layout", ["kvcache", "paged"])
+def test_kvcache_build_offline(layout):
     """A decode step on a KV cache (GQA 32:8: a KV head's 4 query heads in the tile's rows, Q by a
-    4-D TMA box): no spill, the products not serialized; the cache's stale rows of V zeroed."""
+    4-D TMA box; paged, a box per page of 16 through the block table): no spill, the products not
+    serialized; the cache's stale rows of V zeroed."""
     spec = AttentionSpec(batch=4, heads=32, kv_heads=8, seq_q=1, seq_kv=4096, head_dim=128, dtype="float16",
-                         causal=True, layout="kvcache", return_lse=True)
+                         causal=True, layout=layout, return_lse=True, page_size=16 if layout == "paged" else None)
     built = hopper_build(spec)
     r = built.resources
     assert r["spills"] == 0 and not r["wgmma_serialized"] and built.audit.fused, r
     func = cuda_hopper.workload(spec, built.knobs)
-    assert [p.name for p in func.params] == ["Q", "K", "V", "CS", "O", "LSE"]
+    index = ["BT", "CS"] if layout == "paged" else ["CS"]
+    assert [p.name for p in func.params] == ["Q", "K", "V", *index, "O", "LSE"]
     src = __import__("tvm_attention.cuda_tools", fromlist=["kernel_source"]).kernel_source(built.module)
     assert "cp.async.bulk.tensor.4d" in src and "hop_zero_rows(" in src
+    if layout == "paged" and "sass_instructions" in r:  # Q's 2 slabs, K's and V's 8 pages a slab
+        assert r["sass_instructions"]["UTMALDG"] >= 2 + 2 * 2 * 8
 
 
 @pytest.mark.skipif(find_cuobjdump() is None and find_nvcc() is not None,
@@ -283,7 +288,9 @@ def test_cuobjdump_available_with_nvcc():
 
 
 @pytest.mark.parametrize("change, match", [
-    (dict(layout="paged", page_size=16), "builds layout"),
+    (dict(layout="mla", head_dim=576, head_dim_v=512, heads=16, kv_heads=1, scale=0.0723), "builds layout"),
+    (dict(layout="paged", page_size=12), "page_size=12"),
+    (dict(layout="kvcache", heads=24, kv_heads=2), "group size 12"),
     (dict(dtype="float32"), "builds dtype"),
     (dict(head_dim_v=64), "one head size"),
     (dict(head_dim=96), "head_dim=96"),
@@ -524,9 +531,11 @@ def test_kernel_slot_search_is_the_models(batch):
     assert got == want
 
 
-def kvcache_model(plan, sq, lens, max_len=300, H=8, KH=2, dtype="bfloat16", seed=0, **variants):
+def kvcache_model(plan, sq, lens, max_len=320, H=8, KH=2, dtype="bfloat16", seed=0, page_size=None, **variants):
     """The model's output and the reference, batch by batch, for a KV cache ``(B, KH, max_len,
-    D)`` holding ``lens`` keys each, the rest NaN (stale memory a kernel must never let through)."""
+    D)`` holding ``lens`` keys each, the rest NaN (stale memory a kernel must never let through);
+    with ``page_size``, the same keys in a shuffled page pool ``(pages, page_size, KH, D)``
+    through a block table (its unused entries −1, the pool's stale rows NaN)."""
     D, B = plan.head_dim, len(lens)
     rng = np.random.default_rng(seed)
     q = from_bits(to_bits(rng.standard_normal((B, H, sq, D)), dtype), dtype)
@@ -534,32 +543,52 @@ def kvcache_model(plan, sq, lens, max_len=300, H=8, KH=2, dtype="bfloat16", seed
     for b, n in enumerate(lens):
         k[b, :, n:], v[b, :, n:] = np.nan, np.nan
     spec = AttentionSpec(batch=B, heads=H, kv_heads=KH, seq_q=sq, seq_kv=max_len, head_dim=D, dtype="float16",
-                         layout="kvcache", **variants)
+                         layout="paged" if page_size else "kvcache", page_size=page_size, **variants)
     args = {"alibi_slopes": rng.uniform(0.01, 0.2, H) if spec.alibi else None,
             "sinks": rng.uniform(-1, 3, H) if spec.sinks else None,
             "kv_start": np.array([min(n, 7 * b) for b, n in enumerate(lens)], np.int32) if spec.kv_start else None}
-    out = run(q, k, v, plan, spec, dtype, plan.consumers == 2, True, cache_seqlens=np.array(lens, np.int32), **args)
+    table = None
+    kc, vc = k, v
+    if page_size:  # each sequence's pages scattered through a pool with a spare page of NaN
+        mp = max_len // page_size
+        order = rng.permutation(B * mp + 1)
+        kc, vc = (np.full((B * mp + 1, page_size, KH, D), np.nan) for _ in range(2))
+        table = np.full((B, mp), -1, np.int32)
+        for b, n in enumerate(lens):
+            for i in range(-(-n // page_size)):
+                page = order[b * mp + i]
+                table[b, i] = page
+                kc[page] = k[b, :, i * page_size:(i + 1) * page_size].transpose(1, 0, 2)
+                vc[page] = v[b, :, i * page_size:(i + 1) * page_size].transpose(1, 0, 2)
+    out = run(q, kc, vc, plan, spec, dtype, plan.consumers == 2, True, cache_seqlens=np.array(lens, np.int32),
+              block_table=table, **args)
     ref = np.zeros_like(out)
     for b, n in enumerate(lens):
         if n:
-            one = dataclasses.replace(spec, layout="bhsd", batch=1)
+            one = dataclasses.replace(spec, layout="bhsd", batch=1, page_size=None)
             a = {**args, "kv_start": None if args["kv_start"] is None else args["kv_start"][b: b + 1]}
             ref[b: b + 1] = reference_attention(one, q[b: b + 1], k[b: b + 1, :, :n], v[b: b + 1, :, :n], **a)
     return out, ref
 
 
+@pytest.mark.parametrize("page_size", [None, 16, 256])
 @pytest.mark.parametrize("sq, variants", [
     (1, {"causal": True}),  # a decode step: 4 query heads of a KV head in 4 rows of the tile
     (5, {"causal": True, "return_lse": True}),  # a chunk of 5 new tokens: 20 rows
     (37, {"causal": True, "window": (40, 0), "sinks": True}),  # 148 rows: two blocks, a window
     (3, {"alibi": True, "softcap": 20.0, "kv_start": True, "causal": True}),
 ])
-def test_model_kvcache_matches_reference(sq, variants):
+def test_model_kvcache_matches_reference(sq, variants, page_size):
     """A KV cache: a KV head's query heads packed into the tile's rows (position · group + g, a
     4-D TMA box of Q), each sequence's own length (0, 1, a tile edge, tails), the stale rows past
-    it NaN and never let through (masked scores, V's tail rows zeroed)."""
+    it NaN and never let through (masked scores, V's tail rows zeroed); paged, through shuffled
+    pages of 16 (a box a page, 4 a tile) and 256 (a tile's share of a page), the table's unused
+    entries −1 never read."""
     lens = [0, 1, 64, 130, 300, 77]
-    out, ref = kvcache_model(SmemPlan(64, 128, 64, 2), sq, lens, **variants)
+    if page_size == 256:
+        lens = [0, 1, 64, 130, 256, 77]  # within two pages of 256
+    out, ref = kvcache_model(SmemPlan(64, 128, 64, 2), sq, lens, max_len=512 if page_size == 256 else 320,
+                             page_size=page_size, **variants)
     assert np.isfinite(out).all()
     assert np.abs(out - ref).max() < 1.5e-2
     assert not out[0].any()  # no key: zeros

@@ -45,6 +45,7 @@ from .kv import dim
 from .variants import Variants, score_scale
 from .variants import transforms as transforms_scores
 from .wgmma_layout import (
+    ROW_BYTES,
     SLAB_COLS,
     TMA_SWIZZLE_128B,
     WARPGROUP,
@@ -57,11 +58,12 @@ from .wgmma_layout import (
     tensor_map,
     tensor_map_gqa,
     tensor_map_packed,
+    tensor_map_paged,
 )
 
 WGMMA_DTYPES = {"float16": "f16", "bfloat16": "bf16"}
 #: the layouts it builds
-LAYOUTS = ("bhsd", "varlen", "kvcache")
+LAYOUTS = ("bhsd", "varlen", "kvcache", "paged")
 #: registers a warpgroup keeps after ``setmaxnreg``: the producer's few (an address and a loop),
 #: and the consumers' (score and output fragments, 64 + 64 at block_n = head_dim = 128); 24 +
 #: 2 × 240 registers × 128 threads fill an SM's 64 K
@@ -234,11 +236,19 @@ def _context(spec: AttentionSpec, block_m: int, block_n: int, stages: int, pingp
         raise ValueError(f"the Hopper kernel builds the {' and '.join(LAYOUTS)} layouts so far, not {spec.layout}")
     plan = SmemPlan(spec.head_dim, block_m, block_n, stages, spec.itemsize)
     packed = spec.layout == "varlen"
-    cache = spec.layout == "kvcache"  # a KV head's query heads packed into the tile's rows
+    cache = spec.layout in ("kvcache", "paged")  # a KV head's query heads packed into the tile's rows
+    paged = spec.layout == "paged"
     H, KH, G, D = spec.heads, spec.kv_heads, spec.group_size, spec.head_dim
     if cache and WG_ROWS % G:
         raise ValueError(f"a KV-cache tile packs a KV head's {G} query heads into rows: 64 % group size must be 0")
     ML = tirx.Var("max_len", "int32") if cache else None
+    if paged:  # K/V (num_pages, page_size, KH, D), pages by block_table
+        PS, NPG, MP = spec.page_size, tirx.Var("num_pages", "int32"), tirx.Var("max_pages", "int32")
+        if PS % 8 or (PS % block_n and block_n % PS):
+            raise ValueError(f"page_size={PS}: the Hopper kernel loads whole 8-row swizzle groups of pages "
+                             f"(a multiple of 8) that tile block_n={block_n} or that it tiles")
+        PROWS = min(PS, block_n)  # rows of one TMA box: a page, or a tile's share of one
+    nboxes = block_n // PROWS if paged else 1  # TMA boxes of a key tile (per slab)
     if packed:  # lengths per sequence, read from cu_seqlens at run time
         TQ, TK, NB1 = tirx.Var("total_q", "int32"), tirx.Var("total_k", "int32"), tirx.Var("batch_plus_1", "int32")
         B, SQ, SK = NB1 - 1, None, None
@@ -283,13 +293,24 @@ def _context(spec: AttentionSpec, block_m: int, block_n: int, stages: int, pingp
     # TMA: 3-D views, 64 columns by rows by 1; bhsd (head_dim, length, batch·heads), packed
     # (head_dim, heads, total) with boxes of one head's rows
     if cache:
-        maps = ((SQ, B * KH, BM), (ML, B * KH, BN))
+        maps = ((SQ, B * KH, BM), (NPG, KH, PROWS) if paged else (ML, B * KH, BN))
 
         def q_coord(seq, row0, hh):  # hh: the KV head
             return 0, T.floordiv(row0, G), seq.b * KH + hh
 
         def kv_coord(seq, key0, kvh):
             return key0, seq.b * KH + kvh
+
+        def kv_box(seq, key0, kvh, i):
+            """A key tile's TMA box ``i`` (of :data:`nboxes`): its coordinates past dim 0. Paged:
+            one per page the tile spans, at its block_table entry, or at page −1 past the
+            sequence's pages (out of bounds: TMA fills zeros and counts the bytes; no read past
+            its table row)."""
+            if not paged:
+                return kv_coord(seq, key0, kvh)
+            idx = T.floordiv(key0, PS) + (i if PS < BN else 0)
+            page = T.if_then_else(idx * PS < seq.k_len, seq.bt[seq.b, idx], -1)
+            return kvh, T.floormod(key0, PS) if PS > BN else 0, page
     elif packed:
         maps = ((TQ, H, BM), (TK, KH, BN))
 
@@ -298,6 +319,9 @@ def _context(spec: AttentionSpec, block_m: int, block_n: int, stages: int, pingp
 
         def kv_coord(seq, key0, kvh):
             return kvh, seq.k0 + key0
+
+        def kv_box(seq, key0, kvh, i):
+            return kv_coord(seq, key0, kvh)
     else:
         maps = ((SQ, B * H, BM), (SK, B * KH, BN))
 
@@ -307,9 +331,14 @@ def _context(spec: AttentionSpec, block_m: int, block_n: int, stages: int, pingp
         def kv_coord(seq, key0, kvh):
             return key0, seq.b * KH + kvh
 
-    def tmap_args(rows, planes, box_rows, gqa=False):
+        def kv_box(seq, key0, kvh, i):
+            return kv_coord(seq, key0, kvh)
+
+    def tmap_args(rows, planes, box_rows, gqa=False, pages=False):
         if gqa:  # Q of a KV-cache tile: (head_dim, group, positions, batch·kv heads)
             dims, strides, box, el = tensor_map_gqa(D, G, rows, planes, box_rows, isz)
+        elif pages:  # a page pool: (head_dim, kv heads, page rows, pages)
+            dims, strides, box, el = tensor_map_paged(D, planes, PS, rows, box_rows, isz)
         else:
             dims, strides, box, el = (tensor_map_packed if packed else tensor_map)(D, rows, planes, box_rows, isz)
         return [*dims, *strides, *box, *el]
@@ -365,8 +394,10 @@ def _context(spec: AttentionSpec, block_m: int, block_n: int, stages: int, pingp
 def _producer(x):
     """The producer thread's TMA loads: Q once, then K and V tile by tile into their stages."""
     call, plan, tq, tk, tv, NS, BN = x.call, x.plan, x.tq, x.tk, x.tv, x.NS, x.BN
-    q_coord, kv_coord = x.q_coord, x.kv_coord
+    q_coord, kv_box, nboxes = x.q_coord, x.kv_box, x.nboxes
+    rows = x.PROWS if x.paged else BN  # rows of one box
     q_copy = "hop_tma4d" if x.cache else "hop_tma3d"  # a KV-cache tile's Q: (d, group, positions, heads)
+    kv_copy = "hop_tma4d" if x.paged else "hop_tma3d"  # a page pool: (d, kv heads, page rows, pages)
 
     @T.macro
     def producer(sb, seq, row0, hh, kvh, first, nt):
@@ -380,14 +411,16 @@ def _producer(x):
                 T.evaluate(call("hop_wait", sb + plan.bar_empty(0) + j % NS * 8, empty_parity(j, NS)))
             T.evaluate(call("hop_expect", sb + plan.bar_full_k(0) + j % NS * 8, plan.kv_tile_bytes))
             for sl in T.unroll(plan.slabs):
-                T.evaluate(call("hop_tma3d", sb + plan.k_tile(0) + j % NS * plan.kv_tile_bytes + plan.kv_slab(sl),
-                                T.address_of(tk), sb + plan.bar_full_k(0) + j % NS * 8, sl * SLAB_COLS,
-                                *kv_coord(seq, (first + j) * BN, kvh)))
+                for i in T.unroll(nboxes):
+                    T.evaluate(call(kv_copy, sb + plan.k_tile(0) + j % NS * plan.kv_tile_bytes + plan.kv_slab(sl)
+                                    + i * rows * ROW_BYTES, T.address_of(tk), sb + plan.bar_full_k(0) + j % NS * 8,
+                                    sl * SLAB_COLS, *kv_box(seq, (first + j) * BN, kvh, i)))
             T.evaluate(call("hop_expect", sb + plan.bar_full_v(0) + j % NS * 8, plan.kv_tile_bytes))
             for sl in T.unroll(plan.slabs):
-                T.evaluate(call("hop_tma3d", sb + plan.v_tile(0) + j % NS * plan.kv_tile_bytes + plan.kv_slab(sl),
-                                T.address_of(tv), sb + plan.bar_full_v(0) + j % NS * 8, sl * SLAB_COLS,
-                                *kv_coord(seq, (first + j) * BN, kvh)))
+                for i in T.unroll(nboxes):
+                    T.evaluate(call(kv_copy, sb + plan.v_tile(0) + j % NS * plan.kv_tile_bytes + plan.kv_slab(sl)
+                                    + i * rows * ROW_BYTES, T.address_of(tv), sb + plan.bar_full_v(0) + j % NS * 8,
+                                    sl * SLAB_COLS, *kv_box(seq, (first + j) * BN, kvh, i)))
 
     return producer
 
@@ -591,16 +624,17 @@ def fused_attention_wgmma(spec: AttentionSpec, block_m: int, block_n: int, stage
      tv) = (x.B, x.BM, x.BN, x.D, x.dtype, x.G, x.H, x.KH, x.LSE, x.lse, x.maps, x.NOR, x.NS, x.NSR, x.nrt, x.nthr,
             x.packed, x.plan, x.SK, x.SQ, x.THREADS, x.tk, x.tq, x.tv)
     call, cache, causal, tile_range, tmap_args, var = x.call, x.cache, x.causal, x.tile_range, x.tmap_args, x.var
+    paged = x.paged
     producer = _producer(x)
     consumer = _consumer(x, _softmax(x))
 
     @T.macro
-    def tmap(tmv, buf, rows, planes, box_rows, gqa=False):
-        # a 3-D view (4-D: a KV-cache tile's Q), boxes of 64 columns and box_rows rows, 128B
-        # swizzle (wgmma_layout)
+    def tmap(tmv, buf, rows, planes, box_rows, gqa=False, pages=False):
+        # a 3-D view (4-D: a KV-cache tile's Q, a page pool), boxes of 64 columns and box_rows
+        # rows, 128B swizzle (wgmma_layout)
         T.Bind(T.tvm_stack_alloca("tensormap", 1), var=tmv)
-        T.tensormap_encode_tiled(tmv, buf.data, *tmap_args(rows, planes, box_rows, gqa),
-                                 descriptor_dtype=dtype, rank=4 if gqa else 3, swizzle=TMA_SWIZZLE_128B)
+        T.tensormap_encode_tiled(tmv, buf.data, *tmap_args(rows, planes, box_rows, gqa, pages),
+                                 descriptor_dtype=dtype, rank=4 if gqa or pages else 3, swizzle=TMA_SWIZZLE_128B)
 
     @T.macro
     def block(Q, K, V, O, seq, hh, tid, row0):
@@ -635,7 +669,41 @@ def fused_attention_wgmma(spec: AttentionSpec, block_m: int, block_n: int, stage
     # one block an SM: ptxas then knows the registers at entry (65536 / threads) and sizes the
     # consumers' code by setmaxnreg's 240, not by that share
     one_per_sm = "tirx.launch_bounds_min_blocks_per_sm"
-    if cache:
+    @T.macro
+    def cache_grid(Q, K, V, O, CS, BT):
+        # a (row tile, KV head, batch) grid; the sequence's length read once into a register
+        tmap(tq, Q, *maps[0], True)
+        tmap(tk, K, *maps[1], False, paged)
+        tmap(tv, V, *maps[1], False, paged)
+        for bx in T.thread_binding(nrt, thread="blockIdx.x"):
+            for kvh in T.thread_binding(KH, thread="blockIdx.y"):
+                for bb in T.thread_binding(B, thread="blockIdx.z"):
+                    for tid in T.thread_binding(THREADS, thread="threadIdx.x"):
+                        with T.attr(0, one_per_sm, 1):
+                            with T.sblock("tile"):
+                                T.reads()
+                                T.writes()
+                                kl = T.sblock_alloc_buffer((1,), "int32", scope="local")  # the cache's keys
+                                kl[0] = CS[bb]
+                                block(Q, K, V, O, Seq(b=bb, q0=0, q_len=SQ, k0=0, k_len=kl[0], bt=BT), kvh, tid,
+                                      ((nrt - 1 - bx) if causal else bx) * BM)
+
+    if paged:
+        NPG, PS, MP = x.NPG, x.PS, x.MP
+
+        @T.prim_func(s_tir=True, check_well_formed=False)
+        def attention_paged(
+            Q: T.Buffer((B, H, SQ, D), dtype),
+            K: T.Buffer((NPG, PS, KH, D), dtype),
+            V: T.Buffer((NPG, PS, KH, D), dtype),
+            BT: T.Buffer((B, MP), "int32"),
+            CS: T.Buffer((B,), "int32"),
+            O: T.Buffer((B, H, SQ, D), dtype),
+        ):
+            T.func_attr(attrs)
+            cache_grid(Q, K, V, O, CS, BT)
+        func = attention_paged
+    elif cache:
         ML = x.ML
 
         @T.prim_func(s_tir=True, check_well_formed=False)
@@ -647,21 +715,7 @@ def fused_attention_wgmma(spec: AttentionSpec, block_m: int, block_n: int, stage
             O: T.Buffer((B, H, SQ, D), dtype),
         ):
             T.func_attr(attrs)
-            tmap(tq, Q, *maps[0], True)
-            tmap(tk, K, *maps[1])
-            tmap(tv, V, *maps[1])
-            for bx in T.thread_binding(nrt, thread="blockIdx.x"):
-                for kvh in T.thread_binding(KH, thread="blockIdx.y"):
-                    for bb in T.thread_binding(B, thread="blockIdx.z"):
-                        for tid in T.thread_binding(THREADS, thread="threadIdx.x"):
-                            with T.attr(0, one_per_sm, 1):
-                                with T.sblock("tile"):
-                                    T.reads()
-                                    T.writes()
-                                    kl = T.sblock_alloc_buffer((1,), "int32", scope="local")  # the cache's keys
-                                    kl[0] = CS[bb]
-                                    block(Q, K, V, O, Seq(b=bb, q0=0, q_len=SQ, k0=0, k_len=kl[0]), kvh, tid,
-                                          ((nrt - 1 - bx) if causal else bx) * BM)
+            cache_grid(Q, K, V, O, CS, None)
         func = attention_kvcache
     elif packed:
         TQ, TK, NB1 = x.TQ, x.TK, x.NB1

@@ -232,6 +232,15 @@ def tensor_map_gqa(cols: int, group: int, positions, planes, box_rows: int, item
             (SLAB_COLS, group, box_rows // group, 1), (1, 1, 1, 1))
 
 
+def tensor_map_paged(cols: int, kv_heads: int, page_size: int, pages, box_rows: int, itemsize: int = 2):
+    """``cuTensorMapEncodeTiled``'s arguments for a page pool ``(pages, page_size, kv_heads, cols)``
+    viewed as ``(cols, kv_heads, page_size, pages)``: a box is 64 columns of one KV head's
+    ``box_rows`` rows of one page (a page, or a key tile's share of one)."""
+    return ((cols, kv_heads, page_size, pages),
+            (cols * itemsize, kv_heads * cols * itemsize, page_size * kv_heads * cols * itemsize),
+            (SLAB_COLS, 1, box_rows, 1), (1, 1, 1, 1))
+
+
 def tensor_map(cols: int, rows, planes, box_rows: int, itemsize: int = 2):
     """The arguments of ``cuTensorMapEncodeTiled`` for a tensor viewed as ``(cols, rows, planes)``
     (innermost first): dims, byte strides of dims 1 and 2, the box (64 columns × ``box_rows`` ×

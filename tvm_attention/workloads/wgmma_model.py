@@ -41,6 +41,7 @@ from .wgmma_layout import (
     tensor_map,
     tensor_map_gqa,
     tensor_map_packed,
+    tensor_map_paged,
 )
 
 
@@ -260,10 +261,12 @@ class _Block:
             raise ModelError(f"tile {j}: the consumers' wait on stage {s} passes before its K lands")
         self.full_k[s].arrive(plan.kv_tile_bytes)
         self.full_v[s].arrive(plan.kv_tile_bytes)
-        at = r.kv_coord(self.seq, (self.first + j) * plan.block_n, self.h if r.cache else self.h // r.G)
+        boxes = r.kv_boxes(self.seq, (self.first + j) * plan.block_n, self.h if r.cache else self.h // r.G)
         for sl in range(plan.slabs):
-            self.full_k[s].land(self.sm.tma_box(plan.k_tile(s) + plan.kv_slab(sl), r.gk, *r.mk[:3], (sl * 64, *at)))
-            self.full_v[s].land(self.sm.tma_box(plan.v_tile(s) + plan.kv_slab(sl), r.gv, *r.mk[:3], (sl * 64, *at)))
+            for row, at in boxes:
+                off = plan.kv_slab(sl) + row * ROW_BYTES
+                self.full_k[s].land(self.sm.tma_box(plan.k_tile(s) + off, r.gk, *r.mk[:3], (sl * 64, *at)))
+                self.full_v[s].land(self.sm.tma_box(plan.v_tile(s) + off, r.gv, *r.mk[:3], (sl * 64, *at)))
         if not (self.full_k[s].passes(full_parity(j, NS)) and self.full_v[s].passes(full_parity(j, NS))):
             raise ModelError(f"tile {j}: stage {s}'s barriers did not complete with its boxes")
 
@@ -379,18 +382,25 @@ class _Run:
     variants' arguments)."""
 
     def __init__(self, q, k, v, plan: SmemPlan, spec, dtype: str, alibi_slopes=None, sinks=None, kv_start=None,
-                 cu_seqlens=None, cache_seqlens=None):
+                 cu_seqlens=None, cache_seqlens=None, block_table=None):
         from ..visibility import Visibility
         from .variants import score_scale, transforms
 
         self.packed = cu_seqlens is not None
         self.cache = cache_seqlens is not None  # k/v (B, KH, max_len, D): a KV head's query heads in a tile's rows
+        self.paged = block_table is not None  # k/v (num_pages, page_size, KH, D)
         if self.cache:
             self.B, self.H, self.SQ, self.D = q.shape
-            self.KH, ML = k.shape[1], k.shape[2]
             self.seqlens = np.asarray(cache_seqlens, np.int64)
+            if self.paged:
+                NP, self.PS, self.KH = k.shape[:3]
+                self.bt = np.asarray(block_table, np.int64)
+                self.prows = min(self.PS, plan.block_n)
+                self.mk = tensor_map_paged(self.D, self.KH, self.PS, NP, self.prows)
+            else:
+                self.KH, ML = k.shape[1], k.shape[2]
+                self.mk = tensor_map(self.D, ML, self.B * self.KH, plan.block_n)
             self.mq = tensor_map_gqa(self.D, self.H // self.KH, self.SQ, self.B * self.KH, plan.block_m)
-            self.mk = tensor_map(self.D, ML, self.B * self.KH, plan.block_n)
         elif self.packed:  # q (total_q, H, D), k/v (total_k, KH, D)
             (TQ, self.H, self.D), (TK, self.KH) = q.shape, k.shape[:2]
             self.cq, self.ck = (np.asarray(c, np.int64) for c in cu_seqlens)
@@ -424,6 +434,18 @@ class _Run:
 
     def kv_coord(self, seq: dict, key0: int, kvh: int) -> tuple[int, int]:
         return (kvh, seq["k0"] + key0) if self.packed else (key0, seq["b"] * self.KH + kvh)
+
+    def kv_boxes(self, seq: dict, key0: int, kvh: int) -> list:
+        """A key tile's TMA boxes: (row offset in the tile, coordinates past dim 0); paged, one a
+        page at its block_table entry, or page −1 past the sequence's pages (the kernel's ``kv_box``)."""
+        if not self.paged:
+            return [(0, self.kv_coord(seq, key0, kvh))]
+        BN, PS, out = self.plan.block_n, self.PS, []
+        for i in range(BN // self.prows):
+            idx = key0 // PS + (i if PS < BN else 0)
+            page = int(self.bt[seq["b"], idx]) if idx * PS < seq["k_len"] else -1
+            out.append((i * self.prows, (kvh, key0 % PS if PS > BN else 0, page)))
+        return out
 
     def pos(self, row):
         """A tile row's query position (a KV-cache tile: row = position · group + g)."""
@@ -473,14 +495,14 @@ class _Run:
 
 def run(q: np.ndarray, k: np.ndarray, v: np.ndarray, plan: SmemPlan, spec, dtype: str = "float16",
         pingpong: bool = True, overlap: bool = True, alibi_slopes=None, sinks=None, kv_start=None,
-        cu_seqlens=None, cache_seqlens=None) -> np.ndarray:
+        cu_seqlens=None, cache_seqlens=None, block_table=None) -> np.ndarray:
     """The kernel's output for bhsd ``q (B, H, Sq, D)``, ``k``/``v (B, KH, Skv, D)``, or packed
     ``q (total_q, H, D)``, ``k``/``v (total_k, KH, D)`` with ``cu_seqlens = (cu_q, cu_k)``
     (float arrays, rounded to ``dtype``), and ``spec``'s mask and variants (their arguments as
     the call takes them), computed through the model in the kernel's order of events
     (``overlap``: tile j's S with tile j − 1's P·V, that tile's stage released after it);
     float64, ``q``'s shape."""
-    r = _Run(q, k, v, plan, spec, dtype, alibi_slopes, sinks, kv_start, cu_seqlens, cache_seqlens)
+    r = _Run(q, k, v, plan, spec, dtype, alibi_slopes, sinks, kv_start, cu_seqlens, cache_seqlens, block_table)
     out = np.zeros(q.shape)
     for seq, row0 in r.blocks():
         first, nt = r.tiles(seq, row0)
