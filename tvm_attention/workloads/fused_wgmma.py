@@ -23,12 +23,21 @@ warpgroups of 128:
   products through two named barriers (``bar.sync`` on its own, ``bar.arrive`` on the other's
   after issuing), so one warpgroup's softmax runs while the other's products occupy the tensor
   cores.
+* **intra-warpgroup overlap** (``overlap``): tile j's ``S`` is issued with tile j − 1's ``P·V``,
+  the softmax of tile j runs under that product, O is rescaled after it.
+
+Layouts: bhsd (static or symbolic); varlen (a (tile slot, head) grid, each block's sequence
+found by a binary search on ``cu_seqlens_q``, TMA boxes of one head's rows at the sequence's
+offset); kvcache and paged (a KV head's query heads packed into the tile's rows, Q by a 4-D
+box; paged K/V a box per page at its block-table entry). Where a tile's rows past the sequence's
+keys are in bounds (the next sequence, stale cache) they are masked, and zeroed in V before
+``P·V`` so a NaN there cannot meet a zero P. The variants (window, softcap, ALiBi, sinks,
+``kv_start``) through the variants' contract.
 
 The addresses, descriptors and fragment layouts come from :mod:`.wgmma_layout` (one source for the
 kernel and for the NumPy model that checks them, :mod:`.wgmma_model`). Inputs float16 or
-bfloat16, fp32 accumulators; static or symbolic batch and lengths; causal masking (bottom-right)
-with the key-tile loop stopping at the block's diagonal, the key tail masked, a row that sees no
-key stores zeros; optional lse.
+bfloat16, fp32 accumulators; causal masking (bottom-right) with the key-tile loop stopping at
+the block's diagonal, the key tail masked, a row that sees no key stores zeros; optional lse.
 """
 from __future__ import annotations
 
@@ -290,8 +299,68 @@ def _context(spec: AttentionSpec, block_m: int, block_n: int, stages: int, pingp
     def head(hh, row):
         return hh * G + T.floormod(row, G) if cache else hh
 
-    # TMA: 3-D views, 64 columns by rows by 1; bhsd (head_dim, length, batch·heads), packed
-    # (head_dim, heads, total) with boxes of one head's rows
+    def tile_range(seq, row0, start):
+        """The block's key tiles ``[first, first + count)``: from the first key its first row may
+        see (a left window, the sequence's start) to the last its last row may (causal, a right
+        window), within the sequence's keys."""
+        begin = vis.key_begin(pos(row0) + seq.off, start)
+        first = 0 if begin is None else Visibility.tiles_before(begin, BN)
+        end = vis.key_end(pos(row0 + BM - 1) + 1 + seq.off)
+        last = (seq.k_len + BN - 1) // BN if end is None else \
+            Visibility.tiles_to(T.min(seq.k_len, T.max(end, 0)), BN)
+        return first, T.max(last - first, 0)
+
+    lse = bool(spec.return_lse)
+    tq = tirx.Var("q_tmap", ty=T.handle("tensormap").ty)
+    tk = tirx.Var("k_tmap", ty=T.handle("tensormap").ty)
+    tv = tirx.Var("v_tmap", ty=T.handle("tensormap").ty)
+    LSE = None if not lse else tirx.decl_buffer((H, TQ) if packed else (B, H, SQ), "float32", "LSE")
+    row_in_wg, col_of = acc_row, acc_col
+
+    def needs_mask(seq, j, wrow0, start):
+        # tile j holds the key tail, or a key its warpgroup's first row sees past (the diagonal, a
+        # right window) or its last row before (a left window, the start)
+        lo, hi = j * BN, (j + 1) * BN - 1
+        conds = [hi >= seq.k_len, vis.hides(hi, pos(wrow0) + seq.off, start),
+                 vis.hides(lo, pos(wrow0 + WG_ROWS - 1) + seq.off, start)]
+        conds = [c for c in conds if c is not None]
+        return conds[0] if len(conds) == 1 else tirx.Or(conds[0], conds[1] if len(conds) == 2 else
+                                                         tirx.Or(conds[1], conds[2]))
+
+    def visible(seq, t, r, j, wrow0, start):
+        key = j * BN + col_of(t, r)
+        sees = vis.sees(key, pos(wrow0 + row_in_wg(t, r)) + seq.off, start)
+        return key < seq.k_len if sees is None else tirx.And(key < seq.k_len, sees)
+
+    def logit(seq, s, t, r, j, wrow0, hh):
+        # a raw score in log2 units through the variants' hook: softcap, then ALiBi's distance
+        key = j * BN + col_of(t, r)
+        return var.logit(s * T.float32(score_scale(spec)), lambda: head(hh, wrow0 + row_in_wg(t, r)),
+                         lambda: pos(wrow0 + row_in_wg(t, r)) + seq.off - key)
+
+    def o_at(seq, hh, row, col):
+        return (seq.q0 + row, hh, col) if packed else (seq.b, head(hh, row), pos(row), col)
+
+    def lse_at(seq, hh, row):
+        return (hh, seq.q0 + row) if packed else (seq.b, head(hh, row), pos(row))
+
+    x = types.SimpleNamespace(**locals())
+    x.__dict__.update(_tma(x))
+    return x
+
+
+def _tma(x) -> dict:
+    """The tensor maps and the coordinates of each TMA box, by layout: bhsd (head_dim, length,
+    batch·heads), varlen (head_dim, heads, total) with boxes of one head's rows, a KV cache's Q
+    (head_dim, group, positions, batch·kv heads), a page pool (head_dim, kv heads, page rows,
+    pages); 64 columns a box."""
+    B, BM, BN, D, G, H, KH, isz = x.B, x.BM, x.BN, x.D, x.G, x.H, x.KH, x.isz
+    cache, packed, paged, SQ, SK, ML = x.cache, x.packed, x.paged, x.SQ, x.SK, x.ML
+    if packed:
+        TQ, TK = x.TQ, x.TK
+    if paged:
+        PS, NPG, PROWS = x.PS, x.NPG, x.PROWS
+
     if cache:
         maps = ((SQ, B * KH, BM), (NPG, KH, PROWS) if paged else (ML, B * KH, BN))
 
@@ -343,52 +412,7 @@ def _context(spec: AttentionSpec, block_m: int, block_n: int, stages: int, pingp
             dims, strides, box, el = (tensor_map_packed if packed else tensor_map)(D, rows, planes, box_rows, isz)
         return [*dims, *strides, *box, *el]
 
-    def tile_range(seq, row0, start):
-        """The block's key tiles ``[first, first + count)``: from the first key its first row may
-        see (a left window, the sequence's start) to the last its last row may (causal, a right
-        window), within the sequence's keys."""
-        begin = vis.key_begin(pos(row0) + seq.off, start)
-        first = 0 if begin is None else Visibility.tiles_before(begin, BN)
-        end = vis.key_end(pos(row0 + BM - 1) + 1 + seq.off)
-        last = (seq.k_len + BN - 1) // BN if end is None else \
-            Visibility.tiles_to(T.min(seq.k_len, T.max(end, 0)), BN)
-        return first, T.max(last - first, 0)
-
-    lse = bool(spec.return_lse)
-    tq = tirx.Var("q_tmap", ty=T.handle("tensormap").ty)
-    tk = tirx.Var("k_tmap", ty=T.handle("tensormap").ty)
-    tv = tirx.Var("v_tmap", ty=T.handle("tensormap").ty)
-    LSE = None if not lse else tirx.decl_buffer((H, TQ) if packed else (B, H, SQ), "float32", "LSE")
-    row_in_wg, col_of = acc_row, acc_col
-
-    def needs_mask(seq, j, wrow0, start):
-        # tile j holds the key tail, or a key its warpgroup's first row sees past (the diagonal, a
-        # right window) or its last row before (a left window, the start)
-        lo, hi = j * BN, (j + 1) * BN - 1
-        conds = [hi >= seq.k_len, vis.hides(hi, pos(wrow0) + seq.off, start),
-                 vis.hides(lo, pos(wrow0 + WG_ROWS - 1) + seq.off, start)]
-        conds = [c for c in conds if c is not None]
-        return conds[0] if len(conds) == 1 else tirx.Or(conds[0], conds[1] if len(conds) == 2 else
-                                                         tirx.Or(conds[1], conds[2]))
-
-    def visible(seq, t, r, j, wrow0, start):
-        key = j * BN + col_of(t, r)
-        sees = vis.sees(key, pos(wrow0 + row_in_wg(t, r)) + seq.off, start)
-        return key < seq.k_len if sees is None else tirx.And(key < seq.k_len, sees)
-
-    def logit(seq, s, t, r, j, wrow0, hh):
-        # a raw score in log2 units through the variants' hook: softcap, then ALiBi's distance
-        key = j * BN + col_of(t, r)
-        return var.logit(s * T.float32(score_scale(spec)), lambda: head(hh, wrow0 + row_in_wg(t, r)),
-                         lambda: pos(wrow0 + row_in_wg(t, r)) + seq.off - key)
-
-    def o_at(seq, hh, row, col):
-        return (seq.q0 + row, hh, col) if packed else (seq.b, head(hh, row), pos(row), col)
-
-    def lse_at(seq, hh, row):
-        return (hh, seq.q0 + row) if packed else (seq.b, head(hh, row), pos(row))
-
-    return types.SimpleNamespace(**locals())
+    return {"maps": maps, "q_coord": q_coord, "kv_box": kv_box, "tmap_args": tmap_args}
 
 
 def _producer(x):
@@ -590,6 +614,44 @@ def _consumer(x, softmax):
     return consumer
 
 
+def _block(x, producer, consumer):
+    """One thread block: its shared memory and registers, the mbarriers' init, then the producer
+    warpgroup (its registers given back, one thread loading) and the consumers."""
+    BN, call, G, NOR, NS, NSR, nthr, plan, tile_range, var = \
+        x.BN, x.call, x.G, x.NOR, x.NS, x.NSR, x.nthr, x.plan, x.tile_range, x.var
+    cache = x.cache
+
+    @T.macro
+    def block(Q, K, V, O, seq, hh, tid, row0):
+        smem = T.sblock_alloc_buffer((plan.alloc_bytes,), "uint8", scope="shared.dyn")
+        S = T.sblock_alloc_buffer((NSR,), "float32", scope="local")
+        Oa = T.sblock_alloc_buffer((NOR,), "float32", scope="local")
+        m = T.sblock_alloc_buffer((2,), "float32", scope="local")
+        l = T.sblock_alloc_buffer((2,), "float32", scope="local")
+        al = T.sblock_alloc_buffer((2,), "float32", scope="local")  # alpha
+        Pk = T.sblock_alloc_buffer((BN // 4,), "uint32", scope="local")  # P, 16-bit pairs
+        sb: T.uint32 = call("hop_smem_base", T.address_of(smem[0]), ret="uint32")
+        first = T.meta_var(tile_range(seq, row0, var.start(seq.b))[0])
+        nt = tile_range(seq, row0, var.start(seq.b))[1]
+        if tid == 0:
+            T.evaluate(call("hop_mbar_init", sb + plan.bar_full_q(), 1))
+            for s in T.unroll(NS):
+                T.evaluate(call("hop_mbar_init", sb + plan.bar_full_k(s), 1))
+                T.evaluate(call("hop_mbar_init", sb + plan.bar_full_v(s), 1))
+                T.evaluate(call("hop_mbar_init", sb + plan.bar_empty(s), nthr))
+            T.evaluate(call("hop_fence_init"))
+        T.tvm_storage_sync("shared")
+        if tid < WARPGROUP:
+            T.evaluate(call("hop_regs_producer"))
+            if tid == 0:
+                producer(sb, seq, row0, hh, hh if cache else hh // G, first, nt)
+        else:
+            T.evaluate(call("hop_regs_consumer"))
+            consumer(sb, seq, O, S, Pk, Oa, m, l, al, tid, row0, hh, first, nt)
+
+    return block
+
+
 @T.macro
 def locate(sq, CQ, CK, slot, NB1, BM: int):
     """Tile slot ``slot``'s sequence (``fused_cuda.varlen_grid``'s numbering: sequence b's row
@@ -620,11 +682,10 @@ def fused_attention_wgmma(spec: AttentionSpec, block_m: int, block_n: int, stage
     D)``, ``cu_seqlens_q``/``cu_seqlens_k (batch + 1,) int32``, the variants' arguments, ``O
     (total_q, H, D)``, ``LSE (H, total_q)``."""
     x = _context(spec, block_m, block_n, stages, pingpong, overlap)
-    (B, BM, BN, D, dtype, G, H, KH, LSE, lse, maps, NOR, NS, NSR, nrt, nthr, packed, plan, SK, SQ, THREADS, tk, tq,
-     tv) = (x.B, x.BM, x.BN, x.D, x.dtype, x.G, x.H, x.KH, x.LSE, x.lse, x.maps, x.NOR, x.NS, x.NSR, x.nrt, x.nthr,
-            x.packed, x.plan, x.SK, x.SQ, x.THREADS, x.tk, x.tq, x.tv)
-    call, cache, causal, tile_range, tmap_args, var = x.call, x.cache, x.causal, x.tile_range, x.tmap_args, x.var
-    paged = x.paged
+    (B, BM, BN, D, dtype, H, KH, LSE, lse, maps, NS, nrt, packed, SK, SQ, THREADS, tk, tq, tv) = \
+        (x.B, x.BM, x.BN, x.D, x.dtype, x.H, x.KH, x.LSE, x.lse, x.maps, x.NS, x.nrt, x.packed, x.SK, x.SQ,
+         x.THREADS, x.tk, x.tq, x.tv)
+    cache, causal, paged, tmap_args, var = x.cache, x.causal, x.paged, x.tmap_args, x.var
     producer = _producer(x)
     consumer = _consumer(x, _softmax(x))
 
@@ -636,33 +697,7 @@ def fused_attention_wgmma(spec: AttentionSpec, block_m: int, block_n: int, stage
         T.tensormap_encode_tiled(tmv, buf.data, *tmap_args(rows, planes, box_rows, gqa, pages),
                                  descriptor_dtype=dtype, rank=4 if gqa or pages else 3, swizzle=TMA_SWIZZLE_128B)
 
-    @T.macro
-    def block(Q, K, V, O, seq, hh, tid, row0):
-        smem = T.sblock_alloc_buffer((plan.alloc_bytes,), "uint8", scope="shared.dyn")
-        S = T.sblock_alloc_buffer((NSR,), "float32", scope="local")
-        Oa = T.sblock_alloc_buffer((NOR,), "float32", scope="local")
-        m = T.sblock_alloc_buffer((2,), "float32", scope="local")
-        l = T.sblock_alloc_buffer((2,), "float32", scope="local")
-        al = T.sblock_alloc_buffer((2,), "float32", scope="local")  # alpha
-        Pk = T.sblock_alloc_buffer((BN // 4,), "uint32", scope="local")  # P, 16-bit pairs
-        sb: T.uint32 = call("hop_smem_base", T.address_of(smem[0]), ret="uint32")
-        first = T.meta_var(tile_range(seq, row0, var.start(seq.b))[0])
-        nt = tile_range(seq, row0, var.start(seq.b))[1]
-        if tid == 0:
-            T.evaluate(call("hop_mbar_init", sb + plan.bar_full_q(), 1))
-            for s in T.unroll(NS):
-                T.evaluate(call("hop_mbar_init", sb + plan.bar_full_k(s), 1))
-                T.evaluate(call("hop_mbar_init", sb + plan.bar_full_v(s), 1))
-                T.evaluate(call("hop_mbar_init", sb + plan.bar_empty(s), nthr))
-            T.evaluate(call("hop_fence_init"))
-        T.tvm_storage_sync("shared")
-        if tid < WARPGROUP:
-            T.evaluate(call("hop_regs_producer"))
-            if tid == 0:
-                producer(sb, seq, row0, hh, hh if cache else hh // G, first, nt)
-        else:
-            T.evaluate(call("hop_regs_consumer"))
-            consumer(sb, seq, O, S, Pk, Oa, m, l, al, tid, row0, hh, first, nt)
+    block = _block(x, producer, consumer)
 
     attrs = {"global_symbol": ENTRY, "tirx.noalias": True, "attn.workload": "fused_wgmma",
              **record(FUSED_WGMMA, block_m=BM, block_n=BN, stages=NS, pingpong=int(pingpong), overlap=int(overlap))}
@@ -670,22 +705,28 @@ def fused_attention_wgmma(spec: AttentionSpec, block_m: int, block_n: int, stage
     # consumers' code by setmaxnreg's 240, not by that share
     one_per_sm = "tirx.launch_bounds_min_blocks_per_sm"
     @T.macro
-    def cache_grid(Q, K, V, O, CS, BT):
-        # a (row tile, KV head, batch) grid; the sequence's length read once into a register
-        tmap(tq, Q, *maps[0], True)
+    def tmaps(Q, K, V):
+        # the three tensor maps, encoded on the host at each call
+        tmap(tq, Q, *maps[0], cache)
         tmap(tk, K, *maps[1], False, paged)
         tmap(tv, V, *maps[1], False, paged)
+
+    @T.macro
+    def dense_grid(Q, K, V, O, CS, BT):
+        # a (row tile, head, batch) grid (a KV cache: a KV head's; its length read once into a
+        # register)
+        tmaps(Q, K, V)
         for bx in T.thread_binding(nrt, thread="blockIdx.x"):
-            for kvh in T.thread_binding(KH, thread="blockIdx.y"):
+            for hh in T.thread_binding(KH if cache else H, thread="blockIdx.y"):
                 for bb in T.thread_binding(B, thread="blockIdx.z"):
                     for tid in T.thread_binding(THREADS, thread="threadIdx.x"):
                         with T.attr(0, one_per_sm, 1):
                             with T.sblock("tile"):
                                 T.reads()
                                 T.writes()
-                                kl = T.sblock_alloc_buffer((1,), "int32", scope="local")  # the cache's keys
-                                kl[0] = CS[bb]
-                                block(Q, K, V, O, Seq(b=bb, q0=0, q_len=SQ, k0=0, k_len=kl[0], bt=BT), kvh, tid,
+                                kl = T.sblock_alloc_buffer((1,), "int32", scope="local")  # the sequence's keys
+                                kl[0] = CS[bb] if cache else SK
+                                block(Q, K, V, O, Seq(b=bb, q0=0, q_len=SQ, k0=0, k_len=kl[0], bt=BT), hh, tid,
                                       ((nrt - 1 - bx) if causal else bx) * BM)
 
     if paged:
@@ -701,7 +742,7 @@ def fused_attention_wgmma(spec: AttentionSpec, block_m: int, block_n: int, stage
             O: T.Buffer((B, H, SQ, D), dtype),
         ):
             T.func_attr(attrs)
-            cache_grid(Q, K, V, O, CS, BT)
+            dense_grid(Q, K, V, O, CS, BT)
         func = attention_paged
     elif cache:
         ML = x.ML
@@ -715,7 +756,7 @@ def fused_attention_wgmma(spec: AttentionSpec, block_m: int, block_n: int, stage
             O: T.Buffer((B, H, SQ, D), dtype),
         ):
             T.func_attr(attrs)
-            cache_grid(Q, K, V, O, CS, None)
+            dense_grid(Q, K, V, O, CS, None)
         func = attention_kvcache
     elif packed:
         TQ, TK, NB1 = x.TQ, x.TK, x.NB1
@@ -730,9 +771,7 @@ def fused_attention_wgmma(spec: AttentionSpec, block_m: int, block_n: int, stage
             O: T.Buffer((TQ, H, D), dtype),
         ):
             T.func_attr(attrs)
-            tmap(tq, Q, *maps[0])
-            tmap(tk, K, *maps[1])
-            tmap(tv, V, *maps[1])
+            tmaps(Q, K, V)
             for bx in T.thread_binding(nrt, thread="blockIdx.x"):
                 for hh in T.thread_binding(H, thread="blockIdx.y"):
                     for tid in T.thread_binding(THREADS, thread="threadIdx.x"):
@@ -756,19 +795,7 @@ def fused_attention_wgmma(spec: AttentionSpec, block_m: int, block_n: int, stage
             O: T.Buffer((B, H, SQ, D), dtype),
         ):
             T.func_attr(attrs)
-            tmap(tq, Q, *maps[0])
-            tmap(tk, K, *maps[1])
-            tmap(tv, V, *maps[1])
-            for bx in T.thread_binding(nrt, thread="blockIdx.x"):
-                for hh in T.thread_binding(H, thread="blockIdx.y"):
-                    for bb in T.thread_binding(B, thread="blockIdx.z"):
-                        for tid in T.thread_binding(THREADS, thread="threadIdx.x"):
-                            with T.attr(0, one_per_sm, 1):
-                                with T.sblock("tile"):
-                                    T.reads()
-                                    T.writes()
-                                    block(Q, K, V, O, Seq(b=bb, q0=0, q_len=SQ, k0=0, k_len=SK), hh, tid,
-                                          ((nrt - 1 - bx) if causal else bx) * BM)
+            dense_grid(Q, K, V, O, None, None)
         func = attention
     if lse or var.buffers:  # the variants' arguments before O, the log-sum-exp after it
         params = list(func.params)

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..visibility import Visibility
+from .variants import score_scale, transforms
 from .wgmma_layout import (
     MODE_SWIZZLE_128B,
     ROW_BYTES,
@@ -383,9 +385,6 @@ class _Run:
 
     def __init__(self, q, k, v, plan: SmemPlan, spec, dtype: str, alibi_slopes=None, sinks=None, kv_start=None,
                  cu_seqlens=None, cache_seqlens=None, block_table=None):
-        from ..visibility import Visibility
-        from .variants import score_scale, transforms
-
         self.packed = cu_seqlens is not None
         self.cache = cache_seqlens is not None  # k/v (B, KH, max_len, D): a KV head's query heads in a tile's rows
         self.paged = block_table is not None  # k/v (num_pages, page_size, KH, D)
