@@ -228,6 +228,10 @@ def test_sm90a_builds_offline(d, dtype, causal, symbolic, lse):
         assert sass["LDL"] == sass["STL"] == 0 and sass["HMMA"] == 0
     assert built.audit.fused
     assert r["dynamic_shared_bytes"] == plan.alloc_bytes
+    # the allocation the launch asks for is the whole plan (a pointer to element 0 alone once let
+    # TVM compact it to one byte: TMA would have written past a block's shared memory)
+    smem = [a for a in built.audit.allocations if a.scope == "shared.dyn"]
+    assert [a.elements for a in smem] == [plan.alloc_bytes]
 
 
 @needs_nvcc
@@ -264,10 +268,12 @@ def test_varlen_build_offline():
 @pytest.mark.parametrize("layout", ["kvcache", "paged"])
 def test_kvcache_build_offline(layout):
     """A decode step on a KV cache (GQA 32:8: a KV head's 4 query heads in the tile's rows, Q by a
-    4-D TMA box; paged, a box per page of 16 through the block table): no spill, the products not
-    serialized; the cache's stale rows of V zeroed."""
+    4-D TMA box; paged, a box per page of 16 through the block table, and the index checks on the
+    device): no spill, the products not serialized; the cache's stale rows of V zeroed."""
+    paged = layout == "paged"
     spec = AttentionSpec(batch=4, heads=32, kv_heads=8, seq_q=1, seq_kv=4096, head_dim=128, dtype="float16",
-                         causal=True, layout=layout, return_lse=True, page_size=16 if layout == "paged" else None)
+                         causal=True, layout=layout, return_lse=True, page_size=16 if paged else None,
+                         device_checks=paged)
     built = hopper_build(spec)
     r = built.resources
     assert r["spills"] == 0 and not r["wgmma_serialized"] and built.audit.fused, r
@@ -276,7 +282,9 @@ def test_kvcache_build_offline(layout):
     assert [p.name for p in func.params] == ["Q", "K", "V", *index, "O", "LSE"]
     src = __import__("tvm_attention.cuda_tools", fromlist=["kernel_source"]).kernel_source(built.module)
     assert "cp.async.bulk.tensor.4d" in src and "hop_zero_rows(" in src
-    if layout == "paged" and "sass_instructions" in r:  # Q's 2 slabs, K's and V's 8 pages a slab
+    if paged:  # the check kernel, and the attention kernel reading its flag
+        assert src.count('extern "C" __global__') == 4 and "index_error_ptr" in src
+    if paged and "sass_instructions" in r:  # Q's 2 slabs, K's and V's 8 pages a slab
         assert r["sass_instructions"]["UTMALDG"] >= 2 + 2 * 2 * 8
 
 

@@ -375,7 +375,8 @@ def format_resources(r: dict) -> str:
         return f"resources: unavailable ({r['unavailable']})"
     text = (f"resources ({r['arch']}, nvcc {r['nvcc']}): {r['registers']} registers/thread, "
             f"spills {r['spill_store_bytes']} B stored / {r['spill_load_bytes']} B loaded, "
-            f"stack frame {r['stack_frame_bytes']} B, shared {r['shared_bytes']} B/block")
+            f"stack frame {r['stack_frame_bytes']} B, shared {r['shared_bytes']} B/block"
+            + (f" + {r['dynamic_shared_bytes']} B dynamic" if r.get("dynamic_shared_bytes") else ""))
     if "occupancy" in r:
         text += (f", {r['threads_per_block']} threads/block, occupancy {r['occupancy']:.0%} "
                  f"({r['blocks_per_sm']} blocks/SM, limited by {r['occupancy_limited_by']})")

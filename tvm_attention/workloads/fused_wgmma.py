@@ -630,7 +630,8 @@ def _block(x, producer, consumer):
         l = T.sblock_alloc_buffer((2,), "float32", scope="local")
         al = T.sblock_alloc_buffer((2,), "float32", scope="local")  # alpha
         Pk = T.sblock_alloc_buffer((BN // 4,), "uint32", scope="local")  # P, 16-bit pairs
-        sb: T.uint32 = call("hop_smem_base", T.address_of(smem[0]), ret="uint32")
+        # the whole allocation named (a pointer to its element 0 alone let TVM compact it to 1 byte)
+        sb: T.uint32 = call("hop_smem_base", smem.access_ptr("rw", extent=plan.alloc_bytes), ret="uint32")
         first = T.meta_var(tile_range(seq, row0, var.start(seq.b))[0])
         nt = tile_range(seq, row0, var.start(seq.b))[1]
         if tid == 0:
