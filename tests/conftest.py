@@ -296,9 +296,9 @@ def report(out, ref):
 #: run while the other worker sat idle.
 LONG_FILES = ("test_kvcache.py", "test_cuda_mma.py", "test_kv8.py", "test_transformers.py", "test_rpc.py",
               "test_cuda.py", "test_tune_hardening.py", "test_bench.py", "test_tune.py", "test_gpu_payload.py",
-              "test_dirrunner.py", "test_kv_scales.py", "test_halfprec.py", "test_smem_race.py", "test_search.py",
-              "test_readme.py", "test_variants.py", "test_cli.py", "test_install.py", "test_modifiers.py",
-              "test_serving_env.py")
+              "test_hopper.py", "test_dirrunner.py", "test_kv_scales.py", "test_halfprec.py", "test_smem_race.py",
+              "test_search.py", "test_readme.py", "test_variants.py", "test_cli.py", "test_install.py",
+              "test_modifiers.py", "test_serving_env.py")
 
 
 def pytest_collection_modifyitems(config, items):
