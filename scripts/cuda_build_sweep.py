@@ -3,7 +3,8 @@
 ``python scripts/cuda_build_sweep.py [PYTEST ARGS]`` runs tests/test_cuda.py's sweepable tests
 with ``TVMA_CUDA_SWEEP=1``, so they take their whole cross product instead of the default run's
 covering set: today the SIMT presets (seq × arch × head_dim × dtype × causal, 32 nvcc builds,
-about a minute on 2 cores) and the Hopper presets (head_dim × dtype × causal × symbolic, 16). Needs nvcc (cross-compiles only: no GPU); extra arguments go to
+about a minute on 2 cores) and the Hopper presets (head_dim × dtype × causal × symbolic, 16,
+with its varlen build and its build with every variant). Needs nvcc (cross-compiles only: no GPU); extra arguments go to
 pytest (``-n 2``, ``-x`` ...)."""
 import os
 import sys
@@ -13,7 +14,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SWEEPS = ["tests/test_cuda.py::test_presets_compile_offline_without_spills",
-          "tests/test_hopper.py::test_sm90a_builds_offline"]
+          "tests/test_hopper.py::test_sm90a_builds_offline", "tests/test_hopper.py::test_layout_builds_offline"]
 
 
 def main(argv: list[str]) -> int:

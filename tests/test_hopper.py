@@ -194,8 +194,8 @@ def hopper_build(spec: AttentionSpec):
 #: the whole product (16 builds, docs/cuda.md) with TVMA_CUDA_SWEEP=1 (scripts/cuda_build_sweep.py)
 BUILDS = [
     (128, "float16", True, False, False),
-]  # bf16: test_varlen_build_offline; D=64, symbolic, lse: test_variants_build_offline
-if os.environ.get("TVMA_CUDA_SWEEP"):
+]  # the sweep adds bf16, D=64, symbolic and lse (and test_varlen/variants_build_offline)
+if os.environ.get("TVMA_CUDA_SWEEP"):  # the whole product
     BUILDS = [(d, dt, c, dyn, dyn) for d in (64, 128) for dt in ("float16", "bfloat16") for c in (False, True)
               for dyn in (False, True)]
 
@@ -232,58 +232,47 @@ def test_sm90a_builds_offline(d, dtype, causal, symbolic, lse):
     assert [a.elements for a in smem] == [plan.alloc_bytes]
 
 
+#: builds of the other layouts and the variants: (name, spec fields, parameter names past K, V).
+#: The default run builds the paged decode step (4-D boxes, pages, stale rows zeroed, device
+#: checks); the sweep (``scripts/cuda_build_sweep.py``) adds varlen and every variant at once.
+LAYOUT_BUILDS = [
+    ("paged", dict(batch=4, heads=32, kv_heads=8, seq_q=1, seq_kv=4096, head_dim=128, dtype="float16", causal=True,
+                   layout="paged", page_size=16, return_lse=True, device_checks=True), ["BT", "CS", "O", "LSE"]),
+]
+if os.environ.get("TVMA_CUDA_SWEEP"):
+    LAYOUT_BUILDS += [
+        ("varlen", dict(batch=3, heads=8, kv_heads=2, seq_q=512, head_dim=128, dtype="bfloat16", causal=True,
+                        layout="varlen", return_lse=True), ["CQ", "CK", "O", "LSE"]),
+        ("variants", dict(batch=2, heads=8, kv_heads=2, seq_q=512, seq_kv=700, head_dim=64, dtype="float16",
+                          causal=True, window=(127, 0), softcap=30.0, alibi=True, sinks=True, kv_start=True,
+                          return_lse=True, dynamic=("batch", "seq_q", "seq_kv")), ["AL", "SN", "KS", "O", "LSE"]),
+    ]
+
+
 @needs_nvcc
-def test_variants_build_offline():
-    """Every variant at once (window, softcap, ALiBi, sinks, kv_start, lse; symbolic): their
-    arguments before O, no spill, the products not serialized."""
-    spec = AttentionSpec(batch=2, heads=8, kv_heads=2, seq_q=512, seq_kv=700, head_dim=64, dtype="float16",
-                         causal=True, window=(127, 0), softcap=30.0, alibi=True, sinks=True, kv_start=True,
-                         return_lse=True, dynamic=("batch", "seq_q", "seq_kv"))
+@pytest.mark.parametrize("name, fields, params", LAYOUT_BUILDS, ids=[b[0] for b in LAYOUT_BUILDS])
+def test_layout_builds_offline(name, fields, params):
+    """The other layouts' builds: no spill, the products not serialized, the arguments in the
+    layouts' call order. Paged: a KV head's 4 query heads in the tile's rows (Q by a 4-D box), a
+    box per page of 16 through the block table, the index checks' kernel first; the cache's (or,
+    varlen, the next sequence's) rows past a sequence's keys zeroed in V (st.shared, the async
+    proxy's fence, a warpgroup barrier)."""
+    from tvm_attention.cuda_tools import kernel_source
+
+    spec = AttentionSpec(**fields)
     built = hopper_build(spec)
     r = built.resources
     assert r["spills"] == 0 and not r["wgmma_serialized"] and built.audit.fused, r
     func = cuda_hopper.workload(spec, built.knobs)
-    names = [p.name for p in func.params]
-    assert names == ["Q", "K", "V", "AL", "SN", "KS", "O", "LSE"]  # the layouts' call order
-
-
-@needs_nvcc
-def test_varlen_build_offline():
-    """The packed layout: TMA boxes of one head's rows, the slot search, the tail rows of V
-    zeroed (st.shared, then the async proxy's fence and the warpgroup's barrier), lse; no spill."""
-    spec = AttentionSpec(batch=3, heads=8, kv_heads=2, seq_q=512, head_dim=128, dtype="bfloat16", causal=True,
-                         layout="varlen", return_lse=True)
-    built = hopper_build(spec)
-    r = built.resources
-    assert r["spills"] == 0 and not r["wgmma_serialized"] and built.audit.fused, r
-    func = cuda_hopper.workload(spec, built.knobs)
-    assert [p.name for p in func.params] == ["Q", "K", "V", "CQ", "CK", "O", "LSE"]
-    src = __import__("tvm_attention.cuda_tools", fromlist=["kernel_source"]).kernel_source(built.module)
-    assert "hop_zero_rows(" in src and "fence.proxy.async.shared::cta" in src
-
-
-@needs_nvcc
-@pytest.mark.parametrize("layout", ["paged"])  # the kvcache layout's K/V maps are bhsd's
-def test_kvcache_build_offline(layout):
-    """A decode step on a KV cache (GQA 32:8: a KV head's 4 query heads in the tile's rows, Q by a
-    4-D TMA box; paged, a box per page of 16 through the block table, and the index checks on the
-    device): no spill, the products not serialized; the cache's stale rows of V zeroed."""
-    paged = layout == "paged"
-    spec = AttentionSpec(batch=4, heads=32, kv_heads=8, seq_q=1, seq_kv=4096, head_dim=128, dtype="float16",
-                         causal=True, layout=layout, return_lse=True, page_size=16 if paged else None,
-                         device_checks=paged)
-    built = hopper_build(spec)
-    r = built.resources
-    assert r["spills"] == 0 and not r["wgmma_serialized"] and built.audit.fused, r
-    func = cuda_hopper.workload(spec, built.knobs)
-    index = ["BT", "CS"] if layout == "paged" else ["CS"]
-    assert [p.name for p in func.params] == ["Q", "K", "V", *index, "O", "LSE"]
-    src = __import__("tvm_attention.cuda_tools", fromlist=["kernel_source"]).kernel_source(built.module)
-    assert "cp.async.bulk.tensor.4d" in src and "hop_zero_rows(" in src
-    if paged:  # the check kernel, and the attention kernel reading its flag
-        assert src.count('extern "C" __global__') == 4 and "index_error_ptr" in src
-    if paged and "sass_instructions" in r:  # Q's 2 slabs, K's and V's 8 pages a slab
-        assert r["sass_instructions"]["UTMALDG"] >= 2 + 2 * 2 * 8
+    assert [p.name for p in func.params] == ["Q", "K", "V", *params]
+    src = kernel_source(built.module)
+    if spec.layout != "bhsd":
+        assert "hop_zero_rows(" in src and "fence.proxy.async.shared::cta" in src
+    if spec.layout == "paged":
+        assert "cp.async.bulk.tensor.4d" in src
+        assert src.count('extern "C" __global__') == 4 and "index_error_ptr" in src  # the check kernel first
+        if "sass_instructions" in r:  # Q's 2 slabs, K's and V's 8 pages a slab
+            assert r["sass_instructions"]["UTMALDG"] >= 2 + 2 * 2 * 8
 
 
 @pytest.mark.skipif(find_cuobjdump() is None and find_nvcc() is not None,
@@ -366,7 +355,7 @@ def test_first_runs_isolate_hangs_and_crashes(tmp_path):
 
 def test_tune_tasks_are_the_candidates(monkeypatch):
     """``tune --schedule fused_hopper``: one task per candidate, the preset first, each workload the
-    one ``build`` makes for its knobs (the logs regenerate it from its attrs). Four of the 30
+    one ``build`` makes for its knobs (the logs regenerate it from its attrs). Two of the 30
     candidates (a workload each takes about a second to generate)."""
     from tvm_attention.schedules import cuda_fused
     from tvm_attention.tune.tasks import make_tasks
@@ -374,7 +363,7 @@ def test_tune_tasks_are_the_candidates(monkeypatch):
     spec = AttentionSpec(batch=1, heads=16, seq_q=4096, head_dim=128, dtype="bfloat16", causal=True)
     every = cuda_hopper.tile_candidates(spec, SM90)
     assert len(every) == 30 and every[0] == cuda_hopper.preset(spec, SM90)
-    monkeypatch.setattr(cuda_hopper, "tile_candidates", lambda s, t: [every[0], every[1], every[12], every[-1]])
+    monkeypatch.setattr(cuda_hopper, "tile_candidates", lambda s, t: [every[0], every[-1]])
     tasks = make_tasks(spec, SM90, "fused_hopper")
     cands = cuda_hopper.tile_candidates(spec, SM90)
     assert [t.name for t in tasks] == [f"fused_hopper_m{k.block_m}_n{k.block_n}_s{k.stages}_p{k.pingpong}"
