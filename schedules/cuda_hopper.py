@@ -27,12 +27,12 @@ from ..workloads.fused_wgmma import CONSUMER_REGS, LAYOUTS, WGMMA_DTYPES, fused_
 from ..workloads.knob_attrs import FUSED_WGMMA
 from ..workloads.wgmma_layout import WARPGROUP, WG_ROWS, SmemPlan
 from ._knobs import KnobError, KnobsMixin
-from .family import CUDA_VARIANTS, Capabilities, never_static_decode, read_attrs
+from .family import CUDA_VARIANTS, Capabilities, feasible, never_static_decode, read_attrs
 
 NAME = "fused"
-CAPABILITIES = Capabilities(label="CUDA Hopper (wgmma) fused", target="cuda", layouts=LAYOUTS, dtypes=tuple(WGMMA_DTYPES),
-                            symbolic=True, lse=True, variants=CUDA_VARIANTS,
-                            instead="use --schedule fused_tc (mma.sync) for the other layouts and the variants")
+CAPABILITIES = Capabilities(label="CUDA Hopper (wgmma) fused", target="cuda", layouts=LAYOUTS,
+                            dtypes=tuple(WGMMA_DTYPES), symbolic=True, lse=True, variants=CUDA_VARIANTS,
+                            instead="use --schedule fused_tc (mma.sync) for the other layouts and 8-bit caches")
 ARCH = 90  # wgmma, TMA, setmaxnreg: sm_90a (Hopper) only
 HEAD_DIMS = (64, 128)  # 128-byte slabs; 256 would need 128 output registers a thread beside the scores
 
@@ -161,18 +161,11 @@ def design_space(spec: AttentionSpec, target: Target):
 
 def tile_candidates(spec: AttentionSpec, target: Target) -> list[HopperKnobs]:
     """Feasible (block_m, block_n, stages, pingpong, overlap) for tuning, the preset first."""
-    out = [preset(spec, target)]
-    for block_m, pingpong in ((128, 1), (128, 0), (64, 0)):
-        for bn, stages, overlap in itertools.product((64, 128, 176, 192), (2, 3, 4), (1, 0)):
-            k = HopperKnobs(block_m=block_m, block_n=bn, stages=stages, pingpong=pingpong, overlap=overlap)
-            if k in out:
-                continue
-            try:
-                check(k, spec, target)
-            except KnobError:
-                continue
-            out.append(k)
-    return out
+    return feasible(preset(spec, target),
+                    (HopperKnobs(block_m=bm, block_n=bn, stages=ns, pingpong=pp, overlap=ov)
+                     for bm, pp in ((128, 1), (128, 0), (64, 0))
+                     for bn, ns, ov in itertools.product((64, 128, 176, 192), (2, 3, 4), (1, 0))),
+                    check, spec, target)
 
 
 def from_attrs(attrs, base: HopperKnobs | None = None) -> HopperKnobs:

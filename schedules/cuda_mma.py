@@ -30,7 +30,7 @@ from ..workloads.fused_mma import MMA_DTYPES, fused_attention_mma, smem_stride
 from ..workloads.knob_attrs import CUDA_SPLIT, FUSED_MMA
 
 from ._knobs import KnobError, KnobsMixin
-from .family import (CUDA_KV_DTYPES, CUDA_VARIANTS, SPLIT_LAYOUTS, USE_CPU_FUSED, Capabilities, check_split_tasks,
+from .family import (CUDA_KV_DTYPES, CUDA_VARIANTS, SPLIT_LAYOUTS, USE_CPU_FUSED, Capabilities, check_split_tasks, feasible,
                      cuda_for_layout, cuda_split_tasks, never_static_decode, read_attrs)
 
 NAME = "fused"
@@ -192,21 +192,10 @@ def design_space(spec: AttentionSpec, target: Target):
 
 def tile_candidates(spec: AttentionSpec, target: Target) -> list[MMAKnobs]:
     """Feasible (warps, block_n, stages, m_tiles) for tuning, the preset first."""
-    out = [preset(spec, target)]
-    for m_tiles in (1, 2):
-        for warps in (2, 4, 8):
-            for bn in (16, 32, 64, 128):
-                for stages in (1, 2, 3):
-                    k = MMAKnobs(warps=warps, block_n=bn, stages=stages, m_tiles=m_tiles,
-                                 split_tasks=out[0].split_tasks)
-                    if k in out:
-                        continue
-                    try:
-                        check(k, spec, target)
-                    except KnobError:
-                        continue
-                    out.append(k)
-    return out
+    hand = preset(spec, target)
+    return feasible(hand, (MMAKnobs(warps=w, block_n=bn, stages=ns, m_tiles=mt, split_tasks=hand.split_tasks)
+                           for mt in (1, 2) for w in (2, 4, 8) for bn in (16, 32, 64, 128) for ns in (1, 2, 3)),
+                    check, spec, target)
 
 
 def from_attrs(attrs, base: MMAKnobs | None = None) -> MMAKnobs:

@@ -29,7 +29,7 @@ from ..workloads.fused_cuda import fused_attention_cuda, grid_refusal, vector_el
 from ..workloads.knob_attrs import CUDA_SPLIT, FUSED_CUDA
 
 from ._knobs import KnobError, KnobsMixin
-from .family import (CUDA_KV_DTYPES, CUDA_VARIANTS, SPLIT_LAYOUTS, Capabilities, check_split_tasks, cuda_for_layout,
+from .family import (CUDA_KV_DTYPES, CUDA_VARIANTS, SPLIT_LAYOUTS, Capabilities, check_split_tasks, cuda_for_layout, feasible,
                      cuda_split_tasks, never_static_decode, read_attrs)
 
 NAME = "fused"
@@ -203,19 +203,9 @@ def design_space(spec: AttentionSpec, target: Target):
 def tile_candidates(spec: AttentionSpec, target: Target) -> list[FlashCUDAKnobs]:
     """Feasible (block_m, block_n, threads_per_row) for tuning, the preset first."""
     hand = preset(spec, target)
-    out = [hand]
-    for bm in (32, 64, 128):
-        for bn in (16, 32, 64):
-            for tpr in (2, 4, 8):
-                k = FlashCUDAKnobs(block_m=bm, block_n=bn, threads_per_row=tpr, split_tasks=hand.split_tasks)
-                if k in out:
-                    continue
-                try:
-                    check(k, spec, target)
-                except KnobError:
-                    continue
-                out.append(k)
-    return out
+    return feasible(hand, (FlashCUDAKnobs(block_m=bm, block_n=bn, threads_per_row=tpr, split_tasks=hand.split_tasks)
+                           for bm in (32, 64, 128) for bn in (16, 32, 64) for tpr in (2, 4, 8)),
+                    check, spec, target)
 
 
 def from_attrs(attrs, base: FlashCUDAKnobs | None = None) -> FlashCUDAKnobs:

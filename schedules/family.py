@@ -204,6 +204,21 @@ def same_knobs(knobs: Any, spec: AttentionSpec, target: Target, tuned_at: Attent
     return knobs
 
 
+def feasible(preset: Any, candidates, check, spec: AttentionSpec, target: Target) -> list:
+    """A tuning space: ``preset`` first, then each of ``candidates`` (knob dataclasses, in order)
+    that is new and that ``check(knobs, spec, target)`` accepts (a ``KnobError`` drops it)."""
+    out = [preset]
+    for k in candidates:
+        if k in out:
+            continue
+        try:
+            check(k, spec, target)
+        except KnobError:
+            continue
+        out.append(k)
+    return out
+
+
 def never_static_decode(spec: AttentionSpec, target: Target) -> bool:
     """``is_static_decode`` of a family without decode nests."""
     return False
