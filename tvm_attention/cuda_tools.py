@@ -203,9 +203,13 @@ def ptxas_report(source: str, arch: str, threads_per_block: int | None = None,
     # ptxas's performance notes (C75xx): wgmma serialized, warpgroup waits it injected
     report["ptxas_notes"] = sorted(set(re.findall(r"\(C75\d\d\)[^\n]*", compiled.log)))
     report["wgmma_serialized"] = any("serialized" in n for n in report["ptxas_notes"])
-    sass = sass_instruction_counts(compiled.fatbin)
-    if sass is not None:
-        report["sass_instructions"] = sass
+    try:
+        sass = sass_instruction_counts(compiled.fatbin)
+    except RuntimeError as e:  # the inspection failed, not the build: said in the report
+        report["sass_error"] = str(e)
+    else:
+        if sass is not None:
+            report["sass_instructions"] = sass
     report["ptx_instructions"] = ptx_instruction_counts(compiled.ptx)
     report["dynamic_shared_bytes"] = dynamic_shared
     if threads_per_block:
@@ -264,7 +268,9 @@ def find_cuobjdump() -> str | None:
 
 def sass_instruction_counts(fatbin: bytes) -> dict[str, int] | None:
     """Static count of each of :data:`SASS_INSTRUCTIONS` in a fatbin's SASS (None without
-    cuobjdump). What runs, not what the PTX asked for: ptxas may lower or serialize."""
+    cuobjdump; RuntimeError with its message when it fails: cuobjdump 13.5 disassembles
+    through nvdisasm, the ``nvidia-cuda-nvdisasm`` wheel). What runs, not what the PTX asked
+    for: ptxas may lower or serialize."""
     tool = find_cuobjdump()
     if tool is None:
         return None
@@ -274,7 +280,7 @@ def sass_instruction_counts(fatbin: bytes) -> dict[str, int] | None:
             f.write(fatbin)
         proc = subprocess.run([tool, "--dump-sass", path], capture_output=True, text=True, timeout=120)
     if proc.returncode != 0:
-        return None
+        raise RuntimeError(f"{tool} --dump-sass failed: {(proc.stderr or proc.stdout).strip()[-300:]}")
     ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)", proc.stdout)
     return {name: sum(1 for op in ops if op == name) for name in SASS_INSTRUCTIONS}
 
