@@ -9,8 +9,8 @@ stages, pingpong).
 
 What it builds so far: the bhsd, varlen, kvcache and paged layouts, static or symbolic lengths,
 float16/bfloat16, head_dim 64 or 128, causal or not, lse, the variants (window, softcap, ALiBi,
-sinks, kv_start). Split-KV, 8-bit caches and appending stay on the ``mma.sync`` kernel
-(``fused_tc``), and ``--schedule fused`` keeps that kernel on sm_90 until a GPU run has validated
+sinks, kv_start), split-KV of the KV-cache layouts (the ``mma.sync`` kernel's chunks and merge
+kernel). 8-bit caches and appending stay on the ``mma.sync`` kernel (``fused_tc``), and ``--schedule fused`` keeps that kernel on sm_90 until a GPU run has validated
 this one (docs/cuda.md).
 """
 from __future__ import annotations
@@ -24,10 +24,11 @@ from tvm.target import Target
 from ..cuda_tools import block_shared_limit
 from ..spec import AttentionSpec
 from ..workloads.fused_wgmma import CONSUMER_REGS, LAYOUTS, WGMMA_DTYPES, fused_attention_wgmma
-from ..workloads.knob_attrs import FUSED_WGMMA
+from ..workloads.knob_attrs import CUDA_SPLIT, FUSED_WGMMA
 from ..workloads.wgmma_layout import WARPGROUP, WG_ROWS, SmemPlan
 from ._knobs import KnobError, KnobsMixin
-from .family import CUDA_VARIANTS, Capabilities, feasible, never_static_decode, read_attrs
+from .family import (CUDA_VARIANTS, Capabilities, check_split_tasks, cuda_for_layout, cuda_split_tasks, feasible,
+                     never_static_decode, read_attrs)
 
 NAME = "fused"
 CAPABILITIES = Capabilities(label="CUDA Hopper (wgmma) fused", target="cuda", layouts=LAYOUTS,
@@ -48,6 +49,9 @@ class HopperKnobs(KnobsMixin):
     #: tile j's S = Q·Kᵀ issued with tile j − 1's P·V, the softmax under that product (1; needs
     #: 2 stages: V of tile j − 1 is read while K of tile j lands), or each tile in turn (0)
     overlap: int = 1
+    #: split-KV of a KV-cache decode step (fused_cuda.Split): the grid size its chunks aim for
+    #: (the target's, ``family.cuda_split_tasks``; 0: none)
+    split_tasks: int = 0
 
     @property
     def threads(self) -> int:
@@ -97,8 +101,16 @@ def registers_estimate(knobs: HopperKnobs, spec: AttentionSpec) -> int:
     return knobs.block_n // 2 + knobs.block_n // 4 + spec.head_dim // 2 + REGISTER_OVERHEAD
 
 
+#: a KV-cache step whose rows (seq_q · group) fit one warpgroup: one consumer (the second's 64
+#: rows would be empty) without ping-pong, and a stage more in flight for the memory-bound read
+#: (D=128: 3 stages are 208 KiB of shared memory; D=64: 4 are 136 KiB). Not yet timed on a GPU.
+_DECODE = {64: {"block_m": 64, "block_n": 128, "stages": 4, "pingpong": 0},
+           128: {"block_m": 64, "block_n": 128, "stages": 3, "pingpong": 0}}
+
+
 def preset(spec: AttentionSpec, target: Target) -> HopperKnobs:
-    return HopperKnobs(**_PRESETS.get(spec.head_dim, _PRESETS[128]))
+    table = _DECODE if spec.layout_info.is_cache and spec.seq_q * spec.group_size <= WG_ROWS else _PRESETS
+    return HopperKnobs(**table.get(spec.head_dim, table[128]), split_tasks=cuda_split_tasks(spec, target))
 
 
 def check(knobs: HopperKnobs, spec: AttentionSpec, target: Target) -> None:
@@ -119,6 +131,7 @@ def check(knobs: HopperKnobs, spec: AttentionSpec, target: Target) -> None:
         v = getattr(knobs, name)
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
             raise KnobError(f"{name} must be a positive int, got {v!r}")
+    check_split_tasks(knobs, spec)
     for name in ("pingpong", "overlap"):
         if getattr(knobs, name) not in (0, 1):
             raise KnobError(f"{name} must be 0 or 1, got {getattr(knobs, name)!r}")
@@ -145,7 +158,7 @@ def check(knobs: HopperKnobs, spec: AttentionSpec, target: Target) -> None:
 
 def workload(spec: AttentionSpec, knobs: HopperKnobs):
     return fused_attention_wgmma(spec, knobs.block_m, knobs.block_n, knobs.stages, bool(knobs.pingpong),
-                                 bool(knobs.overlap))
+                                 bool(knobs.overlap), knobs.split_tasks)
 
 
 def apply(sch: s_tir.Schedule, knobs: HopperKnobs, spec: AttentionSpec) -> s_tir.Schedule:
@@ -162,14 +175,15 @@ def design_space(spec: AttentionSpec, target: Target):
 def tile_candidates(spec: AttentionSpec, target: Target) -> list[HopperKnobs]:
     """Feasible (block_m, block_n, stages, pingpong, overlap) for tuning, the preset first."""
     return feasible(preset(spec, target),
-                    (HopperKnobs(block_m=bm, block_n=bn, stages=ns, pingpong=pp, overlap=ov)
+                    (HopperKnobs(block_m=bm, block_n=bn, stages=ns, pingpong=pp, overlap=ov,
+                                 split_tasks=preset(spec, target).split_tasks)
                      for bm, pp in ((128, 1), (128, 0), (64, 0))
                      for bn, ns, ov in itertools.product((64, 128, 176, 192), (2, 3, 4), (1, 0))),
                     check, spec, target)
 
 
 def from_attrs(attrs, base: HopperKnobs | None = None) -> HopperKnobs:
-    return dataclasses.replace(base or HopperKnobs(), **read_attrs(FUSED_WGMMA, attrs, "fused_wgmma"))
+    return dataclasses.replace(base or HopperKnobs(), **read_attrs(FUSED_WGMMA + CUDA_SPLIT, attrs, "fused_wgmma"))
 
 
 def workload_knobs(func) -> HopperKnobs:
@@ -180,8 +194,7 @@ def knobs_of(sch: s_tir.Schedule, lanes: int = 0, base=None) -> HopperKnobs:
     return workload_knobs(sch.mod["main"])
 
 
-def for_layout(knobs: HopperKnobs, spec: AttentionSpec, target: Target, tuned_at: AttentionSpec | None = None):
-    return knobs
+for_layout = cuda_for_layout
 
 
 is_static_decode = never_static_decode

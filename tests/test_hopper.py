@@ -221,6 +221,7 @@ def test_sm90a_builds_offline(d, dtype, causal, symbolic, lse):
     assert ptx["cp.async.bulk.tensor"] >= 3 * plan.slabs and ptx["setmaxnreg"] == 2
     assert ptx["ld.local"] == ptx["st.local"] == 0
     if find_cuobjdump() is not None:
+        assert "sass_instructions" in r, r.get("sass_error")
         sass = r["sass_instructions"]
         assert sass["HGMMA"] >= sites * (plan.qk_steps + plan.pv_steps) and sass["UTMALDG"] >= 3 * plan.slabs, sass
         assert sass["LDL"] == sass["STL"] == 0 and sass["HMMA"] == 0
@@ -263,6 +264,7 @@ def test_layout_builds_offline(name, fields, params):
     built = hopper_build(spec)
     r = built.resources
     assert r["spills"] == 0 and not r["wgmma_serialized"] and built.audit.fused, r
+    assert "sass_error" not in r, r["sass_error"]
     func = cuda_hopper.workload(spec, built.knobs)
     assert [p.name for p in func.params] == ["Q", "K", "V", *params]
     src = kernel_source(built.module)
@@ -270,7 +272,9 @@ def test_layout_builds_offline(name, fields, params):
         assert "hop_zero_rows(" in src and "fence.proxy.async.shared::cta" in src
     if spec.layout == "paged":
         assert "cp.async.bulk.tensor.4d" in src
-        assert src.count('extern "C" __global__') == 4 and "index_error_ptr" in src  # the check kernel first
+        assert "index_error_ptr" in src
+        # the index checks' kernel first, the tiles, split-KV's merge (each declared, then defined)
+        assert src.count('extern "C" __global__') == 6 and "attention_kernel_2(" in src
         if "sass_instructions" in r:  # Q's 2 slabs, K's and V's 8 pages a slab
             assert r["sass_instructions"]["UTMALDG"] >= 2 + 2 * 2 * 8
 
@@ -529,11 +533,13 @@ def test_kernel_slot_search_is_the_models(batch):
     assert got == want
 
 
-def kvcache_model(plan, sq, lens, max_len=320, H=8, KH=2, dtype="bfloat16", seed=0, page_size=None, **variants):
+def kvcache_model(plan, sq, lens, max_len=320, H=8, KH=2, dtype="bfloat16", seed=0, page_size=None, split_tasks=0,
+                  **variants):
     """The model's output and the reference, batch by batch, for a KV cache ``(B, KH, max_len,
     D)`` holding ``lens`` keys each, the rest NaN (stale memory a kernel must never let through);
     with ``page_size``, the same keys in a shuffled page pool ``(pages, page_size, KH, D)``
-    through a block table (its unused entries −1, the pool's stale rows NaN)."""
+    through a block table (its unused entries −1, the pool's stale rows NaN); ``split_tasks``:
+    split-KV."""
     D, B = plan.head_dim, len(lens)
     rng = np.random.default_rng(seed)
     q = from_bits(to_bits(rng.standard_normal((B, H, sq, D)), dtype), dtype)
@@ -559,7 +565,7 @@ def kvcache_model(plan, sq, lens, max_len=320, H=8, KH=2, dtype="bfloat16", seed
                 kc[page] = k[b, :, i * page_size:(i + 1) * page_size].transpose(1, 0, 2)
                 vc[page] = v[b, :, i * page_size:(i + 1) * page_size].transpose(1, 0, 2)
     out = run(q, kc, vc, plan, spec, dtype, plan.consumers == 2, True, cache_seqlens=np.array(lens, np.int32),
-              block_table=table, **args)
+              block_table=table, split_tasks=split_tasks, **args)
     ref = np.zeros_like(out)
     for b, n in enumerate(lens):
         if n:
@@ -591,3 +597,65 @@ def test_model_kvcache_matches_reference(sq, variants, page_size):
     assert np.isfinite(out).all()
     assert np.abs(out - ref).max() < 1.5e-2
     assert not out[0].any()  # no key: zeros
+
+
+#: split-KV decode steps: (block_m, block_n, page_size, variants): the decode preset's one
+#: consumer and two in ping-pong, contiguous and pages of 16 and 256, the variants (the sink is
+#: the merge's, the window and the start skip tiles before the chunks)
+SPLIT_CASES = [
+    (64, 64, None, {"causal": True}),
+    (128, 64, 16, {"causal": True, "sinks": True, "window": (300, 0)}),
+    (64, 128, 256, {"causal": True, "alibi": True, "softcap": 20.0, "kv_start": True}),
+]
+
+
+@pytest.mark.parametrize("bm, bn, page_size, variants", SPLIT_CASES)
+def test_model_split_kv_matches_reference(bm, bn, page_size, variants):
+    """Split-KV of a decode step (6 sequences × 2 KV heads for 48 tasks: 4 chunks a sequence): each
+    chunk of at least 256 keys stores its unnormalised output, max and sum where the kernel's
+    fragments put them, the merge weighs them by ``2^(m − max)``; chunks past a sequence's keys
+    (m = −inf) weigh nothing, a sequence of no key outputs zeros, stale NaN stays out."""
+    lens = [0, 1, 300, 1024, 513, 77]
+    plan = SmemPlan(64, bm, bn, 2)
+    out, ref = kvcache_model(plan, 1, lens, max_len=1024, page_size=page_size, split_tasks=48, **variants)
+    assert np.isfinite(out).all()
+    assert np.abs(out - ref).max() < 1.5e-2
+    assert not out[0].any()
+
+
+def test_model_split_kv_catches_a_lost_tile(monkeypatch):
+    """The split's check can fail: chunks of floor(tiles / chunks) drop a sequence's last tiles."""
+    monkeypatch.setattr(wgmma_model._Run, "chunk", lambda self, nt, c, n: (c * (nt // n), nt // n))
+    out, ref = kvcache_model(SmemPlan(64, 64, 64, 2), 1, [900, 700], max_len=1024, split_tasks=16)
+    assert np.abs(out - ref).max() > 0.05
+
+
+def test_kernel_split_math_is_the_models():
+    """The kernel's split-KV at constants: its chunk count (``n_splits`` of batch · KV heads, and
+    1 once a sequence's rows pass one row tile) and each chunk's key tiles (``chunk_span``) equal
+    the model's, the chunks covering a block's tiles once; a batch of 0 divides by no zero."""
+    from tvm import tirx
+    from tvm.sym import Analyzer
+
+    from tvm_attention.workloads.fused_cuda import chunk_span
+    from tvm_attention.workloads.fused_wgmma import _context
+
+    c = lambda v: tirx.const(v, "int32")  # noqa: E731
+    spec = AttentionSpec(batch=6, heads=8, kv_heads=2, seq_q=1, seq_kv=1024, head_dim=64, dtype="float16",
+                         layout="kvcache", causal=True)
+    x = _context(spec, 64, 64, 2, False, True, split_tasks=48)
+    for b, sq, want in ((6, 1, 4), (1, 1, 24), (24, 1, 1), (25, 1, 1), (6, 16, 4), (6, 17, 1), (0, 1, 48)):
+        a = Analyzer()
+        a.bind(x.B, b)
+        a.bind(x.SQ, sq)
+        assert int(a.simplify(x.NSA).value) == want, (b, sq)
+        if b:
+            z = np.zeros
+            r = wgmma_model._Run(z((b, 8, sq, 64)), z((b, 2, 64, 64)), z((b, 2, 64, 64)), SmemPlan(64, 64, 64, 2),
+                                 spec, "float16", cache_seqlens=np.full(b, 64))
+            assert r.splits(48) == want
+    for n in range(40):
+        for ns in (1, 2, 3, 4, 24):
+            spans = [r.chunk(n, s, ns) for s in range(ns)]
+            assert [(_const(f), _const(k)) for f, k in (chunk_span(c(n), c(s), c(ns), 64) for s in range(ns))] == spans
+            assert sorted(t for f, k in spans for t in range(f, f + k)) == list(range(n))

@@ -452,12 +452,8 @@ class Tile:
 
     def chunk_span(self, s, ns):
         """``(first, count)``: the key tiles (counted from the first the rows see) of chunk ``s``
-        of ``ns`` of this (unsplit) tile's: an equal share, at least :data:`fused.MIN_SPLIT_KEYS`
-        keys (truncdiv: both operands are non-negative, and floordiv by a run-time divisor lowers
-        to selects)."""
-        n = self._seen_tiles()
-        chunk = T.max(-(-MIN_SPLIT_KEYS // self.BN), T.truncdiv(n + ns - 1, ns))
-        return s * chunk, T.max(0, T.min(chunk, n - s * chunk))
+        of ``ns`` of this (unsplit) tile's (:func:`chunk_span`)."""
+        return chunk_span(self._seen_tiles(), s, ns, self.BN)
 
     def _seen_tiles(self):
         vis = self.vis
@@ -578,6 +574,15 @@ class Split:
     def bound(self, Op, St) -> "Split":
         """This split with its partials' buffers (allocated inside the kernel's script)."""
         return Split(self.ns, self.NR, self.B, self.KH, self.BM, self.rows, self.D, Op, St)
+
+
+def chunk_span(n, s, ns, BN: int):
+    """``(first, count)`` of chunk ``s`` of ``ns`` of a tile's ``n`` key tiles of ``BN`` keys
+    (split-KV, both CUDA kernels): an equal share, at least :data:`fused.MIN_SPLIT_KEYS` keys,
+    so the chunks past the keys are empty (truncdiv: both operands are non-negative, and floordiv
+    by a run-time divisor lowers to selects)."""
+    chunk = T.max(-(-MIN_SPLIT_KEYS // BN), T.truncdiv(n + ns - 1, ns))
+    return s * chunk, T.max(0, T.min(chunk, n - s * chunk))
 
 
 def dense_tile(spec: AttentionSpec, BM: int, BN: int, b, h, row0, SQ, SK, LSE=None, var=None) -> Tile:

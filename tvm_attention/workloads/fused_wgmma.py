@@ -31,8 +31,10 @@ found by a binary search on ``cu_seqlens_q``, TMA boxes of one head's rows at th
 offset); kvcache and paged (a KV head's query heads packed into the tile's rows, Q by a 4-D
 box; paged K/V a box per page at its block-table entry). Where a tile's rows past the sequence's
 keys are in bounds (the next sequence, stale cache) they are masked, and zeroed in V before
-``P·V`` so a NaN there cannot meet a zero P. The variants (window, softcap, ALiBi, sinks,
-``kv_start``) through the variants' contract.
+``P·V`` so a NaN there cannot meet a zero P. Split-KV of the KV-cache layouts (``split_tasks``):
+a decode step's key tiles in chunks on blockIdx.z, each chunk's unnormalised state to a
+workspace, merged by the ``mma.sync`` kernel's merge kernel. The variants (window, softcap,
+ALiBi, sinks, ``kv_start``) through the variants' contract.
 
 The addresses, descriptors and fragment layouts come from :mod:`.wgmma_layout` (one source for the
 kernel and for the NumPy model that checks them, :mod:`.wgmma_model`). Inputs float16 or
@@ -48,9 +50,11 @@ from tvm.script import tirx as T
 
 from ..spec import ENTRY, AttentionSpec
 from ..visibility import Visibility
-from ._math import guarded, lse_of, normalize_where
-from .knob_attrs import FUSED_WGMMA, record
-from .kv import dim
+from ._math import guarded, lse_of, normalize_where, ssa_checked
+from .fused import n_splits
+from .fused_cuda import Split, cache_tile, chunk_span, merge_grid
+from .knob_attrs import CUDA_SPLIT, FUSED_WGMMA, record
+from .kv import dim, kv_layout
 from .variants import Variants, score_scale
 from .variants import transforms as transforms_scores
 from .wgmma_layout import (
@@ -237,7 +241,8 @@ class Seq(types.SimpleNamespace):
         return self.k_len - self.q_len
 
 
-def _context(spec: AttentionSpec, block_m: int, block_n: int, stages: int, pingpong: bool, overlap: bool):
+def _context(spec: AttentionSpec, block_m: int, block_n: int, stages: int, pingpong: bool, overlap: bool,
+             split_tasks: int = 0):
     """Every constant, index helper and device call of one Hopper kernel, by name."""
     if spec.dtype not in WGMMA_DTYPES:
         raise ValueError(f"the Hopper kernel takes float16 or bfloat16, not {spec.dtype}")
@@ -290,6 +295,12 @@ def _context(spec: AttentionSpec, block_m: int, block_n: int, stages: int, pingp
     # the grid: (row tile, head, batch); packed: (tile slot, head), sequence b's row tiles in the
     # slots cu_seqlens_q[b] // block_m + b + i (fused_cuda.varlen_grid's numbering)
     nrt = T.floordiv(TQ, BM) + NB1 - 1 if packed else (SQ * (G if cache else 1) + BM - 1) // BM
+    # split-KV (a KV cache; fused_cuda.Split, the mma.sync kernel's): while batch · KV heads
+    # blocks are fewer than split_tasks and a sequence's rows fit one row tile (a decode step),
+    # each sequence's key tiles are split into NSA chunks on blockIdx.z, their partials merged
+    # by a second kernel; NSA is 1 (no split) otherwise
+    split = Split(n_splits(split_tasks, B, KH), nrt, B, KH, BM, SQ * G, D) if cache and split_tasks else None
+    NSA = 1 if split is None else split.active
 
     # a tile row's query position and head: a KV-cache tile's rows are positions × the KV head's
     # query heads (row = position · G + g), the others' one head's positions
@@ -538,8 +549,44 @@ def _consumer(x, softmax):
         T.evaluate(call("hop_arrive", sb + plan.bar_empty(0) + stage(j) * 8))
 
     @T.macro
-    def consumer(sb, seq, O, S, Pk, Oa, m, l, al, tid, row0, hh, first, nt):
-        # loop tile j is key tile first + j (a window or a start skips the tiles before)
+    def finish(seq, O, Oa, m, l, al, t, wrow0, hh):
+        # the rows' lse, the sink, the normalised output
+        if lse:  # FlashAttention's softmax_lse: without the sink
+            if t % 4 == 0:
+                for h in T.unroll(2):
+                    if pos(wrow0 + row_in_wg(t, 2 * h)) < seq.q_len:
+                        LSE[lse_at(seq, hh, wrow0 + row_in_wg(t, 2 * h))] = lse_of(m[h], l[h])
+        if var.SK is not None:
+            for h in T.unroll(2):  # the sink joins the denominator: (acc·w, l·w + e), w in al
+                al[h] = var.sink_terms(m[h], head(hh, wrow0 + row_in_wg(t, 2 * h)))[0]
+                l[h] = l[h] * al[h] + var.sink_terms(m[h], head(hh, wrow0 + row_in_wg(t, 2 * h)))[1]
+            rescale(Oa, al)
+        for r in T.unroll(NOR):
+            if pos(wrow0 + row_in_wg(t, r)) < seq.q_len:
+                O[o_at(seq, hh, wrow0 + row_in_wg(t, r), col_of(t, r))] = T.Cast(dtype, normalize_where(
+                    Oa[r], l[r % 4 // 2], vis.sees_a_key(pos(wrow0 + row_in_wg(t, r)) + seq.off, seq.k_len,
+                                                         var.start(seq.b))))
+
+    def part_row(row):
+        # rows < BM: the workspace holds one row tile (the min says so to TVM's buffer
+        # compaction, which would size it by seq_q from the row's extent: fused_cuda.merge_grid)
+        return T.min(row, x.BM - 1)
+
+    @T.macro
+    def store_part(seq, Op, St, ch, Oa, m, l, t, wrow0, hh):
+        # chunk ch's state for the merge kernel: the unnormalised output, the rows' max (log2
+        # units) and sum; the lse and the sink are the merge's
+        for r in T.unroll(NOR):
+            Op[ch, seq.b, hh, part_row(wrow0 + row_in_wg(t, r)), col_of(t, r)] = Oa[r]
+        if t % 4 == 0:
+            for h in T.unroll(2):
+                St[ch, seq.b, hh, part_row(wrow0 + row_in_wg(t, 2 * h)), 0] = m[h]
+                St[ch, seq.b, hh, part_row(wrow0 + row_in_wg(t, 2 * h)), 1] = l[h]
+
+    @T.macro
+    def consumer(sb, seq, O, S, Pk, Oa, m, l, al, tid, row0, hh, first, nt, part):
+        # loop tile j is key tile first + j (a window or a start skips the tiles before);
+        # part: (chunk, Op, St) of a split-KV grid, or None
         wg = tid // WARPGROUP - 1
         t = tid % WARPGROUP
         wrow0 = row0 + wg * WG_ROWS
@@ -595,21 +642,12 @@ def _consumer(x, softmax):
                 T.evaluate(call(f"hop_bar_sync{nthr}", 1))
         for h in T.unroll(2):  # the row's sum over its four lanes
             l[h] = T.cuda.warp_sum(l[h], 4)
-        if lse:  # FlashAttention's softmax_lse: without the sink
-            if t % 4 == 0:
-                for h in T.unroll(2):
-                    if pos(wrow0 + row_in_wg(t, 2 * h)) < seq.q_len:
-                        LSE[lse_at(seq, hh, wrow0 + row_in_wg(t, 2 * h))] = lse_of(m[h], l[h])
-        if var.SK is not None:
-            for h in T.unroll(2):  # the sink joins the denominator: (acc·w, l·w + e), w in al
-                al[h] = var.sink_terms(m[h], head(hh, wrow0 + row_in_wg(t, 2 * h)))[0]
-                l[h] = l[h] * al[h] + var.sink_terms(m[h], head(hh, wrow0 + row_in_wg(t, 2 * h)))[1]
-            rescale(Oa, al)
-        for r in T.unroll(NOR):
-            if pos(wrow0 + row_in_wg(t, r)) < seq.q_len:
-                O[o_at(seq, hh, wrow0 + row_in_wg(t, r), col_of(t, r))] = T.Cast(dtype, normalize_where(
-                    Oa[r], l[r % 4 // 2], vis.sees_a_key(pos(wrow0 + row_in_wg(t, r)) + seq.off, seq.k_len,
-                                                         var.start(seq.b))))
+        if part is None:
+            finish(seq, O, Oa, m, l, al, t, wrow0, hh)
+        elif x.NSA > 1:  # split: a chunk's partials
+            store_part(seq, part[1], part[2], part[0], Oa, m, l, t, wrow0, hh)
+        else:  # a batch that needs no split (or a chunked prefill): the rows' output itself
+            finish(seq, O, Oa, m, l, al, t, wrow0, hh)
 
     return consumer
 
@@ -622,7 +660,7 @@ def _block(x, producer, consumer):
     cache = x.cache
 
     @T.macro
-    def block(Q, K, V, O, seq, hh, tid, row0):
+    def block(Q, K, V, O, seq, hh, tid, row0, part=None):
         smem = T.sblock_alloc_buffer((plan.alloc_bytes,), "uint8", scope="shared.dyn")
         S = T.sblock_alloc_buffer((NSR,), "float32", scope="local")
         Oa = T.sblock_alloc_buffer((NOR,), "float32", scope="local")
@@ -632,8 +670,16 @@ def _block(x, producer, consumer):
         Pk = T.sblock_alloc_buffer((BN // 4,), "uint32", scope="local")  # P, 16-bit pairs
         # the whole allocation named (a pointer to its element 0 alone let TVM compact it to 1 byte)
         sb: T.uint32 = call("hop_smem_base", smem.access_ptr("rw", extent=plan.alloc_bytes), ret="uint32")
-        first = T.meta_var(tile_range(seq, row0, var.start(seq.b))[0])
-        nt = tile_range(seq, row0, var.start(seq.b))[1]
+        # the key tiles [first, first + nt) of the block's rows; split, of its chunk part[0]
+        # (both kernels' fused_cuda.chunk_span), in registers
+        span = T.sblock_alloc_buffer((2,), "int32", scope="local")
+        span[0] = tile_range(seq, row0, var.start(seq.b))[0]
+        span[1] = tile_range(seq, row0, var.start(seq.b))[1]
+        if part is not None:
+            span[0] = span[0] + chunk_span(span[1], part[0], x.NSA, BN)[0]
+            span[1] = chunk_span(span[1], part[0], x.NSA, BN)[1]
+        first = T.meta_var(span[0])
+        nt = T.meta_var(span[1])
         if tid == 0:
             T.evaluate(call("hop_mbar_init", sb + plan.bar_full_q(), 1))
             for s in T.unroll(NS):
@@ -648,7 +694,7 @@ def _block(x, producer, consumer):
                 producer(sb, seq, row0, hh, hh if cache else hh // G, first, nt)
         else:
             T.evaluate(call("hop_regs_consumer"))
-            consumer(sb, seq, O, S, Pk, Oa, m, l, al, tid, row0, hh, first, nt)
+            consumer(sb, seq, O, S, Pk, Oa, m, l, al, tid, row0, hh, first, nt, part)
 
     return block
 
@@ -675,18 +721,23 @@ def locate(sq, CQ, CK, slot, NB1, BM: int):
 
 
 def fused_attention_wgmma(spec: AttentionSpec, block_m: int, block_n: int, stages: int,
-                          pingpong: bool = True, overlap: bool = True) -> tirx.PrimFunc:
+                          pingpong: bool = True, overlap: bool = True, split_tasks: int = 0) -> tirx.PrimFunc:
     """Arguments (call order), ``spec.dtype`` (float16 or bfloat16), compact row-major, 16-byte
     aligned: bhsd ``Q (B, H, Sq, D)``, ``K (B, KH, Skv, D)``, ``V (B, KH, Skv, D)``, the variants'
     arguments, ``O (B, H, Sq, D)``, then ``LSE (B, H, Sq) float32`` with ``spec.return_lse``
     (batch and lengths static or symbolic); varlen ``Q (total_q, H, D)``, ``K``/``V (total_k, KH,
     D)``, ``cu_seqlens_q``/``cu_seqlens_k (batch + 1,) int32``, the variants' arguments, ``O
-    (total_q, H, D)``, ``LSE (H, total_q)``."""
-    x = _context(spec, block_m, block_n, stages, pingpong, overlap)
+    (total_q, H, D)``, ``LSE (H, total_q)``; kvcache ``Q (B, H, Sq, D)``, ``K``/``V (B, KH,
+    max_len, D)``, ``cache_seqlens (B,) int32``, ``O``; paged ``K``/``V (num_pages, page_size, KH,
+    D)``, ``block_table (B, max_pages) int32`` before ``cache_seqlens``. ``split_tasks`` (the
+    KV-cache layouts; 0: none): split-KV until the grid has that many blocks, the chunks'
+    partials in a workspace the function allocates, merged by a second kernel
+    (``fused_cuda.merge_grid``, the mma.sync kernel's)."""
+    x = _context(spec, block_m, block_n, stages, pingpong, overlap, split_tasks)
     (B, BM, BN, D, dtype, H, KH, LSE, lse, maps, NS, nrt, packed, SK, SQ, THREADS, tk, tq, tv) = \
         (x.B, x.BM, x.BN, x.D, x.dtype, x.H, x.KH, x.LSE, x.lse, x.maps, x.NS, x.nrt, x.packed, x.SK, x.SQ,
          x.THREADS, x.tk, x.tq, x.tv)
-    cache, causal, paged, tmap_args, var = x.cache, x.causal, x.paged, x.tmap_args, x.var
+    cache, causal, paged, tmap_args, var, split, NSA = x.cache, x.causal, x.paged, x.tmap_args, x.var, x.split, x.NSA
     producer = _producer(x)
     consumer = _consumer(x, _softmax(x))
 
@@ -701,7 +752,8 @@ def fused_attention_wgmma(spec: AttentionSpec, block_m: int, block_n: int, stage
     block = _block(x, producer, consumer)
 
     attrs = {"global_symbol": ENTRY, "tirx.noalias": True, "attn.workload": "fused_wgmma",
-             **record(FUSED_WGMMA, block_m=BM, block_n=BN, stages=NS, pingpong=int(pingpong), overlap=int(overlap))}
+             **record(FUSED_WGMMA, block_m=BM, block_n=BN, stages=NS, pingpong=int(pingpong), overlap=int(overlap)),
+             **record(CUDA_SPLIT, split_tasks=split_tasks if split is not None else 0)}
     # one block an SM: ptxas then knows the registers at entry (65536 / threads) and sizes the
     # consumers' code by setmaxnreg's 240, not by that share
     one_per_sm = "tirx.launch_bounds_min_blocks_per_sm"
@@ -713,22 +765,49 @@ def fused_attention_wgmma(spec: AttentionSpec, block_m: int, block_n: int, stage
         tmap(tv, V, *maps[1], False, paged)
 
     @T.macro
-    def dense_grid(Q, K, V, O, CS, BT):
+    def tiles(Q, K, V, O, CS, BT, part):
         # a (row tile, head, batch) grid (a KV cache: a KV head's; its length read once into a
-        # register)
-        tmaps(Q, K, V)
+        # register); split (part: the workspace), (sequence, chunk) pairs on blockIdx.z
         for bx in T.thread_binding(nrt, thread="blockIdx.x"):
             for hh in T.thread_binding(KH if cache else H, thread="blockIdx.y"):
-                for bb in T.thread_binding(B, thread="blockIdx.z"):
+                for bz in T.thread_binding(B * NSA, thread="blockIdx.z"):
                     for tid in T.thread_binding(THREADS, thread="threadIdx.x"):
                         with T.attr(0, one_per_sm, 1):
                             with T.sblock("tile"):
                                 T.reads()
                                 T.writes()
-                                kl = T.sblock_alloc_buffer((1,), "int32", scope="local")  # the sequence's keys
-                                kl[0] = CS[bb] if cache else SK
-                                block(Q, K, V, O, Seq(b=bb, q0=0, q_len=SQ, k0=0, k_len=kl[0], bt=BT), hh, tid,
-                                      ((nrt - 1 - bx) if causal else bx) * BM)
+                                # the sequence's keys, the sequence and the chunk (truncdiv,
+                                # truncmod: non-negative operands)
+                                kl = T.sblock_alloc_buffer((3,), "int32", scope="local")
+                                kl[1] = T.truncdiv(bz, NSA) if part is not None else bz
+                                kl[0] = CS[kl[1]] if cache else SK
+                                kl[2] = T.truncmod(bz, NSA) if part is not None else 0
+                                block(Q, K, V, O, Seq(b=kl[1], q0=0, q_len=SQ, k0=0, k_len=kl[0], bt=BT), hh, tid,
+                                      ((nrt - 1 - bx) if causal else bx) * BM,
+                                      None if part is None else (kl[2], part[0], part[1]))
+
+    if split is not None:
+        kvl = kv_layout(spec, B, D)  # the merge reads no K/V: its tile's output and lse indices
+
+        def at(b, kh, r, k_len, X):
+            return cache_tile(spec, BM, BN, b, kh, 0, SQ, k_len, kvl, X, LSE, var)
+
+        merge = merge_grid(spec, lambda n, axis: T.thread_binding(n, thread=f"blockIdx.{axis}"),
+                           lambda n: T.thread_binding(n, thread="threadIdx.x"), split, at, LSE)
+
+    @T.macro
+    def dense_grid(Q, K, V, O, CS, BT):
+        tmaps(Q, K, V)
+        if split is None:
+            tiles(Q, K, V, O, CS, BT, None)
+        else:
+            with T.sblock("split_kv"):
+                T.reads()
+                T.writes()
+                Op = T.sblock_alloc_buffer(split.part_shape, "float32")
+                St = T.sblock_alloc_buffer(split.state_shape, "float32")
+                tiles(Q, K, V, O, CS, BT, (Op, St))
+                merge(Op, St, O, (BT, CS) if paged else (CS,))
 
     if paged:
         NPG, PS, MP = x.NPG, x.PS, x.MP
@@ -802,4 +881,5 @@ def fused_attention_wgmma(spec: AttentionSpec, block_m: int, block_n: int, stage
         params = list(func.params)
         params = params[:-1] + var.buffers + params[-1:] + ([LSE] if lse else [])
         func = tirx.PrimFunc(params, func.body, func.ret_type, func.attrs)
-    return func
+    # the merge's normalisation (fused_cuda's tile) binds a let per use: made unique
+    return ssa_checked(func) if split is not None else func

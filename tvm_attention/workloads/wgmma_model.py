@@ -18,6 +18,10 @@ ISA, independently of that module:
 * the named barriers of the ping-pong (``bar.sync``/``bar.arrive`` with a thread count): the
   consumers' sequences of turns run to the end without a deadlock.
 
+Split-KV (a KV cache's ``split_tasks``) runs each chunk as a block over its share of the key
+tiles, places its state in the workspace by the kernel's store indexing and merges the chunks
+(weights ``2^(m − max m)``, the sink once) as the merge kernel does.
+
 Products are computed in float64 from the 16-bit inputs (P rounded to 16 bits as the helper
 does), so the model's output matches the float64 reference to the 16-bit rounding of P: a wrong
 address, swizzle, stride or fragment index gives a wrong row, not a small error.
@@ -27,6 +31,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..visibility import Visibility
+from .fused import MIN_SPLIT_KEYS
 from .variants import score_scale, transforms
 from .wgmma_layout import (
     MODE_SWIZZLE_128B,
@@ -352,31 +357,34 @@ class _Block:
         for _ in range(WARPGROUP):
             self.empty[s].arrive()
 
+    def rows_state(self, wg: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Consumer ``wg``'s registers by its 64 rows as the kernel's store indexes them (its
+        ``acc_row``/``acc_col``; a row's sum over its four lanes): ``o (64, D)``, ``l``, ``m (64,)``."""
+        r, st = self.r, self.state[wg]
+        at = acc_row(r.t, r.ro), np.broadcast_to(acc_col(r.t, r.ro), (WARPGROUP, r.D // 2))
+        halves = acc_row(r.t, np.array([[0, 2]]))  # a thread's two rows
+        written = np.zeros((WG_ROWS, r.D), bool)
+        written[at] = True
+        if not (written.all() and np.isin(np.arange(WG_ROWS), halves).all()):
+            raise ModelError("the store's fragment indexing leaves a row or column of the tile unwritten")
+        o, l, m = np.zeros((WG_ROWS, r.D)), np.zeros(WG_ROWS), np.zeros(WG_ROWS)
+        o[at] = st["o"]
+        l[halves] = st["l"].reshape(WARPGROUP // 4, 4, 2).sum(1).repeat(4, 0)
+        m[halves] = st["m"]
+        return o, l, m
+
     def store(self, out: np.ndarray):
-        r, seq = self.r, self.seq
-        off = seq["k_len"] - seq["q_len"]
-        for wg, st in enumerate(self.state):
-            trow = self.row0 + wg * WG_ROWS + acc_row(r.t, r.ro)
-            rows, heads = r.pos(trow), r.head(self.h, trow)
-            cols = np.broadcast_to(acc_col(r.t, r.ro), rows.shape)
-            lsum = st["l"].reshape(WARPGROUP // 4, 4, 2).sum(1).repeat(4, 0)
-            o = st["o"]
-            if r.sinks is not None:  # the sink joins the denominator (_math.sink_terms)
-                g = np.where(st["m"] == -np.inf, 0.0, st["m"])
-                row_heads = r.head(self.h, self.row0 + wg * WG_ROWS + acc_row(r.t, np.array([[0, 2]])))
-                sink = r.sinks[row_heads] * np.log2(np.e)  # each of a thread's two rows: its head's
-                top = np.maximum(g, sink)
-                w, e = np.exp2(g - top), np.exp2(sink - top)
-                o = o * w[r.t, r.ro % 4 // 2]
-                lsum = lsum * w + e
-            sees = np.broadcast_to(r.vis.sees_a_key(rows + off, seq["k_len"], r.start(self.b)), rows.shape)
-            with np.errstate(invalid="ignore", divide="ignore"):
-                val = np.where(sees, o / lsum[r.t, r.ro % 4 // 2], 0.0)
-            keep = rows < seq["q_len"]
-            if r.packed:
-                out[seq["q0"] + rows[keep], self.h, cols[keep]] = val[keep]
-            else:
-                out[self.b, heads[keep], rows[keep], cols[keep]] = val[keep]
+        for wg in range(len(self.state)):
+            self.r.finish(self.seq, self.h, self.row0 + wg * WG_ROWS + np.arange(WG_ROWS), *self.rows_state(wg), out)
+
+    def store_part(self, op: np.ndarray, st: np.ndarray, chunk: int):
+        """A split-KV chunk's state (the kernel's ``store_part``): the unnormalised output and
+        the rows' max and sum at ``(chunk, b, kv head, row)`` of the workspace (one row tile)."""
+        for wg in range(len(self.state)):
+            o, l, m = self.rows_state(wg)
+            rows = wg * WG_ROWS + np.arange(WG_ROWS)  # the split tile's first row is 0
+            op[chunk, self.b, self.h, rows] = o
+            st[chunk, self.b, self.h, rows, 0], st[chunk, self.b, self.h, rows, 1] = m, l
 
 
 class _Run:
@@ -481,6 +489,54 @@ class _Run:
         if seen != want:
             raise ModelError(f"no slot holds the row tiles {sorted(want - seen)}")
 
+    def finish(self, seq: dict, h: int, trows: np.ndarray, o: np.ndarray, l: np.ndarray, m: np.ndarray,
+               out: np.ndarray):
+        """Tile rows ``trows`` of a block (``h``: its head, a KV-cache tile's KV head) from their
+        unnormalised ``o (n, D)``, sums ``l`` and maxima ``m`` (log2 units): the sink in the
+        denominator, zeros for a row that sees no key, stored where the rows go."""
+        rows, heads = self.pos(trows), self.head(h, trows)
+        if self.sinks is not None:  # the sink joins the denominator (_math.sink_terms)
+            g = np.where(m == -np.inf, 0.0, m)
+            sink = self.sinks[heads] * np.log2(np.e)
+            top = np.maximum(g, sink)
+            w, e = np.exp2(g - top), np.exp2(sink - top)
+            o, l = o * w[:, None], l * w + e
+        sees = np.broadcast_to(self.vis.sees_a_key(rows + seq["k_len"] - seq["q_len"], seq["k_len"],
+                                                   self.start(seq["b"])), rows.shape)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            val = np.where(sees[:, None], o / l[:, None], 0.0)
+        keep = rows < seq["q_len"]
+        if self.packed:
+            out[seq["q0"] + rows[keep], h] = val[keep]
+        else:
+            out[seq["b"], heads[keep], rows[keep]] = val[keep]
+
+    def splits(self, split_tasks: int) -> int:
+        """The chunks a KV-cache step's sequences split into (``fused.n_splits``, and 1 unless a
+        sequence's rows fit one row tile: ``fused_cuda.Split.active``)."""
+        if not (self.cache and split_tasks):
+            return 1
+        ns = max(1, -(-split_tasks // (self.B * self.KH)))
+        return ns if self.SQ * self.G <= self.plan.block_m else 1
+
+    def chunk(self, nt: int, chunk: int, chunks: int) -> tuple[int, int]:
+        """(first, count) of chunk ``chunk`` of a block's ``nt`` key tiles: equal shares of at
+        least ``fused.MIN_SPLIT_KEYS`` keys, the chunks past the keys empty."""
+        size = max(-(-MIN_SPLIT_KEYS // self.plan.block_n), -(-nt // chunks))
+        return chunk * size, max(0, min(size, nt - chunk * size))
+
+    def merge(self, op: np.ndarray, st: np.ndarray, out: np.ndarray):
+        """The merge kernel: per (sequence, KV head) row, the chunks' states weighted by
+        ``2^(m_s − max_s m_s)`` (a chunk that saw no key, m = −inf, weighs 0), then finished."""
+        rows = np.arange(self.SQ * self.G)
+        for b in range(self.B):
+            seq = {"b": b, "q0": 0, "k0": 0, "q_len": self.SQ, "k_len": int(self.seqlens[b])}
+            for kh in range(self.KH):
+                m, l = st[:, b, kh, rows, 0], st[:, b, kh, rows, 1]
+                top = m.max(0)
+                w = np.exp2(m - np.where(top == -np.inf, 0.0, top))
+                self.finish(seq, kh, rows, (op[:, b, kh, rows] * w[..., None]).sum(0), (l * w).sum(0), top, out)
+
     def tiles(self, seq: dict, row0: int) -> tuple[int, int]:
         """The block's key tiles (first, count), by the visibility's bounds (the kernel's ``tile_range``)."""
         BN, BM, vis = self.plan.block_n, self.plan.block_m, self.vis
@@ -494,17 +550,24 @@ class _Run:
 
 def run(q: np.ndarray, k: np.ndarray, v: np.ndarray, plan: SmemPlan, spec, dtype: str = "float16",
         pingpong: bool = True, overlap: bool = True, alibi_slopes=None, sinks=None, kv_start=None,
-        cu_seqlens=None, cache_seqlens=None, block_table=None) -> np.ndarray:
+        cu_seqlens=None, cache_seqlens=None, block_table=None, split_tasks: int = 0) -> np.ndarray:
     """The kernel's output for bhsd ``q (B, H, Sq, D)``, ``k``/``v (B, KH, Skv, D)``, or packed
     ``q (total_q, H, D)``, ``k``/``v (total_k, KH, D)`` with ``cu_seqlens = (cu_q, cu_k)``
     (float arrays, rounded to ``dtype``), and ``spec``'s mask and variants (their arguments as
     the call takes them), computed through the model in the kernel's order of events
     (``overlap``: tile j's S with tile j − 1's P·V, that tile's stage released after it);
-    float64, ``q``'s shape."""
+    ``split_tasks``: a KV cache's split-KV (each chunk a block, its partials merged); float64,
+    ``q``'s shape."""
     r = _Run(q, k, v, plan, spec, dtype, alibi_slopes, sinks, kv_start, cu_seqlens, cache_seqlens, block_table)
     out = np.zeros(q.shape)
-    for seq, row0 in r.blocks():
+    chunks = r.splits(split_tasks)
+    if chunks > 1:  # the workspace: NaN where no chunk wrote (the merge must not read it)
+        op = np.full((chunks, r.B, r.KH, plan.block_m, r.D), np.nan)
+        st = np.full((chunks, r.B, r.KH, plan.block_m, 2), np.nan)
+    for (seq, row0), chunk in ((blk, c) for blk in r.blocks() for c in range(chunks)):
         first, nt = r.tiles(seq, row0)
+        c0, nt = r.chunk(nt, chunk, chunks)
+        first += c0
         if pingpong and plan.consumers == 2:
             pingpong_turns(nt, overlap)
         for h in range(r.KH if r.cache else r.H):  # a KV-cache tile: each KV head's query heads
@@ -531,5 +594,10 @@ def run(q: np.ndarray, k: np.ndarray, v: np.ndarray, plan: SmemPlan, spec, dtype
                 for wg in range(plan.consumers):
                     blk.pv(wg, prev[wg], nt - 1)
                     blk.release(nt - 1)
-            blk.store(out)
+            if chunks > 1:
+                blk.store_part(op, st, chunk)
+            else:
+                blk.store(out)
+    if chunks > 1:
+        r.merge(op, st, out)
     return out
