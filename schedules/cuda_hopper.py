@@ -10,7 +10,8 @@ stages, pingpong).
 What it builds so far: the bhsd, varlen, kvcache and paged layouts, static or symbolic lengths,
 float16/bfloat16, head_dim 64 or 128, causal or not, lse, the variants (window, softcap, ALiBi,
 sinks, kv_start), split-KV of the KV-cache layouts (the ``mma.sync`` kernel's chunks and merge
-kernel). 8-bit caches and appending stay on the ``mma.sync`` kernel (``fused_tc``), and ``--schedule fused`` keeps that kernel on sm_90 until a GPU run has validated
+kernel), 8-bit caches (e4m3, e5m2, int8 per KV head: landed by TMA, converted to 16 bits in
+shared memory). Appending stays on the ``mma.sync`` kernel (``fused_tc``), and ``--schedule fused`` keeps that kernel on sm_90 until a GPU run has validated
 this one (docs/cuda.md).
 """
 from __future__ import annotations
@@ -27,13 +28,14 @@ from ..workloads.fused_wgmma import CONSUMER_REGS, LAYOUTS, WGMMA_DTYPES, fused_
 from ..workloads.knob_attrs import CUDA_SPLIT, FUSED_WGMMA
 from ..workloads.wgmma_layout import WARPGROUP, WG_ROWS, SmemPlan
 from ._knobs import KnobError, KnobsMixin
-from .family import (CUDA_VARIANTS, Capabilities, check_split_tasks, cuda_for_layout, cuda_split_tasks, feasible,
+from .family import (CUDA_KV_DTYPES, CUDA_VARIANTS, SPLIT_LAYOUTS, Capabilities, check_split_tasks, cuda_for_layout, cuda_split_tasks, feasible,
                      never_static_decode, read_attrs)
 
 NAME = "fused"
 CAPABILITIES = Capabilities(label="CUDA Hopper (wgmma) fused", target="cuda", layouts=LAYOUTS,
                             dtypes=tuple(WGMMA_DTYPES), symbolic=True, lse=True, variants=CUDA_VARIANTS,
-                            instead="use --schedule fused_tc (mma.sync) for the other layouts and 8-bit caches")
+                            kv_dtypes=CUDA_KV_DTYPES, kv_layouts=SPLIT_LAYOUTS,
+                            instead="use --schedule fused_tc (mma.sync) for the other layouts")
 ARCH = 90  # wgmma, TMA, setmaxnreg: sm_90a (Hopper) only
 HEAD_DIMS = (64, 128)  # 128-byte slabs; 256 would need 128 output registers a thread beside the scores
 
@@ -78,7 +80,8 @@ def supports(spec: AttentionSpec, target: Target) -> bool:
 
 
 def plan(knobs: HopperKnobs, spec: AttentionSpec) -> SmemPlan:
-    return SmemPlan(spec.head_dim, knobs.block_m, knobs.block_n, knobs.stages, spec.itemsize)
+    return SmemPlan(spec.head_dim, knobs.block_m, knobs.block_n, knobs.stages, spec.itemsize,
+                    kv8=spec.kv_dtype is not None)
 
 
 def shared_bytes(knobs: HopperKnobs, spec: AttentionSpec) -> int:
@@ -106,10 +109,16 @@ def registers_estimate(knobs: HopperKnobs, spec: AttentionSpec) -> int:
 #: (D=128: 3 stages are 208 KiB of shared memory; D=64: 4 are 136 KiB). Not yet timed on a GPU.
 _DECODE = {64: {"block_m": 64, "block_n": 128, "stages": 4, "pingpong": 0},
            128: {"block_m": 64, "block_n": 128, "stages": 3, "pingpong": 0}}
+#: an 8-bit cache (any step): one consumer (the producer warpgroup converts each landed tile to 16
+#: bits, with the registers a second consumer would need), each stage with its 8-bit staging
+#: (D=128: 2 stages are 209 KiB; D=64: 4 are 201 KiB)
+_KV8 = {64: {"block_m": 64, "block_n": 128, "stages": 4, "pingpong": 0},
+        128: {"block_m": 64, "block_n": 128, "stages": 2, "pingpong": 0}}
 
 
 def preset(spec: AttentionSpec, target: Target) -> HopperKnobs:
-    table = _DECODE if spec.layout_info.is_cache and spec.seq_q * spec.group_size <= WG_ROWS else _PRESETS
+    table = _KV8 if spec.kv_dtype else \
+        _DECODE if spec.layout_info.is_cache and spec.seq_q * spec.group_size <= WG_ROWS else _PRESETS
     return HopperKnobs(**table.get(spec.head_dim, table[128]), split_tasks=cuda_split_tasks(spec, target))
 
 
@@ -144,6 +153,9 @@ def check(knobs: HopperKnobs, spec: AttentionSpec, target: Target) -> None:
         raise KnobError(f"block_m={knobs.block_m}: one or two consumer warpgroups of 64 rows (64 or 128)")
     if knobs.pingpong and knobs.block_m != 128:
         raise KnobError("pingpong takes two consumer warpgroups (block_m=128)")
+    if spec.kv_dtype and knobs.block_m != WG_ROWS:
+        raise KnobError(f"an 8-bit cache ({spec.kv_dtype}) takes block_m={WG_ROWS}: the producer warpgroup converts "
+                        "its tiles with the registers a second consumer warpgroup would take")
     if knobs.block_n % 16 or not 16 <= knobs.block_n <= 256:
         raise KnobError(f"block_n={knobs.block_n} must be a multiple of 16 in [16, 256] (wgmma m64nNk16)")
     smem = shared_bytes(knobs, spec)
@@ -194,7 +206,18 @@ def knobs_of(sch: s_tir.Schedule, lanes: int = 0, base=None) -> HopperKnobs:
     return workload_knobs(sch.mod["main"])
 
 
-for_layout = cuda_for_layout
+def for_layout(knobs: HopperKnobs, spec: AttentionSpec, target: Target, tuned_at: AttentionSpec | None = None):
+    """Knobs tuned at ``tuned_at`` made fit to build ``spec``: its split-KV grid
+    (``family.cuda_for_layout``); an 8-bit cache, tuned at its 16-bit bhsd representative, takes
+    one consumer and room for its staging tiles: the tuned tile where it fits so, else the preset."""
+    knobs = cuda_for_layout(knobs, spec, target, tuned_at)
+    if spec.kv_dtype:
+        knobs = dataclasses.replace(knobs, block_m=WG_ROWS, pingpong=0)
+        try:
+            check(knobs, spec, target)
+        except KnobError:
+            return preset(spec, target)
+    return knobs
 
 
 is_static_decode = never_static_decode

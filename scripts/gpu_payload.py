@@ -49,8 +49,9 @@ DEFAULT_KERNELS = ("fused_tc", "fused_simt")
 #: ``--hopper``: the Hopper issue's table, one run of at most 5 minutes on an H100/H200: the Hopper
 #: kernel next to the mma.sync one and the peers at FlashAttention's shapes, fp16/bf16, D 64/128,
 #: S 1k-16k, causal and not, sm_90 only, a symbolic and a varlen Hopper build per (dtype, D,
-#: causal), kvcache and paged decode builds of each kernel per (dtype, D), and the variants' bhsd build
-#: (window, kv_start) at the first head_dim
+#: causal), kvcache and paged decode builds of each kernel per (dtype, D) and an e4m3 page pool's
+#: at the first head_dim (the e4m3 goal: a step at most 0.6x the 16-bit one), and the variants' bhsd
+#: build (window, kv_start) at the first head_dim
 #: the Hopper kernel's other forms timed beside its preset (a column each): name -> knob overrides
 HOPPER_VARIANTS = {"hopper_seq": {"overlap": 0}}
 HOPPER = dict(arch=["sm_90"], kernels=["fused_hopper", "fused_tc"], symbolic=True, cache=True, variants=True,
@@ -120,11 +121,9 @@ def jobs_for(a: argparse.Namespace, kernels_dir: Path) -> list[dict]:
     def add(spec, arch):  # a build of each kernel that builds this spec
         for k in a.kernels:
             if k == "fused_hopper":  # the layouts it builds, on sm_90; its variants in bhsd (docs/cuda.md)
-                if arch != "sm_90" or spec.layout not in HOPPER_LAYOUTS or spec.kv_dtype or \
-                        (spec.variants and spec.layout != "bhsd"):
+                if arch != "sm_90" or spec.layout not in HOPPER_LAYOUTS or (spec.variants and spec.layout != "bhsd"):
                     continue
-            elif a.hopper and ((spec.dynamic and spec.layout == "bhsd") or spec.variants or spec.layout == "varlen"
-                               or spec.kv_dtype):
+            elif a.hopper and ((spec.dynamic and spec.layout == "bhsd") or spec.variants or spec.layout == "varlen"):
                 continue  # --hopper: the mma.sync kernel beside it at the static shapes and decode steps
             jobs.append({"spec": spec.to_dict(), "kernel": k, "arch": arch,
                          "dir": str(kernels_dir / arch / f"{k}_{spec.short_name()}")})

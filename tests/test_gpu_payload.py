@@ -107,11 +107,14 @@ def test_hopper_payload_plan(tmp_path):
                   ("fused_hopper", True, 4096), ("fused_hopper", True, 4096)]  # symbolic, then varlen
     assert kinds[:16] == per_causal * 2
     assert [j["spec"].get("layout", "bhsd") for j in jobs[:16]] == (["bhsd"] * 7 + ["varlen"]) * 2
-    # the decode steps: kvcache and paged on both kernels; then the variants' bhsd build on the
-    # Hopper kernel alone (the paged one is the mma.sync kernel's)
-    assert [(j["kernel"], j["spec"].get("layout", "bhsd"), bool(j["spec"].get("window"))) for j in jobs[16:]] == \
-        [("fused_hopper", "kvcache", False), ("fused_tc", "kvcache", False), ("fused_hopper", "paged", False),
-         ("fused_tc", "paged", False), ("fused_hopper", "bhsd", True)]
+    # the decode steps: kvcache, paged and an e4m3 page pool on both kernels; then the variants'
+    # bhsd build on the Hopper kernel alone (the paged one is the mma.sync kernel's)
+    assert [(j["kernel"], j["spec"].get("layout", "bhsd"), j["spec"].get("kv_dtype"), bool(j["spec"].get("window")))
+            for j in jobs[16:]] == \
+        [("fused_hopper", "kvcache", None, False), ("fused_tc", "kvcache", None, False),
+         ("fused_hopper", "paged", None, False), ("fused_tc", "paged", None, False),
+         ("fused_hopper", "paged", "float8_e4m3fn", False), ("fused_tc", "paged", "float8_e4m3fn", False),
+         ("fused_hopper", "bhsd", None, True)]
     assert all(j["knobs"] == {"overlap": 0} for j in jobs if j.get("column") == "hopper_seq")
 
 

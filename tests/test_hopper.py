@@ -7,6 +7,7 @@ loads without spills or serialized products; the refusals. Its GPU run is the pa
 import dataclasses
 import functools
 import os
+import re
 
 import numpy as np
 import pytest
@@ -239,6 +240,9 @@ def test_sm90a_builds_offline(d, dtype, causal, symbolic, lse):
 LAYOUT_BUILDS = [
     ("paged", dict(batch=4, heads=32, kv_heads=8, seq_q=1, seq_kv=4096, head_dim=128, dtype="float16", causal=True,
                    layout="paged", page_size=16, return_lse=True, device_checks=True), ["BT", "CS", "O", "LSE"]),
+    ("paged_e4m3", dict(batch=4, heads=32, kv_heads=8, seq_q=1, seq_kv=4096, head_dim=128, dtype="bfloat16",
+                        causal=True, layout="paged", page_size=16, kv_dtype="float8_e4m3fn"),
+     ["BT", "CS", "KSC", "VSC", "O"]),
 ]
 if os.environ.get("TVMA_CUDA_SWEEP"):
     LAYOUT_BUILDS += [
@@ -247,6 +251,9 @@ if os.environ.get("TVMA_CUDA_SWEEP"):
         ("variants", dict(batch=2, heads=8, kv_heads=2, seq_q=512, seq_kv=700, head_dim=64, dtype="float16",
                           causal=True, window=(127, 0), softcap=30.0, alibi=True, sinks=True, kv_start=True,
                           return_lse=True, dynamic=("batch", "seq_q", "seq_kv")), ["AL", "SN", "KS", "O", "LSE"]),
+        ("kvcache_int8", dict(batch=2, heads=8, kv_heads=2, seq_q=16, seq_kv=1024, head_dim=64, dtype="bfloat16",
+                              causal=True, layout="kvcache", kv_dtype="int8", sinks=True, return_lse=True),
+         ["CS", "SN", "KSC", "VSC", "O", "LSE"]),
     ]
 
 
@@ -272,11 +279,16 @@ def test_layout_builds_offline(name, fields, params):
         assert "hop_zero_rows(" in src and "fence.proxy.async.shared::cta" in src
     if spec.layout == "paged":
         assert "cp.async.bulk.tensor.4d" in src
-        assert "index_error_ptr" in src
+        assert ("index_error_ptr" in src) == spec.device_checks
         # the index checks' kernel first, the tiles, split-KV's merge (each declared, then defined)
-        assert src.count('extern "C" __global__') == 6 and "attention_kernel_2(" in src
-        if "sass_instructions" in r:  # Q's 2 slabs, K's and V's 8 pages a slab
-            assert r["sass_instructions"]["UTMALDG"] >= 2 + 2 * 2 * 8
+        kernels = set(re.findall(r'extern "C" __global__ void (?:__launch_bounds__\([\d, ]+\) )?(\w+)\(', src))
+        assert len(kernels) == 2 + spec.device_checks, kernels
+        if "sass_instructions" in r:  # Q's 2 slabs, K's and V's 8 pages (a slab each; 8-bit: whole rows)
+            assert r["sass_instructions"]["UTMALDG"] >= 2 + 2 * 8 * (1 if spec.kv_dtype else 2)
+    if spec.kv_dtype == "float8_e4m3fn":  # the producer warpgroup's conversion, by the hardware's cvt
+        assert "hop_cvt8_e4m3fn_bf16" in src and "cvt.rn.f16x2.e4m3x2" in src
+    elif spec.kv_dtype == "int8":  # by its bits
+        assert "hop_cvt8_i8_bf16" in src and "__byte_perm" in src
 
 
 @pytest.mark.skipif(find_cuobjdump() is None and find_nvcc() is not None,
@@ -289,6 +301,8 @@ def test_cuobjdump_available_with_nvcc():
 @pytest.mark.parametrize("change, match", [
     (dict(layout="mla", head_dim=576, head_dim_v=512, heads=16, kv_heads=1, scale=0.0723), "builds layout"),
     (dict(layout="paged", page_size=12), "page_size=12"),
+    (dict(layout="kvcache", kv_dtype="int8", kv_scale="token"), "per token"),
+    (dict(kv_dtype="int8"), "8-bit K/V caches"),
     (dict(layout="kvcache", heads=24, kv_heads=2), "group size 12"),
     (dict(dtype="float32"), "builds dtype"),
     (dict(head_dim_v=64), "one head size"),
@@ -534,20 +548,33 @@ def test_kernel_slot_search_is_the_models(batch):
 
 
 def kvcache_model(plan, sq, lens, max_len=320, H=8, KH=2, dtype="bfloat16", seed=0, page_size=None, split_tasks=0,
-                  **variants):
+                  kv_dtype=None, **variants):
     """The model's output and the reference, batch by batch, for a KV cache ``(B, KH, max_len,
     D)`` holding ``lens`` keys each, the rest NaN (stale memory a kernel must never let through);
     with ``page_size``, the same keys in a shuffled page pool ``(pages, page_size, KH, D)``
     through a block table (its unused entries −1, the pool's stale rows NaN); ``split_tasks``:
-    split-KV."""
+    split-KV; ``kv_dtype``: an 8-bit cache quantized per KV head (int8's stale rows ±127, it has
+    no NaN), the reference reading its dequantized values."""
     D, B = plan.head_dim, len(lens)
     rng = np.random.default_rng(seed)
     q = from_bits(to_bits(rng.standard_normal((B, H, sq, D)), dtype), dtype)
     k, v = (from_bits(to_bits(rng.standard_normal((B, KH, max_len, D)), dtype), dtype) for _ in range(2))
     for b, n in enumerate(lens):
         k[b, :, n:], v[b, :, n:] = np.nan, np.nan
+    scales = {}
+    if kv_dtype:
+        from tvm_attention.quant import dequantize, quantize_kv
+
+        stale = np.isnan(k)
+        if kv_dtype == "int8":  # no NaN: the stale rows' codes become the largest, once scaled
+            k, v = np.where(stale, 0.0, k), np.where(stale, 0.0, v)
+        (k, ks), (v, vs) = quantize_kv(k, kv_dtype), quantize_kv(v, kv_dtype)
+        if kv_dtype == "int8":
+            k[stale], v[stale] = 127, -127
+        scales = {"k_scale": ks, "v_scale": vs}
     spec = AttentionSpec(batch=B, heads=H, kv_heads=KH, seq_q=sq, seq_kv=max_len, head_dim=D, dtype="float16",
-                         layout="paged" if page_size else "kvcache", page_size=page_size, **variants)
+                         layout="paged" if page_size else "kvcache", page_size=page_size, kv_dtype=kv_dtype,
+                         **variants)
     args = {"alibi_slopes": rng.uniform(0.01, 0.2, H) if spec.alibi else None,
             "sinks": rng.uniform(-1, 3, H) if spec.sinks else None,
             "kv_start": np.array([min(n, 7 * b) for b, n in enumerate(lens)], np.int32) if spec.kv_start else None}
@@ -556,7 +583,8 @@ def kvcache_model(plan, sq, lens, max_len=320, H=8, KH=2, dtype="bfloat16", seed
     if page_size:  # each sequence's pages scattered through a pool with a spare page of NaN
         mp = max_len // page_size
         order = rng.permutation(B * mp + 1)
-        kc, vc = (np.full((B * mp + 1, page_size, KH, D), np.nan) for _ in range(2))
+        kc, vc = (np.full((B * mp + 1, page_size, KH, D), np.nan).astype(k.dtype) if kv_dtype != "int8" else
+                  np.full((B * mp + 1, page_size, KH, D), 127, np.int8) for _ in range(2))
         table = np.full((B, mp), -1, np.int32)
         for b, n in enumerate(lens):
             for i in range(-(-n // page_size)):
@@ -565,11 +593,13 @@ def kvcache_model(plan, sq, lens, max_len=320, H=8, KH=2, dtype="bfloat16", seed
                 kc[page] = k[b, :, i * page_size:(i + 1) * page_size].transpose(1, 0, 2)
                 vc[page] = v[b, :, i * page_size:(i + 1) * page_size].transpose(1, 0, 2)
     out = run(q, kc, vc, plan, spec, dtype, plan.consumers == 2, True, cache_seqlens=np.array(lens, np.int32),
-              block_table=table, split_tasks=split_tasks, **args)
+              block_table=table, split_tasks=split_tasks, **scales, **args)
+    if kv_dtype:  # the reference reads the cache's values
+        k, v = dequantize(k, scales["k_scale"]), dequantize(v, scales["v_scale"])
     ref = np.zeros_like(out)
     for b, n in enumerate(lens):
         if n:
-            one = dataclasses.replace(spec, layout="bhsd", batch=1, page_size=None)
+            one = dataclasses.replace(spec, layout="bhsd", batch=1, page_size=None, kv_dtype=None)
             a = {**args, "kv_start": None if args["kv_start"] is None else args["kv_start"][b: b + 1]}
             ref[b: b + 1] = reference_attention(one, q[b: b + 1], k[b: b + 1, :, :n], v[b: b + 1, :, :n], **a)
     return out, ref
@@ -659,3 +689,70 @@ def test_kernel_split_math_is_the_models():
             spans = [r.chunk(n, s, ns) for s in range(ns)]
             assert [(_const(f), _const(k)) for f, k in (chunk_span(c(n), c(s), c(ns), 64) for s in range(ns))] == spans
             assert sorted(t for f, k in spans for t in range(f, f + k)) == list(range(n))
+
+
+#: 8-bit caches: (kv_dtype, block_n, page_size, split_tasks, variants): each 8-bit dtype, contiguous
+#: and paged (pages of 16: 8 staging boxes a tile; 256), split and not, the variants
+KV8_CASES = [
+    ("float8_e4m3fn", 64, None, 0, {"causal": True}),
+    ("float8_e5m2", 128, 16, 48, {"causal": True, "sinks": True}),
+    ("int8", 64, 256, 48, {"causal": True, "alibi": True, "softcap": 20.0, "window": (300, 0)}),
+]
+
+
+@pytest.mark.parametrize("kv_dtype, bn, page_size, split_tasks, variants", KV8_CASES)
+def test_model_8bit_cache_matches_reference(kv_dtype, bn, page_size, split_tasks, variants):
+    """An 8-bit cache (scaled per KV head): TMA lands each tile's bytes unswizzled in its staging
+    stage, the producer warpgroup's 128 threads convert them (exactly) into the 128B-swizzled 16-bit
+    stage at ``wgmma_layout.CVT_DST``'s addresses and arrive on its full barriers; the key scale
+    in the scores' factor, the value scale once per output (after the merge when split); the
+    stale rows (NaN in float8, ±127 in int8) never let through."""
+    lens = [0, 1, 300, 1024, 513, 77]
+    out, ref = kvcache_model(SmemPlan(64, 64, bn, 2, kv8=True), 1, lens, max_len=1024, dtype="float16",
+                             page_size=page_size, split_tasks=split_tasks, kv_dtype=kv_dtype, **variants)
+    assert np.isfinite(out).all()
+    assert np.abs(out - ref).max() < 1.5e-2
+    assert not out[0].any()
+
+
+def test_model_8bit_cache_catches_an_unswizzled_conversion(monkeypatch):
+    """The conversion's check can fail: writing a row's chunks without the 128B swizzle's XOR puts
+    them where the descriptors do not read them."""
+    monkeypatch.setattr(wgmma_layout, "CVT_DST", "(i % {cpr} / 4) * {slab_bytes} + (i / {cpr}) * 128 + "
+                                                 "(((i % {cpr}) % 4) * 2 + h) * 16")
+    out, ref = kvcache_model(SmemPlan(64, 64, 64, 2, kv8=True), 1, [200, 77], max_len=256, dtype="float16",
+                             kv_dtype="float8_e4m3fn", causal=True)
+    assert np.abs(out - ref).max() > 0.05
+
+
+def test_kernel_conversion_is_the_layouts():
+    """The kernel's converter is generated from ``wgmma_layout.CVT_DST`` (the model's addresses),
+    and its int8 bit trick (bytes under 0x64, sign flipped, less 1152 in float16) is exact for
+    every int8, emulated here on the words as the helper builds them."""
+    from tvm_attention.workloads.fused_wgmma import _helpers
+
+    plan = SmemPlan(128, 64, 128, 2, kv8=True)
+    src = "".join(_helpers(plan, "float16", 1, "int8").values())
+    for h in (0, 1):
+        assert wgmma_layout.CVT_DST.format(cpr=8, slab_bytes=plan.kv_slab(1)).replace("h", str(h)) in src
+    assert "0x4140u" in src and "0x4342u" in src and "0x00800080u" in src and "0x64806480u" in src
+
+    def byte_perm(x, y, sel):  # CUDA's __byte_perm: result byte k = byte (sel >> 4k) & 7 of {y, x}
+        both = [(x >> 8 * i) & 0xFF for i in range(4)] + [(y >> 8 * i) & 0xFF for i in range(4)]
+        return sum(both[(sel >> 4 * k) & 7] << 8 * k for k in range(4))
+
+    import ml_dtypes
+
+    codes = np.arange(256, dtype=np.uint8)
+    for name in ("float8_e4m3fn", "float8_e5m2"):  # the model's decoding of the cache's bits
+        want = codes.view(getattr(ml_dtypes, name)).astype(np.float64)
+        np.testing.assert_array_equal(wgmma_model.isa_cvt8(codes, name), want)
+    for x in range(256):
+        w = x | (x ^ 0x55) << 8 | (255 - x) << 16 | (x * 7 % 256) << 24  # four bytes of int8
+        halves = []
+        for sel in (0x4140, 0x4342):
+            word = byte_perm(w, 0x64646464, sel) ^ 0x00800080
+            pair = np.array([word & 0xFFFF, word >> 16], np.uint16).view(np.float16)
+            halves += list(pair.astype(np.float32) - np.float32(1152))  # sub.f16x2: exact (ints)
+        want = [((w >> 8 * i) & 0xFF) - 256 * ((w >> 8 * i) & 0x80 > 0) for i in range(4)]
+        assert halves == want, (x, halves, want)

@@ -945,23 +945,27 @@ def merge_grid(spec: AttentionSpec, block, lanes, split: Split, at, LSE=None):
                             T.writes()
                             k_len[0] = X[-1][vb]
                         for d in lanes(D):
-                            with T.sblock("merge_row"):
-                                T.reads()
-                                T.writes()
-                                if NS > 1:
-                                    mx[0] = neg_inf
-                                    for sp in T.serial(NS):
-                                        mx[0] = T.max(mx[0], St[sp, vb, vkh, part_row(vr), 0])
-                                    ls[0] = T.float32(0)
-                                    am[0] = T.float32(0)
-                                    for sp in T.serial(NS):
-                                        wt[0] = exp2_fast(St[sp, vb, vkh, part_row(vr), 0] - guarded(mx[0]))
-                                        ls[0] = ls[0] + St[sp, vb, vkh, part_row(vr), 1] * wt[0]
-                                        am[0] = am[0] + Op[sp, vb, vkh, part_row(vr), d] * wt[0]
-                                    O[row(vb, vkh, k_len[0], X).o_at(vr, d)] = T.Cast(
-                                        dtype, row(vb, vkh, k_len[0], X).out(am[0], ls[0], vr, mx[0]))
-                                    if LSE is not None:
-                                        if d == 0:
-                                            LSE[row(vb, vkh, k_len[0], X).lse_at(vr)] = lse_of(mx[0], ls[0])
+                            # blocks enough a SM for 64 registers a lane: without the bound ptxas
+                            # (register usage level 10) gave 64 lanes 32 and spilled 8 bytes (an
+                            # 8-bit cache with sinks and lse, sm_90, both CUDA kernels)
+                            with T.attr(0, "tirx.launch_bounds_min_blocks_per_sm", max(1, 1024 // D)):
+                                with T.sblock("merge_row"):
+                                    T.reads()
+                                    T.writes()
+                                    if NS > 1:
+                                        mx[0] = neg_inf
+                                        for sp in T.serial(NS):
+                                            mx[0] = T.max(mx[0], St[sp, vb, vkh, part_row(vr), 0])
+                                        ls[0] = T.float32(0)
+                                        am[0] = T.float32(0)
+                                        for sp in T.serial(NS):
+                                            wt[0] = exp2_fast(St[sp, vb, vkh, part_row(vr), 0] - guarded(mx[0]))
+                                            ls[0] = ls[0] + St[sp, vb, vkh, part_row(vr), 1] * wt[0]
+                                            am[0] = am[0] + Op[sp, vb, vkh, part_row(vr), d] * wt[0]
+                                        O[row(vb, vkh, k_len[0], X).o_at(vr, d)] = T.Cast(
+                                            dtype, row(vb, vkh, k_len[0], X).out(am[0], ls[0], vr, mx[0]))
+                                        if LSE is not None:
+                                            if d == 0:
+                                                LSE[row(vb, vkh, k_len[0], X).lse_at(vr)] = lse_of(mx[0], ls[0])
 
     return merge

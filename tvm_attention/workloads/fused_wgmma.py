@@ -33,8 +33,10 @@ box; paged K/V a box per page at its block-table entry). Where a tile's rows pas
 keys are in bounds (the next sequence, stale cache) they are masked, and zeroed in V before
 ``P·V`` so a NaN there cannot meet a zero P. Split-KV of the KV-cache layouts (``split_tasks``):
 a decode step's key tiles in chunks on blockIdx.z, each chunk's unnormalised state to a
-workspace, merged by the ``mma.sync`` kernel's merge kernel. The variants (window, softcap,
-ALiBi, sinks, ``kv_start``) through the variants' contract.
+workspace, merged by the ``mma.sync`` kernel's merge kernel. An 8-bit cache (e4m3, e5m2, int8,
+scaled per KV head): TMA lands its bytes in a staging stage, the producer warpgroup's 128
+threads convert them into the swizzled 16-bit stage (``wgmma_layout.CVT_DST``). The variants
+(window, softcap, ALiBi, sinks, ``kv_start``) through the variants' contract.
 
 The addresses, descriptors and fragment layouts come from :mod:`.wgmma_layout` (one source for the
 kernel and for the NumPy model that checks them, :mod:`.wgmma_model`). Inputs float16 or
@@ -58,6 +60,7 @@ from .kv import dim, kv_layout
 from .variants import Variants, score_scale
 from .variants import transforms as transforms_scores
 from .wgmma_layout import (
+    CVT_DST,
     ROW_BYTES,
     SLAB_COLS,
     TMA_SWIZZLE_128B,
@@ -71,6 +74,8 @@ from .wgmma_layout import (
     tensor_map,
     tensor_map_gqa,
     tensor_map_packed,
+    tensor_map8,
+    tensor_map8_paged,
     tensor_map_paged,
 )
 
@@ -82,9 +87,68 @@ LAYOUTS = ("bhsd", "varlen", "kvcache", "paged")
 #: 2 × 240 registers × 128 threads fill an SM's 64 K
 PRODUCER_REGS = 24
 CONSUMER_REGS = 240
+#: an 8-bit cache's producer warpgroup also converts each tile to 16 bits (a chunk's 4 words in, 8
+#: out, its addresses; bf16 through float): nvcc 13 spilled 8 bytes at 64 (int8 to bf16, D=64,
+#: sinks and lse); one consumer and 256 threads leave 128 free (128 + 240 of 256 a thread)
+CONVERTER_REGS = 128
+#: the 8-bit caches' 16-bit conversions of 4 elements (one 32-bit word, element 0 in its low
+#: byte) into two words of 16-bit pairs, exact for every value (e4m3 and e5m2 by the hardware's
+#: cvt, sm_89+; int8 as 1024 + (x + 128) by its bits, less 1152)
+_CVT8 = {
+    "float8_e4m3fn": ('{.reg .b16 lo, hi;\\nmov.b32 {lo, hi}, %2;\\ncvt.rn.f16x2.e4m3x2 %0, lo;\\n'
+                      'cvt.rn.f16x2.e4m3x2 %1, hi;\\n}\\n'),
+    "float8_e5m2": ('{.reg .b16 lo, hi;\\nmov.b32 {lo, hi}, %2;\\ncvt.rn.f16x2.e5m2x2 %0, lo;\\n'
+                    'cvt.rn.f16x2.e5m2x2 %1, hi;\\n}\\n'),
+}
 
 
-def _helpers(plan: SmemPlan, dtype: str, consumers: int) -> dict[str, str]:
+def _helpers8(plan: SmemPlan, dtype: str, kv8: str) -> dict[str, str]:
+    """The device helpers of an 8-bit cache: the producer warpgroup's conversion of a landed tile
+    (one source: TVM emits a helper's once, by the name called from TIR) and its registers."""
+    ab = WGMMA_DTYPES[dtype]
+    BN, D = plan.block_n, plan.head_dim
+    if kv8 == "int8":
+        word = ("  o0 = __byte_perm(w, 0x64646464u, 0x4140u) ^ 0x00800080u;\n"
+                "  o1 = __byte_perm(w, 0x64646464u, 0x4342u) ^ 0x00800080u;\n"
+                '  asm("sub.f16x2 %0, %0, %2;\\nsub.f16x2 %1, %1, %2;\\n" : "+r"(o0), "+r"(o1) : "r"(0x64806480u));\n')
+    else:
+        word = f'  asm("{_CVT8[kv8]}" : "=r"(o0), "=r"(o1) : "r"(w));\n'
+    if dtype == "bfloat16":  # exact: every 8-bit value has at most 8 significant bits
+        word += ("  { __nv_bfloat162 b0 = __float22bfloat162_rn(__half22float2(*(__half2*)&o0));\n"
+                 "    __nv_bfloat162 b1 = __float22bfloat162_rn(__half22float2(*(__half2*)&o1));\n"
+                 "    o0 = *(unsigned*)&b0; o1 = *(unsigned*)&b1; }\n")
+    kind = kv8.split("_")[-1] if kv8 != "int8" else "i8"
+    dst = {h: CVT_DST.format(cpr=D // 16, slab_bytes=plan.kv_slab(1)).replace("h", str(h)) for h in (0, 1)}
+    return {  # the word's conversion, then the tile's loop over it
+        f"hop_cvt8_{kind}_{ab}_{D}_{BN}": f"""
+__device__ __forceinline__ void hop_cvt4_{kind}_{ab}(unsigned w, unsigned& o0, unsigned& o1) {{
+  // 4 elements of an {kv8} cache (element 0 in the low byte) as two {ab} pairs
+{word}}}
+
+__device__ __forceinline__ void hop_cvt8_{kind}_{ab}_{D}_{BN}(unsigned src, unsigned dst, int t) {{
+  // the {kv8} tile TMA landed at src ({BN} rows of {D} bytes) as {ab} into the 128B-swizzled
+  // tile at dst, by the warpgroup's 128 threads: chunk i (16 elements) to two 16-byte halves at
+  // wgmma_layout.CVT_DST; then visible to the async proxy (wgmma)
+  for (unsigned i = t; i < {plan.cvt_chunks}u; i += 128u) {{
+    unsigned w[4], o[8];
+    asm volatile("ld.shared.v4.u32 {{%0, %1, %2, %3}}, [%4];\\n"
+             : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "r"(src + i * 16u) : "memory");
+    for (int k = 0; k < 4; ++k) hop_cvt4_{kind}_{ab}(w[k], o[2 * k], o[2 * k + 1]);
+    asm volatile("st.shared.v4.u32 [%0], {{%1, %2, %3, %4}};\\n"
+             :: "r"(dst + {dst[0]}), "r"(o[0]), "r"(o[1]), "r"(o[2]), "r"(o[3]) : "memory");
+    asm volatile("st.shared.v4.u32 [%0], {{%1, %2, %3, %4}};\\n"
+             :: "r"(dst + {dst[1]}), "r"(o[4]), "r"(o[5]), "r"(o[6]), "r"(o[7]) : "memory");
+  }}
+  asm volatile("fence.proxy.async.shared::cta;\\n" ::: "memory");
+}}""",
+        "hop_regs_converter": f"""
+__device__ __forceinline__ void hop_regs_converter() {{
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 {CONVERTER_REGS};\\n" ::: "memory");
+}}""",
+    }
+
+
+def _helpers(plan: SmemPlan, dtype: str, consumers: int, kv8: str | None = None) -> dict[str, str]:
     """Device helpers by name (inline PTX), their constants from ``plan``: TVM emits each source
     once per name, so every name carries the shapes it was generated for."""
     ab = WGMMA_DTYPES[dtype]
@@ -121,7 +185,8 @@ def _helpers(plan: SmemPlan, dtype: str, consumers: int) -> dict[str, str]:
             f'      : {outs("o", no)} : "r"(a[{4 * kk}]), "r"(a[{4 * kk + 1}]), "r"(a[{4 * kk + 2}]), '
             f'"r"(a[{4 * kk + 3}]), "l"(db), "r"(1)); }}\n')
     sfx = f"{ab}_{D}_{BN}_{plan.block_m}_{plan.stages}"
-    return {
+    extra = {} if kv8 is None else _helpers8(plan, dtype, kv8)
+    return {**extra,
         "hop_smem_base": r"""
 __device__ __forceinline__ unsigned hop_smem_base(void* p) {
   // dynamic shared memory is 16-byte aligned; the 128B swizzle's pattern needs 1024
@@ -248,9 +313,13 @@ def _context(spec: AttentionSpec, block_m: int, block_n: int, stages: int, pingp
         raise ValueError(f"the Hopper kernel takes float16 or bfloat16, not {spec.dtype}")
     if spec.layout not in LAYOUTS:
         raise ValueError(f"the Hopper kernel builds the {' and '.join(LAYOUTS)} layouts so far, not {spec.layout}")
-    plan = SmemPlan(spec.head_dim, block_m, block_n, stages, spec.itemsize)
     packed = spec.layout == "varlen"
     cache = spec.layout in ("kvcache", "paged")  # a KV head's query heads packed into the tile's rows
+    kv8 = spec.kv_dtype  # an 8-bit cache: TMA lands its bytes, the producer warpgroup converts them
+    if kv8 is not None and (not cache or spec.kv_scale != "head" or block_m != WG_ROWS):
+        raise ValueError("the Hopper kernel reads an 8-bit cache in the kvcache and paged layouts, scaled per KV "
+                         "head, with one consumer warpgroup (block_m=64)")
+    plan = SmemPlan(spec.head_dim, block_m, block_n, stages, spec.itemsize, kv8=kv8 is not None)
     paged = spec.layout == "paged"
     H, KH, G, D = spec.heads, spec.kv_heads, spec.group_size, spec.head_dim
     if cache and WG_ROWS % G:
@@ -279,12 +348,15 @@ def _context(spec: AttentionSpec, block_m: int, block_n: int, stages: int, pingp
     vis = Visibility.of(spec)
     causal = vis.causal
     var = Variants.declare(spec, B)  # the variants' arguments and hooks (window, softcap, ALiBi, sinks, kv_start)
+    # an 8-bit cache's scales (k_scale, v_scale: per KV head) without a unit: the conversion to
+    # 16 bits is exact (the hardware's cvt), not kv_to_f32's e4m3 · 2^-8
+    var.unit = 1.0
     transforms = transforms_scores(spec)
     # the scores' factor: with a softcap or ALiBi the hook takes the scaled score and returns log2
     # units (the max is then of those); else the max of the raw scores is scaled once
     qscale = 1.0 if transforms else score_scale(spec)
     neg_inf = T.float32(float("-inf"))
-    srcs = _helpers(plan, dtype, NC)
+    srcs = _helpers(plan, dtype, NC, kv8)
     sfx = f"{WGMMA_DTYPES[dtype]}_{D}_{BN}_{BM}_{NS}"
     nthr = NC * WARPGROUP
     isz = spec.itemsize
@@ -343,10 +415,14 @@ def _context(spec: AttentionSpec, block_m: int, block_n: int, stages: int, pingp
         sees = vis.sees(key, pos(wrow0 + row_in_wg(t, r)) + seq.off, start)
         return key < seq.k_len if sees is None else tirx.And(key < seq.k_len, sees)
 
+    def factor(hh, value):
+        # a score's factor; an 8-bit cache's key scale folded in (hh: the block's KV head)
+        return var.k_scaled(hh, value) if kv8 is not None else T.float32(value)
+
     def logit(seq, s, t, r, j, wrow0, hh):
         # a raw score in log2 units through the variants' hook: softcap, then ALiBi's distance
         key = j * BN + col_of(t, r)
-        return var.logit(s * T.float32(score_scale(spec)), lambda: head(hh, wrow0 + row_in_wg(t, r)),
+        return var.logit(s * factor(hh, score_scale(spec)), lambda: head(hh, wrow0 + row_in_wg(t, r)),
                          lambda: pos(wrow0 + row_in_wg(t, r)) + seq.off - key)
 
     def o_at(seq, hh, row, col):
@@ -414,9 +490,12 @@ def _tma(x) -> dict:
         def kv_box(seq, key0, kvh, i):
             return kv_coord(seq, key0, kvh)
 
-    def tmap_args(rows, planes, box_rows, gqa=False, pages=False):
+    def tmap_args(rows, planes, box_rows, gqa=False, pages=False, kv8=False):
         if gqa:  # Q of a KV-cache tile: (head_dim, group, positions, batch·kv heads)
             dims, strides, box, el = tensor_map_gqa(D, G, rows, planes, box_rows, isz)
+        elif kv8:  # an 8-bit cache: whole rows of head_dim bytes, unswizzled
+            dims, strides, box, el = (tensor_map8_paged(D, planes, PS, rows, box_rows) if pages
+                                      else tensor_map8(D, rows, planes, box_rows))
         elif pages:  # a page pool: (head_dim, kv heads, page rows, pages)
             dims, strides, box, el = tensor_map_paged(D, planes, PS, rows, box_rows, isz)
         else:
@@ -460,12 +539,63 @@ def _producer(x):
     return producer
 
 
+def _producer8(x):
+    """An 8-bit cache's producer warpgroup: its thread 0 loads Q, then each tile's K and V bytes
+    by TMA into their staging stage (rows of head_dim bytes); all 128 threads convert a landed
+    tile into the 16-bit stage the consumers read (once they have released it), arrive on its full
+    barriers, and hand the staging stage back to the next load."""
+    call, plan, tq, tk, tv, NS, BN = x.call, x.plan, x.tq, x.tk, x.tv, x.NS, x.BN
+    q_coord, kv_box, nboxes, D = x.q_coord, x.kv_box, x.nboxes, x.D
+    rows = x.PROWS if x.paged else BN
+    kv_copy = "hop_tma4d" if x.paged else "hop_tma3d"
+    kind = x.kv8.split("_")[-1] if x.kv8 != "int8" else "i8"
+    cvt = f"hop_cvt8_{kind}_{WGMMA_DTYPES[x.dtype]}_{D}_{BN}"
+
+    @T.macro
+    def load8(sb, seq, kvh, first, j):
+        # tile j's K and V bytes into staging stage j % NS: one box per page (or the tile)
+        T.evaluate(call("hop_expect", sb + plan.bar_full8(0) + j % NS * 8, 2 * plan.kv8_tile_bytes))
+        for i in T.unroll(nboxes):
+            T.evaluate(call(kv_copy, sb + plan.k8_tile(0) + j % NS * 2 * plan.kv8_tile_bytes + i * rows * D,
+                            T.address_of(tk), sb + plan.bar_full8(0) + j % NS * 8, 0,
+                            *kv_box(seq, (first + j) * BN, kvh, i)))
+            T.evaluate(call(kv_copy, sb + plan.v8_tile(0) + j % NS * 2 * plan.kv8_tile_bytes + i * rows * D,
+                            T.address_of(tv), sb + plan.bar_full8(0) + j % NS * 8, 0,
+                            *kv_box(seq, (first + j) * BN, kvh, i)))
+
+    @T.macro
+    def producer8(sb, seq, row0, hh, kvh, first, nt, t):
+        if t == 0:
+            T.evaluate(call("hop_expect", sb + plan.bar_full_q(), plan.q_bytes))
+            for sl in T.unroll(plan.slabs):
+                T.evaluate(call("hop_tma4d", sb + plan.q_slab(sl), T.address_of(tq), sb + plan.bar_full_q(),
+                                sl * SLAB_COLS, *q_coord(seq, row0, hh)))
+            for j in T.serial(T.min(nt, NS)):
+                load8(sb, seq, kvh, first, j)
+        for j in T.serial(nt):
+            T.evaluate(call("hop_wait", sb + plan.bar_full8(0) + j % NS * 8, full_parity(j, NS)))
+            if j >= NS:  # the 16-bit stage's previous tile read by every consumer
+                T.evaluate(call("hop_wait", sb + plan.bar_empty(0) + j % NS * 8, empty_parity(j, NS)))
+            T.evaluate(call(cvt, sb + plan.k8_tile(0) + j % NS * 2 * plan.kv8_tile_bytes,
+                            sb + plan.k_tile(0) + j % NS * plan.kv_tile_bytes, t))
+            T.evaluate(call("hop_arrive", sb + plan.bar_full_k(0) + j % NS * 8))
+            T.evaluate(call(cvt, sb + plan.v8_tile(0) + j % NS * 2 * plan.kv8_tile_bytes,
+                            sb + plan.v_tile(0) + j % NS * plan.kv_tile_bytes, t))
+            T.evaluate(call("hop_arrive", sb + plan.bar_full_v(0) + j % NS * 8))
+            T.evaluate(call("hop_wg_sync", 5))  # the staging stage read by all 128 threads
+            if t == 0:
+                if j + NS < nt:
+                    load8(sb, seq, kvh, first, j + NS)
+
+    return producer8
+
+
 def _softmax(x):
     """The online softmax of one key tile on a consumer thread's score registers: the scores
     masked where needed, the rows' new max, ``alpha = exp2(m_old − m_new)`` into ``al`` (the
     caller rescales O by it once no product is writing O), ``P`` in place of ``S``, the sums."""
     needs_mask, neg_inf, NSR, qscale, visible = x.needs_mask, x.neg_inf, x.NSR, x.qscale, x.visible
-    logit, transforms = x.logit, x.transforms
+    logit, transforms, factor = x.logit, x.transforms, x.factor
 
     @T.macro
     def softmax(seq, S, m, l, al, t, wrow0, j, hh, start):
@@ -482,27 +612,71 @@ def _softmax(x):
             al[r % 4 // 2] = T.max(al[r % 4 // 2], S[r])
         for h in T.unroll(2):
             # the row's four lanes; scaled once (the scale is positive), the new max in log2 units
-            mn: T.float32 = T.max(m[h], T.cuda.warp_max(al[h], 4) * T.float32(qscale))
+            mn: T.float32 = T.max(m[h], T.cuda.warp_max(al[h], 4) * (factor(hh, qscale) if not transforms
+                                                                     else T.float32(1.0)))
             al[h] = T.exp2(m[h] - guarded(mn))  # a row with no visible key yet keeps its max at 0
             m[h] = mn
             l[h] = l[h] * al[h]
         for r in T.unroll(NSR):
-            S[r] = T.exp2(S[r] * T.float32(qscale) - guarded(m[r % 4 // 2]))
+            S[r] = T.exp2(S[r] * (factor(hh, qscale) if not transforms else T.float32(1.0)) - guarded(m[r % 4 // 2]))
             l[r % 4 // 2] = l[r % 4 // 2] + S[r]
 
     return softmax
+
+
+def _epilogue(x, rescale):
+    """A consumer's last step, as the macros ``finish`` (the rows' lse, the sink, the normalised
+    output; an 8-bit cache's value scale) and ``store_part`` (a split-KV chunk's state)."""
+    col_of, dtype, LSE, lse, lse_at, NOR, o_at, row_in_wg, var, vis = \
+        x.col_of, x.dtype, x.LSE, x.lse, x.lse_at, x.NOR, x.o_at, x.row_in_wg, x.var, x.vis
+    head, pos = x.head, x.pos
+
+    @T.macro
+    def finish(seq, O, Oa, m, l, al, t, wrow0, hh):
+        # the rows' lse, the sink, the normalised output
+        if lse:  # FlashAttention's softmax_lse: without the sink
+            if t % 4 == 0:
+                for h in T.unroll(2):
+                    if pos(wrow0 + row_in_wg(t, 2 * h)) < seq.q_len:
+                        LSE[lse_at(seq, hh, wrow0 + row_in_wg(t, 2 * h))] = lse_of(m[h], l[h])
+        if var.SK is not None:
+            for h in T.unroll(2):  # the sink joins the denominator: (acc·w, l·w + e), w in al
+                al[h] = var.sink_terms(m[h], head(hh, wrow0 + row_in_wg(t, 2 * h)))[0]
+                l[h] = l[h] * al[h] + var.sink_terms(m[h], head(hh, wrow0 + row_in_wg(t, 2 * h)))[1]
+            rescale(Oa, al)
+        for r in T.unroll(NOR):
+            if pos(wrow0 + row_in_wg(t, r)) < seq.q_len:
+                # an 8-bit cache's value scale once per output (v_scaled: Oa itself otherwise)
+                O[o_at(seq, hh, wrow0 + row_in_wg(t, r), col_of(t, r))] = T.Cast(dtype, normalize_where(
+                    var.v_scaled(Oa[r], hh), l[r % 4 // 2], vis.sees_a_key(pos(wrow0 + row_in_wg(t, r)) + seq.off,
+                                                                           seq.k_len, var.start(seq.b))))
+
+    def part_row(row):
+        # rows < BM: the workspace holds one row tile (the min says so to TVM's buffer
+        # compaction, which would size it by seq_q from the row's extent: fused_cuda.merge_grid)
+        return T.min(row, x.BM - 1)
+
+    @T.macro
+    def store_part(seq, Op, St, ch, Oa, m, l, t, wrow0, hh):
+        # chunk ch's state for the merge kernel: the unnormalised output, the rows' max (log2
+        # units) and sum; the lse and the sink are the merge's
+        for r in T.unroll(NOR):
+            Op[ch, seq.b, hh, part_row(wrow0 + row_in_wg(t, r)), col_of(t, r)] = Oa[r]
+        if t % 4 == 0:
+            for h in T.unroll(2):
+                St[ch, seq.b, hh, part_row(wrow0 + row_in_wg(t, 2 * h)), 0] = m[h]
+                St[ch, seq.b, hh, part_row(wrow0 + row_in_wg(t, 2 * h)), 1] = l[h]
+
+    return finish, store_part
 
 
 def _consumer(x, softmax):
     """A consumer warpgroup: its rows' products, softmax and store. With ``overlap`` (FlashAttention-3's
     intra-warpgroup overlap) tile j's ``S = Q·Kᵀ`` is issued together with tile j − 1's ``O += P·V``
     and the softmax of tile j runs while that product is in flight; O is rescaled after it."""
-    (call, col_of, dtype, LSE, lse, lse_at, neg_inf, NOR, NS, NSR, nthr, o_at, overlap, packed, pingpong, plan,
-     row_in_wg, sfx, var, vis) = (x.call, x.col_of, x.dtype, x.LSE, x.lse, x.lse_at, x.neg_inf, x.NOR, x.NS, x.NSR,
-                                  x.nthr, x.o_at, x.overlap, x.packed, x.pingpong, x.plan, x.row_in_wg, x.sfx, x.var,
-                                  x.vis)
+    (call, dtype, neg_inf, NOR, NS, NSR, nthr, overlap, packed, pingpong, plan, sfx, var) = \
+        (x.call, x.dtype, x.neg_inf, x.NOR, x.NS, x.NSR, x.nthr, x.overlap, x.packed, x.pingpong, x.plan, x.sfx, x.var)
     BN, kv_rows = x.BN, plan.kv_slab(1)  # a V tile's bytes per slab
-    head, pos = x.head, x.pos
     zero_tail = packed or x.cache  # V's rows past a sequence's keys are another's, or stale cache
     pack = f"hop_pack{BN}_{WGMMA_DTYPES[dtype]}"
 
@@ -548,40 +722,7 @@ def _consumer(x, softmax):
     def release(sb, j):  # tile j's stage read by this thread's products
         T.evaluate(call("hop_arrive", sb + plan.bar_empty(0) + stage(j) * 8))
 
-    @T.macro
-    def finish(seq, O, Oa, m, l, al, t, wrow0, hh):
-        # the rows' lse, the sink, the normalised output
-        if lse:  # FlashAttention's softmax_lse: without the sink
-            if t % 4 == 0:
-                for h in T.unroll(2):
-                    if pos(wrow0 + row_in_wg(t, 2 * h)) < seq.q_len:
-                        LSE[lse_at(seq, hh, wrow0 + row_in_wg(t, 2 * h))] = lse_of(m[h], l[h])
-        if var.SK is not None:
-            for h in T.unroll(2):  # the sink joins the denominator: (acc·w, l·w + e), w in al
-                al[h] = var.sink_terms(m[h], head(hh, wrow0 + row_in_wg(t, 2 * h)))[0]
-                l[h] = l[h] * al[h] + var.sink_terms(m[h], head(hh, wrow0 + row_in_wg(t, 2 * h)))[1]
-            rescale(Oa, al)
-        for r in T.unroll(NOR):
-            if pos(wrow0 + row_in_wg(t, r)) < seq.q_len:
-                O[o_at(seq, hh, wrow0 + row_in_wg(t, r), col_of(t, r))] = T.Cast(dtype, normalize_where(
-                    Oa[r], l[r % 4 // 2], vis.sees_a_key(pos(wrow0 + row_in_wg(t, r)) + seq.off, seq.k_len,
-                                                         var.start(seq.b))))
-
-    def part_row(row):
-        # rows < BM: the workspace holds one row tile (the min says so to TVM's buffer
-        # compaction, which would size it by seq_q from the row's extent: fused_cuda.merge_grid)
-        return T.min(row, x.BM - 1)
-
-    @T.macro
-    def store_part(seq, Op, St, ch, Oa, m, l, t, wrow0, hh):
-        # chunk ch's state for the merge kernel: the unnormalised output, the rows' max (log2
-        # units) and sum; the lse and the sink are the merge's
-        for r in T.unroll(NOR):
-            Op[ch, seq.b, hh, part_row(wrow0 + row_in_wg(t, r)), col_of(t, r)] = Oa[r]
-        if t % 4 == 0:
-            for h in T.unroll(2):
-                St[ch, seq.b, hh, part_row(wrow0 + row_in_wg(t, 2 * h)), 0] = m[h]
-                St[ch, seq.b, hh, part_row(wrow0 + row_in_wg(t, 2 * h)), 1] = l[h]
+    finish, store_part = _epilogue(x, rescale)
 
     @T.macro
     def consumer(sb, seq, O, S, Pk, Oa, m, l, al, tid, row0, hh, first, nt, part):
@@ -657,7 +798,9 @@ def _block(x, producer, consumer):
     warpgroup (its registers given back, one thread loading) and the consumers."""
     BN, call, G, NOR, NS, NSR, nthr, plan, tile_range, var = \
         x.BN, x.call, x.G, x.NOR, x.NS, x.NSR, x.nthr, x.plan, x.tile_range, x.var
-    cache = x.cache
+    cache, kv8 = x.cache, x.kv8 is not None
+    producer8 = _producer8(x) if kv8 else None
+    converted = WARPGROUP if kv8 else 1  # a 16-bit stage is full once its converters (or TMA) arrive
 
     @T.macro
     def block(Q, K, V, O, seq, hh, tid, row0, part=None):
@@ -683,15 +826,21 @@ def _block(x, producer, consumer):
         if tid == 0:
             T.evaluate(call("hop_mbar_init", sb + plan.bar_full_q(), 1))
             for s in T.unroll(NS):
-                T.evaluate(call("hop_mbar_init", sb + plan.bar_full_k(s), 1))
-                T.evaluate(call("hop_mbar_init", sb + plan.bar_full_v(s), 1))
+                T.evaluate(call("hop_mbar_init", sb + plan.bar_full_k(s), converted))
+                T.evaluate(call("hop_mbar_init", sb + plan.bar_full_v(s), converted))
                 T.evaluate(call("hop_mbar_init", sb + plan.bar_empty(s), nthr))
+                if kv8:
+                    T.evaluate(call("hop_mbar_init", sb + plan.bar_full8(s), 1))
             T.evaluate(call("hop_fence_init"))
         T.tvm_storage_sync("shared")
         if tid < WARPGROUP:
-            T.evaluate(call("hop_regs_producer"))
-            if tid == 0:
-                producer(sb, seq, row0, hh, hh if cache else hh // G, first, nt)
+            if kv8:
+                T.evaluate(call("hop_regs_converter"))
+                producer8(sb, seq, row0, hh, hh, first, nt, tid)
+            else:
+                T.evaluate(call("hop_regs_producer"))
+                if tid == 0:
+                    producer(sb, seq, row0, hh, hh if cache else hh // G, first, nt)
         else:
             T.evaluate(call("hop_regs_consumer"))
             consumer(sb, seq, O, S, Pk, Oa, m, l, al, tid, row0, hh, first, nt, part)
@@ -720,49 +869,39 @@ def locate(sq, CQ, CK, slot, NB1, BM: int):
     sq[0] = (slot - T.floordiv(sq[1], BM) - sq[5]) * BM
 
 
-def fused_attention_wgmma(spec: AttentionSpec, block_m: int, block_n: int, stages: int,
-                          pingpong: bool = True, overlap: bool = True, split_tasks: int = 0) -> tirx.PrimFunc:
-    """Arguments (call order), ``spec.dtype`` (float16 or bfloat16), compact row-major, 16-byte
-    aligned: bhsd ``Q (B, H, Sq, D)``, ``K (B, KH, Skv, D)``, ``V (B, KH, Skv, D)``, the variants'
-    arguments, ``O (B, H, Sq, D)``, then ``LSE (B, H, Sq) float32`` with ``spec.return_lse``
-    (batch and lengths static or symbolic); varlen ``Q (total_q, H, D)``, ``K``/``V (total_k, KH,
-    D)``, ``cu_seqlens_q``/``cu_seqlens_k (batch + 1,) int32``, the variants' arguments, ``O
-    (total_q, H, D)``, ``LSE (H, total_q)``; kvcache ``Q (B, H, Sq, D)``, ``K``/``V (B, KH,
-    max_len, D)``, ``cache_seqlens (B,) int32``, ``O``; paged ``K``/``V (num_pages, page_size, KH,
-    D)``, ``block_table (B, max_pages) int32`` before ``cache_seqlens``. ``split_tasks`` (the
-    KV-cache layouts; 0: none): split-KV until the grid has that many blocks, the chunks'
-    partials in a workspace the function allocates, merged by a second kernel
-    (``fused_cuda.merge_grid``, the mma.sync kernel's)."""
-    x = _context(spec, block_m, block_n, stages, pingpong, overlap, split_tasks)
-    (B, BM, BN, D, dtype, H, KH, LSE, lse, maps, NS, nrt, packed, SK, SQ, THREADS, tk, tq, tv) = \
-        (x.B, x.BM, x.BN, x.D, x.dtype, x.H, x.KH, x.LSE, x.lse, x.maps, x.NS, x.nrt, x.packed, x.SK, x.SQ,
-         x.THREADS, x.tk, x.tq, x.tv)
-    cache, causal, paged, tmap_args, var, split, NSA = x.cache, x.causal, x.paged, x.tmap_args, x.var, x.split, x.NSA
-    producer = _producer(x)
-    consumer = _consumer(x, _softmax(x))
+#: one block an SM: ptxas then knows the registers at entry (65536 / threads) and sizes the
+#: consumers' code by setmaxnreg's 240, not by that share
+ONE_PER_SM = "tirx.launch_bounds_min_blocks_per_sm"
+
+
+def _tmaps(x):
+    """The macro ``tmaps(Q, K, V)``: the three tensor maps, encoded on the host at each call."""
+    dtype, maps, tq, tk, tv, tmap_args = x.dtype, x.maps, x.tq, x.tk, x.tv, x.tmap_args
+    cache, paged, kv8 = x.cache, x.paged, x.kv8 is not None
 
     @T.macro
-    def tmap(tmv, buf, rows, planes, box_rows, gqa=False, pages=False):
+    def tmap(tmv, buf, rows, planes, box_rows, gqa=False, pages=False, bytes8=False):
         # a 3-D view (4-D: a KV-cache tile's Q, a page pool), boxes of 64 columns and box_rows
-        # rows, 128B swizzle (wgmma_layout)
+        # rows, 128B swizzle (wgmma_layout); an 8-bit cache's: whole rows of bytes, unswizzled
         T.Bind(T.tvm_stack_alloca("tensormap", 1), var=tmv)
-        T.tensormap_encode_tiled(tmv, buf.data, *tmap_args(rows, planes, box_rows, gqa, pages),
-                                 descriptor_dtype=dtype, rank=4 if gqa or pages else 3, swizzle=TMA_SWIZZLE_128B)
+        T.tensormap_encode_tiled(tmv, buf.data, *tmap_args(rows, planes, box_rows, gqa, pages, bytes8),
+                                 descriptor_dtype="uint8" if bytes8 else dtype, rank=4 if gqa or pages else 3,
+                                 swizzle=0 if bytes8 else TMA_SWIZZLE_128B)
 
-    block = _block(x, producer, consumer)
-
-    attrs = {"global_symbol": ENTRY, "tirx.noalias": True, "attn.workload": "fused_wgmma",
-             **record(FUSED_WGMMA, block_m=BM, block_n=BN, stages=NS, pingpong=int(pingpong), overlap=int(overlap)),
-             **record(CUDA_SPLIT, split_tasks=split_tasks if split is not None else 0)}
-    # one block an SM: ptxas then knows the registers at entry (65536 / threads) and sizes the
-    # consumers' code by setmaxnreg's 240, not by that share
-    one_per_sm = "tirx.launch_bounds_min_blocks_per_sm"
     @T.macro
     def tmaps(Q, K, V):
-        # the three tensor maps, encoded on the host at each call
         tmap(tq, Q, *maps[0], cache)
-        tmap(tk, K, *maps[1], False, paged)
-        tmap(tv, V, *maps[1], False, paged)
+        tmap(tk, K, *maps[1], False, paged, kv8)
+        tmap(tv, V, *maps[1], False, paged, kv8)
+
+    return tmaps
+
+
+def _dense_grid(x, block, tmaps):
+    """The macro ``dense_grid(Q, K, V, O, CS, BT)`` of the bhsd and KV-cache layouts: a (row tile,
+    head, batch) grid of ``block``; split-KV, its chunks' workspace and the merge kernel."""
+    B, BM, BN, D, H, KH, LSE, nrt, SK, SQ, THREADS = x.B, x.BM, x.BN, x.D, x.H, x.KH, x.LSE, x.nrt, x.SK, x.SQ, x.THREADS
+    cache, causal, paged, var, split, NSA, spec = x.cache, x.causal, x.paged, x.var, x.split, x.NSA, x.spec
 
     @T.macro
     def tiles(Q, K, V, O, CS, BT, part):
@@ -772,7 +911,7 @@ def fused_attention_wgmma(spec: AttentionSpec, block_m: int, block_n: int, stage
             for hh in T.thread_binding(KH if cache else H, thread="blockIdx.y"):
                 for bz in T.thread_binding(B * NSA, thread="blockIdx.z"):
                     for tid in T.thread_binding(THREADS, thread="threadIdx.x"):
-                        with T.attr(0, one_per_sm, 1):
+                        with T.attr(0, ONE_PER_SM, 1):
                             with T.sblock("tile"):
                                 T.reads()
                                 T.writes()
@@ -809,14 +948,44 @@ def fused_attention_wgmma(spec: AttentionSpec, block_m: int, block_n: int, stage
                 tiles(Q, K, V, O, CS, BT, (Op, St))
                 merge(Op, St, O, (BT, CS) if paged else (CS,))
 
+    return dense_grid
+
+
+def fused_attention_wgmma(spec: AttentionSpec, block_m: int, block_n: int, stages: int,
+                          pingpong: bool = True, overlap: bool = True, split_tasks: int = 0) -> tirx.PrimFunc:
+    """Arguments (call order), ``spec.dtype`` (float16 or bfloat16), compact row-major, 16-byte
+    aligned: bhsd ``Q (B, H, Sq, D)``, ``K (B, KH, Skv, D)``, ``V (B, KH, Skv, D)``, the variants'
+    arguments, ``O (B, H, Sq, D)``, then ``LSE (B, H, Sq) float32`` with ``spec.return_lse``
+    (batch and lengths static or symbolic); varlen ``Q (total_q, H, D)``, ``K``/``V (total_k, KH,
+    D)``, ``cu_seqlens_q``/``cu_seqlens_k (batch + 1,) int32``, the variants' arguments, ``O
+    (total_q, H, D)``, ``LSE (H, total_q)``; kvcache ``Q (B, H, Sq, D)``, ``K``/``V (B, KH,
+    max_len, D)``, ``cache_seqlens (B,) int32``, ``O``; paged ``K``/``V (num_pages, page_size, KH,
+    D)``, ``block_table (B, max_pages) int32`` before ``cache_seqlens``. ``split_tasks`` (the
+    KV-cache layouts; 0: none): split-KV until the grid has that many blocks, the chunks'
+    partials in a workspace the function allocates, merged by a second kernel
+    (``fused_cuda.merge_grid``, the mma.sync kernel's)."""
+    x = _context(spec, block_m, block_n, stages, pingpong, overlap, split_tasks)
+    (B, BM, BN, D, dtype, H, KH, LSE, lse, NS, nrt, packed, SK, SQ, THREADS) = \
+        (x.B, x.BM, x.BN, x.D, x.dtype, x.H, x.KH, x.LSE, x.lse, x.NS, x.nrt, x.packed, x.SK, x.SQ, x.THREADS)
+    cache, causal, paged, var, split = x.cache, x.causal, x.paged, x.var, x.split
+    producer = _producer(x)
+    consumer = _consumer(x, _softmax(x))
+    block = _block(x, producer, consumer)
+    tmaps = _tmaps(x)
+    dense_grid = _dense_grid(x, block, tmaps)
+
+    attrs = {"global_symbol": ENTRY, "tirx.noalias": True, "attn.workload": "fused_wgmma",
+             **record(FUSED_WGMMA, block_m=BM, block_n=BN, stages=NS, pingpong=int(pingpong), overlap=int(overlap)),
+             **record(CUDA_SPLIT, split_tasks=split_tasks if split is not None else 0)}
+    kvt = spec.kv_dtype_name  # the cache's dtype (an 8-bit one's bytes go by TMA, unread here)
     if paged:
         NPG, PS, MP = x.NPG, x.PS, x.MP
 
         @T.prim_func(s_tir=True, check_well_formed=False)
         def attention_paged(
             Q: T.Buffer((B, H, SQ, D), dtype),
-            K: T.Buffer((NPG, PS, KH, D), dtype),
-            V: T.Buffer((NPG, PS, KH, D), dtype),
+            K: T.Buffer((NPG, PS, KH, D), kvt),
+            V: T.Buffer((NPG, PS, KH, D), kvt),
             BT: T.Buffer((B, MP), "int32"),
             CS: T.Buffer((B,), "int32"),
             O: T.Buffer((B, H, SQ, D), dtype),
@@ -830,8 +999,8 @@ def fused_attention_wgmma(spec: AttentionSpec, block_m: int, block_n: int, stage
         @T.prim_func(s_tir=True, check_well_formed=False)
         def attention_kvcache(
             Q: T.Buffer((B, H, SQ, D), dtype),
-            K: T.Buffer((B, KH, ML, D), dtype),
-            V: T.Buffer((B, KH, ML, D), dtype),
+            K: T.Buffer((B, KH, ML, D), kvt),
+            V: T.Buffer((B, KH, ML, D), kvt),
             CS: T.Buffer((B,), "int32"),
             O: T.Buffer((B, H, SQ, D), dtype),
         ):
@@ -855,7 +1024,7 @@ def fused_attention_wgmma(spec: AttentionSpec, block_m: int, block_n: int, stage
             for bx in T.thread_binding(nrt, thread="blockIdx.x"):
                 for hh in T.thread_binding(H, thread="blockIdx.y"):
                     for tid in T.thread_binding(THREADS, thread="threadIdx.x"):
-                        with T.attr(0, one_per_sm, 1):
+                        with T.attr(0, ONE_PER_SM, 1):
                             with T.sblock("tile"):
                                 T.reads()
                                 T.writes()

@@ -68,14 +68,17 @@ def desc_high(lbo: int, sbo: int, mode: int = MODE_SWIZZLE_128B) -> int:
 class SmemPlan:
     """The shared memory of one thread block (byte offsets from its 1024-aligned base):
     Q ``block_m × head_dim``, then ``stages`` K tiles and ``stages`` V tiles of ``block_n ×
-    head_dim``, each as ``head_dim / 64`` slabs; then the mbarriers (8 bytes each): Q full, K full
-    per stage, V full per stage, stage empty per stage."""
+    head_dim``, each as ``head_dim / 64`` slabs; with ``kv8`` (an 8-bit cache) ``stages``
+    staging pairs of its K and V tiles as TMA lands them (``block_n`` rows of ``head_dim``
+    bytes, unswizzled); then the mbarriers (8 bytes each): Q full, K full per stage, V full per
+    stage, stage empty per stage, and with ``kv8`` staging full per stage."""
 
     head_dim: int
     block_m: int
     block_n: int
     stages: int
     itemsize: int = 2
+    kv8: bool = False
 
     def __post_init__(self):
         if self.itemsize != 2:
@@ -116,8 +119,19 @@ class SmemPlan:
         return slab * self.block_n * ROW_BYTES
 
     @property
+    def kv8_tile_bytes(self) -> int:
+        """An 8-bit K (or V) tile as it lands: ``block_n`` rows of ``head_dim`` bytes."""
+        return self.block_n * self.head_dim
+
+    def k8_tile(self, stage: int) -> int:
+        return self.q_bytes + 2 * self.stages * self.kv_tile_bytes + 2 * stage * self.kv8_tile_bytes
+
+    def v8_tile(self, stage: int) -> int:
+        return self.k8_tile(stage) + self.kv8_tile_bytes
+
+    @property
     def barriers(self) -> int:
-        return self.q_bytes + 2 * self.stages * self.kv_tile_bytes
+        return self.q_bytes + 2 * self.stages * (self.kv_tile_bytes + (self.kv8_tile_bytes if self.kv8 else 0))
 
     def bar_full_q(self) -> int:
         return self.barriers
@@ -131,9 +145,18 @@ class SmemPlan:
     def bar_empty(self, stage: int) -> int:
         return self.barriers + 8 * (1 + 2 * self.stages + stage)
 
+    def bar_full8(self, stage: int) -> int:
+        """An 8-bit stage's K and V landed (TMA's transaction count)."""
+        return self.barriers + 8 * (1 + 3 * self.stages + stage)
+
     @property
     def used_bytes(self) -> int:
-        return self.barriers + 8 * (1 + 3 * self.stages)
+        return self.barriers + 8 * (1 + (4 if self.kv8 else 3) * self.stages)
+
+    @property
+    def cvt_chunks(self) -> int:
+        """16-byte chunks of an 8-bit tile: each converts to two chunks of the 16-bit tile."""
+        return self.kv8_tile_bytes // 16
 
     @property
     def alloc_bytes(self) -> int:
@@ -213,6 +236,35 @@ def empty_parity(j, stages):
     """The phase parity the producer waits for on tile ``j``'s stage's empty barrier (``j >=
     stages``): the release of tile ``j − stages``."""
     return (j // stages - 1) % 2
+
+
+#: Where the converter puts chunk ``i`` of an 8-bit tile (16 elements: row ``i / (head_dim / 16)``,
+#: columns from ``16 · (i % (head_dim / 16))``) in the 16-bit tile, as its two 16-byte halves
+#: ``h`` 0 and 1: the columns' slab, the row, and the 128B swizzle of their chunk in the row.
+#: One text for both languages: the kernel's helper compiles it as C++ (unsigned ints), and
+#: :func:`cvt_dst` evaluates it in Python (``/`` read as ``//``).
+CVT_DST = ("(i % {cpr} / 4) * {slab_bytes} + (i / {cpr}) * 128 + "
+           "((((i % {cpr}) % 4) * 2 + h) ^ ((i / {cpr}) % 8)) * 16")
+
+
+def cvt_dst(plan: SmemPlan, i, h):
+    """:data:`CVT_DST` evaluated in Python for chunk ``i`` and half ``h`` (ints or arrays)."""
+    return eval(CVT_DST.format(cpr=plan.head_dim // 16, slab_bytes=plan.kv_slab(1)).replace("/", "//"),
+                {}, {"i": i, "h": h})
+
+
+def tensor_map8(cols: int, rows, planes, box_rows: int):
+    """``cuTensorMapEncodeTiled``'s arguments for an 8-bit cache ``(planes, rows, cols)`` (bytes),
+    viewed as ``(cols, rows, planes)``: a box is a whole row of ``cols`` bytes × ``box_rows``,
+    unswizzled (the staging tile the converter reads)."""
+    return ((cols, rows, planes), (cols, rows * cols), (cols, box_rows, 1), (1, 1, 1))
+
+
+def tensor_map8_paged(cols: int, kv_heads: int, page_size: int, pages, box_rows: int):
+    """An 8-bit page pool ``(pages, page_size, kv_heads, cols)`` viewed as ``(cols, kv_heads,
+    page_size, pages)``: a box is one KV head's ``box_rows`` whole rows of a page, unswizzled."""
+    return ((cols, kv_heads, page_size, pages), (cols, kv_heads * cols, page_size * kv_heads * cols),
+            (cols, 1, box_rows, 1), (1, 1, 1, 1))
 
 
 def tensor_map_packed(cols: int, total, heads, box_rows: int, itemsize: int = 2):

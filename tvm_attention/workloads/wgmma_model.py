@@ -41,6 +41,7 @@ from .wgmma_layout import (
     SmemPlan,
     acc_col,
     acc_row,
+    cvt_dst,
     decode_desc,
     empty_parity,
     full_parity,
@@ -48,6 +49,8 @@ from .wgmma_layout import (
     tensor_map,
     tensor_map_gqa,
     tensor_map_packed,
+    tensor_map8,
+    tensor_map8_paged,
     tensor_map_paged,
 )
 
@@ -74,6 +77,24 @@ def isa_a(thread: np.ndarray, reg: np.ndarray, half: np.ndarray) -> tuple[np.nda
     ``16w + lane/4``, k ``2·(lane % 4) + half``; a1 row + 8; a2 k + 8; a3 both."""
     w, lane = thread // 32, thread % 32
     return 16 * w + lane // 4 + 8 * (reg % 2), 2 * (lane % 4) + 8 * (reg // 2) + half
+
+
+def isa_cvt8(b: np.ndarray, kv_dtype: str) -> np.ndarray:
+    """The float64 value of each 8-bit cache element ``b`` (its bits, uint8) as the conversion to
+    16 bits gives it (exact): e4m3fn (sign, 4 exponent bits of bias 7, 3 mantissa bits,
+    subnormals, ``S.1111.111`` NaN, no inf), e5m2 (bias 15, 2 mantissa bits, inf and NaN), int8."""
+    b = b.astype(np.int64)
+    if kv_dtype == "int8":
+        return np.where(b > 127, b - 256, b).astype(np.float64)
+    ebits, mbits, bias = (4, 3, 7) if kv_dtype == "float8_e4m3fn" else (5, 2, 15)
+    sign = np.where(b >> 7, -1.0, 1.0)
+    e, m = (b >> mbits) & ((1 << ebits) - 1), b & ((1 << mbits) - 1)
+    mag = np.where(e == 0, m * 2.0 ** (1 - bias - mbits), (1 + m / 2.0 ** mbits) * 2.0 ** (e - bias))
+    if kv_dtype == "float8_e4m3fn":
+        mag = np.where((e == 15) & (m == 7), np.nan, mag)
+    else:
+        mag = np.where(e == 31, np.where(m == 0, np.inf, np.nan), mag)
+    return sign * mag
 
 
 class Smem:
@@ -108,6 +129,37 @@ class Smem:
         addr = dst + n * ROW_BYTES + c * itemsize
         self.words[_swizzle(addr) // 2] = vals
         return box[0] * box[1] * box[2] * itemsize
+
+    def tma_box8(self, dst: int, g: np.ndarray, dims, strides, box, coords) -> int:
+        """A TMA load of an 8-bit box without swizzle (``g``: the tensor's bytes, flat): its rows
+        of ``box[0]`` bytes one after the other from ``dst``, rows past a dim's end zeros."""
+        if dst % 128:
+            raise ModelError(f"TMA destination {dst} is not 128-byte aligned")
+        if box[0] % 16 or any(x % 16 for x in strides):
+            raise ModelError(f"box row {box[0]} B or global strides {strides} are not multiples of 16 bytes")
+        c = np.arange(box[0])[None, :]
+        rows = int(np.prod(box[1:]))
+        n = np.arange(rows)[:, None]
+        inside = (coords[0] + c < dims[0]) & (coords[0] + c >= 0)
+        flat, rest = coords[0] + c, n
+        for i in range(1, len(box)):
+            at = coords[i] + rest % box[i]
+            rest = rest // box[i]
+            inside = inside & (at < dims[i]) & (at >= 0)
+            flat = flat + at * strides[i - 1]
+        self.words.view(np.uint8)[dst + n * box[0] + c] = np.where(inside, g[np.where(inside, flat, 0)], 0)
+        return rows * box[0]
+
+    def convert(self, src: int, dst: int, plan: SmemPlan, kv_dtype: str, dtype: str):
+        """The converter's pass over an 8-bit tile (``hop_cvt8``): chunk ``i``'s 16 bytes at
+        ``src + 16 i`` as 16-bit values, written (plain stores: the addresses carry the swizzle
+        themselves) at ``wgmma_layout.cvt_dst`` of its two halves."""
+        data = self.words.view(np.uint8)
+        for i in range(plan.cvt_chunks):
+            vals = to_bits(isa_cvt8(data[src + 16 * i: src + 16 * i + 16], kv_dtype), dtype)
+            for h in (0, 1):
+                a = dst + int(cvt_dst(plan, i, h))
+                self.words[a // 2: a // 2 + 8] = vals[8 * h: 8 * h + 8]
 
     def zero_rows(self, tile: int, slab_bytes: int, slabs: int, first: int, rows: int):
         """``hop_zero_rows``: rows ``[first, rows)`` of each slab of a tile, 16 bytes at a time
@@ -243,8 +295,10 @@ class _Block:
         plan, NS = run.plan, run.plan.stages
         self.sm = Smem(plan.alloc_bytes)
         self.full_q = Barrier(1)
-        self.full_k = [Barrier(1) for _ in range(NS)]
-        self.full_v = [Barrier(1) for _ in range(NS)]
+        filled = WARPGROUP if run.kv8 else 1  # an 8-bit cache's stage: full once its converters arrive
+        self.full_k = [Barrier(filled) for _ in range(NS)]
+        self.full_v = [Barrier(filled) for _ in range(NS)]
+        self.full8 = [Barrier(1) for _ in range(NS)]
         self.empty = [Barrier(WARPGROUP * plan.consumers) for _ in range(NS)]
         self.state = [{"m": np.full((WARPGROUP, 2), -np.inf), "l": np.zeros((WARPGROUP, 2)),
                        "o": np.zeros((WARPGROUP, run.D // 2))} for _ in range(plan.consumers)]
@@ -266,6 +320,8 @@ class _Block:
             raise ModelError(f"tile {j}: the producer's wait on stage {s} would block forever")
         if self.full_k[s].passes(full_parity(j, NS)):
             raise ModelError(f"tile {j}: the consumers' wait on stage {s} passes before its K lands")
+        if r.kv8:
+            return self.load_kv8(j)
         self.full_k[s].arrive(plan.kv_tile_bytes)
         self.full_v[s].arrive(plan.kv_tile_bytes)
         boxes = r.kv_boxes(self.seq, (self.first + j) * plan.block_n, self.h if r.cache else self.h // r.G)
@@ -276,6 +332,29 @@ class _Block:
                 self.full_v[s].land(self.sm.tma_box(plan.v_tile(s) + off, r.gv, *r.mk[:3], (sl * 64, *at)))
         if not (self.full_k[s].passes(full_parity(j, NS)) and self.full_v[s].passes(full_parity(j, NS))):
             raise ModelError(f"tile {j}: stage {s}'s barriers did not complete with its boxes")
+
+    def load_kv8(self, j: int):
+        """An 8-bit cache's tile j: its bytes landed in staging stage j % stages (one barrier, K's
+        and V's bytes), then converted by the producer warpgroup's 128 threads into the 16-bit
+        stage, each arriving on its full barriers."""
+        r, plan, NS = self.r, self.r.plan, self.r.plan.stages
+        s = j % NS
+        self.full8[s].arrive(2 * plan.kv8_tile_bytes)
+        boxes = r.kv_boxes(self.seq, (self.first + j) * plan.block_n, self.h)
+        for row, at in boxes:
+            off = row * plan.head_dim  # staging rows: head_dim bytes each
+            self.full8[s].land(self.sm.tma_box8(plan.k8_tile(s) + off, r.gk, *r.mk[:3], (0, *at)))
+            self.full8[s].land(self.sm.tma_box8(plan.v8_tile(s) + off, r.gv, *r.mk[:3], (0, *at)))
+        if not self.full8[s].passes(full_parity(j, NS)):
+            raise ModelError(f"tile {j}: staging stage {s}'s barrier did not complete with its boxes")
+        self.sm.convert(plan.k8_tile(s), plan.k_tile(s), plan, r.kv8, r.dtype)
+        for _ in range(WARPGROUP):
+            self.full_k[s].arrive()
+        self.sm.convert(plan.v8_tile(s), plan.v_tile(s), plan, r.kv8, r.dtype)
+        for _ in range(WARPGROUP):
+            self.full_v[s].arrive()
+        if not (self.full_k[s].passes(full_parity(j, NS)) and self.full_v[s].passes(full_parity(j, NS))):
+            raise ModelError(f"tile {j}: stage {s}'s barriers did not complete with its converters' arrivals")
 
     def wait_full(self, barriers, j: int, what: str):
         if not barriers[j % self.r.plan.stages].passes(full_parity(j, self.r.plan.stages)):
@@ -303,7 +382,7 @@ class _Block:
         keys = j * self.r.plan.block_n + acc_col(r.t, r.rs)
         off, k_len = self.seq["k_len"] - self.seq["q_len"], self.seq["k_len"]
         if r.transforms:  # softcap, then ALiBi, in log2 units (Variants.logit)
-            S = S * r.score_scale
+            S = S * r.score_scale * r.k_factor(self.h)
             if r.spec.softcap is not None:
                 S = np.tanh(S) * r.spec.softcap * np.log2(np.e)
             if r.slopes is not None:
@@ -314,12 +393,13 @@ class _Block:
         half = r.rs % 4 // 2
         mt = np.stack([np.where(half == hh, S, -np.inf).max(1) for hh in (0, 1)], 1)
         mt = mt.reshape(WARPGROUP // 4, 4, 2).max(1).repeat(4, 0)  # the row's four lanes
-        mn = np.maximum(st["m"], mt * r.qscale)
+        qscale = r.qscale if r.transforms else r.qscale * r.k_factor(self.h)
+        mn = np.maximum(st["m"], mt * qscale)
         ref = np.where(mn == -np.inf, 0.0, mn)
         alpha = np.exp2(st["m"] - ref)
         st["l"] *= alpha
         st["m"] = mn
-        P = np.exp2(S * r.qscale - ref[r.t, half])
+        P = np.exp2(S * qscale - ref[r.t, half])
         st["l"] += np.stack([np.where(half == hh, P, 0).sum(1) for hh in (0, 1)], 1)
         return alpha, from_bits(to_bits(P, r.dtype), r.dtype)  # packed to 16 bits (hop_pack)
 
@@ -392,7 +472,10 @@ class _Run:
     variants' arguments)."""
 
     def __init__(self, q, k, v, plan: SmemPlan, spec, dtype: str, alibi_slopes=None, sinks=None, kv_start=None,
-                 cu_seqlens=None, cache_seqlens=None, block_table=None):
+                 cu_seqlens=None, cache_seqlens=None, block_table=None, k_scale=None, v_scale=None):
+        # an 8-bit cache: k/v are its elements (int8, or ml_dtypes' float8), scaled per KV head
+        self.kv8 = spec.kv_dtype
+        self.k_scale, self.v_scale = k_scale, v_scale
         self.packed = cu_seqlens is not None
         self.cache = cache_seqlens is not None  # k/v (B, KH, max_len, D): a KV head's query heads in a tile's rows
         self.paged = block_table is not None  # k/v (num_pages, page_size, KH, D)
@@ -403,10 +486,12 @@ class _Run:
                 NP, self.PS, self.KH = k.shape[:3]
                 self.bt = np.asarray(block_table, np.int64)
                 self.prows = min(self.PS, plan.block_n)
-                self.mk = tensor_map_paged(self.D, self.KH, self.PS, NP, self.prows)
+                self.mk = (tensor_map8_paged(self.D, self.KH, self.PS, NP, self.prows) if self.kv8 else
+                           tensor_map_paged(self.D, self.KH, self.PS, NP, self.prows))
             else:
                 self.KH, ML = k.shape[1], k.shape[2]
-                self.mk = tensor_map(self.D, ML, self.B * self.KH, plan.block_n)
+                self.mk = (tensor_map8(self.D, ML, self.B * self.KH, plan.block_n) if self.kv8 else
+                           tensor_map(self.D, ML, self.B * self.KH, plan.block_n))
             self.mq = tensor_map_gqa(self.D, self.H // self.KH, self.SQ, self.B * self.KH, plan.block_m)
         elif self.packed:  # q (total_q, H, D), k/v (total_k, KH, D)
             (TQ, self.H, self.D), (TK, self.KH) = q.shape, k.shape[:2]
@@ -425,13 +510,21 @@ class _Run:
         self.causal = self.vis.causal
         self.slopes, self.sinks, self.starts = alibi_slopes, sinks, kv_start
         self.transforms, self.score_scale = transforms(spec), score_scale(spec)
-        self.gq, self.gk, self.gv = (to_bits(x, dtype).ravel() for x in (q, k, v))
+        self.gq = to_bits(q, dtype).ravel()
+        if self.kv8:  # the cache's bytes
+            self.gk, self.gv = (np.ascontiguousarray(x).view(np.uint8).ravel() for x in (k, v))
+        else:
+            self.gk, self.gv = (to_bits(x, dtype).ravel() for x in (k, v))
         self.qscale = 1.0 if self.transforms else self.score_scale
         self.t = np.arange(WARPGROUP)[:, None]
         self.rs, self.ro = np.arange(plan.block_n // 2)[None, :], np.arange(self.D // 2)[None, :]
 
     def start(self, b: int):
         return None if self.starts is None else int(self.starts[b])
+
+    def k_factor(self, kvh: int) -> float:
+        """An 8-bit cache's key scale of KV head ``kvh`` in the scores' factor (1 otherwise)."""
+        return 1.0 if self.k_scale is None else float(self.k_scale[kvh])
 
     def q_coord(self, seq: dict, row0: int, h: int) -> tuple:
         """The kernel's TMA coordinates (past dim 0) of a block's Q box (``h``: a KV-cache tile's KV head)."""
@@ -495,6 +588,8 @@ class _Run:
         unnormalised ``o (n, D)``, sums ``l`` and maxima ``m`` (log2 units): the sink in the
         denominator, zeros for a row that sees no key, stored where the rows go."""
         rows, heads = self.pos(trows), self.head(h, trows)
+        if self.v_scale is not None:  # an 8-bit cache's value scale, once per output
+            o = o * float(self.v_scale[h])
         if self.sinks is not None:  # the sink joins the denominator (_math.sink_terms)
             g = np.where(m == -np.inf, 0.0, m)
             sink = self.sinks[heads] * np.log2(np.e)
@@ -550,15 +645,18 @@ class _Run:
 
 def run(q: np.ndarray, k: np.ndarray, v: np.ndarray, plan: SmemPlan, spec, dtype: str = "float16",
         pingpong: bool = True, overlap: bool = True, alibi_slopes=None, sinks=None, kv_start=None,
-        cu_seqlens=None, cache_seqlens=None, block_table=None, split_tasks: int = 0) -> np.ndarray:
+        cu_seqlens=None, cache_seqlens=None, block_table=None, split_tasks: int = 0, k_scale=None,
+        v_scale=None) -> np.ndarray:
     """The kernel's output for bhsd ``q (B, H, Sq, D)``, ``k``/``v (B, KH, Skv, D)``, or packed
     ``q (total_q, H, D)``, ``k``/``v (total_k, KH, D)`` with ``cu_seqlens = (cu_q, cu_k)``
     (float arrays, rounded to ``dtype``), and ``spec``'s mask and variants (their arguments as
     the call takes them), computed through the model in the kernel's order of events
     (``overlap``: tile j's S with tile j − 1's P·V, that tile's stage released after it);
-    ``split_tasks``: a KV cache's split-KV (each chunk a block, its partials merged); float64,
-    ``q``'s shape."""
-    r = _Run(q, k, v, plan, spec, dtype, alibi_slopes, sinks, kv_start, cu_seqlens, cache_seqlens, block_table)
+    ``split_tasks``: a KV cache's split-KV (each chunk a block, its partials merged); an 8-bit
+    cache (``spec.kv_dtype``): ``k``/``v`` its elements, ``k_scale``/``v_scale (kv_heads,)``;
+    float64, ``q``'s shape."""
+    r = _Run(q, k, v, plan, spec, dtype, alibi_slopes, sinks, kv_start, cu_seqlens, cache_seqlens, block_table,
+             k_scale, v_scale)
     out = np.zeros(q.shape)
     chunks = r.splits(split_tasks)
     if chunks > 1:  # the workspace: NaN where no chunk wrote (the merge must not read it)
