@@ -4,7 +4,7 @@
 with ``TVMA_CUDA_SWEEP=1``, so they take their whole cross product instead of the default run's
 covering set: today the SIMT presets (seq × arch × head_dim × dtype × causal, 32 nvcc builds,
 about a minute on 2 cores) and the Hopper presets (head_dim × dtype × causal × symbolic, 16,
-with its varlen build and its build with every variant). Needs nvcc (cross-compiles only: no GPU); extra arguments go to
+with its 16-bit paged decode, varlen build, build with every variant and int8 cache). Needs nvcc (cross-compiles only: no GPU); extra arguments go to
 pytest (``-n 2``, ``-x`` ...)."""
 import os
 import sys

@@ -488,6 +488,46 @@ def fmt(x, spec="{:.1f}"):
     return spec.format(x) if isinstance(x, float) else "-"
 
 
+def decode_table(decode: list, stream: float) -> list[str]:
+    """The decode steps' lines (``check.md``): each KV-cache kernel at each step against a
+    streaming read, then each 8-bit cache's step against the 16-bit cache's of the same kernel,
+    layout, dtype, head_dim and step (the goal: an e4m3 step at most 0.6× the 16-bit one)."""
+    from tvm_attention.spec import AttentionSpec
+
+    f = fmt
+    lines = ["", f"Decode steps (K and V bytes, each read once), against a streaming read of "
+                 f"{stream / 1e9:.0f} GB/s in this run:", "",
+             "| kernel | layout | dtype | K/V cache | D | B × H:KH × keys | µs | GB/s | % of stream | valid |",
+             "|" + "---|" * 10]
+    sixteen = {}
+    for e in decode:
+        sp = AttentionSpec.from_dict(e["spec"])
+        page = "" if sp.page_size is None else f" p{sp.page_size}"
+        share = 100 * e["of_stream"] if "of_stream" in e else None
+        lines.append(f"| {e['kernel']} | {sp.layout}{page} | {sp.dtype} | {sp.kv_dtype or sp.dtype} | "
+                     f"{sp.head_dim} | "
+                     f"{e['batch']} × {sp.heads}:{sp.kv_heads} × {e['keys']} | {f(e.get('us'))} | "
+                     f"{f(e.get('gbps'))} | {f(share)} | {e.get('validation', {}).get('passed')}"
+                     f"{' ' + e['error'] if 'error' in e else ''} |")
+        key = (e["kernel"], sp.layout, sp.page_size, sp.dtype, sp.head_dim, sp.heads, sp.kv_heads, e["batch"], e["keys"])
+        if sp.kv_dtype is None and "us" in e:
+            sixteen[key] = e["us"]
+        e["_key"] = key
+    pairs = [(e, sixteen[e["_key"]]) for e in decode
+             if AttentionSpec.from_dict(e["spec"]).kv_dtype and "us" in e and e["_key"] in sixteen]
+    for e in decode:
+        e.pop("_key", None)
+    if pairs:
+        lines += ["", "8-bit caches against the 16-bit cache of the same build and step (goal: e4m3 ≤ 0.6×):", "",
+                  "| kernel | layout | K/V cache | D | B × keys | 8-bit µs | 16-bit µs | ratio |", "|" + "---|" * 8]
+        for e, us16 in pairs:
+            sp = AttentionSpec.from_dict(e["spec"])
+            page = "" if sp.page_size is None else f" p{sp.page_size}"
+            lines.append(f"| {e['kernel']} | {sp.layout}{page} | {sp.kv_dtype} | {sp.head_dim} | "
+                         f"{e['batch']} × {e['keys']} | {f(e['us'])} | {f(us16)} | {e['us'] / us16:.2f} |")
+    return lines
+
+
 def prefill_table(rows: dict, device_name: str, arch: str, peak, unproven: list, smoked: dict) -> list[str]:
     """The prefill table's lines (``check.md``): one row per shape, our kernels and the peers,
     the Hopper kernel's columns when the payload has it, then its first runs' outcome."""
@@ -689,7 +729,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"decode {k['dir']} B{batch} × {keys}: {entry.get('gbps', float('nan')):.0f} GB/s, "
               f"{100 * entry.get('of_stream', float('nan')):.0f}% of a streaming read", flush=True)
 
-    f = fmt
     lines = prefill_table(rows, device_name, arch, peak, unproven, smoked)
     lines += ["", f"Symbolic kernels at awkward shapes (batch, seq_q, seq_kv): "
               f"{sum(c['passed'] for c in awkward)}/{len(awkward)} valid"]
@@ -706,19 +745,7 @@ def main(argv: list[str] | None = None) -> int:
     lines += [f"- {c['kernel']} {c['case']}: {c.get('error') or c.get('max_abs_err')}" for c in variants
               if not c["passed"]]
     if decode:
-        lines += ["", f"Decode steps (K and V bytes, each read once), against a streaming read of "
-                      f"{stream / 1e9:.0f} GB/s in this run:", "",
-                  "| kernel | layout | dtype | K/V cache | D | B × H:KH × keys | µs | GB/s | % of stream | valid |",
-                  "|" + "---|" * 10]
-        for e in decode:
-            sp = AttentionSpec.from_dict(e["spec"])
-            page = "" if sp.page_size is None else f" p{sp.page_size}"
-            share = 100 * e["of_stream"] if "of_stream" in e else None
-            lines.append(f"| {e['kernel']} | {sp.layout}{page} | {sp.dtype} | {sp.kv_dtype or sp.dtype} | "
-                         f"{sp.head_dim} | "
-                         f"{e['batch']} × {sp.heads}:{sp.kv_heads} × {e['keys']} | {f(e.get('us'))} | "
-                         f"{f(e.get('gbps'))} | {f(share)} | {e.get('validation', {}).get('passed')}"
-                         f"{' ' + e['error'] if 'error' in e else ''} |")
+        lines += decode_table(decode, stream)
     table = "\n".join(lines)
     imported = sorted(m for m in sys.modules if m == "tvm" or m.startswith("tvm.") or m.startswith("tvm_attention.build"))
     report = {"device": device_name, "arch": arch, "peak_tflops": peak, "torch": torch.__version__, "rows": rows,

@@ -425,3 +425,24 @@ def test_prefill_table_with_the_hopper_columns():
     assert "1/2 passed" in lines[-2] and lines[-1] == "- y: hang"
     plain = check.prefill_table({"a": {**rows["a"], "tflops": {"fused_tc": 250.0}}}, "H200", "sm_90", 989.5, [], {})
     assert "hopper" not in plain[2]
+
+
+def test_decode_table_sets_each_8bit_step_beside_the_16bit_one():
+    """The device check's decode lines: every step against the streaming read, and each 8-bit
+    cache's step over the 16-bit cache's of the same kernel, layout, head_dim and step (the
+    e4m3 goal's ratio); a failed step is listed, never paired."""
+    check = scripts_module("gpu_device_check")
+    base = {"batch": 64, "heads": 32, "kv_heads": 8, "seq_q": 1, "seq_kv": 4096, "head_dim": 64, "dtype": "float16",
+            "causal": True, "layout": "paged", "page_size": 16}
+    e4 = {**base, "kv_dtype": "float8_e4m3fn"}
+    ok = {"passed": True}
+    decode = [{"kernel": "fused_hopper", "spec": base, "batch": 64, "keys": 4096, "us": 100.0, "gbps": 2.0,
+               "of_stream": 0.8, "validation": ok},
+              {"kernel": "fused_hopper", "spec": e4, "batch": 64, "keys": 4096, "us": 55.0, "gbps": 1.9,
+               "of_stream": 0.75, "validation": ok},
+              {"kernel": "fused_tc", "spec": e4, "batch": 64, "keys": 4096, "error": "RuntimeError: x"},
+              {"kernel": "fused_hopper", "spec": e4, "batch": 1, "keys": 32768, "us": 9.0, "validation": ok}]
+    lines = check.decode_table(decode, 3e12)
+    assert "3000 GB/s" in lines[1] and sum(line.startswith("| fused_") for line in lines) == 4 + 1
+    assert lines[-1] == "| fused_hopper | paged p16 | float8_e4m3fn | 64 | 64 × 4096 | 55.0 | 100.0 | 0.55 |"
+    assert all("_key" not in e for e in decode)

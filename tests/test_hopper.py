@@ -235,17 +235,20 @@ def test_sm90a_builds_offline(d, dtype, causal, symbolic, lse):
 
 
 #: builds of the other layouts and the variants: (name, spec fields, parameter names past K, V).
-#: The default run builds the paged decode step (4-D boxes, pages, stale rows zeroed, device
-#: checks); the sweep (``scripts/cuda_build_sweep.py``) adds varlen and every variant at once.
+#: The default run builds one paged decode step that takes the most paths at once (4-D boxes,
+#: pages, stale rows zeroed, an e4m3 cache converted by the producer warpgroup, split-KV's merge,
+#: lse, device checks); the sweep (``scripts/cuda_build_sweep.py``) adds the 16-bit paged step,
+#: varlen, every variant at once and an int8 cache.
 LAYOUT_BUILDS = [
-    ("paged", dict(batch=4, heads=32, kv_heads=8, seq_q=1, seq_kv=4096, head_dim=128, dtype="float16", causal=True,
-                   layout="paged", page_size=16, return_lse=True, device_checks=True), ["BT", "CS", "O", "LSE"]),
     ("paged_e4m3", dict(batch=4, heads=32, kv_heads=8, seq_q=1, seq_kv=4096, head_dim=128, dtype="bfloat16",
-                        causal=True, layout="paged", page_size=16, kv_dtype="float8_e4m3fn"),
-     ["BT", "CS", "KSC", "VSC", "O"]),
+                        causal=True, layout="paged", page_size=16, kv_dtype="float8_e4m3fn", return_lse=True,
+                        device_checks=True), ["BT", "CS", "KSC", "VSC", "O", "LSE"]),
 ]
 if os.environ.get("TVMA_CUDA_SWEEP"):
     LAYOUT_BUILDS += [
+        ("paged", dict(batch=4, heads=32, kv_heads=8, seq_q=1, seq_kv=4096, head_dim=128, dtype="float16",
+                       causal=True, layout="paged", page_size=16, return_lse=True, device_checks=True),
+         ["BT", "CS", "O", "LSE"]),
         ("varlen", dict(batch=3, heads=8, kv_heads=2, seq_q=512, head_dim=128, dtype="bfloat16", causal=True,
                         layout="varlen", return_lse=True), ["CQ", "CK", "O", "LSE"]),
         ("variants", dict(batch=2, heads=8, kv_heads=2, seq_q=512, seq_kv=700, head_dim=64, dtype="float16",
