@@ -11,8 +11,8 @@ What it builds so far: the bhsd, varlen, kvcache and paged layouts, static or sy
 float16/bfloat16, head_dim 64 or 128, causal or not, lse, the variants (window, softcap, ALiBi,
 sinks, kv_start), split-KV of the KV-cache layouts (the ``mma.sync`` kernel's chunks and merge
 kernel), 8-bit caches (e4m3, e5m2, int8 per KV head: landed by TMA, converted to 16 bits in
-shared memory). Appending stays on the ``mma.sync`` kernel (``fused_tc``), and ``--schedule fused`` keeps that kernel on sm_90 until a GPU run has validated
-this one (docs/cuda.md).
+shared memory). Appending stays on the ``mma.sync`` kernel (``fused_tc``), and ``--schedule
+fused`` keeps that kernel on sm_90 until a GPU run has validated this one (docs/cuda.md).
 """
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ from ..workloads.fused_wgmma import CONSUMER_REGS, LAYOUTS, WGMMA_DTYPES, fused_
 from ..workloads.knob_attrs import CUDA_SPLIT, FUSED_WGMMA
 from ..workloads.wgmma_layout import WARPGROUP, WG_ROWS, SmemPlan
 from ._knobs import KnobError, KnobsMixin
-from .family import (CUDA_KV_DTYPES, CUDA_VARIANTS, SPLIT_LAYOUTS, Capabilities, check_split_tasks, cuda_for_layout, cuda_split_tasks, feasible,
-                     never_static_decode, read_attrs)
+from .family import (CUDA_KV_DTYPES, CUDA_VARIANTS, SPLIT_LAYOUTS, Capabilities, check_split_tasks, cuda_for_layout,
+                     cuda_split_tasks, feasible, never_static_decode, read_attrs)
 
 NAME = "fused"
 CAPABILITIES = Capabilities(label="CUDA Hopper (wgmma) fused", target="cuda", layouts=LAYOUTS,

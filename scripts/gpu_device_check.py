@@ -509,7 +509,8 @@ def decode_table(decode: list, stream: float) -> list[str]:
                      f"{e['batch']} × {sp.heads}:{sp.kv_heads} × {e['keys']} | {f(e.get('us'))} | "
                      f"{f(e.get('gbps'))} | {f(share)} | {e.get('validation', {}).get('passed')}"
                      f"{' ' + e['error'] if 'error' in e else ''} |")
-        key = (e["kernel"], sp.layout, sp.page_size, sp.dtype, sp.head_dim, sp.heads, sp.kv_heads, e["batch"], e["keys"])
+        key = (e["kernel"], sp.layout, sp.page_size, sp.dtype, sp.head_dim, sp.heads, sp.kv_heads, e["batch"],
+               e["keys"])
         if sp.kv_dtype is None and "us" in e:
             sixteen[key] = e["us"]
         e["_key"] = key

@@ -900,7 +900,8 @@ def _tmaps(x):
 def _dense_grid(x, block, tmaps):
     """The macro ``dense_grid(Q, K, V, O, CS, BT)`` of the bhsd and KV-cache layouts: a (row tile,
     head, batch) grid of ``block``; split-KV, its chunks' workspace and the merge kernel."""
-    B, BM, BN, D, H, KH, LSE, nrt, SK, SQ, THREADS = x.B, x.BM, x.BN, x.D, x.H, x.KH, x.LSE, x.nrt, x.SK, x.SQ, x.THREADS
+    B, BM, BN, D, H, KH, LSE, nrt, SK, SQ, THREADS = \
+        x.B, x.BM, x.BN, x.D, x.H, x.KH, x.LSE, x.nrt, x.SK, x.SQ, x.THREADS
     cache, causal, paged, var, split, NSA, spec = x.cache, x.causal, x.paged, x.var, x.split, x.NSA, x.spec
 
     @T.macro
