@@ -102,6 +102,14 @@ _CVT8 = {
 }
 
 
+def _setmaxnreg(name: str, op: str, n: int) -> dict[str, str]:
+    """The helper ``name``: a warpgroup's registers set to ``n`` (``op``: dec or inc)."""
+    return {name: f"""
+__device__ __forceinline__ void {name}() {{
+  asm volatile("setmaxnreg.{op}.sync.aligned.u32 {n};\\n" ::: "memory");
+}}"""}
+
+
 def _helpers8(plan: SmemPlan, dtype: str, kv8: str) -> dict[str, str]:
     """The device helpers of an 8-bit cache: the producer warpgroup's conversion of a landed tile
     (one source: TVM emits a helper's once, by the name called from TIR) and its registers."""
@@ -141,10 +149,7 @@ __device__ __forceinline__ void hop_cvt8_{kind}_{ab}_{D}_{BN}(unsigned src, unsi
   }}
   asm volatile("fence.proxy.async.shared::cta;\\n" ::: "memory");
 }}""",
-        "hop_regs_converter": f"""
-__device__ __forceinline__ void hop_regs_converter() {{
-  asm volatile("setmaxnreg.dec.sync.aligned.u32 {CONVERTER_REGS};\\n" ::: "memory");
-}}""",
+        **_setmaxnreg("hop_regs_converter", "dec", CONVERTER_REGS),
     }
 
 
@@ -237,14 +242,8 @@ __device__ __forceinline__ void hop_bar_sync{nthr}(int id) {{
 __device__ __forceinline__ void hop_bar_arrive{nthr}(int id) {{
   asm volatile("bar.arrive %0, {nthr};\\n" :: "r"(id) : "memory");
 }}""",
-        "hop_regs_producer": f"""
-__device__ __forceinline__ void hop_regs_producer() {{
-  asm volatile("setmaxnreg.dec.sync.aligned.u32 {PRODUCER_REGS};\\n" ::: "memory");
-}}""",
-        "hop_regs_consumer": f"""
-__device__ __forceinline__ void hop_regs_consumer() {{
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 {CONSUMER_REGS};\\n" ::: "memory");
-}}""",
+        **_setmaxnreg("hop_regs_producer", "dec", PRODUCER_REGS),
+        **_setmaxnreg("hop_regs_consumer", "inc", CONSUMER_REGS),
         f"hop_qk_{sfx}": f"""
 __device__ __forceinline__ void hop_qk_{sfx}(float* s, unsigned q, unsigned k) {{
   // S (64 x {BN}, this warpgroup's rows) = Q·K^T: {plan.qk_steps} k16 steps, both from shared memory
