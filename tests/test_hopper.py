@@ -759,3 +759,18 @@ def test_kernel_conversion_is_the_layouts():
             halves += list(pair.astype(np.float32) - np.float32(1152))  # sub.f16x2: exact (ints)
         want = [((w >> 8 * i) & 0xFF) - 256 * ((w >> 8 * i) & 0x80 > 0) for i in range(4)]
         assert halves == want, (x, halves, want)
+
+
+def test_an_8bit_cache_takes_a_tuned_tile_it_fits_or_the_preset():
+    """A KV-cache spec is tuned at its 16-bit bhsd representative: built with an 8-bit cache, its
+    record's tile runs with one consumer (the producer warpgroup converts), kept where the
+    staging fits the shared memory, else the preset."""
+    spec = AttentionSpec(batch=4, heads=32, kv_heads=8, seq_q=1, seq_kv=4096, head_dim=128, dtype="float16",
+                         causal=True, layout="paged", page_size=16, kv_dtype="int8")
+    fits = cuda_hopper.for_layout(cuda_hopper.HopperKnobs(block_m=128, block_n=64, stages=2, pingpong=1), spec, SM90)
+    assert (fits.block_m, fits.pingpong, fits.block_n, fits.stages) == (64, 0, 64, 2)
+    assert fits.split_tasks == cuda_hopper.preset(spec, SM90).split_tasks > 0
+    too_big = cuda_hopper.for_layout(cuda_hopper.HopperKnobs(block_m=128, block_n=128, stages=3), spec, SM90)
+    assert too_big == cuda_hopper.preset(spec, SM90)
+    with pytest.raises(KnobError, match="block_m=64"):
+        check_family(cuda_hopper, cuda_hopper.HopperKnobs(block_m=128, split_tasks=264), spec, SM90)
