@@ -499,9 +499,12 @@ def decode_table(decode: list, stream: float) -> list[str]:
                  f"{stream / 1e9:.0f} GB/s in this run:", "",
              "| kernel | layout | dtype | K/V cache | D | B × H:KH × keys | µs | GB/s | % of stream | valid |",
              "|" + "---|" * 10]
-    sixteen = {}
-    for e in decode:
-        sp = AttentionSpec.from_dict(e["spec"])
+    specs = [AttentionSpec.from_dict(e["spec"]) for e in decode]
+    keys = [(e["kernel"], sp.layout, sp.page_size, sp.dtype, sp.head_dim, sp.heads, sp.kv_heads, e["batch"],
+             e["keys"]) for e, sp in zip(decode, specs)]
+    # the 16-bit cache's step time by (kernel, layout, page, dtype, D, heads, step)
+    sixteen = {key: e["us"] for e, sp, key in zip(decode, specs, keys) if sp.kv_dtype is None and "us" in e}
+    for e, sp in zip(decode, specs):
         page = "" if sp.page_size is None else f" p{sp.page_size}"
         share = 100 * e["of_stream"] if "of_stream" in e else None
         lines.append(f"| {e['kernel']} | {sp.layout}{page} | {sp.dtype} | {sp.kv_dtype or sp.dtype} | "
@@ -509,20 +512,12 @@ def decode_table(decode: list, stream: float) -> list[str]:
                      f"{e['batch']} × {sp.heads}:{sp.kv_heads} × {e['keys']} | {f(e.get('us'))} | "
                      f"{f(e.get('gbps'))} | {f(share)} | {e.get('validation', {}).get('passed')}"
                      f"{' ' + e['error'] if 'error' in e else ''} |")
-        key = (e["kernel"], sp.layout, sp.page_size, sp.dtype, sp.head_dim, sp.heads, sp.kv_heads, e["batch"],
-               e["keys"])
-        if sp.kv_dtype is None and "us" in e:
-            sixteen[key] = e["us"]
-        e["_key"] = key
-    pairs = [(e, sixteen[e["_key"]]) for e in decode
-             if AttentionSpec.from_dict(e["spec"]).kv_dtype and "us" in e and e["_key"] in sixteen]
-    for e in decode:
-        e.pop("_key", None)
+    pairs = [(e, sp, sixteen[key]) for e, sp, key in zip(decode, specs, keys)
+             if sp.kv_dtype and "us" in e and key in sixteen]
     if pairs:
         lines += ["", "8-bit caches against the 16-bit cache of the same build and step (goal: e4m3 ≤ 0.6×):", "",
                   "| kernel | layout | K/V cache | D | B × keys | 8-bit µs | 16-bit µs | ratio |", "|" + "---|" * 8]
-        for e, us16 in pairs:
-            sp = AttentionSpec.from_dict(e["spec"])
+        for e, sp, us16 in pairs:
             page = "" if sp.page_size is None else f" p{sp.page_size}"
             lines.append(f"| {e['kernel']} | {sp.layout}{page} | {sp.kv_dtype} | {sp.head_dim} | "
                          f"{e['batch']} × {e['keys']} | {f(e['us'])} | {f(us16)} | {e['us'] / us16:.2f} |")

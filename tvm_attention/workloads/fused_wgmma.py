@@ -110,6 +110,13 @@ __device__ __forceinline__ void {name}() {{
 }}"""}
 
 
+def cvt_helper(plan: SmemPlan, dtype: str, kv8: str) -> tuple[str, str]:
+    """(the kind's short name, the name of the conversion helper) of an 8-bit cache's tiles:
+    one name for the helper's source and the producer's call."""
+    kind = kv8.split("_")[-1] if kv8 != "int8" else "i8"
+    return kind, f"hop_cvt8_{kind}_{WGMMA_DTYPES[dtype]}_{plan.head_dim}_{plan.block_n}"
+
+
 def _helpers8(plan: SmemPlan, dtype: str, kv8: str) -> dict[str, str]:
     """The device helpers of an 8-bit cache: the producer warpgroup's conversion of a landed tile
     (one source: TVM emits a helper's once, by the name called from TIR) and its registers."""
@@ -125,15 +132,15 @@ def _helpers8(plan: SmemPlan, dtype: str, kv8: str) -> dict[str, str]:
         word += ("  { __nv_bfloat162 b0 = __float22bfloat162_rn(__half22float2(*(__half2*)&o0));\n"
                  "    __nv_bfloat162 b1 = __float22bfloat162_rn(__half22float2(*(__half2*)&o1));\n"
                  "    o0 = *(unsigned*)&b0; o1 = *(unsigned*)&b1; }\n")
-    kind = kv8.split("_")[-1] if kv8 != "int8" else "i8"
+    kind, cvt = cvt_helper(plan, dtype, kv8)
     dst = {h: CVT_DST.format(cpr=D // 16, slab_bytes=plan.kv_slab(1)).replace("h", str(h)) for h in (0, 1)}
     return {  # the word's conversion, then the tile's loop over it
-        f"hop_cvt8_{kind}_{ab}_{D}_{BN}": f"""
+        cvt: f"""
 __device__ __forceinline__ void hop_cvt4_{kind}_{ab}(unsigned w, unsigned& o0, unsigned& o1) {{
   // 4 elements of an {kv8} cache (element 0 in the low byte) as two {ab} pairs
 {word}}}
 
-__device__ __forceinline__ void hop_cvt8_{kind}_{ab}_{D}_{BN}(unsigned src, unsigned dst, int t) {{
+__device__ __forceinline__ void {cvt}(unsigned src, unsigned dst, int t) {{
   // the {kv8} tile TMA landed at src ({BN} rows of {D} bytes) as {ab} into the 128B-swizzled
   // tile at dst, by the warpgroup's 128 threads: chunk i (16 elements) to two 16-byte halves at
   // wgmma_layout.CVT_DST; then visible to the async proxy (wgmma)
@@ -547,8 +554,7 @@ def _producer8(x):
     q_coord, kv_box, nboxes, D = x.q_coord, x.kv_box, x.nboxes, x.D
     rows = x.PROWS if x.paged else BN
     kv_copy = "hop_tma4d" if x.paged else "hop_tma3d"
-    kind = x.kv8.split("_")[-1] if x.kv8 != "int8" else "i8"
-    cvt = f"hop_cvt8_{kind}_{WGMMA_DTYPES[x.dtype]}_{D}_{BN}"
+    cvt = cvt_helper(plan, x.dtype, x.kv8)[1]
 
     @T.macro
     def load8(sb, seq, kvh, first, j):

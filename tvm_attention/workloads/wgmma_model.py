@@ -97,6 +97,22 @@ def isa_cvt8(b: np.ndarray, kv_dtype: str) -> np.ndarray:
     return sign * mag
 
 
+def _box_rows(g: np.ndarray, dims, strides, box, coords, itemsize: int):
+    """A TMA box's elements from ``g`` (the tensor's elements, flat) as rows, in the order TMA
+    lands them (dim 1 fastest, then dim 2, then 3): ``(row, column, values)``, elements past a
+    dim's end (or before its start) zero."""
+    c = np.arange(box[0])[None, :]
+    n = np.arange(int(np.prod(box[1:])))[:, None]
+    inside = (coords[0] + c < dims[0]) & (coords[0] + c >= 0)
+    flat, rest = coords[0] + c, n
+    for i in range(1, len(box)):
+        at = coords[i] + rest % box[i]
+        rest = rest // box[i]
+        inside = inside & (at < dims[i]) & (at >= 0)
+        flat = flat + at * (strides[i - 1] // itemsize)
+    return n, c, np.where(inside, g[np.where(inside, flat, 0)], 0)
+
+
 class Smem:
     """A block's shared memory as 16-bit words, addressed in bytes from a 1024-aligned base."""
 
@@ -113,21 +129,9 @@ class Smem:
             raise ModelError(f"box inner extent {box[0]} × {itemsize} B is not the 128-byte swizzle span")
         if any(x % 16 for x in strides):
             raise ModelError(f"global strides {strides} are not multiples of 16 bytes")
-        # the box's rows in order: dim 1 fastest, then dim 2 (then 3); each row 128 bytes of shared memory
-        c = np.arange(box[0])[None, :]
-        rows = int(np.prod(box[1:]))
-        n = np.arange(rows)[:, None]
-        inside = (coords[0] + c < dims[0]) & (coords[0] + c >= 0)
-        flat = coords[0] + c
-        rest = n
-        for i in range(1, len(box)):
-            at = coords[i] + rest % box[i]
-            rest = rest // box[i]
-            inside = inside & (at < dims[i]) & (at >= 0)
-            flat = flat + at * (strides[i - 1] // itemsize)
-        vals = np.where(inside, g[np.where(inside, flat, 0)], 0).astype(np.uint16)
-        addr = dst + n * ROW_BYTES + c * itemsize
-        self.words[_swizzle(addr) // 2] = vals
+        n, c, vals = _box_rows(g, dims, strides, box, coords, itemsize)
+        addr = dst + n * ROW_BYTES + c * itemsize  # each row 128 bytes of shared memory
+        self.words[_swizzle(addr) // 2] = vals.astype(np.uint16)
         return box[0] * box[1] * box[2] * itemsize
 
     def tma_box8(self, dst: int, g: np.ndarray, dims, strides, box, coords) -> int:
@@ -137,18 +141,9 @@ class Smem:
             raise ModelError(f"TMA destination {dst} is not 128-byte aligned")
         if box[0] % 16 or any(x % 16 for x in strides):
             raise ModelError(f"box row {box[0]} B or global strides {strides} are not multiples of 16 bytes")
-        c = np.arange(box[0])[None, :]
-        rows = int(np.prod(box[1:]))
-        n = np.arange(rows)[:, None]
-        inside = (coords[0] + c < dims[0]) & (coords[0] + c >= 0)
-        flat, rest = coords[0] + c, n
-        for i in range(1, len(box)):
-            at = coords[i] + rest % box[i]
-            rest = rest // box[i]
-            inside = inside & (at < dims[i]) & (at >= 0)
-            flat = flat + at * strides[i - 1]
-        self.words.view(np.uint8)[dst + n * box[0] + c] = np.where(inside, g[np.where(inside, flat, 0)], 0)
-        return rows * box[0]
+        n, c, vals = _box_rows(g, dims, strides, box, coords, 1)
+        self.words.view(np.uint8)[dst + n * box[0] + c] = vals
+        return int(np.prod(box))
 
     def convert(self, src: int, dst: int, plan: SmemPlan, kv_dtype: str, dtype: str):
         """The converter's pass over an 8-bit tile (``hop_cvt8``): chunk ``i``'s 16 bytes at
