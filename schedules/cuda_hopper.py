@@ -23,8 +23,9 @@ from tvm import s_tir
 from tvm.target import Target
 
 from ..cuda_tools import block_shared_limit
-from ..spec import AttentionSpec
-from ..workloads.fused_wgmma import CONSUMER_REGS, LAYOUTS, WGMMA_DTYPES, fused_attention_wgmma
+from ..spec import Q_DTYPES, AttentionSpec
+from ..workloads.fused_wgmma import (CONSUMER_REGS, FP8_CONSUMER_REGS, FP8_LAYOUTS, LAYOUTS, WGMMA_DTYPES,
+                                     fused_attention_wgmma)
 from ..workloads.knob_attrs import CUDA_SPLIT, FUSED_WGMMA
 from ..workloads.wgmma_layout import WARPGROUP, WG_ROWS, SmemPlan
 from ._knobs import KnobError, KnobsMixin
@@ -34,8 +35,8 @@ from .family import (CUDA_KV_DTYPES, CUDA_VARIANTS, SPLIT_LAYOUTS, Capabilities,
 NAME = "fused"
 CAPABILITIES = Capabilities(label="CUDA Hopper (wgmma) fused", target="cuda", layouts=LAYOUTS,
                             dtypes=tuple(WGMMA_DTYPES), symbolic=True, lse=True, variants=CUDA_VARIANTS,
-                            kv_dtypes=CUDA_KV_DTYPES, kv_layouts=SPLIT_LAYOUTS,
-                            instead="use --schedule fused_tc (mma.sync) for the other layouts")
+                            kv_dtypes=CUDA_KV_DTYPES, kv_layouts=SPLIT_LAYOUTS, q_dtypes=Q_DTYPES,
+                            q_layouts=FP8_LAYOUTS, instead="use --schedule fused_tc (mma.sync) for the other layouts")
 ARCH = 90  # wgmma, TMA, setmaxnreg: sm_90a (Hopper) only
 HEAD_DIMS = (64, 128)  # 128-byte slabs; 256 would need 128 output registers a thread beside the scores
 
@@ -80,8 +81,9 @@ def supports(spec: AttentionSpec, target: Target) -> bool:
 
 
 def plan(knobs: HopperKnobs, spec: AttentionSpec) -> SmemPlan:
-    return SmemPlan(spec.head_dim, knobs.block_m, knobs.block_n, knobs.stages, spec.itemsize,
-                    kv8=spec.kv_dtype is not None)
+    f8 = spec.q_dtype is not None  # fp8 inputs: bytes, V transposed (else an 8-bit cache converted)
+    return SmemPlan(spec.head_dim, knobs.block_m, knobs.block_n, knobs.stages, 1 if f8 else spec.itemsize,
+                    kv8=spec.kv_dtype is not None and not f8, vt8=f8)
 
 
 def shared_bytes(knobs: HopperKnobs, spec: AttentionSpec) -> int:
@@ -99,9 +101,10 @@ OVERLAP_MAX_BLOCK_N = 128
 
 
 def registers_estimate(knobs: HopperKnobs, spec: AttentionSpec) -> int:
-    """A consumer thread's fragments: scores block_n/2, P block_n/4 (16-bit pairs), output
-    head_dim/2, plus :data:`REGISTER_OVERHEAD`."""
-    return knobs.block_n // 2 + knobs.block_n // 4 + spec.head_dim // 2 + REGISTER_OVERHEAD
+    """A consumer thread's fragments: scores block_n/2, P block_n/4 (16-bit pairs; fp8 inputs:
+    block_n/8, e4m3 quads), output head_dim/2, plus :data:`REGISTER_OVERHEAD`."""
+    p = knobs.block_n // (8 if spec.q_dtype else 4)
+    return knobs.block_n // 2 + p + spec.head_dim // 2 + REGISTER_OVERHEAD
 
 
 #: a KV-cache step whose rows (seq_q · group) fit one warpgroup: one consumer (the second's 64
@@ -114,10 +117,14 @@ _DECODE = {64: {"block_m": 64, "block_n": 128, "stages": 4, "pingpong": 0},
 #: (D=128: 2 stages are 209 KiB; D=64: 4 are 201 KiB)
 _KV8 = {64: {"block_m": 64, "block_n": 128, "stages": 4, "pingpong": 0},
         128: {"block_m": 64, "block_n": 128, "stages": 2, "pingpong": 0}}
+#: fp8 inputs (head_dim 128 only: a row of 128 bytes is one slab): the 16-bit tiles, each stage with
+#: its V staging and V^T (112 KiB at 2 stages); the producer warpgroup transposes V with 56
+#: registers beside the two consumers' 224. Not yet timed on a GPU.
+_FP8 = {128: {"block_m": 128, "block_n": 128, "stages": 2}}
 
 
 def preset(spec: AttentionSpec, target: Target) -> HopperKnobs:
-    table = _KV8 if spec.kv_dtype else \
+    table = _FP8 if spec.q_dtype else _KV8 if spec.kv_dtype else \
         _DECODE if spec.layout_info.is_cache and spec.seq_q * spec.group_size <= WG_ROWS else _PRESETS
     return HopperKnobs(**table.get(spec.head_dim, table[128]), split_tasks=cuda_split_tasks(spec, target))
 
@@ -136,6 +143,10 @@ def check(knobs: HopperKnobs, spec: AttentionSpec, target: Target) -> None:
     if spec.head_dim not in HEAD_DIMS:
         raise KnobError(f"head_dim={spec.head_dim}: the Hopper kernel builds head_dim "
                         f"{' or '.join(map(str, HEAD_DIMS))} (128-byte swizzled slabs of 64)")
+    if spec.q_dtype and (spec.head_dim not in _FP8 or knobs.block_n != 128):
+        raise KnobError(f"fp8 inputs (q_dtype) take head_dim {' or '.join(map(str, _FP8))} and block_n=128 (128-byte "
+                        f"rows of the swizzle; V^T's rows are a tile's keys), got head_dim={spec.head_dim}, "
+                        f"block_n={knobs.block_n}")
     for name in ("block_m", "block_n", "stages"):
         v = getattr(knobs, name)
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -153,7 +164,7 @@ def check(knobs: HopperKnobs, spec: AttentionSpec, target: Target) -> None:
         raise KnobError(f"block_m={knobs.block_m}: one or two consumer warpgroups of 64 rows (64 or 128)")
     if knobs.pingpong and knobs.block_m != 128:
         raise KnobError("pingpong takes two consumer warpgroups (block_m=128)")
-    if spec.kv_dtype and knobs.block_m != WG_ROWS:
+    if spec.kv_dtype and not spec.q_dtype and knobs.block_m != WG_ROWS:
         raise KnobError(f"an 8-bit cache ({spec.kv_dtype}) takes block_m={WG_ROWS}: the producer warpgroup converts "
                         "its tiles with the registers a second consumer warpgroup would take")
     if knobs.block_n % 16 or not 16 <= knobs.block_n <= 256:
@@ -163,9 +174,9 @@ def check(knobs: HopperKnobs, spec: AttentionSpec, target: Target) -> None:
     if smem > limit:
         raise KnobError(f"shared memory {smem} B (Q, {knobs.stages} stage(s) of {knobs.block_n}-key K and V tiles) "
                         f"> {limit} B, the most a block may take on {target.attrs.get('arch')}")
-    regs = registers_estimate(knobs, spec)
-    if regs > CONSUMER_REGS:
-        raise KnobError(f"about {regs} registers per consumer thread > the {CONSUMER_REGS} setmaxnreg gives it")
+    regs, most = registers_estimate(knobs, spec), FP8_CONSUMER_REGS if spec.q_dtype else CONSUMER_REGS
+    if regs > most:
+        raise KnobError(f"about {regs} registers per consumer thread > the {most} setmaxnreg gives it")
 
 
 def workload(spec: AttentionSpec, knobs: HopperKnobs):
@@ -211,7 +222,12 @@ def for_layout(knobs: HopperKnobs, spec: AttentionSpec, target: Target, tuned_at
     (``family.cuda_for_layout``); an 8-bit cache, tuned at its 16-bit bhsd representative, takes
     one consumer and room for its staging tiles: the tuned tile where it fits so, else the preset."""
     knobs = cuda_for_layout(knobs, spec, target, tuned_at)
-    if spec.kv_dtype:
+    if spec.q_dtype:  # fp8 inputs: the tuned tile where it builds them, else the preset
+        try:
+            check(knobs, spec, target)
+        except KnobError:
+            return preset(spec, target)
+    elif spec.kv_dtype:
         knobs = dataclasses.replace(knobs, block_m=WG_ROWS, pingpong=0)
         try:
             check(knobs, spec, target)

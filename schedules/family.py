@@ -107,6 +107,10 @@ class Capabilities:
     kv_scales: tuple[str, ...] = ("head",)
     #: builds a value head size of its own (``AttentionSpec.head_dim_v`` ≠ ``head_dim``)
     head_dim_v: bool = False
+    #: fp8 query dtypes it reads (``AttentionSpec.q_dtype``, with an e4m3 K/V of the same kind),
+    #: and the layouts it reads them in (those replace ``kv_layouts`` for such a spec)
+    q_dtypes: tuple[str, ...] = ()
+    q_layouts: tuple[str, ...] = ()
 
     def refusal(self, spec: AttentionSpec) -> str | None:
         """Why this family cannot build ``spec`` (None: it can), in the one message format
@@ -121,9 +125,15 @@ class Capabilities:
             what = "does not append k_new/v_new to the cache (append) (yet)"
         elif getattr(spec, "qk_int8", False) and not self.qk_int8:
             what = "does not round q to int8 (qk_int8) (yet)"
+        elif getattr(spec, "q_dtype", None) is not None and spec.q_dtype not in self.q_dtypes:
+            return (f"the {self.label} schedule does not read fp8 queries (q_dtype={spec.q_dtype!r}): the Hopper "
+                    "kernel builds them (a cuda target with arch sm_90a, --schedule fused_hopper)")
+        elif getattr(spec, "q_dtype", None) is not None and spec.layout not in self.q_layouts:
+            what = f"reads fp8 queries (q_dtype) in the {' and '.join(self.q_layouts)} layouts, not {spec.layout!r}"
         elif getattr(spec, "kv_dtype", None) is not None and spec.kv_dtype not in self.kv_dtypes:
             what = f"does not read 8-bit K/V caches (kv_dtype={spec.kv_dtype!r}) (yet)"
-        elif getattr(spec, "kv_dtype", None) is not None and self.kv_layouts and spec.layout not in self.kv_layouts:
+        elif (getattr(spec, "kv_dtype", None) is not None and self.kv_layouts and spec.layout not in self.kv_layouts
+              and getattr(spec, "q_dtype", None) is None):
             what = (f"reads 8-bit K/V caches (kv_dtype={spec.kv_dtype!r}) in the {' and '.join(self.kv_layouts)} "
                     f"layouts, not {spec.layout!r}")
         elif getattr(spec, "kv_dtype", None) is not None and getattr(spec, "kv_scale", "head") not in self.kv_scales:

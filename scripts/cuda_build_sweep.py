@@ -4,7 +4,8 @@
 with ``TVMA_CUDA_SWEEP=1``, so they take their whole cross product instead of the default run's
 covering set: today the SIMT presets (seq × arch × head_dim × dtype × causal, 32 nvcc builds,
 about a minute on 2 cores) and the Hopper presets (head_dim × dtype × causal × symbolic, 16,
-with its 16-bit paged decode, varlen build, build with every variant and int8 cache). Needs nvcc (cross-compiles only: no GPU); extra arguments go to
+with its 16-bit paged decode, varlen build, build with every variant and int8 cache, and the fp8
+prefill's symbolic bhsd build beside its varlen one). Needs nvcc (cross-compiles only: no GPU); extra arguments go to
 pytest (``-n 2``, ``-x`` ...)."""
 import os
 import sys
@@ -14,7 +15,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SWEEPS = ["tests/test_cuda.py::test_presets_compile_offline_without_spills",
-          "tests/test_hopper.py::test_sm90a_builds_offline", "tests/test_hopper.py::test_layout_builds_offline"]
+          "tests/test_hopper.py::test_sm90a_builds_offline", "tests/test_hopper.py::test_layout_builds_offline",
+          "tests/test_hopper_fp8.py::test_fp8_builds_offline"]
 
 
 def main(argv: list[str]) -> int:

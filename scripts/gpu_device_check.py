@@ -94,6 +94,36 @@ def validate(torch, spec, kernel, q, k, v, seed: int) -> dict:
     return {"passed": ok, "max_abs_err": float(diff.max()), "rows_checked": len(rows), "atol": atol, "rtol": rtol}
 
 
+def fp8_inputs(torch, spec, dtype, device: str, gen) -> list:
+    """The arguments of an fp8-input build (``spec.q_dtype``) before ``o``: q, k, v drawn in
+    ``dtype`` and quantized per head (``quant.quantize_kv``, on the CPU), then ``q_scale``,
+    ``k_scale``, ``v_scale``."""
+    from tvm_attention.quant import quantize_kv
+
+    drawn = [torch.randn(shape, device=device, dtype=dtype, generator=gen)
+             for shape in (spec.q_shape, spec.kv_shape, spec.v_shape)]
+    (q, qs), (k, ks), (v, vs) = (quantize_kv(t.cpu(), spec.q_dtype, head_axis=1) for t in drawn)
+    return [t.to(device) for t in (q, k, v, qs, ks, vs)]
+
+
+def validate_fp8(torch, spec, kernel, x: list, seed: int) -> dict:
+    """An fp8-input build's output on sampled rows against float64 attention of what its inputs
+    stand for (``scale · stored``), within ``validate.tolerances`` (P is rounded to e4m3)."""
+    from tvm_attention.validate import tolerances
+
+    out = kernel(*x)
+    q, k, v = (t.double() * s.double().view(1, -1, 1, 1) for t, s in zip(x[:3], x[3:]))
+    gen = torch.Generator().manual_seed(seed)
+    seq_q = q.shape[2]
+    rows = sorted(set(torch.randperm(seq_q, generator=gen)[:min(seq_q, 64)].tolist()) | {0, seq_q - 1})
+    ref = reference_rows(torch, spec, q, k, v, rows)
+    got = out[:, :, rows].double()
+    atol, rtol = tolerances(spec)
+    diff = (got - ref).abs()
+    ok = bool(torch.isfinite(got).all()) and bool((diff <= atol + rtol * ref.abs()).all())
+    return {"passed": ok, "max_abs_err": float(diff.max()), "rows_checked": len(rows), "atol": atol, "rtol": rtol}
+
+
 def peers(torch, spec, q, k, v):
     """name -> callable of each torch peer on the same inputs (None when torch lacks it)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -531,6 +561,7 @@ def prefill_table(rows: dict, device_name: str, arch: str, peak, unproven: list,
 
     f = fmt
     hop = any("fused_hopper" in row["tflops"] or "fused_hopper" in row["errors"] for row in rows.values())
+    f8 = any("hopper_fp8" in row["tflops"] or "hopper_fp8" in row["errors"] for row in rows.values())
     lines = [f"GPU check on {device_name} ({arch}), {time.strftime('%Y-%m-%d')}: TFLOP/s (4·B·H·Sq·Skv·D, halved "
              f"causal); "
              f"peak = dense fp16/bf16 tensor-core peak {peak} TFLOP/s", "",
@@ -538,8 +569,9 @@ def prefill_table(rows: dict, device_name: str, arch: str, peak, unproven: list,
              + ("ours (hopper) | hopper, no overlap | hopper, symbolic | hopper, varlen | " if hop else "")
              + "ours (tc) | ours (simt) | tc, symbolic | simt, symbolic | tc, varlen "
              "| simt, varlen | flash | cuDNN | flex | best ours % peak | tc/flash | tc/cuDNN | tc/flex | "
-             + ("hopper/flash | hopper/cuDNN | hopper/flex | " if hop else "") + "valid |",
-             "|" + "---|" * (26 if hop else 19)]
+             + ("hopper/flash | hopper/cuDNN | hopper/flex | " if hop else "")
+             + ("hopper fp8 | fp8/fp16 | " if f8 else "") + "valid |",
+             "|" + "---|" * ((26 if hop else 19) + (2 if f8 else 0))]
     for key, row in rows.items():
         sp = AttentionSpec.from_dict(row["spec"])
         t = row["tflops"]
@@ -559,6 +591,8 @@ def prefill_table(rows: dict, device_name: str, arch: str, peak, unproven: list,
                      f"{f(ratio('flash'), '{:.2f}')} | {f(ratio('cudnn'), '{:.2f}')} | {f(ratio('flex'), '{:.2f}')} | "
                      + "".join(f"{f(ratio(p_, 'fused_hopper'), '{:.2f}')} | " for p_ in ("flash", "cudnn", "flex")
                                if hop)
+                     + (f"{f(t.get('hopper_fp8'))} | {f(ratio('fused_hopper', 'hopper_fp8'), '{:.2f}')} | "
+                        if f8 else "")
                      + f"{valid} |")
     if unproven:
         lines += ["", f"First runs of kernels not yet run on a GPU, each in a child process: "
@@ -603,7 +637,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"first run of {d}: {why}", flush=True)
     every = [k for k in every if k["dir"] not in smoked]
     variant = [k for k in every if AttentionSpec.from_dict(k["spec"]).variants]  # checked on their own
-    ready = [k for k in every if k not in variant]
+    fp8 = [k for k in every if k["spec"].get("q_dtype")]  # fp8 inputs: a column of their 16-bit shape's row
+    ready = [k for k in every if k not in variant + fp8]
     varlen = [k for k in ready if k["spec"].get("layout", "bhsd") == "varlen"]
     cached = [k for k in ready if k["spec"].get("layout", "bhsd") in ("kvcache", "paged")]
     built = [k for k in ready if not k["spec"].get("dynamic") and k not in varlen + cached]
@@ -696,6 +731,26 @@ def main(argv: list[str] | None = None) -> int:
               + ", ".join(f"{p_} {row['tflops'][p_]:.1f}" for p_ in ("flash", "cudnn", "flex") if p_ in row["tflops"]),
               flush=True)
 
+    for i, k in enumerate(fp8):  # beside the 16-bit builds of the same shape: the fp8 goal's ratio
+        spec = AttentionSpec.from_dict(k["spec"])
+        row = rows.setdefault(dataclasses.replace(spec, q_dtype=None, kv_dtype=None).short_name(),
+                              {"spec": k["spec"], "tflops": {}, "errors": {}})
+        try:
+            kernel = tvm_attention.load(payload / k["dir"])
+            x = fp8_inputs(torch, spec, torch_dtype[spec.dtype], "cuda", torch.Generator(device="cuda").manual_seed(i))
+            row.setdefault("validation", {})["hopper_fp8"] = validate_fp8(torch, spec, kernel, x, seed=i)
+            o = torch.empty(spec.o_shape, device="cuda", dtype=torch_dtype[spec.dtype])
+            ffi = [tvm_ffi.from_dlpack(t) for t in (*x, o)]
+            fn = kernel.function
+            with tvm_ffi.use_torch_stream():
+                secs = cuda_time(torch, lambda: fn(*ffi), a.min_ms, a.rounds)
+            row["tflops"]["hopper_fp8"] = flops(spec) / secs / 1e12
+        except Exception as e:  # noqa: BLE001 - recorded in the row, the check goes on
+            row["errors"]["hopper_fp8"] = f"{type(e).__name__}: {e}"
+            traceback.print_exc()
+        print(f"fp8        {k['dir']:40s} {row['tflops'].get('hopper_fp8', float('nan')):7.1f} TFLOP/s "
+              f"{row.get('validation', {}).get('hopper_fp8')}", flush=True)
+
     awkward = check_symbolic(torch, symbolic, payload, torch_dtype)
     ragged = check_varlen(torch, varlen, payload, torch_dtype)
     caches = check_cache(torch, cached, payload, torch_dtype)
@@ -755,7 +810,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\ntotal {time.time() - t_start:.0f} s; tvm imported: {imported or 'no'}")
     failed = [key for key, row in rows.items()
               if any(not v.get("passed") for v in row.get("validation", {}).values())
-              or any(k in row["errors"] for k in ("fused_tc", "fused_simt", "fused_hopper", "hopper_seq",
+              or any(k in row["errors"] for k in ("fused_tc", "fused_simt", "fused_hopper", "hopper_seq", "hopper_fp8",
                                                   *DYN_NAMES.values(),
                                                   *VARLEN_NAMES.values()))]
     bad_decode = [e for e in decode if "error" in e or not e.get("validation", {}).get("passed")]

@@ -51,11 +51,16 @@ DEFAULT_KERNELS = ("fused_tc", "fused_simt")
 #: S 1k-16k, causal and not, sm_90 only, a symbolic and a varlen Hopper build per (dtype, D,
 #: causal), kvcache and paged decode builds of each kernel per (dtype, D) and an e4m3 page pool's
 #: at the first head_dim (the e4m3 goal: a step at most 0.6x the 16-bit one), and the variants' bhsd
-#: build (window, kv_start) at the first head_dim
+#: build (window, kv_start) at the first head_dim, and fp8 (e4m3) inputs at the FlashAttention
+#: shapes (head_dim 128, o in the last dtype: the fp8 goal, at least 1.5x our fp16)
 #: the Hopper kernel's other forms timed beside its preset (a column each): name -> knob overrides
 HOPPER_VARIANTS = {"hopper_seq": {"overlap": 0}}
 HOPPER = dict(arch=["sm_90"], kernels=["fused_hopper", "fused_tc"], symbolic=True, cache=True, variants=True,
-              varlen=True)
+              varlen=True, fp8=True)
+#: fp8 inputs (``--fp8``): q, K and V e4m3 scaled per head, at the one head_dim the Hopper kernel
+#: builds them at
+FP8 = "float8_e4m3fn"
+FP8_HEAD_DIM = 128
 #: the layouts the Hopper kernel builds (``fused_wgmma.LAYOUTS``; the device side imports no workload)
 HOPPER_LAYOUTS = ("bhsd", "varlen", "kvcache", "paged")
 #: the symbolic kernels' dims (``--symbolic``): validated at awkward shapes on the device, and timed
@@ -123,11 +128,13 @@ def jobs_for(a: argparse.Namespace, kernels_dir: Path) -> list[dict]:
             if k == "fused_hopper":  # the layouts it builds, on sm_90; its variants in bhsd (docs/cuda.md)
                 if arch != "sm_90" or spec.layout not in HOPPER_LAYOUTS or (spec.variants and spec.layout != "bhsd"):
                     continue
+            elif spec.q_dtype is not None:
+                continue  # fp8 inputs: the Hopper kernel's alone
             elif a.hopper and ((spec.dynamic and spec.layout == "bhsd") or spec.variants or spec.layout == "varlen"):
                 continue  # --hopper: the mma.sync kernel beside it at the static shapes and decode steps
             jobs.append({"spec": spec.to_dict(), "kernel": k, "arch": arch,
                          "dir": str(kernels_dir / arch / f"{k}_{spec.short_name()}")})
-            if k == "fused_hopper" and not spec.dynamic:
+            if k == "fused_hopper" and not spec.dynamic and spec.q_dtype is None:
                 # the same tiles without the intra-warpgroup overlap: its price or gain, and a
                 # fallback if the overlapped form fails on its first run
                 for column, knobs in HOPPER_VARIANTS.items():
@@ -141,6 +148,9 @@ def jobs_for(a: argparse.Namespace, kernels_dir: Path) -> list[dict]:
                     for s in a.seq:
                         b, h = shape_of(s, d, a.tokens, a.width)
                         add(AttentionSpec(batch=b, heads=h, seq_q=s, head_dim=d, dtype=dtype, causal=causal), arch)
+                        if a.fp8 and d == FP8_HEAD_DIM and dtype == a.dtype[-1]:  # the fp8 prefill at this shape
+                            add(AttentionSpec(batch=b, heads=h, seq_q=s, head_dim=d, dtype=dtype, causal=causal,
+                                              q_dtype=FP8, kv_dtype=FP8), arch)
                     # one symbolic kernel serves every length of this (dtype, D, causal); one varlen
                     # kernel every packed batch
                     _, h = shape_of(max(a.seq), d, a.tokens, a.width)
@@ -217,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="also builds with the attention variants, float16 at the first --head-dim, per arch")
     p.add_argument("--varlen", action=argparse.BooleanOptionalAction, default=True,
                    help="also a varlen (packed, cu_seqlens) build of each kernel per (arch, dtype, head_dim, causal)")
+    p.add_argument("--fp8", action=argparse.BooleanOptionalAction, default=False,
+                   help="also fp8 (e4m3) prefill builds of the Hopper kernel at head_dim 128, o in the last --dtype")
     p.add_argument("--tokens", type=int, default=16384, help="batch × seq_len (FlashAttention's benchmark)")
     p.add_argument("--width", type=int, default=2048, help="heads × head_dim")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel builds")

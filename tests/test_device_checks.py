@@ -63,10 +63,10 @@ def call(ex, spec, x):
 def test_bits_table_and_message():
     assert all(bit & (bit - 1) == 0 for bit in INDEX_ERROR_BITS)  # one bit per rule
     assert BITS == {"cu_seqlens_q": 1, "cu_seqlens_k": 2, "cache_seqlens": 4, "block_table": 8, "kv_start": 16,
-                    "k_scale": 32, "v_scale": 64, "alignment": 128}
+                    "k_scale": 32, "v_scale": 64, "alignment": 128, "q_scale": 256}
     msg = describe_index_error(4 | 8)
     assert "index_error=12" in msg and "cache_seqlens:" in msg and "block_table:" in msg and "kv_start" not in msg
-    assert "unknown bits 0x100" in describe_index_error(256 | 1) and "cu_seqlens_q:" in describe_index_error(256 | 1)
+    assert "unknown bits 0x200" in describe_index_error(512 | 1) and "cu_seqlens_q:" in describe_index_error(512 | 1)
     assert "16-byte boundary" in describe_index_error(128)
 
 

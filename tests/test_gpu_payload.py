@@ -119,6 +119,21 @@ def test_hopper_payload_plan(tmp_path):
 
 
 
+def test_hopper_payload_plans_fp8_prefill(tmp_path):
+    """``--hopper`` at head_dim 128: an fp8 (e4m3) prefill build of each static shape on the
+    Hopper kernel alone (no mma.sync build, no second form), o in the last --dtype."""
+    jobs = planned_jobs(tmp_path, ["--hopper", "--seq", "1024", "4096", "--head-dim", "128", "--dtype", "float16",
+                                   "--causal", "false"])
+    fp8 = [j for j in jobs if j["spec"].get("q_dtype")]
+    assert [(j["kernel"], j.get("column"), j["spec"]["seq_q"], j["spec"]["kv_dtype"]) for j in fp8] == \
+        [("fused_hopper", None, 1024, "float8_e4m3fn"), ("fused_hopper", None, 4096, "float8_e4m3fn")]
+    same = {(j["spec"]["batch"], j["spec"]["heads"], j["spec"]["seq_q"]) for j in jobs
+            if j["kernel"] == "fused_hopper" and not j["spec"].get("q_dtype") and not j["spec"].get("dynamic")}
+    assert {(j["spec"]["batch"], j["spec"]["heads"], j["spec"]["seq_q"]) for j in fp8} <= same
+    assert not [j for j in planned_jobs(tmp_path, ["--hopper", "--seq", "1024", "--head-dim", "64"])
+                if j["spec"].get("q_dtype")]
+
+
 def test_payload_is_small_and_self_contained(payload, tmp_path):
     size = sum(f.stat().st_size for f in payload.rglob("*") if f.is_file())
     # 8 CUDA-core kernels and the runtime; the 16 with the tensor-core ones stayed under 12 MiB, and
@@ -425,6 +440,44 @@ def test_prefill_table_with_the_hopper_columns():
     assert "1/2 passed" in lines[-2] and lines[-1] == "- y: hang"
     plain = check.prefill_table({"a": {**rows["a"], "tflops": {"fused_tc": 250.0}}}, "H200", "sm_90", 989.5, [], {})
     assert "hopper" not in plain[2]
+    rows["a"]["tflops"]["hopper_fp8"] = 900.0  # fp8 inputs at the same shape: the fp8 goal's ratio
+    lines = check.prefill_table(rows, "NVIDIA H200", "sm_90", 989.5, [], {})
+    head, cells = lines[2].split(" | "), lines[4].split(" | ")
+    assert len(head) == len(cells) and lines[3].count("---") == len(head)
+    at = {h.strip("| "): c.strip("| ") for h, c in zip(head, cells)}
+    assert at["hopper fp8"] == "900.0" and at["fp8/fp16"] == "1.50"
+
+
+def test_device_check_of_fp8_inputs_on_the_cpu():
+    """The device script's fp8 check on CPU tensors, with stand-in kernels (no CPU kernel takes
+    fp8 inputs): q, k, v quantized per head in torch and their scales passed after them; a kernel
+    that computes the attention of ``scale · stored`` (P rounded to e4m3, as the Hopper kernel's)
+    passes; one that ignores ``q_scale`` fails."""
+    torch = pytest.importorskip("torch")
+    dc = scripts_module("gpu_device_check")
+    payload = scripts_module("gpu_payload")
+    from tvm_attention.spec import AttentionSpec
+
+    spec = AttentionSpec(batch=2, heads=4, kv_heads=2, seq_q=96, seq_kv=160, head_dim=128, dtype="bfloat16",
+                         causal=True, q_dtype=payload.FP8, kv_dtype=payload.FP8)
+    x = dc.fp8_inputs(torch, spec, torch.bfloat16, "cpu", torch.Generator().manual_seed(0))
+    assert [t.dtype for t in x] == [torch.float8_e4m3fn] * 3 + [torch.float32] * 3
+    assert [tuple(t.shape) for t in x[3:]] == [(4,), (2,), (2,)]
+
+    def kernel(q, k, v, qs, ks, vs, use_q_scale=True):  # the attention of the dequantized inputs
+        g = spec.heads // spec.kv_heads
+        qd = q.float() * (qs if use_q_scale else torch.ones_like(qs)).view(1, -1, 1, 1)
+        kd, vd = ((t.float() * s.view(1, -1, 1, 1)).repeat_interleave(g, 1) for t, s in ((k, ks), (v, vs)))
+        s_ = (qd @ kd.transpose(-1, -2)) * spec.scale
+        j, i = torch.arange(spec.seq_kv), torch.arange(spec.seq_q).view(-1, 1)
+        p = torch.softmax(s_.masked_fill(j > i + spec.seq_kv - spec.seq_q, float("-inf")), -1)
+        p8 = (p / p.amax(-1, keepdim=True)).to(torch.float8_e4m3fn).float() * p.amax(-1, keepdim=True)
+        return (p8 @ vd).to(torch.bfloat16)
+
+    good = dc.validate_fp8(torch, spec, kernel, x, seed=0)
+    assert good["passed"] and good["max_abs_err"] > 0, good
+    bad = dc.validate_fp8(torch, spec, lambda *a: kernel(*a, use_q_scale=False), x, seed=0)
+    assert not bad["passed"], bad
 
 
 def test_decode_table_sets_each_8bit_step_beside_the_16bit_one():

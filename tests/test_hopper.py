@@ -740,9 +740,8 @@ def test_kernel_conversion_is_the_layouts():
         assert wgmma_layout.CVT_DST.format(cpr=8, slab_bytes=plan.kv_slab(1)).replace("h", str(h)) in src
     assert "0x4140u" in src and "0x4342u" in src and "0x00800080u" in src and "0x64806480u" in src
 
-    def byte_perm(x, y, sel):  # CUDA's __byte_perm: result byte k = byte (sel >> 4k) & 7 of {y, x}
-        both = [(x >> 8 * i) & 0xFF for i in range(4)] + [(y >> 8 * i) & 0xFF for i in range(4)]
-        return sum(both[(sel >> 4 * k) & 7] << 8 * k for k in range(4))
+    def byte_perm(x, y, sel):  # CUDA's __byte_perm, as the model defines it
+        return int(wgmma_model.isa_byte_perm(np.uint32(x), np.uint32(y), sel))
 
     import ml_dtypes
 

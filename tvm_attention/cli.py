@@ -111,6 +111,10 @@ def _add_spec_flags(p: argparse.ArgumentParser, defaults: dict | None = None) ->
                    help="with --kv-dtype: one scale per kv head (default), per token (k_scale/v_scale shaped as the "
                         "cache without head_dim) or per group of 32 elements of head_dim (llama.cpp's Q8_0); finer "
                         "scales follow outliers at 4 bytes each (docs/serving.md)")
+    g.add_argument("--q-dtype", default=d.get("q_dtype"), metavar="DTYPE",
+                   help="fp8 inputs: q stored as float8_e4m3fn too, with --kv-dtype float8_e4m3fn (FlashAttention-3's "
+                        "fp8 forward; o keeps --dtype); the kernel then takes q_scale (heads,) float32 before "
+                        "k_scale. Built by the Hopper kernel (--target cuda --arch sm_90 --schedule fused_hopper)")
     g.add_argument("--qk-int8", action="store_true", default=d.get("qk_int8", False),
                    help="with --kv-dtype int8: round each query row to int8 (scale max|q|/127) and take QK^T as "
                         "integer dot products, as llama.cpp does; changes the numerics (docs/semantics.md)")
@@ -248,7 +252,7 @@ def _spec_from_args(a: argparse.Namespace) -> AttentionSpec:
         score_mod=_modifier_source(a.score_mod, "--score-mod"), mask_mod=_modifier_source(a.mask_mod, "--mask-mod"),
         mod_tensors=tuple(a.mod_tensor), key_bounds=a.key_bounds, kv_dtype=a.kv_dtype,
         append=a.append, device_checks=a.device_checks, qk_int8=a.qk_int8, kv_scale=a.kv_scale,
-        head_dim_v=a.head_dim_v, custom_mask=a.custom_mask,
+        head_dim_v=a.head_dim_v, custom_mask=a.custom_mask, q_dtype=a.q_dtype,
     )
 
 

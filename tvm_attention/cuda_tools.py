@@ -244,9 +244,10 @@ def ptx_instruction_counts(ptx: str) -> dict[str, int]:
 
 
 #: SASS opcodes worth counting in a fatbin (``cuobjdump --dump-sass``): tensor-core products (Hopper's
-#: warpgroup ``HGMMA``, Ampere's ``HMMA``), TMA loads (``UTMALDG``), cp.async (``LDGSTS``), ldmatrix
+#: warpgroup ``HGMMA``, its fp8 form ``QGMMA``, Ampere's ``HMMA``), TMA loads (``UTMALDG``), cp.async
+#: (``LDGSTS``), ldmatrix
 #: (``LDSM``), mbarrier operations (``SYNCS``), register reallocation, local memory
-SASS_INSTRUCTIONS = ("HGMMA", "HMMA", "UTMALDG", "LDGSTS", "LDSM", "SYNCS", "USETMAXREG", "LDL", "STL")
+SASS_INSTRUCTIONS = ("HGMMA", "QGMMA", "HMMA", "UTMALDG", "LDGSTS", "LDSM", "SYNCS", "USETMAXREG", "LDL", "STL")
 
 
 def find_cuobjdump() -> str | None:

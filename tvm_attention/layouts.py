@@ -125,6 +125,9 @@ CUSTOM_MASK_ARGS = (Arg("custom_mask", ("mask_bytes",), "uint8"), Arg("mask_indp
 #: The scales of an 8-bit K/V cache (``spec.kv_dtype``), after the variant arguments: the value of
 #: a stored element of kv head ``h`` is ``scale[h] · stored``.
 KV_SCALE_ARGS = (Arg("k_scale", ("kv_heads",), "float32"), Arg("v_scale", ("kv_heads",), "float32"))
+#: The scale of fp8 queries (``spec.q_dtype``), before ``k_scale``: the value of a stored element
+#: of query head ``h`` is ``q_scale[h] · stored`` (a per-tensor scale: the same in every entry).
+Q_SCALE_ARG = Arg("q_scale", ("heads",), "float32")
 #: ... of a latent cache (MLA): one array, K's and V's (V is the rows' first head_dim_v columns)
 LATENT_SCALE = "kv_scale"
 #: The new tokens' keys and values of an appending kernel (``spec.append``), last of the inputs, in
@@ -155,6 +158,7 @@ INDEX_ERROR_BITS = {
     64: ("v_scale", "an entry is not a positive finite number (an 8-bit cache's scale per KV head)"),
     128: ("alignment", "q, k, v and o must start on a 16-byte boundary (cp.async and 16-byte vector loads "
                        "read them; a view at an odd offset does not)"),
+    256: ("q_scale", "an entry is not a positive finite number (fp8 queries' scale per query head)"),
 }
 
 
@@ -184,8 +188,9 @@ def describe_index_error(mask: int) -> str:
 def variant_args(spec) -> tuple[Arg, ...]:
     """The variant arguments ``spec``'s kernel takes, in call order: ``alibi_slopes``, ``sinks``,
     ``kv_start``, ``key_lo``, ``key_hi``, ``custom_mask``, ``mask_indptr``, the modifiers' tensors (``spec.mod_tensors``: their
-    declared dims in a fully static kernel, else each dim taken at call time), an 8-bit cache's
-    ``k_scale``, ``v_scale`` (:data:`KV_SCALE_ARGS`), then an appending kernel's ``k_new``,
+    declared dims in a fully static kernel, else each dim taken at call time), fp8 queries'
+    ``q_scale`` (:data:`Q_SCALE_ARG`), an 8-bit cache's ``k_scale``, ``v_scale``
+    (:data:`KV_SCALE_ARGS`), then an appending kernel's ``k_new``,
     ``v_new`` (:data:`KV_NEW_ARGS`; a latent layout's ``kv_new``, :data:`LATENT_NEW_ARGS`)."""
     out = tuple(a for flag, a in VARIANT_ARGS if getattr(spec, flag, False))
     static = fully_static(spec)
@@ -197,6 +202,8 @@ def variant_args(spec) -> tuple[Arg, ...]:
     for name, dtype, dims in getattr(spec, "mod_tensors", ()):
         shape = tuple(dims) if static else tuple(tensor_dim_name(name, i) for i in range(len(dims)))
         out += (Arg(name, shape, dtype),)
+    if getattr(spec, "q_dtype", None) is not None:
+        out += (Q_SCALE_ARG,)
     if getattr(spec, "kv_dtype", None) is not None:
         out += kv_scale_args(spec)
     if getattr(spec, "append", False):
@@ -288,6 +295,11 @@ class Layout:
     default_page_size = 16
     #: the kv-head axis of K and V (arguments 1 and 2): where an 8-bit cache's scales apply
     kv_head_axis = 1
+
+    @property
+    def q_head_axis(self) -> int:
+        """The head axis of q (argument 0): where fp8 queries' ``q_scale`` applies."""
+        return self.args[0].dims.index("heads")
     #: one latent cache holds K and V (MLA): argument 1 is K, V its first ``head_dim_v`` columns;
     #: one kv head; the index arrays follow it
     latent = False
@@ -389,9 +401,11 @@ class Layout:
 
     def arg_dtype(self, spec, arg: Arg) -> str:
         """``arg``'s dtype in ``spec``'s kernel: its own, K/V's ``spec.kv_dtype_name`` (an 8-bit
-        cache), else the spec's."""
+        cache), q's ``spec.q_dtype_name`` (fp8 inputs), else the spec's."""
         if arg.dtype is not None:
             return arg.dtype
+        if arg.name == "q":
+            return getattr(spec, "q_dtype_name", spec.dtype)
         return getattr(spec, "kv_dtype_name", spec.dtype) if arg.name in self.kv_names else spec.dtype
 
     def arg_specs(self, spec) -> list[dict[str, Any]]:
@@ -427,6 +441,9 @@ class Layout:
             out[name], out[scale] = self._unheaded(xq), sc if spec.kv_scale == "head" else self._unheaded(sc)
         if spec.kv_scale != "head" and "cache_seqlens" in arrays:
             self._poison_unused_scales(spec, out)
+        if getattr(spec, "q_dtype", None) is not None:  # fp8 inputs: q per query head too
+            out["q"], out[Q_SCALE_ARG.name] = quantize_kv(arrays["q"].astype(np.float32), spec.q_dtype,
+                                                          self.q_head_axis)
         return out
 
     def _poison_unused_scales(self, spec, arrays: dict[str, np.ndarray]) -> None:
@@ -502,6 +519,8 @@ class Layout:
             out[name] = self._unheaded(dequantize(self._headed(arrays[name]), sc, self.kv_head_axis, spec.kv_scale))
         if getattr(spec, "qk_int8", False):  # the queries as QKᵀ reads them: rounded to int8 per row
             out["q"] = qk_int8_query(arrays["q"])
+        if getattr(spec, "q_dtype", None) is not None:  # fp8 queries: scale · stored
+            out["q"] = dequantize(arrays["q"], arrays[Q_SCALE_ARG.name], self.q_head_axis)
         return out
 
     def symbolic_dims(self, spec) -> list[str]:
@@ -729,7 +748,8 @@ def check_variant_arrays(spec, arrays: Mapping[str, np.ndarray], key_counts, bat
     if getattr(spec, "kv_dtype", None) is not None and getattr(spec, "kv_scale", "head") == "head":
         # (kv_heads,): the shape is the loader's generic check. Finer scales are data: the kernel
         # reads those of the keys it attends to (a bad one makes its rows NaN: quant's docstring)
-        for name in kv_scale_names(spec):
+        names = kv_scale_names(spec) + ((Q_SCALE_ARG.name,) if getattr(spec, "q_dtype", None) else ())
+        for name in names:
             try:
                 check_scale(arrays[name], arrays[name].shape[0], name)
             except SpecError as e:

@@ -78,6 +78,8 @@ DATA_ALIGNMENT = 16
 #: The attention variants a spec may turn on (docs/semantics.md), in the order the call arguments
 #: of those that take one follow (``alibi_slopes``, ``sinks``, ``kv_start``, ``key_lo``/``key_hi``;
 #: then the modifiers' tensors, ``mod_tensors``).
+#: 8-bit query dtypes (``q_dtype``, fp8 inputs): e4m3, as FlashAttention-3's fp8 forward takes
+Q_DTYPES = ("float8_e4m3fn",)
 #: kv_dtype -> its tag in short names (``..._float32_kve4m3_causal``)
 KV_TAGS = {"float8_e4m3fn": "e4m3", "float8_e5m2": "e5m2", "int8": "i8"}
 #: kv_scale -> its tag in short names (``..._kvi8_stok_causal``; per kv head: none)
@@ -172,6 +174,12 @@ class AttentionSpec:
     #: the head size of v and o (``v_dim``); None (the default, and what a value equal to
     #: ``head_dim`` is stored as): ``head_dim``. DeepSeek's unabsorbed prefill is 192 / 128
     head_dim_v: int | None = None
+    #: fp8 inputs (FlashAttention-3's fp8 forward): q stored as ``float8_e4m3fn`` (:data:`Q_DTYPES`)
+    #: with ``q_scale (heads,)`` float32 (per query head; a per-tensor scale is that value in every
+    #: entry), a call argument before ``k_scale``; K/V then must be an e4m3 cache scaled per KV
+    #: head (``kv_dtype``, ``kv_scale="head"``); o keeps ``dtype``. The value of q is ``q_scale[h]
+    #: · stored``. Built by the Hopper kernel (products on wgmma's e4m3 form); None: q in ``dtype``
+    q_dtype: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("batch", "heads", "seq_q", "head_dim"):
@@ -254,6 +262,7 @@ class AttentionSpec:
             if self.kv_scale == "group" and (getattr(self, name) or 0) % SCALE_GROUP:
                 raise SpecError(f"kv_scale='group' scales each {SCALE_GROUP} elements of {name}: {name}="
                                 f"{getattr(self, name)} is not a multiple of {SCALE_GROUP}")
+        self._check_q_dtype(layout)
         if not isinstance(self.device_checks, bool):
             raise SpecError(f"device_checks must be a bool, got {self.device_checks!r}")
         if self.device_checks and not layout.index_args and not self.kv_start:
@@ -275,6 +284,23 @@ class AttentionSpec:
                 f"scale must be a positive number in [{MIN_SCALE:g}, {MAX_SCALE:g}], got {self.scale!r} "
                 "(kernels fold scale·log2(e) into a float32 constant)"
             )
+
+    def _check_q_dtype(self, layout) -> None:
+        """fp8 inputs (``q_dtype``): q, K and V all e4m3 with per-head scales (FlashAttention-3's
+        fp8 forward, whose descales are per tensor or per head), o in ``dtype``."""
+        if self.q_dtype is None or self.q_dtype == self.dtype:
+            object.__setattr__(self, "q_dtype", None)
+            return
+        if self.q_dtype not in Q_DTYPES:
+            raise SpecError(f"q_dtype={self.q_dtype!r} is not supported; 8-bit queries: {', '.join(Q_DTYPES)} "
+                            f"(or None: q in dtype={self.dtype})")
+        if self.kv_dtype != self.q_dtype or self.kv_scale != "head":
+            raise SpecError(f"q_dtype={self.q_dtype!r} (fp8 inputs) multiplies q and K on {self.q_dtype} products: "
+                            f"give kv_dtype={self.q_dtype!r} with kv_scale='head', got kv_dtype={self.kv_dtype!r}, "
+                            f"kv_scale={self.kv_scale!r}")
+        if layout.latent or self.append or self.qk_int8:
+            raise SpecError(f"q_dtype={self.q_dtype!r} (fp8 inputs) is a prefill form: not for a latent cache, an "
+                            "appending kernel or qk_int8")
 
     def _check_latent(self, layout) -> None:
         """A latent cache (MLA): one kv head, V its first ``head_dim_v < head_dim`` columns, the
@@ -445,8 +471,18 @@ class AttentionSpec:
 
     @property
     def itemsize(self) -> int:
-        """Bytes of one element of q and o (and of K/V unless ``kv_dtype`` is 8-bit)."""
+        """Bytes of one element of o (and of q unless ``q_dtype``, of K/V unless ``kv_dtype``, is 8-bit)."""
         return {"float32": 4, "float16": 2, "bfloat16": 2}[self.dtype]
+
+    @property
+    def q_dtype_name(self) -> str:
+        """The dtype of q as stored: ``q_dtype``, else ``dtype``."""
+        return self.q_dtype or self.dtype
+
+    @property
+    def q_itemsize(self) -> int:
+        """Bytes of one q element as stored."""
+        return 1 if self.q_dtype is not None else self.itemsize
 
     @property
     def kv_quantized(self) -> bool:
@@ -482,11 +518,12 @@ class AttentionSpec:
     def io_bytes(self) -> int:
         """Modeled DRAM bytes of a fused kernel: q, k, v (and per-token or per-group scales) read
         and o written once."""
-        q = self.batch * self.heads * self.seq_q * (self.head_dim + self.v_dim)  # q read, o written
+        rows = self.batch * self.heads * self.seq_q  # q read, o written
         kv = self.batch * self.kv_heads * self.seq_kv * (self.head_dim + self.v_dim)
         groups = self.scale_groups + self.v_scale_groups
         scales = self.batch * self.kv_heads * self.seq_kv * groups * 4  # float32, kv_scale
-        return q * self.itemsize + kv * self.kv_itemsize + scales
+        return (rows * (self.head_dim * self.q_itemsize + self.v_dim * self.itemsize) + kv * self.kv_itemsize
+                + scales)
 
     #: Passes over the S×S matrix a materialized implementation makes through memory: write S,
     #: read it for the row max, the row sum and the softmax, write P, read P for P·V.
@@ -513,7 +550,7 @@ class AttentionSpec:
                              ("mask_mod", None), ("mod_tensors", ()), ("key_bounds", False), ("kv_dtype", None),
                              ("append", False), ("device_checks", False), ("qk_int8", False),
                              ("kv_scale", "head"), ("head_dim_v", None),
-                             ("custom_mask", False)):
+                             ("custom_mask", False), ("q_dtype", None)):
             if d[key] == default:
                 del d[key]
         if "window" in d:
@@ -551,6 +588,8 @@ class AttentionSpec:
         c = "causal" if self.causal else "full"
         kv = (f"_kv{KV_TAGS[self.kv_dtype]}{SCALE_TAGS[self.kv_scale]}{'_qk8' if self.qk_int8 else ''}"
               if self.kv_quantized else "")
+        if self.q_dtype is not None:  # fp8 inputs: ..._bfloat16_qe4m3_kve4m3_causal
+            kv = f"_q{KV_TAGS[self.q_dtype]}{kv}"
         dv = f"v{self.head_dim_v}" if self.head_dim_v is not None else ""
         tail = (f"_d{self.head_dim}{dv}_{self.dtype}{kv}_{c}{self.variant_suffix()}{'_lse' if self.return_lse else ''}"
                 f"{'_append' if self.append else ''}{'_devchk' if self.device_checks else ''}")

@@ -13,6 +13,17 @@ from .spec import AttentionSpec
 #: dtype -> (atol, rtol): |out - ref| <= atol + rtol·|ref| elementwise. float32 kernels land
 #: around 1e-6 here; the margin covers long rows (16k keys) and ×30 logits.
 TOLERANCES = {"float32": (1e-4, 1e-4), "float16": (2e-3, 2e-3), "bfloat16": (1.6e-2, 1.6e-2)}
+#: fp8 inputs (``spec.q_dtype``): the reference attends to the dequantized q, K and V exactly, but
+#: the kernel multiplies P by V on e4m3 products, P rounded to e4m3 (3 mantissa bits: a relative
+#: step of 2^-4, FlashAttention-3's fp8 forward does the same); the wgmma model's error on random
+#: inputs is about a third of this (tests/test_hopper.py)
+FP8_TOLERANCE = (4e-2, 4e-2)
+
+
+def tolerances(spec: AttentionSpec) -> tuple[float, float]:
+    """``(atol, rtol)`` a kernel of ``spec`` is held to: its output dtype's, or with fp8 inputs
+    :data:`FP8_TOLERANCE`."""
+    return FP8_TOLERANCE if getattr(spec, "q_dtype", None) else TOLERANCES[spec.dtype]
 #: Above this many reference scores (B·H·Sq·Skv) we check a sample of rows, not every row.
 FULL_CHECK_LIMIT = 1 << 24
 SAMPLED_ROWS = 64
@@ -46,7 +57,7 @@ class ValidationResult:
 
     @classmethod
     def not_run(cls, spec: AttentionSpec, reason: str, seed: int = 0) -> "ValidationResult":
-        atol, rtol = TOLERANCES[spec.dtype]
+        atol, rtol = tolerances(spec)
         return cls(None, None, None, atol, rtol, False, False, "none", seed, ran=False, reason=reason)
 
     def to_dict(self) -> dict[str, Any]:
@@ -134,7 +145,7 @@ def compare(spec: AttentionSpec, out: np.ndarray, ref: np.ndarray, seed: int, ro
     """``out`` against the reference ``ref`` within the dtype's tolerances. ``case`` (its
     description) and ``name_row`` (a row's index in ``out`` without head_dim -> words) name what
     is NaN or infinite where the reference is not (:func:`nonfinite_rows`)."""
-    atol, rtol = TOLERANCES[spec.dtype]
+    atol, rtol = tolerances(spec)
     out64 = out.astype(np.float64)
     finite = bool(np.isfinite(out64).all())
     diff = np.abs(out64 - ref)

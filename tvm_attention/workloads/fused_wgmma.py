@@ -62,8 +62,13 @@ from .variants import transforms as transforms_scores
 from .wgmma_layout import (
     CVT_DST,
     ROW_BYTES,
-    SLAB_COLS,
     TMA_SWIZZLE_128B,
+    VT_DG,
+    VT_DST,
+    VT_KEY,
+    VT_PERM,
+    VT_PG,
+    VT_SRC,
     WARPGROUP,
     WG_ROWS,
     SmemPlan,
@@ -71,6 +76,8 @@ from .wgmma_layout import (
     acc_row,
     empty_parity,
     full_parity,
+    p_byte,
+    vt_text,
     tensor_map,
     tensor_map_gqa,
     tensor_map_packed,
@@ -82,6 +89,8 @@ from .wgmma_layout import (
 WGMMA_DTYPES = {"float16": "f16", "bfloat16": "bf16"}
 #: the layouts it builds
 LAYOUTS = ("bhsd", "varlen", "kvcache", "paged")
+#: the layouts it builds fp8 inputs in (``spec.q_dtype``: prefill)
+FP8_LAYOUTS = ("bhsd", "varlen")
 #: registers a warpgroup keeps after ``setmaxnreg``: the producer's few (an address and a loop),
 #: and the consumers' (score and output fragments, 64 + 64 at block_n = head_dim = 128); 24 +
 #: 2 × 240 registers × 128 threads fill an SM's 64 K
@@ -91,6 +100,10 @@ CONSUMER_REGS = 240
 #: out, its addresses; bf16 through float): nvcc 13 spilled 8 bytes at 64 (int8 to bf16, D=64,
 #: sinks and lse); one consumer and 256 threads leave 128 free (128 + 240 of 256 a thread)
 CONVERTER_REGS = 128
+#: fp8 inputs: the producer warpgroup transposes each V tile (4 words in, 4 out, their addresses)
+#: beside two consumers, whose P is half as wide (four e4m3 a register): 56 + 2 × 224 of 512
+TRANSPOSER_REGS = 56
+FP8_CONSUMER_REGS = 224
 #: the 8-bit caches' 16-bit conversions of 4 elements (one 32-bit word, element 0 in its low
 #: byte) into two words of 16-bit pairs, exact for every value (e4m3 and e5m2 by the hardware's
 #: cvt, sm_89+; int8 as 1024 + (x + 128) by its bits, less 1152)
@@ -160,10 +173,70 @@ __device__ __forceinline__ void {cvt}(unsigned src, unsigned dst, int t) {{
     }
 
 
+def _helpers_f8(plan: SmemPlan) -> dict[str, str]:
+    """fp8 inputs' device helpers: the producer warpgroup's transpose of a V tile into ``Vᵀ``
+    (``wgmma_layout.VT_*``), P's packing into e4m3 A fragments (``wgmma_layout.p_byte``) and
+    the registers of both roles."""
+    BN, D = plan.block_n, plan.head_dim
+
+    def c(text):  # a transpose text as C++ over unsigned ints
+        return vt_text(plan, text)
+
+    lo, hi, col_lo, col_hi = (f"0x{x:04x}u" for x in VT_PERM)
+    packs = []
+    for kk in range(plan.pv_steps):
+        for q in range(4):
+            b = [p_byte(kk, q, i) for i in range(4)]
+            packs.append(f'  asm("{{\\n.reg .b16 lo, hi;\\ncvt.rn.satfinite.e4m3x2.f32 lo, %2, %1;\\n'
+                         f'cvt.rn.satfinite.e4m3x2.f32 hi, %4, %3;\\nmov.b32 %0, {{lo, hi}};\\n}}\\n"\n'
+                         f'      : "=r"(a[{4 * kk + q}]) : "f"(p[{b[0]}]), "f"(p[{b[1]}]), "f"(p[{b[2]}]), '
+                         f'"f"(p[{b[3]}]));\n')
+    return {
+        f"hop_vt8_{D}_{BN}": f"""
+__device__ __forceinline__ void hop_vt8_{D}_{BN}(unsigned src, unsigned dst, int t, int valid) {{
+  // the fp8 V tile TMA landed at src (K's layout: {BN} rows of {D} bytes, 128B-swizzled slabs)
+  // as V^T at dst ({D} rows of {BN} keys, K-major 128B-swizzled slabs of 128 keys, the keys in
+  // P's register order), by the warpgroup's 128 threads: a lane a 4 x 4 block of bytes an
+  // instruction (wgmma_layout.VT_*); keys from `valid` on as zeros (another sequence's); then
+  // visible to the async proxy (wgmma)
+  unsigned lane = (unsigned)t % 32u;
+  for (unsigned n = (unsigned)t / 32u; n < {plan.vt_units // 32}u; n += 4u) {{
+    unsigned pg = {c(VT_PG)}, dg = {c(VT_DG)}, w[4];
+    for (unsigned i = 0; i < 4u; ++i) {{
+      unsigned key = {c(VT_KEY)};
+      asm volatile("ld.shared.u32 %0, [%1];\\n" : "=r"(w[i]) : "r"(src + {c(VT_SRC)}) : "memory");
+      if ((int)key >= valid) w[i] = 0u;
+    }}
+    unsigned a01 = __byte_perm(w[0], w[1], {lo}), a23 = __byte_perm(w[2], w[3], {lo});
+    unsigned b01 = __byte_perm(w[0], w[1], {hi}), b23 = __byte_perm(w[2], w[3], {hi});
+    unsigned out[4] = {{__byte_perm(a01, a23, {col_lo}), __byte_perm(a01, a23, {col_hi}),
+                       __byte_perm(b01, b23, {col_lo}), __byte_perm(b01, b23, {col_hi})}};
+    for (unsigned e = 0; e < 4u; ++e) {{
+      unsigned d = 4u * dg + e;
+      asm volatile("st.shared.u32 [%0], %1;\\n" :: "r"(dst + {c(VT_DST)}), "r"(out[e]) : "memory");
+    }}
+  }}
+  asm volatile("fence.proxy.async.shared::cta;\\n" ::: "memory");
+}}""",
+        f"hop_pack8_{BN}": f"""
+__device__ __forceinline__ void hop_pack8_{BN}(unsigned* a, const float* p) {{
+  // P's fp32 scores rounded to e4m3 (satfinite), four a register: byte b of register 4·kk + q is
+  // score register wgmma_layout.p_byte(kk, q, b) (the A fragment's k order: V^T's keys)
+{"".join(packs)}}}""",
+        **_setmaxnreg("hop_regs_transposer", "dec", TRANSPOSER_REGS),
+        **_setmaxnreg("hop_regs_consumer_f8", "inc", FP8_CONSUMER_REGS),
+    }
+
+
 def _helpers(plan: SmemPlan, dtype: str, consumers: int, kv8: str | None = None) -> dict[str, str]:
     """Device helpers by name (inline PTX), their constants from ``plan``: TVM emits each source
-    once per name, so every name carries the shapes it was generated for."""
+    once per name, so every name carries the shapes it was generated for. fp8 inputs
+    (``plan.vt8``): the products on wgmma's k32 e4m3 form, both operands K-major."""
     ab = WGMMA_DTYPES[dtype]
+    f8 = plan.vt8
+    mma = "e4m3.e4m3" if f8 else f"{ab}.{ab}"
+    kstep = "k32" if f8 else "k16"
+    trans = "" if f8 else ", 0, 0"  # fp8 wgmma takes no transpose immediates (both K-major)
     BN, D = plan.block_n, plan.head_dim
     ns, no = BN // 2, D // 2  # accumulator registers a thread holds: scores, output
     pack = "__floats2half2_rn" if dtype == "float16" else "__floats2bfloat162_rn"
@@ -185,19 +258,20 @@ def _helpers(plan: SmemPlan, dtype: str, consumers: int, kv8: str | None = None)
             f"  {{ unsigned long long da = {plan.qk_desc_high}ull | ((q + {plan.q_step(kk)}u) >> 4);\n"
             f"    unsigned long long db = {plan.qk_desc_high}ull | ((k + {plan.k_step(kk)}u) >> 4);\n"
             f'    asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{ns + 2}, 0;\\n"\n'
-            f'      "wgmma.mma_async.sync.aligned.m64n{BN}k16.f32.{ab}.{ab} {{{regs(ns)}}}, %{ns}, %{ns + 1}, p, 1, 1, 0, 0;\\n}}\\n"\n'
+            f'      "wgmma.mma_async.sync.aligned.m64n{BN}{kstep}.f32.{mma} {{{regs(ns)}}}, %{ns}, %{ns + 1}, p, 1, 1'
+            f'{trans};\\n}}\\n"\n'
             f'      : {outs("s", ns)} : "l"(da), "l"(db), "r"({int(kk > 0)})); }}\n')
     pv_steps = []
     for kk in range(plan.pv_steps):
         pv_steps.append(
             f"  {{ unsigned long long db = {plan.pv_desc_high}ull | ((v + {plan.v_step(kk)}u) >> 4);\n"
             f'    asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{no + 5}, 0;\\n"\n'
-            f'      "wgmma.mma_async.sync.aligned.m64n{D}k16.f32.{ab}.{ab} {{{regs(no)}}}, '
-            f'{{{regs(4, no)}}}, %{no + 4}, p, 1, 1, 1;\\n}}\\n"\n'
+            f'      "wgmma.mma_async.sync.aligned.m64n{D}{kstep}.f32.{mma} {{{regs(no)}}}, '
+            f'{{{regs(4, no)}}}, %{no + 4}, p, 1, 1{"" if f8 else ", 1"};\\n}}\\n"\n'
             f'      : {outs("o", no)} : "r"(a[{4 * kk}]), "r"(a[{4 * kk + 1}]), "r"(a[{4 * kk + 2}]), '
             f'"r"(a[{4 * kk + 3}]), "l"(db), "r"(1)); }}\n')
-    sfx = f"{ab}_{D}_{BN}_{plan.block_m}_{plan.stages}"
-    extra = {} if kv8 is None else _helpers8(plan, dtype, kv8)
+    sfx = f"{'e4m3_' if f8 else ''}{ab}_{D}_{BN}_{plan.block_m}_{plan.stages}"
+    extra = _helpers_f8(plan) if f8 else {} if kv8 is None else _helpers8(plan, dtype, kv8)
     return {**extra,
         "hop_smem_base": r"""
 __device__ __forceinline__ unsigned hop_smem_base(void* p) {
@@ -253,7 +327,7 @@ __device__ __forceinline__ void hop_bar_arrive{nthr}(int id) {{
         **_setmaxnreg("hop_regs_consumer", "inc", CONSUMER_REGS),
         f"hop_qk_{sfx}": f"""
 __device__ __forceinline__ void hop_qk_{sfx}(float* s, unsigned q, unsigned k) {{
-  // S (64 x {BN}, this warpgroup's rows) = Q·K^T: {plan.qk_steps} k16 steps, both from shared memory
+  // S (64 x {BN}, this warpgroup's rows) = Q·K^T: {plan.qk_steps} {kstep} steps, both from shared memory
 {fence_ops("s", ns)}  asm volatile("wgmma.fence.sync.aligned;\\n" ::: "memory");
 {"".join(qk_steps)}  asm volatile("wgmma.commit_group.sync.aligned;\\n" ::: "memory");
 }}""",
@@ -268,6 +342,7 @@ __device__ __forceinline__ void hop_pack{BN}_{ab}(unsigned* a, const float* p) {
         f"hop_pv_{sfx}": f"""
 __device__ __forceinline__ void hop_pv_{sfx}(float* o, const unsigned* a, unsigned v) {{
   // O (64 x {D}) += P·V: P from registers (hop_pack), V read transposed from its [key][d] tile
+  // (fp8: from V^T, K-major)
 {fence_ops("o", no)}  asm volatile("wgmma.fence.sync.aligned;\\n" ::: "memory");
 {"".join(pv_steps)}  asm volatile("wgmma.commit_group.sync.aligned;\\n" ::: "memory");
 }}""",
@@ -321,11 +396,18 @@ def _context(spec: AttentionSpec, block_m: int, block_n: int, stages: int, pingp
         raise ValueError(f"the Hopper kernel builds the {' and '.join(LAYOUTS)} layouts so far, not {spec.layout}")
     packed = spec.layout == "varlen"
     cache = spec.layout in ("kvcache", "paged")  # a KV head's query heads packed into the tile's rows
-    kv8 = spec.kv_dtype  # an 8-bit cache: TMA lands its bytes, the producer warpgroup converts them
+    # fp8 inputs: q, K, V e4m3 into the products as they are, V transposed by the producer warpgroup
+    f8 = spec.q_dtype is not None
+    if f8 and (spec.layout not in FP8_LAYOUTS or spec.head_dim % ROW_BYTES or block_n % ROW_BYTES):
+        raise ValueError(f"the Hopper kernel reads fp8 inputs (q_dtype) in the {' and '.join(FP8_LAYOUTS)} layouts "
+                         f"with head_dim and block_n multiples of {ROW_BYTES} (128-byte rows of the swizzle), got "
+                         f"{spec.layout}, head_dim={spec.head_dim}, block_n={block_n}")
+    kv8 = None if f8 else spec.kv_dtype  # an 8-bit cache: TMA lands its bytes, the producer warpgroup converts them
     if kv8 is not None and (not cache or spec.kv_scale != "head" or block_m != WG_ROWS):
         raise ValueError("the Hopper kernel reads an 8-bit cache in the kvcache and paged layouts, scaled per KV "
                          "head, with one consumer warpgroup (block_m=64)")
-    plan = SmemPlan(spec.head_dim, block_m, block_n, stages, spec.itemsize, kv8=kv8 is not None)
+    plan = SmemPlan(spec.head_dim, block_m, block_n, stages, 1 if f8 else spec.itemsize, kv8=kv8 is not None,
+                    vt8=f8)
     paged = spec.layout == "paged"
     H, KH, G, D = spec.heads, spec.kv_heads, spec.group_size, spec.head_dim
     if cache and WG_ROWS % G:
@@ -363,9 +445,9 @@ def _context(spec: AttentionSpec, block_m: int, block_n: int, stages: int, pingp
     qscale = 1.0 if transforms else score_scale(spec)
     neg_inf = T.float32(float("-inf"))
     srcs = _helpers(plan, dtype, NC, kv8)
-    sfx = f"{WGMMA_DTYPES[dtype]}_{D}_{BN}_{BM}_{NS}"
+    sfx = f"{'e4m3_' if f8 else ''}{WGMMA_DTYPES[dtype]}_{D}_{BN}_{BM}_{NS}"
     nthr = NC * WARPGROUP
-    isz = spec.itemsize
+    isz = plan.itemsize  # of q, K and V as TMA moves them (an 8-bit cache's: its own maps)
 
     def call(name, *args, ret="void"):
         return T.cuda.func_call(name, *args, source_code=srcs[name], return_type=ret)
@@ -421,8 +503,13 @@ def _context(spec: AttentionSpec, block_m: int, block_n: int, stages: int, pingp
         sees = vis.sees(key, pos(wrow0 + row_in_wg(t, r)) + seq.off, start)
         return key < seq.k_len if sees is None else tirx.And(key < seq.k_len, sees)
 
+    def kv_head(hh):  # the block's KV head (hh: a KV-cache tile's KV head, else its query head)
+        return hh if cache else hh // G
+
     def factor(hh, value):
-        # a score's factor; an 8-bit cache's key scale folded in (hh: the block's KV head)
+        # a score's factor; an 8-bit cache's key scale folded in, fp8 inputs' q scale too
+        if f8:
+            return var.q_scaled(hh, var.k_scaled(kv_head(hh), value))
         return var.k_scaled(hh, value) if kv8 is not None else T.float32(value)
 
     def logit(seq, s, t, r, j, wrow0, hh):
@@ -525,7 +612,7 @@ def _producer(x):
         T.evaluate(call("hop_expect", sb + plan.bar_full_q(), plan.q_bytes))
         for sl in T.unroll(plan.slabs):
             T.evaluate(call(q_copy, sb + plan.q_slab(sl), T.address_of(tq), sb + plan.bar_full_q(),
-                            sl * SLAB_COLS, *q_coord(seq, row0, hh)))
+                            sl * plan.slab_cols, *q_coord(seq, row0, hh)))
         for j in T.serial(nt):
             if j >= NS:  # the stage's previous tile read by every consumer
                 T.evaluate(call("hop_wait", sb + plan.bar_empty(0) + j % NS * 8, empty_parity(j, NS)))
@@ -534,13 +621,13 @@ def _producer(x):
                 for i in T.unroll(nboxes):
                     T.evaluate(call(kv_copy, sb + plan.k_tile(0) + j % NS * plan.kv_tile_bytes + plan.kv_slab(sl)
                                     + i * rows * ROW_BYTES, T.address_of(tk), sb + plan.bar_full_k(0) + j % NS * 8,
-                                    sl * SLAB_COLS, *kv_box(seq, (first + j) * BN, kvh, i)))
+                                    sl * plan.slab_cols, *kv_box(seq, (first + j) * BN, kvh, i)))
             T.evaluate(call("hop_expect", sb + plan.bar_full_v(0) + j % NS * 8, plan.kv_tile_bytes))
             for sl in T.unroll(plan.slabs):
                 for i in T.unroll(nboxes):
                     T.evaluate(call(kv_copy, sb + plan.v_tile(0) + j % NS * plan.kv_tile_bytes + plan.kv_slab(sl)
                                     + i * rows * ROW_BYTES, T.address_of(tv), sb + plan.bar_full_v(0) + j % NS * 8,
-                                    sl * SLAB_COLS, *kv_box(seq, (first + j) * BN, kvh, i)))
+                                    sl * plan.slab_cols, *kv_box(seq, (first + j) * BN, kvh, i)))
 
     return producer
 
@@ -574,7 +661,7 @@ def _producer8(x):
             T.evaluate(call("hop_expect", sb + plan.bar_full_q(), plan.q_bytes))
             for sl in T.unroll(plan.slabs):
                 T.evaluate(call("hop_tma4d", sb + plan.q_slab(sl), T.address_of(tq), sb + plan.bar_full_q(),
-                                sl * SLAB_COLS, *q_coord(seq, row0, hh)))
+                                sl * plan.slab_cols, *q_coord(seq, row0, hh)))
             for j in T.serial(T.min(nt, NS)):
                 load8(sb, seq, kvh, first, j)
         for j in T.serial(nt):
@@ -593,6 +680,54 @@ def _producer8(x):
                     load8(sb, seq, kvh, first, j + NS)
 
     return producer8
+
+
+def _producer_f8(x):
+    """fp8 inputs' producer warpgroup: its thread 0 loads Q, K tile by tile into the consumers'
+    stages (once they released the stage's last tile) and V into a staging stage; all 128 threads
+    transpose each landed V tile into the stage's ``Vᵀ`` (``hop_vt8``), arrive on its full
+    barrier, and hand the staging stage back to the next load."""
+    call, plan, tq, tk, tv, NS, BN = x.call, x.plan, x.tq, x.tk, x.tv, x.NS, x.BN
+    q_coord, kv_box, packed = x.q_coord, x.kv_box, x.packed
+    vt = f"hop_vt8_{x.D}_{BN}"
+
+    @T.macro
+    def load(tmv, dst, bar, seq, kvh, first, j):
+        # one tile (K or V) of 128-byte slab rows, its bytes on barrier bar
+        T.evaluate(call("hop_expect", bar, plan.kv_tile_bytes))
+        for sl in T.unroll(plan.slabs):
+            T.evaluate(call("hop_tma3d", dst + plan.kv_slab(sl), T.address_of(tmv), bar, sl * plan.slab_cols,
+                            *kv_box(seq, (first + j) * BN, kvh, 0)))
+
+    @T.macro
+    def producer_f8(sb, seq, row0, hh, kvh, first, nt, t):
+        if t == 0:
+            T.evaluate(call("hop_expect", sb + plan.bar_full_q(), plan.q_bytes))
+            for sl in T.unroll(plan.slabs):
+                T.evaluate(call("hop_tma3d", sb + plan.q_slab(sl), T.address_of(tq), sb + plan.bar_full_q(),
+                                sl * plan.slab_cols, *q_coord(seq, row0, hh)))
+            for j in T.serial(T.min(nt, NS)):
+                load(tk, sb + plan.k_tile(j), sb + plan.bar_full_k(j), seq, kvh, first, j)
+                load(tv, sb + plan.vs_tile(j), sb + plan.bar_full8(j), seq, kvh, first, j)
+        for j in T.serial(nt):
+            if j >= NS:  # the stage's previous tile read by every consumer: its K, then its V^T
+                T.evaluate(call("hop_wait", sb + plan.bar_empty(0) + j % NS * 8, empty_parity(j, NS)))
+                if t == 0:
+                    load(tk, sb + plan.k_tile(0) + j % NS * plan.kv_tile_bytes, sb + plan.bar_full_k(0) + j % NS * 8,
+                         seq, kvh, first, j)
+            T.evaluate(call("hop_wait", sb + plan.bar_full8(0) + j % NS * 8, full_parity(j, NS)))
+            # keys past the sequence's (packed: the next sequence's rows) transposed as zeros
+            T.evaluate(call(vt, sb + plan.vs_tile(0) + j % NS * plan.kv_tile_bytes,
+                            sb + plan.v_tile(0) + j % NS * plan.kv_tile_bytes, t,
+                            T.min(seq.k_len - (first + j) * BN, BN) if packed else BN))
+            T.evaluate(call("hop_arrive", sb + plan.bar_full_v(0) + j % NS * 8))
+            T.evaluate(call("hop_wg_sync", 5))  # the staging stage read by all 128 threads
+            if t == 0:
+                if j + NS < nt:
+                    load(tv, sb + plan.vs_tile(0) + j % NS * plan.kv_tile_bytes, sb + plan.bar_full8(0) + j % NS * 8,
+                         seq, kvh, first, j + NS)
+
+    return producer_f8
 
 
 def _softmax(x):
@@ -634,7 +769,7 @@ def _epilogue(x, rescale):
     output; an 8-bit cache's value scale) and ``store_part`` (a split-KV chunk's state)."""
     col_of, dtype, LSE, lse, lse_at, NOR, o_at, row_in_wg, var, vis = \
         x.col_of, x.dtype, x.LSE, x.lse, x.lse_at, x.NOR, x.o_at, x.row_in_wg, x.var, x.vis
-    head, pos = x.head, x.pos
+    head, pos, kv_head = x.head, x.pos, x.kv_head
 
     @T.macro
     def finish(seq, O, Oa, m, l, al, t, wrow0, hh):
@@ -653,8 +788,8 @@ def _epilogue(x, rescale):
             if pos(wrow0 + row_in_wg(t, r)) < seq.q_len:
                 # an 8-bit cache's value scale once per output (v_scaled: Oa itself otherwise)
                 O[o_at(seq, hh, wrow0 + row_in_wg(t, r), col_of(t, r))] = T.Cast(dtype, normalize_where(
-                    var.v_scaled(Oa[r], hh), l[r % 4 // 2], vis.sees_a_key(pos(wrow0 + row_in_wg(t, r)) + seq.off,
-                                                                           seq.k_len, var.start(seq.b))))
+                    var.v_scaled(Oa[r], kv_head(hh)), l[r % 4 // 2],
+                    vis.sees_a_key(pos(wrow0 + row_in_wg(t, r)) + seq.off, seq.k_len, var.start(seq.b))))
 
     def part_row(row):
         # rows < BM: the workspace holds one row tile (the min says so to TVM's buffer
@@ -682,8 +817,10 @@ def _consumer(x, softmax):
     (call, dtype, neg_inf, NOR, NS, NSR, nthr, overlap, packed, pingpong, plan, sfx, var) = \
         (x.call, x.dtype, x.neg_inf, x.NOR, x.NS, x.NSR, x.nthr, x.overlap, x.packed, x.pingpong, x.plan, x.sfx, x.var)
     BN, kv_rows = x.BN, plan.kv_slab(1)  # a V tile's bytes per slab
-    zero_tail = packed or x.cache  # V's rows past a sequence's keys are another's, or stale cache
-    pack = f"hop_pack{BN}_{WGMMA_DTYPES[dtype]}"
+    # V's rows past a sequence's keys are another's, or stale cache (fp8 inputs: the transpose
+    # writes them as zeros)
+    zero_tail = (packed or x.cache) and not x.f8
+    pack = f"hop_pack8_{BN}" if x.f8 else f"hop_pack{BN}_{WGMMA_DTYPES[dtype]}"
 
     def stage(j):
         return j % NS
@@ -803,9 +940,12 @@ def _block(x, producer, consumer):
     warpgroup (its registers given back, one thread loading) and the consumers."""
     BN, call, G, NOR, NS, NSR, nthr, plan, tile_range, var = \
         x.BN, x.call, x.G, x.NOR, x.NS, x.NSR, x.nthr, x.plan, x.tile_range, x.var
-    cache, kv8 = x.cache, x.kv8 is not None
+    cache, kv8, f8 = x.cache, x.kv8 is not None, x.f8
     producer8 = _producer8(x) if kv8 else None
-    converted = WARPGROUP if kv8 else 1  # a 16-bit stage is full once its converters (or TMA) arrive
+    producer_f8 = _producer_f8(x) if f8 else None
+    # a stage's K (V) is full once its converters (or transposers), or TMA, arrived
+    converted_k = WARPGROUP if kv8 else 1
+    converted_v = WARPGROUP if kv8 or f8 else 1
 
     @T.macro
     def block(Q, K, V, O, seq, hh, tid, row0, part=None):
@@ -815,7 +955,8 @@ def _block(x, producer, consumer):
         m = T.sblock_alloc_buffer((2,), "float32", scope="local")
         l = T.sblock_alloc_buffer((2,), "float32", scope="local")
         al = T.sblock_alloc_buffer((2,), "float32", scope="local")  # alpha
-        Pk = T.sblock_alloc_buffer((BN // 4,), "uint32", scope="local")  # P, 16-bit pairs
+        # P: 16-bit pairs, or e4m3 quads
+        Pk = T.sblock_alloc_buffer((BN // (8 if f8 else 4),), "uint32", scope="local")
         # the whole allocation named (a pointer to its element 0 alone let TVM compact it to 1 byte)
         sb: T.uint32 = call("hop_smem_base", smem.access_ptr("rw", extent=plan.alloc_bytes), ret="uint32")
         # the key tiles [first, first + nt) of the block's rows; split, of its chunk part[0]
@@ -831,10 +972,10 @@ def _block(x, producer, consumer):
         if tid == 0:
             T.evaluate(call("hop_mbar_init", sb + plan.bar_full_q(), 1))
             for s in T.unroll(NS):
-                T.evaluate(call("hop_mbar_init", sb + plan.bar_full_k(s), converted))
-                T.evaluate(call("hop_mbar_init", sb + plan.bar_full_v(s), converted))
+                T.evaluate(call("hop_mbar_init", sb + plan.bar_full_k(s), converted_k))
+                T.evaluate(call("hop_mbar_init", sb + plan.bar_full_v(s), converted_v))
                 T.evaluate(call("hop_mbar_init", sb + plan.bar_empty(s), nthr))
-                if kv8:
+                if kv8 or f8:
                     T.evaluate(call("hop_mbar_init", sb + plan.bar_full8(s), 1))
             T.evaluate(call("hop_fence_init"))
         T.tvm_storage_sync("shared")
@@ -842,12 +983,15 @@ def _block(x, producer, consumer):
             if kv8:
                 T.evaluate(call("hop_regs_converter"))
                 producer8(sb, seq, row0, hh, hh, first, nt, tid)
+            elif f8:
+                T.evaluate(call("hop_regs_transposer"))
+                producer_f8(sb, seq, row0, hh, hh // G, first, nt, tid)
             else:
                 T.evaluate(call("hop_regs_producer"))
                 if tid == 0:
                     producer(sb, seq, row0, hh, hh if cache else hh // G, first, nt)
         else:
-            T.evaluate(call("hop_regs_consumer"))
+            T.evaluate(call("hop_regs_consumer_f8" if f8 else "hop_regs_consumer"))
             consumer(sb, seq, O, S, Pk, Oa, m, l, al, tid, row0, hh, first, nt, part)
 
     return block
@@ -882,15 +1026,16 @@ ONE_PER_SM = "tirx.launch_bounds_min_blocks_per_sm"
 def _tmaps(x):
     """The macro ``tmaps(Q, K, V)``: the three tensor maps, encoded on the host at each call."""
     dtype, maps, tq, tk, tv, tmap_args = x.dtype, x.maps, x.tq, x.tk, x.tv, x.tmap_args
-    cache, paged, kv8 = x.cache, x.paged, x.kv8 is not None
+    cache, paged, kv8, f8 = x.cache, x.paged, x.kv8 is not None, x.f8
 
     @T.macro
     def tmap(tmv, buf, rows, planes, box_rows, gqa=False, pages=False, bytes8=False):
-        # a 3-D view (4-D: a KV-cache tile's Q, a page pool), boxes of 64 columns and box_rows
-        # rows, 128B swizzle (wgmma_layout); an 8-bit cache's: whole rows of bytes, unswizzled
+        # a 3-D view (4-D: a KV-cache tile's Q, a page pool), boxes of 128 bytes of columns and
+        # box_rows rows, 128B swizzle (wgmma_layout); an 8-bit cache's: whole rows of bytes,
+        # unswizzled; fp8 inputs': as 16-bit ones, of bytes
         T.Bind(T.tvm_stack_alloca("tensormap", 1), var=tmv)
         T.tensormap_encode_tiled(tmv, buf.data, *tmap_args(rows, planes, box_rows, gqa, pages, bytes8),
-                                 descriptor_dtype="uint8" if bytes8 else dtype, rank=4 if gqa or pages else 3,
+                                 descriptor_dtype="uint8" if bytes8 or f8 else dtype, rank=4 if gqa or pages else 3,
                                  swizzle=0 if bytes8 else TMA_SWIZZLE_128B)
 
     @T.macro
@@ -984,12 +1129,13 @@ def fused_attention_wgmma(spec: AttentionSpec, block_m: int, block_n: int, stage
              **record(FUSED_WGMMA, block_m=BM, block_n=BN, stages=NS, pingpong=int(pingpong), overlap=int(overlap)),
              **record(CUDA_SPLIT, split_tasks=split_tasks if split is not None else 0)}
     kvt = spec.kv_dtype_name  # the cache's dtype (an 8-bit one's bytes go by TMA, unread here)
+    qt = spec.q_dtype_name  # q's (fp8 inputs: e4m3, into the products as it is)
     if paged:
         NPG, PS, MP = x.NPG, x.PS, x.MP
 
         @T.prim_func(s_tir=True, check_well_formed=False)
         def attention_paged(
-            Q: T.Buffer((B, H, SQ, D), dtype),
+            Q: T.Buffer((B, H, SQ, D), qt),
             K: T.Buffer((NPG, PS, KH, D), kvt),
             V: T.Buffer((NPG, PS, KH, D), kvt),
             BT: T.Buffer((B, MP), "int32"),
@@ -1004,7 +1150,7 @@ def fused_attention_wgmma(spec: AttentionSpec, block_m: int, block_n: int, stage
 
         @T.prim_func(s_tir=True, check_well_formed=False)
         def attention_kvcache(
-            Q: T.Buffer((B, H, SQ, D), dtype),
+            Q: T.Buffer((B, H, SQ, D), qt),
             K: T.Buffer((B, KH, ML, D), kvt),
             V: T.Buffer((B, KH, ML, D), kvt),
             CS: T.Buffer((B,), "int32"),
@@ -1018,9 +1164,9 @@ def fused_attention_wgmma(spec: AttentionSpec, block_m: int, block_n: int, stage
 
         @T.prim_func(s_tir=True, check_well_formed=False)
         def attention_varlen(
-            Q: T.Buffer((TQ, H, D), dtype),
-            K: T.Buffer((TK, KH, D), dtype),
-            V: T.Buffer((TK, KH, D), dtype),
+            Q: T.Buffer((TQ, H, D), qt),
+            K: T.Buffer((TK, KH, D), kvt),
+            V: T.Buffer((TK, KH, D), kvt),
             CQ: T.Buffer((NB1,), "int32"),
             CK: T.Buffer((NB1,), "int32"),
             O: T.Buffer((TQ, H, D), dtype),
@@ -1044,9 +1190,9 @@ def fused_attention_wgmma(spec: AttentionSpec, block_m: int, block_n: int, stage
     else:
         @T.prim_func(s_tir=True, check_well_formed=False)
         def attention(
-            Q: T.Buffer((B, H, SQ, D), dtype),
-            K: T.Buffer((B, KH, SK, D), dtype),
-            V: T.Buffer((B, KH, SK, D), dtype),
+            Q: T.Buffer((B, H, SQ, D), qt),
+            K: T.Buffer((B, KH, SK, D), kvt),
+            V: T.Buffer((B, KH, SK, D), kvt),
             O: T.Buffer((B, H, SQ, D), dtype),
         ):
             T.func_attr(attrs)

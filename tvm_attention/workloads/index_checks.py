@@ -355,6 +355,7 @@ def _check_kernel(spec: AttentionSpec, buf: dict, err, emulate: bool) -> tirx.St
     CQ, CK = buf.get("cu_seqlens_q"), buf.get("cu_seqlens_k")
     CL, BT, KS = buf.get("cache_seqlens"), buf.get("block_table"), buf.get("kv_start")
     KSC, VSC = buf.get("k_scale"), buf.get("v_scale")  # an 8-bit cache's scales (kv_heads,)
+    QSC = buf.get("q_scale")  # fp8 queries' scales (heads,)
     new = _new(buf)
     K = buf[spec.layout_info.kv_names[0]]
     if varlen:
@@ -432,6 +433,10 @@ def _check_kernel(spec: AttentionSpec, buf: dict, err, emulate: bool) -> tirx.St
                 if mine(i, tx, spec.kv_heads):
                     reg[tx] = T.bitwise_or(reg[tx], T.bitwise_or(bit(scale_ok(KSC[i * NT + tx]), "k_scale"),
                                                                  bit(scale_ok(VSC[i * NT + tx]), "v_scale")))
+        if QSC is not None:
+            for i in T.serial(steps(spec.heads)):
+                if mine(i, tx, spec.heads):
+                    reg[tx] = T.bitwise_or(reg[tx], bit(scale_ok(QSC[i * NT + tx]), "q_scale"))
         if KS is not None:
             for i in T.serial(steps(NB)):
                 if mine(i, tx, NB):

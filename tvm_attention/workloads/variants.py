@@ -65,7 +65,8 @@ CUDA_VARIANTS = ("window", "softcap", "alibi", "sinks", "kv_start")
 #: The CUDA kernels' buffer names of the variant arguments they had first (``layouts.variant_args``'
 #: names); any other argument of ``layouts.VARIANT_ARGS`` is declared under its own name
 #: (:meth:`Variants.declare`).
-CUDA_BUFFERS = {"alibi_slopes": "AL", "sinks": "SN", "kv_start": "KS", "k_scale": "KSC", "v_scale": "VSC"}
+CUDA_BUFFERS = {"alibi_slopes": "AL", "sinks": "SN", "kv_start": "KS", "q_scale": "QSC", "k_scale": "KSC",
+                "v_scale": "VSC"}
 #: The variant arguments the CPU kernel's signature templates hold a parameter for
 #: (``fused.VARIANT_PARAMS``); any other of ``layouts.VARIANT_ARGS`` (a variant added later, its
 #: ``Arg`` after these) is declared by :class:`ExtraParams`.
@@ -95,6 +96,7 @@ class Variants:
         self.spec = spec
         self.args = dict(args or {})
         self.KSC, self.VSC = scales if spec is not None and spec.kv_quantized else (None, None)
+        self.QSC = None  # fp8 queries' q_scale (heads,) (declare)
         # how finely they scale (spec.kv_scale): per kv head the hooks below fold them; per token
         # or per group the tile reads them per key (fused.py's scale_load)
         self.fine = spec is not None and spec.kv_quantized and spec.kv_scale != "head"
@@ -131,7 +133,7 @@ class Variants:
         if missing:
             raise ValueError(f"the CUDA kernels do not build the attention variant(s) {', '.join(missing)}")
         values = {"heads": spec.heads, "kv_heads": spec.kv_heads, "batch": B}
-        takes = {a.name for _, a in VARIANT_ARGS} | {"k_scale", "v_scale"}
+        takes = {a.name for _, a in VARIANT_ARGS} | {"q_scale", "k_scale", "v_scale"}
         declared = {}
         for a in variant_args(spec):
             if a.name not in takes:
@@ -141,6 +143,7 @@ class Variants:
         var = cls(spec, declared.get("alibi_slopes"), declared.get("sinks"), declared.get("kv_start"),
                   scales=(declared.get("k_scale"), declared.get("v_scale")),
                   args={n: b for n, b in declared.items() if n not in CUDA_BUFFERS})
+        var.QSC = declared.get("q_scale")
         var.buffers = list(declared.values())
         return var
 
@@ -163,6 +166,11 @@ class Variants:
         if self.KSC is None:
             return T.float32(factor)
         return self.KSC[kv_head] * T.float32(factor * self.unit)
+
+    def q_scaled(self, head, factor):
+        """``factor`` (a float32 expression) times query head ``head``'s ``q_scale`` (fp8 queries;
+        ``factor`` alone otherwise)."""
+        return factor if self.QSC is None else self.QSC[head] * factor
 
     def _unit(self, scale):
         return scale if self.unit == 1.0 else scale * T.float32(self.unit)

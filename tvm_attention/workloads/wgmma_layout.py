@@ -71,7 +71,13 @@ class SmemPlan:
     head_dim``, each as ``head_dim / 64`` slabs; with ``kv8`` (an 8-bit cache) ``stages``
     staging pairs of its K and V tiles as TMA lands them (``block_n`` rows of ``head_dim``
     bytes, unswizzled); then the mbarriers (8 bytes each): Q full, K full per stage, V full per
-    stage, stage empty per stage, and with ``kv8`` staging full per stage."""
+    stage, stage empty per stage, and with ``kv8`` staging full per stage.
+
+    fp8 inputs (``itemsize`` 1, ``vt8``): Q and K tiles as above with 128 elements a slab row
+    (wgmma's k32 steps are 32 bytes, as k16's are), each V tile as TMA lands it in a staging stage
+    (``vs_tile``; K's layout), and the consumers' V stage transposed, ``Vᵀ`` (``head_dim`` rows of
+    ``block_n`` keys, slabs of 128 keys, K-major: fp8 wgmma reads no transposed operand), its
+    keys in the order of P's registers (:data:`VT_KEY`); the staging's full barriers then."""
 
     head_dim: int
     block_m: int
@@ -79,19 +85,29 @@ class SmemPlan:
     stages: int
     itemsize: int = 2
     kv8: bool = False
+    vt8: bool = False
 
     def __post_init__(self):
-        if self.itemsize != 2:
-            raise ValueError("the 128B-swizzled slabs hold 16-bit elements (64 a row)")
-        if self.head_dim % SLAB_COLS:
-            raise ValueError(f"head_dim={self.head_dim} must be a multiple of {SLAB_COLS} (128-byte slabs)")
+        if self.itemsize not in (1, 2) or self.vt8 != (self.itemsize == 1) or (self.kv8 and self.vt8):
+            raise ValueError("the 128B-swizzled slabs hold 16-bit elements (64 a row), or fp8 inputs' (128 a row, "
+                             "vt8, V transposed)")
+        if self.head_dim % self.slab_cols:
+            raise ValueError(f"head_dim={self.head_dim} must be a multiple of {self.slab_cols} (128-byte slabs)")
         if self.block_m % WG_ROWS or self.block_n % 16 or not 16 <= self.block_n <= 256:
             raise ValueError(f"block_m={self.block_m} must be a multiple of 64 and block_n={self.block_n} "
                              "a multiple of 16 in [16, 256] (wgmma m64nNk16)")
+        if self.vt8 and self.block_n % ROW_BYTES:
+            raise ValueError(f"block_n={self.block_n}: fp8 inputs' Vᵀ rows are 128-byte swizzled slabs of keys, so "
+                             "block_n must be a multiple of 128")
+
+    @property
+    def slab_cols(self) -> int:
+        """Elements of a slab's row: 64 of 16 bits, 128 of fp8 (the TMA box's inner extent)."""
+        return ROW_BYTES // self.itemsize
 
     @property
     def slabs(self) -> int:
-        return self.head_dim // SLAB_COLS
+        return self.head_dim // self.slab_cols
 
     @property
     def consumers(self) -> int:
@@ -129,9 +145,18 @@ class SmemPlan:
     def v8_tile(self, stage: int) -> int:
         return self.k8_tile(stage) + self.kv8_tile_bytes
 
+    def vs_tile(self, stage: int) -> int:
+        """fp8 inputs: V's staging tile of ``stage`` (as TMA lands it, swizzled as K's)."""
+        return self.q_bytes + (2 * self.stages + stage) * self.kv_tile_bytes
+
+    def vt_slab(self, slab: int) -> int:
+        """fp8 inputs: the offset in a ``Vᵀ`` tile of its slab of keys ``128·slab ..``."""
+        return slab * self.head_dim * ROW_BYTES
+
     @property
     def barriers(self) -> int:
-        return self.q_bytes + 2 * self.stages * (self.kv_tile_bytes + (self.kv8_tile_bytes if self.kv8 else 0))
+        staging = 2 * self.kv8_tile_bytes if self.kv8 else self.kv_tile_bytes if self.vt8 else 0
+        return self.q_bytes + self.stages * (2 * self.kv_tile_bytes + staging)
 
     def bar_full_q(self) -> int:
         return self.barriers
@@ -151,7 +176,12 @@ class SmemPlan:
 
     @property
     def used_bytes(self) -> int:
-        return self.barriers + 8 * (1 + (4 if self.kv8 else 3) * self.stages)
+        return self.barriers + 8 * (1 + (4 if self.kv8 or self.vt8 else 3) * self.stages)
+
+    @property
+    def vt_units(self) -> int:
+        """fp8 inputs: the transpose's 4 × 4-byte blocks of a V tile (32 a warp's instruction)."""
+        return self.block_n * self.head_dim // 16
 
     @property
     def cvt_chunks(self) -> int:
@@ -167,11 +197,12 @@ class SmemPlan:
     # -- the descriptors of each wgmma (start offsets; constant high bits) -------------------
     @property
     def qk_steps(self) -> int:
-        return self.head_dim // 16
+        """wgmma k steps of Q·Kᵀ: 32 bytes of head_dim each (k16 of 16 bits, k32 of fp8)."""
+        return self.head_dim * self.itemsize // 32
 
     @property
     def pv_steps(self) -> int:
-        return self.block_n // 16
+        return self.block_n * self.itemsize // 32
 
     @staticmethod
     def q_rows(wg):
@@ -187,7 +218,10 @@ class SmemPlan:
         return self.kv_slab(kk // STEPS_PER_SLAB) + kk % STEPS_PER_SLAB * 32
 
     def v_step(self, kk: int) -> int:
-        """Start of V's descriptor (relative to its stage's tile) at the keys of k16 step ``kk``."""
+        """Start of V's descriptor (relative to its stage's tile) at the keys of k16 step ``kk``;
+        fp8 inputs: of ``Vᵀ``'s k32 step ``kk`` (K-major, as K's)."""
+        if self.vt8:
+            return self.vt_slab(kk // STEPS_PER_SLAB) + kk % STEPS_PER_SLAB * 32
         return kk * 16 * ROW_BYTES
 
     kmajor_lbo = 16  # unused by a swizzled K-major layout (CUTLASS writes 1, in 16-byte units)
@@ -204,7 +238,7 @@ class SmemPlan:
 
     @property
     def pv_desc_high(self) -> int:
-        return desc_high(self.v_lbo, self.sbo)
+        return desc_high(self.kmajor_lbo, self.sbo) if self.vt8 else desc_high(self.v_lbo, self.sbo)
 
 
 # -- what the kernel's code assumes of the hardware (checked against the ISA by wgmma_model) ----
@@ -226,6 +260,16 @@ def p_pair(kk: int, q: int) -> int:
     return 4 * kk + q
 
 
+def p_byte(kk: int, q: int, b: int) -> int:
+    """fp8 inputs: P's A fragment of k32 step ``kk``: byte ``b`` (0 lowest) of register ``q``
+    (0-3) is score register ``p_byte(kk, q, b)`` rounded to e4m3 (the helper's packing order).
+    The accumulator's registers, in place: ``q`` names a row half (``q % 2``) and a 16-key half
+    of the step (``q // 2``), ``b`` a key pair's element (``b % 2``) and which 8 keys (``b // 2``):
+    a thread's keys ``2c, 2c+1, 8+2c, 9+2c`` (c = lane % 4) of each 16, which the A fragment reads
+    as k = ``4c .. 4c+3``: V's keys are stored in that order (:data:`VT_KEY`), so P needs no shuffle."""
+    return 16 * kk + 8 * (q // 2) + 2 * (q % 2) + 4 * (b // 2) + b % 2
+
+
 def full_parity(j, stages):
     """The phase parity a consumer waits for on key tile ``j``'s full barrier: its stage's
     ``(j // stages)``-th fill."""
@@ -245,6 +289,33 @@ def empty_parity(j, stages):
 #: :func:`cvt_dst` evaluates it in Python (``/`` read as ``//``).
 CVT_DST = ("(i % {cpr} / 4) * {slab_bytes} + (i / {cpr}) * 128 + "
            "((((i % {cpr}) % 4) * 2 + h) ^ ((i / {cpr}) % 8)) * 16")
+
+
+#: fp8 inputs' transpose of a V tile (staging, K's swizzled layout) into ``Vᵀ`` by the producer
+#: warpgroup: its warp instruction ``n`` (of ``vt_units / 32``; warp ``w`` takes ``n ≡ w mod 4``)
+#: gives lane ``lane`` the 4 × 4 block of positions ``4·pg ..`` and head-dim columns ``4·dg ..``.
+#: Lane ``lane`` reads key ``VT_KEY`` (``i`` 0-3) at ``VT_SRC``, and after a byte transpose
+#: writes column ``d = 4·dg + e`` at ``VT_DST``. The lane mapping makes each warp's 4-byte reads
+#: and writes hit 32 distinct banks (both swizzles XOR the chunk). Texts for both languages, as
+#: :data:`CVT_DST` (``{dslabs}``: head_dim / 128; ``{slab_bytes}``: a staging slab; ``{vt_slab}``).
+VT_PG = "32 * (n / 32 / {dslabs}) + lane"
+#: ``__byte_perm`` selectors of the 4 × 4 byte transpose: words 0-1 (and 2-3) interleaved by their
+#: bytes 0-1, by their bytes 2-3; then two such pairs' columns e = 0 (2) and e = 1 (3)
+VT_PERM = (0x5140, 0x7362, 0x5410, 0x7632)
+VT_DG = "32 * (n / 32 % {dslabs}) + (2 * (lane / 4) + lane % 2 + n) % 32"
+VT_KEY = "16 * (pg / 4) + 2 * (pg % 4) + i % 2 + 8 * (i / 2)"
+VT_SRC = "(dg / 32) * {slab_bytes} + key * 128 + (((dg % 32) / 4) ^ (key % 8)) * 16 + (dg % 4) * 4"
+VT_DST = "(pg / 32) * {vt_slab} + d * 128 + (((pg % 32) / 4) ^ (d % 8)) * 16 + (pg % 4) * 4"
+
+
+def vt_text(plan: SmemPlan, text: str) -> str:
+    """One of the transpose's texts with ``plan``'s constants."""
+    return text.format(dslabs=plan.head_dim // ROW_BYTES, slab_bytes=plan.kv_slab(1), vt_slab=plan.vt_slab(1))
+
+
+def vt_eval(plan: SmemPlan, text: str, **names):
+    """A transpose text evaluated in Python (``/`` read as ``//``) over ``names`` (ints or arrays)."""
+    return eval(vt_text(plan, text).replace("/", "//"), {}, dict(names))
 
 
 def cvt_dst(plan: SmemPlan, i, h):
@@ -269,9 +340,11 @@ def tensor_map8_paged(cols: int, kv_heads: int, page_size: int, pages, box_rows:
 
 def tensor_map_packed(cols: int, total, heads, box_rows: int, itemsize: int = 2):
     """``cuTensorMapEncodeTiled``'s arguments for a packed tensor ``(total, heads, cols)`` viewed
-    as ``(cols, heads, total)`` (innermost first): a box is 64 columns of one head's ``box_rows``
-    rows, laid out in shared memory as a bhsd box is (a row of 128 bytes a slab)."""
-    return ((cols, heads, total), (cols * itemsize, heads * cols * itemsize), (SLAB_COLS, 1, box_rows), (1, 1, 1))
+    as ``(cols, heads, total)`` (innermost first): a box is 128 bytes of columns (64; fp8: 128)
+    of one head's ``box_rows`` rows, laid out in shared memory as a bhsd box is (a row of 128
+    bytes a slab)."""
+    return ((cols, heads, total), (cols * itemsize, heads * cols * itemsize), (ROW_BYTES // itemsize, 1, box_rows),
+            (1, 1, 1))
 
 
 def tensor_map_gqa(cols: int, group: int, positions, planes, box_rows: int, itemsize: int = 2):
@@ -295,6 +368,7 @@ def tensor_map_paged(cols: int, kv_heads: int, page_size: int, pages, box_rows: 
 
 def tensor_map(cols: int, rows, planes, box_rows: int, itemsize: int = 2):
     """The arguments of ``cuTensorMapEncodeTiled`` for a tensor viewed as ``(cols, rows, planes)``
-    (innermost first): dims, byte strides of dims 1 and 2, the box (64 columns × ``box_rows`` ×
-    1), element strides."""
-    return ((cols, rows, planes), (cols * itemsize, rows * cols * itemsize), (SLAB_COLS, box_rows, 1), (1, 1, 1))
+    (innermost first): dims, byte strides of dims 1 and 2, the box (128 bytes of columns: 64, or
+    128 of fp8, × ``box_rows`` × 1), element strides."""
+    return ((cols, rows, planes), (cols * itemsize, rows * cols * itemsize), (ROW_BYTES // itemsize, box_rows, 1),
+            (1, 1, 1))

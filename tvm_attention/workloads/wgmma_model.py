@@ -22,9 +22,14 @@ Split-KV (a KV cache's ``split_tasks``) runs each chunk as a block over its shar
 tiles, places its state in the workspace by the kernel's store indexing and merges the chunks
 (weights ``2^(m − max m)``, the sink once) as the merge kernel does.
 
+fp8 inputs (``spec.q_dtype``): Q, K and V land as bytes; the producer warpgroup's transpose of
+each V tile into ``Vᵀ`` runs lane by lane at the kernel's addresses (``wgmma_layout.VT_*``) with
+``__byte_perm`` as CUDA defines it; the products read k32 steps of e4m3 (the A fragment of
+``m64nNk32`` for 8-bit types, P's bytes in the helper's order ``p_byte``).
+
 Products are computed in float64 from the 16-bit inputs (P rounded to 16 bits as the helper
-does), so the model's output matches the float64 reference to the 16-bit rounding of P: a wrong
-address, swizzle, stride or fragment index gives a wrong row, not a small error.
+does; fp8 inputs: to e4m3), so the model's output matches the float64 reference to the rounding
+of P: a wrong address, swizzle, stride or fragment index gives a wrong row, not a small error.
 """
 from __future__ import annotations
 
@@ -36,6 +41,12 @@ from .variants import score_scale, transforms
 from .wgmma_layout import (
     MODE_SWIZZLE_128B,
     ROW_BYTES,
+    VT_DG,
+    VT_DST,
+    VT_KEY,
+    VT_PERM,
+    VT_PG,
+    VT_SRC,
     WARPGROUP,
     WG_ROWS,
     SmemPlan,
@@ -45,6 +56,7 @@ from .wgmma_layout import (
     decode_desc,
     empty_parity,
     full_parity,
+    p_byte,
     p_pair,
     tensor_map,
     tensor_map_gqa,
@@ -52,6 +64,7 @@ from .wgmma_layout import (
     tensor_map8,
     tensor_map8_paged,
     tensor_map_paged,
+    vt_eval,
 )
 
 
@@ -77,6 +90,35 @@ def isa_a(thread: np.ndarray, reg: np.ndarray, half: np.ndarray) -> tuple[np.nda
     ``16w + lane/4``, k ``2·(lane % 4) + half``; a1 row + 8; a2 k + 8; a3 both."""
     w, lane = thread // 32, thread % 32
     return 16 * w + lane // 4 + 8 * (reg % 2), 2 * (lane % 4) + 8 * (reg // 2) + half
+
+
+def isa_a8(thread: np.ndarray, reg: np.ndarray, byte: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """wgmma's A fragment from registers, 8-bit types (k32): register ``reg`` (0-3) of thread ``t``
+    holds 4 elements, byte ``b`` lowest first: row ``16w + lane/4 + 8·(reg % 2)``, k ``4·(lane %
+    4) + b + 16·(reg // 2)`` (as ``mma.m16n8k32``'s A for each warp's 16 rows)."""
+    w, lane = thread // 32, thread % 32
+    return 16 * w + lane // 4 + 8 * (reg % 2), 4 * (lane % 4) + byte + 16 * (reg // 2)
+
+
+def isa_byte_perm(x: np.ndarray, y: np.ndarray, sel: int) -> np.ndarray:
+    """CUDA's ``__byte_perm(x, y, s)``: result byte k is byte ``(s >> 4k) & 7`` of the 8 bytes
+    ``{y, x}`` (x's bytes 0-3, y's 4-7)."""
+    both = x.astype(np.uint64) | (y.astype(np.uint64) << np.uint64(32))
+    out = np.zeros(np.shape(x), np.uint64)
+    for k in range(4):
+        b = (sel >> (4 * k)) & 7
+        out |= ((both >> np.uint64(8 * b)) & np.uint64(0xFF)) << np.uint64(8 * k)
+    return out.astype(np.uint32)
+
+
+def to_e4m3(x: np.ndarray) -> np.ndarray:
+    """``cvt.rn.satfinite.e4m3x2.f32``'s rounding of float32 values (to nearest even, saturated
+    at ±448; NaN stays NaN) as float64 values."""
+    import ml_dtypes
+
+    x = np.asarray(x, np.float32)
+    sat = np.where(np.isnan(x), x, np.clip(x, -448.0, 448.0))
+    return sat.astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
 
 
 def isa_cvt8(b: np.ndarray, kv_dtype: str) -> np.ndarray:
@@ -131,7 +173,10 @@ class Smem:
             raise ModelError(f"global strides {strides} are not multiples of 16 bytes")
         n, c, vals = _box_rows(g, dims, strides, box, coords, itemsize)
         addr = dst + n * ROW_BYTES + c * itemsize  # each row 128 bytes of shared memory
-        self.words[_swizzle(addr) // 2] = vals.astype(np.uint16)
+        if itemsize == 1:  # fp8 inputs: bytes (g holds them)
+            self.words.view(np.uint8)[_swizzle(addr)] = vals.astype(np.uint8)
+        else:
+            self.words[_swizzle(addr) // 2] = vals.astype(np.uint16)
         return box[0] * box[1] * box[2] * itemsize
 
     def tma_box8(self, dst: int, g: np.ndarray, dims, strides, box, coords) -> int:
@@ -164,16 +209,52 @@ class Smem:
             a = tile + (i % per_row) // 8 * slab_bytes + (first + i // per_row) * ROW_BYTES + (i % 8) * 16
             self.words[_swizzle(np.arange(a, a + 16, 2)) // 2] = 0
 
-    def kmajor(self, desc: int, rows: int, base: int) -> np.ndarray:
-        """The ``rows × 16`` operand a K-major 128B-swizzled descriptor names (words)."""
+    def kmajor(self, desc: int, rows: int, base: int, itemsize: int = 2) -> np.ndarray:
+        """The ``rows × 16`` operand a K-major 128B-swizzled descriptor names (words); 8-bit
+        (k32): ``rows × 32`` bytes."""
         start, _lbo, sbo, mode = decode_desc(desc)
         if mode != MODE_SWIZZLE_128B:
             raise ModelError(f"descriptor mode {mode}: the tiles are 128B-swizzled")
         start -= base  # shared addresses: this model's words start at the (1024-aligned) base
         r = np.arange(rows)[:, None]
-        k = np.arange(16)[None, :]
-        addr = start + r % 8 * ROW_BYTES + r // 8 * sbo + k // 8 * 16 + k % 8 * 2
+        k = np.arange(32 // itemsize)[None, :]
+        addr = start + r % 8 * ROW_BYTES + r // 8 * sbo + k * itemsize  # 8 rows a core matrix group
+        if itemsize == 1:
+            return self.words.view(np.uint8)[_swizzle(addr)]
         return self.words[_swizzle(addr) // 2]
+
+    def transpose8(self, src: int, dst: int, plan: SmemPlan, valid: int):
+        """fp8 inputs' ``hop_vt8``: each warp instruction ``n`` of the producer warpgroup, lane by
+        lane, reads 4 keys' words at ``VT_SRC`` (zero from key ``valid`` on), transposes the 4 × 4
+        bytes with ``__byte_perm`` (``VT_PERM``) and writes 4 columns' words at ``VT_DST``; a
+        position written twice, or a read of a word not yet landed, is a fault."""
+        data = self.words.view(np.uint8)
+        lane = np.arange(32)
+        lo, hi, col_lo, col_hi = VT_PERM
+        written = np.zeros(plan.kv_tile_bytes, np.int64)
+        for n in range(plan.vt_units // 32):
+            pg, dg = vt_eval(plan, VT_PG, n=n, lane=lane), vt_eval(plan, VT_DG, n=n, lane=lane)
+            w = []
+            for i in range(4):
+                key = vt_eval(plan, VT_KEY, pg=pg, i=i)
+                a = src + vt_eval(plan, VT_SRC, dg=dg, key=key)
+                word = np.stack([data[a + b] for b in range(4)]).astype(np.uint32)
+                word = word[0] | word[1] << 8 | word[2] << 16 | word[3] << 24
+                w.append(np.where(key >= valid, 0, word).astype(np.uint32))
+            a01, a23 = isa_byte_perm(w[0], w[1], lo), isa_byte_perm(w[2], w[3], lo)
+            b01, b23 = isa_byte_perm(w[0], w[1], hi), isa_byte_perm(w[2], w[3], hi)
+            out = [isa_byte_perm(a01, a23, col_lo), isa_byte_perm(a01, a23, col_hi),
+                   isa_byte_perm(b01, b23, col_lo), isa_byte_perm(b01, b23, col_hi)]
+            for e in range(4):
+                a = vt_eval(plan, VT_DST, pg=pg, d=4 * dg + e)
+                if np.any(a % 4):
+                    raise ModelError("a transposed word's address is not 4-byte aligned")
+                for b in range(4):
+                    data[dst + a + b] = (out[e] >> (8 * b)) & 0xFF
+                    written[a + b] += 1
+        if not (written == 1).all():
+            raise ModelError(f"the transpose writes {int((written == 0).sum())} bytes of V^T never and "
+                             f"{int((written > 1).sum())} more than once")
 
     def mnmajor(self, desc: int, cols: int, base: int) -> np.ndarray:
         """The ``16 × cols`` (K × N) operand an MN-major 128B-swizzled descriptor names (words)."""
@@ -290,9 +371,9 @@ class _Block:
         plan, NS = run.plan, run.plan.stages
         self.sm = Smem(plan.alloc_bytes)
         self.full_q = Barrier(1)
-        filled = WARPGROUP if run.kv8 else 1  # an 8-bit cache's stage: full once its converters arrive
-        self.full_k = [Barrier(filled) for _ in range(NS)]
-        self.full_v = [Barrier(filled) for _ in range(NS)]
+        # an 8-bit cache's stage: full once its converters arrive; fp8 inputs' V^T, its transposers
+        self.full_k = [Barrier(WARPGROUP if run.kv8 else 1) for _ in range(NS)]
+        self.full_v = [Barrier(WARPGROUP if run.kv8 or run.f8 else 1) for _ in range(NS)]
         self.full8 = [Barrier(1) for _ in range(NS)]
         self.empty = [Barrier(WARPGROUP * plan.consumers) for _ in range(NS)]
         self.state = [{"m": np.full((WARPGROUP, 2), -np.inf), "l": np.zeros((WARPGROUP, 2)),
@@ -303,7 +384,8 @@ class _Block:
         self.full_q.arrive(plan.q_bytes)
         for sl in range(plan.slabs):
             self.full_q.land(self.sm.tma_box(plan.q_slab(sl), r.gq, *r.mq[:3],
-                                             (sl * 64, *r.q_coord(self.seq, self.row0, self.h))))
+                                             (sl * plan.slab_cols, *r.q_coord(self.seq, self.row0, self.h)),
+                                             plan.itemsize))
         if not self.full_q.passes(0):
             raise ModelError("Q's barrier did not complete with Q's boxes")
 
@@ -317,6 +399,8 @@ class _Block:
             raise ModelError(f"tile {j}: the consumers' wait on stage {s} passes before its K lands")
         if r.kv8:
             return self.load_kv8(j)
+        if r.f8:
+            return self.load_kv_f8(j)
         self.full_k[s].arrive(plan.kv_tile_bytes)
         self.full_v[s].arrive(plan.kv_tile_bytes)
         boxes = r.kv_boxes(self.seq, (self.first + j) * plan.block_n, self.h if r.cache else self.h // r.G)
@@ -351,6 +435,29 @@ class _Block:
         if not (self.full_k[s].passes(full_parity(j, NS)) and self.full_v[s].passes(full_parity(j, NS))):
             raise ModelError(f"tile {j}: stage {s}'s barriers did not complete with its converters' arrivals")
 
+    def load_kv_f8(self, j: int):
+        """fp8 inputs' tile j: K landed in its stage, V in its staging stage (one barrier), then
+        transposed into the stage's ``Vᵀ`` by the producer warpgroup's 128 threads, each arriving
+        on V's full barrier; keys past a packed sequence's transposed as zeros."""
+        r, plan, NS = self.r, self.r.plan, self.r.plan.stages
+        s = j % NS
+        key0 = (self.first + j) * plan.block_n
+        self.full_k[s].arrive(plan.kv_tile_bytes)
+        self.full8[s].arrive(plan.kv_tile_bytes)
+        ((_, at),) = r.kv_boxes(self.seq, key0, self.h // r.G)
+        for sl in range(plan.slabs):
+            coords = (sl * plan.slab_cols, *at)
+            self.full_k[s].land(self.sm.tma_box(plan.k_tile(s) + plan.kv_slab(sl), r.gk, *r.mk[:3], coords, 1))
+            self.full8[s].land(self.sm.tma_box(plan.vs_tile(s) + plan.kv_slab(sl), r.gv, *r.mk[:3], coords, 1))
+        if not self.full8[s].passes(full_parity(j, NS)):
+            raise ModelError(f"tile {j}: V's staging barrier did not complete with its boxes")
+        valid = min(self.seq["k_len"] - key0, plan.block_n) if r.packed else plan.block_n
+        self.sm.transpose8(plan.vs_tile(s), plan.v_tile(s), plan, valid)
+        for _ in range(WARPGROUP):
+            self.full_v[s].arrive()
+        if not (self.full_k[s].passes(full_parity(j, NS)) and self.full_v[s].passes(full_parity(j, NS))):
+            raise ModelError(f"tile {j}: stage {s}'s barriers did not complete with its box and transposers")
+
     def wait_full(self, barriers, j: int, what: str):
         if not barriers[j % self.r.plan.stages].passes(full_parity(j, self.r.plan.stages)):
             raise ModelError(f"tile {j}: a consumer reads {what} before it landed")
@@ -364,8 +471,8 @@ class _Block:
         for kk in range(plan.qk_steps):
             da = plan.qk_desc_high | ((base + plan.q_rows(wg) + plan.q_step(kk)) >> 4)
             db = plan.qk_desc_high | ((base + plan.k_tile(s) + plan.k_step(kk)) >> 4)
-            acc += from_bits(self.sm.kmajor(da, WG_ROWS, base), r.dtype) @ \
-                from_bits(self.sm.kmajor(db, plan.block_n, base), r.dtype).T
+            acc += r.values(self.sm.kmajor(da, WG_ROWS, base, plan.itemsize)) @ \
+                r.values(self.sm.kmajor(db, plan.block_n, base, plan.itemsize)).T
         return acc[isa_acc(r.t, r.rs)]
 
     def softmax(self, wg: int, j: int, S: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -396,6 +503,8 @@ class _Block:
         st["m"] = mn
         P = np.exp2(S * qscale - ref[r.t, half])
         st["l"] += np.stack([np.where(half == hh, P, 0).sum(1) for hh in (0, 1)], 1)
+        if r.f8:  # packed to e4m3 (hop_pack8)
+            return alpha, to_e4m3(P)
         return alpha, from_bits(to_bits(P, r.dtype), r.dtype)  # packed to 16 bits (hop_pack)
 
     def rescale(self, wg: int, alpha: np.ndarray):
@@ -407,6 +516,8 @@ class _Block:
         r, plan, base, st = self.r, self.r.plan, self.BASE, self.state[wg]
         self.wait_full(self.full_v, j, "V")
         key0 = (self.first + j) * plan.block_n
+        if r.f8:
+            return self.pv_f8(wg, P, j)
         if (r.packed or r.cache) and key0 + plan.block_n > self.seq["k_len"]:
             self.sm.zero_rows(plan.v_tile(j % plan.stages), plan.kv_slab(1), plan.slabs,
                               max(self.seq["k_len"] - key0, 0), plan.block_n)
@@ -421,6 +532,23 @@ class _Block:
             o_at = isa_acc(r.t, r.ro)
             omat[o_at] = st["o"]
             omat += a @ from_bits(self.sm.mnmajor(db, r.D, base), r.dtype)
+            st["o"] = omat[o_at]
+
+    def pv_f8(self, wg: int, P: np.ndarray, j: int):
+        """fp8 inputs' O += P·V: P's e4m3 registers as ``hop_pack8`` packs them (``p_byte``), read
+        by the hardware as k32 A fragments, times ``Vᵀ`` read K-major."""
+        r, plan, base, st = self.r, self.r.plan, self.BASE, self.state[wg]
+        o_at = isa_acc(r.t, r.ro)
+        for kk in range(plan.pv_steps):
+            a = np.zeros((WG_ROWS, 32))
+            for qreg in range(4):
+                for b in range(4):
+                    ar, ak = isa_a8(r.t[:, 0], np.array(qreg), np.array(b))
+                    a[ar, ak] = P[:, p_byte(kk, qreg, b)]
+            db = plan.pv_desc_high | ((base + plan.v_tile(j % plan.stages) + plan.v_step(kk)) >> 4)
+            omat = np.zeros((WG_ROWS, r.D))
+            omat[o_at] = st["o"]
+            omat += a @ r.values(self.sm.kmajor(db, r.D, base, 1)).T
             st["o"] = omat[o_at]
 
     def release(self, j: int):
@@ -467,10 +595,13 @@ class _Run:
     variants' arguments)."""
 
     def __init__(self, q, k, v, plan: SmemPlan, spec, dtype: str, alibi_slopes=None, sinks=None, kv_start=None,
-                 cu_seqlens=None, cache_seqlens=None, block_table=None, k_scale=None, v_scale=None):
+                 cu_seqlens=None, cache_seqlens=None, block_table=None, k_scale=None, v_scale=None, q_scale=None):
+        # fp8 inputs: q, k, v their e4m3 elements (ml_dtypes' float8), scaled per query and KV head
+        self.f8 = spec.q_dtype is not None
         # an 8-bit cache: k/v are its elements (int8, or ml_dtypes' float8), scaled per KV head
-        self.kv8 = spec.kv_dtype
-        self.k_scale, self.v_scale = k_scale, v_scale
+        self.kv8 = None if self.f8 else spec.kv_dtype
+        self.k_scale, self.v_scale, self.q_scale = k_scale, v_scale, q_scale
+        isz = plan.itemsize
         self.packed = cu_seqlens is not None
         self.cache = cache_seqlens is not None  # k/v (B, KH, max_len, D): a KV head's query heads in a tile's rows
         self.paged = block_table is not None  # k/v (num_pages, page_size, KH, D)
@@ -492,22 +623,25 @@ class _Run:
             (TQ, self.H, self.D), (TK, self.KH) = q.shape, k.shape[:2]
             self.cq, self.ck = (np.asarray(c, np.int64) for c in cu_seqlens)
             self.B = len(self.cq) - 1
-            self.mq = tensor_map_packed(self.D, TQ, self.H, plan.block_m)
-            self.mk = tensor_map_packed(self.D, TK, self.KH, plan.block_n)
+            self.mq = tensor_map_packed(self.D, TQ, self.H, plan.block_m, isz)
+            self.mk = tensor_map_packed(self.D, TK, self.KH, plan.block_n, isz)
         else:
             self.B, self.H, self.SQ, self.D = q.shape
             self.KH, self.SK = k.shape[1], k.shape[2]
-            self.mq = tensor_map(self.D, self.SQ, self.B * self.H, plan.block_m)
-            self.mk = tensor_map(self.D, self.SK, self.B * self.KH, plan.block_n)
+            self.mq = tensor_map(self.D, self.SQ, self.B * self.H, plan.block_m, isz)
+            self.mk = tensor_map(self.D, self.SK, self.B * self.KH, plan.block_n, isz)
         self.G = self.H // self.KH
         self.plan, self.spec, self.dtype = plan, spec, dtype
         self.vis = Visibility.of(spec)
         self.causal = self.vis.causal
         self.slopes, self.sinks, self.starts = alibi_slopes, sinks, kv_start
         self.transforms, self.score_scale = transforms(spec), score_scale(spec)
-        self.gq = to_bits(q, dtype).ravel()
-        if self.kv8:  # the cache's bytes
-            self.gk, self.gv = (np.ascontiguousarray(x).view(np.uint8).ravel() for x in (k, v))
+        def as_bytes(x):  # 8-bit elements: their bytes
+            return np.ascontiguousarray(x).view(np.uint8).ravel()
+
+        self.gq = as_bytes(q) if self.f8 else to_bits(q, dtype).ravel()
+        if self.f8 or self.kv8:
+            self.gk, self.gv = as_bytes(k), as_bytes(v)
         else:
             self.gk, self.gv = (to_bits(x, dtype).ravel() for x in (k, v))
         self.qscale = 1.0 if self.transforms else self.score_scale
@@ -517,9 +651,16 @@ class _Run:
     def start(self, b: int):
         return None if self.starts is None else int(self.starts[b])
 
-    def k_factor(self, kvh: int) -> float:
-        """An 8-bit cache's key scale of KV head ``kvh`` in the scores' factor (1 otherwise)."""
-        return 1.0 if self.k_scale is None else float(self.k_scale[kvh])
+    def k_factor(self, h: int) -> float:
+        """The scales in the scores' factor of a block's head ``h``: an 8-bit cache's key scale
+        (``h`` a KV head), fp8 inputs' q and key scales (``h`` a query head); 1 otherwise."""
+        if self.f8:
+            return float(self.q_scale[h]) * float(self.k_scale[h // self.G])
+        return 1.0 if self.k_scale is None else float(self.k_scale[h])
+
+    def values(self, x: np.ndarray) -> np.ndarray:
+        """An operand's elements as float64: 16-bit words, or fp8 inputs' e4m3 bytes."""
+        return isa_cvt8(x, "float8_e4m3fn") if self.f8 else from_bits(x, self.dtype)
 
     def q_coord(self, seq: dict, row0: int, h: int) -> tuple:
         """The kernel's TMA coordinates (past dim 0) of a block's Q box (``h``: a KV-cache tile's KV head)."""
@@ -583,8 +724,8 @@ class _Run:
         unnormalised ``o (n, D)``, sums ``l`` and maxima ``m`` (log2 units): the sink in the
         denominator, zeros for a row that sees no key, stored where the rows go."""
         rows, heads = self.pos(trows), self.head(h, trows)
-        if self.v_scale is not None:  # an 8-bit cache's value scale, once per output
-            o = o * float(self.v_scale[h])
+        if self.v_scale is not None:  # an 8-bit cache's value scale, once per output (fp8: h's KV head's)
+            o = o * float(self.v_scale[h // self.G if self.f8 else h])
         if self.sinks is not None:  # the sink joins the denominator (_math.sink_terms)
             g = np.where(m == -np.inf, 0.0, m)
             sink = self.sinks[heads] * np.log2(np.e)
@@ -641,7 +782,7 @@ class _Run:
 def run(q: np.ndarray, k: np.ndarray, v: np.ndarray, plan: SmemPlan, spec, dtype: str = "float16",
         pingpong: bool = True, overlap: bool = True, alibi_slopes=None, sinks=None, kv_start=None,
         cu_seqlens=None, cache_seqlens=None, block_table=None, split_tasks: int = 0, k_scale=None,
-        v_scale=None) -> np.ndarray:
+        v_scale=None, q_scale=None) -> np.ndarray:
     """The kernel's output for bhsd ``q (B, H, Sq, D)``, ``k``/``v (B, KH, Skv, D)``, or packed
     ``q (total_q, H, D)``, ``k``/``v (total_k, KH, D)`` with ``cu_seqlens = (cu_q, cu_k)``
     (float arrays, rounded to ``dtype``), and ``spec``'s mask and variants (their arguments as
@@ -649,9 +790,10 @@ def run(q: np.ndarray, k: np.ndarray, v: np.ndarray, plan: SmemPlan, spec, dtype
     (``overlap``: tile j's S with tile j − 1's P·V, that tile's stage released after it);
     ``split_tasks``: a KV cache's split-KV (each chunk a block, its partials merged); an 8-bit
     cache (``spec.kv_dtype``): ``k``/``v`` its elements, ``k_scale``/``v_scale (kv_heads,)``;
+    fp8 inputs (``spec.q_dtype``): ``q``/``k``/``v`` e4m3 elements, ``q_scale (heads,)`` too;
     float64, ``q``'s shape."""
     r = _Run(q, k, v, plan, spec, dtype, alibi_slopes, sinks, kv_start, cu_seqlens, cache_seqlens, block_table,
-             k_scale, v_scale)
+             k_scale, v_scale, q_scale)
     out = np.zeros(q.shape)
     chunks = r.splits(split_tasks)
     if chunks > 1:  # the workspace: NaN where no chunk wrote (the merge must not read it)
