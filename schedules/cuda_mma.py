@@ -37,7 +37,7 @@ NAME = "fused"
 #: symbolic batch, seq_q and seq_kv: a (row tile, head, batch) grid on (x, y, z), as the SIMT kernel's
 CAPABILITIES = Capabilities(label="CUDA tensor-core fused", target="cuda", layouts=("bhsd", "varlen", "kvcache", "paged"), dtypes=MMA_DTYPES,
                             symbolic=True, lse=True, variants=CUDA_VARIANTS,
-                            kv_dtypes=CUDA_KV_DTYPES, kv_layouts=SPLIT_LAYOUTS, head_dim_v=True,
+                            kv_dtypes=CUDA_KV_DTYPES, kv_layouts=SPLIT_LAYOUTS, head_dim_v=True, appends=True,
                             instead=f"use --schedule fused_simt, or {USE_CPU_FUSED}")
 WARP = 32
 MAX_REGISTERS_PER_THREAD = 255

@@ -383,16 +383,20 @@ def cache_inputs(torch, spec, seq_q: int, lens: list[int], dtype, device: str, g
     """A KV-cache kernel's inputs in call order on ``device``: q ``(B, H, seq_q, D)``; kvcache
     ``k_cache``/``v_cache (B, KH, max_len, D)``; paged ``k_pages``/``v_pages (num_pages,
     page_size, KH, D)`` in shuffled order with 3 spare pages and ``block_table (B, max_pages)``
-    padded with -1 (never read); then ``cache_seqlens (B,) int32``."""
+    padded with -1 (never read); then ``cache_seqlens (B,) int32``; an appending kernel's
+    ``k_new``/``v_new (B, KH, seq_q, D)`` last (the caches with room for them)."""
     b, kh, d = len(lens), spec.kv_heads, spec.head_dim
     q = torch.randn((b, spec.heads, seq_q, d), device=device, dtype=dtype, generator=gen)
     cs = torch.tensor(lens, dtype=torch.int32, device=device)
+    room = seq_q if spec.append else 0  # the keys the call appends
+    new = [torch.randn((b, kh, seq_q, d), device=device, dtype=dtype, generator=gen) for _ in range(2)] \
+        if spec.append else []
     if spec.layout == "kvcache":
-        shape = (b, kh, max(lens + [1]), d)
+        shape = (b, kh, max(lens + [1]) + room, d)
         return quantized(torch, spec, [q, torch.randn(shape, device=device, dtype=dtype, generator=gen),
-                                       torch.randn(shape, device=device, dtype=dtype, generator=gen), cs])
+                                       torch.randn(shape, device=device, dtype=dtype, generator=gen), cs]) + new
     p = spec.page_size
-    need = [-(-n // p) for n in lens]
+    need = [-(-(n + room) // p) for n in lens]
     num = sum(need) + 3
     order = torch.randperm(num, device=device, generator=gen).to(torch.int32)
     table = torch.full((b, max(need + [1])), -1, dtype=torch.int32, device=device)
@@ -402,7 +406,7 @@ def cache_inputs(torch, spec, seq_q: int, lens: list[int], dtype, device: str, g
         start += n
     shape = (num, p, kh, d)
     return quantized(torch, spec, [q, torch.randn(shape, device=device, dtype=dtype, generator=gen),
-                                   torch.randn(shape, device=device, dtype=dtype, generator=gen), table, cs])
+                                   torch.randn(shape, device=device, dtype=dtype, generator=gen), table, cs]) + new
 
 
 def quantized(torch, spec, x: list) -> list:
@@ -430,7 +434,8 @@ def cache_keys(spec, x: list, b: int, n: int):
     k, v = x[1], x[2]
     if spec.kv_quantized:
         shape = (1, -1, 1, 1) if spec.layout == "kvcache" else (1, 1, -1, 1)
-        k, v = k.float() * x[-2].view(shape), v.float() * x[-1].view(shape)
+        ks, vs = x[-4:-2] if spec.append else x[-2:]
+        k, v = k.float() * ks.view(shape), v.float() * vs.view(shape)
     if spec.layout == "kvcache":
         return k[b:b + 1, :, :n], v[b:b + 1, :, :n]
     pages = x[3][b, :-(-n // spec.page_size)].long()
@@ -441,22 +446,44 @@ def cache_keys(spec, x: list, b: int, n: int):
     return gather(k), gather(v)
 
 
+def appended_keys(torch, spec, x: list, b: int):
+    """An appending call's new keys and values of sequence ``b`` as the cache must hold them:
+    ``k_new``/``v_new`` quantized with the cache's scales (``quant.quantize_kv``, on the CPU) for
+    an 8-bit cache, ``(1, KH, seq_q, D)`` in the cache's dtype."""
+    kn, vn = x[-2][b:b + 1], x[-1][b:b + 1]
+    if not spec.kv_quantized:
+        return kn, vn
+    from tvm_attention.quant import quantize_kv
+
+    return tuple(quantize_kv(t.cpu().float(), spec.kv_dtype, head_axis=1, scale=s.cpu())[0].to(t.device)
+                 for t, s in ((kn, x[-4]), (vn, x[-3])))
+
+
 def validate_cache(torch, spec, kernel, x: list) -> dict:
     """Every row of every sequence of a KV-cache call against the float64 reference of that
-    sequence's keys; a sequence with no key must give exact zeros."""
+    sequence's keys; a sequence with no key must give exact zeros. Appending: the reference
+    attends to the keys the cache held before the call and the new ones, quantized here, and
+    the cache must hold those new ones afterwards, bit for bit."""
     from tvm_attention.validate import TOLERANCES
 
+    before = [t.clone() for t in x[1:3]] if spec.append else None  # the kernel writes the new keys
     out = kernel(*x)
     atol, rtol = TOLERANCES[spec.dtype]
     ok, worst = bool(torch.isfinite(out).all()), 0.0
     seq_q = x[0].shape[2]
     for b, n in enumerate(cache_seqlens_of(spec, x).tolist()):
-        kb, vb = cache_keys(spec, x, b, n)
+        kb, vb = cache_keys(spec, x if before is None else [x[0], *before, *x[3:]], b, n)
+        if spec.append:
+            kn, vn = (t.float() * s.view(1, -1, 1, 1) if spec.kv_quantized else t
+                      for t, s in zip(appended_keys(torch, spec, x, b), x[-4:-2]))
+            kw, vw = cache_keys(spec, x, b, n + seq_q)  # what the call left in the cache
+            ok = ok and bool((kw[:, :, n:] == kn).all()) and bool((vw[:, :, n:] == vn).all())
+            kb, vb = torch.cat([kb, kn], 2), torch.cat([vb, vn], 2)
         ref = reference_rows(torch, spec, x[0][b:b + 1], kb, vb, list(range(seq_q)))
         diff = (out[b:b + 1].double() - ref).abs()
         worst = max(worst, float(diff.max()) if diff.numel() else 0.0)
         ok = ok and bool((diff <= atol + rtol * ref.abs()).all())
-        if n == 0:
+        if n == 0 and not spec.append:  # no key (appending, the new ones)
             ok = ok and not bool(out[b].any())
     return {"passed": ok, "max_abs_err": worst, "rows_checked": int(out.shape[0] * seq_q), "atol": atol,
             "rtol": rtol}
@@ -530,12 +557,12 @@ def decode_table(decode: list, stream: float) -> list[str]:
              "| kernel | layout | dtype | K/V cache | D | B × H:KH × keys | µs | GB/s | % of stream | valid |",
              "|" + "---|" * 10]
     specs = [AttentionSpec.from_dict(e["spec"]) for e in decode]
-    keys = [(e["kernel"], sp.layout, sp.page_size, sp.dtype, sp.head_dim, sp.heads, sp.kv_heads, e["batch"],
-             e["keys"]) for e, sp in zip(decode, specs)]
-    # the 16-bit cache's step time by (kernel, layout, page, dtype, D, heads, step)
+    keys = [(e["kernel"], sp.layout, sp.page_size, sp.append, sp.dtype, sp.head_dim, sp.heads, sp.kv_heads,
+             e["batch"], e["keys"]) for e, sp in zip(decode, specs)]
+    # the 16-bit cache's step time by (kernel, layout, page, append, dtype, D, heads, step)
     sixteen = {key: e["us"] for e, sp, key in zip(decode, specs, keys) if sp.kv_dtype is None and "us" in e}
     for e, sp in zip(decode, specs):
-        page = "" if sp.page_size is None else f" p{sp.page_size}"
+        page = ("" if sp.page_size is None else f" p{sp.page_size}") + (" append" if sp.append else "")
         share = 100 * e["of_stream"] if "of_stream" in e else None
         lines.append(f"| {e['kernel']} | {sp.layout}{page} | {sp.dtype} | {sp.kv_dtype or sp.dtype} | "
                      f"{sp.head_dim} | "

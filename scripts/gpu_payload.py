@@ -50,7 +50,8 @@ DEFAULT_KERNELS = ("fused_tc", "fused_simt")
 #: kernel next to the mma.sync one and the peers at FlashAttention's shapes, fp16/bf16, D 64/128,
 #: S 1k-16k, causal and not, sm_90 only, a symbolic and a varlen Hopper build per (dtype, D,
 #: causal), kvcache and paged decode builds of each kernel per (dtype, D) and an e4m3 page pool's
-#: at the first head_dim (the e4m3 goal: a step at most 0.6x the 16-bit one), and the variants' bhsd
+#: at the first head_dim (the e4m3 goal: a step at most 0.6x the 16-bit one; again appending its
+#: new token in the call), and the variants' bhsd
 #: build (window, kv_start) at the first head_dim, and fp8 (e4m3) inputs at the FlashAttention
 #: shapes (head_dim 128, o in the last dtype: the fp8 goal, at least 1.5x our fp16)
 #: the Hopper kernel's other forms timed beside its preset (a column each): name -> knob overrides
@@ -162,9 +163,11 @@ def jobs_for(a: argparse.Namespace, kernels_dir: Path) -> list[dict]:
                     for layout, page in CACHE_LAYOUTS:
                         add(AttentionSpec(**DECODE, head_dim=d, dtype=dtype, causal=True, layout=layout,
                                           page_size=page), arch)
-                    if d == a.head_dim[0]:  # a float8 e4m3 page pool at the first head_dim
-                        add(AttentionSpec(**DECODE, head_dim=d, dtype=dtype, causal=True, layout="paged",
-                                          page_size=16, kv_dtype=KV8), arch)
+                    if d == a.head_dim[0]:  # a float8 e4m3 page pool at the first head_dim, and the
+                        # same step appending its new token in the call (FlashAttention's k_new)
+                        for append in (False, True):
+                            add(AttentionSpec(**DECODE, head_dim=d, dtype=dtype, causal=True, layout="paged",
+                                              page_size=16, kv_dtype=KV8, append=append), arch)
                 # the variants, checked against the NumPy reference: float16 at the first head_dim
                 # (the paged one's library embeds 2.4 MB of CUDA source: softcap, ALiBi and the
                 # window unrolled over every score slot)

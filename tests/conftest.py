@@ -264,8 +264,8 @@ def check_emulated_layout(ex, spec, cases=None) -> None:
         if varlen:
             keyless = [slice(x["cu_seqlens_q"][b], x["cu_seqlens_q"][b + 1])
                        for b, (_, sk) in enumerate(case["seqlens"]) if sk == 0]
-        else:  # bhsd: the reference's zero rows are checked by the comparison
-            keyless = [b for b, n in enumerate(x.get("cache_seqlens", ())) if n == 0]
+        else:  # bhsd: the reference's zero rows are checked by the comparison (appending: none)
+            keyless = [b for b, n in enumerate(x.get("cache_seqlens", ())) if n == 0 and not spec.append]
         for rows in keyless:  # no key: zero rows
             assert not out[rows].any(), case
 

@@ -221,6 +221,22 @@ def test_cuda_8bit_cache_algorithm_on_cpu(layout, kv_dtype, dtype, split, varian
         check_emulated_layout(ex, spec, split_kv_cases(layout))
 
 
+@pytest.mark.parametrize("layout, kv_dtype, dtype, split", [
+    ("paged", None, "float32", 64),
+    ("kvcache", "int8", "float16", 0),
+])
+def test_cuda_append_algorithm_on_cpu(layout, kv_dtype, dtype, split):
+    """Appending in the call on the SIMT kernel, emulated: a kernel of its own writes ``k_new``/
+    ``v_new`` into the cache at ``cache_seqlens[b] ..`` (paged through the block table; an 8-bit
+    cache quantized with its scale, bit for bit ``quantize_kv``'s), then the attention runs over
+    the ``cache_seqlens[b] + seq_q`` keys (split: the merge too), against the reference on the
+    appended caches, on the layout's cases (empty caches, tile and page edges, a prefill chunk)."""
+    spec = AttentionSpec(batch=1, heads=4, kv_heads=2, seq_q=4, head_dim=64, dtype=dtype, causal=True, layout=layout,
+                         page_size=16 if layout == "paged" else None, kv_dtype=kv_dtype, append=True)
+    ex = tvm.compile(fused_attention_cuda(spec, 16, 16, 4, emulate=True, split_tasks=split), target=EMULATION_TARGET)
+    check_emulated_layout(ex, spec)
+
+
 #: The decode goal's step (GQA 32:8, batch 64, 4096 keys, D=128) with every decode feature in one
 #: build of each kernel: a float8 e4m3 cache and attention variants, on tensor cores (fp16, sm_90:
 #: a window, softcap, sinks, ALiBi and the log-sum-exp, as the GPU payload's paged variant build) and

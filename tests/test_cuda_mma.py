@@ -298,6 +298,21 @@ def test_tensor_core_8bit_cache_algorithm_on_cpu(layout, kv_dtype, dtype, split,
         check_emulated_layout(ex, spec, split_kv_cases(layout))
 
 
+@pytest.mark.parametrize("layout, kv_dtype, dtype, split, variants", [
+    ("kvcache", "float8_e4m3fn", "bfloat16", 64, dict(sinks=True, return_lse=True)),
+    ("paged", None, "float16", 0, {}),
+])
+def test_tensor_core_append_algorithm_on_cpu(layout, kv_dtype, dtype, split, variants):
+    """Appending in the call on tensor cores, emulated: the append kernel (``fused_cuda.append_grid``,
+    the SIMT kernel's) writes ``k_new``/``v_new`` into the cache (e4m3 as its bits, through the
+    uint8 alias the tiles read), then the tiles attend over ``cache_seqlens[b] + seq_q`` keys,
+    split and merged, against the reference on the appended caches."""
+    spec = AttentionSpec(batch=1, heads=4, kv_heads=2, seq_q=4, head_dim=EMU_D, dtype=dtype, causal=True, layout=layout,
+                         page_size=16 if layout == "paged" else None, kv_dtype=kv_dtype, append=True, **variants)
+    ex = tvm.compile(fused_attention_mma(spec, 2, 16, 2, 1, emulate=True, split_tasks=split), target=EMULATION_TARGET)
+    check_emulated_layout(ex, spec)
+
+
 @pytest.mark.parametrize("case", range(len(CUDA_VARIANT_SPREADS)), ids=CUDA_VARIANT_IDS)
 def test_tensor_core_variants_algorithm_on_cpu(case):
     """The tensor-core kernel with the attention variants, emulated: the scores brought to log2

@@ -61,7 +61,7 @@ def payload(tmp_path_factory):
     one build of every kind, each exported with its fatbin through the script's pool, the runtime,
     package, device script and run.sh, at a fifth of the full payload's build time (its
     tensor-core builds are the slow ones: 2.4x a CUDA-core build, the paged variants' 6x). The
-    list of all 16 kernels the same arguments build is asserted from the script's plan
+    list of all 18 kernels the same arguments build is asserted from the script's plan
     (:func:`planned_jobs`); tensor-core builds exported with a fatbin by the same pool worker
     (``gpu_payload.build_job``) are test_cuda_mma's gpu_check test; test_dirrunner's CUDA payload
     checks a tensor-core fatbin too. One pool worker (``--jobs 1``): the script's spawned worker
@@ -78,18 +78,19 @@ def test_payload_plans_every_kernel_kind(tmp_path):
     """The kernels the payload's arguments build, in order (the script's own plan, nothing
     built): the static kernels, then the symbolic build of each that serves every length of
     the same heads, the varlen build of each that serves every packed batch, the decode builds
-    (a float8 e4m3 page pool last), and the variants; each tensor-core kernel beside its
-    CUDA-core twin."""
+    (a float8 e4m3 page pool, then the same appending its new token), and the variants; each
+    tensor-core kernel beside its CUDA-core twin."""
     jobs = planned_jobs(tmp_path, PAYLOAD_ARGS)
     specs = [j["spec"] for j in jobs]
-    assert [j["kernel"] for j in jobs] == ["fused_tc", "fused_simt"] * 8
+    assert [j["kernel"] for j in jobs] == ["fused_tc", "fused_simt"] * 9
     assert {j["arch"] for j in jobs} == {"sm_90"}
     assert [s.get("layout", "bhsd") for s in specs] == \
-        ["bhsd"] * 4 + ["varlen"] * 2 + ["kvcache"] * 2 + ["paged"] * 4 + ["paged"] * 2 + ["bhsd"] * 2
-    assert [s.get("kv_dtype") for s in specs] == [None] * 10 + ["float8_e4m3fn"] * 2 + [None] * 4
-    assert [bool(s.get("window")) for s in specs] == [False] * 12 + [True] * 4
+        ["bhsd"] * 4 + ["varlen"] * 2 + ["kvcache"] * 2 + ["paged"] * 6 + ["paged"] * 2 + ["bhsd"] * 2
+    assert [s.get("kv_dtype") for s in specs] == [None] * 10 + ["float8_e4m3fn"] * 4 + [None] * 4
+    assert [bool(s.get("append")) for s in specs] == [False] * 12 + [True] * 2 + [False] * 4
+    assert [bool(s.get("window")) for s in specs] == [False] * 14 + [True] * 4
     assert [bool(s.get("dynamic")) for s in specs[:4]] == [False, False, True, True]
-    for s in specs[6:12]:  # the decode goal's step: GQA 32:8, batch 64, 4096 keys
+    for s in specs[6:14]:  # the decode goal's step: GQA 32:8, batch 64, 4096 keys
         assert (s["heads"], s["kv_heads"], s["batch"], s["seq_kv"]) == (32, 8, 64, 4096)
     # a kernel's twin is the same build on the other kernel; every build its own folder
     assert all(a["spec"] == b["spec"] for a, b in zip(jobs[::2], jobs[1::2]))
@@ -114,7 +115,9 @@ def test_hopper_payload_plan(tmp_path):
         [("fused_hopper", "kvcache", None, False), ("fused_tc", "kvcache", None, False),
          ("fused_hopper", "paged", None, False), ("fused_tc", "paged", None, False),
          ("fused_hopper", "paged", "float8_e4m3fn", False), ("fused_tc", "paged", "float8_e4m3fn", False),
+         ("fused_hopper", "paged", "float8_e4m3fn", False), ("fused_tc", "paged", "float8_e4m3fn", False),
          ("fused_hopper", "bhsd", None, True)]
+    assert [bool(j["spec"].get("append")) for j in jobs[16:]] == [False] * 6 + [True] * 2 + [False]
     assert all(j["knobs"] == {"overlap": 0} for j in jobs if j.get("column") == "hopper_seq")
 
 
@@ -386,6 +389,42 @@ def test_device_check_of_an_8bit_cache_on_the_cpu(tmp_path):
     finally:
         tvm_attention.load = real
     assert not any(c["passed"] for c in checks if any(c["case"][1])), checks
+
+
+def test_device_check_of_an_appending_kernel_on_the_cpu(tmp_path):
+    """The device script's KV-cache check of an appending build (the payload's e4m3 page pool
+    that appends its new tokens), on CPU tensors against a CPU artifact: the caches made with
+    room, ``k_new``/``v_new`` passed last, the reference on the keys held before the call and
+    the new ones quantized by the script, and the cache holding those bit for bit after it;
+    every case passes, and a kernel handed other new keys than the call's fails them."""
+    torch = pytest.importorskip("torch")
+    dc = scripts_module("gpu_device_check")
+    payload = scripts_module("gpu_payload")
+    from tvm_attention.spec import AttentionSpec
+
+    spec = AttentionSpec(batch=2, heads=4, kv_heads=2, seq_q=1, seq_kv=64, head_dim=32, causal=True, layout="paged",
+                         page_size=16, kv_dtype=payload.KV8, append=True)
+    entries = [exported(tmp_path, "paged_e4m3_append", spec)]
+    checks = dc.check_cache(torch, entries, tmp_path, {"float32": torch.float32}, device="cpu")
+    assert len(checks) == len(dc.CACHE_CASES)
+    assert all(c["passed"] for c in checks), [c for c in checks if not c["passed"]]
+    import tvm_attention
+
+    real = tvm_attention.load
+
+    class OtherKeys:  # appends keys other than the call's
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __call__(self, *args):
+            return self.kernel(*args[:-2], args[-2] + 1, args[-1])
+
+    tvm_attention.load = lambda path: OtherKeys(real(path))
+    try:
+        checks = dc.check_cache(torch, entries, tmp_path, {"float32": torch.float32}, device="cpu")
+    finally:
+        tvm_attention.load = real
+    assert not any(c["passed"] for c in checks), checks
 
 
 def test_device_check_of_variant_kernels_on_the_cpu(tmp_path):

@@ -237,12 +237,12 @@ def test_sm90a_builds_offline(d, dtype, causal, symbolic, lse):
 #: builds of the other layouts and the variants: (name, spec fields, parameter names past K, V).
 #: The default run builds one paged decode step that takes the most paths at once (4-D boxes,
 #: pages, stale rows zeroed, an e4m3 cache converted by the producer warpgroup, split-KV's merge,
-#: lse, device checks); the sweep (``scripts/cuda_build_sweep.py``) adds the 16-bit paged step,
+#: lse, device checks, the new keys appended by a kernel of their own); the sweep (``scripts/cuda_build_sweep.py``) adds the 16-bit paged step,
 #: varlen, every variant at once and an int8 cache.
 LAYOUT_BUILDS = [
     ("paged_e4m3", dict(batch=4, heads=32, kv_heads=8, seq_q=1, seq_kv=4096, head_dim=128, dtype="bfloat16",
                         causal=True, layout="paged", page_size=16, kv_dtype="float8_e4m3fn", return_lse=True,
-                        device_checks=True), ["BT", "CS", "KSC", "VSC", "O", "LSE"]),
+                        device_checks=True, append=True), ["BT", "CS", "KSC", "VSC", "KN", "VN", "O", "LSE"]),
 ]
 if os.environ.get("TVMA_CUDA_SWEEP"):
     LAYOUT_BUILDS += [
@@ -283,9 +283,10 @@ def test_layout_builds_offline(name, fields, params):
     if spec.layout == "paged":
         assert "cp.async.bulk.tensor.4d" in src
         assert ("index_error_ptr" in src) == spec.device_checks
-        # the index checks' kernel first, the tiles, split-KV's merge (each declared, then defined)
+        # the index checks' kernel first, the append's, the tiles, split-KV's merge (each declared,
+        # then defined)
         kernels = set(re.findall(r'extern "C" __global__ void (?:__launch_bounds__\([\d, ]+\) )?(\w+)\(', src))
-        assert len(kernels) == 2 + spec.device_checks, kernels
+        assert len(kernels) == 2 + spec.device_checks + spec.append, kernels
         if "sass_instructions" in r:  # Q's 2 slabs, K's and V's 8 pages (a slab each; 8-bit: whole rows)
             assert r["sass_instructions"]["UTMALDG"] >= 2 + 2 * 8 * (1 if spec.kv_dtype else 2)
     if spec.kv_dtype == "float8_e4m3fn":  # the producer warpgroup's conversion, by the hardware's cvt

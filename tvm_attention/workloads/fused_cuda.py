@@ -40,7 +40,7 @@ from ..cuda_tools import shared_scope
 from ..spec import ENTRY, AttentionSpec
 from ..tvm_internals import fast_macros
 from ..visibility import Visibility
-from ._math import LOG2E, exp2_fast, guarded, kv_to_f32, lse_of, ssa_checked
+from ._math import LOG2E, exp2_fast, f32_to_kv, guarded, kv_to_f32, lse_of, ssa_checked
 from .fused import MIN_SPLIT_KEYS, n_splits
 from .knob_attrs import CUDA_SPLIT, FUSED_CUDA, record
 from .kv import dim, kv_layout
@@ -644,7 +644,7 @@ def kernel_func(spec: AttentionSpec, block, BM: int, BN: int, dims: tuple, tile,
     layouts; 0: none): split-KV until the grid has that many thread blocks (:class:`Split`),
     the merge kernel's lanes bound by ``lanes(n)`` (threadIdx.x, or a serial loop)."""
     B, SQ, SK = dims
-    var = Variants.declare(spec, B)
+    var = Variants.declare(spec, B, SQ)
     attrs = {**attrs, **record(CUDA_SPLIT, split_tasks=split_tasks)}  # none when 0
     func, LSE = _kernel_func(spec, block, BM, BN, B, SQ, SK, tile, attrs, reverse, bool(spec.return_lse), var,
                              split_tasks, lanes)
@@ -711,8 +711,10 @@ def _kernel_func(spec, block, BM, BN, B, SQ, SK, tile, attrs, reverse, lse, var,
             return cache_tile(spec, BM, BN, b, h, row0, SQ, k_len, kvl, X, LSE, var, split.bound(Op, St), s, span)
         return dense_tile(spec, BM, BN, b, h, row0, SQ, SK, LSE, var)
 
-    merge = None if split is None else merge_grid(spec, block, lanes, split, at, LSE)
-    grid = tile_grid(block, B, KH if cache else H, NR, not spec.dynamic, tile, at, cache, split, merge)
+    new = SQ if spec.append else 0  # an appending kernel: each sequence's keys and its new ones
+    merge = None if split is None else merge_grid(spec, block, lanes, split, at, LSE, new)
+    grid = tile_grid(block, B, KH if cache else H, NR, not spec.dynamic, tile, at, cache, split, merge, new)
+    append = append_grid(spec, block, lanes, kvl, var, B, SQ) if spec.append else None
     if not cache:
         @T.prim_func(s_tir=True, check_well_formed=False)
         def attention(
@@ -742,8 +744,12 @@ def _kernel_func(spec, block, BM, BN, B, SQ, SK, tile, attrs, reverse, lse, var,
             if fp8:
                 K8 = T.decl_buffer(KS, "uint8", data=K.data)
                 V8 = T.decl_buffer(VS, "uint8", data=V.data)
+                if append is not None:
+                    append(K8, V8, (CS,))
                 grid(Q, K8, V8, O, (CS,))
             else:
+                if append is not None:
+                    append(K, V, (CS,))
                 grid(Q, K, V, O, (CS,))
 
         return attention_kvcache, LSE
@@ -762,11 +768,47 @@ def _kernel_func(spec, block, BM, BN, B, SQ, SK, tile, attrs, reverse, lse, var,
         if fp8:
             K8 = T.decl_buffer(KS, "uint8", data=K.data)
             V8 = T.decl_buffer(VS, "uint8", data=V.data)
+            if append is not None:
+                append(K8, V8, (BT, CS))
             grid(Q, K8, V8, O, (BT, CS))
         else:
+            if append is not None:
+                append(K, V, (BT, CS))
             grid(Q, K, V, O, (BT, CS))
 
     return attention_paged, LSE
+
+
+def append_grid(spec: AttentionSpec, block, lanes, kvl, var, B, SQ):
+    """The kernel that writes an appending call's ``k_new (B, KH, Sq, D)``/``v_new (.., DV)`` into
+    the cache (kvcache, paged through ``block_table``: ``kvl``'s addressing) at each sequence's
+    keys ``cache_seqlens[b] .. + Sq - 1``, before the attention kernels (one stream: they see its
+    writes): a thread block per (new key, KV head, sequence), a lane per column. An 8-bit cache
+    stores ``x / scale[kv head]`` rounded to nearest even and saturated (``f32_to_kv``: what
+    ``quant.quantize_kv`` stores, bit for bit; float8 as its bits, through the kernel's uint8
+    aliases); a 16-bit cache the value as it is. The macro ``append(K, V, X)``."""
+    KH, D, DV, kvd = spec.kv_heads, spec.head_dim, spec.v_dim, spec.kv_dtype
+    KN, VN, KSC, VSC = var.KN, var.VN, var.KSC, var.VSC
+
+    def stored(x, S, h):
+        return x if kvd is None else f32_to_kv(T.Cast("float32", x) / S[h], kvd)
+
+    @T.macro
+    def append(K, V, X):
+        for bz in block(B, "z"):
+            for by in block(KH, "y"):
+                for bx in block(SQ, "x"):
+                    for d in lanes(max(D, DV)):
+                        with T.sblock("kv_append"):
+                            vb, vh, vi, vd = T.axis.remap("SSSS", [bz, by, bx, d])
+                            T.reads()
+                            T.writes()
+                            if vd < D:
+                                K[kvl.index(X, vb, vh, X[-1][vb] + vi, vd)] = stored(KN[vb, vh, vi, vd], KSC, vh)
+                            if vd < DV:
+                                V[kvl.index(X, vb, vh, X[-1][vb] + vi, vd)] = stored(VN[vb, vh, vi, vd], VSC, vh)
+
+    return append
 
 
 def varlen_grid(spec: AttentionSpec, block, BM: int, BN: int, tile, reverse: bool, TQ, LSE=None, var=None):
@@ -828,17 +870,24 @@ def varlen_grid(spec: AttentionSpec, block, BM: int, BN: int, tile, reverse: boo
     return grid, TK, NB1
 
 
-def tile_grid(block, B, H, NR, static: bool, tile, at, cache: bool, split: Split | None = None, merge=None):
+def plus(x, new):
+    """``x + new``, or ``x`` itself where ``new`` is the int 0 (no term for the simplifier)."""
+    return x if isinstance(new, int) and new == 0 else x + new
+
+
+def tile_grid(block, B, H, NR, static: bool, tile, at, cache: bool, split: Split | None = None, merge=None,
+              new=0):
     """The thread blocks of a dense-query kernel (bhsd, kvcache, paged), each running the macro
     ``tile(Q, K, V, O, at(b, h, r, ...))`` on its tile: a flat grid of ``B·H·NR`` blocks for
     static lengths, a (row tile, head, batch) grid on ``blockIdx.x/y/z`` for symbolic ones (no
     index divides by a run-time extent). ``cache``: a KV-cache tile, ``H`` counts KV heads and
     the sequence's length ``cache_seqlens[b]`` (``X[-1]``) is read once into a register.
     ``split``: split-KV (the KV-cache layouts, symbolic): blockIdx.z counts (sequence, chunk)
-    pairs, the partials live in a workspace, then the kernel ``merge(Op, St, O, X)`` runs."""
+    pairs, the partials live in a workspace, then the kernel ``merge(Op, St, O, X)`` runs.
+    ``new``: the keys an appending kernel adds to each sequence's (``seq_q``; 0 otherwise)."""
 
     def seqlen(X, b):
-        return X[-1][b]
+        return plus(X[-1][b], new)
 
     NS = split.active if split is not None else 1
 
@@ -905,14 +954,14 @@ def tile_grid(block, B, H, NR, static: bool, tile, at, cache: bool, split: Split
     return grid
 
 
-def merge_grid(spec: AttentionSpec, block, lanes, split: Split, at, LSE=None):
+def merge_grid(spec: AttentionSpec, block, lanes, split: Split, at, LSE=None, new=0):
     """The merge kernel of a split-KV grid: a thread block per (packed row, KV head, sequence),
     a lane per head-dim column: ``M = max_s m_s``, ``O = Σ_s acc_s·2^(m_s − M) / Σ_s
     l_s·2^(m_s − M)`` through the row's tile (``at(b, kh, 0, k_len, X)``: its output index, zeros
     for a row that sees no key, the sink once in the merged denominator), and the row's
     log-sum-exp (into ``LSE``, the kernel's, when it returns one). A chunk that saw no key has
     ``m = −inf``, ``l = 0``: weight 0. Nothing to do when the batch needed no split (``ns`` 1:
-    each chunk stored its rows itself)."""
+    each chunk stored its rows itself). ``new``: an appending kernel's new keys a sequence."""
     NS, B, KH, rows, D = split.active, split.B, split.KH, split.rows, split.D
     dtype = spec.dtype
     neg_inf = T.float32(float("-inf"))
@@ -943,7 +992,7 @@ def merge_grid(spec: AttentionSpec, block, lanes, split: Split, at, LSE=None):
                         with T.sblock("merge_len"):
                             T.reads()
                             T.writes()
-                            k_len[0] = X[-1][vb]
+                            k_len[0] = plus(X[-1][vb], new)
                         for d in lanes(D):
                             # blocks enough a SM for 64 registers a lane: without the bound ptxas
                             # (register usage level 10) gave 64 lanes 32 and spilled 8 bytes (an

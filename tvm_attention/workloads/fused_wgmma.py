@@ -54,7 +54,7 @@ from ..spec import ENTRY, AttentionSpec
 from ..visibility import Visibility
 from ._math import guarded, lse_of, normalize_where, ssa_checked
 from .fused import n_splits
-from .fused_cuda import Split, cache_tile, chunk_span, merge_grid
+from .fused_cuda import Split, append_grid, cache_tile, chunk_span, merge_grid, plus
 from .knob_attrs import CUDA_SPLIT, FUSED_WGMMA, record
 from .kv import dim, kv_layout
 from .variants import Variants, score_scale
@@ -435,7 +435,8 @@ def _context(spec: AttentionSpec, block_m: int, block_n: int, stages: int, pingp
     dtype = spec.dtype
     vis = Visibility.of(spec)
     causal = vis.causal
-    var = Variants.declare(spec, B)  # the variants' arguments and hooks (window, softcap, ALiBi, sinks, kv_start)
+    # the variants' arguments and hooks (window, softcap, ALiBi, sinks, kv_start); an appending kernel's k_new, v_new
+    var = Variants.declare(spec, B, SQ)
     # an 8-bit cache's scales (k_scale, v_scale: per KV head) without a unit: the conversion to
     # 16 bits is exact (the hardware's cvt), not kv_to_f32's e4m3 · 2^-8
     var.unit = 1.0
@@ -1049,10 +1050,23 @@ def _tmaps(x):
 
 def _dense_grid(x, block, tmaps):
     """The macro ``dense_grid(Q, K, V, O, CS, BT)`` of the bhsd and KV-cache layouts: a (row tile,
-    head, batch) grid of ``block``; split-KV, its chunks' workspace and the merge kernel."""
+    head, batch) grid of ``block``; split-KV, its chunks' workspace and the merge kernel; an
+    appending call's ``k_new``/``v_new`` written into the cache first (the other CUDA kernels'
+    ``fused_cuda.append_grid``, a kernel of its own: TMA then reads what it wrote)."""
     B, BM, BN, D, H, KH, LSE, nrt, SK, SQ, THREADS = \
         x.B, x.BM, x.BN, x.D, x.H, x.KH, x.LSE, x.nrt, x.SK, x.SQ, x.THREADS
     cache, causal, paged, var, split, NSA, spec = x.cache, x.causal, x.paged, x.var, x.split, x.NSA, x.spec
+    new = SQ if spec.append else 0  # an appending kernel: each sequence's keys and its new ones
+
+    def grid_block(n, axis):
+        return T.thread_binding(n, thread=f"blockIdx.{axis}")
+
+    def lanes(n):
+        return T.thread_binding(n, thread="threadIdx.x")
+
+    kvl = kv_layout(spec, B, D) if cache else None  # the merge's and the append's cache indexing
+    append = append_grid(spec, grid_block, lanes, kvl, var, B, SQ) if spec.append else None
+    fp8 = spec.kv_dtype_name.startswith("float8")  # written as bits (f32_to_kv) through uint8 aliases
 
     @T.macro
     def tiles(Q, K, V, O, CS, BT, part):
@@ -1070,24 +1084,28 @@ def _dense_grid(x, block, tmaps):
                                 # truncmod: non-negative operands)
                                 kl = T.sblock_alloc_buffer((3,), "int32", scope="local")
                                 kl[1] = T.truncdiv(bz, NSA) if part is not None else bz
-                                kl[0] = CS[kl[1]] if cache else SK
+                                kl[0] = plus(CS[kl[1]], new) if cache else SK
                                 kl[2] = T.truncmod(bz, NSA) if part is not None else 0
                                 block(Q, K, V, O, Seq(b=kl[1], q0=0, q_len=SQ, k0=0, k_len=kl[0], bt=BT), hh, tid,
                                       ((nrt - 1 - bx) if causal else bx) * BM,
                                       None if part is None else (kl[2], part[0], part[1]))
 
     if split is not None:
-        kvl = kv_layout(spec, B, D)  # the merge reads no K/V: its tile's output and lse indices
-
-        def at(b, kh, r, k_len, X):
+        def at(b, kh, r, k_len, X):  # the merge reads no K/V: its tile's output and lse indices
             return cache_tile(spec, BM, BN, b, kh, 0, SQ, k_len, kvl, X, LSE, var)
 
-        merge = merge_grid(spec, lambda n, axis: T.thread_binding(n, thread=f"blockIdx.{axis}"),
-                           lambda n: T.thread_binding(n, thread="threadIdx.x"), split, at, LSE)
+        merge = merge_grid(spec, grid_block, lanes, split, at, LSE, new)
 
     @T.macro
     def dense_grid(Q, K, V, O, CS, BT):
         tmaps(Q, K, V)
+        if append is not None:
+            if fp8:
+                K8 = T.decl_buffer(K.shape, "uint8", data=K.data)
+                V8 = T.decl_buffer(V.shape, "uint8", data=V.data)
+                append(K8, V8, (BT, CS) if paged else (CS,))
+            else:
+                append(K, V, (BT, CS) if paged else (CS,))
         if split is None:
             tiles(Q, K, V, O, CS, BT, None)
         else:

@@ -66,7 +66,7 @@ CUDA_VARIANTS = ("window", "softcap", "alibi", "sinks", "kv_start")
 #: names); any other argument of ``layouts.VARIANT_ARGS`` is declared under its own name
 #: (:meth:`Variants.declare`).
 CUDA_BUFFERS = {"alibi_slopes": "AL", "sinks": "SN", "kv_start": "KS", "q_scale": "QSC", "k_scale": "KSC",
-                "v_scale": "VSC"}
+                "v_scale": "VSC", "k_new": "KN", "v_new": "VN"}
 #: The variant arguments the CPU kernel's signature templates hold a parameter for
 #: (``fused.VARIANT_PARAMS``); any other of ``layouts.VARIANT_ARGS`` (a variant added later, its
 #: ``Arg`` after these) is declared by :class:`ExtraParams`.
@@ -119,29 +119,32 @@ class Variants:
     # -- (a) arguments ---------------------------------------------------------------------
 
     @classmethod
-    def declare(cls, spec: AttentionSpec | None, B=None) -> "Variants":
+    def declare(cls, spec: AttentionSpec | None, B=None, SQ=None) -> "Variants":
         """The variants of a CUDA kernel, their buffers declared outside its script (named by
-        :data:`CUDA_BUFFERS`; ``B`` the kernel's batch, an int or its var), in call order in
-        ``buffers`` (:func:`tvm_attention.layouts.variant_args`): the arguments of
-        ``layouts.VARIANT_ARGS`` and an 8-bit cache's scales. A variant not in
-        :data:`CUDA_VARIANTS` (the modifiers, key bounds) or any other argument (``k_new``/``v_new``)
-        is a ValueError naming it: the CUDA kernels build none (their families refuse them by name
-        first; this stops a direct call from building a kernel that would ignore them)."""
+        :data:`CUDA_BUFFERS`; ``B``, ``SQ`` the kernel's batch and seq_q, ints or its vars), in
+        call order in ``buffers`` (:func:`tvm_attention.layouts.variant_args`): the arguments of
+        ``layouts.VARIANT_ARGS``, fp8 queries' and an 8-bit cache's scales, an appending kernel's
+        ``k_new``/``v_new`` (``KN``/``VN``). A variant not in :data:`CUDA_VARIANTS` (the
+        modifiers, key bounds) or any other argument is a ValueError naming it: the CUDA kernels
+        build none (their families refuse them by name first; this stops a direct call from
+        building a kernel that would ignore them)."""
         if spec is None:
             return cls()
         missing = [v for v in spec.variants if v not in CUDA_VARIANTS]
         if missing:
             raise ValueError(f"the CUDA kernels do not build the attention variant(s) {', '.join(missing)}")
-        values = {"heads": spec.heads, "kv_heads": spec.kv_heads, "batch": B}
-        takes = {a.name for _, a in VARIANT_ARGS} | {"q_scale", "k_scale", "v_scale"}
+        values = {"heads": spec.heads, "kv_heads": spec.kv_heads, "batch": B, "seq_q": SQ, "head_dim": spec.head_dim,
+                  "head_dim_v": spec.v_dim}
+        takes = {a.name for _, a in VARIANT_ARGS} | {"q_scale", "k_scale", "v_scale", "k_new", "v_new"}
         declared = {}
         for a in variant_args(spec):
             if a.name not in takes:
                 raise ValueError(f"the CUDA kernels take no {a.name!r} argument (variants: {', '.join(CUDA_VARIANTS)})")
-            declared[a.name] = tirx.decl_buffer(tuple(values[d] for d in a.dims), a.dtype,
+            declared[a.name] = tirx.decl_buffer(tuple(values[d] for d in a.dims), a.dtype or spec.dtype,
                                                 CUDA_BUFFERS.get(a.name, a.name))
         var = cls(spec, declared.get("alibi_slopes"), declared.get("sinks"), declared.get("kv_start"),
                   scales=(declared.get("k_scale"), declared.get("v_scale")),
+                  new=(declared.get("k_new"), declared.get("v_new")),
                   args={n: b for n, b in declared.items() if n not in CUDA_BUFFERS})
         var.QSC = declared.get("q_scale")
         var.buffers = list(declared.values())
