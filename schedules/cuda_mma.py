@@ -30,13 +30,13 @@ from ..workloads.fused_mma import MMA_DTYPES, fused_attention_mma, smem_stride
 from ..workloads.knob_attrs import CUDA_SPLIT, FUSED_MMA
 
 from ._knobs import KnobError, KnobsMixin
-from .family import (CUDA_KV_DTYPES, CUDA_VARIANTS, SPLIT_LAYOUTS, USE_CPU_FUSED, Capabilities, check_split_tasks, feasible,
-                     cuda_for_layout, cuda_split_tasks, never_static_decode, read_attrs)
+from .family import (CUDA_CALL_VARIANTS, CUDA_KV_DTYPES, CUDA_VARIANTS, SPLIT_LAYOUTS, USE_CPU_FUSED, Capabilities,
+                     check_split_tasks, feasible, cuda_for_layout, cuda_split_tasks, never_static_decode, read_attrs)
 
 NAME = "fused"
 #: symbolic batch, seq_q and seq_kv: a (row tile, head, batch) grid on (x, y, z), as the SIMT kernel's
 CAPABILITIES = Capabilities(label="CUDA tensor-core fused", target="cuda", layouts=("bhsd", "varlen", "kvcache", "paged"), dtypes=MMA_DTYPES,
-                            symbolic=True, lse=True, variants=CUDA_VARIANTS,
+                            symbolic=True, lse=True, variants=CUDA_VARIANTS + CUDA_CALL_VARIANTS,
                             kv_dtypes=CUDA_KV_DTYPES, kv_layouts=SPLIT_LAYOUTS, head_dim_v=True, appends=True,
                             instead=f"use --schedule fused_simt, or {USE_CPU_FUSED}")
 WARP = 32

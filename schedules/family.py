@@ -22,6 +22,7 @@ from ..layouts import layouts_where
 from ..quant import KV_DTYPES
 from ..spec import AttentionSpec
 from ..workloads.knob_attrs import Attr, WorkloadAttrsError, read
+from ..workloads.variants import CUDA_CALL_VARIANTS as _CUDA_CALL_VARIANTS
 from ..workloads.variants import CUDA_VARIANTS as _CUDA_VARIANTS
 
 from ._knobs import KnobError
@@ -30,9 +31,11 @@ from ._knobs import KnobError
 USE_CPU_FUSED = "use --schedule fused on a CPU (llvm) target"
 
 
-#: the attention variants both CUDA kernels build: the variants' contract says which kernels take
-#: each of its hooks (workloads/variants.py); the user's modifiers and key bounds not
+#: the attention variants every CUDA kernel builds: the variants' contract says which kernels take
+#: each of its hooks (workloads/variants.py); the SIMT and mma.sync kernels also what the call
+#: decides (the user's modifiers, key bounds, a custom mask: CUDA_CALL_VARIANTS)
 CUDA_VARIANTS = _CUDA_VARIANTS
+CUDA_CALL_VARIANTS = _CUDA_CALL_VARIANTS
 #: the 8-bit K/V caches both CUDA kernels read, in the KV-cache layouts (the decode kernels)
 CUDA_KV_DTYPES = KV_DTYPES
 

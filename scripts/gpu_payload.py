@@ -80,6 +80,15 @@ VARIANT_SPECS = (
          softcap=30.0, alibi=True, sinks=True, return_lse=True),
     dict(batch=2, heads=8, kv_heads=2, seq_q=512, seq_kv=512, dynamic=("batch", "seq_q", "seq_kv"), window=(127, 0),
          kv_start=True),
+    # what the call decides (the SIMT and mma.sync kernels): a relative bias read from a tensor and
+    # a mask_mod; a speculative-decoding verify step (4 drafts appended, a tree's custom mask, key
+    # bounds) on a page pool
+    dict(batch=2, heads=8, kv_heads=2, seq_q=512, seq_kv=512, dynamic=("batch", "seq_q", "seq_kv"),
+         score_mod="def score_mod(score, b, h, q_idx, kv_idx):\n    return score + bias[h] * (q_idx - kv_idx)\n",
+         mod_tensors=(("bias", "float32", ("heads",)),),
+         mask_mod="def mask_mod(b, h, q_idx, kv_idx):\n    return (q_idx - kv_idx) % 3 != 1\n"),
+    dict(batch=4, heads=8, kv_heads=2, seq_q=4, seq_kv=512, layout="paged", page_size=16, append=True,
+         custom_mask=True, key_bounds=True),
 )
 MAX_PAYLOAD_BYTES = 56 * 2**20
 #: files of an artifact the device needs (lowered.tir and kernel.cu stay here: 0.4 MB a kernel)
@@ -127,7 +136,8 @@ def jobs_for(a: argparse.Namespace, kernels_dir: Path) -> list[dict]:
     def add(spec, arch):  # a build of each kernel that builds this spec
         for k in a.kernels:
             if k == "fused_hopper":  # the layouts it builds, on sm_90; its variants in bhsd (docs/cuda.md)
-                if arch != "sm_90" or spec.layout not in HOPPER_LAYOUTS or (spec.variants and spec.layout != "bhsd"):
+                if arch != "sm_90" or spec.layout not in HOPPER_LAYOUTS or (spec.variants and spec.layout != "bhsd") \
+                        or spec.has_modifiers:  # its masking is its own: the call's masks are the others'
                     continue
             elif spec.q_dtype is not None:
                 continue  # fp8 inputs: the Hopper kernel's alone

@@ -33,14 +33,18 @@ def test_spec_arguments_and_names():
     assert "custom_mask" not in AttentionSpec(batch=1, seq_q=8, **GQA).to_dict()
 
 
-def test_cuda_refuses_it_by_name():
+def test_cuda_kernels_take_it_and_hopper_refuses_it_by_name():
+    """The SIMT and mma.sync kernels build custom masks (tests/test_cuda_call_masks.py runs them);
+    the Hopper kernel, whose masking is its own, refuses them by name."""
     from tvm_attention.build import build_kernel
+    from tvm_attention.schedules import cuda_mma, cuda_simt
     from tvm_attention.schedules._knobs import KnobError
     from tvm_attention.target import resolve_target
 
     spec = AttentionSpec(batch=1, seq_q=64, **GQA, dtype="float16", custom_mask=True)
+    assert cuda_mma.CAPABILITIES.refusal(spec) is None and cuda_simt.CAPABILITIES.refusal(spec) is None
     with pytest.raises(KnobError, match="does not build the attention variant.s. custom_mask"):
-        build_kernel(spec, "fused", resolve_target("cuda", arch="sm_90"))
+        build_kernel(spec, "fused_hopper", resolve_target("cuda", arch="sm_90"))
 
 
 #: ``bench --masks --tiny``'s shapes: its kernels are built through the run's build cache, so the

@@ -61,7 +61,7 @@ def payload(tmp_path_factory):
     one build of every kind, each exported with its fatbin through the script's pool, the runtime,
     package, device script and run.sh, at a fifth of the full payload's build time (its
     tensor-core builds are the slow ones: 2.4x a CUDA-core build, the paged variants' 6x). The
-    list of all 18 kernels the same arguments build is asserted from the script's plan
+    list of all 22 kernels the same arguments build is asserted from the script's plan
     (:func:`planned_jobs`); tensor-core builds exported with a fatbin by the same pool worker
     (``gpu_payload.build_job``) are test_cuda_mma's gpu_check test; test_dirrunner's CUDA payload
     checks a tensor-core fatbin too. One pool worker (``--jobs 1``): the script's spawned worker
@@ -78,17 +78,20 @@ def test_payload_plans_every_kernel_kind(tmp_path):
     """The kernels the payload's arguments build, in order (the script's own plan, nothing
     built): the static kernels, then the symbolic build of each that serves every length of
     the same heads, the varlen build of each that serves every packed batch, the decode builds
-    (a float8 e4m3 page pool, then the same appending its new token), and the variants; each
+    (a float8 e4m3 page pool, then the same appending its new token), and the variants (then
+    what the call decides: modifiers, a verify step's custom mask and key bounds); each
     tensor-core kernel beside its CUDA-core twin."""
     jobs = planned_jobs(tmp_path, PAYLOAD_ARGS)
     specs = [j["spec"] for j in jobs]
-    assert [j["kernel"] for j in jobs] == ["fused_tc", "fused_simt"] * 9
+    assert [j["kernel"] for j in jobs] == ["fused_tc", "fused_simt"] * 11
     assert {j["arch"] for j in jobs} == {"sm_90"}
     assert [s.get("layout", "bhsd") for s in specs] == \
-        ["bhsd"] * 4 + ["varlen"] * 2 + ["kvcache"] * 2 + ["paged"] * 6 + ["paged"] * 2 + ["bhsd"] * 2
-    assert [s.get("kv_dtype") for s in specs] == [None] * 10 + ["float8_e4m3fn"] * 4 + [None] * 4
-    assert [bool(s.get("append")) for s in specs] == [False] * 12 + [True] * 2 + [False] * 4
-    assert [bool(s.get("window")) for s in specs] == [False] * 14 + [True] * 4
+        ["bhsd"] * 4 + ["varlen"] * 2 + ["kvcache"] * 2 + ["paged"] * 6 + ["paged"] * 2 + ["bhsd"] * 4 + ["paged"] * 2
+    assert [s.get("kv_dtype") for s in specs] == [None] * 10 + ["float8_e4m3fn"] * 4 + [None] * 8
+    assert [bool(s.get("append")) for s in specs] == [False] * 12 + [True] * 2 + [False] * 6 + [True] * 2
+    assert [bool(s.get("window")) for s in specs] == [False] * 14 + [True] * 4 + [False] * 4
+    assert [bool(s.get("score_mod")) for s in specs] == [False] * 18 + [True] * 2 + [False] * 2
+    assert [bool(s.get("custom_mask")) for s in specs] == [False] * 20 + [True] * 2
     assert [bool(s.get("dynamic")) for s in specs[:4]] == [False, False, True, True]
     for s in specs[6:14]:  # the decode goal's step: GQA 32:8, batch 64, 4096 keys
         assert (s["heads"], s["kv_heads"], s["batch"], s["seq_kv"]) == (32, 8, 64, 4096)
@@ -425,6 +428,36 @@ def test_device_check_of_an_appending_kernel_on_the_cpu(tmp_path):
     finally:
         tvm_attention.load = real
     assert not any(c["passed"] for c in checks), checks
+
+
+def test_device_reference_of_the_call_variants_runs_without_tvm():
+    """The device check validates the builds of what the call decides (modifiers, custom masks,
+    key bounds) against the package's NumPy reference on a machine without TVM: a subprocess
+    that cannot import ``tvm`` computes it for the payload's specs (a modifier once reached for
+    TVM's expression types to tell TIR from NumPy)."""
+    code = """
+import sys
+class Block:
+    def find_spec(self, name, path, target=None):
+        if name == "tvm" or name.startswith("tvm."):
+            raise ImportError("no TVM on the GPU machine: " + name)
+sys.meta_path.insert(0, Block())
+sys.path.insert(0, sys.argv[1])
+from tvm_attention.layouts import LAYOUTS
+from tvm_attention.spec import AttentionSpec
+sys.path.insert(0, sys.argv[1] + "/scripts")
+import gpu_payload
+for extra in gpu_payload.VARIANT_SPECS:
+    spec = AttentionSpec(head_dim=32, dtype="float16", causal=True, **{**extra, "seq_q": min(extra["seq_q"], 16),
+                                                                       "seq_kv": 40})
+    layout = LAYOUTS[spec.layout]
+    for i, case in enumerate(layout.validation_cases(spec)):
+        layout.reference_outputs(spec, layout.random_inputs(spec, case, seed=i))
+assert "tvm" not in sys.modules
+print("ok")
+"""
+    r = subprocess.run([sys.executable, "-c", code, str(REPO)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr
 
 
 def test_device_check_of_variant_kernels_on_the_cpu(tmp_path):

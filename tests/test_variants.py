@@ -275,12 +275,13 @@ def test_other_families_refuse_variants_by_name():
     from tvm_attention.target import resolve_target
 
     base = dict(batch=1, heads=2, seq_q=64, head_dim=64, causal=True)
-    # CUDA builds the five variants (test_cuda.py) but not key bounds; the baselines none
+    # the CUDA kernels build the five variants (test_cuda.py) and what the call decides
+    # (test_cuda_call_masks.py), but the Hopper kernel not the latter; the baselines none
     for name, target, over, refused in [
-        ("fused", "cuda", dict(dtype="float16", window=(8, 0), key_bounds=True), "key_bounds"),
+        ("fused_hopper", "cuda", dict(dtype="float16", window=(8, 0), key_bounds=True), "key_bounds"),
         ("materialized", "llvm", dict(window=(8, 0), softcap=30.0), "window, softcap"),
     ]:
-        t = resolve_target(target, arch="sm_80") if target == "cuda" else resolve_target(target)
+        t = resolve_target(target, arch="sm_90") if target == "cuda" else resolve_target(target)
         fam = get_schedule(name, t)
         s = AttentionSpec(**base, **over)
         with pytest.raises(KnobError, match=f"variant\\(s\\) {refused} "):

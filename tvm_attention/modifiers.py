@@ -30,6 +30,7 @@ import functools
 import hashlib
 import inspect
 import math
+import sys
 import textwrap
 from typing import Any, Callable
 
@@ -55,7 +56,11 @@ def _tir():
 
 
 def _is_tir(*xs) -> bool:
-    """Whether any of ``xs`` is a TIR expression (else all are numbers or NumPy arrays)."""
+    """Whether any of ``xs`` is a TIR expression (else all are numbers or NumPy arrays). Without
+    TVM loaded there is none: the reference (NumPy) runs where TVM is not installed (a GPU
+    machine's device check, a runtime-only server)."""
+    if "tvm" not in sys.modules:
+        return False
     return any(isinstance(x, tir_expr_types()) for x in xs)
 
 

@@ -424,8 +424,10 @@ class Tile:
         self.off = vis.offset(q_len, k_len)
         self.nc = math.ceil(k_len / BN) if isinstance(k_len, int) else T.floordiv(k_len + BN - 1, BN)
         self.kv_tail = not isinstance(k_len, int) or k_len % BN != 0  # the last key tile is partial
-        self.hides = vis.hides_keys or self.kv_tail  # some score of some tile is masked
         self.var = var if var is not None else Variants(None)
+        # the call decides what a row sees (key bounds, a custom mask, mask_mod): any score of any tile
+        self.call_masks = self.var.masks_keys
+        self.hides = vis.hides_keys or self.kv_tail or self.call_masks  # some score of some tile is masked
         self.head, self.b = head, b  # b: None in varlen (a block finds its sequence at run time)
         self.start = self.var.start(b)  # the sequence's first visible key
         begin = vis.key_begin(vis.position(self.pos(row0), self.off), self.start)
@@ -467,7 +469,10 @@ class Tile:
     def needs_mask(self, c):
         """Whether loop tile ``c`` holds the key tail, a key the tile's first row does not see
         (past its diagonal or right window) or one its last row does not see (before its left
-        window, or the start); None: no tile does."""
+        window, or the start); None: no tile does. Where the call decides what a row sees
+        (key bounds, a custom mask, mask_mod), every tile."""
+        if self.call_masks:
+            return T.bool(True)
         t = self.tile(c)
         cond = None
         if self.kv_tail:
@@ -483,10 +488,19 @@ class Tile:
 
     def sees(self, row, col):
         """Whether tile row ``row`` (numbered from the sequence's first) sees key ``col``: inside
-        the keys and the mask."""
+        the keys and the mask; then the call's key bounds and ``mask_mod`` at the row's key
+        position, and its custom mask's bit of (query row, key) (``Variants.sees``/``custom``,
+        the CPU kernel's hooks)."""
         cond = col < self.k_len
-        seen = self.vis.sees(col, self.vis.position(self.pos(row), self.off), self.start)
-        return cond if seen is None else T.And(cond, seen)
+        position = self.vis.position(self.pos(row), self.off)
+        seen = self.vis.sees(col, position, self.start)
+        cond = cond if seen is None else T.And(cond, seen)
+        if self.call_masks:
+            for extra in (self.var.sees(self.b, self.head(row), position, col),
+                          self.var.custom(self.b, self.pos(row), col, self.q_len, self.k_len)):
+                if extra is not None:
+                    cond = T.And(cond, extra)
+        return cond
 
     def logit(self, s, row, col):
         """Raw score ``s = q·k`` of (row, key ``col``) in the log2 units of the softmax: times
@@ -831,7 +845,7 @@ def varlen_grid(spec: AttentionSpec, block, BM: int, BN: int, tile, reverse: boo
                     q=lambda r, d: (T.min(q0 + T.max(r, 0), TQ - 1), vh, d),
                     kv=lambda j, d: (k0 + j, vh // G, d), o=lambda r, d: (q0 + r, vh, d),
                     valid=seq[0] < seq[2], lse=None if LSE is None else (LSE, lambda r: (vh, q0 + r)),
-                    var=var, head=lambda r: vh)
+                    var=var, head=lambda r: vh, b=seq[5] if var is not None and var.masks_or_mods else None)
 
     def slot(vs):
         return NT - 1 - vs if reverse else vs
@@ -844,9 +858,9 @@ def varlen_grid(spec: AttentionSpec, block, BM: int, BN: int, tile, reverse: boo
                     vh, vs = T.axis.remap("SS", [by, bx])
                     T.reads()
                     T.writes()
-                    # the tile: seq = (first row, q0, q_len, k0, k_len) of its sequence, in
+                    # the tile: seq = (first row, q0, q_len, k0, k_len, b) of its sequence, in
                     # registers (every thread searches: the same few loads, cached)
-                    seq = T.sblock_alloc_buffer((5,), "int32", scope="local")
+                    seq = T.sblock_alloc_buffer((6,), "int32", scope="local")
                     with T.sblock("seq_locate"):
                         T.reads()
                         T.writes()
@@ -860,6 +874,7 @@ def varlen_grid(spec: AttentionSpec, block, BM: int, BN: int, tile, reverse: boo
                                     seq[0] = T.floordiv(seq[0] + seq[1] + 1, 2)
                                 else:
                                     seq[1] = T.floordiv(seq[0] + seq[1] + 1, 2) - 1
+                        seq[5] = seq[0]
                         seq[3] = CK[seq[0]]
                         seq[4] = CK[seq[0] + 1] - seq[3]
                         seq[1] = CQ[seq[0]]

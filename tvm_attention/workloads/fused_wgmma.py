@@ -394,6 +394,9 @@ def _context(spec: AttentionSpec, block_m: int, block_n: int, stages: int, pingp
         raise ValueError(f"the Hopper kernel takes float16 or bfloat16, not {spec.dtype}")
     if spec.layout not in LAYOUTS:
         raise ValueError(f"the Hopper kernel builds the {' and '.join(LAYOUTS)} layouts so far, not {spec.layout}")
+    if spec.has_modifiers:  # its masking is its own (the variants' contract hooks are the other kernels')
+        raise ValueError("the Hopper kernel does not build the user's modifiers, key bounds or custom masks (yet): "
+                         "--schedule fused_tc does")
     packed = spec.layout == "varlen"
     cache = spec.layout in ("kvcache", "paged")  # a KV head's query heads packed into the tile's rows
     # fp8 inputs: q, K, V e4m3 into the products as they are, V transposed by the producer warpgroup

@@ -18,9 +18,9 @@ hook                       what it does (in this order)                        k
     ``k_scale``/           an 8-bit cache's key scale (times ``KV_UNIT``):     CPU / CUDA
     ``k_scaled``           folded into q (CPU), or into the score's factor
     ``logit``              softcap ``c·tanh(x)·log2 e``, then ALiBi's          all; score_mod
-                           ``− slope·|p − j|``, then the user's ``score_mod``  CPU only
+                           ``− slope·|p − j|``, then the user's ``score_mod``  not Hopper
 (c) ``start``              the sequence's first visible key (``kv_start``)     all
-    ``sees``               key bounds and the user's ``mask_mod``              CPU only
+    ``sees``/``custom``    key bounds, the user's ``mask_mod``, a custom mask  not Hopper
 (d) ``v_scale``/           an 8-bit cache's value scale, once per output       CPU / CUDA
     ``v_scaled``
     ``with_sink``          the sink joins the row's denominator                all
@@ -31,9 +31,9 @@ hook                       what it does (in this order)                        k
 
 The window and causality are not variants of this contract: they are :mod:`tvm_attention.visibility`'s
 (every kernel, the reference and the pair counts read them there), and ``kv_start`` feeds them
-through :meth:`Variants.start`. What the CUDA kernels do not build (``CPU only`` above) their
-families refuse by name (:data:`CUDA_VARIANTS`, read by ``schedules/family.py``), before a
-workload is generated (and :meth:`Variants.declare` again, for a direct call).
+through :meth:`Variants.start`. What a CUDA kernel does not build its family refuses by name
+(:data:`CUDA_VARIANTS`, :data:`CUDA_CALL_VARIANTS`, read by ``schedules/family.py``), before a
+workload is generated (and :meth:`Variants.declare` or the Hopper kernel again, for a direct call).
 
 Two hooks come in two forms because the kernels fold the same factor at different places: the
 CPU kernel multiplies each query element by the key scale once (``q·(s·k) = (s·q)·k``) and leaves
@@ -57,10 +57,13 @@ from ..spec import DATA_ALIGNMENT as A, AttentionSpec
 from ..visibility import all_of
 from ._math import KV_UNIT, LOG2E, f32, normalize, normalize_seen, normalize_where, sink_terms, tanh_fast, with_sink
 
-#: The variants (``AttentionSpec.variants``) both CUDA kernels build: a sliding window, a logit
-#: softcap, ALiBi, sinks, a first visible key per sequence. The user's modifiers (``score_mod``,
-#: ``mask_mod``) and key bounds are the CPU kernel's only: the CUDA families refuse them by name.
+#: The variants (``AttentionSpec.variants``) every CUDA kernel builds: a sliding window, a logit
+#: softcap, ALiBi, sinks, a first visible key per sequence.
 CUDA_VARIANTS = ("window", "softcap", "alibi", "sinks", "kv_start")
+#: ... and those the call decides, which the SIMT and ``mma.sync`` kernels build through
+#: :class:`fused_cuda.Tile`'s hooks (the Hopper kernel, with masks of its own, refuses them): the
+#: user's modifiers (``score_mod``, ``mask_mod``), key bounds, a custom mask
+CUDA_CALL_VARIANTS = ("score_mod", "mask_mod", "key_bounds", "custom_mask")
 
 #: The CUDA kernels' buffer names of the variant arguments they had first (``layouts.variant_args``'
 #: names); any other argument of ``layouts.VARIANT_ARGS`` is declared under its own name
@@ -124,28 +127,45 @@ class Variants:
         :data:`CUDA_BUFFERS`; ``B``, ``SQ`` the kernel's batch and seq_q, ints or its vars), in
         call order in ``buffers`` (:func:`tvm_attention.layouts.variant_args`): the arguments of
         ``layouts.VARIANT_ARGS``, fp8 queries' and an 8-bit cache's scales, an appending kernel's
-        ``k_new``/``v_new`` (``KN``/``VN``). A variant not in :data:`CUDA_VARIANTS` (the
-        modifiers, key bounds) or any other argument is a ValueError naming it: the CUDA kernels
-        build none (their families refuse them by name first; this stops a direct call from
-        building a kernel that would ignore them)."""
+        ``k_new``/``v_new`` (``KN``/``VN``); then what the call decides (:data:`CUDA_CALL_VARIANTS`):
+        ``key_lo``/``key_hi``, ``custom_mask``/``mask_indptr``, the modifiers' tensors, each
+        dim a kernel takes at call time one var by its name (``key_positions``, ``mask_bytes``,
+        ``modifiers.tensor_dim_name``'s). A variant outside those two tables, or any other
+        argument, is a ValueError naming it (the families refuse them by name first; this stops a
+        direct call from building a kernel that would ignore them)."""
         if spec is None:
             return cls()
-        missing = [v for v in spec.variants if v not in CUDA_VARIANTS]
+        missing = [v for v in spec.variants if v not in CUDA_VARIANTS + CUDA_CALL_VARIANTS]
         if missing:
             raise ValueError(f"the CUDA kernels do not build the attention variant(s) {', '.join(missing)}")
         values = {"heads": spec.heads, "kv_heads": spec.kv_heads, "batch": B, "seq_q": SQ, "head_dim": spec.head_dim,
                   "head_dim_v": spec.v_dim}
-        takes = {a.name for _, a in VARIANT_ARGS} | {"q_scale", "k_scale", "v_scale", "k_new", "v_new"}
+        takes = {a.name for _, a in VARIANT_ARGS} | {"q_scale", "k_scale", "v_scale", "k_new", "v_new", "key_lo",
+                                                     "key_hi", "custom_mask", "mask_indptr"} | \
+            {name for name, _, _ in spec.mod_tensors}
+
+        def dim(d):  # an int, the kernel's own dim, or a dim taken at call time (one var a name)
+            if isinstance(d, int):
+                return d
+            if d not in values:
+                values[d] = tirx.Var(d, "int32")
+            return values[d]
+
         declared = {}
         for a in variant_args(spec):
             if a.name not in takes:
                 raise ValueError(f"the CUDA kernels take no {a.name!r} argument (variants: {', '.join(CUDA_VARIANTS)})")
-            declared[a.name] = tirx.decl_buffer(tuple(values[d] for d in a.dims), a.dtype or spec.dtype,
+            declared[a.name] = tirx.decl_buffer(tuple(dim(d) for d in a.dims), a.dtype or spec.dtype,
                                                 CUDA_BUFFERS.get(a.name, a.name))
         var = cls(spec, declared.get("alibi_slopes"), declared.get("sinks"), declared.get("kv_start"),
+                  declared.get("key_lo"), declared.get("key_hi"),
+                  tensors={name: declared[name] for name, _, _ in spec.mod_tensors},
                   scales=(declared.get("k_scale"), declared.get("v_scale")),
                   new=(declared.get("k_new"), declared.get("v_new")),
-                  args={n: b for n, b in declared.items() if n not in CUDA_BUFFERS})
+                  cmask=(declared.get("custom_mask"), declared.get("mask_indptr")),
+                  args={n: b for n, b in declared.items()
+                        if n not in CUDA_BUFFERS and n not in ("key_lo", "key_hi", "custom_mask", "mask_indptr")
+                        and n not in {name for name, _, _ in spec.mod_tensors}})
         var.QSC = declared.get("q_scale")
         var.buffers = list(declared.values())
         return var
@@ -195,6 +215,18 @@ class Variants:
         return x
 
     # -- (c) the mask ------------------------------------------------------------------------
+
+    @property
+    def masks_or_mods(self) -> bool:
+        """Whether a hook asks for the row's sequence ``b`` beyond ``kv_start``: the call's masks
+        and the user's score_mod (``at()``'s first entry)."""
+        return self.masks_keys or self.score_fn is not None
+
+    @property
+    def masks_keys(self) -> bool:
+        """Whether the call decides which keys a row sees (key bounds, a custom mask, mask_mod):
+        :meth:`sees` and :meth:`custom` then hide scores that the lengths and the window do not."""
+        return self.LO is not None or self.CM is not None or self.mask_fn is not None
 
     def start(self, b):
         """Sequence ``b``'s first visible key (None: key 0)."""
