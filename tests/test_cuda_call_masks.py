@@ -77,6 +77,24 @@ def test_a_mask_the_kernel_ignored_fails_the_check(monkeypatch):
         check_emulated_layout(ex, spec)
 
 
+def test_key_bounds_skip_tiles_and_the_check_can_fail(monkeypatch):
+    """Key bounds are a block mask given at call time: a row tile's loop starts at its first
+    row's ``key_lo`` and stops at its last row's ``key_hi`` (the CPU kernel's skipping). Skipping
+    one tile too many (bounds read 16 keys later) fails the check."""
+    from tvm.script import tirx as T
+
+    from tvm_attention.workloads import fused_cuda
+
+    spec = call_spec("bhsd", dict(key_bounds=True, dynamic=("batch", "seq_q", "seq_kv")), "float32")
+    ex = tvm.compile(fused_attention_cuda(spec, 16, 16, 4, emulate=True), target=EMULATION_TARGET)
+    check_emulated_layout(ex, spec)
+    real = fused_cuda.key_clamp
+    monkeypatch.setattr(fused_cuda, "key_clamp", lambda x: real(x) + T.int32(16))
+    ex = tvm.compile(fused_attention_cuda(spec, 16, 16, 4, emulate=True), target=EMULATION_TARGET)
+    with pytest.raises(AssertionError):
+        check_emulated_layout(ex, spec)
+
+
 @pytest.mark.skipif(find_nvcc() is None, reason="nvcc not installed")
 @pytest.mark.parametrize("arch, dtype, layout, fields, params", [
     ("sm_90", "float16", "bhsd", dict(score_mod=SCORE_MOD, mod_tensors=BIAS, mask_mod=MASK_MOD, causal=True,

@@ -63,10 +63,10 @@ def call(ex, spec, x):
 def test_bits_table_and_message():
     assert all(bit & (bit - 1) == 0 for bit in INDEX_ERROR_BITS)  # one bit per rule
     assert BITS == {"cu_seqlens_q": 1, "cu_seqlens_k": 2, "cache_seqlens": 4, "block_table": 8, "kv_start": 16,
-                    "k_scale": 32, "v_scale": 64, "alignment": 128, "q_scale": 256}
+                    "k_scale": 32, "v_scale": 64, "alignment": 128, "q_scale": 256, "mask_indptr": 512}
     msg = describe_index_error(4 | 8)
     assert "index_error=12" in msg and "cache_seqlens:" in msg and "block_table:" in msg and "kv_start" not in msg
-    assert "unknown bits 0x200" in describe_index_error(512 | 1) and "cu_seqlens_q:" in describe_index_error(512 | 1)
+    assert "unknown bits 0x400" in describe_index_error(1024 | 1) and "cu_seqlens_q:" in describe_index_error(1024 | 1)
     assert "16-byte boundary" in describe_index_error(128)
 
 
@@ -266,6 +266,41 @@ def test_emulated_checks_of_an_8bit_split_kv_build():
         out, flag = call(ex, spec, y)
         assert flag == BITS[name], (name, flag)
         assert (out == SENTINEL).all(), name
+
+
+@pytest.mark.parametrize("layout, variants", [("varlen", {}), ("paged", dict(append=True, causal=True)),
+                                              ("bhsd", dict(dynamic=("batch", "seq_q", "seq_kv")))])
+def test_emulated_checks_of_a_custom_mask(layout, variants):
+    """A custom mask's ``mask_indptr`` is read by the kernels to find each sequence's bits: the
+    check kernel judges it as the host rule does (batch + 1 entries; each sequence's bytes from 0
+    or more, ``ceil(rows · keys / 8)`` of them, in int64, within ``custom_mask``), bit 512, and
+    then nothing runs; a valid call matches the reference (a bhsd build takes device checks for
+    its mask alone)."""
+    spec = _spec(layout, custom_mask=True, **variants)
+    ex = emulated(spec)
+    lay = LAYOUTS[layout]
+    case = {"seqlens": [(0, 7), (1, 1), (70, 33), (33, 70)]} if layout == "varlen" else \
+        lay.validation_cases(spec)[-1]
+    x = lay.random_inputs(spec, case, seed=3)
+    out, flag = call(ex, spec, x)
+    assert flag == 0
+    ref = lay.reference(spec, x)
+    atol, rtol = TOLERANCES[spec.dtype]
+    assert np.allclose(out, ref, atol=atol, rtol=rtol), np.abs(out - ref).max()
+    mi = x["mask_indptr"]
+    for what, edit in (("negative", lambda m: m.__setitem__(0, -1)),
+                       ("too few bytes", lambda m: m.__setitem__(-2, m[-1])),
+                       ("past the bytes", lambda m: m.__setitem__(-1, m[-1] + 1)),
+                       ("int32's end", lambda m: m.__setitem__(-1, 2**31 - 1)),
+                       ("one entry short", None)):
+        y = {k: v.copy() for k, v in x.items()}
+        if edit is None:
+            y["mask_indptr"] = mi[:-1].copy()
+        else:
+            edit(y["mask_indptr"])
+        out, flag = call(ex, spec, y)
+        assert flag == BITS["mask_indptr"], (what, flag)
+        assert (out == SENTINEL).all(), what
 
 
 @needs_nvcc

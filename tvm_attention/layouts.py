@@ -159,6 +159,8 @@ INDEX_ERROR_BITS = {
     128: ("alignment", "q, k, v and o must start on a 16-byte boundary (cp.async and 16-byte vector loads "
                        "read them; a view at an odd offset does not)"),
     256: ("q_scale", "an entry is not a positive finite number (fp8 queries' scale per query head)"),
+    512: ("mask_indptr", "must hold batch + 1 entries; a sequence's bytes [mask_indptr[b], mask_indptr[b + 1]) "
+                         "start at 0 or more, end within custom_mask and hold ceil(rows * keys / 8) or more"),
 }
 
 
@@ -169,9 +171,10 @@ SEQUENCE_DIMS = ("seq_q", "seq_kv", "max_len", "total_q", "total_k")
 
 def has_index_arrays(spec) -> bool:
     """Whether ``spec``'s kernel takes index arrays a device check can validate (varlen's
-    cu_seqlens, the caches' cache_seqlens and block_table, ``kv_start``)."""
+    cu_seqlens, the caches' cache_seqlens and block_table, ``kv_start``, a custom mask's
+    ``mask_indptr``)."""
     return (bool(get_layout(getattr(spec, "layout", "bhsd")).index_args) or bool(getattr(spec, "kv_start", False))
-            or getattr(spec, "kv_dtype", None) is not None)
+            or getattr(spec, "kv_dtype", None) is not None or bool(getattr(spec, "custom_mask", False)))
 
 
 def describe_index_error(mask: int) -> str:

@@ -713,7 +713,8 @@ class AttentionKernel:
 
 #: index arguments a device-checked library validates itself (``layouts.INDEX_ERROR_BITS``), or
 #: that no rule reads (float per-head values)
-_DEVICE_CHECKED = frozenset(name for name, _ in INDEX_ERROR_BITS.values()) | {"alibi_slopes", "sinks"}
+_DEVICE_CHECKED = frozenset(name for name, _ in INDEX_ERROR_BITS.values()) | {"alibi_slopes", "sinks",
+                                                                                "custom_mask"}
 
 
 #: ``workloads.fused_cuda.MAX_GRID_YZ`` (this module loads without TVM): a symbolic BHSD CUDA

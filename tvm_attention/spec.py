@@ -265,8 +265,9 @@ class AttentionSpec:
         self._check_q_dtype(layout)
         if not isinstance(self.device_checks, bool):
             raise SpecError(f"device_checks must be a bool, got {self.device_checks!r}")
-        if self.device_checks and not layout.index_args and not self.kv_start:
-            raise SpecError(f"device_checks: a {layout.name} kernel without kv_start takes no index array to check "
+        if self.device_checks and not layout.index_args and not self.kv_start and not self.custom_mask:
+            raise SpecError(f"device_checks: a {layout.name} kernel without kv_start or a custom mask takes no index "
+                            "array to check "
                             "on the device (its shapes are checked by the library's argument checks); drop "
                             "--device-checks")
         if self.append and not layout.is_cache:

@@ -99,7 +99,7 @@ def fused_attention(spec: AttentionSpec, block_m: int, block_n: int, decode_rows
                   decode_heads, decode_dot, decode_block_n)
 
 
-def _key_clamp(x):
+def key_clamp(x):
     """A key bound (a call-time int32, any value: ``key_hi`` 2**31 − 1 for "to the end") clamped
     into ``[0, MAX_SEQ_LEN]`` before a tile range is computed from it (``x − key0``, ``x + block_n
     − 1``): no key lies outside, so which keys it admits is unchanged, and no sum can overflow."""
@@ -160,7 +160,7 @@ class _Tile:
         begin = vis.key_begin(vis.position(first, self.off), self.start)
         lo = var.key_lo(b, self.absolute(vis.position(first, self.off)))
         if lo is not None:  # the key bounds of the tile's first row (non-decreasing: checked)
-            lo = self.relative(_key_clamp(lo))
+            lo = self.relative(key_clamp(lo))
             begin = lo if begin is None else T.max(begin, lo)
         # key tiles wholly before what the tile's first row sees are skipped, not masked
         self.c0 = None if begin is None else vis.tiles_before(begin, BN)
@@ -191,7 +191,7 @@ class _Tile:
         key_end = self.vis.key_end(self.vis.position(end_row, self.off))
         hi = self.var.key_hi(self.b, self.absolute(self.vis.position(end_row - 1, self.off)))
         if hi is not None:  # the key bounds of the tile's last row
-            hi = self.relative(_key_clamp(hi))
+            hi = self.relative(key_clamp(hi))
             key_end = hi if key_end is None else T.min(key_end, hi)
         if key_end is not None:
             n = T.max(0, T.min(n, self.vis.tiles_to(key_end, BN)))

@@ -41,7 +41,7 @@ from ..spec import ENTRY, AttentionSpec
 from ..tvm_internals import fast_macros
 from ..visibility import Visibility
 from ._math import LOG2E, exp2_fast, f32_to_kv, guarded, kv_to_f32, lse_of, ssa_checked
-from .fused import MIN_SPLIT_KEYS, n_splits
+from .fused import MIN_SPLIT_KEYS, key_clamp, n_splits
 from .knob_attrs import CUDA_SPLIT, FUSED_CUDA, record
 from .kv import dim, kv_layout
 from .variants import Variants, score_scale
@@ -431,6 +431,10 @@ class Tile:
         self.head, self.b = head, b  # b: None in varlen (a block finds its sequence at run time)
         self.start = self.var.start(b)  # the sequence's first visible key
         begin = vis.key_begin(vis.position(self.pos(row0), self.off), self.start)
+        lo = self.var.key_lo(b, vis.position(self.pos(row0), self.off))
+        if lo is not None:  # the key bounds of the tile's first row (non-decreasing: the loader's rule)
+            lo = key_clamp(lo)
+            begin = lo if begin is None else T.max(begin, lo)
         self.c0 = None if begin is None else vis.tiles_before(begin, BN)  # tiles no row of it sees
         self.split, self.span, self._part = split, span, part
         self.kv_head = kv_head  # the tile's KV head (every row reads it): an 8-bit cache's scales
@@ -461,6 +465,10 @@ class Tile:
         vis = self.vis
         end = self.row0 + self.BM if self.group == 1 else self.pos(self.row0 + self.BM - 1) + 1
         key_end = vis.key_end(vis.position(end, self.off))
+        hi = self.var.key_hi(self.b, vis.position(end - 1, self.off))
+        if hi is not None:  # the key bounds of the tile's last row: the tiles past them are skipped
+            hi = key_clamp(hi)
+            key_end = hi if key_end is None else T.min(key_end, hi)
         n = self.nc if key_end is None else T.max(0, T.min(self.nc, vis.tiles_to(key_end, self.BN)))
         if self.c0 is not None:
             n = T.max(0, n - self.c0)

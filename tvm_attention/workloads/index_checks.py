@@ -338,6 +338,35 @@ def _device_buffers(func: tirx.PrimFunc, spec: AttentionSpec) -> dict[str, tirx.
     return dict(zip(names, func.params))
 
 
+def _mask_scan(buf: dict, keys, bit, steps, mine):
+    """The check kernel's macro ``scan(reg, tx)`` of a custom mask's ``mask_indptr`` (bit 512):
+    its ``batch + 1`` entries exist (else the scan would read past them), then each sequence's
+    bytes hold its rows × keys bits, the host rule's (:func:`_custom_mask`) in int64; ``keys(b)``
+    a KV cache's or bhsd's keys (varlen: from ``cu_seqlens``), the others ``_check_kernel``'s."""
+    NT = CHECK_THREADS
+    CQ, CK, CL, MI, CMK = (buf.get(n) for n in ("cu_seqlens_q", "cu_seqlens_k", "cache_seqlens", "mask_indptr",
+                                                 "custom_mask"))
+    n = CQ.shape[0] - 1 if CQ is not None else CL.shape[0] if CL is not None else buf["q"].shape[0]
+
+    def ok(b):
+        rows = _i64(CQ[b + 1]) - _i64(CQ[b]) if CQ is not None else _i64(buf["q"].shape[2])
+        keys_b = _i64(CK[b + 1]) - _i64(CK[b]) if CQ is not None else keys(b)
+        need = (rows * keys_b + tirx.const(7, "int64")) // tirx.const(8, "int64")
+        return tirx.all(MI[b] >= 0, _i64(MI[b + 1]) - _i64(MI[b]) >= need, _i64(MI[b + 1]) <= _i64(CMK.shape[0]))
+
+    @T.macro
+    def scan(reg, tx):
+        if MI.shape[0] != n + 1:
+            if tx == 0:
+                reg[tx] = T.bitwise_or(reg[tx], BITS["mask_indptr"])
+        else:
+            for i in T.serial(steps(n)):
+                if mine(i, tx, n):
+                    reg[tx] = T.bitwise_or(reg[tx], bit(ok(i * NT + tx), "mask_indptr"))
+
+    return scan
+
+
 def _check_kernel(spec: AttentionSpec, buf: dict, err, emulate: bool) -> tirx.Stmt:
     """One thread block of ``CHECK_THREADS`` threads: thread ``tx`` ORs the bits of the rules
     broken by the entries it takes (every ``CHECK_THREADS``-th sequence, cu_seqlens step or
@@ -356,6 +385,7 @@ def _check_kernel(spec: AttentionSpec, buf: dict, err, emulate: bool) -> tirx.St
     CL, BT, KS = buf.get("cache_seqlens"), buf.get("block_table"), buf.get("kv_start")
     KSC, VSC = buf.get("k_scale"), buf.get("v_scale")  # an 8-bit cache's scales (kv_heads,)
     QSC = buf.get("q_scale")  # fp8 queries' scales (heads,)
+    MI = buf.get("mask_indptr")  # a custom mask's: each sequence's first byte
     new = _new(buf)
     K = buf[spec.layout_info.kv_names[0]]
     if varlen:
@@ -386,6 +416,8 @@ def _check_kernel(spec: AttentionSpec, buf: dict, err, emulate: bool) -> tirx.St
 
     def mine(i, tx, n):  # item i * NT + tx exists (written n - i * NT: i * NT <= n - 1, nothing overflows)
         return tx < n - i * NT
+
+    mask_scan = None if MI is None else _mask_scan(buf, keys, bit, steps, mine)
 
     # the tensors read or written 16 bytes at a time (cp.async, vector loads): q, k, v, o
     vectors = [buf[a.name] for a in spec.layout_info.all_args(spec)[:3]] + [buf[spec.layout_info.output.name]]
@@ -433,6 +465,8 @@ def _check_kernel(spec: AttentionSpec, buf: dict, err, emulate: bool) -> tirx.St
                 if mine(i, tx, spec.kv_heads):
                     reg[tx] = T.bitwise_or(reg[tx], T.bitwise_or(bit(scale_ok(KSC[i * NT + tx]), "k_scale"),
                                                                  bit(scale_ok(VSC[i * NT + tx]), "v_scale")))
+        if MI is not None:
+            mask_scan(reg, tx)
         if QSC is not None:
             for i in T.serial(steps(spec.heads)):
                 if mine(i, tx, spec.heads):
