@@ -117,10 +117,11 @@ _DECODE = {64: {"block_m": 64, "block_n": 128, "stages": 4, "pingpong": 0},
 #: (D=128: 2 stages are 209 KiB; D=64: 4 are 201 KiB)
 _KV8 = {64: {"block_m": 64, "block_n": 128, "stages": 4, "pingpong": 0},
         128: {"block_m": 64, "block_n": 128, "stages": 2, "pingpong": 0}}
-#: fp8 inputs (head_dim 128 only: a row of 128 bytes is one slab): the 16-bit tiles, each stage with
-#: its V staging and V^T (112 KiB at 2 stages); the producer warpgroup transposes V with 56
-#: registers beside the two consumers' 224. Not yet timed on a GPU.
-_FP8 = {128: {"block_m": 128, "block_n": 128, "stages": 2}}
+#: fp8 inputs (head_dim 128: a row of 128 bytes is one slab; 64: rows of 64 bytes, the 64B swizzle):
+#: the 16-bit tiles, each stage with its V staging and V^T (D=128: 113 KiB at 2 stages; D=64: 57
+#: KiB); the producer warpgroup transposes V with 56 registers beside the two consumers' 224. Not
+#: yet timed on a GPU.
+_FP8 = {64: {"block_m": 128, "block_n": 128, "stages": 2}, 128: {"block_m": 128, "block_n": 128, "stages": 2}}
 
 
 def preset(spec: AttentionSpec, target: Target) -> HopperKnobs:
@@ -144,8 +145,8 @@ def check(knobs: HopperKnobs, spec: AttentionSpec, target: Target) -> None:
         raise KnobError(f"head_dim={spec.head_dim}: the Hopper kernel builds head_dim "
                         f"{' or '.join(map(str, HEAD_DIMS))} (128-byte swizzled slabs of 64)")
     if spec.q_dtype and (spec.head_dim not in _FP8 or knobs.block_n != 128):
-        raise KnobError(f"fp8 inputs (q_dtype) take head_dim {' or '.join(map(str, _FP8))} and block_n=128 (128-byte "
-                        f"rows of the swizzle; V^T's rows are a tile's keys), got head_dim={spec.head_dim}, "
+        raise KnobError(f"fp8 inputs (q_dtype) take head_dim {' or '.join(map(str, _FP8))} and block_n=128 (the "
+                        f"swizzle's rows; V^T's rows are a tile's 128 keys), got head_dim={spec.head_dim}, "
                         f"block_n={knobs.block_n}")
     for name in ("block_m", "block_n", "stages"):
         v = getattr(knobs, name)

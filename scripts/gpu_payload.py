@@ -53,15 +53,15 @@ DEFAULT_KERNELS = ("fused_tc", "fused_simt")
 #: at the first head_dim (the e4m3 goal: a step at most 0.6x the 16-bit one; again appending its
 #: new token in the call), and the variants' bhsd
 #: build (window, kv_start) at the first head_dim, and fp8 (e4m3) inputs at the FlashAttention
-#: shapes (head_dim 128, o in the last dtype: the fp8 goal, at least 1.5x our fp16)
+#: shapes (head_dims 64 and 128, o in the last dtype: the fp8 goal, at least 1.5x our fp16)
 #: the Hopper kernel's other forms timed beside its preset (a column each): name -> knob overrides
 HOPPER_VARIANTS = {"hopper_seq": {"overlap": 0}}
 HOPPER = dict(arch=["sm_90"], kernels=["fused_hopper", "fused_tc"], symbolic=True, cache=True, variants=True,
               varlen=True, fp8=True)
-#: fp8 inputs (``--fp8``): q, K and V e4m3 scaled per head, at the one head_dim the Hopper kernel
+#: fp8 inputs (``--fp8``): q, K and V e4m3 scaled per head, at the head_dims the Hopper kernel
 #: builds them at
 FP8 = "float8_e4m3fn"
-FP8_HEAD_DIM = 128
+FP8_HEAD_DIMS = (64, 128)
 #: the layouts the Hopper kernel builds (``fused_wgmma.LAYOUTS``; the device side imports no workload)
 HOPPER_LAYOUTS = ("bhsd", "varlen", "kvcache", "paged")
 #: the symbolic kernels' dims (``--symbolic``): validated at awkward shapes on the device, and timed
@@ -159,7 +159,7 @@ def jobs_for(a: argparse.Namespace, kernels_dir: Path) -> list[dict]:
                     for s in a.seq:
                         b, h = shape_of(s, d, a.tokens, a.width)
                         add(AttentionSpec(batch=b, heads=h, seq_q=s, head_dim=d, dtype=dtype, causal=causal), arch)
-                        if a.fp8 and d == FP8_HEAD_DIM and dtype == a.dtype[-1]:  # the fp8 prefill at this shape
+                        if a.fp8 and d in FP8_HEAD_DIMS and dtype == a.dtype[-1]:  # the fp8 prefill at this shape
                             add(AttentionSpec(batch=b, heads=h, seq_q=s, head_dim=d, dtype=dtype, causal=causal,
                                               q_dtype=FP8, kv_dtype=FP8), arch)
                     # one symbolic kernel serves every length of this (dtype, D, causal); one varlen
@@ -241,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--varlen", action=argparse.BooleanOptionalAction, default=True,
                    help="also a varlen (packed, cu_seqlens) build of each kernel per (arch, dtype, head_dim, causal)")
     p.add_argument("--fp8", action=argparse.BooleanOptionalAction, default=False,
-                   help="also fp8 (e4m3) prefill builds of the Hopper kernel at head_dim 128, o in the last --dtype")
+                   help="also fp8 (e4m3) prefill builds of the Hopper kernel at head_dims 64 and 128, o in the last "
+                        "--dtype")
     p.add_argument("--tokens", type=int, default=16384, help="batch × seq_len (FlashAttention's benchmark)")
     p.add_argument("--width", type=int, default=2048, help="heads × head_dim")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel builds")

@@ -104,6 +104,10 @@ def test_hopper_payload_plan(tmp_path):
     """``--hopper``: sm_90 only; each static shape on the Hopper kernel beside the mma.sync one,
     and a symbolic Hopper build per (dtype, head_dim, causal); nothing else (one short run)."""
     jobs = planned_jobs(tmp_path, ["--hopper", "--seq", "1024", "4096", "--head-dim", "64", "--dtype", "float16"])
+    fp8 = [j for j in jobs if j["spec"].get("q_dtype")]  # the fp8 prefill's (the test below)
+    assert [(j["kernel"], j["spec"]["seq_q"], j["spec"]["causal"]) for j in fp8] == \
+        [("fused_hopper", s, c) for c in (False, True) for s in (1024, 4096)]
+    jobs = [j for j in jobs if j not in fp8]
     assert {j["arch"] for j in jobs} == {"sm_90"}
     kinds = [(j.get("column", j["kernel"]), bool(j["spec"].get("dynamic")), j["spec"]["seq_q"]) for j in jobs]
     per_causal = [("fused_hopper", False, 1024), ("hopper_seq", False, 1024), ("fused_tc", False, 1024),
@@ -126,8 +130,8 @@ def test_hopper_payload_plan(tmp_path):
 
 
 def test_hopper_payload_plans_fp8_prefill(tmp_path):
-    """``--hopper`` at head_dim 128: an fp8 (e4m3) prefill build of each static shape on the
-    Hopper kernel alone (no mma.sync build, no second form), o in the last --dtype."""
+    """``--hopper`` at head_dim 128 (and 64): an fp8 (e4m3) prefill build of each static shape on
+    the Hopper kernel alone (no mma.sync build, no second form), o in the last --dtype."""
     jobs = planned_jobs(tmp_path, ["--hopper", "--seq", "1024", "4096", "--head-dim", "128", "--dtype", "float16",
                                    "--causal", "false"])
     fp8 = [j for j in jobs if j["spec"].get("q_dtype")]
@@ -136,7 +140,7 @@ def test_hopper_payload_plans_fp8_prefill(tmp_path):
     same = {(j["spec"]["batch"], j["spec"]["heads"], j["spec"]["seq_q"]) for j in jobs
             if j["kernel"] == "fused_hopper" and not j["spec"].get("q_dtype") and not j["spec"].get("dynamic")}
     assert {(j["spec"]["batch"], j["spec"]["heads"], j["spec"]["seq_q"]) for j in fp8} <= same
-    assert not [j for j in planned_jobs(tmp_path, ["--hopper", "--seq", "1024", "--head-dim", "64"])
+    assert not [j for j in planned_jobs(tmp_path, ["--hopper", "--seq", "1024", "--head-dim", "96"])
                 if j["spec"].get("q_dtype")]
 
 

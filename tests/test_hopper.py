@@ -137,9 +137,10 @@ def test_model_catches_data_movement_faults(monkeypatch, fault):
         monkeypatch.setattr(wgmma_model, "p_pair", lambda kk, q: 4 * kk + [0, 2, 1, 3][q])
     elif fault == "box_rows":  # K/V boxes of 64 rows for a tile of block_n
         real = wgmma_layout.tensor_map
-        monkeypatch.setattr(wgmma_model, "tensor_map", lambda c, r, p, box, isz=2: real(c, r, p, min(box, 32), isz))
+        monkeypatch.setattr(wgmma_model, "tensor_map",
+                            lambda c, r, p, box, isz=2, cols=None: real(c, r, p, min(box, 32), isz, cols))
     elif fault == "q_rows":  # both consumers reading the first 64 rows of Q
-        monkeypatch.setattr(SmemPlan, "q_rows", staticmethod(lambda wg: 0))
+        monkeypatch.setattr(SmemPlan, "q_rows", lambda self, wg: 0)
     try:
         err, _ = model_error(plan, 200, 300, False)
     except ModelError:

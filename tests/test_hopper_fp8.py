@@ -26,6 +26,8 @@ E4M3 = "float8_e4m3fn"
 
 
 def fp8_spec(**kw) -> AttentionSpec:
+    """A spec of fp8 inputs (B=2, H=4 over KH=2, 200 rows over 333 keys, D=128, o bf16), ``kw``
+    changed."""
     fields = dict(batch=2, heads=4, kv_heads=2, seq_q=200, seq_kv=333, head_dim=128, dtype="bfloat16",
                   kv_dtype=E4M3, q_dtype=E4M3)
     return AttentionSpec(**{**fields, **kw})
@@ -68,13 +70,13 @@ def test_families_refuse_fp8_inputs_by_name():
     assert cuda_hopper.CAPABILITIES.refusal(spec) is None
     assert "reads fp8 queries (q_dtype) in the bhsd and varlen" in cuda_hopper.CAPABILITIES.refusal(
         fp8_spec(layout="kvcache"))
-    with pytest.raises(KnobError, match="head_dim 128 and block_n=128"):
+    with pytest.raises(KnobError, match="head_dim 64 or 128 and block_n=128"):
         cuda_hopper.check(cuda_hopper.HopperKnobs(block_n=64), spec, SM90)
-    with pytest.raises(KnobError, match="head_dim 128"):
-        cuda_hopper.check(cuda_hopper.preset(spec, SM90), fp8_spec(head_dim=64), SM90)
+    for d in (64, 128):
+        knobs = cuda_hopper.preset(fp8_spec(head_dim=d), SM90)
+        cuda_hopper.check(knobs, fp8_spec(head_dim=d), SM90)
+        assert (knobs.block_m, knobs.block_n, knobs.stages) == (128, 128, 2)
     knobs = cuda_hopper.preset(spec, SM90)
-    cuda_hopper.check(knobs, spec, SM90)
-    assert (knobs.block_m, knobs.block_n, knobs.stages) == (128, 128, 2)
     # a record tuned at the 16-bit representative: kept where it builds fp8 inputs, else the preset
     assert cuda_hopper.for_layout(cuda_hopper.HopperKnobs(block_n=64), spec, SM90) == knobs
 
@@ -120,9 +122,9 @@ def fp8_model(plan, causal=False, layout="bhsd", lens=((200, 333), (77, 64)), na
     if nan_seq is not None:
         v = v.copy()
         v[ck[nan_seq]: ck[nan_seq + 1], 0, 5] = np.nan
-    spec = fp8_spec(causal=causal, layout=layout, **({"batch": len(lens), "seq_q": 64, "seq_kv": 64}
-                                                     if layout == "varlen" else {"seq_q": sq, "seq_kv": sk}),
-                    **variants)
+    spec = fp8_spec(causal=causal, layout=layout, head_dim=D,
+                    **({"batch": len(lens), "seq_q": 64, "seq_kv": 64} if layout == "varlen" else
+                       {"seq_q": sq, "seq_kv": sk}), **variants)
     rng = np.random.default_rng(seed + 1)
     args = {"sinks": rng.uniform(-1, 3, H) if spec.sinks else None,
             "alibi_slopes": rng.uniform(0.01, 0.2, H) if spec.alibi else None}
@@ -149,25 +151,28 @@ def exact_p(monkeypatch):
     monkeypatch.setattr(wgmma_model, "to_e4m3", lambda x: np.asarray(x, np.float64))
 
 
-#: (block_m, causal, layout, variants): two consumers in ping-pong and one, causal or not, bhsd
-#: (tails in both lengths, rows that see no key) and packed sequences (empty ones, one row), a
-#: softcap and sinks through the scores' factor (q_scale · k_scale)
+#: (head_dim, block_m, causal, layout, variants): two consumers in ping-pong and one, causal or
+#: not, bhsd (tails in both lengths, rows that see no key) and packed sequences (empty ones, one
+#: row), a softcap and sinks through the scores' factor (q_scale · k_scale); head_dim 128 (the
+#: 128B swizzle) and 64 (Q, K and V's staging in the 64B swizzle)
 FP8_CASES = [
-    (128, False, "bhsd", {}),
-    (128, True, "bhsd", {"softcap": 20.0}),
-    (64, True, "varlen", {"sinks": True}),
+    (128, 128, False, "bhsd", {}),
+    (128, 128, True, "bhsd", {"softcap": 20.0}),
+    (128, 64, True, "varlen", {"sinks": True}),
+    (64, 128, True, "bhsd", {}),
+    (64, 128, False, "varlen", {}),
 ]
 
 
-@pytest.mark.parametrize("bm, causal, layout, variants", FP8_CASES)
-def test_model_fp8_matches_reference(monkeypatch, bm, causal, layout, variants):
+@pytest.mark.parametrize("d, bm, causal, layout, variants", FP8_CASES)
+def test_model_fp8_matches_reference(monkeypatch, d, bm, causal, layout, variants):
     """fp8 inputs: Q and K land as bytes in the 128B swizzle, V in a staging stage; the producer
     warpgroup transposes V into ``Vᵀ`` (keys in P's register order) lane by lane; the products
     read k32 e4m3 steps. With P rounded to e4m3 (the kernel's) the output is within
     ``FP8_TOLERANCE``; with P left in float it is the reference to 1e-12: every byte went where
     the descriptors and fragments read it."""
     lens = ((0, 5), (1, 300), (300, 130), (77, 77)) if layout == "varlen" else ((200, 333),)
-    plan = SmemPlan(128, bm, 128, 2, 1, vt8=True)
+    plan = SmemPlan(d, bm, 128, 2, 1, vt8=True)
     out, ref = fp8_model(plan, causal, layout, lens, **variants)
     atol, rtol = FP8_TOLERANCE
     assert np.isfinite(out).all()
@@ -214,19 +219,22 @@ def test_model_fp8_catches_faults(monkeypatch, fault):
     assert np.abs(out - ref).max() > 0.05
 
 
-def test_transpose_is_bank_conflict_free():
-    """Each warp instruction of the transpose reads 32 words and writes 32 words in 32 distinct
-    banks (the two swizzles' XORs spread what the byte transpose gathers)."""
-    plan = SmemPlan(128, 128, 128, 2, 1, vt8=True)
+@pytest.mark.parametrize("d, read_banks", [(128, 32), (64, 16)])
+def test_transpose_is_bank_conflict_free(d, read_banks):
+    """Each warp instruction of the transpose writes 32 words in 32 distinct banks, and reads
+    32 words in 32 (head_dim 128: the two 128B swizzles' XORs spread what the byte transpose
+    gathers) or 16 (head_dim 64: a staging row of 64 bytes is half the banks; a 2-way conflict)."""
+    plan = SmemPlan(d, 128, 128, 2, 1, vt8=True)
+    pg_text, dg_text, key_text, src_text, dst_text = wgmma_layout.vt_texts(plan)
     lane = np.arange(32)
     for n in range(plan.vt_units // 32):
-        pg, dg = vt_eval(plan, wgmma_layout.VT_PG, n=n, lane=lane), vt_eval(plan, wgmma_layout.VT_DG, n=n, lane=lane)
+        pg, dg = vt_eval(plan, pg_text, n=n, lane=lane), vt_eval(plan, dg_text, n=n, lane=lane)
         for i in range(4):
-            key = vt_eval(plan, wgmma_layout.VT_KEY, pg=pg, i=i)
-            src = vt_eval(plan, wgmma_layout.VT_SRC, dg=dg, key=key)
-            assert len(set(src // 4 % 32)) == 32, (n, i)
+            key = vt_eval(plan, key_text, pg=pg, i=i)
+            src = vt_eval(plan, src_text, dg=dg, key=key)
+            assert len(set(src // 4 % 32)) == read_banks and len(set(src)) == 32, (n, i)
         for e in range(4):
-            dst = vt_eval(plan, wgmma_layout.VT_DST, pg=pg, d=4 * dg + e)
+            dst = vt_eval(plan, dst_text, pg=pg, d=4 * dg + e)
             assert len(set(dst // 4 % 32)) == 32, (n, e)
 
 
@@ -241,6 +249,10 @@ def test_kernel_fp8_helpers_are_the_layouts():
     for text in (wgmma_layout.VT_PG, wgmma_layout.VT_DG, wgmma_layout.VT_KEY, wgmma_layout.VT_SRC,
                  wgmma_layout.VT_DST):
         assert vt_text(plan, text) in src
+    narrow = SmemPlan(64, 128, 128, 2, 1, vt8=True)  # head_dim 64: the 64B swizzle's staging
+    src64 = "".join(_helpers(narrow, "bfloat16", 2).values())
+    assert all(vt_text(narrow, text) in src64 for text in wgmma_layout.vt_texts(narrow))
+    assert wgmma_layout.VT_SRC64 in wgmma_layout.vt_texts(narrow) and narrow.qk_sbo == 512
     assert all(f"0x{x:04x}u" in src for x in wgmma_layout.VT_PERM)
     assert src.count("cvt.rn.satfinite.e4m3x2.f32") == 2 * 4 * plan.pv_steps
     assert "m64n128k32.f32.e4m3.e4m3" in src and "imm" not in src
@@ -271,6 +283,8 @@ if __import__("os").environ.get("TVMA_CUDA_SWEEP"):
         ("bhsd", dict(batch=2, heads=8, kv_heads=2, seq_q=4096, head_dim=128, dtype="float16", causal=False,
                       kv_dtype=E4M3, q_dtype=E4M3, softcap=30.0, dynamic=("batch", "seq_q", "seq_kv")),
          ["QSC", "KSC", "VSC", "O"]),
+        ("bhsd64", dict(batch=2, heads=16, kv_heads=4, seq_q=4096, head_dim=64, dtype="bfloat16", causal=True,
+                        kv_dtype=E4M3, q_dtype=E4M3, return_lse=True), ["QSC", "KSC", "VSC", "O", "LSE"]),
     ]
 
 
@@ -290,7 +304,7 @@ def test_fp8_builds_offline(name, fields, params):
     func = cuda_hopper.workload(spec, built.knobs)
     assert [p.name for p in func.params] == ["Q", "K", "V", *params]
     plan = cuda_hopper.plan(built.knobs, spec)
-    assert plan.vt8 and plan.itemsize == 1 and plan.slab_cols == ROW_BYTES
+    assert plan.vt8 and plan.itemsize == 1 and plan.slab_cols == min(ROW_BYTES, spec.head_dim)
     products = 2 * (plan.qk_steps + plan.pv_steps)  # overlapped: each product at two places
     assert r["ptx_instructions"]["wgmma.mma_async"] == products
     src = kernel_source(built.module)

@@ -62,13 +62,7 @@ from .variants import transforms as transforms_scores
 from .wgmma_layout import (
     CVT_DST,
     ROW_BYTES,
-    TMA_SWIZZLE_128B,
-    VT_DG,
-    VT_DST,
-    VT_KEY,
     VT_PERM,
-    VT_PG,
-    VT_SRC,
     WARPGROUP,
     WG_ROWS,
     SmemPlan,
@@ -78,6 +72,7 @@ from .wgmma_layout import (
     full_parity,
     p_byte,
     vt_text,
+    vt_texts,
     tensor_map,
     tensor_map_gqa,
     tensor_map_packed,
@@ -182,6 +177,7 @@ def _helpers_f8(plan: SmemPlan) -> dict[str, str]:
     def c(text):  # a transpose text as C++ over unsigned ints
         return vt_text(plan, text)
 
+    pg_text, dg_text, key_text, src_text, dst_text = vt_texts(plan)  # head_dim 64: its staging's 64B swizzle
     lo, hi, col_lo, col_hi = (f"0x{x:04x}u" for x in VT_PERM)
     packs = []
     for kk in range(plan.pv_steps):
@@ -201,10 +197,10 @@ __device__ __forceinline__ void hop_vt8_{D}_{BN}(unsigned src, unsigned dst, int
   // visible to the async proxy (wgmma)
   unsigned lane = (unsigned)t % 32u;
   for (unsigned n = (unsigned)t / 32u; n < {plan.vt_units // 32}u; n += 4u) {{
-    unsigned pg = {c(VT_PG)}, dg = {c(VT_DG)}, w[4];
+    unsigned pg = {c(pg_text)}, dg = {c(dg_text)}, w[4];
     for (unsigned i = 0; i < 4u; ++i) {{
-      unsigned key = {c(VT_KEY)};
-      asm volatile("ld.shared.u32 %0, [%1];\\n" : "=r"(w[i]) : "r"(src + {c(VT_SRC)}) : "memory");
+      unsigned key = {c(key_text)};
+      asm volatile("ld.shared.u32 %0, [%1];\\n" : "=r"(w[i]) : "r"(src + {c(src_text)}) : "memory");
       if ((int)key >= valid) w[i] = 0u;
     }}
     unsigned a01 = __byte_perm(w[0], w[1], {lo}), a23 = __byte_perm(w[2], w[3], {lo});
@@ -213,7 +209,7 @@ __device__ __forceinline__ void hop_vt8_{D}_{BN}(unsigned src, unsigned dst, int
                        __byte_perm(b01, b23, {col_lo}), __byte_perm(b01, b23, {col_hi})}};
     for (unsigned e = 0; e < 4u; ++e) {{
       unsigned d = 4u * dg + e;
-      asm volatile("st.shared.u32 [%0], %1;\\n" :: "r"(dst + {c(VT_DST)}), "r"(out[e]) : "memory");
+      asm volatile("st.shared.u32 [%0], %1;\\n" :: "r"(dst + {c(dst_text)}), "r"(out[e]) : "memory");
     }}
   }}
   asm volatile("fence.proxy.async.shared::cta;\\n" ::: "memory");
@@ -401,10 +397,11 @@ def _context(spec: AttentionSpec, block_m: int, block_n: int, stages: int, pingp
     cache = spec.layout in ("kvcache", "paged")  # a KV head's query heads packed into the tile's rows
     # fp8 inputs: q, K, V e4m3 into the products as they are, V transposed by the producer warpgroup
     f8 = spec.q_dtype is not None
-    if f8 and (spec.layout not in FP8_LAYOUTS or spec.head_dim % ROW_BYTES or block_n % ROW_BYTES):
+    if f8 and (spec.layout not in FP8_LAYOUTS or (spec.head_dim % ROW_BYTES and spec.head_dim != 64)
+               or block_n % ROW_BYTES):
         raise ValueError(f"the Hopper kernel reads fp8 inputs (q_dtype) in the {' and '.join(FP8_LAYOUTS)} layouts "
-                         f"with head_dim and block_n multiples of {ROW_BYTES} (128-byte rows of the swizzle), got "
-                         f"{spec.layout}, head_dim={spec.head_dim}, block_n={block_n}")
+                         f"with head_dim 64 or a multiple of {ROW_BYTES} (the 64B or 128B swizzle's rows) and block_n "
+                         f"a multiple of {ROW_BYTES}, got {spec.layout}, head_dim={spec.head_dim}, block_n={block_n}")
     kv8 = None if f8 else spec.kv_dtype  # an 8-bit cache: TMA lands its bytes, the producer warpgroup converts them
     if kv8 is not None and (not cache or spec.kv_scale != "head" or block_m != WG_ROWS):
         raise ValueError("the Hopper kernel reads an 8-bit cache in the kvcache and paged layouts, scaled per KV "
@@ -595,8 +592,9 @@ def _tma(x) -> dict:
                                       else tensor_map8(D, rows, planes, box_rows))
         elif pages:  # a page pool: (head_dim, kv heads, page rows, pages)
             dims, strides, box, el = tensor_map_paged(D, planes, PS, rows, box_rows, isz)
-        else:
-            dims, strides, box, el = (tensor_map_packed if packed else tensor_map)(D, rows, planes, box_rows, isz)
+        else:  # boxes of the plan's slab rows (fp8 at head_dim 64: 64 bytes, the 64B swizzle)
+            dims, strides, box, el = (tensor_map_packed if packed else tensor_map)(D, rows, planes, box_rows, isz,
+                                                                                    x.plan.slab_cols)
         return [*dims, *strides, *box, *el]
 
     return {"maps": maps, "q_coord": q_coord, "kv_box": kv_box, "tmap_args": tmap_args}
@@ -1029,7 +1027,7 @@ ONE_PER_SM = "tirx.launch_bounds_min_blocks_per_sm"
 
 def _tmaps(x):
     """The macro ``tmaps(Q, K, V)``: the three tensor maps, encoded on the host at each call."""
-    dtype, maps, tq, tk, tv, tmap_args = x.dtype, x.maps, x.tq, x.tk, x.tv, x.tmap_args
+    dtype, maps, tq, tk, tv, tmap_args, plan = x.dtype, x.maps, x.tq, x.tk, x.tv, x.tmap_args, x.plan
     cache, paged, kv8, f8 = x.cache, x.paged, x.kv8 is not None, x.f8
 
     @T.macro
@@ -1040,7 +1038,7 @@ def _tmaps(x):
         T.Bind(T.tvm_stack_alloca("tensormap", 1), var=tmv)
         T.tensormap_encode_tiled(tmv, buf.data, *tmap_args(rows, planes, box_rows, gqa, pages, bytes8),
                                  descriptor_dtype="uint8" if bytes8 or f8 else dtype, rank=4 if gqa or pages else 3,
-                                 swizzle=0 if bytes8 else TMA_SWIZZLE_128B)
+                                 swizzle=0 if bytes8 else plan.tma_swizzle)
 
     @T.macro
     def tmaps(Q, K, V):

@@ -6,7 +6,9 @@ constants baked into its device helpers) and for the NumPy model that checks the
 Every tile is stored as TMA writes it with ``CU_TENSOR_MAP_SWIZZLE_128B``: 64-column slabs
 (128 bytes of a 16-bit row) of ``rows × 128`` bytes, one after the other along the head dim, each
 slab 1024-byte aligned; inside a slab the 16-byte chunk ``c`` of row ``r`` sits at chunk
-``c ^ (r % 8)`` (:func:`swizzle128`: bits 4-6 of the byte address XOR bits 7-9).
+``c ^ (r % 8)`` (:func:`swizzle128`: bits 4-6 of the byte address XOR bits 7-9). fp8 inputs at
+head_dim 64 have rows of 64 bytes: their Q and K (and V's staging) take the 64B swizzle (bits 4-5
+XOR bits 7-8, descriptor mode 2, ``SBO = 512``; :attr:`SmemPlan.span`).
 
 ``wgmma`` reads them through 64-bit shared-memory descriptors (PTX ISA, "Matrix Descriptor
 Format": start address, leading and stride byte offsets, each ``>> 4``; the swizzle mode in bits
@@ -36,7 +38,11 @@ WARPGROUP = 128
 #: k16 steps in one 64-column slab (16 elements = 32 bytes each)
 STEPS_PER_SLAB = SLAB_COLS // 16
 MODE_SWIZZLE_128B = 1  # descriptor bits 62-63
+MODE_SWIZZLE_64B = 2
 TMA_SWIZZLE_128B = 3  # CUtensorMapSwizzle
+TMA_SWIZZLE_64B = 2
+#: a swizzle span (bytes of a row of its pattern) -> (descriptor mode, CUtensorMapSwizzle)
+SWIZZLES = {128: (MODE_SWIZZLE_128B, TMA_SWIZZLE_128B), 64: (MODE_SWIZZLE_64B, TMA_SWIZZLE_64B)}
 
 
 def swizzle128(addr: int) -> int:
@@ -73,8 +79,8 @@ class SmemPlan:
     bytes, unswizzled); then the mbarriers (8 bytes each): Q full, K full per stage, V full per
     stage, stage empty per stage, and with ``kv8`` staging full per stage.
 
-    fp8 inputs (``itemsize`` 1, ``vt8``): Q and K tiles as above with 128 elements a slab row
-    (wgmma's k32 steps are 32 bytes, as k16's are), each V tile as TMA lands it in a staging stage
+    fp8 inputs (``itemsize`` 1, ``vt8``): Q and K tiles as above with 128 elements a slab row (64
+    at head_dim 64, the 64B swizzle; wgmma's k32 steps are 32 bytes, as k16's are), each V tile as TMA lands it in a staging stage
     (``vs_tile``; K's layout), and the consumers' V stage transposed, ``Vᵀ`` (``head_dim`` rows of
     ``block_n`` keys, slabs of 128 keys, K-major: fp8 wgmma reads no transposed operand), its
     keys in the order of P's registers (:data:`VT_KEY`); the staging's full barriers then."""
@@ -93,6 +99,8 @@ class SmemPlan:
                              "vt8, V transposed)")
         if self.head_dim % self.slab_cols:
             raise ValueError(f"head_dim={self.head_dim} must be a multiple of {self.slab_cols} (128-byte slabs)")
+        if self.head_dim * self.itemsize < ROW_BYTES and not self.vt8:
+            raise ValueError(f"head_dim={self.head_dim}: 16-bit rows of 128 bytes or more (64B swizzle: fp8 inputs')")
         if self.block_m % WG_ROWS or self.block_n % 16 or not 16 <= self.block_n <= 256:
             raise ValueError(f"block_m={self.block_m} must be a multiple of 64 and block_n={self.block_n} "
                              "a multiple of 16 in [16, 256] (wgmma m64nNk16)")
@@ -101,9 +109,22 @@ class SmemPlan:
                              "block_n must be a multiple of 128")
 
     @property
+    def span(self) -> int:
+        """Bytes of a row of Q's and K's swizzle pattern: 128 (the 128B swizzle), or 64 where a
+        row is that short (fp8 inputs at head_dim 64: the 64B swizzle, rows 64 bytes apart, its
+        16-byte chunk ``c`` of row ``r`` at ``c ^ (r / 2 % 4)``)."""
+        return min(ROW_BYTES, self.head_dim * self.itemsize)
+
+    @property
     def slab_cols(self) -> int:
-        """Elements of a slab's row: 64 of 16 bits, 128 of fp8 (the TMA box's inner extent)."""
-        return ROW_BYTES // self.itemsize
+        """Elements of a slab's row: 64 of 16 bits, 128 of fp8 (64 at head_dim 64): the TMA box's
+        inner extent."""
+        return self.span // self.itemsize
+
+    @property
+    def steps_per_slab(self) -> int:
+        """k steps (32 bytes each) in a slab's row."""
+        return self.span // 32
 
     @property
     def slabs(self) -> int:
@@ -123,7 +144,7 @@ class SmemPlan:
         return self.block_n * self.head_dim * self.itemsize
 
     def q_slab(self, slab: int) -> int:
-        return slab * self.block_m * ROW_BYTES
+        return slab * self.block_m * self.span
 
     def k_tile(self, stage: int) -> int:
         return self.q_bytes + stage * self.kv_tile_bytes
@@ -132,7 +153,7 @@ class SmemPlan:
         return self.q_bytes + (self.stages + stage) * self.kv_tile_bytes
 
     def kv_slab(self, slab: int) -> int:
-        return slab * self.block_n * ROW_BYTES
+        return slab * self.block_n * self.span
 
     @property
     def kv8_tile_bytes(self) -> int:
@@ -204,18 +225,17 @@ class SmemPlan:
     def pv_steps(self) -> int:
         return self.block_n * self.itemsize // 32
 
-    @staticmethod
-    def q_rows(wg):
+    def q_rows(self, wg):
         """Where consumer ``wg``'s 64 rows of Q start (in every slab)."""
-        return wg * WG_ROWS * ROW_BYTES
+        return wg * WG_ROWS * self.span
 
     def q_step(self, kk: int) -> int:
         """Start of Q's descriptor at k16 step ``kk``, relative to a consumer's rows."""
-        return self.q_slab(kk // STEPS_PER_SLAB) + kk % STEPS_PER_SLAB * 32
+        return self.q_slab(kk // self.steps_per_slab) + kk % self.steps_per_slab * 32
 
     def k_step(self, kk: int) -> int:
         """Start of K's descriptor (relative to its stage's tile) at k16 step ``kk``."""
-        return self.kv_slab(kk // STEPS_PER_SLAB) + kk % STEPS_PER_SLAB * 32
+        return self.kv_slab(kk // self.steps_per_slab) + kk % self.steps_per_slab * 32
 
     def v_step(self, kk: int) -> int:
         """Start of V's descriptor (relative to its stage's tile) at the keys of k16 step ``kk``;
@@ -225,7 +245,12 @@ class SmemPlan:
         return kk * 16 * ROW_BYTES
 
     kmajor_lbo = 16  # unused by a swizzled K-major layout (CUTLASS writes 1, in 16-byte units)
-    sbo = GROUP_BYTES
+    sbo = GROUP_BYTES  # V's (MN-major) and V^T's: groups of 8 rows of 128 bytes
+
+    @property
+    def qk_sbo(self) -> int:
+        """Q's and K's: groups of 8 rows of the span (1024 bytes; 512 in the 64B swizzle)."""
+        return 8 * self.span
 
     @property
     def v_lbo(self) -> int:
@@ -234,7 +259,12 @@ class SmemPlan:
 
     @property
     def qk_desc_high(self) -> int:
-        return desc_high(self.kmajor_lbo, self.sbo)
+        return desc_high(self.kmajor_lbo, self.qk_sbo, SWIZZLES[self.span][0])
+
+    @property
+    def tma_swizzle(self) -> int:
+        """Q's and K's (and fp8 inputs' V staging) CUtensorMapSwizzle."""
+        return SWIZZLES[self.span][1]
 
     @property
     def pv_desc_high(self) -> int:
@@ -305,12 +335,26 @@ VT_PERM = (0x5140, 0x7362, 0x5410, 0x7632)
 VT_DG = "32 * (n / 32 % {dslabs}) + (2 * (lane / 4) + lane % 2 + n) % 32"
 VT_KEY = "16 * (pg / 4) + 2 * (pg % 4) + i % 2 + 8 * (i / 2)"
 VT_SRC = "(dg / 32) * {slab_bytes} + key * 128 + (((dg % 32) / 4) ^ (key % 8)) * 16 + (dg % 4) * 4"
+#: ... at head_dim 64 (the staging tile in the 64B swizzle: rows of 64 bytes, chunk ^ (key / 2 % 4)):
+#: instruction n's 16 column groups of a row for 32 position groups (128 keys) a 16 instructions;
+#: the writes stay conflict free, the reads 2-way (a warp's keys fall on 16 banks' pairs)
+VT_PG64 = "32 * (n / 16) + lane"
+VT_DG64 = "(2 * (lane / 4) + lane % 2 + n) % 16"
+VT_SRC64 = "key * 64 + ((dg / 4) ^ (key / 2 % 4)) * 16 + (dg % 4) * 4"
 VT_DST = "(pg / 32) * {vt_slab} + d * 128 + (((pg % 32) / 4) ^ (d % 8)) * 16 + (pg % 4) * 4"
 
 
 def vt_text(plan: SmemPlan, text: str) -> str:
     """One of the transpose's texts with ``plan``'s constants."""
     return text.format(dslabs=plan.head_dim // ROW_BYTES, slab_bytes=plan.kv_slab(1), vt_slab=plan.vt_slab(1))
+
+
+def vt_texts(plan: SmemPlan, pg=None, dg=None, key=None, src=None, dst=None) -> tuple[str, ...]:
+    """The transpose's texts for ``plan`` (PG, DG, KEY, SRC, DST), each the module's unless given:
+    at head_dim 64 its staging is in the 64B swizzle (:data:`VT_DG64`, :data:`VT_SRC64`)."""
+    wide = plan.span == ROW_BYTES
+    return (pg or (VT_PG if wide else VT_PG64), dg or (VT_DG if wide else VT_DG64), key or VT_KEY, src or (VT_SRC if wide else VT_SRC64),
+            dst or VT_DST)
 
 
 def vt_eval(plan: SmemPlan, text: str, **names):
@@ -338,13 +382,13 @@ def tensor_map8_paged(cols: int, kv_heads: int, page_size: int, pages, box_rows:
             (cols, 1, box_rows, 1), (1, 1, 1, 1))
 
 
-def tensor_map_packed(cols: int, total, heads, box_rows: int, itemsize: int = 2):
+def tensor_map_packed(cols: int, total, heads, box_rows: int, itemsize: int = 2, box_cols: int | None = None):
     """``cuTensorMapEncodeTiled``'s arguments for a packed tensor ``(total, heads, cols)`` viewed
     as ``(cols, heads, total)`` (innermost first): a box is 128 bytes of columns (64; fp8: 128)
     of one head's ``box_rows`` rows, laid out in shared memory as a bhsd box is (a row of 128
     bytes a slab)."""
-    return ((cols, heads, total), (cols * itemsize, heads * cols * itemsize), (ROW_BYTES // itemsize, 1, box_rows),
-            (1, 1, 1))
+    return ((cols, heads, total), (cols * itemsize, heads * cols * itemsize),
+            (box_cols or ROW_BYTES // itemsize, 1, box_rows), (1, 1, 1))
 
 
 def tensor_map_gqa(cols: int, group: int, positions, planes, box_rows: int, itemsize: int = 2):
@@ -366,9 +410,9 @@ def tensor_map_paged(cols: int, kv_heads: int, page_size: int, pages, box_rows: 
             (SLAB_COLS, 1, box_rows, 1), (1, 1, 1, 1))
 
 
-def tensor_map(cols: int, rows, planes, box_rows: int, itemsize: int = 2):
+def tensor_map(cols: int, rows, planes, box_rows: int, itemsize: int = 2, box_cols: int | None = None):
     """The arguments of ``cuTensorMapEncodeTiled`` for a tensor viewed as ``(cols, rows, planes)``
     (innermost first): dims, byte strides of dims 1 and 2, the box (128 bytes of columns: 64, or
     128 of fp8, × ``box_rows`` × 1), element strides."""
-    return ((cols, rows, planes), (cols * itemsize, rows * cols * itemsize), (ROW_BYTES // itemsize, box_rows, 1),
-            (1, 1, 1))
+    return ((cols, rows, planes), (cols * itemsize, rows * cols * itemsize), (box_cols or ROW_BYTES // itemsize,
+                                                                              box_rows, 1), (1, 1, 1))
