@@ -141,8 +141,10 @@ def jobs_for(a: argparse.Namespace, kernels_dir: Path) -> list[dict]:
                     continue
             elif spec.q_dtype is not None:
                 continue  # fp8 inputs: the Hopper kernel's alone
-            elif a.hopper and ((spec.dynamic and spec.layout == "bhsd") or spec.variants or spec.layout == "varlen"):
+            elif a.hopper and not spec.has_modifiers and ((spec.dynamic and spec.layout == "bhsd") or spec.variants
+                                                           or spec.layout == "varlen"):
                 continue  # --hopper: the mma.sync kernel beside it at the static shapes and decode steps
+                # (and what the call decides, which the Hopper kernel does not build)
             jobs.append({"spec": spec.to_dict(), "kernel": k, "arch": arch,
                          "dir": str(kernels_dir / arch / f"{k}_{spec.short_name()}")})
             if k == "fused_hopper" and not spec.dynamic and spec.q_dtype is None:

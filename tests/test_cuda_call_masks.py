@@ -77,6 +77,24 @@ def test_a_mask_the_kernel_ignored_fails_the_check(monkeypatch):
         check_emulated_layout(ex, spec)
 
 
+def test_tuned_records_of_a_masked_spec_match_its_workload():
+    """A tuning record of a spec the call masks (its function, as the tuner stores it) is that
+    spec's workload again (``task_mods.workload_matches``, how build finds it): a fully static
+    kernel's key bounds are ``(batch, seq_kv)``, compiled in, not a var of their own."""
+    import tvm
+
+    from tvm_attention.schedules import cuda_mma
+    from tvm_attention.task_mods import workload_matches
+
+    target = resolve_target("cuda", arch="sm_90")
+    for fields in (dict(key_bounds=True, mask_mod=MASK_MOD), dict(custom_mask=True, score_mod=SCORE_MOD,
+                                                                  mod_tensors=BIAS)):
+        spec = AttentionSpec(batch=2, heads=8, kv_heads=2, seq_q=64, head_dim=64, dtype="float16", causal=True,
+                             **fields)
+        func = cuda_mma.workload(spec, cuda_mma.preset(spec, target))
+        assert workload_matches(spec, tvm.IRModule({"main": func}), target), fields
+
+
 def test_key_bounds_skip_tiles_and_the_check_can_fail(monkeypatch):
     """Key bounds are a block mask given at call time: a row tile's loop starts at its first
     row's ``key_lo`` and stops at its last row's ``key_hi`` (the CPU kernel's skipping). Skipping

@@ -102,7 +102,8 @@ def test_payload_plans_every_kernel_kind(tmp_path):
 
 def test_hopper_payload_plan(tmp_path):
     """``--hopper``: sm_90 only; each static shape on the Hopper kernel beside the mma.sync one,
-    and a symbolic Hopper build per (dtype, head_dim, causal); nothing else (one short run)."""
+    and a symbolic Hopper build per (dtype, head_dim, causal); the decode steps and variants; the
+    mma.sync kernel's builds of what the call decides (one short run)."""
     jobs = planned_jobs(tmp_path, ["--hopper", "--seq", "1024", "4096", "--head-dim", "64", "--dtype", "float16"])
     fp8 = [j for j in jobs if j["spec"].get("q_dtype")]  # the fp8 prefill's (the test below)
     assert [(j["kernel"], j["spec"]["seq_q"], j["spec"]["causal"]) for j in fp8] == \
@@ -123,8 +124,9 @@ def test_hopper_payload_plan(tmp_path):
          ("fused_hopper", "paged", None, False), ("fused_tc", "paged", None, False),
          ("fused_hopper", "paged", "float8_e4m3fn", False), ("fused_tc", "paged", "float8_e4m3fn", False),
          ("fused_hopper", "paged", "float8_e4m3fn", False), ("fused_tc", "paged", "float8_e4m3fn", False),
-         ("fused_hopper", "bhsd", None, True)]
-    assert [bool(j["spec"].get("append")) for j in jobs[16:]] == [False] * 6 + [True] * 2 + [False]
+         ("fused_hopper", "bhsd", None, True), ("fused_tc", "bhsd", None, False), ("fused_tc", "paged", None, False)]
+    # the variant builds the Hopper kernel does not take (what the call decides): the mma.sync kernel's
+    assert [bool(j["spec"].get("append")) for j in jobs[16:]] == [False] * 6 + [True] * 2 + [False] * 2 + [True]
     assert all(j["knobs"] == {"overlap": 0} for j in jobs if j.get("column") == "hopper_seq")
 
 

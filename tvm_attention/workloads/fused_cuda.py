@@ -666,7 +666,7 @@ def kernel_func(spec: AttentionSpec, block, BM: int, BN: int, dims: tuple, tile,
     layouts; 0: none): split-KV until the grid has that many thread blocks (:class:`Split`),
     the merge kernel's lanes bound by ``lanes(n)`` (threadIdx.x, or a serial loop)."""
     B, SQ, SK = dims
-    var = Variants.declare(spec, B, SQ)
+    var = Variants.declare(spec, B, SQ, SK)
     attrs = {**attrs, **record(CUDA_SPLIT, split_tasks=split_tasks)}  # none when 0
     func, LSE = _kernel_func(spec, block, BM, BN, B, SQ, SK, tile, attrs, reverse, bool(spec.return_lse), var,
                              split_tasks, lanes)

@@ -122,9 +122,10 @@ class Variants:
     # -- (a) arguments ---------------------------------------------------------------------
 
     @classmethod
-    def declare(cls, spec: AttentionSpec | None, B=None, SQ=None) -> "Variants":
+    def declare(cls, spec: AttentionSpec | None, B=None, SQ=None, SK=None) -> "Variants":
         """The variants of a CUDA kernel, their buffers declared outside its script (named by
-        :data:`CUDA_BUFFERS`; ``B``, ``SQ`` the kernel's batch and seq_q, ints or its vars), in
+        :data:`CUDA_BUFFERS`; ``B``, ``SQ``, ``SK`` the kernel's batch, seq_q and seq_kv, ints or
+        its vars: a fully static kernel's key bounds are ``(batch, seq_kv)``), in
         call order in ``buffers`` (:func:`tvm_attention.layouts.variant_args`): the arguments of
         ``layouts.VARIANT_ARGS``, fp8 queries' and an 8-bit cache's scales, an appending kernel's
         ``k_new``/``v_new`` (``KN``/``VN``); then what the call decides (:data:`CUDA_CALL_VARIANTS`):
@@ -138,8 +139,9 @@ class Variants:
         missing = [v for v in spec.variants if v not in CUDA_VARIANTS + CUDA_CALL_VARIANTS]
         if missing:
             raise ValueError(f"the CUDA kernels do not build the attention variant(s) {', '.join(missing)}")
-        values = {"heads": spec.heads, "kv_heads": spec.kv_heads, "batch": B, "seq_q": SQ, "head_dim": spec.head_dim,
-                  "head_dim_v": spec.v_dim}
+        values = {"heads": spec.heads, "kv_heads": spec.kv_heads, "batch": B, "seq_q": SQ, "seq_kv": SK,
+                  "head_dim": spec.head_dim, "head_dim_v": spec.v_dim}
+        values = {k: v for k, v in values.items() if v is not None}
         takes = {a.name for _, a in VARIANT_ARGS} | {"q_scale", "k_scale", "v_scale", "k_new", "v_new", "key_lo",
                                                      "key_hi", "custom_mask", "mask_indptr"} | \
             {name for name, _, _ in spec.mod_tensors}
