@@ -35,8 +35,13 @@ keys are in bounds (the next sequence, stale cache) they are masked, and zeroed 
 a decode step's key tiles in chunks on blockIdx.z, each chunk's unnormalised state to a
 workspace, merged by the ``mma.sync`` kernel's merge kernel. An 8-bit cache (e4m3, e5m2, int8,
 scaled per KV head): TMA lands its bytes in a staging stage, the producer warpgroup's 128
-threads convert them into the swizzled 16-bit stage (``wgmma_layout.CVT_DST``). The variants
-(window, softcap, ALiBi, sinks, ``kv_start``) through the variants' contract.
+threads convert them into the swizzled 16-bit stage (``wgmma_layout.CVT_DST``). fp8 inputs
+(``spec.q_dtype``: q, K, V e4m3 scaled per head; bhsd and varlen, head_dim 64 and 128): Q and
+K go to ``wgmma``'s k32 e4m3 form as they land, V lands in a staging stage and the producer
+warpgroup transposes it into ``Vᵀ`` (fp8 wgmma reads no transposed operand) with its keys in
+the order of P's registers (``wgmma_layout.VT_KEY``, ``p_byte``), so P is rounded to e4m3 in
+place. An appending call's new keys are written into the cache by ``fused_cuda.append_grid``
+first. The variants (window, softcap, ALiBi, sinks, ``kv_start``) through the variants' contract.
 
 The addresses, descriptors and fragment layouts come from :mod:`.wgmma_layout` (one source for the
 kernel and for the NumPy model that checks them, :mod:`.wgmma_model`). Inputs float16 or
@@ -190,7 +195,7 @@ def _helpers_f8(plan: SmemPlan) -> dict[str, str]:
     return {
         f"hop_vt8_{D}_{BN}": f"""
 __device__ __forceinline__ void hop_vt8_{D}_{BN}(unsigned src, unsigned dst, int t, int valid) {{
-  // the fp8 V tile TMA landed at src (K's layout: {BN} rows of {D} bytes, 128B-swizzled slabs)
+  // the fp8 V tile TMA landed at src (K's layout: {BN} rows of {D} bytes, {plan.span}B-swizzled slabs)
   // as V^T at dst ({D} rows of {BN} keys, K-major 128B-swizzled slabs of 128 keys, the keys in
   // P's register order), by the warpgroup's 128 threads: a lane a 4 x 4 block of bytes an
   // instruction (wgmma_layout.VT_*); keys from `valid` on as zeros (another sequence's); then
@@ -600,21 +605,34 @@ def _tma(x) -> dict:
     return {"maps": maps, "q_coord": q_coord, "kv_box": kv_box, "tmap_args": tmap_args}
 
 
-def _producer(x):
-    """The producer thread's TMA loads: Q once, then K and V tile by tile into their stages."""
-    call, plan, tq, tk, tv, NS, BN = x.call, x.plan, x.tq, x.tk, x.tv, x.NS, x.BN
-    q_coord, kv_box, nboxes = x.q_coord, x.kv_box, x.nboxes
-    rows = x.PROWS if x.paged else BN  # rows of one box
-    q_copy = "hop_tma4d" if x.cache else "hop_tma3d"  # a KV-cache tile's Q: (d, group, positions, heads)
-    kv_copy = "hop_tma4d" if x.paged else "hop_tma3d"  # a page pool: (d, kv heads, page rows, pages)
+def _q_loader(x):
+    """The macro ``load_q(sb, seq, row0, hh)``: the block's Q by TMA into its slabs, its bytes on
+    Q's full barrier (a KV-cache tile's Q by a 4-D box: (d, group, positions, heads))."""
+    call, plan, tq, q_coord = x.call, x.plan, x.tq, x.q_coord
+    q_copy = "hop_tma4d" if x.cache else "hop_tma3d"
 
     @T.macro
-    def producer(sb, seq, row0, hh, kvh, first, nt):
-        # loop tile j is key tile first + j; stages and parities count the loop's tiles
+    def load_q(sb, seq, row0, hh):
         T.evaluate(call("hop_expect", sb + plan.bar_full_q(), plan.q_bytes))
         for sl in T.unroll(plan.slabs):
             T.evaluate(call(q_copy, sb + plan.q_slab(sl), T.address_of(tq), sb + plan.bar_full_q(),
                             sl * plan.slab_cols, *q_coord(seq, row0, hh)))
+
+    return load_q
+
+
+def _producer(x):
+    """The producer thread's TMA loads: Q once, then K and V tile by tile into their stages."""
+    call, plan, tk, tv, NS, BN = x.call, x.plan, x.tk, x.tv, x.NS, x.BN
+    kv_box, nboxes = x.kv_box, x.nboxes
+    rows = x.PROWS if x.paged else BN  # rows of one box
+    kv_copy = "hop_tma4d" if x.paged else "hop_tma3d"  # a page pool: (d, kv heads, page rows, pages)
+    load_q = _q_loader(x)
+
+    @T.macro
+    def producer(sb, seq, row0, hh, kvh, first, nt):
+        # loop tile j is key tile first + j; stages and parities count the loop's tiles
+        load_q(sb, seq, row0, hh)
         for j in T.serial(nt):
             if j >= NS:  # the stage's previous tile read by every consumer
                 T.evaluate(call("hop_wait", sb + plan.bar_empty(0) + j % NS * 8, empty_parity(j, NS)))
@@ -639,11 +657,12 @@ def _producer8(x):
     by TMA into their staging stage (rows of head_dim bytes); all 128 threads convert a landed
     tile into the 16-bit stage the consumers read (once they have released it), arrive on its full
     barriers, and hand the staging stage back to the next load."""
-    call, plan, tq, tk, tv, NS, BN = x.call, x.plan, x.tq, x.tk, x.tv, x.NS, x.BN
-    q_coord, kv_box, nboxes, D = x.q_coord, x.kv_box, x.nboxes, x.D
+    call, plan, tk, tv, NS, BN = x.call, x.plan, x.tk, x.tv, x.NS, x.BN
+    kv_box, nboxes, D = x.kv_box, x.nboxes, x.D
     rows = x.PROWS if x.paged else BN
     kv_copy = "hop_tma4d" if x.paged else "hop_tma3d"
     cvt = cvt_helper(plan, x.dtype, x.kv8)[1]
+    load_q = _q_loader(x)
 
     @T.macro
     def load8(sb, seq, kvh, first, j):
@@ -660,10 +679,7 @@ def _producer8(x):
     @T.macro
     def producer8(sb, seq, row0, hh, kvh, first, nt, t):
         if t == 0:
-            T.evaluate(call("hop_expect", sb + plan.bar_full_q(), plan.q_bytes))
-            for sl in T.unroll(plan.slabs):
-                T.evaluate(call("hop_tma4d", sb + plan.q_slab(sl), T.address_of(tq), sb + plan.bar_full_q(),
-                                sl * plan.slab_cols, *q_coord(seq, row0, hh)))
+            load_q(sb, seq, row0, hh)
             for j in T.serial(T.min(nt, NS)):
                 load8(sb, seq, kvh, first, j)
         for j in T.serial(nt):
@@ -689,9 +705,10 @@ def _producer_f8(x):
     stages (once they released the stage's last tile) and V into a staging stage; all 128 threads
     transpose each landed V tile into the stage's ``Vᵀ`` (``hop_vt8``), arrive on its full
     barrier, and hand the staging stage back to the next load."""
-    call, plan, tq, tk, tv, NS, BN = x.call, x.plan, x.tq, x.tk, x.tv, x.NS, x.BN
-    q_coord, kv_box, packed = x.q_coord, x.kv_box, x.packed
+    call, plan, tk, tv, NS, BN = x.call, x.plan, x.tk, x.tv, x.NS, x.BN
+    kv_box, packed = x.kv_box, x.packed
     vt = f"hop_vt8_{x.D}_{BN}"
+    load_q = _q_loader(x)
 
     @T.macro
     def load(tmv, dst, bar, seq, kvh, first, j):
@@ -704,10 +721,7 @@ def _producer_f8(x):
     @T.macro
     def producer_f8(sb, seq, row0, hh, kvh, first, nt, t):
         if t == 0:
-            T.evaluate(call("hop_expect", sb + plan.bar_full_q(), plan.q_bytes))
-            for sl in T.unroll(plan.slabs):
-                T.evaluate(call("hop_tma3d", sb + plan.q_slab(sl), T.address_of(tq), sb + plan.bar_full_q(),
-                                sl * plan.slab_cols, *q_coord(seq, row0, hh)))
+            load_q(sb, seq, row0, hh)
             for j in T.serial(T.min(nt, NS)):
                 load(tk, sb + plan.k_tile(j), sb + plan.bar_full_k(j), seq, kvh, first, j)
                 load(tv, sb + plan.vs_tile(j), sb + plan.bar_full8(j), seq, kvh, first, j)
