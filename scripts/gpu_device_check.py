@@ -124,6 +124,116 @@ def validate_fp8(torch, spec, kernel, x: list, seed: int) -> dict:
     return {"passed": ok, "max_abs_err": float(diff.max()), "rows_checked": len(rows), "atol": atol, "rtol": rtol}
 
 
+#: the payload's modifier builds (``gpu_payload.MODIFIER_GOAL``, named by a job's ``twin``) in
+#: FlexAttention's terms: name -> (the modifier's tensors -> its ``score_mod``). Each is the
+#: package's source written in torch; ``test_gpu_payload`` checks the two agree on the CPU
+FLEX_TWINS = {
+    "relative_bias": lambda tensors: (lambda score, b, h, q_idx, kv_idx: score + tensors["bias"][h] * (q_idx - kv_idx)),
+}
+
+
+def modifier_inputs(torch, spec, dtype, device: str, gen) -> dict:
+    """A modifier build's arguments by name: q, k, v drawn in ``dtype``, its tensors (float32)
+    small enough to leave the softmax well spread (a slope of at most 0.01 a position)."""
+    x = {"q": torch.randn(spec.q_shape, device=device, dtype=dtype, generator=gen),
+         "k": torch.randn(spec.kv_shape, device=device, dtype=dtype, generator=gen),
+         "v": torch.randn(spec.v_shape, device=device, dtype=dtype, generator=gen)}
+    for name, tdtype, dims in spec.mod_tensors:
+        shape = tuple(getattr(spec, d) if isinstance(d, str) else d for d in dims)
+        x[name] = (torch.rand(shape, device=device, generator=gen) * 0.01).to(getattr(torch, tdtype))
+    return x
+
+
+def validate_modifier(torch, spec, out, x: dict, seed: int) -> dict:
+    """A modifier build's output on sampled rows against the package's float64 NumPy reference
+    (which knows the modifiers' semantics), within the dtype's tolerances."""
+    import numpy as np
+
+    from tvm_attention.reference import reference_attention
+    from tvm_attention.validate import TOLERANCES
+
+    gen = torch.Generator().manual_seed(seed)
+    rows = np.array(sorted(set(torch.randperm(spec.seq_q, generator=gen)[:32].tolist()) | {0, spec.seq_q - 1}))
+    host = {n: t.float().cpu().numpy().astype(np.float64) for n, t in x.items()}
+    ref = reference_attention(spec, host["q"], host["k"], host["v"], rows=rows,
+                              mod_tensors={n: host[n] for n, _, _ in spec.mod_tensors})
+    got = out[:, :, torch.as_tensor(rows, device=out.device)].double().cpu().numpy()
+    atol, rtol = TOLERANCES[spec.dtype]
+    diff = np.abs(got - ref)
+    ok = bool(np.isfinite(got).all() and (diff <= atol + rtol * np.abs(ref)).all())
+    return {"passed": ok, "max_abs_err": float(diff.max()), "rows_checked": len(rows), "atol": atol, "rtol": rtol}
+
+
+def modifier_goal(torch, kernels: list[dict], rows: dict, payload: Path, torch_dtype: dict, min_ms: float,
+                  rounds: int, no_flex: bool) -> None:
+    """The modifier goal's builds (``twin`` in the payload): each validated on sampled rows and
+    timed, then compiled FlexAttention with the same modifier (its twin) timed on the same
+    inputs, as columns ``tc_mod`` and ``flex_mod`` of the plain build's row (the same shape)."""
+    import tvm_attention
+    import tvm_ffi
+    from tvm_attention.spec import AttentionSpec
+
+    for i, k in enumerate(kernels):
+        spec = AttentionSpec.from_dict(k["spec"])
+        plain = dataclasses.replace(spec, score_mod=None, mask_mod=None, mod_tensors=())
+        row = rows.setdefault(plain.short_name(), {"spec": plain.to_dict(), "tflops": {}, "errors": {}})
+        x = modifier_inputs(torch, spec, torch_dtype[spec.dtype], "cuda", torch.Generator(device="cuda").manual_seed(i))
+        try:
+            kernel = tvm_attention.load(payload / k["dir"])
+            args = [x["q"], x["k"], x["v"], *(x[n] for n, _, _ in spec.mod_tensors)]
+            row.setdefault("validation", {})["tc_mod"] = validate_modifier(torch, spec, kernel(*args), x, seed=i)
+            ffi = [tvm_ffi.from_dlpack(t) for t in (*args, torch.empty_like(x["q"]))]
+            fn = kernel.function
+            with tvm_ffi.use_torch_stream():
+                row["tflops"]["tc_mod"] = flops(spec) / cuda_time(torch, lambda: fn(*ffi), min_ms, rounds) / 1e12
+        except Exception as e:  # noqa: BLE001 - recorded in the row, the check goes on
+            row["errors"]["tc_mod"] = f"{type(e).__name__}: {e}"
+            traceback.print_exc()
+        if no_flex:
+            row["errors"]["flex_mod"] = "skipped (--no-flex)"
+            continue
+        try:
+            from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+            torch._dynamo.reset()
+            compiled = torch.compile(flex_attention)
+            off = spec.seq_kv - spec.seq_q
+            mask = create_block_mask(lambda b, h, q_, j: j <= q_ + off, None, None, spec.seq_q, spec.seq_kv,
+                                     device="cuda") if spec.causal else None
+            twin = FLEX_TWINS[k["twin"]](x)
+            row["tflops"]["flex_mod"] = flops(spec) / cuda_time(
+                torch, lambda: compiled(x["q"], x["k"], x["v"], score_mod=twin, block_mask=mask, scale=spec.scale),
+                min_ms, rounds) / 1e12
+        except Exception as e:  # noqa: BLE001
+            row["errors"]["flex_mod"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+
+
+def modifier_lines(rows: dict) -> list[str]:
+    """The modifier goal's lines (``check.md``): per shape, the plain tensor-core build, the same
+    with the modifier, its cost over the plain one (goal: at most 1.10) and against compiled
+    FlexAttention with the same modifier (goal: at least 1.0); nothing without such a row."""
+    from tvm_attention.spec import AttentionSpec
+
+    f = fmt
+    had = [(key, row) for key, row in rows.items() if "tc_mod" in row["tflops"] or "tc_mod" in row["errors"]]
+    if not had:
+        return []
+    lines = ["", "A score modifier (relative bias from a tensor) on tensor cores (goals: at most 1.10x the plain "
+                 "kernel's time, at least 1.0x compiled FlexAttention with the same modifier):", "",
+             "| dtype | D | causal | S | B×H | tc | tc + modifier | time over plain | flex + modifier | "
+             "ours / flex | valid |", "|" + "---|" * 11]
+    def ratio(a, b, t):  # a / b of two TFLOP/s (the same FLOPs: a time ratio the other way)
+        return t[a] / t[b] if t.get(a) and t.get(b) else None
+
+    for key, row in had:
+        sp, t = AttentionSpec.from_dict(row["spec"]), row["tflops"]
+        lines.append(f"| {sp.dtype} | {sp.head_dim} | {sp.causal} | {sp.seq_q} | {sp.batch}×{sp.heads} | "
+                     f"{f(t.get('fused_tc'))} | {f(t.get('tc_mod'))} | {f(ratio('fused_tc', 'tc_mod', t), '{:.2f}')} | "
+                     f"{f(t.get('flex_mod'))} | {f(ratio('tc_mod', 'flex_mod', t), '{:.2f}')} | "
+                     f"{row.get('validation', {}).get('tc_mod', {}).get('passed')} |")
+    return lines
+
+
 def peers(torch, spec, q, k, v):
     """name -> callable of each torch peer on the same inputs (None when torch lacks it)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -665,7 +775,9 @@ def main(argv: list[str] | None = None) -> int:
     every = [k for k in every if k["dir"] not in smoked]
     variant = [k for k in every if AttentionSpec.from_dict(k["spec"]).variants]  # checked on their own
     fp8 = [k for k in every if k["spec"].get("q_dtype")]  # fp8 inputs: a column of their 16-bit shape's row
-    ready = [k for k in every if k not in variant + fp8]
+    goal = [k for k in every if "twin" in k]  # the modifier goal's: columns of the plain shape's row
+    variant = [k for k in variant if k not in goal]
+    ready = [k for k in every if k not in variant + fp8 + goal]
     varlen = [k for k in ready if k["spec"].get("layout", "bhsd") == "varlen"]
     cached = [k for k in ready if k["spec"].get("layout", "bhsd") in ("kvcache", "paged")]
     built = [k for k in ready if not k["spec"].get("dynamic") and k not in varlen + cached]
@@ -778,6 +890,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fp8        {k['dir']:40s} {row['tflops'].get('hopper_fp8', float('nan')):7.1f} TFLOP/s "
               f"{row.get('validation', {}).get('hopper_fp8')}", flush=True)
 
+    modifier_goal(torch, goal, rows, payload, torch_dtype, a.min_ms, a.rounds, a.no_flex)
     awkward = check_symbolic(torch, symbolic, payload, torch_dtype)
     ragged = check_varlen(torch, varlen, payload, torch_dtype)
     caches = check_cache(torch, cached, payload, torch_dtype)
@@ -807,7 +920,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"decode {k['dir']} B{batch} × {keys}: {entry.get('gbps', float('nan')):.0f} GB/s, "
               f"{100 * entry.get('of_stream', float('nan')):.0f}% of a streaming read", flush=True)
 
-    lines = prefill_table(rows, device_name, arch, peak, unproven, smoked)
+    lines = prefill_table({k: r for k, r in rows.items() if r["tflops"].keys() - {"tc_mod", "flex_mod"}
+                           or r["errors"].keys() - {"tc_mod", "flex_mod"}}, device_name, arch, peak, unproven, smoked)
+    lines += modifier_lines(rows)
     lines += ["", f"Symbolic kernels at awkward shapes (batch, seq_q, seq_kv): "
               f"{sum(c['passed'] for c in awkward)}/{len(awkward)} valid"]
     lines += [f"- {c['kernel']} {tuple(c['shape'])}: {c.get('error') or c.get('max_abs_err')}"
@@ -838,6 +953,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = [key for key, row in rows.items()
               if any(not v.get("passed") for v in row.get("validation", {}).values())
               or any(k in row["errors"] for k in ("fused_tc", "fused_simt", "fused_hopper", "hopper_seq", "hopper_fp8",
+                                                  "tc_mod",
                                                   *DYN_NAMES.values(),
                                                   *VARLEN_NAMES.values()))]
     bad_decode = [e for e in decode if "error" in e or not e.get("validation", {}).get("passed")]

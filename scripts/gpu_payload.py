@@ -57,7 +57,7 @@ DEFAULT_KERNELS = ("fused_tc", "fused_simt")
 #: the Hopper kernel's other forms timed beside its preset (a column each): name -> knob overrides
 HOPPER_VARIANTS = {"hopper_seq": {"overlap": 0}}
 HOPPER = dict(arch=["sm_90"], kernels=["fused_hopper", "fused_tc"], symbolic=True, cache=True, variants=True,
-              varlen=True, fp8=True)
+              varlen=True, fp8=True, modifier=True)
 #: fp8 inputs (``--fp8``): q, K and V e4m3 scaled per head, at the head_dims the Hopper kernel
 #: builds them at
 FP8 = "float8_e4m3fn"
@@ -90,6 +90,14 @@ VARIANT_SPECS = (
     dict(batch=4, heads=8, kv_heads=2, seq_q=4, seq_kv=512, layout="paged", page_size=16, append=True,
          custom_mask=True, key_bounds=True),
 )
+#: the modifier goal (issue 65: a score modifier costs at most 10 % over the plain kernel and runs
+#: at least 1.0x compiled FlexAttention with the same modifier): FlexAttention's relative bias, a
+#: slope per head read from a tensor, on the mma.sync kernel at one prefill shape of the table
+#: (static, beside the plain build of that shape); ``twin``: the device check's torch form of it
+#: for FlexAttention (``gpu_device_check.FLEX_TWINS``)
+MODIFIER_GOAL = dict(score_mod="def score_mod(score, b, h, q_idx, kv_idx):\n    return score + bias[h] * (q_idx - kv_idx)\n",
+                     mod_tensors=(("bias", "float32", ("heads",)),))
+MODIFIER_TWIN = "relative_bias"
 MAX_PAYLOAD_BYTES = 56 * 2**20
 #: files of an artifact the device needs (lowered.tir and kernel.cu stay here: 0.4 MB a kernel)
 DEVICE_FILES = ("attention.so", "kernel.fatbin", "manifest.json")
@@ -133,7 +141,7 @@ def jobs_for(a: argparse.Namespace, kernels_dir: Path) -> list[dict]:
 
     jobs = []
 
-    def add(spec, arch):  # a build of each kernel that builds this spec
+    def add(spec, arch, **extra):  # a build of each kernel that builds this spec (extra: the job's keys)
         for k in a.kernels:
             if k == "fused_hopper":  # the layouts it builds, on sm_90; its variants in bhsd (docs/cuda.md)
                 if arch != "sm_90" or spec.layout not in HOPPER_LAYOUTS or (spec.variants and spec.layout != "bhsd") \
@@ -146,7 +154,7 @@ def jobs_for(a: argparse.Namespace, kernels_dir: Path) -> list[dict]:
                 continue  # --hopper: the mma.sync kernel beside it at the static shapes and decode steps
                 # (and what the call decides, which the Hopper kernel does not build)
             jobs.append({"spec": spec.to_dict(), "kernel": k, "arch": arch,
-                         "dir": str(kernels_dir / arch / f"{k}_{spec.short_name()}")})
+                         "dir": str(kernels_dir / arch / f"{k}_{spec.short_name()}"), **extra})
             if k == "fused_hopper" and not spec.dynamic and spec.q_dtype is None:
                 # the same tiles without the intra-warpgroup overlap: its price or gain, and a
                 # fallback if the overlapped form fails on its first run
@@ -164,6 +172,9 @@ def jobs_for(a: argparse.Namespace, kernels_dir: Path) -> list[dict]:
                         if a.fp8 and d in FP8_HEAD_DIMS and dtype == a.dtype[-1]:  # the fp8 prefill at this shape
                             add(AttentionSpec(batch=b, heads=h, seq_q=s, head_dim=d, dtype=dtype, causal=causal,
                                               q_dtype=FP8, kv_dtype=FP8), arch)
+                        if a.modifier and (dtype, d, causal, s) == (a.dtype[0], a.head_dim[0], True, a.seq[-1]):
+                            add(AttentionSpec(batch=b, heads=h, seq_q=s, head_dim=d, dtype=dtype, causal=causal,
+                                              **MODIFIER_GOAL), arch, twin=MODIFIER_TWIN)
                     # one symbolic kernel serves every length of this (dtype, D, causal); one varlen
                     # kernel every packed batch
                     _, h = shape_of(max(a.seq), d, a.tokens, a.width)
@@ -245,6 +256,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fp8", action=argparse.BooleanOptionalAction, default=False,
                    help="also fp8 (e4m3) prefill builds of the Hopper kernel at head_dims 64 and 128, o in the last "
                         "--dtype")
+    p.add_argument("--modifier", action=argparse.BooleanOptionalAction, default=False,
+                   help="also the modifier goal's build (a relative bias, mma.sync) at the longest causal shape of "
+                        "the first --dtype and --head-dim")
     p.add_argument("--tokens", type=int, default=16384, help="batch × seq_len (FlashAttention's benchmark)")
     p.add_argument("--width", type=int, default=2048, help="heads × head_dim")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel builds")
@@ -289,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     info = {"created": time.strftime("%Y-%m-%dT%H:%M:%S"), "archs": a.arch, "tvm_ffi": TVM_FFI, "wheels": wheels,
             "runtime": runtime, "build_s": round(time.time() - t0, 1),
             "kernels": [{"kernel": j["kernel"], "arch": j["arch"], "spec": j["spec"],
-                         **{key: j[key] for key in ("column", "knobs") if key in j},
+                         **{key: j[key] for key in ("column", "knobs", "twin") if key in j},
                          "dir": str(Path(j["dir"]).relative_to(out)), **b} for j, b in zip(jobs, builds)]}
     (out / "payload.json").write_text(json.dumps(info, indent=1) + "\n")
     size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())

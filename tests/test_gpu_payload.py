@@ -105,6 +105,10 @@ def test_hopper_payload_plan(tmp_path):
     and a symbolic Hopper build per (dtype, head_dim, causal); the decode steps and variants; the
     mma.sync kernel's builds of what the call decides (one short run)."""
     jobs = planned_jobs(tmp_path, ["--hopper", "--seq", "1024", "4096", "--head-dim", "64", "--dtype", "float16"])
+    goal = [j for j in jobs if "twin" in j]  # the modifier goal's (test_device_check_of_the_modifier_goal...)
+    assert [(j["kernel"], j["spec"]["seq_q"], j["spec"]["causal"], j["twin"]) for j in goal] == \
+        [("fused_tc", 4096, True, "relative_bias")]
+    jobs = [j for j in jobs if j not in goal]
     fp8 = [j for j in jobs if j["spec"].get("q_dtype")]  # the fp8 prefill's (the test below)
     assert [(j["kernel"], j["spec"]["seq_q"], j["spec"]["causal"]) for j in fp8] == \
         [("fused_hopper", s, c) for c in (False, True) for s in (1024, 4096)]
@@ -556,6 +560,45 @@ def test_device_check_of_fp8_inputs_on_the_cpu():
     assert good["passed"] and good["max_abs_err"] > 0, good
     bad = dc.validate_fp8(torch, spec, lambda *a: kernel(*a, use_q_scale=False), x, seed=0)
     assert not bad["passed"], bad
+
+
+def test_device_check_of_the_modifier_goal_on_the_cpu():
+    """The modifier goal's pieces of the device script, on the CPU: its FlexAttention twin of the
+    payload's relative bias computes what the package's reference does (FlexAttention's
+    ``score_mod`` semantics written out in torch: the modifier on each scaled score, then the
+    causal mask and the softmax); the validation on sampled rows passes a kernel that computes
+    it and fails one that drops the bias; the table's line sets the build against the plain one
+    and against FlexAttention."""
+    torch = pytest.importorskip("torch")
+    dc = scripts_module("gpu_device_check")
+    gp = scripts_module("gpu_payload")
+    from tvm_attention.spec import AttentionSpec
+
+    spec = AttentionSpec(batch=2, heads=4, seq_q=48, head_dim=16, dtype="float32", causal=True, **gp.MODIFIER_GOAL)
+    x = dc.modifier_inputs(torch, spec, torch.float32, "cpu", torch.Generator().manual_seed(0))
+    x["bias"] = x["bias"] * 20  # a slope that moves the softmax
+
+    def flex_like(q, k, v, score_mod):  # FlexAttention's semantics in eager torch
+        b, h, i, j = (torch.arange(n).view(*[-1 if d == a else 1 for d in range(4)])
+                      for a, n in enumerate((q.shape[0], q.shape[1], q.shape[2], k.shape[2])))
+        s = score_mod(q @ k.transpose(-1, -2) * spec.scale, b, h, i, j)
+        return torch.softmax(s.masked_fill(j > i, float("-inf")), -1) @ v
+
+    twin = dc.FLEX_TWINS[gp.MODIFIER_TWIN](x)
+    out = flex_like(x["q"], x["k"], x["v"], twin)
+    good = dc.validate_modifier(torch, spec, out, x, seed=0)
+    assert good["passed"] and good["max_abs_err"] < 1e-5, good
+    plain = flex_like(x["q"], x["k"], x["v"], lambda s, *idx: s)
+    assert not dc.validate_modifier(torch, spec, plain, x, seed=0)["passed"]
+    key = "b1_h32_kv32_q4096_k4096_d64_float16_causal"
+    rows = {key: {"spec": {"batch": 1, "heads": 32, "seq_q": 4096, "head_dim": 64, "dtype": "float16",
+                           "causal": True}, "tflops": {"fused_tc": 200.0, "tc_mod": 190.0, "flex_mod": 150.0},
+                  "errors": {}, "validation": {"tc_mod": {"passed": True}}}}
+    lines = dc.modifier_lines(rows)
+    head, cells = lines[3].split(" | "), lines[5].split(" | ")
+    at = {h.strip("| "): c.strip("| ") for h, c in zip(head, cells)}
+    assert at["time over plain"] == "1.05" and at["ours / flex"] == "1.27" and at["valid"] == "True"
+    assert dc.modifier_lines({key: {**rows[key], "tflops": {"fused_tc": 200.0}}}) == []
 
 
 def test_decode_table_sets_each_8bit_step_beside_the_16bit_one():
