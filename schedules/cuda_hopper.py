@@ -36,7 +36,8 @@ NAME = "fused"
 CAPABILITIES = Capabilities(label="CUDA Hopper (wgmma) fused", target="cuda", layouts=LAYOUTS,
                             dtypes=tuple(WGMMA_DTYPES), symbolic=True, lse=True, variants=CUDA_VARIANTS,
                             kv_dtypes=CUDA_KV_DTYPES, kv_layouts=SPLIT_LAYOUTS, q_dtypes=Q_DTYPES,
-                            q_layouts=FP8_LAYOUTS, appends=True, instead="use --schedule fused_tc (mma.sync) for the other layouts")
+                            q_layouts=FP8_LAYOUTS, appends=True,
+                            instead="use --schedule fused_tc (mma.sync) for the other layouts")
 ARCH = 90  # wgmma, TMA, setmaxnreg: sm_90a (Hopper) only
 HEAD_DIMS = (64, 128)  # 128-byte slabs; 256 would need 128 output registers a thread beside the scores
 

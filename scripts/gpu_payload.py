@@ -95,7 +95,8 @@ VARIANT_SPECS = (
 #: slope per head read from a tensor, on the mma.sync kernel at one prefill shape of the table
 #: (static, beside the plain build of that shape); ``twin``: the device check's torch form of it
 #: for FlexAttention (``gpu_device_check.FLEX_TWINS``)
-MODIFIER_GOAL = dict(score_mod="def score_mod(score, b, h, q_idx, kv_idx):\n    return score + bias[h] * (q_idx - kv_idx)\n",
+MODIFIER_GOAL = dict(score_mod=("def score_mod(score, b, h, q_idx, kv_idx):\n"
+                                "    return score + bias[h] * (q_idx - kv_idx)\n"),
                      mod_tensors=(("bias", "float32", ("heads",)),))
 MODIFIER_TWIN = "relative_bias"
 MAX_PAYLOAD_BYTES = 56 * 2**20

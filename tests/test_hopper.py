@@ -238,7 +238,8 @@ def test_sm90a_builds_offline(d, dtype, causal, symbolic, lse):
 #: builds of the other layouts and the variants: (name, spec fields, parameter names past K, V).
 #: The default run builds one paged decode step that takes the most paths at once (4-D boxes,
 #: pages, stale rows zeroed, an e4m3 cache converted by the producer warpgroup, split-KV's merge,
-#: lse, device checks, the new keys appended by a kernel of their own); the sweep (``scripts/cuda_build_sweep.py``) adds the 16-bit paged step,
+#: lse, device checks, the new keys appended by a kernel of their own); the sweep
+#: (``scripts/cuda_build_sweep.py``) adds the 16-bit paged step,
 #: varlen, every variant at once and an int8 cache.
 LAYOUT_BUILDS = [
     ("paged_e4m3", dict(batch=4, heads=32, kv_heads=8, seq_q=1, seq_kv=4096, head_dim=128, dtype="bfloat16",

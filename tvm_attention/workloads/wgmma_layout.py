@@ -80,10 +80,11 @@ class SmemPlan:
     stage, stage empty per stage, and with ``kv8`` staging full per stage.
 
     fp8 inputs (``itemsize`` 1, ``vt8``): Q and K tiles as above with 128 elements a slab row (64
-    at head_dim 64, the 64B swizzle; wgmma's k32 steps are 32 bytes, as k16's are), each V tile as TMA lands it in a staging stage
-    (``vs_tile``; K's layout), and the consumers' V stage transposed, ``Vᵀ`` (``head_dim`` rows of
-    ``block_n`` keys, slabs of 128 keys, K-major: fp8 wgmma reads no transposed operand), its
-    keys in the order of P's registers (:data:`VT_KEY`); the staging's full barriers then."""
+    at head_dim 64, the 64B swizzle; wgmma's k32 steps are 32 bytes, as k16's are), each V tile
+    as TMA lands it in a staging stage (``vs_tile``; K's layout), and the consumers' V stage
+    transposed, ``Vᵀ`` (``head_dim`` rows of ``block_n`` keys, slabs of 128 keys, K-major: fp8
+    wgmma reads no transposed operand), its keys in the order of P's registers
+    (:data:`VT_KEY`); the staging's full barriers then."""
 
     head_dim: int
     block_m: int
@@ -353,8 +354,8 @@ def vt_texts(plan: SmemPlan, pg=None, dg=None, key=None, src=None, dst=None) -> 
     """The transpose's texts for ``plan`` (PG, DG, KEY, SRC, DST), each the module's unless given:
     at head_dim 64 its staging is in the 64B swizzle (:data:`VT_DG64`, :data:`VT_SRC64`)."""
     wide = plan.span == ROW_BYTES
-    return (pg or (VT_PG if wide else VT_PG64), dg or (VT_DG if wide else VT_DG64), key or VT_KEY, src or (VT_SRC if wide else VT_SRC64),
-            dst or VT_DST)
+    return (pg or (VT_PG if wide else VT_PG64), dg or (VT_DG if wide else VT_DG64), key or VT_KEY,
+            src or (VT_SRC if wide else VT_SRC64), dst or VT_DST)
 
 
 def vt_eval(plan: SmemPlan, text: str, **names):
