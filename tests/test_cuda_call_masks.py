@@ -77,6 +77,40 @@ def test_a_mask_the_kernel_ignored_fails_the_check(monkeypatch):
         check_emulated_layout(ex, spec)
 
 
+def test_tensor_core_warps_skip_the_tiles_a_mask_hides_and_the_check_can_fail(monkeypatch):
+    """A custom mask's empty tiles on tensor cores: each warp scans its rows' bits of a key tile and
+    skips its products and softmax where none is set (block-diagonal documents of 16 keys: a
+    warp of 16 rows sees one key tile in four). The output is the reference's; a scan that finds
+    nothing (every tile skipped) or reads the next tile's bits fails."""
+    import numpy as np
+
+    from tvm_attention.layouts import LAYOUTS
+    from tvm_attention.masks import pack_mask
+    from tvm_attention.validate import TOLERANCES
+    from tvm_attention.workloads.fused_cuda import Tile
+
+    spec = AttentionSpec(batch=2, heads=4, kv_heads=2, seq_q=64, seq_kv=64, head_dim=32, dtype="float16",
+                         custom_mask=True)
+    lay = LAYOUTS["bhsd"]
+    x = lay.random_inputs(spec, lay.validation_cases(spec)[0])
+    docs = np.arange(64)[:, None] // 16 == np.arange(64)[None, :] // 16
+    x["custom_mask"], x["mask_indptr"] = pack_mask([docs, docs])
+    ref = lay.reference_outputs(spec, x)[0]
+    atol, rtol = TOLERANCES[spec.dtype]
+
+    def run():
+        ex = tvm.compile(fused_attention_mma(spec, 2, 16, 2, 1, emulate=True), target=EMULATION_TARGET)
+        o = tvm.runtime.empty(x["q"].shape, spec.dtype)
+        ex["attention"](*[tvm.runtime.tensor(x[a.name]) for a in lay.all_args(spec) if not a.output], o)
+        return o.numpy().astype(np.float64)
+
+    assert np.allclose(run(), ref, atol=atol, rtol=rtol)
+    real = Tile.mask_bit
+    for fault in (lambda self, row, col: False, lambda self, row, col: real(self, row, col + 16)):
+        monkeypatch.setattr(Tile, "mask_bit", fault)
+        assert not np.allclose(run(), ref, atol=atol, rtol=rtol)
+
+
 def test_tuned_records_of_a_masked_spec_match_its_workload():
     """A tuning record of a spec the call masks (its function, as the tuner stores it) is that
     spec's workload again (``task_mods.workload_matches``, how build finds it): a fully static
@@ -116,13 +150,14 @@ def test_key_bounds_skip_tiles_and_the_check_can_fail(monkeypatch):
 @pytest.mark.skipif(find_nvcc() is None, reason="nvcc not installed")
 @pytest.mark.parametrize("arch, dtype, layout, fields, params", [
     ("sm_90", "float16", "bhsd", dict(score_mod=SCORE_MOD, mod_tensors=BIAS, mask_mod=MASK_MOD, causal=True,
-                                      dynamic=("batch", "seq_q", "seq_kv")), ["bias", "O"]),
+                                      custom_mask=True, dynamic=("batch", "seq_q", "seq_kv")),
+     ["custom_mask", "mask_indptr", "bias", "O"]),
     ("sm_80", "float32", "paged", dict(custom_mask=True, key_bounds=True, causal=True, page_size=16),
      ["BT", "CS", "key_lo", "key_hi", "custom_mask", "mask_indptr", "O"]),
 ], ids=["tc-bhsd-mods", "simt-paged-masks"])
 def test_builds_offline_without_spills(arch, dtype, layout, fields, params):
-    """Real builds (sm_90 tensor cores, sm_80 CUDA cores, D=128): no spill, no stack, fused; the
-    call's arguments in the layouts' order."""
+    """Real builds (sm_90 tensor cores with the warps' scan of a custom mask's bits, sm_80 CUDA
+    cores, D=128): no spill, no stack, fused; the call's arguments in the layouts' order."""
     from tvm_attention.schedules import cuda_mma, cuda_simt
 
     spec = AttentionSpec(**{**dict(batch=2, heads=32, kv_heads=8, seq_q=1024 if layout == "bhsd" else 4,

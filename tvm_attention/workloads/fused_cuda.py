@@ -510,6 +510,12 @@ class Tile:
                     cond = T.And(cond, extra)
         return cond
 
+    def mask_bit(self, row, col):
+        """Whether a custom mask's bit lets tile row ``row`` (numbered from the sequence's first)
+        see key ``col`` (rows and keys clamped into the sequence: a padding row or a tail key reads
+        a bit of the mask, never past it)."""
+        return self.var.custom(self.b, self.pos(row), col, self.q_len, self.k_len)
+
     def logit(self, s, row, col):
         """Raw score ``s = q·k`` of (row, key ``col``) in the log2 units of the softmax: times
         ``variants.score_scale`` and the key scale, through the variants' score hook

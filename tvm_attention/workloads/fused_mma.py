@@ -175,6 +175,14 @@ def _mma_context(spec: AttentionSpec, warps: int, block_n: int, stages: int, m_t
     def block(n, axis="x"):
         return T.serial(n) if EMU else T.thread_binding(n, thread=f"blockIdx.{axis}")
 
+    # a custom mask: a warp skips the products and the softmax of a key tile whose bits are all
+    # 0 for its rows (``live``: its lanes' flag, slot 1 the warp's); without one, no condition
+    # (a Python True: the kernel's code is unchanged)
+    cmask = spec.custom_mask
+
+    def alive(live, ty, tx):
+        return True if live is None else live[ix(ty, tx, 1)] > T.float32(0)
+
     return types.SimpleNamespace(**locals())
 
 
@@ -418,17 +426,19 @@ def _mma_qk_mma(x):
     """``S = Q·Kᵀ`` of tile ``c`` on tensor cores."""
     (call, EMU, ix, k_addr, mma_pair, MT, NDC, NS, NT, thread_x, thread_y, W) = \
         (x.call, x.EMU, x.ix, x.k_addr, x.mma_pair, x.MT, x.NDC, x.NS, x.NT, x.thread_x, x.thread_y, x.W)
+    alive = x.alive
 
     @T.macro
-    def qk_mma(S, Qf, Ks, Kf, c):
-        # -- S = Q·Kᵀ on tensor cores ------------------------------------------------
+    def qk_mma(S, Qf, Ks, Kf, c, live):
+        # -- S = Q·Kᵀ on tensor cores (a warp whose rows the mask gives no key of the tile: none)
         for ty in thread_y(W):
             for tx in thread_x(WARP):
                 with T.sblock("S_init"):
                     T.reads()
                     T.writes()
-                    for k in T.unroll(MT * NT * 4):
-                        S[ix(ty, tx, k)] = T.float32(0)
+                    if alive(live, ty, tx):
+                        for k in T.unroll(MT * NT * 4):
+                            S[ix(ty, tx, k)] = T.float32(0)
         for np in T.unroll(NT // 2):
             for dk in T.unroll(NDC):
                 for ty in thread_y(W):
@@ -436,21 +446,23 @@ def _mma_qk_mma(x):
                         with T.sblock("K_ldmatrix"):
                             T.reads()
                             T.writes()
-                            if EMU:
-                                for i in T.unroll(4):
-                                    for e in T.unroll(2):
-                                        Kf[ty, tx, i * 2 + e] = Ks[
-                                            k_addr(c % NS, np, dk, i * 8 + tx // 4) + 2 * (tx % 4) + e]
-                            else:
-                                T.evaluate(call("attn_ldsm_x4", Kf.access_ptr("w"),
-                                    Ks.access_ptr("r", offset=k_addr(c % NS, np, dk, tx))))
+                            if alive(live, ty, tx):
+                                if EMU:
+                                    for i in T.unroll(4):
+                                        for e in T.unroll(2):
+                                            Kf[ty, tx, i * 2 + e] = Ks[
+                                                k_addr(c % NS, np, dk, i * 8 + tx // 4) + 2 * (tx % 4) + e]
+                                else:
+                                    T.evaluate(call("attn_ldsm_x4", Kf.access_ptr("w"),
+                                        Ks.access_ptr("r", offset=k_addr(c % NS, np, dk, tx))))
                 for ty in thread_y(W):
                     for tx in thread_x(WARP):
                         with T.sblock("QK_mma"):
                             T.reads()
                             T.writes()
-                            for mi in T.unroll(MT):
-                                mma_pair(S, mi * NT * 4 + np * 8, Qf, mi * NDC * 8 + dk * 8, Kf, ty, tx)
+                            if alive(live, ty, tx):
+                                for mi in T.unroll(MT):
+                                    mma_pair(S, mi * NT * 4 + np * 8, Qf, mi * NDC * 8 + dk * 8, Kf, ty, tx)
 
     return qk_mma
 
@@ -461,7 +473,7 @@ def _mma_softmax(x):
     (dtype, EMU, ix, logit, MT, neg_inf, NO, NT, o_half, s_half, thread_x, thread_y, visible, W) = \
         (x.dtype, x.EMU, x.ix, x.logit, x.MT, x.neg_inf, x.NO, x.NT, x.o_half, x.s_half, x.thread_x, x.thread_y,
          x.visible, x.W)
-    spec = x.spec
+    spec, alive = x.spec, x.alive
     transforms = transforms_scores(spec)  # the variants' score hook (Variants.logit) has work
     # the variants bring the scores to log2 units in place (logit) before the max; else the max
     # of the raw scores is scaled once (the scale is positive) and the exponent is one FFMA
@@ -473,60 +485,64 @@ def _mma_softmax(x):
         return T.float32(qscale) if transforms or not spec.kv_quantized else w.k_scaled(qscale)
 
     @T.macro
-    def softmax(S, Pf, acc, m, l, mt, mn, w, c):
+    def softmax(S, Pf, acc, m, l, mt, mn, w, c, live):
         # -- scale, mask (only tiles that need it), the lane's row maxima -----------
+        # (a warp whose rows the mask gives no key of the tile: nothing, its state unchanged)
         for ty in thread_y(W):
             for tx in thread_x(WARP):
                 with T.sblock("S_max"):
                     T.reads()
                     T.writes()
-                    # the max of the raw scores, scaled once: the scale is positive, so
-                    # max(s)·scale = max(s·scale), and the exponent below is one FFMA
-                    if transforms:
-                        for k in T.unroll(MT * NT * 4):
-                            S[ix(ty, tx, k)] = logit(w, S[ix(ty, tx, k)], ty, tx, k, c)
-                    if w.hides:
-                        if w.needs_mask(c):
+                    if alive(live, ty, tx):
+                        # the max of the raw scores, scaled once: the scale is positive, so
+                        # max(s)·scale = max(s·scale), and the exponent below is one FFMA
+                        if transforms:
                             for k in T.unroll(MT * NT * 4):
-                                S[ix(ty, tx, k)] = T.Select(visible(w, ty, tx, k, c), S[ix(ty, tx, k)], neg_inf)
-                    for h2 in T.unroll(MT * 2):
-                        mt[ix(ty, tx, h2)] = neg_inf
-                    for k in T.unroll(MT * NT * 4):
-                        mt[ix(ty, tx, s_half(k))] = T.max(mt[ix(ty, tx, s_half(k))], S[ix(ty, tx, k)])
-                    for h2 in T.unroll(MT * 2):
-                        mt[ix(ty, tx, h2)] = T.max(m[ix(ty, tx, h2)], mt[ix(ty, tx, h2)] * scaled(w))
+                                S[ix(ty, tx, k)] = logit(w, S[ix(ty, tx, k)], ty, tx, k, c)
+                        if w.hides:
+                            if w.needs_mask(c):
+                                for k in T.unroll(MT * NT * 4):
+                                    S[ix(ty, tx, k)] = T.Select(visible(w, ty, tx, k, c), S[ix(ty, tx, k)], neg_inf)
+                        for h2 in T.unroll(MT * 2):
+                            mt[ix(ty, tx, h2)] = neg_inf
+                        for k in T.unroll(MT * NT * 4):
+                            mt[ix(ty, tx, s_half(k))] = T.max(mt[ix(ty, tx, s_half(k))], S[ix(ty, tx, k)])
+                        for h2 in T.unroll(MT * 2):
+                            mt[ix(ty, tx, h2)] = T.max(m[ix(ty, tx, h2)], mt[ix(ty, tx, h2)] * scaled(w))
         # -- row max across the row's four lanes -------------------------------------
         for ty in thread_y(W):
             for tx in thread_x(WARP):
                 with T.sblock("row_max"):
                     T.reads()
                     T.writes()
-                    for h2 in T.unroll(MT * 2):
-                        if EMU:
-                            mn[ty, tx, h2] = T.max(
-                                T.max(mt[ty, tx // 4 * 4, h2], mt[ty, tx // 4 * 4 + 1, h2]),
-                                T.max(mt[ty, tx // 4 * 4 + 2, h2], mt[ty, tx // 4 * 4 + 3, h2]))
-                        else:
-                            mn[h2] = T.cuda.warp_max(mt[h2], 4)
+                    if alive(live, ty, tx):
+                        for h2 in T.unroll(MT * 2):
+                            if EMU:
+                                mn[ty, tx, h2] = T.max(
+                                    T.max(mt[ty, tx // 4 * 4, h2], mt[ty, tx // 4 * 4 + 1, h2]),
+                                    T.max(mt[ty, tx // 4 * 4 + 2, h2], mt[ty, tx // 4 * 4 + 3, h2]))
+                            else:
+                                mn[h2] = T.cuda.warp_max(mt[h2], 4)
         # -- P = exp2(S − m_new) in registers, online correction ----------------------
         for ty in thread_y(W):
             for tx in thread_x(WARP):
                 with T.sblock("P_exp"):
                     T.reads()
                     T.writes()
-                    for h2 in T.unroll(MT * 2):
-                        # alpha: exp2(m − m_new), reusing mt; a row with no visible key
-                        # yet has m = m_new = −inf and its reference max guarded to 0
-                        mt[ix(ty, tx, h2)] = T.exp2(m[ix(ty, tx, h2)] - guarded(mn[ix(ty, tx, h2)]))
-                        m[ix(ty, tx, h2)] = mn[ix(ty, tx, h2)]
-                        l[ix(ty, tx, h2)] = l[ix(ty, tx, h2)] * mt[ix(ty, tx, h2)]
-                    for k in T.unroll(MT * NT * 4):
-                        S[ix(ty, tx, k)] = T.exp2(S[ix(ty, tx, k)] * scaled(w)
-                                                  - guarded(mn[ix(ty, tx, s_half(k))]))
-                        l[ix(ty, tx, s_half(k))] = l[ix(ty, tx, s_half(k))] + S[ix(ty, tx, k)]
-                        Pf[ix(ty, tx, k)] = T.Cast(dtype, S[ix(ty, tx, k)])
-                    for k in T.unroll(MT * NO * 4):
-                        acc[ix(ty, tx, k)] = acc[ix(ty, tx, k)] * mt[ix(ty, tx, o_half(k))]
+                    if alive(live, ty, tx):
+                        for h2 in T.unroll(MT * 2):
+                            # alpha: exp2(m − m_new), reusing mt; a row with no visible key
+                            # yet has m = m_new = −inf and its reference max guarded to 0
+                            mt[ix(ty, tx, h2)] = T.exp2(m[ix(ty, tx, h2)] - guarded(mn[ix(ty, tx, h2)]))
+                            m[ix(ty, tx, h2)] = mn[ix(ty, tx, h2)]
+                            l[ix(ty, tx, h2)] = l[ix(ty, tx, h2)] * mt[ix(ty, tx, h2)]
+                        for k in T.unroll(MT * NT * 4):
+                            S[ix(ty, tx, k)] = T.exp2(S[ix(ty, tx, k)] * scaled(w)
+                                                      - guarded(mn[ix(ty, tx, s_half(k))]))
+                            l[ix(ty, tx, s_half(k))] = l[ix(ty, tx, s_half(k))] + S[ix(ty, tx, k)]
+                            Pf[ix(ty, tx, k)] = T.Cast(dtype, S[ix(ty, tx, k)])
+                        for k in T.unroll(MT * NO * 4):
+                            acc[ix(ty, tx, k)] = acc[ix(ty, tx, k)] * mt[ix(ty, tx, o_half(k))]
 
     return softmax
 
@@ -535,10 +551,11 @@ def _mma_pv_mma(x):
     """``acc += P·V`` of tile ``c`` on tensor cores."""
     (call, DV, EMU, mma_pair, MT, NO, NS, NT, thread_x, thread_y, v_addr, W) = \
         (x.call, x.DV, x.EMU, x.mma_pair, x.MT, x.NO, x.NS, x.NT, x.thread_x, x.thread_y, x.v_addr, x.W)
+    alive = x.alive
 
     @T.macro
-    def pv_mma(acc, Pf, Vs, Vf, c):
-        # -- acc += P·V on tensor cores ---------------------------------------------
+    def pv_mma(acc, Pf, Vs, Vf, c, live):
+        # -- acc += P·V on tensor cores (a warp whose rows see no key of the tile: none) ----
         for kk in T.unroll(NT // 2):
             for dp in T.unroll(DV // 16):
                 for ty in thread_y(W):
@@ -546,26 +563,65 @@ def _mma_pv_mma(x):
                         with T.sblock("V_ldmatrix"):
                             T.reads()
                             T.writes()
-                            if EMU:
-                                for i in T.unroll(4):
-                                    for e in T.unroll(2):
-                                        Vf[ty, tx, i * 2 + e] = Vs[
-                                            v_addr(c % NS, kk, dp, i * 8 + 2 * (tx % 4) + e) + tx // 4]
-                            else:
-                                T.evaluate(call("attn_ldsm_x4_trans", Vf.access_ptr("w"),
-                                    Vs.access_ptr("r", offset=v_addr(c % NS, kk, dp, tx))))
+                            if alive(live, ty, tx):
+                                if EMU:
+                                    for i in T.unroll(4):
+                                        for e in T.unroll(2):
+                                            Vf[ty, tx, i * 2 + e] = Vs[
+                                                v_addr(c % NS, kk, dp, i * 8 + 2 * (tx % 4) + e) + tx // 4]
+                                else:
+                                    T.evaluate(call("attn_ldsm_x4_trans", Vf.access_ptr("w"),
+                                        Vs.access_ptr("r", offset=v_addr(c % NS, kk, dp, tx))))
                 for ty in thread_y(W):
                     for tx in thread_x(WARP):
                         with T.sblock("PV_mma"):
                             T.reads()
                             T.writes()
-                            for mi in T.unroll(MT):
-                                mma_pair(acc, mi * NO * 4 + dp * 8, Pf, mi * NT * 4 + kk * 8, Vf, ty, tx)
+                            if alive(live, ty, tx):
+                                for mi in T.unroll(MT):
+                                    mma_pair(acc, mi * NO * 4 + dp * 8, Pf, mi * NT * 4 + kk * 8, Vf, ty, tx)
         if NS == 1:
             if not EMU:
                 T.tvm_storage_sync("shared")  # the next tile overwrites the only buffer
 
     return pv_mma
+
+
+def _mma_mask_scan(x):
+    """A custom mask's ``mask_scan(live, w, c)``: whether any bit of key tile ``c`` is set for a
+    warp's ``16·m_tiles`` rows (FlashInfer's packed bits, ``Tile.mask_bit``), each lane scanning
+    its rows (lane ``tx``: rows ``tx``, ``tx + 32`` ...) into ``live`` slot 0, then the warp's
+    maximum into slot 1 (``shfl``; emulated, read from every lane): a tile the mask hides from
+    all its rows costs that warp no product (the CPU kernel's skipping of empty tiles)."""
+    BN, EMU, ix, MT, thread_x, thread_y, W = x.BN, x.EMU, x.ix, x.MT, x.thread_x, x.thread_y, x.W
+    R = 16 * MT  # a warp's rows
+
+    @T.macro
+    def mask_scan(live, w, c):
+        for ty in thread_y(W):
+            for tx in thread_x(WARP):
+                with T.sblock("mask_scan"):
+                    T.reads()
+                    T.writes()
+                    live[ix(ty, tx, 0)] = T.float32(0)
+                    for rr in T.serial((R + WARP - 1) // WARP):
+                        if tx + rr * WARP < R:
+                            for j in T.serial(BN):
+                                if w.mask_bit(w.row0 + ty * R + tx + rr * WARP, w.tile(c) * BN + j):
+                                    live[ix(ty, tx, 0)] = T.float32(1)
+        for ty in thread_y(W):
+            for tx in thread_x(WARP):
+                with T.sblock("mask_warp"):
+                    T.reads()
+                    T.writes()
+                    if EMU:
+                        live[ty, tx, 1] = T.float32(0)
+                        for lane in T.serial(WARP):
+                            live[ty, tx, 1] = T.max(live[ty, tx, 1], live[ty, lane, 0])
+                    else:
+                        live[1] = T.cuda.warp_max(live[0], WARP)
+
+    return mask_scan
 
 
 def _mma_store(x):
@@ -651,6 +707,7 @@ def fused_attention_mma(
     softmax = _mma_softmax(x)
     pv_mma = _mma_pv_mma(x)
     store = _mma_store(x)
+    mask_scan = _mma_mask_scan(x) if x.cmask else None
 
     @T.macro
     def tile(Q, K, V, O, w):
@@ -667,15 +724,19 @@ def fused_attention_mma(
         mt = T.sblock_alloc_buffer(fshape(MT * 2), "float32", scope=fscope)  # lane's tile max
         mn = T.sblock_alloc_buffer(fshape(MT * 2), "float32", scope=fscope)  # row's new max
         ls = T.sblock_alloc_buffer(fshape(MT * 2), "float32", scope=fscope)  # row sum
+        # a custom mask: whether the tile holds a bit of the warp's rows (lane's, warp's)
+        live = T.meta_var(T.sblock_alloc_buffer(fshape(2), "float32", scope=fscope) if x.cmask else None)
 
         q_frag(Q, Qf, m, l, acc, w)
         prologue(Ks, Vs, K, V, w)
         for c in T.serial(w.n_tiles()):
             kv_wait(Ks, Vs, K, V, w, c)
             kv_prefetch(Ks, Vs, K, V, w, c)
-            qk_mma(S, Qf, Ks, Kf, c)
-            softmax(S, Pf, acc, m, l, mt, mn, w, c)
-            pv_mma(acc, Pf, Vs, Vf, c)
+            if x.cmask:
+                mask_scan(live, w, c)
+            qk_mma(S, Qf, Ks, Kf, c, live)
+            softmax(S, Pf, acc, m, l, mt, mn, w, c, live)
+            pv_mma(acc, Pf, Vs, Vf, c, live)
         store(O, acc, l, ls, m, mt, mn, w)  # mt, mn: free after the last tile (sink_rows)
 
     attrs = {"global_symbol": ENTRY, "tirx.noalias": True, "attn.workload": "fused_mma",
