@@ -198,19 +198,20 @@ def test_model_fp8_varlen_keeps_a_neighbours_nan_out(monkeypatch):
 
 @pytest.mark.parametrize("fault", ["natural_key_order", "unswizzled_dst", "p_byte", "one_lane_mapping"])
 def test_model_fp8_catches_faults(monkeypatch, fault):
-    """The checks can fail: V's keys in their natural order (P's registers then meet the wrong
+    """The checks can fail (faults planted in the layout's texts, which the kernel's helper and
+    the model both read): V's keys in their natural order (P's registers then meet the wrong
     values), ``Vᵀ`` written without the swizzle's XOR, P's bytes packed in another order, a lane
     mapping that writes some columns twice and others never."""
     exact_p(monkeypatch)
     if fault == "natural_key_order":
-        monkeypatch.setattr(wgmma_model, "VT_KEY", "4 * pg + i")
+        monkeypatch.setattr(wgmma_layout, "VT_KEY", "4 * pg + i")
     elif fault == "unswizzled_dst":
-        monkeypatch.setattr(wgmma_model, "VT_DST",
+        monkeypatch.setattr(wgmma_layout, "VT_DST",
                             "(pg / 32) * {vt_slab} + d * 128 + ((pg % 32) / 4) * 16 + (pg % 4) * 4")
     elif fault == "p_byte":
         monkeypatch.setattr(wgmma_model, "p_byte", lambda kk, q, b: 16 * kk + 4 * q + b)
     else:
-        monkeypatch.setattr(wgmma_model, "VT_DG", "32 * (n / 32 % {dslabs}) + n % 16 * 2")
+        monkeypatch.setattr(wgmma_layout, "VT_DG", "32 * (n / 32 % {dslabs}) + n % 16 * 2")
     plan = SmemPlan(128, 128, 128, 2, 1, vt8=True)
     try:
         out, ref = fp8_model(plan, False, "bhsd", ((130, 200),))

@@ -64,6 +64,8 @@ CUDA_VARIANTS = ("window", "softcap", "alibi", "sinks", "kv_start")
 #: :class:`fused_cuda.Tile`'s hooks (the Hopper kernel, with masks of its own, refuses them): the
 #: user's modifiers (``score_mod``, ``mask_mod``), key bounds, a custom mask
 CUDA_CALL_VARIANTS = ("score_mod", "mask_mod", "key_bounds", "custom_mask")
+#: their arguments besides the modifiers' tensors (``layouts.KEY_BOUND_ARGS``, ``CUSTOM_MASK_ARGS``)
+CALL_ARGS = ("key_lo", "key_hi", "custom_mask", "mask_indptr")
 
 #: The CUDA kernels' buffer names of the variant arguments they had first (``layouts.variant_args``'
 #: names); any other argument of ``layouts.VARIANT_ARGS`` is declared under its own name
@@ -142,8 +144,7 @@ class Variants:
         values = {"heads": spec.heads, "kv_heads": spec.kv_heads, "batch": B, "seq_q": SQ, "seq_kv": SK,
                   "head_dim": spec.head_dim, "head_dim_v": spec.v_dim}
         values = {k: v for k, v in values.items() if v is not None}
-        takes = {a.name for _, a in VARIANT_ARGS} | {"q_scale", "k_scale", "v_scale", "k_new", "v_new", "key_lo",
-                                                     "key_hi", "custom_mask", "mask_indptr"} | \
+        takes = {a.name for _, a in VARIANT_ARGS} | set(CUDA_BUFFERS) | set(CALL_ARGS) | \
             {name for name, _, _ in spec.mod_tensors}
 
         def dim(d):  # an int, the kernel's own dim, or a dim taken at call time (one var a name)
@@ -159,15 +160,14 @@ class Variants:
                 raise ValueError(f"the CUDA kernels take no {a.name!r} argument (variants: {', '.join(CUDA_VARIANTS)})")
             declared[a.name] = tirx.decl_buffer(tuple(dim(d) for d in a.dims), a.dtype or spec.dtype,
                                                 CUDA_BUFFERS.get(a.name, a.name))
+        var_tensors = {name: declared[name] for name, _, _ in spec.mod_tensors}
         var = cls(spec, declared.get("alibi_slopes"), declared.get("sinks"), declared.get("kv_start"),
-                  declared.get("key_lo"), declared.get("key_hi"),
-                  tensors={name: declared[name] for name, _, _ in spec.mod_tensors},
+                  declared.get("key_lo"), declared.get("key_hi"), tensors=var_tensors,
                   scales=(declared.get("k_scale"), declared.get("v_scale")),
                   new=(declared.get("k_new"), declared.get("v_new")),
                   cmask=(declared.get("custom_mask"), declared.get("mask_indptr")),
-                  args={n: b for n, b in declared.items()
-                        if n not in CUDA_BUFFERS and n not in ("key_lo", "key_hi", "custom_mask", "mask_indptr")
-                        and n not in {name for name, _, _ in spec.mod_tensors}})
+                  args={n: b for n, b in declared.items() if n not in CUDA_BUFFERS and n not in CALL_ARGS
+                        and n not in var_tensors})
         var.QSC = declared.get("q_scale")
         var.buffers = list(declared.values())
         return var

@@ -42,12 +42,7 @@ from .wgmma_layout import (
     MODE_SWIZZLE_64B,
     MODE_SWIZZLE_128B,
     ROW_BYTES,
-    VT_DG,
-    VT_DST,
-    VT_KEY,
     VT_PERM,
-    VT_PG,
-    VT_SRC,
     WARPGROUP,
     WG_ROWS,
     SmemPlan,
@@ -238,10 +233,7 @@ class Smem:
         data = self.words.view(np.uint8)
         lane = np.arange(32)
         lo, hi, col_lo, col_hi = VT_PERM
-        # the texts at head_dim 128 this module's (a test plants faults in them), at 64 the layout's
-        wide = plan.span == ROW_BYTES
-        PG, DG, KEY, SRC, DST = vt_texts(plan, key=VT_KEY, dst=VT_DST, **({"pg": VT_PG, "dg": VT_DG, "src": VT_SRC}
-                                                                          if wide else {}))
+        PG, DG, KEY, SRC, DST = vt_texts(plan)  # the kernel's texts (the 64B swizzle's at head_dim 64)
         written = np.zeros(plan.kv_tile_bytes, np.int64)
         for n in range(plan.vt_units // 32):
             pg, dg = vt_eval(plan, PG, n=n, lane=lane), vt_eval(plan, DG, n=n, lane=lane)
