@@ -643,6 +643,125 @@ def check_variants(torch, kernels: list[dict], payload: Path, device: str = "cud
                        "variants")
 
 
+def cascade_inputs(torch, spec, prefix_len: int, suffix_len: int, dtype, device: str, gen) -> dict:
+    """A cascade step of the serving ``spec`` (paged, ``page_size`` dividing ``prefix_len``):
+    ``spec.batch`` sequences of ``seq_q`` new tokens over a prefix of ``prefix_len`` keys they share
+    (its pages once in the pool) and suffixes of ``suffix_len`` keys each. ``q``, the pools
+    ``k``/``v (pages, page_size, KH, D)``, and three ``(block_table, cache_seqlens)``: the prefix's
+    (one sequence), the suffixes', and ``plain``: each sequence's whole keys, the prefix's pages
+    then its own (how a server without the cascade reads a shared prefix: every sequence reads it)."""
+    n, page = spec.batch, spec.page_size
+    if prefix_len % page:
+        raise ValueError(f"cascade_inputs: the prefix ({prefix_len} keys) must fill whole pages of {page}")
+    pp, sp = prefix_len // page, -(-suffix_len // page)
+    shape = (pp + n * sp, page, spec.kv_heads, spec.head_dim)
+    i32 = dict(dtype=torch.int32, device=device)
+    ptable = torch.arange(pp, **i32).view(1, pp)
+    stable = (pp + torch.arange(n * sp, **i32)).view(n, sp)
+    return {"q": torch.randn((n, spec.heads, spec.seq_q, spec.head_dim), device=device, dtype=dtype, generator=gen),
+            "k": torch.randn(shape, device=device, dtype=dtype, generator=gen),
+            "v": torch.randn(shape, device=device, dtype=dtype, generator=gen),
+            "prefix": (ptable, torch.tensor([prefix_len], **i32)),
+            "suffix": (stable, torch.full((n,), suffix_len, **i32)),
+            "plain": (torch.cat([ptable.expand(n, pp), stable], 1), torch.full((n,), prefix_len + suffix_len, **i32))}
+
+
+def cascade_run(torch, spec, prefix_kernel, suffix_kernel, x: dict) -> tuple[dict, dict]:
+    """The cascade (``cascade.attend``: the stacked queries over the shared prefix once, each
+    sequence over its suffix, the states merged with torch's ops where the tensors are) of
+    :func:`cascade_inputs`' ``x``, validated against the suffix kernel's plain call over each
+    sequence's whole keys (output and lse) and both against the float64 reference of the first
+    and last sequence; and the calls to time: ``cascade`` (the whole step through the loader),
+    ``plain`` (the same step without the cascade), and the cascade's parts on prepared arguments
+    (``prefix``, ``suffix``, ``merge``)."""
+    from tvm_attention import cascade
+    from tvm_attention.merge import merge_states
+    from tvm_attention.validate import TOLERANCES
+
+    q, k, v = x["q"], x["k"], x["v"]
+    prefix, suffix, plain = (k, v, *x["prefix"]), (k, v, *x["suffix"]), (k, v, *x["plain"])
+    o, lse = cascade.attend(prefix_kernel, suffix_kernel, q, prefix, suffix)
+    o_plain, lse_plain = suffix_kernel(q, *plain)
+    atol, rtol = TOLERANCES[spec.dtype]
+    diff = (o.double() - o_plain.double()).abs()
+    ok = bool(torch.isfinite(o).all()) and bool((diff <= atol + rtol * o_plain.double().abs()).all())
+    ok = ok and bool(torch.allclose(lse, lse_plain, atol=1e-3, rtol=1e-4))
+    worst = float(diff.max())
+    table, lens = x["plain"]
+    for b in sorted({0, spec.batch - 1}):
+        n = int(lens[b])
+        pages = table[b, :-(-n // spec.page_size)].long()
+        kb, vb = (pool[pages].reshape(-1, spec.kv_heads, spec.head_dim)[:n].transpose(0, 1).unsqueeze(0)
+                  for pool in (k, v))
+        ref = reference_rows(torch, spec, q[b:b + 1], kb, vb, list(range(spec.seq_q)))
+        for out in (o, o_plain):
+            d = (out[b:b + 1].double() - ref).abs()
+            worst = max(worst, float(d.max()))
+            ok = ok and bool((d <= atol + rtol * ref.abs()).all())
+    stacked = cascade.stack_queries(q, spec.kv_heads)
+    o_p, lse_p = prefix_kernel(stacked, *prefix)
+    o_s, lse_s = suffix_kernel(q, *suffix)
+    n, h, sq = spec.batch, spec.heads, spec.seq_q
+    calls = {"cascade": lambda: cascade.attend(prefix_kernel, suffix_kernel, q, prefix, suffix),
+             "plain": lambda: suffix_kernel(q, *plain),
+             "prefix": lambda: prefix_kernel(stacked, *prefix), "suffix": lambda: suffix_kernel(q, *suffix),
+             "merge": lambda: merge_states(cascade.unstack(o_p, n, h, sq), cascade.unstack(lse_p, n, h, sq), o_s, lse_s)}
+    return {"passed": ok, "max_abs_err": worst, "atol": atol, "rtol": rtol}, calls
+
+
+def cascade_goal(torch, kernels: list[dict], payload: Path, torch_dtype: dict, min_ms: float, rounds: int) -> list[dict]:
+    """The cascade's builds (``cascade`` in the payload: a prefix and a suffix kernel of one
+    serving spec per kernel family) at ``gpu_payload.CASCADE``'s step: validated
+    (:func:`cascade_run`), then each call timed (microseconds) and the bytes of K and V each reads."""
+    import tvm_attention
+    from tvm_attention.spec import AttentionSpec
+
+    out = []
+    for family in sorted({k["kernel"] for k in kernels}):
+        pair = {k["cascade"]: k for k in kernels if k["kernel"] == family}
+        entry = {"kernel": family, "serving": pair.get("suffix", pair.get("prefix"))["serving"]}
+        try:
+            spec = AttentionSpec.from_dict(entry["serving"])
+            pre, suf = entry["lengths"] = pair["suffix"]["lengths"]
+            kp, ks = (tvm_attention.load(payload / pair[w]["dir"]) for w in ("prefix", "suffix"))
+            x = cascade_inputs(torch, spec, pre, suf, torch_dtype[spec.dtype], "cuda",
+                               torch.Generator(device="cuda").manual_seed(7))
+            entry["validation"], calls = cascade_run(torch, spec, kp, ks, x)
+            entry["us"] = {name: cuda_time(torch, fn, min_ms, rounds) * 1e6 for name, fn in calls.items()}
+            per_key = 2 * spec.kv_heads * spec.head_dim * spec.kv_itemsize  # K and V
+            entry["bytes"] = {"cascade": (pre + spec.batch * suf) * per_key, "plain": spec.batch * (pre + suf) * per_key}
+        except Exception as e:  # noqa: BLE001 - recorded, the check goes on
+            entry["error"] = f"{type(e).__name__}: {e}"
+            traceback.print_exc()
+        out.append(entry)
+        print(f"cascade {family}: {entry.get('us')} {entry.get('validation') or entry.get('error')}", flush=True)
+    return out
+
+
+def cascade_lines(results: list[dict]) -> list[str]:
+    """The cascade's lines (``check.md``): per kernel family, the step with the shared prefix read
+    once against the same step reading it in every sequence (both through the loader), the
+    cascade's parts on prepared arguments, and the bytes of K and V each reads."""
+    if not results:
+        return []
+    f = fmt
+    lines = ["", "A shared prefix read once (`tvm_attention.cascade`: the prefix pass, the suffixes, the merge "
+                 "in torch on the GPU) against every sequence reading it (the same kernel over whole block tables), "
+                 "microseconds a step:", "",
+             "| kernel | sequences × H:KH × D | prefix + suffix | plain | cascade | plain / cascade | prefix | "
+             "suffix | merge | bytes plain / cascade | valid |", "|" + "---|" * 11]
+    for e in results:
+        us, b, sp = e.get("us", {}), e.get("bytes", {}), e["serving"]
+        lens = e.get("lengths", ("?", "?"))
+        speed = us["plain"] / us["cascade"] if us.get("plain") and us.get("cascade") else None
+        lines.append(f"| {e['kernel']} | {sp['batch']} × {sp['heads']}:{sp.get('kv_heads') or sp['heads']} × "
+                     f"{sp['head_dim']} | {lens[0]} + {lens[1]} | {f(us.get('plain'))} | {f(us.get('cascade'))} | "
+                     f"{f(speed, '{:.2f}')} | {f(us.get('prefix'))} | {f(us.get('suffix'))} | {f(us.get('merge'))} | "
+                     f"{f(b['plain'] / b['cascade'] if b else None, '{:.1f}')} | "
+                     f"{e.get('validation', {}).get('passed')}{' ' + e['error'][:80] if 'error' in e else ''} |")
+    return lines
+
+
 def stream_read(torch, min_ms: float, rounds: int) -> float:
     """Bytes per second of a streaming read on this GPU (``sum`` over 2 GiB of fp16: each byte
     read once), measured in this run: what a memory-bound decode step is judged against."""
@@ -776,8 +895,9 @@ def main(argv: list[str] | None = None) -> int:
     variant = [k for k in every if AttentionSpec.from_dict(k["spec"]).variants]  # checked on their own
     fp8 = [k for k in every if k["spec"].get("q_dtype")]  # fp8 inputs: a column of their 16-bit shape's row
     goal = [k for k in every if "twin" in k]  # the modifier goal's: columns of the plain shape's row
-    variant = [k for k in variant if k not in goal]
-    ready = [k for k in every if k not in variant + fp8 + goal]
+    casc = [k for k in every if "cascade" in k]  # the cascade's prefix and suffix kernels: a table of their own
+    variant = [k for k in variant if k not in goal + casc]
+    ready = [k for k in every if k not in variant + fp8 + goal + casc]
     varlen = [k for k in ready if k["spec"].get("layout", "bhsd") == "varlen"]
     cached = [k for k in ready if k["spec"].get("layout", "bhsd") in ("kvcache", "paged")]
     built = [k for k in ready if not k["spec"].get("dynamic") and k not in varlen + cached]
@@ -891,6 +1011,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{row.get('validation', {}).get('hopper_fp8')}", flush=True)
 
     modifier_goal(torch, goal, rows, payload, torch_dtype, a.min_ms, a.rounds, a.no_flex)
+    cascades = cascade_goal(torch, casc, payload, torch_dtype, a.min_ms, a.rounds)
     awkward = check_symbolic(torch, symbolic, payload, torch_dtype)
     ragged = check_varlen(torch, varlen, payload, torch_dtype)
     caches = check_cache(torch, cached, payload, torch_dtype)
@@ -923,6 +1044,7 @@ def main(argv: list[str] | None = None) -> int:
     lines = prefill_table({k: r for k, r in rows.items() if r["tflops"].keys() - {"tc_mod", "flex_mod"}
                            or r["errors"].keys() - {"tc_mod", "flex_mod"}}, device_name, arch, peak, unproven, smoked)
     lines += modifier_lines(rows)
+    lines += cascade_lines(cascades)
     lines += ["", f"Symbolic kernels at awkward shapes (batch, seq_q, seq_kv): "
               f"{sum(c['passed'] for c in awkward)}/{len(awkward)} valid"]
     lines += [f"- {c['kernel']} {tuple(c['shape'])}: {c.get('error') or c.get('max_abs_err')}"
@@ -944,7 +1066,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"device": device_name, "arch": arch, "peak_tflops": peak, "torch": torch.__version__, "rows": rows,
               "first_runs": {"kernels": [k["dir"] for k in unproven], "failed": smoked},
               "symbolic": awkward, "varlen": ragged, "cache": caches, "decode": decode, "variants": variants,
-              "stream_read_bytes_per_s": stream,
+              "cascade": cascades, "stream_read_bytes_per_s": stream,
               "seconds": round(time.time() - t_start, 1), "imported_tvm": imported}
     (out / "check.json").write_text(json.dumps(report, indent=1) + "\n")
     (out / "check.md").write_text(table + "\n")
@@ -956,7 +1078,7 @@ def main(argv: list[str] | None = None) -> int:
                                                   "tc_mod",
                                                   *DYN_NAMES.values(),
                                                   *VARLEN_NAMES.values()))]
-    bad_decode = [e for e in decode if "error" in e or not e.get("validation", {}).get("passed")]
+    bad_decode = [e for e in decode + cascades if "error" in e or not e.get("validation", {}).get("passed")]
     return 1 if failed or smoked or imported or bad_decode or not all(c["passed"] for c in awkward + ragged + caches + variants) else 0
 
 

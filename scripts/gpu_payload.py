@@ -57,7 +57,7 @@ DEFAULT_KERNELS = ("fused_tc", "fused_simt")
 #: the Hopper kernel's other forms timed beside its preset (a column each): name -> knob overrides
 HOPPER_VARIANTS = {"hopper_seq": {"overlap": 0}}
 HOPPER = dict(arch=["sm_90"], kernels=["fused_hopper", "fused_tc"], symbolic=True, cache=True, variants=True,
-              varlen=True, fp8=True, modifier=True)
+              varlen=True, fp8=True, modifier=True, cascade=True)
 #: fp8 inputs (``--fp8``): q, K and V e4m3 scaled per head, at the head_dims the Hopper kernel
 #: builds them at
 FP8 = "float8_e4m3fn"
@@ -99,6 +99,14 @@ MODIFIER_GOAL = dict(score_mod=("def score_mod(score, b, h, q_idx, kv_idx):\n"
                                 "    return score + bias[h] * (q_idx - kv_idx)\n"),
                      mod_tensors=(("bias", "float32", ("heads",)),))
 MODIFIER_TWIN = "relative_bias"
+#: the cascade's step (issue 65 item 5, ``--cascade``): 64 sequences decode a token each over a prefix
+#: of 8192 keys they share (FlashInfer's cascade benchmark: parallel sampling from one long prompt)
+#: and 512 keys of their own, GQA 32:8, D=128, a page pool of 16-key pages; built as the prefix and
+#: suffix kernels of ``cascade.prefix_spec``/``suffix_spec`` by each non-Hopper kernel of the
+#: payload, in its first dtype. The step without the cascade is the suffix kernel over block
+#: tables that hold the prefix's pages too (it reads the prefix once per sequence: 8.9x the bytes)
+CASCADE = dict(batch=64, heads=32, kv_heads=8, seq_q=1, head_dim=128, causal=True, layout="paged", page_size=16)
+CASCADE_LENGTHS = (8192, 512)
 MAX_PAYLOAD_BYTES = 56 * 2**20
 #: files of an artifact the device needs (lowered.tir and kernel.cu stay here: 0.4 MB a kernel)
 DEVICE_FILES = ("attention.so", "kernel.fatbin", "manifest.json")
@@ -198,6 +206,17 @@ def jobs_for(a: argparse.Namespace, kernels_dir: Path) -> list[dict]:
                 if a.variants and dtype == "float16" and d == a.head_dim[0]:
                     for extra in VARIANT_SPECS:
                         add(AttentionSpec(head_dim=d, dtype=dtype, causal=True, **extra), arch)
+        if a.cascade:  # the prefix and suffix kernels of the cascade's serving spec (CASCADE)
+            from tvm_attention import cascade
+
+            serving = AttentionSpec(**CASCADE, seq_kv=sum(CASCADE_LENGTHS), dtype=a.dtype[0])
+            for k in a.kernels:
+                if k == "fused_hopper":
+                    continue  # its lse and paged prefill are the others' (docs/cuda.md)
+                for which, spec in (("prefix", cascade.prefix_spec(serving)), ("suffix", cascade.suffix_spec(serving))):
+                    jobs.append({"spec": spec.to_dict(), "kernel": k, "arch": arch, "cascade": which,
+                                 "serving": serving.to_dict(), "lengths": list(CASCADE_LENGTHS),
+                                 "dir": str(kernels_dir / arch / f"{k}_cascade_{which}_{spec.short_name()}")})
     return jobs
 
 
@@ -260,6 +279,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modifier", action=argparse.BooleanOptionalAction, default=False,
                    help="also the modifier goal's build (a relative bias, mma.sync) at the longest causal shape of "
                         "the first --dtype and --head-dim")
+    p.add_argument("--cascade", action=argparse.BooleanOptionalAction, default=False,
+                   help="also the cascade's prefix and suffix builds (64 sequences over a shared prefix of 8192 keys) "
+                        "of each non-Hopper kernel in the first --dtype, timed against the same step without it")
     p.add_argument("--tokens", type=int, default=16384, help="batch × seq_len (FlashAttention's benchmark)")
     p.add_argument("--width", type=int, default=2048, help="heads × head_dim")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel builds")
@@ -304,7 +326,8 @@ def main(argv: list[str] | None = None) -> int:
     info = {"created": time.strftime("%Y-%m-%dT%H:%M:%S"), "archs": a.arch, "tvm_ffi": TVM_FFI, "wheels": wheels,
             "runtime": runtime, "build_s": round(time.time() - t0, 1),
             "kernels": [{"kernel": j["kernel"], "arch": j["arch"], "spec": j["spec"],
-                         **{key: j[key] for key in ("column", "knobs", "twin") if key in j},
+                         **{key: j[key] for key in ("column", "knobs", "twin", "cascade", "serving", "lengths")
+                            if key in j},
                          "dir": str(Path(j["dir"]).relative_to(out)), **b} for j, b in zip(jobs, builds)]}
     (out / "payload.json").write_text(json.dumps(info, indent=1) + "\n")
     size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())

@@ -95,26 +95,32 @@ VARIANT_CASES = [
 ]
 
 
-@pytest.mark.parametrize("layout, sq, kw", VARIANT_CASES, ids=["window-alibi-kvstart", "append-mods-bounds-mask"])
-def test_shared_prefix_with_positional_variants(layout, sq, kw):
-    spec = AttentionSpec(batch=N, heads=H, kv_heads=KH, seq_q=sq, seq_kv=64, head_dim=D, causal=True, layout=layout,
-                         page_size=16 if layout == "paged" else None, **kw)
-    kp, ks = kernels(spec)
-    rng = np.random.default_rng(7)
+def variant_spec(layout, sq, kw, dtype="float32"):
+    return AttentionSpec(batch=N, heads=H, kv_heads=KH, seq_q=sq, seq_kv=64, head_dim=D, causal=True, layout=layout,
+                         page_size=16 if layout == "paged" else None, dtype=dtype, **kw)
+
+
+def variant_inputs(spec, seed=7):
+    """``(q, prefix, suffix, args, sinks)`` of a cascade call of ``spec`` (a variant case): ``P``
+    prefix keys, the suffixes of ``SUFFIX``, the variants' arguments over whole sequences (a window
+    that hides NaN prefix keys from every query, key bounds starting inside the prefix, a row that
+    sees no key), NumPy arrays of the spec's dtype."""
+    rng = np.random.default_rng(seed)
     f32 = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
-    append = spec.append
-    q, pk, pv = f32(N, H, sq, D), f32(1, KH, P, D), f32(1, KH, P, D)
+    dt = lambda x: x.astype(spec.np_dtype)  # noqa: E731
+    sq, append = spec.seq_q, spec.append
+    q, pk, pv = dt(f32(N, H, sq, D)), dt(f32(1, KH, P, D)), dt(f32(1, KH, P, D))
     lens = np.asarray([n + (0 if append else sq) for n in SUFFIX], np.int32)
     cap = int(lens.max()) + sq * append
-    sk, sv = f32(N, KH, cap, D), f32(N, KH, cap, D)
+    sk, sv = dt(f32(N, KH, cap, D)), dt(f32(N, KH, cap, D))
     keys = [P + int(x) + sq * append for x in lens]  # each sequence's whole keys
-    args, ref_args = {}, [dict() for _ in range(N)]
+    args = {}
     if spec.alibi:
         args["alibi_slopes"] = np.abs(f32(H)) * 0.05
     if spec.kv_start:  # inside the prefix, at its end, inside a suffix
         args["kv_start"] = np.asarray([0, 120, P, P + 9], np.int32)
     if spec.append:
-        args["k_new"], args["v_new"] = f32(N, KH, sq, D), f32(N, KH, sq, D)
+        args["k_new"], args["v_new"] = dt(f32(N, KH, sq, D)), dt(f32(N, KH, sq, D))
     if spec.key_bounds:  # documents over whole sequences, some starting inside the prefix
         lo = np.sort(rng.integers(-5, P + 30, (N, 360)), axis=1).astype(np.int32)
         args["key_lo"], args["key_hi"] = lo, np.maximum(lo + rng.integers(40, 400, (N, 1)), lo).astype(np.int32)
@@ -123,21 +129,38 @@ def test_shared_prefix_with_positional_variants(layout, sq, kw):
     if spec.custom_mask:
         args["custom_mask"] = [rng.random((sq, k)) < 0.8 for k in keys]
         args["custom_mask"][1][0, :] = False  # a row with no visible key: zeros
-    for name, _, _ in kw.get("mod_tensors", ()):
+    for name, _, _ in spec.mod_tensors:
         args[name] = f32(N)
     sink = f32(H) if spec.sinks else None
-    if layout == "kvcache":  # NaN in the prefix keys the window hides from every query: never read
+    if spec.layout == "kvcache":  # NaN in the prefix keys the window hides from every query: never read
         hidden = np.where(np.arange(P)[:, None] < 200, np.float32(np.nan), np.float32(0))
-        prefix, suffix = (pk + hidden, pv + hidden, np.asarray([P], np.int32)), (sk, sv, lens)
+        prefix, suffix = (dt(pk + hidden), dt(pv + hidden), np.asarray([P], np.int32)), (sk, sv, lens)
     else:
         kpp, table = paged_from_contiguous(pk, 16, np.random.default_rng(1))
         vpp, _ = paged_from_contiguous(pv, 16, np.random.default_rng(1))
         skp, stable = paged_from_contiguous(sk, 16, np.random.default_rng(2))
         svp, _ = paged_from_contiguous(sv, 16, np.random.default_rng(2))
         prefix, suffix = (kpp, vpp, table, np.asarray([P], np.int32)), (skp, svp, stable, lens)
-    o, lse = cascade.attend(kp, ks, q, prefix, suffix, sinks=sink, **args)
+    return q, prefix, suffix, args, sink
+
+
+def check_variant_outputs(spec, inputs, o, lse, atol=2e-5, rtol=1e-5):
+    """``(o, lse)`` of the cascade over ``inputs`` (:func:`variant_inputs`; the caches after the
+    call) against the float64 reference, each sequence over prefix + its suffix (+ its new keys),
+    causal bottom-right; appended keys written after each sequence's own."""
+    q, prefix, suffix, args, sink = inputs
+    sq, append = spec.seq_q, spec.append
+    lens = suffix[-1]
+    if spec.layout == "kvcache":  # the NaN keys the window hides, as any value to the reference
+        pk, pv = (np.nan_to_num(x, nan=0.0) for x in prefix[:2])
+        sk, sv = suffix[0], suffix[1]
+    else:  # the pages back in order (the prefix's table is one sequence's)
+        unpage = lambda pages, table: pages[table].transpose(0, 3, 1, 2, 4).reshape(  # noqa: E731
+            table.shape[0], KH, -1, D)
+        pk, pv = unpage(prefix[0], prefix[2])[:, :, :P], unpage(prefix[1], prefix[2])[:, :, :P]
+        sk, sv = unpage(suffix[0], suffix[2]), unpage(suffix[1], suffix[2])
     ref_spec = dataclasses.replace(spec, layout="bhsd", append=False, page_size=None)
-    for n in range(N):  # each sequence over prefix + its suffix (+ its new keys), causal bottom-right
+    for n in range(N):
         k = np.concatenate([pk, sk[n:n + 1, :, :lens[n]]] + ([args["k_new"][n:n + 1]] if append else []), axis=2)
         v = np.concatenate([pv, sv[n:n + 1, :, :lens[n]]] + ([args["v_new"][n:n + 1]] if append else []), axis=2)
         extra = {key: args[key] for key in ("key_lo", "key_hi") if key in args}  # seq_index picks row n
@@ -147,17 +170,44 @@ def test_shared_prefix_with_positional_variants(layout, sq, kw):
             extra["custom_mask"] = pack_mask(args["custom_mask"])  # the batch's: seq_index picks n's
         ref, ref_lse = reference_attention(ref_spec, q[n:n + 1], k, v, return_lse=True, sinks=sink,
                                            alibi_slopes=args.get("alibi_slopes"), seq_index=n,
-                                           mod_tensors={t[0]: args[t[0]] for t in kw.get("mod_tensors", ())}, **extra)
-        np.testing.assert_allclose(o[n:n + 1], ref, atol=2e-5, rtol=1e-5)
+                                           mod_tensors={t[0]: args[t[0]] for t in spec.mod_tensors}, **extra)
+        np.testing.assert_allclose(np.asarray(o[n:n + 1], np.float64), ref, atol=atol, rtol=rtol)
         finite = np.isfinite(ref_lse)
-        np.testing.assert_allclose(lse[n:n + 1][finite], ref_lse[finite], atol=2e-5, rtol=1e-5)
+        np.testing.assert_allclose(lse[n:n + 1][finite], ref_lse[finite], atol=atol, rtol=rtol)
     if spec.custom_mask:
         assert not o[1, :, 0].any()  # the row with no visible key
     if append:  # the new keys were written into the suffix cache, after each sequence's own
         for n in range(N):
-            blocks = stable[n]
-            got = skp[blocks].transpose(2, 0, 1, 3).reshape(KH, -1, D)[:, lens[n]:lens[n] + sq]
-            np.testing.assert_array_equal(got, args["k_new"][n])
+            np.testing.assert_array_equal(sk[n, :, lens[n]:lens[n] + sq], args["k_new"][n])
+
+
+@pytest.mark.parametrize("layout, sq, kw", VARIANT_CASES, ids=["window-alibi-kvstart", "append-mods-bounds-mask"])
+def test_shared_prefix_with_positional_variants(layout, sq, kw):
+    spec = variant_spec(layout, sq, kw)
+    kp, ks = kernels(spec)
+    x = variant_inputs(spec)
+    o, lse = cascade.attend(kp, ks, *x[:3], sinks=x[4], **x[3])
+    check_variant_outputs(spec, x, o, lse)
+
+
+def test_torch_tensors_are_answered_in_torch():
+    """Torch tensors in, torch tensors out: ``q`` stacked and the outputs unstacked with torch's
+    ops, the states merged with torch's (on a GPU they stay on it: ``merge_states``), the host
+    reading lengths, key bounds and masks from the tensors; the results are the NumPy call's."""
+    torch = pytest.importorskip("torch")
+    spec = variant_spec(*VARIANT_CASES[1])
+    kp, ks = kernels(spec)
+    x = variant_inputs(spec)
+    t = lambda a: torch.from_numpy(np.asarray(a)).clone()  # noqa: E731 - torch's (aligned) copy: append writes it
+    tx = (t(x[0]), tuple(map(t, x[1])), tuple(map(t, x[2])),
+          {k: [t(m) for m in v] if isinstance(v, list) else t(v) for k, v in x[3].items()}, None)
+    o, lse = cascade.attend(kp, ks, *tx[:3], **tx[3])
+    assert isinstance(o, torch.Tensor) and isinstance(lse, torch.Tensor) and o.dtype == torch.float32
+    check_variant_outputs(spec, (x[0], tuple(a.numpy() for a in tx[1]), tuple(a.numpy() for a in tx[2]), x[3], None),
+                          o.numpy(), lse.numpy())
+    o_np, lse_np = cascade.attend(kp, ks, *x[:3], **x[3])
+    np.testing.assert_allclose(o.numpy(), o_np, atol=1e-6)
+    np.testing.assert_array_equal(np.isneginf(lse.numpy()), np.isneginf(lse_np))
 
 
 def test_stacking_round_trips_and_bad_input_is_named():
@@ -166,6 +216,10 @@ def test_stacking_round_trips_and_bad_input_is_named():
     assert s.shape == (1, 2, 3 * 2 * 4, 4)
     np.testing.assert_array_equal(s[0, 1, (2 * 2 + 1) * 4 + 3], q[2, 1 * 4 + 3, 1])  # row (n·Sq + s)·G + g
     np.testing.assert_array_equal(cascade.unstack(s, 3, 8, 2), q)
+    torch = pytest.importorskip("torch")  # on the tensor's device, with torch's ops (meta: no data to copy)
+    np.testing.assert_array_equal(cascade.stack_queries(torch.from_numpy(q), 2).numpy(), s)
+    st = cascade.stack_queries(torch.empty(3, 8, 2, 4, device="meta"), 2)
+    assert st.device.type == "meta" and cascade.unstack(st, 3, 8, 2).shape == (3, 8, 2, 4)
     base = dict(batch=1, heads=8, kv_heads=2, seq_q=1, head_dim=32, causal=True, layout="kvcache")
     with pytest.raises(SpecError, match="kvcache or paged"):
         cascade.prefix_spec(AttentionSpec(batch=1, heads=8, kv_heads=2, seq_q=1, head_dim=32))

@@ -109,6 +109,11 @@ def test_hopper_payload_plan(tmp_path):
     assert [(j["kernel"], j["spec"]["seq_q"], j["spec"]["causal"], j["twin"]) for j in goal] == \
         [("fused_tc", 4096, True, "relative_bias")]
     jobs = [j for j in jobs if j not in goal]
+    casc = [j for j in jobs if "cascade" in j]  # the cascade's (test_device_check_of_the_cascade_on_the_cpu)
+    assert [(j["kernel"], j["cascade"], j["spec"]["heads"], j["spec"]["return_lse"]) for j in casc] == \
+        [("fused_tc", "prefix", 8, True), ("fused_tc", "suffix", 32, True)]
+    assert all(j["serving"]["batch"] == 64 and j["lengths"] == [8192, 512] for j in casc)
+    jobs = [j for j in jobs if j not in casc]
     fp8 = [j for j in jobs if j["spec"].get("q_dtype")]  # the fp8 prefill's (the test below)
     assert [(j["kernel"], j["spec"]["seq_q"], j["spec"]["causal"]) for j in fp8] == \
         [("fused_hopper", s, c) for c in (False, True) for s in (1024, 4096)]
@@ -599,6 +604,47 @@ def test_device_check_of_the_modifier_goal_on_the_cpu():
     at = {h.strip("| "): c.strip("| ") for h, c in zip(head, cells)}
     assert at["time over plain"] == "1.05" and at["ours / flex"] == "1.27" and at["valid"] == "True"
     assert dc.modifier_lines({key: {**rows[key], "tflops": {"fused_tc": 200.0}}}) == []
+
+
+def test_device_check_of_the_cascade_on_the_cpu(tmp_path):
+    """The device script's cascade step on the CPU (CPU builds of a small serving spec's prefix and
+    suffix kernels, torch CPU tensors): the step over a shared prefix equals the same kernel over
+    whole block tables and the reference; a suffix kernel that is wrong for the plain call's
+    length fails it; the table's line sets the cascade against the plain step."""
+    torch = pytest.importorskip("torch")
+    dc = scripts_module("gpu_device_check")
+    import tvm_attention
+    from tvm_attention import cascade
+    from tvm_attention.spec import AttentionSpec
+
+    serving = AttentionSpec(batch=3, heads=4, kv_heads=2, seq_q=1, seq_kv=88, head_dim=16, causal=True,
+                            layout="paged", page_size=16)
+    entries = {w: exported(tmp_path, w, f(serving)) for w, f in (("prefix", cascade.prefix_spec),
+                                                                  ("suffix", cascade.suffix_spec))}
+    kp, ks = (tvm_attention.load(tmp_path / entries[w]["dir"]) for w in ("prefix", "suffix"))
+    x = dc.cascade_inputs(torch, serving, 64, 24, torch.float32, "cpu", torch.Generator().manual_seed(0))
+    result, calls = dc.cascade_run(torch, serving, kp, ks, x)
+    assert result["passed"] and result["max_abs_err"] < 1e-5, result
+    assert set(calls) == {"cascade", "plain", "prefix", "suffix", "merge"}
+    o, lse = calls["cascade"]()
+    assert o.shape == (3, 4, 1, 16) and torch.isfinite(lse).all()
+
+    class WrongOnWholeKeys:  # right on the suffixes, wrong over a sequence's whole 88 keys
+        def __init__(self, kernel):
+            self.kernel, self.spec = kernel, kernel.spec
+
+        def __call__(self, q, *rest):
+            o, lse = self.kernel(q, *rest)
+            return (o * 1.01, lse) if int(rest[-1][0]) == 88 else (o, lse)
+
+    assert not dc.cascade_run(torch, serving, kp, WrongOnWholeKeys(ks), x)[0]["passed"]
+    lines = dc.cascade_lines([{"kernel": "fused_tc", "serving": serving.to_dict(), "lengths": [64, 24],
+                               "us": {"plain": 90.0, "cascade": 30.0, "prefix": 10.0, "suffix": 12.0, "merge": 5.0},
+                               "bytes": {"plain": 900, "cascade": 100}, "validation": result}])
+    head, cells = lines[3].split(" | "), lines[5].split(" | ")
+    at = {h.strip("| "): c.strip("| ") for h, c in zip(head, cells)}
+    assert at["plain / cascade"] == "3.00" and at["bytes plain / cascade"] == "9.0" and at["valid"] == "True"
+    assert dc.cascade_lines([]) == []
 
 
 def test_decode_table_sets_each_8bit_step_beside_the_16bit_one():

@@ -46,8 +46,8 @@ def test_torch_bfloat16_states_merge_in_float_and_come_back_bfloat16():
 
 
 def test_tensors_that_take_a_gradient_are_refused_by_name():
-    """The merge runs in NumPy: a gradient would be dropped without a word, so a tensor that
-    requires grad (with grad mode on) is refused, naming it; under no_grad it merges."""
+    """The merge does not differentiate: a gradient would be dropped without a word, so a tensor
+    that requires grad (with grad mode on) is refused, naming it; under no_grad it merges."""
     torch = pytest.importorskip("torch")
     (oa, la, ob, lb), (want, _) = halves()
     ta, tla, tb, tlb = (torch.from_numpy(np.ascontiguousarray(x)).float() for x in (oa, la, ob, lb))
@@ -60,6 +60,35 @@ def test_tensors_that_take_a_gradient_are_refused_by_name():
     with torch.no_grad():  # inference: nothing to drop
         o, _ = merge_states(ta, tla, tb, tlb)
     np.testing.assert_allclose(o.numpy(), want, atol=1e-5)
+
+
+def test_torch_states_merge_where_they_live():
+    """Torch tensors merge with torch's ops on their own device, never through the host: on the
+    ``meta`` device (shapes without data: a ``.cpu()`` or ``.numpy()`` would raise) it answers meta
+    tensors of the right shapes and dtypes; on the CPU it equals the NumPy merge, sinks and the
+    other arguments' NumPy arrays moved to ``o_a``'s device."""
+    torch = pytest.importorskip("torch")
+    (oa, la, ob, lb), (want, want_lse) = halves()
+    meta = [torch.empty(x.shape, dtype=dt, device="meta") for x, dt in
+            ((oa, torch.float16), (la, torch.float32), (ob, torch.float16), (lb, torch.float32))]
+    o, lse = merge_states(*meta, sinks=torch.zeros(3, 1, device="meta"))
+    assert (o.device.type, o.dtype, tuple(o.shape)) == ("meta", torch.float16, (2, 3, 5, 8))
+    assert (lse.device.type, lse.dtype, tuple(lse.shape)) == ("meta", torch.float32, (2, 3, 5))
+    sinks = np.linspace(-1, 1, 3).reshape(3, 1)
+    o, lse = merge_states(torch.from_numpy(oa), la, torch.from_numpy(ob), torch.from_numpy(lb), sinks=sinks)
+    o_np, lse_np = merge_states(oa, la, ob, lb, sinks=sinks)
+    np.testing.assert_allclose(o.numpy(), o_np, rtol=1e-12)
+    np.testing.assert_allclose(lse.numpy(), lse_np, rtol=1e-6)
+    # an empty side, both empty, and NaN, as the NumPy merge treats them
+    la2, lb2 = la.copy(), lb.copy()
+    la2[0, 0, 0] = lb2[0, 0, 1] = -np.inf
+    la2[0, 1, 0] = lb2[0, 1, 0] = -np.inf
+    la2[1, 2, 3] = np.nan
+    o, lse = merge_states(*(torch.from_numpy(x) for x in (oa, la2, ob, lb2)))
+    o_np, lse_np = merge_states(oa, la2, ob, lb2)
+    np.testing.assert_allclose(o.numpy(), o_np, rtol=1e-12)
+    np.testing.assert_array_equal(np.isnan(lse.numpy()), np.isnan(lse_np))
+    assert not o[0, 1, 0].any() and np.isneginf(lse[0, 1, 0].item()) and torch.isnan(o[1, 2, 3]).all()
 
 
 @pytest.mark.parametrize("which, dtype", [("o_a", np.int32), ("o_b", np.int64), ("lse_a", np.int32),

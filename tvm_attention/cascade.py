@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import sys
 import textwrap
 import types
 from typing import Any
@@ -140,21 +141,43 @@ def suffix_spec(spec: AttentionSpec) -> AttentionSpec:
         mask_mod=spec.mask_mod and _rebound(spec.mask_mod, "mask_mod", [], binds, ""))
 
 
-def stack_queries(q: np.ndarray, kv_heads: int) -> np.ndarray:
+def _torch_of(x: Any):
+    """torch, when ``x`` is one of its tensors (then it is loaded), else None."""
+    return sys.modules.get("torch") if type(x).__module__.split(".")[0] == "torch" else None
+
+
+def _permuted(x, axes: tuple[int, ...]):
+    """``x`` (a NumPy array or a torch tensor, on its device) with its axes in the order ``axes``, compact."""
+    return x.permute(*axes).contiguous() if _torch_of(x) is not None else np.ascontiguousarray(x.transpose(axes))
+
+
+def _host(x: Any) -> np.ndarray:
+    """``x`` on the host, as NumPy: what the cascade computes its masks and positions from (lengths,
+    key bounds, a custom mask: a copy of a few ints from a GPU, which waits for its stream)."""
+    if _torch_of(x) is not None:
+        return x.detach().cpu().numpy()
+    return np.asarray(x)
+
+
+def _dtype_name(x: Any) -> str:
+    return str(x.dtype).replace("torch.", "") if _torch_of(x) is not None else np.dtype(x.dtype).name
+
+
+def stack_queries(q, kv_heads: int):
     """``q (N, H, Sq, D)`` as one sequence of ``kv_heads`` heads: ``(1, KH, N·Sq·G, D)``, row
-    ``(n·Sq + s)·G + g`` of kv head ``kh`` being ``q[n, kh·G + g, s]``."""
+    ``(n·Sq + s)·G + g`` of kv head ``kh`` being ``q[n, kh·G + g, s]``. A NumPy array or a torch
+    tensor (stacked on its device)."""
     n, h, sq, d = q.shape
     g = h // kv_heads
-    return np.ascontiguousarray(q.reshape(n, kv_heads, g, sq, d).transpose(1, 0, 3, 2, 4).reshape(1, kv_heads, -1, d))
+    return _permuted(q.reshape(n, kv_heads, g, sq, d), (1, 0, 3, 2, 4)).reshape(1, kv_heads, -1, d)
 
 
-def unstack(x: np.ndarray, n: int, heads: int, sq: int) -> np.ndarray:
+def unstack(x, n: int, heads: int, sq: int):
     """:func:`stack_queries` undone on an output ``(1, KH, rows, Dv)`` or lse ``(1, KH, rows)``."""
     kh = x.shape[1]
     g = heads // kh
-    tail = x.shape[3:]
-    return np.ascontiguousarray(x.reshape(kh, n, sq, g, *tail).transpose(1, 0, 3, 2, *range(4, 4 + len(tail)))
-                                .reshape(n, heads, sq, *tail))
+    tail = tuple(x.shape[3:])
+    return _permuted(x.reshape(kh, n, sq, g, *tail), (1, 0, 3, 2, *range(4, 4 + len(tail)))).reshape(n, heads, sq, *tail)
 
 
 def _lengths(kernel, given: tuple) -> np.ndarray:
@@ -163,18 +186,18 @@ def _lengths(kernel, given: tuple) -> np.ndarray:
     if "cache_seqlens" not in names:
         raise SpecError(f"cascade: expected the cache arguments through cache_seqlens ({len(given)} given: "
                         f"{', '.join(names)})")
-    return np.asarray(given[names.index("cache_seqlens")], np.int64).reshape(-1)
+    return _host(given[names.index("cache_seqlens")]).astype(np.int64).reshape(-1)
 
 
 # -- the caller's arguments, checked as given: the prefix pass's kernel sees q stacked as one
 # sequence (1, KH, N·Sq·G, D) and its own cascade_* tensors, so its errors would name those
 
-def _check_q(spec: AttentionSpec, q: np.ndarray) -> None:
+def _check_q(spec: AttentionSpec, q) -> None:
     """``q (N, H, Sq, D)`` of the serving ``spec``'s dtype, heads and head_dim, whose stacked rows
     (``N·Sq·G``, one sequence in the prefix pass) a kernel takes."""
-    if q.ndim != 4 or q.shape[1] != spec.heads or q.shape[3] != spec.head_dim or q.dtype != spec.np_dtype:
+    if q.ndim != 4 or q.shape[1] != spec.heads or q.shape[3] != spec.head_dim or _dtype_name(q) != spec.dtype:
         raise SpecError(f"cascade: q: expected {spec.dtype} (N, {spec.heads}, Sq, {spec.head_dim}) (N sequences of "
-                        f"Sq queries), got {q.dtype} {q.shape}")
+                        f"Sq queries), got {_dtype_name(q)} {tuple(q.shape)}")
     n, _, sq, _ = q.shape
     g = spec.group_size
     if n * sq * g > MAX_SEQ_LEN:
@@ -191,7 +214,7 @@ def _prefix_length(kernel, given: tuple) -> int:
         raise SpecError(f"cascade: prefix: cache_seqlens holds {lens.size} lengths; the shared prefix is one "
                         "sequence (cache_seqlens [P])")
     for a, x in zip(kernel.spec.arg_specs()[1:], given):
-        dims, shape = a["shape"], np.shape(x)
+        dims, shape = a["shape"], tuple(x.shape) if hasattr(x, "shape") else np.shape(x)
         i = dims.index("batch") if "batch" in dims else None
         if i is not None and len(shape) == len(dims) and shape[i] != 1:
             want = ", ".join("1" if d == "batch" else str(d) for d in dims)
@@ -200,11 +223,14 @@ def _prefix_length(kernel, given: tuple) -> int:
     return int(lens[0])
 
 
-def _per_head(name: str, x, heads: int) -> np.ndarray:
-    """``x``, one float per query head (``sinks``, ``alibi_slopes``)."""
-    a = np.asarray(x)
-    if a.shape != (heads,) or not np.issubdtype(a.dtype, np.floating):
-        raise SpecError(f"cascade: {name}: expected ({heads},) (one per query head), got {a.dtype} {a.shape}")
+def _per_head(name: str, x, heads: int):
+    """``x``, one float per query head (``sinks``, ``alibi_slopes``), as given (a NumPy array or a
+    torch tensor, left on its device)."""
+    a = x if _torch_of(x) is not None else np.asarray(x)
+    floating = a.is_floating_point() if _torch_of(a) is not None else np.issubdtype(a.dtype, np.floating)
+    if tuple(a.shape) != (heads,) or not floating:
+        raise SpecError(f"cascade: {name}: expected ({heads},) (one per query head), got {_dtype_name(a)} "
+                        f"{tuple(a.shape)}")
     return a
 
 
@@ -225,7 +251,7 @@ def _check_variant_args(spec: AttentionSpec, n: int, heads: int, keys: np.ndarra
                              ("key_lo", 2, f"({n}, positions) (a row per sequence)"),
                              ("key_hi", 2, f"({n}, positions) (a row per sequence)")):
         if name in need:
-            x = np.asarray(args[name])
+            x = _host(args[name])
             if x.ndim != ndim or x.shape[0] != n or not np.issubdtype(x.dtype, np.integer):
                 raise SpecError(f"cascade: {name}: expected integers {what}, got {x.dtype} {x.shape}")
             given[name] = x
@@ -253,10 +279,10 @@ def _user_masks(args: dict, shapes: list[tuple[int, int]]) -> list[np.ndarray]:
         raise SpecError("cascade: this spec takes a custom_mask over each sequence's prefix and suffix keys")
     indptr = args.pop("mask_indptr", None)
     if indptr is not None:
-        return unpack_mask(m, indptr, shapes)
+        return unpack_mask(_host(m), _host(indptr), shapes)
     out = []
     for n, (rows, keys) in enumerate(shapes):
-        mn = np.asarray(m[n])
+        mn = _host(m[n])
         if mn.dtype != np.bool_ or mn.ndim != 2 or mn.shape[0] != rows or mn.shape[1] < keys:
             raise SpecError(f"custom_mask[{n}]: expected ({rows}, {keys}) booleans over the prefix and suffix keys, "
                             f"got {mn.dtype} {mn.shape}")
@@ -268,7 +294,7 @@ def _shift_bounds(x: np.ndarray, p: int) -> np.ndarray:
     """Key bounds ``(N, positions)`` over whole sequences as the suffix kernel's: column ``c`` is
     the row at position ``P + c`` (clamped into ``x``'s columns, as the kernels clamp), its keys
     shifted by ``−P`` (in int64, kept in int32's range)."""
-    x = np.asarray(x, np.int64)
+    x = _host(x).astype(np.int64)
     cols = np.minimum(np.arange(max(x.shape[1] - p, 1)) + p, x.shape[1] - 1)
     return np.ascontiguousarray(np.clip(x[:, cols] - p, _I32.min, _I32.max), np.int32)
 
@@ -280,12 +306,12 @@ def _prefix_visible(spec: AttentionSpec, pos: np.ndarray, p: int, args: dict, ma
     j, r = np.arange(p)[None, :], pos.reshape(-1, 1)
     seq = np.repeat(np.arange(n), sq)
     vis = np.ones((n * sq, p), bool)
-    start = np.asarray(args["kv_start"], np.int64)[seq, None] if spec.kv_start else None
+    start = _host(args["kv_start"]).astype(np.int64)[seq, None] if spec.kv_start else None
     seen = Visibility.of(spec).sees(j, r, start)  # the window and kv_start, as every kernel reads them
     if seen is not None:
         vis &= seen
     if spec.key_bounds:
-        lo, hi = (np.asarray(args[k], np.int64) for k in ("key_lo", "key_hi"))
+        lo, hi = (_host(args[k]).astype(np.int64) for k in ("key_lo", "key_hi"))
         c = np.clip(r, 0, lo.shape[1] - 1)
         vis &= (j >= lo[seq[:, None], c]) & (j < hi[seq[:, None], c])
     if masks is not None:
@@ -313,7 +339,7 @@ def _call_args(spec, pk, sk, q, p: int, lens: np.ndarray, args: dict) -> tuple[d
         pa.update(cascade_off=np.asarray([p - n * sq * heads // spec.kv_heads], np.int32),
                   cascade_pos=pos.reshape(-1).astype(np.int32), cascade_seq=np.repeat(np.arange(n, dtype=np.int32), sq))
         if spec.alibi:
-            pa["cascade_slopes"] = np.asarray(sa["alibi_slopes"], np.float32)
+            pa["cascade_slopes"] = _host(sa["alibi_slopes"]).astype(np.float32)
     if any(t[0] == f"{_NS}prefix" for t in sk.spec.mod_tensors):
         sa["cascade_prefix"] = np.asarray([p], np.int32)
     masks = _user_masks(args, [(sq, int(x) + p + sq * spec.append) for x in lens]) if spec.custom_mask else None
@@ -321,7 +347,7 @@ def _call_args(spec, pk, sk, q, p: int, lens: np.ndarray, args: dict) -> tuple[d
         vis = _prefix_visible(spec, pos, p, args, masks)
         pa["custom_mask"], pa["mask_indptr"] = pack_mask([np.repeat(vis, heads // spec.kv_heads, axis=0)])
     if spec.kv_start:
-        sa["kv_start"] = np.maximum(np.asarray(args.pop("kv_start"), np.int64) - p, 0).astype(np.int32)
+        sa["kv_start"] = np.maximum(_host(args.pop("kv_start")).astype(np.int64) - p, 0).astype(np.int32)
     if spec.key_bounds:
         sa["key_lo"], sa["key_hi"] = (_shift_bounds(args.pop(k), p) for k in ("key_lo", "key_hi"))
     if masks is not None:
@@ -331,25 +357,32 @@ def _call_args(spec, pk, sk, q, p: int, lens: np.ndarray, args: dict) -> tuple[d
     return pa, sa
 
 
-def attend(prefix_kernel, suffix_kernel, q: np.ndarray, prefix: tuple, suffix: tuple,
-           sinks: np.ndarray | None = None, **args: Any) -> tuple[np.ndarray, np.ndarray]:
+def attend(prefix_kernel, suffix_kernel, q, prefix: tuple, suffix: tuple, sinks=None, **args: Any) -> tuple[Any, Any]:
     """``(o (N, H, Sq, Dv), lse (N, H, Sq))`` of ``N`` sequences over a shared prefix and their own
     suffixes. ``prefix_kernel``/``suffix_kernel``: kernels of :func:`prefix_spec`/:func:`suffix_spec`
-    (loaded or built). ``q (N, H, Sq, D)``; ``prefix``: the prefix kernel's cache arguments for one
-    sequence (kvcache: ``k_cache (1, KH, len, D), v_cache, cache_seqlens [P]``; paged: ``k_pages,
-    v_pages, block_table (1, pages), cache_seqlens [P]``, the shared pages); ``suffix``: the suffix
-    kernel's cache arguments after ``q`` (each sequence's own cache and lengths). ``sinks (H,)``:
-    joined once, in the merge. ``args``: the serving spec's other arguments by name, over whole
-    sequences (positions from the prefix's first key): ``k_new``/``v_new`` (append),
-    ``alibi_slopes``, ``kv_start``, ``key_lo``/``key_hi`` (columns: positions), ``custom_mask``
-    (per sequence ``(Sq, P + keys_n)`` booleans, or packed with ``mask_indptr``) and the
-    modifiers' tensors. NumPy arrays.
+    (loaded or built; CPU or CUDA). ``q (N, H, Sq, D)``; ``prefix``: the prefix kernel's cache
+    arguments for one sequence (kvcache: ``k_cache (1, KH, len, D), v_cache, cache_seqlens [P]``;
+    paged: ``k_pages, v_pages, block_table (1, pages), cache_seqlens [P]``, the shared pages);
+    ``suffix``: the suffix kernel's cache arguments after ``q`` (each sequence's own cache and
+    lengths). ``sinks (H,)``: joined once, in the merge. ``args``: the serving spec's other
+    arguments by name, over whole sequences (positions from the prefix's first key):
+    ``k_new``/``v_new`` (append), ``alibi_slopes``, ``kv_start``, ``key_lo``/``key_hi`` (columns:
+    positions), ``custom_mask`` (per sequence ``(Sq, P + keys_n)`` booleans, or packed with
+    ``mask_indptr``) and the modifiers' tensors.
+
+    NumPy arrays or torch tensors, answered in ``q``'s kind. On a GPU (a CUDA build's kernels,
+    torch CUDA tensors) the data stays there: ``q`` is stacked and the outputs unstacked with
+    torch's ops on its device, the kernels read the caches where they are, and the states merge
+    on the device (:func:`~tvm_attention.merge.merge_states`); the host reads only the lengths
+    (``cache_seqlens``, a few ints) and what the masks and positions are computed from (the key
+    bounds, ``kv_start``, a custom mask), whose results the kernels take as small arrays.
 
     Errors name the caller's arguments as passed (the prefix pass's kernel sees ``q`` stacked as
     one sequence and tensors of its own): :class:`SpecError` for what the cascade checks itself
     (``q``'s shape, a prefix of one sequence, ``sinks``, the variant arguments), a kernel's own
     refusal prefixed with its pass (``cascade: prefix: k_cache: ...``)."""
-    q = np.asarray(q)
+    if _torch_of(q) is None:
+        q = np.asarray(q)
     ps, ss = prefix_kernel.spec, suffix_kernel.spec
     kh = ps.kv_heads
     if ps.heads != kh or ss.kv_heads != kh:
@@ -357,16 +390,14 @@ def attend(prefix_kernel, suffix_kernel, q: np.ndarray, prefix: tuple, suffix: t
                         f"{ss.heads} over {ss.kv_heads}; expected the prefix's heads to be its kv heads "
                         "(prefix_spec and suffix_spec of one serving spec)")
     _check_q(ss, q)
-    n, heads, sq = q.shape[:3]
+    n, heads, sq = tuple(q.shape[:3])
     p = _prefix_length(prefix_kernel, prefix)
     lens = _lengths(suffix_kernel, suffix)
     if lens.size != n:
         raise SpecError(f"cascade: suffix: cache_seqlens holds {lens.size} lengths, q {n} sequences")
     if sinks is not None:
-        sinks = _per_head("sinks", sinks, heads).astype(np.float32).reshape(-1, 1)
+        sinks = _per_head("sinks", sinks, heads).reshape(-1, 1)
     pa, sa = _call_args(ss, prefix_kernel, suffix_kernel, q, p, lens, dict(args))
     o_p, lse_p = _run("prefix", prefix_kernel, stack_queries(q, kh), *prefix, **pa)
     o_s, lse_s = _run("suffix", suffix_kernel, q, *suffix, **sa)
-    o, lse = merge_states(unstack(np.asarray(o_p), n, heads, sq), unstack(np.asarray(lse_p), n, heads, sq),
-                          np.asarray(o_s), np.asarray(lse_s), sinks=sinks)
-    return o, lse
+    return merge_states(unstack(o_p, n, heads, sq), unstack(lse_p, n, heads, sq), o_s, lse_s, sinks=sinks)
