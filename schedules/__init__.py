@@ -18,7 +18,8 @@ meets a family's capabilities.
 from __future__ import annotations
 
 
-from . import cpu_fused, cpu_materialized, cpu_rowcache, cuda_fused, cuda_hopper, cuda_materialized, cuda_mma, cuda_simt
+from . import (cpu_fused, cpu_materialized, cpu_rowcache, cuda_fused, cuda_hopper, cuda_materialized, cuda_mla, cuda_mma,
+               cuda_simt)
 from .family import Family
 
 #: schedule name -> target family -> module
@@ -27,6 +28,7 @@ SCHEDULES: dict[str, dict[str, Family]] = {
     "fused_tc": {"cuda": cuda_mma},
     "fused_simt": {"cuda": cuda_simt},
     "fused_hopper": {"cuda": cuda_hopper},
+    "fused_mla": {"cuda": cuda_mla},  # the latent layouts (MLA) on tensor cores
     "materialized": {"cpu": cpu_materialized, "cuda": cuda_materialized},
     "rowcache": {"cpu": cpu_rowcache},
 }
@@ -34,12 +36,13 @@ SCHEDULES: dict[str, dict[str, Family]] = {
 
 #: schedule name -> the workloads its families build (their functions' ``attn.workload``): what a
 #: tuning log's records are matched by (``logs.records_for``). ``fused`` on CUDA builds the
-#: tensor-core or the CUDA-core kernel, whichever applies.
+#: tensor-core or the CUDA-core kernel, whichever applies (the MLA kernel for a latent layout).
 WORKLOAD_KINDS: dict[str, tuple[str, ...]] = {
-    "fused": ("fused", "fused_mma", "fused_cuda"),
+    "fused": ("fused", "fused_mma", "fused_cuda", "fused_mla"),
     "fused_tc": ("fused_mma",),
     "fused_simt": ("fused_cuda",),
     "fused_hopper": ("fused_wgmma",),
+    "fused_mla": ("fused_mla",),
     "materialized": ("materialized",),
     "rowcache": ("rowcache",),
 }
@@ -54,6 +57,7 @@ WORKLOAD_FAMILIES: dict[str, Family] = {
     "fused_cuda": cuda_simt,
     "fused_mma": cuda_mma,
     "fused_wgmma": cuda_hopper,
+    "fused_mla": cuda_mla,
 }
 
 

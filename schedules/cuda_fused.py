@@ -1,7 +1,8 @@
 """``--schedule fused`` on CUDA: the tensor-core kernel (``cuda_mma``) where it applies — float16
 or bfloat16 inputs on sm_80 or later, head_dim a multiple of 16, static or symbolic lengths — and
-the SIMT kernel (``cuda_simt``) everywhere else (float32, older GPUs, odd head dims). ``fused_tc`` and
-``fused_simt`` name one kernel explicitly (for comparing them side by side).
+the SIMT kernel (``cuda_simt``) everywhere else (float32, older GPUs, odd head dims); the latent
+layouts (MLA) on the MLA tensor-core kernel (``cuda_mla``). ``fused_tc``, ``fused_simt`` and
+``fused_mla`` name one kernel explicitly (for comparing them side by side).
 
 Every call is routed by what it is given: the spec and target, the knob dataclass, or the
 ``attn.workload`` attribute of a function (scheduled, or a tuning log's workload).
@@ -13,26 +14,36 @@ from tvm.target import Target
 
 from ..spec import AttentionSpec
 
-from . import cuda_hopper, cuda_mma, cuda_simt
+import dataclasses
+
+from . import cuda_hopper, cuda_mla, cuda_mma, cuda_simt
 from .family import never_static_decode
 
 NAME = "fused"
-#: the union of its two kernels' (the SIMT one builds every dtype)
-CAPABILITIES = cuda_simt.CAPABILITIES
+#: the union of its kernels' (the SIMT one builds every dtype; the MLA kernel the latent layouts,
+#: whose own table ``cuda_mla.check`` holds a latent spec to)
+CAPABILITIES = dataclasses.replace(cuda_simt.CAPABILITIES,
+                                   layouts=tuple(cuda_simt.CAPABILITIES.layouts) + cuda_mla.LATENT_LAYOUTS,
+                                   kv_layouts=tuple(cuda_simt.CAPABILITIES.kv_layouts) + cuda_mla.LATENT_LAYOUTS,
+                                   routes=())
 
 
 def _by_spec(spec: AttentionSpec, target: Target):
+    if spec.layout_info.latent:
+        return cuda_mla
     return cuda_mma if cuda_mma.supports(spec, target) else cuda_simt
 
 
 def _by_knobs(knobs):
     if isinstance(knobs, cuda_hopper.HopperKnobs):
         return cuda_hopper
+    if isinstance(knobs, cuda_mla.MLAKnobs):
+        return cuda_mla
     return cuda_mma if isinstance(knobs, cuda_mma.MMAKnobs) else cuda_simt
 
 
 #: ``attn.workload`` -> the kernel's family (a tuning log's record, a scheduled function)
-_FAMILIES = {"fused_mma": cuda_mma, "fused_wgmma": cuda_hopper}
+_FAMILIES = {"fused_mma": cuda_mma, "fused_wgmma": cuda_hopper, "fused_mla": cuda_mla}
 
 
 def preset(spec: AttentionSpec, target: Target):

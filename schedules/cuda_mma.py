@@ -30,7 +30,7 @@ from ..workloads.fused_mma import MMA_DTYPES, fused_attention_mma, smem_stride
 from ..workloads.knob_attrs import CUDA_SPLIT, FUSED_MMA
 
 from ._knobs import KnobError, KnobsMixin
-from .family import (CUDA_CALL_VARIANTS, CUDA_KV_DTYPES, CUDA_VARIANTS, SPLIT_LAYOUTS, USE_CPU_FUSED, Capabilities,
+from .family import (CUDA_CALL_VARIANTS, CUDA_KV_DTYPES, CUDA_VARIANTS, LATENT_ROUTE, SPLIT_LAYOUTS, USE_CPU_FUSED, Capabilities,
                      check_split_tasks, feasible, cuda_for_layout, cuda_split_tasks, never_static_decode, read_attrs)
 
 NAME = "fused"
@@ -38,7 +38,7 @@ NAME = "fused"
 CAPABILITIES = Capabilities(label="CUDA tensor-core fused", target="cuda", layouts=("bhsd", "varlen", "kvcache", "paged"), dtypes=MMA_DTYPES,
                             symbolic=True, lse=True, variants=CUDA_VARIANTS + CUDA_CALL_VARIANTS,
                             kv_dtypes=CUDA_KV_DTYPES, kv_layouts=SPLIT_LAYOUTS, head_dim_v=True, appends=True,
-                            instead=f"use --schedule fused_simt, or {USE_CPU_FUSED}")
+                            instead=f"use --schedule fused_simt, or {USE_CPU_FUSED}", routes=(LATENT_ROUTE,))
 WARP = 32
 MAX_REGISTERS_PER_THREAD = 255
 #: registers besides the fragments (addresses, loop state, m/l, temporaries). Measured with

@@ -29,7 +29,7 @@ from ..workloads.fused_cuda import fused_attention_cuda, grid_refusal, vector_el
 from ..workloads.knob_attrs import CUDA_SPLIT, FUSED_CUDA
 
 from ._knobs import KnobError, KnobsMixin
-from .family import (CUDA_CALL_VARIANTS, CUDA_KV_DTYPES, CUDA_VARIANTS, SPLIT_LAYOUTS, Capabilities,
+from .family import (CUDA_CALL_VARIANTS, CUDA_KV_DTYPES, CUDA_VARIANTS, LATENT_ROUTE, SPLIT_LAYOUTS, Capabilities,
                      check_split_tasks, cuda_for_layout, feasible, cuda_split_tasks, never_static_decode, read_attrs)
 
 NAME = "fused"
@@ -37,7 +37,8 @@ NAME = "fused"
 #: divided by a run-time extent (a flat grid's ``// (H·NR)`` spilled on sm_90 with seq_q symbolic)
 CAPABILITIES = Capabilities(label="CUDA fused", target="cuda", layouts=("bhsd", "varlen", "kvcache", "paged"), dtypes=SUPPORTED_DTYPES,
                             symbolic=True, lse=True, variants=CUDA_VARIANTS + CUDA_CALL_VARIANTS,
-                            kv_dtypes=CUDA_KV_DTYPES, kv_layouts=SPLIT_LAYOUTS, head_dim_v=True, appends=True)
+                            kv_dtypes=CUDA_KV_DTYPES, kv_layouts=SPLIT_LAYOUTS, head_dim_v=True, appends=True,
+                            routes=(LATENT_ROUTE,))
 WARP = 32
 MAX_REGISTERS_PER_THREAD = 255
 #: registers a lane needs besides its scores and accumulator columns (indices, m, l, temporaries);

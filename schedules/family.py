@@ -18,7 +18,7 @@ from tvm import s_tir, tirx
 from tvm.target import Target
 
 from ..cuda_tools import split_tasks_for
-from ..layouts import layouts_where
+from ..layouts import in_words, layouts_where
 from ..quant import KV_DTYPES
 from ..spec import AttentionSpec
 from ..workloads.knob_attrs import Attr, WorkloadAttrsError, read
@@ -38,6 +38,11 @@ CUDA_VARIANTS = _CUDA_VARIANTS
 CUDA_CALL_VARIANTS = _CUDA_CALL_VARIANTS
 #: the 8-bit K/V caches both CUDA kernels read, in the KV-cache layouts (the decode kernels)
 CUDA_KV_DTYPES = KV_DTYPES
+#: the latent layouts (MLA) on CUDA: the MLA tensor-core kernel's (``cuda_mla``), where the other
+#: CUDA kernels send them (``Capabilities.routes``)
+LATENT_ROUTE = (tuple(layouts_where("latent")),
+                "use --schedule fused_mla (MLA on tensor cores: float16 or bfloat16, sm_80 or later), or "
+                + USE_CPU_FUSED)
 
 
 #: the layouts whose CUDA grid splits each sequence's keys when the batch is small (split-KV: a
@@ -114,6 +119,9 @@ class Capabilities:
     #: and the layouts it reads them in (those replace ``kv_layouts`` for such a spec)
     q_dtypes: tuple[str, ...] = ()
     q_layouts: tuple[str, ...] = ()
+    #: ``(layouts, what builds them)``: where to send a spec in a layout it does not build (the
+    #: other CUDA kernels send the latent layouts to the MLA kernel), instead of ``instead``
+    routes: tuple[tuple[tuple[str, ...], str], ...] = ()
 
     def refusal(self, spec: AttentionSpec) -> str | None:
         """Why this family cannot build ``spec`` (None: it can), in the one message format
@@ -122,6 +130,9 @@ class Capabilities:
             what = "does not write lse (--return-lse)"
         elif spec.layout not in self.layouts:
             what = f"builds layout(s) {', '.join(self.layouts)}, not {spec.layout!r}"
+            route = next((r for layouts, r in self.routes if spec.layout in layouts), None)
+            if route is not None:
+                return f"the {self.label} schedule {what}: {route}"
         elif spec.dtype not in self.dtypes:
             what = f"builds dtype(s) {', '.join(self.dtypes)}, not {spec.dtype!r}"
         elif getattr(spec, "append", False) and not self.appends:
@@ -137,7 +148,7 @@ class Capabilities:
             what = f"does not read 8-bit K/V caches (kv_dtype={spec.kv_dtype!r}) (yet)"
         elif (getattr(spec, "kv_dtype", None) is not None and self.kv_layouts and spec.layout not in self.kv_layouts
               and getattr(spec, "q_dtype", None) is None):
-            what = (f"reads 8-bit K/V caches (kv_dtype={spec.kv_dtype!r}) in the {' and '.join(self.kv_layouts)} "
+            what = (f"reads 8-bit K/V caches (kv_dtype={spec.kv_dtype!r}) in the {in_words(self.kv_layouts)} "
                     f"layouts, not {spec.layout!r}")
         elif getattr(spec, "kv_dtype", None) is not None and getattr(spec, "kv_scale", "head") not in self.kv_scales:
             what = f"reads an 8-bit cache's scales per {' or '.join(self.kv_scales)}, not per {spec.kv_scale} (kv_scale) (yet)"

@@ -269,7 +269,8 @@ def test_decode_builds_offline_without_spills(arch, dtype, layout, page, variant
         assert (f"__restrict__ {name}_ptr" in signature) == (on in variants), signature  # KS_ptr, not KSC_ptr
     assert_split_kv(built, spec)
     bhsd = AttentionSpec(batch=1, heads=8, seq_q=64, head_dim=64, dtype=dtype, kv_dtype="float8_e4m3fn")
-    with pytest.raises(KnobError, match="8-bit K/V caches .* in the kvcache and paged layouts, not 'bhsd'"):
+    with pytest.raises(KnobError, match="8-bit K/V caches .* in the kvcache, paged, mla and mla_paged layouts, "
+                                        "not 'bhsd'"):
         build_kernel(bhsd, "fused", target=target)
 
 

@@ -348,13 +348,18 @@ def test_bench_mla_tiny(tmp_path):
     assert "| ratio |" in (tmp_path / "mla.md").read_text()
 
 
-@pytest.mark.parametrize("schedule", ["fused", "fused_simt"])
-def test_cuda_refuses_the_latent_layouts_by_name(schedule):
-    """The latent layouts are built by the CPU family only: a CUDA build names the layout and
-    where it is built, before any workload is made."""
+@pytest.mark.parametrize("schedule, match", [
+    ("fused", r"the CUDA tensor-core MLA schedule builds dtype\(s\) float16, bfloat16, not 'float32': use --schedule "
+              "fused on a CPU"),
+    ("fused_simt", "not 'mla_paged': use --schedule fused_mla .*, or use --schedule fused on a CPU"),
+    ("fused_tc", "not 'mla_paged': use --schedule fused_mla .*, or use --schedule fused on a CPU")])
+def test_cuda_refuses_what_it_does_not_build_by_name(schedule, match):
+    """On CUDA the latent layouts are the MLA tensor-core kernel's (tests/test_cuda_mla.py), in
+    float16 or bfloat16: a float32 latent spec is refused naming the dtype, and the other CUDA
+    kernels send the layout there, before any workload is made."""
     from tvm_attention.build import build_kernel
     from tvm_attention.schedules._knobs import KnobError
     from tvm_attention.target import resolve_target
 
-    with pytest.raises(KnobError, match="not 'mla_paged': use --schedule fused on a CPU"):
+    with pytest.raises(KnobError, match=match):
         build_kernel(AttentionSpec(**KERNELS["mla_paged_16"]), schedule, resolve_target("cuda", arch="sm_90"))

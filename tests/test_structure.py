@@ -107,6 +107,9 @@ def test_a_schedules_workload_kinds_are_what_its_families_build():
         for where, family in by_target.items():
             dtype = "float16" if where == "cuda" else "float32"
             spec = AttentionSpec(batch=1, heads=2, seq_q=64, head_dim=64, dtype=dtype)
+            if spec.layout not in family.CAPABILITIES.layouts:  # the MLA kernel: its latent layouts
+                spec = AttentionSpec(batch=1, heads=16, seq_q=1, head_dim=64, head_dim_v=32, scale=0.1, dtype=dtype,
+                                     layout=family.CAPABILITIES.layouts[0])
             func = family.workload(spec, family.preset(spec, targets[where]))
             assert str(func.attrs["attn.workload"]) in WORKLOAD_KINDS[name], (name, where)
 

@@ -22,7 +22,7 @@ from typing import Any
 import tvm
 from tvm.target import Target
 
-from ..schedules import (SCHEDULES, UnknownScheduleError, cpu_fused, cpu_materialized, cpu_rowcache, cuda_hopper, cuda_mma, cuda_simt,
+from ..schedules import (SCHEDULES, UnknownScheduleError, cpu_fused, cpu_materialized, cpu_rowcache, cuda_hopper, cuda_mla, cuda_mma, cuda_simt,
                          get_schedule)
 from ..schedules._knobs import KnobError
 from ..spec import AttentionSpec
@@ -147,6 +147,9 @@ def _cuda_tasks(spec: AttentionSpec, target: Target, schedule: str) -> list[Task
     if schedule == "fused_hopper":
         # Hopper: one task per feasible (block_m, block_n, stages, pingpong), the preset first
         family, name = cuda_hopper, "fused_hopper_m{k.block_m}_n{k.block_n}_s{k.stages}_p{k.pingpong}_o{k.overlap}"
+    elif spec.layout_info.latent:
+        # MLA on tensor cores: one task per feasible (row_groups, col_groups, block_n, stages)
+        family, name = cuda_mla, "fused_mla_r{k.row_groups}_c{k.col_groups}_n{k.block_n}_s{k.stages}"
     elif cuda_mma.supports(spec, target):
         # tensor cores: one task per feasible (warps, block_n, stages, m_tiles), the preset first
         family, name = cuda_mma, "fused_w{k.warps}_n{k.block_n}_s{k.stages}_m{k.m_tiles}"

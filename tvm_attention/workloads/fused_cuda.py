@@ -573,8 +573,14 @@ class Tile:
     def part_at(self, row, j):
         """Index of split-KV partial ``j`` of tile row ``row`` (``Op``: column ``j``; ``St``: 0
         the running max, 1 the row sum). A split tile is its step's only row tile (``row0`` 0):
-        tile rows are the packed rows."""
-        return self._part(row, j)
+        tile rows are the packed rows; or, where the split holds several (``Split.tiles``), one
+        of them: its rows from ``row0``, modulo the workspace's ``BM · tiles`` rows (which they are
+        in whenever a chunk stores them: the modulo tells TVM's buffer compaction so, which sized
+        the workspace by seq_q from ``row0``'s extent through a clamp, and the fusion audit failed
+        it)."""
+        if self.split.tiles == 1:
+            return self._part(row, j)
+        return self._part(T.floormod(self.row0 + row, self.BM * self.split.tiles), j)
 
 
 class Split:
@@ -587,21 +593,24 @@ class Split:
     accumulator; ``St (ns, B, KH, BM, 2)``: its running max (log2 units) and row sum. Both live
     in a workspace the function allocates (TVM's device workspace), not among its arguments,
     sized by the batch alone (no length: the fusion audit's rule), and to one KV head's tile
-    when ``ns`` is 1."""
+    when ``ns`` is 1. ``tiles`` (a compiled-in count, 1 by default): the row tiles a step may
+    have and still split, each chunk's partials at its rows ``row0 + r`` (the MLA kernel: a decode
+    step's 128 heads are two row tiles of 64); ``active`` is ``ns`` while ``NR ≤ tiles``."""
 
-    def __init__(self, ns, NR, B, KH: int, BM: int, rows, D: int, Op=None, St=None):
+    def __init__(self, ns, NR, B, KH: int, BM: int, rows, D: int, Op=None, St=None, tiles: int = 1):
         self.ns, self.NR, self.B, self.KH, self.BM, self.rows, self.D = ns, NR, B, KH, BM, rows, D
-        self.active = T.Select(NR == 1, ns, 1)
+        self.tiles = tiles
+        self.active = T.Select(NR == 1, ns, 1) if tiles == 1 else T.Select(NR <= tiles, ns, 1)
         # a batch that needs no split keeps a token workspace (batch 512 would hold 134 MB at
         # D=128): no chunk stores a partial then
         used = [T.Select(ns > 1, ns, 1), T.Select(ns > 1, B, 1)]
-        self.part_shape = (*used, KH, BM, D)
-        self.state_shape = (*used, KH, BM, 2)
+        self.part_shape = (*used, KH, BM * tiles, D)
+        self.state_shape = (*used, KH, BM * tiles, 2)
         self.Op, self.St = Op, St
 
     def bound(self, Op, St) -> "Split":
         """This split with its partials' buffers (allocated inside the kernel's script)."""
-        return Split(self.ns, self.NR, self.B, self.KH, self.BM, self.rows, self.D, Op, St)
+        return Split(self.ns, self.NR, self.B, self.KH, self.BM, self.rows, self.D, Op, St, self.tiles)
 
 
 def chunk_span(n, s, ns, BN: int):
@@ -663,19 +672,21 @@ def grid_refusal(spec: AttentionSpec) -> str | None:
 
 
 def kernel_func(spec: AttentionSpec, block, BM: int, BN: int, dims: tuple, tile, attrs: dict,
-                reverse: bool = False, split_tasks: int = 0, lanes=None) -> tirx.PrimFunc:
+                reverse: bool = False, split_tasks: int = 0, lanes=None, split_tiles: int = 1) -> tirx.PrimFunc:
     """A CUDA kernel's PrimFunc (both: this one and ``fused_mma``) in ``spec``'s layout: its
     signature and its grid of thread blocks, each running the macro ``tile(Q, K, V, O, w)`` on
     its :class:`Tile` ``w``. ``block(n, axis)`` binds a grid loop (or a serial one, emulated);
     ``dims = (B, SQ, SK)`` are the kernel's batch and lengths (ints or the vars of its tiles);
     ``reverse``: the longest row tiles launch first (causal). ``split_tasks`` (the KV-cache
     layouts; 0: none): split-KV until the grid has that many thread blocks (:class:`Split`),
-    the merge kernel's lanes bound by ``lanes(n)`` (threadIdx.x, or a serial loop)."""
+    the merge kernel's lanes bound by ``lanes(n)`` (threadIdx.x, or a serial loop); ``split_tiles``:
+    the row tiles a split step may have (``Split.tiles``). A latent layout (MLA) takes its one
+    cache as both K and V (V its first ``head_dim_v`` columns)."""
     B, SQ, SK = dims
     var = Variants.declare(spec, B, SQ, SK)
     attrs = {**attrs, **record(CUDA_SPLIT, split_tasks=split_tasks)}  # none when 0
     func, LSE = _kernel_func(spec, block, BM, BN, B, SQ, SK, tile, attrs, reverse, bool(spec.return_lse), var,
-                             split_tasks, lanes)
+                             split_tasks, lanes, split_tiles)
     if LSE is not None or var.buffers:
         # buffers declared outside the script: the variants' arguments before O (the script's
         # last parameter), the log-sum-exp output after it
@@ -691,7 +702,8 @@ def _lse_buffer(spec: AttentionSpec, B, SQ, TQ):
     return tirx.decl_buffer(shape, "float32", "LSE")
 
 
-def _kernel_func(spec, block, BM, BN, B, SQ, SK, tile, attrs, reverse, lse, var, split_tasks=0, lanes=None):
+def _kernel_func(spec, block, BM, BN, B, SQ, SK, tile, attrs, reverse, lse, var, split_tasks=0, lanes=None,
+                 split_tiles=1):
     """``kernel_func``'s PrimFunc per layout and the LSE buffer its tiles write (None without
     ``lse``), neither it nor the variants' buffers yet among its parameters: parsed unchecked,
     ``kernel_func`` checks it once they are (``ssa_checked``)."""
@@ -727,7 +739,8 @@ def _kernel_func(spec, block, BM, BN, B, SQ, SK, tile, attrs, reverse, lse, var,
     NR = math.ceil(rows / BM) if isinstance(rows, int) else T.floordiv(rows + BM - 1, BM)
     LSE = _lse_buffer(spec, B, SQ, None) if lse else None
     kvl = kv_layout(spec, B, D) if cache else None  # K/V's shape and addressing
-    split = Split(n_splits(split_tasks, B, KH), NR, B, KH, BM, rows, DV) if cache and split_tasks else None
+    split = Split(n_splits(split_tasks, B, KH), NR, B, KH, BM, rows, DV, tiles=split_tiles) \
+        if cache and split_tasks else None
 
     def at(b, h, r, k_len=None, X=(), part=None):
         # part: (chunk, Op, St, its span) of a split-KV grid
@@ -759,6 +772,8 @@ def _kernel_func(spec, block, BM, BN, B, SQ, SK, tile, attrs, reverse, lse, var,
     VS = tuple(KS[:-1]) + (DV,)  # V's: K's dims (its vars) but head_dim_v columns
     kv_dtype = spec.kv_dtype_name  # an 8-bit cache's (kv_reader converts its elements)
     fp8 = kv_dtype.startswith("float8")  # read through uint8 aliases (kv_to_f32 takes the bits)
+    if layout.latent:
+        return _latent_func(spec, attrs, B, SQ, kvl, grid, append), LSE
     if index == ("cache_seqlens",):
         @T.prim_func(s_tir=True, check_well_formed=False)
         def attention_kvcache(
@@ -807,6 +822,58 @@ def _kernel_func(spec, block, BM, BN, B, SQ, SK, tile, attrs, reverse, lse, var,
     return attention_paged, LSE
 
 
+def _latent_func(spec: AttentionSpec, attrs: dict, B, SQ, kvl, grid, append):
+    """A latent layout's (MLA) signature: ``Q (B, H, Sq, D)``, the one cache ``KV`` (``mla``:
+    ``(B, max_len, D)``; ``mla_paged``: ``(num_pages, page_size, D)`` with ``BT (B, max_pages)``),
+    ``CS (B,)``, ``O (B, H, Sq, Dv)``. The tiles read ``KV`` as K and as V (V's columns are its
+    first ``Dv``: the same bytes); float8 through a uint8 alias of it."""
+    H, D, DV, dtype = spec.heads, spec.head_dim, spec.v_dim, spec.dtype
+    KS, kv_dtype = kvl.shape, spec.kv_dtype_name
+    fp8 = kv_dtype.startswith("float8")
+    if not spec.layout_info.paged:
+        @T.prim_func(s_tir=True, check_well_formed=False)
+        def attention_mla(
+            Q: T.Buffer((B, H, SQ, D), dtype),
+            KV: T.Buffer(KS, kv_dtype),
+            CS: T.Buffer((B,), "int32"),
+            O: T.Buffer((B, H, SQ, DV), dtype),
+        ):
+            T.func_attr(attrs)
+            if fp8:
+                K8 = T.decl_buffer(KS, "uint8", data=KV.data)
+                if append is not None:
+                    append(K8, K8, (CS,))
+                grid(Q, K8, K8, O, (CS,))
+            else:
+                if append is not None:
+                    append(KV, KV, (CS,))
+                grid(Q, KV, KV, O, (CS,))
+
+        return attention_mla
+    MP = kvl.MP
+
+    @T.prim_func(s_tir=True, check_well_formed=False)
+    def attention_mla_paged(
+        Q: T.Buffer((B, H, SQ, D), dtype),
+        KV: T.Buffer(KS, kv_dtype),
+        BT: T.Buffer((B, MP), "int32"),
+        CS: T.Buffer((B,), "int32"),
+        O: T.Buffer((B, H, SQ, DV), dtype),
+    ):
+        T.func_attr(attrs)
+        if fp8:
+            K8 = T.decl_buffer(KS, "uint8", data=KV.data)
+            if append is not None:
+                append(K8, K8, (BT, CS))
+            grid(Q, K8, K8, O, (BT, CS))
+        else:
+            if append is not None:
+                append(KV, KV, (BT, CS))
+            grid(Q, KV, KV, O, (BT, CS))
+
+    return attention_mla_paged
+
+
 def append_grid(spec: AttentionSpec, block, lanes, kvl, var, B, SQ):
     """The kernel that writes an appending call's ``k_new (B, KH, Sq, D)``/``v_new (.., DV)`` into
     the cache (kvcache, paged through ``block_table``: ``kvl``'s addressing) at each sequence's
@@ -814,12 +881,28 @@ def append_grid(spec: AttentionSpec, block, lanes, kvl, var, B, SQ):
     writes): a thread block per (new key, KV head, sequence), a lane per column. An 8-bit cache
     stores ``x / scale[kv head]`` rounded to nearest even and saturated (``f32_to_kv``: what
     ``quant.quantize_kv`` stores, bit for bit; float8 as its bits, through the kernel's uint8
-    aliases); a 16-bit cache the value as it is. The macro ``append(K, V, X)``."""
+    aliases); a 16-bit cache the value as it is. The macro ``append(K, V, X)``. A latent layout
+    (MLA) takes ``kv_new (B, Sq, D)``: one row a new token, written once (V is its first
+    columns), scaled by the cache's one ``kv_scale``."""
     KH, D, DV, kvd = spec.kv_heads, spec.head_dim, spec.v_dim, spec.kv_dtype
     KN, VN, KSC, VSC = var.KN, var.VN, var.KSC, var.VSC
 
     def stored(x, S, h):
         return x if kvd is None else f32_to_kv(T.Cast("float32", x) / S[h], kvd)
+
+    if spec.layout_info.latent:
+        @T.macro
+        def append_latent(K, V, X):
+            for bz in block(B, "z"):
+                for bx in block(SQ, "x"):
+                    for d in lanes(D):
+                        with T.sblock("kv_append"):
+                            vb, vi, vd = T.axis.remap("SSS", [bz, bx, d])
+                            T.reads()
+                            T.writes()
+                            K[kvl.index(X, vb, 0, X[-1][vb] + vi, vd)] = stored(KN[vb, vi, vd], KSC, 0)
+
+        return append_latent
 
     @T.macro
     def append(K, V, X):
@@ -1000,9 +1083,9 @@ def merge_grid(spec: AttentionSpec, block, lanes, split: Split, at, LSE=None, ne
 
 
     def part_row(r):
-        # r < rows <= BM whenever the merge runs; the min tells TVM's buffer compaction so (it
-        # would size the workspace by seq_q, and the fusion audit fail it, from r's extent)
-        return T.min(r, split.BM - 1)
+        # r < rows <= BM (· tiles) whenever the merge runs; the min tells TVM's buffer compaction
+        # so (it would size the workspace by seq_q, and the fusion audit fail it, from r's extent)
+        return T.min(r, split.BM * split.tiles - 1)
 
     @T.macro
     def merge(Op, St, O, X):

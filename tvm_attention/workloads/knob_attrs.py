@@ -47,6 +47,8 @@ ROWCACHE = (Attr("block_m"),)
 FUSED_CUDA = (Attr("block_m"), Attr("block_n"), Attr("threads_per_row"))
 #: the CUDA tensor-core kernel (``fused_mma.fused_attention_mma``)
 FUSED_MMA = (Attr("warps"), Attr("block_n"), Attr("stages"), Attr("m_tiles"))
+#: the MLA tensor-core kernel (``fused_mla.fused_attention_mla``)
+FUSED_MLA = (Attr("row_groups"), Attr("col_groups"), Attr("block_n"), Attr("stages"))
 #: the Hopper kernel (``fused_wgmma.fused_attention_wgmma``)
 FUSED_WGMMA = (Attr("block_m"), Attr("block_n"), Attr("stages"), Attr("pingpong"), Attr("overlap"))
 #: both CUDA kernels' split-KV (``fused_cuda.kernel_func``), after their own

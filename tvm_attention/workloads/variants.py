@@ -71,7 +71,7 @@ CALL_ARGS = ("key_lo", "key_hi", "custom_mask", "mask_indptr")
 #: names); any other argument of ``layouts.VARIANT_ARGS`` is declared under its own name
 #: (:meth:`Variants.declare`).
 CUDA_BUFFERS = {"alibi_slopes": "AL", "sinks": "SN", "kv_start": "KS", "q_scale": "QSC", "k_scale": "KSC",
-                "v_scale": "VSC", "k_new": "KN", "v_new": "VN"}
+                "v_scale": "VSC", "k_new": "KN", "v_new": "VN", "kv_scale": "KVSC", "kv_new": "KVN"}
 #: The variant arguments the CPU kernel's signature templates hold a parameter for
 #: (``fused.VARIANT_PARAMS``); any other of ``layouts.VARIANT_ARGS`` (a variant added later, its
 #: ``Arg`` after these) is declared by :class:`ExtraParams`.
@@ -163,8 +163,10 @@ class Variants:
         var_tensors = {name: declared[name] for name, _, _ in spec.mod_tensors}
         var = cls(spec, declared.get("alibi_slopes"), declared.get("sinks"), declared.get("kv_start"),
                   declared.get("key_lo"), declared.get("key_hi"), tensors=var_tensors,
-                  scales=(declared.get("k_scale"), declared.get("v_scale")),
-                  new=(declared.get("k_new"), declared.get("v_new")),
+                  # a latent cache's (MLA) one scale and new rows serve as K's and V's
+                  scales=(declared.get("k_scale", declared.get("kv_scale")),
+                          declared.get("v_scale", declared.get("kv_scale"))),
+                  new=(declared.get("k_new", declared.get("kv_new")), declared.get("v_new", declared.get("kv_new"))),
                   cmask=(declared.get("custom_mask"), declared.get("mask_indptr")),
                   args={n: b for n, b in declared.items() if n not in CUDA_BUFFERS and n not in CALL_ARGS
                         and n not in var_tensors})
