@@ -1249,10 +1249,10 @@ def check_function(func: tvm.tirx.PrimFunc, scalars: dict | None = None, blocks:
 
 def device_function(built) -> tvm.tirx.PrimFunc:
     """The attention kernel of a CUDA ``BuiltKernel`` (its final lowered IR): the device kernel
-    that reads K (a split-KV build's merge kernel reads only the workspace, through no shared
+    that reads K (a latent build's KV; a split-KV build's merge kernel reads only the workspace, through no shared
     memory; a device-checked build's check kernel only the index arrays)."""
     funcs = [f for mod in built.lowered.devices.values() for f in mod.functions.values()]
-    attention = [f for f in funcs if any(p.name in ("K_ptr", "K8_ptr") for p in f.params)]
+    attention = [f for f in funcs if any(p.name in ("K_ptr", "K8_ptr", "KV_ptr") for p in f.params)]
     if len(attention) != 1:
         raise ValueError(f"expected one attention kernel (reading K) among {len(funcs)} device kernel(s), "
                          f"found {len(attention)}")
@@ -1314,6 +1314,9 @@ def _argument_bytes(spec: AttentionSpec, dims: dict) -> dict:
         vals = [compiled[n] if n in compiled else dims.get(n) for n in arg.dims]
         return None if any(v is None for v in vals) else math.prod(vals) * elem
     args = spec.layout_info.args
+    if spec.layout_info.latent:  # one cache, KV: K and V (its first head_dim_v columns)
+        out = {"Q": size(args[0]), "Qp": size(args[0]), "O": size(spec.layout_info.output), "KV": size(args[1])}
+        return {k: v for k, v in out.items() if v is not None}
     q, kv, v, o = size(args[0]), size(args[1]), size(args[2]), size(spec.layout_info.output)
     out = {"Q": q, "Qp": q, "O": o, "K": kv, "V": v}
     return {k: v for k, v in out.items() if v is not None}
@@ -1378,7 +1381,7 @@ class RaceConfig:
     ``CS``, paged ``BT``); ``quick``: in the test's set."""
 
     name: str
-    kernel: str  # "fused_tc" | "fused_simt"
+    kernel: str  # "fused_tc" | "fused_simt" | "fused_mla"
     spec: dict
     knobs: dict
     lengths: dict | None = None
@@ -1434,6 +1437,7 @@ def cache_case(cache_seqlens, seq_q: int, page_size: int | None = None, seed: in
 
 _SIMT = "fused_simt"
 _TC = "fused_tc"
+_MLA = "fused_mla"
 _LEN = dict(batch=2, seq_q=37, seq_kv=45)  # symbolic builds run here: tails in both lengths
 #: varlen (query rows, keys): no rows, a sequence longer than a row tile, no keys, keys > rows
 _RAGGED = ((0, 7), (37, 45), (5, 0), (20, 70))
@@ -1521,11 +1525,20 @@ CONFIGS = [
          seq_q=37, seq_kv=45, head_dim=32, head_dim_v=16, causal=True),
     _cfg("simt_f16_paged_decode_dv32", _SIMT, dict(block_m=16, block_n=16, threads_per_row=2, split_tasks=8),
          heads=4, seq_q=1, seq_kv=64, head_dim_v=32, **cache_case(_DECODE, 1, 16, seed=1)),
+    # MLA (the latent layouts): two row groups of two warps, which exchange their slices' row
+    # maxima and sums and the P tile through shared memory; 40 heads a decode step are two row
+    # tiles, split into 2 chunks; a paged prefill chunk of 5 (200 packed rows) in one stage
+    _cfg("mla_f16_decode_split", _MLA, dict(row_groups=2, col_groups=2, block_n=32, stages=2, split_tasks=8), True,
+         heads=40, seq_q=1, seq_kv=64, head_dim=64, head_dim_v=32, scale=0.1, causal=True,
+         **{**cache_case(_DECODE, 1), "layout": "mla"}),
+    _cfg("mla_bf16_paged_chunk5_s1", _MLA, dict(row_groups=2, col_groups=2, block_n=32, stages=1, split_tasks=8), True,
+         heads=40, seq_q=5, seq_kv=64, head_dim=64, head_dim_v=32, scale=0.1, causal=True, dtype="bfloat16",
+         **{**cache_case(_CHUNK, 5, 16), "layout": "mla_paged"}),
 ]
 
 
 def configs(kernel: str = "all", quick: bool = False) -> list[RaceConfig]:
-    """The configurations of ``kernel`` ("fused_tc", "fused_simt" or "all"); ``quick``: the
+    """The configurations of ``kernel`` ("fused_tc", "fused_simt", "fused_mla" or "all"); ``quick``: the
     tests' subset."""
     return [c for c in CONFIGS if (kernel == "all" or c.kernel == kernel) and (c.quick or not quick)]
 

@@ -1,6 +1,7 @@
 """The shared-memory race checker (``scripts/cuda_race.py``, ``scripts/smem_race_check.py``),
-offline: the generated CUDA kernels (both, at small tiles and lengths, in the bhsd, varlen,
-kvcache and paged layouts: the last three run on given index arrays) have no race in any block,
+offline: the generated CUDA kernels (SIMT and mma.sync at small tiles and lengths, in the bhsd,
+varlen, kvcache and paged layouts: the last three run on given index arrays; the MLA kernel in
+the latent layouts) have no race in any block,
 and the checker can fail: a barrier, a cp.async wait or a stage's barrier removed from the
 lowered kernel is reported with the buffer, the two threads and the barrier interval. Small
 hand-written kernels pin down its semantics (cp.async groups, barriers, warp collectives,
@@ -194,6 +195,19 @@ def test_faults_in_the_serving_layouts_are_reported(name, fault, buffer, block):
     assert r.buffer in ("Ks", "Vs", "Ps") and len(r.sites) == 2
     if isinstance(fault, str) or _config(name).kernel == "fused_simt":  # a race inside the key loop
         assert "[c=" in r.interval_desc, r.format()
+
+
+@pytest.mark.parametrize("fault, buffer", [(1, "red"), (2, "Ps"), (3, "red")])
+def test_each_barrier_of_the_mla_kernel_is_needed(fault, buffer):
+    """The MLA kernel's barriers: after each warp's row maxima go to ``red`` (the row group's
+    other slices read them), after P goes to the P tile (every warp of the row group reads all of
+    it for P·V), and after the row sums go to ``red`` at the end; each one removed is a race in
+    that buffer between two threads (the grid's blocks: a step of two row tiles, split)."""
+    name = "mla_f16_decode_split"
+    func = _func(name)
+    assert cr.barrier_sites(func) == 4  # the key tile's wait, the two exchanges, the sums
+    r = _race_between_threads(_check(name, cr.drop_barrier(func, fault)), buffer=buffer)
+    assert len(r.sites) == 2
 
 
 def _paged(name="tc_f16_s2_m1_paged_chunk5_causal"):

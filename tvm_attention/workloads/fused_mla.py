@@ -175,7 +175,9 @@ def _mla_q_stage(x):
                     T.reads()
                     T.writes()
                     for it in T.unroll(QIT):
-                        if (it * NTHR + ty * WARP + tx) < BM * QV:
+                        # only a block with key tiles reads it (the race checker: a copy of a
+                        # block with none, a chunk past its keys, was never waited for)
+                        if (it * NTHR + ty * WARP + tx) < BM * QV and w.n_tiles() > 0:
                             if EMU:
                                 for v in T.serial(8):
                                     Qs[(it * NTHR + ty * WARP + tx) // QV * QST + (it * NTHR + ty * WARP + tx) % QV * 8
