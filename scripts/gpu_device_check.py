@@ -762,6 +762,114 @@ def cascade_lines(results: list[dict]) -> list[str]:
     return lines
 
 
+#: the MLA goal's steps (batch, keys): the build's own (batch 64 × 4096), and one sequence of 32k keys
+#: (split-KV over the step's two row tiles of 64 heads)
+MLA_STEPS = [(None, None), (1, 32768)]
+
+
+def mla_inputs(torch, spec, batch: int, keys: int, device: str, gen) -> list:
+    """A latent paged decode step's arguments in call order on ``device``: ``q (B, H, 1, D)``,
+    ``kv_pages (pages, page_size, D)`` (every sequence ``keys`` keys, its pages in a shuffled
+    order), ``block_table (B, pages a sequence)``, ``cache_seqlens``; an 8-bit cache its dtype's
+    values of normal draws (float8: torch's cast, scale 1; int8: 16 steps a unit, scale 1/16) and
+    ``kv_scale (1,)`` after them."""
+    dtype = getattr(torch, spec.dtype)
+    p = spec.page_size
+    per = -(-keys // p)
+    q = torch.randn((batch, spec.heads, spec.seq_q, spec.head_dim), device=device, dtype=dtype, generator=gen)
+    pages = torch.randn((batch * per, p, spec.head_dim), device=device, dtype=torch.float32, generator=gen)
+    scale = 1.0
+    if spec.kv_dtype == "int8":
+        pages, scale = (pages * 16).round().clamp(-127, 127).to(torch.int8), 1 / 16
+    else:
+        pages = pages.to(getattr(torch, spec.kv_dtype) if spec.kv_quantized else dtype)
+    order = torch.randperm(batch * per, device=device, generator=gen).to(torch.int32)
+    x = [q, pages, order.view(batch, per), torch.full((batch,), keys, dtype=torch.int32, device=device)]
+    return x + ([torch.full((1,), scale, dtype=torch.float32, device=device)] if spec.kv_quantized else [])
+
+
+def validate_mla(torch, spec, kernel, x: list, sequences=None) -> dict:
+    """The call's output for ``sequences`` (default: the first and last) against a float64 torch
+    reference of every head over that sequence's latent rows (dequantized: ``kv_scale`` times
+    the stored value), V their first ``head_dim_v`` columns, causal bottom-right."""
+    from tvm_attention.validate import TOLERANCES
+
+    out = kernel(*x)
+    q, pages, table, lens = x[:4]
+    scale = float(x[4][0]) if spec.kv_quantized else 1.0
+    atol, rtol = TOLERANCES[spec.dtype]
+    ok, worst = bool(torch.isfinite(out).all()), 0.0
+    for b in sequences or sorted({0, q.shape[0] - 1}):
+        n = int(lens[b])
+        rows = pages[table[b, :-(-n // spec.page_size)].long()].reshape(-1, spec.head_dim)[:n].double() * scale
+        s = torch.matmul(q[b].double(), rows.T) * spec.scale  # (H, Sq, n)
+        if spec.causal:
+            i = torch.arange(q.shape[2], device=q.device).view(-1, 1)
+            s = s.masked_fill(torch.arange(n, device=q.device).view(1, -1) > i + (n - q.shape[2]), float("-inf"))
+        ref = torch.matmul(torch.softmax(s, -1).nan_to_num(0.0), rows[:, :spec.v_dim])
+        diff = (out[b].double() - ref).abs()
+        worst = max(worst, float(diff.max()))
+        ok = ok and bool((diff <= atol + rtol * ref.abs()).all())
+    return {"passed": ok, "max_abs_err": worst, "atol": atol, "rtol": rtol}
+
+
+def mla_goal(torch, kernels: list[dict], payload: Path, min_ms: float, rounds: int, peak, stream) -> list[dict]:
+    """The MLA goal's builds (``mla`` in the payload) at each of :data:`MLA_STEPS`: validated
+    (:func:`validate_mla`), timed, and set against the memory roof (``stream``: a streaming
+    read's bytes a second, measured in this run; the latent rows, q and o moved once) and the
+    tensor-core roof (``peak`` TFLOP/s, dense 16-bit: 2·B·H·keys·(D + Dv) FLOPs)."""
+    import tvm_attention
+    import tvm_ffi
+    from tvm_attention.spec import AttentionSpec
+
+    out = []
+    for i, (k, (batch, keys)) in enumerate((k, step) for k in kernels for step in MLA_STEPS):
+        spec = AttentionSpec.from_dict(k["spec"])
+        batch, keys = batch or spec.batch, keys or spec.seq_kv
+        entry = {"dir": k["dir"], "spec": k["spec"], "batch": batch, "keys": keys}
+        try:
+            kernel = tvm_attention.load(payload / k["dir"])
+            x = mla_inputs(torch, spec, batch, keys, "cuda", torch.Generator(device="cuda").manual_seed(i))
+            entry["validation"] = validate_mla(torch, spec, kernel, x)
+            o = torch.empty((batch, spec.heads, spec.seq_q, spec.v_dim), device="cuda", dtype=x[0].dtype)
+            ffi = [tvm_ffi.from_dlpack(t) for t in (*x, o)]
+            fn = kernel.function
+            with tvm_ffi.use_torch_stream():
+                secs = cuda_time(torch, lambda: fn(*ffi), min_ms, rounds)
+            moved = batch * keys * spec.head_dim * spec.kv_itemsize + (x[0].numel() + o.numel()) * x[0].element_size()
+            flop = 2.0 * batch * spec.heads * spec.seq_q * keys * (spec.head_dim + spec.v_dim)
+            roofs = {"memory": moved / stream if stream else None, "tensor": flop / (peak * 1e12) if peak else None}
+            binds = max((r for r in roofs.items() if r[1]), key=lambda r: r[1], default=(None, None))
+            entry.update(us=secs * 1e6, gbps=moved / secs / 1e9, tflops=flop / secs / 1e12, binds=binds[0],
+                         of_roof=binds[1] / secs if binds[1] else None)
+        except Exception as e:  # noqa: BLE001 - recorded, the check goes on
+            entry["error"] = f"{type(e).__name__}: {e}"
+            traceback.print_exc()
+        out.append(entry)
+        print(f"mla {k['dir']} B{batch} × {keys}: {entry.get('us', float('nan')):.1f} us, "
+              f"{100 * (entry.get('of_roof') or float('nan')):.0f}% of the {entry.get('binds')} roof "
+              f"{entry.get('validation') or entry.get('error')}", flush=True)
+    return out
+
+
+def mla_lines(entries: list[dict], stream, peak) -> list[str]:
+    """The MLA goal's lines (``check.md``): each build at each step, its time, bandwidth and
+    TFLOP/s, which roof binds and the share of it (goal: at least 0.70 at batch 64 × 4096)."""
+    if not entries:
+        return []
+    f = fmt
+    lines = ["", f"MLA decode on tensor cores (128 heads, latent 576 / 512, pages of 64; roofs: a streaming read "
+                 f"{f(stream / 1e9 if stream else None, '{:.0f}')} GB/s, {f(peak)} TFLOP/s dense; goal: at least 0.70 "
+                 "of the binding roof at batch 64 × 4096):", "",
+             "| cache | batch × keys | µs | GB/s | TFLOP/s | binds | of that roof | valid |", "|" + "---|" * 8]
+    for e in entries:
+        cache = e["spec"].get("kv_dtype") or e["spec"]["dtype"]
+        lines.append(f"| {cache} | {e['batch']} × {e['keys']} | {f(e.get('us'))} | {f(e.get('gbps'), '{:.0f}')} | "
+                     f"{f(e.get('tflops'))} | {e.get('binds') or '-'} | {f(e.get('of_roof'), '{:.2f}')} | "
+                     f"{e.get('validation', {}).get('passed')}{' ' + e['error'][:80] if 'error' in e else ''} |")
+    return lines
+
+
 def stream_read(torch, min_ms: float, rounds: int) -> float:
     """Bytes per second of a streaming read on this GPU (``sum`` over 2 GiB of fp16: each byte
     read once), measured in this run: what a memory-bound decode step is judged against."""
@@ -896,8 +1004,9 @@ def main(argv: list[str] | None = None) -> int:
     fp8 = [k for k in every if k["spec"].get("q_dtype")]  # fp8 inputs: a column of their 16-bit shape's row
     goal = [k for k in every if "twin" in k]  # the modifier goal's: columns of the plain shape's row
     casc = [k for k in every if "cascade" in k]  # the cascade's prefix and suffix kernels: a table of their own
-    variant = [k for k in variant if k not in goal + casc]
-    ready = [k for k in every if k not in variant + fp8 + goal + casc]
+    mla = [k for k in every if "mla" in k]  # the MLA goal's: a table of their own
+    variant = [k for k in variant if k not in goal + casc + mla]
+    ready = [k for k in every if k not in variant + fp8 + goal + casc + mla]
     varlen = [k for k in ready if k["spec"].get("layout", "bhsd") == "varlen"]
     cached = [k for k in ready if k["spec"].get("layout", "bhsd") in ("kvcache", "paged")]
     built = [k for k in ready if not k["spec"].get("dynamic") and k not in varlen + cached]
@@ -1017,7 +1126,8 @@ def main(argv: list[str] | None = None) -> int:
     caches = check_cache(torch, cached, payload, torch_dtype)
     variants = check_variants(torch, variant, payload)
     decode = []  # each KV-cache kernel at its representative decode step, next to a streaming read
-    stream = stream_read(torch, a.min_ms, a.rounds) if cached else None
+    stream = stream_read(torch, a.min_ms, a.rounds) if cached or mla else None
+    latent = mla_goal(torch, mla, payload, a.min_ms, a.rounds, peak, stream)
     for i, (k, (batch, keys)) in enumerate((k, step) for k in cached for step in DECODE_STEPS):
         spec = AttentionSpec.from_dict(k["spec"])
         batch, keys = batch or spec.batch, keys or spec.seq_kv
@@ -1061,12 +1171,13 @@ def main(argv: list[str] | None = None) -> int:
               if not c["passed"]]
     if decode:
         lines += decode_table(decode, stream)
+    lines += mla_lines(latent, stream, peak)
     table = "\n".join(lines)
     imported = sorted(m for m in sys.modules if m == "tvm" or m.startswith("tvm.") or m.startswith("tvm_attention.build"))
     report = {"device": device_name, "arch": arch, "peak_tflops": peak, "torch": torch.__version__, "rows": rows,
               "first_runs": {"kernels": [k["dir"] for k in unproven], "failed": smoked},
               "symbolic": awkward, "varlen": ragged, "cache": caches, "decode": decode, "variants": variants,
-              "cascade": cascades, "stream_read_bytes_per_s": stream,
+              "cascade": cascades, "mla": latent, "stream_read_bytes_per_s": stream,
               "seconds": round(time.time() - t_start, 1), "imported_tvm": imported}
     (out / "check.json").write_text(json.dumps(report, indent=1) + "\n")
     (out / "check.md").write_text(table + "\n")
@@ -1078,7 +1189,7 @@ def main(argv: list[str] | None = None) -> int:
                                                   "tc_mod",
                                                   *DYN_NAMES.values(),
                                                   *VARLEN_NAMES.values()))]
-    bad_decode = [e for e in decode + cascades if "error" in e or not e.get("validation", {}).get("passed")]
+    bad_decode = [e for e in decode + cascades + latent if "error" in e or not e.get("validation", {}).get("passed")]
     return 1 if failed or smoked or imported or bad_decode or not all(c["passed"] for c in awkward + ragged + caches + variants) else 0
 
 

@@ -53,11 +53,13 @@ DEFAULT_KERNELS = ("fused_tc", "fused_simt")
 #: at the first head_dim (the e4m3 goal: a step at most 0.6x the 16-bit one; again appending its
 #: new token in the call), and the variants' bhsd
 #: build (window, kv_start) at the first head_dim, and fp8 (e4m3) inputs at the FlashAttention
-#: shapes (head_dims 64 and 128, o in the last dtype: the fp8 goal, at least 1.5x our fp16)
+#: shapes (head_dims 64 and 128, o in the last dtype: the fp8 goal, at least 1.5x our fp16); and
+#: issue 65's goals: the modifier (a relative bias), the cascade and MLA's decode (``--modifier``,
+#: ``--cascade``, ``--mla``)
 #: the Hopper kernel's other forms timed beside its preset (a column each): name -> knob overrides
 HOPPER_VARIANTS = {"hopper_seq": {"overlap": 0}}
 HOPPER = dict(arch=["sm_90"], kernels=["fused_hopper", "fused_tc"], symbolic=True, cache=True, variants=True,
-              varlen=True, fp8=True, modifier=True, cascade=True)
+              varlen=True, fp8=True, modifier=True, cascade=True, mla=True)
 #: fp8 inputs (``--fp8``): q, K and V e4m3 scaled per head, at the head_dims the Hopper kernel
 #: builds them at
 FP8 = "float8_e4m3fn"
@@ -107,6 +109,13 @@ MODIFIER_TWIN = "relative_bias"
 #: tables that hold the prefix's pages too (it reads the prefix once per sequence: 8.9x the bytes)
 CASCADE = dict(batch=64, heads=32, kv_heads=8, seq_q=1, head_dim=128, causal=True, layout="paged", page_size=16)
 CASCADE_LENGTHS = (8192, 512)
+#: the MLA goal (issue 65 item 4, ``--mla``): DeepSeek-V3's decode step, 128 heads over its latent
+#: rows (576 wide, V their first 512 columns) in a pool of 64-row pages, bf16, batch 64 × 4096 keys:
+#: at least 70 % of the memory roof or of the tensor-core roof, whichever binds; on the MLA
+#: tensor-core kernel (``--schedule fused_mla``), a 16-bit cache and an e4m3 one (FlashMLA's FP8 form)
+MLA = dict(batch=64, heads=128, kv_heads=1, seq_q=1, seq_kv=4096, head_dim=576, head_dim_v=512, causal=True,
+           scale=0.0722, layout="mla_paged", page_size=64, dtype="bfloat16")
+MLA_KV = (None, "float8_e4m3fn")
 MAX_PAYLOAD_BYTES = 56 * 2**20
 #: files of an artifact the device needs (lowered.tir and kernel.cu stay here: 0.4 MB a kernel)
 DEVICE_FILES = ("attention.so", "kernel.fatbin", "manifest.json")
@@ -217,6 +226,11 @@ def jobs_for(a: argparse.Namespace, kernels_dir: Path) -> list[dict]:
                     jobs.append({"spec": spec.to_dict(), "kernel": k, "arch": arch, "cascade": which,
                                  "serving": serving.to_dict(), "lengths": list(CASCADE_LENGTHS),
                                  "dir": str(kernels_dir / arch / f"{k}_cascade_{which}_{spec.short_name()}")})
+        if a.mla:  # the MLA goal's builds (MLA): the MLA kernel's, whatever --kernels names
+            for kv in MLA_KV:
+                spec = AttentionSpec(**MLA, kv_dtype=kv)
+                jobs.append({"spec": spec.to_dict(), "kernel": "fused_mla", "arch": arch, "mla": True,
+                             "dir": str(kernels_dir / arch / f"fused_mla_{spec.short_name()}")})
     return jobs
 
 
@@ -282,6 +296,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cascade", action=argparse.BooleanOptionalAction, default=False,
                    help="also the cascade's prefix and suffix builds (64 sequences over a shared prefix of 8192 keys) "
                         "of each non-Hopper kernel in the first --dtype, timed against the same step without it")
+    p.add_argument("--mla", action=argparse.BooleanOptionalAction, default=False,
+                   help="also the MLA goal's builds (DeepSeek-V3's decode: 128 heads, 576/512, a bf16 and an e4m3 "
+                        "page pool) on the MLA tensor-core kernel")
     p.add_argument("--tokens", type=int, default=16384, help="batch × seq_len (FlashAttention's benchmark)")
     p.add_argument("--width", type=int, default=2048, help="heads × head_dim")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel builds")
@@ -326,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     info = {"created": time.strftime("%Y-%m-%dT%H:%M:%S"), "archs": a.arch, "tvm_ffi": TVM_FFI, "wheels": wheels,
             "runtime": runtime, "build_s": round(time.time() - t0, 1),
             "kernels": [{"kernel": j["kernel"], "arch": j["arch"], "spec": j["spec"],
-                         **{key: j[key] for key in ("column", "knobs", "twin", "cascade", "serving", "lengths")
+                         **{key: j[key] for key in ("column", "knobs", "twin", "cascade", "serving", "lengths", "mla")
                             if key in j},
                          "dir": str(Path(j["dir"]).relative_to(out)), **b} for j, b in zip(jobs, builds)]}
     (out / "payload.json").write_text(json.dumps(info, indent=1) + "\n")

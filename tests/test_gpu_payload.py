@@ -114,6 +114,10 @@ def test_hopper_payload_plan(tmp_path):
         [("fused_tc", "prefix", 8, True), ("fused_tc", "suffix", 32, True)]
     assert all(j["serving"]["batch"] == 64 and j["lengths"] == [8192, 512] for j in casc)
     jobs = [j for j in jobs if j not in casc]
+    mla = [j for j in jobs if "mla" in j]  # the MLA goal's (test_device_check_of_the_mla_goal_on_the_cpu)
+    assert [(j["kernel"], j["spec"]["layout"], j["spec"]["heads"], j["spec"].get("kv_dtype")) for j in mla] == \
+        [("fused_mla", "mla_paged", 128, None), ("fused_mla", "mla_paged", 128, "float8_e4m3fn")]
+    jobs = [j for j in jobs if j not in mla]
     fp8 = [j for j in jobs if j["spec"].get("q_dtype")]  # the fp8 prefill's (the test below)
     assert [(j["kernel"], j["spec"]["seq_q"], j["spec"]["causal"]) for j in fp8] == \
         [("fused_hopper", s, c) for c in (False, True) for s in (1024, 4096)]
@@ -645,6 +649,40 @@ def test_device_check_of_the_cascade_on_the_cpu(tmp_path):
     at = {h.strip("| "): c.strip("| ") for h, c in zip(head, cells)}
     assert at["plain / cascade"] == "3.00" and at["bytes plain / cascade"] == "9.0" and at["valid"] == "True"
     assert dc.cascade_lines([]) == []
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "float8_e4m3fn", "int8"])
+def test_device_check_of_the_mla_goal_on_the_cpu(tmp_path, kv_dtype):
+    """The device script's MLA step on the CPU (a CPU build of a small latent page pool, torch CPU
+    tensors): the call over shuffled pages equals the float64 reference of every head (an 8-bit
+    cache dequantized by its scale); a kernel wrong in one head fails it; the table's line names
+    the binding roof and the share of it."""
+    torch = pytest.importorskip("torch")
+    dc = scripts_module("gpu_device_check")
+    import tvm_attention
+    from tvm_attention.spec import AttentionSpec
+
+    spec = AttentionSpec(batch=2, heads=16, kv_heads=1, seq_q=1, seq_kv=100, head_dim=64, head_dim_v=32, scale=0.1,
+                         causal=True, layout="mla_paged", page_size=16, kv_dtype=kv_dtype)
+    kernel = tvm_attention.load(tmp_path / exported(tmp_path, "mla", spec)["dir"])
+    x = dc.mla_inputs(torch, spec, 3, 70, "cpu", torch.Generator().manual_seed(0))
+    assert x[1].shape == (15, 16, 64) and x[2].shape == (3, 5) and len(x) == 4 + spec.kv_quantized
+    good = dc.validate_mla(torch, spec, kernel, x, sequences=[0, 1, 2])
+    assert good["passed"] and good["max_abs_err"] < 1e-4, good
+
+    def wrong_in_head_5(*args):
+        o = kernel(*args)
+        o[:, 5] += 0.01
+        return o
+
+    assert not dc.validate_mla(torch, spec, wrong_in_head_5, x)["passed"]
+    entry = {"dir": "d", "spec": spec.to_dict(), "batch": 64, "keys": 4096, "us": 400.0, "gbps": 1000.0,
+             "tflops": 320.0, "binds": "tensor", "of_roof": 0.32, "validation": good}
+    lines = dc.mla_lines([entry], 3.0e12, 989.5)
+    head, cells = lines[3].split(" | "), lines[5].split(" | ")
+    at = {h.strip("| "): c.strip("| ") for h, c in zip(head, cells)}
+    assert at["binds"] == "tensor" and at["of that roof"] == "0.32" and at["batch × keys"] == "64 × 4096"
+    assert dc.mla_lines([], None, None) == []
 
 
 def test_decode_table_sets_each_8bit_step_beside_the_16bit_one():
