@@ -870,6 +870,158 @@ def mla_lines(entries: list[dict], stream, peak) -> list[str]:
     return lines
 
 
+#: the sparse mask goal's pattern: blocks of 128 rows × 128 keys, block (i, j) seen where
+#: (j − i) % 10 == 0: 10 % of the key tiles of each row tile (the goal: at least 5x all bits set)
+MASK_BLOCK, MASK_KEEP = 128, 10
+
+
+def sparse_mask(rows: int, keys: int):
+    """``(rows, keys)`` booleans of the sparse goal's block pattern (NumPy)."""
+    import numpy as np
+
+    i, j = np.arange(rows)[:, None] // MASK_BLOCK, np.arange(keys)[None, :] // MASK_BLOCK
+    return (j - i) % MASK_KEEP == 0
+
+
+def tree_mask(drafts: int, cached: int, seed: int):
+    """A speculative-decoding step's ``(drafts, cached + drafts)`` booleans: every draft sees the
+    cache, itself and its ancestors in a random tree (draft ``i``'s parent drawn below ``i``)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    parent = [-1] + [int(rng.integers(0, i)) for i in range(1, drafts)]
+    m = np.zeros((drafts, cached + drafts), bool)
+    m[:, :cached] = True
+    for i in range(drafts):
+        a = i
+        while a >= 0:
+            m[i, cached + a] = True
+            a = parent[a]
+    return m
+
+
+def packed_mask(torch, masks, device: str) -> list:
+    """``custom_mask``, ``mask_indptr`` of boolean masks (``masks.pack_mask``: FlashInfer's bits) on ``device``."""
+    from tvm_attention.masks import pack_mask
+
+    bits, indptr = pack_mask(masks)
+    return [torch.from_numpy(bits).to(device), torch.from_numpy(indptr).to(device)]
+
+
+def masked_reference(torch, spec, q, k, v, mask, rows):
+    """float64 attention of query rows ``rows`` of ``q (1, H, Sq, D)`` over ``k``/``v (1, KH, n, D)``
+    under the boolean ``mask (Sq, n)`` alone (a custom mask replaces causality)."""
+    g = spec.heads // k.shape[1]
+    kk, vv = k.double().repeat_interleave(g, 1), v.double().repeat_interleave(g, 1)
+    s = torch.matmul(q[:, :, rows].double(), kk.transpose(-1, -2)) * spec.scale
+    s = s.masked_fill(~torch.as_tensor(mask[rows], device=q.device), float("-inf"))
+    return torch.matmul(torch.softmax(s, -1).nan_to_num(0.0), vv)
+
+
+def _within(torch, spec, got, ref) -> tuple[bool, float]:
+    from tvm_attention.validate import TOLERANCES
+
+    atol, rtol = TOLERANCES[spec.dtype]
+    diff = (got.double() - ref).abs()
+    return bool(torch.isfinite(got).all()) and bool((diff <= atol + rtol * ref.abs()).all()), float(diff.max())
+
+
+def mask_goal_runs(torch, spec, goal: str, kernel, device: str, gen) -> tuple[dict, dict]:
+    """One mask goal's validation and its calls to time: ``sparse`` (a bhsd custom-mask build),
+    the call with every bit set (``ones``) and with :func:`sparse_mask` (``masked``), each checked
+    on 32 sampled rows against :func:`masked_reference`; ``verify`` (a paged build that appends),
+    a step of 64 drafts through :func:`tree_mask` over caches of ``spec.seq_kv`` keys (``masked``),
+    its first and last sequence checked, and the new keys in the cache; ``append``, the same step
+    without a mask (``plain``: ``validate_cache``)."""
+    import numpy as np
+
+    dtype = getattr(torch, spec.dtype)
+    if goal == "sparse":
+        q, k, v = (torch.randn(sh, device=device, dtype=dtype, generator=gen)
+                   for sh in (spec.q_shape, spec.kv_shape, spec.v_shape))
+        rows = sorted(set(torch.randperm(spec.seq_q, generator=torch.Generator().manual_seed(0))[:32].tolist()))
+        ok, worst, calls = True, 0.0, {}
+        for name, mask in (("ones", np.ones((spec.seq_q, spec.seq_kv), bool)),
+                           ("masked", sparse_mask(spec.seq_q, spec.seq_kv))):
+            args = [q, k, v, *packed_mask(torch, [mask] * spec.batch, device)]
+            good, err = _within(torch, spec, kernel(*args)[:, :, rows], masked_reference(torch, spec, q, k, v, mask, rows))
+            ok, worst = ok and good, max(worst, err)
+            calls[name] = args
+        return {"passed": ok, "max_abs_err": worst}, calls
+    x = cache_inputs(torch, spec, spec.seq_q, [spec.seq_kv] * spec.batch, dtype, device, gen)
+    if goal == "append":
+        return validate_cache(torch, spec, kernel, x), {"plain": x}
+    trees = [tree_mask(spec.seq_q, spec.seq_kv, b) for b in range(spec.batch)]
+    args = x[:5] + packed_mask(torch, trees, device) + x[5:]
+    before = [t.clone() for t in x[1:3]]
+    out = kernel(*args)
+    ok, worst = True, 0.0
+    for b in sorted({0, spec.batch - 1}):
+        kb, vb = cache_keys(spec, [x[0], *before, *x[3:]], b, spec.seq_kv)
+        kn, vn = x[-2][b:b + 1], x[-1][b:b + 1]
+        kw, _ = cache_keys(spec, x, b, spec.seq_kv + spec.seq_q)
+        ok = ok and bool((kw[:, :, spec.seq_kv:] == kn).all())
+        ref = masked_reference(torch, spec, x[0][b:b + 1], torch.cat([kb, kn], 2), torch.cat([vb, vn], 2), trees[b],
+                               list(range(spec.seq_q)))
+        good, err = _within(torch, spec, out[b:b + 1], ref)
+        ok, worst = ok and good, max(worst, err)
+    return {"passed": ok, "max_abs_err": worst}, {"masked": args}
+
+
+def mask_goals(torch, kernels: list[dict], payload: Path, min_ms: float, rounds: int) -> list[dict]:
+    """The mask goals' builds (``mask_goal`` in the payload): each validated and its calls timed
+    (microseconds; :func:`mask_goal_runs`)."""
+    import tvm_attention
+    import tvm_ffi
+    from tvm_attention.spec import AttentionSpec
+
+    out = []
+    for i, k in enumerate(kernels):
+        spec = AttentionSpec.from_dict(k["spec"])
+        entry = {"goal": k["mask_goal"], "dir": k["dir"], "spec": k["spec"]}
+        try:
+            kernel = tvm_attention.load(payload / k["dir"])
+            entry["validation"], calls = mask_goal_runs(torch, spec, k["mask_goal"], kernel, "cuda",
+                                                         torch.Generator(device="cuda").manual_seed(i))
+            fn, o = kernel.function, torch.empty(spec.o_shape if spec.layout == "bhsd" else
+                                                 (spec.batch, spec.heads, spec.seq_q, spec.v_dim),
+                                                 device="cuda", dtype=getattr(torch, spec.dtype))
+            entry["us"] = {}
+            for name, args in calls.items():
+                ffi = [tvm_ffi.from_dlpack(t) for t in (*args, o)]
+                with tvm_ffi.use_torch_stream():
+                    entry["us"][name] = cuda_time(torch, lambda: fn(*ffi), min_ms, rounds) * 1e6
+        except Exception as e:  # noqa: BLE001 - recorded, the check goes on
+            entry["error"] = f"{type(e).__name__}: {e}"
+            traceback.print_exc()
+        out.append(entry)
+        print(f"mask goal {entry['goal']} {k['dir']}: {entry.get('us')} {entry.get('validation') or entry.get('error')}",
+              flush=True)
+    return out
+
+
+def mask_lines(entries: list[dict]) -> list[str]:
+    """The mask goals' lines (``check.md``): the sparse build's time with all bits set over its
+    time with 90 % of the blocks hidden (goal: at least 5.0), the verify step's time over the
+    plain 64-token append's (goal: at most 1.3)."""
+    if not entries:
+        return []
+    f = fmt
+    by = {e["goal"]: e for e in entries}
+    us = {g: e.get("us", {}) for g, e in by.items()}
+    valid = {g: e.get("validation", {}).get("passed") for g, e in by.items()}
+    sp, vf, ap = us.get("sparse", {}), us.get("verify", {}), us.get("append", {})
+    sparse = sp["ones"] / sp["masked"] if sp.get("ones") and sp.get("masked") else None
+    verify = vf["masked"] / ap["plain"] if vf.get("masked") and ap.get("plain") else None
+    return ["", "Custom masks on tensor cores (µs a call):", "",
+            "| goal | the call | µs | against | µs | ratio | goal | valid |", "|" + "---|" * 8,
+            f"| 90 % of the key tiles hidden (S 8192, B1 H16, D 128) | 10 % of the blocks | {f(sp.get('masked'))} | "
+            f"every bit set | {f(sp.get('ones'))} | {f(sparse, '{:.2f}')} | ≥ 5.0 | {valid.get('sparse')} |",
+            f"| tree verify of 64 drafts (B8, GQA 32:8, 4096 cached) | verify (append + tree mask) | "
+            f"{f(vf.get('masked'))} | 64-token append | {f(ap.get('plain'))} | {f(verify, '{:.2f}')} | ≤ 1.3 | "
+            f"{valid.get('verify')} / {valid.get('append')} |"]
+
+
 def stream_read(torch, min_ms: float, rounds: int) -> float:
     """Bytes per second of a streaming read on this GPU (``sum`` over 2 GiB of fp16: each byte
     read once), measured in this run: what a memory-bound decode step is judged against."""
@@ -1005,8 +1157,9 @@ def main(argv: list[str] | None = None) -> int:
     goal = [k for k in every if "twin" in k]  # the modifier goal's: columns of the plain shape's row
     casc = [k for k in every if "cascade" in k]  # the cascade's prefix and suffix kernels: a table of their own
     mla = [k for k in every if "mla" in k]  # the MLA goal's: a table of their own
-    variant = [k for k in variant if k not in goal + casc + mla]
-    ready = [k for k in every if k not in variant + fp8 + goal + casc + mla]
+    masked = [k for k in every if "mask_goal" in k]  # the mask goals': a table of their own
+    variant = [k for k in variant if k not in goal + casc + mla + masked]
+    ready = [k for k in every if k not in variant + fp8 + goal + casc + mla + masked]
     varlen = [k for k in ready if k["spec"].get("layout", "bhsd") == "varlen"]
     cached = [k for k in ready if k["spec"].get("layout", "bhsd") in ("kvcache", "paged")]
     built = [k for k in ready if not k["spec"].get("dynamic") and k not in varlen + cached]
@@ -1121,6 +1274,7 @@ def main(argv: list[str] | None = None) -> int:
 
     modifier_goal(torch, goal, rows, payload, torch_dtype, a.min_ms, a.rounds, a.no_flex)
     cascades = cascade_goal(torch, casc, payload, torch_dtype, a.min_ms, a.rounds)
+    mask_runs = mask_goals(torch, masked, payload, a.min_ms, a.rounds)
     awkward = check_symbolic(torch, symbolic, payload, torch_dtype)
     ragged = check_varlen(torch, varlen, payload, torch_dtype)
     caches = check_cache(torch, cached, payload, torch_dtype)
@@ -1155,6 +1309,7 @@ def main(argv: list[str] | None = None) -> int:
                            or r["errors"].keys() - {"tc_mod", "flex_mod"}}, device_name, arch, peak, unproven, smoked)
     lines += modifier_lines(rows)
     lines += cascade_lines(cascades)
+    lines += mask_lines(mask_runs)
     lines += ["", f"Symbolic kernels at awkward shapes (batch, seq_q, seq_kv): "
               f"{sum(c['passed'] for c in awkward)}/{len(awkward)} valid"]
     lines += [f"- {c['kernel']} {tuple(c['shape'])}: {c.get('error') or c.get('max_abs_err')}"
@@ -1177,7 +1332,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"device": device_name, "arch": arch, "peak_tflops": peak, "torch": torch.__version__, "rows": rows,
               "first_runs": {"kernels": [k["dir"] for k in unproven], "failed": smoked},
               "symbolic": awkward, "varlen": ragged, "cache": caches, "decode": decode, "variants": variants,
-              "cascade": cascades, "mla": latent, "stream_read_bytes_per_s": stream,
+              "cascade": cascades, "mla": latent, "masks": mask_runs, "stream_read_bytes_per_s": stream,
               "seconds": round(time.time() - t_start, 1), "imported_tvm": imported}
     (out / "check.json").write_text(json.dumps(report, indent=1) + "\n")
     (out / "check.md").write_text(table + "\n")
@@ -1189,7 +1344,8 @@ def main(argv: list[str] | None = None) -> int:
                                                   "tc_mod",
                                                   *DYN_NAMES.values(),
                                                   *VARLEN_NAMES.values()))]
-    bad_decode = [e for e in decode + cascades + latent if "error" in e or not e.get("validation", {}).get("passed")]
+    bad_decode = [e for e in decode + cascades + latent + mask_runs
+                  if "error" in e or not e.get("validation", {}).get("passed")]
     return 1 if failed or smoked or imported or bad_decode or not all(c["passed"] for c in awkward + ragged + caches + variants) else 0
 
 

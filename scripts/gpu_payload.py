@@ -54,12 +54,12 @@ DEFAULT_KERNELS = ("fused_tc", "fused_simt")
 #: new token in the call), and the variants' bhsd
 #: build (window, kv_start) at the first head_dim, and fp8 (e4m3) inputs at the FlashAttention
 #: shapes (head_dims 64 and 128, o in the last dtype: the fp8 goal, at least 1.5x our fp16); and
-#: issue 65's goals: the modifier (a relative bias), the cascade and MLA's decode (``--modifier``,
-#: ``--cascade``, ``--mla``)
+#: issue 65's goals: the modifier (a relative bias), the cascade, MLA's decode and the masks
+#: (``--modifier``, ``--cascade``, ``--mla``, ``--masks``)
 #: the Hopper kernel's other forms timed beside its preset (a column each): name -> knob overrides
 HOPPER_VARIANTS = {"hopper_seq": {"overlap": 0}}
 HOPPER = dict(arch=["sm_90"], kernels=["fused_hopper", "fused_tc"], symbolic=True, cache=True, variants=True,
-              varlen=True, fp8=True, modifier=True, cascade=True, mla=True)
+              varlen=True, fp8=True, modifier=True, cascade=True, mla=True, masks=True)
 #: fp8 inputs (``--fp8``): q, K and V e4m3 scaled per head, at the head_dims the Hopper kernel
 #: builds them at
 FP8 = "float8_e4m3fn"
@@ -116,6 +116,18 @@ CASCADE_LENGTHS = (8192, 512)
 MLA = dict(batch=64, heads=128, kv_heads=1, seq_q=1, seq_kv=4096, head_dim=576, head_dim_v=512, causal=True,
            scale=0.0722, layout="mla_paged", page_size=64, dtype="bfloat16")
 MLA_KV = (None, "float8_e4m3fn")
+#: the mask goals (issue 65 items 2 and 7, ``--masks``), on the mma.sync kernel: ``sparse``, a custom
+#: mask at a long prefill (S 8192, B1 H16, D 128, fp16) timed with all bits set and with 90 % of its
+#: 128 × 128 blocks hidden (goal: at least 5x faster); ``verify``, a speculative-decoding step on a
+#: page pool (8 sequences of 4096 keys, GQA 32:8, D 128) that appends 64 drafts and attends through
+#: their tree's mask, against ``append``, the same 64 tokens appended causally (goal: at most 1.3x)
+MASK_GOALS = {
+    "sparse": dict(batch=1, heads=16, seq_q=8192, seq_kv=8192, head_dim=128, dtype="float16", custom_mask=True),
+    "verify": dict(batch=8, heads=32, kv_heads=8, seq_q=64, seq_kv=4096, head_dim=128, dtype="float16", causal=True,
+                   layout="paged", page_size=16, append=True, custom_mask=True),
+    "append": dict(batch=8, heads=32, kv_heads=8, seq_q=64, seq_kv=4096, head_dim=128, dtype="float16", causal=True,
+                   layout="paged", page_size=16, append=True),
+}
 MAX_PAYLOAD_BYTES = 56 * 2**20
 #: files of an artifact the device needs (lowered.tir and kernel.cu stay here: 0.4 MB a kernel)
 DEVICE_FILES = ("attention.so", "kernel.fatbin", "manifest.json")
@@ -226,6 +238,11 @@ def jobs_for(a: argparse.Namespace, kernels_dir: Path) -> list[dict]:
                     jobs.append({"spec": spec.to_dict(), "kernel": k, "arch": arch, "cascade": which,
                                  "serving": serving.to_dict(), "lengths": list(CASCADE_LENGTHS),
                                  "dir": str(kernels_dir / arch / f"{k}_cascade_{which}_{spec.short_name()}")})
+        if a.masks and "fused_tc" in a.kernels:  # the mask goals' builds (MASK_GOALS), on tensor cores
+            for goal, fields in MASK_GOALS.items():
+                spec = AttentionSpec(**fields)
+                jobs.append({"spec": spec.to_dict(), "kernel": "fused_tc", "arch": arch, "mask_goal": goal,
+                             "dir": str(kernels_dir / arch / f"fused_tc_maskgoal_{goal}_{spec.short_name()}")})
         if a.mla:  # the MLA goal's builds (MLA): the MLA kernel's, whatever --kernels names
             for kv in MLA_KV:
                 spec = AttentionSpec(**MLA, kv_dtype=kv)
@@ -296,6 +313,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cascade", action=argparse.BooleanOptionalAction, default=False,
                    help="also the cascade's prefix and suffix builds (64 sequences over a shared prefix of 8192 keys) "
                         "of each non-Hopper kernel in the first --dtype, timed against the same step without it")
+    p.add_argument("--masks", action=argparse.BooleanOptionalAction, default=False,
+                   help="also the mask goals' builds on tensor cores: a custom mask at S 8192 (all bits against 90 %% "
+                        "of the blocks hidden) and a 64-draft tree verify step against a 64-token append")
     p.add_argument("--mla", action=argparse.BooleanOptionalAction, default=False,
                    help="also the MLA goal's builds (DeepSeek-V3's decode: 128 heads, 576/512, a bf16 and an e4m3 "
                         "page pool) on the MLA tensor-core kernel")
@@ -343,7 +363,8 @@ def main(argv: list[str] | None = None) -> int:
     info = {"created": time.strftime("%Y-%m-%dT%H:%M:%S"), "archs": a.arch, "tvm_ffi": TVM_FFI, "wheels": wheels,
             "runtime": runtime, "build_s": round(time.time() - t0, 1),
             "kernels": [{"kernel": j["kernel"], "arch": j["arch"], "spec": j["spec"],
-                         **{key: j[key] for key in ("column", "knobs", "twin", "cascade", "serving", "lengths", "mla")
+                         **{key: j[key] for key in ("column", "knobs", "twin", "cascade", "serving", "lengths", "mla",
+                                                    "mask_goal")
                             if key in j},
                          "dir": str(Path(j["dir"]).relative_to(out)), **b} for j, b in zip(jobs, builds)]}
     (out / "payload.json").write_text(json.dumps(info, indent=1) + "\n")

@@ -114,6 +114,10 @@ def test_hopper_payload_plan(tmp_path):
         [("fused_tc", "prefix", 8, True), ("fused_tc", "suffix", 32, True)]
     assert all(j["serving"]["batch"] == 64 and j["lengths"] == [8192, 512] for j in casc)
     jobs = [j for j in jobs if j not in casc]
+    masks = [j for j in jobs if "mask_goal" in j]  # the mask goals' (test_device_check_of_the_mask_goals_on_the_cpu)
+    assert [(j["kernel"], j["mask_goal"], j["spec"].get("custom_mask", False)) for j in masks] == \
+        [("fused_tc", "sparse", True), ("fused_tc", "verify", True), ("fused_tc", "append", False)]
+    jobs = [j for j in jobs if j not in masks]
     mla = [j for j in jobs if "mla" in j]  # the MLA goal's (test_device_check_of_the_mla_goal_on_the_cpu)
     assert [(j["kernel"], j["spec"]["layout"], j["spec"]["heads"], j["spec"].get("kv_dtype")) for j in mla] == \
         [("fused_mla", "mla_paged", 128, None), ("fused_mla", "mla_paged", 128, "float8_e4m3fn")]
@@ -683,6 +687,57 @@ def test_device_check_of_the_mla_goal_on_the_cpu(tmp_path, kv_dtype):
     at = {h.strip("| "): c.strip("| ") for h, c in zip(head, cells)}
     assert at["binds"] == "tensor" and at["of that roof"] == "0.32" and at["batch × keys"] == "64 × 4096"
     assert dc.mla_lines([], None, None) == []
+
+
+def test_device_check_of_the_mask_goals_on_the_cpu(tmp_path):
+    """The device script's mask goals on the CPU (CPU builds, torch CPU tensors): the sparse
+    pattern hides 90 % of a row's blocks, each draft of the tree sees the cache and its ancestors;
+    the sparse build with every bit set and with the pattern, the verify step through the tree
+    (its new keys in the cache afterwards) and the plain append step each match the reference; a
+    kernel handed all bits in place of the pattern or the tree fails; the table's lines give the
+    goals' ratios."""
+    torch = pytest.importorskip("torch")
+    dc = scripts_module("gpu_device_check")
+    import numpy as np
+
+    import tvm_attention
+    from tvm_attention.spec import AttentionSpec
+
+    m = dc.sparse_mask(1280, 1280)
+    assert m.mean() == pytest.approx(0.1) and m[:128, :128].all() and not m[:128, 128:1280 - 128].any()
+    t = dc.tree_mask(6, 3, seed=1)
+    assert t[:, :3].all() and np.diag(t[:, 3:]).all() and not np.triu(t[:, 3:], 1).any()
+    specs = {"sparse": AttentionSpec(batch=1, heads=2, seq_q=256, seq_kv=256, head_dim=32, custom_mask=True),
+             "verify": AttentionSpec(batch=2, heads=4, kv_heads=2, seq_q=8, seq_kv=40, head_dim=32, causal=True,
+                                     layout="paged", page_size=16, append=True, custom_mask=True),
+             "append": AttentionSpec(batch=2, heads=4, kv_heads=2, seq_q=8, seq_kv=40, head_dim=32, causal=True,
+                                     layout="paged", page_size=16, append=True)}
+    kernels = {g: tvm_attention.load(tmp_path / exported(tmp_path, g, sp)["dir"]) for g, sp in specs.items()}
+    for goal, spec in specs.items():
+        result, calls = dc.mask_goal_runs(torch, spec, goal, kernels[goal], "cpu", torch.Generator().manual_seed(0))
+        assert result["passed"], (goal, result)
+        assert set(calls) == {"sparse": {"ones", "masked"}, "verify": {"masked"}, "append": {"plain"}}[goal]
+
+    def all_bits(kernel, at):  # every bit set in place of the mask (the pattern, the tree) it is given
+        def call(*args):
+            args = list(args)
+            args[at] = torch.full_like(args[at], 255)
+            return kernel(*args)
+        return call
+
+    for goal, at in (("sparse", 3), ("verify", 5)):
+        spec = specs[goal]
+        result, _ = dc.mask_goal_runs(torch, spec, goal, all_bits(kernels[goal], at), "cpu",
+                                      torch.Generator().manual_seed(0))
+        assert not result["passed"], goal
+    entries = [{"goal": "sparse", "us": {"ones": 1000.0, "masked": 160.0}, "validation": {"passed": True}},
+               {"goal": "verify", "us": {"masked": 60.0}, "validation": {"passed": True}},
+               {"goal": "append", "us": {"plain": 50.0}, "validation": {"passed": True}}]
+    lines = dc.mask_lines(entries)
+    head = [h.strip("| ") for h in lines[3].split(" | ")]
+    rows = [{h: c.strip("| ") for h, c in zip(head, line.split(" | "))} for line in lines[5:7]]
+    assert [r["ratio"] for r in rows] == ["6.25", "1.20"] and [r["goal"] for r in rows] == ["≥ 5.0", "≤ 1.3"]
+    assert dc.mask_lines([]) == []
 
 
 def test_decode_table_sets_each_8bit_step_beside_the_16bit_one():
