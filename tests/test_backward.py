@@ -142,26 +142,33 @@ def test_what_is_not_built_yet_is_refused_by_name(kw, what):
 
 
 #: targets the backward does not build for, as a caller names them: name -> (the target, made
-#: when the test runs; its kind)
+#: when the test runs; its kind). A CUDA target builds the tensor-core backward
+#: (tests/test_cuda_backward.py)
 OTHER_TARGETS = {
-    "dict": (lambda: {"kind": "cuda", "arch": "sm_90"}, "cuda"),
-    "bare": (lambda: "cuda", "cuda"),  # no GPU needed: refused before its architecture is looked for
-    "json": (lambda: '{"kind": "cuda", "arch": "sm_80"}', "cuda"),
-    "Target": (lambda: resolve_target("cuda", arch="sm_90"), "cuda"),
     "c": (lambda: Target("c"), "c"),
+    "dict": (lambda: {"kind": "opencl"}, "opencl"),
 }
 
 
 @pytest.mark.parametrize("name", list(OTHER_TARGETS))
 def test_a_target_it_does_not_build_for_is_refused_by_name(name, monkeypatch):
-    """The backward is a CPU (LLVM) kernel: a CUDA target built the CPU code as host code under
-    the CUDA target's name (issue 62). Any other kind is refused by name, before any TIR is made."""
+    """The backward builds for LLVM (the CPU kernel) and CUDA (tensor cores); any other kind is
+    refused by name, before any TIR is made, and a bare ``"cuda"`` on a machine without a GPU
+    names the architecture it needs."""
     from tvm_attention import backward
 
     target, kind = OTHER_TARGETS[name]
     monkeypatch.setattr(backward, "backward_func", lambda *a, **k: pytest.fail("the backward's TIR was made"))
-    with pytest.raises(TargetError, match=rf"backward: target kind '{kind}' is not built.*a CPU kernel.*llvm"):
+    with pytest.raises(TargetError, match=rf"backward: target kind '{kind}' is not built: llvm .* or cuda"):
         build_backward(AttentionSpec(batch=1, heads=2, seq_q=8, seq_kv=8, head_dim=16), target=target())
+
+
+def test_a_bare_cuda_target_without_a_gpu_names_its_arch(monkeypatch):
+    from tvm_attention import target as targets
+
+    monkeypatch.setattr(targets, "local_cuda_arch", lambda: None)  # this machine has none (a GPU one too)
+    with pytest.raises(TargetError, match="no GPU on this machine to take the architecture from; name it with --arch"):
+        build_backward(AttentionSpec(batch=1, heads=2, seq_q=8, seq_kv=8, head_dim=16, dtype="float16"), target="cuda")
 
 
 def test_knobs_are_checked():

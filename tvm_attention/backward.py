@@ -121,12 +121,64 @@ def check_spec(spec: AttentionSpec) -> None:
             score_derivative(spec.score_mod, tensors)(np.zeros(2), 0, 0, np.arange(2), np.arange(2))
 
 
-def backward_target(target: Any = "llvm"):
+#: the CUDA backward (``workloads/backward_mma.py``, tensor cores): what it builds so far
+CUDA_LAYOUTS = ("bhsd",)
+CUDA_DTYPES = ("float16", "bfloat16")
+#: its scratch arguments, allocated by the call (not returned): the dQ accumulator and delta
+CUDA_WORKSPACES = ("dq_accum", "delta")
+
+
+@dataclasses.dataclass(frozen=True)
+class CudaBackwardKnobs:
+    #: warps per thread block, 16 keys each (``block_n = 16·warps``): a warp's dK and dV
+    #: accumulators (head_dim / 2 and head_dim_v / 2 registers a lane) stay in registers for the
+    #: whole block
+    warps: int = 4
+    #: query rows per tile: the score fragments Sᵀ and dPᵀ (block_m / 2 registers a lane each)
+    #: beside them; 32 at head_dim 128 (ptxas: 248-251 registers, no spill; 64 took all 255)
+    block_m: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("warps", "block_m"):
+            x = getattr(self, name)
+            if isinstance(x, bool) or not isinstance(x, int) or x < 1:
+                raise SpecError(f"CUDA backward knobs: {name} must be a positive int, got {x!r}")
+        if self.block_m % 16 or self.warps % (self.block_m // 16):
+            raise SpecError(f"CUDA backward knobs: block_m={self.block_m} must be a multiple of 16 whose row groups "
+                            f"({self.block_m // 16}) divide warps={self.warps} (the dQ product's warps)")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def cuda_knobs(spec: AttentionSpec) -> CudaBackwardKnobs:
+    """The CUDA backward's preset: 4 warps (64 keys a block), query tiles of 64 rows up to
+    head_dim 64 and of 32 beyond (registers: above)."""
+    return CudaBackwardKnobs(warps=4, block_m=64 if max(spec.head_dim, spec.v_dim) <= 64 else 32)
+
+
+def check_cuda_spec(spec: AttentionSpec) -> None:
+    """Refuse, by name, what the CUDA backward does not build (yet)."""
+    if spec.layout not in CUDA_LAYOUTS:
+        raise SpecError(f"backward on CUDA: layout {spec.layout!r} is not built yet ({', '.join(CUDA_LAYOUTS)}; "
+                        "the CPU backward takes varlen)")
+    if spec.dtype not in CUDA_DTYPES:
+        raise SpecError(f"backward on CUDA: dtype {spec.dtype} is not built ({', '.join(CUDA_DTYPES)}: tensor cores)")
+    if spec.variants:
+        raise SpecError(f"backward on CUDA: {', '.join(spec.variants)} not built yet (causal or not, GQA, head_dim_v; "
+                        "the CPU backward takes every variant)")
+    for name, d in (("head_dim", spec.head_dim), ("head_dim_v", spec.v_dim)):
+        if d % 16 or d > 128:
+            raise SpecError(f"backward on CUDA: {name}={d} must be a multiple of 16 up to 128 (its accumulators "
+                            "stay in registers)")
+
+
+def backward_target(target: Any = "llvm", cuda: bool = False):
     """``target`` resolved (:func:`~tvm_attention.target.resolve_target`), refused by name
-    (:class:`~tvm_attention.target.TargetError`) unless it is an LLVM (CPU) target: the backward's
-    TIR is a CPU kernel, parallel loops and no thread bindings, which a CUDA build compiled as host
-    code under the CUDA target's name. The kind a caller names is refused before it is resolved
-    (a bare ``"cuda"`` would look for a GPU first)."""
+    (:class:`~tvm_attention.target.TargetError`) unless it is an LLVM (CPU) target, or with
+    ``cuda`` a CUDA one (``build_backward``'s: the tensor-core backward; its tuning search is the
+    CPU kernel's alone). The kind a caller names is refused before it is resolved (a bare
+    ``"cuda"`` would look for a GPU first)."""
     from tvm.target import Target  # the compiler's side
 
     from .target import TargetError, resolve_target  # the compiler's side (imports TVM)
@@ -142,9 +194,14 @@ def backward_target(target: Any = "llvm"):
             named = None
     else:
         named = target.strip() if isinstance(target, str) else None
+    if cuda and named == "cuda":
+        return target if isinstance(target, Target) else resolve_target(target)
     resolved = resolve_target(target) if named in (None, "llvm", "cpu", "host") else None
     kind = named if resolved is None else resolved.kind.name
     if kind != "llvm":
+        if cuda:
+            raise TargetError(f"backward: target kind {kind!r} is not built: llvm (the CPU backward: 'llvm' for "
+                              "this CPU, or a JSON llvm target naming its mcpu) or cuda (tensor cores, with its arch)")
         raise TargetError(f"backward: target kind {kind!r} is not built: the backward is a CPU kernel (llvm "
                           "targets only: 'llvm' for this CPU, or a JSON llvm target naming its mcpu)")
     return resolved
@@ -196,6 +253,8 @@ class BackwardKernel:
     #: called, validated and exported, copied, from it); None: loaded from an artifact, or built
     #: for a CPU this host lacks (``module`` is then the module as built, never run)
     library: str | None = None
+    #: a CUDA build's ptxas report (``cuda_tools.ptxas_report``; or why there is none)
+    resources: dict | None = None
 
     def __call__(self, q, k, v, o, lse, do, **variant_args):
         """``(dq, dk, dv)``, and ``dsinks (H,)`` last with sinks. ``variant_args`` where the spec
@@ -207,6 +266,8 @@ class BackwardKernel:
         from .runtime import cpu_view  # bf16 arrays through their bits
 
         given = {"q": q, "k": k, "v": v, "o": o, "lse": lse, "do": do, **variant_args}
+        if self.target is not None and self.target.kind.name == "cuda":
+            return self._call_cuda(given)
         takes = {n for n, _, _ in self.args}
         stray = sorted(n for n, a in given.items() if n not in takes and a is not None)
         if stray:
@@ -219,7 +280,7 @@ class BackwardKernel:
             if name.endswith(PARTIALS):  # (H, the tensor's elements): each query head's share
                 outs.append((name, aligned_empty((shape[0], np.asarray(given[name[2:-len(PARTIALS)]]).size), dtype)))
                 continue
-            if name == WORKSPACE:  # the chunked dQ's partials: scratch, not returned
+            if name == WORKSPACE or name in CUDA_WORKSPACES:  # scratch (the chunked dQ's partials...): not returned
                 outs.append((name, aligned_empty(tuple(bound.get(x, x) for x in shape), dtype)))
                 continue
             a = given.get(name)
@@ -246,6 +307,46 @@ class BackwardKernel:
                         if n.endswith(PARTIALS)]
         return tuple(fixed + tensor_grads)
 
+
+    def _call_cuda(self, given: dict) -> tuple:
+        """A CUDA build's call: torch CUDA tensors of the spec's shapes and dtypes (contiguous),
+        its outputs and scratch allocated by torch on their device, the kernels on torch's
+        current stream. ``(dq, dk, dv)`` as torch tensors."""
+        import sys
+
+        import tvm_ffi  # the runtime's side
+
+        torch = sys.modules.get("torch")
+        stray = sorted(n for n, a in given.items() if n not in {x for x, _, _ in self.args} and a is not None)
+        if stray:
+            raise SpecError(f"backward: this spec takes no {', '.join(stray)}")
+        tensors, outs, bound, device = [], [], {}, None
+        for name, shape, dtype in self.args:
+            want = np.dtype(dtype).name if dtype != "bfloat16" else "bfloat16"
+            if name in OUTPUTS or name in CUDA_WORKSPACES:
+                outs.append((name, torch.empty(tuple(bound.get(x, x) for x in shape), device=device,
+                                               dtype=getattr(torch, want))))
+                continue
+            a = given.get(name)
+            if a is None:
+                raise SpecError(f"backward: missing {name} ({want} {shape})")
+            if torch is None or not isinstance(a, torch.Tensor) or a.device.type != "cuda":
+                raise SpecError(f"backward: {name}: a CUDA build takes torch CUDA tensors, got {type(a).__name__}"
+                                + (f" on {a.device}" if hasattr(a, "device") else ""))
+            device = device or a.device
+            dims = tuple(bound.setdefault(x, n) if isinstance(x, str) else x for x, n in zip(shape, a.shape))
+            if a.ndim != len(shape) or tuple(a.shape) != dims or str(a.dtype) != f"torch.{want}" or a.device != device:
+                raise SpecError(f"backward: {name} must be {want} {tuple(bound.get(x, x) for x in shape)} on {device}, "
+                                f"got {str(a.dtype).replace('torch.', '')} {tuple(a.shape)} on {a.device}")
+            tensors.append(a.contiguous())
+        if any(t.numel() == 0 for t in tensors):  # no query row or no key: every gradient is zero
+            for _, x in outs:
+                x.zero_()
+        else:
+            with tvm_ffi.use_torch_stream():
+                self.module[ENTRY](*(tvm_ffi.from_dlpack(t) for t in tensors),
+                                   *(tvm_ffi.from_dlpack(x) for _, x in outs))
+        return tuple(x for n, x in outs if n in OUTPUTS)
 
     def _check_indices(self, arrays: dict, bound: dict) -> None:
         """What the kernel indexes by (before it reads a byte), as the forward's loader checks it:
@@ -297,7 +398,9 @@ def build_backward(spec: AttentionSpec, knobs: BackwardKnobs | None = None, targ
     from .target import cpu_features, missing_features  # whether this host runs what it builds
     from .workloads.index_checks import with_index_checks  # the forward library's own checks (imports TVM)
 
-    target = backward_target(target)  # before anything is built: the CPU kernel is all it builds
+    target = backward_target(target, cuda=True)  # before anything is built
+    if target.kind.name == "cuda":
+        return _build_cuda(spec, knobs, target, grad_tensors)
     knobs = knobs or default_knobs(spec)
     func = backward_func(spec, knobs, grad_tensors)
     args = _call_args(func)
@@ -321,6 +424,54 @@ def build_backward(spec: AttentionSpec, knobs: BackwardKnobs | None = None, targ
         # instead of once for its JIT (the calls, validation) and again for the export
         library, module = _library_of(module)
     return BackwardKernel(spec, knobs, module, report, args, lowered, target, library)
+
+
+def _build_cuda(spec: AttentionSpec, knobs: CudaBackwardKnobs | None, target: Any,
+                grad_tensors: tuple[str, ...]) -> BackwardKernel:
+    """The CUDA backward of ``spec`` (``workloads/backward_mma.py``): lowered for ``target``, audited
+    (no buffer of the score matrix's size: the same probe as the CPU kernel's), compiled to CUDA C,
+    and its ptxas report (nvcc here: registers, spills, SASS counts)."""
+    import tvm  # the compiler's side
+
+    from .audit import audit, list_allocations, probe_spec  # the compiler's side (imports TVM)
+    from .build import _spec_module  # the forward's self-description (imports TVM)
+    from .cuda_tools import NvccNotFound, block_shared_limit, kernel_source, ptxas_report  # nvcc's report
+    from .layouts import SEQUENCE_DIMS  # the dims a sequence's length names
+    from .lowering import ArgBounds, codegen, lower_final  # the compiler's side (imports TVM)
+    from .spec import MAX_SEQ_LEN  # the longest sequence, as the forward's bounds
+    from .workloads.backward_mma import backward_mma, backward_shared_bytes  # the compiler's side (imports TVM)
+
+    if grad_tensors:
+        raise SpecError("backward on CUDA: no score_mod tensor gradients yet (grad_tensors); the CPU backward takes them")
+    check_cuda_spec(spec)
+    knobs = knobs or cuda_knobs(spec)
+    if not isinstance(knobs, CudaBackwardKnobs):
+        raise SpecError(f"backward on CUDA: knobs must be CudaBackwardKnobs, got {type(knobs).__name__}")
+    arch = str(target.attrs.get("arch", ""))
+    if not arch.startswith("sm_") or int(arch[3:5]) < 80:
+        raise SpecError(f"backward on CUDA: arch {arch or '?'}: the tensor-core backward needs sm_80 or later "
+                        "(mma.sync m16n8k16 with bf16, cp.async, ldmatrix)")
+    smem, limit = backward_shared_bytes(spec, knobs.warps, knobs.block_m), block_shared_limit(target)
+    if smem > limit:
+        raise SpecError(f"backward on CUDA: shared memory {smem} B (K, V, Q, dO and dS tiles) > {limit} B on {arch}: "
+                        "fewer warps or query rows")
+    func = backward_mma(spec, knobs.warps, knobs.block_m)
+    args = _call_args(func)
+    why = f"the longest sequence a kernel takes is {MAX_SEQ_LEN} rows or keys"
+    bounds = [ArgBounds(name, {i: MAX_SEQ_LEN for i, d in enumerate(shape) if d in SEQUENCE_DIMS}, why, shape)
+              for name, shape, _ in args]
+    lowered = lower_final(tvm.IRModule({"main": func}), target, bounds)
+    probe = list_allocations(lower_final(backward_mma(probe_spec(spec), knobs.warps, knobs.block_m), target))
+    report = audit(lowered, spec, probe=probe)
+    if report.verdict != "fused":
+        raise RuntimeError(f"backward: the audit found it not fused: {'; '.join(report.reasons)}")
+    module = codegen(lowered)
+    module.import_module(_spec_module(spec, target))
+    try:
+        resources = ptxas_report(kernel_source(module), arch, 32 * knobs.warps, smem)
+    except NvccNotFound as e:
+        resources = {"unavailable": str(e)}
+    return BackwardKernel(spec, knobs, module, report, args, lowered, target, None, resources)
 
 
 def _library_of(module) -> tuple[str, Any]:

@@ -1,0 +1,115 @@
+"""The attention backward on CUDA tensor cores (issue 65, item 6, a first step): FlashAttention-2's
+scheme on ``mma.sync`` (``workloads/backward_mma.py``), BHSD, float16/bfloat16, causal or not,
+GQA and a value head size of its own. Emulated on the CPU against the float64 reference's
+gradients (rows that see no key, tails of both lengths); a kernel that skips a query tile it
+needs fails; ``build_backward`` for a CUDA target: audited, no spill at head_dim 64 and 128 on
+sm_80 and sm_90; what it does not build yet refused by name."""
+import numpy as np
+import pytest
+import tvm
+
+from tvm_attention.backward import BackwardKernel, CudaBackwardKnobs, _call_args, build_backward
+from tvm_attention.cuda_tools import find_nvcc
+from tvm_attention.errors import SpecError
+from tvm_attention.reference import reference_attention, reference_attention_backward
+from tvm_attention.spec import AttentionSpec
+from tvm_attention.target import resolve_target
+from tvm_attention.workloads import backward_mma as bm
+
+from test_cuda import EMULATION_TARGET
+
+#: the largest error against the float64 gradients, as a share of the gradient's largest value:
+#: fp16 rounds P and dS to 11 bits, bf16 to 8
+TOLERANCE = {"float16": 2e-3, "bfloat16": 1e-2}
+
+
+def inputs(spec, seed=0):
+    """q, k, v, do in the spec's dtype; the forward's o and lse (float64 reference, o rounded)."""
+    rng = np.random.default_rng(seed)
+    dt = spec.np_dtype
+    q, k, v = (rng.standard_normal(s).astype(dt) for s in (spec.q_shape, spec.kv_shape, spec.v_shape))
+    do = rng.standard_normal(spec.o_shape).astype(dt)
+    o, lse = reference_attention(spec, *(x.astype(np.float64) for x in (q, k, v)), return_lse=True)
+    return q, k, v, o.astype(dt), lse.astype(np.float32), do
+
+
+def emulated(spec, warps, block_m) -> BackwardKernel:
+    """The CUDA backward of ``spec``, emulated (compiled for the CPU), behind ``BackwardKernel``'s
+    call (its scratch, dq_accum and delta, allocated by the call)."""
+    func = bm.backward_mma(spec, warps, block_m, emulate=True)
+    ex = tvm.compile(func, target=EMULATION_TARGET)
+    return BackwardKernel(spec, CudaBackwardKnobs(warps, block_m), {bm.ENTRY: ex[bm.ENTRY]}, None, _call_args(func))
+
+
+def check(spec, kernel, seed=0):
+    q, k, v, o, lse, do = inputs(spec, seed)
+    ref = reference_attention_backward(spec, *(x.astype(np.float64) for x in (q, k, v, do)))
+    for name, got in zip(("dq", "dk", "dv"), kernel(q, k, v, o, lse, do)):
+        got = np.asarray(got, np.float64)
+        assert np.isfinite(got).all(), name
+        err = np.abs(got - ref[name]).max()
+        assert err <= TOLERANCE[spec.dtype] * np.abs(ref[name]).max(), (name, err, np.abs(ref[name]).max())
+
+
+#: (spec fields, warps, block_m): GQA 4:2 with tails in both lengths (37 rows, 45 keys), causal and
+#: not; bf16 with more rows than keys (causal: the first 28 rows see no key, lse −inf); a value
+#: head size of its own
+CASES = [
+    (dict(batch=2, heads=4, kv_heads=2, seq_q=37, seq_kv=45, head_dim=32, causal=True), 2, 32),
+    (dict(batch=1, heads=4, kv_heads=2, seq_q=37, seq_kv=45, head_dim=32), 2, 32),
+    (dict(batch=1, heads=2, kv_heads=1, seq_q=45, seq_kv=17, head_dim=32, dtype="bfloat16", causal=True), 2, 32),
+    (dict(batch=1, heads=2, seq_q=40, seq_kv=50, head_dim=32, head_dim_v=16, causal=True), 2, 16),
+]
+
+
+@pytest.mark.parametrize("fields, warps, block_m", CASES, ids=["gqa-causal", "gqa-full", "bf16-rows-without-keys",
+                                                                "dv16"])
+def test_backward_matches_the_reference(fields, warps, block_m):
+    spec = AttentionSpec(**{"dtype": "float16", **fields})
+    check(spec, emulated(spec, warps, block_m))
+
+
+def test_a_kernel_that_skips_a_query_tile_fails(monkeypatch):
+    """Under causality a key tile's first query tile is computed (``first_query_tile``); one past
+    it leaves the diagonal's gradients out, and the check fails."""
+    spec = AttentionSpec(batch=1, heads=2, seq_q=64, seq_kv=64, head_dim=32, dtype="float16", causal=True)
+    real = bm.first_query_tile
+    monkeypatch.setattr(bm, "first_query_tile", lambda key0, off, block_m, causal: real(key0, off, block_m, causal) + 1)
+    with pytest.raises(AssertionError):
+        check(spec, emulated(spec, 2, 32))
+
+
+@pytest.mark.skipif(find_nvcc() is None, reason="nvcc not found: the CUDA builds are compiled offline")
+@pytest.mark.parametrize("arch, head_dim, dtype", [("sm_90", 128, "bfloat16"), ("sm_80", 64, "float16")])
+def test_builds_for_cuda_without_a_spill(arch, head_dim, dtype):
+    """``build_backward`` for a CUDA target: the preset (4 warps; 64 query rows at head_dim 64, 32 at
+    128), fused by the audit (the dQ accumulator and delta are the call's scratch, no score-sized
+    buffer), tensor cores (HMMA) and no local memory; the call refuses arrays that are not torch
+    CUDA tensors by name."""
+    spec = AttentionSpec(batch=2, heads=16, kv_heads=4, seq_q=1024, seq_kv=1024, head_dim=head_dim, dtype=dtype,
+                         causal=True, dynamic=("batch", "seq_q", "seq_kv"))
+    kern = build_backward(spec, target=resolve_target("cuda", arch=arch))
+    assert kern.knobs == CudaBackwardKnobs(4, 64 if head_dim <= 64 else 32)
+    assert kern.report.verdict == "fused"
+    r = kern.resources
+    assert r["spills"] == 0 and r["registers"] <= 255 and r["sass_instructions"]["HMMA"] > 0, r
+    assert r["sass_instructions"]["LDL"] == 0 and r["sass_instructions"]["LDSM"] > 0
+    assert [a[0] for a in kern.args] == ["q", "k", "v", "o", "lse", "do", "dq", "dk", "dv", "dq_accum", "delta"]
+    q, k, v, o, lse, do = inputs(AttentionSpec(**{**spec.to_dict(), "dynamic": (), "seq_q": 16, "seq_kv": 16}))
+    with pytest.raises(SpecError, match="q: a CUDA build takes torch CUDA tensors, got ndarray"):
+        kern(q, k, v, o, lse, do)
+
+
+def test_what_it_does_not_build_is_refused_by_name():
+    sm90 = resolve_target("cuda", arch="sm_90")
+    base = dict(batch=1, heads=2, seq_q=64, seq_kv=64, head_dim=64, dtype="float16")
+    for over, what in ((dict(layout="varlen"), "layout 'varlen' is not built yet"),
+                       (dict(dtype="float32"), "dtype float32 is not built"),
+                       (dict(window=(8, 0)), "window not built yet"),
+                       (dict(head_dim=256), "head_dim=256 must be a multiple of 16 up to 128")):
+        with pytest.raises(SpecError, match=what):
+            build_backward(AttentionSpec(**{**base, **over}), target=sm90)
+    with pytest.raises(SpecError, match="arch sm_75: the tensor-core backward needs sm_80"):
+        build_backward(AttentionSpec(**base), target=tvm.target.Target({"kind": "cuda", "arch": "sm_75"}))
+    with pytest.raises(SpecError, match="block_m=48 must be a multiple of 16 whose row groups"):
+        CudaBackwardKnobs(warps=4, block_m=48)

@@ -1,0 +1,491 @@
+"""The attention backward on CUDA tensor cores (issue 65, item 6): FlashAttention-2's scheme on
+``mma.sync.m16n8k16``, ldmatrix and ``cp.async``, as a TIR PrimFunc of three kernels.
+
+1. **prep**: ``delta = rowsum(dO ∘ O)`` per query row (float32), and the dQ accumulator zeroed;
+2. **main**: one thread block per (key tile of ``block_n = 16·warps`` keys, kv head, sequence).
+   Warp ``w`` owns 16 keys; their K and V rows are staged once, and their dK and dV
+   accumulators stay in registers while the block walks every query head of the group (GQA is
+   summed here) and every query tile of ``block_m`` rows that sees the key tile (causal: from
+   the diagonal on). Per query tile (Q and dO staged with ``cp.async``), in the warp's fragments:
+   ``Sᵀ = K·Qᵀ``; ``Pᵀ = exp2(Sᵀ·scale·log2 e − lse·log2 e)`` (0 where a key is hidden or the
+   row saw none); ``dV += Pᵀ·dO`` (Pᵀ's C fragments are the A fragments, as the forward's P);
+   ``dPᵀ = V·dOᵀ``; ``dSᵀ = Pᵀ ∘ (dPᵀ − delta)``; ``dK += dSᵀ·Q``. ``dS`` goes to shared memory
+   (``block_m × block_n``, the input dtype), and the warps then compute the tile's ``dQ`` rows
+   ``dS·K`` (a row group and a slice of ``head_dim`` columns each), added atomically into the
+   float32 accumulator (every key tile of the sequence adds into the same rows);
+3. **post**: ``dQ = accumulator · scale`` in the input dtype. dK is stored times the scale, dV as is.
+
+Which keys a row sees: the sequence's lengths and bottom-right causality (row ``i`` at position
+``i + Skv − Sq``); a row with ``lse = −inf`` (no key) takes no gradient. The two workspaces,
+``dq_accum (B, H, Sq, D)`` and ``delta (B, H, Sq)`` (float32), are parameters the call allocates
+(none of them holds a score: the audit's rule is about the score matrix).
+
+``emulate=True``: serial loops in place of the thread bindings, global memory for shared and
+registers, the PTX instructions by their definitions in scalar TIR (``fused_mma``'s), atomics as
+plain adds (the emulation runs the blocks one after another): run by LLVM on the CPU against
+the float64 reference.
+"""
+from __future__ import annotations
+
+import math
+import types
+
+from tvm import tirx
+from tvm.script import tirx as T
+
+from ..spec import AttentionSpec
+from ..tvm_internals import fast_macros
+from ._math import LOG2E
+from .fused_cuda import flat_offset
+from .fused_mma import CP_DST, SMEM_PAD, WARP, _mma_context, _mma_fragments, smem_stride
+
+#: the library's entry function (the forward's is ``attention``)
+ENTRY = "attention_backward"
+
+ATOMIC_ADD = r"""
+__device__ __forceinline__ void attn_atomic_add(void* dst, float value) { atomicAdd((float*)dst, value); }"""
+
+
+def first_query_tile(key0, off, block_m: int, causal: bool):
+    """The first query tile that sees key ``key0`` (a key tile's first): row ``i`` sees key ``j``
+    from ``i = j − off`` on under bottom-right causality (``off = Skv − Sq``), every tile without."""
+    return T.floordiv(T.max(0, key0 - off), block_m) if causal else 0
+
+
+def backward_shared_bytes(spec: AttentionSpec, warps: int, block_m: int) -> int:
+    """Shared memory of a main-kernel block: K and V tiles (``16·warps`` rows), the Q and dO tiles
+    (``block_m`` rows), the dS tile (``block_m × 16·warps``); rows padded by 16 bytes."""
+    bn = 16 * warps
+    d, dv = smem_stride(spec.head_dim), smem_stride(spec.v_dim)
+    return (bn * (d + dv) + block_m * (d + dv) + block_m * (bn + SMEM_PAD)) * spec.itemsize
+
+
+def _context(spec: AttentionSpec, warps: int, block_m: int, emulate: bool):
+    """The kernel's constants and helpers (``fused_mma``'s fragments and ``mma_pair``)."""
+    x = _mma_fragments(_mma_context(spec, warps, 16 * warps, 1, 1, emulate))
+    W, BN, BM = warps, 16 * warps, block_m
+    D, DV = spec.head_dim, spec.v_dim
+    RGQ = BM // 16  # the dQ product's row groups
+    CGQ = W // RGQ  # ... and the warps of each (a slice of head_dim's 16-column chunks each)
+    x.__dict__.update(W=W, BN=BN, BM=BM, D=D, DV=DV, RGQ=RGQ, CGQ=CGQ, ST=smem_stride(D), VST=smem_stride(DV),
+                      PST=BN + SMEM_PAD, NQ=BM // 8, NKV=BN // 16, NDK=D // 8, NDV=DV // 8,
+                      scale=float(spec.scale), qscale=float(spec.scale * LOG2E))
+    return x
+
+
+def _helpers(spec: AttentionSpec, warps: int, block_m: int, emulate: bool):
+    """Every constant, addressing function and fragment macro of one backward kernel, by name
+    (the stage builders below unpack what each uses)."""
+    x = _context(spec, warps, block_m, emulate)
+    (B, H, KH, SQ, SK, D, DV, G, W, BN, BM, RGQ, CGQ, ST, VST, PST, NQ, NKV, NDK, NDV, dtype, EMU) = (
+        x.B, x.H, x.KH, x.SQ, x.SK, x.D, x.DV, x.G, x.W, x.BN, x.BM, x.RGQ, x.CGQ, x.ST, x.VST, x.PST, x.NQ, x.NKV,
+        x.NDK, x.NDV, x.dtype, x.EMU)
+    call, ix, fshape, fscope, mma_pair = x.call, x.ix, x.fshape, x.fscope, x.mma_pair
+    thread_x, thread_y, block = x.thread_x, x.thread_y, x.block
+    causal = x.causal
+    NTHR = W * WARP
+    smem = "global" if EMU else "shared.dyn"
+    NKT = (SK + BN - 1) // BN if isinstance(SK, int) else T.floordiv(SK + BN - 1, BN)  # key tiles
+    NQT = (SQ + BM - 1) // BM if isinstance(SQ, int) else T.floordiv(SQ + BM - 1, BM)  # query tiles
+    NRT = (SQ + 63) // 64 if isinstance(SQ, int) else T.floordiv(SQ + 63, 64)  # prep/post row blocks
+    off = SK - SQ  # row i sits at key position i + off
+    qscale, scale = x.qscale, x.scale
+
+    def atomic_add(buf, index, value):
+        return T.cuda.func_call("attn_atomic_add", buf.access_ptr("rw", offset=flat_offset(buf, index)), value,
+                                source_code=ATOMIC_ADD)
+
+    # -- fragment addressing: which shared element a lane's ldmatrix row address names -------
+    def a_addr(base, stride, row0, col0, lane):  # A (16 × 16) of a row-major tile, rows row0..
+        return base + (row0 + lane % 8 + 8 * (lane // 8 % 2)) * stride + col0 + 8 * (lane // 16)
+
+    def b_rows(base, stride, n0, k0, lane):  # B of two 8-wide n slices, n the tile's rows (K as Kᵀ)
+        return base + (n0 + lane % 8 + 8 * (lane // 16)) * stride + k0 + 8 * (lane // 8 % 2)
+
+    def b_cols(base, stride, k0, n0, lane):  # B (.trans) of two 8-wide n slices, k the tile's rows
+        return base + (k0 + lane % 8 + 8 * (lane // 8 % 2)) * stride + n0 + 8 * (lane // 16)
+
+    @T.macro
+    def lds_a(Af, a_off, buf, base, stride, row0, col0, ty, tx):
+        if EMU:
+            for s in T.unroll(8):
+                Af[ty, tx, a_off + s] = buf[base + (row0 + tx // 4 + 8 * (s // 2 % 2)) * stride + col0 + 2 * (tx % 4)
+                                            + s % 2 + 8 * (s // 4)]
+        else:
+            T.evaluate(call("attn_ldsm_x4", Af.access_ptr("w", offset=a_off),
+                            buf.access_ptr("r", offset=a_addr(base, stride, row0, col0, tx))))
+
+    @T.macro
+    def lds_b_rows(Bf, buf, base, stride, n0, k0, ty, tx):
+        if EMU:
+            for i in T.unroll(4):
+                for e in T.unroll(2):
+                    Bf[ty, tx, i * 2 + e] = buf[b_rows(base, stride, n0, k0, i * 8 + tx // 4) + 2 * (tx % 4) + e]
+        else:
+            T.evaluate(call("attn_ldsm_x4", Bf.access_ptr("w"),
+                            buf.access_ptr("r", offset=b_rows(base, stride, n0, k0, tx))))
+
+    @T.macro
+    def lds_b_cols(Bf, buf, base, stride, k0, n0, ty, tx):
+        if EMU:
+            for i in T.unroll(4):
+                for e in T.unroll(2):
+                    Bf[ty, tx, i * 2 + e] = buf[b_cols(base, stride, k0, n0, i * 8 + 2 * (tx % 4) + e) + tx // 4]
+        else:
+            T.evaluate(call("attn_ldsm_x4_trans", Bf.access_ptr("w"),
+                            buf.access_ptr("r", offset=b_cols(base, stride, k0, n0, tx))))
+
+    @T.macro
+    def stage(S, X, b, h, r0, nrows, width, stride, limit, ty, tx):
+        # rows r0.. of X (b, h, ·, width) into the shared tile S (row stride ``stride``), 16 bytes
+        # a copy (rows past ``limit`` read its last: never used)
+        for it in T.unroll(math.ceil(nrows * width // 8 / NTHR)):
+            if it * NTHR + ty * WARP + tx < nrows * width // 8:
+                if EMU:
+                    for v in T.serial(8):
+                        S[(it * NTHR + ty * WARP + tx) // (width // 8) * stride
+                          + (it * NTHR + ty * WARP + tx) % (width // 8) * 8 + v] = X[
+                            b, h, T.min(r0 + (it * NTHR + ty * WARP + tx) // (width // 8), limit - 1),
+                            (it * NTHR + ty * WARP + tx) % (width // 8) * 8 + v]
+                else:
+                    T.evaluate(call("attn_cp_async16", S.access_ptr(
+                        CP_DST, offset=(it * NTHR + ty * WARP + tx) // (width // 8) * stride
+                        + (it * NTHR + ty * WARP + tx) % (width // 8) * 8), X.access_ptr("r", offset=flat_offset(
+                            X, (b, h, T.min(r0 + (it * NTHR + ty * WARP + tx) // (width // 8), limit - 1),
+                                (it * NTHR + ty * WARP + tx) % (width // 8) * 8)))))
+
+    @T.macro
+    def sync():
+        if not EMU:
+            T.tvm_storage_sync("shared")
+
+    @T.macro
+    def landed(ty, tx):
+        if not EMU:
+            T.evaluate(call("attn_cp_commit"))
+            T.evaluate(call("attn_cp_wait0"))
+
+    @T.macro
+    def rows_product(C, Af, Bf, A, astride, Bs, depth):
+        # C (the warp's 16 tile rows of A × the tile's BM rows of Bs) = A · Bsᵀ over ``depth``
+        # columns: A's fragment per 16-deep step, Bs's (ldmatrix, rows as n) per 16 of its rows.
+        # Each ldmatrix in a thread loop of its own: emulated, an mma reads its fragments from
+        # every lane, all of which must have loaded them
+        for dk in T.serial(depth // 16):
+            for ty in thread_y(W):
+                for tx in thread_x(WARP):
+                    with T.sblock("A_ldmatrix"):
+                        T.reads()
+                        T.writes()
+                        lds_a(Af, 0, A, 0, astride, ty * 16, dk * 16, ty, tx)
+            for np in T.unroll(NQ // 2):
+                for ty in thread_y(W):
+                    for tx in thread_x(WARP):
+                        with T.sblock("B_ldmatrix"):
+                            T.reads()
+                            T.writes()
+                            lds_b_rows(Bf, Bs, 0, astride, np * 16, dk * 16, ty, tx)
+                for ty in thread_y(W):
+                    for tx in thread_x(WARP):
+                        with T.sblock("rows_mma"):
+                            T.reads()
+                            T.writes()
+                            mma_pair(C, np * 8, Af, 0, Bf, ty, tx)
+
+    @T.macro
+    def cols_product(C, Pf, Bf, Bs, bstride, width):
+        # C (the warp's 16 keys × ``width`` columns) += Pf (its C fragments as A: keys × the
+        # tile's BM rows) · Bs (BM rows × width, ldmatrix .trans)
+        for kk in T.serial(BM // 16):
+            for dp in T.unroll(width // 16):
+                for ty in thread_y(W):
+                    for tx in thread_x(WARP):
+                        with T.sblock("B_ldmatrix_trans"):
+                            T.reads()
+                            T.writes()
+                            lds_b_cols(Bf, Bs, 0, bstride, kk * 16, dp * 16, ty, tx)
+                for ty in thread_y(W):
+                    for tx in thread_x(WARP):
+                        with T.sblock("cols_mma"):
+                            T.reads()
+                            T.writes()
+                            mma_pair(C, dp * 8, Pf, kk * 8, Bf, ty, tx)
+
+    def key_of(ty, tx, k):  # tile key of a score slot (the warp's 16 keys are its rows)
+        return ty * 16 + tx // 4 + 8 * (k % 4 // 2)
+
+    def row_of(tx, k):  # tile query row of a score slot (its columns)
+        return k // 4 * 8 + 2 * (tx % 4) + k % 2
+
+    def sees(j, i):  # key j (of the sequence) seen by query row i
+        cond = T.And(i < SQ, j < SK)
+        return T.And(cond, j <= i + off) if causal else cond
+
+    return types.SimpleNamespace(**{**vars(x), **{k: v for k, v in locals().items() if k != "x"}})
+
+
+def _prep_post(h):
+    """The first kernel (``delta = rowsum(dO ∘ O)``, the accumulator zeroed) and the last (``dQ =
+    accumulator · scale``)."""
+    (B, block, D, dtype, DV, H, NRT, scale, SQ, thread_x) = \
+        (h.B, h.block, h.D, h.dtype, h.DV, h.H, h.NRT, h.scale, h.SQ, h.thread_x)
+
+    @T.macro
+    def prep(O, DO, delta, dq_accum):
+        # -- prep: delta = rowsum(dO ∘ O), the accumulator zeroed -------------------------------
+        for bz in block(B, "z"):
+            for by in block(H, "y"):
+                for bx in block(NRT, "x"):
+                    for r in thread_x(64):
+                        with T.sblock("prep"):
+                            vb, vh, vr, vi = T.axis.remap("SSSS", [bz, by, bx, r])
+                            T.reads()
+                            T.writes()
+                            if vr * 64 + vi < SQ:
+                                delta[vb, vh, vr * 64 + vi] = T.float32(0)
+                                for d in T.serial(DV):
+                                    delta[vb, vh, vr * 64 + vi] = delta[vb, vh, vr * 64 + vi] + T.Cast(
+                                        "float32", DO[vb, vh, vr * 64 + vi, d]) * T.Cast(
+                                        "float32", O[vb, vh, vr * 64 + vi, d])
+                                for d in T.serial(D):
+                                    dq_accum[vb, vh, vr * 64 + vi, d] = T.float32(0)
+
+    @T.macro
+    def post(DQ, dq_accum):
+        # -- post: dQ = accumulator · scale -----------------------------------------------------
+        for bz in block(B, "z"):
+            for by in block(H, "y"):
+                for bx in block(NRT, "x"):
+                    for r in thread_x(64):
+                        with T.sblock("post"):
+                            vb, vh, vr, vi = T.axis.remap("SSSS", [bz, by, bx, r])
+                            T.reads()
+                            T.writes()
+                            if vr * 64 + vi < SQ:
+                                for d in T.serial(D):
+                                    DQ[vb, vh, vr * 64 + vi, d] = T.Cast(dtype, dq_accum[vb, vh, vr * 64 + vi, d]
+                                                                         * T.float32(scale))
+
+    return prep, post
+
+
+def _query_tile(h):
+    """One query tile of a key tile's block: Q and dO staged, ``Sᵀ``, ``Pᵀ``, ``dV``, ``dPᵀ``, ``dSᵀ``,
+    ``dK``, then dS through shared memory for the tile's dQ rows, added atomically."""
+    (atomic_add, BM, BN, CGQ, cols_product, D, dtype, DV, EMU, G, ix, key_of, landed, lds_a, lds_b_cols, mma_pair,
+     NKV, NQ, PST, qscale, RGQ, row_of, rows_product, sees, SQ, ST, stage, sync, thread_x, thread_y, VST, W) = \
+        (h.atomic_add, h.BM, h.BN, h.CGQ, h.cols_product, h.D, h.dtype, h.DV, h.EMU, h.G, h.ix, h.key_of, h.landed,
+         h.lds_a, h.lds_b_cols, h.mma_pair, h.NKV, h.NQ, h.PST, h.qscale, h.RGQ, h.row_of, h.rows_product, h.sees,
+         h.SQ, h.ST, h.stage, h.sync, h.thread_x, h.thread_y, h.VST, h.W)
+
+    @T.macro
+    def query_tile(Q, DO, LSE, delta, dq_accum, Ks, Vs, Qs, Ds, Ss, Af, Bf, S, dP, Pf, Sa, dK, dV, dQ, first, vb, vkh,
+                   vt, g, qt):
+        sync()  # the previous tile's readers of Qs, Ds and Ss are done
+        for ty in thread_y(W):
+            for tx in thread_x(WARP):
+                with T.sblock("q_load"):
+                    T.reads()
+                    T.writes()
+                    stage(Qs, Q, vb, vkh * G + g, (first[0] + qt) * BM, BM, D, ST, SQ, ty, tx)
+                    stage(Ds, DO, vb, vkh * G + g, (first[0] + qt) * BM, BM, DV, VST, SQ, ty, tx)
+                    landed(ty, tx)
+        sync()
+        # Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ: the warp's 16 keys × the tile's rows
+        for ty in thread_y(W):
+            for tx in thread_x(WARP):
+                with T.sblock("S_init"):
+                    T.reads()
+                    T.writes()
+                    for k in T.unroll(NQ * 4):
+                        S[ix(ty, tx, k)] = T.float32(0)
+                        dP[ix(ty, tx, k)] = T.float32(0)
+        rows_product(S, Af, Bf, Ks, ST, Qs, D)
+        rows_product(dP, Af, Bf, Vs, VST, Ds, DV)
+        # Pᵀ, dV += Pᵀ·dO, dSᵀ = Pᵀ ∘ (dPᵀ − delta), dK += dSᵀ·Q, dS to Ss
+        for ty in thread_y(W):
+            for tx in thread_x(WARP):
+                with T.sblock("P_exp"):
+                    T.reads()
+                    T.writes()
+                    for k in T.unroll(NQ * 4):
+                        S[ix(ty, tx, k)] = T.Select(
+                            T.And(sees(vt * BN + key_of(ty, tx, k),
+                                       (first[0] + qt) * BM + row_of(tx, k)),
+                                  LSE[vb, vkh * G + g, T.min((first[0] + qt) * BM + row_of(tx, k),
+                                                              SQ - 1)] > T.float32(float("-inf"))),
+                            T.exp2(S[ix(ty, tx, k)] * T.float32(qscale) - LSE[
+                                vb, vkh * G + g, T.min((first[0] + qt) * BM + row_of(tx, k), SQ - 1)]
+                                * T.float32(LOG2E)), T.float32(0))
+                        Pf[ix(ty, tx, k)] = T.Cast(dtype, S[ix(ty, tx, k)])
+        cols_product(dV, Pf, Bf, Ds, VST, DV)
+        for ty in thread_y(W):
+            for tx in thread_x(WARP):
+                with T.sblock("dS"):
+                    T.reads()
+                    T.writes()
+                    for k in T.unroll(NQ * 4):
+                        dP[ix(ty, tx, k)] = S[ix(ty, tx, k)] * (dP[ix(ty, tx, k)] - delta[
+                            vb, vkh * G + g, T.min((first[0] + qt) * BM + row_of(tx, k), SQ - 1)])
+                        Pf[ix(ty, tx, k)] = T.Cast(dtype, dP[ix(ty, tx, k)])
+                        Ss[row_of(tx, k) * PST + key_of(ty, tx, k)] = Pf[ix(ty, tx, k)]
+        cols_product(dK, Pf, Bf, Qs, ST, D)
+        sync()  # dS complete
+        # dQ rows (a row group and a slice of 16-column chunks a warp) += dS·K
+        for ty in thread_y(W):
+            for tx in thread_x(WARP):
+                with T.sblock("dS_frag"):
+                    T.reads()
+                    T.writes()
+                    for kk in T.unroll(NKV):
+                        lds_a(Sa, kk * 8, Ss, 0, PST, ty % RGQ * 16, kk * 16, ty, tx)
+        for dc in T.serial(D // 16 // CGQ):
+            for ty in thread_y(W):
+                for tx in thread_x(WARP):
+                    with T.sblock("dQ_init"):
+                        T.reads()
+                        T.writes()
+                        for s in T.unroll(8):
+                            dQ[ix(ty, tx, s)] = T.float32(0)
+            for kk in T.unroll(NKV):
+                for ty in thread_y(W):
+                    for tx in thread_x(WARP):
+                        with T.sblock("K_ldmatrix"):
+                            T.reads()
+                            T.writes()
+                            lds_b_cols(Bf, Ks, 0, ST, kk * 16, (dc * CGQ + ty // RGQ) * 16, ty, tx)
+                for ty in thread_y(W):
+                    for tx in thread_x(WARP):
+                        with T.sblock("dQ_mma"):
+                            T.reads()
+                            T.writes()
+                            mma_pair(dQ, 0, Sa, kk * 8, Bf, ty, tx)
+            for ty in thread_y(W):
+                for tx in thread_x(WARP):
+                    with T.sblock("dQ_add"):
+                        T.reads()
+                        T.writes()
+                        for s in T.unroll(8):
+                            if (first[0] + qt) * BM + ty % RGQ * 16 + tx // 4 + 8 * (s % 4 // 2) < SQ:
+                                if EMU:
+                                    dq_accum[vb, vkh * G + g, (first[0] + qt) * BM + ty % RGQ * 16
+                                             + tx // 4 + 8 * (s % 4 // 2),
+                                             (dc * CGQ + ty // RGQ) * 16 + s // 4 * 8 + 2 * (tx % 4)
+                                             + s % 2] = dq_accum[
+                                        vb, vkh * G + g, (first[0] + qt) * BM + ty % RGQ * 16
+                                        + tx // 4 + 8 * (s % 4 // 2),
+                                        (dc * CGQ + ty // RGQ) * 16 + s // 4 * 8 + 2 * (tx % 4)
+                                        + s % 2] + dQ[ty, tx, s]
+                                else:
+                                    T.evaluate(atomic_add(dq_accum, (
+                                        vb, vkh * G + g, (first[0] + qt) * BM + ty % RGQ * 16
+                                        + tx // 4 + 8 * (s % 4 // 2),
+                                        (dc * CGQ + ty // RGQ) * 16 + s // 4 * 8 + 2 * (tx % 4)
+                                        + s % 2), dQ[s]))
+
+    return query_tile
+
+
+def _key_tile(h):
+    """A key tile's block: K and V staged, its warps' dK and dV over every query head of the group
+    and every query tile that sees the tile, then stored (dK times the scale)."""
+    (BM, BN, causal, D, dtype, DV, fscope, fshape, G, ix, key_of, NDK, NDV, NKV, NQ, NQT, off, PST, scale, SK, smem,
+     ST, stage, thread_x, thread_y, VST, W) = \
+        (h.BM, h.BN, h.causal, h.D, h.dtype, h.DV, h.fscope, h.fshape, h.G, h.ix, h.key_of, h.NDK, h.NDV, h.NKV,
+         h.NQ, h.NQT, h.off, h.PST, h.scale, h.SK, h.smem, h.ST, h.stage, h.thread_x, h.thread_y, h.VST, h.W)
+    query_tile = _query_tile(h)
+
+    @T.macro
+    def key_tile(Q, K, V, DO, LSE, delta, dq_accum, DK, DV_, vb, vkh, vt):
+        Ks = T.sblock_alloc_buffer((BN * ST,), dtype, scope=smem)
+        Vs = T.sblock_alloc_buffer((BN * VST,), dtype, scope=smem)
+        Qs = T.sblock_alloc_buffer((BM * ST,), dtype, scope=smem)
+        Ds = T.sblock_alloc_buffer((BM * VST,), dtype, scope=smem)  # dO's rows
+        Ss = T.sblock_alloc_buffer((BM * PST,), dtype, scope=smem)  # dS (rows × keys)
+        Af = T.sblock_alloc_buffer(fshape(8), dtype, scope=fscope)
+        Bf = T.sblock_alloc_buffer(fshape(8), dtype, scope=fscope)
+        S = T.sblock_alloc_buffer(fshape(NQ * 4), "float32", scope=fscope)  # Sᵀ, then Pᵀ
+        dP = T.sblock_alloc_buffer(fshape(NQ * 4), "float32", scope=fscope)  # dPᵀ, then dSᵀ
+        Pf = T.sblock_alloc_buffer(fshape(NQ * 4), dtype, scope=fscope)  # Pᵀ, then dSᵀ, as A
+        Sa = T.sblock_alloc_buffer(fshape(NKV * 8), dtype, scope=fscope)  # dS rows, as A
+        dK = T.sblock_alloc_buffer(fshape(NDK * 4), "float32", scope=fscope)
+        dV = T.sblock_alloc_buffer(fshape(NDV * 4), "float32", scope=fscope)
+        dQ = T.sblock_alloc_buffer(fshape(8), "float32", scope=fscope)
+        first = T.sblock_alloc_buffer((1,), "int32", scope="local")  # the first query tile
+        with T.sblock("kv_stage"):
+            T.reads()
+            T.writes()
+            first[0] = first_query_tile(vt * BN, off, BM, causal)
+        for ty in thread_y(W):
+            for tx in thread_x(WARP):
+                with T.sblock("kv_load"):
+                    T.reads()
+                    T.writes()
+                    stage(Ks, K, vb, vkh, vt * BN, BN, D, ST, SK, ty, tx)
+                    stage(Vs, V, vb, vkh, vt * BN, BN, DV, VST, SK, ty, tx)
+                    for k in T.unroll(NDK * 4):
+                        dK[ix(ty, tx, k)] = T.float32(0)
+                    for k in T.unroll(NDV * 4):
+                        dV[ix(ty, tx, k)] = T.float32(0)
+        for g in T.serial(G):
+            for qt in T.serial(T.max(0, NQT - first[0])):
+                query_tile(Q, DO, LSE, delta, dq_accum, Ks, Vs, Qs, Ds, Ss, Af, Bf, S, dP, Pf, Sa, dK, dV, dQ,
+                           first, vb, vkh, vt, g, qt)
+        # dK·scale and dV of the warp's keys
+        for ty in thread_y(W):
+            for tx in thread_x(WARP):
+                with T.sblock("kv_store"):
+                    T.reads()
+                    T.writes()
+                    for k in T.unroll(NDK * 4):
+                        if vt * BN + key_of(ty, tx, k) < SK:
+                            DK[vb, vkh, vt * BN + key_of(ty, tx, k), k // 4 * 8 + 2 * (tx % 4) + k % 2] = \
+                                T.Cast(dtype, dK[ix(ty, tx, k)] * T.float32(scale))
+                    for k in T.unroll(NDV * 4):
+                        if vt * BN + key_of(ty, tx, k) < SK:
+                            DV_[vb, vkh, vt * BN + key_of(ty, tx, k), k // 4 * 8 + 2 * (tx % 4) + k % 2] = \
+                                T.Cast(dtype, dV[ix(ty, tx, k)])
+
+    return key_tile
+
+
+@fast_macros  # TVMScript macro expansion without its costly stack walk, only while this generates
+def backward_mma(spec: AttentionSpec, warps: int = 4, block_m: int = 64, emulate: bool = False) -> tirx.PrimFunc:
+    """The backward of the BHSD ``spec`` (float16 or bfloat16). Parameters (call order): ``Q (B, H,
+    Sq, D)``, ``K (B, KH, Skv, D)``, ``V (B, KH, Skv, Dv)``, ``O (B, H, Sq, Dv)``, ``LSE (B, H, Sq)``
+    float32 (the forward's, natural log), ``DO (B, H, Sq, Dv)``; outputs ``DQ``, ``DK``, ``DV_`` (the
+    shapes of Q, K, V); workspaces ``dq_accum (B, H, Sq, D)``, ``delta (B, H, Sq)`` float32. ``warps``:
+    16 keys each (``block_n = 16·warps``); ``block_m``: query rows per tile, a multiple of 16 whose
+    row groups divide the warps."""
+    if spec.layout != "bhsd" or spec.variants or spec.dtype not in ("float16", "bfloat16"):
+        raise ValueError("the CUDA backward takes float16/bfloat16 bhsd specs without variants (causal or not, GQA)")
+    if block_m % 16 or warps % (block_m // 16):
+        raise ValueError(f"block_m={block_m}: a multiple of 16 whose row groups ({block_m // 16}) divide warps={warps}")
+    h = _helpers(spec, warps, block_m, emulate)
+    (B, block, D, dtype, DV, H, KH, NKT, SK, SQ) = (h.B, h.block, h.D, h.dtype, h.DV, h.H, h.KH, h.NKT, h.SK, h.SQ)
+    prep, post = _prep_post(h)
+    key_tile = _key_tile(h)
+
+    @T.prim_func(s_tir=True, check_well_formed=False)
+    def attention_backward(
+        Q: T.Buffer((B, H, SQ, D), dtype), K: T.Buffer((B, KH, SK, D), dtype), V: T.Buffer((B, KH, SK, DV), dtype),
+        O: T.Buffer((B, H, SQ, DV), dtype), LSE: T.Buffer((B, H, SQ), "float32"),
+        DO: T.Buffer((B, H, SQ, DV), dtype), DQ: T.Buffer((B, H, SQ, D), dtype), DK: T.Buffer((B, KH, SK, D), dtype),
+        DV_: T.Buffer((B, KH, SK, DV), dtype), dq_accum: T.Buffer((B, H, SQ, D), "float32"),
+        delta: T.Buffer((B, H, SQ), "float32"),
+    ):
+        T.func_attr({"global_symbol": ENTRY, "tirx.noalias": True, "attn.workload": "backward_mma",
+                     "attn.warps": warps, "attn.block_m": block_m})
+        prep(O, DO, delta, dq_accum)
+        # -- main: a block per (key tile, kv head, sequence) ------------------------------------
+        for bz in block(B, "z"):
+            for by in block(KH, "y"):
+                for bx in block(NKT, "x"):
+                    with T.sblock("key_tile"):
+                        vb, vkh, vt = T.axis.remap("SSS", [bz, by, bx])
+                        T.reads()
+                        T.writes()
+                        key_tile(Q, K, V, DO, LSE, delta, dq_accum, DK, DV_, vb, vkh, vt)
+        post(DQ, dq_accum)
+
+    return attention_backward
