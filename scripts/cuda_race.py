@@ -1381,7 +1381,7 @@ class RaceConfig:
     ``CS``, paged ``BT``); ``quick``: in the test's set."""
 
     name: str
-    kernel: str  # "fused_tc" | "fused_simt" | "fused_mla"
+    kernel: str  # "fused_tc" | "fused_simt" | "fused_mla" | "backward_mma"
     spec: dict
     knobs: dict
     lengths: dict | None = None
@@ -1394,6 +1394,10 @@ class RaceConfig:
     def build(self):
         # local: checking a device function needs no build path (schedules, workloads, nvcc)
         from tvm_attention.build import build_kernel
+        if self.kernel == _BWD:  # the backward's main kernel (build_backward: its own knobs)
+            from tvm_attention.backward import CudaBackwardKnobs, build_backward  # the backward's build path
+            return build_backward(self.attention_spec(), CudaBackwardKnobs(**self.knobs),
+                                  target=resolve_target("cuda", arch="sm_90"))
         return build_kernel(self.attention_spec(), self.kernel, target=resolve_target("cuda", arch="sm_90"),
                             knobs=self.knobs)
 
@@ -1438,6 +1442,7 @@ def cache_case(cache_seqlens, seq_q: int, page_size: int | None = None, seed: in
 _SIMT = "fused_simt"
 _TC = "fused_tc"
 _MLA = "fused_mla"
+_BWD = "backward_mma"
 _LEN = dict(batch=2, seq_q=37, seq_kv=45)  # symbolic builds run here: tails in both lengths
 #: varlen (query rows, keys): no rows, a sequence longer than a row tile, no keys, keys > rows
 _RAGGED = ((0, 7), (37, 45), (5, 0), (20, 70))
@@ -1534,11 +1539,17 @@ CONFIGS = [
     _cfg("mla_bf16_paged_chunk5_s1", _MLA, dict(row_groups=2, col_groups=2, block_n=32, stages=1, split_tasks=8), True,
          heads=40, seq_q=5, seq_kv=64, head_dim=64, head_dim_v=32, scale=0.1, causal=True, dtype="bfloat16",
          **{**cache_case(_CHUNK, 5, 16), "layout": "mla_paged"}),
+    # the backward's main kernel: a key tile's block walks the query tiles (Q, dO and dS through
+    # shared memory, two barriers a tile); GQA 2:1, tails in both lengths, causal
+    _cfg("bwd_f16_causal_37x45", _BWD, dict(warps=2, block_m=32), True, heads=2, seq_q=37, seq_kv=45, head_dim=32,
+         causal=True),
+    _cfg("bwd_bf16_full_dv16_40x50", _BWD, dict(warps=2, block_m=16), heads=2, seq_q=40, seq_kv=50, head_dim=32,
+         head_dim_v=16, dtype="bfloat16"),
 ]
 
 
 def configs(kernel: str = "all", quick: bool = False) -> list[RaceConfig]:
-    """The configurations of ``kernel`` ("fused_tc", "fused_simt", "fused_mla" or "all"); ``quick``: the
+    """The configurations of ``kernel`` ("fused_tc", "fused_simt", "fused_mla", "backward_mma" or "all"); ``quick``: the
     tests' subset."""
     return [c for c in CONFIGS if (kernel == "all" or c.kernel == kernel) and (c.quick or not quick)]
 

@@ -1,7 +1,7 @@
 """The shared-memory race checker (``scripts/cuda_race.py``, ``scripts/smem_race_check.py``),
 offline: the generated CUDA kernels (SIMT and mma.sync at small tiles and lengths, in the bhsd,
 varlen, kvcache and paged layouts: the last three run on given index arrays; the MLA kernel in
-the latent layouts) have no race in any block,
+the latent layouts; the backward's main kernel) have no race in any block,
 and the checker can fail: a barrier, a cp.async wait or a stage's barrier removed from the
 lowered kernel is reported with the buffer, the two threads and the barrier interval. Small
 hand-written kernels pin down its semantics (cp.async groups, barriers, warp collectives,
@@ -206,6 +206,19 @@ def test_each_barrier_of_the_mla_kernel_is_needed(fault, buffer):
     name = "mla_f16_decode_split"
     func = _func(name)
     assert cr.barrier_sites(func) == 4  # the key tile's wait, the two exchanges, the sums
+    r = _race_between_threads(_check(name, cr.drop_barrier(func, fault)), buffer=buffer)
+    assert len(r.sites) == 2
+
+
+@pytest.mark.parametrize("fault, buffer", [(0, "buf_dyn_shmem"), (1, "Ss")])
+def test_each_barrier_of_the_backward_is_needed(fault, buffer):
+    """The backward's main kernel, two barriers a query tile: after its Q and dO land (every warp
+    reads all of them; the dynamic tiles are one merged buffer) and after dS is written (the dQ
+    product reads other warps' columns of it); each one removed is a race. (A third, before the
+    copies of Q and dO, was never needed: the checker found no race without it.)"""
+    name = "bwd_f16_causal_37x45"
+    func = _func(name)
+    assert cr.barrier_sites(func) == 2
     r = _race_between_threads(_check(name, cr.drop_barrier(func, fault)), buffer=buffer)
     assert len(r.sites) == 2
 

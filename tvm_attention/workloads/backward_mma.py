@@ -85,6 +85,10 @@ def _helpers(spec: AttentionSpec, warps: int, block_m: int, emulate: bool):
     causal = x.causal
     NTHR = W * WARP
     smem = "global" if EMU else "shared.dyn"
+    # the dS tile apart, in static shared memory: TVM's barrier pass sees the dynamic tiles as one
+    # merged buffer, so dS's stores there looked like writes over Q's and K's ldmatrix reads and it
+    # added a barrier before them; apart, the kernel's own barriers order them (three a query tile)
+    small = "global" if EMU else "shared"
     NKT = (SK + BN - 1) // BN if isinstance(SK, int) else T.floordiv(SK + BN - 1, BN)  # key tiles
     NQT = (SQ + BM - 1) // BM if isinstance(SQ, int) else T.floordiv(SQ + BM - 1, BM)  # query tiles
     NRT = (SQ + 63) // 64 if isinstance(SQ, int) else T.floordiv(SQ + 63, 64)  # prep/post row blocks
@@ -281,7 +285,9 @@ def _query_tile(h):
     @T.macro
     def query_tile(Q, DO, LSE, delta, dq_accum, Ks, Vs, Qs, Ds, Ss, Af, Bf, S, dP, Pf, Sa, dK, dV, dQ, first, vb, vkh,
                    vt, g, qt):
-        sync()  # the previous tile's readers of Qs, Ds and Ss are done
+        # no barrier before these copies: every warp read the last tile's Q and dO before the
+        # barrier after its dS (the race checker: one here was never needed), and its dS reads
+        # end before the barrier after these copies land, which the next dS stores follow
         for ty in thread_y(W):
             for tx in thread_x(WARP):
                 with T.sblock("q_load"):
@@ -389,10 +395,11 @@ def _query_tile(h):
 def _key_tile(h):
     """A key tile's block: K and V staged, its warps' dK and dV over every query head of the group
     and every query tile that sees the tile, then stored (dK times the scale)."""
-    (BM, BN, causal, D, dtype, DV, fscope, fshape, G, ix, key_of, NDK, NDV, NKV, NQ, NQT, off, PST, scale, SK, smem,
-     ST, stage, thread_x, thread_y, VST, W) = \
-        (h.BM, h.BN, h.causal, h.D, h.dtype, h.DV, h.fscope, h.fshape, h.G, h.ix, h.key_of, h.NDK, h.NDV, h.NKV,
-         h.NQ, h.NQT, h.off, h.PST, h.scale, h.SK, h.smem, h.ST, h.stage, h.thread_x, h.thread_y, h.VST, h.W)
+    (BM, BN, causal, D, dtype, DV, fscope, fshape, G, ix, key_of, landed, NDK, NDV, NKV, NQ, NQT, off, PST, scale, SK,
+     small, smem, ST, stage, thread_x, thread_y, VST, W) = \
+        (h.BM, h.BN, h.causal, h.D, h.dtype, h.DV, h.fscope, h.fshape, h.G, h.ix, h.key_of, h.landed, h.NDK, h.NDV,
+         h.NKV, h.NQ, h.NQT, h.off, h.PST, h.scale, h.SK, h.small, h.smem, h.ST, h.stage, h.thread_x, h.thread_y,
+         h.VST, h.W)
     query_tile = _query_tile(h)
 
     @T.macro
@@ -401,7 +408,7 @@ def _key_tile(h):
         Vs = T.sblock_alloc_buffer((BN * VST,), dtype, scope=smem)
         Qs = T.sblock_alloc_buffer((BM * ST,), dtype, scope=smem)
         Ds = T.sblock_alloc_buffer((BM * VST,), dtype, scope=smem)  # dO's rows
-        Ss = T.sblock_alloc_buffer((BM * PST,), dtype, scope=smem)  # dS (rows × keys)
+        Ss = T.sblock_alloc_buffer((BM * PST,), dtype, scope=small)  # dS (rows × keys)
         Af = T.sblock_alloc_buffer(fshape(8), dtype, scope=fscope)
         Bf = T.sblock_alloc_buffer(fshape(8), dtype, scope=fscope)
         S = T.sblock_alloc_buffer(fshape(NQ * 4), "float32", scope=fscope)  # Sᵀ, then Pᵀ
@@ -423,6 +430,7 @@ def _key_tile(h):
                     T.writes()
                     stage(Ks, K, vb, vkh, vt * BN, BN, D, ST, SK, ty, tx)
                     stage(Vs, V, vb, vkh, vt * BN, BN, DV, VST, SK, ty, tx)
+                    landed(ty, tx)  # waited here: no copy is left in flight whatever the loops run
                     for k in T.unroll(NDK * 4):
                         dK[ix(ty, tx, k)] = T.float32(0)
                     for k in T.unroll(NDV * 4):
