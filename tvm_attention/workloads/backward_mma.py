@@ -52,6 +52,22 @@ def first_query_tile(key0, off, block_m: int, causal: bool):
     return T.floordiv(T.max(0, key0 - off), block_m) if causal else 0
 
 
+# -- fragment addressing: the shared element a lane's ldmatrix row address names ---------------
+def a_addr(base, stride, row0, col0, lane):
+    """A (16 × 16) of a row-major tile, rows ``row0..``, columns ``col0..``."""
+    return base + (row0 + lane % 8 + 8 * (lane // 8 % 2)) * stride + col0 + 8 * (lane // 16)
+
+
+def b_rows(base, stride, n0, k0, lane):
+    """B of two 8-wide n slices, n the tile's rows (K read as Kᵀ)."""
+    return base + (n0 + lane % 8 + 8 * (lane // 16)) * stride + k0 + 8 * (lane // 8 % 2)
+
+
+def b_cols(base, stride, k0, n0, lane):
+    """B (ldmatrix ``.trans``) of two 8-wide n slices, k the tile's rows."""
+    return base + (k0 + lane % 8 + 8 * (lane // 8 % 2)) * stride + n0 + 8 * (lane // 16)
+
+
 def backward_shared_bytes(spec: AttentionSpec, warps: int, block_m: int) -> int:
     """Shared memory of a main-kernel block: K and V tiles (``16·warps`` rows), the Q and dO tiles
     (``block_m`` rows), the dS tile (``block_m × 16·warps``); rows padded by 16 bytes."""
@@ -98,16 +114,6 @@ def _helpers(spec: AttentionSpec, warps: int, block_m: int, emulate: bool):
     def atomic_add(buf, index, value):
         return T.cuda.func_call("attn_atomic_add", buf.access_ptr("rw", offset=flat_offset(buf, index)), value,
                                 source_code=ATOMIC_ADD)
-
-    # -- fragment addressing: which shared element a lane's ldmatrix row address names -------
-    def a_addr(base, stride, row0, col0, lane):  # A (16 × 16) of a row-major tile, rows row0..
-        return base + (row0 + lane % 8 + 8 * (lane // 8 % 2)) * stride + col0 + 8 * (lane // 16)
-
-    def b_rows(base, stride, n0, k0, lane):  # B of two 8-wide n slices, n the tile's rows (K as Kᵀ)
-        return base + (n0 + lane % 8 + 8 * (lane // 16)) * stride + k0 + 8 * (lane // 8 % 2)
-
-    def b_cols(base, stride, k0, n0, lane):  # B (.trans) of two 8-wide n slices, k the tile's rows
-        return base + (k0 + lane % 8 + 8 * (lane // 8 % 2)) * stride + n0 + 8 * (lane // 16)
 
     @T.macro
     def lds_a(Af, a_off, buf, base, stride, row0, col0, ty, tx):
