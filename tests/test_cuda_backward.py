@@ -113,3 +113,30 @@ def test_what_it_does_not_build_is_refused_by_name():
         build_backward(AttentionSpec(**base), target=tvm.target.Target({"kind": "cuda", "arch": "sm_75"}))
     with pytest.raises(SpecError, match="block_m=48 must be a multiple of 16 whose row groups"):
         CudaBackwardKnobs(warps=4, block_m=48)
+
+
+@pytest.mark.skipif(find_nvcc() is None, reason="nvcc not found: the CUDA builds are compiled offline")
+def test_a_cuda_backward_exports_and_its_artifact_names_what_it_needs(tmp_path):
+    """``export_backward`` of a CUDA build: the library, TVM's runtime with CUDA, the CUDA C and
+    the fatbin compiled offline (``kernel_binary``: no compiler on the GPU machine), the manifest
+    naming the arch, knobs, workspaces and ptxas's report, its validation left to a GPU; loading
+    it on a machine without a GPU is refused by name."""
+    import json
+
+    from tvm_attention.backward_artifact import export_backward, load_backward
+    from tvm_attention.loader import ArtifactError
+
+    spec = AttentionSpec(batch=1, heads=4, kv_heads=2, seq_q=64, seq_kv=64, head_dim=64, dtype="float16", causal=True,
+                         dynamic=("batch", "seq_q", "seq_kv"))
+    manifest = export_backward(build_backward(spec, target=resolve_target("cuda", arch="sm_90")), tmp_path / "bwd")
+    assert manifest["target"] == {"kind": "cuda", "arch": "sm_90"} and manifest["knobs"] == {"warps": 4, "block_m": 64}
+    assert manifest["validation"]["ran"] is False and manifest["workspaces"] == ["dq_accum", "delta"]
+    assert manifest["kernel_binary"]["file"] == "kernel.fatbin" and manifest["resources"]["spills"] == 0
+    files = {p.name for p in (tmp_path / "bwd").iterdir()}
+    assert {"attention_backward.so", "kernel.cu", "kernel.fatbin", "manifest.json"} <= files
+    assert json.loads((tmp_path / "bwd" / "manifest.json").read_text())["spec_hash"] == spec.fingerprint()
+    from tvm_attention import runtime
+
+    if runtime.cuda_arch() is None:
+        with pytest.raises(ArtifactError, match="a CUDA backward artifact \\(sm_90\\); this machine has no CUDA device"):
+            load_backward(tmp_path / "bwd")

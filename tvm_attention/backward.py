@@ -255,6 +255,8 @@ class BackwardKernel:
     library: str | None = None
     #: a CUDA build's ptxas report (``cuda_tools.ptxas_report``; or why there is none)
     resources: dict | None = None
+    #: where it runs: "cpu", or "cuda" (a CUDA build, or a loaded CUDA artifact: torch CUDA tensors)
+    device: str = "cpu"
 
     def __call__(self, q, k, v, o, lse, do, **variant_args):
         """``(dq, dk, dv)``, and ``dsinks (H,)`` last with sinks. ``variant_args`` where the spec
@@ -266,7 +268,7 @@ class BackwardKernel:
         from .runtime import cpu_view  # bf16 arrays through their bits
 
         given = {"q": q, "k": k, "v": v, "o": o, "lse": lse, "do": do, **variant_args}
-        if self.target is not None and self.target.kind.name == "cuda":
+        if self.device == "cuda":
             return self._call_cuda(given)
         takes = {n for n, _, _ in self.args}
         stray = sorted(n for n, a in given.items() if n not in takes and a is not None)
@@ -471,7 +473,7 @@ def _build_cuda(spec: AttentionSpec, knobs: CudaBackwardKnobs | None, target: An
         resources = ptxas_report(kernel_source(module), arch, 32 * knobs.warps, smem)
     except NvccNotFound as e:
         resources = {"unavailable": str(e)}
-    return BackwardKernel(spec, knobs, module, report, args, lowered, target, None, resources)
+    return BackwardKernel(spec, knobs, module, report, args, lowered, target, None, resources, "cuda")
 
 
 def _library_of(module) -> tuple[str, Any]:

@@ -18,6 +18,13 @@ arrays and shapes (``build_backward``), so C++ callers get the same errors; the 
 ``attention_backward(q, k, v, o, lse, do, <variant arguments>, dq, dk, dv[, dsinks][,
 dq_workspace])`` in the manifest's order (DLTensors, 64-byte-aligned; ``dq_workspace``, the
 chunked dQ's scratch of the manifest's shape, is the caller's to allocate).
+
+A CUDA build (``build_backward`` with a CUDA target) exports the same way, with the forward's CUDA
+files beside its library: ``kernel.cu`` and, where nvcc is, ``kernel.fatbin`` (``kernel_binary``:
+loaded in place of a JIT compile), TVM's runtime with CUDA, the manifest's ``target`` naming the
+arch, ``resources`` (ptxas) and ``workspaces`` (``dq_accum``, ``delta``: float32 scratch the
+caller allocates, as the call does); its validation runs where a GPU does (``ran: false`` here).
+Loaded, it takes torch CUDA tensors; a machine without a GPU is refused by name.
 """
 from __future__ import annotations
 
@@ -30,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from .backward import ENTRY, OUTPUTS, BackwardKernel, BackwardKnobs
+from .backward import CUDA_WORKSPACES, ENTRY, OUTPUTS, BackwardKernel, BackwardKnobs, CudaBackwardKnobs
 from .loader import (ArtifactError, check_cpu_features, check_library_spec, library_digest, load_module,
                      runtime_entries)
 from .spec import AttentionSpec
@@ -38,6 +45,9 @@ from .spec import AttentionSpec
 FORMAT = "tvm-attention-backward"
 MANIFEST_VERSION = 1
 MANIFEST, LIBRARY, LOWERED = "manifest.json", "attention_backward.so", "lowered_ir.py"
+#: a CUDA build's: its CUDA C and, where nvcc is, the fatbin compiled offline (``kernel_binary``:
+#: loaded in place of a JIT compile, so the GPU machine needs no compiler)
+KERNEL_SOURCE, KERNEL_BINARY = "kernel.cu", "kernel.fatbin"
 
 
 def validate_backward(kernel: BackwardKernel, seed: int = 0) -> dict[str, Any]:
@@ -130,14 +140,17 @@ def export_backward(kernel: BackwardKernel, out_dir: str | os.PathLike) -> dict[
 
     if kernel.lowered is None:
         raise ArtifactError("export_backward: this kernel was loaded from an artifact; export the build")
-    validation = validate_backward(kernel)
-    if not validation["passed"]:
+    cuda = kernel.device == "cuda"
+    validation = {"ran": False, "passed": None, "why": "a CUDA build: validated where a GPU runs it (the GPU "
+                  "payload's check)"} if cuda else validate_backward(kernel)
+    if not cuda and not validation["passed"]:
         raise ArtifactError(f"export_backward: {kernel.spec.short_name()} failed validation, not exported: "
                             f"max relative error {validation['max_rel_error']:.3g} > {validation['tolerance']}")
     out = Path(out_dir)
     if out.exists():
         foreign = sorted(p.name for p in out.iterdir()) if out.is_dir() else [out.name]
-        foreign = [n for n in foreign if n not in (MANIFEST, LIBRARY, LOWERED) and not n.startswith("libtvm")]
+        foreign = [n for n in foreign if n not in (MANIFEST, LIBRARY, LOWERED, KERNEL_SOURCE, KERNEL_BINARY)
+                   and not n.startswith("libtvm")]
         if foreign:
             raise ArtifactError(f"{out}: holds files that are not part of a backward artifact ({', '.join(foreign[:5])})")
     def fill(tmp: Path) -> dict[str, Any]:
@@ -145,18 +158,27 @@ def export_backward(kernel: BackwardKernel, out_dir: str | os.PathLike) -> dict[
             shutil.copy2(kernel.library, tmp / LIBRARY)
         else:
             kernel.module.export_library(str(tmp / LIBRARY))
-        runtime = copy_runtime(tmp)
+        runtime = copy_runtime(tmp, cuda=cuda)
         (tmp / LOWERED).write_text(kernel.lowered.script())
         target = kernel.target
-        return {
+        where = {"kind": "cuda", "arch": str(target.attrs["arch"])} if cuda else \
+            {"kind": target.kind.name, "mcpu": str(target.attrs.get("mcpu", ""))}
+        manifest = {
             "format": FORMAT, "manifest_version": MANIFEST_VERSION, "entry": ENTRY, "library": LIBRARY,
             "spec": kernel.spec.to_dict(), "spec_hash": kernel.spec.fingerprint(),
             "knobs": dataclasses.asdict(kernel.knobs),
             "args": [{"name": n, "shape": list(s), "dtype": str(d), "output": n in OUTPUTS} for n, s, d in kernel.args],
-            "target": {"kind": target.kind.name, "mcpu": str(target.attrs.get("mcpu", ""))},
-            "cpu_features": cpu_features(target), "audit": kernel.report.verdict, "validation": validation,
-            "library_sha256": library_digest(tmp / LIBRARY), "runtime_libraries": runtime,
+            "target": where, "cpu_features": cpu_features(target), "audit": kernel.report.verdict,
+            "validation": validation, "library_sha256": library_digest(tmp / LIBRARY), "runtime_libraries": runtime,
         }
+        if cuda:  # the forward's way: kernel.cu, and the fatbin where nvcc is (the loader's kernel_binary)
+            from .artifact import _write_cuda_sources  # the compiler's side
+
+            manifest.update(kernel_source=KERNEL_SOURCE, resources=kernel.resources, workspaces=list(CUDA_WORKSPACES))
+            binary = _write_cuda_sources(kernel, tmp)
+            if binary is not None:
+                manifest["kernel_binary"] = binary
+        return manifest
 
     return write_directory(out, fill)
 
@@ -197,16 +219,28 @@ def load_backward(directory: str | os.PathLike) -> BackwardKernel:
             raise ArtifactError(f"{f}: missing (the manifest names it)")
         if library_digest(f) != digest:
             raise ArtifactError(f"{f}: SHA-256 does not match the manifest's")
+    cuda = manifest.get("target", {}).get("kind") == "cuda"
     check_cpu_features(directory, manifest)
     try:
         spec = AttentionSpec.from_dict(manifest["spec"])
-        knobs = BackwardKnobs(**manifest["knobs"])
+        knobs = (CudaBackwardKnobs if cuda else BackwardKnobs)(**manifest["knobs"])
         args = tuple((a["name"], tuple(a["shape"]), _dtype(a["dtype"])) for a in manifest["args"])
     except (TypeError, KeyError, ValueError) as e:
         raise ArtifactError(f"{path}: malformed spec, knobs or args ({type(e).__name__}: {e})") from None
-    module = load_module(directory, manifest, lib)  # the bytes checked, from a private copy
+    from . import runtime  # the runtime's side: whether TVM sees a GPU
+
+    try:
+        module = load_module(directory, manifest, lib)  # the bytes checked, from a private copy
+        problem = None if not cuda or runtime.cuda_arch() is not None else "no device found"
+    except ArtifactError as e:
+        if not cuda:
+            raise
+        problem = str(e)  # no CUDA driver or runtime on this machine
+    if problem is not None:
+        raise ArtifactError(f"{directory}: a CUDA backward artifact ({manifest['target'].get('arch')}); this machine "
+                            f"has no CUDA device TVM can use ({problem})")
     check_library_spec(directory, module, manifest)
-    return BackwardKernel(spec, knobs, module, manifest["audit"], args)
+    return BackwardKernel(spec, knobs, module, manifest["audit"], args, device="cuda" if cuda else "cpu")
 
 
 def _dtype(name: str) -> np.dtype:
