@@ -1022,6 +1022,106 @@ def mask_lines(entries: list[dict]) -> list[str]:
             f"{valid.get('verify')} / {valid.get('append')} |"]
 
 
+def backward_flops(b: int, h: int, s: int, d: int, causal: bool) -> float:
+    """The backward's FLOPs (FlashAttention's count: five products of 2·B·H·S²·D, halved when
+    causal: 2.5x the forward's)."""
+    return 10.0 * b * h * s * s * d / (2 if causal else 1)
+
+
+def backward_inputs(torch, spec, b: int, h: int, s: int, device: str, gen) -> dict:
+    """q, k, v, do ``(b, h, s, D)`` in the spec's dtype, and the forward's ``o`` and ``lse`` from
+    torch's flash SDPA (its logsumexp: natural log, float32)."""
+    dtype = getattr(torch, spec.dtype)
+    x = {n: torch.randn((b, h, s, spec.head_dim), device=device, dtype=dtype, generator=gen) for n in ("q", "k", "v", "do")}
+    out = torch.ops.aten._scaled_dot_product_flash_attention(x["q"], x["k"], x["v"], 0.0, spec.causal, False,
+                                                              scale=spec.scale)
+    x["o"], x["lse"] = out[0], out[1]
+    return x
+
+
+def backward_peer(torch, spec, x: dict):
+    """torch SDPA's flash backward of ``x``: a call that returns (dq, dk, dv)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v = (x[n].detach().requires_grad_() for n in ("q", "k", "v"))
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=spec.causal, scale=spec.scale)
+    return lambda: torch.autograd.grad(out, (q, k, v), x["do"], retain_graph=True)
+
+
+def compare_grads(torch, ours, theirs, tolerance: float = 2e-2) -> dict:
+    """``ours`` against ``theirs`` (dq, dk, dv): the largest error as a share of the largest
+    gradient, each within ``tolerance`` (both are 16-bit: flash's rounding is the peer's)."""
+    worst = 0.0
+    ok = True
+    for a, b in zip(ours, theirs):
+        rel = float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30))
+        worst = max(worst, rel)
+        ok = ok and bool(torch.isfinite(a).all()) and rel <= tolerance
+    return {"passed": ok, "max_rel_error": worst, "tolerance": tolerance}
+
+
+def backward_goal(torch, kernels: list[dict], payload: Path, min_ms: float, rounds: int) -> list[dict]:
+    """The backward goal's builds (``backward`` in the payload): at each of their ``shapes`` (B,
+    H, S), ours (``load_backward``) against torch SDPA's flash backward on the same inputs:
+    validated (:func:`compare_grads`), each timed (our library's function on preallocated outputs
+    and scratch; theirs through autograd), TFLOP/s (:func:`backward_flops`) and the ratio."""
+    import tvm_ffi
+    from tvm_attention.backward import ENTRY as BACKWARD_ENTRY
+    from tvm_attention.backward_artifact import load_backward
+    from tvm_attention.spec import AttentionSpec
+
+    out = []
+    for i, k in enumerate(kernels):
+        spec = AttentionSpec.from_dict(k["spec"])
+        for b, h, s in k["shapes"]:
+            entry = {"dir": k["dir"], "spec": k["spec"], "shape": [b, h, s]}
+            try:
+                kern = load_backward(payload / k["dir"])
+                x = backward_inputs(torch, spec, b, h, s, "cuda", torch.Generator(device="cuda").manual_seed(i))
+                peer = backward_peer(torch, spec, x)
+                ours = kern(x["q"], x["k"], x["v"], x["o"], x["lse"], x["do"])
+                entry["validation"] = compare_grads(torch, ours, peer())
+                scratch = [torch.empty((b, h, s, spec.head_dim), device="cuda", dtype=torch.float32),
+                           torch.empty((b, h, s), device="cuda", dtype=torch.float32)]
+                args = [x[n] for n in ("q", "k", "v", "o", "lse", "do")] + list(ours) + scratch
+                ffi = [tvm_ffi.from_dlpack(t) for t in args]
+                fn = kern.module[BACKWARD_ENTRY]
+                with tvm_ffi.use_torch_stream():
+                    ours_s = cuda_time(torch, lambda: fn(*ffi), min_ms, rounds)
+                theirs_s = cuda_time(torch, peer, min_ms, rounds)
+                f = backward_flops(b, h, s, spec.head_dim, spec.causal)
+                entry.update(ours_tflops=f / ours_s / 1e12, flash_tflops=f / theirs_s / 1e12, ratio=theirs_s / ours_s)
+            except Exception as e:  # noqa: BLE001 - recorded, the check goes on
+                entry["error"] = f"{type(e).__name__}: {e}"
+                traceback.print_exc()
+            out.append(entry)
+            print(f"backward {k['dir']} {b}x{h}x{s}: {entry.get('ours_tflops', float('nan')):.1f} TFLOP/s, flash "
+                  f"{entry.get('flash_tflops', float('nan')):.1f}, {entry.get('validation') or entry.get('error')}",
+                  flush=True)
+    return out
+
+
+def backward_lines(entries: list[dict]) -> list[str]:
+    """The backward goal's lines (``check.md``): ours and torch SDPA's flash backward at each shape,
+    TFLOP/s, and ours over theirs (goal: at least 1.0)."""
+    if not entries:
+        return []
+    from tvm_attention.spec import AttentionSpec
+
+    f = fmt
+    lines = ["", "The backward on tensor cores against torch SDPA's flash backward (TFLOP/s: 2.5x the forward's FLOPs; "
+                 "goal: at least 1.0x):", "",
+             "| dtype | D | causal | B×H | S | ours | flash | ours / flash | valid |", "|" + "---|" * 9]
+    for e in entries:
+        sp = AttentionSpec.from_dict(e["spec"])
+        b, h, s = e["shape"]
+        lines.append(f"| {sp.dtype} | {sp.head_dim} | {sp.causal} | {b}×{h} | {s} | {f(e.get('ours_tflops'))} | "
+                     f"{f(e.get('flash_tflops'))} | {f(e.get('ratio'), '{:.2f}')} | "
+                     f"{e.get('validation', {}).get('passed')}{' ' + e['error'][:80] if 'error' in e else ''} |")
+    return lines
+
+
 def stream_read(torch, min_ms: float, rounds: int) -> float:
     """Bytes per second of a streaming read on this GPU (``sum`` over 2 GiB of fp16: each byte
     read once), measured in this run: what a memory-bound decode step is judged against."""
@@ -1158,8 +1258,9 @@ def main(argv: list[str] | None = None) -> int:
     casc = [k for k in every if "cascade" in k]  # the cascade's prefix and suffix kernels: a table of their own
     mla = [k for k in every if "mla" in k]  # the MLA goal's: a table of their own
     masked = [k for k in every if "mask_goal" in k]  # the mask goals': a table of their own
-    variant = [k for k in variant if k not in goal + casc + mla + masked]
-    ready = [k for k in every if k not in variant + fp8 + goal + casc + mla + masked]
+    backs = [k for k in every if k.get("backward")]  # the backward goal's: a table of their own
+    variant = [k for k in variant if k not in goal + casc + mla + masked + backs]
+    ready = [k for k in every if k not in variant + fp8 + goal + casc + mla + masked + backs]
     varlen = [k for k in ready if k["spec"].get("layout", "bhsd") == "varlen"]
     cached = [k for k in ready if k["spec"].get("layout", "bhsd") in ("kvcache", "paged")]
     built = [k for k in ready if not k["spec"].get("dynamic") and k not in varlen + cached]
@@ -1305,11 +1406,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"decode {k['dir']} B{batch} × {keys}: {entry.get('gbps', float('nan')):.0f} GB/s, "
               f"{100 * entry.get('of_stream', float('nan')):.0f}% of a streaming read", flush=True)
 
+    # the backward last: its kernels never ran on a GPU, and a fault would poison the CUDA context
+    backward = backward_goal(torch, backs, payload, a.min_ms, a.rounds)
     lines = prefill_table({k: r for k, r in rows.items() if r["tflops"].keys() - {"tc_mod", "flex_mod"}
                            or r["errors"].keys() - {"tc_mod", "flex_mod"}}, device_name, arch, peak, unproven, smoked)
     lines += modifier_lines(rows)
     lines += cascade_lines(cascades)
     lines += mask_lines(mask_runs)
+    lines += backward_lines(backward)
     lines += ["", f"Symbolic kernels at awkward shapes (batch, seq_q, seq_kv): "
               f"{sum(c['passed'] for c in awkward)}/{len(awkward)} valid"]
     lines += [f"- {c['kernel']} {tuple(c['shape'])}: {c.get('error') or c.get('max_abs_err')}"
@@ -1332,7 +1436,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"device": device_name, "arch": arch, "peak_tflops": peak, "torch": torch.__version__, "rows": rows,
               "first_runs": {"kernels": [k["dir"] for k in unproven], "failed": smoked},
               "symbolic": awkward, "varlen": ragged, "cache": caches, "decode": decode, "variants": variants,
-              "cascade": cascades, "mla": latent, "masks": mask_runs, "stream_read_bytes_per_s": stream,
+              "cascade": cascades, "mla": latent, "masks": mask_runs, "backward": backward, "stream_read_bytes_per_s": stream,
               "seconds": round(time.time() - t_start, 1), "imported_tvm": imported}
     (out / "check.json").write_text(json.dumps(report, indent=1) + "\n")
     (out / "check.md").write_text(table + "\n")
@@ -1344,7 +1448,7 @@ def main(argv: list[str] | None = None) -> int:
                                                   "tc_mod",
                                                   *DYN_NAMES.values(),
                                                   *VARLEN_NAMES.values()))]
-    bad_decode = [e for e in decode + cascades + latent + mask_runs
+    bad_decode = [e for e in decode + cascades + latent + mask_runs + backward
                   if "error" in e or not e.get("validation", {}).get("passed")]
     return 1 if failed or smoked or imported or bad_decode or not all(c["passed"] for c in awkward + ragged + caches + variants) else 0
 

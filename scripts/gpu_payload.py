@@ -54,12 +54,12 @@ DEFAULT_KERNELS = ("fused_tc", "fused_simt")
 #: new token in the call), and the variants' bhsd
 #: build (window, kv_start) at the first head_dim, and fp8 (e4m3) inputs at the FlashAttention
 #: shapes (head_dims 64 and 128, o in the last dtype: the fp8 goal, at least 1.5x our fp16); and
-#: issue 65's goals: the modifier (a relative bias), the cascade, MLA's decode and the masks
-#: (``--modifier``, ``--cascade``, ``--mla``, ``--masks``)
+#: issue 65's goals: the modifier (a relative bias), the cascade, MLA's decode, the masks and the
+#: backward (``--modifier``, ``--cascade``, ``--mla``, ``--masks``, ``--backward``)
 #: the Hopper kernel's other forms timed beside its preset (a column each): name -> knob overrides
 HOPPER_VARIANTS = {"hopper_seq": {"overlap": 0}}
 HOPPER = dict(arch=["sm_90"], kernels=["fused_hopper", "fused_tc"], symbolic=True, cache=True, variants=True,
-              varlen=True, fp8=True, modifier=True, cascade=True, mla=True, masks=True)
+              varlen=True, fp8=True, modifier=True, cascade=True, mla=True, masks=True, backward=True)
 #: fp8 inputs (``--fp8``): q, K and V e4m3 scaled per head, at the head_dims the Hopper kernel
 #: builds them at
 FP8 = "float8_e4m3fn"
@@ -128,9 +128,13 @@ MASK_GOALS = {
     "append": dict(batch=8, heads=32, kv_heads=8, seq_q=64, seq_kv=4096, head_dim=128, dtype="float16", causal=True,
                    layout="paged", page_size=16, append=True),
 }
+#: the backward goal (issue 65 item 6, ``--backward``): the CUDA backward (``build_backward`` with a CUDA
+#: target, exported) per (head_dim, causal) of the table, float16, symbolic lengths (one build serves
+#: every S of the table at FlashAttention's shapes), timed against torch SDPA's flash backward
+BACKWARD_DTYPE = "float16"
 MAX_PAYLOAD_BYTES = 56 * 2**20
 #: files of an artifact the device needs (lowered.tir and kernel.cu stay here: 0.4 MB a kernel)
-DEVICE_FILES = ("attention.so", "kernel.fatbin", "manifest.json")
+DEVICE_FILES = ("attention.so", "attention_backward.so", "kernel.fatbin", "manifest.json")
 TVM_FFI = "apache-tvm-ffi==0.1.14.post1"
 
 
@@ -152,6 +156,8 @@ def build_job(job: dict, require_binary: bool = True) -> dict:
 
     t0 = time.time()
     spec = AttentionSpec.from_dict(job["spec"])
+    if job.get("backward"):
+        return _build_backward_job(job, spec, t0)
     try:
         built = build_kernel(spec, job["kernel"], target=resolve_target("cuda", arch=job["arch"]),
                              knobs=job.get("knobs"))
@@ -162,6 +168,27 @@ def build_job(job: dict, require_binary: bool = True) -> dict:
         return {"knobs": built.knobs.to_dict(), "audit": built.audit.verdict, "build_s": round(time.time() - t0, 2),
                 "resources": res, "registers": res.get("registers"), "spills": res.get("spills"),
                 "occupancy": res.get("occupancy")}
+    except Exception as e:  # noqa: BLE001 - recorded, the others go on
+        return {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc(limit=4)}
+
+
+def _build_backward_job(job: dict, spec, t0: float) -> dict:
+    """``build_job`` of a backward build: ``build_backward`` for the job's CUDA arch, exported (its
+    fatbin compiled here)."""
+    import traceback
+
+    from tvm_attention.backward import build_backward
+    from tvm_attention.backward_artifact import export_backward
+    from tvm_attention.target import resolve_target
+
+    try:
+        kern = build_backward(spec, target=resolve_target("cuda", arch=job["arch"]))
+        m = export_backward(kern, job["dir"])
+        if "kernel_binary" not in m:
+            raise RuntimeError("no nvcc here: the kernel would need a compiler on the GPU machine")
+        res = kern.resources or {}
+        return {"knobs": m["knobs"], "audit": m["audit"], "build_s": round(time.time() - t0, 2), "resources": res,
+                "registers": res.get("registers"), "spills": res.get("spills"), "occupancy": res.get("occupancy")}
     except Exception as e:  # noqa: BLE001 - recorded, the others go on
         return {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc(limit=4)}
 
@@ -243,6 +270,14 @@ def jobs_for(a: argparse.Namespace, kernels_dir: Path) -> list[dict]:
                 spec = AttentionSpec(**fields)
                 jobs.append({"spec": spec.to_dict(), "kernel": "fused_tc", "arch": arch, "mask_goal": goal,
                              "dir": str(kernels_dir / arch / f"fused_tc_maskgoal_{goal}_{spec.short_name()}")})
+        if a.backward:  # the backward goal's builds: per (head_dim, causal), symbolic, at the table's shapes
+            for d in a.head_dim:
+                for causal in a.causal:
+                    shapes = [(*shape_of(s, d, a.tokens, a.width), s) for s in a.seq]
+                    spec = AttentionSpec(batch=1, heads=shapes[-1][1], seq_q=max(a.seq), head_dim=d,
+                                         dtype=BACKWARD_DTYPE, causal=causal, dynamic=SYMBOLIC)
+                    jobs.append({"spec": spec.to_dict(), "kernel": "backward_mma", "arch": arch, "backward": True,
+                                 "shapes": shapes, "dir": str(kernels_dir / arch / f"backward_{spec.short_name()}")})
         if a.mla:  # the MLA goal's builds (MLA): the MLA kernel's, whatever --kernels names
             for kv in MLA_KV:
                 spec = AttentionSpec(**MLA, kv_dtype=kv)
@@ -313,6 +348,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cascade", action=argparse.BooleanOptionalAction, default=False,
                    help="also the cascade's prefix and suffix builds (64 sequences over a shared prefix of 8192 keys) "
                         "of each non-Hopper kernel in the first --dtype, timed against the same step without it")
+    p.add_argument("--backward", action=argparse.BooleanOptionalAction, default=False,
+                   help="also the CUDA backward per (--head-dim, --causal), float16, symbolic: timed at each --seq "
+                        "against torch SDPA's flash backward")
     p.add_argument("--masks", action=argparse.BooleanOptionalAction, default=False,
                    help="also the mask goals' builds on tensor cores: a custom mask at S 8192 (all bits against 90 %% "
                         "of the blocks hidden) and a 64-draft tree verify step against a 64-token append")
@@ -364,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
             "runtime": runtime, "build_s": round(time.time() - t0, 1),
             "kernels": [{"kernel": j["kernel"], "arch": j["arch"], "spec": j["spec"],
                          **{key: j[key] for key in ("column", "knobs", "twin", "cascade", "serving", "lengths", "mla",
-                                                    "mask_goal")
+                                                    "mask_goal", "backward", "shapes")
                             if key in j},
                          "dir": str(Path(j["dir"]).relative_to(out)), **b} for j, b in zip(jobs, builds)]}
     (out / "payload.json").write_text(json.dumps(info, indent=1) + "\n")

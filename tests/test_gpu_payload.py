@@ -114,6 +114,10 @@ def test_hopper_payload_plan(tmp_path):
         [("fused_tc", "prefix", 8, True), ("fused_tc", "suffix", 32, True)]
     assert all(j["serving"]["batch"] == 64 and j["lengths"] == [8192, 512] for j in casc)
     jobs = [j for j in jobs if j not in casc]
+    backs = [j for j in jobs if j.get("backward")]  # the backward goal's (test_device_side_of_the_backward_goal)
+    assert [(j["kernel"], j["spec"]["head_dim"], j["spec"]["causal"], j["shapes"]) for j in backs] == \
+        [("backward_mma", 64, c, [(16, 32, 1024), (4, 32, 4096)]) for c in (False, True)]
+    jobs = [j for j in jobs if j not in backs]
     masks = [j for j in jobs if "mask_goal" in j]  # the mask goals' (test_device_check_of_the_mask_goals_on_the_cpu)
     assert [(j["kernel"], j["mask_goal"], j["spec"].get("custom_mask", False)) for j in masks] == \
         [("fused_tc", "sparse", True), ("fused_tc", "verify", True), ("fused_tc", "append", False)]
@@ -738,6 +742,33 @@ def test_device_check_of_the_mask_goals_on_the_cpu(tmp_path):
     rows = [{h: c.strip("| ") for h, c in zip(head, line.split(" | "))} for line in lines[5:7]]
     assert [r["ratio"] for r in rows] == ["6.25", "1.20"] and [r["goal"] for r in rows] == ["≥ 5.0", "≤ 1.3"]
     assert dc.mask_lines([]) == []
+
+
+def test_device_side_of_the_backward_goal():
+    """The backward goal's pieces that run without a GPU: FlashAttention's FLOP count (five products,
+    halved when causal), the comparison of ours with the peer's gradients (a share of the largest
+    gradient; fails past the tolerance or on a non-finite value), the table's line."""
+    torch = pytest.importorskip("torch")
+    dc = scripts_module("gpu_device_check")
+    from tvm_attention.spec import AttentionSpec
+
+    assert dc.backward_flops(1, 2, 1024, 64, False) == 10.0 * 2 * 1024 * 1024 * 64
+    assert dc.backward_flops(1, 2, 1024, 64, True) == dc.backward_flops(1, 2, 1024, 64, False) / 2
+    g = [torch.randn(2, 3, 8, 4) for _ in range(3)]
+    assert dc.compare_grads(torch, [x.clone() for x in g], g)["passed"]
+    off = [g[0] * 1.05, g[1], g[2]]
+    bad = dc.compare_grads(torch, off, g)
+    assert not bad["passed"] and 0.04 < bad["max_rel_error"] < 0.06
+    nan = [g[0].clone(), g[1], g[2]]
+    nan[0][0, 0, 0, 0] = float("nan")
+    assert not dc.compare_grads(torch, nan, g)["passed"]
+    spec = AttentionSpec(batch=1, heads=32, seq_q=4096, head_dim=64, dtype="float16", causal=True)
+    lines = dc.backward_lines([{"spec": spec.to_dict(), "shape": [4, 32, 4096], "ours_tflops": 300.0,
+                                "flash_tflops": 250.0, "ratio": 1.2, "validation": {"passed": True}}])
+    head, cells = lines[3].split(" | "), lines[5].split(" | ")
+    at = {h.strip("| "): c.strip("| ") for h, c in zip(head, cells)}
+    assert at["ours / flash"] == "1.20" and at["B×H"] == "4×32" and at["valid"] == "True"
+    assert dc.backward_lines([]) == []
 
 
 def test_decode_table_sets_each_8bit_step_beside_the_16bit_one():

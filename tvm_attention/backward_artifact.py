@@ -216,6 +216,8 @@ def load_backward(directory: str | os.PathLike) -> BackwardKernel:
             raise ArtifactError(f"{f}: a symbolic link; an artifact loads code only from regular files inside its "
                                 "folder, never from where a link points")
         if not f.is_file():
+            if name != LIBRARY:  # as the forward's: a runtime library the process already holds may be absent
+                continue  # (loading checks that it is held: ``runtime.ensure_runtime``)
             raise ArtifactError(f"{f}: missing (the manifest names it)")
         if library_digest(f) != digest:
             raise ArtifactError(f"{f}: SHA-256 does not match the manifest's")
