@@ -1,9 +1,11 @@
-"""The attention backward on CUDA tensor cores (issue 65, item 6, a first step): FlashAttention-2's
-scheme on ``mma.sync`` (``workloads/backward_mma.py``), BHSD, float16/bfloat16, causal or not,
-GQA and a value head size of its own. Emulated on the CPU against the float64 reference's
-gradients (rows that see no key, tails of both lengths); a kernel that skips a query tile it
-needs fails; ``build_backward`` for a CUDA target: audited, no spill at head_dim 64 and 128 on
-sm_80 and sm_90; what it does not build yet refused by name."""
+"""The attention backward on CUDA tensor cores (issue 65, item 6): FlashAttention-2's scheme on
+``mma.sync`` (``workloads/backward_mma.py``), BHSD, float16/bfloat16, causal or not, GQA, a value
+head size of its own, and every variant the CPU backward takes through its score math (a window,
+ALiBi, ``kv_start``, sinks with their gradient, a softcap, key bounds, a custom mask, ``mask_mod``,
+``score_mod``). Emulated on the CPU against the float64 reference's gradients (rows that see no
+key, tails of both lengths); a kernel that skips a query tile it needs fails; ``build_backward``
+for a CUDA target: audited, no spill at head_dim 64 and 128 on sm_80 and sm_90, exported; what it
+does not build yet refused by name."""
 import numpy as np
 import pytest
 import tvm
@@ -23,16 +25,6 @@ from test_cuda import EMULATION_TARGET
 TOLERANCE = {"float16": 2e-3, "bfloat16": 1e-2}
 
 
-def inputs(spec, seed=0):
-    """q, k, v, do in the spec's dtype; the forward's o and lse (float64 reference, o rounded)."""
-    rng = np.random.default_rng(seed)
-    dt = spec.np_dtype
-    q, k, v = (rng.standard_normal(s).astype(dt) for s in (spec.q_shape, spec.kv_shape, spec.v_shape))
-    do = rng.standard_normal(spec.o_shape).astype(dt)
-    o, lse = reference_attention(spec, *(x.astype(np.float64) for x in (q, k, v)), return_lse=True)
-    return q, k, v, o.astype(dt), lse.astype(np.float32), do
-
-
 def emulated(spec, warps, block_m) -> BackwardKernel:
     """The CUDA backward of ``spec``, emulated (compiled for the CPU), behind ``BackwardKernel``'s
     call (its scratch, dq_accum and delta, allocated by the call)."""
@@ -41,10 +33,51 @@ def emulated(spec, warps, block_m) -> BackwardKernel:
     return BackwardKernel(spec, CudaBackwardKnobs(warps, block_m), {bm.ENTRY: ex[bm.ENTRY]}, None, _call_args(func))
 
 
+def variant_args(spec, rng) -> tuple[dict, dict]:
+    """The variants' arguments (the kernel's by name, the reference's): ALiBi slopes and sinks per
+    head, a first key per sequence inside the keys, key bounds that hide a band of each row's keys,
+    a custom mask of ~80 % of the pairs, the modifiers' float tensors (small normals)."""
+    from tvm_attention.masks import pack_mask
+
+    k, r = {}, {}
+    b, h, sq, skv = spec.batch, spec.heads, spec.seq_q, spec.seq_kv
+    if spec.alibi:
+        k["alibi_slopes"] = r["alibi_slopes"] = (np.abs(rng.standard_normal(h)) * 0.1).astype(np.float32)
+    if spec.sinks:
+        k["sinks"] = r["sinks"] = rng.standard_normal(h).astype(np.float32)
+    if spec.kv_start:
+        k["kv_start"] = r["kv_start"] = np.asarray([3, 11][:b] + [0] * max(0, b - 2), np.int32)
+    if spec.key_bounds:
+        lo = np.sort(rng.integers(0, skv // 2, (b, skv)), axis=1).astype(np.int32)
+        k["key_lo"] = r["key_lo"] = lo
+        k["key_hi"] = r["key_hi"] = np.minimum(lo + 20, skv).astype(np.int32)
+    if spec.custom_mask:
+        packed, indptr = pack_mask([rng.random((sq, skv)) < 0.8 for _ in range(b)])
+        k.update(custom_mask=packed, mask_indptr=indptr)
+        r["custom_mask"] = (packed, indptr)
+    tensors = {n: (rng.standard_normal(tuple(getattr(spec, d) if isinstance(d, str) else d for d in dims)) * 0.1)
+               .astype(np.float32) for n, _, dims in spec.mod_tensors}
+    if tensors:
+        k.update(tensors)
+        r["mod_tensors"] = tensors
+    return k, r
+
+
 def check(spec, kernel, seed=0):
-    q, k, v, o, lse, do = inputs(spec, seed)
-    ref = reference_attention_backward(spec, *(x.astype(np.float64) for x in (q, k, v, do)))
-    for name, got in zip(("dq", "dk", "dv"), kernel(q, k, v, o, lse, do)):
+    """The kernel's gradients (and dsinks, with sinks) against the float64 reference's, each
+    within :data:`TOLERANCE` of the largest value."""
+    rng = np.random.default_rng(seed)
+    kargs, rargs = variant_args(spec, rng)
+    dt = spec.np_dtype
+    q, k, v = (rng.standard_normal(s).astype(dt) for s in (spec.q_shape, spec.kv_shape, spec.v_shape))
+    do = rng.standard_normal(spec.o_shape).astype(dt)
+    f64 = [x.astype(np.float64) for x in (q, k, v)]
+    o, lse = reference_attention(spec, *f64, return_lse=True, **rargs)
+    ref = reference_attention_backward(spec, *f64, do.astype(np.float64), **rargs)
+    got = kernel(q, k, v, o.astype(dt), lse.astype(np.float32), do, **kargs)
+    names = ("dq", "dk", "dv") + (("dsinks",) if spec.sinks else ())
+    assert len(got) == len(names)
+    for name, got in zip(names, got):
         got = np.asarray(got, np.float64)
         assert np.isfinite(got).all(), name
         err = np.abs(got - ref[name]).max()
@@ -54,16 +87,24 @@ def check(spec, kernel, seed=0):
 #: (spec fields, warps, block_m): GQA 4:2 with tails in both lengths (37 rows, 45 keys), causal and
 #: not; bf16 with more rows than keys (causal: the first 28 rows see no key, lse −inf); a value
 #: head size of its own
+MOD = "def score_mod(score, b, h, q_idx, kv_idx):\n    return score + bias[h] * (q_idx - kv_idx)\n"
 CASES = [
     (dict(batch=2, heads=4, kv_heads=2, seq_q=37, seq_kv=45, head_dim=32, causal=True), 2, 32),
+    (dict(batch=2, heads=4, kv_heads=2, seq_q=37, seq_kv=45, head_dim=32, window=(20, 0), alibi=True, kv_start=True,
+          sinks=True, softcap=30.0), 2, 32),
+    (dict(batch=2, heads=4, kv_heads=2, seq_q=37, seq_kv=45, head_dim=32, key_bounds=True, custom_mask=True,
+          mask_mod="lambda b, h, q, kv: (q + kv) % 5 != 0"), 2, 32),
+    (dict(batch=1, heads=4, kv_heads=2, seq_q=37, seq_kv=45, head_dim=32, causal=True, score_mod=MOD,
+          mod_tensors=(("bias", "float32", ("heads",)),)), 2, 32),
     (dict(batch=1, heads=4, kv_heads=2, seq_q=37, seq_kv=45, head_dim=32), 2, 32),
     (dict(batch=1, heads=2, kv_heads=1, seq_q=45, seq_kv=17, head_dim=32, dtype="bfloat16", causal=True), 2, 32),
     (dict(batch=1, heads=2, seq_q=40, seq_kv=50, head_dim=32, head_dim_v=16, causal=True), 2, 16),
 ]
 
 
-@pytest.mark.parametrize("fields, warps, block_m", CASES, ids=["gqa-causal", "gqa-full", "bf16-rows-without-keys",
-                                                                "dv16"])
+@pytest.mark.parametrize("fields, warps, block_m", CASES, ids=["gqa-causal", "window-alibi-kvstart-sinks-softcap",
+                                                                "bounds-mask-mask_mod", "score_mod", "gqa-full",
+                                                                "bf16-rows-without-keys", "dv16"])
 def test_backward_matches_the_reference(fields, warps, block_m):
     spec = AttentionSpec(**{"dtype": "float16", **fields})
     check(spec, emulated(spec, warps, block_m))
@@ -80,24 +121,29 @@ def test_a_kernel_that_skips_a_query_tile_fails(monkeypatch):
 
 
 @pytest.mark.skipif(find_nvcc() is None, reason="nvcc not found: the CUDA builds are compiled offline")
-@pytest.mark.parametrize("arch, head_dim, dtype", [("sm_90", 128, "bfloat16"), ("sm_80", 64, "float16")])
-def test_builds_for_cuda_without_a_spill(arch, head_dim, dtype):
+@pytest.mark.parametrize("arch, head_dim, dtype, variants", [
+    ("sm_90", 128, "bfloat16", dict(softcap=30.0, alibi=True, sinks=True, window=(255, 0))),
+    ("sm_80", 64, "float16", dict(causal=True))])
+def test_builds_for_cuda_without_a_spill(arch, head_dim, dtype, variants):
     """``build_backward`` for a CUDA target: the preset (4 warps; 64 query rows at head_dim 64, 32 at
     128), fused by the audit (the dQ accumulator and delta are the call's scratch, no score-sized
     buffer), tensor cores (HMMA) and no local memory; the call refuses arrays that are not torch
     CUDA tensors by name."""
     spec = AttentionSpec(batch=2, heads=16, kv_heads=4, seq_q=1024, seq_kv=1024, head_dim=head_dim, dtype=dtype,
-                         causal=True, dynamic=("batch", "seq_q", "seq_kv"))
+                         dynamic=("batch", "seq_q", "seq_kv"), **variants)
     kern = build_backward(spec, target=resolve_target("cuda", arch=arch))
     assert kern.knobs == CudaBackwardKnobs(4, 64 if head_dim <= 64 else 32)
     assert kern.report.verdict == "fused"
     r = kern.resources
     assert r["spills"] == 0 and r["registers"] <= 255 and r["sass_instructions"]["HMMA"] > 0, r
     assert r["sass_instructions"]["LDL"] == 0 and r["sass_instructions"]["LDSM"] > 0
-    assert [a[0] for a in kern.args] == ["q", "k", "v", "o", "lse", "do", "dq", "dk", "dv", "dq_accum", "delta"]
-    q, k, v, o, lse, do = inputs(AttentionSpec(**{**spec.to_dict(), "dynamic": (), "seq_q": 16, "seq_kv": 16}))
+    names = ["q", "k", "v", "o", "lse", "do", "dq", "dk", "dv", "dq_accum", "delta"]
+    if spec.sinks:  # the variants' arguments after do, dsinks after dv
+        names = names[:6] + ["alibi_slopes", "sinks"] + names[6:9] + ["dsinks"] + names[9:]
+    assert [a[0] for a in kern.args] == names
+    z = np.zeros((1, 16, 8, head_dim), np.float16)
     with pytest.raises(SpecError, match="q: a CUDA build takes torch CUDA tensors, got ndarray"):
-        kern(q, k, v, o, lse, do)
+        kern(z, z, z, z, np.zeros((1, 16, 8), np.float32), z)
 
 
 def test_what_it_does_not_build_is_refused_by_name():
@@ -105,7 +151,7 @@ def test_what_it_does_not_build_is_refused_by_name():
     base = dict(batch=1, heads=2, seq_q=64, seq_kv=64, head_dim=64, dtype="float16")
     for over, what in ((dict(layout="varlen"), "layout 'varlen' is not built yet"),
                        (dict(dtype="float32"), "dtype float32 is not built"),
-                       (dict(window=(8, 0)), "window not built yet"),
+                       (dict(score_mod="lambda s, b, h, q, k: floor(s)"), "floor of the score"),
                        (dict(head_dim=256), "head_dim=256 must be a multiple of 16 up to 128")):
         with pytest.raises(SpecError, match=what):
             build_backward(AttentionSpec(**{**base, **over}), target=sm90)

@@ -113,7 +113,13 @@ def check_spec(spec: AttentionSpec) -> None:
     other = [v for v in spec.variants if v not in SUPPORTED_VARIANTS]
     if other:
         raise SpecError(f"backward: {', '.join(other)} not built yet (this step takes {', '.join(SUPPORTED_VARIANTS)})")
-    if spec.score_mod is not None:  # a step in it is refused by name before any TIR is made
+    _check_score_mod(spec)
+
+
+def _check_score_mod(spec: AttentionSpec) -> None:
+    """A ``score_mod`` with a step in it is refused by name before any TIR is made (its derivative
+    is 0 or undefined: ``modifier_grad``)."""
+    if spec.score_mod is not None:
         from .modifier_grad import score_derivative  # NumPy here: no TVM
 
         tensors = {n: np.zeros((1,) * len(dims), dtype) for n, dtype, dims in spec.mod_tensors}
@@ -164,9 +170,10 @@ def check_cuda_spec(spec: AttentionSpec) -> None:
                         "the CPU backward takes varlen)")
     if spec.dtype not in CUDA_DTYPES:
         raise SpecError(f"backward on CUDA: dtype {spec.dtype} is not built ({', '.join(CUDA_DTYPES)}: tensor cores)")
-    if spec.variants:
-        raise SpecError(f"backward on CUDA: {', '.join(spec.variants)} not built yet (causal or not, GQA, head_dim_v; "
-                        "the CPU backward takes every variant)")
+    other = [v for v in spec.variants if v not in SUPPORTED_VARIANTS]
+    if other:
+        raise SpecError(f"backward on CUDA: {', '.join(other)} not built (it takes {', '.join(SUPPORTED_VARIANTS)})")
+    _check_score_mod(spec)
     for name, d in (("head_dim", spec.head_dim), ("head_dim_v", spec.v_dim)):
         if d % 16 or d > 128:
             raise SpecError(f"backward on CUDA: {name}={d} must be a multiple of 16 up to 128 (its accumulators "

@@ -35,8 +35,9 @@ from tvm.script import tirx as T
 
 from ..spec import AttentionSpec
 from ..tvm_internals import fast_macros
-from ._math import LOG2E
+from ._math import LOG2E, ssa_checked
 from .fused_cuda import flat_offset
+from .backward import _BHSDRows, _ScoreMath
 from .fused_mma import CP_DST, SMEM_PAD, WARP, _mma_context, _mma_fragments, smem_stride
 
 #: the library's entry function (the forward's is ``attention``)
@@ -86,6 +87,18 @@ def _context(spec: AttentionSpec, warps: int, block_m: int, emulate: bool):
     x.__dict__.update(W=W, BN=BN, BM=BM, D=D, DV=DV, RGQ=RGQ, CGQ=CGQ, ST=smem_stride(D), VST=smem_stride(DV),
                       PST=BN + SMEM_PAD, NQ=BM // 8, NKV=BN // 16, NDK=D // 8, NDV=DV // 8,
                       scale=float(spec.scale), qscale=float(spec.scale * LOG2E))
+    # the variants: the CPU backward's score math (which keys a row sees, P from the raw product,
+    # dS with the softcap's and score_mod's chain rule, the sink's denominator) over this kernel's
+    # own dims, and their arguments' buffers (declared here, made parameters by backward_mma)
+    rows = _BHSDRows(spec, x.BN, BM)
+    rows.B, rows.SQ, rows.SKV, rows.bound_rows = x.B, x.SQ, x.SK, x.B
+    f32 = "float32"
+    x.__dict__.update(
+        sm=_ScoreMath(spec, rows), raw=spec.softcap is not None or spec.score_mod is not None,
+        SL=tirx.decl_buffer((x.H,), f32, "SL") if spec.alibi else None,
+        SKB=tirx.decl_buffer((x.H,), f32, "SK") if spec.sinks else None,
+        KST=tirx.decl_buffer((x.B,), "int32", "KST") if spec.kv_start else None,
+        DSK=tirx.decl_buffer((x.H,), f32, "DSK") if spec.sinks else None)
     return x
 
 
@@ -221,6 +234,12 @@ def _helpers(spec: AttentionSpec, warps: int, block_m: int, emulate: bool):
                             T.writes()
                             mma_pair(C, dp * 8, Pf, kk * 8, Bf, ty, tx)
 
+    def row_at(qt, first, tx, k):  # the sequence's query row of a score slot, clamped into its rows
+        return T.min((first[0] + qt) * BM + row_of(tx, k), SQ - 1)
+
+    def key_at(vt, ty, tx, k):  # ... and its key, clamped into its keys (the hooks index by both)
+        return T.min(vt * BN + key_of(ty, tx, k), SK - 1)
+
     def key_of(ty, tx, k):  # tile key of a score slot (the warp's 16 keys are its rows)
         return ty * 16 + tx // 4 + 8 * (k % 4 // 2)
 
@@ -237,12 +256,20 @@ def _helpers(spec: AttentionSpec, warps: int, block_m: int, emulate: bool):
 def _prep_post(h):
     """The first kernel (``delta = rowsum(dO ∘ O)``, the accumulator zeroed) and the last (``dQ =
     accumulator · scale``)."""
-    (B, block, D, dtype, DV, H, NRT, scale, SQ, thread_x) = \
-        (h.B, h.block, h.D, h.dtype, h.DV, h.H, h.NRT, h.scale, h.SQ, h.thread_x)
+    (atomic_add, B, block, D, DSK, dtype, DV, EMU, H, NRT, SKB, sm, SQ, thread_x) = \
+        (h.atomic_add, h.B, h.block, h.D, h.DSK, h.dtype, h.DV, h.EMU, h.H, h.NRT, h.SKB, h.sm, h.SQ, h.thread_x)
 
     @T.macro
-    def prep(O, DO, delta, dq_accum):
-        # -- prep: delta = rowsum(dO ∘ O), the accumulator zeroed -------------------------------
+    def prep(O, DO, LSE, delta, dq_accum):
+        # -- prep: delta = rowsum(dO ∘ O), the accumulator zeroed; with sinks, dsinks zeroed
+        # first, then each row's −p_sink·delta added into its head's (atomically)
+        if SKB is not None:
+            for h in thread_x(H):
+                with T.sblock("dsinks_zero"):
+                    vh = T.axis.spatial(H, h)
+                    T.reads()
+                    T.writes()
+                    DSK[vh] = T.float32(0)
         for bz in block(B, "z"):
             for by in block(H, "y"):
                 for bx in block(NRT, "x"):
@@ -259,10 +286,17 @@ def _prep_post(h):
                                         "float32", O[vb, vh, vr * 64 + vi, d])
                                 for d in T.serial(D):
                                     dq_accum[vb, vh, vr * 64 + vi, d] = T.float32(0)
+                                if SKB is not None:  # dsink_h = −Σ p_sink·delta over the head's rows
+                                    if EMU:
+                                        DSK[vh] = DSK[vh] - T.exp(SKB[vh] - sm.row_lse(
+                                            LSE[vb, vh, vr * 64 + vi], SKB[vh])) * delta[vb, vh, vr * 64 + vi]
+                                    else:
+                                        T.evaluate(atomic_add(DSK, (vh,), T.float32(0) - T.exp(SKB[vh] - sm.row_lse(
+                                            LSE[vb, vh, vr * 64 + vi], SKB[vh])) * delta[vb, vh, vr * 64 + vi]))
 
     @T.macro
     def post(DQ, dq_accum):
-        # -- post: dQ = accumulator · scale -----------------------------------------------------
+        # -- post: dQ = the accumulator (dS carries the scale: _ScoreMath.grad) --------------------
         for bz in block(B, "z"):
             for by in block(H, "y"):
                 for bx in block(NRT, "x"):
@@ -273,8 +307,7 @@ def _prep_post(h):
                             T.writes()
                             if vr * 64 + vi < SQ:
                                 for d in T.serial(D):
-                                    DQ[vb, vh, vr * 64 + vi, d] = T.Cast(dtype, dq_accum[vb, vh, vr * 64 + vi, d]
-                                                                         * T.float32(scale))
+                                    DQ[vb, vh, vr * 64 + vi, d] = T.Cast(dtype, dq_accum[vb, vh, vr * 64 + vi, d])
 
     return prep, post
 
@@ -282,15 +315,16 @@ def _prep_post(h):
 def _query_tile(h):
     """One query tile of a key tile's block: Q and dO staged, ``Sᵀ``, ``Pᵀ``, ``dV``, ``dPᵀ``, ``dSᵀ``,
     ``dK``, then dS through shared memory for the tile's dQ rows, added atomically."""
-    (atomic_add, BM, BN, CGQ, cols_product, D, dtype, DV, EMU, G, ix, key_of, landed, lds_a, lds_b_cols, mma_pair,
-     NKV, NQ, PST, qscale, RGQ, row_of, rows_product, sees, SQ, ST, stage, sync, thread_x, thread_y, VST, W) = \
-        (h.atomic_add, h.BM, h.BN, h.CGQ, h.cols_product, h.D, h.dtype, h.DV, h.EMU, h.G, h.ix, h.key_of, h.landed,
-         h.lds_a, h.lds_b_cols, h.mma_pair, h.NKV, h.NQ, h.PST, h.qscale, h.RGQ, h.row_of, h.rows_product, h.sees,
-         h.SQ, h.ST, h.stage, h.sync, h.thread_x, h.thread_y, h.VST, h.W)
+    (atomic_add, BM, BN, CGQ, cols_product, D, dtype, DV, EMU, G, ix, key_at, key_of, KST, landed, lds_a, lds_b_cols,
+     mma_pair, NKV, NQ, PST, raw, RGQ, row_at, row_of, rows_product, SK, SKB, SL, sm, SQ, ST, stage, sync, thread_x,
+     thread_y, VST, W) = \
+        (h.atomic_add, h.BM, h.BN, h.CGQ, h.cols_product, h.D, h.dtype, h.DV, h.EMU, h.G, h.ix, h.key_at, h.key_of,
+         h.KST, h.landed, h.lds_a, h.lds_b_cols, h.mma_pair, h.NKV, h.NQ, h.PST, h.raw, h.RGQ, h.row_at, h.row_of,
+         h.rows_product, h.SK, h.SKB, h.SL, h.sm, h.SQ, h.ST, h.stage, h.sync, h.thread_x, h.thread_y, h.VST, h.W)
 
     @T.macro
-    def query_tile(Q, DO, LSE, delta, dq_accum, Ks, Vs, Qs, Ds, Ss, Af, Bf, S, dP, Pf, Sa, dK, dV, dQ, first, vb, vkh,
-                   vt, g, qt):
+    def query_tile(Q, DO, LSE, delta, dq_accum, Ks, Vs, Qs, Ds, Ss, Af, Bf, S, Sr, dP, Pf, Sa, dK, dV, dQ, first, vb,
+                   vkh, vt, g, qt):
         # no barrier before these copies: every warp read the last tile's Q and dO before the
         # barrier after its dS (the race checker: one here was never needed), and its dS reads
         # end before the barrier after these copies land, which the next dS stores follow
@@ -321,14 +355,16 @@ def _query_tile(h):
                     T.reads()
                     T.writes()
                     for k in T.unroll(NQ * 4):
-                        S[ix(ty, tx, k)] = T.Select(
-                            T.And(sees(vt * BN + key_of(ty, tx, k),
-                                       (first[0] + qt) * BM + row_of(tx, k)),
-                                  LSE[vb, vkh * G + g, T.min((first[0] + qt) * BM + row_of(tx, k),
-                                                              SQ - 1)] > T.float32(float("-inf"))),
-                            T.exp2(S[ix(ty, tx, k)] * T.float32(qscale) - LSE[
-                                vb, vkh * G + g, T.min((first[0] + qt) * BM + row_of(tx, k), SQ - 1)]
-                                * T.float32(LOG2E)), T.float32(0))
+                        if raw:  # the raw product, for dS's chain rule (softcap, score_mod)
+                            Sr[ix(ty, tx, k)] = S[ix(ty, tx, k)]
+                        # P from the raw product: the variants' score and masks, the row's lse
+                        # (+inf for a row that saw no key; with sinks, the sink joins it)
+                        S[ix(ty, tx, k)] = sm.prob(
+                            S[ix(ty, tx, k)], sm.row_lse(LSE[vb, vkh * G + g, row_at(qt, first, tx, k)],
+                                                         None if SKB is None else SKB[vkh * G + g]),
+                            T.And((first[0] + qt) * BM + row_of(tx, k) < SQ, vt * BN + key_of(ty, tx, k) < SK),
+                            row_at(qt, first, tx, k), key_at(vt, ty, tx, k),
+                            None if SL is None else SL[vkh * G + g], None if KST is None else KST[vb], vb, vkh * G + g)
                         Pf[ix(ty, tx, k)] = T.Cast(dtype, S[ix(ty, tx, k)])
         cols_product(dV, Pf, Bf, Ds, VST, DV)
         for ty in thread_y(W):
@@ -337,8 +373,12 @@ def _query_tile(h):
                     T.reads()
                     T.writes()
                     for k in T.unroll(NQ * 4):
-                        dP[ix(ty, tx, k)] = S[ix(ty, tx, k)] * (dP[ix(ty, tx, k)] - delta[
-                            vb, vkh * G + g, T.min((first[0] + qt) * BM + row_of(tx, k), SQ - 1)])
+                        # dS on the raw product: P ∘ (dP − delta), times the scale and the
+                        # softcap's and score_mod's derivatives (_ScoreMath.grad)
+                        dP[ix(ty, tx, k)] = sm.grad(
+                            S[ix(ty, tx, k)], dP[ix(ty, tx, k)] - delta[vb, vkh * G + g, row_at(qt, first, tx, k)],
+                            Sr[ix(ty, tx, k)], row_at(qt, first, tx, k), key_at(vt, ty, tx, k),
+                            None if SL is None else SL[vkh * G + g], vb, vkh * G + g)
                         Pf[ix(ty, tx, k)] = T.Cast(dtype, dP[ix(ty, tx, k)])
                         Ss[row_of(tx, k) * PST + key_of(ty, tx, k)] = Pf[ix(ty, tx, k)]
         cols_product(dK, Pf, Bf, Qs, ST, D)
@@ -401,10 +441,10 @@ def _query_tile(h):
 def _key_tile(h):
     """A key tile's block: K and V staged, its warps' dK and dV over every query head of the group
     and every query tile that sees the tile, then stored (dK times the scale)."""
-    (BM, BN, causal, D, dtype, DV, fscope, fshape, G, ix, key_of, landed, NDK, NDV, NKV, NQ, NQT, off, PST, scale, SK,
+    (BM, BN, causal, D, dtype, DV, fscope, fshape, G, ix, key_of, landed, NDK, NDV, NKV, NQ, NQT, off, PST, raw, SK,
      small, smem, ST, stage, thread_x, thread_y, VST, W) = \
         (h.BM, h.BN, h.causal, h.D, h.dtype, h.DV, h.fscope, h.fshape, h.G, h.ix, h.key_of, h.landed, h.NDK, h.NDV,
-         h.NKV, h.NQ, h.NQT, h.off, h.PST, h.scale, h.SK, h.small, h.smem, h.ST, h.stage, h.thread_x, h.thread_y,
+         h.NKV, h.NQ, h.NQT, h.off, h.PST, h.raw, h.SK, h.small, h.smem, h.ST, h.stage, h.thread_x, h.thread_y,
          h.VST, h.W)
     query_tile = _query_tile(h)
 
@@ -418,6 +458,8 @@ def _key_tile(h):
         Af = T.sblock_alloc_buffer(fshape(8), dtype, scope=fscope)
         Bf = T.sblock_alloc_buffer(fshape(8), dtype, scope=fscope)
         S = T.sblock_alloc_buffer(fshape(NQ * 4), "float32", scope=fscope)  # Sᵀ, then Pᵀ
+        # the raw Sᵀ kept beside Pᵀ where dS's chain rule reads it (softcap, score_mod)
+        Sr = T.meta_var(T.sblock_alloc_buffer(fshape(NQ * 4), "float32", scope=fscope) if raw else S)
         dP = T.sblock_alloc_buffer(fshape(NQ * 4), "float32", scope=fscope)  # dPᵀ, then dSᵀ
         Pf = T.sblock_alloc_buffer(fshape(NQ * 4), dtype, scope=fscope)  # Pᵀ, then dSᵀ, as A
         Sa = T.sblock_alloc_buffer(fshape(NKV * 8), dtype, scope=fscope)  # dS rows, as A
@@ -443,8 +485,8 @@ def _key_tile(h):
                         dV[ix(ty, tx, k)] = T.float32(0)
         for g in T.serial(G):
             for qt in T.serial(T.max(0, NQT - first[0])):
-                query_tile(Q, DO, LSE, delta, dq_accum, Ks, Vs, Qs, Ds, Ss, Af, Bf, S, dP, Pf, Sa, dK, dV, dQ,
-                           first, vb, vkh, vt, g, qt)
+                query_tile(Q, DO, LSE, delta, dq_accum, Ks, Vs, Qs, Ds, Ss, Af, Bf, S, Sr, dP, Pf, Sa, dK, dV,
+                           dQ, first, vb, vkh, vt, g, qt)
         # dK·scale and dV of the warp's keys
         for ty in thread_y(W):
             for tx in thread_x(WARP):
@@ -454,7 +496,7 @@ def _key_tile(h):
                     for k in T.unroll(NDK * 4):
                         if vt * BN + key_of(ty, tx, k) < SK:
                             DK[vb, vkh, vt * BN + key_of(ty, tx, k), k // 4 * 8 + 2 * (tx % 4) + k % 2] = \
-                                T.Cast(dtype, dK[ix(ty, tx, k)] * T.float32(scale))
+                                T.Cast(dtype, dK[ix(ty, tx, k)])
                     for k in T.unroll(NDV * 4):
                         if vt * BN + key_of(ty, tx, k) < SK:
                             DV_[vb, vkh, vt * BN + key_of(ty, tx, k), k // 4 * 8 + 2 * (tx % 4) + k % 2] = \
@@ -467,16 +509,22 @@ def _key_tile(h):
 def backward_mma(spec: AttentionSpec, warps: int = 4, block_m: int = 64, emulate: bool = False) -> tirx.PrimFunc:
     """The backward of the BHSD ``spec`` (float16 or bfloat16). Parameters (call order): ``Q (B, H,
     Sq, D)``, ``K (B, KH, Skv, D)``, ``V (B, KH, Skv, Dv)``, ``O (B, H, Sq, Dv)``, ``LSE (B, H, Sq)``
-    float32 (the forward's, natural log), ``DO (B, H, Sq, Dv)``; outputs ``DQ``, ``DK``, ``DV_`` (the
-    shapes of Q, K, V); workspaces ``dq_accum (B, H, Sq, D)``, ``delta (B, H, Sq)`` float32. ``warps``:
-    16 keys each (``block_n = 16·warps``); ``block_m``: query rows per tile, a multiple of 16 whose
-    row groups divide the warps."""
-    if spec.layout != "bhsd" or spec.variants or spec.dtype not in ("float16", "bfloat16"):
-        raise ValueError("the CUDA backward takes float16/bfloat16 bhsd specs without variants (causal or not, GQA)")
+    float32 (the forward's, natural log), ``DO (B, H, Sq, Dv)``; the variants' arguments (the CPU
+    backward's names: ``SL`` alibi_slopes, ``SK`` sinks ``(H,)``, ``KST`` kv_start ``(B,)``; key
+    bounds, the custom mask and the modifiers' tensors by their names); outputs ``DQ``, ``DK``,
+    ``DV_`` (the shapes of Q, K, V) and with sinks ``DSK`` dsinks ``(H,)``; workspaces ``dq_accum
+    (B, H, Sq, D)``, ``delta (B, H, Sq)`` float32. ``warps``: 16 keys each (``block_n =
+    16·warps``); ``block_m``: query rows per tile, a multiple of 16 whose row groups divide the
+    warps."""
+    if spec.layout != "bhsd" or spec.dtype not in ("float16", "bfloat16"):
+        raise ValueError("the CUDA backward takes float16/bfloat16 bhsd specs")
     if block_m % 16 or warps % (block_m // 16):
         raise ValueError(f"block_m={block_m}: a multiple of 16 whose row groups ({block_m // 16}) divide warps={warps}")
     h = _helpers(spec, warps, block_m, emulate)
     (B, block, D, dtype, DV, H, KH, NKT, SK, SQ) = (h.B, h.block, h.D, h.dtype, h.DV, h.H, h.KH, h.NKT, h.SK, h.SQ)
+    # the variants' arguments after do, dsinks after dv (the CPU backward's order)
+    inputs = [b for b in (h.SL, h.SKB, h.KST) if b is not None] + h.sm.extra.params
+    outputs = [h.DSK] if h.DSK is not None else []
     prep, post = _prep_post(h)
     key_tile = _key_tile(h)
 
@@ -490,7 +538,7 @@ def backward_mma(spec: AttentionSpec, warps: int = 4, block_m: int = 64, emulate
     ):
         T.func_attr({"global_symbol": ENTRY, "tirx.noalias": True, "attn.workload": "backward_mma",
                      "attn.warps": warps, "attn.block_m": block_m})
-        prep(O, DO, delta, dq_accum)
+        prep(O, DO, LSE, delta, dq_accum)
         # -- main: a block per (key tile, kv head, sequence) ------------------------------------
         for bz in block(B, "z"):
             for by in block(KH, "y"):
@@ -502,4 +550,7 @@ def backward_mma(spec: AttentionSpec, warps: int = 4, block_m: int = 64, emulate
                         key_tile(Q, K, V, DO, LSE, delta, dq_accum, DK, DV_, vb, vkh, vt)
         post(DQ, dq_accum)
 
-    return attention_backward
+    params = list(attention_backward.params)  # Q K V O LSE DO, DQ DK DV_, dq_accum delta
+    params = params[:6] + inputs + params[6:9] + outputs + params[9:]
+    return ssa_checked(tirx.PrimFunc(params, attention_backward.body, attention_backward.ret_type,
+                                     attention_backward.attrs))
