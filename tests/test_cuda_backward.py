@@ -149,7 +149,7 @@ def test_builds_for_cuda_without_a_spill(arch, head_dim, dtype, variants):
 def test_what_it_does_not_build_is_refused_by_name():
     sm90 = resolve_target("cuda", arch="sm_90")
     base = dict(batch=1, heads=2, seq_q=64, seq_kv=64, head_dim=64, dtype="float16")
-    for over, what in ((dict(layout="varlen"), "layout 'varlen' is not built yet"),
+    for over, what in ((dict(layout="kvcache", seq_q=1), "layout 'kvcache' is not built"),
                        (dict(dtype="float32"), "dtype float32 is not built"),
                        (dict(score_mod="lambda s, b, h, q, k: floor(s)"), "floor of the score"),
                        (dict(head_dim=256), "head_dim=256 must be a multiple of 16 up to 128")):
@@ -186,3 +186,57 @@ def test_a_cuda_backward_exports_and_its_artifact_names_what_it_needs(tmp_path):
     if runtime.cuda_arch() is None:
         with pytest.raises(ArtifactError, match="a CUDA backward artifact \\(sm_90\\); this machine has no CUDA device"):
             load_backward(tmp_path / "bwd")
+
+
+def test_varlen_gradients_match_the_reference_per_sequence():
+    """FlashAttention's packed layout on the CUDA backward (emulated): a (tile slot, kv head) grid,
+    each slot's sequence found on cu_seqlens_k; sequences of 45×77, 0×5 (no rows), 70×40 (Sq > Skv),
+    1×1 and 33×0 (no keys: zero gradients), causal with a softcap, sinks, ALiBi, key bounds, a custom
+    mask and a score_mod reading a tensor; each sequence against the reference's BHSD backward of
+    its own rows; a cu_seqlens that falls is refused before the kernel reads a byte."""
+    import dataclasses
+
+    from tvm_attention.masks import pack_mask
+
+    lens = [(45, 77), (0, 5), (70, 40), (1, 1), (33, 0)]
+    spec = AttentionSpec(layout="varlen", batch=len(lens), heads=4, kv_heads=2, seq_q=64, seq_kv=64, head_dim=32,
+                         dtype="float16", causal=True, softcap=5.0, sinks=True, alibi=True, key_bounds=True,
+                         custom_mask=True, mod_tensors=(("bias", "float32", ("heads", 160)),),
+                         score_mod="lambda s, b, h, q, kv: s + bias[h, q - kv + 80]")
+    kern = emulated(spec, 2, 32)
+    rng = np.random.default_rng(11)
+    cq, ck = (np.concatenate([[0], np.cumsum([x[i] for x in lens])]).astype(np.int32) for i in (0, 1))
+    q, do = (rng.standard_normal((cq[-1], 4, 32)).astype(np.float16) for _ in range(2))
+    k, v = (rng.standard_normal((ck[-1], 2, 32)).astype(np.float16) for _ in range(2))
+    args = {"sinks": rng.standard_normal(4).astype(np.float32),
+            "alibi_slopes": (np.abs(rng.standard_normal(4)) * 0.1).astype(np.float32)}
+    lo = np.sort(rng.integers(0, 40, (len(lens), 80)), axis=1).astype(np.int32)
+    hi = np.sort(lo + rng.integers(5, 80, lo.shape), axis=1).astype(np.int32)
+    packed, indptr = pack_mask([rng.random(x) < 0.7 for x in lens])
+    bias = (rng.standard_normal((4, 160)) * 0.1).astype(np.float32)
+    kargs = dict(key_lo=lo, key_hi=hi, custom_mask=packed, mask_indptr=indptr, bias=bias)
+    rargs = dict(key_lo=lo, key_hi=hi, custom_mask=(packed, indptr), mod_tensors={"bias": bias})
+    o = np.zeros((cq[-1], 4, 32), np.float16)
+    lse = np.zeros((4, cq[-1]), np.float32)
+    wants = []
+    f64 = lambda x: x.astype(np.float64)  # noqa: E731
+    for b, (sq, skv) in enumerate(lens):  # the reference of each sequence, BHSD
+        one = dataclasses.replace(spec, layout="bhsd", batch=1, seq_q=max(sq, 1), seq_kv=max(skv, 1))
+        bq, bdo = (f64(x[cq[b]:cq[b + 1]].transpose(1, 0, 2)[None]) for x in (q, do))
+        bk, bv = (f64(x[ck[b]:ck[b + 1]].transpose(1, 0, 2)[None]) for x in (k, v))
+        bo, bl = reference_attention(one, bq, bk, bv, return_lse=True, seq_index=b, **args, **rargs)
+        o[cq[b]:cq[b + 1]] = bo[0].transpose(1, 0, 2)
+        lse[:, cq[b]:cq[b + 1]] = bl[0]
+        wants.append(reference_attention_backward(one, bq, bk, bv, bdo, seq_index=b, **args, **rargs))
+    got = kern(q, k, v, o, lse, do, cu_seqlens_q=cq, cu_seqlens_k=ck, **args, **kargs)
+    for name, g, rows, i in (("dq", got[0], cq, 0), ("dk", got[1], ck, 1), ("dv", got[2], ck, 2)):
+        largest = max(np.abs(w[name]).max(initial=0.0) for w in wants)
+        for b, w in enumerate(wants):
+            err = np.abs(g[rows[b]:rows[b + 1]].transpose(1, 0, 2).astype(np.float64) - w[name][0]).max(initial=0.0)
+            assert err <= TOLERANCE["float16"] * largest, (name, b, err, largest)
+    ds = sum(w["dsinks"] for w in wants)
+    assert np.abs(got[3] - ds).max() <= TOLERANCE["float16"] * np.abs(ds).max()
+    bad = ck.copy()
+    bad[2] = bad[3] + 1  # falls: the kernel would read past its keys
+    with pytest.raises(Exception, match="cu_seqlens_k: must be non-decreasing"):
+        kern(q, k, v, o, lse, do, cu_seqlens_q=cq, cu_seqlens_k=bad, **args, **kargs)

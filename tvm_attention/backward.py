@@ -128,7 +128,7 @@ def _check_score_mod(spec: AttentionSpec) -> None:
 
 
 #: the CUDA backward (``workloads/backward_mma.py``, tensor cores): what it builds so far
-CUDA_LAYOUTS = ("bhsd",)
+CUDA_LAYOUTS = ("bhsd", "varlen")
 CUDA_DTYPES = ("float16", "bfloat16")
 #: its scratch arguments, allocated by the call (not returned): the dQ accumulator and delta
 CUDA_WORKSPACES = ("dq_accum", "delta")
@@ -166,8 +166,7 @@ def cuda_knobs(spec: AttentionSpec) -> CudaBackwardKnobs:
 def check_cuda_spec(spec: AttentionSpec) -> None:
     """Refuse, by name, what the CUDA backward does not build (yet)."""
     if spec.layout not in CUDA_LAYOUTS:
-        raise SpecError(f"backward on CUDA: layout {spec.layout!r} is not built yet ({', '.join(CUDA_LAYOUTS)}; "
-                        "the CPU backward takes varlen)")
+        raise SpecError(f"backward on CUDA: layout {spec.layout!r} is not built ({', '.join(CUDA_LAYOUTS)})")
     if spec.dtype not in CUDA_DTYPES:
         raise SpecError(f"backward on CUDA: dtype {spec.dtype} is not built ({', '.join(CUDA_DTYPES)}: tensor cores)")
     other = [v for v in spec.variants if v not in SUPPORTED_VARIANTS]
@@ -348,6 +347,13 @@ class BackwardKernel:
                 raise SpecError(f"backward: {name} must be {want} {tuple(bound.get(x, x) for x in shape)} on {device}, "
                                 f"got {str(a.dtype).replace('torch.', '')} {tuple(a.shape)} on {a.device}")
             tensors.append(a.contiguous())
+        # what the kernel indexes by, on the host (a copy of a few ints, which waits for the stream)
+        indices = {n: given[n] for n in ("cu_seqlens_q", "cu_seqlens_k", "custom_mask", "mask_indptr", "key_lo",
+                                          "key_hi") if given.get(n) is not None}
+        arrays = {n: np.asarray(a.detach().cpu().numpy() if torch is not None and isinstance(a, torch.Tensor) else a)
+                  for n, a in indices.items()}
+        arrays.update({n: np.broadcast_to(np.zeros((), np.float32), tuple(given[n].shape)) for n in ("q", "k")})
+        self._check_indices(arrays, bound)
         if any(t.numel() == 0 for t in tensors):  # no query row or no key: every gradient is zero
             for _, x in outs:
                 x.zero_()

@@ -37,7 +37,7 @@ from ..spec import AttentionSpec
 from ..tvm_internals import fast_macros
 from ._math import LOG2E, ssa_checked
 from .fused_cuda import flat_offset
-from .backward import _BHSDRows, _ScoreMath
+from .backward import ROWS, _ScoreMath
 from .fused_mma import CP_DST, SMEM_PAD, WARP, _mma_context, _mma_fragments, smem_stride
 
 #: the library's entry function (the forward's is ``attention``)
@@ -90,10 +90,14 @@ def _context(spec: AttentionSpec, warps: int, block_m: int, emulate: bool):
     # the variants: the CPU backward's score math (which keys a row sees, P from the raw product,
     # dS with the softcap's and score_mod's chain rule, the sink's denominator) over this kernel's
     # own dims, and their arguments' buffers (declared here, made parameters by backward_mma)
-    rows = _BHSDRows(spec, x.BN, BM)
-    rows.B, rows.SQ, rows.SKV, rows.bound_rows = x.B, x.SQ, x.SK, x.B
+    rows = ROWS[spec.layout](spec, x.BN, BM)
+    if spec.layout == "bhsd":  # this kernel's own dims (ints, or the vars of _mma_context)
+        rows.B, rows.SQ, rows.SKV, rows.bound_rows = x.B, x.SQ, x.SK, x.B
+        rows.qs, rows.ks, rows.vs = (x.B, x.H, x.SQ, D), (x.B, x.KH, x.SK, D), (x.B, x.KH, x.SK, DV)
+        rows.os, rows.ls = (x.B, x.H, x.SQ, DV), (x.B, x.H, x.SQ)
     f32 = "float32"
     x.__dict__.update(
+        rows=rows, varlen=spec.layout == "varlen",
         sm=_ScoreMath(spec, rows), raw=spec.softcap is not None or spec.score_mod is not None,
         SL=tirx.decl_buffer((x.H,), f32, "SL") if spec.alibi else None,
         SKB=tirx.decl_buffer((x.H,), f32, "SK") if spec.sinks else None,
@@ -112,6 +116,7 @@ def _helpers(spec: AttentionSpec, warps: int, block_m: int, emulate: bool):
     call, ix, fshape, fscope, mma_pair = x.call, x.ix, x.fshape, x.fscope, x.mma_pair
     thread_x, thread_y, block = x.thread_x, x.thread_y, x.block
     causal = x.causal
+    rows = x.rows  # before the macros: a macro binds the names it reads where it is defined
     NTHR = W * WARP
     smem = "global" if EMU else "shared.dyn"
     # the dS tile apart, in static shared memory: TVM's barrier pass sees the dynamic tiles as one
@@ -120,7 +125,9 @@ def _helpers(spec: AttentionSpec, warps: int, block_m: int, emulate: bool):
     small = "global" if EMU else "shared"
     NKT = (SK + BN - 1) // BN if isinstance(SK, int) else T.floordiv(SK + BN - 1, BN)  # key tiles
     NQT = (SQ + BM - 1) // BM if isinstance(SQ, int) else T.floordiv(SQ + BM - 1, BM)  # query tiles
-    NRT = (SQ + 63) // 64 if isinstance(SQ, int) else T.floordiv(SQ + 63, 64)  # prep/post row blocks
+    # prep/post: a block per 64 rows of each (sequence, head); varlen: of the packed rows, one "sequence"
+    NB, NROWS = (1, x.rows.TQ) if x.varlen else (B, SQ)
+    NRT = (NROWS + 63) // 64 if isinstance(NROWS, int) else T.floordiv(NROWS + 63, 64)
     off = SK - SQ  # row i sits at key position i + off
     qscale, scale = x.qscale, x.scale
 
@@ -159,22 +166,25 @@ def _helpers(spec: AttentionSpec, warps: int, block_m: int, emulate: bool):
                             buf.access_ptr("r", offset=b_cols(base, stride, k0, n0, tx))))
 
     @T.macro
-    def stage(S, X, b, h, r0, nrows, width, stride, limit, ty, tx):
-        # rows r0.. of X (b, h, ·, width) into the shared tile S (row stride ``stride``), 16 bytes
-        # a copy (rows past ``limit`` read its last: never used)
+    def stage(S, X, keys, seq, hd, r0, nrows, width, stride, limit, ty, tx):
+        # rows r0.. of the sequence's head ``hd`` of X (its keys: K, V; else its rows: Q, dO) into
+        # the shared tile S (row stride ``stride``), 16 bytes a copy (rows past ``limit`` read its
+        # last: never used)
         for it in T.unroll(math.ceil(nrows * width // 8 / NTHR)):
             if it * NTHR + ty * WARP + tx < nrows * width // 8:
                 if EMU:
                     for v in T.serial(8):
                         S[(it * NTHR + ty * WARP + tx) // (width // 8) * stride
                           + (it * NTHR + ty * WARP + tx) % (width // 8) * 8 + v] = X[
-                            b, h, T.min(r0 + (it * NTHR + ty * WARP + tx) // (width // 8), limit - 1),
-                            (it * NTHR + ty * WARP + tx) % (width // 8) * 8 + v]
+                            (rows.k if keys else rows.q)(
+                                seq[0], hd, T.min(r0 + (it * NTHR + ty * WARP + tx) // (width // 8), limit - 1),
+                                (it * NTHR + ty * WARP + tx) % (width // 8) * 8 + v)]
                 else:
                     T.evaluate(call("attn_cp_async16", S.access_ptr(
                         CP_DST, offset=(it * NTHR + ty * WARP + tx) // (width // 8) * stride
                         + (it * NTHR + ty * WARP + tx) % (width // 8) * 8), X.access_ptr("r", offset=flat_offset(
-                            X, (b, h, T.min(r0 + (it * NTHR + ty * WARP + tx) // (width // 8), limit - 1),
+                            X, (rows.k if keys else rows.q)(
+                                seq[0], hd, T.min(r0 + (it * NTHR + ty * WARP + tx) // (width // 8), limit - 1),
                                 (it * NTHR + ty * WARP + tx) % (width // 8) * 8)))))
 
     @T.macro
@@ -234,11 +244,19 @@ def _helpers(spec: AttentionSpec, warps: int, block_m: int, emulate: bool):
                             T.writes()
                             mma_pair(C, dp * 8, Pf, kk * 8, Bf, ty, tx)
 
-    def row_at(qt, first, tx, k):  # the sequence's query row of a score slot, clamped into its rows
-        return T.min((first[0] + qt) * BM + row_of(tx, k), SQ - 1)
+    # a block's sequence in registers, ``seq``: (sequence, kv head, first key, its rows, its keys)
+    def row_at(seq, qt, first, tx, k):  # the sequence's query row of a score slot, clamped into its rows
+        return T.min((first[0] + qt) * BM + row_of(tx, k), seq[3] - 1)
 
-    def key_at(vt, ty, tx, k):  # ... and its key, clamped into its keys (the hooks index by both)
-        return T.min(vt * BN + key_of(ty, tx, k), SK - 1)
+    def key_at(seq, ty, tx, k):  # ... and its key, clamped into its keys (the hooks index by both)
+        return T.min(seq[2] + key_of(ty, tx, k), seq[4] - 1)
+
+
+    def q_at(seq, hd, i, d):  # q, o, do, dq, dq_accum: the layout's index of a row's column
+        return rows.q(seq[0], hd, i, d)
+
+    def l_at(seq, hd, i):  # lse, delta
+        return rows.lse(seq[0], hd, i)
 
     def key_of(ty, tx, k):  # tile key of a score slot (the warp's 16 keys are its rows)
         return ty * 16 + tx // 4 + 8 * (k % 4 // 2)
@@ -256,8 +274,9 @@ def _helpers(spec: AttentionSpec, warps: int, block_m: int, emulate: bool):
 def _prep_post(h):
     """The first kernel (``delta = rowsum(dO ∘ O)``, the accumulator zeroed) and the last (``dQ =
     accumulator · scale``)."""
-    (atomic_add, B, block, D, DSK, dtype, DV, EMU, H, NRT, SKB, sm, SQ, thread_x) = \
-        (h.atomic_add, h.B, h.block, h.D, h.DSK, h.dtype, h.DV, h.EMU, h.H, h.NRT, h.SKB, h.sm, h.SQ, h.thread_x)
+    (atomic_add, block, D, DSK, dtype, DV, EMU, H, NB, NROWS, NRT, rows, SKB, sm, thread_x) = \
+        (h.atomic_add, h.block, h.D, h.DSK, h.dtype, h.DV, h.EMU, h.H, h.NB, h.NROWS, h.NRT, h.rows, h.SKB, h.sm,
+         h.thread_x)
 
     @T.macro
     def prep(O, DO, LSE, delta, dq_accum):
@@ -270,7 +289,7 @@ def _prep_post(h):
                     T.reads()
                     T.writes()
                     DSK[vh] = T.float32(0)
-        for bz in block(B, "z"):
+        for bz in block(NB, "z"):
             for by in block(H, "y"):
                 for bx in block(NRT, "x"):
                     for r in thread_x(64):
@@ -278,26 +297,28 @@ def _prep_post(h):
                             vb, vh, vr, vi = T.axis.remap("SSSS", [bz, by, bx, r])
                             T.reads()
                             T.writes()
-                            if vr * 64 + vi < SQ:
-                                delta[vb, vh, vr * 64 + vi] = T.float32(0)
+                            if vr * 64 + vi < NROWS:
+                                delta[rows.lse(vb, vh, vr * 64 + vi)] = T.float32(0)
                                 for d in T.serial(DV):
-                                    delta[vb, vh, vr * 64 + vi] = delta[vb, vh, vr * 64 + vi] + T.Cast(
-                                        "float32", DO[vb, vh, vr * 64 + vi, d]) * T.Cast(
-                                        "float32", O[vb, vh, vr * 64 + vi, d])
+                                    delta[rows.lse(vb, vh, vr * 64 + vi)] = delta[rows.lse(vb, vh, vr * 64 + vi)] \
+                                        + T.Cast("float32", DO[rows.q(vb, vh, vr * 64 + vi, d)]) \
+                                        * T.Cast("float32", O[rows.q(vb, vh, vr * 64 + vi, d)])
                                 for d in T.serial(D):
-                                    dq_accum[vb, vh, vr * 64 + vi, d] = T.float32(0)
+                                    dq_accum[rows.q(vb, vh, vr * 64 + vi, d)] = T.float32(0)
                                 if SKB is not None:  # dsink_h = −Σ p_sink·delta over the head's rows
                                     if EMU:
                                         DSK[vh] = DSK[vh] - T.exp(SKB[vh] - sm.row_lse(
-                                            LSE[vb, vh, vr * 64 + vi], SKB[vh])) * delta[vb, vh, vr * 64 + vi]
+                                            LSE[rows.lse(vb, vh, vr * 64 + vi)], SKB[vh])) \
+                                            * delta[rows.lse(vb, vh, vr * 64 + vi)]
                                     else:
                                         T.evaluate(atomic_add(DSK, (vh,), T.float32(0) - T.exp(SKB[vh] - sm.row_lse(
-                                            LSE[vb, vh, vr * 64 + vi], SKB[vh])) * delta[vb, vh, vr * 64 + vi]))
+                                            LSE[rows.lse(vb, vh, vr * 64 + vi)], SKB[vh]))
+                                            * delta[rows.lse(vb, vh, vr * 64 + vi)]))
 
     @T.macro
     def post(DQ, dq_accum):
         # -- post: dQ = the accumulator (dS carries the scale: _ScoreMath.grad) --------------------
-        for bz in block(B, "z"):
+        for bz in block(NB, "z"):
             for by in block(H, "y"):
                 for bx in block(NRT, "x"):
                     for r in thread_x(64):
@@ -305,9 +326,10 @@ def _prep_post(h):
                             vb, vh, vr, vi = T.axis.remap("SSSS", [bz, by, bx, r])
                             T.reads()
                             T.writes()
-                            if vr * 64 + vi < SQ:
+                            if vr * 64 + vi < NROWS:
                                 for d in T.serial(D):
-                                    DQ[vb, vh, vr * 64 + vi, d] = T.Cast(dtype, dq_accum[vb, vh, vr * 64 + vi, d])
+                                    DQ[rows.q(vb, vh, vr * 64 + vi, d)] = T.Cast(
+                                        dtype, dq_accum[rows.q(vb, vh, vr * 64 + vi, d)])
 
     return prep, post
 
@@ -315,16 +337,16 @@ def _prep_post(h):
 def _query_tile(h):
     """One query tile of a key tile's block: Q and dO staged, ``Sᵀ``, ``Pᵀ``, ``dV``, ``dPᵀ``, ``dSᵀ``,
     ``dK``, then dS through shared memory for the tile's dQ rows, added atomically."""
-    (atomic_add, BM, BN, CGQ, cols_product, D, dtype, DV, EMU, G, ix, key_at, key_of, KST, landed, lds_a, lds_b_cols,
-     mma_pair, NKV, NQ, PST, raw, RGQ, row_at, row_of, rows_product, SK, SKB, SL, sm, SQ, ST, stage, sync, thread_x,
-     thread_y, VST, W) = \
-        (h.atomic_add, h.BM, h.BN, h.CGQ, h.cols_product, h.D, h.dtype, h.DV, h.EMU, h.G, h.ix, h.key_at, h.key_of,
-         h.KST, h.landed, h.lds_a, h.lds_b_cols, h.mma_pair, h.NKV, h.NQ, h.PST, h.raw, h.RGQ, h.row_at, h.row_of,
-         h.rows_product, h.SK, h.SKB, h.SL, h.sm, h.SQ, h.ST, h.stage, h.sync, h.thread_x, h.thread_y, h.VST, h.W)
+    (atomic_add, BM, CGQ, cols_product, D, dtype, DV, EMU, G, ix, key_at, key_of, KST, l_at, landed, lds_a,
+     lds_b_cols, mma_pair, NKV, NQ, PST, q_at, raw, RGQ, row_at, row_of, rows_product, SKB, SL, sm, ST, stage, sync,
+     thread_x, thread_y, VST, W) = \
+        (h.atomic_add, h.BM, h.CGQ, h.cols_product, h.D, h.dtype, h.DV, h.EMU, h.G, h.ix, h.key_at, h.key_of, h.KST,
+         h.l_at, h.landed, h.lds_a, h.lds_b_cols, h.mma_pair, h.NKV, h.NQ, h.PST, h.q_at, h.raw, h.RGQ, h.row_at,
+         h.row_of, h.rows_product, h.SKB, h.SL, h.sm, h.ST, h.stage, h.sync, h.thread_x, h.thread_y, h.VST, h.W)
 
     @T.macro
-    def query_tile(Q, DO, LSE, delta, dq_accum, Ks, Vs, Qs, Ds, Ss, Af, Bf, S, Sr, dP, Pf, Sa, dK, dV, dQ, first, vb,
-                   vkh, vt, g, qt):
+    def query_tile(Q, DO, LSE, delta, dq_accum, Ks, Vs, Qs, Ds, Ss, Af, Bf, S, Sr, dP, Pf, Sa, dK, dV, dQ, first, seq,
+                   g, qt):
         # no barrier before these copies: every warp read the last tile's Q and dO before the
         # barrier after its dS (the race checker: one here was never needed), and its dS reads
         # end before the barrier after these copies land, which the next dS stores follow
@@ -333,8 +355,8 @@ def _query_tile(h):
                 with T.sblock("q_load"):
                     T.reads()
                     T.writes()
-                    stage(Qs, Q, vb, vkh * G + g, (first[0] + qt) * BM, BM, D, ST, SQ, ty, tx)
-                    stage(Ds, DO, vb, vkh * G + g, (first[0] + qt) * BM, BM, DV, VST, SQ, ty, tx)
+                    stage(Qs, Q, False, seq, seq[1] * G + g, (first[0] + qt) * BM, BM, D, ST, seq[3], ty, tx)
+                    stage(Ds, DO, False, seq, seq[1] * G + g, (first[0] + qt) * BM, BM, DV, VST, seq[3], ty, tx)
                     landed(ty, tx)
         sync()
         # Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ: the warp's 16 keys × the tile's rows
@@ -360,11 +382,12 @@ def _query_tile(h):
                         # P from the raw product: the variants' score and masks, the row's lse
                         # (+inf for a row that saw no key; with sinks, the sink joins it)
                         S[ix(ty, tx, k)] = sm.prob(
-                            S[ix(ty, tx, k)], sm.row_lse(LSE[vb, vkh * G + g, row_at(qt, first, tx, k)],
-                                                         None if SKB is None else SKB[vkh * G + g]),
-                            T.And((first[0] + qt) * BM + row_of(tx, k) < SQ, vt * BN + key_of(ty, tx, k) < SK),
-                            row_at(qt, first, tx, k), key_at(vt, ty, tx, k),
-                            None if SL is None else SL[vkh * G + g], None if KST is None else KST[vb], vb, vkh * G + g)
+                            S[ix(ty, tx, k)], sm.row_lse(LSE[l_at(seq, seq[1] * G + g, row_at(seq, qt, first, tx, k))],
+                                                         None if SKB is None else SKB[seq[1] * G + g]),
+                            T.And((first[0] + qt) * BM + row_of(tx, k) < seq[3], seq[2] + key_of(ty, tx, k) < seq[4]),
+                            row_at(seq, qt, first, tx, k), key_at(seq, ty, tx, k),
+                            None if SL is None else SL[seq[1] * G + g], None if KST is None else KST[seq[0]], seq[0],
+                            seq[1] * G + g)
                         Pf[ix(ty, tx, k)] = T.Cast(dtype, S[ix(ty, tx, k)])
         cols_product(dV, Pf, Bf, Ds, VST, DV)
         for ty in thread_y(W):
@@ -376,9 +399,10 @@ def _query_tile(h):
                         # dS on the raw product: P ∘ (dP − delta), times the scale and the
                         # softcap's and score_mod's derivatives (_ScoreMath.grad)
                         dP[ix(ty, tx, k)] = sm.grad(
-                            S[ix(ty, tx, k)], dP[ix(ty, tx, k)] - delta[vb, vkh * G + g, row_at(qt, first, tx, k)],
-                            Sr[ix(ty, tx, k)], row_at(qt, first, tx, k), key_at(vt, ty, tx, k),
-                            None if SL is None else SL[vkh * G + g], vb, vkh * G + g)
+                            S[ix(ty, tx, k)],
+                            dP[ix(ty, tx, k)] - delta[l_at(seq, seq[1] * G + g, row_at(seq, qt, first, tx, k))],
+                            Sr[ix(ty, tx, k)], row_at(seq, qt, first, tx, k), key_at(seq, ty, tx, k),
+                            None if SL is None else SL[seq[1] * G + g], seq[0], seq[1] * G + g)
                         Pf[ix(ty, tx, k)] = T.Cast(dtype, dP[ix(ty, tx, k)])
                         Ss[row_of(tx, k) * PST + key_of(ty, tx, k)] = Pf[ix(ty, tx, k)]
         cols_product(dK, Pf, Bf, Qs, ST, D)
@@ -418,22 +442,20 @@ def _query_tile(h):
                         T.reads()
                         T.writes()
                         for s in T.unroll(8):
-                            if (first[0] + qt) * BM + ty % RGQ * 16 + tx // 4 + 8 * (s % 4 // 2) < SQ:
+                            if (first[0] + qt) * BM + ty % RGQ * 16 + tx // 4 + 8 * (s % 4 // 2) < seq[3]:
                                 if EMU:
-                                    dq_accum[vb, vkh * G + g, (first[0] + qt) * BM + ty % RGQ * 16
-                                             + tx // 4 + 8 * (s % 4 // 2),
-                                             (dc * CGQ + ty // RGQ) * 16 + s // 4 * 8 + 2 * (tx % 4)
-                                             + s % 2] = dq_accum[
-                                        vb, vkh * G + g, (first[0] + qt) * BM + ty % RGQ * 16
-                                        + tx // 4 + 8 * (s % 4 // 2),
-                                        (dc * CGQ + ty // RGQ) * 16 + s // 4 * 8 + 2 * (tx % 4)
-                                        + s % 2] + dQ[ty, tx, s]
+                                    dq_accum[q_at(seq, seq[1] * G + g, (first[0] + qt) * BM + ty % RGQ * 16
+                                                  + tx // 4 + 8 * (s % 4 // 2),
+                                                  (dc * CGQ + ty // RGQ) * 16 + s // 4 * 8 + 2 * (tx % 4) + s % 2)] = \
+                                        dq_accum[q_at(seq, seq[1] * G + g, (first[0] + qt) * BM + ty % RGQ * 16
+                                                      + tx // 4 + 8 * (s % 4 // 2),
+                                                      (dc * CGQ + ty // RGQ) * 16 + s // 4 * 8 + 2 * (tx % 4) + s % 2)] \
+                                        + dQ[ty, tx, s]
                                 else:
-                                    T.evaluate(atomic_add(dq_accum, (
-                                        vb, vkh * G + g, (first[0] + qt) * BM + ty % RGQ * 16
+                                    T.evaluate(atomic_add(dq_accum, q_at(
+                                        seq, seq[1] * G + g, (first[0] + qt) * BM + ty % RGQ * 16
                                         + tx // 4 + 8 * (s % 4 // 2),
-                                        (dc * CGQ + ty // RGQ) * 16 + s // 4 * 8 + 2 * (tx % 4)
-                                        + s % 2), dQ[s]))
+                                        (dc * CGQ + ty // RGQ) * 16 + s // 4 * 8 + 2 * (tx % 4) + s % 2), dQ[s]))
 
     return query_tile
 
@@ -441,15 +463,16 @@ def _query_tile(h):
 def _key_tile(h):
     """A key tile's block: K and V staged, its warps' dK and dV over every query head of the group
     and every query tile that sees the tile, then stored (dK times the scale)."""
-    (BM, BN, causal, D, dtype, DV, fscope, fshape, G, ix, key_of, landed, NDK, NDV, NKV, NQ, NQT, off, PST, raw, SK,
-     small, smem, ST, stage, thread_x, thread_y, VST, W) = \
+    (BM, BN, causal, D, dtype, DV, fscope, fshape, G, ix, key_of, landed, NDK, NDV, NKV, NQ, PST, raw, rows, SK,
+     small, smem, SQ, ST, stage, thread_x, thread_y, varlen, VST, W) = \
         (h.BM, h.BN, h.causal, h.D, h.dtype, h.DV, h.fscope, h.fshape, h.G, h.ix, h.key_of, h.landed, h.NDK, h.NDV,
-         h.NKV, h.NQ, h.NQT, h.off, h.PST, h.raw, h.SK, h.small, h.smem, h.ST, h.stage, h.thread_x, h.thread_y,
-         h.VST, h.W)
+         h.NKV, h.NQ, h.PST, h.raw, h.rows, h.SK, h.small, h.smem, h.SQ, h.ST, h.stage, h.thread_x, h.thread_y,
+         h.varlen, h.VST, h.W)
     query_tile = _query_tile(h)
 
     @T.macro
     def key_tile(Q, K, V, DO, LSE, delta, dq_accum, DK, DV_, vb, vkh, vt):
+        # vb, vkh, vt: the grid's (bhsd: sequence, kv head, key tile; varlen: 0, kv head, tile slot)
         Ks = T.sblock_alloc_buffer((BN * ST,), dtype, scope=smem)
         Vs = T.sblock_alloc_buffer((BN * VST,), dtype, scope=smem)
         Qs = T.sblock_alloc_buffer((BM * ST,), dtype, scope=smem)
@@ -467,26 +490,41 @@ def _key_tile(h):
         dV = T.sblock_alloc_buffer(fshape(NDV * 4), "float32", scope=fscope)
         dQ = T.sblock_alloc_buffer(fshape(8), "float32", scope=fscope)
         first = T.sblock_alloc_buffer((1,), "int32", scope="local")  # the first query tile
+        # the block's sequence, kv head, first key, rows and keys (varlen: its slot's, found by a
+        # binary search on cu_seqlens_k, the CPU backward's slot scheme)
+        seq = T.sblock_alloc_buffer((5,), "int32", scope="local")
         with T.sblock("kv_stage"):
             T.reads()
             T.writes()
-            first[0] = first_query_tile(vt * BN, off, BM, causal)
+            if varlen:
+                rows.locate(seq, vkh * rows.k_slots + vt, True)
+                seq[3] = rows.len_q(seq[0])
+                seq[4] = rows.len_k(seq[0])
+            else:
+                seq[0] = vb
+                seq[1] = vkh
+                seq[2] = vt * BN
+                seq[3] = SQ
+                seq[4] = SK
+            # a slot past its sequence's keys (varlen) has no query tile to walk
+            first[0] = T.Select(seq[2] < seq[4], first_query_tile(seq[2], seq[4] - seq[3], BM, causal),
+                                T.floordiv(seq[3] + BM - 1, BM))
         for ty in thread_y(W):
             for tx in thread_x(WARP):
                 with T.sblock("kv_load"):
                     T.reads()
                     T.writes()
-                    stage(Ks, K, vb, vkh, vt * BN, BN, D, ST, SK, ty, tx)
-                    stage(Vs, V, vb, vkh, vt * BN, BN, DV, VST, SK, ty, tx)
+                    stage(Ks, K, True, seq, seq[1], seq[2], BN, D, ST, seq[4], ty, tx)
+                    stage(Vs, V, True, seq, seq[1], seq[2], BN, DV, VST, seq[4], ty, tx)
                     landed(ty, tx)  # waited here: no copy is left in flight whatever the loops run
                     for k in T.unroll(NDK * 4):
                         dK[ix(ty, tx, k)] = T.float32(0)
                     for k in T.unroll(NDV * 4):
                         dV[ix(ty, tx, k)] = T.float32(0)
         for g in T.serial(G):
-            for qt in T.serial(T.max(0, NQT - first[0])):
+            for qt in T.serial(T.max(0, T.floordiv(seq[3] + BM - 1, BM) - first[0])):
                 query_tile(Q, DO, LSE, delta, dq_accum, Ks, Vs, Qs, Ds, Ss, Af, Bf, S, Sr, dP, Pf, Sa, dK, dV,
-                           dQ, first, vb, vkh, vt, g, qt)
+                           dQ, first, seq, g, qt)
         # dK·scale and dV of the warp's keys
         for ty in thread_y(W):
             for tx in thread_x(WARP):
@@ -494,12 +532,12 @@ def _key_tile(h):
                     T.reads()
                     T.writes()
                     for k in T.unroll(NDK * 4):
-                        if vt * BN + key_of(ty, tx, k) < SK:
-                            DK[vb, vkh, vt * BN + key_of(ty, tx, k), k // 4 * 8 + 2 * (tx % 4) + k % 2] = \
+                        if seq[2] + key_of(ty, tx, k) < seq[4]:
+                            DK[rows.k(seq[0], seq[1], seq[2] + key_of(ty, tx, k), k // 4 * 8 + 2 * (tx % 4) + k % 2)] = \
                                 T.Cast(dtype, dK[ix(ty, tx, k)])
                     for k in T.unroll(NDV * 4):
-                        if vt * BN + key_of(ty, tx, k) < SK:
-                            DV_[vb, vkh, vt * BN + key_of(ty, tx, k), k // 4 * 8 + 2 * (tx % 4) + k % 2] = \
+                        if seq[2] + key_of(ty, tx, k) < seq[4]:
+                            DV_[rows.k(seq[0], seq[1], seq[2] + key_of(ty, tx, k), k // 4 * 8 + 2 * (tx % 4) + k % 2)] = \
                                 T.Cast(dtype, dV[ix(ty, tx, k)])
 
     return key_tile
@@ -516,33 +554,33 @@ def backward_mma(spec: AttentionSpec, warps: int = 4, block_m: int = 64, emulate
     (B, H, Sq, D)``, ``delta (B, H, Sq)`` float32. ``warps``: 16 keys each (``block_n =
     16·warps``); ``block_m``: query rows per tile, a multiple of 16 whose row groups divide the
     warps."""
-    if spec.layout != "bhsd" or spec.dtype not in ("float16", "bfloat16"):
-        raise ValueError("the CUDA backward takes float16/bfloat16 bhsd specs")
+    if spec.layout not in ("bhsd", "varlen") or spec.dtype not in ("float16", "bfloat16"):
+        raise ValueError("the CUDA backward takes float16/bfloat16 bhsd and varlen specs")
     if block_m % 16 or warps % (block_m // 16):
         raise ValueError(f"block_m={block_m}: a multiple of 16 whose row groups ({block_m // 16}) divide warps={warps}")
     h = _helpers(spec, warps, block_m, emulate)
     (B, block, D, dtype, DV, H, KH, NKT, SK, SQ) = (h.B, h.block, h.D, h.dtype, h.DV, h.H, h.KH, h.NKT, h.SK, h.SQ)
-    # the variants' arguments after do, dsinks after dv (the CPU backward's order)
-    inputs = [b for b in (h.SL, h.SKB, h.KST) if b is not None] + h.sm.extra.params
+    R = h.rows
+    # varlen's cu_seqlens, then the variants' arguments after do; dsinks after dv (the CPU backward's order)
+    inputs = list(R.params) + [b for b in (h.SL, h.SKB, h.KST) if b is not None] + h.sm.extra.params
     outputs = [h.DSK] if h.DSK is not None else []
     prep, post = _prep_post(h)
     key_tile = _key_tile(h)
 
     @T.prim_func(s_tir=True, check_well_formed=False)
     def attention_backward(
-        Q: T.Buffer((B, H, SQ, D), dtype), K: T.Buffer((B, KH, SK, D), dtype), V: T.Buffer((B, KH, SK, DV), dtype),
-        O: T.Buffer((B, H, SQ, DV), dtype), LSE: T.Buffer((B, H, SQ), "float32"),
-        DO: T.Buffer((B, H, SQ, DV), dtype), DQ: T.Buffer((B, H, SQ, D), dtype), DK: T.Buffer((B, KH, SK, D), dtype),
-        DV_: T.Buffer((B, KH, SK, DV), dtype), dq_accum: T.Buffer((B, H, SQ, D), "float32"),
-        delta: T.Buffer((B, H, SQ), "float32"),
+        Q: T.Buffer(R.qs, dtype), K: T.Buffer(R.ks, dtype), V: T.Buffer(R.vs, dtype), O: T.Buffer(R.os, dtype),
+        LSE: T.Buffer(R.ls, "float32"), DO: T.Buffer(R.os, dtype), DQ: T.Buffer(R.qs, dtype),
+        DK: T.Buffer(R.ks, dtype), DV_: T.Buffer(R.vs, dtype), dq_accum: T.Buffer(R.qs, "float32"),
+        delta: T.Buffer(R.ls, "float32"),
     ):
         T.func_attr({"global_symbol": ENTRY, "tirx.noalias": True, "attn.workload": "backward_mma",
                      "attn.warps": warps, "attn.block_m": block_m})
         prep(O, DO, LSE, delta, dq_accum)
         # -- main: a block per (key tile, kv head, sequence) ------------------------------------
-        for bz in block(B, "z"):
+        for bz in block(1 if h.varlen else B, "z"):  # varlen: (tile slot, kv head)
             for by in block(KH, "y"):
-                for bx in block(NKT, "x"):
+                for bx in block(R.k_slots if h.varlen else NKT, "x"):
                     with T.sblock("key_tile"):
                         vb, vkh, vt = T.axis.remap("SSS", [bz, by, bx])
                         T.reads()
