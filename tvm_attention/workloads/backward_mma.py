@@ -198,6 +198,41 @@ def _helpers(spec: AttentionSpec, warps: int, block_m: int, emulate: bool):
             T.evaluate(call("attn_cp_commit"))
             T.evaluate(call("attn_cp_wait0"))
 
+    def row_at(seq, qt, first, tx, k):  # the sequence's query row of a score slot, clamped into its rows
+        return T.min((first[0] + qt) * BM + row_of(tx, k), seq[3] - 1)
+
+    def key_at(seq, ty, tx, k):  # ... and its key, clamped into its keys (the hooks index by both)
+        return T.min(seq[2] + key_of(ty, tx, k), seq[4] - 1)
+
+
+    def q_at(seq, hd, i, d):  # q, o, do, dq, dq_accum: the layout's index of a row's column
+        return rows.q(seq[0], hd, i, d)
+
+    def l_at(seq, hd, i):  # lse, delta
+        return rows.lse(seq[0], hd, i)
+
+    def key_of(ty, tx, k):  # tile key of a score slot (the warp's 16 keys are its rows)
+        return ty * 16 + tx // 4 + 8 * (k % 4 // 2)
+
+    def row_of(tx, k):  # tile query row of a score slot (its columns)
+        return k // 4 * 8 + 2 * (tx % 4) + k % 2
+
+    def sees(j, i):  # key j (of the sequence) seen by query row i
+        cond = T.And(i < SQ, j < SK)
+        return T.And(cond, j <= i + off) if causal else cond
+
+    h = types.SimpleNamespace(**{**vars(x), **{k: v for k, v in locals().items() if k != "x"}})
+    h.rows_product, h.cols_product = _products(h)
+    return h
+
+
+def _products(h):
+    """The two forms of the fragments' products: ``rows_product`` (the warp's 16 rows of a tile
+    times another tile's rows, transposed) and ``cols_product`` (a C fragment as A times a tile's
+    columns, ldmatrix ``.trans``)."""
+    (BM, lds_a, lds_b_cols, lds_b_rows, mma_pair, NQ, thread_x, thread_y, W) = \
+        (h.BM, h.lds_a, h.lds_b_cols, h.lds_b_rows, h.mma_pair, h.NQ, h.thread_x, h.thread_y, h.W)
+
     @T.macro
     def rows_product(C, Af, Bf, A, astride, Bs, depth):
         # C (the warp's 16 tile rows of A × the tile's BM rows of Bs) = A · Bsᵀ over ``depth``
@@ -245,30 +280,8 @@ def _helpers(spec: AttentionSpec, warps: int, block_m: int, emulate: bool):
                             mma_pair(C, dp * 8, Pf, kk * 8, Bf, ty, tx)
 
     # a block's sequence in registers, ``seq``: (sequence, kv head, first key, its rows, its keys)
-    def row_at(seq, qt, first, tx, k):  # the sequence's query row of a score slot, clamped into its rows
-        return T.min((first[0] + qt) * BM + row_of(tx, k), seq[3] - 1)
 
-    def key_at(seq, ty, tx, k):  # ... and its key, clamped into its keys (the hooks index by both)
-        return T.min(seq[2] + key_of(ty, tx, k), seq[4] - 1)
-
-
-    def q_at(seq, hd, i, d):  # q, o, do, dq, dq_accum: the layout's index of a row's column
-        return rows.q(seq[0], hd, i, d)
-
-    def l_at(seq, hd, i):  # lse, delta
-        return rows.lse(seq[0], hd, i)
-
-    def key_of(ty, tx, k):  # tile key of a score slot (the warp's 16 keys are its rows)
-        return ty * 16 + tx // 4 + 8 * (k % 4 // 2)
-
-    def row_of(tx, k):  # tile query row of a score slot (its columns)
-        return k // 4 * 8 + 2 * (tx % 4) + k % 2
-
-    def sees(j, i):  # key j (of the sequence) seen by query row i
-        cond = T.And(i < SQ, j < SK)
-        return T.And(cond, j <= i + off) if causal else cond
-
-    return types.SimpleNamespace(**{**vars(x), **{k: v for k, v in locals().items() if k != "x"}})
+    return rows_product, cols_product
 
 
 def _prep_post(h):
