@@ -240,3 +240,50 @@ def test_varlen_gradients_match_the_reference_per_sequence():
     bad[2] = bad[3] + 1  # falls: the kernel would read past its keys
     with pytest.raises(Exception, match="cu_seqlens_k: must be non-decreasing"):
         kern(q, k, v, o, lse, do, cu_seqlens_q=cq, cu_seqlens_k=bad, **args, **kargs)
+
+
+def test_torch_attention_takes_the_cuda_pair_for_cuda_tensors(monkeypatch):
+    """``tvm_attention.torch.attention`` on CUDA tensors runs the CUDA pair: the spec in float16, the
+    tensor-core forward with lse and the tensor-core backward, tensors in and out (no NumPy), the
+    variants' arrays beside the data. Here the pair's two kernels are emulated on the CPU and the
+    call's tensors taken for CUDA ones (``device_of``): gradients and ``dsinks`` against the
+    float64 reference; a modifier tensor that asks for a gradient is refused by name."""
+    torch = pytest.importorskip("torch")
+    from tvm_attention import torch as tt
+    from tvm_attention.loader import AttentionKernel
+    from tvm_attention.workloads.fused_mma import fused_attention_mma
+
+    made, real_pair = [], tt._cuda_pair
+
+    def emulated_pair(spec, grad_tensors):
+        fwd = AttentionKernel(spec, tvm.compile(fused_attention_mma(spec, 2, 16, 2, 1, emulate=True),
+                                                target=EMULATION_TARGET)["attention"])
+        bwd = emulated(spec, 2, 32)
+        made.append(spec)
+        return fwd, lambda *a, **k: tuple(torch.from_numpy(np.asarray(g)) for g in bwd(*a, **k))
+
+    monkeypatch.setattr(tt, "device_of", lambda q: "cuda")
+    monkeypatch.setattr(tt, "_cuda_pair", emulated_pair)
+    tt._pair.cache_clear()
+    rng = np.random.default_rng(5)
+    q, k, v = (torch.from_numpy(rng.standard_normal(s).astype(np.float16)).requires_grad_()
+               for s in ((2, 4, 37, 32), (2, 2, 45, 32), (2, 2, 45, 32)))
+    sinks = torch.from_numpy(rng.standard_normal(4).astype(np.float32)).requires_grad_()
+    slopes = torch.from_numpy((np.abs(rng.standard_normal(4)) * 0.1).astype(np.float32))
+    o = tt.attention(q, k, v, causal=True, sinks=sinks, alibi_slopes=slopes)
+    assert made and made[0].dtype == "float16" and made[0].sinks and made[0].alibi
+    do = rng.standard_normal(o.shape).astype(np.float16)
+    o.backward(torch.from_numpy(do))
+    spec = AttentionSpec(batch=2, heads=4, kv_heads=2, seq_q=37, seq_kv=45, head_dim=32, causal=True, sinks=True,
+                         alibi=True)
+    f64 = [t.detach().numpy().astype(np.float64) for t in (q, k, v)]
+    ref = reference_attention_backward(spec, *f64, do.astype(np.float64), sinks=sinks.detach().numpy(),
+                                       alibi_slopes=slopes.numpy())
+    for name, t in (("dq", q), ("dk", k), ("dv", v), ("dsinks", sinks)):
+        err = np.abs(t.grad.numpy().astype(np.float64) - ref[name]).max()
+        assert err <= TOLERANCE["float16"] * np.abs(ref[name]).max(), (name, err)
+    bias = torch.zeros(4, requires_grad=True)
+    monkeypatch.setattr(tt, "_cuda_pair", real_pair)  # refuses before it builds anything
+    with pytest.raises(SpecError, match="on CUDA tensors the mod_tensors take no gradient yet \\(bias requires one\\)"):
+        tt.attention(q, k, v, score_mod="lambda s, b, h, q, kv: s + bias[h]", mod_tensors={"bias": bias})
+    tt._pair.cache_clear()

@@ -1,4 +1,4 @@
-"""Attention as a differentiable torch function (issue 46).
+"""Attention as a differentiable torch function (issues 46 and 65).
 
 ``tvm_attention.torch.attention(q, k, v, causal=..., window=..., softcap=..., ...)`` runs our fused
 forward (with ``lse``) and, under autograd, our fused backward (``tvm_attention.backward``): a
@@ -10,6 +10,11 @@ varlen form: :func:`attention_varlen`); causal, a window, a softcap, ALiBi (``al
 (``sinks (H,)``, which take a gradient), ``kv_start (B,)`` int32 (each sequence's keys before it
 hidden: left padding), key bounds, a custom mask and ``mask_mod`` (their zeros pass through),
 ``score_mod`` (differentiated; a float tensor it reads takes its gradient when it requires one).
+
+CUDA tensors (float16 or bfloat16) run the CUDA pair instead, built in the process for the local
+GPU (TVM and nvcc on it): the tensor-core forward with lse and the tensor-core backward
+(``backward.build_backward`` with a CUDA target; the same variants, BHSD and varlen), the data
+never leaving the GPU; a modifier tensor's gradient is not built on CUDA yet (refused by name).
 """
 from __future__ import annotations
 
@@ -37,8 +42,9 @@ class _Pairs:
         self.misses = 0
         self.lock = threading.Lock()
 
-    def __call__(self, spec: AttentionSpec, grad_tensors: tuple[str, ...] = (), cache_dir: str | None = None):
-        key = (spec, tuple(grad_tensors))
+    def __call__(self, spec: AttentionSpec, grad_tensors: tuple[str, ...] = (), cache_dir: str | None = None,
+                 device: str = "cpu"):
+        key = (spec, tuple(grad_tensors), device)
         got = self.pairs.get(key)
         if got is None:
             from .artifact import kernel_of  # the compiler's side (imports TVM)
@@ -48,8 +54,11 @@ class _Pairs:
                 got = self.pairs.get(key)
                 if got is None:
                     self.misses += 1
-                    got = self.pairs[key] = (kernel_of(build_kernel(spec, cache=True)),
-                                             _cached_backward(spec, tuple(grad_tensors), cache_dir))
+                    if device == "cuda":
+                        got = self.pairs[key] = _cuda_pair(spec, tuple(grad_tensors))
+                    else:
+                        got = self.pairs[key] = (kernel_of(build_kernel(spec, cache=True)),
+                                                 _cached_backward(spec, tuple(grad_tensors), cache_dir))
         return got
 
     def cache_clear(self) -> None:
@@ -59,6 +68,29 @@ class _Pairs:
 
 
 _pair = _Pairs()
+
+
+def _cuda_pair(spec: AttentionSpec, grad_tensors: tuple[str, ...]):
+    """The pair of ``spec`` for this machine's GPU (its arch: ``target.resolve_target("cuda")``):
+    the CUDA forward (``--schedule fused``: tensor cores, with lse) and the tensor-core backward
+    (``build_backward`` with a CUDA target), built in this process (TVM and nvcc on the GPU
+    machine), kept for it. A tensor's gradient through score_mod is not built on CUDA yet."""
+    from .artifact import kernel_of  # the compiler's side (imports TVM)
+    from .backward import build_backward  # the compiler's side (imports TVM)
+    from .build import build_kernel  # the compiler's side (imports TVM)
+    from .target import resolve_target  # the local GPU's arch
+
+    if grad_tensors:
+        raise SpecError(f"attention: on CUDA tensors the mod_tensors take no gradient yet ({', '.join(grad_tensors)} "
+                        "requires one); pass them detached, or call on CPU tensors")
+    target = resolve_target("cuda")
+    return kernel_of(build_kernel(spec, "fused", target=target, cache=True)), build_backward(spec, target=target)
+
+
+def device_of(q: torch.Tensor) -> str:
+    """Where a call's pair runs: "cuda" for CUDA tensors (tensor cores, float16 or bfloat16), "cpu"
+    otherwise."""
+    return "cuda" if q.device.type == "cuda" else "cpu"
 
 
 #: The modules besides the build cache's generators whose source decides a backward artifact:
@@ -139,7 +171,11 @@ def spec_of(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str = "bh
         if not isinstance(t, torch.Tensor) or t.dim() != rank:
             raise SpecError(f"attention: {name} must be a {rank}-D torch tensor {form}, got "
                             f"{type(t).__name__} {tuple(getattr(t, 'shape', ()))}")
-        if t.dtype not in _DTYPES or t.dtype != q.dtype or t.device.type != "cpu":
+        cuda = device_of(q) == "cuda"
+        if cuda and (t.dtype not in _CUDA_DTYPES or t.dtype != q.dtype or t.device != q.device):
+            raise SpecError(f"attention: {name} must be a float16 or bfloat16 tensor on {q.device} (tensor cores), "
+                            f"q's dtype, got {t.dtype} on {t.device}")
+        if not cuda and (t.dtype not in _DTYPES or t.dtype != q.dtype or t.device.type != "cpu"):
             raise SpecError(f"attention: {name} must be a CPU float32 or bfloat16 tensor, q's dtype (the "
                             f"backward's), got {t.dtype} on {t.device}")
     heads = -3 if layout == "bhsd" else -2  # the heads' axis
@@ -150,7 +186,7 @@ def spec_of(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str = "bh
     d, dv = q.shape[-1], v.shape[-1]
     return AttentionSpec(batch=1, heads=q.shape[heads], kv_heads=k.shape[heads], seq_q=REPRESENTATIVE_SEQ,
                          seq_kv=REPRESENTATIVE_SEQ, head_dim=d, head_dim_v=None if dv == d else dv,
-                         dtype=_DTYPES[q.dtype], return_lse=True, layout=layout,
+                         dtype={**_DTYPES, **_CUDA_DTYPES}[q.dtype], return_lse=True, layout=layout,
                          dynamic=() if layout == "varlen" else DYNAMIC, **fields)
 
 
@@ -163,6 +199,8 @@ REPRESENTATIVE_SEQ = 256
 
 #: the dtypes the pair builds: float32 arithmetic, bf16 inputs and gradients rounded once
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+#: ... on CUDA tensors: the tensor-core forward and backward's
+_CUDA_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
 def to_numpy(t: torch.Tensor):
@@ -190,9 +228,11 @@ class _Attention(torch.autograd.Function):
         backward reads is saved with ``save_for_backward``, ``extra`` too: changed in place
         before ``backward()`` (``kv_start`` shifted, the mask's bits cleared), torch refuses it
         by name ("modified by an inplace operation") instead of differentiating other values."""
-        fwd, _ = _pair(spec, wrt, cache_dir)
+        fwd, _ = _pair(spec, wrt, cache_dir, device_of(q))
         args = dict(extra, **({"sinks": sinks.detach()} if spec.sinks else {}),
                     **{n: t.detach().contiguous() for n, t in zip(wrt, tensors)})
+        if device_of(q) == "cuda":  # the variants' arrays beside the data (the kernels read them there)
+            args = {n: t.to(q.device) for n, t in args.items()}
         o, lse = fwd(q.detach().contiguous(), k.detach().contiguous(), v.detach().contiguous(), **args)
         ctx.spec, ctx.extra_names, ctx.wrt, ctx.cache_dir = spec, tuple(extra), wrt, cache_dir
         ctx.save_for_backward(q, k, v, o, lse, sinks, *tensors, *extra.values())
@@ -203,7 +243,16 @@ class _Attention(torch.autograd.Function):
         q, k, v, o, lse, sinks, *rest = ctx.saved_tensors
         tensors, extra = rest[:len(ctx.wrt)], dict(zip(ctx.extra_names, rest[len(ctx.wrt):]))
         spec = ctx.spec
-        _, bwd = _pair(spec, ctx.wrt, ctx.cache_dir)
+        _, bwd = _pair(spec, ctx.wrt, ctx.cache_dir, device_of(q))
+        if device_of(q) == "cuda":  # tensors in, tensors out, on their device and torch's stream
+            args = {n: t.to(q.device) for n, t in extra.items()}
+            if spec.sinks:
+                args["sinks"] = sinks.detach().to(q.device)
+            grads = list(bwd(q.detach().contiguous(), k.detach().contiguous(), v.detach().contiguous(), o, lse,
+                             do.to(q.dtype).contiguous(), **args))
+            if torch.is_grad_enabled():
+                grads = list(_NoDoubleBackward.apply(*(g.requires_grad_() for g in grads)))
+            return (grads[0], grads[1], grads[2], grads[3] if spec.sinks else None, None, None, None, None)
         arrays = [to_numpy(t.to(q.dtype) if t is do else t) for t in (q, k, v, o, lse, do)]
         args = {n: t.numpy() for n, t in extra.items()}
         args.update({n: to_numpy(t) for n, t in zip(ctx.wrt, tensors)})
@@ -234,8 +283,9 @@ class _NoDoubleBackward(torch.autograd.Function):
 
 
 def _tensor(name: str, t: Any, shape: tuple | None, dtype: torch.dtype) -> torch.Tensor:
-    """``t`` checked (a CPU tensor of ``dtype``, ``shape`` where given), detached and contiguous."""
-    if (not isinstance(t, torch.Tensor) or t.dtype != dtype or t.device.type != "cpu"
+    """``t`` checked (a tensor of ``dtype``, ``shape`` where given; a CPU one, or a CUDA one for a
+    call on CUDA tensors, which moves it beside them), detached and contiguous."""
+    if (not isinstance(t, torch.Tensor) or t.dtype != dtype or t.device.type not in ("cpu", "cuda")
             or (shape is not None and tuple(t.shape) != shape)):
         raise SpecError(f"attention: {name} must be a tensor of {str(dtype).removeprefix('torch.')} "
                         f"{shape if shape is not None else ''}, got {getattr(t, 'dtype', type(t).__name__)} "
@@ -371,5 +421,5 @@ def _packed(mask: Any, shape: tuple[int, int, int]) -> dict[str, torch.Tensor]:
         return {"custom_mask": _tensor("custom_mask", bits, None, torch.uint8),
                 "mask_indptr": _tensor("mask_indptr", indptr, (shape[0] + 1,), torch.int32)}
     mask = _tensor("custom_mask", mask, shape, torch.bool)
-    bits, indptr = pack_mask(mask.numpy())
+    bits, indptr = pack_mask(mask.cpu().numpy())
     return {"custom_mask": torch.from_numpy(bits), "mask_indptr": torch.from_numpy(indptr)}
