@@ -25,10 +25,11 @@ from test_cuda import EMULATION_TARGET
 TOLERANCE = {"float16": 2e-3, "bfloat16": 1e-2}
 
 
-def emulated(spec, warps, block_m) -> BackwardKernel:
+def emulated(spec, warps, block_m, grad_tensors=()) -> BackwardKernel:
     """The CUDA backward of ``spec``, emulated (compiled for the CPU), behind ``BackwardKernel``'s
-    call (its scratch, dq_accum and delta, allocated by the call)."""
-    func = bm.backward_mma(spec, warps, block_m, emulate=True)
+    call (its scratch, dq_accum and delta, allocated by the call; a learned bias's partials
+    summed by it)."""
+    func = bm.backward_mma(spec, warps, block_m, emulate=True, grad_tensors=tuple(grad_tensors))
     ex = tvm.compile(func, target=EMULATION_TARGET)
     return BackwardKernel(spec, CudaBackwardKnobs(warps, block_m), {bm.ENTRY: ex[bm.ENTRY]}, None, _call_args(func))
 
@@ -63,9 +64,9 @@ def variant_args(spec, rng) -> tuple[dict, dict]:
     return k, r
 
 
-def check(spec, kernel, seed=0):
-    """The kernel's gradients (and dsinks, with sinks) against the float64 reference's, each
-    within :data:`TOLERANCE` of the largest value."""
+def check(spec, kernel, seed=0, grad_tensors=()):
+    """The kernel's gradients (and dsinks, with sinks; a learned bias's, ``grad_tensors``) against
+    the float64 reference's, each within :data:`TOLERANCE` of the largest value."""
     rng = np.random.default_rng(seed)
     kargs, rargs = variant_args(spec, rng)
     dt = spec.np_dtype
@@ -73,9 +74,9 @@ def check(spec, kernel, seed=0):
     do = rng.standard_normal(spec.o_shape).astype(dt)
     f64 = [x.astype(np.float64) for x in (q, k, v)]
     o, lse = reference_attention(spec, *f64, return_lse=True, **rargs)
-    ref = reference_attention_backward(spec, *f64, do.astype(np.float64), **rargs)
+    ref = reference_attention_backward(spec, *f64, do.astype(np.float64), grad_tensors=tuple(grad_tensors), **rargs)
     got = kernel(q, k, v, o.astype(dt), lse.astype(np.float32), do, **kargs)
-    names = ("dq", "dk", "dv") + (("dsinks",) if spec.sinks else ())
+    names = ("dq", "dk", "dv") + (("dsinks",) if spec.sinks else ()) + tuple(f"d_{n}" for n in grad_tensors)
     assert len(got) == len(names)
     for name, got in zip(names, got):
         got = np.asarray(got, np.float64)
@@ -103,11 +104,14 @@ CASES = [
 
 
 @pytest.mark.parametrize("fields, warps, block_m", CASES, ids=["gqa-causal", "window-alibi-kvstart-sinks-softcap",
-                                                                "bounds-mask-mask_mod", "score_mod", "gqa-full",
-                                                                "bf16-rows-without-keys", "dv16"])
+                                                                "bounds-mask-mask_mod", "score_mod-learned-bias",
+                                                                "gqa-full", "bf16-rows-without-keys", "dv16"])
 def test_backward_matches_the_reference(fields, warps, block_m):
+    """Every case against the reference; with a score_mod over a tensor, the tensor's gradient too
+    (a learned bias: each read's derivative scattered into its query head's partials)."""
     spec = AttentionSpec(**{"dtype": "float16", **fields})
-    check(spec, emulated(spec, warps, block_m))
+    wrt = tuple(n for n, dt, _ in spec.mod_tensors if spec.score_mod is not None and dt == "float32")
+    check(spec, emulated(spec, warps, block_m, wrt), grad_tensors=wrt)
 
 
 def test_a_kernel_that_skips_a_query_tile_fails(monkeypatch):
@@ -247,18 +251,18 @@ def test_torch_attention_takes_the_cuda_pair_for_cuda_tensors(monkeypatch):
     tensor-core forward with lse and the tensor-core backward, tensors in and out (no NumPy), the
     variants' arrays beside the data. Here the pair's two kernels are emulated on the CPU and the
     call's tensors taken for CUDA ones (``device_of``): gradients and ``dsinks`` against the
-    float64 reference; a modifier tensor that asks for a gradient is refused by name."""
+    float64 reference; a learned bias's gradient too."""
     torch = pytest.importorskip("torch")
     from tvm_attention import torch as tt
     from tvm_attention.loader import AttentionKernel
     from tvm_attention.workloads.fused_mma import fused_attention_mma
 
-    made, real_pair = [], tt._cuda_pair
+    made = []
 
     def emulated_pair(spec, grad_tensors):
         fwd = AttentionKernel(spec, tvm.compile(fused_attention_mma(spec, 2, 16, 2, 1, emulate=True),
                                                 target=EMULATION_TARGET)["attention"])
-        bwd = emulated(spec, 2, 32)
+        bwd = emulated(spec, 2, 32, grad_tensors)
         made.append(spec)
         return fwd, lambda *a, **k: tuple(torch.from_numpy(np.asarray(g)) for g in bwd(*a, **k))
 
@@ -282,8 +286,15 @@ def test_torch_attention_takes_the_cuda_pair_for_cuda_tensors(monkeypatch):
     for name, t in (("dq", q), ("dk", k), ("dv", v), ("dsinks", sinks)):
         err = np.abs(t.grad.numpy().astype(np.float64) - ref[name]).max()
         assert err <= TOLERANCE["float16"] * np.abs(ref[name]).max(), (name, err)
-    bias = torch.zeros(4, requires_grad=True)
-    monkeypatch.setattr(tt, "_cuda_pair", real_pair)  # refuses before it builds anything
-    with pytest.raises(SpecError, match="on CUDA tensors the mod_tensors take no gradient yet \\(bias requires one\\)"):
-        tt.attention(q, k, v, score_mod="lambda s, b, h, q, kv: s + bias[h]", mod_tensors={"bias": bias})
+    # a learned bias takes its gradient through the CUDA branch too
+    bias = torch.from_numpy((rng.standard_normal(4) * 0.1).astype(np.float32)).requires_grad_()
+    o = tt.attention(q, k, v, causal=True, score_mod="lambda s, b, h, q, kv: s + bias[h] * (q - kv)",
+                     mod_tensors={"bias": bias})
+    o.backward(torch.from_numpy(do))
+    mspec = AttentionSpec(batch=2, heads=4, kv_heads=2, seq_q=37, seq_kv=45, head_dim=32, causal=True,
+                          score_mod="lambda s, b, h, q, kv: s + bias[h] * (q - kv)",
+                          mod_tensors=(("bias", "float32", (4,)),))
+    want = reference_attention_backward(mspec, *f64, do.astype(np.float64), grad_tensors=("bias",),
+                                        mod_tensors={"bias": bias.detach().numpy()})["d_bias"]
+    assert np.abs(bias.grad.numpy() - want).max() <= TOLERANCE["float16"] * np.abs(want).max()
     tt._pair.cache_clear()

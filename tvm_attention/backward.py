@@ -331,6 +331,10 @@ class BackwardKernel:
         tensors, outs, bound, device = [], [], {}, None
         for name, shape, dtype in self.args:
             want = np.dtype(dtype).name if dtype != "bfloat16" else "bfloat16"
+            if name.endswith(PARTIALS):  # (H, the tensor's elements): each query head's share
+                outs.append((name, torch.empty((shape[0], given[name[2:-len(PARTIALS)]].numel()), device=device,
+                                               dtype=torch.float32)))
+                continue
             if name in OUTPUTS or name in CUDA_WORKSPACES:
                 outs.append((name, torch.empty(tuple(bound.get(x, x) for x in shape), device=device,
                                                dtype=getattr(torch, want))))
@@ -361,7 +365,8 @@ class BackwardKernel:
             with tvm_ffi.use_torch_stream():
                 self.module[ENTRY](*(tvm_ffi.from_dlpack(t) for t in tensors),
                                    *(tvm_ffi.from_dlpack(x) for _, x in outs))
-        return tuple(x for n, x in outs if n in OUTPUTS)
+        return tuple([x for n, x in outs if n in OUTPUTS]
+                     + [x.sum(0).reshape(given[n[2:-len(PARTIALS)]].shape) for n, x in outs if n.endswith(PARTIALS)])
 
     def _check_indices(self, arrays: dict, bound: dict) -> None:
         """What the kernel indexes by (before it reads a byte), as the forward's loader checks it:
@@ -456,9 +461,10 @@ def _build_cuda(spec: AttentionSpec, knobs: CudaBackwardKnobs | None, target: An
     from .spec import MAX_SEQ_LEN  # the longest sequence, as the forward's bounds
     from .workloads.backward_mma import backward_mma, backward_shared_bytes  # the compiler's side (imports TVM)
 
-    if grad_tensors:
-        raise SpecError("backward on CUDA: no score_mod tensor gradients yet (grad_tensors); the CPU backward takes them")
+    from .reference import _check_grad_tensors  # the oracle's rule: NumPy only
+
     check_cuda_spec(spec)
+    _check_grad_tensors(spec, grad_tensors)
     knobs = knobs or cuda_knobs(spec)
     if not isinstance(knobs, CudaBackwardKnobs):
         raise SpecError(f"backward on CUDA: knobs must be CudaBackwardKnobs, got {type(knobs).__name__}")
@@ -470,13 +476,14 @@ def _build_cuda(spec: AttentionSpec, knobs: CudaBackwardKnobs | None, target: An
     if smem > limit:
         raise SpecError(f"backward on CUDA: shared memory {smem} B (K, V, Q, dO and dS tiles) > {limit} B on {arch}: "
                         "fewer warps or query rows")
-    func = backward_mma(spec, knobs.warps, knobs.block_m)
+    func = backward_mma(spec, knobs.warps, knobs.block_m, grad_tensors=tuple(grad_tensors))
     args = _call_args(func)
     why = f"the longest sequence a kernel takes is {MAX_SEQ_LEN} rows or keys"
     bounds = [ArgBounds(name, {i: MAX_SEQ_LEN for i, d in enumerate(shape) if d in SEQUENCE_DIMS}, why, shape)
               for name, shape, _ in args]
     lowered = lower_final(tvm.IRModule({"main": func}), target, bounds)
-    probe = list_allocations(lower_final(backward_mma(probe_spec(spec), knobs.warps, knobs.block_m), target))
+    probe = list_allocations(lower_final(backward_mma(probe_spec(spec), knobs.warps, knobs.block_m,
+                                                      grad_tensors=tuple(grad_tensors)), target))
     report = audit(lowered, spec, probe=probe)
     if report.verdict != "fused":
         raise RuntimeError(f"backward: the audit found it not fused: {'; '.join(report.reasons)}")

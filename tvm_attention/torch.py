@@ -13,8 +13,8 @@ hidden: left padding), key bounds, a custom mask and ``mask_mod`` (their zeros p
 
 CUDA tensors (float16 or bfloat16) run the CUDA pair instead, built in the process for the local
 GPU (TVM and nvcc on it): the tensor-core forward with lse and the tensor-core backward
-(``backward.build_backward`` with a CUDA target; the same variants, BHSD and varlen), the data
-never leaving the GPU; a modifier tensor's gradient is not built on CUDA yet (refused by name).
+(``backward.build_backward`` with a CUDA target; the same variants, BHSD and varlen, a learned
+bias's gradient), the data never leaving the GPU.
 """
 from __future__ import annotations
 
@@ -74,17 +74,15 @@ def _cuda_pair(spec: AttentionSpec, grad_tensors: tuple[str, ...]):
     """The pair of ``spec`` for this machine's GPU (its arch: ``target.resolve_target("cuda")``):
     the CUDA forward (``--schedule fused``: tensor cores, with lse) and the tensor-core backward
     (``build_backward`` with a CUDA target), built in this process (TVM and nvcc on the GPU
-    machine), kept for it. A tensor's gradient through score_mod is not built on CUDA yet."""
+    machine), kept for it; a learned bias (``grad_tensors``) takes its gradient there too."""
     from .artifact import kernel_of  # the compiler's side (imports TVM)
     from .backward import build_backward  # the compiler's side (imports TVM)
     from .build import build_kernel  # the compiler's side (imports TVM)
     from .target import resolve_target  # the local GPU's arch
 
-    if grad_tensors:
-        raise SpecError(f"attention: on CUDA tensors the mod_tensors take no gradient yet ({', '.join(grad_tensors)} "
-                        "requires one); pass them detached, or call on CPU tensors")
     target = resolve_target("cuda")
-    return kernel_of(build_kernel(spec, "fused", target=target, cache=True)), build_backward(spec, target=target)
+    return kernel_of(build_kernel(spec, "fused", target=target, cache=True)), \
+        build_backward(spec, target=target, grad_tensors=grad_tensors)
 
 
 def device_of(q: torch.Tensor) -> str:
@@ -248,11 +246,13 @@ class _Attention(torch.autograd.Function):
             args = {n: t.to(q.device) for n, t in extra.items()}
             if spec.sinks:
                 args["sinks"] = sinks.detach().to(q.device)
+            args.update({n: t.detach().contiguous().to(q.device) for n, t in zip(ctx.wrt, tensors)})
             grads = list(bwd(q.detach().contiguous(), k.detach().contiguous(), v.detach().contiguous(), o, lse,
                              do.to(q.dtype).contiguous(), **args))
             if torch.is_grad_enabled():
                 grads = list(_NoDoubleBackward.apply(*(g.requires_grad_() for g in grads)))
-            return (grads[0], grads[1], grads[2], grads[3] if spec.sinks else None, None, None, None, None)
+            return (grads[0], grads[1], grads[2], grads[3] if spec.sinks else None, None, None, None, None,
+                    *(g.to(t.device) for g, t in zip(grads[3 + spec.sinks:], tensors)))
         arrays = [to_numpy(t.to(q.dtype) if t is do else t) for t in (q, k, v, o, lse, do)]
         args = {n: t.numpy() for n, t in extra.items()}
         args.update({n: to_numpy(t) for n, t in zip(ctx.wrt, tensors)})

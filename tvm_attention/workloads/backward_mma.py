@@ -37,7 +37,7 @@ from ..spec import AttentionSpec
 from ..tvm_internals import fast_macros
 from ._math import LOG2E, ssa_checked
 from .fused_cuda import flat_offset
-from .backward import ROWS, _ScoreMath
+from .backward import ROWS, _clear_chain, _f32, _partials, _ScoreMath
 from .fused_mma import CP_DST, SMEM_PAD, WARP, _mma_context, _mma_fragments, smem_stride
 
 #: the library's entry function (the forward's is ``attention``)
@@ -77,7 +77,7 @@ def backward_shared_bytes(spec: AttentionSpec, warps: int, block_m: int) -> int:
     return (bn * (d + dv) + block_m * (d + dv) + block_m * (bn + SMEM_PAD)) * spec.itemsize
 
 
-def _context(spec: AttentionSpec, warps: int, block_m: int, emulate: bool):
+def _context(spec: AttentionSpec, warps: int, block_m: int, emulate: bool, wrt: tuple[str, ...] = ()):
     """The kernel's constants and helpers (``fused_mma``'s fragments and ``mma_pair``)."""
     x = _mma_fragments(_mma_context(spec, warps, 16 * warps, 1, 1, emulate))
     W, BN, BM = warps, 16 * warps, block_m
@@ -98,18 +98,21 @@ def _context(spec: AttentionSpec, warps: int, block_m: int, emulate: bool):
     f32 = "float32"
     x.__dict__.update(
         rows=rows, varlen=spec.layout == "varlen",
-        sm=_ScoreMath(spec, rows), raw=spec.softcap is not None or spec.score_mod is not None,
+        sm=_ScoreMath(spec, rows, wrt), raw=spec.softcap is not None or spec.score_mod is not None, wrt=wrt,
         SL=tirx.decl_buffer((x.H,), f32, "SL") if spec.alibi else None,
         SKB=tirx.decl_buffer((x.H,), f32, "SK") if spec.sinks else None,
         KST=tirx.decl_buffer((x.B,), "int32", "KST") if spec.kv_start else None,
         DSK=tirx.decl_buffer((x.H,), f32, "DSK") if spec.sinks else None)
+    # with grad_tensors: each differentiated tensor's d_<name>_partials (H, elements), a row a
+    # query head (the CPU backward's outputs, summed by the call), added into atomically here
+    x.parts = _partials(spec, x.sm, wrt)
     return x
 
 
-def _helpers(spec: AttentionSpec, warps: int, block_m: int, emulate: bool):
+def _helpers(spec: AttentionSpec, warps: int, block_m: int, emulate: bool, wrt: tuple[str, ...] = ()):
     """Every constant, addressing function and fragment macro of one backward kernel, by name
     (the stage builders below unpack what each uses)."""
-    x = _context(spec, warps, block_m, emulate)
+    x = _context(spec, warps, block_m, emulate, wrt)
     (B, H, KH, SQ, SK, D, DV, G, W, BN, BM, RGQ, CGQ, ST, VST, PST, NQ, NKV, NDK, NDV, dtype, EMU) = (
         x.B, x.H, x.KH, x.SQ, x.SK, x.D, x.DV, x.G, x.W, x.BN, x.BM, x.RGQ, x.CGQ, x.ST, x.VST, x.PST, x.NQ, x.NKV,
         x.NDK, x.NDV, x.dtype, x.EMU)
@@ -127,6 +130,7 @@ def _helpers(spec: AttentionSpec, warps: int, block_m: int, emulate: bool):
     NQT = (SQ + BM - 1) // BM if isinstance(SQ, int) else T.floordiv(SQ + BM - 1, BM)  # query tiles
     # prep/post: a block per 64 rows of each (sequence, head); varlen: of the packed rows, one "sequence"
     NB, NROWS = (1, x.rows.TQ) if x.varlen else (B, SQ)
+    WRT = bool(wrt)
     NRT = (NROWS + 63) // 64 if isinstance(NROWS, int) else T.floordiv(NROWS + 63, 64)
     off = SK - SQ  # row i sits at key position i + off
     qscale, scale = x.qscale, x.scale
@@ -223,7 +227,50 @@ def _helpers(spec: AttentionSpec, warps: int, block_m: int, emulate: bool):
 
     h = types.SimpleNamespace(**{**vars(x), **{k: v for k, v in locals().items() if k != "x"}})
     h.rows_product, h.cols_product = _products(h)
+    h.scatter = _scatter(h) if wrt else None
+    h.clear_parts = _clear_chain(list(x.parts.values()))
     return h
+
+
+def _scatter(h):
+    """A macro adding ``dt · d score_mod / d read`` of each tensor read of the score ``(u, b, hq,
+    pos, j)`` to its element of query head ``hq``'s partials, atomically (every key tile's block
+    adds there); a chain of macros, one per read, as the CPU backward's ``_scatter_chain``."""
+    sm, parts, EMU, atomic_add = h.sm, h.parts, h.EMU, h.atomic_add
+    probe = [tirx.Var(n, d) for n, d in (("u", "float32"), ("b", "int32"), ("h", "int32"), ("p", "int32"),
+                                         ("j", "int32"))]
+    n_reads = len(sm.d_score(*probe)[2])
+
+    def site(k, u, b, hq, pos, j):  # read k: (tensor name, clamped index, its derivative)
+        return sm.d_score(u, b, hq, pos, j)[2][k]
+
+    def flat(name, idx):  # row-major element of the clamped index
+        shape, e = sm.extra.tensors[name].shape, 0
+        for i, n in zip(idx, shape):
+            e = e * n + i
+        return e
+
+    def make(k):
+        if k == n_reads:
+            @T.macro
+            def done(dt, u, b, hq, pos, j):
+                T.evaluate(0)
+            return done
+        nxt, name = make(k + 1), site(k, *probe)[0]
+        buf = parts[name]
+
+        @T.macro
+        def step(dt, u, b, hq, pos, j):
+            if EMU:
+                buf[hq, flat(name, site(k, u, b, hq, pos, j)[1])] = buf[hq, flat(name, site(k, u, b, hq, pos, j)[1])] \
+                    + dt * _f32(site(k, u, b, hq, pos, j)[2])
+            else:
+                T.evaluate(atomic_add(buf, (hq, flat(name, site(k, u, b, hq, pos, j)[1])),
+                                      dt * _f32(site(k, u, b, hq, pos, j)[2])))
+            nxt(dt, u, b, hq, pos, j)
+        return step
+
+    return make(0)
 
 
 def _products(h):
@@ -287,9 +334,9 @@ def _products(h):
 def _prep_post(h):
     """The first kernel (``delta = rowsum(dO ∘ O)``, the accumulator zeroed) and the last (``dQ =
     accumulator · scale``)."""
-    (atomic_add, block, D, DSK, dtype, DV, EMU, H, NB, NROWS, NRT, rows, SKB, sm, thread_x) = \
-        (h.atomic_add, h.block, h.D, h.DSK, h.dtype, h.DV, h.EMU, h.H, h.NB, h.NROWS, h.NRT, h.rows, h.SKB, h.sm,
-         h.thread_x)
+    (atomic_add, block, clear_parts, D, DSK, dtype, DV, EMU, H, NB, NROWS, NRT, rows, SKB, sm, thread_x, WRT) = \
+        (h.atomic_add, h.block, h.clear_parts, h.D, h.DSK, h.dtype, h.DV, h.EMU, h.H, h.NB, h.NROWS, h.NRT, h.rows,
+         h.SKB, h.sm, h.thread_x, h.WRT)
 
     @T.macro
     def prep(O, DO, LSE, delta, dq_accum):
@@ -302,6 +349,13 @@ def _prep_post(h):
                     T.reads()
                     T.writes()
                     DSK[vh] = T.float32(0)
+        if WRT:  # each query head's row of the tensors' partials
+            for h in thread_x(H):
+                with T.sblock("partials_zero"):
+                    vh = T.axis.spatial(H, h)
+                    T.reads()
+                    T.writes()
+                    clear_parts(vh)
         for bz in block(NB, "z"):
             for by in block(H, "y"):
                 for bx in block(NRT, "x"):
@@ -351,11 +405,12 @@ def _query_tile(h):
     """One query tile of a key tile's block: Q and dO staged, ``Sᵀ``, ``Pᵀ``, ``dV``, ``dPᵀ``, ``dSᵀ``,
     ``dK``, then dS through shared memory for the tile's dQ rows, added atomically."""
     (atomic_add, BM, CGQ, cols_product, D, dtype, DV, EMU, G, ix, key_at, key_of, KST, l_at, landed, lds_a,
-     lds_b_cols, mma_pair, NKV, NQ, PST, q_at, raw, RGQ, row_at, row_of, rows_product, SKB, SL, sm, ST, stage, sync,
-     thread_x, thread_y, VST, W) = \
+     lds_b_cols, mma_pair, NKV, NQ, off, PST, q_at, raw, RGQ, row_at, row_of, rows_product, scatter, SKB, SL, sm,
+     ST, stage, sync, thread_x, thread_y, VST, W, WRT) = \
         (h.atomic_add, h.BM, h.CGQ, h.cols_product, h.D, h.dtype, h.DV, h.EMU, h.G, h.ix, h.key_at, h.key_of, h.KST,
-         h.l_at, h.landed, h.lds_a, h.lds_b_cols, h.mma_pair, h.NKV, h.NQ, h.PST, h.q_at, h.raw, h.RGQ, h.row_at,
-         h.row_of, h.rows_product, h.SKB, h.SL, h.sm, h.ST, h.stage, h.sync, h.thread_x, h.thread_y, h.VST, h.W)
+         h.l_at, h.landed, h.lds_a, h.lds_b_cols, h.mma_pair, h.NKV, h.NQ, h.off, h.PST, h.q_at, h.raw, h.RGQ,
+         h.row_at, h.row_of, h.rows_product, h.scatter, h.SKB, h.SL, h.sm, h.ST, h.stage, h.sync, h.thread_x,
+         h.thread_y, h.VST, h.W, h.WRT)
 
     @T.macro
     def query_tile(Q, DO, LSE, delta, dq_accum, Ks, Vs, Qs, Ds, Ss, Af, Bf, S, Sr, dP, Pf, Sa, dK, dV, dQ, first, seq,
@@ -409,6 +464,14 @@ def _query_tile(h):
                     T.reads()
                     T.writes()
                     for k in T.unroll(NQ * 4):
+                        if WRT:  # dT = P ∘ (dP − delta), times each tensor read's derivative, scattered
+                            if S[ix(ty, tx, k)] != T.float32(0):
+                                scatter(S[ix(ty, tx, k)] * (dP[ix(ty, tx, k)] - delta[
+                                    l_at(seq, seq[1] * G + g, row_at(seq, qt, first, tx, k))]),
+                                    sm._score(Sr[ix(ty, tx, k)], row_at(seq, qt, first, tx, k), key_at(seq, ty, tx, k),
+                                              None if SL is None else SL[seq[1] * G + g], seq[0]),
+                                    seq[0], seq[1] * G + g, row_at(seq, qt, first, tx, k) + sm.off(seq[0]),
+                                    key_at(seq, ty, tx, k))
                         # dS on the raw product: P ∘ (dP − delta), times the scale and the
                         # softcap's and score_mod's derivatives (_ScoreMath.grad)
                         dP[ix(ty, tx, k)] = sm.grad(
@@ -557,13 +620,15 @@ def _key_tile(h):
 
 
 @fast_macros  # TVMScript macro expansion without its costly stack walk, only while this generates
-def backward_mma(spec: AttentionSpec, warps: int = 4, block_m: int = 64, emulate: bool = False) -> tirx.PrimFunc:
+def backward_mma(spec: AttentionSpec, warps: int = 4, block_m: int = 64, emulate: bool = False,
+                 grad_tensors: tuple[str, ...] = ()) -> tirx.PrimFunc:
     """The backward of the BHSD ``spec`` (float16 or bfloat16). Parameters (call order): ``Q (B, H,
     Sq, D)``, ``K (B, KH, Skv, D)``, ``V (B, KH, Skv, Dv)``, ``O (B, H, Sq, Dv)``, ``LSE (B, H, Sq)``
     float32 (the forward's, natural log), ``DO (B, H, Sq, Dv)``; the variants' arguments (the CPU
     backward's names: ``SL`` alibi_slopes, ``SK`` sinks ``(H,)``, ``KST`` kv_start ``(B,)``; key
     bounds, the custom mask and the modifiers' tensors by their names); outputs ``DQ``, ``DK``,
-    ``DV_`` (the shapes of Q, K, V) and with sinks ``DSK`` dsinks ``(H,)``; workspaces ``dq_accum
+    ``DV_`` (the shapes of Q, K, V), with sinks ``DSK`` dsinks ``(H,)``, with ``grad_tensors``
+    ``d_<name>_partials (H, elements)`` (each query head's share); workspaces ``dq_accum
     (B, H, Sq, D)``, ``delta (B, H, Sq)`` float32. ``warps``: 16 keys each (``block_n =
     16·warps``); ``block_m``: query rows per tile, a multiple of 16 whose row groups divide the
     warps."""
@@ -571,12 +636,12 @@ def backward_mma(spec: AttentionSpec, warps: int = 4, block_m: int = 64, emulate
         raise ValueError("the CUDA backward takes float16/bfloat16 bhsd and varlen specs")
     if block_m % 16 or warps % (block_m // 16):
         raise ValueError(f"block_m={block_m}: a multiple of 16 whose row groups ({block_m // 16}) divide warps={warps}")
-    h = _helpers(spec, warps, block_m, emulate)
+    h = _helpers(spec, warps, block_m, emulate, tuple(grad_tensors))
     (B, block, D, dtype, DV, H, KH, NKT, SK, SQ) = (h.B, h.block, h.D, h.dtype, h.DV, h.H, h.KH, h.NKT, h.SK, h.SQ)
     R = h.rows
     # varlen's cu_seqlens, then the variants' arguments after do; dsinks after dv (the CPU backward's order)
     inputs = list(R.params) + [b for b in (h.SL, h.SKB, h.KST) if b is not None] + h.sm.extra.params
-    outputs = [h.DSK] if h.DSK is not None else []
+    outputs = ([h.DSK] if h.DSK is not None else []) + [h.parts[n] for n in grad_tensors]
     prep, post = _prep_post(h)
     key_tile = _key_tile(h)
 
