@@ -137,3 +137,36 @@ def test_families_route_the_latent_layouts_and_refuse_by_name():
     # a few heads: a tile of 16 rows, not 64 (three quarters of them empty)
     small = AttentionSpec(**{**DEEPSEEK, "heads": 16}, layout="mla", dtype="float16")
     assert cuda_mla.preset(small, sm90).row_groups == 1
+
+
+def test_row_groups_skip_the_tiles_a_custom_mask_hides_and_the_check_can_fail(monkeypatch):
+    """A custom mask's empty tiles on the MLA kernel: the warps of a row group whose rows (heads
+    of two positions) see none of a key tile's bits skip its products, softmax and P·V (position
+    ``p`` of a chunk of 8 sees keys ``8p .. 8p + 7`` of 64: each row group sees one key tile of
+    two). The output is the reference's; a scan that finds nothing or reads the next tile's bits
+    fails."""
+    import numpy as np
+
+    from tvm_attention.layouts import LAYOUTS
+    from tvm_attention.masks import pack_mask
+    from tvm_attention.validate import TOLERANCES
+    from tvm_attention.workloads.fused_cuda import Tile
+
+    spec = mla_spec("mla", dict(batch=1, seq_q=8, custom_mask=True))
+    lay = LAYOUTS["mla"]
+    x = lay.random_inputs(spec, {"seq_q": 8, "cache_seqlens": [64], "max_len": 64})
+    x["custom_mask"], x["mask_indptr"] = pack_mask([np.arange(8)[:, None] == np.arange(64)[None, :] // 8])
+    ref = lay.reference_outputs(spec, x)[0]
+    atol, rtol = TOLERANCES[spec.dtype]
+
+    def run():
+        ex = emulated(spec)
+        o = tvm.runtime.empty(ref.shape, spec.dtype)
+        ex["attention"](*[tvm.runtime.tensor(x[a.name]) for a in lay.all_args(spec) if not a.output], o)
+        return o.numpy().astype(np.float64)
+
+    assert np.allclose(run(), ref, atol=atol, rtol=rtol)
+    real = Tile.mask_bit
+    for fault in (lambda self, row, col: False, lambda self, row, col: real(self, row, col + 32)):
+        monkeypatch.setattr(Tile, "mask_bit", fault)
+        assert not np.allclose(run(), ref, atol=atol, rtol=rtol)

@@ -205,47 +205,51 @@ def _mla_q_stage(x):
 def _mla_qk(x):
     """``S = Q·Kᵀ`` of each warp's key slice of tile ``c``: Q's A fragment of each k step from
     the Q tile, K's B fragments per 16 keys (ldmatrix)."""
-    (call, cg, EMU, ix, k_addr, lds_a, mma_pair, NDC, NS, NTW, QST, rg, thread_x, thread_y, W) = \
-        (x.call, x.cg, x.EMU, x.ix, x.k_addr, x.lds_a, x.mma_pair, x.NDC, x.NS, x.NTW, x.QST, x.rg, x.thread_x,
+    (alive, call, cg, EMU, ix, k_addr, lds_a, mma_pair, NDC, NS, NTW, QST, rg, thread_x, thread_y, W) = \
+        (x.alive, x.call, x.cg, x.EMU, x.ix, x.k_addr, x.lds_a, x.mma_pair, x.NDC, x.NS, x.NTW, x.QST, x.rg, x.thread_x,
          x.thread_y, x.W)
 
     @T.macro
-    def qk(S, Qs, Qf, Ks, Kf, c):
+    def qk(S, Qs, Qf, Ks, Kf, c, live):
         # -- S = Q·Kᵀ of the warp's key slice: Q's fragment of each k step once, K's per 16 keys
         for ty in thread_y(W):
             for tx in thread_x(WARP):
                 with T.sblock("S_init"):
                     T.reads()
                     T.writes()
-                    for k in T.unroll(NTW * 4):
-                        S[ix(ty, tx, k)] = T.float32(0)
+                    if alive(live, ty, tx):
+                        for k in T.unroll(NTW * 4):
+                            S[ix(ty, tx, k)] = T.float32(0)
         for dk in T.serial(NDC):
             for ty in thread_y(W):
                 for tx in thread_x(WARP):
                     with T.sblock("Q_ldmatrix"):
                         T.reads()
                         T.writes()
-                        lds_a(Qf, Qs, QST, rg(ty) * 16, dk * 16, ty, tx)
+                        if alive(live, ty, tx):
+                            lds_a(Qf, Qs, QST, rg(ty) * 16, dk * 16, ty, tx)
             for np in T.unroll(NTW // 2):
                 for ty in thread_y(W):
                     for tx in thread_x(WARP):
                         with T.sblock("K_ldmatrix"):
                             T.reads()
                             T.writes()
-                            if EMU:
-                                for i in T.unroll(4):
-                                    for e in T.unroll(2):
-                                        Kf[ty, tx, i * 2 + e] = Ks[k_addr(c % NS, cg(ty) * (NTW // 2) + np, dk,
-                                                                          i * 8 + tx // 4) + 2 * (tx % 4) + e]
-                            else:
-                                T.evaluate(call("attn_ldsm_x4", Kf.access_ptr("w"), Ks.access_ptr(
-                                    "r", offset=k_addr(c % NS, cg(ty) * (NTW // 2) + np, dk, tx))))
+                            if alive(live, ty, tx):
+                                if EMU:
+                                    for i in T.unroll(4):
+                                        for e in T.unroll(2):
+                                            Kf[ty, tx, i * 2 + e] = Ks[k_addr(c % NS, cg(ty) * (NTW // 2) + np, dk,
+                                                                              i * 8 + tx // 4) + 2 * (tx % 4) + e]
+                                else:
+                                    T.evaluate(call("attn_ldsm_x4", Kf.access_ptr("w"), Ks.access_ptr(
+                                        "r", offset=k_addr(c % NS, cg(ty) * (NTW // 2) + np, dk, tx))))
                 for ty in thread_y(W):
                     for tx in thread_x(WARP):
                         with T.sblock("QK_mma"):
                             T.reads()
                             T.writes()
-                            mma_pair(S, np * 8, Qf, 0, Kf, ty, tx)
+                            if alive(live, ty, tx):
+                                mma_pair(S, np * 8, Qf, 0, Kf, ty, tx)
 
     return qk
 
@@ -253,13 +257,13 @@ def _mla_qk(x):
 def _mla_softmax(x):
     """Tile ``c``'s scores scaled and masked, each slice's row maxima through ``red``, the row's
     new max, the online correction and ``P = exp2(S − m_new)`` into the P tile."""
-    (BN, cg, dtype, EMU, ix, key_of, NC, neg_inf, NOW, NTW, PST, red_at, row_of, scaled, thread_x, thread_y,
+    (alive, BN, cg, dtype, EMU, ix, key_of, NC, neg_inf, NOW, NTW, PST, red_at, row_of, scaled, thread_x, thread_y,
      transforms, W) = \
-        (x.BN, x.cg, x.dtype, x.EMU, x.ix, x.key_of, x.NC, x.neg_inf, x.NOW, x.NTW, x.PST, x.red_at, x.row_of,
+        (x.alive, x.BN, x.cg, x.dtype, x.EMU, x.ix, x.key_of, x.NC, x.neg_inf, x.NOW, x.NTW, x.PST, x.red_at, x.row_of,
          x.scaled, x.thread_x, x.thread_y, x.transforms, x.W)
 
     @T.macro
-    def softmax(S, Ps, red, acc, m, l, mt, mn, w, c):
+    def softmax(S, Ps, red, acc, m, l, mt, mn, w, c, live):
         # -- the slice's scores scaled and masked, its row maxima across the row's four lanes,
         # to red (the row group's other slices need them)
         for ty in thread_y(W):
@@ -267,36 +271,38 @@ def _mla_softmax(x):
                 with T.sblock("S_max"):
                     T.reads()
                     T.writes()
-                    if transforms:
-                        for k in T.unroll(NTW * 4):
-                            S[ix(ty, tx, k)] = w.logit(S[ix(ty, tx, k)], w.row0 + row_of(ty, tx, k % 4 // 2),
-                                                       w.tile(c) * BN + key_of(ty, tx, k))
-                    if w.hides:
-                        if w.needs_mask(c):
+                    if alive(live, ty, tx):
+                        if transforms:
                             for k in T.unroll(NTW * 4):
-                                S[ix(ty, tx, k)] = T.Select(
-                                    w.sees(w.row0 + row_of(ty, tx, k % 4 // 2), w.tile(c) * BN + key_of(ty, tx, k)),
-                                    S[ix(ty, tx, k)], neg_inf)
-                    for h in T.unroll(2):
-                        mt[ix(ty, tx, h)] = neg_inf
-                    for k in T.unroll(NTW * 4):
-                        mt[ix(ty, tx, k % 4 // 2)] = T.max(mt[ix(ty, tx, k % 4 // 2)], S[ix(ty, tx, k)])
-                    for h in T.unroll(2):
-                        mt[ix(ty, tx, h)] = T.max(m[ix(ty, tx, h)], mt[ix(ty, tx, h)] * scaled(w))
+                                S[ix(ty, tx, k)] = w.logit(S[ix(ty, tx, k)], w.row0 + row_of(ty, tx, k % 4 // 2),
+                                                           w.tile(c) * BN + key_of(ty, tx, k))
+                        if w.hides:
+                            if w.needs_mask(c):
+                                for k in T.unroll(NTW * 4):
+                                    S[ix(ty, tx, k)] = T.Select(
+                                        w.sees(w.row0 + row_of(ty, tx, k % 4 // 2), w.tile(c) * BN + key_of(ty, tx, k)),
+                                        S[ix(ty, tx, k)], neg_inf)
+                        for h in T.unroll(2):
+                            mt[ix(ty, tx, h)] = neg_inf
+                        for k in T.unroll(NTW * 4):
+                            mt[ix(ty, tx, k % 4 // 2)] = T.max(mt[ix(ty, tx, k % 4 // 2)], S[ix(ty, tx, k)])
+                        for h in T.unroll(2):
+                            mt[ix(ty, tx, h)] = T.max(m[ix(ty, tx, h)], mt[ix(ty, tx, h)] * scaled(w))
         for ty in thread_y(W):
             for tx in thread_x(WARP):
                 with T.sblock("slice_max"):
                     T.reads()
                     T.writes()
-                    for h in T.unroll(2):
-                        if EMU:
-                            mn[ty, tx, h] = T.max(T.max(mt[ty, tx // 4 * 4, h], mt[ty, tx // 4 * 4 + 1, h]),
-                                                  T.max(mt[ty, tx // 4 * 4 + 2, h], mt[ty, tx // 4 * 4 + 3, h]))
-                        else:
-                            mn[h] = T.cuda.warp_max(mt[h], 4)
-                    if tx % 4 == 0:
+                    if alive(live, ty, tx):
                         for h in T.unroll(2):
-                            red[red_at(ty, tx, h, cg(ty))] = mn[ix(ty, tx, h)]
+                            if EMU:
+                                mn[ty, tx, h] = T.max(T.max(mt[ty, tx // 4 * 4, h], mt[ty, tx // 4 * 4 + 1, h]),
+                                                      T.max(mt[ty, tx // 4 * 4 + 2, h], mt[ty, tx // 4 * 4 + 3, h]))
+                            else:
+                                mn[h] = T.cuda.warp_max(mt[h], 4)
+                        if tx % 4 == 0:
+                            for h in T.unroll(2):
+                                red[red_at(ty, tx, h, cg(ty))] = mn[ix(ty, tx, h)]
         if not EMU:
             T.tvm_storage_sync("shared")
         # -- the row's new max over its slices, the online correction, P = exp2(S − m_new) to Ps
@@ -305,20 +311,22 @@ def _mla_softmax(x):
                 with T.sblock("P_exp"):
                     T.reads()
                     T.writes()
-                    for h in T.unroll(2):
-                        for j in T.unroll(NC):
-                            mn[ix(ty, tx, h)] = T.max(mn[ix(ty, tx, h)], red[red_at(ty, tx, h, j)])
-                        # alpha (in mt): a row with no visible key yet keeps m = −inf, its
-                        # reference max guarded to 0
-                        mt[ix(ty, tx, h)] = T.exp2(m[ix(ty, tx, h)] - guarded(mn[ix(ty, tx, h)]))
-                        m[ix(ty, tx, h)] = mn[ix(ty, tx, h)]
-                        l[ix(ty, tx, h)] = l[ix(ty, tx, h)] * mt[ix(ty, tx, h)]
-                    for k in T.unroll(NTW * 4):
-                        S[ix(ty, tx, k)] = T.exp2(S[ix(ty, tx, k)] * scaled(w) - guarded(mn[ix(ty, tx, k % 4 // 2)]))
-                        l[ix(ty, tx, k % 4 // 2)] = l[ix(ty, tx, k % 4 // 2)] + S[ix(ty, tx, k)]
-                        Ps[row_of(ty, tx, k % 4 // 2) * PST + key_of(ty, tx, k)] = T.Cast(dtype, S[ix(ty, tx, k)])
-                    for k in T.unroll(NOW * 4):
-                        acc[ix(ty, tx, k)] = acc[ix(ty, tx, k)] * mt[ix(ty, tx, k % 4 // 2)]
+                    if alive(live, ty, tx):
+                        for h in T.unroll(2):
+                            for j in T.unroll(NC):
+                                mn[ix(ty, tx, h)] = T.max(mn[ix(ty, tx, h)], red[red_at(ty, tx, h, j)])
+                            # alpha (in mt): a row with no visible key yet keeps m = −inf, its
+                            # reference max guarded to 0
+                            mt[ix(ty, tx, h)] = T.exp2(m[ix(ty, tx, h)] - guarded(mn[ix(ty, tx, h)]))
+                            m[ix(ty, tx, h)] = mn[ix(ty, tx, h)]
+                            l[ix(ty, tx, h)] = l[ix(ty, tx, h)] * mt[ix(ty, tx, h)]
+                        for k in T.unroll(NTW * 4):
+                            S[ix(ty, tx, k)] = T.exp2(S[ix(ty, tx, k)] * scaled(w)
+                                                      - guarded(mn[ix(ty, tx, k % 4 // 2)]))
+                            l[ix(ty, tx, k % 4 // 2)] = l[ix(ty, tx, k % 4 // 2)] + S[ix(ty, tx, k)]
+                            Ps[row_of(ty, tx, k % 4 // 2) * PST + key_of(ty, tx, k)] = T.Cast(dtype, S[ix(ty, tx, k)])
+                        for k in T.unroll(NOW * 4):
+                            acc[ix(ty, tx, k)] = acc[ix(ty, tx, k)] * mt[ix(ty, tx, k % 4 // 2)]
         if not EMU:
             T.tvm_storage_sync("shared")
 
@@ -328,11 +336,12 @@ def _mla_softmax(x):
 def _mla_pv(x):
     """``acc += P·V`` of tile ``c``: the row group's P from the P tile, V's B fragments from the
     key tile (ldmatrix ``.trans``), the warp's output columns."""
-    (BN, call, EMU, lds_a, mma_pair, NOW, NS, PST, rg, thread_x, thread_y, v_addr, W) = \
-        (x.BN, x.call, x.EMU, x.lds_a, x.mma_pair, x.NOW, x.NS, x.PST, x.rg, x.thread_x, x.thread_y, x.v_addr, x.W)
+    (alive, BN, call, EMU, lds_a, mma_pair, NOW, NS, PST, rg, thread_x, thread_y, v_addr, W) = \
+        (x.alive, x.BN, x.call, x.EMU, x.lds_a, x.mma_pair, x.NOW, x.NS, x.PST, x.rg, x.thread_x, x.thread_y,
+         x.v_addr, x.W)
 
     @T.macro
-    def pv(acc, Ps, Pf, Ks, Vf, c):
+    def pv(acc, Ps, Pf, Ks, Vf, c, live):
         # -- acc += P·V over every key of the tile, the warp's output columns
         for kk in T.unroll(BN // 16):
             for ty in thread_y(W):
@@ -340,27 +349,30 @@ def _mla_pv(x):
                     with T.sblock("P_ldmatrix"):
                         T.reads()
                         T.writes()
-                        lds_a(Pf, Ps, PST, rg(ty) * 16, kk * 16, ty, tx)
+                        if alive(live, ty, tx):
+                            lds_a(Pf, Ps, PST, rg(ty) * 16, kk * 16, ty, tx)
             for dp in T.unroll(NOW // 2):
                 for ty in thread_y(W):
                     for tx in thread_x(WARP):
                         with T.sblock("V_ldmatrix"):
                             T.reads()
                             T.writes()
-                            if EMU:
-                                for i in T.unroll(4):
-                                    for e in T.unroll(2):
-                                        Vf[ty, tx, i * 2 + e] = Ks[
-                                            v_addr(c % NS, kk, dp, i * 8 + 2 * (tx % 4) + e, ty) + tx // 4]
-                            else:
-                                T.evaluate(call("attn_ldsm_x4_trans", Vf.access_ptr("w"),
-                                                Ks.access_ptr("r", offset=v_addr(c % NS, kk, dp, tx, ty))))
+                            if alive(live, ty, tx):
+                                if EMU:
+                                    for i in T.unroll(4):
+                                        for e in T.unroll(2):
+                                            Vf[ty, tx, i * 2 + e] = Ks[
+                                                v_addr(c % NS, kk, dp, i * 8 + 2 * (tx % 4) + e, ty) + tx // 4]
+                                else:
+                                    T.evaluate(call("attn_ldsm_x4_trans", Vf.access_ptr("w"),
+                                                    Ks.access_ptr("r", offset=v_addr(c % NS, kk, dp, tx, ty))))
                 for ty in thread_y(W):
                     for tx in thread_x(WARP):
                         with T.sblock("PV_mma"):
                             T.reads()
                             T.writes()
-                            mma_pair(acc, dp * 8, Pf, 0, Vf, ty, tx)
+                            if alive(live, ty, tx):
+                                mma_pair(acc, dp * 8, Pf, 0, Vf, ty, tx)
         if NS == 1:
             if not EMU:
                 T.tvm_storage_sync("shared")  # the next tile overwrites the only buffer
@@ -434,6 +446,41 @@ def _mla_store(x):
     return store
 
 
+def _mla_mask_scan(x):
+    """A custom mask's ``mask_scan(live, w, c)``: whether any bit of key tile ``c`` is set for a
+    warp's row group (its 16 rows, one a lane), into ``live`` slot 0, then the warp's maximum
+    into slot 1: the warps of a row group whose rows see none of the tile skip its products, its
+    softmax and P·V (every warp of the group alike: they share the rows), the copies, the barriers
+    and the slices' exchange of the other groups as they are (``fused_mma``'s skipping)."""
+    BN, EMU, ix, rg, thread_x, thread_y, W = x.BN, x.EMU, x.ix, x.rg, x.thread_x, x.thread_y, x.W
+
+    @T.macro
+    def mask_scan(live, w, c):
+        for ty in thread_y(W):
+            for tx in thread_x(WARP):
+                with T.sblock("mask_scan"):
+                    T.reads()
+                    T.writes()
+                    live[ix(ty, tx, 0)] = T.float32(0)
+                    if tx < 16:
+                        for j in T.serial(BN):
+                            if w.mask_bit(w.row0 + rg(ty) * 16 + tx, w.tile(c) * BN + j):
+                                live[ix(ty, tx, 0)] = T.float32(1)
+        for ty in thread_y(W):
+            for tx in thread_x(WARP):
+                with T.sblock("mask_warp"):
+                    T.reads()
+                    T.writes()
+                    if EMU:
+                        live[ty, tx, 1] = T.float32(0)
+                        for lane in T.serial(WARP):
+                            live[ty, tx, 1] = T.max(live[ty, tx, 1], live[ty, lane, 0])
+                    else:
+                        live[1] = T.cuda.warp_max(live[0], WARP)
+
+    return mask_scan
+
+
 @fast_macros  # TVMScript macro expansion without its costly stack walk, only while this generates
 def fused_attention_mla(spec: AttentionSpec, row_groups: int, col_groups: int, block_n: int, stages: int,
                         emulate: bool = False, split_tasks: int = 0) -> tirx.PrimFunc:
@@ -452,6 +499,8 @@ def fused_attention_mla(spec: AttentionSpec, row_groups: int, col_groups: int, b
         (x.B, x.BM, x.BN, x.dtype, x.fscope, x.fshape, x.kv_prefetch, x.kv_wait, x.NC, x.NOW, x.NS, x.NTW, x.prologue,
          x.PST, x.QST, x.RG, x.small, x.smem, x.SK, x.SQ, x.thread_x, x.TILE, x.W)
     q_stage, qk, softmax, pv, store = _mla_q_stage(x), _mla_qk(x), _mla_softmax(x), _mla_pv(x), _mla_store(x)
+    cmask = x.cmask
+    mask_scan = _mla_mask_scan(x) if cmask else None
 
     @T.macro
     def tile(Q, K, V, O, w):
@@ -470,15 +519,19 @@ def fused_attention_mla(spec: AttentionSpec, row_groups: int, col_groups: int, b
         mt = T.sblock_alloc_buffer(fshape(2), "float32", scope=fscope)  # lane's max, then alpha
         mn = T.sblock_alloc_buffer(fshape(2), "float32", scope=fscope)  # the new max
         ls = T.sblock_alloc_buffer(fshape(2), "float32", scope=fscope)  # row sum
+        # a custom mask: whether the tile holds a bit of the warp's row group (lane's, warp's)
+        live = T.meta_var(T.sblock_alloc_buffer(fshape(2), "float32", scope=fscope) if cmask else None)
 
         q_stage(Q, Qs, m, l, acc, w)
         prologue(Ks, Ks, K, V, w)
         for c in T.serial(w.n_tiles()):
             kv_wait(Ks, Ks, K, V, w, c)
             kv_prefetch(Ks, Ks, K, V, w, c)
-            qk(S, Qs, Qf, Ks, Kf, c)
-            softmax(S, Ps, red, acc, m, l, mt, mn, w, c)
-            pv(acc, Ps, Pf, Ks, Vf, c)
+            if cmask:
+                mask_scan(live, w, c)
+            qk(S, Qs, Qf, Ks, Kf, c, live)
+            softmax(S, Ps, red, acc, m, l, mt, mn, w, c, live)
+            pv(acc, Ps, Pf, Ks, Vf, c, live)
         store(O, red, acc, l, ls, m, mt, mn, w)  # mt, mn: free after the last tile (the sink's factors)
 
     attrs = {"global_symbol": ENTRY, "tirx.noalias": True, "attn.workload": "fused_mla",
