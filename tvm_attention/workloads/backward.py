@@ -313,10 +313,11 @@ def _partials(spec: AttentionSpec, m: _ScoreMath, wrt: tuple[str, ...]) -> dict:
     return out
 
 
-def _scatter_chain(m: _ScoreMath, parts: dict, n_reads: int):
+def _scatter_chain(m: _ScoreMath, parts: dict, n_reads: int, atomic_add=None):
     """A macro adding ``dt · d score_mod / d read`` of each of the ``n_reads`` tensor reads of the
     score ``(u, b, hq, pos, j)`` to its element of query head ``h``'s partials; a chain of macros,
-    one per read (a macro cannot loop over a Python list)."""
+    one per read (a macro cannot loop over a Python list). ``atomic_add(buf, index, value)``: the
+    CUDA backward's (every key tile's block adds into the same elements); None: a plain add."""
     def site(k, u, b, hq, pos, j):  # read k: (tensor name, clamped index, its derivative)
         return m.d_score(u, b, hq, pos, j)[2][k]
 
@@ -339,8 +340,12 @@ def _scatter_chain(m: _ScoreMath, parts: dict, n_reads: int):
 
         @T.macro
         def step(h, dt, u, b, hq, pos, j):
-            buf[h, flat(name, site(k, u, b, hq, pos, j)[1])] = buf[h, flat(name, site(k, u, b, hq, pos, j)[1])] \
-                + dt * _f32(site(k, u, b, hq, pos, j)[2])
+            if atomic_add is None:
+                buf[h, flat(name, site(k, u, b, hq, pos, j)[1])] = buf[h, flat(name, site(k, u, b, hq, pos, j)[1])] \
+                    + dt * _f32(site(k, u, b, hq, pos, j)[2])
+            else:
+                T.evaluate(atomic_add(buf, (h, flat(name, site(k, u, b, hq, pos, j)[1])),
+                                      dt * _f32(site(k, u, b, hq, pos, j)[2])))
             nxt(h, dt, u, b, hq, pos, j)
         return step
 

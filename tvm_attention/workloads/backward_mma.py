@@ -1,24 +1,30 @@
 """The attention backward on CUDA tensor cores (issue 65, item 6): FlashAttention-2's scheme on
 ``mma.sync.m16n8k16``, ldmatrix and ``cp.async``, as a TIR PrimFunc of three kernels.
 
-1. **prep**: ``delta = rowsum(dO ∘ O)`` per query row (float32), and the dQ accumulator zeroed;
-2. **main**: one thread block per (key tile of ``block_n = 16·warps`` keys, kv head, sequence).
-   Warp ``w`` owns 16 keys; their K and V rows are staged once, and their dK and dV
-   accumulators stay in registers while the block walks every query head of the group (GQA is
-   summed here) and every query tile of ``block_m`` rows that sees the key tile (causal: from
-   the diagonal on). Per query tile (Q and dO staged with ``cp.async``), in the warp's fragments:
-   ``Sᵀ = K·Qᵀ``; ``Pᵀ = exp2(Sᵀ·scale·log2 e − lse·log2 e)`` (0 where a key is hidden or the
-   row saw none); ``dV += Pᵀ·dO`` (Pᵀ's C fragments are the A fragments, as the forward's P);
-   ``dPᵀ = V·dOᵀ``; ``dSᵀ = Pᵀ ∘ (dPᵀ − delta)``; ``dK += dSᵀ·Q``. ``dS`` goes to shared memory
-   (``block_m × block_n``, the input dtype), and the warps then compute the tile's ``dQ`` rows
-   ``dS·K`` (a row group and a slice of ``head_dim`` columns each), added atomically into the
-   float32 accumulator (every key tile of the sequence adds into the same rows);
-3. **post**: ``dQ = accumulator · scale`` in the input dtype. dK is stored times the scale, dV as is.
+1. **prep**: ``delta = rowsum(dO ∘ O)`` per query row (float32), the dQ accumulator zeroed; with
+   sinks, ``dsinks`` (``−Σ p_sink·delta`` per head, added atomically); with ``grad_tensors``, the
+   tensors' partials zeroed;
+2. **main**: one thread block per (key tile of ``block_n = 16·warps`` keys, kv head, sequence;
+   varlen: per (tile slot, kv head), the slot's sequence found on ``cu_seqlens_k``, the CPU
+   backward's scheme). Warp ``w`` owns 16 keys; their K and V rows are staged once, and their dK
+   and dV accumulators stay in registers while the block walks every query head of the group
+   (GQA is summed here) and every query tile of ``block_m`` rows that sees the key tile (causal:
+   from the diagonal on). Per query tile (Q and dO staged with ``cp.async``), in the warp's
+   fragments: ``Sᵀ = K·Qᵀ``; ``Pᵀ`` from the raw product and the row's lse (the CPU backward's
+   score math, ``backward._ScoreMath``: the variants' score and masks, 0 where a key is hidden
+   or the row saw none, the sink joining the lse); ``dV += Pᵀ·dO`` (Pᵀ's C fragments are the A
+   fragments, as the forward's P); ``dPᵀ = V·dOᵀ``; ``dSᵀ = Pᵀ ∘ (dPᵀ − delta)`` times the
+   scale and the softcap's and ``score_mod``'s derivatives (a learned bias's reads scattered
+   atomically); ``dK += dSᵀ·Q``. ``dS`` goes to shared memory (``block_m × block_n``, the input
+   dtype), and the warps then compute the tile's ``dQ`` rows ``dS·K`` (a row group and a slice of
+   ``head_dim`` columns each), added atomically into the float32 accumulator (every key tile of
+   the sequence adds into the same rows);
+3. **post**: ``dQ`` from the accumulator, in the input dtype.
 
-Which keys a row sees: the sequence's lengths and bottom-right causality (row ``i`` at position
-``i + Skv − Sq``); a row with ``lse = −inf`` (no key) takes no gradient. The two workspaces,
-``dq_accum (B, H, Sq, D)`` and ``delta (B, H, Sq)`` (float32), are parameters the call allocates
-(none of them holds a score: the audit's rule is about the score matrix).
+Rows are at positions ``i + Skv − Sq`` of their sequence (bottom-right); a row with ``lse = −inf``
+(no key) takes no gradient. The two workspaces, ``dq_accum`` (Q's shape) and ``delta`` (lse's),
+float32, are parameters the call allocates (none of them holds a score: the audit's rule is about
+the score matrix).
 
 ``emulate=True``: serial loops in place of the thread bindings, global memory for shared and
 registers, the PTX instructions by their definitions in scalar TIR (``fused_mma``'s), atomics as
@@ -35,9 +41,9 @@ from tvm.script import tirx as T
 
 from ..spec import AttentionSpec
 from ..tvm_internals import fast_macros
-from ._math import LOG2E, ssa_checked
+from ._math import ssa_checked
 from .fused_cuda import flat_offset
-from .backward import ROWS, _clear_chain, _f32, _partials, _ScoreMath
+from .backward import ROWS, _clear_chain, _partials, _scatter_chain, _ScoreMath
 from .fused_mma import CP_DST, SMEM_PAD, WARP, _mma_context, _mma_fragments, smem_stride
 
 #: the library's entry function (the forward's is ``attention``)
@@ -86,7 +92,7 @@ def _context(spec: AttentionSpec, warps: int, block_m: int, emulate: bool, wrt: 
     CGQ = W // RGQ  # ... and the warps of each (a slice of head_dim's 16-column chunks each)
     x.__dict__.update(W=W, BN=BN, BM=BM, D=D, DV=DV, RGQ=RGQ, CGQ=CGQ, ST=smem_stride(D), VST=smem_stride(DV),
                       PST=BN + SMEM_PAD, NQ=BM // 8, NKV=BN // 16, NDK=D // 8, NDV=DV // 8,
-                      scale=float(spec.scale), qscale=float(spec.scale * LOG2E))
+                      scale=float(spec.scale))
     # the variants: the CPU backward's score math (which keys a row sees, P from the raw product,
     # dS with the softcap's and score_mod's chain rule, the sink's denominator) over this kernel's
     # own dims, and their arguments' buffers (declared here, made parameters by backward_mma)
@@ -127,13 +133,11 @@ def _helpers(spec: AttentionSpec, warps: int, block_m: int, emulate: bool, wrt: 
     # added a barrier before them; apart, the kernel's own barriers order them (three a query tile)
     small = "global" if EMU else "shared"
     NKT = (SK + BN - 1) // BN if isinstance(SK, int) else T.floordiv(SK + BN - 1, BN)  # key tiles
-    NQT = (SQ + BM - 1) // BM if isinstance(SQ, int) else T.floordiv(SQ + BM - 1, BM)  # query tiles
     # prep/post: a block per 64 rows of each (sequence, head); varlen: of the packed rows, one "sequence"
     NB, NROWS = (1, x.rows.TQ) if x.varlen else (B, SQ)
     WRT = bool(wrt)
     NRT = (NROWS + 63) // 64 if isinstance(NROWS, int) else T.floordiv(NROWS + 63, 64)
     off = SK - SQ  # row i sits at key position i + off
-    qscale, scale = x.qscale, x.scale
 
     def atomic_add(buf, index, value):
         return T.cuda.func_call("attn_atomic_add", buf.access_ptr("rw", offset=flat_offset(buf, index)), value,
@@ -221,56 +225,15 @@ def _helpers(spec: AttentionSpec, warps: int, block_m: int, emulate: bool, wrt: 
     def row_of(tx, k):  # tile query row of a score slot (its columns)
         return k // 4 * 8 + 2 * (tx % 4) + k % 2
 
-    def sees(j, i):  # key j (of the sequence) seen by query row i
-        cond = T.And(i < SQ, j < SK)
-        return T.And(cond, j <= i + off) if causal else cond
-
     h = types.SimpleNamespace(**{**vars(x), **{k: v for k, v in locals().items() if k != "x"}})
     h.rows_product, h.cols_product = _products(h)
-    h.scatter = _scatter(h) if wrt else None
+    h.scatter = None
+    if wrt:  # the CPU backward's chain of the reads' scatters, atomically (emulated: plain adds)
+        probe = [tirx.Var(n, d) for n, d in (("u", "float32"), ("b", "int32"), ("h", "int32"), ("p", "int32"),
+                                             ("j", "int32"))]
+        h.scatter = _scatter_chain(x.sm, x.parts, len(x.sm.d_score(*probe)[2]), None if EMU else atomic_add)
     h.clear_parts = _clear_chain(list(x.parts.values()))
     return h
-
-
-def _scatter(h):
-    """A macro adding ``dt · d score_mod / d read`` of each tensor read of the score ``(u, b, hq,
-    pos, j)`` to its element of query head ``hq``'s partials, atomically (every key tile's block
-    adds there); a chain of macros, one per read, as the CPU backward's ``_scatter_chain``."""
-    sm, parts, EMU, atomic_add = h.sm, h.parts, h.EMU, h.atomic_add
-    probe = [tirx.Var(n, d) for n, d in (("u", "float32"), ("b", "int32"), ("h", "int32"), ("p", "int32"),
-                                         ("j", "int32"))]
-    n_reads = len(sm.d_score(*probe)[2])
-
-    def site(k, u, b, hq, pos, j):  # read k: (tensor name, clamped index, its derivative)
-        return sm.d_score(u, b, hq, pos, j)[2][k]
-
-    def flat(name, idx):  # row-major element of the clamped index
-        shape, e = sm.extra.tensors[name].shape, 0
-        for i, n in zip(idx, shape):
-            e = e * n + i
-        return e
-
-    def make(k):
-        if k == n_reads:
-            @T.macro
-            def done(dt, u, b, hq, pos, j):
-                T.evaluate(0)
-            return done
-        nxt, name = make(k + 1), site(k, *probe)[0]
-        buf = parts[name]
-
-        @T.macro
-        def step(dt, u, b, hq, pos, j):
-            if EMU:
-                buf[hq, flat(name, site(k, u, b, hq, pos, j)[1])] = buf[hq, flat(name, site(k, u, b, hq, pos, j)[1])] \
-                    + dt * _f32(site(k, u, b, hq, pos, j)[2])
-            else:
-                T.evaluate(atomic_add(buf, (hq, flat(name, site(k, u, b, hq, pos, j)[1])),
-                                      dt * _f32(site(k, u, b, hq, pos, j)[2])))
-            nxt(dt, u, b, hq, pos, j)
-        return step
-
-    return make(0)
 
 
 def _products(h):
@@ -466,7 +429,7 @@ def _query_tile(h):
                     for k in T.unroll(NQ * 4):
                         if WRT:  # dT = P ∘ (dP − delta), times each tensor read's derivative, scattered
                             if S[ix(ty, tx, k)] != T.float32(0):
-                                scatter(S[ix(ty, tx, k)] * (dP[ix(ty, tx, k)] - delta[
+                                scatter(seq[1] * G + g, S[ix(ty, tx, k)] * (dP[ix(ty, tx, k)] - delta[
                                     l_at(seq, seq[1] * G + g, row_at(seq, qt, first, tx, k))]),
                                     sm._score(Sr[ix(ty, tx, k)], row_at(seq, qt, first, tx, k), key_at(seq, ty, tx, k),
                                               None if SL is None else SL[seq[1] * G + g], seq[0]),
@@ -538,7 +501,7 @@ def _query_tile(h):
 
 def _key_tile(h):
     """A key tile's block: K and V staged, its warps' dK and dV over every query head of the group
-    and every query tile that sees the tile, then stored (dK times the scale)."""
+    and every query tile that sees the tile, then stored (dS carried the scale)."""
     (BM, BN, causal, D, dtype, DV, fscope, fshape, G, ix, key_of, landed, NDK, NDV, NKV, NQ, PST, raw, rows, SK,
      small, smem, SQ, ST, stage, thread_x, thread_y, varlen, VST, W) = \
         (h.BM, h.BN, h.causal, h.D, h.dtype, h.DV, h.fscope, h.fshape, h.G, h.ix, h.key_of, h.landed, h.NDK, h.NDV,

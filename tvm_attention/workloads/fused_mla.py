@@ -53,7 +53,7 @@ from ..tvm_internals import fast_macros
 from ._math import guarded, lse_of
 from .fused_cuda import flat_offset, kernel_func
 from .fused_mma import CP_DST, SMEM_PAD, WARP, _mma_context, _mma_fragments, _mma_kv_prefetch, _mma_kv_wait, \
-    _mma_prologue, smem_stride
+    _mma_mask_scan, _mma_prologue, smem_stride
 from .knob_attrs import FUSED_MLA, record
 from .variants import transforms as transforms_scores
 
@@ -446,41 +446,6 @@ def _mla_store(x):
     return store
 
 
-def _mla_mask_scan(x):
-    """A custom mask's ``mask_scan(live, w, c)``: whether any bit of key tile ``c`` is set for a
-    warp's row group (its 16 rows, one a lane), into ``live`` slot 0, then the warp's maximum
-    into slot 1: the warps of a row group whose rows see none of the tile skip its products, its
-    softmax and P·V (every warp of the group alike: they share the rows), the copies, the barriers
-    and the slices' exchange of the other groups as they are (``fused_mma``'s skipping)."""
-    BN, EMU, ix, rg, thread_x, thread_y, W = x.BN, x.EMU, x.ix, x.rg, x.thread_x, x.thread_y, x.W
-
-    @T.macro
-    def mask_scan(live, w, c):
-        for ty in thread_y(W):
-            for tx in thread_x(WARP):
-                with T.sblock("mask_scan"):
-                    T.reads()
-                    T.writes()
-                    live[ix(ty, tx, 0)] = T.float32(0)
-                    if tx < 16:
-                        for j in T.serial(BN):
-                            if w.mask_bit(w.row0 + rg(ty) * 16 + tx, w.tile(c) * BN + j):
-                                live[ix(ty, tx, 0)] = T.float32(1)
-        for ty in thread_y(W):
-            for tx in thread_x(WARP):
-                with T.sblock("mask_warp"):
-                    T.reads()
-                    T.writes()
-                    if EMU:
-                        live[ty, tx, 1] = T.float32(0)
-                        for lane in T.serial(WARP):
-                            live[ty, tx, 1] = T.max(live[ty, tx, 1], live[ty, lane, 0])
-                    else:
-                        live[1] = T.cuda.warp_max(live[0], WARP)
-
-    return mask_scan
-
-
 @fast_macros  # TVMScript macro expansion without its costly stack walk, only while this generates
 def fused_attention_mla(spec: AttentionSpec, row_groups: int, col_groups: int, block_n: int, stages: int,
                         emulate: bool = False, split_tasks: int = 0) -> tirx.PrimFunc:
@@ -500,7 +465,10 @@ def fused_attention_mla(spec: AttentionSpec, row_groups: int, col_groups: int, b
          x.PST, x.QST, x.RG, x.small, x.smem, x.SK, x.SQ, x.thread_x, x.TILE, x.W)
     q_stage, qk, softmax, pv, store = _mla_q_stage(x), _mla_qk(x), _mla_softmax(x), _mla_pv(x), _mla_store(x)
     cmask = x.cmask
-    mask_scan = _mla_mask_scan(x) if cmask else None
+    # a custom mask's scan: the warps of a row group scan its 16 rows (each a key tile's bits): the
+    # group's warps skip its products, softmax and P·V together (copies, barriers and the other
+    # groups' exchange as they are)
+    mask_scan = _mma_mask_scan(x, lambda ty: x.rg(ty) * 16) if cmask else None
 
     @T.macro
     def tile(Q, K, V, O, w):

@@ -587,14 +587,17 @@ def _mma_pv_mma(x):
     return pv_mma
 
 
-def _mma_mask_scan(x):
+def _mma_mask_scan(x, first_row=None):
     """A custom mask's ``mask_scan(live, w, c)``: whether any bit of key tile ``c`` is set for a
     warp's ``16·m_tiles`` rows (FlashInfer's packed bits, ``Tile.mask_bit``), each lane scanning
     its rows (lane ``tx``: rows ``tx``, ``tx + 32`` ...) into ``live`` slot 0, then the warp's
     maximum into slot 1 (``shfl``; emulated, read from every lane): a tile the mask hides from
-    all its rows costs that warp no product (the CPU kernel's skipping of empty tiles)."""
+    all its rows costs that warp no product (the CPU kernel's skipping of empty tiles).
+    ``first_row(ty)``: warp ``ty``'s first tile row (default ``ty · 16·m_tiles``; the MLA kernel's
+    warps share their row group's)."""
     BN, EMU, ix, MT, thread_x, thread_y, W = x.BN, x.EMU, x.ix, x.MT, x.thread_x, x.thread_y, x.W
     R = 16 * MT  # a warp's rows
+    first = first_row if first_row is not None else (lambda ty: ty * R)
 
     @T.macro
     def mask_scan(live, w, c):
@@ -607,7 +610,7 @@ def _mma_mask_scan(x):
                     for rr in T.serial((R + WARP - 1) // WARP):
                         if tx + rr * WARP < R:
                             for j in T.serial(BN):
-                                if w.mask_bit(w.row0 + ty * R + tx + rr * WARP, w.tile(c) * BN + j):
+                                if w.mask_bit(w.row0 + first(ty) + tx + rr * WARP, w.tile(c) * BN + j):
                                     live[ix(ty, tx, 0)] = T.float32(1)
         for ty in thread_y(W):
             for tx in thread_x(WARP):
