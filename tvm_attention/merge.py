@@ -29,13 +29,11 @@ def _torch_of(x: Any):
 
 def _refuse_grad(name: str, x: Any) -> None:
     """A tensor that requires grad while grad mode is on is refused by name: the merge does not
-    differentiate (the kernels whose states it merges have no backward), and its result would
-    carry no gradient without a word."""
+    differentiate (it is an inference path: its result would carry no gradient without a word)."""
     torch = _torch_of(x)
     if torch is not None and x.requires_grad and torch.is_grad_enabled():
-        raise ValueError(f"{name} requires grad: merge_states does not differentiate (the states' kernels have no "
-                         f"backward, so the result would carry no gradient); pass {name}.detach(), or merge under "
-                         "torch.no_grad()")
+        raise ValueError(f"{name} requires grad: merge_states does not differentiate (the result would carry no "
+                         f"gradient); pass {name}.detach(), or merge under torch.no_grad()")
 
 
 def _numpy(name: str, x: Any) -> np.ndarray:
