@@ -59,7 +59,7 @@ from .cuda_tools import NvccNotFound, compile_fatbin, kernel_source
 from .hostcpu import missing_features
 from .loader import MANIFEST, AttentionKernel, library_digest
 from .runtime import RUNTIME_CPU, RUNTIME_CUDA, compiler_runtime_paths
-from .target import is_cuda, local_cuda_arch, target_to_json
+from .target import foreign_arch, is_cuda, local_cuda_arch, target_to_json
 from .validate import ValidationResult, validate_callable
 
 MANIFEST_VERSION = 1
@@ -152,7 +152,9 @@ def export(built: BuiltKernel, out_dir: str | os.PathLike, validation: Validatio
             )
     def fill(tmp: Path) -> dict[str, Any]:
         built.export_library(str(tmp / LIBRARY))  # the very file validation ran, when it ran
-        runtime = copy_runtime(tmp, cuda=is_cuda(built.target))
+        # another architecture's library (aarch64 built on x86): this host's runtime is not its
+        # own, so none is carried (the aarch64 host's apache-tvm provides it)
+        runtime = [] if foreign_arch(built.target) else copy_runtime(tmp, cuda=is_cuda(built.target))
         (tmp / LOWERED).write_text(built.lowered.script())
         binary = None
         if is_cuda(built.target):

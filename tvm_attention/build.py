@@ -21,7 +21,8 @@ from .layouts import SEQUENCE_DIMS
 from .schedules import check, get_schedule
 from .schedules._knobs import KnobError
 from .spec import ENTRY, MAX_SEQ_LEN, AttentionSpec
-from .target import check_target_runnable, cpu_features, is_cuda, resolve_target, vector_lanes
+from .target import (check_target_runnable, cpu_features, foreign_arch, is_cuda, library_compiler, resolve_target,
+                     vector_lanes)
 from .task_mods import tuning_spec
 from .workloads import WORKLOADS, amx
 from .workloads.index_checks import with_device_index_checks, with_index_checks
@@ -99,7 +100,7 @@ class BuiltKernel:
         turns the module into machine code either way, for its JIT or for the library; doing it
         once saved about 5 s per exported build (B1 H2 S128 D96: JIT 5.4 s, library 5.4 s), and
         validation then runs the very file that ships. None for CUDA (the module as built)."""
-        if is_cuda(self.target):
+        if is_cuda(self.target) or foreign_arch(self.target):  # another architecture's code: never loaded here
             return None
         if self._library is None:
             folder = tempfile.mkdtemp(prefix="tvm-attention-lib-")
@@ -115,8 +116,12 @@ class BuiltKernel:
         CPU, is never loaded)."""
         if self._library is not None:
             shutil.copy2(self._library[0], path)
-        else:
-            self.module.export_library(path)
+        else:  # an aarch64 build on another host: linked by the cross toolchain
+            compiler = library_compiler(self.target)
+            if compiler is None:
+                self.module.export_library(path)
+            else:
+                self.module.export_library(path, fcompile=compiler)
 
     @property
     def runtime_module(self) -> tvm.runtime.Module:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import os
+import platform
 from typing import Iterable
 
 HOST_CPU_ENV = "TVM_ATTENTION_HOST_CPU"
@@ -36,7 +37,13 @@ ISA_FEATURES = {
     "avx512vbmi2": "avx512_vbmi2", "avx512bitalg": "avx512_bitalg",
     "avx512vpopcntdq": "avx512_vpopcntdq", "avx512vp2intersect": "avx512_vp2intersect",
     "avx512fp16": "avx512_fp16", "amx-tile": "amx_tile", "amx-bf16": "amx_bf16", "amx-int8": "amx_int8",
+    # Arm (aarch64: /proc/cpuinfo's "Features"); "aarch64" names the architecture itself, so that
+    # an x86 host (which has none of these) refuses to run an aarch64 build (issue 66)
+    "aarch64": "aarch64", "neon": "asimd", "sve": "sve", "sve2": "sve2", "bf16": "bf16", "i8mm": "i8mm",
+    "dotprod": "asimddp", "fullfp16": "asimdhp",
 }
+#: the architecture pseudo-feature of each machine name an aarch64 host reports (``platform.machine``)
+ARM_MACHINES = ("aarch64", "arm64")
 
 
 #: The checked features of CPU models the override is used with, as LLVM 22 gives them (read
@@ -67,8 +74,11 @@ def _cpuinfo_flags() -> frozenset[str] | None:
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
+                if line.startswith("flags") or line.startswith("Features"):  # x86, aarch64
+                    flags = set(line.split(":", 1)[1].split())
+                    if platform.machine().lower() in ARM_MACHINES:
+                        flags.add("aarch64")
+                    return frozenset(flags)
     except OSError:
         pass
     return None

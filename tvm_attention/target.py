@@ -193,7 +193,43 @@ def cpu_features(target: Target) -> list[str]:
     ``cpu_features`` records and what the host must have to run it). [] for CUDA targets."""
     if is_cuda(target):
         return []
-    return isa_subset(target_features(target))
+    return isa_subset(target_features(target) | ({"aarch64"} if is_aarch64(target) else set()))
+
+
+def is_aarch64(target: Target) -> bool:
+    """Whether ``target`` generates aarch64 code (its ``mtriple``): an x86 host neither loads nor
+    links it as its own (``cross_compiler``)."""
+    return str(target.attrs.get("mtriple", "")).startswith(("aarch64", "arm64"))
+
+
+def foreign_arch(target: Target) -> bool:
+    """Whether ``target``'s code is for another architecture than this host's (aarch64 code on an
+    x86 host): built and exported, never loaded or run here."""
+    import platform
+
+    from .hostcpu import ARM_MACHINES
+
+    return is_aarch64(target) and platform.machine().lower() not in ARM_MACHINES
+
+
+#: the cross toolchain an aarch64 build is linked with on another host (Debian's g++-aarch64-linux-gnu)
+AARCH64_CXX = "aarch64-linux-gnu-g++"
+
+
+def library_compiler(target: Target):
+    """``export_library``'s ``fcompile`` for ``target``: None (the host's g++) for code this host
+    links as its own; for aarch64 code on another host, the cross toolchain (a ``TargetError``
+    naming the package where it is missing)."""
+    import shutil
+
+    if not foreign_arch(target):
+        return None
+    if shutil.which(AARCH64_CXX) is None:
+        raise TargetError(f"target {target.attrs.get('mtriple')}: an aarch64 library is linked with {AARCH64_CXX} on "
+                          "this host, which has none (Debian: apt-get install g++-aarch64-linux-gnu)")
+    from tvm.support import cc
+
+    return cc.cross_compiler(AARCH64_CXX)
 
 
 def runnable_here(target: Target) -> bool:
