@@ -13,8 +13,8 @@ from typing import Any, Mapping
 import tvm
 from tvm.target import Target
 
-from .hostcpu import (HostCPUError, _llvm_cpu_features, available_cores, check_runnable, cpu_override,  # noqa: F401
-                      extra_features, isa_subset, missing_features)
+from .hostcpu import (ARM_MACHINES, HostCPUError, _llvm_cpu_features, available_cores,  # noqa: F401
+                      check_runnable, cpu_override, extra_features, isa_subset, missing_features)
 
 
 class TargetError(ValueError):
@@ -205,9 +205,7 @@ def is_aarch64(target: Target) -> bool:
 def foreign_arch(target: Target) -> bool:
     """Whether ``target``'s code is for another architecture than this host's (aarch64 code on an
     x86 host): built and exported, never loaded or run here."""
-    import platform
-
-    from .hostcpu import ARM_MACHINES
+    import platform  # the host's machine name: asked only of an aarch64 target
 
     return is_aarch64(target) and platform.machine().lower() not in ARM_MACHINES
 
